@@ -1,0 +1,1 @@
+//! artifact (filled in by its owner).

@@ -1,0 +1,1 @@
+//! backend (filled in by its owner).

@@ -1,0 +1,1 @@
+//! kv (filled in by its owner).

@@ -1,0 +1,95 @@
+//! The contract between the engine and a model on some backend.
+//!
+//! The scheduler hands the model one flat step (several sequences, each a prefill chunk or a
+//! single decode token) and gets logits back. Caches live with the model (they are backend
+//! memory); the engine only hands out block ids and state-slot ids, which are pure bookkeeping.
+
+use crate::config::ModelConfig;
+use crate::Result;
+
+/// Which logits rows a sequence wants from this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// A prefill chunk that does not reach the end of the prompt: no logits.
+    None,
+    /// Logits of the last token of the chunk (end of prompt, or a decode step).
+    Last,
+    /// Logits of every token of the chunk (scoring, perplexity, speculative verification).
+    All,
+}
+
+/// One sequence's share of a step.
+#[derive(Clone, Debug)]
+pub struct SeqChunk {
+    /// Tokens to run now: a prefill chunk or the single decode token.
+    pub tokens: Vec<u32>,
+    /// How many tokens of this sequence are already in the KV cache and recurrent state; the
+    /// position of `tokens[0]`.
+    pub start_pos: usize,
+    /// KV block ids of this sequence, in order, covering positions `0..start_pos + tokens.len()`.
+    pub block_table: Vec<u32>,
+    /// Recurrent-state slot of this sequence (hybrid models); ignored by pure-attention models.
+    pub state_slot: usize,
+    /// Which logits rows to return.
+    pub logits: LogitsWanted,
+}
+
+/// A whole engine step: every sequence that runs in it.
+#[derive(Clone, Debug, Default)]
+pub struct StepBatch {
+    pub seqs: Vec<SeqChunk>,
+}
+
+impl StepBatch {
+    /// Total tokens in the step (the scheduler's token budget counts these).
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// Logits of a step: rows in sequence order; `rows[i]` is how many rows sequence `i` produced
+/// (0, 1 or its chunk length, following its `LogitsWanted`).
+#[derive(Clone, Debug, Default)]
+pub struct Logits {
+    pub vocab: usize,
+    pub data: Vec<f32>,
+    pub rows: Vec<usize>,
+}
+
+impl Logits {
+    /// The logits rows of sequence `seq` (empty when it asked for none).
+    pub fn of_seq(&self, seq: usize) -> &[f32] {
+        let start: usize = self.rows[..seq].iter().sum();
+        &self.data[start * self.vocab..(start + self.rows[seq]) * self.vocab]
+    }
+}
+
+/// What the caches of one model cost, so that the engine can plan memory before allocating.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheSpec {
+    /// KV bytes one token takes across all attention layers.
+    pub kv_bytes_per_token: usize,
+    /// Recurrent-state bytes of one slot across all linear-attention layers (0 when none).
+    pub state_bytes_per_slot: usize,
+    /// Bytes of the weights as loaded.
+    pub weight_bytes: usize,
+}
+
+/// A model loaded on a backend, ready to run steps.
+pub trait ModelRunner: Send {
+    /// The model's config.
+    fn config(&self) -> &ModelConfig;
+
+    /// Cache costs, for the memory ledger.
+    fn cache_spec(&self) -> CacheSpec;
+
+    /// Allocate the KV pool (`num_blocks` blocks of `block_size` tokens) and `num_state_slots`
+    /// recurrent-state slots. Called once before the first step.
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()>;
+
+    /// Run one step. Sequences with `start_pos == 0` start from a zero recurrent state.
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits>;
+
+    /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;
+}

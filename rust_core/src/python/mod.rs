@@ -1,0 +1,14 @@
+//! The PyO3 module `ninfer._core`: the only place that knows Python.
+//!
+//! Each submodule registers the classes of one area; errors are mapped in `errors`.
+
+use pyo3::prelude::*;
+
+mod errors;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

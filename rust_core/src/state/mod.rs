@@ -1,0 +1,1 @@
+//! state (filled in by its owner).

@@ -1,0 +1,1 @@
+//! tokenizer (filled in by its owner).
