@@ -4,11 +4,17 @@
 
 use pyo3::prelude::*;
 
+mod engine;
 mod errors;
+mod model;
+mod tokenizer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    tokenizer::register(m)?;
+    model::register(m)?;
+    engine::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

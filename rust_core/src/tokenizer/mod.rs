@@ -1,1 +1,8 @@
-//! tokenizer (filled in by its owner).
+//! Tokenization: HF tokenizer.json, chat templates, incremental detokenization, stop strings.
+
+pub mod chat_template;
+pub mod detokenizer;
+pub mod hf;
+pub mod stop;
+
+pub use hf::Tokenizer;

@@ -1,0 +1,1 @@
+//! Jinja chat templates rendered with minijinja (filled in by the tokenizer owner).

@@ -1,0 +1,1 @@
+//! Incremental detokenization (filled in by the engine owner).

@@ -1,0 +1,1 @@
+//! Stop strings that may span token boundaries (filled in by the engine owner).
