@@ -1,0 +1,148 @@
+// Paged attention for decode and prefill, one kernel for both.
+//
+// The KV cache is paged: k_cache / v_cache are [num_blocks, block_size, n_kv_heads, D] and a
+// sequence's i-th block is block_tables[seq * max_blocks + i]. Every query token t belongs to
+// sequence token_seq[t] and sees keys 0..=token_pos[t] (causal; the new tokens' K/V are already
+// in the cache). Decode is the case of one token per sequence at position context_len - 1.
+//
+// One warp computes one (token, q head): each lane holds D/32 contiguous elements of q and of
+// the output accumulator, scores are warp reductions, and the softmax is online (running max
+// and sum), so no score matrix is stored: flash-attention style. Grid dimension y splits the
+// key range into partitions of `partition` keys (split-K flash decoding): with one split the
+// kernel writes the normalised output, with several it writes unnormalised partials and their
+// (max, sum) for attention_combine. GQA: q head h reads kv head h / (n_q_heads / n_kv_heads).
+#include "common.cuh"
+
+#define ATTN_WARPS 4
+
+template <int D>
+__device__ __forceinline__ void attention_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_tokens,
+    int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale, int partition,
+    store_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
+    if (w >= n_tokens * n_q_heads) return;
+    const int t = w / n_q_heads;
+    const int h = w - t * n_q_heads;
+    const int kvh = h / (n_q_heads / n_kv_heads);
+    const int seq = token_seq[t];
+    const int limit = token_pos[t] + 1;
+    const int split = blockIdx.y;
+    const int n_splits = gridDim.y;
+    const int start = split * partition;
+    const int end = min(limit, start + partition);
+
+    float qv[EPL], acc[EPL];
+    const store_t* qrow = q + t * q_stride + (long long)h * D + lane * EPL;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        qv[e] = to_f32(qrow[e]) * scale;
+        acc[e] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    const int* table = block_tables + (long long)seq * max_blocks;
+    for (int j = start; j < end; ++j) {
+        const int blk = table[j / block_size];
+        const long long off =
+            (((long long)blk * block_size + (j % block_size)) * n_kv_heads + kvh) * D + lane * EPL;
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) s = fmaf(qv[e], to_f32(k_cache[off + e]), s);
+        s = warp_sum(s);
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new);
+        const float p = expf(s - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, to_f32(v_cache[off + e]), acc[e] * corr);
+        m = m_new;
+    }
+    if (n_splits == 1) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        store_t* orow = out + (long long)w * D + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) orow[e] = from_f32(acc[e] * inv);
+    } else {
+        const long long p_idx = (long long)w * n_splits + split;
+        float* prow = part_acc + p_idx * D + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) prow[e] = acc[e];
+        if (lane == 0) {
+            part_ml[p_idx * 2] = m;
+            part_ml[p_idx * 2 + 1] = l;
+        }
+    }
+}
+
+// Merges the split partials of attention_body: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+template <int D>
+__device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml, int n_rows,
+                                             int n_splits, store_t* __restrict__ out) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
+    if (w >= n_rows) return;
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, part_ml[((long long)w * n_splits + s) * 2]);
+    float acc[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
+    float total = 0.0f;
+    if (mx != NEG_INF) {
+        for (int s = 0; s < n_splits; ++s) {
+            const long long p_idx = (long long)w * n_splits + s;
+            const float f = expf(part_ml[p_idx * 2] - mx);
+            total += part_ml[p_idx * 2 + 1] * f;
+            const float* prow = part_acc + p_idx * D + lane * EPL;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[e] = fmaf(prow[e], f, acc[e]);
+        }
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    store_t* orow = out + (long long)w * D + lane * EPL;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) orow[e] = from_f32(acc[e] * inv);
+}
+
+#define ATTN_INSTANCE(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D(         \
+        const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
+        int n_tokens, int n_q_heads, int n_kv_heads, long long q_stride, int block_size,        \
+        float scale, int partition, store_t* out, float* part_acc, float* part_ml) {            \
+        attention_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_pos,  \
+                          n_tokens, n_q_heads, n_kv_heads, q_stride, block_size, scale,         \
+                          partition, out, part_acc, part_ml);                                   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_combine_d##D(       \
+        const float* part_acc, const float* part_ml, int n_rows, int n_splits, store_t* out) {  \
+        combine_body<D>(part_acc, part_ml, n_rows, n_splits, out);                              \
+    }
+
+ATTN_INSTANCE(64)
+ATTN_INSTANCE(96)
+ATTN_INSTANCE(128)
+ATTN_INSTANCE(256)
+
+// Writes the new tokens' K and V rows into the paged cache: token t goes to flat slot
+// slot_mapping[t] = block * block_size + offset. A negative slot skips the token (padding).
+// Rows of k / v are `k_stride` / `v_stride` elements apart (a fused QKV projection).
+extern "C" __global__ void kv_cache_write(const store_t* __restrict__ k,
+                                          const store_t* __restrict__ v,
+                                          store_t* __restrict__ k_cache,
+                                          store_t* __restrict__ v_cache,
+                                          const long long* __restrict__ slot_mapping, int row_elems,
+                                          long long k_stride, long long v_stride) {
+    const int t = blockIdx.x;
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;
+    for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
+        k_cache[slot * row_elems + i] = k[t * k_stride + i];
+        v_cache[slot * row_elems + i] = v[t * v_stride + i];
+    }
+}

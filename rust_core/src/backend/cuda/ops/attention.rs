@@ -1,0 +1,219 @@
+//! Paged attention launchers (cuda/attention.cu): KV cache write, and one attention kernel for
+//! decode and prefill with optional split-K (flash decoding) and its combine.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use super::{as_i32, cfg, check_len, strided_len, KArg};
+use crate::backend::cuda::device::{driver_err, CudaDevice};
+use crate::backend::cuda::kernels::KernelFamily;
+use crate::{NinferError, Result};
+
+/// Warps per block in attention.cu (one warp per (token, q head)).
+const ATTN_WARPS: usize = 4;
+
+/// Shapes of one paged-attention call. The cache is [num_blocks, block_size, n_kv_heads,
+/// head_dim] for K and for V; block tables are [n_seqs, max_blocks_per_seq].
+#[derive(Debug, Clone, Copy)]
+pub struct PagedAttentionShape {
+    /// Query heads.
+    pub n_q_heads: usize,
+    /// KV heads (divides n_q_heads).
+    pub n_kv_heads: usize,
+    /// Head size: 64, 96, 128 or 256.
+    pub head_dim: usize,
+    /// Elements between consecutive tokens' q rows (n_q_heads * head_dim when contiguous).
+    pub q_stride: usize,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// Cache blocks in the pool (bounds-checks the cache buffers).
+    pub num_blocks: usize,
+    /// Columns of the block table.
+    pub max_blocks_per_seq: usize,
+    /// Softmax scale (head_dim^-1/2 unless the model says otherwise).
+    pub scale: f32,
+    /// Largest number of keys any query sees (the longest context in the step).
+    pub max_context: usize,
+    /// Keys per split; 0 picks one from the step's size. Splits raise parallelism for decode.
+    pub partition: usize,
+}
+
+impl PagedAttentionShape {
+    fn splits(&self, n_tokens: usize) -> (usize, usize) {
+        if self.partition > 0 {
+            let p = self.partition;
+            return (p, self.max_context.div_ceil(p).max(1));
+        }
+        let warps = n_tokens * self.n_q_heads;
+        if warps >= 2048 || self.max_context <= 512 {
+            return (self.max_context.max(1), 1);
+        }
+        let p = 512;
+        (p, self.max_context.div_ceil(p).clamp(1, 64))
+    }
+}
+
+impl CudaDevice {
+    /// Writes the new tokens' K and V rows (n_kv_heads * head_dim elements each, rows
+    /// `k_stride` / `v_stride` apart) into the paged cache at flat slots
+    /// `slot_mapping[t]` = block * block_size + offset; a negative slot skips the token.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_cache_write(
+        &self,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        k_cache: &mut impl DevicePtrMut<u16>,
+        v_cache: &mut impl DevicePtrMut<u16>,
+        slot_mapping: &impl DevicePtr<i64>,
+        row_elems: usize,
+        k_stride: usize,
+        v_stride: usize,
+    ) -> Result<()> {
+        let t = slot_mapping.len();
+        check_len("kv_cache_write k", k.len(), strided_len(t, row_elems, k_stride))?;
+        check_len("kv_cache_write v", v.len(), strided_len(t, row_elems, v_stride))?;
+        if k_cache.len() != v_cache.len() || k_cache.len() % row_elems.max(1) != 0 {
+            return Err(NinferError::Device(format!(
+                "kv_cache_write: caches of {} and {} elements do not hold rows of {row_elems}",
+                k_cache.len(),
+                v_cache.len()
+            )));
+        }
+        let f = self.function(KernelFamily::Attention, "kv_cache_write")?;
+        let s = self.stream();
+        let (kp, _a) = k.device_ptr(s);
+        let (vp, _b) = v.device_ptr(s);
+        let (kc, _c) = k_cache.device_ptr_mut(s);
+        let (vc, _d) = v_cache.device_ptr_mut(s);
+        let (sp, _e) = slot_mapping.device_ptr(s);
+        let args = [
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(kc),
+            KArg::Ptr(vc),
+            KArg::Ptr(sp),
+            KArg::I32(as_i32("row_elems", row_elems)?),
+            KArg::I64(k_stride as i64),
+            KArg::I64(v_stride as i64),
+        ];
+        self.launch(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), 128), "kv_cache_write", &args)
+    }
+
+    /// Causal attention of `token_seq.len()` query tokens over the paged cache; token t is in
+    /// sequence token_seq[t] at position token_pos[t] and sees keys 0..=token_pos[t]. Decode
+    /// is one token per sequence at context_len - 1. out is [T, n_q_heads, head_dim].
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+    ) -> Result<()> {
+        let sh = shape;
+        let t = token_seq.len();
+        let d = sh.head_dim;
+        if !matches!(d, 64 | 96 | 128 | 256) {
+            return Err(NinferError::Unsupported(format!("CUDA attention with head_dim {d}")));
+        }
+        if sh.n_kv_heads == 0 || sh.n_q_heads % sh.n_kv_heads != 0 {
+            return Err(NinferError::Device(format!(
+                "attention: {} q heads are not a multiple of {} kv heads",
+                sh.n_q_heads, sh.n_kv_heads
+            )));
+        }
+        check_len("attention q", q.len(), strided_len(t, sh.n_q_heads * d, sh.q_stride))?;
+        let cache = sh.num_blocks * sh.block_size * sh.n_kv_heads * d;
+        check_len("attention k_cache", k_cache.len(), cache)?;
+        check_len("attention v_cache", v_cache.len(), cache)?;
+        check_len("attention token_pos", token_pos.len(), t)?;
+        check_len("attention out", out.len(), t * sh.n_q_heads * d)?;
+        if block_tables.len() % sh.max_blocks_per_seq.max(1) != 0 {
+            return Err(NinferError::Device(format!(
+                "attention: block table of {} entries is not [n_seqs, {}]",
+                block_tables.len(),
+                sh.max_blocks_per_seq
+            )));
+        }
+        let (partition, n_splits) = sh.splits(t);
+        let rows = t * sh.n_q_heads;
+        let s = self.stream();
+        let (part_acc, part_ml) = if n_splits > 1 {
+            // SAFETY: every (row, split) partial is written by the attention kernel before the
+            // combine kernel reads it.
+            unsafe {
+                (
+                    Some(s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?),
+                    Some(s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?),
+                )
+            }
+        } else {
+            (None, None)
+        };
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k_cache.device_ptr(s);
+        let (vp, _c) = v_cache.device_ptr(s);
+        let (bp, _d) = block_tables.device_ptr(s);
+        let (sp, _e) = token_seq.device_ptr(s);
+        let (pp, _f) = token_pos.device_ptr(s);
+        let (op, _g) = out.device_ptr_mut(s);
+        let (pa, _h) = match part_acc.as_ref() {
+            Some(b) => {
+                let (p, g) = b.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (pm, _i) = match part_ml.as_ref() {
+            Some(b) => {
+                let (p, g) = b.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let name = match d {
+            64 => ("paged_attention_d64", "attention_combine_d64"),
+            96 => ("paged_attention_d96", "attention_combine_d96"),
+            128 => ("paged_attention_d128", "attention_combine_d128"),
+            _ => ("paged_attention_d256", "attention_combine_d256"),
+        };
+        let f = self.function(KernelFamily::Attention, name.0)?;
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(bp),
+            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
+            KArg::Ptr(sp),
+            KArg::Ptr(pp),
+            KArg::I32(as_i32("tokens", t)?),
+            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
+            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
+            KArg::I64(sh.q_stride as i64),
+            KArg::I32(as_i32("block_size", sh.block_size)?),
+            KArg::F32(sh.scale),
+            KArg::I32(as_i32("partition", partition)?),
+            KArg::Ptr(op),
+            KArg::Ptr(pa),
+            KArg::Ptr(pm),
+        ];
+        let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
+        let block = (ATTN_WARPS * 32) as u32;
+        self.launch(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
+        if n_splits > 1 {
+            let f = self.function(KernelFamily::Attention, name.1)?;
+            let args = [
+                KArg::Ptr(pa),
+                KArg::Ptr(pm),
+                KArg::I32(as_i32("rows", rows)?),
+                KArg::I32(n_splits as i32),
+                KArg::Ptr(op),
+            ];
+            self.launch(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
+        }
+        Ok(())
+    }
+}
