@@ -6,8 +6,9 @@
 #include "common.cuh"
 
 // Depthwise causal conv1d over time with carried state, then SiLU.
-// conv_state is [n_slots, K-1, channels] (time-major, oldest first, channels contiguous so
-// that a warp reads consecutive channels); weight is [channels, K]; bias may be null.
+// conv_state is [n_slots, channels, K-1] (per channel the last K-1 inputs, oldest first: the
+// CPU backend's layout, so state snapshots are the same bytes on both); weight is
+// [channels, K]; bias may be null.
 // One thread per (sequence, channel) walks the sequence's tokens in order.
 template <int K>
 __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long long x_stride,
@@ -20,10 +21,10 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c >= channels) return;
-    store_t* st = conv_state + (long long)slots[s] * (K - 1) * channels + c;
+    store_t* st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
     float win[K - 1], wt[K];
 #pragma unroll
-    for (int i = 0; i < K - 1; ++i) win[i] = to_f32(st[(long long)i * channels]);
+    for (int i = 0; i < K - 1; ++i) win[i] = to_f32(st[i]);
 #pragma unroll
     for (int i = 0; i < K; ++i) wt[i] = to_f32(weight[(long long)c * K + i]);
     const float b = bias ? to_f32(bias[c]) : 0.0f;
@@ -39,7 +40,7 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
         win[K - 2] = xv;
     }
 #pragma unroll
-    for (int i = 0; i < K - 1; ++i) st[(long long)i * channels] = from_f32(win[i]);
+    for (int i = 0; i < K - 1; ++i) st[i] = from_f32(win[i]);
 }
 
 #define CONV_INSTANCE(K)                                                                       \

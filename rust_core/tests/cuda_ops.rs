@@ -593,3 +593,80 @@ fn arena_regions_are_aligned_disjoint_and_bounded() {
     }
     assert!(matches!(arena.regions::<f32>(&dev, &[1 << 20]), Err(NinferError::OutOfMemory { .. })));
 }
+
+/// Mean milliseconds of `f` over `iters` runs after 3 warm-ups, timed with CUDA events.
+fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
+    use cudarc::driver::sys::CUevent_flags;
+    for _ in 0..3 {
+        f();
+    }
+    let start = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let end = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    start.record(dev.stream()).unwrap();
+    for _ in 0..iters {
+        f();
+    }
+    end.record(dev.stream()).unwrap();
+    end.synchronize().unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / iters as f64
+}
+
+/// Throughput report (run with --ignored on the GPU): decode GEMV bandwidth against a
+/// device-to-device copy of the same bytes, GEMM TFLOP/s, and split-K decode attention.
+#[test]
+#[ignore]
+fn report_decode_op_throughput() {
+    let Some(dev) = gpu("throughput", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let (n, k) = (14336, 4096);
+    let w = s.alloc_zeros::<u16>(n * k).unwrap();
+    let mut w2 = s.alloc_zeros::<u16>(n * k).unwrap();
+    let bytes = (n * k * 2) as f64;
+    let copy = time_ms(&dev, 20, || s.memcpy_dtod(&w, &mut w2).unwrap());
+    println!("PERF op=copy bytes={bytes} ms={copy:.4} GBps={:.0}", 2.0 * bytes / copy / 1e6);
+    for m in [1, 4, 8] {
+        let x = s.alloc_zeros::<u16>(m * k).unwrap();
+        let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
+        let t = time_ms(&dev, 20, || dev.gemv(&x, &w, &mut y, m, n, k).unwrap());
+        let gbps = bytes / t / 1e6;
+        println!("PERF op=gemv m={m} n={n} k={k} ms={t:.4} GBps={gbps:.0} frac_of_copy_read={:.2}", t.recip() * copy / 2.0);
+        let tg = time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
+        println!("PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}", bytes / tg / 1e6);
+    }
+    let m = 4096;
+    let x = s.alloc_zeros::<u16>(m * k).unwrap();
+    let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
+    let t = time_ms(&dev, 10, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
+    println!("PERF op=gemm m={m} n={n} k={k} ms={t:.4} TFLOPs={:.0}", 2.0 * (m * n * k) as f64 / t / 1e9);
+
+    let (hq, hk, d, bs) = (32, 8, 128, 16);
+    for (batch, ctx) in [(1, 4096), (32, 2048), (1, 32768)] {
+        let blocks_per = ctx / bs;
+        let num_blocks = batch * blocks_per;
+        let cache = s.alloc_zeros::<u16>(num_blocks * bs * hk * d).unwrap();
+        let tables: Vec<i32> = (0..num_blocks as i32).collect();
+        let tables = upload_raw(&dev, &tables);
+        let seq: Vec<i32> = (0..batch as i32).collect();
+        let pos = vec![ctx as i32 - 1; batch];
+        let (seq, pos) = (upload_raw(&dev, &seq), upload_raw(&dev, &pos));
+        let q = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+        let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+        let shape = PagedAttentionShape {
+            n_q_heads: hq,
+            n_kv_heads: hk,
+            head_dim: d,
+            q_stride: hq * d,
+            block_size: bs,
+            num_blocks,
+            max_blocks_per_seq: blocks_per,
+            scale: 0.088,
+            max_context: ctx,
+            partition: 0,
+        };
+        let t = time_ms(&dev, 20, || {
+            dev.paged_attention(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape).unwrap()
+        });
+        let kv_bytes = (2 * num_blocks * bs * hk * d * 2) as f64;
+        println!("PERF op=attention_decode batch={batch} ctx={ctx} ms={t:.4} kv_GBps={:.0}", kv_bytes / t / 1e6);
+    }
+}

@@ -91,12 +91,12 @@ pub fn attention_row(
     out
 }
 
-/// Causal depthwise conv1d with carried state for one sequence; state is [K-1, C]
+/// Causal depthwise conv1d with carried state for one sequence; state is [C, K-1]
 /// (oldest first) and is updated. Returns silu(conv) per token, [T, C].
 pub fn conv1d_seq(x: &[f32], state: &mut [f32], w: &[f32], bias: Option<&[f32]>, t: usize, c: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0.0; t * c];
     for ch in 0..c {
-        let mut win: Vec<f32> = (0..k - 1).map(|i| state[i * c + ch]).collect();
+        let mut win: Vec<f32> = (0..k - 1).map(|i| state[ch * (k - 1) + i]).collect();
         for tok in 0..t {
             let xv = x[tok * c + ch];
             let mut y = bias.map_or(0.0, |b| b[ch]);
@@ -109,7 +109,7 @@ pub fn conv1d_seq(x: &[f32], state: &mut [f32], w: &[f32], bias: Option<&[f32]>,
             win.push(xv);
         }
         for i in 0..k - 1 {
-            state[i * c + ch] = win[i];
+            state[ch * (k - 1) + i] = win[i];
         }
     }
     out

@@ -9,7 +9,8 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
-/// Shapes of a causal conv1d call. conv_state is [n_slots, kernel_size - 1, channels].
+/// Shapes of a causal conv1d call. conv_state is [n_slots, channels, kernel_size - 1] (the
+/// CPU backend's per-sequence [c, k-1] layout, one block per slot).
 #[derive(Debug, Clone, Copy)]
 pub struct ConvShape {
     /// Packed tokens across all sequences.
