@@ -84,8 +84,8 @@ def main():
     gen = torch.Generator().manual_seed(20261129)
     golden = {
         "delta_rule": [
-            delta_rule_case(gen, t=67, nk=2, nv=4, kd=4, vd=3),
-            delta_rule_case(gen, t=5, nk=2, nv=2, kd=6, vd=5),
+            delta_rule_case(gen, t=84, nk=2, nv=4, kd=4, vd=2),
+            delta_rule_case(gen, t=20, nk=1, nv=1, kd=6, vd=5),
         ],
         "conv1d": [
             conv_case(gen, t=9, c=5, kernel=4, with_bias=False),
