@@ -15,3 +15,6 @@ pub use handle::EngineHandle;
 pub use output::{FinishReason, RequestOutput};
 pub use request::RequestState;
 pub use toy_runner::ToyRunner;
+
+#[cfg(test)]
+mod tests;
