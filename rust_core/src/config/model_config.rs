@@ -21,8 +21,9 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
 ];
 
 /// Architecture family: decides the weight names and the layer variants.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ArchFamily {
+    #[default]
     Llama,
     Qwen2,
     Qwen3,
@@ -80,7 +81,7 @@ impl LinearAttentionConfig {
 }
 
 /// Parsed HF model config (the text model only).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ModelConfig {
     /// The HF architecture name from `architectures[0]`.
     pub architecture: String,

@@ -9,9 +9,10 @@ use serde_json::{Map, Value};
 use crate::{NinferError, Result};
 
 /// How the base frequencies are rescaled for longer contexts.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub enum RopeScaling {
     /// Plain RoPE.
+    #[default]
     Default,
     /// Positions divided by `factor` (frequencies divided by it).
     Linear { factor: f64 },
@@ -31,7 +32,7 @@ pub enum RopeScaling {
 }
 
 /// Everything needed to build the cos/sin tables of one model.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RopeConfig {
     /// Base wavelength (`rope_theta`).
     pub theta: f64,
