@@ -128,8 +128,7 @@ fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
             let mut out = Out16::new(&dev, rows * dim);
             dev.rmsnorm_gated(&upload(&dev, &x), &upload(&dev, &z), &upload(&dev, &w), &mut out.view(), rows, dim, 1e-6)
                 .unwrap();
-            let n = reference::rmsnorm(&x, &w, rows, dim, dim, 1e-6, false);
-            let want: Vec<f32> = n.iter().zip(&z).map(|(a, g)| a * reference::silu(*g)).collect();
+            let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, 1e-6);
             check("rmsnorm_gated", st, &format!("{rows}x{dim}"), &out.read(&dev, "rmsnorm_gated"), &want, tol16(st));
         }
     }
@@ -156,14 +155,8 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
             let mut k = Out16::with(&dev, &k_host);
             dev.rope_neox(&mut q.view(), &mut k.view(), &upload_raw(&dev, &positions), &upload_raw(&dev, &inv_freq), hq, hk, d, q_stride, k_stride, 1.0)
                 .unwrap();
-            for (i, &p) in positions.iter().enumerate() {
-                for h in 0..hq {
-                    reference::rope_head(&mut q_host[i * q_stride + h * d..i * q_stride + (h + 1) * d], p, &inv_freq, 1.0);
-                }
-                for h in 0..hk {
-                    reference::rope_head(&mut k_host[i * k_stride + h * d..i * k_stride + (h + 1) * d], p, &inv_freq, 1.0);
-                }
-            }
+            reference::rope(&mut q_host, &positions, q_stride, hq, d, &inv_freq, 1.0);
+            reference::rope(&mut k_host, &positions, k_stride, hk, d, &inv_freq, 1.0);
             let shape = format!("t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/fused{}", fused as u8);
             check("rope.q", st, &shape, &q.read(&dev, "rope q"), &q_host, tol16(st));
             check("rope.k", st, &shape, &k.read(&dev, "rope k"), &k_host, tol16(st));
@@ -182,12 +175,7 @@ fn swiglu_and_sigmoid_gate_match_reference() {
             let gu_dev = upload(&dev, &gu);
             let mut out = Out16::new(&dev, rows * n);
             dev.swiglu(&gu_dev, &gu_dev.slice(n..), &mut out.view(), rows, n, 2 * n, 2 * n).unwrap();
-            let want: Vec<f32> = (0..rows * n)
-                .map(|e| {
-                    let (r, i) = (e / n, e % n);
-                    reference::silu(gu[r * 2 * n + i]) * gu[r * 2 * n + n + i]
-                })
-                .collect();
+            let want = reference::swiglu(&gu, rows, n);
             check("swiglu", st, &format!("{rows}x{n}"), &out.read(&dev, "swiglu"), &want, tol16(st));
 
             let x = rounded(&rng.vec(rows * n, -2.0, 2.0), st);
@@ -330,13 +318,19 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
         &shape,
     )
     .unwrap();
+    // The CPU op takes one sequence's run of consecutive positions at a time.
     let mut want = Vec::with_capacity(t * hq * d);
-    for (i, &(s, p)) in tokens.iter().enumerate() {
-        for h in 0..hq {
-            let qrow = &q[(i * hq + h) * d..(i * hq + h + 1) * d];
-            let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
-            want.extend(reference::attention_row(qrow, &case.k_cache, &case.v_cache, table, p, h / (hq / hk), hk, d, bs, scale));
+    let mut i = 0;
+    while i < t {
+        let (s, p0) = tokens[i];
+        let mut j = i + 1;
+        while j < t && tokens[j] == (s, p0 + (j - i)) {
+            j += 1;
         }
+        let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+        let qs = &q[i * hq * d..j * hq * d];
+        want.extend(reference::attention_seq(qs, j - i, hq, &case.k_cache, &case.v_cache, table, p0, hk, d, bs, scale));
+        i = j;
     }
     let label = format!("ctx{contexts:?}/t{t}/d{d}/part{partition}").replace(' ', "");
     check(op, st, &label, &out.read(dev, op), &want, tol16(st));
@@ -381,11 +375,15 @@ fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
     for st in STORAGES {
         let Some(dev) = gpu("kv_cache_write", st) else { return };
         let mut rng = Rng::new(11);
-        let (t, row, n_slots, stride) = (10, 128, 64, 3 * 128);
+        // 10 new tokens at positions 20..30 of a sequence whose 4 blocks of 8 are scattered.
+        let (t, hk, d, bs, start) = (10, 2, 64, 8, 20);
+        let (row, stride, n_slots) = (hk * d, 3 * hk * d, 8 * bs);
         let kv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
         let kv_dev = upload(&dev, &kv);
-        let perm = rng.permutation(n_slots);
-        let mut slots: Vec<i64> = perm[..t].iter().map(|&s| s as i64).collect();
+        let table: Vec<i32> = rng.permutation(8)[..4].iter().map(|&b| b as i32).collect();
+        let mut slots: Vec<i64> = (start..start + t)
+            .map(|p| (table[p / bs] as usize * bs + p % bs) as i64)
+            .collect();
         slots[4] = -1;
         let k0 = rounded(&rng.vec(n_slots * row, -1.0, 1.0), st);
         let v0 = rounded(&rng.vec(n_slots * row, -1.0, 1.0), st);
@@ -395,9 +393,8 @@ fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
         let (mut k_want, mut v_want) = (k0.clone(), v0.clone());
         for (i, &s) in slots.iter().enumerate() {
             if s >= 0 {
-                let s = s as usize;
-                k_want[s * row..(s + 1) * row].copy_from_slice(&kv[i * stride..i * stride + row]);
-                v_want[s * row..(s + 1) * row].copy_from_slice(&kv[i * stride + row..i * stride + 2 * row]);
+                let (k_row, v_row) = (&kv[i * stride..i * stride + row], &kv[i * stride + row..i * stride + 2 * row]);
+                reference::write_kv(&mut k_want, &mut v_want, k_row, v_row, &table, start + i, hk, d, bs);
             }
         }
         check("kv_cache_write.k", st, "t10", &kc.read(&dev, "k cache"), &k_want, 0.0);
@@ -470,11 +467,7 @@ fn gdn_gates_match_softplus_and_sigmoid() {
         dev.gdn_gates(&upload(&dev, &a), &upload(&dev, &b), &upload_raw(&dev, &a_log), &upload_raw(&dev, &dt_bias), &mut g.view(), &mut beta.view(), t, h)
             .unwrap();
         let g_want: Vec<f32> = (0..t * h)
-            .map(|e| {
-                let x = (a[e] + dt_bias[e % h]) as f64;
-                let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
-                (-(a_log[e % h] as f64).exp() * sp) as f32
-            })
+            .map(|e| -a_log[e % h].exp() * reference::softplus(a[e] + dt_bias[e % h]))
             .collect();
         let beta_want: Vec<f32> = b.iter().map(|&x| reference::sigmoid(x)).collect();
         check("gdn_gates.g", st, "t7h8", &g.read(&dev, "g"), &g_want, TOL32);
@@ -521,19 +514,25 @@ fn gdn_recurrent_rule_matches_reference_and_updates_state() {
             let mut out_want = vec![0.0f32; t * nv * dv];
             for (s, &slot) in slots.iter().enumerate() {
                 let toks = cu[s] as usize..cu[s + 1] as usize;
-                for h in 0..nv {
-                    let kh = h / (nv / nk);
-                    let q: Vec<Vec<f32>> = toks.clone().map(|i| qkv[i * stride + kh * dk..i * stride + (kh + 1) * dk].to_vec()).collect();
-                    let kk: Vec<Vec<f32>> = toks.clone().map(|i| qkv[i * stride + nk * dk + kh * dk..i * stride + nk * dk + (kh + 1) * dk].to_vec()).collect();
-                    let v: Vec<Vec<f32>> = toks.clone().map(|i| qkv[i * stride + 2 * nk * dk + h * dv..i * stride + 2 * nk * dk + (h + 1) * dv].to_vec()).collect();
-                    let gs: Vec<f32> = toks.clone().map(|i| g[i * nv + h]).collect();
-                    let bs: Vec<f32> = toks.clone().map(|i| beta[i * nv + h]).collect();
-                    let so = (slot as usize * nv + h) * dk * dv;
-                    let o = reference::gdn_recurrent_head(&q, &kk, &v, &gs, &bs, &mut state_want[so..so + dk * dv], dk, dv);
-                    for (j, i) in toks.clone().enumerate() {
-                        out_want[(i * nv + h) * dv..(i * nv + h + 1) * dv].copy_from_slice(&o[j]);
-                    }
-                }
+                let cols = |from: usize, len: usize| -> Vec<f32> {
+                    toks.clone().flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec()).collect()
+                };
+                let (q, kk, v) = (cols(0, nk * dk), cols(nk * dk, nk * dk), cols(2 * nk * dk, nv * dv));
+                let so = slot as usize * nv * dk * dv;
+                let o = reference::gdn_recurrent_seq(
+                    &q,
+                    &kk,
+                    &v,
+                    &g[toks.start * nv..toks.end * nv],
+                    &beta[toks.start * nv..toks.end * nv],
+                    &mut state_want[so..so + nv * dk * dv],
+                    toks.len(),
+                    nk,
+                    nv,
+                    dk,
+                    dv,
+                );
+                out_want[toks.start * nv * dv..toks.end * nv * dv].copy_from_slice(&o);
             }
             let label = format!("lens{lens:?}/dk{dk}/dv{dv}").replace(' ', "");
             check("gdn_recurrent.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol16(st));

@@ -1,154 +1,125 @@
-//! Naive f32 CPU references for the CUDA ops, written from the transformers formulas (the
-//! oracle of the model math). They take storage-rounded inputs, so the only difference from
-//! the GPU is f32 summation order and the final rounding.
+//! Adapters from the CUDA parity tests' shapes to the CPU backend's ops
+//! (`ninfer_core::backend::cpu`), which are the reference every CUDA op must match. Inputs are
+//! storage-rounded f32 values, so the only differences from the GPU are summation order and
+//! the final rounding to storage precision.
 
-/// RMSNorm of `rows` rows of `dim` (x rows `x_stride` apart); w or (1 + w).
+use ninfer_core::backend::cpu::{activation, attention, gdn, matmul, norm, rope};
+
+/// RMSNorm of `rows` rows of `dim` (x rows `x_stride` apart); `plus_one` folds w + 1 into the
+/// weight first, as the model loader does for the (1 + w) convention.
 pub fn rmsnorm(x: &[f32], w: &[f32], rows: usize, dim: usize, x_stride: usize, eps: f32, plus_one: bool) -> Vec<f32> {
-    let mut out = vec![0.0; rows * dim];
-    for r in 0..rows {
-        let xr = &x[r * x_stride..r * x_stride + dim];
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-        let rstd = 1.0 / (ms + eps).sqrt();
-        for i in 0..dim {
-            let wi = if plus_one { 1.0 + w[i] } else { w[i] };
-            out[r * dim + i] = xr[i] * rstd * wi;
-        }
+    let w: Vec<f32> = if plus_one { w.iter().map(|v| 1.0 + v).collect() } else { w.to_vec() };
+    if x_stride == dim {
+        let mut out = vec![0.0; rows * dim];
+        norm::rms_norm(x, rows, dim, &w, eps, &mut out);
+        return out;
     }
+    let mut y = x.to_vec();
+    norm::rms_norm_heads_inplace(&mut y, rows, x_stride, 0, 1, dim, &w, eps);
+    (0..rows).flat_map(|r| y[r * x_stride..r * x_stride + dim].to_vec()).collect()
+}
+
+/// Gated RMSNorm of the GDN output.
+pub fn rmsnorm_gated(x: &[f32], z: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32) -> Vec<f32> {
+    let mut out = vec![0.0; rows * dim];
+    gdn::rms_norm_gated(x, z, rows, dim, w, eps, &mut out);
     out
 }
 
 /// silu.
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    activation::silu(x)
 }
 
 /// sigmoid.
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    activation::sigmoid(x)
 }
 
-/// NeoX RoPE of one head in place: pairs (i, i + rot/2) for i < rot/2.
-pub fn rope_head(h: &mut [f32], pos: i32, inv_freq: &[f32], attn_scale: f32) {
-    let half = inv_freq.len();
-    for i in 0..half {
-        let ang = pos as f32 * inv_freq[i];
-        let (s, c) = ((ang as f64).sin() as f32 * attn_scale, (ang as f64).cos() as f32 * attn_scale);
-        let (a, b) = (h[i], h[i + half]);
-        h[i] = a * c - b * s;
-        h[i + half] = b * c + a * s;
-    }
+/// softplus with torch's threshold.
+pub fn softplus(x: f32) -> f32 {
+    activation::softplus(x)
 }
 
-/// y[M, N] = x[M, K] W[N, K]^T in f64 accumulation.
+/// SwiGLU over a fused gate|up buffer [rows, 2n].
+pub fn swiglu(gate_up: &[f32], rows: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; rows * n];
+    activation::swiglu(gate_up, rows, n, &mut out);
+    out
+}
+
+/// NeoX RoPE in place on `heads` heads of every row (rows `stride` apart).
+#[allow(clippy::too_many_arguments)]
+pub fn rope(x: &mut [f32], positions: &[i32], stride: usize, heads: usize, head_dim: usize, inv_freq: &[f32], scale: f32) {
+    let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    rope::rope_tables(&pos, inv_freq, scale, &mut cos, &mut sin);
+    rope::apply_rope(x, pos.len(), stride, 0, heads, head_dim, &cos, &sin, inv_freq.len());
+}
+
+/// y[M, N] = x[M, K] W[N, K]^T.
 pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut y = vec![0.0; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            let mut acc = 0.0f64;
-            for t in 0..k {
-                acc += x[i * k + t] as f64 * w[j * k + t] as f64;
-            }
-            y[i * n + j] = acc as f32;
-        }
-    }
+    matmul::linear(x, m, k, w, n, None, &mut y);
     y
 }
 
-/// Paged causal attention for one query row: keys 0..=pos of sequence `seq`.
+/// The CPU paged attention for `t` consecutive query rows of one sequence starting at
+/// `start_pos`; q rows are [n_heads * head_dim]; returns [t, n_heads, head_dim].
 #[allow(clippy::too_many_arguments)]
-pub fn attention_row(
+pub fn attention_seq(
     q: &[f32],
+    t: usize,
+    n_heads: usize,
     k_cache: &[f32],
     v_cache: &[f32],
     table: &[i32],
-    pos: usize,
-    kvh: usize,
+    start_pos: usize,
     n_kv_heads: usize,
     d: usize,
     block_size: usize,
     scale: f32,
 ) -> Vec<f32> {
-    let row = |j: usize| {
-        let blk = table[j / block_size] as usize;
-        ((blk * block_size + j % block_size) * n_kv_heads + kvh) * d
-    };
-    let scores: Vec<f64> = (0..=pos)
-        .map(|j| {
-            let o = row(j);
-            (0..d).map(|e| q[e] as f64 * k_cache[o + e] as f64).sum::<f64>() * scale as f64
-        })
-        .collect();
-    let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-    let sum: f64 = p.iter().sum();
-    let mut out = vec![0.0f32; d];
-    for (j, pj) in p.iter().enumerate() {
-        let o = row(j);
-        for e in 0..d {
-            out[e] += (pj / sum * v_cache[o + e] as f64) as f32;
-        }
-    }
+    let layout = attention::KvLayout { block_size, n_kv_heads, head_dim: d };
+    let table: Vec<u32> = table.iter().map(|&b| b as u32).collect();
+    let mut out = vec![0.0; t * n_heads * d];
+    attention::paged_attention(q, n_heads * d, t, n_heads, k_cache, v_cache, &layout, &table, start_pos, scale, &mut out, n_heads * d);
     out
 }
 
-/// Causal depthwise conv1d with carried state for one sequence; state is [C, K-1]
-/// (oldest first) and is updated. Returns silu(conv) per token, [T, C].
+/// The CPU KV write of one token row at `pos` through a block table.
+#[allow(clippy::too_many_arguments)]
+pub fn write_kv(k_cache: &mut [f32], v_cache: &mut [f32], k: &[f32], v: &[f32], table: &[i32], pos: usize, n_kv_heads: usize, d: usize, block_size: usize) {
+    let layout = attention::KvLayout { block_size, n_kv_heads, head_dim: d };
+    let table: Vec<u32> = table.iter().map(|&b| b as u32).collect();
+    attention::write_kv(k_cache, v_cache, &layout, &table, pos, 1, k, v, n_kv_heads * d);
+}
+
+/// Causal conv1d + SiLU of one sequence with carried state [c, k-1] (updated).
 pub fn conv1d_seq(x: &[f32], state: &mut [f32], w: &[f32], bias: Option<&[f32]>, t: usize, c: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0.0; t * c];
-    for ch in 0..c {
-        let mut win: Vec<f32> = (0..k - 1).map(|i| state[ch * (k - 1) + i]).collect();
-        for tok in 0..t {
-            let xv = x[tok * c + ch];
-            let mut y = bias.map_or(0.0, |b| b[ch]);
-            for i in 0..k - 1 {
-                y += w[ch * k + i] * win[i];
-            }
-            y += w[ch * k + k - 1] * xv;
-            out[tok * c + ch] = silu(y);
-            win.remove(0);
-            win.push(xv);
-        }
-        for i in 0..k - 1 {
-            state[ch * (k - 1) + i] = win[i];
-        }
-    }
+    gdn::causal_conv1d_silu(x, t, c, w, k, bias, state, &mut out);
     out
 }
 
-/// The recurrent gated delta rule for one sequence and one value head, as
-/// transformers' torch_recurrent_gated_delta_rule (l2norm of q and k with eps 1e-6, q scaled
-/// by dk^-1/2). `state` is [dk, dv], updated. q/k/v are per token [dk] / [dv].
+/// The recurrent gated delta rule of one sequence: q, k [t, nk, dk], v [t, nv, dv], g and beta
+/// [t, nv], state [nv, dk, dv] (updated); returns [t, nv, dv].
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_recurrent_head(
-    q: &[Vec<f32>],
-    k: &[Vec<f32>],
-    v: &[Vec<f32>],
+pub fn gdn_recurrent_seq(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
     g: &[f32],
     beta: &[f32],
     state: &mut [f32],
+    t: usize,
+    nk: usize,
+    nv: usize,
     dk: usize,
     dv: usize,
-) -> Vec<Vec<f32>> {
-    let l2 = |x: &[f32]| {
-        let inv = 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
-        x.iter().map(|a| a * inv).collect::<Vec<f32>>()
-    };
-    let mut outs = Vec::new();
-    for t in 0..q.len() {
-        let qn: Vec<f32> = l2(&q[t]).iter().map(|a| a / (dk as f32).sqrt()).collect();
-        let kn = l2(&k[t]);
-        let decay = g[t].exp();
-        state.iter_mut().for_each(|s| *s *= decay);
-        let mut o = vec![0.0; dv];
-        for j in 0..dv {
-            let mem: f32 = (0..dk).map(|i| state[i * dv + j] * kn[i]).sum();
-            let delta = (v[t][j] - mem) * beta[t];
-            for i in 0..dk {
-                state[i * dv + j] += kn[i] * delta;
-            }
-            o[j] = (0..dk).map(|i| state[i * dv + j] * qn[i]).sum();
-        }
-        outs.push(o);
-    }
-    outs
+) -> Vec<f32> {
+    let dims = gdn::GdnDims { t, num_k_heads: nk, num_v_heads: nv, k_dim: dk, v_dim: dv };
+    let mut out = vec![0.0; t * nv * dv];
+    gdn::gated_delta_rule_recurrent(&dims, q, k, v, g, beta, state, &mut out);
+    out
 }
