@@ -26,11 +26,6 @@ pub fn rmsnorm_gated(x: &[f32], z: &[f32], w: &[f32], rows: usize, dim: usize, e
     out
 }
 
-/// silu.
-pub fn silu(x: f32) -> f32 {
-    activation::silu(x)
-}
-
 /// sigmoid.
 pub fn sigmoid(x: f32) -> f32 {
     activation::sigmoid(x)
