@@ -7,13 +7,43 @@
 //
 // One warp computes one (token, q head): each lane holds D/32 contiguous elements of q and of
 // the output accumulator, scores are warp reductions, and the softmax is online (running max
-// and sum), so no score matrix is stored: flash-attention style. Grid dimension y splits the
+// and sum), so no score matrix is stored: flash-attention style. Keys are taken ATTN_KEYS at
+// a time so that several rows of K and V are in flight per warp. Grid dimension y splits the
 // key range into partitions of `partition` keys (split-K flash decoding): with one split the
 // kernel writes the normalised output, with several it writes unnormalised partials and their
 // (max, sum) for attention_combine. GQA: q head h reads kv head h / (n_q_heads / n_kv_heads).
 #include "common.cuh"
 
 #define ATTN_WARPS 4
+#define ATTN_KEYS 4
+
+// Loads a lane's EPL contiguous storage elements as f32, with one vector load where the
+// width allows (the row offset is a multiple of EPL elements, so the address is aligned).
+template <int EPL>
+__device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* out) {
+    if constexpr (EPL == 8) {
+        const uint4 r = *reinterpret_cast<const uint4*>(p);
+        const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = to_f32((store_t)(w[i] & 0xffffu));
+            out[2 * i + 1] = to_f32((store_t)(w[i] >> 16));
+        }
+    } else if constexpr (EPL == 4) {
+        const uint2 r = *reinterpret_cast<const uint2*>(p);
+        out[0] = to_f32((store_t)(r.x & 0xffffu));
+        out[1] = to_f32((store_t)(r.x >> 16));
+        out[2] = to_f32((store_t)(r.y & 0xffffu));
+        out[3] = to_f32((store_t)(r.y >> 16));
+    } else if constexpr (EPL == 2) {
+        const unsigned r = *reinterpret_cast<const unsigned*>(p);
+        out[0] = to_f32((store_t)(r & 0xffffu));
+        out[1] = to_f32((store_t)(r >> 16));
+    } else {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) out[e] = to_f32(p[e]);
+    }
+}
 
 template <int D>
 __device__ __forceinline__ void attention_body(
@@ -45,20 +75,69 @@ __device__ __forceinline__ void attention_body(
     }
     float m = NEG_INF, l = 0.0f;
     const int* table = block_tables + (long long)seq * max_blocks;
-    for (int j = start; j < end; ++j) {
-        const int blk = table[j / block_size];
+    const long long head_off = (long long)kvh * D + lane * EPL;
+    int j = start;
+    // ATTN_KEYS keys per iteration: their K and V loads are all in flight before the first
+    // use, which is what keeps a decode warp from waiting on one row at a time.
+    for (; j + ATTN_KEYS <= end; j += ATTN_KEYS) {
+        long long off[ATTN_KEYS];
+#pragma unroll
+        for (int u = 0; u < ATTN_KEYS; ++u) {
+            const int jj = j + u;
+            off[u] = ((long long)table[jj / block_size] * block_size + (jj % block_size)) *
+                         n_kv_heads * D + head_off;
+        }
+        float kf[ATTN_KEYS][EPL], s[ATTN_KEYS];
+#pragma unroll
+        for (int u = 0; u < ATTN_KEYS; ++u) load_lane<EPL>(k_cache + off[u], kf[u]);
+#pragma unroll
+        for (int u = 0; u < ATTN_KEYS; ++u) {
+            s[u] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) s[u] = fmaf(qv[e], kf[u][e], s[u]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < ATTN_KEYS; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+        }
+        float smax = s[0];
+#pragma unroll
+        for (int u = 1; u < ATTN_KEYS; ++u) smax = fmaxf(smax, s[u]);
+        const float m_new = fmaxf(m, smax);
+        const float corr = expf(m - m_new);
+        float vf[ATTN_KEYS][EPL];
+#pragma unroll
+        for (int u = 0; u < ATTN_KEYS; ++u) load_lane<EPL>(v_cache + off[u], vf[u]);
+        l *= corr;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[e] *= corr;
+#pragma unroll
+        for (int u = 0; u < ATTN_KEYS; ++u) {
+            const float p = expf(s[u] - m_new);
+            l += p;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, vf[u][e], acc[e]);
+        }
+        m = m_new;
+    }
+    for (; j < end; ++j) {
         const long long off =
-            (((long long)blk * block_size + (j % block_size)) * n_kv_heads + kvh) * D + lane * EPL;
+            ((long long)table[j / block_size] * block_size + (j % block_size)) * n_kv_heads * D +
+            head_off;
+        float kf[EPL], vf[EPL];
+        load_lane<EPL>(k_cache + off, kf);
         float s = 0.0f;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) s = fmaf(qv[e], to_f32(k_cache[off + e]), s);
+        for (int e = 0; e < EPL; ++e) s = fmaf(qv[e], kf[e], s);
         s = warp_sum(s);
         const float m_new = fmaxf(m, s);
         const float corr = expf(m - m_new);
         const float p = expf(s - m_new);
+        load_lane<EPL>(v_cache + off, vf);
         l = l * corr + p;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, to_f32(v_cache[off + e]), acc[e] * corr);
+        for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, vf[e], acc[e] * corr);
         m = m_new;
     }
     if (n_splits == 1) {

@@ -210,6 +210,22 @@ fn gemv_matches_reference_for_small_m_in_both_output_types() {
 }
 
 #[test]
+fn linear_routes_by_m_and_matches_reference() {
+    for st in STORAGES {
+        let Some(dev) = gpu("linear", st) else { return };
+        let mut rng = Rng::new(16);
+        for (m, n, k) in [(1, 300, 256), (2, 300, 256), (5, 300, 256), (64, 300, 260)] {
+            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+            let mut y = Out16::new(&dev, m * n);
+            dev.linear(&upload(&dev, &x), &upload(&dev, &w), &mut y.view(), m, n, k).unwrap();
+            let want = reference::matmul_nt(&x, &w, m, n, k);
+            check("linear", st, &format!("m{m}n{n}k{k}"), &y.read(&dev, "linear"), &want, tol16(st));
+        }
+    }
+}
+
+#[test]
 fn gemv_rejects_k_not_a_multiple_of_8() {
     let Some(dev) = gpu("gemv_k", StorageDType::Bf16) else { return };
     let x = upload(&dev, &[0.0; 12]);
@@ -344,7 +360,7 @@ fn paged_decode_attention_matches_reference_with_and_without_splits() {
         for d in [64, 96, 128, 256] {
             let contexts = [1, 17, 700];
             let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
-            for partition in [0, 64] {
+            for partition in [0, 64, 1 << 20] {
                 attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, d, partition);
             }
         }
@@ -363,7 +379,7 @@ fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
         let mut tokens: Vec<(usize, usize)> = (0..40).map(|p| (0, p)).collect();
         tokens.extend((275..300).map(|p| (1, p)));
         for d in [64, 128] {
-            for partition in [0, 128] {
+            for partition in [0, 128, 1 << 20] {
                 attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, partition);
             }
         }
@@ -623,7 +639,7 @@ fn report_decode_op_throughput() {
     let bytes = (n * k * 2) as f64;
     let copy = time_ms(&dev, 20, || s.memcpy_dtod(&w, &mut w2).unwrap());
     println!("PERF op=copy bytes={bytes} ms={copy:.4} GBps={:.0}", 2.0 * bytes / copy / 1e6);
-    for m in [1, 4, 8] {
+    for m in [1, 2, 4, 8] {
         let x = s.alloc_zeros::<u16>(m * k).unwrap();
         let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
         let t = time_ms(&dev, 20, || dev.gemv(&x, &w, &mut y, m, n, k).unwrap());

@@ -33,22 +33,28 @@ pub struct PagedAttentionShape {
     pub scale: f32,
     /// Largest number of keys any query sees (the longest context in the step).
     pub max_context: usize,
-    /// Keys per split; 0 picks one from the step's size. Splits raise parallelism for decode.
+    /// Keys per split; 0 picks one from the step's size (see `splits`). Splits raise the
+    /// parallelism of decode, where a step has few query rows and long contexts.
     pub partition: usize,
 }
 
+/// Warps (query rows x splits) to aim for: enough to fill every SM of a large GPU several times.
+const TARGET_WARPS: usize = 8192;
+/// Fewest keys a split is given; shorter splits cost more in the combine than they save.
+const MIN_PARTITION: usize = 64;
+
 impl PagedAttentionShape {
+    /// (keys per split, splits): split the key range until rows x splits reaches
+    /// TARGET_WARPS, never below MIN_PARTITION keys per split.
     fn splits(&self, n_tokens: usize) -> (usize, usize) {
+        let ctx = self.max_context.max(1);
         if self.partition > 0 {
-            let p = self.partition;
-            return (p, self.max_context.div_ceil(p).max(1));
+            return (self.partition, ctx.div_ceil(self.partition));
         }
-        let warps = n_tokens * self.n_q_heads;
-        if warps >= 2048 || self.max_context <= 512 {
-            return (self.max_context.max(1), 1);
-        }
-        let p = 512;
-        (p, self.max_context.div_ceil(p).clamp(1, 64))
+        let rows = (n_tokens * self.n_q_heads).max(1);
+        let want = (TARGET_WARPS / rows).max(1).min(ctx.div_ceil(MIN_PARTITION));
+        let partition = ctx.div_ceil(want);
+        (partition, ctx.div_ceil(partition))
     }
 }
 

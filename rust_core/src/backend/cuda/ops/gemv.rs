@@ -11,6 +11,9 @@ use crate::{NinferError, Result};
 const GEMV_WARPS: usize = 8;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;
+/// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS wins. Measured on the
+/// H200 (benches/results/gpu_op_parity.json): equal at M = 1, cuBLAS ahead from M = 4.
+pub const GEMV_ROUTE_MAX_M: usize = 2;
 
 const NAMES: [&str; GEMV_MAX_M] =
     ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
@@ -81,6 +84,24 @@ impl CudaDevice {
         let (wp, _b) = w.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
         self.gemv_launch(xp, wp, yp, 2, m, n, k, false)
+    }
+
+    /// y[M, N] = x[M, K] * W[N, K]^T by the faster route for M: the GEMV kernel for
+    /// M <= GEMV_ROUTE_MAX_M (and K % 8 == 0), cuBLAS otherwise.
+    pub fn linear(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<u16>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if m <= GEMV_ROUTE_MAX_M && k % 8 == 0 {
+            self.gemv(x, w, y, m, n, k)
+        } else {
+            self.gemm(x, w, y, m, n, k)
+        }
     }
 
     /// As `gemv` with f32 output (the lm_head producing logits).
