@@ -20,6 +20,7 @@ impl CudaDevice {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn gemm_raw(
         &self,
         x: u64,

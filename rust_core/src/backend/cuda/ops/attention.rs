@@ -125,7 +125,7 @@ impl CudaDevice {
         if !matches!(d, 64 | 96 | 128 | 256) {
             return Err(NinferError::Unsupported(format!("CUDA attention with head_dim {d}")));
         }
-        if sh.n_kv_heads == 0 || sh.n_q_heads % sh.n_kv_heads != 0 {
+        if sh.n_kv_heads == 0 || !sh.n_q_heads.is_multiple_of(sh.n_kv_heads) {
             return Err(NinferError::Device(format!(
                 "attention: {} q heads are not a multiple of {} kv heads",
                 sh.n_q_heads, sh.n_kv_heads

@@ -181,7 +181,7 @@ impl CudaDevice {
             128 => "gdn_recurrent_dk128",
             d => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
         };
-        if sh.dv % 32 != 0 || sh.n_k_heads == 0 || sh.n_v_heads % sh.n_k_heads != 0 {
+        if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads) {
             return Err(NinferError::Device(format!(
                 "gdn: dv {} must be a multiple of 32 and {} v heads a multiple of {} k heads",
                 sh.dv, sh.n_v_heads, sh.n_k_heads

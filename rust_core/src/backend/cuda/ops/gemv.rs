@@ -42,7 +42,7 @@ impl CudaDevice {
         k: usize,
         f32_out: bool,
     ) -> Result<()> {
-        if k % 8 != 0 {
+        if !k.is_multiple_of(8) {
             return Err(NinferError::Device(format!(
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
             )));
@@ -98,7 +98,7 @@ impl CudaDevice {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        if m <= GEMV_ROUTE_MAX_M && k % 8 == 0 {
+        if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
             self.gemv(x, w, y, m, n, k)
         } else {
             self.gemm(x, w, y, m, n, k)
