@@ -20,6 +20,8 @@ pub mod kernels;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod transfer;
 
 pub use select::{cuda_device_count, resolve_device, DeviceSpec, ResolvedDevice};
 
