@@ -301,9 +301,9 @@ fn paged_case(rng: &mut Rng, st: StorageDType, contexts: &[usize], hk: usize, d:
 
 /// Runs paged attention for query tokens (seq, pos) and compares with the reference.
 #[allow(clippy::too_many_arguments)]
-fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize], tokens: &[(usize, usize)], d: usize, partition: usize) {
+fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize], tokens: &[(usize, usize)], d: usize, partition: usize, heads: (usize, usize)) {
     let st = dev.storage();
-    let (hq, hk, bs) = (8, 2, 16);
+    let ((hq, hk), bs) = (heads, 16);
     let case = paged_case(rng, st, contexts, hk, d, bs);
     let t = tokens.len();
     let q = rounded(&rng.vec(t * hq * d, -1.0, 1.0), st);
@@ -348,7 +348,7 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
         want.extend(reference::attention_seq(qs, j - i, hq, &case.k_cache, &case.v_cache, table, p0, hk, d, bs, scale));
         i = j;
     }
-    let label = format!("ctx{contexts:?}/t{t}/d{d}/part{partition}").replace(' ', "");
+    let label = format!("ctx{contexts:?}/t{t}/d{d}/hq{hq}hk{hk}/part{partition}").replace(' ', "");
     check(op, st, &label, &out.read(dev, op), &want, tol16(st));
 }
 
@@ -361,11 +361,17 @@ fn paged_decode_attention_matches_reference_with_and_without_splits() {
             let contexts = [1, 17, 700];
             let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
             for partition in [0, 64, 1 << 20] {
-                attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, d, partition);
+                attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, d, partition, (8, 2));
+            }
+        }
+        // Every group size: 1 (MHA), 3 (no grouped instance: one head per warp), 2, 8.
+        for heads in [(4, 4), (6, 2), (4, 2), (8, 1)] {
+            for d in [64, 128, 256] {
+                attention_case(&dev, &mut rng, "attention_decode", &[33, 900], &[(0, 32), (1, 899)], d, 0, heads);
             }
         }
         let contexts = [3000];
-        attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0);
+        attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
     }
 }
 
@@ -380,8 +386,10 @@ fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
         tokens.extend((275..300).map(|p| (1, p)));
         for d in [64, 128] {
             for partition in [0, 128, 1 << 20] {
-                attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, partition);
+                attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, partition, (8, 2));
             }
+            attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, 0, (6, 2));
+            attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, 0, (8, 1));
         }
     }
 }

@@ -8,7 +8,7 @@ use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
-/// Warps per block in attention.cu (one warp per (token, q head)).
+/// Warps per block in attention.cu (one warp per (token, group of q heads)).
 const ATTN_WARPS: usize = 4;
 
 /// Shapes of one paged-attention call. The cache is [num_blocks, block_size, n_kv_heads,
@@ -38,23 +38,55 @@ pub struct PagedAttentionShape {
     pub partition: usize,
 }
 
-/// Warps (query rows x splits) to aim for: enough to fill every SM of a large GPU several times.
+/// Warps (query tokens x head groups x splits) to aim for: enough to fill every SM of a large GPU several times.
 const TARGET_WARPS: usize = 8192;
 /// Fewest keys a split is given; shorter splits cost more in the combine than they save.
 const MIN_PARTITION: usize = 64;
 
 impl PagedAttentionShape {
-    /// (keys per split, splits): split the key range until rows x splits reaches
+    /// (keys per split, splits): split the key range until warps x splits reaches
     /// TARGET_WARPS, never below MIN_PARTITION keys per split.
-    fn splits(&self, n_tokens: usize) -> (usize, usize) {
+    fn splits(&self, warps: usize) -> (usize, usize) {
         let ctx = self.max_context.max(1);
         if self.partition > 0 {
             return (self.partition, ctx.div_ceil(self.partition));
         }
-        let rows = (n_tokens * self.n_q_heads).max(1);
-        let want = (TARGET_WARPS / rows).max(1).min(ctx.div_ceil(MIN_PARTITION));
+        let want = (TARGET_WARPS / warps.max(1)).max(1).min(ctx.div_ceil(MIN_PARTITION));
         let partition = ctx.div_ceil(want);
         (partition, ctx.div_ceil(partition))
+    }
+}
+
+/// The attention kernel for head size `d` (64, 96, 128, 256) and `g` q heads per warp (1, 2,
+/// 4, 8).
+fn kernel_name(d: usize, g: usize) -> &'static str {
+    match (d, g) {
+        (64, 1) => "paged_attention_d64_g1",
+        (64, 2) => "paged_attention_d64_g2",
+        (64, 4) => "paged_attention_d64_g4",
+        (64, _) => "paged_attention_d64_g8",
+        (96, 1) => "paged_attention_d96_g1",
+        (96, 2) => "paged_attention_d96_g2",
+        (96, 4) => "paged_attention_d96_g4",
+        (96, _) => "paged_attention_d96_g8",
+        (128, 1) => "paged_attention_d128_g1",
+        (128, 2) => "paged_attention_d128_g2",
+        (128, 4) => "paged_attention_d128_g4",
+        (128, _) => "paged_attention_d128_g8",
+        (_, 1) => "paged_attention_d256_g1",
+        (_, 2) => "paged_attention_d256_g2",
+        (_, 4) => "paged_attention_d256_g4",
+        _ => "paged_attention_d256_g8",
+    }
+}
+
+/// The split-combine kernel for head size `d`.
+fn combine_name(d: usize) -> &'static str {
+    match d {
+        64 => "attention_combine_d64",
+        96 => "attention_combine_d96",
+        128 => "attention_combine_d128",
+        _ => "attention_combine_d256",
     }
 }
 
@@ -144,7 +176,11 @@ impl CudaDevice {
                 sh.max_blocks_per_seq
             )));
         }
-        let (partition, n_splits) = sh.splits(t);
+        // One warp serves a whole GQA group when the group size has a kernel instance.
+        let group = sh.n_q_heads / sh.n_kv_heads;
+        let g = if matches!(group, 2 | 4 | 8) { group } else { 1 };
+        let warps = t * sh.n_q_heads / g;
+        let (partition, n_splits) = sh.splits(warps);
         let rows = t * sh.n_q_heads;
         let s = self.stream();
         let (part_acc, part_ml) = if n_splits > 1 {
@@ -180,12 +216,7 @@ impl CudaDevice {
             }
             None => (0, None),
         };
-        let name = match d {
-            64 => ("paged_attention_d64", "attention_combine_d64"),
-            96 => ("paged_attention_d96", "attention_combine_d96"),
-            128 => ("paged_attention_d128", "attention_combine_d128"),
-            _ => ("paged_attention_d256", "attention_combine_d256"),
-        };
+        let name = (kernel_name(d, g), combine_name(d));
         let f = self.function(KernelFamily::Attention, name.0)?;
         let args = [
             KArg::Ptr(qp),
@@ -206,10 +237,11 @@ impl CudaDevice {
             KArg::Ptr(pa),
             KArg::Ptr(pm),
         ];
-        let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
+        let blocks = as_i32("attention blocks", warps.div_ceil(ATTN_WARPS))? as u32;
         let block = (ATTN_WARPS * 32) as u32;
         self.launch(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
         if n_splits > 1 {
+            let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
             let f = self.function(KernelFamily::Attention, name.1)?;
             let args = [
                 KArg::Ptr(pa),
