@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument(
-        "--max-epochs", type=float, default=12.0,
+        "--max-epochs", type=float, default=16.0,
         help="cap on passes over the training tokens (the corpus is small: more only overfits)",
     )
     p.add_argument("--chat-share", type=float, default=0.5, help="max chat examples per code file")
