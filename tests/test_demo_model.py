@@ -25,7 +25,8 @@ RECORD = DEMO_DIR / "training_record.json"
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason="demo model not trained yet")
 
 MAX_MODEL_BYTES = 25 * 1000 * 1000
-FIBONACCI_PROMPT = "def fibonacci(n):"
+FIBONACCI_PROMPT = "def fibonacci(n):\n"
+"""The line to complete, newline included: the model writes the body below it."""
 
 
 def heldout() -> dict:
@@ -169,10 +170,12 @@ def test_mtp_top1_accuracy_is_recorded_for_speculative_decoding():
 
 
 def test_close_last_block_gives_truncated_code_a_body():
-    assert close_last_block("\n    if n < 2:\n        return n\n    for i in ra", finished=False) == (
+    assert close_last_block("    if n < 2:\n        return n\n    for i in ra", finished=False) == (
         "def fibonacci(n):\n    if n < 2:\n        return n\n"
     )
-    assert close_last_block("\n    while True:\n    x", finished=False).endswith("while True:\n        pass\n")
+    assert close_last_block("    while True:\n    x", finished=False).endswith("while True:\n        pass\n")
+    with pytest.raises(SyntaxError):
+        ast.parse(close_last_block("    return (n +\n", finished=True))
 
 
 def test_greedy_fibonacci_completion_parses():
@@ -184,15 +187,11 @@ def test_greedy_fibonacci_completion_parses():
     output = llm.generate([FIBONACCI_PROMPT], params)[0]
     completion = output.outputs[0]
     source = close_last_block(completion.text, finished=completion.finish_reason == "stop")
-    ast.parse(source)
-    assert source.startswith(FIBONACCI_PROMPT + "\n")
+    tree = ast.parse(source)
+    assert isinstance(tree.body[0], ast.FunctionDef) and tree.body[0].name == "fibonacci"
 
 
-def test_recorded_greedy_fibonacci_sample_parses():
-    sample = json.loads(RECORD.read_text())["samples"]["fibonacci"]
-    completion = sample["completion"]
-    finished = False
-    for stop in ("<|endoftext|>", "<|im_end|>"):
-        if stop in completion:
-            completion, finished = completion.split(stop)[0], True
-    ast.parse(close_last_block(completion, finished=finished))
+def test_oracle_greedy_fibonacci_sample_parses():
+    sample = json.loads(RECORD.read_text())["greedy_samples"][FIBONACCI_PROMPT]
+    tree = ast.parse(close_last_block(sample["completion"], finished=sample["finish_reason"] == "stop"))
+    assert isinstance(tree.body[0], ast.FunctionDef) and tree.body[0].name == "fibonacci"
