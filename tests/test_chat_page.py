@@ -3,7 +3,8 @@
 The page is driven through selenium with Debian's `chromium` and `chromium-driver` (no driver
 download at test time). It runs against two servers: a small Starlette stand-in written here,
 which streams OpenAI-shaped SSE chunks at a known pace and records client disconnects, and
-`ninfer serve` of the bundled demo model once the real server exists.
+`ninfer serve` with no model argument (the bundled demo model) once the server and the engine
+binding exist.
 """
 
 from __future__ import annotations
@@ -142,12 +143,16 @@ def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = No
 
 
 def ninfer_server_available() -> bool:
+    """The real server can run: its module, the engine binding and the demo model all exist."""
+    import importlib.util
+
     try:
-        import ninfer.cli  # noqa: F401
-        import ninfer.server  # noqa: F401
+        if importlib.util.find_spec("ninfer.server.serve") is None:
+            return False
+        import ninfer._core as core
     except ImportError:
         return False
-    return (DEMO_MODEL / "config.json").exists()
+    return hasattr(core, "Engine") and (DEMO_MODEL / "config.json").exists()
 
 
 @pytest.fixture
@@ -177,16 +182,19 @@ def chat_server(request):
     if not ninfer_server_available():
         pytest.skip("ninfer's server has not landed")
     port = free_port()
-    cmd = [sys.executable, "-c", "import sys; from ninfer.cli import main; sys.exit(main())",
-           "serve", "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "ninfer.server.serve", "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/v1/models", 120, proc)
+        wait_for_http(f"http://127.0.0.1:{port}/health", 120, proc)
         yield f"http://127.0.0.1:{port}", None
     finally:
         proc.terminate()
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def wait_until(predicate, timeout_s: float, what: str):
@@ -212,12 +220,13 @@ def answer_text(driver, index: int) -> str:
     return driver.execute_script("return arguments[0].querySelector('.answer').textContent", msgs[index])
 
 
-def submit(driver, text: str, max_tokens: int) -> None:
+def submit(driver, text: str, max_tokens: int, temperature: float) -> None:
     from selenium.webdriver.common.by import By
 
-    field = driver.find_element(By.ID, "max-tokens")
-    field.clear()
-    field.send_keys(str(max_tokens))
+    for field_id, value in (("max-tokens", max_tokens), ("temperature", temperature)):
+        field = driver.find_element(By.ID, field_id)
+        field.clear()
+        field.send_keys(str(value))
     driver.find_element(By.ID, "prompt").send_keys(text)
     driver.find_element(By.ID, "send").click()
 
@@ -230,7 +239,7 @@ def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_s
     wait_until(lambda: browser.find_element(By.ID, "model-name").text not in ("", "connecting…"), 20,
                "the model name")
 
-    submit(browser, "Write a Python function: Return the sum of a list of numbers.", 48)
+    submit(browser, "Write a Python function: Return the sum of a list of numbers.", 96, 0.0)
     lengths = set()
     def finished():
         lengths.add(len(answer_text(browser, 0)))
@@ -250,10 +259,12 @@ def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_s
         assert reasoning == "".join(STUB_REASONING)
         assert "".join(STUB_REASONING) not in first
         assert stub.requests[0]["stream"] is True
+        assert stub.requests[0]["max_tokens"] == 96 and stub.requests[0]["temperature"] == 0.0
         assert stub.requests[0]["messages"][-1]["role"] == "user"
         assert stub.outcomes[0] == "completed"
 
-    submit(browser, "Now a long one: write a long module of helpers.", 4000)
+    # A high temperature keeps the demo model from ending its turn before Stop is pressed.
+    submit(browser, "Now a long one: write a long module of helpers.", 4000, 1.5)
     wait_until(lambda: answer_text(browser, 1).strip(), 60, "second answer text")
     stop = browser.find_element(By.ID, "stop")
     assert stop.is_enabled()
