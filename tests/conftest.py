@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 #: Vocabulary of every tiny checkpoint: fits both tokenizer styles, not a power of two.
 TINY_VOCAB = 448
 
+#: max_position_embeddings of tiny checkpoints unless a test asks for more.
+DEFAULT_MAX_POSITIONS = 1024
+
 #: (model arch, tokenizer style) per fixture name.
 TINY_CHECKPOINTS = {
     "llama": ("llama", "llama3"),
@@ -68,11 +71,16 @@ class TinyCheckpoints:
         self._made = {}
 
     def get(self, name: str, **overrides) -> Path:
-        """Directory of checkpoint `name` (a key of TINY_CHECKPOINTS) with config overrides."""
+        """Directory of checkpoint `name` (a key of TINY_CHECKPOINTS) with config overrides.
+
+        The context defaults to DEFAULT_MAX_POSITIONS so tests can ask for `max_context` up to it.
+        """
+        overrides.setdefault("max_position_embeddings", DEFAULT_MAX_POSITIONS)
         key = (name, tuple(sorted(overrides.items())))
         if key not in self._made:
             arch, style = TINY_CHECKPOINTS[name]
-            suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+            suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items())
+                              if (k, v) != ("max_position_embeddings", DEFAULT_MAX_POSITIONS))
             path = self.root / (f"{name}-{suffix}" if suffix else name)
             from tiny_models import make_model
             from tiny_tokenizer import make_tokenizer

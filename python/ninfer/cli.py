@@ -216,6 +216,9 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     except KeyboardInterrupt:
         print("\nninfer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except _core.InvalidRequestError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
