@@ -43,9 +43,9 @@ def test_raw_prompt_skips_the_chat_template(qwen3_dir, ninfer_env):
 
 
 def test_answer_streams_before_the_process_ends(tiny_checkpoints, ninfer_env):
-    model = tiny_checkpoints.get("llama", max_position_embeddings=4096)
+    model = tiny_checkpoints.get("llama", max_position_embeddings=2048)
     proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "run", str(model), "--prompt", "Go",
-                             "--raw", "--greedy", "--ignore-eos", "--max-new", "3000", "--max-context", "4096"],
+                             "--raw", "--greedy", "--ignore-eos", "--max-new", "1500", "--max-context", "2048"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ninfer_env)
     try:
         first = b""
@@ -65,7 +65,7 @@ def test_answer_streams_before_the_process_ends(tiny_checkpoints, ninfer_env):
     assert still_running, "stdout only arrived after the process ended"
     assert t_end - t_first > 0.05
     assert len(first) < len(first + rest)
-    assert "generated 3000 tokens" in err.decode()
+    assert "generated 1500 tokens" in err.decode()
 
 
 def test_messages_file_with_cjk_text_and_no_thinking(qwen3_dir, ninfer_env, tmp_path):
