@@ -257,3 +257,19 @@ class FakeCore:
         self._stop = True
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+
+class SlowFakeCore(FakeCore):
+    """FakeCore with 20 ms steps, so tests can act while a request is still running."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("step_delay_s", 0.02)
+        super().__init__(**kwargs)
+
+
+class SlowLoadingFakeCore(FakeCore):
+    """FakeCore that takes 1.5 s to "load", so /health can be seen answering 503."""
+
+    def __init__(self, **kwargs):
+        time.sleep(1.5)
+        super().__init__(**kwargs)

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import math
+import sys
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional, Sequence, Union
@@ -178,6 +179,7 @@ class AsyncEngine:
         self.poll_timeout_s = poll_timeout_s
         self._streams: dict = {}
         self._timings: dict = {}
+        self._aborting: dict = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._pump_task: Optional[asyncio.Task] = None
@@ -220,10 +222,7 @@ class AsyncEngine:
                 await self._pump_task
             except (asyncio.CancelledError, Exception):
                 pass
-        err = RuntimeError("the engine was shut down")
-        for send in list(self._streams.values()):
-            send.send_nowait(err)
-        self._streams.clear()
+        self._fail_all(RuntimeError("the engine was shut down"))
         await anyio.to_thread.run_sync(self.core.shutdown)
 
     def new_request_id(self, prefix: str = "req") -> str:
@@ -325,9 +324,15 @@ class AsyncEngine:
             stream.close()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op when it already finished); its blocks are freed next step."""
+        """Abort a request (no-op when it already finished); its blocks are freed next step.
+
+        Its timing is kept until the engine confirms with a final "abort" delta, so that
+        metrics and the request log still see the request.
+        """
         if self._streams.pop(request_id, None) is not None:
-            self._timings.pop(request_id, None)
+            timing = self._timings.pop(request_id, None)
+            if timing is not None:
+                self._aborting[request_id] = timing
             self.core.abort(request_id)
 
     def stats(self) -> dict:
@@ -337,10 +342,14 @@ class AsyncEngine:
     async def _pump(self) -> None:
         """The one loop that polls the core and fans deltas out to request streams."""
         while True:
-            if not self._streams:
+            if not self._streams and not self._aborting:
                 self._wake.clear()
                 await self._wake.wait()
-            deltas = await anyio.to_thread.run_sync(self.core.poll, self.poll_timeout_s, abandon_on_cancel=True)
+            try:
+                deltas = await anyio.to_thread.run_sync(self.core.poll, self.poll_timeout_s, abandon_on_cancel=True)
+            except Exception as e:
+                self._fail_all(e)
+                continue
             if not deltas:
                 continue
             self.steps_polled += 1
@@ -349,18 +358,35 @@ class AsyncEngine:
                 rid = d["request_id"]
                 send = self._streams.get(rid)
                 if send is None:
+                    if d.get("finish_reason") is not None and rid in self._aborting:
+                        self._finished(rid, Delta.from_core(d), self._aborting.pop(rid), now)
                     continue
                 delta = Delta.from_core(d)
                 timing = self._timings.get(rid)
                 if timing is not None:
                     self._mark(timing, delta, now)
                     if delta.finished:
-                        for listener in self.finished_listeners:
-                            listener(rid, delta, timing)
+                        self._finished(rid, delta, timing, now)
                 send.send_nowait(delta)
                 if delta.finished:
                     self._streams.pop(rid, None)
                     self._timings.pop(rid, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine failed: every open request ends with this error."""
+        for send in set(self._streams.values()):
+            send.send_nowait(error)
+        self._streams.clear()
+        self._timings.clear()
+        self._aborting.clear()
+
+    def _finished(self, rid: str, delta: Delta, timing: RequestTiming, now: float) -> None:
+        timing.finished = now
+        for listener in self.finished_listeners:
+            try:
+                listener(rid, delta, timing)
+            except Exception as e:
+                print(f"ninfer: finished-request listener failed: {type(e).__name__}: {e}", file=sys.stderr)
 
     @staticmethod
     def _mark(timing: RequestTiming, delta: Delta, now: float) -> None:

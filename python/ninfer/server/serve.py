@@ -126,6 +126,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def make_app(args: argparse.Namespace):
     """The ASGI app for parsed flags (the engine loads in the background once it starts)."""
+    import anyio.to_thread
+
     from ninfer.engine import AsyncEngine
     from ninfer.server.app import build_app
     from ninfer.server.protocol import ServerDefaults
@@ -145,7 +147,8 @@ def make_app(args: argparse.Namespace):
         if factory is not None:
             kw = {k: v for k, v in engine_kwargs.items() if v is not None and k in ("max_context", "kv_capacity",
                                                                                      "max_concurrency")}
-            return await AsyncEngine.start(core=factory(**kw), max_queue=args.max_queue)
+            core = await anyio.to_thread.run_sync(lambda: factory(**kw))
+            return await AsyncEngine.start(core=core, max_queue=args.max_queue)
         return await AsyncEngine.start(args.model, device=args.device, max_queue=args.max_queue, **engine_kwargs)
 
     interval = args.log_stats_interval_ms / 1000 if args.log_stats_interval_ms else None
