@@ -90,19 +90,21 @@ class QueueFullError(Exception):
         self.limit = limit
 
 
-def params_to_json(params: Any) -> str:
-    """Turn sampling params (None, dict, dataclass, or an object with to_dict/to_json) into the JSON the core reads."""
+def params_to_json(params: Any, room: Optional[int] = None) -> str:
+    """Turn sampling params into the JSON the core reads.
+
+    Accepts None, a JSON string, a dict, `ninfer.SamplingParams` (its max_tokens None means all
+    of `room`, the context left after the prompt) or any dataclass of core fields.
+    """
     if params is None:
         return "{}"
     if isinstance(params, str):
         return params
     if isinstance(params, dict):
         return json.dumps(params)
-    for attr in ("to_json",):
-        if hasattr(params, attr):
-            return getattr(params, attr)()
-    if hasattr(params, "to_dict"):
-        return json.dumps(params.to_dict())
+    if hasattr(params, "to_core_json"):
+        max_tokens = getattr(params, "max_tokens", None) or room
+        return params.to_core_json(max_tokens, getattr(params, "seed", None))
     if dataclasses.is_dataclass(params):
         return json.dumps(dataclasses.asdict(params))
     raise TypeError(f"sampling params must be a dict, a dataclass or None, got {type(params).__name__}")
@@ -294,7 +296,7 @@ class AsyncEngine:
         timings = {}
         try:
             for ids, p, rid in zip(prompts, params, request_ids):
-                self.core.submit(rid, list(ids), params_to_json(p))
+                self.core.submit(rid, list(ids), params_to_json(p, max(self.max_context - len(ids), 1)))
                 timings[rid] = RequestTiming(submitted=time.monotonic())
                 self._streams[rid] = send
                 self._timings[rid] = timings[rid]

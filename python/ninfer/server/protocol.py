@@ -36,6 +36,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    return_token_ids: bool = False
 
 
 @dataclasses.dataclass
@@ -184,7 +185,8 @@ def _common(body: dict, defaults: ServerDefaults) -> dict:
     if so is not None and not isinstance(so, dict):
         raise bad_request(f"`stream_options` must be an object, got {so!r}", "stream_options")
     include_usage = bool(stream and so and boolean(so, "include_usage"))
-    return dict(model=model or defaults.model_id, n=int(n), stream=stream, include_usage=include_usage)
+    return dict(model=model or defaults.model_id, n=int(n), stream=stream, include_usage=include_usage,
+                return_token_ids=boolean(body, "return_token_ids"))
 
 
 def _response_format(body: dict) -> None:

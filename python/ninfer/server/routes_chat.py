@@ -90,6 +90,8 @@ async def chat_completions(request: Request) -> Response:
         choice = {"index": b.index, "message": b.message(), "finish_reason": b.finish_reason, "logprobs": None}
         if req.logprobs:
             choice["logprobs"] = {"content": chat_logprobs(b.logprobs, token_text)}
+        if req.return_token_ids:
+            choice["token_ids"] = b.token_ids
         choices.append(choice)
     return json_response({"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                           "choices": choices, "usage": usage_of(builders, sub.prompt_tokens)})
@@ -114,8 +116,10 @@ async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text,
                 fields = b.feed(delta)
                 lp = {"content": chat_logprobs(delta.logprobs, token_text)} if req.logprobs and delta.logprobs else None
                 if fields or lp:
-                    yield _chunk(rid, created, model, [{"index": b.index, "delta": fields, "logprobs": lp,
-                                                        "finish_reason": None}], with_usage=wu)
+                    choice = {"index": b.index, "delta": fields, "logprobs": lp, "finish_reason": None}
+                    if req.return_token_ids:
+                        choice["token_ids"] = delta.token_ids
+                    yield _chunk(rid, created, model, [choice], with_usage=wu)
                 if delta.finished:
                     yield _chunk(rid, created, model, [{"index": b.index, "delta": {}, "logprobs": None,
                                                         "finish_reason": b.finish_reason}], with_usage=wu)

@@ -54,6 +54,9 @@ async def completions(request: Request) -> Response:
     await until_disconnect(request, collect)
     choices = [{"index": b.index, "text": b.text, "finish_reason": b.finish_reason,
                 "logprobs": completion_logprobs(b.logprobs, token_text) if req.logprobs else None} for b in builders]
+    if req.return_token_ids:
+        for c, b in zip(choices, builders):
+            c["token_ids"] = b.token_ids
     return json_response({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                           "choices": choices, "usage": usage_of(builders, sub.prompt_tokens)})
 
@@ -74,8 +77,10 @@ async def _stream(sub: Submission, req, builders: list, token_text, rid: str, cr
                 b.feed(delta)
                 if delta.text or delta.finished or (req.logprobs and delta.logprobs):
                     lp = completion_logprobs(delta.logprobs or [], token_text) if req.logprobs else None
-                    yield _chunk(rid, created, req.model, [{"index": b.index, "text": delta.text, "logprobs": lp,
-                                                            "finish_reason": b.finish_reason}], with_usage=wu)
+                    choice = {"index": b.index, "text": delta.text, "logprobs": lp, "finish_reason": b.finish_reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = delta.token_ids
+                    yield _chunk(rid, created, req.model, [choice], with_usage=wu)
         if wu:
             yield _chunk(rid, created, req.model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
         yield {"data": "[DONE]"}
