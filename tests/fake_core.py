@@ -273,3 +273,18 @@ class SlowLoadingFakeCore(FakeCore):
     def __init__(self, **kwargs):
         time.sleep(1.5)
         super().__init__(**kwargs)
+
+
+class FailingFakeCore(FakeCore):
+    """FakeCore whose poll raises once, after the first few deltas, like an engine-thread failure."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("step_delay_s", 0.01)
+        super().__init__(**kwargs)
+        self.failed = False
+
+    def poll(self, timeout_s):
+        if not self.failed and self.counters["generation_tokens_total"] >= 3:
+            self.failed = True
+            raise RuntimeError("device lost")
+        return super().poll(timeout_s)

@@ -256,3 +256,27 @@ def test_metrics_expose_latency_histograms_and_engine_gauges(client, server):
     for key in ("ninfer_num_requests_running", "ninfer_num_requests_waiting", "ninfer_kv_blocks_used",
                 "ninfer_generation_tokens_total", 'ninfer_requests_total{finish_reason="length"}'):
         assert key in m
+
+
+def test_assistant_tool_call_history_and_tool_results_are_accepted(client):
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21C"},
+        {"role": "user", "content": "say:It is 21C."},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50)
+    assert r.choices[0].message.content == "It is 21C."
+
+
+def test_streamed_n_choices_carry_their_index(server):
+    body = {"model": MODEL, "prompt": "many", "max_tokens": 4, "n": 2, "seed": 3, "temperature": 1.0, "stream": True}
+    texts = {0: "", 1: ""}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+    ids = list(b"many")
+    assert [texts[0], texts[1]] == [expected_output(ids, 4, temperature=1.0, seed=3 + i)["text"] for i in range(2)]

@@ -133,3 +133,15 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
     r = _serve(str(tmp_path / "nope"))
     assert r.returncode == 2 and "is not a directory" in r.stderr
     assert json.dumps(str(tmp_path / "nope"))[1:-1] in r.stderr
+
+
+def test_failure_mid_stream_is_an_sse_error_event_and_server_recovers():
+    with ServerProcess(["--core-factory", "fake_core:FailingFakeCore"]) as s:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert "device lost" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["type"] == "server_error"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -375,9 +375,14 @@ class AsyncEngine:
                     self._timings.pop(rid, None)
 
     def _fail_all(self, error: BaseException) -> None:
-        """The engine failed: every open request ends with this error."""
+        """The engine failed: every open request ends with this error (and is aborted, best effort)."""
         for send in set(self._streams.values()):
             send.send_nowait(error)
+        for rid in list(self._streams):
+            try:
+                self.core.abort(rid)
+            except Exception:
+                pass
         self._streams.clear()
         self._timings.clear()
         self._aborting.clear()

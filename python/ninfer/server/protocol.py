@@ -7,6 +7,7 @@ are ignored, as OpenAI does; fields we know but cannot honour yet are refused cl
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Optional
 
 from ninfer.server.errors import ApiError, bad_request
@@ -219,6 +220,26 @@ def _message_content(content: Any, where: str) -> Any:
     raise bad_request(f"`{where}` must be a string or a list of content parts, got {_type_name(content)}", where)
 
 
+def _tool_calls_with_object_arguments(calls: Any, where: str) -> list:
+    """Assistant tool calls with `arguments` decoded from JSON text: Qwen3-Coder templates iterate them as a mapping."""
+    if not isinstance(calls, list):
+        raise bad_request(f"`{where}` must be a list, got {calls!r}", where)
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"`{where}` entries need a `function` with a string `name`, got {c!r}", where)
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"`{where}` arguments of {fn['name']} are not valid JSON: {args!r}", where) from None
+            args = parsed
+        out.append(dict(c, function=dict(fn, arguments=args if args is not None else {})))
+    return out
+
+
 def chat_messages(messages: Any, field: str = "messages") -> list:
     """Validate chat messages and flatten content-part arrays into text."""
     if not isinstance(messages, list) or not messages:
@@ -232,6 +253,8 @@ def chat_messages(messages: Any, field: str = "messages") -> list:
         msg["content"] = _message_content(m.get("content"), f"{where}.content")
         if msg["content"] is None:
             msg["content"] = ""
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls_with_object_arguments(m["tool_calls"], f"{where}.tool_calls")
         out.append(msg)
     return out
 
