@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import uuid
 
-import orjson
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,6 +17,7 @@ from starlette.responses import Response
 from ninfer.server.errors import bad_request, error_payload
 from ninfer.server.protocol import ChatRequest, number, parse_chat
 from ninfer.server.routes_chat import SSE_PING_S, json_response, make_builders, prepare_chat, read_json
+from ninfer.server.sse import error_event, named_event
 from ninfer.server.state import ServerState, until_disconnect
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -121,8 +121,8 @@ async def messages(request: Request) -> Response:
                           "usage": {"input_tokens": b.prompt_tokens, "output_tokens": b.completion_tokens}})
 
 
-def _event(kind: str, data: dict) -> dict:
-    return {"event": kind, "data": orjson.dumps(dict(data, type=kind)).decode()}
+def _event(kind: str, data: dict) -> bytes:
+    return named_event(kind, dict(data, type=kind))
 
 
 async def _stream(sub, req: ChatRequest, b, mid: str):
@@ -170,4 +170,4 @@ async def _stream(sub, req: ChatRequest, b, mid: str):
                                        "usage": {"output_tokens": b.completion_tokens}})
         yield _event("message_stop", {})
     except Exception as e:
-        yield {"event": "error", "data": error_payload(e)}
+        yield error_event(error_payload(e), "error")

@@ -14,6 +14,7 @@ from ninfer.server.choices import ChoiceBuilder, TokenText, chat_logprobs
 from ninfer.server.errors import bad_request, error_payload
 from ninfer.server.protocol import ChatRequest, parse_chat
 from ninfer.server.reasoning import ReasoningParser, starts_in_reasoning
+from ninfer.server.sse import DONE, data_event, error_event
 from ninfer.server.state import ServerState, Submission, until_disconnect
 
 SSE_PING_S = 15
@@ -97,11 +98,11 @@ async def chat_completions(request: Request) -> Response:
                           "choices": choices, "usage": usage_of(builders, sub.prompt_tokens)})
 
 
-def _chunk(rid: str, created: int, model: str, choices: list, usage: Optional[dict] = None, with_usage=False) -> dict:
+def _chunk(rid: str, created: int, model: str, choices: list, usage: Optional[dict] = None, with_usage=False) -> bytes:
     c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if with_usage:
         c["usage"] = usage
-    return {"data": orjson.dumps(c).decode()}
+    return data_event(c)
 
 
 async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text, rid: str, created: int):
@@ -125,6 +126,6 @@ async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text,
                                                         "finish_reason": b.finish_reason}], with_usage=wu)
         if wu:
             yield _chunk(rid, created, model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
-        yield {"data": "[DONE]"}
+        yield DONE
     except Exception as e:
-        yield {"data": error_payload(e)}
+        yield error_event(error_payload(e))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import orjson
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -13,6 +12,7 @@ from ninfer.server.choices import ChoiceBuilder, TokenText
 from ninfer.server.errors import error_payload
 from ninfer.server.protocol import parse_completion
 from ninfer.server.routes_chat import SSE_PING_S, json_response, read_json, usage_of
+from ninfer.server.sse import DONE, data_event, error_event
 from ninfer.server.state import ServerState, Submission, until_disconnect
 
 
@@ -61,11 +61,11 @@ async def completions(request: Request) -> Response:
                           "choices": choices, "usage": usage_of(builders, sub.prompt_tokens)})
 
 
-def _chunk(rid, created, model, choices, usage=None, with_usage=False) -> dict:
+def _chunk(rid, created, model, choices, usage=None, with_usage=False) -> bytes:
     c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if with_usage:
         c["usage"] = usage
-    return {"data": orjson.dumps(c).decode()}
+    return data_event(c)
 
 
 async def _stream(sub: Submission, req, builders: list, token_text, rid: str, created: int):
@@ -83,6 +83,6 @@ async def _stream(sub: Submission, req, builders: list, token_text, rid: str, cr
                     yield _chunk(rid, created, req.model, [choice], with_usage=wu)
         if wu:
             yield _chunk(rid, created, req.model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
-        yield {"data": "[DONE]"}
+        yield DONE
     except Exception as e:
-        yield {"data": error_payload(e)}
+        yield error_event(error_payload(e))
