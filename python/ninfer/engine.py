@@ -210,6 +210,8 @@ class AsyncEngine:
             core = await anyio.to_thread.run_sync(lambda: _core.Engine(model_dir, device=device, **engine_kwargs))
         core.start_background()
         engine = cls(core, poll_timeout_s=poll_timeout_s, max_queue=max_queue)
+        if engine_kwargs.get("max_concurrency"):
+            engine.max_concurrency = int(engine_kwargs["max_concurrency"])
         engine._pump_task = asyncio.get_running_loop().create_task(engine._pump())
         return engine
 
