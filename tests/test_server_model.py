@@ -29,18 +29,18 @@ MAX_CONTEXT = 512
 
 
 def offline_greedy(model_dir, prompts: list, max_tokens: int) -> list:
-    """(text, token ids) per prompt from the offline engine, each prompt run alone."""
+    """(text, token ids) per prompt from the offline engine, each prompt run alone, no prefix reuse."""
     outs = []
-    for ids in prompts:
-        core = _core.Engine(str(model_dir), max_context=MAX_CONTEXT)
-        core.submit("r", list(ids), json.dumps({"max_tokens": max_tokens, "temperature": 0.0}))
+    core = _core.Engine(str(model_dir), max_context=MAX_CONTEXT, prefix_reuse=False)
+    for i, ids in enumerate(prompts):
+        core.submit(f"r{i}", list(ids), json.dumps({"max_tokens": max_tokens, "temperature": 0.0}))
         text, toks = "", []
         while core.has_unfinished():
             for d in core.step():
                 text += d["text"]
                 toks += d["token_ids"]
-        core.shutdown()
         outs.append((text, toks))
+    core.shutdown()
     return outs
 
 
