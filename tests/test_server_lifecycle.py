@@ -145,3 +145,17 @@ def test_failure_mid_stream_is_an_sse_error_event_and_server_recovers():
         assert events[-1]["error"]["type"] == "server_error"
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_cors_flag_allows_the_origin():
+    with ServerProcess(["--core-factory", "fake_core:FakeCore", "--cors", "http://example.com"]) as s:
+        r = httpx.options(s.url + "/v1/chat/completions", headers={
+            "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+        assert r.headers["access-control-allow-origin"] == "http://example.com"
+
+
+def test_index_page_answers_and_unknown_route_is_openai_404():
+    with ServerProcess(["--core-factory", "fake_core:FakeCore"]) as s:
+        assert httpx.get(s.url + "/").status_code == 200
+        r = httpx.get(s.url + "/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
