@@ -1,1 +1,5 @@
-//! artifact (filled in by its owner).
+//! Weight files: HF safetensors (single file or sharded) through mmap.
+
+pub mod safetensors;
+
+pub use self::safetensors::{TensorInfo, WeightStore};

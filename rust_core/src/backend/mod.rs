@@ -1,1 +1,4 @@
-//! backend (filled in by its owner).
+//! Compute backends. `cpu` is the f32 reference (and the default without a GPU); every GPU op
+//! is tested against it.
+
+pub mod cpu;

@@ -2,6 +2,8 @@
 
 pub mod generation_config;
 pub mod model_config;
+pub mod rope;
 
 pub use generation_config::GenerationConfig;
-pub use model_config::ModelConfig;
+pub use model_config::{ArchFamily, LayerType, LinearAttentionConfig, ModelConfig, SUPPORTED_ARCHITECTURES};
+pub use rope::{RopeConfig, RopeScaling};

@@ -1,10 +1,18 @@
 //! Model architectures and the engine-facing runner contract.
+//!
+//! `weights` loads a checkpoint into backend layouts, `layers` runs each layer kind over a
+//! step, `cpu_model` ties them into a `ModelRunner`.
 
+pub mod cpu_model;
+pub mod layers;
 pub mod runner;
+pub mod weights;
 
 use std::path::Path;
 
+pub use cpu_model::CpuModel;
 pub use runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+pub use weights::{ModelWeights, MtpWeights};
 
 use crate::{NinferError, Result};
 
@@ -17,7 +25,10 @@ pub struct LoadOptions {
     pub num_threads: Option<usize>,
 }
 
-/// Load a HF model directory onto a backend (placeholder until the model owner lands it).
-pub fn load_model(dir: &Path, _opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
-    Err(NinferError::Unsupported(format!("loading {}", dir.display())))
+/// Load a HF model directory onto a backend.
+pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
+    match opts.device.as_str() {
+        "" | "cpu" => Ok(Box::new(CpuModel::load(dir, opts)?)),
+        other => Err(NinferError::Unsupported(format!("device `{other}` (available: cpu)"))),
+    }
 }

@@ -1,7 +1,97 @@
-//! Python classes of the model area (filled in by its owner).
+//! `_core.Model`: a loaded model for whole-prompt logits (parity tests, scoring).
 
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use numpy::{PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use super::errors::IntoPy;
+use crate::model::{CpuModel, LoadOptions, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::NinferError;
+
+/// Block size of the private KV pool `logits` uses.
+const BLOCK_SIZE: usize = 16;
+
+/// A model loaded from a HF directory (config.json + safetensors).
+#[pyclass(name = "Model", module = "ninfer._core")]
+pub struct PyModel {
+    model: Mutex<CpuModel>,
+}
+
+#[pymethods]
+impl PyModel {
+    #[new]
+    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None))]
+    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>) -> PyResult<Self> {
+        if device != "cpu" {
+            return Err(NinferError::Unsupported(format!("device `{device}` (available: cpu)"))).py();
+        }
+        let opts = LoadOptions { device: device.to_string(), num_threads };
+        let model = py.detach(|| CpuModel::load(&model_dir, &opts)).py()?;
+        Ok(PyModel { model: Mutex::new(model) })
+    }
+
+    /// Logits of every position of `token_ids` in one forward: float32 `[T, vocab]`.
+    fn logits<'py>(&self, py: Python<'py>, token_ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        if token_ids.is_empty() {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        let t = token_ids.len();
+        let logits = py
+            .detach(|| {
+                let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+                let blocks = t.div_ceil(BLOCK_SIZE);
+                let (have_blocks, have_bs, have_slots) = m.cache_capacity();
+                if have_bs != BLOCK_SIZE || have_blocks < blocks || have_slots < 1 {
+                    m.allocate_caches(blocks, BLOCK_SIZE, 1)?;
+                }
+                let batch = StepBatch {
+                    seqs: vec![SeqChunk {
+                        tokens: token_ids,
+                        start_pos: 0,
+                        block_table: (0..blocks as u32).collect(),
+                        state_slot: 0,
+                        logits: LogitsWanted::All,
+                    }],
+                };
+                m.forward(&batch)
+            })
+            .py()?;
+        let vocab = logits.vocab;
+        numpy::PyArray1::from_vec(py, logits.data).reshape([t, vocab])
+    }
+
+    /// The parsed config as a dict.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+        let c = m.config();
+        let d = PyDict::new(py);
+        d.set_item("architecture", &c.architecture)?;
+        d.set_item("vocab_size", c.vocab_size)?;
+        d.set_item("hidden_size", c.hidden_size)?;
+        d.set_item("intermediate_size", c.intermediate_size)?;
+        d.set_item("num_layers", c.num_layers)?;
+        d.set_item("num_attention_heads", c.num_attention_heads)?;
+        d.set_item("num_kv_heads", c.num_kv_heads)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("layer_types", c.layer_types.iter().map(|t| t.as_str()).collect::<Vec<_>>())?;
+        d.set_item("max_position_embeddings", c.max_position_embeddings)?;
+        d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
+        d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
+        d.set_item("has_mtp", m.mtp().is_some())?;
+        d.set_item("num_threads", m.num_threads())?;
+        let spec = m.cache_spec();
+        d.set_item("kv_bytes_per_token", spec.kv_bytes_per_token)?;
+        d.set_item("state_bytes_per_slot", spec.state_bytes_per_slot)?;
+        d.set_item("weight_bytes", spec.weight_bytes)?;
+        Ok(d)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyModel>()?;
     Ok(())
 }

@@ -1,5 +1,13 @@
 //! Sampling: per-request parameters, logits processors, samplers, logprobs.
+//!
+//! Everything here works on one CPU logits row of one sequence, so a request's output never
+//! depends on which other requests share its step. Logprobs are computed from the raw model
+//! logits (log-softmax before any processor), like vLLM's default "raw logprobs" mode.
 
 pub mod params;
+pub mod penalties;
+pub mod sampler;
 
 pub use params::SamplingParams;
+pub use penalties::PenaltyHistory;
+pub use sampler::{RequestSampler, SampledToken, TokenLogprob};

@@ -1,1 +1,8 @@
-//! sched (filled in by its owner).
+//! Continuous-batching scheduler: one token budget per step, decodes first, then prefill chunks,
+//! admission by reservation of KV blocks and state slots, recompute preemption newest-first.
+
+pub mod scheduler;
+pub mod sequence;
+
+pub use scheduler::{ScheduledStep, Scheduler, SchedulerConfig};
+pub use sequence::{SeqId, SeqStatus, Sequence};

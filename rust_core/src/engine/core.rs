@@ -1,0 +1,319 @@
+//! `EngineCore`: one engine step is `schedule()` -> `execute()` -> `postprocess()`.
+//!
+//! The core owns the model runner, the scheduler (with the KV block pool and state slots) and
+//! the per-request sampling / detokenization state. It is single-threaded and synchronous;
+//! `EngineHandle` runs it on its own OS thread. The core only does bookkeeping: device memory
+//! belongs to the runner, so the same core drives a CPU or a CUDA backend.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{EngineConfig, MemoryLedger, RequestOutput, RequestState, ResolvedConfig};
+use crate::kv::BlockPool;
+use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::sampling::SamplingParams;
+use crate::sched::{ScheduledStep, Scheduler, SchedulerConfig, SeqId, Sequence};
+use crate::state::StateSlots;
+use crate::tokenizer::Tokenizer;
+use crate::{NinferError, Result};
+
+/// Counters for `stats()`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub prefix_hit_tokens: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    /// Tokens run through the model as prompt (prefill chunks and recompute), not decodes.
+    pub prefill_tokens_computed: u64,
+    pub max_batch_size_seen: usize,
+    pub steps: u64,
+    pub preemptions: u64,
+}
+
+/// The checks a request must pass before it is queued; cheap and shareable, so a submitting
+/// thread can reject bad input at once while the core runs elsewhere.
+#[derive(Clone, Debug)]
+pub struct RequestValidator {
+    pub max_context: usize,
+    /// 0 when unknown.
+    pub vocab_size: usize,
+}
+
+impl RequestValidator {
+    /// Reject an empty prompt, out-of-vocabulary ids, bad params and context overflow.
+    pub fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(NinferError::EmptyPrompt);
+        }
+        if self.vocab_size > 0 {
+            if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+                return Err(NinferError::invalid("prompt_token_ids", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
+            }
+        }
+        params.validate()?;
+        if prompt.len() + params.max_tokens > self.max_context {
+            return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });
+        }
+        Ok(())
+    }
+}
+
+/// The synchronous engine.
+pub struct EngineCore {
+    cfg: ResolvedConfig,
+    spec: CacheSpec,
+    runner: Box<dyn ModelRunner>,
+    sched: Scheduler,
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos_token_ids: Vec<u32>,
+    validator: RequestValidator,
+    requests: HashMap<SeqId, RequestState>,
+    ids: HashMap<String, SeqId>,
+    pending_aborts: Vec<SeqId>,
+    next_seq: SeqId,
+    seed_rng: ChaCha8Rng,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    /// Validate the config against the model, allocate the runner's caches, build the
+    /// scheduler. `eos_token_ids` usually come from `GenerationConfig`.
+    pub fn new(mut runner: Box<dyn ModelRunner>, config: &EngineConfig, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Result<Self> {
+        let spec = runner.cache_spec();
+        let cfg = config.resolve(runner.config().max_position_embeddings, &spec)?;
+        let slots = if cfg.running_state_slots > 0 { StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots) } else { StateSlots::none() };
+        runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total())?;
+        let sched = Scheduler::new(
+            SchedulerConfig { max_concurrency: cfg.max_concurrency, prefill_chunk: cfg.prefill_chunk, prefix_reuse: cfg.prefix_reuse },
+            BlockPool::new(cfg.num_blocks, cfg.block_size),
+            slots,
+        );
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size: runner.config().vocab_size };
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        Ok(EngineCore {
+            cfg,
+            spec,
+            runner,
+            sched,
+            tokenizer,
+            eos_token_ids,
+            validator,
+            requests: HashMap::new(),
+            ids: HashMap::new(),
+            pending_aborts: Vec::new(),
+            next_seq: 0,
+            seed_rng: ChaCha8Rng::seed_from_u64(seed),
+            stats: EngineStats::default(),
+        })
+    }
+
+    /// The sizes the engine runs with.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.cfg
+    }
+
+    /// Memory ledger (weights, KV, state slots).
+    pub fn ledger(&self) -> MemoryLedger {
+        self.cfg.ledger(&self.spec)
+    }
+
+    /// The request checks, for callers on other threads.
+    pub fn validator(&self) -> RequestValidator {
+        self.validator.clone()
+    }
+
+    /// The tokenizer, when the model directory has one.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Token ids that end generation unless `ignore_eos`.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    /// Queue a request. Errors: empty prompt, context overflow, bad params, duplicate id.
+    pub fn add_request(&mut self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        if self.ids.contains_key(request_id) {
+            return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
+        }
+        self.validator.check(&prompt, &params)?;
+        let id = self.next_seq;
+        self.next_seq += 1;
+        let fallback_seed = self.seed_rng.random();
+        self.stats.prompt_tokens_total += prompt.len() as u64;
+        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed));
+        self.ids.insert(request_id.to_string(), id);
+        self.sched.add(Sequence::new(id, prompt));
+        Ok(())
+    }
+
+    /// Abort a request; its blocks are freed and its final delta emitted in the next step.
+    /// False when the id is unknown (already finished).
+    pub fn abort(&mut self, request_id: &str) -> bool {
+        match self.ids.get(request_id) {
+            Some(&id) if !self.pending_aborts.contains(&id) => {
+                self.pending_aborts.push(id);
+                true
+            }
+            Some(_) => true,
+            None => false,
+        }
+    }
+
+    /// Ids of every request not yet finished.
+    pub fn request_ids(&self) -> Vec<String> {
+        self.ids.keys().cloned().collect()
+    }
+
+    /// Whether any request is queued, running or awaiting its abort delta.
+    pub fn has_unfinished(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// One engine step.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        let mut outputs = self.apply_aborts()?;
+        let step = self.sched.schedule();
+        if step.is_empty() {
+            return Ok(outputs);
+        }
+        let logits = self.execute(&step)?;
+        outputs.extend(self.postprocess(&step, &logits)?);
+        Ok(outputs)
+    }
+
+    /// Logits of every position of `tokens` (one sequence, no prefix cache, no sampling).
+    pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.validator.check(tokens, &SamplingParams { max_tokens: 1, ..Default::default() }).or_else(|e| match e {
+            NinferError::ContextOverflow { .. } if tokens.len() <= self.cfg.max_context => Ok(()),
+            e => Err(e),
+        })?;
+        let bs = self.cfg.block_size;
+        let needed = tokens.len().div_ceil(bs);
+        let pool = &mut self.sched.pool;
+        if pool.num_free() < needed {
+            let per_block = (bs * self.spec.kv_bytes_per_token) as u64;
+            return Err(NinferError::OutOfMemory {
+                what: format!("KV blocks to score {} tokens", tokens.len()),
+                needed: needed as u64 * per_block,
+                available: pool.num_free() as u64 * per_block,
+                hint: "wait for running requests to finish or raise --kv-capacity".into(),
+            });
+        }
+        let table: Vec<u32> = (0..needed).map(|_| pool.allocate().expect("checked")).collect();
+        let slot = if self.sched.slots.enabled() { self.sched.slots.acquire() } else { Some(0) };
+        let result = self.score_with(tokens, &table, slot);
+        self.sched.pool.free_all(&table);
+        if let (true, Some(s)) = (self.sched.slots.enabled(), slot) {
+            self.sched.slots.release(s);
+        }
+        result
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.sched.num_running(),
+            waiting: self.sched.num_waiting(),
+            kv_blocks_used: self.sched.pool.num_used(),
+            kv_blocks_total: self.sched.pool.num_blocks(),
+            prefix_hit_tokens: self.sched.pool.hit_tokens,
+            preemptions: self.sched.num_preemptions,
+            ..self.stats.clone()
+        }
+    }
+
+    fn score_with(&mut self, tokens: &[u32], table: &[u32], slot: Option<usize>) -> Result<Vec<f32>> {
+        let slot = slot.ok_or_else(|| NinferError::Request("score".into(), "no free recurrent-state slot".into()))?;
+        let bs = self.cfg.block_size;
+        let mut out = Vec::with_capacity(tokens.len() * self.validator.vocab_size);
+        let mut start = 0;
+        while start < tokens.len() {
+            let end = (start + self.cfg.prefill_chunk).min(tokens.len());
+            let batch = StepBatch {
+                seqs: vec![SeqChunk {
+                    tokens: tokens[start..end].to_vec(),
+                    start_pos: start,
+                    block_table: table[..end.div_ceil(bs)].to_vec(),
+                    state_slot: slot,
+                    logits: LogitsWanted::All,
+                }],
+            };
+            let logits = self.runner.forward(&batch)?;
+            out.extend_from_slice(logits.of_seq(0));
+            start = end;
+        }
+        Ok(out)
+    }
+
+    /// Free aborted requests and emit their final deltas.
+    fn apply_aborts(&mut self) -> Result<Vec<RequestOutput>> {
+        let mut outputs = Vec::new();
+        for id in std::mem::take(&mut self.pending_aborts) {
+            let cached = self.cached_tokens(id);
+            if let Some(copy) = self.sched.finish(id) {
+                self.runner.copy_state(copy.0, copy.1)?;
+            }
+            if let Some(req) = self.requests.remove(&id) {
+                self.ids.remove(&req.request_id);
+                outputs.push(req.aborted(cached));
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// Run the model on the scheduled batch (with the snapshot restores it needs first).
+    fn execute(&mut self, step: &ScheduledStep) -> Result<crate::model::Logits> {
+        for &(src, dst) in &step.copies_before {
+            self.runner.copy_state(src, dst)?;
+        }
+        let logits = self.runner.forward(&step.batch)?;
+        for &(src, dst) in &self.sched.on_step_done(step) {
+            self.runner.copy_state(src, dst)?;
+        }
+        self.stats.steps += 1;
+        self.stats.max_batch_size_seen = self.stats.max_batch_size_seen.max(step.seq_ids.len());
+        self.stats.prefill_tokens_computed += (step.batch.num_tokens() - step.num_decodes) as u64;
+        Ok(logits)
+    }
+
+    /// Sample, detokenize and check stop conditions for every sequence that produced logits.
+    fn postprocess(&mut self, step: &ScheduledStep, logits: &crate::model::Logits) -> Result<Vec<RequestOutput>> {
+        let mut outputs = Vec::new();
+        for (i, &id) in step.seq_ids.iter().enumerate() {
+            if logits.rows[i] == 0 {
+                continue;
+            }
+            let rows = logits.of_seq(i);
+            let row = &rows[rows.len() - logits.vocab..];
+            let cached = self.cached_tokens(id);
+            let req = self.requests.get_mut(&id).expect("scheduled request exists");
+            let (token, logprob) = req.sample(row);
+            let event = req.accept(token, logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
+            self.stats.generation_tokens_total += 1;
+            self.sched.append_token(id, token);
+            if event.finished {
+                if let Some(copy) = self.sched.finish(id) {
+                    self.runner.copy_state(copy.0, copy.1)?;
+                }
+                self.requests.remove(&id);
+                self.ids.remove(&event.output.request_id);
+                self.pending_aborts.retain(|&a| a != id);
+            }
+            outputs.push(event.output);
+        }
+        Ok(outputs)
+    }
+
+    fn cached_tokens(&self, id: SeqId) -> usize {
+        self.sched.get(id).and_then(|s| s.cached_tokens).unwrap_or(0)
+    }
+}

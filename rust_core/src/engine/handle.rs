@@ -1,0 +1,218 @@
+//! `EngineHandle`: `EngineCore` on its own OS thread.
+//!
+//! Submits and aborts travel over a command channel; deltas come back through one output queue
+//! that `poll` drains (waiting on a condvar, so a caller can release the GIL and block). The
+//! thread steps while there is work and sleeps on the channel when idle: no busy spin. Request
+//! checks run on the caller's thread, so bad input is rejected at once.
+
+use std::collections::HashSet;
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{EngineCore, EngineStats, FinishReason, RequestOutput, RequestValidator};
+use crate::sampling::SamplingParams;
+use crate::{NinferError, Result};
+
+enum Command {
+    Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams },
+    Abort(String),
+    Shutdown,
+}
+
+#[derive(Default)]
+struct Outbox {
+    outputs: Vec<RequestOutput>,
+    error: Option<String>,
+    stats: EngineStats,
+    stopped: bool,
+}
+
+struct Shared {
+    outbox: Mutex<Outbox>,
+    ready: Condvar,
+    /// Request ids submitted and not yet finished (duplicate check on the caller's thread).
+    live: Mutex<HashSet<String>>,
+}
+
+/// Handle to the engine thread.
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    shared: Arc<Shared>,
+    validator: RequestValidator,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EngineHandle {
+    /// Move `core` onto a new thread and start its loop.
+    pub fn start(core: EngineCore) -> Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared { outbox: Mutex::new(Outbox::default()), ready: Condvar::new(), live: Mutex::new(HashSet::new()) });
+        let validator = core.validator();
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("ninfer-engine".into())
+            .spawn(move || run_loop(core, rx, thread_shared))
+            .map_err(|e| NinferError::Device(format!("cannot start the engine thread: {e}")))?;
+        Ok(EngineHandle { tx, shared, validator, thread: Some(thread) })
+    }
+
+    /// Queue a request; bad input and duplicate ids are rejected here, at once.
+    pub fn submit(&self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        self.validator.check(&prompt, &params)?;
+        {
+            let mut live = self.shared.live.lock().expect("live ids");
+            if !live.insert(request_id.to_string()) {
+                return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
+            }
+        }
+        self.send(Command::Submit { request_id: request_id.to_string(), prompt, params })
+    }
+
+    /// Abort a request (its final delta arrives through `poll`).
+    pub fn abort(&self, request_id: &str) -> Result<()> {
+        self.send(Command::Abort(request_id.to_string()))
+    }
+
+    /// Wait up to `timeout` for deltas; returns at once when some are ready. An engine failure
+    /// is returned as an error once its deltas are drained.
+    pub fn poll(&self, timeout: Duration) -> Result<Vec<RequestOutput>> {
+        let deadline = Instant::now() + timeout;
+        let mut ob = self.shared.outbox.lock().expect("outbox");
+        while ob.outputs.is_empty() && ob.error.is_none() && !ob.stopped {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            ob = self.shared.ready.wait_timeout(ob, deadline - now).expect("outbox").0;
+        }
+        if !ob.outputs.is_empty() {
+            return Ok(std::mem::take(&mut ob.outputs));
+        }
+        match ob.error.take() {
+            Some(e) => Err(NinferError::Device(e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Whether any submitted request has not delivered its final delta to the queue.
+    pub fn has_unfinished(&self) -> bool {
+        !self.shared.live.lock().expect("live ids").is_empty()
+    }
+
+    /// Counters as of the last step.
+    pub fn stats(&self) -> EngineStats {
+        self.shared.outbox.lock().expect("outbox").stats.clone()
+    }
+
+    /// Stop the thread (running requests are dropped) and wait for it.
+    pub fn shutdown(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    fn send(&self, cmd: Command) -> Result<()> {
+        self.tx.send(cmd).map_err(|_| NinferError::Device("the engine thread has stopped".into()))
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The engine thread: apply commands, step while there is work, sleep on the channel otherwise.
+fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
+    loop {
+        let first = if core.has_unfinished() {
+            match rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => break,
+            }
+        };
+        let mut shutdown = false;
+        let mut rejected = Vec::new();
+        let mut cmd = first;
+        while let Some(c) = cmd {
+            match c {
+                Command::Submit { request_id, prompt, params } => {
+                    if let Err(e) = core.add_request(&request_id, prompt, params) {
+                        rejected.push((request_id, e.to_string()));
+                    }
+                }
+                Command::Abort(id) => {
+                    core.abort(&id);
+                }
+                Command::Shutdown => shutdown = true,
+            }
+            cmd = rx.try_recv().ok();
+        }
+        if shutdown {
+            break;
+        }
+        let result = if core.has_unfinished() { core.step() } else { Ok(Vec::new()) };
+        let mut ob = shared.outbox.lock().expect("outbox");
+        for (id, _) in &rejected {
+            shared.live.lock().expect("live ids").remove(id);
+            ob.outputs.push(aborted(id));
+        }
+        match result {
+            Ok(outs) => {
+                let mut live = shared.live.lock().expect("live ids");
+                for o in &outs {
+                    if o.finished() {
+                        live.remove(&o.request_id);
+                    }
+                }
+                ob.outputs.extend(outs);
+            }
+            Err(e) => {
+                let ids: Vec<String> = shared.live.lock().expect("live ids").drain().collect();
+                ob.outputs.extend(ids.iter().map(|id| aborted(id)));
+                ob.error = Some(e.to_string());
+                drop(ob);
+                shared.ready.notify_all();
+                fail_all(&mut core);
+                continue;
+            }
+        }
+        ob.stats = core.stats();
+        drop(ob);
+        shared.ready.notify_all();
+    }
+    let mut ob = shared.outbox.lock().expect("outbox");
+    ob.stopped = true;
+    drop(ob);
+    shared.ready.notify_all();
+}
+
+/// After a failed step, abort everything the core still holds so its blocks are freed.
+fn fail_all(core: &mut EngineCore) {
+    for id in core.request_ids() {
+        core.abort(&id);
+    }
+    let _ = core.step();
+}
+
+fn aborted(id: &str) -> RequestOutput {
+    RequestOutput {
+        request_id: id.to_string(),
+        token_ids: Vec::new(),
+        text: String::new(),
+        logprobs: None,
+        finish_reason: Some(FinishReason::Abort),
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        cached_tokens: 0,
+    }
+}

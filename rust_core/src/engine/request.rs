@@ -1,0 +1,113 @@
+//! Per-request postprocessing state: sampler, incremental detokenizer and stop checker, and the
+//! rules that decide when a request is finished.
+
+use super::{FinishReason, RequestOutput};
+use crate::sampling::{RequestSampler, SamplingParams, TokenLogprob};
+use crate::tokenizer::detokenizer::IncrementalDetokenizer;
+use crate::tokenizer::stop::StopChecker;
+use crate::tokenizer::Tokenizer;
+use crate::Result;
+
+/// Everything the engine keeps about one request besides its scheduler `Sequence`.
+pub struct RequestState {
+    pub request_id: String,
+    pub params: SamplingParams,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    sampler: RequestSampler,
+    detok: IncrementalDetokenizer,
+    stop: StopChecker,
+}
+
+/// What happened when one token was accepted.
+pub struct TokenEvent {
+    pub output: RequestOutput,
+    pub finished: bool,
+}
+
+impl RequestState {
+    /// State for a new request; `fallback_seed` seeds requests without a seed.
+    pub fn new(request_id: String, prompt: &[u32], params: SamplingParams, fallback_seed: u64) -> Self {
+        RequestState {
+            request_id,
+            sampler: RequestSampler::new(&params, prompt, fallback_seed),
+            detok: IncrementalDetokenizer::new(prompt, params.skip_special_tokens),
+            stop: StopChecker::new(&params.stop),
+            prompt_tokens: prompt.len(),
+            completion_tokens: 0,
+            params,
+        }
+    }
+
+    /// Sample from one raw logits row; returns the token and its logprob entry.
+    pub fn sample(&mut self, raw: &[f32]) -> (u32, Option<TokenLogprob>) {
+        let s = self.sampler.sample(&self.params, raw);
+        (s.token, s.logprob)
+    }
+
+    /// Account for a sampled token: detokenize, check stop conditions, build the delta.
+    pub fn accept(
+        &mut self,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+        tokenizer: Option<&Tokenizer>,
+        eos_token_ids: &[u32],
+        cached_tokens: usize,
+    ) -> Result<TokenEvent> {
+        self.completion_tokens += 1;
+        let is_eos = !self.params.ignore_eos && eos_token_ids.contains(&token);
+        let is_stop_token = self.params.stop_token_ids.contains(&token);
+        let mut text = String::new();
+        let mut finish = None;
+        let mut stop_string_matched = false;
+        if is_eos || is_stop_token {
+            finish = Some(FinishReason::Stop);
+        } else if let Some(tok) = tokenizer {
+            let delta = self.detok.push(tok, token)?;
+            let out = self.stop.push(&delta);
+            text = out.text;
+            if out.matched.is_some() {
+                finish = Some(FinishReason::Stop);
+                stop_string_matched = true;
+            }
+        }
+        if finish.is_none() && self.completion_tokens >= self.params.max_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if let (Some(_), false, Some(tok)) = (finish, stop_string_matched, tokenizer) {
+            let rest = self.detok.flush(tok)?;
+            let out = self.stop.push(&rest);
+            text.push_str(&out.text);
+            if out.matched.is_some() {
+                finish = Some(FinishReason::Stop);
+            } else {
+                text.push_str(&self.stop.flush());
+            }
+        }
+        let output = RequestOutput {
+            request_id: self.request_id.clone(),
+            token_ids: vec![token],
+            text,
+            logprobs: logprob.map(|l| vec![l]),
+            finish_reason: finish,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens,
+        };
+        Ok(TokenEvent { finished: finish.is_some(), output })
+    }
+
+    /// The final delta of an aborted request.
+    pub fn aborted(&self, cached_tokens: usize) -> RequestOutput {
+        RequestOutput {
+            request_id: self.request_id.clone(),
+            token_ids: Vec::new(),
+            text: String::new(),
+            logprobs: None,
+            finish_reason: Some(FinishReason::Abort),
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens,
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! `ToyRunner`: a deterministic stand-in model that really uses the KV blocks and state slots it
+//! is handed, for testing the engine without weights (Rust tests, and Python tests through
+//! `Engine.toy`).
+//!
+//! Each step writes every token into its KV slot (block table + position). The logits of a
+//! position are a hash of the whole history read back through the block table, so a wrong block
+//! table, a wrong start position or a stale block changes the output. In hybrid mode the runner
+//! also keeps a recurrent "state" per slot (the same hash chain, carried across steps) and fails
+//! the step when it disagrees with the KV history: a wrong slot, a missing snapshot restore or a
+//! bad prefix hit is caught at once.
+
+use std::sync::{Arc, Mutex};
+
+use crate::config::ModelConfig;
+use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
+use crate::{NinferError, Result};
+
+/// What a test can inspect after the run.
+#[derive(Debug, Default)]
+pub struct ToyLog {
+    /// Every batch the runner received.
+    pub steps: Vec<StepBatch>,
+    /// Every `copy_state(src, dst)` call.
+    pub copies: Vec<(usize, usize)>,
+}
+
+/// Deterministic toy model.
+pub struct ToyRunner {
+    config: ModelConfig,
+    hybrid: bool,
+    block_size: usize,
+    kv: Vec<Option<u32>>,
+    states: Vec<u64>,
+    /// Shared with the test that built the runner.
+    pub log: Arc<Mutex<ToyLog>>,
+}
+
+fn mix(h: u64, t: u64) -> u64 {
+    let mut x = h ^ t.wrapping_add(0x9E37_79B9_7F4A_7C15).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 29)
+}
+
+impl ToyRunner {
+    /// A toy with `vocab_size` tokens and context `max_position_embeddings`; `hybrid` adds a
+    /// recurrent state per slot.
+    pub fn new(vocab_size: usize, max_position_embeddings: usize, hybrid: bool) -> Self {
+        ToyRunner {
+            config: ModelConfig { vocab_size, max_position_embeddings, ..Default::default() },
+            hybrid,
+            block_size: 0,
+            kv: Vec::new(),
+            states: Vec::new(),
+            log: Arc::new(Mutex::new(ToyLog::default())),
+        }
+    }
+
+    /// The logits row after the history whose hash chain ends in `h`.
+    fn row(&self, h: u64, out: &mut Vec<f32>) {
+        for v in 0..self.config.vocab_size {
+            out.push(((mix(h, v as u64) >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0);
+        }
+    }
+
+    fn kv_index(&self, table: &[u32], pos: usize) -> Result<usize> {
+        let b = *table.get(pos / self.block_size).ok_or_else(|| NinferError::Device(format!("toy: block table too short for position {pos}")))?;
+        Ok(b as usize * self.block_size + pos % self.block_size)
+    }
+
+    /// Hash chains of positions `0..end` read back from the KV cache.
+    fn history(&self, table: &[u32], end: usize) -> Result<Vec<u64>> {
+        let mut h = 0u64;
+        let mut out = Vec::with_capacity(end);
+        for pos in 0..end {
+            let t = self.kv[self.kv_index(table, pos)?].ok_or_else(|| NinferError::Device(format!("toy: position {pos} read before it was written")))?;
+            h = mix(h, t as u64);
+            out.push(h);
+        }
+        Ok(out)
+    }
+}
+
+impl ModelRunner for ToyRunner {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn cache_spec(&self) -> CacheSpec {
+        CacheSpec { kv_bytes_per_token: 64, state_bytes_per_slot: if self.hybrid { 256 } else { 0 }, weight_bytes: 4096 }
+    }
+
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
+        self.block_size = block_size;
+        self.kv = vec![None; num_blocks * block_size];
+        self.states = vec![0; num_state_slots];
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
+        self.log.lock().expect("toy log").steps.push(batch.clone());
+        let mut logits = Logits { vocab: self.config.vocab_size, data: Vec::new(), rows: Vec::new() };
+        for seq in &batch.seqs {
+            for (j, &t) in seq.tokens.iter().enumerate() {
+                let idx = self.kv_index(&seq.block_table, seq.start_pos + j)?;
+                self.kv[idx] = Some(t);
+            }
+            let end = seq.start_pos + seq.tokens.len();
+            let hist = self.history(&seq.block_table, end)?;
+            if self.hybrid {
+                let mut state = if seq.start_pos == 0 { 0 } else { self.states[seq.state_slot] };
+                let expected_before = if seq.start_pos == 0 { 0 } else { hist[seq.start_pos - 1] };
+                if state != expected_before {
+                    return Err(NinferError::Device(format!("toy: state slot {} does not match the KV history at {}", seq.state_slot, seq.start_pos)));
+                }
+                for &t in &seq.tokens {
+                    state = mix(state, t as u64);
+                }
+                self.states[seq.state_slot] = state;
+            }
+            let rows = match seq.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => seq.tokens.len(),
+            };
+            for pos in end - rows..end {
+                self.row(hist[pos], &mut logits.data);
+            }
+            logits.rows.push(rows);
+        }
+        Ok(logits)
+    }
+
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
+        self.log.lock().expect("toy log").copies.push((src, dst));
+        self.states[dst] = self.states[src];
+        Ok(())
+    }
+}

@@ -1,0 +1,276 @@
+//! `CpuModel`: a loaded model on the CPU backend, running engine steps.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::artifact::WeightStore;
+use crate::backend::cpu::attention::KvLayout;
+use crate::backend::cpu::matmul::linear;
+use crate::backend::cpu::norm::rms_norm;
+use crate::backend::cpu::rope::rope_tables;
+use crate::config::{LayerType, ModelConfig};
+use crate::{NinferError, Result};
+
+use super::layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
+use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
+use super::weights::{Mixer, ModelWeights, MtpWeights};
+use super::LoadOptions;
+
+/// KV pool and recurrent-state slots, per layer.
+#[derive(Default)]
+struct Caches {
+    block_size: usize,
+    num_blocks: usize,
+    num_slots: usize,
+    /// Per attention layer, `[num_blocks, block_size, n_kv_heads, head_dim]`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    /// Per linear-attention layer, `[slots, conv_dim, kernel - 1]`.
+    conv: Vec<Vec<f32>>,
+    /// Per linear-attention layer, `[slots, num_v_heads, k_dim, v_dim]`.
+    delta: Vec<Vec<f32>>,
+}
+
+/// A model on the CPU backend (f32 weights, rayon pool of its own).
+pub struct CpuModel {
+    cfg: ModelConfig,
+    weights: ModelWeights,
+    /// Layer index -> index into the KV lists (attention) or the state lists (GDN).
+    cache_index: Vec<usize>,
+    inv_freq: Vec<f32>,
+    rope_scale: f32,
+    caches: Caches,
+    ws: Workspace,
+    pool: Arc<rayon::ThreadPool>,
+}
+
+fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(floats).map_err(|_| NinferError::OutOfMemory {
+        what: what.to_string(),
+        needed: 4 * floats as u64,
+        available: 0,
+        hint: "lower --kv-capacity or --max-concurrency".into(),
+    })?;
+    v.resize(floats, 0.0);
+    Ok(v)
+}
+
+impl CpuModel {
+    /// Load config and weights from a HF model directory.
+    pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let store = WeightStore::open(dir)?;
+        let weights = ModelWeights::load(&store, &cfg)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.num_threads.unwrap_or(0))
+            .thread_name(|i| format!("ninfer-cpu-{i}"))
+            .build()
+            .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
+        let (mut n_attn, mut n_lin) = (0, 0);
+        let cache_index = cfg
+            .layer_types
+            .iter()
+            .map(|t| match t {
+                LayerType::FullAttention => {
+                    n_attn += 1;
+                    n_attn - 1
+                }
+                LayerType::LinearAttention => {
+                    n_lin += 1;
+                    n_lin - 1
+                }
+            })
+            .collect();
+        let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
+        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool) })
+    }
+
+    /// The MTP head, when the checkpoint has one.
+    pub fn mtp(&self) -> Option<&MtpWeights> {
+        self.weights.mtp.as_ref()
+    }
+
+    /// Threads of this model's pool.
+    pub fn num_threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// KV blocks and state slots currently allocated.
+    pub fn cache_capacity(&self) -> (usize, usize, usize) {
+        (self.caches.num_blocks, self.caches.block_size, self.caches.num_slots)
+    }
+
+    fn validate(&self, batch: &StepBatch) -> Result<()> {
+        let c = &self.caches;
+        let has_attn = !c.k.is_empty();
+        let has_lin = !c.conv.is_empty() || self.cfg.num_linear_layers() > 0;
+        if (has_attn || self.cfg.num_attention_layers() > 0) && c.block_size == 0 {
+            return Err(NinferError::invalid("caches", "allocate_caches was not called before forward"));
+        }
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), "empty chunk"));
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), format!("token id {t} >= vocab_size {}", self.cfg.vocab_size)));
+            }
+            if self.cfg.num_attention_layers() > 0 {
+                let end = s.start_pos + s.tokens.len();
+                let need = end.div_ceil(c.block_size);
+                if s.block_table.len() < need {
+                    return Err(NinferError::invalid(
+                        format!("seqs[{i}].block_table"),
+                        format!("{} blocks cover fewer than {end} positions (block size {})", s.block_table.len(), c.block_size),
+                    ));
+                }
+                if let Some(b) = s.block_table[..need].iter().find(|&&b| b as usize >= c.num_blocks) {
+                    return Err(NinferError::invalid(format!("seqs[{i}].block_table"), format!("block {b} >= num_blocks {}", c.num_blocks)));
+                }
+            }
+            if has_lin && s.state_slot >= c.num_slots {
+                return Err(NinferError::invalid(format!("seqs[{i}].state_slot"), format!("slot {} >= num_state_slots {}", s.state_slot, c.num_slots)));
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
+        self.validate(batch)?;
+        let CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches, ws, .. } = self;
+        let h = cfg.hidden_size;
+        let rows = batch.num_tokens();
+        if let Some(la) = cfg.linear_attention {
+            let conv_floats = la.conv_dim() * (la.conv_kernel - 1);
+            let delta_floats = la.num_value_heads * la.key_head_dim * la.value_head_dim;
+            for s in batch.seqs.iter().filter(|s| s.start_pos == 0) {
+                for (conv, delta) in caches.conv.iter_mut().zip(caches.delta.iter_mut()) {
+                    conv[s.state_slot * conv_floats..(s.state_slot + 1) * conv_floats].fill(0.0);
+                    delta[s.state_slot * delta_floats..(s.state_slot + 1) * delta_floats].fill(0.0);
+                }
+            }
+        }
+        let x = fit(&mut ws.x, rows * h);
+        ws.positions.clear();
+        let mut r = 0;
+        for s in &batch.seqs {
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                let t = tok as usize;
+                x[r * h..(r + 1) * h].copy_from_slice(&weights.embed[t * h..(t + 1) * h]);
+                ws.positions.push(s.start_pos + i);
+                r += 1;
+            }
+        }
+        rope_tables(&ws.positions, inv_freq, *rope_scale, &mut ws.cos, &mut ws.sin);
+        let layout = KvLayout { block_size: caches.block_size, n_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
+        for (li, layer) in weights.layers.iter().enumerate() {
+            rms_norm(&ws.x, rows, h, &layer.input_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
+            let ci = cache_index[li];
+            match &layer.mixer {
+                Mixer::Attention(a) => {
+                    let kv = LayerKv { k: &mut caches.k[ci], v: &mut caches.v[ci], layout };
+                    attention_step(cfg, a, kv, batch, ws, rows);
+                }
+                Mixer::Gdn(g) => {
+                    let st = LayerState { conv: &mut caches.conv[ci], delta: &mut caches.delta[ci] };
+                    gdn_step(cfg, g, st, batch, ws, rows);
+                }
+            }
+            add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
+            rms_norm(&ws.x, rows, h, &layer.post_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
+            mlp_step(layer, ws, rows);
+            add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
+        }
+        let mut counts = Vec::with_capacity(batch.seqs.len());
+        let mut picked = Vec::new();
+        let mut r0 = 0;
+        for s in &batch.seqs {
+            let t = s.tokens.len();
+            let n = match s.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => {
+                    picked.push(r0 + t - 1);
+                    1
+                }
+                LogitsWanted::All => {
+                    picked.extend(r0..r0 + t);
+                    t
+                }
+            };
+            counts.push(n);
+            r0 += t;
+        }
+        let m = picked.len();
+        let sel = fit(&mut ws.sel, m * h);
+        for (i, &row) in picked.iter().enumerate() {
+            sel[i * h..(i + 1) * h].copy_from_slice(&ws.x[row * h..(row + 1) * h]);
+        }
+        rms_norm(&ws.sel, m, h, &weights.final_norm, cfg.rms_norm_eps, fit(&mut ws.sel_normed, m * h));
+        let vocab = cfg.vocab_size;
+        let mut data = vec![0f32; m * vocab];
+        linear(&ws.sel_normed, m, h, weights.lm_head_weights(), vocab, None, &mut data);
+        Ok(Logits { vocab, data, rows: counts })
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+impl ModelRunner for CpuModel {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_spec(&self) -> CacheSpec {
+        let c = &self.cfg;
+        let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 4;
+        let state = c.linear_attention.map_or(0, |la| la.state_floats() * 4 * c.num_linear_layers());
+        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes() }
+    }
+
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
+        if block_size == 0 {
+            return Err(NinferError::config("block_size", "must be positive"));
+        }
+        let c = &self.cfg;
+        let kv_floats = num_blocks * block_size * c.num_kv_heads * c.head_dim;
+        let mut caches = Caches { block_size, num_blocks, num_slots: num_state_slots, ..Default::default() };
+        // Free the old pool first so that a resize does not need both at once.
+        self.caches = Caches::default();
+        for _ in 0..c.num_attention_layers() {
+            caches.k.push(alloc(kv_floats, "KV cache")?);
+            caches.v.push(alloc(kv_floats, "KV cache")?);
+        }
+        if let Some(la) = c.linear_attention {
+            for _ in 0..c.num_linear_layers() {
+                caches.conv.push(alloc(num_state_slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
+                caches.delta.push(alloc(num_state_slots * la.num_value_heads * la.key_head_dim * la.value_head_dim, "recurrent state")?);
+            }
+        }
+        self.caches = caches;
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.step(batch))
+    }
+
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
+        let slots = self.caches.num_slots;
+        if src >= slots || dst >= slots {
+            return Err(NinferError::invalid("state_slot", format!("copy {src} -> {dst} outside {slots} slots")));
+        }
+        if src == dst {
+            return Ok(());
+        }
+        for buf in self.caches.conv.iter_mut().chain(self.caches.delta.iter_mut()) {
+            let per = buf.len() / slots;
+            buf.copy_within(src * per..(src + 1) * per, dst * per);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,176 @@
+//! The step of each layer kind over all rows of a batch: projections batched across
+//! sequences, attention and Gated DeltaNet run per sequence on its own cache and state.
+
+use crate::backend::cpu::activation::{sigmoid, softplus, swiglu};
+use crate::backend::cpu::attention::{paged_attention, write_kv, KvLayout};
+use crate::backend::cpu::gdn::{self, GdnDims};
+use crate::backend::cpu::matmul::linear;
+use crate::backend::cpu::norm::rms_norm_heads_inplace;
+use crate::backend::cpu::rope::apply_rope;
+use crate::config::ModelConfig;
+
+use super::runner::StepBatch;
+use super::weights::{AttentionWeights, GdnWeights, LayerWeights, Linear};
+
+/// Buffers reused from step to step (grown, never shrunk), so a step allocates almost nothing.
+#[derive(Default)]
+pub struct Workspace {
+    /// Residual stream `[rows, hidden]`.
+    pub x: Vec<f32>,
+    /// Normed input of the current sub-block `[rows, hidden]`.
+    pub h: Vec<f32>,
+    /// Fused projection output.
+    pub proj: Vec<f32>,
+    /// Mixer output before its output projection.
+    pub mix: Vec<f32>,
+    /// Sub-block output added to the residual `[rows, hidden]`.
+    pub tmp: Vec<f32>,
+    pub gate_up: Vec<f32>,
+    pub act: Vec<f32>,
+    /// RoPE tables of the step's rows `[rows, rotary_dim / 2]`.
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    pub positions: Vec<usize>,
+    /// Per-sequence GDN scratch.
+    pub conv_in: Vec<f32>,
+    pub conv_out: Vec<f32>,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub g: Vec<f32>,
+    pub beta: Vec<f32>,
+    pub core: Vec<f32>,
+    pub z: Vec<f32>,
+    /// Rows that produce logits, then normed.
+    pub sel: Vec<f32>,
+    pub sel_normed: Vec<f32>,
+}
+
+/// Resize a buffer to exactly `len` values without caring about its contents.
+pub fn fit(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    &mut buf[..len]
+}
+
+/// Apply a projection to `rows` rows of `x`.
+pub fn project(l: &Linear, x: &[f32], rows: usize, out: &mut Vec<f32>) {
+    let out = fit(out, rows * l.n);
+    linear(x, rows, l.k, &l.w, l.n, l.b.as_deref(), out);
+}
+
+/// Paged KV buffers of one attention layer.
+pub struct LayerKv<'a> {
+    pub k: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub layout: KvLayout,
+}
+
+/// Softmax attention sub-block: reads `ws.h`, writes `ws.tmp`.
+pub fn attention_step(cfg: &ModelConfig, a: &AttentionWeights, kv: LayerKv<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
+    let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+    let qd = nh * hd;
+    let kvd = nkv * hd;
+    let gated = cfg.attn_output_gate;
+    let width = a.qkv.n;
+    let k_off = if gated { 2 * qd } else { qd };
+    let v_off = k_off + kvd;
+    project(&a.qkv, &ws.h, rows, &mut ws.proj);
+    let proj = &mut ws.proj[..rows * width];
+    if let Some(w) = &a.q_norm {
+        rms_norm_heads_inplace(proj, rows, width, 0, nh, hd, w, cfg.rms_norm_eps);
+    }
+    if let Some(w) = &a.k_norm {
+        rms_norm_heads_inplace(proj, rows, width, k_off, nkv, hd, w, cfg.rms_norm_eps);
+    }
+    let half = ws.cos.len() / rows.max(1);
+    apply_rope(proj, rows, width, 0, nh, hd, &ws.cos, &ws.sin, half);
+    apply_rope(proj, rows, width, k_off, nkv, hd, &ws.cos, &ws.sin, half);
+    let mix = fit(&mut ws.mix, rows * qd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut row = 0;
+    for seq in &batch.seqs {
+        let t = seq.tokens.len();
+        let base = row * width;
+        write_kv(kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, t, &proj[base + k_off..], &proj[base + v_off..], width);
+        paged_attention(&proj[base..], width, t, nh, kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, scale, &mut mix[row * qd..], qd);
+        row += t;
+    }
+    if gated {
+        for r in 0..rows {
+            let gate = &proj[r * width + qd..r * width + 2 * qd];
+            for (m, g) in mix[r * qd..(r + 1) * qd].iter_mut().zip(gate) {
+                *m *= sigmoid(*g);
+            }
+        }
+    }
+    project(&a.o, &ws.mix, rows, &mut ws.tmp);
+}
+
+/// Recurrent state of one GDN layer for every slot.
+pub struct LayerState<'a> {
+    /// `[slots, conv_dim, kernel - 1]`.
+    pub conv: &'a mut [f32],
+    /// `[slots, num_value_heads, key_head_dim, value_head_dim]`.
+    pub delta: &'a mut [f32],
+}
+
+/// Gated DeltaNet sub-block: reads `ws.h`, writes `ws.tmp`.
+pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
+    let la = cfg.linear_attention.expect("linear layer without linear_attention config");
+    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
+    let conv_floats = cd * (la.conv_kernel - 1);
+    let delta_floats = nv * la.key_head_dim * la.value_head_dim;
+    let width = g.in_proj.n;
+    project(&g.in_proj, &ws.h, rows, &mut ws.proj);
+    fit(&mut ws.mix, rows * vd);
+    let mut row = 0;
+    for seq in &batch.seqs {
+        let t = seq.tokens.len();
+        let slot = seq.state_slot;
+        let conv_state = &mut state.conv[slot * conv_floats..(slot + 1) * conv_floats];
+        let delta = &mut state.delta[slot * delta_floats..(slot + 1) * delta_floats];
+        let proj = &ws.proj[row * width..(row + t) * width];
+        let conv_in = fit(&mut ws.conv_in, t * cd);
+        for r in 0..t {
+            conv_in[r * cd..(r + 1) * cd].copy_from_slice(&proj[r * width..r * width + cd]);
+        }
+        let conv_out = fit(&mut ws.conv_out, t * cd);
+        gdn::causal_conv1d_silu(conv_in, t, cd, &g.conv_w, la.conv_kernel, g.conv_b.as_deref(), conv_state, conv_out);
+        let (q, k, v) = (fit(&mut ws.q, t * kd), fit(&mut ws.k, t * kd), fit(&mut ws.v, t * vd));
+        for r in 0..t {
+            let src = &conv_out[r * cd..(r + 1) * cd];
+            q[r * kd..(r + 1) * kd].copy_from_slice(&src[..kd]);
+            k[r * kd..(r + 1) * kd].copy_from_slice(&src[kd..2 * kd]);
+            v[r * vd..(r + 1) * vd].copy_from_slice(&src[2 * kd..]);
+        }
+        let (gb, beta, z) = (fit(&mut ws.g, t * nv), fit(&mut ws.beta, t * nv), fit(&mut ws.z, t * vd));
+        for r in 0..t {
+            let p = &proj[r * width..(r + 1) * width];
+            z[r * vd..(r + 1) * vd].copy_from_slice(&p[cd..cd + vd]);
+            for hh in 0..nv {
+                let b = p[cd + vd + hh];
+                let a = p[cd + vd + nv + hh];
+                beta[r * nv + hh] = sigmoid(b);
+                gb[r * nv + hh] = g.neg_a[hh] * softplus(a + g.dt_bias[hh]);
+            }
+        }
+        let core = fit(&mut ws.core, t * vd);
+        let dims = GdnDims { t, num_k_heads: la.num_key_heads, num_v_heads: nv, k_dim: la.key_head_dim, v_dim: la.value_head_dim };
+        if t > 1 {
+            gdn::gated_delta_rule_chunked(&dims, q, k, v, gb, beta, delta, core);
+        } else {
+            gdn::gated_delta_rule_recurrent(&dims, q, k, v, gb, beta, delta, core);
+        }
+        gdn::rms_norm_gated(core, z, t * nv, la.value_head_dim, &g.norm, cfg.rms_norm_eps, &mut ws.mix[row * vd..(row + t) * vd]);
+        row += t;
+    }
+    project(&g.out_proj, &ws.mix, rows, &mut ws.tmp);
+}
+
+/// SwiGLU MLP sub-block: reads `ws.h`, writes `ws.tmp`.
+pub fn mlp_step(l: &LayerWeights, ws: &mut Workspace, rows: usize) {
+    project(&l.gate_up, &ws.h, rows, &mut ws.gate_up);
+    let inter = l.gate_up.n / 2;
+    swiglu(&ws.gate_up, rows, inter, fit(&mut ws.act, rows * inter));
+    project(&l.down, &ws.act, rows, &mut ws.tmp);
+}

@@ -1,0 +1,241 @@
+//! The per-request sampler: penalties, temperature, top-k, top-p, min-p, greedy, a seeded RNG
+//! owned by the request, and logprobs of the raw model logits.
+//!
+//! The RNG belongs to the request (ChaCha8 seeded from `seed`, or from the engine's RNG when
+//! absent), and exactly one uniform draw is taken per non-greedy token, so the same seed gives
+//! the same tokens whatever else runs in the step, and also after a preemption (recompute).
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{PenaltyHistory, SamplingParams};
+
+/// Logprob of the sampled token and the most likely alternatives at one position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The sampled token.
+    pub token_id: u32,
+    /// Its log-probability under the raw model distribution.
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One sampling decision.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampledToken {
+    /// The chosen token id.
+    pub token: u32,
+    /// Present when the request asked for logprobs or top_logprobs.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Sampling state of one request: its RNG and its penalty history.
+#[derive(Clone, Debug)]
+pub struct RequestSampler {
+    rng: ChaCha8Rng,
+    history: PenaltyHistory,
+}
+
+impl RequestSampler {
+    /// `fallback_seed` is used when the request has no seed of its own.
+    pub fn new(params: &SamplingParams, prompt: &[u32], fallback_seed: u64) -> Self {
+        RequestSampler {
+            rng: ChaCha8Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
+            history: PenaltyHistory::new(prompt),
+        }
+    }
+
+    /// Pick the next token from one raw logits row and record it in the history.
+    pub fn sample(&mut self, params: &SamplingParams, raw: &[f32]) -> SampledToken {
+        let mut logits = raw.to_vec();
+        self.history.apply(params, &mut logits);
+        let token = if params.is_greedy() {
+            argmax(&logits)
+        } else {
+            let u: f64 = self.rng.random();
+            sample_filtered(&logits, params, u)
+        };
+        self.history.push_output(token);
+        let logprob = (params.logprobs || params.top_logprobs > 0).then(|| raw_logprobs(raw, token, params.top_logprobs));
+        SampledToken { token, logprob }
+    }
+}
+
+/// Index of the largest logit (the lowest index among ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Log-softmax of the raw logits at `token`, plus the `top` most likely tokens.
+pub fn raw_logprobs(raw: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + raw.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let lp = |t: u32| (raw[t as usize] as f64 - lse) as f32;
+    let top = top_indices(raw, top).into_iter().map(|t| (t, lp(t))).collect();
+    TokenLogprob { token_id: token, logprob: lp(token), top }
+}
+
+/// The `k` largest entries, largest first, lower index first among ties.
+fn top_indices(values: &[f32], k: usize) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..values.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b));
+    let k = k.min(idx.len());
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx
+}
+
+/// Temperature, then top-k, top-p and min-p (HF warper order), then inverse-CDF sampling with
+/// the uniform draw `u` over the kept candidates in descending probability order.
+fn sample_filtered(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
+    let t = params.temperature as f64;
+    let k = if params.top_k == 0 { logits.len() } else { params.top_k.min(logits.len()) };
+    let mut cand = top_indices(logits, k);
+    let max = logits[cand[0] as usize] as f64;
+    let mut probs: Vec<f64> = cand.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
+    normalize(&mut probs);
+    if params.top_p < 1.0 {
+        let mut cum = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            cum += p;
+            if cum >= params.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        cand.truncate(keep);
+        probs.truncate(keep);
+        normalize(&mut probs);
+    }
+    if params.min_p > 0.0 {
+        let floor = probs[0] * params.min_p as f64;
+        let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+        cand.truncate(keep);
+        probs.truncate(keep);
+        normalize(&mut probs);
+    }
+    let mut cum = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        cum += p;
+        if u < cum {
+            return cand[i];
+        }
+    }
+    *cand.last().expect("at least one candidate")
+}
+
+fn normalize(p: &mut [f64]) {
+    let s: f64 = p.iter().sum();
+    if s > 0.0 {
+        p.iter_mut().for_each(|x| *x /= s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    #[test]
+    fn greedy_picks_the_largest_processed_logit() {
+        let p = params(|p| p.temperature = 0.0);
+        let mut s = RequestSampler::new(&p, &[], 0);
+        assert_eq!(s.sample(&p, &[0.1, 3.0, 2.0]).token, 1);
+        let p = params(|p| {
+            p.temperature = 0.0;
+            p.logit_bias = [(2, 5.0)].into_iter().collect();
+        });
+        assert_eq!(s.sample(&p, &[0.1, 3.0, 2.0]).token, 2);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_whatever_the_seed() {
+        let raw = [0.5, 0.1, 0.9, 0.3];
+        for seed in 0..20 {
+            let p = params(|p| {
+                p.top_k = 1;
+                p.seed = Some(seed);
+            });
+            assert_eq!(RequestSampler::new(&p, &[], 0).sample(&p, &raw).token, 2);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_only_the_nucleus() {
+        let raw = [5.0, 4.9, -10.0, -10.0];
+        for seed in 0..50 {
+            let p = params(|p| {
+                p.top_p = 0.9;
+                p.seed = Some(seed);
+            });
+            assert!(RequestSampler::new(&p, &[], 0).sample(&p, &raw).token < 2);
+        }
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_the_fraction_of_the_top_probability() {
+        let raw = [3.0, 2.9, 0.0, 0.0];
+        for seed in 0..50 {
+            let p = params(|p| {
+                p.min_p = 0.5;
+                p.seed = Some(seed);
+            });
+            assert!(RequestSampler::new(&p, &[], 0).sample(&p, &raw).token < 2);
+        }
+    }
+
+    #[test]
+    fn same_seed_gives_same_tokens_and_sampling_follows_the_distribution() {
+        let raw = [0.0f32, 1.0, 2.0];
+        let p = params(|p| p.seed = Some(7));
+        let run = || {
+            let mut s = RequestSampler::new(&p, &[], 0);
+            (0..2000).map(|_| s.sample(&p, &raw).token).collect::<Vec<_>>()
+        };
+        let a = run();
+        assert_eq!(a, run());
+        let z: f64 = raw.iter().map(|&l| (l as f64).exp()).sum();
+        for t in 0..3 {
+            let freq = a.iter().filter(|&&x| x == t).count() as f64 / a.len() as f64;
+            let expect = (raw[t as usize] as f64).exp() / z;
+            assert!((freq - expect).abs() < 0.04, "token {t}: {freq} vs {expect}");
+        }
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_of_raw_logits_with_sorted_top() {
+        let raw = [1.0f32, 3.0, 2.0];
+        let p = params(|p| {
+            p.temperature = 0.0;
+            p.logprobs = true;
+            p.top_logprobs = 2;
+            p.logit_bias = [(0, 50.0)].into_iter().collect();
+        });
+        let out = RequestSampler::new(&p, &[], 0).sample(&p, &raw);
+        assert_eq!(out.token, 0);
+        let lp = out.logprob.unwrap();
+        let z: f64 = raw.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((lp.logprob as f64 - (1.0 - z.ln())).abs() < 1e-5);
+        assert_eq!(lp.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((lp.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,323 @@
+//! `Scheduler`: decides, each step, which sequences run and with how many tokens, and hands out
+//! KV blocks and state slots for them.
+//!
+//! One token budget (`prefill_chunk`) covers the whole step: first every running sequence that
+//! is decoding (one token each), then running sequences that are part-way through a long prompt,
+//! then waiting sequences in arrival order, each admitted only when the KV blocks for all its
+//! tokens plus one block of headroom (and a state slot) are free. When a decode needs a block and
+//! none is free, the newest running sequence is preempted: its blocks and slot are freed and it
+//! goes back to the front of the queue to be recomputed (its full blocks usually stay cached).
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{SeqId, SeqStatus, Sequence};
+use crate::kv::BlockPool;
+use crate::model::{LogitsWanted, SeqChunk, StepBatch};
+use crate::state::StateSlots;
+
+/// The knobs the scheduler needs.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub max_concurrency: usize,
+    /// Token budget of one step.
+    pub prefill_chunk: usize,
+    pub prefix_reuse: bool,
+}
+
+/// What one step runs.
+#[derive(Debug, Default)]
+pub struct ScheduledStep {
+    /// The batch for the runner.
+    pub batch: StepBatch,
+    /// Which sequence each batch entry belongs to.
+    pub seq_ids: Vec<SeqId>,
+    /// State copies (src slot, dst slot) to run before the forward (snapshot restores).
+    pub copies_before: Vec<(usize, usize)>,
+    /// Entries that are decodes (one token of a sequence past its prompt).
+    pub num_decodes: usize,
+}
+
+impl ScheduledStep {
+    /// Whether nothing runs.
+    pub fn is_empty(&self) -> bool {
+        self.seq_ids.is_empty()
+    }
+}
+
+/// Queues, sequences and the caches' bookkeeping.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pub pool: BlockPool,
+    pub slots: StateSlots,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    /// Running sequences, oldest admission first.
+    running: Vec<SeqId>,
+    /// Preemptions since start.
+    pub num_preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler over a KV pool and state slots sized by the engine.
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool, slots: StateSlots) -> Self {
+        Scheduler { cfg, pool, slots, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), num_preemptions: 0 }
+    }
+
+    /// Queue a new sequence.
+    pub fn add(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq.id);
+        self.seqs.insert(seq.id, seq);
+    }
+
+    /// A sequence by id.
+    pub fn get(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    /// Append a sampled token to a sequence.
+    pub fn append_token(&mut self, id: SeqId, token: u32) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.tokens.push(token);
+        }
+    }
+
+    /// Running sequences.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Waiting sequences.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether any sequence is known.
+    pub fn has_work(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Pick this step's work.
+    pub fn schedule(&mut self) -> ScheduledStep {
+        let mut step = ScheduledStep::default();
+        let mut budget = self.cfg.prefill_chunk;
+        let mut scheduled: Vec<SeqId> = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            if self.seqs[&id].remaining() != 1 {
+                i += 1;
+                continue;
+            }
+            if !self.ensure_blocks_or_preempt(id) {
+                break;
+            }
+            self.push_chunk(&mut step, id, 1);
+            step.num_decodes += 1;
+            scheduled.push(id);
+            budget -= 1;
+            i += 1;
+        }
+
+        for idx in 0..self.running.len() {
+            if budget == 0 {
+                break;
+            }
+            let id = self.running[idx];
+            if scheduled.contains(&id) || self.seqs[&id].remaining() <= 1 {
+                continue;
+            }
+            let n = self.chunk_len(id, budget);
+            self.push_chunk(&mut step, id, n);
+            budget -= n;
+        }
+
+        while budget > 0 && self.running.len() < self.cfg.max_concurrency {
+            let Some(&id) = self.waiting.front() else { break };
+            let Some(copy) = self.try_admit(id) else { break };
+            self.waiting.pop_front();
+            step.copies_before.extend(copy);
+            let n = self.chunk_len(id, budget);
+            self.push_chunk(&mut step, id, n);
+            budget -= n;
+        }
+        step
+    }
+
+    /// After the runner ran `step`: advance computed counts, publish full blocks to the prefix
+    /// cache, and return the state copies (src, dst) that take snapshots now.
+    pub fn on_step_done(&mut self, step: &ScheduledStep) -> Vec<(usize, usize)> {
+        let bs = self.pool.block_size();
+        let mut copies = Vec::new();
+        for (chunk, id) in step.batch.seqs.iter().zip(&step.seq_ids) {
+            let Some(seq) = self.seqs.get_mut(id) else { continue };
+            seq.num_computed += chunk.tokens.len();
+            if self.cfg.prefix_reuse {
+                let full = seq.num_computed / bs;
+                seq.ensure_hashes(full, bs);
+                for b in seq.num_registered_blocks..full {
+                    self.pool.register_full(seq.block_table[b], seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]);
+                }
+                seq.num_registered_blocks = seq.num_registered_blocks.max(full);
+            }
+            if seq.snapshot_at == Some(seq.num_computed) {
+                seq.snapshot_at = None;
+                if let (Some(slot), Some(dst)) = (seq.state_slot, self.slots.reserve_snapshot(seq.block_hashes[seq.num_computed / bs - 1])) {
+                    copies.push((slot, dst));
+                }
+            }
+        }
+        copies
+    }
+
+    /// Remove a sequence (finished or aborted), freeing its blocks and slot. Returns a state
+    /// copy that snapshots its final state when it ends on a block boundary (hybrid models).
+    pub fn finish(&mut self, id: SeqId) -> Option<(usize, usize)> {
+        let seq = self.seqs.remove(&id)?;
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&w| w != id);
+        let bs = self.pool.block_size();
+        let mut copy = None;
+        if let Some(slot) = seq.state_slot {
+            let n = seq.num_computed;
+            if self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
+                copy = self.slots.reserve_snapshot(seq.block_hashes[n / bs - 1]).map(|dst| (slot, dst));
+            }
+            self.slots.release(slot);
+        }
+        self.pool.free_all(&seq.block_table);
+        copy
+    }
+
+    /// Make sure a decoding sequence has a block for its next token, preempting the newest
+    /// running sequences if needed. False when `id` itself had to be preempted.
+    fn ensure_blocks_or_preempt(&mut self, id: SeqId) -> bool {
+        let bs = self.pool.block_size();
+        loop {
+            let seq = &self.seqs[&id];
+            if seq.block_table.len() * bs > seq.num_computed {
+                return true;
+            }
+            if let Some(b) = self.pool.allocate() {
+                self.seqs.get_mut(&id).expect("running").block_table.push(b);
+                return true;
+            }
+            let victim = *self.running.last().expect("id is running");
+            self.preempt(victim);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    /// Free a running sequence's blocks and slot and requeue it at the front for recompute.
+    fn preempt(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        let seq = self.seqs.get_mut(&id).expect("known");
+        self.pool.free_all(&seq.block_table);
+        seq.block_table.clear();
+        if let Some(slot) = seq.state_slot.take() {
+            self.slots.release(slot);
+        }
+        seq.num_computed = 0;
+        seq.num_registered_blocks = 0;
+        seq.snapshot_at = None;
+        seq.status = SeqStatus::Waiting;
+        self.waiting.push_front(id);
+        self.num_preemptions += 1;
+    }
+
+    /// Admit the waiting sequence `id` if its blocks and slot fit: takes its prefix hit and
+    /// allocates blocks for all its tokens. Returns the snapshot-restore copy, if any.
+    fn try_admit(&mut self, id: SeqId) -> Option<Option<(usize, usize)>> {
+        let bs = self.pool.block_size();
+        let hybrid = self.slots.enabled();
+        if hybrid && self.slots.num_free() == 0 {
+            return None;
+        }
+        let seq = self.seqs.get_mut(&id).expect("waiting");
+        let len = seq.tokens.len();
+        let (hit_ids, snapshot) = if self.cfg.prefix_reuse {
+            seq.ensure_hashes(len / bs, bs);
+            let max_hit = (len - 1) / bs;
+            let mut ids = Vec::new();
+            for b in 0..max_hit {
+                match self.pool.lookup(seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]) {
+                    Some(blk) => ids.push(blk),
+                    None => break,
+                }
+            }
+            if hybrid {
+                let usable = (1..=ids.len()).rev().find(|&j| self.slots.has_snapshot(seq.block_hashes[j - 1]));
+                match usable {
+                    Some(j) => {
+                        ids.truncate(j);
+                        (ids, self.slots.find_snapshot(seq.block_hashes[j - 1]))
+                    }
+                    None => (Vec::new(), None),
+                }
+            } else {
+                (ids, None)
+            }
+        } else {
+            (Vec::new(), None)
+        };
+        let needed = len.div_ceil(bs) - hit_ids.len();
+        let hits_now_free = hit_ids.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        let headroom = usize::from(!self.running.is_empty());
+        if needed + hits_now_free + headroom > self.pool.num_free() {
+            return None;
+        }
+        let hit = hit_ids.len() * bs;
+        for &b in &hit_ids {
+            self.pool.acquire_cached(b);
+        }
+        let mut table = hit_ids;
+        for _ in 0..needed {
+            table.push(self.pool.allocate().expect("checked free blocks"));
+        }
+        let slot = if hybrid { self.slots.acquire() } else { None };
+        let seq = self.seqs.get_mut(&id).expect("waiting");
+        seq.block_table = table;
+        seq.num_computed = hit;
+        seq.num_registered_blocks = hit / bs;
+        seq.state_slot = slot;
+        seq.cached_tokens.get_or_insert(hit);
+        seq.status = SeqStatus::Running;
+        let aligned = len / bs * bs;
+        seq.snapshot_at = (hybrid && self.cfg.prefix_reuse && aligned > hit).then_some(aligned);
+        self.running.push(id);
+        Some(match (snapshot, slot) {
+            (Some(src), Some(dst)) if hit > 0 => Some((src, dst)),
+            _ => None,
+        })
+    }
+
+    /// Tokens of `id` to run now within `budget`, stopping at its snapshot point.
+    fn chunk_len(&self, id: SeqId, budget: usize) -> usize {
+        let seq = &self.seqs[&id];
+        let mut n = seq.remaining().min(budget);
+        if let Some(at) = seq.snapshot_at {
+            if at > seq.num_computed {
+                n = n.min(at - seq.num_computed);
+            }
+        }
+        n
+    }
+
+    fn push_chunk(&mut self, step: &mut ScheduledStep, id: SeqId, n: usize) {
+        let seq = &self.seqs[&id];
+        let start = seq.num_computed;
+        let end = start + n;
+        let bs = self.pool.block_size();
+        step.batch.seqs.push(SeqChunk {
+            tokens: seq.tokens[start..end].to_vec(),
+            start_pos: start,
+            block_table: seq.block_table[..end.div_ceil(bs)].to_vec(),
+            state_slot: seq.state_slot.unwrap_or(0),
+            logits: if end == seq.tokens.len() { LogitsWanted::Last } else { LogitsWanted::None },
+        });
+        step.seq_ids.push(id);
+    }
+}
