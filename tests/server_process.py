@@ -48,12 +48,14 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        log = self.log()
         self.close()
-        raise RuntimeError(f"server not ready after {timeout_s}s: {self.log()}")
+        raise RuntimeError(f"server not ready after {timeout_s}s: {log}")
 
     def log(self) -> str:
         """Everything the server printed so far."""
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def close(self) -> None:

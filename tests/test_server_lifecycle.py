@@ -159,3 +159,9 @@ def test_index_page_answers_and_unknown_route_is_openai_404():
         assert httpx.get(s.url + "/").status_code == 200
         r = httpx.get(s.url + "/v1/nothing")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_model_that_fails_to_load_stops_the_server_with_status_1(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    r = _serve(str(tmp_path))
+    assert r.returncode == 1 and "model load failed" in r.stderr

@@ -1,9 +1,9 @@
 """The server on real tiny models: outputs equal the offline engine, logprobs equal transformers.
 
-Each test starts `ninfer serve` on a tiny random checkpoint (tests/conftest.py fixtures) and
-compares what the official `openai` client and raw SSE get with the offline greedy output of
-the same `_core.Engine` run in this process (prompt ids from transformers' chat template) and,
-for logprobs, with transformers' log-softmax.
+Each test starts `ninfer serve` on a tiny random checkpoint (tests/tiny_models.py and
+tests/tiny_tokenizer.py) and compares what the official `openai` client and raw SSE get with
+the offline greedy output of the same `_core.Engine` run in this process (prompt ids from
+transformers' chat template) and, for logprobs, with transformers' log-softmax.
 """
 
 from __future__ import annotations
@@ -25,7 +25,36 @@ if not hasattr(_core, "Engine"):
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny"
-MAX_CONTEXT = 512
+MAX_CONTEXT = 256
+
+
+TINY_VOCAB = 448
+
+
+def make_checkpoint(path, arch: str, style: str):
+    """A tiny random checkpoint with a tiny tokenizer, EOS pointed at the tokenizer's."""
+    from tiny_models import make_model
+    from tiny_tokenizer import make_tokenizer
+
+    make_model(path, arch, vocab_size=TINY_VOCAB)
+    tok = make_tokenizer(path, style=style, vocab_size=TINY_VOCAB)
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if f.exists():
+            data = json.loads(f.read_text())
+            data["eos_token_id"] = int(tok.eos_token_id)
+            f.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("srv") / "qwen3", "qwen3", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("srv") / "qwen3_5", "qwen3_5", "qwen3")
 
 
 def offline_greedy(model_dir, prompts: list, max_tokens: int) -> list:
@@ -161,10 +190,10 @@ def test_disconnect_mid_stream_returns_kv_blocks_to_baseline(qwen3_server):
 
 
 def test_prompt_too_long_is_a_400_naming_both_numbers(qwen3_server):
-    r = httpx.post(qwen3_server.url + "/v1/completions", json={"prompt": [5] * 500, "max_tokens": 100})
+    r = httpx.post(qwen3_server.url + "/v1/completions", json={"prompt": [5] * 230, "max_tokens": 100})
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
-    assert "500" in msg and "100" in msg and str(MAX_CONTEXT) in msg
+    assert "230" in msg and "100" in msg and str(MAX_CONTEXT) in msg
     assert httpx.get(qwen3_server.url + "/health").status_code == 200
 
 

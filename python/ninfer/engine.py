@@ -167,6 +167,17 @@ class RequestStream:
         self.close()
 
 
+def _tokenizer_of(model_dir: str):
+    """The model directory's tokenizer when the core does not expose one (None without tokenizer.json)."""
+    import os
+
+    from ninfer import _core
+
+    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    return _core.Tokenizer(model_dir)
+
+
 class AsyncEngine:
     """Asynchronous driver of one `_core.Engine`: submit requests, iterate their deltas."""
 
@@ -210,6 +221,8 @@ class AsyncEngine:
             core = await anyio.to_thread.run_sync(lambda: _core.Engine(model_dir, device=device, **engine_kwargs))
         core.start_background()
         engine = cls(core, poll_timeout_s=poll_timeout_s, max_queue=max_queue)
+        if engine.tokenizer is None and model_dir is not None:
+            engine.tokenizer = await anyio.to_thread.run_sync(_tokenizer_of, model_dir)
         if engine_kwargs.get("max_concurrency"):
             engine.max_concurrency = int(engine_kwargs["max_concurrency"])
         engine._pump_task = asyncio.get_running_loop().create_task(engine._pump())

@@ -82,8 +82,13 @@ async def _http_exception(request, exc: HTTPException):
 
 
 def build_app(state: ServerState, engine_factory: EngineFactory, *, cors: Optional[list] = None,
-              log_stats_interval_s: Optional[float] = None) -> Starlette:
-    """The ASGI app; `engine_factory` is awaited in the background at startup."""
+              log_stats_interval_s: Optional[float] = None,
+              on_load_failure: Optional[Callable[[], None]] = None) -> Starlette:
+    """The ASGI app; `engine_factory` is awaited in the background at startup.
+
+    `on_load_failure` lets `ninfer serve` stop the process when the model cannot load, instead
+    of answering 503 forever.
+    """
 
     @asynccontextmanager
     async def lifespan(app):
@@ -93,6 +98,8 @@ def build_app(state: ServerState, engine_factory: EngineFactory, *, cors: Option
             except Exception as e:
                 state.load_error = f"{type(e).__name__}: {e}"
                 print(f"ninfer: model load failed: {state.load_error}", file=sys.stderr, flush=True)
+                if on_load_failure is not None:
+                    on_load_failure()
                 return
             print(f"ninfer: model {state.defaults.model_id} ready (max context {state.engine.max_context})",
                   file=sys.stderr, flush=True)

@@ -124,7 +124,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def make_app(args: argparse.Namespace):
+def make_app(args: argparse.Namespace, on_load_failure=None):
     """The ASGI app for parsed flags (the engine loads in the background once it starts)."""
     import anyio.to_thread
 
@@ -152,7 +152,7 @@ def make_app(args: argparse.Namespace):
         return await AsyncEngine.start(args.model, device=args.device, max_queue=args.max_queue, **engine_kwargs)
 
     interval = args.log_stats_interval_ms / 1000 if args.log_stats_interval_ms else None
-    return build_app(state, start_engine, cors=args.cors, log_stats_interval_s=interval)
+    return build_app(state, start_engine, cors=args.cors, log_stats_interval_s=interval, on_load_failure=on_load_failure)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -160,11 +160,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import uvicorn
 
     args = parse_args(argv)
-    app = make_app(args)
+    server: Optional[uvicorn.Server] = None
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app = make_app(args, on_load_failure=stop)
     print(f"ninfer: serving {args.model_id} on http://{args.host}:{args.port} (loading {args.model or 'core factory'})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5))
+    server.run()
+    if app.state.server.load_error:
+        print(f"ninfer serve: error: {app.state.server.load_error}", file=sys.stderr)
+        return 1
     return 0
 
 
