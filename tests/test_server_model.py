@@ -141,7 +141,9 @@ def test_logprobs_equal_transformers_log_softmax(client, qwen3_dir):
     got = np.array(choice.logprobs.token_logprobs)
     np.testing.assert_allclose(got, ref[np.arange(len(ids)), ids], atol=2e-3)
     for row, top in zip(ref, choice.logprobs.top_logprobs):
-        np.testing.assert_allclose(sorted(top.values(), reverse=True), np.sort(row)[::-1][:3], atol=2e-3)
+        ref_top = np.sort(row)[::-1][:3]
+        # Keyed by token text, so tokens that decode alike (partial UTF-8) share one entry.
+        assert top and all(np.min(np.abs(ref_top - v)) < 2e-3 for v in top.values())
 
 
 def test_32_concurrent_streams_equal_solo_outputs_and_batch(qwen3_server, qwen3_dir):
@@ -176,9 +178,10 @@ def test_prefix_cache_hit_counted_with_identical_output(client, qwen3_server):
 def test_disconnect_mid_stream_returns_kv_blocks_to_baseline(qwen3_server):
     url = qwen3_server.url
     baseline = metrics(url)["ninfer_kv_blocks_used"]
-    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 400, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 240, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        assert s.status_code == 200
         lines = s.iter_lines()
         for _ in range(6):
             next(lines)
@@ -198,18 +201,19 @@ def test_prompt_too_long_is_a_400_naming_both_numbers(qwen3_server):
 
 
 def test_second_turn_on_hybrid_model_hits_prefix_cache_with_same_output(qwen3_5_dir):
+    # Thinking on: the turn-1 prompt ends at "<|im_start|>assistant\n", so the turn-2 prompt
+    # extends it and the hybrid model's state snapshot at its last full block can be reused.
     with ServerProcess([str(qwen3_5_dir), "--model-id", MODEL, "--max-context", str(MAX_CONTEXT)],
                        ready_timeout_s=300) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         turn1 = [{"role": "system", "content": "Answer briefly. " * 8}, *MSGS]
-        first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=8, temperature=0,
-                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=8, temperature=0)
         turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content or ""},
                          {"role": "user", "content": "And in Tokyo?"}]
-        kwargs = {"model": MODEL, "messages": turn2, "max_tokens": 8, "temperature": 0,
-                  "extra_body": {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}}
         hit_before = metrics(s.url)["ninfer_prefix_cache_hit_tokens_total"]
-        second = client.chat.completions.create(**kwargs)
+        second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0,
+                                                extra_body={"return_token_ids": True})
         assert metrics(s.url)["ninfer_prefix_cache_hit_tokens_total"] > hit_before
-    want = offline_greedy(qwen3_5_dir, [hf_chat_ids(qwen3_5_dir, turn2, enable_thinking=False)], 8)[0]
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+    want = offline_greedy(qwen3_5_dir, [hf_chat_ids(qwen3_5_dir, turn2)], 8)[0]
     assert second.choices[0].model_extra["token_ids"] == want[1]

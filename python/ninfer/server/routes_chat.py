@@ -116,7 +116,7 @@ async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text,
                 b = builders[sub.choice_of[delta.request_id]]
                 fields = b.feed(delta)
                 lp = {"content": chat_logprobs(delta.logprobs, token_text)} if req.logprobs and delta.logprobs else None
-                if fields or lp:
+                if fields or lp or (req.return_token_ids and delta.token_ids):
                     choice = {"index": b.index, "delta": fields, "logprobs": lp, "finish_reason": None}
                     if req.return_token_ids:
                         choice["token_ids"] = delta.token_ids

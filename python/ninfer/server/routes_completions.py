@@ -75,7 +75,8 @@ async def _stream(sub: Submission, req, builders: list, token_text, rid: str, cr
             async for delta in sub.stream:
                 b = builders[sub.choice_of[delta.request_id]]
                 b.feed(delta)
-                if delta.text or delta.finished or (req.logprobs and delta.logprobs):
+                if delta.text or delta.finished or (req.logprobs and delta.logprobs) or (
+                        req.return_token_ids and delta.token_ids):
                     lp = completion_logprobs(delta.logprobs or [], token_text) if req.logprobs else None
                     choice = {"index": b.index, "text": delta.text, "logprobs": lp, "finish_reason": b.finish_reason}
                     if req.return_token_ids:
