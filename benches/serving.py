@@ -7,6 +7,7 @@ the engine driven directly (`AsyncEngine`, the peer) and through `ninfer serve` 
 the HTTP overhead at the highest concurrency must stay under 10% of direct throughput.
 
     python benches/serving.py --model MODEL_DIR [--device cpu] [--max-tokens 64]
+    python benches/serving.py --small-model      # a random 8-layer Qwen3 made on first use
     python benches/serving.py --core-factory fake_core:FakeCore   # the HTTP layer alone
 """
 
@@ -138,6 +139,34 @@ async def run_http(url: str, prompts: list, params: dict) -> dict:
     return summarize(results, time.monotonic() - t0)
 
 
+SMALL_QWEN3 = dict(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+
+
+def make_small_model(path: pathlib.Path) -> str:
+    """A random Qwen3 of SMALL_QWEN3's shape with a trained tiny tokenizer (tests/ factories)."""
+    from tiny_models import make_model
+    from tiny_tokenizer import make_tokenizer
+
+    if not (path / "tokenizer.json").exists():
+        make_model(path, "qwen3", **SMALL_QWEN3)
+        tok = make_tokenizer(path, style="qwen3", vocab_size=SMALL_QWEN3["vocab_size"])
+        for name in ("config.json", "generation_config.json"):
+            f = path / name
+            data = json.loads(f.read_text())
+            data["eos_token_id"] = int(tok.eos_token_id)
+            f.write_text(json.dumps(data))
+    return str(path)
+
+
+def model_summary(model_dir: str) -> dict:
+    """The config fields that say how big the benchmarked model is."""
+    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    keys = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads")
+    return {k: cfg.get(k) for k in keys if k in cfg}
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -185,7 +214,8 @@ async def main_async(args) -> list:
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     base = {"commit": commit(), "date": stamp, "device": device, "command": " ".join([sys.argv[0], *sys.argv[1:]]),
             "model": args.model or args.core_factory,
-            "config": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rounds": args.rounds}}
+            "config": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                       "model": model_summary(args.model) if args.model else None}}
     records = []
     for c in levels:
         for metric in ("ttft_ms", "itl_ms", "output_tok_s"):
@@ -202,6 +232,8 @@ async def main_async(args) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory")
+    p.add_argument("--small-model", action="store_true",
+                   help="make (once) and use a random 8-layer Qwen3 in tests/.cache/bench-qwen3-small")
     p.add_argument("--core-factory", help="MODULE:CALLABLE fake core instead of a model (tests/fake_core.py)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-context", type=int)
@@ -211,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="requests per level = concurrency * rounds")
     p.add_argument("--out", default=str(ROOT / "benches" / "results" / "serving.json"))
     args = p.parse_args(argv)
+    if args.small_model:
+        args.model = make_small_model(ROOT / "tests" / ".cache" / "bench-qwen3-small")
     if not args.model and not args.core_factory:
         p.error("give --model DIR or --core-factory MODULE:CALLABLE")
     os.environ.setdefault("PYTHONPATH", f"{ROOT / 'python'}{os.pathsep}{ROOT / 'tests'}")
