@@ -38,7 +38,7 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text."""
     state: ServerState = request.app.state.server
-    stats = state.engine.stats() if state.engine is not None else {}
+    stats = await state.engine.astats() if state.engine is not None else {}
     return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
 
