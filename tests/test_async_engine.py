@@ -157,3 +157,10 @@ async def test_sampling_params_objects_are_serialised():
         assert deltas[-1].completion_tokens == 2
     finally:
         await engine.shutdown()
+
+
+def test_async_engine_is_exported_from_the_package():
+    import ninfer
+    from ninfer.engine import AsyncEngine as Direct
+
+    assert ninfer.AsyncEngine is Direct
