@@ -4,6 +4,12 @@
 //! step, `cpu_model` ties them into a `ModelRunner`.
 
 pub mod cpu_model;
+#[cfg(feature = "cuda")]
+pub mod cuda_model;
+#[cfg(feature = "cuda")]
+mod cuda_step;
+#[cfg(feature = "cuda")]
+pub mod cuda_weights;
 pub mod layers;
 pub mod runner;
 pub mod weights;
@@ -14,15 +20,18 @@ mod tests;
 use std::path::Path;
 
 pub use cpu_model::CpuModel;
+#[cfg(feature = "cuda")]
+pub use cuda_model::CudaModel;
 pub use runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 pub use weights::{ModelWeights, MtpWeights};
 
-use crate::{NinferError, Result};
+use crate::backend::cuda::{resolve_device, DeviceSpec, ResolvedDevice};
+use crate::Result;
 
 /// Where to load a model.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
-    /// "cpu" (more later).
+    /// "cpu", "cuda", "cuda:N" or "auto" (the GPU when one is present, else the CPU).
     pub device: String,
     /// Worker threads for the CPU backend (None: all cores).
     pub num_threads: Option<usize>,
@@ -30,8 +39,19 @@ pub struct LoadOptions {
 
 /// Load a HF model directory onto a backend.
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
-    match opts.device.as_str() {
-        "" | "cpu" => Ok(Box::new(CpuModel::load(dir, opts)?)),
-        other => Err(NinferError::Unsupported(format!("device `{other}` (available: cpu)"))),
+    let spec = if opts.device.is_empty() { DeviceSpec::Cpu } else { DeviceSpec::parse(&opts.device)? };
+    match resolve_device(spec)? {
+        ResolvedDevice::Cpu => Ok(Box::new(CpuModel::load(dir, opts)?)),
+        ResolvedDevice::Cuda(ordinal) => load_cuda(dir, ordinal),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn load_cuda(dir: &Path, ordinal: usize) -> Result<Box<dyn ModelRunner>> {
+    Ok(Box::new(CudaModel::load(dir, ordinal)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn load_cuda(_dir: &Path, ordinal: usize) -> Result<Box<dyn ModelRunner>> {
+    Err(crate::NinferError::Device(format!("cuda:{ordinal}: this build of ninfer has no CUDA backend (built without the `cuda` feature)")))
 }

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::IntoPy;
-use crate::model::{CpuModel, LoadOptions, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::model::{load_model, CpuModel, LoadOptions, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::NinferError;
 
 /// Block size of the private KV pool `logits` uses.
@@ -17,7 +17,18 @@ const BLOCK_SIZE: usize = 16;
 /// A model loaded from a HF directory (config.json + safetensors).
 #[pyclass(name = "Model", module = "ninfer._core")]
 pub struct PyModel {
-    model: Mutex<CpuModel>,
+    model: Mutex<Loaded>,
+}
+
+/// A runner on any backend plus what `config` reports about it and the size of the private
+/// cache pool `logits` allocated.
+struct Loaded {
+    runner: Box<dyn ModelRunner>,
+    has_mtp: bool,
+    /// CPU worker threads (None on a GPU).
+    num_threads: Option<usize>,
+    /// (blocks, block size, state slots) allocated so far.
+    capacity: (usize, usize, usize),
 }
 
 #[pymethods]
@@ -25,11 +36,19 @@ impl PyModel {
     #[new]
     #[pyo3(signature = (model_dir, device = "cpu", num_threads = None))]
     fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>) -> PyResult<Self> {
-        if device != "cpu" {
-            return Err(NinferError::Unsupported(format!("device `{device}` (available: cpu)"))).py();
-        }
         let opts = LoadOptions { device: device.to_string(), num_threads };
-        let model = py.detach(|| CpuModel::load(&model_dir, &opts)).py()?;
+        let model = py
+            .detach(|| -> crate::Result<Loaded> {
+                if device.trim().eq_ignore_ascii_case("cpu") {
+                    let cpu = CpuModel::load(&model_dir, &opts)?;
+                    let (has_mtp, threads) = (cpu.mtp().is_some(), cpu.num_threads());
+                    return Ok(Loaded { runner: Box::new(cpu), has_mtp, num_threads: Some(threads), capacity: (0, 0, 0) });
+                }
+                let runner = load_model(&model_dir, &opts)?;
+                let has_mtp = runner.config().mtp_num_layers > 0;
+                Ok(Loaded { runner, has_mtp, num_threads: None, capacity: (0, 0, 0) })
+            })
+            .py()?;
         Ok(PyModel { model: Mutex::new(model) })
     }
 
@@ -43,9 +62,10 @@ impl PyModel {
             .detach(|| {
                 let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
                 let blocks = t.div_ceil(BLOCK_SIZE);
-                let (have_blocks, have_bs, have_slots) = m.cache_capacity();
+                let (have_blocks, have_bs, have_slots) = m.capacity;
                 if have_bs != BLOCK_SIZE || have_blocks < blocks || have_slots < 1 {
-                    m.allocate_caches(blocks, BLOCK_SIZE, 1)?;
+                    m.runner.allocate_caches(blocks, BLOCK_SIZE, 1)?;
+                    m.capacity = (blocks, BLOCK_SIZE, 1);
                 }
                 let batch = StepBatch {
                     seqs: vec![SeqChunk {
@@ -56,7 +76,7 @@ impl PyModel {
                         logits: LogitsWanted::All,
                     }],
                 };
-                m.forward(&batch)
+                m.runner.forward(&batch)
             })
             .py()?;
         let vocab = logits.vocab;
@@ -67,7 +87,7 @@ impl PyModel {
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = self.model.lock().unwrap_or_else(|e| e.into_inner());
-        let c = m.config();
+        let c = m.runner.config();
         let d = PyDict::new(py);
         d.set_item("architecture", &c.architecture)?;
         d.set_item("vocab_size", c.vocab_size)?;
@@ -81,9 +101,9 @@ impl PyModel {
         d.set_item("max_position_embeddings", c.max_position_embeddings)?;
         d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
         d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
-        d.set_item("has_mtp", m.mtp().is_some())?;
-        d.set_item("num_threads", m.num_threads())?;
-        let spec = m.cache_spec();
+        d.set_item("has_mtp", m.has_mtp)?;
+        d.set_item("num_threads", m.num_threads)?;
+        let spec = m.runner.cache_spec();
         d.set_item("kv_bytes_per_token", spec.kv_bytes_per_token)?;
         d.set_item("state_bytes_per_slot", spec.state_bytes_per_slot)?;
         d.set_item("weight_bytes", spec.weight_bytes)?;

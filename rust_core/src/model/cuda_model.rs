@@ -1,0 +1,507 @@
+//! `CudaModel`: a loaded model on one CUDA device, running engine steps with the kernels of
+//! `backend::cuda` on the device's stream.
+//!
+//! A step uploads its metadata (token ids, positions, KV slots, block tables, sequence offsets)
+//! in two copies, runs every layer over all rows of the step, and copies only the wanted logits
+//! rows back as f32; that copy is the only host synchronization. Sampling stays on the host
+//! for now (device-side sampling and CUDA graphs for decode are later work).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
+
+use crate::artifact::WeightStore;
+use crate::backend::cuda::device::driver_err;
+use crate::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
+use crate::backend::cuda::CudaDevice;
+use crate::config::{LayerType, ModelConfig};
+use crate::{NinferError, Result};
+
+use super::cuda_step::StepMeta;
+use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
+use super::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
+use super::weights::ModelWeights;
+
+/// KV pool and recurrent-state slots on the device, per layer.
+#[derive(Default)]
+struct DevCaches {
+    block_size: usize,
+    num_blocks: usize,
+    num_slots: usize,
+    /// Per attention layer, `[num_blocks, block_size, n_kv_heads, head_dim]` in storage type.
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    /// Per GDN layer, `[slots, conv_dim, kernel - 1]` in storage type.
+    conv: Vec<CudaSlice<u16>>,
+    /// Per GDN layer, f32 `[slots, n_v_heads, dk, dv]`.
+    delta: Vec<CudaSlice<f32>>,
+}
+
+/// Activation buffers for steps of up to `rows` tokens; grown (never shrunk) when a larger
+/// step arrives, so that steady-state steps allocate nothing.
+#[derive(Default)]
+struct Activations {
+    rows: usize,
+    /// Residual stream `[rows, hidden]`.
+    x: Option<CudaSlice<u16>>,
+    /// Normed input of the current sub-block.
+    h: Option<CudaSlice<u16>>,
+    /// Sub-block output added to the residual.
+    tmp: Option<CudaSlice<u16>>,
+    /// Attention qkv projection or GDN conv input.
+    proj: Option<CudaSlice<u16>>,
+    /// Normed (then rotated) queries and keys for models with q/k norm.
+    qn: Option<CudaSlice<u16>>,
+    kn: Option<CudaSlice<u16>>,
+    /// Mixer output before its output projection.
+    mix: Option<CudaSlice<u16>>,
+    gate_up: Option<CudaSlice<u16>>,
+    act: Option<CudaSlice<u16>>,
+    /// GDN: z, b, a projections, conv output, gates, core output.
+    z: Option<CudaSlice<u16>>,
+    b: Option<CudaSlice<u16>>,
+    a: Option<CudaSlice<u16>>,
+    conv_out: Option<CudaSlice<u16>>,
+    g: Option<CudaSlice<f32>>,
+    beta: Option<CudaSlice<f32>>,
+    core: Option<CudaSlice<u16>>,
+    /// Rows that produce logits, gathered.
+    sel: Option<CudaSlice<u16>>,
+    /// f32 logits of the gathered rows.
+    logits: Option<CudaSlice<f32>>,
+}
+
+/// A model on one CUDA device (weights in the device's storage type).
+pub struct CudaModel {
+    cfg: ModelConfig,
+    dev: Arc<CudaDevice>,
+    weights: DevWeights,
+    /// Layer index -> index into the KV lists (attention) or the state lists (GDN).
+    cache_index: Vec<usize>,
+    /// f32 `[rotary_dim / 2]`.
+    inv_freq: CudaSlice<f32>,
+    rope_scale: f32,
+    caches: DevCaches,
+    act: Activations,
+    meta: StepMeta,
+    /// A one-element buffer for the unused k argument of a q-only RoPE launch.
+    dummy: CudaSlice<u16>,
+}
+
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize, what: &str) -> Result<CudaSlice<T>> {
+    let free = dev.memory_info().map(|(f, _)| f as u64).unwrap_or(0);
+    dev.stream().alloc_zeros::<T>(n.max(1)).map_err(|e| NinferError::OutOfMemory {
+        what: format!("{what} ({e})"),
+        needed: (n * std::mem::size_of::<T>()) as u64,
+        available: free,
+        hint: "lower --kv-capacity, --max-concurrency or --prefill-chunk".into(),
+    })
+}
+
+/// The buffer behind an activation slot (always set once `ensure_rows` ran).
+fn buf<T>(b: &Option<CudaSlice<T>>) -> &CudaSlice<T> {
+    b.as_ref().expect("activation buffer allocated by ensure_rows")
+}
+
+fn buf_mut<T>(b: &mut Option<CudaSlice<T>>) -> &mut CudaSlice<T> {
+    b.as_mut().expect("activation buffer allocated by ensure_rows")
+}
+
+impl CudaModel {
+    /// Load config and weights from a HF model directory onto device `ordinal`.
+    pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let dev = Arc::new(CudaDevice::new(ordinal)?);
+        Self::check_supported(&cfg)?;
+        dev.load_all_kernels()?;
+        let store = WeightStore::open(dir)?;
+        let host = ModelWeights::load(&store, &cfg)?;
+        let weights = DevWeights::upload(&dev, &cfg, host)?;
+        let (mut n_attn, mut n_lin) = (0, 0);
+        let cache_index = cfg
+            .layer_types
+            .iter()
+            .map(|t| match t {
+                LayerType::FullAttention => {
+                    n_attn += 1;
+                    n_attn - 1
+                }
+                LayerType::LinearAttention => {
+                    n_lin += 1;
+                    n_lin - 1
+                }
+            })
+            .collect();
+        let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
+        let inv_freq = dev.stream().clone_htod(&inv_freq).map_err(driver_err("uploading rope frequencies"))?;
+        let dummy = alloc::<u16>(&dev, 1, "rope scratch")?;
+        eprintln!(
+            "ninfer: loaded {} on cuda:{} ({}, {}, {:?}): {:.2} GiB of weights",
+            cfg.architecture,
+            ordinal,
+            dev.name(),
+            dev.arch(),
+            dev.storage(),
+            weights.bytes as f64 / (1u64 << 30) as f64
+        );
+        Ok(CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches: DevCaches::default(), act: Activations::default(), meta: StepMeta::default(), dummy })
+    }
+
+    /// Shapes the kernels do not cover yet fail at load with the reason, not mid-step.
+    fn check_supported(cfg: &ModelConfig) -> Result<()> {
+        let unsupported = |what: String| Err(NinferError::Unsupported(format!("{what} on the CUDA backend (use device=\"cpu\")")));
+        if cfg.num_attention_layers() > 0 && !matches!(cfg.head_dim, 64 | 96 | 128 | 256) {
+            return unsupported(format!("head_dim {} (kernels: 64, 96, 128, 256)", cfg.head_dim));
+        }
+        if cfg.qkv_bias || cfg.o_bias || cfg.mlp_bias {
+            return unsupported("projection biases".into());
+        }
+        if let Some(la) = cfg.linear_attention {
+            if !matches!(la.key_head_dim, 64 | 128) || la.value_head_dim % 32 != 0 || !(2..=4).contains(&la.conv_kernel) {
+                return unsupported(format!(
+                    "Gated DeltaNet with key head dim {}, value head dim {}, conv kernel {} (kernels: dk 64/128, dv a multiple of 32, kernel 2-4)",
+                    la.key_head_dim, la.value_head_dim, la.conv_kernel
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The device this model runs on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// KV blocks, block size and state slots currently allocated.
+    pub fn cache_capacity(&self) -> (usize, usize, usize) {
+        (self.caches.num_blocks, self.caches.block_size, self.caches.num_slots)
+    }
+
+    /// Grow the activation buffers to hold `rows` tokens (with headroom, so that a run of
+    /// growing steps allocates a few times, not every step).
+    fn ensure_rows(&mut self, rows: usize) -> Result<()> {
+        if rows <= self.act.rows {
+            return Ok(());
+        }
+        let rows = rows.next_power_of_two().max(8);
+        let c = &self.cfg;
+        let dev = &self.dev;
+        let (h, qd, kvd) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
+        let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
+        let inter = c.intermediate_size;
+        // Free the old set first so that growth does not need both at once.
+        self.act = Activations::default();
+        let a = Activations {
+            rows,
+            x: Some(alloc(dev, rows * h, "activations")?),
+            h: Some(alloc(dev, rows * h, "activations")?),
+            tmp: Some(alloc(dev, rows * h, "activations")?),
+            proj: Some(alloc(dev, rows * attn_width.max(cd), "activations")?),
+            qn: Some(alloc(dev, if c.qk_norm { rows * qd } else { 1 }, "activations")?),
+            kn: Some(alloc(dev, if c.qk_norm { rows * kvd } else { 1 }, "activations")?),
+            mix: Some(alloc(dev, rows * qd.max(vd), "activations")?),
+            gate_up: Some(alloc(dev, rows * 2 * inter, "activations")?),
+            act: Some(alloc(dev, rows * inter, "activations")?),
+            z: Some(alloc(dev, rows * vd, "activations")?),
+            b: Some(alloc(dev, rows * nv, "activations")?),
+            a: Some(alloc(dev, rows * nv, "activations")?),
+            conv_out: Some(alloc(dev, rows * cd, "activations")?),
+            g: Some(alloc(dev, rows * nv, "activations")?),
+            beta: Some(alloc(dev, rows * nv, "activations")?),
+            core: Some(alloc(dev, rows * vd, "activations")?),
+            sel: Some(alloc(dev, rows * h, "activations")?),
+            logits: Some(alloc(dev, rows * c.vocab_size, "logits")?),
+        };
+        self.act = a;
+        Ok(())
+    }
+
+    fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
+        self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
+        let rows = batch.num_tokens();
+        self.ensure_rows(rows)?;
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        self.meta.upload(&self.dev, batch, self.caches.block_size)?;
+        self.zero_new_states(batch)?;
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy } = self;
+        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
+        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
+        for (li, layer) in weights.layers.iter().enumerate() {
+            if li == 0 {
+                dev.rmsnorm(buf(&act.x), &layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
+            } else {
+                dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.input_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+            }
+            let ci = cache_index[li];
+            match &layer.mixer {
+                DevMixer::Attention(a) => {
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks };
+                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
+                }
+                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots, act, rows)?,
+            }
+            dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+            mlp(dev, layer, act, rows)?;
+        }
+        let picked = meta.picked_runs(batch);
+        let counts = meta.logit_counts(batch);
+        let m: usize = counts.iter().sum();
+        let vocab = cfg.vocab_size;
+        if m == 0 {
+            return Ok(Logits { vocab, data: Vec::new(), rows: counts });
+        }
+        dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+        let mut out_row = 0;
+        for (r0, n) in picked {
+            let src = buf(&act.h).slice(r0 * h..(r0 + n) * h);
+            let mut dst = buf_mut(&mut act.sel).slice_mut(out_row * h..(out_row + n) * h);
+            dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering logits rows"))?;
+            out_row += n;
+        }
+        let lm = weights.lm_head();
+        let sel = buf(&act.sel);
+        let logits = buf_mut(&mut act.logits);
+        if m == 1 && h % 8 == 0 {
+            dev.gemv_f32_out(sel, lm, logits, m, vocab, h)?;
+        } else {
+            dev.gemm_f32_out(sel, lm, logits, m, vocab, h)?;
+        }
+        let data = dev.stream().clone_dtoh(&logits.slice(0..m * vocab)).map_err(driver_err("copying logits to the host"))?;
+        Ok(Logits { vocab, data, rows: counts })
+    }
+
+    /// Sequences that start at position 0 begin from a zero recurrent state.
+    fn zero_new_states(&mut self, batch: &StepBatch) -> Result<()> {
+        let Some(la) = self.cfg.linear_attention else { return Ok(()) };
+        let conv_elems = la.conv_dim() * (la.conv_kernel - 1);
+        let delta_elems = la.state_floats();
+        let s = self.dev.stream().clone();
+        for seq in batch.seqs.iter().filter(|q| q.start_pos == 0) {
+            let slot = seq.state_slot;
+            for conv in &mut self.caches.conv {
+                s.memset_zeros(&mut conv.slice_mut(slot * conv_elems..(slot + 1) * conv_elems)).map_err(driver_err("clearing a state slot"))?;
+            }
+            for delta in &mut self.caches.delta {
+                s.memset_zeros(&mut delta.slice_mut(slot * delta_elems..(slot + 1) * delta_elems)).map_err(driver_err("clearing a state slot"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What an attention layer needs besides its weights and cache.
+struct AttnCtx<'a> {
+    cfg: &'a ModelConfig,
+    dev: &'a CudaDevice,
+    meta: &'a StepMeta,
+    inv_freq: &'a CudaSlice<f32>,
+    rope_scale: f32,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl AttnCtx<'_> {
+    /// Softmax attention sub-block: reads `act.h`, writes `act.tmp`.
+    fn run(&self, a: &super::cuda_weights::DevAttention, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
+        let (c, dev) = (self.cfg, self.dev);
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let width = a.qkv.n;
+        let k_off = if c.attn_output_gate { 2 * qd } else { qd };
+        let v_off = k_off + kvd;
+        linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), rows)?;
+        let positions = self.meta.positions();
+        let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
+        if let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) {
+            let proj = buf(&act.proj);
+            head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
+            head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
+            let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
+            dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
+            (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
+        } else {
+            let proj = buf_mut(&mut act.proj);
+            if k_off == qd {
+                // Keys follow the queries in each row: one launch rotates both as q heads.
+                dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh + nkv, 0, hd, width, 0, self.rope_scale)?;
+            } else {
+                dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh, 0, hd, width, 0, self.rope_scale)?;
+                dev.rope_neox(&mut proj.slice_mut(k_off..), dummy, &positions, self.inv_freq, nkv, 0, hd, width, 0, self.rope_scale)?;
+            }
+            (q_src, q_stride, k_rows, k_stride) = (buf(&act.proj).as_view(), width, buf(&act.proj).slice(k_off..), width);
+        }
+        let v_rows = buf(&act.proj).slice(v_off..);
+        dev.kv_cache_write(&k_rows, &v_rows, kc, vc, &self.meta.slot_mapping(), kvd, k_stride, width)?;
+        let shape = PagedAttentionShape {
+            n_q_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            q_stride,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_blocks_per_seq: self.meta.max_blocks_per_seq(),
+            scale: 1.0 / (hd as f32).sqrt(),
+            max_context: self.meta.max_context(),
+            partition: 0,
+        };
+        let mut mix = buf_mut(&mut act.mix).slice_mut(0..rows * qd);
+        dev.paged_attention(&q_src, kc, vc, &self.meta.block_tables(), &self.meta.token_seq(), &positions, &mut mix, &shape)?;
+        if c.attn_output_gate {
+            let gate = buf(&act.proj).slice(qd..);
+            dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
+        }
+        drop(mix);
+        linear(dev, &a.o, buf(&act.mix), buf_mut(&mut act.tmp), rows)
+    }
+}
+
+/// Per-head RMSNorm of `heads` heads starting at column `offset` of `src` rows (stride
+/// `width`) into contiguous `[rows, heads * hd]`. One launch for a single row (its heads are
+/// contiguous), otherwise one launch per head over all rows.
+#[allow(clippy::too_many_arguments)]
+fn head_norm(dev: &CudaDevice, src: &CudaSlice<u16>, offset: usize, width: usize, w: &CudaSlice<u16>, out: &mut CudaSlice<u16>, heads: usize, hd: usize, rows: usize, eps: f32, plus_one: bool) -> Result<()> {
+    if rows == 1 {
+        return dev.rmsnorm(&src.slice(offset..offset + heads * hd), w, out, heads, hd, hd, hd, eps, plus_one);
+    }
+    for head in 0..heads {
+        let x = src.slice(offset + head * hd..);
+        dev.rmsnorm(&x, w, &mut out.slice_mut(head * hd..), rows, hd, width, heads * hd, eps, plus_one)?;
+    }
+    Ok(())
+}
+
+/// `y = x · Wᵀ` for `rows` rows (GEMV for one row, cuBLAS otherwise).
+fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
+    dev.linear(x, &l.w, y, rows, l.n, l.k)
+}
+
+/// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, writes
+/// `act.tmp`. Prefill runs the token-by-token recurrent kernel (the chunked kernel is later
+/// work).
+#[allow(clippy::too_many_arguments)]
+fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize) -> Result<()> {
+    let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
+    let (cd, kd, nv) = (la.conv_dim(), la.key_dim(), la.num_value_heads);
+    let h = buf(&act.h);
+    linear(dev, &g.qkv, h, buf_mut(&mut act.proj), rows)?;
+    linear(dev, &g.z, h, buf_mut(&mut act.z), rows)?;
+    linear(dev, &g.b, h, buf_mut(&mut act.b), rows)?;
+    linear(dev, &g.a, h, buf_mut(&mut act.a), rows)?;
+    let cu = meta.cu_seqlens();
+    let slots = meta.slots();
+    let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: cd, kernel_size: la.conv_kernel, n_slots };
+    let bias = g.conv_b.as_ref().map(|b| b as &dyn crate::backend::cuda::ops::DevicePtrDyn);
+    dev.causal_conv1d(buf(&act.proj), conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
+    dev.gdn_gates(buf(&act.a), buf(&act.b), &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
+    let co = buf(&act.conv_out);
+    let shape = RecurrentShape {
+        n_tokens: rows,
+        n_k_heads: la.num_key_heads,
+        n_v_heads: nv,
+        dk: la.key_head_dim,
+        dv: la.value_head_dim,
+        qk_stride: cd,
+        v_stride: cd,
+        n_slots,
+    };
+    dev.gdn_recurrent(&co.slice(0..), &co.slice(kd..), &co.slice(2 * kd..), buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+    dev.rmsnorm_gated(buf(&act.core), buf(&act.z), &g.norm, buf_mut(&mut act.mix), rows * nv, la.value_head_dim, cfg.rms_norm_eps)?;
+    linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
+}
+
+/// SwiGLU MLP sub-block: reads `act.h`, writes `act.tmp`.
+fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize) -> Result<()> {
+    let inter = layer.gate_up.n / 2;
+    linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), rows)?;
+    let gu = buf(&act.gate_up);
+    dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
+    linear(dev, &layer.down, buf(&act.act), buf_mut(&mut act.tmp), rows)
+}
+
+impl ModelRunner for CudaModel {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_spec(&self) -> CacheSpec {
+        let c = &self.cfg;
+        let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
+        let state = c.linear_attention.map_or(0, |la| (la.conv_dim() * (la.conv_kernel - 1) * 2 + la.state_floats() * 4) * c.num_linear_layers());
+        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes }
+    }
+
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
+        if block_size == 0 {
+            return Err(NinferError::config("block_size", "must be positive"));
+        }
+        self.caches = DevCaches::default();
+        let c = &self.cfg;
+        let spec = self.cache_spec();
+        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + num_state_slots * spec.state_bytes_per_slot) as u64;
+        let (free, _) = self.dev.memory_info()?;
+        if needed > free as u64 {
+            return Err(NinferError::OutOfMemory {
+                what: format!("KV cache ({} tokens) and {num_state_slots} state slots on cuda:{}", num_blocks * block_size, self.dev.ordinal()),
+                needed,
+                available: free as u64,
+                hint: "lower --kv-capacity or --max-concurrency".into(),
+            });
+        }
+        let mut caches = DevCaches { block_size, num_blocks, num_slots: num_state_slots, ..Default::default() };
+        let kv_elems = num_blocks * block_size * c.num_kv_heads * c.head_dim;
+        for _ in 0..c.num_attention_layers() {
+            caches.k.push(alloc(&self.dev, kv_elems, "KV cache")?);
+            caches.v.push(alloc(&self.dev, kv_elems, "KV cache")?);
+        }
+        if let Some(la) = c.linear_attention {
+            for _ in 0..c.num_linear_layers() {
+                caches.conv.push(alloc(&self.dev, num_state_slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
+                caches.delta.push(alloc(&self.dev, num_state_slots * la.state_floats(), "recurrent state")?);
+            }
+        }
+        self.caches = caches;
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
+        self.step(batch)
+    }
+
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
+        let slots = self.caches.num_slots;
+        if src >= slots || dst >= slots {
+            return Err(NinferError::invalid("state_slot", format!("copy {src} -> {dst} outside {slots} slots")));
+        }
+        if src == dst {
+            return Ok(());
+        }
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let s = self.dev.stream().clone();
+        for buf in &mut self.caches.conv {
+            copy_slot(&s, buf, slots, src, dst)?;
+        }
+        for buf in &mut self.caches.delta {
+            copy_slot(&s, buf, slots, src, dst)?;
+        }
+        Ok(())
+    }
+}
+
+/// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.
+fn copy_slot<T: DeviceRepr>(s: &Arc<cudarc::driver::CudaStream>, buf: &mut CudaSlice<T>, slots: usize, src: usize, dst: usize) -> Result<()> {
+    let per = buf.len() / slots;
+    let (lo, mut hi) = buf.split_at_mut(src.max(dst) * per);
+    let r = if src < dst {
+        let from = lo.slice(src * per..(src + 1) * per);
+        let mut to = hi.slice_mut(0..per);
+        s.memcpy_dtod(&from, &mut to)
+    } else {
+        let mut lo = lo;
+        let from = hi.slice(0..per);
+        let mut to = lo.slice_mut(dst * per..(dst + 1) * per);
+        s.memcpy_dtod(&from, &mut to)
+    };
+    r.map_err(driver_err("copying a state slot"))
+}

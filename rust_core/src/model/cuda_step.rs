@@ -1,0 +1,202 @@
+//! The per-step metadata of a `CudaModel` step: token ids, positions, KV slots, block tables,
+//! sequence offsets and state slots, built on the host from a `StepBatch` and uploaded in two
+//! copies (one i32 buffer, one i64 buffer) into device buffers that only grow.
+
+use cudarc::driver::{CudaSlice, CudaView};
+
+use crate::backend::cuda::device::driver_err;
+use crate::backend::cuda::CudaDevice;
+use crate::config::ModelConfig;
+use crate::{NinferError, Result};
+
+use super::runner::{LogitsWanted, StepBatch};
+
+/// Where each section lives in the packed i32 buffer.
+#[derive(Default, Clone, Copy)]
+struct Sections {
+    tokens: usize,
+    seqs: usize,
+    max_blocks: usize,
+    max_context: usize,
+}
+
+/// Host staging and device copies of one step's metadata.
+#[derive(Default)]
+pub struct StepMeta {
+    host_i32: Vec<i32>,
+    host_i64: Vec<i64>,
+    dev_i32: Option<CudaSlice<i32>>,
+    dev_i64: Option<CudaSlice<i64>>,
+    sec: Sections,
+}
+
+impl StepMeta {
+    /// The checks the CPU model makes, so that a bad step is a typed error, not a bad kernel.
+    pub fn validate(&self, cfg: &ModelConfig, batch: &StepBatch, block_size: usize, num_blocks: usize, num_slots: usize) -> Result<()> {
+        if cfg.num_attention_layers() > 0 && block_size == 0 {
+            return Err(NinferError::invalid("caches", "allocate_caches was not called before forward"));
+        }
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), "empty chunk"));
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), format!("token id {t} >= vocab_size {}", cfg.vocab_size)));
+            }
+            if cfg.num_attention_layers() > 0 {
+                let end = s.start_pos + s.tokens.len();
+                let need = end.div_ceil(block_size);
+                if s.block_table.len() < need {
+                    return Err(NinferError::invalid(
+                        format!("seqs[{i}].block_table"),
+                        format!("{} blocks cover fewer than {end} positions (block size {block_size})", s.block_table.len()),
+                    ));
+                }
+                if let Some(b) = s.block_table[..need].iter().find(|&&b| b as usize >= num_blocks) {
+                    return Err(NinferError::invalid(format!("seqs[{i}].block_table"), format!("block {b} >= num_blocks {num_blocks}")));
+                }
+            }
+            if cfg.num_linear_layers() > 0 && s.state_slot >= num_slots {
+                return Err(NinferError::invalid(format!("seqs[{i}].state_slot"), format!("slot {} >= num_state_slots {num_slots}", s.state_slot)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Build the metadata of `batch` and queue its upload. Layout of the i32 buffer: ids[T],
+    /// positions[T], token_seq[T], cu_seqlens[S + 1], slots[S], block_tables[S, max_blocks].
+    pub fn upload(&mut self, dev: &CudaDevice, batch: &StepBatch, block_size: usize) -> Result<()> {
+        let t = batch.num_tokens();
+        let s = batch.seqs.len();
+        let bs = block_size.max(1);
+        let max_context = batch.seqs.iter().map(|q| q.start_pos + q.tokens.len()).max().unwrap_or(0);
+        let max_blocks = batch.seqs.iter().map(|q| (q.start_pos + q.tokens.len()).div_ceil(bs)).max().unwrap_or(0).max(1);
+        let h = &mut self.host_i32;
+        h.clear();
+        h.extend(batch.seqs.iter().flat_map(|q| q.tokens.iter().map(|&x| x as i32)));
+        h.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + q.tokens.len()).map(|p| p as i32)));
+        h.extend(batch.seqs.iter().enumerate().flat_map(|(i, q)| std::iter::repeat_n(i as i32, q.tokens.len())));
+        let mut acc = 0i32;
+        h.push(0);
+        for q in &batch.seqs {
+            acc += q.tokens.len() as i32;
+            h.push(acc);
+        }
+        h.extend(batch.seqs.iter().map(|q| q.state_slot as i32));
+        for q in &batch.seqs {
+            let n = q.block_table.len().min(max_blocks);
+            h.extend(q.block_table[..n].iter().map(|&b| b as i32));
+            h.extend(std::iter::repeat_n(0, max_blocks - n));
+        }
+        let l = &mut self.host_i64;
+        l.clear();
+        for q in &batch.seqs {
+            for p in q.start_pos..q.start_pos + q.tokens.len() {
+                let slot = match q.block_table.get(p / bs) {
+                    Some(&b) => b as i64 * bs as i64 + (p % bs) as i64,
+                    None => -1,
+                };
+                l.push(slot);
+            }
+        }
+        self.sec = Sections { tokens: t, seqs: s, max_blocks, max_context };
+        let stream = dev.stream();
+        if self.dev_i32.as_ref().is_none_or(|b| b.len() < h.len()) {
+            self.dev_i32 = Some(stream.alloc_zeros::<i32>(h.len().next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
+        }
+        if self.dev_i64.as_ref().is_none_or(|b| b.len() < l.len().max(1)) {
+            self.dev_i64 = Some(stream.alloc_zeros::<i64>(l.len().max(1).next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
+        }
+        let d32 = self.dev_i32.as_mut().expect("allocated above");
+        stream.memcpy_htod(h.as_slice(), &mut d32.slice_mut(0..h.len())).map_err(driver_err("uploading step metadata"))?;
+        if !l.is_empty() {
+            let d64 = self.dev_i64.as_mut().expect("allocated above");
+            stream.memcpy_htod(l.as_slice(), &mut d64.slice_mut(0..l.len())).map_err(driver_err("uploading step metadata"))?;
+        }
+        Ok(())
+    }
+
+    fn i32_view(&self, start: usize, len: usize) -> CudaView<'_, i32> {
+        self.dev_i32.as_ref().expect("step metadata uploaded").slice(start..start + len)
+    }
+
+    /// Token ids `[T]`.
+    pub fn ids(&self) -> CudaView<'_, i32> {
+        self.i32_view(0, self.sec.tokens)
+    }
+
+    /// Position of each token `[T]`.
+    pub fn positions(&self) -> CudaView<'_, i32> {
+        self.i32_view(self.sec.tokens, self.sec.tokens)
+    }
+
+    /// Sequence index of each token `[T]`.
+    pub fn token_seq(&self) -> CudaView<'_, i32> {
+        self.i32_view(2 * self.sec.tokens, self.sec.tokens)
+    }
+
+    /// Token offsets of the sequences `[S + 1]`.
+    pub fn cu_seqlens(&self) -> CudaView<'_, i32> {
+        self.i32_view(3 * self.sec.tokens, self.sec.seqs + 1)
+    }
+
+    /// Recurrent-state slot of each sequence `[S]`.
+    pub fn slots(&self) -> CudaView<'_, i32> {
+        self.i32_view(3 * self.sec.tokens + self.sec.seqs + 1, self.sec.seqs)
+    }
+
+    /// Block tables `[S, max_blocks_per_seq]`, zero-padded.
+    pub fn block_tables(&self) -> CudaView<'_, i32> {
+        self.i32_view(3 * self.sec.tokens + 2 * self.sec.seqs + 1, self.sec.seqs * self.sec.max_blocks)
+    }
+
+    /// Flat KV slot of each token `[T]` (block * block_size + offset).
+    pub fn slot_mapping(&self) -> CudaView<'_, i64> {
+        self.dev_i64.as_ref().expect("step metadata uploaded").slice(0..self.sec.tokens)
+    }
+
+    /// Columns of the block tables.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.sec.max_blocks
+    }
+
+    /// The longest context any token of the step sees.
+    pub fn max_context(&self) -> usize {
+        self.sec.max_context
+    }
+
+    /// Runs `(first row, rows)` of the step's rows that produce logits, in order.
+    pub fn picked_runs(&self, batch: &StepBatch) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut r0 = 0;
+        for s in &batch.seqs {
+            let t = s.tokens.len();
+            let (start, n) = match s.logits {
+                LogitsWanted::None => (r0, 0),
+                LogitsWanted::Last => (r0 + t - 1, 1),
+                LogitsWanted::All => (r0, t),
+            };
+            if n > 0 {
+                match runs.last_mut() {
+                    Some(last) if last.0 + last.1 == start => last.1 += n,
+                    _ => runs.push((start, n)),
+                }
+            }
+            r0 += t;
+        }
+        runs
+    }
+
+    /// Logits rows each sequence gets (0, 1 or its chunk length).
+    pub fn logit_counts(&self, batch: &StepBatch) -> Vec<usize> {
+        batch
+            .seqs
+            .iter()
+            .map(|s| match s.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => s.tokens.len(),
+            })
+            .collect()
+    }
+}
