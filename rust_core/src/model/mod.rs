@@ -37,10 +37,18 @@ pub struct LoadOptions {
     pub num_threads: Option<usize>,
 }
 
+/// The device a `device=` string names ("" is the CPU); a string that names none is an
+/// `Unsupported` error listing the choices.
+pub fn parse_device(device: &str) -> Result<DeviceSpec> {
+    if device.trim().is_empty() {
+        return Ok(DeviceSpec::Cpu);
+    }
+    DeviceSpec::parse(device).map_err(|_| crate::NinferError::Unsupported(format!("device `{device}` (available: cpu, cuda, cuda:N, auto)")))
+}
+
 /// Load a HF model directory onto a backend.
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
-    let spec = if opts.device.is_empty() { DeviceSpec::Cpu } else { DeviceSpec::parse(&opts.device)? };
-    match resolve_device(spec)? {
+    match resolve_device(parse_device(&opts.device)?)? {
         ResolvedDevice::Cpu => Ok(Box::new(CpuModel::load(dir, opts)?)),
         ResolvedDevice::Cuda(ordinal) => load_cuda(dir, ordinal),
     }

@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::IntoPy;
-use crate::backend::cuda::{resolve_device, DeviceSpec, ResolvedDevice};
-use crate::model::{load_model, CpuModel, LoadOptions, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::backend::cuda::{resolve_device, ResolvedDevice};
+use crate::model::{load_model, parse_device, CpuModel, LoadOptions, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::NinferError;
 
 /// Block size of the private KV pool `logits` uses.
@@ -40,8 +40,7 @@ impl PyModel {
         let opts = LoadOptions { device: device.to_string(), num_threads };
         let model = py
             .detach(|| -> crate::Result<Loaded> {
-                let spec = DeviceSpec::parse(device)?;
-                if resolve_device(spec)? == ResolvedDevice::Cpu {
+                if resolve_device(parse_device(device)?)? == ResolvedDevice::Cpu {
                     let cpu = CpuModel::load(&model_dir, &opts)?;
                     let (has_mtp, threads) = (cpu.mtp().is_some(), cpu.num_threads());
                     return Ok(Loaded { runner: Box::new(cpu), has_mtp, num_threads: Some(threads), capacity: (0, 0, 0) });
