@@ -352,7 +352,6 @@ impl AttnCtx<'_> {
             let gate = buf(&act.proj).slice(qd..);
             dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
         }
-        drop(mix);
         linear(dev, &a.o, buf(&act.mix), buf_mut(&mut act.tmp), rows)
     }
 }

@@ -54,8 +54,8 @@ pub struct DevGdn {
 
 /// The token mixer of one layer.
 pub enum DevMixer {
-    Attention(DevAttention),
-    Gdn(DevGdn),
+    Attention(Box<DevAttention>),
+    Gdn(Box<DevGdn>),
 }
 
 /// One decoder layer on the device.
@@ -157,8 +157,8 @@ impl Uploader<'_> {
 
     fn layer(&mut self, cfg: &ModelConfig, l: &LayerWeights, li: usize) -> Result<DevLayer> {
         let mixer = match &l.mixer {
-            Mixer::Attention(a) => DevMixer::Attention(self.attention(a, li)?),
-            Mixer::Gdn(g) => DevMixer::Gdn(self.gdn(cfg, g, li)?),
+            Mixer::Attention(a) => DevMixer::Attention(Box::new(self.attention(a, li)?)),
+            Mixer::Gdn(g) => DevMixer::Gdn(Box::new(self.gdn(cfg, g, li)?)),
         };
         Ok(DevLayer {
             input_norm: self.norm(&l.input_norm)?,
