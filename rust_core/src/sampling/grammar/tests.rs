@@ -365,3 +365,11 @@ fn invalid_formats_are_rejected_naming_response_format_and_the_problem() {
         }
     }
 }
+
+#[test]
+fn compiler_is_shareable_and_constraints_move_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    fn movable<T: Send>() {}
+    shareable::<GrammarCompiler>();
+    movable::<GrammarConstraint>();
+}
