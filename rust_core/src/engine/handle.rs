@@ -12,11 +12,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{EngineCore, EngineStats, FinishReason, RequestOutput, RequestValidator};
-use crate::sampling::SamplingParams;
+use crate::sampling::{GrammarConstraint, SamplingParams};
 use crate::{NinferError, Result};
 
 enum Command {
-    Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams },
+    Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams, grammar: Option<GrammarConstraint> },
     Abort(String),
     Score { tokens: Vec<u32>, reply: Sender<Result<Vec<f32>>> },
     Shutdown,
@@ -62,13 +62,14 @@ impl EngineHandle {
     /// Queue a request; bad input and duplicate ids are rejected here, at once.
     pub fn submit(&self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         self.validator.check(&prompt, &params)?;
+        let grammar = self.validator.grammar(&params)?;
         {
             let mut live = self.shared.live.lock().expect("live ids");
             if !live.insert(request_id.to_string()) {
                 return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
             }
         }
-        self.send(Command::Submit { request_id: request_id.to_string(), prompt, params })
+        self.send(Command::Submit { request_id: request_id.to_string(), prompt, params, grammar })
     }
 
     /// Abort a request (its final delta arrives through `poll`).
@@ -153,8 +154,8 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         let mut cmd = first;
         while let Some(c) = cmd {
             match c {
-                Command::Submit { request_id, prompt, params } => {
-                    if let Err(e) = core.add_request(&request_id, prompt, params) {
+                Command::Submit { request_id, prompt, params, grammar } => {
+                    if let Err(e) = core.add_checked_request(&request_id, prompt, params, grammar) {
                         rejected.push((request_id, e.to_string()));
                     }
                 }

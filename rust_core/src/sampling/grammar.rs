@@ -11,6 +11,8 @@
 
 mod vocab;
 
+use std::sync::{Arc, OnceLock};
+
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
@@ -140,6 +142,56 @@ impl GrammarCompiler {
     /// Parse a raw `response_format` value and compile it.
     pub fn compile_value(&self, value: &Json) -> Result<Option<GrammarConstraint>> {
         self.compile(&ResponseFormat::parse(value)?)
+    }
+}
+
+/// The engine's grammar compiler, built on first use: the vocabulary trie is only paid for by
+/// engines that see a constrained request. Cheap to clone (shared), so request validation on a
+/// submitting thread and the engine thread use the same one.
+#[derive(Clone)]
+pub struct SharedGrammarCompiler {
+    inner: Arc<LazyCompiler>,
+}
+
+struct LazyCompiler {
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos_token_ids: Vec<u32>,
+    logits_width: usize,
+    built: OnceLock<std::result::Result<GrammarCompiler, String>>,
+}
+
+impl std::fmt::Debug for SharedGrammarCompiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedGrammarCompiler").field("built", &self.inner.built.get().is_some()).finish()
+    }
+}
+
+impl SharedGrammarCompiler {
+    /// A compiler for `tokenizer` (None: constrained requests are rejected), stopping on
+    /// `eos_token_ids`, masking logits rows `logits_width` long.
+    pub fn new(tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>, logits_width: usize) -> Self {
+        SharedGrammarCompiler { inner: Arc::new(LazyCompiler { tokenizer, eos_token_ids, logits_width, built: OnceLock::new() }) }
+    }
+
+    /// The constraint for a request's `response_format`; None (and no work at all) when the
+    /// request has none or asks for plain text.
+    pub fn constraint_for(&self, response_format: Option<&Json>) -> Result<Option<GrammarConstraint>> {
+        let Some(value) = response_format else {
+            return Ok(None);
+        };
+        let format = ResponseFormat::parse(value)?;
+        if !format.is_constrained() {
+            return Ok(None);
+        }
+        let lazy = &self.inner;
+        let Some(tokenizer) = &lazy.tokenizer else {
+            return Err(NinferError::Unsupported("response_format on a model directory without tokenizer.json".into()));
+        };
+        let built = lazy.built.get_or_init(|| GrammarCompiler::new(tokenizer, &lazy.eos_token_ids, lazy.logits_width).map_err(|e| e.to_string()));
+        match built {
+            Ok(compiler) => compiler.compile(&format),
+            Err(reason) => Err(NinferError::Unsupported(format!("response_format with this tokenizer ({reason})"))),
+        }
     }
 }
 

@@ -9,7 +9,7 @@ pub mod params;
 pub mod penalties;
 pub mod sampler;
 
-pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, TokenMask};
+pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGrammarCompiler, TokenMask};
 pub use params::SamplingParams;
 pub use penalties::PenaltyHistory;
 pub use sampler::{RequestSampler, SampledToken, TokenLogprob};
