@@ -190,16 +190,23 @@ def _common(body: dict, defaults: ServerDefaults) -> dict:
                 return_token_ids=boolean(body, "return_token_ids"))
 
 
-def _response_format(body: dict) -> None:
+#: `response_format.type` values: OpenAI's three, plus llguidance's regex and lark grammars.
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "lark")
+
+
+def _response_format(body: dict) -> Optional[dict]:
+    """The `response_format` to enforce, or None for free text; the core checks the rest (an
+    unknown type or a schema it cannot compile is an InvalidRequestError naming the field)."""
     rf = body.get("response_format")
     if rf is None:
-        return
+        return None
     kind = rf.get("type") if isinstance(rf, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise bad_request(f"response_format {kind} is not supported yet", "response_format", "unsupported")
-    raise bad_request(f"`response_format.type` must be text, json_object or json_schema, got {rf!r}", "response_format")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise bad_request(f"`response_format.type` must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {rf!r}",
+                          "response_format")
+    if kind == "json_schema" and not (isinstance(rf.get("json_schema"), dict) and "schema" in rf["json_schema"]):
+        raise bad_request("`response_format.json_schema` must be an object with a `schema`", "response_format")
+    return None if kind == "text" else rf
 
 
 def _message_content(content: Any, where: str) -> Any:
@@ -280,8 +287,10 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     common = _common(body, defaults)
-    _response_format(body)
+    response_format = _response_format(body)
     sampling = sampling_fields(body, defaults)
+    if response_format is not None:
+        sampling["response_format"] = response_format
     logprobs = boolean(body, "logprobs")
     top = number(body, "top_logprobs", lo=0, hi=20, integer=True, default=0)
     if top and not logprobs:
@@ -290,7 +299,8 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request(f"`chat_template_kwargs` must be an object, got {kwargs!r}", "chat_template_kwargs")
-    kwargs = {"enable_thinking": defaults.enable_thinking, **kwargs}
+    # A constrained answer leaves no room for a <think> block: thinking is off unless asked for.
+    kwargs = {"enable_thinking": defaults.enable_thinking and response_format is None, **kwargs}
     tools, choice = parse_tools(body)
     return ChatRequest(
         sampling=sampling, max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
