@@ -9,7 +9,9 @@ use crate::backend::cpu::norm::rms_norm_heads_inplace;
 use crate::backend::cpu::rope::apply_rope;
 use crate::config::ModelConfig;
 
-use super::runner::StepBatch;
+use rayon::prelude::*;
+
+use super::runner::{SeqChunk, StepBatch};
 use super::weights::{AttentionWeights, GdnWeights, LayerWeights, Linear};
 
 /// Buffers reused from step to step (grown, never shrunk), so a step allocates almost nothing.
@@ -92,9 +94,24 @@ pub fn attention_step(cfg: &ModelConfig, a: &AttentionWeights, kv: LayerKv<'_>, 
         let t = seq.tokens.len();
         let base = row * width;
         write_kv(kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, t, &proj[base + k_off..], &proj[base + v_off..], width);
-        paged_attention(&proj[base..], width, t, nh, kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, scale, &mut mix[row * qd..], qd);
         row += t;
     }
+    // Every sequence's attention in one parallel region (decode batches have many short ones).
+    let mut outs: Vec<(&SeqChunk, usize, &mut [f32])> = Vec::with_capacity(batch.seqs.len());
+    let mut rest = &mut *mix;
+    let mut row = 0;
+    for seq in &batch.seqs {
+        let t = seq.tokens.len();
+        let (mine, tail) = rest.split_at_mut(t * qd);
+        outs.push((seq, row, mine));
+        rest = tail;
+        row += t;
+    }
+    let (proj, cache_k, cache_v, layout) = (&*proj, &*kv.k, &*kv.v, &kv.layout);
+    outs.into_par_iter().for_each(|(seq, row, out)| {
+        let t = seq.tokens.len();
+        paged_attention(&proj[row * width..], width, t, nh, cache_k, cache_v, layout, &seq.block_table, seq.start_pos, scale, out, qd);
+    });
     if gated {
         for r in 0..rows {
             let gate = &proj[r * width + qd..r * width + 2 * qd];
