@@ -1,6 +1,8 @@
 //! The step of each layer kind over all rows of a batch: projections batched across
 //! sequences, attention and Gated DeltaNet run per sequence on its own cache and state.
 
+use rayon::prelude::*;
+
 use crate::backend::cpu::activation::{sigmoid, softplus, swiglu};
 use crate::backend::cpu::attention::{paged_attention, write_kv, KvLayout};
 use crate::backend::cpu::gdn::{self, GdnDims};
@@ -8,8 +10,6 @@ use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm_heads_inplace;
 use crate::backend::cpu::rope::apply_rope;
 use crate::config::ModelConfig;
-
-use rayon::prelude::*;
 
 use super::runner::{SeqChunk, StepBatch};
 use super::weights::{AttentionWeights, GdnWeights, LayerWeights, Linear};
