@@ -142,6 +142,27 @@ fn recurrent_equals_chunked_from_nonzero_state() {
 }
 
 #[test]
+fn extreme_decays_stay_finite_and_forms_agree() {
+    let mut rng = SplitMix(19);
+    for &g_value in &[0.0f32, -30.0] {
+        let mut inp = DeltaInputs::random(&mut rng, 150, 1, 2, 16, 24);
+        inp.g.iter_mut().for_each(|g| *g = g_value);
+        inp.beta.iter_mut().for_each(|b| *b = 1.0);
+        let (out_c, state_c) = inp.run_split(CHUNKED, 150);
+        let (out_r, state_r) = inp.run_split(RECURRENT, 150);
+        assert!(
+            out_c.iter().chain(&state_c).all(|x| x.is_finite()),
+            "g={g_value}: non-finite output"
+        );
+        let (eo, es) = (rel_err(&out_c, &out_r), rel_err(&state_c, &state_r));
+        assert!(
+            eo < 1e-4 && es < 1e-4,
+            "g={g_value}: out rel err {eo}, state rel err {es}"
+        );
+    }
+}
+
+#[test]
 fn split_calls_with_carried_state_equal_one_call() {
     let mut rng = SplitMix(11);
     let inp = DeltaInputs::random(&mut rng, 150, 1, 2, 24, 40);

@@ -18,6 +18,7 @@ use crate::{NinferError, Result};
 enum Command {
     Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams },
     Abort(String),
+    Score { tokens: Vec<u32>, reply: Sender<Result<Vec<f32>>> },
     Shutdown,
 }
 
@@ -73,6 +74,13 @@ impl EngineHandle {
     /// Abort a request (its final delta arrives through `poll`).
     pub fn abort(&self, request_id: &str) -> Result<()> {
         self.send(Command::Abort(request_id.to_string()))
+    }
+
+    /// All-position logits of `tokens`, computed on the engine thread between steps.
+    pub fn score(&self, tokens: Vec<u32>) -> Result<Vec<f32>> {
+        let (reply, rx) = mpsc::channel();
+        self.send(Command::Score { tokens, reply })?;
+        rx.recv().map_err(|_| NinferError::Device("the engine thread has stopped".into()))?
     }
 
     /// Wait up to `timeout` for deltas; returns at once when some are ready. An engine failure
@@ -152,6 +160,9 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
                 }
                 Command::Abort(id) => {
                     core.abort(&id);
+                }
+                Command::Score { tokens, reply } => {
+                    let _ = reply.send(core.score(&tokens));
                 }
                 Command::Shutdown => shutdown = true,
             }

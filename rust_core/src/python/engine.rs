@@ -1,7 +1,350 @@
-//! Python classes of the engine area (filled in by its owner).
+//! `_core.Engine`: the engine as Python sees it.
+//!
+//! Two modes share one object: inline (`step()` runs one engine step on the caller's thread, for
+//! the offline API) and background (`start_background()` moves the core to its own OS thread;
+//! `poll()` waits for deltas). Every call that can take time releases the GIL, and each `step` /
+//! `poll` crosses into Python once with all deltas of the step(s).
 
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
-    Ok(())
+use super::errors::IntoPy;
+use super::tokenizer::PyTokenizer;
+use crate::config::GenerationConfig;
+use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
+use crate::model::{load_model, LoadOptions, ModelRunner};
+use crate::sampling::SamplingParams;
+use crate::tokenizer::Tokenizer;
+use crate::{NinferError, Result};
+
+enum Mode {
+    Inline(Box<EngineCore>),
+    Background(EngineHandle),
+    Closed,
+}
+
+/// The engine object of `ninfer._core`.
+#[pyclass(name = "Engine", module = "ninfer._core")]
+pub struct PyEngine {
+    mode: Mutex<Mode>,
+    config: ResolvedConfig,
+    ledger: MemoryLedger,
+    eos_token_ids: Vec<u32>,
+    vocab_size: usize,
+    device: String,
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl PyEngine {
+    fn from_core(core: EngineCore, device: String) -> Self {
+        PyEngine {
+            config: core.config().clone(),
+            ledger: core.ledger(),
+            eos_token_ids: core.eos_token_ids().to_vec(),
+            vocab_size: core.validator().vocab_size,
+            device,
+            tokenizer: core.tokenizer().cloned(),
+            mode: Mutex::new(Mode::Inline(Box::new(core))),
+        }
+    }
+
+    fn with_mode<T>(&self, f: impl FnOnce(&mut Mode) -> PyResult<T>) -> PyResult<T> {
+        let mut g = self.mode.lock().map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
+        f(&mut g)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_concurrency: usize, prefill_chunk: usize, prefix_reuse: bool) -> EngineConfig {
+    EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, ..Default::default() }
+}
+
+fn load(dir: &str, device: &str, num_threads: Option<usize>, cfg: &EngineConfig) -> Result<EngineCore> {
+    let dir = PathBuf::from(dir);
+    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.to_string(), num_threads })?;
+    let tokenizer = match Tokenizer::from_dir(&dir) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(NinferError::MissingFile { .. }) => None,
+        Err(e) => return Err(e),
+    };
+    let gen = GenerationConfig::from_dir(&dir)?;
+    EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)
+}
+
+fn output_dict<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("request_id", &o.request_id)?;
+    d.set_item("token_ids", &o.token_ids)?;
+    d.set_item("text", &o.text)?;
+    match &o.logprobs {
+        None => d.set_item("logprobs", py.None())?,
+        Some(lps) => {
+            let list = PyList::empty(py);
+            for lp in lps {
+                let e = PyDict::new(py);
+                e.set_item("token_id", lp.token_id)?;
+                e.set_item("logprob", lp.logprob)?;
+                let top = PyList::empty(py);
+                for &(t, l) in &lp.top {
+                    let pair = PyList::empty(py);
+                    pair.append(t)?;
+                    pair.append(l)?;
+                    top.append(pair)?;
+                }
+                e.set_item("top", top)?;
+                list.append(e)?;
+            }
+            d.set_item("logprobs", list)?;
+        }
+    }
+    d.set_item("finish_reason", o.finish_reason.map(|f| f.as_str()))?;
+    d.set_item("prompt_tokens", o.prompt_tokens)?;
+    d.set_item("completion_tokens", o.completion_tokens)?;
+    d.set_item("cached_tokens", o.cached_tokens)?;
+    Ok(d)
+}
+
+fn outputs_list<'py>(py: Python<'py>, outs: &[RequestOutput]) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for o in outs {
+        list.append(output_dict(py, o)?)?;
+    }
+    Ok(list)
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("running", s.running)?;
+    d.set_item("waiting", s.waiting)?;
+    d.set_item("kv_blocks_used", s.kv_blocks_used)?;
+    d.set_item("kv_blocks_total", s.kv_blocks_total)?;
+    d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+    d.set_item("prompt_tokens_total", s.prompt_tokens_total)?;
+    d.set_item("generation_tokens_total", s.generation_tokens_total)?;
+    d.set_item("prefill_tokens_computed", s.prefill_tokens_computed)?;
+    d.set_item("max_batch_size_seen", s.max_batch_size_seen)?;
+    d.set_item("steps", s.steps)?;
+    d.set_item("preemptions", s.preemptions)?;
+    Ok(d)
+}
+
+fn closed() -> PyErr {
+    PyRuntimeError::new_err("the engine was shut down")
+}
+
+#[pymethods]
+impl PyEngine {
+    /// Load a model directory (weights, tokenizer.json if present, generation_config.json).
+    #[new]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model_dir: &str,
+        device: &str,
+        max_context: Option<usize>,
+        kv_capacity: Option<usize>,
+        max_concurrency: usize,
+        prefill_chunk: usize,
+        prefix_reuse: bool,
+        num_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
+        let core = py.detach(|| load(model_dir, device, num_threads, &cfg)).py()?;
+        Ok(PyEngine::from_core(core, device.to_string()))
+    }
+
+    /// An engine over the deterministic toy model (no weights, no tokenizer): for testing the
+    /// Python layers, the server and the CLI without a model.
+    #[staticmethod]
+    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn toy(
+        vocab_size: usize,
+        max_position_embeddings: usize,
+        hybrid: bool,
+        eos_token_ids: Option<Vec<u32>>,
+        max_context: Option<usize>,
+        kv_capacity: Option<usize>,
+        max_concurrency: usize,
+        prefill_chunk: usize,
+        prefix_reuse: bool,
+    ) -> PyResult<Self> {
+        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
+        let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
+        let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
+        Ok(PyEngine::from_core(core, "toy".into()))
+    }
+
+    /// Queue a request; raises InvalidRequestError / ContextOverflowError at once on bad input.
+    fn submit(&self, py: Python<'_>, request_id: &str, prompt_token_ids: Vec<u32>, params_json: &str) -> PyResult<()> {
+        let params = SamplingParams::from_json(params_json).py()?;
+        py.detach(|| {
+            self.with_mode(|m| match m {
+                Mode::Inline(core) => core.add_request(request_id, prompt_token_ids, params).py(),
+                Mode::Background(h) => h.submit(request_id, prompt_token_ids, params).py(),
+                Mode::Closed => Err(closed()),
+            })
+        })
+    }
+
+    /// Abort a request; its final delta ("abort") comes with the next step / poll.
+    fn abort(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        py.detach(|| {
+            self.with_mode(|m| match m {
+                Mode::Inline(core) => {
+                    core.abort(request_id);
+                    Ok(())
+                }
+                Mode::Background(h) => h.abort(request_id).py(),
+                Mode::Closed => Ok(()),
+            })
+        })
+    }
+
+    /// Run one engine step (inline mode) and return its deltas.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let outs = py.detach(|| {
+            self.with_mode(|m| match m {
+                Mode::Inline(core) => core.step().py(),
+                Mode::Background(_) => Err(PyRuntimeError::new_err("the engine runs in the background: use poll()")),
+                Mode::Closed => Err(closed()),
+            })
+        })?;
+        outputs_list(py, &outs)
+    }
+
+    /// Whether any request has not delivered its final delta.
+    fn has_unfinished(&self) -> PyResult<bool> {
+        self.with_mode(|m| {
+            Ok(match m {
+                Mode::Inline(core) => core.has_unfinished(),
+                Mode::Background(h) => h.has_unfinished(),
+                Mode::Closed => false,
+            })
+        })
+    }
+
+    /// Logits of every position of `token_ids`, as a float32 array [T, vocab].
+    fn score<'py>(&self, py: Python<'py>, token_ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let t = token_ids.len();
+        let data = py.detach(|| {
+            self.with_mode(|m| match m {
+                Mode::Inline(core) => core.score(&token_ids).py(),
+                Mode::Background(h) => h.score(token_ids).py(),
+                Mode::Closed => Err(closed()),
+            })
+        })?;
+        let vocab = if t == 0 { 0 } else { data.len() / t };
+        let arr = PyArray1::from_vec(py, data);
+        arr.reshape([t, vocab])
+    }
+
+    /// Move the engine onto its own OS thread; use `poll` from then on.
+    fn start_background(&self) -> PyResult<()> {
+        self.with_mode(|m| match std::mem::replace(m, Mode::Closed) {
+            Mode::Inline(core) => {
+                *m = Mode::Background(EngineHandle::start(*core).py()?);
+                Ok(())
+            }
+            other => {
+                *m = other;
+                Err(PyRuntimeError::new_err("the engine is not in inline mode"))
+            }
+        })
+    }
+
+    /// Wait (GIL released) up to `timeout_s` for deltas; returns as soon as there are some.
+    #[pyo3(signature = (timeout_s=0.1))]
+    fn poll<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyList>> {
+        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        let outs = py.detach(|| {
+            let handle_outs = self.with_mode(|m| match m {
+                Mode::Background(h) => Ok(Some(h.poll(timeout).py()?)),
+                Mode::Inline(_) => Err(PyRuntimeError::new_err("poll() needs start_background() first")),
+                Mode::Closed => Ok(None),
+            })?;
+            Ok::<_, PyErr>(handle_outs.unwrap_or_default())
+        })?;
+        outputs_list(py, &outs)
+    }
+
+    /// Counters: running, waiting, kv blocks, prefix hits, token totals, steps.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with_mode(|m| {
+            Ok(match m {
+                Mode::Inline(core) => core.stats(),
+                Mode::Background(h) => h.stats(),
+                Mode::Closed => EngineStats::default(),
+            })
+        })?;
+        stats_dict(py, &s)
+    }
+
+    /// The memory ledger and the resolved configuration.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let (c, l) = (&self.config, &self.ledger);
+        d.set_item("device", &self.device)?;
+        d.set_item("max_context", c.max_context)?;
+        d.set_item("kv_capacity_tokens", c.kv_capacity_tokens)?;
+        d.set_item("block_size", c.block_size)?;
+        d.set_item("num_blocks", c.num_blocks)?;
+        d.set_item("max_concurrency", c.max_concurrency)?;
+        d.set_item("prefill_chunk", c.prefill_chunk)?;
+        d.set_item("prefix_reuse", c.prefix_reuse)?;
+        d.set_item("state_slots_running", c.running_state_slots)?;
+        d.set_item("state_slots_snapshot", c.snapshot_state_slots)?;
+        d.set_item("weight_bytes", l.weight_bytes)?;
+        d.set_item("kv_bytes_per_token", l.kv_bytes_per_token)?;
+        d.set_item("kv_bytes", l.kv_bytes)?;
+        d.set_item("state_bytes_per_slot", l.state_bytes_per_slot)?;
+        d.set_item("state_bytes", l.state_bytes)?;
+        d.set_item("total_bytes", l.total_bytes)?;
+        d.set_item("vocab_size", self.vocab_size)?;
+        Ok(d)
+    }
+
+    /// The tokenizer the engine decodes with (None when the model directory has no
+    /// tokenizer.json).
+    #[getter]
+    fn tokenizer(&self, py: Python<'_>) -> PyResult<Option<Py<PyTokenizer>>> {
+        self.tokenizer.as_ref().map(|t| Py::new(py, PyTokenizer::from_shared(t.clone()))).transpose()
+    }
+
+    /// Token ids that end generation (from generation_config.json).
+    #[getter]
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_token_ids.clone()
+    }
+
+    /// Longest prompt + max_tokens a request may have.
+    #[getter]
+    fn max_context(&self) -> usize {
+        self.config.max_context
+    }
+
+    /// Stop the engine (the thread, if any) and free the model.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            self.with_mode(|m| {
+                if let Mode::Background(h) = m {
+                    h.shutdown();
+                }
+                *m = Mode::Closed;
+                Ok(())
+            })
+        })
+    }
+}
+
+/// Add `Engine` to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()
 }

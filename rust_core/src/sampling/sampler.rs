@@ -100,12 +100,47 @@ fn top_indices(values: &[f32], k: usize) -> Vec<u32> {
 
 /// Temperature, then top-k, top-p and min-p (HF warper order), then inverse-CDF sampling with
 /// the uniform draw `u` over the kept candidates in descending probability order.
+///
+/// Only the candidates a filter can keep are sorted: the top-k set, a growing top slice until
+/// it holds `top_p` of the mass, or the tokens above the min-p floor. With no filter at all the
+/// draw walks the whole vocabulary in id order (same distribution, no sort).
 fn sample_filtered(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
-    let t = params.temperature as f64;
-    let k = if params.top_k == 0 { logits.len() } else { params.top_k.min(logits.len()) };
-    let mut cand = top_indices(logits, k);
-    let max = logits[cand[0] as usize] as f64;
-    let mut probs: Vec<f64> = cand.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
+    let inv_t = 1.0 / params.temperature as f64;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weight = |i: u32| ((logits[i as usize] as f64 - max) * inv_t).exp();
+    let n = logits.len();
+    let filtered = (params.top_k > 0 && params.top_k < n) || params.top_p < 1.0 || params.min_p > 0.0;
+    if !filtered {
+        let total: f64 = (0..n as u32).map(weight).sum();
+        let mut cum = 0.0;
+        for i in 0..n as u32 {
+            cum += weight(i) / total;
+            if u < cum {
+                return i;
+            }
+        }
+        return argmax(logits);
+    }
+    let mut cand = if params.top_k > 0 && params.top_k < n {
+        top_indices(logits, params.top_k)
+    } else if params.top_p < 1.0 {
+        let total: f64 = (0..n as u32).map(weight).sum();
+        let mut k = 64.min(n);
+        loop {
+            let c = top_indices(logits, k);
+            let mass: f64 = c.iter().map(|&i| weight(i)).sum::<f64>() / total;
+            if mass >= params.top_p as f64 || k == n {
+                break c;
+            }
+            k = (k * 4).min(n);
+        }
+    } else {
+        let floor = params.min_p as f64;
+        let mut c: Vec<u32> = (0..n as u32).filter(|&i| weight(i) >= floor).collect();
+        c.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
+        c
+    };
+    let mut probs: Vec<f64> = cand.iter().map(|&i| weight(i)).collect();
     normalize(&mut probs);
     if params.top_p < 1.0 {
         let mut cum = 0.0;
@@ -188,6 +223,33 @@ mod tests {
                 p.seed = Some(seed);
             });
             assert!(RequestSampler::new(&p, &[], 0).sample(&p, &raw).token < 2);
+        }
+    }
+
+    #[test]
+    fn top_p_over_a_large_vocabulary_matches_the_exact_nucleus() {
+        let raw: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+        let mut order: Vec<usize> = (0..raw.len()).collect();
+        order.sort_by(|&a, &b| raw[b].total_cmp(&raw[a]).then(a.cmp(&b)));
+        let z: f64 = raw.iter().map(|&l| (l as f64).exp()).sum();
+        let mut cum = 0.0;
+        let nucleus: std::collections::HashSet<u32> = order
+            .iter()
+            .take_while(|&&i| {
+                let inside = cum < 0.5;
+                cum += (raw[i] as f64).exp() / z;
+                inside
+            })
+            .map(|&i| i as u32)
+            .collect();
+        assert!(nucleus.len() > 64, "the nucleus must need more than the first slice");
+        let p = params(|p| {
+            p.top_p = 0.5;
+            p.seed = Some(3);
+        });
+        let mut s = RequestSampler::new(&p, &[], 0);
+        for _ in 0..300 {
+            assert!(nucleus.contains(&s.sample(&p, &raw).token));
         }
     }
 

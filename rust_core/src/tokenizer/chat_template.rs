@@ -62,6 +62,14 @@ impl ChatTemplate {
             }
             .map_err(|_| Error::from(ErrorKind::WriteFailure))
         });
+        // Jinja2's `iterable` and `sequence` tests are Python's: none is neither, strings and
+        // dicts are both (minijinja iterates none as empty and calls only lists sequences).
+        env.add_test("iterable", |value: &Value| {
+            matches!(value.kind(), ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Iterable | ValueKind::Bytes | ValueKind::Undefined)
+        });
+        env.add_test("sequence", |value: &Value| {
+            matches!(value.kind(), ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Bytes | ValueKind::Undefined)
+        });
         env.add_filter("tojson", tojson_filter);
         env.add_filter("string", |value: &Value| Value::from(py_str(value)));
         env.add_function("raise_exception", |message: String| -> std::result::Result<Value, Error> {

@@ -74,3 +74,41 @@ fn text_after(full: &str, prefix: &str) -> String {
         None => full.chars().skip(prefix.chars().count()).collect(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sentencepiece-style word tokenizer (Metaspace decoder) saved into a fresh directory.
+    fn metaspace_tokenizer() -> Tokenizer {
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true},
+            "post_processor": null,
+            "decoder": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true},
+            "model": {"type": "WordLevel", "unk_token": "<unk>",
+                      "vocab": {"<unk>": 0, "\u{2581}a": 1, "\u{2581}Hello": 2, "\u{2581}world": 3, "!": 4, "\u{2581}x": 5}}
+        });
+        let dir = std::env::temp_dir().join(format!("ninfer-metaspace-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        Tokenizer::from_dir(&dir).unwrap()
+    }
+
+    #[test]
+    fn sentencepiece_spaces_between_tokens_survive_incremental_decoding() {
+        let tok = metaspace_tokenizer();
+        let prompt = [1, 5];
+        let out = [2, 3, 4, 1];
+        let mut d = IncrementalDetokenizer::new(&prompt, true);
+        let mut text = String::new();
+        for &t in &out {
+            text.push_str(&d.push(&tok, t).unwrap());
+        }
+        text.push_str(&d.flush(&tok).unwrap());
+        let all: Vec<u32> = prompt.iter().chain(&out).copied().collect();
+        let expected = tok.decode(&all, true).unwrap()[tok.decode(&prompt, true).unwrap().len()..].to_string();
+        assert_eq!(text, expected);
+        assert_eq!(text, " Hello world! a");
+    }
+}

@@ -1,6 +1,6 @@
 //! The Hugging Face tokenizer of a model directory: `tokenizer.json` through the `tokenizers`
 //! crate, plus what transformers reads beside it (`tokenizer_config.json`, `chat_template.jinja`,
-//! `chat_templates/*.jinja`), so that encode, decode and chat templates give what
+//! `additional_chat_templates/*.jinja`), so that encode, decode and chat templates give what
 //! `transformers.AutoTokenizer` gives for the same directory.
 
 mod config;
@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value as Json};
 use tokenizers::models::ModelWrapper;
-use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::AddedToken;
 
 use crate::tokenizer::chat_template::ChatTemplate;
@@ -128,7 +127,7 @@ impl Tokenizer {
         let find = |name: &str| self.chat_templates.iter().find(|(n, _)| n == name).map(|(_, t)| t);
         match self.chat_templates.as_slice() {
             [] => Err(NinferError::Template(format!(
-                "the tokenizer in {} has no chat template (none in tokenizer_config.json, chat_template.jinja or chat_templates/)",
+                "the tokenizer in {} has no chat template (none in tokenizer_config.json, chat_template.jinja or additional_chat_templates/)",
                 self.path.parent().unwrap_or(&self.path).display()
             ))),
             [(_, only)] => Ok(only),
@@ -172,8 +171,9 @@ impl Tokenizer {
 }
 
 /// What transformers' `TokenizersBackend.__init__` does with the config: add configured tokens
-/// the vocabulary lacks, honour `split_special_tokens`, and rebuild the post-processor from
-/// `add_bos_token`/`add_eos_token` when the config sets either (or `tokenizer.json` has none).
+/// the vocabulary lacks and honour `split_special_tokens`. `add_bos_token`/`add_eos_token` are
+/// not applied: transformers 5 drops them whenever `tokenizer.json` exists, whose post-processor
+/// alone decides what `add_special_tokens=True` adds.
 fn apply_config(inner: &mut tokenizers::Tokenizer, config: &TokenizerConfig) -> std::result::Result<(), String> {
     let added: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
     let missing: Vec<AddedToken> = config
@@ -202,38 +202,10 @@ fn apply_config(inner: &mut tokenizers::Tokenizer, config: &TokenizerConfig) -> 
     }
     inner.set_encode_special_tokens(config.split_special_tokens);
 
-    let explicit = config.add_bos_token.is_some() || config.add_eos_token.is_some();
-    if !explicit && inner.get_post_processor().is_some() {
-        return Ok(());
-    }
-    let token = |name: &str, wanted: Option<bool>| -> Option<(String, u32)> {
-        if !wanted.unwrap_or(false) {
-            return None;
-        }
-        let text = config.special_tokens.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone())?;
-        let id = inner.token_to_id(&text)?;
-        Some((text, id))
-    };
-    let bos = token("bos_token", config.add_bos_token);
-    let eos = token("eos_token", config.add_eos_token);
-    let piece = |t: &Option<(String, u32)>, seq: u32| t.as_ref().map(|(text, _)| format!("{text}:{seq}"));
-    let single: Vec<String> = [piece(&bos, 0), Some("$A:0".into()), piece(&eos, 0)].into_iter().flatten().collect();
-    let pair: Vec<String> =
-        [piece(&bos, 0), Some("$A:0".into()), piece(&eos, 0), piece(&bos, 1), Some("$B:1".into()), piece(&eos, 1)].into_iter().flatten().collect();
-    let specials: Vec<(String, u32)> = [bos, eos].into_iter().flatten().collect();
-    let processor = TemplateProcessing::builder()
-        .try_single(single)
-        .map_err(|e| e.to_string())?
-        .try_pair(pair)
-        .map_err(|e| e.to_string())?
-        .special_tokens(specials)
-        .build()
-        .map_err(|e| e.to_string())?;
-    inner.with_post_processor(Some(processor));
     Ok(())
 }
 
-/// transformers' search order: `chat_template.jinja` ("default") and `chat_templates/*.jinja`
+/// transformers' search order: `chat_template.jinja` ("default") and `additional_chat_templates/*.jinja`
 /// (named by file stem) win over `chat_template` in the config; `chat_template.json` (where
 /// processors of vision models keep it) is the last resort.
 fn load_chat_templates(dir: &Path, config: &TokenizerConfig, config_path: &Path) -> Result<Vec<(String, ChatTemplate)>> {
@@ -242,7 +214,7 @@ fn load_chat_templates(dir: &Path, config: &TokenizerConfig, config_path: &Path)
     if single_file.exists() {
         sources.push((DEFAULT_TEMPLATE.into(), read_text(&single_file)?, single_file));
     }
-    let template_dir = dir.join("chat_templates");
+    let template_dir = dir.join("additional_chat_templates");
     if template_dir.is_dir() {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&template_dir)
             .map_err(|e| NinferError::io(&template_dir, e))?

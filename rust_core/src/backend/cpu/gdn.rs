@@ -150,35 +150,6 @@ pub struct GdnDims {
 }
 
 impl GdnDims {
-    fn check(&self, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &[f32], out: &[f32]) {
-        let GdnDims {
-            t,
-            num_k_heads: nk,
-            num_v_heads: nv,
-            k_dim: kd,
-            v_dim: vd,
-        } = *self;
-        assert!(
-            nk > 0 && nv % nk == 0,
-            "num_v_heads {nv} must be a multiple of num_k_heads {nk}"
-        );
-        assert_eq!(q.len(), t * nk * kd, "q must be [t={t}, num_k_heads={nk}, k_dim={kd}]");
-        assert_eq!(k.len(), t * nk * kd, "k must be [t={t}, num_k_heads={nk}, k_dim={kd}]");
-        assert_eq!(v.len(), t * nv * vd, "v must be [t={t}, num_v_heads={nv}, v_dim={vd}]");
-        assert_eq!(g.len(), t * nv, "g must be [t={t}, num_v_heads={nv}]");
-        assert_eq!(beta.len(), t * nv, "beta must be [t={t}, num_v_heads={nv}]");
-        assert_eq!(
-            state.len(),
-            nv * kd * vd,
-            "state must be [num_v_heads={nv}, k_dim={kd}, v_dim={vd}]"
-        );
-        assert_eq!(
-            out.len(),
-            t * nv * vd,
-            "out must be [t={t}, num_v_heads={nv}, v_dim={vd}]"
-        );
-    }
-
     fn key_head(&self, h: usize) -> usize {
         h / (self.num_v_heads / self.num_k_heads)
     }
@@ -192,6 +163,50 @@ struct DeltaInputs<'a> {
     v: &'a [f32],
     g: &'a [f32],
     beta: &'a [f32],
+}
+
+impl DeltaInputs<'_> {
+    /// Panics with the expected shape when a slice length does not match the dimensions.
+    fn check(&self, state: &[f32], out: &[f32]) {
+        let GdnDims {
+            t,
+            num_k_heads: nk,
+            num_v_heads: nv,
+            k_dim: kd,
+            v_dim: vd,
+        } = *self.d;
+        assert!(
+            nk > 0 && nv % nk == 0,
+            "num_v_heads {nv} must be a multiple of num_k_heads {nk}"
+        );
+        assert_eq!(
+            self.q.len(),
+            t * nk * kd,
+            "q must be [t={t}, num_k_heads={nk}, k_dim={kd}]"
+        );
+        assert_eq!(
+            self.k.len(),
+            t * nk * kd,
+            "k must be [t={t}, num_k_heads={nk}, k_dim={kd}]"
+        );
+        assert_eq!(
+            self.v.len(),
+            t * nv * vd,
+            "v must be [t={t}, num_v_heads={nv}, v_dim={vd}]"
+        );
+        assert_eq!(self.g.len(), t * nv, "g must be [t={t}, num_v_heads={nv}]");
+        assert_eq!(self.beta.len(), t * nv, "beta must be [t={t}, num_v_heads={nv}]");
+        assert_eq!(
+            state.len(),
+            nv * kd * vd,
+            "state must be [num_v_heads={nv}, k_dim={kd}, v_dim={vd}]"
+        );
+        assert_eq!(
+            out.len(),
+            t * nv * vd,
+            "out must be [t={t}, num_v_heads={nv}, v_dim={vd}]"
+        );
+    }
 }
 
 /// `1 / sqrt(sum(x^2) + 1e-6)`, the factor of transformers' (and FLA's) `l2norm`.

@@ -63,6 +63,13 @@ fn null_keys_are_dropped_and_reasoning_is_aliased() {
 }
 
 #[test]
+fn iterable_and_sequence_tests_follow_python() {
+    let template = "{{ none is iterable }}{{ 'ab' is iterable }}{{ {} is iterable }}{{ x is iterable }}{{ 1 is iterable }}|{{ 'ab' is sequence }}{{ {} is sequence }}{{ [] is sequence }}{{ none is sequence }}{{ x is sequence }}{{ 1 is sequence }}|{{ true is number }}";
+    let out = render(template, json!([{"role": "user", "content": "x"}]));
+    assert_eq!(out, "FalseTrueTrueTrueFalse|TrueTrueTrueFalseTrueFalse|True");
+}
+
+#[test]
 fn generation_tags_render_their_body() {
     let template = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}\n{%- generation -%}\n  !{% endgeneration %}{% endfor %}";
     assert_eq!(render(template, json!([{"role": "user", "content": "hi"}])), "hi!");

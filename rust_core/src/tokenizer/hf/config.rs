@@ -40,9 +40,10 @@ pub enum ConfigTemplates {
 pub struct TokenizerConfig {
     /// `(attribute, token text)` for each named special token that is set, e.g. `("eos_token", "<|im_end|>")`.
     pub special_tokens: Vec<(String, String)>,
-    /// `add_bos_token`, when the file sets it.
+    /// `add_bos_token`, when the file sets it. transformers 5 ignores it when `tokenizer.json`
+    /// exists (always, for us); kept for converters that build a tokenizer without one.
     pub add_bos_token: Option<bool>,
-    /// `add_eos_token`, when the file sets it.
+    /// `add_eos_token`, when the file sets it (same caveat as `add_bos_token`).
     pub add_eos_token: Option<bool>,
     /// `added_tokens_decoder`, sorted by id.
     pub added_tokens: Vec<AddedTokenSpec>,

@@ -17,7 +17,8 @@ const MATRIX_MIN_ROWS: usize = 12;
 /// use_qk_l2norm_in_kernel=True)` with `initial_state = state` and the final state written back
 /// to `state`: l2-normalizes q and k, scales q by `1/sqrt(k_dim)`, and value head `h` uses key
 /// head `h / (num_v_heads / num_k_heads)`. Any `t` works: the last chunk is simply shorter,
-/// which equals the reference's zero padding.
+/// which equals the reference's zero padding. Chunks (and calls) of fewer than 12 tokens run the
+/// per-token recurrence instead, which is the same function and cheaper at that size.
 ///
 /// q, k: `[t, num_k_heads, k_dim]`; v: `[t, num_v_heads, v_dim]`; g: `[t, num_v_heads]` (log
 /// decay, `-exp(A_log) * softplus(a + dt_bias)`); beta: `[t, num_v_heads]` (already sigmoid);
@@ -34,7 +35,8 @@ pub fn gated_delta_rule_chunked(
     state: &mut [f32],
     out: &mut [f32],
 ) {
-    d.check(q, k, v, g, beta, state, out);
+    let inputs = DeltaInputs { d, q, k, v, g, beta };
+    inputs.check(state, out);
     let GdnDims {
         t,
         num_v_heads: nv,
@@ -49,7 +51,6 @@ pub fn gated_delta_rule_chunked(
         gated_delta_rule_recurrent(d, q, k, v, g, beta, state, out);
         return;
     }
-    let inputs = DeltaInputs { d, q, k, v, g, beta };
     let mut head_major = vec![0.0f32; nv * t * vd];
     head_major
         .par_chunks_mut(t * vd)

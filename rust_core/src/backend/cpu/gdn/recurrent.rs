@@ -25,7 +25,8 @@ pub fn gated_delta_rule_recurrent(
     state: &mut [f32],
     out: &mut [f32],
 ) {
-    d.check(q, k, v, g, beta, state, out);
+    let x = DeltaInputs { d, q, k, v, g, beta };
+    x.check(state, out);
     let GdnDims {
         t,
         num_v_heads: nv,
@@ -36,7 +37,6 @@ pub fn gated_delta_rule_recurrent(
     if nv == 0 || kd == 0 || vd == 0 {
         return;
     }
-    let x = DeltaInputs { d, q, k, v, g, beta };
     let parallel = nv * kd * vd >= PARALLEL_MIN_WORK;
     for tok in 0..t {
         let out_row = &mut out[tok * nv * vd..(tok + 1) * nv * vd];

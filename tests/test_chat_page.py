@@ -1,0 +1,285 @@
+"""The built-in chat page (python/ninfer/static) in a real headless Chromium.
+
+The page is driven through selenium with Debian's `chromium` and `chromium-driver` (no driver
+download at test time). It runs against two servers: a small Starlette stand-in written here,
+which streams OpenAI-shaped SSE chunks at a known pace and records client disconnects, and
+`ninfer serve` with no model argument (the bundled demo model) once the server and the engine
+binding exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STATIC = REPO / "python" / "ninfer" / "static"
+DEMO_MODEL = REPO / "python" / "ninfer" / "demo" / "model"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver packages"
+)
+
+STUB_REASONING = ["The user ", "wants a ", "greeting."]
+STUB_ANSWER = ["Hello", ",", " this", " is", " a", " streamed", " answer", "."]
+LONG_TOKEN = " tok"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StubChatServer:
+    """An OpenAI-style streaming chat endpoint with a fixed script, serving the real page.
+
+    A user message containing "long" gets an endless-looking answer (one token every 40 ms, for
+    a minute) so the test can stop it; every request's fate ("completed" or "disconnected") is
+    recorded in `outcomes`, in arrival order.
+    """
+
+    def __init__(self):
+        self.port = free_port()
+        self.requests: list[dict] = []
+        self.outcomes: list[str] = []
+        self._server = None
+        self._thread = None
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import FileResponse, JSONResponse, StreamingResponse
+        from starlette.routing import Mount, Route
+        from starlette.staticfiles import StaticFiles
+
+        async def index(request):
+            return FileResponse(STATIC / "index.html")
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+        async def chat(request):
+            body = await request.json()
+            self.requests.append(body)
+            index_ = len(self.outcomes)
+            self.outcomes.append("streaming")
+            long = "long" in body["messages"][-1]["content"]
+            return StreamingResponse(self._events(index_, long), media_type="text/event-stream")
+
+        return Starlette(
+            routes=[
+                Route("/", index),
+                Route("/v1/models", models),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+                Mount("/static", StaticFiles(directory=STATIC)),
+            ]
+        )
+
+    async def _events(self, index: int, long: bool):
+        def chunk(delta=None, finish=None, usage=None):
+            body = {"id": f"chatcmpl-{index}", "object": "chat.completion.chunk", "model": "stub-model",
+                    "choices": [] if usage else [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+            if usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            yield chunk({"role": "assistant"})
+            for piece in STUB_REASONING:
+                await asyncio.sleep(0.05)
+                yield chunk({"reasoning_content": piece})
+            pieces = [LONG_TOKEN] * 1500 if long else STUB_ANSWER
+            for piece in pieces:
+                await asyncio.sleep(0.04)
+                yield chunk({"content": piece})
+            yield chunk(finish="stop")
+            n = len(STUB_REASONING) + len(pieces)
+            yield chunk(usage={"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5})
+            yield "data: [DONE]\n\n"
+            self.outcomes[index] = "completed"
+        finally:
+            if self.outcomes[index] != "completed":
+                self.outcomes[index] = "disconnected"
+
+    def __enter__(self):
+        import uvicorn
+
+        config = uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_for_http(f"http://127.0.0.1:{self.port}/v1/models", 20)
+        return self
+
+    def __exit__(self, *exc):
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def ninfer_server_available() -> bool:
+    """The real server can run: its module, the engine binding and the demo model all exist."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("ninfer.server.serve") is None:
+            return False
+        import ninfer._core as core
+    except ImportError:
+        return False
+    return hasattr(core, "Engine") and (DEMO_MODEL / "config.json").exists()
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1200,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(params=["stub", "ninfer"])
+def chat_server(request):
+    """(base URL, stub or None): the stand-in always; `ninfer serve` once it exists."""
+    if request.param == "stub":
+        with StubChatServer() as stub:
+            yield f"http://127.0.0.1:{stub.port}", stub
+        return
+    if not ninfer_server_available():
+        pytest.skip("ninfer's server has not landed")
+    port = free_port()
+    cmd = [sys.executable, "-m", "ninfer.server.serve", "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", 120, proc)
+        yield f"http://127.0.0.1:{port}", None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def assistant_messages(driver):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")
+
+
+def answer_text(driver, index: int) -> str:
+    msgs = assistant_messages(driver)
+    if len(msgs) <= index:
+        return ""
+    return driver.execute_script("return arguments[0].querySelector('.answer').textContent", msgs[index])
+
+
+def submit(driver, text: str, max_tokens: int, temperature: float) -> None:
+    from selenium.webdriver.common.by import By
+
+    for field_id, value in (("max-tokens", max_tokens), ("temperature", temperature)):
+        field = driver.find_element(By.ID, field_id)
+        field.clear()
+        field.send_keys(str(value))
+    driver.find_element(By.ID, "prompt").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_server):
+    from selenium.webdriver.common.by import By
+
+    base, stub = chat_server
+    browser.get(base + "/")
+    wait_until(lambda: browser.find_element(By.ID, "model-name").text not in ("", "connecting…"), 20,
+               "the model name")
+
+    submit(browser, "Write a Python function: Return the sum of a list of numbers.", 96, 0.0)
+    lengths = set()
+    def finished():
+        lengths.add(len(answer_text(browser, 0)))
+        return "done" in assistant_messages(browser)[0].get_attribute("class").split()
+    wait_until(lambda: assistant_messages(browser), 10, "an assistant message")
+    wait_until(finished, 120, "the first answer to finish")
+    first = answer_text(browser, 0)
+    assert first.strip(), "no streamed text appeared"
+    partial = {n for n in lengths if 0 < n < len(first)}
+    assert partial, "the answer arrived in one piece, not streamed"
+    stats = browser.find_element(By.ID, "stats").text
+    assert "tok/s" in stats and "tokens" in stats
+    if stub is not None:
+        assert first == "".join(STUB_ANSWER)
+        reasoning = browser.execute_script(
+            "return arguments[0].querySelector('.reasoning-text').textContent", assistant_messages(browser)[0])
+        assert reasoning == "".join(STUB_REASONING)
+        assert "".join(STUB_REASONING) not in first
+        assert stub.requests[0]["stream"] is True
+        assert stub.requests[0]["max_tokens"] == 96 and stub.requests[0]["temperature"] == 0.0
+        assert stub.requests[0]["messages"][-1]["role"] == "user"
+        assert stub.outcomes[0] == "completed"
+
+    # A high temperature keeps the demo model from ending its turn before Stop is pressed.
+    submit(browser, "Now a long one: write a long module of helpers.", 4000, 1.5)
+    wait_until(lambda: answer_text(browser, 1).strip(), 60, "second answer text")
+    stop = browser.find_element(By.ID, "stop")
+    assert stop.is_enabled()
+    stop.click()
+    wait_until(lambda: "stopped" in assistant_messages(browser)[1].get_attribute("class").split(), 10,
+               "the stopped state")
+    stopped_at = answer_text(browser, 1)
+    time.sleep(0.6)
+    assert answer_text(browser, 1) == stopped_at, "text kept streaming after Stop"
+    assert not stop.is_enabled()
+    assert browser.find_element(By.ID, "send").is_enabled()
+    meta = browser.execute_script("return arguments[0].querySelector('.msg-meta').textContent",
+                                  assistant_messages(browser)[1])
+    assert "stopped" in meta
+    if stub is not None:
+        wait_until(lambda: stub.outcomes[1] == "disconnected", 10, "the server to see the disconnect")
+        assert len(stopped_at) < len(LONG_TOKEN) * 1500
+        assert stub.requests[1]["messages"][1] == {"role": "assistant", "content": first}
