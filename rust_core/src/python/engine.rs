@@ -241,7 +241,7 @@ impl PyEngine {
                 Mode::Closed => Err(closed()),
             })
         })?;
-        let vocab = if t == 0 { 0 } else { data.len() / t };
+        let vocab = data.len().checked_div(t).unwrap_or(0);
         let arr = PyArray1::from_vec(py, data);
         arr.reshape([t, vocab])
     }
