@@ -51,6 +51,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared { outbox: Mutex::new(Outbox::default()), ready: Condvar::new(), live: Mutex::new(HashSet::new()) });
         let validator = core.validator();
+        shared.live.lock().expect("live ids").extend(core.request_ids());
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ninfer-engine".into())
@@ -191,9 +192,9 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
                 let ids: Vec<String> = shared.live.lock().expect("live ids").drain().collect();
                 ob.outputs.extend(ids.iter().map(|id| aborted(id)));
                 ob.error = Some(e.to_string());
+                ob.stats = core.stats();
                 drop(ob);
                 shared.ready.notify_all();
-                fail_all(&mut core);
                 continue;
             }
         }
@@ -205,14 +206,6 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
     ob.stopped = true;
     drop(ob);
     shared.ready.notify_all();
-}
-
-/// After a failed step, abort everything the core still holds so its blocks are freed.
-fn fail_all(core: &mut EngineCore) {
-    for id in core.request_ids() {
-        core.abort(&id);
-    }
-    let _ = core.step();
 }
 
 fn aborted(id: &str) -> RequestOutput {
