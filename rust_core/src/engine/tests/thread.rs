@@ -34,7 +34,7 @@ fn the_thread_handle_rejects_bad_input_at_once_and_aborts() {
     let (core, _) = Setup::default().build();
     let handle = EngineHandle::start(core).unwrap();
     assert!(handle.submit("x", vec![], greedy(3)).is_err());
-    handle.submit("long", prompt(10, 1), greedy(400)).unwrap();
+    handle.submit("long", prompt(10, 1), greedy(500)).unwrap();
     assert!(handle.submit("long", prompt(10, 1), greedy(4)).is_err(), "duplicate id");
     handle.abort("long").unwrap();
     let mut fin = None;
