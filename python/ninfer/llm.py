@@ -1,0 +1,337 @@
+"""The offline API: `LLM(model_dir).generate(prompts, params)` over the Rust engine.
+
+All prompts of one call are submitted at once and stepped together, so the engine batches them
+exactly as it batches concurrent server requests; this class only turns prompts into token ids
+and folds the engine's deltas into `RequestOutput`s. It drives `_core.Engine.step()` on the
+calling thread (no background thread), one GIL crossing per engine step.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+from typing import Iterator, List, Optional, Sequence, Union
+
+from ninfer import _core
+from ninfer.outputs import CompletionOutput, RequestOutput
+from ninfer.sampling_params import SamplingParams
+
+#: What `generate` accepts as prompts: a string, token ids, or a list of either.
+Prompts = Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]]
+
+_instance_ids = itertools.count()
+
+
+class LLM:
+    """A model loaded into an engine on this process, for batch and scripted generation.
+
+    The constructor arguments are the engine's (see `_core.Engine`): `max_context` and
+    `kv_capacity` in tokens (None: derived from the model and memory), `max_concurrency`
+    sequences per step, `prefill_chunk` tokens per step, `prefix_reuse` for the prefix cache,
+    `num_threads` for the CPU backend.
+    """
+
+    def __init__(
+        self,
+        model_dir: Union[str, os.PathLike],
+        device: str = "cpu",
+        max_context: Optional[int] = None,
+        kv_capacity: Optional[int] = None,
+        max_concurrency: int = 64,
+        prefill_chunk: int = 512,
+        prefix_reuse: bool = True,
+        num_threads: Optional[int] = None,
+    ) -> None:
+        self.model_dir = os.fspath(model_dir)
+        self._core = _core.Engine(
+            self.model_dir,
+            device=device,
+            max_context=max_context,
+            kv_capacity=kv_capacity,
+            max_concurrency=max_concurrency,
+            prefill_chunk=prefill_chunk,
+            prefix_reuse=prefix_reuse,
+            num_threads=num_threads,
+        )
+        self._tokenizer = self._load_tokenizer()
+        self._default_params = self._load_default_params()
+        self._ids = itertools.count()
+        self._prefix = f"llm{next(_instance_ids)}"
+        self._busy = False
+
+    def _load_tokenizer(self):
+        if hasattr(self._core, "tokenizer"):
+            return self._core.tokenizer
+        try:
+            return _core.Tokenizer(self.model_dir)
+        except _core.NinferError:
+            return None
+
+    def _load_default_params(self) -> SamplingParams:
+        path = os.path.join(self.model_dir, "generation_config.json")
+        if not os.path.isfile(path):
+            return SamplingParams()
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise _core.ModelLoadError(f"malformed file {path}: {e}") from e
+        return SamplingParams.from_generation_config(config)
+
+    @property
+    def engine(self):
+        """The underlying `_core.Engine` (stats, info, scoring)."""
+        return self._core
+
+    @property
+    def tokenizer(self):
+        """The model's `_core.Tokenizer`, or None when the model has no tokenizer.json."""
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt plus completion, in tokens, the engine accepts."""
+        return int(self._core.max_context)
+
+    @property
+    def eos_token_ids(self) -> List[int]:
+        """Token ids that end a completion unless `ignore_eos`."""
+        return list(self._core.eos_token_ids)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params used when a call passes none: generation_config.json's, else the defaults."""
+        return copy.deepcopy(self._default_params)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of `text` (with BOS where the tokenizer adds one, as transformers does)."""
+        if self._tokenizer is None:
+            raise _core.InvalidRequestError(
+                f"{self.model_dir} has no tokenizer.json: pass token ids instead of text")
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`."""
+        if self._tokenizer is None:
+            return ""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt_ids(
+        self,
+        messages: Sequence[dict],
+        tools: Optional[Sequence[dict]] = None,
+        chat_template_kwargs: Optional[dict] = None,
+        add_generation_prompt: bool = True,
+    ) -> List[int]:
+        """Token ids of one conversation rendered with the model's chat template."""
+        if self._tokenizer is None or not self._tokenizer.has_chat_template:
+            raise _core.InvalidRequestError(
+                f"{self.model_dir} has no chat template: use generate() with a plain prompt")
+        text = self._tokenizer.apply_chat_template(
+            json.dumps(list(messages), ensure_ascii=False),
+            json.dumps(list(tools), ensure_ascii=False) if tools else None,
+            add_generation_prompt,
+            json.dumps(chat_template_kwargs, ensure_ascii=False) if chat_template_kwargs else None,
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompts: Prompts,
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    ) -> List[RequestOutput]:
+        """Generate for every prompt at once; one `RequestOutput` per prompt, in order.
+
+        `prompts` is a string, a list of strings, a list of token ids or a list of lists of
+        token ids. `params` is one `SamplingParams` for all, one per prompt, or None for the
+        model's defaults. Bad input raises before anything runs (InvalidRequestError,
+        ContextOverflowError with the numbers).
+        """
+        items = [(text, self.encode(text) if ids is None else ids)
+                 for text, ids in _normalize_prompts(prompts)]
+        return self._generate_ids(items, params)
+
+    def chat(
+        self,
+        messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        tools: Optional[Sequence[dict]] = None,
+        chat_template_kwargs: Optional[dict] = None,
+        add_generation_prompt: bool = True,
+    ) -> List[RequestOutput]:
+        """Render each conversation with the chat template, then generate as `generate` does.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts) or a list of them;
+        `chat_template_kwargs` such as {"enable_thinking": False} reach the template.
+        """
+        conversations = _normalize_conversations(messages)
+        items = [(None, self.chat_prompt_ids(c, tools, chat_template_kwargs, add_generation_prompt))
+                 for c in conversations]
+        return self._generate_ids(items, params)
+
+    def score(self, token_ids: Union[str, Sequence[int]]):
+        """Logits of every position of `token_ids` (numpy float32 [T, vocab]), one forward."""
+        ids = self.encode(token_ids) if isinstance(token_ids, str) else _as_token_ids(token_ids)
+        return self._core.score(ids)
+
+    def stream(
+        self,
+        prompt: Union[str, Sequence[int]],
+        params: Optional[SamplingParams] = None,
+    ) -> Iterator[dict]:
+        """Yield the engine's deltas for one prompt as they are produced (the CLI's path).
+
+        Each delta is the dict `_core.Engine.step` returns. Closing the iterator early aborts
+        the request.
+        """
+        ids = self.encode(prompt) if isinstance(prompt, str) else _as_token_ids(prompt)
+        params = self._resolve_params(params, 1)[0]
+        if params.n != 1:
+            raise _core.InvalidRequestError(
+                f"invalid request field `n`: {params.n} (stream() gives one completion; use generate())")
+        self._enter()
+        pending = set()
+        try:
+            rid = self._submit(ids, params, 0)
+            pending.add(rid)
+            while pending:
+                deltas = self._step_checked(pending)
+                for d in deltas:
+                    if d["request_id"] != rid:
+                        continue
+                    if d.get("finish_reason") is not None:
+                        pending.discard(rid)
+                    yield d
+        finally:
+            self._abort_and_drain(pending)
+            self._busy = False
+
+    def close(self) -> None:
+        """Stop the engine and free its memory; the object is unusable afterwards."""
+        shutdown = getattr(self._core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _enter(self) -> None:
+        if self._busy:
+            raise RuntimeError("LLM is already generating (finish or close the running stream() first)")
+        self._busy = True
+
+    def _resolve_params(self, params, count: int) -> List[SamplingParams]:
+        if params is None:
+            return [self._default_params] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+            raise _core.InvalidRequestError(
+                f"params: expected one SamplingParams or a list of {count}, got {len(params)} items")
+        return params
+
+    def _submit(self, ids: List[int], params: SamplingParams, index: int) -> str:
+        rid = f"{self._prefix}-{next(self._ids)}"
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.max_context - len(ids))
+        self._core.submit(rid, ids, params.to_core_json(max_tokens, params.seed_for(index)))
+        return rid
+
+    def _step_checked(self, pending: set) -> list:
+        deltas = self._core.step()
+        if not deltas and not self._core.has_unfinished():
+            raise _core.NinferError(
+                f"engine has no unfinished requests but {len(pending)} never finished: {sorted(pending)}")
+        return deltas
+
+    def _abort_and_drain(self, pending: set) -> None:
+        if not pending:
+            return
+        for rid in pending:
+            try:
+                self._core.abort(rid)
+            except _core.NinferError:
+                pass
+        for _ in range(1000):
+            if not self._core.has_unfinished():
+                break
+            self._core.step()
+
+    def _generate_ids(self, items, params) -> List[RequestOutput]:
+        all_params = self._resolve_params(params, len(items))
+        results = [RequestOutput(text, ids, [CompletionOutput(i) for i in range(p.n)])
+                   for (text, ids), p in zip(items, all_params)]
+        if not items:
+            return results
+        self._enter()
+        route = {}
+        try:
+            for result, p in zip(results, all_params):
+                for completion in result.outputs:
+                    rid = self._submit(result.prompt_token_ids, p, completion.index)
+                    route[rid] = completion
+            pending = set(route)
+            while pending:
+                for d in self._step_checked(pending):
+                    completion = route.get(d["request_id"])
+                    if completion is None:
+                        continue
+                    completion.add_delta(d)
+                    if completion.finished:
+                        pending.discard(d["request_id"])
+        finally:
+            self._abort_and_drain({rid for rid, c in route.items() if not c.finished})
+            self._busy = False
+        return results
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _as_token_ids(x) -> List[int]:
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if not _is_token_ids(x):
+        raise _core.InvalidRequestError("prompt: expected a string or a list of token ids (ints)")
+    bad = [t for t in x if t < 0]
+    if bad:
+        raise _core.InvalidRequestError(f"prompt: token id {bad[0]} is negative")
+    return list(x)
+
+
+def _normalize_prompts(prompts) -> List[tuple]:
+    """(text or None, token ids or None) per prompt."""
+    if isinstance(prompts, str):
+        return [(prompts, None)]
+    if hasattr(prompts, "tolist"):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [(None, _as_token_ids(prompts))]
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, None))
+        else:
+            out.append((None, _as_token_ids(p)))
+    return out
+
+
+def _normalize_conversations(messages) -> List[list]:
+    messages = list(messages)
+    if not messages:
+        raise _core.InvalidRequestError("messages: at least one message is required")
+    if all(isinstance(m, dict) for m in messages):
+        return [messages]
+    if all(isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages):
+        return [list(c) for c in messages]
+    raise _core.InvalidRequestError(
+        "messages: expected a list of {role, content} dicts or a list of such lists")

@@ -1,0 +1,167 @@
+"""Per-request sampling parameters of the offline API.
+
+The fields mirror the Rust `SamplingParams` (rust_core/src/sampling/params.rs) so one object
+serializes to the JSON that `_core.Engine.submit` takes. Python checks only what Rust cannot see
+(types, `n`, and the `max_tokens=None` convention); every range check lives in Rust, so a value
+is judged the same way whether it comes from here, the CLI or the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Union
+
+from ninfer._core import InvalidRequestError
+
+#: Fields that generation_config.json may set as defaults when the caller gives no params
+#: (the ones vLLM reads), mapped to our field names.
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and not (
+        isinstance(v, float) and math.isnan(v)
+    )
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, for one prompt.
+
+    `max_tokens=None` means "as many as fit in the context after the prompt". `n` asks for
+    several independent completions of the same prompt; with a `seed`, completion `i` uses
+    `seed + i`, so each is reproducible on its own.
+    """
+
+    n: int = 1
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Dict[int, float] = dataclasses.field(default_factory=dict)
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    stop_token_ids: List[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+
+    @classmethod
+    def greedy(cls, **kwargs) -> "SamplingParams":
+        """Argmax decoding (temperature 0); other fields as given."""
+        return cls(temperature=0.0, **kwargs)
+
+    @classmethod
+    def from_generation_config(cls, generation_config: Mapping[str, object]) -> "SamplingParams":
+        """Defaults taken from a model's generation_config.json, used when the caller gives none.
+
+        Only the fields vLLM honours are read; `do_sample: false` means greedy, as in
+        transformers.
+        """
+        kwargs = {}
+        for src, dst in GENERATION_CONFIG_FIELDS.items():
+            value = generation_config.get(src)
+            if value is not None:
+                kwargs[dst] = value
+        if generation_config.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        if kwargs.get("top_k") is not None and kwargs["top_k"] < 0:
+            kwargs["top_k"] = 0
+        return cls(**kwargs)
+
+    def _check_types(self) -> None:
+        def bad(field: str, why: str) -> InvalidRequestError:
+            value = getattr(self, field)
+            return InvalidRequestError(f"invalid request field `{field}`: {value!r} {why}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty"):
+            if not _is_number(getattr(self, field)):
+                raise bad(field, "must be a number")
+        for field in ("top_k", "top_logprobs"):
+            if not _is_int(getattr(self, field)):
+                raise bad(field, "must be an integer")
+        if self.top_k < 0:
+            self.top_k = 0
+        if self.top_logprobs < 0:
+            raise bad("top_logprobs", "must be >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        elif not (isinstance(self.stop, Sequence) and all(isinstance(s, str) for s in self.stop)):
+            raise bad("stop", "must be a string or a list of strings")
+        else:
+            self.stop = list(self.stop)
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.logit_bias, Mapping) or not all(
+            (_is_int(k) or (isinstance(k, str) and k.isdigit())) and _is_number(v)
+            for k, v in self.logit_bias.items()
+        ):
+            raise bad("logit_bias", "must map token ids to numbers")
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        for field in ("ignore_eos", "logprobs", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "must be true or false")
+        if self.top_logprobs > 0:
+            self.logprobs = True
+
+    def to_core_dict(self, max_tokens: int, seed: Optional[int]) -> dict:
+        """The object `_core.Engine.submit` takes, for one completion.
+
+        `max_tokens` and `seed` are resolved by the caller (context left, `seed + i` for n>1).
+        """
+        return {
+            "max_tokens": max_tokens,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "min_p": float(self.min_p),
+            "presence_penalty": float(self.presence_penalty),
+            "frequency_penalty": float(self.frequency_penalty),
+            "repetition_penalty": float(self.repetition_penalty),
+            "logit_bias": {str(int(k)): float(v) for k, v in self.logit_bias.items()},
+            "seed": seed,
+            "stop": list(self.stop),
+            "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+            "top_logprobs": int(self.top_logprobs),
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+
+    def to_core_json(self, max_tokens: int, seed: Optional[int]) -> str:
+        """`to_core_dict` as the JSON string `_core.Engine.submit` takes."""
+        return json.dumps(self.to_core_dict(max_tokens, seed))
+
+    def seed_for(self, index: int) -> Optional[int]:
+        """The seed of completion `index` of `n`: `seed + index`, or None when unseeded."""
+        return None if self.seed is None else self.seed + index
