@@ -37,12 +37,13 @@ struct Shared {
     live: Mutex<HashSet<String>>,
 }
 
-/// Handle to the engine thread.
+/// Handle to the engine thread. Every method takes `&self` and is safe to call from several
+/// threads at once: `poll` waits without blocking `submit` / `abort`.
 pub struct EngineHandle {
     tx: Sender<Command>,
     shared: Arc<Shared>,
     validator: RequestValidator,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl EngineHandle {
@@ -57,7 +58,7 @@ impl EngineHandle {
             .name("ninfer-engine".into())
             .spawn(move || run_loop(core, rx, thread_shared))
             .map_err(|e| NinferError::Device(format!("cannot start the engine thread: {e}")))?;
-        Ok(EngineHandle { tx, shared, validator, thread: Some(thread) })
+        Ok(EngineHandle { tx, shared, validator, thread: Mutex::new(Some(thread)) })
     }
 
     /// Queue a request; bad input and duplicate ids are rejected here, at once.
@@ -116,9 +117,10 @@ impl EngineHandle {
     }
 
     /// Stop the thread (running requests are dropped) and wait for it.
-    pub fn shutdown(&mut self) {
+    pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
-        if let Some(t) = self.thread.take() {
+        let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
+        if let Some(t) = thread {
             let _ = t.join();
         }
     }
