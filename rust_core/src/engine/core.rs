@@ -198,7 +198,17 @@ impl EngineCore {
     }
 
     /// One engine step.
+    /// On a runner failure every request is dropped (blocks and slots freed) and the error is
+    /// returned: a half-run step cannot be resumed.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        let result = self.try_step();
+        if result.is_err() {
+            self.drop_all();
+        }
+        result
+    }
+
+    fn try_step(&mut self) -> Result<Vec<RequestOutput>> {
         let mut outputs = self.apply_aborts()?;
         let step = self.sched.schedule();
         if step.is_empty() {
@@ -207,6 +217,16 @@ impl EngineCore {
         let logits = self.execute(&step)?;
         outputs.extend(self.postprocess(&step, &logits)?);
         Ok(outputs)
+    }
+
+    /// Forget every request and free what it holds.
+    fn drop_all(&mut self) {
+        for id in self.requests.keys().copied().collect::<Vec<_>>() {
+            self.sched.finish(id);
+        }
+        self.requests.clear();
+        self.ids.clear();
+        self.pending_aborts.clear();
     }
 
     /// Logits of every position of `tokens` (one sequence, no prefix cache, no sampling).
