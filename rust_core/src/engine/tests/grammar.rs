@@ -96,7 +96,7 @@ fn a_bad_schema_is_rejected_at_submit_naming_response_format() {
     let bad = with_format(greedy(10), json!({"type": "json_schema", "json_schema": {"schema": {"type": "banana"}}}));
     let err = core.add_request("r", prompt(3, 1), bad.clone()).unwrap_err();
     assert!(matches!(&err, NinferError::InvalidRequest { field, .. } if field == "response_format"), "{err}");
-    let mut handle = crate::engine::EngineHandle::start(json_setup().build().0).unwrap();
+    let handle = crate::engine::EngineHandle::start(json_setup().build().0).unwrap();
     let err = handle.submit("r", prompt(3, 1), bad).unwrap_err();
     assert!(matches!(&err, NinferError::InvalidRequest { field, .. } if field == "response_format"), "{err}");
     handle.shutdown();
