@@ -93,6 +93,13 @@ def test_json_object_outputs_are_objects(client):
     assert text.lstrip().startswith("{"), text
 
 
+def test_completions_accept_response_format_too(client):
+    r = client.completions.create(model=MODEL, prompt="An item:", max_tokens=900, temperature=1.0, seed=5,
+                                  extra_body={"response_format": schema_format(ITEM_SCHEMA)})
+    assert r.choices[0].finish_reason == "stop"
+    validate(json.loads(r.choices[0].text), ITEM_SCHEMA)
+
+
 def test_invalid_schema_is_a_400_naming_response_format(client):
     bad = schema_format({"type": "object", "properties": {"a": {"type": "banana"}}})
     for stream in (False, True):

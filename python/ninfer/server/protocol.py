@@ -332,6 +332,9 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
     if body.get("best_of") not in (None, 1):
         raise bad_request(f"`best_of` {body['best_of']!r} is not supported yet", "best_of", "unsupported")
     sampling = sampling_fields(body, defaults)
+    response_format = _response_format(body)
+    if response_format is not None:
+        sampling["response_format"] = response_format
     top = number(body, "logprobs", lo=0, hi=20, integer=True)
     logprobs = top is not None
     sampling.update(logprobs=logprobs, top_logprobs=int(top or 0))
