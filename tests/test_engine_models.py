@@ -92,3 +92,40 @@ def test_score_matches_transformers_logits(tiny):
         want = ref(torch.tensor([p])).logits[0].numpy()
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    from tiny_tokenizer import make_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3_tok")
+    hf_tok = make_tokenizer(path, "qwen3", vocab_size=397)
+    make_model(path, "qwen3", seed=4, vocab_size=397)
+    return str(path), hf_tok
+
+
+def collect(engine, rid, prompt, **params):
+    engine.submit(rid, prompt, json.dumps({"max_tokens": 40, "temperature": 0, "ignore_eos": True, **params}))
+    toks, text, finish = [], "", None
+    while engine.has_unfinished():
+        for d in engine.step():
+            toks += d["token_ids"]
+            text += d["text"]
+            finish = d["finish_reason"] or finish
+    return toks, text, finish
+
+
+def test_streamed_text_and_stop_strings_with_a_real_tokenizer(tiny_with_tokenizer):
+    path, hf_tok = tiny_with_tokenizer
+    eng = _core.Engine(path, max_context=128, kv_capacity=256)
+    assert eng.tokenizer is not None and eng.tokenizer.vocab_size == 397
+    prompt_ids = hf_tok.encode("def fibonacci(n):", add_special_tokens=False)
+    toks, text, finish = collect(eng, "ref", prompt_ids)
+    assert finish == "length"
+    full = hf_tok.decode(prompt_ids + toks, skip_special_tokens=True)
+    assert text == full[len(hf_tok.decode(prompt_ids, skip_special_tokens=True)):]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop) == 3, text
+    _, cut_text, finish = collect(eng, "stop", prompt_ids, stop=[stop])
+    assert finish == "stop"
+    assert cut_text == text[: text.find(stop)]

@@ -2,3 +2,4 @@
 //! is tested against it.
 
 pub mod cpu;
+pub mod cuda;

@@ -231,6 +231,12 @@ impl EngineCore {
         }
     }
 
+    /// Recurrent-state snapshots currently held (tests).
+    #[cfg(test)]
+    pub(crate) fn sched_snapshots_held(&self) -> usize {
+        self.sched.slots.num_snapshots_held()
+    }
+
     fn score_with(&mut self, tokens: &[u32], table: &[u32], slot: Option<usize>) -> Result<Vec<f32>> {
         let slot = slot.ok_or_else(|| NinferError::Request("score".into(), "no free recurrent-state slot".into()))?;
         let bs = self.cfg.block_size;

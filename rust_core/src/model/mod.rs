@@ -8,6 +8,9 @@ pub mod layers;
 pub mod runner;
 pub mod weights;
 
+#[cfg(test)]
+mod tests;
+
 use std::path::Path;
 
 pub use cpu_model::CpuModel;

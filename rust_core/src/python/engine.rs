@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::errors::IntoPy;
+use super::tokenizer::PyTokenizer;
 use crate::config::GenerationConfig;
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
 use crate::model::{load_model, LoadOptions, ModelRunner};
@@ -37,6 +38,7 @@ pub struct PyEngine {
     eos_token_ids: Vec<u32>,
     vocab_size: usize,
     device: String,
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl PyEngine {
@@ -47,6 +49,7 @@ impl PyEngine {
             eos_token_ids: core.eos_token_ids().to_vec(),
             vocab_size: core.validator().vocab_size,
             device,
+            tokenizer: core.tokenizer().cloned(),
             mode: Mutex::new(Mode::Inline(Box::new(core))),
         }
     }
@@ -306,6 +309,13 @@ impl PyEngine {
         d.set_item("total_bytes", l.total_bytes)?;
         d.set_item("vocab_size", self.vocab_size)?;
         Ok(d)
+    }
+
+    /// The tokenizer the engine decodes with (None when the model directory has no
+    /// tokenizer.json).
+    #[getter]
+    fn tokenizer(&self, py: Python<'_>) -> PyResult<Option<Py<PyTokenizer>>> {
+        self.tokenizer.as_ref().map(|t| Py::new(py, PyTokenizer::from_shared(t.clone()))).transpose()
     }
 
     /// Token ids that end generation (from generation_config.json).

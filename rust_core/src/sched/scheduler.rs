@@ -146,7 +146,9 @@ impl Scheduler {
     }
 
     /// After the runner ran `step`: advance computed counts, publish full blocks to the prefix
-    /// cache, and return the state copies (src, dst) that take snapshots now.
+    /// cache, and return the state copies (src, dst) that take snapshots now: at a prompt's last
+    /// block boundary, and at each block boundary reached while decoding (a sequence keeps only
+    /// its latest decode snapshot, which is what the next turn of a conversation resumes from).
     pub fn on_step_done(&mut self, step: &ScheduledStep) -> Vec<(usize, usize)> {
         let bs = self.pool.block_size();
         let mut copies = Vec::new();
@@ -161,9 +163,18 @@ impl Scheduler {
                 }
                 seq.num_registered_blocks = seq.num_registered_blocks.max(full);
             }
+            let decode_boundary = self.cfg.prefix_reuse && chunk.tokens.len() == 1 && seq.num_computed % bs == 0;
             if seq.snapshot_at == Some(seq.num_computed) {
                 seq.snapshot_at = None;
                 if let (Some(slot), Some(dst)) = (seq.state_slot, self.slots.reserve_snapshot(seq.block_hashes[seq.num_computed / bs - 1])) {
+                    copies.push((slot, dst));
+                }
+            } else if decode_boundary && seq.state_slot.is_some() {
+                let key = seq.block_hashes[seq.num_computed / bs - 1];
+                if let Some(old) = seq.trailing_snapshot.replace(key) {
+                    self.slots.drop_snapshot(old);
+                }
+                if let (Some(slot), Some(dst)) = (seq.state_slot, self.slots.reserve_snapshot(key)) {
                     copies.push((slot, dst));
                 }
             }

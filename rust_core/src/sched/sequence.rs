@@ -35,6 +35,8 @@ pub struct Sequence {
     pub state_slot: Option<usize>,
     /// Token count (block aligned) at which to snapshot the recurrent state.
     pub snapshot_at: Option<usize>,
+    /// Key of the snapshot this sequence last took while decoding (replaced at each boundary).
+    pub trailing_snapshot: Option<BlockHash>,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: Option<usize>,
     pub status: SeqStatus,
@@ -53,6 +55,7 @@ impl Sequence {
             num_registered_blocks: 0,
             state_slot: None,
             snapshot_at: None,
+            trailing_snapshot: None,
             cached_tokens: None,
             status: SeqStatus::Waiting,
         }

@@ -94,6 +94,14 @@ impl StateSlots {
         self.snapshots.contains_key(&hash)
     }
 
+    /// Forget the snapshot for `hash` (a sequence replacing its own older snapshot).
+    pub fn drop_snapshot(&mut self, hash: BlockHash) {
+        if let Some((slot, stamp)) = self.snapshots.remove(&hash) {
+            self.lru.remove(&stamp);
+            self.free_snapshot.push(slot);
+        }
+    }
+
     /// A snapshot slot to copy a state into for key `hash`, evicting the least recently used
     /// snapshot when all are taken. None when a snapshot for `hash` exists or there are no
     /// snapshot slots.
@@ -144,6 +152,9 @@ mod tests {
         assert_eq!(s.find_snapshot(20), None);
         assert_eq!(s.find_snapshot(10), Some(x));
         assert_eq!(s.total(), 4);
+        s.drop_snapshot(10);
+        assert_eq!(s.find_snapshot(10), None);
+        assert_eq!(s.reserve_snapshot(40), Some(x), "a dropped snapshot frees its slot");
     }
 
     #[test]

@@ -80,38 +80,72 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     axpy_generic(y, a, x)
 }
 
-/// Dot products of one weight row with `m` input rows (`x` is `[m, k]`), written to
-/// `out[i * out_stride]`: the weight row is read from memory once for all inputs.
+/// Dot products of one weight row with `M` input rows (`x` is `[M, k]`): the weight chunk is
+/// loaded once and multiplied into `M` register accumulators.
 #[inline(always)]
-fn row_dots_generic(w: &[f32], x: &[f32], m: usize, k: usize, out: &mut [f32; 8]) {
-    for i in 0..m {
-        out[i] = dot_generic(w, &x[i * k..(i + 1) * k]);
+fn row_dots<const M: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32; 8]) {
+    const L: usize = 8;
+    if M == 1 {
+        out[0] = dot_generic(w, &x[..k]);
+        return;
+    }
+    let mut acc = [[0f32; L]; M];
+    let chunks = k / L;
+    for c in 0..chunks {
+        let wc: &[f32; L] = w[c * L..c * L + L].try_into().unwrap();
+        for (i, a) in acc.iter_mut().enumerate() {
+            let xc: &[f32; L] = x[i * k + c * L..i * k + c * L + L].try_into().unwrap();
+            for l in 0..L {
+                a[l] += wc[l] * xc[l];
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        let mut s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        for p in chunks * L..k {
+            s += w[p] * x[i * k + p];
+        }
+        out[i] = s;
+    }
+}
+
+#[inline(always)]
+fn rows_block_m<const M: usize>(w: &[f32], x: &[f32], k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
+    let mut tmp = [0f32; 8];
+    for j in rows {
+        row_dots::<M>(&w[j * k..(j + 1) * k], x, k, &mut tmp);
+        out(j, &tmp);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rows_block_avx2(w: &[f32], x: &[f32], m: usize, k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
-    let mut tmp = [0f32; 8];
-    for j in rows {
-        row_dots_generic(&w[j * k..(j + 1) * k], x, m, k, &mut tmp);
-        out(j, &tmp);
-    }
+unsafe fn rows_block_avx2<const M: usize>(w: &[f32], x: &[f32], k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
+    rows_block_m::<M>(w, x, k, rows, out)
 }
 
-/// For each weight row `j` in `rows` (`w` is `[n, k]`), the dot products with the `m <= 8`
-/// input rows of `x`, handed to `out(j, dots)`.
-pub fn rows_block(w: &[f32], x: &[f32], m: usize, k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
-    assert!(m <= 8);
+fn rows_block_dispatch<const M: usize>(w: &[f32], x: &[f32], k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports avx2 and fma (checked at runtime).
-        return unsafe { rows_block_avx2(w, x, m, k, rows, out) };
+        return unsafe { rows_block_avx2::<M>(w, x, k, rows, out) };
     }
-    let mut tmp = [0f32; 8];
-    for j in rows {
-        row_dots_generic(&w[j * k..(j + 1) * k], x, m, k, &mut tmp);
-        out(j, &tmp);
+    rows_block_m::<M>(w, x, k, rows, out)
+}
+
+/// For each weight row `j` in `rows` (`w` is `[n, k]`), the dot products with the `m <= 8`
+/// input rows of `x`, handed to `out(j, dots)`. Each weight row is read once for all inputs.
+pub fn rows_block(w: &[f32], x: &[f32], m: usize, k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
+    match m {
+        1 => rows_block_dispatch::<1>(w, x, k, rows, out),
+        2 => rows_block_dispatch::<2>(w, x, k, rows, out),
+        3 => rows_block_dispatch::<3>(w, x, k, rows, out),
+        4 => rows_block_dispatch::<4>(w, x, k, rows, out),
+        5 => rows_block_dispatch::<5>(w, x, k, rows, out),
+        6 => rows_block_dispatch::<6>(w, x, k, rows, out),
+        7 => rows_block_dispatch::<7>(w, x, k, rows, out),
+        8 => rows_block_dispatch::<8>(w, x, k, rows, out),
+        _ => panic!("rows_block: m = {m} > 8"),
     }
 }
 

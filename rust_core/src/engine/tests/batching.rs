@@ -127,3 +127,20 @@ fn logprobs_come_with_each_token_when_asked() {
     }
     assert_eq!(seen, 3);
 }
+
+#[test]
+fn preemption_of_a_hybrid_model_restarts_its_recurrent_state_correctly() {
+    let tiny = Setup {
+        hybrid: true,
+        cfg: EngineConfig { max_context: Some(64), kv_capacity_tokens: Some(64), block_size: 4, max_concurrency: 4, prefill_chunk: 64, ..Default::default() },
+        ..Default::default()
+    };
+    let reqs: Vec<_> = (0..3).map(|i| (prompt(9 + i, i as u32 + 3), greedy(40))).collect();
+    let (out, core, _) = run_requests(&tiny, &reqs);
+    assert!(core.stats().preemptions > 0);
+    let alone_setup = Setup { hybrid: true, ..Default::default() };
+    for (i, r) in reqs.iter().enumerate() {
+        let (alone, _, _) = run_requests(&alone_setup, std::slice::from_ref(r));
+        assert_eq!(out[i].tokens, alone[0].tokens, "request {i}");
+    }
+}

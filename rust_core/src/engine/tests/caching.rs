@@ -111,3 +111,21 @@ fn aborting_a_waiting_request_removes_it_without_running_it() {
     assert_eq!(all["a"].finish, Some("length"));
     assert!(log.lock().unwrap().steps.iter().all(|s| s.seqs.len() == 1));
 }
+
+#[test]
+fn hybrid_model_resumes_the_next_turn_from_a_snapshot_taken_while_decoding() {
+    let hybrid = Setup { hybrid: true, ..Default::default() };
+    let p1 = prompt(20, 6);
+    let (mut core, _) = hybrid.build();
+    core.add_request("turn1", p1.clone(), greedy(30)).unwrap();
+    let t1 = run_all(&mut core).remove("turn1").unwrap();
+    assert_eq!(core.sched_snapshots_held(), 2, "end of prompt (16) and the latest decode boundary (48)");
+    let mut p2 = p1.clone();
+    p2.extend(&t1.tokens);
+    p2.extend(prompt(5, 7));
+    core.add_request("turn2", p2.clone(), greedy(6)).unwrap();
+    let t2 = run_all(&mut core).remove("turn2").unwrap();
+    assert_eq!(t2.cached_tokens, 48);
+    let (fresh, _, _) = run_requests(&hybrid, &[(p2, greedy(6))]);
+    assert_eq!(t2.tokens, fresh[0].tokens);
+}

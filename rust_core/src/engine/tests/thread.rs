@@ -53,3 +53,17 @@ fn the_thread_handle_rejects_bad_input_at_once_and_aborts() {
     assert!(handle.poll(Duration::from_millis(50)).unwrap().is_empty());
     assert!(t.elapsed() >= Duration::from_millis(45), "an idle poll waits for its timeout");
 }
+
+#[test]
+fn an_idle_engine_thread_does_not_step() {
+    let (core, _) = Setup::default().build();
+    let handle = EngineHandle::start(core).unwrap();
+    handle.submit("a", prompt(4, 1), greedy(3)).unwrap();
+    while handle.has_unfinished() {
+        handle.poll(Duration::from_secs(1)).unwrap();
+    }
+    let steps = handle.stats().steps;
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(handle.stats().steps, steps);
+    assert_eq!(steps, 3, "one prefill step that samples the first token, then two decodes");
+}

@@ -1,0 +1,238 @@
+// Paged attention for decode and prefill, one kernel for both.
+//
+// The KV cache is paged: k_cache / v_cache are [num_blocks, block_size, n_kv_heads, D] and a
+// sequence's i-th block is block_tables[seq * max_blocks + i]. Every query token t belongs to
+// sequence token_seq[t] and sees keys 0..=token_pos[t] (causal; the new tokens' K/V are already
+// in the cache). Decode is the case of one token per sequence at position context_len - 1.
+//
+// One warp computes one token's G q heads of one GQA group (G = the group size when it is 2, 4
+// or 8, else 1): each lane holds D/32 contiguous elements of q and of the output accumulators,
+// scores are warp reductions, and the softmax is online (running max and sum), so no score
+// matrix is stored: flash-attention style. Each K/V row is read once per group, and several
+// keys are taken per iteration so that their rows are in flight together. Grid dimension y splits the
+// key range into partitions of `partition` keys (split-K flash decoding): with one split the
+// kernel writes the normalised output, with several it writes unnormalised partials and their
+// (max, sum) for attention_combine. GQA: q head h reads kv head h / (n_q_heads / n_kv_heads).
+#include "common.cuh"
+
+#define ATTN_WARPS 4
+#define ATTN_KEYS 4
+
+// Loads a lane's EPL contiguous storage elements as f32, with one vector load where the
+// width allows (the row offset is a multiple of EPL elements, so the address is aligned).
+template <int EPL>
+__device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* out) {
+    if constexpr (EPL == 8) {
+        const uint4 r = *reinterpret_cast<const uint4*>(p);
+        const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = to_f32((store_t)(w[i] & 0xffffu));
+            out[2 * i + 1] = to_f32((store_t)(w[i] >> 16));
+        }
+    } else if constexpr (EPL == 4) {
+        const uint2 r = *reinterpret_cast<const uint2*>(p);
+        out[0] = to_f32((store_t)(r.x & 0xffffu));
+        out[1] = to_f32((store_t)(r.x >> 16));
+        out[2] = to_f32((store_t)(r.y & 0xffffu));
+        out[3] = to_f32((store_t)(r.y >> 16));
+    } else if constexpr (EPL == 2) {
+        const unsigned r = *reinterpret_cast<const unsigned*>(p);
+        out[0] = to_f32((store_t)(r & 0xffffu));
+        out[1] = to_f32((store_t)(r >> 16));
+    } else {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) out[e] = to_f32(p[e]);
+    }
+}
+
+// G q heads that share one KV head (a GQA group, or 1 where the group size has no instance)
+// are handled by one warp, so each K/V row is read once for the group. KB keys per iteration
+// keep several rows in flight; fewer when G * D/32 registers per key are already many.
+template <int D, int G>
+__device__ __forceinline__ void attention_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_tokens,
+    int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale, int partition,
+    store_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int EPL = D / 32;
+    constexpr int KB = (G * EPL > 16) ? 2 : ATTN_KEYS;
+    const int lane = threadIdx.x & 31;
+    const int warps_per_token = n_q_heads / G;
+    const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
+    if (w >= n_tokens * warps_per_token) return;
+    const int t = w / warps_per_token;
+    const int h0 = (w - t * warps_per_token) * G;
+    const int kvh = h0 / (n_q_heads / n_kv_heads);
+    const int seq = token_seq[t];
+    const int limit = token_pos[t] + 1;
+    const int split = blockIdx.y;
+    const int n_splits = gridDim.y;
+    const int start = split * partition;
+    const int end = min(limit, start + partition);
+
+    float qv[G][EPL], acc[G][EPL], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[g][e] = to_f32(qrow[e]) * scale;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    const int* table = block_tables + (long long)seq * max_blocks;
+    const long long head_off = (long long)kvh * D + lane * EPL;
+    for (int j = start; j < end; j += KB) {
+        const int nk = min(KB, end - j);
+        long long off[KB];
+#pragma unroll
+        for (int u = 0; u < KB; ++u) {
+            const int jj = j + (u < nk ? u : 0);
+            off[u] = ((long long)table[jj / block_size] * block_size + (jj % block_size)) *
+                         n_kv_heads * D + head_off;
+        }
+        float kf[KB][EPL], vf[KB][EPL], s[KB][G];
+#pragma unroll
+        for (int u = 0; u < KB; ++u) load_lane<EPL>(k_cache + off[u], kf[u]);
+#pragma unroll
+        for (int u = 0; u < KB; ++u) load_lane<EPL>(v_cache + off[u], vf[u]);
+#pragma unroll
+        for (int u = 0; u < KB; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) d = fmaf(qv[g][e], kf[u][e], d);
+                s[u][g] = d;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < KB; ++u) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float smax = s[0][g];
+#pragma unroll
+            for (int u = 1; u < KB; ++u)
+                if (u < nk) smax = fmaxf(smax, s[u][g]);
+            const float m_new = fmaxf(m[g], smax);
+            const float corr = expf(m[g] - m_new);
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < KB; ++u) {
+                if (u < nk) {
+                    const float p = expf(s[u][g] - m_new);
+                    l[g] += p;
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(p, vf[u][e], acc[g][e]);
+                }
+            }
+            m[g] = m_new;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const long long row = (long long)t * n_q_heads + h0 + g;
+        if (n_splits == 1) {
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            store_t* orow = out + row * D + lane * EPL;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) orow[e] = from_f32(acc[g][e] * inv);
+        } else {
+            const long long p_idx = row * n_splits + split;
+            float* prow = part_acc + p_idx * D + lane * EPL;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) prow[e] = acc[g][e];
+            if (lane == 0) {
+                part_ml[p_idx * 2] = m[g];
+                part_ml[p_idx * 2 + 1] = l[g];
+            }
+        }
+    }
+}
+
+// Merges the split partials of attention_body (rows are (token, q head)): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+template <int D>
+__device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml, int n_rows,
+                                             int n_splits, store_t* __restrict__ out) {
+    constexpr int EPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
+    if (w >= n_rows) return;
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, part_ml[((long long)w * n_splits + s) * 2]);
+    float acc[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
+    float total = 0.0f;
+    if (mx != NEG_INF) {
+        for (int s = 0; s < n_splits; ++s) {
+            const long long p_idx = (long long)w * n_splits + s;
+            const float f = expf(part_ml[p_idx * 2] - mx);
+            total += part_ml[p_idx * 2 + 1] * f;
+            const float* prow = part_acc + p_idx * D + lane * EPL;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[e] = fmaf(prow[e], f, acc[e]);
+        }
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    store_t* orow = out + (long long)w * D + lane * EPL;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) orow[e] = from_f32(acc[e] * inv);
+}
+
+#define ATTN_GROUP_INSTANCE(D, G)                                                               \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D##_g##G(  \
+        const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
+        int n_tokens, int n_q_heads, int n_kv_heads, long long q_stride, int block_size,        \
+        float scale, int partition, store_t* out, float* part_acc, float* part_ml) {            \
+        attention_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,          \
+                             token_pos, n_tokens, n_q_heads, n_kv_heads, q_stride, block_size,  \
+                             scale, partition, out, part_acc, part_ml);                         \
+    }
+
+#define ATTN_INSTANCE(D)                                                                        \
+    ATTN_GROUP_INSTANCE(D, 1)                                                                   \
+    ATTN_GROUP_INSTANCE(D, 2)                                                                   \
+    ATTN_GROUP_INSTANCE(D, 4)                                                                   \
+    ATTN_GROUP_INSTANCE(D, 8)                                                                   \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_combine_d##D(       \
+        const float* part_acc, const float* part_ml, int n_rows, int n_splits, store_t* out) {  \
+        combine_body<D>(part_acc, part_ml, n_rows, n_splits, out);                              \
+    }
+
+ATTN_INSTANCE(64)
+ATTN_INSTANCE(96)
+ATTN_INSTANCE(128)
+ATTN_INSTANCE(256)
+
+// Writes the new tokens' K and V rows into the paged cache: token t goes to flat slot
+// slot_mapping[t] = block * block_size + offset. A negative slot skips the token (padding).
+// Rows of k / v are `k_stride` / `v_stride` elements apart (a fused QKV projection).
+extern "C" __global__ void kv_cache_write(const store_t* __restrict__ k,
+                                          const store_t* __restrict__ v,
+                                          store_t* __restrict__ k_cache,
+                                          store_t* __restrict__ v_cache,
+                                          const long long* __restrict__ slot_mapping, int row_elems,
+                                          long long k_stride, long long v_stride) {
+    const int t = blockIdx.x;
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;
+    for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
+        k_cache[slot * row_elems + i] = k[t * k_stride + i];
+        v_cache[slot * row_elems + i] = v[t * v_stride + i];
+    }
+}

@@ -1,0 +1,147 @@
+// Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) with per-sequence recurrent state.
+//
+// Sequences are packed: tokens cu_seqlens[s]..cu_seqlens[s+1] belong to sequence s, whose state
+// lives in slot slots[s]. Decode is one token per sequence; prefill carries the state through
+// the chunk and leaves it updated, so a prompt can be processed in several chunks.
+#include "common.cuh"
+
+// Depthwise causal conv1d over time with carried state, then SiLU.
+// conv_state is [n_slots, channels, K-1] (per channel the last K-1 inputs, oldest first: the
+// CPU backend's layout, so state snapshots are the same bytes on both); weight is
+// [channels, K]; bias may be null.
+// One thread per (sequence, channel) walks the sequence's tokens in order.
+template <int K>
+__device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long long x_stride,
+                                          store_t* __restrict__ conv_state,
+                                          const store_t* __restrict__ weight,
+                                          const store_t* __restrict__ bias,
+                                          const int* __restrict__ cu_seqlens,
+                                          const int* __restrict__ slots, int channels,
+                                          store_t* __restrict__ out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = blockIdx.y;
+    if (c >= channels) return;
+    store_t* st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
+    float win[K - 1], wt[K];
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) win[i] = to_f32(st[i]);
+#pragma unroll
+    for (int i = 0; i < K; ++i) wt[i] = to_f32(weight[(long long)c * K + i]);
+    const float b = bias ? to_f32(bias[c]) : 0.0f;
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        const float xv = to_f32(x[t * x_stride + c]);
+        float y = b;
+#pragma unroll
+        for (int i = 0; i < K - 1; ++i) y = fmaf(wt[i], win[i], y);
+        y = fmaf(wt[K - 1], xv, y);
+        out[(long long)t * channels + c] = from_f32(silu_f(y));
+#pragma unroll
+        for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
+        win[K - 2] = xv;
+    }
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) st[i] = from_f32(win[i]);
+}
+
+#define CONV_INSTANCE(K)                                                                       \
+    extern "C" __global__ void causal_conv1d_k##K(                                             \
+        const store_t* x, long long x_stride, store_t* conv_state, const store_t* weight,      \
+        const store_t* bias, const int* cu_seqlens, const int* slots, int channels,            \
+        store_t* out) {                                                                        \
+        conv_body<K>(x, x_stride, conv_state, weight, bias, cu_seqlens, slots, channels, out); \
+    }
+
+CONV_INSTANCE(2)
+CONV_INSTANCE(3)
+CONV_INSTANCE(4)
+
+// Gates per token and value head: g = -exp(A_log) * softplus(a + dt_bias) (log of the decay)
+// and beta = sigmoid(b). a and b are [T, n_heads]; A_log and dt_bias are f32 [n_heads].
+extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_t* __restrict__ b,
+                                     const float* __restrict__ a_log,
+                                     const float* __restrict__ dt_bias, int n_tokens, int n_heads,
+                                     float* __restrict__ g, float* __restrict__ beta) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_tokens * n_heads) return;
+    const int h = e % n_heads;
+    const float x = to_f32(a[e]) + dt_bias[h];
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    g[e] = -expf(a_log[h]) * sp;
+    beta[e] = sigmoid_f(to_f32(b[e]));
+}
+
+// Recurrent gated delta rule, token by token, fp32 state [n_slots, n_v_heads, DK, DV].
+// q and k are L2-normalised here (eps 1e-6) and q is scaled by DK^-1/2. Per token:
+// S *= exp(g); delta = (v - S^T k) * beta; S += k delta^T; o = S^T q.
+// Grid (DV / 32, n_v_heads, n_seqs), one warp per block; lane j owns column j of S (DK floats
+// in registers). Value head h reads key head h / (n_v_heads / n_k_heads).
+template <int DK>
+__device__ __forceinline__ void recurrent_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
+    const store_t* __restrict__ v, long long v_stride, const float* __restrict__ g,
+    const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ cu_seqlens,
+    const int* __restrict__ slots, int n_k_heads, int n_v_heads, int dv,
+    store_t* __restrict__ out) {
+    constexpr int EPL = DK / 32;
+    __shared__ float sq[DK], sk[DK];
+    const int lane = threadIdx.x;
+    const int j = blockIdx.x * 32 + lane;
+    const int h = blockIdx.y;
+    const int s = blockIdx.z;
+    const int kh = h / (n_v_heads / n_k_heads);
+    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
+    float col[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
+    const float q_scale = rsqrtf((float)DK);
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        float qv[EPL], kv[EPL], qss = 0.0f, kss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[e] = to_f32(q[t * qk_stride + (long long)kh * DK + lane * EPL + e]);
+            kv[e] = to_f32(k[t * qk_stride + (long long)kh * DK + lane * EPL + e]);
+            qss += qv[e] * qv[e];
+            kss += kv[e] * kv[e];
+        }
+        const float qn = rsqrtf(warp_sum(qss) + 1e-6f) * q_scale;
+        const float kn = rsqrtf(warp_sum(kss) + 1e-6f);
+        __syncwarp();
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            sq[lane * EPL + e] = qv[e] * qn;
+            sk[lane * EPL + e] = kv[e] * kn;
+        }
+        __syncwarp();
+        const float decay = expf(g[(long long)t * n_v_heads + h]);
+        const float bt = beta[(long long)t * n_v_heads + h];
+        float mem = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            col[i] *= decay;
+            mem = fmaf(col[i], sk[i], mem);
+        }
+        const float delta = (to_f32(v[t * v_stride + (long long)h * dv + j]) - mem) * bt;
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            col[i] = fmaf(sk[i], delta, col[i]);
+            o = fmaf(col[i], sq[i], o);
+        }
+        out[((long long)t * n_v_heads + h) * dv + j] = from_f32(o);
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) st[(long long)i * dv] = col[i];
+}
+
+#define RECURRENT_INSTANCE(DK)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32) gdn_recurrent_dk##DK(                      \
+        const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
+        long long v_stride, const float* g, const float* beta, float* state,                    \
+        const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads, int dv,          \
+        store_t* out) {                                                                         \
+        recurrent_body<DK>(q, k, qk_stride, v, v_stride, g, beta, state, cu_seqlens, slots,     \
+                           n_k_heads, n_v_heads, dv, out);                                      \
+    }
+
+RECURRENT_INSTANCE(64)
+RECURRENT_INSTANCE(128)

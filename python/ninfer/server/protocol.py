@@ -1,0 +1,329 @@
+"""Request bodies validated into typed params, before any stream starts.
+
+Every check raises `ApiError` 400 naming the field and the value it got. Fields we do not know
+are ignored, as OpenAI does; fields we know but cannot honour yet are refused clearly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+from ninfer.server.errors import ApiError, bad_request
+
+_UNSET = object()
+
+
+@dataclasses.dataclass
+class ServerDefaults:
+    """Server-wide defaults that requests may override (from `ninfer serve` flags)."""
+
+    model_id: str
+    default_max_tokens: Optional[int] = None
+    greedy: bool = False
+    enable_thinking: bool = True
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """What every endpoint hands the engine: sampling params plus how to shape the reply."""
+
+    model: str
+    sampling: dict
+    max_tokens: Optional[int]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    return_token_ids: bool = False
+
+
+@dataclasses.dataclass
+class ChatRequest(GenerationRequest):
+    """A /v1/chat/completions (or /v1/messages) request."""
+
+    messages: list = dataclasses.field(default_factory=list)
+    tools: Optional[list] = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class CompletionRequest(GenerationRequest):
+    """A /v1/completions request: one or more prompts, each text or token ids."""
+
+    prompts: list = dataclasses.field(default_factory=list)
+
+
+def _type_name(v: Any) -> str:
+    return type(v).__name__ if v is not None else "null"
+
+
+def number(body: dict, name: str, *, lo=None, hi=None, integer=False, lo_open=False, default=_UNSET):
+    """A numeric field checked for type and range; `default` when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None if default is _UNSET else default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok:
+        kind = "an integer" if integer else "a number"
+        raise bad_request(f"`{name}` must be {kind}, got {_type_name(v)} {v!r}", name)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise bad_request(f"`{name}` must be finite, got {v!r}", name)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise bad_request(f"`{name}` must be {'>' if lo_open else '>='} {lo}, got {v!r}", name)
+    if hi is not None and v > hi:
+        raise bad_request(f"`{name}` must be <= {hi}, got {v!r}", name)
+    return v
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    """A boolean field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"`{name}` must be a boolean, got {_type_name(v)} {v!r}", name)
+    return v
+
+
+def _stop(body: dict, name: str) -> list:
+    v = body.get(name)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        if len(v) > 16:
+            raise bad_request(f"`{name}` may hold at most 16 strings, got {len(v)}", name)
+        return [s for s in v if s]
+    raise bad_request(f"`{name}` must be a string or a list of strings, got {v!r}", name)
+
+
+def _int_list(body: dict, name: str) -> list:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise bad_request(f"`{name}` must be a list of non-negative integers, got {v!r}", name)
+    return v
+
+
+def _logit_bias(body: dict) -> dict:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_request(f"`logit_bias` must be an object mapping token ids to biases, got {v!r}", "logit_bias")
+    out = {}
+    for k, b in v.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise bad_request(f"`logit_bias` key {k!r} is not a token id", "logit_bias") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad_request(f"`logit_bias` value for {k} must be a number in [-100, 100], got {b!r}", "logit_bias")
+        out[str(tok)] = float(b)
+    return out
+
+
+def sampling_fields(body: dict, defaults: ServerDefaults, *, stop_field: str = "stop") -> dict:
+    """The sampling params JSON for the core, from the OpenAI request fields."""
+    p: dict = {}
+    temperature = number(body, "temperature", lo=0, hi=2)
+    if temperature is None and defaults.greedy:
+        temperature = 0.0
+    if temperature is not None:
+        p["temperature"] = float(temperature)
+    for name, lo, hi, lo_open in (("top_p", 0, 1, True), ("min_p", 0, 1, False),
+                                  ("presence_penalty", -2, 2, False), ("frequency_penalty", -2, 2, False)):
+        v = number(body, name, lo=lo, hi=hi, lo_open=lo_open)
+        if v is not None:
+            p[name] = float(v)
+    rep = number(body, "repetition_penalty", lo=0, lo_open=True)
+    if rep is not None:
+        p["repetition_penalty"] = float(rep)
+    top_k = number(body, "top_k", lo=-1, integer=True)
+    if top_k is not None:
+        p["top_k"] = max(int(top_k), 0)
+    seed = number(body, "seed", integer=True)
+    if seed is not None:
+        p["seed"] = int(seed) & 0xFFFFFFFFFFFFFFFF
+    stop = _stop(body, stop_field)
+    if stop:
+        p["stop"] = stop
+    ids = _int_list(body, "stop_token_ids")
+    if ids:
+        p["stop_token_ids"] = ids
+    bias = _logit_bias(body)
+    if bias:
+        p["logit_bias"] = bias
+    p["ignore_eos"] = boolean(body, "ignore_eos")
+    p["skip_special_tokens"] = boolean(body, "skip_special_tokens", True)
+    return p
+
+
+def _max_tokens(body: dict, *names: str) -> Optional[int]:
+    for name in names:
+        v = number(body, name, lo=1, integer=True)
+        if v is not None:
+            return int(v)
+    return None
+
+
+def _common(body: dict, defaults: ServerDefaults) -> dict:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"`model` must be a string, got {model!r}", "model")
+    if model and model != defaults.model_id:
+        raise ApiError(404, f"the model `{model}` does not exist; this server serves `{defaults.model_id}`",
+                       param="model", code="model_not_found")
+    n = number(body, "n", lo=1, hi=16, integer=True, default=1)
+    stream = boolean(body, "stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise bad_request(f"`stream_options` must be an object, got {so!r}", "stream_options")
+    include_usage = bool(stream and so and boolean(so, "include_usage"))
+    return dict(model=model or defaults.model_id, n=int(n), stream=stream, include_usage=include_usage,
+                return_token_ids=boolean(body, "return_token_ids"))
+
+
+def _response_format(body: dict) -> None:
+    rf = body.get("response_format")
+    if rf is None:
+        return
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise bad_request(f"response_format {kind} is not supported yet", "response_format", "unsupported")
+    raise bad_request(f"`response_format.type` must be text, json_object or json_schema, got {rf!r}", "response_format")
+
+
+def _message_content(content: Any, where: str) -> Any:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise bad_request(f"`{where}` parts must be objects with a `type`, got {part!r}", where)
+            if part["type"] in ("text", "input_text"):
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"`{where}` text part needs a string `text`, got {part!r}", where)
+                parts.append(part["text"])
+            else:
+                raise bad_request(f"content part type `{part['type']}` is not supported yet", where, "unsupported")
+        return "".join(parts)
+    raise bad_request(f"`{where}` must be a string or a list of content parts, got {_type_name(content)}", where)
+
+
+def _tool_calls_with_object_arguments(calls: Any, where: str) -> list:
+    """Assistant tool calls with `arguments` decoded from JSON text: Qwen3-Coder templates iterate them as a mapping."""
+    if not isinstance(calls, list):
+        raise bad_request(f"`{where}` must be a list, got {calls!r}", where)
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"`{where}` entries need a `function` with a string `name`, got {c!r}", where)
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"`{where}` arguments of {fn['name']} are not valid JSON: {args!r}", where) from None
+            args = parsed
+        out.append(dict(c, function=dict(fn, arguments=args if args is not None else {})))
+    return out
+
+
+def chat_messages(messages: Any, field: str = "messages") -> list:
+    """Validate chat messages and flatten content-part arrays into text."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"`{field}` must be a non-empty list of messages, got {messages!r}", field)
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"`{where}` must be an object with a string `role`, got {m!r}", where)
+        msg = dict(m)
+        msg["content"] = _message_content(m.get("content"), f"{where}.content")
+        if msg["content"] is None:
+            msg["content"] = ""
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls_with_object_arguments(m["tool_calls"], f"{where}.tool_calls")
+        out.append(msg)
+    return out
+
+
+def _tools(body: dict) -> tuple:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise bad_request(f"`tools` must be a list of tool objects, got {tools!r}", "tools")
+        if not tools:
+            tools = None
+    choice = body.get("tool_choice")
+    if choice == "none":
+        tools = None
+    elif choice not in (None, "auto", "required") and not isinstance(choice, dict):
+        raise bad_request(f"`tool_choice` must be none, auto, required or a function object, got {choice!r}", "tool_choice")
+    return tools, choice
+
+
+def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
+    """Validate a chat completions body."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    common = _common(body, defaults)
+    _response_format(body)
+    sampling = sampling_fields(body, defaults)
+    logprobs = boolean(body, "logprobs")
+    top = number(body, "top_logprobs", lo=0, hi=20, integer=True, default=0)
+    if top and not logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+    sampling.update(logprobs=logprobs, top_logprobs=int(top))
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request(f"`chat_template_kwargs` must be an object, got {kwargs!r}", "chat_template_kwargs")
+    kwargs = {"enable_thinking": defaults.enable_thinking, **kwargs}
+    tools, choice = _tools(body)
+    return ChatRequest(
+        sampling=sampling, max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
+        logprobs=logprobs, top_logprobs=int(top), messages=chat_messages(body.get("messages")),
+        tools=tools, tool_choice=choice, chat_template_kwargs=kwargs, **common)
+
+
+def _prompts(v: Any) -> list:
+    def is_ids(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+    if isinstance(v, str):
+        return [v]
+    if is_ids(v):
+        return [v]
+    if isinstance(v, list) and v and all(isinstance(x, str) or is_ids(x) for x in v):
+        return list(v)
+    raise bad_request(f"`prompt` must be a string, a list of strings, a list of token ids or a list of such lists, "
+                      f"got {v!r}"[:300], "prompt")
+
+
+def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
+    """Validate a (legacy) completions body."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    common = _common(body, defaults)
+    if boolean(body, "echo"):
+        raise bad_request("`echo` is not supported yet", "echo", "unsupported")
+    if body.get("best_of") not in (None, 1):
+        raise bad_request(f"`best_of` {body['best_of']!r} is not supported yet", "best_of", "unsupported")
+    sampling = sampling_fields(body, defaults)
+    top = number(body, "logprobs", lo=0, hi=20, integer=True)
+    logprobs = top is not None
+    sampling.update(logprobs=logprobs, top_logprobs=int(top or 0))
+    max_tokens = _max_tokens(body, "max_tokens")
+    return CompletionRequest(sampling=sampling, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=int(top or 0),
+                             prompts=_prompts(body.get("prompt")), **common)

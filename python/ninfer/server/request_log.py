@@ -1,0 +1,72 @@
+"""Per-request JSONL log (`--request-log-jsonl`) and the periodic stats line (`--log-stats-interval-ms`).
+
+The request log writes one line per finished engine request: id, token counts, the time it
+waited before its first token (queue + prefill, which the server sees as one span), the decode
+time after it, and the finish reason.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+import anyio
+import orjson
+
+
+class RequestLog:
+    """Appends one JSON line per finished request to a file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: TextIO = open(path, "a", encoding="utf-8")
+
+    def request_finished(self, request_id: str, delta, timing) -> None:
+        """Write the line of one finished request."""
+        first = timing.first_token
+        end = timing.finished or time.monotonic()
+        record = {
+            "ts": time.time(),
+            "request_id": request_id,
+            "prompt_tokens": delta.prompt_tokens,
+            "completion_tokens": delta.completion_tokens,
+            "cached_tokens": delta.cached_tokens,
+            "queue_prefill_s": round(first - timing.submitted, 6) if first is not None else None,
+            "decode_s": round(end - first, 6) if first is not None else None,
+            "total_s": round(end - timing.submitted, 6),
+            "finish_reason": delta.finish_reason,
+        }
+        line = orjson.dumps(record).decode()
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        with self._lock:
+            self._file.close()
+
+
+def stats_line(stats: dict, prev: Optional[dict], interval_s: float) -> str:
+    """One-line summary of engine counters, with throughput since the previous line."""
+    gen = stats.get("generation_tokens_total", 0)
+    prompt = stats.get("prompt_tokens_total", 0)
+    dgen = gen - (prev or {}).get("generation_tokens_total", 0)
+    dprompt = prompt - (prev or {}).get("prompt_tokens_total", 0)
+    return (f"ninfer: running={stats.get('running', 0)} waiting={stats.get('waiting', 0)} "
+            f"kv_blocks={stats.get('kv_blocks_used', 0)}/{stats.get('kv_blocks_total', 0)} "
+            f"prompt_tok/s={dprompt / interval_s:.1f} gen_tok/s={dgen / interval_s:.1f} "
+            f"prefix_hit_tokens={stats.get('prefix_hit_tokens', 0)} steps={stats.get('steps', 0)}")
+
+
+async def log_stats_forever(engine, interval_s: float, out: TextIO = sys.stderr) -> None:
+    """Print `stats_line` every interval until cancelled."""
+    prev = None
+    while True:
+        await anyio.sleep(interval_s)
+        stats = engine.stats()
+        print(stats_line(stats, prev, interval_s), file=out, flush=True)
+        prev = stats

@@ -1,0 +1,181 @@
+"""`ninfer serve` / `ninfer-serve`: flags, validation and uvicorn startup.
+
+Bad flag values exit with status 2 and name the flag and the value. Flags of features that do
+not exist yet are refused with "<flag> is not supported yet" rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pathlib
+import sys
+from typing import Optional, Sequence
+
+UNSUPPORTED_FLAGS = ("--tp", "--devices", "--spec", "--draft-tokens", "--vision", "--host-kv-mib",
+                     "--device-profile-path", "--gdn-state-fp16", "--lm-head-draft", "--vision-residency",
+                     "--vision-max-merged")
+DEFAULT_KV_DTYPE = "auto"
+BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "demo" / "model"
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return v
+    return parse
+
+
+def _non_negative_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}")
+        return v
+    return parse
+
+
+def _kv_capacity(text: str):
+    if text == "auto":
+        return None
+    return _positive_int("--kv-capacity")(text)
+
+
+def _port(text: str) -> int:
+    v = _non_negative_int("--port")(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in 0..65535, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `ninfer serve` argument parser."""
+    p = argparse.ArgumentParser(prog="ninfer serve", description="OpenAI-compatible NInfer server")
+    p.add_argument("model", nargs="?", help="model directory (default: the bundled demo model, if installed)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--model-id", help="name clients use in `model` (default: the model directory name)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--max-context", type=_positive_int("--max-context"))
+    p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto")
+    p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE)
+    p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
+    p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)
+    p.add_argument("--num-threads", type=_positive_int("--num-threads"))
+    p.add_argument("--no-prefix-reuse", action="store_true")
+    p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request sets it")
+    p.add_argument("--no-thinking", action="store_true", help="enable_thinking false unless a request sets it")
+    p.add_argument("--default-max-tokens", type=_positive_int("--default-max-tokens"))
+    p.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"))
+    p.add_argument("--cors", action="append", metavar="ORIGIN", help="allowed origin (repeatable; * for any)")
+    p.add_argument("--request-log-jsonl", metavar="FILE")
+    p.add_argument("--log-stats-interval-ms", type=_positive_int("--log-stats-interval-ms"))
+    p.add_argument("--max-queue", type=_non_negative_int("--max-queue"),
+                   help="requests allowed to wait beyond --max-concurrency before 429")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--core-factory", metavar="MODULE:CALLABLE",
+                   help="build the engine core with this callable instead of _core.Engine (tests, benchmarks)")
+    return p
+
+
+def _refuse_unsupported(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in UNSUPPORTED_FLAGS:
+            parser.exit(2, f"ninfer serve: error: {flag} is not supported yet\n")
+
+
+def _load_factory(spec: str, parser: argparse.ArgumentParser):
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        parser.error(f"--core-factory {spec!r} cannot be loaded: {e}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and validate flags; exits 2 on a bad value."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    _refuse_unsupported(argv, parser)
+    args = parser.parse_args(argv)
+    if args.kv_dtype != DEFAULT_KV_DTYPE:
+        parser.exit(2, f"ninfer serve: error: --kv-dtype {args.kv_dtype} is not supported yet\n")
+    if args.kv_capacity is not None and args.max_context is not None and args.kv_capacity < args.max_context:
+        parser.error(f"--kv-capacity {args.kv_capacity} must be >= --max-context {args.max_context}")
+    if args.core_factory is None:
+        if args.model is None:
+            if not BUNDLED_MODEL.is_dir():
+                parser.error("no MODEL given and no bundled demo model is installed at " + str(BUNDLED_MODEL))
+            args.model = str(BUNDLED_MODEL)
+        if not pathlib.Path(args.model).is_dir():
+            parser.error(f"MODEL {args.model!r} is not a directory")
+    if args.model_id is None:
+        args.model_id = pathlib.Path(args.model).name if args.model else "ninfer-model"
+    return args
+
+
+def make_app(args: argparse.Namespace, on_load_failure=None):
+    """The ASGI app for parsed flags (the engine loads in the background once it starts)."""
+    import anyio.to_thread
+
+    from ninfer.engine import AsyncEngine
+    from ninfer.server.app import build_app
+    from ninfer.server.protocol import ServerDefaults
+    from ninfer.server.request_log import RequestLog
+    from ninfer.server.state import ServerState
+
+    defaults = ServerDefaults(model_id=args.model_id, default_max_tokens=args.default_max_tokens,
+                              greedy=args.greedy, enable_thinking=not args.no_thinking)
+    log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None
+    state = ServerState(defaults, api_key=args.api_key, request_log=log)
+    engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,
+                         max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
+                         prefix_reuse=not args.no_prefix_reuse, num_threads=args.num_threads)
+    factory = _load_factory(args.core_factory, build_parser()) if args.core_factory else None
+
+    async def start_engine():
+        if factory is not None:
+            kw = {k: v for k, v in engine_kwargs.items() if v is not None and k in ("max_context", "kv_capacity",
+                                                                                     "max_concurrency")}
+            core = await anyio.to_thread.run_sync(lambda: factory(**kw))
+            return await AsyncEngine.start(core=core, max_queue=args.max_queue)
+        return await AsyncEngine.start(args.model, device=args.device, max_queue=args.max_queue, **engine_kwargs)
+
+    interval = args.log_stats_interval_ms / 1000 if args.log_stats_interval_ms else None
+    return build_app(state, start_engine, cors=args.cors, log_stats_interval_s=interval, on_load_failure=on_load_failure)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `ninfer serve` and `ninfer-serve`."""
+    import uvicorn
+
+    args = parse_args(argv)
+    server: Optional[uvicorn.Server] = None
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app = make_app(args, on_load_failure=stop)
+    print(f"ninfer: serving {args.model_id} on http://{args.host}:{args.port} (loading {args.model or 'core factory'})",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5))
+    server.run()
+    if app.state.server.load_error:
+        print(f"ninfer serve: error: {app.state.server.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

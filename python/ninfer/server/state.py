@@ -1,0 +1,120 @@
+"""What every route shares: the engine (once loaded), server defaults, metrics and logs.
+
+`ServerState.start` turns validated requests into engine submissions: it resolves max_tokens
+(request, else `--default-max-tokens`, else what fits the context), derives seeds for n > 1,
+and gives each engine request an id derived from the HTTP request id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import anyio
+from starlette.requests import Request
+
+from ninfer.engine import AsyncEngine, RequestStream
+from ninfer.server.errors import ApiError
+from ninfer.server.metrics import ServerMetrics
+from ninfer.server.protocol import GenerationRequest, ServerDefaults
+from ninfer.server.request_log import RequestLog
+
+
+@dataclasses.dataclass
+class Submission:
+    """A started API call: one stream over all its engine requests, and which choice each one is."""
+
+    stream: RequestStream
+    choice_of: dict
+    prompt_tokens: list
+
+
+class ServerState:
+    """Shared state of one server process."""
+
+    def __init__(self, defaults: ServerDefaults, *, api_key: Optional[str] = None,
+                 request_log: Optional[RequestLog] = None):
+        self.defaults = defaults
+        self.api_key = api_key
+        self.metrics = ServerMetrics()
+        self.request_log = request_log
+        self.engine: Optional[AsyncEngine] = None
+        self.load_error: Optional[str] = None
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Start serving with a loaded engine."""
+        engine.finished_listeners.append(lambda rid, d, t: self.metrics.request_finished(d, t))
+        if self.request_log is not None:
+            engine.finished_listeners.append(self.request_log.request_finished)
+        self.engine = engine
+
+    def require_engine(self) -> AsyncEngine:
+        """The engine, or 503 while it is still loading (or failed to load)."""
+        if self.engine is None:
+            msg = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+            raise ApiError(503, msg, type="server_error", code="model_loading", headers={"Retry-After": "5"})
+        return self.engine
+
+    def tokenizer(self):
+        """The engine's tokenizer, or 400 when the model has none."""
+        tok = self.require_engine().tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids", code="no_tokenizer")
+        return tok
+
+    def resolve_max_tokens(self, req: GenerationRequest, prompt_len: int) -> int:
+        """Requested max_tokens, else the server default clamped to fit, else all the context left."""
+        engine = self.require_engine()
+        room = engine.max_context - prompt_len
+        if req.max_tokens is not None:
+            return req.max_tokens
+        if room < 1:
+            raise ApiError(400, f"prompt of {prompt_len} tokens leaves no room in the maximum context of "
+                                f"{engine.max_context} tokens", param="messages", code="context_length_exceeded")
+        if self.defaults.default_max_tokens is not None:
+            return min(self.defaults.default_max_tokens, room)
+        return room
+
+    def start(self, prompts: list, req: GenerationRequest, request_id: str) -> Submission:
+        """Submit n engine requests per prompt; choice index = prompt index * n + i."""
+        engine = self.require_engine()
+        ids_list, params, rids, choice_of = [], [], [], {}
+        for p, ids in enumerate(prompts):
+            max_tokens = self.resolve_max_tokens(req, len(ids))
+            for i in range(req.n):
+                sp: dict[str, Any] = dict(req.sampling, max_tokens=max_tokens)
+                if req.n > 1 and "seed" in sp:
+                    sp["seed"] = (sp["seed"] + i) & 0xFFFFFFFFFFFFFFFF
+                rid = f"{request_id}-{p * req.n + i}"
+                ids_list.append(ids)
+                params.append(sp)
+                rids.append(rid)
+                choice_of[rid] = p * req.n + i
+        stream = engine.submit_many(ids_list, params, rids)
+        return Submission(stream, choice_of, [len(ids) for ids in prompts])
+
+
+async def until_disconnect(request: Request, work) -> Any:
+    """Run `work()`; if the client disconnects first, cancel it (its `finally` aborts the requests)."""
+    outcome: dict = {}
+
+    async def run(scope):
+        try:
+            outcome["value"] = await work()
+        except Exception as e:
+            outcome["error"] = e
+        scope.cancel()
+
+    async def watch(scope):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        tg.start_soon(run, tg.cancel_scope)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")

@@ -1,0 +1,174 @@
+//! One CUDA device as the engine uses it: context, the stream every op is queued on, the
+//! storage type its kernels were built for, lazily loaded kernel modules and a lazily created
+//! cuBLAS handle.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
+
+use super::kernels::{KernelFamily, StorageDType};
+use super::nvrtc;
+use crate::{NinferError, Result};
+
+/// Maps a driver error to `NinferError::Device`, naming what was being done.
+pub(crate) fn driver_err(what: &'static str) -> impl Fn(DriverError) -> NinferError {
+    move |e| NinferError::Device(format!("{what}: {e}"))
+}
+
+/// A CUDA device with its stream and kernel modules. Ops (`ops::*`) are methods on it.
+pub struct CudaDevice {
+    ordinal: usize,
+    name: String,
+    compute_capability: (u32, u32),
+    storage: StorageDType,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Mutex<HashMap<KernelFamily, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    blas: Mutex<Option<Arc<CudaBlas>>>,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` with the storage type its architecture suits (bf16 on sm_80+).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::open(ordinal, None)
+    }
+
+    /// Opens device `ordinal` with an explicit storage type (tests run both).
+    pub fn with_storage(ordinal: usize, storage: StorageDType) -> Result<Self> {
+        Self::open(ordinal, Some(storage))
+    }
+
+    fn open(ordinal: usize, storage: Option<StorageDType>) -> Result<Self> {
+        let count = super::select::cuda_device_count()?;
+        if ordinal >= count {
+            return Err(NinferError::Device(format!(
+                "device cuda:{ordinal} requested but {count} CUDA device(s) are present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the CUDA context"))?;
+        // One stream orders all work, so cudarc's per-buffer event tracking is pure overhead.
+        // SAFETY: called before any buffer or stream exists on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("reading the compute capability"))?;
+        let (major, minor) = (major as u32, minor as u32);
+        let name = ctx.name().map_err(driver_err("reading the device name"))?;
+        let stream = ctx.default_stream();
+        Ok(CudaDevice {
+            ordinal,
+            name,
+            compute_capability: (major, minor),
+            storage: storage.unwrap_or_else(|| StorageDType::for_arch(major, minor)),
+            ctx,
+            stream,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+        })
+    }
+
+    /// Device ordinal (N of cuda:N).
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Name as the driver reports it ("NVIDIA H200").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Compute capability (major, minor).
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
+    }
+
+    /// NVRTC architecture name the kernels are compiled for ("sm_90").
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+
+    /// Storage type of activations and weights on this device.
+    pub fn storage(&self) -> StorageDType {
+        self.storage
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every op is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// (free, total) device memory in bytes, for the memory ledger.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(driver_err("reading free device memory"))
+    }
+
+    /// Waits until all queued work is done; surfaces asynchronous kernel faults.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("synchronizing the stream"))
+    }
+
+    /// Compiles (or reads from the disk cache) and loads every kernel family now, so that the
+    /// first request does not pay for it.
+    pub fn load_all_kernels(&self) -> Result<()> {
+        for family in KernelFamily::ALL {
+            self.module(family)?;
+        }
+        Ok(())
+    }
+
+    fn module(&self, family: KernelFamily) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().expect("module cache poisoned");
+        if let Some(m) = modules.get(&family) {
+            return Ok(m.clone());
+        }
+        let cubin = nvrtc::cached_cubin(family, &self.arch(), self.storage)?;
+        let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
+            NinferError::Device(format!("loading cuda/{} for {}: {e}", family.file_name(), self.arch()))
+        })?;
+        modules.insert(family, module.clone());
+        Ok(module)
+    }
+
+    /// The kernel `name` of `family`, loading its module on first use.
+    pub(crate) fn function(&self, family: KernelFamily, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().expect("function cache poisoned").get(name) {
+            return Ok(f.clone());
+        }
+        let module = self.module(family)?;
+        let f = module.load_function(name).map_err(|e| {
+            NinferError::Device(format!("kernel {name} missing from cuda/{}: {e}", family.file_name()))
+        })?;
+        self.functions.lock().expect("function cache poisoned").insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// The cuBLAS handle bound to this device's stream, created on first use.
+    pub fn blas(&self) -> Result<Arc<CudaBlas>> {
+        let mut slot = self.blas.lock().expect("cublas slot poisoned");
+        if let Some(b) = slot.as_ref() {
+            return Ok(b.clone());
+        }
+        // SAFETY: only tries to dlopen libcublas by its candidate names.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(NinferError::Device(
+                "cuBLAS (libcublas.so.13 or .so.12) was not found on the library path".into(),
+            ));
+        }
+        let b = Arc::new(
+            CudaBlas::new(self.stream.clone())
+                .map_err(|e| NinferError::Device(format!("creating the cuBLAS handle: {e:?}")))?,
+        );
+        *slot = Some(b.clone());
+        Ok(b)
+    }
+}

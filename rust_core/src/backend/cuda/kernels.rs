@@ -1,0 +1,111 @@
+//! The CUDA sources of every kernel family, embedded in the binary.
+//!
+//! Kernels are compiled from these sources with NVRTC on the machine that runs them, for its
+//! exact architecture (see `nvrtc.rs` and docs/kernels.md), so the crate itself never needs a
+//! CUDA toolkit to build. Each `.cu` in `cuda/` is one family; `common.cuh` is handed to NVRTC
+//! as the header they all include.
+
+/// The header every kernel source includes (`#include "common.cuh"`).
+pub const COMMON_HEADER: &str = include_str!("../../../../cuda/common.cuh");
+
+/// Architectures CI compiles every kernel for (V100 through H100/H200).
+pub const CI_ARCHES: [u32; 6] = [70, 75, 80, 86, 89, 90];
+
+/// How activations and weights are stored on the device. Math is f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StorageDType {
+    /// bfloat16: the checkpoints' own type; native on sm_80 and newer.
+    Bf16,
+    /// IEEE half: the fallback for sm_70/sm_75, which have no bf16 arithmetic units.
+    F16,
+}
+
+impl StorageDType {
+    /// The storage type to use on a device of compute capability `major.minor`.
+    pub fn for_arch(major: u32, _minor: u32) -> Self {
+        if major >= 8 {
+            StorageDType::Bf16
+        } else {
+            StorageDType::F16
+        }
+    }
+
+    /// The preprocessor defines that select this storage type in `common.cuh`.
+    pub fn defines(self) -> &'static [&'static str] {
+        match self {
+            StorageDType::Bf16 => &[],
+            StorageDType::F16 => &["-DNINFER_STORAGE_F16"],
+        }
+    }
+
+    /// Short name used in cache file names and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            StorageDType::Bf16 => "bf16",
+            StorageDType::F16 => "f16",
+        }
+    }
+}
+
+/// One `.cu` file of `cuda/`: the unit that is compiled and loaded as a module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelFamily {
+    /// Token embedding gather.
+    Embedding,
+    /// RMSNorm, fused residual-add + RMSNorm, gated RMSNorm.
+    Norm,
+    /// Rotary position embedding (NeoX layout, partial).
+    Rope,
+    /// SwiGLU and the sigmoid output gate.
+    Activation,
+    /// Small-M GEMV for decode.
+    Gemv,
+    /// Paged attention (decode and prefill), split combine, KV cache write.
+    Attention,
+    /// Gated DeltaNet: causal conv1d, gates, recurrent rule.
+    Gdn,
+    /// Greedy argmax and logsumexp over logits.
+    Sampling,
+}
+
+impl KernelFamily {
+    /// Every family, in the order CI compiles them.
+    pub const ALL: [KernelFamily; 8] = [
+        KernelFamily::Embedding,
+        KernelFamily::Norm,
+        KernelFamily::Rope,
+        KernelFamily::Activation,
+        KernelFamily::Gemv,
+        KernelFamily::Attention,
+        KernelFamily::Gdn,
+        KernelFamily::Sampling,
+    ];
+
+    /// File name under `cuda/` (also the NVRTC program name, so errors point at the file).
+    pub fn file_name(self) -> &'static str {
+        match self {
+            KernelFamily::Embedding => "embedding.cu",
+            KernelFamily::Norm => "norm.cu",
+            KernelFamily::Rope => "rope.cu",
+            KernelFamily::Activation => "activation.cu",
+            KernelFamily::Gemv => "gemv.cu",
+            KernelFamily::Attention => "attention.cu",
+            KernelFamily::Gdn => "gdn.cu",
+            KernelFamily::Sampling => "sampling.cu",
+        }
+    }
+
+    /// The CUDA C++ source.
+    pub fn source(self) -> &'static str {
+        match self {
+            KernelFamily::Embedding => include_str!("../../../../cuda/embedding.cu"),
+            KernelFamily::Norm => include_str!("../../../../cuda/norm.cu"),
+            KernelFamily::Rope => include_str!("../../../../cuda/rope.cu"),
+            KernelFamily::Activation => include_str!("../../../../cuda/activation.cu"),
+            KernelFamily::Gemv => include_str!("../../../../cuda/gemv.cu"),
+            KernelFamily::Attention => include_str!("../../../../cuda/attention.cu"),
+            KernelFamily::Gdn => include_str!("../../../../cuda/gdn.cu"),
+            KernelFamily::Sampling => include_str!("../../../../cuda/sampling.cu"),
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! Paged attention launchers (cuda/attention.cu): KV cache write, and one attention kernel for
+//! decode and prefill with optional split-K (flash decoding) and its combine.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use super::{as_i32, cfg, check_len, strided_len, KArg};
+use crate::backend::cuda::device::{driver_err, CudaDevice};
+use crate::backend::cuda::kernels::KernelFamily;
+use crate::{NinferError, Result};
+
+/// Warps per block in attention.cu (one warp per (token, group of q heads)).
+const ATTN_WARPS: usize = 4;
+
+/// Shapes of one paged-attention call. The cache is [num_blocks, block_size, n_kv_heads,
+/// head_dim] for K and for V; block tables are [n_seqs, max_blocks_per_seq].
+#[derive(Debug, Clone, Copy)]
+pub struct PagedAttentionShape {
+    /// Query heads.
+    pub n_q_heads: usize,
+    /// KV heads (divides n_q_heads).
+    pub n_kv_heads: usize,
+    /// Head size: 64, 96, 128 or 256.
+    pub head_dim: usize,
+    /// Elements between consecutive tokens' q rows (n_q_heads * head_dim when contiguous).
+    pub q_stride: usize,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// Cache blocks in the pool (bounds-checks the cache buffers).
+    pub num_blocks: usize,
+    /// Columns of the block table.
+    pub max_blocks_per_seq: usize,
+    /// Softmax scale (head_dim^-1/2 unless the model says otherwise).
+    pub scale: f32,
+    /// Largest number of keys any query sees (the longest context in the step).
+    pub max_context: usize,
+    /// Keys per split; 0 picks one from the step's size (see `splits`). Splits raise the
+    /// parallelism of decode, where a step has few query rows and long contexts.
+    pub partition: usize,
+}
+
+/// Warps (query tokens x head groups x splits) to aim for: enough to fill every SM of a large GPU several times.
+const TARGET_WARPS: usize = 8192;
+/// Fewest keys a split is given; shorter splits cost more in the combine than they save.
+const MIN_PARTITION: usize = 64;
+
+impl PagedAttentionShape {
+    /// (keys per split, splits): split the key range until warps x splits reaches
+    /// TARGET_WARPS, never below MIN_PARTITION keys per split.
+    fn splits(&self, warps: usize) -> (usize, usize) {
+        let ctx = self.max_context.max(1);
+        if self.partition > 0 {
+            return (self.partition, ctx.div_ceil(self.partition));
+        }
+        let want = (TARGET_WARPS / warps.max(1)).max(1).min(ctx.div_ceil(MIN_PARTITION));
+        let partition = ctx.div_ceil(want);
+        (partition, ctx.div_ceil(partition))
+    }
+}
+
+/// The attention kernel for head size `d` (64, 96, 128, 256) and `g` q heads per warp (1, 2,
+/// 4, 8).
+fn kernel_name(d: usize, g: usize) -> &'static str {
+    match (d, g) {
+        (64, 1) => "paged_attention_d64_g1",
+        (64, 2) => "paged_attention_d64_g2",
+        (64, 4) => "paged_attention_d64_g4",
+        (64, _) => "paged_attention_d64_g8",
+        (96, 1) => "paged_attention_d96_g1",
+        (96, 2) => "paged_attention_d96_g2",
+        (96, 4) => "paged_attention_d96_g4",
+        (96, _) => "paged_attention_d96_g8",
+        (128, 1) => "paged_attention_d128_g1",
+        (128, 2) => "paged_attention_d128_g2",
+        (128, 4) => "paged_attention_d128_g4",
+        (128, _) => "paged_attention_d128_g8",
+        (_, 1) => "paged_attention_d256_g1",
+        (_, 2) => "paged_attention_d256_g2",
+        (_, 4) => "paged_attention_d256_g4",
+        _ => "paged_attention_d256_g8",
+    }
+}
+
+/// The split-combine kernel for head size `d`.
+fn combine_name(d: usize) -> &'static str {
+    match d {
+        64 => "attention_combine_d64",
+        96 => "attention_combine_d96",
+        128 => "attention_combine_d128",
+        _ => "attention_combine_d256",
+    }
+}
+
+impl CudaDevice {
+    /// Writes the new tokens' K and V rows (n_kv_heads * head_dim elements each, rows
+    /// `k_stride` / `v_stride` apart) into the paged cache at flat slots
+    /// `slot_mapping[t]` = block * block_size + offset; a negative slot skips the token.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_cache_write(
+        &self,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        k_cache: &mut impl DevicePtrMut<u16>,
+        v_cache: &mut impl DevicePtrMut<u16>,
+        slot_mapping: &impl DevicePtr<i64>,
+        row_elems: usize,
+        k_stride: usize,
+        v_stride: usize,
+    ) -> Result<()> {
+        let t = slot_mapping.len();
+        check_len("kv_cache_write k", k.len(), strided_len(t, row_elems, k_stride))?;
+        check_len("kv_cache_write v", v.len(), strided_len(t, row_elems, v_stride))?;
+        if k_cache.len() != v_cache.len() || k_cache.len() % row_elems.max(1) != 0 {
+            return Err(NinferError::Device(format!(
+                "kv_cache_write: caches of {} and {} elements do not hold rows of {row_elems}",
+                k_cache.len(),
+                v_cache.len()
+            )));
+        }
+        let f = self.function(KernelFamily::Attention, "kv_cache_write")?;
+        let s = self.stream();
+        let (kp, _a) = k.device_ptr(s);
+        let (vp, _b) = v.device_ptr(s);
+        let (kc, _c) = k_cache.device_ptr_mut(s);
+        let (vc, _d) = v_cache.device_ptr_mut(s);
+        let (sp, _e) = slot_mapping.device_ptr(s);
+        let args = [
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(kc),
+            KArg::Ptr(vc),
+            KArg::Ptr(sp),
+            KArg::I32(as_i32("row_elems", row_elems)?),
+            KArg::I64(k_stride as i64),
+            KArg::I64(v_stride as i64),
+        ];
+        self.launch(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), 128), "kv_cache_write", &args)
+    }
+
+    /// Causal attention of `token_seq.len()` query tokens over the paged cache; token t is in
+    /// sequence token_seq[t] at position token_pos[t] and sees keys 0..=token_pos[t]. Decode
+    /// is one token per sequence at context_len - 1. out is [T, n_q_heads, head_dim].
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+    ) -> Result<()> {
+        let sh = shape;
+        let t = token_seq.len();
+        let d = sh.head_dim;
+        if !matches!(d, 64 | 96 | 128 | 256) {
+            return Err(NinferError::Unsupported(format!("CUDA attention with head_dim {d}")));
+        }
+        if sh.n_kv_heads == 0 || !sh.n_q_heads.is_multiple_of(sh.n_kv_heads) {
+            return Err(NinferError::Device(format!(
+                "attention: {} q heads are not a multiple of {} kv heads",
+                sh.n_q_heads, sh.n_kv_heads
+            )));
+        }
+        check_len("attention q", q.len(), strided_len(t, sh.n_q_heads * d, sh.q_stride))?;
+        let cache = sh.num_blocks * sh.block_size * sh.n_kv_heads * d;
+        check_len("attention k_cache", k_cache.len(), cache)?;
+        check_len("attention v_cache", v_cache.len(), cache)?;
+        check_len("attention token_pos", token_pos.len(), t)?;
+        check_len("attention out", out.len(), t * sh.n_q_heads * d)?;
+        if block_tables.len() % sh.max_blocks_per_seq.max(1) != 0 {
+            return Err(NinferError::Device(format!(
+                "attention: block table of {} entries is not [n_seqs, {}]",
+                block_tables.len(),
+                sh.max_blocks_per_seq
+            )));
+        }
+        // One warp serves a whole GQA group when the group size has a kernel instance.
+        let group = sh.n_q_heads / sh.n_kv_heads;
+        let g = if matches!(group, 2 | 4 | 8) { group } else { 1 };
+        let warps = t * sh.n_q_heads / g;
+        let (partition, n_splits) = sh.splits(warps);
+        let rows = t * sh.n_q_heads;
+        let s = self.stream();
+        let (part_acc, part_ml) = if n_splits > 1 {
+            // SAFETY: every (row, split) partial is written by the attention kernel before the
+            // combine kernel reads it.
+            unsafe {
+                (
+                    Some(s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?),
+                    Some(s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?),
+                )
+            }
+        } else {
+            (None, None)
+        };
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k_cache.device_ptr(s);
+        let (vp, _c) = v_cache.device_ptr(s);
+        let (bp, _d) = block_tables.device_ptr(s);
+        let (sp, _e) = token_seq.device_ptr(s);
+        let (pp, _f) = token_pos.device_ptr(s);
+        let (op, _g) = out.device_ptr_mut(s);
+        let (pa, _h) = match part_acc.as_ref() {
+            Some(b) => {
+                let (p, g) = b.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (pm, _i) = match part_ml.as_ref() {
+            Some(b) => {
+                let (p, g) = b.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let name = (kernel_name(d, g), combine_name(d));
+        let f = self.function(KernelFamily::Attention, name.0)?;
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(bp),
+            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
+            KArg::Ptr(sp),
+            KArg::Ptr(pp),
+            KArg::I32(as_i32("tokens", t)?),
+            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
+            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
+            KArg::I64(sh.q_stride as i64),
+            KArg::I32(as_i32("block_size", sh.block_size)?),
+            KArg::F32(sh.scale),
+            KArg::I32(as_i32("partition", partition)?),
+            KArg::Ptr(op),
+            KArg::Ptr(pa),
+            KArg::Ptr(pm),
+        ];
+        let blocks = as_i32("attention blocks", warps.div_ceil(ATTN_WARPS))? as u32;
+        let block = (ATTN_WARPS * 32) as u32;
+        self.launch(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
+        if n_splits > 1 {
+            let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
+            let f = self.function(KernelFamily::Attention, name.1)?;
+            let args = [
+                KArg::Ptr(pa),
+                KArg::Ptr(pm),
+                KArg::I32(as_i32("rows", rows)?),
+                KArg::I32(n_splits as i32),
+                KArg::Ptr(op),
+            ];
+            self.launch(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
+        }
+        Ok(())
+    }
+}

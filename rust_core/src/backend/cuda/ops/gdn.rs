@@ -1,0 +1,246 @@
+//! Gated DeltaNet launchers (cuda/gdn.cu): causal conv1d with carried state, the decay and
+//! beta gates, and the recurrent delta rule with fp32 state. Sequences are packed by
+//! `cu_seqlens` ([n_seqs + 1] token offsets) and own state slot `slots[s]`.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use super::{as_i32, cfg, check_len, strided_len, KArg};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::kernels::KernelFamily;
+use crate::{NinferError, Result};
+
+/// Shapes of a causal conv1d call. conv_state is [n_slots, channels, kernel_size - 1] (the
+/// CPU backend's per-sequence [c, k-1] layout, one block per slot).
+#[derive(Debug, Clone, Copy)]
+pub struct ConvShape {
+    /// Packed tokens across all sequences.
+    pub n_tokens: usize,
+    /// Channels (the GDN conv dim: 2 * key_dim + value_dim).
+    pub channels: usize,
+    /// Elements between consecutive tokens' rows of x.
+    pub x_stride: usize,
+    /// Conv kernel size: 2, 3 or 4.
+    pub kernel_size: usize,
+    /// State slots in the pool (bounds-checks conv_state).
+    pub n_slots: usize,
+}
+
+/// Shapes of a recurrent gated-delta-rule call. state is f32 [n_slots, n_v_heads, dk, dv].
+#[derive(Debug, Clone, Copy)]
+pub struct RecurrentShape {
+    /// Packed tokens across all sequences.
+    pub n_tokens: usize,
+    /// Key (and query) heads.
+    pub n_k_heads: usize,
+    /// Value heads (a multiple of n_k_heads).
+    pub n_v_heads: usize,
+    /// Key head size: 64 or 128.
+    pub dk: usize,
+    /// Value head size (a multiple of 32).
+    pub dv: usize,
+    /// Elements between tokens' q rows (and k rows).
+    pub qk_stride: usize,
+    /// Elements between tokens' v rows.
+    pub v_stride: usize,
+    /// State slots in the pool.
+    pub n_slots: usize,
+}
+
+fn check_slots(slots: usize, cu_seqlens: usize) -> Result<usize> {
+    if cu_seqlens != slots + 1 {
+        return Err(NinferError::Device(format!(
+            "gdn: cu_seqlens has {cu_seqlens} entries for {slots} sequences (needs n_seqs + 1)"
+        )));
+    }
+    Ok(slots)
+}
+
+impl CudaDevice {
+    /// out[t] = silu(conv(window of x ending at t) + bias) per channel, with the window
+    /// starting in conv_state; conv_state is left holding each sequence's last K-1 inputs.
+    /// Decode is one token per sequence. bias may be absent.
+    #[allow(clippy::too_many_arguments)]
+    pub fn causal_conv1d(
+        &self,
+        x: &impl DevicePtr<u16>,
+        conv_state: &mut impl DevicePtrMut<u16>,
+        weight: &impl DevicePtr<u16>,
+        bias: Option<&dyn DevicePtrDyn>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &ConvShape,
+    ) -> Result<()> {
+        let sh = shape;
+        let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
+        let name = match sh.kernel_size {
+            2 => "causal_conv1d_k2",
+            3 => "causal_conv1d_k3",
+            4 => "causal_conv1d_k4",
+            k => return Err(NinferError::Unsupported(format!("CUDA conv1d with kernel size {k}"))),
+        };
+        check_len("conv1d x", x.len(), strided_len(sh.n_tokens, sh.channels, sh.x_stride))?;
+        check_len(
+            "conv1d conv_state",
+            conv_state.len(),
+            sh.n_slots * (sh.kernel_size - 1) * sh.channels,
+        )?;
+        check_len("conv1d weight", weight.len(), sh.channels * sh.kernel_size)?;
+        check_len("conv1d out", out.len(), sh.n_tokens * sh.channels)?;
+        if let Some(b) = bias {
+            check_len("conv1d bias", b.elems(), sh.channels)?;
+        }
+        let f = self.function(KernelFamily::Gdn, name)?;
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (cp, _b) = conv_state.device_ptr_mut(s);
+        let (wp, _c) = weight.device_ptr(s);
+        let (qp, _d) = cu_seqlens.device_ptr(s);
+        let (sp, _e) = slots.device_ptr(s);
+        let (op, _f) = out.device_ptr_mut(s);
+        let bp = bias.map(|b| b.raw_ptr(s)).unwrap_or(0);
+        let args = [
+            KArg::Ptr(xp),
+            KArg::I64(sh.x_stride as i64),
+            KArg::Ptr(cp),
+            KArg::Ptr(wp),
+            KArg::Ptr(bp),
+            KArg::Ptr(qp),
+            KArg::Ptr(sp),
+            KArg::I32(as_i32("channels", sh.channels)?),
+            KArg::Ptr(op),
+        ];
+        let grid = (sh.channels.div_ceil(128) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
+        self.launch(&f, cfg(grid, 128), name, &args)
+    }
+
+    /// g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), per token and value
+    /// head; a and b are [T, n_heads] in storage type, A_log and dt_bias f32 [n_heads].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_gates(
+        &self,
+        a: &impl DevicePtr<u16>,
+        b: &impl DevicePtr<u16>,
+        a_log: &impl DevicePtr<f32>,
+        dt_bias: &impl DevicePtr<f32>,
+        g: &mut impl DevicePtrMut<f32>,
+        beta: &mut impl DevicePtrMut<f32>,
+        n_tokens: usize,
+        n_heads: usize,
+    ) -> Result<()> {
+        let n = n_tokens * n_heads;
+        check_len("gdn_gates a", a.len(), n)?;
+        check_len("gdn_gates b", b.len(), n)?;
+        check_len("gdn_gates A_log", a_log.len(), n_heads)?;
+        check_len("gdn_gates dt_bias", dt_bias.len(), n_heads)?;
+        check_len("gdn_gates g", g.len(), n)?;
+        check_len("gdn_gates beta", beta.len(), n)?;
+        let f = self.function(KernelFamily::Gdn, "gdn_gates")?;
+        let s = self.stream();
+        let (ap, _a) = a.device_ptr(s);
+        let (bp, _b) = b.device_ptr(s);
+        let (lp, _c) = a_log.device_ptr(s);
+        let (dp, _d) = dt_bias.device_ptr(s);
+        let (gp, _e) = g.device_ptr_mut(s);
+        let (ep, _f) = beta.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(ap),
+            KArg::Ptr(bp),
+            KArg::Ptr(lp),
+            KArg::Ptr(dp),
+            KArg::I32(as_i32("tokens", n_tokens)?),
+            KArg::I32(as_i32("heads", n_heads)?),
+            KArg::Ptr(gp),
+            KArg::Ptr(ep),
+        ];
+        let grid = (as_i32("gates", n.div_ceil(256))? as u32, 1, 1);
+        self.launch(&f, cfg(grid, 256), "gdn_gates", &args)
+    }
+
+    /// The recurrent gated delta rule over each sequence's tokens in order, updating its fp32
+    /// state in place; q/k are L2-normalised inside and q scaled by dk^-1/2. out is
+    /// [T, n_v_heads, dv]. Used for decode, and for prefill until a chunked kernel lands.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_recurrent(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &RecurrentShape,
+    ) -> Result<()> {
+        let sh = shape;
+        let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
+        let name = match sh.dk {
+            64 => "gdn_recurrent_dk64",
+            128 => "gdn_recurrent_dk128",
+            d => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
+        };
+        if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads) {
+            return Err(NinferError::Device(format!(
+                "gdn: dv {} must be a multiple of 32 and {} v heads a multiple of {} k heads",
+                sh.dv, sh.n_v_heads, sh.n_k_heads
+            )));
+        }
+        let t = sh.n_tokens;
+        check_len("gdn q", q.len(), strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
+        check_len("gdn k", k.len(), strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
+        check_len("gdn v", v.len(), strided_len(t, sh.n_v_heads * sh.dv, sh.v_stride))?;
+        check_len("gdn g", g.len(), t * sh.n_v_heads)?;
+        check_len("gdn beta", beta.len(), t * sh.n_v_heads)?;
+        check_len("gdn state", state.len(), sh.n_slots * sh.n_v_heads * sh.dk * sh.dv)?;
+        check_len("gdn out", out.len(), t * sh.n_v_heads * sh.dv)?;
+        let f = self.function(KernelFamily::Gdn, name)?;
+        let s = self.stream();
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k.device_ptr(s);
+        let (vp, _c) = v.device_ptr(s);
+        let (gp, _d) = g.device_ptr(s);
+        let (bp, _e) = beta.device_ptr(s);
+        let (sp, _f) = state.device_ptr_mut(s);
+        let (cp, _g) = cu_seqlens.device_ptr(s);
+        let (lp, _h) = slots.device_ptr(s);
+        let (op, _i) = out.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::I64(sh.qk_stride as i64),
+            KArg::Ptr(vp),
+            KArg::I64(sh.v_stride as i64),
+            KArg::Ptr(gp),
+            KArg::Ptr(bp),
+            KArg::Ptr(sp),
+            KArg::Ptr(cp),
+            KArg::Ptr(lp),
+            KArg::I32(as_i32("n_k_heads", sh.n_k_heads)?),
+            KArg::I32(as_i32("n_v_heads", sh.n_v_heads)?),
+            KArg::I32(as_i32("dv", sh.dv)?),
+            KArg::Ptr(op),
+        ];
+        let grid = ((sh.dv / 32) as u32, sh.n_v_heads as u32, as_i32("n_seqs", n_seqs)? as u32);
+        self.launch(&f, cfg(grid, 32), name, &args)
+    }
+}
+
+/// An optional read-only storage buffer passed by reference (conv bias): object-safe
+/// counterpart of `DevicePtr<u16>`.
+pub trait DevicePtrDyn {
+    /// Element count.
+    fn elems(&self) -> usize;
+    /// The raw device address, ordered after pending writes on `stream`.
+    fn raw_ptr(&self, stream: &cudarc::driver::CudaStream) -> u64;
+}
+
+impl<T: DevicePtr<u16>> DevicePtrDyn for T {
+    fn elems(&self) -> usize {
+        self.len()
+    }
+    fn raw_ptr(&self, stream: &cudarc::driver::CudaStream) -> u64 {
+        self.device_ptr(stream).0
+    }
+}

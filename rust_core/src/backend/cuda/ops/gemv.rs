@@ -1,0 +1,127 @@
+//! Decode GEMV launcher (cuda/gemv.cu): y[M, N] = x[M, K] * W[N, K]^T for small M.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use super::{as_i32, cfg, check_len, KArg};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::kernels::KernelFamily;
+use crate::{NinferError, Result};
+
+/// Output columns per block (warps per block in gemv.cu).
+const GEMV_WARPS: usize = 8;
+/// Largest M one launch handles; larger M is split into launches of this many rows.
+pub const GEMV_MAX_M: usize = 8;
+/// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS wins. Measured on the
+/// H200 (benches/results/gpu_op_parity.json, 14336x4096 bf16): 3.72 TB/s against cuBLAS's 3.70
+/// at M = 1, 3.18 against 3.72 at M = 2.
+pub const GEMV_ROUTE_MAX_M: usize = 1;
+
+const NAMES: [&str; GEMV_MAX_M] =
+    ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
+const NAMES_F32: [&str; GEMV_MAX_M] = [
+    "gemv_f32out_m1",
+    "gemv_f32out_m2",
+    "gemv_f32out_m3",
+    "gemv_f32out_m4",
+    "gemv_f32out_m5",
+    "gemv_f32out_m6",
+    "gemv_f32out_m7",
+    "gemv_f32out_m8",
+];
+
+impl CudaDevice {
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_launch(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        y_elem_bytes: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<()> {
+        if !k.is_multiple_of(8) {
+            return Err(NinferError::Device(format!(
+                "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
+            )));
+        }
+        let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS))? as u32, 1, 1);
+        let mut row = 0;
+        while row < m {
+            let mm = (m - row).min(GEMV_MAX_M);
+            let name = if f32_out { NAMES_F32[mm - 1] } else { NAMES[mm - 1] };
+            let f = self.function(KernelFamily::Gemv, name)?;
+            let args = [
+                KArg::Ptr(x + (row * k * 2) as u64),
+                KArg::Ptr(w),
+                KArg::Ptr(y + (row * n) as u64 * y_elem_bytes),
+                KArg::I32(as_i32("gemv n", n)?),
+                KArg::I32(as_i32("gemv k", k)?),
+            ];
+            self.launch(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
+            row += mm;
+        }
+        Ok(())
+    }
+
+    /// y[M, N] (storage type) = x[M, K] * W[N, K]^T, reading W once per 8 rows of x. For
+    /// decode (small M); K must be a multiple of 8 and all buffers 16-byte aligned.
+    pub fn gemv(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<u16>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        check_len("gemv x", x.len(), m * k)?;
+        check_len("gemv w", w.len(), n * k)?;
+        check_len("gemv y", y.len(), m * n)?;
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (wp, _b) = w.device_ptr(s);
+        let (yp, _c) = y.device_ptr_mut(s);
+        self.gemv_launch(xp, wp, yp, 2, m, n, k, false)
+    }
+
+    /// y[M, N] = x[M, K] * W[N, K]^T by the faster route for M: the GEMV kernel for
+    /// M <= GEMV_ROUTE_MAX_M (and K % 8 == 0), cuBLAS otherwise.
+    pub fn linear(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<u16>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
+            self.gemv(x, w, y, m, n, k)
+        } else {
+            self.gemm(x, w, y, m, n, k)
+        }
+    }
+
+    /// As `gemv` with f32 output (the lm_head producing logits).
+    pub fn gemv_f32_out(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        check_len("gemv x", x.len(), m * k)?;
+        check_len("gemv w", w.len(), n * k)?;
+        check_len("gemv y", y.len(), m * n)?;
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (wp, _b) = w.device_ptr(s);
+        let (yp, _c) = y.device_ptr_mut(s);
+        self.gemv_launch(xp, wp, yp, 4, m, n, k, true)
+    }
+}

@@ -1,0 +1,120 @@
+//! RMSNorm launchers (cuda/norm.cu).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use super::{as_i32, cfg, check_len, strided_len, KArg};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::kernels::KernelFamily;
+use crate::Result;
+
+const NORM_THREADS: u32 = 256;
+
+impl CudaDevice {
+    /// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w (or * (1 + w) when `plus_one`), for
+    /// `rows` rows of `dim`; x rows are `x_stride` apart and out rows `out_stride` apart, so a
+    /// per-head norm can read q/k inside a fused projection.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        out: &mut impl DevicePtrMut<u16>,
+        rows: usize,
+        dim: usize,
+        x_stride: usize,
+        out_stride: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> Result<()> {
+        check_len("rmsnorm x", x.len(), strided_len(rows, dim, x_stride))?;
+        check_len("rmsnorm w", w.len(), dim)?;
+        check_len("rmsnorm out", out.len(), strided_len(rows, dim, out_stride))?;
+        let f = self.function(KernelFamily::Norm, "rmsnorm")?;
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (wp, _b) = w.device_ptr(s);
+        let (op, _c) = out.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(xp),
+            KArg::Ptr(wp),
+            KArg::Ptr(op),
+            KArg::I32(as_i32("dim", dim)?),
+            KArg::I64(x_stride as i64),
+            KArg::I64(out_stride as i64),
+            KArg::F32(eps),
+            KArg::I32(plus_one as i32),
+        ];
+        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), NORM_THREADS), "rmsnorm", &args)
+    }
+
+    /// residual += x (rounded to storage), then out = rmsnorm(residual): the fused pre-norm of
+    /// every layer after the first. All buffers are contiguous [rows, dim].
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rmsnorm(
+        &self,
+        residual: &mut impl DevicePtrMut<u16>,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        out: &mut impl DevicePtrMut<u16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> Result<()> {
+        check_len("add_rmsnorm residual", residual.len(), rows * dim)?;
+        check_len("add_rmsnorm x", x.len(), rows * dim)?;
+        check_len("add_rmsnorm w", w.len(), dim)?;
+        check_len("add_rmsnorm out", out.len(), rows * dim)?;
+        let f = self.function(KernelFamily::Norm, "add_rmsnorm")?;
+        let s = self.stream();
+        let (rp, _r) = residual.device_ptr_mut(s);
+        let (xp, _a) = x.device_ptr(s);
+        let (wp, _b) = w.device_ptr(s);
+        let (op, _c) = out.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(rp),
+            KArg::Ptr(xp),
+            KArg::Ptr(wp),
+            KArg::Ptr(op),
+            KArg::I32(as_i32("dim", dim)?),
+            KArg::F32(eps),
+            KArg::I32(plus_one as i32),
+        ];
+        let grid = (as_i32("rows", rows)? as u32, 1, 1);
+        self.launch(&f, cfg(grid, NORM_THREADS), "add_rmsnorm", &args)
+    }
+
+    /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_gated(
+        &self,
+        x: &impl DevicePtr<u16>,
+        z: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        out: &mut impl DevicePtrMut<u16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("rmsnorm_gated x", x.len(), rows * dim)?;
+        check_len("rmsnorm_gated z", z.len(), rows * dim)?;
+        check_len("rmsnorm_gated w", w.len(), dim)?;
+        check_len("rmsnorm_gated out", out.len(), rows * dim)?;
+        let f = self.function(KernelFamily::Norm, "rmsnorm_gated")?;
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (zp, _z) = z.device_ptr(s);
+        let (wp, _b) = w.device_ptr(s);
+        let (op, _c) = out.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(xp),
+            KArg::Ptr(zp),
+            KArg::Ptr(wp),
+            KArg::Ptr(op),
+            KArg::I32(as_i32("dim", dim)?),
+            KArg::F32(eps),
+        ];
+        let grid = (as_i32("rows", rows)? as u32, 1, 1);
+        self.launch(&f, cfg(grid, NORM_THREADS), "rmsnorm_gated", &args)
+    }
+}

@@ -1,0 +1,92 @@
+//! Host <-> device copies in the device's storage type.
+//!
+//! Checkpoints are bf16 (or f32); a device whose storage is f16 (sm_7x) needs every tensor
+//! converted on the way in. Keeping that conversion here means the model loader uploads the
+//! same way on every GPU.
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::device::{driver_err, CudaDevice};
+use super::kernels::StorageDType;
+use crate::Result;
+
+/// bf16 bit patterns as `storage` bit patterns: unchanged for bf16, rounded to the nearest f16
+/// for f16 (magnitudes above 65504 become infinities, which an f16 model cannot hold).
+pub fn storage_bits_from_bf16(bits: &[u16], storage: StorageDType) -> Vec<u16> {
+    match storage {
+        StorageDType::Bf16 => bits.to_vec(),
+        StorageDType::F16 => bits
+            .iter()
+            .map(|&b| half::f16::from_f32(half::bf16::from_bits(b).to_f32()).to_bits())
+            .collect(),
+    }
+}
+
+/// f32 values as `storage` bit patterns (round to nearest even).
+pub fn storage_bits_from_f32(values: &[f32], storage: StorageDType) -> Vec<u16> {
+    match storage {
+        StorageDType::Bf16 => values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
+        StorageDType::F16 => values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
+    }
+}
+
+/// `storage` bit patterns as f32 values.
+pub fn f32_from_storage_bits(bits: &[u16], storage: StorageDType) -> Vec<f32> {
+    match storage {
+        StorageDType::Bf16 => bits.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+        StorageDType::F16 => bits.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
+    }
+}
+
+impl CudaDevice {
+    /// Uploads a bf16 tensor (raw bits, as in safetensors) in this device's storage type.
+    pub fn upload_bf16(&self, bits: &[u16]) -> Result<CudaSlice<u16>> {
+        let host = storage_bits_from_bf16(bits, self.storage());
+        self.stream().clone_htod(&host).map_err(driver_err("uploading a bf16 tensor"))
+    }
+
+    /// Uploads f32 values rounded to this device's storage type.
+    pub fn upload_f32_as_storage(&self, values: &[f32]) -> Result<CudaSlice<u16>> {
+        let host = storage_bits_from_f32(values, self.storage());
+        self.stream().clone_htod(&host).map_err(driver_err("uploading an f32 tensor"))
+    }
+
+    /// Downloads a storage-type buffer as f32 (waits for the stream).
+    pub fn download_as_f32(&self, buf: &impl DevicePtr<u16>) -> Result<Vec<f32>> {
+        let bits = self.stream().clone_dtoh(buf).map_err(driver_err("downloading a tensor"))?;
+        Ok(f32_from_storage_bits(&bits, self.storage()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_bits_pass_through_for_bf16_storage() {
+        let bits: Vec<u16> = [1.5f32, -3.25, 1e30].iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        assert_eq!(storage_bits_from_bf16(&bits, StorageDType::Bf16), bits);
+    }
+
+    #[test]
+    fn bf16_converts_to_the_nearest_f16_and_saturates_to_infinity() {
+        let vals = [1.5f32, -3.25, 0.1, 1e30];
+        let bits: Vec<u16> = vals.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let f16 = f32_from_storage_bits(&storage_bits_from_bf16(&bits, StorageDType::F16), StorageDType::F16);
+        assert_eq!(f16[0], 1.5);
+        assert_eq!(f16[1], -3.25);
+        assert!((f16[2] - 0.1).abs() < 1e-3);
+        assert!(f16[3].is_infinite());
+    }
+
+    #[test]
+    fn f32_round_trips_through_storage_within_its_precision() {
+        let vals = [0.3f32, -7.7, 123.456];
+        for st in [StorageDType::Bf16, StorageDType::F16] {
+            let back = f32_from_storage_bits(&storage_bits_from_f32(&vals, st), st);
+            for (a, b) in vals.iter().zip(&back) {
+                assert!(((a - b) / a).abs() < 4e-3, "{st:?}: {a} -> {b}");
+            }
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Step invariants of `CpuModel` on synthetic hybrid checkpoints (no oracle needed): chunked
+//! prefill, token-by-token decode and mixed batches all equal one whole-prompt forward, and a
+//! copied state slot continues exactly like the original.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, TensorView};
+
+use super::*;
+
+fn rand_vec(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+/// Write a random Qwen3.5-style hybrid checkpoint (layers: linear, full, linear) to a temp dir.
+fn hybrid_checkpoint(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ninfer_model_{tag}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (h, v, inter, nh, nkv, hd) = (40usize, 101usize, 56usize, 4usize, 2usize, 12usize);
+    let (nk, nv, kd, vd, kern) = (2usize, 4usize, 8usize, 6usize, 4usize);
+    let cfg = serde_json::json!({"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": 3, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": v,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "linear_num_key_heads": nk,
+        "linear_num_value_heads": nv, "linear_key_head_dim": kd, "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let conv = 2 * nk * kd + nv * vd;
+    let mut t: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![v, h]),
+        ("model.norm.weight".into(), vec![h]),
+        ("lm_head.weight".into(), vec![v, h]),
+    ];
+    for i in 0..3 {
+        let p = format!("model.layers.{i}");
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            t.push((format!("{p}.{n}.weight"), vec![h]));
+        }
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h]));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h]));
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter]));
+        if i == 1 {
+            let a = format!("{p}.self_attn");
+            t.push((format!("{a}.q_proj.weight"), vec![2 * nh * hd, h]));
+            t.push((format!("{a}.k_proj.weight"), vec![nkv * hd, h]));
+            t.push((format!("{a}.v_proj.weight"), vec![nkv * hd, h]));
+            t.push((format!("{a}.o_proj.weight"), vec![h, nh * hd]));
+            t.push((format!("{a}.q_norm.weight"), vec![hd]));
+            t.push((format!("{a}.k_norm.weight"), vec![hd]));
+        } else {
+            let a = format!("{p}.linear_attn");
+            t.push((format!("{a}.in_proj_qkv.weight"), vec![conv, h]));
+            t.push((format!("{a}.in_proj_z.weight"), vec![nv * vd, h]));
+            t.push((format!("{a}.in_proj_b.weight"), vec![nv, h]));
+            t.push((format!("{a}.in_proj_a.weight"), vec![nv, h]));
+            t.push((format!("{a}.conv1d.weight"), vec![conv, 1, kern]));
+            t.push((format!("{a}.dt_bias"), vec![nv]));
+            t.push((format!("{a}.A_log"), vec![nv]));
+            t.push((format!("{a}.norm.weight"), vec![vd]));
+            t.push((format!("{a}.out_proj.weight"), vec![h, nv * vd]));
+        }
+    }
+    let bufs: Vec<Vec<u8>> = t
+        .iter()
+        .enumerate()
+        .map(|(i, (_, shape))| {
+            let n: usize = shape.iter().product();
+            rand_vec(n, i as u64 + 11, 0.3).iter().flat_map(|x| x.to_le_bytes()).collect()
+        })
+        .collect();
+    let views: Vec<(String, TensorView)> =
+        t.iter().zip(&bufs).map(|((n, s), b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap())).collect();
+    safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn load(dir: &Path) -> CpuModel {
+    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2) }).unwrap();
+    m.allocate_caches(32, 4, 4).unwrap();
+    m
+}
+
+fn seq(tokens: &[u32], start: usize, table: &[u32], slot: usize, logits: LogitsWanted) -> SeqChunk {
+    SeqChunk { tokens: tokens.to_vec(), start_pos: start, block_table: table.to_vec(), state_slot: slot, logits }
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let m = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |d, (x, y)| d.max((x - y).abs())) / m
+}
+
+const PROMPT: [u32; 13] = [3, 17, 99, 4, 56, 23, 8, 71, 100, 0, 42, 5, 64];
+
+fn whole(m: &mut CpuModel, table: &[u32]) -> Vec<f32> {
+    m.forward(&StepBatch { seqs: vec![seq(&PROMPT, 0, table, 0, LogitsWanted::All)] }).unwrap().data
+}
+
+#[test]
+fn chunked_prefill_and_decode_match_whole_prompt() {
+    let dir = hybrid_checkpoint("chunks");
+    let mut m = load(&dir);
+    let table: Vec<u32> = vec![7, 2, 9, 30];
+    let full = whole(&mut m, &table);
+    let v = m.config().vocab_size;
+    // Chunks of 5 and 4, then the last 4 tokens one by one (decode path).
+    let mut got = Vec::new();
+    let mut pos = 0;
+    for len in [5usize, 4, 1, 1, 1, 1] {
+        let out = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[pos..pos + len], pos, &table, 1, LogitsWanted::All)] }).unwrap();
+        assert_eq!(out.rows, vec![len]);
+        got.extend_from_slice(&out.data);
+        pos += len;
+    }
+    assert_eq!(got.len(), PROMPT.len() * v);
+    assert!(max_rel(&got, &full) < 1e-4, "rel err {}", max_rel(&got, &full));
+}
+
+#[test]
+fn mixed_batch_matches_each_sequence_alone() {
+    let dir = hybrid_checkpoint("batch");
+    let mut m = load(&dir);
+    let v = m.config().vocab_size;
+    let (ta, tb): (Vec<u32>, Vec<u32>) = (vec![0, 1, 2, 3], vec![10, 11, 12, 13]);
+    let full_a = whole(&mut m, &ta);
+    let other: Vec<u32> = vec![9, 8, 7, 6, 5, 4];
+    let alone_b = m.forward(&StepBatch { seqs: vec![seq(&other, 0, &tb, 2, LogitsWanted::All)] }).unwrap().data;
+    // A: prefill 10 tokens then decode token 11; B in the same steps: prefill 5 then decode 1.
+    let s1 = m
+        .forward(&StepBatch { seqs: vec![seq(&PROMPT[..10], 0, &ta, 0, LogitsWanted::None), seq(&other[..5], 0, &tb, 3, LogitsWanted::Last)] })
+        .unwrap();
+    assert_eq!(s1.rows, vec![0, 1]);
+    assert!(max_rel(s1.of_seq(1), &alone_b[4 * v..5 * v]) < 1e-4);
+    let s2 = m
+        .forward(&StepBatch { seqs: vec![seq(&other[5..6], 5, &tb, 3, LogitsWanted::Last), seq(&PROMPT[10..11], 10, &ta, 0, LogitsWanted::Last)] })
+        .unwrap();
+    assert!(max_rel(s2.of_seq(0), &alone_b[5 * v..6 * v]) < 1e-4);
+    assert!(max_rel(s2.of_seq(1), &full_a[10 * v..11 * v]) < 1e-4);
+}
+
+#[test]
+fn copied_state_slot_continues_like_the_original() {
+    let dir = hybrid_checkpoint("copy");
+    let mut m = load(&dir);
+    let table: Vec<u32> = vec![4, 5, 6, 7];
+    let full = whole(&mut m, &table);
+    let v = m.config().vocab_size;
+    m.forward(&StepBatch { seqs: vec![seq(&PROMPT[..8], 0, &table, 1, LogitsWanted::None)] }).unwrap();
+    m.copy_state(1, 2).unwrap();
+    // Clobber slot 1 with another sequence; slot 2 (the copy) must still hold the prefix state.
+    m.forward(&StepBatch { seqs: vec![seq(&[1, 2, 3], 0, &[20], 1, LogitsWanted::None)] }).unwrap();
+    let out = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[8..], 8, &table, 2, LogitsWanted::All)] }).unwrap();
+    assert!(max_rel(&out.data, &full[8 * v..]) < 1e-4);
+    assert!(m.copy_state(1, 4).is_err());
+}
+
+#[test]
+fn bad_block_table_and_slot_are_rejected() {
+    let dir = hybrid_checkpoint("bad");
+    let mut m = load(&dir);
+    let short = m.forward(&StepBatch { seqs: vec![seq(&PROMPT, 0, &[0, 1], 0, LogitsWanted::Last)] });
+    assert!(matches!(short, Err(NinferError::InvalidRequest { .. })));
+    let slot = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[..2], 0, &[0], 9, LogitsWanted::Last)] });
+    assert!(matches!(slot, Err(NinferError::InvalidRequest { .. })));
+    let tok = m.forward(&StepBatch { seqs: vec![seq(&[500], 0, &[0], 0, LogitsWanted::Last)] });
+    assert!(matches!(tok, Err(NinferError::InvalidRequest { .. })));
+    assert!(matches!(load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None }), Err(NinferError::Unsupported(_))));
+}

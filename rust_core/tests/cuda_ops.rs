@@ -1,0 +1,695 @@
+//! CUDA kernels: NVRTC compilation for every CI architecture (no GPU needed), and op parity
+//! against CPU references on the GPU (skipped with a printed reason where no GPU is present).
+#![cfg(feature = "cuda")]
+
+use ninfer_core::backend::cuda::kernels::{KernelFamily, StorageDType, CI_ARCHES};
+use ninfer_core::backend::cuda::nvrtc;
+
+/// Set by .ci/compile-kernels so that a missing NVRTC fails instead of skipping.
+fn nvrtc_required() -> bool {
+    std::env::var("NINFER_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn every_kernel_compiles_for_every_ci_arch() {
+    if !nvrtc::nvrtc_available() {
+        assert!(!nvrtc_required(), "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found");
+        eprintln!("SKIP every_kernel_compiles_for_every_ci_arch: libnvrtc not found");
+        return;
+    }
+    let (major, minor) = nvrtc::nvrtc_version().unwrap();
+    eprintln!("NVRTC {major}.{minor}");
+    let mut failures = Vec::new();
+    let mut compiled = 0;
+    for arch in CI_ARCHES {
+        if major >= 13 && arch < 75 {
+            eprintln!("NVRTC {major}.{minor} cannot target sm_{arch}; CI uses NVRTC 12.x for it");
+            continue;
+        }
+        for family in KernelFamily::ALL {
+            for storage in [StorageDType::Bf16, StorageDType::F16] {
+                let arch_name = format!("sm_{arch}");
+                match nvrtc::compile_cubin(family, &arch_name, storage) {
+                    Ok(cubin) => {
+                        assert!(cubin.len() > 64, "{} {arch_name}: empty cubin", family.file_name());
+                        compiled += 1;
+                    }
+                    Err(e) => failures.push(e.to_string()),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} compile failures:\n{}", failures.len(), failures.join("\n\n"));
+    eprintln!("compiled {compiled} (family, arch, storage) combinations");
+}
+
+#[path = "cuda_ops/harness.rs"]
+mod harness;
+#[path = "cuda_ops/reference.rs"]
+mod reference;
+
+use harness::*;
+use ninfer_core::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
+use ninfer_core::backend::cuda::CudaDevice;
+use ninfer_core::NinferError;
+
+#[test]
+fn embedding_gather_copies_rows_exactly() {
+    for st in STORAGES {
+        let Some(dev) = gpu("embedding", st) else { return };
+        let mut rng = Rng::new(1);
+        for (vocab, hidden, n) in [(1000, 64, 5), (517, 100, 33), (4099, 2048, 1)] {
+            let table = rounded(&rng.vec(vocab * hidden, -1.0, 1.0), st);
+            let ids: Vec<i32> = (0..n).map(|_| rng.below(vocab) as i32).collect();
+            let mut out = Out16::new(&dev, n * hidden);
+            dev.embedding(&upload(&dev, &table), &upload_raw(&dev, &ids), &mut out.view(), vocab, hidden)
+                .unwrap();
+            let got = out.read(&dev, "embedding");
+            let want: Vec<f32> =
+                ids.iter().flat_map(|&i| table[i as usize * hidden..(i as usize + 1) * hidden].to_vec()).collect();
+            check("embedding", st, &format!("v{vocab}xh{hidden}xt{n}"), &got, &want, 0.0);
+        }
+    }
+}
+
+#[test]
+fn rmsnorm_matches_reference_for_both_weight_conventions_and_strides() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rmsnorm", st) else { return };
+        let mut rng = Rng::new(2);
+        for (rows, dim, x_stride) in [(1, 64, 64), (7, 1000, 1000), (33, 4096, 4096), (12, 128, 384)] {
+            for plus_one in [false, true] {
+                let x = rounded(&rng.vec(rows * x_stride, -2.0, 2.0), st);
+                let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
+                let mut out = Out16::new(&dev, rows * dim);
+                dev.rmsnorm(&upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, dim, x_stride, dim, 1e-6, plus_one)
+                    .unwrap();
+                let want = reference::rmsnorm(&x, &w, rows, dim, x_stride, 1e-6, plus_one);
+                let shape = format!("{rows}x{dim}/s{x_stride}/p{}", plus_one as u8);
+                check("rmsnorm", st, &shape, &out.read(&dev, "rmsnorm"), &want, tol16(st));
+            }
+        }
+    }
+}
+
+#[test]
+fn add_rmsnorm_updates_residual_and_normalises_the_sum() {
+    for st in STORAGES {
+        let Some(dev) = gpu("add_rmsnorm", st) else { return };
+        let mut rng = Rng::new(3);
+        for (rows, dim) in [(1, 64), (5, 2048), (64, 1000)] {
+            for plus_one in [false, true] {
+                let res = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
+                let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
+                let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
+                let mut residual = Out16::with(&dev, &res);
+                let mut out = Out16::new(&dev, rows * dim);
+                dev.add_rmsnorm(&mut residual.view(), &upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, dim, 1e-6, plus_one)
+                    .unwrap();
+                let sum: Vec<f32> = rounded(&res.iter().zip(&x).map(|(a, b)| a + b).collect::<Vec<_>>(), st);
+                let want = reference::rmsnorm(&sum, &w, rows, dim, dim, 1e-6, plus_one);
+                let shape = format!("{rows}x{dim}/p{}", plus_one as u8);
+                check("add_rmsnorm.residual", st, &shape, &residual.read(&dev, "residual"), &sum, tol16(st));
+                check("add_rmsnorm.out", st, &shape, &out.read(&dev, "add_rmsnorm"), &want, tol16(st));
+            }
+        }
+    }
+}
+
+#[test]
+fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rmsnorm_gated", st) else { return };
+        let mut rng = Rng::new(4);
+        for (rows, dim) in [(1, 128), (24, 128), (9, 64)] {
+            let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
+            let z = rounded(&rng.vec(rows * dim, -4.0, 4.0), st);
+            let w = rounded(&rng.vec(dim, 0.5, 1.5), st);
+            let mut out = Out16::new(&dev, rows * dim);
+            dev.rmsnorm_gated(&upload(&dev, &x), &upload(&dev, &z), &upload(&dev, &w), &mut out.view(), rows, dim, 1e-6)
+                .unwrap();
+            let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, 1e-6);
+            check("rmsnorm_gated", st, &format!("{rows}x{dim}"), &out.read(&dev, "rmsnorm_gated"), &want, tol16(st));
+        }
+    }
+}
+
+#[test]
+fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rope", st) else { return };
+        let mut rng = Rng::new(5);
+        // (tokens, q heads, kv heads, head_dim, rotary_dim, fused qkv layout)
+        for (t, hq, hk, d, rot, fused) in
+            [(1, 8, 2, 128, 128, false), (5, 4, 4, 64, 64, true), (37, 16, 2, 256, 64, true), (3, 2, 1, 128, 32, false)]
+        {
+            let theta: f32 = 1_000_000.0;
+            let inv_freq: Vec<f32> = (0..rot / 2).map(|i| theta.powf(-(2.0 * i as f32) / rot as f32)).collect();
+            let positions: Vec<i32> = (0..t).map(|_| rng.below(8000) as i32).collect();
+            let (qw, kw) = (hq * d, hk * d);
+            let stride = if fused { qw + 2 * kw } else { 0 };
+            let (q_stride, k_stride) = if fused { (stride, stride) } else { (qw, kw) };
+            let mut q_host = rounded(&rng.vec(t * q_stride.max(qw), -1.0, 1.0), st);
+            let mut k_host = rounded(&rng.vec(t * k_stride.max(kw), -1.0, 1.0), st);
+            let mut q = Out16::with(&dev, &q_host);
+            let mut k = Out16::with(&dev, &k_host);
+            dev.rope_neox(&mut q.view(), &mut k.view(), &upload_raw(&dev, &positions), &upload_raw(&dev, &inv_freq), hq, hk, d, q_stride, k_stride, 1.0)
+                .unwrap();
+            reference::rope(&mut q_host, &positions, q_stride, hq, d, &inv_freq, 1.0);
+            reference::rope(&mut k_host, &positions, k_stride, hk, d, &inv_freq, 1.0);
+            let shape = format!("t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/fused{}", fused as u8);
+            check("rope.q", st, &shape, &q.read(&dev, "rope q"), &q_host, tol16(st));
+            check("rope.k", st, &shape, &k.read(&dev, "rope k"), &k_host, tol16(st));
+        }
+    }
+}
+
+#[test]
+fn swiglu_and_sigmoid_gate_match_reference() {
+    for st in STORAGES {
+        let Some(dev) = gpu("swiglu", st) else { return };
+        let mut rng = Rng::new(6);
+        for (rows, n) in [(1, 64), (9, 1000), (130, 3072)] {
+            // fused gate_up: [rows, 2n], gate first.
+            let gu = rounded(&rng.vec(rows * 2 * n, -4.0, 4.0), st);
+            let gu_dev = upload(&dev, &gu);
+            let mut out = Out16::new(&dev, rows * n);
+            dev.swiglu(&gu_dev, &gu_dev.slice(n..), &mut out.view(), rows, n, 2 * n, 2 * n).unwrap();
+            let want = reference::swiglu(&gu, rows, n);
+            check("swiglu", st, &format!("{rows}x{n}"), &out.read(&dev, "swiglu"), &want, tol16(st));
+
+            let x = rounded(&rng.vec(rows * n, -2.0, 2.0), st);
+            let mut xo = Out16::with(&dev, &x);
+            dev.sigmoid_gate_mul(&mut xo.view(), &gu_dev, rows, n, 2 * n).unwrap();
+            let want: Vec<f32> =
+                (0..rows * n).map(|e| x[e] * reference::sigmoid(gu[(e / n) * 2 * n + e % n])).collect();
+            check("sigmoid_gate_mul", st, &format!("{rows}x{n}"), &xo.read(&dev, "gate"), &want, tol16(st));
+        }
+    }
+}
+
+#[test]
+fn gemv_matches_reference_for_small_m_in_both_output_types() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gemv", st) else { return };
+        let mut rng = Rng::new(7);
+        for (m, n, k) in [(1, 1, 64), (1, 4096, 1024), (3, 1000, 2056), (8, 257, 512), (11, 300, 4096)] {
+            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+            let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
+            let want = reference::matmul_nt(&x, &w, m, n, k);
+            let shape = format!("m{m}n{n}k{k}");
+            let mut y = Out16::new(&dev, m * n);
+            dev.gemv(&xd, &wd, &mut y.view(), m, n, k).unwrap();
+            check("gemv", st, &shape, &y.read(&dev, "gemv"), &want, tol16(st));
+            let mut y32 = Out32::new(&dev, m * n);
+            dev.gemv_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
+            check("gemv_f32out", st, &shape, &y32.read(&dev, "gemv f32"), &want, TOL32);
+        }
+    }
+}
+
+#[test]
+fn linear_routes_by_m_and_matches_reference() {
+    for st in STORAGES {
+        let Some(dev) = gpu("linear", st) else { return };
+        let mut rng = Rng::new(16);
+        for (m, n, k) in [(1, 300, 256), (2, 300, 256), (5, 300, 256), (64, 300, 260)] {
+            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+            let mut y = Out16::new(&dev, m * n);
+            dev.linear(&upload(&dev, &x), &upload(&dev, &w), &mut y.view(), m, n, k).unwrap();
+            let want = reference::matmul_nt(&x, &w, m, n, k);
+            check("linear", st, &format!("m{m}n{n}k{k}"), &y.read(&dev, "linear"), &want, tol16(st));
+        }
+    }
+}
+
+#[test]
+fn gemv_rejects_k_not_a_multiple_of_8() {
+    let Some(dev) = gpu("gemv_k", StorageDType::Bf16) else { return };
+    let x = upload(&dev, &[0.0; 12]);
+    let w = upload(&dev, &[0.0; 12]);
+    let mut y = Out16::new(&dev, 1);
+    assert!(matches!(dev.gemv(&x, &w, &mut y.view(), 1, 1, 12), Err(NinferError::Device(_))));
+}
+
+#[test]
+fn cublas_gemm_matches_reference_in_both_output_types() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gemm", st) else { return };
+        let mut rng = Rng::new(8);
+        for (m, n, k) in [(17, 256, 512), (128, 1000, 1024), (1, 64, 64)] {
+            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+            let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
+            let want = reference::matmul_nt(&x, &w, m, n, k);
+            let shape = format!("m{m}n{n}k{k}");
+            let mut y = Out16::new(&dev, m * n);
+            dev.gemm(&xd, &wd, &mut y.view(), m, n, k).unwrap();
+            check("gemm", st, &shape, &y.read(&dev, "gemm"), &want, tol16(st));
+            let mut y32 = Out32::new(&dev, m * n);
+            dev.gemm_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
+            check("gemm_f32out", st, &shape, &y32.read(&dev, "gemm f32"), &want, TOL32);
+        }
+    }
+}
+
+#[test]
+fn buffers_too_small_for_the_shape_are_device_errors() {
+    let Some(dev) = gpu("check_len", StorageDType::Bf16) else { return };
+    let x = upload(&dev, &[1.0; 63]);
+    let w = upload(&dev, &[1.0; 64]);
+    let mut out = Out16::new(&dev, 64);
+    match dev.rmsnorm(&x, &w, &mut out.view(), 1, 64, 64, 64, 1e-6, false) {
+        Err(NinferError::Device(msg)) => assert!(msg.contains("63") && msg.contains("64"), "{msg}"),
+        other => panic!("expected a device error, got {other:?}"),
+    }
+}
+
+/// A paged cache and block tables for `contexts`, with blocks scattered at random.
+struct PagedCase {
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+    tables: Vec<i32>,
+    max_blocks: usize,
+    num_blocks: usize,
+}
+
+fn paged_case(rng: &mut Rng, st: StorageDType, contexts: &[usize], hk: usize, d: usize, bs: usize) -> PagedCase {
+    let need: Vec<usize> = contexts.iter().map(|c| c.div_ceil(bs)).collect();
+    let max_blocks = need.iter().copied().max().unwrap_or(1).max(1);
+    let num_blocks = need.iter().sum::<usize>() + 5;
+    let perm = rng.permutation(num_blocks);
+    let mut tables = vec![0i32; contexts.len() * max_blocks];
+    let mut next = 0;
+    for (s, &nb) in need.iter().enumerate() {
+        for b in 0..nb {
+            tables[s * max_blocks + b] = perm[next] as i32;
+            next += 1;
+        }
+    }
+    let n = num_blocks * bs * hk * d;
+    PagedCase {
+        k_cache: rounded(&rng.vec(n, -1.0, 1.0), st),
+        v_cache: rounded(&rng.vec(n, -1.0, 1.0), st),
+        tables,
+        max_blocks,
+        num_blocks,
+    }
+}
+
+/// Runs paged attention for query tokens (seq, pos) and compares with the reference.
+#[allow(clippy::too_many_arguments)]
+fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize], tokens: &[(usize, usize)], d: usize, partition: usize, heads: (usize, usize)) {
+    let st = dev.storage();
+    let ((hq, hk), bs) = (heads, 16);
+    let case = paged_case(rng, st, contexts, hk, d, bs);
+    let t = tokens.len();
+    let q = rounded(&rng.vec(t * hq * d, -1.0, 1.0), st);
+    let token_seq: Vec<i32> = tokens.iter().map(|&(s, _)| s as i32).collect();
+    let token_pos: Vec<i32> = tokens.iter().map(|&(_, p)| p as i32).collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    let shape = PagedAttentionShape {
+        n_q_heads: hq,
+        n_kv_heads: hk,
+        head_dim: d,
+        q_stride: hq * d,
+        block_size: bs,
+        num_blocks: case.num_blocks,
+        max_blocks_per_seq: case.max_blocks,
+        scale,
+        max_context: contexts.iter().copied().max().unwrap(),
+        partition,
+    };
+    let mut out = Out16::new(dev, t * hq * d);
+    dev.paged_attention(
+        &upload(dev, &q),
+        &upload(dev, &case.k_cache),
+        &upload(dev, &case.v_cache),
+        &upload_raw(dev, &case.tables),
+        &upload_raw(dev, &token_seq),
+        &upload_raw(dev, &token_pos),
+        &mut out.view(),
+        &shape,
+    )
+    .unwrap();
+    // The CPU op takes one sequence's run of consecutive positions at a time.
+    let mut want = Vec::with_capacity(t * hq * d);
+    let mut i = 0;
+    while i < t {
+        let (s, p0) = tokens[i];
+        let mut j = i + 1;
+        while j < t && tokens[j] == (s, p0 + (j - i)) {
+            j += 1;
+        }
+        let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+        let qs = &q[i * hq * d..j * hq * d];
+        want.extend(reference::attention_seq(qs, j - i, hq, &case.k_cache, &case.v_cache, table, p0, hk, d, bs, scale));
+        i = j;
+    }
+    let label = format!("ctx{contexts:?}/t{t}/d{d}/hq{hq}hk{hk}/part{partition}").replace(' ', "");
+    check(op, st, &label, &out.read(dev, op), &want, tol16(st));
+}
+
+#[test]
+fn paged_decode_attention_matches_reference_with_and_without_splits() {
+    for st in STORAGES {
+        let Some(dev) = gpu("attention_decode", st) else { return };
+        let mut rng = Rng::new(9);
+        for d in [64, 96, 128, 256] {
+            let contexts = [1, 17, 700];
+            let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
+            for partition in [0, 64, 1 << 20] {
+                attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, d, partition, (8, 2));
+            }
+        }
+        // Every group size: 1 (MHA), 3 (no grouped instance: one head per warp), 2, 8.
+        for heads in [(4, 4), (6, 2), (4, 2), (8, 1)] {
+            for d in [64, 128, 256] {
+                attention_case(&dev, &mut rng, "attention_decode", &[33, 900], &[(0, 32), (1, 899)], d, 0, heads);
+            }
+        }
+        let contexts = [3000];
+        attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
+    }
+}
+
+#[test]
+fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
+    for st in STORAGES {
+        let Some(dev) = gpu("attention_prefill", st) else { return };
+        let mut rng = Rng::new(10);
+        // seq 0: fresh prompt of 40; seq 1: 275 cached tokens then a chunk of 25.
+        let contexts = [40, 300];
+        let mut tokens: Vec<(usize, usize)> = (0..40).map(|p| (0, p)).collect();
+        tokens.extend((275..300).map(|p| (1, p)));
+        for d in [64, 128] {
+            for partition in [0, 128, 1 << 20] {
+                attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, partition, (8, 2));
+            }
+            attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, 0, (6, 2));
+            attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, 0, (8, 1));
+        }
+    }
+}
+
+#[test]
+fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
+    for st in STORAGES {
+        let Some(dev) = gpu("kv_cache_write", st) else { return };
+        let mut rng = Rng::new(11);
+        // 10 new tokens at positions 20..30 of a sequence whose 4 blocks of 8 are scattered.
+        let (t, hk, d, bs, start) = (10, 2, 64, 8, 20);
+        let (row, stride, n_slots) = (hk * d, 3 * hk * d, 8 * bs);
+        let kv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
+        let kv_dev = upload(&dev, &kv);
+        let table: Vec<i32> = rng.permutation(8)[..4].iter().map(|&b| b as i32).collect();
+        let mut slots: Vec<i64> = (start..start + t)
+            .map(|p| (table[p / bs] as usize * bs + p % bs) as i64)
+            .collect();
+        slots[4] = -1;
+        let k0 = rounded(&rng.vec(n_slots * row, -1.0, 1.0), st);
+        let v0 = rounded(&rng.vec(n_slots * row, -1.0, 1.0), st);
+        let (mut kc, mut vc) = (Out16::with(&dev, &k0), Out16::with(&dev, &v0));
+        dev.kv_cache_write(&kv_dev, &kv_dev.slice(row..), &mut kc.view(), &mut vc.view(), &upload_raw(&dev, &slots), row, stride, stride)
+            .unwrap();
+        let (mut k_want, mut v_want) = (k0.clone(), v0.clone());
+        for (i, &s) in slots.iter().enumerate() {
+            if s >= 0 {
+                let (k_row, v_row) = (&kv[i * stride..i * stride + row], &kv[i * stride + row..i * stride + 2 * row]);
+                reference::write_kv(&mut k_want, &mut v_want, k_row, v_row, &table, start + i, hk, d, bs);
+            }
+        }
+        check("kv_cache_write.k", st, "t10", &kc.read(&dev, "k cache"), &k_want, 0.0);
+        check("kv_cache_write.v", st, "t10", &vc.read(&dev, "v cache"), &v_want, 0.0);
+    }
+}
+
+#[test]
+fn causal_conv1d_carries_state_across_decode_and_prefill() {
+    for st in STORAGES {
+        let Some(dev) = gpu("conv1d", st) else { return };
+        let mut rng = Rng::new(12);
+        for (lens, k, with_bias) in [(vec![1, 1, 1], 4, true), (vec![5, 1, 13], 4, false), (vec![7, 2], 3, true), (vec![4], 2, true)] {
+            let c = 200;
+            let n_slots = 6;
+            let slots: Vec<i32> = [4, 0, 2][..lens.len()].to_vec();
+            let t: usize = lens.iter().sum();
+            let stride = c + 24;
+            let x = rounded(&rng.vec(t * stride, -2.0, 2.0), st);
+            let w = rounded(&rng.vec(c * k, -1.0, 1.0), st);
+            let bias = rounded(&rng.vec(c, -0.5, 0.5), st);
+            let state0 = rounded(&rng.vec(n_slots * (k - 1) * c, -2.0, 2.0), st);
+            let mut cu = vec![0i32];
+            for l in &lens {
+                cu.push(cu.last().unwrap() + *l as i32);
+            }
+            let mut state = Out16::with(&dev, &state0);
+            let mut out = Out16::new(&dev, t * c);
+            let bias_dev = upload(&dev, &bias);
+            let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots };
+            dev.causal_conv1d(
+                &upload(&dev, &x),
+                &mut state.view(),
+                &upload(&dev, &w),
+                if with_bias { Some(&bias_dev) } else { None },
+                &upload_raw(&dev, &cu),
+                &upload_raw(&dev, &slots),
+                &mut out.view(),
+                &shape,
+            )
+            .unwrap();
+            let mut state_want = state0.clone();
+            let mut out_want = Vec::new();
+            for (s, &slot) in slots.iter().enumerate() {
+                let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
+                let xs: Vec<f32> = (a..b).flat_map(|i| x[i * stride..i * stride + c].to_vec()).collect();
+                let sl = slot as usize * (k - 1) * c;
+                let mut st_slot = state_want[sl..sl + (k - 1) * c].to_vec();
+                out_want.extend(reference::conv1d_seq(&xs, &mut st_slot, &w, with_bias.then_some(&bias[..]), b - a, c, k));
+                state_want[sl..sl + (k - 1) * c].copy_from_slice(&rounded(&st_slot, st));
+            }
+            let label = format!("lens{lens:?}/k{k}/bias{}", with_bias as u8).replace(' ', "");
+            check("conv1d.out", st, &label, &out.read(&dev, "conv out"), &out_want, tol16(st));
+            check("conv1d.state", st, &label, &state.read(&dev, "conv state"), &state_want, 0.0);
+        }
+    }
+}
+
+#[test]
+fn gdn_gates_match_softplus_and_sigmoid() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gdn_gates", st) else { return };
+        let mut rng = Rng::new(13);
+        let (t, h) = (7, 8);
+        let a = rounded(&rng.vec(t * h, -30.0, 30.0), st);
+        let b = rounded(&rng.vec(t * h, -6.0, 6.0), st);
+        let a_log = rng.vec(h, -1.0, 1.0);
+        let dt_bias = rng.vec(h, -1.0, 1.0);
+        let (mut g, mut beta) = (Out32::new(&dev, t * h), Out32::new(&dev, t * h));
+        dev.gdn_gates(&upload(&dev, &a), &upload(&dev, &b), &upload_raw(&dev, &a_log), &upload_raw(&dev, &dt_bias), &mut g.view(), &mut beta.view(), t, h)
+            .unwrap();
+        let g_want: Vec<f32> = (0..t * h)
+            .map(|e| -a_log[e % h].exp() * reference::softplus(a[e] + dt_bias[e % h]))
+            .collect();
+        let beta_want: Vec<f32> = b.iter().map(|&x| reference::sigmoid(x)).collect();
+        check("gdn_gates.g", st, "t7h8", &g.read(&dev, "g"), &g_want, TOL32);
+        check("gdn_gates.beta", st, "t7h8", &beta.read(&dev, "beta"), &beta_want, TOL32);
+    }
+}
+
+#[test]
+fn gdn_recurrent_rule_matches_reference_and_updates_state() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gdn_recurrent", st) else { return };
+        let mut rng = Rng::new(14);
+        for (lens, dk, dv) in [(vec![1, 1], 128, 128), (vec![3, 9, 1], 64, 64), (vec![16], 128, 64)] {
+            let (nk, nv, n_slots) = (2, 4, 5);
+            let slots: Vec<i32> = [3, 0, 4][..lens.len()].to_vec();
+            let t: usize = lens.iter().sum();
+            let stride = 2 * nk * dk + nv * dv;
+            let qkv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
+            let g = rng.vec(t * nv, -2.0, 0.0);
+            let beta = rng.vec(t * nv, 0.0, 1.0);
+            let state0 = rng.vec(n_slots * nv * dk * dv, -0.1, 0.1);
+            let mut cu = vec![0i32];
+            for l in &lens {
+                cu.push(cu.last().unwrap() + *l as i32);
+            }
+            let qkv_dev = upload(&dev, &qkv);
+            let mut state = Out32::with(&dev, &state0);
+            let mut out = Out16::new(&dev, t * nv * dv);
+            let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots };
+            dev.gdn_recurrent(
+                &qkv_dev,
+                &qkv_dev.slice(nk * dk..),
+                &qkv_dev.slice(2 * nk * dk..),
+                &upload_raw(&dev, &g),
+                &upload_raw(&dev, &beta),
+                &mut state.view(),
+                &upload_raw(&dev, &cu),
+                &upload_raw(&dev, &slots),
+                &mut out.view(),
+                &shape,
+            )
+            .unwrap();
+            let mut state_want = state0.clone();
+            let mut out_want = vec![0.0f32; t * nv * dv];
+            for (s, &slot) in slots.iter().enumerate() {
+                let toks = cu[s] as usize..cu[s + 1] as usize;
+                let cols = |from: usize, len: usize| -> Vec<f32> {
+                    toks.clone().flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec()).collect()
+                };
+                let (q, kk, v) = (cols(0, nk * dk), cols(nk * dk, nk * dk), cols(2 * nk * dk, nv * dv));
+                let so = slot as usize * nv * dk * dv;
+                let o = reference::gdn_recurrent_seq(
+                    &q,
+                    &kk,
+                    &v,
+                    &g[toks.start * nv..toks.end * nv],
+                    &beta[toks.start * nv..toks.end * nv],
+                    &mut state_want[so..so + nv * dk * dv],
+                    toks.len(),
+                    nk,
+                    nv,
+                    dk,
+                    dv,
+                );
+                out_want[toks.start * nv * dv..toks.end * nv * dv].copy_from_slice(&o);
+            }
+            let label = format!("lens{lens:?}/dk{dk}/dv{dv}").replace(' ', "");
+            check("gdn_recurrent.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol16(st));
+            check("gdn_recurrent.state", st, &label, &state.read(&dev, "gdn state"), &state_want, TOL32);
+        }
+    }
+}
+
+#[test]
+fn argmax_picks_the_first_maximum_and_logsumexp_matches() {
+    let Some(dev) = gpu("argmax", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(15);
+    for (rows, vocab) in [(1, 1000), (4, 151_936), (3, 7)] {
+        let mut logits = rng.vec(rows * vocab, -10.0, 10.0);
+        // Row 0: a tie between two maxima; the lower index must win.
+        let (i, j) = (vocab / 3, vocab - 1);
+        logits[i] = 20.0;
+        logits[j] = 20.0;
+        let (mut ids, mut lse) = (OutI32::new(&dev, rows), Out32::new(&dev, rows));
+        dev.argmax_logsumexp(&upload_raw(&dev, &logits), &mut ids.view(), &mut lse.view(), rows, vocab).unwrap();
+        let got_ids = ids.read(&dev, "argmax ids");
+        let mut want_lse = Vec::new();
+        for r in 0..rows {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let mut best = 0;
+            for (c, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = c;
+                }
+            }
+            assert_eq!(got_ids[r], best as i32, "row {r} of {rows}x{vocab}");
+            let mx = row[best] as f64;
+            want_lse.push((mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln()) as f32);
+        }
+        assert_eq!(got_ids[0], i as i32, "ties go to the lowest index");
+        check("logsumexp", StorageDType::Bf16, &format!("{rows}x{vocab}"), &lse.read(&dev, "lse"), &want_lse, TOL32);
+    }
+}
+
+#[test]
+fn arena_regions_are_aligned_disjoint_and_bounded() {
+    use cudarc::driver::DevicePtr;
+    use ninfer_core::backend::cuda::arena::{ActivationArena, ARENA_ALIGN};
+    let Some(dev) = gpu("arena", StorageDType::Bf16) else { return };
+    let mut arena = ActivationArena::new(&dev, 1 << 20).unwrap();
+    {
+        let mut regions = arena.regions::<u16>(&dev, &[100, 1000, 3]).unwrap();
+        let ptrs: Vec<u64> = regions.iter().map(|r| r.device_ptr(dev.stream()).0).collect();
+        assert!(ptrs.iter().all(|p| p % ARENA_ALIGN as u64 == 0));
+        assert!(ptrs[0] + 200 <= ptrs[1] && ptrs[1] + 2000 <= ptrs[2]);
+        let x = upload(&dev, &vec![3.0; 100]);
+        let w = upload(&dev, &vec![1.0; 100]);
+        dev.rmsnorm(&x, &w, &mut *regions[0], 1, 100, 100, 100, 0.0, false).unwrap();
+        dev.synchronize().unwrap();
+        let back = from_bits(&dev.stream().clone_dtoh(&*regions[0]).unwrap(), dev.storage());
+        assert!(back.iter().all(|&v| (v - 1.0).abs() < 1e-2), "{back:?}");
+    }
+    assert!(matches!(arena.regions::<f32>(&dev, &[1 << 20]), Err(NinferError::OutOfMemory { .. })));
+}
+
+/// Mean milliseconds of `f` over `iters` runs after 3 warm-ups, timed with CUDA events.
+fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
+    use cudarc::driver::sys::CUevent_flags;
+    for _ in 0..3 {
+        f();
+    }
+    let start = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let end = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    start.record(dev.stream()).unwrap();
+    for _ in 0..iters {
+        f();
+    }
+    end.record(dev.stream()).unwrap();
+    end.synchronize().unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / iters as f64
+}
+
+/// Throughput report (run with --ignored on the GPU): decode GEMV bandwidth against a
+/// device-to-device copy of the same bytes, GEMM TFLOP/s, and split-K decode attention.
+#[test]
+#[ignore]
+fn report_decode_op_throughput() {
+    let Some(dev) = gpu("throughput", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let (n, k) = (14336, 4096);
+    let w = s.alloc_zeros::<u16>(n * k).unwrap();
+    let mut w2 = s.alloc_zeros::<u16>(n * k).unwrap();
+    let bytes = (n * k * 2) as f64;
+    let copy = time_ms(&dev, 20, || s.memcpy_dtod(&w, &mut w2).unwrap());
+    println!("PERF op=copy bytes={bytes} ms={copy:.4} GBps={:.0}", 2.0 * bytes / copy / 1e6);
+    for m in [1, 2, 4, 8] {
+        let x = s.alloc_zeros::<u16>(m * k).unwrap();
+        let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
+        let t = time_ms(&dev, 20, || dev.gemv(&x, &w, &mut y, m, n, k).unwrap());
+        let gbps = bytes / t / 1e6;
+        println!("PERF op=gemv m={m} n={n} k={k} ms={t:.4} GBps={gbps:.0} frac_of_copy_read={:.2}", t.recip() * copy / 2.0);
+        let tg = time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
+        println!("PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}", bytes / tg / 1e6);
+    }
+    let m = 4096;
+    let x = s.alloc_zeros::<u16>(m * k).unwrap();
+    let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
+    let t = time_ms(&dev, 10, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
+    println!("PERF op=gemm m={m} n={n} k={k} ms={t:.4} TFLOPs={:.0}", 2.0 * (m * n * k) as f64 / t / 1e9);
+
+    let (hq, hk, d, bs) = (32, 8, 128, 16);
+    for (batch, ctx) in [(1, 4096), (32, 2048), (1, 32768)] {
+        let blocks_per = ctx / bs;
+        let num_blocks = batch * blocks_per;
+        let cache = s.alloc_zeros::<u16>(num_blocks * bs * hk * d).unwrap();
+        let tables: Vec<i32> = (0..num_blocks as i32).collect();
+        let tables = upload_raw(&dev, &tables);
+        let seq: Vec<i32> = (0..batch as i32).collect();
+        let pos = vec![ctx as i32 - 1; batch];
+        let (seq, pos) = (upload_raw(&dev, &seq), upload_raw(&dev, &pos));
+        let q = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+        let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+        let shape = PagedAttentionShape {
+            n_q_heads: hq,
+            n_kv_heads: hk,
+            head_dim: d,
+            q_stride: hq * d,
+            block_size: bs,
+            num_blocks,
+            max_blocks_per_seq: blocks_per,
+            scale: 0.088,
+            max_context: ctx,
+            partition: 0,
+        };
+        let t = time_ms(&dev, 20, || {
+            dev.paged_attention(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape).unwrap()
+        });
+        let kv_bytes = (2 * num_blocks * bs * hk * d * 2) as f64;
+        println!("PERF op=attention_decode batch={batch} ctx={ctx} ms={t:.4} kv_GBps={:.0}", kv_bytes / t / 1e6);
+    }
+}
