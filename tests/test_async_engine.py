@@ -52,7 +52,7 @@ async def test_breaking_out_of_the_loop_aborts_the_request():
     core = SlowFakeCore()
     engine = await AsyncEngine.start(core=core)
     try:
-        stream = engine.submit(core.tokenizer.encode("x"), {"max_tokens": 400})
+        stream = await engine.submit(core.tokenizer.encode("x"), {"max_tokens": 400})
         async with stream:
             async for _ in stream:
                 break
@@ -83,7 +83,7 @@ async def test_bad_request_raises_before_the_first_delta():
     engine = await AsyncEngine.start(core=FakeCore(max_context=64))
     try:
         with pytest.raises(ContextOverflowError, match="64"):
-            engine.submit(list(range(60)), {"max_tokens": 10})
+            await engine.submit(list(range(60)), {"max_tokens": 10})
         assert engine.in_flight() == 0
     finally:
         await engine.shutdown()
@@ -130,10 +130,10 @@ async def test_concurrent_requests_match_their_solo_outputs():
 async def test_queue_limit_refuses_extra_requests():
     engine = await AsyncEngine.start(core=SlowFakeCore(max_concurrency=1), max_queue=1)
     try:
-        a = engine.submit([1, 2], {"max_tokens": 100})
-        b = engine.submit([1, 2], {"max_tokens": 100})
+        a = await engine.submit([1, 2], {"max_tokens": 100})
+        b = await engine.submit([1, 2], {"max_tokens": 100})
         with pytest.raises(QueueFullError):
-            engine.submit([1, 2], {"max_tokens": 100})
+            await engine.submit([1, 2], {"max_tokens": 100})
         a.close()
         b.close()
     finally:
@@ -157,3 +157,10 @@ async def test_sampling_params_objects_are_serialised():
         assert deltas[-1].completion_tokens == 2
     finally:
         await engine.shutdown()
+
+
+def test_async_engine_is_exported_from_the_package():
+    import ninfer
+    from ninfer.engine import AsyncEngine as Direct
+
+    assert ninfer.AsyncEngine is Direct

@@ -36,6 +36,9 @@ pytestmark = pytest.mark.skipif(
 STUB_REASONING = ["The user ", "wants a ", "greeting."]
 STUB_ANSWER = ["Hello", ",", " this", " is", " a", " streamed", " answer", "."]
 LONG_TOKEN = " tok"
+MAX_STUB_TOKENS = 8192
+FAKE_CORE_SCRIPT = "say:<think>I will add them.</think>def total(xs):\n    return sum(xs)"
+"""tests/fake_core.py makes its "model" say exactly the text after `say:`."""
 
 
 def free_port() -> int:
@@ -74,6 +77,10 @@ class StubChatServer:
         async def chat(request):
             body = await request.json()
             self.requests.append(body)
+            if body.get("max_tokens", 0) > MAX_STUB_TOKENS:
+                message = f"max_tokens {body['max_tokens']} exceeds the maximum context"
+                error = {"message": message, "type": "invalid_request_error", "param": "max_tokens"}
+                return JSONResponse({"error": error}, status_code=400)
             index_ = len(self.outcomes)
             self.outcomes.append("streaming")
             long = "long" in body["messages"][-1]["content"]
@@ -142,17 +149,53 @@ def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = No
     raise TimeoutError(url)
 
 
-def ninfer_server_available() -> bool:
-    """The real server can run: its module, the engine binding and the demo model all exist."""
+def ninfer_server_missing(kind: str) -> str | None:
+    """Why `ninfer serve` cannot run for `kind` here, or None when it can."""
     import importlib.util
 
     try:
         if importlib.util.find_spec("ninfer.server.serve") is None:
-            return False
+            return "ninfer's server has not landed"
         import ninfer._core as core
-    except ImportError:
-        return False
-    return hasattr(core, "Engine") and (DEMO_MODEL / "config.json").exists()
+    except ImportError as exc:
+        return f"ninfer does not import: {exc}"
+    if kind == "server-fake-core":
+        return None if (REPO / "tests" / "fake_core.py").exists() else "tests/fake_core.py is missing"
+    if not hasattr(core, "Engine"):
+        return "_core.Engine has not landed"
+    return None if (DEMO_MODEL / "config.json").exists() else "the demo model is missing"
+
+
+class NinferServer:
+    """`python -m ninfer.server.serve` on a free port: the bundled demo model, or the server's
+    paced fake engine (tests/fake_core.py, 50 tokens/s) for the real HTTP layer without a model."""
+
+    def __init__(self, kind: str):
+        self.port = free_port()
+        self.cmd = [sys.executable, "-m", "ninfer.server.serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if kind == "server-fake-core":
+            self.cmd += ["--core-factory", "fake_core:SlowFakeCore", "--model-id", "fake"]
+        paths = [str(REPO / "python"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+        self.proc = None
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, cwd=REPO)
+        try:
+            wait_for_http(f"http://127.0.0.1:{self.port}/health", 120, self.proc)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture
@@ -172,29 +215,19 @@ def browser():
         driver.quit()
 
 
-@pytest.fixture(params=["stub", "ninfer"])
+@pytest.fixture(params=["stub", "server-fake-core", "ninfer-demo"])
 def chat_server(request):
-    """(base URL, stub or None): the stand-in always; `ninfer serve` once it exists."""
-    if request.param == "stub":
+    """(kind, base URL, stub or None): the stand-in here, then the real server when it exists."""
+    kind = request.param
+    if kind == "stub":
         with StubChatServer() as stub:
-            yield f"http://127.0.0.1:{stub.port}", stub
+            yield kind, f"http://127.0.0.1:{stub.port}", stub
         return
-    if not ninfer_server_available():
-        pytest.skip("ninfer's server has not landed")
-    port = free_port()
-    cmd = [sys.executable, "-m", "ninfer.server.serve", "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", 120, proc)
-        yield f"http://127.0.0.1:{port}", None
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    missing = ninfer_server_missing(kind)
+    if missing:
+        pytest.skip(missing)
+    with NinferServer(kind) as server:
+        yield kind, f"http://127.0.0.1:{server.port}", None
 
 
 def wait_until(predicate, timeout_s: float, what: str):
@@ -220,6 +253,16 @@ def answer_text(driver, index: int) -> str:
     return driver.execute_script("return arguments[0].querySelector('.answer').textContent", msgs[index])
 
 
+def streamed_text(driver, index: int) -> str:
+    """Reasoning and answer text of assistant message `index` (a model may still be thinking)."""
+    msgs = assistant_messages(driver)
+    if len(msgs) <= index:
+        return ""
+    return driver.execute_script(
+        "return arguments[0].querySelector('.reasoning-text').textContent"
+        " + arguments[0].querySelector('.answer').textContent", msgs[index])
+
+
 def submit(driver, text: str, max_tokens: int, temperature: float) -> None:
     from selenium.webdriver.common.by import By
 
@@ -227,19 +270,21 @@ def submit(driver, text: str, max_tokens: int, temperature: float) -> None:
         field = driver.find_element(By.ID, field_id)
         field.clear()
         field.send_keys(str(value))
-    driver.find_element(By.ID, "prompt").send_keys(text)
+    prompt = driver.find_element(By.ID, "prompt")
+    driver.execute_script("arguments[0].value = arguments[1]", prompt, text)
     driver.find_element(By.ID, "send").click()
 
 
 def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_server):
     from selenium.webdriver.common.by import By
 
-    base, stub = chat_server
+    kind, base, stub = chat_server
     browser.get(base + "/")
     wait_until(lambda: browser.find_element(By.ID, "model-name").text not in ("", "connecting…"), 20,
                "the model name")
 
-    submit(browser, "Write a Python function: Return the sum of a list of numbers.", 96, 0.0)
+    first_prompt = FAKE_CORE_SCRIPT if kind == "server-fake-core" else "Write a Python function: Return the sum of a list of numbers."
+    submit(browser, first_prompt, 96, 0.0)
     lengths = set()
     def finished():
         lengths.add(len(answer_text(browser, 0)))
@@ -262,18 +307,23 @@ def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_s
         assert stub.requests[0]["max_tokens"] == 96 and stub.requests[0]["temperature"] == 0.0
         assert stub.requests[0]["messages"][-1]["role"] == "user"
         assert stub.outcomes[0] == "completed"
+    if kind == "server-fake-core":
+        reasoning = browser.execute_script(
+            "return arguments[0].querySelector('.reasoning-text').textContent", assistant_messages(browser)[0])
+        assert reasoning.strip() == "I will add them."
+        assert first.strip() == "def total(xs):\n    return sum(xs)"
 
     # A high temperature keeps the demo model from ending its turn before Stop is pressed.
-    submit(browser, "Now a long one: write a long module of helpers.", 4000, 1.5)
-    wait_until(lambda: answer_text(browser, 1).strip(), 60, "second answer text")
+    submit(browser, "Now a long one: write a long module of helpers.", 300, 1.5)
+    wait_until(lambda: streamed_text(browser, 1).strip(), 60, "second streamed text")
     stop = browser.find_element(By.ID, "stop")
     assert stop.is_enabled()
     stop.click()
     wait_until(lambda: "stopped" in assistant_messages(browser)[1].get_attribute("class").split(), 10,
                "the stopped state")
-    stopped_at = answer_text(browser, 1)
+    stopped_at = streamed_text(browser, 1)
     time.sleep(0.6)
-    assert answer_text(browser, 1) == stopped_at, "text kept streaming after Stop"
+    assert streamed_text(browser, 1) == stopped_at, "text kept streaming after Stop"
     assert not stop.is_enabled()
     assert browser.find_element(By.ID, "send").is_enabled()
     meta = browser.execute_script("return arguments[0].querySelector('.msg-meta').textContent",
@@ -281,5 +331,20 @@ def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_s
     assert "stopped" in meta
     if stub is not None:
         wait_until(lambda: stub.outcomes[1] == "disconnected", 10, "the server to see the disconnect")
-        assert len(stopped_at) < len(LONG_TOKEN) * 1500
+        assert len(answer_text(browser, 1)) < len(LONG_TOKEN) * 1500
         assert stub.requests[1]["messages"][1] == {"role": "assistant", "content": first}
+
+
+def test_chat_page_shows_the_servers_error_message(browser):
+    from selenium.webdriver.common.by import By
+
+    with StubChatServer() as stub:
+        browser.get(f"http://127.0.0.1:{stub.port}/")
+        submit(browser, "hello", MAX_STUB_TOKENS + 1, 0.0)
+        wait_until(lambda: assistant_messages(browser)
+                   and "error" in assistant_messages(browser)[0].get_attribute("class").split(), 20,
+                   "the error state")
+        text = assistant_messages(browser)[0].text
+        assert f"max_tokens {MAX_STUB_TOKENS + 1} exceeds the maximum context" in text
+        assert browser.find_element(By.ID, "send").is_enabled()
+        assert not browser.find_element(By.ID, "stop").is_enabled()

@@ -195,3 +195,15 @@ def test_oracle_greedy_fibonacci_sample_parses():
     sample = json.loads(RECORD.read_text())["greedy_samples"][FIBONACCI_PROMPT]
     tree = ast.parse(close_last_block(sample["completion"], finished=sample["finish_reason"] == "stop"))
     assert isinstance(tree.body[0], ast.FunctionDef) and tree.body[0].name == "fibonacci"
+
+
+def test_ninfer_greedy_tokens_match_the_oracle_samples():
+    ninfer = pytest.importorskip("ninfer")
+    if not hasattr(ninfer, "LLM"):
+        pytest.skip("ninfer.LLM has not landed")
+    samples = json.loads(RECORD.read_text())["greedy_samples"]
+    llm = ninfer.LLM(str(MODEL_DIR))
+    prompts = list(samples)
+    params = [ninfer.SamplingParams(temperature=0.0, max_tokens=samples[p]["max_new_tokens"]) for p in prompts]
+    for prompt, output in zip(prompts, llm.generate(prompts, params)):
+        assert output.outputs[0].token_ids == samples[prompt]["completion_token_ids"], prompt

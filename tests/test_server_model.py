@@ -217,3 +217,15 @@ def test_second_turn_on_hybrid_model_hits_prefix_cache_with_same_output(qwen3_5_
         assert second.usage.prompt_tokens_details.cached_tokens > 0
     want = offline_greedy(qwen3_5_dir, [hf_chat_ids(qwen3_5_dir, turn2)], 8)[0]
     assert second.choices[0].model_extra["token_ids"] == want[1]
+
+
+def test_tools_are_rendered_into_the_prompt_by_the_chat_template(qwen3_server, qwen3_dir):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    r = httpx.post(qwen3_server.url + "/tokenize", json={"messages": MSGS, "tools": tools})
+    assert r.json()["tokens"] == hf_chat_ids(qwen3_dir, MSGS, tools=tools, enable_thinking=True)
+    r = httpx.post(qwen3_server.url + "/v1/chat/completions", json={"messages": MSGS, "tools": tools,
+                                                                    "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and str(len(hf_chat_ids(qwen3_dir, MSGS, tools=tools))) in err["message"]

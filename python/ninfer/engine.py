@@ -135,7 +135,11 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         if not self._open:
             raise StopAsyncIteration
-        item = await self._receive.receive()
+        try:
+            item = await self._receive.receive()
+        except (anyio.ClosedResourceError, anyio.EndOfStream):
+            self._open.clear()
+            raise StopAsyncIteration from None
         if isinstance(item, BaseException):
             self._open.clear()
             raise item
@@ -285,18 +289,22 @@ class AsyncEngine:
         """Requests submitted and not finished."""
         return len(self._streams)
 
-    def submit(self, prompt_token_ids: Sequence[int], params: Any = None, request_id: Optional[str] = None) -> RequestStream:
-        """Submit a tokenized request; raises at once on bad input or a full queue.
+    async def submit(self, prompt_token_ids: Sequence[int], params: Any = None,
+                     request_id: Optional[str] = None) -> RequestStream:
+        """Submit a tokenized request; raises on bad input or a full queue, before any delta.
 
         Returns the request's stream of deltas; iterate it, and close it (or leave its
         `async with`) to abort the request early.
         """
-        return self.submit_many([prompt_token_ids], [params], [request_id or self.new_request_id()])
+        return await self.submit_many([prompt_token_ids], [params], [request_id or self.new_request_id()])
 
-    def submit_many(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], request_ids: Sequence[str]) -> RequestStream:
+    async def submit_many(self, prompts: Sequence[Sequence[int]], params: Sequence[Any],
+                          request_ids: Sequence[str]) -> RequestStream:
         """Submit several requests that share one stream (e.g. the n choices of one call).
 
-        All or nothing: if one is refused, those already submitted are aborted and the error raised.
+        All or nothing: if one is refused, those already submitted are aborted and the error
+        raised. The core calls run on a worker thread: the core may hold its lock for up to one
+        engine step, and the event loop must keep serving other streams meanwhile.
         """
         if self._closed:
             raise RuntimeError("the engine was shut down")
@@ -304,23 +312,35 @@ class AsyncEngine:
             limit = self.max_concurrency + self.max_queue
             if len(self._streams) + len(prompts) > limit:
                 raise QueueFullError(len(self._streams), limit)
-        for rid in request_ids:
-            if rid in self._streams:
-                raise ValueError(f"request id {rid} is already in flight")
+        rids = list(request_ids)
+        if len(set(rids)) != len(rids) or any(rid in self._streams for rid in rids):
+            raise ValueError(f"request ids {rids} repeat or are already in flight")
         send, receive = anyio.create_memory_object_stream(math.inf)
         timings = {}
+        jobs = []
+        for ids, p, rid in zip(prompts, params, rids):
+            jobs.append((rid, list(ids), params_to_json(p, max(self.max_context - len(ids), 1))))
+            timings[rid] = RequestTiming(submitted=time.monotonic())
+            self._streams[rid] = send
+            self._timings[rid] = timings[rid]
+        submitted: list = []
+
+        def run() -> None:
+            for rid, ids, pj in jobs:
+                self.core.submit(rid, ids, pj)
+                submitted.append(rid)
+
         try:
-            for ids, p, rid in zip(prompts, params, request_ids):
-                self.core.submit(rid, list(ids), params_to_json(p, max(self.max_context - len(ids), 1)))
-                timings[rid] = RequestTiming(submitted=time.monotonic())
-                self._streams[rid] = send
-                self._timings[rid] = timings[rid]
+            await anyio.to_thread.run_sync(run)
         except BaseException:
-            for rid in timings:
-                self.abort(rid)
+            for rid in rids:
+                self._streams.pop(rid, None)
+                self._timings.pop(rid, None)
+            for rid in submitted:
+                self._abort_in_core(rid)
             raise
         self._wake.set()
-        return RequestStream(self, list(request_ids), receive, timings)
+        return RequestStream(self, rids, receive, timings)
 
     async def generate(
         self,
@@ -333,7 +353,7 @@ class AsyncEngine:
     ) -> AsyncIterator[Delta]:
         """Yield the deltas of one request; breaking out or cancelling aborts it."""
         ids = self.encode_prompt(prompt, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        stream = self.submit(ids, params, request_id)
+        stream = await self.submit(ids, params, request_id)
         try:
             async for delta in stream:
                 yield delta
@@ -350,11 +370,24 @@ class AsyncEngine:
             timing = self._timings.pop(request_id, None)
             if timing is not None:
                 self._aborting[request_id] = timing
+            self._abort_in_core(request_id)
+
+    def _abort_in_core(self, request_id: str) -> None:
+        """`core.abort` off the event loop (the core may hold its lock for a step)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
             self.core.abort(request_id)
+            return
+        loop.run_in_executor(None, self.core.abort, request_id)
 
     def stats(self) -> dict:
-        """The core's counters (running, waiting, KV blocks, prefix hits, ...)."""
+        """The core's counters (running, waiting, KV blocks, prefix hits, ...); may wait up to a step."""
         return dict(self.core.stats())
+
+    async def astats(self) -> dict:
+        """`stats()` from a worker thread, so the event loop keeps serving."""
+        return await anyio.to_thread.run_sync(self.stats)
 
     async def _pump(self) -> None:
         """The one loop that polls the core and fans deltas out to request streams."""
@@ -395,7 +428,7 @@ class AsyncEngine:
             send.send_nowait(error)
         for rid in list(self._streams):
             try:
-                self.core.abort(rid)
+                self._abort_in_core(rid)
             except Exception:
                 pass
         self._streams.clear()

@@ -47,6 +47,7 @@ SAMPLE_PROMPTS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options; the defaults are those of the shipped model's run."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=1234)
@@ -186,6 +187,7 @@ def greedy_complete(model, tok, prompt: str, max_new_tokens: int, eos_ids: list[
 
 
 def main(argv=None) -> None:
+    """Run corpus -> tokenizer -> training -> held-out evaluation -> save (see module doc)."""
     args = parse_args(argv)
     t0 = time.time()
     timings: dict[str, float] = {}

@@ -259,7 +259,8 @@ def chat_messages(messages: Any, field: str = "messages") -> list:
     return out
 
 
-def _tools(body: dict) -> tuple:
+def parse_tools(body: dict) -> tuple:
+    """(tools or None, tool_choice) from a request body; tool_choice none drops the tools."""
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -290,7 +291,7 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     if not isinstance(kwargs, dict):
         raise bad_request(f"`chat_template_kwargs` must be an object, got {kwargs!r}", "chat_template_kwargs")
     kwargs = {"enable_thinking": defaults.enable_thinking, **kwargs}
-    tools, choice = _tools(body)
+    tools, choice = parse_tools(body)
     return ChatRequest(
         sampling=sampling, max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
         logprobs=logprobs, top_logprobs=int(top), messages=chat_messages(body.get("messages")),

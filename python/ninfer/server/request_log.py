@@ -67,6 +67,6 @@ async def log_stats_forever(engine, interval_s: float, out: TextIO = sys.stderr)
     prev = None
     while True:
         await anyio.sleep(interval_s)
-        stats = engine.stats()
+        stats = await engine.astats()
         print(stats_line(stats, prev, interval_s), file=out, flush=True)
         prev = stats

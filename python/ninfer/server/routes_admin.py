@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 
 from ninfer.server.errors import bad_request
-from ninfer.server.protocol import chat_messages
+from ninfer.server.protocol import chat_messages, parse_tools
 from ninfer.server.routes_chat import json_response, read_json
 from ninfer.server.state import ServerState
 
@@ -38,12 +38,12 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text."""
     state: ServerState = request.app.state.server
-    stats = state.engine.stats() if state.engine is not None else {}
+    stats = await state.engine.astats() if state.engine is not None else {}
     return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
 
 async def tokenize(request: Request) -> Response:
-    """Token ids of `prompt` (text) or of `messages` rendered by the chat template."""
+    """Token ids of `prompt` (text) or of `messages` (and `tools`) rendered by the chat template."""
     state: ServerState = request.app.state.server
     body = await read_json(request)
     if not isinstance(body, dict):
@@ -52,7 +52,8 @@ async def tokenize(request: Request) -> Response:
     tok = state.tokenizer()
     if "messages" in body:
         kwargs = {"enable_thinking": state.defaults.enable_thinking, **(body.get("chat_template_kwargs") or {})}
-        text = engine.render_chat(chat_messages(body["messages"]), chat_template_kwargs=kwargs,
+        tools, _ = parse_tools(body)
+        text = engine.render_chat(chat_messages(body["messages"]), tools=tools, chat_template_kwargs=kwargs,
                                   add_generation_prompt=body.get("add_generation_prompt", True) is not False)
         ids = tok.encode(text, add_special_tokens=False)
     else:

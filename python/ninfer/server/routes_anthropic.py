@@ -104,7 +104,7 @@ async def messages(request: Request) -> Response:
     req: ChatRequest = parse_chat(to_chat_body(await read_json(request)), state.defaults)
     ids, in_reasoning, thinking = prepare_chat(state, req)
     mid = "msg_" + uuid.uuid4().hex[:24]
-    sub = state.start([ids], req, mid)
+    sub = await state.start([ids], req, mid)
     b = make_builders(sub, req, in_reasoning, thinking)[0]
     if req.stream:
         return EventSourceResponse(_stream(sub, req, b, mid), ping=SSE_PING_S, sep="\n")

@@ -72,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat(await read_json(request), state.defaults)
     ids, in_reasoning, thinking = prepare_chat(state, req)
     rid = "chatcmpl-" + request.scope["state"]["request_id"]
-    sub = state.start([ids], req, rid)
+    sub = await state.start([ids], req, rid)
     builders = make_builders(sub, req, in_reasoning, thinking)
     token_text = TokenText(state.engine.tokenizer)
     created = int(time.time())

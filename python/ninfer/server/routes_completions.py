@@ -39,7 +39,7 @@ async def completions(request: Request) -> Response:
     prompts = [p if isinstance(p, list) else list(state.tokenizer().encode(p, add_special_tokens=True))
                for p in req.prompts]
     rid = "cmpl-" + request.scope["state"]["request_id"]
-    sub = state.start(prompts, req, rid)
+    sub = await state.start(prompts, req, rid)
     builders = [ChoiceBuilder(i, reasoning=None, tools=None) for i in range(len(sub.choice_of))]
     token_text = TokenText(engine.tokenizer)
     created = int(time.time())

@@ -117,6 +117,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             if not BUNDLED_MODEL.is_dir():
                 parser.error("no MODEL given and no bundled demo model is installed at " + str(BUNDLED_MODEL))
             args.model = str(BUNDLED_MODEL)
+            if args.model_id is None:
+                args.model_id = "ninfer-demo"
         if not pathlib.Path(args.model).is_dir():
             parser.error(f"MODEL {args.model!r} is not a directory")
     if args.model_id is None:

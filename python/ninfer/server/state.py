@@ -75,7 +75,7 @@ class ServerState:
             return min(self.defaults.default_max_tokens, room)
         return room
 
-    def start(self, prompts: list, req: GenerationRequest, request_id: str) -> Submission:
+    async def start(self, prompts: list, req: GenerationRequest, request_id: str) -> Submission:
         """Submit n engine requests per prompt; choice index = prompt index * n + i."""
         engine = self.require_engine()
         ids_list, params, rids, choice_of = [], [], [], {}
@@ -90,7 +90,7 @@ class ServerState:
                 params.append(sp)
                 rids.append(rid)
                 choice_of[rid] = p * req.n + i
-        stream = engine.submit_many(ids_list, params, rids)
+        stream = await engine.submit_many(ids_list, params, rids)
         return Submission(stream, choice_of, [len(ids) for ids in prompts])
 
 
