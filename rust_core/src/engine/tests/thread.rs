@@ -10,7 +10,7 @@ fn the_thread_handle_delivers_all_deltas_like_the_inline_core() {
     let reqs: Vec<_> = (0..4).map(|i| (prompt(6 + 9 * i, i as u32), greedy(15 + i))).collect();
     let (inline, _, _) = run_requests(&Setup::default(), &reqs);
     let (core, _) = Setup::default().build();
-    let mut handle = EngineHandle::start(core).unwrap();
+    let handle = EngineHandle::start(core).unwrap();
     for (i, (p, sp)) in reqs.iter().enumerate() {
         handle.submit(&format!("r{i}"), p.clone(), sp.clone()).unwrap();
     }
