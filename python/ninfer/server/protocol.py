@@ -277,7 +277,11 @@ def parse_tools(body: dict) -> tuple:
     choice = body.get("tool_choice")
     if choice == "none":
         tools = None
-    elif choice not in (None, "auto", "required") and not isinstance(choice, dict):
+    elif choice == "required" or isinstance(choice, dict):
+        # Forcing a tool call needs a grammar over the model's own tool-call syntax; until that
+        # exists, say so rather than accept a choice the output would not honour.
+        raise bad_request(f"`tool_choice` {choice!r} is not supported yet (use auto or none)", "tool_choice")
+    elif choice not in (None, "auto"):
         raise bad_request(f"`tool_choice` must be none, auto, required or a function object, got {choice!r}", "tool_choice")
     return tools, choice
 
