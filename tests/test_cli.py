@@ -28,6 +28,7 @@ def test_run_prints_the_greedy_answer_on_stdout_and_speed_on_stderr(qwen3_dir, n
     assert proc.stdout.decode("utf-8") == ref.text
     err = proc.stderr.decode()
     assert "loaded" in err
+    assert "memory ledger (device cpu)" in err and "weights" in err and "KV cache" in err
     assert "prefill" in err and "decode" in err and "tok/s" in err
     assert f"prompt {len(ids)} tokens" in err
 

@@ -197,6 +197,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
             parser.error(f"--messages: {e}")
 
     from ninfer import _core
+    from ninfer.ledger import format_ledger
     from ninfer.llm import LLM
 
     try:
@@ -206,6 +207,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
         load_s = time.perf_counter() - t0
         print(f"ninfer: loaded {model} in {load_s:.2f} s (max context {llm.max_context} tokens)",
               file=sys.stderr, flush=True)
+        print(format_ledger(llm.engine.info()), file=sys.stderr, flush=True)
         kwargs = {"enable_thinking": False} if args.no_thinking else None
         if messages is not None:
             ids = llm.chat_prompt_ids(messages, tools, kwargs)
