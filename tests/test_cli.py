@@ -28,6 +28,7 @@ def test_run_prints_the_greedy_answer_on_stdout_and_speed_on_stderr(qwen3_dir, n
     assert proc.stdout.decode("utf-8") == ref.text
     err = proc.stderr.decode()
     assert "loaded" in err
+    assert "memory ledger (device cpu)" in err and "weights" in err and "KV cache" in err
     assert "prefill" in err and "decode" in err and "tok/s" in err
     assert f"prompt {len(ids)} tokens" in err
 
@@ -154,3 +155,22 @@ def test_help_lists_the_commands(ninfer_env):
     proc = run_cli(["--help"], ninfer_env)
     assert proc.returncode == 0
     assert "run" in proc.stdout.decode() and "serve" in proc.stdout.decode()
+
+
+def test_serve_delegates_to_the_server_program(ninfer_env):
+    pytest.importorskip("ninfer.server.serve")
+    proc = run_cli(["serve", "--help"], ninfer_env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "--host" in proc.stdout.decode() and "--port" in proc.stdout.decode()
+
+
+def test_run_without_a_model_uses_the_bundled_demo_model(ninfer_env):
+    import ninfer.cli
+
+    demo = ninfer.cli.default_model_dir()
+    if demo is None:
+        pytest.skip("no bundled demo model in this checkout")
+    proc = run_cli(["run", "--prompt", "def add(a, b):", "--raw", "--max-new", "4", "--greedy"], ninfer_env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert f"loaded {demo}" in proc.stderr.decode()
+    assert "generated 4 tokens" in proc.stderr.decode()

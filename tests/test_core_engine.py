@@ -112,3 +112,21 @@ def test_info_reports_the_memory_ledger():
     with pytest.raises(_core.ModelLoadError) as e:
         _core.Engine.toy(max_context=128, kv_capacity=100)
     assert "100" in str(e.value) and "128" in str(e.value)
+
+
+def test_submit_does_not_wait_for_a_poll_in_progress():
+    import threading
+    import time
+
+    eng = _core.Engine.toy()
+    eng.start_background()
+    got = []
+    poller = threading.Thread(target=lambda: got.extend(eng.poll(3.0)))
+    poller.start()
+    time.sleep(0.2)
+    t = time.monotonic()
+    eng.submit("a", [1, 2, 3], greedy(2))
+    assert time.monotonic() - t < 1.0, "submit blocked behind poll"
+    poller.join()
+    assert got and got[0]["request_id"] == "a"
+    eng.shutdown()

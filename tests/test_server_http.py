@@ -159,6 +159,10 @@ def test_no_thinking_kwarg_reaches_the_template(server):
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),
 ])
 def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server, body, status, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -280,3 +284,4 @@ def test_streamed_n_choices_carry_their_index(server):
                     texts[c["index"]] += c["text"]
     ids = list(b"many")
     assert [texts[0], texts[1]] == [expected_output(ids, 4, temperature=1.0, seed=3 + i)["text"] for i in range(2)]
+

@@ -229,3 +229,18 @@ def test_tools_are_rendered_into_the_prompt_by_the_chat_template(qwen3_server, q
                                                                     "max_tokens": 1})
     err = r.json()["error"]
     assert r.status_code == 400 and str(len(hf_chat_ids(qwen3_dir, MSGS, tools=tools))) in err["message"]
+
+
+def test_startup_prints_the_memory_ledger(qwen3_server, qwen3_dir):
+    import re
+
+    from ninfer import _core
+
+    log = qwen3_server.log()
+    assert "memory ledger (device cpu)" in log, log[-2000:]
+    weights = re.search(r"weights\s+([\d,.]+) MiB", log)
+    expected = _core.Model(str(qwen3_dir)).config["weight_bytes"] / (1 << 20)
+    assert weights and abs(float(weights.group(1).replace(",", "")) - expected) < 0.1
+    kv = re.search(r"KV cache\s+[\d,.]+ MiB = ([\d,]+) tokens", log)
+    assert kv and int(kv.group(1).replace(",", "")) >= MAX_CONTEXT
+    assert "left after plan" in log

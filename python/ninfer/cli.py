@@ -148,7 +148,8 @@ def read_messages_file(path: str) -> tuple:
     return data, tools
 
 
-def _default_model_dir() -> Optional[str]:
+def default_model_dir() -> Optional[str]:
+    """The bundled demo model's directory when this install ships it, else None."""
     path = os.path.join(os.path.dirname(__file__), "demo", "model")
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
@@ -185,7 +186,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     args = parser.parse_args(argv)
     reject_later_work_flags(parser, args)
     _use_utf8_stdio()
-    model = args.model or _default_model_dir()
+    model = args.model or default_model_dir()
     if model is None:
         parser.error("MODEL is required (no bundled demo model in this install)")
     messages = tools = None
@@ -196,6 +197,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
             parser.error(f"--messages: {e}")
 
     from ninfer import _core
+    from ninfer.ledger import format_ledger
     from ninfer.llm import LLM
 
     try:
@@ -205,6 +207,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
         load_s = time.perf_counter() - t0
         print(f"ninfer: loaded {model} in {load_s:.2f} s (max context {llm.max_context} tokens)",
               file=sys.stderr, flush=True)
+        print(format_ledger(llm.engine.info()), file=sys.stderr, flush=True)
         kwargs = {"enable_thinking": False} if args.no_thinking else None
         if messages is not None:
             ids = llm.chat_prompt_ids(messages, tools, kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ninfer._core import InvalidRequestError
 
@@ -63,6 +63,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    #: OpenAI-style output format enforced by grammar-constrained decoding:
+    #: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": {...}}}`,
+    #: `{"type": "regex", "regex": ...}`, `{"type": "lark", "lark": ...}`, or None / text.
+    response_format: Optional[Dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -133,6 +137,8 @@ class SamplingParams:
                 raise bad(field, "must be true or false")
         if self.top_logprobs > 0:
             self.logprobs = True
+        if self.response_format is not None and not isinstance(self.response_format, Mapping):
+            raise bad("response_format", "must be an object such as {\"type\": \"json_object\"} or None")
 
     def to_core_dict(self, max_tokens: int, seed: Optional[int]) -> dict:
         """The object `_core.Engine.submit` takes, for one completion.
@@ -156,6 +162,7 @@ class SamplingParams:
             "logprobs": self.logprobs,
             "top_logprobs": int(self.top_logprobs),
             "skip_special_tokens": self.skip_special_tokens,
+            "response_format": None if self.response_format is None else dict(self.response_format),
         }
 
     def to_core_json(self, max_tokens: int, seed: Optional[int]) -> str:

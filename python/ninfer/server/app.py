@@ -22,6 +22,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ninfer.engine import AsyncEngine, QueueFullError
+from ninfer.ledger import format_ledger
 from ninfer.server import routes_admin, routes_anthropic, routes_chat, routes_completions
 from ninfer.server.errors import ApiError, error_response
 from ninfer.server.request_log import log_stats_forever
@@ -101,6 +102,9 @@ def build_app(state: ServerState, engine_factory: EngineFactory, *, cors: Option
                 if on_load_failure is not None:
                     on_load_failure()
                 return
+            core_info = getattr(state.engine.core, "info", None)
+            if core_info is not None:
+                print(format_ledger(core_info()), file=sys.stderr, flush=True)
             print(f"ninfer: model {state.defaults.model_id} ready (max context {state.engine.max_context})",
                   file=sys.stderr, flush=True)
             if log_stats_interval_s:

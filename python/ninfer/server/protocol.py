@@ -190,16 +190,23 @@ def _common(body: dict, defaults: ServerDefaults) -> dict:
                 return_token_ids=boolean(body, "return_token_ids"))
 
 
-def _response_format(body: dict) -> None:
+#: `response_format.type` values: OpenAI's three, plus llguidance's regex and lark grammars.
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "lark")
+
+
+def _response_format(body: dict) -> Optional[dict]:
+    """The `response_format` to enforce, or None for free text; the core checks the rest (an
+    unknown type or a schema it cannot compile is an InvalidRequestError naming the field)."""
     rf = body.get("response_format")
     if rf is None:
-        return
+        return None
     kind = rf.get("type") if isinstance(rf, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise bad_request(f"response_format {kind} is not supported yet", "response_format", "unsupported")
-    raise bad_request(f"`response_format.type` must be text, json_object or json_schema, got {rf!r}", "response_format")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise bad_request(f"`response_format.type` must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {rf!r}",
+                          "response_format")
+    if kind == "json_schema" and not (isinstance(rf.get("json_schema"), dict) and "schema" in rf["json_schema"]):
+        raise bad_request("`response_format.json_schema` must be an object with a `schema`", "response_format")
+    return None if kind == "text" else rf
 
 
 def _message_content(content: Any, where: str) -> Any:
@@ -270,7 +277,11 @@ def parse_tools(body: dict) -> tuple:
     choice = body.get("tool_choice")
     if choice == "none":
         tools = None
-    elif choice not in (None, "auto", "required") and not isinstance(choice, dict):
+    elif choice == "required" or isinstance(choice, dict):
+        # Forcing a tool call needs a grammar over the model's own tool-call syntax; until that
+        # exists, say so rather than accept a choice the output would not honour.
+        raise bad_request(f"`tool_choice` {choice!r} is not supported yet (use auto or none)", "tool_choice")
+    elif choice not in (None, "auto"):
         raise bad_request(f"`tool_choice` must be none, auto, required or a function object, got {choice!r}", "tool_choice")
     return tools, choice
 
@@ -280,8 +291,10 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     common = _common(body, defaults)
-    _response_format(body)
+    response_format = _response_format(body)
     sampling = sampling_fields(body, defaults)
+    if response_format is not None:
+        sampling["response_format"] = response_format
     logprobs = boolean(body, "logprobs")
     top = number(body, "top_logprobs", lo=0, hi=20, integer=True, default=0)
     if top and not logprobs:
@@ -290,7 +303,8 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request(f"`chat_template_kwargs` must be an object, got {kwargs!r}", "chat_template_kwargs")
-    kwargs = {"enable_thinking": defaults.enable_thinking, **kwargs}
+    # A constrained answer leaves no room for a <think> block: thinking is off unless asked for.
+    kwargs = {"enable_thinking": defaults.enable_thinking and response_format is None, **kwargs}
     tools, choice = parse_tools(body)
     return ChatRequest(
         sampling=sampling, max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
@@ -322,6 +336,9 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
     if body.get("best_of") not in (None, 1):
         raise bad_request(f"`best_of` {body['best_of']!r} is not supported yet", "best_of", "unsupported")
     sampling = sampling_fields(body, defaults)
+    response_format = _response_format(body)
+    if response_format is not None:
+        sampling["response_format"] = response_format
     top = number(body, "logprobs", lo=0, hi=20, integer=True)
     logprobs = top is not None
     sampling.update(logprobs=logprobs, top_logprobs=int(top or 0))

@@ -51,6 +51,8 @@ def prepare_chat(state: ServerState, req: ChatRequest) -> tuple:
 
 def make_builders(sub: Submission, req: ChatRequest, in_reasoning: bool, thinking: bool) -> list:
     """One ChoiceBuilder per choice."""
+    # Grammar-constrained output is the answer itself, never reasoning.
+    thinking = thinking and "response_format" not in req.sampling
     return [ChoiceBuilder(i, reasoning=ReasoningParser(in_reasoning) if thinking else None, tools=req.tools)
             for i in range(len(sub.choice_of))]
 

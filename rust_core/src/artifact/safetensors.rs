@@ -25,7 +25,9 @@ struct MappedFile {
 /// Shape and dtype of a stored tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
+    /// Dimensions as stored.
     pub shape: Vec<usize>,
+    /// safetensors dtype name (`F32`, `BF16`, ...).
     pub dtype: String,
 }
 

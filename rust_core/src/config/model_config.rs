@@ -23,9 +23,12 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
 /// Architecture family: decides the weight names and the layer variants.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ArchFamily {
+    /// Llama: optional attention/MLP biases, plain RMSNorm.
     #[default]
     Llama,
+    /// Qwen2: q/k/v biases.
     Qwen2,
+    /// Qwen3: per-head q/k RMSNorm.
     Qwen3,
     /// Hybrid Gated DeltaNet + gated attention (Qwen3.5 / Qwen3.6 dense).
     Qwen3_5,
@@ -53,9 +56,13 @@ impl LayerType {
 /// Shapes of the Gated DeltaNet layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinearAttentionConfig {
+    /// Query/key heads.
     pub num_key_heads: usize,
+    /// Value heads (a multiple of the key heads).
     pub num_value_heads: usize,
+    /// Width of a query/key head.
     pub key_head_dim: usize,
+    /// Width of a value head.
     pub value_head_dim: usize,
     /// Depthwise causal conv kernel width.
     pub conv_kernel: usize,
@@ -85,15 +92,25 @@ impl LinearAttentionConfig {
 pub struct ModelConfig {
     /// The HF architecture name from `architectures[0]`.
     pub architecture: String,
+    /// Which weight names and layer variants apply.
     pub family: ArchFamily,
+    /// Rows of the embedding and LM head.
     pub vocab_size: usize,
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the SwiGLU MLP.
     pub intermediate_size: usize,
+    /// Decoder layers.
     pub num_layers: usize,
+    /// Query heads of the attention layers.
     pub num_attention_heads: usize,
+    /// KV heads (GQA) of the attention layers.
     pub num_kv_heads: usize,
+    /// Width of an attention head.
     pub head_dim: usize,
+    /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f32,
+    /// Longest context the model was configured for.
     pub max_position_embeddings: usize,
     /// lm_head shares the embedding matrix.
     pub tie_word_embeddings: bool,
@@ -111,6 +128,7 @@ pub struct ModelConfig {
     pub zero_centered_norm: bool,
     /// Token mixer per layer.
     pub layer_types: Vec<LayerType>,
+    /// Rotary embedding parameters.
     pub rope: RopeConfig,
     /// Present when some layer is `LinearAttention`.
     pub linear_attention: Option<LinearAttentionConfig>,

@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use super::{EngineConfig, MemoryLedger, RequestOutput, RequestState, ResolvedConfig};
 use crate::kv::BlockPool;
 use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
-use crate::sampling::SamplingParams;
+use crate::sampling::{GrammarConstraint, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{ScheduledStep, Scheduler, SchedulerConfig, SeqId, Sequence};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
@@ -44,6 +44,8 @@ pub struct RequestValidator {
     pub max_context: usize,
     /// 0 when unknown.
     pub vocab_size: usize,
+    /// Compiles `response_format` into a grammar constraint (built on first use).
+    pub grammar: SharedGrammarCompiler,
 }
 
 impl RequestValidator {
@@ -62,6 +64,12 @@ impl RequestValidator {
             return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });
         }
         Ok(())
+    }
+
+    /// The grammar constraint of a request with a `response_format` (None without one). A schema
+    /// the compiler rejects is an `InvalidRequest` on `response_format`, reported at submit.
+    pub fn grammar(&self, params: &SamplingParams) -> Result<Option<GrammarConstraint>> {
+        self.grammar.constraint_for(params.response_format.as_ref())
     }
 }
 
@@ -95,7 +103,9 @@ impl EngineCore {
             BlockPool::new(cfg.num_blocks, cfg.block_size),
             slots,
         );
-        let validator = RequestValidator { max_context: cfg.max_context, vocab_size: runner.config().vocab_size };
+        let vocab_size = runner.config().vocab_size;
+        let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         Ok(EngineCore {
             cfg,
@@ -139,8 +149,17 @@ impl EngineCore {
         &self.eos_token_ids
     }
 
-    /// Queue a request. Errors: empty prompt, context overflow, bad params, duplicate id.
+    /// Queue a request. Errors: empty prompt, context overflow, bad params (a bad
+    /// `response_format` included), duplicate id.
     pub fn add_request(&mut self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        self.validator.check(&prompt, &params)?;
+        let grammar = self.validator.grammar(&params)?;
+        self.add_checked_request(request_id, prompt, params, grammar)
+    }
+
+    /// Queue a request whose checks already passed and whose grammar constraint (if any) was
+    /// compiled by the caller (`EngineHandle::submit` does both on the submitting thread).
+    pub fn add_checked_request(&mut self, request_id: &str, prompt: Vec<u32>, params: SamplingParams, grammar: Option<GrammarConstraint>) -> Result<()> {
         if self.ids.contains_key(request_id) {
             return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
         }
@@ -149,7 +168,7 @@ impl EngineCore {
         self.next_seq += 1;
         let fallback_seed = self.seed_rng.random();
         self.stats.prompt_tokens_total += prompt.len() as u64;
-        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed));
+        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar));
         self.ids.insert(request_id.to_string(), id);
         self.sched.add(Sequence::new(id, prompt));
         Ok(())
@@ -179,7 +198,17 @@ impl EngineCore {
     }
 
     /// One engine step.
+    /// On a runner failure every request is dropped (blocks and slots freed) and the error is
+    /// returned: a half-run step cannot be resumed.
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
+        let result = self.try_step();
+        if result.is_err() {
+            self.drop_all();
+        }
+        result
+    }
+
+    fn try_step(&mut self) -> Result<Vec<RequestOutput>> {
         let mut outputs = self.apply_aborts()?;
         let step = self.sched.schedule();
         if step.is_empty() {
@@ -188,6 +217,16 @@ impl EngineCore {
         let logits = self.execute(&step)?;
         outputs.extend(self.postprocess(&step, &logits)?);
         Ok(outputs)
+    }
+
+    /// Forget every request and free what it holds.
+    fn drop_all(&mut self) {
+        for id in self.requests.keys().copied().collect::<Vec<_>>() {
+            self.sched.finish(id);
+        }
+        self.requests.clear();
+        self.ids.clear();
+        self.pending_aborts.clear();
     }
 
     /// Logits of every position of `tokens` (one sequence, no prefix cache, no sampling).

@@ -12,11 +12,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{EngineCore, EngineStats, FinishReason, RequestOutput, RequestValidator};
-use crate::sampling::SamplingParams;
+use crate::sampling::{GrammarConstraint, SamplingParams};
 use crate::{NinferError, Result};
 
 enum Command {
-    Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams },
+    Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams, grammar: Option<GrammarConstraint> },
     Abort(String),
     Score { tokens: Vec<u32>, reply: Sender<Result<Vec<f32>>> },
     Shutdown,
@@ -37,12 +37,13 @@ struct Shared {
     live: Mutex<HashSet<String>>,
 }
 
-/// Handle to the engine thread.
+/// Handle to the engine thread. Every method takes `&self` and is safe to call from several
+/// threads at once: `poll` waits without blocking `submit` / `abort`.
 pub struct EngineHandle {
     tx: Sender<Command>,
     shared: Arc<Shared>,
     validator: RequestValidator,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl EngineHandle {
@@ -51,24 +52,26 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared { outbox: Mutex::new(Outbox::default()), ready: Condvar::new(), live: Mutex::new(HashSet::new()) });
         let validator = core.validator();
+        shared.live.lock().expect("live ids").extend(core.request_ids());
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ninfer-engine".into())
             .spawn(move || run_loop(core, rx, thread_shared))
             .map_err(|e| NinferError::Device(format!("cannot start the engine thread: {e}")))?;
-        Ok(EngineHandle { tx, shared, validator, thread: Some(thread) })
+        Ok(EngineHandle { tx, shared, validator, thread: Mutex::new(Some(thread)) })
     }
 
     /// Queue a request; bad input and duplicate ids are rejected here, at once.
     pub fn submit(&self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         self.validator.check(&prompt, &params)?;
+        let grammar = self.validator.grammar(&params)?;
         {
             let mut live = self.shared.live.lock().expect("live ids");
             if !live.insert(request_id.to_string()) {
                 return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
             }
         }
-        self.send(Command::Submit { request_id: request_id.to_string(), prompt, params })
+        self.send(Command::Submit { request_id: request_id.to_string(), prompt, params, grammar })
     }
 
     /// Abort a request (its final delta arrives through `poll`).
@@ -115,9 +118,10 @@ impl EngineHandle {
     }
 
     /// Stop the thread (running requests are dropped) and wait for it.
-    pub fn shutdown(&mut self) {
+    pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
-        if let Some(t) = self.thread.take() {
+        let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
+        if let Some(t) = thread {
             let _ = t.join();
         }
     }
@@ -153,8 +157,8 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         let mut cmd = first;
         while let Some(c) = cmd {
             match c {
-                Command::Submit { request_id, prompt, params } => {
-                    if let Err(e) = core.add_request(&request_id, prompt, params) {
+                Command::Submit { request_id, prompt, params, grammar } => {
+                    if let Err(e) = core.add_checked_request(&request_id, prompt, params, grammar) {
                         rejected.push((request_id, e.to_string()));
                     }
                 }
@@ -191,9 +195,9 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
                 let ids: Vec<String> = shared.live.lock().expect("live ids").drain().collect();
                 ob.outputs.extend(ids.iter().map(|id| aborted(id)));
                 ob.error = Some(e.to_string());
+                ob.stats = core.stats();
                 drop(ob);
                 shared.ready.notify_all();
-                fail_all(&mut core);
                 continue;
             }
         }
@@ -205,14 +209,6 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
     ob.stopped = true;
     drop(ob);
     shared.ready.notify_all();
-}
-
-/// After a failed step, abort everything the core still holds so its blocks are freed.
-fn fail_all(core: &mut EngineCore) {
-    for id in core.request_ids() {
-        core.abort(&id);
-    }
-    let _ = core.step();
 }
 
 fn aborted(id: &str) -> RequestOutput {

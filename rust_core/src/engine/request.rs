@@ -2,7 +2,7 @@
 //! rules that decide when a request is finished.
 
 use super::{FinishReason, RequestOutput};
-use crate::sampling::{RequestSampler, SamplingParams, TokenLogprob};
+use crate::sampling::{GrammarConstraint, RequestSampler, SamplingParams, TokenLogprob};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
 use crate::tokenizer::Tokenizer;
@@ -17,6 +17,10 @@ pub struct RequestState {
     sampler: RequestSampler,
     detok: IncrementalDetokenizer,
     stop: StopChecker,
+    /// The `response_format` matcher; None for free text (no per-token cost then).
+    grammar: Option<GrammarConstraint>,
+    /// The grammar failed (a token it did not allow, or no token left): the request ends.
+    grammar_failed: bool,
 }
 
 /// What happened when one token was accepted.
@@ -27,7 +31,8 @@ pub struct TokenEvent {
 
 impl RequestState {
     /// State for a new request; `fallback_seed` seeds requests without a seed.
-    pub fn new(request_id: String, prompt: &[u32], params: SamplingParams, fallback_seed: u64) -> Self {
+    /// `grammar` constrains every sampled token to the request's `response_format`.
+    pub fn new(request_id: String, prompt: &[u32], params: SamplingParams, fallback_seed: u64, grammar: Option<GrammarConstraint>) -> Self {
         RequestState {
             request_id,
             sampler: RequestSampler::new(&params, prompt, fallback_seed),
@@ -36,13 +41,44 @@ impl RequestState {
             prompt_tokens: prompt.len(),
             completion_tokens: 0,
             params,
+            grammar,
+            grammar_failed: false,
         }
     }
 
-    /// Sample from one raw logits row; returns the token and its logprob entry.
+    /// Sample from one raw logits row (only among the tokens the grammar allows, when the
+    /// request has one); returns the token and its logprob entry.
     pub fn sample(&mut self, raw: &[f32]) -> (u32, Option<TokenLogprob>) {
-        let s = self.sampler.sample(&self.params, raw);
+        let mask = match self.grammar.as_mut().map(GrammarConstraint::compute_mask) {
+            Some(Ok(mask)) => Some(mask),
+            Some(Err(e)) => {
+                eprintln!("ninfer: request {}: {e}; ending it", self.request_id);
+                self.grammar_failed = true;
+                None
+            }
+            None => None,
+        };
+        let s = self.sampler.sample_masked(&self.params, raw, mask.as_ref());
         (s.token, s.logprob)
+    }
+
+    /// Advance the grammar past `token`; true when the constrained output is complete (or the
+    /// grammar failed), which ends the request.
+    fn grammar_done(&mut self, token: u32) -> bool {
+        let Some(grammar) = self.grammar.as_mut() else {
+            return false;
+        };
+        if self.grammar_failed {
+            return true;
+        }
+        match grammar.consume(token) {
+            Ok(()) => grammar.is_finished(),
+            Err(e) => {
+                eprintln!("ninfer: request {}: {e}; ending it", self.request_id);
+                self.grammar_failed = true;
+                true
+            }
+        }
     }
 
     /// Account for a sampled token: detokenize, check stop conditions, build the delta.
@@ -57,6 +93,7 @@ impl RequestState {
         self.completion_tokens += 1;
         let is_eos = !self.params.ignore_eos && eos_token_ids.contains(&token);
         let is_stop_token = self.params.stop_token_ids.contains(&token);
+        let grammar_done = self.grammar_done(token);
         let mut text = String::new();
         let mut finish = None;
         let mut stop_string_matched = false;
@@ -70,6 +107,9 @@ impl RequestState {
                 finish = Some(FinishReason::Stop);
                 stop_string_matched = true;
             }
+        }
+        if finish.is_none() && grammar_done {
+            finish = Some(FinishReason::Stop);
         }
         if finish.is_none() && self.completion_tokens >= self.params.max_tokens {
             finish = Some(FinishReason::Length);

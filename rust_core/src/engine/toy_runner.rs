@@ -123,8 +123,8 @@ impl ModelRunner for ToyRunner {
                 LogitsWanted::Last => 1,
                 LogitsWanted::All => seq.tokens.len(),
             };
-            for pos in end - rows..end {
-                self.row(hist[pos], &mut logits.data);
+            for &h in &hist[end - rows..end] {
+                self.row(h, &mut logits.data);
             }
             logits.rows.push(rows);
         }

@@ -132,6 +132,13 @@ impl CpuModel {
                 return Err(NinferError::invalid(format!("seqs[{i}].state_slot"), format!("slot {} >= num_state_slots {}", s.state_slot, c.num_slots)));
             }
         }
+        if has_lin {
+            let mut slots: Vec<usize> = batch.seqs.iter().map(|s| s.state_slot).collect();
+            slots.sort_unstable();
+            if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+                return Err(NinferError::invalid("state_slot", format!("slot {} is used by two sequences of one step", w[0])));
+            }
+        }
         Ok(())
     }
 

@@ -1,6 +1,8 @@
 //! The step of each layer kind over all rows of a batch: projections batched across
 //! sequences, attention and Gated DeltaNet run per sequence on its own cache and state.
 
+use rayon::prelude::*;
+
 use crate::backend::cpu::activation::{sigmoid, softplus, swiglu};
 use crate::backend::cpu::attention::{paged_attention, write_kv, KvLayout};
 use crate::backend::cpu::gdn::{self, GdnDims};
@@ -9,7 +11,7 @@ use crate::backend::cpu::norm::rms_norm_heads_inplace;
 use crate::backend::cpu::rope::apply_rope;
 use crate::config::ModelConfig;
 
-use super::runner::StepBatch;
+use super::runner::{SeqChunk, StepBatch};
 use super::weights::{AttentionWeights, GdnWeights, LayerWeights, Linear};
 
 /// Buffers reused from step to step (grown, never shrunk), so a step allocates almost nothing.
@@ -31,16 +33,8 @@ pub struct Workspace {
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
     pub positions: Vec<usize>,
-    /// Per-sequence GDN scratch.
-    pub conv_in: Vec<f32>,
-    pub conv_out: Vec<f32>,
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub g: Vec<f32>,
-    pub beta: Vec<f32>,
-    pub core: Vec<f32>,
-    pub z: Vec<f32>,
+    /// GDN scratch of a single-sequence step.
+    pub gdn: GdnScratch,
     /// Rows that produce logits, then normed.
     pub sel: Vec<f32>,
     pub sel_normed: Vec<f32>,
@@ -92,9 +86,24 @@ pub fn attention_step(cfg: &ModelConfig, a: &AttentionWeights, kv: LayerKv<'_>, 
         let t = seq.tokens.len();
         let base = row * width;
         write_kv(kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, t, &proj[base + k_off..], &proj[base + v_off..], width);
-        paged_attention(&proj[base..], width, t, nh, kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, scale, &mut mix[row * qd..], qd);
         row += t;
     }
+    // Every sequence's attention in one parallel region (decode batches have many short ones).
+    let mut outs: Vec<(&SeqChunk, usize, &mut [f32])> = Vec::with_capacity(batch.seqs.len());
+    let mut rest = &mut *mix;
+    let mut row = 0;
+    for seq in &batch.seqs {
+        let t = seq.tokens.len();
+        let (mine, tail) = rest.split_at_mut(t * qd);
+        outs.push((seq, row, mine));
+        rest = tail;
+        row += t;
+    }
+    let (proj, cache_k, cache_v, layout) = (&*proj, &*kv.k, &*kv.v, &kv.layout);
+    outs.into_par_iter().for_each(|(seq, row, out)| {
+        let t = seq.tokens.len();
+        paged_attention(&proj[row * width..], width, t, nh, cache_k, cache_v, layout, &seq.block_table, seq.start_pos, scale, out, qd);
+    });
     if gated {
         for r in 0..rows {
             let gate = &proj[r * width + qd..r * width + 2 * qd];
@@ -114,57 +123,101 @@ pub struct LayerState<'a> {
     pub delta: &'a mut [f32],
 }
 
-/// Gated DeltaNet sub-block: reads `ws.h`, writes `ws.tmp`.
+/// Buffers of one sequence's GDN computation.
+#[derive(Default)]
+pub struct GdnScratch {
+    conv_in: Vec<f32>,
+    conv_out: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    core: Vec<f32>,
+    z: Vec<f32>,
+}
+
+/// One sequence's share of a GDN sub-block.
+struct GdnJob<'a> {
+    row: usize,
+    t: usize,
+    conv: &'a mut [f32],
+    delta: &'a mut [f32],
+    out: &'a mut [f32],
+}
+
+/// Gated DeltaNet sub-block: reads `ws.h`, writes `ws.tmp`. Sequences run in parallel (each
+/// owns its state slot; the engine never puts one slot twice in a step).
 pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
     let la = cfg.linear_attention.expect("linear layer without linear_attention config");
-    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
-    let conv_floats = cd * (la.conv_kernel - 1);
-    let delta_floats = nv * la.key_head_dim * la.value_head_dim;
+    let vd = la.value_dim();
+    let conv_floats = la.conv_dim() * (la.conv_kernel - 1);
+    let delta_floats = la.num_value_heads * la.key_head_dim * la.value_head_dim;
     let width = g.in_proj.n;
     project(&g.in_proj, &ws.h, rows, &mut ws.proj);
-    fit(&mut ws.mix, rows * vd);
+    let mut conv_slots: Vec<Option<&mut [f32]>> = state.conv.chunks_mut(conv_floats).map(Some).collect();
+    let mut delta_slots: Vec<Option<&mut [f32]>> = state.delta.chunks_mut(delta_floats).map(Some).collect();
+    let mut jobs = Vec::with_capacity(batch.seqs.len());
+    let mut rest = fit(&mut ws.mix, rows * vd);
     let mut row = 0;
     for seq in &batch.seqs {
         let t = seq.tokens.len();
-        let slot = seq.state_slot;
-        let conv_state = &mut state.conv[slot * conv_floats..(slot + 1) * conv_floats];
-        let delta = &mut state.delta[slot * delta_floats..(slot + 1) * delta_floats];
-        let proj = &ws.proj[row * width..(row + t) * width];
-        let conv_in = fit(&mut ws.conv_in, t * cd);
-        for r in 0..t {
-            conv_in[r * cd..(r + 1) * cd].copy_from_slice(&proj[r * width..r * width + cd]);
-        }
-        let conv_out = fit(&mut ws.conv_out, t * cd);
-        gdn::causal_conv1d_silu(conv_in, t, cd, &g.conv_w, la.conv_kernel, g.conv_b.as_deref(), conv_state, conv_out);
-        let (q, k, v) = (fit(&mut ws.q, t * kd), fit(&mut ws.k, t * kd), fit(&mut ws.v, t * vd));
-        for r in 0..t {
-            let src = &conv_out[r * cd..(r + 1) * cd];
-            q[r * kd..(r + 1) * kd].copy_from_slice(&src[..kd]);
-            k[r * kd..(r + 1) * kd].copy_from_slice(&src[kd..2 * kd]);
-            v[r * vd..(r + 1) * vd].copy_from_slice(&src[2 * kd..]);
-        }
-        let (gb, beta, z) = (fit(&mut ws.g, t * nv), fit(&mut ws.beta, t * nv), fit(&mut ws.z, t * vd));
-        for r in 0..t {
-            let p = &proj[r * width..(r + 1) * width];
-            z[r * vd..(r + 1) * vd].copy_from_slice(&p[cd..cd + vd]);
-            for hh in 0..nv {
-                let b = p[cd + vd + hh];
-                let a = p[cd + vd + nv + hh];
-                beta[r * nv + hh] = sigmoid(b);
-                gb[r * nv + hh] = g.neg_a[hh] * softplus(a + g.dt_bias[hh]);
-            }
-        }
-        let core = fit(&mut ws.core, t * vd);
-        let dims = GdnDims { t, num_k_heads: la.num_key_heads, num_v_heads: nv, k_dim: la.key_head_dim, v_dim: la.value_head_dim };
-        if t > 1 {
-            gdn::gated_delta_rule_chunked(&dims, q, k, v, gb, beta, delta, core);
-        } else {
-            gdn::gated_delta_rule_recurrent(&dims, q, k, v, gb, beta, delta, core);
-        }
-        gdn::rms_norm_gated(core, z, t * nv, la.value_head_dim, &g.norm, cfg.rms_norm_eps, &mut ws.mix[row * vd..(row + t) * vd]);
+        let (out, tail) = rest.split_at_mut(t * vd);
+        rest = tail;
+        let conv = conv_slots[seq.state_slot].take().expect("state slot used twice in one step");
+        let delta = delta_slots[seq.state_slot].take().expect("state slot used twice in one step");
+        jobs.push(GdnJob { row, t, conv, delta, out });
         row += t;
     }
+    let proj = &ws.proj[..rows * width];
+    if jobs.len() == 1 {
+        let job = jobs.pop().expect("one job");
+        gdn_seq(cfg, g, proj, job, &mut ws.gdn);
+    } else {
+        jobs.into_par_iter().for_each_init(GdnScratch::default, |scratch, job| gdn_seq(cfg, g, proj, job, scratch));
+    }
     project(&g.out_proj, &ws.mix, rows, &mut ws.tmp);
+}
+
+/// Conv, delta rule and gated norm of one sequence's rows of the fused input projection.
+fn gdn_seq(cfg: &ModelConfig, g: &GdnWeights, proj: &[f32], job: GdnJob<'_>, s: &mut GdnScratch) {
+    let la = cfg.linear_attention.expect("linear layer without linear_attention config");
+    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
+    let width = g.in_proj.n;
+    let GdnJob { row, t, conv, delta, out } = job;
+    let proj = &proj[row * width..(row + t) * width];
+    let conv_in = fit(&mut s.conv_in, t * cd);
+    for r in 0..t {
+        conv_in[r * cd..(r + 1) * cd].copy_from_slice(&proj[r * width..r * width + cd]);
+    }
+    let conv_out = fit(&mut s.conv_out, t * cd);
+    gdn::causal_conv1d_silu(conv_in, t, cd, &g.conv_w, la.conv_kernel, g.conv_b.as_deref(), conv, conv_out);
+    let (q, k, v) = (fit(&mut s.q, t * kd), fit(&mut s.k, t * kd), fit(&mut s.v, t * vd));
+    for r in 0..t {
+        let src = &conv_out[r * cd..(r + 1) * cd];
+        q[r * kd..(r + 1) * kd].copy_from_slice(&src[..kd]);
+        k[r * kd..(r + 1) * kd].copy_from_slice(&src[kd..2 * kd]);
+        v[r * vd..(r + 1) * vd].copy_from_slice(&src[2 * kd..]);
+    }
+    let (gb, beta, z) = (fit(&mut s.g, t * nv), fit(&mut s.beta, t * nv), fit(&mut s.z, t * vd));
+    for r in 0..t {
+        let p = &proj[r * width..(r + 1) * width];
+        z[r * vd..(r + 1) * vd].copy_from_slice(&p[cd..cd + vd]);
+        for hh in 0..nv {
+            let b = p[cd + vd + hh];
+            let a = p[cd + vd + nv + hh];
+            beta[r * nv + hh] = sigmoid(b);
+            gb[r * nv + hh] = g.neg_a[hh] * softplus(a + g.dt_bias[hh]);
+        }
+    }
+    let core = fit(&mut s.core, t * vd);
+    let dims = GdnDims { t, num_k_heads: la.num_key_heads, num_v_heads: nv, k_dim: la.key_head_dim, v_dim: la.value_head_dim };
+    if t > 1 {
+        gdn::gated_delta_rule_chunked(&dims, q, k, v, gb, beta, delta, core);
+    } else {
+        gdn::gated_delta_rule_recurrent(&dims, q, k, v, gb, beta, delta, core);
+    }
+    gdn::rms_norm_gated(core, z, t * nv, la.value_head_dim, &g.norm, cfg.rms_norm_eps, out);
 }
 
 /// SwiGLU MLP sub-block: reads `ws.h`, writes `ws.tmp`.

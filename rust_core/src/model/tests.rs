@@ -170,6 +170,8 @@ fn bad_block_table_and_slot_are_rejected() {
     assert!(matches!(short, Err(NinferError::InvalidRequest { .. })));
     let slot = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[..2], 0, &[0], 9, LogitsWanted::Last)] });
     assert!(matches!(slot, Err(NinferError::InvalidRequest { .. })));
+    let twice = m.forward(&StepBatch { seqs: vec![seq(&[1], 0, &[0], 1, LogitsWanted::Last), seq(&[2], 0, &[1], 1, LogitsWanted::Last)] });
+    assert!(matches!(twice, Err(NinferError::InvalidRequest { .. })));
     let tok = m.forward(&StepBatch { seqs: vec![seq(&[500], 0, &[0], 0, LogitsWanted::Last)] });
     assert!(matches!(tok, Err(NinferError::InvalidRequest { .. })));
     // No GPU here (or a checkpoint the CUDA kernels do not take): a typed error, never a panic.

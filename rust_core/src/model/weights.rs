@@ -11,7 +11,9 @@ use crate::{NinferError, Result};
 
 /// A projection `y = x · Wᵀ + b` with `w` as `[n, k]`.
 pub struct Linear {
+    /// Weight `[n, k]`, row-major (HF layout).
     pub w: Vec<f32>,
+    /// Optional bias `[n]`.
     pub b: Option<Vec<f32>>,
     /// Output features.
     pub n: usize,
@@ -57,8 +59,11 @@ pub struct AttentionWeights {
     /// Rows: queries `[n_heads * head_dim]`, then gates `[n_heads * head_dim]` when the model
     /// gates its attention output, then keys and values `[n_kv_heads * head_dim]` each.
     pub qkv: Linear,
+    /// Output projection.
     pub o: Linear,
+    /// Per-head q RMSNorm weight `[head_dim]` (Qwen3, Qwen3.5).
     pub q_norm: Option<Vec<f32>>,
+    /// Per-head k RMSNorm weight `[head_dim]`.
     pub k_norm: Option<Vec<f32>>,
 }
 
@@ -69,12 +74,15 @@ pub struct GdnWeights {
     pub in_proj: Linear,
     /// Depthwise conv `[conv_dim, kernel]`.
     pub conv_w: Vec<f32>,
+    /// Conv bias `[conv_dim]` when the checkpoint has one.
     pub conv_b: Option<Vec<f32>>,
     /// `-exp(A_log)` per value head.
     pub neg_a: Vec<f32>,
+    /// Added to `a` before the softplus of the decay.
     pub dt_bias: Vec<f32>,
     /// Gated RMSNorm weight `[value_head_dim]` (applied as is).
     pub norm: Vec<f32>,
+    /// `[hidden, value_dim]`.
     pub out_proj: Linear,
 }
 
@@ -86,11 +94,15 @@ pub enum Mixer {
 
 /// One decoder layer.
 pub struct LayerWeights {
+    /// RMSNorm before the mixer (zero-centred weights already `1 + w`).
     pub input_norm: Vec<f32>,
+    /// RMSNorm before the MLP.
     pub post_norm: Vec<f32>,
+    /// Attention or Gated DeltaNet.
     pub mixer: Mixer,
     /// Rows: gate `[intermediate]` then up `[intermediate]`.
     pub gate_up: Linear,
+    /// `[hidden, intermediate]`.
     pub down: Linear,
 }
 
@@ -98,10 +110,13 @@ pub struct LayerWeights {
 pub struct MtpWeights {
     /// `[hidden, 2 * hidden]`: projects concat(norm(embedding), norm(hidden)).
     pub fc: Linear,
+    /// Norm of the next token's embedding.
     pub pre_fc_norm_embedding: Vec<f32>,
+    /// Norm of the main model's last hidden state.
     pub pre_fc_norm_hidden: Vec<f32>,
     /// Full-attention decoder layers.
     pub layers: Vec<LayerWeights>,
+    /// Final norm before the (shared) LM head.
     pub norm: Vec<f32>,
 }
 
@@ -109,10 +124,13 @@ pub struct MtpWeights {
 pub struct ModelWeights {
     /// `[vocab, hidden]`.
     pub embed: Vec<f32>,
+    /// Decoder layers in order.
     pub layers: Vec<LayerWeights>,
+    /// Norm before the LM head.
     pub final_norm: Vec<f32>,
     /// None when tied to `embed`.
     pub lm_head: Option<Linear>,
+    /// MTP head when the checkpoint has `mtp.*` tensors.
     pub mtp: Option<MtpWeights>,
 }
 

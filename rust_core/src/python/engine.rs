@@ -25,7 +25,7 @@ use crate::{NinferError, Result};
 
 enum Mode {
     Inline(Box<EngineCore>),
-    Background(EngineHandle),
+    Background(Arc<EngineHandle>),
     Closed,
 }
 
@@ -52,6 +52,15 @@ impl PyEngine {
             tokenizer: core.tokenizer().cloned(),
             mode: Mutex::new(Mode::Inline(Box::new(core))),
         }
+    }
+
+    /// The background handle (None once shut down); an error in inline mode.
+    fn background(&self) -> PyResult<Option<Arc<EngineHandle>>> {
+        self.with_mode(|m| match m {
+            Mode::Background(h) => Ok(Some(h.clone())),
+            Mode::Inline(_) => Err(PyRuntimeError::new_err("poll() needs start_background() first")),
+            Mode::Closed => Ok(None),
+        })
     }
 
     fn with_mode<T>(&self, f: impl FnOnce(&mut Mode) -> PyResult<T>) -> PyResult<T> {
@@ -234,14 +243,19 @@ impl PyEngine {
     /// Logits of every position of `token_ids`, as a float32 array [T, vocab].
     fn score<'py>(&self, py: Python<'py>, token_ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let t = token_ids.len();
-        let data = py.detach(|| {
-            self.with_mode(|m| match m {
+        let data = py.detach(move || -> PyResult<Vec<f32>> {
+            let mut g = self.mode.lock().map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
+            match &mut *g {
                 Mode::Inline(core) => core.score(&token_ids).py(),
-                Mode::Background(h) => h.score(token_ids).py(),
+                Mode::Background(h) => {
+                    let h = h.clone();
+                    drop(g);
+                    h.score(token_ids).py()
+                }
                 Mode::Closed => Err(closed()),
-            })
+            }
         })?;
-        let vocab = if t == 0 { 0 } else { data.len() / t };
+        let vocab = data.len().checked_div(t).unwrap_or(0);
         let arr = PyArray1::from_vec(py, data);
         arr.reshape([t, vocab])
     }
@@ -250,7 +264,7 @@ impl PyEngine {
     fn start_background(&self) -> PyResult<()> {
         self.with_mode(|m| match std::mem::replace(m, Mode::Closed) {
             Mode::Inline(core) => {
-                *m = Mode::Background(EngineHandle::start(*core).py()?);
+                *m = Mode::Background(Arc::new(EngineHandle::start(*core).py()?));
                 Ok(())
             }
             other => {
@@ -260,18 +274,16 @@ impl PyEngine {
         })
     }
 
-    /// Wait (GIL released) up to `timeout_s` for deltas; returns as soon as there are some.
+    /// Wait (GIL released) up to `timeout_s` for deltas; returns as soon as there are some. The
+    /// wait holds no lock: `submit` and `abort` from other threads go through meanwhile.
     #[pyo3(signature = (timeout_s=0.1))]
     fn poll<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyList>> {
         let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
-        let outs = py.detach(|| {
-            let handle_outs = self.with_mode(|m| match m {
-                Mode::Background(h) => Ok(Some(h.poll(timeout).py()?)),
-                Mode::Inline(_) => Err(PyRuntimeError::new_err("poll() needs start_background() first")),
-                Mode::Closed => Ok(None),
-            })?;
-            Ok::<_, PyErr>(handle_outs.unwrap_or_default())
-        })?;
+        let handle = self.background()?;
+        let outs = match handle {
+            Some(h) => py.detach(|| h.poll(timeout)).py()?,
+            None => Vec::new(),
+        };
         outputs_list(py, &outs)
     }
 

@@ -112,6 +112,7 @@ impl PyModel {
     }
 }
 
+/// Add `Model` to the `_core` module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyModel>()?;
     Ok(())

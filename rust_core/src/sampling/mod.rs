@@ -4,10 +4,12 @@
 //! depends on which other requests share its step. Logprobs are computed from the raw model
 //! logits (log-softmax before any processor), like vLLM's default "raw logprobs" mode.
 
+pub mod grammar;
 pub mod params;
 pub mod penalties;
 pub mod sampler;
 
+pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGrammarCompiler, TokenMask};
 pub use params::SamplingParams;
 pub use penalties::PenaltyHistory;
 pub use sampler::{RequestSampler, SampledToken, TokenLogprob};

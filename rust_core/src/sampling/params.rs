@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
+use super::ResponseFormat;
 use crate::{NinferError, Result};
 
 /// How to pick tokens and when to stop.
@@ -42,6 +43,10 @@ pub struct SamplingParams {
     pub top_logprobs: usize,
     /// Skip special tokens in the returned text.
     pub skip_special_tokens: bool,
+    /// OpenAI-style output format (`{"type": "json_object"}`, `{"type": "json_schema", ...}`,
+    /// regex, lark) enforced by grammar-constrained decoding; None or `{"type": "text"}` for
+    /// free text. Its shape is checked here, the schema itself when the engine compiles it.
+    pub response_format: Option<serde_json::Value>,
 }
 
 impl Default for SamplingParams {
@@ -63,6 +68,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             skip_special_tokens: true,
+            response_format: None,
         }
     }
 }
@@ -106,6 +112,9 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "0".into(), "must be at least 1");
+        }
+        if let Some(format) = &self.response_format {
+            ResponseFormat::parse(format)?;
         }
         for (tok, b) in &self.logit_bias {
             if !b.is_finite() || b.abs() > 100.0 {

@@ -8,7 +8,7 @@
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{PenaltyHistory, SamplingParams};
+use super::{PenaltyHistory, SamplingParams, TokenMask};
 
 /// Logprob of the sampled token and the most likely alternatives at one position.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,7 +48,16 @@ impl RequestSampler {
 
     /// Pick the next token from one raw logits row and record it in the history.
     pub fn sample(&mut self, params: &SamplingParams, raw: &[f32]) -> SampledToken {
+        self.sample_masked(params, raw, None)
+    }
+
+    /// `sample` restricted to the tokens a grammar `mask` allows (applied before penalties and
+    /// warpers, so they only ever see allowed tokens). Logprobs still come from the raw row.
+    pub fn sample_masked(&mut self, params: &SamplingParams, raw: &[f32], mask: Option<&TokenMask>) -> SampledToken {
         let mut logits = raw.to_vec();
+        if let Some(mask) = mask {
+            mask.apply(&mut logits);
+        }
         self.history.apply(params, &mut logits);
         let token = if params.is_greedy() {
             argmax(&logits)

@@ -14,8 +14,11 @@ use super::SharedMut;
 /// Shape of one layer's paged cache.
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
+    /// Tokens per block.
     pub block_size: usize,
+    /// KV heads per token.
     pub n_kv_heads: usize,
+    /// Width of a head.
     pub head_dim: usize,
 }
 

@@ -2,6 +2,7 @@
 
 mod batching;
 mod caching;
+mod grammar;
 mod stopping;
 mod thread;
 

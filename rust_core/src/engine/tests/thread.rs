@@ -10,7 +10,7 @@ fn the_thread_handle_delivers_all_deltas_like_the_inline_core() {
     let reqs: Vec<_> = (0..4).map(|i| (prompt(6 + 9 * i, i as u32), greedy(15 + i))).collect();
     let (inline, _, _) = run_requests(&Setup::default(), &reqs);
     let (core, _) = Setup::default().build();
-    let mut handle = EngineHandle::start(core).unwrap();
+    let handle = EngineHandle::start(core).unwrap();
     for (i, (p, sp)) in reqs.iter().enumerate() {
         handle.submit(&format!("r{i}"), p.clone(), sp.clone()).unwrap();
     }
@@ -34,7 +34,7 @@ fn the_thread_handle_rejects_bad_input_at_once_and_aborts() {
     let (core, _) = Setup::default().build();
     let handle = EngineHandle::start(core).unwrap();
     assert!(handle.submit("x", vec![], greedy(3)).is_err());
-    handle.submit("long", prompt(10, 1), greedy(400)).unwrap();
+    handle.submit("long", prompt(10, 1), greedy(500)).unwrap();
     assert!(handle.submit("long", prompt(10, 1), greedy(4)).is_err(), "duplicate id");
     handle.abort("long").unwrap();
     let mut fin = None;
@@ -66,4 +66,68 @@ fn an_idle_engine_thread_does_not_step() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(handle.stats().steps, steps);
     assert_eq!(steps, 3, "one prefill step that samples the first token, then two decodes");
+}
+
+/// A runner that fails its third forward.
+struct FailingRunner {
+    inner: ToyRunner,
+    calls: usize,
+}
+
+impl crate::model::ModelRunner for FailingRunner {
+    fn config(&self) -> &crate::config::ModelConfig {
+        self.inner.config()
+    }
+    fn cache_spec(&self) -> crate::model::CacheSpec {
+        self.inner.cache_spec()
+    }
+    fn allocate_caches(&mut self, b: usize, s: usize, n: usize) -> crate::Result<()> {
+        self.inner.allocate_caches(b, s, n)
+    }
+    fn forward(&mut self, batch: &crate::model::StepBatch) -> crate::Result<crate::model::Logits> {
+        self.calls += 1;
+        if self.calls == 3 {
+            return Err(crate::NinferError::Device("injected failure".into()));
+        }
+        self.inner.forward(batch)
+    }
+    fn copy_state(&mut self, src: usize, dst: usize) -> crate::Result<()> {
+        self.inner.copy_state(src, dst)
+    }
+}
+
+#[test]
+fn a_runner_failure_aborts_every_request_and_the_engine_keeps_serving() {
+    let runner = FailingRunner { inner: ToyRunner::new(VOCAB, 4096, false), calls: 0 };
+    let mut core = EngineCore::new(Box::new(runner), &Setup::default().cfg, None, Vec::new()).unwrap();
+    core.add_request("a", prompt(4, 1), greedy(10)).unwrap();
+    core.add_request("b", prompt(5, 2), greedy(10)).unwrap();
+    let handle = EngineHandle::start(core).unwrap();
+    let mut finished = HashMap::new();
+    let mut error = None;
+    for _ in 0..100 {
+        match handle.poll(Duration::from_secs(1)) {
+            Ok(outs) => {
+                for o in outs.into_iter().filter(|o| o.finished()) {
+                    finished.insert(o.request_id, o.finish_reason.unwrap().as_str());
+                }
+            }
+            Err(e) => error = Some(e.to_string()),
+        }
+        if error.is_some() && finished.len() == 2 {
+            break;
+        }
+    }
+    assert!(error.unwrap().contains("injected failure"));
+    assert_eq!(finished.values().copied().collect::<Vec<_>>(), vec!["abort", "abort"], "requests queued before the thread started are aborted too");
+    assert_eq!(handle.stats().kv_blocks_used, 0);
+    handle.submit("c", prompt(4, 3), greedy(2)).unwrap();
+    let mut done = false;
+    for _ in 0..100 {
+        done |= handle.poll(Duration::from_secs(1)).unwrap().iter().any(|o| o.request_id == "c" && o.finished());
+        if done {
+            break;
+        }
+    }
+    assert!(done, "a later request runs normally");
 }

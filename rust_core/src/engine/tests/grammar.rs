@@ -1,0 +1,110 @@
+//! `response_format` through the engine: every sampled token obeys the grammar, the request
+//! stops when the output is complete, and unconstrained requests in the same batch are untouched.
+
+use serde_json::{json, Value as Json};
+
+use super::*;
+use crate::NinferError;
+
+/// The byte tokenizer over all 256 bytes, with the NUL byte as the model's EOS.
+fn json_setup() -> Setup {
+    Setup { vocab: 256, tokenizer: Some(byte_tokenizer()), eos: vec![0], ..Default::default() }
+}
+
+fn point_schema() -> Json {
+    json!({
+        "type": "object",
+        "properties": {
+            "label": {"type": "string", "maxLength": 8},
+            "x": {"type": "integer", "minimum": -50, "maximum": 50},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["label", "x", "ok"],
+        "additionalProperties": false
+    })
+}
+
+fn check_point(text: &str) -> std::result::Result<(), String> {
+    let value: Json = serde_json::from_str(text).map_err(|e| format!("{e}: {text:?}"))?;
+    let object = value.as_object().ok_or(format!("not an object: {text:?}"))?;
+    let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
+    keys.sort();
+    let label_ok = object.get("label").and_then(Json::as_str).is_some_and(|s| s.chars().count() <= 8);
+    let x_ok = object.get("x").and_then(Json::as_i64).is_some_and(|x| (-50..=50).contains(&x));
+    let ok_ok = object.get("ok").is_some_and(Json::is_boolean);
+    if keys == ["label", "ok", "x"] && label_ok && x_ok && ok_ok {
+        Ok(())
+    } else {
+        Err(format!("does not validate: {text:?}"))
+    }
+}
+
+fn with_format(params: SamplingParams, format: Json) -> SamplingParams {
+    SamplingParams { response_format: Some(format), ..params }
+}
+
+#[test]
+fn json_schema_requests_stop_with_output_that_validates() {
+    let format = json!({"type": "json_schema", "json_schema": {"name": "point", "schema": point_schema()}});
+    let mut reqs = Vec::new();
+    for seed in 0..6 {
+        reqs.push((prompt(5, seed as u32), with_format(SamplingParams { seed: Some(seed), max_tokens: 400, ..Default::default() }, format.clone())));
+    }
+    reqs.push((prompt(5, 9), with_format(greedy(400), format)));
+    let (out, _, _) = run_requests(&json_setup(), &reqs);
+    for (i, c) in out.iter().enumerate() {
+        assert_eq!(c.finish, Some("stop"), "request {i}: {:?}", c.text);
+        check_point(&c.text).unwrap_or_else(|e| panic!("request {i}: {e}"));
+    }
+}
+
+#[test]
+fn json_object_requests_produce_objects() {
+    let reqs: Vec<_> = (0..4u64)
+        .map(|seed| (prompt(4, seed as u32), with_format(SamplingParams { seed: Some(seed), max_tokens: 500, ..Default::default() }, json!({"type": "json_object"}))))
+        .collect();
+    let (out, _, _) = run_requests(&json_setup(), &reqs);
+    for c in &out {
+        if c.finish == Some("stop") {
+            serde_json::from_str::<serde::de::IgnoredAny>(&c.text).unwrap_or_else(|e| panic!("{e}: {:?}", c.text));
+        }
+        assert!(c.text.trim_start().starts_with('{'), "{:?}", c.text);
+    }
+    assert!(out.iter().filter(|c| c.finish == Some("stop")).count() >= 2, "most objects close within 500 tokens: {out:?}");
+}
+
+#[test]
+fn unconstrained_requests_are_unchanged_by_a_constrained_neighbour() {
+    let free = (prompt(6, 3), SamplingParams { seed: Some(11), max_tokens: 40, ..Default::default() });
+    let (alone, _, _) = run_requests(&json_setup(), std::slice::from_ref(&free));
+    let constrained = (prompt(6, 4), with_format(greedy(200), json!({"type": "json_object"})));
+    let (together, _, _) = run_requests(&json_setup(), &[free, constrained]);
+    assert_eq!(together[0].tokens, alone[0].tokens);
+}
+
+#[test]
+fn text_format_is_free_decoding() {
+    let p = prompt(6, 2);
+    let (free, _, _) = run_requests(&json_setup(), &[(p.clone(), greedy(30))]);
+    let (text, _, _) = run_requests(&json_setup(), &[(p, with_format(greedy(30), json!({"type": "text"})))]);
+    assert_eq!(free[0].tokens, text[0].tokens);
+}
+
+#[test]
+fn a_bad_schema_is_rejected_at_submit_naming_response_format() {
+    let (mut core, _) = json_setup().build();
+    let bad = with_format(greedy(10), json!({"type": "json_schema", "json_schema": {"schema": {"type": "banana"}}}));
+    let err = core.add_request("r", prompt(3, 1), bad.clone()).unwrap_err();
+    assert!(matches!(&err, NinferError::InvalidRequest { field, .. } if field == "response_format"), "{err}");
+    let handle = crate::engine::EngineHandle::start(json_setup().build().0).unwrap();
+    let err = handle.submit("r", prompt(3, 1), bad).unwrap_err();
+    assert!(matches!(&err, NinferError::InvalidRequest { field, .. } if field == "response_format"), "{err}");
+    handle.shutdown();
+}
+
+#[test]
+fn response_format_needs_a_tokenizer() {
+    let (mut core, _) = Setup { eos: vec![0], ..Default::default() }.build();
+    let err = core.add_request("r", prompt(3, 1), with_format(greedy(10), json!({"type": "json_object"}))).unwrap_err();
+    assert!(matches!(err, NinferError::Unsupported(_)), "{err}");
+}
