@@ -60,6 +60,14 @@ impl StepMeta {
                 return Err(NinferError::invalid(format!("seqs[{i}].state_slot"), format!("slot {} >= num_state_slots {num_slots}", s.state_slot)));
             }
         }
+        if cfg.num_linear_layers() > 0 {
+            // Two sequences on one slot would race in the conv and recurrent kernels.
+            let mut slots: Vec<usize> = batch.seqs.iter().map(|s| s.state_slot).collect();
+            slots.sort_unstable();
+            if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+                return Err(NinferError::invalid("state_slot", format!("slot {} is used by two sequences of one step", w[0])));
+            }
+        }
         Ok(())
     }
 
