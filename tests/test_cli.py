@@ -174,3 +174,14 @@ def test_run_without_a_model_uses_the_bundled_demo_model(ninfer_env):
     assert proc.returncode == 0, proc.stderr.decode()
     assert f"loaded {demo}" in proc.stderr.decode()
     assert "generated 4 tokens" in proc.stderr.decode()
+
+
+def test_device_auto_runs_where_it_can_and_says_which_device(qwen3_dir, ninfer_env):
+    proc = run_cli(["run", str(qwen3_dir), "--prompt", "Say hello", "--max-new", "4", "--greedy",
+                    "--max-context", "256", "--device", "auto"], ninfer_env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    err = proc.stderr.decode()
+    if "memory ledger (device cpu)" in err:
+        assert "device=auto" in err and "using the CPU" in err, err
+    else:
+        assert "memory ledger (device cuda:0)" in err, err

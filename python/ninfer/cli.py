@@ -33,7 +33,7 @@ LATER_WORK_FLAGS = {
 #: The only KV cache format so far (f32 on the CPU backend); others are refused by name.
 DEFAULT_KV_DTYPE = "auto"
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 USAGE = """\
 usage: ninfer run [MODEL] (--prompt TEXT | --messages FILE.json) [options]
@@ -83,9 +83,10 @@ def _number(kind, low=None, high=None, low_open=False):
     return parse
 
 
-def _device(text: str) -> str:
+def device_arg(text: str) -> str:
+    """argparse type of --device (shared with `ninfer serve`)."""
     if not _DEVICE_RE.match(text):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r} (expected cpu, cuda or cuda:N)")
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (expected auto, cpu, cuda or cuda:N)")
     return text
 
 
@@ -107,7 +108,8 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     p.add_argument("--kv-capacity", type=_number(int, 1), metavar="N", help="KV cache tokens (default: max-context)")
     p.add_argument("--prefill-chunk", type=_number(int, 1), default=512, metavar="N", help="tokens per engine step")
     p.add_argument("--num-threads", type=_number(int, 1), metavar="N", help="CPU threads (default: all cores)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--device", type=device_arg, default="auto",
+                   help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     p.add_argument("--temperature", type=_number(float, 0.0), metavar="T")
     p.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), metavar="P")

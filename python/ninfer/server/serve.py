@@ -13,6 +13,8 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
+from ninfer.cli import device_arg
+
 UNSUPPORTED_FLAGS = ("--tp", "--devices", "--spec", "--draft-tokens", "--vision", "--host-kv-mib",
                      "--device-profile-path", "--gdn-state-fp16", "--lm-head-draft", "--vision-residency",
                      "--vision-max-merged")
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--model-id", help="name clients use in `model` (default: the model directory name)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", type=device_arg, default="auto", help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-context", type=_positive_int("--max-context"))
     p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto")
     p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE)

@@ -46,6 +46,15 @@ pub fn parse_device(device: &str) -> Result<DeviceSpec> {
     DeviceSpec::parse(device).map_err(|_| crate::NinferError::Unsupported(format!("device `{device}` (available: cpu, cuda, cuda:N, auto)")))
 }
 
+/// The concrete device a `device=` string resolves to ("cpu" or "cuda:N"), so that what the
+/// engine reports (ledger, info) names the device it runs on, not the "auto" it was asked for.
+pub fn resolve_device_name(device: &str) -> Result<String> {
+    Ok(match resolve_device(parse_device(device)?)? {
+        ResolvedDevice::Cpu => "cpu".to_string(),
+        ResolvedDevice::Cuda(ordinal) => format!("cuda:{ordinal}"),
+    })
+}
+
 /// Load a HF model directory onto a backend.
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     match resolve_device(parse_device(&opts.device)?)? {

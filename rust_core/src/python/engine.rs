@@ -18,7 +18,7 @@ use super::errors::IntoPy;
 use super::tokenizer::PyTokenizer;
 use crate::config::GenerationConfig;
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
-use crate::model::{load_model, LoadOptions, ModelRunner};
+use crate::model::{load_model, resolve_device_name, LoadOptions, ModelRunner};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -74,16 +74,18 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
     EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, ..Default::default() }
 }
 
-fn load(dir: &str, device: &str, num_threads: Option<usize>, cfg: &EngineConfig) -> Result<EngineCore> {
+/// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N").
+fn load(dir: &str, device: &str, num_threads: Option<usize>, cfg: &EngineConfig) -> Result<(EngineCore, String)> {
     let dir = PathBuf::from(dir);
-    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.to_string(), num_threads })?;
+    let device = resolve_device_name(device)?;
+    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
         Err(NinferError::MissingFile { .. }) => None,
         Err(e) => return Err(e),
     };
     let gen = GenerationConfig::from_dir(&dir)?;
-    EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)
+    Ok((EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)?, device))
 }
 
 fn output_dict<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
@@ -165,8 +167,8 @@ impl PyEngine {
         num_threads: Option<usize>,
     ) -> PyResult<Self> {
         let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
-        let core = py.detach(|| load(model_dir, device, num_threads, &cfg)).py()?;
-        Ok(PyEngine::from_core(core, device.to_string()))
+        let (core, device) = py.detach(|| load(model_dir, device, num_threads, &cfg)).py()?;
+        Ok(PyEngine::from_core(core, device))
     }
 
     /// An engine over the deterministic toy model (no weights, no tokenizer): for testing the
