@@ -149,7 +149,17 @@ def render_both(pair, messages, tools=None, add_generation_prompt=True, **kwargs
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_render_matches_transformers(pairs, template, conversation, with_tools, add_generation_prompt):
     if (template, conversation) in REJECTED:
-        pytest.skip("the template rejects this conversation by design")
+        # The template raises by design on this conversation: both renderers must refuse it.
+        ours, theirs = pairs[template]
+        messages = CONVERSATIONS[conversation]
+        tools = TOOLS if with_tools else None
+        with pytest.raises(Exception):
+            theirs.apply_chat_template(copy.deepcopy(messages), tools=tools,
+                                       add_generation_prompt=add_generation_prompt, tokenize=False)
+        with pytest.raises(_core.InvalidRequestError):
+            ours.apply_chat_template(json.dumps(messages), json.dumps(tools) if tools is not None else None,
+                                     add_generation_prompt, None)
+        return
     got, expected = render_both(
         pairs[template], CONVERSATIONS[conversation], tools=TOOLS if with_tools else None, add_generation_prompt=add_generation_prompt
     )
