@@ -197,6 +197,23 @@ pub(crate) fn token_id_list(v: Option<&Value>, field: &str) -> Result<Vec<u32>> 
 }
 
 impl ModelConfig {
+    /// For each layer, its index among the layers of its own type: the KV cache is indexed by
+    /// attention layers and the recurrent state by linear-attention layers.
+    pub fn cache_index(&self) -> Vec<usize> {
+        let (mut n_attn, mut n_lin) = (0, 0);
+        self.layer_types
+            .iter()
+            .map(|t| {
+                let n = match t {
+                    LayerType::FullAttention => &mut n_attn,
+                    LayerType::LinearAttention => &mut n_lin,
+                };
+                *n += 1;
+                *n - 1
+            })
+            .collect()
+    }
+
     /// Read `config.json` from a model directory.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");

@@ -8,7 +8,7 @@ use crate::backend::cpu::attention::KvLayout;
 use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
-use crate::config::{LayerType, ModelConfig};
+use crate::config::ModelConfig;
 use crate::{NinferError, Result};
 
 use super::layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
@@ -67,21 +67,7 @@ impl CpuModel {
             .thread_name(|i| format!("ninfer-cpu-{i}"))
             .build()
             .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
-        let (mut n_attn, mut n_lin) = (0, 0);
-        let cache_index = cfg
-            .layer_types
-            .iter()
-            .map(|t| match t {
-                LayerType::FullAttention => {
-                    n_attn += 1;
-                    n_attn - 1
-                }
-                LayerType::LinearAttention => {
-                    n_lin += 1;
-                    n_lin - 1
-                }
-            })
-            .collect();
+        let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
         Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool) })
     }

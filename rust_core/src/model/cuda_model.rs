@@ -15,7 +15,7 @@ use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
 use crate::backend::cuda::CudaDevice;
-use crate::config::{LayerType, ModelConfig};
+use crate::config::ModelConfig;
 use crate::{NinferError, Result};
 
 use super::cuda_step::StepMeta;
@@ -118,21 +118,7 @@ impl CudaModel {
         let store = WeightStore::open(dir)?;
         let host = ModelWeights::load(&store, &cfg)?;
         let weights = DevWeights::upload(&dev, &cfg, host)?;
-        let (mut n_attn, mut n_lin) = (0, 0);
-        let cache_index = cfg
-            .layer_types
-            .iter()
-            .map(|t| match t {
-                LayerType::FullAttention => {
-                    n_attn += 1;
-                    n_attn - 1
-                }
-                LayerType::LinearAttention => {
-                    n_lin += 1;
-                    n_lin - 1
-                }
-            })
-            .collect();
+        let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
         let inv_freq = dev.stream().clone_htod(&inv_freq).map_err(driver_err("uploading rope frequencies"))?;
         let dummy = alloc::<u16>(&dev, 1, "rope scratch")?;
