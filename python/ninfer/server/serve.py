@@ -22,28 +22,25 @@ DEFAULT_KV_DTYPE = "auto"
 BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "demo" / "model"
 
 
-def _positive_int(name: str):
+def _int_at_least(name: str, lo: int, what: str):
+    """argparse type: an integer >= lo; the error names the flag and the value."""
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
         return v
     return parse
+
+
+def _positive_int(name: str):
+    return _int_at_least(name, 1, "a positive integer")
 
 
 def _non_negative_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}")
-        return v
-    return parse
+    return _int_at_least(name, 0, "an integer >= 0")
 
 
 def _kv_capacity(text: str):
