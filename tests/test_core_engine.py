@@ -108,7 +108,7 @@ def test_info_reports_the_memory_ledger():
     assert info["kv_capacity_tokens"] == 256 and info["num_blocks"] == 16
     assert info["kv_bytes"] == 256 * info["kv_bytes_per_token"]
     assert info["state_slots_running"] == 5 and info["state_slots_snapshot"] == 4
-    assert info["total_bytes"] == info["weight_bytes"] + info["kv_bytes"] + info["state_bytes"]
+    assert info["total_bytes"] == info["weight_bytes"] + info["kv_bytes"] + info["state_bytes"] + info["workspace_bytes"]
     with pytest.raises(_core.ModelLoadError) as e:
         _core.Engine.toy(max_context=128, kv_capacity=100)
     assert "100" in str(e.value) and "128" in str(e.value)

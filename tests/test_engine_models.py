@@ -129,3 +129,23 @@ def test_streamed_text_and_stop_strings_with_a_real_tokenizer(tiny_with_tokenize
     _, cut_text, finish = collect(eng, "stop", prompt_ids, stop=[stop])
     assert finish == "stop"
     assert cut_text == text[: text.find(stop)]
+
+
+def test_ledger_workspace_is_measured_by_a_warm_up_step_of_the_largest_chunk(tiny):
+    """The startup warm-up runs one --prefill-chunk-sized step, so the workspace line is the
+    real high-water mark: it grows with the chunk, counts in the total, and the warm-up leaves
+    no block or state behind (the next request still matches transformers)."""
+    arch, path, ref = tiny
+    small = _core.Engine(path, max_context=128, kv_capacity=512, prefill_chunk=8).info()
+    large = _core.Engine(path, max_context=128, kv_capacity=512, prefill_chunk=128).info()
+    assert 0 < small["workspace_bytes"] < large["workspace_bytes"]
+    cfg = json.load(open(f"{path}/config.json"))
+    # At least the residual stream of 128 rows in f32 (the CPU backend's activation type).
+    assert large["workspace_bytes"] >= 128 * cfg["hidden_size"] * 4
+    for info in (small, large):
+        assert info["total_bytes"] == info["weight_bytes"] + info["kv_bytes"] + info["state_bytes"] + info["workspace_bytes"]
+    eng = _core.Engine(path, max_context=128, kv_capacity=512, prefill_chunk=128)
+    assert eng.stats()["kv_blocks_used"] == 0
+    p = prompt(20, 9)
+    out, cached = run(eng, {"x": (p, 6)})
+    assert out["x"] == hf_greedy(ref, p, 6) and cached["x"] == 0

@@ -271,3 +271,24 @@ def test_demo_model_chunked_prefill_equals_whole_prefill(demo_dir, demo_windows)
     with LLM(demo_dir, device="cuda", max_context=512, prefill_chunk=16, prefix_reuse=False) as chunked:
         [out] = chunked.generate(prompt, greedy(32))
     assert out.token_ids == ref.token_ids
+
+
+def test_gpu_ledger_reports_workspace_and_free_device_memory(demo_dir):
+    """The startup ledger on CUDA: the warm-up step's activation workspace grows with the
+    prefill chunk, and the free device memory read after everything was allocated shrinks by
+    at least that much."""
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    small = _core.Engine(str(demo_dir), device="cuda", max_context=4096, kv_capacity=4096, prefill_chunk=16)
+    small_info = small.info()
+    large = _core.Engine(str(demo_dir), device="cuda", max_context=4096, kv_capacity=4096, prefill_chunk=2048)
+    large_info = large.info()
+    assert 0 < small_info["workspace_bytes"] < large_info["workspace_bytes"]
+    total = torch.cuda.mem_get_info()[1]
+    for info in (small_info, large_info):
+        assert 0 < info["device_free_bytes"] < total
+        assert info["total_bytes"] == info["weight_bytes"] + info["kv_bytes"] + info["state_bytes"] + info["workspace_bytes"]
+    from ninfer.ledger import format_ledger
+
+    text = format_ledger(large_info)
+    assert "workspace" in text and "left after plan" in text, text

@@ -243,4 +243,6 @@ def test_startup_prints_the_memory_ledger(qwen3_server, qwen3_dir):
     assert weights and abs(float(weights.group(1).replace(",", "")) - expected) < 0.1
     kv = re.search(r"KV cache\s+[\d,.]+ MiB = ([\d,]+) tokens", log)
     assert kv and int(kv.group(1).replace(",", "")) >= MAX_CONTEXT
+    workspace = re.search(r"workspace\s+([\d,.]+) MiB", log)
+    assert workspace and float(workspace.group(1).replace(",", "")) > 0, log[-2000:]
     assert "left after plan" in log

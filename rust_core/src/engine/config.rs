@@ -68,7 +68,12 @@ pub struct MemoryLedger {
     pub state_bytes_per_slot: u64,
     pub state_slots: u64,
     pub state_bytes: u64,
+    /// Step buffers after the warm-up step (0 until the engine ran it).
+    pub workspace_bytes: u64,
+    /// Weights + KV + state + workspace.
     pub total_bytes: u64,
+    /// Free device memory after everything above was allocated (None on the CPU backend).
+    pub device_free_bytes: Option<u64>,
 }
 
 impl EngineConfig {
@@ -144,7 +149,9 @@ impl ResolvedConfig {
             state_bytes_per_slot: spec.state_bytes_per_slot as u64,
             state_slots,
             state_bytes,
+            workspace_bytes: 0,
             total_bytes: spec.weight_bytes as u64 + kv_bytes + state_bytes,
+            device_free_bytes: None,
         }
     }
 }

@@ -88,6 +88,9 @@ pub struct EngineCore {
     next_seq: SeqId,
     seed_rng: ChaCha8Rng,
     stats: EngineStats,
+    /// Measured by the warm-up step at startup.
+    workspace_bytes: u64,
+    device_free_bytes: Option<u64>,
 }
 
 impl EngineCore {
@@ -107,7 +110,7 @@ impl EngineCore {
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
         let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-        Ok(EngineCore {
+        let mut core = EngineCore {
             cfg,
             spec,
             runner,
@@ -121,7 +124,49 @@ impl EngineCore {
             next_seq: 0,
             seed_rng: ChaCha8Rng::seed_from_u64(seed),
             stats: EngineStats::default(),
-        })
+            workspace_bytes: 0,
+            device_free_bytes: None,
+        };
+        core.warm_up()?;
+        Ok(core)
+    }
+
+    /// Run one step of the largest size the scheduler will hand out (a `prefill_chunk`-token
+    /// prompt chunk, capped by the context and the KV pool) on blocks and a state slot that are
+    /// free, so that every step buffer reaches its high-water mark now: the ledger then shows
+    /// the real workspace and free memory, and a too-small device fails at startup instead of
+    /// on the first long request. Nothing it writes is reachable afterwards: the blocks hold no
+    /// cached prefix yet and a sequence starting at position 0 clears its state slot.
+    fn warm_up(&mut self) -> Result<()> {
+        let bs = self.cfg.block_size;
+        let tokens = self.cfg.prefill_chunk.min(self.cfg.max_context).min(self.sched.pool.num_free() * bs);
+        if tokens > 0 {
+            let table: Vec<u32> = (0..tokens.div_ceil(bs)).map(|_| self.sched.pool.allocate().expect("free blocks counted above")).collect();
+            let slot = if self.sched.slots.enabled() { self.sched.slots.acquire() } else { Some(0) };
+            let result = match slot {
+                Some(state_slot) => {
+                    let seq = SeqChunk { tokens: vec![0; tokens], start_pos: 0, block_table: table.clone(), state_slot, logits: LogitsWanted::Last };
+                    self.runner.forward(&StepBatch { seqs: vec![seq] }).map(|_| ())
+                }
+                None => Ok(()),
+            };
+            self.sched.pool.free_all(&table);
+            if let (true, Some(s)) = (self.sched.slots.enabled(), slot) {
+                self.sched.slots.release(s);
+            }
+            result.map_err(|e| match e {
+                NinferError::OutOfMemory { what, needed, available, hint } => NinferError::OutOfMemory {
+                    what: format!("the warm-up step of {tokens} tokens (--prefill-chunk): {what}"),
+                    needed,
+                    available,
+                    hint,
+                },
+                e => e,
+            })?;
+        }
+        self.workspace_bytes = self.runner.workspace_bytes() as u64;
+        self.device_free_bytes = self.runner.device_free_bytes();
+        Ok(())
     }
 
     /// The sizes the engine runs with.
@@ -129,9 +174,13 @@ impl EngineCore {
         &self.cfg
     }
 
-    /// Memory ledger (weights, KV, state slots).
+    /// Memory ledger (weights, KV, state slots, workspace, free device memory).
     pub fn ledger(&self) -> MemoryLedger {
-        self.cfg.ledger(&self.spec)
+        let mut l = self.cfg.ledger(&self.spec);
+        l.workspace_bytes = self.workspace_bytes;
+        l.total_bytes += self.workspace_bytes;
+        l.device_free_bytes = self.device_free_bytes;
+        l
     }
 
     /// The request checks, for callers on other threads.

@@ -252,6 +252,10 @@ impl ModelRunner for CpuModel {
         pool.install(|| self.step(batch))
     }
 
+    fn workspace_bytes(&self) -> usize {
+        self.ws.bytes()
+    }
+
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
         let slots = self.caches.num_slots;
         if src >= slots || dst >= slots {

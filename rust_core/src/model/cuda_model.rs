@@ -89,6 +89,17 @@ pub struct CudaModel {
     dummy: CudaSlice<u16>,
 }
 
+impl Activations {
+    /// Device bytes of every buffer.
+    fn bytes(&self) -> usize {
+        fn b<T>(x: &Option<CudaSlice<T>>) -> usize {
+            x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
+        }
+        let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.z, &self.b, &self.a, &self.conv_out, &self.core, &self.sel];
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.logits)
+    }
+}
+
 fn alloc<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize, what: &str) -> Result<CudaSlice<T>> {
     let free = dev.memory_info().map(|(f, _)| f as u64).unwrap_or(0);
     dev.stream().alloc_zeros::<T>(n.max(1)).map_err(|e| NinferError::OutOfMemory {
@@ -452,6 +463,14 @@ impl ModelRunner for CudaModel {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.step(batch)
+    }
+
+    fn workspace_bytes(&self) -> usize {
+        self.act.bytes() + self.meta.bytes()
+    }
+
+    fn device_free_bytes(&self) -> Option<u64> {
+        self.dev.memory_info().ok().map(|(free, _)| free as u64)
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

@@ -124,6 +124,11 @@ impl StepMeta {
         Ok(())
     }
 
+    /// Device bytes of the metadata buffers.
+    pub fn bytes(&self) -> usize {
+        self.dev_i32.as_ref().map_or(0, |b| b.len() * 4) + self.dev_i64.as_ref().map_or(0, |b| b.len() * 8)
+    }
+
     fn i32_view(&self, start: usize, len: usize) -> CudaView<'_, i32> {
         self.dev_i32.as_ref().expect("step metadata uploaded").slice(start..start + len)
     }

@@ -40,6 +40,14 @@ pub struct Workspace {
     pub sel_normed: Vec<f32>,
 }
 
+impl Workspace {
+    /// Bytes the buffers hold (their capacity: they only grow).
+    pub fn bytes(&self) -> usize {
+        let f = [&self.x, &self.h, &self.proj, &self.mix, &self.tmp, &self.gate_up, &self.act, &self.cos, &self.sin, &self.sel, &self.sel_normed];
+        f.iter().map(|v| v.capacity() * 4).sum::<usize>() + self.positions.capacity() * std::mem::size_of::<usize>() + self.gdn.bytes()
+    }
+}
+
 /// Resize a buffer to exactly `len` values without caring about its contents.
 pub fn fit(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buf.resize(len, 0.0);
@@ -135,6 +143,13 @@ pub struct GdnScratch {
     beta: Vec<f32>,
     core: Vec<f32>,
     z: Vec<f32>,
+}
+
+impl GdnScratch {
+    fn bytes(&self) -> usize {
+        let f = [&self.conv_in, &self.conv_out, &self.q, &self.k, &self.v, &self.g, &self.beta, &self.core, &self.z];
+        f.iter().map(|v| v.capacity() * 4).sum()
+    }
 }
 
 /// One sequence's share of a GDN sub-block.

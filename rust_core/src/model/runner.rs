@@ -92,4 +92,17 @@ pub trait ModelRunner: Send {
 
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;
+
+    /// Bytes the runner's step buffers (activations, scratch, step metadata) hold now. The
+    /// engine reads it after its warm-up step of the largest size it will schedule, so that
+    /// the startup ledger shows the real high-water mark, not an estimate.
+    fn workspace_bytes(&self) -> usize {
+        0
+    }
+
+    /// Free memory of the device the runner allocates from, when the backend can tell (a
+    /// CUDA device); None for host memory, which the caller measures itself.
+    fn device_free_bytes(&self) -> Option<u64> {
+        None
+    }
 }

@@ -320,7 +320,11 @@ impl PyEngine {
         d.set_item("kv_bytes", l.kv_bytes)?;
         d.set_item("state_bytes_per_slot", l.state_bytes_per_slot)?;
         d.set_item("state_bytes", l.state_bytes)?;
+        d.set_item("workspace_bytes", l.workspace_bytes)?;
         d.set_item("total_bytes", l.total_bytes)?;
+        if let Some(free) = l.device_free_bytes {
+            d.set_item("device_free_bytes", free)?;
+        }
         d.set_item("vocab_size", self.vocab_size)?;
         Ok(d)
     }

@@ -144,3 +144,20 @@ fn preemption_of_a_hybrid_model_restarts_its_recurrent_state_correctly() {
         assert_eq!(out[i].tokens, alone[0].tokens, "request {i}");
     }
 }
+
+#[test]
+fn startup_runs_one_warm_up_step_of_a_full_chunk_and_leaves_nothing_allocated() {
+    let setup = Setup { cfg: EngineConfig { prefill_chunk: 48, ..Setup::default().cfg }, hybrid: true, ..Default::default() };
+    let runner = crate::engine::toy_runner::ToyRunner::new(setup.vocab, setup.max_pos, true);
+    let log = runner.log.clone();
+    let mut core = EngineCore::new(Box::new(runner), &setup.cfg, None, setup.eos.clone()).unwrap();
+    let warm = log.lock().unwrap().steps.clone();
+    assert_eq!(warm.len(), 1);
+    assert_eq!((warm[0].seqs.len(), warm[0].num_tokens(), warm[0].seqs[0].start_pos), (1, 48, 0));
+    assert_eq!(warm[0].seqs[0].logits, LogitsWanted::Last);
+    let stats = core.stats();
+    assert_eq!((stats.kv_blocks_used, stats.steps, stats.prefill_tokens_computed), (0, 0, 0));
+    assert_eq!(core.sched_snapshots_held(), 0);
+    // Every block and slot is free again: a request can use the whole pool.
+    assert_eq!(core.stats().kv_blocks_total, 4096 / 16);
+}
