@@ -112,7 +112,7 @@ __device__ __forceinline__ void chunked_body(
             const int t = idx / CH_C;
             const int i = idx - t * CH_C;
             float a = 0.0f, b = 0.0f;
-            if (i <= t) {
+            if (i <= t && t < n) {
                 const float* kt = ks + t * LK;
                 const float* qt = qs + t * LK;
                 const float* ki = ks + i * LK;
