@@ -376,7 +376,7 @@ fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice
 const GDN_CHUNK: usize = 64;
 
 /// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, writes
-/// `act.tmp`. Steps with a chunk of at least one GDN chunk (64 tokens) run the chunked
+/// `act.tmp`. Steps with a sequence chunk of at least GDN_CHUNK tokens run the chunked
 /// kernel for all their sequences (it is exact for short ones too); others the recurrent one.
 #[allow(clippy::too_many_arguments)]
 fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize) -> Result<()> {
