@@ -405,6 +405,155 @@ fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
     }
 }
 
+/// Runs flash attention for sequences given as (cached prefix, chunk length) and compares every
+/// query row with the CPU paged attention; also checks the scalar kernel agrees on the same
+/// inputs (the sm_70/sm_75 route).
+fn flash_case(dev: &CudaDevice, rng: &mut Rng, seqs: &[(usize, usize)], heads: (usize, usize), d: usize, bs: usize) {
+    let st = dev.storage();
+    let (hq, hk) = heads;
+    let contexts: Vec<usize> = seqs.iter().map(|&(p, n)| p + n).collect();
+    let case = paged_case(rng, st, &contexts, hk, d, bs);
+    let t: usize = seqs.iter().map(|s| s.1).sum();
+    // q rows inside a wider fused row (stride > width), as the qkv projection hands them over.
+    let q_stride = hq * d + 2 * hk * d;
+    let q = rounded(&rng.vec(t * q_stride, -1.0, 1.0), st);
+    let (mut token_seq, mut token_pos, mut cu) = (Vec::new(), Vec::new(), vec![0i32]);
+    for (s, &(p, n)) in seqs.iter().enumerate() {
+        token_seq.extend(std::iter::repeat_n(s as i32, n));
+        token_pos.extend((p..p + n).map(|x| x as i32));
+        cu.push(cu.last().unwrap() + n as i32);
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let shape = PagedAttentionShape {
+        n_q_heads: hq,
+        n_kv_heads: hk,
+        head_dim: d,
+        q_stride,
+        block_size: bs,
+        num_blocks: case.num_blocks,
+        max_blocks_per_seq: case.max_blocks,
+        scale,
+        max_context: contexts.iter().copied().max().unwrap(),
+        partition: 0,
+    };
+    let max_rows = seqs.iter().map(|s| s.1).max().unwrap();
+    let (qd, kd, vd) = (upload(dev, &q), upload(dev, &case.k_cache), upload(dev, &case.v_cache));
+    let (tables, seq_d, pos_d, cu_d) =
+        (upload_raw(dev, &case.tables), upload_raw(dev, &token_seq), upload_raw(dev, &token_pos), upload_raw(dev, &cu));
+    let mut out = Out16::new(dev, t * hq * d);
+    dev.flash_attention(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &cu_d, &mut out.view(), &shape, max_rows).unwrap();
+    let mut want = Vec::with_capacity(t * hq * d);
+    for (s, &(p, n)) in seqs.iter().enumerate() {
+        let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+        let r0 = cu[s] as usize;
+        let qs: Vec<f32> = (r0..r0 + n).flat_map(|r| q[r * q_stride..r * q_stride + hq * d].to_vec()).collect();
+        want.extend(reference::attention_seq(&qs, n, hq, &case.k_cache, &case.v_cache, table, p, hk, d, bs, scale));
+    }
+    let label = format!("seqs{seqs:?}/d{d}/hq{hq}hk{hk}/bs{bs}").replace(' ', "");
+    check("flash_attention", st, &label, &out.read(dev, "flash attention"), &want, tol16(st));
+}
+
+#[test]
+fn flash_attention_matches_reference_for_chunks_prefixes_and_gqa() {
+    for st in STORAGES {
+        let Some(dev) = gpu("flash_attention", st) else { return };
+        if !dev.has_flash_attention() {
+            eprintln!("NOTE flash_attention: {} has no sm_80 tensor cores; the scalar route is tested", dev.arch());
+        }
+        let mut rng = Rng::new(21);
+        for d in [64, 128, 256] {
+            for bs in [16, 32] {
+                // One fresh prompt per chunk length.
+                for n in [1, 17, 128, 300] {
+                    flash_case(&dev, &mut rng, &[(0, n)], (8, 2), d, bs);
+                }
+                // Three sequences: a chunk after a cached prefix, a decode row, a fresh prompt.
+                flash_case(&dev, &mut rng, &[(275, 128), (40, 1), (0, 17)], (8, 2), d, bs);
+            }
+            // GQA groups 1, 4, 6 with a cached prefix and a 1-row sequence in the same step.
+            for heads in [(4, 4), (8, 2), (12, 2)] {
+                flash_case(&dev, &mut rng, &[(33, 300), (100, 1), (0, 128)], heads, d, 16);
+            }
+        }
+        flash_case(&dev, &mut rng, &[(0, 200)], (8, 2), 96, 16);
+    }
+}
+
+/// The chunked GDN kernel against the CPU recurrent rule, from a nonzero state.
+#[test]
+fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gdn_chunked", st) else { return };
+        let mut rng = Rng::new(22);
+        for (lens, dk, dv) in [
+            (vec![1], 128, 128),
+            (vec![63], 128, 128),
+            (vec![64], 128, 64),
+            (vec![200, 3], 128, 128),
+            (vec![1000], 128, 128),
+            (vec![130, 64, 1], 64, 64),
+        ] {
+            let (nk, nv, n_slots) = (2, 4, 5);
+            let slots: Vec<i32> = [3, 0, 4][..lens.len()].to_vec();
+            let t: usize = lens.iter().sum();
+            let stride = 2 * nk * dk + nv * dv;
+            let qkv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
+            // Decays from near 1 to strong, as the gates produce them.
+            let g = rng.vec(t * nv, -1.0, 0.0).iter().map(|x| x * x * x * 2.0).collect::<Vec<f32>>();
+            let beta = rng.vec(t * nv, 0.0, 1.0);
+            let state0 = rng.vec(n_slots * nv * dk * dv, -0.3, 0.3);
+            let mut cu = vec![0i32];
+            for l in &lens {
+                cu.push(cu.last().unwrap() + *l as i32);
+            }
+            let qkv_dev = upload(&dev, &qkv);
+            let mut state = Out32::with(&dev, &state0);
+            let mut out = Out16::new(&dev, t * nv * dv);
+            let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots };
+            dev.gdn_chunked(
+                &qkv_dev,
+                &qkv_dev.slice(nk * dk..),
+                &qkv_dev.slice(2 * nk * dk..),
+                &upload_raw(&dev, &g),
+                &upload_raw(&dev, &beta),
+                &mut state.view(),
+                &upload_raw(&dev, &cu),
+                &upload_raw(&dev, &slots),
+                &mut out.view(),
+                &shape,
+            )
+            .unwrap();
+            let mut state_want = state0.clone();
+            let mut out_want = vec![0.0f32; t * nv * dv];
+            for (s, &slot) in slots.iter().enumerate() {
+                let toks = cu[s] as usize..cu[s + 1] as usize;
+                let cols = |from: usize, len: usize| -> Vec<f32> {
+                    toks.clone().flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec()).collect()
+                };
+                let (q, kk, v) = (cols(0, nk * dk), cols(nk * dk, nk * dk), cols(2 * nk * dk, nv * dv));
+                let so = slot as usize * nv * dk * dv;
+                let o = reference::gdn_recurrent_seq(
+                    &q,
+                    &kk,
+                    &v,
+                    &g[toks.start * nv..toks.end * nv],
+                    &beta[toks.start * nv..toks.end * nv],
+                    &mut state_want[so..so + nv * dk * dv],
+                    toks.len(),
+                    nk,
+                    nv,
+                    dk,
+                    dv,
+                );
+                out_want[toks.start * nv * dv..toks.end * nv * dv].copy_from_slice(&o);
+            }
+            let label = format!("lens{lens:?}/dk{dk}/dv{dv}/chunked{}", dev.has_gdn_chunked(dk)).replace(' ', "");
+            check("gdn_chunked.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol16(st));
+            check("gdn_chunked.state", st, &label, &state.read(&dev, "gdn state"), &state_want, 1e-3);
+        }
+    }
+}
+
 #[test]
 fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
     for st in STORAGES {

@@ -224,6 +224,9 @@ impl CudaModel {
         self.zero_new_states(batch)?;
         let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
+        // Longest chunk of the step: prefill kernels (flash attention, chunked GDN) take over
+        // from the decode kernels when a sequence brings more than one token.
+        let max_rows = batch.seqs.iter().map(|q| q.tokens.len()).max().unwrap_or(0);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
         for (li, layer) in weights.layers.iter().enumerate() {
             if li == 0 {
@@ -234,10 +237,10 @@ impl CudaModel {
             let ci = cache_index[li];
             match &layer.mixer {
                 DevMixer::Attention(a) => {
-                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks };
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, max_rows };
                     attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
                 }
-                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots, act, rows)?,
+                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots, act, rows, max_rows)?,
             }
             dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
             mlp(dev, layer, act, rows)?;
@@ -297,6 +300,8 @@ struct AttnCtx<'a> {
     rope_scale: f32,
     block_size: usize,
     num_blocks: usize,
+    /// Most query rows of one sequence in the step.
+    max_rows: usize,
 }
 
 impl AttnCtx<'_> {
@@ -344,7 +349,12 @@ impl AttnCtx<'_> {
             partition: 0,
         };
         let mut mix = buf_mut(&mut act.mix).slice_mut(0..rows * qd);
-        dev.paged_attention(&q_src, kc, vc, &self.meta.block_tables(), &self.meta.token_seq(), &positions, &mut mix, &shape)?;
+        let (tables, token_seq) = (self.meta.block_tables(), self.meta.token_seq());
+        if self.max_rows > 1 && q_stride % 8 == 0 {
+            dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?;
+        } else {
+            dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?;
+        }
         if c.attn_output_gate {
             let gate = buf(&act.proj).slice(qd..);
             dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
@@ -373,11 +383,14 @@ fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice
     dev.linear(x, &l.w, y, rows, l.n, l.k)
 }
 
+/// Tokens per chunk of the chunked GDN kernel; shorter steps stay on the recurrent kernel.
+const GDN_CHUNK: usize = 64;
+
 /// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, writes
-/// `act.tmp`. Prefill runs the token-by-token recurrent kernel (the chunked kernel is later
-/// work).
+/// `act.tmp`. Steps with a sequence chunk of at least GDN_CHUNK tokens run the chunked
+/// kernel for all their sequences (it is exact for short ones too); others the recurrent one.
 #[allow(clippy::too_many_arguments)]
-fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize) -> Result<()> {
+fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize) -> Result<()> {
     let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
     let (cd, kd, nv) = (la.conv_dim(), la.key_dim(), la.num_value_heads);
     let h = buf(&act.h);
@@ -402,7 +415,12 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
         v_stride: cd,
         n_slots,
     };
-    dev.gdn_recurrent(&co.slice(0..), &co.slice(kd..), &co.slice(2 * kd..), buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+    let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
+    if max_rows >= GDN_CHUNK {
+        dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+    } else {
+        dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+    }
     dev.rmsnorm_gated(buf(&act.core), buf(&act.z), &g.norm, buf_mut(&mut act.mix), rows * nv, la.value_head_dim, cfg.rms_norm_eps)?;
     linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
 }

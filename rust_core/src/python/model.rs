@@ -53,8 +53,10 @@ impl PyModel {
         Ok(PyModel { model: Mutex::new(model) })
     }
 
-    /// Logits of every position of `token_ids` in one forward: float32 `[T, vocab]`.
-    fn logits<'py>(&self, py: Python<'py>, token_ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    /// Logits of every position of `token_ids`: float32 `[T, vocab]`, in one forward, or in
+    /// forwards of `chunk` tokens each continuing from the cached prefix (chunked prefill).
+    #[pyo3(signature = (token_ids, chunk = None))]
+    fn logits<'py>(&self, py: Python<'py>, token_ids: Vec<u32>, chunk: Option<usize>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         if token_ids.is_empty() {
             return Err(NinferError::EmptyPrompt).py();
         }
@@ -68,20 +70,28 @@ impl PyModel {
                     m.runner.allocate_caches(blocks, BLOCK_SIZE, 1)?;
                     m.capacity = (blocks, BLOCK_SIZE, 1);
                 }
-                let batch = StepBatch {
-                    seqs: vec![SeqChunk {
-                        tokens: token_ids,
-                        start_pos: 0,
-                        block_table: (0..blocks as u32).collect(),
-                        state_slot: 0,
-                        logits: LogitsWanted::All,
-                    }],
-                };
-                m.runner.forward(&batch)
+                let chunk = chunk.unwrap_or(t).max(1);
+                let mut data = Vec::with_capacity(t);
+                let mut vocab = 0;
+                for start in (0..t).step_by(chunk) {
+                    let batch = StepBatch {
+                        seqs: vec![SeqChunk {
+                            tokens: token_ids[start..(start + chunk).min(t)].to_vec(),
+                            start_pos: start,
+                            block_table: (0..blocks as u32).collect(),
+                            state_slot: 0,
+                            logits: LogitsWanted::All,
+                        }],
+                    };
+                    let part = m.runner.forward(&batch)?;
+                    vocab = part.vocab;
+                    data.extend(part.data);
+                }
+                Ok::<_, NinferError>((vocab, data))
             })
             .py()?;
-        let vocab = logits.vocab;
-        numpy::PyArray1::from_vec(py, logits.data).reshape([t, vocab])
+        let (vocab, data) = logits;
+        numpy::PyArray1::from_vec(py, data).reshape([t, vocab])
     }
 
     /// The parsed config as a dict.

@@ -62,22 +62,28 @@ pub enum KernelFamily {
     Gemv,
     /// Paged attention (decode and prefill), split combine, KV cache write.
     Attention,
+    /// Causal flash attention for prefill on tensor cores (sm_80+).
+    FlashAttention,
     /// Gated DeltaNet: causal conv1d, gates, recurrent rule.
     Gdn,
+    /// Gated DeltaNet chunked prefill (WY form, 64-token chunks).
+    GdnChunked,
     /// Greedy argmax and logsumexp over logits.
     Sampling,
 }
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 8] = [
+    pub const ALL: [KernelFamily; 10] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
         KernelFamily::Activation,
         KernelFamily::Gemv,
         KernelFamily::Attention,
+        KernelFamily::FlashAttention,
         KernelFamily::Gdn,
+        KernelFamily::GdnChunked,
         KernelFamily::Sampling,
     ];
 
@@ -90,7 +96,9 @@ impl KernelFamily {
             KernelFamily::Activation => "activation.cu",
             KernelFamily::Gemv => "gemv.cu",
             KernelFamily::Attention => "attention.cu",
+            KernelFamily::FlashAttention => "flash_attention.cu",
             KernelFamily::Gdn => "gdn.cu",
+            KernelFamily::GdnChunked => "gdn_chunked.cu",
             KernelFamily::Sampling => "sampling.cu",
         }
     }
@@ -104,7 +112,9 @@ impl KernelFamily {
             KernelFamily::Activation => include_str!("../../../../cuda/activation.cu"),
             KernelFamily::Gemv => include_str!("../../../../cuda/gemv.cu"),
             KernelFamily::Attention => include_str!("../../../../cuda/attention.cu"),
+            KernelFamily::FlashAttention => include_str!("../../../../cuda/flash_attention.cu"),
             KernelFamily::Gdn => include_str!("../../../../cuda/gdn.cu"),
+            KernelFamily::GdnChunked => include_str!("../../../../cuda/gdn_chunked.cu"),
             KernelFamily::Sampling => include_str!("../../../../cuda/sampling.cu"),
         }
     }

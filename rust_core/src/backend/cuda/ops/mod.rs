@@ -6,7 +6,9 @@
 
 mod attention;
 mod elementwise;
+mod flash_attention;
 mod gdn;
+mod gdn_chunked;
 mod gemv;
 mod norm;
 mod sampling;

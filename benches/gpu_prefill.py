@@ -1,0 +1,214 @@
+"""Prefill throughput of the CUDA engine at 2k / 8k / 32k-token prompts, Llama-3-8B and
+Qwen3.5-27B text shapes, against the bf16 GEMM rate of the same GPU.
+
+For each shape, in one run on the GPU machine:
+- a random bf16 checkpoint is built with transformers on the GPU (`--layers N` keeps the first N
+  decoder layers: the 27B checkpoint is 54 GB, the disk 64 GiB; FLOPs are those of the layers
+  kept, and the record says so),
+- the peer: transformers bf16 (sdpa attention) forward of each prompt, last-position logits only,
+  best of 2,
+- ninfer: `_core.Engine(device="cuda")`, one request of `prompt` tokens and max_tokens 1; prefill
+  tok/s = prompt / (time to the first token), best of 2 after a warm-up request,
+- the ceiling: torch.matmul [8192, hidden] x [hidden, 4 * hidden] in bf16, best of 10.
+fraction_of_ceiling = FLOPs per token x tok/s / GEMM rate, FLOPs per token = 2 x (decoder and
+final-norm parameters: the embedding is a gather and the lm_head runs for one row) + attention
+(4 x heads x head_dim x mean context per full-attention layer) + Gated DeltaNet (6 x dk x dv per
+value head per linear-attention layer: state read, update and output).
+
+Usage: python benches/gpu_prefill.py --out results.json --shape llama-3-8b --prompts 2048,8192
+       [--layers 8] [--chunk 8192] [--commit SHA] [--skip-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "llama-3-8b": dict(
+        arch="llama", layers=32,
+        config=dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                    intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+                    eos_token_id=128001, hidden_act="silu")),
+    "qwen3_5-27b": dict(
+        arch="qwen3_5", layers=64,
+        config=dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
+                    head_dim=256, vocab_size=248320, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4, bos_token_id=1, eos_token_id=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                     "partial_rotary_factor": 0.25})),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file for the records (appended to if present)")
+    p.add_argument("--shape", choices=list(SHAPES), default="llama-3-8b")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers kept (0: all)")
+    p.add_argument("--prompts", default="2048,8192,32768", help="prompt lengths, comma separated")
+    p.add_argument("--chunk", type=int, default=8192, help="engine prefill_chunk (longer prompts go in chunks)")
+    p.add_argument("--dir", default="/tmp/ninfer_prefill_ckpt")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--skip-peer", action="store_true")
+    return p.parse_args()
+
+
+def build_model(shape: str, layers: int, max_pos: int):
+    """A random bf16 transformers model of the shape on the GPU (std 0.02 init)."""
+    import transformers as tf
+
+    s = SHAPES[shape]
+    c = dict(s["config"], num_hidden_layers=layers, max_position_embeddings=max_pos, torch_dtype="bfloat16")
+    if s["arch"] == "llama":
+        cfg = tf.LlamaConfig(**c)
+        cls = tf.LlamaForCausalLM
+    else:
+        c["layer_types"] = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)]
+        cfg = tf.Qwen3_5TextConfig(**c)
+        cls = tf.Qwen3_5ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cls(cfg).to(torch.bfloat16).eval()
+    return model, cfg
+
+
+def flops_per_token(model, cfg, shape: str, prompt: int) -> float:
+    """2 x parameters touched per token + attention and GDN state FLOPs at mean context."""
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    layers = cfg.num_hidden_layers
+    if SHAPES[shape]["arch"] == "llama":
+        n_attn, n_gdn = layers, 0
+    else:
+        n_attn = sum(t == "full_attention" for t in cfg.layer_types)
+        n_gdn = layers - n_attn
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 4 * cfg.num_attention_heads * hd * (prompt + 1) / 2 * n_attn
+    gdn = 0.0
+    if n_gdn:
+        gdn = 6 * cfg.linear_key_head_dim * cfg.linear_value_head_dim * cfg.linear_num_value_heads * n_gdn
+    return 2 * params + attn + gdn
+
+
+def gemm_rate(hidden: int) -> float:
+    a = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(hidden, 4 * hidden, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.matmul(a, b)
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * 8192 * hidden * 4 * hidden / best
+
+
+def peer_prefill(model, prompt: list) -> float:
+    ids = torch.tensor([prompt], device="cuda")
+    best = float("inf")
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model(ids, logits_to_keep=1, use_cache=False)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return len(prompt) / best
+
+
+def ninfer_prefill(path: Path, prompts: list, chunk: int) -> tuple:
+    from ninfer import _core
+
+    longest = max(len(p) for p in prompts)
+    t0 = time.perf_counter()
+    eng = _core.Engine(str(path), device="cuda", max_context=longest + 16, kv_capacity=longest + 64,
+                       max_concurrency=2, prefill_chunk=chunk, prefix_reuse=False)
+    load_s = time.perf_counter() - t0
+    params = json.dumps({"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+
+    def first_token_s(rid: str, prompt: list) -> float:
+        t = time.perf_counter()
+        eng.submit(rid, prompt, params)
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t
+
+    first_token_s("warmup", prompts[0][:512])
+    out = []
+    for i, p in enumerate(prompts):
+        best = min(first_token_s(f"p{i}r{r}", p) for r in range(2))
+        out.append(len(p) / best)
+    eng.shutdown()
+    return out, load_s
+
+
+def main() -> None:
+    a = parse_args()
+    shape = SHAPES[a.shape]
+    layers = a.layers or shape["layers"]
+    lengths = [int(x) for x in a.prompts.split(",")]
+    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                            text=True).stdout.strip().splitlines()[0]
+    t = time.perf_counter()
+    model, cfg = build_model(a.shape, layers, max(lengths) + 64)
+    path = Path(a.dir)
+    shutil.rmtree(path, ignore_errors=True)
+    model.save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg.bos_token_id,
+                                                             "eos_token_id": cfg.eos_token_id}))
+    print(f"{a.shape} x{layers} layers: checkpoint ready in {time.perf_counter() - t:.1f} s", flush=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [[int(x) for x in torch.randint(1000, cfg.vocab_size - 1000, (n,), generator=g)] for n in lengths]
+    peers = [None] * len(prompts) if a.skip_peer else [peer_prefill(model, p) for p in prompts]
+    fl = [flops_per_token(model, cfg, a.shape, n) for n in lengths]
+    del model
+    torch.cuda.empty_cache()
+    rate = gemm_rate(cfg.hidden_size)
+    print(f"bf16 GEMM rate {rate / 1e12:.1f} TFLOP/s", flush=True)
+    ours, load_s = ninfer_prefill(path, prompts, a.chunk)
+    name = a.shape if layers == shape["layers"] else f"{a.shape} ({layers} of {shape['layers']} layers)"
+    recs = []
+    for n, v, peer, f in zip(lengths, ours, peers, fl):
+        frac = f * v / rate
+        print(f"{name} prefill {n}: ninfer {v:.0f} tok/s ({frac:.3f} of GEMM rate), "
+              f"transformers {peer or 0:.0f} tok/s", flush=True)
+        recs.append({
+            "commit": a.commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device,
+            "command": "python " + " ".join(sys.argv),
+            "model": a.shape,
+            "config": {"layers": layers, "layers_full_model": shape["layers"], "prefill_chunk": a.chunk,
+                       "dtype": "bf16", "random_weights": True, "ninfer_load_s": round(load_s, 1),
+                       "note": "FLOPs and fraction are for the layers kept" if layers != shape["layers"] else ""},
+            "metric": "prefill_tok_s",
+            "value": round(v, 1),
+            "prompt_tokens": n,
+            "flops_per_token": round(f),
+            "gemm_rate_flop_s": round(rate),
+            "fraction_of_ceiling": round(frac, 4),
+            "peer": f"transformers {__import__('transformers').__version__} bf16 sdpa, same GPU",
+            "peer_value": round(peer, 1) if peer else None,
+        })
+    out = Path(a.out)
+    old = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps(old + recs, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

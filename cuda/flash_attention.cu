@@ -1,0 +1,256 @@
+// Causal flash attention for prefill over the paged KV cache, on tensor cores.
+//
+// The query rows of a step are packed by sequence: rows cu_seqlens[s]..cu_seqlens[s+1] belong
+// to sequence s, row r sits at position token_pos[r] (consecutive within a sequence, possibly
+// after a cached prefix) and sees keys 0..=token_pos[r], whose K/V are already in the cache
+// [num_blocks, block_size, n_kv_heads, D] through the block table of s.
+//
+// One block of FA_WARPS warps computes FA_BM = 16 * FA_WARPS query rows of one q head of one
+// sequence (grid: row tiles, q heads, sequences). The Q tile is staged in shared memory once;
+// key tiles of BN rows are gathered from the paged cache into shared memory, S = Q K^T and
+// O += P V run as `mma.sync.m16n8k16` (16-bit inputs, f32 accumulators), and the softmax is
+// online in f32 (running max and sum per row; exp2 with the scale folded into log2(e)), so no
+// score matrix leaves registers. A warp owns 16 query rows; in the mma fragment layout a lane
+// holds rows lane/4 and lane/4 + 8, so row reductions are two quad shuffles.
+//
+// Tensor-core mma needs sm_80 for bf16 (the launcher routes sm_70/sm_75 to the scalar
+// paged_attention kernel), so the bodies compile to nothing below sm_80.
+#include "common.cuh"
+
+#define FA_WARPS 4
+#define FA_BM (16 * FA_WARPS)
+// Shared-memory rows are padded by 8 elements (16 bytes): 32-bit fragment loads of 8 rows x 4
+// lanes then fall in distinct banks, and ldmatrix row addresses stay 16-byte aligned.
+#define FA_PAD 8
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// c += a (16x16, row) * b (16x8, col), f32 accumulate.
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if defined(NINFER_STORAGE_F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Four transposed 8x8 tiles of 16-bit elements: the B fragments of a row-major [k][n] matrix.
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)from_f32(lo) | ((unsigned)from_f32(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned ld32(const store_t* p) {
+    return *reinterpret_cast<const unsigned*>(p);
+}
+
+template <int D, int BN>
+__device__ __forceinline__ void flash_body(
+    const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ token_pos, int n_q_heads,
+    int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
+    constexpr int LD = D + FA_PAD;
+    constexpr int VPR = D / 8;  // 16-byte vectors per row
+    constexpr int NT = FA_WARPS * 32;
+    extern __shared__ uint4 fa_smem[];
+    store_t* qs = reinterpret_cast<store_t*>(fa_smem);  // [FA_BM][LD]
+    store_t* ks = qs + FA_BM * LD;                       // [BN][LD]
+    store_t* vs = ks + BN * LD;                          // [BN][LD]
+
+    const int s = blockIdx.z;
+    const int h = blockIdx.y;
+    const int row0 = cu_seqlens[s];
+    const int n_rows = cu_seqlens[s + 1] - row0;
+    // Highest tiles (longest key ranges) are scheduled first.
+    const int tile0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    if (tile0 >= n_rows) return;
+    const int tile_rows = min(FA_BM, n_rows - tile0);
+    const int kvh = h / (n_q_heads / n_kv_heads);
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int gr = lane >> 2;
+    const int tq = lane & 3;
+
+    for (int i = tid; i < FA_BM * VPR; i += NT) {
+        const int r = i / VPR;
+        const int c = (i - r * VPR) * 8;
+        uint4 val;
+        val.x = val.y = val.z = val.w = 0u;
+        if (r < tile_rows)
+            val = *reinterpret_cast<const uint4*>(q + (long long)(row0 + tile0 + r) * q_stride +
+                                                  (long long)h * D + c);
+        *reinterpret_cast<uint4*>(qs + r * LD + c) = val;
+    }
+    // Positions of this lane's two rows (-1: past the sequence's rows, fully masked).
+    const int ra = tile0 + warp * 16 + gr;
+    const int rb = ra + 8;
+    const int pos_a = ra < n_rows ? token_pos[row0 + ra] : -1;
+    const int pos_b = rb < n_rows ? token_pos[row0 + rb] : -1;
+    const int warp_last = min(tile0 + warp * 16 + 15, n_rows - 1);
+    const int warp_max_pos = warp_last >= tile0 + warp * 16 ? token_pos[row0 + warp_last] : -1;
+    const int kv_len = token_pos[row0 + tile0 + tile_rows - 1] + 1;
+    const int* table = block_tables + (long long)s * max_blocks;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+
+    for (int kb = 0; kb < kv_len; kb += BN) {
+        __syncthreads();  // the previous tile is no longer read (and the Q tile is stored)
+        for (int i = tid; i < BN * VPR; i += NT) {
+            const int r = i / VPR;
+            const int c = (i - r * VPR) * 8;
+            const int j = kb + r;
+            uint4 kv, vv;
+            kv.x = kv.y = kv.z = kv.w = 0u;
+            vv = kv;
+            if (j < kv_len) {
+                const long long off =
+                    ((long long)table[j / block_size] * block_size + (j % block_size)) *
+                        n_kv_heads * D +
+                    (long long)kvh * D + c;
+                kv = *reinterpret_cast<const uint4*>(k_cache + off);
+                vv = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            *reinterpret_cast<uint4*>(ks + r * LD + c) = kv;
+            *reinterpret_cast<uint4*>(vs + r * LD + c) = vv;
+        }
+        __syncthreads();
+        if (kb > warp_max_pos) continue;  // every key of the tile is in this warp's future
+
+        float sc[BN / 8][4];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 16) {
+            const store_t* qp = qs + (warp * 16 + gr) * LD + k0 + 2 * tq;
+            const unsigned a[4] = {ld32(qp), ld32(qp + 8 * LD), ld32(qp + 8), ld32(qp + 8 * LD + 8)};
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                const store_t* kp = ks + (n * 8 + gr) * LD + k0 + 2 * tq;
+                mma16816(sc[n], a, ld32(kp), ld32(kp + 8));
+            }
+        }
+        float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = kb + n * 8 + 2 * tq + e;
+                sc[n][e] = j <= pos_a ? sc[n][e] * scale_log2 : NEG_INF;
+                sc[n][2 + e] = j <= pos_b ? sc[n][2 + e] * scale_log2 : NEG_INF;
+                mx_a = fmaxf(mx_a, sc[n][e]);
+                mx_b = fmaxf(mx_b, sc[n][2 + e]);
+            }
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        // A row with no visible key yet keeps max -inf; exponentiate against 0 so that it
+        // stays all-zero instead of NaN.
+        const float base_a = mx_a == NEG_INF ? 0.0f : mx_a;
+        const float base_b = mx_b == NEG_INF ? 0.0f : mx_b;
+        const float corr_a = exp2f(m_a - base_a);
+        const float corr_b = exp2f(m_b - base_b);
+        m_a = mx_a;
+        m_b = mx_b;
+        l_a *= corr_a;
+        l_b *= corr_b;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= corr_a;
+            o[n][1] *= corr_a;
+            o[n][2] *= corr_b;
+            o[n][3] *= corr_b;
+        }
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            sc[n][0] = exp2f(sc[n][0] - base_a);
+            sc[n][1] = exp2f(sc[n][1] - base_a);
+            sc[n][2] = exp2f(sc[n][2] - base_b);
+            sc[n][3] = exp2f(sc[n][3] - base_b);
+            l_a += sc[n][0] + sc[n][1];
+            l_b += sc[n][2] + sc[n][3];
+        }
+        // O += P V: the accumulator fragments of two adjacent key n-tiles are exactly the A
+        // fragment of one k16 step.
+        const int mi = lane >> 3;
+        const int ri = lane & 7;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const unsigned a[4] = {pack2(sc[2 * kk][0], sc[2 * kk][1]),
+                                   pack2(sc[2 * kk][2], sc[2 * kk][3]),
+                                   pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            const store_t* vrow = vs + (kk * 16 + (mi & 1) * 8 + ri) * LD + (mi >> 1) * 8;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn += 2) {
+                unsigned b[4];
+                ldsm_x4_trans(b, smem_u32(vrow + dn * 8));
+                mma16816(o[dn], a, b[0], b[1]);
+                mma16816(o[dn + 1], a, b[2], b[3]);
+            }
+        }
+    }
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+    const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+    const long long out_stride = (long long)n_q_heads * D;
+    store_t* oa = out + (long long)(row0 + ra) * out_stride + (long long)h * D + 2 * tq;
+    store_t* ob = oa + 8 * out_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        if (ra < n_rows)
+            *reinterpret_cast<unsigned*>(oa + n * 8) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
+        if (rb < n_rows)
+            *reinterpret_cast<unsigned*>(ob + n * 8) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
+    }
+}
+
+#define FA_BODY(D, BN)                                                                          \
+    flash_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens,      \
+                      token_pos, n_q_heads, n_kv_heads, block_size, scale_log2, out);
+#else
+#define FA_BODY(D, BN)
+#endif
+
+// Key tile BN per head size: 64 keys up to D = 128; 32 at D = 256, where the f32 output
+// accumulators already take 128 registers a lane.
+#define FA_INSTANCE(D, BN)                                                                      \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_attention_d##D(           \
+        const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
+        const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
+        int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
+        FA_BODY(D, BN)                                                                          \
+    }
+
+FA_INSTANCE(64, 64)
+FA_INSTANCE(96, 64)
+FA_INSTANCE(128, 64)
+FA_INSTANCE(256, 32)
