@@ -34,7 +34,7 @@ impl Sink for HostSink {
         }
         let mut whole = vec![0u16; t.numel()];
         t.fill(0, &mut whole, self.storage, self.read)?;
-        assert_eq!(whole, out, "chunked fill differs from the whole fill");
+        same(&whole, &out, "chunked fill vs the whole fill");
         Ok(out)
     }
 
@@ -143,38 +143,46 @@ fn old_norm(w: &[f32], plus_one: bool, st: StorageDType) -> Vec<u16> {
     old_bits(&raw, st)
 }
 
+/// Equal slices, or a panic naming the first differing element (not the whole tensor).
+fn same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: element {i} of {} differs: {:?}, want {:?}", got.len(), got[i], want[i]);
+    }
+}
+
 fn rows(l: &Linear, r0: usize, r1: usize, st: StorageDType) -> Vec<u16> {
     old_bits(&l.w[r0 * l.k..r1 * l.k], st)
 }
 
 fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, Vec<f32>>, st: StorageDType, li: usize) {
     let p1 = cfg.zero_centered_norm;
-    assert_eq!(dev.input_norm, old_norm(&host.input_norm, p1, st), "layer {li} input_norm");
-    assert_eq!(dev.post_norm, old_norm(&host.post_norm, p1, st), "layer {li} post_norm");
-    assert_eq!(dev.gate_up.w, old_bits(&host.gate_up.w, st), "layer {li} gate_up");
+    same(&dev.input_norm, &old_norm(&host.input_norm, p1, st), &format!("layer {li} input_norm"));
+    same(&dev.post_norm, &old_norm(&host.post_norm, p1, st), &format!("layer {li} post_norm"));
+    same(&dev.gate_up.w, &old_bits(&host.gate_up.w, st), &format!("layer {li} gate_up"));
     assert_eq!((dev.gate_up.n, dev.gate_up.k), (host.gate_up.n, host.gate_up.k));
-    assert_eq!(dev.down.w, old_bits(&host.down.w, st), "layer {li} down");
+    same(&dev.down.w, &old_bits(&host.down.w, st), &format!("layer {li} down"));
     match (&host.mixer, &dev.mixer) {
         (Mixer::Attention(a), DevMixer::Attention(d)) => {
-            assert_eq!(d.qkv.w, old_bits(&a.qkv.w, st), "layer {li} qkv");
+            same(&d.qkv.w, &old_bits(&a.qkv.w, st), &format!("layer {li} qkv"));
             assert_eq!((d.qkv.n, d.qkv.k, d.o.n, d.o.k), (a.qkv.n, a.qkv.k, a.o.n, a.o.k));
-            assert_eq!(d.o.w, old_bits(&a.o.w, st), "layer {li} o");
+            same(&d.o.w, &old_bits(&a.o.w, st), &format!("layer {li} o"));
             assert_eq!(d.q_norm, a.q_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} q_norm");
             assert_eq!(d.k_norm, a.k_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} k_norm");
         }
         (Mixer::Gdn(g), DevMixer::Gdn(d)) => {
             let la = cfg.linear_attention.unwrap();
             let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
-            assert_eq!(d.qkv.w, rows(&g.in_proj, 0, cd, st), "layer {li} gdn qkv");
-            assert_eq!(d.z.w, rows(&g.in_proj, cd, cd + vd, st), "layer {li} gdn z");
-            assert_eq!(d.b.w, rows(&g.in_proj, cd + vd, cd + vd + nv, st), "layer {li} gdn b");
-            assert_eq!(d.a.w, rows(&g.in_proj, cd + vd + nv, cd + vd + 2 * nv, st), "layer {li} gdn a");
+            same(&d.qkv.w, &rows(&g.in_proj, 0, cd, st), &format!("layer {li} gdn qkv"));
+            same(&d.z.w, &rows(&g.in_proj, cd, cd + vd, st), &format!("layer {li} gdn z"));
+            same(&d.b.w, &rows(&g.in_proj, cd + vd, cd + vd + nv, st), &format!("layer {li} gdn b"));
+            same(&d.a.w, &rows(&g.in_proj, cd + vd + nv, cd + vd + 2 * nv, st), &format!("layer {li} gdn a"));
             assert_eq!((d.qkv.n, d.z.n, d.b.n, d.a.n, d.out.n, d.out.k), (cd, vd, nv, nv, g.out_proj.n, g.out_proj.k));
-            assert_eq!(d.conv_w, old_bits(&g.conv_w, st), "layer {li} conv_w");
+            same(&d.conv_w, &old_bits(&g.conv_w, st), &format!("layer {li} conv_w"));
             assert_eq!(d.conv_b, g.conv_b.as_deref().map(|b| old_bits(b, st)), "layer {li} conv_b");
-            assert_eq!(d.dt_bias, g.dt_bias, "layer {li} dt_bias");
-            assert_eq!(d.norm, old_bits(&g.norm, st), "layer {li} gdn norm");
-            assert_eq!(d.out.w, old_bits(&g.out_proj.w, st), "layer {li} out_proj");
+            same(&d.dt_bias, &g.dt_bias, &format!("layer {li} dt_bias"));
+            same(&d.norm, &old_bits(&g.norm, st), &format!("layer {li} gdn norm"));
+            same(&d.out.w, &old_bits(&g.out_proj.w, st), &format!("layer {li} out_proj"));
             // The old path went A_log -> -exp(A_log) -> ln, the new one uploads A_log as stored.
             for (new, neg_a) in d.a_log.iter().zip(&g.neg_a) {
                 assert!((new - (-neg_a).ln()).abs() <= 1e-6 * new.abs().max(1.0), "layer {li} A_log {new} vs {neg_a}");
@@ -193,9 +201,9 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
         check_layer(&cfg, h, d, st, li);
     }
-    assert_eq!(dev.embed, old_bits(&host.embed, st));
-    assert_eq!(dev.final_norm, old_norm(&host.final_norm, cfg.zero_centered_norm, st));
-    assert_eq!(dev.lm_head.as_ref().map(|l| &l.w), host.lm_head.as_ref().map(|l| old_bits(&l.w, st)).as_ref());
+    same(&dev.embed, &old_bits(&host.embed, st), "embed");
+    same(&dev.final_norm, &old_norm(&host.final_norm, cfg.zero_centered_norm, st), "final_norm");
+    same(&dev.lm_head.as_ref().unwrap().w, &old_bits(&host.lm_head.as_ref().unwrap().w, st), "lm_head");
     assert_eq!(dev.norm_plus_one, cfg.zero_centered_norm);
     let f32_elems: usize = dev.layers.iter().map(|l| if let DevMixer::Gdn(g) = &l.mixer { g.a_log.len() + g.dt_bias.len() } else { 0 }).sum();
     let storage_elems = host.bytes() / 4 - f32_elems;
