@@ -20,6 +20,7 @@ use ::safetensors::Dtype;
 use crate::artifact::{RawTensor, WeightStore};
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::kernels::StorageDType;
+use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
 use crate::{NinferError, Result};
@@ -117,7 +118,7 @@ fn convert(t: &RawTensor<'_>, src: usize, out: &mut [u16], storage: StorageDType
         }
         (Dtype::BF16, StorageDType::F16) => {
             for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
-                *o = half::f16::from_f32(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).to_bits();
+                *o = storage_bit_from_bf16(u16::from_le_bytes([b[0], b[1]]), storage);
             }
         }
         _ => {
@@ -125,10 +126,7 @@ fn convert(t: &RawTensor<'_>, src: usize, out: &mut [u16], storage: StorageDType
             let mut tmp = vec![0f32; n];
             t.f32_into(src, &mut tmp);
             for (o, v) in out.iter_mut().zip(tmp) {
-                *o = match storage {
-                    StorageDType::Bf16 => half::bf16::from_f32(v).to_bits(),
-                    StorageDType::F16 => half::f16::from_f32(v).to_bits(),
-                };
+                *o = storage_bit_from_f32(v, storage);
             }
         }
     }
