@@ -74,7 +74,7 @@ impl<'a> Packed<'a> {
     /// the order `source_block(d)` gives for destination block `d`.
     fn permute_first_part(mut self, blocks: usize, source_block: impl Fn(usize) -> usize) -> Self {
         let first = &self.segments[0];
-        debug_assert!(first.part == 0 && first.dst == 0 && first.len % blocks == 0);
+        debug_assert!(first.part == 0 && first.dst == 0 && first.len.is_multiple_of(blocks));
         let block = first.len / blocks;
         let permuted = (0..blocks).map(|d| Segment { part: 0, src: source_block(d) * block, len: block, dst: d * block });
         self.segments.splice(0..1, permuted);
