@@ -20,6 +20,8 @@ Two kinds of checkpoint:
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +212,47 @@ def test_gpu_batch_differs_from_alone_only_at_near_ties(gpu_dir):
     assert all(g is None or g[1] < NEAR_TIE for g in gaps)
 
 
+def _bf16_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor rounded to bf16 by torch (round to nearest even) except `A_log`
+    and `dt_bias`, which the loader keeps in f32: the same device weights through the loader's
+    raw bf16 path that `src` (f32) gives through its conversion path."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            keep = ("A_log", "dt_bias")
+            t = {k: v if k.endswith(keep) else v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}
+            save_file(t, str(dst / f.name), metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _timed_load(path: Path):
+    t = time.perf_counter()
+    m = _core.Model(str(path), device="cuda")
+    secs = time.perf_counter() - t
+    gb = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 1e9
+    print(f"{Path(path).name[:12]}: loaded {gb * 1e3:.1f} MB of checkpoint in {secs:.2f} s ({gb / secs:.2f} GB/s, "
+          "kernels included)")
+    return m
+
+
+def test_gpu_loader_conversion_and_raw_paths_give_identical_logits(gpu_dir, tmp_path, monkeypatch):
+    """The tiny checkpoints are f32 (converted on the host while loading); their bf16 copy goes
+    through positioned reads, and with NINFER_LOAD_MMAP=1 through the mapping: all three must
+    put the same bits on the device, so the logits are bitwise equal."""
+    ids = _prompt(40, TINY_VOCAB, seed=4)
+    from_f32 = _timed_load(gpu_dir).logits(ids)
+    bf16_dir = _bf16_copy(gpu_dir, tmp_path / "bf16")
+    from_bf16 = _timed_load(bf16_dir).logits(ids)
+    monkeypatch.setenv("NINFER_LOAD_MMAP", "1")
+    from_mmap = _core.Model(str(bf16_dir), device="cuda").logits(ids)
+    assert np.array_equal(from_f32, from_bf16)
+    assert np.array_equal(from_bf16, from_mmap)
+
+
 def test_unsupported_head_dim_is_refused_at_load(tiny_checkpoints):
     if not _cuda_available():
         pytest.skip("torch sees no CUDA device")
@@ -245,6 +288,18 @@ def test_demo_model_logits_match_transformers_bf16_and_cpu_f32(demo_dir, demo_wi
     print(f"demo: rel err vs transformers bf16 {_rel_err(got, exp):.2e}, vs CPU f32 {_rel_err(got, cpu):.2e}")
     assert _rel_err(got, exp) <= REL_TOL
     assert _rel_err(got, cpu) <= REL_TOL
+
+
+def test_demo_model_direct_load_matches_cpu_f32(demo_dir, demo_windows, monkeypatch):
+    """The bf16 demo checkpoint through the direct loader (positioned reads, and the mapping):
+    logits within REL_TOL of the CPU f32 model, both read paths bitwise equal."""
+    ids = demo_windows[3] + demo_windows[4]
+    got = _timed_load(demo_dir).logits(ids)
+    cpu = _core.Model(str(demo_dir), device="cpu").logits(ids)
+    print(f"demo: direct load, rel err vs CPU f32 {_rel_err(got, cpu):.2e}")
+    assert _rel_err(got, cpu) <= REL_TOL
+    monkeypatch.setenv("NINFER_LOAD_MMAP", "1")
+    assert np.array_equal(_core.Model(str(demo_dir), device="cuda").logits(ids), got)
 
 
 def test_demo_model_heldout_perplexity_matches_training_record(demo_dir):

@@ -2,4 +2,4 @@
 
 pub mod safetensors;
 
-pub use self::safetensors::{TensorInfo, WeightStore};
+pub use self::safetensors::{RawTensor, TensorInfo, WeightStore};

@@ -21,7 +21,6 @@ use crate::{NinferError, Result};
 use super::cuda_step::StepMeta;
 use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
 use super::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
-use super::weights::ModelWeights;
 
 /// KV pool and recurrent-state slots on the device, per layer.
 #[derive(Default)]
@@ -125,22 +124,32 @@ impl CudaModel {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::new(ordinal)?);
         Self::check_supported(&cfg)?;
-        dev.load_all_kernels()?;
         let store = WeightStore::open(dir)?;
-        let host = ModelWeights::load(&store, &cfg)?;
-        let weights = DevWeights::upload(&dev, &cfg, host)?;
+        // Kernels compile (or load from the disk cache) on a second thread while the weights
+        // stream in: a cold start pays for the longer of the two, not their sum.
+        let (kernels, weights, load_s) = std::thread::scope(|s| {
+            let kernels = s.spawn(|| dev.load_all_kernels());
+            let t0 = std::time::Instant::now();
+            let weights = DevWeights::load(&dev, &cfg, &store);
+            let load_s = t0.elapsed().as_secs_f64();
+            (kernels.join(), weights, load_s)
+        });
+        kernels.map_err(|_| NinferError::Device("the kernel loading thread panicked".into()))??;
+        let weights = weights?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
         let inv_freq = dev.stream().clone_htod(&inv_freq).map_err(driver_err("uploading rope frequencies"))?;
         let dummy = alloc::<u16>(&dev, 1, "rope scratch")?;
         eprintln!(
-            "ninfer: loaded {} on cuda:{} ({}, {}, {:?}): {:.2} GiB of weights",
+            "ninfer: loaded {} on cuda:{} ({}, {}, {:?}): {:.2} GiB of weights in {:.1} s ({:.1} GB/s)",
             cfg.architecture,
             ordinal,
             dev.name(),
             dev.arch(),
             dev.storage(),
-            weights.bytes as f64 / (1u64 << 30) as f64
+            weights.bytes as f64 / (1u64 << 30) as f64,
+            load_s,
+            weights.bytes as f64 / 1e9 / load_s.max(1e-9)
         );
         Ok(CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches: DevCaches::default(), act: Activations::default(), meta: StepMeta::default(), dummy })
     }

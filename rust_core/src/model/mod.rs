@@ -5,6 +5,8 @@
 
 pub mod cpu_model;
 #[cfg(feature = "cuda")]
+pub mod cuda_load;
+#[cfg(feature = "cuda")]
 pub mod cuda_model;
 #[cfg(feature = "cuda")]
 mod cuda_step;

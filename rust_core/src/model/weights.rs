@@ -134,6 +134,81 @@ pub struct ModelWeights {
     pub mtp: Option<MtpWeights>,
 }
 
+/// Checkpoint tensor names and the fused layouts built from them: the one place both the CPU
+/// loader and the CUDA loader (`cuda_load`) read them from.
+pub mod names {
+    use crate::artifact::WeightStore;
+    use crate::config::{LayerType, ModelConfig};
+    use crate::{NinferError, Result};
+
+    /// Prefix of the decoder's tensors: Qwen3.5 checkpoints nest it in `model.language_model`.
+    pub fn decoder_prefix(store: &WeightStore) -> &'static str {
+        if store.contains("model.language_model.embed_tokens.weight") {
+            "model.language_model"
+        } else {
+            "model"
+        }
+    }
+
+    /// Prefix of decoder layer `i`.
+    pub fn layer(prefix: &str, i: usize) -> String {
+        format!("{prefix}.layers.{i}")
+    }
+
+    /// Prefix of a layer's token mixer.
+    pub fn mixer(layer: &str, kind: LayerType) -> String {
+        match kind {
+            LayerType::FullAttention => format!("{layer}.self_attn"),
+            LayerType::LinearAttention => format!("{layer}.linear_attn"),
+        }
+    }
+
+    /// A projection stored as `{name}.weight` with `rows` output features.
+    pub struct Part {
+        pub name: String,
+        pub rows: usize,
+    }
+
+    fn part(name: String, rows: usize) -> Part {
+        Part { name, rows }
+    }
+
+    /// Parts of the fused attention input projection, in fused row order (all read `hidden`
+    /// inputs): q (with the output gate's rows when the model gates), k, v.
+    pub fn attention_qkv(cfg: &ModelConfig, attn: &str) -> [Part; 3] {
+        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
+        let q_rows = nh * hd * if cfg.attn_output_gate { 2 } else { 1 };
+        [part(format!("{attn}.q_proj"), q_rows), part(format!("{attn}.k_proj"), nkv * hd), part(format!("{attn}.v_proj"), nkv * hd)]
+    }
+
+    /// For a gated-attention q_proj (HF layout: per head `[query(hd) | gate(hd)]`) fused as
+    /// `[all queries | all gates]`: the source block of `head_dim` rows that lands at fused
+    /// block `dst` (blocks `0..nh` are the queries, `nh..2nh` the gates).
+    pub fn gated_query_source_block(dst: usize, nh: usize) -> usize {
+        let (half, head) = (dst / nh, dst % nh);
+        head * 2 + half
+    }
+
+    /// Parts of the fused Gated DeltaNet input projection in fused row order: conv channels
+    /// (q, k, v), z, b, a.
+    pub fn gdn_in_proj(cfg: &ModelConfig, gdn: &str) -> Result<[Part; 4]> {
+        let la = cfg.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
+        let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
+        Ok([
+            part(format!("{gdn}.in_proj_qkv"), cd),
+            part(format!("{gdn}.in_proj_z"), vd),
+            part(format!("{gdn}.in_proj_b"), nv),
+            part(format!("{gdn}.in_proj_a"), nv),
+        ])
+    }
+
+    /// Parts of the fused MLP input projection: gate, then up.
+    pub fn gate_up(cfg: &ModelConfig, layer: &str) -> [Part; 2] {
+        let inter = cfg.intermediate_size;
+        [part(format!("{layer}.mlp.gate_proj"), inter), part(format!("{layer}.mlp.up_proj"), inter)]
+    }
+}
+
 struct Loader<'a> {
     store: &'a WeightStore,
     cfg: &'a ModelConfig,
@@ -152,27 +227,25 @@ impl Loader<'_> {
 
     fn attention(&self, p: &str) -> Result<AttentionWeights> {
         let c = self.cfg;
-        let (h, nh, nkv, hd) = (c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim);
-        let q_rows = nh * hd * if c.attn_output_gate { 2 } else { 1 };
-        let mut q = Linear::load(self.store, &format!("{p}.q_proj"), q_rows, h, c.qkv_bias)?;
+        let (h, nh, hd) = (c.hidden_size, c.num_attention_heads, c.head_dim);
+        let [qp, kp, vp] = names::attention_qkv(c, p);
+        let mut q = Linear::load(self.store, &qp.name, qp.rows, h, c.qkv_bias)?;
         if c.attn_output_gate {
             // HF layout: per head [query(hd) | gate(hd)]; reorder to [all queries | all gates].
             let reorder = |src: &[f32], width: usize| {
                 let mut dst = vec![0f32; src.len()];
-                for head in 0..nh {
-                    for half in 0..2 {
-                        let from = (head * 2 * hd + half * hd) * width;
-                        let to = (half * nh * hd + head * hd) * width;
-                        dst[to..to + hd * width].copy_from_slice(&src[from..from + hd * width]);
-                    }
+                let block = hd * width;
+                for d in 0..2 * nh {
+                    let from = names::gated_query_source_block(d, nh) * block;
+                    dst[d * block..(d + 1) * block].copy_from_slice(&src[from..from + block]);
                 }
                 dst
             };
             q.w = reorder(&q.w, h);
             q.b = q.b.as_deref().map(|b| reorder(b, 1));
         }
-        let k = Linear::load(self.store, &format!("{p}.k_proj"), nkv * hd, h, c.qkv_bias)?;
-        let v = Linear::load(self.store, &format!("{p}.v_proj"), nkv * hd, h, c.qkv_bias)?;
+        let k = Linear::load(self.store, &kp.name, kp.rows, h, c.qkv_bias)?;
+        let v = Linear::load(self.store, &vp.name, vp.rows, h, c.qkv_bias)?;
         let o = Linear::load(self.store, &format!("{p}.o_proj"), h, nh * hd, c.o_bias)?;
         let (q_norm, k_norm) = if c.qk_norm {
             (Some(self.norm(&format!("{p}.q_norm.weight"), hd)?), Some(self.norm(&format!("{p}.k_norm.weight"), hd)?))
@@ -187,16 +260,13 @@ impl Loader<'_> {
         let la = c.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
         let h = c.hidden_size;
         let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
-        let qkv = Linear::load(self.store, &format!("{p}.in_proj_qkv"), cd, h, false)?;
-        let z = Linear::load(self.store, &format!("{p}.in_proj_z"), vd, h, false)?;
-        let b = Linear::load(self.store, &format!("{p}.in_proj_b"), nv, h, false)?;
-        let a = Linear::load(self.store, &format!("{p}.in_proj_a"), nv, h, false)?;
+        let in_proj = names::gdn_in_proj(c, p)?.iter().map(|part| Linear::load(self.store, &part.name, part.rows, h, false)).collect::<Result<Vec<_>>>()?;
         let conv_w = self.store.load_f32(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?;
         let conv_b_name = format!("{p}.conv1d.bias");
         let conv_b = if self.store.contains(&conv_b_name) { Some(self.store.load_f32(&conv_b_name, &[cd])?) } else { None };
         let a_log = self.store.load_f32(&format!("{p}.A_log"), &[nv])?;
         Ok(GdnWeights {
-            in_proj: Linear::fuse(vec![qkv, z, b, a]),
+            in_proj: Linear::fuse(in_proj),
             conv_w,
             conv_b,
             neg_a: a_log.iter().map(|x| -x.exp()).collect(),
@@ -210,16 +280,15 @@ impl Loader<'_> {
         let c = self.cfg;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         let mixer = match kind {
-            LayerType::FullAttention => Mixer::Attention(self.attention(&format!("{p}.self_attn"))?),
-            LayerType::LinearAttention => Mixer::Gdn(self.gdn(&format!("{p}.linear_attn"))?),
+            LayerType::FullAttention => Mixer::Attention(self.attention(&names::mixer(p, kind))?),
+            LayerType::LinearAttention => Mixer::Gdn(self.gdn(&names::mixer(p, kind))?),
         };
-        let gate = Linear::load(self.store, &format!("{p}.mlp.gate_proj"), inter, h, c.mlp_bias)?;
-        let up = Linear::load(self.store, &format!("{p}.mlp.up_proj"), inter, h, c.mlp_bias)?;
+        let gate_up = names::gate_up(c, p).iter().map(|part| Linear::load(self.store, &part.name, part.rows, h, c.mlp_bias)).collect::<Result<Vec<_>>>()?;
         Ok(LayerWeights {
             input_norm: self.norm(&format!("{p}.input_layernorm.weight"), h)?,
             post_norm: self.norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
             mixer,
-            gate_up: Linear::fuse(vec![gate, up]),
+            gate_up: Linear::fuse(gate_up),
             down: Linear::load(self.store, &format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias)?,
         })
     }
@@ -248,7 +317,7 @@ impl Loader<'_> {
 impl ModelWeights {
     /// Load every tensor the config calls for, checking each shape.
     pub fn load(store: &WeightStore, cfg: &ModelConfig) -> Result<Self> {
-        let prefix = if store.contains("model.language_model.embed_tokens.weight") { "model.language_model" } else { "model" };
+        let prefix = names::decoder_prefix(store);
         let l = Loader { store, cfg };
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let embed = store.load_f32(&format!("{prefix}.embed_tokens.weight"), &[v, h])?;
@@ -256,7 +325,7 @@ impl ModelWeights {
             .layer_types
             .iter()
             .enumerate()
-            .map(|(i, kind)| l.layer(&format!("{prefix}.layers.{i}"), *kind))
+            .map(|(i, kind)| l.layer(&names::layer(prefix, i), *kind))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings { None } else { Some(Linear::load(store, "lm_head", v, h, false)?) };
         Ok(ModelWeights { embed, layers, final_norm: l.norm(&format!("{prefix}.norm.weight"), h)?, lm_head, mtp: l.mtp()? })

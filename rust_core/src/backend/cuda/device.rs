@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
+use rayon::prelude::*;
 
 use super::kernels::{KernelFamily, StorageDType};
 use super::nvrtc;
@@ -120,6 +121,10 @@ impl CudaDevice {
     /// Compiles (or reads from the disk cache) and loads every kernel family now, so that the
     /// first request does not pay for it.
     pub fn load_all_kernels(&self) -> Result<()> {
+        // NVRTC compiles are independent and single-threaded: fill the disk cache for all
+        // families in parallel first, so that a cold start costs the slowest one, not the sum.
+        let arch = self.arch();
+        KernelFamily::ALL.par_iter().try_for_each(|&f| nvrtc::cached_cubin(f, &arch, self.storage).map(|_| ()))?;
         for family in KernelFamily::ALL {
             self.module(family)?;
         }

@@ -1,8 +1,8 @@
 //! Host <-> device copies in the device's storage type.
 //!
 //! Checkpoints are bf16 (or f32); a device whose storage is f16 (sm_7x) needs every tensor
-//! converted on the way in. Keeping that conversion here means the model loader uploads the
-//! same way on every GPU.
+//! converted on the way in. Keeping that conversion here (per element, for the loader in
+//! `model::cuda_load`, and per tensor) means weights go up the same way on every GPU.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
@@ -10,24 +10,33 @@ use super::device::{driver_err, CudaDevice};
 use super::kernels::StorageDType;
 use crate::Result;
 
-/// bf16 bit patterns as `storage` bit patterns: unchanged for bf16, rounded to the nearest f16
-/// for f16 (magnitudes above 65504 become infinities, which an f16 model cannot hold).
-pub fn storage_bits_from_bf16(bits: &[u16], storage: StorageDType) -> Vec<u16> {
+/// One bf16 bit pattern as a `storage` bit pattern: unchanged for bf16, rounded to the nearest
+/// f16 for f16 (magnitudes above 65504 become infinities, which an f16 model cannot hold).
+#[inline]
+pub fn storage_bit_from_bf16(bits: u16, storage: StorageDType) -> u16 {
     match storage {
-        StorageDType::Bf16 => bits.to_vec(),
-        StorageDType::F16 => bits
-            .iter()
-            .map(|&b| half::f16::from_f32(half::bf16::from_bits(b).to_f32()).to_bits())
-            .collect(),
+        StorageDType::Bf16 => bits,
+        StorageDType::F16 => half::f16::from_f32(half::bf16::from_bits(bits).to_f32()).to_bits(),
     }
+}
+
+/// One f32 value as a `storage` bit pattern (round to nearest even).
+#[inline]
+pub fn storage_bit_from_f32(value: f32, storage: StorageDType) -> u16 {
+    match storage {
+        StorageDType::Bf16 => half::bf16::from_f32(value).to_bits(),
+        StorageDType::F16 => half::f16::from_f32(value).to_bits(),
+    }
+}
+
+/// bf16 bit patterns as `storage` bit patterns (`storage_bit_from_bf16`).
+pub fn storage_bits_from_bf16(bits: &[u16], storage: StorageDType) -> Vec<u16> {
+    bits.iter().map(|&b| storage_bit_from_bf16(b, storage)).collect()
 }
 
 /// f32 values as `storage` bit patterns (round to nearest even).
 pub fn storage_bits_from_f32(values: &[f32], storage: StorageDType) -> Vec<u16> {
-    match storage {
-        StorageDType::Bf16 => values.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
-        StorageDType::F16 => values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
-    }
+    values.iter().map(|&v| storage_bit_from_f32(v, storage)).collect()
 }
 
 /// `storage` bit patterns as f32 values.

@@ -1,0 +1,686 @@
+"""The issue-4 GPU records: batch-1 decode (Llama-3-8B and Qwen3.5-27B shapes), decode
+throughput at several concurrencies (Llama-3-8B shape) and startup time (Qwen3.5-27B shape).
+
+Every part writes record objects (commit, date, device, command, model, metric, value,
+fraction_of_ceiling, peer, peer_value, config fields) to the --out JSON, rewritten after each part
+so that a failing part keeps the others' records (a failed part leaves a record with "error").
+
+Checkpoints are random bf16 weights written on the GPU machine itself (torch random tensors,
+saved with safetensors, one file per group of layers; tensor names and shapes come from the
+transformers model built on the meta device, so ninfer and transformers read the same
+checkpoint). The 27B checkpoint is 54 GB on a 64 GiB disk, so the parts run shape by shape and
+each checkpoint is deleted after its last part (--keep-checkpoints keeps them).
+
+Ceilings: the device copy rate (bytes read + written per second by a device-to-device copy,
+best of 20) measured in the same run. Batch-1 decode: fraction = bytes moved per token x tok/s /
+copy rate. Peers: transformers `generate` (bf16, eager) on the same GPU with the same shape,
+randomly initialised from the config (no checkpoint load), in a subprocess so that its memory is
+freed before ninfer loads.
+
+Usage (GPU machine; see docs/performance.md):
+    python benches/gpu_bench.py --out OUT/gpu_bench.json --commit SHA [--decode-8b] [--decode-27b]
+        [--throughput] [--startup] [--layers N] [--skip-peer]
+No part flag: all parts. --tiny runs every part on tiny shapes with ninfer on the CPU and torch
+on the CPU (a dry run of the script's logic on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+T0 = time.perf_counter()
+
+SHAPES = {
+    "llama-3-8b": dict(arch="llama", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336,
+                       vocab=128256),
+    # Qwen3.5-27B text config (shared/REFERENCES.md): 16 x [3 GDN + 1 gated attention].
+    "qwen3_5-27b": dict(arch="qwen3_5", hidden=5120, layers=64, heads=24, kv_heads=4, head_dim=256, ffn=17408,
+                        vocab=248320, lin_k_heads=16, lin_v_heads=48, lin_k_dim=128, lin_v_dim=128, conv=4),
+}
+
+#: --tiny: the same two architectures at sizes the CPU runs in seconds.
+TINY_SHAPES = {
+    "llama-3-8b": dict(arch="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512),
+    "qwen3_5-27b": dict(arch="qwen3_5", hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=512,
+                        lin_k_heads=2, lin_v_heads=4, lin_k_dim=32, lin_v_dim=32, conv=4),
+}
+
+
+def log(msg: str) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+    print(f"[{now} +{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file for the records (rewritten after each part)")
+    p.add_argument("--workdir", default="/tmp/ninfer_bench", help="where the random checkpoints are written")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--decode-8b", action="store_true", help="decode_bs1_tok_s, Llama-3-8B shape")
+    p.add_argument("--decode-27b", action="store_true", help="decode_bs1_tok_s, Qwen3.5-27B shape")
+    p.add_argument("--throughput", action="store_true", help="decode_throughput_tok_s, Llama-3-8B shape")
+    p.add_argument("--startup", action="store_true", help="startup_s of `ninfer serve`, Qwen3.5-27B shape")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of both shapes (default: the real count); a subset is noted in the records")
+    p.add_argument("--prompt", type=int, default=128, help="batch-1 decode: prompt tokens")
+    p.add_argument("--tokens", type=int, default=256, help="batch-1 decode: decode tokens timed")
+    p.add_argument("--concurrency", default="1,8,32,64", help="throughput: concurrency levels")
+    p.add_argument("--tp-prompt", type=int, default=1024, help="throughput: prompt tokens per request")
+    p.add_argument("--tp-tokens", type=int, default=256, help="throughput: output tokens per request")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="throughput: engine tokens per step")
+    p.add_argument("--peer-budget-s", type=float, default=150.0,
+                   help="throughput: skip a peer level whose estimated time exceeds this")
+    p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
+    p.add_argument("--peer-worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if not (a.decode_8b or a.decode_27b or a.throughput or a.startup):
+        a.decode_8b = a.decode_27b = a.throughput = a.startup = True
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, checkpoints, ceilings
+
+
+class Bench:
+    """What every part shares: the device, shapes, the copy rate, the records written so far."""
+
+    def __init__(self, a: argparse.Namespace):
+        import torch
+
+        self.a = a
+        self.torch = torch
+        self.tiny = a.tiny
+        self.dev = "cpu" if a.tiny else "cuda"
+        self.ninfer_device = "cpu" if a.tiny else "cuda"
+        self.shapes = TINY_SHAPES if a.tiny else SHAPES
+        self.workdir = Path(a.workdir)
+        self.records: list = []
+        self.device_name = device_name(a.tiny)
+        self._copy_rate = None
+
+    # -- shapes --
+
+    def shape(self, model: str) -> dict:
+        s = dict(self.shapes[model])
+        s["full_layers"] = s["layers"]
+        if self.a.layers:
+            s["layers"] = self.a.layers if s["arch"] == "llama" else max(4, self.a.layers - self.a.layers % 4)
+        return s
+
+    def hf_config(self, s: dict):
+        import transformers as tf
+
+        common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], tie_word_embeddings=False,
+                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+        if s["arch"] == "llama":
+            cfg = tf.LlamaConfig(rms_norm_eps=1e-5, rope_theta=500000.0, **common)
+            cfg.architectures = ["LlamaForCausalLM"]
+        else:
+            layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(s["layers"])]
+            cfg = tf.Qwen3_5TextConfig(rms_norm_eps=1e-6, layer_types=layer_types, linear_num_key_heads=s["lin_k_heads"],
+                                       linear_num_value_heads=s["lin_v_heads"], linear_key_head_dim=s["lin_k_dim"],
+                                       linear_value_head_dim=s["lin_v_dim"], linear_conv_kernel_dim=s["conv"],
+                                       **common)
+            cfg.architectures = ["Qwen3_5ForCausalLM"]
+        return cfg
+
+    def param_shapes(self, s: dict) -> dict:
+        """Tensor name -> shape of the transformers model of shape `s` (built on the meta device)."""
+        import transformers as tf
+
+        torch = self.torch
+        with torch.device("meta"):
+            m = tf.AutoModelForCausalLM.from_config(self.hf_config(s))
+        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+    def checkpoint(self, model: str) -> Path:
+        """The random checkpoint of `model`, written once per run (a complete one is reused)."""
+        s = self.shape(model)
+        path = self.workdir / f"{model}-{s['layers']}l"
+        if (path / "config.json").exists():
+            return path
+        log(f"writing the random {model} checkpoint ({s['layers']} layers) to {path}")
+        t = time.perf_counter()
+        write_checkpoint(self, s, path)
+        gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+        log(f"checkpoint written: {gb:.1f} GB in {time.perf_counter() - t:.1f} s")
+        return path
+
+    def drop_checkpoint(self, model: str) -> None:
+        if self.a.keep_checkpoints:
+            return
+        path = self.workdir / f"{model}-{self.shape(model)['layers']}l"
+        if path.exists():
+            shutil.rmtree(path)
+            log(f"deleted {path}")
+
+    def weight_bytes(self, s: dict) -> tuple:
+        """(bytes of every weight a decode step reads: all but the embedding table, plus one
+        embedding row; total checkpoint bytes), bf16."""
+        shapes = self.param_shapes(s)
+        total = sum(prod(v) for v in shapes.values()) * 2
+        embed = sum(prod(v) for k, v in shapes.items() if "embed_tokens" in k) * 2
+        return total - embed + s["hidden"] * 2, total
+
+    def bytes_per_token(self, s: dict, context: int, batch: int = 1) -> int:
+        """Bytes one decode step of `batch` sequences at `context` tokens moves: the weights once,
+        per sequence the KV cache read (attention layers) and the recurrent state read and
+        written (Gated DeltaNet layers: f32 delta state, bf16 conv state)."""
+        weights, _ = self.weight_bytes(s)
+        if s["arch"] == "llama":
+            n_attn, n_lin = s["layers"], 0
+        else:
+            n_attn = s["layers"] // 4
+            n_lin = s["layers"] - n_attn
+        kv = n_attn * 2 * s["kv_heads"] * s["head_dim"] * context * 2
+        state = 0
+        if n_lin:
+            conv_dim = 2 * s["lin_k_heads"] * s["lin_k_dim"] + s["lin_v_heads"] * s["lin_v_dim"]
+            delta = s["lin_v_heads"] * s["lin_k_dim"] * s["lin_v_dim"] * 4
+            state = n_lin * 2 * (delta + conv_dim * (s["conv"] - 1) * 2)
+        return weights + batch * (kv + state)
+
+    def copy_rate(self) -> float:
+        if self._copy_rate is None:
+            self._copy_rate = copy_rate(self.torch, self.dev)
+            log(f"device copy rate {self._copy_rate / 1e12:.3f} TB/s (read + write)")
+        return self._copy_rate
+
+    # -- records --
+
+    def record(self, metric: str, model: str, value, s: dict, **fields) -> dict:
+        rec = {
+            "commit": self.a.commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": self.device_name,
+            "command": "python " + " ".join(sys.argv),
+            "model": model,
+            "metric": metric,
+            "value": value,
+            "fraction_of_ceiling": None,
+            "peer": None,
+            "peer_value": None,
+            "layers": s["layers"],
+            "dtype": "bf16",
+            "random_weights": True,
+        }
+        if s["layers"] != s["full_layers"]:
+            rec["subset_note"] = (f"{s['layers']} of {s['full_layers']} layers: the weight bytes per token and the "
+                                  "load time scale about linearly with the layers; tok/s does not (the LM head and "
+                                  "per-step host costs are fixed), so do not extrapolate it")
+        if self.tiny:
+            rec["tiny_dry_run"] = "tiny shapes on the CPU: checks the script, measures nothing"
+        rec.update(fields)
+        return rec
+
+    def add(self, recs: list) -> None:
+        self.records.extend(recs)
+        out = Path(self.a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.records, indent=2) + "\n")
+        for r in recs:
+            log(f"record {r['metric']} {r['model']}: value {r.get('value')}, fraction {r.get('fraction_of_ceiling')}, "
+                f"peer {r.get('peer_value')}" + (f", error {r['error']}" if "error" in r else ""))
+
+
+def prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def device_name(tiny: bool) -> str:
+    if tiny:
+        return "cpu (tiny dry run)"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return out[0] if out else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_checkpoint(b: Bench, s: dict, path: Path) -> None:
+    """Random bf16 weights (std 0.02; norms the identity: 1, or 0 for Qwen3.5's zero-centred
+    norms; A_log = log(U(1, 16)) and dt_bias 1 as transformers initialises them), one safetensors
+    file per group of layers so that host memory stays at one group."""
+    from safetensors.torch import save_file
+
+    torch = b.torch
+    cfg = b.hf_config(s)
+    shapes = b.param_shapes(s)
+    path.mkdir(parents=True, exist_ok=True)
+    for f in path.glob("*"):
+        f.unlink()
+    g = torch.Generator(device=b.dev).manual_seed(0)
+    zero_centred = s["arch"] == "qwen3_5"
+
+    def tensor(name: str, shape: tuple):
+        if name.endswith("A_log"):
+            return torch.log(torch.empty(shape, device=b.dev).uniform_(1, 16, generator=g)).to(torch.bfloat16)
+        if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16)
+        if name.endswith("norm.weight"):
+            return (torch.zeros if zero_centred else torch.ones)(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=g, device=b.dev, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+
+    def group_of(name: str) -> str:
+        if ".layers." in name:
+            return f"layers{int(name.split('.layers.')[1].split('.')[0]) // 4:03d}"
+        return "embed" if "embed_tokens" in name else "head"
+
+    groups: dict = {}
+    for name, shape in shapes.items():
+        groups.setdefault(group_of(name), []).append((name, shape))
+    index = {}
+    for n, (gname, members) in enumerate(sorted(groups.items())):
+        fname = f"model-{n:05d}-{gname}.safetensors"
+        save_file({name: tensor(name, shape).cpu().contiguous() for name, shape in members}, str(path / fname),
+                  metadata={"format": "pt"})
+        index.update({name: fname for name, _ in members})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    # Last, so that a present config.json means a complete checkpoint.
+    cfg.save_pretrained(str(path))
+
+
+def copy_rate(torch, dev: str) -> float:
+    """Device copy bytes (read + written) per second, best of 20 copies of 2 GiB (64 MiB on the CPU)."""
+    n = (1 << 25) if dev == "cpu" else (1 << 30)
+    a = torch.empty(n, dtype=torch.int16, device=dev)
+    bb = torch.empty_like(a)
+    for _ in range(3):
+        bb.copy_(a)
+    best = float("inf")
+    for _ in range(20):
+        if dev == "cpu":
+            t = time.perf_counter()
+            bb.copy_(a)
+            best = min(best, time.perf_counter() - t)
+            continue
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        bb.copy_(a)
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    del a, bb
+    if dev != "cpu":
+        torch.cuda.empty_cache()
+    return 2 * 2 * n / best
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list:
+    import random
+
+    r = random.Random(seed)
+    return [r.randrange(3, vocab) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers: transformers generate in a subprocess
+
+
+def run_peer(b: Bench, job: dict, timeout_s: float = 1200) -> dict:
+    """Runs `job` in a fresh interpreter (`--peer-worker`); returns its JSON answer."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--peer-worker", json.dumps(job)]
+    if b.tiny:
+        cmd.append("--tiny")
+    if b.a.layers:
+        cmd += ["--layers", str(b.a.layers)]
+    log(f"peer: {job['kind']} {job['model']} (subprocess)")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode != 0:
+        raise RuntimeError(f"peer worker failed ({p.returncode}): {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def peer_worker(a: argparse.Namespace) -> None:
+    """transformers `generate`, bf16, eager, random init from the config on the device."""
+    import torch
+    import transformers as tf
+
+    job = json.loads(a.peer_worker)
+    b = Bench(a)
+    s = b.shape(job["model"])
+    dev = b.dev
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = tf.AutoModelForCausalLM.from_config(b.hf_config(s), dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+
+    def sync():
+        if dev != "cpu":
+            torch.cuda.synchronize()
+
+    def gen(ids, k: int) -> float:
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=k,
+                           min_new_tokens=k, pad_token_id=0, eos_token_id=None)
+        sync()
+        return time.perf_counter() - t
+
+    if job["kind"] == "decode":
+        ids = torch.tensor([random_prompt(job["prompt"], s["vocab"], 1)], device=dev)
+        gen(ids, 4)
+        one, full = gen(ids, 1), gen(ids, job["tokens"] + 1)
+        print(json.dumps({"tok_s": job["tokens"] / (full - one), "tokens": job["tokens"]}))
+    else:
+        out = {}
+        for c in job["levels"]:
+            ids = torch.tensor([random_prompt(job["prompt"], s["vocab"], 100 + i) for i in range(c)], device=dev)
+            secs = gen(ids, job["tokens"])
+            out[str(c)] = {"tok_s": c * job["tokens"] / secs, "secs": secs}
+            print(f"peer throughput c={c}: {out[str(c)]['tok_s']:.1f} tok/s in {secs:.1f} s", file=sys.stderr, flush=True)
+        print(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Parts
+
+
+def ninfer_engine(b: Bench, path: Path, **kw):
+    from ninfer import _core
+
+    t = time.perf_counter()
+    eng = _core.Engine(str(path), device=b.ninfer_device, prefix_reuse=False, **kw)
+    return eng, time.perf_counter() - t
+
+
+def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
+    """(decode tok/s over the steps after the first token, load seconds), one greedy request."""
+    eng, load_s = ninfer_engine(b, path, max_context=max(2048, len(prompt) + n + 16), kv_capacity=4096,
+                                max_concurrency=4, prefill_chunk=512)
+    params = json.dumps({"max_tokens": n + 1, "temperature": 0.0, "ignore_eos": True})
+
+    def run(rid: str) -> tuple:
+        eng.submit(rid, prompt, params)
+        got = 0
+        while got == 0:
+            got += sum(len(d["token_ids"]) for d in eng.step())
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            got += sum(len(d["token_ids"]) for d in eng.step())
+        return got - 1, time.perf_counter() - t
+
+    run("warmup")
+    toks, secs = run("timed")
+    eng.shutdown()
+    return toks / secs, load_s
+
+
+def part_decode(b: Bench, model: str) -> list:
+    a = b.a
+    s = b.shape(model)
+    path = b.checkpoint(model)
+    rate = b.copy_rate()
+    prompt = random_prompt(a.prompt, s["vocab"], 1)
+    peer_tokens = min(a.tokens, 128 if s["arch"] == "llama" else 64)
+    peer = None
+    if not a.skip_peer:
+        peer = run_peer(b, {"kind": "decode", "model": model, "prompt": a.prompt, "tokens": peer_tokens})["tok_s"]
+        log(f"transformers generate bs1 {model}: {peer:.2f} tok/s")
+    log(f"ninfer decode bs1 {model}: loading")
+    tok_s, load_s = ninfer_decode(b, path, prompt, a.tokens)
+    ctx = a.prompt + a.tokens // 2
+    moved = b.bytes_per_token(s, ctx)
+    frac = moved * tok_s / rate
+    log(f"ninfer decode bs1 {model}: {tok_s:.2f} tok/s (load {load_s:.1f} s), {frac:.3f} of the copy rate")
+    return [b.record("decode_bs1_tok_s", model, round(tok_s, 2), s,
+                     fraction_of_ceiling=round(frac, 4),
+                     ceiling="device copy rate: bytes moved per token (weights read, KV read, recurrent state read "
+                             "and written, at the mean context) x tok/s / copy rate",
+                     copy_rate_bytes_s=round(rate), bytes_moved_per_token=moved,
+                     peer="transformers generate (bf16, eager, random init from the config, same GPU)",
+                     peer_value=round(peer, 2) if peer else None, peer_decode_tokens=peer_tokens,
+                     prompt_tokens=a.prompt, output_tokens=a.tokens, batch=1, ninfer_load_s=round(load_s, 1))]
+
+
+def part_throughput(b: Bench) -> list:
+    a = b.a
+    model = "llama-3-8b"
+    s = b.shape(model)
+    path = b.checkpoint(model)
+    rate = b.copy_rate()
+    levels = [int(x) for x in a.concurrency.split(",")]
+    plen, olen = a.tp_prompt, a.tp_tokens
+    if b.tiny:
+        plen, olen = min(plen, 64), min(olen, 16)
+    peers: dict = {}
+    peer_note = None
+    if a.skip_peer:
+        peer_note = "--skip-peer"
+    else:
+        # One level first to estimate the others' time (eager generate is launch-bound: its step
+        # time grows slowly with the batch, so the next level takes about as long as this one).
+        done: list = []
+        for c in levels:
+            if done:
+                last = peers[str(done[-1])]["secs"]
+                if last * 1.5 > a.peer_budget_s:
+                    peers[str(c)] = {"skipped": f"estimated {last * 1.5:.0f} s > --peer-budget-s {a.peer_budget_s:.0f}"}
+                    continue
+            try:
+                got = run_peer(b, {"kind": "throughput", "model": model, "prompt": plen, "tokens": olen, "levels": [c]},
+                               timeout_s=max(600, 4 * a.peer_budget_s))
+                peers.update(got)
+                done.append(c)
+            except Exception as e:  # noqa: BLE001 - an out-of-memory peer must not lose ninfer's record
+                peers[str(c)] = {"skipped": f"failed: {str(e)[-300:]}"}
+    eng, load_s = ninfer_engine(b, path, max_context=plen + olen + 16, kv_capacity=max(levels) * (plen + olen + 32),
+                                max_concurrency=max(levels), prefill_chunk=a.prefill_chunk)
+    params = json.dumps({"max_tokens": olen, "temperature": 0.0, "ignore_eos": True})
+    eng.submit("warmup", random_prompt(plen, s["vocab"], 7), json.dumps({"max_tokens": 8, "ignore_eos": True}))
+    while eng.has_unfinished():
+        eng.step()
+    recs = []
+    for c in levels:
+        first: dict = {}
+        counts: dict = {}
+        all_first = None  # when the last request got its first token: the decode phase starts
+        after_first = 0  # tokens generated in the steps after that
+        t0 = time.perf_counter()
+        for i in range(c):
+            eng.submit(f"c{c}-{i}", random_prompt(plen, s["vocab"], 1000 * c + i), params)
+        while eng.has_unfinished():
+            deltas = eng.step()
+            now = time.perf_counter()
+            for d in deltas:
+                n = len(d["token_ids"])
+                if not n:
+                    continue
+                rid = d["request_id"]
+                counts[rid] = counts.get(rid, 0) + n
+                first.setdefault(rid, now)
+                if all_first is not None:
+                    after_first += n
+            if all_first is None and len(first) == c:
+                all_first = now
+        t_end = time.perf_counter()
+        if all_first is None:
+            all_first = t_end
+        total = sum(counts.values())
+        tok_s = total / (t_end - t0)
+        decode_s = t_end - all_first
+        decode_tok_s = after_first / decode_s if decode_s > 0 else None
+        ctx = plen + olen // 2
+        ceiling = c * rate / b.bytes_per_token(s, ctx, batch=c) * 1.0
+        decode_frac = decode_tok_s / ceiling if decode_tok_s else None
+        peer = peers.get(str(c), {})
+        log(f"ninfer throughput c={c}: {tok_s:.1f} output tok/s ({total} tokens in {t_end - t0:.1f} s); decode phase "
+            f"{decode_tok_s or 0:.1f} tok/s = {decode_frac or 0:.3f} of its bandwidth ceiling")
+        recs.append(b.record(
+            "decode_throughput_tok_s", model, round(tok_s, 1), s,
+            fraction_of_ceiling=None,
+            ceiling_note=("none for the whole run: it mixes the prefill of the 1k-token prompts (compute-bound) "
+                          "with decode (bandwidth-bound). The decode phase alone (after every request's first "
+                          "token) is given with its bandwidth roofline: weights once per step plus each "
+                          "sequence's KV cache at the mean context, at the copy rate"),
+            decode_phase_tok_s=round(decode_tok_s, 1) if decode_tok_s else None,
+            decode_phase_fraction_of_bandwidth=round(decode_frac, 4) if decode_frac else None,
+            copy_rate_bytes_s=round(rate),
+            peer="transformers generate, padded batch of the same size (bf16, eager, random init, same GPU), "
+                 "output tokens / generate time",
+            peer_value=round(peer["tok_s"], 1) if "tok_s" in peer else None,
+            peer_note=peer.get("skipped", peer_note),
+            concurrency=c, batch=c, prompt_tokens=plen, output_tokens=olen, requests=c, wall_s=round(t_end - t0, 2),
+            prefill_chunk=a.prefill_chunk, ninfer_load_s=round(load_s, 1)))
+    eng.shutdown()
+    return recs
+
+
+def preread(path: Path) -> tuple:
+    """Reads every file of `path` once (into the page cache); (bytes, seconds)."""
+    files = sorted(path.glob("*.safetensors"))
+    t = time.perf_counter()
+
+    def read(f: Path) -> int:
+        n = 0
+        with open(f, "rb", buffering=0) as fh:
+            while True:
+                chunk = fh.read(64 << 20)
+                if not chunk:
+                    return n
+                n += len(chunk)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        total = sum(ex.map(read, files))
+    return total, time.perf_counter() - t
+
+
+def free_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def first_streamed_token(port: int, prompt: list, deadline: float) -> float:
+    """Sends a streaming completion until the server takes it; returns when the first SSE data
+    event with a token arrives."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True, "ignore_eos": True, "temperature": 0})
+    while time.perf_counter() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status == 503:
+                resp.read()
+                conn.close()
+                time.sleep(0.05)
+                continue
+            if resp.status != 200:
+                raise RuntimeError(f"completion request failed: HTTP {resp.status} {resp.read()[:500]!r}")
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise RuntimeError("stream ended without a token")
+                if line.startswith(b"data:") and b"choices" in line:
+                    t = time.perf_counter()
+                    conn.close()
+                    return t
+        except (ConnectionError, OSError) as e:
+            if isinstance(e, socket.timeout):
+                raise
+            time.sleep(0.05)
+    raise TimeoutError("no streamed token before the deadline")
+
+
+def part_startup(b: Bench) -> list:
+    model = "qwen3_5-27b"
+    s = b.shape(model)
+    path = b.checkpoint(model)
+    nbytes, secs = preread(path)
+    log(f"pre-read {nbytes / 1e9:.1f} GB in {secs:.1f} s ({nbytes / 1e9 / max(secs, 1e-9):.1f} GB/s) into the page cache")
+    cache = os.environ.get("NINFER_KERNEL_CACHE", "")
+    kernels_cached = bool(cache) and Path(cache).is_dir() and any(Path(cache).iterdir())
+    out_dir = Path(b.a.out).resolve().parent
+    log_path = out_dir / "startup_serve.log"
+    port = free_port()
+    args = [sys.executable, "-m", "ninfer.server.serve", str(path), "--device", b.ninfer_device, "--port", str(port),
+            "--max-context", "4096", "--kv-capacity", "8192", "--max-concurrency", "4"]
+    prompt = random_prompt(32, s["vocab"], 5)
+    with open(log_path, "w") as lf:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT)
+        try:
+            t1 = first_streamed_token(port, prompt, t0 + 900)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    startup = t1 - t0
+    loaded = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "loaded" in ln]
+    log(f"startup: first streamed token {startup:.1f} s after the process started; {loaded[-1] if loaded else ''}")
+    _, total_bytes = b.weight_bytes(s)
+    return [b.record("startup_s", model, round(startup, 2), s,
+                     fraction_of_ceiling=None,
+                     ceiling_note="none defined (target: under 30 s with the weights in the page cache)",
+                     command_measured=" ".join(args[1:]), weights_bytes=total_bytes,
+                     page_cache_preread_gb_s=round(nbytes / 1e9 / max(secs, 1e-9), 2),
+                     kernel_cache_warm=kernels_cached, server_load_line=loaded[-1] if loaded else None,
+                     prompt_tokens=len(prompt), output_tokens=1, batch=1,
+                     peer=None, peer_note="no peer measured for startup")]
+
+
+def guarded(b: Bench, name: str, model: str, fn) -> None:
+    log(f"=== {name} ===")
+    t = time.perf_counter()
+    try:
+        recs = fn()
+    except Exception as e:  # noqa: BLE001 - one part's failure must not lose the others' records
+        traceback.print_exc()
+        s = b.shape(model)
+        recs = [b.record(name, model, None, s, error=f"{type(e).__name__}: {str(e)[-1500:]}")]
+    log(f"=== {name} done in {time.perf_counter() - t:.1f} s ===")
+    b.add(recs)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.peer_worker:
+        peer_worker(a)
+        return 0
+    b = Bench(a)
+    log(f"device {b.device_name}; parts: " + ", ".join(
+        n for n, on in (("decode-8b", a.decode_8b), ("throughput", a.throughput), ("decode-27b", a.decode_27b),
+                        ("startup", a.startup)) if on))
+    # Shape by shape: the two checkpoints do not fit the disk together.
+    if a.decode_8b:
+        guarded(b, "decode_bs1_tok_s", "llama-3-8b", lambda: part_decode(b, "llama-3-8b"))
+    if a.throughput:
+        guarded(b, "decode_throughput_tok_s", "llama-3-8b", lambda: part_throughput(b))
+    b.drop_checkpoint("llama-3-8b")
+    if a.startup:
+        guarded(b, "startup_s", "qwen3_5-27b", lambda: part_startup(b))
+    if a.decode_27b:
+        guarded(b, "decode_bs1_tok_s", "qwen3_5-27b", lambda: part_decode(b, "qwen3_5-27b"))
+    b.drop_checkpoint("qwen3_5-27b")
+    errors = [r for r in b.records if "error" in r]
+    log(f"{len(b.records)} records in {a.out}, {len(errors)} failed parts")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

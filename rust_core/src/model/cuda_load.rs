@@ -1,0 +1,380 @@
+//! Loading a checkpoint straight into `DevWeights`, without the CPU path's f32 host layouts.
+//!
+//! Why: the CPU layouts are f32 (twice the bytes of a bf16 checkpoint) and were built single
+//! threaded before the upload; a 16 GB checkpoint took 54 s. Here every device tensor is
+//! described as a `Packed` list of segments of validated checkpoint tensors (the fused
+//! projections are several tensors, Qwen3.5's gated q_proj is reordered block by block) and
+//! streamed to the device in chunks through a ring of pinned staging buffers: rayon threads
+//! fill one buffer (bf16 -> bf16 is a positioned read straight from the file; other dtypes are
+//! converted element by element) while the copy engine drains the ones filled before, so host
+//! reads and PCIe copies overlap and host memory stays at the ring's size.
+//!
+//! What lands on the device is what `cuda_weights` documents: norm weights as stored (the
+//! kernels add 1 for zero-centred models), `A_log` and `dt_bias` in f32, the GDN input
+//! projection as four buffers.
+
+use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
+use rayon::prelude::*;
+use ::safetensors::Dtype;
+
+use crate::artifact::{RawTensor, WeightStore};
+use crate::backend::cuda::device::driver_err;
+use crate::backend::cuda::kernels::StorageDType;
+use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
+use crate::backend::cuda::CudaDevice;
+use crate::config::{LayerType, ModelConfig};
+use crate::{NinferError, Result};
+
+use super::cuda_weights::{DevAttention, DevGdn, DevLayer, DevLinear, DevMixer, DevWeights};
+use super::weights::names;
+
+/// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
+struct Segment {
+    part: usize,
+    src: usize,
+    len: usize,
+    dst: usize,
+}
+
+/// One device tensor in storage type, assembled from checkpoint tensors.
+pub struct Packed<'a> {
+    parts: Vec<RawTensor<'a>>,
+    /// Sorted by `dst`, covering `0..numel` without gaps.
+    segments: Vec<Segment>,
+    numel: usize,
+}
+
+/// Elements converted per rayon task (2 MiB of bf16: large enough that a positioned read is
+/// efficient, small enough to spread a staging buffer over all cores).
+const TASK_ELEMS: usize = 1 << 20;
+
+impl<'a> Packed<'a> {
+    /// The checkpoint tensors one after the other (a fused projection's row blocks).
+    pub fn concat(parts: Vec<RawTensor<'a>>) -> Self {
+        let mut segments = Vec::with_capacity(parts.len());
+        let mut dst = 0;
+        for (i, p) in parts.iter().enumerate() {
+            segments.push(Segment { part: i, src: 0, len: p.numel, dst });
+            dst += p.numel;
+        }
+        Packed { parts, segments, numel: dst }
+    }
+
+    /// One checkpoint tensor as is.
+    pub fn single(t: RawTensor<'a>) -> Self {
+        Self::concat(vec![t])
+    }
+
+    /// Elements in the packed tensor.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Replaces the first part (which must start at 0) by its `blocks` equal blocks taken in
+    /// the order `source_block(d)` gives for destination block `d`.
+    fn permute_first_part(mut self, blocks: usize, source_block: impl Fn(usize) -> usize) -> Self {
+        let first = &self.segments[0];
+        debug_assert!(first.part == 0 && first.dst == 0 && first.len.is_multiple_of(blocks));
+        let block = first.len / blocks;
+        let permuted = (0..blocks).map(|d| Segment { part: 0, src: source_block(d) * block, len: block, dst: d * block });
+        self.segments.splice(0..1, permuted);
+        self
+    }
+
+    /// Elements `first..first + out.len()` of the packed tensor as `storage` bits, spread over
+    /// the rayon pool. `read`: copy same-type bytes with positioned file reads rather than
+    /// through the mapping.
+    pub fn fill(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+        out.par_chunks_mut(TASK_ELEMS).enumerate().try_for_each(|(i, chunk)| self.fill_serial(first + i * TASK_ELEMS, chunk, storage, read))
+    }
+
+    fn fill_serial(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+        let end = first + out.len();
+        let start = self.segments.partition_point(|s| s.dst + s.len <= first);
+        for seg in self.segments[start..].iter().take_while(|s| s.dst < end) {
+            let lo = seg.dst.max(first);
+            let hi = (seg.dst + seg.len).min(end);
+            let src = seg.src + (lo - seg.dst);
+            convert(&self.parts[seg.part], src, &mut out[lo - first..hi - first], storage, read)?;
+        }
+        Ok(())
+    }
+}
+
+static READ_FALLBACK: std::sync::Once = std::sync::Once::new();
+
+/// Elements `src..src + out.len()` of `t` as `storage` bits.
+fn convert(t: &RawTensor<'_>, src: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+    let n = out.len();
+    match (t.dtype, storage) {
+        (Dtype::BF16, StorageDType::Bf16) | (Dtype::F16, StorageDType::F16) => {
+            if read && cfg!(target_endian = "little") {
+                // SAFETY: u16 has no invalid bit patterns and u8 has alignment 1; on a
+                // little-endian host the stored bytes are the u16 values.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), 2 * n) };
+                match t.read_into(2 * src, bytes) {
+                    Ok(()) => return Ok(()),
+                    // The mapping holds the same bytes: a sandbox that refuses reads into
+                    // pinned memory costs speed, not the load.
+                    Err(e) => READ_FALLBACK.call_once(|| eprintln!("ninfer: positioned read failed ({e}); copying through the mapping")),
+                }
+            }
+            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
+                *o = u16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        (Dtype::BF16, StorageDType::F16) => {
+            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
+                *o = storage_bit_from_bf16(u16::from_le_bytes([b[0], b[1]]), storage);
+            }
+        }
+        _ => {
+            // F32 or F16 sources (and F16 into bf16): through f32, rounding to nearest even once.
+            let mut tmp = vec![0f32; n];
+            t.f32_into(src, &mut tmp);
+            for (o, v) in out.iter_mut().zip(tmp) {
+                *o = storage_bit_from_f32(v, storage);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where packed tensors go: device buffers, or host vectors in the packing test.
+pub trait Sink {
+    /// A storage-type buffer.
+    type W;
+    /// An f32 buffer.
+    type F;
+    fn storage(&mut self, t: &Packed<'_>) -> Result<Self::W>;
+    fn f32(&mut self, values: &[f32]) -> Result<Self::F>;
+}
+
+/// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
+/// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
+pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<DevWeights<S::W, S::F>> {
+    let b = Builder { store, cfg };
+    let prefix = names::decoder_prefix(store);
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    let mut layers = Vec::with_capacity(cfg.layer_types.len());
+    let mut bytes = 0;
+    for (i, kind) in cfg.layer_types.iter().enumerate() {
+        let p = names::layer(prefix, i);
+        let mixer = match kind {
+            LayerType::FullAttention => DevMixer::Attention(Box::new(b.attention(sink, &names::mixer(&p, *kind), &mut bytes)?)),
+            LayerType::LinearAttention => DevMixer::Gdn(Box::new(b.gdn(sink, &names::mixer(&p, *kind), &mut bytes)?)),
+        };
+        let gate_up = names::gate_up(cfg, &p).iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
+        layers.push(DevLayer {
+            input_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), &mut bytes)?,
+            post_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), &mut bytes)?,
+            mixer,
+            gate_up: b.linear(sink, Packed::concat(gate_up), h, &mut bytes)?,
+            down: b.linear(sink, Packed::single(store.raw(&format!("{p}.mlp.down_proj.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, &mut bytes)?,
+        });
+    }
+    let lm_head = if cfg.tie_word_embeddings { None } else { Some(b.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
+    let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
+    let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
+    Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
+}
+
+struct Builder<'a> {
+    store: &'a WeightStore,
+    cfg: &'a ModelConfig,
+}
+
+impl<'a> Builder<'a> {
+    fn put<S: Sink>(&self, sink: &mut S, t: Packed<'_>, bytes: &mut usize) -> Result<S::W> {
+        *bytes += 2 * t.numel();
+        sink.storage(&t)
+    }
+
+    fn put_f32<S: Sink>(&self, sink: &mut S, name: &str, n: usize, bytes: &mut usize) -> Result<S::F> {
+        let values = self.store.load_f32(name, &[n])?;
+        *bytes += 4 * n;
+        sink.f32(&values)
+    }
+
+    fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<DevLinear<S::W>> {
+        let n = t.numel() / k;
+        Ok(DevLinear { w: self.put(sink, t, bytes)?, n, k })
+    }
+
+    fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'a>> {
+        self.store.raw(&format!("{name}.weight"), &[rows, cols])
+    }
+
+    fn attention<S: Sink>(&self, sink: &mut S, p: &str, bytes: &mut usize) -> Result<DevAttention<S::W>> {
+        let c = self.cfg;
+        let (h, nh, hd) = (c.hidden_size, c.num_attention_heads, c.head_dim);
+        let parts = names::attention_qkv(c, p).iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
+        let mut qkv = Packed::concat(parts);
+        if c.attn_output_gate {
+            qkv = qkv.permute_first_part(2 * nh, |d| names::gated_query_source_block(d, nh));
+        }
+        let (q_norm, k_norm) = if c.qk_norm {
+            let q = Packed::single(self.store.raw(&format!("{p}.q_norm.weight"), &[hd])?);
+            let k = Packed::single(self.store.raw(&format!("{p}.k_norm.weight"), &[hd])?);
+            (Some(self.put(sink, q, bytes)?), Some(self.put(sink, k, bytes)?))
+        } else {
+            (None, None)
+        };
+        Ok(DevAttention {
+            qkv: self.linear(sink, qkv, h, bytes)?,
+            o: self.linear(sink, Packed::single(self.weight(&format!("{p}.o_proj"), h, nh * hd)?), nh * hd, bytes)?,
+            q_norm,
+            k_norm,
+        })
+    }
+
+    fn gdn<S: Sink>(&self, sink: &mut S, p: &str, bytes: &mut usize) -> Result<DevGdn<S::W, S::F>> {
+        let c = self.cfg;
+        let la = c.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
+        let (h, cd, vd, nv) = (c.hidden_size, la.conv_dim(), la.value_dim(), la.num_value_heads);
+        let [qkv, z, b, a] = names::gdn_in_proj(c, p)?;
+        let conv_b_name = format!("{p}.conv1d.bias");
+        let conv_b = if self.store.contains(&conv_b_name) { Some(self.put(sink, Packed::single(self.store.raw(&conv_b_name, &[cd])?), bytes)?) } else { None };
+        Ok(DevGdn {
+            qkv: self.linear(sink, Packed::single(self.weight(&qkv.name, qkv.rows, h)?), h, bytes)?,
+            z: self.linear(sink, Packed::single(self.weight(&z.name, z.rows, h)?), h, bytes)?,
+            b: self.linear(sink, Packed::single(self.weight(&b.name, b.rows, h)?), h, bytes)?,
+            a: self.linear(sink, Packed::single(self.weight(&a.name, a.rows, h)?), h, bytes)?,
+            conv_w: self.put(sink, Packed::single(self.store.raw(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?), bytes)?,
+            conv_b,
+            a_log: self.put_f32(sink, &format!("{p}.A_log"), nv, bytes)?,
+            dt_bias: self.put_f32(sink, &format!("{p}.dt_bias"), nv, bytes)?,
+            norm: self.put(sink, Packed::single(self.store.raw(&format!("{p}.norm.weight"), &[la.value_head_dim])?), bytes)?,
+            out: self.linear(sink, Packed::single(self.weight(&format!("{p}.out_proj"), h, vd)?), vd, bytes)?,
+        })
+    }
+}
+
+/// Staging buffers in the ring: with four, three chunks can be in flight on the copy engine
+/// while the host fills the fourth.
+const STAGES: usize = 4;
+/// Elements per staging buffer (32 MiB of 16-bit values).
+const STAGE_ELEMS: usize = 16 << 20;
+
+/// A host buffer the copy engine reads from: pinned when the driver grants it (asynchronous
+/// copies), pageable otherwise (the driver then copies synchronously; slower, still correct).
+enum Stage {
+    Pinned(PinnedHostSlice<u16>),
+    Pageable(Vec<u16>),
+}
+
+/// Streams packed tensors onto a device through the staging ring.
+pub struct DeviceSink<'a> {
+    dev: &'a CudaDevice,
+    stages: Vec<(Stage, CudaEvent)>,
+    next: usize,
+    read: bool,
+    /// Seconds spent filling staging buffers, and waiting for a buffer's copy to finish: which
+    /// side limits the load (printed with the load time).
+    fill_s: f64,
+    wait_s: f64,
+}
+
+impl<'a> DeviceSink<'a> {
+    /// `NINFER_LOAD_MMAP=1` copies through the memory mapping instead of positioned reads (for
+    /// comparing the two on a new machine).
+    pub fn new(dev: &'a CudaDevice) -> Result<Self> {
+        let ctx = dev.context();
+        let mut stages = Vec::with_capacity(STAGES);
+        for _ in 0..STAGES {
+            // SAFETY: the buffer is written before any copy reads from it (`fill` covers the
+            // whole prefix that is copied).
+            let stage = match unsafe { ctx.alloc_pinned::<u16>(STAGE_ELEMS) } {
+                Ok(p) => Stage::Pinned(p),
+                Err(e) => {
+                    if stages.is_empty() {
+                        eprintln!("ninfer: pinned host memory unavailable ({e}); loading through pageable buffers");
+                    }
+                    Stage::Pageable(vec![0u16; STAGE_ELEMS])
+                }
+            };
+            stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
+        }
+        let read = std::env::var("NINFER_LOAD_MMAP").map_or(true, |v| v.is_empty() || v == "0");
+        Ok(DeviceSink { dev, stages, next: 0, read, fill_s: 0.0, wait_s: 0.0 })
+    }
+}
+
+impl Drop for DeviceSink<'_> {
+    /// Copies may still read the staging buffers: wait for them before the buffers are freed
+    /// (also on an error path).
+    fn drop(&mut self) {
+        for (_, ev) in &self.stages {
+            let _ = ev.synchronize();
+        }
+    }
+}
+
+impl Sink for DeviceSink<'_> {
+    type W = CudaSlice<u16>;
+    type F = CudaSlice<f32>;
+
+    fn storage(&mut self, t: &Packed<'_>) -> Result<CudaSlice<u16>> {
+        let stream = self.dev.stream();
+        let n = t.numel();
+        let mut dst = stream.alloc_zeros::<u16>(n.max(1)).map_err(|e| out_of_memory(self.dev, 2 * n, e))?;
+        let storage = self.dev.storage();
+        let mut first = 0;
+        while first < n {
+            let len = STAGE_ELEMS.min(n - first);
+            let (stage, ev) = &mut self.stages[self.next];
+            self.next = (self.next + 1) % STAGES;
+            // The copy that last read this buffer must be done before it is refilled.
+            let clock = std::time::Instant::now();
+            ev.synchronize().map_err(driver_err("waiting for a staging buffer"))?;
+            self.wait_s += clock.elapsed().as_secs_f64();
+            let clock = std::time::Instant::now();
+            let host: &mut [u16] = match stage {
+                Stage::Pinned(p) => &mut p.as_mut_slice().map_err(driver_err("mapping a staging buffer"))?[..len],
+                Stage::Pageable(v) => &mut v[..len],
+            };
+            t.fill(first, host, storage, self.read)?;
+            self.fill_s += clock.elapsed().as_secs_f64();
+            stream.memcpy_htod(&*host, &mut dst.slice_mut(first..first + len)).map_err(driver_err("uploading weights"))?;
+            ev.record(stream).map_err(driver_err("recording a staging event"))?;
+            first += len;
+        }
+        Ok(dst)
+    }
+
+    fn f32(&mut self, values: &[f32]) -> Result<CudaSlice<f32>> {
+        self.dev.stream().clone_htod(values).map_err(driver_err("uploading weights"))
+    }
+}
+
+fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError) -> NinferError {
+    NinferError::OutOfMemory {
+        what: format!("model weights on cuda:{} ({e})", dev.ordinal()),
+        needed: needed as u64,
+        available: dev.memory_info().map(|(f, _)| f as u64).unwrap_or(0),
+        hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\"".into(),
+    }
+}
+
+impl DevWeights {
+    /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
+        dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let mut sink = DeviceSink::new(dev)?;
+        let w = build(&mut sink, store, cfg)?;
+        dev.synchronize()?;
+        let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
+        eprintln!(
+            "ninfer: weights streamed through {} staging ({}): {:.1} s filling, {:.1} s waiting for copies, {} threads",
+            if pinned { "pinned" } else { "pageable" },
+            if sink.read { "positioned reads" } else { "the mapping" },
+            sink.fill_s,
+            sink.wait_s,
+            rayon::current_num_threads()
+        );
+        Ok(w)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,248 @@
+//! The direct loader's packing against the host layouts of the CPU path (`ModelWeights`, the
+//! source of the previous device upload): for tiny checkpoints in bf16 and f32, every packed
+//! storage buffer must hold exactly the bits the old upload produced from those layouts.
+
+use std::path::{Path, PathBuf};
+
+use ::safetensors::tensor::{Dtype, TensorView};
+
+use super::*;
+use crate::backend::cuda::transfer::storage_bits_from_f32;
+use crate::model::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+
+/// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
+/// boundaries fall inside segments.
+struct HostSink {
+    storage: StorageDType,
+    read: bool,
+}
+
+impl Sink for HostSink {
+    type W = Vec<u16>;
+    type F = Vec<f32>;
+
+    fn storage(&mut self, t: &Packed<'_>) -> Result<Vec<u16>> {
+        let mut out = vec![0u16; t.numel()];
+        let mut first = 0;
+        for step in [7usize, 1, 33, 129].iter().cycle() {
+            if first == out.len() {
+                break;
+            }
+            let end = (first + step).min(out.len());
+            t.fill_serial(first, &mut out[first..end], self.storage, self.read)?;
+            first = end;
+        }
+        let mut whole = vec![0u16; t.numel()];
+        t.fill(0, &mut whole, self.storage, self.read)?;
+        same(&whole, &out, "chunked fill vs the whole fill");
+        Ok(out)
+    }
+
+    fn f32(&mut self, values: &[f32]) -> Result<Vec<f32>> {
+        Ok(values.to_vec())
+    }
+}
+
+fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6;
+            // Away from 0, so that the old path's `(1 + w) - 1` of a zero-centred norm is exact.
+            if x.abs() < 1e-3 { 1e-3 } else { x }
+        })
+        .collect()
+}
+
+/// A tiny checkpoint of `arch` with every tensor in `dtype`, in two shards.
+fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ninfer_cuda_load_{tag}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (h, v, inter, nh, nkv, hd) = (32usize, 50usize, 48usize, 4usize, 2usize, 8usize);
+    let (nk, nvh, kd, vd, kern) = (2usize, 4usize, 8usize, 8usize, 4usize);
+    let qwen = arch == "Qwen3_5ForCausalLM";
+    let types = if qwen { vec!["linear_attention", "full_attention", "linear_attention"] } else { vec!["full_attention"; 3] };
+    let cfg = serde_json::json!({"architectures": [arch], "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": 3, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": v,
+        "layer_types": types, "linear_num_key_heads": nk, "linear_num_value_heads": nvh, "linear_key_head_dim": kd,
+        "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern, "tie_word_embeddings": false,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let prefix = if qwen { "model.language_model" } else { "model" };
+    let conv = 2 * nk * kd + nvh * vd;
+    let mut t: Vec<(String, Vec<usize>)> =
+        vec![(format!("{prefix}.embed_tokens.weight"), vec![v, h]), (format!("{prefix}.norm.weight"), vec![h]), ("lm_head.weight".into(), vec![v, h])];
+    for (i, kind) in types.iter().enumerate() {
+        let p = format!("{prefix}.layers.{i}");
+        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h]));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h]));
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter]));
+        if *kind == "full_attention" {
+            let a = format!("{p}.self_attn");
+            t.push((format!("{a}.q_proj.weight"), vec![if qwen { 2 } else { 1 } * nh * hd, h]));
+            t.push((format!("{a}.k_proj.weight"), vec![nkv * hd, h]));
+            t.push((format!("{a}.v_proj.weight"), vec![nkv * hd, h]));
+            t.push((format!("{a}.o_proj.weight"), vec![h, nh * hd]));
+            if qwen {
+                t.push((format!("{a}.q_norm.weight"), vec![hd]));
+                t.push((format!("{a}.k_norm.weight"), vec![hd]));
+            }
+        } else {
+            let a = format!("{p}.linear_attn");
+            t.push((format!("{a}.in_proj_qkv.weight"), vec![conv, h]));
+            t.push((format!("{a}.in_proj_z.weight"), vec![nvh * vd, h]));
+            t.push((format!("{a}.in_proj_b.weight"), vec![nvh, h]));
+            t.push((format!("{a}.in_proj_a.weight"), vec![nvh, h]));
+            t.push((format!("{a}.conv1d.weight"), vec![conv, 1, kern]));
+            t.push((format!("{a}.conv1d.bias"), vec![conv]));
+            t.push((format!("{a}.dt_bias"), vec![nvh]));
+            t.push((format!("{a}.A_log"), vec![nvh]));
+            t.push((format!("{a}.norm.weight"), vec![vd]));
+            t.push((format!("{a}.out_proj.weight"), vec![h, nvh * vd]));
+        }
+    }
+    let bufs: Vec<Vec<u8>> = t
+        .iter()
+        .enumerate()
+        .map(|(i, (_, shape))| {
+            let vals = rand_vec(shape.iter().product(), i as u64 + 3);
+            match dtype {
+                Dtype::BF16 => vals.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+                Dtype::F16 => vals.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+                _ => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            }
+        })
+        .collect();
+    let mut index = serde_json::Map::new();
+    for (shard, range) in [(0usize, 0..t.len() / 2), (1, t.len() / 2..t.len())] {
+        let file = format!("model-{shard}.safetensors");
+        let views: Vec<(String, TensorView)> = range.map(|i| (t[i].0.clone(), TensorView::new(dtype, t[i].1.clone(), &bufs[i]).unwrap())).collect();
+        for (name, _) in &views {
+            index.insert(name.clone(), serde_json::Value::String(file.clone()));
+        }
+        ::safetensors::tensor::serialize_to_file(views, None, &dir.join(&file)).unwrap();
+    }
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": index}).to_string()).unwrap();
+    dir
+}
+
+/// What the previous upload sent for a host f32 tensor.
+fn old_bits(values: &[f32], st: StorageDType) -> Vec<u16> {
+    storage_bits_from_f32(values, st)
+}
+
+/// What it sent for a host norm weight (`1 + w` on zero-centred models, uploaded as `w`).
+fn old_norm(w: &[f32], plus_one: bool, st: StorageDType) -> Vec<u16> {
+    let raw: Vec<f32> = if plus_one { w.iter().map(|x| x - 1.0).collect() } else { w.to_vec() };
+    old_bits(&raw, st)
+}
+
+/// Equal slices, or a panic naming the first differing element (not the whole tensor).
+fn same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: element {i} of {} differs: {:?}, want {:?}", got.len(), got[i], want[i]);
+    }
+}
+
+fn rows(l: &Linear, r0: usize, r1: usize, st: StorageDType) -> Vec<u16> {
+    old_bits(&l.w[r0 * l.k..r1 * l.k], st)
+}
+
+fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, Vec<f32>>, st: StorageDType, li: usize) {
+    let p1 = cfg.zero_centered_norm;
+    same(&dev.input_norm, &old_norm(&host.input_norm, p1, st), &format!("layer {li} input_norm"));
+    same(&dev.post_norm, &old_norm(&host.post_norm, p1, st), &format!("layer {li} post_norm"));
+    same(&dev.gate_up.w, &old_bits(&host.gate_up.w, st), &format!("layer {li} gate_up"));
+    assert_eq!((dev.gate_up.n, dev.gate_up.k), (host.gate_up.n, host.gate_up.k));
+    same(&dev.down.w, &old_bits(&host.down.w, st), &format!("layer {li} down"));
+    match (&host.mixer, &dev.mixer) {
+        (Mixer::Attention(a), DevMixer::Attention(d)) => {
+            same(&d.qkv.w, &old_bits(&a.qkv.w, st), &format!("layer {li} qkv"));
+            assert_eq!((d.qkv.n, d.qkv.k, d.o.n, d.o.k), (a.qkv.n, a.qkv.k, a.o.n, a.o.k));
+            same(&d.o.w, &old_bits(&a.o.w, st), &format!("layer {li} o"));
+            assert_eq!(d.q_norm, a.q_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} q_norm");
+            assert_eq!(d.k_norm, a.k_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} k_norm");
+        }
+        (Mixer::Gdn(g), DevMixer::Gdn(d)) => {
+            let la = cfg.linear_attention.unwrap();
+            let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
+            same(&d.qkv.w, &rows(&g.in_proj, 0, cd, st), &format!("layer {li} gdn qkv"));
+            same(&d.z.w, &rows(&g.in_proj, cd, cd + vd, st), &format!("layer {li} gdn z"));
+            same(&d.b.w, &rows(&g.in_proj, cd + vd, cd + vd + nv, st), &format!("layer {li} gdn b"));
+            same(&d.a.w, &rows(&g.in_proj, cd + vd + nv, cd + vd + 2 * nv, st), &format!("layer {li} gdn a"));
+            assert_eq!((d.qkv.n, d.z.n, d.b.n, d.a.n, d.out.n, d.out.k), (cd, vd, nv, nv, g.out_proj.n, g.out_proj.k));
+            same(&d.conv_w, &old_bits(&g.conv_w, st), &format!("layer {li} conv_w"));
+            assert_eq!(d.conv_b, g.conv_b.as_deref().map(|b| old_bits(b, st)), "layer {li} conv_b");
+            same(&d.dt_bias, &g.dt_bias, &format!("layer {li} dt_bias"));
+            same(&d.norm, &old_bits(&g.norm, st), &format!("layer {li} gdn norm"));
+            same(&d.out.w, &old_bits(&g.out_proj.w, st), &format!("layer {li} out_proj"));
+            // The old path went A_log -> -exp(A_log) -> ln, the new one uploads A_log as stored.
+            for (new, neg_a) in d.a_log.iter().zip(&g.neg_a) {
+                assert!((new - (-neg_a).ln()).abs() <= 1e-6 * new.abs().max(1.0), "layer {li} A_log {new} vs {neg_a}");
+            }
+        }
+        _ => panic!("layer {li}: mixer kinds differ"),
+    }
+}
+
+fn check(dir: &Path, st: StorageDType, read: bool) {
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let store = WeightStore::open(dir).unwrap();
+    let host = ModelWeights::load(&store, &cfg).unwrap();
+    let dev = build(&mut HostSink { storage: st, read }, &store, &cfg).unwrap();
+    assert_eq!(dev.layers.len(), host.layers.len());
+    for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+        check_layer(&cfg, h, d, st, li);
+    }
+    same(&dev.embed, &old_bits(&host.embed, st), "embed");
+    same(&dev.final_norm, &old_norm(&host.final_norm, cfg.zero_centered_norm, st), "final_norm");
+    same(&dev.lm_head.as_ref().unwrap().w, &old_bits(&host.lm_head.as_ref().unwrap().w, st), "lm_head");
+    assert_eq!(dev.norm_plus_one, cfg.zero_centered_norm);
+    let f32_elems: usize = dev.layers.iter().map(|l| if let DevMixer::Gdn(g) = &l.mixer { g.a_log.len() + g.dt_bias.len() } else { 0 }).sum();
+    let storage_elems = host.bytes() / 4 - f32_elems;
+    assert_eq!(dev.bytes, 2 * storage_elems + 4 * f32_elems, "byte count");
+}
+
+#[test]
+fn bf16_hybrid_packs_like_the_host_layouts_in_both_storage_types() {
+    let dir = checkpoint("q35_bf16", "Qwen3_5ForCausalLM", Dtype::BF16);
+    for st in [StorageDType::Bf16, StorageDType::F16] {
+        check(&dir, st, true);
+        check(&dir, st, false);
+    }
+}
+
+#[test]
+fn f32_and_f16_llama_pack_like_the_host_layouts() {
+    for (tag, dtype) in [("llama_f32", Dtype::F32), ("llama_f16", Dtype::F16)] {
+        let dir = checkpoint(tag, "LlamaForCausalLM", dtype);
+        for st in [StorageDType::Bf16, StorageDType::F16] {
+            check(&dir, st, true);
+        }
+    }
+}
+
+#[test]
+fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
+    let dir = checkpoint("bad_shape", "LlamaForCausalLM", Dtype::BF16);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let mut wrong = cfg.clone();
+    wrong.intermediate_size += 1;
+    let sink = &mut HostSink { storage: StorageDType::Bf16, read: true };
+    let new = build(sink, &store, &wrong).err().expect("a shape mismatch must fail");
+    let old = ModelWeights::load(&store, &wrong).err().expect("a shape mismatch must fail");
+    assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
+    assert_eq!(new.to_string(), old.to_string());
+    let mut gdn = cfg.clone();
+    gdn.layer_types[0] = LayerType::LinearAttention;
+    let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");
+    assert!(matches!(new, NinferError::MissingTensor { .. } | NinferError::Config { .. }), "{new}");
+}
