@@ -7,9 +7,11 @@
 pub mod grammar;
 pub mod params;
 pub mod penalties;
+pub mod row;
 pub mod sampler;
 
 pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGrammarCompiler, TokenMask};
 pub use params::SamplingParams;
-pub use penalties::PenaltyHistory;
-pub use sampler::{RequestSampler, SampledToken, TokenLogprob};
+pub use penalties::{PenaltyHistory, PenaltyParams};
+pub use row::RowSampling;
+pub use sampler::{argmax, raw_logprobs, RequestSampler, SampledToken, TokenLogprob};

@@ -64,7 +64,7 @@ pub enum KernelFamily {
     Attention,
     /// Gated DeltaNet: causal conv1d, gates, recurrent rule.
     Gdn,
-    /// Greedy argmax and logsumexp over logits.
+    /// Greedy argmax + logsumexp, and the full sampler (penalties, top-k/p, min-p, logprobs).
     Sampling,
 }
 

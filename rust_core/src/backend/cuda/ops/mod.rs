@@ -10,9 +10,11 @@ mod gdn;
 mod gemv;
 mod norm;
 mod sampling;
+mod sampling_pack;
 
 pub use attention::PagedAttentionShape;
 pub use gdn::{ConvShape, DevicePtrDyn, RecurrentShape};
+pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
