@@ -68,7 +68,7 @@ impl PackedSampling {
             }
             let h = r * SAMPLE_HDR;
             w[h + P_SRC_ROW] = u32::try_from(src).map_err(|_| NinferError::invalid("src_row", src.to_string()))?;
-            w[h + P_FLAGS] = if row.is_greedy() { FLAG_GREEDY } else { 0 } | if row.wants_logprobs() { FLAG_LOGPROBS } else { 0 };
+            w[h + P_FLAGS] = (if row.is_greedy() { FLAG_GREEDY } else { 0 }) | (if row.wants_logprobs() { FLAG_LOGPROBS } else { 0 });
             w[h + P_TOP_K] = if row.top_k < vocab { row.top_k as u32 } else { 0 };
             w[h + P_N_TOP] = row.top_logprobs as u32;
             w[h + P_TEMP] = row.temperature.to_bits();
