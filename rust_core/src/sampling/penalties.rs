@@ -26,21 +26,20 @@ impl PenaltyHistory {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }
 
-    /// The tokens a penalty of `params` touches, as `(token, output count)` pairs sorted by
-    /// token: every seen token when the repetition penalty is on (count 0 for prompt-only
+    /// The tokens a penalty of `params` touches, as `(token, output count)` pairs in no
+    /// particular order (each token once; the penalties of one token do not depend on the
+    /// others): every seen token when the repetition penalty is on (count 0 for prompt-only
     /// tokens), else only the output tokens when a presence or frequency penalty is on, else
     /// none. This is what a `RowSampling` carries to the host or device sampler.
     pub fn penalized(&self, params: &SamplingParams) -> Vec<(u32, u32)> {
         let count = |t: &u32| self.output_counts.get(t).copied().unwrap_or(0);
-        let mut out: Vec<(u32, u32)> = if params.repetition_penalty != 1.0 {
+        if params.repetition_penalty != 1.0 {
             self.seen.iter().map(|t| (*t, count(t))).collect()
         } else if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
             self.output_counts.iter().map(|(&t, &n)| (t, n)).collect()
         } else {
             Vec::new()
-        };
-        out.sort_unstable();
-        out
+        }
     }
 
     /// Apply logit bias, repetition, presence and frequency penalties to `logits` in place.

@@ -97,3 +97,30 @@ impl RowSampling {
         SampledToken { token, logprob }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allow_mask_restricts_the_draw_and_logprobs_stay_raw() {
+        let raw = [4.0f32, 1.0, 0.5, 0.0, -1.0, 2.0];
+        let row = RowSampling { allow: Some(vec![0b10_1000]), logprobs: true, top_logprobs: 1, ..Default::default() };
+        for u in [0.0, 0.3, 0.999] {
+            let s = RowSampling { u, ..row.clone() }.sample(&raw);
+            assert!(s.token == 3 || s.token == 5, "u {u}: token {} is masked out", s.token);
+            let lp = s.logprob.unwrap();
+            assert_eq!(lp.top[0].0, 0, "top logprobs come from the raw row, mask or not");
+        }
+        assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 3, "no filter: the draw walks ids in order");
+    }
+
+    #[test]
+    fn filtered_draw_walks_candidates_in_descending_order() {
+        let raw = [0.0f32, 3.0, 3.0, 1.0];
+        let row = RowSampling { top_k: 3, ..Default::default() };
+        assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 1, "ties: lower id first");
+        assert_eq!(RowSampling { u: 0.999, ..row.clone() }.sample(&raw).token, 3);
+        assert_eq!(RowSampling { temperature: 0.0, ..row }.sample(&raw).token, 1);
+    }
+}
