@@ -58,6 +58,8 @@ fn every_kernel_compiles_for_every_ci_arch() {
 mod harness;
 #[path = "cuda_ops/reference.rs"]
 mod reference;
+#[path = "cuda_ops/sampling.rs"]
+mod sampling;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};

@@ -1,4 +1,4 @@
-//! `EngineCore`: one engine step is `schedule()` -> `execute()` -> `postprocess()`.
+//! `EngineCore`: one engine step is `schedule()` -> `execute()` (run and sample) -> `postprocess()`.
 //!
 //! The core owns the model runner, the scheduler (with the KV block pool and state slots) and
 //! the per-request sampling / detokenization state. It is single-threaded and synchronous;
@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use super::{EngineConfig, MemoryLedger, RequestOutput, RequestState, ResolvedConfig};
 use crate::kv::BlockPool;
 use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
-use crate::sampling::{GrammarConstraint, SamplingParams, SharedGrammarCompiler};
+use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{ScheduledStep, Scheduler, SchedulerConfig, SeqId, Sequence};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
@@ -263,8 +263,8 @@ impl EngineCore {
         if step.is_empty() {
             return Ok(outputs);
         }
-        let logits = self.execute(&step)?;
-        outputs.extend(self.postprocess(&step, &logits)?);
+        let sampled = self.execute(&step)?;
+        outputs.extend(self.postprocess(&step, sampled)?);
         Ok(outputs)
     }
 
@@ -364,36 +364,40 @@ impl EngineCore {
         Ok(outputs)
     }
 
-    /// Run the model on the scheduled batch (with the snapshot restores it needs first).
-    fn execute(&mut self, step: &ScheduledStep) -> Result<crate::model::Logits> {
+    /// Run the model on the scheduled batch (with the snapshot restores it needs first) and
+    /// sample a token for every sequence that produced logits, in step order.
+    fn execute(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
         for &(src, dst) in &step.copies_before {
             self.runner.copy_state(src, dst)?;
         }
-        let logits = self.runner.forward(&step.batch)?;
+        let vocab = self.runner.config().vocab_size;
+        let rows: Vec<RowSampling> = step
+            .seq_ids
+            .iter()
+            .zip(&step.batch.seqs)
+            .filter(|(_, seq)| seq.logits != LogitsWanted::None)
+            .map(|(id, _)| self.requests.get_mut(id).expect("scheduled request exists").prepare_sampling(vocab))
+            .collect();
+        let sampled = self.runner.forward_sampled(&step.batch, &rows)?;
         for &(src, dst) in &self.sched.on_step_done(step) {
             self.runner.copy_state(src, dst)?;
         }
         self.stats.steps += 1;
         self.stats.max_batch_size_seen = self.stats.max_batch_size_seen.max(step.seq_ids.len());
         self.stats.prefill_tokens_computed += (step.batch.num_tokens() - step.num_decodes) as u64;
-        Ok(logits)
+        Ok(sampled)
     }
 
-    /// Sample, detokenize and check stop conditions for every sequence that produced logits.
-    fn postprocess(&mut self, step: &ScheduledStep, logits: &crate::model::Logits) -> Result<Vec<RequestOutput>> {
+    /// Detokenize and check stop conditions for every sequence that sampled a token.
+    fn postprocess(&mut self, step: &ScheduledStep, sampled: Vec<SampledToken>) -> Result<Vec<RequestOutput>> {
         let mut outputs = Vec::new();
-        for (i, &id) in step.seq_ids.iter().enumerate() {
-            if logits.rows[i] == 0 {
-                continue;
-            }
-            let rows = logits.of_seq(i);
-            let row = &rows[rows.len() - logits.vocab..];
+        let with_logits = step.seq_ids.iter().zip(&step.batch.seqs).filter(|(_, seq)| seq.logits != LogitsWanted::None);
+        for ((&id, _), s) in with_logits.zip(sampled) {
             let cached = self.cached_tokens(id);
             let req = self.requests.get_mut(&id).expect("scheduled request exists");
-            let (token, logprob) = req.sample(row);
-            let event = req.accept(token, logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
+            let event = req.accept(s.token, s.logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
             self.stats.generation_tokens_total += 1;
-            self.sched.append_token(id, token);
+            self.sched.append_token(id, s.token);
             if event.finished {
                 if let Some(copy) = self.sched.finish(id) {
                     self.runner.copy_state(copy.0, copy.1)?;

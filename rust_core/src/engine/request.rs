@@ -2,7 +2,7 @@
 //! rules that decide when a request is finished.
 
 use super::{FinishReason, RequestOutput};
-use crate::sampling::{GrammarConstraint, RequestSampler, SamplingParams, TokenLogprob};
+use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
 use crate::tokenizer::Tokenizer;
@@ -46,9 +46,9 @@ impl RequestState {
         }
     }
 
-    /// Sample from one raw logits row (only among the tokens the grammar allows, when the
-    /// request has one); returns the token and its logprob entry.
-    pub fn sample(&mut self, raw: &[f32]) -> (u32, Option<TokenLogprob>) {
+    /// The sampling row of this request's next token over `vocab` logits (restricted to the
+    /// tokens the grammar allows, when the request has one); takes the request's RNG draw.
+    pub fn prepare_sampling(&mut self, vocab: usize) -> RowSampling {
         let mask = match self.grammar.as_mut().map(GrammarConstraint::compute_mask) {
             Some(Ok(mask)) => Some(mask),
             Some(Err(e)) => {
@@ -58,8 +58,7 @@ impl RequestState {
             }
             None => None,
         };
-        let s = self.sampler.sample_masked(&self.params, raw, mask.as_ref());
-        (s.token, s.logprob)
+        self.sampler.prepare(&self.params, mask.as_ref(), vocab)
     }
 
     /// Advance the grammar past `token`; true when the constrained output is complete (or the
@@ -81,7 +80,8 @@ impl RequestState {
         }
     }
 
-    /// Account for a sampled token: detokenize, check stop conditions, build the delta.
+    /// Account for a sampled token: record it in the penalty history, detokenize, check stop
+    /// conditions, build the delta.
     pub fn accept(
         &mut self,
         token: u32,
@@ -90,6 +90,7 @@ impl RequestState {
         eos_token_ids: &[u32],
         cached_tokens: usize,
     ) -> Result<TokenEvent> {
+        self.sampler.record(token);
         self.completion_tokens += 1;
         let is_eos = !self.params.ignore_eos && eos_token_ids.contains(&token);
         let is_stop_token = self.params.stop_token_ids.contains(&token);

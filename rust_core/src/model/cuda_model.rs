@@ -3,8 +3,9 @@
 //!
 //! A step uploads its metadata (token ids, positions, KV slots, block tables, sequence offsets)
 //! in two copies, runs every layer over all rows of the step, and copies only the wanted logits
-//! rows back as f32; that copy is the only host synchronization. Sampling stays on the host
-//! for now (device-side sampling and CUDA graphs for decode are later work).
+//! rows back as f32 (`forward`), or samples them on the device and copies back only ids and
+//! logprobs (`forward_sampled`, see `cuda_sampler.rs`); that copy is the only host
+//! synchronization. CUDA graphs for decode are later work.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,8 +17,10 @@ use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
+use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
+use super::cuda_sampler::DeviceSampler;
 use super::cuda_step::StepMeta;
 use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
 use super::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
@@ -86,6 +89,8 @@ pub struct CudaModel {
     meta: StepMeta,
     /// A one-element buffer for the unused k argument of a q-only RoPE launch.
     dummy: CudaSlice<u16>,
+    /// Device-side sampling (`forward_sampled`).
+    sampler: DeviceSampler,
 }
 
 impl Activations {
@@ -151,7 +156,7 @@ impl CudaModel {
             load_s,
             weights.bytes as f64 / 1e9 / load_s.max(1e-9)
         );
-        Ok(CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches: DevCaches::default(), act: Activations::default(), meta: StepMeta::default(), dummy })
+        Ok(CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches: DevCaches::default(), act: Activations::default(), meta: StepMeta::default(), dummy, sampler: DeviceSampler::from_env() })
     }
 
     /// Shapes the kernels do not cover yet fail at load with the reason, not mid-step.
@@ -224,14 +229,24 @@ impl CudaModel {
         Ok(())
     }
 
+    /// Run a step and copy its logits rows to the host.
     fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
+        let counts = self.run(batch)?;
+        let (m, vocab) = (counts.iter().sum::<usize>(), self.cfg.vocab_size);
+        let data = if m == 0 { Vec::new() } else { self.dev.stream().clone_dtoh(&buf(&self.act.logits).slice(0..m * vocab)).map_err(driver_err("copying logits to the host"))? };
+        Ok(Logits { vocab, data, rows: counts })
+    }
+
+    /// Run a step up to the f32 logits of its wanted rows, left in `act.logits` in sequence
+    /// order; returns how many rows each sequence has.
+    fn run(&mut self, batch: &StepBatch) -> Result<Vec<usize>> {
         self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         self.meta.upload(&self.dev, batch, self.caches.block_size)?;
         self.zero_new_states(batch)?;
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy } = self;
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         // Longest chunk of the step: prefill kernels (flash attention, chunked GDN) take over
         // from the decode kernels when a sequence brings more than one token.
@@ -259,7 +274,7 @@ impl CudaModel {
         let m: usize = counts.iter().sum();
         let vocab = cfg.vocab_size;
         if m == 0 {
-            return Ok(Logits { vocab, data: Vec::new(), rows: counts });
+            return Ok(counts);
         }
         dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
         let mut out_row = 0;
@@ -277,8 +292,7 @@ impl CudaModel {
         } else {
             dev.gemm_f32_out(sel, lm, logits, m, vocab, h)?;
         }
-        let data = dev.stream().clone_dtoh(&logits.slice(0..m * vocab)).map_err(driver_err("copying logits to the host"))?;
-        Ok(Logits { vocab, data, rows: counts })
+        Ok(counts)
     }
 
     /// Sequences that start at position 0 begin from a zero recurrent state.
@@ -498,6 +512,14 @@ impl ModelRunner for CudaModel {
 
     fn device_free_bytes(&self) -> Option<u64> {
         self.dev.memory_info().ok().map(|(free, _)| free as u64)
+    }
+
+    fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
+        if !self.sampler.enabled() {
+            return self.step(batch)?.sample_on_host(rows);
+        }
+        let counts = self.run(batch)?;
+        self.sampler.sample(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size)
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

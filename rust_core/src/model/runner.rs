@@ -5,7 +5,8 @@
 //! memory); the engine only hands out block ids and state-slot ids, which are pure bookkeeping.
 
 use crate::config::ModelConfig;
-use crate::Result;
+use crate::sampling::{RowSampling, SampledToken};
+use crate::{NinferError, Result};
 
 /// Which logits rows a sequence wants from this step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +63,29 @@ impl Logits {
         let start: usize = self.rows[..seq].iter().sum();
         &self.data[start * self.vocab..(start + self.rows[seq]) * self.vocab]
     }
+
+    /// Sample each sequence that produced rows from its last row with the host sampler, in
+    /// sequence order: `rows[i]` belongs to the i-th such sequence.
+    pub fn sample_on_host(&self, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
+        let seqs: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i] > 0).collect();
+        check_sampling_rows(seqs.len(), rows.len())?;
+        Ok(seqs
+            .iter()
+            .zip(rows)
+            .map(|(&i, row)| {
+                let r = self.of_seq(i);
+                row.sample(&r[r.len() - self.vocab..])
+            })
+            .collect())
+    }
+}
+
+/// `forward_sampled` needs one `RowSampling` per sequence that produces logits.
+pub fn check_sampling_rows(seqs_with_logits: usize, rows: usize) -> Result<()> {
+    if seqs_with_logits != rows {
+        return Err(NinferError::invalid("sampling rows", format!("{rows} rows for {seqs_with_logits} sequences that produce logits")));
+    }
+    Ok(())
 }
 
 /// What the caches of one model cost, so that the engine can plan memory before allocating.
@@ -89,6 +113,14 @@ pub trait ModelRunner: Send {
 
     /// Run one step. Sequences with `start_pos == 0` start from a zero recurrent state.
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits>;
+
+    /// Run one step and pick one token for every sequence whose `logits` is not `None`: `rows[i]`
+    /// samples the last logits row of the i-th such sequence, in batch order. A device backend
+    /// overrides this to sample where the logits are and copy back only ids and logprobs; the
+    /// default runs `forward` and the host sampler (`RowSampling::sample`, the reference).
+    fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
+        self.forward(batch)?.sample_on_host(rows)
+    }
 
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;

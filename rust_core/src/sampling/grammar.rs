@@ -264,6 +264,19 @@ impl TokenMask {
         self.allowed().len()
     }
 
+    /// The mask as `words` covering `vocab` ids: bit `t % 32` of word `t / 32` is set when `t`
+    /// is allowed (the layout `RowSampling::allow` and the device sampler take).
+    pub fn bitset(&self, vocab: usize) -> Vec<u32> {
+        let words = self.set.as_slice();
+        let mut out: Vec<u32> = (0..vocab.div_ceil(32)).map(|w| words.get(w).copied().unwrap_or(0)).collect();
+        let limit = self.width.min(vocab);
+        for (w, bits) in out.iter_mut().enumerate().skip(limit / 32) {
+            let keep = limit.saturating_sub(w * 32).min(32);
+            *bits &= if keep == 32 { u32::MAX } else { (1u32 << keep) - 1 };
+        }
+        out
+    }
+
     /// Set every disallowed logit of `logits` (one row, `width` long) to -inf.
     pub fn apply(&self, logits: &mut [f32]) {
         let words = self.set.as_slice();

@@ -26,39 +26,67 @@ impl PenaltyHistory {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }
 
+    /// The tokens a penalty of `params` touches, as `(token, output count)` pairs in no
+    /// particular order (each token once; the penalties of one token do not depend on the
+    /// others): every seen token when the repetition penalty is on (count 0 for prompt-only
+    /// tokens), else only the output tokens when a presence or frequency penalty is on, else
+    /// none. This is what a `RowSampling` carries to the host or device sampler.
+    pub fn penalized(&self, params: &SamplingParams) -> Vec<(u32, u32)> {
+        let count = |t: &u32| self.output_counts.get(t).copied().unwrap_or(0);
+        if params.repetition_penalty != 1.0 {
+            self.seen.iter().map(|t| (*t, count(t))).collect()
+        } else if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+            self.output_counts.iter().map(|(&t, &n)| (t, n)).collect()
+        } else {
+            Vec::new()
+        }
+    }
+
     /// Apply logit bias, repetition, presence and frequency penalties to `logits` in place.
     pub fn apply(&self, params: &SamplingParams, logits: &mut [f32]) {
-        for (&tok, &bias) in &params.logit_bias {
-            if let Some(l) = logits.get_mut(tok as usize) {
-                *l += bias;
-            }
-        }
-        apply_repetition_penalty(logits, params.repetition_penalty, &self.seen);
-        apply_presence_frequency(logits, params.presence_penalty, params.frequency_penalty, &self.output_counts);
+        let bias: Vec<(u32, f32)> = params.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
+        let p = PenaltyParams::of(params);
+        apply_penalties(logits, &p, &bias, &self.penalized(params));
     }
 }
 
-/// HF `RepetitionPenaltyLogitsProcessor`: a seen token's logit is divided by the penalty when
-/// positive and multiplied by it when negative.
-pub fn apply_repetition_penalty(logits: &mut [f32], penalty: f32, seen: &HashSet<u32>) {
-    if penalty == 1.0 {
-        return;
-    }
-    for &tok in seen {
-        if let Some(l) = logits.get_mut(tok as usize) {
-            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
-        }
+/// The three penalty strengths, as a sampler row carries them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PenaltyParams {
+    /// HF repetition penalty (1.0 disables).
+    pub repetition: f32,
+    /// OpenAI presence penalty (0 disables).
+    pub presence: f32,
+    /// OpenAI frequency penalty (0 disables).
+    pub frequency: f32,
+}
+
+impl PenaltyParams {
+    /// The strengths a request asked for.
+    pub fn of(params: &SamplingParams) -> Self {
+        PenaltyParams { repetition: params.repetition_penalty, presence: params.presence_penalty, frequency: params.frequency_penalty }
     }
 }
 
-/// OpenAI penalties over the output tokens: `logit -= count * frequency + (count > 0) * presence`.
-pub fn apply_presence_frequency(logits: &mut [f32], presence: f32, frequency: f32, counts: &HashMap<u32, u32>) {
-    if presence == 0.0 && frequency == 0.0 {
-        return;
-    }
-    for (&tok, &n) in counts {
+/// The one definition of the logits processors, in order: logit bias, then for each penalized
+/// `(token, output count)` the repetition penalty (HF: a logit is divided by the penalty when
+/// positive, multiplied when not), then presence / frequency (OpenAI: `logit -= count *
+/// frequency + presence` for tokens with count > 0). Out-of-range ids are ignored. Every
+/// operation is one rounded f32 op, so `cuda/sampling.cu` reproduces it bit for bit.
+pub fn apply_penalties(logits: &mut [f32], p: &PenaltyParams, bias: &[(u32, f32)], penalized: &[(u32, u32)]) {
+    for &(tok, b) in bias {
         if let Some(l) = logits.get_mut(tok as usize) {
-            *l -= n as f32 * frequency + presence;
+            *l += b;
+        }
+    }
+    let pres_freq = p.presence != 0.0 || p.frequency != 0.0;
+    for &(tok, n) in penalized {
+        let Some(l) = logits.get_mut(tok as usize) else { continue };
+        if p.repetition != 1.0 {
+            *l = if *l > 0.0 { *l / p.repetition } else { *l * p.repetition };
+        }
+        if pres_freq && n > 0 {
+            *l -= n as f32 * p.frequency + p.presence;
         }
     }
 }

@@ -8,7 +8,8 @@
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{PenaltyHistory, SamplingParams, TokenMask};
+use super::penalties::PenaltyParams;
+use super::{PenaltyHistory, RowSampling, SamplingParams, TokenMask};
 
 /// Logprob of the sampled token and the most likely alternatives at one position.
 #[derive(Clone, Debug, PartialEq)]
@@ -54,20 +55,35 @@ impl RequestSampler {
     /// `sample` restricted to the tokens a grammar `mask` allows (applied before penalties and
     /// warpers, so they only ever see allowed tokens). Logprobs still come from the raw row.
     pub fn sample_masked(&mut self, params: &SamplingParams, raw: &[f32], mask: Option<&TokenMask>) -> SampledToken {
-        let mut logits = raw.to_vec();
-        if let Some(mask) = mask {
-            mask.apply(&mut logits);
+        let row = self.prepare(params, mask, raw.len());
+        let s = row.sample(raw);
+        self.record(s.token);
+        s
+    }
+
+    /// Everything the next token's sampler needs over a vocabulary of `vocab` tokens: the
+    /// request's parameters, its penalty history, the grammar mask, and one uniform draw from
+    /// the request's RNG when sampling is not greedy.
+    pub fn prepare(&mut self, params: &SamplingParams, mask: Option<&TokenMask>, vocab: usize) -> RowSampling {
+        let u = if params.is_greedy() { 0.0 } else { self.rng.random() };
+        RowSampling {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+            min_p: params.min_p,
+            u,
+            penalties: PenaltyParams::of(params),
+            penalized: self.history.penalized(params),
+            logit_bias: params.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
+            allow: mask.map(|m| m.bitset(vocab)),
+            logprobs: params.logprobs,
+            top_logprobs: params.top_logprobs,
         }
-        self.history.apply(params, &mut logits);
-        let token = if params.is_greedy() {
-            argmax(&logits)
-        } else {
-            let u: f64 = self.rng.random();
-            sample_filtered(&logits, params, u)
-        };
+    }
+
+    /// Record the token that was sampled from the row `prepare` returned.
+    pub fn record(&mut self, token: u32) {
         self.history.push_output(token);
-        let logprob = (params.logprobs || params.top_logprobs > 0).then(|| raw_logprobs(raw, token, params.top_logprobs));
-        SampledToken { token, logprob }
     }
 }
 
@@ -108,18 +124,18 @@ fn top_indices(values: &[f32], k: usize) -> Vec<u32> {
 }
 
 /// Temperature, then top-k, top-p and min-p (HF warper order), then inverse-CDF sampling with
-/// the uniform draw `u` over the kept candidates in descending probability order.
+/// the uniform draw `u` over the kept candidates in descending probability order (ties: lower
+/// id first).
 ///
 /// Only the candidates a filter can keep are sorted: the top-k set, a growing top slice until
 /// it holds `top_p` of the mass, or the tokens above the min-p floor. With no filter at all the
 /// draw walks the whole vocabulary in id order (same distribution, no sort).
-fn sample_filtered(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
+pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u32 {
     let inv_t = 1.0 / params.temperature as f64;
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let weight = |i: u32| ((logits[i as usize] as f64 - max) * inv_t).exp();
     let n = logits.len();
-    let filtered = (params.top_k > 0 && params.top_k < n) || params.top_p < 1.0 || params.min_p > 0.0;
-    if !filtered {
+    if !params.is_filtered(n) {
         let total: f64 = (0..n as u32).map(weight).sum();
         let mut cum = 0.0;
         for i in 0..n as u32 {

@@ -68,7 +68,7 @@ pub enum KernelFamily {
     Gdn,
     /// Gated DeltaNet chunked prefill (WY form, 64-token chunks).
     GdnChunked,
-    /// Greedy argmax and logsumexp over logits.
+    /// Greedy argmax + logsumexp, and the full sampler (penalties, top-k/p, min-p, logprobs).
     Sampling,
 }
 

@@ -158,6 +158,9 @@ fn startup_runs_one_warm_up_step_of_a_full_chunk_and_leaves_nothing_allocated() 
     let stats = core.stats();
     assert_eq!((stats.kv_blocks_used, stats.steps, stats.prefill_tokens_computed), (0, 0, 0));
     assert_eq!(core.sched_snapshots_held(), 0);
-    // Every block and slot is free again: a request can use the whole pool.
-    assert_eq!(core.stats().kv_blocks_total, 4096 / 16);
+    core.add_request("a", prompt(30, 3), greedy(5)).unwrap();
+    while core.has_unfinished() {
+        core.step().unwrap();
+    }
+    assert_eq!(log.lock().unwrap().steps[1].seqs[0].start_pos, 0, "the request prefilled from scratch");
 }

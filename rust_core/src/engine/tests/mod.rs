@@ -3,6 +3,7 @@
 mod batching;
 mod caching;
 mod grammar;
+mod sampling;
 mod stopping;
 mod thread;
 

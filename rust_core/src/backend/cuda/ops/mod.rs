@@ -12,9 +12,11 @@ mod gdn_chunked;
 mod gemv;
 mod norm;
 mod sampling;
+mod sampling_pack;
 
 pub use attention::PagedAttentionShape;
 pub use gdn::{ConvShape, DevicePtrDyn, RecurrentShape};
+pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 

@@ -1,0 +1,126 @@
+//! `RowSampling`: everything needed to pick one token from one logits row, with no reference
+//! to the request it came from, so that the same decision can run on the host (here, the
+//! reference) or on a device (`cuda/sampling.cu`, which implements these exact semantics).
+//!
+//! The request keeps what persists between tokens (its RNG, its penalty history, its grammar
+//! matcher); per token it hands a sampler one `RowSampling`, which carries the uniform draw
+//! already taken from the request's RNG, so that a seed gives the same tokens wherever the
+//! row is sampled.
+
+use super::penalties::{apply_penalties, PenaltyParams};
+use super::sampler::{argmax, raw_logprobs, sample_filtered, SampledToken};
+
+/// One row's sampling decision, fully specified.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowSampling {
+    /// 0 is greedy (argmax of the processed logits, lowest id on ties).
+    pub temperature: f32,
+    /// 0 disables; a value >= the vocabulary size disables too.
+    pub top_k: usize,
+    /// 1.0 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// The uniform draw in [0, 1) from the request's RNG (unused when greedy).
+    pub u: f64,
+    /// Repetition, presence and frequency penalty strengths.
+    pub penalties: PenaltyParams,
+    /// `(token, output count)` of every token a penalty touches (see `PenaltyHistory::penalized`).
+    pub penalized: Vec<(u32, u32)>,
+    /// `(token, additive bias)`, each token at most once.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Grammar allow-mask: bit `t % 32` of word `t / 32` set when token `t` may be sampled;
+    /// tokens past the last word are not allowed. None: every token is allowed.
+    pub allow: Option<Vec<u32>>,
+    /// Whether the sampled token's logprob is wanted.
+    pub logprobs: bool,
+    /// How many most likely tokens (of the raw logits) to return, at most 20.
+    pub top_logprobs: usize,
+}
+
+impl Default for RowSampling {
+    fn default() -> Self {
+        RowSampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            u: 0.0,
+            penalties: PenaltyParams { repetition: 1.0, presence: 0.0, frequency: 0.0 },
+            penalized: Vec::new(),
+            logit_bias: Vec::new(),
+            allow: None,
+            logprobs: false,
+            top_logprobs: 0,
+        }
+    }
+}
+
+impl RowSampling {
+    /// True when the token is the argmax of the processed logits.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// True when top-k, top-p or min-p restricts the candidates over a vocabulary of `vocab`
+    /// tokens; without a filter the draw walks the vocabulary in id order.
+    pub fn is_filtered(&self, vocab: usize) -> bool {
+        (self.top_k > 0 && self.top_k < vocab) || self.top_p < 1.0 || self.min_p > 0.0
+    }
+
+    /// Whether a logprob entry is returned.
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs || self.top_logprobs > 0
+    }
+
+    /// Grammar mask, then bias and penalties, applied to a copy of `raw`.
+    pub fn processed(&self, raw: &[f32]) -> Vec<f32> {
+        let mut logits = raw.to_vec();
+        if let Some(words) = &self.allow {
+            for (i, l) in logits.iter_mut().enumerate() {
+                let bits = words.get(i / 32).copied().unwrap_or(0);
+                if bits & (1 << (i % 32)) == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        apply_penalties(&mut logits, &self.penalties, &self.logit_bias, &self.penalized);
+        logits
+    }
+
+    /// The host reference sampler: pick a token from one raw logits row; logprobs come from
+    /// the raw row.
+    pub fn sample(&self, raw: &[f32]) -> SampledToken {
+        let logits = self.processed(raw);
+        let token = if self.is_greedy() { argmax(&logits) } else { sample_filtered(&logits, self, self.u) };
+        let logprob = self.wants_logprobs().then(|| raw_logprobs(raw, token, self.top_logprobs));
+        SampledToken { token, logprob }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allow_mask_restricts_the_draw_and_logprobs_stay_raw() {
+        let raw = [4.0f32, 1.0, 0.5, 0.0, -1.0, 2.0];
+        let row = RowSampling { allow: Some(vec![0b10_1000]), logprobs: true, top_logprobs: 1, ..Default::default() };
+        for u in [0.0, 0.3, 0.999] {
+            let s = RowSampling { u, ..row.clone() }.sample(&raw);
+            assert!(s.token == 3 || s.token == 5, "u {u}: token {} is masked out", s.token);
+            let lp = s.logprob.unwrap();
+            assert_eq!(lp.top[0].0, 0, "top logprobs come from the raw row, mask or not");
+        }
+        assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 3, "no filter: the draw walks ids in order");
+    }
+
+    #[test]
+    fn filtered_draw_walks_candidates_in_descending_order() {
+        let raw = [0.0f32, 3.0, 3.0, 1.0];
+        let row = RowSampling { top_k: 3, ..Default::default() };
+        assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 1, "ties: lower id first");
+        assert_eq!(RowSampling { u: 0.999, ..row.clone() }.sample(&raw).token, 3);
+        assert_eq!(RowSampling { temperature: 0.0, ..row }.sample(&raw).token, 1);
+    }
+}

@@ -1,0 +1,244 @@
+//! Device sampler (`sample_rows`) against the host reference sampler (`RowSampling::sample`):
+//! greedy ids, tokens for the same uniform draw, raw logprobs, and the sampled distribution.
+//!
+//! Caveat tested around: the host sums f64 weights in order, the device sums 2^-44 fixed-point
+//! weights computed with f32 `expf`, so a draw u within about 1e-6 of a CDF boundary may pick the
+//! neighbouring token. The same-u test therefore compares only draws where the host gives the
+//! same token at u - 1e-5 and u + 1e-5, and requires that to hold for nearly every draw.
+
+use cudarc::driver::CudaSlice;
+use ninfer_core::backend::cuda::ops::{PackedSampling, SAMPLE_OUT};
+use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
+use ninfer_core::sampling::{raw_logprobs, PenaltyParams, RowSampling, SampledToken};
+use ninfer_core::NinferError;
+
+use super::harness::{check, gpu, upload_raw, Rng, GUARD, TOL32};
+
+const OUT_GUARD: u32 = 0xdead_beef;
+
+/// Run `sample_rows` for `rows` (row i samples logits row `src[i]`), checking the output guard.
+fn device_sample(dev: &CudaDevice, logits: &CudaSlice<f32>, vocab: usize, rows: &[RowSampling], src: &[usize]) -> Vec<SampledToken> {
+    let mut packed = PackedSampling::default();
+    packed.pack(rows, src, vocab).unwrap();
+    let params = upload_raw(dev, packed.words());
+    let mut work = dev.stream().alloc_zeros::<f32>(rows.len() * vocab).unwrap();
+    let n = rows.len() * SAMPLE_OUT;
+    let mut out = upload_raw(dev, &vec![OUT_GUARD; n + GUARD]);
+    dev.sample_rows(logits, &mut work, &packed, &params, &mut out.slice_mut(0..n)).unwrap();
+    dev.synchronize().unwrap();
+    let host = dev.stream().clone_dtoh(&out).unwrap();
+    assert!(host[n..].iter().all(|&g| g == OUT_GUARD), "sample_rows wrote past its output");
+    packed.unpack(&host[..n]).unwrap()
+}
+
+/// A uniform draw in [0, 1) with 48 random bits.
+fn draw(rng: &mut Rng) -> f64 {
+    rng.unit() as f64 + rng.unit() as f64 / 16_777_216.0
+}
+
+/// Random logits processors for a row over `vocab`: bias, penalties with history, grammar mask.
+fn processors(rng: &mut Rng, vocab: usize, row: &mut RowSampling, which: usize) {
+    if which & 1 != 0 {
+        row.logit_bias = rng.permutation(vocab).into_iter().take(5).map(|t| (t as u32, rng.range(-8.0, 8.0))).collect();
+    }
+    if which & 2 != 0 {
+        row.penalties = PenaltyParams { repetition: 1.3, presence: 0.4, frequency: 0.3 };
+        let mut pen: Vec<(u32, u32)> = rng.permutation(vocab).into_iter().take(vocab.min(40)).map(|t| (t as u32, rng.below(4) as u32)).collect();
+        pen.sort_unstable();
+        row.penalized = pen;
+    }
+    if which & 4 != 0 {
+        let mut words: Vec<u32> = (0..vocab.div_ceil(32)).map(|_| (rng.unit() * u32::MAX as f32) as u32 & (rng.unit() * u32::MAX as f32) as u32).collect();
+        let keep = rng.below(vocab);
+        words[keep / 32] |= 1 << (keep % 32);
+        row.allow = Some(words);
+    }
+}
+
+#[test]
+fn device_greedy_equals_host_argmax_after_every_processor() {
+    let Some(dev) = gpu("sample_rows greedy", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(40);
+    for vocab in [7, 1000, 151_936] {
+        let n_src = 3;
+        let mut logits = rng.vec(n_src * vocab, -10.0, 10.0);
+        // Row 0: two equal maxima; the lower id must win.
+        logits[vocab / 2] = 30.0;
+        logits[vocab - 1] = 30.0;
+        let dlogits = upload_raw(&dev, &logits);
+        let mut rows = Vec::new();
+        let mut src = Vec::new();
+        for which in 0..8 {
+            let mut row = RowSampling { temperature: 0.0, ..Default::default() };
+            processors(&mut rng, vocab, &mut row, which);
+            rows.push(row);
+            src.push(which % n_src);
+        }
+        let got = device_sample(&dev, &dlogits, vocab, &rows, &src);
+        for (i, (row, s)) in rows.iter().zip(&src).enumerate() {
+            let raw = &logits[s * vocab..(s + 1) * vocab];
+            assert_eq!(got[i].token, row.sample(raw).token, "vocab {vocab}, row {i} (processors {i:03b})");
+        }
+        assert_eq!(got[0].token, (vocab / 2) as u32, "ties go to the lowest id");
+    }
+}
+
+#[test]
+fn device_token_equals_host_token_for_the_same_draw() {
+    let Some(dev) = gpu("sample_rows same u", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(41);
+    let (mut compared, mut skipped) = (0, 0);
+    for vocab in [50, 1000, 151_936] {
+        let n_src = 4;
+        let logits = rng.vec(n_src * vocab, -8.0, 8.0);
+        let dlogits = upload_raw(&dev, &logits);
+        let mut rows = Vec::new();
+        let mut src = Vec::new();
+        for temperature in [0.4f32, 1.0, 1.8] {
+            for top_k in [0, 1, 7, 60] {
+                for (top_p, min_p) in [(1.0f32, 0.0f32), (0.9, 0.0), (0.3, 0.0), (1.0, 0.05), (0.8, 0.2)] {
+                    let reps = if vocab > 100_000 { 1 } else { 3 };
+                    for rep in 0..reps {
+                        let mut row = RowSampling { temperature, top_k, top_p, min_p, u: draw(&mut rng), ..Default::default() };
+                        processors(&mut rng, vocab, &mut row, (rows.len() + rep) % 8);
+                        rows.push(row);
+                        src.push(rng.below(n_src));
+                    }
+                }
+            }
+        }
+        let got = device_sample(&dev, &dlogits, vocab, &rows, &src);
+        for (i, (row, s)) in rows.iter().enumerate().map(|(i, r)| (i, (r, src[i]))) {
+            let raw = &logits[s * vocab..(s + 1) * vocab];
+            let at = |u: f64| RowSampling { u: u.clamp(0.0, 1.0 - 1e-12), ..row.clone() }.sample(raw).token;
+            let want = at(row.u);
+            if at(row.u - 1e-5) != want || at(row.u + 1e-5) != want {
+                skipped += 1;
+                continue;
+            }
+            compared += 1;
+            assert_eq!(got[i].token, want, "vocab {vocab}, row {i}: T {} top_k {} top_p {} min_p {} u {}", row.temperature, row.top_k, row.top_p, row.min_p, row.u);
+        }
+    }
+    println!("PARITY op=sample_rows.same_u compared={compared} skipped_near_boundary={skipped}");
+    assert!(skipped * 20 <= compared, "{skipped} of {} draws near a CDF boundary", compared + skipped);
+}
+
+#[test]
+fn device_logprobs_are_log_softmax_of_the_raw_row_with_sorted_top() {
+    let Some(dev) = gpu("sample_rows logprobs", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(42);
+    for vocab in [5, 1000, 151_936] {
+        let mut logits = rng.vec(2 * vocab, -12.0, 12.0);
+        // Row 1: a tie at the top; the lower id comes first.
+        logits[vocab + vocab - 1] = 40.0;
+        logits[vocab + 1] = 40.0;
+        let dlogits = upload_raw(&dev, &logits);
+        let mut rows = Vec::new();
+        let mut src = Vec::new();
+        for (i, n) in [0usize, 1, 5, 20].into_iter().enumerate() {
+            for temperature in [0.0f32, 1.0] {
+                let mut row = RowSampling { temperature, top_logprobs: n, logprobs: true, u: draw(&mut rng), ..Default::default() };
+                processors(&mut rng, vocab, &mut row, i * 2 + 1);
+                rows.push(row);
+                src.push(rows.len() % 2);
+            }
+        }
+        let got = device_sample(&dev, &dlogits, vocab, &rows, &src);
+        for (i, row) in rows.iter().enumerate() {
+            let raw = &logits[src[i] * vocab..(src[i] + 1) * vocab];
+            let lp = got[i].logprob.as_ref().expect("logprobs asked for");
+            let want = raw_logprobs(raw, got[i].token, row.top_logprobs);
+            assert_eq!(lp.token_id, got[i].token);
+            let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+            assert_eq!(ids, want.top.iter().map(|t| t.0).collect::<Vec<_>>(), "vocab {vocab}, row {i}: top ids");
+            let mut g = vec![lp.logprob];
+            g.extend(lp.top.iter().map(|t| t.1));
+            let mut w = vec![want.logprob];
+            w.extend(want.top.iter().map(|t| t.1));
+            let shape = format!("v{vocab}/n{}", row.top_logprobs);
+            check("sample_rows.logprobs", StorageDType::Bf16, &shape, &g, &w, TOL32);
+            if src[i] == 1 && row.top_logprobs >= 2 {
+                assert_eq!(&ids[..2], &[1, (vocab - 1) as u32], "ties in the top go lower id first");
+            }
+        }
+        let plain = device_sample(&dev, &dlogits, vocab, &[RowSampling { temperature: 0.0, ..Default::default() }], &[0]);
+        assert_eq!(plain[0].logprob, None, "no logprobs unless asked");
+    }
+}
+
+#[test]
+fn device_samples_follow_the_host_filtered_distribution() {
+    let Some(dev) = gpu("sample_rows distribution", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(43);
+    let vocab = 40;
+    let logits = rng.vec(vocab, -3.0, 3.0);
+    let dlogits = upload_raw(&dev, &logits);
+    let cases = [
+        RowSampling { temperature: 0.8, ..Default::default() },
+        RowSampling { temperature: 1.0, top_k: 6, ..Default::default() },
+        RowSampling { temperature: 1.3, top_p: 0.7, ..Default::default() },
+        RowSampling { temperature: 1.0, min_p: 0.25, top_k: 20, top_p: 0.95, ..Default::default() },
+        RowSampling { temperature: 1.0, allow: Some(vec![0xf0f0_f0f0]), logit_bias: vec![(4, 2.0)], ..Default::default() },
+    ];
+    let draws = 20_000;
+    for (c, case) in cases.iter().enumerate() {
+        // The host's distribution, read off a fine grid of u.
+        let grid = 200_000;
+        let mut want = vec![0f64; vocab];
+        for j in 0..grid {
+            let t = RowSampling { u: (j as f64 + 0.5) / grid as f64, ..case.clone() }.sample(&logits).token;
+            want[t as usize] += 1.0 / grid as f64;
+        }
+        let rows: Vec<RowSampling> = (0..draws).map(|_| RowSampling { u: draw(&mut rng), ..case.clone() }).collect();
+        let got = device_sample(&dev, &dlogits, vocab, &rows, &vec![0; draws]);
+        let mut freq = vec![0f64; vocab];
+        for s in &got {
+            freq[s.token as usize] += 1.0 / draws as f64;
+        }
+        for t in 0..vocab {
+            let sigma = (want[t] * (1.0 - want[t]) / draws as f64).sqrt();
+            assert!((freq[t] - want[t]).abs() <= 5.0 * sigma + 2e-4, "case {c}, token {t}: device {:.4} vs host {:.4}", freq[t], want[t]);
+            if want[t] == 0.0 {
+                assert_eq!(freq[t], 0.0, "case {c}: token {t} is filtered out on the host");
+            }
+        }
+    }
+}
+
+#[test]
+fn device_breaks_ties_in_the_sorted_order_by_lower_id() {
+    let Some(dev) = gpu("sample_rows ties", StorageDType::Bf16) else { return };
+    let vocab = 100_003;
+    let flat = vec![0.5f32; vocab];
+    let dlogits = upload_raw(&dev, &flat);
+    let mut rows = Vec::new();
+    for u in [0.0, 0.2, 0.34, 0.55, 0.7, 0.99] {
+        rows.push(RowSampling { top_k: 3, u, ..Default::default() });
+        rows.push(RowSampling { top_p: 0.5, u, ..Default::default() });
+        // Three allowed tokens, top-k larger than the allowed set: -inf ties fill it.
+        let mut allow = vec![0u32; vocab.div_ceil(32)];
+        for t in [7usize, 70_000, 100_002] {
+            allow[t / 32] |= 1 << (t % 32);
+        }
+        rows.push(RowSampling { top_k: 10, u, allow: Some(allow), ..Default::default() });
+    }
+    let got = device_sample(&dev, &dlogits, vocab, &rows, &vec![0; rows.len()]);
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(got[i].token, row.sample(&flat).token, "row {i}: top_k {} top_p {} u {}", row.top_k, row.top_p, row.u);
+    }
+}
+
+#[test]
+fn device_sampler_rejects_buffers_too_small_for_the_rows() {
+    let Some(dev) = gpu("sample_rows buffers", StorageDType::Bf16) else { return };
+    let vocab = 100;
+    let mut packed = PackedSampling::default();
+    packed.pack(&[RowSampling::default(), RowSampling::default()], &[0, 3], vocab).unwrap();
+    let params = upload_raw(&dev, packed.words());
+    let logits = dev.stream().alloc_zeros::<f32>(3 * vocab).unwrap();
+    let mut work = dev.stream().alloc_zeros::<f32>(2 * vocab).unwrap();
+    let mut out = dev.stream().alloc_zeros::<u32>(2 * SAMPLE_OUT).unwrap();
+    let err = dev.sample_rows(&logits, &mut work, &packed, &params, &mut out).unwrap_err();
+    assert!(matches!(err, NinferError::Device(ref m) if m.contains("sampler logits")), "{err}");
+}
