@@ -3,24 +3,26 @@
 //!
 //! A step uploads its metadata (token ids, positions, KV slots, block tables, sequence offsets)
 //! in two copies, runs every layer over all rows of the step, and copies only the wanted logits
-//! rows back as f32; that copy is the only host synchronization. Sampling stays on the host
-//! for now (device-side sampling and CUDA graphs for decode are later work).
+//! rows back as f32 through a pinned buffer; that copy is the only host synchronization.
+//! Decode steps (one token per sequence, each wanting its logits) are padded to a batch bucket
+//! and replayed as CUDA graphs (cuda_graphs.rs); prefill and mixed steps run eagerly.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
+use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::{NinferError, Result};
 
+use super::cuda_graphs::{decode_bucket, table_stride, DecodeGraphs};
 use super::cuda_step::StepMeta;
 use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
-use super::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
+use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
 use super::weights::ModelWeights;
 
 /// KV pool and recurrent-state slots on the device, per layer.
@@ -28,6 +30,8 @@ use super::weights::ModelWeights;
 struct DevCaches {
     block_size: usize,
     num_blocks: usize,
+    /// State slots the engine hands out; one more is allocated, `num_slots` itself, for the
+    /// padding rows of decode graphs (no sequence owns it, so their writes harm nothing).
     num_slots: usize,
     /// Per attention layer, `[num_blocks, block_size, n_kv_heads, head_dim]` in storage type.
     k: Vec<CudaSlice<u16>>,
@@ -87,6 +91,17 @@ pub struct CudaModel {
     meta: StepMeta,
     /// A one-element buffer for the unused k argument of a q-only RoPE launch.
     dummy: CudaSlice<u16>,
+    /// Decode steps' metadata, padded to the bucket (its own buffers, so that prefill steps
+    /// never move what a captured graph reads).
+    dmeta: StepMeta,
+    /// Split-K partials of decode attention for `scratch_rows` tokens.
+    scratch: Option<AttnScratch>,
+    scratch_rows: usize,
+    graphs: DecodeGraphs,
+    /// Page-locked staging for the logits copy to the host.
+    pinned: Option<PinnedHostSlice<f32>>,
+    /// Rows of `act.logits` the last step produced (in the order of `Logits::data`).
+    logits_rows: usize,
 }
 
 fn alloc<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize, what: &str) -> Result<CudaSlice<T>> {
@@ -131,7 +146,24 @@ impl CudaModel {
             dev.storage(),
             weights.bytes as f64 / (1u64 << 30) as f64
         );
-        Ok(CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches: DevCaches::default(), act: Activations::default(), meta: StepMeta::default(), dummy })
+        Ok(CudaModel {
+            cfg,
+            dev,
+            weights,
+            cache_index,
+            inv_freq,
+            rope_scale,
+            caches: DevCaches::default(),
+            act: Activations::default(),
+            meta: StepMeta::default(),
+            dummy,
+            dmeta: StepMeta::default(),
+            scratch: None,
+            scratch_rows: 0,
+            graphs: DecodeGraphs::from_env(),
+            pinned: None,
+            logits_rows: 0,
+        })
     }
 
     /// Shapes the kernels do not cover yet fail at load with the reason, not mid-step.
@@ -177,7 +209,9 @@ impl CudaModel {
         let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
         let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
         let inter = c.intermediate_size;
-        // Free the old set first so that growth does not need both at once.
+        // Free the old set first so that growth does not need both at once; graphs captured
+        // over the old buffers are void.
+        self.graphs.clear();
         self.act = Activations::default();
         let a = Activations {
             rows,
@@ -204,37 +238,55 @@ impl CudaModel {
         Ok(())
     }
 
+    /// Decode-attention scratch for `rows` tokens (grown, never shrunk; growth voids graphs).
+    fn ensure_scratch(&mut self, rows: usize) -> Result<()> {
+        if rows <= self.scratch_rows || self.cfg.num_attention_layers() == 0 {
+            return Ok(());
+        }
+        let rows = rows.next_power_of_two().max(8);
+        self.graphs.clear();
+        self.scratch = None;
+        let (acc, ml) = decode_scratch_len(rows, &self.attn_shape(0, 0));
+        self.scratch = Some(AttnScratch { acc: alloc(&self.dev, acc, "attention scratch")?, ml: alloc(&self.dev, ml, "attention scratch")? });
+        self.scratch_rows = rows;
+        Ok(())
+    }
+
+    /// The attention shape of this model over its caches.
+    fn attn_shape(&self, max_blocks_per_seq: usize, max_context: usize) -> PagedAttentionShape {
+        let c = &self.cfg;
+        PagedAttentionShape {
+            n_q_heads: c.num_attention_heads,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            q_stride: 0,
+            block_size: self.caches.block_size,
+            num_blocks: self.caches.num_blocks,
+            max_blocks_per_seq,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            max_context,
+            partition: 0,
+        }
+    }
+
     fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
+        if is_decode(batch) {
+            return self.decode_step(batch);
+        }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         self.meta.upload(&self.dev, batch, self.caches.block_size)?;
         self.zero_new_states(batch)?;
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy } = self;
+        self.run_layers(false, rows)?;
+        let CudaModel { cfg, dev, weights, act, meta, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
-        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
-        for (li, layer) in weights.layers.iter().enumerate() {
-            if li == 0 {
-                dev.rmsnorm(buf(&act.x), &layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
-            } else {
-                dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.input_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-            }
-            let ci = cache_index[li];
-            match &layer.mixer {
-                DevMixer::Attention(a) => {
-                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks };
-                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
-                }
-                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots, act, rows)?,
-            }
-            dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-            mlp(dev, layer, act, rows)?;
-        }
         let picked = meta.picked_runs(batch);
         let counts = meta.logit_counts(batch);
         let m: usize = counts.iter().sum();
         let vocab = cfg.vocab_size;
+        self.logits_rows = m;
         if m == 0 {
             return Ok(Logits { vocab, data: Vec::new(), rows: counts });
         }
@@ -246,16 +298,107 @@ impl CudaModel {
             dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering logits rows"))?;
             out_row += n;
         }
-        let lm = weights.lm_head();
-        let sel = buf(&act.sel);
-        let logits = buf_mut(&mut act.logits);
-        if m == 1 && h % 8 == 0 {
-            dev.gemv_f32_out(sel, lm, logits, m, vocab, h)?;
-        } else {
-            dev.gemm_f32_out(sel, lm, logits, m, vocab, h)?;
-        }
-        let data = dev.stream().clone_dtoh(&logits.slice(0..m * vocab)).map_err(driver_err("copying logits to the host"))?;
+        dev.linear_f32_out(buf(&act.sel), weights.lm_head(), buf_mut(&mut act.logits), m, vocab, h)?;
+        let data = self.logits_to_host(m)?;
         Ok(Logits { vocab, data, rows: counts })
+    }
+
+    /// A decode step: padded to its bucket and replayed as a CUDA graph (captured on first
+    /// use), or run eagerly over exactly its rows when graphs are off. Both run the same
+    /// kernels with the same per-row arithmetic, so their logits agree bit for bit.
+    fn decode_step(&mut self, batch: &StepBatch) -> Result<Logits> {
+        let n = batch.seqs.len();
+        let rows = if self.graphs.enabled() { decode_bucket(n) } else { n };
+        let bs = self.caches.block_size.max(1);
+        let blocks = batch.seqs.iter().map(|q| (q.start_pos + 1).div_ceil(bs)).max().unwrap_or(1);
+        let stride = table_stride(blocks);
+        self.ensure_rows(rows)?;
+        self.ensure_scratch(rows)?;
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let spare = self.caches.num_slots;
+        if self.dmeta.upload_decode(&self.dev, batch, rows, stride, bs, spare)? {
+            self.graphs.clear();
+        }
+        self.zero_new_states(batch)?;
+        if self.graphs.enabled() {
+            let key = (rows, stride);
+            if !self.graphs.has(key) {
+                let mut graphs = std::mem::take(&mut self.graphs);
+                let dev = self.dev.clone();
+                let captured = graphs.capture(&dev, key, || self.decode_forward(rows));
+                self.graphs = graphs;
+                captured?;
+            }
+            self.graphs.launch(key)?;
+        } else {
+            self.decode_forward(rows)?;
+        }
+        self.logits_rows = n;
+        let data = self.logits_to_host(n)?;
+        Ok(Logits { vocab: self.cfg.vocab_size, data, rows: vec![1; n] })
+    }
+
+    /// Queues a decode step's forward over `rows` (padded) rows of `dmeta`, logits of every row
+    /// into `act.logits`. Nothing here allocates or synchronizes (it is what graphs capture).
+    fn decode_forward(&mut self, rows: usize) -> Result<()> {
+        self.run_layers(true, rows)?;
+        let CudaModel { cfg, dev, weights, act, .. } = self;
+        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
+        dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, h)
+    }
+
+    /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
+    /// attention when `decode`, else `meta`); leaves the last sub-block's output in `act.tmp`.
+    fn run_layers(&mut self, decode: bool, rows: usize) -> Result<()> {
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
+        let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
+        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
+        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
+        for (li, layer) in weights.layers.iter().enumerate() {
+            if li == 0 {
+                dev.rmsnorm(buf(&act.x), &layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
+            } else {
+                dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.input_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+            }
+            let ci = cache_index[li];
+            match &layer.mixer {
+                DevMixer::Attention(a) => {
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch };
+                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
+                }
+                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows)?,
+            }
+            dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+            mlp(dev, layer, act, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the first `m` logits rows to the host through the pinned buffer (the step's one
+    /// synchronization).
+    fn logits_to_host(&mut self, m: usize) -> Result<Vec<f32>> {
+        let n = m * self.cfg.vocab_size;
+        if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
+            self.pinned = None;
+            // SAFETY: the buffer is written by the copy below before it is read.
+            let p = unsafe { self.dev.context().alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }.map_err(driver_err("allocating pinned logits"))?;
+            self.pinned = Some(p);
+        }
+        let pinned = self.pinned.as_mut().expect("allocated above");
+        let src = buf(&self.act.logits).slice(0..n);
+        self.dev.stream().memcpy_dtoh(&src, pinned).map_err(driver_err("copying logits to the host"))?;
+        self.dev.synchronize()?;
+        let host = pinned.as_slice().map_err(driver_err("reading pinned logits"))?;
+        Ok(host[..n].to_vec())
+    }
+
+    /// The logits of the last step on the device, f32 `[rows, vocab]` (rows in the order of
+    /// `Logits::data`), for device-side sampling without a host copy. Valid until the next step.
+    pub fn device_logits(&self) -> Option<(CudaView<'_, f32>, usize)> {
+        let l = self.act.logits.as_ref()?;
+        let m = self.logits_rows;
+        Some((l.slice(0..m * self.cfg.vocab_size), m))
     }
 
     /// Sequences that start at position 0 begin from a zero recurrent state.
@@ -286,6 +429,9 @@ struct AttnCtx<'a> {
     rope_scale: f32,
     block_size: usize,
     num_blocks: usize,
+    /// Decode steps: attention with per-token split-K into this scratch (batch-independent
+    /// results, graph-stable arguments); `None` for prefill and mixed steps.
+    decode: Option<&'a AttnScratch>,
 }
 
 impl AttnCtx<'_> {
@@ -333,7 +479,10 @@ impl AttnCtx<'_> {
             partition: 0,
         };
         let mut mix = buf_mut(&mut act.mix).slice_mut(0..rows * qd);
-        dev.paged_attention(&q_src, kc, vc, &self.meta.block_tables(), &self.meta.token_seq(), &positions, &mut mix, &shape)?;
+        match self.decode {
+            Some(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &self.meta.block_tables(), &self.meta.token_seq(), &positions, &mut mix, &shape, scratch)?,
+            None => dev.paged_attention(&q_src, kc, vc, &self.meta.block_tables(), &self.meta.token_seq(), &positions, &mut mix, &shape)?,
+        }
         if c.attn_output_gate {
             let gate = buf(&act.proj).slice(qd..);
             dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
@@ -357,7 +506,7 @@ fn head_norm(dev: &CudaDevice, src: &CudaSlice<u16>, offset: usize, width: usize
     Ok(())
 }
 
-/// `y = x · Wᵀ` for `rows` rows (GEMV for one row, cuBLAS otherwise).
+/// `y = x · Wᵀ` for `rows` rows (GEMV up to 8 rows, cuBLAS above).
 fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
     dev.linear(x, &l.w, y, rows, l.n, l.k)
 }
@@ -422,6 +571,7 @@ impl ModelRunner for CudaModel {
             return Err(NinferError::config("block_size", "must be positive"));
         }
         self.caches = DevCaches::default();
+        self.graphs.clear();
         let c = &self.cfg;
         let spec = self.cache_spec();
         let needed = (num_blocks * block_size * spec.kv_bytes_per_token + num_state_slots * spec.state_bytes_per_slot) as u64;
@@ -442,8 +592,9 @@ impl ModelRunner for CudaModel {
         }
         if let Some(la) = c.linear_attention {
             for _ in 0..c.num_linear_layers() {
-                caches.conv.push(alloc(&self.dev, num_state_slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
-                caches.delta.push(alloc(&self.dev, num_state_slots * la.state_floats(), "recurrent state")?);
+                let slots = num_state_slots + 1;
+                caches.conv.push(alloc(&self.dev, slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
+                caches.delta.push(alloc(&self.dev, slots * la.state_floats(), "recurrent state")?);
             }
         }
         self.caches = caches;
@@ -452,6 +603,10 @@ impl ModelRunner for CudaModel {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.step(batch)
+    }
+
+    fn decode_graphs(&self) -> usize {
+        self.graphs.len()
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
@@ -464,14 +619,20 @@ impl ModelRunner for CudaModel {
         }
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let s = self.dev.stream().clone();
+        // Buffers hold one more slot than the engine's (the decode padding slot).
         for buf in &mut self.caches.conv {
-            copy_slot(&s, buf, slots, src, dst)?;
+            copy_slot(&s, buf, slots + 1, src, dst)?;
         }
         for buf in &mut self.caches.delta {
-            copy_slot(&s, buf, slots, src, dst)?;
+            copy_slot(&s, buf, slots + 1, src, dst)?;
         }
         Ok(())
     }
+}
+
+/// A step the decode graphs serve: every sequence runs one token and wants its logits.
+fn is_decode(batch: &StepBatch) -> bool {
+    !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.tokens.len() == 1 && q.logits == LogitsWanted::Last)
 }
 
 /// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.

@@ -7,6 +7,8 @@ pub mod cpu_model;
 #[cfg(feature = "cuda")]
 pub mod cuda_model;
 #[cfg(feature = "cuda")]
+mod cuda_graphs;
+#[cfg(feature = "cuda")]
 mod cuda_step;
 #[cfg(feature = "cuda")]
 pub mod cuda_weights;

@@ -92,4 +92,10 @@ pub trait ModelRunner: Send {
 
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;
+
+    /// CUDA graphs of decode steps this runner holds (0 for backends without graphs); lets
+    /// tests tell a replayed decode step from an eager one.
+    fn decode_graphs(&self) -> usize {
+        0
+    }
 }

@@ -11,10 +11,14 @@ use crate::{NinferError, Result};
 const GEMV_WARPS: usize = 8;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;
-/// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS wins. Measured on the
-/// H200 (benches/results/gpu_op_parity.json, 14336x4096 bf16): 3.72 TB/s against cuBLAS's 3.70
-/// at M = 1, 3.18 against 3.72 at M = 2.
-pub const GEMV_ROUTE_MAX_M: usize = 1;
+/// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS. Up to GEMV_MAX_M the
+/// kernel's per-row summation order does not depend on M (each row keeps its own f32 chain over
+/// the same weight loads, then the same warp reduction), so a sequence decoded in a batch of up
+/// to 8 gets bit-identical projections, and hence logits, to the same sequence decoded alone.
+/// cuBLAS picks its algorithm (and summation order) by M, which would break that. Measured on
+/// the H200 at 14336x4096 bf16 (benches/results/gpu_op_parity.json): GEMV 3.79 / 3.20 / 2.93 /
+/// 1.56 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.54 / 3.54 / 3.83 / 3.59.
+pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
 
 const NAMES: [&str; GEMV_MAX_M] =
     ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
@@ -102,6 +106,24 @@ impl CudaDevice {
             self.gemv(x, w, y, m, n, k)
         } else {
             self.gemm(x, w, y, m, n, k)
+        }
+    }
+
+    /// As `linear` with f32 output (the lm_head producing logits): GEMV up to
+    /// GEMV_ROUTE_MAX_M rows, cuBLAS above.
+    pub fn linear_f32_out(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
+            self.gemv_f32_out(x, w, y, m, n, k)
+        } else {
+            self.gemm_f32_out(x, w, y, m, n, k)
         }
     }
 

@@ -11,7 +11,7 @@ mod gemv;
 mod norm;
 mod sampling;
 
-pub use attention::PagedAttentionShape;
+pub use attention::{decode_scratch_len, AttnScratch, PagedAttentionShape, DECODE_SPLITS};
 pub use gdn::{ConvShape, DevicePtrDyn, RecurrentShape};
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
