@@ -103,6 +103,27 @@ fn rmsnorm_matches_reference_for_both_weight_conventions_and_strides() {
     }
 }
 
+/// Per-head norm of q/k heads read inside a fused projection row (stride > heads * dim), one
+/// launch: each (token, head) must match the reference norm of that head.
+#[test]
+fn rmsnorm_heads_normalises_every_head_of_every_row_in_place_of_the_projection() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rmsnorm_heads", st) else { return };
+        let mut rng = Rng::new(5);
+        for (rows, heads, dim, x_stride) in [(1, 8, 64, 512), (5, 4, 128, 1024), (3, 2, 256, 700)] {
+            let x = rounded(&rng.vec(rows * x_stride, -2.0, 2.0), st);
+            let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
+            let mut out = Out16::new(&dev, rows * heads * dim);
+            dev.rmsnorm_heads(&upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, heads, dim, x_stride, heads * dim, 1e-6, true)
+                .unwrap();
+            // The heads of a row as rows of their own: row (r, h) starts at r * x_stride + h * dim.
+            let per_head: Vec<f32> = (0..rows * heads).flat_map(|i| x[(i / heads) * x_stride + (i % heads) * dim..][..dim].to_vec()).collect();
+            let want = reference::rmsnorm(&per_head, &w, rows * heads, dim, dim, 1e-6, true);
+            check("rmsnorm_heads", st, &format!("{rows}x{heads}x{dim}/s{x_stride}"), &out.read(&dev, "rmsnorm_heads"), &want, tol16(st));
+        }
+    }
+}
+
 #[test]
 fn add_rmsnorm_updates_residual_and_normalises_the_sum() {
     for st in STORAGES {

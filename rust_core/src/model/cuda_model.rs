@@ -492,18 +492,10 @@ impl AttnCtx<'_> {
 }
 
 /// Per-head RMSNorm of `heads` heads starting at column `offset` of `src` rows (stride
-/// `width`) into contiguous `[rows, heads * hd]`. One launch for a single row (its heads are
-/// contiguous), otherwise one launch per head over all rows.
+/// `width`) into contiguous `[rows, heads * hd]`, one launch for all rows and heads.
 #[allow(clippy::too_many_arguments)]
 fn head_norm(dev: &CudaDevice, src: &CudaSlice<u16>, offset: usize, width: usize, w: &CudaSlice<u16>, out: &mut CudaSlice<u16>, heads: usize, hd: usize, rows: usize, eps: f32, plus_one: bool) -> Result<()> {
-    if rows == 1 {
-        return dev.rmsnorm(&src.slice(offset..offset + heads * hd), w, out, heads, hd, hd, hd, eps, plus_one);
-    }
-    for head in 0..heads {
-        let x = src.slice(offset + head * hd..);
-        dev.rmsnorm(&x, w, &mut out.slice_mut(head * hd..), rows, hd, width, heads * hd, eps, plus_one)?;
-    }
-    Ok(())
+    dev.rmsnorm_heads(&src.slice(offset..), w, out, rows, heads, hd, width, heads * hd, eps, plus_one)
 }
 
 /// `y = x · Wᵀ` for `rows` rows (GEMV up to 8 rows, cuBLAS above).
