@@ -62,6 +62,12 @@ impl DecodeGraphs {
         self.enabled
     }
 
+    /// Turns graphs off for good (capture failed) and drops those captured.
+    pub fn disable(&mut self) {
+        self.enabled = false;
+        self.graphs.clear();
+    }
+
     /// Drops every graph (their buffers moved).
     pub fn clear(&mut self) {
         self.graphs.clear();

@@ -320,15 +320,20 @@ impl CudaModel {
             self.graphs.clear();
         }
         self.zero_new_states(batch)?;
-        if self.graphs.enabled() {
-            let key = (rows, stride);
-            if !self.graphs.has(key) {
-                let mut graphs = std::mem::take(&mut self.graphs);
-                let dev = self.dev.clone();
-                let captured = graphs.capture(&dev, key, || self.decode_forward(rows));
-                self.graphs = graphs;
-                captured?;
+        let key = (rows, stride);
+        if self.graphs.enabled() && !self.graphs.has(key) {
+            let mut graphs = std::mem::take(&mut self.graphs);
+            let dev = self.dev.clone();
+            let captured = graphs.capture(&dev, key, || self.decode_forward(rows));
+            self.graphs = graphs;
+            if let Err(e) = captured {
+                // Same kernels eagerly (same results); a driver that cannot capture should
+                // cost speed, not the service.
+                eprintln!("ninfer: capturing a CUDA graph of a decode step failed ({e}); decode steps run eagerly from now on");
+                self.graphs.disable();
             }
+        }
+        if self.graphs.enabled() {
             self.graphs.launch(key)?;
         } else {
             self.decode_forward(rows)?;
