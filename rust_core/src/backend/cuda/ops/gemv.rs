@@ -20,6 +20,18 @@ pub const GEMV_MAX_M: usize = 8;
 /// 1.56 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.54 / 3.54 / 3.83 / 3.59.
 pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
 
+/// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
+/// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
+/// multi-row GEMV from being bound by re-reading x; one row keeps one column per warp for
+/// more warps in flight.
+fn cols_per_warp(m: usize) -> usize {
+    match m {
+        1 => 1,
+        2..=4 => 2,
+        _ => 4,
+    }
+}
+
 const NAMES: [&str; GEMV_MAX_M] =
     ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
 const NAMES_F32: [&str; GEMV_MAX_M] = [
@@ -51,10 +63,10 @@ impl CudaDevice {
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
             )));
         }
-        let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS))? as u32, 1, 1);
         let mut row = 0;
         while row < m {
             let mm = (m - row).min(GEMV_MAX_M);
+            let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS * cols_per_warp(mm)))? as u32, 1, 1);
             let name = if f32_out { NAMES_F32[mm - 1] } else { NAMES[mm - 1] };
             let f = self.function(KernelFamily::Gemv, name)?;
             let args = [
