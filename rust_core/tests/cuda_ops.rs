@@ -60,7 +60,7 @@ mod harness;
 mod reference;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -415,6 +415,23 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
     }
     let label = format!("ctx{contexts:?}/t{t}/d{d}/hq{hq}hk{hk}/part{partition}").replace(' ', "");
     check(op, st, &label, &out.read(dev, op), &want, tol16(st));
+    // The decode entry point (per-token splits into caller scratch, fixed grid) on the same case.
+    let (acc, ml) = decode_scratch_len(t, &shape);
+    let scratch = AttnScratch { acc: upload_raw(dev, &vec![f32::NAN; acc]), ml: upload_raw(dev, &vec![f32::NAN; ml]) };
+    let mut out = Out16::new(dev, t * hq * d);
+    dev.paged_attention_decode(
+        &upload(dev, &q),
+        &upload(dev, &case.k_cache),
+        &upload(dev, &case.v_cache),
+        &upload_raw(dev, &case.tables),
+        &upload_raw(dev, &token_seq),
+        &upload_raw(dev, &token_pos),
+        &mut out.view(),
+        &shape,
+        &scratch,
+    )
+    .unwrap();
+    check(&format!("{op}/decode_splits"), st, &label, &out.read(dev, op), &want, tol16(st));
 }
 
 #[test]
@@ -437,6 +454,8 @@ fn paged_decode_attention_matches_reference_with_and_without_splits() {
         }
         let contexts = [3000];
         attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
+        // Past 4096 keys the decode splits grow beyond 64 keys (decode_partition).
+        attention_case(&dev, &mut rng, "attention_decode", &[5000, 9], &[(0, 4999), (1, 8)], 128, 0, (8, 2));
     }
 }
 
