@@ -2,8 +2,9 @@
 
 For each batch size B: B greedy requests of a 128-token random prompt are submitted at once;
 after every request has its first token (prefill done), the decode steps that follow are timed
-until all finish. Reports output tokens per second over those steps and the weight-read rate
-they imply (weights read once per step) as a fraction of the device copy rate.
+until all finish. Reports output tokens per second over those steps and the weight bytes read per second they
+imply (weights read once per step) as a fraction of the device copy rate (read + write), the
+convention of docs/performance.md.
 
 Usage: python benches/gpu_batch_decode.py --dir /tmp/llama3_8b_random --out results.json \
            [--batches 1,8,32,64] [--tokens 128] [--commit SHA]
@@ -68,7 +69,7 @@ def main() -> None:
             steps += 1
         secs = time.perf_counter() - t
         rec = {"batch": bsz, "tok_s": got / secs, "step_ms": 1e3 * secs / max(steps, 1),
-               "weight_read_frac_of_copy": (weights * steps / secs) / (rate / 2), "copy_rate_bytes_s": rate,
+               "fraction_of_copy_rate": (weights * steps / secs) / rate, "copy_rate_bytes_s": rate,
                "commit": args.commit}
         records.append(rec)
         print(json.dumps(rec), flush=True)
