@@ -12,7 +12,8 @@
 // keys are taken per iteration so that their rows are in flight together. Grid dimension y splits the
 // key range into partitions of `partition` keys (split-K flash decoding): with one split the
 // kernel writes the normalised output, with several it writes unnormalised partials and their
-// (max, sum) for attention_combine. GQA: q head h reads kv head h / (n_q_heads / n_kv_heads).
+// (max, sum) for attention_combine; `partition` <= 0 lets each token size its splits from its
+// own context (decode_partition). GQA: q head h reads kv head h / (n_q_heads / n_kv_heads).
 #include "common.cuh"
 
 #define ATTN_WARPS 4
@@ -49,6 +50,17 @@ __device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* 
 // G q heads that share one KV head (a GQA group, or 1 where the group size has no instance)
 // are handled by one warp, so each K/V row is read once for the group. KB keys per iteration
 // keep several rows in flight; fewer when G * D/32 registers per key are already many.
+// Keys per split of a decode token that sees `limit` keys: 64 up to a 4096-key context, then
+// the context's power-of-two ceiling / DECODE_SPLITS, so that a token never needs more than
+// DECODE_SPLITS splits (the launcher's grid height for decode). Must match
+// ops/attention.rs::DECODE_SPLITS.
+#define DECODE_SPLITS 64
+__device__ __forceinline__ int decode_partition(int limit) {
+    int p2 = 1;
+    while (p2 < limit) p2 <<= 1;
+    return max(64, p2 / DECODE_SPLITS);
+}
+
 template <int D, int G>
 __device__ __forceinline__ void attention_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
@@ -69,8 +81,24 @@ __device__ __forceinline__ void attention_body(
     const int limit = token_pos[t] + 1;
     const int split = blockIdx.y;
     const int n_splits = gridDim.y;
-    const int start = split * partition;
-    const int end = min(limit, start + partition);
+    // partition <= 0: each token picks its own split size from its own context length (decode
+    // steps, see decode_partition), so its result does not depend on the other rows of the step
+    // and the launch arguments do not depend on the context (a CUDA graph replays them).
+    const int part = partition > 0 ? partition : decode_partition(limit);
+    const int start = split * part;
+    const int end = min(limit, start + part);
+    if (n_splits > 1 && start >= limit) {
+        // Idle split: mark it empty (l = 0) so that the combine skips it without reading acc.
+        if (lane == 0) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const long long p_idx = ((long long)t * n_q_heads + h0 + g) * n_splits + split;
+                part_ml[p_idx * 2] = NEG_INF;
+                part_ml[p_idx * 2 + 1] = 0.0f;
+            }
+        }
+        return;
+    }
 
     float qv[G][EPL], acc[G][EPL], m[G], l[G];
 #pragma unroll
@@ -180,8 +208,12 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
     if (mx != NEG_INF) {
         for (int s = 0; s < n_splits; ++s) {
             const long long p_idx = (long long)w * n_splits + s;
+            const float ls = part_ml[p_idx * 2 + 1];
+            // An empty split (no keys: l = 0) adds exactly nothing; skipping it saves reading
+            // its accumulators, which idle splits do not write.
+            if (ls == 0.0f) continue;
             const float f = expf(part_ml[p_idx * 2] - mx);
-            total += part_ml[p_idx * 2 + 1] * f;
+            total += ls * f;
             const float* prow = part_acc + p_idx * D + lane * EPL;
 #pragma unroll
             for (int e = 0; e < EPL; ++e) acc[e] = fmaf(prow[e], f, acc[e]);

@@ -9,13 +9,16 @@ __device__ __forceinline__ float norm_weight(const store_t* w, int i, int plus_o
 }
 
 // out[r, :] = x[r, :] * rsqrt(mean(x^2) + eps) * w. Rows are `x_stride` / `out_stride`
-// elements apart so that per-head norms can read q/k inside a fused projection.
+// elements apart so that per-head norms can read q/k inside a fused projection. Grid
+// dimension y indexes heads: head h of row r starts h * dim elements into the row (in and
+// out), so one launch normalises every head of every token (per-head q/k norm).
 extern "C" __global__ void rmsnorm(const store_t* __restrict__ x, const store_t* __restrict__ w,
                                    store_t* __restrict__ out, int dim, long long x_stride,
                                    long long out_stride, float eps, int plus_one) {
     __shared__ float scratch[32];
-    const store_t* xr = x + blockIdx.x * x_stride;
-    store_t* orow = out + blockIdx.x * out_stride;
+    const long long head = (long long)blockIdx.y * dim;
+    const store_t* xr = x + blockIdx.x * x_stride + head;
+    store_t* orow = out + blockIdx.x * out_stride + head;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float v = to_f32(xr[i]);

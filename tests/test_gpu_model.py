@@ -476,3 +476,64 @@ def test_demo_model_device_sampling_equals_host_sampling(demo_dir, demo_windows,
         dev = _generate_with(demo_dir, monkeypatch, True, demo_windows, params)
         host = _generate_with(demo_dir, monkeypatch, False, demo_windows, params)
         _assert_same_tokens_and_logprobs(dev, host)
+
+
+# Decode steps as CUDA graphs (one per batch bucket): replayed logits must equal eager logits bit
+# for bit, and a sequence decoded in a batch of <= 8 must equal the same sequence decoded alone
+# bit for bit (multi-row GEMV with M-independent summation, per-token attention splits).
+
+def _decode_models(model_dir, monkeypatch):
+    graphed = _core.Model(str(model_dir), device="cuda")
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", "0")
+    eager = _core.Model(str(model_dir), device="cuda")
+    monkeypatch.delenv("NINFER_CUDA_GRAPHS")
+    return graphed, eager
+
+
+def _decode_prompts(model_dir, n):
+    if model_dir == DEMO / "model":
+        seqs = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"]
+        return [seqs[i % len(seqs)][50 * i:50 * i + 9 + 5 * i] for i in range(n)]
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    return [_prompt(9 + 5 * i, vocab, seed=40 + i) for i in range(n)]
+
+
+def _assert_bitwise(a, b, what):
+    assert a.shape == b.shape, what
+    diff = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+    assert diff.size == 0, f"{what}: {diff.size} logits differ, first at flat index {diff[0]}, max abs diff {np.abs(a - b).max():.3e}"
+
+
+@pytest.fixture(scope="module", params=["demo", "llama"])
+def decode_dir(request, tiny_checkpoints):
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    if request.param == "demo":
+        if not (DEMO / "model" / "config.json").exists():
+            pytest.skip("no bundled demo model")
+        return DEMO / "model"
+    return tiny_checkpoints.get("llama", **GPU_SHAPES["llama"])
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_graph_replayed_decode_equals_eager_decode_bitwise(decode_dir, n, monkeypatch):
+    graphed, eager = _decode_models(decode_dir, monkeypatch)
+    prompts = _decode_prompts(decode_dir, n)
+    g_tokens, g_logits, g_graphs = graphed.decode_greedy(prompts, 12)
+    e_tokens, e_logits, e_graphs = eager.decode_greedy(prompts, 12)
+    assert g_graphs >= 1, "decode steps did not run as CUDA graphs"
+    assert e_graphs == 0, "NINFER_CUDA_GRAPHS=0 did not disable graphs"
+    assert np.isfinite(g_logits).all()
+    _assert_bitwise(g_logits, e_logits, f"{decode_dir.name[:8]} bucket of {n}: graph vs eager")
+    assert g_tokens == e_tokens
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n):
+    model = _core.Model(str(decode_dir), device="cuda")
+    prompts = _decode_prompts(decode_dir, n)
+    b_tokens, b_logits, _ = model.decode_greedy(prompts, 32)
+    for i, p in enumerate(prompts):
+        a_tokens, a_logits, _ = model.decode_greedy([p], 32)
+        assert a_tokens[0] == b_tokens[i], f"sequence {i} of {n}: greedy tokens differ"
+        _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")

@@ -62,7 +62,7 @@ mod reference;
 mod sampling;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -101,6 +101,27 @@ fn rmsnorm_matches_reference_for_both_weight_conventions_and_strides() {
                 let shape = format!("{rows}x{dim}/s{x_stride}/p{}", plus_one as u8);
                 check("rmsnorm", st, &shape, &out.read(&dev, "rmsnorm"), &want, tol16(st));
             }
+        }
+    }
+}
+
+/// Per-head norm of q/k heads read inside a fused projection row (stride > heads * dim), one
+/// launch: each (token, head) must match the reference norm of that head.
+#[test]
+fn rmsnorm_heads_normalises_every_head_of_every_row_in_place_of_the_projection() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rmsnorm_heads", st) else { return };
+        let mut rng = Rng::new(5);
+        for (rows, heads, dim, x_stride) in [(1, 8, 64, 512), (5, 4, 128, 1024), (3, 2, 256, 700)] {
+            let x = rounded(&rng.vec(rows * x_stride, -2.0, 2.0), st);
+            let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
+            let mut out = Out16::new(&dev, rows * heads * dim);
+            dev.rmsnorm_heads(&upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, heads, dim, x_stride, heads * dim, 1e-6, true)
+                .unwrap();
+            // The heads of a row as rows of their own: row (r, h) starts at r * x_stride + h * dim.
+            let per_head: Vec<f32> = (0..rows * heads).flat_map(|i| x[(i / heads) * x_stride + (i % heads) * dim..][..dim].to_vec()).collect();
+            let want = reference::rmsnorm(&per_head, &w, rows * heads, dim, dim, 1e-6, true);
+            check("rmsnorm_heads", st, &format!("{rows}x{heads}x{dim}/s{x_stride}"), &out.read(&dev, "rmsnorm_heads"), &want, tol16(st));
         }
     }
 }
@@ -238,6 +259,39 @@ fn linear_routes_by_m_and_matches_reference() {
     }
 }
 
+/// Row r of an M-row GEMV must be bit-identical to the one-row GEMV of that row, for every
+/// M the kernel serves and both output types: the batch == alone guarantee of decode.
+#[test]
+fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gemv_rows", st) else { return };
+        let mut rng = Rng::new(23);
+        let (n, k) = (333, 4096 + 8);
+        let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
+        for m in 2..=8 {
+            let x = rounded(&rng.vec(m * k, -2.0, 2.0), st);
+            let xd = upload(&dev, &x);
+            let mut y = Out16::new(&dev, m * n);
+            dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap();
+            let mut y32 = Out32::new(&dev, m * n);
+            dev.linear_f32_out(&xd, &w, &mut y32.view(), m, n, k).unwrap();
+            let (many, many32) = (y.read(&dev, "gemv rows"), y32.read(&dev, "gemv rows f32"));
+            for r in 0..m {
+                let xr = upload(&dev, &x[r * k..(r + 1) * k]);
+                let mut one = Out16::new(&dev, n);
+                dev.linear(&xr, &w, &mut one.view(), 1, n, k).unwrap();
+                let mut one32 = Out32::new(&dev, n);
+                dev.linear_f32_out(&xr, &w, &mut one32.view(), 1, n, k).unwrap();
+                let (one, one32) = (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
+                let row = &many[r * n..(r + 1) * n];
+                let row32 = &many32[r * n..(r + 1) * n];
+                assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} m={m} row {r}: storage output differs from M=1");
+                assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} m={m} row {r}: f32 output differs from M=1");
+            }
+        }
+    }
+}
+
 #[test]
 fn gemv_rejects_k_not_a_multiple_of_8() {
     let Some(dev) = gpu("gemv_k", StorageDType::Bf16) else { return };
@@ -363,6 +417,23 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
     }
     let label = format!("ctx{contexts:?}/t{t}/d{d}/hq{hq}hk{hk}/part{partition}").replace(' ', "");
     check(op, st, &label, &out.read(dev, op), &want, tol16(st));
+    // The decode entry point (per-token splits into caller scratch, fixed grid) on the same case.
+    let (acc, ml) = decode_scratch_len(t, &shape);
+    let scratch = AttnScratch { acc: upload_raw(dev, &vec![f32::NAN; acc]), ml: upload_raw(dev, &vec![f32::NAN; ml]) };
+    let mut out = Out16::new(dev, t * hq * d);
+    dev.paged_attention_decode(
+        &upload(dev, &q),
+        &upload(dev, &case.k_cache),
+        &upload(dev, &case.v_cache),
+        &upload_raw(dev, &case.tables),
+        &upload_raw(dev, &token_seq),
+        &upload_raw(dev, &token_pos),
+        &mut out.view(),
+        &shape,
+        &scratch,
+    )
+    .unwrap();
+    check(&format!("{op}/decode_splits"), st, &label, &out.read(dev, op), &want, tol16(st));
 }
 
 #[test]
@@ -385,6 +456,8 @@ fn paged_decode_attention_matches_reference_with_and_without_splits() {
         }
         let contexts = [3000];
         attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
+        // Past 4096 keys the decode splits grow beyond 64 keys (decode_partition).
+        attention_case(&dev, &mut rng, "attention_decode", &[5000, 9], &[(0, 4999), (1, 8)], 128, 0, (8, 2));
     }
 }
 

@@ -3,33 +3,38 @@
 //!
 //! A step uploads its metadata (token ids, positions, KV slots, block tables, sequence offsets)
 //! in two copies, runs every layer over all rows of the step, and copies only the wanted logits
-//! rows back as f32 (`forward`), or samples them on the device and copies back only ids and
-//! logprobs (`forward_sampled`, see `cuda_sampler.rs`); that copy is the only host
-//! synchronization. CUDA graphs for decode are later work.
+//! rows back as f32 through a pinned buffer (`forward`), or samples them on the device and
+//! copies back only ids and logprobs (`forward_sampled`, see `cuda_sampler.rs`); that copy is
+//! the only host synchronization. Decode steps (one token per sequence, each wanting its
+//! logits) are padded to a batch bucket and replayed as CUDA graphs (cuda_graphs.rs); prefill
+//! and mixed steps run eagerly, with the prefill kernels (flash attention, chunked GDN).
 
 use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{ConvShape, PagedAttentionShape, RecurrentShape};
+use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
+use super::cuda_graphs::{decode_bucket, table_stride, DecodeGraphs};
 use super::cuda_sampler::DeviceSampler;
 use super::cuda_step::StepMeta;
 use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
-use super::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
+use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
 
 /// KV pool and recurrent-state slots on the device, per layer.
 #[derive(Default)]
 struct DevCaches {
     block_size: usize,
     num_blocks: usize,
+    /// State slots the engine hands out; one more is allocated, `num_slots` itself, for the
+    /// padding rows of decode graphs (no sequence owns it, so their writes harm nothing).
     num_slots: usize,
     /// Per attention layer, `[num_blocks, block_size, n_kv_heads, head_dim]` in storage type.
     k: Vec<CudaSlice<u16>>,
@@ -89,6 +94,17 @@ pub struct CudaModel {
     meta: StepMeta,
     /// A one-element buffer for the unused k argument of a q-only RoPE launch.
     dummy: CudaSlice<u16>,
+    /// Decode steps' metadata, padded to the bucket (its own buffers, so that prefill steps
+    /// never move what a captured graph reads).
+    dmeta: StepMeta,
+    /// Split-K partials of decode attention for `scratch_rows` tokens.
+    scratch: Option<AttnScratch>,
+    scratch_rows: usize,
+    graphs: DecodeGraphs,
+    /// Page-locked staging for the logits copy to the host.
+    pinned: Option<PinnedHostSlice<f32>>,
+    /// Rows of `act.logits` the last step produced (in the order of `Logits::data`).
+    logits_rows: usize,
     /// Device-side sampling (`forward_sampled`).
     sampler: DeviceSampler,
 }
@@ -156,7 +172,25 @@ impl CudaModel {
             load_s,
             weights.bytes as f64 / 1e9 / load_s.max(1e-9)
         );
-        Ok(CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches: DevCaches::default(), act: Activations::default(), meta: StepMeta::default(), dummy, sampler: DeviceSampler::from_env() })
+        Ok(CudaModel {
+            cfg,
+            dev,
+            weights,
+            cache_index,
+            inv_freq,
+            rope_scale,
+            caches: DevCaches::default(),
+            act: Activations::default(),
+            meta: StepMeta::default(),
+            dummy,
+            dmeta: StepMeta::default(),
+            scratch: None,
+            scratch_rows: 0,
+            graphs: DecodeGraphs::from_env(),
+            pinned: None,
+            logits_rows: 0,
+            sampler: DeviceSampler::from_env(),
+        })
     }
 
     /// Shapes the kernels do not cover yet fail at load with the reason, not mid-step.
@@ -202,7 +236,9 @@ impl CudaModel {
         let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
         let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
         let inter = c.intermediate_size;
-        // Free the old set first so that growth does not need both at once.
+        // Free the old set first so that growth does not need both at once; graphs captured
+        // over the old buffers are void.
+        self.graphs.clear();
         self.act = Activations::default();
         let a = Activations {
             rows,
@@ -229,50 +265,67 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Run a step and copy its logits rows to the host.
+    /// Decode-attention scratch for `rows` tokens (grown, never shrunk; growth voids graphs).
+    fn ensure_scratch(&mut self, rows: usize) -> Result<()> {
+        if rows <= self.scratch_rows || self.cfg.num_attention_layers() == 0 {
+            return Ok(());
+        }
+        let rows = rows.next_power_of_two().max(8);
+        self.graphs.clear();
+        self.scratch = None;
+        let (acc, ml) = decode_scratch_len(rows, &self.attn_shape(0, 0));
+        self.scratch = Some(AttnScratch { acc: alloc(&self.dev, acc, "attention scratch")?, ml: alloc(&self.dev, ml, "attention scratch")? });
+        self.scratch_rows = rows;
+        Ok(())
+    }
+
+    /// The attention shape of this model over its caches.
+    fn attn_shape(&self, max_blocks_per_seq: usize, max_context: usize) -> PagedAttentionShape {
+        let c = &self.cfg;
+        PagedAttentionShape {
+            n_q_heads: c.num_attention_heads,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            q_stride: 0,
+            block_size: self.caches.block_size,
+            num_blocks: self.caches.num_blocks,
+            max_blocks_per_seq,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            max_context,
+            partition: 0,
+        }
+    }
+
     fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
         let counts = self.run(batch)?;
-        let (m, vocab) = (counts.iter().sum::<usize>(), self.cfg.vocab_size);
-        let data = if m == 0 { Vec::new() } else { self.dev.stream().clone_dtoh(&buf(&self.act.logits).slice(0..m * vocab)).map_err(driver_err("copying logits to the host"))? };
-        Ok(Logits { vocab, data, rows: counts })
+        let m: usize = counts.iter().sum();
+        let data = if m == 0 { Vec::new() } else { self.logits_to_host(m)? };
+        Ok(Logits { vocab: self.cfg.vocab_size, data, rows: counts })
     }
 
     /// Run a step up to the f32 logits of its wanted rows, left in `act.logits` in sequence
     /// order; returns how many rows each sequence has.
     fn run(&mut self, batch: &StepBatch) -> Result<Vec<usize>> {
         self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
+        if is_decode(batch) {
+            return self.decode_step(batch);
+        }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         self.meta.upload(&self.dev, batch, self.caches.block_size)?;
         self.zero_new_states(batch)?;
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, .. } = self;
-        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         // Longest chunk of the step: prefill kernels (flash attention, chunked GDN) take over
         // from the decode kernels when a sequence brings more than one token.
         let max_rows = batch.seqs.iter().map(|q| q.tokens.len()).max().unwrap_or(0);
-        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
-        for (li, layer) in weights.layers.iter().enumerate() {
-            if li == 0 {
-                dev.rmsnorm(buf(&act.x), &layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
-            } else {
-                dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.input_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-            }
-            let ci = cache_index[li];
-            match &layer.mixer {
-                DevMixer::Attention(a) => {
-                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, max_rows };
-                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
-                }
-                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots, act, rows, max_rows)?,
-            }
-            dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-            mlp(dev, layer, act, rows)?;
-        }
+        self.run_layers(false, rows, max_rows)?;
+        let CudaModel { cfg, dev, weights, act, meta, .. } = self;
+        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         let picked = meta.picked_runs(batch);
         let counts = meta.logit_counts(batch);
         let m: usize = counts.iter().sum();
         let vocab = cfg.vocab_size;
+        self.logits_rows = m;
         if m == 0 {
             return Ok(counts);
         }
@@ -284,15 +337,110 @@ impl CudaModel {
             dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering logits rows"))?;
             out_row += n;
         }
-        let lm = weights.lm_head();
-        let sel = buf(&act.sel);
-        let logits = buf_mut(&mut act.logits);
-        if m == 1 && h % 8 == 0 {
-            dev.gemv_f32_out(sel, lm, logits, m, vocab, h)?;
-        } else {
-            dev.gemm_f32_out(sel, lm, logits, m, vocab, h)?;
-        }
+        dev.linear_f32_out(buf(&act.sel), weights.lm_head(), buf_mut(&mut act.logits), m, vocab, h)?;
         Ok(counts)
+    }
+
+    /// A decode step: padded to its bucket and replayed as a CUDA graph (captured on first
+    /// use), or run eagerly over exactly its rows when graphs are off. Both run the same
+    /// kernels with the same per-row arithmetic, so their logits agree bit for bit.
+    fn decode_step(&mut self, batch: &StepBatch) -> Result<Vec<usize>> {
+        let n = batch.seqs.len();
+        let rows = if self.graphs.enabled() { decode_bucket(n) } else { n };
+        let bs = self.caches.block_size.max(1);
+        let blocks = batch.seqs.iter().map(|q| (q.start_pos + 1).div_ceil(bs)).max().unwrap_or(1);
+        let stride = table_stride(blocks);
+        self.ensure_rows(rows)?;
+        self.ensure_scratch(rows)?;
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let spare = self.caches.num_slots;
+        if self.dmeta.upload_decode(&self.dev, batch, rows, stride, bs, spare)? {
+            self.graphs.clear();
+        }
+        self.zero_new_states(batch)?;
+        let key = (rows, stride);
+        if self.graphs.enabled() && !self.graphs.has(key) {
+            let mut graphs = std::mem::take(&mut self.graphs);
+            let dev = self.dev.clone();
+            let captured = graphs.capture(&dev, key, || self.decode_forward(rows));
+            self.graphs = graphs;
+            if let Err(e) = captured {
+                // Same kernels eagerly (same results); a driver that cannot capture should
+                // cost speed, not the service.
+                eprintln!("ninfer: capturing a CUDA graph of a decode step failed ({e}); decode steps run eagerly from now on");
+                self.graphs.disable();
+            }
+        }
+        if self.graphs.enabled() {
+            self.graphs.launch(key)?;
+        } else {
+            self.decode_forward(rows)?;
+        }
+        self.logits_rows = n;
+        Ok(vec![1; n])
+    }
+
+    /// Queues a decode step's forward over `rows` (padded) rows of `dmeta`, logits of every row
+    /// into `act.logits`. Nothing here allocates or synchronizes (it is what graphs capture).
+    fn decode_forward(&mut self, rows: usize) -> Result<()> {
+        self.run_layers(true, rows, 1)?;
+        let CudaModel { cfg, dev, weights, act, .. } = self;
+        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
+        dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, h)
+    }
+
+    /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
+    /// attention when `decode`, else `meta`); leaves the last sub-block's output in `act.tmp`.
+    fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
+        let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
+        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
+        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
+        for (li, layer) in weights.layers.iter().enumerate() {
+            if li == 0 {
+                dev.rmsnorm(buf(&act.x), &layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
+            } else {
+                dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.input_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+            }
+            let ci = cache_index[li];
+            match &layer.mixer {
+                DevMixer::Attention(a) => {
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows };
+                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
+                }
+                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows, max_rows)?,
+            }
+            dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+            mlp(dev, layer, act, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the first `m` logits rows to the host through the pinned buffer (the step's one
+    /// synchronization).
+    fn logits_to_host(&mut self, m: usize) -> Result<Vec<f32>> {
+        let n = m * self.cfg.vocab_size;
+        if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
+            self.pinned = None;
+            // SAFETY: the buffer is written by the copy below before it is read.
+            let p = unsafe { self.dev.context().alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }.map_err(driver_err("allocating pinned logits"))?;
+            self.pinned = Some(p);
+        }
+        let pinned = self.pinned.as_mut().expect("allocated above");
+        let src = buf(&self.act.logits).slice(0..n);
+        self.dev.stream().memcpy_dtoh(&src, pinned).map_err(driver_err("copying logits to the host"))?;
+        self.dev.synchronize()?;
+        let host = pinned.as_slice().map_err(driver_err("reading pinned logits"))?;
+        Ok(host[..n].to_vec())
+    }
+
+    /// The logits of the last step on the device, f32 `[rows, vocab]` (rows in the order of
+    /// `Logits::data`), for device-side sampling without a host copy. Valid until the next step.
+    pub fn device_logits(&self) -> Option<(CudaView<'_, f32>, usize)> {
+        let l = self.act.logits.as_ref()?;
+        let m = self.logits_rows;
+        Some((l.slice(0..m * self.cfg.vocab_size), m))
     }
 
     /// Sequences that start at position 0 begin from a zero recurrent state.
@@ -323,7 +471,10 @@ struct AttnCtx<'a> {
     rope_scale: f32,
     block_size: usize,
     num_blocks: usize,
-    /// Most query rows of one sequence in the step.
+    /// Decode steps: attention with per-token split-K into this scratch (batch-independent
+    /// results, graph-stable arguments); `None` for prefill and mixed steps.
+    decode: Option<&'a AttnScratch>,
+    /// Most query rows of one sequence in the step (flash attention above one).
     max_rows: usize,
 }
 
@@ -373,10 +524,12 @@ impl AttnCtx<'_> {
         };
         let mut mix = buf_mut(&mut act.mix).slice_mut(0..rows * qd);
         let (tables, token_seq) = (self.meta.block_tables(), self.meta.token_seq());
-        if self.max_rows > 1 && q_stride % 8 == 0 {
-            dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?;
-        } else {
-            dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?;
+        match self.decode {
+            Some(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
+            None if self.max_rows > 1 && q_stride % 8 == 0 => {
+                dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?
+            }
+            None => dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?,
         }
         if c.attn_output_gate {
             let gate = buf(&act.proj).slice(qd..);
@@ -387,21 +540,13 @@ impl AttnCtx<'_> {
 }
 
 /// Per-head RMSNorm of `heads` heads starting at column `offset` of `src` rows (stride
-/// `width`) into contiguous `[rows, heads * hd]`. One launch for a single row (its heads are
-/// contiguous), otherwise one launch per head over all rows.
+/// `width`) into contiguous `[rows, heads * hd]`, one launch for all rows and heads.
 #[allow(clippy::too_many_arguments)]
 fn head_norm(dev: &CudaDevice, src: &CudaSlice<u16>, offset: usize, width: usize, w: &CudaSlice<u16>, out: &mut CudaSlice<u16>, heads: usize, hd: usize, rows: usize, eps: f32, plus_one: bool) -> Result<()> {
-    if rows == 1 {
-        return dev.rmsnorm(&src.slice(offset..offset + heads * hd), w, out, heads, hd, hd, hd, eps, plus_one);
-    }
-    for head in 0..heads {
-        let x = src.slice(offset + head * hd..);
-        dev.rmsnorm(&x, w, &mut out.slice_mut(head * hd..), rows, hd, width, heads * hd, eps, plus_one)?;
-    }
-    Ok(())
+    dev.rmsnorm_heads(&src.slice(offset..), w, out, rows, heads, hd, width, heads * hd, eps, plus_one)
 }
 
-/// `y = x · Wᵀ` for `rows` rows (GEMV for one row, cuBLAS otherwise).
+/// `y = x · Wᵀ` for `rows` rows (GEMV up to 8 rows, cuBLAS above).
 fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
     dev.linear(x, &l.w, y, rows, l.n, l.k)
 }
@@ -474,6 +619,7 @@ impl ModelRunner for CudaModel {
             return Err(NinferError::config("block_size", "must be positive"));
         }
         self.caches = DevCaches::default();
+        self.graphs.clear();
         let c = &self.cfg;
         let spec = self.cache_spec();
         let needed = (num_blocks * block_size * spec.kv_bytes_per_token + num_state_slots * spec.state_bytes_per_slot) as u64;
@@ -494,8 +640,9 @@ impl ModelRunner for CudaModel {
         }
         if let Some(la) = c.linear_attention {
             for _ in 0..c.num_linear_layers() {
-                caches.conv.push(alloc(&self.dev, num_state_slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
-                caches.delta.push(alloc(&self.dev, num_state_slots * la.state_floats(), "recurrent state")?);
+                let slots = num_state_slots + 1;
+                caches.conv.push(alloc(&self.dev, slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
+                caches.delta.push(alloc(&self.dev, slots * la.state_floats(), "recurrent state")?);
             }
         }
         self.caches = caches;
@@ -507,7 +654,8 @@ impl ModelRunner for CudaModel {
     }
 
     fn workspace_bytes(&self) -> usize {
-        self.act.bytes() + self.meta.bytes()
+        let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
+        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch
     }
 
     fn device_free_bytes(&self) -> Option<u64> {
@@ -522,6 +670,10 @@ impl ModelRunner for CudaModel {
         self.sampler.sample(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size)
     }
 
+    fn decode_graphs(&self) -> usize {
+        self.graphs.len()
+    }
+
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
         let slots = self.caches.num_slots;
         if src >= slots || dst >= slots {
@@ -532,14 +684,20 @@ impl ModelRunner for CudaModel {
         }
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let s = self.dev.stream().clone();
+        // Buffers hold one more slot than the engine's (the decode padding slot).
         for buf in &mut self.caches.conv {
-            copy_slot(&s, buf, slots, src, dst)?;
+            copy_slot(&s, buf, slots + 1, src, dst)?;
         }
         for buf in &mut self.caches.delta {
-            copy_slot(&s, buf, slots, src, dst)?;
+            copy_slot(&s, buf, slots + 1, src, dst)?;
         }
         Ok(())
     }
+}
+
+/// A step the decode graphs serve: every sequence runs one token and wants its logits.
+fn is_decode(batch: &StepBatch) -> bool {
+    !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.tokens.len() == 1 && q.logits == LogitsWanted::Last)
 }
 
 /// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.

@@ -108,12 +108,60 @@ impl StepMeta {
             }
         }
         self.sec = Sections { tokens: t, seqs: s, max_blocks, max_context };
+        self.copy_up(dev).map(|_| ())
+    }
+
+    /// Build and queue the upload of a decode step (one token per sequence, all wanting logits)
+    /// padded to `rows` sequences with block tables of a fixed `stride` columns, so that the
+    /// layout, and with it every address a captured CUDA graph reads, depends only on
+    /// (`rows`, `stride`). Padding rows take token 0 at position 0 of an all-zero block table,
+    /// write no KV (slot -1) and run on `spare_slot`, a recurrent-state slot no sequence owns.
+    /// Returns true when the device buffers had to grow (addresses changed).
+    pub fn upload_decode(&mut self, dev: &CudaDevice, batch: &StepBatch, rows: usize, stride: usize, block_size: usize, spare_slot: usize) -> Result<bool> {
+        let n = batch.seqs.len();
+        debug_assert!(n <= rows && batch.seqs.iter().all(|q| q.tokens.len() == 1));
+        let bs = block_size.max(1);
+        let h = &mut self.host_i32;
+        h.clear();
+        h.extend(batch.seqs.iter().map(|q| q.tokens[0] as i32));
+        h.extend(std::iter::repeat_n(0, rows - n));
+        h.extend(batch.seqs.iter().map(|q| q.start_pos as i32));
+        h.extend(std::iter::repeat_n(0, rows - n));
+        h.extend(0..rows as i32);
+        h.extend(0..=rows as i32);
+        h.extend(batch.seqs.iter().map(|q| q.state_slot as i32));
+        h.extend(std::iter::repeat_n(spare_slot as i32, rows - n));
+        for q in &batch.seqs {
+            let m = q.block_table.len().min(stride);
+            h.extend(q.block_table[..m].iter().map(|&b| b as i32));
+            h.extend(std::iter::repeat_n(0, stride - m));
+        }
+        h.extend(std::iter::repeat_n(0, (rows - n) * stride));
+        let l = &mut self.host_i64;
+        l.clear();
+        l.extend(batch.seqs.iter().map(|q| {
+            let p = q.start_pos;
+            q.block_table.get(p / bs).map_or(-1, |&b| b as i64 * bs as i64 + (p % bs) as i64)
+        }));
+        l.extend(std::iter::repeat_n(-1, rows - n));
+        let max_context = batch.seqs.iter().map(|q| q.start_pos + 1).max().unwrap_or(0);
+        self.sec = Sections { tokens: rows, seqs: rows, max_blocks: stride, max_context };
+        self.copy_up(dev)
+    }
+
+    /// Queue the upload of the staged host buffers, growing the device buffers when needed
+    /// (then returns true).
+    fn copy_up(&mut self, dev: &CudaDevice) -> Result<bool> {
+        let (h, l) = (&self.host_i32, &self.host_i64);
         let stream = dev.stream();
+        let mut grown = false;
         if self.dev_i32.as_ref().is_none_or(|b| b.len() < h.len()) {
             self.dev_i32 = Some(stream.alloc_zeros::<i32>(h.len().next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
+            grown = true;
         }
         if self.dev_i64.as_ref().is_none_or(|b| b.len() < l.len().max(1)) {
             self.dev_i64 = Some(stream.alloc_zeros::<i64>(l.len().max(1).next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
+            grown = true;
         }
         let d32 = self.dev_i32.as_mut().expect("allocated above");
         stream.memcpy_htod(h.as_slice(), &mut d32.slice_mut(0..h.len())).map_err(driver_err("uploading step metadata"))?;
@@ -121,7 +169,7 @@ impl StepMeta {
             let d64 = self.dev_i64.as_mut().expect("allocated above");
             stream.memcpy_htod(l.as_slice(), &mut d64.slice_mut(0..l.len())).map_err(driver_err("uploading step metadata"))?;
         }
-        Ok(())
+        Ok(grown)
     }
 
     /// Device bytes of the metadata buffers.

@@ -11,6 +11,8 @@ pub mod cuda_model;
 #[cfg(feature = "cuda")]
 mod cuda_sampler;
 #[cfg(feature = "cuda")]
+mod cuda_graphs;
+#[cfg(feature = "cuda")]
 mod cuda_step;
 #[cfg(feature = "cuda")]
 pub mod cuda_weights;

@@ -137,4 +137,10 @@ pub trait ModelRunner: Send {
     fn device_free_bytes(&self) -> Option<u64> {
         None
     }
+
+    /// CUDA graphs of decode steps this runner holds (0 for backends without graphs); lets
+    /// tests tell a replayed decode step from an eager one.
+    fn decode_graphs(&self) -> usize {
+        0
+    }
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use numpy::{PyArray2, PyArrayMethods};
+use numpy::{PyArray2, PyArray3, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -92,6 +92,59 @@ impl PyModel {
             .py()?;
         let (vocab, data) = logits;
         numpy::PyArray1::from_vec(py, data).reshape([t, vocab])
+    }
+
+    /// Greedy decoding of `prompts` for `steps` tokens, for exactness tests of the decode path:
+    /// each prompt is prefilled in a step of its own, then every decode step runs all
+    /// sequences together (one token each). Returns (tokens `[n][steps]`, float32 logits
+    /// `[steps, n, vocab]` of every decode step, decode graphs the model holds at the end).
+    fn decode_greedy<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>, steps: usize) -> PyResult<(Vec<Vec<u32>>, Bound<'py, PyArray3<f32>>, usize)> {
+        if prompts.iter().any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        let n = prompts.len();
+        let (tokens, data, vocab, graphs) = py
+            .detach(|| -> crate::Result<_> {
+                let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+                let per_seq: Vec<usize> = prompts.iter().map(|p| (p.len() + steps).div_ceil(BLOCK_SIZE)).collect();
+                let blocks: usize = per_seq.iter().sum();
+                m.runner.allocate_caches(blocks, BLOCK_SIZE, n)?;
+                m.capacity = (blocks, BLOCK_SIZE, n);
+                let mut first = 0u32;
+                let tables: Vec<Vec<u32>> = per_seq
+                    .iter()
+                    .map(|&b| {
+                        let t: Vec<u32> = (first..first + b as u32).collect();
+                        first += b as u32;
+                        t
+                    })
+                    .collect();
+                let argmax = |row: &[f32]| row.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+                let mut last = Vec::with_capacity(n);
+                for (i, p) in prompts.iter().enumerate() {
+                    let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
+                    let l = m.runner.forward(&StepBatch { seqs })?;
+                    last.push(argmax(l.of_seq(0)));
+                }
+                let vocab = m.runner.config().vocab_size;
+                let mut tokens = vec![Vec::with_capacity(steps); n];
+                let mut data = Vec::with_capacity(steps * n * vocab);
+                for step in 0..steps {
+                    let seqs = (0..n)
+                        .map(|i| SeqChunk { tokens: vec![last[i]], start_pos: prompts[i].len() + step, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last })
+                        .collect();
+                    let l = m.runner.forward(&StepBatch { seqs })?;
+                    for (i, t) in tokens.iter_mut().enumerate() {
+                        t.push(last[i]);
+                        last[i] = argmax(l.of_seq(i));
+                    }
+                    data.extend_from_slice(&l.data);
+                }
+                Ok((tokens, data, vocab, m.runner.decode_graphs()))
+            })
+            .py()?;
+        let logits = numpy::PyArray1::from_vec(py, data).reshape([steps, n, vocab])?;
+        Ok((tokens, logits, graphs))
     }
 
     /// The parsed config as a dict.

@@ -57,6 +57,31 @@ impl PagedAttentionShape {
     }
 }
 
+/// Grid height of decode attention: the most splits a token takes (DECODE_SPLITS in
+/// attention.cu, whose decode_partition keeps every context within it).
+pub const DECODE_SPLITS: usize = 64;
+
+/// Split-K partials of decode attention, allocated once by the caller (a captured CUDA graph
+/// must not allocate): `acc` f32 `[rows, splits, head_dim]`, `ml` f32 `[rows, splits, 2]`.
+pub struct AttnScratch {
+    pub acc: cudarc::driver::CudaSlice<f32>,
+    pub ml: cudarc::driver::CudaSlice<f32>,
+}
+
+/// (acc, ml) elements `paged_attention_decode` needs for `tokens` query tokens.
+pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> (usize, usize) {
+    let rows = tokens * shape.n_q_heads;
+    (rows * DECODE_SPLITS * shape.head_dim, rows * DECODE_SPLITS * 2)
+}
+
+/// (q heads per warp, warps) for `t` query tokens: one warp serves a whole GQA group when the
+/// group size has a kernel instance.
+fn group_and_warps(sh: &PagedAttentionShape, t: usize) -> (usize, usize) {
+    let group = sh.n_q_heads / sh.n_kv_heads.max(1);
+    let g = if matches!(group, 2 | 4 | 8) { group } else { 1 };
+    (g, t * sh.n_q_heads / g)
+}
+
 /// The attention kernel for head size `d` (64, 96, 128, 256) and `g` q heads per warp (1, 2,
 /// 4, 8).
 fn kernel_name(d: usize, g: usize) -> &'static str {
@@ -151,6 +176,139 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         shape: &PagedAttentionShape,
     ) -> Result<()> {
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
+        let sh = shape;
+        let t = token_seq.len();
+        let d = sh.head_dim;
+        let (group, _) = group_and_warps(sh, t);
+        let (partition, n_splits) = sh.splits(t * sh.n_q_heads / group);
+        let rows = t * sh.n_q_heads;
+        let s = self.stream();
+        let scratch = if n_splits > 1 {
+            // SAFETY: every (row, split) partial the combine reads is written by the attention
+            // kernel first (idle splits write only their (max, sum), which the combine skips).
+            unsafe {
+                Some(AttnScratch {
+                    acc: s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?,
+                    ml: s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?,
+                })
+            }
+        } else {
+            None
+        };
+        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, sh, partition as i32, n_splits, scratch.as_ref())
+    }
+
+    /// Decode attention (one query token per sequence, or any tokens) whose split-K layout
+    /// depends on each token's own context only: every token splits its keys into
+    /// `decode_partition(context)` (attention.cu) keys per split, over a grid of DECODE_SPLITS
+    /// splits whose surplus exits at once. A row's result is then the same in any batch (batch
+    /// == alone, bit for bit), and no launch argument depends on the step's contexts, so a CUDA
+    /// graph captured once replays any later decode step. `shape.max_context` and
+    /// `shape.partition` are ignored; `scratch` must hold `decode_scratch_len(tokens, shape)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
+        let (acc, ml) = decode_scratch_len(token_seq.len(), shape);
+        check_len("attention scratch acc", scratch.acc.len(), acc)?;
+        check_len("attention scratch ml", scratch.ml.len(), ml)?;
+        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, 0, DECODE_SPLITS, Some(scratch))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_launch(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        sh: &PagedAttentionShape,
+        partition: i32,
+        n_splits: usize,
+        scratch: Option<&AttnScratch>,
+    ) -> Result<()> {
+        let t = token_seq.len();
+        let d = sh.head_dim;
+        let (g, warps) = group_and_warps(sh, t);
+        let rows = t * sh.n_q_heads;
+        let s = self.stream();
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k_cache.device_ptr(s);
+        let (vp, _c) = v_cache.device_ptr(s);
+        let (bp, _d) = block_tables.device_ptr(s);
+        let (sp, _e) = token_seq.device_ptr(s);
+        let (pp, _f) = token_pos.device_ptr(s);
+        let (op, _g) = out.device_ptr_mut(s);
+        let (pa, pm) = match scratch {
+            Some(sc) => (sc.acc.device_ptr(s).0, sc.ml.device_ptr(s).0),
+            None => (0, 0),
+        };
+        let name = (kernel_name(d, g), combine_name(d));
+        let f = self.function(KernelFamily::Attention, name.0)?;
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(bp),
+            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
+            KArg::Ptr(sp),
+            KArg::Ptr(pp),
+            KArg::I32(as_i32("tokens", t)?),
+            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
+            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
+            KArg::I64(sh.q_stride as i64),
+            KArg::I32(as_i32("block_size", sh.block_size)?),
+            KArg::F32(sh.scale),
+            KArg::I32(partition),
+            KArg::Ptr(op),
+            KArg::Ptr(pa),
+            KArg::Ptr(pm),
+        ];
+        let blocks = as_i32("attention blocks", warps.div_ceil(ATTN_WARPS))? as u32;
+        let block = (ATTN_WARPS * 32) as u32;
+        self.launch(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
+        if n_splits > 1 {
+            let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
+            let f = self.function(KernelFamily::Attention, name.1)?;
+            let args = [
+                KArg::Ptr(pa),
+                KArg::Ptr(pm),
+                KArg::I32(as_i32("rows", rows)?),
+                KArg::I32(n_splits as i32),
+                KArg::Ptr(op),
+            ];
+            self.launch(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
+        }
+        Ok(())
+    }
+
+    /// Shape and buffer checks shared by both attention entry points.
+    #[allow(clippy::too_many_arguments)]
+    fn check_attention(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+    ) -> Result<()> {
         let sh = shape;
         let t = token_seq.len();
         let d = sh.head_dim;
@@ -175,82 +333,6 @@ impl CudaDevice {
                 block_tables.len(),
                 sh.max_blocks_per_seq
             )));
-        }
-        // One warp serves a whole GQA group when the group size has a kernel instance.
-        let group = sh.n_q_heads / sh.n_kv_heads;
-        let g = if matches!(group, 2 | 4 | 8) { group } else { 1 };
-        let warps = t * sh.n_q_heads / g;
-        let (partition, n_splits) = sh.splits(warps);
-        let rows = t * sh.n_q_heads;
-        let s = self.stream();
-        let (part_acc, part_ml) = if n_splits > 1 {
-            // SAFETY: every (row, split) partial is written by the attention kernel before the
-            // combine kernel reads it.
-            unsafe {
-                (
-                    Some(s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?),
-                    Some(s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?),
-                )
-            }
-        } else {
-            (None, None)
-        };
-        let (qp, _a) = q.device_ptr(s);
-        let (kp, _b) = k_cache.device_ptr(s);
-        let (vp, _c) = v_cache.device_ptr(s);
-        let (bp, _d) = block_tables.device_ptr(s);
-        let (sp, _e) = token_seq.device_ptr(s);
-        let (pp, _f) = token_pos.device_ptr(s);
-        let (op, _g) = out.device_ptr_mut(s);
-        let (pa, _h) = match part_acc.as_ref() {
-            Some(b) => {
-                let (p, g) = b.device_ptr(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
-        let (pm, _i) = match part_ml.as_ref() {
-            Some(b) => {
-                let (p, g) = b.device_ptr(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
-        let name = (kernel_name(d, g), combine_name(d));
-        let f = self.function(KernelFamily::Attention, name.0)?;
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::Ptr(vp),
-            KArg::Ptr(bp),
-            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
-            KArg::Ptr(sp),
-            KArg::Ptr(pp),
-            KArg::I32(as_i32("tokens", t)?),
-            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
-            KArg::I64(sh.q_stride as i64),
-            KArg::I32(as_i32("block_size", sh.block_size)?),
-            KArg::F32(sh.scale),
-            KArg::I32(as_i32("partition", partition)?),
-            KArg::Ptr(op),
-            KArg::Ptr(pa),
-            KArg::Ptr(pm),
-        ];
-        let blocks = as_i32("attention blocks", warps.div_ceil(ATTN_WARPS))? as u32;
-        let block = (ATTN_WARPS * 32) as u32;
-        self.launch(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
-        if n_splits > 1 {
-            let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
-            let f = self.function(KernelFamily::Attention, name.1)?;
-            let args = [
-                KArg::Ptr(pa),
-                KArg::Ptr(pm),
-                KArg::I32(as_i32("rows", rows)?),
-                KArg::I32(n_splits as i32),
-                KArg::Ptr(op),
-            ];
-            self.launch(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
         }
         Ok(())
     }

@@ -11,10 +11,26 @@ use crate::{NinferError, Result};
 const GEMV_WARPS: usize = 8;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;
-/// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS wins. Measured on the
-/// H200 (benches/results/gpu_op_parity.json, 14336x4096 bf16): 3.72 TB/s against cuBLAS's 3.70
-/// at M = 1, 3.18 against 3.72 at M = 2.
-pub const GEMV_ROUTE_MAX_M: usize = 1;
+/// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS. Up to GEMV_MAX_M the
+/// kernel's per-row summation order does not depend on M (each row keeps its own f32 chain over
+/// the same weight loads, then the same warp reduction), so a sequence decoded in a batch of up
+/// to 8 gets bit-identical projections, and hence logits, to the same sequence decoded alone.
+/// cuBLAS picks its algorithm (and summation order) by M, which would break that. Measured on
+/// the H200 at 14336x4096 bf16 (benches/results/gpu_op_parity.json): GEMV 3.79 / 3.20 / 2.93 /
+/// 1.56 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.54 / 3.54 / 3.83 / 3.59.
+pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
+
+/// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
+/// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
+/// multi-row GEMV from being bound by re-reading x; one row keeps one column per warp for
+/// more warps in flight.
+fn cols_per_warp(m: usize) -> usize {
+    match m {
+        1 => 1,
+        2..=4 => 2,
+        _ => 4,
+    }
+}
 
 const NAMES: [&str; GEMV_MAX_M] =
     ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
@@ -47,10 +63,10 @@ impl CudaDevice {
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
             )));
         }
-        let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS))? as u32, 1, 1);
         let mut row = 0;
         while row < m {
             let mm = (m - row).min(GEMV_MAX_M);
+            let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS * cols_per_warp(mm)))? as u32, 1, 1);
             let name = if f32_out { NAMES_F32[mm - 1] } else { NAMES[mm - 1] };
             let f = self.function(KernelFamily::Gemv, name)?;
             let args = [
@@ -102,6 +118,24 @@ impl CudaDevice {
             self.gemv(x, w, y, m, n, k)
         } else {
             self.gemm(x, w, y, m, n, k)
+        }
+    }
+
+    /// As `linear` with f32 output (the lm_head producing logits): GEMV up to
+    /// GEMV_ROUTE_MAX_M rows, cuBLAS above.
+    pub fn linear_f32_out(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
+            self.gemv_f32_out(x, w, y, m, n, k)
+        } else {
+            self.gemm_f32_out(x, w, y, m, n, k)
         }
     }
 

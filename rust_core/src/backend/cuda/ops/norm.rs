@@ -10,6 +10,45 @@ use crate::Result;
 const NORM_THREADS: u32 = 256;
 
 impl CudaDevice {
+    /// Per-head RMSNorm in one launch: row r holds `heads` heads of `dim` elements starting at
+    /// element r * x_stride of x (contiguous heads), written to r * out_stride + h * dim of
+    /// out. Each head is normalised exactly as `rmsnorm` normalises a row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_heads(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        out: &mut impl DevicePtrMut<u16>,
+        rows: usize,
+        heads: usize,
+        dim: usize,
+        x_stride: usize,
+        out_stride: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> Result<()> {
+        check_len("rmsnorm_heads x", x.len(), strided_len(rows, heads * dim, x_stride))?;
+        check_len("rmsnorm_heads w", w.len(), dim)?;
+        check_len("rmsnorm_heads out", out.len(), strided_len(rows, heads * dim, out_stride))?;
+        let f = self.function(KernelFamily::Norm, "rmsnorm")?;
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (wp, _b) = w.device_ptr(s);
+        let (op, _c) = out.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(xp),
+            KArg::Ptr(wp),
+            KArg::Ptr(op),
+            KArg::I32(as_i32("dim", dim)?),
+            KArg::I64(x_stride as i64),
+            KArg::I64(out_stride as i64),
+            KArg::F32(eps),
+            KArg::I32(plus_one as i32),
+        ];
+        let grid = (as_i32("rows", rows)? as u32, as_i32("heads", heads)? as u32, 1);
+        self.launch(&f, cfg(grid, NORM_THREADS), "rmsnorm", &args)
+    }
+
     /// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w (or * (1 + w) when `plus_one`), for
     /// `rows` rows of `dim`; x rows are `x_stride` apart and out rows `out_stride` apart, so a
     /// per-head norm can read q/k inside a fused projection.
