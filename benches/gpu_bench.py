@@ -72,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-27b", action="store_true", help="decode_bs1_tok_s, Qwen3.5-27B shape")
     p.add_argument("--throughput", action="store_true", help="decode_throughput_tok_s, Llama-3-8B shape")
     p.add_argument("--startup", action="store_true", help="startup_s of `ninfer serve`, Qwen3.5-27B shape")
+    p.add_argument("--profile", action="store_true",
+                   help="batch-1 decode steps of the Llama-3-8B shape under torch.profiler (CUPTI sees our "
+                        "kernels too): GPU busy time vs wall time per step and the top kernels, into --profile-out")
+    p.add_argument("--profile-out", default="decode_profile.txt")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers of both shapes (default: the real count); a subset is noted in the records")
     p.add_argument("--prompt", type=int, default=128, help="batch-1 decode: prompt tokens")
@@ -87,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
     p.add_argument("--peer-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if not (a.decode_8b or a.decode_27b or a.throughput or a.startup):
+    if not (a.decode_8b or a.decode_27b or a.throughput or a.startup or a.profile):
         a.decode_8b = a.decode_27b = a.throughput = a.startup = True
     return a
 
@@ -644,6 +648,43 @@ def part_startup(b: Bench) -> list:
                      peer=None, peer_note="no peer measured for startup")]
 
 
+def part_profile(b: Bench) -> list:
+    """Where a batch-1 decode step's time goes: kernel time on the GPU (CUPTI records every
+    kernel of the process, ours included) against the step's wall time. The difference is time
+    the GPU waits for the host (sampling, scheduling, metadata upload, Python)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a = b.a
+    model = "llama-3-8b"
+    s = b.shape(model)
+    path = b.checkpoint(model)
+    eng, _ = ninfer_engine(b, path, max_context=2048, kv_capacity=4096, max_concurrency=4, prefill_chunk=512)
+    eng.submit("p", random_prompt(a.prompt, s["vocab"], 2), json.dumps({"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}))
+    for _ in range(40):
+        eng.step()
+    steps = 64
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        wall = time.perf_counter() - t
+    eng.shutdown()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels if hasattr(e, "device_time")) if kernels else 0.0
+    if not busy_us:
+        busy_us = sum(getattr(e, "cuda_time", 0.0) for e in kernels)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+    text = (f"{steps} decode steps, batch 1, {model}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time "
+            f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step\n\n{table}\n")
+    out = Path(a.out).parent / a.profile_out
+    out.write_text(text)
+    log(text[:3000])
+    return [b.record("decode_step_profile", model, round(wall / steps * 1e3, 4), s, unit="ms per step",
+                     gpu_kernel_ms_per_step=round(busy_us / steps / 1e3, 4), kernels_per_step=len(kernels) / steps,
+                     fraction_of_ceiling=None, peer=None, peer_value=None, batch=1, table_file=out.name)]
+
+
 def guarded(b: Bench, name: str, model: str, fn) -> None:
     log(f"=== {name} ===")
     t = time.perf_counter()
@@ -664,11 +705,13 @@ def main(argv=None) -> int:
         return 0
     b = Bench(a)
     log(f"device {b.device_name}; parts: " + ", ".join(
-        n for n, on in (("decode-8b", a.decode_8b), ("throughput", a.throughput), ("decode-27b", a.decode_27b),
+        n for n, on in (("decode-8b", a.decode_8b), ("profile", a.profile), ("throughput", a.throughput), ("decode-27b", a.decode_27b),
                         ("startup", a.startup)) if on))
     # Shape by shape: the two checkpoints do not fit the disk together.
     if a.decode_8b:
         guarded(b, "decode_bs1_tok_s", "llama-3-8b", lambda: part_decode(b, "llama-3-8b"))
+    if a.profile:
+        guarded(b, "decode_step_profile", "llama-3-8b", lambda: part_profile(b))
     if a.throughput:
         guarded(b, "decode_throughput_tok_s", "llama-3-8b", lambda: part_throughput(b))
     b.drop_checkpoint("llama-3-8b")
