@@ -341,9 +341,14 @@ def _f32_head(model):
     state: what our runner does (bf16 weights and activations, f32 accumulation and f32 logits).
     Plain transformers bf16 rounds the logits to bf16 (a step of 1/16 at |logit| 8-16) and then
     takes the lowest index among the equal values, which flips greedy choices at gaps our f32
-    logits resolve."""
-    model.lm_head.float()
-    model.lm_head.register_forward_pre_hook(lambda _m, args: (args[0].float(),))
+    logits resolve. A new f32 Linear replaces the head, so a head tied to the embedding stays
+    bf16 where the embedding uses it."""
+    old = model.get_output_embeddings()
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=False, device=old.weight.device, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(old.weight.float())
+    head.register_forward_pre_hook(lambda _m, args: (args[0].float(),))
+    model.set_output_embeddings(head)
     return model
 
 

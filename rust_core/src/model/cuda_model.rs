@@ -429,7 +429,10 @@ impl CudaModel {
         }
         let pinned = self.pinned.as_mut().expect("allocated above");
         let src = buf(&self.act.logits).slice(0..n);
-        self.dev.stream().memcpy_dtoh(&src, pinned).map_err(driver_err("copying logits to the host"))?;
+        // Copy into exactly n elements: cudarc sizes a copy by its destination, and the pinned
+        // buffer is rounded up (copying into all of it would read past the logits).
+        let host = pinned.as_mut_slice().map_err(driver_err("waiting for the pinned logits buffer"))?;
+        self.dev.stream().memcpy_dtoh(&src, &mut host[..n]).map_err(driver_err("copying logits to the host"))?;
         self.dev.synchronize()?;
         let host = pinned.as_slice().map_err(driver_err("reading pinned logits"))?;
         Ok(host[..n].to_vec())
