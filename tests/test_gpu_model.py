@@ -542,3 +542,59 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n):
         a_tokens, a_logits, _ = model.decode_greedy([p], 32)
         assert a_tokens[0] == b_tokens[i], f"sequence {i} of {n}: greedy tokens differ"
         _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")
+
+
+#: Real shapes (tensor sizes of the published configs) with few layers: the kernels run at the
+#: sizes users run, on random weights (transformers' own init, std 0.02).
+REAL_SHAPES = {
+    "llama-3-8b-2l": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    "qwen3_5-27b-4l": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=4, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, vocab_size=248320, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_real_shape_random_models_match_transformers_bf16(name, tmp_path):
+    """Logits of a real-shape random model within 2e-2 (max abs diff / max abs) of transformers
+    bf16 on the same GPU; greedy agreement over 64 tokens is measured and printed (random
+    weights give nearly flat logits, where any two bf16 implementations flip near-ties)."""
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    model_cls, cfg_cls, cfg = REAL_SHAPES[name]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg)).to(torch.bfloat16).eval()
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    hf.generation_config.eos_token_id = None
+    vocab = cfg["vocab_size"]
+    ids = _prompt(64, vocab, seed=5)
+    with torch.no_grad():
+        exp = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    got = _core.Model(str(tmp_path), device="cuda").logits(ids)
+    err = _rel_err(got, exp)
+    prompts = [_prompt(16 + 3 * i, vocab, seed=60 + i) for i in range(10)]
+    with LLM(tmp_path, device="cuda", max_context=512) as llm:
+        outs = llm.generate(prompts, greedy(64))
+    same = {"bf16": 0, "f32 logits": 0}
+    for label in same:
+        if label == "f32 logits":
+            hf = _f32_head(hf)
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                r = hf.generate(torch.tensor([prompt], device="cuda"),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+                                do_sample=False, max_new_tokens=64, min_new_tokens=0, pad_token_id=0)
+            same[label] += out.token_ids == r[0, len(prompt):].tolist()
+    print(f"{name}: logits rel err vs transformers bf16 {err:.2e}; 64 greedy tokens equal on "
+          f"{same['bf16']}/10 prompts (transformers bf16), {same['f32 logits']}/10 (bf16 with f32 logits)")
+    assert err <= REL_TOL
