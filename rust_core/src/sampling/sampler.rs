@@ -146,8 +146,13 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
         }
         return argmax(logits);
     }
-    let mut cand = if params.top_k > 0 && params.top_k < n {
-        top_indices(logits, params.top_k)
+    // `z`: the mass top-p takes its share of. Top-k renormalizes over the kept set (HF order);
+    // without top-k it is the whole vocabulary's, NOT the sorted slice's: that slice is only
+    // what must be sorted to hold the nucleus, and renormalizing over it shrank the nucleus.
+    let (mut cand, z) = if params.top_k > 0 && params.top_k < n {
+        let c = top_indices(logits, params.top_k);
+        let z: f64 = c.iter().map(|&i| weight(i)).sum();
+        (c, z)
     } else if params.top_p < 1.0 {
         let total: f64 = (0..n as u32).map(weight).sum();
         let mut k = 64.min(n);
@@ -155,7 +160,7 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
             let c = top_indices(logits, k);
             let mass: f64 = c.iter().map(|&i| weight(i)).sum::<f64>() / total;
             if mass >= params.top_p as f64 || k == n {
-                break c;
+                break (c, total);
             }
             k = (k * 4).min(n);
         }
@@ -163,10 +168,10 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
         let floor = params.min_p as f64;
         let mut c: Vec<u32> = (0..n as u32).filter(|&i| weight(i) >= floor).collect();
         c.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
-        c
+        let z: f64 = c.iter().map(|&i| weight(i)).sum();
+        (c, z)
     };
-    let mut probs: Vec<f64> = cand.iter().map(|&i| weight(i)).collect();
-    normalize(&mut probs);
+    let mut probs: Vec<f64> = cand.iter().map(|&i| weight(i) / z).collect();
     if params.top_p < 1.0 {
         let mut cum = 0.0;
         let mut keep = probs.len();
@@ -251,31 +256,52 @@ mod tests {
         }
     }
 
-    #[test]
-    fn top_p_over_a_large_vocabulary_matches_the_exact_nucleus() {
-        let raw: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+    /// The token an exact nucleus gives: sort the whole vocabulary (lower id first on ties), keep
+    /// the shortest prefix holding `top_p` of the WHOLE mass, inverse CDF over it.
+    fn exact_nucleus_token(raw: &[f32], top_p: f64, u: f64) -> u32 {
         let mut order: Vec<usize> = (0..raw.len()).collect();
         order.sort_by(|&a, &b| raw[b].total_cmp(&raw[a]).then(a.cmp(&b)));
-        let z: f64 = raw.iter().map(|&l| (l as f64).exp()).sum();
-        let mut cum = 0.0;
-        let nucleus: std::collections::HashSet<u32> = order
-            .iter()
-            .take_while(|&&i| {
-                let inside = cum < 0.5;
-                cum += (raw[i] as f64).exp() / z;
-                inside
-            })
-            .map(|&i| i as u32)
-            .collect();
-        assert!(nucleus.len() > 64, "the nucleus must need more than the first slice");
-        let p = params(|p| {
-            p.top_p = 0.5;
-            p.seed = Some(3);
-        });
-        let mut s = RequestSampler::new(&p, &[], 0);
-        for _ in 0..300 {
-            assert!(nucleus.contains(&s.sample(&p, &raw).token));
+        let max = raw[order[0]] as f64;
+        let w = |i: usize| (raw[i] as f64 - max).exp();
+        let z: f64 = raw.iter().enumerate().map(|(i, _)| w(i)).sum();
+        let (mut cum, mut len) = (0.0, 0);
+        while len < order.len() && cum < top_p {
+            cum += w(order[len]) / z;
+            len += 1;
         }
+        let nz: f64 = order[..len].iter().map(|&i| w(i)).sum();
+        let mut c = 0.0;
+        for &i in &order[..len] {
+            c += w(i) / nz;
+            if u < c {
+                return i as u32;
+            }
+        }
+        order[len - 1] as u32
+    }
+
+    /// Top-p without top-k takes its share of the whole vocabulary's mass, although only a top
+    /// slice is sorted: renormalizing over that slice cut the nucleus short (the device sampler,
+    /// which selects over the whole row, caught it). Exact tokens, not just nucleus membership.
+    #[test]
+    fn top_p_over_a_large_vocabulary_matches_the_exact_nucleus() {
+        // Five tokens per value: ties go lower id first.
+        let raw: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
+        for top_p in [0.5f32, 0.9, 0.3] {
+            for j in 0..200 {
+                let u = (j as f64 + 0.5) / 200.0;
+                let row = RowSampling { top_p, u, ..Default::default() };
+                assert_eq!(row.sample(&raw).token, exact_nucleus_token(&raw, top_p as f64, u), "top_p {top_p}, u {u}");
+            }
+        }
+        // A flat row: the nucleus of 0.5 is 50_002 of 100_003 tokens, walked in id order.
+        let flat = vec![0.5f32; 100_003];
+        for (u, want) in [(0.0, 0), (0.2, 10_000), (0.6, 30_001), (0.99, 49_501)] {
+            assert_eq!(RowSampling { top_p: 0.5, u, ..Default::default() }.sample(&flat).token, want, "flat row, u {u}");
+        }
+        // With top-k the share is of the top-k mass (HF order: top-k, then top-p renormalized).
+        let row = RowSampling { top_k: 4, top_p: 0.5, u: 0.99, ..Default::default() };
+        assert_eq!(row.sample(&[0.0; 5]).token, 1, "half of the top-k 4 is ids 0 and 1 (of the vocabulary: 0, 1, 2)");
     }
 
     #[test]
