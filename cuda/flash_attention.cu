@@ -10,7 +10,13 @@
 // key tiles of BN rows are gathered from the paged cache into shared memory, S = Q K^T and
 // O += P V run as `mma.sync.m16n8k16` (16-bit inputs, f32 accumulators), and the softmax is
 // online in f32 (running max and sum per row; exp2 with the scale folded into log2(e)), so no
-// score matrix leaves registers. A warp owns 16 query rows; in the mma fragment layout a lane
+// score matrix leaves registers.
+//
+// P V always runs with f16 operands, whatever the storage type: P lies in [0, 1], where f16
+// keeps 10 mantissa bits against bf16's 7, and rounding P to bf16 made batched prefill drift
+// from the same prompt run alone on trained models. With bf16 storage the V tile is converted
+// to f16 as it is staged in shared memory (exact for |v| in [6.1e-5, 65504]; smaller values
+// become f16 subnormals, larger ones are clamped to +-65504 rather than turning into inf). A warp owns 16 query rows; in the mma fragment layout a lane
 // holds rows lane/4 and lane/4 + 8, so row reductions are two quad shuffles.
 //
 // Tensor-core mma needs sm_80 for bf16 (the launcher routes sm_70/sm_75 to the scalar
@@ -31,7 +37,7 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return a;
 }
 
-// c += a (16x16, row) * b (16x8, col), f32 accumulate.
+// c += a (16x16, row) * b (16x8, col), storage-type operands, f32 accumulate (S = Q K^T).
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 #if defined(NINFER_STORAGE_F16)
     asm volatile(
@@ -47,6 +53,35 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
+
+// c += a * b as above with f16 operands whatever the storage type (O += P V).
+__device__ __forceinline__ void mma16816_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 values rounded to nearest f16, `lo` in the low half (the lower column index).
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+#if !defined(NINFER_STORAGE_F16)
+// Clamp to the finite f16 range; comparisons are false for NaN, so NaN passes through.
+__device__ __forceinline__ float clamp_f16_range(float x) {
+    return x > 65504.0f ? 65504.0f : (x < -65504.0f ? -65504.0f : x);
+}
+
+// Two packed bf16 values as two packed f16 values, element order kept.
+__device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned v) {
+    return pack_f16x2(clamp_f16_range(__uint_as_float(v << 16)),
+                      clamp_f16_range(__uint_as_float(v & 0xffff0000u)));
+}
+#endif
 
 // Four transposed 8x8 tiles of 16-bit elements: the B fragments of a row-major [k][n] matrix.
 __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
@@ -75,7 +110,7 @@ __device__ __forceinline__ void flash_body(
     extern __shared__ uint4 fa_smem[];
     store_t* qs = reinterpret_cast<store_t*>(fa_smem);  // [FA_BM][LD]
     store_t* ks = qs + FA_BM * LD;                       // [BN][LD]
-    store_t* vs = ks + BN * LD;                          // [BN][LD]
+    store_t* vs = ks + BN * LD;                          // [BN][LD], f16 bits
 
     const int s = blockIdx.z;
     const int h = blockIdx.y;
@@ -133,6 +168,12 @@ __device__ __forceinline__ void flash_body(
                     (long long)kvh * D + c;
                 kv = *reinterpret_cast<const uint4*>(k_cache + off);
                 vv = *reinterpret_cast<const uint4*>(v_cache + off);
+#if !defined(NINFER_STORAGE_F16)
+                vv.x = bf16x2_to_f16x2(vv.x);
+                vv.y = bf16x2_to_f16x2(vv.y);
+                vv.z = bf16x2_to_f16x2(vv.z);
+                vv.w = bf16x2_to_f16x2(vv.w);
+#endif
             }
             *reinterpret_cast<uint4*>(ks + r * LD + c) = kv;
             *reinterpret_cast<uint4*>(vs + r * LD + c) = vv;
@@ -201,17 +242,17 @@ __device__ __forceinline__ void flash_body(
         const int ri = lane & 7;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const unsigned a[4] = {pack2(sc[2 * kk][0], sc[2 * kk][1]),
-                                   pack2(sc[2 * kk][2], sc[2 * kk][3]),
-                                   pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                   pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            const unsigned a[4] = {pack_f16x2(sc[2 * kk][0], sc[2 * kk][1]),
+                                   pack_f16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                                   pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
             const store_t* vrow = vs + (kk * 16 + (mi & 1) * 8 + ri) * LD + (mi >> 1) * 8;
 #pragma unroll
             for (int dn = 0; dn < D / 8; dn += 2) {
                 unsigned b[4];
                 ldsm_x4_trans(b, smem_u32(vrow + dn * 8));
-                mma16816(o[dn], a, b[0], b[1]);
-                mma16816(o[dn + 1], a, b[2], b[3]);
+                mma16816_f16(o[dn], a, b[0], b[1]);
+                mma16816_f16(o[dn + 1], a, b[2], b[3]);
             }
         }
     }

@@ -480,6 +480,19 @@ fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
     }
 }
 
+/// Flash attention tolerance. The outputs lie in [-1, 1] (convex combinations of V) and each
+/// case has a row at position 0 (output = one V row), so the output's scale is ~1 and rounding
+/// the output to storage costs up to 2^-9 (bf16) or 2^-12 (f16). P V runs with f16 P (each
+/// weight off by at most 2^-11 relative, so the output by at most 2^-11 = 4.9e-4 as |v| <= 1),
+/// so the worst error is below 2.5e-3 (bf16) and 1e-3 (f16). With bf16 P (2^-8 relative per
+/// weight) the bf16 worst was 3.2e-3.
+fn flash_tol(st: StorageDType) -> f32 {
+    match st {
+        StorageDType::Bf16 => 3e-3,
+        StorageDType::F16 => 2e-3,
+    }
+}
+
 /// Runs flash attention for sequences given as (cached prefix, chunk length) and compares every
 /// query row with the CPU paged attention; also checks the scalar kernel agrees on the same
 /// inputs (the sm_70/sm_75 route).
@@ -525,7 +538,7 @@ fn flash_case(dev: &CudaDevice, rng: &mut Rng, seqs: &[(usize, usize)], heads: (
         want.extend(reference::attention_seq(&qs, n, hq, &case.k_cache, &case.v_cache, table, p, hk, d, bs, scale));
     }
     let label = format!("seqs{seqs:?}/d{d}/hq{hq}hk{hk}/bs{bs}").replace(' ', "");
-    check("flash_attention", st, &label, &out.read(dev, "flash attention"), &want, tol16(st));
+    check("flash_attention", st, &label, &out.read(dev, "flash attention"), &want, flash_tol(st));
 }
 
 #[test]
@@ -551,6 +564,97 @@ fn flash_attention_matches_reference_for_chunks_prefixes_and_gqa() {
             }
         }
         flash_case(&dev, &mut rng, &[(0, 200)], (8, 2), 96, 16);
+    }
+}
+
+/// A sequence's attention must not depend on the other sequences of the step: 20 sequences of
+/// 24 rows (after different cached prefixes) in one launch give, bit for bit, what each gives
+/// launched alone; so do they with a 150-row prompt added to the step (three row tiles in the
+/// grid, max_rows 150). Batched prefill then differs from a prompt run alone only through the
+/// other ops, never through attention.
+#[test]
+fn flash_attention_of_a_sequence_is_bitwise_independent_of_the_batch() {
+    for st in STORAGES {
+        let Some(dev) = gpu("flash_attention_batch", st) else { return };
+        let mut rng = Rng::new(22);
+        for (d, (hq, hk), bs) in [(128, (8, 2), 16), (64, (4, 4), 32), (256, (8, 1), 16)] {
+            // (cached prefix, rows): prefixes 0, 7, ..., 133 give different kv lengths and
+            // block-boundary offsets; the last sequence is the long prompt.
+            let mut seqs: Vec<(usize, usize)> = (0..20).map(|s| (7 * s, 24)).collect();
+            seqs.push((0, 150));
+            let contexts: Vec<usize> = seqs.iter().map(|&(p, n)| p + n).collect();
+            let case = paged_case(&mut rng, st, &contexts, hk, d, bs);
+            let q_stride = hq * d + 2 * hk * d;
+            let mut first = vec![0usize];
+            for &(_, n) in &seqs {
+                first.push(first.last().unwrap() + n);
+            }
+            let q = rounded(&rng.vec(first[seqs.len()] * q_stride, -1.0, 1.0), st);
+            let shape = PagedAttentionShape {
+                n_q_heads: hq,
+                n_kv_heads: hk,
+                head_dim: d,
+                q_stride,
+                block_size: bs,
+                num_blocks: case.num_blocks,
+                max_blocks_per_seq: case.max_blocks,
+                scale: 1.0 / (d as f32).sqrt(),
+                max_context: contexts.iter().copied().max().unwrap(),
+                partition: 0,
+            };
+            let (kd, vd) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache));
+            let (width, mb) = (hq * d, case.max_blocks);
+            // One launch over the sequences `ids` (rows packed in that order); output bits per
+            // sequence.
+            let run = |ids: &[usize]| -> Vec<Vec<u32>> {
+                let (mut rows, mut tables, mut token_seq, mut token_pos, mut cu) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new(), vec![0i32]);
+                for (i, &s) in ids.iter().enumerate() {
+                    let (p, n) = seqs[s];
+                    rows.extend_from_slice(&q[first[s] * q_stride..first[s + 1] * q_stride]);
+                    tables.extend_from_slice(&case.tables[s * mb..(s + 1) * mb]);
+                    token_seq.extend(std::iter::repeat_n(i as i32, n));
+                    token_pos.extend((p..p + n).map(|x| x as i32));
+                    cu.push(cu.last().unwrap() + n as i32);
+                }
+                let t = token_pos.len();
+                let max_rows = ids.iter().map(|&s| seqs[s].1).max().unwrap();
+                let mut out = Out16::new(&dev, t * width);
+                dev.flash_attention(
+                    &upload(&dev, &rows),
+                    &kd,
+                    &vd,
+                    &upload_raw(&dev, &tables),
+                    &upload_raw(&dev, &token_seq),
+                    &upload_raw(&dev, &token_pos),
+                    &upload_raw(&dev, &cu),
+                    &mut out.view(),
+                    &shape,
+                    max_rows,
+                )
+                .unwrap();
+                let bits: Vec<u32> = out.read(&dev, "flash attention").iter().map(|x| x.to_bits()).collect();
+                (0..ids.len()).map(|i| bits[cu[i] as usize * width..cu[i + 1] as usize * width].to_vec()).collect()
+            };
+            let alone: Vec<Vec<u32>> = (0..seqs.len()).map(|s| run(&[s]).remove(0)).collect();
+            let short: Vec<usize> = (0..20).collect();
+            let every: Vec<usize> = (0..seqs.len()).collect();
+            for ids in [&short, &every] {
+                let batched = run(ids);
+                for (&s, got) in ids.iter().zip(&batched) {
+                    let diff = got.iter().zip(&alone[s]).filter(|(a, b)| a != b).count();
+                    assert_eq!(
+                        diff,
+                        0,
+                        "flash attention ({}, d{d} hq{hq} hk{hk} bs{bs}): sequence {s} of a {}-sequence launch differs from alone in {diff} of {} elements",
+                        st.name(),
+                        ids.len(),
+                        got.len()
+                    );
+                }
+            }
+            println!("PARITY op=flash_attention_batch storage={} shape=d{d}/hq{hq}hk{hk}/bs{bs} bitwise=ok", st.name());
+        }
     }
 }
 
