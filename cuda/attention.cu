@@ -50,15 +50,18 @@ __device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* 
 // G q heads that share one KV head (a GQA group, or 1 where the group size has no instance)
 // are handled by one warp, so each K/V row is read once for the group. KB keys per iteration
 // keep several rows in flight; fewer when G * D/32 registers per key are already many.
-// Keys per split of a decode token that sees `limit` keys: 64 up to a 4096-key context, then
-// the context's power-of-two ceiling / DECODE_SPLITS, so that a token never needs more than
-// DECODE_SPLITS splits (the launcher's grid height for decode). Must match
-// ops/attention.rs::DECODE_SPLITS.
+// Keys per split of a decode token that sees `limit` keys: DECODE_MIN_PARTITION up to a
+// DECODE_MIN_PARTITION * DECODE_SPLITS (1024) key context, then the context's power-of-two
+// ceiling / DECODE_SPLITS, so that a token never needs more than DECODE_SPLITS splits (the
+// launcher's grid height for decode). Short splits matter at batch 1: a 170-key context in
+// splits of 64 ran on 3 warps per GQA group, each walking 64 keys one after another; in splits
+// of 16 it runs on 11 warps of 16 keys. DECODE_SPLITS must match ops/attention.rs.
 #define DECODE_SPLITS 64
+#define DECODE_MIN_PARTITION 16
 __device__ __forceinline__ int decode_partition(int limit) {
     int p2 = 1;
     while (p2 < limit) p2 <<= 1;
-    return max(64, p2 / DECODE_SPLITS);
+    return max(DECODE_MIN_PARTITION, p2 / DECODE_SPLITS);
 }
 
 template <int D, int G>
