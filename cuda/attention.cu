@@ -50,15 +50,18 @@ __device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* 
 // G q heads that share one KV head (a GQA group, or 1 where the group size has no instance)
 // are handled by one warp, so each K/V row is read once for the group. KB keys per iteration
 // keep several rows in flight; fewer when G * D/32 registers per key are already many.
-// Keys per split of a decode token that sees `limit` keys: 64 up to a 4096-key context, then
-// the context's power-of-two ceiling / DECODE_SPLITS, so that a token never needs more than
-// DECODE_SPLITS splits (the launcher's grid height for decode). Must match
-// ops/attention.rs::DECODE_SPLITS.
+// Keys per split of a decode token that sees `limit` keys: DECODE_MIN_PARTITION up to a
+// DECODE_MIN_PARTITION * DECODE_SPLITS (1024) key context, then the context's power-of-two
+// ceiling / DECODE_SPLITS, so that a token never needs more than DECODE_SPLITS splits (the
+// launcher's grid height for decode). Short splits matter at batch 1: a 170-key context in
+// splits of 64 ran on 3 warps per GQA group, each walking 64 keys one after another; in splits
+// of 16 it runs on 11 warps of 16 keys. DECODE_SPLITS must match ops/attention.rs.
 #define DECODE_SPLITS 64
+#define DECODE_MIN_PARTITION 16
 __device__ __forceinline__ int decode_partition(int limit) {
     int p2 = 1;
     while (p2 < limit) p2 <<= 1;
-    return max(64, p2 / DECODE_SPLITS);
+    return max(DECODE_MIN_PARTITION, p2 / DECODE_SPLITS);
 }
 
 template <int D, int G>
@@ -191,6 +194,11 @@ __device__ __forceinline__ void attention_body(
 }
 
 // Merges the split partials of attention_body (rows are (token, q head)): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+// Lane i reads the (max, sum) of splits i, i + 32, ..., so the maximum and the weights come
+// from warp reductions and shuffles instead of a serial walk with a load per split; the
+// accumulators of CB splits are then loaded together before they are added (in split order).
+// Decode's short splits give up to DECODE_SPLITS live splits per row, so this walk matters.
+#define COMBINE_BATCH 4
 template <int D>
 __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
                                              const float* __restrict__ part_ml, int n_rows,
@@ -199,25 +207,51 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
     const int lane = threadIdx.x & 31;
     const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (w >= n_rows) return;
+    const long long row0 = (long long)w * n_splits;
     float mx = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, part_ml[((long long)w * n_splits + s) * 2]);
+    for (int s = lane; s < n_splits; s += 32) mx = fmaxf(mx, part_ml[(row0 + s) * 2]);
+    mx = warp_max(mx);
     float acc[EPL];
 #pragma unroll
     for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
     float total = 0.0f;
     if (mx != NEG_INF) {
-        for (int s = 0; s < n_splits; ++s) {
-            const long long p_idx = (long long)w * n_splits + s;
-            const float ls = part_ml[p_idx * 2 + 1];
-            // An empty split (no keys: l = 0) adds exactly nothing; skipping it saves reading
-            // its accumulators, which idle splits do not write.
-            if (ls == 0.0f) continue;
-            const float f = expf(part_ml[p_idx * 2] - mx);
-            total += ls * f;
-            const float* prow = part_acc + p_idx * D + lane * EPL;
+        float lane_total = 0.0f;
+        for (int s0 = 0; s0 < n_splits; s0 += 32) {
+            // This lane's split s0 + lane: its weight e^(m_s - M), 0 for an empty split (no
+            // keys: l = 0), whose accumulators idle splits do not even write.
+            float f = 0.0f;
+            if (s0 + lane < n_splits) {
+                const float ls = part_ml[(row0 + s0 + lane) * 2 + 1];
+                if (ls != 0.0f) {
+                    f = expf(part_ml[(row0 + s0 + lane) * 2] - mx);
+                    lane_total += ls * f;
+                }
+            }
+            const int n = min(32, n_splits - s0);
+            for (int j0 = 0; j0 < n; j0 += COMBINE_BATCH) {
+                float fj[COMBINE_BATCH], v[COMBINE_BATCH][EPL];
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[e] = fmaf(prow[e], f, acc[e]);
+                for (int u = 0; u < COMBINE_BATCH; ++u) {
+                    fj[u] = __shfl_sync(0xffffffffu, f, (j0 + u) & 31);
+                    if (j0 + u >= n) fj[u] = 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < COMBINE_BATCH; ++u) {
+                    const float* prow = part_acc + (row0 + s0 + j0 + u) * D + lane * EPL;
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) v[u][e] = fj[u] != 0.0f ? prow[e] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < COMBINE_BATCH; ++u) {
+                    if (fj[u] != 0.0f) {
+#pragma unroll
+                        for (int e = 0; e < EPL; ++e) acc[e] = fmaf(v[u][e], fj[u], acc[e]);
+                    }
+                }
+            }
         }
+        total = warp_sum(lane_total);
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     store_t* orow = out + (long long)w * D + lane * EPL;

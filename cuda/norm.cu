@@ -8,45 +8,183 @@ __device__ __forceinline__ float norm_weight(const store_t* w, int i, int plus_o
     return plus_one ? 1.0f + wf : wf;
 }
 
+// rmsnorm and add_rmsnorm work in chunks of 8 elements: chunk c of a row is elements
+// [8c, 8c + 8) and thread i takes chunks i, i + blockDim.x, ... The launcher sizes the block
+// from `dim` alone (dim/8 threads rounded up to a warp, at most 1024), so one pass usually
+// covers the row and its first NORM_CACHE chunks per thread stay in registers between the
+// sum of squares and the scaling: the row is read once. A chunk is one 16-byte load when the
+// row and the pointers allow it (dim % 8 == 0, 16-byte aligned), else 8 scalar loads with
+// zeros past the row end; both give the same values in the same order, so the f32 sum, and so
+// the result, depends on `dim` only: never on the alignment, the row count or the other rows.
+#define NORM_CACHE 4
+#define NORM_MAX_THREADS 1024
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Chunk starting at element `base` (< dim) of row p, as 8 raw storage elements in a uint4.
+__device__ __forceinline__ uint4 load_chunk(const store_t* p, int base, int dim, bool vec) {
+    if (vec) return *reinterpret_cast<const uint4*>(p + base);
+    unsigned u[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned lo = base + 2 * i < dim ? p[base + 2 * i] : 0u;
+        const unsigned hi = base + 2 * i + 1 < dim ? p[base + 2 * i + 1] : 0u;
+        u[i] = lo | (hi << 16);
+    }
+    uint4 r;
+    r.x = u[0];
+    r.y = u[1];
+    r.z = u[2];
+    r.w = u[3];
+    return r;
+}
+
+__device__ __forceinline__ void store_chunk(store_t* p, int base, int dim, bool vec, uint4 r) {
+    if (vec) {
+        *reinterpret_cast<uint4*>(p + base) = r;
+        return;
+    }
+    const unsigned u[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (base + 2 * i < dim) p[base + 2 * i] = (store_t)(u[i] & 0xffffu);
+        if (base + 2 * i + 1 < dim) p[base + 2 * i + 1] = (store_t)(u[i] >> 16);
+    }
+}
+
+__device__ __forceinline__ void unpack_chunk(uint4 r, float* f) {
+    const unsigned u[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = to_f32((store_t)(u[i] & 0xffffu));
+        f[2 * i + 1] = to_f32((store_t)(u[i] >> 16));
+    }
+}
+
+__device__ __forceinline__ uint4 pack_chunk(const float* f) {
+    unsigned u[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        u[i] = (unsigned)from_f32(f[2 * i]) | ((unsigned)from_f32(f[2 * i + 1]) << 16);
+    uint4 r;
+    r.x = u[0];
+    r.y = u[1];
+    r.z = u[2];
+    r.w = u[3];
+    return r;
+}
+
+// Adds the squares of a chunk's elements to ss, in element order (padding zeros add nothing).
+__device__ __forceinline__ float chunk_sum_squares(uint4 r, float ss) {
+    float f[8];
+    unpack_chunk(r, f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+    return ss;
+}
+
+// out chunk = x chunk * rstd * weight (w or 1 + w).
+__device__ __forceinline__ void scale_chunk(uint4 xr, const store_t* __restrict__ w,
+                                            store_t* __restrict__ orow, int base, int dim,
+                                            bool vec, float rstd, int plus_one) {
+    float f[8], wf[8];
+    unpack_chunk(xr, f);
+    unpack_chunk(load_chunk(w, base, dim, vec), wf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = f[e] * rstd * (plus_one ? 1.0f + wf[e] : wf[e]);
+    store_chunk(orow, base, dim, vec, pack_chunk(f));
+}
+
+// residual chunk += x chunk, rounded to storage and written back; returns the rounded sums.
+__device__ __forceinline__ uint4 add_chunk(store_t* __restrict__ rrow,
+                                           const store_t* __restrict__ xr, int base, int dim,
+                                           bool vec) {
+    float a[8], b[8];
+    unpack_chunk(load_chunk(rrow, base, dim, vec), a);
+    unpack_chunk(load_chunk(xr, base, dim, vec), b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[e] = a[e] + b[e];
+    const uint4 s = pack_chunk(a);
+    store_chunk(rrow, base, dim, vec, s);
+    return s;
+}
+
 // out[r, :] = x[r, :] * rsqrt(mean(x^2) + eps) * w. Rows are `x_stride` / `out_stride`
 // elements apart so that per-head norms can read q/k inside a fused projection. Grid
 // dimension y indexes heads: head h of row r starts h * dim elements into the row (in and
 // out), so one launch normalises every head of every token (per-head q/k norm).
-extern "C" __global__ void rmsnorm(const store_t* __restrict__ x, const store_t* __restrict__ w,
-                                   store_t* __restrict__ out, int dim, long long x_stride,
-                                   long long out_stride, float eps, int plus_one) {
+extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
+    rmsnorm(const store_t* __restrict__ x, const store_t* __restrict__ w,
+            store_t* __restrict__ out, int dim, long long x_stride, long long out_stride,
+            float eps, int plus_one) {
     __shared__ float scratch[32];
     const long long head = (long long)blockIdx.y * dim;
     const store_t* xr = x + blockIdx.x * x_stride + head;
     store_t* orow = out + blockIdx.x * out_stride + head;
+    const bool vec = (dim & 7) == 0 && aligned16(xr) && aligned16(orow) && aligned16(w);
+    const int n_chunks = (dim + 7) >> 3;
+    const int step = blockDim.x;
+    uint4 cache[NORM_CACHE];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = to_f32(xr[i]);
-        ss += v * v;
+#pragma unroll
+    for (int c = 0; c < NORM_CACHE; ++c) {
+        const int ch = c * step + threadIdx.x;
+        if (ch < n_chunks) {
+            cache[c] = load_chunk(xr, ch * 8, dim, vec);
+            ss = chunk_sum_squares(cache[c], ss);
+        }
     }
+    for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
+        ss = chunk_sum_squares(load_chunk(xr, ch * 8, dim, vec), ss);
     const float rstd = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        orow[i] = from_f32(to_f32(xr[i]) * rstd * norm_weight(w, i, plus_one));
+#pragma unroll
+    for (int c = 0; c < NORM_CACHE; ++c) {
+        const int ch = c * step + threadIdx.x;
+        if (ch < n_chunks) scale_chunk(cache[c], w, orow, ch * 8, dim, vec, rstd, plus_one);
+    }
+    for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
+        scale_chunk(load_chunk(xr, ch * 8, dim, vec), w, orow, ch * 8, dim, vec, rstd, plus_one);
 }
 
 // residual[r, :] += x[r, :] (rounded to storage, as the model's residual stream is), then
-// out[r, :] = rmsnorm(residual[r, :]). Rows are contiguous (`dim` apart).
-extern "C" __global__ void add_rmsnorm(store_t* __restrict__ residual,
-                                       const store_t* __restrict__ x,
-                                       const store_t* __restrict__ w, store_t* __restrict__ out,
-                                       int dim, float eps, int plus_one) {
+// out[r, :] = rmsnorm(residual[r, :]). Rows are contiguous (`dim` apart). The rounded sums
+// stay in registers for the scaling pass (chunks past NORM_CACHE per thread are read back
+// from residual, which the same thread wrote).
+extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
+    add_rmsnorm(store_t* __restrict__ residual, const store_t* __restrict__ x,
+                const store_t* __restrict__ w, store_t* __restrict__ out, int dim, float eps,
+                int plus_one) {
     __shared__ float scratch[32];
     const long long base = (long long)blockIdx.x * dim;
+    store_t* rrow = residual + base;
+    const store_t* xr = x + base;
+    store_t* orow = out + base;
+    const bool vec = (dim & 7) == 0 && aligned16(rrow) && aligned16(xr) && aligned16(orow) &&
+                     aligned16(w);
+    const int n_chunks = (dim + 7) >> 3;
+    const int step = blockDim.x;
+    uint4 cache[NORM_CACHE];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const store_t s = from_f32(to_f32(residual[base + i]) + to_f32(x[base + i]));
-        residual[base + i] = s;
-        const float v = to_f32(s);
-        ss += v * v;
+#pragma unroll
+    for (int c = 0; c < NORM_CACHE; ++c) {
+        const int ch = c * step + threadIdx.x;
+        if (ch < n_chunks) {
+            cache[c] = add_chunk(rrow, xr, ch * 8, dim, vec);
+            ss = chunk_sum_squares(cache[c], ss);
+        }
     }
+    for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
+        ss = chunk_sum_squares(add_chunk(rrow, xr, ch * 8, dim, vec), ss);
     const float rstd = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        out[base + i] = from_f32(to_f32(residual[base + i]) * rstd * norm_weight(w, i, plus_one));
+#pragma unroll
+    for (int c = 0; c < NORM_CACHE; ++c) {
+        const int ch = c * step + threadIdx.x;
+        if (ch < n_chunks) scale_chunk(cache[c], w, orow, ch * 8, dim, vec, rstd, plus_one);
+    }
+    for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
+        scale_chunk(load_chunk(rrow, ch * 8, dim, vec), w, orow, ch * 8, dim, vec, rstd, plus_one);
 }
 
 // Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head).

@@ -4,8 +4,24 @@
 // (so every scaling scheme is a host concern) and `attn_scale` multiplies cos and sin.
 #include "common.cuh"
 
-__device__ __forceinline__ void rotate_head(store_t* h, int half, float pos,
-                                            const float* inv_freq, float attn_scale) {
+// One block per (token, head): grid x = token, grid y = head, q heads first then k heads. A
+// decode step has a single token, so looping over its 40 heads inside one block made 40
+// dependent round trips to memory; a block per head runs them all at once. Each element's
+// arithmetic is the same whatever the grid, so results do not depend on the launch shape.
+// q rows are `q_stride` apart, k rows `k_stride`, heads `head_dim` apart within a row.
+extern "C" __global__ void rope_neox(store_t* __restrict__ q, store_t* __restrict__ k,
+                                     const int* __restrict__ positions,
+                                     const float* __restrict__ inv_freq, int n_q_heads,
+                                     int n_kv_heads, int head_dim, int rotary_dim,
+                                     long long q_stride, long long k_stride, float attn_scale) {
+    const int t = blockIdx.x;
+    const int head = blockIdx.y;
+    if (head >= n_q_heads + n_kv_heads) return;
+    store_t* h = head < n_q_heads
+                     ? q + t * q_stride + (long long)head * head_dim
+                     : k + t * k_stride + (long long)(head - n_q_heads) * head_dim;
+    const float pos = (float)positions[t];
+    const int half = rotary_dim / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(pos * inv_freq[i], &s, &c);
@@ -16,19 +32,4 @@ __device__ __forceinline__ void rotate_head(store_t* h, int half, float pos,
         h[i] = from_f32(a * c - b * s);
         h[i + half] = from_f32(b * c + a * s);
     }
-}
-
-// One block per token; heads are looped. q rows are `q_stride` apart, head_dim within.
-extern "C" __global__ void rope_neox(store_t* __restrict__ q, store_t* __restrict__ k,
-                                     const int* __restrict__ positions,
-                                     const float* __restrict__ inv_freq, int n_q_heads,
-                                     int n_kv_heads, int head_dim, int rotary_dim,
-                                     long long q_stride, long long k_stride, float attn_scale) {
-    const int t = blockIdx.x;
-    const float pos = (float)positions[t];
-    const int half = rotary_dim / 2;
-    for (int h = 0; h < n_q_heads; ++h)
-        rotate_head(q + t * q_stride + (long long)h * head_dim, half, pos, inv_freq, attn_scale);
-    for (int h = 0; h < n_kv_heads; ++h)
-        rotate_head(k + t * k_stride + (long long)h * head_dim, half, pos, inv_freq, attn_scale);
 }

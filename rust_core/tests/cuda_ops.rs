@@ -90,7 +90,9 @@ fn rmsnorm_matches_reference_for_both_weight_conventions_and_strides() {
     for st in STORAGES {
         let Some(dev) = gpu("rmsnorm", st) else { return };
         let mut rng = Rng::new(2);
-        for (rows, dim, x_stride) in [(1, 64, 64), (7, 1000, 1000), (33, 4096, 4096), (12, 128, 384)] {
+        // Past 32768 (40000) some chunks are past the register cache and read twice; 1003 and the
+        // stride 4100 take the scalar path (dim or rows not 16-byte aligned).
+        for (rows, dim, x_stride) in [(1, 64, 64), (7, 1000, 1000), (33, 4096, 4096), (12, 128, 384), (1, 4096, 4096), (3, 5120, 5120), (2, 2048, 2048), (5, 1003, 1003), (4, 4096, 4100), (2, 40000, 40000)] {
             for plus_one in [false, true] {
                 let x = rounded(&rng.vec(rows * x_stride, -2.0, 2.0), st);
                 let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
@@ -131,7 +133,7 @@ fn add_rmsnorm_updates_residual_and_normalises_the_sum() {
     for st in STORAGES {
         let Some(dev) = gpu("add_rmsnorm", st) else { return };
         let mut rng = Rng::new(3);
-        for (rows, dim) in [(1, 64), (5, 2048), (64, 1000)] {
+        for (rows, dim) in [(1, 64), (5, 2048), (64, 1000), (1, 4096), (3, 5120), (4, 1003), (2, 40000)] {
             for plus_one in [false, true] {
                 let res = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
                 let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
@@ -147,6 +149,52 @@ fn add_rmsnorm_updates_residual_and_normalises_the_sum() {
                 check("add_rmsnorm.out", st, &shape, &out.read(&dev, "add_rmsnorm"), &want, tol16(st));
             }
         }
+    }
+}
+
+/// The f32 sum order of rmsnorm / add_rmsnorm depends on `dim` only: a row normalised in a batch
+/// of 8 equals the same row alone, read from a buffer one element off 16-byte alignment (the
+/// scalar path), bit for bit. Decode's batch == alone guarantee rests on this.
+#[test]
+fn rmsnorm_rows_are_bitwise_independent_of_batch_and_alignment() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rmsnorm_bitwise", st) else { return };
+        let mut rng = Rng::new(21);
+        let rows = 8;
+        for dim in [4096, 5120, 2048, 128, 1003, 40000] {
+            let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
+            let res = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
+            let w = upload(&dev, &rounded(&rng.vec(dim, -1.0, 1.0), st));
+            let mut norm = Out16::new(&dev, rows * dim);
+            dev.rmsnorm(&upload(&dev, &x), &w, &mut norm.view(), rows, dim, dim, dim, 1e-6, false).unwrap();
+            let norm = norm.read(&dev, "rmsnorm batch");
+            let mut residual = Out16::with(&dev, &res);
+            let mut added = Out16::new(&dev, rows * dim);
+            dev.add_rmsnorm(&mut residual.view(), &upload(&dev, &x), &w, &mut added.view(), rows, dim, 1e-6, true).unwrap();
+            let added = added.read(&dev, "add_rmsnorm batch");
+            let residual = residual.read(&dev, "add_rmsnorm residual batch");
+            for r in [0, 5] {
+                let row = r * dim..(r + 1) * dim;
+                let shifted: Vec<f32> = std::iter::once(0.0).chain(x[row.clone()].iter().copied()).collect();
+                let shifted = upload(&dev, &shifted);
+                let mut alone = Out16::new(&dev, dim);
+                dev.rmsnorm(&shifted.slice(1..), &w, &mut alone.view(), 1, dim, dim, dim, 1e-6, false).unwrap();
+                let what = format!("{st:?} dim {dim} row {r}");
+                assert_bitwise(&alone.read(&dev, "rmsnorm alone"), &norm[row.clone()], &format!("rmsnorm {what}"));
+                let mut res_alone = Out16::with(&dev, &res[row.clone()]);
+                let mut alone = Out16::new(&dev, dim);
+                dev.add_rmsnorm(&mut res_alone.view(), &shifted.slice(1..), &w, &mut alone.view(), 1, dim, 1e-6, true).unwrap();
+                assert_bitwise(&alone.read(&dev, "add_rmsnorm alone"), &added[row.clone()], &format!("add_rmsnorm {what}"));
+                assert_bitwise(&res_alone.read(&dev, "residual alone"), &residual[row.clone()], &format!("add_rmsnorm residual {what}"));
+            }
+        }
+    }
+}
+
+fn assert_bitwise(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{what}: element {i} differs: {} vs {}", got[i], want[i]);
     }
 }
 
@@ -175,7 +223,7 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
         let mut rng = Rng::new(5);
         // (tokens, q heads, kv heads, head_dim, rotary_dim, fused qkv layout)
         for (t, hq, hk, d, rot, fused) in
-            [(1, 8, 2, 128, 128, false), (5, 4, 4, 64, 64, true), (37, 16, 2, 256, 64, true), (3, 2, 1, 128, 32, false)]
+            [(1, 8, 2, 128, 128, false), (5, 4, 4, 64, 64, true), (37, 16, 2, 256, 64, true), (3, 2, 1, 128, 32, false), (1, 32, 8, 128, 128, true), (2, 40, 8, 128, 128, false)]
         {
             let theta: f32 = 1_000_000.0;
             let inv_freq: Vec<f32> = (0..rot / 2).map(|i| theta.powf(-(2.0 * i as f32) / rot as f32)).collect();
@@ -456,6 +504,11 @@ fn paged_decode_attention_matches_reference_with_and_without_splits() {
         }
         let contexts = [3000];
         attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
+        // Llama-3-8B heads at contexts around the 1024-key point where decode splits start to
+        // grow beyond 16 keys (decode_partition), and a short one split 16 keys at a time.
+        let contexts = [170, 1024, 1025, 1500];
+        let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
+        attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, 128, 0, (32, 8));
         // Past 4096 keys the decode splits grow beyond 64 keys (decode_partition).
         attention_case(&dev, &mut rng, "attention_decode", &[5000, 9], &[(0, 4999), (1, 8)], 128, 0, (8, 2));
     }

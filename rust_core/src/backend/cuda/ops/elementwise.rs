@@ -86,8 +86,14 @@ impl CudaDevice {
             KArg::I64(k_stride as i64),
             KArg::F32(attn_scale),
         ];
+        // One block per (token, head), q heads then k heads (grid y), each thread one pair.
         let threads = (rotary_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
-        self.launch(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), threads), "rope_neox", &args)
+        let heads = n_q_heads + n_kv_heads;
+        if heads > 65_535 {
+            return Err(crate::NinferError::Device(format!("rope: {heads} heads exceed the grid height 65535")));
+        }
+        let grid = (as_i32("tokens", t)? as u32, heads as u32, 1);
+        self.launch(&f, cfg(grid, threads), "rope_neox", &args)
     }
 
     /// out[r, i] = silu(gate[r, i]) * up[r, i]; out is contiguous [rows, n], gate and up rows

@@ -7,7 +7,16 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
 
+/// Block size of rmsnorm_gated (a grid-stride loop per row).
 const NORM_THREADS: u32 = 256;
+
+/// Block size of rmsnorm / add_rmsnorm for rows of `dim`: one thread per 8-element chunk
+/// (norm.cu), rounded up to a warp, at most 1024, so that one pass covers rows up to 8192.
+/// It depends on `dim` only: the kernels' f32 sum order follows the block size, and a row's
+/// result must not depend on how many rows the launch has (nor on rmsnorm vs rmsnorm_heads).
+fn chunked_norm_threads(dim: usize) -> u32 {
+    dim.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32
+}
 
 impl CudaDevice {
     /// Per-head RMSNorm in one launch: row r holds `heads` heads of `dim` elements starting at
@@ -46,7 +55,7 @@ impl CudaDevice {
             KArg::I32(plus_one as i32),
         ];
         let grid = (as_i32("rows", rows)? as u32, as_i32("heads", heads)? as u32, 1);
-        self.launch(&f, cfg(grid, NORM_THREADS), "rmsnorm", &args)
+        self.launch(&f, cfg(grid, chunked_norm_threads(dim)), "rmsnorm", &args)
     }
 
     /// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w (or * (1 + w) when `plus_one`), for
@@ -83,7 +92,7 @@ impl CudaDevice {
             KArg::F32(eps),
             KArg::I32(plus_one as i32),
         ];
-        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), NORM_THREADS), "rmsnorm", &args)
+        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), chunked_norm_threads(dim)), "rmsnorm", &args)
     }
 
     /// residual += x (rounded to storage), then out = rmsnorm(residual): the fused pre-norm of
@@ -120,7 +129,7 @@ impl CudaDevice {
             KArg::I32(plus_one as i32),
         ];
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
-        self.launch(&f, cfg(grid, NORM_THREADS), "add_rmsnorm", &args)
+        self.launch(&f, cfg(grid, chunked_norm_threads(dim)), "add_rmsnorm", &args)
     }
 
     /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head).
