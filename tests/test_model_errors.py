@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -108,6 +109,14 @@ def test_unknown_device_is_unsupported(llama_dir):
 def test_empty_prompt_is_an_invalid_request(llama_dir):
     with pytest.raises(_core.InvalidRequestError):
         _core.Model(str(llama_dir)).logits([])
+
+
+def test_chunked_logits_need_a_positive_chunk_and_equal_the_whole_prefill(llama_dir):
+    m = _core.Model(str(llama_dir))
+    ids = list(range(3, 40))
+    with pytest.raises(_core.InvalidRequestError, match="chunk"):
+        m.logits(ids, chunk=0)
+    np.testing.assert_allclose(m.logits(ids, chunk=5), m.logits(ids), rtol=1e-4, atol=1e-4)
 
 
 def _add_mtp(d, hidden=72, fc_shape=None):

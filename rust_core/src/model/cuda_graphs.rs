@@ -51,10 +51,9 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// Enabled unless `NINFER_CUDA_GRAPHS=0` (or `false`, `off`).
-    pub fn from_env() -> Self {
-        let off = std::env::var("NINFER_CUDA_GRAPHS").is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
-        DecodeGraphs { enabled: !off, graphs: HashMap::new() }
+    /// Enabled unless the switch `NINFER_CUDA_GRAPHS` is off (`config::env_switch`).
+    pub fn from_env() -> crate::Result<Self> {
+        Ok(DecodeGraphs { enabled: crate::config::env_switch("NINFER_CUDA_GRAPHS", true)?, graphs: HashMap::new() })
     }
 
     /// Whether decode steps run as graphs.

@@ -295,7 +295,7 @@ impl<'a> DeviceSink<'a> {
             };
             stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
-        let read = std::env::var("NINFER_LOAD_MMAP").map_or(true, |v| v.is_empty() || v == "0");
+        let read = !crate::config::env_switch("NINFER_LOAD_MMAP", false)?;
         Ok(DeviceSink { dev, stages, next: 0, read, fill_s: 0.0, wait_s: 0.0 })
     }
 }

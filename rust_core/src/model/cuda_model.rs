@@ -145,6 +145,8 @@ impl CudaModel {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::new(ordinal)?);
         Self::check_supported(&cfg)?;
+        // Switches first, so that a misspelt value fails before a long load.
+        let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
         let store = WeightStore::open(dir)?;
         // Kernels compile (or load from the disk cache) on a second thread while the weights
         // stream in: a cold start pays for the longer of the two, not their sum.
@@ -186,10 +188,10 @@ impl CudaModel {
             dmeta: StepMeta::default(),
             scratch: None,
             scratch_rows: 0,
-            graphs: DecodeGraphs::from_env(),
+            graphs,
             pinned: None,
             logits_rows: 0,
-            sampler: DeviceSampler::from_env(),
+            sampler,
         })
     }
 

@@ -27,10 +27,10 @@ pub struct DeviceSampler {
 }
 
 impl DeviceSampler {
-    /// On unless the environment sets `NINFER_DEVICE_SAMPLING=0`.
-    pub fn from_env() -> Self {
-        let enabled = std::env::var("NINFER_DEVICE_SAMPLING").map_or(true, |v| v.trim() != "0");
-        DeviceSampler { enabled, packed: PackedSampling::default(), src_rows: Vec::new(), params: None, work: None, out: None }
+    /// On unless the switch `NINFER_DEVICE_SAMPLING` is off (`config::env_switch`).
+    pub fn from_env() -> crate::Result<Self> {
+        let enabled = crate::config::env_switch("NINFER_DEVICE_SAMPLING", true)?;
+        Ok(DeviceSampler { enabled, packed: PackedSampling::default(), src_rows: Vec::new(), params: None, work: None, out: None })
     }
 
     /// Whether steps sample on the device.

@@ -60,6 +60,9 @@ impl PyModel {
         if token_ids.is_empty() {
             return Err(NinferError::EmptyPrompt).py();
         }
+        if chunk == Some(0) {
+            return Err(NinferError::invalid("chunk", "must be at least 1 token")).py();
+        }
         let t = token_ids.len();
         let logits = py
             .detach(|| {
@@ -70,7 +73,7 @@ impl PyModel {
                     m.runner.allocate_caches(blocks, BLOCK_SIZE, 1)?;
                     m.capacity = (blocks, BLOCK_SIZE, 1);
                 }
-                let chunk = chunk.unwrap_or(t).max(1);
+                let chunk = chunk.unwrap_or(t);
                 let mut data = Vec::with_capacity(t);
                 let mut vocab = 0;
                 for start in (0..t).step_by(chunk) {
@@ -119,7 +122,7 @@ impl PyModel {
                         t
                     })
                     .collect();
-                let argmax = |row: &[f32]| row.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+                let argmax = crate::sampling::argmax;
                 let mut last = Vec::with_capacity(n);
                 for (i, p) in prompts.iter().enumerate() {
                     let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
