@@ -105,6 +105,15 @@ def _matched_prefix(a: list, b: list) -> int:
     return n
 
 
+def _hf_greedy(model, prompt: list, n: int) -> list:
+    """transformers' greedy continuation of `prompt` on the GPU: `n` new token ids."""
+    with torch.no_grad():
+        r = model.generate(torch.tensor([prompt], device="cuda"),
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+                           do_sample=False, max_new_tokens=n, min_new_tokens=0, pad_token_id=0)
+    return r[0, len(prompt):].tolist()
+
+
 def _divergence_gap(out, other_ids: list):
     """(index of the first token where `out` and `other_ids` differ, `out`'s top-2 logprob gap
     there), or None when they agree throughout."""
@@ -147,11 +156,7 @@ def test_gpu_greedy_tracks_f32_as_long_as_transformers_bf16(gpu_dir, hf_bf16):
     for prompt, out in zip(prompts, outs):
         ref = {}
         for name, model in (("f32", hf_f32), ("bf16", hf_bf16)):
-            with torch.no_grad():
-                r = model.generate(torch.tensor([prompt], device="cuda"),
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                                   do_sample=False, max_new_tokens=64, min_new_tokens=0, pad_token_id=0)
-            ref[name] = r[0, len(prompt):].tolist()
+            ref[name] = _hf_greedy(model, prompt, 64)
         assert len(out.token_ids) == 64 and len(ref["f32"]) == 64
         ours += _matched_prefix(out.token_ids, ref["f32"])
         theirs += _matched_prefix(ref["bf16"], ref["f32"])
@@ -324,11 +329,7 @@ def test_demo_model_greedy_64_tokens_match_transformers_bf16(demo_dir, demo_wind
     hf.generation_config.eos_token_id = None
     gaps = []
     for prompt, out in zip(demo_windows, outs):
-        with torch.no_grad():
-            r = hf.generate(torch.tensor([prompt], device="cuda"),
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                            do_sample=False, max_new_tokens=64, min_new_tokens=0, pad_token_id=0)
-        gaps.append(_divergence_gap(out, r[0, len(prompt):].tolist()))
+        gaps.append(_divergence_gap(out, _hf_greedy(hf, prompt, 64)))
     same = gaps.count(None)
     print(f"demo: {same}/{len(demo_windows)} prompts equal transformers bf16 greedy (64 tokens); divergences "
           f"(token, our top-2 gap): {[g for g in gaps if g]}")
@@ -362,11 +363,7 @@ def test_demo_model_greedy_64_tokens_match_transformers_with_f32_logits(demo_dir
     hf.generation_config.eos_token_id = None
     gaps = []
     for prompt, out in zip(demo_windows, outs):
-        with torch.no_grad():
-            r = hf.generate(torch.tensor([prompt], device="cuda"),
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                            do_sample=False, max_new_tokens=64, min_new_tokens=0, pad_token_id=0)
-        gaps.append(_divergence_gap(out, r[0, len(prompt):].tolist()))
+        gaps.append(_divergence_gap(out, _hf_greedy(hf, prompt, 64)))
     same = gaps.count(None)
     print(f"demo: {same}/{len(demo_windows)} prompts equal transformers bf16 with f32 logits (64 tokens); "
           f"divergences (token, our top-2 gap): {[g for g in gaps if g]}")
@@ -602,11 +599,7 @@ def test_real_shape_random_models_match_transformers_bf16(name, tmp_path):
     hf = _f32_head(hf)
     same, prefix = 0, 0
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            r = hf.generate(torch.tensor([prompt], device="cuda"),
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                            do_sample=False, max_new_tokens=64, min_new_tokens=0, pad_token_id=0)
-        ref = r[0, len(prompt):].tolist()
+        ref = _hf_greedy(hf, prompt, 64)
         same += out.token_ids == ref
         prefix += _matched_prefix(out.token_ids, ref)
     print(f"{name}: logits rel err ours-vs-hf_bf16 {err:.2e}, ours-vs-hf_f32 {ours32:.2e}, hf_bf16-vs-hf_f32 "

@@ -298,7 +298,7 @@ impl CudaDevice {
 
     /// Shape and buffer checks shared by both attention entry points.
     #[allow(clippy::too_many_arguments)]
-    fn check_attention(
+    pub(super) fn check_attention(
         &self,
         q: &impl DevicePtr<u16>,
         k_cache: &impl DevicePtr<u16>,

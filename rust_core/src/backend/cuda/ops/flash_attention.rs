@@ -5,7 +5,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::attention::PagedAttentionShape;
-use super::{as_i32, check_len, strided_len, KArg};
+use super::{as_i32, check_len, KArg};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -57,17 +57,11 @@ impl CudaDevice {
         if !self.has_flash_attention() {
             return self.paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape);
         }
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let d = sh.head_dim;
         let (name, bn) = kernel(d)?;
-        let t = token_pos.len();
         let n_seqs = cu_seqlens.len().saturating_sub(1);
-        if sh.n_kv_heads == 0 || !sh.n_q_heads.is_multiple_of(sh.n_kv_heads) {
-            return Err(NinferError::Device(format!(
-                "flash attention: {} q heads are not a multiple of {} kv heads",
-                sh.n_q_heads, sh.n_kv_heads
-            )));
-        }
         if !sh.q_stride.is_multiple_of(8) {
             return Err(NinferError::Device(format!(
                 "flash attention: q stride {} is not a multiple of 8 elements (16-byte rows)",
@@ -77,12 +71,7 @@ impl CudaDevice {
         if n_seqs == 0 || max_rows == 0 {
             return Ok(());
         }
-        check_len("flash attention q", q.len(), strided_len(t, sh.n_q_heads * d, sh.q_stride))?;
-        let cache = sh.num_blocks * sh.block_size * sh.n_kv_heads * d;
-        check_len("flash attention k_cache", k_cache.len(), cache)?;
-        check_len("flash attention v_cache", v_cache.len(), cache)?;
         check_len("flash attention block_tables", block_tables.len(), n_seqs * sh.max_blocks_per_seq)?;
-        check_len("flash attention out", out.len(), t * sh.n_q_heads * d)?;
         let smem = (FA_BM + 2 * bn) * (d + FA_PAD) * 2;
         let f = self.function(KernelFamily::FlashAttention, name)?;
         f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)

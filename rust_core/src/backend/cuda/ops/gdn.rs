@@ -2,7 +2,7 @@
 //! beta gates, and the recurrent delta rule with fp32 state. Sequences are packed by
 //! `cu_seqlens` ([n_seqs + 1] token offsets) and own state slot `slots[s]`.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::{as_i32, cfg, check_len, strided_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -159,7 +159,7 @@ impl CudaDevice {
 
     /// The recurrent gated delta rule over each sequence's tokens in order, updating its fp32
     /// state in place; q/k are L2-normalised inside and q scaled by dk^-1/2. out is
-    /// [T, n_v_heads, dv]. Used for decode, and for prefill until a chunked kernel lands.
+    /// [T, n_v_heads, dv]. Used for decode and short prefill chunks (`gdn_chunked` for long ones).
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_recurrent(
         &self,
@@ -174,13 +174,36 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        let sh = shape;
-        let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
-        let name = match sh.dk {
+        let name = match shape.dk {
             64 => "gdn_recurrent_dk64",
             128 => "gdn_recurrent_dk128",
             d => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
         };
+        let f = self.function(KernelFamily::Gdn, name)?;
+        self.delta_rule_launch(&f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
+    }
+
+    /// The checks and launch both delta-rule kernels share (`gdn_recurrent`, `gdn_chunked`):
+    /// the same arguments, and a grid of (dv / 32 value columns, v heads, sequences).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_rule_launch(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        block: u32,
+        smem: u32,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        sh: &RecurrentShape,
+    ) -> Result<()> {
+        let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
         if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads) {
             return Err(NinferError::Device(format!(
                 "gdn: dv {} must be a multiple of 32 and {} v heads a multiple of {} k heads",
@@ -195,7 +218,6 @@ impl CudaDevice {
         check_len("gdn beta", beta.len(), t * sh.n_v_heads)?;
         check_len("gdn state", state.len(), sh.n_slots * sh.n_v_heads * sh.dk * sh.dv)?;
         check_len("gdn out", out.len(), t * sh.n_v_heads * sh.dv)?;
-        let f = self.function(KernelFamily::Gdn, name)?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);
@@ -223,7 +245,8 @@ impl CudaDevice {
             KArg::Ptr(op),
         ];
         let grid = ((sh.dv / 32) as u32, sh.n_v_heads as u32, as_i32("n_seqs", n_seqs)? as u32);
-        self.launch(&f, cfg(grid, 32), name, &args)
+        let config = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        self.launch(f, config, name, &args)
     }
 }
 

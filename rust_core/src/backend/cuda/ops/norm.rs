@@ -74,25 +74,7 @@ impl CudaDevice {
         eps: f32,
         plus_one: bool,
     ) -> Result<()> {
-        check_len("rmsnorm x", x.len(), strided_len(rows, dim, x_stride))?;
-        check_len("rmsnorm w", w.len(), dim)?;
-        check_len("rmsnorm out", out.len(), strided_len(rows, dim, out_stride))?;
-        let f = self.function(KernelFamily::Norm, "rmsnorm")?;
-        let s = self.stream();
-        let (xp, _a) = x.device_ptr(s);
-        let (wp, _b) = w.device_ptr(s);
-        let (op, _c) = out.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(xp),
-            KArg::Ptr(wp),
-            KArg::Ptr(op),
-            KArg::I32(as_i32("dim", dim)?),
-            KArg::I64(x_stride as i64),
-            KArg::I64(out_stride as i64),
-            KArg::F32(eps),
-            KArg::I32(plus_one as i32),
-        ];
-        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), chunked_norm_threads(dim)), "rmsnorm", &args)
+        self.rmsnorm_heads(x, w, out, rows, 1, dim, x_stride, out_stride, eps, plus_one)
     }
 
     /// residual += x (rounded to storage), then out = rmsnorm(residual): the fused pre-norm of
