@@ -425,6 +425,25 @@ def test_gpu_ledger_reports_workspace_and_free_device_memory(demo_dir):
     assert "workspace" in text and "left after plan" in text, text
 
 
+def test_gpu_default_kv_pool_comes_from_free_device_memory(demo_dir):
+    """Without --kv-capacity the CUDA engine plans the KV pool from free device memory (after
+    the weights, step buffers and state slots; a reserve of 5% of the device, at least 1 GiB,
+    stays free), not from the host's fixed 4 GiB budget: with enough concurrency to want more
+    than 4 GiB the pool is larger than that budget, and the device keeps at least the reserve."""
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    free_before, total = torch.cuda.mem_get_info()
+    eng = _core.Engine(str(demo_dir), device="cuda", max_context=4096, max_concurrency=4096, prefill_chunk=512)
+    info = eng.info()
+    four_gib_tokens = (4 << 30) // info["kv_bytes_per_token"]
+    wanted = 4096 * 4096
+    print(f"demo on cuda: default KV pool {info['kv_capacity_tokens']} tokens ({info['kv_bytes'] / 2**30:.1f} GiB), "
+          f"state {info['state_bytes'] / 2**30:.1f} GiB, free before {free_before / 2**30:.1f} GiB, left {info['device_free_bytes'] / 2**30:.1f} GiB")
+    assert four_gib_tokens < info["kv_capacity_tokens"] <= wanted
+    assert info["device_free_bytes"] >= 0.9 * max(total // 20, 1 << 30)
+    del eng
+
+
 def _generate_with(model_dir, monkeypatch, device_sampling: bool, prompts, params):
     """Generate on cuda with sampling on the device, or on the host (`NINFER_DEVICE_SAMPLING=0`,
     read when the model loads): both paths see the same logits, so only sampling differs."""

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-id", help="name clients use in `model` (default: the model directory name)")
     p.add_argument("--device", type=device_arg, default="auto", help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-context", type=_positive_int("--max-context"))
-    p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto")
+    p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
     p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE)
     p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
     p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)

@@ -4,8 +4,9 @@
 use crate::model::CacheSpec;
 use crate::{NinferError, Result};
 
-/// KV budget used when `kv_capacity_tokens` is not given: enough for `max_concurrency` full
-/// contexts, but at most this many bytes (and never less than one full context).
+/// KV budget used when `kv_capacity_tokens` is not given and the backend cannot tell how much
+/// memory is free (host memory): enough for `max_concurrency` full contexts, but at most this
+/// many bytes (and never less than one full context).
 pub const DEFAULT_KV_BUDGET_BYTES: u64 = 4 << 30;
 
 /// Engine flags as the user gives them (None: derive from the model).
@@ -78,8 +79,10 @@ pub struct MemoryLedger {
 
 impl EngineConfig {
     /// Check every flag and derive the sizes for a model with this context length (0: unknown)
-    /// and these cache costs.
-    pub fn resolve(&self, model_max: usize, spec: &CacheSpec) -> Result<ResolvedConfig> {
+    /// and these cache costs. `cache_budget` is what the device can give to the KV pool and the
+    /// recurrent-state slots together (see `ModelRunner::cache_budget_bytes`); without one the
+    /// default KV pool is capped at DEFAULT_KV_BUDGET_BYTES.
+    pub fn resolve(&self, model_max: usize, spec: &CacheSpec, cache_budget: Option<u64>) -> Result<ResolvedConfig> {
         let positive = |v: usize, field: &str, flag: &str| {
             if v == 0 {
                 Err(NinferError::config(format!("{field} ({flag})"), "must be at least 1"))
@@ -104,6 +107,9 @@ impl EngineConfig {
             None if model_max > 0 => model_max,
             None => return Err(NinferError::config("max_context (--max-context)", "the model config gives no max_position_embeddings; set it")),
         };
+        let hybrid = spec.state_bytes_per_slot > 0;
+        let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
+        let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let kv_capacity_tokens = match self.kv_capacity_tokens {
             Some(k) if k < max_context => {
                 return Err(NinferError::config(
@@ -113,13 +119,15 @@ impl EngineConfig {
             }
             Some(k) => k,
             None => {
-                let per_tok = spec.kv_bytes_per_token.max(1) as u64;
-                let budget = (DEFAULT_KV_BUDGET_BYTES / per_tok) as usize;
-                budget.min(max_context.saturating_mul(max_concurrency)).max(max_context)
+                // The state slots are fixed by --max-concurrency; the KV pool takes what is left
+                // of a device budget. A pool below one full context is still planned (and its
+                // allocation then fails with the bytes needed vs available).
+                let state_bytes = ((running_state_slots + snapshots) * spec.state_bytes_per_slot) as u64;
+                let budget = cache_budget.map_or(DEFAULT_KV_BUDGET_BYTES, |b| b.saturating_sub(state_bytes));
+                let tokens = (budget / spec.kv_bytes_per_token.max(1) as u64).min(usize::MAX as u64) as usize;
+                tokens.min(max_context.saturating_mul(max_concurrency)).max(max_context)
             }
         };
-        let hybrid = spec.state_bytes_per_slot > 0;
-        let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         Ok(ResolvedConfig {
             max_context,
             kv_capacity_tokens,
@@ -128,7 +136,7 @@ impl EngineConfig {
             max_concurrency,
             prefill_chunk,
             prefix_reuse: self.prefix_reuse,
-            running_state_slots: if hybrid { max_concurrency + 1 } else { 0 },
+            running_state_slots,
             snapshot_state_slots: snapshots,
         })
     }
@@ -169,20 +177,20 @@ mod tests {
     #[test]
     fn kv_capacity_below_max_context_is_an_error_naming_both_numbers() {
         let cfg = EngineConfig { max_context: Some(4096), kv_capacity_tokens: Some(1000), ..Default::default() };
-        let msg = cfg.resolve(model(8192), &SPEC).unwrap_err().to_string();
+        let msg = cfg.resolve(model(8192), &SPEC, None).unwrap_err().to_string();
         assert!(msg.contains("1000") && msg.contains("4096") && msg.contains("--kv-capacity"), "{msg}");
     }
 
     #[test]
     fn zero_flags_are_errors_naming_the_flag() {
         let cfg = EngineConfig { prefill_chunk: 0, ..Default::default() };
-        let msg = cfg.resolve(model(128), &SPEC).unwrap_err().to_string();
+        let msg = cfg.resolve(model(128), &SPEC, None).unwrap_err().to_string();
         assert!(msg.contains("--prefill-chunk"), "{msg}");
     }
 
     #[test]
     fn defaults_take_the_model_context_and_a_bounded_kv_pool() {
-        let r = EngineConfig { max_concurrency: 4, ..Default::default() }.resolve(model(1000), &SPEC).unwrap();
+        let r = EngineConfig { max_concurrency: 4, ..Default::default() }.resolve(model(1000), &SPEC, None).unwrap();
         assert_eq!(r.max_context, 1000);
         assert_eq!(r.kv_capacity_tokens, 4000);
         assert_eq!(r.num_blocks, 250);
@@ -193,8 +201,23 @@ mod tests {
     }
 
     #[test]
+    fn a_device_budget_sizes_the_default_kv_pool_after_the_state_slots() {
+        let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
+        let cfg = EngineConfig { max_concurrency: 4, ..Default::default() };
+        // 4 running + 1 score slot + 4 snapshots = 9 slots of 10,000 B come off the budget first.
+        let r = cfg.resolve(model(1000), &hybrid, Some(90_000 + 2500 * 1024)).unwrap();
+        assert_eq!(r.kv_capacity_tokens, 2500);
+        // A large budget is capped at max_concurrency full contexts, a small one at one context.
+        assert_eq!(cfg.resolve(model(1000), &hybrid, Some(1 << 40)).unwrap().kv_capacity_tokens, 4000);
+        assert_eq!(cfg.resolve(model(1000), &hybrid, Some(1)).unwrap().kv_capacity_tokens, 1000);
+        // An explicit --kv-capacity wins over any budget.
+        let fixed = EngineConfig { kv_capacity_tokens: Some(1500), ..cfg };
+        assert_eq!(fixed.resolve(model(1000), &hybrid, Some(1 << 40)).unwrap().kv_capacity_tokens, 1500);
+    }
+
+    #[test]
     fn max_context_beyond_the_model_is_rejected() {
         let cfg = EngineConfig { max_context: Some(2000), ..Default::default() };
-        assert!(cfg.resolve(model(1000), &SPEC).is_err());
+        assert!(cfg.resolve(model(1000), &SPEC, None).is_err());
     }
 }

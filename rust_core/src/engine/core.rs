@@ -98,7 +98,10 @@ impl EngineCore {
     /// scheduler. `eos_token_ids` usually come from `GenerationConfig`.
     pub fn new(mut runner: Box<dyn ModelRunner>, config: &EngineConfig, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Result<Self> {
         let spec = runner.cache_spec();
-        let cfg = config.resolve(runner.config().max_position_embeddings, &spec)?;
+        let model_max = runner.config().max_position_embeddings;
+        let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
+        let budget = if config.kv_capacity_tokens.is_none() { runner.cache_budget_bytes(step_rows)? } else { None };
+        let cfg = config.resolve(model_max, &spec, budget)?;
         let slots = if cfg.running_state_slots > 0 { StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots) } else { StateSlots::none() };
         runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total())?;
         let sched = Scheduler::new(

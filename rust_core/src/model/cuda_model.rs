@@ -667,6 +667,12 @@ impl ModelRunner for CudaModel {
         self.dev.memory_info().ok().map(|(free, _)| free as u64)
     }
 
+    fn cache_budget_bytes(&mut self, step_rows: usize) -> Result<Option<u64>> {
+        self.ensure_rows(step_rows)?;
+        let (free, total) = self.dev.memory_info()?;
+        Ok(Some(cache_budget(free as u64, total as u64)))
+    }
+
     fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
         if !self.sampler.enabled() {
             return self.step(batch)?.sample_on_host(rows);
@@ -698,6 +704,14 @@ impl ModelRunner for CudaModel {
         }
         Ok(())
     }
+}
+
+/// What the default KV pool and state slots may take of `free` device bytes (step buffers
+/// already allocated): all but a reserve of 5% of the device, at least 1 GiB, for what is
+/// allocated later (decode graphs and their scratch, the warm-up step's leftovers, the CUDA
+/// context's own growth, other processes' drift).
+fn cache_budget(free: u64, total: u64) -> u64 {
+    free.saturating_sub((total / 20).max(1 << 30))
 }
 
 /// A step the decode graphs serve: every sequence runs one token and wants its logits.

@@ -132,6 +132,15 @@ pub trait ModelRunner: Send {
         0
     }
 
+    /// Bytes the device can give to the caches (KV pool and recurrent-state slots), planned
+    /// before they are allocated: the runner first grows its step buffers to hold a step of
+    /// `step_rows` tokens (so they are not counted as free), then answers with the free memory
+    /// less a reserve for what a step allocates later. None for host memory, where the engine
+    /// keeps its fixed default budget (EngineConfig::resolve).
+    fn cache_budget_bytes(&mut self, _step_rows: usize) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
     /// Free memory of the device the runner allocates from, when the backend can tell (a
     /// CUDA device); None for host memory, which the caller measures itself.
     fn device_free_bytes(&self) -> Option<u64> {
