@@ -12,18 +12,12 @@
 // online in f32 (running max and sum per row; exp2 with the scale folded into log2(e)), so no
 // score matrix leaves registers.
 //
-// Tiles move from global to shared memory with cp.async (no register staging). With
-// STAGES = 2 (head sizes up to 128) the next key tile is in flight while the current one is
-// computed on; head size 256 has one stage, as two would not fit the 99 KiB a block gets on
-// sm_86/sm_89.
-//
 // P V always runs with f16 operands, whatever the storage type: P lies in [0, 1], where f16
 // keeps 10 mantissa bits against bf16's 7, and rounding P to bf16 made batched prefill drift
-// from the same prompt run alone on trained models. With bf16 storage the V fragments are
-// converted to f16 as they leave shared memory (exact for |v| in [6.1e-5, 65504]; smaller
-// values become f16 subnormals, larger ones are clamped to +-65504 rather than turning into
-// inf). A warp owns 16 query rows; in the mma fragment layout a lane holds rows lane/4 and
-// lane/4 + 8, so row reductions are two quad shuffles.
+// from the same prompt run alone on trained models. With bf16 storage the V tile is converted
+// to f16 as it is staged in shared memory (exact for |v| in [6.1e-5, 65504]; smaller values
+// become f16 subnormals, larger ones are clamped to +-65504 rather than turning into inf). A warp owns 16 query rows; in the mma fragment layout a lane
+// holds rows lane/4 and lane/4 + 8, so row reductions are two quad shuffles.
 //
 // Tensor-core mma needs sm_80 for bf16 (the launcher routes sm_70/sm_75 to the scalar
 // paged_attention kernel), so the bodies compile to nothing below sm_80.
@@ -104,23 +98,7 @@ __device__ __forceinline__ unsigned ld32(const store_t* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
-// 16 bytes global -> shared without registers; `bytes` = 0 fills the destination with zeros
-// (the source address must still be valid).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;");
-}
-
-// Wait until at most N committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-template <int D, int BN, int STAGES>
+template <int D, int BN>
 __device__ __forceinline__ void flash_body(
     const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
@@ -131,8 +109,8 @@ __device__ __forceinline__ void flash_body(
     constexpr int NT = FA_WARPS * 32;
     extern __shared__ uint4 fa_smem[];
     store_t* qs = reinterpret_cast<store_t*>(fa_smem);  // [FA_BM][LD]
-    store_t* ks0 = qs + FA_BM * LD;                      // [STAGES][BN][LD]
-    store_t* vs0 = ks0 + STAGES * BN * LD;               // [STAGES][BN][LD], storage type
+    store_t* ks = qs + FA_BM * LD;                       // [BN][LD]
+    store_t* vs = ks + BN * LD;                          // [BN][LD], f16 bits
 
     const int s = blockIdx.z;
     const int h = blockIdx.y;
@@ -152,9 +130,12 @@ __device__ __forceinline__ void flash_body(
     for (int i = tid; i < FA_BM * VPR; i += NT) {
         const int r = i / VPR;
         const int c = (i - r * VPR) * 8;
-        const bool in = r < tile_rows;
-        cp_async16(qs + r * LD + c, in ? q + (long long)(row0 + tile0 + r) * q_stride + (long long)h * D + c : q,
-                   in ? 16 : 0);
+        uint4 val;
+        val.x = val.y = val.z = val.w = 0u;
+        if (r < tile_rows)
+            val = *reinterpret_cast<const uint4*>(q + (long long)(row0 + tile0 + r) * q_stride +
+                                                  (long long)h * D + c);
+        *reinterpret_cast<uint4*>(qs + r * LD + c) = val;
     }
     // Positions of this lane's two rows (-1: past the sequence's rows, fully masked).
     const int ra = tile0 + warp * 16 + gr;
@@ -171,44 +152,34 @@ __device__ __forceinline__ void flash_body(
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
-    // Queue the copies of key/value tile `kb` into stage `st` (rows past kv_len zero-filled).
-    auto load_tile = [&](int kb, int st) {
-        store_t* ks = ks0 + st * BN * LD;
-        store_t* vs = vs0 + st * BN * LD;
+    for (int kb = 0; kb < kv_len; kb += BN) {
+        __syncthreads();  // the previous tile is no longer read (and the Q tile is stored)
         for (int i = tid; i < BN * VPR; i += NT) {
             const int r = i / VPR;
             const int c = (i - r * VPR) * 8;
             const int j = kb + r;
-            const bool in = j < kv_len;
-            const long long off =
-                in ? ((long long)table[j / block_size] * block_size + (j % block_size)) * n_kv_heads * D +
-                         (long long)kvh * D + c
-                   : 0;
-            cp_async16(ks + r * LD + c, k_cache + off, in ? 16 : 0);
-            cp_async16(vs + r * LD + c, v_cache + off, in ? 16 : 0);
+            uint4 kv, vv;
+            kv.x = kv.y = kv.z = kv.w = 0u;
+            vv = kv;
+            if (j < kv_len) {
+                const long long off =
+                    ((long long)table[j / block_size] * block_size + (j % block_size)) *
+                        n_kv_heads * D +
+                    (long long)kvh * D + c;
+                kv = *reinterpret_cast<const uint4*>(k_cache + off);
+                vv = *reinterpret_cast<const uint4*>(v_cache + off);
+#if !defined(NINFER_STORAGE_F16)
+                vv.x = bf16x2_to_f16x2(vv.x);
+                vv.y = bf16x2_to_f16x2(vv.y);
+                vv.z = bf16x2_to_f16x2(vv.z);
+                vv.w = bf16x2_to_f16x2(vv.w);
+#endif
+            }
+            *reinterpret_cast<uint4*>(ks + r * LD + c) = kv;
+            *reinterpret_cast<uint4*>(vs + r * LD + c) = vv;
         }
-    };
-    if (STAGES == 2) load_tile(0, 0);
-    cp_async_commit();  // the Q tile (and the first key tile): the first group
-
-    for (int kb = 0, it = 0; kb < kv_len; kb += BN, ++it) {
-        const int st = STAGES == 2 ? (it & 1) : 0;
-        if (STAGES == 2) {
-            // The stage it lands in was last read in the previous iteration, which ended
-            // with a barrier.
-            if (kb + BN < kv_len) load_tile(kb + BN, st ^ 1);
-        } else {
-            load_tile(kb, 0);
-        }
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();  // this tile (and the Q tile) has landed
         __syncthreads();
-        const store_t* ks = ks0 + st * BN * LD;
-        const store_t* vs = vs0 + st * BN * LD;
-        if (kb > warp_max_pos) {  // every key of the tile is in this warp's future
-            __syncthreads();
-            continue;
-        }
+        if (kb > warp_max_pos) continue;  // every key of the tile is in this warp's future
 
         float sc[BN / 8][4];
 #pragma unroll
@@ -280,17 +251,10 @@ __device__ __forceinline__ void flash_body(
             for (int dn = 0; dn < D / 8; dn += 2) {
                 unsigned b[4];
                 ldsm_x4_trans(b, smem_u32(vrow + dn * 8));
-#if !defined(NINFER_STORAGE_F16)
-                b[0] = bf16x2_to_f16x2(b[0]);
-                b[1] = bf16x2_to_f16x2(b[1]);
-                b[2] = bf16x2_to_f16x2(b[2]);
-                b[3] = bf16x2_to_f16x2(b[3]);
-#endif
                 mma16816_f16(o[dn], a, b[0], b[1]);
                 mma16816_f16(o[dn + 1], a, b[2], b[3]);
             }
         }
-        __syncthreads();  // this stage is no longer read
     }
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -310,25 +274,24 @@ __device__ __forceinline__ void flash_body(
     }
 }
 
-#define FA_BODY(D, BN, STAGES)                                                                  \
-    flash_body<D, BN, STAGES>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens,      \
+#define FA_BODY(D, BN)                                                                          \
+    flash_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens,      \
                       token_pos, n_q_heads, n_kv_heads, block_size, scale_log2, out);
 #else
-#define FA_BODY(D, BN, STAGES)
+#define FA_BODY(D, BN)
 #endif
 
-// Key tile BN and pipeline stages per head size: 64 keys, two stages up to D = 128; 32 keys,
-// one stage at D = 256, where the f32 output accumulators already take 128 registers a lane.
-// The launcher (ops/flash_attention.rs) sizes shared memory from the same numbers.
-#define FA_INSTANCE(D, BN, STAGES)                                                              \
+// Key tile BN per head size: 64 keys up to D = 128; 32 at D = 256, where the f32 output
+// accumulators already take 128 registers a lane.
+#define FA_INSTANCE(D, BN)                                                                      \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_attention_d##D(           \
         const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
         const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
         int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
-        FA_BODY(D, BN, STAGES)                                                                  \
+        FA_BODY(D, BN)                                                                          \
     }
 
-FA_INSTANCE(64, 64, 2)
-FA_INSTANCE(96, 64, 2)
-FA_INSTANCE(128, 64, 2)
-FA_INSTANCE(256, 32, 1)
+FA_INSTANCE(64, 64)
+FA_INSTANCE(96, 64)
+FA_INSTANCE(128, 64)
+FA_INSTANCE(256, 32)

@@ -17,13 +17,13 @@ const FA_THREADS: u32 = 128;
 /// Shared-memory row padding in elements (FA_PAD).
 const FA_PAD: usize = 8;
 
-/// (kernel name, keys per tile, pipeline stages) for a head size; matches FA_INSTANCE in the .cu.
-fn kernel(d: usize) -> Result<(&'static str, usize, usize)> {
+/// (kernel name, keys per tile) for a head size; the tile matches FA_INSTANCE in the .cu.
+fn kernel(d: usize) -> Result<(&'static str, usize)> {
     Ok(match d {
-        64 => ("flash_attention_d64", 64, 2),
-        96 => ("flash_attention_d96", 64, 2),
-        128 => ("flash_attention_d128", 64, 2),
-        256 => ("flash_attention_d256", 32, 1),
+        64 => ("flash_attention_d64", 64),
+        96 => ("flash_attention_d96", 64),
+        128 => ("flash_attention_d128", 64),
+        256 => ("flash_attention_d256", 32),
         _ => return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d}"))),
     })
 }
@@ -60,7 +60,7 @@ impl CudaDevice {
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let d = sh.head_dim;
-        let (name, bn, stages) = kernel(d)?;
+        let (name, bn) = kernel(d)?;
         let n_seqs = cu_seqlens.len().saturating_sub(1);
         if !sh.q_stride.is_multiple_of(8) {
             return Err(NinferError::Device(format!(
@@ -72,8 +72,7 @@ impl CudaDevice {
             return Ok(());
         }
         check_len("flash attention block_tables", block_tables.len(), n_seqs * sh.max_blocks_per_seq)?;
-        // The Q tile, then a K and a V tile per stage.
-        let smem = (FA_BM + 2 * bn * stages) * (d + FA_PAD) * 2;
+        let smem = (FA_BM + 2 * bn) * (d + FA_PAD) * 2;
         let f = self.function(KernelFamily::FlashAttention, name)?;
         f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(driver_err("raising the flash attention shared-memory limit"))?;
