@@ -73,6 +73,7 @@ __device__ __forceinline__ void attention_body(
     store_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int EPL = D / 32;
     constexpr int KB = (G * EPL > 16) ? 2 : ATTN_KEYS;
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int warps_per_token = n_q_heads / G;
     const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
@@ -204,6 +205,7 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
                                              const float* __restrict__ part_ml, int n_rows,
                                              int n_splits, store_t* __restrict__ out) {
     constexpr int EPL = D / 32;
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (w >= n_rows) return;
@@ -294,6 +296,7 @@ extern "C" __global__ void kv_cache_write(const store_t* __restrict__ k,
                                           store_t* __restrict__ v_cache,
                                           const long long* __restrict__ slot_mapping, int row_elems,
                                           long long k_stride, long long v_stride) {
+    pdl_enter();
     const int t = blockIdx.x;
     const long long slot = slot_mapping[t];
     if (slot < 0) return;

@@ -64,3 +64,35 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Programmatic Dependent Launch (sm_90+). A kernel the host launches with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (`launch_pdl` in ops/mod.rs) may start
+// while the kernel before it on the stream is still running: its blocks get scheduled early and
+// can do work that depends on no earlier kernel (a GEMV's first weight loads) before
+// `pdl_wait()`, which returns once the previous kernel has completed and its writes are
+// visible. `pdl_launch_dependents()` lets the next kernel start being scheduled.
+//
+// SAFETY INVARIANT: a kernel launched with the attribute must execute `pdl_wait()` in every
+// block before any early return, before reading anything an earlier kernel wrote and before
+// writing anything. Ordering through the chain is transitive only because of that: kernel N
+// waits for N-1 to complete, and N-1 completes only after its own wait on N-2 returned. A
+// block that exited without waiting would let N complete before N-1, and N+1 would then read
+// N-1's outputs unfinished. On older architectures (and on launches without the attribute)
+// both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+#else
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void pdl_launch_dependents() {}
+#endif
+
+// The common prologue of a kernel launched with PDL that has nothing to do before its inputs
+// are ready: wait for the previous kernel, then let the next one be scheduled (after the wait,
+// so that at most one kernel's blocks sit waiting for this one).
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_dependents();
+}

@@ -19,6 +19,7 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
                                           const int* __restrict__ slots, int channels,
                                           store_t* __restrict__ out) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_enter();
     const int s = blockIdx.y;
     if (c >= channels) return;
     store_t* st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
@@ -61,6 +62,7 @@ extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_
                                      const float* __restrict__ a_log,
                                      const float* __restrict__ dt_bias, int n_tokens, int n_heads,
                                      float* __restrict__ g, float* __restrict__ beta) {
+    pdl_enter();
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n_tokens * n_heads) return;
     const int h = e % n_heads;

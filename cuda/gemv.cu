@@ -6,6 +6,8 @@
 #include "common.cuh"
 
 #define GEMV_WARPS 8
+// Weight vectors per lane beyond the first that are prefetched into L2 before the PDL wait.
+#define GEMV_PREFETCH 3
 
 // A warp computes C adjacent output columns (C = 1 for M = 1, 2 for M = 2..4, 4 for M = 5..8;
 // the launcher's cols_per_warp in ops/gemv.rs mirrors this): each x vector it loads serves C
@@ -19,25 +21,41 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           int n_out, int k) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * C;
-    if (n0 >= n_out) return;
     const int k8 = k / 8;
+    // Rows past n_out (the last warp of a ragged grid) read row n_out - 1 and store nothing.
     const vec8* wrow[C];
 #pragma unroll
     for (int c = 0; c < C; ++c)
         wrow[c] = reinterpret_cast<const vec8*>(w + (long long)min(n0 + c, n_out - 1) * k);
+    // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the lane's
+    // first weight vectors are loaded, and its next GEMV_PREFETCH ones fetched into L2, before
+    // waiting for the kernel that wrote x: the weight stream starts while the small kernels
+    // before this GEMV are still running. Only x is read after the wait.
+    vec8 first[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+        if (lane < k8) first[c] = wrow[c][lane];
+#pragma unroll
+    for (int p = 1; p <= GEMV_PREFETCH; ++p) {
+        const int i = lane + 32 * p;
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+            if (i < k8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[c] + i));
+    }
+    pdl_enter();
+    if (n0 >= n_out) return;
     float acc[C][M];
 #pragma unroll
     for (int c = 0; c < C; ++c)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[c][m] = 0.0f;
-    for (int i = lane; i < k8; i += 32) {
+    // One k-slice: the same fmaf chain whether its weights came from `first` or the loop.
+    auto slice = [&](const vec8* wv, int i) {
         float wf[C][8];
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-            const vec8 wv = wrow[c][i];
+        for (int c = 0; c < C; ++c)
 #pragma unroll
-            for (int j = 0; j < 8; ++j) wf[c][j] = to_f32(wv.v[j]);
-        }
+            for (int j = 0; j < 8; ++j) wf[c][j] = to_f32(wv[c].v[j]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             const vec8 xv = reinterpret_cast<const vec8*>(x + (long long)m * k)[i];
@@ -48,6 +66,13 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                 for (int c = 0; c < C; ++c) acc[c][m] = fmaf(wf[c][j], xf, acc[c][m]);
             }
         }
+    };
+    if (lane < k8) slice(first, lane);
+    for (int i = lane + 32; i < k8; i += 32) {
+        vec8 wv[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) wv[c] = wrow[c][i];
+        slice(wv, i);
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) {

@@ -120,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
             store_t* __restrict__ out, int dim, long long x_stride, long long out_stride,
             float eps, int plus_one) {
     __shared__ float scratch[32];
+    pdl_enter();
     const long long head = (long long)blockIdx.y * dim;
     const store_t* xr = x + blockIdx.x * x_stride + head;
     store_t* orow = out + blockIdx.x * out_stride + head;
@@ -157,6 +158,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
                 const store_t* __restrict__ w, store_t* __restrict__ out, int dim, float eps,
                 int plus_one) {
     __shared__ float scratch[32];
+    pdl_enter();
     const long long base = (long long)blockIdx.x * dim;
     store_t* rrow = residual + base;
     const store_t* xr = x + base;
@@ -193,6 +195,7 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
                                          const store_t* __restrict__ w, store_t* __restrict__ out,
                                          int dim, float eps) {
     __shared__ float scratch[32];
+    pdl_enter();
     const long long base = (long long)blockIdx.x * dim;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {

@@ -562,6 +562,32 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n):
         _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")
 
 
+# Programmatic Dependent Launch (sm_90+, NINFER_PDL, default on) only changes when a kernel's
+# blocks are scheduled, never what they compute: decode logits with it on and off must be
+# identical bit for bit, in graphs (programmatic edges) and eagerly.
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, monkeypatch):
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv("NINFER_PDL", "1")
+    with_pdl = _core.Model(str(decode_dir), device="cuda")
+    monkeypatch.setenv("NINFER_PDL", "0")
+    without = _core.Model(str(decode_dir), device="cuda")
+    prompts = _decode_prompts(decode_dir, 3)
+    p_tokens, p_logits, p_graphs = with_pdl.decode_greedy(prompts, 16)
+    n_tokens, n_logits, n_graphs = without.decode_greedy(prompts, 16)
+    assert (p_graphs >= 1) == (graphs == "1") and (n_graphs >= 1) == (graphs == "1")
+    assert np.isfinite(p_logits).all()
+    _assert_bitwise(p_logits, n_logits, f"{decode_dir.name[:8]} graphs={graphs}: PDL on vs off")
+    assert p_tokens == n_tokens
+
+
+def test_a_misspelt_pdl_switch_stops_the_load_naming_it(decode_dir, monkeypatch):
+    monkeypatch.setenv("NINFER_PDL", "sometimes")
+    with pytest.raises(Exception, match="NINFER_PDL"):
+        _core.Model(str(decode_dir), device="cuda")
+
+
 #: Real shapes (tensor sizes of the published configs) with few layers: the kernels run at the
 #: sizes users run, on random weights (transformers' own init, std 0.02).
 REAL_SHAPES = {

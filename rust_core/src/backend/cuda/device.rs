@@ -36,6 +36,9 @@ pub struct CudaDevice {
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
     blas_workspace: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
+    /// Kernels that wait on their predecessor are launched with Programmatic Dependent Launch
+    /// (`ops::launch_pdl`): sm_90+ unless `NINFER_PDL` is off.
+    pdl: bool,
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -68,6 +71,8 @@ impl CudaDevice {
             .compute_capability()
             .map_err(driver_err("reading the compute capability"))?;
         let (major, minor) = (major as u32, minor as u32);
+        let pdl_switch = std::env::var(super::ops::PDL_SWITCH).ok();
+        let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -81,6 +86,7 @@ impl CudaDevice {
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
+            pdl,
         })
     }
 
@@ -102,6 +108,11 @@ impl CudaDevice {
     /// NVRTC architecture name the kernels are compiled for ("sm_90").
     pub fn arch(&self) -> String {
         format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+
+    /// Whether kernels that support it are launched with Programmatic Dependent Launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl
     }
 
     /// Storage type of activations and weights on this device.

@@ -158,7 +158,7 @@ impl CudaDevice {
             KArg::I64(k_stride as i64),
             KArg::I64(v_stride as i64),
         ];
-        self.launch(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), 128), "kv_cache_write", &args)
+        self.launch_pdl(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), 128), "kv_cache_write", &args)
     }
 
     /// Causal attention of `token_seq.len()` query tokens over the paged cache; token t is in
@@ -280,7 +280,7 @@ impl CudaDevice {
         ];
         let blocks = as_i32("attention blocks", warps.div_ceil(ATTN_WARPS))? as u32;
         let block = (ATTN_WARPS * 32) as u32;
-        self.launch(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
+        self.launch_pdl(&f, cfg((blocks, n_splits as u32, 1), block), name.0, &args)?;
         if n_splits > 1 {
             let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
             let f = self.function(KernelFamily::Attention, name.1)?;
@@ -291,7 +291,7 @@ impl CudaDevice {
                 KArg::I32(n_splits as i32),
                 KArg::Ptr(op),
             ];
-            self.launch(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
+            self.launch_pdl(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
         }
         Ok(())
     }

@@ -93,7 +93,7 @@ impl CudaDevice {
             return Err(crate::NinferError::Device(format!("rope: {heads} heads exceed the grid height 65535")));
         }
         let grid = (as_i32("tokens", t)? as u32, heads as u32, 1);
-        self.launch(&f, cfg(grid, threads), "rope_neox", &args)
+        self.launch_pdl(&f, cfg(grid, threads), "rope_neox", &args)
     }
 
     /// out[r, i] = silu(gate[r, i]) * up[r, i]; out is contiguous [rows, n], gate and up rows
@@ -126,7 +126,7 @@ impl CudaDevice {
             KArg::I64(gate_stride as i64),
             KArg::I64(up_stride as i64),
         ];
-        self.launch(&f, cfg(elementwise_grid(rows * n), 256), "swiglu", &args)
+        self.launch_pdl(&f, cfg(elementwise_grid(rows * n), 256), "swiglu", &args)
     }
 
     /// x[r, i] *= sigmoid(gate[r, i]) in place (the gated attention output of Qwen3.5); x is
@@ -153,6 +153,6 @@ impl CudaDevice {
             KArg::I32(as_i32("n", n)?),
             KArg::I64(gate_stride as i64),
         ];
-        self.launch(&f, cfg(elementwise_grid(rows * n), 256), "sigmoid_gate_mul", &args)
+        self.launch_pdl(&f, cfg(elementwise_grid(rows * n), 256), "sigmoid_gate_mul", &args)
     }
 }

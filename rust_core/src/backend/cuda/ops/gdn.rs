@@ -111,7 +111,7 @@ impl CudaDevice {
             KArg::Ptr(op),
         ];
         let grid = (sh.channels.div_ceil(128) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
-        self.launch(&f, cfg(grid, 128), name, &args)
+        self.launch_pdl(&f, cfg(grid, 128), name, &args)
     }
 
     /// g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), per token and value
@@ -154,7 +154,7 @@ impl CudaDevice {
             KArg::Ptr(ep),
         ];
         let grid = (as_i32("gates", n.div_ceil(256))? as u32, 1, 1);
-        self.launch(&f, cfg(grid, 256), "gdn_gates", &args)
+        self.launch_pdl(&f, cfg(grid, 256), "gdn_gates", &args)
     }
 
     /// The recurrent gated delta rule over each sequence's tokens in order, updating its fp32

@@ -76,7 +76,7 @@ impl CudaDevice {
                 KArg::I32(as_i32("gemv n", n)?),
                 KArg::I32(as_i32("gemv k", k)?),
             ];
-            self.launch(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
+            self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
             row += mm;
         }
         Ok(())

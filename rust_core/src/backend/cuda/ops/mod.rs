@@ -18,7 +18,9 @@ pub use attention::{decode_scratch_len, AttnScratch, PagedAttentionShape, DECODE
 pub use gdn::{ConvShape, DevicePtrDyn, RecurrentShape};
 pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
 
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use cudarc::driver::{sys, CudaFunction, LaunchConfig, PushKernelArg};
 
 use super::device::CudaDevice;
 use crate::{NinferError, Result};
@@ -45,6 +47,18 @@ pub(crate) fn strided_len(rows: usize, cols: usize, stride: usize) -> usize {
 /// Fails unless `v` fits the i32 a kernel parameter takes.
 pub(crate) fn as_i32(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| NinferError::Device(format!("{what} = {v} exceeds i32")))
+}
+
+/// The environment switch for Programmatic Dependent Launch (`launch_pdl`).
+pub const PDL_SWITCH: &str = "NINFER_PDL";
+
+/// Whether kernels that support it are launched with PDL on a device of compute capability
+/// `cc`, given the value of `NINFER_PDL` (`config::parse_switch`; unset means on): PDL needs
+/// sm_90 (the griddepcontrol instructions; older devices would ignore the attribute anyway).
+/// A misspelt value is an error naming the variable.
+pub fn pdl_enabled(cc: (u32, u32), switch: Option<&str>) -> Result<bool> {
+    let on = crate::config::env_switch::parse_switch(PDL_SWITCH, switch, true)?;
+    Ok(on && cc.0 >= 9)
 }
 
 /// A launch configuration of `grid` blocks of `block` threads.
@@ -90,5 +104,87 @@ impl CudaDevice {
         unsafe { b.launch(config) }
             .map(|_| ())
             .map_err(|e| NinferError::Device(format!("launching {name}: {e}")))
+    }
+
+    /// Queues `f` with `args` as a Programmatic Dependent Launch where the device allows it
+    /// (`CudaDevice::pdl`: sm_90+ and `NINFER_PDL` not off), else as `launch` does. With PDL
+    /// the kernel's blocks may be scheduled before the previous kernel on the stream has
+    /// finished, which hides the launch gap between the small kernels of a decode step (inside
+    /// a CUDA graph too: capture records the dependency as a programmatic edge).
+    ///
+    /// Only for kernels that begin with `pdl_wait()` (cuda/common.cuh) in every block, before
+    /// any early return, any read of an earlier kernel's output and any write: the ordering of
+    /// the whole stream rests on it (see the invariant there and in docs/kernels.md). Kernels
+    /// without it (flash attention, chunked GDN, cuBLAS, embedding, sampling) use `launch`.
+    pub(crate) fn launch_pdl(
+        &self,
+        f: &CudaFunction,
+        config: LaunchConfig,
+        name: &str,
+        args: &[KArg],
+    ) -> Result<()> {
+        if !self.pdl() {
+            return self.launch(f, config, name, args);
+        }
+        if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 || config.grid_dim.2 == 0 {
+            return Ok(());
+        }
+        // The kernel parameter array points at each argument's value, as cuLaunchKernel takes it.
+        let mut params: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                KArg::Ptr(p) => p as *const u64 as *mut c_void,
+                KArg::I32(v) => v as *const i32 as *mut c_void,
+                KArg::I64(v) => v as *const i64 as *mut c_void,
+                KArg::F32(v) => v as *const f32 as *mut c_void,
+            })
+            .collect();
+        // SAFETY: an all-zero attribute is a valid plain-old-data value; id and value are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.context().bind_to_thread().map_err(|e| NinferError::Device(format!("launching {name}: {e}")))?;
+        // SAFETY: each launcher checked every buffer against the shape the kernel indexes; the
+        // parameter array and the values it points at (`args`) outlive the call, which copies them.
+        unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| NinferError::Device(format!("launching {name} (PDL): {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pdl_is_on_by_default_from_sm90_only_and_the_switch_turns_it_off() {
+        assert!(pdl_enabled((9, 0), None).unwrap());
+        assert!(pdl_enabled((10, 0), Some("")).unwrap());
+        assert!(!pdl_enabled((8, 9), None).unwrap(), "no griddepcontrol before sm_90");
+        assert!(!pdl_enabled((8, 0), Some("1")).unwrap());
+        for off in ["0", "off", "False"] {
+            assert!(!pdl_enabled((9, 0), Some(off)).unwrap(), "{off}");
+        }
+        assert!(pdl_enabled((9, 0), Some("on")).unwrap());
+    }
+
+    #[test]
+    fn a_misspelt_pdl_switch_is_an_error_naming_it_even_where_pdl_is_unavailable() {
+        for cc in [(9, 0), (7, 0)] {
+            let e = pdl_enabled(cc, Some("enable")).unwrap_err().to_string();
+            assert!(e.contains("NINFER_PDL") && e.contains("enable"), "{e}");
+        }
     }
 }

@@ -55,7 +55,7 @@ impl CudaDevice {
             KArg::I32(plus_one as i32),
         ];
         let grid = (as_i32("rows", rows)? as u32, as_i32("heads", heads)? as u32, 1);
-        self.launch(&f, cfg(grid, chunked_norm_threads(dim)), "rmsnorm", &args)
+        self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "rmsnorm", &args)
     }
 
     /// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w (or * (1 + w) when `plus_one`), for
@@ -111,7 +111,7 @@ impl CudaDevice {
             KArg::I32(plus_one as i32),
         ];
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
-        self.launch(&f, cfg(grid, chunked_norm_threads(dim)), "add_rmsnorm", &args)
+        self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "add_rmsnorm", &args)
     }
 
     /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head).
@@ -145,6 +145,6 @@ impl CudaDevice {
             KArg::F32(eps),
         ];
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
-        self.launch(&f, cfg(grid, NORM_THREADS), "rmsnorm_gated", &args)
+        self.launch_pdl(&f, cfg(grid, NORM_THREADS), "rmsnorm_gated", &args)
     }
 }
