@@ -57,10 +57,12 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
                                           float* __restrict__ work) {
     constexpr int LK = DK + 1;  // row stride of the q / k tiles (bank-conflict free columns)
     constexpr int EPL = DK / 32;
+    // The q tile's space holds the substitution's solved columns after step 2.
+    constexpr int QS = CH_C * (LK > CH_THREADS ? LK : CH_THREADS);
     extern __shared__ float ch_smem[];
     float* ks = ch_smem;          // [C][LK] normalised k
-    float* qs = ks + CH_C * LK;   // [C][LK] normalised, scaled q
-    float* am = qs + CH_C * LK;   // [C][C]  beta_t e^{G_t-G_i} k_t.k_i, i < t
+    float* qs = ks + CH_C * LK;   // [C][LK] normalised, scaled q; then xs [C][CH_THREADS]
+    float* am = qs + QS;          // [C][C]  beta_t e^{G_t-G_i} k_t.k_i, i < t
     float* gc = am + CH_C * CH_C; // [C] cumulative log decay
     float* bc = gc + CH_C;        // [C] beta
     float* bw = bc + CH_C;        // [C] beta e^G
@@ -162,25 +164,12 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
     }
     __syncthreads();
     // 3. Forward substitution (I + A) X = R for the DK columns of W (R = beta e^G K) and the dv
-    // columns of U (R = beta V): one thread per column, the column in registers. A's reads are
-    // block-wide broadcasts; rows past n stay zero (their R and A rows are zero).
+    // columns of U (R = beta V), one thread per column, in blocks of 16 rows: a block's rows in
+    // registers, the solved rows above it in this thread's column of xs (no barrier: a thread
+    // reads only its own column). A's reads are block-wide broadcasts; rows past n stay zero
+    // (their R and A rows are zero). Blocking keeps the unrolled code (and NVRTC time) small.
+    float* xs = qs;
     for (int j = tid; j < DK + dv; j += CH_THREADS) {
-        float x[CH_C];
-        if (j < DK) {
-#pragma unroll
-            for (int t = 0; t < CH_C; ++t) x[t] = bw[t] * ks[t * LK + j];
-        } else {
-            const store_t* vj = v + (long long)h * dv + (j - DK);
-#pragma unroll
-            for (int t = 0; t < CH_C; ++t) x[t] = t < n ? bc[t] * to_f32(vj[(long long)(t0 + t) * v_stride]) : 0.0f;
-        }
-#pragma unroll
-        for (int t = 1; t < CH_C; ++t) {
-            float acc = x[t];
-#pragma unroll
-            for (int i = 0; i < t; ++i) acc = fmaf(-am[t * CH_C + i], x[i], acc);
-            x[t] = acc;
-        }
         float* dst;
         long long stride;
         if (j < DK) {
@@ -190,9 +179,33 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
             dst = u_out + (long long)h * dv + (j - DK);
             stride = (long long)n_v_heads * dv;
         }
+#pragma unroll 1
+        for (int b = 0; b < CH_C; b += 16) {
+            float x[16];
+            if (j < DK) {
 #pragma unroll
-        for (int t = 0; t < CH_C; ++t)
-            if (t < n) dst[(long long)(t0 + t) * stride] = x[t];
+                for (int r = 0; r < 16; ++r) x[r] = bw[b + r] * ks[(b + r) * LK + j];
+            } else {
+                const store_t* vj = v + (long long)h * dv + (j - DK);
+#pragma unroll
+                for (int r = 0; r < 16; ++r)
+                    x[r] = b + r < n ? bc[b + r] * to_f32(vj[(long long)(t0 + b + r) * v_stride]) : 0.0f;
+            }
+            for (int i = 0; i < b; ++i) {
+                const float xi = xs[i * CH_THREADS + tid];
+#pragma unroll
+                for (int r = 0; r < 16; ++r) x[r] = fmaf(-am[(b + r) * CH_C + i], xi, x[r]);
+            }
+#pragma unroll
+            for (int r = 1; r < 16; ++r)
+#pragma unroll
+                for (int i = 0; i < r; ++i) x[r] = fmaf(-am[(b + r) * CH_C + b + i], x[i], x[r]);
+#pragma unroll
+            for (int r = 0; r < 16; ++r) {
+                xs[(b + r) * CH_THREADS + tid] = x[r];
+                if (b + r < n) dst[(long long)(t0 + b + r) * stride] = x[r];
+            }
+        }
     }
 }
 
@@ -243,7 +256,10 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
         const int n = min(CH_C, t_end - t0);
         __syncthreads();  // the previous chunk's readers of every tile are done
-        for (int idx = tid; idx < CH_C * DK; idx += CH_THREADS) {
+        // Tile loads: constant trip counts, unrolled, so each thread has many loads in flight.
+#pragma unroll 16
+        for (int it = 0; it < CH_C * DK / CH_THREADS; ++it) {
+            const int idx = tid + it * CH_THREADS;
             const int t = idx / DK;
             const int d = idx - t * DK;
             float a = 0.0f, b = 0.0f;
@@ -255,12 +271,16 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
             qg[t * LK + d] = a;
             wk[t * LK + d] = b;
         }
-        for (int idx = tid; idx < CH_C * CH_C; idx += CH_THREADS) {
+#pragma unroll 16
+        for (int it = 0; it < CH_C * CH_C / CH_THREADS; ++it) {
+            const int idx = tid + it * CH_THREADS;
             const int t = idx / CH_C;
             const int i = idx - t * CH_C;
             mm[t * LM + i] = t < n ? m_in[((long long)(t0 + t) * n_v_heads + h) * CH_C + i] : 0.0f;
         }
-        for (int idx = tid; idx < CH_C * CH_COLS; idx += CH_THREADS) {
+#pragma unroll
+        for (int it = 0; it < CH_C * CH_COLS / CH_THREADS; ++it) {
+            const int idx = tid + it * CH_THREADS;
             const int t = idx / CH_COLS;
             const int c = idx - t * CH_COLS;
             us[t * LS + c] = t < n ? u_in[((long long)(t0 + t) * n_v_heads + h) * dv + j0 + c] : 0.0f;
@@ -298,7 +318,9 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
         for (int r = 0; r < 4; ++r)
 #pragma unroll
             for (int c = 0; c < 4; ++c) us[(ty + 16 * r) * LS + tx + 8 * c] = ua[r][c];
-        for (int idx = tid; idx < CH_C * DK; idx += CH_THREADS) {
+#pragma unroll 16
+        for (int it = 0; it < CH_C * DK / CH_THREADS; ++it) {
+            const int idx = tid + it * CH_THREADS;
             const int t = idx / DK;
             const int d = idx - t * DK;
             float b = 0.0f;

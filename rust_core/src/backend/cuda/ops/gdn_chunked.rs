@@ -18,10 +18,11 @@ const CH_C: usize = 64;
 const CH_THREADS: u32 = 128;
 const CH_COLS: usize = 32;
 
-/// Dynamic shared memory of a prep block in bytes: the q and k tiles, A and five per-token
+/// Dynamic shared memory of a prep block in bytes: the k tile, the q tile (at least
+/// CH_THREADS columns wide: it then holds the substitution's columns), A and five per-token
 /// vectors (the layout at the top of prep_body).
 fn prep_smem_bytes(dk: usize) -> usize {
-    4 * (2 * CH_C * (dk + 1) + CH_C * CH_C + 5 * CH_C)
+    4 * (CH_C * (dk + 1) + CH_C * (dk + 1).max(CH_THREADS as usize) + CH_C * CH_C + 5 * CH_C)
 }
 
 /// Dynamic shared memory of a scan block in bytes: the state slice, the Q and W/K tiles, M
