@@ -41,7 +41,7 @@ impl RecurrentShape {
 
 impl CudaDevice {
     /// Whether `gdn_chunked` runs the chunked kernels for key head size `dk` here: the scan
-    /// needs more shared memory per block than sm_70/sm_86/sm_89 give for dk = 128 (108 KiB).
+    /// needs more shared memory per block than sm_70/sm_86/sm_89 give for dk = 128 (106 KiB).
     pub fn has_gdn_chunked(&self, dk: usize) -> bool {
         let optin = self
             .context()
