@@ -711,7 +711,9 @@ fn flash_attention_of_a_sequence_is_bitwise_independent_of_the_batch() {
     }
 }
 
-/// The chunked GDN kernel against the CPU recurrent rule, from a nonzero state.
+/// The chunked GDN kernels against the CPU recurrent rule and the GPU recurrent kernel, from
+/// a nonzero state: single and several chunks, ragged sequences ending mid-chunk, and every
+/// workspace element written exactly inside its bounds.
 #[test]
 fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
     for st in STORAGES {
@@ -724,6 +726,8 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             (vec![200, 3], 128, 128),
             (vec![1000], 128, 128),
             (vec![130, 64, 1], 64, 64),
+            (vec![65, 300, 127, 64], 128, 128),
+            (vec![513, 2], 64, 96),
         ] {
             let (nk, nv, n_slots) = (2, 4, 5);
             let slots: Vec<i32> = [3, 0, 4][..lens.len()].to_vec();
@@ -741,17 +745,36 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             let qkv_dev = upload(&dev, &qkv);
             let mut state = Out32::with(&dev, &state0);
             let mut out = Out16::new(&dev, t * nv * dv);
+            let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
             let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots };
+            let (g_dev, beta_dev, cu_dev, slots_dev) = (upload_raw(&dev, &g), upload_raw(&dev, &beta), upload_raw(&dev, &cu), upload_raw(&dev, &slots));
             dev.gdn_chunked(
                 &qkv_dev,
                 &qkv_dev.slice(nk * dk..),
                 &qkv_dev.slice(2 * nk * dk..),
-                &upload_raw(&dev, &g),
-                &upload_raw(&dev, &beta),
+                &g_dev,
+                &beta_dev,
                 &mut state.view(),
-                &upload_raw(&dev, &cu),
-                &upload_raw(&dev, &slots),
+                &cu_dev,
+                &slots_dev,
                 &mut out.view(),
+                &mut work.view(),
+                &shape,
+            )
+            .unwrap();
+            // The same call through the recurrent kernel.
+            let mut state_rec = Out32::with(&dev, &state0);
+            let mut out_rec = Out16::new(&dev, t * nv * dv);
+            dev.gdn_recurrent(
+                &qkv_dev,
+                &qkv_dev.slice(nk * dk..),
+                &qkv_dev.slice(2 * nk * dk..),
+                &g_dev,
+                &beta_dev,
+                &mut state_rec.view(),
+                &cu_dev,
+                &slots_dev,
+                &mut out_rec.view(),
                 &shape,
             )
             .unwrap();
@@ -782,6 +805,12 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             let label = format!("lens{lens:?}/dk{dk}/dv{dv}/chunked{}", dev.has_gdn_chunked(dk)).replace(' ', "");
             check("gdn_chunked.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol16(st));
             check("gdn_chunked.state", st, &label, &state.read(&dev, "gdn state"), &state_want, 1e-3);
+            let out_got = out.read(&dev, "gdn out");
+            check("gdn_chunked.out_vs_recurrent", st, &label, &out_got, &out_rec.read(&dev, "gdn recurrent out"), tol16(st));
+            check("gdn_chunked.state_vs_recurrent", st, &label, &state.read(&dev, "gdn state"), &state_rec.read(&dev, "gdn recurrent state"), 1e-3);
+            if dev.has_gdn_chunked(dk) {
+                work.read(&dev, "gdn chunk workspace");
+            }
         }
     }
 }

@@ -73,6 +73,9 @@ struct Activations {
     g: Option<CudaSlice<f32>>,
     beta: Option<CudaSlice<f32>>,
     core: Option<CudaSlice<u16>>,
+    /// f32 workspace of the chunked GDN kernels (`RecurrentShape::chunked_workspace_len`); one
+    /// element where the model has no GDN layers or the device runs them recurrently.
+    gdn_work: Option<CudaSlice<f32>>,
     /// Rows that produce logits, gathered.
     sel: Option<CudaSlice<u16>>,
     /// f32 logits of the gathered rows.
@@ -116,7 +119,7 @@ impl Activations {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
         let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.z, &self.b, &self.a, &self.conv_out, &self.core, &self.sel];
-        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.logits)
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits)
     }
 }
 
@@ -238,6 +241,10 @@ impl CudaModel {
         let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
         let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
         let inter = c.intermediate_size;
+        let gdn_work = match c.linear_attention {
+            Some(la) if dev.has_gdn_chunked(la.key_head_dim) => RecurrentShape::chunked_workspace_len(rows, la.num_value_heads, la.key_head_dim, la.value_head_dim),
+            _ => 1,
+        };
         // Free the old set first so that growth does not need both at once; graphs captured
         // over the old buffers are void.
         self.graphs.clear();
@@ -260,6 +267,7 @@ impl CudaModel {
             g: Some(alloc(dev, rows * nv, "activations")?),
             beta: Some(alloc(dev, rows * nv, "activations")?),
             core: Some(alloc(dev, rows * vd, "activations")?),
+            gdn_work: Some(alloc(dev, gdn_work, "GDN chunk workspace")?),
             sel: Some(alloc(dev, rows * h, "activations")?),
             logits: Some(alloc(dev, rows * c.vocab_size, "logits")?),
         };
@@ -590,7 +598,7 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
     };
     let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
     if max_rows >= GDN_CHUNK {
-        dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+        dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;
     } else {
         dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
     }

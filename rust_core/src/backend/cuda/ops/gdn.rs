@@ -55,6 +55,29 @@ fn check_slots(slots: usize, cu_seqlens: usize) -> Result<usize> {
     Ok(slots)
 }
 
+/// The shape and buffer-length checks every delta-rule launch shares (`gdn_recurrent`,
+/// `gdn_chunked`): lens are q, k, v, g, beta, state, cu_seqlens, slots, out in elements.
+/// Returns the sequence count.
+pub(super) fn check_delta_rule(sh: &RecurrentShape, lens: [usize; 9]) -> Result<usize> {
+    let [q, k, v, g, beta, state, cu_seqlens, slots, out] = lens;
+    let n_seqs = check_slots(slots, cu_seqlens)?;
+    if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads) {
+        return Err(NinferError::Device(format!(
+            "gdn: dv {} must be a multiple of 32 and {} v heads a multiple of {} k heads",
+            sh.dv, sh.n_v_heads, sh.n_k_heads
+        )));
+    }
+    let t = sh.n_tokens;
+    check_len("gdn q", q, strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
+    check_len("gdn k", k, strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
+    check_len("gdn v", v, strided_len(t, sh.n_v_heads * sh.dv, sh.v_stride))?;
+    check_len("gdn g", g, t * sh.n_v_heads)?;
+    check_len("gdn beta", beta, t * sh.n_v_heads)?;
+    check_len("gdn state", state, sh.n_slots * sh.n_v_heads * sh.dk * sh.dv)?;
+    check_len("gdn out", out, t * sh.n_v_heads * sh.dv)?;
+    Ok(n_seqs)
+}
+
 impl CudaDevice {
     /// out[t] = silu(conv(window of x ending at t) + bias) per channel, with the window
     /// starting in conv_state; conv_state is left holding each sequence's last K-1 inputs.
@@ -183,8 +206,8 @@ impl CudaDevice {
         self.delta_rule_launch(&f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
     }
 
-    /// The checks and launch both delta-rule kernels share (`gdn_recurrent`, `gdn_chunked`):
-    /// the same arguments, and a grid of (dv / 32 value columns, v heads, sequences).
+    /// The checked launch of a one-pass delta-rule kernel: the arguments of `gdn_recurrent`
+    /// and a grid of (dv / 32 value columns, v heads, sequences).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn delta_rule_launch(
         &self,
@@ -203,21 +226,7 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         sh: &RecurrentShape,
     ) -> Result<()> {
-        let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
-        if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads) {
-            return Err(NinferError::Device(format!(
-                "gdn: dv {} must be a multiple of 32 and {} v heads a multiple of {} k heads",
-                sh.dv, sh.n_v_heads, sh.n_k_heads
-            )));
-        }
-        let t = sh.n_tokens;
-        check_len("gdn q", q.len(), strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
-        check_len("gdn k", k.len(), strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
-        check_len("gdn v", v.len(), strided_len(t, sh.n_v_heads * sh.dv, sh.v_stride))?;
-        check_len("gdn g", g.len(), t * sh.n_v_heads)?;
-        check_len("gdn beta", beta.len(), t * sh.n_v_heads)?;
-        check_len("gdn state", state.len(), sh.n_slots * sh.n_v_heads * sh.dk * sh.dv)?;
-        check_len("gdn out", out.len(), t * sh.n_v_heads * sh.dv)?;
+        let n_seqs = check_delta_rule(sh, [q.len(), k.len(), v.len(), g.len(), beta.len(), state.len(), cu_seqlens.len(), slots.len(), out.len()])?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);

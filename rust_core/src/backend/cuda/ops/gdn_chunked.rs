@@ -1,41 +1,60 @@
 //! Chunked Gated DeltaNet prefill launcher (cuda/gdn_chunked.cu): the same contract as
-//! `gdn_recurrent` (inputs, f32 state slots, outputs), computed 64 tokens at a time.
+//! `gdn_recurrent` (inputs, f32 state slots, outputs), computed 64 tokens at a time by two
+//! kernels: a chunk-parallel preparation that writes the state-independent W, U, M and
+//! per-token scales to a caller-owned workspace, then a scan over each sequence's chunks.
 
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
-use super::gdn::RecurrentShape;
+use super::gdn::{check_delta_rule, RecurrentShape};
+use super::{as_i32, check_len, KArg};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
 
-/// Tokens per chunk (CH_C), threads per block (CH_THREADS) and value columns per block
+/// Tokens per chunk (CH_C), threads per block (CH_THREADS) and value columns per scan block
 /// (CH_COLS) of gdn_chunked.cu.
 const CH_C: usize = 64;
 const CH_THREADS: u32 = 128;
 const CH_COLS: usize = 32;
 
-/// Dynamic shared memory of one block in bytes: the q and k tiles, A and QK, the state slice,
-/// U and three per-token vectors (the layout at the top of chunked_body).
-fn smem_bytes(dk: usize) -> usize {
-    4 * (2 * CH_C * (dk + 1) + 2 * CH_C * (CH_C + 1) + (dk + CH_C) * (CH_COLS + 1) + 3 * CH_C)
+/// Dynamic shared memory of a prep block in bytes: the k tile, the q tile (at least
+/// CH_THREADS columns wide: it then holds the substitution's columns), A and five per-token
+/// vectors (the layout at the top of prep_body).
+fn prep_smem_bytes(dk: usize) -> usize {
+    4 * (CH_C * (dk + 1) + CH_C * (dk + 1).max(CH_THREADS as usize) + CH_C * CH_C + 5 * CH_C)
+}
+
+/// Dynamic shared memory of a scan block in bytes: the state slice, the Q and W/K tiles, M
+/// and u (the layout at the top of scan_body).
+fn scan_smem_bytes(dk: usize) -> usize {
+    4 * (dk * (CH_COLS + 1) + 2 * CH_C * (dk + 1) + CH_C * (CH_C + 1) + CH_C * (CH_COLS + 1))
+}
+
+impl RecurrentShape {
+    /// f32 elements of the workspace `gdn_chunked` needs for `n_tokens` packed tokens: per
+    /// token and value head W (dk), U (dv), M (64) and 4 scales.
+    pub fn chunked_workspace_len(n_tokens: usize, n_v_heads: usize, dk: usize, dv: usize) -> usize {
+        n_tokens * n_v_heads * (dk + dv + CH_C + 4)
+    }
 }
 
 impl CudaDevice {
-    /// Whether `gdn_chunked` runs the chunked kernel for key head size `dk` here: it needs
-    /// more shared memory per block than sm_86/sm_89 give for dk = 128 (about 123 KiB).
+    /// Whether `gdn_chunked` runs the chunked kernels for key head size `dk` here: the scan
+    /// needs more shared memory per block than sm_70/sm_86/sm_89 give for dk = 128 (106 KiB).
     pub fn has_gdn_chunked(&self, dk: usize) -> bool {
         let optin = self
             .context()
             .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .unwrap_or(0);
-        matches!(dk, 64 | 128) && smem_bytes(dk) <= optin.max(0) as usize
+        matches!(dk, 64 | 128) && prep_smem_bytes(dk).max(scan_smem_bytes(dk)) <= optin.max(0) as usize
     }
 
-    /// The gated delta rule of `gdn_recurrent` in its chunked form: same arguments, same
-    /// results (q/k L2-normalised inside, q scaled by dk^-1/2, each sequence's f32 state slot
-    /// read at the start and written back). Falls back to the recurrent kernel where the
-    /// device lacks the shared memory (see `has_gdn_chunked`).
+    /// The gated delta rule of `gdn_recurrent` in its chunked form: same arguments plus an f32
+    /// workspace of at least `RecurrentShape::chunked_workspace_len` elements, same results (q/k
+    /// L2-normalised inside, q scaled by dk^-1/2, each sequence's f32 state slot read at the
+    /// start and written back). Falls back to the recurrent kernel where the device lacks the
+    /// shared memory (see `has_gdn_chunked`); the workspace is then unused.
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_chunked(
         &self,
@@ -48,18 +67,81 @@ impl CudaDevice {
         cu_seqlens: &impl DevicePtr<i32>,
         slots: &impl DevicePtr<i32>,
         out: &mut impl DevicePtrMut<u16>,
+        work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
         let sh = shape;
         if !self.has_gdn_chunked(sh.dk) {
             return self.gdn_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out, sh);
         }
-        let name = if sh.dk == 64 { "gdn_chunked_dk64" } else { "gdn_chunked_dk128" };
-        let smem = smem_bytes(sh.dk);
-        let f = self.function(KernelFamily::GdnChunked, name)?;
-        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(driver_err("raising the chunked GDN shared-memory limit"))?;
-        // The grid's 32 value columns per block are CH_COLS.
-        self.delta_rule_launch(&f, name, CH_THREADS, smem as u32, q, k, v, g, beta, state, cu_seqlens, slots, out, sh)
+        let lens = [q.len(), k.len(), v.len(), g.len(), beta.len(), state.len(), cu_seqlens.len(), slots.len(), out.len()];
+        let n_seqs = check_delta_rule(sh, lens)?;
+        check_len("gdn workspace", work.len(), RecurrentShape::chunked_workspace_len(sh.n_tokens, sh.n_v_heads, sh.dk, sh.dv))?;
+        if sh.n_tokens == 0 || n_seqs == 0 {
+            return Ok(());
+        }
+        let (prep_name, scan_name) = if sh.dk == 64 {
+            ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64")
+        } else {
+            ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128")
+        };
+        let prep = self.function(KernelFamily::GdnChunked, prep_name)?;
+        let scan = self.function(KernelFamily::GdnChunked, scan_name)?;
+        let (prep_smem, scan_smem) = (prep_smem_bytes(sh.dk), scan_smem_bytes(sh.dk));
+        prep.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prep_smem as i32)
+            .map_err(driver_err("raising the GDN chunk-prep shared-memory limit"))?;
+        scan.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, scan_smem as i32)
+            .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
+        let s = self.stream();
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k.device_ptr(s);
+        let (vp, _c) = v.device_ptr(s);
+        let (gp, _d) = g.device_ptr(s);
+        let (bp, _e) = beta.device_ptr(s);
+        let (sp, _f) = state.device_ptr_mut(s);
+        let (cp, _g) = cu_seqlens.device_ptr(s);
+        let (lp, _h) = slots.device_ptr(s);
+        let (op, _i) = out.device_ptr_mut(s);
+        let (wp, _j) = work.device_ptr_mut(s);
+        let (n_seqs_i, n_tokens) = (as_i32("n_seqs", n_seqs)?, as_i32("n_tokens", sh.n_tokens)?);
+        let (nk, nv, dv) = (as_i32("n_k_heads", sh.n_k_heads)?, as_i32("n_v_heads", sh.n_v_heads)?, as_i32("dv", sh.dv)?);
+        let prep_args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::I64(sh.qk_stride as i64),
+            KArg::Ptr(vp),
+            KArg::I64(sh.v_stride as i64),
+            KArg::Ptr(gp),
+            KArg::Ptr(bp),
+            KArg::Ptr(cp),
+            KArg::I32(n_seqs_i),
+            KArg::I32(nk),
+            KArg::I32(nv),
+            KArg::I32(dv),
+            KArg::I32(n_tokens),
+            KArg::Ptr(wp),
+        ];
+        // Every sequence has at most ceil(len / 64) chunks, so this bounds the chunk count;
+        // blocks past the last chunk return at once.
+        let max_chunks = as_i32("gdn chunks", sh.n_tokens.div_ceil(CH_C) + n_seqs)? as u32;
+        let config = LaunchConfig { grid_dim: (max_chunks, sh.n_v_heads as u32, 1), block_dim: (CH_THREADS, 1, 1), shared_mem_bytes: prep_smem as u32 };
+        self.launch(&prep, config, prep_name, &prep_args)?;
+        let scan_args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::I64(sh.qk_stride as i64),
+            KArg::Ptr(wp),
+            KArg::Ptr(sp),
+            KArg::Ptr(cp),
+            KArg::Ptr(lp),
+            KArg::I32(nk),
+            KArg::I32(nv),
+            KArg::I32(dv),
+            KArg::I32(n_tokens),
+            KArg::Ptr(op),
+        ];
+        let grid = ((sh.dv / CH_COLS) as u32, sh.n_v_heads as u32, n_seqs_i as u32);
+        let config = LaunchConfig { grid_dim: grid, block_dim: (CH_THREADS, 1, 1), shared_mem_bytes: scan_smem as u32 };
+        self.launch(&scan, config, scan_name, &scan_args)
     }
 }
