@@ -730,7 +730,7 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             (vec![513, 2], 64, 96),
         ] {
             let (nk, nv, n_slots) = (2, 4, 5);
-            let slots: Vec<i32> = [3, 0, 4][..lens.len()].to_vec();
+            let slots: Vec<i32> = [3, 0, 4, 1][..lens.len()].to_vec();
             let t: usize = lens.iter().sum();
             let stride = 2 * nk * dk + nv * dv;
             let qkv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
@@ -927,7 +927,7 @@ fn gdn_recurrent_rule_matches_reference_and_updates_state() {
         let mut rng = Rng::new(14);
         for (lens, dk, dv) in [(vec![1, 1], 128, 128), (vec![3, 9, 1], 64, 64), (vec![16], 128, 64)] {
             let (nk, nv, n_slots) = (2, 4, 5);
-            let slots: Vec<i32> = [3, 0, 4][..lens.len()].to_vec();
+            let slots: Vec<i32> = [3, 0, 4, 1][..lens.len()].to_vec();
             let t: usize = lens.iter().sum();
             let stride = 2 * nk * dk + nv * dv;
             let qkv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
