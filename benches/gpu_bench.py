@@ -2,7 +2,8 @@
 throughput at several concurrencies (Llama-3-8B shape) and startup time (Qwen3.5-27B shape).
 
 Every part writes record objects (commit, date, device, command, model, metric, value,
-fraction_of_ceiling, peer, peer_value, config fields) to the --out JSON, rewritten after each part
+fraction_of_ceiling, peer, peer_value, config fields) to the --out JSON: added to the records
+already in it, and rewritten after each part
 so that a failing part keeps the others' records (a failed part leaves a record with "error").
 
 Checkpoints are random bf16 weights written on the GPU machine itself (torch random tensors,
@@ -65,7 +66,8 @@ def log(msg: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file for the records (rewritten after each part)")
+    p.add_argument("--out", required=True,
+                   help="JSON file for the records (appended to if present; rewritten after each part)")
     p.add_argument("--workdir", default="/tmp/ninfer_bench", help="where the random checkpoints are written")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--decode-8b", action="store_true", help="decode_bs1_tok_s, Llama-3-8B shape")
@@ -113,7 +115,11 @@ class Bench:
         self.ninfer_device = "cpu" if a.tiny else "cuda"
         self.shapes = TINY_SHAPES if a.tiny else SHAPES
         self.workdir = Path(a.workdir)
-        self.records: list = []
+        # Records already in --out are kept: a second invocation (another shape, another part)
+        # adds to them instead of replacing them.
+        out = Path(a.out)
+        self.records: list = json.loads(out.read_text()) if out.is_file() and out.stat().st_size else []
+        self.earlier = len(self.records)
         self.device_name = device_name(a.tiny)
         self._copy_rate = None
 
@@ -726,8 +732,9 @@ def main(argv=None) -> int:
     if a.decode_27b:
         guarded(b, "decode_bs1_tok_s", "qwen3_5-27b", lambda: part_decode(b, "qwen3_5-27b"))
     b.drop_checkpoint("qwen3_5-27b")
-    errors = [r for r in b.records if "error" in r]
-    log(f"{len(b.records)} records in {a.out}, {len(errors)} failed parts")
+    new = b.records[b.earlier:]
+    errors = [r for r in new if "error" in r]
+    log(f"{len(new)} new records in {a.out} ({b.earlier} kept from before), {len(errors)} failed parts")
     return 1 if errors else 0
 
 
