@@ -9,7 +9,23 @@
 // conv_state is [n_slots, channels, K-1] (per channel the last K-1 inputs, oldest first: the
 // CPU backend's layout, so state snapshots are the same bytes on both); weight is
 // [channels, K]; bias may be null.
-// One thread per (sequence, channel) walks the sequence's tokens in order.
+//
+// Two forms compute every output element with the same f32 operations in the same order
+// (bias, then one fmaf per tap from the oldest input to the newest, then SiLU), so they agree
+// bit for bit and a prompt may be split between them:
+// - causal_conv1d_k*: one thread per (sequence, channel) walks the sequence's tokens in order.
+//   Decode (one token per sequence) uses it; for a long prompt it is serial over time.
+// - causal_conv1d_tiled_k* + causal_conv1d_state_k*: prefill, parallel over time.
+
+// The conv of one token from its window win[0..K-2] (oldest first) and its own input xv.
+template <int K>
+__device__ __forceinline__ float conv_tap(const float* win, const float* wt, float b, float xv) {
+    float y = b;
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) y = fmaf(wt[i], win[i], y);
+    return fmaf(wt[K - 1], xv, y);
+}
+
 template <int K>
 __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long long x_stride,
                                           store_t* __restrict__ conv_state,
@@ -31,11 +47,7 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
     const float b = bias ? to_f32(bias[c]) : 0.0f;
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
         const float xv = to_f32(x[t * x_stride + c]);
-        float y = b;
-#pragma unroll
-        for (int i = 0; i < K - 1; ++i) y = fmaf(wt[i], win[i], y);
-        y = fmaf(wt[K - 1], xv, y);
-        out[(long long)t * channels + c] = from_f32(silu_f(y));
+        out[(long long)t * channels + c] = from_f32(silu_f(conv_tap<K>(win, wt, b, xv)));
 #pragma unroll
         for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
         win[K - 2] = xv;
@@ -55,6 +67,117 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
 CONV_INSTANCE(2)
 CONV_INSTANCE(3)
 CONV_INSTANCE(4)
+
+// Tokens per block of the tiled prefill conv (the launcher's grid uses the same number:
+// ops/gdn.rs CONV_TOKEN_TILE). Each thread re-reads K-1 inputs before its tile, so a longer
+// tile reads less twice; 32 keeps a 4k-token prompt at 128 token tiles, enough blocks to fill
+// the GPU at any channel count.
+#define CONV_TOKEN_TILE 32
+
+// Prefill conv, parallel over time. Grid (channel tiles of blockDim.x, token tiles of
+// CONV_TOKEN_TILE over the packed tokens); a thread owns one channel of one token tile. A
+// token's window comes from the input rows where it lies inside the token's sequence and from
+// the sequence's conv_state slot (as it was before this call) where it reaches before the
+// sequence's first token. Only reads conv_state: causal_conv1d_state_k* writes the new state in
+// a later launch, because the block holding a sequence's last tokens is in general not the one
+// reading its old state, and no order between blocks of one grid is guaranteed.
+template <int K>
+__device__ __forceinline__ void conv_tiled_body(const store_t* __restrict__ x, long long x_stride,
+                                                const store_t* __restrict__ conv_state,
+                                                const store_t* __restrict__ weight,
+                                                const store_t* __restrict__ bias,
+                                                const int* __restrict__ cu_seqlens,
+                                                const int* __restrict__ slots, int n_seqs,
+                                                int channels, store_t* __restrict__ out) {
+    pdl_enter();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int n_tokens = cu_seqlens[n_seqs];
+    const int t0 = blockIdx.y * CONV_TOKEN_TILE;
+    const int t1 = min(t0 + CONV_TOKEN_TILE, n_tokens);
+    if (c >= channels || t0 >= t1) return;
+    // The sequence holding t0: the last s with cu_seqlens[s] <= t0 (cu_seqlens[n_seqs] > t0,
+    // so that sequence is not empty).
+    int s = 0, hi = n_seqs;
+    while (hi - s > 1) {
+        const int mid = (s + hi) >> 1;
+        if (cu_seqlens[mid] <= t0) s = mid;
+        else hi = mid;
+    }
+    float win[K - 1], wt[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) wt[i] = to_f32(weight[(long long)c * K + i]);
+    const float b = bias ? to_f32(bias[c]) : 0.0f;
+    int start = cu_seqlens[s], end = cu_seqlens[s + 1];
+    const store_t* st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) {
+        const int j = t0 - (K - 1) + i;
+        win[i] = to_f32(j >= start ? x[j * x_stride + c] : st[K - 1 + j - start]);
+    }
+    for (int t = t0; t < t1; ++t) {
+        if (t >= end) {
+            // The next non-empty sequence starts at t: its window is all carried state.
+            do {
+                ++s;
+            } while (cu_seqlens[s + 1] <= t);
+            start = t;
+            end = cu_seqlens[s + 1];
+            st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
+#pragma unroll
+            for (int i = 0; i < K - 1; ++i) win[i] = to_f32(st[i]);
+        }
+        const float xv = to_f32(x[t * x_stride + c]);
+        out[(long long)t * channels + c] = from_f32(silu_f(conv_tap<K>(win, wt, b, xv)));
+#pragma unroll
+        for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
+        win[K - 2] = xv;
+    }
+}
+
+// The conv state after a tiled prefill conv: per (sequence, channel) the last K-1 inputs of the
+// window that ends at the sequence's last token, the older ones still from the old state when
+// the sequence is shorter than K-1. Grid (channel tiles, sequences). Each thread reads its
+// whole old state before writing it, and sequences own distinct slots, so nothing else reads
+// what it writes. Values pass through f32 as in causal_conv1d_k* (same bytes, NaNs included).
+template <int K>
+__device__ __forceinline__ void conv_state_body(const store_t* __restrict__ x, long long x_stride,
+                                                store_t* __restrict__ conv_state,
+                                                const int* __restrict__ cu_seqlens,
+                                                const int* __restrict__ slots, int channels) {
+    pdl_enter();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = blockIdx.y;
+    if (c >= channels) return;
+    store_t* st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
+    const int start = cu_seqlens[s], end = cu_seqlens[s + 1];
+    float win[K - 1];
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) {
+        const int j = end - (K - 1) + i;
+        win[i] = to_f32(j >= start ? x[j * x_stride + c] : st[K - 1 + j - start]);
+    }
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) st[i] = from_f32(win[i]);
+}
+
+#define CONV_TILED_INSTANCE(K)                                                                 \
+    extern "C" __global__ void causal_conv1d_tiled_k##K(                                       \
+        const store_t* x, long long x_stride, const store_t* conv_state,                       \
+        const store_t* weight, const store_t* bias, const int* cu_seqlens, const int* slots,   \
+        int n_seqs, int channels, store_t* out) {                                              \
+        conv_tiled_body<K>(x, x_stride, conv_state, weight, bias, cu_seqlens, slots, n_seqs,   \
+                           channels, out);                                                     \
+    }                                                                                          \
+    extern "C" __global__ void causal_conv1d_state_k##K(const store_t* x, long long x_stride,  \
+                                                        store_t* conv_state,                   \
+                                                        const int* cu_seqlens,                 \
+                                                        const int* slots, int channels) {      \
+        conv_state_body<K>(x, x_stride, conv_state, cu_seqlens, slots, channels);              \
+    }
+
+CONV_TILED_INSTANCE(2)
+CONV_TILED_INSTANCE(3)
+CONV_TILED_INSTANCE(4)
 
 // Gates per token and value head: g = -exp(A_log) * softplus(a + dt_bias) (log of the decay)
 // and beta = sigmoid(b). a and b are [T, n_heads]; A_log and dt_bias are f32 [n_heads].

@@ -898,6 +898,87 @@ fn causal_conv1d_carries_state_across_decode_and_prefill() {
     }
 }
 
+/// The tiled prefill conv (parallel over time, state written by a second kernel) gives the
+/// bytes of the per-sequence kernel, outputs and state: token tiles of 32 that start inside a
+/// sequence, hold several sequences or cross their ends, sequences shorter than the kernel's
+/// history (state partly old), empty ones, and a 4k-token prompt over 10240 channels (the
+/// 27B shape's conv dim). Both are also checked against the CPU op.
+#[test]
+fn causal_conv1d_tiled_equals_per_sequence_bit_for_bit() {
+    use ninfer_core::backend::cuda::ops::ConvPath;
+    for st in STORAGES {
+        let Some(dev) = gpu("conv1d_tiled", st) else { return };
+        let mut rng = Rng::new(21);
+        let cases: [(Vec<usize>, usize, usize, bool); 8] = [
+            (vec![100, 1, 0, 2, 37], 4, 200, true),
+            (vec![33], 4, 130, false),
+            (vec![1, 1, 31, 64, 2], 3, 64, true),
+            (vec![0, 70, 0], 2, 96, false),
+            (vec![2, 2, 2, 2, 2, 2, 2, 2], 4, 300, true),
+            (vec![31, 1, 32, 1], 4, 128, false),
+            (vec![1, 1, 1], 4, 200, true),
+            (vec![4096], 4, 10240, false),
+        ];
+        for (lens, k, c, with_bias) in cases {
+            let n_slots = lens.len() + 3;
+            let slots: Vec<i32> = rng.permutation(n_slots)[..lens.len()].iter().map(|&v| v as i32).collect();
+            let t: usize = lens.iter().sum();
+            let stride = c + 8;
+            let x = rounded(&rng.vec(t * stride, -2.0, 2.0), st);
+            let w = rounded(&rng.vec(c * k, -1.0, 1.0), st);
+            let bias = rounded(&rng.vec(c, -0.5, 0.5), st);
+            let state0 = rounded(&rng.vec(n_slots * (k - 1) * c, -2.0, 2.0), st);
+            let mut cu = vec![0i32];
+            for l in &lens {
+                cu.push(cu.last().unwrap() + *l as i32);
+            }
+            let (x_dev, w_dev, bias_dev) = (upload(&dev, &x), upload(&dev, &w), upload(&dev, &bias));
+            let (cu_dev, slots_dev) = (upload_raw(&dev, &cu), upload_raw(&dev, &slots));
+            let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots };
+            let run = |path: ConvPath| {
+                let mut state = Out16::with(&dev, &state0);
+                let mut out = Out16::new(&dev, t * c);
+                let b = if with_bias { Some(&bias_dev as &dyn ninfer_core::backend::cuda::ops::DevicePtrDyn) } else { None };
+                dev.causal_conv1d_via(path, &x_dev, &mut state.view(), &w_dev, b, &cu_dev, &slots_dev, &mut out.view(), &shape)
+                    .unwrap();
+                (out.read(&dev, "conv out"), state.read(&dev, "conv state"))
+            };
+            let (out_seq, state_seq) = run(ConvPath::PerSequence);
+            let (out_tiled, state_tiled) = run(ConvPath::Tiled);
+            let label = format!("{:?} lens{lens:?}/k{k}/c{c}/bias{}", st, with_bias as u8).replace(' ', "");
+            assert_bitwise(&out_tiled, &out_seq, &format!("conv1d tiled out {label}"));
+            assert_bitwise(&state_tiled, &state_seq, &format!("conv1d tiled state {label}"));
+            let mut state_want = state0.clone();
+            let mut out_want = Vec::new();
+            for (s, &slot) in slots.iter().enumerate() {
+                let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
+                let xs: Vec<f32> = (a..b).flat_map(|i| x[i * stride..i * stride + c].to_vec()).collect();
+                let sl = slot as usize * (k - 1) * c;
+                let mut st_slot = state_want[sl..sl + (k - 1) * c].to_vec();
+                out_want.extend(reference::conv1d_seq(&xs, &mut st_slot, &w, with_bias.then_some(&bias[..]), b - a, c, k));
+                state_want[sl..sl + (k - 1) * c].copy_from_slice(&rounded(&st_slot, st));
+            }
+            check("conv1d_tiled.out", st, &label, &out_tiled, &out_want, tol16(st));
+            check("conv1d_tiled.state", st, &label, &state_tiled, &state_want, 0.0);
+            if t >= 4096 {
+                // The point of the tiled form: a long prompt no longer walks time in one thread.
+                let time = |path: ConvPath| {
+                    run(path);
+                    dev.synchronize().unwrap();
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..5 {
+                        run(path);
+                    }
+                    t0.elapsed().as_secs_f64() / 5.0 * 1e3
+                };
+                let (ms_seq, ms_tiled) = (time(ConvPath::PerSequence), time(ConvPath::Tiled));
+                println!("TIMING conv1d {label}: per-sequence {ms_seq:.3} ms, tiled {ms_tiled:.3} ms (incl. upload/readback)");
+                assert!(ms_tiled < ms_seq, "{label}: tiled {ms_tiled:.3} ms not faster than per-sequence {ms_seq:.3} ms");
+            }
+        }
+    }
+}
+
 #[test]
 fn gdn_gates_match_softplus_and_sigmoid() {
     for st in STORAGES {

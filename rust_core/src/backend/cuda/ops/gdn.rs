@@ -46,6 +46,35 @@ pub struct RecurrentShape {
     pub n_slots: usize,
 }
 
+/// Tokens per block of `causal_conv1d_tiled_k*` (CONV_TOKEN_TILE in cuda/gdn.cu).
+const CONV_TOKEN_TILE: usize = 32;
+/// The largest grid y dimension CUDA launches.
+const MAX_GRID_Y: usize = 65535;
+
+/// Which conv1d kernels run a step. Both compute each output with the same f32 operations in
+/// the same order, so they give the same bytes (outputs and state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvPath {
+    /// `causal_conv1d_k*`: one thread per (sequence, channel) walks the sequence's tokens and
+    /// updates the state in the same pass. One launch; serial over time.
+    PerSequence,
+    /// `causal_conv1d_tiled_k*` (blocks own channel x token tiles, parallel over time) then
+    /// `causal_conv1d_state_k*` (the new state, after every read of the old one).
+    Tiled,
+}
+
+impl ConvPath {
+    /// Decode steps (as many tokens as sequences: one each) keep the single launch; prefill
+    /// and mixed steps tile time.
+    pub fn for_step(n_tokens: usize, n_seqs: usize) -> ConvPath {
+        if n_tokens > n_seqs {
+            ConvPath::Tiled
+        } else {
+            ConvPath::PerSequence
+        }
+    }
+}
+
 fn check_slots(slots: usize, cu_seqlens: usize) -> Result<usize> {
     if cu_seqlens != slots + 1 {
         return Err(NinferError::Device(format!(
@@ -81,7 +110,8 @@ pub(super) fn check_delta_rule(sh: &RecurrentShape, lens: [usize; 9]) -> Result<
 impl CudaDevice {
     /// out[t] = silu(conv(window of x ending at t) + bias) per channel, with the window
     /// starting in conv_state; conv_state is left holding each sequence's last K-1 inputs.
-    /// Decode is one token per sequence. bias may be absent.
+    /// Decode is one token per sequence. bias may be absent. The kernel form is
+    /// `ConvPath::for_step` (both give the same bytes).
     #[allow(clippy::too_many_arguments)]
     pub fn causal_conv1d(
         &self,
@@ -94,12 +124,31 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         shape: &ConvShape,
     ) -> Result<()> {
+        let path = ConvPath::for_step(shape.n_tokens, slots.len());
+        self.causal_conv1d_via(path, x, conv_state, weight, bias, cu_seqlens, slots, out, shape)
+    }
+
+    /// `causal_conv1d` with the kernel form chosen by the caller (the op-parity tests run
+    /// both forms on the same inputs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn causal_conv1d_via(
+        &self,
+        path: ConvPath,
+        x: &impl DevicePtr<u16>,
+        conv_state: &mut impl DevicePtrMut<u16>,
+        weight: &impl DevicePtr<u16>,
+        bias: Option<&dyn DevicePtrDyn>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &ConvShape,
+    ) -> Result<()> {
         let sh = shape;
         let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
-        let name = match sh.kernel_size {
-            2 => "causal_conv1d_k2",
-            3 => "causal_conv1d_k3",
-            4 => "causal_conv1d_k4",
+        let [per_seq, tiled, update] = match sh.kernel_size {
+            2 => ["causal_conv1d_k2", "causal_conv1d_tiled_k2", "causal_conv1d_state_k2"],
+            3 => ["causal_conv1d_k3", "causal_conv1d_tiled_k3", "causal_conv1d_state_k3"],
+            4 => ["causal_conv1d_k4", "causal_conv1d_tiled_k4", "causal_conv1d_state_k4"],
             k => return Err(NinferError::Unsupported(format!("CUDA conv1d with kernel size {k}"))),
         };
         check_len("conv1d x", x.len(), strided_len(sh.n_tokens, sh.channels, sh.x_stride))?;
@@ -113,7 +162,6 @@ impl CudaDevice {
         if let Some(b) = bias {
             check_len("conv1d bias", b.elems(), sh.channels)?;
         }
-        let f = self.function(KernelFamily::Gdn, name)?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (cp, _b) = conv_state.device_ptr_mut(s);
@@ -122,19 +170,61 @@ impl CudaDevice {
         let (sp, _e) = slots.device_ptr(s);
         let (op, _f) = out.device_ptr_mut(s);
         let bp = bias.map(|b| b.raw_ptr(s)).unwrap_or(0);
-        let args = [
-            KArg::Ptr(xp),
-            KArg::I64(sh.x_stride as i64),
-            KArg::Ptr(cp),
-            KArg::Ptr(wp),
-            KArg::Ptr(bp),
-            KArg::Ptr(qp),
-            KArg::Ptr(sp),
-            KArg::I32(as_i32("channels", sh.channels)?),
-            KArg::Ptr(op),
-        ];
-        let grid = (sh.channels.div_ceil(128) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
-        self.launch_pdl(&f, cfg(grid, 128), name, &args)
+        let channels = as_i32("channels", sh.channels)?;
+        let seq_grid = (sh.channels.div_ceil(128) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
+        match path {
+            ConvPath::PerSequence => {
+                let f = self.function(KernelFamily::Gdn, per_seq)?;
+                let args = [
+                    KArg::Ptr(xp),
+                    KArg::I64(sh.x_stride as i64),
+                    KArg::Ptr(cp),
+                    KArg::Ptr(wp),
+                    KArg::Ptr(bp),
+                    KArg::Ptr(qp),
+                    KArg::Ptr(sp),
+                    KArg::I32(channels),
+                    KArg::Ptr(op),
+                ];
+                self.launch_pdl(&f, cfg(seq_grid, 128), per_seq, &args)
+            }
+            ConvPath::Tiled => {
+                let tiles = sh.n_tokens.div_ceil(CONV_TOKEN_TILE);
+                if tiles > MAX_GRID_Y {
+                    return Err(NinferError::Device(format!(
+                        "conv1d: {} tokens in one step is {tiles} token tiles of {CONV_TOKEN_TILE} (grid limit {MAX_GRID_Y})",
+                        sh.n_tokens
+                    )));
+                }
+                let f = self.function(KernelFamily::Gdn, tiled)?;
+                let args = [
+                    KArg::Ptr(xp),
+                    KArg::I64(sh.x_stride as i64),
+                    KArg::Ptr(cp),
+                    KArg::Ptr(wp),
+                    KArg::Ptr(bp),
+                    KArg::Ptr(qp),
+                    KArg::Ptr(sp),
+                    KArg::I32(n_seqs as i32),
+                    KArg::I32(channels),
+                    KArg::Ptr(op),
+                ];
+                let grid = (sh.channels.div_ceil(128) as u32, tiles as u32, 1);
+                self.launch_pdl(&f, cfg(grid, 128), tiled, &args)?;
+                // Stream order (or the PDL wait, which returns once the conv grid has
+                // completed) puts every read of the old state before these writes.
+                let f = self.function(KernelFamily::Gdn, update)?;
+                let args = [
+                    KArg::Ptr(xp),
+                    KArg::I64(sh.x_stride as i64),
+                    KArg::Ptr(cp),
+                    KArg::Ptr(qp),
+                    KArg::Ptr(sp),
+                    KArg::I32(channels),
+                ];
+                self.launch_pdl(&f, cfg(seq_grid, 128), update, &args)
+            }
+        }
     }
 
     /// g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), per token and value
