@@ -209,7 +209,62 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
     }
 }
 
-template <int DK>
+// Tensor-core form of the scan's three products (sm_80+): mma.sync m16n8k8 with tf32 operands
+// and f32 accumulators. The operands are f32 in shared memory already (the state slice, W, U,
+// M, u), so tf32 takes them with one rounding each (10 explicit mantissa bits, against bf16's
+// 7, at no packing cost); accumulation, and the state kept in registers, stay f32. Fragment
+// layout (PTX ISA, m16n8k8 .tf32): g = lane / 4, q = lane % 4; A (16 x 8, row-major)
+// a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4); B (8 x 8, column-major) b0 (q, g),
+// b1 (q + 4, g); C (16 x 8) c0 (g, 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CH_TENSOR_CORES 1
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma1688(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// c[nt][4] += A (16 rows from a_row0, K columns, row stride la; A(r, k) = a[r * la + k]) times
+// B (K x 32 columns at b, row stride lb): one warp, four n-tiles of 8.
+template <int K>
+__device__ __forceinline__ void warp_mma_rows(float (*c)[4], const float* a, int la, const float* b,
+                                              int lb, int g, int q) {
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        const unsigned af[4] = {to_tf32(a[g * la + k0 + q]), to_tf32(a[(g + 8) * la + k0 + q]),
+                                to_tf32(a[g * la + k0 + q + 4]), to_tf32(a[(g + 8) * la + k0 + q + 4])};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+            mma1688(c[nt], af, to_tf32(b[(k0 + q) * lb + 8 * nt + g]),
+                    to_tf32(b[(k0 + q + 4) * lb + 8 * nt + g]));
+    }
+}
+#endif
+
+// The scan's state slice, f32: its DK x 32 entries are spread over the block's threads, DK / 4
+// each, in one of two layouts. SIMT (tiled 4 x 4): entry e of a thread is row ty + 16 (e / 4),
+// column tx + 8 (e % 4). Tensor cores: warp w owns rows w DK/4 .. (w + 1) DK/4 - 1 as m-tiles
+// of 16 in the mma C layout: e = (m-tile * 4 + n-tile) * 4 + i.
+template <int DK, bool TC>
+__device__ __forceinline__ void state_entry(int tid, int e, int& row, int& col) {
+    if (TC) {
+        const int w = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
+        const int mt = e >> 4, nt = (e >> 2) & 3, i = e & 3;
+        row = w * (DK / 4) + 16 * mt + g + 8 * (i >> 1);
+        col = 8 * nt + 2 * q + (i & 1);
+    } else {
+        row = (tid >> 3) + 16 * (e >> 2);
+        col = (tid & 7) + 8 * (e & 3);
+    }
+}
+
+template <int DK, bool TC>
 __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const store_t* __restrict__ k,
                                           long long qk_stride, const float* __restrict__ work,
                                           float* __restrict__ state,
@@ -220,7 +275,7 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     constexpr int LK = DK + 1;       // row stride of the Q / W / K tiles
     constexpr int LS = CH_COLS + 1;  // row stride of the state slice and u
     constexpr int LM = CH_C + 1;     // row stride of M
-    constexpr int RPT = DK / 16;     // state rows per thread
+    constexpr int NS = DK / 4;       // state entries per thread (state_entry)
     extern __shared__ float ch_smem[];
     float* ss = ch_smem;             // [DK][LS] state columns j0..j0+31 (f32)
     float* qg = ss + DK * LS;        // [C][LK]  e^G q (normalised, scaled)
@@ -233,8 +288,8 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     const int s = blockIdx.z;
     const int kh = h / (n_v_heads / n_k_heads);
     const int tid = threadIdx.x;
-    const int tx = tid & 7;   // columns tx + 8c
-    const int ty = tid >> 3;  // rows ty + 16r
+    const int tx = tid & 7;   // SIMT: columns tx + 8c
+    const int ty = tid >> 3;  // SIMT: rows ty + 16r
     const long long rows = (long long)n_tokens * n_v_heads;
     const float* w_in = work;
     const float* u_in = w_in + rows * DK;
@@ -242,14 +297,14 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     const float* sc_in = m_in + rows * CH_C;
 
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
-    float sr[RPT][4];  // this thread's state entries (rows ty + 16r, columns tx + 8c)
+    float sr[NS];  // this thread's state entries (state_entry)
 #pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            sr[r][c] = st[(long long)(ty + 16 * r) * dv + tx + 8 * c];
-            ss[(ty + 16 * r) * LS + tx + 8 * c] = sr[r][c];
-        }
+    for (int e = 0; e < NS; ++e) {
+        int row, col;
+        state_entry<DK, TC>(tid, e, row, col);
+        sr[e] = st[(long long)row * dv + col];
+        ss[row * LS + col] = sr[e];
+    }
 
     const int t_begin = cu_seqlens[s];
     const int t_end = cu_seqlens[s + 1];
@@ -286,38 +341,61 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
             us[t * LS + c] = t < n ? u_in[((long long)(t0 + t) * n_v_heads + h) * dv + j0 + c] : 0.0f;
         }
         __syncthreads();
-        // 1. u = U - W S and o = (e^G Q) S on 4 x 4 tiles (rows ty + 16r, columns tx + 8c).
+        // 1. u = U - W S and o = (e^G Q) S on 16 token rows x 32 columns per thread's 4 x 4
+        // entries: SIMT rows ty + 16r, columns tx + 8c; TC the C fragments of warp w's rows
+        // 16w.. (entry [nt][i] at row 16w + g + 8 (i / 2), column 8 nt + 2 q + i % 2).
         float ua[4][4], oa[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
             for (int c = 0; c < 4; ++c) ua[r][c] = oa[r][c] = 0.0f;
+        int erow[4][4], ecol[4][4];  // the (token row, column) of entry [r][c] of ua / oa
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (TC) {
+                    erow[r][c] = 16 * (tid >> 5) + ((tid & 31) >> 2) + 8 * (c >> 1);
+                    ecol[r][c] = 8 * r + 2 * (tid & 3) + (c & 1);
+                } else {
+                    erow[r][c] = ty + 16 * r;
+                    ecol[r][c] = tx + 8 * c;
+                }
+            }
+        if (TC) {
+#ifdef CH_TENSOR_CORES
+            const int r0 = 16 * (tid >> 5), g = (tid & 31) >> 2, qq = tid & 3;
+            warp_mma_rows<DK>(ua, wk + r0 * LK, LK, ss, LS, g, qq);
+            warp_mma_rows<DK>(oa, qg + r0 * LK, LK, ss, LS, g, qq);
+#endif
+        } else {
 #pragma unroll 4
-        for (int d = 0; d < DK; ++d) {
-            float sv[4];
+            for (int d = 0; d < DK; ++d) {
+                float sv[4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) sv[c] = ss[d * LS + tx + 8 * c];
+                for (int c = 0; c < 4; ++c) sv[c] = ss[d * LS + tx + 8 * c];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float wv = wk[(ty + 16 * r) * LK + d];
-                const float qv = qg[(ty + 16 * r) * LK + d];
+                for (int r = 0; r < 4; ++r) {
+                    const float wv = wk[(ty + 16 * r) * LK + d];
+                    const float qv = qg[(ty + 16 * r) * LK + d];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    ua[r][c] = fmaf(wv, sv[c], ua[r][c]);
-                    oa[r][c] = fmaf(qv, sv[c], oa[r][c]);
+                    for (int c = 0; c < 4; ++c) {
+                        ua[r][c] = fmaf(wv, sv[c], ua[r][c]);
+                        oa[r][c] = fmaf(qv, sv[c], oa[r][c]);
+                    }
                 }
             }
         }
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) ua[r][c] = us[(ty + 16 * r) * LS + tx + 8 * c] - ua[r][c];
+            for (int c = 0; c < 4; ++c) ua[r][c] = us[erow[r][c] * LS + ecol[r][c]] - ua[r][c];
         __syncthreads();  // W and U are consumed
         // 2. u replaces U; the decayed keys replace W.
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) us[(ty + 16 * r) * LS + tx + 8 * c] = ua[r][c];
+            for (int c = 0; c < 4; ++c) us[erow[r][c] * LS + ecol[r][c]] = ua[r][c];
 #pragma unroll 16
         for (int it = 0; it < CH_C * DK / CH_THREADS; ++it) {
             const int idx = tid + it * CH_THREADS;
@@ -331,55 +409,92 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
             wk[t * LK + d] = b;
         }
         __syncthreads();
-        // 3. o += M u; rows past n are padding.
-        for (int i = 0; i < n; ++i) {
-            float uv[4];
+        // 3. o += M u; rows past n are padding (zero in M and u, so the tensor-core form
+        // multiplies the whole 64-token chunk).
+        if (TC) {
+#ifdef CH_TENSOR_CORES
+            warp_mma_rows<CH_C>(oa, mm + 16 * (tid >> 5) * LM, LM, us, LS, (tid & 31) >> 2, tid & 3);
+#endif
+        } else {
+            for (int i = 0; i < n; ++i) {
+                float uv[4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) uv[c] = us[i * LS + tx + 8 * c];
+                for (int c = 0; c < 4; ++c) uv[c] = us[i * LS + tx + 8 * c];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float mv = mm[(ty + 16 * r) * LM + i];
+                for (int r = 0; r < 4; ++r) {
+                    const float mv = mm[(ty + 16 * r) * LM + i];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) oa[r][c] = fmaf(mv, uv[c], oa[r][c]);
+                    for (int c = 0; c < 4; ++c) oa[r][c] = fmaf(mv, uv[c], oa[r][c]);
+                }
             }
         }
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int t = ty + 16 * r;
-            if (t < n) {
-                store_t* o = out + ((long long)(t0 + t) * n_v_heads + h) * dv + j0 + tx;
+        for (int r = 0; r < 4; ++r)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) o[8 * c] = from_f32(oa[r][c]);
+            for (int c = 0; c < 4; ++c) {
+                const int t = erow[r][c];
+                if (t < n) out[((long long)(t0 + t) * n_v_heads + h) * dv + j0 + ecol[r][c]] = from_f32(oa[r][c]);
             }
-        }
         // 4. S = e^{G_last} S + (e^{G_last - G} K)^T u, in registers, then the shared copy
         // (last read in step 1 of this chunk, next read after the loop's barrier).
         const float e_last = sc_in[((long long)t0 * n_v_heads + h) * 4 + 2];
 #pragma unroll
-        for (int r = 0; r < RPT; ++r)
+        for (int e = 0; e < NS; ++e) sr[e] *= e_last;
+        if (TC) {
+#ifdef CH_TENSOR_CORES
+            // Warp w's m-tiles of 16 state rows; A(d, i) = K^T is read transposed from wk.
+            const int g = (tid & 31) >> 2, qq = tid & 3;
 #pragma unroll
-            for (int c = 0; c < 4; ++c) sr[r][c] *= e_last;
-        for (int i = 0; i < n; ++i) {
-            float uv[4];
+            for (int mt = 0; mt < DK / 64; ++mt) {
+                const int d0 = (tid >> 5) * (DK / 4) + 16 * mt;
+#pragma unroll 4
+                for (int i0 = 0; i0 < CH_C; i0 += 8) {
+                    const unsigned af[4] = {to_tf32(wk[(i0 + qq) * LK + d0 + g]),
+                                            to_tf32(wk[(i0 + qq) * LK + d0 + g + 8]),
+                                            to_tf32(wk[(i0 + qq + 4) * LK + d0 + g]),
+                                            to_tf32(wk[(i0 + qq + 4) * LK + d0 + g + 8])};
 #pragma unroll
-            for (int c = 0; c < 4; ++c) uv[c] = us[i * LS + tx + 8 * c];
+                    for (int nt = 0; nt < 4; ++nt)
+                        mma1688(sr + 16 * mt + 4 * nt, af, to_tf32(us[(i0 + qq) * LS + 8 * nt + g]),
+                                to_tf32(us[(i0 + qq + 4) * LS + 8 * nt + g]));
+                }
+            }
+#endif
+        } else {
+            for (int i = 0; i < n; ++i) {
+                float uv[4];
 #pragma unroll
-            for (int r = 0; r < RPT; ++r) {
-                const float kv = wk[i * LK + ty + 16 * r];
+                for (int c = 0; c < 4; ++c) uv[c] = us[i * LS + tx + 8 * c];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) sr[r][c] = fmaf(kv, uv[c], sr[r][c]);
+                for (int r = 0; r < DK / 16; ++r) {
+                    const float kv = wk[i * LK + ty + 16 * r];
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) sr[4 * r + c] = fmaf(kv, uv[c], sr[4 * r + c]);
+                }
             }
         }
 #pragma unroll
-        for (int r = 0; r < RPT; ++r)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) ss[(ty + 16 * r) * LS + tx + 8 * c] = sr[r][c];
+        for (int e = 0; e < NS; ++e) {
+            int row, col;
+            state_entry<DK, TC>(tid, e, row, col);
+            ss[row * LS + col] = sr[e];
+        }
     }
 #pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) st[(long long)(ty + 16 * r) * dv + tx + 8 * c] = sr[r][c];
+    for (int e = 0; e < NS; ++e) {
+        int row, col;
+        state_entry<DK, TC>(tid, e, row, col);
+        st[(long long)row * dv + col] = sr[e];
+    }
 }
+
+// gdn_chunk_scan_tc_dk* is the tensor-core scan where the architecture has tf32 mma (sm_80+)
+// and the SIMT scan elsewhere (the launcher only picks it on sm_80+).
+#ifdef CH_TENSOR_CORES
+#define SCAN_TC true
+#else
+#define SCAN_TC false
+#endif
 
 #define CHUNKED_INSTANCE(DK)                                                                    \
     extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_prep_dk##DK(             \
@@ -393,8 +508,15 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
         const store_t* q, const store_t* k, long long qk_stride, const float* work,             \
         float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
         int dv, int n_tokens, store_t* out) {                                                   \
-        scan_body<DK>(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads, n_v_heads,    \
-                      dv, n_tokens, out);                                                       \
+        scan_body<DK, false>(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,        \
+                             n_v_heads, dv, n_tokens, out);                                     \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_scan_tc_dk##DK(          \
+        const store_t* q, const store_t* k, long long qk_stride, const float* work,             \
+        float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
+        int dv, int n_tokens, store_t* out) {                                                   \
+        scan_body<DK, SCAN_TC>(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,      \
+                               n_v_heads, dv, n_tokens, out);                                   \
     }
 
 CHUNKED_INSTANCE(64)

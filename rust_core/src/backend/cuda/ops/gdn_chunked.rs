@@ -39,7 +39,27 @@ impl RecurrentShape {
     }
 }
 
+/// Which kernel runs the chunk scan's three products per chunk (u = U - W S, o = e^G Q S + M u,
+/// S' = e^{G_last} S + K'^T u). The state stays f32 in both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanForm {
+    /// `gdn_chunk_scan_dk*`: f32 FMAs on CUDA cores, 4 x 4 register tiles per thread.
+    Simt,
+    /// `gdn_chunk_scan_tc_dk*`: mma.sync m16n8k8 with tf32 operands (10 mantissa bits) and f32
+    /// accumulation, sm_80+; compiled as the SIMT scan below sm_80.
+    TensorCores,
+}
+
 impl CudaDevice {
+    /// The scan `gdn_chunked` runs here: tensor cores from sm_80 on.
+    pub fn gdn_scan_form(&self) -> ScanForm {
+        if self.compute_capability().0 >= 8 {
+            ScanForm::TensorCores
+        } else {
+            ScanForm::Simt
+        }
+    }
+
     /// Whether `gdn_chunked` runs the chunked kernels for key head size `dk` here: the scan
     /// needs more shared memory per block than sm_70/sm_86/sm_89 give for dk = 128 (106 KiB).
     pub fn has_gdn_chunked(&self, dk: usize) -> bool {
@@ -70,6 +90,26 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
+        self.gdn_chunked_via(self.gdn_scan_form(), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+    }
+
+    /// `gdn_chunked` with the scan kernel chosen by the caller (the op-parity tests run both).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_chunked_via(
+        &self,
+        form: ScanForm,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        work: &mut impl DevicePtrMut<f32>,
+        shape: &RecurrentShape,
+    ) -> Result<()> {
         let sh = shape;
         if !self.has_gdn_chunked(sh.dk) {
             return self.gdn_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out, sh);
@@ -80,10 +120,11 @@ impl CudaDevice {
         if sh.n_tokens == 0 || n_seqs == 0 {
             return Ok(());
         }
-        let (prep_name, scan_name) = if sh.dk == 64 {
-            ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64")
-        } else {
-            ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128")
+        let (prep_name, scan_name) = match (sh.dk, form) {
+            (64, ScanForm::Simt) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64"),
+            (64, ScanForm::TensorCores) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_tc_dk64"),
+            (_, ScanForm::Simt) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128"),
+            (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128"),
         };
         let prep = self.function(KernelFamily::GdnChunked, prep_name)?;
         let scan = self.function(KernelFamily::GdnChunked, scan_name)?;
