@@ -62,7 +62,7 @@ mod reference;
 mod sampling;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -890,6 +890,92 @@ fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
         }
         check("kv_cache_write.k", st, "t10", &kc.read(&dev, "k cache"), &k_want, 0.0);
         check("kv_cache_write.v", st, "t10", &vc.read(&dev, "v cache"), &v_want, 0.0);
+    }
+}
+
+/// Decode's fused RoPE + KV cache write (`rope_kv_write`) must leave q, k and both caches
+/// exactly as `rope_neox` followed by `kv_cache_write` leave them, in both layouts of
+/// AttnCtx::run: q and k in their own buffers (models with q/k norm, v read from the projection)
+/// and q, k, v packed in the qkv projection rows (keys right after the queries, where one
+/// rope_neox launch rotates both, or after the output gate, two launches). Partial rotary, a
+/// rope attn_scale, GQA and MHA, head sizes 64..256, and a negative slot (padding row) that
+/// must leave the caches untouched.
+#[test]
+fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rope_kv_write", st) else { return };
+        let mut rng = Rng::new(31);
+        // (tokens, q heads, kv heads, head_dim, rotary_dim, packed, output gate)
+        let cases = [
+            (1, 32, 8, 128, 128, false, false),
+            (1, 32, 8, 128, 128, true, false),
+            (5, 16, 2, 256, 64, true, true),
+            (3, 8, 8, 64, 64, false, false),
+            (4, 8, 2, 128, 32, true, false),
+            (1, 40, 8, 128, 128, true, true),
+            (6, 4, 1, 256, 256, false, false),
+        ];
+        for (t, hq, hk, d, rot, packed, gate) in cases {
+            let (qd, kvd) = (hq * d, hk * d);
+            let k_off = if gate { 2 * qd } else { qd };
+            let (v_off, width) = (k_off + kvd, k_off + 2 * kvd);
+            let inv_freq: Vec<f32> = (0..rot / 2).map(|i| 500_000f32.powf(-(2.0 * i as f32) / rot as f32)).collect();
+            let freq = upload_raw(&dev, &inv_freq);
+            let pos = upload_raw(&dev, &(0..t).map(|_| rng.below(9000) as i32).collect::<Vec<_>>());
+            let n_slots = 16 * 8;
+            let mut slots: Vec<i64> = rng.permutation(n_slots)[..t].iter().map(|&x| x as i64).collect();
+            if t > 2 {
+                slots[1] = -1;
+            }
+            let sl = upload_raw(&dev, &slots);
+            let proj = rounded(&rng.vec(t * width, -2.0, 2.0), st);
+            let (qn, kn) = (rounded(&rng.vec(t * qd, -2.0, 2.0), st), rounded(&rng.vec(t * kvd, -2.0, 2.0), st));
+            let (k0, v0) = (rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st), rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st));
+            let scale = 1.25;
+            let label = format!("t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/packed{}/gate{}", packed as u8, gate as u8);
+            // [proj, q, k, k cache, v cache] for the two kernels, then for the fused one.
+            let outs = || [&proj, &qn, &kn, &k0, &v0].map(|init| Out16::with(&dev, init));
+            let (mut two, mut one) = (outs(), outs());
+            let mut dummy = Out16::new(&dev, 1);
+            {
+                let [p, q, k, kc, vc] = &mut two;
+                let (mut kc, mut vc) = (kc.view(), vc.view());
+                if packed {
+                    let mut pv = p.view();
+                    if gate {
+                        dev.rope_neox(&mut pv, &mut dummy.view(), &pos, &freq, hq, 0, d, width, 0, scale).unwrap();
+                        dev.rope_neox(&mut pv.slice_mut(k_off..), &mut dummy.view(), &pos, &freq, hk, 0, d, width, 0, scale).unwrap();
+                    } else {
+                        dev.rope_neox(&mut pv, &mut dummy.view(), &pos, &freq, hq + hk, 0, d, width, 0, scale).unwrap();
+                    }
+                    dev.kv_cache_write(&pv.slice(k_off..), &pv.slice(v_off..), &mut kc, &mut vc, &sl, kvd, width, width).unwrap();
+                } else {
+                    let mut kv = k.view();
+                    dev.rope_neox(&mut q.view(), &mut kv, &pos, &freq, hq, hk, d, qd, kvd, scale).unwrap();
+                    dev.kv_cache_write(&kv, &p.view().slice(v_off..), &mut kc, &mut vc, &sl, kvd, kvd, width).unwrap();
+                }
+            }
+            {
+                let [p, q, k, kc, vc] = &mut one;
+                let (mut kc, mut vc) = (kc.view(), vc.view());
+                let shape = |q_stride, k_stride| RopeKvShape { n_q_heads: hq, n_kv_heads: hk, head_dim: d, q_stride, k_stride, v_stride: width, attn_scale: scale };
+                if packed {
+                    dev.rope_kv_write_packed(&mut p.view(), k_off, v_off, &mut kc, &mut vc, &pos, &sl, &freq, &shape(width, width)).unwrap();
+                } else {
+                    let pv = p.view();
+                    dev.rope_kv_write(&mut q.view(), &mut k.view(), &pv.slice(v_off..), &mut kc, &mut vc, &pos, &sl, &freq, &shape(qd, kvd)).unwrap();
+                }
+            }
+            for (i, what) in ["proj", "q", "k", "k cache", "v cache"].iter().enumerate() {
+                let (want, got) = (two[i].read(&dev, what), one[i].read(&dev, what));
+                assert_bitwise(&got, &want, &format!("rope_kv_write {st:?} {label} {what}"));
+            }
+            // The fused kernel did write: the cached rows differ from the initial cache.
+            let kc = one[3].read(&dev, "k cache");
+            let s0 = slots[0] as usize * kvd;
+            assert!(kc[s0..s0 + kvd] != k0[s0..s0 + kvd], "rope_kv_write {st:?} {label}: slot {} not written", slots[0]);
+            println!("PARITY op=rope_kv_write storage={} shape={label} bitwise=1", st.name());
+        }
     }
 }
 
