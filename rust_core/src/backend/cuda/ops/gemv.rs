@@ -19,6 +19,11 @@ pub const GEMV_MAX_M: usize = 8;
 /// the H200 at 14336x4096 bf16 (benches/results/gpu_op_parity.json): GEMV 3.79 / 3.20 / 2.93 /
 /// 1.56 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.54 / 3.54 / 3.83 / 3.59.
 pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
+/// Largest M whose SwiGLU MLP runs its down projection as `gemv_swiglu` (the activation folded
+/// into the GEMV) instead of the swiglu kernel and `linear`. The two routes give the same bits,
+/// so this is a speed choice only: every block computes the activations of all M rows, which
+/// costs most at M = 5..8, where the grid has the fewest blocks (4 columns per warp).
+pub const GEMV_SWIGLU_ROUTE_MAX_M: usize = GEMV_ROUTE_MAX_M;
 
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
