@@ -62,7 +62,7 @@ mod reference;
 mod sampling;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, ScanForm};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -336,6 +336,52 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
                 assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} m={m} row {r}: storage output differs from M=1");
                 assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} m={m} row {r}: f32 output differs from M=1");
             }
+        }
+    }
+}
+
+/// The decode MLP's fused down projection (`gemv_swiglu`) must give exactly what the swiglu
+/// kernel followed by the GEMV gives, bit for bit, for every M the GEMV serves: decode results
+/// stay those of the unfused path. K past one tile and ragged (1000: 125 vectors), a single
+/// vector (8), Llama-3-8B's 14336; N ragged against the block's columns. Also checked against
+/// the CPU reference, and row r of an M-row launch against the one-row launch.
+#[test]
+fn gemv_swiglu_equals_swiglu_then_gemv_bitwise() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gemv_swiglu", st) else { return };
+        let mut rng = Rng::new(29);
+        for (n, k) in [(333, 1000), (64, 8), (4096, 14336), (257, 2056)] {
+            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+            let wd = upload(&dev, &w);
+            for m in 1..=8 {
+                let gu = rounded(&rng.vec(m * 2 * k, -8.0, 8.0), st);
+                let gud = upload(&dev, &gu);
+                let shape = format!("m{m}n{n}k{k}");
+                let mut fused = Out16::new(&dev, m * n);
+                dev.gemv_swiglu(&gud, &wd, &mut fused.view(), m, n, k, 2 * k).unwrap();
+                let fused = fused.read(&dev, "gemv_swiglu");
+                let mut act = Out16::new(&dev, m * k);
+                dev.swiglu(&gud, &gud.slice(k..), &mut act.view(), m, k, 2 * k, 2 * k).unwrap();
+                let act_host = act.read(&dev, "swiglu");
+                let mut y = Out16::new(&dev, m * n);
+                dev.gemv(&upload(&dev, &act_host), &wd, &mut y.view(), m, n, k).unwrap();
+                assert_bitwise(&fused, &y.read(&dev, "gemv"), &format!("gemv_swiglu {st:?} {shape} vs swiglu + gemv"));
+                let want = reference::matmul_nt(&reference::swiglu(&gu, m, k), &w, m, n, k);
+                check("gemv_swiglu", st, &shape, &fused, &want, tol16(st));
+                if m > 1 {
+                    let r = m - 1;
+                    let mut one = Out16::new(&dev, n);
+                    dev.gemv_swiglu(&upload(&dev, &gu[r * 2 * k..(r + 1) * 2 * k]), &wd, &mut one.view(), 1, n, k, 2 * k).unwrap();
+                    assert_bitwise(&fused[r * n..(r + 1) * n], &one.read(&dev, "gemv_swiglu one"), &format!("gemv_swiglu {st:?} {shape} row {r} vs M=1"));
+                }
+            }
+        }
+        // Shapes the 16-byte loads cannot serve are typed errors, not wrong results.
+        let (gu, w) = (upload(&dev, &[0.0; 64]), upload(&dev, &[0.0; 64]));
+        let mut y = Out16::new(&dev, 16);
+        for (m, k, stride) in [(9, 8, 16), (1, 12, 24), (1, 8, 20), (1, 16, 24)] {
+            let r = dev.gemv_swiglu(&gu, &w, &mut y.view(), m, 1, k, stride);
+            assert!(matches!(r, Err(NinferError::Device(_))), "m {m} k {k} stride {stride}: {r:?}");
         }
     }
 }
@@ -857,6 +903,92 @@ fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
     }
 }
 
+/// Decode's fused RoPE + KV cache write (`rope_kv_write`) must leave q, k and both caches
+/// exactly as `rope_neox` followed by `kv_cache_write` leave them, in both layouts of
+/// AttnCtx::run: q and k in their own buffers (models with q/k norm, v read from the projection)
+/// and q, k, v packed in the qkv projection rows (keys right after the queries, where one
+/// rope_neox launch rotates both, or after the output gate, two launches). Partial rotary, a
+/// rope attn_scale, GQA and MHA, head sizes 64..256, and a negative slot (padding row) that
+/// must leave the caches untouched.
+#[test]
+fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rope_kv_write", st) else { return };
+        let mut rng = Rng::new(31);
+        // (tokens, q heads, kv heads, head_dim, rotary_dim, packed, output gate)
+        let cases = [
+            (1, 32, 8, 128, 128, false, false),
+            (1, 32, 8, 128, 128, true, false),
+            (5, 16, 2, 256, 64, true, true),
+            (3, 8, 8, 64, 64, false, false),
+            (4, 8, 2, 128, 32, true, false),
+            (1, 40, 8, 128, 128, true, true),
+            (6, 4, 1, 256, 256, false, false),
+        ];
+        for (t, hq, hk, d, rot, packed, gate) in cases {
+            let (qd, kvd) = (hq * d, hk * d);
+            let k_off = if gate { 2 * qd } else { qd };
+            let (v_off, width) = (k_off + kvd, k_off + 2 * kvd);
+            let inv_freq: Vec<f32> = (0..rot / 2).map(|i| 500_000f32.powf(-(2.0 * i as f32) / rot as f32)).collect();
+            let freq = upload_raw(&dev, &inv_freq);
+            let pos = upload_raw(&dev, &(0..t).map(|_| rng.below(9000) as i32).collect::<Vec<_>>());
+            let n_slots = 16 * 8;
+            let mut slots: Vec<i64> = rng.permutation(n_slots)[..t].iter().map(|&x| x as i64).collect();
+            if t > 2 {
+                slots[1] = -1;
+            }
+            let sl = upload_raw(&dev, &slots);
+            let proj = rounded(&rng.vec(t * width, -2.0, 2.0), st);
+            let (qn, kn) = (rounded(&rng.vec(t * qd, -2.0, 2.0), st), rounded(&rng.vec(t * kvd, -2.0, 2.0), st));
+            let (k0, v0) = (rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st), rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st));
+            let scale = 1.25;
+            let label = format!("t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/packed{}/gate{}", packed as u8, gate as u8);
+            // [proj, q, k, k cache, v cache] for the two kernels, then for the fused one.
+            let outs = || [&proj, &qn, &kn, &k0, &v0].map(|init| Out16::with(&dev, init));
+            let (mut two, mut one) = (outs(), outs());
+            let mut dummy = Out16::new(&dev, 1);
+            {
+                let [p, q, k, kc, vc] = &mut two;
+                let (mut kc, mut vc) = (kc.view(), vc.view());
+                if packed {
+                    let mut pv = p.view();
+                    if gate {
+                        dev.rope_neox(&mut pv, &mut dummy.view(), &pos, &freq, hq, 0, d, width, 0, scale).unwrap();
+                        dev.rope_neox(&mut pv.slice_mut(k_off..), &mut dummy.view(), &pos, &freq, hk, 0, d, width, 0, scale).unwrap();
+                    } else {
+                        dev.rope_neox(&mut pv, &mut dummy.view(), &pos, &freq, hq + hk, 0, d, width, 0, scale).unwrap();
+                    }
+                    dev.kv_cache_write(&pv.slice(k_off..), &pv.slice(v_off..), &mut kc, &mut vc, &sl, kvd, width, width).unwrap();
+                } else {
+                    let mut kv = k.view();
+                    dev.rope_neox(&mut q.view(), &mut kv, &pos, &freq, hq, hk, d, qd, kvd, scale).unwrap();
+                    dev.kv_cache_write(&kv, &p.view().slice(v_off..), &mut kc, &mut vc, &sl, kvd, kvd, width).unwrap();
+                }
+            }
+            {
+                let [p, q, k, kc, vc] = &mut one;
+                let (mut kc, mut vc) = (kc.view(), vc.view());
+                let shape = |q_stride, k_stride| RopeKvShape { n_q_heads: hq, n_kv_heads: hk, head_dim: d, q_stride, k_stride, v_stride: width, attn_scale: scale };
+                if packed {
+                    dev.rope_kv_write_packed(&mut p.view(), k_off, v_off, &mut kc, &mut vc, &pos, &sl, &freq, &shape(width, width)).unwrap();
+                } else {
+                    let pv = p.view();
+                    dev.rope_kv_write(&mut q.view(), &mut k.view(), &pv.slice(v_off..), &mut kc, &mut vc, &pos, &sl, &freq, &shape(qd, kvd)).unwrap();
+                }
+            }
+            for (i, what) in ["proj", "q", "k", "k cache", "v cache"].iter().enumerate() {
+                let (want, got) = (two[i].read(&dev, what), one[i].read(&dev, what));
+                assert_bitwise(&got, &want, &format!("rope_kv_write {st:?} {label} {what}"));
+            }
+            // The fused kernel did write: the cached rows differ from the initial cache.
+            let kc = one[3].read(&dev, "k cache");
+            let s0 = slots[0] as usize * kvd;
+            assert!(kc[s0..s0 + kvd] != k0[s0..s0 + kvd], "rope_kv_write {st:?} {label}: slot {} not written", slots[0]);
+            println!("PARITY op=rope_kv_write storage={} shape={label} bitwise=1", st.name());
+        }
+    }
+}
+
 #[test]
 fn causal_conv1d_carries_state_across_decode_and_prefill() {
     for st in STORAGES {
@@ -1175,6 +1307,20 @@ fn report_decode_op_throughput() {
         println!("PERF op=gemv m={m} n={n} k={k} ms={t:.4} GBps={gbps:.0} frac_of_copy_read={:.2}", t.recip() * copy / 2.0);
         let tg = time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
         println!("PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}", bytes / tg / 1e6);
+    }
+    // The decode MLP's down projection (Llama-3-8B: 4096 x 14336): swiglu then GEMV against
+    // the fused gemv_swiglu over the same [m, 2 * 14336] gate_up buffer.
+    let (dn, dk) = (k, n);
+    for m in [1, 2, 4, 8] {
+        let gu = s.alloc_zeros::<u16>(m * 2 * dk).unwrap();
+        let mut act = s.alloc_zeros::<u16>(m * dk).unwrap();
+        let mut y = s.alloc_zeros::<u16>(m * dn).unwrap();
+        let unfused = time_ms(&dev, 20, || {
+            dev.swiglu(&gu, &gu.slice(dk..), &mut act, m, dk, 2 * dk, 2 * dk).unwrap();
+            dev.gemv(&act, &w, &mut y, m, dn, dk).unwrap();
+        });
+        let fused = time_ms(&dev, 20, || dev.gemv_swiglu(&gu, &w, &mut y, m, dn, dk, 2 * dk).unwrap());
+        println!("PERF op=down_proj m={m} n={dn} k={dk} swiglu_gemv_ms={unfused:.4} gemv_swiglu_ms={fused:.4} GBps={:.0}", bytes / fused / 1e6);
     }
     let m = 4096;
     let x = s.alloc_zeros::<u16>(m * k).unwrap();

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZe
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape};
+use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_SWIGLU_ROUTE_MAX_M};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
@@ -502,17 +502,28 @@ impl AttnCtx<'_> {
         let v_off = k_off + kvd;
         linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), rows)?;
         let positions = self.meta.positions();
+        // Decode steps rotate q and k and write the cache in one kernel (rope_kv_write, bit for
+        // bit rope_neox followed by kv_cache_write); other steps run the two kernels.
+        let decode = self.decode.is_some();
+        let rope = |q_stride, k_stride| RopeKvShape { n_q_heads: nh, n_kv_heads: nkv, head_dim: hd, q_stride, k_stride, v_stride: width, attn_scale: self.rope_scale };
         let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
         if let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) {
             let proj = buf(&act.proj);
             head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
             head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
             let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
-            dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
+            if decode {
+                let v = buf(&act.proj).slice(v_off..);
+                dev.rope_kv_write(qn, kn, &v, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(qd, kvd))?;
+            } else {
+                dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
+            }
             (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
         } else {
             let proj = buf_mut(&mut act.proj);
-            if k_off == qd {
+            if decode {
+                dev.rope_kv_write_packed(proj, k_off, v_off, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width))?;
+            } else if k_off == qd {
                 // Keys follow the queries in each row: one launch rotates both as q heads.
                 dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh + nkv, 0, hd, width, 0, self.rope_scale)?;
             } else {
@@ -521,8 +532,10 @@ impl AttnCtx<'_> {
             }
             (q_src, q_stride, k_rows, k_stride) = (buf(&act.proj).as_view(), width, buf(&act.proj).slice(k_off..), width);
         }
-        let v_rows = buf(&act.proj).slice(v_off..);
-        dev.kv_cache_write(&k_rows, &v_rows, kc, vc, &self.meta.slot_mapping(), kvd, k_stride, width)?;
+        if !decode {
+            let v_rows = buf(&act.proj).slice(v_off..);
+            dev.kv_cache_write(&k_rows, &v_rows, kc, vc, &self.meta.slot_mapping(), kvd, k_stride, width)?;
+        }
         let shape = PagedAttentionShape {
             n_q_heads: nh,
             n_kv_heads: nkv,
@@ -606,11 +619,17 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
     linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
 }
 
-/// SwiGLU MLP sub-block: reads `act.h`, writes `act.tmp`.
+/// SwiGLU MLP sub-block: reads `act.h`, writes `act.tmp`. Decode-sized steps (up to
+/// GEMV_SWIGLU_ROUTE_MAX_M rows) take the activation inside the down projection's GEMV
+/// (`gemv_swiglu`, bit for bit the swiglu kernel followed by the GEMV, one kernel less); larger
+/// steps run swiglu and `linear` (cuBLAS above 8 rows).
 fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize) -> Result<()> {
     let inter = layer.gate_up.n / 2;
     linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), rows)?;
     let gu = buf(&act.gate_up);
+    if rows <= GEMV_SWIGLU_ROUTE_MAX_M && inter.is_multiple_of(8) {
+        return dev.gemv_swiglu(gu, &layer.down.w, buf_mut(&mut act.tmp), rows, layer.down.n, inter, 2 * inter);
+    }
     dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     linear(dev, &layer.down, buf(&act.act), buf_mut(&mut act.tmp), rows)
 }
