@@ -21,6 +21,8 @@ pub mod runner;
 pub mod weights;
 
 #[cfg(test)]
+mod test_checkpoint;
+#[cfg(test)]
 mod tests;
 
 use std::path::Path;

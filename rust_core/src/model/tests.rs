@@ -6,19 +6,12 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
+use super::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
 use super::*;
 use crate::NinferError;
 
 fn rand_vec(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
+    centered_noise(len, seed).iter().map(|x| x * 2.0 * scale).collect()
 }
 
 /// Write a random Qwen3.5-style hybrid checkpoint (layers: linear, full, linear) to a temp dir.
@@ -34,41 +27,8 @@ fn hybrid_checkpoint(tag: &str) -> PathBuf {
         "linear_num_value_heads": nv, "linear_key_head_dim": kd, "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let conv = 2 * nk * kd + nv * vd;
-    let mut t: Vec<(String, Vec<usize>)> = vec![
-        ("model.embed_tokens.weight".into(), vec![v, h]),
-        ("model.norm.weight".into(), vec![h]),
-        ("lm_head.weight".into(), vec![v, h]),
-    ];
-    for i in 0..3 {
-        let p = format!("model.layers.{i}");
-        for n in ["input_layernorm", "post_attention_layernorm"] {
-            t.push((format!("{p}.{n}.weight"), vec![h]));
-        }
-        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h]));
-        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h]));
-        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter]));
-        if i == 1 {
-            let a = format!("{p}.self_attn");
-            t.push((format!("{a}.q_proj.weight"), vec![2 * nh * hd, h]));
-            t.push((format!("{a}.k_proj.weight"), vec![nkv * hd, h]));
-            t.push((format!("{a}.v_proj.weight"), vec![nkv * hd, h]));
-            t.push((format!("{a}.o_proj.weight"), vec![h, nh * hd]));
-            t.push((format!("{a}.q_norm.weight"), vec![hd]));
-            t.push((format!("{a}.k_norm.weight"), vec![hd]));
-        } else {
-            let a = format!("{p}.linear_attn");
-            t.push((format!("{a}.in_proj_qkv.weight"), vec![conv, h]));
-            t.push((format!("{a}.in_proj_z.weight"), vec![nv * vd, h]));
-            t.push((format!("{a}.in_proj_b.weight"), vec![nv, h]));
-            t.push((format!("{a}.in_proj_a.weight"), vec![nv, h]));
-            t.push((format!("{a}.conv1d.weight"), vec![conv, 1, kern]));
-            t.push((format!("{a}.dt_bias"), vec![nv]));
-            t.push((format!("{a}.A_log"), vec![nv]));
-            t.push((format!("{a}.norm.weight"), vec![vd]));
-            t.push((format!("{a}.out_proj.weight"), vec![h, nv * vd]));
-        }
-    }
+    let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv, kd, vd, kern };
+    let t = tensor_shapes(&dims, "model", &["linear_attention", "full_attention", "linear_attention"], true, false);
     let bufs: Vec<Vec<u8>> = t
         .iter()
         .enumerate()

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use ::safetensors::tensor::{Dtype, TensorView};
 
 use super::*;
+use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
 use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::weights::{LayerWeights, Linear, Mixer, ModelWeights};
 
@@ -44,17 +45,8 @@ impl Sink for HostSink {
 }
 
 fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let x = ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6;
-            // Away from 0, so that the old path's `(1 + w) - 1` of a zero-centred norm is exact.
-            if x.abs() < 1e-3 { 1e-3 } else { x }
-        })
-        .collect()
+    // Away from 0, so that the old path's `(1 + w) - 1` of a zero-centred norm is exact.
+    centered_noise(len, seed).iter().map(|x| x * 0.6).map(|x| if x.abs() < 1e-3 { 1e-3 } else { x }).collect()
 }
 
 /// A tiny checkpoint of `arch` with every tensor in `dtype`, in two shards.
@@ -73,40 +65,8 @@ fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let prefix = if qwen { "model.language_model" } else { "model" };
-    let conv = 2 * nk * kd + nvh * vd;
-    let mut t: Vec<(String, Vec<usize>)> =
-        vec![(format!("{prefix}.embed_tokens.weight"), vec![v, h]), (format!("{prefix}.norm.weight"), vec![h]), ("lm_head.weight".into(), vec![v, h])];
-    for (i, kind) in types.iter().enumerate() {
-        let p = format!("{prefix}.layers.{i}");
-        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h]));
-        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h]));
-        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter]));
-        if *kind == "full_attention" {
-            let a = format!("{p}.self_attn");
-            t.push((format!("{a}.q_proj.weight"), vec![if qwen { 2 } else { 1 } * nh * hd, h]));
-            t.push((format!("{a}.k_proj.weight"), vec![nkv * hd, h]));
-            t.push((format!("{a}.v_proj.weight"), vec![nkv * hd, h]));
-            t.push((format!("{a}.o_proj.weight"), vec![h, nh * hd]));
-            if qwen {
-                t.push((format!("{a}.q_norm.weight"), vec![hd]));
-                t.push((format!("{a}.k_norm.weight"), vec![hd]));
-            }
-        } else {
-            let a = format!("{p}.linear_attn");
-            t.push((format!("{a}.in_proj_qkv.weight"), vec![conv, h]));
-            t.push((format!("{a}.in_proj_z.weight"), vec![nvh * vd, h]));
-            t.push((format!("{a}.in_proj_b.weight"), vec![nvh, h]));
-            t.push((format!("{a}.in_proj_a.weight"), vec![nvh, h]));
-            t.push((format!("{a}.conv1d.weight"), vec![conv, 1, kern]));
-            t.push((format!("{a}.conv1d.bias"), vec![conv]));
-            t.push((format!("{a}.dt_bias"), vec![nvh]));
-            t.push((format!("{a}.A_log"), vec![nvh]));
-            t.push((format!("{a}.norm.weight"), vec![vd]));
-            t.push((format!("{a}.out_proj.weight"), vec![h, nvh * vd]));
-        }
-    }
+    let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv: nvh, kd, vd, kern };
+    let t = tensor_shapes(&dims, prefix, &types, qwen, true);
     let bufs: Vec<Vec<u8>> = t
         .iter()
         .enumerate()
