@@ -180,19 +180,22 @@ CONV_TILED_INSTANCE(3)
 CONV_TILED_INSTANCE(4)
 
 // Gates per token and value head: g = -exp(A_log) * softplus(a + dt_bias) (log of the decay)
-// and beta = sigmoid(b). a and b are [T, n_heads]; A_log and dt_bias are f32 [n_heads].
+// and beta = sigmoid(b). Token t's a and b are n_heads elements at t * ab_stride (they are
+// columns of the fused input projection's output, whose rows are ab_stride wide); A_log and
+// dt_bias are f32 [n_heads]; g and beta are [T, n_heads].
 extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_t* __restrict__ b,
-                                     const float* __restrict__ a_log,
+                                     long long ab_stride, const float* __restrict__ a_log,
                                      const float* __restrict__ dt_bias, int n_tokens, int n_heads,
                                      float* __restrict__ g, float* __restrict__ beta) {
     pdl_enter();
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n_tokens * n_heads) return;
     const int h = e % n_heads;
-    const float x = to_f32(a[e]) + dt_bias[h];
+    const long long src = (long long)(e / n_heads) * ab_stride + h;
+    const float x = to_f32(a[src]) + dt_bias[h];
     const float sp = x > 20.0f ? x : log1pf(expf(x));
     g[e] = -expf(a_log[h]) * sp;
-    beta[e] = sigmoid_f(to_f32(b[e]));
+    beta[e] = sigmoid_f(to_f32(b[src]));
 }
 
 // Recurrent gated delta rule, token by token, fp32 state [n_slots, n_v_heads, DK, DV].

@@ -190,13 +190,17 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 }
 
 // Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head).
+// Row r is head r % heads of token r / heads; x and out are contiguous rows, z is read at
+// token * z_stride + head * dim (z is a column range of the fused input projection's output).
 extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
-                                         const store_t* __restrict__ z,
+                                         const store_t* __restrict__ z, int heads,
+                                         long long z_stride,
                                          const store_t* __restrict__ w, store_t* __restrict__ out,
                                          int dim, float eps) {
     __shared__ float scratch[32];
     pdl_enter();
     const long long base = (long long)blockIdx.x * dim;
+    const long long zbase = (long long)(blockIdx.x / heads) * z_stride + (long long)(blockIdx.x % heads) * dim;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float v = to_f32(x[base + i]);
@@ -205,6 +209,6 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
     const float rstd = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float n = to_f32(x[base + i]) * rstd * to_f32(w[i]);
-        out[base + i] = from_f32(n * silu_f(to_f32(z[base + i])));
+        out[base + i] = from_f32(n * silu_f(to_f32(z[zbase + i])));
     }
 }

@@ -203,15 +203,19 @@ fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
     for st in STORAGES {
         let Some(dev) = gpu("rmsnorm_gated", st) else { return };
         let mut rng = Rng::new(4);
-        for (rows, dim) in [(1, 128), (24, 128), (9, 64)] {
+        // (tokens, heads, dim, z row stride): contiguous z, and z as a column range of wider
+        // rows (the fused GDN input projection: the kernel must skip the other columns).
+        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (3, 8, 128, 1024), (9, 1, 64, 64), (5, 6, 128, 6 * 128 + 40), (1, 48, 128, 16480)] {
+            let rows = tokens * heads;
             let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
-            let z = rounded(&rng.vec(rows * dim, -4.0, 4.0), st);
+            let z_wide = rounded(&rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0), st);
+            let z: Vec<f32> = (0..tokens).flat_map(|t| z_wide[t * z_stride..t * z_stride + heads * dim].to_vec()).collect();
             let w = rounded(&rng.vec(dim, 0.5, 1.5), st);
             let mut out = Out16::new(&dev, rows * dim);
-            dev.rmsnorm_gated(&upload(&dev, &x), &upload(&dev, &z), &upload(&dev, &w), &mut out.view(), rows, dim, 1e-6)
+            dev.rmsnorm_gated(&upload(&dev, &x), &upload(&dev, &z_wide), z_stride, &upload(&dev, &w), &mut out.view(), tokens, heads, dim, 1e-6)
                 .unwrap();
             let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, 1e-6);
-            check("rmsnorm_gated", st, &format!("{rows}x{dim}"), &out.read(&dev, "rmsnorm_gated"), &want, tol16(st));
+            check("rmsnorm_gated", st, &format!("{tokens}x{heads}x{dim}/zs{z_stride}"), &out.read(&dev, "rmsnorm_gated"), &want, tol16(st));
         }
     }
 }
@@ -1134,20 +1138,27 @@ fn gdn_gates_match_softplus_and_sigmoid() {
     for st in STORAGES {
         let Some(dev) = gpu("gdn_gates", st) else { return };
         let mut rng = Rng::new(13);
-        let (t, h) = (7, 8);
-        let a = rounded(&rng.vec(t * h, -30.0, 30.0), st);
-        let b = rounded(&rng.vec(t * h, -6.0, 6.0), st);
-        let a_log = rng.vec(h, -1.0, 1.0);
-        let dt_bias = rng.vec(h, -1.0, 1.0);
-        let (mut g, mut beta) = (Out32::new(&dev, t * h), Out32::new(&dev, t * h));
-        dev.gdn_gates(&upload(&dev, &a), &upload(&dev, &b), &upload_raw(&dev, &a_log), &upload_raw(&dev, &dt_bias), &mut g.view(), &mut beta.view(), t, h)
-            .unwrap();
-        let g_want: Vec<f32> = (0..t * h)
-            .map(|e| -a_log[e % h].exp() * reference::softplus(a[e] + dt_bias[e % h]))
-            .collect();
-        let beta_want: Vec<f32> = b.iter().map(|&x| reference::sigmoid(x)).collect();
-        check("gdn_gates.g", st, "t7h8", &g.read(&dev, "g"), &g_want, TOL32);
-        check("gdn_gates.beta", st, "t7h8", &beta.read(&dev, "beta"), &beta_want, TOL32);
+        // Contiguous a / b, and a / b as column ranges of wider rows (the fused GDN input
+        // projection's output: b at column off, a at off + h, rows `stride` wide).
+        for (t, h, stride, off) in [(7, 8, 8, 0), (5, 48, 16480, 16384), (3, 8, 40, 7)] {
+            let wide_a = rounded(&rng.vec((t - 1) * stride + h + off + h, -30.0, 30.0), st);
+            let wide_b = rounded(&rng.vec((t - 1) * stride + h + off, -6.0, 6.0), st);
+            let pick = |v: &[f32], at: usize| -> Vec<f32> { (0..t).flat_map(|r| v[r * stride + at..r * stride + at + h].to_vec()).collect() };
+            let (a, b) = (pick(&wide_a, off + h), pick(&wide_b, off));
+            let a_log = rng.vec(h, -1.0, 1.0);
+            let dt_bias = rng.vec(h, -1.0, 1.0);
+            let (mut g, mut beta) = (Out32::new(&dev, t * h), Out32::new(&dev, t * h));
+            let (da, db) = (upload(&dev, &wide_a), upload(&dev, &wide_b));
+            dev.gdn_gates(&da.slice(off + h..), &db.slice(off..), stride, &upload_raw(&dev, &a_log), &upload_raw(&dev, &dt_bias), &mut g.view(), &mut beta.view(), t, h)
+                .unwrap();
+            let g_want: Vec<f32> = (0..t * h)
+                .map(|e| -a_log[e % h].exp() * reference::softplus(a[e] + dt_bias[e % h]))
+                .collect();
+            let beta_want: Vec<f32> = b.iter().map(|&x| reference::sigmoid(x)).collect();
+            let shape = format!("t{t}h{h}/s{stride}");
+            check("gdn_gates.g", st, &shape, &g.read(&dev, "g"), &g_want, TOL32);
+            check("gdn_gates.beta", st, &shape, &beta.read(&dev, "beta"), &beta_want, TOL32);
+        }
     }
 }
 

@@ -232,14 +232,11 @@ impl<'a> Builder<'a> {
         let c = self.cfg;
         let la = c.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
         let (h, cd, vd, nv) = (c.hidden_size, la.conv_dim(), la.value_dim(), la.num_value_heads);
-        let [qkv, z, b, a] = names::gdn_in_proj(c, p)?;
+        let in_proj = names::gdn_in_proj(c, p)?.iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
         let conv_b_name = format!("{p}.conv1d.bias");
         let conv_b = if self.store.contains(&conv_b_name) { Some(self.put(sink, Packed::single(self.store.raw(&conv_b_name, &[cd])?), bytes)?) } else { None };
         Ok(DevGdn {
-            qkv: self.linear(sink, Packed::single(self.weight(&qkv.name, qkv.rows, h)?), h, bytes)?,
-            z: self.linear(sink, Packed::single(self.weight(&z.name, z.rows, h)?), h, bytes)?,
-            b: self.linear(sink, Packed::single(self.weight(&b.name, b.rows, h)?), h, bytes)?,
-            a: self.linear(sink, Packed::single(self.weight(&a.name, a.rows, h)?), h, bytes)?,
+            in_proj: self.linear(sink, Packed::concat(in_proj), h, bytes)?,
             conv_w: self.put(sink, Packed::single(self.store.raw(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?), bytes)?,
             conv_b,
             a_log: self.put_f32(sink, &format!("{p}.A_log"), nv, bytes)?,

@@ -56,7 +56,7 @@ struct Activations {
     h: Option<CudaSlice<u16>>,
     /// Sub-block output added to the residual.
     tmp: Option<CudaSlice<u16>>,
-    /// Attention qkv projection or GDN conv input.
+    /// Attention qkv projection, or the GDN input projection (conv input, z, b, a per row).
     proj: Option<CudaSlice<u16>>,
     /// Normed (then rotated) queries and keys for models with q/k norm.
     qn: Option<CudaSlice<u16>>,
@@ -65,10 +65,7 @@ struct Activations {
     mix: Option<CudaSlice<u16>>,
     gate_up: Option<CudaSlice<u16>>,
     act: Option<CudaSlice<u16>>,
-    /// GDN: z, b, a projections, conv output, gates, core output.
-    z: Option<CudaSlice<u16>>,
-    b: Option<CudaSlice<u16>>,
-    a: Option<CudaSlice<u16>>,
+    /// GDN: conv output, gates, core output.
     conv_out: Option<CudaSlice<u16>>,
     g: Option<CudaSlice<f32>>,
     beta: Option<CudaSlice<f32>>,
@@ -118,7 +115,7 @@ impl Activations {
         fn b<T>(x: &Option<CudaSlice<T>>) -> usize {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
-        let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.z, &self.b, &self.a, &self.conv_out, &self.core, &self.sel];
+        let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
         u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits)
     }
 }
@@ -240,6 +237,8 @@ impl CudaModel {
         let (h, qd, kvd) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
         let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
+        // The GDN input projection's output row: conv channels, z, b and a (DevGdn::in_proj).
+        let gdn_in = cd + vd + 2 * nv;
         let inter = c.intermediate_size;
         let gdn_work = match c.linear_attention {
             Some(la) if dev.has_gdn_chunked(la.key_head_dim) => RecurrentShape::chunked_workspace_len(rows, la.num_value_heads, la.key_head_dim, la.value_head_dim),
@@ -254,15 +253,12 @@ impl CudaModel {
             x: Some(alloc(dev, rows * h, "activations")?),
             h: Some(alloc(dev, rows * h, "activations")?),
             tmp: Some(alloc(dev, rows * h, "activations")?),
-            proj: Some(alloc(dev, rows * attn_width.max(cd), "activations")?),
+            proj: Some(alloc(dev, rows * attn_width.max(gdn_in), "activations")?),
             qn: Some(alloc(dev, if c.qk_norm { rows * qd } else { 1 }, "activations")?),
             kn: Some(alloc(dev, if c.qk_norm { rows * kvd } else { 1 }, "activations")?),
             mix: Some(alloc(dev, rows * qd.max(vd), "activations")?),
             gate_up: Some(alloc(dev, rows * 2 * inter, "activations")?),
             act: Some(alloc(dev, rows * inter, "activations")?),
-            z: Some(alloc(dev, rows * vd, "activations")?),
-            b: Some(alloc(dev, rows * nv, "activations")?),
-            a: Some(alloc(dev, rows * nv, "activations")?),
             conv_out: Some(alloc(dev, rows * cd, "activations")?),
             g: Some(alloc(dev, rows * nv, "activations")?),
             beta: Some(alloc(dev, rows * nv, "activations")?),
@@ -586,18 +582,18 @@ const GDN_CHUNK: usize = 64;
 #[allow(clippy::too_many_arguments)]
 fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize) -> Result<()> {
     let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
-    let (cd, kd, nv) = (la.conv_dim(), la.key_dim(), la.num_value_heads);
-    let h = buf(&act.h);
-    linear(dev, &g.qkv, h, buf_mut(&mut act.proj), rows)?;
-    linear(dev, &g.z, h, buf_mut(&mut act.z), rows)?;
-    linear(dev, &g.b, h, buf_mut(&mut act.b), rows)?;
-    linear(dev, &g.a, h, buf_mut(&mut act.a), rows)?;
+    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
+    // One projection: row t of act.proj is q | k | v (conv channels), z, b, a (DevGdn::in_proj).
+    let width = g.in_proj.n;
+    linear(dev, &g.in_proj, buf(&act.h), buf_mut(&mut act.proj), rows)?;
+    let proj = buf(&act.proj);
     let cu = meta.cu_seqlens();
     let slots = meta.slots();
-    let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: cd, kernel_size: la.conv_kernel, n_slots };
+    let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: width, kernel_size: la.conv_kernel, n_slots };
     let bias = g.conv_b.as_ref().map(|b| b as &dyn crate::backend::cuda::ops::DevicePtrDyn);
-    dev.causal_conv1d(buf(&act.proj), conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
-    dev.gdn_gates(buf(&act.a), buf(&act.b), &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
+    dev.causal_conv1d(proj, conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
+    let (b, a) = (proj.slice(cd + vd..), proj.slice(cd + vd + nv..));
+    dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
     let co = buf(&act.conv_out);
     let shape = RecurrentShape {
         n_tokens: rows,
@@ -615,7 +611,8 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
     } else {
         dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
     }
-    dev.rmsnorm_gated(buf(&act.core), buf(&act.z), &g.norm, buf_mut(&mut act.mix), rows * nv, la.value_head_dim, cfg.rms_norm_eps)?;
+    let z = buf(&act.proj).slice(cd..);
+    dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
     linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
 }
 

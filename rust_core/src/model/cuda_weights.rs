@@ -5,9 +5,7 @@
 //!
 //! Differences from the host layout, each because a kernel wants it: zero-centred norm weights
 //! go up as the raw `w` and the kernels add 1 in f32 (as transformers does; storing `1 + w` in
-//! bf16 would round it); the fused GDN input projection is split back into its four parts so
-//! that z, b and a land in contiguous buffers, which `rmsnorm_gated` and `gdn_gates` read;
-//! `A_log` goes up in f32 because `gdn_gates` computes `-exp(A_log)` itself.
+//! bf16 would round it); `A_log` goes up in f32 because `gdn_gates` computes `-exp(A_log)` itself.
 
 use cudarc::driver::CudaSlice;
 
@@ -26,13 +24,12 @@ pub struct DevAttention<W = CudaSlice<u16>> {
     pub k_norm: Option<W>,
 }
 
-/// Gated DeltaNet of one layer, input projection split into its four outputs.
+/// Gated DeltaNet of one layer.
 pub struct DevGdn<W = CudaSlice<u16>, F = CudaSlice<f32>> {
-    /// Conv input `[conv_dim, hidden]`: q | k | v channels.
-    pub qkv: DevLinear<W>,
-    pub z: DevLinear<W>,
-    pub b: DevLinear<W>,
-    pub a: DevLinear<W>,
+    /// The four input projections as one `[conv_dim + value_dim + 2 n_v_heads, hidden]`
+    /// matrix, rows q | k | v (the conv input channels), z, b, a: one GEMV per decode step
+    /// instead of four (b and a are 48 rows each at the 27B shape, a launch each for ~0.5 MB).
+    pub in_proj: DevLinear<W>,
     /// `[conv_dim, kernel]`.
     pub conv_w: W,
     pub conv_b: Option<W>,

@@ -133,11 +133,8 @@ fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, 
         (Mixer::Gdn(g), DevMixer::Gdn(d)) => {
             let la = cfg.linear_attention.unwrap();
             let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
-            same(&d.qkv.w, &rows(&g.in_proj, 0, cd, st), &format!("layer {li} gdn qkv"));
-            same(&d.z.w, &rows(&g.in_proj, cd, cd + vd, st), &format!("layer {li} gdn z"));
-            same(&d.b.w, &rows(&g.in_proj, cd + vd, cd + vd + nv, st), &format!("layer {li} gdn b"));
-            same(&d.a.w, &rows(&g.in_proj, cd + vd + nv, cd + vd + 2 * nv, st), &format!("layer {li} gdn a"));
-            assert_eq!((d.qkv.n, d.z.n, d.b.n, d.a.n, d.out.n, d.out.k), (cd, vd, nv, nv, g.out_proj.n, g.out_proj.k));
+            same(&d.in_proj.w, &rows(&g.in_proj, 0, cd + vd + 2 * nv, st), &format!("layer {li} gdn in_proj"));
+            assert_eq!((d.in_proj.n, d.in_proj.k, d.out.n, d.out.k), (cd + vd + 2 * nv, g.in_proj.k, g.out_proj.n, g.out_proj.k));
             same(&d.conv_w, &old_bits(&g.conv_w, st), &format!("layer {li} conv_w"));
             assert_eq!(d.conv_b, g.conv_b.as_deref().map(|b| old_bits(b, st)), "layer {li} conv_b");
             same(&d.dt_bias, &g.dt_bias, &format!("layer {li} dt_bias"));

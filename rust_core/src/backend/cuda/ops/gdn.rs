@@ -228,12 +228,15 @@ impl CudaDevice {
     }
 
     /// g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), per token and value
-    /// head; a and b are [T, n_heads] in storage type, A_log and dt_bias f32 [n_heads].
+    /// head; a and b are n_heads storage-type values per token, token t's at t * ab_stride
+    /// (columns of the fused input projection's rows), A_log and dt_bias f32 [n_heads], g and
+    /// beta [T, n_heads].
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_gates(
         &self,
         a: &impl DevicePtr<u16>,
         b: &impl DevicePtr<u16>,
+        ab_stride: usize,
         a_log: &impl DevicePtr<f32>,
         dt_bias: &impl DevicePtr<f32>,
         g: &mut impl DevicePtrMut<f32>,
@@ -242,8 +245,11 @@ impl CudaDevice {
         n_heads: usize,
     ) -> Result<()> {
         let n = n_tokens * n_heads;
-        check_len("gdn_gates a", a.len(), n)?;
-        check_len("gdn_gates b", b.len(), n)?;
+        if ab_stride < n_heads {
+            return Err(NinferError::Device(format!("gdn_gates: row stride {ab_stride} below the {n_heads} heads")));
+        }
+        check_len("gdn_gates a", a.len(), strided_len(n_tokens, n_heads, ab_stride))?;
+        check_len("gdn_gates b", b.len(), strided_len(n_tokens, n_heads, ab_stride))?;
         check_len("gdn_gates A_log", a_log.len(), n_heads)?;
         check_len("gdn_gates dt_bias", dt_bias.len(), n_heads)?;
         check_len("gdn_gates g", g.len(), n)?;
@@ -259,6 +265,7 @@ impl CudaDevice {
         let args = [
             KArg::Ptr(ap),
             KArg::Ptr(bp),
+            KArg::I64(ab_stride as i64),
             KArg::Ptr(lp),
             KArg::Ptr(dp),
             KArg::I32(as_i32("tokens", n_tokens)?),

@@ -5,7 +5,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use super::{as_i32, cfg, check_len, strided_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
-use crate::Result;
+use crate::{NinferError, Result};
 
 /// Block size of rmsnorm_gated (a grid-stride loop per row).
 const NORM_THREADS: u32 = 256;
@@ -114,20 +114,28 @@ impl CudaDevice {
         self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "add_rmsnorm", &args)
     }
 
-    /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head).
+    /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head),
+    /// `tokens * heads` rows. x and out are contiguous; token t's z is `heads * dim` values at
+    /// t * z_stride (a column range of the fused input projection's rows).
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_gated(
         &self,
         x: &impl DevicePtr<u16>,
         z: &impl DevicePtr<u16>,
+        z_stride: usize,
         w: &impl DevicePtr<u16>,
         out: &mut impl DevicePtrMut<u16>,
-        rows: usize,
+        tokens: usize,
+        heads: usize,
         dim: usize,
         eps: f32,
     ) -> Result<()> {
+        let rows = tokens * heads;
+        if z_stride < heads * dim {
+            return Err(NinferError::Device(format!("rmsnorm_gated: z row stride {z_stride} below {heads} heads x {dim}")));
+        }
         check_len("rmsnorm_gated x", x.len(), rows * dim)?;
-        check_len("rmsnorm_gated z", z.len(), rows * dim)?;
+        check_len("rmsnorm_gated z", z.len(), strided_len(tokens, heads * dim, z_stride))?;
         check_len("rmsnorm_gated w", w.len(), dim)?;
         check_len("rmsnorm_gated out", out.len(), rows * dim)?;
         let f = self.function(KernelFamily::Norm, "rmsnorm_gated")?;
@@ -139,6 +147,8 @@ impl CudaDevice {
         let args = [
             KArg::Ptr(xp),
             KArg::Ptr(zp),
+            KArg::I32(as_i32("heads", heads.max(1))?),
+            KArg::I64(z_stride as i64),
             KArg::Ptr(wp),
             KArg::Ptr(op),
             KArg::I32(as_i32("dim", dim)?),
