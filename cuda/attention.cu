@@ -392,7 +392,8 @@ __device__ __forceinline__ void decode_attention_body(
     if (!sm_last) return;
     __threadfence();
     // Last block: merge the nb block partials in split order. Volatile loads bypass L1, which
-    // is not coherent with the other blocks' writes.
+    // is not coherent with the other blocks' writes; a thread loads all its splits' values
+    // before it uses any (one L2 round trip, not one per split).
     const volatile float* vacc = part_acc;
     const volatile float* vml = part_ml;
     for (int i = threadIdx.x; i < G * D; i += DA_WARPS * 32) {
@@ -400,13 +401,27 @@ __device__ __forceinline__ void decode_attention_body(
         const int e = i - g * D;
         const long long row = (long long)t * n_q_heads + h0 + g;
         const long long p0 = row * DA_SPLITS;
+        float ms[DA_SPLITS], ls[DA_SPLITS], av[DA_SPLITS];
+#pragma unroll
+        for (int s = 0; s < DA_SPLITS; ++s) {
+            if (s < nb) {
+                ms[s] = vml[(p0 + s) * 2];
+                ls[s] = vml[(p0 + s) * 2 + 1];
+                av[s] = vacc[(p0 + s) * D + e];
+            }
+        }
         float mx = NEG_INF;
-        for (int s = 0; s < nb; ++s) mx = fmaxf(mx, vml[(p0 + s) * 2]);
+#pragma unroll
+        for (int s = 0; s < DA_SPLITS; ++s)
+            if (s < nb) mx = fmaxf(mx, ms[s]);
         float a = 0.0f, sum = 0.0f;
-        for (int s = 0; s < nb; ++s) {
-            const float f = expf(vml[(p0 + s) * 2] - mx);
-            sum = fmaf(vml[(p0 + s) * 2 + 1], f, sum);
-            a = fmaf(vacc[(p0 + s) * D + e], f, a);
+#pragma unroll
+        for (int s = 0; s < DA_SPLITS; ++s) {
+            if (s < nb) {
+                const float f = expf(ms[s] - mx);
+                sum = fmaf(ls[s], f, sum);
+                a = fmaf(av[s], f, a);
+            }
         }
         out[row * D + e] = from_f32(a * (1.0f / sum));
     }
