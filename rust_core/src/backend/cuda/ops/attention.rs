@@ -453,3 +453,35 @@ impl CudaDevice {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> PagedAttentionShape {
+        PagedAttentionShape {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+            q_stride: n_q_heads * head_dim,
+            block_size: 16,
+            num_blocks: 1,
+            max_blocks_per_seq: 1,
+            scale: 1.0,
+            max_context: 0,
+            partition: 0,
+        }
+    }
+
+    /// One arrival counter per block row of the grid (token x group of q heads a block
+    /// serves), and one partial per q head and block split.
+    #[test]
+    fn decode_scratch_has_a_counter_per_token_and_group() {
+        // Llama-3-8B: groups of 4 q heads, 8 blocks a token.
+        let len = decode_scratch_len(3, &shape(32, 8, 128));
+        assert_eq!(len, DecodeScratchLen { acc: 3 * 32 * 8 * 128, ml: 3 * 32 * 8 * 2, arrivals: 3 * 8 });
+        // Qwen3.5-27B attention: a group of 6 has no instance, so one q head a block.
+        let len = decode_scratch_len(2, &shape(24, 4, 256));
+        assert_eq!(len, DecodeScratchLen { acc: 2 * 24 * 8 * 256, ml: 2 * 24 * 8 * 2, arrivals: 2 * 24 });
+    }
+}
