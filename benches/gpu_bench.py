@@ -75,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--throughput", action="store_true", help="decode_throughput_tok_s, Llama-3-8B shape")
     p.add_argument("--startup", action="store_true", help="startup_s of `ninfer serve`, Qwen3.5-27B shape")
     p.add_argument("--profile", action="store_true",
-                   help="batch-1 decode steps of the Llama-3-8B shape under torch.profiler (CUPTI sees our "
-                        "kernels too): GPU busy time vs wall time per step and the top kernels, into --profile-out")
+                   help="batch-1 decode steps under torch.profiler (CUPTI sees our kernels too): GPU busy time "
+                        "vs wall time per step and the top kernels, for each shape whose decode part runs "
+                        "(the Llama-3-8B shape when none does), into --profile-out with the shape name added")
     p.add_argument("--profile-out", default="decode_profile.txt")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers of both shapes (default: the real count); a subset is noted in the records")
@@ -468,7 +469,6 @@ def part_decode(b: Bench, model: str) -> list:
 
 def part_throughput(b: Bench) -> list:
     a = b.a
-    model = "llama-3-8b"
     s = b.shape(model)
     path = b.checkpoint(model)
     rate = b.copy_rate()
@@ -660,7 +660,7 @@ def part_startup(b: Bench) -> list:
                      peer=None, peer_note="no peer measured for startup")]
 
 
-def part_profile(b: Bench) -> list:
+def part_profile(b: Bench, model: str) -> list:
     """Where a batch-1 decode step's time goes: kernel time on the GPU (CUPTI records every
     kernel of the process, ours included) against the step's wall time. The difference is time
     the GPU waits for the host (sampling, scheduling, metadata upload, Python)."""
@@ -668,7 +668,6 @@ def part_profile(b: Bench) -> list:
     from torch.profiler import ProfilerActivity, profile
 
     a = b.a
-    model = "llama-3-8b"
     s = b.shape(model)
     path = b.checkpoint(model)
     eng, _ = ninfer_engine(b, path, max_context=2048, kv_capacity=4096, max_concurrency=4, prefill_chunk=512)
@@ -689,7 +688,8 @@ def part_profile(b: Bench) -> list:
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
     text = (f"{steps} decode steps, batch 1, {model}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time "
             f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step\n\n{table}\n")
-    out = Path(a.out).parent / a.profile_out
+    base = Path(a.out).parent / a.profile_out
+    out = base.with_name(f"{base.stem}_{model}{base.suffix}")
     out.write_text(text)
     log(text[:3000])
     return [b.record("decode_step_profile", model, round(wall / steps * 1e3, 4), s, unit="ms per step",
@@ -722,8 +722,8 @@ def main(argv=None) -> int:
     # Shape by shape: the two checkpoints do not fit the disk together.
     if a.decode_8b:
         guarded(b, "decode_bs1_tok_s", "llama-3-8b", lambda: part_decode(b, "llama-3-8b"))
-    if a.profile:
-        guarded(b, "decode_step_profile", "llama-3-8b", lambda: part_profile(b))
+    if a.profile and (a.decode_8b or not a.decode_27b):
+        guarded(b, "decode_step_profile", "llama-3-8b", lambda: part_profile(b, "llama-3-8b"))
     if a.throughput:
         guarded(b, "decode_throughput_tok_s", "llama-3-8b", lambda: part_throughput(b))
     b.drop_checkpoint("llama-3-8b")
@@ -731,6 +731,8 @@ def main(argv=None) -> int:
         guarded(b, "startup_s", "qwen3_5-27b", lambda: part_startup(b))
     if a.decode_27b:
         guarded(b, "decode_bs1_tok_s", "qwen3_5-27b", lambda: part_decode(b, "qwen3_5-27b"))
+        if a.profile:
+            guarded(b, "decode_step_profile", "qwen3_5-27b", lambda: part_profile(b, "qwen3_5-27b"))
     b.drop_checkpoint("qwen3_5-27b")
     new = b.records[b.earlier:]
     errors = [r for r in new if "error" in r]

@@ -60,6 +60,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dir", default="/tmp/ninfer_prefill_ckpt")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="after the timed runs, one prefill of TOKENS tokens under torch.profiler: kernel "
+                        "table (GPU time per kernel name) into --profile-out")
+    p.add_argument("--profile-out", default="prefill_profile.txt")
     return p.parse_args()
 
 
@@ -131,7 +135,8 @@ def peer_prefill(model, prompt: list) -> float:
     return len(prompt) / best
 
 
-def ninfer_prefill(path: Path, prompts: list, chunk: int) -> tuple:
+def ninfer_prefill(path: Path, prompts: list, chunk: int, profile: list | None = None,
+                   profile_out: Path | None = None) -> tuple:
     from ninfer import _core
 
     longest = max(len(p) for p in prompts)
@@ -153,8 +158,26 @@ def ninfer_prefill(path: Path, prompts: list, chunk: int) -> tuple:
     for i, p in enumerate(prompts):
         best = min(first_token_s(f"p{i}r{r}", p) for r in range(2))
         out.append(len(p) / best)
+    if profile:
+        profile_prefill(first_token_s, profile, profile_out)
     eng.shutdown()
     return out, load_s
+
+
+def profile_prefill(first_token_s, prompt: list, out: Path) -> None:
+    """Where a prefill's GPU time goes, per kernel name (CUPTI sees our kernels and cuBLAS's):
+    the table that says which kernel to work on next."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = first_token_s("profiled", prompt)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(getattr(e, "device_time", 0.0) for e in kernels) / 1e3
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    text = (f"prefill of {len(prompt)} tokens: wall {wall * 1e3:.1f} ms (under the profiler), GPU kernel time "
+            f"{busy_ms:.1f} ms, {len(kernels)} kernels\n\n{table}\n")
+    out.write_text(text)
+    print(text[:6000], flush=True)
 
 
 def main() -> None:
@@ -162,6 +185,8 @@ def main() -> None:
     shape = SHAPES[a.shape]
     layers = a.layers or shape["layers"]
     lengths = [int(x) for x in a.prompts.split(",")]
+    if a.profile > max(lengths):
+        sys.exit(f"--profile {a.profile}: at most the longest of --prompts ({max(lengths)}), the engine's context")
     device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                             text=True).stdout.strip().splitlines()[0]
     t = time.perf_counter()
@@ -180,7 +205,10 @@ def main() -> None:
     torch.cuda.empty_cache()
     rate = gemm_rate(cfg.hidden_size)
     print(f"bf16 GEMM rate {rate / 1e12:.1f} TFLOP/s", flush=True)
-    ours, load_s = ninfer_prefill(path, prompts, a.chunk)
+    prof_prompt = None
+    if a.profile:
+        prof_prompt = [int(x) for x in torch.randint(1000, cfg.vocab_size - 1000, (a.profile,), generator=g)]
+    ours, load_s = ninfer_prefill(path, prompts, a.chunk, prof_prompt, Path(a.out).parent / a.profile_out)
     name = a.shape if layers == shape["layers"] else f"{a.shape} ({layers} of {shape['layers']} layers)"
     recs = []
     for n, v, peer, f in zip(lengths, ours, peers, fl):
