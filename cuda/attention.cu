@@ -64,60 +64,18 @@ __device__ __forceinline__ int decode_partition(int limit) {
     return max(DECODE_MIN_PARTITION, p2 / DECODE_SPLITS);
 }
 
+// The keys start..end of one warp's split, folded into its G rows' online softmax state (acc,
+// m, l): KB keys per iteration so that their K/V rows are in flight together. `table` is the
+// sequence's block-table row, `head_off` the lane's offset in a cache row (kv head and lane).
 template <int D, int G>
-__device__ __forceinline__ void attention_body(
-    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
-    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
-    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_tokens,
-    int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale, int partition,
-    store_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+__device__ __forceinline__ void attend_keys(const store_t* __restrict__ k_cache,
+                                            const store_t* __restrict__ v_cache,
+                                            const int* __restrict__ table, int n_kv_heads,
+                                            int block_size, long long head_off, int start, int end,
+                                            const float (&qv)[G][D / 32], float (&acc)[G][D / 32],
+                                            float (&m)[G], float (&l)[G]) {
     constexpr int EPL = D / 32;
     constexpr int KB = (G * EPL > 16) ? 2 : ATTN_KEYS;
-    pdl_enter();
-    const int lane = threadIdx.x & 31;
-    const int warps_per_token = n_q_heads / G;
-    const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
-    if (w >= n_tokens * warps_per_token) return;
-    const int t = w / warps_per_token;
-    const int h0 = (w - t * warps_per_token) * G;
-    const int kvh = h0 / (n_q_heads / n_kv_heads);
-    const int seq = token_seq[t];
-    const int limit = token_pos[t] + 1;
-    const int split = blockIdx.y;
-    const int n_splits = gridDim.y;
-    // partition <= 0: each token picks its own split size from its own context length (decode
-    // steps, see decode_partition), so its result does not depend on the other rows of the step
-    // and the launch arguments do not depend on the context (a CUDA graph replays them).
-    const int part = partition > 0 ? partition : decode_partition(limit);
-    const int start = split * part;
-    const int end = min(limit, start + part);
-    if (n_splits > 1 && start >= limit) {
-        // Idle split: mark it empty (l = 0) so that the combine skips it without reading acc.
-        if (lane == 0) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const long long p_idx = ((long long)t * n_q_heads + h0 + g) * n_splits + split;
-                part_ml[p_idx * 2] = NEG_INF;
-                part_ml[p_idx * 2 + 1] = 0.0f;
-            }
-        }
-        return;
-    }
-
-    float qv[G][EPL], acc[G][EPL], m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + lane * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[g][e] = to_f32(qrow[e]) * scale;
-            acc[g][e] = 0.0f;
-        }
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-    }
-    const int* table = block_tables + (long long)seq * max_blocks;
-    const long long head_off = (long long)kvh * D + lane * EPL;
     for (int j = start; j < end; j += KB) {
         const int nk = min(KB, end - j);
         long long off[KB];
@@ -173,6 +131,61 @@ __device__ __forceinline__ void attention_body(
             m[g] = m_new;
         }
     }
+}
+
+template <int D, int G>
+__device__ __forceinline__ void attention_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_tokens,
+    int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale, int partition,
+    store_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int EPL = D / 32;
+    pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const int warps_per_token = n_q_heads / G;
+    const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
+    if (w >= n_tokens * warps_per_token) return;
+    const int t = w / warps_per_token;
+    const int h0 = (w - t * warps_per_token) * G;
+    const int kvh = h0 / (n_q_heads / n_kv_heads);
+    const int seq = token_seq[t];
+    const int limit = token_pos[t] + 1;
+    const int split = blockIdx.y;
+    const int n_splits = gridDim.y;
+    // partition <= 0: each token picks its own split size from its own context length (decode
+    // steps, see decode_partition), so its result does not depend on the other rows of the step
+    // and the launch arguments do not depend on the context (a CUDA graph replays them).
+    const int part = partition > 0 ? partition : decode_partition(limit);
+    const int start = split * part;
+    const int end = min(limit, start + part);
+    if (n_splits > 1 && start >= limit) {
+        // Idle split: mark it empty (l = 0) so that the combine skips it without reading acc.
+        if (lane == 0) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const long long p_idx = ((long long)t * n_q_heads + h0 + g) * n_splits + split;
+                part_ml[p_idx * 2] = NEG_INF;
+                part_ml[p_idx * 2 + 1] = 0.0f;
+            }
+        }
+        return;
+    }
+
+    float qv[G][EPL], acc[G][EPL], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[g][e] = to_f32(qrow[e]) * scale;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    attend_keys<D, G>(k_cache, v_cache, block_tables + (long long)seq * max_blocks, n_kv_heads,
+                      block_size, (long long)kvh * D + lane * EPL, start, end, qv, acc, m, l);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const long long row = (long long)t * n_q_heads + h0 + g;
@@ -261,6 +274,159 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
     for (int e = 0; e < EPL; ++e) orow[e] = from_f32(acc[e] * inv);
 }
 
+// Decode attention in one kernel, without attention_combine. A block owns one (token, GQA
+// group) and one "block split" of DA_WARPS consecutive warp splits; warp split
+// blockIdx.y * DA_WARPS + warp walks decode_partition(limit) keys exactly as attention_body's
+// split of that index does, so a token still never needs more than DECODE_SPLITS warp splits,
+// i.e. DA_SPLITS blocks, and the grid (tokens x groups, DA_SPLITS) does not depend on the
+// contexts (a CUDA graph replays it). The warps of a block merge their partials through
+// shared memory in warp order. A token whose keys fit one block split (limit <=
+// DA_WARPS * partition: up to 128 keys) is done there: block 0 writes the normalised output.
+// Otherwise each live block writes its merged partial (acc, max, sum) to the scratch,
+// `__threadfence()`s, and one thread counts the block in with atomicInc on the (token, group)
+// arrival counter; the block that arrives last merges the block partials in split order
+// 0..nb-1, so the result is the same whichever block is last (deterministic: graph == eager,
+// batch == alone, since nb and every split's keys depend on the token's own context only).
+// nb, the live block splits, is known on device from the context; idle block splits exit
+// without arriving. atomicInc(counter, nb - 1) returns the old count and stores 0 when the old
+// count is nb - 1, so the last arrival resets the counter for the next layer / step / replay
+// in the same atomic operation that elects it (no separate reset write that could be missed).
+#define DA_WARPS 8
+#define DA_SPLITS (DECODE_SPLITS / DA_WARPS)
+template <int D, int G>
+__device__ __forceinline__ void decode_attention_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
+    int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
+    float* part_acc, float* part_ml, unsigned* arrivals) {
+    constexpr int EPL = D / 32;
+    __shared__ float sm_acc[DA_WARPS][D];
+    __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
+    __shared__ int sm_last;
+    pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const int wi = threadIdx.x >> 5;
+    const int groups = n_q_heads / G;
+    const int tg = blockIdx.x;
+    const int t = tg / groups;
+    const int h0 = (tg - t * groups) * G;
+    const int kvh = h0 / (n_q_heads / n_kv_heads);
+    const int limit = token_pos[t] + 1;
+    const int part = decode_partition(limit);
+    const int block_keys = part * DA_WARPS;
+    const int nb = (limit + block_keys - 1) / block_keys;
+    const int b = blockIdx.y;
+    if (b >= nb) return;  // idle block split (uniform over the block)
+    const int start = b * block_keys + wi * part;
+    const int end = min(limit, start + part);
+
+    float qv[G][EPL], acc[G][EPL], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + lane * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[g][e] = to_f32(qrow[e]) * scale;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    // A warp past the context (start >= limit) keeps m = -inf, l = 0: an empty partial.
+    attend_keys<D, G>(k_cache, v_cache, block_tables + (long long)token_seq[t] * max_blocks,
+                      n_kv_heads, block_size, (long long)kvh * D + lane * EPL, start, end, qv,
+                      acc, m, l);
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            sm_m[wi][g] = m[g];
+            sm_l[wi][g] = l[g];
+        }
+    }
+    // Merge the warps' partials one q head at a time (thread i: element i of the head). Warp 0
+    // of a live block always has keys, so the block's max is finite and its sum positive.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) sm_acc[wi][lane * EPL + e] = acc[g][e];
+        __syncthreads();
+        const int i = threadIdx.x;
+        if (i < D) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int w = 0; w < DA_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+            float a = 0.0f, sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < DA_WARPS; ++w) {
+                const float lw = sm_l[w][g];
+                if (lw != 0.0f) {
+                    const float f = expf(sm_m[w][g] - mx);
+                    sum = fmaf(lw, f, sum);
+                    a = fmaf(sm_acc[w][i], f, a);
+                }
+            }
+            const long long row = (long long)t * n_q_heads + h0 + g;
+            if (nb == 1) {
+                out[row * D + i] = from_f32(a * (1.0f / sum));
+            } else {
+                const long long p_idx = row * DA_SPLITS + b;
+                part_acc[p_idx * D + i] = a;
+                if (i == 0) {
+                    part_ml[p_idx * 2] = mx;
+                    part_ml[p_idx * 2 + 1] = sum;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (nb == 1) return;
+    // Publish this block's partial before counting it in (the classic threadfence reduction).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned prev = atomicInc(arrivals + tg, (unsigned)(nb - 1));
+        sm_last = prev == (unsigned)(nb - 1);
+    }
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();
+    // Last block: merge the nb block partials in split order. Volatile loads bypass L1, which
+    // is not coherent with the other blocks' writes; a thread loads all its splits' values
+    // before it uses any (one L2 round trip, not one per split).
+    const volatile float* vacc = part_acc;
+    const volatile float* vml = part_ml;
+    for (int i = threadIdx.x; i < G * D; i += DA_WARPS * 32) {
+        const int g = i / D;
+        const int e = i - g * D;
+        const long long row = (long long)t * n_q_heads + h0 + g;
+        const long long p0 = row * DA_SPLITS;
+        float ms[DA_SPLITS], ls[DA_SPLITS], av[DA_SPLITS];
+#pragma unroll
+        for (int s = 0; s < DA_SPLITS; ++s) {
+            if (s < nb) {
+                ms[s] = vml[(p0 + s) * 2];
+                ls[s] = vml[(p0 + s) * 2 + 1];
+                av[s] = vacc[(p0 + s) * D + e];
+            }
+        }
+        float mx = NEG_INF;
+#pragma unroll
+        for (int s = 0; s < DA_SPLITS; ++s)
+            if (s < nb) mx = fmaxf(mx, ms[s]);
+        float a = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int s = 0; s < DA_SPLITS; ++s) {
+            if (s < nb) {
+                const float f = expf(ms[s] - mx);
+                sum = fmaf(ls[s], f, sum);
+                a = fmaf(av[s], f, a);
+            }
+        }
+        out[row * D + e] = from_f32(a * (1.0f / sum));
+    }
+}
+
 #define ATTN_GROUP_INSTANCE(D, G)                                                               \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) paged_attention_d##D##_g##G(  \
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
@@ -270,6 +436,15 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
         attention_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,          \
                              token_pos, n_tokens, n_q_heads, n_kv_heads, q_stride, block_size,  \
                              scale, partition, out, part_acc, part_ml);                         \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) decode_attention_d##D##_g##G(   \
+        const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
+        int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals) {                    \
+        decode_attention_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,   \
+                                    token_pos, n_q_heads, n_kv_heads, q_stride, block_size,     \
+                                    scale, out, part_acc, part_ml, arrivals);                   \
     }
 
 #define ATTN_INSTANCE(D)                                                                        \

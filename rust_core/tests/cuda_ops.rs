@@ -62,7 +62,7 @@ mod reference;
 mod sampling;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -515,9 +515,9 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
     }
     let label = format!("ctx{contexts:?}/t{t}/d{d}/hq{hq}hk{hk}/part{partition}").replace(' ', "");
     check(op, st, &label, &out.read(dev, op), &want, tol16(st));
-    // The decode entry point (per-token splits into caller scratch, fixed grid) on the same case.
-    let (acc, ml) = decode_scratch_len(t, &shape);
-    let scratch = AttnScratch { acc: upload_raw(dev, &vec![f32::NAN; acc]), ml: upload_raw(dev, &vec![f32::NAN; ml]) };
+    // The decode entry points (per-token splits into caller scratch, fixed grid) on the same
+    // case: the one-kernel form and the two-kernel form (attention + attention_combine).
+    let scratch = decode_scratch(dev, t, &shape);
     let mut out = Out16::new(dev, t * hq * d);
     dev.paged_attention_decode(
         &upload(dev, &q),
@@ -531,7 +531,171 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
         &scratch,
     )
     .unwrap();
-    check(&format!("{op}/decode_splits"), st, &label, &out.read(dev, op), &want, tol16(st));
+    check(&format!("{op}/decode_one_kernel"), st, &label, &out.read(dev, op), &want, tol16(st));
+    assert_arrivals_reset(dev, &scratch, &label);
+    let scratch = two_kernel_scratch(dev, t, &shape);
+    let mut out = Out16::new(dev, t * hq * d);
+    dev.paged_attention_decode_two_kernels(
+        &upload(dev, &q),
+        &upload(dev, &case.k_cache),
+        &upload(dev, &case.v_cache),
+        &upload_raw(dev, &case.tables),
+        &upload_raw(dev, &token_seq),
+        &upload_raw(dev, &token_pos),
+        &mut out.view(),
+        &shape,
+        &scratch,
+    )
+    .unwrap();
+    check(&format!("{op}/decode_two_kernels"), st, &label, &out.read(dev, op), &want, tol16(st));
+}
+
+/// Scratch for `paged_attention_decode` of `t` tokens: NaN partials (a partial read before it
+/// is written shows), zeroed arrival counters (as the model allocates them).
+fn decode_scratch(dev: &CudaDevice, t: usize, shape: &PagedAttentionShape) -> AttnScratch {
+    let len = decode_scratch_len(t, shape);
+    AttnScratch {
+        acc: upload_raw(dev, &vec![f32::NAN; len.acc]),
+        ml: upload_raw(dev, &vec![f32::NAN; len.ml]),
+        arrivals: upload_raw(dev, &vec![0u32; len.arrivals]),
+    }
+}
+
+/// Scratch for `paged_attention_decode_two_kernels` of `t` tokens (NaN partials).
+fn two_kernel_scratch(dev: &CudaDevice, t: usize, shape: &PagedAttentionShape) -> AttnScratch {
+    let (acc, ml) = two_kernel_decode_scratch_len(t, shape);
+    AttnScratch {
+        acc: upload_raw(dev, &vec![f32::NAN; acc]),
+        ml: upload_raw(dev, &vec![f32::NAN; ml]),
+        arrivals: upload_raw(dev, &[0u32]),
+    }
+}
+
+/// Every arrival counter of a completed one-kernel decode attention is back at 0.
+fn assert_arrivals_reset(dev: &CudaDevice, scratch: &AttnScratch, what: &str) {
+    let counts = dev.stream().clone_dtoh(&scratch.arrivals).unwrap();
+    assert!(counts.iter().all(|&c| c == 0), "{what}: arrival counters left at {counts:?}");
+}
+
+/// The one-kernel decode attention at the contexts around its layout's edges (16 keys a warp,
+/// 128 keys a block split, 1024 keys where the splits start to grow, 8192 where a block split
+/// is 1024 keys): against the CPU op, a batch of mixed contexts against each token alone bit
+/// for bit (on one scratch reused token after token), a second launch on the same scratch bit
+/// for bit (the arrival counters reset themselves), and the two-kernel form within tolerance.
+#[test]
+fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
+    for st in STORAGES {
+        let Some(dev) = gpu("decode_attention_one_kernel", st) else { return };
+        let mut rng = Rng::new(19);
+        let contexts = [1, 15, 16, 17, 127, 128, 129, 1000, 5000, 40000];
+        // Llama-3-8B (group 4), Qwen3.5-27B attention (group 6: one head a block), a group of 8.
+        for ((hq, hk), d) in [((32, 8), 128), ((24, 4), 256), ((16, 2), 64)] {
+            let bs = 16;
+            let case = paged_case(&mut rng, st, &contexts, hk, d, bs);
+            let t = contexts.len();
+            let q = rounded(&rng.vec(t * hq * d, -1.0, 1.0), st);
+            let scale = 1.0 / (d as f32).sqrt();
+            let shape = PagedAttentionShape {
+                n_q_heads: hq,
+                n_kv_heads: hk,
+                head_dim: d,
+                q_stride: hq * d,
+                block_size: bs,
+                num_blocks: case.num_blocks,
+                max_blocks_per_seq: case.max_blocks,
+                scale,
+                max_context: 0,
+                partition: 0,
+            };
+            let (qd, kd, vd, tables) =
+                (upload(&dev, &q), upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
+            let token_seq: Vec<i32> = (0..t as i32).collect();
+            let token_pos: Vec<i32> = contexts.iter().map(|&c| c as i32 - 1).collect();
+            let (seq_d, pos_d) = (upload_raw(&dev, &token_seq), upload_raw(&dev, &token_pos));
+            let label = format!("hq{hq}hk{hk}/d{d}");
+            let scratch = decode_scratch(&dev, t, &shape);
+            let run = |out: &mut Out16| {
+                dev.paged_attention_decode(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                out.read(&dev, "decode attention")
+            };
+            let batch = run(&mut Out16::new(&dev, t * hq * d));
+            assert_arrivals_reset(&dev, &scratch, &label);
+            let again = run(&mut Out16::new(&dev, t * hq * d));
+            assert_bitwise(&again, &batch, &format!("decode attention {label}: second launch"));
+            let mut want = Vec::with_capacity(t * hq * d);
+            for (s, &c) in contexts.iter().enumerate() {
+                let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+                let qs = &q[s * hq * d..(s + 1) * hq * d];
+                want.extend(reference::attention_seq(qs, 1, hq, &case.k_cache, &case.v_cache, table, c - 1, hk, d, bs, scale));
+            }
+            for (s, &c) in contexts.iter().enumerate() {
+                let rows = s * hq * d..(s + 1) * hq * d;
+                check("decode_attention_one_kernel", st, &format!("{label}/ctx{c}"), &batch[rows.clone()], &want[rows], tol16(st));
+            }
+            let alone_scratch = decode_scratch(&dev, 1, &shape);
+            for (s, &c) in contexts.iter().enumerate() {
+                let (seq1, pos1) = (upload_raw(&dev, &[s as i32]), upload_raw(&dev, &[c as i32 - 1]));
+                let q1 = upload(&dev, &q[s * hq * d..(s + 1) * hq * d]);
+                let mut out = Out16::new(&dev, hq * d);
+                dev.paged_attention_decode(&q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
+                let alone = out.read(&dev, "decode attention alone");
+                assert_bitwise(&alone, &batch[s * hq * d..(s + 1) * hq * d], &format!("decode attention {label}: ctx {c} alone vs batch"));
+            }
+            assert_arrivals_reset(&dev, &alone_scratch, &label);
+            let two = two_kernel_scratch(&dev, t, &shape);
+            let mut out = Out16::new(&dev, t * hq * d);
+            dev.paged_attention_decode_two_kernels(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &two).unwrap();
+            check("decode_attention_two_kernels", st, &label, &out.read(&dev, "two-kernel decode"), &want, tol16(st));
+        }
+    }
+}
+
+/// Batch-1 decode attention per call, the one-kernel form against the two-kernel form
+/// (attention + attention_combine), for the Llama-3-8B and Qwen3.5-27B attention shapes.
+#[test]
+fn one_kernel_decode_attention_timing() {
+    let Some(dev) = gpu("decode_attention_timing", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let bs = 16;
+    for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
+        for (batch, ctx) in [(1, 256), (1, 4096), (8, 256)] {
+            let blocks_per = ctx / bs;
+            let num_blocks = batch * blocks_per;
+            let mut rng = Rng::new(23);
+            let cache = upload(&dev, &rng.vec(num_blocks * bs * hk * d, -1.0, 1.0));
+            let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
+            let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
+            let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
+            let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
+            let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+            let shape = PagedAttentionShape {
+                n_q_heads: hq,
+                n_kv_heads: hk,
+                head_dim: d,
+                q_stride: hq * d,
+                block_size: bs,
+                num_blocks,
+                max_blocks_per_seq: blocks_per,
+                scale: 1.0 / (d as f32).sqrt(),
+                max_context: ctx,
+                partition: 0,
+            };
+            let one = decode_scratch(&dev, batch, &shape);
+            let two = two_kernel_scratch(&dev, batch, &shape);
+            let t_two = time_ms(&dev, 200, || {
+                dev.paged_attention_decode_two_kernels(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape, &two).unwrap()
+            });
+            let t_one = time_ms(&dev, 200, || {
+                dev.paged_attention_decode(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape, &one).unwrap()
+            });
+            println!(
+                "TIMING decode_attention {name} batch={batch} ctx={ctx}: two kernels {:.2} us, one kernel {:.2} us per call ({:.2}x)",
+                t_two * 1e3,
+                t_one * 1e3,
+                t_two / t_one
+            );
+        }
+    }
 }
 
 #[test]

@@ -279,8 +279,13 @@ impl CudaModel {
         let rows = rows.next_power_of_two().max(8);
         self.graphs.clear();
         self.scratch = None;
-        let (acc, ml) = decode_scratch_len(rows, &self.attn_shape(0, 0));
-        self.scratch = Some(AttnScratch { acc: alloc(&self.dev, acc, "attention scratch")?, ml: alloc(&self.dev, ml, "attention scratch")? });
+        let len = decode_scratch_len(rows, &self.attn_shape(0, 0));
+        // alloc zeroes: the arrival counters must start at 0 (paged_attention_decode).
+        self.scratch = Some(AttnScratch {
+            acc: alloc(&self.dev, len.acc, "attention scratch")?,
+            ml: alloc(&self.dev, len.ml, "attention scratch")?,
+            arrivals: alloc(&self.dev, len.arrivals, "attention scratch")?,
+        });
         self.scratch_rows = rows;
         Ok(())
     }

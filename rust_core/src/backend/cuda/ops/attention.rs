@@ -1,7 +1,8 @@
-//! Paged attention launchers (cuda/attention.cu): KV cache write, and one attention kernel for
-//! decode and prefill with optional split-K (flash decoding) and its combine.
+//! Paged attention launchers (cuda/attention.cu): KV cache write, one attention kernel for
+//! decode and prefill with optional split-K (flash decoding) and its combine, and the
+//! one-kernel decode attention that merges its splits in-kernel (decode steps).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::{as_i32, cfg, check_len, strided_len, KArg};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
@@ -57,19 +58,49 @@ impl PagedAttentionShape {
     }
 }
 
-/// Grid height of decode attention: the most splits a token takes (DECODE_SPLITS in
-/// attention.cu, whose decode_partition keeps every context within it).
+/// Warp splits a decode token may take (DECODE_SPLITS in attention.cu, whose
+/// decode_partition keeps every context within it): the grid height of the two-kernel decode
+/// path, and DECODE_BLOCK_SPLITS blocks of DECODE_WARPS warps in `decode_attention`.
 pub const DECODE_SPLITS: usize = 64;
+/// Warps per block of `decode_attention_*` (DA_WARPS in attention.cu).
+const DECODE_WARPS: usize = 8;
+/// Block splits per (token, group) of `decode_attention_*` (DA_SPLITS in attention.cu): its
+/// grid height.
+pub const DECODE_BLOCK_SPLITS: usize = DECODE_SPLITS / DECODE_WARPS;
 
-/// Split-K partials of decode attention, allocated once by the caller (a captured CUDA graph
-/// must not allocate): `acc` f32 `[rows, splits, head_dim]`, `ml` f32 `[rows, splits, 2]`.
+/// Decode-attention scratch, allocated once by the caller (a captured CUDA graph must not
+/// allocate): block-split partials `acc` f32 `[rows, DECODE_BLOCK_SPLITS, head_dim]` and `ml`
+/// f32 `[rows, DECODE_BLOCK_SPLITS, 2]` (rows = tokens x q heads), and one arrival counter per
+/// (token, group of q heads one block serves), which must be allocated zeroed: the kernel
+/// leaves every counter at 0 when it completes (see decode_attention_body).
 pub struct AttnScratch {
-    pub acc: cudarc::driver::CudaSlice<f32>,
-    pub ml: cudarc::driver::CudaSlice<f32>,
+    pub acc: CudaSlice<f32>,
+    pub ml: CudaSlice<f32>,
+    pub arrivals: CudaSlice<u32>,
 }
 
-/// (acc, ml) elements `paged_attention_decode` needs for `tokens` query tokens.
-pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> (usize, usize) {
+/// Elements of each `AttnScratch` buffer for a number of query tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeScratchLen {
+    pub acc: usize,
+    pub ml: usize,
+    pub arrivals: usize,
+}
+
+/// The scratch `paged_attention_decode` needs for `tokens` query tokens.
+pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> DecodeScratchLen {
+    let rows = tokens * shape.n_q_heads;
+    let (_, blocks) = group_and_warps(shape, tokens);
+    DecodeScratchLen {
+        acc: rows * DECODE_BLOCK_SPLITS * shape.head_dim,
+        ml: rows * DECODE_BLOCK_SPLITS * 2,
+        arrivals: blocks,
+    }
+}
+
+/// (acc, ml) elements of the split partials `paged_attention_decode_two_kernels` needs for
+/// `tokens` query tokens (one partial per warp split).
+pub fn two_kernel_decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> (usize, usize) {
     let rows = tokens * shape.n_q_heads;
     (rows * DECODE_SPLITS * shape.head_dim, rows * DECODE_SPLITS * 2)
 }
@@ -102,6 +133,28 @@ fn kernel_name(d: usize, g: usize) -> &'static str {
         (_, 2) => "paged_attention_d256_g2",
         (_, 4) => "paged_attention_d256_g4",
         _ => "paged_attention_d256_g8",
+    }
+}
+
+/// The one-kernel decode attention for head size `d` and `g` q heads per block.
+fn decode_kernel_name(d: usize, g: usize) -> &'static str {
+    match (d, g) {
+        (64, 1) => "decode_attention_d64_g1",
+        (64, 2) => "decode_attention_d64_g2",
+        (64, 4) => "decode_attention_d64_g4",
+        (64, _) => "decode_attention_d64_g8",
+        (96, 1) => "decode_attention_d96_g1",
+        (96, 2) => "decode_attention_d96_g2",
+        (96, 4) => "decode_attention_d96_g4",
+        (96, _) => "decode_attention_d96_g8",
+        (128, 1) => "decode_attention_d128_g1",
+        (128, 2) => "decode_attention_d128_g2",
+        (128, 4) => "decode_attention_d128_g4",
+        (128, _) => "decode_attention_d128_g8",
+        (_, 1) => "decode_attention_d256_g1",
+        (_, 2) => "decode_attention_d256_g2",
+        (_, 4) => "decode_attention_d256_g4",
+        _ => "decode_attention_d256_g8",
     }
 }
 
@@ -188,24 +241,26 @@ impl CudaDevice {
             // SAFETY: every (row, split) partial the combine reads is written by the attention
             // kernel first (idle splits write only their (max, sum), which the combine skips).
             unsafe {
-                Some(AttnScratch {
-                    acc: s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?,
-                    ml: s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?,
-                })
+                Some((
+                    s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?,
+                    s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?,
+                ))
             }
         } else {
             None
         };
-        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, sh, partition as i32, n_splits, scratch.as_ref())
+        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, sh, partition as i32, n_splits, scratch.as_ref().map(|(a, m)| (a, m)))
     }
 
-    /// Decode attention (one query token per sequence, or any tokens) whose split-K layout
-    /// depends on each token's own context only: every token splits its keys into
-    /// `decode_partition(context)` (attention.cu) keys per split, over a grid of DECODE_SPLITS
-    /// splits whose surplus exits at once. A row's result is then the same in any batch (batch
-    /// == alone, bit for bit), and no launch argument depends on the step's contexts, so a CUDA
-    /// graph captured once replays any later decode step. `shape.max_context` and
-    /// `shape.partition` are ignored; `scratch` must hold `decode_scratch_len(tokens, shape)`.
+    /// Decode attention (one query token per sequence, or any tokens) in one kernel whose
+    /// split-K layout depends on each token's own context only: every token splits its keys
+    /// into `decode_partition(context)` (attention.cu) keys per warp, 8 warps a block, over a
+    /// fixed grid of DECODE_BLOCK_SPLITS blocks per (token, group) whose surplus exits at once;
+    /// the blocks merge in-kernel (the last to arrive merges all, in split order). A row's
+    /// result is then the same in any batch (batch == alone, bit for bit) and in any launch,
+    /// and no launch argument depends on the step's contexts, so a CUDA graph captured once
+    /// replays any later decode step. `shape.max_context` and `shape.partition` are ignored;
+    /// `scratch` must hold `decode_scratch_len(tokens, shape)`, its counters zeroed.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode(
         &self,
@@ -220,10 +275,71 @@ impl CudaDevice {
         scratch: &AttnScratch,
     ) -> Result<()> {
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
-        let (acc, ml) = decode_scratch_len(token_seq.len(), shape);
+        let sh = shape;
+        let t = token_seq.len();
+        let need = decode_scratch_len(t, sh);
+        check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
+        check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
+        check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
+        let (g, blocks) = group_and_warps(sh, t);
+        let s = self.stream();
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k_cache.device_ptr(s);
+        let (vp, _c) = v_cache.device_ptr(s);
+        let (bp, _d) = block_tables.device_ptr(s);
+        let (sp, _e) = token_seq.device_ptr(s);
+        let (pp, _f) = token_pos.device_ptr(s);
+        let (op, _g) = out.device_ptr_mut(s);
+        let (pa, _h) = scratch.acc.device_ptr(s);
+        let (pm, _i) = scratch.ml.device_ptr(s);
+        let (ar, _j) = scratch.arrivals.device_ptr(s);
+        let name = decode_kernel_name(sh.head_dim, g);
+        let f = self.function(KernelFamily::Attention, name)?;
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(bp),
+            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
+            KArg::Ptr(sp),
+            KArg::Ptr(pp),
+            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
+            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
+            KArg::I64(sh.q_stride as i64),
+            KArg::I32(as_i32("block_size", sh.block_size)?),
+            KArg::F32(sh.scale),
+            KArg::Ptr(op),
+            KArg::Ptr(pa),
+            KArg::Ptr(pm),
+            KArg::Ptr(ar),
+        ];
+        let grid = (as_i32("decode attention blocks", blocks)? as u32, DECODE_BLOCK_SPLITS as u32, 1);
+        self.launch_pdl(&f, cfg(grid, (DECODE_WARPS * 32) as u32), name, &args)
+    }
+
+    /// The two-kernel form of `paged_attention_decode` (a warp per split of
+    /// `decode_partition(context)` keys over a grid of DECODE_SPLITS splits, then
+    /// `attention_combine`), with the same per-token layout; kept as the baseline the one-kernel
+    /// form is measured and checked against. `scratch.acc` / `scratch.ml` must hold
+    /// `two_kernel_decode_scratch_len(tokens, shape)`; `scratch.arrivals` is unused.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode_two_kernels(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
+        let (acc, ml) = two_kernel_decode_scratch_len(token_seq.len(), shape);
         check_len("attention scratch acc", scratch.acc.len(), acc)?;
         check_len("attention scratch ml", scratch.ml.len(), ml)?;
-        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, 0, DECODE_SPLITS, Some(scratch))
+        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, 0, DECODE_SPLITS, Some((&scratch.acc, &scratch.ml)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -239,7 +355,7 @@ impl CudaDevice {
         sh: &PagedAttentionShape,
         partition: i32,
         n_splits: usize,
-        scratch: Option<&AttnScratch>,
+        scratch: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
     ) -> Result<()> {
         let t = token_seq.len();
         let d = sh.head_dim;
@@ -254,7 +370,7 @@ impl CudaDevice {
         let (pp, _f) = token_pos.device_ptr(s);
         let (op, _g) = out.device_ptr_mut(s);
         let (pa, pm) = match scratch {
-            Some(sc) => (sc.acc.device_ptr(s).0, sc.ml.device_ptr(s).0),
+            Some((acc, ml)) => (acc.device_ptr(s).0, ml.device_ptr(s).0),
             None => (0, 0),
         };
         let name = (kernel_name(d, g), combine_name(d));
@@ -335,5 +451,37 @@ impl CudaDevice {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> PagedAttentionShape {
+        PagedAttentionShape {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+            q_stride: n_q_heads * head_dim,
+            block_size: 16,
+            num_blocks: 1,
+            max_blocks_per_seq: 1,
+            scale: 1.0,
+            max_context: 0,
+            partition: 0,
+        }
+    }
+
+    /// One arrival counter per block row of the grid (token x group of q heads a block
+    /// serves), and one partial per q head and block split.
+    #[test]
+    fn decode_scratch_has_a_counter_per_token_and_group() {
+        // Llama-3-8B: groups of 4 q heads, 8 blocks a token.
+        let len = decode_scratch_len(3, &shape(32, 8, 128));
+        assert_eq!(len, DecodeScratchLen { acc: 3 * 32 * 8 * 128, ml: 3 * 32 * 8 * 2, arrivals: 3 * 8 });
+        // Qwen3.5-27B attention: a group of 6 has no instance, so one q head a block.
+        let len = decode_scratch_len(2, &shape(24, 4, 256));
+        assert_eq!(len, DecodeScratchLen { acc: 2 * 24 * 8 * 256, ml: 2 * 24 * 8 * 2, arrivals: 2 * 24 });
     }
 }

@@ -15,7 +15,10 @@ mod rope_kv;
 mod sampling;
 mod sampling_pack;
 
-pub use attention::{decode_scratch_len, AttnScratch, PagedAttentionShape, DECODE_SPLITS};
+pub use attention::{
+    decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, DecodeScratchLen, PagedAttentionShape, DECODE_BLOCK_SPLITS,
+    DECODE_SPLITS,
+};
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape};
 pub use gdn_chunked::ScanForm;
 pub use gemv::{GEMV_ROUTE_MAX_M, GEMV_SWIGLU_ROUTE_MAX_M};
