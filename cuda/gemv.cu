@@ -15,6 +15,53 @@
 #define GEMV_OUT_F32 1
 #define GEMV_OUT_SWIGLU 2
 
+// gemv_cols_per_warp, gemv_weight_row and gemv_store are the warp's column mapping and
+// epilogue, apart from the k loop so that another GEMV body (e.g. one with a prologue) can offer
+// the same epilogues.
+// Output columns of y one warp of C weight rows stores under epilogue OUT.
+template <int C, int OUT>
+__device__ constexpr int gemv_cols_per_warp() {
+    static_assert(OUT != GEMV_OUT_SWIGLU || C % 2 == 0, "SwiGLU pairs a gate row with an up row");
+    return OUT == GEMV_OUT_SWIGLU ? C / 2 : C;
+}
+
+// The weight row behind the warp's slot c (n0: the warp's first output column). Columns past
+// n_out (the last warp of a ragged grid) read column n_out - 1 and store nothing.
+template <int C, int OUT>
+__device__ __forceinline__ long long gemv_weight_row(int c, int n0, int n_out) {
+    constexpr int P = gemv_cols_per_warp<C, OUT>();
+    return min(n0 + c % P, n_out - 1) + (c >= P ? (long long)n_out : 0);
+}
+
+// The warp's epilogue: reduces each lane's partial sums (slot c of gemv_weight_row) and lane 0
+// stores the warp's output columns.
+template <int M, int C, int OUT>
+__device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __restrict__ y, int n0,
+                                           int n_out, int lane) {
+    constexpr int P = gemv_cols_per_warp<C, OUT>();
+#pragma unroll
+    for (int c = 0; c < P; ++c) {
+        const int n = n0 + c;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float s = warp_sum(acc[c][m]);
+            if constexpr (OUT == GEMV_OUT_SWIGLU) {
+                const float u = warp_sum(acc[P + c][m]);
+                if (lane == 0 && n < n_out) {
+                    const float g = to_f32(from_f32(s));
+                    reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] =
+                        from_f32(silu_f(g) * to_f32(from_f32(u)));
+                }
+            } else if (lane == 0 && n < n_out) {
+                if constexpr (OUT == GEMV_OUT_F32)
+                    reinterpret_cast<float*>(y)[(long long)m * n_out + n] = s;
+                else
+                    reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] = from_f32(s);
+            }
+        }
+    }
+}
+
 // A warp computes C adjacent output columns (C = 1 for M = 1, 2 for M = 2..4, 4 for M = 5..8;
 // the launcher's cols_per_warp in ops/gemv.rs mirrors this): each x vector it loads serves C
 // weight vectors, so with several rows of x the x traffic from L1 per weight byte stays
@@ -34,19 +81,13 @@ template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           const store_t* __restrict__ w, void* __restrict__ y,
                                           int n_out, int k) {
-    static_assert(OUT != GEMV_OUT_SWIGLU || C % 2 == 0, "SwiGLU pairs a gate row with an up row");
-    // Output columns of y per warp.
-    constexpr int P = OUT == GEMV_OUT_SWIGLU ? C / 2 : C;
     const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * P;
+    const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
-    // Columns past n_out (the last warp of a ragged grid) read column n_out - 1 and store nothing.
     const vec8* wrow[C];
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const long long row = min(n0 + c % P, n_out - 1) + (c >= P ? (long long)n_out : 0);
-        wrow[c] = reinterpret_cast<const vec8*>(w + row * k);
-    }
+    for (int c = 0; c < C; ++c)
+        wrow[c] = reinterpret_cast<const vec8*>(w + gemv_weight_row<C, OUT>(c, n0, n_out) * k);
     // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the lane's
     // first GEMV_PREFETCH weight vectors are fetched into L2 before waiting for the kernel that
     // wrote x: the weight stream starts while the small kernels before this GEMV still run.
@@ -84,31 +125,11 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
             }
         }
     }
-#pragma unroll
-    for (int c = 0; c < P; ++c) {
-        const int n = n0 + c;
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float s = warp_sum(acc[c][m]);
-            if constexpr (OUT == GEMV_OUT_SWIGLU) {
-                const float u = warp_sum(acc[P + c][m]);
-                if (lane == 0 && n < n_out) {
-                    const float g = to_f32(from_f32(s));
-                    reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] =
-                        from_f32(silu_f(g) * to_f32(from_f32(u)));
-                }
-            } else if (lane == 0 && n < n_out) {
-                if constexpr (OUT == GEMV_OUT_F32)
-                    reinterpret_cast<float*>(y)[(long long)m * n_out + n] = s;
-                else
-                    reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] = from_f32(s);
-            }
-        }
-    }
+    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane);
 }
 
-// SC: the weight rows per warp of the SwiGLU variant (the launcher's rows_per_warp_swiglu in
-// ops/gemv.rs mirrors it): C rounded up to a pair, so one gate/up pair per warp up to M = 4 and
+// SC: the weight rows per warp of the SwiGLU variant (twice the launcher's pairs_per_warp in
+// ops/gemv.rs): C rounded up to a pair, so one gate/up pair per warp up to M = 4 and
 // two at M = 5..8 (as many weight rows, and accumulator registers, as the plain GEMV's C).
 #define GEMV_INSTANCE(M, C, SC)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
