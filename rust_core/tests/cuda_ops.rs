@@ -344,49 +344,53 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
     }
 }
 
-/// The decode MLP's fused down projection (`gemv_swiglu`) must give exactly what the swiglu
-/// kernel followed by the GEMV gives, bit for bit, for every M the GEMV serves: decode results
-/// stay those of the unfused path. K past one tile and ragged (1000: 125 vectors), a single
-/// vector (8), Llama-3-8B's 14336; N ragged against the block's columns. Also checked against
-/// the CPU reference, and row r of an M-row launch against the one-row launch.
+/// The decode MLP's gate_up projection with SwiGLU in its epilogue (`gemv_gateup_swiglu`) must
+/// give exactly what the GEMV into a [M, 2 * inter] buffer followed by the swiglu kernel gives,
+/// bit for bit, for every M the GEMV serves (and M = 11, two launches): decode results stay
+/// those of the unfused path. inter ragged against the warp's pairs and the block's columns
+/// (333, 37, 1027), K = 1000 / 8 / 4096; weights scaled so the sums spread over silu's curve.
+/// Also checked against the CPU reference (gate_up rounded to storage as the GPU rounds it), and
+/// row r of an M-row launch against the one-row launch (batch == alone).
 #[test]
-fn gemv_swiglu_equals_swiglu_then_gemv_bitwise() {
+fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("gemv_swiglu", st) else { return };
+        let Some(dev) = gpu("gemv_gateup_swiglu", st) else { return };
         let mut rng = Rng::new(29);
-        for (n, k) in [(333, 1000), (64, 8), (4096, 14336), (257, 2056)] {
-            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+        for (inter, k) in [(333, 1000), (37, 8), (1027, 4096)] {
+            let s = 3.0 / (k as f32).sqrt();
+            let w = rounded(&rng.vec(2 * inter * k, -s, s), st);
             let wd = upload(&dev, &w);
-            for m in 1..=8 {
-                let gu = rounded(&rng.vec(m * 2 * k, -8.0, 8.0), st);
-                let gud = upload(&dev, &gu);
-                let shape = format!("m{m}n{n}k{k}");
-                let mut fused = Out16::new(&dev, m * n);
-                dev.gemv_swiglu(&gud, &wd, &mut fused.view(), m, n, k, 2 * k).unwrap();
-                let fused = fused.read(&dev, "gemv_swiglu");
-                let mut act = Out16::new(&dev, m * k);
-                dev.swiglu(&gud, &gud.slice(k..), &mut act.view(), m, k, 2 * k, 2 * k).unwrap();
-                let act_host = act.read(&dev, "swiglu");
-                let mut y = Out16::new(&dev, m * n);
-                dev.gemv(&upload(&dev, &act_host), &wd, &mut y.view(), m, n, k).unwrap();
-                assert_bitwise(&fused, &y.read(&dev, "gemv"), &format!("gemv_swiglu {st:?} {shape} vs swiglu + gemv"));
-                let want = reference::matmul_nt(&reference::swiglu(&gu, m, k), &w, m, n, k);
-                check("gemv_swiglu", st, &shape, &fused, &want, tol16(st));
+            for m in (1..=8).chain([11]) {
+                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+                let xd = upload(&dev, &x);
+                let shape = format!("m{m}inter{inter}k{k}");
+                let mut fused = Out16::new(&dev, m * inter);
+                dev.gemv_gateup_swiglu(&xd, &wd, &mut fused.view(), m, inter, k).unwrap();
+                let fused = fused.read(&dev, "gemv_gateup_swiglu");
+                let mut gu = Out16::new(&dev, m * 2 * inter);
+                dev.gemv(&xd, &wd, &mut gu.view(), m, 2 * inter, k).unwrap();
+                let gu_host = gu.read(&dev, "gate_up gemv");
+                let gud = upload(&dev, &gu_host);
+                let mut act = Out16::new(&dev, m * inter);
+                dev.swiglu(&gud, &gud.slice(inter..), &mut act.view(), m, inter, 2 * inter, 2 * inter).unwrap();
+                assert_bitwise(&fused, &act.read(&dev, "swiglu"), &format!("gemv_gateup_swiglu {st:?} {shape} vs gemv + swiglu"));
+                let want = reference::swiglu(&rounded(&reference::matmul_nt(&x, &w, m, 2 * inter, k), st), m, inter);
+                check("gemv_gateup_swiglu", st, &shape, &fused, &want, tol16(st));
                 if m > 1 {
-                    let r = m - 1;
-                    let mut one = Out16::new(&dev, n);
-                    dev.gemv_swiglu(&upload(&dev, &gu[r * 2 * k..(r + 1) * 2 * k]), &wd, &mut one.view(), 1, n, k, 2 * k).unwrap();
-                    assert_bitwise(&fused[r * n..(r + 1) * n], &one.read(&dev, "gemv_swiglu one"), &format!("gemv_swiglu {st:?} {shape} row {r} vs M=1"));
+                    for r in [0, m - 1] {
+                        let mut one = Out16::new(&dev, inter);
+                        dev.gemv_gateup_swiglu(&upload(&dev, &x[r * k..(r + 1) * k]), &wd, &mut one.view(), 1, inter, k).unwrap();
+                        assert_bitwise(&fused[r * inter..(r + 1) * inter], &one.read(&dev, "gemv_gateup_swiglu one"), &format!("gemv_gateup_swiglu {st:?} {shape} row {r} vs M=1"));
+                    }
                 }
             }
         }
-        // Shapes the 16-byte loads cannot serve are typed errors, not wrong results.
-        let (gu, w) = (upload(&dev, &[0.0; 64]), upload(&dev, &[0.0; 64]));
-        let mut y = Out16::new(&dev, 16);
-        for (m, k, stride) in [(9, 8, 16), (1, 12, 24), (1, 8, 20), (1, 16, 24)] {
-            let r = dev.gemv_swiglu(&gu, &w, &mut y.view(), m, 1, k, stride);
-            assert!(matches!(r, Err(NinferError::Device(_))), "m {m} k {k} stride {stride}: {r:?}");
-        }
+        // K the 16-byte loads cannot serve, and a weight shorter than 2 * inter rows, are typed
+        // errors, not wrong results.
+        let (x, w) = (upload(&dev, &[0.0; 64]), upload(&dev, &[0.0; 64]));
+        let mut act = Out16::new(&dev, 16);
+        assert!(matches!(dev.gemv_gateup_swiglu(&x, &w, &mut act.view(), 1, 2, 12), Err(NinferError::Device(_))));
+        assert!(dev.gemv_gateup_swiglu(&x, &w, &mut act.view(), 1, 5, 8).is_err());
     }
 }
 
@@ -1483,19 +1487,20 @@ fn report_decode_op_throughput() {
         let tg = time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
         println!("PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}", bytes / tg / 1e6);
     }
-    // The decode MLP's down projection (Llama-3-8B: 4096 x 14336): swiglu then GEMV against
-    // the fused gemv_swiglu over the same [m, 2 * 14336] gate_up buffer.
-    let (dn, dk) = (k, n);
+    // The decode MLP's gate_up projection (Llama-3-8B: 2 x 14336 x 4096): the GEMV into
+    // [m, 2 * 14336] then swiglu, against the GEMV with SwiGLU in its epilogue.
+    let inter = n;
+    let wgu = s.alloc_zeros::<u16>(2 * inter * k).unwrap();
     for m in [1, 2, 4, 8] {
-        let gu = s.alloc_zeros::<u16>(m * 2 * dk).unwrap();
-        let mut act = s.alloc_zeros::<u16>(m * dk).unwrap();
-        let mut y = s.alloc_zeros::<u16>(m * dn).unwrap();
+        let x = s.alloc_zeros::<u16>(m * k).unwrap();
+        let mut gu = s.alloc_zeros::<u16>(m * 2 * inter).unwrap();
+        let mut act = s.alloc_zeros::<u16>(m * inter).unwrap();
         let unfused = time_ms(&dev, 20, || {
-            dev.swiglu(&gu, &gu.slice(dk..), &mut act, m, dk, 2 * dk, 2 * dk).unwrap();
-            dev.gemv(&act, &w, &mut y, m, dn, dk).unwrap();
+            dev.gemv(&x, &wgu, &mut gu, m, 2 * inter, k).unwrap();
+            dev.swiglu(&gu, &gu.slice(inter..), &mut act, m, inter, 2 * inter, 2 * inter).unwrap();
         });
-        let fused = time_ms(&dev, 20, || dev.gemv_swiglu(&gu, &w, &mut y, m, dn, dk, 2 * dk).unwrap());
-        println!("PERF op=down_proj m={m} n={dn} k={dk} swiglu_gemv_ms={unfused:.4} gemv_swiglu_ms={fused:.4} GBps={:.0}", bytes / fused / 1e6);
+        let fused = time_ms(&dev, 20, || dev.gemv_gateup_swiglu(&x, &wgu, &mut act, m, inter, k).unwrap());
+        println!("PERF op=gate_up m={m} n={} k={k} gemv_swiglu_ms={unfused:.4} fused_ms={fused:.4} GBps={:.0}", 2 * inter, 2.0 * bytes / fused / 1e6);
     }
     let m = 4096;
     let x = s.alloc_zeros::<u16>(m * k).unwrap();

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZe
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_SWIGLU_ROUTE_MAX_M};
+use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
@@ -621,18 +621,21 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
     linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
 }
 
-/// SwiGLU MLP sub-block: reads `act.h`, writes `act.tmp`. Decode-sized steps (up to
-/// GEMV_SWIGLU_ROUTE_MAX_M rows) take the activation inside the down projection's GEMV
-/// (`gemv_swiglu`, bit for bit the swiglu kernel followed by the GEMV, one kernel less); larger
-/// steps run swiglu and `linear` (cuBLAS above 8 rows).
+/// SwiGLU MLP sub-block: reads `act.h`, writes `act.tmp`. Decode-sized steps (the GEMV's rows,
+/// up to GEMV_ROUTE_MAX_M) compute the activation in the gate_up GEMV's epilogue
+/// (`gemv_gateup_swiglu`: bit for bit the GEMV followed by swiglu, one kernel and the
+/// [rows, 2 * inter] round trip less, the weight stream untouched); larger steps run cuBLAS,
+/// swiglu and cuBLAS. The loader packs every model's gate_up weight as gate rows then up rows,
+/// the layout the kernel pairs.
 fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize) -> Result<()> {
     let inter = layer.gate_up.n / 2;
-    linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), rows)?;
-    let gu = buf(&act.gate_up);
-    if rows <= GEMV_SWIGLU_ROUTE_MAX_M && inter.is_multiple_of(8) {
-        return dev.gemv_swiglu(gu, &layer.down.w, buf_mut(&mut act.tmp), rows, layer.down.n, inter, 2 * inter);
+    if rows <= GEMV_ROUTE_MAX_M && layer.gate_up.k.is_multiple_of(8) {
+        dev.gemv_gateup_swiglu(buf(&act.h), &layer.gate_up.w, buf_mut(&mut act.act), rows, inter, layer.gate_up.k)?;
+    } else {
+        linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), rows)?;
+        let gu = buf(&act.gate_up);
+        dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     }
-    dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     linear(dev, &layer.down, buf(&act.act), buf_mut(&mut act.tmp), rows)
 }
 

@@ -2,7 +2,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len, strided_len, KArg};
+use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -19,12 +19,6 @@ pub const GEMV_MAX_M: usize = 8;
 /// the H200 at 14336x4096 bf16 (benches/results/gpu_op_parity.json): GEMV 3.79 / 3.20 / 2.93 /
 /// 1.56 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.54 / 3.54 / 3.83 / 3.59.
 pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
-/// Largest M whose SwiGLU MLP runs its down projection as `gemv_swiglu` (the activation folded
-/// into the GEMV) instead of the swiglu kernel and `linear`. The two routes give the same bits,
-/// so this is a speed choice only: every block computes the activations of all M rows, which
-/// costs most at M = 5..8, where the grid has the fewest blocks (4 columns per warp).
-pub const GEMV_SWIGLU_ROUTE_MAX_M: usize = GEMV_ROUTE_MAX_M;
-
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
 /// multi-row GEMV from being bound by re-reading x; one row keeps one column per warp for
@@ -37,17 +31,61 @@ fn cols_per_warp(m: usize) -> usize {
     }
 }
 
+/// Gate/up pairs (output columns of the activation) one warp computes in
+/// `gemv_gateup_swiglu_m*` for `m` rows: the kernel's SC (weight rows per warp, the GEMV_INSTANCE
+/// macro in gemv.cu) is cols_per_warp rounded up to a pair, and each pair is two weight rows.
+fn pairs_per_warp(m: usize) -> usize {
+    cols_per_warp(m).div_ceil(2)
+}
+
+/// What the GEMV kernel stores: the three epilogues of gemv_body (GEMV_OUT_* in gemv.cu).
+#[derive(Clone, Copy)]
+enum GemvOut {
+    /// y[M, N] in the storage type.
+    Store,
+    /// y[M, N] in f32.
+    F32,
+    /// act[M, N] = silu(gate) * up of the fused gate_up weight's rows n and N + n.
+    SwiGlu,
+}
+
+impl GemvOut {
+    fn name(self, m: usize) -> &'static str {
+        match self {
+            GemvOut::Store => NAMES[m - 1],
+            GemvOut::F32 => NAMES_F32[m - 1],
+            GemvOut::SwiGlu => NAMES_GATEUP_SWIGLU[m - 1],
+        }
+    }
+
+    /// Output columns one block covers for `m` rows.
+    fn cols_per_block(self, m: usize) -> usize {
+        GEMV_WARPS
+            * match self {
+                GemvOut::Store | GemvOut::F32 => cols_per_warp(m),
+                GemvOut::SwiGlu => pairs_per_warp(m),
+            }
+    }
+
+    fn elem_bytes(self) -> u64 {
+        match self {
+            GemvOut::F32 => 4,
+            GemvOut::Store | GemvOut::SwiGlu => 2,
+        }
+    }
+}
+
 const NAMES: [&str; GEMV_MAX_M] =
     ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
-const NAMES_SWIGLU: [&str; GEMV_MAX_M] = [
-    "gemv_swiglu_m1",
-    "gemv_swiglu_m2",
-    "gemv_swiglu_m3",
-    "gemv_swiglu_m4",
-    "gemv_swiglu_m5",
-    "gemv_swiglu_m6",
-    "gemv_swiglu_m7",
-    "gemv_swiglu_m8",
+const NAMES_GATEUP_SWIGLU: [&str; GEMV_MAX_M] = [
+    "gemv_gateup_swiglu_m1",
+    "gemv_gateup_swiglu_m2",
+    "gemv_gateup_swiglu_m3",
+    "gemv_gateup_swiglu_m4",
+    "gemv_gateup_swiglu_m5",
+    "gemv_gateup_swiglu_m6",
+    "gemv_gateup_swiglu_m7",
+    "gemv_gateup_swiglu_m8",
 ];
 const NAMES_F32: [&str; GEMV_MAX_M] = [
     "gemv_f32out_m1",
@@ -61,18 +99,10 @@ const NAMES_F32: [&str; GEMV_MAX_M] = [
 ];
 
 impl CudaDevice {
+    /// Launches the GEMV with epilogue `out` over `m` rows, GEMV_MAX_M rows per launch; `n` is
+    /// the number of output columns (the activation width for SwiGlu).
     #[allow(clippy::too_many_arguments)]
-    fn gemv_launch(
-        &self,
-        x: u64,
-        w: u64,
-        y: u64,
-        y_elem_bytes: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        f32_out: bool,
-    ) -> Result<()> {
+    fn gemv_launch(&self, x: u64, w: u64, y: u64, out: GemvOut, m: usize, n: usize, k: usize) -> Result<()> {
         if !k.is_multiple_of(8) {
             return Err(NinferError::Device(format!(
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
@@ -81,13 +111,13 @@ impl CudaDevice {
         let mut row = 0;
         while row < m {
             let mm = (m - row).min(GEMV_MAX_M);
-            let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS * cols_per_warp(mm)))? as u32, 1, 1);
-            let name = if f32_out { NAMES_F32[mm - 1] } else { NAMES[mm - 1] };
+            let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm)))? as u32, 1, 1);
+            let name = out.name(mm);
             let f = self.function(KernelFamily::Gemv, name)?;
             let args = [
                 KArg::Ptr(x + (row * k * 2) as u64),
                 KArg::Ptr(w),
-                KArg::Ptr(y + (row * n) as u64 * y_elem_bytes),
+                KArg::Ptr(y + (row * n) as u64 * out.elem_bytes()),
                 KArg::I32(as_i32("gemv n", n)?),
                 KArg::I32(as_i32("gemv k", k)?),
             ];
@@ -115,7 +145,7 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
-        self.gemv_launch(xp, wp, yp, 2, m, n, k, false)
+        self.gemv_launch(xp, wp, yp, GemvOut::Store, m, n, k)
     }
 
     /// y[M, N] = x[M, K] * W[N, K]^T by the faster route for M: the GEMV kernel for
@@ -171,54 +201,32 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
-        self.gemv_launch(xp, wp, yp, 4, m, n, k, true)
+        self.gemv_launch(xp, wp, yp, GemvOut::F32, m, n, k)
     }
 
-    /// The down projection of a SwiGLU MLP with the activation folded in:
-    /// y[M, N] = (silu(gate) * up)[M, K] * W[N, K]^T, gate and up read in place from the fused
-    /// gate_up projection (row r's gate at `gate_up[r * gu_stride..]`, its up K elements
-    /// later). Bit for bit what `swiglu` followed by `gemv` gives (the activation is rounded to
-    /// the storage type where swiglu stores it), one kernel instead of two. M <= GEMV_MAX_M
-    /// (decode); K and `gu_stride` multiples of 8, buffers 16-byte aligned.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_swiglu(
+    /// The gate_up projection of a SwiGLU MLP with the activation in its epilogue:
+    /// act[M, inter] = silu(x W_gate^T) * (x W_up^T), where `w_gate_up` is the fused [2 * inter, K]
+    /// weight the loader packs (gate rows, then up rows). Bit for bit what `gemv` into a
+    /// [M, 2 * inter] buffer followed by `swiglu` gives (each sum is rounded to the storage type
+    /// where the GEMV stores it), with one kernel and one gate_up round trip less; the weight
+    /// stream is the plain GEMV's. For decode (small M; any M runs, in launches of GEMV_MAX_M
+    /// rows); K must be a multiple of 8 and all buffers 16-byte aligned.
+    pub fn gemv_gateup_swiglu(
         &self,
-        gate_up: &impl DevicePtr<u16>,
-        w: &impl DevicePtr<u16>,
-        y: &mut impl DevicePtrMut<u16>,
+        x: &impl DevicePtr<u16>,
+        w_gate_up: &impl DevicePtr<u16>,
+        act: &mut impl DevicePtrMut<u16>,
         m: usize,
-        n: usize,
+        inter: usize,
         k: usize,
-        gu_stride: usize,
     ) -> Result<()> {
-        if m > GEMV_MAX_M || !k.is_multiple_of(8) || !gu_stride.is_multiple_of(8) || gu_stride < 2 * k {
-            return Err(NinferError::Device(format!(
-                "gemv_swiglu needs M <= {GEMV_MAX_M}, K and the gate_up row stride multiples of 8 \
-                 and the stride >= 2K (16-byte loads of gate and up), got M = {m}, K = {k}, stride = {gu_stride}"
-            )));
-        }
-        if m == 0 {
-            return Ok(());
-        }
-        check_len("gemv_swiglu gate_up", gate_up.len(), strided_len(m, 2 * k, gu_stride))?;
-        check_len("gemv_swiglu w", w.len(), n * k)?;
-        check_len("gemv_swiglu y", y.len(), m * n)?;
+        check_len("gemv_gateup_swiglu x", x.len(), m * k)?;
+        check_len("gemv_gateup_swiglu w", w_gate_up.len(), 2 * inter * k)?;
+        check_len("gemv_gateup_swiglu act", act.len(), m * inter)?;
         let s = self.stream();
-        let (gp, _a) = gate_up.device_ptr(s);
-        let (wp, _b) = w.device_ptr(s);
-        let (yp, _c) = y.device_ptr_mut(s);
-        let grid = (as_i32("gemv n", n.div_ceil(GEMV_WARPS * cols_per_warp(m)))? as u32, 1, 1);
-        let name = NAMES_SWIGLU[m - 1];
-        let f = self.function(KernelFamily::Gemv, name)?;
-        let args = [
-            KArg::Ptr(gp),
-            KArg::Ptr(gp + (k * 2) as u64),
-            KArg::I64(gu_stride as i64),
-            KArg::Ptr(wp),
-            KArg::Ptr(yp),
-            KArg::I32(as_i32("gemv n", n)?),
-            KArg::I32(as_i32("gemv k", k)?),
-        ];
-        self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)
+        let (xp, _a) = x.device_ptr(s);
+        let (wp, _b) = w_gate_up.device_ptr(s);
+        let (ap, _c) = act.device_ptr_mut(s);
+        self.gemv_launch(xp, wp, ap, GemvOut::SwiGlu, m, inter, k)
     }
 }

@@ -21,7 +21,7 @@ pub use attention::{
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape};
 pub use gdn_chunked::ScanForm;
-pub use gemv::{GEMV_ROUTE_MAX_M, GEMV_SWIGLU_ROUTE_MAX_M};
+pub use gemv::GEMV_ROUTE_MAX_M;
 pub use rope_kv::RopeKvShape;
 pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
 
