@@ -17,6 +17,7 @@ mod sampling_pack;
 
 pub use attention::{decode_scratch_len, AttnScratch, PagedAttentionShape, DECODE_SPLITS};
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape};
+pub use flash_attention::FlashTile;
 pub use gdn_chunked::ScanForm;
 pub use gemv::{GEMV_ROUTE_MAX_M, GEMV_SWIGLU_ROUTE_MAX_M};
 pub use rope_kv::RopeKvShape;
