@@ -158,24 +158,37 @@ __device__ __forceinline__ void stage_kv_sync(store_t* ks, store_t* vs, const st
 
 // Starts the copy of keys kb..kb+BN into ks/vs as one cp.async group (V still in the storage
 // type); rows past kv_len are zeroed with plain stores. Each thread owns the same 16-byte
-// chunks in stage_kv_async and finish_v_async.
+// chunks in stage_kv_async and finish_v_async. bs_shift = log2(block_size) when block_size is a
+// power of two (the engine's 16), else -1: the runtime integer division of the key index took
+// a fifth of the loop's instructions.
 template <int D, int BN, int NT>
 __device__ __forceinline__ void stage_kv_async(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
                                                const store_t* __restrict__ v_cache,
                                                const int* __restrict__ table, int kb,
                                                int kv_len, int kvh, int n_kv_heads, int block_size,
-                                               int tid) {
+                                               int bs_shift, int tid) {
     constexpr int LD = D + FA_PAD;
     constexpr int VPR = D / 8;
     static_assert((BN * VPR) % NT == 0, "every thread copies the same number of chunks");
+    constexpr int CHUNKS = BN * VPR / NT;
+    // The block-table entries of this thread's rows first, so their loads are in flight
+    // together instead of each stalling its own copy.
+    int blk[CHUNKS];
 #pragma unroll
-    for (int it = 0; it < BN * VPR / NT; ++it) {
+    for (int it = 0; it < CHUNKS; ++it) {
+        const int j = kb + (tid + it * NT) / VPR;
+        blk[it] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+    }
+#pragma unroll
+    for (int it = 0; it < CHUNKS; ++it) {
         const int i = tid + it * NT;
         const int r = i / VPR;
         const int c = (i - r * VPR) * 8;
         const int j = kb + r;
         if (j < kv_len) {
-            const long long off = kv_offset(table, j, block_size, n_kv_heads, kvh, D, c);
+            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+            const long long off = ((long long)blk[it] * block_size + in_block) * n_kv_heads * D +
+                                  (long long)kvh * D + c;
             cp_async16(smem_u32(ks + r * LD + c), k_cache + off);
             cp_async16(smem_u32(vs + r * LD + c), v_cache + off);
         } else {
@@ -269,9 +282,10 @@ __device__ __forceinline__ void flash_body(
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     if constexpr (PIPE)
         stage_kv_async<D, BN, NT>(kv0, kv0 + BN * LD, k_cache, v_cache, table, 0, kv_len, kvh,
-                                  n_kv_heads, block_size, tid);
+                                  n_kv_heads, block_size, bs_shift, tid);
     for (int kb = 0, t = 0; kb < kv_len; kb += BN, ++t) {
         store_t* ks = kv0 + (PIPE ? (t & 1) * 2 * BN * LD : 0);
         store_t* vs = ks + BN * LD;
@@ -283,7 +297,7 @@ __device__ __forceinline__ void flash_body(
             if (kb + BN < kv_len) {
                 store_t* kn = kv0 + ((t + 1) & 1) * 2 * BN * LD;
                 stage_kv_async<D, BN, NT>(kn, kn + BN * LD, k_cache, v_cache, table, kb + BN,
-                                          kv_len, kvh, n_kv_heads, block_size, tid);
+                                          kv_len, kvh, n_kv_heads, block_size, bs_shift, tid);
             }
         } else {
             __syncthreads();  // the previous tile is no longer read (and the Q tile is stored)
@@ -332,12 +346,17 @@ __device__ __forceinline__ void flash_body(
         m_b = mx_b;
         l_a *= corr_a;
         l_b *= corr_b;
+        // Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the
+        // warp, and scaling O by it changes no bit: the 128-row kernel skips those D/2
+        // multiplies a lane (the other kernels keep their instruction stream unchanged).
+        if (!PIPE || !__all_sync(0xffffffffu, corr_a == 1.0f && corr_b == 1.0f)) {
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= corr_a;
-            o[n][1] *= corr_a;
-            o[n][2] *= corr_b;
-            o[n][3] *= corr_b;
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][0] *= corr_a;
+                o[n][1] *= corr_a;
+                o[n][2] *= corr_b;
+                o[n][3] *= corr_b;
+            }
         }
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
