@@ -178,3 +178,39 @@ impl CudaDevice {
         self.launch(&f, config, name, &args)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Per-block shared-memory opt-in limits (bytes) of the architectures the 128-row tiling is
+    /// meant for and the ones it must stay off (CUDA programming guide, compute capabilities).
+    const OPTIN_SM80: usize = 163 * 1024;
+    const OPTIN_SM86: usize = 99 * 1024;
+    const OPTIN_SM90: usize = 227 * 1024;
+
+    #[test]
+    fn the_128_row_tiling_fits_sm80_and_sm90_but_not_sm86() {
+        let wide = instance(256, FlashTile::Rows128Async).unwrap();
+        assert_eq!((wide.rows(), wide.bn, wide.buffers), (128, 32, 2));
+        assert_eq!(wide.smem_bytes(256), (128 + 2 * 2 * 32) * (256 + 8) * 2);
+        assert!(wide.smem_bytes(256) <= OPTIN_SM80 && wide.smem_bytes(256) <= OPTIN_SM90);
+        assert!(wide.smem_bytes(256) > OPTIN_SM86);
+        // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
+        for d in [64, 96, 128, 256] {
+            let narrow = instance(d, FlashTile::Rows64).unwrap();
+            assert!(narrow.smem_bytes(d) <= OPTIN_SM86, "d{d}: {} bytes", narrow.smem_bytes(d));
+        }
+    }
+
+    #[test]
+    fn tilings_without_a_kernel_are_unsupported() {
+        for (d, tile) in [(128, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async)] {
+            match instance(d, tile) {
+                Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
+                Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
+                Ok(i) => panic!("d{d} {tile:?}: unexpected kernel {}", i.name),
+            }
+        }
+    }
+}
