@@ -5,26 +5,36 @@
 // after a cached prefix) and sees keys 0..=token_pos[r], whose K/V are already in the cache
 // [num_blocks, block_size, n_kv_heads, D] through the block table of s.
 //
-// One block of FA_WARPS warps computes FA_BM = 16 * FA_WARPS query rows of one q head of one
-// sequence (grid: row tiles, q heads, sequences). The Q tile is staged in shared memory once;
-// key tiles of BN rows are gathered from the paged cache into shared memory, S = Q K^T and
-// O += P V run as `mma.sync.m16n8k16` (16-bit inputs, f32 accumulators), and the softmax is
-// online in f32 (running max and sum per row; exp2 with the scale folded into log2(e)), so no
-// score matrix leaves registers.
+// One block of WARPS warps computes BM = 16 * WARPS query rows of one q head of one sequence
+// (grid: row tiles, q heads, sequences). The Q tile is staged in shared memory once; key tiles
+// of BN rows are gathered from the paged cache into shared memory, S = Q K^T and O += P V run as
+// `mma.sync.m16n8k16` (16-bit inputs, f32 accumulators), and the softmax is online in f32
+// (running max and sum per row; exp2 with the scale folded into log2(e)), so no score matrix
+// leaves registers.
+//
+// Two tilings (the launcher picks; flash_attention.rs):
+// - 4 warps (64 rows), one K/V buffer loaded synchronously between two barriers: every head
+//   size, and d 256 where a block may not have 132 KiB of shared memory (sm_86/sm_89).
+// - d 256 only, 8 warps (128 rows), two K/V buffers filled by cp.async: tile t+1 is in flight
+//   while tile t is multiplied. At d 256 the f32 O accumulators take 128 registers a lane, so
+//   an SM holds only 8 warps (238 registers a lane, no spills); with the synchronous form those
+//   were two 4-warp blocks, each idle while its tile came from L2, and every K/V tile crossed
+//   L2 once per 64 query rows (13 GB per layer of an 8k prompt at 24/4 heads). The 128-row
+//   block halves that traffic and the copy overlaps the products.
 //
 // P V always runs with f16 operands, whatever the storage type: P lies in [0, 1], where f16
 // keeps 10 mantissa bits against bf16's 7, and rounding P to bf16 made batched prefill drift
 // from the same prompt run alone on trained models. With bf16 storage the V tile is converted
-// to f16 as it is staged in shared memory (exact for |v| in [6.1e-5, 65504]; smaller values
-// become f16 subnormals, larger ones are clamped to +-65504 rather than turning into inf). A warp owns 16 query rows; in the mma fragment layout a lane
-// holds rows lane/4 and lane/4 + 8, so row reductions are two quad shuffles.
+// to f16 in shared memory (as it is staged, or by the thread that copied it once its cp.async
+// landed; exact for |v| in [6.1e-5, 65504]; smaller values become f16 subnormals, larger ones
+// are clamped to +-65504 rather than turning into inf). A warp owns 16 query rows; in the mma
+// fragment layout a lane holds rows lane/4 and lane/4 + 8, so row reductions are two quad
+// shuffles.
 //
-// Tensor-core mma needs sm_80 for bf16 (the launcher routes sm_70/sm_75 to the scalar
+// Tensor-core mma and cp.async need sm_80 (the launcher routes sm_70/sm_75 to the scalar
 // paged_attention kernel), so the bodies compile to nothing below sm_80.
 #include "common.cuh"
 
-#define FA_WARPS 4
-#define FA_BM (16 * FA_WARPS)
 // Shared-memory rows are padded by 8 elements (16 bytes): 32-bit fragment loads of 8 rows x 4
 // lanes then fall in distinct banks, and ldmatrix row addresses stay 16-byte aligned.
 #define FA_PAD 8
@@ -83,6 +93,15 @@ __device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned v) {
 }
 #endif
 
+// Four 8x8 tiles of 16-bit elements, lanes 8i..8i+7 giving the row addresses of tile i; lane l
+// receives row l/4, columns 2(l%4) and 2(l%4)+1 of each: the A fragment of a row-major [m][k]
+// tile, or the B fragments of a row-major [n][k] one (K as stored).
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 // Four transposed 8x8 tiles of 16-bit elements: the B fragments of a row-major [k][n] matrix.
 __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -98,7 +117,127 @@ __device__ __forceinline__ unsigned ld32(const store_t* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
-template <int D, int BN>
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+// Waits for this thread's cp.async groups; the memory clobber keeps shared-memory reads after it.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Element offset in the cache of key j's row for kv head kvh, column c.
+__device__ __forceinline__ long long kv_offset(const int* table, int j, int block_size, int n_kv_heads,
+                                               int kvh, int D, int c) {
+    return ((long long)table[j / block_size] * block_size + (j % block_size)) * n_kv_heads * D +
+           (long long)kvh * D + c;
+}
+
+// Stages keys kb..kb+BN into ks/vs through registers (V converted to f16), zeros past kv_len.
+template <int D, int BN, int NT>
+__device__ __forceinline__ void stage_kv_sync(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
+                                              const store_t* __restrict__ v_cache,
+                                              const int* __restrict__ table, int kb,
+                                              int kv_len, int kvh, int n_kv_heads, int block_size,
+                                              int tid) {
+    constexpr int LD = D + FA_PAD;
+    constexpr int VPR = D / 8;
+    for (int i = tid; i < BN * VPR; i += NT) {
+        const int r = i / VPR;
+        const int c = (i - r * VPR) * 8;
+        const int j = kb + r;
+        uint4 kv, vv;
+        kv.x = kv.y = kv.z = kv.w = 0u;
+        vv = kv;
+        if (j < kv_len) {
+            const long long off = kv_offset(table, j, block_size, n_kv_heads, kvh, D, c);
+            kv = *reinterpret_cast<const uint4*>(k_cache + off);
+            vv = *reinterpret_cast<const uint4*>(v_cache + off);
+#if !defined(NINFER_STORAGE_F16)
+            vv.x = bf16x2_to_f16x2(vv.x);
+            vv.y = bf16x2_to_f16x2(vv.y);
+            vv.z = bf16x2_to_f16x2(vv.z);
+            vv.w = bf16x2_to_f16x2(vv.w);
+#endif
+        }
+        *reinterpret_cast<uint4*>(ks + r * LD + c) = kv;
+        *reinterpret_cast<uint4*>(vs + r * LD + c) = vv;
+    }
+}
+
+// Starts the copy of keys kb..kb+BN into ks/vs as one cp.async group (V still in the storage
+// type); rows past kv_len are zeroed with plain stores. Each thread owns the same 16-byte
+// chunks in stage_kv_async and finish_v_async. bs_shift = log2(block_size) when block_size is a
+// power of two (the engine's 16), else -1: the runtime integer division of the key index took
+// a fifth of the loop's instructions.
+template <int D, int BN, int NT>
+__device__ __forceinline__ void stage_kv_async(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
+                                               const store_t* __restrict__ v_cache,
+                                               const int* __restrict__ table, int kb,
+                                               int kv_len, int kvh, int n_kv_heads, int block_size,
+                                               int bs_shift, int tid) {
+    constexpr int LD = D + FA_PAD;
+    constexpr int VPR = D / 8;
+    static_assert((BN * VPR) % NT == 0, "every thread copies the same number of chunks");
+    constexpr int CHUNKS = BN * VPR / NT;
+    // The block-table entries of this thread's rows first, so their loads are in flight
+    // together instead of each stalling its own copy.
+    int blk[CHUNKS];
+#pragma unroll
+    for (int it = 0; it < CHUNKS; ++it) {
+        const int j = kb + (tid + it * NT) / VPR;
+        blk[it] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+    }
+#pragma unroll
+    for (int it = 0; it < CHUNKS; ++it) {
+        const int i = tid + it * NT;
+        const int r = i / VPR;
+        const int c = (i - r * VPR) * 8;
+        const int j = kb + r;
+        if (j < kv_len) {
+            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+            const long long off = ((long long)blk[it] * block_size + in_block) * n_kv_heads * D +
+                                  (long long)kvh * D + c;
+            cp_async16(smem_u32(ks + r * LD + c), k_cache + off);
+            cp_async16(smem_u32(vs + r * LD + c), v_cache + off);
+        } else {
+            uint4 z;
+            z.x = z.y = z.z = z.w = 0u;
+            *reinterpret_cast<uint4*>(ks + r * LD + c) = z;
+            *reinterpret_cast<uint4*>(vs + r * LD + c) = z;
+        }
+    }
+    cp_async_commit();
+}
+
+// Waits for this thread's copies and converts its own V chunks to f16 in place (bf16 storage);
+// a barrier after it publishes the tile to the block.
+template <int D, int BN, int NT>
+__device__ __forceinline__ void finish_v_async(store_t* vs, int kb, int kv_len, int tid) {
+    cp_async_wait_all();
+#if !defined(NINFER_STORAGE_F16)
+    constexpr int LD = D + FA_PAD;
+    constexpr int VPR = D / 8;
+#pragma unroll
+    for (int it = 0; it < BN * VPR / NT; ++it) {
+        const int i = tid + it * NT;
+        const int r = i / VPR;
+        const int c = (i - r * VPR) * 8;
+        if (kb + r < kv_len) {
+            uint4* p = reinterpret_cast<uint4*>(vs + r * LD + c);
+            uint4 vv = *p;
+            vv.x = bf16x2_to_f16x2(vv.x);
+            vv.y = bf16x2_to_f16x2(vv.y);
+            vv.z = bf16x2_to_f16x2(vv.z);
+            vv.w = bf16x2_to_f16x2(vv.w);
+            *p = vv;
+        }
+    }
+#endif
+}
+
+// WARPS warps, BN keys a tile; PIPE: two K/V buffers filled by cp.async (see the header).
+template <int D, int BN, int WARPS, bool PIPE>
 __device__ __forceinline__ void flash_body(
     const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
@@ -106,20 +245,20 @@ __device__ __forceinline__ void flash_body(
     int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
     constexpr int LD = D + FA_PAD;
     constexpr int VPR = D / 8;  // 16-byte vectors per row
-    constexpr int NT = FA_WARPS * 32;
+    constexpr int NT = WARPS * 32;
+    constexpr int BM = 16 * WARPS;
     extern __shared__ uint4 fa_smem[];
-    store_t* qs = reinterpret_cast<store_t*>(fa_smem);  // [FA_BM][LD]
-    store_t* ks = qs + FA_BM * LD;                       // [BN][LD]
-    store_t* vs = ks + BN * LD;                          // [BN][LD], f16 bits
+    store_t* qs = reinterpret_cast<store_t*>(fa_smem);  // [BM][LD]
+    store_t* kv0 = qs + BM * LD;  // per buffer: K [BN][LD], then V [BN][LD] (f16 bits)
 
     const int s = blockIdx.z;
     const int h = blockIdx.y;
     const int row0 = cu_seqlens[s];
     const int n_rows = cu_seqlens[s + 1] - row0;
     // Highest tiles (longest key ranges) are scheduled first.
-    const int tile0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    const int tile0 = (gridDim.x - 1 - blockIdx.x) * BM;
     if (tile0 >= n_rows) return;
-    const int tile_rows = min(FA_BM, n_rows - tile0);
+    const int tile_rows = min(BM, n_rows - tile0);
     const int kvh = h / (n_q_heads / n_kv_heads);
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -127,7 +266,7 @@ __device__ __forceinline__ void flash_body(
     const int gr = lane >> 2;
     const int tq = lane & 3;
 
-    for (int i = tid; i < FA_BM * VPR; i += NT) {
+    for (int i = tid; i < BM * VPR; i += NT) {
         const int r = i / VPR;
         const int c = (i - r * VPR) * 8;
         uint4 val;
@@ -152,46 +291,66 @@ __device__ __forceinline__ void flash_body(
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
-    for (int kb = 0; kb < kv_len; kb += BN) {
-        __syncthreads();  // the previous tile is no longer read (and the Q tile is stored)
-        for (int i = tid; i < BN * VPR; i += NT) {
-            const int r = i / VPR;
-            const int c = (i - r * VPR) * 8;
-            const int j = kb + r;
-            uint4 kv, vv;
-            kv.x = kv.y = kv.z = kv.w = 0u;
-            vv = kv;
-            if (j < kv_len) {
-                const long long off =
-                    ((long long)table[j / block_size] * block_size + (j % block_size)) *
-                        n_kv_heads * D +
-                    (long long)kvh * D + c;
-                kv = *reinterpret_cast<const uint4*>(k_cache + off);
-                vv = *reinterpret_cast<const uint4*>(v_cache + off);
-#if !defined(NINFER_STORAGE_F16)
-                vv.x = bf16x2_to_f16x2(vv.x);
-                vv.y = bf16x2_to_f16x2(vv.y);
-                vv.z = bf16x2_to_f16x2(vv.z);
-                vv.w = bf16x2_to_f16x2(vv.w);
-#endif
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    if constexpr (PIPE)
+        stage_kv_async<D, BN, NT>(kv0, kv0 + BN * LD, k_cache, v_cache, table, 0, kv_len, kvh,
+                                  n_kv_heads, block_size, bs_shift, tid);
+    for (int kb = 0, t = 0; kb < kv_len; kb += BN, ++t) {
+        store_t* ks = kv0 + (PIPE ? (t & 1) * 2 * BN * LD : 0);
+        store_t* vs = ks + BN * LD;
+        if constexpr (PIPE) {
+            finish_v_async<D, BN, NT>(vs, kb, kv_len, tid);
+            // Tile t is visible to the block (and the Q tile is stored); every warp is done
+            // with tile t-1, whose buffer the next copy overwrites.
+            __syncthreads();
+            if (kb + BN < kv_len) {
+                store_t* kn = kv0 + ((t + 1) & 1) * 2 * BN * LD;
+                stage_kv_async<D, BN, NT>(kn, kn + BN * LD, k_cache, v_cache, table, kb + BN,
+                                          kv_len, kvh, n_kv_heads, block_size, bs_shift, tid);
             }
-            *reinterpret_cast<uint4*>(ks + r * LD + c) = kv;
-            *reinterpret_cast<uint4*>(vs + r * LD + c) = vv;
+        } else {
+            __syncthreads();  // the previous tile is no longer read (and the Q tile is stored)
+            stage_kv_sync<D, BN, NT>(ks, vs, k_cache, v_cache, table, kb, kv_len, kvh, n_kv_heads,
+                                     block_size, tid);
+            __syncthreads();
         }
-        __syncthreads();
         if (kb > warp_max_pos) continue;  // every key of the tile is in this warp's future
 
         float sc[BN / 8][4];
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+        if constexpr (PIPE) {
+            // The same fragments through ldmatrix: one x4 load gives the Q A-fragment of a k16
+            // step (matrices: rows 0-7 / 8-15 by columns k0 / k0+8), one gives the K
+            // B-fragments of two key n-tiles (keys n*8.. / n*8+8.. by columns k0 / k0+8): 3
+            // loads per k16 step instead of 12 32-bit ones, the same values in the same mma
+            // order.
+            static_assert(BN % 16 == 0, "key n-tiles go in pairs");
+            const unsigned qa = smem_u32(qs + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                         (lane >> 4) * 8);
+            const unsigned ka = smem_u32(ks + ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8);
 #pragma unroll
-        for (int k0 = 0; k0 < D; k0 += 16) {
-            const store_t* qp = qs + (warp * 16 + gr) * LD + k0 + 2 * tq;
-            const unsigned a[4] = {ld32(qp), ld32(qp + 8 * LD), ld32(qp + 8), ld32(qp + 8 * LD + 8)};
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                unsigned a[4];
+                ldsm_x4(a, qa + k0 * 2);
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
-                const store_t* kp = ks + (n * 8 + gr) * LD + k0 + 2 * tq;
-                mma16816(sc[n], a, ld32(kp), ld32(kp + 8));
+                for (int n = 0; n < BN / 8; n += 2) {
+                    unsigned b[4];
+                    ldsm_x4(b, ka + (n * 8 * LD + k0) * 2);
+                    mma16816(sc[n], a, b[0], b[1]);
+                    mma16816(sc[n + 1], a, b[2], b[3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                const store_t* qp = qs + (warp * 16 + gr) * LD + k0 + 2 * tq;
+                const unsigned a[4] = {ld32(qp), ld32(qp + 8 * LD), ld32(qp + 8), ld32(qp + 8 * LD + 8)};
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n) {
+                    const store_t* kp = ks + (n * 8 + gr) * LD + k0 + 2 * tq;
+                    mma16816(sc[n], a, ld32(kp), ld32(kp + 8));
+                }
             }
         }
         float mx_a = m_a, mx_b = m_b;
@@ -220,12 +379,17 @@ __device__ __forceinline__ void flash_body(
         m_b = mx_b;
         l_a *= corr_a;
         l_b *= corr_b;
+        // Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the
+        // warp, and scaling O by it changes no bit: the 128-row kernel skips those D/2
+        // multiplies a lane (the other kernels keep their instruction stream unchanged).
+        if (!PIPE || !__all_sync(0xffffffffu, corr_a == 1.0f && corr_b == 1.0f)) {
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= corr_a;
-            o[n][1] *= corr_a;
-            o[n][2] *= corr_b;
-            o[n][3] *= corr_b;
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][0] *= corr_a;
+                o[n][1] *= corr_a;
+                o[n][2] *= corr_b;
+                o[n][3] *= corr_b;
+            }
         }
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
@@ -274,24 +438,27 @@ __device__ __forceinline__ void flash_body(
     }
 }
 
-#define FA_BODY(D, BN)                                                                          \
-    flash_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens,      \
-                      token_pos, n_q_heads, n_kv_heads, block_size, scale_log2, out);
+#define FA_BODY(D, BN, WARPS, PIPE)                                                             \
+    flash_body<D, BN, WARPS, PIPE>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
+                                   cu_seqlens, token_pos, n_q_heads, n_kv_heads, block_size,    \
+                                   scale_log2, out);
 #else
-#define FA_BODY(D, BN)
+#define FA_BODY(D, BN, WARPS, PIPE)
 #endif
 
-// Key tile BN per head size: 64 keys up to D = 128; 32 at D = 256, where the f32 output
-// accumulators already take 128 registers a lane.
-#define FA_INSTANCE(D, BN)                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32) flash_attention_d##D(           \
+// (head size, keys per tile, warps, cp.async double buffer); the launcher's table in
+// flash_attention.rs repeats these. Key tiles of 64 up to d 128; 32 at d 256, where the f32
+// output accumulators already take 128 registers a lane.
+#define FA_INSTANCE(NAME, D, BN, WARPS, PIPE)                                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                              \
         const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
         const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
         int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
-        FA_BODY(D, BN)                                                                          \
+        FA_BODY(D, BN, WARPS, PIPE)                                                             \
     }
 
-FA_INSTANCE(64, 64)
-FA_INSTANCE(96, 64)
-FA_INSTANCE(128, 64)
-FA_INSTANCE(256, 32)
+FA_INSTANCE(flash_attention_d64, 64, 64, 4, false)
+FA_INSTANCE(flash_attention_d96, 96, 64, 4, false)
+FA_INSTANCE(flash_attention_d128, 128, 64, 4, false)
+FA_INSTANCE(flash_attention_d256, 256, 32, 4, false)
+FA_INSTANCE(flash_attention_d256_r128, 256, 32, 8, true)

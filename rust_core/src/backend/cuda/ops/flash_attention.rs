@@ -1,7 +1,7 @@
 //! Prefill attention launcher (cuda/flash_attention.cu): causal flash attention on tensor
 //! cores over the paged KV cache, for steps whose sequences bring chunks of query rows.
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::attention::PagedAttentionShape;
@@ -10,22 +10,56 @@ use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
-/// Query rows per block (FA_BM in flash_attention.cu: 16 rows per warp, 4 warps).
-const FA_BM: usize = 64;
-/// Threads per block.
-const FA_THREADS: u32 = 128;
 /// Shared-memory row padding in elements (FA_PAD).
 const FA_PAD: usize = 8;
 
-/// (kernel name, keys per tile) for a head size; the tile matches FA_INSTANCE in the .cu.
-fn kernel(d: usize) -> Result<(&'static str, usize)> {
-    Ok(match d {
-        64 => ("flash_attention_d64", 64),
-        96 => ("flash_attention_d96", 64),
-        128 => ("flash_attention_d128", 64),
-        256 => ("flash_attention_d256", 32),
-        _ => return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d}"))),
-    })
+/// How a flash attention block covers its work (the two tilings of flash_attention.cu's header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlashTile {
+    /// 4 warps = 64 query rows a block, one K/V tile loaded synchronously: every head size, on
+    /// every sm_80+ device.
+    Rows64,
+    /// Head size 256 only: 8 warps = 128 query rows a block, two K/V tiles filled by cp.async
+    /// (the copy of the next tile overlaps the products of this one, and each K/V tile crosses
+    /// L2 once per 128 rows instead of 64). Needs 132 KiB of shared memory a block: sm_80 and
+    /// sm_90, not sm_86/sm_89 (99 KiB).
+    Rows128Async,
+}
+
+/// One kernel instance (FA_INSTANCE in flash_attention.cu, whose list this repeats).
+struct Instance {
+    name: &'static str,
+    /// Keys per K/V tile.
+    bn: usize,
+    /// Warps per block; each owns 16 query rows.
+    warps: usize,
+    /// K/V tile buffers in shared memory.
+    buffers: usize,
+}
+
+impl Instance {
+    fn rows(&self) -> usize {
+        16 * self.warps
+    }
+
+    /// Dynamic shared memory: the Q tile and each buffer's K and V tiles, padded rows of 16 bits.
+    fn smem_bytes(&self, d: usize) -> usize {
+        (self.rows() + 2 * self.buffers * self.bn) * (d + FA_PAD) * 2
+    }
+}
+
+fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
+    let (name, bn, warps, buffers) = match (d, tile) {
+        (64, FlashTile::Rows64) => ("flash_attention_d64", 64, 4, 1),
+        (96, FlashTile::Rows64) => ("flash_attention_d96", 64, 4, 1),
+        (128, FlashTile::Rows64) => ("flash_attention_d128", 64, 4, 1),
+        (256, FlashTile::Rows64) => ("flash_attention_d256", 32, 4, 1),
+        (256, FlashTile::Rows128Async) => ("flash_attention_d256_r128", 32, 8, 2),
+        _ => {
+            return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
+        }
+    };
+    Ok(Instance { name, bn, warps, buffers })
 }
 
 impl CudaDevice {
@@ -33,6 +67,19 @@ impl CudaDevice {
     /// launcher computes the same result with the scalar `paged_attention` kernel.
     pub fn has_flash_attention(&self) -> bool {
         self.compute_capability().0 >= 8
+    }
+
+    /// The tiling `flash_attention` uses for head size `d` here: the 128-row cp.async form at
+    /// d 256 where a block may take its shared memory, else 64-row blocks.
+    pub fn flash_tile(&self, d: usize) -> FlashTile {
+        let optin = self
+            .context()
+            .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .unwrap_or(0);
+        match instance(d, FlashTile::Rows128Async) {
+            Ok(wide) if wide.smem_bytes(d) <= optin.max(0) as usize => FlashTile::Rows128Async,
+            _ => FlashTile::Rows64,
+        }
     }
 
     /// Causal attention of packed query rows over the paged cache: rows
@@ -54,13 +101,36 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         max_rows: usize,
     ) -> Result<()> {
+        let tile = self.flash_tile(shape.head_dim);
+        self.flash_attention_tiled(q, k_cache, v_cache, block_tables, token_seq, token_pos, cu_seqlens, out, shape, max_rows, tile)
+    }
+
+    /// `flash_attention` with the block tiling chosen by the caller (tests run every tiling
+    /// the device can hold against the same reference). An error if `tile` does not exist for
+    /// the head size or needs more shared memory than the device gives a block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_tiled(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        max_rows: usize,
+        tile: FlashTile,
+    ) -> Result<()> {
         if !self.has_flash_attention() {
             return self.paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape);
         }
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let d = sh.head_dim;
-        let (name, bn) = kernel(d)?;
+        let inst = instance(d, tile)?;
+        let name = inst.name;
         let n_seqs = cu_seqlens.len().saturating_sub(1);
         if !sh.q_stride.is_multiple_of(8) {
             return Err(NinferError::Device(format!(
@@ -72,7 +142,7 @@ impl CudaDevice {
             return Ok(());
         }
         check_len("flash attention block_tables", block_tables.len(), n_seqs * sh.max_blocks_per_seq)?;
-        let smem = (FA_BM + 2 * bn) * (d + FA_PAD) * 2;
+        let smem = inst.smem_bytes(d);
         let f = self.function(KernelFamily::FlashAttention, name)?;
         f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(driver_err("raising the flash attention shared-memory limit"))?;
@@ -100,11 +170,47 @@ impl CudaDevice {
             KArg::Ptr(op),
         ];
         let grid = (
-            as_i32("flash attention row tiles", max_rows.div_ceil(FA_BM))? as u32,
+            as_i32("flash attention row tiles", max_rows.div_ceil(inst.rows()))? as u32,
             as_i32("n_q_heads", sh.n_q_heads)? as u32,
             as_i32("n_seqs", n_seqs)? as u32,
         );
-        let config = LaunchConfig { grid_dim: grid, block_dim: (FA_THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+        let config = LaunchConfig { grid_dim: grid, block_dim: (32 * inst.warps as u32, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, config, name, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Per-block shared-memory opt-in limits (bytes) of the architectures the 128-row tiling is
+    /// meant for and the ones it must stay off (CUDA programming guide, compute capabilities).
+    const OPTIN_SM80: usize = 163 * 1024;
+    const OPTIN_SM86: usize = 99 * 1024;
+    const OPTIN_SM90: usize = 227 * 1024;
+
+    #[test]
+    fn the_128_row_tiling_fits_sm80_and_sm90_but_not_sm86() {
+        let wide = instance(256, FlashTile::Rows128Async).unwrap();
+        assert_eq!((wide.rows(), wide.bn, wide.buffers), (128, 32, 2));
+        assert_eq!(wide.smem_bytes(256), (128 + 2 * 2 * 32) * (256 + 8) * 2);
+        assert!(wide.smem_bytes(256) <= OPTIN_SM80 && wide.smem_bytes(256) <= OPTIN_SM90);
+        assert!(wide.smem_bytes(256) > OPTIN_SM86);
+        // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
+        for d in [64, 96, 128, 256] {
+            let narrow = instance(d, FlashTile::Rows64).unwrap();
+            assert!(narrow.smem_bytes(d) <= OPTIN_SM86, "d{d}: {} bytes", narrow.smem_bytes(d));
+        }
+    }
+
+    #[test]
+    fn tilings_without_a_kernel_are_unsupported() {
+        for (d, tile) in [(128, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async)] {
+            match instance(d, tile) {
+                Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
+                Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
+                Ok(i) => panic!("d{d} {tile:?}: unexpected kernel {}", i.name),
+            }
+        }
     }
 }

@@ -20,6 +20,7 @@ pub use attention::{
     DECODE_SPLITS,
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape};
+pub use flash_attention::FlashTile;
 pub use gdn_chunked::ScanForm;
 pub use gemv::GEMV_ROUTE_MAX_M;
 pub use rope_kv::RopeKvShape;
