@@ -16,6 +16,9 @@
 //  - gdn_chunk_scan: one block per (32 value columns, value head, sequence) walks the chunks
 //    in order and only propagates the state: three dense products per chunk against the f32
 //    state slice (register-tiled 4x4 per thread), no substitution and nothing recomputed.
+//    Three forms: SIMT (gdn_chunk_scan_dk*), tensor cores (gdn_chunk_scan_tc_dk*, sm_80+) and
+//    tensor cores with each warp's operands staged by cp.async a chunk ahead
+//    (gdn_chunk_scan_pipe_dk*, sm_80+, the default there; see scan_pipe_body).
 // Padding rows of a sequence's last chunk are zero in every operand: they change nothing.
 //
 // Workspace (f32, rows = n_tokens * n_v_heads, indexed by token so ragged sequences need no
