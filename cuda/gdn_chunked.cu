@@ -16,6 +16,9 @@
 //  - gdn_chunk_scan: one block per (32 value columns, value head, sequence) walks the chunks
 //    in order and only propagates the state: three dense products per chunk against the f32
 //    state slice (register-tiled 4x4 per thread), no substitution and nothing recomputed.
+//    Three forms: SIMT (gdn_chunk_scan_dk*), tensor cores (gdn_chunk_scan_tc_dk*, sm_80+) and
+//    tensor cores with each warp's operands staged by cp.async a chunk ahead
+//    (gdn_chunk_scan_pipe_dk*, sm_80+, the default there; see scan_pipe_body).
 // Padding rows of a sequence's last chunk are zero in every operand: they change nothing.
 //
 // Workspace (f32, rows = n_tokens * n_v_heads, indexed by token so ragged sequences need no
@@ -488,12 +491,309 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     }
 }
 
+// Pipelined tensor-core scan (sm_80+), `gdn_chunk_scan_pipe_dk*`. The scan above spends its
+// ~72 us per chunk step (27B shape, H200) waiting, not computing: every chunk's operands are
+// loaded by the whole block with scalar global loads, written to shared memory and fenced by
+// __syncthreads before the products start, and the decayed keys are loaded again the same way
+// between the products; with one or two 4-warp blocks per SM nothing else hides that latency.
+// None of these operands depends on the state, and in the tensor-core partition each warp reads
+// only its own slice of them: W, e^G Q, M and U rows 16w..16w+15 (the rows of u and o it
+// computes) and K columns w DK/4.. (the state rows it owns). So each warp stages its own slices
+// with 16-byte cp.async into warp-private shared memory (no block barrier: cp.async.wait_group
+// and __syncwarp), one buffer per operand, each reloaded for chunk c + 1 as soon as chunk c's
+// products have consumed it: W and Q after step 1, M after step 3, K after step 4, so every
+// load has the rest of a chunk step to land. U and the per-token scales go to registers the
+// same way. Q and K are staged raw (storage type, exact in tf32) and scaled in f32 instead:
+// e^G q-norm on o's rows after Q S, e^{G_last - G} k-norm on the K fragment. The state slice
+// and u, which every warp reads, keep the two block barriers per chunk. Shared tiles are laid
+// out for conflict-free fragment reads: row strides of 4 mod 32 words for A operands read by
+// rows, 8-column XOR swizzle on the 32-column state and u. 111 KiB at DK 128: two blocks per
+// SM on sm_90, so the 27B shape's 192 blocks stay one wave. Requires CH_COLS == 32.
+#ifdef CH_TENSOR_CORES
+#define CHP_ROWS (CH_C / CH_WARPS)  // token rows of u and o per warp
+
+__device__ __forceinline__ unsigned ch_smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// 16 bytes global -> shared, asynchronously; !valid writes 16 zero bytes and reads nothing
+// (padding rows past a sequence's end).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(ch_smem_u32(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are pending, then makes the whole
+// warp's copies visible to the warp.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_warp() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+    __syncwarp();
+}
+// tf32 operand bits: f32 rounded once; storage values (bf16 / f16) are exact in tf32.
+__device__ __forceinline__ unsigned tf32_of(float x) { return to_tf32(x); }
+__device__ __forceinline__ unsigned tf32_of(store_t x) { return __float_as_uint(to_f32(x)); }
+// Index of (row, col) in a [rows][32] f32 tile whose 8-column groups are XOR-swizzled by
+// row % 4: a B fragment's lanes (rows k0 + q, columns 8 nt + g) hit 32 distinct banks.
+__device__ __forceinline__ int sw32(int row, int col) { return row * 32 + (col ^ ((row & 3) << 3)); }
+
+// c[nt][4] += A (16 rows at a, row stride la, K columns) times B (K x 32, swizzled tile b).
+template <int K, typename AT>
+__device__ __forceinline__ void warp_mma_sw(float (*c)[4], const AT* a, int la, const float* b, int g, int q) {
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        const unsigned af[4] = {tf32_of(a[g * la + k0 + q]), tf32_of(a[(g + 8) * la + k0 + q]),
+                                tf32_of(a[g * la + k0 + q + 4]), tf32_of(a[(g + 8) * la + k0 + q + 4])};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+            mma1688(c[nt], af, to_tf32(b[sw32(k0 + q, 8 * nt + g)]), to_tf32(b[sw32(k0 + q + 4, 8 * nt + g)]));
+    }
+}
+
+// Per-warp tile strides (elements) and the shared-memory layout; gdn_chunked.rs
+// pipe_smem_bytes mirrors it.
+template <int DK>
+struct PipeLayout {
+    static constexpr int LW = DK + 4;          // W rows, f32
+    static constexpr int LM = CH_C + 4;        // M rows, f32
+    static constexpr int LQ = DK + 8;          // raw q rows, storage type
+    static constexpr int KC = DK / CH_WARPS;   // state rows (K columns) per warp
+    static constexpr int LK = KC + 8;          // raw k rows (this warp's columns), storage type
+    static constexpr int F32 = DK * CH_COLS + CH_C * CH_COLS + CH_WARPS * CHP_ROWS * (LW + LM);
+};
+
+// Issues this warp's cp.async of chunk (t0, n) for one operand group; n <= 0 (no such chunk)
+// zero-fills. Row r of the warp's W / Q / M tile is token r0 + r; row i of its K tile is token i.
+template <int DK>
+__device__ __forceinline__ void stage_wq(float* wsm, store_t* qsm, const float* w_in, const store_t* qh,
+                                         long long qk_stride, int h, int n_v_heads, int t0, int n,
+                                         int r0, int lane) {
+    using L = PipeLayout<DK>;
+#pragma unroll
+    for (int it = 0; it < CHP_ROWS * (DK / 4) / 32; ++it) {
+        const int id = lane + 32 * it;
+        const int r = id / (DK / 4), c = id - r * (DK / 4);
+        const bool ok = r0 + r < n;
+        cp_async16(wsm + r * L::LW + 4 * c, ok ? w_in + ((long long)(t0 + r0 + r) * n_v_heads + h) * DK + 4 * c : w_in, ok);
+    }
+#pragma unroll
+    for (int it = 0; it < CHP_ROWS * (DK / 8) / 32; ++it) {
+        const int id = lane + 32 * it;
+        const int r = id / (DK / 8), c = id - r * (DK / 8);
+        const bool ok = r0 + r < n;
+        cp_async16(qsm + r * L::LQ + 8 * c, ok ? qh + (long long)(t0 + r0 + r) * qk_stride + 8 * c : qh, ok);
+    }
+}
+template <int DK>
+__device__ __forceinline__ void stage_m(float* msm, const float* m_in, int h, int n_v_heads, int t0, int n,
+                                        int r0, int lane) {
+    using L = PipeLayout<DK>;
+#pragma unroll
+    for (int it = 0; it < CHP_ROWS * (CH_C / 4) / 32; ++it) {
+        const int id = lane + 32 * it;
+        const int r = id / (CH_C / 4), c = id - r * (CH_C / 4);
+        const bool ok = r0 + r < n;
+        cp_async16(msm + r * L::LM + 4 * c, ok ? m_in + ((long long)(t0 + r0 + r) * n_v_heads + h) * CH_C + 4 * c : m_in, ok);
+    }
+}
+template <int DK>
+__device__ __forceinline__ void stage_k(store_t* ksm, const store_t* kw, long long qk_stride, int t0, int n,
+                                        int lane) {
+    using L = PipeLayout<DK>;
+#pragma unroll
+    for (int it = 0; it < CH_C * (L::KC / 8) / 32; ++it) {
+        const int id = lane + 32 * it;
+        const int i = id / (L::KC / 8), c = id - i * (L::KC / 8);
+        const bool ok = i < n;
+        cp_async16(ksm + i * L::LK + 8 * c, ok ? kw + (long long)(t0 + i) * qk_stride + 8 * c : kw, ok);
+    }
+}
+
+// Register operands loaded a chunk ahead (plain loads: they land while the chunk step runs).
+// U at this thread's entries of u (entry [nt][i]: row r0 + g + 8 (i / 2), column
+// 8 nt + 2 q + i % 2) and the q scale of its two rows;
+__device__ __forceinline__ void load_u_sq(float (&un)[4][4], float (&sq)[2], const float* u_in, const float* sc_in,
+                                          int t0, int n, int h, int n_v_heads, int dv, int j0, int r0,
+                                          int g, int q) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int t = r0 + g + 8 * half;
+        const long long row = (long long)(t0 + t) * n_v_heads + h;
+        sq[half] = t < n ? sc_in[row * 4] : 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = t < n ? u_in[row * dv + j0 + 8 * nt + 2 * q + c] : 0.0f;
+    }
+}
+// the k scale of the tokens of its K fragments (8 j + q and 8 j + q + 4) and e^{G_last}.
+__device__ __forceinline__ void load_sk(float (&sk)[CH_C / 8][2], float& e_last, const float* sc_in, int t0, int n,
+                                        int h, int n_v_heads, int q) {
+#pragma unroll
+    for (int j = 0; j < CH_C / 8; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int t = 8 * j + q + 4 * half;
+            sk[j][half] = t < n ? sc_in[((long long)(t0 + t) * n_v_heads + h) * 4 + 1] : 0.0f;
+        }
+    e_last = n > 0 ? sc_in[((long long)t0 * n_v_heads + h) * 4 + 2] : 0.0f;
+}
+
+template <int DK>
+__device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, const store_t* __restrict__ k,
+                                               long long qk_stride, const float* __restrict__ work,
+                                               float* __restrict__ state,
+                                               const int* __restrict__ cu_seqlens,
+                                               const int* __restrict__ slots, int n_k_heads,
+                                               int n_v_heads, int dv, int n_tokens,
+                                               store_t* __restrict__ out) {
+    using L = PipeLayout<DK>;
+    constexpr int NS = DK / 4;  // state entries per thread (state_entry, tensor-core layout)
+    extern __shared__ float ch_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, qq = lane & 3;
+    const int r0 = CHP_ROWS * warp;  // this warp's token rows of u and o
+    float* ss = ch_smem;                                         // [DK][32] state columns j0.., swizzled
+    float* us = ss + DK * CH_COLS;                               // [C][32] u, swizzled
+    float* wsm = us + CH_C * CH_COLS + warp * CHP_ROWS * L::LW;  // [16][LW] this warp's W rows
+    float* msm = us + CH_C * CH_COLS + CH_WARPS * CHP_ROWS * L::LW + warp * CHP_ROWS * L::LM;  // [16][LM]
+    store_t* qsm = (store_t*)(ch_smem + L::F32) + warp * CHP_ROWS * L::LQ;                     // [16][LQ]
+    store_t* ksm = (store_t*)(ch_smem + L::F32) + CH_WARPS * CHP_ROWS * L::LQ + warp * CH_C * L::LK;  // [C][LK]
+
+    const int j0 = blockIdx.x * CH_COLS;
+    const int h = blockIdx.y;
+    const int s = blockIdx.z;
+    const int kh = h / (n_v_heads / n_k_heads);
+    const long long rows = (long long)n_tokens * n_v_heads;
+    const float* w_in = work;
+    const float* u_in = w_in + rows * DK;
+    const float* m_in = u_in + rows * dv;
+    const float* sc_in = m_in + rows * CH_C;
+    const store_t* qh = q + (long long)kh * DK;
+    const store_t* kw = k + (long long)kh * DK + warp * L::KC;  // this warp's K columns
+
+    const int t_begin = cu_seqlens[s];
+    const int t_end = cu_seqlens[s + 1];
+    // Chunk 0's operands, in the order the loop waits for them (three groups per chunk).
+    stage_wq<DK>(wsm, qsm, w_in, qh, qk_stride, h, n_v_heads, t_begin, t_end - t_begin, r0, lane);
+    cp_async_commit();
+    stage_m<DK>(msm, m_in, h, n_v_heads, t_begin, t_end - t_begin, r0, lane);
+    cp_async_commit();
+    stage_k<DK>(ksm, kw, qk_stride, t_begin, t_end - t_begin, lane);
+    cp_async_commit();
+
+    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
+    float sr[NS];  // this thread's state entries (state_entry<DK, true>)
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+        int row, col;
+        state_entry<DK, true>(tid, e, row, col);
+        sr[e] = st[(long long)row * dv + col];
+        ss[sw32(row, col)] = sr[e];
+    }
+    // Loaded a chunk ahead (load_u_sq, load_sk).
+    float un[4][4], sq[2], sk[CH_C / 8][2], e_last;
+    load_u_sq(un, sq, u_in, sc_in, t_begin, t_end - t_begin, h, n_v_heads, dv, j0, r0, g, qq);
+    load_sk(sk, e_last, sc_in, t_begin, t_end - t_begin, h, n_v_heads, qq);
+
+    for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
+        const int n = min(CH_C, t_end - t0);
+        const int t1 = t0 + CH_C;
+        const int n1 = t_end - t1;  // the next chunk's tokens (<= 0: none, its loads zero-fill)
+        __syncthreads();  // ss holds this chunk's state; every reader of the last chunk's u is done
+        // 1. u = U - W S and o = e^G (Q S) on this warp's 16 rows (C fragments).
+        cp_async_wait_warp<2>();  // W, Q
+        float ua[4][4], oa[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ua[nt][i] = oa[nt][i] = 0.0f;
+        warp_mma_sw<DK>(ua, wsm, L::LW, ss, g, qq);
+        warp_mma_sw<DK>(oa, qsm, L::LQ, ss, g, qq);
+        __syncwarp();  // every lane's fragment reads of W and Q are done
+        stage_wq<DK>(wsm, qsm, w_in, qh, qk_stride, h, n_v_heads, t1, n1, r0, lane);
+        cp_async_commit();
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                ua[nt][i] = un[nt][i] - ua[nt][i];
+                oa[nt][i] *= sq[i >> 1];
+            }
+        load_u_sq(un, sq, u_in, sc_in, t1, n1, h, n_v_heads, dv, j0, r0, g, qq);
+        // 2. u to shared memory for every warp (rows past n are zero: W, U rows are).
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) us[sw32(r0 + g + 8 * (i >> 1), 8 * nt + 2 * qq + (i & 1))] = ua[nt][i];
+        __syncthreads();
+        // 3. o += M u (the whole 64-token chunk: padding rows of M and u are zero).
+        cp_async_wait_warp<2>();  // M
+        warp_mma_sw<CH_C>(oa, msm, L::LM, us, g, qq);
+        __syncwarp();
+        stage_m<DK>(msm, m_in, h, n_v_heads, t1, n1, r0, lane);
+        cp_async_commit();
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = r0 + g + 8 * (i >> 1);
+                if (t < n) out[((long long)(t0 + t) * n_v_heads + h) * dv + j0 + 8 * nt + 2 * qq + (i & 1)] = from_f32(oa[nt][i]);
+            }
+        // 4. S = e^{G_last} S + (diag(e^{G_last - G}) K)^T u on this warp's state rows: A(d, i)
+        // = sk_i k_i[d], read transposed from the warp's K columns.
+        cp_async_wait_warp<2>();  // K
+#pragma unroll
+        for (int e = 0; e < NS; ++e) sr[e] *= e_last;
+#pragma unroll
+        for (int mt = 0; mt < DK / 64; ++mt) {
+            const int d = 16 * mt + g;
+#pragma unroll
+            for (int j = 0; j < CH_C / 8; ++j) {
+                const int i = 8 * j + qq;
+                const unsigned af[4] = {to_tf32(sk[j][0] * to_f32(ksm[i * L::LK + d])),
+                                        to_tf32(sk[j][0] * to_f32(ksm[i * L::LK + d + 8])),
+                                        to_tf32(sk[j][1] * to_f32(ksm[(i + 4) * L::LK + d])),
+                                        to_tf32(sk[j][1] * to_f32(ksm[(i + 4) * L::LK + d + 8]))};
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+                    mma1688(sr + 16 * mt + 4 * nt, af, to_tf32(us[sw32(i, 8 * nt + g)]),
+                            to_tf32(us[sw32(i + 4, 8 * nt + g)]));
+            }
+        }
+        __syncwarp();
+        stage_k<DK>(ksm, kw, qk_stride, t1, n1, lane);
+        cp_async_commit();
+        load_sk(sk, e_last, sc_in, t1, n1, h, n_v_heads, qq);
+        // The new state for the next chunk's step 1 (its readers finished before step 3's barrier).
+#pragma unroll
+        for (int e = 0; e < NS; ++e) {
+            int row, col;
+            state_entry<DK, true>(tid, e, row, col);
+            ss[sw32(row, col)] = sr[e];
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+        int row, col;
+        state_entry<DK, true>(tid, e, row, col);
+        st[(long long)row * dv + col] = sr[e];
+    }
+}
+#endif
+
 // gdn_chunk_scan_tc_dk* is the tensor-core scan where the architecture has tf32 mma (sm_80+)
 // and the SIMT scan elsewhere (the launcher only picks it on sm_80+).
+// gdn_chunk_scan_pipe_dk* likewise: the pipelined scan on sm_80+, the SIMT scan elsewhere.
 #ifdef CH_TENSOR_CORES
 #define SCAN_TC true
+#define SCAN_PIPE_BODY(DK) scan_pipe_body<DK>
 #else
 #define SCAN_TC false
+#define SCAN_PIPE_BODY(DK) scan_body<DK, false>
 #endif
 
 #define CHUNKED_INSTANCE(DK)                                                                    \
@@ -517,6 +817,13 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
         int dv, int n_tokens, store_t* out) {                                                   \
         scan_body<DK, SCAN_TC>(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,      \
                                n_v_heads, dv, n_tokens, out);                                   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_scan_pipe_dk##DK(        \
+        const store_t* q, const store_t* k, long long qk_stride, const float* work,             \
+        float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
+        int dv, int n_tokens, store_t* out) {                                                   \
+        SCAN_PIPE_BODY(DK)(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
+                           n_v_heads, dv, n_tokens, out);                                       \
     }
 
 CHUNKED_INSTANCE(64)

@@ -31,6 +31,16 @@ fn scan_smem_bytes(dk: usize) -> usize {
     4 * (dk * (CH_COLS + 1) + 2 * CH_C * (dk + 1) + CH_C * (CH_C + 1) + CH_C * (CH_COLS + 1))
 }
 
+/// Dynamic shared memory of a pipelined scan block in bytes (`PipeLayout` in gdn_chunked.cu):
+/// the state slice and u (32 f32 columns each), then per warp its W rows (dk + 4 f32) and M rows
+/// (68 f32) for 16 tokens, its raw q rows (dk + 8 storage elements) and its dk / 4 raw k columns
+/// (+ 8) for the 64 tokens.
+fn pipe_smem_bytes(dk: usize) -> usize {
+    let warps = CH_THREADS as usize / 32;
+    let rows = CH_C / warps;
+    4 * (dk * CH_COLS + CH_C * CH_COLS + warps * rows * (dk + 4 + CH_C + 4)) + 2 * (warps * rows * (dk + 8) + warps * CH_C * (dk / warps + 8))
+}
+
 impl RecurrentShape {
     /// f32 elements of the workspace `gdn_chunked` needs for `n_tokens` packed tokens: per
     /// token and value head W (dk), U (dv), M (64) and 4 scales.
@@ -48,26 +58,40 @@ pub enum ScanForm {
     /// `gdn_chunk_scan_tc_dk*`: mma.sync m16n8k8 with tf32 operands (10 mantissa bits) and f32
     /// accumulation, sm_80+; compiled as the SIMT scan below sm_80.
     TensorCores,
+    /// `gdn_chunk_scan_pipe_dk*`: the tensor-core products with each warp's operands staged
+    /// by cp.async a chunk ahead (loads overlap the products instead of preceding them), sm_80+;
+    /// compiled as the SIMT scan below sm_80. Needs 16-byte aligned q, k and workspace and a
+    /// q/k row stride of a multiple of 8 elements; `gdn_chunked_via` runs `TensorCores`
+    /// otherwise.
+    Pipelined,
 }
 
 impl CudaDevice {
-    /// The scan `gdn_chunked` runs here: tensor cores from sm_80 on.
-    pub fn gdn_scan_form(&self) -> ScanForm {
-        if self.compute_capability().0 >= 8 {
-            ScanForm::TensorCores
-        } else {
+    /// The scan `gdn_chunked` runs here for key head size `dk`: tensor cores from sm_80 on,
+    /// pipelined where its shared memory fits (every sm_80+ part that runs the chunked kernels).
+    pub fn gdn_scan_form(&self, dk: usize) -> ScanForm {
+        if self.compute_capability().0 < 8 {
             ScanForm::Simt
+        } else if pipe_smem_bytes(dk) <= self.smem_optin() {
+            ScanForm::Pipelined
+        } else {
+            ScanForm::TensorCores
         }
+    }
+
+    /// Shared memory one block may opt into, bytes (0 if the driver does not say).
+    fn smem_optin(&self) -> usize {
+        let optin = self
+            .context()
+            .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .unwrap_or(0);
+        optin.max(0) as usize
     }
 
     /// Whether `gdn_chunked` runs the chunked kernels for key head size `dk` here: the scan
     /// needs more shared memory per block than sm_70/sm_86/sm_89 give for dk = 128 (106 KiB).
     pub fn has_gdn_chunked(&self, dk: usize) -> bool {
-        let optin = self
-            .context()
-            .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .unwrap_or(0);
-        matches!(dk, 64 | 128) && prep_smem_bytes(dk).max(scan_smem_bytes(dk)) <= optin.max(0) as usize
+        matches!(dk, 64 | 128) && prep_smem_bytes(dk).max(scan_smem_bytes(dk)) <= self.smem_optin()
     }
 
     /// The gated delta rule of `gdn_recurrent` in its chunked form: same arguments plus an f32
@@ -90,14 +114,56 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_via(self.gdn_scan_form(), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+        self.gdn_chunked_via(self.gdn_scan_form(shape.dk), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
-    /// `gdn_chunked` with the scan kernel chosen by the caller (the op-parity tests run both).
+    /// `gdn_chunked` with the scan kernel chosen by the caller (the op-parity tests run every form).
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_chunked_via(
         &self,
         form: ScanForm,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        work: &mut impl DevicePtrMut<f32>,
+        shape: &RecurrentShape,
+    ) -> Result<()> {
+        self.gdn_chunked_launch(form, true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+    }
+
+    /// Only the scan of `gdn_chunked_via`, over a workspace that a `gdn_chunked_via` call with
+    /// the same arguments filled: the scan forms' timing (the state moves on with each call).
+    /// Same checks and fallback.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_chunked_scan_only(
+        &self,
+        form: ScanForm,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        work: &mut impl DevicePtrMut<f32>,
+        shape: &RecurrentShape,
+    ) -> Result<()> {
+        self.gdn_chunked_launch(form, false, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_chunked_launch(
+        &self,
+        form: ScanForm,
+        with_prep: bool,
         q: &impl DevicePtr<u16>,
         k: &impl DevicePtr<u16>,
         v: &impl DevicePtr<u16>,
@@ -120,19 +186,6 @@ impl CudaDevice {
         if sh.n_tokens == 0 || n_seqs == 0 {
             return Ok(());
         }
-        let (prep_name, scan_name) = match (sh.dk, form) {
-            (64, ScanForm::Simt) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64"),
-            (64, ScanForm::TensorCores) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_tc_dk64"),
-            (_, ScanForm::Simt) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128"),
-            (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128"),
-        };
-        let prep = self.function(KernelFamily::GdnChunked, prep_name)?;
-        let scan = self.function(KernelFamily::GdnChunked, scan_name)?;
-        let (prep_smem, scan_smem) = (prep_smem_bytes(sh.dk), scan_smem_bytes(sh.dk));
-        prep.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prep_smem as i32)
-            .map_err(driver_err("raising the GDN chunk-prep shared-memory limit"))?;
-        scan.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, scan_smem as i32)
-            .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);
@@ -144,6 +197,29 @@ impl CudaDevice {
         let (lp, _h) = slots.device_ptr(s);
         let (op, _i) = out.device_ptr_mut(s);
         let (wp, _j) = work.device_ptr_mut(s);
+        // The pipelined scan's 16-byte copies need aligned rows; the plain tensor-core scan
+        // takes any layout.
+        let form = match form {
+            ScanForm::Pipelined if (qp | kp | wp) % 16 != 0 || sh.qk_stride % 8 != 0 || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
+                ScanForm::TensorCores
+            }
+            f => f,
+        };
+        let (prep_name, scan_name, scan_smem) = match (sh.dk, form) {
+            (64, ScanForm::Simt) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64", scan_smem_bytes(64)),
+            (64, ScanForm::TensorCores) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_tc_dk64", scan_smem_bytes(64)),
+            (64, ScanForm::Pipelined) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_pipe_dk64", pipe_smem_bytes(64)),
+            (_, ScanForm::Simt) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128", scan_smem_bytes(128)),
+            (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128", scan_smem_bytes(128)),
+            (_, ScanForm::Pipelined) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_pipe_dk128", pipe_smem_bytes(128)),
+        };
+        let prep = self.function(KernelFamily::GdnChunked, prep_name)?;
+        let scan = self.function(KernelFamily::GdnChunked, scan_name)?;
+        let prep_smem = prep_smem_bytes(sh.dk);
+        prep.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prep_smem as i32)
+            .map_err(driver_err("raising the GDN chunk-prep shared-memory limit"))?;
+        scan.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, scan_smem as i32)
+            .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
         let (n_seqs_i, n_tokens) = (as_i32("n_seqs", n_seqs)?, as_i32("n_tokens", sh.n_tokens)?);
         let (nk, nv, dv) = (as_i32("n_k_heads", sh.n_k_heads)?, as_i32("n_v_heads", sh.n_v_heads)?, as_i32("dv", sh.dv)?);
         let prep_args = [
@@ -166,7 +242,9 @@ impl CudaDevice {
         // blocks past the last chunk return at once.
         let max_chunks = as_i32("gdn chunks", sh.n_tokens.div_ceil(CH_C) + n_seqs)? as u32;
         let config = LaunchConfig { grid_dim: (max_chunks, sh.n_v_heads as u32, 1), block_dim: (CH_THREADS, 1, 1), shared_mem_bytes: prep_smem as u32 };
-        self.launch(&prep, config, prep_name, &prep_args)?;
+        if with_prep {
+            self.launch(&prep, config, prep_name, &prep_args)?;
+        }
         let scan_args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
@@ -184,5 +262,21 @@ impl CudaDevice {
         let grid = ((sh.dv / CH_COLS) as u32, sh.n_v_heads as u32, n_seqs_i as u32);
         let config = LaunchConfig { grid_dim: grid, block_dim: (CH_THREADS, 1, 1), shared_mem_bytes: scan_smem as u32 };
         self.launch(&scan, config, scan_name, &scan_args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pipelined scan's layout at dk 128 is 113,664 bytes: two blocks fit an sm_90 SM
+    /// (228 KiB, 1 KiB reserved per block), so the 27B shape's 192 scan blocks stay one wave
+    /// on an H200's 132 SMs, as the plain scan's 108,032 did.
+    #[test]
+    fn pipelined_scan_keeps_two_blocks_per_sm90_sm() {
+        assert_eq!(pipe_smem_bytes(128), 113_664);
+        assert_eq!(scan_smem_bytes(128), 108_032);
+        assert!(2 * (pipe_smem_bytes(128) + 1024) <= 228 * 1024);
+        assert!(pipe_smem_bytes(64) < pipe_smem_bytes(128));
     }
 }
