@@ -469,6 +469,7 @@ def part_decode(b: Bench, model: str) -> list:
 
 def part_throughput(b: Bench) -> list:
     a = b.a
+    model = "llama-3-8b"
     s = b.shape(model)
     path = b.checkpoint(model)
     rate = b.copy_rate()
