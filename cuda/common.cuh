@@ -65,6 +65,17 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// Gated DeltaNet output norm, out = rmsnorm(x) * w * silu(z), in two steps that rmsnorm_gated
+// (norm.cu) and the fused decode kernel gdn_recurrent_gated_dk* (gdn.cu) share, so both round
+// the same expressions: the reciprocal RMS from the row's sum of squares, then one element.
+__device__ __forceinline__ float gated_norm_rstd(float sum_sq, int dim, float eps) {
+    return rsqrtf(sum_sq / (float)dim + eps);
+}
+__device__ __forceinline__ store_t gated_norm_out(float x, float rstd, float w, float z) {
+    const float n = x * rstd * w;
+    return from_f32(n * silu_f(z));
+}
+
 // Programmatic Dependent Launch (sm_90+). A kernel the host launches with
 // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (`launch_pdl` in ops/mod.rs) may start
 // while the kernel before it on the stream is still running: its blocks get scheduled early and

@@ -179,10 +179,20 @@ CONV_TILED_INSTANCE(2)
 CONV_TILED_INSTANCE(3)
 CONV_TILED_INSTANCE(4)
 
-// Gates per token and value head: g = -exp(A_log) * softplus(a + dt_bias) (log of the decay)
-// and beta = sigmoid(b). Token t's a and b are n_heads elements at t * ab_stride (they are
-// columns of the fused input projection's output, whose rows are ab_stride wide); A_log and
-// dt_bias are f32 [n_heads]; g and beta are [T, n_heads].
+// Gates of one token and value head h from its projection values a and b: g = -exp(A_log) *
+// softplus(a + dt_bias) (log of the decay) and beta = sigmoid(b). gdn_gates and the fused
+// decode kernel both call this, so their gates are the same bits.
+__device__ __forceinline__ void gdn_gate(float a, float b, float a_log, float dt_bias, float* g,
+                                         float* beta) {
+    const float x = a + dt_bias;
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    *g = -expf(a_log) * sp;
+    *beta = sigmoid_f(b);
+}
+
+// Gates per token and value head (gdn_gate). Token t's a and b are n_heads elements at
+// t * ab_stride (they are columns of the fused input projection's output, whose rows are
+// ab_stride wide); A_log and dt_bias are f32 [n_heads]; g and beta are [T, n_heads].
 extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_t* __restrict__ b,
                                      long long ab_stride, const float* __restrict__ a_log,
                                      const float* __restrict__ dt_bias, int n_tokens, int n_heads,
@@ -192,17 +202,63 @@ extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_
     if (e >= n_tokens * n_heads) return;
     const int h = e % n_heads;
     const long long src = (long long)(e / n_heads) * ab_stride + h;
-    const float x = to_f32(a[src]) + dt_bias[h];
-    const float sp = x > 20.0f ? x : log1pf(expf(x));
-    g[e] = -expf(a_log[h]) * sp;
-    beta[e] = sigmoid_f(to_f32(b[src]));
+    gdn_gate(to_f32(a[src]), to_f32(b[src]), a_log[h], dt_bias[h], &g[e], &beta[e]);
 }
 
 // Recurrent gated delta rule, token by token, fp32 state [n_slots, n_v_heads, DK, DV].
 // q and k are L2-normalised here (eps 1e-6) and q is scaled by DK^-1/2. Per token:
 // S *= exp(g); delta = (v - S^T k) * beta; S += k delta^T; o = S^T q.
-// Grid (DV / 32, n_v_heads, n_seqs), one warp per block; lane j owns column j of S (DK floats
-// in registers). Value head h reads key head h / (n_v_heads / n_k_heads).
+// Value head h reads key head h / (n_v_heads / n_k_heads). One thread owns column j of one
+// head's S (DK floats in registers); the two kernels below share these steps, so a column's
+// arithmetic is the same chain in both.
+
+// One warp writes token t's normalised q (scaled by DK^-1/2) and k of key head kh into sq / sk.
+template <int DK>
+__device__ __forceinline__ void load_qk_normed(const store_t* __restrict__ q,
+                                               const store_t* __restrict__ k, long long qk_stride,
+                                               int t, int kh, int lane, float* sq, float* sk) {
+    constexpr int EPL = DK / 32;
+    const float q_scale = rsqrtf((float)DK);
+    float qv[EPL], kv[EPL], qss = 0.0f, kss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        qv[e] = to_f32(q[t * qk_stride + (long long)kh * DK + lane * EPL + e]);
+        kv[e] = to_f32(k[t * qk_stride + (long long)kh * DK + lane * EPL + e]);
+        qss += qv[e] * qv[e];
+        kss += kv[e] * kv[e];
+    }
+    const float qn = rsqrtf(warp_sum(qss) + 1e-6f) * q_scale;
+    const float kn = rsqrtf(warp_sum(kss) + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        sq[lane * EPL + e] = qv[e] * qn;
+        sk[lane * EPL + e] = kv[e] * kn;
+    }
+}
+
+// One token's update of a state column and its output: col *= decay; delta = (v - col.k) *
+// beta; col += k delta; returns col.q.
+template <int DK>
+__device__ __forceinline__ float delta_column_step(float* col, const float* sq, const float* sk,
+                                                   float decay, float bt, float v) {
+    float mem = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+        col[i] *= decay;
+        mem = fmaf(col[i], sk[i], mem);
+    }
+    const float delta = (v - mem) * bt;
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+        col[i] = fmaf(sk[i], delta, col[i]);
+        o = fmaf(col[i], sq[i], o);
+    }
+    return o;
+}
+
+// Grid (DV / 32, n_v_heads, n_seqs), one warp per block; lane j owns column j of S. Gates come
+// precomputed (gdn_gates); out is the raw attention output [T, n_v_heads, dv].
 template <int DK>
 __device__ __forceinline__ void recurrent_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
@@ -210,7 +266,6 @@ __device__ __forceinline__ void recurrent_body(
     const float* __restrict__ beta, float* __restrict__ state, const int* __restrict__ cu_seqlens,
     const int* __restrict__ slots, int n_k_heads, int n_v_heads, int dv,
     store_t* __restrict__ out) {
-    constexpr int EPL = DK / 32;
     __shared__ float sq[DK], sk[DK];
     const int lane = threadIdx.x;
     const int j = blockIdx.x * 32 + lane;
@@ -221,41 +276,64 @@ __device__ __forceinline__ void recurrent_body(
     float col[DK];
 #pragma unroll
     for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
-    const float q_scale = rsqrtf((float)DK);
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-        float qv[EPL], kv[EPL], qss = 0.0f, kss = 0.0f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[e] = to_f32(q[t * qk_stride + (long long)kh * DK + lane * EPL + e]);
-            kv[e] = to_f32(k[t * qk_stride + (long long)kh * DK + lane * EPL + e]);
-            qss += qv[e] * qv[e];
-            kss += kv[e] * kv[e];
-        }
-        const float qn = rsqrtf(warp_sum(qss) + 1e-6f) * q_scale;
-        const float kn = rsqrtf(warp_sum(kss) + 1e-6f);
         __syncwarp();
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            sq[lane * EPL + e] = qv[e] * qn;
-            sk[lane * EPL + e] = kv[e] * kn;
-        }
+        load_qk_normed<DK>(q, k, qk_stride, t, kh, lane, sq, sk);
         __syncwarp();
         const float decay = expf(g[(long long)t * n_v_heads + h]);
         const float bt = beta[(long long)t * n_v_heads + h];
-        float mem = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DK; ++i) {
-            col[i] *= decay;
-            mem = fmaf(col[i], sk[i], mem);
-        }
-        const float delta = (to_f32(v[t * v_stride + (long long)h * dv + j]) - mem) * bt;
-        float o = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DK; ++i) {
-            col[i] = fmaf(sk[i], delta, col[i]);
-            o = fmaf(col[i], sq[i], o);
-        }
+        const float o = delta_column_step<DK>(col, sq, sk, decay, bt,
+                                              to_f32(v[t * v_stride + (long long)h * dv + j]));
         out[((long long)t * n_v_heads + h) * dv + j] = from_f32(o);
+    }
+#pragma unroll
+    for (int i = 0; i < DK; ++i) st[(long long)i * dv] = col[i];
+}
+
+// Decode form with the gates and the output norm fused in: per token, the gates come from the
+// projection's a / b columns (gdn_gate) and the output is the gated RMSNorm
+// rmsnorm(o) * w * silu(z) (gated_norm_rstd / gated_norm_out, as rmsnorm_gated), so a decode
+// step runs one kernel where gdn_gates + gdn_recurrent + rmsnorm_gated ran three.
+// Grid (n_v_heads, n_seqs), dv / 32 warps per block: the block owns a whole head, which the norm
+// needs. Thread j owns column j with the same chain as recurrent_body; o is rounded to the
+// storage type before the norm, as the unfused path stores it, so for dv <= 256 the result is
+// the unfused path's bits (the block sum adds the same warp sums in the same order as
+// rmsnorm_gated's 256-thread block, whose extra warps add zeros).
+template <int DK>
+__device__ __forceinline__ void recurrent_gated_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
+    const store_t* __restrict__ v, long long v_stride, const store_t* __restrict__ a,
+    const store_t* __restrict__ b, long long ab_stride, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ state,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
+    const store_t* __restrict__ z, long long z_stride, const store_t* __restrict__ norm_w,
+    float eps, int n_k_heads, int n_v_heads, int dv, store_t* __restrict__ out) {
+    __shared__ float sq[DK], sk[DK], scratch[32];
+    pdl_enter();
+    const int j = threadIdx.x;
+    const int h = blockIdx.x;
+    const int s = blockIdx.y;
+    const int kh = h / (n_v_heads / n_k_heads);
+    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
+    float col[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
+    const float w = to_f32(norm_w[j]);
+    const float al = a_log[h], dtb = dt_bias[h];
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        // Warp 0 rewrites sq / sk only after this barrier (or the previous token's block_sum
+        // barriers), which every thread passes after its last read of the previous values.
+        __syncthreads();
+        if (j < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, j, sq, sk);
+        __syncthreads();
+        float g, bt;
+        gdn_gate(to_f32(a[t * ab_stride + h]), to_f32(b[t * ab_stride + h]), al, dtb, &g, &bt);
+        const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt,
+                                              to_f32(v[t * v_stride + (long long)h * dv + j]));
+        const float x = to_f32(from_f32(o));
+        const float rstd = gated_norm_rstd(block_sum(x * x, scratch), dv, eps);
+        const float zv = to_f32(z[t * z_stride + (long long)h * dv + j]);
+        out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
     }
 #pragma unroll
     for (int i = 0; i < DK; ++i) st[(long long)i * dv] = col[i];
@@ -273,3 +351,18 @@ __device__ __forceinline__ void recurrent_body(
 
 RECURRENT_INSTANCE(64)
 RECURRENT_INSTANCE(128)
+
+#define RECURRENT_GATED_INSTANCE(DK)                                                            \
+    extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_gated_dk##DK(              \
+        const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
+        long long v_stride, const store_t* a, const store_t* b, long long ab_stride,            \
+        const float* a_log, const float* dt_bias, float* state, const int* cu_seqlens,          \
+        const int* slots, const store_t* z, long long z_stride, const store_t* norm_w,          \
+        float eps, int n_k_heads, int n_v_heads, int dv, store_t* out) {                        \
+        recurrent_gated_body<DK>(q, k, qk_stride, v, v_stride, a, b, ab_stride, a_log, dt_bias, \
+                                 state, cu_seqlens, slots, z, z_stride, norm_w, eps, n_k_heads, \
+                                 n_v_heads, dv, out);                                           \
+    }
+
+RECURRENT_GATED_INSTANCE(64)
+RECURRENT_GATED_INSTANCE(128)

@@ -206,9 +206,7 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
         const float v = to_f32(x[base + i]);
         ss += v * v;
     }
-    const float rstd = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float n = to_f32(x[base + i]) * rstd * to_f32(w[i]);
-        out[base + i] = from_f32(n * silu_f(to_f32(z[zbase + i])));
-    }
+    const float rstd = gated_norm_rstd(block_sum(ss, scratch), dim, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        out[base + i] = gated_norm_out(to_f32(x[base + i]), rstd, to_f32(w[i]), to_f32(z[zbase + i]));
 }

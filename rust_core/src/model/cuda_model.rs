@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZe
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
+use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, GATED_MAX_DV, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
@@ -581,9 +581,12 @@ fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice
 /// Tokens per chunk of the chunked GDN kernel; shorter steps stay on the recurrent kernel.
 const GDN_CHUNK: usize = 64;
 
-/// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, writes
-/// `act.tmp`. Steps with a sequence chunk of at least GDN_CHUNK tokens run the chunked
-/// kernel for all their sequences (it is exact for short ones too); others the recurrent one.
+/// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, projects it
+/// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), writes `act.tmp`. Steps with a sequence chunk of at least GDN_CHUNK
+/// tokens run gdn_gates, the chunked kernel for all their sequences (it is exact for short ones
+/// too) and rmsnorm_gated; others (decode, short chunks) run `gdn_recurrent_gated`, which
+/// computes the gates, the recurrent rule and the gated norm in one kernel, the three-kernel
+/// recurrent path's bits (value head dims above GATED_MAX_DV keep that path).
 #[allow(clippy::too_many_arguments)]
 fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize) -> Result<()> {
     let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
@@ -597,8 +600,7 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
     let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: width, kernel_size: la.conv_kernel, n_slots };
     let bias = g.conv_b.as_ref().map(|b| b as &dyn crate::backend::cuda::ops::DevicePtrDyn);
     dev.causal_conv1d(proj, conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
-    let (b, a) = (proj.slice(cd + vd..), proj.slice(cd + vd + nv..));
-    dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
+    let (z, b, a) = (proj.slice(cd..), proj.slice(cd + vd..), proj.slice(cd + vd + nv..));
     let co = buf(&act.conv_out);
     let shape = RecurrentShape {
         n_tokens: rows,
@@ -611,13 +613,17 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
         n_slots,
     };
     let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
-    if max_rows >= GDN_CHUNK {
-        dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;
+    if max_rows < GDN_CHUNK && la.value_head_dim <= GATED_MAX_DV {
+        dev.gdn_recurrent_gated(&q, &k, &v, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
     } else {
-        dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+        dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
+        if max_rows >= GDN_CHUNK {
+            dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;
+        } else {
+            dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+        }
+        dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
     }
-    let z = buf(&act.proj).slice(cd..);
-    dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
     linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
 }
 

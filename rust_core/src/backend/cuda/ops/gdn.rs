@@ -46,6 +46,10 @@ pub struct RecurrentShape {
     pub n_slots: usize,
 }
 
+/// Largest value head dim of `gdn_recurrent_gated` (one thread per value column; the kernel's
+/// __launch_bounds__(256) in cuda/gdn.cu).
+pub const GATED_MAX_DV: usize = 256;
+
 /// Tokens per block of `causal_conv1d_tiled_k*` (CONV_TOKEN_TILE in cuda/gdn.cu).
 const CONV_TOKEN_TILE: usize = 32;
 /// The largest grid y dimension CUDA launches.
@@ -301,6 +305,104 @@ impl CudaDevice {
         };
         let f = self.function(KernelFamily::Gdn, name)?;
         self.delta_rule_launch(&f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
+    }
+
+    /// The decode form of a GDN layer's core in one kernel: the gates from the projection's
+    /// `a` / `b` columns (as `gdn_gates`), the recurrent delta rule (as `gdn_recurrent`, same
+    /// per-column arithmetic, state updated in place) and the gated output norm
+    /// out = rmsnorm(o) * norm_w * silu(z) (as `rmsnorm_gated`, eps `eps`). a / b hold
+    /// n_v_heads values per token at t * ab_stride, z n_v_heads * dv at t * z_stride (column
+    /// ranges of the fused input projection); out is [T, n_v_heads, dv]. For dv <= 256 the
+    /// output and state are the three-kernel path's bits. One block of dv threads per (value
+    /// head, sequence), so dv is at most 256 (the kernel's launch bound).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_recurrent_gated(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        a: &impl DevicePtr<u16>,
+        b: &impl DevicePtr<u16>,
+        ab_stride: usize,
+        a_log: &impl DevicePtr<f32>,
+        dt_bias: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        z: &impl DevicePtr<u16>,
+        z_stride: usize,
+        norm_w: &impl DevicePtr<u16>,
+        eps: f32,
+        out: &mut impl DevicePtrMut<u16>,
+        sh: &RecurrentShape,
+    ) -> Result<()> {
+        let name = match sh.dk {
+            64 => "gdn_recurrent_gated_dk64",
+            128 => "gdn_recurrent_gated_dk128",
+            d => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
+        };
+        if sh.dv > GATED_MAX_DV {
+            return Err(NinferError::Unsupported(format!("fused GDN decode with value head dim {} (at most {GATED_MAX_DV})", sh.dv)));
+        }
+        let (t, nv) = (sh.n_tokens, sh.n_v_heads);
+        if ab_stride < nv || z_stride < nv * sh.dv {
+            return Err(NinferError::Device(format!(
+                "gdn_recurrent_gated: row strides a/b {ab_stride}, z {z_stride} below {nv} heads x {}",
+                sh.dv
+            )));
+        }
+        // The gates are computed inside from a / b, so g / beta have no buffers to check.
+        let n_seqs = check_delta_rule(sh, [q.len(), k.len(), v.len(), t * nv, t * nv, state.len(), cu_seqlens.len(), slots.len(), out.len()])?;
+        check_len("gdn_recurrent_gated a", a.len(), strided_len(t, nv, ab_stride))?;
+        check_len("gdn_recurrent_gated b", b.len(), strided_len(t, nv, ab_stride))?;
+        check_len("gdn_recurrent_gated A_log", a_log.len(), nv)?;
+        check_len("gdn_recurrent_gated dt_bias", dt_bias.len(), nv)?;
+        check_len("gdn_recurrent_gated z", z.len(), strided_len(t, nv * sh.dv, z_stride))?;
+        check_len("gdn_recurrent_gated norm", norm_w.len(), sh.dv)?;
+        if n_seqs == 0 {
+            return Ok(());
+        }
+        let f = self.function(KernelFamily::Gdn, name)?;
+        let s = self.stream();
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k.device_ptr(s);
+        let (vp, _c) = v.device_ptr(s);
+        let (ap, _d) = a.device_ptr(s);
+        let (bp, _e) = b.device_ptr(s);
+        let (alp, _f) = a_log.device_ptr(s);
+        let (dtp, _g) = dt_bias.device_ptr(s);
+        let (sp, _h) = state.device_ptr_mut(s);
+        let (cp, _i) = cu_seqlens.device_ptr(s);
+        let (lp, _j) = slots.device_ptr(s);
+        let (zp, _k) = z.device_ptr(s);
+        let (wp, _l) = norm_w.device_ptr(s);
+        let (op, _m) = out.device_ptr_mut(s);
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::I64(sh.qk_stride as i64),
+            KArg::Ptr(vp),
+            KArg::I64(sh.v_stride as i64),
+            KArg::Ptr(ap),
+            KArg::Ptr(bp),
+            KArg::I64(ab_stride as i64),
+            KArg::Ptr(alp),
+            KArg::Ptr(dtp),
+            KArg::Ptr(sp),
+            KArg::Ptr(cp),
+            KArg::Ptr(lp),
+            KArg::Ptr(zp),
+            KArg::I64(z_stride as i64),
+            KArg::Ptr(wp),
+            KArg::F32(eps),
+            KArg::I32(as_i32("n_k_heads", sh.n_k_heads)?),
+            KArg::I32(as_i32("n_v_heads", nv)?),
+            KArg::I32(as_i32("dv", sh.dv)?),
+            KArg::Ptr(op),
+        ];
+        let grid = (nv as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
+        let config = LaunchConfig { grid_dim: grid, block_dim: (sh.dv as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch_pdl(&f, config, name, &args)
     }
 
     /// The checked launch of a one-pass delta-rule kernel: the arguments of `gdn_recurrent`

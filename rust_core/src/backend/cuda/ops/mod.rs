@@ -19,7 +19,7 @@ pub use attention::{
     decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, DecodeScratchLen, PagedAttentionShape, DECODE_BLOCK_SPLITS,
     DECODE_SPLITS,
 };
-pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape};
+pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
 pub use gdn_chunked::ScanForm;
 pub use gemv::GEMV_ROUTE_MAX_M;
