@@ -60,6 +60,8 @@ mod harness;
 mod reference;
 #[path = "cuda_ops/sampling.rs"]
 mod sampling;
+#[path = "cuda_ops/gdn_gated.rs"]
+mod gdn_gated;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm};
