@@ -47,7 +47,7 @@ pub struct RecurrentShape {
 }
 
 /// Largest value head dim of `gdn_recurrent_gated` (one thread per value column; the kernel's
-/// __launch_bounds__(256) in cuda/gdn.cu).
+/// __launch_bounds__(256, 1) in cuda/gdn.cu).
 pub const GATED_MAX_DV: usize = 256;
 
 /// Tokens per block of `causal_conv1d_tiled_k*` (CONV_TOKEN_TILE in cuda/gdn.cu).
