@@ -336,18 +336,21 @@ __device__ __forceinline__ void recurrent_gated_body(
     const float w = to_f32(norm_w[j]);
     const float al = a_log[h], dtb = dt_bias[h];
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        // This token's own inputs, loaded before the barriers (which the compiler does not move
+        // loads across) so that their latency overlaps warp 0's q / k loads.
+        const float av = to_f32(a[t * ab_stride + h]), bv = to_f32(b[t * ab_stride + h]);
+        const float vv = to_f32(v[t * v_stride + (long long)h * dv + j]);
+        const float zv = to_f32(z[t * z_stride + (long long)h * dv + j]);
         // Warp 0 rewrites sq / sk only after this barrier (or the previous token's block_sum
         // barriers), which every thread passes after its last read of the previous values.
         __syncthreads();
         if (j < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, j, sq, sk);
         __syncthreads();
         float g, bt;
-        gdn_gate(to_f32(a[t * ab_stride + h]), to_f32(b[t * ab_stride + h]), al, dtb, &g, &bt);
-        const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt,
-                                              to_f32(v[t * v_stride + (long long)h * dv + j]));
+        gdn_gate(av, bv, al, dtb, &g, &bt);
+        const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt, vv);
         const float x = to_f32(from_f32(o));
         const float rstd = gated_norm_rstd(block_sum(x * x, scratch), dv, eps);
-        const float zv = to_f32(z[t * z_stride + (long long)h * dv + j]);
         out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
     }
     store_state_column<DK>(st, dv, col);
@@ -367,7 +370,7 @@ RECURRENT_INSTANCE(64)
 RECURRENT_INSTANCE(128)
 
 #define RECURRENT_GATED_INSTANCE(DK)                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 1) gdn_recurrent_gated_dk##DK(              \
+    extern "C" __global__ void __launch_bounds__(256, 1) gdn_recurrent_gated_dk##DK(           \
         const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
         long long v_stride, const store_t* a, const store_t* b, long long ab_stride,            \
         const float* a_log, const float* dt_bias, float* state, const int* cu_seqlens,          \
