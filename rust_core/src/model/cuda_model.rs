@@ -584,7 +584,8 @@ const GDN_CHUNK: usize = 64;
 /// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, projects it
 /// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), writes `act.tmp`. Steps with a sequence chunk of at least GDN_CHUNK
 /// tokens run gdn_gates, the chunked kernel for all their sequences (it is exact for short ones
-/// too) and rmsnorm_gated; others (decode, short chunks) run `gdn_recurrent_gated`, which
+/// too) and rmsnorm_gated; others (decode, short chunks, and every step on a device without the
+/// chunked kernel) run `gdn_recurrent_gated`, which
 /// computes the gates, the recurrent rule and the gated norm in one kernel, the three-kernel
 /// recurrent path's bits (value head dims above GATED_MAX_DV keep that path).
 #[allow(clippy::too_many_arguments)]
@@ -613,7 +614,10 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
         n_slots,
     };
     let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
-    if max_rows < GDN_CHUNK && la.value_head_dim <= GATED_MAX_DV {
+    // The recurrent rule runs when no chunk reaches GDN_CHUNK tokens, or where the chunked
+    // kernel does not fit the device (`gdn_chunked` would fall back to it).
+    let recurrent = max_rows < GDN_CHUNK || !dev.has_gdn_chunked(la.key_head_dim);
+    if recurrent && la.value_head_dim <= GATED_MAX_DV {
         dev.gdn_recurrent_gated(&q, &k, &v, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
     } else {
         dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
