@@ -50,7 +50,7 @@ SHAPES = {
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file for the records (appended to if present)")
     p.add_argument("--shape", choices=list(SHAPES), default="llama-3-8b")
@@ -64,7 +64,16 @@ def parse_args() -> argparse.Namespace:
                    help="after the timed runs, one prefill of TOKENS tokens under torch.profiler: kernel "
                         "table (GPU time per kernel name) into --profile-out")
     p.add_argument("--profile-out", default="prefill_profile.txt")
-    return p.parse_args()
+    a = p.parse_args(argv)
+    try:
+        a.lengths = [int(x) for x in a.prompts.split(",")]
+    except ValueError:
+        p.error(f"--prompts {a.prompts!r}: comma-separated token counts, e.g. 2048,8192")
+    if min(a.lengths) < 1:
+        p.error(f"--prompts {a.prompts!r}: every prompt needs at least one token")
+    if not 0 <= a.profile <= max(a.lengths):
+        p.error(f"--profile {a.profile}: 0 (off) up to the longest of --prompts ({max(a.lengths)}), the engine's context")
+    return a
 
 
 def build_model(shape: str, layers: int, max_pos: int):
@@ -184,9 +193,7 @@ def main() -> None:
     a = parse_args()
     shape = SHAPES[a.shape]
     layers = a.layers or shape["layers"]
-    lengths = [int(x) for x in a.prompts.split(",")]
-    if a.profile > max(lengths):
-        sys.exit(f"--profile {a.profile}: at most the longest of --prompts ({max(lengths)}), the engine's context")
+    lengths = a.lengths
     device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                             text=True).stdout.strip().splitlines()[0]
     t = time.perf_counter()

@@ -219,6 +219,11 @@ fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
             let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, 1e-6);
             check("rmsnorm_gated", st, &format!("{tokens}x{heads}x{dim}/zs{z_stride}"), &out.read(&dev, "rmsnorm_gated"), &want, tol16(st));
         }
+        // A z row stride shorter than a token's heads would make tokens overlap: a typed error.
+        let (x, z, w) = (upload(&dev, &[0.5; 2 * 64]), upload(&dev, &[0.5; 2 * 64]), upload(&dev, &[1.0; 64]));
+        let mut out = Out16::new(&dev, 2 * 64);
+        let short = dev.rmsnorm_gated(&x, &z, 32, &w, &mut out.view(), 2, 1, 64, 1e-6);
+        assert!(matches!(short, Err(NinferError::Device(ref m)) if m.contains("stride 32")), "{short:?}");
     }
 }
 
@@ -1472,6 +1477,11 @@ fn gdn_gates_match_softplus_and_sigmoid() {
             check("gdn_gates.g", st, &shape, &g.read(&dev, "g"), &g_want, TOL32);
             check("gdn_gates.beta", st, &shape, &beta.read(&dev, "beta"), &beta_want, TOL32);
         }
+        // A row stride below the head count would read one token's gates as another's: a typed error.
+        let (ab, f) = (upload(&dev, &[0.5; 16]), upload_raw(&dev, &[0.0f32; 8]));
+        let (mut g, mut beta) = (Out32::new(&dev, 16), Out32::new(&dev, 16));
+        let short = dev.gdn_gates(&ab, &ab, 4, &f, &f, &mut g.view(), &mut beta.view(), 2, 8);
+        assert!(matches!(short, Err(NinferError::Device(ref m)) if m.contains("stride 4")), "{short:?}");
     }
 }
 
