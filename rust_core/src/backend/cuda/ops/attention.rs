@@ -113,49 +113,40 @@ fn group_and_warps(sh: &PagedAttentionShape, t: usize) -> (usize, usize) {
     (g, t * sh.n_q_heads / g)
 }
 
-/// The attention kernel for head size `d` (64, 96, 128, 256) and `g` q heads per warp (1, 2,
-/// 4, 8).
+/// The instance of a kernel family `$prefix_d{D}_g{G}` (attention.cu's instance macros) for
+/// head size `d` (64, 96, 128, 256) and `g` q heads per warp or block (1, 2, 4, 8).
+macro_rules! by_head_dim_and_group {
+    ($prefix:literal, $d:expr, $g:expr) => {
+        match ($d, $g) {
+            (64, 1) => concat!($prefix, "_d64_g1"),
+            (64, 2) => concat!($prefix, "_d64_g2"),
+            (64, 4) => concat!($prefix, "_d64_g4"),
+            (64, _) => concat!($prefix, "_d64_g8"),
+            (96, 1) => concat!($prefix, "_d96_g1"),
+            (96, 2) => concat!($prefix, "_d96_g2"),
+            (96, 4) => concat!($prefix, "_d96_g4"),
+            (96, _) => concat!($prefix, "_d96_g8"),
+            (128, 1) => concat!($prefix, "_d128_g1"),
+            (128, 2) => concat!($prefix, "_d128_g2"),
+            (128, 4) => concat!($prefix, "_d128_g4"),
+            (128, _) => concat!($prefix, "_d128_g8"),
+            (_, 1) => concat!($prefix, "_d256_g1"),
+            (_, 2) => concat!($prefix, "_d256_g2"),
+            (_, 4) => concat!($prefix, "_d256_g4"),
+            _ => concat!($prefix, "_d256_g8"),
+        }
+    };
+}
+
+/// The split attention kernel (prefill on sm_70/75, the two-kernel decode) for head size `d`
+/// and `g` q heads per warp.
 fn kernel_name(d: usize, g: usize) -> &'static str {
-    match (d, g) {
-        (64, 1) => "paged_attention_d64_g1",
-        (64, 2) => "paged_attention_d64_g2",
-        (64, 4) => "paged_attention_d64_g4",
-        (64, _) => "paged_attention_d64_g8",
-        (96, 1) => "paged_attention_d96_g1",
-        (96, 2) => "paged_attention_d96_g2",
-        (96, 4) => "paged_attention_d96_g4",
-        (96, _) => "paged_attention_d96_g8",
-        (128, 1) => "paged_attention_d128_g1",
-        (128, 2) => "paged_attention_d128_g2",
-        (128, 4) => "paged_attention_d128_g4",
-        (128, _) => "paged_attention_d128_g8",
-        (_, 1) => "paged_attention_d256_g1",
-        (_, 2) => "paged_attention_d256_g2",
-        (_, 4) => "paged_attention_d256_g4",
-        _ => "paged_attention_d256_g8",
-    }
+    by_head_dim_and_group!("paged_attention", d, g)
 }
 
 /// The one-kernel decode attention for head size `d` and `g` q heads per block.
 fn decode_kernel_name(d: usize, g: usize) -> &'static str {
-    match (d, g) {
-        (64, 1) => "decode_attention_d64_g1",
-        (64, 2) => "decode_attention_d64_g2",
-        (64, 4) => "decode_attention_d64_g4",
-        (64, _) => "decode_attention_d64_g8",
-        (96, 1) => "decode_attention_d96_g1",
-        (96, 2) => "decode_attention_d96_g2",
-        (96, 4) => "decode_attention_d96_g4",
-        (96, _) => "decode_attention_d96_g8",
-        (128, 1) => "decode_attention_d128_g1",
-        (128, 2) => "decode_attention_d128_g2",
-        (128, 4) => "decode_attention_d128_g4",
-        (128, _) => "decode_attention_d128_g8",
-        (_, 1) => "decode_attention_d256_g1",
-        (_, 2) => "decode_attention_d256_g2",
-        (_, 4) => "decode_attention_d256_g4",
-        _ => "decode_attention_d256_g8",
-    }
+    by_head_dim_and_group!("decode_attention", d, g)
 }
 
 /// The split-combine kernel for head size `d`.
@@ -471,6 +462,30 @@ mod tests {
             max_context: 0,
             partition: 0,
         }
+    }
+
+    #[test]
+    fn kernel_names_follow_the_instances_of_attention_cu() {
+        assert_eq!(kernel_name(64, 1), "paged_attention_d64_g1");
+        assert_eq!(kernel_name(96, 4), "paged_attention_d96_g4");
+        assert_eq!(kernel_name(128, 8), "paged_attention_d128_g8");
+        assert_eq!(kernel_name(256, 2), "paged_attention_d256_g2");
+        assert_eq!(decode_kernel_name(128, 4), "decode_attention_d128_g4");
+        assert_eq!(decode_kernel_name(256, 1), "decode_attention_d256_g1");
+        assert_eq!(decode_kernel_name(64, 8), "decode_attention_d64_g8");
+        // Every name the launchers can ask for is an instance in the kernel source: both
+        // families come from ATTN_GROUP_INSTANCE(D, G), G = 1, 2, 4, 8, for each ATTN_INSTANCE(D).
+        let src = include_str!("../../../../../cuda/attention.cu");
+        for d in [64, 96, 128, 256] {
+            assert!(src.contains(&format!("\nATTN_INSTANCE({d})")), "ATTN_INSTANCE({d})");
+            for g in [1, 2, 4, 8] {
+                assert!(src.contains(&format!("ATTN_GROUP_INSTANCE(D, {g})")), "G = {g}");
+                for (prefix, name) in [("paged_attention", kernel_name(d, g)), ("decode_attention", decode_kernel_name(d, g))] {
+                    assert_eq!(name, format!("{prefix}_d{d}_g{g}"));
+                }
+            }
+        }
+        assert!(src.contains("paged_attention_d##D##_g##G(") && src.contains("decode_attention_d##D##_g##G("));
     }
 
     /// One arrival counter per block row of the grid (token x group of q heads a block
