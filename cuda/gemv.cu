@@ -3,6 +3,8 @@
 // 16-byte loads coalesced across the warp: one warp owns C output columns (rows of W),
 // the block holds GEMV_WARPS such warps, and each lane keeps M f32 partial sums that a warp
 // reduction combines. x is small and served from L1/L2. K must be a multiple of 8.
+// The route on sm_7x; sm_80+ runs the tensor-core GEMV (gemv_tc.cu, `gemv_form` in ops/gemv.rs),
+// which keeps every M of 1..8 bound by the weight stream.
 #include "common.cuh"
 
 #define GEMV_WARPS 8

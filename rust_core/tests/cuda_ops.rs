@@ -62,9 +62,11 @@ mod reference;
 mod sampling;
 #[path = "cuda_ops/gdn_gated.rs"]
 mod gdn_gated;
+#[path = "cuda_ops/gemv_tc.rs"]
+mod gemv_tc;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm, GemvForm};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -1641,6 +1643,39 @@ fn report_decode_op_throughput() {
         println!("PERF op=gemv m={m} n={n} k={k} ms={t:.4} GBps={gbps:.0} frac_of_copy_read={:.2}", t.recip() * copy / 2.0);
         let tg = time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
         println!("PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}", bytes / tg / 1e6);
+    }
+    // The two GEMV forms against cuBLAS: weight read rate of the tensor-core GEMV (the route on
+    // sm_80+), the SIMT GEMV and cuBLAS, at the 8B gate/up shape for M = 1, 2, 4, 8, and at M = 1
+    // for a 4096 x 4096 projection and the 8B lm_head (128256 x 4096, f32 logits).
+    for (m, n, k, f32_out) in [(1, 14336, 4096, false), (2, 14336, 4096, false), (4, 14336, 4096, false), (8, 14336, 4096, false), (1, 4096, 4096, false), (1, 128256, 4096, true)] {
+        let w = s.alloc_zeros::<u16>(n * k).unwrap();
+        let x = s.alloc_zeros::<u16>(m * k).unwrap();
+        let wbytes = (n * k * 2) as f64;
+        let time = |form: Option<GemvForm>| {
+            if f32_out {
+                let mut y = s.alloc_zeros::<f32>(m * n).unwrap();
+                match form {
+                    Some(form) => time_ms(&dev, 20, || dev.gemv_f32_out_with(form, &x, &w, &mut y, m, n, k).unwrap()),
+                    None => time_ms(&dev, 20, || dev.gemm_f32_out(&x, &w, &mut y, m, n, k).unwrap()),
+                }
+            } else {
+                let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
+                match form {
+                    Some(form) => time_ms(&dev, 20, || dev.gemv_with(form, &x, &w, &mut y, m, n, k).unwrap()),
+                    None => time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap()),
+                }
+            }
+        };
+        let (tc, simt, cublas) = (time(Some(GemvForm::TensorCores)), time(Some(GemvForm::Simt)), time(None));
+        println!(
+            "PERF op=gemv_forms m={m} n={n} k={k} out={} tc_GBps={:.0} simt_GBps={:.0} cublas_GBps={:.0} tc_over_simt={:.3} tc_frac_of_copy_read={:.2}",
+            if f32_out { "f32" } else { "storage" },
+            wbytes / tc / 1e6,
+            wbytes / simt / 1e6,
+            wbytes / cublas / 1e6,
+            simt / tc,
+            (wbytes / tc) / (2.0 * bytes / copy)
+        );
     }
     // The decode MLP's gate_up projection (Llama-3-8B: 2 x 14336 x 4096): the GEMV into
     // [m, 2 * 14336] then swiglu, against the GEMV with SwiGLU in its epilogue.

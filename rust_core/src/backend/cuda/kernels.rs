@@ -58,8 +58,10 @@ pub enum KernelFamily {
     Rope,
     /// SwiGLU and the sigmoid output gate.
     Activation,
-    /// Small-M GEMV for decode.
+    /// Small-M GEMV for decode on CUDA cores (sm_7x).
     Gemv,
+    /// Small-M GEMV for decode on tensor cores (sm_80+).
+    GemvTc,
     /// Paged attention (decode and prefill), split combine, KV cache write.
     Attention,
     /// Causal flash attention for prefill on tensor cores (sm_80+).
@@ -74,12 +76,13 @@ pub enum KernelFamily {
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 10] = [
+    pub const ALL: [KernelFamily; 11] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
         KernelFamily::Activation,
         KernelFamily::Gemv,
+        KernelFamily::GemvTc,
         KernelFamily::Attention,
         KernelFamily::FlashAttention,
         KernelFamily::Gdn,
@@ -95,6 +98,7 @@ impl KernelFamily {
             KernelFamily::Rope => "rope.cu",
             KernelFamily::Activation => "activation.cu",
             KernelFamily::Gemv => "gemv.cu",
+            KernelFamily::GemvTc => "gemv_tc.cu",
             KernelFamily::Attention => "attention.cu",
             KernelFamily::FlashAttention => "flash_attention.cu",
             KernelFamily::Gdn => "gdn.cu",
@@ -111,6 +115,7 @@ impl KernelFamily {
             KernelFamily::Rope => include_str!("../../../../cuda/rope.cu"),
             KernelFamily::Activation => include_str!("../../../../cuda/activation.cu"),
             KernelFamily::Gemv => include_str!("../../../../cuda/gemv.cu"),
+            KernelFamily::GemvTc => include_str!("../../../../cuda/gemv_tc.cu"),
             KernelFamily::Attention => include_str!("../../../../cuda/attention.cu"),
             KernelFamily::FlashAttention => include_str!("../../../../cuda/flash_attention.cu"),
             KernelFamily::Gdn => include_str!("../../../../cuda/gdn.cu"),

@@ -1,0 +1,272 @@
+// Decode GEMV on tensor cores (sm_80+): y[M, N] = x[M, K] * W[N, K]^T for M = 1..8 rows, the
+// route of every small-M projection on sm_80+ (ops/gemv.rs `gemv_form`; cuda/gemv.cu, the SIMT
+// GEMV, serves sm_7x). Why: the SIMT GEMV does 2 M FLOP per weight element plus conversions on
+// the CUDA cores, so from M = 4 on it is bound by instruction issue, not by reading the weights
+// (1.15 TB/s at M = 8 on the H200 against 3.7 at M = 1). mma.sync m16n8k16 does the 16 x 8 x 16
+// products of a tile in one instruction per warp, so every M of 1..8 costs the same issue and
+// the kernel stays bound by the weight stream.
+//
+// Layout. A block owns one tile of 16 weight rows (the mma's A, 16 rows x 16 k per mma) and its
+// GEMV_TC_WARPS warps split K: warp w takes the k32 steps w, w + WARPS, w + 2 WARPS, ... in
+// ascending order. In one k32 step, lane (g = lane / 4, t = lane % 4) loads 16 bytes (8 k) of
+// weight row g and 16 bytes of row g + 8 at k = 32 s + 8 t (the 4 lanes of a row read 64
+// contiguous bytes, the block's 8 warps 512), and 16 bytes of x row g (the mma's B column g;
+// zero for g >= M, so x is padded to 8 columns with zeros) at the same k. Those registers are the
+// fragments of two mmas directly, through a k permutation that is the same for A and B: the
+// mma's logical k 2t, 2t + 1 / 2t + 8, 2t + 9 are the physical k 8t + 0, 1 / 8t + 2, 3 in the
+// first mma and 8t + 4, 5 / 8t + 6, 7 in the second. A dot product summed over a permuted k is
+// the same dot product, so no shuffle, shared-memory staging or ldmatrix sits between the
+// 16-byte loads and the mma; every weight byte is loaded once. K needs only be a multiple of 8:
+// chunks at or past K load zeros for both operands (the last step of a K that is not a
+// multiple of 32).
+//
+// Exactness. Each element of an mma's D depends only on its row of A and its column of B, so
+// output (row n, x row m) is the same chain of mma accumulations (the warp's steps in
+// ascending order), then the same fixed-order reduction over the block's warps (warp 0 + 1 +
+// ... + 7 through shared memory), whatever M is and whatever the other rows of the tile are:
+// row r of an M-row launch equals the one-row launch bit for bit (batch == alone), and the
+// SwiGLU tile (8 gate + 8 up rows) gives the gate and up sums bit for bit as the plain GEMV
+// gives them for the fused weight (gemv_gateup_swiglu == gemv + swiglu). M is a launch
+// argument, not a template parameter: one code path for every M.
+#include "common.cuh"
+
+// Warps per block, each taking every GEMV_TC_WARPS-th k32 step: 16-row tiles alone would give
+// N / 16 warps (256 at N = 4096), too few loads in flight to stream the weights.
+#define GEMV_TC_WARPS 8
+// k32 steps a warp loads before multiplying them: 8 weight loads of 16 bytes in flight per lane.
+#define GEMV_TC_UNROLL 4
+// k32 steps per warp whose weight lines are prefetched into L2 before the PDL wait.
+#define GEMV_TC_PREFETCH 2
+
+// The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits), or
+// SwiGLU of gate/up pairs.
+#define GEMV_TC_OUT_STORE 0
+#define GEMV_TC_OUT_F32 1
+#define GEMV_TC_OUT_SWIGLU 2
+
+// 16 bytes of 8 storage elements as the four 32-bit registers of mma fragments (element 2i in
+// the low half of r[i]: the lower k of a pair, as the mma expects).
+struct __align__(16) tc_frag {
+    unsigned r[4];
+};
+
+// Weights: read once, so through the read-only path without allocating in L1 (which keeps x's
+// lines there). Written as PTX because the weight pointer also feeds the L2 prefetch's asm, after
+// which the compiler no longer proves the plain load read-only (it emitted ld.global, not
+// ld.global.nc, for the SIMT GEMV's weights once the prefetch was added).
+__device__ __forceinline__ tc_frag tc_load_w(const store_t* p) {
+    tc_frag f;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+        : "l"(p));
+    return f;
+}
+
+// x: read by every warp of the block (and of the other blocks), so cached in L1; written by the
+// kernel before this one, and read-only while this one runs.
+__device__ __forceinline__ tc_frag tc_load_x(const store_t* p) {
+    tc_frag f;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+        : "l"(p));
+    return f;
+}
+
+// f where keep, zeros elsewhere: a select, so a lane's x load needs no branch (lanes of x rows
+// >= M load row M - 1, the same lines as that row's lanes, and drop it).
+__device__ __forceinline__ tc_frag tc_keep(const tc_frag& f, bool keep) {
+    tc_frag r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.r[i] = keep ? f.r[i] : 0u;
+    return r;
+}
+
+__device__ __forceinline__ tc_frag tc_zero() {
+    tc_frag f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f.r[i] = 0u;
+    return f;
+}
+
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+// Below sm_80 (no m16n8k16) the same D fragment computed on CUDA cores: lane (g, t) gathers row
+// g / g + 8 of A and columns 2t / 2t + 1 of B from the lanes holding them. The launcher never
+// sends sm_7x here (it runs cuda/gemv.cu); this keeps the module's meaning on every arch.
+__device__ __forceinline__ float tc_dot2(unsigned a, unsigned b) {
+    return to_f32((store_t)(a & 0xffffu)) * to_f32((store_t)(b & 0xffffu)) +
+           to_f32((store_t)(a >> 16)) * to_f32((store_t)(b >> 16));
+}
+#endif
+
+// d += A * B for one m16n8k16 tile: a0..a3 and b0, b1 in the mma.sync fragment layout.
+__device__ __forceinline__ void tc_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                       unsigned a3, unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(NINFER_STORAGE_F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+#else
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int tt = 0; tt < 4; ++tt) {
+        const int la = g * 4 + tt, lb0 = (2 * t) * 4 + tt, lb1 = (2 * t + 1) * 4 + tt;
+        const unsigned ra0 = __shfl_sync(0xffffffffu, a0, la), ra1 = __shfl_sync(0xffffffffu, a1, la);
+        const unsigned ra2 = __shfl_sync(0xffffffffu, a2, la), ra3 = __shfl_sync(0xffffffffu, a3, la);
+        const unsigned c0b0 = __shfl_sync(0xffffffffu, b0, lb0), c0b1 = __shfl_sync(0xffffffffu, b1, lb0);
+        const unsigned c1b0 = __shfl_sync(0xffffffffu, b0, lb1), c1b1 = __shfl_sync(0xffffffffu, b1, lb1);
+        d[0] += tc_dot2(ra0, c0b0) + tc_dot2(ra2, c0b1);
+        d[1] += tc_dot2(ra0, c1b0) + tc_dot2(ra2, c1b1);
+        d[2] += tc_dot2(ra1, c0b0) + tc_dot2(ra3, c0b1);
+        d[3] += tc_dot2(ra1, c1b0) + tc_dot2(ra3, c1b1);
+    }
+#endif
+}
+
+// One k32 step: the two mmas over a lane's 16 bytes of weight rows g (lo) and g + 8 (hi) and of
+// x row g, under the k permutation above.
+__device__ __forceinline__ void tc_step(float (&d)[4], const tc_frag& lo, const tc_frag& hi,
+                                        const tc_frag& b) {
+    tc_mma(d, lo.r[0], hi.r[0], lo.r[1], hi.r[1], b.r[0], b.r[1]);
+    tc_mma(d, lo.r[2], hi.r[2], lo.r[3], hi.r[3], b.r[2], b.r[3]);
+}
+
+// Output columns of y one block stores: the 16 rows of its tile, or 8 activations (8 gate rows
+// n0 .. n0 + 7 as tile rows 0..7, their up rows n_out later as tile rows 8..15) for SwiGLU.
+template <int OUT>
+__device__ constexpr int gemv_tc_cols() {
+    return OUT == GEMV_TC_OUT_SWIGLU ? 8 : 16;
+}
+
+// y[m, n] for x rows m < M, output columns n of the block (ragged N: tile rows past n_out read
+// row n_out - 1 and store nothing). GEMV_TC_OUT_SWIGLU: W is the fused gate_up weight [2 n_out,
+// K] and y = act[M, n_out] = silu(gate) * up, each sum rounded to the storage type as the GEMV
+// stores it and silu(gate) * up computed as cuda/activation.cu's swiglu computes it (the
+// expression of cuda/gemv.cu's gemv_store), so act is bit for bit this kernel's GEMV of the
+// fused weight followed by swiglu.
+template <int OUT>
+__device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
+                                             const store_t* __restrict__ w, void* __restrict__ y,
+                                             int m, int n_out, int k) {
+    __shared__ float red[GEMV_TC_WARPS][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * gemv_tc_cols<OUT>();
+    const long long row_lo = min(n0 + g, n_out - 1);
+    const long long row_hi =
+        OUT == GEMV_TC_OUT_SWIGLU ? row_lo + n_out : (long long)min(n0 + g + 8, n_out - 1);
+    const store_t* wlo = w + row_lo * k + 8 * t;
+    const store_t* whi = w + row_hi * k + 8 * t;
+    const store_t* xg = x + (long long)min(g, m - 1) * k + 8 * t;
+    const bool x_row = g < m;
+    const int full = k / 32;            // k32 steps with all four chunks inside K
+    const int steps = (k + 31) / 32;    // and the partial one, if K % 32 != 0
+    // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the warp's first
+    // GEMV_TC_PREFETCH steps are fetched into L2 before waiting for the kernel that wrote x.
+#pragma unroll
+    for (int p = 0; p < GEMV_TC_PREFETCH; ++p) {
+        const int s = warp + p * GEMV_TC_WARPS;
+        if (s < full) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wlo + 32 * s));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
+        }
+    }
+    pdl_enter();
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Main loop: GEMV_TC_UNROLL steps of the warp per iteration, all loads before the mmas. The
+    // three pointers advance, and the steps are constant offsets from them (32 GEMV_TC_WARPS
+    // elements apart), so the loads need no address registers of their own and the compiler
+    // keeps every load of the iteration in flight (per-step 64-bit addresses made it interleave
+    // loads with mmas to save registers: a memory latency per step instead of per iteration).
+    constexpr int STRIDE = 32 * GEMV_TC_WARPS;
+    int s = warp;
+    {
+        const store_t* plo = wlo + 32 * s;
+        const store_t* phi = whi + 32 * s;
+        const store_t* px = xg + 32 * s;
+        for (; s + (GEMV_TC_UNROLL - 1) * GEMV_TC_WARPS < full; s += GEMV_TC_UNROLL * GEMV_TC_WARPS) {
+            tc_frag lo[GEMV_TC_UNROLL], hi[GEMV_TC_UNROLL], b[GEMV_TC_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
+                lo[u] = tc_load_w(plo + u * STRIDE);
+                hi[u] = tc_load_w(phi + u * STRIDE);
+                b[u] = tc_keep(tc_load_x(px + u * STRIDE), x_row);
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_TC_UNROLL; ++u) tc_step(d, lo[u], hi[u], b[u]);
+            plo += GEMV_TC_UNROLL * STRIDE;
+            phi += GEMV_TC_UNROLL * STRIDE;
+            px += GEMV_TC_UNROLL * STRIDE;
+        }
+    }
+    for (; s < steps; s += GEMV_TC_WARPS) {
+        const int kk = 32 * s;
+        const bool in_k = kk + 8 * t < k;
+        const tc_frag lo = in_k ? tc_load_w(wlo + kk) : tc_zero();
+        const tc_frag hi = in_k ? tc_load_w(whi + kk) : tc_zero();
+        const tc_frag b = in_k ? tc_keep(tc_load_x(xg + kk), x_row) : tc_zero();
+        tc_step(d, lo, hi, b);
+    }
+    // Fixed-order reduction over the warps: warp 0's partial sums, plus warp 1's, ..., in f32.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[warp][j][lane] = d[j];
+    __syncthreads();
+    if (warp != 0) return;
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[j] = red[0][j][lane];
+#pragma unroll
+        for (int ww = 1; ww < GEMV_TC_WARPS; ++ww) v[j] += red[ww][j][lane];
+    }
+    // Lane (g, t) holds D[g][2t], D[g][2t + 1] in v[0], v[1] and D[g + 8][2t], D[g + 8][2t + 1]
+    // in v[2], v[3]: tile rows g, g + 8 (output columns) for x rows 2t, 2t + 1.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = 2 * t + i;
+        if (r >= m) continue;
+        if constexpr (OUT == GEMV_TC_OUT_SWIGLU) {
+            const int n = n0 + g;
+            if (n < n_out) {
+                const float gate = to_f32(from_f32(v[i]));
+                reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] =
+                    from_f32(silu_f(gate) * to_f32(from_f32(v[2 + i])));
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = n0 + g + 8 * h;
+                if (n >= n_out) continue;
+                if constexpr (OUT == GEMV_TC_OUT_F32)
+                    reinterpret_cast<float*>(y)[(long long)r * n_out + n] = v[2 * h + i];
+                else
+                    reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(v[2 * h + i]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
+    gemv_tc(const store_t* x, const store_t* w, store_t* y, int m, int n_out, int k) {
+    gemv_tc_body<GEMV_TC_OUT_STORE>(x, w, y, m, n_out, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
+    gemv_tc_f32out(const store_t* x, const store_t* w, float* y, int m, int n_out, int k) {
+    gemv_tc_body<GEMV_TC_OUT_F32>(x, w, y, m, n_out, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
+    gemv_tc_gateup_swiglu(const store_t* x, const store_t* w, store_t* act, int m, int inter, int k) {
+    gemv_tc_body<GEMV_TC_OUT_SWIGLU>(x, w, act, m, inter, k);
+}
