@@ -12,7 +12,9 @@
 //  - gdn_chunk_prep: one block per (chunk, value head), all chunks of all sequences in
 //    parallel: normalises q / k, builds A and M, solves for W and U by forward substitution
 //    (one thread per right-hand-side column, the column in registers) and writes W, U, M and
-//    the per-token scales to a workspace.
+//    the per-token scales to a workspace. Two forms: f32 on CUDA cores (gdn_chunk_prep_dk*) and,
+//    sm_80+, A and M on tensor cores from the raw storage-type rows (gdn_chunk_prep_tc_dk*,
+//    the default there; see prep_tc_body).
 //  - gdn_chunk_scan: one block per (32 value columns, value head, sequence) walks the chunks
 //    in order and only propagates the state: three dense products per chunk against the f32
 //    state slice (register-tiled 4x4 per thread), no substitution and nothing recomputed.
