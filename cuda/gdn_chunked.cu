@@ -12,7 +12,9 @@
 //  - gdn_chunk_prep: one block per (chunk, value head), all chunks of all sequences in
 //    parallel: normalises q / k, builds A and M, solves for W and U by forward substitution
 //    (one thread per right-hand-side column, the column in registers) and writes W, U, M and
-//    the per-token scales to a workspace.
+//    the per-token scales to a workspace. Two forms: f32 on CUDA cores (gdn_chunk_prep_dk*) and,
+//    sm_80+, A and M on tensor cores from the raw storage-type rows (gdn_chunk_prep_tc_dk*,
+//    the default there; see prep_tc_body).
 //  - gdn_chunk_scan: one block per (32 value columns, value head, sequence) walks the chunks
 //    in order and only propagates the state: three dense products per chunk against the f32
 //    state slice (register-tiled 4x4 per thread), no substitution and nothing recomputed.
@@ -48,6 +50,45 @@ __device__ __forceinline__ bool find_chunk(const int* __restrict__ cu_seqlens, i
         c -= nc;
     }
     return false;
+}
+
+// The chunk's gates, by one warp: inclusive prefix sum gc of the log decays g (lanes hold rows
+// lane and lane + 32), beta (bc) and beta e^G (bw); rows past n are zero in g and beta.
+__device__ __forceinline__ void chunk_gates(const float* __restrict__ g, const float* __restrict__ beta, int t0,
+                                            int n, int h, int n_v_heads, int lane, float* gc, float* bc,
+                                            float* bw) {
+    float g0 = lane < n ? g[(long long)(t0 + lane) * n_v_heads + h] : 0.0f;
+    float g1 = lane + 32 < n ? g[(long long)(t0 + lane + 32) * n_v_heads + h] : 0.0f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float a0 = __shfl_up_sync(0xffffffffu, g0, o);
+        const float a1 = __shfl_up_sync(0xffffffffu, g1, o);
+        if (lane >= o) {
+            g0 += a0;
+            g1 += a1;
+        }
+    }
+    g1 += __shfl_sync(0xffffffffu, g0, 31);
+    gc[lane] = g0;
+    gc[lane + 32] = g1;
+    const float b0 = lane < n ? beta[(long long)(t0 + lane) * n_v_heads + h] : 0.0f;
+    const float b1 = lane + 32 < n ? beta[(long long)(t0 + lane + 32) * n_v_heads + h] : 0.0f;
+    bc[lane] = b0;
+    bc[lane + 32] = b1;
+    bw[lane] = b0 * expf(g0);
+    bw[lane + 32] = b1 * expf(g1);
+}
+
+// Row r's per-token scales in the workspace (layout in the header): q norm e^G, k norm
+// e^{G_last - G}, e^{G_last}.
+__device__ __forceinline__ void write_scales(float* __restrict__ sc_out, int t0, int r, int h, int n_v_heads,
+                                             const float* qn, const float* kn, const float* gc) {
+    const float g_last = gc[CH_C - 1];
+    float* sc = sc_out + ((long long)(t0 + r) * n_v_heads + h) * 4;
+    sc[0] = qn[r] * expf(gc[r]);
+    sc[1] = kn[r] * expf(g_last - gc[r]);
+    sc[2] = expf(g_last);
+    sc[3] = 0.0f;
 }
 
 template <int DK>
@@ -111,38 +152,9 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
             kn[r] = kf;
         }
     }
-    if (warp == 0) {
-        // Inclusive prefix sum of g over the chunk: lanes hold rows lane and lane + 32.
-        float g0 = lane < n ? g[(long long)(t0 + lane) * n_v_heads + h] : 0.0f;
-        float g1 = lane + 32 < n ? g[(long long)(t0 + lane + 32) * n_v_heads + h] : 0.0f;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float a0 = __shfl_up_sync(0xffffffffu, g0, o);
-            const float a1 = __shfl_up_sync(0xffffffffu, g1, o);
-            if (lane >= o) {
-                g0 += a0;
-                g1 += a1;
-            }
-        }
-        g1 += __shfl_sync(0xffffffffu, g0, 31);
-        gc[lane] = g0;
-        gc[lane + 32] = g1;
-        const float b0 = lane < n ? beta[(long long)(t0 + lane) * n_v_heads + h] : 0.0f;
-        const float b1 = lane + 32 < n ? beta[(long long)(t0 + lane + 32) * n_v_heads + h] : 0.0f;
-        bc[lane] = b0;
-        bc[lane + 32] = b1;
-        bw[lane] = b0 * expf(g0);
-        bw[lane + 32] = b1 * expf(g1);
-    }
+    if (warp == 0) chunk_gates(g, beta, t0, n, h, n_v_heads, lane, gc, bc, bw);
     __syncthreads();
-    if (tid < n) {
-        const float g_last = gc[CH_C - 1];
-        float* sc = sc_out + ((long long)(t0 + tid) * n_v_heads + h) * 4;
-        sc[0] = qn[tid] * expf(gc[tid]);
-        sc[1] = kn[tid] * expf(g_last - gc[tid]);
-        sc[2] = expf(g_last);
-        sc[3] = 0.0f;
-    }
+    if (tid < n) write_scales(sc_out, t0, tid, h, n_v_heads, qn, kn, gc);
     // 2. A (shared) and M (straight to the workspace). A warp shares t and spans 32 i.
     for (int idx = tid; idx < CH_C * CH_C; idx += CH_THREADS) {
         const int t = idx / CH_C;
@@ -785,6 +797,228 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
 }
 #endif
 
+// Tensor-core prep (gdn_chunk_prep_tc_dk*, sm_80+; PrepForm::TensorCores in gdn_chunked.rs).
+// Where the SIMT prep's time goes, per block (chunk, v head) at dk 128: A and M are 2080
+// lower-triangle dot products of 128, each thread loading kt[d], qt[d] and ki[d] from shared
+// memory per FMA pair (~37k warp-wide shared loads a block), and the substitution loads one
+// broadcast A entry per FMA (~18k): shared-memory issue, not arithmetic, bounds it, with
+// 8 warps an SM (84 KB a block) to hide the latency. This form:
+//  - A and M as mma.sync m16n8k16 on the raw q / k rows in their storage type (bf16 or f16:
+//    products exact, f32 accumulation), the L2 norms applied to the f32 results as row and
+//    column scales; warp w owns rows 16w..16w+15 and skips the n-tiles above the diagonal.
+//  - the substitution as the SIMT prep's (one thread per right-hand column, blocks of 16
+//    rows, the same FMA order), with A read as float4 along a row (4 entries per broadcast
+//    load) and the W right-hand sides from the raw k rows times beta e^G and the k norm.
+//  - 67 KB of shared memory at dk 128 (the raw q tile's space then holds the solved columns),
+//    three blocks per sm_90 SM.
+// Fragment layout (PTX ISA, m16n8k16 with 16-bit operands; g = lane / 4, q = lane % 4; each
+// register two consecutive k): A a0 (g, 2q), a1 (g + 8, 2q), a2 (g, 2q + 8), a3 (g + 8, 2q + 8);
+// B (column-major) b0 (k 2q, n g), b1 (k 2q + 8, n g); C as m16n8k8's.
+#ifdef CH_TENSOR_CORES
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if defined(NINFER_STORAGE_F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+#endif
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared-memory layout of the tensor-core prep (floats unless said); gdn_chunked.rs
+// prep_tc_smem_bytes mirrors it.
+template <int DK>
+struct PrepTcLayout {
+    static constexpr int LA = CH_C + 4;  // A rows: float4-aligned, 4 mod 32 words (C-fragment stores)
+    static constexpr int LR = DK + 8;    // raw q / k rows, storage elements: (DK + 8) / 2 words, 4 mod 32
+    // Raw q tile [C][LR] (storage type), then the solved columns xs [C][CH_THREADS].
+    static constexpr int QX = (CH_C * LR / 2 > CH_C * CH_THREADS) ? CH_C * LR / 2 : CH_C * CH_THREADS;
+    static constexpr int F32 = CH_C * LA + 5 * CH_C + QX;  // then the raw k tile [C][LR]
+};
+
+template <int DK>
+__device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, const store_t* __restrict__ k,
+                                             long long qk_stride, const store_t* __restrict__ v,
+                                             long long v_stride, const float* __restrict__ g,
+                                             const float* __restrict__ beta,
+                                             const int* __restrict__ cu_seqlens, int n_seqs,
+                                             int n_k_heads, int n_v_heads, int dv, int n_tokens,
+                                             float* __restrict__ work) {
+    using L = PrepTcLayout<DK>;
+    constexpr int EPL = DK / 32;
+    extern __shared__ float ch_smem[];
+    float* am = ch_smem;                    // [C][LA] beta_t e^{G_t-G_i} k_t.k_i, i < t (normalised k)
+    float* gc = am + CH_C * L::LA;          // [C] cumulative log decay
+    float* bc = gc + CH_C;                  // [C] beta
+    float* bw = bc + CH_C;                  // [C] beta e^G
+    float* qn = bw + CH_C;                  // [C] q norm factor (with dk^-1/2)
+    float* kn = qn + CH_C;                  // [C] k norm factor
+    float* xs = kn + CH_C;                  // [C][CH_THREADS] solved columns (step 3)
+    store_t* qr = (store_t*)xs;             // [C][LR] raw q (steps 1-2)
+    store_t* kr = (store_t*)(ch_smem + L::F32);  // [C][LR] raw k
+
+    int s, t0, n;
+    if (!find_chunk(cu_seqlens, n_seqs, blockIdx.x, s, t0, n)) return;
+    const int h = blockIdx.y;
+    const int kh = h / (n_v_heads / n_k_heads);
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const long long rows = (long long)n_tokens * n_v_heads;
+    float* w_out = work;
+    float* u_out = w_out + rows * DK;
+    float* m_out = u_out + rows * dv;
+    float* sc_out = m_out + rows * CH_C;
+
+    // 1. Raw q and k rows (zero past n) and their norm factors (one warp per row), gates.
+    for (int r = warp; r < CH_C; r += CH_WARPS) {
+        store_t qv[EPL], kv[EPL];
+        float qss = 0.0f, kss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[e] = kv[e] = 0;
+            if (r < n) {
+                const long long base = (long long)(t0 + r) * qk_stride + (long long)kh * DK + e * 32 + lane;
+                qv[e] = q[base];
+                kv[e] = k[base];
+            }
+            const float a = to_f32(qv[e]), b = to_f32(kv[e]);
+            qss += a * a;
+            kss += b * b;
+            qr[r * L::LR + e * 32 + lane] = qv[e];
+            kr[r * L::LR + e * 32 + lane] = kv[e];
+        }
+        const float qf = rsqrtf(warp_sum(qss) + 1e-6f) * rsqrtf((float)DK);
+        const float kf = rsqrtf(warp_sum(kss) + 1e-6f);
+        if (lane == 0) {
+            qn[r] = qf;
+            kn[r] = kf;
+        }
+    }
+    if (warp == 0) chunk_gates(g, beta, t0, n, h, n_v_heads, lane, gc, bc, bw);
+    __syncthreads();
+    if (tid < n) write_scales(sc_out, t0, tid, h, n_v_heads, qn, kn, gc);
+    // 2. Raw K K^T and Q K^T on this warp's 16 rows (n-tiles 0..2w+1: the rest is above the
+    // diagonal), then scaled: A to shared memory, M straight to the workspace.
+    {
+        const int gq = lane >> 2, qq = lane & 3;
+        const int m0 = 16 * warp;
+        float ck[CH_C / 8][4], cq[CH_C / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < CH_C / 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ck[nt][i] = cq[nt][i] = 0.0f;
+#pragma unroll
+        for (int k0 = 0; k0 < DK; k0 += 16) {
+            const int c0 = k0 + 2 * qq;
+            const unsigned* k_lo = (const unsigned*)(kr + (m0 + gq) * L::LR + c0);
+            const unsigned* k_hi = (const unsigned*)(kr + (m0 + gq + 8) * L::LR + c0);
+            const unsigned* q_lo = (const unsigned*)(qr + (m0 + gq) * L::LR + c0);
+            const unsigned* q_hi = (const unsigned*)(qr + (m0 + gq + 8) * L::LR + c0);
+            const unsigned ak[4] = {k_lo[0], k_hi[0], k_lo[4], k_hi[4]};
+            const unsigned aq[4] = {q_lo[0], q_hi[0], q_lo[4], q_hi[4]};
+#pragma unroll
+            for (int nt = 0; nt < CH_C / 8; ++nt) {
+                if (nt > 2 * warp + 1) continue;  // warp-uniform
+                const unsigned* bk = (const unsigned*)(kr + (8 * nt + gq) * L::LR + c0);
+                mma16816(ck[nt], ak, bk[0], bk[4]);
+                mma16816(cq[nt], aq, bk[0], bk[4]);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int t = m0 + gq + 8 * half;
+            const float kt = kn[t], qt = qn[t], bt = bc[t], gt = gc[t];
+            float* mrow = m_out + ((long long)(t0 + t) * n_v_heads + h) * CH_C;
+#pragma unroll
+            for (int nt = 0; nt < CH_C / 8; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int i = 8 * nt + 2 * qq + c;
+                    float a = 0.0f, b = 0.0f;
+                    if (i <= t && t < n) {
+                        const float decay = expf(gt - gc[i]);
+                        const float ki = kn[i];
+                        a = i < t ? bt * decay * ((ck[nt][2 * half + c] * kt) * ki) : 0.0f;
+                        b = decay * ((cq[nt][2 * half + c] * qt) * ki);
+                    }
+                    am[t * L::LA + i] = a;
+                    if (t < n) mrow[i] = b;
+                }
+        }
+    }
+    __syncthreads();  // A complete; every read of the raw q tile (xs's space) done
+    // 3. Forward substitution (I + A) X = R, as prep_body's step 3; A rows read as float4.
+    for (int j = tid; j < DK + dv; j += CH_THREADS) {
+        float* dst;
+        long long stride;
+        if (j < DK) {
+            dst = w_out + (long long)h * DK + j;
+            stride = (long long)n_v_heads * DK;
+        } else {
+            dst = u_out + (long long)h * dv + (j - DK);
+            stride = (long long)n_v_heads * dv;
+        }
+#pragma unroll 1
+        for (int b = 0; b < CH_C; b += 16) {
+            float x[16];
+            if (j < DK) {
+#pragma unroll
+                for (int r4 = 0; r4 < 4; ++r4) {
+                    const float4 bw4 = *(const float4*)(bw + b + 4 * r4);
+                    const float4 kn4 = *(const float4*)(kn + b + 4 * r4);
+                    const float bs[4] = {bw4.x * kn4.x, bw4.y * kn4.y, bw4.z * kn4.z, bw4.w * kn4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) x[4 * r4 + e] = bs[e] * to_f32(kr[(b + 4 * r4 + e) * L::LR + j]);
+                }
+            } else {
+                const store_t* vj = v + (long long)h * dv + (j - DK);
+#pragma unroll
+                for (int r = 0; r < 16; ++r)
+                    x[r] = b + r < n ? bc[b + r] * to_f32(vj[(long long)(t0 + b + r) * v_stride]) : 0.0f;
+            }
+#pragma unroll 1
+            for (int i = 0; i < b; i += 4) {
+                const float x0 = xs[i * CH_THREADS + tid];
+                const float x1 = xs[(i + 1) * CH_THREADS + tid];
+                const float x2 = xs[(i + 2) * CH_THREADS + tid];
+                const float x3 = xs[(i + 3) * CH_THREADS + tid];
+#pragma unroll
+                for (int r = 0; r < 16; ++r) {
+                    const float4 a4 = *(const float4*)(am + (b + r) * L::LA + i);
+                    x[r] = fmaf(-a4.x, x0, x[r]);
+                    x[r] = fmaf(-a4.y, x1, x[r]);
+                    x[r] = fmaf(-a4.z, x2, x[r]);
+                    x[r] = fmaf(-a4.w, x3, x[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 1; r < 16; ++r)
+#pragma unroll
+                for (int i4 = 0; i4 < r; i4 += 4) {
+                    const float4 a4 = *(const float4*)(am + (b + r) * L::LA + b + i4);
+                    const float a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (i4 + e < r) x[r] = fmaf(-a[e], x[i4 + e], x[r]);
+                }
+#pragma unroll
+            for (int r = 0; r < 16; ++r) {
+                xs[(b + r) * CH_THREADS + tid] = x[r];
+                if (b + r < n) dst[(long long)(t0 + b + r) * stride] = x[r];
+            }
+        }
+    }
+}
+#define PREP_TC_BODY(DK) prep_tc_body<DK>
+#else
+#define PREP_TC_BODY(DK) prep_body<DK>
+#endif
+
 // gdn_chunk_scan_tc_dk* is the tensor-core scan where the architecture has tf32 mma (sm_80+)
 // and the SIMT scan elsewhere (the launcher only picks it on sm_80+).
 // gdn_chunk_scan_pipe_dk* likewise: the pipelined scan on sm_80+, the SIMT scan elsewhere.
@@ -803,6 +1037,13 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         int n_seqs, int n_k_heads, int n_v_heads, int dv, int n_tokens, float* work) {          \
         prep_body<DK>(q, k, qk_stride, v, v_stride, g, beta, cu_seqlens, n_seqs, n_k_heads,     \
                       n_v_heads, dv, n_tokens, work);                                           \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_prep_tc_dk##DK(          \
+        const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
+        long long v_stride, const float* g, const float* beta, const int* cu_seqlens,           \
+        int n_seqs, int n_k_heads, int n_v_heads, int dv, int n_tokens, float* work) {          \
+        PREP_TC_BODY(DK)(q, k, qk_stride, v, v_stride, g, beta, cu_seqlens, n_seqs, n_k_heads, \
+                         n_v_heads, dv, n_tokens, work);                                        \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_scan_dk##DK(             \
         const store_t* q, const store_t* k, long long qk_stride, const float* work,             \

@@ -66,7 +66,7 @@ mod gdn_gated;
 mod gemv_tc;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, RopeKvShape, ScanForm, GemvForm};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -1099,10 +1099,17 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
                 );
                 out_want[toks.start * nv * dv..toks.end * nv * dv].copy_from_slice(&o);
             }
-            // Every scan form; the tensor-core ones round their product operands to tf32, so
-            // their outputs and state are held to 1e-2 relative (the SIMT scan: storage
-            // precision and 1e-3 on the f32 state).
-            for form in [ScanForm::Simt, ScanForm::TensorCores, ScanForm::Pipelined] {
+            // Every scan form with every prep form; the tensor-core scans round their product
+            // operands to tf32, so their outputs and state are held to 1e-2 relative (the SIMT
+            // scan: storage precision and 1e-3 on the f32 state). The preps' products are exact
+            // (tensor cores: storage-type operands) or f32 (SIMT) with f32 sums, so the tensor-
+            // core prep keeps each scan's tolerance, and its workspace (W, U, M, scales) is held
+            // to 1e-4 of the SIMT prep's.
+            let mut work_simt: Option<Vec<f32>> = None;
+            for (form, prep) in [ScanForm::Simt, ScanForm::TensorCores, ScanForm::Pipelined]
+                .into_iter()
+                .flat_map(|f| [(f, PrepForm::Simt), (f, PrepForm::TensorCores)])
+            {
                 let (tol_out, tol_state) = match form {
                     ScanForm::Simt => (tol16(st), 1e-3),
                     ScanForm::TensorCores | ScanForm::Pipelined => (tol16(st).max(1e-2), 1e-2),
@@ -1110,8 +1117,9 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
                 let mut state = Out32::with(&dev, &state0);
                 let mut out = Out16::new(&dev, t * nv * dv);
                 let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
-                dev.gdn_chunked_via(
+                dev.gdn_chunked_forms(
                     form,
+                    prep,
                     &qkv_dev,
                     &qkv_dev.slice(nk * dk..),
                     &qkv_dev.slice(2 * nk * dk..),
@@ -1125,14 +1133,19 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
                     &shape,
                 )
                 .unwrap();
-                let label = format!("lens{lens:?}/dk{dk}/dv{dv}/chunked{}/{form:?}", dev.has_gdn_chunked(dk)).replace(' ', "");
+                let label = format!("lens{lens:?}/dk{dk}/dv{dv}/chunked{}/{form:?}/prep{prep:?}", dev.has_gdn_chunked(dk)).replace(' ', "");
                 check("gdn_chunked.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol_out);
                 check("gdn_chunked.state", st, &label, &state.read(&dev, "gdn state"), &state_want, tol_state);
                 let out_got = out.read(&dev, "gdn out");
                 check("gdn_chunked.out_vs_recurrent", st, &label, &out_got, &out_rec.read(&dev, "gdn recurrent out"), tol_out);
                 check("gdn_chunked.state_vs_recurrent", st, &label, &state.read(&dev, "gdn state"), &state_rec.read(&dev, "gdn recurrent state"), tol_state);
                 if dev.has_gdn_chunked(dk) {
-                    work.read(&dev, "gdn chunk workspace");
+                    let w = work.read(&dev, "gdn chunk workspace");
+                    match (prep, &work_simt) {
+                        (PrepForm::Simt, _) => work_simt = Some(w),
+                        (PrepForm::TensorCores, Some(want)) => check("gdn_chunked.work_tc_prep_vs_simt_prep", st, &label, &w, want, 1e-4),
+                        (PrepForm::TensorCores, None) => unreachable!("the SIMT prep runs first"),
+                    }
                 }
             }
         }
@@ -1193,6 +1206,67 @@ fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
     let (ms_tc, ms_pipe) = (ms[0], ms[1]);
     println!("TIMING gdn_chunk_scan 27B shape (48 v heads, dk=dv=128, 8192 tokens, 1 sequence): tensor-cores {ms_tc:.3} ms, pipelined {ms_pipe:.3} ms per call");
     assert!(ms_pipe < ms_tc, "pipelined scan {ms_pipe:.3} ms not faster than the tensor-core scan {ms_tc:.3} ms");
+}
+
+/// The chunked GDN prep at Qwen3.5-27B's shape (16 k heads, 48 v heads, dk = dv = 128) over
+/// one 8192-token sequence (128 chunks): both prep forms under the default scan against the
+/// recurrent kernel from a nonzero state, their workspaces against each other, then the prep
+/// alone timed per form. The tensor-core prep must be faster than the SIMT one (the round-4
+/// 8k profile had the latter at 2.37 ms per GDN layer).
+#[test]
+fn gdn_chunk_prep_forms_at_27b_shape_agree_and_tensor_cores_are_faster() {
+    let st = StorageDType::Bf16;
+    let Some(dev) = gpu("gdn_chunk_prep 27B shape", st) else { return };
+    let (t, nk, nv, dk, dv) = (8192usize, 16usize, 48usize, 128usize, 128usize);
+    if !dev.has_gdn_chunked(dk) || dev.gdn_prep_form() != PrepForm::TensorCores {
+        eprintln!("SKIP gdn_chunk_prep 27B shape: no tensor-core prep for dk {dk} here");
+        return;
+    }
+    let mut rng = Rng::new(28);
+    let stride = 2 * nk * dk + nv * dv;
+    let qkv_dev = upload(&dev, &rng.vec(t * stride, -1.0, 1.0));
+    let g = rng.vec(t * nv, -1.0, 0.0).iter().map(|x| x * x * x * 2.0).collect::<Vec<f32>>();
+    let (g_dev, beta_dev) = (upload_raw(&dev, &g), upload_raw(&dev, &rng.vec(t * nv, 0.0, 1.0)));
+    let state0 = rng.vec(nv * dk * dv, -0.3, 0.3);
+    let (cu_dev, slots_dev) = (upload_raw(&dev, &[0i32, t as i32]), upload_raw(&dev, &[0i32]));
+    let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots: 1 };
+    let (q, k, v) = (qkv_dev.slice(0..), qkv_dev.slice(nk * dk..), qkv_dev.slice(2 * nk * dk..));
+    let mut state_rec = Out32::with(&dev, &state0);
+    let mut out_rec = Out16::new(&dev, t * nv * dv);
+    dev.gdn_recurrent(&q, &k, &v, &g_dev, &beta_dev, &mut state_rec.view(), &cu_dev, &slots_dev, &mut out_rec.view(), &shape).unwrap();
+    let (out_want, state_want) = (out_rec.read(&dev, "gdn recurrent out"), state_rec.read(&dev, "gdn recurrent state"));
+    let scan = dev.gdn_scan_form(dk);
+    let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
+    let (mut ms, mut work_simt) = (Vec::new(), Vec::new());
+    for prep in [PrepForm::Simt, PrepForm::TensorCores] {
+        let label = format!("t{t}/nk{nk}/nv{nv}/dk{dk}/dv{dv}/{scan:?}/prep{prep:?}");
+        let mut state = Out32::with(&dev, &state0);
+        let mut out = Out16::new(&dev, t * nv * dv);
+        dev.gdn_chunked_forms(scan, prep, &q, &k, &v, &g_dev, &beta_dev, &mut state.view(), &cu_dev, &slots_dev, &mut out.view(), &mut work.view(), &shape)
+            .unwrap();
+        check("gdn_chunk_prep_27b.out_vs_recurrent", st, &label, &out.read(&dev, "gdn out"), &out_want, 1e-2);
+        check("gdn_chunk_prep_27b.state_vs_recurrent", st, &label, &state.read(&dev, "gdn state"), &state_want, 1e-2);
+        let w = work.read(&dev, "gdn chunk workspace");
+        match prep {
+            PrepForm::Simt => work_simt = w,
+            PrepForm::TensorCores => check("gdn_chunk_prep_27b.work_tc_vs_simt", st, &label, &w, &work_simt, 1e-4),
+        }
+        let mut run = || {
+            dev.gdn_chunked_prep_only(prep, &q, &k, &v, &g_dev, &beta_dev, &mut state.view(), &cu_dev, &slots_dev, &mut out.view(), &mut work.view(), &shape)
+                .unwrap()
+        };
+        run();
+        dev.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            run();
+        }
+        dev.synchronize().unwrap();
+        ms.push(t0.elapsed().as_secs_f64() / 10.0 * 1e3);
+    }
+    let (ms_simt, ms_tc) = (ms[0], ms[1]);
+    println!("TIMING gdn_chunk_prep 27B shape (48 v heads, 16 k heads, dk=dv=128, 8192 tokens, 1 sequence): simt {ms_simt:.3} ms, tensor-cores {ms_tc:.3} ms per call ({:.2}x)", ms_simt / ms_tc);
+    assert!(ms_tc < ms_simt, "tensor-core prep {ms_tc:.3} ms not faster than the SIMT prep {ms_simt:.3} ms");
 }
 
 #[test]

@@ -25,6 +25,15 @@ fn prep_smem_bytes(dk: usize) -> usize {
     4 * (CH_C * (dk + 1) + CH_C * (dk + 1).max(CH_THREADS as usize) + CH_C * CH_C + 5 * CH_C)
 }
 
+/// Dynamic shared memory of a tensor-core prep block in bytes (`PrepTcLayout` in
+/// gdn_chunked.cu): A (64 rows of 68 f32), five per-token vectors, the raw q tile (64 rows of
+/// dk + 8 storage elements) sharing its space with the solved columns (64 x CH_THREADS f32),
+/// then the raw k tile.
+fn prep_tc_smem_bytes(dk: usize) -> usize {
+    let rows = 2 * CH_C * (dk + 8);
+    4 * (CH_C * (CH_C + 4) + 5 * CH_C) + rows.max(4 * CH_C * CH_THREADS as usize) + rows
+}
+
 /// Dynamic shared memory of a scan block in bytes: the state slice, the Q and W/K tiles, M
 /// and u (the layout at the top of scan_body).
 fn scan_smem_bytes(dk: usize) -> usize {
@@ -66,7 +75,29 @@ pub enum ScanForm {
     Pipelined,
 }
 
+/// Which kernel prepares each chunk's W, U, M and scales (`gdn_chunked`'s first kernel). Both
+/// solve the triangular system in f32 on CUDA cores; they differ in how A and M are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrepForm {
+    /// `gdn_chunk_prep_dk*`: A = K K^T and M = Q K^T as f32 dot products on CUDA cores over the
+    /// normalised rows.
+    Simt,
+    /// `gdn_chunk_prep_tc_dk*`: A and M as mma.sync m16n8k16 on the raw storage-type q / k rows
+    /// (exact products, f32 accumulation; the norms scale the f32 results), the substitution
+    /// reading A four entries per shared load; sm_80+ (the launcher runs `Simt` below).
+    TensorCores,
+}
+
 impl CudaDevice {
+    /// The prep `gdn_chunked` runs here: tensor cores from sm_80 on.
+    pub fn gdn_prep_form(&self) -> PrepForm {
+        if self.compute_capability().0 < 8 {
+            PrepForm::Simt
+        } else {
+            PrepForm::TensorCores
+        }
+    }
+
     /// The scan `gdn_chunked` runs here for key head size `dk`: tensor cores from sm_80 on,
     /// pipelined where its shared memory fits (every sm_80+ part that runs the chunked kernels).
     pub fn gdn_scan_form(&self, dk: usize) -> ScanForm {
@@ -117,7 +148,8 @@ impl CudaDevice {
         self.gdn_chunked_via(self.gdn_scan_form(shape.dk), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
-    /// `gdn_chunked` with the scan kernel chosen by the caller (the op-parity tests run every form).
+    /// `gdn_chunked` with the scan kernel chosen by the caller and this device's prep
+    /// (`gdn_prep_form`).
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_chunked_via(
         &self,
@@ -134,7 +166,52 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_launch(form, true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+        self.gdn_chunked_forms(form, self.gdn_prep_form(), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+    }
+
+    /// `gdn_chunked` with both kernels chosen by the caller (the op-parity tests run every pair).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_chunked_forms(
+        &self,
+        form: ScanForm,
+        prep: PrepForm,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        work: &mut impl DevicePtrMut<f32>,
+        shape: &RecurrentShape,
+    ) -> Result<()> {
+        self.gdn_chunked_launch(form, Some(prep), true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+    }
+
+    /// Only the prep of `gdn_chunked_forms` (fills the workspace; state and output untouched):
+    /// the prep forms' timing. Same checks; does nothing where the chunked kernels do not run.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_chunked_prep_only(
+        &self,
+        prep: PrepForm,
+        q: &impl DevicePtr<u16>,
+        k: &impl DevicePtr<u16>,
+        v: &impl DevicePtr<u16>,
+        g: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        state: &mut impl DevicePtrMut<f32>,
+        cu_seqlens: &impl DevicePtr<i32>,
+        slots: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        work: &mut impl DevicePtrMut<f32>,
+        shape: &RecurrentShape,
+    ) -> Result<()> {
+        if !self.has_gdn_chunked(shape.dk) {
+            return Ok(());
+        }
+        self.gdn_chunked_launch(ScanForm::Simt, Some(prep), false, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
     /// Only the scan of `gdn_chunked_via`, over a workspace that a `gdn_chunked_via` call with
@@ -156,14 +233,16 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_launch(form, false, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
+        self.gdn_chunked_launch(form, None, true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
+    /// Runs the prep (`prep`, if any) then the scan (if `with_scan`).
     #[allow(clippy::too_many_arguments)]
     fn gdn_chunked_launch(
         &self,
         form: ScanForm,
-        with_prep: bool,
+        prep: Option<PrepForm>,
+        with_scan: bool,
         q: &impl DevicePtr<u16>,
         k: &impl DevicePtr<u16>,
         v: &impl DevicePtr<u16>,
@@ -213,10 +292,18 @@ impl CudaDevice {
             (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128", scan_smem_bytes(128)),
             (_, ScanForm::Pipelined) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_pipe_dk128", pipe_smem_bytes(128)),
         };
-        let prep = self.function(KernelFamily::GdnChunked, prep_name)?;
+        // Below sm_80 the tensor-core prep is compiled as the SIMT one, whose shared memory it
+        // then needs: run the SIMT prep by name there.
+        let (prep_name, prep_smem) = match prep {
+            Some(PrepForm::TensorCores) if self.compute_capability().0 >= 8 => {
+                (if sh.dk == 64 { "gdn_chunk_prep_tc_dk64" } else { "gdn_chunk_prep_tc_dk128" }, prep_tc_smem_bytes(sh.dk))
+            }
+            _ => (prep_name, prep_smem_bytes(sh.dk)),
+        };
+        let prep_fn = self.function(KernelFamily::GdnChunked, prep_name)?;
         let scan = self.function(KernelFamily::GdnChunked, scan_name)?;
-        let prep_smem = prep_smem_bytes(sh.dk);
-        prep.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prep_smem as i32)
+        prep_fn
+            .set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prep_smem as i32)
             .map_err(driver_err("raising the GDN chunk-prep shared-memory limit"))?;
         scan.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, scan_smem as i32)
             .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
@@ -242,8 +329,11 @@ impl CudaDevice {
         // blocks past the last chunk return at once.
         let max_chunks = as_i32("gdn chunks", sh.n_tokens.div_ceil(CH_C) + n_seqs)? as u32;
         let config = LaunchConfig { grid_dim: (max_chunks, sh.n_v_heads as u32, 1), block_dim: (CH_THREADS, 1, 1), shared_mem_bytes: prep_smem as u32 };
-        if with_prep {
-            self.launch(&prep, config, prep_name, &prep_args)?;
+        if prep.is_some() {
+            self.launch(&prep_fn, config, prep_name, &prep_args)?;
+        }
+        if !with_scan {
+            return Ok(());
         }
         let scan_args = [
             KArg::Ptr(qp),
@@ -278,5 +368,18 @@ mod tests {
         assert_eq!(scan_smem_bytes(128), 108_032);
         assert!(2 * (pipe_smem_bytes(128) + 1024) <= 228 * 1024);
         assert!(pipe_smem_bytes(64) < pipe_smem_bytes(128));
+    }
+
+    /// The tensor-core prep's layout at dk 128 is 68,864 bytes: three blocks fit an sm_90 SM
+    /// (the SIMT prep's 83,712 fit two), and it never needs more than the SIMT prep, so
+    /// `has_gdn_chunked` (sized by the SIMT prep and the scan) covers it.
+    #[test]
+    fn tensor_core_prep_fits_three_blocks_per_sm90_sm() {
+        assert_eq!(prep_tc_smem_bytes(128), 68_864);
+        assert_eq!(prep_smem_bytes(128), 83_712);
+        assert!(3 * (prep_tc_smem_bytes(128) + 1024) <= 228 * 1024);
+        for dk in [64, 128] {
+            assert!(prep_tc_smem_bytes(dk) <= prep_smem_bytes(dk));
+        }
     }
 }
