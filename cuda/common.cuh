@@ -107,3 +107,55 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_launch_dependents();
 }
+
+// RMSNorm arithmetic of a row in chunks of 8 storage elements (a uint4), shared by norm.cu's
+// rmsnorm / add_rmsnorm and the GEMV epilogue that fuses add_rmsnorm (gemv_tc.cu
+// gemv_tc_add_rmsnorm): both round the same expressions in the same order, so the fused kernel
+// gives add_rmsnorm's bits. The row's f32 sum of squares is defined over `lanes` lanes (the
+// block size add_rmsnorm runs with, ops/norm.rs chunked_norm_threads, a multiple of 32 that
+// depends on the row length only): lane l sums the chunks l, l + lanes, ... in order with
+// `chunk_sum_squares` from 0, each group of 32 lanes is summed by `warp_sum`, and the groups'
+// sums (zero-padded to 32) by one more `warp_sum`. Any thread count can reproduce that order.
+__device__ __forceinline__ void unpack_chunk(uint4 r, float* f) {
+    const unsigned u[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = to_f32((store_t)(u[i] & 0xffffu));
+        f[2 * i + 1] = to_f32((store_t)(u[i] >> 16));
+    }
+}
+
+__device__ __forceinline__ uint4 pack_chunk(const float* f) {
+    unsigned u[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        u[i] = (unsigned)from_f32(f[2 * i]) | ((unsigned)from_f32(f[2 * i + 1]) << 16);
+    uint4 r;
+    r.x = u[0];
+    r.y = u[1];
+    r.z = u[2];
+    r.w = u[3];
+    return r;
+}
+
+// Adds the squares of a chunk's elements to ss, in element order (padding zeros add nothing).
+__device__ __forceinline__ float chunk_sum_squares(uint4 r, float ss) {
+    float f[8];
+    unpack_chunk(r, f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+    return ss;
+}
+
+// The residual add: the storage sum of a residual element and a sub-block output element.
+__device__ __forceinline__ float norm_residual_add(float residual, float x) { return residual + x; }
+
+// The reciprocal RMS of a row of `dim` from its sum of squares.
+__device__ __forceinline__ float norm_rstd(float sum_sq, int dim, float eps) {
+    return rsqrtf(sum_sq / (float)dim + eps);
+}
+
+// One normalised element: x * rstd * weight, the weight being w or 1 + w (`plus_one`).
+__device__ __forceinline__ float norm_scale(float x, float rstd, float w, int plus_one) {
+    return x * rstd * (plus_one ? 1.0f + w : w);
+}

@@ -38,11 +38,28 @@
 // k32 steps per warp whose weight lines are prefetched into L2 before the PDL wait.
 #define GEMV_TC_PREFETCH 2
 
-// The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits), or
-// SwiGLU of gate/up pairs.
+// The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits),
+// SwiGLU of gate/up pairs, or the residual add + RMSNorm that follows an output projection
+// (gemv_tc_add_rmsnorm below).
 #define GEMV_TC_OUT_STORE 0
 #define GEMV_TC_OUT_F32 1
 #define GEMV_TC_OUT_SWIGLU 2
+#define GEMV_TC_OUT_ADD_RMSNORM 3
+// Rows the add + RMSNorm epilogue normalises: the launcher's GEMV_MAX_M (ops/gemv.rs).
+#define GEMV_TC_MAX_M 8
+
+// The add + RMSNorm epilogue's operands (unused by the other epilogues): y is the residual
+// stream [M, N], updated in place; h [M, N] gets rmsnorm(residual) with weight `w` (or 1 + w);
+// `arrivals` is a device counter that is 0 between launches; `lanes` is the sum order's lane
+// count (common.cuh's RMSNorm arithmetic).
+struct gemv_tc_norm {
+    const store_t* w;
+    store_t* h;
+    unsigned* arrivals;
+    int lanes;
+    float eps;
+    int plus_one;
+};
 
 // 16 bytes of 8 storage elements as the four 32-bit registers of mma fragments (element 2i in
 // the low half of r[i]: the lower k of a pair, as the mma expects).
@@ -148,16 +165,23 @@ __device__ constexpr int gemv_tc_cols() {
     return OUT == GEMV_TC_OUT_SWIGLU ? 8 : 16;
 }
 
+template <int OUT>
+__device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][4][32], void* y,
+                                              int m, int n_out, int n0);
+__device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
+                                                  int m, int dim);
+
 // y[m, n] for x rows m < M, output columns n of the block (ragged N: tile rows past n_out read
 // row n_out - 1 and store nothing). GEMV_TC_OUT_SWIGLU: W is the fused gate_up weight [2 n_out,
 // K] and y = act[M, n_out] = silu(gate) * up, each sum rounded to the storage type as the GEMV
 // stores it and silu(gate) * up computed as cuda/activation.cu's swiglu computes it (the
 // expression of cuda/gemv.cu's gemv_store), so act is bit for bit this kernel's GEMV of the
-// fused weight followed by swiglu.
+// fused weight followed by swiglu. GEMV_TC_OUT_ADD_RMSNORM: y is the residual [M, n_out], to
+// which the sums are added, and the last block normalises it into nm.h (gemv_tc_norm_rows).
 template <int OUT>
 __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
-                                             const store_t* __restrict__ w, void* __restrict__ y,
-                                             int m, int n_out, int k) {
+                                             const store_t* __restrict__ w, void* y, int m,
+                                             int n_out, int k, const gemv_tc_norm& nm) {
     __shared__ float red[GEMV_TC_WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -221,7 +245,16 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[warp][j][lane] = d[j];
     __syncthreads();
-    if (warp != 0) return;
+    if (warp == 0) gemv_tc_store<OUT>(red, y, m, n_out, n0);
+    if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) gemv_tc_norm_rows((store_t*)y, nm, m, n_out);
+}
+
+// Warp 0 of a block: sums the warps' partials in warp order and stores the block's outputs.
+template <int OUT>
+__device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][4][32], void* y,
+                                              int m, int n_out, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -247,26 +280,107 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
             for (int h = 0; h < 2; ++h) {
                 const int n = n0 + g + 8 * h;
                 if (n >= n_out) continue;
-                if constexpr (OUT == GEMV_TC_OUT_F32)
+                if constexpr (OUT == GEMV_TC_OUT_F32) {
                     reinterpret_cast<float*>(y)[(long long)r * n_out + n] = v[2 * h + i];
-                else
+                } else if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) {
+                    // add_rmsnorm's add of the stored projection: both rounded to storage.
+                    store_t* p = reinterpret_cast<store_t*>(y) + (long long)r * n_out + n;
+                    *p = from_f32(norm_residual_add(to_f32(*p), to_f32(from_f32(v[2 * h + i]))));
+                } else
                     reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(v[2 * h + i]);
             }
         }
     }
 }
 
+// 16 bytes of a row another block of this launch wrote: through L2 (ld.global.cg), since L1 is
+// not coherent with other SMs' writes; "memory" keeps it after the __threadfence().
+__device__ __forceinline__ uint4 tc_load_shared_row(const store_t* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p)
+                 : "memory");
+    return r;
+}
+
+// The add + RMSNorm epilogue's tail, run by every block after its residual columns are
+// written: the block publishes them (__threadfence) and counts itself in; the block that
+// arrives last, so sees every column, normalises the m rows into nm.h. atomicInc(counter,
+// blocks - 1) returns the old count and stores 0 when the old count is blocks - 1, so the
+// electing atomic also resets the counter for the next launch / graph replay (the pattern of
+// decode_attention in attention.cu). The sum of squares follows common.cuh's RMSNorm order
+// over nm.lanes lanes with 8 warps: warp w takes the (row, 32-lane group) pairs w, w + 8, ...,
+// each lane summing its lane's chunks and warp_sum giving the group's sum; warp r then sums
+// row r's group sums (m <= 8 rows, one warp each). add_rmsnorm with nm.lanes threads sums the
+// same values in the same tree, so h and the residual are add_rmsnorm's bit for bit. Needs dim
+// % 8 == 0 and 16-byte aligned rows (the launcher checks).
+__device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
+                                                  int m, int dim) {
+    __shared__ float group_sum[GEMV_TC_MAX_M][32];
+    __shared__ float rstd[GEMV_TC_MAX_M];
+    __shared__ unsigned last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicInc(nm.arrivals, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_chunks = dim >> 3;
+    const int groups = nm.lanes >> 5;
+#pragma unroll 4
+    for (int p = warp; p < m * groups; p += GEMV_TC_WARPS) {
+        const int r = p / groups;
+        const store_t* row = residual + (long long)r * dim;
+        float ss = 0.0f;
+        for (int ch = (p % groups) * 32 + lane; ch < n_chunks; ch += nm.lanes)
+            ss = chunk_sum_squares(tc_load_shared_row(row + ch * 8), ss);
+        ss = warp_sum(ss);
+        if (lane == 0) group_sum[r][p % groups] = ss;
+    }
+    __syncthreads();
+    if (warp < m) {
+        const float t = warp_sum(lane < groups ? group_sum[warp][lane] : 0.0f);
+        if (lane == 0) rstd[warp] = norm_rstd(t, dim, nm.eps);
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < m * n_chunks; i += GEMV_TC_WARPS * 32) {
+        const int r = i / n_chunks, c = (i - r * n_chunks) * 8;
+        float f[8], wf[8];
+        unpack_chunk(tc_load_shared_row(residual + (long long)r * dim + c), f);
+        unpack_chunk(*reinterpret_cast<const uint4*>(nm.w + c), wf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd[r], wf[e], nm.plus_one);
+        *reinterpret_cast<uint4*>(nm.h + (long long)r * dim + c) = pack_chunk(f);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
     gemv_tc(const store_t* x, const store_t* w, store_t* y, int m, int n_out, int k) {
-    gemv_tc_body<GEMV_TC_OUT_STORE>(x, w, y, m, n_out, k);
+    gemv_tc_body<GEMV_TC_OUT_STORE>(x, w, y, m, n_out, k, gemv_tc_norm{});
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
     gemv_tc_f32out(const store_t* x, const store_t* w, float* y, int m, int n_out, int k) {
-    gemv_tc_body<GEMV_TC_OUT_F32>(x, w, y, m, n_out, k);
+    gemv_tc_body<GEMV_TC_OUT_F32>(x, w, y, m, n_out, k, gemv_tc_norm{});
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
     gemv_tc_gateup_swiglu(const store_t* x, const store_t* w, store_t* act, int m, int inter, int k) {
-    gemv_tc_body<GEMV_TC_OUT_SWIGLU>(x, w, act, m, inter, k);
+    gemv_tc_body<GEMV_TC_OUT_SWIGLU>(x, w, act, m, inter, k, gemv_tc_norm{});
+}
+
+// residual[M, N] += x[M, K] * W[N, K]^T (rounded to storage), then h = rmsnorm(residual) with
+// weight w_norm (or 1 + w_norm): the output projection of a sub-block and add_rmsnorm in one
+// kernel, bit for bit gemv_tc into a buffer followed by add_rmsnorm (ops/gemv.rs
+// gemv_add_rmsnorm). `arrivals` must be 0 at launch and is 0 again after it; `lanes` is
+// add_rmsnorm's block size for rows of N. M <= GEMV_TC_MAX_M.
+extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
+    gemv_tc_add_rmsnorm(const store_t* x, const store_t* w, store_t* residual, int m, int n_out,
+                        int k, const store_t* w_norm, store_t* h, unsigned* arrivals, int lanes,
+                        float eps, int plus_one) {
+    gemv_tc_body<GEMV_TC_OUT_ADD_RMSNORM>(x, w, residual, m, n_out, k,
+                                          gemv_tc_norm{w_norm, h, arrivals, lanes, eps, plus_one});
 }

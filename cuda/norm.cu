@@ -8,7 +8,8 @@ __device__ __forceinline__ float norm_weight(const store_t* w, int i, int plus_o
     return plus_one ? 1.0f + wf : wf;
 }
 
-// rmsnorm and add_rmsnorm work in chunks of 8 elements: chunk c of a row is elements
+// rmsnorm and add_rmsnorm work in chunks of 8 elements (the arithmetic is common.cuh's, which the
+// fused GEMV epilogue gemv_tc_add_rmsnorm shares): chunk c of a row is elements
 // [8c, 8c + 8) and thread i takes chunks i, i + blockDim.x, ... The launcher sizes the block
 // from `dim` alone (dim/8 threads rounded up to a warp, at most 1024), so one pass usually
 // covers the row and its first NORM_CACHE chunks per thread stay in registers between the
@@ -54,37 +55,6 @@ __device__ __forceinline__ void store_chunk(store_t* p, int base, int dim, bool 
     }
 }
 
-__device__ __forceinline__ void unpack_chunk(uint4 r, float* f) {
-    const unsigned u[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = to_f32((store_t)(u[i] & 0xffffu));
-        f[2 * i + 1] = to_f32((store_t)(u[i] >> 16));
-    }
-}
-
-__device__ __forceinline__ uint4 pack_chunk(const float* f) {
-    unsigned u[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        u[i] = (unsigned)from_f32(f[2 * i]) | ((unsigned)from_f32(f[2 * i + 1]) << 16);
-    uint4 r;
-    r.x = u[0];
-    r.y = u[1];
-    r.z = u[2];
-    r.w = u[3];
-    return r;
-}
-
-// Adds the squares of a chunk's elements to ss, in element order (padding zeros add nothing).
-__device__ __forceinline__ float chunk_sum_squares(uint4 r, float ss) {
-    float f[8];
-    unpack_chunk(r, f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-    return ss;
-}
-
 // out chunk = x chunk * rstd * weight (w or 1 + w).
 __device__ __forceinline__ void scale_chunk(uint4 xr, const store_t* __restrict__ w,
                                             store_t* __restrict__ orow, int base, int dim,
@@ -93,7 +63,7 @@ __device__ __forceinline__ void scale_chunk(uint4 xr, const store_t* __restrict_
     unpack_chunk(xr, f);
     unpack_chunk(load_chunk(w, base, dim, vec), wf);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = f[e] * rstd * (plus_one ? 1.0f + wf[e] : wf[e]);
+    for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
     store_chunk(orow, base, dim, vec, pack_chunk(f));
 }
 
@@ -105,7 +75,7 @@ __device__ __forceinline__ uint4 add_chunk(store_t* __restrict__ rrow,
     unpack_chunk(load_chunk(rrow, base, dim, vec), a);
     unpack_chunk(load_chunk(xr, base, dim, vec), b);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) a[e] = a[e] + b[e];
+    for (int e = 0; e < 8; ++e) a[e] = norm_residual_add(a[e], b[e]);
     const uint4 s = pack_chunk(a);
     store_chunk(rrow, base, dim, vec, s);
     return s;
@@ -139,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
     }
     for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
         ss = chunk_sum_squares(load_chunk(xr, ch * 8, dim, vec), ss);
-    const float rstd = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
+    const float rstd = norm_rstd(block_sum(ss, scratch), dim, eps);
 #pragma unroll
     for (int c = 0; c < NORM_CACHE; ++c) {
         const int ch = c * step + threadIdx.x;
@@ -179,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
     }
     for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
         ss = chunk_sum_squares(add_chunk(rrow, xr, ch * 8, dim, vec), ss);
-    const float rstd = rsqrtf(block_sum(ss, scratch) / (float)dim + eps);
+    const float rstd = norm_rstd(block_sum(ss, scratch), dim, eps);
 #pragma unroll
     for (int c = 0; c < NORM_CACHE; ++c) {
         const int ch = c * step + threadIdx.x;

@@ -64,6 +64,8 @@ mod sampling;
 mod gdn_gated;
 #[path = "cuda_ops/gemv_tc.rs"]
 mod gemv_tc;
+#[path = "cuda_ops/gemv_add_rmsnorm.rs"]
+mod gemv_add_rmsnorm;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};

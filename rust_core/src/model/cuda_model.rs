@@ -77,6 +77,9 @@ struct Activations {
     sel: Option<CudaSlice<u16>>,
     /// f32 logits of the gathered rows.
     logits: Option<CudaSlice<f32>>,
+    /// Block counter of the fused output projection + add_rmsnorm (`gemv_add_rmsnorm`); zero
+    /// between launches, which run one at a time on the stream.
+    norm_arrivals: Option<CudaSlice<u32>>,
 }
 
 /// A model on one CUDA device (weights in the device's storage type).
@@ -116,7 +119,7 @@ impl Activations {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
         let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
-        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits)
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.norm_arrivals)
     }
 }
 
@@ -266,6 +269,8 @@ impl CudaModel {
             gdn_work: Some(alloc(dev, gdn_work, "GDN chunk workspace")?),
             sel: Some(alloc(dev, rows * h, "activations")?),
             logits: Some(alloc(dev, rows * c.vocab_size, "logits")?),
+            // alloc zeroes: the counter must start at 0.
+            norm_arrivals: Some(alloc(dev, 1, "norm counter")?),
         };
         self.act = a;
         Ok(())
@@ -396,34 +401,39 @@ impl CudaModel {
     fn decode_forward(&mut self, rows: usize) -> Result<()> {
         self.run_layers(true, rows, 1)?;
         let CudaModel { cfg, dev, weights, act, .. } = self;
-        let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
-        dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, h)
+        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size)
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
-    /// attention when `decode`, else `meta`); leaves the last sub-block's output in `act.tmp`.
+    /// attention when `decode`, else `meta`). Each sub-block's output projection also adds into
+    /// the residual and applies the norm that follows it (`Activations::project_out`: one
+    /// kernel at decode). A decode step, whose every row wants logits, ends with the final norm
+    /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
+    /// norms only when some row wants logits.
     fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
         let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
         let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
+        if let Some(first) = weights.layers.first() {
+            dev.rmsnorm(buf(&act.x), &first.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
+        }
         for (li, layer) in weights.layers.iter().enumerate() {
-            if li == 0 {
-                dev.rmsnorm(buf(&act.x), &layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
-            } else {
-                dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.input_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-            }
             let ci = cache_index[li];
+            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one };
             match &layer.mixer {
                 DevMixer::Attention(a) => {
                     let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows };
-                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows)?;
+                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows, &post)?;
                 }
-                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows, max_rows)?,
+                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows, max_rows, &post)?,
             }
-            dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &layer.post_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-            mlp(dev, layer, act, rows)?;
+            let next = match weights.layers.get(li + 1) {
+                Some(l) => Some(&l.input_norm),
+                None if decode => Some(&weights.final_norm),
+                None => None,
+            };
+            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one })?;
         }
         Ok(())
     }
@@ -493,8 +503,9 @@ struct AttnCtx<'a> {
 }
 
 impl AttnCtx<'_> {
-    /// Softmax attention sub-block: reads `act.h`, writes `act.tmp`.
-    fn run(&self, a: &super::cuda_weights::DevAttention, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
+    /// Softmax attention sub-block: reads `act.h`, ends with `Activations::project_out`.
+    #[allow(clippy::too_many_arguments)]
+    fn run(&self, a: &super::cuda_weights::DevAttention, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
         let (c, dev) = (self.cfg, self.dev);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let (qd, kvd) = (nh * hd, nkv * hd);
@@ -562,7 +573,7 @@ impl AttnCtx<'_> {
             let gate = buf(&act.proj).slice(qd..);
             dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
         }
-        linear(dev, &a.o, buf(&act.mix), buf_mut(&mut act.tmp), rows)
+        act.project_out(dev, &a.o, ProjIn::Mix, rows, then)
     }
 }
 
@@ -571,6 +582,42 @@ impl AttnCtx<'_> {
 #[allow(clippy::too_many_arguments)]
 fn head_norm(dev: &CudaDevice, src: &CudaSlice<u16>, offset: usize, width: usize, w: &CudaSlice<u16>, out: &mut CudaSlice<u16>, heads: usize, hd: usize, rows: usize, eps: f32, plus_one: bool) -> Result<()> {
     dev.rmsnorm_heads(&src.slice(offset..), w, out, rows, heads, hd, width, heads * hd, eps, plus_one)
+}
+
+/// The residual add + RMSNorm that follows a sub-block's output projection.
+struct NormNext<'a> {
+    /// The norm's weight: the post-attention norm, the next layer's input norm or the final
+    /// norm. None leaves the projection in `act.tmp` (the last layer of a prefill step).
+    w: Option<&'a CudaSlice<u16>>,
+    eps: f32,
+    plus_one: bool,
+}
+
+/// The activation buffer a sub-block's output projection reads.
+#[derive(Clone, Copy)]
+enum ProjIn {
+    /// The mixer output (attention, GDN).
+    Mix,
+    /// The MLP activation.
+    Act,
+}
+
+impl Activations {
+    /// A sub-block's output projection of `input` for `rows` rows, then `then`: residual
+    /// `x` += projection and `h` = rmsnorm(x), in one kernel where `gemv_add_rmsnorm` can
+    /// (tensor-core decode GEMV), else `linear` into `tmp` and `add_rmsnorm`, bit for bit the
+    /// same; with no norm, the projection is left in `tmp`.
+    fn project_out(&mut self, dev: &CudaDevice, l: &DevLinear, input: ProjIn, rows: usize, then: &NormNext) -> Result<()> {
+        let Activations { x, h, tmp, mix, act, norm_arrivals, .. } = self;
+        let src = buf(match input {
+            ProjIn::Mix => mix,
+            ProjIn::Act => act,
+        });
+        match then.w {
+            None => linear(dev, l, src, buf_mut(tmp), rows),
+            Some(w) => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
+        }
+    }
 }
 
 /// `y = x · Wᵀ` for `rows` rows (GEMV up to 8 rows, cuBLAS above).
@@ -582,14 +629,14 @@ fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice
 const GDN_CHUNK: usize = 64;
 
 /// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, projects it
-/// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), writes `act.tmp`. Steps with a sequence chunk of at least GDN_CHUNK
+/// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), ends with `Activations::project_out`. Steps with a sequence chunk of at least GDN_CHUNK
 /// tokens run gdn_gates, the chunked kernel for all their sequences (it is exact for short ones
 /// too) and rmsnorm_gated; others (decode, short chunks, and every step on a device without the
 /// chunked kernel) run `gdn_recurrent_gated`, which
 /// computes the gates, the recurrent rule and the gated norm in one kernel, the three-kernel
 /// recurrent path's bits (value head dims above GATED_MAX_DV keep that path).
 #[allow(clippy::too_many_arguments)]
-fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize) -> Result<()> {
+fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize, then: &NormNext) -> Result<()> {
     let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
     let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
     // One projection: row t of act.proj is q | k | v (conv channels), z, b, a (DevGdn::in_proj).
@@ -628,16 +675,16 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
         }
         dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
     }
-    linear(dev, &g.out, buf(&act.mix), buf_mut(&mut act.tmp), rows)
+    act.project_out(dev, &g.out, ProjIn::Mix, rows, then)
 }
 
-/// SwiGLU MLP sub-block: reads `act.h`, writes `act.tmp`. Decode-sized steps (the GEMV's rows,
+/// SwiGLU MLP sub-block: reads `act.h`, ends with `Activations::project_out`. Decode-sized steps (the GEMV's rows,
 /// up to GEMV_ROUTE_MAX_M) compute the activation in the gate_up GEMV's epilogue
 /// (`gemv_gateup_swiglu`: bit for bit the GEMV followed by swiglu, one kernel and the
 /// [rows, 2 * inter] round trip less, the weight stream untouched); larger steps run cuBLAS,
 /// swiglu and cuBLAS. The loader packs every model's gate_up weight as gate rows then up rows,
 /// the layout the kernel pairs.
-fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize) -> Result<()> {
+fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize, then: &NormNext) -> Result<()> {
     let inter = layer.gate_up.n / 2;
     if rows <= GEMV_ROUTE_MAX_M && layer.gate_up.k.is_multiple_of(8) {
         dev.gemv_gateup_swiglu(buf(&act.h), &layer.gate_up.w, buf_mut(&mut act.act), rows, inter, layer.gate_up.k)?;
@@ -646,7 +693,7 @@ fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize) -
         let gu = buf(&act.gate_up);
         dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     }
-    linear(dev, &layer.down, buf(&act.act), buf_mut(&mut act.tmp), rows)
+    act.project_out(dev, &layer.down, ProjIn::Act, rows, then)
 }
 
 impl ModelRunner for CudaModel {

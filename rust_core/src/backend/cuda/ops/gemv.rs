@@ -11,7 +11,7 @@ use crate::{NinferError, Result};
 /// Output columns per block (warps per block in gemv.cu).
 const GEMV_WARPS: usize = 8;
 /// Threads per block of the tensor-core GEMV (GEMV_TC_WARPS warps in gemv_tc.cu, splitting K).
-const GEMV_TC_THREADS: u32 = 8 * 32;
+pub(super) const GEMV_TC_THREADS: u32 = 8 * 32;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;
 /// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS. Up to GEMV_MAX_M the

@@ -10,6 +10,7 @@ mod flash_attention;
 mod gdn;
 mod gdn_chunked;
 mod gemv;
+mod gemv_add_rmsnorm;
 mod norm;
 mod rope_kv;
 mod sampling;
@@ -23,6 +24,7 @@ pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
 pub use gdn_chunked::{PrepForm, ScanForm};
 pub use gemv::{gemv_form, GemvForm, GEMV_ROUTE_MAX_M};
+pub use gemv_add_rmsnorm::{add_norm_route, AddNormRoute};
 pub use rope_kv::RopeKvShape;
 pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
 

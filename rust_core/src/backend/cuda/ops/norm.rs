@@ -14,7 +14,7 @@ const NORM_THREADS: u32 = 256;
 /// (norm.cu), rounded up to a warp, at most 1024, so that one pass covers rows up to 8192.
 /// It depends on `dim` only: the kernels' f32 sum order follows the block size, and a row's
 /// result must not depend on how many rows the launch has (nor on rmsnorm vs rmsnorm_heads).
-fn chunked_norm_threads(dim: usize) -> u32 {
+pub(super) fn chunked_norm_threads(dim: usize) -> u32 {
     dim.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32
 }
 
