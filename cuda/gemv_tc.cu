@@ -304,6 +304,57 @@ __device__ __forceinline__ uint4 tc_load_shared_row(const store_t* p) {
     return r;
 }
 
+// Pairs (row, 32-lane group) of the norm per warp whose chunks the last block loads in one
+// batch and keeps in registers from the sum of squares to the scaling (with their weight
+// chunks): the 2 pairs per warp of one row of 4096, so a one-row norm makes one L2 round trip
+// for the residual and the weight, not one per step. More would cost the whole kernel
+// registers: 8 took it from 56 to 122 (2 blocks per SM instead of 4, the GEMV's occupancy);
+// 2 keep it at 58 (sm_90), still 4 blocks of 256 threads per SM.
+#define GEMV_TC_NORM_CACHE 2
+
+// Lane group `p % groups` of row `p / groups` (group_sum[row][group] = the sum of squares of its
+// lanes' chunks, in common.cuh's order). `first`: the lane's first chunk, already loaded.
+__device__ __forceinline__ void tc_norm_group(const store_t* residual, int dim, int lanes,
+                                              int p, const uint4* first,
+                                              float (&group_sum)[GEMV_TC_MAX_M][32]) {
+    const int lane = threadIdx.x & 31, groups = lanes >> 5, n_chunks = dim >> 3;
+    const int r = p / groups, ch0 = (p % groups) * 32 + lane;
+    const store_t* row = residual + (long long)r * dim;
+    float ss = 0.0f;
+    if (ch0 < n_chunks) ss = chunk_sum_squares(first ? *first : tc_load_shared_row(row + ch0 * 8), ss);
+    for (int ch = ch0 + lanes; ch < n_chunks; ch += lanes)
+        ss = chunk_sum_squares(tc_load_shared_row(row + ch * 8), ss);
+    ss = warp_sum(ss);
+    if (lane == 0) group_sum[r][p % groups] = ss;
+}
+
+// h chunk = residual chunk * rstd * weight.
+__device__ __forceinline__ void tc_norm_store(store_t* h, uint4 xr, uint4 wr, float rstd,
+                                              int plus_one) {
+    float f[8], wf[8];
+    unpack_chunk(xr, f);
+    unpack_chunk(wr, wf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
+    *reinterpret_cast<uint4*>(h) = pack_chunk(f);
+}
+
+// Lane group `p % groups` of row `p / groups` scaled into h (chunks past the first loaded here;
+// `first` / `wfirst`: the first chunk and its weight, already loaded).
+__device__ __forceinline__ void tc_norm_scale_group(const store_t* residual, const gemv_tc_norm& nm,
+                                                    int dim, int p, const uint4* first,
+                                                    const uint4* wfirst, const float* rstd) {
+    const int lane = threadIdx.x & 31, groups = nm.lanes >> 5, n_chunks = dim >> 3;
+    const int r = p / groups, ch0 = (p % groups) * 32 + lane;
+    const long long row = (long long)r * dim;
+    for (int ch = ch0; ch < n_chunks; ch += nm.lanes) {
+        const bool cached = first && ch == ch0;
+        const uint4 xr = cached ? *first : tc_load_shared_row(residual + row + ch * 8);
+        const uint4 wr = cached ? *wfirst : *reinterpret_cast<const uint4*>(nm.w + ch * 8);
+        tc_norm_store(nm.h + row + ch * 8, xr, wr, rstd[r], nm.plus_one);
+    }
+}
+
 // The add + RMSNorm epilogue's tail, run by every block after its residual columns are
 // written: the block publishes them (__threadfence) and counts itself in; the block that
 // arrives last, so sees every column, normalises the m rows into nm.h. atomicInc(counter,
@@ -327,34 +378,39 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
     if (!last) return;
     __threadfence();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_chunks = dim >> 3;
-    const int groups = nm.lanes >> 5;
-#pragma unroll 4
-    for (int p = warp; p < m * groups; p += GEMV_TC_WARPS) {
-        const int r = p / groups;
-        const store_t* row = residual + (long long)r * dim;
-        float ss = 0.0f;
-        for (int ch = (p % groups) * 32 + lane; ch < n_chunks; ch += nm.lanes)
-            ss = chunk_sum_squares(tc_load_shared_row(row + ch * 8), ss);
-        ss = warp_sum(ss);
-        if (lane == 0) group_sum[r][p % groups] = ss;
+    const int n_chunks = dim >> 3, groups = nm.lanes >> 5, pairs = m * groups;
+    // The warp's first GEMV_TC_NORM_CACHE pairs: each lane's first chunk and its weight chunk,
+    // all loads issued before any is used.
+    uint4 xc[GEMV_TC_NORM_CACHE], wc[GEMV_TC_NORM_CACHE];
+#pragma unroll
+    for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
+        const int p = warp + j * GEMV_TC_WARPS;
+        const int ch = (p % groups) * 32 + lane;
+        if (p < pairs && ch < n_chunks) {
+            xc[j] = tc_load_shared_row(residual + (long long)(p / groups) * dim + ch * 8);
+            wc[j] = *reinterpret_cast<const uint4*>(nm.w + ch * 8);
+        }
     }
+#pragma unroll
+    for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
+        const int p = warp + j * GEMV_TC_WARPS;
+        if (p < pairs) tc_norm_group(residual, dim, nm.lanes, p, &xc[j], group_sum);
+    }
+    for (int p = warp + GEMV_TC_NORM_CACHE * GEMV_TC_WARPS; p < pairs; p += GEMV_TC_WARPS)
+        tc_norm_group(residual, dim, nm.lanes, p, nullptr, group_sum);
     __syncthreads();
     if (warp < m) {
         const float t = warp_sum(lane < groups ? group_sum[warp][lane] : 0.0f);
         if (lane == 0) rstd[warp] = norm_rstd(t, dim, nm.eps);
     }
     __syncthreads();
-#pragma unroll 4
-    for (int i = threadIdx.x; i < m * n_chunks; i += GEMV_TC_WARPS * 32) {
-        const int r = i / n_chunks, c = (i - r * n_chunks) * 8;
-        float f[8], wf[8];
-        unpack_chunk(tc_load_shared_row(residual + (long long)r * dim + c), f);
-        unpack_chunk(*reinterpret_cast<const uint4*>(nm.w + c), wf);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd[r], wf[e], nm.plus_one);
-        *reinterpret_cast<uint4*>(nm.h + (long long)r * dim + c) = pack_chunk(f);
+    for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
+        const int p = warp + j * GEMV_TC_WARPS;
+        if (p < pairs) tc_norm_scale_group(residual, nm, dim, p, &xc[j], &wc[j], rstd);
     }
+    for (int p = warp + GEMV_TC_NORM_CACHE * GEMV_TC_WARPS; p < pairs; p += GEMV_TC_WARPS)
+        tc_norm_scale_group(residual, nm, dim, p, nullptr, nullptr, rstd);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
