@@ -588,6 +588,27 @@ def test_a_misspelt_pdl_switch_stops_the_load_naming_it(decode_dir, monkeypatch)
         _core.Model(str(decode_dir), device="cuda")
 
 
+# The output projections' residual add + RMSNorm fused into the decode GEMV (NINFER_FUSED_NORM,
+# default on: `gemv_add_rmsnorm`, the last block of the GEMV normalising) against the GEMV
+# followed by add_rmsnorm: the same bits, in graphs (the block counter reset by the kernel
+# itself on every replay) and eagerly.
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_decode_with_fused_norm_equals_gemv_then_add_rmsnorm_bitwise(decode_dir, graphs, monkeypatch):
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv("NINFER_FUSED_NORM", "1")
+    fused = _core.Model(str(decode_dir), device="cuda")
+    monkeypatch.setenv("NINFER_FUSED_NORM", "0")
+    unfused = _core.Model(str(decode_dir), device="cuda")
+    prompts = _decode_prompts(decode_dir, 3)
+    f_tokens, f_logits, f_graphs = fused.decode_greedy(prompts, 16)
+    u_tokens, u_logits, u_graphs = unfused.decode_greedy(prompts, 16)
+    assert (f_graphs >= 1) == (graphs == "1") and (u_graphs >= 1) == (graphs == "1")
+    assert np.isfinite(f_logits).all()
+    _assert_bitwise(f_logits, u_logits, f"{decode_dir.name[:8]} graphs={graphs}: fused norm vs gemv + add_rmsnorm")
+    assert f_tokens == u_tokens
+
+
 #: Real shapes (tensor sizes of the published configs) with few layers: the kernels run at the
 #: sizes users run, on random weights (transformers' own init, std 0.02).
 REAL_SHAPES = {

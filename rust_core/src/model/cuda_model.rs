@@ -110,7 +110,14 @@ pub struct CudaModel {
     logits_rows: usize,
     /// Device-side sampling (`forward_sampled`).
     sampler: DeviceSampler,
+    /// Output projections run `gemv_add_rmsnorm` (the add + norm fused into the decode GEMV)
+    /// unless FUSED_NORM_SWITCH is off: then `linear` + `add_rmsnorm`, the same bits, kept so
+    /// that one build can time both.
+    fused_norm: bool,
 }
+
+/// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means on).
+pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
 
 impl Activations {
     /// Device bytes of every buffer.
@@ -150,6 +157,7 @@ impl CudaModel {
         Self::check_supported(&cfg)?;
         // Switches first, so that a misspelt value fails before a long load.
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
+        let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, true)?;
         let store = WeightStore::open(dir)?;
         // Kernels compile (or load from the disk cache) on a second thread while the weights
         // stream in: a cold start pays for the longer of the two, not their sum.
@@ -195,6 +203,7 @@ impl CudaModel {
             pinned: None,
             logits_rows: 0,
             sampler,
+            fused_norm,
         })
     }
 
@@ -411,7 +420,8 @@ impl CudaModel {
     /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
     /// norms only when some row wants logits.
     fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_norm, .. } = self;
+        let fused = *fused_norm;
         let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
@@ -420,7 +430,7 @@ impl CudaModel {
         }
         for (li, layer) in weights.layers.iter().enumerate() {
             let ci = cache_index[li];
-            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one };
+            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one, fused };
             match &layer.mixer {
                 DevMixer::Attention(a) => {
                     let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows };
@@ -433,7 +443,7 @@ impl CudaModel {
                 None if decode => Some(&weights.final_norm),
                 None => None,
             };
-            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one })?;
+            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one, fused })?;
         }
         Ok(())
     }
@@ -591,6 +601,8 @@ struct NormNext<'a> {
     w: Option<&'a CudaSlice<u16>>,
     eps: f32,
     plus_one: bool,
+    /// `CudaModel::fused_norm`: `gemv_add_rmsnorm`, else `linear` + `add_rmsnorm`.
+    fused: bool,
 }
 
 /// The activation buffer a sub-block's output projection reads.
@@ -615,7 +627,11 @@ impl Activations {
         });
         match then.w {
             None => linear(dev, l, src, buf_mut(tmp), rows),
-            Some(w) => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
+            Some(w) if then.fused => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
+            Some(w) => {
+                linear(dev, l, src, buf_mut(tmp), rows)?;
+                dev.add_rmsnorm(buf_mut(x), buf(tmp), w, buf_mut(h), rows, l.n, then.eps, then.plus_one)
+            }
         }
     }
 }
