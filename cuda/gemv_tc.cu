@@ -167,7 +167,7 @@ __device__ constexpr int gemv_tc_cols() {
 
 template <int OUT>
 __device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][4][32], void* y,
-                                              int m, int n_out, int n0);
+                                              int m, int n_out, int n0, const store_t (&res)[4]);
 __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
                                                   int m, int dim);
 
@@ -206,6 +206,22 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
         }
     }
     pdl_enter();
+    // The add + RMSNorm epilogue's residual elements (warp 0's outputs, in gemv_tc_store's
+    // order), loaded now, after the wait, so that their latency hides behind the weight stream
+    // instead of following the reduction.
+    store_t res[4] = {0, 0, 0, 0};
+    if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) {
+        if (warp == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = 2 * t + i, n = n0 + g + 8 * hh;
+                    if (r < m && n < n_out)
+                        res[2 * hh + i] = reinterpret_cast<const store_t*>(y)[(long long)r * n_out + n];
+                }
+        }
+    }
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Main loop: GEMV_TC_UNROLL steps of the warp per iteration, all loads before the mmas. The
     // three pointers advance, and the steps are constant offsets from them (32 GEMV_TC_WARPS
@@ -245,14 +261,14 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[warp][j][lane] = d[j];
     __syncthreads();
-    if (warp == 0) gemv_tc_store<OUT>(red, y, m, n_out, n0);
+    if (warp == 0) gemv_tc_store<OUT>(red, y, m, n_out, n0, res);
     if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) gemv_tc_norm_rows((store_t*)y, nm, m, n_out);
 }
 
 // Warp 0 of a block: sums the warps' partials in warp order and stores the block's outputs.
 template <int OUT>
 __device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][4][32], void* y,
-                                              int m, int n_out, int n0) {
+                                              int m, int n_out, int n0, const store_t (&res)[4]) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     float v[4];
@@ -284,8 +300,8 @@ __device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][
                     reinterpret_cast<float*>(y)[(long long)r * n_out + n] = v[2 * h + i];
                 } else if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) {
                     // add_rmsnorm's add of the stored projection: both rounded to storage.
-                    store_t* p = reinterpret_cast<store_t*>(y) + (long long)r * n_out + n;
-                    *p = from_f32(norm_residual_add(to_f32(*p), to_f32(from_f32(v[2 * h + i]))));
+                    reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(
+                        norm_residual_add(to_f32(res[2 * h + i]), to_f32(from_f32(v[2 * h + i]))));
                 } else
                     reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(v[2 * h + i]);
             }
@@ -309,7 +325,8 @@ __device__ __forceinline__ uint4 tc_load_shared_row(const store_t* p) {
 // chunks): the 2 pairs per warp of one row of 4096, so a one-row norm makes one L2 round trip
 // for the residual and the weight, not one per step. More would cost the whole kernel
 // registers: 8 took it from 56 to 122 (2 blocks per SM instead of 4, the GEMV's occupancy);
-// 2 keep it at 58 (sm_90), still 4 blocks of 256 threads per SM.
+// 2 keep it at 64 (sm_90, with the residual preload of gemv_tc_body), the most that still
+// fits 4 blocks of 256 threads per SM.
 #define GEMV_TC_NORM_CACHE 2
 
 // Lane group `p % groups` of row `p / groups` (group_sum[row][group] = the sum of squares of its
