@@ -173,10 +173,10 @@ fn gemv_add_rmsnorm_two_kernel_routes() {
 fn report_gemv_add_rmsnorm_throughput() {
     let Some(dev) = gpu("gemv_add_rmsnorm_perf", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
-    let n = 4096;
-    let nw = upload(&dev, &vec![1.0; n]);
     let mut arrivals = upload_raw(&dev, &[0u32]);
-    for k in [4096, 14336] {
+    // Llama-3-8B's o_proj and down, Qwen3.5-27B's down.
+    for (n, k) in [(4096, 4096), (4096, 14336), (5120, 17408)] {
+        let nw = upload(&dev, &vec![1.0; n]);
         let ws: Vec<CudaSlice<u16>> = (0..4).map(|_| s.alloc_zeros::<u16>(n * k).unwrap()).collect();
         for m in [1, 2, 4, 8] {
             let x = s.alloc_zeros::<u16>(m * k).unwrap();
