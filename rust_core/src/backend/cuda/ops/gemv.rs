@@ -45,6 +45,18 @@ pub fn gemv_form(cc: (u32, u32)) -> GemvForm {
         GemvForm::Simt
     }
 }
+
+/// The environment switch that turns the tensor-core GEMV off (A/B measurements, and a way back
+/// to the CUDA-core kernel should a driver mis-run the mma path).
+pub const TC_GEMV_SWITCH: &str = "NINFER_TC_GEMV";
+
+/// `gemv_form(cc)`, or `Simt` when `NINFER_TC_GEMV` (value `switch`) is off; a misspelt value
+/// is an error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a
+/// sequence's projections never change form mid-run (batch == alone holds within a form).
+pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>) -> Result<GemvForm> {
+    let on = crate::config::env_switch::parse_switch(TC_GEMV_SWITCH, switch, true)?;
+    Ok(if on { gemv_form(cc) } else { GemvForm::Simt })
+}
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
 /// multi-row GEMV from being bound by re-reading x; one row keeps one column per warp for
@@ -143,11 +155,6 @@ const NAMES_F32: [&str; GEMV_MAX_M] = [
 ];
 
 impl CudaDevice {
-    /// The GEMV form this device runs (`gemv_form` of its compute capability).
-    pub fn gemv_form(&self) -> GemvForm {
-        gemv_form(self.compute_capability())
-    }
-
     /// Launches the GEMV of form `form` with epilogue `out` over `m` rows, GEMV_MAX_M rows per
     /// launch; `n` is the number of output columns (the activation width for SwiGlu).
     #[allow(clippy::too_many_arguments)]
@@ -351,5 +358,21 @@ impl CudaDevice {
         let (wp, _b) = w_gate_up.device_ptr(s);
         let (ap, _c) = act.device_ptr_mut(s);
         self.gemv_launch(form, xp, wp, ap, GemvOut::SwiGlu, m, inter, k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
+        assert_eq!(gemv_form_with_switch((9, 0), None).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0")).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("on")).unwrap(), GemvForm::TensorCores);
+        // On will not force the mma path onto a device without it.
+        assert_eq!(gemv_form_with_switch((7, 5), Some("1")).unwrap(), GemvForm::Simt);
+        let e = gemv_form_with_switch((9, 0), Some("tc")).unwrap_err().to_string();
+        assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
     }
 }
