@@ -6,7 +6,7 @@
 extern "C" __global__ void swiglu(const store_t* __restrict__ gate, const store_t* __restrict__ up,
                                   store_t* __restrict__ out, int rows, int n, long long gate_stride,
                                   long long up_stride) {
-    pdl_enter_early();
+    pdl_enter();
     const long long total = (long long)rows * n;
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
@@ -20,7 +20,7 @@ extern "C" __global__ void swiglu(const store_t* __restrict__ gate, const store_
 // out[r, i] = x[r, i] * sigmoid(gate[r, i]) (Qwen3.5 gated attention output). `out` may be `x`.
 extern "C" __global__ void sigmoid_gate_mul(const store_t* x, const store_t* __restrict__ gate,
                                             store_t* out, int rows, int n, long long gate_stride) {
-    pdl_enter_early();
+    pdl_enter();
     const long long total = (long long)rows * n;
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {

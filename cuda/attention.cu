@@ -51,15 +51,13 @@ __device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* 
 // are handled by one warp, so each K/V row is read once for the group. KB keys per iteration
 // keep several rows in flight; fewer when G * D/32 registers per key are already many.
 // Keys per split of a decode token that sees `limit` keys: DECODE_MIN_PARTITION up to a
-// DECODE_MIN_PARTITION * DECODE_SPLITS (512) key context, then the context's power-of-two
+// DECODE_MIN_PARTITION * DECODE_SPLITS (1024) key context, then the context's power-of-two
 // ceiling / DECODE_SPLITS, so that a token never needs more than DECODE_SPLITS splits (the
-// launcher's grid height for decode). Short splits matter at batch 1, where a warp's keys are
-// one dependent memory round trip per ATTN_KEYS of them: a 170-key context in splits of 64 ran
-// on 3 warps per GQA group, each walking 64 keys one after another; in splits of 8 it runs on
-// 22 warps of two round trips (the H200 profile had the Llama-3-8B decode attention at 12.8 us
-// a layer with splits of 16 at a ~256-key context). DECODE_SPLITS must match ops/attention.rs.
+// launcher's grid height for decode). Short splits matter at batch 1: a 170-key context in
+// splits of 64 ran on 3 warps per GQA group, each walking 64 keys one after another; in splits
+// of 16 it runs on 11 warps of 16 keys. DECODE_SPLITS must match ops/attention.rs.
 #define DECODE_SPLITS 64
-#define DECODE_MIN_PARTITION 8
+#define DECODE_MIN_PARTITION 16
 __device__ __forceinline__ int decode_partition(int limit) {
     int p2 = 1;
     while (p2 < limit) p2 <<= 1;
@@ -78,23 +76,14 @@ __device__ __forceinline__ void attend_keys(const store_t* __restrict__ k_cache,
                                             float (&m)[G], float (&l)[G]) {
     constexpr int EPL = D / 32;
     constexpr int KB = (G * EPL > 16) ? 2 : ATTN_KEYS;
-    // The block-table entries of the warp's first 32 cache blocks, one per lane, loaded once up
-    // front: looked up per key they put a table load in front of every K/V load (two dependent
-    // round trips per iteration instead of one). Later blocks (splits longer than 32 cache
-    // blocks) are read from the table as before.
-    const int lane = threadIdx.x & 31;
-    const int b_first = start / block_size;
-    const int n_blocks = end > start ? (end - 1) / block_size - b_first + 1 : 0;
-    const int lane_block = lane < n_blocks ? table[b_first + lane] : 0;
     for (int j = start; j < end; j += KB) {
         const int nk = min(KB, end - j);
         long long off[KB];
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
             const int jj = j + (u < nk ? u : 0);
-            const int bi = jj / block_size - b_first;  // the same for every lane
-            const int blk = bi < 32 ? __shfl_sync(0xffffffffu, lane_block, bi) : table[jj / block_size];
-            off[u] = ((long long)blk * block_size + (jj % block_size)) * n_kv_heads * D + head_off;
+            off[u] = ((long long)table[jj / block_size] * block_size + (jj % block_size)) *
+                         n_kv_heads * D + head_off;
         }
         float kf[KB][EPL], vf[KB][EPL], s[KB][G];
 #pragma unroll
@@ -152,7 +141,7 @@ __device__ __forceinline__ void attention_body(
     int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale, int partition,
     store_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int EPL = D / 32;
-    pdl_enter_early();
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int warps_per_token = n_q_heads / G;
     const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
@@ -229,7 +218,7 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
                                              const float* __restrict__ part_ml, int n_rows,
                                              int n_splits, store_t* __restrict__ out) {
     constexpr int EPL = D / 32;
-    pdl_enter_early();
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int w = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (w >= n_rows) return;
@@ -315,7 +304,7 @@ __device__ __forceinline__ void decode_attention_body(
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
     __shared__ int sm_last;
-    pdl_enter_early();
+    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int wi = threadIdx.x >> 5;
     const int groups = n_q_heads / G;
@@ -482,7 +471,7 @@ extern "C" __global__ void kv_cache_write(const store_t* __restrict__ k,
                                           store_t* __restrict__ v_cache,
                                           const long long* __restrict__ slot_mapping, int row_elems,
                                           long long k_stride, long long v_stride) {
-    pdl_enter_early();
+    pdl_enter();
     const int t = blockIdx.x;
     const long long slot = slot_mapping[t];
     if (slot < 0) return;

@@ -107,16 +107,3 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_launch_dependents();
 }
-
-// The prologue of a small decode kernel (norms, RoPE + KV write, decode attention, GDN steps):
-// let the next kernel be scheduled first, then wait. The next kernel is usually a GEMV whose
-// blocks then prefetch their weights into L2 while this kernel waits and runs, so the weight
-// stream does not stop at the kernel boundary (a small kernel alone leaves DRAM idle for its
-// whole run). Safe for the same reason as pdl_enter: the next kernel still waits for this one
-// to complete before it reads or writes anything, and this one completes only after its own
-// wait returned; the dependents can only be scheduled once every block of this grid has
-// triggered, i.e. is resident, so their blocks never keep this grid from running.
-__device__ __forceinline__ void pdl_enter_early() {
-    pdl_launch_dependents();
-    pdl_wait();
-}

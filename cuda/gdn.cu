@@ -35,7 +35,7 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
                                           const int* __restrict__ slots, int channels,
                                           store_t* __restrict__ out) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    pdl_enter_early();
+    pdl_enter();
     const int s = blockIdx.y;
     if (c >= channels) return;
     store_t* st = conv_state + ((long long)slots[s] * channels + c) * (K - 1);
@@ -89,7 +89,7 @@ __device__ __forceinline__ void conv_tiled_body(const store_t* __restrict__ x, l
                                                 const int* __restrict__ cu_seqlens,
                                                 const int* __restrict__ slots, int n_seqs,
                                                 int channels, store_t* __restrict__ out) {
-    pdl_enter_early();
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int n_tokens = cu_seqlens[n_seqs];
     const int t0 = blockIdx.y * CONV_TOKEN_TILE;
@@ -144,7 +144,7 @@ __device__ __forceinline__ void conv_state_body(const store_t* __restrict__ x, l
                                                 store_t* __restrict__ conv_state,
                                                 const int* __restrict__ cu_seqlens,
                                                 const int* __restrict__ slots, int channels) {
-    pdl_enter_early();
+    pdl_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c >= channels) return;
@@ -197,7 +197,7 @@ extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_
                                      long long ab_stride, const float* __restrict__ a_log,
                                      const float* __restrict__ dt_bias, int n_tokens, int n_heads,
                                      float* __restrict__ g, float* __restrict__ beta) {
-    pdl_enter_early();
+    pdl_enter();
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n_tokens * n_heads) return;
     const int h = e % n_heads;
@@ -324,7 +324,7 @@ __device__ __forceinline__ void recurrent_gated_body(
     const store_t* __restrict__ z, long long z_stride, const store_t* __restrict__ norm_w,
     float eps, int n_k_heads, int n_v_heads, int dv, store_t* __restrict__ out) {
     __shared__ float sq[DK], sk[DK], scratch[32];
-    pdl_enter_early();
+    pdl_enter();
     const int j = threadIdx.x;
     const int h = blockIdx.x;
     const int s = blockIdx.y;

@@ -35,7 +35,7 @@
 #define GEMV_TC_WARPS 8
 // k32 steps a warp loads before multiplying them: 8 weight loads of 16 bytes in flight per lane.
 #define GEMV_TC_UNROLL 4
-// k32 steps per warp whose weight lines are prefetched into L2 below sm_90 (no bulk prefetch).
+// k32 steps per warp whose weight lines are prefetched into L2 before the PDL wait.
 #define GEMV_TC_PREFETCH 2
 
 // The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits), or
@@ -157,7 +157,7 @@ __device__ constexpr int gemv_tc_cols() {
 template <int OUT>
 __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
                                              const store_t* __restrict__ w, void* __restrict__ y,
-                                             int m, int n_out, int k, int pf_bytes) {
+                                             int m, int n_out, int k) {
     __shared__ float red[GEMV_TC_WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -171,37 +171,16 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
     const bool x_row = g < m;
     const int full = k / 32;            // k32 steps with all four chunks inside K
     const int steps = (k + 31) / 32;    // and the partial one, if K % 32 != 0
-    // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the block fetches
-    // the first `pf_bytes` of each of its 16 weight rows into L2 before waiting for the kernel
-    // that wrote x: with the small kernels before a GEMV triggering it early (pdl_enter_early),
-    // that keeps DRAM streaming this GEMV's weights while they run. The launcher sizes pf_bytes
-    // so that the whole grid prefetches a fixed L2 budget (gemv_prefetch_bytes in ops/gemv.rs).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int pf_row = min(pf_bytes, 2 * k) & ~15;  // bulk sizes are multiples of 16 bytes
-    if (pf_row > 0 && threadIdx.x < 16) {
-        // One bulk prefetch per row (rows are K-contiguous): row_lo of lane g = threadIdx.x for
-        // tile rows 0..7, row_hi for 8..15, clipped rows re-fetch row n_out - 1 (harmless).
-        const int g8 = threadIdx.x & 7;
-        long long r = min(n0 + g8, n_out - 1);
-        if (threadIdx.x >= 8)
-            r = OUT == GEMV_TC_OUT_SWIGLU ? r + n_out : (long long)min(n0 + g8 + 8, n_out - 1);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + r * k),
-                     "r"(pf_row)
-                     : "memory");
-    }
-#else
-    // sm_80/86/89 (PDL is sm_90+, so nothing overlaps here): the warp's first steps, as lines.
-    if (pf_bytes > 0) {
+    // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the warp's first
+    // GEMV_TC_PREFETCH steps are fetched into L2 before waiting for the kernel that wrote x.
 #pragma unroll
-        for (int p = 0; p < GEMV_TC_PREFETCH; ++p) {
-            const int s = warp + p * GEMV_TC_WARPS;
-            if (s < full) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wlo + 32 * s));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
-            }
+    for (int p = 0; p < GEMV_TC_PREFETCH; ++p) {
+        const int s = warp + p * GEMV_TC_WARPS;
+        if (s < full) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wlo + 32 * s));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
         }
     }
-#endif
     pdl_enter();
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Main loop: GEMV_TC_UNROLL steps of the warp per iteration, all loads before the mmas. The
@@ -278,17 +257,16 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc(const store_t* x, const store_t* w, store_t* y, int m, int n_out, int k, int pf_bytes) {
-    gemv_tc_body<GEMV_TC_OUT_STORE>(x, w, y, m, n_out, k, pf_bytes);
+    gemv_tc(const store_t* x, const store_t* w, store_t* y, int m, int n_out, int k) {
+    gemv_tc_body<GEMV_TC_OUT_STORE>(x, w, y, m, n_out, k);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc_f32out(const store_t* x, const store_t* w, float* y, int m, int n_out, int k, int pf_bytes) {
-    gemv_tc_body<GEMV_TC_OUT_F32>(x, w, y, m, n_out, k, pf_bytes);
+    gemv_tc_f32out(const store_t* x, const store_t* w, float* y, int m, int n_out, int k) {
+    gemv_tc_body<GEMV_TC_OUT_F32>(x, w, y, m, n_out, k);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc_gateup_swiglu(const store_t* x, const store_t* w, store_t* act, int m, int inter, int k,
-                          int pf_bytes) {
-    gemv_tc_body<GEMV_TC_OUT_SWIGLU>(x, w, act, m, inter, k, pf_bytes);
+    gemv_tc_gateup_swiglu(const store_t* x, const store_t* w, store_t* act, int m, int inter, int k) {
+    gemv_tc_body<GEMV_TC_OUT_SWIGLU>(x, w, act, m, inter, k);
 }

@@ -120,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
             store_t* __restrict__ out, int dim, long long x_stride, long long out_stride,
             float eps, int plus_one) {
     __shared__ float scratch[32];
-    pdl_enter_early();
+    pdl_enter();
     const long long head = (long long)blockIdx.y * dim;
     const store_t* xr = x + blockIdx.x * x_stride + head;
     store_t* orow = out + blockIdx.x * out_stride + head;
@@ -158,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
                 const store_t* __restrict__ w, store_t* __restrict__ out, int dim, float eps,
                 int plus_one) {
     __shared__ float scratch[32];
-    pdl_enter_early();
+    pdl_enter();
     const long long base = (long long)blockIdx.x * dim;
     store_t* rrow = residual + base;
     const store_t* xr = x + base;
@@ -198,7 +198,7 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
                                          const store_t* __restrict__ w, store_t* __restrict__ out,
                                          int dim, float eps) {
     __shared__ float scratch[32];
-    pdl_enter_early();
+    pdl_enter();
     const long long base = (long long)blockIdx.x * dim;
     const long long zbase = (long long)(blockIdx.x / heads) * z_stride + (long long)(blockIdx.x % heads) * dim;
     float ss = 0.0f;

@@ -30,7 +30,7 @@ extern "C" __global__ void rope_neox(store_t* __restrict__ q, store_t* __restric
                                      const float* __restrict__ inv_freq, int n_q_heads,
                                      int n_kv_heads, int head_dim, int rotary_dim,
                                      long long q_stride, long long k_stride, float attn_scale) {
-    pdl_enter_early();
+    pdl_enter();
     const int t = blockIdx.x;
     const int head = blockIdx.y;
     if (head >= n_q_heads + n_kv_heads) return;
@@ -65,7 +65,7 @@ extern "C" __global__ void rope_kv_write(store_t* __restrict__ q, store_t* __res
                                          int n_kv_heads, int head_dim, int rotary_dim,
                                          long long q_stride, long long k_stride,
                                          long long v_stride, float attn_scale) {
-    pdl_enter_early();
+    pdl_enter();
     const int t = blockIdx.x;
     const int head = blockIdx.y;
     if (head >= n_q_heads + n_kv_heads) return;

@@ -42,9 +42,6 @@ pub struct CudaDevice {
     /// The decode GEMV form (`ops::gemv_form` of the compute capability, or the CUDA-core
     /// kernel when `NINFER_TC_GEMV` is off): read once, so every launch of a run agrees.
     gemv_form: super::ops::GemvForm,
-    /// Bytes of weights a tensor-core GEMV grid prefetches into L2 before its PDL wait
-    /// (`NINFER_GEMV_PREFETCH_MB`).
-    gemv_prefetch_budget: usize,
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -81,8 +78,6 @@ impl CudaDevice {
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
         let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref())?;
-        let prefetch_var = std::env::var(super::ops::GEMV_PREFETCH_VAR).ok();
-        let gemv_prefetch_budget = super::ops::gemv_prefetch_budget(prefetch_var.as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -98,7 +93,6 @@ impl CudaDevice {
             blas_workspace: Mutex::new(None),
             pdl,
             gemv_form,
-            gemv_prefetch_budget,
         })
     }
 
@@ -130,11 +124,6 @@ impl CudaDevice {
     /// The GEMV form every decode projection of this device runs.
     pub fn gemv_form(&self) -> super::ops::GemvForm {
         self.gemv_form
-    }
-
-    /// Bytes of weights a tensor-core GEMV grid prefetches into L2 before its PDL wait.
-    pub fn gemv_prefetch_budget(&self) -> usize {
-        self.gemv_prefetch_budget
     }
 
     /// Storage type of activations and weights on this device.

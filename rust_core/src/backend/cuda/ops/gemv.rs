@@ -46,34 +46,6 @@ pub fn gemv_form(cc: (u32, u32)) -> GemvForm {
     }
 }
 
-/// The environment variable that sets the L2 prefetch budget of the tensor-core GEMV, in MiB.
-pub const GEMV_PREFETCH_VAR: &str = "NINFER_GEMV_PREFETCH_MB";
-/// Default L2 prefetch budget: about half the L2 of an H100/H200 (50 MB), so that what a GEMV
-/// prefetches while the kernel before it runs is still there when its loads reach it.
-pub const GEMV_PREFETCH_DEFAULT_MB: usize = 24;
-
-/// The prefetch budget in bytes from `NINFER_GEMV_PREFETCH_MB` (value `v`; unset: the default;
-/// 0 turns the prefetch off). Not a number, or above 1024, is an error naming the variable.
-pub fn gemv_prefetch_budget(v: Option<&str>) -> Result<usize> {
-    let Some(v) = v.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(GEMV_PREFETCH_DEFAULT_MB << 20) };
-    match v.parse::<usize>() {
-        Ok(mb) if mb <= 1024 => Ok(mb << 20),
-        _ => Err(NinferError::config(GEMV_PREFETCH_VAR, format!("expected MiB from 0 to 1024, got {v:?}"))),
-    }
-}
-
-/// Bytes of each weight row a tensor-core GEMV block prefetches into L2 before its PDL wait:
-/// the budget spread over the `rows` weight rows of the launch (so a tall matrix prefetches its
-/// first columns, a small one all of it), whole 16-byte units, at most the row (`k` elements).
-/// 0 without PDL: nothing runs before the wait then, so a prefetch would only precede the loads.
-pub fn gemv_prefetch_row_bytes(budget: usize, pdl: bool, rows: usize, k: usize) -> i32 {
-    if !pdl || rows == 0 {
-        return 0;
-    }
-    let per_row = (budget / rows).min(2 * k) & !15;
-    per_row.min(i32::MAX as usize) as i32
-}
-
 /// The environment switch that turns the tensor-core GEMV off (A/B measurements, and a way back
 /// to the CUDA-core kernel should a driver mis-run the mma path).
 pub const TC_GEMV_SWITCH: &str = "NINFER_TC_GEMV";
@@ -135,14 +107,6 @@ impl GemvOut {
 
     /// Output columns one tensor-core block covers: a tile of 16 weight rows, which for SwiGLU
     /// is 8 gate rows and their 8 up rows (gemv_tc_cols in gemv_tc.cu).
-    /// Weight rows behind `n` output columns (a SwiGLU column reads a gate and an up row).
-    fn weight_rows(self, n: usize) -> usize {
-        match self {
-            GemvOut::Store | GemvOut::F32 => n,
-            GemvOut::SwiGlu => 2 * n,
-        }
-    }
-
     fn tc_cols_per_block(self) -> usize {
         match self {
             GemvOut::Store | GemvOut::F32 => 16,
@@ -236,7 +200,6 @@ impl CudaDevice {
                         KArg::I32(mm as i32),
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
-                        KArg::I32(gemv_prefetch_row_bytes(self.gemv_prefetch_budget(), self.pdl(), out.weight_rows(n), k)),
                     ];
                     self.launch_pdl(&f, cfg(grid, GEMV_TC_THREADS), name, &args)?;
                 }
@@ -411,28 +374,5 @@ mod tests {
         assert_eq!(gemv_form_with_switch((7, 5), Some("1")).unwrap(), GemvForm::Simt);
         let e = gemv_form_with_switch((9, 0), Some("tc")).unwrap_err().to_string();
         assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
-    }
-
-    #[test]
-    fn prefetch_budget_parses_mib_and_rejects_bad_values() {
-        assert_eq!(gemv_prefetch_budget(None).unwrap(), GEMV_PREFETCH_DEFAULT_MB << 20);
-        assert_eq!(gemv_prefetch_budget(Some(" 8 ")).unwrap(), 8 << 20);
-        assert_eq!(gemv_prefetch_budget(Some("0")).unwrap(), 0);
-        for bad in ["-1", "lots", "4096"] {
-            let e = gemv_prefetch_budget(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains(GEMV_PREFETCH_VAR) && e.contains(bad), "{e}");
-        }
-    }
-
-    #[test]
-    fn prefetch_row_bytes_spread_the_budget_in_16_byte_units() {
-        // 24 MiB over 4096 rows of K = 4096 (8 KiB rows): 6 KiB each.
-        assert_eq!(gemv_prefetch_row_bytes(24 << 20, true, 4096, 4096), 6144);
-        // A small matrix is prefetched whole, never past its rows.
-        assert_eq!(gemv_prefetch_row_bytes(24 << 20, true, 1024, 4096), 8192);
-        // A tall one gets its first columns, rounded down to 16 bytes.
-        assert_eq!(gemv_prefetch_row_bytes(24 << 20, true, 128256, 4096), 192);
-        assert_eq!(gemv_prefetch_row_bytes(24 << 20, false, 4096, 4096), 0);
-        assert_eq!(gemv_prefetch_row_bytes(0, true, 4096, 4096), 0);
     }
 }
