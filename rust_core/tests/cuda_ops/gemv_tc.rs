@@ -25,6 +25,14 @@ fn gemv_form_is_tensor_cores_from_sm80() {
     assert_eq!(gemv_form((9, 0)), GemvForm::TensorCores);
 }
 
+/// One instance's one-row results of each x row: storage, f32 and SwiGLU outputs.
+struct OneRows {
+    config: GemvTcConfig,
+    y16: Vec<Vec<f32>>,
+    y32: Vec<Vec<f32>>,
+    act: Vec<Vec<f32>>,
+}
+
 /// N = 333 (not a multiple of the 16-row tile; the SwiGLU tile's 8 activations: inter = 333),
 /// K from one 8-element chunk (one partial k32 step) through 1000 (K % 32 = 8: a partial last
 /// step) to the 8B down projection's 14336, in every instance (warps x unroll) of the kernel.
@@ -53,9 +61,8 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
             let want_act: Vec<Vec<f32>> = (1..=8)
                 .map(|m| reference::swiglu(&rounded(&reference::matmul_nt(&x[..m * k], &w, m, 2 * n, k), st), m, n))
                 .collect();
-            // One-row results of the first instance of each warps count: (instance, storage,
-            // f32, SwiGLU).
-            let mut first_unroll: Vec<(GemvTcConfig, Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>)> = Vec::new();
+            // One-row results of the first instance of each warps count.
+            let mut first_of_warps: Vec<OneRows> = Vec::new();
             for c in GemvTcConfig::all() {
                 let tc = GemvForm::TensorCoresAs(c);
                 let inst = c.label();
@@ -73,16 +80,16 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
                     dev.gemv_gateup_swiglu_with(tc, &xr, &wd, &mut act.view(), 1, n, k).unwrap();
                     one_act.push(act.read(&dev, "gemv_tc_gateup_swiglu one"));
                 }
-                match first_unroll.iter().find(|f| f.0.warps == c.warps) {
-                    Some((c0, f16, f32s, fact)) => {
+                match first_of_warps.iter().find(|f| f.config.warps == c.warps) {
+                    Some(f) => {
                         for r in 0..8 {
-                            let what = |op: &str| format!("{op} {st:?} n{n}k{k} x row {r}: {inst} vs {}", c0.label());
-                            assert_bitwise(&one16[r], &f16[r], &what("gemv_tc"));
-                            assert_bitwise(&one32[r], &f32s[r], &what("gemv_tc_f32out"));
-                            assert_bitwise(&one_act[r], &fact[r], &what("gemv_tc_gateup_swiglu"));
+                            let what = |op: &str| format!("{op} {st:?} n{n}k{k} x row {r}: {inst} vs {}", f.config.label());
+                            assert_bitwise(&one16[r], &f.y16[r], &what("gemv_tc"));
+                            assert_bitwise(&one32[r], &f.y32[r], &what("gemv_tc_f32out"));
+                            assert_bitwise(&one_act[r], &f.act[r], &what("gemv_tc_gateup_swiglu"));
                         }
                     }
-                    None => first_unroll.push((c, one16.clone(), one32.clone(), one_act.clone())),
+                    None => first_of_warps.push(OneRows { config: c, y16: one16.clone(), y32: one32.clone(), act: one_act.clone() }),
                 }
                 for m in 1..=8 {
                     let xd = upload(&dev, &x[..m * k]);
@@ -222,12 +229,12 @@ const REPEAT_BYTES: usize = 512 << 20;
 /// Timed repeats per figure; the median is reported.
 const REPEATS: usize = 7;
 
-/// Median milliseconds per call of `f(i)` over `launches` back-to-back calls (i = call index),
-/// timed with CUDA events, after one untimed pass. Before each start event the stream gets a
-/// 1 GB device copy (`filler`), during which the host queues the launches ahead of the GPU, so
-/// small shapes are timed as the GPU runs them (as in a CUDA graph), not at the host's launch
-/// rate.
-fn median_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> f64 {
+/// Milliseconds per call of `f(i)` over `launches` back-to-back calls (i = call index), timed
+/// with CUDA events, REPEATS times after one untimed pass, ascending. Before each start event
+/// the stream gets a 1 GB device copy (`filler`), during which the host queues the launches
+/// ahead of the GPU, so small shapes are timed as the GPU runs them (as in a CUDA graph), not at
+/// the host's launch rate.
+fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> Vec<f64> {
     use cudarc::driver::sys::CUevent_flags;
     for i in 0..launches {
         f(i);
@@ -247,7 +254,7 @@ fn median_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mu
         })
         .collect();
     ms.sort_by(f64::total_cmp);
-    ms[REPEATS / 2]
+    ms
 }
 
 /// Cold-L2 sweep of the tensor-core GEMV instances (run with --ignored on the GPU): for each
@@ -273,11 +280,12 @@ fn report_gemv_tc_sweep() {
     // block repeated over every copy.
     let mut rng = Rng::new(53);
     let block = upload(&dev, &rounded(&rng.vec(4 << 20, -0.05, 0.05), st));
-    // The copy rate: 1 GB device to device, counted as read + write bytes.
+    // The copy rate: 1 GB device to device, counted as read + write bytes, the best of the
+    // repeats (benches/gpu_bench.py's ceiling: the best of 20 copies).
     let copy_elems = 512 << 20;
     let copy_src = s.alloc_zeros::<u16>(copy_elems).unwrap();
     let mut copy_dst = s.alloc_zeros::<u16>(copy_elems).unwrap();
-    let copy_ms = median_ms(&dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap());
+    let copy_ms = times_ms(&dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap())[0];
     let copy = 2.0 * (copy_elems * 2) as f64 / copy_ms / 1e6;
     println!("PERF op=gemv_tc_sweep_copy bytes={} GBps={copy:.0}", copy_elems * 2);
     let mut filler = || s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap();
@@ -303,8 +311,9 @@ fn report_gemv_tc_sweep() {
         for m in [1, 2, 4, 8] {
             let xm = x.slice(..m * k);
             // `form` None: cuBLAS (for SwiGLU the GEMM of the fused weight, without the epilogue).
+            // The median over the repeats.
             let mut time = |form: Option<GemvForm>| {
-                median_ms(&dev, &mut filler, launches, &mut |i| {
+                times_ms(&dev, &mut filler, launches, &mut |i| {
                     let wi = w.slice((i % copies) * len..(i % copies + 1) * len);
                     match (out, form) {
                         (SweepOut::Store, Some(f)) => dev.gemv_with(f, &xm, &wi, &mut y16, m, rows, k),
@@ -314,7 +323,7 @@ fn report_gemv_tc_sweep() {
                         (_, None) => dev.gemm(&xm, &wi, &mut y16, m, rows, k),
                     }
                     .unwrap()
-                })
+                })[REPEATS / 2]
             };
             let gbps = |ms: f64| bytes as f64 / ms / 1e6;
             let mut line = format!(

@@ -61,7 +61,9 @@ impl GemvTcConfig {
     pub const DEFAULT: GemvTcConfig = tc(8, 4, false);
     /// Every instance (the GEMV_TC_INSTANCE lines of gemv_tc.cu), warps-major: per warps count
     /// the compiler-scheduled unroll 4 and the held unroll 4 and 8 (unroll 2 and an unheld 8
-    /// compile to the same ~2-3 steps in flight as the unheld 4).
+    /// compile to the same ~2-3 steps in flight as the unheld 4). Registers (ptxas, NVRTC 12.9,
+    /// sm_90), which bound the blocks an SM holds: u4 55-62, u4h 72-78, u8h 98 (w4) / 128, no
+    /// spills; so w16u4h and w16u8h run one block of 512 threads an SM, w8u8h two of 256.
     pub const ALL: [GemvTcConfig; 9] = [
         tc(4, 4, false),
         tc(4, 4, true),
