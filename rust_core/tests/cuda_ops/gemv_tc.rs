@@ -262,9 +262,9 @@ fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut
 /// instance (w{warps}u{unroll}), the SIMT GEMV and cuBLAS, each launch on its own copy of the
 /// weight (>= COLD_BYTES of copies per shape, as decode streams ~16 GB of distinct weights per
 /// token), against the rate of a 1 GB device-to-device copy (read + write bytes). One line per
-/// (shape, M), then per shape the instance with the highest M = 1 rate and the one with the
-/// least time over M = 1, 2, 4, 8, each against the default: GPU_CHECK_tcsweep.md reads these
-/// into `GEMV_TC_RULES`.
+/// (shape, M), then per shape the instance with the highest M = 1 rate, the one with the least
+/// time over M = 1, 2, 4, 8, and the latter among the default's warps count (bit-identical
+/// results), each against the default: GPU_CHECK_tcsweep.md reads these into `GEMV_TC_RULES`.
 #[test]
 #[ignore]
 fn report_gemv_tc_sweep() {
@@ -368,14 +368,24 @@ fn report_gemv_tc_sweep() {
         let dflt = configs.iter().position(|&c| c == default).unwrap();
         let argmin = |v: &[f64]| (0..v.len()).min_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap();
         let (b1, bs) = (argmin(&m1_ms), argmin(&sum_ms));
+        // The best of the default's warps count: unroll and hold leave every bit of the result
+        // as it is, so this pick changes speed only.
+        let same_warps: Vec<f64> = (0..configs.len()).map(|j| if configs[j].warps == default.warps { sum_ms[j] } else { f64::MAX }).collect();
+        let bw = argmin(&same_warps);
         println!(
-            "PERF op=gemv_tc_sweep_pick shape={name} rows={rows} k={k} blocks={} best_m1={} m1_speedup={:.3} best_sum={} sum_speedup={:.3} best_sum_m1_speedup={:.3}",
+            "PERF op=gemv_tc_sweep_pick shape={name} rows={rows} k={k} blocks={} best_m1={} m1_speedup={:.3} best_sum={} sum_speedup={:.3} best_sum_m1_speedup={:.3} best_w{}={} w{}_sum_speedup={:.3} w{}_m1_speedup={:.3}",
             rows.div_ceil(16),
             configs[b1].label(),
             m1_ms[dflt] / m1_ms[b1],
             configs[bs].label(),
             sum_ms[dflt] / sum_ms[bs],
-            m1_ms[dflt] / m1_ms[bs]
+            m1_ms[dflt] / m1_ms[bs],
+            default.warps,
+            configs[bw].label(),
+            default.warps,
+            sum_ms[dflt] / sum_ms[bw],
+            default.warps,
+            m1_ms[dflt] / m1_ms[bw]
         );
     }
     println!("PERF op=gemv_tc_sweep_done seconds={:.1}", clock.elapsed().as_secs_f64());
