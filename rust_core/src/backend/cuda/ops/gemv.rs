@@ -31,7 +31,7 @@ pub enum GemvForm {
     /// cuda/gemv_tc.cu: mma.sync m16n8k16 (storage-type inputs, f32 accumulation), a block of
     /// warps per 16 weight rows with K split across the warps; the same code for every M of 1..8,
     /// so the weight stream, not the products, bounds every M. sm_80+. The instance (warps,
-    /// unroll) is the weight shape's `gemv_tc_config`.
+    /// unroll, hold) is the weight shape's `gemv_tc_config`.
     TensorCores,
     /// The tensor-core GEMV in a given instance instead of the shape's `gemv_tc_config`: for the
     /// tests (every instance against the reference) and the sweep that fills the table.
