@@ -7,10 +7,10 @@
 // the kernel stays bound by the weight stream.
 //
 // Layout. A block owns one tile of 16 weight rows (the mma's A, 16 rows x 16 k per mma) and its
-// GEMV_TC_WARPS warps split K: warp w takes the k32 steps w, w + WARPS, w + 2 WARPS, ... in
+// WARPS warps split K: warp w takes the k32 steps w, w + WARPS, w + 2 WARPS, ... in
 // ascending order. In one k32 step, lane (g = lane / 4, t = lane % 4) loads 16 bytes (8 k) of
 // weight row g and 16 bytes of row g + 8 at k = 32 s + 8 t (the 4 lanes of a row read 64
-// contiguous bytes, the block's 8 warps 512), and 16 bytes of x row g (the mma's B column g;
+// contiguous bytes, a block of 8 warps 512), and 16 bytes of x row g (the mma's B column g;
 // zero for g >= M, so x is padded to 8 columns with zeros) at the same k. Those registers are the
 // fragments of two mmas directly, through a k permutation that is the same for A and B: the
 // mma's logical k 2t, 2t + 1 / 2t + 8, 2t + 9 are the physical k 8t + 0, 1 / 8t + 2, 3 in the
@@ -23,20 +23,32 @@
 // Exactness. Each element of an mma's D depends only on its row of A and its column of B, so
 // output (row n, x row m) is the same chain of mma accumulations (the warp's steps in
 // ascending order), then the same fixed-order reduction over the block's warps (warp 0 + 1 +
-// ... + 7 through shared memory), whatever M is and whatever the other rows of the tile are:
-// row r of an M-row launch equals the one-row launch bit for bit (batch == alone), and the
+// ... + WARPS - 1 through shared memory), whatever M is and whatever the other rows of the tile
+// are: row r of an M-row launch equals the one-row launch bit for bit (batch == alone), and the
 // SwiGLU tile (8 gate + 8 up rows) gives the gate and up sums bit for bit as the plain GEMV
 // gives them for the fused weight (gemv_gateup_swiglu == gemv + swiglu). M is a launch
 // argument, not a template parameter: one code path for every M.
+//
+// Instances. WARPS (warps per block, each taking every WARPS-th k32 step: 16-row tiles alone
+// would give N / 16 warps, 256 at N = 4096, too few loads in flight to stream the weights),
+// UNROLL (k32 steps a warp loads per iteration before multiplying them) and HOLD are template
+// parameters, instanced as gemv_tc{,_f32out,_gateup_swiglu}_w{W}_u{U}{h} (GEMV_TC_INSTANCE at the
+// end): how many bytes a shape needs in flight depends on how many tiles it has (N / 16 blocks
+// against 132 SMs on the H200) and how long each warp's stream is (K / 32 / WARPS steps), so the
+// launcher picks one per weight shape (ops/gemv.rs `gemv_tc_config`). HOLD: ptxas does not keep
+// an iteration's loads in flight together as the source orders them; it software-pipelines
+// them (sm_90 SASS of the u4 kernel: two steps loaded, then each mma waits for its step's loads
+// and the next loads issue behind it, ~2-3 steps in flight for any UNROLL). With HOLD the first
+// mma of an iteration takes a zero that depends on every weight load of the iteration (through a
+// value the compiler cannot prove zero), so all 2 UNROLL loads of a lane issue before it.
+// Neither UNROLL nor HOLD changes any sum (the warp's steps are accumulated in ascending order
+// either way; OR-ing zero leaves the bits); WARPS changes which steps a warp sums, so results
+// are bit-exact across M for one WARPS, and a shape must keep one WARPS for every M.
 #include "common.cuh"
 
-// Warps per block, each taking every GEMV_TC_WARPS-th k32 step: 16-row tiles alone would give
-// N / 16 warps (256 at N = 4096), too few loads in flight to stream the weights.
-#define GEMV_TC_WARPS 8
-// k32 steps a warp loads before multiplying them: 8 weight loads of 16 bytes in flight per lane.
-#define GEMV_TC_UNROLL 4
-// k32 steps per warp whose weight lines are prefetched into L2 before the PDL wait.
-#define GEMV_TC_PREFETCH 2
+// k32 steps per block whose weight lines are prefetched into L2 before the PDL wait (16 / WARPS
+// per warp): the same bytes for every WARPS, 16 KB a block.
+#define GEMV_TC_PREFETCH_STEPS 16
 
 // The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits),
 // SwiGLU of gate/up pairs, or the residual add + RMSNorm that follows an output projection
@@ -60,6 +72,7 @@ struct gemv_tc_norm {
     float eps;
     int plus_one;
 };
+
 
 // 16 bytes of 8 storage elements as the four 32-bit registers of mma fragments (element 2i in
 // the low half of r[i]: the lower k of a pair, as the mma expects).
@@ -165,9 +178,10 @@ __device__ constexpr int gemv_tc_cols() {
     return OUT == GEMV_TC_OUT_SWIGLU ? 8 : 16;
 }
 
-template <int OUT>
-__device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][4][32], void* y,
-                                              int m, int n_out, int n0, const store_t (&res)[4]);
+template <int OUT, int WARPS>
+__device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], void* y, int m,
+                                              int n_out, int n0, const store_t (&res)[4]);
+template <int WARPS>
 __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
                                                   int m, int dim);
 
@@ -178,11 +192,12 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
 // expression of cuda/gemv.cu's gemv_store), so act is bit for bit this kernel's GEMV of the
 // fused weight followed by swiglu. GEMV_TC_OUT_ADD_RMSNORM: y is the residual [M, n_out], to
 // which the sums are added, and the last block normalises it into nm.h (gemv_tc_norm_rows).
-template <int OUT>
+template <int OUT, int WARPS, int UNROLL, bool HOLD>
 __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
                                              const store_t* __restrict__ w, void* y, int m,
                                              int n_out, int k, const gemv_tc_norm& nm) {
-    __shared__ float red[GEMV_TC_WARPS][4][32];
+    static_assert(GEMV_TC_PREFETCH_STEPS % WARPS == 0, "whole prefetch steps per warp");
+    __shared__ float red[WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * gemv_tc_cols<OUT>();
@@ -196,10 +211,11 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
     const int full = k / 32;            // k32 steps with all four chunks inside K
     const int steps = (k + 31) / 32;    // and the partial one, if K % 32 != 0
     // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the warp's first
-    // GEMV_TC_PREFETCH steps are fetched into L2 before waiting for the kernel that wrote x.
+    // GEMV_TC_PREFETCH_STEPS / WARPS steps are fetched into L2 before waiting for the kernel
+    // that wrote x.
 #pragma unroll
-    for (int p = 0; p < GEMV_TC_PREFETCH; ++p) {
-        const int s = warp + p * GEMV_TC_WARPS;
+    for (int p = 0; p < GEMV_TC_PREFETCH_STEPS / WARPS; ++p) {
+        const int s = warp + p * WARPS;
         if (s < full) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(wlo + 32 * s));
             asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
@@ -222,34 +238,42 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
                 }
         }
     }
+    // Zero (M >= 1), but not to the compiler: HOLD's dependency of the mmas on the loads.
+    const unsigned hold_zero = m < 0 ? 0xffffffffu : 0u;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // Main loop: GEMV_TC_UNROLL steps of the warp per iteration, all loads before the mmas. The
-    // three pointers advance, and the steps are constant offsets from them (32 GEMV_TC_WARPS
-    // elements apart), so the loads need no address registers of their own and the compiler
+    // Main loop: UNROLL steps of the warp per iteration, all loads before the mmas. The
+    // three pointers advance, and the steps are constant offsets from them (32 WARPS elements
+    // apart), so the loads need no address registers of their own and the compiler
     // keeps every load of the iteration in flight (per-step 64-bit addresses made it interleave
     // loads with mmas to save registers: a memory latency per step instead of per iteration).
-    constexpr int STRIDE = 32 * GEMV_TC_WARPS;
+    constexpr int STRIDE = 32 * WARPS;
     int s = warp;
     {
         const store_t* plo = wlo + 32 * s;
         const store_t* phi = whi + 32 * s;
         const store_t* px = xg + 32 * s;
-        for (; s + (GEMV_TC_UNROLL - 1) * GEMV_TC_WARPS < full; s += GEMV_TC_UNROLL * GEMV_TC_WARPS) {
-            tc_frag lo[GEMV_TC_UNROLL], hi[GEMV_TC_UNROLL], b[GEMV_TC_UNROLL];
+        for (; s + (UNROLL - 1) * WARPS < full; s += UNROLL * WARPS) {
+            tc_frag lo[UNROLL], hi[UNROLL], b[UNROLL];
 #pragma unroll
-            for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
+            for (int u = 0; u < UNROLL; ++u) {
                 lo[u] = tc_load_w(plo + u * STRIDE);
                 hi[u] = tc_load_w(phi + u * STRIDE);
                 b[u] = tc_keep(tc_load_x(px + u * STRIDE), x_row);
             }
+            if constexpr (HOLD) {
+                unsigned dep = 0u;
 #pragma unroll
-            for (int u = 0; u < GEMV_TC_UNROLL; ++u) tc_step(d, lo[u], hi[u], b[u]);
-            plo += GEMV_TC_UNROLL * STRIDE;
-            phi += GEMV_TC_UNROLL * STRIDE;
-            px += GEMV_TC_UNROLL * STRIDE;
+                for (int u = 0; u < UNROLL; ++u) dep ^= lo[u].r[0] ^ hi[u].r[0];
+                b[0].r[0] |= dep & hold_zero;
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) tc_step(d, lo[u], hi[u], b[u]);
+            plo += UNROLL * STRIDE;
+            phi += UNROLL * STRIDE;
+            px += UNROLL * STRIDE;
         }
     }
-    for (; s < steps; s += GEMV_TC_WARPS) {
+    for (; s < steps; s += WARPS) {
         const int kk = 32 * s;
         const bool in_k = kk + 8 * t < k;
         const tc_frag lo = in_k ? tc_load_w(wlo + kk) : tc_zero();
@@ -261,14 +285,14 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[warp][j][lane] = d[j];
     __syncthreads();
-    if (warp == 0) gemv_tc_store<OUT>(red, y, m, n_out, n0, res);
-    if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) gemv_tc_norm_rows((store_t*)y, nm, m, n_out);
+    if (warp == 0) gemv_tc_store<OUT, WARPS>(red, y, m, n_out, n0, res);
+    if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) gemv_tc_norm_rows<WARPS>((store_t*)y, nm, m, n_out);
 }
 
 // Warp 0 of a block: sums the warps' partials in warp order and stores the block's outputs.
-template <int OUT>
-__device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][4][32], void* y,
-                                              int m, int n_out, int n0, const store_t (&res)[4]) {
+template <int OUT, int WARPS>
+__device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], void* y, int m,
+                                              int n_out, int n0, const store_t (&res)[4]) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     float v[4];
@@ -276,7 +300,7 @@ __device__ __forceinline__ void gemv_tc_store(const float (&red)[GEMV_TC_WARPS][
     for (int j = 0; j < 4; ++j) {
         v[j] = red[0][j][lane];
 #pragma unroll
-        for (int ww = 1; ww < GEMV_TC_WARPS; ++ww) v[j] += red[ww][j][lane];
+        for (int ww = 1; ww < WARPS; ++ww) v[j] += red[ww][j][lane];
     }
     // Lane (g, t) holds D[g][2t], D[g][2t + 1] in v[0], v[1] and D[g + 8][2t], D[g + 8][2t + 1]
     // in v[2], v[3]: tile rows g, g + 8 (output columns) for x rows 2t, 2t + 1.
@@ -378,11 +402,12 @@ __device__ __forceinline__ void tc_norm_scale_group(const store_t* residual, con
 // blocks - 1) returns the old count and stores 0 when the old count is blocks - 1, so the
 // electing atomic also resets the counter for the next launch / graph replay (the pattern of
 // decode_attention in attention.cu). The sum of squares follows common.cuh's RMSNorm order
-// over nm.lanes lanes with 8 warps: warp w takes the (row, 32-lane group) pairs w, w + 8, ...,
+// over nm.lanes lanes with WARPS warps: warp w takes the (row, 32-lane group) pairs w, w + WARPS, ...,
 // each lane summing its lane's chunks and warp_sum giving the group's sum; warp r then sums
-// row r's group sums (m <= 8 rows, one warp each). add_rmsnorm with nm.lanes threads sums the
+// row r's group sums (warps r, r + WARPS, ... of m <= 8 rows). add_rmsnorm with nm.lanes threads sums the
 // same values in the same tree, so h and the residual are add_rmsnorm's bit for bit. Needs dim
 // % 8 == 0 and 16-byte aligned rows (the launcher checks).
+template <int WARPS>
 __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
                                                   int m, int dim) {
     __shared__ float group_sum[GEMV_TC_MAX_M][32];
@@ -401,7 +426,7 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
     uint4 xc[GEMV_TC_NORM_CACHE], wc[GEMV_TC_NORM_CACHE];
 #pragma unroll
     for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
-        const int p = warp + j * GEMV_TC_WARPS;
+        const int p = warp + j * WARPS;
         const int ch = (p % groups) * 32 + lane;
         if (p < pairs && ch < n_chunks) {
             xc[j] = tc_load_shared_row(residual + (long long)(p / groups) * dim + ch * 8);
@@ -410,50 +435,64 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
     }
 #pragma unroll
     for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
-        const int p = warp + j * GEMV_TC_WARPS;
+        const int p = warp + j * WARPS;
         if (p < pairs) tc_norm_group(residual, dim, nm.lanes, p, &xc[j], group_sum);
     }
-    for (int p = warp + GEMV_TC_NORM_CACHE * GEMV_TC_WARPS; p < pairs; p += GEMV_TC_WARPS)
+    for (int p = warp + GEMV_TC_NORM_CACHE * WARPS; p < pairs; p += WARPS)
         tc_norm_group(residual, dim, nm.lanes, p, nullptr, group_sum);
     __syncthreads();
-    if (warp < m) {
-        const float t = warp_sum(lane < groups ? group_sum[warp][lane] : 0.0f);
-        if (lane == 0) rstd[warp] = norm_rstd(t, dim, nm.eps);
+    for (int r = warp; r < m; r += WARPS) {
+        const float t = warp_sum(lane < groups ? group_sum[r][lane] : 0.0f);
+        if (lane == 0) rstd[r] = norm_rstd(t, dim, nm.eps);
     }
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
-        const int p = warp + j * GEMV_TC_WARPS;
+        const int p = warp + j * WARPS;
         if (p < pairs) tc_norm_scale_group(residual, nm, dim, p, &xc[j], &wc[j], rstd);
     }
-    for (int p = warp + GEMV_TC_NORM_CACHE * GEMV_TC_WARPS; p < pairs; p += GEMV_TC_WARPS)
+    for (int p = warp + GEMV_TC_NORM_CACHE * WARPS; p < pairs; p += WARPS)
         tc_norm_scale_group(residual, nm, dim, p, nullptr, nullptr, rstd);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc(const store_t* x, const store_t* w, store_t* y, int m, int n_out, int k) {
-    gemv_tc_body<GEMV_TC_OUT_STORE>(x, w, y, m, n_out, k, gemv_tc_norm{});
-}
+// The four epilogues of one (WARPS, UNROLL, HOLD), the name ending in H (empty or h): plain
+// GEMV, f32 logits, the fused gate_up weight's SwiGLU (act[M, inter]), and the output projection
+// with the residual add + RMSNorm (residual[M, N] += x W^T, h = rmsnorm(residual); `arrivals`
+// 0 at launch and after it, `lanes` add_rmsnorm's block size for rows of N, M <= GEMV_TC_MAX_M;
+// bit for bit gemv_tc of the same instance followed by add_rmsnorm, ops/gemv_add_rmsnorm.rs).
+// Launch bounds follow WARPS.
+#define GEMV_TC_INSTANCE(W, U, HOLD, H)                                                     \
+    extern "C" __global__ void __launch_bounds__(W * 32)                                    \
+        gemv_tc_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* y, int m,       \
+                               int n_out, int k) {                                          \
+        gemv_tc_body<GEMV_TC_OUT_STORE, W, U, HOLD>(x, w, y, m, n_out, k, gemv_tc_norm{});  \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(W * 32)                                    \
+        gemv_tc_f32out_w##W##_u##U##H(const store_t* x, const store_t* w, float* y, int m,  \
+                                      int n_out, int k) {                                   \
+        gemv_tc_body<GEMV_TC_OUT_F32, W, U, HOLD>(x, w, y, m, n_out, k, gemv_tc_norm{});    \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(W * 32)                                    \
+        gemv_tc_gateup_swiglu_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* act, \
+                                             int m, int inter, int k) {                     \
+        gemv_tc_body<GEMV_TC_OUT_SWIGLU, W, U, HOLD>(x, w, act, m, inter, k, gemv_tc_norm{}); \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(W * 32)                                    \
+        gemv_tc_add_rmsnorm_w##W##_u##U##H(                                                 \
+            const store_t* x, const store_t* w, store_t* residual, int m, int n_out, int k, \
+            const store_t* w_norm, store_t* h, unsigned* arrivals, int lanes, float eps,    \
+            int plus_one) {                                                                 \
+        gemv_tc_body<GEMV_TC_OUT_ADD_RMSNORM, W, U, HOLD>(                                  \
+            x, w, residual, m, n_out, k,                                                    \
+            gemv_tc_norm{w_norm, h, arrivals, lanes, eps, plus_one});                       \
+    }
 
-extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc_f32out(const store_t* x, const store_t* w, float* y, int m, int n_out, int k) {
-    gemv_tc_body<GEMV_TC_OUT_F32>(x, w, y, m, n_out, k, gemv_tc_norm{});
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc_gateup_swiglu(const store_t* x, const store_t* w, store_t* act, int m, int inter, int k) {
-    gemv_tc_body<GEMV_TC_OUT_SWIGLU>(x, w, act, m, inter, k, gemv_tc_norm{});
-}
-
-// residual[M, N] += x[M, K] * W[N, K]^T (rounded to storage), then h = rmsnorm(residual) with
-// weight w_norm (or 1 + w_norm): the output projection of a sub-block and add_rmsnorm in one
-// kernel, bit for bit gemv_tc into a buffer followed by add_rmsnorm (ops/gemv.rs
-// gemv_add_rmsnorm). `arrivals` must be 0 at launch and is 0 again after it; `lanes` is
-// add_rmsnorm's block size for rows of N. M <= GEMV_TC_MAX_M.
-extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
-    gemv_tc_add_rmsnorm(const store_t* x, const store_t* w, store_t* residual, int m, int n_out,
-                        int k, const store_t* w_norm, store_t* h, unsigned* arrivals, int lanes,
-                        float eps, int plus_one) {
-    gemv_tc_body<GEMV_TC_OUT_ADD_RMSNORM>(x, w, residual, m, n_out, k,
-                                          gemv_tc_norm{w_norm, h, arrivals, lanes, eps, plus_one});
-}
+GEMV_TC_INSTANCE(4, 4, false, )
+GEMV_TC_INSTANCE(4, 4, true, h)
+GEMV_TC_INSTANCE(4, 8, true, h)
+GEMV_TC_INSTANCE(8, 4, false, )
+GEMV_TC_INSTANCE(8, 4, true, h)
+GEMV_TC_INSTANCE(8, 8, true, h)
+GEMV_TC_INSTANCE(16, 4, false, )
+GEMV_TC_INSTANCE(16, 4, true, h)
+GEMV_TC_INSTANCE(16, 8, true, h)

@@ -733,9 +733,9 @@ fn paged_decode_attention_matches_reference_with_and_without_splits() {
         }
         let contexts = [3000];
         attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
-        // Llama-3-8B heads at contexts around the 1024-key point where decode splits start to
-        // grow beyond 16 keys (decode_partition), and a short one split 16 keys at a time.
-        let contexts = [170, 1024, 1025, 1500];
+        // Llama-3-8B heads at contexts around the 512-key point where decode splits start to
+        // grow beyond 8 keys (decode_partition), and short ones split 8 keys at a time.
+        let contexts = [170, 512, 513, 1025, 1500];
         let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
         attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, 128, 0, (32, 8));
         // Past 4096 keys the decode splits grow beyond 64 keys (decode_partition).

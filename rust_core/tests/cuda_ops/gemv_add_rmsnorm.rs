@@ -9,7 +9,7 @@
 //! The PERF report times the fused kernel against the two kernels.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-use ninfer_core::backend::cuda::ops::{add_norm_route, AddNormRoute, GemvForm};
+use ninfer_core::backend::cuda::ops::{add_norm_route, AddNormRoute, GemvForm, GemvTcConfig};
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::assert_bitwise;
@@ -88,6 +88,36 @@ fn gemv_add_rmsnorm_equals_gemv_then_add_rmsnorm_bitwise() {
             }
         }
     }
+}
+
+/// Every tensor-core GEMV instance (warps per block 4 / 8 / 16 change the norm tail's loops
+/// too): the fused kernel of the instance equals that instance's GEMV + add_rmsnorm bit for bit.
+#[test]
+fn gemv_add_rmsnorm_every_instance_bitwise() {
+    let st = StorageDType::Bf16;
+    let Some(dev) = gpu("gemv_add_rmsnorm_instances", st) else { return };
+    if dev.gemv_form() != GemvForm::TensorCores {
+        eprintln!("SKIP gemv_add_rmsnorm_instances: {} runs the SIMT GEMV", dev.arch());
+        return;
+    }
+    let mut rng = Rng::new(96);
+    let (n, k) = (5120, 4096);
+    let w = upload(&dev, &rounded(&rng.vec(n * k, -0.03, 0.03), st));
+    let nw = upload(&dev, &rounded(&rng.vec(n, 0.5, 1.5), st));
+    let x = rounded(&rng.vec(8 * k, -1.0, 1.0), st);
+    let residual = rounded(&rng.vec(8 * n, -2.0, 2.0), st);
+    let mut arrivals = upload_raw(&dev, &[0u32]);
+    for c in GemvTcConfig::all() {
+        let form = GemvForm::TensorCoresAs(c);
+        for m in [1, 5, 8] {
+            let xd = upload(&dev, &x[..m * k]);
+            let (want_res, want_h) = two_kernels(&dev, form, &xd, &w, &residual[..m * n], &nw, m, n, k, false);
+            let (res, h) = fused(&dev, form, &xd, &w, &residual[..m * n], &nw, &mut arrivals, m, n, k, false);
+            assert_bitwise(&res, &want_res, &format!("{} m{m} residual", c.label()));
+            assert_bitwise(&h, &want_h, &format!("{} m{m} h", c.label()));
+        }
+    }
+    assert_eq!(counter(&dev, &arrivals), 0, "block counter not reset");
 }
 
 /// Two fused launches queued back to back on one counter (no host synchronisation between:

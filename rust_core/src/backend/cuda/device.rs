@@ -39,6 +39,9 @@ pub struct CudaDevice {
     /// Kernels that wait on their predecessor are launched with Programmatic Dependent Launch
     /// (`ops::launch_pdl`): sm_90+ unless `NINFER_PDL` is off.
     pdl: bool,
+    /// The decode GEMV form (`ops::gemv_form` of the compute capability, or the CUDA-core
+    /// kernel when `NINFER_TC_GEMV` is off): read once, so every launch of a run agrees.
+    gemv_form: super::ops::GemvForm,
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -73,6 +76,8 @@ impl CudaDevice {
         let (major, minor) = (major as u32, minor as u32);
         let pdl_switch = std::env::var(super::ops::PDL_SWITCH).ok();
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
+        let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
+        let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -87,6 +92,7 @@ impl CudaDevice {
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
             pdl,
+            gemv_form,
         })
     }
 
@@ -113,6 +119,11 @@ impl CudaDevice {
     /// Whether kernels that support it are launched with Programmatic Dependent Launch.
     pub fn pdl(&self) -> bool {
         self.pdl
+    }
+
+    /// The GEMV form every decode projection of this device runs.
+    pub fn gemv_form(&self) -> super::ops::GemvForm {
+        self.gemv_form
     }
 
     /// Storage type of activations and weights on this device.

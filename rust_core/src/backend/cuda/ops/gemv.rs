@@ -10,8 +10,6 @@ use crate::{NinferError, Result};
 
 /// Output columns per block (warps per block in gemv.cu).
 const GEMV_WARPS: usize = 8;
-/// Threads per block of the tensor-core GEMV (GEMV_TC_WARPS warps in gemv_tc.cu, splitting K).
-pub(super) const GEMV_TC_THREADS: u32 = 8 * 32;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;
 /// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS. Up to GEMV_MAX_M the
@@ -30,10 +28,148 @@ pub enum GemvForm {
     /// cuda/gemv.cu: f32 FMAs on CUDA cores, a warp per 1 / 2 / 4 output columns by M. Bound by
     /// instruction issue from M = 4 on (2 M FLOP per weight element plus conversions).
     Simt,
-    /// cuda/gemv_tc.cu: mma.sync m16n8k16 (storage-type inputs, f32 accumulation), a block of 8
+    /// cuda/gemv_tc.cu: mma.sync m16n8k16 (storage-type inputs, f32 accumulation), a block of
     /// warps per 16 weight rows with K split across the warps; the same code for every M of 1..8,
-    /// so the weight stream, not the products, bounds every M. sm_80+.
+    /// so the weight stream, not the products, bounds every M. sm_80+. The instance (warps,
+    /// unroll, hold) is the weight shape's `gemv_tc_config`.
     TensorCores,
+    /// The tensor-core GEMV in a given instance instead of the shape's `gemv_tc_config`: for the
+    /// tests (every instance against the reference) and the sweep that fills the table.
+    TensorCoresAs(GemvTcConfig),
+}
+
+/// One instance of the tensor-core GEMV (GEMV_TC_INSTANCE(W, U, HOLD, H) in gemv_tc.cu):
+/// `warps` per block split K (which k32 steps each warp sums, hence the bits of the result);
+/// `unroll` k32 steps a warp loads per iteration and `hold` (all of an iteration's loads issue
+/// before its first mma, instead of ptxas's software pipeline of ~2-3 steps) set the bytes in
+/// flight and leave the result's bits alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvTcConfig {
+    pub warps: usize,
+    pub unroll: usize,
+    pub hold: bool,
+}
+
+/// Shorthand for the instance tables.
+const fn tc(warps: usize, unroll: usize, hold: bool) -> GemvTcConfig {
+    GemvTcConfig { warps, unroll, hold }
+}
+
+impl GemvTcConfig {
+    /// What every shape runs unless `GEMV_TC_RULES` says otherwise: the kernel as first
+    /// measured (passes every op and model test on the H200).
+    pub const DEFAULT: GemvTcConfig = tc(8, 4, false);
+    /// Every instance (the GEMV_TC_INSTANCE lines of gemv_tc.cu), warps-major: per warps count
+    /// the compiler-scheduled unroll 4 and the held unroll 4 and 8 (unroll 2 and an unheld 8
+    /// compile to the same ~2-3 steps in flight as the unheld 4). Registers (ptxas, NVRTC 12.9,
+    /// sm_90), which bound the blocks an SM holds: u4 55-62, u4h 72-78, u8h 98 (w4) / 128, no
+    /// spills; so w16u4h and w16u8h run one block of 512 threads an SM, w8u8h two of 256.
+    pub const ALL: [GemvTcConfig; 9] = [
+        tc(4, 4, false),
+        tc(4, 4, true),
+        tc(4, 8, true),
+        tc(8, 4, false),
+        tc(8, 4, true),
+        tc(8, 8, true),
+        tc(16, 4, false),
+        tc(16, 4, true),
+        tc(16, 8, true),
+    ];
+
+    /// Every instance, as `ALL`.
+    pub fn all() -> impl Iterator<Item = GemvTcConfig> {
+        Self::ALL.into_iter()
+    }
+
+    /// "w{warps}u{unroll}" plus "h" when held: the kernel name's suffix and the sweep's key.
+    pub fn label(self) -> String {
+        format!("w{}u{}{}", self.warps, self.unroll, if self.hold { "h" } else { "" })
+    }
+}
+
+/// A row of the per-shape table: weights with at most `max_rows` rows and at least `min_k`
+/// columns run `config`.
+#[derive(Debug, Clone, Copy)]
+pub struct GemvTcRule {
+    pub max_rows: usize,
+    pub min_k: usize,
+    pub config: GemvTcConfig,
+}
+
+/// The tensor-core GEMV instance per weight shape, first matching row wins, else
+/// `GemvTcConfig::DEFAULT` (w8u4). Filled from `report_gemv_tc_sweep` (cold-L2 weight read rate
+/// per instance, tests/cuda_ops/gemv_tc.rs; GPU_CHECK_tcsweep.md says how to read it). Why it
+/// depends on the shape: a block per 16 weight rows gives rows / 16 blocks (256 for a
+/// 4096-row projection against 132 SMs on the H200: few warps to keep loads in flight) while a
+/// warp streams K / 32 / warps steps (14336-wide down projections: long streams); more warps
+/// per block put more bytes in flight for short-and-wide shapes, fewer cut the cross-warp
+/// reduction for tall ones. Decode shapes (weight rows x K, blocks = rows / 16):
+///
+/// | model       | weight       | rows x K        | blocks | instance |
+/// |-------------|--------------|-----------------|--------|----------|
+/// | Llama-3-8B  | qkv          | 6144 x 4096     | 384    | w8u4     |
+/// | Llama-3-8B  | o            | 4096 x 4096     | 256    | w8u4     |
+/// | Llama-3-8B  | gate_up      | 28672 x 4096    | 1792   | w8u4     |
+/// | Llama-3-8B  | down         | 4096 x 14336    | 256    | w8u4     |
+/// | Llama-3-8B  | lm_head f32  | 128256 x 4096   | 8016   | w8u4     |
+/// | Qwen3.5-27B | attn qkv+gate| 14336 x 5120    | 896    | w8u4     |
+/// | Qwen3.5-27B | attn o       | 5120 x 6144     | 320    | w8u4     |
+/// | Qwen3.5-27B | GDN in_proj  | 16480 x 5120    | 1030   | w8u4     |
+/// | Qwen3.5-27B | GDN out      | 5120 x 6144     | 320    | w8u4     |
+/// | Qwen3.5-27B | gate_up      | 34816 x 5120    | 2176   | w8u4     |
+/// | Qwen3.5-27B | down         | 5120 x 17408    | 320    | w8u4     |
+/// | Qwen3.5-27B | lm_head f32  | 248320 x 5120   | 15520  | w8u4     |
+///
+/// Never a function of M: every M of a shape runs the same instance, so a row decoded in a
+/// batch equals it decoded alone bit for bit (the warps split decides the summation order).
+pub const GEMV_TC_RULES: &[GemvTcRule] = &[];
+
+/// The tensor-core GEMV instance for a weight of `rows` x `k` (the fused gate_up weight's
+/// 2 * inter rows for the SwiGLU epilogue): the first row of `GEMV_TC_RULES` that matches.
+pub fn gemv_tc_config(rows: usize, k: usize) -> GemvTcConfig {
+    gemv_tc_config_in(GEMV_TC_RULES, rows, k)
+}
+
+/// `gemv_tc_config` over a given table (unit-tested apart from the live one).
+fn gemv_tc_config_in(rules: &[GemvTcRule], rows: usize, k: usize) -> GemvTcConfig {
+    rules.iter().find(|r| rows <= r.max_rows && k >= r.min_k).map_or(GemvTcConfig::DEFAULT, |r| r.config)
+}
+
+/// The instance of a kernel family `$prefix_w{W}_u{U}{h}` (GEMV_TC_INSTANCE in gemv_tc.cu),
+/// None for a config that has no instance (`GemvTcConfig::ALL` lists those that do).
+macro_rules! by_tc_config {
+    ($prefix:literal, $c:expr) => {
+        match ($c.warps, $c.unroll, $c.hold) {
+            (4, 4, false) => Some(concat!($prefix, "_w4_u4")),
+            (4, 4, true) => Some(concat!($prefix, "_w4_u4h")),
+            (4, 8, true) => Some(concat!($prefix, "_w4_u8h")),
+            (8, 4, false) => Some(concat!($prefix, "_w8_u4")),
+            (8, 4, true) => Some(concat!($prefix, "_w8_u4h")),
+            (8, 8, true) => Some(concat!($prefix, "_w8_u8h")),
+            (16, 4, false) => Some(concat!($prefix, "_w16_u4")),
+            (16, 4, true) => Some(concat!($prefix, "_w16_u4h")),
+            (16, 8, true) => Some(concat!($prefix, "_w16_u8h")),
+            _ => None,
+        }
+    };
+}
+
+/// The error for a tensor-core GEMV config without a GEMV_TC_INSTANCE.
+fn no_tc_instance(c: GemvTcConfig) -> NinferError {
+    NinferError::Device(format!(
+        "the tensor-core GEMV has no instance with {} warps, unroll {}, hold {} (instances: {})",
+        c.warps,
+        c.unroll,
+        c.hold,
+        GemvTcConfig::all().map(GemvTcConfig::label).collect::<Vec<_>>().join(", ")
+    ))
+}
+
+/// The output projection with the residual add + RMSNorm epilogue (`gemv_add_rmsnorm`) in
+/// instance `c`: the instance the plain GEMV of the same weight runs, so that the fused kernel
+/// sums exactly as `gemv` does.
+pub(super) fn tc_add_rmsnorm_name(c: GemvTcConfig) -> Result<&'static str> {
+    by_tc_config!("gemv_tc_add_rmsnorm", c).ok_or_else(|| no_tc_instance(c))
 }
 
 /// The GEMV form for compute capability `cc`: tensor cores from sm_80 on (m16n8k16 with bf16
@@ -44,6 +180,18 @@ pub fn gemv_form(cc: (u32, u32)) -> GemvForm {
     } else {
         GemvForm::Simt
     }
+}
+
+/// The environment switch that turns the tensor-core GEMV off (A/B measurements, and a way back
+/// to the CUDA-core kernel should a driver mis-run the mma path).
+pub const TC_GEMV_SWITCH: &str = "NINFER_TC_GEMV";
+
+/// `gemv_form(cc)`, or `Simt` when `NINFER_TC_GEMV` (value `switch`) is off; a misspelt value
+/// is an error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a
+/// sequence's projections never change form mid-run (batch == alone holds within a form).
+pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>) -> Result<GemvForm> {
+    let on = crate::config::env_switch::parse_switch(TC_GEMV_SWITCH, switch, true)?;
+    Ok(if on { gemv_form(cc) } else { GemvForm::Simt })
 }
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
@@ -84,12 +232,22 @@ impl GemvOut {
         }
     }
 
-    /// The tensor-core kernel of this epilogue (one for every M).
-    fn tc_name(self) -> &'static str {
+    /// The tensor-core kernel of this epilogue in instance `c` (one for every M).
+    fn tc_name(self, c: GemvTcConfig) -> Result<&'static str> {
         match self {
-            GemvOut::Store => "gemv_tc",
-            GemvOut::F32 => "gemv_tc_f32out",
-            GemvOut::SwiGlu => "gemv_tc_gateup_swiglu",
+            GemvOut::Store => by_tc_config!("gemv_tc", c),
+            GemvOut::F32 => by_tc_config!("gemv_tc_f32out", c),
+            GemvOut::SwiGlu => by_tc_config!("gemv_tc_gateup_swiglu", c),
+        }
+        .ok_or_else(|| no_tc_instance(c))
+    }
+
+    /// Rows of the weight for `n` output columns: the fused gate_up weight has a gate and an
+    /// up row per activation.
+    fn weight_rows(self, n: usize) -> usize {
+        match self {
+            GemvOut::Store | GemvOut::F32 => n,
+            GemvOut::SwiGlu => 2 * n,
         }
     }
 
@@ -143,11 +301,6 @@ const NAMES_F32: [&str; GEMV_MAX_M] = [
 ];
 
 impl CudaDevice {
-    /// The GEMV form this device runs (`gemv_form` of its compute capability).
-    pub fn gemv_form(&self) -> GemvForm {
-        gemv_form(self.compute_capability())
-    }
-
     /// Launches the GEMV of form `form` with epilogue `out` over `m` rows, GEMV_MAX_M rows per
     /// launch; `n` is the number of output columns (the activation width for SwiGlu).
     #[allow(clippy::too_many_arguments)]
@@ -157,7 +310,7 @@ impl CudaDevice {
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
             )));
         }
-        if form == GemvForm::TensorCores && self.compute_capability().0 < 8 {
+        if form != GemvForm::Simt && self.compute_capability().0 < 8 {
             return Err(NinferError::Device(format!(
                 "the tensor-core GEMV needs sm_80 or newer, this device is {}",
                 self.arch()
@@ -182,9 +335,14 @@ impl CudaDevice {
                     ];
                     self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
                 }
-                GemvForm::TensorCores => {
+                GemvForm::TensorCores | GemvForm::TensorCoresAs(_) => {
+                    // One instance per weight shape, whatever M (batch == alone).
+                    let c = match form {
+                        GemvForm::TensorCoresAs(c) => c,
+                        _ => gemv_tc_config(out.weight_rows(n), k),
+                    };
                     let grid = (as_i32("gemv n", n.div_ceil(out.tc_cols_per_block()))? as u32, 1, 1);
-                    let name = out.tc_name();
+                    let name = out.tc_name(c)?;
                     let f = self.function(KernelFamily::GemvTc, name)?;
                     let args = [
                         KArg::Ptr(xr),
@@ -194,7 +352,7 @@ impl CudaDevice {
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
                     ];
-                    self.launch_pdl(&f, cfg(grid, GEMV_TC_THREADS), name, &args)?;
+                    self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args)?;
                 }
             }
             row += mm;
@@ -351,5 +509,62 @@ impl CudaDevice {
         let (wp, _b) = w_gate_up.device_ptr(s);
         let (ap, _c) = act.device_ptr_mut(s);
         self.gemv_launch(form, xp, wp, ap, GemvOut::SwiGlu, m, inter, k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
+        assert_eq!(gemv_form_with_switch((9, 0), None).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0")).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("on")).unwrap(), GemvForm::TensorCores);
+        // On will not force the mma path onto a device without it.
+        assert_eq!(gemv_form_with_switch((7, 5), Some("1")).unwrap(), GemvForm::Simt);
+        let e = gemv_form_with_switch((9, 0), Some("tc")).unwrap_err().to_string();
+        assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
+    }
+
+    #[test]
+    fn kernel_names_follow_the_instances_of_gemv_tc_cu() {
+        let src = include_str!("../../../../../cuda/gemv_tc.cu");
+        for prefix in ["gemv_tc", "gemv_tc_f32out", "gemv_tc_gateup_swiglu", "gemv_tc_add_rmsnorm"] {
+            assert!(src.contains(&format!("{prefix}_w##W##_u##U##H(")), "{prefix}");
+        }
+        assert!(GemvTcConfig::all().any(|c| c == GemvTcConfig::DEFAULT));
+        for c in GemvTcConfig::all() {
+            let (w, u, h) = (c.warps, c.unroll, if c.hold { "h" } else { "" });
+            let line = format!("\nGEMV_TC_INSTANCE({w}, {u}, {}, {h})\n", c.hold);
+            assert!(src.contains(&line), "{line}");
+            for (out, prefix) in [(GemvOut::Store, "gemv_tc"), (GemvOut::F32, "gemv_tc_f32out"), (GemvOut::SwiGlu, "gemv_tc_gateup_swiglu")] {
+                assert_eq!(out.tc_name(c).unwrap(), format!("{prefix}_w{w}_u{u}{h}"));
+            }
+            assert_eq!(tc_add_rmsnorm_name(c).unwrap(), format!("gemv_tc_add_rmsnorm_w{w}_u{u}{h}"));
+        }
+        // The source has no instance the table does not list.
+        assert_eq!(src.matches("\nGEMV_TC_INSTANCE(").count(), GemvTcConfig::ALL.len());
+        let err = GemvOut::Store.tc_name(tc(32, 4, false)).unwrap_err();
+        assert!(err.to_string().contains("32 warps"), "{err}");
+    }
+
+    #[test]
+    fn gemv_tc_config_takes_the_first_matching_rule_by_shape() {
+        let w16 = tc(16, 4, true);
+        let w4 = tc(4, 8, true);
+        let rules = [GemvTcRule { max_rows: 6144, min_k: 4096, config: w16 }, GemvTcRule { max_rows: usize::MAX, min_k: 0, config: w4 }];
+        assert_eq!(gemv_tc_config_in(&rules, 4096, 14336), w16);
+        assert_eq!(gemv_tc_config_in(&rules, 6144, 4096), w16);
+        assert_eq!(gemv_tc_config_in(&rules, 6145, 4096), w4);
+        assert_eq!(gemv_tc_config_in(&rules, 4096, 1024), w4);
+        assert_eq!(gemv_tc_config_in(&rules[..1], 128256, 4096), GemvTcConfig::DEFAULT);
+        // The live table names only instances that exist.
+        for r in GEMV_TC_RULES {
+            assert!(GemvTcConfig::all().any(|c| c == r.config), "{r:?}");
+        }
+        // The SwiGLU epilogue looks the shape up by the fused weight's rows.
+        assert_eq!(GemvOut::SwiGlu.weight_rows(14336), 28672);
+        assert_eq!(GemvOut::F32.weight_rows(128256), 128256);
     }
 }

@@ -11,7 +11,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv::{GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M, GEMV_TC_THREADS};
+use super::gemv::{gemv_tc_config, tc_add_rmsnorm_name, GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
 use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -33,11 +33,12 @@ pub enum AddNormRoute {
 
 /// The route for `rows` rows of width `n` (the hidden size) over K = `k`, in GEMV form `form`,
 /// with all of the norm's buffers 16-byte aligned or not: the one place that decides it. The
-/// fused kernel is the tensor-core GEMV (rows up to GEMV_MAX_M, K % 8 == 0) whose last block
-/// normalises whole rows with 16-byte accesses (n % 8 == 0, aligned rows).
+/// fused kernel is the tensor-core GEMV (rows up to GEMV_MAX_M, K % 8 == 0; the instance the
+/// plain GEMV of the weight runs) whose last block normalises whole rows with 16-byte accesses
+/// (n % 8 == 0, aligned rows).
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
     let fits = (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
-    if form == GemvForm::TensorCores && fits {
+    if form != GemvForm::Simt && fits {
         AddNormRoute::Fused
     } else {
         AddNormRoute::TwoKernels
@@ -112,7 +113,13 @@ impl CudaDevice {
                 self.add_rmsnorm(residual, tmp, norm_w, h, rows, n, eps, plus_one)
             }
             AddNormRoute::Fused => {
-                let f = self.function(KernelFamily::GemvTc, "gemv_tc_add_rmsnorm")?;
+                // The instance `gemv` runs for this weight: the same sums, bit for bit.
+                let c = match form {
+                    GemvForm::TensorCoresAs(c) => c,
+                    _ => gemv_tc_config(n, k),
+                };
+                let name = tc_add_rmsnorm_name(c)?;
+                let f = self.function(KernelFamily::GemvTc, name)?;
                 let s = self.stream();
                 let (xp, _a) = x.device_ptr(s);
                 let (wp, _b) = w.device_ptr(s);
@@ -136,7 +143,7 @@ impl CudaDevice {
                     KArg::I32(plus_one as i32),
                 ];
                 let grid = (as_i32("gemv_add_rmsnorm n", n.div_ceil(TC_COLS))? as u32, 1, 1);
-                self.launch_pdl(&f, cfg(grid, GEMV_TC_THREADS), "gemv_tc_add_rmsnorm", &args)
+                self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args)
             }
         }
     }
@@ -158,5 +165,7 @@ mod tests {
         assert_eq!(add_norm_route(tc, 1, 4096, 4100, true), AddNormRoute::TwoKernels);
         assert_eq!(add_norm_route(tc, 1, 4096, 4096, false), AddNormRoute::TwoKernels);
         assert_eq!(add_norm_route(GemvForm::Simt, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
+        let w4 = crate::backend::cuda::ops::GemvTcConfig { warps: 4, unroll: 4, hold: false };
+        assert_eq!(add_norm_route(GemvForm::TensorCoresAs(w4), 8, 5120, 17408, true), AddNormRoute::Fused);
     }
 }
