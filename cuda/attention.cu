@@ -56,8 +56,10 @@ __device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* 
 // launcher's grid height for decode). Short splits matter at batch 1, where a warp's keys are
 // one dependent memory round trip per ATTN_KEYS of them: a 170-key context in splits of 64 ran
 // on 3 warps per GQA group, each walking 64 keys one after another; in splits of 8 it runs on
-// 22 warps of two round trips (the H200 profile had the Llama-3-8B decode attention at 12.8 us
-// a layer with splits of 16 at a ~256-key context). DECODE_SPLITS must match ops/attention.rs.
+// 22 warps of two round trips (H200, one_kernel_decode_attention_timing, Llama-3-8B heads at
+// batch 1 and a 256-key context: 12.1 us with splits of 16, 9.9 us with splits of 8 and the
+// block-table entries loaded once per warp; that preload cost 12-17% at 4096 keys and was
+// dropped). DECODE_SPLITS must match ops/attention.rs.
 #define DECODE_SPLITS 64
 #define DECODE_MIN_PARTITION 8
 __device__ __forceinline__ int decode_partition(int limit) {
@@ -78,23 +80,14 @@ __device__ __forceinline__ void attend_keys(const store_t* __restrict__ k_cache,
                                             float (&m)[G], float (&l)[G]) {
     constexpr int EPL = D / 32;
     constexpr int KB = (G * EPL > 16) ? 2 : ATTN_KEYS;
-    // The block-table entries of the warp's first 32 cache blocks, one per lane, loaded once up
-    // front: looked up per key they put a table load in front of every K/V load (two dependent
-    // round trips per iteration instead of one). Later blocks (splits longer than 32 cache
-    // blocks) are read from the table as before.
-    const int lane = threadIdx.x & 31;
-    const int b_first = start / block_size;
-    const int n_blocks = end > start ? (end - 1) / block_size - b_first + 1 : 0;
-    const int lane_block = lane < n_blocks ? table[b_first + lane] : 0;
     for (int j = start; j < end; j += KB) {
         const int nk = min(KB, end - j);
         long long off[KB];
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
             const int jj = j + (u < nk ? u : 0);
-            const int bi = jj / block_size - b_first;  // the same for every lane
-            const int blk = bi < 32 ? __shfl_sync(0xffffffffu, lane_block, bi) : table[jj / block_size];
-            off[u] = ((long long)blk * block_size + (jj % block_size)) * n_kv_heads * D + head_off;
+            off[u] = ((long long)table[jj / block_size] * block_size + (jj % block_size)) *
+                         n_kv_heads * D + head_off;
         }
         float kf[KB][EPL], vf[KB][EPL], s[KB][G];
 #pragma unroll

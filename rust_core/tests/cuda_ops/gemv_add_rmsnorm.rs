@@ -53,7 +53,7 @@ fn counter(dev: &CudaDevice, arrivals: &CudaSlice<u32>) -> u32 {
 fn gemv_add_rmsnorm_equals_gemv_then_add_rmsnorm_bitwise() {
     for st in STORAGES {
         let Some(dev) = gpu("gemv_add_rmsnorm", st) else { return };
-        if dev.gemv_form() != GemvForm::TensorCores {
+        if dev.compute_capability().0 < 8 {
             eprintln!("SKIP gemv_add_rmsnorm: {} runs the SIMT GEMV (two kernels)", dev.arch());
             return;
         }
@@ -96,7 +96,7 @@ fn gemv_add_rmsnorm_equals_gemv_then_add_rmsnorm_bitwise() {
 fn gemv_add_rmsnorm_every_instance_bitwise() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gemv_add_rmsnorm_instances", st) else { return };
-    if dev.gemv_form() != GemvForm::TensorCores {
+    if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_add_rmsnorm_instances: {} runs the SIMT GEMV", dev.arch());
         return;
     }
@@ -127,7 +127,7 @@ fn gemv_add_rmsnorm_every_instance_bitwise() {
 fn gemv_add_rmsnorm_launches_in_a_row_reset_the_counter() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gemv_add_rmsnorm_twice", st) else { return };
-    if dev.gemv_form() != GemvForm::TensorCores {
+    if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_add_rmsnorm_twice: {} runs the SIMT GEMV", dev.arch());
         return;
     }
@@ -144,8 +144,8 @@ fn gemv_add_rmsnorm_launches_in_a_row_reset_the_counter() {
     let mut res = Out16::with(&dev, &residual);
     let mut h1 = Out16::new(&dev, m * n);
     let mut h2 = Out16::new(&dev, m * n);
-    dev.gemv_add_rmsnorm(&x, &w1, &mut tmp.view(), &mut res.view(), &nw, &mut h1.view(), &mut arrivals, m, n, k, EPS, false).unwrap();
-    dev.gemv_add_rmsnorm(&h1.view(), &w2, &mut tmp.view(), &mut res.view(), &nw, &mut h2.view(), &mut arrivals, m, n, k, EPS, false).unwrap();
+    dev.gemv_add_rmsnorm_with(tc, &x, &w1, &mut tmp.view(), &mut res.view(), &nw, &mut h1.view(), &mut arrivals, m, n, k, EPS, false).unwrap();
+    dev.gemv_add_rmsnorm_with(tc, &h1.view(), &w2, &mut tmp.view(), &mut res.view(), &nw, &mut h2.view(), &mut arrivals, m, n, k, EPS, false).unwrap();
     let (res, h1, h2) = (res.read(&dev, "residual"), h1.read(&dev, "h1"), h2.read(&dev, "h2"));
     let (want_res1, want_h1) = two_kernels(&dev, tc, &x, &w1, &residual, &nw, m, n, k, false);
     let (want_res2, want_h2) = two_kernels(&dev, tc, &upload(&dev, &want_h1), &w2, &want_res1, &nw, m, n, k, false);
@@ -174,6 +174,23 @@ fn gemv_add_rmsnorm_two_kernel_routes() {
         let (res, h) = fused(&dev, form, &x, &w, &residual, &nw, &mut arrivals, m, n, k, true);
         assert_bitwise(&res, &want_res, &format!("{form:?} m{m} residual"));
         assert_bitwise(&h, &want_h, &format!("{form:?} m{m} h"));
+    }
+    // The device's form (ByShape on sm_80+: shapes the CUDA-core GEMV streams faster stay
+    // unfused) gives its own gemv + add_rmsnorm bits, fused or not, at the 8B's o and down.
+    for (n, k) in [(4096, 4096), (4096, 14336)] {
+        let form = dev.gemv_form();
+        let w = upload(&dev, &rounded(&rng.vec(n * k, -0.02, 0.02), st));
+        let nw = upload(&dev, &rounded(&rng.vec(n, 0.5, 1.5), st));
+        let x = upload(&dev, &rounded(&rng.vec(2 * k, -1.0, 1.0), st));
+        let residual = rounded(&rng.vec(2 * n, -2.0, 2.0), st);
+        let (want_res, want_h) = two_kernels(&dev, form, &x, &w, &residual, &nw, 2, n, k, false);
+        let mut tmp = Out16::new(&dev, 2 * n);
+        let mut res = Out16::with(&dev, &residual);
+        let mut h = Out16::new(&dev, 2 * n);
+        dev.gemv_add_rmsnorm(&x, &w, &mut tmp.view(), &mut res.view(), &nw, &mut h.view(), &mut arrivals, 2, n, k, EPS, false).unwrap();
+        let what = format!("{form:?} ({:?}) n{n} k{k}", add_norm_route(form, 2, n, k, true));
+        assert_bitwise(&res.read(&dev, "device form residual"), &want_res, &format!("{what} residual"));
+        assert_bitwise(&h.read(&dev, "device form h"), &want_h, &format!("{what} h"));
     }
     // Residual one element into its buffer: not 16-byte aligned, so two kernels.
     let (m, form) = (2, dev.gemv_form());

@@ -1,5 +1,5 @@
-//! The tensor-core decode GEMV (cuda/gemv_tc.cu, `GemvForm::TensorCores`, the route of every
-//! M of 1..8 on sm_80+) in every instance (warps x unroll) against the CPU reference at
+//! The tensor-core decode GEMV (cuda/gemv_tc.cu, `GemvForm::TensorCores`, on sm_80+ the route
+//! of every M of 1..8 for the shapes `GemvForm::ByShape` keeps on tensor cores) in every instance (warps x unroll) against the CPU reference at
 //! M = 1..8, ragged N and K = 8 / 1000 / 4096 / 14336 in both storage types and all three
 //! epilogues; row r of an M-row launch against the one-row launch bit for bit (batch == alone);
 //! the SwiGLU epilogue against its own GEMV of the fused weight followed by swiglu bit for bit;
@@ -7,7 +7,7 @@
 //! and the cold-L2 sweep of the instances over the decode shapes of Llama-3-8B and Qwen3.5-27B
 //! (`report_gemv_tc_sweep`, ignored: run on the GPU to fill `GEMV_TC_RULES`).
 
-use ninfer_core::backend::cuda::ops::{gemv_form, gemv_tc_config, GemvForm, GemvTcConfig};
+use ninfer_core::backend::cuda::ops::{gemv_form, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig};
 use ninfer_core::backend::cuda::StorageDType;
 
 use ninfer_core::backend::cuda::CudaDevice;
@@ -17,12 +17,12 @@ use super::harness::{check, gpu, rounded, tol16, upload, Out16, Out32, Rng, STOR
 use super::reference;
 
 #[test]
-fn gemv_form_is_tensor_cores_from_sm80() {
+fn gemv_form_is_by_shape_from_sm80() {
     assert_eq!(gemv_form((7, 0)), GemvForm::Simt);
     assert_eq!(gemv_form((7, 5)), GemvForm::Simt);
-    assert_eq!(gemv_form((8, 0)), GemvForm::TensorCores);
-    assert_eq!(gemv_form((8, 9)), GemvForm::TensorCores);
-    assert_eq!(gemv_form((9, 0)), GemvForm::TensorCores);
+    assert_eq!(gemv_form((8, 0)), GemvForm::ByShape);
+    assert_eq!(gemv_form((8, 9)), GemvForm::ByShape);
+    assert_eq!(gemv_form((9, 0)), GemvForm::ByShape);
 }
 
 /// One instance's one-row results of each x row: storage, f32 and SwiGLU outputs.
@@ -44,7 +44,7 @@ struct OneRows {
 fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
     for st in STORAGES {
         let Some(dev) = gpu("gemv_tc", st) else { return };
-        if dev.gemv_form() != GemvForm::TensorCores {
+        if dev.compute_capability().0 < 8 {
             eprintln!("SKIP gemv_tc: {} runs the SIMT GEMV", dev.arch());
             return;
         }
@@ -134,7 +134,7 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
 fn tensor_cores_run_the_shapes_instance() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gemv_tc_config", st) else { return };
-    if dev.gemv_form() != GemvForm::TensorCores {
+    if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_tc_config: {} runs the SIMT GEMV", dev.arch());
         return;
     }
@@ -156,6 +156,20 @@ fn tensor_cores_run_the_shapes_instance() {
         let mut d = Out16::new(&dev, m * inter);
         dev.gemv_gateup_swiglu_with(fixed, &xd, &w, &mut d.view(), m, inter, k).unwrap();
         assert_bitwise(&c.read(&dev, "swiglu TensorCores"), &d.read(&dev, "swiglu TensorCoresAs"), &format!("gemv_gateup_swiglu inter {inter} k {k} m={m}"));
+    }
+    // ByShape: a shape the table puts on CUDA cores (4096 rows, K >= 8192) runs the SIMT kernel,
+    // one it keeps on tensor cores (4096 x 1024) its instance, bit for bit, at M = 1 and 5.
+    for (n2, k2, form) in [(4096, 8192, GemvForm::Simt), (4096, 1024, GemvForm::TensorCoresAs(gemv_tc_config(4096, 1024)))] {
+        assert_eq!(gemv_shape_on_cuda_cores(n2, k2), form == GemvForm::Simt, "{n2} x {k2}");
+        let w2 = upload(&dev, &rounded(&rng.vec(n2 * k2, -0.05, 0.05), st));
+        for m in [1, 5] {
+            let xd = upload(&dev, &rounded(&rng.vec(m * k2, -1.0, 1.0), st));
+            let mut a = Out16::new(&dev, m * n2);
+            dev.gemv_with(GemvForm::ByShape, &xd, &w2, &mut a.view(), m, n2, k2).unwrap();
+            let mut b = Out16::new(&dev, m * n2);
+            dev.gemv_with(form, &xd, &w2, &mut b.view(), m, n2, k2).unwrap();
+            assert_bitwise(&a.read(&dev, "gemv ByShape"), &b.read(&dev, "gemv fixed form"), &format!("ByShape {n2}x{k2} m={m} as {form:?}"));
+        }
     }
     // A pair that has no instance is a typed error naming it, not a launch.
     let xd = upload(&dev, &rounded(&rng.vec(k, -1.0, 1.0), st));
@@ -270,7 +284,7 @@ fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut
 fn report_gemv_tc_sweep() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gemv_tc_sweep", st) else { return };
-    if dev.gemv_form() != GemvForm::TensorCores {
+    if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_tc_sweep: {} runs the SIMT GEMV", dev.arch());
         return;
     }

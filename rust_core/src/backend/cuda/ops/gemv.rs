@@ -36,6 +36,10 @@ pub enum GemvForm {
     /// The tensor-core GEMV in a given instance instead of the shape's `gemv_tc_config`: for the
     /// tests (every instance against the reference) and the sweep that fills the table.
     TensorCoresAs(GemvTcConfig),
+    /// Per weight shape, the kernel `GEMV_TC_RULES` gives it: the CUDA-core kernel where that
+    /// one streams the shape faster at M = 1 (`cuda_cores`), else the rule's tensor-core
+    /// instance. Each shape still runs one kernel for every M (batch == alone). sm_80+ default.
+    ByShape,
 }
 
 /// One instance of the tensor-core GEMV (GEMV_TC_INSTANCE(W, U, HOLD, H) in gemv_tc.cu):
@@ -88,41 +92,62 @@ impl GemvTcConfig {
 }
 
 /// A row of the per-shape table: weights with at most `max_rows` rows and at least `min_k`
-/// columns run `config`.
+/// columns run `config` on tensor cores, or under `GemvForm::ByShape` the CUDA-core kernel
+/// when `cuda_cores` (it reads the shape faster at M = 1, batch-1 decode's case, though not at
+/// M >= 2).
 #[derive(Debug, Clone, Copy)]
 pub struct GemvTcRule {
     pub max_rows: usize,
     pub min_k: usize,
     pub config: GemvTcConfig,
+    pub cuda_cores: bool,
 }
 
 /// The tensor-core GEMV instance per weight shape, first matching row wins, else
-/// `GemvTcConfig::DEFAULT` (w8u4). Filled from `report_gemv_tc_sweep` (cold-L2 weight read rate
-/// per instance, tests/cuda_ops/gemv_tc.rs; GPU_CHECK_tcsweep.md says how to read it). Why it
-/// depends on the shape: a block per 16 weight rows gives rows / 16 blocks (256 for a
-/// 4096-row projection against 132 SMs on the H200: few warps to keep loads in flight) while a
-/// warp streams K / 32 / warps steps (14336-wide down projections: long streams); more warps
-/// per block put more bytes in flight for short-and-wide shapes, fewer cut the cross-warp
-/// reduction for tall ones. Decode shapes (weight rows x K, blocks = rows / 16):
+/// `GemvTcConfig::DEFAULT` (w8u4). Filled from `report_gemv_tc_sweep` on the H200 at c175fe2
+/// (cold-L2 weight read rate per instance, rust_core/tests/cuda_ops/gemv_tc.rs; the log is
+/// benches/results/gemv_tc_sweep_c175fe2.log): per shape the instance with the least time
+/// summed over M = 1, 2, 4, 8, a warps-8 one where it is within 2% (w8 instances give w8u4's
+/// bits). Why it depends on the shape: a block per 16 weight rows gives rows / 16 blocks (256
+/// for a 4096-row projection against 132 SMs: few warps to keep loads in flight, where holding
+/// 8 steps of loads per warp gained 13-14%) while a warp streams K / 32 / warps steps (the
+/// 14336-wide down projection: 16 warps a block gained 4%). GB/s at M = 1, chosen / w8u4 /
+/// CUDA-core kernel (copy 4248, read + write):
 ///
-/// | model       | weight       | rows x K        | blocks | instance |
-/// |-------------|--------------|-----------------|--------|----------|
-/// | Llama-3-8B  | qkv          | 6144 x 4096     | 384    | w8u4     |
-/// | Llama-3-8B  | o            | 4096 x 4096     | 256    | w8u4     |
-/// | Llama-3-8B  | gate_up      | 28672 x 4096    | 1792   | w8u4     |
-/// | Llama-3-8B  | down         | 4096 x 14336    | 256    | w8u4     |
-/// | Llama-3-8B  | lm_head f32  | 128256 x 4096   | 8016   | w8u4     |
-/// | Qwen3.5-27B | attn qkv+gate| 14336 x 5120    | 896    | w8u4     |
-/// | Qwen3.5-27B | attn o       | 5120 x 6144     | 320    | w8u4     |
-/// | Qwen3.5-27B | GDN in_proj  | 16480 x 5120    | 1030   | w8u4     |
-/// | Qwen3.5-27B | GDN out      | 5120 x 6144     | 320    | w8u4     |
-/// | Qwen3.5-27B | gate_up      | 34816 x 5120    | 2176   | w8u4     |
-/// | Qwen3.5-27B | down         | 5120 x 17408    | 320    | w8u4     |
-/// | Qwen3.5-27B | lm_head f32  | 248320 x 5120   | 15520  | w8u4     |
+/// | model       | weight       | rows x K        | blocks | instance | GB/s at M = 1        |
+/// |-------------|--------------|-----------------|--------|----------|----------------------|
+/// | Llama-3-8B  | qkv          | 6144 x 4096     | 384    | w8u4h    | 3295 / 2887 / 2999   |
+/// | Llama-3-8B  | o            | 4096 x 4096     | 256    | w8u8h    | 3086 / 2732 / 2952   |
+/// | Llama-3-8B  | gate_up      | 28672 x 4096    | 1792   | w8u8h    | 3692 / 3610 / 3729   |
+/// | Llama-3-8B  | down         | 4096 x 14336    | 256    | cc/w16u4 | 3532 / 3384 / 3663   |
+/// | Llama-3-8B  | lm_head f32  | 128256 x 4096   | 8016   | cc/w16u4h| 3960 / 3762 / 4252   |
+/// | Qwen3.5-27B | attn qkv+gate| 14336 x 5120    | 896    | cc/w8u8h | 3510 / 3533 / 3798   |
+/// | Qwen3.5-27B | attn o       | 5120 x 6144     | 320    | w8u4h    | 3066 / 2786 / 2837   |
+/// | Qwen3.5-27B | GDN in_proj  | 16480 x 5120    | 1030   | cc/w8u8h | 3639 / 3596 / 3886   |
+/// | Qwen3.5-27B | GDN out      | 5120 x 6144     | 320    | w8u4h    | (as attn o)          |
+/// | Qwen3.5-27B | gate_up      | 34816 x 5120    | 2176   | cc/w8u8h | 3784 / 3729 / 3941   |
+/// | Qwen3.5-27B | down         | 5120 x 17408    | 320    | cc/w8u4  | 3258 / 3258 / 3569   |
+/// | Qwen3.5-27B | lm_head f32  | 248320 x 5120   | 15520  | cc/w8u8h | 4063 / 3933 / 4438   |
 ///
+/// The CUDA-core kernel reads most big matrices faster at M = 1 (4-9% on the 27B's, 4-7% on the
+/// 8B's down and lm_head) but not at M >= 2 (1.19 TB/s at M = 8 against 3.8), and a shape must
+/// run one kernel for every M (batch == alone). Batch-1 decode is what the engine is chosen
+/// for, so under `GemvForm::ByShape` (the sm_80+ default) a shape runs the CUDA-core kernel
+/// where it wins at M = 1 by more than 2% (`cuda_cores`, marked "cc" above) and its tensor-core
+/// instance elsewhere; `NINFER_TC_GEMV=1` runs every shape on tensor cores (concurrent
+/// decode: 2-3x at M = 8), `NINFER_TC_GEMV=0` every shape on CUDA cores.
 /// Never a function of M: every M of a shape runs the same instance, so a row decoded in a
 /// batch equals it decoded alone bit for bit (the warps split decides the summation order).
-pub const GEMV_TC_RULES: &[GemvTcRule] = &[];
+pub const GEMV_TC_RULES: &[GemvTcRule] = &[
+    GemvTcRule { max_rows: 4096, min_k: 8192, config: tc(16, 4, false), cuda_cores: true },
+    GemvTcRule { max_rows: 4096, min_k: 0, config: tc(8, 8, true), cuda_cores: false },
+    GemvTcRule { max_rows: 5120, min_k: 16384, config: GemvTcConfig::DEFAULT, cuda_cores: true },
+    GemvTcRule { max_rows: 6144, min_k: 0, config: tc(8, 4, true), cuda_cores: false },
+    GemvTcRule { max_rows: 65536, min_k: 5120, config: tc(8, 8, true), cuda_cores: true },
+    GemvTcRule { max_rows: 65536, min_k: 0, config: tc(8, 8, true), cuda_cores: false },
+    GemvTcRule { max_rows: 131072, min_k: 0, config: tc(16, 4, true), cuda_cores: true },
+    GemvTcRule { max_rows: usize::MAX, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
+];
 
 /// The tensor-core GEMV instance for a weight of `rows` x `k` (the fused gate_up weight's
 /// 2 * inter rows for the SwiGLU epilogue): the first row of `GEMV_TC_RULES` that matches.
@@ -130,9 +155,19 @@ pub fn gemv_tc_config(rows: usize, k: usize) -> GemvTcConfig {
     gemv_tc_config_in(GEMV_TC_RULES, rows, k)
 }
 
+/// Whether `GemvForm::ByShape` runs a weight of `rows` x `k` on CUDA cores (its rule's
+/// `cuda_cores`; shapes no rule covers stay on tensor cores).
+pub fn gemv_shape_on_cuda_cores(rows: usize, k: usize) -> bool {
+    gemv_rule_in(GEMV_TC_RULES, rows, k).is_some_and(|r| r.cuda_cores)
+}
+
 /// `gemv_tc_config` over a given table (unit-tested apart from the live one).
 fn gemv_tc_config_in(rules: &[GemvTcRule], rows: usize, k: usize) -> GemvTcConfig {
-    rules.iter().find(|r| rows <= r.max_rows && k >= r.min_k).map_or(GemvTcConfig::DEFAULT, |r| r.config)
+    gemv_rule_in(rules, rows, k).map_or(GemvTcConfig::DEFAULT, |r| r.config)
+}
+
+fn gemv_rule_in(rules: &[GemvTcRule], rows: usize, k: usize) -> Option<&GemvTcRule> {
+    rules.iter().find(|r| rows <= r.max_rows && k >= r.min_k)
 }
 
 /// The instance of a kernel family `$prefix_w{W}_u{U}{h}` (GEMV_TC_INSTANCE in gemv_tc.cu),
@@ -172,26 +207,31 @@ pub(super) fn tc_add_rmsnorm_name(c: GemvTcConfig) -> Result<&'static str> {
     by_tc_config!("gemv_tc_add_rmsnorm", c).ok_or_else(|| no_tc_instance(c))
 }
 
-/// The GEMV form for compute capability `cc`: tensor cores from sm_80 on (m16n8k16 with bf16
-/// inputs), CUDA cores below. The one place that decides it; every `gemv*` launcher asks here.
+/// The GEMV form for compute capability `cc`: per weight shape from sm_80 on (tensor cores,
+/// m16n8k16 with bf16 inputs, or CUDA cores where those stream the shape faster at M = 1), CUDA
+/// cores below. The one place that decides it; every `gemv*` launcher asks here.
 pub fn gemv_form(cc: (u32, u32)) -> GemvForm {
     if cc.0 >= 8 {
-        GemvForm::TensorCores
+        GemvForm::ByShape
     } else {
         GemvForm::Simt
     }
 }
 
-/// The environment switch that turns the tensor-core GEMV off (A/B measurements, and a way back
-/// to the CUDA-core kernel should a driver mis-run the mma path).
+/// The environment switch that puts every shape on one GEMV kernel: 1 tensor cores (batched
+/// decode: 2-3x the CUDA-core kernel's rate at M = 8), 0 CUDA cores; unset: per shape.
 pub const TC_GEMV_SWITCH: &str = "NINFER_TC_GEMV";
 
-/// `gemv_form(cc)`, or `Simt` when `NINFER_TC_GEMV` (value `switch`) is off; a misspelt value
-/// is an error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a
-/// sequence's projections never change form mid-run (batch == alone holds within a form).
+/// `gemv_form(cc)` when `NINFER_TC_GEMV` (value `switch`) is unset, `TensorCores` when on (on
+/// sm_80+; below, the CUDA-core kernel is all there is), `Simt` when off; a misspelt value is an
+/// error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a sequence's
+/// projections never change form mid-run (batch == alone holds within a form).
 pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>) -> Result<GemvForm> {
+    if switch.map(str::trim).is_none_or(str::is_empty) {
+        return Ok(gemv_form(cc));
+    }
     let on = crate::config::env_switch::parse_switch(TC_GEMV_SWITCH, switch, true)?;
-    Ok(if on { gemv_form(cc) } else { GemvForm::Simt })
+    Ok(if on && cc.0 >= 8 { GemvForm::TensorCores } else { GemvForm::Simt })
 }
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
@@ -322,6 +362,9 @@ impl CudaDevice {
             let xr = x + (row * k * 2) as u64;
             let yr = y + (row * n) as u64 * out.elem_bytes();
             match form {
+                GemvForm::ByShape if gemv_shape_on_cuda_cores(out.weight_rows(n), k) => {
+                    self.gemv_launch(GemvForm::Simt, xr, w, yr, out, mm, n, k)?;
+                }
                 GemvForm::Simt => {
                     let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm)))? as u32, 1, 1);
                     let name = out.name(mm);
@@ -335,7 +378,7 @@ impl CudaDevice {
                     ];
                     self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
                 }
-                GemvForm::TensorCores | GemvForm::TensorCoresAs(_) => {
+                GemvForm::TensorCores | GemvForm::TensorCoresAs(_) | GemvForm::ByShape => {
                     // One instance per weight shape, whatever M (batch == alone).
                     let c = match form {
                         GemvForm::TensorCoresAs(c) => c,
@@ -518,7 +561,9 @@ mod tests {
 
     #[test]
     fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
-        assert_eq!(gemv_form_with_switch((9, 0), None).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), None).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((9, 0), Some(" ")).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((7, 5), None).unwrap(), GemvForm::Simt);
         assert_eq!(gemv_form_with_switch((9, 0), Some("0")).unwrap(), GemvForm::Simt);
         assert_eq!(gemv_form_with_switch((9, 0), Some("on")).unwrap(), GemvForm::TensorCores);
         // On will not force the mma path onto a device without it.
@@ -553,7 +598,7 @@ mod tests {
     fn gemv_tc_config_takes_the_first_matching_rule_by_shape() {
         let w16 = tc(16, 4, true);
         let w4 = tc(4, 8, true);
-        let rules = [GemvTcRule { max_rows: 6144, min_k: 4096, config: w16 }, GemvTcRule { max_rows: usize::MAX, min_k: 0, config: w4 }];
+        let rules = [GemvTcRule { max_rows: 6144, min_k: 4096, config: w16, cuda_cores: false }, GemvTcRule { max_rows: usize::MAX, min_k: 0, config: w4, cuda_cores: false }];
         assert_eq!(gemv_tc_config_in(&rules, 4096, 14336), w16);
         assert_eq!(gemv_tc_config_in(&rules, 6144, 4096), w16);
         assert_eq!(gemv_tc_config_in(&rules, 6145, 4096), w4);
@@ -562,6 +607,38 @@ mod tests {
         // The live table names only instances that exist.
         for r in GEMV_TC_RULES {
             assert!(GemvTcConfig::all().any(|c| c == r.config), "{r:?}");
+        }
+        // The live table gives each documented decode shape its instance.
+        for (rows, k, want) in [
+            (6144, 4096, tc(8, 4, true)),
+            (4096, 4096, tc(8, 8, true)),
+            (28672, 4096, tc(8, 8, true)),
+            (4096, 14336, tc(16, 4, false)),
+            (128256, 4096, tc(16, 4, true)),
+            (14336, 5120, tc(8, 8, true)),
+            (5120, 6144, tc(8, 4, true)),
+            (16480, 5120, tc(8, 8, true)),
+            (34816, 5120, tc(8, 8, true)),
+            (5120, 17408, GemvTcConfig::DEFAULT),
+            (248320, 5120, tc(8, 8, true)),
+        ] {
+            assert_eq!(gemv_tc_config(rows, k), want, "{rows} x {k}");
+        }
+        // ByShape: CUDA cores where they won at M = 1 by more than 2%.
+        for (rows, k, cc) in [
+            (6144, 4096, false),
+            (4096, 4096, false),
+            (28672, 4096, false),
+            (4096, 14336, true),
+            (128256, 4096, true),
+            (14336, 5120, true),
+            (5120, 6144, false),
+            (16480, 5120, true),
+            (34816, 5120, true),
+            (5120, 17408, true),
+            (248320, 5120, true),
+        ] {
+            assert_eq!(gemv_shape_on_cuda_cores(rows, k), cc, "{rows} x {k}");
         }
         // The SwiGLU epilogue looks the shape up by the fused weight's rows.
         assert_eq!(GemvOut::SwiGlu.weight_rows(14336), 28672);

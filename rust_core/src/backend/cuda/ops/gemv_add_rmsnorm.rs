@@ -11,7 +11,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv::{gemv_tc_config, tc_add_rmsnorm_name, GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
+use super::gemv::{gemv_shape_on_cuda_cores, gemv_tc_config, tc_add_rmsnorm_name, GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
 use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -35,10 +35,17 @@ pub enum AddNormRoute {
 /// with all of the norm's buffers 16-byte aligned or not: the one place that decides it. The
 /// fused kernel is the tensor-core GEMV (rows up to GEMV_MAX_M, K % 8 == 0; the instance the
 /// plain GEMV of the weight runs) whose last block normalises whole rows with 16-byte accesses
-/// (n % 8 == 0, aligned rows).
+/// (n % 8 == 0, aligned rows). Under `GemvForm::ByShape` a weight the plain GEMV runs on CUDA
+/// cores (`gemv_shape_on_cuda_cores`) keeps the two kernels, so that both routes give the
+/// plain GEMV's bits (`NINFER_FUSED_NORM` on == off).
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
     let fits = (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
-    if form != GemvForm::Simt && fits {
+    let tensor_cores = match form {
+        GemvForm::Simt => false,
+        GemvForm::ByShape => !gemv_shape_on_cuda_cores(n, k),
+        GemvForm::TensorCores | GemvForm::TensorCoresAs(_) => true,
+    };
+    if tensor_cores && fits {
         AddNormRoute::Fused
     } else {
         AddNormRoute::TwoKernels
@@ -167,5 +174,9 @@ mod tests {
         assert_eq!(add_norm_route(GemvForm::Simt, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
         let w4 = crate::backend::cuda::ops::GemvTcConfig { warps: 4, unroll: 4, hold: false };
         assert_eq!(add_norm_route(GemvForm::TensorCoresAs(w4), 8, 5120, 17408, true), AddNormRoute::Fused);
+        // Per shape: the 8B's o projection runs on tensor cores, its down projection on CUDA
+        // cores (GEMV_TC_RULES), and the route follows.
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 4096, true), AddNormRoute::Fused);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::TwoKernels);
     }
 }
