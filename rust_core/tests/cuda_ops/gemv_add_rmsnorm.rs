@@ -212,8 +212,10 @@ fn gemv_add_rmsnorm_two_kernel_routes() {
     assert_eq!(counter(&dev, &arrivals), 0, "block counter touched by two-kernel routes");
 }
 
-/// Throughput report (run with --ignored on the GPU): the fused kernel against the GEMV and
-/// add_rmsnorm it replaces, 200 launches back to back (PDL as the model launches them), the
+/// Throughput report (run with --ignored on the GPU): the fused kernel against the tensor-core
+/// GEMV and add_rmsnorm it replaces, and against the CUDA-core GEMV + add_rmsnorm (what
+/// `GemvForm::ByShape` keeps for the shapes it runs on CUDA cores: whether fusing on tensor
+/// cores beats them is `simt_two_kernel_ms` against `fused_ms`), 200 launches back to back (PDL as the model launches them), the
 /// weights rotated over 4 copies so that none is L2-resident (H200 L2: 50 MB).
 #[test]
 #[ignore]
@@ -231,19 +233,24 @@ fn report_gemv_add_rmsnorm_throughput() {
             let mut res = s.alloc_zeros::<u16>(m * n).unwrap();
             let mut h = s.alloc_zeros::<u16>(m * n).unwrap();
             let mut i = 0;
+            let tc = GemvForm::TensorCores;
             let fused_ms = super::time_ms(&dev, 200, || {
                 i += 1;
-                dev.gemv_add_rmsnorm(&x, &ws[i % 4], &mut tmp, &mut res, &nw, &mut h, &mut arrivals, m, n, k, EPS, false).unwrap();
+                dev.gemv_add_rmsnorm_with(tc, &x, &ws[i % 4], &mut tmp, &mut res, &nw, &mut h, &mut arrivals, m, n, k, EPS, false).unwrap();
             });
-            let two_ms = super::time_ms(&dev, 200, || {
-                i += 1;
-                dev.gemv(&x, &ws[i % 4], &mut tmp, m, n, k).unwrap();
-                dev.add_rmsnorm(&mut res, &tmp, &nw, &mut h, m, n, EPS, false).unwrap();
-            });
+            let mut two = |form: GemvForm| {
+                super::time_ms(&dev, 200, || {
+                    i += 1;
+                    dev.gemv_with(form, &x, &ws[i % 4], &mut tmp, m, n, k).unwrap();
+                    dev.add_rmsnorm(&mut res, &tmp, &nw, &mut h, m, n, EPS, false).unwrap();
+                })
+            };
+            let (two_ms, simt_two_ms) = (two(tc), two(GemvForm::Simt));
             let gbps = (n * k * 2) as f64 / fused_ms / 1e6;
             println!(
-                "PERF op=gemv_add_rmsnorm m={m} n={n} k={k} fused_ms={fused_ms:.4} two_kernel_ms={two_ms:.4} saved_us={:.2} fused_GBps={gbps:.0}",
-                (two_ms - fused_ms) * 1e3
+                "PERF op=gemv_add_rmsnorm m={m} n={n} k={k} fused_ms={fused_ms:.4} two_kernel_ms={two_ms:.4} saved_us={:.2} simt_two_kernel_ms={simt_two_ms:.4} fused_GBps={gbps:.0} device_route={:?}",
+                (two_ms - fused_ms) * 1e3,
+                add_norm_route(dev.gemv_form(), m, n, k, true)
             );
         }
     }
