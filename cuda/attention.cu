@@ -56,10 +56,11 @@ __device__ __forceinline__ void load_lane(const store_t* __restrict__ p, float* 
 // launcher's grid height for decode). Short splits matter at batch 1, where a warp's keys are
 // one dependent memory round trip per ATTN_KEYS of them: a 170-key context in splits of 64 ran
 // on 3 warps per GQA group, each walking 64 keys one after another; in splits of 8 it runs on
-// 22 warps of two round trips (H200, one_kernel_decode_attention_timing, Llama-3-8B heads at
-// batch 1 and a 256-key context: 12.1 us with splits of 16, 9.9 us with splits of 8 and the
-// block-table entries loaded once per warp; that preload cost 12-17% at 4096 keys and was
-// dropped). DECODE_SPLITS must match ops/attention.rs.
+// 22 warps of two round trips (H200, one_kernel_decode_attention_timing at batch 1 and a
+// 256-key context: Llama-3-8B heads 12.1 -> 8.9 us, Qwen3.5-27B heads 8.2 -> 7.0 us going from
+// splits of 16 to 8; 4096 keys unchanged at 32.6 us. Loading a warp's block-table entries once
+// up front instead of per key was tried too and cost 12-17% at 4096 keys).
+// DECODE_SPLITS must match ops/attention.rs.
 #define DECODE_SPLITS 64
 #define DECODE_MIN_PARTITION 8
 __device__ __forceinline__ int decode_partition(int limit) {
