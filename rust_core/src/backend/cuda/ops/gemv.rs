@@ -161,6 +161,26 @@ pub fn gemv_shape_on_cuda_cores(rows: usize, k: usize) -> bool {
     gemv_rule_in(GEMV_TC_RULES, rows, k).is_some_and(|r| r.cuda_cores)
 }
 
+/// The kernel a GEMV of a `rows` x `k` weight runs in form `form`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvKernel {
+    /// cuda/gemv.cu.
+    CudaCores,
+    /// cuda/gemv_tc.cu in this instance.
+    TensorCores(GemvTcConfig),
+}
+
+/// Form and weight shape to kernel: the one place both the plain GEMV launcher and the fused
+/// add + RMSNorm route (`add_norm_route`) ask, so the two always run the same sums.
+pub fn gemv_kernel(form: GemvForm, rows: usize, k: usize) -> GemvKernel {
+    match form {
+        GemvForm::Simt => GemvKernel::CudaCores,
+        GemvForm::TensorCoresAs(c) => GemvKernel::TensorCores(c),
+        GemvForm::ByShape if gemv_shape_on_cuda_cores(rows, k) => GemvKernel::CudaCores,
+        GemvForm::TensorCores | GemvForm::ByShape => GemvKernel::TensorCores(gemv_tc_config(rows, k)),
+    }
+}
+
 /// `gemv_tc_config` over a given table (unit-tested apart from the live one).
 fn gemv_tc_config_in(rules: &[GemvTcRule], rows: usize, k: usize) -> GemvTcConfig {
     gemv_rule_in(rules, rows, k).map_or(GemvTcConfig::DEFAULT, |r| r.config)
@@ -350,7 +370,8 @@ impl CudaDevice {
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
             )));
         }
-        if form != GemvForm::Simt && self.compute_capability().0 < 8 {
+        let kernel = gemv_kernel(form, out.weight_rows(n), k);
+        if kernel != GemvKernel::CudaCores && self.compute_capability().0 < 8 {
             return Err(NinferError::Device(format!(
                 "the tensor-core GEMV needs sm_80 or newer, this device is {}",
                 self.arch()
@@ -361,11 +382,8 @@ impl CudaDevice {
             let mm = (m - row).min(GEMV_MAX_M);
             let xr = x + (row * k * 2) as u64;
             let yr = y + (row * n) as u64 * out.elem_bytes();
-            match form {
-                GemvForm::ByShape if gemv_shape_on_cuda_cores(out.weight_rows(n), k) => {
-                    self.gemv_launch(GemvForm::Simt, xr, w, yr, out, mm, n, k)?;
-                }
-                GemvForm::Simt => {
+            match kernel {
+                GemvKernel::CudaCores => {
                     let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm)))? as u32, 1, 1);
                     let name = out.name(mm);
                     let f = self.function(KernelFamily::Gemv, name)?;
@@ -378,12 +396,8 @@ impl CudaDevice {
                     ];
                     self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
                 }
-                GemvForm::TensorCores | GemvForm::TensorCoresAs(_) | GemvForm::ByShape => {
-                    // One instance per weight shape, whatever M (batch == alone).
-                    let c = match form {
-                        GemvForm::TensorCoresAs(c) => c,
-                        _ => gemv_tc_config(out.weight_rows(n), k),
-                    };
+                // One instance per weight shape, whatever M (batch == alone).
+                GemvKernel::TensorCores(c) => {
                     let grid = (as_i32("gemv n", n.div_ceil(out.tc_cols_per_block()))? as u32, 1, 1);
                     let name = out.tc_name(c)?;
                     let f = self.function(KernelFamily::GemvTc, name)?;
@@ -558,6 +572,16 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemv_kernel_resolves_each_form() {
+        let on_tc = GemvKernel::TensorCores;
+        assert_eq!(gemv_kernel(GemvForm::Simt, 6144, 4096), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::TensorCores, 4096, 14336), on_tc(gemv_tc_config(4096, 14336)));
+        assert_eq!(gemv_kernel(GemvForm::TensorCoresAs(tc(4, 4, false)), 6144, 4096), on_tc(tc(4, 4, false)));
+        assert_eq!(gemv_kernel(GemvForm::ByShape, 6144, 4096), on_tc(gemv_tc_config(6144, 4096)));
+        assert_eq!(gemv_kernel(GemvForm::ByShape, 4096, 14336), GemvKernel::CudaCores);
+    }
 
     #[test]
     fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {

@@ -11,7 +11,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv::{gemv_shape_on_cuda_cores, gemv_tc_config, tc_add_rmsnorm_name, GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
+use super::gemv::{gemv_kernel, tc_add_rmsnorm_name, GemvForm, GemvKernel, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
 use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -37,15 +37,10 @@ pub enum AddNormRoute {
 /// plain GEMV of the weight runs) whose last block normalises whole rows with 16-byte accesses
 /// (n % 8 == 0, aligned rows). Under `GemvForm::ByShape` a weight the plain GEMV runs on CUDA
 /// cores (`gemv_shape_on_cuda_cores`) keeps the two kernels, so that both routes give the
-/// plain GEMV's bits (`NINFER_FUSED_NORM` on == off).
+/// plain GEMV's bits (`NINFER_FUSED_NORM` on == off); `gemv_kernel` decides for both.
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
     let fits = (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
-    let tensor_cores = match form {
-        GemvForm::Simt => false,
-        GemvForm::ByShape => !gemv_shape_on_cuda_cores(n, k),
-        GemvForm::TensorCores | GemvForm::TensorCoresAs(_) => true,
-    };
-    if tensor_cores && fits {
+    if fits && gemv_kernel(form, n, k) != GemvKernel::CudaCores {
         AddNormRoute::Fused
     } else {
         AddNormRoute::TwoKernels
@@ -121,9 +116,8 @@ impl CudaDevice {
             }
             AddNormRoute::Fused => {
                 // The instance `gemv` runs for this weight: the same sums, bit for bit.
-                let c = match form {
-                    GemvForm::TensorCoresAs(c) => c,
-                    _ => gemv_tc_config(n, k),
+                let GemvKernel::TensorCores(c) = gemv_kernel(form, n, k) else {
+                    unreachable!("add_norm_route gives Fused only for tensor-core kernels")
                 };
                 let name = tc_add_rmsnorm_name(c)?;
                 let f = self.function(KernelFamily::GemvTc, name)?;
