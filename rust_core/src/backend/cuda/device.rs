@@ -146,11 +146,6 @@ impl CudaDevice {
         super::ops::gemv_kernel(form, self.gemv_shapes.as_ref(), rows, k)
     }
 
-    /// The device's `NINFER_GEMV_SHAPES` override, if any.
-    pub fn gemv_shapes(&self) -> Option<&super::ops::GemvShapeOverride> {
-        self.gemv_shapes.as_ref()
-    }
-
     /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.
     pub fn tc_prefetch_steps(&self) -> u32 {
         self.tc_prefetch_steps.load(Ordering::Relaxed)
