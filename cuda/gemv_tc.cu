@@ -46,10 +46,6 @@
 // are bit-exact across M for one WARPS, and a shape must keep one WARPS for every M.
 #include "common.cuh"
 
-// k32 steps per block whose weight lines are prefetched into L2 before the PDL wait (16 / WARPS
-// per warp): the same bytes for every WARPS, 16 KB a block.
-#define GEMV_TC_PREFETCH_STEPS 16
-
 // The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits),
 // SwiGLU of gate/up pairs, or the residual add + RMSNorm that follows an output projection
 // (gemv_tc_add_rmsnorm below).
@@ -192,11 +188,15 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
 // expression of cuda/gemv.cu's gemv_store), so act is bit for bit this kernel's GEMV of the
 // fused weight followed by swiglu. GEMV_TC_OUT_ADD_RMSNORM: y is the residual [M, n_out], to
 // which the sums are added, and the last block normalises it into nm.h (gemv_tc_norm_rows).
+// `prefetch`: the k32 steps of the block (the first ones, warp w taking w, w + WARPS, ...)
+// whose weight lines are fetched into L2 before the PDL wait, 0 for none; a launch argument
+// (ops/gemv_tuning.rs, NINFER_TC_PREFETCH_STEPS, default 16 = 16 KB a block) so that the depth
+// can be measured in the model. It changes no value.
 template <int OUT, int WARPS, int UNROLL, bool HOLD>
 __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
                                              const store_t* __restrict__ w, void* y, int m,
-                                             int n_out, int k, const gemv_tc_norm& nm) {
-    static_assert(GEMV_TC_PREFETCH_STEPS % WARPS == 0, "whole prefetch steps per warp");
+                                             int n_out, int k, int prefetch,
+                                             const gemv_tc_norm& nm) {
     __shared__ float red[WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -210,16 +210,13 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
     const bool x_row = g < m;
     const int full = k / 32;            // k32 steps with all four chunks inside K
     const int steps = (k + 31) / 32;    // and the partial one, if K % 32 != 0
-    // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the warp's first
-    // GEMV_TC_PREFETCH_STEPS / WARPS steps are fetched into L2 before waiting for the kernel
-    // that wrote x.
-#pragma unroll
-    for (int p = 0; p < GEMV_TC_PREFETCH_STEPS / WARPS; ++p) {
-        const int s = warp + p * WARPS;
-        if (s < full) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wlo + 32 * s));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
-        }
+    // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the warp's steps
+    // among the block's first `prefetch` are fetched into L2 before waiting for the kernel that
+    // wrote x.
+    const int prefetch_end = min(prefetch, full);
+    for (int s = warp; s < prefetch_end; s += WARPS) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wlo + 32 * s));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
     }
     pdl_enter();
     // The add + RMSNorm epilogue's residual elements (warp 0's outputs, in gemv_tc_store's
@@ -460,30 +457,33 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
 // with the residual add + RMSNorm (residual[M, N] += x W^T, h = rmsnorm(residual); `arrivals`
 // 0 at launch and after it, `lanes` add_rmsnorm's block size for rows of N, M <= GEMV_TC_MAX_M;
 // bit for bit gemv_tc of the same instance followed by add_rmsnorm, ops/gemv_add_rmsnorm.rs).
-// Launch bounds follow WARPS.
+// Every one takes `prefetch` (gemv_tc_body) after k. Launch bounds follow WARPS.
 #define GEMV_TC_INSTANCE(W, U, HOLD, H)                                                     \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* y, int m,       \
-                               int n_out, int k) {                                          \
-        gemv_tc_body<GEMV_TC_OUT_STORE, W, U, HOLD>(x, w, y, m, n_out, k, gemv_tc_norm{});  \
+                               int n_out, int k, int prefetch) {                            \
+        gemv_tc_body<GEMV_TC_OUT_STORE, W, U, HOLD>(x, w, y, m, n_out, k, prefetch,         \
+                                                    gemv_tc_norm{});                        \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_f32out_w##W##_u##U##H(const store_t* x, const store_t* w, float* y, int m,  \
-                                      int n_out, int k) {                                   \
-        gemv_tc_body<GEMV_TC_OUT_F32, W, U, HOLD>(x, w, y, m, n_out, k, gemv_tc_norm{});    \
+                                      int n_out, int k, int prefetch) {                     \
+        gemv_tc_body<GEMV_TC_OUT_F32, W, U, HOLD>(x, w, y, m, n_out, k, prefetch,           \
+                                                  gemv_tc_norm{});                          \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_gateup_swiglu_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* act, \
-                                             int m, int inter, int k) {                     \
-        gemv_tc_body<GEMV_TC_OUT_SWIGLU, W, U, HOLD>(x, w, act, m, inter, k, gemv_tc_norm{}); \
+                                             int m, int inter, int k, int prefetch) {       \
+        gemv_tc_body<GEMV_TC_OUT_SWIGLU, W, U, HOLD>(x, w, act, m, inter, k, prefetch,      \
+                                                     gemv_tc_norm{});                       \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_add_rmsnorm_w##W##_u##U##H(                                                 \
             const store_t* x, const store_t* w, store_t* residual, int m, int n_out, int k, \
-            const store_t* w_norm, store_t* h, unsigned* arrivals, int lanes, float eps,    \
-            int plus_one) {                                                                 \
+            int prefetch, const store_t* w_norm, store_t* h, unsigned* arrivals, int lanes, \
+            float eps, int plus_one) {                                                      \
         gemv_tc_body<GEMV_TC_OUT_ADD_RMSNORM, W, U, HOLD>(                                  \
-            x, w, residual, m, n_out, k,                                                    \
+            x, w, residual, m, n_out, k, prefetch,                                          \
             gemv_tc_norm{w_norm, h, arrivals, lanes, eps, plus_one});                       \
     }
 

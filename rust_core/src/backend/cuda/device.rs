@@ -7,6 +7,7 @@
 //! cuBLAS gets a preallocated workspace so that a captured GEMM never allocates.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -42,6 +43,13 @@ pub struct CudaDevice {
     /// The decode GEMV form (`ops::gemv_form` of the compute capability, or the CUDA-core
     /// kernel when `NINFER_TC_GEMV` is off): read once, so every launch of a run agrees.
     gemv_form: super::ops::GemvForm,
+    /// `NINFER_GEMV_SHAPES`: the kernel per weight shape in place of `GEMV_TC_RULES` under
+    /// `GemvForm::ByShape` (a tuning tool, ops/gemv_tuning.rs); read once, like `gemv_form`.
+    gemv_shapes: Option<super::ops::GemvShapeOverride>,
+    /// k32 steps per block the tensor-core GEMV prefetches into L2 before its PDL wait
+    /// (`NINFER_TC_PREFETCH_STEPS`, default 16). Settable later (`set_tc_prefetch_steps`): a
+    /// prefetch never changes a value, so launches with different depths agree bit for bit.
+    tc_prefetch_steps: AtomicU32,
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -78,6 +86,10 @@ impl CudaDevice {
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
         let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref())?;
+        let shapes = std::env::var(super::ops::GEMV_SHAPES_VAR).ok();
+        let gemv_shapes = super::ops::gemv_shapes_for((major, minor), gemv_form, tc_switch.as_deref(), shapes.as_deref())?;
+        let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
+        let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -93,6 +105,8 @@ impl CudaDevice {
             blas_workspace: Mutex::new(None),
             pdl,
             gemv_form,
+            gemv_shapes,
+            tc_prefetch_steps,
         })
     }
 
@@ -124,6 +138,26 @@ impl CudaDevice {
     /// The GEMV form every decode projection of this device runs.
     pub fn gemv_form(&self) -> super::ops::GemvForm {
         self.gemv_form
+    }
+
+    /// The kernel a weight of `rows` x `k` runs in GEMV form `form` on this device (its
+    /// `NINFER_GEMV_SHAPES` override applied): `ops::gemv_kernel`.
+    pub fn gemv_kernel(&self, form: super::ops::GemvForm, rows: usize, k: usize) -> super::ops::GemvKernel {
+        super::ops::gemv_kernel(form, self.gemv_shapes.as_ref(), rows, k)
+    }
+
+    /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.
+    pub fn tc_prefetch_steps(&self) -> u32 {
+        self.tc_prefetch_steps.load(Ordering::Relaxed)
+    }
+
+    /// Sets the tensor-core GEMV's prefetch depth for the launches that follow (0..=512; the
+    /// tests compare depths bit for bit, the report times them). A captured CUDA graph keeps
+    /// the depth it was captured with.
+    pub fn set_tc_prefetch_steps(&self, steps: u32) -> Result<()> {
+        let steps = super::ops::parse_tc_prefetch_steps(Some(&steps.to_string()))?;
+        self.tc_prefetch_steps.store(steps, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Storage type of activations and weights on this device.

@@ -3,6 +3,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+use super::gemv_tuning::{GemvKernel, GemvShapeOverride};
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
@@ -38,7 +39,9 @@ pub enum GemvForm {
     TensorCoresAs(GemvTcConfig),
     /// Per weight shape, the kernel `GEMV_TC_RULES` gives it: the CUDA-core kernel where that
     /// one streams the shape faster at M = 1 (`cuda_cores`), else the rule's tensor-core
-    /// instance. Each shape still runs one kernel for every M (batch == alone). sm_80+ default.
+    /// instance; or, on a device opened with `NINFER_GEMV_SHAPES` (gemv_tuning.rs), the kernel
+    /// that override names for the shape. Each shape still runs one kernel for every M
+    /// (batch == alone). sm_80+ default.
     ByShape,
 }
 
@@ -161,26 +164,6 @@ pub fn gemv_shape_on_cuda_cores(rows: usize, k: usize) -> bool {
     gemv_rule_in(GEMV_TC_RULES, rows, k).is_some_and(|r| r.cuda_cores)
 }
 
-/// The kernel a GEMV of a `rows` x `k` weight runs in form `form`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemvKernel {
-    /// cuda/gemv.cu.
-    CudaCores,
-    /// cuda/gemv_tc.cu in this instance.
-    TensorCores(GemvTcConfig),
-}
-
-/// Form and weight shape to kernel: the one place both the plain GEMV launcher and the fused
-/// add + RMSNorm route (`add_norm_route`) ask, so the two always run the same sums.
-pub fn gemv_kernel(form: GemvForm, rows: usize, k: usize) -> GemvKernel {
-    match form {
-        GemvForm::Simt => GemvKernel::CudaCores,
-        GemvForm::TensorCoresAs(c) => GemvKernel::TensorCores(c),
-        GemvForm::ByShape if gemv_shape_on_cuda_cores(rows, k) => GemvKernel::CudaCores,
-        GemvForm::TensorCores | GemvForm::ByShape => GemvKernel::TensorCores(gemv_tc_config(rows, k)),
-    }
-}
-
 /// `gemv_tc_config` over a given table (unit-tested apart from the live one).
 fn gemv_tc_config_in(rules: &[GemvTcRule], rows: usize, k: usize) -> GemvTcConfig {
     gemv_rule_in(rules, rows, k).map_or(GemvTcConfig::DEFAULT, |r| r.config)
@@ -188,6 +171,25 @@ fn gemv_tc_config_in(rules: &[GemvTcRule], rows: usize, k: usize) -> GemvTcConfi
 
 fn gemv_rule_in(rules: &[GemvTcRule], rows: usize, k: usize) -> Option<&GemvTcRule> {
     rules.iter().find(|r| rows <= r.max_rows && k >= r.min_k)
+}
+
+/// The kernel a weight of `rows` x `k` runs in form `form`, with the device's per-shape
+/// override `shapes` (`NINFER_GEMV_SHAPES`, which only `ByShape` consults; None: the built-in
+/// table): the one place that resolves a form to a kernel, for the GEMV launcher and the fused
+/// add + RMSNorm route alike. A function of the shape, never of M.
+pub fn gemv_kernel(form: GemvForm, shapes: Option<&GemvShapeOverride>, rows: usize, k: usize) -> GemvKernel {
+    match form {
+        GemvForm::Simt => GemvKernel::CudaCores,
+        GemvForm::TensorCores => GemvKernel::TensorCores(gemv_tc_config(rows, k)),
+        GemvForm::TensorCoresAs(c) => GemvKernel::TensorCores(c),
+        GemvForm::ByShape => shapes.and_then(|o| o.kernel(rows, k)).unwrap_or_else(|| {
+            if gemv_shape_on_cuda_cores(rows, k) {
+                GemvKernel::CudaCores
+            } else {
+                GemvKernel::TensorCores(gemv_tc_config(rows, k))
+            }
+        }),
+    }
 }
 
 /// The instance of a kernel family `$prefix_w{W}_u{U}{h}` (GEMV_TC_INSTANCE in gemv_tc.cu),
@@ -370,8 +372,7 @@ impl CudaDevice {
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
             )));
         }
-        let kernel = gemv_kernel(form, out.weight_rows(n), k);
-        if kernel != GemvKernel::CudaCores && self.compute_capability().0 < 8 {
+        if form != GemvForm::Simt && self.compute_capability().0 < 8 {
             return Err(NinferError::Device(format!(
                 "the tensor-core GEMV needs sm_80 or newer, this device is {}",
                 self.arch()
@@ -382,7 +383,7 @@ impl CudaDevice {
             let mm = (m - row).min(GEMV_MAX_M);
             let xr = x + (row * k * 2) as u64;
             let yr = y + (row * n) as u64 * out.elem_bytes();
-            match kernel {
+            match self.gemv_kernel(form, out.weight_rows(n), k) {
                 GemvKernel::CudaCores => {
                     let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm)))? as u32, 1, 1);
                     let name = out.name(mm);
@@ -408,6 +409,7 @@ impl CudaDevice {
                         KArg::I32(mm as i32),
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
+                        KArg::I32(self.tc_prefetch_steps() as i32),
                     ];
                     self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args)?;
                 }
@@ -574,16 +576,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gemv_kernel_resolves_each_form() {
-        let on_tc = GemvKernel::TensorCores;
-        assert_eq!(gemv_kernel(GemvForm::Simt, 6144, 4096), GemvKernel::CudaCores);
-        assert_eq!(gemv_kernel(GemvForm::TensorCores, 4096, 14336), on_tc(gemv_tc_config(4096, 14336)));
-        assert_eq!(gemv_kernel(GemvForm::TensorCoresAs(tc(4, 4, false)), 6144, 4096), on_tc(tc(4, 4, false)));
-        assert_eq!(gemv_kernel(GemvForm::ByShape, 6144, 4096), on_tc(gemv_tc_config(6144, 4096)));
-        assert_eq!(gemv_kernel(GemvForm::ByShape, 4096, 14336), GemvKernel::CudaCores);
-    }
-
-    #[test]
     fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
         assert_eq!(gemv_form_with_switch((9, 0), None).unwrap(), GemvForm::ByShape);
         assert_eq!(gemv_form_with_switch((9, 0), Some(" ")).unwrap(), GemvForm::ByShape);
@@ -594,6 +586,24 @@ mod tests {
         assert_eq!(gemv_form_with_switch((7, 5), Some("1")).unwrap(), GemvForm::Simt);
         let e = gemv_form_with_switch((9, 0), Some("tc")).unwrap_err().to_string();
         assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
+    }
+
+    #[test]
+    fn gemv_kernel_resolves_the_form_and_only_by_shape_takes_the_override() {
+        let o = super::super::gemv_tuning::parse_gemv_shapes(Some("6144x4096=cc,4096x14336=w16u4h")).unwrap().unwrap();
+        let on_tc = GemvKernel::TensorCores;
+        // Without an override ByShape is GEMV_TC_RULES: qkv on tensor cores, down on CUDA cores.
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096), on_tc(gemv_tc_config(6144, 4096)));
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336), GemvKernel::CudaCores);
+        // The override moves the shapes it names, and only those.
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 6144, 4096), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 14336), on_tc(tc(16, 4, true)));
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096), on_tc(gemv_tc_config(4096, 4096)));
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 128256, 4096), GemvKernel::CudaCores);
+        // The forms that put every shape on one kernel do not consult it.
+        assert_eq!(gemv_kernel(GemvForm::Simt, Some(&o), 4096, 14336), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::TensorCores, Some(&o), 6144, 4096), on_tc(gemv_tc_config(6144, 4096)));
+        assert_eq!(gemv_kernel(GemvForm::TensorCoresAs(GemvTcConfig::DEFAULT), Some(&o), 6144, 4096), on_tc(GemvTcConfig::DEFAULT));
     }
 
     #[test]

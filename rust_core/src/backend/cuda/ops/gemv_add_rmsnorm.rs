@@ -11,7 +11,8 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv::{gemv_kernel, tc_add_rmsnorm_name, GemvForm, GemvKernel, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
+use super::gemv::{gemv_kernel, tc_add_rmsnorm_name, GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
+use super::gemv_tuning::GemvKernel;
 use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -31,16 +32,22 @@ pub enum AddNormRoute {
     TwoKernels,
 }
 
-/// The route for `rows` rows of width `n` (the hidden size) over K = `k`, in GEMV form `form`,
-/// with all of the norm's buffers 16-byte aligned or not: the one place that decides it. The
-/// fused kernel is the tensor-core GEMV (rows up to GEMV_MAX_M, K % 8 == 0; the instance the
-/// plain GEMV of the weight runs) whose last block normalises whole rows with 16-byte accesses
-/// (n % 8 == 0, aligned rows). Under `GemvForm::ByShape` a weight the plain GEMV runs on CUDA
-/// cores (`gemv_shape_on_cuda_cores`) keeps the two kernels, so that both routes give the
-/// plain GEMV's bits (`NINFER_FUSED_NORM` on == off); `gemv_kernel` decides for both.
+/// The route for `rows` rows of width `n` (the hidden size) over K = `k`, in GEMV form `form`
+/// under the built-in per-shape table (`add_norm_route_for` of the form's kernel for the
+/// weight), with all of the norm's buffers 16-byte aligned or not.
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
+    add_norm_route_for(gemv_kernel(form, None, n, k), rows, n, k, aligned)
+}
+
+/// The route when the plain GEMV of the [n, k] weight runs `kernel` (`gemv_kernel`): the one
+/// place that decides it. The fused kernel is the tensor-core GEMV (rows up to GEMV_MAX_M,
+/// K % 8 == 0; the instance the plain GEMV of the weight runs) whose last block normalises
+/// whole rows with 16-byte accesses (n % 8 == 0, aligned rows). A weight the plain GEMV runs on
+/// CUDA cores keeps the two kernels, so that both routes give the plain GEMV's bits
+/// (`NINFER_FUSED_NORM` on == off).
+pub fn add_norm_route_for(kernel: GemvKernel, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
     let fits = (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
-    if fits && gemv_kernel(form, n, k) != GemvKernel::CudaCores {
+    if matches!(kernel, GemvKernel::TensorCores(_)) && fits {
         AddNormRoute::Fused
     } else {
         AddNormRoute::TwoKernels
@@ -105,8 +112,10 @@ impl CudaDevice {
             let (hp, _h) = h.device_ptr_mut(s);
             [rp, np, hp].iter().all(|p| p % 16 == 0)
         };
-        match add_norm_route(form, rows, n, k, aligned) {
-            AddNormRoute::TwoKernels => {
+        let kernel = self.gemv_kernel(form, n, k);
+        match (add_norm_route_for(kernel, rows, n, k, aligned), kernel) {
+            // Fused is only ever the route of a tensor-core kernel.
+            (AddNormRoute::TwoKernels, _) | (AddNormRoute::Fused, GemvKernel::CudaCores) => {
                 if rows <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
                     self.gemv_with(form, x, w, tmp, rows, n, k)?;
                 } else {
@@ -114,11 +123,8 @@ impl CudaDevice {
                 }
                 self.add_rmsnorm(residual, tmp, norm_w, h, rows, n, eps, plus_one)
             }
-            AddNormRoute::Fused => {
-                // The instance `gemv` runs for this weight: the same sums, bit for bit.
-                let GemvKernel::TensorCores(c) = gemv_kernel(form, n, k) else {
-                    unreachable!("add_norm_route gives Fused only for tensor-core kernels")
-                };
+            // The instance `gemv` runs for this weight: the same sums, bit for bit.
+            (AddNormRoute::Fused, GemvKernel::TensorCores(c)) => {
                 let name = tc_add_rmsnorm_name(c)?;
                 let f = self.function(KernelFamily::GemvTc, name)?;
                 let s = self.stream();
@@ -135,6 +141,7 @@ impl CudaDevice {
                     KArg::I32(rows as i32),
                     KArg::I32(as_i32("gemv_add_rmsnorm n", n)?),
                     KArg::I32(as_i32("gemv_add_rmsnorm k", k)?),
+                    KArg::I32(self.tc_prefetch_steps() as i32),
                     KArg::Ptr(np),
                     KArg::Ptr(hp),
                     KArg::Ptr(ap),

@@ -11,6 +11,7 @@ mod gdn;
 mod gdn_chunked;
 mod gemv;
 mod gemv_add_rmsnorm;
+mod gemv_tuning;
 mod norm;
 mod rope_kv;
 mod sampling;
@@ -23,8 +24,12 @@ pub use attention::{
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
 pub use gdn_chunked::{PrepForm, ScanForm};
-pub use gemv::{gemv_form, gemv_form_with_switch, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvKernel, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
-pub use gemv_add_rmsnorm::{add_norm_route, AddNormRoute};
+pub use gemv::{gemv_form, gemv_form_with_switch, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
+pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
+pub use gemv_tuning::{
+    gemv_shapes_for, parse_gemv_shapes, parse_tc_prefetch_steps, GemvKernel, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
+    TC_PREFETCH_MAX_STEPS, TC_PREFETCH_VAR,
+};
 pub use rope_kv::RopeKvShape;
 pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
 

@@ -1,0 +1,231 @@
+//! Tuning overrides of the decode GEMV, read from the environment once per device: the per-shape
+//! kernel (`NINFER_GEMV_SHAPES`, in place of `GEMV_TC_RULES`) and the tensor-core GEMV's L2
+//! prefetch depth before the PDL wait (`NINFER_TC_PREFETCH_STEPS`).
+//!
+//! Why: the per-shape table was filled from an isolated, cold-L2 sweep, and in the model the
+//! choice it made decoded slower than CUDA cores everywhere (docs/performance.md "The decode GEMV
+//! trade"); what a kernel gains alone and what it gains between its neighbours (PDL overlap,
+//! warm L2, the prefetch issued before the wait) differ. These let one process of the decode
+//! bench (benches/gemv_variants.sh) measure a shape's kernel and the prefetch depth in the model
+//! without a rebuild. Neither changes what batch == alone needs: the kernel is still a function
+//! of the weight shape only, and a prefetch never changes a value.
+
+use super::gemv::{GemvForm, GemvTcConfig};
+use crate::{NinferError, Result};
+
+/// The per-shape override: `ROWSxK=KERNEL` entries separated by commas, where ROWS x K is the
+/// weight's shape (the fused gate_up weight's 2 * inter rows) and KERNEL is `cc` (the CUDA-core
+/// GEMV) or a tensor-core instance label (`GemvTcConfig::label`, e.g. `w8u4h`); `*=KERNEL` sets
+/// every shape no entry names. Shapes left out without a `*` keep `GEMV_TC_RULES`. Applies to
+/// the per-shape form (`GemvForm::ByShape`, sm_80+ with `NINFER_TC_GEMV` unset).
+pub const GEMV_SHAPES_VAR: &str = "NINFER_GEMV_SHAPES";
+
+/// k32 steps per block of the tensor-core GEMV whose weight lines are prefetched into L2 before
+/// the PDL wait, 0..=`TC_PREFETCH_MAX_STEPS` (0: none).
+pub const TC_PREFETCH_VAR: &str = "NINFER_TC_PREFETCH_STEPS";
+
+/// The default prefetch depth: 16 k32 steps a block (16 KB, 12.5% of a 4096-wide weight
+/// tile), as first measured.
+pub const TC_PREFETCH_DEFAULT_STEPS: u32 = 16;
+
+/// The largest depth accepted: 512 k32 steps cover a whole K of 16384 (the longest rows of the
+/// supported models are 17408 wide), so more would prefetch nothing more.
+pub const TC_PREFETCH_MAX_STEPS: u32 = 512;
+
+/// Which kernel a weight shape's decode GEMV runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvKernel {
+    /// cuda/gemv.cu.
+    CudaCores,
+    /// cuda/gemv_tc.cu in this instance.
+    TensorCores(GemvTcConfig),
+}
+
+impl GemvKernel {
+    /// `cc` or the instance label: the spelling of `NINFER_GEMV_SHAPES`.
+    pub fn label(self) -> String {
+        match self {
+            GemvKernel::CudaCores => "cc".into(),
+            GemvKernel::TensorCores(c) => c.label(),
+        }
+    }
+
+    fn parse(v: &str) -> Option<GemvKernel> {
+        if v.eq_ignore_ascii_case("cc") {
+            return Some(GemvKernel::CudaCores);
+        }
+        GemvTcConfig::all().find(|c| c.label().eq_ignore_ascii_case(v)).map(GemvKernel::TensorCores)
+    }
+}
+
+/// A parsed `NINFER_GEMV_SHAPES`: per-shape kernels and the `*` default, both optional.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GemvShapeOverride {
+    shapes: Vec<((usize, usize), GemvKernel)>,
+    default: Option<GemvKernel>,
+}
+
+impl GemvShapeOverride {
+    /// The kernel the override gives a weight of `rows` x `k`: its entry, else the `*`
+    /// default, else None (the built-in table decides).
+    pub fn kernel(&self, rows: usize, k: usize) -> Option<GemvKernel> {
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map(|(_, kernel)| *kernel).or(self.default)
+    }
+
+    /// The value back in the variable's spelling (entries in the given order, `*` last): what
+    /// the bench logs per variant.
+    pub fn describe(&self) -> String {
+        let mut parts: Vec<String> =
+            self.shapes.iter().map(|((r, k), kernel)| format!("{r}x{k}={}", kernel.label())).collect();
+        if let Some(d) = self.default {
+            parts.push(format!("*={}", d.label()));
+        }
+        parts.join(",")
+    }
+}
+
+/// `value` of `NINFER_GEMV_SHAPES`: None when unset or blank; a malformed entry, an unknown
+/// kernel or a shape given twice is an error naming the variable and the offending text.
+pub fn parse_gemv_shapes(value: Option<&str>) -> Result<Option<GemvShapeOverride>> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
+    let bad = |what: String| NinferError::config(GEMV_SHAPES_VAR, format!("{what} in {v:?}"));
+    let mut out = GemvShapeOverride::default();
+    for entry in v.split(',').map(str::trim) {
+        let Some((shape, kernel)) = entry.split_once('=') else {
+            return Err(bad(format!("entry {entry:?} is not ROWSxK=KERNEL or *=KERNEL")));
+        };
+        let (shape, kernel) = (shape.trim(), kernel.trim());
+        let kernel = GemvKernel::parse(kernel).ok_or_else(|| {
+            let labels: Vec<String> = GemvTcConfig::all().map(GemvTcConfig::label).collect();
+            bad(format!("unknown kernel {kernel:?} (cc or one of {})", labels.join(", ")))
+        })?;
+        if shape == "*" {
+            if out.default.replace(kernel).is_some() {
+                return Err(bad("* given twice".into()));
+            }
+            continue;
+        }
+        let dims = shape.split_once(['x', 'X']).and_then(|(r, k)| Some((r.trim().parse::<usize>().ok()?, k.trim().parse::<usize>().ok()?)));
+        let Some((rows, k)) = dims.filter(|&(r, k)| r > 0 && k > 0) else {
+            return Err(bad(format!("shape {shape:?} is not ROWSxK with positive integers")));
+        };
+        if out.shapes.iter().any(|(s, _)| *s == (rows, k)) {
+            return Err(bad(format!("shape {rows}x{k} given twice")));
+        }
+        out.shapes.push(((rows, k), kernel));
+    }
+    Ok(Some(out))
+}
+
+/// `value` of `NINFER_TC_PREFETCH_STEPS`: the default when unset or blank, else an integer of
+/// 0..=TC_PREFETCH_MAX_STEPS (an error naming the variable and the value otherwise).
+pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(TC_PREFETCH_DEFAULT_STEPS) };
+    v.parse::<u32>().ok().filter(|&s| s <= TC_PREFETCH_MAX_STEPS).ok_or_else(|| {
+        NinferError::config(TC_PREFETCH_VAR, format!("expected an integer of 0..={TC_PREFETCH_MAX_STEPS}, got {v:?}"))
+    })
+}
+
+/// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
+/// the variable's value `shapes`: it applies to `GemvForm::ByShape` only; with `NINFER_TC_GEMV`
+/// set, which puts every shape on one kernel, it would be silently ignored, so that is an error
+/// naming both variables. Below sm_80 (form Simt, no tensor-core GEMV) it is ignored, as
+/// `NINFER_TC_GEMV=1` is.
+pub fn gemv_shapes_for(
+    cc: (u32, u32),
+    form: GemvForm,
+    tc_switch: Option<&str>,
+    shapes: Option<&str>,
+) -> Result<Option<GemvShapeOverride>> {
+    let Some(o) = parse_gemv_shapes(shapes)? else { return Ok(None) };
+    if cc.0 < 8 {
+        return Ok(None);
+    }
+    if form != GemvForm::ByShape {
+        let tc = tc_switch.unwrap_or_default().trim();
+        return Err(NinferError::config(
+            GEMV_SHAPES_VAR,
+            format!("sets kernels per shape, but {}={tc:?} puts every shape on one kernel: unset one of them", super::gemv::TC_GEMV_SWITCH),
+        ));
+    }
+    Ok(Some(o))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tc(warps: usize, unroll: usize, hold: bool) -> GemvKernel {
+        GemvKernel::TensorCores(GemvTcConfig { warps, unroll, hold })
+    }
+
+    #[test]
+    fn shapes_parse_to_per_shape_kernels_with_a_default() {
+        assert_eq!(parse_gemv_shapes(None).unwrap(), None);
+        assert_eq!(parse_gemv_shapes(Some("  ")).unwrap(), None);
+        let o = parse_gemv_shapes(Some(" 6144x4096=cc, 4096X4096 = W8U8H,*=w16u4")).unwrap().unwrap();
+        assert_eq!(o.kernel(6144, 4096), Some(GemvKernel::CudaCores));
+        assert_eq!(o.kernel(4096, 4096), Some(tc(8, 8, true)));
+        assert_eq!(o.kernel(28672, 4096), Some(tc(16, 4, false)));
+        assert_eq!(o.describe(), "6144x4096=cc,4096x4096=w8u8h,*=w16u4");
+        // Without `*` the shapes it does not name are left to the built-in table.
+        let o = parse_gemv_shapes(Some("4096x14336=w8u4h")).unwrap().unwrap();
+        assert_eq!(o.kernel(4096, 14336), Some(tc(8, 4, true)));
+        assert_eq!(o.kernel(14336, 4096), None);
+        assert_eq!(parse_gemv_shapes(Some("*=cc")).unwrap().unwrap().kernel(1, 8), Some(GemvKernel::CudaCores));
+        // Every instance label is accepted.
+        for c in GemvTcConfig::all() {
+            let o = parse_gemv_shapes(Some(&format!("*={}", c.label()))).unwrap().unwrap();
+            assert_eq!(o.kernel(4096, 4096), Some(GemvKernel::TensorCores(c)));
+        }
+    }
+
+    #[test]
+    fn each_malformed_shapes_value_is_an_error_naming_the_variable_and_the_fault() {
+        for (v, fault) in [
+            ("6144x4096", "is not ROWSxK=KERNEL"),
+            ("6144x4096=cc,", "\"\" is not ROWSxK=KERNEL"),
+            ("6144x4096=tc", "unknown kernel \"tc\""),
+            ("6144x4096=w32u4", "unknown kernel \"w32u4\""),
+            ("6144*4096=cc", "shape \"6144*4096\""),
+            ("6144x=cc", "shape \"6144x\""),
+            ("0x4096=cc", "shape \"0x4096\""),
+            ("-1x4096=cc", "shape \"-1x4096\""),
+            ("6144x4096=cc,6144x4096=w8u4", "6144x4096 given twice"),
+            ("*=cc,*=w8u4", "* given twice"),
+        ] {
+            let e = parse_gemv_shapes(Some(v)).unwrap_err().to_string();
+            assert!(e.contains(GEMV_SHAPES_VAR) && e.contains(fault), "{v}: {e}");
+        }
+        let e = parse_gemv_shapes(Some("*=fast")).unwrap_err().to_string();
+        assert!(e.contains("w8u4h") && e.contains("cc or"), "lists the kernels: {e}");
+    }
+
+    #[test]
+    fn prefetch_steps_default_to_16_and_reject_what_is_not_0_to_512() {
+        assert_eq!(parse_tc_prefetch_steps(None).unwrap(), 16);
+        assert_eq!(parse_tc_prefetch_steps(Some(" ")).unwrap(), TC_PREFETCH_DEFAULT_STEPS);
+        for (v, want) in [("0", 0), (" 32 ", 32), ("512", 512)] {
+            assert_eq!(parse_tc_prefetch_steps(Some(v)).unwrap(), want, "{v}");
+        }
+        for v in ["513", "-1", "16k", "1e2", "sixteen"] {
+            let e = parse_tc_prefetch_steps(Some(v)).unwrap_err().to_string();
+            assert!(e.contains(TC_PREFETCH_VAR) && e.contains(v) && e.contains("0..=512"), "{v}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_shape_override_needs_the_per_shape_form() {
+        let v = Some("6144x4096=cc");
+        let o = gemv_shapes_for((9, 0), GemvForm::ByShape, None, v).unwrap().unwrap();
+        assert_eq!(o.kernel(6144, 4096), Some(GemvKernel::CudaCores));
+        assert_eq!(gemv_shapes_for((9, 0), GemvForm::ByShape, None, None).unwrap(), None);
+        for (form, tc) in [(GemvForm::TensorCores, "1"), (GemvForm::Simt, "0")] {
+            let e = gemv_shapes_for((9, 0), form, Some(tc), v).unwrap_err().to_string();
+            assert!(e.contains(GEMV_SHAPES_VAR) && e.contains("NINFER_TC_GEMV"), "{e}");
+        }
+        // Below sm_80 there is one kernel; the override is ignored, but still spell-checked.
+        assert_eq!(gemv_shapes_for((7, 5), GemvForm::Simt, None, v).unwrap(), None);
+        assert!(gemv_shapes_for((7, 5), GemvForm::Simt, None, Some("x")).is_err());
+    }
+}
