@@ -623,7 +623,8 @@ sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work
 // Partial record of one (row, chunk), in u32 words.
 #define SCAN_REC 48
 enum { R_BEST = 0, R_BEST_I, R_MAX, R_SUM, R_TOP_I = 4, R_TOP_K = 4 + SAMPLE_MAX_TOP };
-// Candidates the merging block stages in shared memory (key + id each); more are read from L2.
+// Candidates the merging block stages in shared memory (key + id each, in the chunk buffer):
+// 1024, i.e. 20 top logprobs of up to 51 chunks; the rest are read from L2 in each round.
 #define SCAN_CAND (SCAN_SPAN / 2)
 #define NO_ID 0x7fffffff
 
