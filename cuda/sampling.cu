@@ -545,8 +545,12 @@ __device__ void raw_logprobs(const float* raw, int vocab, int token, int n, unsi
 // logits: f32 [*, vocab], row p[P_SRC_ROW] is sampled; work: f32 [rows, vocab] scratch for the
 // processed logits. out: per row SAMPLE_OUT words: token, raw logprob (f32 bits), top ids[20],
 // top logprobs[20].
+// This is the whole sampler in one block per row (one SM streams the row several times: ~52 us
+// a row at vocab 128256 on an H200). Steps use sample_scan + sample_pick below; this kernel
+// stays as their reference in the op tests (same tokens, same top ids) and as the TIMING
+// baseline.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_rows(const float* __restrict__ logits, float* __restrict__ work, int vocab,
+sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work, int vocab,
             const unsigned* __restrict__ params, unsigned* __restrict__ out) {
     __shared__ SampleShared sh;
     const unsigned* p = params + (long long)blockIdx.x * SAMPLE_HDR;
@@ -593,4 +597,341 @@ sample_rows(const float* __restrict__ logits, float* __restrict__ work, int voca
         o[1] = 0;
     }
     if (threadIdx.x == 0) o[0] = (unsigned)token;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sampler over many blocks per row: sample_scan (grid: SCAN_SPAN-logit chunks x rows) does
+// every pass that streams the row, and sample_pick (one block per row, launched only when some
+// row samples) draws the non-greedy tokens from the processed logits sample_scan left in `work`.
+//
+// A sample_scan block loads its chunk once into registers, applies the row's grammar mask, the
+// bias and penalty entries that fall in the chunk (per element, exactly as sample_rows_one_block),
+// and reduces the chunk to one partial record: the processed argmax (greedy rows), the raw max
+// and sum of exp(raw - max) (logprob rows), and the chunk's top-n raw logits in (value
+// descending by total order, id ascending) order. It writes the record, `__threadfence()`s and
+// counts itself in with atomicInc on the row's arrival counter; the block that arrives last
+// merges the row's records in chunk order, so the result does not depend on which block is last
+// (graph == eager). atomicInc(counter, nb - 1) stores 0 when it elects the last block, so every
+// counter is 0 again after each launch (the next step / replay starts there).
+// Results: the greedy token equals sample_rows_one_block's bit for bit (largest value by float
+// compare, lowest id on ties: an associative merge). logsumexp = M + log(sum_b s_b exp(m_b - M))
+// sums in another order than the one-block kernel (f32, relative error ~1e-6 of the sum, so the
+// logprobs move by ~1e-6 absolute); the top ids are the host's (total order, lower id first).
+#define SCAN_THREADS 256
+#define SCAN_PER_THREAD 8
+#define SCAN_SPAN (SCAN_THREADS * SCAN_PER_THREAD)
+// Partial record of one (row, chunk), in u32 words.
+#define SCAN_REC 48
+enum { R_BEST = 0, R_BEST_I, R_MAX, R_SUM, R_TOP_I = 4, R_TOP_K = 4 + SAMPLE_MAX_TOP };
+// Candidates the merging block stages in shared memory (key + id each, in the chunk buffer):
+// 1024, i.e. 20 top logprobs of up to 51 chunks; the rest are read from L2 in each round.
+#define SCAN_CAND (SCAN_SPAN / 2)
+#define NO_ID 0x7fffffff
+
+// (ka, ia) comes before (kb, ib) in the host's top order: larger key, then lower id.
+__device__ __forceinline__ bool key_before(unsigned ka, int ia, unsigned kb, int ib) {
+    return ka > kb || (ka == kb && ia < ib);
+}
+// Larger value by float compare, lower id on ties (torch.argmax; NaN never wins).
+__device__ __forceinline__ bool val_before(float va, int ia, float vb, int ib) {
+    return va > vb || (va == vb && ia < ib);
+}
+
+// Block-wide best (val_before order) of each thread's (v, i); every thread gets it.
+__device__ void scan_best_val(float v, int i, float* red_f, int* red_i, float* out_v, int* out_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
+        if (val_before(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    __syncthreads();
+    if (lane == 0) {
+        red_f[warp] = v;
+        red_i[warp] = i;
+    }
+    __syncthreads();
+    v = NEG_INF;
+    i = NO_ID;
+    for (int w = 0; w < n_warps; ++w) {
+        if (val_before(red_f[w], red_i[w], v, i)) {
+            v = red_f[w];
+            i = red_i[w];
+        }
+    }
+    *out_v = v;
+    *out_i = i;
+}
+
+// Block-wide first (key_before order) of each thread's (k, i); i == NO_ID is "none".
+__device__ void scan_best_key(unsigned k, int i, unsigned* red_k, int* red_i, unsigned* out_k, int* out_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned ok = __shfl_xor_sync(FULL_MASK, k, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
+        if (oi != NO_ID && (i == NO_ID || key_before(ok, oi, k, i))) {
+            k = ok;
+            i = oi;
+        }
+    }
+    __syncthreads();
+    if (lane == 0) {
+        red_k[warp] = k;
+        red_i[warp] = i;
+    }
+    __syncthreads();
+    k = 0;
+    i = NO_ID;
+    for (int w = 0; w < n_warps; ++w) {
+        if (red_i[w] != NO_ID && (i == NO_ID || key_before(red_k[w], red_i[w], k, i))) {
+            k = red_k[w];
+            i = red_i[w];
+        }
+    }
+    *out_k = k;
+    *out_i = i;
+}
+
+// Block-wide max (NaN ignored, as fmaxf); every thread gets it.
+__device__ float scan_block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    return warp_max(lane < n_warps ? red[lane] : NEG_INF);
+}
+
+// params, logits, work, out: as sample_rows_one_block (work is written for non-greedy rows only;
+// for a non-greedy row with logprobs, out[1] holds the row's logsumexp for sample_pick).
+// partials: u32 [rows, gridDim.x, SCAN_REC]; arrivals: u32 [rows], zero before the launch and
+// zero after it.
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+sample_scan(const float* __restrict__ logits, float* __restrict__ work, int vocab,
+            const unsigned* __restrict__ params, unsigned* __restrict__ partials,
+            unsigned* __restrict__ arrivals, unsigned* __restrict__ out) {
+    // The chunk's processed logits; the last block reuses it for the merge candidates.
+    __shared__ unsigned s_buf[SCAN_SPAN];
+    __shared__ float red_f[32];
+    __shared__ int red_i[32];
+    __shared__ unsigned red_k[32];
+    __shared__ int s_last;
+    float* s_row = reinterpret_cast<float*>(s_buf);
+    const int tid = threadIdx.x, nb = gridDim.x, b = blockIdx.x, r = blockIdx.y;
+    const unsigned* p = params + (long long)r * SAMPLE_HDR;
+    const float* raw = logits + (long long)p[P_SRC_ROW] * vocab;
+    const int lo = b * SCAN_SPAN;
+    const int len = min(SCAN_SPAN, vocab - lo);
+    const unsigned flags = p[P_FLAGS];
+    const bool greedy = flags & FLAG_GREEDY;
+    const bool lp = flags & FLAG_LOGPROBS;
+    const int n_top = lp ? min(min((int)p[P_N_TOP], vocab), SAMPLE_MAX_TOP) : 0;
+    const unsigned mask_off = p[P_MASK_OFF];
+
+    float rv[SCAN_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < SCAN_PER_THREAD; ++k) {
+        const int i = tid + k * SCAN_THREADS;
+        rv[k] = i < len ? raw[lo + i] : NEG_INF;
+    }
+#pragma unroll
+    for (int k = 0; k < SCAN_PER_THREAD; ++k) {
+        const int i = tid + k * SCAN_THREADS, g = lo + i;
+        if (i >= len) continue;
+        float v = rv[k];
+        if (mask_off != SAMPLE_NONE && !((params[mask_off + (g >> 5)] >> (g & 31)) & 1u)) v = NEG_INF;
+        s_row[i] = v;
+    }
+    __syncthreads();
+    const unsigned* bias = params + p[P_BIAS_OFF];
+    for (unsigned e = tid; e < p[P_BIAS_N]; e += SCAN_THREADS) {
+        const unsigned at = bias[2 * e] - (unsigned)lo;
+        if (at < (unsigned)len) s_row[at] = __fadd_rn(s_row[at], __uint_as_float(bias[2 * e + 1]));
+    }
+    __syncthreads();
+    const float rep = __uint_as_float(p[P_REP]);
+    const float pres = __uint_as_float(p[P_PRES]);
+    const float freq = __uint_as_float(p[P_FREQ]);
+    const bool pres_freq = pres != 0.0f || freq != 0.0f;
+    const unsigned* pen = params + p[P_PEN_OFF];
+    for (unsigned e = tid; e < p[P_PEN_N]; e += SCAN_THREADS) {
+        const unsigned at = pen[2 * e] - (unsigned)lo, n = pen[2 * e + 1];
+        if (at >= (unsigned)len) continue;
+        float l = s_row[at];
+        if (rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+        if (pres_freq && n > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn((float)n, freq), pres));
+        s_row[at] = l;
+    }
+    __syncthreads();
+
+    unsigned* rec = partials + ((long long)r * nb + b) * SCAN_REC;
+    if (greedy) {
+        float best = NEG_INF;
+        int best_i = NO_ID;
+        for (int i = tid; i < len; i += SCAN_THREADS) {
+            const float v = s_row[i];
+            if (v > best) {
+                best = v;
+                best_i = lo + i;
+            }
+        }
+        scan_best_val(best, best_i, red_f, red_i, &best, &best_i);
+        if (tid == 0) {
+            rec[R_BEST] = __float_as_uint(best);
+            rec[R_BEST_I] = (unsigned)best_i;
+        }
+    } else {
+        float* row = work + (long long)r * vocab + lo;
+        for (int i = tid; i < len; i += SCAN_THREADS) row[i] = s_row[i];
+    }
+    if (lp) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int k = 0; k < SCAN_PER_THREAD; ++k) mx = fmaxf(mx, rv[k]);
+        mx = scan_block_max(mx, red_f);
+        float sum = 0.0f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int k = 0; k < SCAN_PER_THREAD; ++k)
+                if (tid + k * SCAN_THREADS < len) sum += expf(rv[k] - mx);
+        }
+        sum = block_sum(sum, red_f);
+        if (tid == 0) {
+            rec[R_MAX] = __float_as_uint(mx);
+            rec[R_SUM] = __float_as_uint(sum);
+        }
+        // The chunk's top n_top, one block-wide pick per rank, each after the previous one.
+        unsigned pk = 0;
+        int pi = NO_ID;
+        for (int j = 0; j < n_top; ++j) {
+            unsigned bk = 0;
+            int bi = NO_ID;
+#pragma unroll
+            for (int k = 0; k < SCAN_PER_THREAD; ++k) {
+                const int i = tid + k * SCAN_THREADS, g = lo + i;
+                const unsigned key = f2key(rv[k]);
+                if (i < len && (j == 0 || key_before(pk, pi, key, g)) && (bi == NO_ID || key_before(key, g, bk, bi))) {
+                    bk = key;
+                    bi = g;
+                }
+            }
+            scan_best_key(bk, bi, red_k, red_i, &pk, &pi);
+            if (tid == 0) {
+                rec[R_TOP_I + j] = (unsigned)pi;
+                rec[R_TOP_K + j] = pk;
+            }
+        }
+    }
+
+    // Publish the record before counting the block in (the classic threadfence reduction).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const unsigned prev = atomicInc(arrivals + r, (unsigned)(nb - 1));
+        s_last = prev == (unsigned)(nb - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // Last block: merge the row's nb records. Volatile loads bypass L1, which is not coherent
+    // with the other blocks' writes.
+    const volatile unsigned* vp = partials + (long long)r * nb * SCAN_REC;
+    unsigned* o = out + (long long)r * SAMPLE_OUT;
+    int token = 0;
+    if (greedy) {
+        float best = NEG_INF;
+        int best_i = NO_ID;
+        for (int c = tid; c < nb; c += SCAN_THREADS) {
+            const float v = __uint_as_float(vp[c * SCAN_REC + R_BEST]);
+            const int i = (int)vp[c * SCAN_REC + R_BEST_I];
+            if (val_before(v, i, best, best_i)) {
+                best = v;
+                best_i = i;
+            }
+        }
+        scan_best_val(best, best_i, red_f, red_i, &best, &best_i);
+        token = best_i == NO_ID ? 0 : best_i;
+    }
+    float lse = 0.0f;
+    if (lp) {
+        float m = NEG_INF;
+        for (int c = tid; c < nb; c += SCAN_THREADS) m = fmaxf(m, __uint_as_float(vp[c * SCAN_REC + R_MAX]));
+        m = scan_block_max(m, red_f);
+        float sum = 0.0f;
+        for (int c = tid; c < nb; c += SCAN_THREADS) {
+            const float sc = __uint_as_float(vp[c * SCAN_REC + R_SUM]);
+            if (sc != 0.0f) sum += sc * expf(__uint_as_float(vp[c * SCAN_REC + R_MAX]) - m);
+        }
+        sum = block_sum(sum, red_f);
+        lse = m + logf(sum);
+    }
+    if (tid == 0) {
+        if (greedy) {
+            o[0] = (unsigned)token;
+            o[1] = lp ? __float_as_uint(raw[token] - lse) : 0u;
+        } else {
+            o[1] = lp ? __float_as_uint(lse) : 0u;  // sample_pick subtracts it from the token's logit
+        }
+    }
+    if (n_top == 0) return;
+    // Top n_top of the row among the chunks' top lists (nb * n_top candidates), staged in
+    // shared memory up to SCAN_CAND of them.
+    const int nc = nb * n_top;
+    __syncthreads();
+    for (int c = tid; c < min(nc, SCAN_CAND); c += SCAN_THREADS) {
+        const int cb = c / n_top, j = c - cb * n_top;
+        s_buf[2 * c] = vp[cb * SCAN_REC + R_TOP_K + j];
+        s_buf[2 * c + 1] = vp[cb * SCAN_REC + R_TOP_I + j];
+    }
+    __syncthreads();
+    unsigned pk = 0;
+    int pi = NO_ID;
+    for (int j = 0; j < n_top; ++j) {
+        unsigned bk = 0;
+        int bi = NO_ID;
+        for (int c = tid; c < nc; c += SCAN_THREADS) {
+            unsigned k;
+            int i;
+            if (c < SCAN_CAND) {
+                k = s_buf[2 * c];
+                i = (int)s_buf[2 * c + 1];
+            } else {
+                const int cb = c / n_top, jj = c - cb * n_top;
+                k = vp[cb * SCAN_REC + R_TOP_K + jj];
+                i = (int)vp[cb * SCAN_REC + R_TOP_I + jj];
+            }
+            if (i != NO_ID && (j == 0 || key_before(pk, pi, k, i)) && (bi == NO_ID || key_before(k, i, bk, bi))) {
+                bk = k;
+                bi = i;
+            }
+        }
+        scan_best_key(bk, bi, red_k, red_i, &pk, &pi);
+        if (tid == 0) {
+            o[2 + j] = (unsigned)pi;
+            o[2 + SAMPLE_MAX_TOP + j] = __float_as_uint(key2f(pk) - lse);
+        }
+    }
+}
+
+// The non-greedy rows after sample_scan: the token drawn from the processed logits in `work`
+// (sample_processed, as sample_rows_one_block), and its raw logprob from the logsumexp that
+// sample_scan left in out[1]. Greedy rows are done already and return at once.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_pick(const float* __restrict__ logits, const float* __restrict__ work, int vocab,
+            const unsigned* __restrict__ params, unsigned* __restrict__ out) {
+    __shared__ SampleShared sh;
+    const unsigned* p = params + (long long)blockIdx.x * SAMPLE_HDR;
+    if (p[P_FLAGS] & FLAG_GREEDY) return;  // uniform over the block
+    const float* raw = logits + (long long)p[P_SRC_ROW] * vocab;
+    unsigned* o = out + (long long)blockIdx.x * SAMPLE_OUT;
+    const int token = sample_processed(work + (long long)blockIdx.x * vocab, vocab, p, sh);
+    if (threadIdx.x == 0) {
+        o[0] = (unsigned)token;
+        if (p[P_FLAGS] & FLAG_LOGPROBS) o[1] = __float_as_uint(raw[token] - __uint_as_float(o[1]));
+    }
 }

@@ -9,7 +9,7 @@
 use cudarc::driver::CudaSlice;
 
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{PackedSampling, SAMPLE_OUT};
+use crate::backend::cuda::ops::{PackedSampling, SampleScratch, SAMPLE_OUT};
 use crate::backend::cuda::CudaDevice;
 use crate::model::runner::check_sampling_rows;
 use crate::sampling::{RowSampling, SampledToken};
@@ -21,8 +21,8 @@ pub struct DeviceSampler {
     packed: PackedSampling,
     src_rows: Vec<usize>,
     params: Option<CudaSlice<u32>>,
-    /// Processed logits, f32 `[rows, vocab]`.
-    work: Option<CudaSlice<f32>>,
+    /// Processed logits, chunk partials and arrival counters of `sample_rows`.
+    scratch: Option<SampleScratch>,
     out: Option<CudaSlice<u32>>,
 }
 
@@ -30,7 +30,7 @@ impl DeviceSampler {
     /// On unless the switch `NINFER_DEVICE_SAMPLING` is off (`config::env_switch`).
     pub fn from_env() -> crate::Result<Self> {
         let enabled = crate::config::env_switch("NINFER_DEVICE_SAMPLING", true)?;
-        Ok(DeviceSampler { enabled, packed: PackedSampling::default(), src_rows: Vec::new(), params: None, work: None, out: None })
+        Ok(DeviceSampler { enabled, packed: PackedSampling::default(), src_rows: Vec::new(), params: None, scratch: None, out: None })
     }
 
     /// Whether steps sample on the device.
@@ -62,17 +62,17 @@ impl DeviceSampler {
         if self.params.as_ref().is_none_or(|b| b.len() < words.len()) {
             self.params = Some(stream.alloc_zeros::<u32>(grow(words.len())).map_err(driver_err("allocating sampler params"))?);
         }
-        if self.work.as_ref().is_none_or(|b| b.len() < n * vocab) {
-            self.work = None;
-            self.work = Some(stream.alloc_zeros::<f32>(grow(n) * vocab).map_err(driver_err("allocating sampler scratch"))?);
+        if self.scratch.as_ref().is_none_or(|b| !b.fits(n, vocab)) {
+            self.scratch = None;
+            self.scratch = Some(SampleScratch::new(dev, grow(n), vocab)?);
         }
         if self.out.as_ref().is_none_or(|b| b.len() < n * SAMPLE_OUT) {
             self.out = Some(stream.alloc_zeros::<u32>(grow(n) * SAMPLE_OUT).map_err(driver_err("allocating sampler output"))?);
         }
         let params = self.params.as_mut().expect("allocated above");
         stream.memcpy_htod(words, &mut params.slice_mut(0..words.len())).map_err(driver_err("uploading sampler params"))?;
-        let (work, out) = (self.work.as_mut().expect("allocated above"), self.out.as_mut().expect("allocated above"));
-        dev.sample_rows(logits, work, &self.packed, &params.slice(0..words.len()), out)?;
+        let (scratch, out) = (self.scratch.as_mut().expect("allocated above"), self.out.as_mut().expect("allocated above"));
+        dev.sample_rows(logits, &self.packed, &params.slice(0..words.len()), scratch, out)?;
         let host = stream.clone_dtoh(&out.slice(0..n * SAMPLE_OUT)).map_err(driver_err("copying sampled tokens to the host"))?;
         self.packed.unpack(&host)
     }

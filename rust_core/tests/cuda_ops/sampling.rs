@@ -7,28 +7,51 @@
 //! same token at u - 1e-5 and u + 1e-5, and requires that to hold for nearly every draw.
 
 use cudarc::driver::CudaSlice;
-use ninfer_core::backend::cuda::ops::{PackedSampling, SAMPLE_OUT};
+use ninfer_core::backend::cuda::ops::{sample_scan_blocks, PackedSampling, SampleScratch, SAMPLE_OUT, SAMPLE_SCAN_SPAN};
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 use ninfer_core::sampling::{raw_logprobs, PenaltyParams, RowSampling, SampledToken};
 use ninfer_core::NinferError;
 
 use super::harness::{check, gpu, upload_raw, Rng, GUARD, TOL32};
+use super::time_ms;
 
 const OUT_GUARD: u32 = 0xdead_beef;
 
-/// Run `sample_rows` for `rows` (row i samples logits row `src[i]`), checking the output guard.
+/// Run `sample_rows` for `rows` (row i samples logits row `src[i]`), checking the output guard,
+/// and check it against `sample_rows_one_block` (the one-block kernel it replaced): the same
+/// tokens and top ids bit for bit, logprobs within f32 summation-order error.
 fn device_sample(dev: &CudaDevice, logits: &CudaSlice<f32>, vocab: usize, rows: &[RowSampling], src: &[usize]) -> Vec<SampledToken> {
     let mut packed = PackedSampling::default();
     packed.pack(rows, src, vocab).unwrap();
     let params = upload_raw(dev, packed.words());
-    let mut work = dev.stream().alloc_zeros::<f32>(rows.len() * vocab).unwrap();
+    let mut scratch = SampleScratch::new(dev, rows.len(), vocab).unwrap();
     let n = rows.len() * SAMPLE_OUT;
     let mut out = upload_raw(dev, &vec![OUT_GUARD; n + GUARD]);
-    dev.sample_rows(logits, &mut work, &packed, &params, &mut out.slice_mut(0..n)).unwrap();
+    dev.sample_rows(logits, &packed, &params, &mut scratch, &mut out.slice_mut(0..n)).unwrap();
     dev.synchronize().unwrap();
     let host = dev.stream().clone_dtoh(&out).unwrap();
     assert!(host[n..].iter().all(|&g| g == OUT_GUARD), "sample_rows wrote past its output");
-    packed.unpack(&host[..n]).unwrap()
+    let got = packed.unpack(&host[..n]).unwrap();
+    let mut work = dev.stream().alloc_zeros::<f32>(rows.len() * vocab).unwrap();
+    let mut out1 = upload_raw(dev, &vec![OUT_GUARD; n]);
+    dev.sample_rows_one_block(logits, &mut work, &packed, &params, &mut out1).unwrap();
+    let one = packed.unpack(&dev.stream().clone_dtoh(&out1).unwrap()).unwrap();
+    for (i, (g, o)) in got.iter().zip(&one).enumerate() {
+        assert_eq!(g.token, o.token, "vocab {vocab}, row {i}: many-block token vs one-block token");
+        match (&g.logprob, &o.logprob) {
+            (None, None) => {}
+            (Some(a), Some(b)) => {
+                assert_eq!(a.top.iter().map(|t| t.0).collect::<Vec<_>>(), b.top.iter().map(|t| t.0).collect::<Vec<_>>(), "vocab {vocab}, row {i}: top ids");
+                // Both round lse = max + log(sum) in f32 (a few ulp of |lse| <= 64: <= 3e-5)
+                // after summing exp in different orders (relative ~1e-6 of the sum).
+                let near = |x: f32, y: f32| (x - y).abs() <= 3e-5 + 1e-5 * y.abs();
+                assert!(near(a.logprob, b.logprob), "vocab {vocab}, row {i}: logprob {} vs one-block {}", a.logprob, b.logprob);
+                assert!(a.top.iter().zip(&b.top).all(|(x, y)| near(x.1, y.1)), "vocab {vocab}, row {i}: top logprobs {:?} vs {:?}", a.top, b.top);
+            }
+            _ => panic!("vocab {vocab}, row {i}: logprobs present in one result only"),
+        }
+    }
+    got
 }
 
 /// A uniform draw in [0, 1) with 48 random bits.
@@ -237,8 +260,120 @@ fn device_sampler_rejects_buffers_too_small_for_the_rows() {
     packed.pack(&[RowSampling::default(), RowSampling::default()], &[0, 3], vocab).unwrap();
     let params = upload_raw(&dev, packed.words());
     let logits = dev.stream().alloc_zeros::<f32>(3 * vocab).unwrap();
-    let mut work = dev.stream().alloc_zeros::<f32>(2 * vocab).unwrap();
+    let mut scratch = SampleScratch::new(&dev, 2, vocab).unwrap();
     let mut out = dev.stream().alloc_zeros::<u32>(2 * SAMPLE_OUT).unwrap();
-    let err = dev.sample_rows(&logits, &mut work, &packed, &params, &mut out).unwrap_err();
+    let err = dev.sample_rows(&logits, &packed, &params, &mut scratch, &mut out).unwrap_err();
     assert!(matches!(err, NinferError::Device(ref m) if m.contains("sampler logits")), "{err}");
+    packed.pack(&[RowSampling::default(), RowSampling::default()], &[0, 2], vocab).unwrap();
+    let mut small = SampleScratch::new(&dev, 1, vocab).unwrap();
+    let err = dev.sample_rows(&logits, &packed, &params, &mut small, &mut out).unwrap_err();
+    assert!(matches!(err, NinferError::Device(ref m) if m.contains("sampler scratch")), "{err}");
+}
+
+/// The many-block merge of `sample_scan` at the chunk boundaries (SAMPLE_SCAN_SPAN logits a
+/// block), on a vocabulary that is not a multiple of the span: equal maxima in different
+/// blocks go to the lowest id, a maximum in the last (partial) block is found, a grammar mask
+/// that leaves one token in the last block, top logprobs tied across a boundary, and the
+/// Qwen3.5 vocabulary with 20 top logprobs (more candidates than the merge stages in shared
+/// memory). Every case runs twice on one scratch with the output reset in between: the second
+/// launch is right only if the first left every arrival counter at 0.
+#[test]
+fn many_block_sampler_merges_chunks_in_order_and_resets_its_counters() {
+    let Some(dev) = gpu("sample_rows many blocks", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(44);
+    let span = SAMPLE_SCAN_SPAN;
+    for vocab in [3 * span + 77, 248_320] {
+        assert!(vocab % span != 0 && sample_scan_blocks(vocab) > 1);
+        let n_src = 4;
+        let mut logits = rng.vec(n_src * vocab, -10.0, 10.0);
+        // Row 0: equal maxima in blocks 2, 1 and the last one; the block-1 id must win.
+        for id in [2 * span + 3, span + 9, vocab - 1] {
+            logits[id] = 50.0;
+        }
+        // Row 1: the maximum is the last id (in the partial last block).
+        logits[2 * vocab - 1] = 50.0;
+        // Row 2: ties that straddle the block-0 / block-1 boundary, below a single maximum
+        // in the last block; the top lists order the ties by id.
+        let r2 = 2 * vocab;
+        logits[r2 + vocab - 2] = 60.0;
+        for id in [span, span - 1, 3 * span + 1, 1] {
+            logits[r2 + id] = 40.0;
+        }
+        let dlogits = upload_raw(&dev, &logits);
+        // Row 3 with a mask that allows one token of the last block only.
+        let last_tok = vocab - 5;
+        let mut allow = vec![0u32; vocab.div_ceil(32)];
+        allow[last_tok / 32] |= 1 << (last_tok % 32);
+        let greedy = RowSampling { temperature: 0.0, ..Default::default() };
+        let with_lp = |n: usize| RowSampling { temperature: 0.0, logprobs: true, top_logprobs: n, ..Default::default() };
+        let rows = vec![
+            greedy.clone(),
+            with_lp(1),
+            with_lp(5),
+            RowSampling { allow: Some(allow), ..with_lp(20) },
+            with_lp(20),
+            RowSampling { temperature: 0.9, top_k: 40, u: 0.37, logprobs: true, top_logprobs: 3, ..Default::default() },
+        ];
+        let src = [0usize, 1, 2, 3, 0, 2];
+        let mut packed = PackedSampling::default();
+        packed.pack(&rows, &src, vocab).unwrap();
+        let params = upload_raw(&dev, packed.words());
+        let mut scratch = SampleScratch::new(&dev, rows.len(), vocab).unwrap();
+        let n = rows.len() * SAMPLE_OUT;
+        for launch in 0..2 {
+            let mut out = upload_raw(&dev, &vec![OUT_GUARD; n]);
+            dev.sample_rows(&dlogits, &packed, &params, &mut scratch, &mut out).unwrap();
+            let got = packed.unpack(&dev.stream().clone_dtoh(&out).unwrap()).unwrap();
+            let what = |i: usize| format!("vocab {vocab}, launch {launch}, row {i}");
+            assert_eq!(got[0].token, (span + 9) as u32, "{}: equal maxima in three blocks", what(0));
+            assert_eq!(got[1].token, (vocab - 1) as u32, "{}: maximum in the last block", what(1));
+            assert_eq!(got[2].token, (vocab - 2) as u32, "{}", what(2));
+            assert_eq!(got[3].token, last_tok as u32, "{}: the only allowed token", what(3));
+            let top2: Vec<u32> = got[2].logprob.as_ref().unwrap().top.iter().map(|t| t.0).collect();
+            assert_eq!(top2, vec![(vocab - 2) as u32, 1, (span - 1) as u32, span as u32, (3 * span + 1) as u32], "{}: ties by id across blocks", what(2));
+            for (i, row) in rows.iter().enumerate() {
+                let raw = &logits[src[i] * vocab..(src[i] + 1) * vocab];
+                assert_eq!(got[i].token, row.sample(raw).token, "{}: token vs host", what(i));
+                let lp = got[i].logprob.as_ref();
+                if let Some(lp) = lp {
+                    let want = raw_logprobs(raw, got[i].token, row.top_logprobs);
+                    assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), want.top.iter().map(|t| t.0).collect::<Vec<_>>(), "{}: top ids vs host", what(i));
+                    let mut g = vec![lp.logprob];
+                    g.extend(lp.top.iter().map(|t| t.1));
+                    let mut w = vec![want.logprob];
+                    w.extend(want.top.iter().map(|t| t.1));
+                    check("sample_rows.many_block", StorageDType::Bf16, &format!("v{vocab}/r{i}/l{launch}"), &g, &w, TOL32);
+                }
+            }
+        }
+    }
+}
+
+/// TIMING (read on the GPU; asserts nothing about speed): `sample_rows` (many blocks per row)
+/// against `sample_rows_one_block` at Llama-3's vocabulary, greedy with and without logprobs
+/// (the benchmarks' and most agents' case), logits resident in L2 as after the LM head.
+#[test]
+fn sample_rows_timing_at_llama3_vocab() {
+    let Some(dev) = gpu("sample_rows timing", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(45);
+    let vocab = 128_256;
+    for n_rows in [1usize, 8] {
+        let dlogits = upload_raw(&dev, &rng.vec(n_rows * vocab, -10.0, 10.0));
+        let src: Vec<usize> = (0..n_rows).collect();
+        for (label, row) in [
+            ("greedy", RowSampling { temperature: 0.0, ..Default::default() }),
+            ("greedy+logprobs", RowSampling { temperature: 0.0, logprobs: true, ..Default::default() }),
+            ("greedy+top5", RowSampling { temperature: 0.0, logprobs: true, top_logprobs: 5, ..Default::default() }),
+        ] {
+            let mut packed = PackedSampling::default();
+            packed.pack(&vec![row; n_rows], &src, vocab).unwrap();
+            let params = upload_raw(&dev, packed.words());
+            let mut scratch = SampleScratch::new(&dev, n_rows, vocab).unwrap();
+            let mut work = dev.stream().alloc_zeros::<f32>(n_rows * vocab).unwrap();
+            let mut out = dev.stream().alloc_zeros::<u32>(n_rows * SAMPLE_OUT).unwrap();
+            let before = time_ms(&dev, 200, || dev.sample_rows_one_block(&dlogits, &mut work, &packed, &params, &mut out).unwrap());
+            let after = time_ms(&dev, 200, || dev.sample_rows(&dlogits, &packed, &params, &mut scratch, &mut out).unwrap());
+            println!("TIMING sample_rows vocab={vocab} rows={n_rows} {label}: before_us {:.1} after_us {:.1}", before * 1e3, after * 1e3);
+        }
+    }
 }

@@ -31,7 +31,8 @@ pub use gemv_tuning::{
     TC_PREFETCH_MAX_STEPS, TC_PREFETCH_VAR,
 };
 pub use rope_kv::RopeKvShape;
-pub use sampling_pack::{PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT};
+pub use sampling::SampleScratch;
+pub use sampling_pack::{sample_scan_blocks, PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT, SAMPLE_SCAN_REC, SAMPLE_SCAN_SPAN};
 
 use std::ffi::c_void;
 

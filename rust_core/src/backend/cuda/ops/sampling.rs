@@ -1,12 +1,50 @@
 //! Sampling on the device (cuda/sampling.cu): greedy argmax + logsumexp, and the full sampler
 //! (`sample_rows`) whose inputs `PackedSampling` lays out.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len, KArg, PackedSampling, SAMPLE_OUT};
-use crate::backend::cuda::device::CudaDevice;
+use super::{as_i32, cfg, check_len, KArg, PackedSampling, SAMPLE_OUT, SAMPLE_SCAN_REC};
+use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
+
+/// Threads of a `sample_scan` block (SCAN_THREADS in sampling.cu).
+const SCAN_THREADS: u32 = 256;
+/// Threads of a `sample_pick` / `sample_rows_one_block` block (SAMPLE_THREADS).
+const SAMPLE_THREADS: u32 = 1024;
+
+/// Device scratch of `sample_rows` for up to `rows` rows of a `vocab`-wide logits buffer,
+/// allocated once with the sampler's other buffers (no allocation inside a step): the processed
+/// logits `work` f32 `[rows, vocab]` (written for non-greedy rows), the chunk partials u32
+/// `[rows, sample_scan_blocks(vocab), SAMPLE_SCAN_REC]`, and one arrival counter per row, which
+/// start zeroed and which every completed launch leaves at 0 (see sample_scan).
+pub struct SampleScratch {
+    work: CudaSlice<f32>,
+    partials: CudaSlice<u32>,
+    arrivals: CudaSlice<u32>,
+    rows: usize,
+    vocab: usize,
+}
+
+impl SampleScratch {
+    /// Zeroed scratch for `rows` rows of width `vocab`.
+    pub fn new(dev: &CudaDevice, rows: usize, vocab: usize) -> Result<Self> {
+        let s = dev.stream();
+        let rows = rows.max(1);
+        Ok(SampleScratch {
+            work: s.alloc_zeros::<f32>(rows * vocab).map_err(driver_err("allocating sampler scratch"))?,
+            partials: s.alloc_zeros::<u32>(rows * super::sample_scan_blocks(vocab) * SAMPLE_SCAN_REC).map_err(driver_err("allocating sampler partials"))?,
+            arrivals: s.alloc_zeros::<u32>(rows).map_err(driver_err("allocating sampler counters"))?,
+            rows,
+            vocab,
+        })
+    }
+
+    /// Whether this scratch serves `rows` rows of width `vocab`.
+    pub fn fits(&self, rows: usize, vocab: usize) -> bool {
+        rows <= self.rows && vocab == self.vocab
+    }
+}
 
 impl CudaDevice {
     /// For each of `rows` rows of f32 logits [rows, vocab]: ids[r] = argmax (lowest index on
@@ -33,12 +71,60 @@ impl CudaDevice {
         self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), 1024), "argmax_logsumexp", &args)
     }
 
-    /// Sample every row of `packed`: the kernel applies the row's grammar mask, bias and
-    /// penalties into `work` (f32 `[rows, vocab]`, scratch), picks the token (greedy or with the
-    /// row's u) and writes `SAMPLE_OUT` words per row to `out` (decode with
-    /// `PackedSampling::unpack`). `params` must hold `packed.words()` (uploaded by the caller,
-    /// so that it can batch the copy); `logits` is f32 `[*, vocab]` and stays unchanged.
+    /// Sample every row of `packed`: `sample_scan` (many blocks per row) applies the row's
+    /// grammar mask, bias and penalties, picks greedy tokens and computes the raw logprobs;
+    /// `sample_pick` (one block per row, launched only when a row samples) draws the other
+    /// rows' tokens from the processed logits in the scratch. Writes `SAMPLE_OUT` words per row
+    /// to `out` (decode with `PackedSampling::unpack`). `params` must hold `packed.words()`
+    /// (uploaded by the caller, so that it can batch the copy); `logits` is f32 `[*, vocab]`
+    /// and stays unchanged.
     pub fn sample_rows(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        packed: &PackedSampling,
+        params: &impl DevicePtr<u32>,
+        scratch: &mut SampleScratch,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        let (rows, vocab) = (packed.rows(), packed.vocab());
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("sampler logits", logits.len(), (packed.max_src_row() + 1) * vocab)?;
+        if !scratch.fits(rows, vocab) {
+            return Err(crate::NinferError::Device(format!(
+                "sampler scratch holds {} rows of vocab {}, the step needs {rows} rows of vocab {vocab}",
+                scratch.rows, scratch.vocab
+            )));
+        }
+        check_len("sampler params", params.len(), packed.words().len())?;
+        check_len("sampler output", out.len(), rows * SAMPLE_OUT)?;
+        let blocks = super::sample_scan_blocks(vocab);
+        let s = self.stream();
+        let (lp, _a) = logits.device_ptr(s);
+        let (wp, _b) = scratch.work.device_ptr_mut(s);
+        let (pp, _c) = params.device_ptr(s);
+        let (op, _d) = out.device_ptr_mut(s);
+        let (xp, _e) = scratch.partials.device_ptr_mut(s);
+        let (cp, _f) = scratch.arrivals.device_ptr_mut(s);
+        let v = as_i32("vocab", vocab)?;
+        let grid = (as_i32("sampler blocks", blocks)? as u32, as_i32("rows", rows)? as u32, 1);
+        let scan = self.function(KernelFamily::Sampling, "sample_scan")?;
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(xp), KArg::Ptr(cp), KArg::Ptr(op)];
+        self.launch(&scan, cfg(grid, SCAN_THREADS), "sample_scan", &args)?;
+        if packed.all_greedy() {
+            return Ok(());
+        }
+        let pick = self.function(KernelFamily::Sampling, "sample_pick")?;
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(op)];
+        self.launch(&pick, cfg((grid.1, 1, 1), SAMPLE_THREADS), "sample_pick", &args)
+    }
+
+    /// `sample_rows` in one kernel of one block per row (the whole row streamed by one SM):
+    /// the same tokens and top ids, logsumexp summed in another order. The op tests compare
+    /// `sample_rows` against it and time both; steps use `sample_rows`. `work` is f32
+    /// `[rows, vocab]` scratch.
+    pub fn sample_rows_one_block(
         &self,
         logits: &impl DevicePtr<f32>,
         work: &mut impl DevicePtrMut<f32>,
@@ -54,13 +140,13 @@ impl CudaDevice {
         check_len("sampler work", work.len(), rows * vocab)?;
         check_len("sampler params", params.len(), packed.words().len())?;
         check_len("sampler output", out.len(), rows * SAMPLE_OUT)?;
-        let f = self.function(KernelFamily::Sampling, "sample_rows")?;
+        let f = self.function(KernelFamily::Sampling, "sample_rows_one_block")?;
         let s = self.stream();
         let (lp, _a) = logits.device_ptr(s);
         let (wp, _b) = work.device_ptr_mut(s);
         let (pp, _c) = params.device_ptr(s);
         let (op, _d) = out.device_ptr_mut(s);
         let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(pp), KArg::Ptr(op)];
-        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), 1024), "sample_rows", &args)
+        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), SAMPLE_THREADS), "sample_rows_one_block", &args)
     }
 }

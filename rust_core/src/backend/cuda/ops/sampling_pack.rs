@@ -12,6 +12,17 @@ pub const SAMPLE_HDR: usize = 20;
 pub const SAMPLE_OUT: usize = 2 + 2 * SAMPLE_MAX_TOP;
 /// Most top logprobs per row (the API's limit).
 pub const SAMPLE_MAX_TOP: usize = 20;
+/// Logits per `sample_scan` block (SCAN_SPAN in sampling.cu): a row of width `vocab` runs over
+/// `sample_scan_blocks(vocab)` blocks.
+pub const SAMPLE_SCAN_SPAN: usize = 2048;
+/// Words of one (row, block) partial record of `sample_scan` (SCAN_REC).
+pub const SAMPLE_SCAN_REC: usize = 48;
+
+/// Blocks `sample_scan` runs per row of width `vocab` (63 at Llama-3's 128256, 122 at 248320).
+pub fn sample_scan_blocks(vocab: usize) -> usize {
+    vocab.div_ceil(SAMPLE_SCAN_SPAN).max(1)
+}
+
 /// Offset value for "no grammar mask".
 const NONE: u32 = u32::MAX;
 
@@ -122,6 +133,11 @@ impl PackedSampling {
         self.vocab
     }
 
+    /// Whether every row is greedy (then `sample_rows` needs no `sample_pick` launch).
+    pub fn all_greedy(&self) -> bool {
+        (0..self.rows).all(|r| self.words[r * SAMPLE_HDR + P_FLAGS] & FLAG_GREEDY != 0)
+    }
+
     /// The largest source row index.
     pub fn max_src_row(&self) -> usize {
         self.max_src_row
@@ -192,6 +208,7 @@ mod tests {
         let mask = w[P_MASK_OFF] as usize;
         assert_eq!(&w[mask..mask + 2], &[0b1010, 0], "the mask covers ceil(40 / 32) words");
         assert_eq!(w[SAMPLE_HDR + P_FLAGS], FLAG_GREEDY);
+        assert!(!p.all_greedy(), "row 0 samples");
         assert_eq!(w[SAMPLE_HDR + P_MASK_OFF], NONE);
         let mut out = vec![0u32; 2 * SAMPLE_OUT];
         out[0] = 3;
@@ -212,6 +229,12 @@ mod tests {
     #[test]
     fn pack_rejects_a_draw_outside_the_unit_interval_and_too_many_top_logprobs() {
         let mut p = PackedSampling::default();
+        let greedy = RowSampling { temperature: 0.0, ..Default::default() };
+        p.pack(&[greedy.clone(), greedy], &[0, 0], 10).unwrap();
+        assert!(p.all_greedy(), "temperature 0 rows are greedy");
+        assert_eq!(sample_scan_blocks(128_256), 63);
+        assert_eq!(sample_scan_blocks(2048), 1);
+        assert_eq!(sample_scan_blocks(7), 1);
         let bad_u = RowSampling { u: 1.0, ..Default::default() };
         assert!(p.pack(&[bad_u], &[0], 10).is_err());
         let bad_top = RowSampling { top_logprobs: 21, ..Default::default() };
