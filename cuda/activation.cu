@@ -2,8 +2,8 @@
 // storage where transformers holds a bf16 tensor (silu(gate), sigmoid(gate)).
 #include "common.cuh"
 
-// out[r, i] = silu(gate[r, i]) * up[r, i] (common.cuh swiglu_out); gate and up rows are `gate_stride` / `up_stride`
-// apart so that a fused gate_up projection is read in place.
+// out[r, i] = silu(gate[r, i]) * up[r, i] (common.cuh swiglu_out); gate and up rows are
+// `gate_stride` / `up_stride` apart so that a fused gate_up projection is read in place.
 extern "C" __global__ void swiglu(const store_t* __restrict__ gate, const store_t* __restrict__ up,
                                   store_t* __restrict__ out, int rows, int n, long long gate_stride,
                                   long long up_stride) {
