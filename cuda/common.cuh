@@ -65,14 +65,31 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// An f32 value rounded to the storage type and widened back: what a value held in a bf16 tensor
+// between two ops is. The kernels round where transformers (bf16, eager) rounds, not only where
+// they store, so that the two implementations differ by summation order alone and not by
+// rounding points as well (the table in docs/rounding.md lists every op and its rounding).
+__device__ __forceinline__ float round_st(float x) { return to_f32(from_f32(x)); }
+
+// One SwiGLU element from the widened gate and up projections: silu(gate) is rounded before
+// the product, as transformers' act_fn(gate_proj(x)) * up_proj(x) holds act_fn(...) in a bf16
+// tensor. The swiglu kernel (activation.cu) and the gate_up GEMV epilogues (gemv.cu,
+// gemv_tc.cu) all compute it here, so the fused forms keep swiglu's bits.
+__device__ __forceinline__ store_t swiglu_out(float gate, float up) {
+    return from_f32(round_st(silu_f(gate)) * up);
+}
+
 // Gated DeltaNet output norm, out = rmsnorm(x) * w * silu(z), in two steps that rmsnorm_gated
 // (norm.cu) and the fused decode kernel gdn_recurrent_gated_dk* (gdn.cu) share, so both round
 // the same expressions: the reciprocal RMS from the row's sum of squares, then one element.
 __device__ __forceinline__ float gated_norm_rstd(float sum_sq, int dim, float eps) {
     return rsqrtf(sum_sq / (float)dim + eps);
 }
+// The rounding points are transformers' Qwen3_5RMSNormGated: the normalised value is cast to
+// bf16, multiplied by the bf16 weight (a bf16 product, rounded), then by silu(z) computed in f32,
+// and rounded once more.
 __device__ __forceinline__ store_t gated_norm_out(float x, float rstd, float w, float z) {
-    const float n = x * rstd * w;
+    const float n = round_st(w * round_st(x * rstd));
     return from_f32(n * silu_f(z));
 }
 
@@ -155,7 +172,10 @@ __device__ __forceinline__ float norm_rstd(float sum_sq, int dim, float eps) {
     return rsqrtf(sum_sq / (float)dim + eps);
 }
 
-// One normalised element: x * rstd * weight, the weight being w or 1 + w (`plus_one`).
+// One normalised element (the caller rounds it to storage), with transformers' rounding
+// points: the (1 + w) convention (Qwen3.5 / Qwen3-Next RMSNorm) computes x * rstd * (1 + w) in
+// f32 and casts once; the w convention (Llama / Qwen3 RMSNorm: `weight * x.to(bf16)`) casts
+// x * rstd to bf16 before the weight multiply, a bf16 product.
 __device__ __forceinline__ float norm_scale(float x, float rstd, float w, int plus_one) {
-    return x * rstd * (plus_one ? 1.0f + w : w);
+    return plus_one ? x * rstd * (1.0f + w) : round_st(x * rstd) * w;
 }

@@ -11,7 +11,8 @@
 // [channels, K]; bias may be null.
 //
 // Two forms compute every output element with the same f32 operations in the same order
-// (bias, then one fmaf per tap from the oldest input to the newest, then SiLU), so they agree
+// (bias, then one fmaf per tap from the oldest input to the newest, the sum rounded to storage
+// as transformers' bf16 F.conv1d returns it, then SiLU, rounded again), so they agree
 // bit for bit and a prompt may be split between them:
 // - causal_conv1d_k*: one thread per (sequence, channel) walks the sequence's tokens in order.
 //   Decode (one token per sequence) uses it; for a long prompt it is serial over time.
@@ -47,7 +48,7 @@ __device__ __forceinline__ void conv_body(const store_t* __restrict__ x, long lo
     const float b = bias ? to_f32(bias[c]) : 0.0f;
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
         const float xv = to_f32(x[t * x_stride + c]);
-        out[(long long)t * channels + c] = from_f32(silu_f(conv_tap<K>(win, wt, b, xv)));
+        out[(long long)t * channels + c] = from_f32(silu_f(round_st(conv_tap<K>(win, wt, b, xv))));
 #pragma unroll
         for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
         win[K - 2] = xv;
@@ -127,7 +128,7 @@ __device__ __forceinline__ void conv_tiled_body(const store_t* __restrict__ x, l
             for (int i = 0; i < K - 1; ++i) win[i] = to_f32(st[i]);
         }
         const float xv = to_f32(x[t * x_stride + c]);
-        out[(long long)t * channels + c] = from_f32(silu_f(conv_tap<K>(win, wt, b, xv)));
+        out[(long long)t * channels + c] = from_f32(silu_f(round_st(conv_tap<K>(win, wt, b, xv))));
 #pragma unroll
         for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
         win[K - 2] = xv;
@@ -187,7 +188,9 @@ __device__ __forceinline__ void gdn_gate(float a, float b, float a_log, float dt
     const float x = a + dt_bias;
     const float sp = x > 20.0f ? x : log1pf(expf(x));
     *g = -expf(a_log) * sp;
-    *beta = sigmoid_f(b);
+    // Rounded to storage: transformers computes b.sigmoid() on the bf16 projection (a bf16
+    // tensor) and widens it to f32 inside the delta rule; g stays f32 there too (a.float()).
+    *beta = round_st(sigmoid_f(b));
 }
 
 // Gates per token and value head (gdn_gate). Token t's a and b are n_heads elements at

@@ -50,9 +50,8 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
             if constexpr (OUT == GEMV_OUT_SWIGLU) {
                 const float u = warp_sum(acc[P + c][m]);
                 if (lane == 0 && n < n_out) {
-                    const float g = to_f32(from_f32(s));
                     reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] =
-                        from_f32(silu_f(g) * to_f32(from_f32(u)));
+                        swiglu_out(round_st(s), round_st(u));
                 }
             } else if (lane == 0 && n < n_out) {
                 if constexpr (OUT == GEMV_OUT_F32)
@@ -75,9 +74,9 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 // gate_up weight, gate rows [0, n_out) then up rows [n_out, 2 n_out), and y = act[M, n_out] =
 // silu(gate) * up. The warp's C weight rows are P = C / 2 pairs: gate rows n0 .. n0 + P - 1 and
 // the up rows n_out later, so it ends with both sums of each of its P activations. Each sum is
-// rounded to the storage type exactly as the GEMV stores it, then silu(gate) * up is computed as
-// the swiglu kernel computes it (cuda/activation.cu, the same expression on the same widened
-// values) and rounded once more: bit for bit gemv(gate_up) followed by swiglu. The chains are
+// rounded to the storage type exactly as the GEMV stores it, then the activation is computed as
+// the swiglu kernel computes it (common.cuh's swiglu_out on the same widened values): bit for
+// bit gemv(gate_up) followed by swiglu. The chains are
 // the ones above, so the weight stream and the row independence are those of the plain GEMV.
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,

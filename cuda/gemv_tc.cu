@@ -184,8 +184,8 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
 // y[m, n] for x rows m < M, output columns n of the block (ragged N: tile rows past n_out read
 // row n_out - 1 and store nothing). GEMV_TC_OUT_SWIGLU: W is the fused gate_up weight [2 n_out,
 // K] and y = act[M, n_out] = silu(gate) * up, each sum rounded to the storage type as the GEMV
-// stores it and silu(gate) * up computed as cuda/activation.cu's swiglu computes it (the
-// expression of cuda/gemv.cu's gemv_store), so act is bit for bit this kernel's GEMV of the
+// stores it and the activation computed as cuda/activation.cu's swiglu computes it
+// (common.cuh's swiglu_out), so act is bit for bit this kernel's GEMV of the
 // fused weight followed by swiglu. GEMV_TC_OUT_ADD_RMSNORM: y is the residual [M, n_out], to
 // which the sums are added, and the last block normalises it into nm.h (gemv_tc_norm_rows).
 // `prefetch`: the k32 steps of the block (the first ones, warp w taking w, w + WARPS, ...)
@@ -308,9 +308,8 @@ __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], 
         if constexpr (OUT == GEMV_TC_OUT_SWIGLU) {
             const int n = n0 + g;
             if (n < n_out) {
-                const float gate = to_f32(from_f32(v[i]));
                 reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] =
-                    from_f32(silu_f(gate) * to_f32(from_f32(v[2 + i])));
+                    swiglu_out(round_st(v[i]), round_st(v[2 + i]));
             }
         } else {
 #pragma unroll

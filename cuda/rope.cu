@@ -12,12 +12,14 @@ __device__ __forceinline__ void rope_pair(const store_t* h, int i, int half, flo
                                           store_t* lo, store_t* hi) {
     float s, c;
     sincosf(pos * inv_freq[i], &s, &c);
-    c *= attn_scale;
-    s *= attn_scale;
+    // transformers' rounding points (q * cos + rotate_half(q) * sin on bf16 tensors): cos and
+    // sin are cast to bf16, each product is rounded, then their sum.
+    c = round_st(c * attn_scale);
+    s = round_st(s * attn_scale);
     const float a = to_f32(h[i]);
     const float b = to_f32(h[i + half]);
-    *lo = from_f32(a * c - b * s);
-    *hi = from_f32(b * c + a * s);
+    *lo = from_f32(round_st(a * c) - round_st(b * s));
+    *hi = from_f32(round_st(b * c) + round_st(a * s));
 }
 
 // One block per (token, head): grid x = token, grid y = head, q heads first then k heads. A

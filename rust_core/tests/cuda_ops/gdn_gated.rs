@@ -147,13 +147,13 @@ fn run_three(dev: &CudaDevice, c: &Case, d: &DevCase, state: &mut Out32, g: &mut
     dev.rmsnorm_gated(&core.view(), &d.zba, zs, &d.norm_w, &mut out.view(), t, nv, dv, EPS).unwrap();
 }
 
-/// CPU reference: (normed output, state), the raw output rounded to storage before the norm
-/// as the device stores it between the kernels.
+/// CPU reference: (normed output, state), beta and the raw output rounded to storage (before
+/// the rule and before the norm) as the device rounds them.
 fn reference_step(c: &Case, st: StorageDType) -> (Vec<f32>, Vec<f32>) {
     let (nk, nv, dk, dv, t) = (c.nk, c.nv, c.dk, c.dv, c.t());
     let (qs, zs) = (c.qkv_stride(), c.zba_stride());
     let g: Vec<f32> = (0..t * nv).map(|e| -c.a_log[e % nv].exp() * reference::softplus(c.zba[(e / nv) * zs + nv * dv + nv + e % nv] + c.dt_bias[e % nv])).collect();
-    let beta: Vec<f32> = (0..t * nv).map(|e| reference::sigmoid(c.zba[(e / nv) * zs + nv * dv + e % nv])).collect();
+    let beta: Vec<f32> = rounded(&(0..t * nv).map(|e| reference::sigmoid(c.zba[(e / nv) * zs + nv * dv + e % nv])).collect::<Vec<_>>(), st);
     let cu = c.cu();
     let mut state = c.state0.clone();
     let mut core = vec![0.0f32; t * nv * dv];
