@@ -175,20 +175,21 @@ fn gemv_add_rmsnorm_two_kernel_routes() {
         assert_bitwise(&res, &want_res, &format!("{form:?} m{m} residual"));
         assert_bitwise(&h, &want_h, &format!("{form:?} m{m} h"));
     }
-    // The device's form (ByShape on sm_80+: shapes the CUDA-core GEMV streams faster stay
-    // unfused) gives its own gemv + add_rmsnorm bits, fused or not, at the 8B's o and down.
-    for (n, k) in [(4096, 4096), (4096, 14336)] {
+    // The device's form (ByShape on sm_80+: at M = 1 the shapes it runs on CUDA cores stay
+    // unfused) gives its own gemv + add_rmsnorm bits, fused or not, at the 8B's o and down, at
+    // M = 1 and 2.
+    for (n, k, m) in [(4096, 4096, 1), (4096, 4096, 2), (4096, 14336, 1), (4096, 14336, 2)] {
         let form = dev.gemv_form();
         let w = upload(&dev, &rounded(&rng.vec(n * k, -0.02, 0.02), st));
         let nw = upload(&dev, &rounded(&rng.vec(n, 0.5, 1.5), st));
-        let x = upload(&dev, &rounded(&rng.vec(2 * k, -1.0, 1.0), st));
-        let residual = rounded(&rng.vec(2 * n, -2.0, 2.0), st);
-        let (want_res, want_h) = two_kernels(&dev, form, &x, &w, &residual, &nw, 2, n, k, false);
-        let mut tmp = Out16::new(&dev, 2 * n);
+        let x = upload(&dev, &rounded(&rng.vec(m * k, -1.0, 1.0), st));
+        let residual = rounded(&rng.vec(m * n, -2.0, 2.0), st);
+        let (want_res, want_h) = two_kernels(&dev, form, &x, &w, &residual, &nw, m, n, k, false);
+        let mut tmp = Out16::new(&dev, m * n);
         let mut res = Out16::with(&dev, &residual);
-        let mut h = Out16::new(&dev, 2 * n);
-        dev.gemv_add_rmsnorm(&x, &w, &mut tmp.view(), &mut res.view(), &nw, &mut h.view(), &mut arrivals, 2, n, k, EPS, false).unwrap();
-        let what = format!("{form:?} ({:?}) n{n} k{k}", add_norm_route(form, 2, n, k, true));
+        let mut h = Out16::new(&dev, m * n);
+        dev.gemv_add_rmsnorm(&x, &w, &mut tmp.view(), &mut res.view(), &nw, &mut h.view(), &mut arrivals, m, n, k, EPS, false).unwrap();
+        let what = format!("{form:?} ({:?}) n{n} k{k} m{m}", add_norm_route(form, m, n, k, true));
         assert_bitwise(&res.read(&dev, "device form residual"), &want_res, &format!("{what} residual"));
         assert_bitwise(&h.read(&dev, "device form h"), &want_h, &format!("{what} h"));
     }

@@ -85,7 +85,8 @@ impl CudaDevice {
         let pdl_switch = std::env::var(super::ops::PDL_SWITCH).ok();
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
-        let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref())?;
+        let invariant = std::env::var(super::ops::BATCH_INVARIANT_SWITCH).ok();
+        let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref(), invariant.as_deref())?;
         let shapes = std::env::var(super::ops::GEMV_SHAPES_VAR).ok();
         let gemv_shapes = super::ops::gemv_shapes_for((major, minor), gemv_form, tc_switch.as_deref(), shapes.as_deref())?;
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
@@ -140,10 +141,10 @@ impl CudaDevice {
         self.gemv_form
     }
 
-    /// The kernel a weight of `rows` x `k` runs in GEMV form `form` on this device (its
-    /// `NINFER_GEMV_SHAPES` override applied): `ops::gemv_kernel`.
-    pub fn gemv_kernel(&self, form: super::ops::GemvForm, rows: usize, k: usize) -> super::ops::GemvKernel {
-        super::ops::gemv_kernel(form, self.gemv_shapes.as_ref(), rows, k)
+    /// The kernel a weight of `rows` x `k` runs in GEMV form `form` for a launch of `m` rows on
+    /// this device (its `NINFER_GEMV_SHAPES` override applied): `ops::gemv_kernel`.
+    pub fn gemv_kernel(&self, form: super::ops::GemvForm, rows: usize, k: usize, m: usize) -> super::ops::GemvKernel {
+        super::ops::gemv_kernel(form, self.gemv_shapes.as_ref(), rows, k, m)
     }
 
     /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.

@@ -18,7 +18,8 @@ pub const GEMV_MAX_M: usize = 8;
 /// the same weight loads, then the same warp reduction), so a sequence decoded in a batch of up
 /// to 8 gets bit-identical projections, and hence logits, to the same sequence decoded alone.
 /// cuBLAS picks its algorithm (and summation order) by M, which would break that. Both GEMV
-/// forms keep it (each on its own; a device runs one form for every M, `gemv_form`). Measured on
+/// kernels keep it on their own; `GemvForm::ByShape` mixes them by M (faster at batch 1) and so
+/// gives it up unless `NINFER_BATCH_INVARIANT` is on (`gemv_form_with_switch`). Measured on
 /// the H200 at 14336x4096 bf16 (benches/results/perf_ops_71d15e5.log): SIMT GEMV 3.70 / 3.33 /
 /// 2.68 / 1.15 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.74 / 3.56 / 3.83 / 3.84.
 pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
@@ -37,11 +38,13 @@ pub enum GemvForm {
     /// The tensor-core GEMV in a given instance instead of the shape's `gemv_tc_config`: for the
     /// tests (every instance against the reference) and the sweep that fills the table.
     TensorCoresAs(GemvTcConfig),
-    /// Per weight shape, the kernel `GEMV_TC_RULES` gives it: the CUDA-core kernel where that
-    /// one streams the shape faster at M = 1 (`cuda_cores`), else the rule's tensor-core
-    /// instance; or, on a device opened with `NINFER_GEMV_SHAPES` (gemv_tuning.rs), the kernel
-    /// that override names for the shape. Each shape still runs one kernel for every M
-    /// (batch == alone). sm_80+ default.
+    /// Per weight shape and batch, the kernel `GEMV_TC_RULES` gives it: at M = 1 the CUDA-core
+    /// kernel where that decodes faster in the model (`cuda_cores`), else (and at every M >= 2)
+    /// the rule's tensor-core instance; or, on a device opened with `NINFER_GEMV_SHAPES`
+    /// (gemv_tuning.rs), the kernel that override names for the shape at every M. The fastest
+    /// form, but a shape's M = 1 and M >= 2 kernels sum in different orders, so a sequence
+    /// decoded in a batch may differ from it decoded alone in the last bits (and, at a near-tie,
+    /// in a token): `NINFER_BATCH_INVARIANT=1` runs `TensorCores` instead. sm_80+ default.
     ByShape,
 }
 
@@ -95,9 +98,8 @@ impl GemvTcConfig {
 }
 
 /// A row of the per-shape table: weights with at most `max_rows` rows and at least `min_k`
-/// columns run `config` on tensor cores, or under `GemvForm::ByShape` the CUDA-core kernel
-/// when `cuda_cores` (it reads the shape faster at M = 1, batch-1 decode's case, though not at
-/// M >= 2).
+/// columns run `config` on tensor cores, or under `GemvForm::ByShape` at M = 1 the CUDA-core
+/// kernel when `cuda_cores` (it decodes the shape faster at batch 1, though not at M >= 2).
 #[derive(Debug, Clone, Copy)]
 pub struct GemvTcRule {
     pub max_rows: usize,
@@ -133,21 +135,23 @@ pub struct GemvTcRule {
 /// | Qwen3.5-27B | lm_head f32  | 248320 x 5120   | 15520  | cc/w8u8h | 4063 / 3933 / 4438   |
 ///
 /// The CUDA-core kernel reads most big matrices faster at M = 1 (4-9% on the 27B's, 4-7% on the
-/// 8B's down and lm_head) but not at M >= 2 (1.19 TB/s at M = 8 against 3.8), and a shape must
-/// run one kernel for every M (batch == alone). Batch-1 decode is what the engine is chosen
-/// for, so under `GemvForm::ByShape` (the sm_80+ default) a shape runs the CUDA-core kernel
-/// where it wins at M = 1 by more than 2% (`cuda_cores`, marked "cc" above) and its tensor-core
-/// instance elsewhere; `NINFER_TC_GEMV=1` runs every shape on tensor cores (concurrent
-/// decode: 2-3x at M = 8), `NINFER_TC_GEMV=0` every shape on CUDA cores.
-/// Never a function of M: every M of a shape runs the same instance, so a row decoded in a
-/// batch equals it decoded alone bit for bit (the warps split decides the summation order).
+/// 8B's down and lm_head) but not at M >= 2 (1.19 TB/s at M = 8 against 3.8). In the model the
+/// isolated figures mislead (neighbours overlap under PDL, L2 is warm, the pre-wait prefetch
+/// differs): Llama-3-8B batch-1 decode at 64e81ae (benches/gemv_variants.sh,
+/// benches/results/gemv_variants_64e81ae.log; tok/s, noise ~0.8%) gave 212.6 with this table's
+/// first form (qkv / o / gate_up on tensor cores, down / lm_head on CUDA cores), 223.3 with
+/// every shape on CUDA cores, 218.9 with only gate_up moved to CUDA cores, 218.0 with only down
+/// moved to tensor cores (w16u4), no change from qkv or o alone, and a deeper pre-wait prefetch
+/// only hurt (128 steps: 183.0). So `cuda_cores` (the kernel `GemvForm::ByShape` runs at M = 1)
+/// is now set from the model: CUDA cores for every shape but the 4096-row, long-K down
+/// projection; from M = 2 on every shape runs its tensor-core instance (`config`).
 pub const GEMV_TC_RULES: &[GemvTcRule] = &[
-    GemvTcRule { max_rows: 4096, min_k: 8192, config: tc(16, 4, false), cuda_cores: true },
-    GemvTcRule { max_rows: 4096, min_k: 0, config: tc(8, 8, true), cuda_cores: false },
+    GemvTcRule { max_rows: 4096, min_k: 8192, config: tc(16, 4, false), cuda_cores: false },
+    GemvTcRule { max_rows: 4096, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
     GemvTcRule { max_rows: 5120, min_k: 16384, config: GemvTcConfig::DEFAULT, cuda_cores: true },
-    GemvTcRule { max_rows: 6144, min_k: 0, config: tc(8, 4, true), cuda_cores: false },
+    GemvTcRule { max_rows: 6144, min_k: 0, config: tc(8, 4, true), cuda_cores: true },
     GemvTcRule { max_rows: 65536, min_k: 5120, config: tc(8, 8, true), cuda_cores: true },
-    GemvTcRule { max_rows: 65536, min_k: 0, config: tc(8, 8, true), cuda_cores: false },
+    GemvTcRule { max_rows: 65536, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
     GemvTcRule { max_rows: 131072, min_k: 0, config: tc(16, 4, true), cuda_cores: true },
     GemvTcRule { max_rows: usize::MAX, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
 ];
@@ -158,7 +162,7 @@ pub fn gemv_tc_config(rows: usize, k: usize) -> GemvTcConfig {
     gemv_tc_config_in(GEMV_TC_RULES, rows, k)
 }
 
-/// Whether `GemvForm::ByShape` runs a weight of `rows` x `k` on CUDA cores (its rule's
+/// Whether `GemvForm::ByShape` runs a weight of `rows` x `k` on CUDA cores at M = 1 (its rule's
 /// `cuda_cores`; shapes no rule covers stay on tensor cores).
 pub fn gemv_shape_on_cuda_cores(rows: usize, k: usize) -> bool {
     gemv_rule_in(GEMV_TC_RULES, rows, k).is_some_and(|r| r.cuda_cores)
@@ -176,14 +180,15 @@ fn gemv_rule_in(rules: &[GemvTcRule], rows: usize, k: usize) -> Option<&GemvTcRu
 /// The kernel a weight of `rows` x `k` runs in form `form`, with the device's per-shape
 /// override `shapes` (`NINFER_GEMV_SHAPES`, which only `ByShape` consults; None: the built-in
 /// table): the one place that resolves a form to a kernel, for the GEMV launcher and the fused
-/// add + RMSNorm route alike. A function of the shape, never of M.
-pub fn gemv_kernel(form: GemvForm, shapes: Option<&GemvShapeOverride>, rows: usize, k: usize) -> GemvKernel {
+/// add + RMSNorm route alike. `m` is the rows of the launch (1..=GEMV_MAX_M): only `ByShape`
+/// looks at it, to run its batch-1 kernel (`gemv_shape_on_cuda_cores`) at M = 1 alone.
+pub fn gemv_kernel(form: GemvForm, shapes: Option<&GemvShapeOverride>, rows: usize, k: usize, m: usize) -> GemvKernel {
     match form {
         GemvForm::Simt => GemvKernel::CudaCores,
         GemvForm::TensorCores => GemvKernel::TensorCores(gemv_tc_config(rows, k)),
         GemvForm::TensorCoresAs(c) => GemvKernel::TensorCores(c),
         GemvForm::ByShape => shapes.and_then(|o| o.kernel(rows, k)).unwrap_or_else(|| {
-            if gemv_shape_on_cuda_cores(rows, k) {
+            if m == 1 && gemv_shape_on_cuda_cores(rows, k) {
                 GemvKernel::CudaCores
             } else {
                 GemvKernel::TensorCores(gemv_tc_config(rows, k))
@@ -244,17 +249,30 @@ pub fn gemv_form(cc: (u32, u32)) -> GemvForm {
 /// decode: 2-3x the CUDA-core kernel's rate at M = 8), 0 CUDA cores; unset: per shape.
 pub const TC_GEMV_SWITCH: &str = "NINFER_TC_GEMV";
 
-/// `gemv_form(cc)` when `NINFER_TC_GEMV` (value `switch`) is unset, `TensorCores` when on (on
-/// sm_80+; below, the CUDA-core kernel is all there is), `Simt` when off; a misspelt value is an
-/// error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a sequence's
-/// projections never change form mid-run (batch == alone holds within a form).
-pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>) -> Result<GemvForm> {
+/// The environment switch for batch-invariant decode: on, every M of a weight shape runs one
+/// kernel (the tensor-core form from sm_80 on), so a sequence decoded in a batch of up to
+/// GEMV_MAX_M equals it decoded alone bit for bit; off (default), `GemvForm::ByShape` runs the
+/// faster CUDA-core kernel of some shapes at M = 1 only.
+pub const BATCH_INVARIANT_SWITCH: &str = "NINFER_BATCH_INVARIANT";
+
+/// `gemv_form(cc)` when `NINFER_TC_GEMV` (value `switch`) and `NINFER_BATCH_INVARIANT` (value
+/// `invariant`) are unset or off; `TensorCores` when either is on (on sm_80+; below, the
+/// CUDA-core kernel is all there is), `Simt` when `NINFER_TC_GEMV` is off; a misspelt value is
+/// an error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a
+/// sequence's projections never change form mid-run. `Simt` and `TensorCores` are batch
+/// invariant (one kernel per shape whatever M); `ByShape` is not.
+pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>, invariant: Option<&str>) -> Result<GemvForm> {
+    let invariant = crate::config::env_switch::parse_switch(BATCH_INVARIANT_SWITCH, invariant, false)?;
     if switch.map(str::trim).is_none_or(str::is_empty) {
-        return Ok(gemv_form(cc));
+        return Ok(match gemv_form(cc) {
+            GemvForm::ByShape if invariant => GemvForm::TensorCores,
+            f => f,
+        });
     }
     let on = crate::config::env_switch::parse_switch(TC_GEMV_SWITCH, switch, true)?;
     Ok(if on && cc.0 >= 8 { GemvForm::TensorCores } else { GemvForm::Simt })
 }
+
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
 /// multi-row GEMV from being bound by re-reading x; one row keeps one column per warp for
@@ -383,7 +401,7 @@ impl CudaDevice {
             let mm = (m - row).min(GEMV_MAX_M);
             let xr = x + (row * k * 2) as u64;
             let yr = y + (row * n) as u64 * out.elem_bytes();
-            match self.gemv_kernel(form, out.weight_rows(n), k) {
+            match self.gemv_kernel(form, out.weight_rows(n), k, mm) {
                 GemvKernel::CudaCores => {
                     let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm)))? as u32, 1, 1);
                     let name = out.name(mm);
@@ -397,7 +415,7 @@ impl CudaDevice {
                     ];
                     self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
                 }
-                // One instance per weight shape, whatever M (batch == alone).
+                // One instance per weight shape, whatever M.
                 GemvKernel::TensorCores(c) => {
                     let grid = (as_i32("gemv n", n.div_ceil(out.tc_cols_per_block()))? as u32, 1, 1);
                     let name = out.tc_name(c)?;
@@ -577,33 +595,49 @@ mod tests {
 
     #[test]
     fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
-        assert_eq!(gemv_form_with_switch((9, 0), None).unwrap(), GemvForm::ByShape);
-        assert_eq!(gemv_form_with_switch((9, 0), Some(" ")).unwrap(), GemvForm::ByShape);
-        assert_eq!(gemv_form_with_switch((7, 5), None).unwrap(), GemvForm::Simt);
-        assert_eq!(gemv_form_with_switch((9, 0), Some("0")).unwrap(), GemvForm::Simt);
-        assert_eq!(gemv_form_with_switch((9, 0), Some("on")).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), None, None).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((9, 0), Some(" "), Some("0")).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((7, 5), None, None).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), None).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("on"), None).unwrap(), GemvForm::TensorCores);
         // On will not force the mma path onto a device without it.
-        assert_eq!(gemv_form_with_switch((7, 5), Some("1")).unwrap(), GemvForm::Simt);
-        let e = gemv_form_with_switch((9, 0), Some("tc")).unwrap_err().to_string();
+        assert_eq!(gemv_form_with_switch((7, 5), Some("1"), None).unwrap(), GemvForm::Simt);
+        let e = gemv_form_with_switch((9, 0), Some("tc"), None).unwrap_err().to_string();
         assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
+        // Batch invariance: one kernel per shape for every M (tensor cores), whatever M; an
+        // explicit NINFER_TC_GEMV is invariant already and wins; below sm_80 the SIMT form is.
+        assert_eq!(gemv_form_with_switch((9, 0), None, Some("1")).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), Some("1")).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((7, 5), None, Some("on")).unwrap(), GemvForm::Simt);
+        let e = gemv_form_with_switch((9, 0), None, Some("always")).unwrap_err().to_string();
+        assert!(e.contains(BATCH_INVARIANT_SWITCH) && e.contains("always"), "{e}");
     }
 
     #[test]
     fn gemv_kernel_resolves_the_form_and_only_by_shape_takes_the_override() {
         let o = super::super::gemv_tuning::parse_gemv_shapes(Some("6144x4096=cc,4096x14336=w16u4h")).unwrap().unwrap();
         let on_tc = GemvKernel::TensorCores;
-        // Without an override ByShape is GEMV_TC_RULES: qkv on tensor cores, down on CUDA cores.
-        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096), on_tc(gemv_tc_config(6144, 4096)));
-        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336), GemvKernel::CudaCores);
-        // The override moves the shapes it names, and only those.
-        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 6144, 4096), GemvKernel::CudaCores);
-        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 14336), on_tc(tc(16, 4, true)));
-        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096), on_tc(gemv_tc_config(4096, 4096)));
-        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 128256, 4096), GemvKernel::CudaCores);
-        // The forms that put every shape on one kernel do not consult it.
-        assert_eq!(gemv_kernel(GemvForm::Simt, Some(&o), 4096, 14336), GemvKernel::CudaCores);
-        assert_eq!(gemv_kernel(GemvForm::TensorCores, Some(&o), 6144, 4096), on_tc(gemv_tc_config(6144, 4096)));
-        assert_eq!(gemv_kernel(GemvForm::TensorCoresAs(GemvTcConfig::DEFAULT), Some(&o), 6144, 4096), on_tc(GemvTcConfig::DEFAULT));
+        // Without an override ByShape is GEMV_TC_RULES: at M = 1 qkv on CUDA cores, the 8B's down
+        // on tensor cores; from M = 2 on every shape on its tensor-core instance.
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096, 1), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 1), on_tc(gemv_tc_config(4096, 14336)));
+        for m in [2, 5, 8] {
+            assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096, m), on_tc(gemv_tc_config(6144, 4096)));
+            assert_eq!(gemv_kernel(GemvForm::ByShape, None, 128256, 4096, m), on_tc(gemv_tc_config(128256, 4096)));
+        }
+        // The override moves the shapes it names, and only those, at every M.
+        for m in [1, 3] {
+            assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 6144, 4096, m), GemvKernel::CudaCores);
+            assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 14336, m), on_tc(tc(16, 4, true)));
+        }
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096, 1), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096, 2), on_tc(gemv_tc_config(4096, 4096)));
+        // The forms that put every shape on one kernel consult neither the override nor M.
+        for m in [1, 8] {
+            assert_eq!(gemv_kernel(GemvForm::Simt, Some(&o), 4096, 14336, m), GemvKernel::CudaCores);
+            assert_eq!(gemv_kernel(GemvForm::TensorCores, Some(&o), 6144, 4096, m), on_tc(gemv_tc_config(6144, 4096)));
+            assert_eq!(gemv_kernel(GemvForm::TensorCoresAs(GemvTcConfig::DEFAULT), Some(&o), 6144, 4096, m), on_tc(GemvTcConfig::DEFAULT));
+        }
     }
 
     #[test]
@@ -658,15 +692,15 @@ mod tests {
         ] {
             assert_eq!(gemv_tc_config(rows, k), want, "{rows} x {k}");
         }
-        // ByShape: CUDA cores where they won at M = 1 by more than 2%.
+        // ByShape at M = 1: CUDA cores but for the 8B's down (the in-model decode figures).
         for (rows, k, cc) in [
-            (6144, 4096, false),
-            (4096, 4096, false),
-            (28672, 4096, false),
-            (4096, 14336, true),
+            (6144, 4096, true),
+            (4096, 4096, true),
+            (28672, 4096, true),
+            (4096, 14336, false),
             (128256, 4096, true),
             (14336, 5120, true),
-            (5120, 6144, false),
+            (5120, 6144, true),
             (16480, 5120, true),
             (34816, 5120, true),
             (5120, 17408, true),

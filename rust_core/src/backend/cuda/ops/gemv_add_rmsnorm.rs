@@ -36,7 +36,7 @@ pub enum AddNormRoute {
 /// under the built-in per-shape table (`add_norm_route_for` of the form's kernel for the
 /// weight), with all of the norm's buffers 16-byte aligned or not.
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
-    add_norm_route_for(gemv_kernel(form, None, n, k), rows, n, k, aligned)
+    add_norm_route_for(gemv_kernel(form, None, n, k, rows), rows, n, k, aligned)
 }
 
 /// The route when the plain GEMV of the [n, k] weight runs `kernel` (`gemv_kernel`): the one
@@ -112,7 +112,7 @@ impl CudaDevice {
             let (hp, _h) = h.device_ptr_mut(s);
             [rp, np, hp].iter().all(|p| p % 16 == 0)
         };
-        let kernel = self.gemv_kernel(form, n, k);
+        let kernel = self.gemv_kernel(form, n, k, rows);
         match (add_norm_route_for(kernel, rows, n, k, aligned), kernel) {
             // Fused is only ever the route of a tensor-core kernel.
             (AddNormRoute::TwoKernels, _) | (AddNormRoute::Fused, GemvKernel::CudaCores) => {
@@ -175,9 +175,11 @@ mod tests {
         assert_eq!(add_norm_route(GemvForm::Simt, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
         let w4 = crate::backend::cuda::ops::GemvTcConfig { warps: 4, unroll: 4, hold: false };
         assert_eq!(add_norm_route(GemvForm::TensorCoresAs(w4), 8, 5120, 17408, true), AddNormRoute::Fused);
-        // Per shape: the 8B's o projection runs on tensor cores, its down projection on CUDA
-        // cores (GEMV_TC_RULES), and the route follows.
-        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 4096, true), AddNormRoute::Fused);
-        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::TwoKernels);
+        // Per shape and M: at M = 1 the 8B's o projection runs on CUDA cores, its down projection
+        // on tensor cores (GEMV_TC_RULES), from M = 2 both on tensor cores; the route follows.
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::Fused);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 4096, true), AddNormRoute::Fused);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 14336, true), AddNormRoute::Fused);
     }
 }

@@ -127,8 +127,8 @@ pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
 }
 
 /// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
-/// the variable's value `shapes`: it applies to `GemvForm::ByShape` only; with `NINFER_TC_GEMV`
-/// set, which puts every shape on one kernel, it would be silently ignored, so that is an error
+/// the variable's value `shapes`: it applies to `GemvForm::ByShape` only (at every M); with
+/// `NINFER_TC_GEMV` or `NINFER_BATCH_INVARIANT` set, which put every shape on one kernel, it would be silently ignored, so that is an error
 /// naming both variables. Below sm_80 (form Simt, no tensor-core GEMV) it is ignored, as
 /// `NINFER_TC_GEMV=1` is.
 pub fn gemv_shapes_for(
@@ -145,7 +145,11 @@ pub fn gemv_shapes_for(
         let tc = tc_switch.unwrap_or_default().trim();
         return Err(NinferError::config(
             GEMV_SHAPES_VAR,
-            format!("sets kernels per shape, but {}={tc:?} puts every shape on one kernel: unset one of them", super::gemv::TC_GEMV_SWITCH),
+            format!(
+                "sets kernels per shape, but {}={tc:?} or {} on puts every shape on one kernel: unset one of them",
+                super::gemv::TC_GEMV_SWITCH,
+                super::gemv::BATCH_INVARIANT_SWITCH
+            ),
         ));
     }
     Ok(Some(o))
