@@ -325,7 +325,9 @@ fn linear_routes_by_m_and_matches_reference() {
 }
 
 /// Row r of an M-row GEMV must be bit-identical to the one-row GEMV of that row, for every
-/// M the kernel serves and both output types: the batch == alone guarantee of decode.
+/// M the kernel serves and both output types, in each batch-invariant form (one kernel for
+/// every M: `Simt`, and `TensorCores` from sm_80 on; `NINFER_BATCH_INVARIANT` picks the latter):
+/// the batch == alone guarantee of decode.
 #[test]
 fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
     for st in STORAGES {
@@ -333,27 +335,38 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
         let mut rng = Rng::new(23);
         let (n, k) = (333, 4096 + 8);
         let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
-        for m in 2..=8 {
-            let x = rounded(&rng.vec(m * k, -2.0, 2.0), st);
-            let xd = upload(&dev, &x);
-            let mut y = Out16::new(&dev, m * n);
-            dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap();
-            let mut y32 = Out32::new(&dev, m * n);
-            dev.linear_f32_out(&xd, &w, &mut y32.view(), m, n, k).unwrap();
-            let (many, many32) = (y.read(&dev, "gemv rows"), y32.read(&dev, "gemv rows f32"));
-            for r in 0..m {
-                let xr = upload(&dev, &x[r * k..(r + 1) * k]);
-                let mut one = Out16::new(&dev, n);
-                dev.linear(&xr, &w, &mut one.view(), 1, n, k).unwrap();
-                let mut one32 = Out32::new(&dev, n);
-                dev.linear_f32_out(&xr, &w, &mut one32.view(), 1, n, k).unwrap();
-                let (one, one32) = (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
-                let row = &many[r * n..(r + 1) * n];
-                let row32 = &many32[r * n..(r + 1) * n];
-                assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} m={m} row {r}: storage output differs from M=1");
-                assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} m={m} row {r}: f32 output differs from M=1");
+        for form in invariant_gemv_forms(&dev) {
+            for m in 2..=8 {
+                let x = rounded(&rng.vec(m * k, -2.0, 2.0), st);
+                let xd = upload(&dev, &x);
+                let mut y = Out16::new(&dev, m * n);
+                dev.gemv_with(form, &xd, &w, &mut y.view(), m, n, k).unwrap();
+                let mut y32 = Out32::new(&dev, m * n);
+                dev.gemv_f32_out_with(form, &xd, &w, &mut y32.view(), m, n, k).unwrap();
+                let (many, many32) = (y.read(&dev, "gemv rows"), y32.read(&dev, "gemv rows f32"));
+                for r in 0..m {
+                    let xr = upload(&dev, &x[r * k..(r + 1) * k]);
+                    let mut one = Out16::new(&dev, n);
+                    dev.gemv_with(form, &xr, &w, &mut one.view(), 1, n, k).unwrap();
+                    let mut one32 = Out32::new(&dev, n);
+                    dev.gemv_f32_out_with(form, &xr, &w, &mut one32.view(), 1, n, k).unwrap();
+                    let (one, one32) = (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
+                    let row = &many[r * n..(r + 1) * n];
+                    let row32 = &many32[r * n..(r + 1) * n];
+                    assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} m={m} row {r}: storage output differs from M=1");
+                    assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} m={m} row {r}: f32 output differs from M=1");
+                }
             }
         }
+    }
+}
+
+/// The GEMV forms that run one kernel per shape for every M (batch == alone bit for bit).
+fn invariant_gemv_forms(dev: &CudaDevice) -> Vec<GemvForm> {
+    if dev.compute_capability().0 >= 8 {
+        vec![GemvForm::Simt, GemvForm::TensorCores]
+    } else {
+        vec![GemvForm::Simt]
     }
 }
 
@@ -363,7 +376,7 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
 /// those of the unfused path. inter ragged against the warp's pairs and the block's columns
 /// (333, 37, 1027), K = 1000 / 8 / 4096; weights scaled so the sums spread over silu's curve.
 /// Also checked against the CPU reference (gate_up rounded to storage as the GPU rounds it), and
-/// row r of an M-row launch against the one-row launch (batch == alone).
+/// row r of an M-row launch against the one-row launch (batch == alone) in each invariant form.
 #[test]
 fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
     for st in STORAGES {
@@ -389,11 +402,15 @@ fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
                 assert_bitwise(&fused, &act.read(&dev, "swiglu"), &format!("gemv_gateup_swiglu {st:?} {shape} vs gemv + swiglu"));
                 let want = reference::swiglu(&rounded(&reference::matmul_nt(&x, &w, m, 2 * inter, k), st), m, inter);
                 check("gemv_gateup_swiglu", st, &shape, &fused, &want, tol16(st));
-                if m > 1 {
+                // Batch == alone in each batch-invariant form.
+                for form in invariant_gemv_forms(&dev).into_iter().filter(|_| m > 1) {
+                    let mut many = Out16::new(&dev, m * inter);
+                    dev.gemv_gateup_swiglu_with(form, &xd, &wd, &mut many.view(), m, inter, k).unwrap();
+                    let many = many.read(&dev, "gemv_gateup_swiglu rows");
                     for r in [0, m - 1] {
                         let mut one = Out16::new(&dev, inter);
-                        dev.gemv_gateup_swiglu(&upload(&dev, &x[r * k..(r + 1) * k]), &wd, &mut one.view(), 1, inter, k).unwrap();
-                        assert_bitwise(&fused[r * inter..(r + 1) * inter], &one.read(&dev, "gemv_gateup_swiglu one"), &format!("gemv_gateup_swiglu {st:?} {shape} row {r} vs M=1"));
+                        dev.gemv_gateup_swiglu_with(form, &upload(&dev, &x[r * k..(r + 1) * k]), &wd, &mut one.view(), 1, inter, k).unwrap();
+                        assert_bitwise(&many[r * inter..(r + 1) * inter], &one.read(&dev, "gemv_gateup_swiglu one"), &format!("gemv_gateup_swiglu {st:?} {form:?} {shape} row {r} vs M=1"));
                     }
                 }
             }

@@ -142,11 +142,14 @@ pub struct GemvTcRule {
 /// first form (qkv / o / gate_up on tensor cores, down / lm_head on CUDA cores), 223.3 with
 /// every shape on CUDA cores, 218.9 with only gate_up moved to CUDA cores, 218.0 with only down
 /// moved to tensor cores (w16u4), no change from qkv or o alone, and a deeper pre-wait prefetch
-/// only hurt (128 steps: 183.0). So `cuda_cores` (the kernel `GemvForm::ByShape` runs at M = 1)
-/// is now set from the model: CUDA cores for every shape but the 4096-row, long-K down
-/// projection; from M = 2 on every shape runs its tensor-core instance (`config`).
+/// only hurt (128 steps: 183.0). With the M = 1 kernel chosen apart from the batched one
+/// (391a3f6, gemv_variants_391a3f6.log): CUDA cores everywhere 224.7 against 221.5-221.8 with
+/// the 8B's down on tensor cores (w16u4; w16u4h / w16u8h 218.1 / 217.6), the lm_head on tensor
+/// cores 220.1; the Qwen3.5-27B shape 75.2 tok/s with CUDA cores everywhere against 72.1 with its
+/// down on tensor cores. So `cuda_cores` (the kernel `GemvForm::ByShape` runs at M = 1) is set
+/// for every shape measured; from M = 2 on every shape runs its tensor-core instance (`config`).
 pub const GEMV_TC_RULES: &[GemvTcRule] = &[
-    GemvTcRule { max_rows: 4096, min_k: 8192, config: tc(16, 4, false), cuda_cores: false },
+    GemvTcRule { max_rows: 4096, min_k: 8192, config: tc(16, 4, false), cuda_cores: true },
     GemvTcRule { max_rows: 4096, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
     GemvTcRule { max_rows: 5120, min_k: 16384, config: GemvTcConfig::DEFAULT, cuda_cores: true },
     GemvTcRule { max_rows: 6144, min_k: 0, config: tc(8, 4, true), cuda_cores: true },
@@ -617,10 +620,11 @@ mod tests {
     fn gemv_kernel_resolves_the_form_and_only_by_shape_takes_the_override() {
         let o = super::super::gemv_tuning::parse_gemv_shapes(Some("6144x4096=cc,4096x14336=w16u4h")).unwrap().unwrap();
         let on_tc = GemvKernel::TensorCores;
-        // Without an override ByShape is GEMV_TC_RULES: at M = 1 qkv on CUDA cores, the 8B's down
-        // on tensor cores; from M = 2 on every shape on its tensor-core instance.
+        // Without an override ByShape is GEMV_TC_RULES: at M = 1 on CUDA cores; from M = 2 on
+        // every shape on its tensor-core instance.
         assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096, 1), GemvKernel::CudaCores);
-        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 1), on_tc(gemv_tc_config(4096, 14336)));
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 1), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 2), on_tc(gemv_tc_config(4096, 14336)));
         for m in [2, 5, 8] {
             assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096, m), on_tc(gemv_tc_config(6144, 4096)));
             assert_eq!(gemv_kernel(GemvForm::ByShape, None, 128256, 4096, m), on_tc(gemv_tc_config(128256, 4096)));
@@ -692,12 +696,12 @@ mod tests {
         ] {
             assert_eq!(gemv_tc_config(rows, k), want, "{rows} x {k}");
         }
-        // ByShape at M = 1: CUDA cores but for the 8B's down (the in-model decode figures).
+        // ByShape at M = 1: CUDA cores for every shape (the in-model decode figures).
         for (rows, k, cc) in [
             (6144, 4096, true),
             (4096, 4096, true),
             (28672, 4096, true),
-            (4096, 14336, false),
+            (4096, 14336, true),
             (128256, 4096, true),
             (14336, 5120, true),
             (5120, 6144, true),

@@ -175,10 +175,10 @@ mod tests {
         assert_eq!(add_norm_route(GemvForm::Simt, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
         let w4 = crate::backend::cuda::ops::GemvTcConfig { warps: 4, unroll: 4, hold: false };
         assert_eq!(add_norm_route(GemvForm::TensorCoresAs(w4), 8, 5120, 17408, true), AddNormRoute::Fused);
-        // Per shape and M: at M = 1 the 8B's o projection runs on CUDA cores, its down projection
-        // on tensor cores (GEMV_TC_RULES), from M = 2 both on tensor cores; the route follows.
+        // Per shape and M: at M = 1 the 8B's o and down projections run on CUDA cores, from M = 2
+        // on tensor cores (GEMV_TC_RULES); the route follows.
         assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
-        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::Fused);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::TwoKernels);
         assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 4096, true), AddNormRoute::Fused);
         assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 14336, true), AddNormRoute::Fused);
     }
