@@ -339,14 +339,14 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
             let mut y = Out16::new(&dev, m * n);
             dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap();
             let mut y32 = Out32::new(&dev, m * n);
-            dev.linear_f32_out(&xd, &w, &mut y32.view(), m, n, k).unwrap();
+            dev.linear_f32_out(&xd, &w, &mut y32.view(), m, n, k, false).unwrap();
             let (many, many32) = (y.read(&dev, "gemv rows"), y32.read(&dev, "gemv rows f32"));
             for r in 0..m {
                 let xr = upload(&dev, &x[r * k..(r + 1) * k]);
                 let mut one = Out16::new(&dev, n);
                 dev.linear(&xr, &w, &mut one.view(), 1, n, k).unwrap();
                 let mut one32 = Out32::new(&dev, n);
-                dev.linear_f32_out(&xr, &w, &mut one32.view(), 1, n, k).unwrap();
+                dev.linear_f32_out(&xr, &w, &mut one32.view(), 1, n, k, false).unwrap();
                 let (one, one32) = (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
                 let row = &many[r * n..(r + 1) * n];
                 let row32 = &many32[r * n..(r + 1) * n];

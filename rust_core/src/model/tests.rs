@@ -44,7 +44,7 @@ fn hybrid_checkpoint(tag: &str) -> PathBuf {
 }
 
 fn load(dir: &Path) -> CpuModel {
-    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2) }).unwrap();
+    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2), ..Default::default() }).unwrap();
     m.allocate_caches(32, 4, 4).unwrap();
     m
 }
@@ -135,6 +135,6 @@ fn bad_block_table_and_slot_are_rejected() {
     let tok = m.forward(&StepBatch { seqs: vec![seq(&[500], 0, &[0], 0, LogitsWanted::Last)] });
     assert!(matches!(tok, Err(NinferError::InvalidRequest { .. })));
     // No GPU here (or a checkpoint the CUDA kernels do not take): a typed error, never a panic.
-    let cuda = load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None });
+    let cuda = load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None, ..Default::default() });
     assert!(matches!(cuda, Err(NinferError::Device(_) | NinferError::Unsupported(_))));
 }
