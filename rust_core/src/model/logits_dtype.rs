@@ -30,12 +30,13 @@ pub enum LogitsDtype {
 pub const LOGITS_DTYPE_CHOICES: [&str; 2] = ["auto", "float32"];
 
 impl LogitsDtype {
-    /// "auto" or "float32" (also "f32"); anything else is an `InvalidArgument` naming the value.
+    /// "auto" or "float32" (also "f32"); anything else is an `Unsupported` error naming the
+    /// value and the choices (as a misspelt `device=`).
     pub fn parse(text: &str) -> Result<Self> {
         match text.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(LogitsDtype::Auto),
             "float32" | "f32" => Ok(LogitsDtype::Float32),
-            _ => Err(NinferError::invalid("logits_dtype", format!("`{text}` is not one of {}", LOGITS_DTYPE_CHOICES.join(", ")))),
+            _ => Err(NinferError::Unsupported(format!("logits_dtype `{text}` (available: {})", LOGITS_DTYPE_CHOICES.join(", ")))),
         }
     }
 
