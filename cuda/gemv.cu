@@ -159,11 +159,13 @@ GEMV_INSTANCE(6, 4, 4)
 GEMV_INSTANCE(7, 4, 4)
 GEMV_INSTANCE(8, 4, 4)
 
-// y[i] = round_st(y[i]) for i < n: the cuBLAS route's logits (prefill, M > 8) rounded to the
-// storage type in place, kept as f32 (logits_dtype "auto"; the GEMV rounds in its epilogue
-// instead, `round_out` above). Same rounding as there, so a row's logits are the same bits
-// whichever route produced the unrounded sums.
-extern "C" __global__ void round_f32_to_storage(float* y, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = round_st(y[i]);
+// y[i] = round_st(y[i]) for i < n: the cuBLAS route's logits (prefill, and decode batches of
+// more than 8 rows) rounded to the storage type in place, kept as f32 (logits_dtype "auto"; the
+// GEMV rounds in its epilogue instead, `round_out` above). Same rounding as there, so a row's
+// logits are the same bits whichever route produced the unrounded sums. Grid-stride over a 64-bit
+// count: a whole-prompt `Model.logits` of 8k rows at a 248k vocabulary passes 2^31 elements.
+extern "C" __global__ void round_f32_to_storage(float* y, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = round_st(y[i]);
 }

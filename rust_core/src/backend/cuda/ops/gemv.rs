@@ -493,9 +493,10 @@ impl CudaDevice {
     /// As `linear` with f32 output (the lm_head producing logits): GEMV up to
     /// GEMV_ROUTE_MAX_M rows, cuBLAS above. With `round`, every output is rounded to the
     /// storage type and kept as f32 (logits_dtype "auto", model/logits_dtype.rs): in the GEMV's
-    /// epilogue (decode gains no kernel), and after cuBLAS by `round_f32_to_storage` in place
-    /// (prefill's one extra kernel; cuBLAS writing the storage type instead would round the
-    /// same sums identically but needs a second buffer and a widening kernel all the same).
+    /// epilogue (decode of up to 8 rows gains no kernel), and after cuBLAS by
+    /// `round_f32_to_storage` in place (one elementwise kernel for prefill and for decode
+    /// batches above 8 rows; cuBLAS writing the storage type instead would round the same sums
+    /// identically but needs a second buffer and a widening kernel all the same).
     #[allow(clippy::too_many_arguments)]
     pub fn linear_f32_out(
         &self,
@@ -527,11 +528,13 @@ impl CudaDevice {
         }
         let s = self.stream();
         let (yp, _c) = y.device_ptr_mut(s);
+        // Enough blocks to fill the device several times over; the kernel strides past them.
         const THREADS: usize = 256;
-        let grid = (as_i32("round_f32_to_storage len", len.div_ceil(THREADS))? as u32, 1, 1);
+        const MAX_BLOCKS: usize = 1 << 16;
+        let grid = (len.div_ceil(THREADS).min(MAX_BLOCKS) as u32, 1, 1);
         let name = "round_f32_to_storage";
         let f = self.function(KernelFamily::Gemv, name)?;
-        let args = [KArg::Ptr(yp), KArg::I32(as_i32("round_f32_to_storage len", len)?)];
+        let args = [KArg::Ptr(yp), KArg::I64(len as i64)];
         self.launch(&f, cfg(grid, THREADS as u32), name, &args)
     }
 
