@@ -44,7 +44,7 @@ fn main() {
         println!("set NINFER_BENCH_MODEL=<hf dir> for whole-model decode");
         return;
     };
-    let mut model = load_model(&dir, &LoadOptions { device: "cpu".into(), num_threads: threads }).unwrap();
+    let mut model = load_model(&dir, &LoadOptions { device: "cpu".into(), num_threads: threads, ..Default::default() }).unwrap();
     let bs = 16;
     let (prompt, steps) = (16usize, 64usize);
     for batch_size in [1usize, 8] {

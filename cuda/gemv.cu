@@ -13,6 +13,9 @@
 
 // What a warp does with its column sums (gemv_body's OUT): store them in the storage type,
 // store them as f32 (the lm_head's logits), or apply SwiGLU to gate/up pairs (below).
+// The f32 store takes `round_out` (gemv_f32out_m*'s last argument): nonzero rounds each logit to
+// the storage type first (round_st), kept as f32: the model's logits_dtype "auto", the values
+// transformers' and vLLM's lm_head return, with no extra kernel on the decode path.
 #define GEMV_OUT_STORE 0
 #define GEMV_OUT_F32 1
 #define GEMV_OUT_SWIGLU 2
@@ -39,7 +42,7 @@ __device__ __forceinline__ long long gemv_weight_row(int c, int n0, int n_out) {
 // stores the warp's output columns.
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __restrict__ y, int n0,
-                                           int n_out, int lane) {
+                                           int n_out, int lane, int round_out) {
     constexpr int P = gemv_cols_per_warp<C, OUT>();
 #pragma unroll
     for (int c = 0; c < P; ++c) {
@@ -55,7 +58,7 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
                 }
             } else if (lane == 0 && n < n_out) {
                 if constexpr (OUT == GEMV_OUT_F32)
-                    reinterpret_cast<float*>(y)[(long long)m * n_out + n] = s;
+                    reinterpret_cast<float*>(y)[(long long)m * n_out + n] = round_out ? round_st(s) : s;
                 else
                     reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] = from_f32(s);
             }
@@ -81,7 +84,7 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           const store_t* __restrict__ w, void* __restrict__ y,
-                                          int n_out, int k) {
+                                          int n_out, int k, int round_out = 0) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
@@ -126,7 +129,7 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
             }
         }
     }
-    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane);
+    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane, round_out);
 }
 
 // SC: the weight rows per warp of the SwiGLU variant (twice the launcher's pairs_per_warp in
@@ -138,8 +141,9 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
         gemv_body<M, C, GEMV_OUT_STORE>(x, w, y, n_out, k);                                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
-        gemv_f32out_m##M(const store_t* x, const store_t* w, float* y, int n_out, int k) {     \
-        gemv_body<M, C, GEMV_OUT_F32>(x, w, y, n_out, k);                                      \
+        gemv_f32out_m##M(const store_t* x, const store_t* w, float* y, int n_out, int k,       \
+                         int round_out) {                                                      \
+        gemv_body<M, C, GEMV_OUT_F32>(x, w, y, n_out, k, round_out);                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gateup_swiglu_m##M(     \
         const store_t* x, const store_t* w, store_t* act, int inter, int k) {                  \
@@ -154,3 +158,14 @@ GEMV_INSTANCE(5, 4, 4)
 GEMV_INSTANCE(6, 4, 4)
 GEMV_INSTANCE(7, 4, 4)
 GEMV_INSTANCE(8, 4, 4)
+
+// y[i] = round_st(y[i]) for i < n: the cuBLAS route's logits (prefill, and decode batches of
+// more than 8 rows) rounded to the storage type in place, kept as f32 (logits_dtype "auto"; the
+// GEMV rounds in its epilogue instead, `round_out` above). Same rounding as there, so a row's
+// logits are the same bits whichever route produced the unrounded sums. Grid-stride over a 64-bit
+// count: a whole-prompt `Model.logits` of 8k rows at a 248k vocabulary passes 2^31 elements.
+extern "C" __global__ void round_f32_to_storage(float* y, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = round_st(y[i]);
+}

@@ -176,7 +176,8 @@ __device__ constexpr int gemv_tc_cols() {
 
 template <int OUT, int WARPS>
 __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], void* y, int m,
-                                              int n_out, int n0, const store_t (&res)[4]);
+                                              int n_out, int n0, const store_t (&res)[4],
+                                              int round_out);
 template <int WARPS>
 __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
                                                   int m, int dim);
@@ -196,7 +197,7 @@ template <int OUT, int WARPS, int UNROLL, bool HOLD>
 __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
                                              const store_t* __restrict__ w, void* y, int m,
                                              int n_out, int k, int prefetch,
-                                             const gemv_tc_norm& nm) {
+                                             const gemv_tc_norm& nm, int round_out = 0) {
     __shared__ float red[WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -282,14 +283,18 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[warp][j][lane] = d[j];
     __syncthreads();
-    if (warp == 0) gemv_tc_store<OUT, WARPS>(red, y, m, n_out, n0, res);
+    if (warp == 0) gemv_tc_store<OUT, WARPS>(red, y, m, n_out, n0, res, round_out);
     if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) gemv_tc_norm_rows<WARPS>((store_t*)y, nm, m, n_out);
 }
 
 // Warp 0 of a block: sums the warps' partials in warp order and stores the block's outputs.
+// `round_out` (f32 output only, nonzero): each logit rounded to the storage type and kept as f32
+// (the model's logits_dtype "auto", as gemv.cu's f32 store), in this epilogue so that decode
+// gains no kernel.
 template <int OUT, int WARPS>
 __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], void* y, int m,
-                                              int n_out, int n0, const store_t (&res)[4]) {
+                                              int n_out, int n0, const store_t (&res)[4],
+                                              int round_out) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     float v[4];
@@ -317,7 +322,8 @@ __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], 
                 const int n = n0 + g + 8 * h;
                 if (n >= n_out) continue;
                 if constexpr (OUT == GEMV_TC_OUT_F32) {
-                    reinterpret_cast<float*>(y)[(long long)r * n_out + n] = v[2 * h + i];
+                    const float l = v[2 * h + i];
+                    reinterpret_cast<float*>(y)[(long long)r * n_out + n] = round_out ? round_st(l) : l;
                 } else if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) {
                     // add_rmsnorm's add of the stored projection: both rounded to storage.
                     reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(
@@ -466,9 +472,9 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_f32out_w##W##_u##U##H(const store_t* x, const store_t* w, float* y, int m,  \
-                                      int n_out, int k, int prefetch) {                     \
+                                      int n_out, int k, int prefetch, int round_out) {      \
         gemv_tc_body<GEMV_TC_OUT_F32, W, U, HOLD>(x, w, y, m, n_out, k, prefetch,           \
-                                                  gemv_tc_norm{});                          \
+                                                  gemv_tc_norm{}, round_out);               \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_gateup_swiglu_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* act, \

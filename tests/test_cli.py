@@ -119,7 +119,8 @@ def test_missing_messages_file_is_an_error_naming_the_path(qwen3_dir, ninfer_env
 
 @pytest.mark.parametrize("flag,value", [("--max-new", "-5"), ("--max-new", "0"), ("--temperature", "-1"),
                                         ("--top-p", "1.5"), ("--device", "tpu"), ("--seed", "abc"),
-                                        ("--max-context", "0"), ("--presence-penalty", "3")])
+                                        ("--max-context", "0"), ("--presence-penalty", "3"),
+                                        ("--logits-dtype", "bfloat16")])
 def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, flag, value):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", flag, value], ninfer_env)
     err = proc.stderr.decode()

@@ -151,6 +151,26 @@ def test_ninfer_heldout_perplexity_matches_training():
     assert ppl == pytest.approx(data["perplexity"], rel=0.01)
 
 
+def test_logits_dtype_auto_rounds_the_bf16_demo_logits_and_float32_keeps_them():
+    """The demo checkpoint is bf16, so logits_dtype "auto" (the default) gives bf16 values
+    (low 16 bits zero), equal to the "float32" logits rounded to nearest even; a misspelt value
+    is refused naming it; the CLI's choices are the core's."""
+    core = pytest.importorskip("ninfer._core")
+    torch = pytest.importorskip("torch")
+    from ninfer.cli import LOGITS_DTYPES
+
+    assert tuple(core.LOGITS_DTYPES) == LOGITS_DTYPES
+    ids = heldout()["sequences"][0][:40]
+    auto = core.Model(str(MODEL_DIR)).logits(ids)
+    full = core.Model(str(MODEL_DIR), logits_dtype="float32").logits(ids)
+    assert not (auto.view(np.uint32) & 0xFFFF).any()
+    assert (full.view(np.uint32) & 0xFFFF).any()
+    want = torch.from_numpy(full).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(auto.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(core.UnsupportedError, match="logits_dtype `bf16`.*auto, float32"):
+        core.Model(str(MODEL_DIR), logits_dtype="bf16")
+
+
 def test_recorded_heldout_perplexity_beats_unigram_baseline():
     record = json.loads(RECORD.read_text())
     data = heldout()

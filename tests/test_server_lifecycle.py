@@ -123,6 +123,7 @@ def test_later_flags_are_refused_as_not_supported_yet(flag):
     (["--kv-dtype", "int8"], "--kv-dtype int8 is not supported yet"),
     (["--max-context", "4096", "--kv-capacity", "100"], "--kv-capacity 100"),
     (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--logits-dtype", "bf16"], "--logits-dtype"),
 ])
 def test_bad_flag_values_exit_2_naming_flag_and_value(args, needle):
     r = _serve("--core-factory", "fake_core:FakeCore", *args)

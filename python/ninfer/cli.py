@@ -33,6 +33,11 @@ LATER_WORK_FLAGS = {
 #: The only KV cache format so far (f32 on the CPU backend); others are refused by name.
 DEFAULT_KV_DTYPE = "auto"
 
+#: --logits-dtype choices: rust_core/src/model/logits_dtype.rs parses them (LOGITS_DTYPE_CHOICES,
+#: exported as `_core.LOGITS_DTYPES`, which tests/test_cli.py compares with this copy; the CLI
+#: keeps its own so that `--help` needs no compiled core).
+LOGITS_DTYPES = ("auto", "float32")
+
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 USAGE = """\
@@ -90,6 +95,13 @@ def device_arg(text: str) -> str:
     return text
 
 
+def add_logits_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """`--logits-dtype` (shared with `ninfer serve`)."""
+    parser.add_argument("--logits-dtype", choices=LOGITS_DTYPES, default="auto",
+                        help="auto (default): logits rounded to the checkpoint's bf16/f16, as transformers "
+                             "and vLLM return them; float32: the lm_head's f32 sums unrounded")
+
+
 def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     """The parser of `ninfer run`."""
     p = argparse.ArgumentParser(prog=prog, description="Answer one prompt; stream the answer to stdout.")
@@ -121,6 +133,7 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_number(int, 0), metavar="N")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    add_logits_dtype_flag(p)
     add_later_work_flags(p)
     return p
 
@@ -205,7 +218,8 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     try:
         t0 = time.perf_counter()
         llm = LLM(model, device=args.device, max_context=args.max_context, kv_capacity=args.kv_capacity,
-                  prefill_chunk=args.prefill_chunk, num_threads=args.num_threads, max_concurrency=1)
+                  prefill_chunk=args.prefill_chunk, num_threads=args.num_threads, max_concurrency=1,
+                  logits_dtype=args.logits_dtype)
         load_s = time.perf_counter() - t0
         print(f"ninfer: loaded {model} in {load_s:.2f} s (max context {llm.max_context} tokens)",
               file=sys.stderr, flush=True)

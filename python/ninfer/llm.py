@@ -30,7 +30,8 @@ class LLM:
     The constructor arguments are the engine's (see `_core.Engine`): `max_context` and
     `kv_capacity` in tokens (None: derived from the model and memory), `max_concurrency`
     sequences per step, `prefill_chunk` tokens per step, `prefix_reuse` for the prefix cache,
-    `num_threads` for the CPU backend.
+    `num_threads` for the CPU backend, `logits_dtype` "auto" (logits rounded to the checkpoint's
+    bf16/f16, as transformers and vLLM produce them; docs/rounding.md) or "float32".
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class LLM:
         prefill_chunk: int = 512,
         prefix_reuse: bool = True,
         num_threads: Optional[int] = None,
+        logits_dtype: str = "auto",
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         self._core = _core.Engine(
@@ -54,6 +56,7 @@ class LLM:
             prefill_chunk=prefill_chunk,
             prefix_reuse=prefix_reuse,
             num_threads=num_threads,
+            logits_dtype=logits_dtype,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

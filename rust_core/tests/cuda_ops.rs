@@ -68,6 +68,8 @@ mod gemv_tc;
 mod gemv_add_rmsnorm;
 #[path = "cuda_ops/rounding_points.rs"]
 mod rounding_points;
+#[path = "cuda_ops/logits_round.rs"]
+mod logits_round;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};

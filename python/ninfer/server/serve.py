@@ -13,7 +13,7 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import device_arg
+from ninfer.cli import add_logits_dtype_flag, device_arg
 
 UNSUPPORTED_FLAGS = ("--tp", "--devices", "--spec", "--draft-tokens", "--vision", "--host-kv-mib",
                      "--device-profile-path", "--gdn-state-fp16", "--lm-head-draft", "--vision-residency",
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=_positive_int("--max-context"))
     p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
     p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE)
+    add_logits_dtype_flag(p)
     p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
     p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)
     p.add_argument("--num-threads", type=_positive_int("--num-threads"))
@@ -141,7 +142,8 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     state = ServerState(defaults, api_key=args.api_key, request_log=log)
     engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,
                          max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
-                         prefix_reuse=not args.no_prefix_reuse, num_threads=args.num_threads)
+                         prefix_reuse=not args.no_prefix_reuse, num_threads=args.num_threads,
+                         logits_dtype=args.logits_dtype)
     factory = _load_factory(args.core_factory, build_parser()) if args.core_factory else None
 
     async def start_engine():

@@ -14,7 +14,7 @@ use crate::{NinferError, Result};
 use super::layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
 use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
 use super::weights::{Mixer, ModelWeights, MtpWeights};
-use super::LoadOptions;
+use super::{LoadOptions, LogitsRound};
 
 /// KV pool and recurrent-state slots, per layer.
 #[derive(Default)]
@@ -42,6 +42,10 @@ pub struct CpuModel {
     caches: Caches,
     ws: Workspace,
     pool: Arc<rayon::ThreadPool>,
+    /// Where `forward` rounds the lm_head's sums (`LoadOptions::logits_dtype`), None for f32:
+    /// every consumer of this model's logits (host sampling, logprobs, `Model.logits`) reads
+    /// them after this one place.
+    logits_round: Option<LogitsRound>,
 }
 
 fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
@@ -62,6 +66,7 @@ impl CpuModel {
         let cfg = ModelConfig::from_dir(dir)?;
         let store = WeightStore::open(dir)?;
         let weights = ModelWeights::load(&store, &cfg)?;
+        let logits_round = opts.logits_dtype.resolve(&store, &cfg)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(opts.num_threads.unwrap_or(0))
             .thread_name(|i| format!("ninfer-cpu-{i}"))
@@ -69,7 +74,7 @@ impl CpuModel {
             .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
-        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool) })
+        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round })
     }
 
     /// The MTP head, when the checkpoint has one.
@@ -202,6 +207,9 @@ impl CpuModel {
         let vocab = cfg.vocab_size;
         let mut data = vec![0f32; m * vocab];
         linear(&ws.sel_normed, m, h, weights.lm_head_weights(), vocab, None, &mut data);
+        if let Some(r) = self.logits_round {
+            r.apply(&mut data);
+        }
         Ok(Logits { vocab, data, rows: counts })
     }
 }

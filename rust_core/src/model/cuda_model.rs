@@ -26,6 +26,7 @@ use super::cuda_graphs::{decode_bucket, table_stride, DecodeGraphs};
 use super::cuda_sampler::DeviceSampler;
 use super::cuda_step::StepMeta;
 use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
+use super::logits_dtype::LogitsDtype;
 use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
 
 /// KV pool and recurrent-state slots on the device, per layer.
@@ -114,6 +115,11 @@ pub struct CudaModel {
     /// unless FUSED_NORM_SWITCH is off: then `linear` + `add_rmsnorm`, the same bits, kept so
     /// that one build can time both.
     fused_norm: bool,
+    /// The lm_head rounds logits to the storage type (logits_dtype "auto" on a 16-bit
+    /// checkpoint, model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's
+    /// cuBLAS GEMM (`linear_f32_out`), the one place every consumer (device and host sampling,
+    /// logprobs, `Model.logits`) reads logits from.
+    logits_round: bool,
 }
 
 /// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means on).
@@ -152,6 +158,11 @@ fn buf_mut<T>(b: &mut Option<CudaSlice<T>>) -> &mut CudaSlice<T> {
 impl CudaModel {
     /// Load config and weights from a HF model directory onto device `ordinal`.
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
+        Self::load_with(dir, ordinal, LogitsDtype::Auto)
+    }
+
+    /// As `load`, with the logits rounded as `logits_dtype` says.
+    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::new(ordinal)?);
         Self::check_supported(&cfg)?;
@@ -159,6 +170,7 @@ impl CudaModel {
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
         let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, true)?;
         let store = WeightStore::open(dir)?;
+        let logits_round = logits_dtype.resolve(&store, &cfg)?.is_some();
         // Kernels compile (or load from the disk cache) on a second thread while the weights
         // stream in: a cold start pays for the longer of the two, not their sum.
         let (kernels, weights, load_s) = std::thread::scope(|s| {
@@ -204,6 +216,7 @@ impl CudaModel {
             logits_rows: 0,
             sampler,
             fused_norm,
+            logits_round,
         })
     }
 
@@ -344,7 +357,7 @@ impl CudaModel {
         // from the decode kernels when a sequence brings more than one token.
         let max_rows = batch.seqs.iter().map(|q| q.tokens.len()).max().unwrap_or(0);
         self.run_layers(false, rows, max_rows)?;
-        let CudaModel { cfg, dev, weights, act, meta, .. } = self;
+        let CudaModel { cfg, dev, weights, act, meta, logits_round, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         let picked = meta.picked_runs(batch);
         let counts = meta.logit_counts(batch);
@@ -362,7 +375,7 @@ impl CudaModel {
             dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering logits rows"))?;
             out_row += n;
         }
-        dev.linear_f32_out(buf(&act.sel), weights.lm_head(), buf_mut(&mut act.logits), m, vocab, h)?;
+        dev.linear_f32_out(buf(&act.sel), weights.lm_head(), buf_mut(&mut act.logits), m, vocab, h, *logits_round)?;
         Ok(counts)
     }
 
@@ -409,8 +422,8 @@ impl CudaModel {
     /// into `act.logits`. Nothing here allocates or synchronizes (it is what graphs capture).
     fn decode_forward(&mut self, rows: usize) -> Result<()> {
         self.run_layers(true, rows, 1)?;
-        let CudaModel { cfg, dev, weights, act, .. } = self;
-        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size)
+        let CudaModel { cfg, dev, weights, act, logits_round, .. } = self;
+        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size, *logits_round)
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode

@@ -17,6 +17,7 @@ mod cuda_step;
 #[cfg(feature = "cuda")]
 pub mod cuda_weights;
 pub mod layers;
+pub mod logits_dtype;
 pub mod runner;
 pub mod weights;
 
@@ -28,6 +29,7 @@ mod tests;
 use std::path::Path;
 
 pub use cpu_model::CpuModel;
+pub use logits_dtype::{LogitsDtype, LogitsRound, LOGITS_DTYPE_CHOICES};
 #[cfg(feature = "cuda")]
 pub use cuda_model::CudaModel;
 pub use runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
@@ -43,6 +45,8 @@ pub struct LoadOptions {
     pub device: String,
     /// Worker threads for the CPU backend (None: all cores).
     pub num_threads: Option<usize>,
+    /// Logits rounded to the checkpoint's 16-bit dtype (Auto, the default) or kept f32.
+    pub logits_dtype: LogitsDtype,
 }
 
 /// The device a `device=` string names ("" is the CPU); a string that names none is an
@@ -67,16 +71,16 @@ pub fn resolve_device_name(device: &str) -> Result<String> {
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     match resolve_device(parse_device(&opts.device)?)? {
         ResolvedDevice::Cpu => Ok(Box::new(CpuModel::load(dir, opts)?)),
-        ResolvedDevice::Cuda(ordinal) => load_cuda(dir, ordinal),
+        ResolvedDevice::Cuda(ordinal) => load_cuda(dir, ordinal, opts.logits_dtype),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn load_cuda(dir: &Path, ordinal: usize) -> Result<Box<dyn ModelRunner>> {
-    Ok(Box::new(CudaModel::load(dir, ordinal)?))
+fn load_cuda(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype) -> Result<Box<dyn ModelRunner>> {
+    Ok(Box::new(CudaModel::load_with(dir, ordinal, logits_dtype)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn load_cuda(_dir: &Path, ordinal: usize) -> Result<Box<dyn ModelRunner>> {
+fn load_cuda(_dir: &Path, ordinal: usize, _logits_dtype: LogitsDtype) -> Result<Box<dyn ModelRunner>> {
     Err(crate::NinferError::Device(format!("cuda:{ordinal}: this build of ninfer has no CUDA backend (built without the `cuda` feature)")))
 }

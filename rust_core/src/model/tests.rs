@@ -16,6 +16,11 @@ fn rand_vec(len: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// Write a random Qwen3.5-style hybrid checkpoint (layers: linear, full, linear) to a temp dir.
 fn hybrid_checkpoint(tag: &str) -> PathBuf {
+    hybrid_checkpoint_as(tag, Dtype::F32)
+}
+
+/// As `hybrid_checkpoint`, every tensor stored as `dtype` (F32 or BF16).
+fn hybrid_checkpoint_as(tag: &str, dtype: Dtype) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ninfer_model_{tag}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -34,17 +39,25 @@ fn hybrid_checkpoint(tag: &str) -> PathBuf {
         .enumerate()
         .map(|(i, (_, shape))| {
             let n: usize = shape.iter().product();
-            rand_vec(n, i as u64 + 11, 0.3).iter().flat_map(|x| x.to_le_bytes()).collect()
+            let v = rand_vec(n, i as u64 + 11, 0.3);
+            match dtype {
+                Dtype::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+                _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            }
         })
         .collect();
     let views: Vec<(String, TensorView)> =
-        t.iter().zip(&bufs).map(|((n, s), b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap())).collect();
+        t.iter().zip(&bufs).map(|((n, s), b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap())).collect();
     safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     dir
 }
 
 fn load(dir: &Path) -> CpuModel {
-    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2) }).unwrap();
+    load_logits(dir, LogitsDtype::Auto)
+}
+
+fn load_logits(dir: &Path, logits_dtype: LogitsDtype) -> CpuModel {
+    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2), logits_dtype }).unwrap();
     m.allocate_caches(32, 4, 4).unwrap();
     m
 }
@@ -82,6 +95,35 @@ fn chunked_prefill_and_decode_match_whole_prompt() {
     }
     assert_eq!(got.len(), PROMPT.len() * v);
     assert!(max_rel(&got, &full) < 1e-4, "rel err {}", max_rel(&got, &full));
+}
+
+/// logits_dtype "auto" on a bf16 checkpoint: every logit (prefill rows and decode steps) is a
+/// bf16 value (low 16 bits zero) and equals the "float32" logits rounded to nearest even, as
+/// transformers' bf16 lm_head gives them; on an f32 checkpoint "auto" is f32.
+#[test]
+fn auto_logits_of_a_bf16_checkpoint_are_the_f32_logits_rounded_to_bf16() {
+    let dir = hybrid_checkpoint_as("bf16logits", Dtype::BF16);
+    let table: Vec<u32> = vec![7, 2, 9, 30];
+    let steps = |m: &mut CpuModel| {
+        let mut out = whole(m, &table);
+        for (i, &t) in [5u32, 77, 13].iter().enumerate() {
+            let s = seq(&[t], PROMPT.len() + i, &table, 0, LogitsWanted::Last);
+            out.extend(m.forward(&StepBatch { seqs: vec![s] }).unwrap().data);
+        }
+        out
+    };
+    let auto = steps(&mut load_logits(&dir, LogitsDtype::Auto));
+    let f32s = steps(&mut load_logits(&dir, LogitsDtype::Float32));
+    assert_eq!(auto.len(), (PROMPT.len() + 3) * 101);
+    assert!(auto.iter().all(|x| x.to_bits() & 0xffff == 0), "auto logits must be bf16 values");
+    assert!(f32s.iter().any(|x| x.to_bits() & 0xffff != 0), "float32 logits must keep their low bits");
+    for (i, (a, f)) in auto.iter().zip(&f32s).enumerate() {
+        assert_eq!(a.to_bits(), half::bf16::from_f32(*f).to_f32().to_bits(), "logit {i}: auto {a} vs round(float32 {f})");
+    }
+    let dir32 = hybrid_checkpoint("f32logits");
+    let a32 = whole(&mut load_logits(&dir32, LogitsDtype::Auto), &table);
+    let f32b = whole(&mut load_logits(&dir32, LogitsDtype::Float32), &table);
+    assert!(a32.iter().zip(&f32b).all(|(a, b)| a.to_bits() == b.to_bits()), "auto on an f32 checkpoint is f32");
 }
 
 #[test]
@@ -135,6 +177,6 @@ fn bad_block_table_and_slot_are_rejected() {
     let tok = m.forward(&StepBatch { seqs: vec![seq(&[500], 0, &[0], 0, LogitsWanted::Last)] });
     assert!(matches!(tok, Err(NinferError::InvalidRequest { .. })));
     // No GPU here (or a checkpoint the CUDA kernels do not take): a typed error, never a panic.
-    let cuda = load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None });
+    let cuda = load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None, ..Default::default() });
     assert!(matches!(cuda, Err(NinferError::Device(_) | NinferError::Unsupported(_))));
 }

@@ -16,5 +16,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     model::register(m)?;
     engine::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The CLI's --logits-dtype choices (python/ninfer/cli.py keeps a copy a test compares).
+    m.add("LOGITS_DTYPES", crate::model::LOGITS_DTYPE_CHOICES.to_vec())?;
     Ok(())
 }

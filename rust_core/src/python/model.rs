@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 
 use super::errors::IntoPy;
 use crate::backend::cuda::{resolve_device, ResolvedDevice};
-use crate::model::{load_model, parse_device, CpuModel, LoadOptions, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::model::{load_model, parse_device, CpuModel, LoadOptions, LogitsDtype, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::NinferError;
 
 /// Block size of the private KV pool `logits` uses.
@@ -35,9 +35,12 @@ struct Loaded {
 #[pymethods]
 impl PyModel {
     #[new]
-    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None))]
-    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>) -> PyResult<Self> {
-        let opts = LoadOptions { device: device.to_string(), num_threads };
+    /// `logits_dtype`: "auto" (logits rounded to the checkpoint's bf16/f16, as transformers
+    /// returns them) or "float32" (the lm_head's f32 sums).
+    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto"))]
+    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str) -> PyResult<Self> {
+        let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
+        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype };
         let model = py
             .detach(|| -> crate::Result<Loaded> {
                 if resolve_device(parse_device(device)?)? == ResolvedDevice::Cpu {

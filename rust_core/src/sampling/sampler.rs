@@ -232,6 +232,26 @@ mod tests {
         assert_eq!(s.sample(&p, &[0.1, 3.0, 2.0]).token, 2);
     }
 
+    /// bf16 logits (logits_dtype "auto") turn near-ties into exact ties: greedy (and top-k 1)
+    /// must take the lowest id among equal maxima, as torch.argmax does.
+    #[test]
+    fn greedy_takes_the_lowest_id_among_tied_maxima() {
+        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0, 3.0]), 1);
+        assert_eq!(argmax(&[2.5; 9]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, 0.5, 0.5]), 1);
+        let raw: Vec<f32> = (0..5000).map(|i| half::bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0).to_f32()).collect();
+        let best = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let first = raw.iter().position(|&x| x == best).unwrap() as u32;
+        assert!(raw.iter().filter(|&&x| x == best).count() > 1, "the row must hold tied maxima");
+        let greedy = params(|p| p.temperature = 0.0);
+        assert_eq!(RequestSampler::new(&greedy, &[], 0).sample(&greedy, &raw).token, first);
+        let top1 = params(|p| {
+            p.top_k = 1;
+            p.seed = Some(3);
+        });
+        assert_eq!(RequestSampler::new(&top1, &[], 0).sample(&top1, &raw).token, first);
+    }
+
     #[test]
     fn top_k_one_is_greedy_whatever_the_seed() {
         let raw = [0.5, 0.1, 0.9, 0.3];

@@ -106,6 +106,48 @@ fn device_greedy_equals_host_argmax_after_every_processor() {
     }
 }
 
+/// Greedy over deliberately tied maxima, as bf16-rounded logits (logits_dtype "auto") make them:
+/// the lowest id must win wherever the tied ids sit: the same thread's consecutive elements of a
+/// sample_scan chunk, neighbouring lanes, other warps, other chunks (merged in chunk order), the
+/// last ragged chunk; and on a row that is one value everywhere (id 0). Same as the host sampler.
+#[test]
+fn device_greedy_breaks_exact_ties_by_the_lowest_id() {
+    let Some(dev) = gpu("sample_rows greedy ties", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(41);
+    let vocab = 151_936;
+    let span = SAMPLE_SCAN_SPAN;
+    let base: Vec<f32> = rng.vec(vocab, -8.0, 8.0).into_iter().map(|x| half::bf16::from_f32(x).to_f32()).collect();
+    let last_chunk = (vocab - 1) / span * span;
+    let ties: Vec<Vec<usize>> = vec![
+        vec![3 * span + 5, 3 * span + 6],
+        vec![3 * span + 40, 3 * span + 7],
+        vec![3 * span + 1000, 3 * span + 1000 - 256, 3 * span + 1000 + 512],
+        vec![5 * span + 9, 2 * span + 2047, 60 * span],
+        vec![vocab - 1, last_chunk + 1, vocab - 2],
+        vec![0, vocab - 1],
+        vec![span - 1, span],
+    ];
+    let mut logits = Vec::new();
+    for t in &ties {
+        let mut row = base.clone();
+        for &i in t {
+            row[i] = 16.0;
+        }
+        logits.extend(row);
+    }
+    logits.extend(vec![half::bf16::from_f32(0.3).to_f32(); vocab]);
+    let n = ties.len() + 1;
+    let dlogits = upload_raw(&dev, &logits);
+    let rows: Vec<RowSampling> = (0..n).map(|_| RowSampling { temperature: 0.0, ..Default::default() }).collect();
+    let got = device_sample(&dev, &dlogits, vocab, &rows, &(0..n).collect::<Vec<_>>());
+    for (i, t) in ties.iter().enumerate() {
+        let want = *t.iter().min().unwrap() as u32;
+        assert_eq!(got[i].token, want, "row {i}: tied ids {t:?}");
+        assert_eq!(rows[i].sample(&logits[i * vocab..(i + 1) * vocab]).token, want, "host, row {i}");
+    }
+    assert_eq!(got[n - 1].token, 0, "a flat row is greedy id 0");
+}
+
 #[test]
 fn device_token_equals_host_token_for_the_same_draw() {
     let Some(dev) = gpu("sample_rows same u", StorageDType::Bf16) else { return };

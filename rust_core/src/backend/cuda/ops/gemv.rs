@@ -300,8 +300,9 @@ fn pairs_per_warp(m: usize) -> usize {
 enum GemvOut {
     /// y[M, N] in the storage type.
     Store,
-    /// y[M, N] in f32.
-    F32,
+    /// y[M, N] in f32; with `true` each value rounded to the storage type first (the
+    /// kernels' `round_out` argument: logits_dtype "auto").
+    F32(bool),
     /// act[M, N] = silu(gate) * up of the fused gate_up weight's rows n and N + n.
     SwiGlu,
 }
@@ -310,7 +311,7 @@ impl GemvOut {
     fn name(self, m: usize) -> &'static str {
         match self {
             GemvOut::Store => NAMES[m - 1],
-            GemvOut::F32 => NAMES_F32[m - 1],
+            GemvOut::F32(_) => NAMES_F32[m - 1],
             GemvOut::SwiGlu => NAMES_GATEUP_SWIGLU[m - 1],
         }
     }
@@ -319,7 +320,7 @@ impl GemvOut {
     fn tc_name(self, c: GemvTcConfig) -> Result<&'static str> {
         match self {
             GemvOut::Store => by_tc_config!("gemv_tc", c),
-            GemvOut::F32 => by_tc_config!("gemv_tc_f32out", c),
+            GemvOut::F32(_) => by_tc_config!("gemv_tc_f32out", c),
             GemvOut::SwiGlu => by_tc_config!("gemv_tc_gateup_swiglu", c),
         }
         .ok_or_else(|| no_tc_instance(c))
@@ -329,7 +330,7 @@ impl GemvOut {
     /// up row per activation.
     fn weight_rows(self, n: usize) -> usize {
         match self {
-            GemvOut::Store | GemvOut::F32 => n,
+            GemvOut::Store | GemvOut::F32(_) => n,
             GemvOut::SwiGlu => 2 * n,
         }
     }
@@ -338,7 +339,7 @@ impl GemvOut {
     /// is 8 gate rows and their 8 up rows (gemv_tc_cols in gemv_tc.cu).
     fn tc_cols_per_block(self) -> usize {
         match self {
-            GemvOut::Store | GemvOut::F32 => 16,
+            GemvOut::Store | GemvOut::F32(_) => 16,
             GemvOut::SwiGlu => 8,
         }
     }
@@ -347,14 +348,26 @@ impl GemvOut {
     fn cols_per_block(self, m: usize) -> usize {
         GEMV_WARPS
             * match self {
-                GemvOut::Store | GemvOut::F32 => cols_per_warp(m),
+                GemvOut::Store | GemvOut::F32(_) => cols_per_warp(m),
                 GemvOut::SwiGlu => pairs_per_warp(m),
             }
     }
 
+    /// The f32 kernels' trailing `round_out` argument (0 for the other epilogues, which take
+    /// none: `args` drops it).
+    fn round_arg(self) -> i32 {
+        matches!(self, GemvOut::F32(true)) as i32
+    }
+
+    /// Kernel arguments of this epilogue, given the `common` ones every epilogue takes: the
+    /// f32 kernels take `round_out` after them.
+    fn args(self, common: usize) -> usize {
+        common + matches!(self, GemvOut::F32(_)) as usize
+    }
+
     fn elem_bytes(self) -> u64 {
         match self {
-            GemvOut::F32 => 4,
+            GemvOut::F32(_) => 4,
             GemvOut::Store | GemvOut::SwiGlu => 2,
         }
     }
@@ -415,8 +428,9 @@ impl CudaDevice {
                         KArg::Ptr(yr),
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
+                        KArg::I32(out.round_arg()),
                     ];
-                    self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)?;
+                    self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args[..out.args(5)])?;
                 }
                 // One instance per weight shape, whatever M.
                 GemvKernel::TensorCores(c) => {
@@ -431,8 +445,9 @@ impl CudaDevice {
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
                         KArg::I32(self.tc_prefetch_steps() as i32),
+                        KArg::I32(out.round_arg()),
                     ];
-                    self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args)?;
+                    self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args[..out.args(7)])?;
                 }
             }
             row += mm;
@@ -497,7 +512,13 @@ impl CudaDevice {
     }
 
     /// As `linear` with f32 output (the lm_head producing logits): GEMV up to
-    /// GEMV_ROUTE_MAX_M rows, cuBLAS above.
+    /// GEMV_ROUTE_MAX_M rows, cuBLAS above. With `round`, every output is rounded to the
+    /// storage type and kept as f32 (logits_dtype "auto", model/logits_dtype.rs): in the GEMV's
+    /// epilogue (decode of up to 8 rows gains no kernel), and after cuBLAS by
+    /// `round_f32_to_storage` in place (one elementwise kernel for prefill and for decode
+    /// batches above 8 rows; cuBLAS writing the storage type instead would round the same sums
+    /// identically but needs a second buffer and a widening kernel all the same).
+    #[allow(clippy::too_many_arguments)]
     pub fn linear_f32_out(
         &self,
         x: &impl DevicePtr<u16>,
@@ -506,12 +527,36 @@ impl CudaDevice {
         m: usize,
         n: usize,
         k: usize,
+        round: bool,
     ) -> Result<()> {
         if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
-            self.gemv_f32_out(x, w, y, m, n, k)
+            self.gemv_f32_out_round_with(self.gemv_form(), x, w, y, m, n, k, round)
         } else {
-            self.gemm_f32_out(x, w, y, m, n, k)
+            self.gemm_f32_out(x, w, y, m, n, k)?;
+            if round {
+                self.round_f32_to_storage(y, m * n)?;
+            }
+            Ok(())
         }
+    }
+
+    /// Rounds the first `len` values of `y` to the storage type in place, kept as f32
+    /// (`round_st` of common.cuh, round-to-nearest-even: what the GEMV's `round_out` does).
+    pub fn round_f32_to_storage(&self, y: &mut impl DevicePtrMut<f32>, len: usize) -> Result<()> {
+        check_len("round_f32_to_storage y", y.len(), len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let s = self.stream();
+        let (yp, _c) = y.device_ptr_mut(s);
+        // Enough blocks to fill the device several times over; the kernel strides past them.
+        const THREADS: usize = 256;
+        const MAX_BLOCKS: usize = 1 << 16;
+        let grid = (len.div_ceil(THREADS).min(MAX_BLOCKS) as u32, 1, 1);
+        let name = "round_f32_to_storage";
+        let f = self.function(KernelFamily::Gemv, name)?;
+        let args = [KArg::Ptr(yp), KArg::I64(len as i64)];
+        self.launch(&f, cfg(grid, THREADS as u32), name, &args)
     }
 
     /// As `gemv` with f32 output (the lm_head producing logits).
@@ -539,6 +584,23 @@ impl CudaDevice {
         n: usize,
         k: usize,
     ) -> Result<()> {
+        self.gemv_f32_out_round_with(form, x, w, y, m, n, k, false)
+    }
+
+    /// As `gemv_f32_out_with`, each output rounded to the storage type (kept as f32) in the
+    /// kernel's epilogue when `round`: bit for bit the unrounded output rounded afterwards.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_f32_out_round_with(
+        &self,
+        form: GemvForm,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        round: bool,
+    ) -> Result<()> {
         check_len("gemv x", x.len(), m * k)?;
         check_len("gemv w", w.len(), n * k)?;
         check_len("gemv y", y.len(), m * n)?;
@@ -546,7 +608,7 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
-        self.gemv_launch(form, xp, wp, yp, GemvOut::F32, m, n, k)
+        self.gemv_launch(form, xp, wp, yp, GemvOut::F32(round), m, n, k)
     }
 
     /// The gate_up projection of a SwiGLU MLP with the activation in its epilogue:
@@ -655,7 +717,7 @@ mod tests {
             let (w, u, h) = (c.warps, c.unroll, if c.hold { "h" } else { "" });
             let line = format!("\nGEMV_TC_INSTANCE({w}, {u}, {}, {h})\n", c.hold);
             assert!(src.contains(&line), "{line}");
-            for (out, prefix) in [(GemvOut::Store, "gemv_tc"), (GemvOut::F32, "gemv_tc_f32out"), (GemvOut::SwiGlu, "gemv_tc_gateup_swiglu")] {
+            for (out, prefix) in [(GemvOut::Store, "gemv_tc"), (GemvOut::F32(false), "gemv_tc_f32out"), (GemvOut::SwiGlu, "gemv_tc_gateup_swiglu")] {
                 assert_eq!(out.tc_name(c).unwrap(), format!("{prefix}_w{w}_u{u}{h}"));
             }
             assert_eq!(tc_add_rmsnorm_name(c).unwrap(), format!("gemv_tc_add_rmsnorm_w{w}_u{u}{h}"));
@@ -714,6 +776,6 @@ mod tests {
         }
         // The SwiGLU epilogue looks the shape up by the fused weight's rows.
         assert_eq!(GemvOut::SwiGlu.weight_rows(14336), 28672);
-        assert_eq!(GemvOut::F32.weight_rows(128256), 128256);
+        assert_eq!(GemvOut::F32(false).weight_rows(128256), 128256);
     }
 }

@@ -1,0 +1,63 @@
+//! logits_dtype "auto" on the device: the lm_head's f32 outputs rounded to the storage type in
+//! the GEMV epilogue (`round_out` of gemv_f32out / gemv_tc_f32out) and after the cuBLAS GEMM
+//! (`round_f32_to_storage`) must be, bit for bit, the unrounded outputs of the same kernel
+//! rounded to nearest even afterwards (the host's half-crate rounding, as torch's
+//! `.to(bfloat16)`), for every GEMV form, every M of the GEMV route and the cuBLAS route.
+
+use ninfer_core::backend::cuda::ops::GemvForm;
+
+use super::harness::{gpu, rounded, upload, Out32, Rng, STORAGES};
+
+fn assert_rounded(got: &[f32], unrounded: &[f32], st: ninfer_core::backend::cuda::StorageDType, what: &str) {
+    let want = rounded(unrounded, st);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what} {st:?}: element {i} is {g} ({:#x}), rounding the unflagged {} gives {w}", g.to_bits(), unrounded[i]);
+    }
+}
+
+#[test]
+fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
+    for st in STORAGES {
+        let Some(dev) = gpu("gemv f32out round_out", st) else { return };
+        let mut rng = Rng::new(91);
+        let mut forms = vec![GemvForm::Simt];
+        if dev.compute_capability().0 >= 8 {
+            forms.extend([GemvForm::TensorCores, GemvForm::ByShape]);
+        }
+        // A 128256-row head (the Llama 3 vocabulary) at a small K, and a ragged N.
+        for (n, k) in [(128_256, 256), (1000, 2056)] {
+            let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
+            for m in 1..=8 {
+                let xd = upload(&dev, &rounded(&rng.vec(m * k, -2.0, 2.0), st));
+                for &form in &forms {
+                    let mut plain = Out32::new(&dev, m * n);
+                    dev.gemv_f32_out_round_with(form, &xd, &w, &mut plain.view(), m, n, k, false).unwrap();
+                    let mut round = Out32::new(&dev, m * n);
+                    dev.gemv_f32_out_round_with(form, &xd, &w, &mut round.view(), m, n, k, true).unwrap();
+                    let (plain, round) = (plain.read(&dev, "gemv f32"), round.read(&dev, "gemv f32 rounded"));
+                    assert!(plain.iter().any(|x| rounded(&[*x], st)[0] != *x), "the test needs sums that rounding changes");
+                    assert_rounded(&round, &plain, st, &format!("{form:?} m{m}n{n}k{k}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rounded_linear_f32_out_equals_the_unrounded_output_rounded_on_both_routes() {
+    for st in STORAGES {
+        let Some(dev) = gpu("linear_f32_out round", st) else { return };
+        let mut rng = Rng::new(92);
+        let (n, k) = (3001, 512);
+        let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
+        // M <= 8: the GEMV epilogue; above: cuBLAS, then round_f32_to_storage.
+        for m in [1, 5, 8, 9, 64, 300] {
+            let xd = upload(&dev, &rounded(&rng.vec(m * k, -2.0, 2.0), st));
+            let mut plain = Out32::new(&dev, m * n);
+            dev.linear_f32_out(&xd, &w, &mut plain.view(), m, n, k, false).unwrap();
+            let mut round = Out32::new(&dev, m * n);
+            dev.linear_f32_out(&xd, &w, &mut round.view(), m, n, k, true).unwrap();
+            assert_rounded(&round.read(&dev, "linear rounded"), &plain.read(&dev, "linear"), st, &format!("linear_f32_out m{m}"));
+        }
+    }
+}
