@@ -115,8 +115,7 @@ pub struct CudaModel {
     /// unless FUSED_NORM_SWITCH is off: then `linear` + `add_rmsnorm`, the same bits, kept so
     /// that one build can time both.
     fused_norm: bool,
-    /// The lm_head rounds logits to the storage type (logits_dtype "auto" on a 16-bit
-    /// checkpoint, model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's
+    /// The lm_head rounds logits to the storage type (logits_dtype "auto", model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's
     /// cuBLAS GEMM (`linear_f32_out`), the one place every consumer (device and host sampling,
     /// logprobs, `Model.logits`) reads logits from.
     logits_round: bool,
@@ -170,7 +169,11 @@ impl CudaModel {
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
         let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, true)?;
         let store = WeightStore::open(dir)?;
-        let logits_round = logits_dtype.resolve(&store, &cfg)?.is_some();
+        // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
+        // converted while loading, as transformers' `dtype=torch.bfloat16` does), so "auto"
+        // rounds to that type whatever the file holds: f32 and bf16 copies of a model give the
+        // same logits here.
+        let logits_round = logits_dtype == LogitsDtype::Auto;
         // Kernels compile (or load from the disk cache) on a second thread while the weights
         // stream in: a cold start pays for the longer of the two, not their sum.
         let (kernels, weights, load_s) = std::thread::scope(|s| {

@@ -18,8 +18,9 @@ use super::weights::names;
 /// What the user asked for (`logits_dtype=` / `--logits-dtype`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogitsDtype {
-    /// The checkpoint's dtype: logits rounded to bf16 (f16) values for a bf16 (f16) lm_head,
-    /// kept as f32; unrounded for an f32 checkpoint.
+    /// The dtype the model runs in, kept as f32: on CUDA the device's 16-bit storage type
+    /// (bf16; f16 below sm_80) for every checkpoint; on the CPU the lm_head's stored dtype
+    /// (bf16 / f16 rounded, an f32 checkpoint unrounded).
     #[default]
     Auto,
     /// The lm_head's f32 sums as they are.
