@@ -5,6 +5,7 @@
 //! synchronizes. Storage buffers are `u16` bit patterns of the device's `StorageDType`.
 
 mod attention;
+mod decode_attention;
 mod elementwise;
 mod flash_attention;
 mod gdn;
@@ -17,9 +18,9 @@ mod rope_kv;
 mod sampling;
 mod sampling_pack;
 
-pub use attention::{
-    decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, DecodeScratchLen, PagedAttentionShape, DECODE_BLOCK_SPLITS,
-    DECODE_SPLITS,
+pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS};
+pub use decode_attention::{
+    decode_block_splits, decode_grid_splits, decode_scratch_len, decode_warp_keys, AttnScratch, DecodeScratchLen, DECODE_MAX_SPLITS,
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
