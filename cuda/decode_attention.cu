@@ -37,6 +37,8 @@
 // Most block splits a token takes; the scratch holds this many partials per (token, q head).
 // Must match ops/decode_attention.rs.
 #define DA_MAX_SPLITS 32
+// Splits whose accumulators the final merge loads at once.
+#define DA_MERGE_CHUNK 16
 // Fewest keys a warp walks (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one block).
 #define DA_MIN_WARP_KEYS 8
 
@@ -97,11 +99,9 @@ __device__ __forceinline__ void scaled_decode_body(
     constexpr int U0 = G * EPL <= 8 ? 4 : (G * EPL <= 32 ? 2 : 1);
     constexpr int U = KPW * U0 > 8 ? 8 / KPW : U0;
     constexpr int KI = KPW * U;
-    static_assert(G <= DA_WARPS && DA_MAX_SPLITS <= 32, "the final merge gives a warp per q head, a lane per split");
+    static_assert(DA_MAX_SPLITS <= 32 && D % 32 == 0, "the final merge gives a lane per split, a warp one q head");
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
-    __shared__ float sm_f[G][DA_MAX_SPLITS];
-    __shared__ float sm_inv[G];
     __shared__ int sm_last;
     pdl_enter();
     const int lane = threadIdx.x & 31;
@@ -158,21 +158,21 @@ __device__ __forceinline__ void scaled_decode_body(
         for (int j = start; j < end; j += KI) {
             // Next iteration's K/V rows (their table entries came one iteration ahead), then the
             // table entries of the iteration after it, before this iteration's keys are used.
+            // Past the warp's range these re-read its last key (clamped): no branch, and the
+            // last iteration's spare loads hit rows already on their way.
             const int jn = j + KI;
             KvSlice<EPL> kn[U], vn[U];
-            if (jn < end) {
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int jj = min(jn + u * KPW + slot, end - 1);
-                    const long long off =
-                        ((long long)tb[u] * block_size + jj % block_size) * row_elems + head_off;
-                    kn[u].load(k_cache + off);
-                    vn[u].load(v_cache + off);
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    tb[u] = table[min(jn + KI + u * KPW + slot, end - 1) / block_size];
+            for (int u = 0; u < U; ++u) {
+                const int jj = min(jn + u * KPW + slot, end - 1);
+                const long long off =
+                    ((long long)tb[u] * block_size + jj % block_size) * row_elems + head_off;
+                kn[u].load(k_cache + off);
+                vn[u].load(v_cache + off);
             }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                tb[u] = table[min(jn + KI + u * KPW + slot, end - 1) / block_size];
             float s[U][G];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -313,39 +313,43 @@ __device__ __forceinline__ void scaled_decode_body(
     if (!sm_last) return;
     __threadfence();
     // Last block: merge the nb block partials in split order. Volatile loads bypass L1, which is
-    // not coherent with the other blocks' writes. Warp g weighs q head g's splits (lane s: split
-    // s): the max over them, e^(m_s - max) and 1 / the weighted sum; then thread i sums element
-    // i over the splits in order, 8 loads in flight at a time.
+    // not coherent with the other blocks' writes. Thread i merges element i of a q head; the 32
+    // lanes of a warp share the head (D is a multiple of 32), so lane s loads split s's (max,
+    // sum) and the warp's shuffles give the max over the splits, the weights e^(m_s - max) and
+    // their l-weighted total, while the first DA_MERGE_CHUNK splits' accumulators are already in
+    // flight (one L2 round trip up to that many splits). The element is then summed in split
+    // order.
     const volatile float* vacc = part_acc;
     const volatile float* vml = part_ml;
-    if (wi < G) {
-        const long long p0 = (row0 + wi) * DA_MAX_SPLITS;
+    for (int i = threadIdx.x; i < G * D; i += DA_WARPS * 32) {
+        const int g = i / D;
+        const int e = i - g * D;
+        const long long p0 = (row0 + g) * DA_MAX_SPLITS;
         float ms = NEG_INF, ls = 0.0f;
         if (lane < nb) {
             ms = vml[(p0 + lane) * 2];
             ls = vml[(p0 + lane) * 2 + 1];
         }
+        float av[DA_MERGE_CHUNK];
+#pragma unroll
+        for (int u = 0; u < DA_MERGE_CHUNK; ++u) av[u] = u < nb ? vacc[(p0 + u) * D + e] : 0.0f;
         const float mx = warp_max(ms);
         const float f = lane < nb ? expf(ms - mx) : 0.0f;
         const float total = warp_sum(ls * f);
-        sm_f[wi][lane] = f;
-        if (lane == 0) sm_inv[wi] = 1.0f / total;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += DA_WARPS * 32) {
-        const int g = i / D;
-        const int e = i - g * D;
-        const long long p0 = (row0 + g) * DA_MAX_SPLITS;
         float a = 0.0f;
-        for (int s0 = 0; s0 < nb; s0 += 8) {
-            float av[8];
+        for (int s0 = 0; s0 < nb; s0 += DA_MERGE_CHUNK) {
+            if (s0 > 0) {
 #pragma unroll
-            for (int u = 0; u < 8; ++u) av[u] = s0 + u < nb ? vacc[(p0 + s0 + u) * D + e] : 0.0f;
+                for (int u = 0; u < DA_MERGE_CHUNK; ++u)
+                    av[u] = s0 + u < nb ? vacc[(p0 + s0 + u) * D + e] : 0.0f;
+            }
 #pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (s0 + u < nb) a = fmaf(av[u], sm_f[g][s0 + u], a);
+            for (int u = 0; u < DA_MERGE_CHUNK; ++u) {
+                const float fu = __shfl_sync(0xffffffffu, f, (s0 + u) & 31);
+                if (s0 + u < nb) a = fmaf(av[u], fu, a);
+            }
         }
-        out[(row0 + g) * D + e] = from_f32(a * sm_inv[g]);
+        out[(row0 + g) * D + e] = from_f32(a * (1.0f / total));
     }
 }
 
