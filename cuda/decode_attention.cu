@@ -23,10 +23,10 @@
 // is (tokens x groups, splits for the longest context the block tables can hold), fixed per graph;
 // block splits beyond a token's own count exit at once.
 //
-// Inside a warp: lanes take 16-byte slices of a K/V row (EPL = 8 elements; D = 96 takes 3), so
-// LPK = D / EPL lanes cover a row and a warp load covers KPW = 32 / LPK keys (D 128: two keys,
-// one per half warp); every q head of the group is scored against each loaded row (GQA: one K/V
-// read per group). Each iteration takes U loads of K and V per lane (KI = KPW x U keys), and the
+// Inside a warp: lanes take 16-byte slices of a K/V row (EPL = 8 elements; 4 for groups of 8,
+// D 96 takes 3; DaLayout), so LPK = D / EPL lanes cover a row and a warp load covers
+// KPW = 32 / LPK keys (D 128: two keys, one per half warp); every q head of the group is scored
+// against each loaded row (GQA: one K/V read per group). Each iteration takes U loads of K and V per lane (KI = KPW x U keys), and the
 // loop is software-pipelined: the next iteration's K/V rows and the block-table entries of the one
 // after are requested before the current keys are scored, so a warp has its next loads in flight
 // while it computes and the table lookup is off the K/V loads' critical path. Each slot (the LPK
@@ -50,11 +50,14 @@ __device__ __forceinline__ int da_warp_keys(int limit) {
                (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
 }
 
-// Lane layout of a head of D elements: EPL elements per lane (one 16-byte load where D / 8 lanes
-// divide a warp), LPK lanes per key, KPW keys per warp load.
-template <int D>
+// Lane layout of a head of D elements for G q heads a warp: EPL elements per lane, LPK lanes per
+// key, KPW keys per warp load. 16-byte slices (8 elements) where D / 8 lanes divide a warp, unless
+// the group's q and accumulators (2 x G x EPL registers) would then pass 64: G = 8 takes 8-byte
+// slices (4 elements), or D / 32 where that is more (D 256). D 96 takes 3 elements a lane.
+template <int D, int G>
 struct DaLayout {
-    static constexpr int EPL = (D == 64 || D == 128 || D == 256) ? 8 : D / 32;
+    static constexpr int WIDE = (D == 64 || D == 128 || D == 256) ? 8 : D / 32;
+    static constexpr int EPL = (G * WIDE <= 32 || D == 96) ? WIDE : (D / 32 > 32 / G ? D / 32 : 32 / G);
     static constexpr int LPK = D / EPL;
     static constexpr int KPW = 32 / LPK;
     static_assert(LPK * EPL == D && KPW * LPK == 32, "a head must tile a warp");
@@ -76,6 +79,21 @@ struct KvSlice {
 };
 
 template <>
+struct KvSlice<4> {
+    uint2 r;
+    // The row offset is a multiple of 4 elements, so the address is 8-byte aligned.
+    __device__ __forceinline__ void load(const store_t* __restrict__ p) {
+        r = *reinterpret_cast<const uint2*>(p);
+    }
+    __device__ __forceinline__ void unpack(float* f) const {
+        f[0] = to_f32((store_t)(r.x & 0xffffu));
+        f[1] = to_f32((store_t)(r.x >> 16));
+        f[2] = to_f32((store_t)(r.y & 0xffffu));
+        f[3] = to_f32((store_t)(r.y >> 16));
+    }
+};
+
+template <>
 struct KvSlice<8> {
     uint4 r;
     // The row offset is a multiple of 8 elements, so the address is 16-byte aligned.
@@ -92,11 +110,14 @@ __device__ __forceinline__ void scaled_decode_body(
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
     float* part_acc, float* part_ml, unsigned* arrivals) {
-    using L = DaLayout<D>;
+    using L = DaLayout<D, G>;
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
-    // Loads per lane per iteration: fewer where the group's q and accumulators already take many
-    // registers, and at most 8 keys an iteration (a warp's shortest run is DA_MIN_WARP_KEYS).
-    constexpr int U0 = G * EPL <= 8 ? 4 : (G * EPL <= 32 ? 2 : 1);
+    // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
+    // more than 32 registers (all instances then stay within 128 registers, two blocks an SM,
+    // but for G = 8 at D 256), and at most 8 keys an iteration (a warp's shortest run is
+    // DA_MIN_WARP_KEYS). Llama-3-8B (D 128, G 4): 2 loads of 2 keys; Qwen3.5-27B (D 256, G 2): 4
+    // loads of 1 key.
+    constexpr int U0 = G * EPL <= 16 ? 4 : 2;
     constexpr int U = KPW * U0 > 8 ? 8 / KPW : U0;
     constexpr int KI = KPW * U;
     static_assert(DA_MAX_SPLITS <= 32 && D % 32 == 0, "the final merge gives a lane per split, a warp one q head");
