@@ -37,8 +37,6 @@
 // Most block splits a token takes; the scratch holds this many partials per (token, q head).
 // Must match ops/decode_attention.rs.
 #define DA_MAX_SPLITS 32
-// Splits whose accumulators the final merge loads at once.
-#define DA_MERGE_CHUNK 16
 // Fewest keys a warp walks (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one block).
 #define DA_MIN_WARP_KEYS 8
 
@@ -113,8 +111,8 @@ __device__ __forceinline__ void scaled_decode_body(
     using L = DaLayout<D, G>;
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
     // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
-    // more than 32 registers (all instances then stay within 128 registers, two blocks an SM,
-    // but for G = 8 at D 256), and at most 8 keys an iteration (a warp's shortest run is
+    // more than 32 registers (so that groups up to 4 fit DA_MIN_BLOCKS' 128 registers without
+    // spilling), and at most 8 keys an iteration (a warp's shortest run is
     // DA_MIN_WARP_KEYS). Llama-3-8B (D 128, G 4): 2 loads of 2 keys; Qwen3.5-27B (D 256, G 2): 4
     // loads of 1 key.
     constexpr int U0 = G * EPL <= 16 ? 4 : 2;
@@ -334,48 +332,67 @@ __device__ __forceinline__ void scaled_decode_body(
     if (!sm_last) return;
     __threadfence();
     // Last block: merge the nb block partials in split order. Volatile loads bypass L1, which is
-    // not coherent with the other blocks' writes. Thread i merges element i of a q head; the 32
-    // lanes of a warp share the head (D is a multiple of 32), so lane s loads split s's (max,
-    // sum) and the warp's shuffles give the max over the splits, the weights e^(m_s - max) and
-    // their l-weighted total, while the first DA_MERGE_CHUNK splits' accumulators are already in
-    // flight (one L2 round trip up to that many splits). The element is then summed in split
-    // order.
+    // not coherent with the other blocks' writes. Thread i merges element i of a q head, EPT
+    // elements a thread; the 32 lanes of a warp share the head (D is a multiple of 32), so lane s
+    // loads split s's (max, sum) and the warp's shuffles give the max over the splits, the weights
+    // e^(m_s - max) and their l-weighted total. Every element's (max, sum) and first CH splits'
+    // accumulators are requested before any is used (one L2 round trip up to CH splits); each
+    // element is then summed in split order.
+    constexpr int EPT = (G * D + DA_WARPS * 32 - 1) / (DA_WARPS * 32);
+    constexpr int CH = EPT >= 8 ? 4 : (EPT >= 4 ? 8 : 16);
     const volatile float* vacc = part_acc;
     const volatile float* vml = part_ml;
-    for (int i = threadIdx.x; i < G * D; i += DA_WARPS * 32) {
+    float ms[EPT], ls[EPT], av[EPT][CH];
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+        const int i = threadIdx.x + k * DA_WARPS * 32;
+        ms[k] = NEG_INF;
+        ls[k] = 0.0f;
+        if (i < G * D) {  // uniform over a warp
+            const int g = i / D;
+            const long long p0 = (row0 + g) * DA_MAX_SPLITS;
+            if (lane < nb) {
+                ms[k] = vml[(p0 + lane) * 2];
+                ls[k] = vml[(p0 + lane) * 2 + 1];
+            }
+#pragma unroll
+            for (int u = 0; u < CH; ++u) av[k][u] = u < nb ? vacc[(p0 + u) * D + (i - g * D)] : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+        const int i = threadIdx.x + k * DA_WARPS * 32;
+        if (i >= G * D) continue;  // uniform over a warp
         const int g = i / D;
         const int e = i - g * D;
         const long long p0 = (row0 + g) * DA_MAX_SPLITS;
-        float ms = NEG_INF, ls = 0.0f;
-        if (lane < nb) {
-            ms = vml[(p0 + lane) * 2];
-            ls = vml[(p0 + lane) * 2 + 1];
-        }
-        float av[DA_MERGE_CHUNK];
-#pragma unroll
-        for (int u = 0; u < DA_MERGE_CHUNK; ++u) av[u] = u < nb ? vacc[(p0 + u) * D + e] : 0.0f;
-        const float mx = warp_max(ms);
-        const float f = lane < nb ? expf(ms - mx) : 0.0f;
-        const float total = warp_sum(ls * f);
+        const float mx = warp_max(ms[k]);
+        const float f = lane < nb ? expf(ms[k] - mx) : 0.0f;
+        const float total = warp_sum(ls[k] * f);
         float a = 0.0f;
-        for (int s0 = 0; s0 < nb; s0 += DA_MERGE_CHUNK) {
+        for (int s0 = 0; s0 < nb; s0 += CH) {
             if (s0 > 0) {
 #pragma unroll
-                for (int u = 0; u < DA_MERGE_CHUNK; ++u)
-                    av[u] = s0 + u < nb ? vacc[(p0 + s0 + u) * D + e] : 0.0f;
+                for (int u = 0; u < CH; ++u) av[k][u] = s0 + u < nb ? vacc[(p0 + s0 + u) * D + e] : 0.0f;
             }
 #pragma unroll
-            for (int u = 0; u < DA_MERGE_CHUNK; ++u) {
+            for (int u = 0; u < CH; ++u) {
                 const float fu = __shfl_sync(0xffffffffu, f, (s0 + u) & 31);
-                if (s0 + u < nb) a = fmaf(av[u], fu, a);
+                if (s0 + u < nb) a = fmaf(av[k][u], fu, a);
             }
         }
         out[(row0 + g) * D + e] = from_f32(a * (1.0f / total));
     }
 }
 
+// Two blocks an SM (at most 128 registers a thread) for every group but 8, whose q and
+// accumulators alone take 64-128 registers: at batch 1 a 4096-key Llama-3-8B step is 256 blocks,
+// one wave on 132 SMs at two blocks each.
+#define DA_MIN_BLOCKS(G) ((G) <= 4 ? 2 : 1)
+
 #define DA_INSTANCE(D, G)                                                                       \
-    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) decode_attention_d##D##_g##G(   \
+    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32, DA_MIN_BLOCKS(G))         \
+        decode_attention_d##D##_g##G(                                                           \
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \

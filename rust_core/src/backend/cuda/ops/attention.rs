@@ -6,7 +6,6 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::decode_attention::AttnScratch;
-
 use super::{as_i32, cfg, check_len, strided_len, KArg};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
