@@ -35,6 +35,11 @@ if ls base/*.whl > /dev/null 2>&1; then
   PYTHONPATH=/tmp/site_base timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_base.json --commit base --decode-8b --skip-peer > $OUT/bench8_base.log 2>&1; echo "bench8 base rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_base.log | tail -2
   PYTHONPATH=/tmp/site_base timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_base_long.json --commit base --decode-8b --skip-peer --prompt 3800 --tokens 256 > $OUT/bench8_base_long.log 2>&1; echo "bench8 base long rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_base_long.log | tail -2
 fi
-# 4. The rest of test_gpu_model.py, best effort in what is left of ~4 min (raise the timeout to
-#    ~160 s for the whole file).
-timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_model.py -k "not bitwise" > $OUT/pytest_rest.log 2>&1; echo "pytest rest rc $? t=$(el)"; grep -E "passed|failed|^FAILED" $OUT/pytest_rest.log | tail -5
+# 4. The rest of test_gpu_model.py, best effort in what is left of 4 minutes (the whole file takes
+#    ~150 s; rerun it in a later call if it is cut here: not a failure of the branch).
+left=$(( 235 - $(el) ))
+if [ $left -gt 20 ]; then
+  timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_model.py -k "not bitwise" > $OUT/pytest_rest.log 2>&1; echo "pytest rest rc $? (timeout ${left}s) t=$(el)"; grep -E "passed|failed|^FAILED" $OUT/pytest_rest.log | tail -5
+else
+  echo "pytest rest skipped: ${left}s left"
+fi
