@@ -28,12 +28,12 @@ export PYTHONPATH=/tmp/site
 [ -f ../python/ninfer/demo/model/model.safetensors ] && cp ../python/ninfer/demo/model/model.safetensors /tmp/site/ninfer/demo/model/ && echo "demo model copied"
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_model.py -k bitwise > $OUT/pytest_bitwise.log 2>&1; echo "pytest bitwise rc $? t=$(el)"; grep -E "passed|failed|^FAILED" $OUT/pytest_bitwise.log | tail -5
 # 3. 8B decode at the bench's default context (~256 keys) and at ~3.9k keys (attention matters).
-timeout 75 python3 benches/gpu_bench.py --out $OUT/bench8.json --commit attnsplit --decode-8b --skip-peer > $OUT/bench8.log 2>&1; echo "bench8 rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8.log | tail -2
-timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_long.json --commit attnsplit --decode-8b --skip-peer --prompt 3800 --tokens 256 > $OUT/bench8_long.log 2>&1; echo "bench8 long rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_long.log | tail -2
+timeout 75 python3 benches/gpu_bench.py --out $OUT/bench8.json --commit attnsplit --decode-8b --skip-peer --keep-checkpoints > $OUT/bench8.log 2>&1; echo "bench8 rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8.log | tail -2
+timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_long.json --commit attnsplit --decode-8b --skip-peer --keep-checkpoints --prompt 3800 --tokens 256 > $OUT/bench8_long.log 2>&1; echo "bench8 long rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_long.log | tail -2
 if ls base/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_base base/*.whl 2>&1 | grep -v WARNING | tail -2
-  PYTHONPATH=/tmp/site_base timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_base.json --commit base --decode-8b --skip-peer > $OUT/bench8_base.log 2>&1; echo "bench8 base rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_base.log | tail -2
-  PYTHONPATH=/tmp/site_base timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_base_long.json --commit base --decode-8b --skip-peer --prompt 3800 --tokens 256 > $OUT/bench8_base_long.log 2>&1; echo "bench8 base long rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_base_long.log | tail -2
+  PYTHONPATH=/tmp/site_base timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_base.json --commit base --decode-8b --skip-peer --keep-checkpoints > $OUT/bench8_base.log 2>&1; echo "bench8 base rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_base.log | tail -2
+  PYTHONPATH=/tmp/site_base timeout 40 python3 benches/gpu_bench.py --out $OUT/bench8_base_long.json --commit base --decode-8b --skip-peer --keep-checkpoints --prompt 3800 --tokens 256 > $OUT/bench8_base_long.log 2>&1; echo "bench8 base long rc $? t=$(el)"; grep -E "tok/s" $OUT/bench8_base_long.log | tail -2
 fi
 # 4. The rest of test_gpu_model.py, best effort in what is left of 4 minutes (the whole file takes
 #    ~150 s; rerun it in a later call if it is cut here: not a failure of the branch).
