@@ -6,7 +6,7 @@
 #
 # Why: the per-shape table (GEMV_TC_RULES in ops/gemv.rs) came from an isolated cold-L2 sweep
 # that put the 8B's qkv / o on tensor cores (+13-14% there), yet in the model that default
-# decodes ~3% slower than CUDA cores everywhere (docs/performance.md "The decode GEMV trade").
+# decodes ~3% slower than CUDA cores everywhere (docs/performance.md "The decode GEMV choice").
 # The settings are read once per device, so each variant is its own process; the random
 # checkpoint is written by the first and kept (--keep-checkpoints, deleted at the end unless
 # KEEP=1), so a variant costs ~15-18 s after the first (load from the page cache, warm-up
@@ -34,8 +34,9 @@ mkdir -p "$logdir"
 
 # Llama-3-8B weight shapes (rows x K; gate_up is the fused weight, 2 x 14336 rows):
 # qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, lm_head 128256x4096.
-# The default table puts qkv / o / gate_up on tensor cores (w8u4h / w8u8h / w8u8h), down and
-# lm_head on CUDA cores. Each shape variant moves one shape off its default.
+# This list was written against the session-5 table (qkv / o / gate_up on tensor cores at M = 1);
+# since e22cb94 every shape runs on CUDA cores at M = 1, so the `*_cc` variants equal `base` and
+# the informative ones move a shape to tensor cores (e.g. `down_tc`): pass a VARIANTS_FILE.
 default_variants() {
     cat <<'EOF'
 base

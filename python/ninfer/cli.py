@@ -98,8 +98,9 @@ def device_arg(text: str) -> str:
 def add_logits_dtype_flag(parser: argparse.ArgumentParser) -> None:
     """`--logits-dtype` (shared with `ninfer serve`)."""
     parser.add_argument("--logits-dtype", choices=LOGITS_DTYPES, default="auto",
-                        help="auto (default): logits rounded to the checkpoint's bf16/f16, as transformers "
-                             "and vLLM return them; float32: the lm_head's f32 sums unrounded")
+                        help="auto (default): logits rounded to the 16-bit dtype the model runs in (bf16 on CUDA; "
+                             "a bf16/f16 checkpoint's on the CPU), as transformers and vLLM return them; "
+                             "float32: the lm_head's f32 sums unrounded")
 
 
 def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:

@@ -115,9 +115,10 @@ pub struct CudaModel {
     /// unless FUSED_NORM_SWITCH is off: then `linear` + `add_rmsnorm`, the same bits, kept so
     /// that one build can time both.
     fused_norm: bool,
-    /// The lm_head rounds logits to the storage type (logits_dtype "auto", model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's
-    /// cuBLAS GEMM (`linear_f32_out`), the one place every consumer (device and host sampling,
-    /// logprobs, `Model.logits`) reads logits from.
+    /// The lm_head rounds logits to the storage type (logits_dtype "auto",
+    /// model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's cuBLAS GEMM
+    /// (`linear_f32_out`), the one place every consumer (device and host sampling, logprobs,
+    /// `Model.logits`) reads logits from.
     logits_round: bool,
 }
 

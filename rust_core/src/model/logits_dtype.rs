@@ -61,7 +61,7 @@ impl LogitsDtype {
 }
 
 /// The 16-bit type CPU logits are rounded to (the CUDA kernels round to the device's storage
-/// type, which holds the checkpoint's bf16 or f16 values).
+/// type, whatever the checkpoint's dtype).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitsRound {
     Bf16,

@@ -45,7 +45,7 @@ pub struct LoadOptions {
     pub device: String,
     /// Worker threads for the CPU backend (None: all cores).
     pub num_threads: Option<usize>,
-    /// Logits rounded to the checkpoint's 16-bit dtype (Auto, the default) or kept f32.
+    /// Logits rounded to the 16-bit dtype the model runs in (Auto, the default) or kept f32.
     pub logits_dtype: LogitsDtype,
 }
 

@@ -35,8 +35,8 @@ struct Loaded {
 #[pymethods]
 impl PyModel {
     #[new]
-    /// `logits_dtype`: "auto" (logits rounded to the checkpoint's bf16/f16, as transformers
-    /// returns them) or "float32" (the lm_head's f32 sums).
+    /// `logits_dtype`: "auto" (logits rounded to the 16-bit dtype the model runs in, as
+    /// transformers returns them) or "float32" (the lm_head's f32 sums).
     #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto"))]
     fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str) -> PyResult<Self> {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;

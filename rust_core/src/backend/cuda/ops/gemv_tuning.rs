@@ -4,11 +4,11 @@
 //!
 //! Why: the per-shape table was filled from an isolated, cold-L2 sweep, and in the model the
 //! choice it made decoded slower than CUDA cores everywhere (docs/performance.md "The decode GEMV
-//! trade"); what a kernel gains alone and what it gains between its neighbours (PDL overlap,
+//! choice"); what a kernel gains alone and what it gains between its neighbours (PDL overlap,
 //! warm L2, the prefetch issued before the wait) differ. These let one process of the decode
 //! bench (benches/gemv_variants.sh) measure a shape's kernel and the prefetch depth in the model
-//! without a rebuild. Neither changes what batch == alone needs: the kernel is still a function
-//! of the weight shape only, and a prefetch never changes a value.
+//! without a rebuild. A shape the override names runs that kernel at every M (batch invariant
+//! for that shape), and a prefetch never changes a value.
 
 use super::gemv::{GemvForm, GemvTcConfig};
 use crate::{NinferError, Result};
