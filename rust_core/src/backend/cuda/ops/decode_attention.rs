@@ -81,9 +81,64 @@ pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> DecodeS
     DecodeScratchLen { acc: rows * DECODE_MAX_SPLITS * shape.head_dim, ml: rows * DECODE_MAX_SPLITS * 2, arrivals: rows }
 }
 
+/// The one-kernel decode attention a launch runs (`decode_attention_form`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeAttentionForm {
+    /// `decode_attention_*`: splits grow with each token's context.
+    Scaled,
+    /// `decode_attention_fixed_*`: FIXED_BLOCK_SPLITS blocks per (token, group).
+    Fixed,
+}
+
+/// Most query tokens a decode launch runs the scaled form for by default. Measured on an H200
+/// (TIMING lines of cuda_ops decode_attention, benches/results/attnsplit_*.log): at batch 1 the
+/// scaled form is 0.48x the fixed one at 4096 keys (Llama-3-8B) and 0.32x at 16384 (bs1 decode
+/// at ~3.8k keys +13% end to end), within noise at 256 keys; at batch 8 its many short splits
+/// cost more in the merge than the extra parallelism gives (1.16-1.23x at 1-4k keys), the fixed
+/// grid (64 blocks a token) already filling the GPU.
+pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
+
+/// The form a decode launch of `tokens` query tokens runs: the scaled one up to
+/// DECODE_SCALED_MAX_TOKENS, the fixed one above, and the scaled one at every batch size when
+/// `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a row the same bits in
+/// any batch, but switching form by batch size would not.
+pub fn decode_attention_form(tokens: usize, batch_invariant: bool) -> DecodeAttentionForm {
+    if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
+        DecodeAttentionForm::Scaled
+    } else {
+        DecodeAttentionForm::Fixed
+    }
+}
+
 impl CudaDevice {
-    /// Decode attention (one query token per sequence, or any tokens) in one kernel whose
-    /// split-K layout depends on each token's own context only: `decode_block_splits(context)`
+    /// Decode attention (one query token per sequence, or any tokens) in one kernel: the form
+    /// `decode_attention_form` picks for this launch's token count (`paged_attention_decode_scaled`
+    /// or `paged_attention_decode_fixed`, which take the same arguments and scratch). A decode
+    /// graph's token count is fixed, so every replay of it runs the form it captured.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
+        match decode_attention_form(token_seq.len(), self.batch_invariant()) {
+            DecodeAttentionForm::Scaled => {
+                self.paged_attention_decode_scaled(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+            }
+            DecodeAttentionForm::Fixed => {
+                self.paged_attention_decode_fixed(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+            }
+        }
+    }
+
+    /// The scaled form: decode attention in one kernel whose split-K layout depends on each token's own context only: `decode_block_splits(context)`
     /// blocks of 8 warps, `decode_warp_keys(context)` keys a warp, merged in-kernel (the last
     /// block to arrive merges all, in split order). A row's result is then the same in any batch
     /// (batch == alone, bit for bit) and in any launch. The grid is (tokens x groups,
@@ -92,7 +147,7 @@ impl CudaDevice {
     /// later step of its bucket. `shape.max_context` and `shape.partition` are ignored;
     /// `scratch` must hold `decode_scratch_len(tokens, shape)`, its counters zeroed.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_decode(
+    pub fn paged_attention_decode_scaled(
         &self,
         q: &impl DevicePtr<u16>,
         k_cache: &impl DevicePtr<u16>,
@@ -110,9 +165,9 @@ impl CudaDevice {
         self.one_kernel_decode(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch, kernel, g, splits)
     }
 
-    /// The fixed-split form `paged_attention_decode` replaced: FIXED_BLOCK_SPLITS blocks per
-    /// (token, group) whatever the context (`decode_attention_fixed_*`, attention.cu). Kept for
-    /// the timing test that compares the two; same scratch.
+    /// The fixed-split form: FIXED_BLOCK_SPLITS blocks per (token, group) whatever the context
+    /// (`decode_attention_fixed_*`, attention.cu); batches above DECODE_SCALED_MAX_TOKENS run it.
+    /// Same scratch as the scaled form.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode_fixed(
         &self,
@@ -196,6 +251,14 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
+        use DecodeAttentionForm::{Fixed, Scaled};
+        for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
+            assert_eq!(decode_attention_form(tokens, invariant), form, "{tokens} tokens, invariant {invariant}");
+        }
+    }
 
     fn shape(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> PagedAttentionShape {
         PagedAttentionShape {
