@@ -91,10 +91,11 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     for (int c = 0; c < C; ++c)
         wrow[c] = reinterpret_cast<const vec8*>(w + gemv_weight_row<C, OUT>(c, n0, n_out) * k);
     // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the lane's
-    // first `prefetch` weight vectors (the launcher's depth, ops/gemv_tuning.rs
-    // cc_prefetch_vectors) are fetched into L2 before waiting for the kernel that wrote x: the
-    // weight stream starts while the kernels before this GEMV (attention, the norms) still run.
-    // The loop below is unchanged (a register preload that split it measured ~3% slower).
+    // first `prefetch` weight vectors (the launcher's depth, NINFER_CC_PREFETCH in
+    // ops/gemv_tuning.rs) can be fetched into L2 before waiting for the kernel that wrote x.
+    // Measured in the model, none decodes fastest (the default 0): the early lines slow the
+    // kernels still running more than they save. The loop below is unchanged (a register
+    // preload that split it measured ~3% slower).
 #pragma unroll 4
     for (int p = 0; p < prefetch; ++p) {
         const int i = lane + 32 * p;

@@ -91,11 +91,13 @@ pub enum DecodeAttentionForm {
 }
 
 /// Most query tokens a decode launch runs the scaled form for by default. Measured on an H200
-/// (TIMING lines of cuda_ops decode_attention, benches/results/attnsplit_*.log): at batch 1 the
-/// scaled form is 0.48x the fixed one at 4096 keys (Llama-3-8B) and 0.32x at 16384 (bs1 decode
-/// at ~3.8k keys +13% end to end), within noise at 256 keys; at batch 8 its many short splits
-/// cost more in the merge than the extra parallelism gives (1.16-1.23x at 1-4k keys), the fixed
-/// grid (64 blocks a token) already filling the GPU.
+/// (TIMING lines of cuda_ops decode_attention, benches/results/attnsplit_timing_e27b4e8.log,
+/// scaled / fixed per call): at batch 1, 0.48x at 4096 keys and 0.32x at 16384 (Llama-3-8B;
+/// Qwen3.5-27B 0.80x / 0.44x), within noise at 256 keys on the 8B (1.13x, +0.9 us, on the 27B);
+/// batch 2 0.59-0.88x at every context of both shapes; batch 4 mixed (1.17-1.21x at 1-4k keys
+/// on the 8B); batch 8 1.13-1.23x at 1-4k keys: there the fixed grid (64 blocks a token on the
+/// 8B) already fills the GPU and the scaled form's short splits cost more in the merge.
+/// End to end, Llama-3-8B batch-1 decode at ~3.8k keys: 213.5 tok/s against 188.6 (+13%).
 pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
 /// The form a decode launch of `tokens` query tokens runs: the scaled one up to

@@ -36,9 +36,10 @@ pub const TC_PREFETCH_MAX_STEPS: u32 = 512;
 /// The CUDA-core GEMV's L2 prefetch before its PDL wait: `N` weight vectors (16 bytes) per lane
 /// for every weight, or `NMB`, a budget of N MiB per launch spread over the weight's rows (a
 /// weight of R rows prefetches budget / (R x 512 bytes) vectors per lane, at most its whole
-/// rows). Why a budget: the prefetch pays off while the kernels before the GEMV (attention, the
-/// norms) leave the memory idle, and only as far as L2 keeps the lines until the GEMV reads
-/// them; a fixed depth prefetches ~8 MB of Llama-3-8B's o_proj but ~60 MB of its gate_up.
+/// rows). A tuning tool: the idea was that a prefetch pays off while the kernels before the GEMV
+/// (attention, the norms) leave the memory idle, as far as L2 keeps the lines until the GEMV
+/// reads them (a fixed depth prefetches ~8 MB of Llama-3-8B's o_proj but ~60 MB of its
+/// gate_up); measured, none at all decodes fastest (CC_PREFETCH_DEFAULT).
 pub const CC_PREFETCH_VAR: &str = "NINFER_CC_PREFETCH";
 
 /// The CUDA-core GEMV's prefetch (`NINFER_CC_PREFETCH`).
@@ -50,8 +51,12 @@ pub enum CcPrefetch {
     Budget(u64),
 }
 
-/// The default: 4 vectors per lane, as first measured.
-pub const CC_PREFETCH_DEFAULT: CcPrefetch = CcPrefetch::Vectors(4);
+/// The default: none. Llama-3-8B batch-1 decode in the model (benches/gemv_variants.sh,
+/// benches/results/cc_prefetch_variants_e27b4e8.log, H200): 227.6 tok/s with no prefetch
+/// against 220.8 / 221.7 with the first default of 4 vectors a lane, 213.7 with 8, 189.6 with
+/// 16 (whole 4096-wide rows), and 223.1 / 219.3 / 217.6 / 216.8 / 213.2 with budgets of 8 / 16
+/// / 24 / 32 / 48 MiB: the early lines cost the kernels still running more than they save.
+pub const CC_PREFETCH_DEFAULT: CcPrefetch = CcPrefetch::Vectors(0);
 
 /// Bytes one warp's row vector step covers: 32 lanes x 16 bytes.
 const CC_ROW_STEP_BYTES: u64 = 512;
