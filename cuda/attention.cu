@@ -279,7 +279,10 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
     for (int e = 0; e < EPL; ++e) orow[e] = from_f32(acc[e] * inv);
 }
 
-// Decode attention in one kernel, without attention_combine. A block owns one (token, GQA
+// Decode attention in one kernel with a fixed DA_SPLITS block splits per (token, group), kept as
+// the baseline that decode steps' kernel (decode_attention_* in decode_attention.cu, whose splits
+// grow with the context) is timed against (`paged_attention_decode_fixed`, tests only).
+// Without attention_combine. A block owns one (token, GQA
 // group) and one "block split" of DA_WARPS consecutive warp splits; warp split
 // blockIdx.y * DA_WARPS + warp walks decode_partition(limit) keys exactly as attention_body's
 // split of that index does, so a token still never needs more than DECODE_SPLITS warp splits,
@@ -442,7 +445,7 @@ __device__ __forceinline__ void decode_attention_body(
                              token_pos, n_tokens, n_q_heads, n_kv_heads, q_stride, block_size,  \
                              scale, partition, out, part_acc, part_ml);                         \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) decode_attention_d##D##_g##G(   \
+    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) decode_attention_fixed_d##D##_g##G(\
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \

@@ -8,8 +8,6 @@
 #include "common.cuh"
 
 #define GEMV_WARPS 8
-// Weight vectors per lane prefetched into L2 before the PDL wait.
-#define GEMV_PREFETCH 4
 
 // What a warp does with its column sums (gemv_body's OUT): store them in the storage type,
 // store them as f32 (the lm_head's logits), or apply SwiGLU to gate/up pairs (below).
@@ -84,7 +82,7 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           const store_t* __restrict__ w, void* __restrict__ y,
-                                          int n_out, int k, int round_out = 0) {
+                                          int n_out, int k, int prefetch, int round_out = 0) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
@@ -93,11 +91,13 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     for (int c = 0; c < C; ++c)
         wrow[c] = reinterpret_cast<const vec8*>(w + gemv_weight_row<C, OUT>(c, n0, n_out) * k);
     // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the lane's
-    // first GEMV_PREFETCH weight vectors are fetched into L2 before waiting for the kernel that
-    // wrote x: the weight stream starts while the small kernels before this GEMV still run.
-    // The loop below is unchanged (a register preload that split it measured ~3% slower).
-#pragma unroll
-    for (int p = 0; p < GEMV_PREFETCH; ++p) {
+    // first `prefetch` weight vectors (the launcher's depth, NINFER_CC_PREFETCH in
+    // ops/gemv_tuning.rs) can be fetched into L2 before waiting for the kernel that wrote x.
+    // Measured in the model, none decodes fastest (the default 0): the early lines slow the
+    // kernels still running more than they save. The loop below is unchanged (a register
+    // preload that split it measured ~3% slower).
+#pragma unroll 4
+    for (int p = 0; p < prefetch; ++p) {
         const int i = lane + 32 * p;
 #pragma unroll
         for (int c = 0; c < C; ++c)
@@ -137,17 +137,18 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
 // two at M = 5..8 (as many weight rows, and accumulator registers, as the plain GEMV's C).
 #define GEMV_INSTANCE(M, C, SC)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
-        gemv_m##M(const store_t* x, const store_t* w, store_t* y, int n_out, int k) {          \
-        gemv_body<M, C, GEMV_OUT_STORE>(x, w, y, n_out, k);                                    \
+        gemv_m##M(const store_t* x, const store_t* w, store_t* y, int n_out, int k,            \
+                  int prefetch) {                                                              \
+        gemv_body<M, C, GEMV_OUT_STORE>(x, w, y, n_out, k, prefetch);                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
         gemv_f32out_m##M(const store_t* x, const store_t* w, float* y, int n_out, int k,       \
-                         int round_out) {                                                      \
-        gemv_body<M, C, GEMV_OUT_F32>(x, w, y, n_out, k, round_out);                           \
+                         int prefetch, int round_out) {                                        \
+        gemv_body<M, C, GEMV_OUT_F32>(x, w, y, n_out, k, prefetch, round_out);                 \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gateup_swiglu_m##M(     \
-        const store_t* x, const store_t* w, store_t* act, int inter, int k) {                  \
-        gemv_body<M, SC, GEMV_OUT_SWIGLU>(x, w, act, inter, k);                                \
+        const store_t* x, const store_t* w, store_t* act, int inter, int k, int prefetch) {    \
+        gemv_body<M, SC, GEMV_OUT_SWIGLU>(x, w, act, inter, k, prefetch);                      \
     }
 
 GEMV_INSTANCE(1, 1, 2)

@@ -70,6 +70,8 @@ mod gemv_add_rmsnorm;
 mod rounding_points;
 #[path = "cuda_ops/logits_round.rs"]
 mod logits_round;
+#[path = "cuda_ops/decode_attention.rs"]
+mod decode_attention;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
@@ -555,7 +557,7 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
     // case: the one-kernel form and the two-kernel form (attention + attention_combine).
     let scratch = decode_scratch(dev, t, &shape);
     let mut out = Out16::new(dev, t * hq * d);
-    dev.paged_attention_decode(
+    dev.paged_attention_decode_scaled(
         &upload(dev, &q),
         &upload(dev, &case.k_cache),
         &upload(dev, &case.v_cache),
@@ -613,11 +615,12 @@ fn assert_arrivals_reset(dev: &CudaDevice, scratch: &AttnScratch, what: &str) {
     assert!(counts.iter().all(|&c| c == 0), "{what}: arrival counters left at {counts:?}");
 }
 
-/// The one-kernel decode attention at the contexts around its layout's edges (16 keys a warp,
-/// 128 keys a block split, 1024 keys where the splits start to grow, 8192 where a block split
-/// is 1024 keys): against the CPU op, a batch of mixed contexts against each token alone bit
-/// for bit (on one scratch reused token after token), a second launch on the same scratch bit
-/// for bit (the arrival counters reset themselves), and the two-kernel form within tolerance.
+/// The one-kernel decode attention (`paged_attention_decode_scaled`) over a wide range of contexts (up
+/// to 40000 keys: 32 block splits of 157-key warps) and group sizes: against the CPU op, a batch
+/// of mixed contexts against each token alone bit for bit (on one scratch reused token after
+/// token), a second launch on the same scratch bit for bit (the arrival counters reset
+/// themselves), and the two-kernel form within tolerance. The layout's own edges are in
+/// cuda_ops/decode_attention.rs.
 #[test]
 fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
     for st in STORAGES {
@@ -651,7 +654,7 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
             let label = format!("hq{hq}hk{hk}/d{d}");
             let scratch = decode_scratch(&dev, t, &shape);
             let run = |out: &mut Out16| {
-                dev.paged_attention_decode(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                dev.paged_attention_decode_scaled(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
                 out.read(&dev, "decode attention")
             };
             let batch = run(&mut Out16::new(&dev, t * hq * d));
@@ -673,7 +676,7 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
                 let (seq1, pos1) = (upload_raw(&dev, &[s as i32]), upload_raw(&dev, &[c as i32 - 1]));
                 let q1 = upload(&dev, &q[s * hq * d..(s + 1) * hq * d]);
                 let mut out = Out16::new(&dev, hq * d);
-                dev.paged_attention_decode(&q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
+                dev.paged_attention_decode_scaled(&q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
                 let alone = out.read(&dev, "decode attention alone");
                 assert_bitwise(&alone, &batch[s * hq * d..(s + 1) * hq * d], &format!("decode attention {label}: ctx {c} alone vs batch"));
             }
@@ -682,54 +685,6 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
             let mut out = Out16::new(&dev, t * hq * d);
             dev.paged_attention_decode_two_kernels(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &two).unwrap();
             check("decode_attention_two_kernels", st, &label, &out.read(&dev, "two-kernel decode"), &want, tol16(st));
-        }
-    }
-}
-
-/// Batch-1 decode attention per call, the one-kernel form against the two-kernel form
-/// (attention + attention_combine), for the Llama-3-8B and Qwen3.5-27B attention shapes.
-#[test]
-fn one_kernel_decode_attention_timing() {
-    let Some(dev) = gpu("decode_attention_timing", StorageDType::Bf16) else { return };
-    let s = dev.stream().clone();
-    let bs = 16;
-    for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
-        for (batch, ctx) in [(1, 256), (1, 4096), (8, 256)] {
-            let blocks_per = ctx / bs;
-            let num_blocks = batch * blocks_per;
-            let mut rng = Rng::new(23);
-            let cache = upload(&dev, &rng.vec(num_blocks * bs * hk * d, -1.0, 1.0));
-            let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
-            let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
-            let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
-            let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
-            let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
-            let shape = PagedAttentionShape {
-                n_q_heads: hq,
-                n_kv_heads: hk,
-                head_dim: d,
-                q_stride: hq * d,
-                block_size: bs,
-                num_blocks,
-                max_blocks_per_seq: blocks_per,
-                scale: 1.0 / (d as f32).sqrt(),
-                max_context: ctx,
-                partition: 0,
-            };
-            let one = decode_scratch(&dev, batch, &shape);
-            let two = two_kernel_scratch(&dev, batch, &shape);
-            let t_two = time_ms(&dev, 200, || {
-                dev.paged_attention_decode_two_kernels(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape, &two).unwrap()
-            });
-            let t_one = time_ms(&dev, 200, || {
-                dev.paged_attention_decode(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape, &one).unwrap()
-            });
-            println!(
-                "TIMING decode_attention {name} batch={batch} ctx={ctx}: two kernels {:.2} us, one kernel {:.2} us per call ({:.2}x)",
-                t_two * 1e3,
-                t_one * 1e3,
-                t_two / t_one
-            );
         }
     }
 }

@@ -50,6 +50,11 @@ pub struct CudaDevice {
     /// (`NINFER_TC_PREFETCH_STEPS`, default 16). Settable later (`set_tc_prefetch_steps`): a
     /// prefetch never changes a value, so launches with different depths agree bit for bit.
     tc_prefetch_steps: AtomicU32,
+    /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
+    cc_prefetch: super::ops::CcPrefetch,
+    /// `NINFER_BATCH_INVARIANT`: every kernel choice independent of the batch size (the GEMV
+    /// form above, the decode attention form, ops/decode_attention.rs); read once.
+    batch_invariant: bool,
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -87,10 +92,12 @@ impl CudaDevice {
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
         let invariant = std::env::var(super::ops::BATCH_INVARIANT_SWITCH).ok();
         let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref(), invariant.as_deref())?;
+        let batch_invariant = crate::config::env_switch::parse_switch(super::ops::BATCH_INVARIANT_SWITCH, invariant.as_deref(), false)?;
         let shapes = std::env::var(super::ops::GEMV_SHAPES_VAR).ok();
         let gemv_shapes = super::ops::gemv_shapes_for((major, minor), gemv_form, tc_switch.as_deref(), shapes.as_deref())?;
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
+        let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -108,6 +115,8 @@ impl CudaDevice {
             gemv_form,
             gemv_shapes,
             tc_prefetch_steps,
+            cc_prefetch,
+            batch_invariant,
         })
     }
 
@@ -136,6 +145,12 @@ impl CudaDevice {
         self.pdl
     }
 
+    /// Whether `NINFER_BATCH_INVARIANT` is on: a sequence decoded in a batch equals it decoded
+    /// alone bit for bit.
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant
+    }
+
     /// The GEMV form every decode projection of this device runs.
     pub fn gemv_form(&self) -> super::ops::GemvForm {
         self.gemv_form
@@ -145,6 +160,11 @@ impl CudaDevice {
     /// this device (its `NINFER_GEMV_SHAPES` override applied): `ops::gemv_kernel`.
     pub fn gemv_kernel(&self, form: super::ops::GemvForm, rows: usize, k: usize, m: usize) -> super::ops::GemvKernel {
         super::ops::gemv_kernel(form, self.gemv_shapes.as_ref(), rows, k, m)
+    }
+
+    /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`).
+    pub fn cc_prefetch(&self) -> super::ops::CcPrefetch {
+        self.cc_prefetch
     }
 
     /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.

@@ -64,6 +64,8 @@ pub enum KernelFamily {
     GemvTc,
     /// Paged attention (decode and prefill), split combine, KV cache write.
     Attention,
+    /// One-kernel decode attention whose splits grow with each token's context.
+    DecodeAttention,
     /// Causal flash attention for prefill on tensor cores (sm_80+).
     FlashAttention,
     /// Gated DeltaNet: causal conv1d, gates, recurrent rule.
@@ -76,7 +78,7 @@ pub enum KernelFamily {
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 11] = [
+    pub const ALL: [KernelFamily; 12] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
@@ -84,6 +86,7 @@ impl KernelFamily {
         KernelFamily::Gemv,
         KernelFamily::GemvTc,
         KernelFamily::Attention,
+        KernelFamily::DecodeAttention,
         KernelFamily::FlashAttention,
         KernelFamily::Gdn,
         KernelFamily::GdnChunked,
@@ -100,6 +103,7 @@ impl KernelFamily {
             KernelFamily::Gemv => "gemv.cu",
             KernelFamily::GemvTc => "gemv_tc.cu",
             KernelFamily::Attention => "attention.cu",
+            KernelFamily::DecodeAttention => "decode_attention.cu",
             KernelFamily::FlashAttention => "flash_attention.cu",
             KernelFamily::Gdn => "gdn.cu",
             KernelFamily::GdnChunked => "gdn_chunked.cu",
@@ -117,6 +121,7 @@ impl KernelFamily {
             KernelFamily::Gemv => include_str!("../../../../cuda/gemv.cu"),
             KernelFamily::GemvTc => include_str!("../../../../cuda/gemv_tc.cu"),
             KernelFamily::Attention => include_str!("../../../../cuda/attention.cu"),
+            KernelFamily::DecodeAttention => include_str!("../../../../cuda/decode_attention.cu"),
             KernelFamily::FlashAttention => include_str!("../../../../cuda/flash_attention.cu"),
             KernelFamily::Gdn => include_str!("../../../../cuda/gdn.cu"),
             KernelFamily::GdnChunked => include_str!("../../../../cuda/gdn_chunked.cu"),

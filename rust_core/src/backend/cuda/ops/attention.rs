@@ -1,9 +1,11 @@
 //! Paged attention launchers (cuda/attention.cu): KV cache write, one attention kernel for
-//! decode and prefill with optional split-K (flash decoding) and its combine, and the
-//! one-kernel decode attention that merges its splits in-kernel (decode steps).
+//! decode and prefill with optional split-K (flash decoding) and its combine, the fixed-split
+//! one-kernel decode form (decode batches of 3+ tokens, ops/decode_attention.rs) and the
+//! two-kernel decode baseline.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
+use super::decode_attention::AttnScratch;
 use super::{as_i32, cfg, check_len, strided_len, KArg};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
@@ -58,45 +60,15 @@ impl PagedAttentionShape {
     }
 }
 
-/// Warp splits a decode token may take (DECODE_SPLITS in attention.cu, whose
+/// Warp splits a decode token may take in attention.cu (DECODE_SPLITS there, whose
 /// decode_partition keeps every context within it): the grid height of the two-kernel decode
-/// path, and DECODE_BLOCK_SPLITS blocks of DECODE_WARPS warps in `decode_attention`.
+/// path, and FIXED_BLOCK_SPLITS blocks of FIXED_WARPS warps in `decode_attention_fixed`.
 pub const DECODE_SPLITS: usize = 64;
-/// Warps per block of `decode_attention_*` (DA_WARPS in attention.cu).
-const DECODE_WARPS: usize = 8;
-/// Block splits per (token, group) of `decode_attention_*` (DA_SPLITS in attention.cu): its
-/// grid height.
-pub const DECODE_BLOCK_SPLITS: usize = DECODE_SPLITS / DECODE_WARPS;
-
-/// Decode-attention scratch, allocated once by the caller (a captured CUDA graph must not
-/// allocate): block-split partials `acc` f32 `[rows, DECODE_BLOCK_SPLITS, head_dim]` and `ml`
-/// f32 `[rows, DECODE_BLOCK_SPLITS, 2]` (rows = tokens x q heads), and one arrival counter per
-/// (token, group of q heads one block serves), which must be allocated zeroed: the kernel
-/// leaves every counter at 0 when it completes (see decode_attention_body).
-pub struct AttnScratch {
-    pub acc: CudaSlice<f32>,
-    pub ml: CudaSlice<f32>,
-    pub arrivals: CudaSlice<u32>,
-}
-
-/// Elements of each `AttnScratch` buffer for a number of query tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeScratchLen {
-    pub acc: usize,
-    pub ml: usize,
-    pub arrivals: usize,
-}
-
-/// The scratch `paged_attention_decode` needs for `tokens` query tokens.
-pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> DecodeScratchLen {
-    let rows = tokens * shape.n_q_heads;
-    let (_, blocks) = group_and_warps(shape, tokens);
-    DecodeScratchLen {
-        acc: rows * DECODE_BLOCK_SPLITS * shape.head_dim,
-        ml: rows * DECODE_BLOCK_SPLITS * 2,
-        arrivals: blocks,
-    }
-}
+/// Warps per block of `decode_attention_fixed_*` (DA_WARPS in attention.cu).
+const FIXED_WARPS: usize = 8;
+/// Block splits per (token, group) of `decode_attention_fixed_*` (DA_SPLITS in attention.cu):
+/// its grid height and the stride of its partials in the scratch.
+pub const FIXED_BLOCK_SPLITS: usize = DECODE_SPLITS / FIXED_WARPS;
 
 /// (acc, ml) elements of the split partials `paged_attention_decode_two_kernels` needs for
 /// `tokens` query tokens (one partial per warp split).
@@ -107,7 +79,7 @@ pub fn two_kernel_decode_scratch_len(tokens: usize, shape: &PagedAttentionShape)
 
 /// (q heads per warp, warps) for `t` query tokens: one warp serves a whole GQA group when the
 /// group size has a kernel instance.
-fn group_and_warps(sh: &PagedAttentionShape, t: usize) -> (usize, usize) {
+pub(super) fn group_and_warps(sh: &PagedAttentionShape, t: usize) -> (usize, usize) {
     let group = sh.n_q_heads / sh.n_kv_heads.max(1);
     let g = if matches!(group, 2 | 4 | 8) { group } else { 1 };
     (g, t * sh.n_q_heads / g)
@@ -137,6 +109,7 @@ macro_rules! by_head_dim_and_group {
         }
     };
 }
+pub(super) use by_head_dim_and_group;
 
 /// The split attention kernel (prefill on sm_70/75, the two-kernel decode) for head size `d`
 /// and `g` q heads per warp.
@@ -144,9 +117,9 @@ fn kernel_name(d: usize, g: usize) -> &'static str {
     by_head_dim_and_group!("paged_attention", d, g)
 }
 
-/// The one-kernel decode attention for head size `d` and `g` q heads per block.
-fn decode_kernel_name(d: usize, g: usize) -> &'static str {
-    by_head_dim_and_group!("decode_attention", d, g)
+/// The fixed-split one-kernel decode attention for head size `d` and `g` q heads per block.
+pub(super) fn fixed_decode_kernel_name(d: usize, g: usize) -> &'static str {
+    by_head_dim_and_group!("decode_attention_fixed", d, g)
 }
 
 /// The split-combine kernel for head size `d`.
@@ -243,75 +216,10 @@ impl CudaDevice {
         self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, sh, partition as i32, n_splits, scratch.as_ref().map(|(a, m)| (a, m)))
     }
 
-    /// Decode attention (one query token per sequence, or any tokens) in one kernel whose
-    /// split-K layout depends on each token's own context only: every token splits its keys
-    /// into `decode_partition(context)` (attention.cu) keys per warp, 8 warps a block, over a
-    /// fixed grid of DECODE_BLOCK_SPLITS blocks per (token, group) whose surplus exits at once;
-    /// the blocks merge in-kernel (the last to arrive merges all, in split order). A row's
-    /// result is then the same in any batch (batch == alone, bit for bit) and in any launch,
-    /// and no launch argument depends on the step's contexts, so a CUDA graph captured once
-    /// replays any later decode step. `shape.max_context` and `shape.partition` are ignored;
-    /// `scratch` must hold `decode_scratch_len(tokens, shape)`, its counters zeroed.
-    #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_decode(
-        &self,
-        q: &impl DevicePtr<u16>,
-        k_cache: &impl DevicePtr<u16>,
-        v_cache: &impl DevicePtr<u16>,
-        block_tables: &impl DevicePtr<i32>,
-        token_seq: &impl DevicePtr<i32>,
-        token_pos: &impl DevicePtr<i32>,
-        out: &mut impl DevicePtrMut<u16>,
-        shape: &PagedAttentionShape,
-        scratch: &AttnScratch,
-    ) -> Result<()> {
-        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
-        let sh = shape;
-        let t = token_seq.len();
-        let need = decode_scratch_len(t, sh);
-        check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
-        check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
-        check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
-        let (g, blocks) = group_and_warps(sh, t);
-        let s = self.stream();
-        let (qp, _a) = q.device_ptr(s);
-        let (kp, _b) = k_cache.device_ptr(s);
-        let (vp, _c) = v_cache.device_ptr(s);
-        let (bp, _d) = block_tables.device_ptr(s);
-        let (sp, _e) = token_seq.device_ptr(s);
-        let (pp, _f) = token_pos.device_ptr(s);
-        let (op, _g) = out.device_ptr_mut(s);
-        let (pa, _h) = scratch.acc.device_ptr(s);
-        let (pm, _i) = scratch.ml.device_ptr(s);
-        let (ar, _j) = scratch.arrivals.device_ptr(s);
-        let name = decode_kernel_name(sh.head_dim, g);
-        let f = self.function(KernelFamily::Attention, name)?;
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::Ptr(vp),
-            KArg::Ptr(bp),
-            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
-            KArg::Ptr(sp),
-            KArg::Ptr(pp),
-            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
-            KArg::I64(sh.q_stride as i64),
-            KArg::I32(as_i32("block_size", sh.block_size)?),
-            KArg::F32(sh.scale),
-            KArg::Ptr(op),
-            KArg::Ptr(pa),
-            KArg::Ptr(pm),
-            KArg::Ptr(ar),
-        ];
-        let grid = (as_i32("decode attention blocks", blocks)? as u32, DECODE_BLOCK_SPLITS as u32, 1);
-        self.launch_pdl(&f, cfg(grid, (DECODE_WARPS * 32) as u32), name, &args)
-    }
-
-    /// The two-kernel form of `paged_attention_decode` (a warp per split of
+    /// The two-kernel form of decode attention (a warp per split of
     /// `decode_partition(context)` keys over a grid of DECODE_SPLITS splits, then
-    /// `attention_combine`), with the same per-token layout; kept as the baseline the one-kernel
-    /// form is measured and checked against. `scratch.acc` / `scratch.ml` must hold
+    /// `attention_combine`), with per-token splits as `paged_attention_decode`; kept as a
+    /// baseline the one-kernel forms are checked against. `scratch.acc` / `scratch.ml` must hold
     /// `two_kernel_decode_scratch_len(tokens, shape)`; `scratch.arrivals` is unused.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode_two_kernels(
@@ -449,30 +357,15 @@ impl CudaDevice {
 mod tests {
     use super::*;
 
-    fn shape(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> PagedAttentionShape {
-        PagedAttentionShape {
-            n_q_heads,
-            n_kv_heads,
-            head_dim,
-            q_stride: n_q_heads * head_dim,
-            block_size: 16,
-            num_blocks: 1,
-            max_blocks_per_seq: 1,
-            scale: 1.0,
-            max_context: 0,
-            partition: 0,
-        }
-    }
-
     #[test]
     fn kernel_names_follow_the_instances_of_attention_cu() {
         assert_eq!(kernel_name(64, 1), "paged_attention_d64_g1");
         assert_eq!(kernel_name(96, 4), "paged_attention_d96_g4");
         assert_eq!(kernel_name(128, 8), "paged_attention_d128_g8");
         assert_eq!(kernel_name(256, 2), "paged_attention_d256_g2");
-        assert_eq!(decode_kernel_name(128, 4), "decode_attention_d128_g4");
-        assert_eq!(decode_kernel_name(256, 1), "decode_attention_d256_g1");
-        assert_eq!(decode_kernel_name(64, 8), "decode_attention_d64_g8");
+        assert_eq!(fixed_decode_kernel_name(128, 4), "decode_attention_fixed_d128_g4");
+        assert_eq!(fixed_decode_kernel_name(256, 1), "decode_attention_fixed_d256_g1");
+        assert_eq!(fixed_decode_kernel_name(64, 8), "decode_attention_fixed_d64_g8");
         // Every name the launchers can ask for is an instance in the kernel source: both
         // families come from ATTN_GROUP_INSTANCE(D, G), G = 1, 2, 4, 8, for each ATTN_INSTANCE(D).
         let src = include_str!("../../../../../cuda/attention.cu");
@@ -480,23 +373,11 @@ mod tests {
             assert!(src.contains(&format!("\nATTN_INSTANCE({d})")), "ATTN_INSTANCE({d})");
             for g in [1, 2, 4, 8] {
                 assert!(src.contains(&format!("ATTN_GROUP_INSTANCE(D, {g})")), "G = {g}");
-                for (prefix, name) in [("paged_attention", kernel_name(d, g)), ("decode_attention", decode_kernel_name(d, g))] {
+                for (prefix, name) in [("paged_attention", kernel_name(d, g)), ("decode_attention_fixed", fixed_decode_kernel_name(d, g))] {
                     assert_eq!(name, format!("{prefix}_d{d}_g{g}"));
                 }
             }
         }
-        assert!(src.contains("paged_attention_d##D##_g##G(") && src.contains("decode_attention_d##D##_g##G("));
-    }
-
-    /// One arrival counter per block row of the grid (token x group of q heads a block
-    /// serves), and one partial per q head and block split.
-    #[test]
-    fn decode_scratch_has_a_counter_per_token_and_group() {
-        // Llama-3-8B: groups of 4 q heads, 8 blocks a token.
-        let len = decode_scratch_len(3, &shape(32, 8, 128));
-        assert_eq!(len, DecodeScratchLen { acc: 3 * 32 * 8 * 128, ml: 3 * 32 * 8 * 2, arrivals: 3 * 8 });
-        // Qwen3.5-27B attention: a group of 6 has no instance, so one q head a block.
-        let len = decode_scratch_len(2, &shape(24, 4, 256));
-        assert_eq!(len, DecodeScratchLen { acc: 2 * 24 * 8 * 256, ml: 2 * 24 * 8 * 2, arrivals: 2 * 24 });
+        assert!(src.contains("paged_attention_d##D##_g##G(") && src.contains("decode_attention_fixed_d##D##_g##G("));
     }
 }

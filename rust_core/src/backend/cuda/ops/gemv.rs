@@ -428,9 +428,10 @@ impl CudaDevice {
                         KArg::Ptr(yr),
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
+                        KArg::I32(self.cc_prefetch().vectors(out.weight_rows(n), k) as i32),
                         KArg::I32(out.round_arg()),
                     ];
-                    self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args[..out.args(5)])?;
+                    self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args[..out.args(6)])?;
                 }
                 // One instance per weight shape, whatever M.
                 GemvKernel::TensorCores(c) => {

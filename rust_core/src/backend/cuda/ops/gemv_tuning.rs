@@ -1,6 +1,7 @@
 //! Tuning overrides of the decode GEMV, read from the environment once per device: the per-shape
-//! kernel (`NINFER_GEMV_SHAPES`, in place of `GEMV_TC_RULES`) and the tensor-core GEMV's L2
-//! prefetch depth before the PDL wait (`NINFER_TC_PREFETCH_STEPS`).
+//! kernel (`NINFER_GEMV_SHAPES`, in place of `GEMV_TC_RULES`) and the L2 prefetch depth before
+//! the PDL wait of the tensor-core GEMV (`NINFER_TC_PREFETCH_STEPS`) and of the CUDA-core one
+//! (`NINFER_CC_PREFETCH`).
 //!
 //! Why: the per-shape table was filled from an isolated, cold-L2 sweep, and in the model the
 //! choice it made decoded slower than CUDA cores everywhere (docs/performance.md "The decode GEMV
@@ -31,6 +32,61 @@ pub const TC_PREFETCH_DEFAULT_STEPS: u32 = 16;
 /// The largest depth accepted: 512 k32 steps cover a whole K of 16384 (the longest rows of the
 /// supported models are 17408 wide), so more would prefetch nothing more.
 pub const TC_PREFETCH_MAX_STEPS: u32 = 512;
+
+/// The CUDA-core GEMV's L2 prefetch before its PDL wait: `N` weight vectors (16 bytes) per lane
+/// for every weight, or `NMB`, a budget of N MiB per launch spread over the weight's rows (a
+/// weight of R rows prefetches budget / (R x 512 bytes) vectors per lane, at most its whole
+/// rows). A tuning tool: the idea was that a prefetch pays off while the kernels before the GEMV
+/// (attention, the norms) leave the memory idle, as far as L2 keeps the lines until the GEMV
+/// reads them (a fixed depth prefetches ~8 MB of Llama-3-8B's o_proj but ~60 MB of its
+/// gate_up); measured, none at all decodes fastest (CC_PREFETCH_DEFAULT).
+pub const CC_PREFETCH_VAR: &str = "NINFER_CC_PREFETCH";
+
+/// The CUDA-core GEMV's prefetch (`NINFER_CC_PREFETCH`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CcPrefetch {
+    /// Weight vectors per lane, for every weight.
+    Vectors(u32),
+    /// Bytes per launch, spread over the weight's rows.
+    Budget(u64),
+}
+
+/// The default: none. Llama-3-8B batch-1 decode in the model (benches/gemv_variants.sh,
+/// benches/results/cc_prefetch_variants_e27b4e8.log, H200): 227.6 tok/s with no prefetch
+/// against 220.8 / 221.7 with the first default of 4 vectors a lane, 213.7 with 8, 189.6 with
+/// 16 (whole 4096-wide rows), and 223.1 / 219.3 / 217.6 / 216.8 / 213.2 with budgets of 8 / 16
+/// / 24 / 32 / 48 MiB: the early lines cost the kernels still running more than they save.
+pub const CC_PREFETCH_DEFAULT: CcPrefetch = CcPrefetch::Vectors(0);
+
+/// Bytes one warp's row vector step covers: 32 lanes x 16 bytes.
+const CC_ROW_STEP_BYTES: u64 = 512;
+
+impl CcPrefetch {
+    /// Vectors per lane to prefetch for a weight of `rows` rows of `k` elements: at most
+    /// ceil(k / 256), a whole row.
+    pub fn vectors(self, rows: usize, k: usize) -> u32 {
+        let whole = k.div_ceil(8).div_ceil(32) as u64;
+        let v = match self {
+            CcPrefetch::Vectors(v) => v as u64,
+            CcPrefetch::Budget(b) => b / (rows.max(1) as u64 * CC_ROW_STEP_BYTES),
+        };
+        v.min(whole) as u32
+    }
+}
+
+/// `value` of `NINFER_CC_PREFETCH`: the default when unset or blank, `N` (0..=4096 vectors per
+/// lane) or `NMB` (0..=1024 MiB a launch); an error naming the variable and the value otherwise.
+pub fn parse_cc_prefetch(value: Option<&str>) -> Result<CcPrefetch> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(CC_PREFETCH_DEFAULT) };
+    let lower = v.to_ascii_lowercase();
+    let parsed = match lower.strip_suffix("mb") {
+        Some(mb) => mb.trim().parse::<u64>().ok().filter(|&m| m <= 1024).map(|m| CcPrefetch::Budget(m << 20)),
+        None => lower.parse::<u32>().ok().filter(|&n| n <= 4096).map(CcPrefetch::Vectors),
+    };
+    parsed.ok_or_else(|| {
+        NinferError::config(CC_PREFETCH_VAR, format!("expected vectors per lane (0..=4096) or a budget such as 16MB (0..=1024 MB), got {v:?}"))
+    })
+}
 
 /// Which kernel a weight shape's decode GEMV runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,6 +214,28 @@ pub fn gemv_shapes_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cc_prefetch_parses_vectors_or_a_budget_and_caps_at_the_row() {
+        assert_eq!(parse_cc_prefetch(None).unwrap(), CC_PREFETCH_DEFAULT);
+        assert_eq!(parse_cc_prefetch(Some(" ")).unwrap(), CC_PREFETCH_DEFAULT);
+        assert_eq!(parse_cc_prefetch(Some("8")).unwrap(), CcPrefetch::Vectors(8));
+        assert_eq!(parse_cc_prefetch(Some("16MB")).unwrap(), CcPrefetch::Budget(16 << 20));
+        assert_eq!(parse_cc_prefetch(Some("24 mb")).unwrap(), CcPrefetch::Budget(24 << 20));
+        for bad in ["-1", "x", "4097", "2000MB", "MB", "1.5"] {
+            let e = parse_cc_prefetch(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(CC_PREFETCH_VAR) && e.contains(bad.trim()), "{bad}: {e}");
+        }
+        // Llama-3-8B at 16 MiB: o_proj (4096 x 4096) 8 of its 16 vectors a lane, gate_up (28672
+        // rows) 1, the lm_head none; a fixed depth is capped at the row (K 4096: 16).
+        let b = CcPrefetch::Budget(16 << 20);
+        assert_eq!((b.vectors(4096, 4096), b.vectors(28672, 4096), b.vectors(128256, 4096)), (8, 1, 0));
+        assert_eq!(b.vectors(4096, 14336), 8);
+        assert_eq!(CcPrefetch::Budget(1 << 30).vectors(4096, 4096), 16);
+        assert_eq!(CcPrefetch::Vectors(64).vectors(4096, 4096), 16);
+        assert_eq!(CcPrefetch::Vectors(4).vectors(4096, 4096), 4);
+        assert_eq!(CcPrefetch::Vectors(4).vectors(10, 8), 1);
+    }
 
     fn tc(warps: usize, unroll: usize, hold: bool) -> GemvKernel {
         GemvKernel::TensorCores(GemvTcConfig { warps, unroll, hold })

@@ -5,6 +5,7 @@
 //! synchronizes. Storage buffers are `u16` bit patterns of the device's `StorageDType`.
 
 mod attention;
+mod decode_attention;
 mod elementwise;
 mod flash_attention;
 mod gdn;
@@ -17,9 +18,10 @@ mod rope_kv;
 mod sampling;
 mod sampling_pack;
 
-pub use attention::{
-    decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, DecodeScratchLen, PagedAttentionShape, DECODE_BLOCK_SPLITS,
-    DECODE_SPLITS,
+pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS};
+pub use decode_attention::{
+    decode_attention_form, decode_block_splits, decode_grid_splits, decode_scratch_len, decode_warp_keys, AttnScratch, DecodeAttentionForm, DecodeScratchLen,
+    DECODE_MAX_SPLITS, DECODE_SCALED_MAX_TOKENS,
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
@@ -27,7 +29,7 @@ pub use gdn_chunked::{PrepForm, ScanForm};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_tuning::{
-    gemv_shapes_for, parse_gemv_shapes, parse_tc_prefetch_steps, GemvKernel, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
+    gemv_shapes_for, parse_cc_prefetch, parse_gemv_shapes, parse_tc_prefetch_steps, CcPrefetch, GemvKernel, CC_PREFETCH_DEFAULT, CC_PREFETCH_VAR, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
     TC_PREFETCH_MAX_STEPS, TC_PREFETCH_VAR,
 };
 pub use rope_kv::RopeKvShape;

@@ -1,0 +1,330 @@
+//! Decode-step attention launchers: the one-kernel decode attention whose split-K layout grows
+//! with each token's context (cuda/decode_attention.cu), its scratch, and the fixed-split form it
+//! replaced (`decode_attention_fixed_*` in attention.cu), kept as the baseline it is timed
+//! against.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
+use super::{as_i32, cfg, check_len, KArg};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::kernels::KernelFamily;
+use crate::Result;
+
+/// Warps per block of both one-kernel forms (DA_WARPS in decode_attention.cu and attention.cu).
+const DECODE_WARPS: usize = 8;
+/// Most block splits a token takes in `decode_attention_*` (DA_MAX_SPLITS in
+/// decode_attention.cu): the stride of the partials in the scratch.
+pub const DECODE_MAX_SPLITS: usize = 32;
+/// Fewest keys a warp of `decode_attention_*` walks (DA_MIN_WARP_KEYS).
+const DECODE_MIN_WARP_KEYS: usize = 8;
+
+/// Keys per warp of `decode_attention_*` for a token that sees `context` keys: 8 up to a
+/// 2048-key context, then as many as keep the token within DECODE_MAX_SPLITS block splits. The
+/// kernel decides (da_warp_keys in decode_attention.cu); this mirror documents the layout and
+/// lets tests pick contexts at its edges.
+pub fn decode_warp_keys(context: usize) -> usize {
+    DECODE_MIN_WARP_KEYS.max(context.div_ceil(DECODE_MAX_SPLITS * DECODE_WARPS))
+}
+
+/// Block splits of `decode_attention_*` a token that sees `context` keys takes (each
+/// DECODE_WARPS x `decode_warp_keys(context)` keys): 4 at 256 keys, 16 at 1024, 32 from 2048 on.
+pub fn decode_block_splits(context: usize) -> usize {
+    context.max(1).div_ceil(decode_warp_keys(context) * DECODE_WARPS)
+}
+
+/// Grid height of `decode_attention_*` for tokens of at most `max_context` keys: a bound on
+/// `decode_block_splits` of every context up to it (which itself is not monotone past 2048
+/// keys). The launcher takes `max_context` from the block tables' width, which a decode graph
+/// fixes, so the grid never depends on the step's contexts.
+pub fn decode_grid_splits(max_context: usize) -> usize {
+    max_context.max(1).div_ceil(DECODE_MIN_WARP_KEYS * DECODE_WARPS).min(DECODE_MAX_SPLITS)
+}
+
+/// Q heads per block of `decode_attention_*`: the largest instance (8, 4, 2, 1) dividing the GQA
+/// group, so that one K/V read serves that many heads even where the group has no instance of
+/// its own (Qwen3.5-27B's groups of 6: 2 heads a block, each K/V row read 3 times, not 6).
+fn decode_group(sh: &PagedAttentionShape) -> usize {
+    let group = (sh.n_q_heads / sh.n_kv_heads.max(1)).max(1);
+    [8, 4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
+}
+
+/// The scaled one-kernel decode attention for head size `d` and `g` q heads per block.
+fn decode_kernel_name(d: usize, g: usize) -> &'static str {
+    by_head_dim_and_group!("decode_attention", d, g)
+}
+
+/// Decode-attention scratch, allocated once by the caller (a captured CUDA graph must not
+/// allocate): block-split partials `acc` f32 `[rows, DECODE_MAX_SPLITS, head_dim]` and `ml` f32
+/// `[rows, DECODE_MAX_SPLITS, 2]` (rows = tokens x q heads), and arrival counters (one per
+/// (token, group of q heads a block serves), at most one per row), which must be allocated
+/// zeroed: the kernels leave every counter at 0 when they complete. The fixed-split baseline
+/// uses the first FIXED_BLOCK_SPLITS partials of each row.
+pub struct AttnScratch {
+    pub acc: CudaSlice<f32>,
+    pub ml: CudaSlice<f32>,
+    pub arrivals: CudaSlice<u32>,
+}
+
+/// Elements of each `AttnScratch` buffer for a number of query tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeScratchLen {
+    pub acc: usize,
+    pub ml: usize,
+    pub arrivals: usize,
+}
+
+/// The scratch `paged_attention_decode` (and `paged_attention_decode_fixed`) needs for `tokens`
+/// query tokens. Counters are one per row, whatever the group a block serves.
+pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> DecodeScratchLen {
+    let rows = tokens * shape.n_q_heads;
+    DecodeScratchLen { acc: rows * DECODE_MAX_SPLITS * shape.head_dim, ml: rows * DECODE_MAX_SPLITS * 2, arrivals: rows }
+}
+
+/// The one-kernel decode attention a launch runs (`decode_attention_form`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeAttentionForm {
+    /// `decode_attention_*`: splits grow with each token's context.
+    Scaled,
+    /// `decode_attention_fixed_*`: FIXED_BLOCK_SPLITS blocks per (token, group).
+    Fixed,
+}
+
+/// Most query tokens a decode launch runs the scaled form for by default. Measured on an H200
+/// (TIMING lines of cuda_ops decode_attention, benches/results/attnsplit_timing_e27b4e8.log,
+/// scaled / fixed per call): at batch 1, 0.48x at 4096 keys and 0.32x at 16384 (Llama-3-8B;
+/// Qwen3.5-27B 0.80x / 0.44x), within noise at 256 keys on the 8B (1.13x, +0.9 us, on the 27B);
+/// batch 2 0.59-0.88x at every context of both shapes; batch 4 mixed (1.17-1.21x at 1-4k keys
+/// on the 8B); batch 8 1.13-1.23x at 1-4k keys: there the fixed grid (64 blocks a token on the
+/// 8B) already fills the GPU and the scaled form's short splits cost more in the merge.
+/// End to end, Llama-3-8B batch-1 decode at ~3.8k keys: 213.5 tok/s against 188.6 (+13%).
+pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
+
+/// The form a decode launch of `tokens` query tokens runs: the scaled one up to
+/// DECODE_SCALED_MAX_TOKENS, the fixed one above, and the scaled one at every batch size when
+/// `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a row the same bits in
+/// any batch, but switching form by batch size would not.
+pub fn decode_attention_form(tokens: usize, batch_invariant: bool) -> DecodeAttentionForm {
+    if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
+        DecodeAttentionForm::Scaled
+    } else {
+        DecodeAttentionForm::Fixed
+    }
+}
+
+impl CudaDevice {
+    /// Decode attention (one query token per sequence, or any tokens) in one kernel: the form
+    /// `decode_attention_form` picks for this launch's token count (`paged_attention_decode_scaled`
+    /// or `paged_attention_decode_fixed`, which take the same arguments and scratch). A decode
+    /// graph's token count is fixed, so every replay of it runs the form it captured.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
+        match decode_attention_form(token_seq.len(), self.batch_invariant()) {
+            DecodeAttentionForm::Scaled => {
+                self.paged_attention_decode_scaled(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+            }
+            DecodeAttentionForm::Fixed => {
+                self.paged_attention_decode_fixed(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+            }
+        }
+    }
+
+    /// The scaled form: decode attention in one kernel whose split-K layout depends on each token's own context only: `decode_block_splits(context)`
+    /// blocks of 8 warps, `decode_warp_keys(context)` keys a warp, merged in-kernel (the last
+    /// block to arrive merges all, in split order). A row's result is then the same in any batch
+    /// (batch == alone, bit for bit) and in any launch. The grid is (tokens x groups,
+    /// `decode_grid_splits(max_blocks_per_seq x block_size)`): block tables bound every token's
+    /// context, and their width is fixed per decode graph, so a graph captured once replays any
+    /// later step of its bucket. `shape.max_context` and `shape.partition` are ignored;
+    /// `scratch` must hold `decode_scratch_len(tokens, shape)`, its counters zeroed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode_scaled(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
+        let g = decode_group(shape);
+        let splits = decode_grid_splits(shape.max_blocks_per_seq * shape.block_size);
+        let kernel = (KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g));
+        self.one_kernel_decode(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch, kernel, g, splits)
+    }
+
+    /// The fixed-split form: FIXED_BLOCK_SPLITS blocks per (token, group) whatever the context
+    /// (`decode_attention_fixed_*`, attention.cu); batches above DECODE_SCALED_MAX_TOKENS run it.
+    /// Same scratch as the scaled form.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode_fixed(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
+        let (g, _) = group_and_warps(shape, 0);
+        let kernel = (KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g));
+        self.one_kernel_decode(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch, kernel, g, FIXED_BLOCK_SPLITS)
+    }
+
+    /// Checks and launches a one-kernel decode attention `kernel` with `g` q heads a block over a
+    /// (tokens x groups, `splits`) grid (both forms take the same arguments).
+    #[allow(clippy::too_many_arguments)]
+    fn one_kernel_decode(
+        &self,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+        kernel: (KernelFamily, &'static str),
+        g: usize,
+        splits: usize,
+    ) -> Result<()> {
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
+        let sh = shape;
+        let t = token_seq.len();
+        let need = decode_scratch_len(t, sh);
+        check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
+        check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
+        check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
+        let blocks = t * sh.n_q_heads / g;
+        let s = self.stream();
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k_cache.device_ptr(s);
+        let (vp, _c) = v_cache.device_ptr(s);
+        let (bp, _d) = block_tables.device_ptr(s);
+        let (sp, _e) = token_seq.device_ptr(s);
+        let (pp, _f) = token_pos.device_ptr(s);
+        let (op, _g) = out.device_ptr_mut(s);
+        let (pa, _h) = scratch.acc.device_ptr(s);
+        let (pm, _i) = scratch.ml.device_ptr(s);
+        let (ar, _j) = scratch.arrivals.device_ptr(s);
+        let (family, name) = kernel;
+        let f = self.function(family, name)?;
+        let args = [
+            KArg::Ptr(qp),
+            KArg::Ptr(kp),
+            KArg::Ptr(vp),
+            KArg::Ptr(bp),
+            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
+            KArg::Ptr(sp),
+            KArg::Ptr(pp),
+            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
+            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
+            KArg::I64(sh.q_stride as i64),
+            KArg::I32(as_i32("block_size", sh.block_size)?),
+            KArg::F32(sh.scale),
+            KArg::Ptr(op),
+            KArg::Ptr(pa),
+            KArg::Ptr(pm),
+            KArg::Ptr(ar),
+        ];
+        let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
+        self.launch_pdl(&f, cfg(grid, (DECODE_WARPS * 32) as u32), name, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
+        use DecodeAttentionForm::{Fixed, Scaled};
+        for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
+            assert_eq!(decode_attention_form(tokens, invariant), form, "{tokens} tokens, invariant {invariant}");
+        }
+    }
+
+    fn shape(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> PagedAttentionShape {
+        PagedAttentionShape {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+            q_stride: n_q_heads * head_dim,
+            block_size: 16,
+            num_blocks: 1,
+            max_blocks_per_seq: 1,
+            scale: 1.0,
+            max_context: 0,
+            partition: 0,
+        }
+    }
+
+    #[test]
+    fn kernel_names_follow_the_instances_of_decode_attention_cu() {
+        let src = include_str!("../../../../../cuda/decode_attention.cu");
+        assert!(src.contains("decode_attention_d##D##_g##G("));
+        for d in [64, 96, 128, 256] {
+            assert!(src.contains(&format!("\nDA_HEAD_INSTANCES({d})")), "DA_HEAD_INSTANCES({d})");
+            for g in [1, 2, 4, 8] {
+                assert!(src.contains(&format!("DA_INSTANCE(D, {g})")), "G = {g}");
+                assert_eq!(decode_kernel_name(d, g), format!("decode_attention_d{d}_g{g}"));
+            }
+        }
+        // The constants this file mirrors.
+        for (name, value) in [("DA_WARPS", DECODE_WARPS), ("DA_MAX_SPLITS", DECODE_MAX_SPLITS), ("DA_MIN_WARP_KEYS", DECODE_MIN_WARP_KEYS)] {
+            assert!(src.contains(&format!("#define {name} {value}\n")), "{name} {value}");
+        }
+    }
+
+    /// The layout's edges: one block up to 64 keys, splits of 8-key warps up to 2048 keys, then
+    /// 32 splits of longer warps; the grid bound covers every context below it.
+    #[test]
+    fn splits_grow_with_the_context_up_to_the_cap() {
+        let cases = [(1, 8, 1), (64, 8, 1), (65, 8, 2), (256, 8, 4), (1024, 8, 16), (2048, 8, 32), (2049, 9, 29), (4096, 16, 32), (16384, 64, 32)];
+        for (ctx, keys, splits) in cases {
+            assert_eq!((decode_warp_keys(ctx), decode_block_splits(ctx)), (keys, splits), "context {ctx}");
+        }
+        for max in [1, 63, 64, 65, 300, 2048, 2049, 2100, 5000] {
+            let grid = decode_grid_splits(max);
+            assert!(grid <= DECODE_MAX_SPLITS);
+            for ctx in 1..=max {
+                assert!(decode_block_splits(ctx) <= grid, "context {ctx} under a grid for {max}");
+            }
+        }
+        assert_eq!(decode_grid_splits(16 * 16), 4);
+        assert_eq!(decode_grid_splits(16 * 256), 32);
+    }
+
+    /// One counter per row covers every group a block serves; partials for DECODE_MAX_SPLITS
+    /// splits (the fixed form's FIXED_BLOCK_SPLITS fit in them).
+    #[test]
+    fn decode_scratch_has_a_partial_per_split_and_a_counter_per_row() {
+        let len = decode_scratch_len(3, &shape(32, 8, 128));
+        assert_eq!(len, DecodeScratchLen { acc: 3 * 32 * 32 * 128, ml: 3 * 32 * 32 * 2, arrivals: 3 * 32 });
+        assert!(FIXED_BLOCK_SPLITS <= DECODE_MAX_SPLITS);
+        // Llama-3-8B groups of 4; Qwen3.5-27B groups of 6 take 2 heads a block; MHA 1; 16 -> 8.
+        assert_eq!(decode_group(&shape(32, 8, 128)), 4);
+        assert_eq!(decode_group(&shape(24, 4, 256)), 2);
+        assert_eq!(decode_group(&shape(8, 8, 64)), 1);
+        assert_eq!(decode_group(&shape(9, 3, 64)), 1);
+        assert_eq!(decode_group(&shape(32, 2, 64)), 8);
+    }
+}

@@ -1,0 +1,197 @@
+//! Decode attention whose splits grow with the context (`paged_attention_decode_scaled`,
+//! cuda/decode_attention.cu): against the CPU op at the contexts around its layout's edges over
+//! ragged block tables, in both storages and every head size; a token in batches of 5 tokens of
+//! other contexts against the same token alone, bit for bit; a wider block table (a bigger grid,
+//! as a graph bucket's) and a second launch on the same scratch, bit for bit, with every arrival
+//! counter back at 0; the form `paged_attention_decode` picks by batch size; and TIMING lines
+//! against the fixed-split form.
+
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::StorageDType;
+
+use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
+use super::{assert_arrivals_reset, assert_bitwise, decode_scratch, paged_case, reference, time_ms};
+
+/// One key; a partial first warp; 255 / 256 / 257 around the 4-split point (4 blocks of 8 warps
+/// of 8 keys) with a short last warp, exact, and a 1-key fifth split; 1000 (16 splits, last one
+/// partial); 4096 (32 splits of 16-key warps); 8191 (32 splits of 32-key warps, the last warp
+/// one key short).
+const CONTEXTS: [usize; 8] = [1, 7, 255, 256, 257, 1000, 4096, 8191];
+
+/// Two batches of 5 tokens of different contexts (indices into CONTEXTS; a sequence each).
+const BATCHES: [[usize; 5]; 2] = [[6, 0, 3, 7, 2], [1, 5, 4, 7, 6]];
+
+/// (q heads, kv heads, head dim), one per lane layout of decode_attention.cu (elements a lane x
+/// keys a warp load x loads an iteration): Llama-3-8B (4 heads a block; 8 x 2 x 2), Qwen3.5-27B
+/// attention (groups of 6: 2 heads a block; 8 x 1 x 4), groups of 8 at d 64 (4 x 2 x 2), d 128
+/// (4 x 1 x 2) and d 256 (8 x 1 x 2), MHA at d 96 (3 x 1 x 4), a group of 3 at d 128 (1 head a
+/// block; 8 x 2 x 4), a group of 4 at d 64 (8 x 4 x 2).
+/// Which launcher a test run calls.
+#[derive(Clone, Copy)]
+enum Form {
+    Scaled,
+    Fixed,
+    /// `paged_attention_decode`: the form `decode_attention_form` picks.
+    Chosen,
+}
+
+const SHAPES: [(usize, usize, usize); 8] = [(32, 8, 128), (24, 4, 256), (16, 2, 64), (16, 2, 128), (8, 1, 256), (4, 4, 96), (6, 2, 128), (8, 2, 64)];
+
+#[test]
+fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
+    // The layout the contexts are chosen around (decode_attention.rs mirrors the kernel's).
+    assert_eq!(CONTEXTS.map(decode_block_splits), [1, 1, 4, 4, 5, 16, 32, 32]);
+    assert_eq!((decode_warp_keys(4096), decode_warp_keys(8191)), (16, 32));
+    for st in STORAGES {
+        let Some(dev) = gpu("decode_attention_scaled", st) else { return };
+        let mut rng = Rng::new(41);
+        for (hq, hk, d) in SHAPES {
+            let bs = 16;
+            let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
+            let n = CONTEXTS.len();
+            let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
+            let row = |s: usize| s * hq * d..(s + 1) * hq * d;
+            let scale = 1.0 / (d as f32).sqrt();
+            let shape = PagedAttentionShape {
+                n_q_heads: hq,
+                n_kv_heads: hk,
+                head_dim: d,
+                q_stride: hq * d,
+                block_size: bs,
+                num_blocks: case.num_blocks,
+                max_blocks_per_seq: case.max_blocks,
+                scale,
+                max_context: 0,
+                partition: 0,
+            };
+            let label = format!("hq{hq}hk{hk}/d{d}");
+            let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
+            // Token s of sequence s at its last position, for the chosen sequences.
+            let run = |seqs: &[usize], shape: &PagedAttentionShape, tables: &cudarc::driver::CudaSlice<i32>, scratch: &ninfer_core::backend::cuda::ops::AttnScratch, form: Form| {
+                let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
+                let seq: Vec<i32> = seqs.iter().map(|&s| s as i32).collect();
+                let pos: Vec<i32> = seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect();
+                let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
+                let mut out = Out16::new(&dev, seqs.len() * hq * d);
+                match form {
+                    Form::Fixed => dev.paged_attention_decode_fixed(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::Scaled => dev.paged_attention_decode_scaled(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                }
+                .unwrap();
+                out.read(&dev, "decode attention")
+            };
+            let want: Vec<Vec<f32>> = (0..n)
+                .map(|s| {
+                    let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+                    reference::attention_seq(&q[row(s)], 1, hq, &case.k_cache, &case.v_cache, table, CONTEXTS[s] - 1, hk, d, bs, scale)
+                })
+                .collect();
+            // Batch 1: each token alone, against the CPU op.
+            let alone_scratch = decode_scratch(&dev, 1, &shape);
+            let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &shape, &tables, &alone_scratch, Form::Scaled)).collect();
+            for s in 0..n {
+                check("decode_attention_scaled", st, &format!("{label}/ctx{}/alone", CONTEXTS[s]), &alone[s], &want[s], tol16(st));
+            }
+            assert_arrivals_reset(&dev, &alone_scratch, &format!("{label} alone"));
+            // Batches of 5: every row the bits of its token alone; a second launch on the same
+            // scratch the same bits.
+            let scratch = decode_scratch(&dev, 5, &shape);
+            for batch in BATCHES {
+                let got = run(&batch, &shape, &tables, &scratch, Form::Scaled);
+                assert_arrivals_reset(&dev, &scratch, &format!("{label} batch {batch:?}"));
+                for (i, &s) in batch.iter().enumerate() {
+                    let what = format!("decode attention {label}: ctx {} in batch {batch:?} vs alone", CONTEXTS[s]);
+                    assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &alone[s], &what);
+                }
+                let again = run(&batch, &shape, &tables, &scratch, Form::Scaled);
+                assert_bitwise(&again, &got, &format!("decode attention {label} batch {batch:?}: second launch"));
+                assert_arrivals_reset(&dev, &scratch, &format!("{label} batch {batch:?} relaunch"));
+            }
+            // Block tables twice as wide (a graph bucket's power-of-two stride): a taller grid
+            // whose surplus blocks exit at once, the same bits.
+            let wide = 2 * case.max_blocks;
+            let mut wide_tables = vec![0i32; n * wide];
+            for s in 0..n {
+                wide_tables[s * wide..s * wide + case.max_blocks].copy_from_slice(&case.tables[s * case.max_blocks..(s + 1) * case.max_blocks]);
+            }
+            let wide_shape = PagedAttentionShape { max_blocks_per_seq: wide, ..shape };
+            let got = run(&BATCHES[0], &wide_shape, &upload_raw(&dev, &wide_tables), &scratch, Form::Scaled);
+            for (i, &s) in BATCHES[0].iter().enumerate() {
+                assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &alone[s], &format!("decode attention {label}: ctx {} with wide tables", CONTEXTS[s]));
+            }
+            assert_arrivals_reset(&dev, &scratch, &format!("{label} wide tables"));
+            // The fixed-split baseline the timing compares against, on the same scratch.
+            let got = run(&BATCHES[1], &shape, &tables, &scratch, Form::Fixed);
+            for (i, &s) in BATCHES[1].iter().enumerate() {
+                let rows = i * hq * d..(i + 1) * hq * d;
+                check("decode_attention_fixed", st, &format!("{label}/ctx{}", CONTEXTS[s]), &got[rows], &want[s], tol16(st));
+            }
+            assert_arrivals_reset(&dev, &scratch, &format!("{label} fixed"));
+            // The form the model runs (`paged_attention_decode`): the scaled one alone, the
+            // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS), the scaled one in any batch
+            // under NINFER_BATCH_INVARIANT.
+            assert!(BATCHES[1].len() > DECODE_SCALED_MAX_TOKENS);
+            let fixed = got;
+            let s = BATCHES[1][0];
+            assert_bitwise(&run(&[s], &shape, &tables, &alone_scratch, Form::Chosen), &alone[s], &format!("decode attention {label}: the form chosen for 1 token"));
+            let chosen = run(&BATCHES[1], &shape, &tables, &scratch, Form::Chosen);
+            let batched = if dev.batch_invariant() { run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled) } else { fixed };
+            assert_bitwise(&chosen, &batched, &format!("decode attention {label}: the form chosen for 5 tokens (batch invariant {})", dev.batch_invariant()));
+            assert_arrivals_reset(&dev, &scratch, &format!("{label} chosen"));
+        }
+    }
+}
+
+/// Per-call time of the scaled decode attention against the fixed-split form, at
+/// the Llama-3-8B and Qwen3.5-27B attention shapes, batch 1, 2, 4 and 8, contexts 256 to 16384
+/// (distinct K and V caches, every token at the full context). Prints one TIMING line per case;
+/// GPU_CHECK_attnsplit.sh reads them.
+#[test]
+fn scaled_decode_attention_timing() {
+    let Some(dev) = gpu("decode_attention_timing", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let bs = 16;
+    for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
+        for batch in [1, 2, 4, 8] {
+            for ctx in [256, 1024, 4096, 16384] {
+                let blocks_per = ctx / bs;
+                let num_blocks = batch * blocks_per;
+                let mut rng = Rng::new(23);
+                let n = num_blocks * bs * hk * d;
+                let (kc, vc) = (upload(&dev, &rng.vec(n, -1.0, 1.0)), upload(&dev, &rng.vec(n, -1.0, 1.0)));
+                let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
+                let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
+                let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
+                let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
+                let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+                let shape = PagedAttentionShape {
+                    n_q_heads: hq,
+                    n_kv_heads: hk,
+                    head_dim: d,
+                    q_stride: hq * d,
+                    block_size: bs,
+                    num_blocks,
+                    max_blocks_per_seq: blocks_per,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    max_context: ctx,
+                    partition: 0,
+                };
+                let scratch = decode_scratch(&dev, batch, &shape);
+                let t_fixed = time_ms(&dev, 100, || {
+                    dev.paged_attention_decode_fixed(&q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                });
+                let t_scaled = time_ms(&dev, 100, || {
+                    dev.paged_attention_decode_scaled(&q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                });
+                assert_arrivals_reset(&dev, &scratch, &format!("timing {name} batch {batch} ctx {ctx}"));
+                println!(
+                    "TIMING decode_attention {name} batch={batch} ctx={ctx}: fixed {:.2} us, scaled {:.2} us per call (scaled/fixed {:.3})",
+                    t_fixed * 1e3,
+                    t_scaled * 1e3,
+                    t_scaled / t_fixed
+                );
+            }
+        }
+    }
+}
