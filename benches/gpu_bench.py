@@ -661,6 +661,35 @@ def part_startup(b: Bench) -> list:
                      peer=None, peer_note="no peer measured for startup")]
 
 
+def device_idle(events: list, steps: int, first_kernel: str = "embedding_gather") -> dict:
+    """The device timeline of profiled decode steps: the union of every kernel's and copy's
+    interval (kernels overlap under PDL, so their durations do not add up), and the idle gaps
+    in it, split into those that end at a step's first kernel (`first_kernel`: the GPU waiting
+    for the host between steps) and the rest (inside a step). Per step, in microseconds."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if getattr(e, "time_range", None) is not None and e.time_range.end > e.time_range.start)
+    busy = between = within = 0.0
+    cur_start = cur_end = None
+    for start, end, name in spans:
+        if cur_end is None:
+            cur_start, cur_end = start, end
+            continue
+        if start > cur_end:
+            gap = start - cur_end
+            if name == first_kernel:
+                between += gap
+            else:
+                within += gap
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    n = max(steps, 1)
+    return {"busy_us_per_step": busy / n, "between_steps_us_per_step": between / n, "within_steps_us_per_step": within / n}
+
+
 def part_profile(b: Bench, model: str) -> list:
     """Where a batch-1 decode step's time goes: kernel time on the GPU (CUPTI records every
     kernel of the process, ours included) against the step's wall time. The difference is time
@@ -687,14 +716,20 @@ def part_profile(b: Bench, model: str) -> list:
     if not busy_us:
         busy_us = sum(getattr(e, "cuda_time", 0.0) for e in kernels)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+    idle = device_idle(kernels, steps)
     text = (f"{steps} decode steps, batch 1, {model}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time "
-            f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step\n\n{table}\n")
+            f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step\n"
+            f"device timeline: busy (union of kernels and copies) {idle['busy_us_per_step']:.1f} us/step, idle "
+            f"before a step's first kernel (host turnaround: result copy, scheduling, metadata upload, graph "
+            f"launch) {idle['between_steps_us_per_step']:.1f} us/step, idle inside steps "
+            f"{idle['within_steps_us_per_step']:.1f} us/step\n\n{table}\n")
     base = Path(a.out).parent / a.profile_out
     out = base.with_name(f"{base.stem}_{model}{base.suffix}")
     out.write_text(text)
     log(text[:3000])
     return [b.record("decode_step_profile", model, round(wall / steps * 1e3, 4), s, unit="ms per step",
                      gpu_kernel_ms_per_step=round(busy_us / steps / 1e3, 4), kernels_per_step=len(kernels) / steps,
+                     device_idle_us_per_step=idle,
                      fraction_of_ceiling=None, peer=None, peer_value=None, batch=1, table_file=out.name)]
 
 

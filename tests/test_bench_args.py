@@ -41,3 +41,21 @@ def test_gpu_prefill_accepts_a_profile_within_the_longest_prompt():
     prefill = _load("gpu_prefill")
     a = prefill.parse_args(["--out", "x.json", "--prompts", "2048,8192", "--profile", "8192"])
     assert a.lengths == [2048, 8192] and a.profile == 8192
+
+
+def test_profile_device_idle_splits_gaps_at_each_steps_first_kernel():
+    """gpu_bench --profile's timeline: overlapping kernels (PDL) count once, a gap that ends at
+    a step's first kernel is host turnaround, any other gap is idle inside a step."""
+    from types import SimpleNamespace as NS
+
+    bench = _load("gpu_bench")
+
+    def ev(start, end, name):
+        return NS(time_range=NS(start=start, end=end), name=name)
+
+    events = [ev(100, 110, "embedding_gather"), ev(112, 120, "gemv_m1"), ev(0, 10, "embedding_gather"),
+              ev(9, 20, "gemv_m1"), ev(25, 30, "sample_scan"), ev(5, 5, "empty")]
+    got = bench.device_idle(events, steps=2)
+    assert got == {"busy_us_per_step": 21.5, "between_steps_us_per_step": 35.0, "within_steps_us_per_step": 3.5}
+    assert bench.device_idle([], steps=4) == {"busy_us_per_step": 0.0, "between_steps_us_per_step": 0.0,
+                                              "within_steps_us_per_step": 0.0}
