@@ -164,7 +164,7 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let (kernel, g, splits) = match form {
+        let ((family, name), g, splits) = match form {
             DecodeAttentionForm::Scaled => {
                 let g = decode_group(shape);
                 let splits = decode_grid_splits(shape.max_blocks_per_seq * shape.block_size);
@@ -175,27 +175,6 @@ impl CudaDevice {
                 ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS)
             }
         };
-        self.one_kernel_decode(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch, kernel, g, splits)
-    }
-
-    /// Checks and launches a one-kernel decode attention `kernel` with `g` q heads a block over a
-    /// (tokens x groups, `splits`) grid (both forms take the same arguments).
-    #[allow(clippy::too_many_arguments)]
-    fn one_kernel_decode(
-        &self,
-        q: &impl DevicePtr<u16>,
-        k_cache: &impl DevicePtr<u16>,
-        v_cache: &impl DevicePtr<u16>,
-        block_tables: &impl DevicePtr<i32>,
-        token_seq: &impl DevicePtr<i32>,
-        token_pos: &impl DevicePtr<i32>,
-        out: &mut impl DevicePtrMut<u16>,
-        shape: &PagedAttentionShape,
-        scratch: &AttnScratch,
-        kernel: (KernelFamily, &'static str),
-        g: usize,
-        splits: usize,
-    ) -> Result<()> {
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let t = token_seq.len();
@@ -215,7 +194,6 @@ impl CudaDevice {
         let (pa, _h) = scratch.acc.device_ptr(s);
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
-        let (family, name) = kernel;
         let f = self.function(family, name)?;
         let args = [
             KArg::Ptr(qp),
