@@ -122,7 +122,12 @@ __device__ __forceinline__ void scaled_decode_body(
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
     __shared__ int sm_last;
-    pdl_enter();
+    // Before the PDL wait: everything that does not depend on the kernel before this one (the
+    // decode step's rope_kv_write, which writes q and the newest key's K/V row). The step's
+    // metadata (token_seq, token_pos, block tables) was uploaded before the step began, and every
+    // key before the newest was written by earlier steps, so the block-table entries and the K/V
+    // rows of the warp's first iteration are requested here, while that kernel still runs; a
+    // load of the newest key's row (position limit - 1) is issued again after the wait.
     const int lane = threadIdx.x & 31;
     const int wi = threadIdx.x >> 5;
     const int slot = lane / LPK;
@@ -137,9 +142,49 @@ __device__ __forceinline__ void scaled_decode_body(
     const int block_keys = part * DA_WARPS;
     const int nb = (limit + block_keys - 1) / block_keys;
     const int b = blockIdx.y;
-    if (b >= nb) return;  // beyond this token's splits (uniform over the block)
+    if (b >= nb) {  // beyond this token's splits (uniform over the block)
+        pdl_enter();
+        return;
+    }
     const int start = b * block_keys + wi * part;
     const int end = min(limit, start + part);
+    const int* __restrict__ table = block_tables + (long long)token_seq[t] * max_blocks;
+    const long long row_elems = (long long)n_kv_heads * D;
+    const long long head_off = (long long)kvh * D + sl * EPL;
+    // Load u of the iteration at key j reads key j + u * KPW + slot; keys past the warp's range
+    // read its last key instead (a valid address) and are masked out of the softmax.
+    int tb[U];
+    KvSlice<EPL> kc[U], vc[U];
+    // A warp past the context (start >= limit) keeps m = -inf, l = 0: an empty partial.
+    if (start < end) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) tb[u] = table[min(start + u * KPW + slot, end - 1) / block_size];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int jj = min(start + u * KPW + slot, end - 1);
+            const long long off = ((long long)tb[u] * block_size + jj % block_size) * row_elems + head_off;
+            kc[u].load(k_cache + off);
+            vc[u].load(v_cache + off);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            tb[u] = table[min(start + KI + u * KPW + slot, end - 1) / block_size];
+    }
+    pdl_enter();
+    // The newest key's row, written by the kernel just waited for: loads above that read it read
+    // it again (later iterations load after the wait).
+    if (start < end && end == limit && start + KI > limit - 1) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (min(start + u * KPW + slot, end - 1) == limit - 1) {
+                const long long off =
+                    ((long long)table[(limit - 1) / block_size] * block_size + (limit - 1) % block_size) *
+                        row_elems + head_off;
+                kc[u].load(k_cache + off);
+                vc[u].load(v_cache + off);
+            }
+        }
+    }
 
     float qv[G][EPL], acc[G][EPL], m[G], l[G];
 #pragma unroll
@@ -153,27 +198,7 @@ __device__ __forceinline__ void scaled_decode_body(
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
-    // A warp past the context (start >= limit) keeps m = -inf, l = 0: an empty partial.
     if (start < end) {
-        const int* __restrict__ table = block_tables + (long long)token_seq[t] * max_blocks;
-        const long long row_elems = (long long)n_kv_heads * D;
-        const long long head_off = (long long)kvh * D + sl * EPL;
-        // Load u of the iteration at key j reads key j + u * KPW + slot; keys past the warp's
-        // range read its last key instead (a valid address) and are masked out of the softmax.
-        int tb[U];
-        KvSlice<EPL> kc[U], vc[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) tb[u] = table[min(start + u * KPW + slot, end - 1) / block_size];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int jj = min(start + u * KPW + slot, end - 1);
-            const long long off = ((long long)tb[u] * block_size + jj % block_size) * row_elems + head_off;
-            kc[u].load(k_cache + off);
-            vc[u].load(v_cache + off);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            tb[u] = table[min(start + KI + u * KPW + slot, end - 1) / block_size];
         for (int j = start; j < end; j += KI) {
             // Next iteration's K/V rows (their table entries came one iteration ahead), then the
             // table entries of the iteration after it, before this iteration's keys are used.
