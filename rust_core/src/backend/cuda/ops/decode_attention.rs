@@ -140,14 +140,19 @@ impl CudaDevice {
         }
     }
 
-    /// The scaled form: decode attention in one kernel whose split-K layout depends on each token's own context only: `decode_block_splits(context)`
-    /// blocks of 8 warps, `decode_warp_keys(context)` keys a warp, merged in-kernel (the last
-    /// block to arrive merges all, in split order). A row's result is then the same in any batch
-    /// (batch == alone, bit for bit) and in any launch. The grid is (tokens x groups,
+    /// The scaled form: decode attention in one kernel whose split-K layout depends on each
+    /// token's own context only: `decode_block_splits(context)` blocks of 8 warps,
+    /// `decode_warp_keys(context)` keys a warp, merged in-kernel (the last block to arrive merges
+    /// all, in split order). A row's result is then the same in any batch (batch == alone, bit
+    /// for bit) and in any launch. The grid is (tokens x groups,
     /// `decode_grid_splits(max_blocks_per_seq x block_size)`): block tables bound every token's
     /// context, and their width is fixed per decode graph, so a graph captured once replays any
     /// later step of its bucket. `shape.max_context` and `shape.partition` are ignored;
     /// `scratch` must hold `decode_scratch_len(tokens, shape)`, its counters zeroed.
+    /// Under PDL the kernel reads the metadata and each token's keys before its newest (position
+    /// `token_pos`) before waiting for the kernel launched just before it, so only a token's
+    /// newest key may be written by that kernel: one token per sequence, as in a decode step
+    /// (the model's `is_decode`); keys written earlier in the stream are safe.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode_scaled(
         &self,
