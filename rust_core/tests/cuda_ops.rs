@@ -74,7 +74,7 @@ mod logits_round;
 mod decode_attention;
 
 use harness::*;
-use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -557,7 +557,8 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
     // case: the one-kernel form and the two-kernel form (attention + attention_combine).
     let scratch = decode_scratch(dev, t, &shape);
     let mut out = Out16::new(dev, t * hq * d);
-    dev.paged_attention_decode_scaled(
+    dev.paged_attention_decode_as(
+        DecodeAttentionForm::Scaled,
         &upload(dev, &q),
         &upload(dev, &case.k_cache),
         &upload(dev, &case.v_cache),
@@ -615,7 +616,7 @@ fn assert_arrivals_reset(dev: &CudaDevice, scratch: &AttnScratch, what: &str) {
     assert!(counts.iter().all(|&c| c == 0), "{what}: arrival counters left at {counts:?}");
 }
 
-/// The one-kernel decode attention (`paged_attention_decode_scaled`) over a wide range of contexts (up
+/// The one-kernel decode attention (`paged_attention_decode_as`, the scaled form) over a wide range of contexts (up
 /// to 40000 keys: 32 block splits of 157-key warps) and group sizes: against the CPU op, a batch
 /// of mixed contexts against each token alone bit for bit (on one scratch reused token after
 /// token), a second launch on the same scratch bit for bit (the arrival counters reset
@@ -654,7 +655,7 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
             let label = format!("hq{hq}hk{hk}/d{d}");
             let scratch = decode_scratch(&dev, t, &shape);
             let run = |out: &mut Out16| {
-                dev.paged_attention_decode_scaled(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
                 out.read(&dev, "decode attention")
             };
             let batch = run(&mut Out16::new(&dev, t * hq * d));
@@ -676,7 +677,7 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
                 let (seq1, pos1) = (upload_raw(&dev, &[s as i32]), upload_raw(&dev, &[c as i32 - 1]));
                 let q1 = upload(&dev, &q[s * hq * d..(s + 1) * hq * d]);
                 let mut out = Out16::new(&dev, hq * d);
-                dev.paged_attention_decode_scaled(&q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
                 let alone = out.read(&dev, "decode attention alone");
                 assert_bitwise(&alone, &batch[s * hq * d..(s + 1) * hq * d], &format!("decode attention {label}: ctx {c} alone vs batch"));
             }

@@ -1,4 +1,4 @@
-//! Decode attention whose splits grow with the context (`paged_attention_decode_scaled`,
+//! Decode attention whose splits grow with the context (`paged_attention_decode_as` Scaled,
 //! cuda/decode_attention.cu): against the CPU op at the contexts around its layout's edges over
 //! ragged block tables, in both storages and every head size; a token in batches of 5 tokens of
 //! other contexts against the same token alone, bit for bit; a wider block table (a bigger grid,
@@ -6,7 +6,7 @@
 //! counter back at 0; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, DecodeAttentionForm, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
 use ninfer_core::backend::cuda::StorageDType;
 
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
@@ -74,8 +74,8 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
                 let mut out = Out16::new(&dev, seqs.len() * hq * d);
                 match form {
-                    Form::Fixed => dev.paged_attention_decode_fixed(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
-                    Form::Scaled => dev.paged_attention_decode_scaled(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                 }
                 .unwrap();
@@ -179,10 +179,10 @@ fn scaled_decode_attention_timing() {
                 };
                 let scratch = decode_scratch(&dev, batch, &shape);
                 let t_fixed = time_ms(&dev, 100, || {
-                    dev.paged_attention_decode_fixed(&q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                    dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
                 });
                 let t_scaled = time_ms(&dev, 100, || {
-                    dev.paged_attention_decode_scaled(&q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                    dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
                 });
                 assert_arrivals_reset(&dev, &scratch, &format!("timing {name} batch {batch} ctx {ctx}"));
                 println!(
@@ -259,7 +259,7 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
                     let (mut kd, mut vd) = (upload(&dev, &k_bad), upload(&dev, &v_bad));
                     let mut out = Out16::new(&dev, seqs.len() * hq * d);
                     dev.kv_cache_write(&kn, &vn, &mut kd, &mut vd, &sl, row_elems, row_elems, row_elems).unwrap();
-                    dev.paged_attention_decode_scaled(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                    dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
                     let got = out.read(&dev, "decode attention after kv_cache_write");
                     check("decode_attention_newest_key", st, &format!("{label}/{what}{seqs:?}/launch{launch}"), &got, &pick(&want, hq * d), tol16(st));
                 }

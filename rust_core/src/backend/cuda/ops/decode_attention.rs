@@ -74,7 +74,7 @@ pub struct DecodeScratchLen {
     pub arrivals: usize,
 }
 
-/// The scratch `paged_attention_decode` (and `paged_attention_decode_fixed`) needs for `tokens`
+/// The scratch `paged_attention_decode` (either form) needs for `tokens`
 /// query tokens. Counters are one per row, whatever the group a block serves.
 pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> DecodeScratchLen {
     let rows = tokens * shape.n_q_heads;
@@ -113,10 +113,9 @@ pub fn decode_attention_form(tokens: usize, batch_invariant: bool) -> DecodeAtte
 }
 
 impl CudaDevice {
-    /// Decode attention (one query token per sequence, or any tokens) in one kernel: the form
-    /// `decode_attention_form` picks for this launch's token count (`paged_attention_decode_scaled`
-    /// or `paged_attention_decode_fixed`, which take the same arguments and scratch). A decode
-    /// graph's token count is fixed, so every replay of it runs the form it captured.
+    /// Decode attention (one query token per sequence, or any tokens) in one kernel, in the form
+    /// `decode_attention_form` picks for this launch's token count (`paged_attention_decode_as`).
+    /// A decode graph's token count is fixed, so every replay of it runs the form it captured.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode(
         &self,
@@ -130,32 +129,36 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        match decode_attention_form(token_seq.len(), self.batch_invariant()) {
-            DecodeAttentionForm::Scaled => {
-                self.paged_attention_decode_scaled(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
-            }
-            DecodeAttentionForm::Fixed => {
-                self.paged_attention_decode_fixed(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
-            }
-        }
+        let form = decode_attention_form(token_seq.len(), self.batch_invariant());
+        self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
-    /// The scaled form: decode attention in one kernel whose split-K layout depends on each
-    /// token's own context only: `decode_block_splits(context)` blocks of 8 warps,
-    /// `decode_warp_keys(context)` keys a warp, merged in-kernel (the last block to arrive merges
-    /// all, in split order). A row's result is then the same in any batch (batch == alone, bit
-    /// for bit) and in any launch. The grid is (tokens x groups,
+    /// Decode attention in one kernel of the given form (both take the same arguments and
+    /// scratch).
+    ///
+    /// `Scaled` (`decode_attention_*`, decode_attention.cu): a split-K layout that depends on
+    /// each token's own context only: `decode_block_splits(context)` blocks of 8 warps,
+    /// `decode_warp_keys(context)` keys a warp, merged in-kernel (the last block to arrive
+    /// merges all, in split order). The grid is (tokens x groups,
     /// `decode_grid_splits(max_blocks_per_seq x block_size)`): block tables bound every token's
     /// context, and their width is fixed per decode graph, so a graph captured once replays any
-    /// later step of its bucket. `shape.max_context` and `shape.partition` are ignored;
-    /// `scratch` must hold `decode_scratch_len(tokens, shape)`, its counters zeroed.
-    /// Under PDL the kernel reads the metadata and each token's keys before its newest (position
-    /// `token_pos`) before waiting for the kernel launched just before it, so only a token's
-    /// newest key may be written by that kernel: one token per sequence, as in a decode step
-    /// (the model's `is_decode`); keys written earlier in the stream are safe.
+    /// later step of its bucket.
+    ///
+    /// `Fixed` (`decode_attention_fixed_*`, attention.cu): FIXED_BLOCK_SPLITS blocks per (token,
+    /// group) whatever the context.
+    ///
+    /// In either form a row's result is the same in any batch (batch == alone, bit for bit) and
+    /// in any launch. `shape.max_context` and `shape.partition` are ignored; `scratch` must hold
+    /// `decode_scratch_len(tokens, shape)`, its counters zeroed.
+    ///
+    /// Under PDL the scaled form reads the metadata and each token's keys before its newest
+    /// (position `token_pos`) before waiting for the kernel launched just before it, so only a
+    /// token's newest key may be written by that kernel: one token per sequence, as in a decode
+    /// step (the model's `is_decode`); keys written earlier in the stream are safe.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_decode_scaled(
+    pub fn paged_attention_decode_as(
         &self,
+        form: DecodeAttentionForm,
         q: &impl DevicePtr<u16>,
         k_cache: &impl DevicePtr<u16>,
         v_cache: &impl DevicePtr<u16>,
@@ -166,31 +169,18 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let g = decode_group(shape);
-        let splits = decode_grid_splits(shape.max_blocks_per_seq * shape.block_size);
-        let kernel = (KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g));
+        let (kernel, g, splits) = match form {
+            DecodeAttentionForm::Scaled => {
+                let g = decode_group(shape);
+                let splits = decode_grid_splits(shape.max_blocks_per_seq * shape.block_size);
+                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits)
+            }
+            DecodeAttentionForm::Fixed => {
+                let (g, _) = group_and_warps(shape, 0);
+                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS)
+            }
+        };
         self.one_kernel_decode(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch, kernel, g, splits)
-    }
-
-    /// The fixed-split form: FIXED_BLOCK_SPLITS blocks per (token, group) whatever the context
-    /// (`decode_attention_fixed_*`, attention.cu); batches above DECODE_SCALED_MAX_TOKENS run it.
-    /// Same scratch as the scaled form.
-    #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_decode_fixed(
-        &self,
-        q: &impl DevicePtr<u16>,
-        k_cache: &impl DevicePtr<u16>,
-        v_cache: &impl DevicePtr<u16>,
-        block_tables: &impl DevicePtr<i32>,
-        token_seq: &impl DevicePtr<i32>,
-        token_pos: &impl DevicePtr<i32>,
-        out: &mut impl DevicePtrMut<u16>,
-        shape: &PagedAttentionShape,
-        scratch: &AttnScratch,
-    ) -> Result<()> {
-        let (g, _) = group_and_warps(shape, 0);
-        let kernel = (KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g));
-        self.one_kernel_decode(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch, kernel, g, FIXED_BLOCK_SPLITS)
     }
 
     /// Checks and launches a one-kernel decode attention `kernel` with `g` q heads a block over a
