@@ -26,6 +26,23 @@ const BATCHES: [[usize; 5]; 2] = [[6, 0, 3, 7, 2], [1, 5, 4, 7, 6]];
 /// attention (groups of 6: 2 heads a block; 8 x 1 x 4), groups of 8 at d 64 (4 x 2 x 2), d 128
 /// (4 x 1 x 2) and d 256 (8 x 1 x 2), MHA at d 96 (3 x 1 x 4), a group of 3 at d 128 (1 head a
 /// block; 8 x 2 x 4), a group of 4 at d 64 (8 x 4 x 2).
+/// The attention shape of `case` (a paged_case) for hq q heads: scale 1 / sqrt(d), the case's
+/// block count and table width.
+fn case_shape(hq: usize, hk: usize, d: usize, bs: usize, case: &super::PagedCase) -> PagedAttentionShape {
+    PagedAttentionShape {
+        n_q_heads: hq,
+        n_kv_heads: hk,
+        head_dim: d,
+        q_stride: hq * d,
+        block_size: bs,
+        num_blocks: case.num_blocks,
+        max_blocks_per_seq: case.max_blocks,
+        scale: 1.0 / (d as f32).sqrt(),
+        max_context: 0,
+        partition: 0,
+    }
+}
+
 /// Which launcher a test run calls.
 #[derive(Clone, Copy)]
 enum Form {
@@ -52,18 +69,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
             let row = |s: usize| s * hq * d..(s + 1) * hq * d;
             let scale = 1.0 / (d as f32).sqrt();
-            let shape = PagedAttentionShape {
-                n_q_heads: hq,
-                n_kv_heads: hk,
-                head_dim: d,
-                q_stride: hq * d,
-                block_size: bs,
-                num_blocks: case.num_blocks,
-                max_blocks_per_seq: case.max_blocks,
-                scale,
-                max_context: 0,
-                partition: 0,
-            };
+            let shape = case_shape(hq, hk, d, bs, &case);
             let label = format!("hq{hq}hk{hk}/d{d}");
             let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
             // Token s of sequence s at its last position, for the chosen sequences.
@@ -214,18 +220,7 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
             let row_elems = hk * d;
             let scale = 1.0 / (d as f32).sqrt();
             let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
-            let shape = PagedAttentionShape {
-                n_q_heads: hq,
-                n_kv_heads: hk,
-                head_dim: d,
-                q_stride: hq * d,
-                block_size: bs,
-                num_blocks: case.num_blocks,
-                max_blocks_per_seq: case.max_blocks,
-                scale,
-                max_context: 0,
-                partition: 0,
-            };
+            let shape = case_shape(hq, hk, d, bs, &case);
             // The newest key's slot of each sequence, its true rows, and caches holding garbage there.
             let slots: Vec<i64> = (0..n)
                 .map(|s| {
