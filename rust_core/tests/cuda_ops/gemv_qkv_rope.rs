@@ -86,6 +86,7 @@ fn gemv_qkv_rope_equals_gemv_then_rope_kv_write_bitwise() {
                     for (i, what) in ["qkv row", "k cache", "v cache"].iter().enumerate() {
                         assert_bitwise(&got[i], &want[i], &format!("gemv_qkv_rope {label} {what}"));
                     }
+                    println!("PARITY op=gemv_qkv_rope storage={} shape={label} bitwise=1", st.name());
                     let (kc, vc) = (&got[1], &got[2]);
                     if slot < 0 {
                         // Padding row: the caches keep every bit they had.
@@ -107,7 +108,6 @@ fn gemv_qkv_rope_equals_gemv_then_rope_kv_write_bitwise() {
                     let mut cpu = reference::matmul_nt(&x_host, &w_host, 1, rows, k);
                     reference::rope(&mut cpu, &[p], rows, hq + hkv, d, &inv_freq, scale);
                     check("gemv_qkv_rope", st, &label, &got[0], &cpu, tol16(st));
-                    println!("PARITY op=gemv_qkv_rope storage={} shape={label} bitwise=1", st.name());
                 }
             }
         }
