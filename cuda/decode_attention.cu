@@ -37,15 +37,16 @@
 // Most block splits a token takes; the scratch holds this many partials per (token, q head).
 // Must match ops/decode_attention.rs.
 #define DA_MAX_SPLITS 32
-// Fewest keys a warp walks (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one block).
+// Fewest keys a warp walks by default (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one
+// block); the kernels take the launch's value (`min_warp_keys`: NINFER_DA_MIN_WARP_KEYS, a tuning
+// tool, ops/decode_attention.rs).
 #define DA_MIN_WARP_KEYS 8
 
-// Keys per warp for a token that sees `limit` keys: DA_MIN_WARP_KEYS up to a 2048-key context,
-// then as many as keep the token within DA_MAX_SPLITS block splits. Must match
-// ops/decode_attention.rs (decode_warp_keys).
-__device__ __forceinline__ int da_warp_keys(int limit) {
-    return max(DA_MIN_WARP_KEYS,
-               (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
+// Keys per warp for a token that sees `limit` keys: `min_keys` up to the context where that many
+// would pass DA_MAX_SPLITS block splits, then as many as keep the token within them. Must match
+// ops/decode_attention.rs (decode_warp_keys_with).
+__device__ __forceinline__ int da_warp_keys(int limit, int min_keys) {
+    return max(min_keys, (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
 }
 
 // Lane layout of a head of D elements for G q heads a warp: EPL elements per lane, LPK lanes per
@@ -107,7 +108,7 @@ __device__ __forceinline__ void scaled_decode_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals) {
+    float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) {
     using L = DaLayout<D, G>;
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
     // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
@@ -138,7 +139,7 @@ __device__ __forceinline__ void scaled_decode_body(
     const int h0 = (tg - t * groups) * G;
     const int kvh = h0 / (n_q_heads / n_kv_heads);
     const int limit = token_pos[t] + 1;
-    const int part = da_warp_keys(limit);
+    const int part = da_warp_keys(limit, min_warp_keys);
     const int block_keys = part * DA_WARPS;
     const int nb = (limit + block_keys - 1) / block_keys;
     const int b = blockIdx.y;
@@ -421,10 +422,10 @@ __device__ __forceinline__ void scaled_decode_body(
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals) {                    \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) { \
         scaled_decode_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,      \
                                  token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale, \
-                                 out, part_acc, part_ml, arrivals);                             \
+                                 out, part_acc, part_ml, arrivals, min_warp_keys);              \
     }
 
 #define DA_HEAD_INSTANCES(D)                                                                    \
