@@ -79,6 +79,24 @@ __device__ __forceinline__ store_t swiglu_out(float gate, float up) {
     return from_f32(round_st(silu_f(gate)) * up);
 }
 
+// RoPE of one NeoX pair (elements i and i + rotary_dim/2 of a head, widened storage values a
+// and b) at position `pos`: the one definition of the rotation, shared by rope.cu (rope_neox,
+// rope_kv_write) and the qkv GEMV's epilogue that rotates its own sums (gemv.cu
+// gemv_qkv_rope_m1), so every route rounds each element at the same points. These are
+// transformers' (q * cos + rotate_half(q) * sin on bf16 tensors; docs/rounding.md): cos and
+// sin are cast to bf16 (after the rope scaling's attn_scale), each product is rounded, then
+// their sum.
+__device__ __forceinline__ void rope_rotate(float a, float b, int i, float pos,
+                                            const float* __restrict__ inv_freq, float attn_scale,
+                                            store_t* lo, store_t* hi) {
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    c = round_st(c * attn_scale);
+    s = round_st(s * attn_scale);
+    *lo = from_f32(round_st(a * c) - round_st(b * s));
+    *hi = from_f32(round_st(b * c) + round_st(a * s));
+}
+
 // Gated DeltaNet output norm, out = rmsnorm(x) * w * silu(z), in two steps that rmsnorm_gated
 // (norm.cu) and the fused decode kernel gdn_recurrent_gated_dk* (gdn.cu) share, so both round
 // the same expressions: the reciprocal RMS from the row's sum of squares, then one element.

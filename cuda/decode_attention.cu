@@ -37,15 +37,16 @@
 // Most block splits a token takes; the scratch holds this many partials per (token, q head).
 // Must match ops/decode_attention.rs.
 #define DA_MAX_SPLITS 32
-// Fewest keys a warp walks (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one block).
+// Fewest keys a warp walks by default (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one
+// block); the kernels take the launch's value (`min_warp_keys`: NINFER_DA_MIN_WARP_KEYS, a tuning
+// tool, ops/decode_attention.rs).
 #define DA_MIN_WARP_KEYS 8
 
-// Keys per warp for a token that sees `limit` keys: DA_MIN_WARP_KEYS up to a 2048-key context,
-// then as many as keep the token within DA_MAX_SPLITS block splits. Must match
-// ops/decode_attention.rs (decode_warp_keys).
-__device__ __forceinline__ int da_warp_keys(int limit) {
-    return max(DA_MIN_WARP_KEYS,
-               (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
+// Keys per warp for a token that sees `limit` keys: `min_keys` up to the context where that many
+// would pass DA_MAX_SPLITS block splits, then as many as keep the token within them. Must match
+// ops/decode_attention.rs (decode_warp_keys_with).
+__device__ __forceinline__ int da_warp_keys(int limit, int min_keys) {
+    return max(min_keys, (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
 }
 
 // Lane layout of a head of D elements for G q heads a warp: EPL elements per lane, LPK lanes per
@@ -107,7 +108,7 @@ __device__ __forceinline__ void scaled_decode_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals) {
+    float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) {
     using L = DaLayout<D, G>;
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
     // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
@@ -122,7 +123,12 @@ __device__ __forceinline__ void scaled_decode_body(
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
     __shared__ int sm_last;
-    pdl_enter();
+    // Before the PDL wait: everything that does not depend on the kernel before this one (the
+    // decode step's rope_kv_write, which writes q and the newest key's K/V row). The step's
+    // metadata (token_seq, token_pos, block tables) was uploaded before the step began, and every
+    // key before the newest was written by earlier steps, so the block-table entries and the K/V
+    // rows of the warp's first iteration are requested here, while that kernel still runs; a
+    // load of the newest key's row (position limit - 1) is issued again after the wait.
     const int lane = threadIdx.x & 31;
     const int wi = threadIdx.x >> 5;
     const int slot = lane / LPK;
@@ -133,13 +139,53 @@ __device__ __forceinline__ void scaled_decode_body(
     const int h0 = (tg - t * groups) * G;
     const int kvh = h0 / (n_q_heads / n_kv_heads);
     const int limit = token_pos[t] + 1;
-    const int part = da_warp_keys(limit);
+    const int part = da_warp_keys(limit, min_warp_keys);
     const int block_keys = part * DA_WARPS;
     const int nb = (limit + block_keys - 1) / block_keys;
     const int b = blockIdx.y;
-    if (b >= nb) return;  // beyond this token's splits (uniform over the block)
+    if (b >= nb) {  // beyond this token's splits (uniform over the block)
+        pdl_enter();
+        return;
+    }
     const int start = b * block_keys + wi * part;
     const int end = min(limit, start + part);
+    const int* __restrict__ table = block_tables + (long long)token_seq[t] * max_blocks;
+    const long long row_elems = (long long)n_kv_heads * D;
+    const long long head_off = (long long)kvh * D + sl * EPL;
+    // Load u of the iteration at key j reads key j + u * KPW + slot; keys past the warp's range
+    // read its last key instead (a valid address) and are masked out of the softmax.
+    int tb[U];
+    KvSlice<EPL> kc[U], vc[U];
+    // A warp past the context (start >= limit) keeps m = -inf, l = 0: an empty partial.
+    if (start < end) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) tb[u] = table[min(start + u * KPW + slot, end - 1) / block_size];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int jj = min(start + u * KPW + slot, end - 1);
+            const long long off = ((long long)tb[u] * block_size + jj % block_size) * row_elems + head_off;
+            kc[u].load(k_cache + off);
+            vc[u].load(v_cache + off);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            tb[u] = table[min(start + KI + u * KPW + slot, end - 1) / block_size];
+    }
+    pdl_enter();
+    // The newest key's row, written by the kernel just waited for: loads above that read it read
+    // it again (later iterations load after the wait).
+    if (start < end && end == limit && start + KI > limit - 1) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (min(start + u * KPW + slot, end - 1) == limit - 1) {
+                const long long off =
+                    ((long long)table[(limit - 1) / block_size] * block_size + (limit - 1) % block_size) *
+                        row_elems + head_off;
+                kc[u].load(k_cache + off);
+                vc[u].load(v_cache + off);
+            }
+        }
+    }
 
     float qv[G][EPL], acc[G][EPL], m[G], l[G];
 #pragma unroll
@@ -153,27 +199,7 @@ __device__ __forceinline__ void scaled_decode_body(
         m[g] = NEG_INF;
         l[g] = 0.0f;
     }
-    // A warp past the context (start >= limit) keeps m = -inf, l = 0: an empty partial.
     if (start < end) {
-        const int* __restrict__ table = block_tables + (long long)token_seq[t] * max_blocks;
-        const long long row_elems = (long long)n_kv_heads * D;
-        const long long head_off = (long long)kvh * D + sl * EPL;
-        // Load u of the iteration at key j reads key j + u * KPW + slot; keys past the warp's
-        // range read its last key instead (a valid address) and are masked out of the softmax.
-        int tb[U];
-        KvSlice<EPL> kc[U], vc[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) tb[u] = table[min(start + u * KPW + slot, end - 1) / block_size];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int jj = min(start + u * KPW + slot, end - 1);
-            const long long off = ((long long)tb[u] * block_size + jj % block_size) * row_elems + head_off;
-            kc[u].load(k_cache + off);
-            vc[u].load(v_cache + off);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            tb[u] = table[min(start + KI + u * KPW + slot, end - 1) / block_size];
         for (int j = start; j < end; j += KI) {
             // Next iteration's K/V rows (their table entries came one iteration ahead), then the
             // table entries of the iteration after it, before this iteration's keys are used.
@@ -396,10 +422,10 @@ __device__ __forceinline__ void scaled_decode_body(
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals) {                    \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) { \
         scaled_decode_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,      \
                                  token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale, \
-                                 out, part_acc, part_ml, arrivals);                             \
+                                 out, part_acc, part_ml, arrivals, min_warp_keys);              \
     }
 
 #define DA_HEAD_INSTANCES(D)                                                                    \

@@ -10,13 +10,38 @@
 #define GEMV_WARPS 8
 
 // What a warp does with its column sums (gemv_body's OUT): store them in the storage type,
-// store them as f32 (the lm_head's logits), or apply SwiGLU to gate/up pairs (below).
+// store them as f32 (the lm_head's logits), apply SwiGLU to gate/up pairs (below), or rotate
+// q/k pairs and write the KV cache (the qkv projection's RoPE epilogue, gemv_qkv_rope_m1).
 // The f32 store takes `round_out` (gemv_f32out_m*'s last argument): nonzero rounds each logit to
 // the storage type first (round_st), kept as f32: the model's logits_dtype "auto", the values
 // transformers' and vLLM's lm_head return, with no extra kernel on the decode path.
 #define GEMV_OUT_STORE 0
 #define GEMV_OUT_F32 1
 #define GEMV_OUT_SWIGLU 2
+#define GEMV_OUT_QKV_ROPE 3
+
+// The RoPE epilogue's operands (unused by the other epilogues): a decode step's one token, at
+// positions[0] and flat cache slot slot_mapping[0] (negative: no cache write), q/k/v heads of
+// 2 * half elements packed in the qkv row (q heads, then k heads, then v heads), full rotary
+// (rotary_dim == head_dim) with inv_freq[half]; the caches are [slots, n_kv_heads, 2 * half].
+struct gemv_qkv_rope {
+    store_t* k_cache;
+    store_t* v_cache;
+    const int* positions;
+    const long long* slot_mapping;
+    const float* inv_freq;
+    int n_q_heads;
+    int n_kv_heads;
+    int half;
+    float attn_scale;
+};
+
+// The qkv row of the first element of RoPE pair p (pair i of head h is p = h * half + i: rows
+// h * head_dim + i and that + half, which rotate together). v heads pair up the same way, so
+// every warp of the epilogue owns two rows of one head.
+__device__ __forceinline__ long long qkv_pair_row(int p, int half) {
+    return (long long)(p / half) * (2 * half) + p % half;
+}
 
 // gemv_cols_per_warp, gemv_weight_row and gemv_store are the warp's column mapping and
 // epilogue, apart from the k loop so that another GEMV body (e.g. one with a prologue) can offer
@@ -25,22 +50,59 @@
 template <int C, int OUT>
 __device__ constexpr int gemv_cols_per_warp() {
     static_assert(OUT != GEMV_OUT_SWIGLU || C % 2 == 0, "SwiGLU pairs a gate row with an up row");
-    return OUT == GEMV_OUT_SWIGLU ? C / 2 : C;
+    static_assert(OUT != GEMV_OUT_QKV_ROPE || C == 2, "a RoPE warp owns one pair of rows");
+    return OUT == GEMV_OUT_SWIGLU || OUT == GEMV_OUT_QKV_ROPE ? C / 2 : C;
 }
 
-// The weight row behind the warp's slot c (n0: the warp's first output column). Columns past
-// n_out (the last warp of a ragged grid) read column n_out - 1 and store nothing.
+// The weight row behind the warp's slot c (n0: the warp's first output column; for the RoPE
+// epilogue its pair, `half` the pair's distance). Columns past n_out (the last warp of a
+// ragged grid) read column n_out - 1 and store nothing.
 template <int C, int OUT>
-__device__ __forceinline__ long long gemv_weight_row(int c, int n0, int n_out) {
+__device__ __forceinline__ long long gemv_weight_row(int c, int n0, int n_out, int half) {
     constexpr int P = gemv_cols_per_warp<C, OUT>();
-    return min(n0 + c % P, n_out - 1) + (c >= P ? (long long)n_out : 0);
+    const int n = min(n0 + c % P, n_out - 1);
+    if constexpr (OUT == GEMV_OUT_QKV_ROPE) return qkv_pair_row(n, half) + (c >= P ? half : 0);
+    return n + (c >= P ? (long long)n_out : 0);
+}
+
+// The RoPE epilogue of pair p from its two row sums s0 (row r0) and s1 (row r0 + half): each
+// rounded to storage as gemv_m1 stores it, q and k pairs rotated by common.cuh's rope_rotate
+// (rope_kv_write's arithmetic on the same values), all stored back into the qkv row, and k and
+// v pairs into their cache at the token's slot: bit for bit gemv_m1 then rope_kv_write_packed.
+__device__ __forceinline__ void gemv_qkv_rope_store(float s0, float s1, int p, store_t* __restrict__ y,
+                                                    const gemv_qkv_rope& qr) {
+    const int head = p / qr.half;
+    const int i = p % qr.half;
+    const int n_qk = qr.n_q_heads + qr.n_kv_heads;
+    store_t lo, hi;
+    if (head < n_qk) {
+        rope_rotate(round_st(s0), round_st(s1), i, (float)qr.positions[0], qr.inv_freq,
+                    qr.attn_scale, &lo, &hi);
+    } else {
+        lo = from_f32(s0);
+        hi = from_f32(s1);
+    }
+    const long long r0 = qkv_pair_row(p, qr.half);
+    y[r0] = lo;
+    y[r0 + qr.half] = hi;
+    if (head < qr.n_q_heads) return;
+    const long long slot = qr.slot_mapping[0];
+    if (slot < 0) return;
+    const int head_dim = 2 * qr.half;
+    const int kvh = head < n_qk ? head - qr.n_q_heads : head - n_qk;
+    store_t* cache = head < n_qk ? qr.k_cache : qr.v_cache;
+    const long long off = slot * ((long long)qr.n_kv_heads * head_dim) + (long long)kvh * head_dim + i;
+    cache[off] = lo;
+    cache[off + qr.half] = hi;
 }
 
 // The warp's epilogue: reduces each lane's partial sums (slot c of gemv_weight_row) and lane 0
 // stores the warp's output columns.
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __restrict__ y, int n0,
-                                           int n_out, int lane, int round_out) {
+                                           int n_out, int lane, int round_out,
+                                           const gemv_qkv_rope& qr) {
+    static_assert(OUT != GEMV_OUT_QKV_ROPE || M == 1, "the RoPE epilogue is one token's");
     constexpr int P = gemv_cols_per_warp<C, OUT>();
 #pragma unroll
     for (int c = 0; c < P; ++c) {
@@ -54,6 +116,9 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
                     reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] =
                         swiglu_out(round_st(s), round_st(u));
                 }
+            } else if constexpr (OUT == GEMV_OUT_QKV_ROPE) {
+                const float u = warp_sum(acc[P + c][m]);
+                if (lane == 0 && n < n_out) gemv_qkv_rope_store(s, u, n, reinterpret_cast<store_t*>(y), qr);
             } else if (lane == 0 && n < n_out) {
                 if constexpr (OUT == GEMV_OUT_F32)
                     reinterpret_cast<float*>(y)[(long long)m * n_out + n] = round_out ? round_st(s) : s;
@@ -79,17 +144,22 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 // the swiglu kernel computes it (common.cuh's swiglu_out on the same widened values): bit for
 // bit gemv(gate_up) followed by swiglu. The chains are
 // the ones above, so the weight stream and the row independence are those of the plain GEMV.
+//
+// GEMV_OUT_QKV_ROPE (gemv_qkv_rope_m1, M = 1): W is the packed qkv weight and n_out counts RoPE
+// pairs; the warp owns pair n0, the two rows one rotation combines (qkv_pair_row), with the
+// same chains as gemv_m1's one row each, and ends as gemv_qkv_rope_store says.
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           const store_t* __restrict__ w, void* __restrict__ y,
-                                          int n_out, int k, int prefetch, int round_out = 0) {
+                                          int n_out, int k, int prefetch, int round_out = 0,
+                                          const gemv_qkv_rope& qr = gemv_qkv_rope{}) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
     const vec8* wrow[C];
 #pragma unroll
     for (int c = 0; c < C; ++c)
-        wrow[c] = reinterpret_cast<const vec8*>(w + gemv_weight_row<C, OUT>(c, n0, n_out) * k);
+        wrow[c] = reinterpret_cast<const vec8*>(w + gemv_weight_row<C, OUT>(c, n0, n_out, qr.half) * k);
     // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the lane's
     // first `prefetch` weight vectors (the launcher's depth, NINFER_CC_PREFETCH in
     // ops/gemv_tuning.rs) can be fetched into L2 before waiting for the kernel that wrote x.
@@ -129,7 +199,7 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
             }
         }
     }
-    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane, round_out);
+    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane, round_out, qr);
 }
 
 // SC: the weight rows per warp of the SwiGLU variant (twice the launcher's pairs_per_warp in
@@ -159,6 +229,21 @@ GEMV_INSTANCE(5, 4, 4)
 GEMV_INSTANCE(6, 4, 4)
 GEMV_INSTANCE(7, 4, 4)
 GEMV_INSTANCE(8, 4, 4)
+
+// The batch-1 qkv projection with the decode step's RoPE and KV cache write in its epilogue
+// (ops/gemv_qkv_rope.rs): qkv[n_rows] = x[k] * W^T over n_pairs = n_rows / 2 pairs, a warp per
+// pair, then q and k rotated in place and k and v cached at slot_mapping[0] (the operands are
+// struct gemv_qkv_rope's): gemv_m1 followed by rope_kv_write_packed, bit for bit, one kernel.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_qkv_rope_m1(const store_t* x, const store_t* w, store_t* qkv, int n_pairs, int k,
+                     int prefetch, store_t* k_cache, store_t* v_cache, const int* positions,
+                     const long long* slot_mapping, const float* inv_freq, int n_q_heads,
+                     int n_kv_heads, int half, float attn_scale) {
+    gemv_body<1, 2, GEMV_OUT_QKV_ROPE>(
+        x, w, qkv, n_pairs, k, prefetch, 0,
+        gemv_qkv_rope{k_cache, v_cache, positions, slot_mapping, inv_freq, n_q_heads, n_kv_heads,
+                      half, attn_scale});
+}
 
 // y[i] = round_st(y[i]) for i < n: the cuBLAS route's logits (prefill, and decode batches of
 // more than 8 rows) rounded to the storage type in place, kept as f32 (logits_dtype "auto"; the

@@ -5,21 +5,12 @@
 #include "common.cuh"
 
 // Rotates pair i of the head at `h` (elements i and i + half) for position `pos`, returning the
-// two rotated values. The one definition of the rotation that both kernels below use, so that
-// rope_kv_write rounds every element exactly as rope_neox does.
+// two rotated values: common.cuh's rope_rotate on the stored pair, which both kernels below
+// (and the qkv GEMV's epilogue, gemv.cu) use, so that every route rounds each element alike.
 __device__ __forceinline__ void rope_pair(const store_t* h, int i, int half, float pos,
                                           const float* __restrict__ inv_freq, float attn_scale,
                                           store_t* lo, store_t* hi) {
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    // transformers' rounding points (q * cos + rotate_half(q) * sin on bf16 tensors): cos and
-    // sin are cast to bf16, each product is rounded, then their sum.
-    c = round_st(c * attn_scale);
-    s = round_st(s * attn_scale);
-    const float a = to_f32(h[i]);
-    const float b = to_f32(h[i + half]);
-    *lo = from_f32(round_st(a * c) - round_st(b * s));
-    *hi = from_f32(round_st(b * c) + round_st(a * s));
+    rope_rotate(to_f32(h[i]), to_f32(h[i + half]), i, pos, inv_freq, attn_scale, lo, hi);
 }
 
 // One block per (token, head): grid x = token, grid y = head, q heads first then k heads. A

@@ -676,6 +676,34 @@ def test_decode_with_fused_norm_equals_gemv_then_add_rmsnorm_bitwise(decode_dir,
     assert f_tokens == u_tokens
 
 
+# The batch-1 qkv projection with RoPE and the KV cache write in its epilogue (NINFER_FUSED_ROPE,
+# default on: `gemv_qkv_rope_m1` where the qkv weight's M = 1 GEMV is the CUDA-core kernel, no
+# q/k norm, no output gate) against the GEMV followed by rope_kv_write: the same bits, in graphs
+# and eagerly. One sequence (the fused kernel is batch 1's), then three (unchanged path).
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_with_fused_rope_equals_gemv_then_rope_kv_write_bitwise(decode_dir, graphs, n, monkeypatch):
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv("NINFER_FUSED_ROPE", "1")
+    fused = _core.Model(str(decode_dir), device="cuda")
+    monkeypatch.setenv("NINFER_FUSED_ROPE", "0")
+    unfused = _core.Model(str(decode_dir), device="cuda")
+    prompts = _decode_prompts(decode_dir, n)
+    f_tokens, f_logits, f_graphs = fused.decode_greedy(prompts, 16)
+    u_tokens, u_logits, u_graphs = unfused.decode_greedy(prompts, 16)
+    assert (f_graphs >= 1) == (graphs == "1") and (u_graphs >= 1) == (graphs == "1")
+    assert np.isfinite(f_logits).all()
+    _assert_bitwise(f_logits, u_logits, f"{decode_dir.name[:8]} n={n} graphs={graphs}: fused rope vs gemv + rope_kv_write")
+    assert f_tokens == u_tokens
+
+
+def test_a_misspelt_fused_rope_switch_stops_the_load_naming_it(decode_dir, monkeypatch):
+    monkeypatch.setenv("NINFER_FUSED_ROPE", "perhaps")
+    with pytest.raises(Exception, match="NINFER_FUSED_ROPE"):
+        _core.Model(str(decode_dir), device="cuda")
+
+
 #: Real shapes (tensor sizes of the published configs) with few layers: the kernels run at the
 #: sizes users run, on random weights (transformers' own init, std 0.02).
 REAL_SHAPES = {

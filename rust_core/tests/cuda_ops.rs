@@ -72,6 +72,8 @@ mod rounding_points;
 mod logits_round;
 #[path = "cuda_ops/decode_attention.rs"]
 mod decode_attention;
+#[path = "cuda_ops/gemv_qkv_rope.rs"]
+mod gemv_qkv_rope;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZe
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{decode_scratch_len, AttnScratch, ConvShape, GATED_MAX_DV, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
+use crate::backend::cuda::ops::{decode_scratch_len, qkv_rope_fits, AttnScratch, ConvShape, GATED_MAX_DV, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
@@ -115,6 +115,10 @@ pub struct CudaModel {
     /// unless FUSED_NORM_SWITCH is off: then `linear` + `add_rmsnorm`, the same bits, kept so
     /// that one build can time both.
     fused_norm: bool,
+    /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
+    /// (`gemv_qkv_rope_kv_write`, where `AttnCtx::fuses_rope` allows) unless FUSED_ROPE_SWITCH is
+    /// off: then the GEMV and `rope_kv_write`, the same bits, kept so that one build can time both.
+    fused_rope: bool,
     /// The lm_head rounds logits to the storage type (logits_dtype "auto",
     /// model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's cuBLAS GEMM
     /// (`linear_f32_out`), the one place every consumer (device and host sampling, logprobs,
@@ -124,6 +128,9 @@ pub struct CudaModel {
 
 /// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means on).
 pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
+
+/// The environment switch of `CudaModel::fused_rope` (`config::env_switch`; unset means on).
+pub const FUSED_ROPE_SWITCH: &str = "NINFER_FUSED_ROPE";
 
 impl Activations {
     /// Device bytes of every buffer.
@@ -169,6 +176,7 @@ impl CudaModel {
         // Switches first, so that a misspelt value fails before a long load.
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
         let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, true)?;
+        let fused_rope = crate::config::env_switch(FUSED_ROPE_SWITCH, true)?;
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
         // converted while loading, as transformers' `dtype=torch.bfloat16` does), so "auto"
@@ -220,6 +228,7 @@ impl CudaModel {
             logits_rows: 0,
             sampler,
             fused_norm,
+            fused_rope,
             logits_round,
         })
     }
@@ -437,7 +446,7 @@ impl CudaModel {
     /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
     /// norms only when some row wants logits.
     fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_norm, .. } = self;
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_norm, fused_rope, .. } = self;
         let fused = *fused_norm;
         let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
@@ -450,7 +459,7 @@ impl CudaModel {
             let post = NormNext { w: Some(&layer.post_norm), eps, plus_one, fused };
             match &layer.mixer {
                 DevMixer::Attention(a) => {
-                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows };
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows, fused_rope: *fused_rope };
                     attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows, &post)?;
                 }
                 DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows, max_rows, &post)?,
@@ -527,9 +536,24 @@ struct AttnCtx<'a> {
     decode: Option<&'a AttnScratch>,
     /// Most query rows of one sequence in the step (flash attention above one).
     max_rows: usize,
+    /// `CudaModel::fused_rope`.
+    fused_rope: bool,
 }
 
 impl AttnCtx<'_> {
+    /// Whether this layer's qkv projection over `rows` rows runs `gemv_qkv_rope_kv_write`
+    /// (projection, RoPE and KV cache write in one kernel) instead of `linear` and
+    /// `rope_kv_write_packed`: a decode step of one row whose projection is the CUDA-core GEMV
+    /// at M = 1 (`qkv_rope_fits`: the fused kernel's sums are that GEMV's), keys right after the
+    /// queries (no output gate), no q/k norm between projection and RoPE, full rotary, and the
+    /// switch on. Same bits either way.
+    fn fuses_rope(&self, a: &super::cuda_weights::DevAttention, rows: usize) -> bool {
+        let (c, dev) = (self.cfg, self.dev);
+        let plain_qkv = !c.attn_output_gate && a.q_norm.is_none() && a.k_norm.is_none();
+        let kernel = dev.gemv_kernel(dev.gemv_form(), a.qkv.n, a.qkv.k, 1);
+        self.fused_rope && self.decode.is_some() && plain_qkv && qkv_rope_fits(kernel, rows, c.head_dim, self.inv_freq.len() * 2, a.qkv.k)
+    }
+
     /// Softmax attention sub-block: reads `act.h`, ends with `Activations::project_out`.
     #[allow(clippy::too_many_arguments)]
     fn run(&self, a: &super::cuda_weights::DevAttention, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
@@ -539,12 +563,19 @@ impl AttnCtx<'_> {
         let width = a.qkv.n;
         let k_off = if c.attn_output_gate { 2 * qd } else { qd };
         let v_off = k_off + kvd;
-        linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), rows)?;
         let positions = self.meta.positions();
-        // Decode steps rotate q and k and write the cache in one kernel (rope_kv_write, bit for
-        // bit rope_neox followed by kv_cache_write); other steps run the two kernels.
-        let decode = self.decode.is_some();
         let rope = |q_stride, k_stride| RopeKvShape { n_q_heads: nh, n_kv_heads: nkv, head_dim: hd, q_stride, k_stride, v_stride: width, attn_scale: self.rope_scale };
+        // Batch-1 decode projects, rotates and caches in one kernel where `fuses_rope` allows.
+        let fused_rope = self.fuses_rope(a, rows);
+        if fused_rope {
+            dev.gemv_qkv_rope_kv_write(buf(&act.h), &a.qkv.w, buf_mut(&mut act.proj), kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width), a.qkv.k)?;
+        } else {
+            linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), rows)?;
+        }
+        // Decode steps the projection did not fuse rotate q and k and write the cache in one
+        // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write); other steps
+        // run the two kernels.
+        let decode = self.decode.is_some();
         let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
         if let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) {
             let proj = buf(&act.proj);
@@ -560,7 +591,9 @@ impl AttnCtx<'_> {
             (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
         } else {
             let proj = buf_mut(&mut act.proj);
-            if decode {
+            if fused_rope {
+                // gemv_qkv_rope_kv_write rotated q and k and wrote the cache.
+            } else if decode {
                 dev.rope_kv_write_packed(proj, k_off, v_off, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width))?;
             } else if k_off == qd {
                 // Keys follow the queries in each row: one launch rotates both as q heads.

@@ -26,6 +26,23 @@ const BATCHES: [[usize; 5]; 2] = [[6, 0, 3, 7, 2], [1, 5, 4, 7, 6]];
 /// attention (groups of 6: 2 heads a block; 8 x 1 x 4), groups of 8 at d 64 (4 x 2 x 2), d 128
 /// (4 x 1 x 2) and d 256 (8 x 1 x 2), MHA at d 96 (3 x 1 x 4), a group of 3 at d 128 (1 head a
 /// block; 8 x 2 x 4), a group of 4 at d 64 (8 x 4 x 2).
+/// The attention shape of `case` (a paged_case) for hq q heads: scale 1 / sqrt(d), the case's
+/// block count and table width.
+fn case_shape(hq: usize, hk: usize, d: usize, bs: usize, case: &super::PagedCase) -> PagedAttentionShape {
+    PagedAttentionShape {
+        n_q_heads: hq,
+        n_kv_heads: hk,
+        head_dim: d,
+        q_stride: hq * d,
+        block_size: bs,
+        num_blocks: case.num_blocks,
+        max_blocks_per_seq: case.max_blocks,
+        scale: 1.0 / (d as f32).sqrt(),
+        max_context: 0,
+        partition: 0,
+    }
+}
+
 /// Which launcher a test run calls.
 #[derive(Clone, Copy)]
 enum Form {
@@ -52,18 +69,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
             let row = |s: usize| s * hq * d..(s + 1) * hq * d;
             let scale = 1.0 / (d as f32).sqrt();
-            let shape = PagedAttentionShape {
-                n_q_heads: hq,
-                n_kv_heads: hk,
-                head_dim: d,
-                q_stride: hq * d,
-                block_size: bs,
-                num_blocks: case.num_blocks,
-                max_blocks_per_seq: case.max_blocks,
-                scale,
-                max_context: 0,
-                partition: 0,
-            };
+            let shape = case_shape(hq, hk, d, bs, &case);
             let label = format!("hq{hq}hk{hk}/d{d}");
             let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
             // Token s of sequence s at its last position, for the chosen sequences.
@@ -191,6 +197,68 @@ fn scaled_decode_attention_timing() {
                     t_scaled * 1e3,
                     t_scaled / t_fixed
                 );
+            }
+        }
+    }
+}
+
+/// The scaled form requests its first keys' K/V rows before its PDL wait, while the kernel before
+/// it (the model's rope_kv_write) may still be writing the newest key's row; it loads that row
+/// again after the wait. Here each token's newest row starts as garbage (large values that would
+/// dominate the softmax) and `kv_cache_write` writes the true row right before the attention, as
+/// a decode step does; the output must equal the reference over the true rows, alone and in a
+/// batch, on every one of several launches (the race the reload closes is timing-dependent).
+#[test]
+fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
+    for st in STORAGES {
+        let Some(dev) = gpu("decode_attention_newest_key", st) else { return };
+        let mut rng = Rng::new(43);
+        for (hq, hk, d) in [(32, 8, 128), (24, 4, 256), (8, 2, 64)] {
+            let bs = 16;
+            let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
+            let n = CONTEXTS.len();
+            let row_elems = hk * d;
+            let scale = 1.0 / (d as f32).sqrt();
+            let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
+            let shape = case_shape(hq, hk, d, bs, &case);
+            // The newest key's slot of each sequence, its true rows, and caches holding garbage there.
+            let slots: Vec<i64> = (0..n)
+                .map(|s| {
+                    let p = CONTEXTS[s] - 1;
+                    case.tables[s * case.max_blocks + p / bs] as i64 * bs as i64 + (p % bs) as i64
+                })
+                .collect();
+            let rows = |cache: &[f32]| -> Vec<f32> { slots.iter().flat_map(|&sl| cache[sl as usize * row_elems..(sl as usize + 1) * row_elems].iter().copied()).collect() };
+            let (k_new, v_new) = (rows(&case.k_cache), rows(&case.v_cache));
+            let (mut k_bad, mut v_bad) = (case.k_cache.clone(), case.v_cache.clone());
+            for &sl in &slots {
+                k_bad[sl as usize * row_elems..(sl as usize + 1) * row_elems].fill(8.0);
+                v_bad[sl as usize * row_elems..(sl as usize + 1) * row_elems].fill(-8.0);
+            }
+            let want: Vec<f32> = (0..n)
+                .flat_map(|s| {
+                    let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+                    reference::attention_seq(&q[s * hq * d..(s + 1) * hq * d], 1, hq, &case.k_cache, &case.v_cache, table, CONTEXTS[s] - 1, hk, d, bs, scale)
+                })
+                .collect();
+            let tables = upload_raw(&dev, &case.tables);
+            let label = format!("hq{hq}hk{hk}/d{d}");
+            for (what, seqs) in [("batch", (0..n).collect::<Vec<_>>()), ("alone", vec![n - 1]), ("alone", vec![3])] {
+                let scratch = decode_scratch(&dev, seqs.len(), &shape);
+                let pick = |v: &[f32], w: usize| -> Vec<f32> { seqs.iter().flat_map(|&s| v[s * w..(s + 1) * w].iter().copied()).collect() };
+                let (qd, kn, vn) = (upload(&dev, &pick(&q, hq * d)), upload(&dev, &pick(&k_new, row_elems)), upload(&dev, &pick(&v_new, row_elems)));
+                let sl = upload_raw(&dev, &seqs.iter().map(|&s| slots[s]).collect::<Vec<_>>());
+                let seq_d = upload_raw(&dev, &seqs.iter().map(|&s| s as i32).collect::<Vec<_>>());
+                let pos_d = upload_raw(&dev, &seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect::<Vec<_>>());
+                for launch in 0..4 {
+                    let (mut kd, mut vd) = (upload(&dev, &k_bad), upload(&dev, &v_bad));
+                    let mut out = Out16::new(&dev, seqs.len() * hq * d);
+                    dev.kv_cache_write(&kn, &vn, &mut kd, &mut vd, &sl, row_elems, row_elems, row_elems).unwrap();
+                    dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                    let got = out.read(&dev, "decode attention after kv_cache_write");
+                    check("decode_attention_newest_key", st, &format!("{label}/{what}{seqs:?}/launch{launch}"), &got, &pick(&want, hq * d), tol16(st));
+                }
+                assert_arrivals_reset(&dev, &scratch, &format!("{label} newest key {what}"));
             }
         }
     }

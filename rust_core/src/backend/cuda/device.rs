@@ -52,6 +52,8 @@ pub struct CudaDevice {
     tc_prefetch_steps: AtomicU32,
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
     cc_prefetch: super::ops::CcPrefetch,
+    /// Fewest keys a warp of the scaled decode attention walks (`NINFER_DA_MIN_WARP_KEYS`); read once.
+    da_min_warp_keys: usize,
     /// `NINFER_BATCH_INVARIANT`: every kernel choice independent of the batch size (the GEMV
     /// form above, the decode attention form, ops/decode_attention.rs); read once.
     batch_invariant: bool,
@@ -98,6 +100,7 @@ impl CudaDevice {
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
+        let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -116,6 +119,7 @@ impl CudaDevice {
             gemv_shapes,
             tc_prefetch_steps,
             cc_prefetch,
+            da_min_warp_keys,
             batch_invariant,
         })
     }
@@ -165,6 +169,11 @@ impl CudaDevice {
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`).
     pub fn cc_prefetch(&self) -> super::ops::CcPrefetch {
         self.cc_prefetch
+    }
+
+    /// Fewest keys a warp of the scaled decode attention walks (`NINFER_DA_MIN_WARP_KEYS`).
+    pub fn da_min_warp_keys(&self) -> usize {
+        self.da_min_warp_keys
     }
 
     /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.

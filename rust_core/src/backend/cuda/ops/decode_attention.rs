@@ -16,21 +16,50 @@ const DECODE_WARPS: usize = 8;
 /// Most block splits a token takes in `decode_attention_*` (DA_MAX_SPLITS in
 /// decode_attention.cu): the stride of the partials in the scratch.
 pub const DECODE_MAX_SPLITS: usize = 32;
-/// Fewest keys a warp of `decode_attention_*` walks (DA_MIN_WARP_KEYS).
-const DECODE_MIN_WARP_KEYS: usize = 8;
+/// Fewest keys a warp of `decode_attention_*` walks by default (DA_MIN_WARP_KEYS).
+pub const DECODE_MIN_WARP_KEYS: usize = 8;
 
-/// Keys per warp of `decode_attention_*` for a token that sees `context` keys: 8 up to a
-/// 2048-key context, then as many as keep the token within DECODE_MAX_SPLITS block splits. The
-/// kernel decides (da_warp_keys in decode_attention.cu); this mirror documents the layout and
-/// lets tests pick contexts at its edges.
+/// The environment variable that sets the fewest keys a warp walks (a tuning tool, read once per
+/// device: `CudaDevice::da_min_warp_keys`): 1..=DECODE_MAX_WARP_KEYS_SETTING, default
+/// DECODE_MIN_WARP_KEYS. Fewer keys a warp: more block splits at short contexts (more partials to
+/// merge, fewer loads a warp); more: fewer splits (one block, no merge, up to 8 x that many keys).
+/// Every setting keeps a token's result independent of the batch; settings differ in the last bits.
+pub const DA_MIN_WARP_KEYS_VAR: &str = "NINFER_DA_MIN_WARP_KEYS";
+
+/// The largest `NINFER_DA_MIN_WARP_KEYS` accepted.
+pub const DECODE_MAX_WARP_KEYS_SETTING: usize = 256;
+
+/// `value` of `NINFER_DA_MIN_WARP_KEYS`: the default when unset or blank, else an integer of
+/// 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value otherwise).
+pub fn parse_da_min_warp_keys(value: Option<&str>) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(DECODE_MIN_WARP_KEYS) };
+    v.parse::<usize>().ok().filter(|n| (1..=DECODE_MAX_WARP_KEYS_SETTING).contains(n)).ok_or_else(|| {
+        crate::NinferError::config(DA_MIN_WARP_KEYS_VAR, format!("expected an integer of 1..={DECODE_MAX_WARP_KEYS_SETTING}, got {v:?}"))
+    })
+}
+
+/// Keys per warp of `decode_attention_*` for a token that sees `context` keys at the default
+/// layout: 8 up to a 2048-key context, then as many as keep the token within DECODE_MAX_SPLITS
+/// block splits. The kernel decides (da_warp_keys in decode_attention.cu); this mirror
+/// documents the layout and lets tests pick contexts at its edges.
 pub fn decode_warp_keys(context: usize) -> usize {
-    DECODE_MIN_WARP_KEYS.max(context.div_ceil(DECODE_MAX_SPLITS * DECODE_WARPS))
+    decode_warp_keys_with(context, DECODE_MIN_WARP_KEYS)
+}
+
+/// `decode_warp_keys` with `min_keys` the fewest keys a warp walks.
+pub fn decode_warp_keys_with(context: usize, min_keys: usize) -> usize {
+    min_keys.max(context.div_ceil(DECODE_MAX_SPLITS * DECODE_WARPS))
 }
 
 /// Block splits of `decode_attention_*` a token that sees `context` keys takes (each
 /// DECODE_WARPS x `decode_warp_keys(context)` keys): 4 at 256 keys, 16 at 1024, 32 from 2048 on.
 pub fn decode_block_splits(context: usize) -> usize {
-    context.max(1).div_ceil(decode_warp_keys(context) * DECODE_WARPS)
+    decode_block_splits_with(context, DECODE_MIN_WARP_KEYS)
+}
+
+/// `decode_block_splits` with `min_keys` the fewest keys a warp walks.
+pub fn decode_block_splits_with(context: usize, min_keys: usize) -> usize {
+    context.max(1).div_ceil(decode_warp_keys_with(context, min_keys) * DECODE_WARPS)
 }
 
 /// Grid height of `decode_attention_*` for tokens of at most `max_context` keys: a bound on
@@ -38,7 +67,12 @@ pub fn decode_block_splits(context: usize) -> usize {
 /// keys). The launcher takes `max_context` from the block tables' width, which a decode graph
 /// fixes, so the grid never depends on the step's contexts.
 pub fn decode_grid_splits(max_context: usize) -> usize {
-    max_context.max(1).div_ceil(DECODE_MIN_WARP_KEYS * DECODE_WARPS).min(DECODE_MAX_SPLITS)
+    decode_grid_splits_with(max_context, DECODE_MIN_WARP_KEYS)
+}
+
+/// `decode_grid_splits` with `min_keys` the fewest keys a warp walks.
+pub fn decode_grid_splits_with(max_context: usize, min_keys: usize) -> usize {
+    max_context.max(1).div_ceil(min_keys * DECODE_WARPS).min(DECODE_MAX_SPLITS)
 }
 
 /// Q heads per block of `decode_attention_*`: the largest instance (8, 4, 2, 1) dividing the GQA
@@ -150,6 +184,11 @@ impl CudaDevice {
     /// In either form a row's result is the same in any batch (batch == alone, bit for bit) and
     /// in any launch. `shape.max_context` and `shape.partition` are ignored; `scratch` must hold
     /// `decode_scratch_len(tokens, shape)`, its counters zeroed.
+    ///
+    /// Under PDL the scaled form reads the metadata and each token's keys before its newest
+    /// (position `token_pos`) before waiting for the kernel launched just before it, so only a
+    /// token's newest key may be written by that kernel: one token per sequence, as in a decode
+    /// step (the model's `is_decode`); keys written earlier in the stream are safe.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode_as(
         &self,
@@ -164,15 +203,17 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let ((family, name), g, splits) = match form {
+        let min_keys = self.da_min_warp_keys();
+        // The scaled kernels take the layout's fewest keys a warp as a last argument.
+        let ((family, name), g, splits, scaled) = match form {
             DecodeAttentionForm::Scaled => {
                 let g = decode_group(shape);
-                let splits = decode_grid_splits(shape.max_blocks_per_seq * shape.block_size);
-                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits)
+                let splits = decode_grid_splits_with(shape.max_blocks_per_seq * shape.block_size, min_keys);
+                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits, true)
             }
             DecodeAttentionForm::Fixed => {
                 let (g, _) = group_and_warps(shape, 0);
-                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS)
+                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS, false)
             }
         };
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
@@ -212,15 +253,38 @@ impl CudaDevice {
             KArg::Ptr(pa),
             KArg::Ptr(pm),
             KArg::Ptr(ar),
+            KArg::I32(min_keys as i32),
         ];
+        let n_args = if scaled { args.len() } else { args.len() - 1 };
         let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
-        self.launch_pdl(&f, cfg(grid, (DECODE_WARPS * 32) as u32), name, &args)
+        self.launch_pdl(&f, cfg(grid, (DECODE_WARPS * 32) as u32), name, &args[..n_args])
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fewest_keys_a_warp_is_a_checked_setting_and_bounds_the_grid() {
+        assert_eq!(parse_da_min_warp_keys(None).unwrap(), DECODE_MIN_WARP_KEYS);
+        assert_eq!(parse_da_min_warp_keys(Some(" 4 ")).unwrap(), 4);
+        for bad in ["0", "-1", "257", "x", "2.5"] {
+            let e = parse_da_min_warp_keys(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(DA_MIN_WARP_KEYS_VAR) && e.contains(bad), "{bad}: {e}");
+        }
+        // 256 keys: 8 splits of 4-key warps, 2 of 16, 1 of 32; the cap of 32 splits holds.
+        assert_eq!([4, 16, 32].map(|m| decode_block_splits_with(256, m)), [8, 2, 1]);
+        for min in [1, 4, 16, 32, 256] {
+            for max in [1, 63, 64, 65, 300, 2048, 2049, 5000] {
+                let grid = decode_grid_splits_with(max, min);
+                assert!(grid <= DECODE_MAX_SPLITS);
+                for ctx in 1..=max {
+                    assert!(decode_block_splits_with(ctx, min) <= grid, "context {ctx} under a grid for {max}, min {min}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {

@@ -10,7 +10,7 @@ use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
 /// Output columns per block (warps per block in gemv.cu).
-const GEMV_WARPS: usize = 8;
+pub(super) const GEMV_WARPS: usize = 8;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;
 /// Largest M that `linear` sends to the GEMV kernel; above it cuBLAS. Up to GEMV_MAX_M the

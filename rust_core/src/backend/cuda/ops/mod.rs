@@ -12,6 +12,7 @@ mod gdn;
 mod gdn_chunked;
 mod gemv;
 mod gemv_add_rmsnorm;
+mod gemv_qkv_rope;
 mod gemv_tuning;
 mod norm;
 mod rope_kv;
@@ -20,14 +21,16 @@ mod sampling_pack;
 
 pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS};
 pub use decode_attention::{
-    decode_attention_form, decode_block_splits, decode_grid_splits, decode_scratch_len, decode_warp_keys, AttnScratch, DecodeAttentionForm, DecodeScratchLen,
-    DECODE_MAX_SPLITS, DECODE_SCALED_MAX_TOKENS,
+    decode_attention_form, decode_block_splits, decode_block_splits_with, decode_grid_splits, decode_grid_splits_with, decode_scratch_len,
+    decode_warp_keys, decode_warp_keys_with, parse_da_min_warp_keys, AttnScratch, DecodeAttentionForm, DecodeScratchLen, DA_MIN_WARP_KEYS_VAR,
+    DECODE_MAX_SPLITS, DECODE_MAX_WARP_KEYS_SETTING, DECODE_MIN_WARP_KEYS, DECODE_SCALED_MAX_TOKENS,
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
 pub use gdn_chunked::{PrepForm, ScanForm};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
+pub use gemv_qkv_rope::qkv_rope_fits;
 pub use gemv_tuning::{
     gemv_shapes_for, parse_cc_prefetch, parse_gemv_shapes, parse_tc_prefetch_steps, CcPrefetch, GemvKernel, CC_PREFETCH_DEFAULT, CC_PREFETCH_VAR, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
     TC_PREFETCH_MAX_STEPS, TC_PREFETCH_VAR,

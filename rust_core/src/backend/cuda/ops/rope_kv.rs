@@ -27,6 +27,17 @@ pub struct RopeKvShape {
     pub attn_scale: f32,
 }
 
+/// Fails unless the k and v caches (`k_len`, `v_len` elements) are alike and hold whole rows of
+/// `n_kv_heads * head_dim` (slots x heads x head_dim): the check of every launcher that writes
+/// a decode step's keys and values (`op` names it in the error).
+pub(super) fn check_kv_caches(op: &str, k_len: usize, v_len: usize, sh: &RopeKvShape) -> Result<()> {
+    let row = sh.n_kv_heads * sh.head_dim;
+    if k_len != v_len || !k_len.is_multiple_of(row.max(1)) {
+        return Err(NinferError::Device(format!("{op}: caches of {k_len} and {v_len} elements do not hold rows of {row}")));
+    }
+    Ok(())
+}
+
 /// Raw device addresses of one launch's buffers.
 struct RopeKvPtrs {
     q: u64,
@@ -109,14 +120,7 @@ impl CudaDevice {
         sh: &RopeKvShape,
     ) -> Result<()> {
         let t = positions.len();
-        let row = sh.n_kv_heads * sh.head_dim;
-        if k_cache.len() != v_cache.len() || k_cache.len() % row.max(1) != 0 {
-            return Err(NinferError::Device(format!(
-                "rope_kv_write: caches of {} and {} elements do not hold rows of {row}",
-                k_cache.len(),
-                v_cache.len()
-            )));
-        }
+        check_kv_caches("rope_kv_write", k_cache.len(), v_cache.len(), sh)?;
         check_len("rope_kv_write slot_mapping", slot_mapping.len(), t)?;
         let s = self.stream();
         let (kc, _a) = k_cache.device_ptr_mut(s);
