@@ -12,10 +12,11 @@
 // whatever the context) gives Llama-3-8B at batch 1 only 8 groups x 8 blocks = 64 blocks on 132
 // SMs, each warp walking 64 keys one dependent round trip after another at a 4096-key context:
 // 32.6 us for 16.8 MB of K/V (~0.5 TB/s; H200, one_kernel_decode_attention_timing at 7f5b63e).
-// Here a warp takes at least DA_MIN_WARP_KEYS keys and the block splits grow with the context up
-// to DA_MAX_SPLITS (ceil(limit / 64) up to 2048 keys, then 32 with ceil(limit / 256) keys a warp),
-// so 4096 keys are 32 block splits of 16 keys a warp (256 blocks, two per SM), and a short context
-// keeps few splits (256 keys: 4, as the fixed form) and so few partials to merge.
+// Here a warp takes at least DA_SHORT_WARP_KEYS keys up to DA_SHORT_CONTEXT keys and
+// DA_MIN_WARP_KEYS above, and the block splits grow with the context up to DA_MAX_SPLITS
+// (ceil(limit / 32) up to 512 keys, ceil(limit / 64) up to 2048, then 32 with ceil(limit / 256)
+// keys a warp), so 4096 keys are 32 block splits of 16 keys a warp (256 blocks, two per SM), and
+// a short context keeps few splits (256 keys: 8) and so few partials to merge.
 //
 // Everything that decides a token's arithmetic (its splits, each warp's keys, the merge order)
 // is a function of its own context, never of the batch or the grid: a token's output is the same
@@ -37,16 +38,23 @@
 // Most block splits a token takes; the scratch holds this many partials per (token, q head).
 // Must match ops/decode_attention.rs.
 #define DA_MAX_SPLITS 32
-// Fewest keys a warp walks by default (a context of up to DA_WARPS * DA_MIN_WARP_KEYS keys is one
-// block); the kernels take the launch's value (`min_warp_keys`: NINFER_DA_MIN_WARP_KEYS, a tuning
-// tool, ops/decode_attention.rs).
+// Fewest keys a warp walks by default: DA_SHORT_WARP_KEYS for a token of up to DA_SHORT_CONTEXT
+// keys (256 keys: 8 block splits), DA_MIN_WARP_KEYS above (1024 keys: 16). Per call on an H200
+// (TIMING of cuda_ops decode_attention, dakeys_093c1a4.log), batch 1: 4 keys a warp against 8
+// took 7.22 / 8.13 us at 256 keys on Llama-3-8B (6.32 / 7.11 on Qwen3.5-27B) but 9.36 / 8.83 at
+// 1024 (12.80 / 9.07: 32 partials to merge). The kernels take the launch's `min_warp_keys`: 0
+// for this default, else that many at every context (NINFER_DA_MIN_WARP_KEYS, a tuning tool,
+// ops/decode_attention.rs).
 #define DA_MIN_WARP_KEYS 8
+#define DA_SHORT_WARP_KEYS 4
+#define DA_SHORT_CONTEXT 512
 
-// Keys per warp for a token that sees `limit` keys: `min_keys` up to the context where that many
-// would pass DA_MAX_SPLITS block splits, then as many as keep the token within them. Must match
-// ops/decode_attention.rs (decode_warp_keys_with).
+// Keys per warp for a token that sees `limit` keys: the fewest (`min_keys`, or the default above
+// when 0) up to the context where that many would pass DA_MAX_SPLITS block splits, then as many
+// as keep the token within them. Must match ops/decode_attention.rs (decode_warp_keys_with).
 __device__ __forceinline__ int da_warp_keys(int limit, int min_keys) {
-    return max(min_keys, (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
+    const int fewest = min_keys > 0 ? min_keys : (limit <= DA_SHORT_CONTEXT ? DA_SHORT_WARP_KEYS : DA_MIN_WARP_KEYS);
+    return max(fewest, (limit + DA_MAX_SPLITS * DA_WARPS - 1) / (DA_MAX_SPLITS * DA_WARPS));
 }
 
 // Lane layout of a head of D elements for G q heads a warp: EPL elements per lane, LPK lanes per
@@ -113,7 +121,7 @@ __device__ __forceinline__ void scaled_decode_body(
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
     // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
     // more than 32 registers (so that groups up to 4 fit DA_MIN_BLOCKS' 128 registers without
-    // spilling), and at most 8 keys an iteration (a warp's shortest run is
+    // spilling), and at most 8 keys an iteration (a warp's default run at the longer contexts is
     // DA_MIN_WARP_KEYS). Llama-3-8B (D 128, G 4): 2 loads of 2 keys; Qwen3.5-27B (D 256, G 2): 4
     // loads of 1 key.
     constexpr int U0 = G * EPL <= 16 ? 4 : 2;

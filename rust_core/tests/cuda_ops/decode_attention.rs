@@ -12,11 +12,11 @@ use ninfer_core::backend::cuda::StorageDType;
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
 use super::{assert_arrivals_reset, assert_bitwise, decode_scratch, paged_case, reference, time_ms};
 
-/// One key; a partial first warp; 255 / 256 / 257 around the 4-split point (4 blocks of 8 warps
-/// of 8 keys) with a short last warp, exact, and a 1-key fifth split; 1000 (16 splits, last one
+/// One key; a partial first warp; 256 (8 splits of 4-key warps); 512 (16 splits, the most 4-key
+/// warps take) and 513 (9 splits of 8-key warps, a 1-key last split); 1000 (16 splits, last one
 /// partial); 4096 (32 splits of 16-key warps); 8191 (32 splits of 32-key warps, the last warp
 /// one key short).
-const CONTEXTS: [usize; 8] = [1, 7, 255, 256, 257, 1000, 4096, 8191];
+const CONTEXTS: [usize; 8] = [1, 7, 256, 512, 513, 1000, 4096, 8191];
 
 /// Two batches of 5 tokens of different contexts (indices into CONTEXTS; a sequence each).
 const BATCHES: [[usize; 5]; 2] = [[6, 0, 3, 7, 2], [1, 5, 4, 7, 6]];
@@ -57,7 +57,7 @@ const SHAPES: [(usize, usize, usize); 8] = [(32, 8, 128), (24, 4, 256), (16, 2, 
 #[test]
 fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
     // The layout the contexts are chosen around (decode_attention.rs mirrors the kernel's).
-    assert_eq!(CONTEXTS.map(decode_block_splits), [1, 1, 4, 4, 5, 16, 32, 32]);
+    assert_eq!(CONTEXTS.map(decode_block_splits), [1, 1, 8, 16, 9, 16, 32, 32]);
     assert_eq!((decode_warp_keys(4096), decode_warp_keys(8191)), (16, 32));
     for st in STORAGES {
         let Some(dev) = gpu("decode_attention_scaled", st) else { return };
@@ -160,7 +160,7 @@ fn scaled_decode_attention_timing() {
     let bs = 16;
     for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
         for batch in [1, 2, 4, 8] {
-            for ctx in [256, 1024, 4096, 16384] {
+            for ctx in [256, 512, 1024, 2048, 4096, 16384] {
                 let blocks_per = ctx / bs;
                 let num_blocks = batch * blocks_per;
                 let mut rng = Rng::new(23);

@@ -52,7 +52,8 @@ pub struct CudaDevice {
     tc_prefetch_steps: AtomicU32,
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
     cc_prefetch: super::ops::CcPrefetch,
-    /// Fewest keys a warp of the scaled decode attention walks (`NINFER_DA_MIN_WARP_KEYS`); read once.
+    /// Fewest keys a warp of the scaled decode attention walks at every context
+    /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
     /// `NINFER_BATCH_INVARIANT`: every kernel choice independent of the batch size (the GEMV
     /// form above, the decode attention form, ops/decode_attention.rs); read once.
@@ -171,7 +172,9 @@ impl CudaDevice {
         self.cc_prefetch
     }
 
-    /// Fewest keys a warp of the scaled decode attention walks (`NINFER_DA_MIN_WARP_KEYS`).
+    /// Fewest keys a warp of the scaled decode attention walks at every context
+    /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0: the default layout's, which
+    /// depend on the context).
     pub fn da_min_warp_keys(&self) -> usize {
         self.da_min_warp_keys
     }

@@ -16,45 +16,67 @@ const DECODE_WARPS: usize = 8;
 /// Most block splits a token takes in `decode_attention_*` (DA_MAX_SPLITS in
 /// decode_attention.cu): the stride of the partials in the scratch.
 pub const DECODE_MAX_SPLITS: usize = 32;
-/// Fewest keys a warp of `decode_attention_*` walks by default (DA_MIN_WARP_KEYS).
+/// Fewest keys a warp of `decode_attention_*` walks by default above DECODE_SHORT_CONTEXT keys
+/// (DA_MIN_WARP_KEYS).
 pub const DECODE_MIN_WARP_KEYS: usize = 8;
+/// Fewest keys a warp walks by default for a token of up to DECODE_SHORT_CONTEXT keys
+/// (DA_SHORT_WARP_KEYS): twice the block splits at short contexts, where the merge is cheap and
+/// fewer keys a warp shorten its dependent loads (why: decode_attention.cu, DA_SHORT_CONTEXT).
+pub const DECODE_SHORT_WARP_KEYS: usize = 4;
+/// Most keys of a token that takes DECODE_SHORT_WARP_KEYS by default (DA_SHORT_CONTEXT).
+pub const DECODE_SHORT_CONTEXT: usize = 512;
 
-/// The environment variable that sets the fewest keys a warp walks (a tuning tool, read once per
-/// device: `CudaDevice::da_min_warp_keys`): 1..=DECODE_MAX_WARP_KEYS_SETTING, default
-/// DECODE_MIN_WARP_KEYS. Fewer keys a warp: more block splits at short contexts (more partials to
-/// merge, fewer loads a warp); more: fewer splits (one block, no merge, up to 8 x that many keys).
-/// Every setting keeps a token's result independent of the batch; settings differ in the last bits.
+/// The environment variable that fixes the fewest keys a warp walks at every context (a tuning
+/// tool, read once per device: `CudaDevice::da_min_warp_keys`): 1..=DECODE_MAX_WARP_KEYS_SETTING;
+/// unset, blank or `auto`: the default layout (DECODE_SHORT_WARP_KEYS up to DECODE_SHORT_CONTEXT
+/// keys, DECODE_MIN_WARP_KEYS above). Fewer keys a warp: more block splits at short contexts (more
+/// partials to merge, fewer loads a warp); more: fewer splits (one block, no merge, up to 8 x that
+/// many keys). Every setting keeps a token's result independent of the batch; settings differ in
+/// the last bits.
 pub const DA_MIN_WARP_KEYS_VAR: &str = "NINFER_DA_MIN_WARP_KEYS";
 
 /// The largest `NINFER_DA_MIN_WARP_KEYS` accepted.
 pub const DECODE_MAX_WARP_KEYS_SETTING: usize = 256;
 
-/// `value` of `NINFER_DA_MIN_WARP_KEYS`: the default when unset or blank, else an integer of
-/// 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value otherwise).
+/// The `min_keys` of the default layout (the kernels' `min_warp_keys` 0).
+pub const DECODE_DEFAULT_LAYOUT: usize = 0;
+
+/// `value` of `NINFER_DA_MIN_WARP_KEYS`: DECODE_DEFAULT_LAYOUT when unset, blank or `auto`, else
+/// an integer of 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value
+/// otherwise).
 pub fn parse_da_min_warp_keys(value: Option<&str>) -> Result<usize> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(DECODE_MIN_WARP_KEYS) };
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
+        return Ok(DECODE_DEFAULT_LAYOUT);
+    };
     v.parse::<usize>().ok().filter(|n| (1..=DECODE_MAX_WARP_KEYS_SETTING).contains(n)).ok_or_else(|| {
-        crate::NinferError::config(DA_MIN_WARP_KEYS_VAR, format!("expected an integer of 1..={DECODE_MAX_WARP_KEYS_SETTING}, got {v:?}"))
+        crate::NinferError::config(DA_MIN_WARP_KEYS_VAR, format!("expected `auto` or an integer of 1..={DECODE_MAX_WARP_KEYS_SETTING}, got {v:?}"))
     })
 }
 
 /// Keys per warp of `decode_attention_*` for a token that sees `context` keys at the default
-/// layout: 8 up to a 2048-key context, then as many as keep the token within DECODE_MAX_SPLITS
-/// block splits. The kernel decides (da_warp_keys in decode_attention.cu); this mirror
-/// documents the layout and lets tests pick contexts at its edges.
+/// layout: 4 up to a 512-key context, 8 up to 2048, then as many as keep the token within
+/// DECODE_MAX_SPLITS block splits. The kernel decides (da_warp_keys in decode_attention.cu); this
+/// mirror documents the layout and lets tests pick contexts at its edges.
 pub fn decode_warp_keys(context: usize) -> usize {
-    decode_warp_keys_with(context, DECODE_MIN_WARP_KEYS)
+    decode_warp_keys_with(context, DECODE_DEFAULT_LAYOUT)
 }
 
-/// `decode_warp_keys` with `min_keys` the fewest keys a warp walks.
+/// `decode_warp_keys` with `min_keys` the fewest keys a warp walks (DECODE_DEFAULT_LAYOUT: the
+/// default's, which depend on the context).
 pub fn decode_warp_keys_with(context: usize, min_keys: usize) -> usize {
-    min_keys.max(context.div_ceil(DECODE_MAX_SPLITS * DECODE_WARPS))
+    let fewest = match min_keys {
+        DECODE_DEFAULT_LAYOUT if context <= DECODE_SHORT_CONTEXT => DECODE_SHORT_WARP_KEYS,
+        DECODE_DEFAULT_LAYOUT => DECODE_MIN_WARP_KEYS,
+        m => m,
+    };
+    fewest.max(context.div_ceil(DECODE_MAX_SPLITS * DECODE_WARPS))
 }
 
 /// Block splits of `decode_attention_*` a token that sees `context` keys takes (each
-/// DECODE_WARPS x `decode_warp_keys(context)` keys): 4 at 256 keys, 16 at 1024, 32 from 2048 on.
+/// DECODE_WARPS x `decode_warp_keys(context)` keys): 8 at 256 keys, 16 at 512, 9 at 513, 16 at
+/// 1024, 32 from 2048 on.
 pub fn decode_block_splits(context: usize) -> usize {
-    decode_block_splits_with(context, DECODE_MIN_WARP_KEYS)
+    decode_block_splits_with(context, DECODE_DEFAULT_LAYOUT)
 }
 
 /// `decode_block_splits` with `min_keys` the fewest keys a warp walks.
@@ -63,16 +85,21 @@ pub fn decode_block_splits_with(context: usize, min_keys: usize) -> usize {
 }
 
 /// Grid height of `decode_attention_*` for tokens of at most `max_context` keys: a bound on
-/// `decode_block_splits` of every context up to it (which itself is not monotone past 2048
-/// keys). The launcher takes `max_context` from the block tables' width, which a decode graph
-/// fixes, so the grid never depends on the step's contexts.
+/// `decode_block_splits` of every context up to it (which itself is not monotone: it drops past
+/// 512 and past 2048 keys). The launcher takes `max_context` from the block tables' width, which
+/// a decode graph fixes, so the grid never depends on the step's contexts.
 pub fn decode_grid_splits(max_context: usize) -> usize {
-    decode_grid_splits_with(max_context, DECODE_MIN_WARP_KEYS)
+    decode_grid_splits_with(max_context, DECODE_DEFAULT_LAYOUT)
 }
 
 /// `decode_grid_splits` with `min_keys` the fewest keys a warp walks.
 pub fn decode_grid_splits_with(max_context: usize, min_keys: usize) -> usize {
-    max_context.max(1).div_ceil(min_keys * DECODE_WARPS).min(DECODE_MAX_SPLITS)
+    let bound = |max: usize, fewest: usize| max.max(1).div_ceil(fewest * DECODE_WARPS).min(DECODE_MAX_SPLITS);
+    match min_keys {
+        // The short contexts' bound, and the longer contexts' (the larger past 1024 keys).
+        DECODE_DEFAULT_LAYOUT => bound(max_context.min(DECODE_SHORT_CONTEXT), DECODE_SHORT_WARP_KEYS).max(bound(max_context, DECODE_MIN_WARP_KEYS)),
+        m => bound(max_context, m),
+    }
 }
 
 /// Q heads per block of `decode_attention_*`: the largest instance (8, 4, 2, 1) dividing the GQA
@@ -267,7 +294,9 @@ mod tests {
 
     #[test]
     fn the_fewest_keys_a_warp_is_a_checked_setting_and_bounds_the_grid() {
-        assert_eq!(parse_da_min_warp_keys(None).unwrap(), DECODE_MIN_WARP_KEYS);
+        for unset in [None, Some(""), Some(" auto "), Some("AUTO")] {
+            assert_eq!(parse_da_min_warp_keys(unset).unwrap(), DECODE_DEFAULT_LAYOUT, "{unset:?}");
+        }
         assert_eq!(parse_da_min_warp_keys(Some(" 4 ")).unwrap(), 4);
         for bad in ["0", "-1", "257", "x", "2.5"] {
             let e = parse_da_min_warp_keys(Some(bad)).unwrap_err().to_string();
@@ -275,13 +304,15 @@ mod tests {
         }
         // 256 keys: 8 splits of 4-key warps, 2 of 16, 1 of 32; the cap of 32 splits holds.
         assert_eq!([4, 16, 32].map(|m| decode_block_splits_with(256, m)), [8, 2, 1]);
-        for min in [1, 4, 16, 32, 256] {
-            for max in [1, 63, 64, 65, 300, 2048, 2049, 5000] {
+        for min in [DECODE_DEFAULT_LAYOUT, 1, 4, 16, 32, 256] {
+            for max in [1, 63, 64, 65, 300, 512, 513, 700, 1100, 2048, 2049, 5000] {
                 let grid = decode_grid_splits_with(max, min);
                 assert!(grid <= DECODE_MAX_SPLITS);
                 for ctx in 1..=max {
                     assert!(decode_block_splits_with(ctx, min) <= grid, "context {ctx} under a grid for {max}, min {min}");
                 }
+                // Tight: some context up to `max` takes the whole grid.
+                assert!((1..=max).any(|ctx| decode_block_splits_with(ctx, min) == grid), "grid for {max}, min {min}");
             }
         }
     }
@@ -321,27 +352,34 @@ mod tests {
             }
         }
         // The constants this file mirrors.
-        for (name, value) in [("DA_WARPS", DECODE_WARPS), ("DA_MAX_SPLITS", DECODE_MAX_SPLITS), ("DA_MIN_WARP_KEYS", DECODE_MIN_WARP_KEYS)] {
+        for (name, value) in [
+            ("DA_WARPS", DECODE_WARPS),
+            ("DA_MAX_SPLITS", DECODE_MAX_SPLITS),
+            ("DA_MIN_WARP_KEYS", DECODE_MIN_WARP_KEYS),
+            ("DA_SHORT_WARP_KEYS", DECODE_SHORT_WARP_KEYS),
+            ("DA_SHORT_CONTEXT", DECODE_SHORT_CONTEXT),
+        ] {
             assert!(src.contains(&format!("#define {name} {value}\n")), "{name} {value}");
         }
     }
 
-    /// The layout's edges: one block up to 64 keys, splits of 8-key warps up to 2048 keys, then
-    /// 32 splits of longer warps; the grid bound covers every context below it.
+    /// The layout's edges: one block up to 32 keys, splits of 4-key warps up to 512 keys, of 8-key
+    /// warps up to 2048, then 32 splits of longer warps; the grid bound covers every context below it.
     #[test]
     fn splits_grow_with_the_context_up_to_the_cap() {
-        let cases = [(1, 8, 1), (64, 8, 1), (65, 8, 2), (256, 8, 4), (1024, 8, 16), (2048, 8, 32), (2049, 9, 29), (4096, 16, 32), (16384, 64, 32)];
+        let cases = [(1, 4, 1), (32, 4, 1), (33, 4, 2), (256, 4, 8), (512, 4, 16), (513, 8, 9), (1024, 8, 16), (2048, 8, 32), (2049, 9, 29), (4096, 16, 32), (16384, 64, 32)];
         for (ctx, keys, splits) in cases {
             assert_eq!((decode_warp_keys(ctx), decode_block_splits(ctx)), (keys, splits), "context {ctx}");
         }
-        for max in [1, 63, 64, 65, 300, 2048, 2049, 2100, 5000] {
+        for max in [1, 63, 64, 65, 300, 512, 513, 600, 2048, 2049, 2100, 5000] {
             let grid = decode_grid_splits(max);
             assert!(grid <= DECODE_MAX_SPLITS);
             for ctx in 1..=max {
                 assert!(decode_block_splits(ctx) <= grid, "context {ctx} under a grid for {max}");
             }
         }
-        assert_eq!(decode_grid_splits(16 * 16), 4);
+        assert_eq!(decode_grid_splits(16 * 16), 8);
+        assert_eq!(decode_grid_splits(600), 16);
         assert_eq!(decode_grid_splits(16 * 256), 32);
     }
 
