@@ -167,6 +167,9 @@ class Bench:
         path = self.workdir / f"{model}-{s['layers']}l"
         if (path / "config.json").exists():
             return path
+        problem = room_for_checkpoint(path, self.weight_bytes(s)[1])
+        if problem:
+            raise RuntimeError(problem)
         log(f"writing the random {model} checkpoint ({s['layers']} layers) to {path}")
         t = time.perf_counter()
         write_checkpoint(self, s, path)
@@ -311,6 +314,29 @@ def write_checkpoint(b: Bench, s: dict, path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     # Last, so that a present config.json means a complete checkpoint.
     cfg.save_pretrained(str(path))
+
+
+def room_for_checkpoint(path: Path, needed: int, headroom: float = 1.05) -> str | None:
+    """Why a checkpoint of `needed` bytes cannot be written at `path` (None when it fits): the
+    free bytes of its file system against `needed` x `headroom`, naming the checkpoints kept
+    beside it (--keep-checkpoints) with their sizes. Checked before the write, which would
+    otherwise fail minutes in with "No space left on device" (a 64 GiB disk holds the 27B
+    checkpoint, 53.8 GB, or the 8B one, 16.1 GB, not both)."""
+    parent = path.parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free >= needed * headroom:
+        return None
+    kept = []
+    if parent.exists():
+        for d in sorted(parent.iterdir()):
+            if d.is_dir() and d != path and (d / "config.json").exists():
+                kept.append(f"{d} ({sum(f.stat().st_size for f in d.glob('*') if f.is_file()) / 1e9:.1f} GB)")
+    hint = f"; kept checkpoints there: {', '.join(kept)} (delete them)" if kept else ""
+    return (f"not enough disk for {path}: needs {needed / 1e9:.1f} GB (+{(headroom - 1) * 100:.0f}%), "
+            f"{free / 1e9:.1f} GB free{hint}; or pass --workdir on a larger disk")
 
 
 def copy_rate(torch, dev: str) -> float:

@@ -59,3 +59,27 @@ def test_profile_device_idle_splits_gaps_at_each_steps_first_kernel():
     assert got == {"busy_us_per_step": 21.5, "between_steps_us_per_step": 35.0, "within_steps_us_per_step": 3.5}
     assert bench.device_idle([], steps=4) == {"busy_us_per_step": 0.0, "between_steps_us_per_step": 0.0,
                                               "within_steps_us_per_step": 0.0}
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_naming_the_kept_ones(tmp_path, monkeypatch):
+    """gpu_bench checks the disk before writing a random checkpoint: too little room is an error
+    naming the bytes needed, the bytes free and the checkpoints kept beside it (with sizes)."""
+    import shutil
+    from types import SimpleNamespace as NS
+
+    bench = _load("gpu_bench")
+    kept = tmp_path / "llama-3-8b-32l"
+    kept.mkdir()
+    (kept / "config.json").write_text("{}")
+    (kept / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    (tmp_path / "not-a-checkpoint").mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: NS(total=64e9, used=47e9, free=17e9))
+    target = tmp_path / "qwen3_5-27b-64l"
+    msg = bench.room_for_checkpoint(target, 53_800_000_000)
+    assert msg is not None
+    assert "needs 53.8 GB" in msg and "17.0 GB free" in msg and str(target) in msg
+    assert f"{kept} (0.0 GB)" in msg and "not-a-checkpoint" not in msg and "--workdir" in msg
+    # Enough room (with the 5% headroom), or a workdir that does not exist yet: no objection.
+    assert bench.room_for_checkpoint(target, 16_000_000_000) is None
+    assert bench.room_for_checkpoint(tmp_path / "new" / "deeper" / "llama-3-8b-32l", 16_000_000_000) is None
+    assert bench.room_for_checkpoint(target, 16_500_000_000) is not None
