@@ -94,8 +94,8 @@ impl CudaDevice {
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
         let invariant = std::env::var(super::ops::BATCH_INVARIANT_SWITCH).ok();
-        let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref(), invariant.as_deref())?;
         let batch_invariant = crate::config::env_switch::parse_switch(super::ops::BATCH_INVARIANT_SWITCH, invariant.as_deref(), false)?;
+        let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref(), batch_invariant)?;
         let shapes = std::env::var(super::ops::GEMV_SHAPES_VAR).ok();
         let gemv_shapes = super::ops::gemv_shapes_for((major, minor), gemv_form, tc_switch.as_deref(), shapes.as_deref())?;
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();

@@ -258,14 +258,14 @@ pub const TC_GEMV_SWITCH: &str = "NINFER_TC_GEMV";
 /// faster CUDA-core kernel of some shapes at M = 1 only.
 pub const BATCH_INVARIANT_SWITCH: &str = "NINFER_BATCH_INVARIANT";
 
-/// `gemv_form(cc)` when `NINFER_TC_GEMV` (value `switch`) and `NINFER_BATCH_INVARIANT` (value
-/// `invariant`) are unset or off; `TensorCores` when either is on (on sm_80+; below, the
-/// CUDA-core kernel is all there is), `Simt` when `NINFER_TC_GEMV` is off; a misspelt value is
-/// an error naming the variable. Read once per device (`CudaDevice::gemv_form`), so a
-/// sequence's projections never change form mid-run. `Simt` and `TensorCores` are batch
-/// invariant (one kernel per shape whatever M); `ByShape` is not.
-pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>, invariant: Option<&str>) -> Result<GemvForm> {
-    let invariant = crate::config::env_switch::parse_switch(BATCH_INVARIANT_SWITCH, invariant, false)?;
+/// `gemv_form(cc)` when `NINFER_TC_GEMV` (value `switch`) is unset and `invariant`
+/// (`NINFER_BATCH_INVARIANT`, parsed once by the device with its other switches) is off;
+/// `TensorCores` when either is on (on sm_80+; below, the CUDA-core kernel is all there is),
+/// `Simt` when `NINFER_TC_GEMV` is off; a misspelt value is an error naming the variable. Read
+/// once per device (`CudaDevice::gemv_form`), so a sequence's projections never change form
+/// mid-run. `Simt` and `TensorCores` are batch invariant (one kernel per shape whatever M);
+/// `ByShape` is not.
+pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>, invariant: bool) -> Result<GemvForm> {
     if switch.map(str::trim).is_none_or(str::is_empty) {
         return Ok(match gemv_form(cc) {
             GemvForm::ByShape if invariant => GemvForm::TensorCores,
@@ -661,21 +661,21 @@ mod tests {
 
     #[test]
     fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
-        assert_eq!(gemv_form_with_switch((9, 0), None, None).unwrap(), GemvForm::ByShape);
-        assert_eq!(gemv_form_with_switch((9, 0), Some(" "), Some("0")).unwrap(), GemvForm::ByShape);
-        assert_eq!(gemv_form_with_switch((7, 5), None, None).unwrap(), GemvForm::Simt);
-        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), None).unwrap(), GemvForm::Simt);
-        assert_eq!(gemv_form_with_switch((9, 0), Some("on"), None).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), None, false).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((9, 0), Some(" "), false).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((7, 5), None, false).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), false).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("on"), false).unwrap(), GemvForm::TensorCores);
         // On will not force the mma path onto a device without it.
-        assert_eq!(gemv_form_with_switch((7, 5), Some("1"), None).unwrap(), GemvForm::Simt);
-        let e = gemv_form_with_switch((9, 0), Some("tc"), None).unwrap_err().to_string();
+        assert_eq!(gemv_form_with_switch((7, 5), Some("1"), false).unwrap(), GemvForm::Simt);
+        let e = gemv_form_with_switch((9, 0), Some("tc"), false).unwrap_err().to_string();
         assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
         // Batch invariance: one kernel per shape for every M (tensor cores), whatever M; an
         // explicit NINFER_TC_GEMV is invariant already and wins; below sm_80 the SIMT form is.
-        assert_eq!(gemv_form_with_switch((9, 0), None, Some("1")).unwrap(), GemvForm::TensorCores);
-        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), Some("1")).unwrap(), GemvForm::Simt);
-        assert_eq!(gemv_form_with_switch((7, 5), None, Some("on")).unwrap(), GemvForm::Simt);
-        let e = gemv_form_with_switch((9, 0), None, Some("always")).unwrap_err().to_string();
+        assert_eq!(gemv_form_with_switch((9, 0), None, true).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), true).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((7, 5), None, true).unwrap(), GemvForm::Simt);
+        let e = crate::config::env_switch::parse_switch(BATCH_INVARIANT_SWITCH, Some("always"), false).unwrap_err().to_string();
         assert!(e.contains(BATCH_INVARIANT_SWITCH) && e.contains("always"), "{e}");
     }
 
