@@ -389,7 +389,7 @@ mod tests {
     fn decode_scratch_has_a_partial_per_split_and_a_counter_per_row() {
         let len = decode_scratch_len(3, &shape(32, 8, 128));
         assert_eq!(len, DecodeScratchLen { acc: 3 * 32 * 32 * 128, ml: 3 * 32 * 32 * 2, arrivals: 3 * 32 });
-        assert!(FIXED_BLOCK_SPLITS <= DECODE_MAX_SPLITS);
+        const { assert!(FIXED_BLOCK_SPLITS <= DECODE_MAX_SPLITS) };
         // Llama-3-8B groups of 4; Qwen3.5-27B groups of 6 take 2 heads a block; MHA 1; 16 -> 8.
         assert_eq!(decode_group(&shape(32, 8, 128)), 4);
         assert_eq!(decode_group(&shape(24, 4, 256)), 2);
