@@ -74,6 +74,8 @@ mod logits_round;
 mod decode_attention;
 #[path = "cuda_ops/gemv_qkv_rope.rs"]
 mod gemv_qkv_rope;
+#[path = "cuda_ops/gemv_chain.rs"]
+mod gemv_chain;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
