@@ -623,36 +623,30 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n, monkeypatc
         _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")
 
 
+def _assert_switch_changes_no_bit(decode_dir, monkeypatch, switch, graphs, n, what):
+    """Greedy decode of `n` prompts with environment switch `switch` on and off (CUDA graphs as
+    `graphs` says): the same logits bit for bit and the same tokens."""
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv(switch, "1")
+    on = _core.Model(str(decode_dir), device="cuda")
+    monkeypatch.setenv(switch, "0")
+    off = _core.Model(str(decode_dir), device="cuda")
+    prompts = _decode_prompts(decode_dir, n)
+    on_tokens, on_logits, on_graphs = on.decode_greedy(prompts, 16)
+    off_tokens, off_logits, off_graphs = off.decode_greedy(prompts, 16)
+    assert (on_graphs >= 1) == (graphs == "1") and (off_graphs >= 1) == (graphs == "1")
+    assert np.isfinite(on_logits).all()
+    _assert_bitwise(on_logits, off_logits, f"{decode_dir.name[:8]} n={n} graphs={graphs}: {what}")
+    assert on_tokens == off_tokens
+
+
 # Programmatic Dependent Launch (sm_90+, NINFER_PDL, default on) only changes when a kernel's
 # blocks are scheduled, never what they compute: decode logits with it on and off must be
 # identical bit for bit, in graphs (programmatic edges) and eagerly.
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
 def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, monkeypatch):
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    monkeypatch.setenv("NINFER_PDL", "1")
-    with_pdl = _core.Model(str(decode_dir), device="cuda")
-    monkeypatch.setenv("NINFER_PDL", "0")
-    without = _core.Model(str(decode_dir), device="cuda")
-    prompts = _decode_prompts(decode_dir, 3)
-    p_tokens, p_logits, p_graphs = with_pdl.decode_greedy(prompts, 16)
-    n_tokens, n_logits, n_graphs = without.decode_greedy(prompts, 16)
-    assert (p_graphs >= 1) == (graphs == "1") and (n_graphs >= 1) == (graphs == "1")
-    assert np.isfinite(p_logits).all()
-    _assert_bitwise(p_logits, n_logits, f"{decode_dir.name[:8]} graphs={graphs}: PDL on vs off")
-    assert p_tokens == n_tokens
-
-
-def test_a_misspelt_batch_invariant_switch_stops_the_load_naming_it(decode_dir, monkeypatch):
-    monkeypatch.setenv("NINFER_BATCH_INVARIANT", "mostly")
-    with pytest.raises(Exception, match="NINFER_BATCH_INVARIANT"):
-        _core.Model(str(decode_dir), device="cuda")
-
-
-def test_a_misspelt_pdl_switch_stops_the_load_naming_it(decode_dir, monkeypatch):
-    monkeypatch.setenv("NINFER_PDL", "sometimes")
-    with pytest.raises(Exception, match="NINFER_PDL"):
-        _core.Model(str(decode_dir), device="cuda")
+    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_PDL", graphs, 3, "PDL on vs off")
 
 
 # The output projections' residual add + RMSNorm fused into the decode GEMV (NINFER_FUSED_NORM,
@@ -662,18 +656,8 @@ def test_a_misspelt_pdl_switch_stops_the_load_naming_it(decode_dir, monkeypatch)
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
 def test_decode_with_fused_norm_equals_gemv_then_add_rmsnorm_bitwise(decode_dir, graphs, monkeypatch):
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    monkeypatch.setenv("NINFER_FUSED_NORM", "1")
-    fused = _core.Model(str(decode_dir), device="cuda")
-    monkeypatch.setenv("NINFER_FUSED_NORM", "0")
-    unfused = _core.Model(str(decode_dir), device="cuda")
-    prompts = _decode_prompts(decode_dir, 3)
-    f_tokens, f_logits, f_graphs = fused.decode_greedy(prompts, 16)
-    u_tokens, u_logits, u_graphs = unfused.decode_greedy(prompts, 16)
-    assert (f_graphs >= 1) == (graphs == "1") and (u_graphs >= 1) == (graphs == "1")
-    assert np.isfinite(f_logits).all()
-    _assert_bitwise(f_logits, u_logits, f"{decode_dir.name[:8]} graphs={graphs}: fused norm vs gemv + add_rmsnorm")
-    assert f_tokens == u_tokens
+    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_FUSED_NORM", graphs, 3,
+                                  "fused norm vs gemv + add_rmsnorm")
 
 
 # The batch-1 qkv projection with RoPE and the KV cache write in its epilogue (NINFER_FUSED_ROPE,
@@ -684,23 +668,15 @@ def test_decode_with_fused_norm_equals_gemv_then_add_rmsnorm_bitwise(decode_dir,
 @pytest.mark.parametrize("graphs", ["1", "0"])
 @pytest.mark.parametrize("n", [1, 3])
 def test_decode_with_fused_rope_equals_gemv_then_rope_kv_write_bitwise(decode_dir, graphs, n, monkeypatch):
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    monkeypatch.setenv("NINFER_FUSED_ROPE", "1")
-    fused = _core.Model(str(decode_dir), device="cuda")
-    monkeypatch.setenv("NINFER_FUSED_ROPE", "0")
-    unfused = _core.Model(str(decode_dir), device="cuda")
-    prompts = _decode_prompts(decode_dir, n)
-    f_tokens, f_logits, f_graphs = fused.decode_greedy(prompts, 16)
-    u_tokens, u_logits, u_graphs = unfused.decode_greedy(prompts, 16)
-    assert (f_graphs >= 1) == (graphs == "1") and (u_graphs >= 1) == (graphs == "1")
-    assert np.isfinite(f_logits).all()
-    _assert_bitwise(f_logits, u_logits, f"{decode_dir.name[:8]} n={n} graphs={graphs}: fused rope vs gemv + rope_kv_write")
-    assert f_tokens == u_tokens
+    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_FUSED_ROPE", graphs, n,
+                                  "fused rope vs gemv + rope_kv_write")
 
 
-def test_a_misspelt_fused_rope_switch_stops_the_load_naming_it(decode_dir, monkeypatch):
-    monkeypatch.setenv("NINFER_FUSED_ROPE", "perhaps")
-    with pytest.raises(Exception, match="NINFER_FUSED_ROPE"):
+@pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
+                                           ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0")])
+def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
+    monkeypatch.setenv(switch, value)
+    with pytest.raises(Exception, match=switch):
         _core.Model(str(decode_dir), device="cuda")
 
 
