@@ -51,7 +51,7 @@ pub struct CudaDevice {
     /// prefetch never changes a value, so launches with different depths agree bit for bit.
     tc_prefetch_steps: AtomicU32,
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
-    cc_prefetch: super::ops::CcPrefetch,
+    cc_prefetch: super::ops::CcPrefetchPlan,
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -168,8 +168,8 @@ impl CudaDevice {
     }
 
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`).
-    pub fn cc_prefetch(&self) -> super::ops::CcPrefetch {
-        self.cc_prefetch
+    pub fn cc_prefetch(&self) -> &super::ops::CcPrefetchPlan {
+        &self.cc_prefetch
     }
 
     /// Fewest keys a warp of the scaled decode attention walks at every context

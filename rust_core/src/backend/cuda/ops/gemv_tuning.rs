@@ -36,10 +36,16 @@ pub const TC_PREFETCH_MAX_STEPS: u32 = 512;
 /// The CUDA-core GEMV's L2 prefetch before its PDL wait: `N` weight vectors (16 bytes) per lane
 /// for every weight, or `NMB`, a budget of N MiB per launch spread over the weight's rows (a
 /// weight of R rows prefetches budget / (R x 512 bytes) vectors per lane, at most its whole
-/// rows). A tuning tool: the idea was that a prefetch pays off while the kernels before the GEMV
-/// (attention, the norms) leave the memory idle, as far as L2 keeps the lines until the GEMV
-/// reads them (a fixed depth prefetches ~8 MB of Llama-3-8B's o_proj but ~60 MB of its
-/// gate_up); measured, none at all decodes fastest (CC_PREFETCH_DEFAULT).
+/// rows); or per weight shape, `ROWSxK=SETTING` entries separated by commas (ROWS x K as in
+/// `NINFER_GEMV_SHAPES`: the fused gate_up weight's 2 * inter rows) and `*=SETTING` for the
+/// shapes no entry names (none without it). A tuning tool: the idea was that a prefetch pays
+/// off while the kernels before the GEMV (attention, the norms) leave the memory idle, as far as
+/// L2 keeps the lines until the GEMV reads them (a fixed depth prefetches ~8 MB of Llama-3-8B's
+/// o_proj but ~60 MB of its gate_up); measured for every weight at once, none at all decodes
+/// fastest (CC_PREFETCH_DEFAULT). Per shape, because the window differs: a GEMV after a norm
+/// (qkv, gate_up) is launched when the norm has passed its own wait, so its prefetch runs during
+/// the norm's few microseconds, while the down projection is launched when gate_up's last block
+/// starts, tens of microseconds and ~100 MB of gate_up's stream before its lines are read.
 pub const CC_PREFETCH_VAR: &str = "NINFER_CC_PREFETCH";
 
 /// The CUDA-core GEMV's prefetch (`NINFER_CC_PREFETCH`).
@@ -74,18 +80,77 @@ impl CcPrefetch {
     }
 }
 
-/// `value` of `NINFER_CC_PREFETCH`: the default when unset or blank, `N` (0..=4096 vectors per
-/// lane) or `NMB` (0..=1024 MiB a launch); an error naming the variable and the value otherwise.
-pub fn parse_cc_prefetch(value: Option<&str>) -> Result<CcPrefetch> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(CC_PREFETCH_DEFAULT) };
-    let lower = v.to_ascii_lowercase();
-    let parsed = match lower.strip_suffix("mb") {
+/// The CUDA-core GEMV's prefetch per weight shape (`NINFER_CC_PREFETCH`): `default` for every
+/// shape `shapes` does not name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CcPrefetchPlan {
+    shapes: Vec<((usize, usize), CcPrefetch)>,
+    default: CcPrefetch,
+}
+
+impl CcPrefetchPlan {
+    /// One setting for every shape.
+    pub fn uniform(setting: CcPrefetch) -> Self {
+        CcPrefetchPlan { shapes: Vec::new(), default: setting }
+    }
+
+    /// Vectors per lane to prefetch for a weight of `rows` x `k`: its entry's, else the default's.
+    pub fn vectors(&self, rows: usize, k: usize) -> u32 {
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map_or(self.default, |(_, p)| *p).vectors(rows, k)
+    }
+}
+
+/// One setting of `NINFER_CC_PREFETCH`: `N` vectors per lane (0..=4096) or `NMB` (0..=1024 MiB).
+fn parse_cc_setting(v: &str) -> Option<CcPrefetch> {
+    let lower = v.trim().to_ascii_lowercase();
+    match lower.strip_suffix("mb") {
         Some(mb) => mb.trim().parse::<u64>().ok().filter(|&m| m <= 1024).map(|m| CcPrefetch::Budget(m << 20)),
         None => lower.parse::<u32>().ok().filter(|&n| n <= 4096).map(CcPrefetch::Vectors),
+    }
+}
+
+/// `ROWSxK` with positive integers (the shape keys of `NINFER_GEMV_SHAPES` and
+/// `NINFER_CC_PREFETCH`).
+fn parse_shape_key(shape: &str) -> Option<(usize, usize)> {
+    let (r, k) = shape.trim().split_once(['x', 'X'])?;
+    Some((r.trim().parse::<usize>().ok()?, k.trim().parse::<usize>().ok()?)).filter(|&(r, k)| r > 0 && k > 0)
+}
+
+/// `value` of `NINFER_CC_PREFETCH`: the default when unset or blank; one setting for every
+/// shape (`N` vectors per lane, 0..=4096, or `NMB`, 0..=1024 MiB a launch); or
+/// `ROWSxK=SETTING` entries and at most one `*=SETTING`, separated by commas. Anything else
+/// (a bad setting or shape, a shape or `*` given twice) is an error naming the variable and the
+/// offending text.
+pub fn parse_cc_prefetch(value: Option<&str>) -> Result<CcPrefetchPlan> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(CcPrefetchPlan::uniform(CC_PREFETCH_DEFAULT)) };
+    let bad = |what: String| NinferError::config(CC_PREFETCH_VAR, format!("{what} in {v:?}"));
+    let setting = |text: &str| {
+        parse_cc_setting(text).ok_or_else(|| bad(format!("expected vectors per lane (0..=4096) or a budget such as 16MB (0..=1024 MB), got {:?}", text.trim())))
     };
-    parsed.ok_or_else(|| {
-        NinferError::config(CC_PREFETCH_VAR, format!("expected vectors per lane (0..=4096) or a budget such as 16MB (0..=1024 MB), got {v:?}"))
-    })
+    if !v.contains('=') {
+        return setting(v).map(CcPrefetchPlan::uniform);
+    }
+    let mut plan = CcPrefetchPlan::uniform(CcPrefetch::Vectors(0));
+    let mut star = false;
+    for entry in v.split(',').map(str::trim) {
+        let Some((shape, value)) = entry.split_once('=') else {
+            return Err(bad(format!("entry {entry:?} is not ROWSxK=SETTING or *=SETTING")));
+        };
+        let p = setting(value)?;
+        if shape.trim() == "*" {
+            if std::mem::replace(&mut star, true) {
+                return Err(bad("* given twice".into()));
+            }
+            plan.default = p;
+            continue;
+        }
+        let key = parse_shape_key(shape).ok_or_else(|| bad(format!("shape {:?} is not ROWSxK with positive integers", shape.trim())))?;
+        if plan.shapes.iter().any(|(s, _)| *s == key) {
+            return Err(bad(format!("shape {}x{} given twice", key.0, key.1)));
+        }
+        plan.shapes.push((key, p));
+    }
+    Ok(plan)
 }
 
 /// Which kernel a weight shape's decode GEMV runs.
@@ -161,8 +226,7 @@ pub fn parse_gemv_shapes(value: Option<&str>) -> Result<Option<GemvShapeOverride
             }
             continue;
         }
-        let dims = shape.split_once(['x', 'X']).and_then(|(r, k)| Some((r.trim().parse::<usize>().ok()?, k.trim().parse::<usize>().ok()?)));
-        let Some((rows, k)) = dims.filter(|&(r, k)| r > 0 && k > 0) else {
+        let Some((rows, k)) = parse_shape_key(shape) else {
             return Err(bad(format!("shape {shape:?} is not ROWSxK with positive integers")));
         };
         if out.shapes.iter().any(|(s, _)| *s == (rows, k)) {
@@ -217,11 +281,12 @@ mod tests {
 
     #[test]
     fn cc_prefetch_parses_vectors_or_a_budget_and_caps_at_the_row() {
-        assert_eq!(parse_cc_prefetch(None).unwrap(), CC_PREFETCH_DEFAULT);
-        assert_eq!(parse_cc_prefetch(Some(" ")).unwrap(), CC_PREFETCH_DEFAULT);
-        assert_eq!(parse_cc_prefetch(Some("8")).unwrap(), CcPrefetch::Vectors(8));
-        assert_eq!(parse_cc_prefetch(Some("16MB")).unwrap(), CcPrefetch::Budget(16 << 20));
-        assert_eq!(parse_cc_prefetch(Some("24 mb")).unwrap(), CcPrefetch::Budget(24 << 20));
+        let uniform = CcPrefetchPlan::uniform;
+        assert_eq!(parse_cc_prefetch(None).unwrap(), uniform(CC_PREFETCH_DEFAULT));
+        assert_eq!(parse_cc_prefetch(Some(" ")).unwrap(), uniform(CC_PREFETCH_DEFAULT));
+        assert_eq!(parse_cc_prefetch(Some("8")).unwrap(), uniform(CcPrefetch::Vectors(8)));
+        assert_eq!(parse_cc_prefetch(Some("16MB")).unwrap(), uniform(CcPrefetch::Budget(16 << 20)));
+        assert_eq!(parse_cc_prefetch(Some("24 mb")).unwrap(), uniform(CcPrefetch::Budget(24 << 20)));
         for bad in ["-1", "x", "4097", "2000MB", "MB", "1.5"] {
             let e = parse_cc_prefetch(Some(bad)).unwrap_err().to_string();
             assert!(e.contains(CC_PREFETCH_VAR) && e.contains(bad.trim()), "{bad}: {e}");
@@ -235,6 +300,21 @@ mod tests {
         assert_eq!(CcPrefetch::Vectors(64).vectors(4096, 4096), 16);
         assert_eq!(CcPrefetch::Vectors(4).vectors(4096, 4096), 4);
         assert_eq!(CcPrefetch::Vectors(4).vectors(10, 8), 1);
+    }
+
+    #[test]
+    fn cc_prefetch_per_shape_names_weights_and_defaults_the_rest() {
+        // Llama-3-8B: the qkv and gate_up GEMVs (launched after a norm) prefetch, the others not.
+        let plan = parse_cc_prefetch(Some(" 6144x4096=4, 28672X4096 = 16MB ")).unwrap();
+        assert_eq!(plan.vectors(6144, 4096), 4);
+        assert_eq!(plan.vectors(28672, 4096), 1);
+        assert_eq!((plan.vectors(4096, 4096), plan.vectors(4096, 14336), plan.vectors(128256, 4096)), (0, 0, 0));
+        let starred = parse_cc_prefetch(Some("4096x14336=0,*=2")).unwrap();
+        assert_eq!((starred.vectors(4096, 14336), starred.vectors(4096, 4096), starred.vectors(6144, 4096)), (0, 2, 2));
+        for bad in ["6144x4096=4,6144x4096=2", "*=1,*=2", "6144x4096", "6144x4096=x", "0x4096=1", "6144=1", "a=1,6144x4096=1", "6144x4096=5000"] {
+            let e = parse_cc_prefetch(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(CC_PREFETCH_VAR) && e.contains(bad), "{bad}: {e}");
+        }
     }
 
     fn tc(warps: usize, unroll: usize, hold: bool) -> GemvKernel {
