@@ -42,10 +42,11 @@ pub const TC_PREFETCH_MAX_STEPS: u32 = 512;
 /// off while the kernels before the GEMV (attention, the norms) leave the memory idle, as far as
 /// L2 keeps the lines until the GEMV reads them (a fixed depth prefetches ~8 MB of Llama-3-8B's
 /// o_proj but ~60 MB of its gate_up); measured for every weight at once, none at all decodes
-/// fastest (CC_PREFETCH_DEFAULT). Per shape, because the window differs: a GEMV after a norm
-/// (qkv, gate_up) is launched when the norm has passed its own wait, so its prefetch runs during
-/// the norm's few microseconds, while the down projection is launched when gate_up's last block
-/// starts, tens of microseconds and ~100 MB of gate_up's stream before its lines are read.
+/// fastest (CC_PREFETCH_DEFAULT). Per shape, because the window differs: a kernel lets its
+/// dependent launch right after its own PDL wait, so a GEMV after a norm (qkv, gate_up, the
+/// lm_head) or after the decode attention (o) prefetches during that kernel's few microseconds,
+/// while the down projection is launched when gate_up's last block starts, tens of microseconds
+/// and ~100 MB of gate_up's stream before its lines are read (L2 is 50 MB on an H200).
 pub const CC_PREFETCH_VAR: &str = "NINFER_CC_PREFETCH";
 
 /// The CUDA-core GEMV's prefetch (`NINFER_CC_PREFETCH`).
