@@ -70,7 +70,8 @@ run_variant() {
     local log="$logdir/variant_${n}_${name}.log"
     # Every tuning variable unset unless the variant sets it: the parent's must not leak in.
     # shellcheck disable=SC2086
-    env -u NINFER_TC_GEMV -u NINFER_GEMV_SHAPES -u NINFER_TC_PREFETCH_STEPS "$@" \
+    env -u NINFER_TC_GEMV -u NINFER_GEMV_SHAPES -u NINFER_TC_PREFETCH_STEPS -u NINFER_CC_PREFETCH \
+        -u NINFER_DA_MIN_WARP_KEYS -u NINFER_FUSED_ROPE -u NINFER_FUSED_NORM "$@" \
         python3 "$bench" --out "$logdir/variant_${n}_${name}.json" --commit "$name" --decode-8b \
         --skip-peer --keep-checkpoints --workdir "$workdir" ${BENCH_ARGS:-} < /dev/null > "$log" 2>&1
     local rc=$? out line tok load frac
@@ -87,12 +88,15 @@ run_variant() {
     echo "$out" | tee -a "$summary"
 }
 
+# No globbing while a variant's settings are split into words (`*=4` is a setting, not a pattern).
+set -f
 for pass in $(seq 1 "$repeat"); do
     while read -r name settings; do
         # shellcheck disable=SC2086
         run_variant "$name" $settings
     done <<<"$variants"
 done
+set +f
 
 # The winners together: python reads the VARIANT lines and prints the combined settings (or
 # nothing when no variant beat the default by more than the noise).
