@@ -172,7 +172,13 @@ class Bench:
             raise RuntimeError(problem)
         log(f"writing the random {model} checkpoint ({s['layers']} layers) to {path}")
         t = time.perf_counter()
-        write_checkpoint(self, s, path)
+        try:
+            write_checkpoint(self, s, path)
+        except BaseException:
+            # A half-written checkpoint (tens of GB for the 27B) must not stay behind to fill the
+            # disk for the parts and runs after this one.
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
         log(f"checkpoint written: {gb:.1f} GB in {time.perf_counter() - t:.1f} s")
         return path

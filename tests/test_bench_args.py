@@ -83,3 +83,28 @@ def test_a_checkpoint_that_would_not_fit_is_refused_naming_the_kept_ones(tmp_pat
     assert bench.room_for_checkpoint(target, 16_000_000_000) is None
     assert bench.room_for_checkpoint(tmp_path / "new" / "deeper" / "llama-3-8b-32l", 16_000_000_000) is None
     assert bench.room_for_checkpoint(target, 16_500_000_000) is not None
+
+
+def test_a_checkpoint_write_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A write that fails midway (here the second shard: the disk filling up) removes the
+    half-written checkpoint and re-raises, so its gigabytes do not starve later parts; a
+    complete one is reused on the next call."""
+    import safetensors.torch as st
+
+    bench = _load("gpu_bench")
+    b = bench.Bench(bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--workdir", str(tmp_path / "w")]))
+    real_save, calls = st.save_file, []
+
+    def failing_save(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(st, "save_file", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        b.checkpoint("llama-3-8b")
+    assert len(calls) == 2 and not (tmp_path / "w" / "llama-3-8b-2l").exists()
+    monkeypatch.setattr(st, "save_file", real_save)
+    path = b.checkpoint("llama-3-8b")
+    assert (path / "config.json").exists() and b.checkpoint("llama-3-8b") == path
