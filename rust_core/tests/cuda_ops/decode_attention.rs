@@ -21,11 +21,6 @@ const CONTEXTS: [usize; 8] = [1, 7, 256, 512, 513, 1000, 4096, 8191];
 /// Two batches of 5 tokens of different contexts (indices into CONTEXTS; a sequence each).
 const BATCHES: [[usize; 5]; 2] = [[6, 0, 3, 7, 2], [1, 5, 4, 7, 6]];
 
-/// (q heads, kv heads, head dim), one per lane layout of decode_attention.cu (elements a lane x
-/// keys a warp load x loads an iteration): Llama-3-8B (4 heads a block; 8 x 2 x 2), Qwen3.5-27B
-/// attention (groups of 6: 2 heads a block; 8 x 1 x 4), groups of 8 at d 64 (4 x 2 x 2), d 128
-/// (4 x 1 x 2) and d 256 (8 x 1 x 2), MHA at d 96 (3 x 1 x 4), a group of 3 at d 128 (1 head a
-/// block; 8 x 2 x 4), a group of 4 at d 64 (8 x 4 x 2).
 /// The attention shape of `case` (a paged_case) for hq q heads: scale 1 / sqrt(d), the case's
 /// block count and table width.
 fn case_shape(hq: usize, hk: usize, d: usize, bs: usize, case: &super::PagedCase) -> PagedAttentionShape {
@@ -52,6 +47,11 @@ enum Form {
     Chosen,
 }
 
+/// (q heads, kv heads, head dim), one per lane layout of decode_attention.cu (elements a lane x
+/// keys a warp load x loads an iteration): Llama-3-8B (4 heads a block; 8 x 2 x 2), Qwen3.5-27B
+/// attention (groups of 6: 2 heads a block; 8 x 1 x 4), groups of 8 at d 64 (4 x 2 x 2), d 128
+/// (4 x 1 x 2) and d 256 (8 x 1 x 2), MHA at d 96 (3 x 1 x 4), a group of 3 at d 128 (1 head a
+/// block; 8 x 2 x 4), a group of 4 at d 64 (8 x 4 x 2).
 const SHAPES: [(usize, usize, usize); 8] = [(32, 8, 128), (24, 4, 256), (16, 2, 64), (16, 2, 128), (8, 1, 256), (4, 4, 96), (6, 2, 128), (8, 2, 64)];
 
 #[test]
