@@ -30,6 +30,33 @@ __device__ __forceinline__ store_t from_f32(float f) {
 }
 #endif
 
+// Shared-memory addresses and cp.async (sm_80+), one definition for every kernel family that
+// stages tiles (flash_attention.cu's K/V tiles, gdn_chunked.cu's chunk operands): global memory
+// copied into shared memory without passing through registers, many 16-byte loads in flight.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits for this thread's cp.async groups; the memory clobber keeps shared-memory reads after it.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Waits until at most N of this thread's newest cp.async groups are still in flight (the older
+// ones have landed); the memory clobber keeps shared-memory reads after it.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif
+
 #define NEG_INF __int_as_float(0xff800000)
 
 // Eight storage elements in one 16-byte load or store.

@@ -41,12 +41,6 @@
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // c += a (16x16, row) * b (16x8, col), storage-type operands, f32 accumulate (S = Q K^T).
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 #if defined(NINFER_STORAGE_F16)
@@ -116,15 +110,6 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 __device__ __forceinline__ unsigned ld32(const store_t* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
-
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-// Waits for this thread's cp.async groups; the memory clobber keeps shared-memory reads after it.
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // Element offset in the cache of key j's row for kv head kvh, column c.
 __device__ __forceinline__ long long kv_offset(const int* table, int j, int block_size, int n_kv_heads,

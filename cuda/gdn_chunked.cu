@@ -524,24 +524,19 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
 #ifdef CH_TENSOR_CORES
 #define CHP_ROWS (CH_C / CH_WARPS)  // token rows of u and o per warp
 
-__device__ __forceinline__ unsigned ch_smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
 // 16 bytes global -> shared, asynchronously; !valid writes 16 zero bytes and reads nothing
-// (padding rows past a sequence's end).
+// (padding rows past a sequence's end). (common.cuh has the unconditional copy and the group
+// helpers.)
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(ch_smem_u32(dst)), "l"(src),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
                  "r"(valid ? 16 : 0)
                  : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are pending, then makes the whole
 // warp's copies visible to the warp.
 template <int N>
 __device__ __forceinline__ void cp_async_wait_warp() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+    cp_async_wait_group<N>();
     __syncwarp();
 }
 // tf32 operand bits: f32 rounded once; storage values (bf16 / f16) are exact in tf32.

@@ -165,7 +165,10 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     // ops/gemv_tuning.rs) can be fetched into L2 before waiting for the kernel that wrote x.
     // Measured in the model, none decodes fastest (the default 0): the early lines slow the
     // kernels still running more than they save. The loop below is unchanged (a register
-    // preload that split it measured ~3% slower).
+    // preload that split it measured ~3% slower). Copying the first vectors into shared memory
+    // with cp.async before the wait did not help either (branch ccstage, docs/performance.md
+    // session 9): kept in flight through the whole row it decodes as fast as this loop, as a
+    // prologue before this loop ~14% slower.
 #pragma unroll 4
     for (int p = 0; p < prefetch; ++p) {
         const int i = lane + 32 * p;
