@@ -154,7 +154,8 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           int n_out, int k, int prefetch, int round_out = 0,
                                           const gemv_qkv_rope& qr = gemv_qkv_rope{}) {
     const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
+    // Warps a block: the launcher's (NINFER_CC_WARPS, at most GEMV_WARPS).
+    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
     const vec8* wrow[C];
 #pragma unroll

@@ -11,7 +11,7 @@
 //! without a rebuild. A shape the override names runs that kernel at every M (batch invariant
 //! for that shape), and a prefetch never changes a value.
 
-use super::gemv::{GemvForm, GemvTcConfig};
+use super::gemv::{GemvForm, GemvTcConfig, GEMV_WARPS};
 use crate::{NinferError, Result};
 
 /// The per-shape override: `ROWSxK=KERNEL` entries separated by commas, where ROWS x K is the
@@ -245,6 +245,17 @@ pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
     v.parse::<u32>().ok().filter(|&s| s <= TC_PREFETCH_MAX_STEPS).ok_or_else(|| {
         NinferError::config(TC_PREFETCH_VAR, format!("expected an integer of 0..={TC_PREFETCH_MAX_STEPS}, got {v:?}"))
     })
+}
+
+/// Warps a block of the CUDA-core GEMV (gemv.cu, one output column a warp at M = 1): 2, 4 or 8
+/// (GEMV_WARPS, the default). A tuning tool: a block's slot frees only when its slowest warp is
+/// done, so smaller blocks let the scheduler fill an SM at a finer grain at a kernel's tail.
+pub const CC_WARPS_VAR: &str = "NINFER_CC_WARPS";
+
+/// `value` of `NINFER_CC_WARPS`: 8 when unset or blank, else 2, 4 or 8.
+pub fn parse_cc_warps(value: Option<&str>) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(GEMV_WARPS) };
+    v.parse::<usize>().ok().filter(|w| [2, 4, GEMV_WARPS].contains(w)).ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
 }
 
 /// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
