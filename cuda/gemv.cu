@@ -1,8 +1,9 @@
 // Decode GEMV: y[M, N] = x[M, K] * W[N, K]^T for small M (1..8 rows of activations).
 // Decode is bound by reading the weights, so every weight byte is read exactly once, with
 // 16-byte loads coalesced across the warp: one warp owns C output columns (rows of W),
-// the block holds GEMV_WARPS such warps, and each lane keeps M f32 partial sums that a warp
-// reduction combines. x is small and served from L1/L2. K must be a multiple of 8.
+// the block holds up to GEMV_WARPS such warps (the launcher's NINFER_CC_WARPS), and each lane
+// keeps M f32 partial sums that a warp reduction combines. x is small and served from L1/L2.
+// K must be a multiple of 8.
 // The route on sm_7x; sm_80+ runs the tensor-core GEMV (gemv_tc.cu, `gemv_form` in ops/gemv.rs),
 // which keeps every M of 1..8 bound by the weight stream.
 #include "common.cuh"

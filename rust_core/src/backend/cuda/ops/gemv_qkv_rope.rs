@@ -127,7 +127,7 @@ impl CudaDevice {
             KArg::I32(as_i32("head_dim", l.head_dim)? / 2),
             KArg::F32(shape.attn_scale),
         ];
-        // A warp per pair, GEMV_WARPS warps a block, as gemv_m1 has a warp per row.
+        // A warp per pair, the device's CUDA-core GEMV warps a block, as gemv_m1 has a warp per row.
         let warps = self.cc_warps();
         let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps))? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, (warps * 32) as u32), name, &args)
