@@ -1,8 +1,9 @@
 // Decode GEMV: y[M, N] = x[M, K] * W[N, K]^T for small M (1..8 rows of activations).
 // Decode is bound by reading the weights, so every weight byte is read exactly once, with
 // 16-byte loads coalesced across the warp: one warp owns C output columns (rows of W),
-// the block holds GEMV_WARPS such warps, and each lane keeps M f32 partial sums that a warp
-// reduction combines. x is small and served from L1/L2. K must be a multiple of 8.
+// the block holds up to GEMV_WARPS such warps (the launcher's NINFER_CC_WARPS), and each lane
+// keeps M f32 partial sums that a warp reduction combines. x is small and served from L1/L2.
+// K must be a multiple of 8.
 // The route on sm_7x; sm_80+ runs the tensor-core GEMV (gemv_tc.cu, `gemv_form` in ops/gemv.rs),
 // which keeps every M of 1..8 bound by the weight stream.
 #include "common.cuh"
@@ -154,7 +155,8 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           int n_out, int k, int prefetch, int round_out = 0,
                                           const gemv_qkv_rope& qr = gemv_qkv_rope{}) {
     const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
+    // Warps a block: the launcher's (NINFER_CC_WARPS, at most GEMV_WARPS).
+    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
     const vec8* wrow[C];
 #pragma unroll

@@ -623,13 +623,13 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n, monkeypatc
         _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")
 
 
-def _assert_switch_changes_no_bit(decode_dir, monkeypatch, switch, graphs, n, what):
-    """Greedy decode of `n` prompts with environment switch `switch` on and off (CUDA graphs as
-    `graphs` says): the same logits bit for bit and the same tokens."""
+def _assert_switch_changes_no_bit(decode_dir, monkeypatch, switch, graphs, n, what, on="1", off="0"):
+    """Greedy decode of `n` prompts with environment switch `switch` set to `on` and to `off`
+    (CUDA graphs as `graphs` says): the same logits bit for bit and the same tokens."""
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    monkeypatch.setenv(switch, "1")
+    monkeypatch.setenv(switch, on)
     on = _core.Model(str(decode_dir), device="cuda")
-    monkeypatch.setenv(switch, "0")
+    monkeypatch.setenv(switch, off)
     off = _core.Model(str(decode_dir), device="cuda")
     prompts = _decode_prompts(decode_dir, n)
     on_tokens, on_logits, on_graphs = on.decode_greedy(prompts, 16)
@@ -672,8 +672,20 @@ def test_decode_with_fused_rope_equals_gemv_then_rope_kv_write_bitwise(decode_di
                                   "fused rope vs gemv + rope_kv_write")
 
 
+# Warps a block of the CUDA-core GEMV (NINFER_CC_WARPS, a tuning setting: 2 against the default
+# 8) only changes how rows are grouped into blocks: the same bits, at batch 1 (every projection
+# on CUDA cores, the fused RoPE one included) and 3, in graphs and eagerly.
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_with_2_warp_gemv_blocks_equals_8_warp_blocks_bitwise(decode_dir, graphs, n, monkeypatch):
+    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_CC_WARPS", graphs, n,
+                                  "2 vs 8 warps a CUDA-core GEMV block", on="2", off="8")
+
+
 @pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
-                                           ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0")])
+                                           ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
+                                           ("NINFER_CC_WARPS", "3")])
 def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
     monkeypatch.setenv(switch, value)
     with pytest.raises(Exception, match=switch):

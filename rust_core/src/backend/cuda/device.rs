@@ -52,6 +52,8 @@ pub struct CudaDevice {
     tc_prefetch_steps: AtomicU32,
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
     cc_prefetch: super::ops::CcPrefetchPlan,
+    /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`, default 8); read once.
+    cc_warps: usize,
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -101,6 +103,7 @@ impl CudaDevice {
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
+        let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
@@ -120,6 +123,7 @@ impl CudaDevice {
             gemv_shapes,
             tc_prefetch_steps,
             cc_prefetch,
+            cc_warps,
             da_min_warp_keys,
             batch_invariant,
         })
@@ -191,6 +195,11 @@ impl CudaDevice {
         let steps = super::ops::parse_tc_prefetch_steps(Some(&steps.to_string()))?;
         self.tc_prefetch_steps.store(steps, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`).
+    pub fn cc_warps(&self) -> usize {
+        self.cc_warps
     }
 
     /// Storage type of activations and weights on this device.

@@ -344,9 +344,9 @@ impl GemvOut {
         }
     }
 
-    /// Output columns one block covers for `m` rows.
-    fn cols_per_block(self, m: usize) -> usize {
-        GEMV_WARPS
+    /// Output columns one block of `warps` warps covers for `m` rows.
+    fn cols_per_block(self, m: usize, warps: usize) -> usize {
+        warps
             * match self {
                 GemvOut::Store | GemvOut::F32(_) => cols_per_warp(m),
                 GemvOut::SwiGlu => pairs_per_warp(m),
@@ -419,7 +419,7 @@ impl CudaDevice {
             let yr = y + (row * n) as u64 * out.elem_bytes();
             match self.gemv_kernel(form, out.weight_rows(n), k, mm) {
                 GemvKernel::CudaCores => {
-                    let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm)))? as u32, 1, 1);
+                    let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm, self.cc_warps())))? as u32, 1, 1);
                     let name = out.name(mm);
                     let f = self.function(KernelFamily::Gemv, name)?;
                     let args = [
@@ -431,7 +431,7 @@ impl CudaDevice {
                         KArg::I32(self.cc_prefetch().vectors(out.weight_rows(n), k) as i32),
                         KArg::I32(out.round_arg()),
                     ];
-                    self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args[..out.args(6)])?;
+                    self.launch_pdl(&f, cfg(grid, (self.cc_warps() * 32) as u32), name, &args[..out.args(6)])?;
                 }
                 // One instance per weight shape, whatever M.
                 GemvKernel::TensorCores(c) => {

@@ -10,7 +10,6 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv::GEMV_WARPS;
 use super::gemv_tuning::GemvKernel;
 use super::rope_kv::{check_kv_caches, RopeKvShape};
 use super::{as_i32, cfg, check_len, KArg};
@@ -128,9 +127,10 @@ impl CudaDevice {
             KArg::I32(as_i32("head_dim", l.head_dim)? / 2),
             KArg::F32(shape.attn_scale),
         ];
-        // A warp per pair, GEMV_WARPS warps a block, as gemv_m1 has a warp per row.
-        let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(GEMV_WARPS))? as u32, 1, 1);
-        self.launch_pdl(&f, cfg(grid, (GEMV_WARPS * 32) as u32), name, &args)
+        // A warp per pair, the device's CUDA-core GEMV warps a block, as gemv_m1 has a warp per row.
+        let warps = self.cc_warps();
+        let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps))? as u32, 1, 1);
+        self.launch_pdl(&f, cfg(grid, (warps * 32) as u32), name, &args)
     }
 }
 

@@ -11,7 +11,7 @@
 //! without a rebuild. A shape the override names runs that kernel at every M (batch invariant
 //! for that shape), and a prefetch never changes a value.
 
-use super::gemv::{GemvForm, GemvTcConfig};
+use super::gemv::{GemvForm, GemvTcConfig, GEMV_WARPS};
 use crate::{NinferError, Result};
 
 /// The per-shape override: `ROWSxK=KERNEL` entries separated by commas, where ROWS x K is the
@@ -247,6 +247,21 @@ pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
     })
 }
 
+/// Warps a block of the CUDA-core GEMV (gemv.cu, one output column a warp at M = 1; the fused
+/// RoPE epilogue's pairs too): 2, 4 or 8 (GEMV_WARPS, the default). A tuning tool: a block's slot
+/// frees only when its slowest warp is done, so smaller blocks let the scheduler fill an SM at a
+/// finer grain at a kernel's tail. Never changes a value (a warp's sums do not depend on its
+/// block). Measured on the H200 (report_gemv_chain, benches/results/gemv_chain_ccwarps_2c4d4fb.log:
+/// the 8B decoder's GEMVs chained over 32 layers): 3.688 / 3.679 ms with 8 warps, 3.657 with 4,
+/// 3.645 with 2 (-1%); not yet measured in the model, so the default stays 8.
+pub const CC_WARPS_VAR: &str = "NINFER_CC_WARPS";
+
+/// `value` of `NINFER_CC_WARPS`: 8 when unset or blank, else 2, 4 or 8.
+pub fn parse_cc_warps(value: Option<&str>) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(GEMV_WARPS) };
+    v.parse::<usize>().ok().filter(|w| [2, 4, GEMV_WARPS].contains(w)).ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
+}
+
 /// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
 /// the variable's value `shapes`: it applies to `GemvForm::ByShape` only (at every M); with
 /// `NINFER_TC_GEMV` or `NINFER_BATCH_INVARIANT` set, which put every shape on one kernel, it would be silently ignored, so that is an error
@@ -374,6 +389,19 @@ mod tests {
         for v in ["513", "-1", "16k", "1e2", "sixteen"] {
             let e = parse_tc_prefetch_steps(Some(v)).unwrap_err().to_string();
             assert!(e.contains(TC_PREFETCH_VAR) && e.contains(v) && e.contains("0..=512"), "{v}: {e}");
+        }
+    }
+
+    #[test]
+    fn cc_warps_default_to_gemv_warps_and_take_2_4_or_8() {
+        assert_eq!(parse_cc_warps(None).unwrap(), GEMV_WARPS);
+        assert_eq!(parse_cc_warps(Some(" ")).unwrap(), GEMV_WARPS);
+        for (v, want) in [("2", 2), (" 4 ", 4), ("8", 8)] {
+            assert_eq!(parse_cc_warps(Some(v)).unwrap(), want, "{v}");
+        }
+        for v in ["0", "1", "3", "16", "-2", "four"] {
+            let e = parse_cc_warps(Some(v)).unwrap_err().to_string();
+            assert!(e.contains(CC_WARPS_VAR) && e.contains(v) && e.contains("2, 4 or 8"), "{v}: {e}");
         }
     }
 
