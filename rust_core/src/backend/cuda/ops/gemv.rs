@@ -9,7 +9,8 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
-/// Output columns per block (warps per block in gemv.cu).
+/// Warps a block of the CUDA-core GEMV (gemv.cu's GEMV_WARPS, its launch bound): the default
+/// and the most `NINFER_CC_WARPS` may set.
 pub(super) const GEMV_WARPS: usize = 8;
 /// Largest M one launch handles; larger M is split into launches of this many rows.
 pub const GEMV_MAX_M: usize = 8;

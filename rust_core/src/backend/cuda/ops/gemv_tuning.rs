@@ -1,7 +1,7 @@
 //! Tuning overrides of the decode GEMV, read from the environment once per device: the per-shape
 //! kernel (`NINFER_GEMV_SHAPES`, in place of `GEMV_TC_RULES`) and the L2 prefetch depth before
 //! the PDL wait of the tensor-core GEMV (`NINFER_TC_PREFETCH_STEPS`) and of the CUDA-core one
-//! (`NINFER_CC_PREFETCH`).
+//! (`NINFER_CC_PREFETCH`), and the CUDA-core GEMV's warps a block (`NINFER_CC_WARPS`).
 //!
 //! Why: the per-shape table was filled from an isolated, cold-L2 sweep, and in the model the
 //! choice it made decoded slower than CUDA cores everywhere (docs/performance.md "The decode GEMV
