@@ -4,7 +4,9 @@
 //! before), against a device-to-device copy and against one GEMV streaming 1 GiB. The gap
 //! between the chain's rate and the single launch's, spread over the chain's launches, is
 //! what each kernel boundary costs; no attention, norms or host work, so it bounds what
-//! removing boundaries (fusion, a persistent kernel) could save. A report (--ignored, GPU).
+//! removing boundaries (fusion, a persistent kernel) could save. Then each projection's 32
+//! weights chained alone: what a boundary costs after a launch of that size. A report
+//! (--ignored, GPU).
 
 use ninfer_core::backend::cuda::ops::GemvForm;
 
@@ -74,5 +76,29 @@ fn report_gemv_chain_boundary_cost() {
             chain_ms / (bytes / single_rate * 1e3),
         );
         assert!(chain_ms > 0.0 && single_ms > 0.0);
+        // Per weight shape: the 32 layers' weights of one projection chained alone (x of each
+        // launch is the output of the one before where the shapes allow, else a fixed vector),
+        // against the same bytes at the single launch's rate: which boundary costs what (a
+        // launch of the 8B's o streams 33.5 MB, of gate_up 235 MB).
+        let shapes: [(&str, usize, usize, usize); 4] =
+            [("qkv", 0, QKV, HIDDEN), ("o", 1, HIDDEN, HIDDEN), ("gate_up_swiglu", 2, INTER, HIDDEN), ("down", 3, HIDDEN, INTER)];
+        for (name, idx, n, k) in shapes {
+            let shape_bytes = (LAYERS * 2 * k * if idx == 2 { 2 * n } else { n }) as f64;
+            let ms = time_ms(&dev, 5, || {
+                for l in &layers {
+                    match idx {
+                        0 => dev.gemv_with(form, &hid, &l[0], &mut qkv, 1, n, k).unwrap(),
+                        1 => dev.gemv_with(form, &qkv.slice(0..HIDDEN), &l[1], &mut hid, 1, n, k).unwrap(),
+                        2 => dev.gemv_gateup_swiglu_with(form, &hid, &l[2], &mut act, 1, n, k).unwrap(),
+                        _ => dev.gemv_with(form, &act, &l[3], &mut hid, 1, n, k).unwrap(),
+                    }
+                }
+            });
+            let us = (ms - shape_bytes / single_rate * 1e3) * 1e3 / LAYERS as f64;
+            println!(
+                "PERF op=gemv_chain_shape form={form:?} shape={name} rows={n} k={k} launches={LAYERS} ms={ms:.4} GBps={:.0} us_per_boundary={us:.2}",
+                shape_bytes / (ms * 1e-3) / 1e9
+            );
+        }
     }
 }
