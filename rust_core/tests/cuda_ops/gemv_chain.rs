@@ -8,17 +8,42 @@
 //! weights chained alone: what a boundary costs after a launch of that size. A report
 //! (--ignored, GPU).
 
+use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::ops::GemvForm;
+use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::harness::gpu;
 use super::time_ms;
-use ninfer_core::backend::cuda::StorageDType;
 
 /// Llama-3-8B: hidden, intermediate, qkv rows, decoder layers.
 const HIDDEN: usize = 4096;
 const INTER: usize = 14336;
 const QKV: usize = 6144;
 const LAYERS: usize = 32;
+
+/// The four projections of a decoder layer in launch order: name, weight rows (the fused gate_up
+/// weight's 2 x inter), K.
+const PROJECTIONS: [(&str, usize, usize); 4] =
+    [("qkv", QKV, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up_swiglu", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)];
+
+/// The activations the chain passes along.
+struct Acts {
+    hid: CudaSlice<u16>,
+    qkv: CudaSlice<u16>,
+    act: CudaSlice<u16>,
+}
+
+/// Launches projection `idx` of PROJECTIONS with weight `w`, x the output of the one before it
+/// in a layer (o reads the first HIDDEN of qkv's output).
+fn project(dev: &CudaDevice, form: GemvForm, idx: usize, w: &CudaSlice<u16>, a: &mut Acts) {
+    match idx {
+        0 => dev.gemv_with(form, &a.hid, w, &mut a.qkv, 1, QKV, HIDDEN),
+        1 => dev.gemv_with(form, &a.qkv.slice(0..HIDDEN), w, &mut a.hid, 1, HIDDEN, HIDDEN),
+        2 => dev.gemv_gateup_swiglu_with(form, &a.hid, w, &mut a.act, 1, INTER, HIDDEN),
+        _ => dev.gemv_with(form, &a.act, w, &mut a.hid, 1, HIDDEN, INTER),
+    }
+    .unwrap();
+}
 
 #[test]
 #[ignore]
@@ -33,28 +58,22 @@ fn report_gemv_chain_boundary_cost() {
     let copy_rate = 2.0 * (elems * 2) as f64 / (copy_ms * 1e-3);
     drop((a, b));
 
-    let layers: Vec<[cudarc::driver::CudaSlice<u16>; 4]> = (0..LAYERS)
-        .map(|_| {
-            [
-                s.alloc_zeros::<u16>(QKV * HIDDEN).unwrap(),
-                s.alloc_zeros::<u16>(HIDDEN * HIDDEN).unwrap(),
-                s.alloc_zeros::<u16>(2 * INTER * HIDDEN).unwrap(),
-                s.alloc_zeros::<u16>(HIDDEN * INTER).unwrap(),
-            ]
-        })
-        .collect();
-    let bytes = (LAYERS * 2 * (QKV * HIDDEN + HIDDEN * HIDDEN + 2 * INTER * HIDDEN + HIDDEN * INTER)) as f64;
-    let mut hid = s.alloc_zeros::<u16>(HIDDEN).unwrap();
-    let mut qkv = s.alloc_zeros::<u16>(QKV).unwrap();
-    let mut act = s.alloc_zeros::<u16>(INTER).unwrap();
-    let launches = 4 * LAYERS;
+    let layers: Vec<Vec<CudaSlice<u16>>> =
+        (0..LAYERS).map(|_| PROJECTIONS.iter().map(|&(_, rows, k)| s.alloc_zeros::<u16>(rows * k).unwrap()).collect()).collect();
+    let proj_bytes = |rows: usize, k: usize| (LAYERS * 2 * rows * k) as f64;
+    let bytes: f64 = PROJECTIONS.iter().map(|&(_, rows, k)| proj_bytes(rows, k)).sum();
+    let mut acts = Acts {
+        hid: s.alloc_zeros::<u16>(HIDDEN).unwrap(),
+        qkv: s.alloc_zeros::<u16>(QKV).unwrap(),
+        act: s.alloc_zeros::<u16>(INTER).unwrap(),
+    };
+    let launches = PROJECTIONS.len() * LAYERS;
     for form in [GemvForm::Simt, GemvForm::TensorCores] {
         let chain_ms = time_ms(&dev, 5, || {
-            for [wqkv, wo, wgu, wd] in &layers {
-                dev.gemv_with(form, &hid, wqkv, &mut qkv, 1, QKV, HIDDEN).unwrap();
-                dev.gemv_with(form, &qkv.slice(0..HIDDEN), wo, &mut hid, 1, HIDDEN, HIDDEN).unwrap();
-                dev.gemv_gateup_swiglu_with(form, &hid, wgu, &mut act, 1, INTER, HIDDEN).unwrap();
-                dev.gemv_with(form, &act, wd, &mut hid, 1, HIDDEN, INTER).unwrap();
+            for l in &layers {
+                for (idx, w) in l.iter().enumerate() {
+                    project(&dev, form, idx, w, &mut acts);
+                }
             }
         });
         // One launch of 1 GiB of weights (2^19 rows of K 1024: the streaming rate without boundaries).
@@ -76,27 +95,20 @@ fn report_gemv_chain_boundary_cost() {
             chain_ms / (bytes / single_rate * 1e3),
         );
         assert!(chain_ms > 0.0 && single_ms > 0.0);
-        // Per weight shape: the 32 layers' weights of one projection chained alone (x of each
-        // launch is the output of the one before where the shapes allow, else a fixed vector),
-        // against the same bytes at the single launch's rate: which boundary costs what (a
-        // launch of the 8B's o streams 33.5 MB, of gate_up 235 MB).
-        let shapes: [(&str, usize, usize, usize); 4] =
-            [("qkv", 0, QKV, HIDDEN), ("o", 1, HIDDEN, HIDDEN), ("gate_up_swiglu", 2, INTER, HIDDEN), ("down", 3, HIDDEN, INTER)];
-        for (name, idx, n, k) in shapes {
-            let shape_bytes = (LAYERS * 2 * k * if idx == 2 { 2 * n } else { n }) as f64;
+        // Per projection: its 32 layers' weights chained alone (x of each launch the output of
+        // the one before where the shapes allow, else a fixed vector), against the same bytes at
+        // the single launch's rate: which boundary costs what (a launch of the 8B's o streams
+        // 33.5 MB, of gate_up 235 MB).
+        for (idx, &(name, rows, k)) in PROJECTIONS.iter().enumerate() {
             let ms = time_ms(&dev, 5, || {
                 for l in &layers {
-                    match idx {
-                        0 => dev.gemv_with(form, &hid, &l[0], &mut qkv, 1, n, k).unwrap(),
-                        1 => dev.gemv_with(form, &qkv.slice(0..HIDDEN), &l[1], &mut hid, 1, n, k).unwrap(),
-                        2 => dev.gemv_gateup_swiglu_with(form, &hid, &l[2], &mut act, 1, n, k).unwrap(),
-                        _ => dev.gemv_with(form, &act, &l[3], &mut hid, 1, n, k).unwrap(),
-                    }
+                    project(&dev, form, idx, &l[idx], &mut acts);
                 }
             });
+            let shape_bytes = proj_bytes(rows, k);
             let us = (ms - shape_bytes / single_rate * 1e3) * 1e3 / LAYERS as f64;
             println!(
-                "PERF op=gemv_chain_shape form={form:?} shape={name} rows={n} k={k} launches={LAYERS} ms={ms:.4} GBps={:.0} us_per_boundary={us:.2}",
+                "PERF op=gemv_chain_shape form={form:?} shape={name} rows={rows} k={k} launches={LAYERS} ms={ms:.4} GBps={:.0} us_per_boundary={us:.2}",
                 shape_bytes / (ms * 1e-3) / 1e9
             );
         }
