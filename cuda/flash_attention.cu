@@ -15,8 +15,8 @@
 // Two tilings (the launcher picks; flash_attention.rs):
 // - 4 warps (64 rows), one K/V buffer loaded synchronously between two barriers: every head
 //   size, and d 256 where a block may not have 132 KiB of shared memory (sm_86/sm_89).
-// - d 256 only, 8 warps (128 rows), two K/V buffers filled by cp.async: tile t+1 is in flight
-//   while tile t is multiplied. At d 256 the f32 O accumulators take 128 registers a lane, so
+// - d 256 and d 128, 8 warps (128 rows), two K/V buffers filled by cp.async: tile t+1 is in
+//   flight while tile t is multiplied. At d 256 the f32 O accumulators take 128 registers a lane, so
 //   an SM holds only 8 warps (238 registers a lane, no spills); with the synchronous form those
 //   were two 4-warp blocks, each idle while its tile came from L2, and every K/V tile crossed
 //   L2 once per 64 query rows (13 GB per layer of an 8k prompt at 24/4 heads). The 128-row
@@ -447,3 +447,4 @@ FA_INSTANCE(flash_attention_d96, 96, 64, 4, false)
 FA_INSTANCE(flash_attention_d128, 128, 64, 4, false)
 FA_INSTANCE(flash_attention_d256, 256, 32, 4, false)
 FA_INSTANCE(flash_attention_d256_r128, 256, 32, 8, true)
+FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)

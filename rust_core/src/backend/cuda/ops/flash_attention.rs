@@ -19,10 +19,12 @@ pub enum FlashTile {
     /// 4 warps = 64 query rows a block, one K/V tile loaded synchronously: every head size, on
     /// every sm_80+ device.
     Rows64,
-    /// Head size 256 only: 8 warps = 128 query rows a block, two K/V tiles filled by cp.async
-    /// (the copy of the next tile overlaps the products of this one, and each K/V tile crosses
-    /// L2 once per 128 rows instead of 64). Needs 132 KiB of shared memory a block: sm_80 and
-    /// sm_90, not sm_86/sm_89 (99 KiB).
+    /// Head sizes 256 and 128: 8 warps = 128 query rows a block, two K/V tiles filled by
+    /// cp.async (the copy of the next tile overlaps the products of this one, and each K/V tile
+    /// crosses L2 once per 128 rows instead of 64). Needs 132 KiB (d 256) or 102 KiB (d 128) of
+    /// shared memory a block: sm_80 and sm_90, not sm_86/sm_89 (99 KiB). At d 128 (branch
+    /// fa128, not yet measured) a block takes 166 registers a lane, one block (8 warps) an SM
+    /// against the 64-row kernel's three (12 warps).
     Rows128Async,
 }
 
@@ -55,6 +57,7 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
         (128, FlashTile::Rows64) => ("flash_attention_d128", 64, 4, 1),
         (256, FlashTile::Rows64) => ("flash_attention_d256", 32, 4, 1),
         (256, FlashTile::Rows128Async) => ("flash_attention_d256_r128", 32, 8, 2),
+        (128, FlashTile::Rows128Async) => ("flash_attention_d128_r128", 64, 8, 2),
         _ => {
             return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
@@ -70,7 +73,7 @@ impl CudaDevice {
     }
 
     /// The tiling `flash_attention` uses for head size `d` here: the 128-row cp.async form at
-    /// d 256 where a block may take its shared memory, else 64-row blocks.
+    /// d 256 and d 128 where a block may take its shared memory, else 64-row blocks.
     pub fn flash_tile(&self, d: usize) -> FlashTile {
         let optin = self
             .context()
@@ -196,6 +199,11 @@ mod tests {
         assert_eq!(wide.smem_bytes(256), (128 + 2 * 2 * 32) * (256 + 8) * 2);
         assert!(wide.smem_bytes(256) <= OPTIN_SM80 && wide.smem_bytes(256) <= OPTIN_SM90);
         assert!(wide.smem_bytes(256) > OPTIN_SM86);
+        // d 128 (Llama-3-8B): 64-key tiles, ~102 KiB, so it fits sm_80 and sm_90 but not sm_86.
+        let wide128 = instance(128, FlashTile::Rows128Async).unwrap();
+        assert_eq!((wide128.rows(), wide128.bn, wide128.buffers), (128, 64, 2));
+        assert_eq!(wide128.smem_bytes(128), (128 + 2 * 2 * 64) * (128 + 8) * 2);
+        assert!(wide128.smem_bytes(128) <= OPTIN_SM80 && wide128.smem_bytes(128) > OPTIN_SM86);
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
@@ -205,7 +213,7 @@ mod tests {
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [(128, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async)] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async)] {
             match instance(d, tile) {
                 Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
