@@ -224,3 +224,147 @@ __device__ __forceinline__ float norm_rstd(float sum_sq, int dim, float eps) {
 __device__ __forceinline__ float norm_scale(float x, float rstd, float w, int plus_one) {
     return plus_one ? x * rstd * (1.0f + w) : round_st(x * rstd) * w;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The residual add + RMSNorm tail of an output-projection GEMV (the tensor-core one's
+// gemv_tc_add_rmsnorm and the CUDA-core one's gemv_add_rmsnorm_m1): after each block has added
+// its output columns into the residual, the last block to arrive normalises whole rows, in
+// add_rmsnorm's sum order, so that one kernel gives the GEMV + add_rmsnorm pair's bits.
+// Rows it normalises at most: the launchers' GEMV_MAX_M (ops/gemv.rs).
+#define GEMV_NORM_MAX_M 8
+
+// The add + RMSNorm epilogue's operands of the decode GEMVs (gemv_tc.cu's gemv_tc_add_rmsnorm,
+// gemv.cu's gemv_add_rmsnorm_m1; unused by their other epilogues): y is the residual
+// stream [M, N], updated in place; h [M, N] gets rmsnorm(residual) with weight `w` (or 1 + w);
+// `arrivals` is a device counter that is 0 between launches; `lanes` is the sum order's lane
+// count (common.cuh's RMSNorm arithmetic).
+struct gemv_norm {
+    const store_t* w;
+    store_t* h;
+    unsigned* arrivals;
+    int lanes;
+    float eps;
+    int plus_one;
+};
+
+// 16 bytes of a row another block of this launch wrote: through L2 (ld.global.cg), since L1 is
+// not coherent with other SMs' writes; "memory" keeps it after the __threadfence().
+__device__ __forceinline__ uint4 load_cg_16(const store_t* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p)
+                 : "memory");
+    return r;
+}
+
+// Pairs (row, 32-lane group) of the norm per warp whose chunks the last block loads in one
+// batch and keeps in registers from the sum of squares to the scaling (with their weight
+// chunks): the 2 pairs per warp of one row of 4096, so a one-row norm makes one L2 round trip
+// for the residual and the weight, not one per step. More would cost the whole kernel
+// registers: 8 took it from 56 to 122 (2 blocks per SM instead of 4, the GEMV's occupancy);
+// 2 keep it at 64 (sm_90, with the residual preload of gemv_tc_body), the most that still
+// fits 4 blocks of 256 threads per SM.
+#define GEMV_NORM_CACHE 2
+
+// Lane group `p % groups` of row `p / groups` (group_sum[row][group] = the sum of squares of its
+// lanes' chunks, in common.cuh's order). `first`: the lane's first chunk, already loaded.
+__device__ __forceinline__ void norm_tail_group(const store_t* residual, int dim, int lanes,
+                                              int p, const uint4* first,
+                                              float (&group_sum)[GEMV_NORM_MAX_M][32]) {
+    const int lane = threadIdx.x & 31, groups = lanes >> 5, n_chunks = dim >> 3;
+    const int r = p / groups, ch0 = (p % groups) * 32 + lane;
+    const store_t* row = residual + (long long)r * dim;
+    float ss = 0.0f;
+    if (ch0 < n_chunks) ss = chunk_sum_squares(first ? *first : load_cg_16(row + ch0 * 8), ss);
+    for (int ch = ch0 + lanes; ch < n_chunks; ch += lanes)
+        ss = chunk_sum_squares(load_cg_16(row + ch * 8), ss);
+    ss = warp_sum(ss);
+    if (lane == 0) group_sum[r][p % groups] = ss;
+}
+
+// h chunk = residual chunk * rstd * weight.
+__device__ __forceinline__ void norm_tail_store(store_t* h, uint4 xr, uint4 wr, float rstd,
+                                              int plus_one) {
+    float f[8], wf[8];
+    unpack_chunk(xr, f);
+    unpack_chunk(wr, wf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
+    *reinterpret_cast<uint4*>(h) = pack_chunk(f);
+}
+
+// Lane group `p % groups` of row `p / groups` scaled into h (chunks past the first loaded here;
+// `first` / `wfirst`: the first chunk and its weight, already loaded).
+__device__ __forceinline__ void norm_tail_scale_group(const store_t* residual, const gemv_norm& nm,
+                                                    int dim, int p, const uint4* first,
+                                                    const uint4* wfirst, const float* rstd) {
+    const int lane = threadIdx.x & 31, groups = nm.lanes >> 5, n_chunks = dim >> 3;
+    const int r = p / groups, ch0 = (p % groups) * 32 + lane;
+    const long long row = (long long)r * dim;
+    for (int ch = ch0; ch < n_chunks; ch += nm.lanes) {
+        const bool cached = first && ch == ch0;
+        const uint4 xr = cached ? *first : load_cg_16(residual + row + ch * 8);
+        const uint4 wr = cached ? *wfirst : *reinterpret_cast<const uint4*>(nm.w + ch * 8);
+        norm_tail_store(nm.h + row + ch * 8, xr, wr, rstd[r], nm.plus_one);
+    }
+}
+
+// The add + RMSNorm epilogue's tail, run by every block after its residual columns are
+// written: the block publishes them (__threadfence) and counts itself in; the block that
+// arrives last, so sees every column, normalises the m rows into nm.h. atomicInc(counter,
+// blocks - 1) returns the old count and stores 0 when the old count is blocks - 1, so the
+// electing atomic also resets the counter for the next launch / graph replay (the pattern of
+// decode_attention in attention.cu). The sum of squares follows common.cuh's RMSNorm order
+// over nm.lanes lanes with WARPS warps: warp w takes the (row, 32-lane group) pairs w, w + WARPS, ...,
+// each lane summing its lane's chunks and warp_sum giving the group's sum; warp r then sums
+// row r's group sums (warps r, r + WARPS, ... of m <= 8 rows). add_rmsnorm with nm.lanes threads sums the
+// same values in the same tree, so h and the residual are add_rmsnorm's bit for bit. Needs dim
+// % 8 == 0 and 16-byte aligned rows (the launcher checks).
+template <int WARPS>
+__device__ __forceinline__ void gemv_norm_rows(store_t* residual, const gemv_norm& nm,
+                                                  int m, int dim) {
+    __shared__ float group_sum[GEMV_NORM_MAX_M][32];
+    __shared__ float rstd[GEMV_NORM_MAX_M];
+    __shared__ unsigned last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicInc(nm.arrivals, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_chunks = dim >> 3, groups = nm.lanes >> 5, pairs = m * groups;
+    // The warp's first GEMV_NORM_CACHE pairs: each lane's first chunk and its weight chunk,
+    // all loads issued before any is used.
+    uint4 xc[GEMV_NORM_CACHE], wc[GEMV_NORM_CACHE];
+#pragma unroll
+    for (int j = 0; j < GEMV_NORM_CACHE; ++j) {
+        const int p = warp + j * WARPS;
+        const int ch = (p % groups) * 32 + lane;
+        if (p < pairs && ch < n_chunks) {
+            xc[j] = load_cg_16(residual + (long long)(p / groups) * dim + ch * 8);
+            wc[j] = *reinterpret_cast<const uint4*>(nm.w + ch * 8);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < GEMV_NORM_CACHE; ++j) {
+        const int p = warp + j * WARPS;
+        if (p < pairs) norm_tail_group(residual, dim, nm.lanes, p, &xc[j], group_sum);
+    }
+    for (int p = warp + GEMV_NORM_CACHE * WARPS; p < pairs; p += WARPS)
+        norm_tail_group(residual, dim, nm.lanes, p, nullptr, group_sum);
+    __syncthreads();
+    for (int r = warp; r < m; r += WARPS) {
+        const float t = warp_sum(lane < groups ? group_sum[r][lane] : 0.0f);
+        if (lane == 0) rstd[r] = norm_rstd(t, dim, nm.eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < GEMV_NORM_CACHE; ++j) {
+        const int p = warp + j * WARPS;
+        if (p < pairs) norm_tail_scale_group(residual, nm, dim, p, &xc[j], &wc[j], rstd);
+    }
+    for (int p = warp + GEMV_NORM_CACHE * WARPS; p < pairs; p += WARPS)
+        norm_tail_scale_group(residual, nm, dim, p, nullptr, nullptr, rstd);
+}
