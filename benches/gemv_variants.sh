@@ -71,7 +71,7 @@ run_variant() {
     # Every tuning variable unset unless the variant sets it: the parent's must not leak in.
     # shellcheck disable=SC2086
     env -u NINFER_TC_GEMV -u NINFER_GEMV_SHAPES -u NINFER_TC_PREFETCH_STEPS -u NINFER_CC_PREFETCH \
-        -u NINFER_DA_MIN_WARP_KEYS -u NINFER_FUSED_ROPE -u NINFER_FUSED_NORM -u NINFER_CC_WARPS -u NINFER_CC_ADD_NORM "$@" \
+        -u NINFER_DA_MIN_WARP_KEYS -u NINFER_FUSED_ROPE -u NINFER_FUSED_NORM -u NINFER_CC_WARPS "$@" \
         python3 "$bench" --out "$logdir/variant_${n}_${name}.json" --commit "$name" --decode-8b \
         --skip-peer --keep-checkpoints --workdir "$workdir" ${BENCH_ARGS:-} < /dev/null > "$log" 2>&1
     local rc=$? out line tok load frac

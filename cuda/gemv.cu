@@ -12,9 +12,7 @@
 
 // What a warp does with its column sums (gemv_body's OUT): store them in the storage type,
 // store them as f32 (the lm_head's logits), apply SwiGLU to gate/up pairs (below), or rotate
-// q/k pairs and write the KV cache (the qkv projection's RoPE epilogue, gemv_qkv_rope_m1), or
-// add them into the residual stream as add_rmsnorm adds them (gemv_add_rmsnorm_m1, whose last
-// block then normalises the row: common.cuh's gemv_norm_rows).
+// q/k pairs and write the KV cache (the qkv projection's RoPE epilogue, gemv_qkv_rope_m1).
 // The f32 store takes `round_out` (gemv_f32out_m*'s last argument): nonzero rounds each logit to
 // the storage type first (round_st), kept as f32: the model's logits_dtype "auto", the values
 // transformers' and vLLM's lm_head return, with no extra kernel on the decode path.
@@ -22,7 +20,6 @@
 #define GEMV_OUT_F32 1
 #define GEMV_OUT_SWIGLU 2
 #define GEMV_OUT_QKV_ROPE 3
-#define GEMV_OUT_ADD_RMSNORM 4
 
 // The RoPE epilogue's operands (unused by the other epilogues): a decode step's one token, at
 // positions[0] and flat cache slot slot_mapping[0] (negative: no cache write), q/k/v heads of
@@ -107,7 +104,6 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
                                            int n_out, int lane, int round_out,
                                            const gemv_qkv_rope& qr) {
     static_assert(OUT != GEMV_OUT_QKV_ROPE || M == 1, "the RoPE epilogue is one token's");
-    static_assert(OUT != GEMV_OUT_ADD_RMSNORM || (M == 1 && C == 1), "the add + norm epilogue is batch-1's");
     constexpr int P = gemv_cols_per_warp<C, OUT>();
 #pragma unroll
     for (int c = 0; c < P; ++c) {
@@ -125,11 +121,7 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
                 const float u = warp_sum(acc[P + c][m]);
                 if (lane == 0 && n < n_out) gemv_qkv_rope_store(s, u, n, reinterpret_cast<store_t*>(y), qr);
             } else if (lane == 0 && n < n_out) {
-                if constexpr (OUT == GEMV_OUT_ADD_RMSNORM) {
-                    // add_rmsnorm's add of the stored projection: both rounded to storage.
-                    store_t* r = reinterpret_cast<store_t*>(y) + n;
-                    *r = from_f32(norm_residual_add(to_f32(*r), to_f32(from_f32(s))));
-                } else if constexpr (OUT == GEMV_OUT_F32)
+                if constexpr (OUT == GEMV_OUT_F32)
                     reinterpret_cast<float*>(y)[(long long)m * n_out + n] = round_out ? round_st(s) : s;
                 else
                     reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] = from_f32(s);
@@ -187,8 +179,6 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
             if (i < k8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[c] + i));
     }
     pdl_enter();
-    // Returns from this body only: a kernel with a block-wide tail after it (gemv_add_rmsnorm_m1)
-    // still has every warp of the block at its barriers.
     if (n0 >= n_out) return;
     float acc[C][M];
 #pragma unroll
@@ -258,22 +248,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
         x, w, qkv, n_pairs, k, prefetch, 0,
         gemv_qkv_rope{k_cache, v_cache, positions, slot_mapping, inv_freq, n_q_heads, n_kv_heads,
                       half, attn_scale});
-}
-
-// The batch-1 output projection with the residual add + RMSNorm (ops/gemv_add_rmsnorm.rs):
-// residual[n_out] += x[k] * W^T, each warp's sum rounded to storage and added as add_rmsnorm
-// adds it, then the last block to arrive writes h = rmsnorm(residual) (common.cuh's
-// gemv_norm_rows, add_rmsnorm's sum order over `lanes` lanes): bit for bit gemv_m1 into a
-// buffer followed by add_rmsnorm, one kernel boundary fewer. Launched with GEMV_WARPS warps a
-// block whatever NINFER_CC_WARPS says (the tail strides by them); `arrivals` is 0 between
-// launches (the electing atomic resets it).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_add_rmsnorm_m1(const store_t* x, const store_t* w, store_t* residual, int n_out, int k,
-                        int prefetch, const store_t* w_norm, store_t* h, unsigned* arrivals,
-                        int lanes, float eps, int plus_one) {
-    gemv_body<1, 1, GEMV_OUT_ADD_RMSNORM>(x, w, residual, n_out, k, prefetch);
-    gemv_norm_rows<GEMV_WARPS>(residual, gemv_norm{w_norm, h, arrivals, lanes, eps, plus_one}, 1,
-                               n_out);
 }
 
 // y[i] = round_st(y[i]) for i < n: the cuBLAS route's logits (prefill, and decode batches of

@@ -683,21 +683,9 @@ def test_decode_with_2_warp_gemv_blocks_equals_8_warp_blocks_bitwise(decode_dir,
                                   "2 vs 8 warps a CUDA-core GEMV block", on="2", off="8")
 
 
-# The batch-1 residual add + RMSNorm in the CUDA-core output projection's last block
-# (NINFER_CC_ADD_NORM) gives the bits of the projection followed by add_rmsnorm: at batch 1
-# (every output projection of the tiny model on CUDA cores) and 3 (tensor cores, unchanged), in
-# graphs and eagerly.
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("n", [1, 3])
-def test_decode_with_the_add_norm_in_the_cuda_core_gemv_equals_add_rmsnorm_bitwise(decode_dir, graphs, n, monkeypatch):
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_CC_ADD_NORM", graphs, n,
-                                  "add + norm in the CUDA-core GEMV vs add_rmsnorm", on="1", off="0")
-
-
 @pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
                                            ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
-                                           ("NINFER_CC_WARPS", "3"), ("NINFER_CC_ADD_NORM", "fused")])
+                                           ("NINFER_CC_WARPS", "3")])
 def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
     monkeypatch.setenv(switch, value)
     with pytest.raises(Exception, match=switch):

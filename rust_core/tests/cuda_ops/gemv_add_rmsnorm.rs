@@ -6,8 +6,6 @@
 //! (N = 16384), plus_one off and on, bf16 and f16; row r of an M-row launch equals the one-row
 //! launch (batch == alone); the block counter is back at zero after every launch, so launches
 //! in a row (and graph replays) start clean; the routes that run two kernels give their bits.
-//! The batch-1 CUDA-core form (`gemv_add_rmsnorm_m1`, gemv.cu) likewise equals the CUDA-core
-//! GEMV + add_rmsnorm bit for bit, at the same shapes, in a row on one counter.
 //! The PERF report times the fused kernel against the two kernels.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -89,58 +87,6 @@ fn gemv_add_rmsnorm_equals_gemv_then_add_rmsnorm_bitwise() {
                 }
             }
         }
-    }
-}
-
-#[test]
-fn gemv_add_rmsnorm_m1_equals_cuda_core_gemv_then_add_rmsnorm_bitwise() {
-    for st in STORAGES {
-        let Some(dev) = gpu("gemv_add_rmsnorm_m1", st) else { return };
-        let simt = GemvForm::Simt;
-        let mut rng = Rng::new(95);
-        let mut arrivals = upload_raw(&dev, &[0u32]);
-        for (n, k) in [(4096, 4096), (4096, 14336), (5120, 6144), (5120, 17408), (1000, 1000), (16384, 256)] {
-            let s = 2.0 / (k as f32).sqrt();
-            let w = upload(&dev, &rounded(&rng.vec(n * k, -s, s), st));
-            let x = upload(&dev, &rounded(&rng.vec(k, -1.0, 1.0), st));
-            let residual = rounded(&rng.vec(n, -4.0, 4.0), st);
-            let nw = upload(&dev, &rounded(&rng.vec(n, -1.5, 1.5), st));
-            for plus_one in [false, true] {
-                let what = format!("{st:?} n{n} k{k} plus_one={plus_one}");
-                let (want_res, want_h) = two_kernels(&dev, simt, &x, &w, &residual, &nw, 1, n, k, plus_one);
-                let mut res = Out16::with(&dev, &residual);
-                let mut h = Out16::new(&dev, n);
-                dev.gemv_add_rmsnorm_m1(&x, &w, &mut res.view(), &nw, &mut h.view(), &mut arrivals, n, k, EPS, plus_one).unwrap();
-                assert_bitwise(&res.read(&dev, "residual"), &want_res, &format!("gemv_add_rmsnorm_m1 residual {what} vs gemv_m1 + add_rmsnorm"));
-                assert_bitwise(&h.read(&dev, "h"), &want_h, &format!("gemv_add_rmsnorm_m1 h {what} vs gemv_m1 + add_rmsnorm"));
-                assert_eq!(counter(&dev, &arrivals), 0, "{what}: block counter not reset");
-            }
-        }
-        // Two launches queued back to back on one counter, the second on the first's outputs
-        // (consecutive layers): each gives the two-kernel bits.
-        let (n, k) = (4096, 4096);
-        let w1 = upload(&dev, &rounded(&rng.vec(n * k, -0.03, 0.03), st));
-        let w2 = upload(&dev, &rounded(&rng.vec(n * k, -0.03, 0.03), st));
-        let nw = upload(&dev, &rounded(&rng.vec(n, 0.5, 1.5), st));
-        let x = upload(&dev, &rounded(&rng.vec(k, -1.0, 1.0), st));
-        let residual = rounded(&rng.vec(n, -2.0, 2.0), st);
-        let mut res = Out16::with(&dev, &residual);
-        let (mut h1, mut h2) = (Out16::new(&dev, n), Out16::new(&dev, n));
-        dev.gemv_add_rmsnorm_m1(&x, &w1, &mut res.view(), &nw, &mut h1.view(), &mut arrivals, n, k, EPS, false).unwrap();
-        dev.gemv_add_rmsnorm_m1(&h1.view(), &w2, &mut res.view(), &nw, &mut h2.view(), &mut arrivals, n, k, EPS, false).unwrap();
-        let (res, h1, h2) = (res.read(&dev, "residual"), h1.read(&dev, "h1"), h2.read(&dev, "h2"));
-        let (want_res1, want_h1) = two_kernels(&dev, simt, &x, &w1, &residual, &nw, 1, n, k, false);
-        let (want_res2, want_h2) = two_kernels(&dev, simt, &upload(&dev, &want_h1), &w2, &want_res1, &nw, 1, n, k, false);
-        assert_bitwise(&h1, &want_h1, &format!("{st:?} first launch h"));
-        assert_bitwise(&h2, &want_h2, &format!("{st:?} second launch h"));
-        assert_bitwise(&res, &want_res2, &format!("{st:?} residual after both"));
-        assert_eq!(counter(&dev, &arrivals), 0, "block counter not reset");
-        // Shapes it cannot run are a typed error, not a bad launch.
-        let mut res = Out16::new(&dev, 1004);
-        let mut h = Out16::new(&dev, 1004);
-        let w = upload(&dev, &vec![0.0; 1004 * 8]);
-        let e = dev.gemv_add_rmsnorm_m1(&upload(&dev, &[0.0; 8]), &w, &mut res.view(), &upload(&dev, &vec![1.0; 1004]), &mut h.view(), &mut arrivals, 1004, 8, EPS, false).unwrap_err();
-        assert!(e.to_string().contains("N = 1004"), "{e}");
     }
 }
 
@@ -301,20 +247,10 @@ fn report_gemv_add_rmsnorm_throughput() {
                 })
             };
             let (two_ms, simt_two_ms) = (two(tc), two(GemvForm::Simt));
-            // The batch-1 CUDA-core fused kernel (NINFER_CC_ADD_NORM) against its two kernels.
-            let simt_fused_ms = if m == 1 {
-                super::time_ms(&dev, 200, || {
-                    i += 1;
-                    dev.gemv_add_rmsnorm_m1(&x, &ws[i % 4], &mut res, &nw, &mut h, &mut arrivals, n, k, EPS, false).unwrap();
-                })
-            } else {
-                f64::NAN
-            };
             let gbps = (n * k * 2) as f64 / fused_ms / 1e6;
             println!(
-                "PERF op=gemv_add_rmsnorm m={m} n={n} k={k} fused_ms={fused_ms:.4} two_kernel_ms={two_ms:.4} saved_us={:.2} simt_two_kernel_ms={simt_two_ms:.4} simt_fused_ms={simt_fused_ms:.4} simt_saved_us={:.2} fused_GBps={gbps:.0} device_route={:?}",
+                "PERF op=gemv_add_rmsnorm m={m} n={n} k={k} fused_ms={fused_ms:.4} two_kernel_ms={two_ms:.4} saved_us={:.2} simt_two_kernel_ms={simt_two_ms:.4} fused_GBps={gbps:.0} device_route={:?}",
                 (two_ms - fused_ms) * 1e3,
-                (simt_two_ms - simt_fused_ms) * 1e3,
                 add_norm_route(dev.gemv_form(), m, n, k, true)
             );
         }

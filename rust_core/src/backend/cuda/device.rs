@@ -54,9 +54,6 @@ pub struct CudaDevice {
     cc_prefetch: super::ops::CcPrefetchPlan,
     /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`, default 8); read once.
     cc_warps: usize,
-    /// `NINFER_CC_ADD_NORM`: batch-1 output projections on CUDA cores take the residual add +
-    /// RMSNorm into their last block (ops/gemv_add_rmsnorm.rs); read once.
-    cc_add_norm: bool,
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -107,7 +104,6 @@ impl CudaDevice {
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
         let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
-        let cc_add_norm = crate::config::env_switch(super::ops::CC_ADD_NORM_SWITCH, super::ops::CC_ADD_NORM_DEFAULT)?;
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
@@ -128,7 +124,6 @@ impl CudaDevice {
             tc_prefetch_steps,
             cc_prefetch,
             cc_warps,
-            cc_add_norm,
             da_min_warp_keys,
             batch_invariant,
         })
@@ -205,12 +200,6 @@ impl CudaDevice {
     /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`).
     pub fn cc_warps(&self) -> usize {
         self.cc_warps
-    }
-
-    /// Whether batch-1 output projections on CUDA cores fuse the residual add + RMSNorm
-    /// (`NINFER_CC_ADD_NORM`).
-    pub fn cc_add_norm(&self) -> bool {
-        self.cc_add_norm
     }
 
     /// Storage type of activations and weights on this device.

@@ -1,7 +1,6 @@
 //! An output projection followed by the residual add + RMSNorm as one decode kernel
-//! (cuda/gemv_tc.cu `gemv_tc_add_rmsnorm`, or at batch 1 on CUDA cores cuda/gemv.cu
-//! `gemv_add_rmsnorm_m1` under `NINFER_CC_ADD_NORM`), or as the two kernels it replaces where
-//! neither applies.
+//! (cuda/gemv_tc.cu `gemv_tc_add_rmsnorm`), or as the two kernels it replaces where that kernel
+//! does not apply.
 //!
 //! Why: every layer ends each sub-block with an output projection (attention o_proj, GDN
 //! out_proj, MLP down) and an `add_rmsnorm` of its output into the residual stream. At decode
@@ -18,32 +17,16 @@ use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
-use crate::{NinferError, Result};
+use crate::Result;
 
 /// Output columns one block of the fused kernel covers (the tensor-core GEMV's 16-row tile).
 const TC_COLS: usize = 16;
-
-/// Output columns one block of the CUDA-core fused kernel covers (a warp a column, GEMV_WARPS
-/// warps whatever `NINFER_CC_WARPS` says: its norm tail strides by them).
-const CC_COLS: usize = super::gemv::GEMV_WARPS;
-
-/// `NINFER_CC_ADD_NORM`: at batch 1, an output projection the per-shape table runs on CUDA
-/// cores (Llama-3-8B's o and down) takes the residual add + RMSNorm into its last block
-/// (`gemv_add_rmsnorm_m1`) instead of a separate `add_rmsnorm` launch: one kernel boundary
-/// fewer, 64 a Llama-3-8B step, the same bits. A switch (`config::env_switch`), read once per
-/// device; default CC_ADD_NORM_DEFAULT until measured in the model.
-pub const CC_ADD_NORM_SWITCH: &str = "NINFER_CC_ADD_NORM";
-
-/// The switch's default.
-pub const CC_ADD_NORM_DEFAULT: bool = false;
 
 /// How `gemv_add_rmsnorm` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AddNormRoute {
     /// `gemv_tc_add_rmsnorm`: one kernel.
     Fused,
-    /// `gemv_add_rmsnorm_m1`: one kernel, the CUDA-core GEMV of one row.
-    FusedCudaCores,
     /// `linear` into the scratch buffer, then `add_rmsnorm`: the SIMT GEMV (sm_7x) or cuBLAS
     /// (more than GEMV_ROUTE_MAX_M rows, prefill) has no such epilogue.
     TwoKernels,
@@ -53,21 +36,21 @@ pub enum AddNormRoute {
 /// under the built-in per-shape table (`add_norm_route_for` of the form's kernel for the
 /// weight), with all of the norm's buffers 16-byte aligned or not.
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
-    add_norm_route_for(gemv_kernel(form, None, n, k, rows), rows, n, k, aligned, CC_ADD_NORM_DEFAULT)
+    add_norm_route_for(gemv_kernel(form, None, n, k, rows), rows, n, k, aligned)
 }
 
-/// The route when the plain GEMV of the [n, k] weight runs `kernel` (`gemv_kernel`) and
-/// `NINFER_CC_ADD_NORM` is `cc_add_norm`: the one place that decides it. The fused kernels are
-/// the GEMV the plain one of the weight runs (the tensor-core instance, rows up to GEMV_MAX_M;
-/// the CUDA-core kernel at one row, under the switch), with K % 8 == 0, whose last block
-/// normalises whole rows with 16-byte accesses (n % 8 == 0, aligned rows). Otherwise the two
-/// kernels; every route gives the plain GEMV + add_rmsnorm bits (`NINFER_FUSED_NORM` on == off).
-pub fn add_norm_route_for(kernel: GemvKernel, rows: usize, n: usize, k: usize, aligned: bool, cc_add_norm: bool) -> AddNormRoute {
+/// The route when the plain GEMV of the [n, k] weight runs `kernel` (`gemv_kernel`): the one
+/// place that decides it. The fused kernel is the tensor-core GEMV (rows up to GEMV_MAX_M,
+/// K % 8 == 0; the instance the plain GEMV of the weight runs) whose last block normalises
+/// whole rows with 16-byte accesses (n % 8 == 0, aligned rows). A weight the plain GEMV runs on
+/// CUDA cores keeps the two kernels, so that both routes give the plain GEMV's bits
+/// (`NINFER_FUSED_NORM` on == off).
+pub fn add_norm_route_for(kernel: GemvKernel, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
     let fits = (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
-    match kernel {
-        GemvKernel::TensorCores(_) if fits => AddNormRoute::Fused,
-        GemvKernel::CudaCores if fits && rows == 1 && cc_add_norm => AddNormRoute::FusedCudaCores,
-        _ => AddNormRoute::TwoKernels,
+    if matches!(kernel, GemvKernel::TensorCores(_)) && fits {
+        AddNormRoute::Fused
+    } else {
+        AddNormRoute::TwoKernels
     }
 }
 
@@ -130,8 +113,7 @@ impl CudaDevice {
             [rp, np, hp].iter().all(|p| p % 16 == 0)
         };
         let kernel = self.gemv_kernel(form, n, k, rows);
-        match (add_norm_route_for(kernel, rows, n, k, aligned, self.cc_add_norm()), kernel) {
-            (AddNormRoute::FusedCudaCores, _) => self.gemv_add_rmsnorm_m1(x, w, residual, norm_w, h, arrivals, n, k, eps, plus_one),
+        match (add_norm_route_for(kernel, rows, n, k, aligned), kernel) {
             // Fused is only ever the route of a tensor-core kernel.
             (AddNormRoute::TwoKernels, _) | (AddNormRoute::Fused, GemvKernel::CudaCores) => {
                 if rows <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
@@ -173,62 +155,6 @@ impl CudaDevice {
             }
         }
     }
-    /// The batch-1 CUDA-core form of `gemv_add_rmsnorm` (`gemv_add_rmsnorm_m1`), whatever
-    /// `NINFER_CC_ADD_NORM` says (the route calls it under the switch; tests call it directly):
-    /// gemv_m1 into a buffer then `add_rmsnorm`, bit for bit, in one kernel. Needs n and k
-    /// multiples of 8 and 16-byte aligned residual, norm weight and h (a typed error otherwise).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_add_rmsnorm_m1(
-        &self,
-        x: &impl DevicePtr<u16>,
-        w: &impl DevicePtr<u16>,
-        residual: &mut impl DevicePtrMut<u16>,
-        norm_w: &impl DevicePtr<u16>,
-        h: &mut impl DevicePtrMut<u16>,
-        arrivals: &mut impl DevicePtrMut<u32>,
-        n: usize,
-        k: usize,
-        eps: f32,
-        plus_one: bool,
-    ) -> Result<()> {
-        check_len("gemv_add_rmsnorm_m1 x", x.len(), k)?;
-        check_len("gemv_add_rmsnorm_m1 w", w.len(), n * k)?;
-        check_len("gemv_add_rmsnorm_m1 residual", residual.len(), n)?;
-        check_len("gemv_add_rmsnorm_m1 norm weight", norm_w.len(), n)?;
-        check_len("gemv_add_rmsnorm_m1 h", h.len(), n)?;
-        check_len("gemv_add_rmsnorm_m1 arrivals", arrivals.len(), 1)?;
-        let s = self.stream();
-        let (xp, _a) = x.device_ptr(s);
-        let (wp, _b) = w.device_ptr(s);
-        let (rp, _c) = residual.device_ptr_mut(s);
-        let (np, _d) = norm_w.device_ptr(s);
-        let (hp, _e) = h.device_ptr_mut(s);
-        let (ap, _f) = arrivals.device_ptr_mut(s);
-        if !(n.is_multiple_of(8) && k.is_multiple_of(8) && [rp, np, hp].iter().all(|p| p % 16 == 0)) {
-            return Err(NinferError::Device(format!(
-                "gemv_add_rmsnorm_m1 needs N and K multiples of 8 and 16-byte aligned rows, got N = {n}, K = {k}"
-            )));
-        }
-        let name = "gemv_add_rmsnorm_m1";
-        let f = self.function(KernelFamily::Gemv, name)?;
-        let args = [
-            KArg::Ptr(xp),
-            KArg::Ptr(wp),
-            KArg::Ptr(rp),
-            KArg::I32(as_i32("gemv_add_rmsnorm_m1 n", n)?),
-            KArg::I32(as_i32("gemv_add_rmsnorm_m1 k", k)?),
-            KArg::I32(self.cc_prefetch().vectors(n, k) as i32),
-            KArg::Ptr(np),
-            KArg::Ptr(hp),
-            KArg::Ptr(ap),
-            // add_rmsnorm's block size for rows of n: the lanes of its sum order.
-            KArg::I32(chunked_norm_threads(n) as i32),
-            KArg::F32(eps),
-            KArg::I32(plus_one as i32),
-        ];
-        let grid = (as_i32("gemv_add_rmsnorm_m1 n", n.div_ceil(CC_COLS))? as u32, 1, 1);
-        self.launch_pdl(&f, cfg(grid, (CC_COLS * 32) as u32), name, &args)
-    }
 }
 
 #[cfg(test)]
@@ -255,18 +181,5 @@ mod tests {
         assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::TwoKernels);
         assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 4096, true), AddNormRoute::Fused);
         assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 14336, true), AddNormRoute::Fused);
-    }
-
-    #[test]
-    fn the_cuda_core_fused_route_is_batch_1_under_its_switch() {
-        let cc = GemvKernel::CudaCores;
-        assert_eq!(add_norm_route_for(cc, 1, 4096, 14336, true, true), AddNormRoute::FusedCudaCores);
-        assert_eq!(add_norm_route_for(cc, 1, 4096, 14336, true, false), AddNormRoute::TwoKernels);
-        for (rows, n, k, aligned) in [(2, 4096, 4096, true), (0, 4096, 4096, true), (1, 4100, 4096, true), (1, 4096, 4100, true), (1, 4096, 4096, false)] {
-            assert_eq!(add_norm_route_for(cc, rows, n, k, aligned, true), AddNormRoute::TwoKernels, "rows {rows} n {n} k {k} aligned {aligned}");
-        }
-        // The switch never moves a tensor-core weight.
-        let w4 = crate::backend::cuda::ops::GemvTcConfig { warps: 4, unroll: 4, hold: false };
-        assert_eq!(add_norm_route_for(GemvKernel::TensorCores(w4), 1, 4096, 4096, true, true), AddNormRoute::Fused);
     }
 }

@@ -29,7 +29,7 @@ pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
 pub use gdn_chunked::{PrepForm, ScanForm};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
-pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute, CC_ADD_NORM_DEFAULT, CC_ADD_NORM_SWITCH};
+pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::qkv_rope_fits;
 pub use gemv_tuning::{
     gemv_shapes_for, parse_cc_prefetch, parse_cc_warps, parse_gemv_shapes, parse_tc_prefetch_steps, CcPrefetch, CcPrefetchPlan, GemvKernel, CC_PREFETCH_DEFAULT, CC_PREFETCH_VAR, CC_WARPS_VAR, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
