@@ -650,7 +650,7 @@ def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, m
 
 
 # The output projections' residual add + RMSNorm fused into the decode GEMV (NINFER_FUSED_NORM,
-# default on: `gemv_add_rmsnorm`, the last block of the GEMV normalising) against the GEMV
+# default off since session 10: `gemv_add_rmsnorm`, the last block of the GEMV normalising) against the GEMV
 # followed by add_rmsnorm: the same bits, in graphs (the block counter reset by the kernel
 # itself on every replay) and eagerly.
 

@@ -111,9 +111,9 @@ pub struct CudaModel {
     logits_rows: usize,
     /// Device-side sampling (`forward_sampled`).
     sampler: DeviceSampler,
-    /// Output projections run `gemv_add_rmsnorm` (the add + norm fused into the decode GEMV)
-    /// unless FUSED_NORM_SWITCH is off: then `linear` + `add_rmsnorm`, the same bits, kept so
-    /// that one build can time both.
+    /// Output projections run `gemv_add_rmsnorm` (the add + norm fused into the decode GEMV's
+    /// last block) when FUSED_NORM_SWITCH is on, else `linear` + `add_rmsnorm`: the same bits.
+    /// Off by default (FUSED_NORM_DEFAULT).
     fused_norm: bool,
     /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
     /// (`gemv_qkv_rope_kv_write`, where `AttnCtx::fuses_rope` allows) unless FUSED_ROPE_SWITCH is
@@ -126,8 +126,18 @@ pub struct CudaModel {
     logits_round: bool,
 }
 
-/// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means on).
+/// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means
+/// FUSED_NORM_DEFAULT).
 pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
+
+/// Off: the fused kernel's last block normalises every row of the launch alone, after the whole
+/// grid, and that serial tail costs more than the kernel boundary it saves. On the H200
+/// (benches/results/gemv_add_rmsnorm_perf_f3efcca.log, tp_fused_norm_f3efcca.log): per launch at
+/// Llama-3-8B's o / down and M = 8, 28.6 / 43.2 us fused against 13.4 / 34.4 us for the GEMV +
+/// add_rmsnorm (Qwen3.5-27B's down 81.4 against 48.9); in the model, Llama-3-8B batched decode
+/// at concurrency 2 / 4 / 8 (the rows that take this route: one row runs the CUDA-core GEMV and
+/// two kernels either way, more than 8 cuBLAS) decodes 3% / 7% / 13% faster with it off.
+pub const FUSED_NORM_DEFAULT: bool = false;
 
 /// The environment switch of `CudaModel::fused_rope` (`config::env_switch`; unset means on).
 pub const FUSED_ROPE_SWITCH: &str = "NINFER_FUSED_ROPE";
@@ -175,7 +185,7 @@ impl CudaModel {
         Self::check_supported(&cfg)?;
         // Switches first, so that a misspelt value fails before a long load.
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
-        let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, true)?;
+        let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, FUSED_NORM_DEFAULT)?;
         let fused_rope = crate::config::env_switch(FUSED_ROPE_SWITCH, true)?;
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is

@@ -8,6 +8,10 @@
 //! completion, then the next grid's PDL wait) on the step's critical path: 64 boundaries of a
 //! Llama-3-8B step. The fused kernel adds each block's projection columns into the residual as
 //! add_rmsnorm adds them, and the last block to finish normalises the rows.
+//!
+//! Measured, the serial tail (one block normalising every row after the whole grid) costs more
+//! than the boundary, so the model calls this only under `NINFER_FUSED_NORM=1` (off by default,
+//! model/cuda_model.rs FUSED_NORM_DEFAULT); the kernel stays for that switch and its tests.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
