@@ -178,17 +178,7 @@ __device__ __forceinline__ void attention_body(
     }
 
     float qv[G][EPL], acc[G][EPL], m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + lane * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[g][e] = to_f32(qrow[e]) * scale;
-            acc[g][e] = 0.0f;
-        }
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-    }
+    softmax_state_init<G, EPL, D>(q + t * q_stride + (long long)h0 * D + lane * EPL, scale, qv, acc, m, l);
     attend_keys<D, G>(k_cache, v_cache, block_tables + (long long)seq * max_blocks, n_kv_heads,
                       block_size, (long long)kvh * D + lane * EPL, start, end, qv, acc, m, l);
 #pragma unroll
@@ -311,7 +301,6 @@ __device__ __forceinline__ void decode_attention_body(
     constexpr int EPL = D / 32;
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
-    __shared__ int sm_last;
     pdl_enter();
     const int lane = threadIdx.x & 31;
     const int wi = threadIdx.x >> 5;
@@ -330,17 +319,7 @@ __device__ __forceinline__ void decode_attention_body(
     const int end = min(limit, start + part);
 
     float qv[G][EPL], acc[G][EPL], m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + lane * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[g][e] = to_f32(qrow[e]) * scale;
-            acc[g][e] = 0.0f;
-        }
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-    }
+    softmax_state_init<G, EPL, D>(q + t * q_stride + (long long)h0 * D + lane * EPL, scale, qv, acc, m, l);
     // A warp past the context (start >= limit) keeps m = -inf, l = 0: an empty partial.
     attend_keys<D, G>(k_cache, v_cache, block_tables + (long long)token_seq[t] * max_blocks,
                       n_kv_heads, block_size, (long long)kvh * D + lane * EPL, start, end, qv,
@@ -359,46 +338,14 @@ __device__ __forceinline__ void decode_attention_body(
 #pragma unroll
         for (int e = 0; e < EPL; ++e) sm_acc[wi][lane * EPL + e] = acc[g][e];
         __syncthreads();
-        const int i = threadIdx.x;
-        if (i < D) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int w = 0; w < DA_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-            float a = 0.0f, sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < DA_WARPS; ++w) {
-                const float lw = sm_l[w][g];
-                if (lw != 0.0f) {
-                    const float f = expf(sm_m[w][g] - mx);
-                    sum = fmaf(lw, f, sum);
-                    a = fmaf(sm_acc[w][i], f, a);
-                }
-            }
-            const long long row = (long long)t * n_q_heads + h0 + g;
-            if (nb == 1) {
-                out[row * D + i] = from_f32(a * (1.0f / sum));
-            } else {
-                const long long p_idx = row * DA_SPLITS + b;
-                part_acc[p_idx * D + i] = a;
-                if (i == 0) {
-                    part_ml[p_idx * 2] = mx;
-                    part_ml[p_idx * 2 + 1] = sum;
-                }
-            }
-        }
+        if (threadIdx.x < D)
+            merge_warp_partials<DA_WARPS, G, D>(g, threadIdx.x, sm_acc, sm_m, sm_l,
+                                                (long long)t * n_q_heads + h0 + g, b, nb, DA_SPLITS,
+                                                out, part_acc, part_ml);
         __syncthreads();
     }
-    if (nb == 1) return;
-    // Publish this block's partial before counting it in (the classic threadfence reduction).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned prev = atomicInc(arrivals + tg, (unsigned)(nb - 1));
-        sm_last = prev == (unsigned)(nb - 1);
-    }
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();
+    // Publish this block's partial, then count it in (common.cuh's arrives_last).
+    if (nb == 1 || !arrives_last(arrivals + tg, (unsigned)nb)) return;
     // Last block: merge the nb block partials in split order. Volatile loads bypass L1, which
     // is not coherent with the other blocks' writes; a thread loads all its splits' values
     // before it uses any (one L2 round trip, not one per split).

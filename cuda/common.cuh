@@ -170,6 +170,81 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_launch_dependents();
 }
 
+// ---------------------------------------------------------------------------------------------
+// In-kernel reductions across blocks (decode attention's split merge, device sampling's row
+// merge, the GEMV's fused add + norm): each block publishes its partial, then counts itself in;
+// the block that arrives last sees every partial and merges them, with no second kernel.
+// `arrives_last` is that election for the whole block (every thread must call it):
+// atomicInc(counter, blocks - 1) returns the old count and stores 0 when that count is
+// blocks - 1, so the electing atomic also resets the counter for the next launch or graph
+// replay (no separate reset write that could be missed). The elected block fences again before
+// it reads the others' partials (through L2: volatile or ld.global.cg loads, L1 is not coherent).
+__device__ __forceinline__ bool arrives_last(unsigned* counter, unsigned blocks) {
+    __shared__ int elected;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) elected = atomicInc(counter, blocks - 1) == blocks - 1;
+    __syncthreads();
+    const bool last = elected;
+    if (last) __threadfence();
+    return last;
+}
+
+// Online-softmax state of G q heads at a lane's EPL elements of each (decode attention, both
+// forms): q scaled, accumulators 0, running max -inf and sum 0. `q_lane`: head 0's row at the
+// lane's slice; heads are `D` elements apart.
+template <int G, int EPL, int D>
+__device__ __forceinline__ void softmax_state_init(const store_t* q_lane, float scale, float (&qv)[G][EPL],
+                                                   float (&acc)[G][EPL], float (&m)[G], float (&l)[G]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const store_t* qrow = q_lane + (long long)g * D;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            qv[g][e] = to_f32(qrow[e]) * scale;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+}
+
+// Element i (< D) of q head g's block result from the WARPS warps' partials in shared memory
+// (sm_m / sm_l: each warp's max and sum, sm_acc: its accumulators), merged in warp order: the
+// normalised output row `row` when the token has one block split (nb == 1), else split b's
+// partial (accumulators, and max and sum at i == 0) at row * max_splits + b. Warp 0 of a live
+// block always has keys, so the block's max is finite and its sum positive.
+template <int WARPS, int G, int D>
+__device__ __forceinline__ void merge_warp_partials(int g, int i, const float (&sm_acc)[WARPS][D],
+                                                    const float (&sm_m)[WARPS][G],
+                                                    const float (&sm_l)[WARPS][G], long long row,
+                                                    int b, int nb, int max_splits, store_t* out,
+                                                    float* part_acc, float* part_ml) {
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float a = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const float lw = sm_l[w][g];
+        if (lw != 0.0f) {
+            const float f = expf(sm_m[w][g] - mx);
+            sum = fmaf(lw, f, sum);
+            a = fmaf(sm_acc[w][i], f, a);
+        }
+    }
+    if (nb == 1) {
+        out[row * D + i] = from_f32(a * (1.0f / sum));
+    } else {
+        const long long p_idx = row * max_splits + b;
+        part_acc[p_idx * D + i] = a;
+        if (i == 0) {
+            part_ml[p_idx * 2] = mx;
+            part_ml[p_idx * 2 + 1] = sum;
+        }
+    }
+}
+
 // RMSNorm arithmetic of a row in chunks of 8 storage elements (a uint4), shared by norm.cu's
 // rmsnorm / add_rmsnorm and the GEMV epilogue that fuses add_rmsnorm (gemv_tc.cu
 // gemv_tc_add_rmsnorm): both round the same expressions in the same order, so the fused kernel

@@ -130,7 +130,6 @@ __device__ __forceinline__ void scaled_decode_body(
     static_assert(DA_MAX_SPLITS <= 32 && D % 32 == 0, "the final merge gives a lane per split, a warp one q head");
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
-    __shared__ int sm_last;
     // Before the PDL wait: everything that does not depend on the kernel before this one (the
     // decode step's rope_kv_write, which writes q and the newest key's K/V row). The step's
     // metadata (token_seq, token_pos, block tables) was uploaded before the step began, and every
@@ -196,17 +195,7 @@ __device__ __forceinline__ void scaled_decode_body(
     }
 
     float qv[G][EPL], acc[G][EPL], m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const store_t* qrow = q + t * q_stride + (long long)(h0 + g) * D + sl * EPL;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[g][e] = to_f32(qrow[e]) * scale;
-            acc[g][e] = 0.0f;
-        }
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-    }
+    softmax_state_init<G, EPL, D>(q + t * q_stride + (long long)h0 * D + sl * EPL, scale, qv, acc, m, l);
     if (start < end) {
         for (int j = start; j < end; j += KI) {
             // Next iteration's K/V rows (their table entries came one iteration ahead), then the
@@ -323,48 +312,13 @@ __device__ __forceinline__ void scaled_decode_body(
             for (int e = 0; e < EPL; ++e) sm_acc[wi][sl * EPL + e] = acc[g][e];
         }
         __syncthreads();
-        const int i = threadIdx.x;
-        if (i < D) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int w = 0; w < DA_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
-            float a = 0.0f, sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < DA_WARPS; ++w) {
-                const float lw = sm_l[w][g];
-                if (lw != 0.0f) {
-                    const float f = expf(sm_m[w][g] - mx);
-                    sum = fmaf(lw, f, sum);
-                    a = fmaf(sm_acc[w][i], f, a);
-                }
-            }
-            const long long row = row0 + g;
-            if (nb == 1) {
-                out[row * D + i] = from_f32(a * (1.0f / sum));
-            } else {
-                const long long p_idx = row * DA_MAX_SPLITS + b;
-                part_acc[p_idx * D + i] = a;
-                if (i == 0) {
-                    part_ml[p_idx * 2] = mx;
-                    part_ml[p_idx * 2 + 1] = sum;
-                }
-            }
-        }
+        if (threadIdx.x < D)
+            merge_warp_partials<DA_WARPS, G, D>(g, threadIdx.x, sm_acc, sm_m, sm_l, row0 + g, b, nb,
+                                                DA_MAX_SPLITS, out, part_acc, part_ml);
         __syncthreads();
     }
-    if (nb == 1) return;
-    // Publish this block's partial, then count it in. atomicInc(counter, nb - 1) returns the old
-    // count and stores 0 when that count is nb - 1, so the last arrival resets the counter for
-    // the next launch in the same atomic that elects it.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned prev = atomicInc(arrivals + tg, (unsigned)(nb - 1));
-        sm_last = prev == (unsigned)(nb - 1);
-    }
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();
+    // Publish this block's partial, then count it in (common.cuh's arrives_last).
+    if (nb == 1 || !arrives_last(arrivals + tg, (unsigned)nb)) return;
     // Last block: merge the nb block partials in split order. Volatile loads bypass L1, which is
     // not coherent with the other blocks' writes. Thread i merges element i of a q head, EPT
     // elements a thread; the 32 lanes of a warp share the head (D is a multiple of 32), so lane s

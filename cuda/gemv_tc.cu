@@ -414,13 +414,7 @@ __device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_
                                                   int m, int dim) {
     __shared__ float group_sum[GEMV_TC_MAX_M][32];
     __shared__ float rstd[GEMV_TC_MAX_M];
-    __shared__ unsigned last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicInc(nm.arrivals, gridDim.x - 1) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!arrives_last(nm.arrivals, gridDim.x)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_chunks = dim >> 3, groups = nm.lanes >> 5, pairs = m * groups;
     // The warp's first GEMV_TC_NORM_CACHE pairs: each lane's first chunk and its weight chunk,

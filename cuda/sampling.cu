@@ -720,7 +720,6 @@ sample_scan(const float* __restrict__ logits, float* __restrict__ work, int voca
     __shared__ float red_f[32];
     __shared__ int red_i[32];
     __shared__ unsigned red_k[32];
-    __shared__ int s_last;
     float* s_row = reinterpret_cast<float*>(s_buf);
     const int tid = threadIdx.x, nb = gridDim.x, b = blockIdx.x, r = blockIdx.y;
     const unsigned* p = params + (long long)r * SAMPLE_HDR;
@@ -828,16 +827,8 @@ sample_scan(const float* __restrict__ logits, float* __restrict__ work, int voca
         }
     }
 
-    // Publish the record before counting the block in (the classic threadfence reduction).
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        const unsigned prev = atomicInc(arrivals + r, (unsigned)(nb - 1));
-        s_last = prev == (unsigned)(nb - 1);
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    // Publish the record, then count the block in (common.cuh's arrives_last).
+    if (!arrives_last(arrivals + r, (unsigned)nb)) return;
     // Last block: merge the row's nb records. Volatile loads bypass L1, which is not coherent
     // with the other blocks' writes.
     const volatile unsigned* vp = partials + (long long)r * nb * SCAN_REC;
