@@ -286,9 +286,8 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_acc,
 // 0..nb-1, so the result is the same whichever block is last (deterministic: graph == eager,
 // batch == alone, since nb and every split's keys depend on the token's own context only).
 // nb, the live block splits, is known on device from the context; idle block splits exit
-// without arriving. atomicInc(counter, nb - 1) returns the old count and stores 0 when the old
-// count is nb - 1, so the last arrival resets the counter for the next layer / step / replay
-// in the same atomic operation that elects it (no separate reset write that could be missed).
+// without arriving. The election (and the counter's reset for the next layer / step / replay) is
+// common.cuh's arrives_last.
 #define DA_WARPS 8
 #define DA_SPLITS (DECODE_SPLITS / DA_WARPS)
 template <int D, int G>

@@ -400,10 +400,8 @@ __device__ __forceinline__ void tc_norm_scale_group(const store_t* residual, con
 
 // The add + RMSNorm epilogue's tail, run by every block after its residual columns are
 // written: the block publishes them (__threadfence) and counts itself in; the block that
-// arrives last, so sees every column, normalises the m rows into nm.h. atomicInc(counter,
-// blocks - 1) returns the old count and stores 0 when the old count is blocks - 1, so the
-// electing atomic also resets the counter for the next launch / graph replay (the pattern of
-// decode_attention in attention.cu). The sum of squares follows common.cuh's RMSNorm order
+// arrives last (common.cuh's arrives_last, which also resets the counter for the next launch /
+// graph replay), so sees every column, normalises the m rows into nm.h. The sum of squares follows common.cuh's RMSNorm order
 // over nm.lanes lanes with WARPS warps: warp w takes the (row, 32-lane group) pairs w, w + WARPS, ...,
 // each lane summing its lane's chunks and warp_sum giving the group's sum; warp r then sums
 // row r's group sums (warps r, r + WARPS, ... of m <= 8 rows). add_rmsnorm with nm.lanes threads sums the

@@ -253,7 +253,9 @@ pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
 /// finer grain at a kernel's tail. Never changes a value (a warp's sums do not depend on its
 /// block). Measured on the H200 (report_gemv_chain, benches/results/gemv_chain_ccwarps_2c4d4fb.log:
 /// the 8B decoder's GEMVs chained over 32 layers): 3.688 / 3.679 ms with 8 warps, 3.657 with 4,
-/// 3.645 with 2 (-1%); not yet measured in the model, so the default stays 8.
+/// 3.645 with 2 (-1%); in the model (cc_warps_variants_626c549.log) 2 and 4 decode within the
+/// spread of 8 (232.47 / 232.13 and 231.57 / 233.38 against 232.80 / 232.30 tok/s), so the
+/// default stays 8.
 pub const CC_WARPS_VAR: &str = "NINFER_CC_WARPS";
 
 /// `value` of `NINFER_CC_WARPS`: 8 when unset or blank, else 2, 4 or 8.
