@@ -84,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=128, help="batch-1 decode: prompt tokens")
     p.add_argument("--tokens", type=int, default=256, help="batch-1 decode: decode tokens timed")
     p.add_argument("--concurrency", default="1,8,32,64", help="throughput: concurrency levels")
+    p.add_argument("--tp-model", default="llama-3-8b", choices=["llama-3-8b", "qwen3_5-27b"],
+                   help="throughput: the model shape (the issue's table is Llama-3-8B; the 27B shows what a "
+                        "batch costs on the hybrid model)")
+    p.add_argument("--profile-batch", type=int, default=1,
+                   help="profile: decode sequences a step (each with --prompt tokens); 1 is the batch-1 profile")
     p.add_argument("--tp-prompt", type=int, default=1024, help="throughput: prompt tokens per request")
     p.add_argument("--tp-tokens", type=int, default=256, help="throughput: output tokens per request")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="throughput: engine tokens per step")
@@ -501,7 +506,7 @@ def part_decode(b: Bench, model: str) -> list:
 
 def part_throughput(b: Bench) -> list:
     a = b.a
-    model = "llama-3-8b"
+    model = a.tp_model
     s = b.shape(model)
     path = b.checkpoint(model)
     rate = b.copy_rate()
@@ -723,7 +728,7 @@ def device_idle(events: list, steps: int, first_kernel: str = "embedding_gather"
 
 
 def part_profile(b: Bench, model: str) -> list:
-    """Where a batch-1 decode step's time goes: kernel time on the GPU (CUPTI records every
+    """Where a decode step's time goes (batch 1, or --profile-batch sequences): kernel time on the GPU (CUPTI records every
     kernel of the process, ours included) against the step's wall time. The difference is time
     the GPU waits for the host (sampling, scheduling, metadata upload, Python)."""
     import torch
@@ -732,11 +737,20 @@ def part_profile(b: Bench, model: str) -> list:
     a = b.a
     s = b.shape(model)
     path = b.checkpoint(model)
-    eng, _ = ninfer_engine(b, path, max_context=2048, kv_capacity=4096, max_concurrency=4, prefill_chunk=512)
-    eng.submit("p", random_prompt(a.prompt, s["vocab"], 2), json.dumps({"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}))
-    for _ in range(40):
-        eng.step()
+    n = max(1, a.profile_batch)
     steps = 64
+    chunk = max(512, min(8192, n * a.prompt))
+    # Past every prefill (chunk tokens a step), then 40 decode steps: the profiled steps are
+    # decode steps of all n sequences, none of which finishes inside them.
+    warm = 40 + -(-n * a.prompt // chunk)
+    ctx = a.prompt + warm + steps + 16
+    eng, _ = ninfer_engine(b, path, max_context=max(2048, ctx), kv_capacity=max(4096, n * (ctx + 16)),
+                           max_concurrency=max(4, n), prefill_chunk=chunk)
+    params = json.dumps({"max_tokens": warm + steps + 8, "temperature": 0.0, "ignore_eos": True})
+    for i in range(n):
+        eng.submit(f"p{i}", random_prompt(a.prompt, s["vocab"], 2 + i), params)
+    for _ in range(warm):
+        eng.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
@@ -749,20 +763,21 @@ def part_profile(b: Bench, model: str) -> list:
         busy_us = sum(getattr(e, "cuda_time", 0.0) for e in kernels)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
     idle = device_idle(kernels, steps)
-    text = (f"{steps} decode steps, batch 1, {model}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time "
+    text = (f"{steps} decode steps, batch {n} ({a.prompt}-token prompts), {model}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time "
             f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step\n"
             f"device timeline: busy (union of kernels and copies) {idle['busy_us_per_step']:.1f} us/step, idle "
             f"before a step's first kernel (host turnaround: result copy, scheduling, metadata upload, graph "
             f"launch) {idle['between_steps_us_per_step']:.1f} us/step, idle inside steps "
             f"{idle['within_steps_us_per_step']:.1f} us/step\n\n{table}\n")
     base = Path(a.out).parent / a.profile_out
-    out = base.with_name(f"{base.stem}_{model}{base.suffix}")
+    out = base.with_name(f"{base.stem}_{model}{'' if n == 1 else f'_b{n}'}{base.suffix}")
     out.write_text(text)
     log(text[:3000])
     return [b.record("decode_step_profile", model, round(wall / steps * 1e3, 4), s, unit="ms per step",
                      gpu_kernel_ms_per_step=round(busy_us / steps / 1e3, 4), kernels_per_step=len(kernels) / steps,
                      device_idle_us_per_step=idle,
-                     fraction_of_ceiling=None, peer=None, peer_value=None, batch=1, table_file=out.name)]
+                     fraction_of_ceiling=None, peer=None, peer_value=None, batch=n, prompt_tokens=a.prompt,
+                     table_file=out.name)]
 
 
 def guarded(b: Bench, name: str, model: str, fn) -> None:
@@ -785,14 +800,14 @@ def main(argv=None) -> int:
         return 0
     b = Bench(a)
     log(f"device {b.device_name}; parts: " + ", ".join(
-        n for n, on in (("decode-8b", a.decode_8b), ("profile", a.profile), ("throughput", a.throughput), ("decode-27b", a.decode_27b),
+        n for n, on in (("decode-8b", a.decode_8b), ("profile", a.profile), (f"throughput {a.tp_model}", a.throughput), ("decode-27b", a.decode_27b),
                         ("startup", a.startup)) if on))
     # Shape by shape: the two checkpoints do not fit the disk together.
     if a.decode_8b:
         guarded(b, "decode_bs1_tok_s", "llama-3-8b", lambda: part_decode(b, "llama-3-8b"))
     if a.profile and (a.decode_8b or not a.decode_27b):
         guarded(b, "decode_step_profile", "llama-3-8b", lambda: part_profile(b, "llama-3-8b"))
-    if a.throughput:
+    if a.throughput and a.tp_model == "llama-3-8b":
         guarded(b, "decode_throughput_tok_s", "llama-3-8b", lambda: part_throughput(b))
     b.drop_checkpoint("llama-3-8b")
     if a.startup:
@@ -801,6 +816,8 @@ def main(argv=None) -> int:
         guarded(b, "decode_bs1_tok_s", "qwen3_5-27b", lambda: part_decode(b, "qwen3_5-27b"))
         if a.profile:
             guarded(b, "decode_step_profile", "qwen3_5-27b", lambda: part_profile(b, "qwen3_5-27b"))
+    if a.throughput and a.tp_model == "qwen3_5-27b":
+        guarded(b, "decode_throughput_tok_s", "qwen3_5-27b", lambda: part_throughput(b))
     b.drop_checkpoint("qwen3_5-27b")
     new = b.records[b.earlier:]
     errors = [r for r in new if "error" in r]
