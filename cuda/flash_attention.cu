@@ -423,12 +423,242 @@ __device__ __forceinline__ void flash_body(
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Batched decode attention on tensor cores (flash_decode_d*): one query token per sequence, the
+// route of decode launches of more than two tokens (ops/decode_attention.rs, form TensorCore).
+//
+// Why: the CUDA-core decode kernels score each key against the G q heads of its group with
+// per-lane dot products, shuffle reductions and one exp per (key, head) on every lane of a key
+// slot, ~290 instructions a warp for each 2 KB of K/V at d 128. At batch 64 and ~1.2k keys that
+// bound the fixed form at 1.4 TB/s, 59% of the 8B's decode step (decode_profile_llama-3-8b_b64,
+// session 11). Here the G heads of a token's group are the M rows of m16n8k16 (rows G..15 zero),
+// keys are N for S = Q K^T and K for O += P V, exactly the prefill kernel's tile with heads in
+// place of query rows: 2 D / 16 + D / 8 mmas for 16 keys, and every K/V byte is read once for
+// the whole group.
+//
+// Layout: a block of FD_WARPS(D) warps owns (token, kv head, split); a split is
+// fd_split_keys(limit) consecutive keys (a function of the token's own context, as the scaled
+// form's splits: batch == alone holds), at most FD_MAX_SPLITS of them. Warp w takes the 16-key
+// tiles w, w + WARPS, ... of the split, each staged by the warp alone into its own two shared
+// buffers by cp.async (the next tile in flight while this one is multiplied; V converted to f16
+// as the prefill kernel does, P V in f16), with its own online softmax (exp2, the scale folded
+// into log2 e). The warps merge through shared memory in warp order; the splits through the
+// scratch partials, merged in split order by the last block to arrive (arrives_last), which is
+// the layout decode_attention.cu's kernels use (the same AttnScratch).
+#define FD_MAX_SPLITS 32  // = ops/decode_attention.rs DECODE_MAX_SPLITS
+#define FD_BN 16
+// Fewest 16-key tiles a warp takes in a split: fewer splits (and partials) at short contexts.
+#define FD_MIN_WARP_TILES 4
+#define FD_WARPS(D) ((D) >= 256 ? 2 : 4)
+
+// Keys a split of a token seeing `limit` keys takes (a multiple of the block's tile row): the
+// default, or more where that would pass FD_MAX_SPLITS splits. = ops/decode_attention.rs
+// `tc_split_keys`.
+__host__ __device__ __forceinline__ int fd_split_keys(int limit, int warps) {
+    const int unit = warps * FD_BN;
+    const int need = (limit + FD_MAX_SPLITS - 1) / FD_MAX_SPLITS;
+    return max(unit * FD_MIN_WARP_TILES, (need + unit - 1) / unit * unit);
+}
+
+// c0, c1 += rows 0..7 of a * b (f16 operands), rows 8..15 into the throwaway z0, z1: the decode
+// tile's rows 8..15 are zero (at most 8 heads a group), so their accumulators need no registers.
+__device__ __forceinline__ void mma16816_f16_top(float& c0, float& c1, float& z0, float& z1,
+                                                 const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c0), "+f"(c1), "+f"(z0), "+f"(z1)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+__device__ __forceinline__ void flash_decode_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
+    int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
+    float* part_acc, float* part_ml, unsigned* arrivals) {
+    constexpr int WARPS = FD_WARPS(D);
+    constexpr int LD = D + FA_PAD;
+    constexpr int TILE = FD_BN * LD;  // elements of one K or V tile
+    extern __shared__ uint4 fa_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gr = lane >> 2, tq = lane & 3;
+    const int tk = blockIdx.x;  // token * n_kv_heads + kv head
+    const int t = tk / n_kv_heads;
+    const int kvh = tk - t * n_kv_heads;
+    const int G = n_q_heads / n_kv_heads;
+    pdl_enter();
+    const int limit = token_pos[t] + 1;
+    const int split = fd_split_keys(limit, WARPS);
+    const int nb = (limit + split - 1) / split;
+    const int b = blockIdx.y;
+    if (b >= nb) return;  // beyond this token's splits (uniform over the block)
+    const int s0 = b * split;
+    const int s_end = min(limit, s0 + split);
+    const int* table = block_tables + (long long)token_seq[t] * max_blocks;
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    store_t* kv0 = reinterpret_cast<store_t*>(fa_smem) + warp * 4 * TILE;  // [buf][K, V][TILE]
+
+    // Q rows (heads of the group) as A fragments: row gr, columns k0 + 2tq (+1) and +8; rows
+    // 8..15 and heads past the group are zero.
+    const float scale_log2 = scale * 1.4426950408889634f;
+    unsigned qa[D / 16][2];
+    {
+        const bool live = gr < G;
+        const store_t* qr = q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + 2 * tq;
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+            qa[k][0] = live ? ld32(qr + 16 * k) : 0u;
+            qa[k][1] = live ? ld32(qr + 16 * k + 8) : 0u;
+        }
+    }
+    float o[D / 8][2];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = 0.0f;
+    float z0 = 0.0f, z1 = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+
+    int kb = s0 + warp * FD_BN;
+    if (kb < s_end)
+        stage_kv_async<D, FD_BN, 32>(kv0, kv0 + TILE, k_cache, v_cache, table, kb, s_end, kvh,
+                                     n_kv_heads, block_size, bs_shift, lane);
+    for (int it = 0; kb < s_end; kb += WARPS * FD_BN, ++it) {
+        store_t* ks = kv0 + (it & 1) * 2 * TILE;
+        store_t* vs = ks + TILE;
+        finish_v_async<D, FD_BN, 32>(vs, kb, s_end, lane);
+        __syncwarp();  // tile `it` visible to the warp; the other buffer no longer read
+        const int kn = kb + WARPS * FD_BN;
+        if (kn < s_end) {
+            store_t* nk = kv0 + ((it + 1) & 1) * 2 * TILE;
+            stage_kv_async<D, FD_BN, 32>(nk, nk + TILE, k_cache, v_cache, table, kn, s_end, kvh,
+                                         n_kv_heads, block_size, bs_shift, lane);
+        }
+        float sc[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+        const unsigned ka = smem_u32(ks + ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+            const unsigned a[4] = {qa[k][0], 0u, qa[k][1], 0u};
+            unsigned bk[4];
+            ldsm_x4(bk, ka + k * 32);
+            mma16816(sc[0], a, bk[0], bk[1]);
+            mma16816(sc[1], a, bk[2], bk[3]);
+        }
+        float mx = m;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = kb + n * 8 + 2 * tq + e;
+                sc[n][e] = j < s_end ? sc[n][e] * scale_log2 : NEG_INF;
+                mx = fmaxf(mx, sc[n][e]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
+        const float corr = exp2f(m - mx);
+        m = mx;
+        l *= corr;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= corr;
+            o[n][1] *= corr;
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            sc[n][0] = exp2f(sc[n][0] - mx);
+            sc[n][1] = exp2f(sc[n][1] - mx);
+            l += sc[n][0] + sc[n][1];
+        }
+        const unsigned a[4] = {pack_f16x2(sc[0][0], sc[0][1]), 0u, pack_f16x2(sc[1][0], sc[1][1]), 0u};
+        const int mi = lane >> 3, ri = lane & 7;
+        const store_t* vrow = vs + ((mi & 1) * 8 + ri) * LD + (mi >> 1) * 8;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn += 2) {
+            unsigned bv[4];
+            ldsm_x4_trans(bv, smem_u32(vrow + dn * 8));
+            mma16816_f16_top(o[dn][0], o[dn][1], z0, z1, a, bv[0], bv[1]);
+            mma16816_f16_top(o[dn + 1][0], o[dn + 1][1], z0, z1, a, bv[2], bv[3]);
+        }
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+    // Merge the warps in warp order (shared memory reused: every warp is past its tiles).
+    __syncthreads();
+    float* sm_o = reinterpret_cast<float*>(fa_smem);  // [WARPS][8][D]
+    float* sm_m = sm_o + WARPS * 8 * D;               // [WARPS][8]
+    float* sm_l = sm_m + WARPS * 8;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        sm_o[(warp * 8 + gr) * D + n * 8 + 2 * tq] = o[n][0];
+        sm_o[(warp * 8 + gr) * D + n * 8 + 2 * tq + 1] = o[n][1];
+    }
+    if (tq == 0) {
+        sm_m[warp * 8 + gr] = m;  // -inf (and l 0) for a warp without keys
+        sm_l[warp * 8 + gr] = l;
+    }
+    __syncthreads();
+    const long long tok_row = (long long)t * n_q_heads + (long long)kvh * G;  // row of head 0
+    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+        const int g = i / D, d = i - g * D;
+        float mb = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, sm_m[w * 8 + g]);
+        float lb = 0.0f, ob = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = sm_m[w * 8 + g];
+            const float f = mw == NEG_INF ? 0.0f : exp2f(mw - mb);
+            lb += sm_l[w * 8 + g] * f;
+            ob += sm_o[(w * 8 + g) * D + d] * f;
+        }
+        const long long row = tok_row + g;
+        if (nb == 1) {
+            out[row * D + d] = from_f32(ob / lb);
+        } else {
+            const long long p = row * FD_MAX_SPLITS + b;
+            part_acc[p * D + d] = ob;
+            if (d == 0) {
+                part_ml[p * 2] = mb;
+                part_ml[p * 2 + 1] = lb;
+            }
+        }
+    }
+    if (nb == 1 || !arrives_last(arrivals + tk, (unsigned)nb)) return;
+    // Last block: the nb split partials in split order (volatile: not through the incoherent L1).
+    const volatile float* vacc = part_acc;
+    const volatile float* vml = part_ml;
+    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+        const int g = i / D, d = i - g * D;
+        const long long p0 = (tok_row + g) * FD_MAX_SPLITS;
+        float mx = NEG_INF;
+        for (int s = 0; s < nb; ++s) mx = fmaxf(mx, vml[(p0 + s) * 2]);
+        float tot = 0.0f, acc = 0.0f;
+        for (int s = 0; s < nb; ++s) {
+            const float f = exp2f(vml[(p0 + s) * 2] - mx);
+            tot += vml[(p0 + s) * 2 + 1] * f;
+            acc += vacc[(p0 + s) * D + d] * f;
+        }
+        out[(tok_row + g) * D + d] = from_f32(acc / tot);
+    }
+}
+
+#define FD_BODY(D)                                                                              \
+    flash_decode_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_pos,   \
+                         n_q_heads, n_kv_heads, q_stride, block_size, scale, out, part_acc,     \
+                         part_ml, arrivals);
+
 #define FA_BODY(D, BN, WARPS, PIPE)                                                             \
     flash_body<D, BN, WARPS, PIPE>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
                                    cu_seqlens, token_pos, n_q_heads, n_kv_heads, block_size,    \
                                    scale_log2, out);
 #else
 #define FA_BODY(D, BN, WARPS, PIPE)
+#define FD_BODY(D)
 #endif
 
 // (head size, keys per tile, warps, cp.async double buffer); the launcher's table in
@@ -448,3 +678,19 @@ FA_INSTANCE(flash_attention_d128, 128, 64, 4, false)
 FA_INSTANCE(flash_attention_d256, 256, 32, 4, false)
 FA_INSTANCE(flash_attention_d256_r128, 256, 32, 8, true)
 FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
+
+// The batched tensor-core decode attention (flash_decode_body); the arguments of
+// decode_attention.cu's kernels (its last, min_warp_keys, unused), dynamic shared memory
+// ops/decode_attention.rs `tc_smem_bytes`. Heads per group at most 8.
+#define FD_INSTANCE(D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(FD_WARPS(D) * 32) flash_decode_d##D(          \
+        const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
+        int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) { \
+        FD_BODY(D)                                                                              \
+    }
+
+FD_INSTANCE(64)
+FD_INSTANCE(128)
+FD_INSTANCE(256)

@@ -3,10 +3,11 @@
 //! ragged block tables, in both storages and every head size; a token in batches of 5 tokens of
 //! other contexts against the same token alone, bit for bit; a wider block table (a bigger grid,
 //! as a graph bucket's) and a second launch on the same scratch, bit for bit, with every arrival
-//! counter back at 0; the form `paged_attention_decode` picks by batch size; and TIMING lines
+//! counter back at 0; the same for the tensor-core form batched decode runs (`flash_decode_*`)
+//! where it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, DecodeAttentionForm, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_decode_warps, DecodeAttentionForm, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
 use ninfer_core::backend::cuda::StorageDType;
 
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
@@ -43,6 +44,7 @@ fn case_shape(hq: usize, hk: usize, d: usize, bs: usize, case: &super::PagedCase
 enum Form {
     Scaled,
     Fixed,
+    TensorCore,
     /// `paged_attention_decode`: the form `decode_attention_form` picks.
     Chosen,
 }
@@ -59,6 +61,9 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
     // The layout the contexts are chosen around (decode_attention.rs mirrors the kernel's).
     assert_eq!(CONTEXTS.map(decode_block_splits), [1, 1, 8, 16, 9, 16, 32, 32]);
     assert_eq!((decode_warp_keys(4096), decode_warp_keys(8191)), (16, 32));
+    // The tensor-core form's splits: 256 keys (128 at d 256) up to 32 splits, then wider.
+    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(128)))), [1, 1, 1, 2, 3, 4, 16, 32]);
+    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(256)))), [1, 1, 2, 4, 5, 8, 32, 32]);
     for st in STORAGES {
         let Some(dev) = gpu("decode_attention_scaled", st) else { return };
         let mut rng = Rng::new(41);
@@ -82,6 +87,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 match form {
                     Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::TensorCore => dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                 }
                 .unwrap();
@@ -134,6 +140,35 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 check("decode_attention_fixed", st, &format!("{label}/ctx{}", CONTEXTS[s]), &got[rows], &want[s], tol16(st));
             }
             assert_arrivals_reset(&dev, &scratch, &format!("{label} fixed"));
+            // The tensor-core form (batched decode on sm_80+ where the shape fits): against the
+            // CPU op alone, every row of a batch the bits of its token alone, a relaunch and
+            // wider tables the same bits, counters back at 0.
+            let tc = tc_decode_fits(&shape) && dev.compute_capability().0 >= 8;
+            let mut tc_batch1 = None;
+            if tc {
+                let tc_alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &shape, &tables, &alone_scratch, Form::TensorCore)).collect();
+                for s in 0..n {
+                    check("decode_attention_tensor_core", st, &format!("{label}/ctx{}/alone", CONTEXTS[s]), &tc_alone[s], &want[s], tol16(st));
+                }
+                assert_arrivals_reset(&dev, &alone_scratch, &format!("{label} tensor-core alone"));
+                for batch in BATCHES {
+                    let got = run(&batch, &shape, &tables, &scratch, Form::TensorCore);
+                    for (i, &s) in batch.iter().enumerate() {
+                        assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &tc_alone[s], &format!("tensor-core decode attention {label}: ctx {} in batch {batch:?} vs alone", CONTEXTS[s]));
+                    }
+                    let again = run(&batch, &shape, &tables, &scratch, Form::TensorCore);
+                    assert_bitwise(&again, &got, &format!("tensor-core decode attention {label} batch {batch:?}: second launch"));
+                    assert_arrivals_reset(&dev, &scratch, &format!("{label} tensor-core batch {batch:?}"));
+                    if batch == BATCHES[1] {
+                        tc_batch1 = Some(got);
+                    }
+                }
+                let got = run(&BATCHES[0], &wide_shape, &upload_raw(&dev, &wide_tables), &scratch, Form::TensorCore);
+                for (i, &s) in BATCHES[0].iter().enumerate() {
+                    assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &tc_alone[s], &format!("tensor-core decode attention {label}: ctx {} with wide tables", CONTEXTS[s]));
+                }
+                assert_arrivals_reset(&dev, &scratch, &format!("{label} tensor-core wide tables"));
+            }
             // The form the model runs (`paged_attention_decode`): the scaled one alone, the
             // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS), the scaled one in any batch
             // under NINFER_BATCH_INVARIANT.
@@ -142,7 +177,13 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             let s = BATCHES[1][0];
             assert_bitwise(&run(&[s], &shape, &tables, &alone_scratch, Form::Chosen), &alone[s], &format!("decode attention {label}: the form chosen for 1 token"));
             let chosen = run(&BATCHES[1], &shape, &tables, &scratch, Form::Chosen);
-            let batched = if dev.batch_invariant() { run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled) } else { fixed };
+            let batched = if dev.batch_invariant() {
+                run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled)
+            } else if tc && dev.tc_decode_attn() {
+                tc_batch1.expect("the tensor-core form ran on BATCHES[1]")
+            } else {
+                fixed
+            };
             assert_bitwise(&chosen, &batched, &format!("decode attention {label}: the form chosen for 5 tokens (batch invariant {})", dev.batch_invariant()));
             assert_arrivals_reset(&dev, &scratch, &format!("{label} chosen"));
         }
@@ -159,8 +200,11 @@ fn scaled_decode_attention_timing() {
     let s = dev.stream().clone();
     let bs = 16;
     for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
-        for batch in [1, 2, 4, 8] {
+        for batch in [1, 2, 4, 8, 32, 64] {
             for ctx in [256, 512, 1024, 2048, 4096, 16384] {
+                if batch * ctx > 64 * 4096 {
+                    continue; // keeps the caches under ~2 GB and the report short
+                }
                 let blocks_per = ctx / bs;
                 let num_blocks = batch * blocks_per;
                 let mut rng = Rng::new(23);
@@ -190,12 +234,20 @@ fn scaled_decode_attention_timing() {
                 let t_scaled = time_ms(&dev, 100, || {
                     dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
                 });
+                let t_tc = time_ms(&dev, 100, || {
+                    dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                });
                 assert_arrivals_reset(&dev, &scratch, &format!("timing {name} batch {batch} ctx {ctx}"));
+                // K and V bytes read per call over the tensor-core time: its fraction of the copy rate.
+                let kv_gb = (2 * batch * ctx * hk * d * 2) as f64 / 1e9;
                 println!(
-                    "TIMING decode_attention {name} batch={batch} ctx={ctx}: fixed {:.2} us, scaled {:.2} us per call (scaled/fixed {:.3})",
+                    "TIMING decode_attention {name} batch={batch} ctx={ctx}: fixed {:.2} us, scaled {:.2} us, tensor-core {:.2} us per call (scaled/fixed {:.3}, tensor-core/fixed {:.3}, tensor-core K/V {:.0} GB/s)",
                     t_fixed * 1e3,
                     t_scaled * 1e3,
-                    t_scaled / t_fixed
+                    t_tc * 1e3,
+                    t_scaled / t_fixed,
+                    t_tc / t_fixed,
+                    kv_gb / (t_tc * 1e-3)
                 );
             }
         }

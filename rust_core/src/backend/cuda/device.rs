@@ -60,6 +60,9 @@ pub struct CudaDevice {
     /// `NINFER_BATCH_INVARIANT`: every kernel choice independent of the batch size (the GEMV
     /// form above, the decode attention form, ops/decode_attention.rs); read once.
     batch_invariant: bool,
+    /// `NINFER_TC_DECODE_ATTN` (default on): batched decode attention on tensor cores where it
+    /// fits (ops/decode_attention.rs `decode_attention_form`); read once.
+    tc_decode_attn: bool,
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -105,6 +108,7 @@ impl CudaDevice {
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
         let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
+        let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -126,6 +130,7 @@ impl CudaDevice {
             cc_warps,
             da_min_warp_keys,
             batch_invariant,
+            tc_decode_attn,
         })
     }
 
@@ -158,6 +163,11 @@ impl CudaDevice {
     /// alone bit for bit.
     pub fn batch_invariant(&self) -> bool {
         self.batch_invariant
+    }
+
+    /// Whether batched decode attention may run on tensor cores (`NINFER_TC_DECODE_ATTN`).
+    pub fn tc_decode_attn(&self) -> bool {
+        self.tc_decode_attn
     }
 
     /// The GEMV form every decode projection of this device runs.

@@ -1,12 +1,14 @@
 //! Decode-step attention launchers: the one-kernel decode attention whose split-K layout grows
-//! with each token's context (cuda/decode_attention.cu), its scratch, and the fixed-split form it
-//! replaced (`decode_attention_fixed_*` in attention.cu), kept as the baseline it is timed
-//! against.
+//! with each token's context (cuda/decode_attention.cu), the tensor-core form batched decode
+//! runs (`flash_decode_*`, cuda/flash_attention.cu), their scratch, and the fixed-split form
+//! (`decode_attention_fixed_*` in attention.cu), the baseline both are timed against and the
+//! batched route where the tensor-core form does not apply.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
 use super::{as_i32, cfg, check_len, KArg};
+use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -149,6 +151,66 @@ pub enum DecodeAttentionForm {
     Scaled,
     /// `decode_attention_fixed_*`: FIXED_BLOCK_SPLITS blocks per (token, group).
     Fixed,
+    /// `flash_decode_*`: the group's q heads as the rows of tensor-core tiles (sm_80+, head
+    /// sizes 64 / 128 / 256, at most 8 q heads a kv head; `tc_decode_fits`).
+    TensorCore,
+}
+
+/// `NINFER_TC_DECODE_ATTN` (default on): batched decode attention on tensor cores where it
+/// fits; off runs the fixed CUDA-core form there (an A/B and fallback switch).
+pub const TC_DECODE_ATTN_SWITCH: &str = "NINFER_TC_DECODE_ATTN";
+
+/// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
+const TC_TILE_KEYS: usize = 16;
+/// Fewest tiles a warp takes in a split (FD_MIN_WARP_TILES).
+const TC_MIN_WARP_TILES: usize = 4;
+
+/// Warps a block of `flash_decode_d{d}` (FD_WARPS): 2 at d 256, where each warp's two K/V
+/// buffers take 33 KiB, else 4.
+pub fn tc_decode_warps(d: usize) -> usize {
+    if d >= 256 {
+        2
+    } else {
+        4
+    }
+}
+
+/// Keys one split of a token seeing `limit` keys takes (fd_split_keys): 4 tiles a warp, or more
+/// where that would pass DECODE_MAX_SPLITS splits.
+pub fn tc_split_keys(limit: usize, warps: usize) -> usize {
+    let unit = warps * TC_TILE_KEYS;
+    (unit * TC_MIN_WARP_TILES).max(limit.div_ceil(DECODE_MAX_SPLITS).div_ceil(unit) * unit)
+}
+
+/// Grid splits that cover every token whose context is at most `max_context`.
+pub fn tc_grid_splits(max_context: usize, warps: usize) -> usize {
+    max_context.max(1).div_ceil(warps * TC_TILE_KEYS * TC_MIN_WARP_TILES).min(DECODE_MAX_SPLITS)
+}
+
+/// Dynamic shared memory of `flash_decode_d{d}`: each warp's two buffers of a K and a V tile
+/// (rows padded by 8 elements), reused for the warps' merge afterwards.
+pub fn tc_smem_bytes(d: usize) -> usize {
+    let w = tc_decode_warps(d);
+    let tiles = w * 4 * TC_TILE_KEYS * (d + 8) * 2;
+    let merge = w * 8 * d * 4 + 2 * w * 8 * 4;
+    tiles.max(merge)
+}
+
+/// Whether the tensor-core form serves this shape: head sizes with an instance and GQA groups
+/// of at most 8 q heads (the tile's rows 0..7).
+pub fn tc_decode_fits(sh: &PagedAttentionShape) -> bool {
+    matches!(sh.head_dim, 64 | 128 | 256)
+        && sh.n_kv_heads > 0
+        && sh.n_q_heads.is_multiple_of(sh.n_kv_heads)
+        && sh.n_q_heads / sh.n_kv_heads <= 8
+}
+
+fn tc_kernel_name(d: usize) -> &'static str {
+    match d {
+        64 => "flash_decode_d64",
+        128 => "flash_decode_d128",
+        _ => "flash_decode_d256",
+    }
 }
 
 /// Most query tokens a decode launch runs the scaled form for by default. Measured on an H200
@@ -162,12 +224,17 @@ pub enum DecodeAttentionForm {
 pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
 /// The form a decode launch of `tokens` query tokens runs: the scaled one up to
-/// DECODE_SCALED_MAX_TOKENS, the fixed one above, and the scaled one at every batch size when
-/// `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a row the same bits in
-/// any batch, but switching form by batch size would not.
-pub fn decode_attention_form(tokens: usize, batch_invariant: bool) -> DecodeAttentionForm {
+/// DECODE_SCALED_MAX_TOKENS, above it the tensor-core one where `tensor_core` (the device and
+/// shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one; and the scaled one at
+/// every batch size when `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a
+/// row the same bits in any batch, but switching form by batch size would not.
+/// Why the tensor-core form above two tokens: at batch 64 and ~1.2k keys on Llama-3-8B the fixed
+/// form took 223 us a layer, 59% of the step (decode_profile_llama-3-8b_b64, session 11).
+pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tensor_core: bool) -> DecodeAttentionForm {
     if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
         DecodeAttentionForm::Scaled
+    } else if tensor_core {
+        DecodeAttentionForm::TensorCore
     } else {
         DecodeAttentionForm::Fixed
     }
@@ -190,7 +257,8 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let form = decode_attention_form(token_seq.len(), self.batch_invariant());
+        let tc = self.tc_decode_attn() && self.compute_capability().0 >= 8 && tc_decode_fits(shape);
+        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc);
         self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
@@ -207,6 +275,10 @@ impl CudaDevice {
     ///
     /// `Fixed` (`decode_attention_fixed_*`, attention.cu): FIXED_BLOCK_SPLITS blocks per (token,
     /// group) whatever the context.
+    ///
+    /// `TensorCore` (`flash_decode_*`, flash_attention.cu; `tc_decode_fits` shapes on sm_80+):
+    /// a block per (token, kv head, split of `tc_split_keys(context)` keys), grid splits
+    /// `tc_grid_splits` of the block tables' width, merged in-kernel as the scaled form.
     ///
     /// In either form a row's result is the same in any batch (batch == alone, bit for bit) and
     /// in any launch. `shape.max_context` and `shape.partition` are ignored; `scratch` must hold
@@ -241,6 +313,24 @@ impl CudaDevice {
             DecodeAttentionForm::Fixed => {
                 let (g, _) = group_and_warps(shape, 0);
                 ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS, false)
+            }
+            DecodeAttentionForm::TensorCore => {
+                if !tc_decode_fits(shape) || self.compute_capability().0 < 8 {
+                    return Err(crate::NinferError::invalid(
+                        "decode attention form",
+                        format!(
+                            "the tensor-core form needs sm_80+, head size 64/128/256 and at most 8 q heads a kv head (sm_{}{}, head size {}, {} / {} heads)",
+                            self.compute_capability().0,
+                            self.compute_capability().1,
+                            shape.head_dim,
+                            shape.n_q_heads,
+                            shape.n_kv_heads
+                        ),
+                    ));
+                }
+                let w = tc_decode_warps(shape.head_dim);
+                let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w);
+                ((KernelFamily::FlashAttention, tc_kernel_name(shape.head_dim)), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
@@ -284,7 +374,15 @@ impl CudaDevice {
         ];
         let n_args = if scaled { args.len() } else { args.len() - 1 };
         let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
-        self.launch_pdl(&f, cfg(grid, (DECODE_WARPS * 32) as u32), name, &args[..n_args])
+        let mut config = cfg(grid, (DECODE_WARPS * 32) as u32);
+        if form == DecodeAttentionForm::TensorCore {
+            let smem = tc_smem_bytes(sh.head_dim);
+            f.set_attribute(cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(driver_err("raising the tensor-core decode attention shared-memory limit"))?;
+            config.block_dim = ((tc_decode_warps(sh.head_dim) * 32) as u32, 1, 1);
+            config.shared_mem_bytes = smem as u32;
+        }
+        self.launch_pdl(&f, config, name, &args[..n_args])
     }
 }
 
@@ -321,7 +419,9 @@ mod tests {
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
         use DecodeAttentionForm::{Fixed, Scaled};
         for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
-            assert_eq!(decode_attention_form(tokens, invariant), form, "{tokens} tokens, invariant {invariant}");
+            assert_eq!(decode_attention_form(tokens, invariant, false), form, "{tokens} tokens, invariant {invariant}");
+            let tc = if form == Fixed { DecodeAttentionForm::TensorCore } else { form };
+            assert_eq!(decode_attention_form(tokens, invariant, true), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
         }
     }
 
