@@ -39,6 +39,10 @@
 // lanes then fall in distinct banks, and ldmatrix row addresses stay 16-byte aligned.
 #define FA_PAD 8
 
+// Warps a block of the batched tensor-core decode attention (flash_decode_d*, below): at d 256
+// each warp's two K/V buffers take 33 KiB. Outside the sm_80 guard: the instances name it.
+#define FD_WARPS(D) ((D) >= 256 ? 2 : 4)
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
 // c += a (16x16, row) * b (16x8, col), storage-type operands, f32 accumulate (S = Q K^T).
@@ -449,7 +453,6 @@ __device__ __forceinline__ void flash_body(
 #define FD_BN 16
 // Fewest 16-key tiles a warp takes in a split: fewer splits (and partials) at short contexts.
 #define FD_MIN_WARP_TILES 4
-#define FD_WARPS(D) ((D) >= 256 ? 2 : 4)
 
 // Keys a split of a token seeing `limit` keys takes (a multiple of the block's tile row): the
 // default, or more where that would pass FD_MAX_SPLITS splits. = ops/decode_attention.rs

@@ -7,7 +7,7 @@
 //! where it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_decode_warps, DecodeAttentionForm, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
 use ninfer_core::backend::cuda::StorageDType;
 
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
@@ -179,7 +179,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             let chosen = run(&BATCHES[1], &shape, &tables, &scratch, Form::Chosen);
             let batched = if dev.batch_invariant() {
                 run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled)
-            } else if tc && dev.tc_decode_attn() {
+            } else if tc && dev.tc_decode_attn() && BATCHES[1].len() >= TC_DECODE_MIN_TOKENS {
                 tc_batch1.expect("the tensor-core form ran on BATCHES[1]")
             } else {
                 fixed

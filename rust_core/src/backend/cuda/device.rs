@@ -34,6 +34,10 @@ pub struct CudaDevice {
     stream: Arc<CudaStream>,
     modules: Mutex<HashMap<KernelFamily, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
+    /// once per kernel, not per launch (a driver call each launch put a host floor under the
+    /// decode attention's per-call time).
+    smem_limits: Mutex<HashMap<&'static str, usize>>,
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
     blas_workspace: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
@@ -120,6 +124,7 @@ impl CudaDevice {
             stream,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            smem_limits: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
             pdl,
@@ -273,6 +278,22 @@ impl CudaDevice {
             NinferError::Device(format!("kernel {name} missing from cuda/{}: {e}", family.file_name()))
         })?;
         self.functions.lock().expect("function cache poisoned").insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// The kernel `name` of `family`, allowed at least `smem` bytes of dynamic shared memory a
+    /// block (beyond the default 48 KiB needs the opt-in attribute, set once per kernel).
+    pub(crate) fn function_with_smem(&self, family: KernelFamily, name: &'static str, smem: usize) -> Result<CudaFunction> {
+        let f = self.function(family, name)?;
+        let mut limits = self.smem_limits.lock().expect("smem limits poisoned");
+        if limits.get(name).is_none_or(|&have| have < smem) {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| NinferError::Device(format!("raising the shared-memory limit of {name} to {smem} bytes: {e}")))?;
+            limits.insert(name, smem);
+        }
         Ok(f)
     }
 

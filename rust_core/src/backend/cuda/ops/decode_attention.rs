@@ -8,7 +8,6 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
 use super::{as_i32, cfg, check_len, KArg};
-use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -160,6 +159,12 @@ pub enum DecodeAttentionForm {
 /// fits; off runs the fixed CUDA-core form there (an A/B and fallback switch).
 pub const TC_DECODE_ATTN_SWITCH: &str = "NINFER_TC_DECODE_ATTN";
 
+/// Fewest query tokens a decode launch runs the tensor-core form for. Measured in the model on
+/// an H200 (Llama-3-8B, 1k-token prompts, session 11): decode phase at c = 32 / 64 +23% / +34%
+/// over the fixed form, but c = 8 -16% (tp8_tc*_69b3576.log), where the fixed form's 64 blocks a
+/// token already fill the GPU.
+pub const TC_DECODE_MIN_TOKENS: usize = 16;
+
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
 const TC_TILE_KEYS: usize = 16;
 /// Fewest tiles a warp takes in a split (FD_MIN_WARP_TILES).
@@ -233,7 +238,7 @@ pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tensor_core: bool) -> DecodeAttentionForm {
     if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
         DecodeAttentionForm::Scaled
-    } else if tensor_core {
+    } else if tensor_core && tokens >= TC_DECODE_MIN_TOKENS {
         DecodeAttentionForm::TensorCore
     } else {
         DecodeAttentionForm::Fixed
@@ -352,7 +357,8 @@ impl CudaDevice {
         let (pa, _h) = scratch.acc.device_ptr(s);
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
-        let f = self.function(family, name)?;
+        let smem = if form == DecodeAttentionForm::TensorCore { tc_smem_bytes(sh.head_dim) } else { 0 };
+        let f = self.function_with_smem(family, name, smem)?;
         let args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
@@ -376,9 +382,6 @@ impl CudaDevice {
         let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
         let mut config = cfg(grid, (DECODE_WARPS * 32) as u32);
         if form == DecodeAttentionForm::TensorCore {
-            let smem = tc_smem_bytes(sh.head_dim);
-            f.set_attribute(cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                .map_err(driver_err("raising the tensor-core decode attention shared-memory limit"))?;
             config.block_dim = ((tc_decode_warps(sh.head_dim) * 32) as u32, 1, 1);
             config.shared_mem_bytes = smem as u32;
         }
@@ -420,7 +423,7 @@ mod tests {
         use DecodeAttentionForm::{Fixed, Scaled};
         for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
             assert_eq!(decode_attention_form(tokens, invariant, false), form, "{tokens} tokens, invariant {invariant}");
-            let tc = if form == Fixed { DecodeAttentionForm::TensorCore } else { form };
+            let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { DecodeAttentionForm::TensorCore } else { form };
             assert_eq!(decode_attention_form(tokens, invariant, true), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
         }
     }

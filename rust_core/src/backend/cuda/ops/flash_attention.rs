@@ -1,12 +1,12 @@
 //! Prefill attention launcher (cuda/flash_attention.cu): causal flash attention on tensor
 //! cores over the paged KV cache, for steps whose sequences bring chunks of query rows.
 
-use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
+use cudarc::driver::sys::CUdevice_attribute_enum;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::attention::PagedAttentionShape;
 use super::{as_i32, check_len, KArg};
-use crate::backend::cuda::device::{driver_err, CudaDevice};
+use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
@@ -146,9 +146,7 @@ impl CudaDevice {
         }
         check_len("flash attention block_tables", block_tables.len(), n_seqs * sh.max_blocks_per_seq)?;
         let smem = inst.smem_bytes(d);
-        let f = self.function(KernelFamily::FlashAttention, name)?;
-        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(driver_err("raising the flash attention shared-memory limit"))?;
+        let f = self.function_with_smem(KernelFamily::FlashAttention, name, smem)?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k_cache.device_ptr(s);
