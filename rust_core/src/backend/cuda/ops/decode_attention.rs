@@ -160,9 +160,9 @@ pub enum DecodeAttentionForm {
 pub const TC_DECODE_ATTN_SWITCH: &str = "NINFER_TC_DECODE_ATTN";
 
 /// Fewest query tokens a decode launch runs the tensor-core form for. Measured in the model on
-/// an H200 (Llama-3-8B, 1k-token prompts, session 11): decode phase at c = 32 / 64 +23% / +34%
-/// over the fixed form, but c = 8 -16% (tp8_tc*_69b3576.log), where the fixed form's 64 blocks a
-/// token already fill the GPU.
+/// an H200 (Llama-3-8B, 1k-token prompts, decode phase against the fixed form in the same call):
+/// c = 8 -16% (benches/results/tp8_tc_ab_69b3576.log), c = 16 / 32 / 64 +13% / +22% / +36%
+/// (tp8_tc_ab_24ff285.log). Per call the d 256 kernel has a ~35-40 us floor (docs/kernels.md).
 pub const TC_DECODE_MIN_TOKENS: usize = 16;
 
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
