@@ -419,6 +419,24 @@ mod tests {
     }
 
     #[test]
+    fn the_tensor_core_grid_covers_every_context_and_its_shared_memory_fits_every_sm80_part() {
+        for d in [64, 128, 256] {
+            let w = tc_decode_warps(d);
+            // Opt-in limit of sm_86 / sm_89 (99 KiB), the smallest of the sm_80+ parts.
+            assert!(tc_smem_bytes(d) <= 99 * 1024, "d{d}: {} bytes", tc_smem_bytes(d));
+            for max in [1, 63, 64, 256, 257, 1000, 8192, 8193, 40000] {
+                let grid = tc_grid_splits(max, w);
+                assert!((1..=DECODE_MAX_SPLITS).contains(&grid));
+                for ctx in 1..=max {
+                    let split = tc_split_keys(ctx, w);
+                    assert_eq!(split % (w * TC_TILE_KEYS), 0);
+                    assert!(ctx.div_ceil(split) <= grid, "d{d}: context {ctx} under a grid for {max}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
         use DecodeAttentionForm::{Fixed, Scaled};
         for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
