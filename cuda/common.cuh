@@ -209,6 +209,27 @@ __device__ __forceinline__ void softmax_state_init(const store_t* q_lane, float 
     }
 }
 
+// A decode attention block's merged result at element i (< D) of output row `row` (accumulator
+// a, running max mx, sum): the normalised output when the token has one block split (nb == 1),
+// else split b's partial (accumulators, and max and sum at i == 0) at row * max_splits + b, for
+// the last block to arrive to merge. Shared by both CUDA-core forms (merge_warp_partials) and the
+// tensor-core one (flash_attention.cu flash_decode_body), whose partials share one layout.
+template <int D>
+__device__ __forceinline__ void store_block_result(float a, float mx, float sum, int i, long long row,
+                                                   int b, int nb, int max_splits, store_t* out,
+                                                   float* part_acc, float* part_ml) {
+    if (nb == 1) {
+        out[row * D + i] = from_f32(a * (1.0f / sum));
+    } else {
+        const long long p_idx = row * max_splits + b;
+        part_acc[p_idx * D + i] = a;
+        if (i == 0) {
+            part_ml[p_idx * 2] = mx;
+            part_ml[p_idx * 2 + 1] = sum;
+        }
+    }
+}
+
 // Element i (< D) of q head g's block result from the WARPS warps' partials in shared memory
 // (sm_m / sm_l: each warp's max and sum, sm_acc: its accumulators), merged in warp order: the
 // normalised output row `row` when the token has one block split (nb == 1), else split b's
@@ -233,16 +254,7 @@ __device__ __forceinline__ void merge_warp_partials(int g, int i, const float (&
             a = fmaf(sm_acc[w][i], f, a);
         }
     }
-    if (nb == 1) {
-        out[row * D + i] = from_f32(a * (1.0f / sum));
-    } else {
-        const long long p_idx = row * max_splits + b;
-        part_acc[p_idx * D + i] = a;
-        if (i == 0) {
-            part_ml[p_idx * 2] = mx;
-            part_ml[p_idx * 2 + 1] = sum;
-        }
-    }
+    store_block_result<D>(a, mx, sum, i, row, b, nb, max_splits, out, part_acc, part_ml);
 }
 
 // RMSNorm arithmetic of a row in chunks of 8 storage elements (a uint4), shared by norm.cu's

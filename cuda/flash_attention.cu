@@ -619,17 +619,7 @@ __device__ __forceinline__ void flash_decode_body(
             lb += sm_l[w * 8 + g] * f;
             ob += sm_o[(w * 8 + g) * D + d] * f;
         }
-        const long long row = tok_row + g;
-        if (nb == 1) {
-            out[row * D + d] = from_f32(ob / lb);
-        } else {
-            const long long p = row * FD_MAX_SPLITS + b;
-            part_acc[p * D + d] = ob;
-            if (d == 0) {
-                part_ml[p * 2] = mb;
-                part_ml[p * 2 + 1] = lb;
-            }
-        }
+        store_block_result<D>(ob, mb, lb, d, tok_row + g, b, nb, FD_MAX_SPLITS, out, part_acc, part_ml);
     }
     if (nb == 1 || !arrives_last(arrivals + tk, (unsigned)nb)) return;
     // Last block: the nb split partials in split order (volatile: not through the incoherent L1).
