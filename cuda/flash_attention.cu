@@ -429,12 +429,12 @@ __device__ __forceinline__ void flash_body(
 
 // ---------------------------------------------------------------------------------------------
 // Batched decode attention on tensor cores (flash_decode_d*): one query token per sequence, the
-// route of decode launches of more than two tokens (ops/decode_attention.rs, form TensorCore).
+// route of decode launches of 16+ tokens (ops/decode_attention.rs, form TensorCore).
 //
 // Why: the CUDA-core decode kernels score each key against the G q heads of its group with
 // per-lane dot products, shuffle reductions and one exp per (key, head) on every lane of a key
 // slot, ~290 instructions a warp for each 2 KB of K/V at d 128. At batch 64 and ~1.2k keys that
-// bound the fixed form at 1.4 TB/s, 59% of the 8B's decode step (decode_profile_llama-3-8b_b64,
+// bound the fixed form at 1.4 TB/s, 59% of the 8B's decode step (benches/results/decode_profile_8b_b64_0ea12b0.txt,
 // session 11). Here the G heads of a token's group are the M rows of m16n8k16 (rows G..15 zero),
 // keys are N for S = Q K^T and K for O += P V, exactly the prefill kernel's tile with heads in
 // place of query rows: 2 D / 16 + D / 8 mmas for 16 keys, and every K/V byte is read once for

@@ -233,8 +233,9 @@ pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 /// shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one; and the scaled one at
 /// every batch size when `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a
 /// row the same bits in any batch, but switching form by batch size would not.
-/// Why the tensor-core form above two tokens: at batch 64 and ~1.2k keys on Llama-3-8B the fixed
-/// form took 223 us a layer, 59% of the step (decode_profile_llama-3-8b_b64, session 11).
+/// Why the tensor-core form from TC_DECODE_MIN_TOKENS tokens: at batch 64 and ~1.2k keys on
+/// Llama-3-8B the fixed form took 223 us a layer, 59% of the step
+/// (benches/results/decode_profile_8b_b64_0ea12b0.txt).
 pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tensor_core: bool) -> DecodeAttentionForm {
     if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
         DecodeAttentionForm::Scaled
@@ -285,7 +286,7 @@ impl CudaDevice {
     /// a block per (token, kv head, split of `tc_split_keys(context)` keys), grid splits
     /// `tc_grid_splits` of the block tables' width, merged in-kernel as the scaled form.
     ///
-    /// In either form a row's result is the same in any batch (batch == alone, bit for bit) and
+    /// In every form a row's result is the same in any batch (batch == alone, bit for bit) and
     /// in any launch. `shape.max_context` and `shape.partition` are ignored; `scratch` must hold
     /// `decode_scratch_len(tokens, shape)`, its counters zeroed.
     ///
