@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
     p.add_argument("--peer-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.profile_batch < 1:
+        p.error(f"--profile-batch {a.profile_batch}: decode sequences a step must be at least 1")
     if not (a.decode_8b or a.decode_27b or a.throughput or a.startup or a.profile):
         a.decode_8b = a.decode_27b = a.throughput = a.startup = True
     return a
@@ -737,7 +739,7 @@ def part_profile(b: Bench, model: str) -> list:
     a = b.a
     s = b.shape(model)
     path = b.checkpoint(model)
-    n = max(1, a.profile_batch)
+    n = a.profile_batch
     steps = 64
     chunk = max(512, min(8192, n * a.prompt))
     # Past every prefill (chunk tokens a step), then 40 decode steps: the profiled steps are

@@ -37,6 +37,16 @@ def test_gpu_prefill_rejects_bad_arguments_naming_them(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, named", [(["--profile-batch", "0"], "--profile-batch 0"),
+                                         (["--tp-model", "llama-70b"], "llama-70b")])
+def test_gpu_bench_rejects_bad_arguments_naming_them(argv, named, capsys):
+    bench = _load("gpu_bench")
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--out", "x.json", *argv])
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
+
+
 def test_gpu_prefill_accepts_a_profile_within_the_longest_prompt():
     prefill = _load("gpu_prefill")
     a = prefill.parse_args(["--out", "x.json", "--prompts", "2048,8192", "--profile", "8192"])
