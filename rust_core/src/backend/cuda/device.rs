@@ -285,6 +285,9 @@ impl CudaDevice {
     /// block (beyond the default 48 KiB needs the opt-in attribute, set once per kernel).
     pub(crate) fn function_with_smem(&self, family: KernelFamily, name: &'static str, smem: usize) -> Result<CudaFunction> {
         let f = self.function(family, name)?;
+        if smem <= 48 * 1024 {
+            return Ok(f); // within the default limit: nothing to raise, no lock on the launch path
+        }
         let mut limits = self.smem_limits.lock().expect("smem limits poisoned");
         if limits.get(name).is_none_or(|&have| have < smem) {
             f.set_attribute(
