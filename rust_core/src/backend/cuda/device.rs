@@ -35,8 +35,8 @@ pub struct CudaDevice {
     modules: Mutex<HashMap<KernelFamily, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
-    /// once per kernel, not per launch (a driver call each launch put a host floor under the
-    /// decode attention's per-call time).
+    /// once per kernel, not per launch (a driver call the launch does not need; moving it out did
+    /// not remove the d 256 decode attention's per-call floor, docs/kernels.md).
     smem_limits: Mutex<HashMap<&'static str, usize>>,
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
