@@ -435,10 +435,14 @@ __device__ __forceinline__ void flash_body(
 // per-lane dot products, shuffle reductions and one exp per (key, head) on every lane of a key
 // slot, ~290 instructions a warp for each 2 KB of K/V at d 128. At batch 64 and ~1.2k keys that
 // bound the fixed form at 1.4 TB/s, 59% of the 8B's decode step (benches/results/decode_profile_8b_b64_0ea12b0.txt,
-// session 11). Here the G heads of a token's group are the M rows of m16n8k16 (rows G..15 zero),
-// keys are N for S = Q K^T and K for O += P V, exactly the prefill kernel's tile with heads in
-// place of query rows: 2 D / 16 + D / 8 mmas for 16 keys, and every K/V byte is read once for
-// the whole group.
+// session 11). Here the G heads of a token's group are the N columns of m16n8k16 (columns
+// G..7 zero) and 16 keys (for S^T = K Q^T) or 16 head dims (for O^T += V^T P^T) its M rows:
+// D / 16 + D / 16 mmas for 16 keys, every one of them useful, each O^T mma on its own
+// accumulators, and every K/V byte read once for the whole group. P^T goes from the S^T
+// accumulator layout to O^T's B fragments by movmatrix (a register transpose), not shared
+// memory. (Session 11's first form put the heads in the M rows, as the prefill kernel does its
+// queries: half of every tile zero rows, 2 D / 16 + D / 8 mmas, and the P V chain serialised
+// through shared throwaway accumulators; a ~35-40 us floor a call at d 256.)
 //
 // Layout: a block of FD_WARPS(D) warps owns (token, kv head, split); a split is
 // fd_split_keys(limit) consecutive keys (a function of the token's own context, as the scaled
@@ -463,15 +467,13 @@ __host__ __device__ __forceinline__ int fd_split_keys(int limit, int warps) {
     return max(unit * FD_MIN_WARP_TILES, (need + unit - 1) / unit * unit);
 }
 
-// c0, c1 += rows 0..7 of a * b (f16 operands), rows 8..15 into the throwaway z0, z1: the decode
-// tile's rows 8..15 are zero (at most 8 heads a group), so their accumulators need no registers.
-__device__ __forceinline__ void mma16816_f16_top(float& c0, float& c1, float& z0, float& z1,
-                                                 const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c0), "+f"(c1), "+f"(z0), "+f"(z1)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// The 8x8 16-bit matrix held one row pair a lane (lane l: row l/4, columns 2(l%4), +1, the mma
+// fragment layout) transposed, in the same layout: what turns the keys-by-heads probabilities
+// of S^T into the heads-by-keys B fragment of O^T += V^T P^T without shared memory (sm_75+).
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
 }
 
 template <int D>
@@ -503,25 +505,30 @@ __device__ __forceinline__ void flash_decode_body(
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     store_t* kv0 = reinterpret_cast<store_t*>(fa_smem) + warp * 4 * TILE;  // [buf][K, V][TILE]
 
-    // Q rows (heads of the group) as A fragments: row gr, columns k0 + 2tq (+1) and +8; rows
-    // 8..15 and heads past the group are zero.
+    // Q^T as B fragments (k = head dims, n = the group's heads): column gr is head gr, rows
+    // k0 + 2tq (+1) and +8; heads past the group are zero columns.
     const float scale_log2 = scale * 1.4426950408889634f;
-    unsigned qa[D / 16][2];
+    unsigned qb[D / 16][2];
     {
         const bool live = gr < G;
         const store_t* qr = q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + 2 * tq;
 #pragma unroll
         for (int k = 0; k < D / 16; ++k) {
-            qa[k][0] = live ? ld32(qr + 16 * k) : 0u;
-            qa[k][1] = live ? ld32(qr + 16 * k + 8) : 0u;
+            qb[k][0] = live ? ld32(qr + 16 * k) : 0u;
+            qb[k][1] = live ? ld32(qr + 16 * k + 8) : 0u;
         }
     }
-    float o[D / 8][2];
+    // O^T accumulators: acc[n] holds dims 16n + gr (0, 1) and 16n + gr + 8 (2, 3) of heads
+    // 2tq (0, 2) and 2tq + 1 (1, 3). The running max m and sum l are those two heads' (h = 0, 1).
+    float acc[D / 16][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = 0.0f;
-    float z0 = 0.0f, z1 = 0.0f;
-    float m = NEG_INF, l = 0.0f;
+    for (int n = 0; n < D / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
+    // ldmatrix row addresses: K tiles as the A operand of S^T (rows = keys, non-transposed),
+    // V tiles as the A operand of O^T (rows = head dims, transposed from the key rows).
+    const int ka_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+    const int va_off = ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8;
     int kb = s0 + warp * FD_BN;
     if (kb < s_end)
         stage_kv_async<D, FD_BN, 32>(kv0, kv0 + TILE, k_cache, v_cache, table, kb, s_end, kvh,
@@ -537,72 +544,79 @@ __device__ __forceinline__ void flash_decode_body(
             stage_kv_async<D, FD_BN, 32>(nk, nk + TILE, k_cache, v_cache, table, kn, s_end, kvh,
                                          n_kv_heads, block_size, bs_shift, lane);
         }
-        float sc[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-        const unsigned ka = smem_u32(ks + ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8);
+        // S^T = K Q^T: rows gr, gr + 8 = keys kb + gr (+8), columns 2tq, 2tq + 1 = heads.
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const unsigned ka = smem_u32(ks + ka_off);
 #pragma unroll
         for (int k = 0; k < D / 16; ++k) {
-            const unsigned a[4] = {qa[k][0], 0u, qa[k][1], 0u};
-            unsigned bk[4];
-            ldsm_x4(bk, ka + k * 32);
-            mma16816(sc[0], a, bk[0], bk[1]);
-            mma16816(sc[1], a, bk[2], bk[3]);
+            unsigned a[4];
+            ldsm_x4(a, ka + k * 32);
+            mma16816(sc, a, qb[k][0], qb[k][1]);
         }
-        float mx = m;
+        float mx[2];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = kb + n * 8 + 2 * tq + e;
-                sc[n][e] = j < s_end ? sc[n][e] * scale_log2 : NEG_INF;
-                mx = fmaxf(mx, sc[n][e]);
-            }
+        for (int h = 0; h < 2; ++h) {
+            sc[h] = kb + gr < s_end ? sc[h] * scale_log2 : NEG_INF;
+            sc[h + 2] = kb + gr + 8 < s_end ? sc[h + 2] * scale_log2 : NEG_INF;
+            mx[h] = fmaxf(m[h], fmaxf(sc[h], sc[h + 2]));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
-        const float corr = exp2f(m - mx);
-        m = mx;
-        l *= corr;
+        float corr[2];
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= corr;
-            o[n][1] *= corr;
+        for (int h = 0; h < 2; ++h) {
+            corr[h] = exp2f(m[h] - mx[h]);
+            m[h] = mx[h];
+            sc[h] = exp2f(sc[h] - mx[h]);
+            sc[h + 2] = exp2f(sc[h + 2] - mx[h]);
+            l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            sc[n][0] = exp2f(sc[n][0] - mx);
-            sc[n][1] = exp2f(sc[n][1] - mx);
-            l += sc[n][0] + sc[n][1];
+        for (int n = 0; n < D / 16; ++n) {
+            acc[n][0] *= corr[0];
+            acc[n][1] *= corr[1];
+            acc[n][2] *= corr[0];
+            acc[n][3] *= corr[1];
         }
-        const unsigned a[4] = {pack_f16x2(sc[0][0], sc[0][1]), 0u, pack_f16x2(sc[1][0], sc[1][1]), 0u};
-        const int mi = lane >> 3, ri = lane & 7;
-        const store_t* vrow = vs + ((mi & 1) * 8 + ri) * LD + (mi >> 1) * 8;
+        // P^T (keys x heads) in f16, transposed into the B fragments of O^T += V^T P^T.
+        const unsigned pb0 = movmatrix_trans(pack_f16x2(sc[0], sc[1]));
+        const unsigned pb1 = movmatrix_trans(pack_f16x2(sc[2], sc[3]));
+        const unsigned va = smem_u32(vs + va_off);
 #pragma unroll
-        for (int dn = 0; dn < D / 8; dn += 2) {
-            unsigned bv[4];
-            ldsm_x4_trans(bv, smem_u32(vrow + dn * 8));
-            mma16816_f16_top(o[dn][0], o[dn][1], z0, z1, a, bv[0], bv[1]);
-            mma16816_f16_top(o[dn + 1][0], o[dn + 1][1], z0, z1, a, bv[2], bv[3]);
+        for (int n = 0; n < D / 16; ++n) {
+            unsigned a[4];
+            ldsm_x4_trans(a, va + n * 32);
+            mma16816_f16(acc[n], a, pb0, pb1);
         }
     }
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the warp's sums over its keys (rows gr of every lane)
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
+    }
 
     // Merge the warps in warp order (shared memory reused: every warp is past its tiles).
     __syncthreads();
     float* sm_o = reinterpret_cast<float*>(fa_smem);  // [WARPS][8][D]
     float* sm_m = sm_o + WARPS * 8 * D;               // [WARPS][8]
     float* sm_l = sm_m + WARPS * 8;
+    float* ow = sm_o + (warp * 8 + 2 * tq) * D + gr;  // head 2tq, dim gr
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        sm_o[(warp * 8 + gr) * D + n * 8 + 2 * tq] = o[n][0];
-        sm_o[(warp * 8 + gr) * D + n * 8 + 2 * tq + 1] = o[n][1];
+    for (int n = 0; n < D / 16; ++n) {
+        ow[16 * n] = acc[n][0];
+        ow[D + 16 * n] = acc[n][1];
+        ow[16 * n + 8] = acc[n][2];
+        ow[D + 16 * n + 8] = acc[n][3];
     }
-    if (tq == 0) {
-        sm_m[warp * 8 + gr] = m;  // -inf (and l 0) for a warp without keys
-        sm_l[warp * 8 + gr] = l;
+    if (gr == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            sm_m[warp * 8 + 2 * tq + h] = m[h];  // -inf (and l 0) for a warp without keys
+            sm_l[warp * 8 + 2 * tq + h] = l[h];
+        }
     }
     __syncthreads();
     const long long tok_row = (long long)t * n_q_heads + (long long)kvh * G;  // row of head 0

@@ -150,7 +150,7 @@ pub enum DecodeAttentionForm {
     Scaled,
     /// `decode_attention_fixed_*`: FIXED_BLOCK_SPLITS blocks per (token, group).
     Fixed,
-    /// `flash_decode_*`: the group's q heads as the rows of tensor-core tiles (sm_80+, head
+    /// `flash_decode_*`: the group's q heads as the columns of tensor-core tiles (sm_80+, head
     /// sizes 64 / 128 / 256, at most 8 q heads a kv head; `tc_decode_fits`).
     TensorCore,
 }
@@ -202,7 +202,7 @@ pub fn tc_smem_bytes(d: usize) -> usize {
 }
 
 /// Whether the tensor-core form serves this shape: head sizes with an instance and GQA groups
-/// of at most 8 q heads (the tile's rows 0..7).
+/// of at most 8 q heads (the tile's 8 columns).
 pub fn tc_decode_fits(sh: &PagedAttentionShape) -> bool {
     matches!(sh.head_dim, 64 | 128 | 256)
         && sh.n_kv_heads > 0
