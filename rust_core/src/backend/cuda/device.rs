@@ -67,6 +67,31 @@ pub struct CudaDevice {
     /// `NINFER_TC_DECODE_ATTN` (default on): batched decode attention on tensor cores where it
     /// fits (ops/decode_attention.rs `decode_attention_form`); read once.
     tc_decode_attn: bool,
+    /// Fewest tokens a decode launch runs the tensor-core form for (`NINFER_TC_DECODE_MIN_TOKENS`,
+    /// default TC_DECODE_MIN_TOKENS); read once.
+    tc_decode_min_tokens: usize,
+    /// `NINFER_SMEM_CARVEOUT`: the preferred shared-memory carveout (percent of the unified
+    /// L1 / shared memory) set on every kernel as it is loaded, or None for the driver's choice.
+    smem_carveout: Option<i32>,
+}
+
+/// The variable that sets every kernel's preferred shared-memory carveout (a tuning tool).
+pub const SMEM_CARVEOUT_VAR: &str = "NINFER_SMEM_CARVEOUT";
+
+/// `value` of `NINFER_SMEM_CARVEOUT`: None (the driver picks per kernel) when unset, blank or
+/// `auto`, else a percentage of 0..=100; an error naming the variable and the value otherwise.
+/// Why it exists: a kernel whose shared memory needs a larger carveout than its neighbours' can
+/// make the SM reconfigure between them, which waits for the running blocks to drain and so
+/// cuts into the overlap that programmatic dependent launch buys.
+pub fn parse_smem_carveout(value: Option<&str>) -> Result<Option<i32>> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
+        return Ok(None);
+    };
+    v.parse::<i32>()
+        .ok()
+        .filter(|p| (0..=100).contains(p))
+        .map(Some)
+        .ok_or_else(|| NinferError::config(SMEM_CARVEOUT_VAR, format!("expected `auto` or a percentage of 0..=100, got {v:?}")))
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -113,6 +138,8 @@ impl CudaDevice {
         let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
+        let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
+        let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         Ok(CudaDevice {
@@ -136,6 +163,8 @@ impl CudaDevice {
             da_min_warp_keys,
             batch_invariant,
             tc_decode_attn,
+            tc_decode_min_tokens,
+            smem_carveout,
         })
     }
 
@@ -173,6 +202,11 @@ impl CudaDevice {
     /// Whether batched decode attention may run on tensor cores (`NINFER_TC_DECODE_ATTN`).
     pub fn tc_decode_attn(&self) -> bool {
         self.tc_decode_attn
+    }
+
+    /// Fewest tokens a decode launch runs the tensor-core form for (`NINFER_TC_DECODE_MIN_TOKENS`).
+    pub fn tc_decode_min_tokens(&self) -> usize {
+        self.tc_decode_min_tokens
     }
 
     /// The GEMV form every decode projection of this device runs.
@@ -277,6 +311,10 @@ impl CudaDevice {
         let f = module.load_function(name).map_err(|e| {
             NinferError::Device(format!("kernel {name} missing from cuda/{}: {e}", family.file_name()))
         })?;
+        if let Some(pct) = self.smem_carveout {
+            f.set_attribute(cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)
+                .map_err(|e| NinferError::Device(format!("setting the shared-memory carveout of {name} to {pct}%: {e}")))?;
+        }
         self.functions.lock().expect("function cache poisoned").insert(name, f.clone());
         Ok(f)
     }
@@ -331,5 +369,22 @@ impl CudaDevice {
         *self.blas_workspace.lock().expect("cublas workspace poisoned") = Some(ws);
         *slot = Some(b.clone());
         Ok(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smem_carveout_setting_parses_or_names_the_bad_value() {
+        assert_eq!(parse_smem_carveout(None).unwrap(), None);
+        assert_eq!(parse_smem_carveout(Some(" auto ")).unwrap(), None);
+        assert_eq!(parse_smem_carveout(Some("0")).unwrap(), Some(0));
+        assert_eq!(parse_smem_carveout(Some("100")).unwrap(), Some(100));
+        for bad in ["101", "-1", "half", "50%"] {
+            let e = parse_smem_carveout(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(SMEM_CARVEOUT_VAR) && e.contains(bad), "{bad}: {e}");
+        }
     }
 }

@@ -162,8 +162,25 @@ pub const TC_DECODE_ATTN_SWITCH: &str = "NINFER_TC_DECODE_ATTN";
 /// Fewest query tokens a decode launch runs the tensor-core form for. Measured in the model on
 /// an H200 (Llama-3-8B, 1k-token prompts, decode phase against the fixed form in the same call):
 /// c = 8 -16% (benches/results/tp8_tc_ab_69b3576.log), c = 16 / 32 / 64 +13% / +22% / +36%
-/// (tp8_tc_ab_24ff285.log). Per call the d 256 kernel has a ~35-40 us floor (docs/kernels.md).
+/// (tp8_tc_ab_24ff285.log). `NINFER_TC_DECODE_MIN_TOKENS` overrides it (a tuning tool).
 pub const TC_DECODE_MIN_TOKENS: usize = 16;
+
+/// The variable that overrides TC_DECODE_MIN_TOKENS.
+pub const TC_DECODE_MIN_TOKENS_VAR: &str = "NINFER_TC_DECODE_MIN_TOKENS";
+
+/// `value` of `NINFER_TC_DECODE_MIN_TOKENS`: TC_DECODE_MIN_TOKENS when unset, blank or `auto`,
+/// else an integer of at least DECODE_SCALED_MAX_TOKENS + 1 (launches up to
+/// DECODE_SCALED_MAX_TOKENS always run the scaled form); an error naming the variable and the
+/// value otherwise.
+pub fn parse_tc_decode_min_tokens(value: Option<&str>) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
+        return Ok(TC_DECODE_MIN_TOKENS);
+    };
+    let least = DECODE_SCALED_MAX_TOKENS + 1;
+    v.parse::<usize>().ok().filter(|&n| n >= least).ok_or_else(|| {
+        crate::NinferError::config(TC_DECODE_MIN_TOKENS_VAR, format!("expected `auto` or an integer of at least {least}, got {v:?}"))
+    })
+}
 
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
 const TC_TILE_KEYS: usize = 16;
@@ -229,17 +246,17 @@ fn tc_kernel_name(d: usize) -> &'static str {
 pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
 /// The form a decode launch of `tokens` query tokens runs: the scaled one up to
-/// DECODE_SCALED_MAX_TOKENS, above it the tensor-core one where `tensor_core` (the device and
-/// shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one; and the scaled one at
+/// DECODE_SCALED_MAX_TOKENS, above it the tensor-core one from `tc_min_tokens` tokens (Some
+/// where the device and shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one; and the scaled one at
 /// every batch size when `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a
 /// row the same bits in any batch, but switching form by batch size would not.
 /// Why the tensor-core form from TC_DECODE_MIN_TOKENS tokens: at batch 64 and ~1.2k keys on
 /// Llama-3-8B the fixed form took 223 us a layer, 59% of the step
 /// (benches/results/decode_profile_8b_b64_0ea12b0.txt).
-pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tensor_core: bool) -> DecodeAttentionForm {
+pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>) -> DecodeAttentionForm {
     if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
         DecodeAttentionForm::Scaled
-    } else if tensor_core && tokens >= TC_DECODE_MIN_TOKENS {
+    } else if tc_min_tokens.is_some_and(|min| tokens >= min) {
         DecodeAttentionForm::TensorCore
     } else {
         DecodeAttentionForm::Fixed
@@ -264,7 +281,7 @@ impl CudaDevice {
         scratch: &AttnScratch,
     ) -> Result<()> {
         let tc = self.tc_decode_attn() && self.compute_capability().0 >= 8 && tc_decode_fits(shape);
-        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc);
+        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc.then_some(self.tc_decode_min_tokens()));
         self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
@@ -441,9 +458,25 @@ mod tests {
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
         use DecodeAttentionForm::{Fixed, Scaled};
         for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
-            assert_eq!(decode_attention_form(tokens, invariant, false), form, "{tokens} tokens, invariant {invariant}");
+            assert_eq!(decode_attention_form(tokens, invariant, None), form, "{tokens} tokens, invariant {invariant}");
             let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { DecodeAttentionForm::TensorCore } else { form };
-            assert_eq!(decode_attention_form(tokens, invariant, true), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
+            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS)), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
+        }
+        // A lower threshold moves the fixed form's launches, never the scaled form's.
+        assert_eq!(decode_attention_form(3, false, Some(3)), DecodeAttentionForm::TensorCore);
+        assert_eq!(decode_attention_form(2, false, Some(3)), Scaled);
+        assert_eq!(decode_attention_form(8, true, Some(3)), Scaled);
+    }
+
+    #[test]
+    fn tc_min_tokens_setting_parses_or_names_the_bad_value() {
+        assert_eq!(parse_tc_decode_min_tokens(None).unwrap(), TC_DECODE_MIN_TOKENS);
+        assert_eq!(parse_tc_decode_min_tokens(Some(" auto ")).unwrap(), TC_DECODE_MIN_TOKENS);
+        assert_eq!(parse_tc_decode_min_tokens(Some("3")).unwrap(), 3);
+        assert_eq!(parse_tc_decode_min_tokens(Some("64")).unwrap(), 64);
+        for bad in ["2", "0", "-4", "eight", "1.5"] {
+            let e = parse_tc_decode_min_tokens(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(TC_DECODE_MIN_TOKENS_VAR) && e.contains(bad), "{bad}: {e}");
         }
     }
 
