@@ -457,6 +457,10 @@ __device__ __forceinline__ void flash_body(
 #define FD_BN 16
 // Fewest 16-key tiles a warp takes in a split: fewer splits (and partials) at short contexts.
 #define FD_MIN_WARP_TILES 4
+// The last block's split merge: output elements a thread sums at once, and splits of each
+// whose partials it requests before using any (FD_MERGE_ROWS x FD_MERGE_CHUNK loads in flight).
+#define FD_MERGE_ROWS 4
+#define FD_MERGE_CHUNK 8
 
 // Keys a split of a token seeing `limit` keys takes (a multiple of the block's tile row): the
 // default, or more where that would pass FD_MAX_SPLITS splits. = ops/decode_attention.rs
@@ -636,21 +640,68 @@ __device__ __forceinline__ void flash_decode_body(
         store_block_result<D>(ob, mb, lb, d, tok_row + g, b, nb, FD_MAX_SPLITS, out, part_acc, part_ml);
     }
     if (nb == 1 || !arrives_last(arrivals + tk, (unsigned)nb)) return;
-    // Last block: the nb split partials in split order (volatile: not through the incoherent L1).
-    const volatile float* vacc = part_acc;
-    const volatile float* vml = part_ml;
-    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-        const int g = i / D, d = i - g * D;
-        const long long p0 = (tok_row + g) * FD_MAX_SPLITS;
+    // Last block: the nb split partials in split order, read through L2 (ld.global.cg: L1 is
+    // not coherent with the other blocks' writes). Each head's max over the splits, the splits'
+    // weights and their total once, in shared memory (free again: every thread is past the
+    // warp merge); then each thread sums FD_MERGE_ROWS elements at a time with FD_MERGE_CHUNK
+    // splits' loads of each in flight before any is used. Why: the first form re-read the
+    // (max, sum) pairs for every element and waited on every load in turn, ~24 elements x nb
+    // round trips a thread at d 256, most of the d 256 kernel's ~37 us floor at short contexts.
+    float* sm_pm = reinterpret_cast<float*>(fa_smem);  // [8][FD_MAX_SPLITS] split max, then weight
+    float* sm_pl = sm_pm + 8 * FD_MAX_SPLITS;         // [8][FD_MAX_SPLITS] split sum
+    float* sm_tot = sm_pl + 8 * FD_MAX_SPLITS;        // [8] weighted total
+    for (int i = threadIdx.x; i < G * nb; i += WARPS * 32) {
+        const int g = i / nb, sp = i - g * nb;
+        const float* ml = part_ml + ((tok_row + g) * FD_MAX_SPLITS + sp) * 2;
+        sm_pm[g * FD_MAX_SPLITS + sp] = __ldcg(ml);
+        sm_pl[g * FD_MAX_SPLITS + sp] = __ldcg(ml + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        float* pm = sm_pm + threadIdx.x * FD_MAX_SPLITS;
+        const float* pl = sm_pl + threadIdx.x * FD_MAX_SPLITS;
         float mx = NEG_INF;
-        for (int s = 0; s < nb; ++s) mx = fmaxf(mx, vml[(p0 + s) * 2]);
-        float tot = 0.0f, acc = 0.0f;
-        for (int s = 0; s < nb; ++s) {
-            const float f = exp2f(vml[(p0 + s) * 2] - mx);
-            tot += vml[(p0 + s) * 2 + 1] * f;
-            acc += vacc[(p0 + s) * D + d] * f;
+        for (int sp = 0; sp < nb; ++sp) mx = fmaxf(mx, pm[sp]);
+        float tot = 0.0f;
+        for (int sp = 0; sp < nb; ++sp) {
+            const float f = exp2f(pm[sp] - mx);
+            pm[sp] = f;
+            tot += pl[sp] * f;
         }
-        out[(tok_row + g) * D + d] = from_f32(acc / tot);
+        sm_tot[threadIdx.x] = tot;
+    }
+    __syncthreads();
+    for (int i0 = threadIdx.x; i0 < G * D; i0 += FD_MERGE_ROWS * WARPS * 32) {
+        float acc[FD_MERGE_ROWS];
+#pragma unroll
+        for (int r = 0; r < FD_MERGE_ROWS; ++r) acc[r] = 0.0f;
+        for (int s0 = 0; s0 < nb; s0 += FD_MERGE_CHUNK) {
+            float v[FD_MERGE_ROWS][FD_MERGE_CHUNK];
+#pragma unroll
+            for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+                const int i = i0 + r * WARPS * 32;
+                const int g = i / D, d = i - g * D;
+                const float* pa = part_acc + (tok_row + g) * FD_MAX_SPLITS * D + d;
+#pragma unroll
+                for (int u = 0; u < FD_MERGE_CHUNK; ++u)
+                    v[r][u] = i < G * D && s0 + u < nb ? __ldcg(pa + (long long)(s0 + u) * D) : 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+                const int g = (i0 + r * WARPS * 32) / D;
+#pragma unroll
+                for (int u = 0; u < FD_MERGE_CHUNK; ++u)
+                    if (s0 + u < nb) acc[r] += v[r][u] * sm_pm[min(g, 7) * FD_MAX_SPLITS + s0 + u];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+            const int i = i0 + r * WARPS * 32;
+            if (i < G * D) {
+                const int g = i / D;
+                out[(tok_row + g) * D + (i - g * D)] = from_f32(acc[r] / sm_tot[g]);
+            }
+        }
     }
 }
 
