@@ -162,7 +162,10 @@ pub const TC_DECODE_ATTN_SWITCH: &str = "NINFER_TC_DECODE_ATTN";
 /// Fewest query tokens a decode launch runs the tensor-core form for. Measured in the model on
 /// an H200 (Llama-3-8B, 1k-token prompts, decode phase against the fixed form in the same call):
 /// c = 8 -16% (benches/results/tp8_tc_ab_69b3576.log), c = 16 / 32 / 64 +13% / +22% / +36%
-/// (tp8_tc_ab_24ff285.log). `NINFER_TC_DECODE_MIN_TOKENS` overrides it (a tuning tool).
+/// (tp8_tc_ab_24ff285.log); with session 12's kernel, from 3 tokens c = 4 / 8 still -15% / -14%
+/// although it wins per call (its large shared-memory carveout leaves the GEMVs after it a small
+/// L1: docs/kernels.md, tp8_tcmin_carveout_79dbfb0.log), and Qwen3.5-27B c = 16 / 32 / 64 +3% /
+/// +6% / +10% (tp27_tc_ab_79dbfb0.log). `NINFER_TC_DECODE_MIN_TOKENS` overrides it (a tuning tool).
 pub const TC_DECODE_MIN_TOKENS: usize = 16;
 
 /// The variable that overrides TC_DECODE_MIN_TOKENS.
