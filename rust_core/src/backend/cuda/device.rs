@@ -71,7 +71,9 @@ pub struct CudaDevice {
     /// default TC_DECODE_MIN_TOKENS); read once.
     tc_decode_min_tokens: usize,
     /// `NINFER_SMEM_CARVEOUT`: the preferred shared-memory carveout (percent of the unified
-    /// L1 / shared memory) set on every kernel as it is loaded, or None for the driver's choice.
+    /// L1 / shared memory) set on every kernel within the default 48 KiB of dynamic shared
+    /// memory as it is loaded (those that opt into more keep the driver's), or None for the
+    /// driver's choice everywhere.
     smem_carveout: Option<i32>,
 }
 
@@ -328,6 +330,15 @@ impl CudaDevice {
         }
         let mut limits = self.smem_limits.lock().expect("smem limits poisoned");
         if limits.get(name).is_none_or(|&have| have < smem) {
+            if self.smem_carveout.is_some() {
+                // NINFER_SMEM_CARVEOUT is for the kernels within the default limit; one that
+                // needs this much shared memory keeps the driver's carveout (its occupancy).
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    -1,
+                )
+                .map_err(|e| NinferError::Device(format!("resetting the shared-memory carveout of {name}: {e}")))?;
+            }
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
