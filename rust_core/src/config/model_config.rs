@@ -320,7 +320,7 @@ impl ModelConfig {
                 value_head_dim: f.usize("linear_value_head_dim")?,
                 conv_kernel: f.usize("linear_conv_kernel_dim")?,
             };
-            if la.num_value_heads % la.num_key_heads != 0 {
+            if !la.num_value_heads.is_multiple_of(la.num_key_heads) {
                 return Err(NinferError::config(
                     f.name("linear_num_value_heads"),
                     format!("{} is not a multiple of linear_num_key_heads {}", la.num_value_heads, la.num_key_heads),

@@ -61,7 +61,7 @@ impl RopeConfig {
             None => &empty,
         };
         let theta = num(params, "rope_theta").or_else(|| num(cfg, "rope_theta")).unwrap_or(10_000.0);
-        if !(theta > 0.0) {
+        if theta.is_nan() || theta <= 0.0 {
             return Err(NinferError::config("rope_theta", format!("must be positive, got {theta}")));
         }
         let partial = num(params, "partial_rotary_factor").or_else(|| num(cfg, "partial_rotary_factor")).unwrap_or(default_partial);
@@ -121,6 +121,7 @@ impl RopeConfig {
                     .map(|&f| {
                         let wavelen = 2.0 * std::f64::consts::PI / f;
                         let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                        #[allow(clippy::neg_cmp_op_on_partial_ord)] // as transformers writes it
                         let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
                         if medium {
                             let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);

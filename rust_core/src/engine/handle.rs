@@ -15,6 +15,7 @@ use super::{EngineCore, EngineStats, FinishReason, RequestOutput, RequestValidat
 use crate::sampling::{GrammarConstraint, SamplingParams};
 use crate::{NinferError, Result};
 
+#[allow(clippy::large_enum_variant)] // a few commands a request; boxing would only add an allocation
 enum Command {
     Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams, grammar: Option<GrammarConstraint> },
     Abort(String),

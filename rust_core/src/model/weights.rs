@@ -41,7 +41,7 @@ impl Linear {
             if any_bias {
                 match &p.b {
                     Some(pb) => b.extend_from_slice(pb),
-                    None => b.extend(std::iter::repeat(0.0).take(p.n)),
+                    None => b.extend(std::iter::repeat_n(0.0, p.n)),
                 }
             }
         }

@@ -80,6 +80,7 @@ pub fn paged_attention(
     let ptr = SharedMut(out.as_mut_ptr());
     let out_len = out.len();
     (0..t * n_heads).into_par_iter().for_each(|task| {
+        #[allow(clippy::redundant_locals)] // capture the Send wrapper whole, not its raw-pointer field
         let ptr = ptr;
         let (r, h) = (task / n_heads, task % n_heads);
         let pos = start_pos + r;

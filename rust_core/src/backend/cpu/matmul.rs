@@ -41,6 +41,7 @@ fn gemv_rows(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, bias: Option<&[
     let nblocks = n.div_ceil(block);
     let ptr = SharedMut(out.as_mut_ptr());
     (0..nblocks).into_par_iter().for_each(|bi| {
+        #[allow(clippy::redundant_locals)] // capture the Send wrapper whole, not its raw-pointer field
         let ptr = ptr;
         let rows = bi * block..((bi + 1) * block).min(n);
         simd::rows_block(w, x, m, k, rows, &mut |j, dots| {
@@ -59,6 +60,7 @@ fn gemm(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
     let nslices = n.div_ceil(slice);
     let ptr = SharedMut(out.as_mut_ptr());
     (0..nslices).into_par_iter().for_each(|si| {
+        #[allow(clippy::redundant_locals)] // capture the Send wrapper whole, not its raw-pointer field
         let ptr = ptr;
         let j0 = si * slice;
         let nc = slice.min(n - j0);

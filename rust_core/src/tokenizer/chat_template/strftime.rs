@@ -66,7 +66,7 @@ impl CivilTime {
                 out.push('%');
                 break;
             };
-            let hour12 = if self.hour % 12 == 0 { 12 } else { self.hour % 12 };
+            let hour12 = if self.hour.is_multiple_of(12) { 12 } else { self.hour % 12 };
             let month = MONTHS[(self.month - 1) as usize];
             let weekday = WEEKDAYS[self.weekday as usize];
             match d {

@@ -279,7 +279,7 @@ impl CudaDevice {
         // The pipelined scan's 16-byte copies need aligned rows; the plain tensor-core scan
         // takes any layout.
         let form = match form {
-            ScanForm::Pipelined if (qp | kp | wp) % 16 != 0 || sh.qk_stride % 8 != 0 || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
+            ScanForm::Pipelined if !(qp | kp | wp).is_multiple_of(16) || !sh.qk_stride.is_multiple_of(8) || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
                 ScanForm::TensorCores
             }
             f => f,

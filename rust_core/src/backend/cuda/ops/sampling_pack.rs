@@ -74,7 +74,7 @@ impl PackedSampling {
             if row.top_logprobs > SAMPLE_MAX_TOP {
                 return Err(NinferError::invalid("top_logprobs", format!("{} exceeds {SAMPLE_MAX_TOP}", row.top_logprobs)));
             }
-            if !row.is_greedy() && !(row.u >= 0.0 && row.u < 1.0) {
+            if !row.is_greedy() && !(0.0..1.0).contains(&row.u) {
                 return Err(NinferError::invalid("u", format!("{} is not a uniform draw in [0, 1)", row.u)));
             }
             let h = r * SAMPLE_HDR;
