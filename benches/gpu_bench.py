@@ -254,6 +254,9 @@ class Bench:
                                   "per-step host costs are fixed), so do not extrapolate it")
         if self.tiny:
             rec["tiny_dry_run"] = "tiny shapes on the CPU: checks the script, measures nothing"
+        env = ninfer_settings(os.environ)
+        if env:
+            rec["env"] = env
         rec.update(fields)
         return rec
 
@@ -265,6 +268,16 @@ class Bench:
         for r in recs:
             log(f"record {r['metric']} {r['model']}: value {r.get('value')}, fraction {r.get('fraction_of_ceiling')}, "
                 f"peer {r.get('peer_value')}" + (f", error {r['error']}" if "error" in r else ""))
+
+
+def ninfer_settings(environ) -> dict:
+    """The NINFER_* variables a run was made under (A/B runs switch forms through them, and a
+    record must say which form it measured); paths that change nothing measured are left out."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("NINFER_") and k not in SETTINGS_NOT_RECORDED}
+
+
+# Variables that locate things rather than choose a form.
+SETTINGS_NOT_RECORDED = ("NINFER_KERNEL_CACHE", "NINFER_COMMIT")
 
 
 def prod(shape) -> int:

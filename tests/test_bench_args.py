@@ -118,3 +118,19 @@ def test_a_checkpoint_write_that_fails_leaves_nothing_behind(tmp_path, monkeypat
     monkeypatch.setattr(st, "save_file", real_save)
     path = b.checkpoint("llama-3-8b")
     assert (path / "config.json").exists() and b.checkpoint("llama-3-8b") == path
+
+
+def test_records_carry_the_ninfer_settings_they_were_measured_under(tmp_path, monkeypatch):
+    """An A/B run switches forms through NINFER_* variables: each record names the ones set
+    (not the kernel-cache path or the commit), and a run under none has no `env` field."""
+    bench = _load("gpu_bench")
+    for k in [k for k in __import__("os").environ if k.startswith("NINFER_")]:
+        monkeypatch.delenv(k)
+    b = bench.Bench(bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--throughput"]))
+    s = b.shape("llama-3-8b")
+    assert "env" not in b.record("decode_throughput_tok_s", "llama-3-8b", 1.0, s)
+    monkeypatch.setenv("NINFER_TC_DECODE_ATTN", "0")
+    monkeypatch.setenv("NINFER_SMEM_CARVEOUT", "auto")
+    monkeypatch.setenv("NINFER_KERNEL_CACHE", "/tmp/k")
+    rec = b.record("decode_throughput_tok_s", "llama-3-8b", 1.0, s)
+    assert rec["env"] == {"NINFER_SMEM_CARVEOUT": "auto", "NINFER_TC_DECODE_ATTN": "0"}
