@@ -138,6 +138,7 @@ fn run_fused(dev: &CudaDevice, c: &Case, d: &DevCase, state: &mut Out32, out: &m
 }
 
 /// gdn_gates + gdn_recurrent + rmsnorm_gated, as gdn_layer ran them before the fused kernel.
+#[allow(clippy::too_many_arguments)] // the three kernels' outputs, each its own buffer
 fn run_three(dev: &CudaDevice, c: &Case, d: &DevCase, state: &mut Out32, g: &mut Out32, beta: &mut Out32, core: &mut Out16, out: &mut Out16) {
     let (nk, nv, dk, dv, t) = (c.nk, c.nv, c.dk, c.dv, c.t());
     let zs = c.zba_stride();
@@ -177,6 +178,7 @@ fn gdn_recurrent_gated_equals_the_three_kernels_bitwise_and_matches_reference() 
         let mut rng = Rng::new(41);
         // Decode (one token per sequence) at small and 27B shapes, short prefill chunks mixed
         // with decode rows, dk 64 and a dv below dk.
+        #[allow(clippy::type_complexity)] // (chunk lengths, start positions, nk, nv, dk, dv), read in place
         let cases: [(&[usize], &[i32], usize, usize, usize, usize); 5] = [
             (&[1, 1], &[3, 0], 2, 4, 128, 128),
             (&[3, 9, 1], &[3, 0, 4], 2, 4, 64, 64),

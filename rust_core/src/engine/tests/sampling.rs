@@ -17,6 +17,7 @@ use crate::Result;
 /// with that token instead of sampling (as a device sampler would answer with its own pick).
 struct SamplingProbe {
     inner: ToyRunner,
+    #[allow(clippy::type_complexity)] // every step's batch and row sampling, as the runner saw them
     steps: Arc<Mutex<Vec<(StepBatch, Vec<RowSampling>)>>>,
     forced: Option<u32>,
 }
