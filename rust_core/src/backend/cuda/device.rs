@@ -35,8 +35,7 @@ pub struct CudaDevice {
     modules: Mutex<HashMap<KernelFamily, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
-    /// once per kernel, not per launch (a driver call the launch does not need; moving it out did
-    /// not remove the d 256 decode attention's per-call floor, docs/kernels.md).
+    /// once per kernel, not per launch (a driver call the launch does not need).
     smem_limits: Mutex<HashMap<&'static str, usize>>,
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
@@ -77,7 +76,8 @@ pub struct CudaDevice {
     smem_carveout: Option<i32>,
 }
 
-/// The variable that sets every kernel's preferred shared-memory carveout (a tuning tool).
+/// The variable that sets the preferred shared-memory carveout of every kernel within the default
+/// 48 KiB of dynamic shared memory (a tuning tool).
 pub const SMEM_CARVEOUT_VAR: &str = "NINFER_SMEM_CARVEOUT";
 
 /// `value` of `NINFER_SMEM_CARVEOUT`: None (the driver picks per kernel) when unset, blank or

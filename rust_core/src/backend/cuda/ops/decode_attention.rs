@@ -213,12 +213,14 @@ pub fn tc_grid_splits(max_context: usize, warps: usize) -> usize {
 }
 
 /// Dynamic shared memory of `flash_decode_d{d}`: each warp's two buffers of a K and a V tile
-/// (rows padded by 8 elements), reused for the warps' merge afterwards.
+/// (rows padded by 8 elements), reused for the warps' merge and then for the last block's split
+/// merge (each head's split maxima / weights and sums, and totals).
 pub fn tc_smem_bytes(d: usize) -> usize {
     let w = tc_decode_warps(d);
     let tiles = w * 4 * TC_TILE_KEYS * (d + 8) * 2;
     let merge = w * 8 * d * 4 + 2 * w * 8 * 4;
-    tiles.max(merge)
+    let split_merge = (2 * 8 * DECODE_MAX_SPLITS + 8) * 4;
+    tiles.max(merge).max(split_merge)
 }
 
 /// Whether the tensor-core form serves this shape: head sizes with an instance and GQA groups
@@ -250,9 +252,10 @@ pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
 /// The form a decode launch of `tokens` query tokens runs: the scaled one up to
 /// DECODE_SCALED_MAX_TOKENS, above it the tensor-core one from `tc_min_tokens` tokens (Some
-/// where the device and shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one; and the scaled one at
-/// every batch size when `batch_invariant` (`NINFER_BATCH_INVARIANT`): each form alone gives a
-/// row the same bits in any batch, but switching form by batch size would not.
+/// where the device and shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one;
+/// and the scaled one at every batch size when `batch_invariant` (`NINFER_BATCH_INVARIANT`):
+/// each form alone gives a row the same bits in any batch, but switching form by batch size
+/// would not.
 /// Why the tensor-core form from TC_DECODE_MIN_TOKENS tokens: at batch 64 and ~1.2k keys on
 /// Llama-3-8B the fixed form took 223 us a layer, 59% of the step
 /// (benches/results/decode_profile_8b_b64_0ea12b0.txt).

@@ -235,8 +235,11 @@ mod tests {
         assert_eq!(sample_scan_blocks(128_256), 63);
         assert_eq!(sample_scan_blocks(2048), 1);
         assert_eq!(sample_scan_blocks(7), 1);
-        let bad_u = RowSampling { u: 1.0, ..Default::default() };
-        assert!(p.pack(&[bad_u], &[0], 10).is_err());
+        for u in [1.0, -0.1, f64::NAN] {
+            let bad_u = RowSampling { u, ..Default::default() };
+            assert!(p.pack(&[bad_u], &[0], 10).is_err(), "u {u}");
+        }
+        p.pack(&[RowSampling { u: 0.0, ..Default::default() }], &[0], 10).unwrap();
         let bad_top = RowSampling { top_logprobs: 21, ..Default::default() };
         assert!(p.pack(&[bad_top], &[0], 10).is_err());
     }
