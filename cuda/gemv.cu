@@ -99,10 +99,12 @@ __device__ __forceinline__ void gemv_qkv_rope_store(float s0, float s1, int p, s
 
 // The warp's epilogue: reduces each lane's partial sums (slot c of gemv_weight_row) and lane 0
 // stores the warp's output columns.
+// With `reduced` the sums are already whole (gemv_body's K split combined them) and lane 0 has
+// them.
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __restrict__ y, int n0,
                                            int n_out, int lane, int round_out,
-                                           const gemv_qkv_rope& qr) {
+                                           const gemv_qkv_rope& qr, bool reduced = false) {
     static_assert(OUT != GEMV_OUT_QKV_ROPE || M == 1, "the RoPE epilogue is one token's");
     constexpr int P = gemv_cols_per_warp<C, OUT>();
 #pragma unroll
@@ -110,15 +112,15 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
         const int n = n0 + c;
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            const float s = warp_sum(acc[c][m]);
+            const float s = reduced ? acc[c][m] : warp_sum(acc[c][m]);
             if constexpr (OUT == GEMV_OUT_SWIGLU) {
-                const float u = warp_sum(acc[P + c][m]);
+                const float u = reduced ? acc[P + c][m] : warp_sum(acc[P + c][m]);
                 if (lane == 0 && n < n_out) {
                     reinterpret_cast<store_t*>(y)[(long long)m * n_out + n] =
                         swiglu_out(round_st(s), round_st(u));
                 }
             } else if constexpr (OUT == GEMV_OUT_QKV_ROPE) {
-                const float u = warp_sum(acc[P + c][m]);
+                const float u = reduced ? acc[P + c][m] : warp_sum(acc[P + c][m]);
                 if (lane == 0 && n < n_out) gemv_qkv_rope_store(s, u, n, reinterpret_cast<store_t*>(y), qr);
             } else if (lane == 0 && n < n_out) {
                 if constexpr (OUT == GEMV_OUT_F32)
@@ -149,14 +151,26 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 // GEMV_OUT_QKV_ROPE (gemv_qkv_rope_m1, M = 1): W is the packed qkv weight and n_out counts RoPE
 // pairs; the warp owns pair n0, the two rows one rotation combines (qkv_pair_row), with the
 // same chains as gemv_m1's one row each, and ends as gemv_qkv_rope_store says.
+//
+// K split (`ksplit`, the launcher's NINFER_CC_KSPLIT: 1, 2, 4 or 8, dividing the block's warps):
+// ksplit adjacent warps of a block share one warp's columns, warp part s of them taking the
+// lane's k-slices s, s + ksplit, ... (each load still 512 contiguous bytes a warp); each warp
+// reduces its lanes, and the group's part 0 adds the parts in order 0, 1, .. and stores. A warp
+// then streams 1 / ksplit of a row, so a kernel's last warps (its tail, where fewer and fewer
+// warps keep the weight stream busy) end sooner. The sums are still one fixed chain per
+// (column, row) for a given ksplit, whatever M and C are, so every contract above holds for
+// kernels launched with the same ksplit; ksplit = 1 is the plain loop, bit for bit.
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           const store_t* __restrict__ w, void* __restrict__ y,
-                                          int n_out, int k, int prefetch, int round_out = 0,
+                                          int n_out, int k, int prefetch, int ksplit,
+                                          int round_out = 0,
                                           const gemv_qkv_rope& qr = gemv_qkv_rope{}) {
     const int lane = threadIdx.x & 31;
-    // Warps a block: the launcher's (NINFER_CC_WARPS, at most GEMV_WARPS).
-    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * gemv_cols_per_warp<C, OUT>();
+    const int warp = threadIdx.x >> 5;
+    const int part = warp % ksplit;
+    // Warps a block: the launcher's (NINFER_CC_WARPS, at most GEMV_WARPS), ksplit a column group.
+    const int n0 = (blockIdx.x * ((blockDim.x >> 5) / ksplit) + warp / ksplit) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
     const vec8* wrow[C];
 #pragma unroll
@@ -173,19 +187,21 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     // prologue before this loop ~14% slower.
 #pragma unroll 4
     for (int p = 0; p < prefetch; ++p) {
-        const int i = lane + 32 * p;
+        const int i = lane + 32 * (part + ksplit * p);
 #pragma unroll
         for (int c = 0; c < C; ++c)
             if (i < k8) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[c] + i));
     }
     pdl_enter();
-    if (n0 >= n_out) return;
+    // A split group's warps meet at a barrier below, so only an unsplit warp may leave early
+    // (past n_out the weight rows are clamped to the last one and nothing is stored).
+    if (ksplit == 1 && n0 >= n_out) return;
     float acc[C][M];
 #pragma unroll
     for (int c = 0; c < C; ++c)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[c][m] = 0.0f;
-    for (int i = lane; i < k8; i += 32) {
+    for (int i = lane + 32 * part; i < k8; i += 32 * ksplit) {
         float wf[C][8];
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -204,7 +220,29 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
             }
         }
     }
-    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane, round_out, qr);
+    if (ksplit == 1) {
+        gemv_store<M, C, OUT>(acc, y, n0, n_out, lane, round_out, qr);
+        return;
+    }
+    __shared__ float parts[GEMV_WARPS][C * M];
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float v = warp_sum(acc[c][m]);
+            if (lane == 0) parts[warp][c * M + m] = v;
+        }
+    __syncthreads();
+    if (part != 0) return;
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = parts[warp][c * M + m];
+            for (int q = 1; q < ksplit; ++q) v += parts[warp + q][c * M + m];
+            acc[c][m] = v;
+        }
+    gemv_store<M, C, OUT>(acc, y, n0, n_out, lane, round_out, qr, true);
 }
 
 // SC: the weight rows per warp of the SwiGLU variant (twice the launcher's pairs_per_warp in
@@ -213,17 +251,18 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
 #define GEMV_INSTANCE(M, C, SC)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
         gemv_m##M(const store_t* x, const store_t* w, store_t* y, int n_out, int k,            \
-                  int prefetch) {                                                              \
-        gemv_body<M, C, GEMV_OUT_STORE>(x, w, y, n_out, k, prefetch);                          \
+                  int prefetch, int ksplit) {                                                  \
+        gemv_body<M, C, GEMV_OUT_STORE>(x, w, y, n_out, k, prefetch, ksplit);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
         gemv_f32out_m##M(const store_t* x, const store_t* w, float* y, int n_out, int k,       \
-                         int prefetch, int round_out) {                                        \
-        gemv_body<M, C, GEMV_OUT_F32>(x, w, y, n_out, k, prefetch, round_out);                 \
+                         int prefetch, int ksplit, int round_out) {                            \
+        gemv_body<M, C, GEMV_OUT_F32>(x, w, y, n_out, k, prefetch, ksplit, round_out);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gateup_swiglu_m##M(     \
-        const store_t* x, const store_t* w, store_t* act, int inter, int k, int prefetch) {    \
-        gemv_body<M, SC, GEMV_OUT_SWIGLU>(x, w, act, inter, k, prefetch);                      \
+        const store_t* x, const store_t* w, store_t* act, int inter, int k, int prefetch,      \
+        int ksplit) {                                                                          \
+        gemv_body<M, SC, GEMV_OUT_SWIGLU>(x, w, act, inter, k, prefetch, ksplit);              \
     }
 
 GEMV_INSTANCE(1, 1, 2)
@@ -241,11 +280,11 @@ GEMV_INSTANCE(8, 4, 4)
 // struct gemv_qkv_rope's): gemv_m1 followed by rope_kv_write_packed, bit for bit, one kernel.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_qkv_rope_m1(const store_t* x, const store_t* w, store_t* qkv, int n_pairs, int k,
-                     int prefetch, store_t* k_cache, store_t* v_cache, const int* positions,
-                     const long long* slot_mapping, const float* inv_freq, int n_q_heads,
-                     int n_kv_heads, int half, float attn_scale) {
+                     int prefetch, int ksplit, store_t* k_cache, store_t* v_cache,
+                     const int* positions, const long long* slot_mapping, const float* inv_freq,
+                     int n_q_heads, int n_kv_heads, int half, float attn_scale) {
     gemv_body<1, 2, GEMV_OUT_QKV_ROPE>(
-        x, w, qkv, n_pairs, k, prefetch, 0,
+        x, w, qkv, n_pairs, k, prefetch, ksplit, 0,
         gemv_qkv_rope{k_cache, v_cache, positions, slot_mapping, inv_freq, n_q_heads, n_kv_heads,
                       half, attn_scale});
 }

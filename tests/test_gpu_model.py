@@ -683,6 +683,38 @@ def test_decode_with_2_warp_gemv_blocks_equals_8_warp_blocks_bitwise(decode_dir,
                                   "2 vs 8 warps a CUDA-core GEMV block", on="2", off="8")
 
 
+# K split in the CUDA-core GEMV (NINFER_CC_KSPLIT, a tuning setting: warps of a block sharing
+# one warp's rows). It changes each sum's order, so against the unsplit GEMV the logits agree
+# within the 2e-2, not bit for bit; under one setting the fused RoPE epilogue still
+# equals the GEMV followed by rope_kv_write bit for bit, and 2-warp blocks equal 8-warp blocks.
+
+@pytest.mark.parametrize("ksplit", ["2", "4", "8"])
+def test_decode_with_k_split_gemv_matches_the_unsplit_gemv(decode_dir, ksplit, monkeypatch):
+    monkeypatch.setenv("NINFER_CC_KSPLIT", ksplit)
+    split = _core.Model(str(decode_dir), device="cuda")
+    monkeypatch.setenv("NINFER_CC_KSPLIT", "1")
+    whole = _core.Model(str(decode_dir), device="cuda")
+    prompts = _decode_prompts(decode_dir, 3)
+    s_tokens, s_logits, _ = split.decode_greedy(prompts, 12)
+    w_tokens, w_logits, _ = whole.decode_greedy(prompts, 12)
+    assert np.isfinite(s_logits).all() and s_logits.shape == w_logits.shape
+    worst = 0.0
+    for i in range(len(prompts)):
+        same = next((s for s, (a, b) in enumerate(zip(s_tokens[i], w_tokens[i])) if a != b), len(s_tokens[i]))
+        a, b = s_logits[:same, i], w_logits[:same, i]
+        worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)))
+    assert worst <= 2e-2, f"{decode_dir.name[:8]} ksplit={ksplit}: rel err {worst:.3e} against the unsplit GEMV"
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, graphs, monkeypatch):
+    monkeypatch.setenv("NINFER_CC_KSPLIT", "2")
+    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_FUSED_ROPE", graphs, 1,
+                                  "fused rope vs gemv + rope_kv_write, K split 2")
+    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_CC_WARPS", graphs, 1,
+                                  "2 vs 8 warps a CUDA-core GEMV block, K split 2", on="2", off="8")
+
+
 # Batched decode attention on tensor cores (NINFER_TC_DECODE_ATTN, default on from 16 tokens a
 # launch: `flash_decode_*`) against the fixed CUDA-core form: a different summation (P V in f16),
 # so not the same bits, but every logits row computed from the same tokens within the issue's
@@ -712,7 +744,8 @@ def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(dec
 
 @pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
                                            ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
-                                           ("NINFER_CC_WARPS", "3"), ("NINFER_TC_DECODE_ATTN", "maybe")])
+                                           ("NINFER_CC_WARPS", "3"), ("NINFER_CC_KSPLIT", "3"),
+                                           ("NINFER_TC_DECODE_ATTN", "maybe")])
 def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
     monkeypatch.setenv(switch, value)
     with pytest.raises(Exception, match=switch):

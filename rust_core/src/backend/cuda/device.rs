@@ -57,6 +57,8 @@ pub struct CudaDevice {
     cc_prefetch: super::ops::CcPrefetchPlan,
     /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`, default 8); read once.
     cc_warps: usize,
+    /// Warps of a CUDA-core GEMV block that split one warp's K (`NINFER_CC_KSPLIT`, default 1).
+    cc_ksplit: usize,
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -138,6 +140,7 @@ impl CudaDevice {
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
         let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
+        let cc_ksplit = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), cc_warps)?;
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
@@ -162,6 +165,7 @@ impl CudaDevice {
             tc_prefetch_steps,
             cc_prefetch,
             cc_warps,
+            cc_ksplit,
             da_min_warp_keys,
             batch_invariant,
             tc_decode_attn,
@@ -251,6 +255,11 @@ impl CudaDevice {
     /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`).
     pub fn cc_warps(&self) -> usize {
         self.cc_warps
+    }
+
+    /// Warps of a CUDA-core GEMV block that share one warp's columns (`NINFER_CC_KSPLIT`).
+    pub fn cc_ksplit(&self) -> usize {
+        self.cc_ksplit
     }
 
     /// Storage type of activations and weights on this device.

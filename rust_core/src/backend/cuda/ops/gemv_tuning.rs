@@ -264,6 +264,24 @@ pub fn parse_cc_warps(value: Option<&str>) -> Result<usize> {
     v.parse::<usize>().ok().filter(|w| [2, 4, GEMV_WARPS].contains(w)).ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
 }
 
+/// Warps of a CUDA-core GEMV block that share one warp's columns, splitting K between them
+/// (gemv.cu `gemv_body`): 1 (the default: a warp streams whole rows), 2, 4 or 8, at most the
+/// block's warps (`NINFER_CC_WARPS`). A warp then streams 1 / ksplit of a row, so the kernel's
+/// tail (its last warps, too few to keep the weight stream busy) is that much shorter. Changes
+/// the order of each sum (one fixed order per setting: every CUDA-core kernel takes the same,
+/// so the fused epilogues equal their unfused pairs bit for bit at any setting).
+pub const CC_KSPLIT_VAR: &str = "NINFER_CC_KSPLIT";
+
+/// `value` of `NINFER_CC_KSPLIT` for blocks of `warps` warps: 1 when unset or blank, else 1, 2,
+/// 4 or 8 dividing `warps`.
+pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(1) };
+    v.parse::<usize>()
+        .ok()
+        .filter(|s| [1, 2, 4, 8].contains(s) && *s <= warps)
+        .ok_or_else(|| NinferError::config(CC_KSPLIT_VAR, format!("expected 1, 2, 4 or 8 and at most {CC_WARPS_VAR} ({warps}), got {v:?}")))
+}
+
 /// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
 /// the variable's value `shapes`: it applies to `GemvForm::ByShape` only (at every M); with
 /// `NINFER_TC_GEMV` or `NINFER_BATCH_INVARIANT` set, which put every shape on one kernel, it would be silently ignored, so that is an error
@@ -404,6 +422,19 @@ mod tests {
         for v in ["0", "1", "3", "16", "-2", "four"] {
             let e = parse_cc_warps(Some(v)).unwrap_err().to_string();
             assert!(e.contains(CC_WARPS_VAR) && e.contains(v) && e.contains("2, 4 or 8"), "{v}: {e}");
+        }
+    }
+
+    #[test]
+    fn cc_ksplit_defaults_to_1_and_divides_the_block() {
+        assert_eq!(parse_cc_ksplit(None, 8).unwrap(), 1);
+        assert_eq!(parse_cc_ksplit(Some(" "), 8).unwrap(), 1);
+        for (v, warps, want) in [("2", 8, 2), (" 4 ", 8, 4), ("8", 8, 8), ("2", 2, 2), ("1", 2, 1)] {
+            assert_eq!(parse_cc_ksplit(Some(v), warps).unwrap(), want, "{v}");
+        }
+        for (v, warps) in [("0", 8), ("3", 8), ("16", 8), ("4", 2), ("-1", 8), ("two", 8)] {
+            let e = parse_cc_ksplit(Some(v), warps).unwrap_err().to_string();
+            assert!(e.contains(CC_KSPLIT_VAR) && e.contains(v) && e.contains(&format!("({warps})")), "{v}: {e}");
         }
     }
 
