@@ -7,7 +7,7 @@
 //! cuBLAS gets a preallocated workspace so that a captured GEMM never allocates.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -57,8 +57,10 @@ pub struct CudaDevice {
     cc_prefetch: super::ops::CcPrefetchPlan,
     /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`, default 8); read once.
     cc_warps: usize,
-    /// Warps of a CUDA-core GEMV block that split one warp's K (`NINFER_CC_KSPLIT`, default 1).
-    cc_ksplit: usize,
+    /// Warps of a CUDA-core GEMV block that split one warp's K: `NINFER_CC_KSPLIT` when set
+    /// (`cc_ksplit_set`), else 1 until the model loader sets its default (`use_model_cc_ksplit`).
+    cc_ksplit: AtomicUsize,
+    cc_ksplit_set: bool,
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -140,7 +142,8 @@ impl CudaDevice {
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
         let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
-        let cc_ksplit = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), cc_warps)?;
+        let ksplit = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), cc_warps)?;
+        let (cc_ksplit, cc_ksplit_set) = (AtomicUsize::new(ksplit.unwrap_or(1)), ksplit.is_some());
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
@@ -166,6 +169,7 @@ impl CudaDevice {
             cc_prefetch,
             cc_warps,
             cc_ksplit,
+            cc_ksplit_set,
             da_min_warp_keys,
             batch_invariant,
             tc_decode_attn,
@@ -259,7 +263,16 @@ impl CudaDevice {
 
     /// Warps of a CUDA-core GEMV block that share one warp's columns (`NINFER_CC_KSPLIT`).
     pub fn cc_ksplit(&self) -> usize {
-        self.cc_ksplit
+        self.cc_ksplit.load(Ordering::Relaxed)
+    }
+
+    /// Takes the K split of a model of hidden size `hidden` (`default_cc_ksplit`) unless
+    /// `NINFER_CC_KSPLIT` set one. The loader calls it before the first launch, so every kernel
+    /// of the model (and every captured graph) runs with one setting.
+    pub fn use_model_cc_ksplit(&self, hidden: usize) {
+        if !self.cc_ksplit_set {
+            self.cc_ksplit.store(super::ops::default_cc_ksplit(hidden), Ordering::Relaxed);
+        }
     }
 
     /// Storage type of activations and weights on this device.

@@ -265,20 +265,39 @@ pub fn parse_cc_warps(value: Option<&str>) -> Result<usize> {
 }
 
 /// Warps of a CUDA-core GEMV block that share one warp's columns, splitting K between them
-/// (gemv.cu `gemv_body`): 1 (the default: a warp streams whole rows), 2, 4 or 8, at most the
-/// block's warps (`NINFER_CC_WARPS`). A warp then streams 1 / ksplit of a row, so the kernel's
-/// tail (its last warps, too few to keep the weight stream busy) is that much shorter. Changes
-/// the order of each sum (one fixed order per setting: every CUDA-core kernel takes the same,
-/// so the fused epilogues equal their unfused pairs bit for bit at any setting).
+/// (gemv.cu `gemv_body`): 1 (a warp streams whole rows), 2, 4 or 8, at most the block's warps
+/// (`NINFER_CC_WARPS`). A warp then streams 1 / ksplit of a row, so the kernel's tail (its last
+/// warps, too few to keep the weight stream busy) is that much shorter, at the price of a
+/// shared-memory reduction per block. Changes the order of each sum (one fixed order per
+/// setting; every CUDA-core kernel of a model takes the same, so the fused epilogues still equal
+/// their unfused pairs bit for bit). Unset: `default_cc_ksplit` of the model's hidden size.
 pub const CC_KSPLIT_VAR: &str = "NINFER_CC_KSPLIT";
 
-/// `value` of `NINFER_CC_KSPLIT` for blocks of `warps` warps: 1 when unset or blank, else 1, 2,
-/// 4 or 8 dividing `warps`.
-pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<usize> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(1) };
+/// Largest hidden size whose CUDA-core GEMVs split K in two by default. Measured on the H200
+/// (benches/results/ksplit_bs1_8b_5d6320b.log, ksplit_combos_5d6320b.log; one process a setting):
+/// Llama-3-8B (hidden 4096) batch-1 decode 228.0 / 227.9 / 227.8 tok/s unsplit against 239.5 /
+/// 239.8 / 237.1 / 237.5 at 2, 234.7 / 233.2 at 4, 214.9 / 214.3 at 8; Qwen3.5-27B (hidden 5120)
+/// 74.5 / 74.0 unsplit against 72.4 / 72.3 at 2. Its GEMVs stream more bytes a launch, so the
+/// tail is a smaller share of each and the reduction costs more than it saves.
+pub const CC_KSPLIT_MAX_HIDDEN: usize = 4096;
+
+/// The K split of a model of hidden size `hidden` when `NINFER_CC_KSPLIT` is unset.
+pub fn default_cc_ksplit(hidden: usize) -> usize {
+    if hidden <= CC_KSPLIT_MAX_HIDDEN {
+        2
+    } else {
+        1
+    }
+}
+
+/// `value` of `NINFER_CC_KSPLIT` for blocks of `warps` warps: None when unset or blank (the
+/// model's default applies), else 1, 2, 4 or 8 dividing `warps`.
+pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<Option<usize>> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
     v.parse::<usize>()
         .ok()
         .filter(|s| [1, 2, 4, 8].contains(s) && *s <= warps)
+        .map(Some)
         .ok_or_else(|| NinferError::config(CC_KSPLIT_VAR, format!("expected 1, 2, 4 or 8 and at most {CC_WARPS_VAR} ({warps}), got {v:?}")))
 }
 
@@ -426,12 +445,14 @@ mod tests {
     }
 
     #[test]
-    fn cc_ksplit_defaults_to_1_and_divides_the_block() {
-        assert_eq!(parse_cc_ksplit(None, 8).unwrap(), 1);
-        assert_eq!(parse_cc_ksplit(Some(" "), 8).unwrap(), 1);
+    fn cc_ksplit_defaults_by_hidden_size_and_divides_the_block() {
+        assert_eq!(parse_cc_ksplit(None, 8).unwrap(), None);
+        assert_eq!(parse_cc_ksplit(Some(" "), 8).unwrap(), None);
         for (v, warps, want) in [("2", 8, 2), (" 4 ", 8, 4), ("8", 8, 8), ("2", 2, 2), ("1", 2, 1)] {
-            assert_eq!(parse_cc_ksplit(Some(v), warps).unwrap(), want, "{v}");
+            assert_eq!(parse_cc_ksplit(Some(v), warps).unwrap(), Some(want), "{v}");
         }
+        // Split in two up to the 8B's hidden size, not from the 27B's.
+        assert_eq!((default_cc_ksplit(64), default_cc_ksplit(4096), default_cc_ksplit(5120)), (2, 2, 1));
         for (v, warps) in [("0", 8), ("3", 8), ("16", 8), ("4", 2), ("-1", 8), ("two", 8)] {
             let e = parse_cc_ksplit(Some(v), warps).unwrap_err().to_string();
             assert!(e.contains(CC_KSPLIT_VAR) && e.contains(v) && e.contains(&format!("({warps})")), "{v}: {e}");
