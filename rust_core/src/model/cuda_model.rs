@@ -182,7 +182,7 @@ impl CudaModel {
     pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::new(ordinal)?);
-        dev.use_model_cc_ksplit(cfg.hidden_size);
+        dev.use_model_cc_launch(cfg.hidden_size);
         Self::check_supported(&cfg)?;
         // Switches first, so that a misspelt value fails before a long load.
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);

@@ -55,12 +55,12 @@ pub struct CudaDevice {
     tc_prefetch_steps: AtomicU32,
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
     cc_prefetch: super::ops::CcPrefetchPlan,
-    /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`, default 8); read once.
-    cc_warps: usize,
-    /// Warps of a CUDA-core GEMV block that split one warp's K: `NINFER_CC_KSPLIT` when set
-    /// (`cc_ksplit_set`), else 1 until the model loader sets its default (`use_model_cc_ksplit`).
+    /// The CUDA-core GEMV's launch: warps a block and warps of a block that split one warp's
+    /// K. `NINFER_CC_WARPS` / `NINFER_CC_KSPLIT` when set (`cc_launch_set`), else 8 and 1 until
+    /// the model loader sets its defaults (`use_model_cc_launch`).
+    cc_warps: AtomicUsize,
     cc_ksplit: AtomicUsize,
-    cc_ksplit_set: bool,
+    cc_launch_set: (bool, bool),
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -141,9 +141,12 @@ impl CudaDevice {
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
         let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
         let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
-        let cc_warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
-        let ksplit = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), cc_warps)?;
-        let (cc_ksplit, cc_ksplit_set) = (AtomicUsize::new(ksplit.unwrap_or(1)), ksplit.is_some());
+        let warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
+        // Until a model sets its defaults: unsplit, the unsplit block.
+        let unsplit_warps = super::ops::default_cc_warps(1);
+        let ksplit = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), warps.unwrap_or(unsplit_warps))?;
+        let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(ksplit.unwrap_or(1)));
+        let cc_launch_set = (warps.is_some(), ksplit.is_some());
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
@@ -169,7 +172,7 @@ impl CudaDevice {
             cc_prefetch,
             cc_warps,
             cc_ksplit,
-            cc_ksplit_set,
+            cc_launch_set,
             da_min_warp_keys,
             batch_invariant,
             tc_decode_attn,
@@ -258,7 +261,7 @@ impl CudaDevice {
 
     /// Warps a block of the CUDA-core GEMV (`NINFER_CC_WARPS`).
     pub fn cc_warps(&self) -> usize {
-        self.cc_warps
+        self.cc_warps.load(Ordering::Relaxed)
     }
 
     /// Warps of a CUDA-core GEMV block that share one warp's columns (`NINFER_CC_KSPLIT`).
@@ -266,12 +269,18 @@ impl CudaDevice {
         self.cc_ksplit.load(Ordering::Relaxed)
     }
 
-    /// Takes the K split of a model of hidden size `hidden` (`default_cc_ksplit`) unless
-    /// `NINFER_CC_KSPLIT` set one. The loader calls it before the first launch, so every kernel
-    /// of the model (and every captured graph) runs with one setting.
-    pub fn use_model_cc_ksplit(&self, hidden: usize) {
-        if !self.cc_ksplit_set {
+    /// Takes the CUDA-core GEMV launch of a model of hidden size `hidden` (`default_cc_ksplit`,
+    /// then `default_cc_warps` of that split) where `NINFER_CC_KSPLIT` / `NINFER_CC_WARPS` set
+    /// none. The loader calls it before the first launch, so every kernel of the model (and
+    /// every captured graph) runs with one setting.
+    pub fn use_model_cc_launch(&self, hidden: usize) {
+        let (warps_set, ksplit_set) = self.cc_launch_set;
+        if !ksplit_set {
+            // An explicit block of 2 or 4 warps still fits the default split of 2.
             self.cc_ksplit.store(super::ops::default_cc_ksplit(hidden), Ordering::Relaxed);
+        }
+        if !warps_set {
+            self.cc_warps.store(super::ops::default_cc_warps(self.cc_ksplit()), Ordering::Relaxed);
         }
     }
 

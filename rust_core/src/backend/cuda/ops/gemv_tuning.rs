@@ -248,20 +248,36 @@ pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
 }
 
 /// Warps a block of the CUDA-core GEMV (gemv.cu, one output column a warp at M = 1; the fused
-/// RoPE epilogue's pairs too): 2, 4 or 8 (GEMV_WARPS, the default). A tuning tool: a block's slot
+/// RoPE epilogue's pairs too): 2, 4 or 8 (default `default_cc_warps`). A tuning tool: a block's slot
 /// frees only when its slowest warp is done, so smaller blocks let the scheduler fill an SM at a
 /// finer grain at a kernel's tail. Never changes a value (a warp's sums do not depend on its
 /// block). Measured on the H200 (report_gemv_chain, benches/results/gemv_chain_ccwarps_2c4d4fb.log:
 /// the 8B decoder's GEMVs chained over 32 layers): 3.688 / 3.679 ms with 8 warps, 3.657 with 4,
 /// 3.645 with 2 (-1%); in the model (cc_warps_variants_626c549.log) 2 and 4 decode within the
-/// spread of 8 (232.47 / 232.13 and 231.57 / 233.38 against 232.80 / 232.30 tok/s), so the
-/// default stays 8.
+/// spread of 8 (232.47 / 232.13 and 231.57 / 233.38 against 232.80 / 232.30 tok/s), so unsplit
+/// GEMVs keep 8; with the K split of 2 (`NINFER_CC_KSPLIT`) 4 measured faster.
 pub const CC_WARPS_VAR: &str = "NINFER_CC_WARPS";
 
-/// `value` of `NINFER_CC_WARPS`: 8 when unset or blank, else 2, 4 or 8.
-pub fn parse_cc_warps(value: Option<&str>) -> Result<usize> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(GEMV_WARPS) };
-    v.parse::<usize>().ok().filter(|w| [2, 4, GEMV_WARPS].contains(w)).ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
+/// `value` of `NINFER_CC_WARPS`: None when unset or blank (the model's default applies,
+/// `default_cc_warps`), else 2, 4 or 8.
+pub fn parse_cc_warps(value: Option<&str>) -> Result<Option<usize>> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
+    v.parse::<usize>().ok().filter(|w| [2, 4, GEMV_WARPS].contains(w)).map(Some).ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
+}
+
+/// Warps a CUDA-core GEMV block when `NINFER_CC_WARPS` is unset, given the K split: 4 (two
+/// column groups a block) with a split of 2, else GEMV_WARPS. Only the pair measured together
+/// moves: Llama-3-8B batch-1 decode at a split of 2 with 4 warps 238.85 / 240.22 / 238.89 tok/s
+/// against 236.04 / 236.95 / 237.96 with 8, interleaved in one call
+/// (benches/results/ksplit_default_bs1_8b_a3d1188.log; 238.85 / 239.27 against 237.11 / 237.45 in
+/// ksplit_combos_5d6320b.log); unsplit models keep 8 (session 10: 4 within the spread of 8).
+/// Never changes a value (a warp's sums do not depend on its block).
+pub fn default_cc_warps(ksplit: usize) -> usize {
+    if ksplit == 2 {
+        4
+    } else {
+        GEMV_WARPS
+    }
 }
 
 /// Warps of a CUDA-core GEMV block that share one warp's columns, splitting K between them
@@ -432,12 +448,15 @@ mod tests {
     }
 
     #[test]
-    fn cc_warps_default_to_gemv_warps_and_take_2_4_or_8() {
-        assert_eq!(parse_cc_warps(None).unwrap(), GEMV_WARPS);
-        assert_eq!(parse_cc_warps(Some(" ")).unwrap(), GEMV_WARPS);
+    fn cc_warps_default_by_k_split_and_take_2_4_or_8() {
+        assert_eq!(parse_cc_warps(None).unwrap(), None);
+        assert_eq!(parse_cc_warps(Some(" ")).unwrap(), None);
         for (v, want) in [("2", 2), (" 4 ", 4), ("8", 8)] {
-            assert_eq!(parse_cc_warps(Some(v)).unwrap(), want, "{v}");
+            assert_eq!(parse_cc_warps(Some(v)).unwrap(), Some(want), "{v}");
         }
+        // Unset: 4 with the K split of 2 (the pair measured together), else 8; never below the split.
+        assert_eq!([1, 2, 4, 8].map(default_cc_warps), [GEMV_WARPS, 4, GEMV_WARPS, GEMV_WARPS]);
+        assert!([1, 2, 4, 8].iter().all(|&s| default_cc_warps(s) >= s));
         for v in ["0", "1", "3", "16", "-2", "four"] {
             let e = parse_cc_warps(Some(v)).unwrap_err().to_string();
             assert!(e.contains(CC_WARPS_VAR) && e.contains(v) && e.contains("2, 4 or 8"), "{v}: {e}");
