@@ -4,8 +4,9 @@
 // the block holds up to GEMV_WARPS such warps (the launcher's NINFER_CC_WARPS), and each lane
 // keeps M f32 partial sums that a warp reduction combines. x is small and served from L1/L2.
 // K must be a multiple of 8.
-// The route on sm_7x; sm_80+ runs the tensor-core GEMV (gemv_tc.cu, `gemv_form` in ops/gemv.rs),
-// which keeps every M of 1..8 bound by the weight stream.
+// The route of every M on sm_7x and of M = 1 on sm_80+; from M = 2 sm_80+ runs the tensor-core
+// GEMV (gemv_tc.cu, `gemv_kernel` in ops/gemv.rs), which keeps every M of 1..8 bound by the
+// weight stream.
 #include "common.cuh"
 
 #define GEMV_WARPS 8
