@@ -926,3 +926,12 @@ sample_pick(const float* __restrict__ logits, const float* __restrict__ work, in
         if (p[P_FLAGS] & FLAG_LOGPROBS) o[1] = __float_as_uint(raw[token] - __uint_as_float(o[1]));
     }
 }
+
+// Asynchronous scheduling: the token ids of a decode step queued before the step ahead of it
+// has returned its samples to the host. ids[i] = the token `sample_rows` wrote for row i (word 0
+// of the row's SAMPLE_OUT words), so the next step's embedding reads it on the device.
+extern "C" __global__ void feed_sampled_tokens(const unsigned* __restrict__ sampled, int out_words,
+                                               int* __restrict__ ids, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) ids[i] = (int)sampled[(long long)i * out_words];
+}

@@ -557,6 +557,48 @@ def test_demo_model_device_sampling_equals_host_sampling(demo_dir, demo_windows,
         _assert_same_tokens_and_logprobs(dev, host)
 
 
+def _generate_async(model_dir, monkeypatch, on: bool, batches):
+    """Generate each batch of `(prompts, params)` in turn on one cuda engine (`prompts` may be a
+    function of the previous batch's outputs) with asynchronous scheduling on or off
+    (`NINFER_ASYNC_SCHEDULING`, read when the engine starts). Batch invariance is on: a lookahead
+    step keeps a request that just ended in its batch, so the two modes run some steps at
+    different batch sizes. Returns the outputs and the engine's lookahead step count."""
+    monkeypatch.setenv("NINFER_ASYNC_SCHEDULING", "1" if on else "0")
+    monkeypatch.setenv("NINFER_BATCH_INVARIANT", "1")
+    with LLM(model_dir, device="cuda", max_context=512) as llm:
+        assert llm.engine.info()["async_scheduling"] is on
+        outs = []
+        for prompts, params in batches:
+            outs.append(llm.generate(prompts(outs[-1]) if callable(prompts) else prompts, params))
+        return outs, llm.engine.stats()["lookahead_steps"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.0, logprobs=True, top_logprobs=2), SEEDED[1], SEEDED[2]])
+def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs(gpu_dir, monkeypatch, kwargs):
+    # Different lengths (EOS not ignored): requests end while the next step is already queued.
+    batch = [(PROMPTS, [SamplingParams(max_tokens=6 + 5 * i, **kwargs) for i in range(len(PROMPTS))])]
+    (on,), lookahead = _generate_async(gpu_dir, monkeypatch, True, batch)
+    (off,), none = _generate_async(gpu_dir, monkeypatch, False, batch)
+    assert none == 0
+    penalized = kwargs.get("repetition_penalty", 1.0) != 1.0
+    assert (lookahead == 0) if penalized else (lookahead > 0), lookahead
+    _assert_same_tokens_and_logprobs(on, off)
+    assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+
+
+def test_async_scheduling_keeps_prefix_and_state_snapshots_for_the_next_turn(gpu_dir, monkeypatch):
+    params = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
+    batches = [(PROMPTS[:4], params),
+               (lambda first: [o.prompt_token_ids + o.token_ids + [5, 6, 7] for o in first], greedy(12))]
+    (on1, on2), lookahead = _generate_async(gpu_dir, monkeypatch, True, batches)
+    (off1, off2), _ = _generate_async(gpu_dir, monkeypatch, False, batches)
+    assert lookahead > 0
+    for a, b in zip(on1 + on2, off1 + off2):
+        assert a.token_ids == b.token_ids
+        assert a.usage.cached_tokens == b.usage.cached_tokens
+    assert all(o.usage.cached_tokens > 0 for o in on2), "the second turn resumes from the first"
+
+
 # Decode steps as CUDA graphs (one per batch bucket): replayed logits must equal eager logits bit
 # for bit, and with NINFER_BATCH_INVARIANT a sequence decoded in a batch of <= 8 must equal the
 # same sequence decoded alone bit for bit (one GEMV kernel per shape for every M, whose per-row

@@ -107,6 +107,8 @@ class ServerMetrics:
             "prefill_tokens_computed": ("prefill_tokens_computed_total", "counter", "Prompt tokens actually computed."),
             "max_batch_size_seen": ("max_batch_size_seen", "gauge", "Largest number of sequences in one step."),
             "steps": ("engine_steps_total", "counter", "Engine steps run."),
+            "lookahead_steps": ("engine_lookahead_steps_total", "counter",
+                                "Decode steps queued before the step ahead returned (asynchronous scheduling)."),
         }
         for key, (name, kind, help_) in gauges.items():
             if key in core_stats:

@@ -1,9 +1,19 @@
-//! `EngineCore`: one engine step is `schedule()` -> `execute()` (run and sample) -> `postprocess()`.
+//! `EngineCore`: one engine step is `schedule()` -> `launch()` (run and sample) -> `complete()`
+//! (collect the tokens, detokenize, check stops).
 //!
 //! The core owns the model runner, the scheduler (with the KV block pool and state slots) and
-//! the per-request sampling / detokenization state. It is single-threaded and synchronous;
-//! `EngineHandle` runs it on its own OS thread. The core only does bookkeeping: device memory
-//! belongs to the runner, so the same core drives a CPU or a CUDA backend.
+//! the per-request sampling / detokenization state. It is single-threaded; `EngineHandle` runs
+//! it on its own OS thread. The core only does bookkeeping: device memory belongs to the runner,
+//! so the same core drives a CPU or a CUDA backend.
+//!
+//! Asynchronous scheduling (`NINFER_ASYNC_SCHEDULING`, on by default where the runner
+//! `overlaps_steps`): a launched step stays in flight when `step()` returns, and the next call
+//! queues the following decode step (its tokens fed on the device) before it waits for the one
+//! in flight, so the device runs the next step while the host copies results, detokenizes and
+//! schedules: the ~50 us of host turnaround between decode steps leaves the device's timeline.
+//! Outputs then come one `step()` call later. The lookahead is taken only when it is the step the
+//! scheduler would pick anyway and no sampling input depends on the token in flight
+//! (`lookahead`); otherwise the core waits, exactly as without it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,6 +44,9 @@ pub struct EngineStats {
     pub prefill_tokens_computed: u64,
     pub max_batch_size_seen: usize,
     pub steps: u64,
+    /// Steps queued before the tokens of the step ahead of them were known (asynchronous
+    /// scheduling).
+    pub lookahead_steps: u64,
     pub preemptions: u64,
 }
 
@@ -91,7 +104,16 @@ pub struct EngineCore {
     /// Measured by the warm-up step at startup.
     workspace_bytes: u64,
     device_free_bytes: Option<u64>,
+    /// Launch steps through `launch_sampled` / `collect_sampled` and keep one in flight.
+    overlap: bool,
+    /// The step launched last whose tokens are not collected yet (only when `overlap`).
+    inflight: Option<ScheduledStep>,
+    /// Tokens of the last step of a runner that does not overlap, until `complete` takes them.
+    sampled: Option<Vec<SampledToken>>,
 }
+
+/// The switch of asynchronous scheduling (`config::env_switch`; on by default).
+pub const ASYNC_SCHEDULING_SWITCH: &str = "NINFER_ASYNC_SCHEDULING";
 
 impl EngineCore {
     /// Validate the config against the model, allocate the runner's caches, build the
@@ -113,6 +135,7 @@ impl EngineCore {
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
         let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let overlap = runner.overlaps_steps() && crate::config::env_switch(ASYNC_SCHEDULING_SWITCH, true)?;
         let mut core = EngineCore {
             cfg,
             spec,
@@ -129,6 +152,9 @@ impl EngineCore {
             stats: EngineStats::default(),
             workspace_bytes: 0,
             device_free_bytes: None,
+            overlap,
+            inflight: None,
+            sampled: None,
         };
         core.warm_up()?;
         Ok(core)
@@ -244,6 +270,11 @@ impl EngineCore {
         self.ids.keys().cloned().collect()
     }
 
+    /// Whether steps overlap the host's work on the last one (asynchronous scheduling).
+    pub fn overlaps_steps(&self) -> bool {
+        self.overlap
+    }
+
     /// Whether any request is queued, running or awaiting its abort delta.
     pub fn has_unfinished(&self) -> bool {
         !self.requests.is_empty()
@@ -260,21 +291,63 @@ impl EngineCore {
         result
     }
 
+    /// Without overlap: schedule, run, postprocess. With it, a step in flight is first followed
+    /// by its lookahead when there is one (queued before waiting for it), then completed; with
+    /// no lookahead the next step is scheduled as usual and left in flight.
     fn try_step(&mut self) -> Result<Vec<RequestOutput>> {
-        let mut outputs = self.apply_aborts()?;
+        let mut outputs = Vec::new();
+        if let Some(prev) = self.inflight.take() {
+            if let Some(next) = self.lookahead(&prev) {
+                self.launch(&next, true)?;
+                self.stats.lookahead_steps += 1;
+                outputs.extend(self.complete(&prev, Some(&next))?);
+                self.after_launch(&next)?;
+                self.inflight = Some(next);
+                return Ok(outputs);
+            }
+            outputs.extend(self.complete(&prev, None)?);
+        }
+        outputs.extend(self.apply_aborts()?);
         let step = self.sched.schedule();
         if step.is_empty() {
             return Ok(outputs);
         }
-        let sampled = self.execute(&step)?;
-        outputs.extend(self.postprocess(&step, sampled)?);
+        self.launch(&step, false)?;
+        self.after_launch(&step)?;
+        if self.overlap {
+            self.inflight = Some(step);
+        } else {
+            outputs.extend(self.complete(&step, None)?);
+        }
         Ok(outputs)
     }
 
-    /// Forget every request and free what it holds.
+    /// The decode step to queue behind `prev` before its tokens are known, when that is safe:
+    /// no abort is pending (aborts free blocks and take snapshots, which need a settled state),
+    /// no sequence of `prev` samples its next token from inputs its token in flight changes
+    /// (penalties count it, a grammar advances on it), none is sure to end with it (its length
+    /// limit), and the scheduler would pick exactly this step (`Scheduler::schedule_lookahead`).
+    fn lookahead(&mut self, prev: &ScheduledStep) -> Option<ScheduledStep> {
+        if !self.pending_aborts.is_empty() {
+            return None;
+        }
+        for id in &prev.seq_ids {
+            if !self.requests.get(id)?.can_sample_ahead() {
+                return None;
+            }
+        }
+        self.sched.schedule_lookahead(prev)
+    }
+
+    /// Forget every request and free what it holds (after a runner failure). A step in flight
+    /// is waited for and its tokens dropped, so the runner holds no launched step afterwards.
     fn drop_all(&mut self) {
+        if self.inflight.take().is_some() {
+            let _ = self.runner.collect_sampled();
+        }
+        self.sampled = None;
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
-            self.sched.finish(id);
+            self.sched.finish(id, true);
         }
         self.requests.clear();
         self.ids.clear();
@@ -356,7 +429,7 @@ impl EngineCore {
         let mut outputs = Vec::new();
         for id in std::mem::take(&mut self.pending_aborts) {
             let cached = self.cached_tokens(id);
-            if let Some(copy) = self.sched.finish(id) {
+            if let Some(copy) = self.sched.finish(id, true) {
                 self.runner.copy_state(copy.0, copy.1)?;
             }
             if let Some(req) = self.requests.remove(&id) {
@@ -367,9 +440,11 @@ impl EngineCore {
         Ok(outputs)
     }
 
-    /// Run the model on the scheduled batch (with the snapshot restores it needs first) and
-    /// sample a token for every sequence that produced logits, in step order.
-    fn execute(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
+    /// Queue the scheduled batch (with the snapshot restores it needs first) and the sampling
+    /// of a token for every sequence that produces logits, in step order; `feed`: a lookahead
+    /// step, whose tokens the runner takes from the step launched before it. A runner that does
+    /// not overlap runs it now and `complete` takes its tokens.
+    fn launch(&mut self, step: &ScheduledStep, feed: bool) -> Result<()> {
         for &(src, dst) in &step.copies_before {
             self.runner.copy_state(src, dst)?;
         }
@@ -381,28 +456,46 @@ impl EngineCore {
             .filter(|(_, seq)| seq.logits != LogitsWanted::None)
             .map(|(id, _)| self.requests.get_mut(id).expect("scheduled request exists").prepare_sampling(vocab))
             .collect();
-        let sampled = self.runner.forward_sampled(&step.batch, &rows)?;
+        if self.overlap {
+            self.runner.launch_sampled(&step.batch, &rows, feed)
+        } else {
+            self.sampled = Some(self.runner.forward_sampled(&step.batch, &rows)?);
+            Ok(())
+        }
+    }
+
+    /// The scheduler's bookkeeping of a launched step (computed counts, prefix-cache blocks,
+    /// the snapshots it reaches, queued right behind it) and the step counters.
+    fn after_launch(&mut self, step: &ScheduledStep) -> Result<()> {
         for &(src, dst) in &self.sched.on_step_done(step) {
             self.runner.copy_state(src, dst)?;
         }
         self.stats.steps += 1;
         self.stats.max_batch_size_seen = self.stats.max_batch_size_seen.max(step.seq_ids.len());
         self.stats.prefill_tokens_computed += (step.batch.num_tokens() - step.num_decodes) as u64;
-        Ok(sampled)
+        Ok(())
     }
 
-    /// Detokenize and check stop conditions for every sequence that sampled a token.
-    fn postprocess(&mut self, step: &ScheduledStep, sampled: Vec<SampledToken>) -> Result<Vec<RequestOutput>> {
+    /// Take the tokens of `step` and, for every sequence that sampled one, detokenize and check
+    /// stop conditions. `next`: the lookahead already queued behind `step`; a sequence that ends
+    /// here but runs in it has a slot already past its tokens (no final snapshot then), and its
+    /// row of `next` is simply never collected into an output.
+    fn complete(&mut self, step: &ScheduledStep, next: Option<&ScheduledStep>) -> Result<Vec<RequestOutput>> {
+        let sampled = match self.sampled.take() {
+            Some(s) => s,
+            None => self.runner.collect_sampled()?,
+        };
         let mut outputs = Vec::new();
         let with_logits = step.seq_ids.iter().zip(&step.batch.seqs).filter(|(_, seq)| seq.logits != LogitsWanted::None);
         for ((&id, _), s) in with_logits.zip(sampled) {
             let cached = self.cached_tokens(id);
-            let req = self.requests.get_mut(&id).expect("scheduled request exists");
+            let Some(req) = self.requests.get_mut(&id) else { continue };
             let event = req.accept(s.token, s.logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
             self.stats.generation_tokens_total += 1;
             self.sched.append_token(id, s.token);
             if event.finished {
-                if let Some(copy) = self.sched.finish(id) {
+                let state_current = next.is_none_or(|n| !n.seq_ids.contains(&id));
+                if let Some(copy) = self.sched.finish(id, state_current) {
                     self.runner.copy_state(copy.0, copy.1)?;
                 }
                 self.requests.remove(&id);

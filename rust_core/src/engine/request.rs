@@ -61,6 +61,13 @@ impl RequestState {
         self.sampler.prepare(&self.params, mask.as_ref(), vocab)
     }
 
+    /// Whether the row of the token after the next can be prepared before the next token is
+    /// known (asynchronous scheduling): no penalty counts the output, no grammar advances on it,
+    /// and the next token does not reach `max_tokens` (it surely ends the request).
+    pub fn can_sample_ahead(&self) -> bool {
+        self.grammar.is_none() && !self.params.penalizes_history() && self.completion_tokens + 1 < self.params.max_tokens
+    }
+
     /// Advance the grammar past `token`; true when the constrained output is complete (or the
     /// grammar failed), which ends the request.
     fn grammar_done(&mut self, token: u32) -> bool {

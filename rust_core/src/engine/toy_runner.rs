@@ -8,11 +8,19 @@
 //! also keeps a recurrent "state" per slot (the same hash chain, carried across steps) and fails
 //! the step when it disagrees with the KV history: a wrong slot, a missing snapshot restore or a
 //! bad prefix hit is caught at once.
+//!
+//! `overlapping()` makes it a runner that `overlaps_steps` the way a device backend does, for
+//! testing asynchronous scheduling on the host: `launch_sampled` runs the step at once (as a
+//! device stream runs queued work in order) and keeps its tokens until `collect_sampled`; a fed
+//! step takes its tokens from the launch before it.
 
 use std::sync::{Arc, Mutex};
 
 use crate::config::ModelConfig;
+use std::collections::VecDeque;
+
 use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
+use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
 /// What a test can inspect after the run.
@@ -33,6 +41,10 @@ pub struct ToyRunner {
     states: Vec<u64>,
     /// Shared with the test that built the runner.
     pub log: Arc<Mutex<ToyLog>>,
+    /// Launched steps' tokens not collected yet (`overlapping` only).
+    launched: Option<VecDeque<Vec<SampledToken>>>,
+    /// Tokens of the last launched step (what a fed step continues).
+    last_launched: Vec<u32>,
 }
 
 fn mix(h: u64, t: u64) -> u64 {
@@ -53,7 +65,15 @@ impl ToyRunner {
             kv: Vec::new(),
             states: Vec::new(),
             log: Arc::new(Mutex::new(ToyLog::default())),
+            launched: None,
+            last_launched: Vec::new(),
         }
+    }
+
+    /// The same toy as a runner that overlaps steps (`launch_sampled` / `collect_sampled`).
+    pub fn overlapping(mut self) -> Self {
+        self.launched = Some(VecDeque::new());
+        self
     }
 
     /// The logits row after the history whose hash chain ends in `h`.
@@ -129,6 +149,33 @@ impl ModelRunner for ToyRunner {
             logits.rows.push(rows);
         }
         Ok(logits)
+    }
+
+    fn overlaps_steps(&self) -> bool {
+        self.launched.is_some()
+    }
+
+    fn launch_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling], feed: bool) -> Result<()> {
+        if self.launched.as_ref().is_none_or(|q| q.len() >= 2) {
+            return Err(NinferError::Device("toy: launch_sampled without overlapping() or with two steps uncollected".into()));
+        }
+        let mut batch = batch.clone();
+        if feed {
+            if batch.seqs.len() != self.last_launched.len() || batch.seqs.iter().any(|q| q.tokens.len() != 1) {
+                return Err(NinferError::Device(format!("toy: a fed step of {} rows after a step of {} sampled rows", batch.seqs.len(), self.last_launched.len())));
+            }
+            for (q, &t) in batch.seqs.iter_mut().zip(&self.last_launched) {
+                q.tokens[0] = t;
+            }
+        }
+        let sampled = self.forward(&batch)?.sample_on_host(rows)?;
+        self.last_launched = sampled.iter().map(|s| s.token).collect();
+        self.launched.as_mut().expect("checked above").push_back(sampled);
+        Ok(())
+    }
+
+    fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
+        self.launched.as_mut().and_then(VecDeque::pop_front).ok_or_else(|| NinferError::Device("toy: collect_sampled with no step launched".into()))
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

@@ -368,9 +368,18 @@ impl CudaModel {
     /// Run a step up to the f32 logits of its wanted rows, left in `act.logits` in sequence
     /// order; returns how many rows each sequence has.
     fn run(&mut self, batch: &StepBatch) -> Result<Vec<usize>> {
+        self.run_fed(batch, false)
+    }
+
+    /// `run`; with `feed` (a decode step only), the tokens are the ones the device sampler
+    /// wrote for the step launched before (`ModelRunner::launch_sampled`).
+    fn run_fed(&mut self, batch: &StepBatch, feed: bool) -> Result<Vec<usize>> {
         self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
         if is_decode(batch) {
-            return self.decode_step(batch);
+            return self.decode_step(batch, feed);
+        }
+        if feed {
+            return Err(NinferError::invalid("launch_sampled", "only a decode step (one token a sequence) takes its tokens from the step before"));
         }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
@@ -406,7 +415,7 @@ impl CudaModel {
     /// A decode step: padded to its bucket and replayed as a CUDA graph (captured on first
     /// use), or run eagerly over exactly its rows when graphs are off. Both run the same
     /// kernels with the same per-row arithmetic, so their logits agree bit for bit.
-    fn decode_step(&mut self, batch: &StepBatch) -> Result<Vec<usize>> {
+    fn decode_step(&mut self, batch: &StepBatch, feed: bool) -> Result<Vec<usize>> {
         let n = batch.seqs.len();
         let rows = if self.graphs.enabled() { decode_bucket(n) } else { n };
         let bs = self.caches.block_size.max(1);
@@ -418,6 +427,9 @@ impl CudaModel {
         let spare = self.caches.num_slots;
         if self.dmeta.upload_decode(&self.dev, batch, rows, stride, bs, spare)? {
             self.graphs.clear();
+        }
+        if feed {
+            self.dev.feed_sampled_tokens(self.sampler.last_output()?, &mut self.dmeta.ids_mut(n), n)?;
         }
         self.zero_new_states(batch)?;
         let key = (rows, stride);
@@ -845,6 +857,23 @@ impl ModelRunner for CudaModel {
         }
         let counts = self.run(batch)?;
         self.sampler.sample(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size)
+    }
+
+    /// Steps overlap when they sample on the device (the host sampler needs the logits first).
+    fn overlaps_steps(&self) -> bool {
+        self.sampler.enabled()
+    }
+
+    fn launch_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling], feed: bool) -> Result<()> {
+        if !self.sampler.enabled() {
+            return Err(NinferError::invalid("launch_sampled", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
+        }
+        let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;
+        self.sampler.launch(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size).inspect_err(|_| self.sampler.reset())
+    }
+
+    fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
+        self.sampler.collect().inspect_err(|_| self.sampler.reset())
     }
 
     fn decode_graphs(&self) -> usize {

@@ -3,34 +3,59 @@
 //!
 //! Per step: the rows' `RowSampling`s are packed on the host (`PackedSampling`) and uploaded in
 //! one copy, `sample_rows` runs on the step's logits buffer, and one copy brings back
-//! `SAMPLE_OUT` words per row. Every device buffer only grows. `NINFER_DEVICE_SAMPLING=0` (read
+//! `SAMPLE_OUT` words per row. `launch` queues all of it and `collect` waits for the results,
+//! so a step can be sampled while the host still works on the one before (asynchronous
+//! scheduling); `sample` is the two in a row. Every device buffer only grows. `NINFER_DEVICE_SAMPLING=0` (read
 //! at load) sends steps through the host sampler instead, to compare the two on one model.
+
+use std::collections::VecDeque;
 
 use cudarc::driver::CudaSlice;
 
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::{PackedSampling, SampleScratch, SAMPLE_OUT};
+use crate::backend::cuda::transfer::PinnedRing;
 use crate::backend::cuda::CudaDevice;
 use crate::model::runner::check_sampling_rows;
 use crate::sampling::{RowSampling, SampledToken};
-use crate::Result;
+use crate::{NinferError, Result};
 
 /// Device buffers and host staging of the device sampler.
 pub struct DeviceSampler {
     enabled: bool,
-    packed: PackedSampling,
+    /// The packed rows of the last two launches (a launched step's results are unpacked with
+    /// its own rows), used in turn.
+    packed: [PackedSampling; 2],
+    next_pack: usize,
     src_rows: Vec<usize>,
     params: Option<CudaSlice<u32>>,
     /// Processed logits, chunk partials and arrival counters of `sample_rows`.
     scratch: Option<SampleScratch>,
     out: Option<CudaSlice<u32>>,
+    /// Sampler parameters up and results down, through page-locked staging (so that a step
+    /// queued behind a running one waits for nothing).
+    up: PinnedRing<u32>,
+    down: PinnedRing<u32>,
+    /// Launched and not yet collected: (pack index, staging index, rows), oldest first.
+    pending: VecDeque<(usize, usize, usize)>,
 }
 
 impl DeviceSampler {
     /// On unless the switch `NINFER_DEVICE_SAMPLING` is off (`config::env_switch`).
     pub fn from_env() -> crate::Result<Self> {
         let enabled = crate::config::env_switch("NINFER_DEVICE_SAMPLING", true)?;
-        Ok(DeviceSampler { enabled, packed: PackedSampling::default(), src_rows: Vec::new(), params: None, scratch: None, out: None })
+        Ok(DeviceSampler {
+            enabled,
+            packed: Default::default(),
+            next_pack: 0,
+            src_rows: Vec::new(),
+            params: None,
+            scratch: None,
+            out: None,
+            up: PinnedRing::new(2),
+            down: PinnedRing::new(2),
+            pending: VecDeque::new(),
+        })
     }
 
     /// Whether steps sample on the device.
@@ -38,10 +63,24 @@ impl DeviceSampler {
         self.enabled
     }
 
-    /// Sample the last logits row of every sequence with rows (`counts[i]` rows for sequence
-    /// `i`, packed in order in `logits`, f32 `[*, vocab]`): `rows[j]` goes with the j-th
-    /// sequence that has rows. Synchronizes on the copy of the results.
+    /// Sample the last logits row of every sequence with rows and wait for the tokens
+    /// (`launch` then `collect`).
     pub fn sample(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize) -> Result<Vec<SampledToken>> {
+        if !self.pending.is_empty() {
+            return Err(NinferError::Device(format!("device sampler: a synchronous step while {} launched steps are uncollected", self.pending.len())));
+        }
+        self.launch(dev, logits, counts, rows, vocab)?;
+        self.collect()
+    }
+
+    /// Queue the sampling of the last logits row of every sequence with rows (`counts[i]` rows
+    /// for sequence `i`, packed in order in `logits`, f32 `[*, vocab]`; `rows[j]` goes with the
+    /// j-th sequence that has rows) and the copy of its results to the host; `collect` returns
+    /// them. At most two launches are uncollected at a time.
+    pub fn launch(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize) -> Result<()> {
+        if self.pending.len() >= self.packed.len() {
+            return Err(NinferError::Device(format!("device sampler: {} launches are already uncollected", self.pending.len())));
+        }
         self.src_rows.clear();
         let mut end = 0;
         for &c in counts {
@@ -51,12 +90,16 @@ impl DeviceSampler {
             }
         }
         check_sampling_rows(self.src_rows.len(), rows.len())?;
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        self.packed.pack(rows, &self.src_rows, vocab)?;
+        let k = self.next_pack;
+        self.next_pack = (k + 1) % self.packed.len();
         let n = rows.len();
-        let words = self.packed.words();
+        if n == 0 {
+            self.pending.push_back((k, usize::MAX, 0));
+            return Ok(());
+        }
+        let packed = &mut self.packed[k];
+        packed.pack(rows, &self.src_rows, vocab)?;
+        let words = packed.words();
         let stream = dev.stream();
         let grow = |len: usize| len.next_power_of_two();
         if self.params.as_ref().is_none_or(|b| b.len() < words.len()) {
@@ -70,10 +113,31 @@ impl DeviceSampler {
             self.out = Some(stream.alloc_zeros::<u32>(grow(n) * SAMPLE_OUT).map_err(driver_err("allocating sampler output"))?);
         }
         let params = self.params.as_mut().expect("allocated above");
-        stream.memcpy_htod(words, &mut params.slice_mut(0..words.len())).map_err(driver_err("uploading sampler params"))?;
+        self.up.upload(dev, words, &mut params.slice_mut(0..words.len()))?;
         let (scratch, out) = (self.scratch.as_mut().expect("allocated above"), self.out.as_mut().expect("allocated above"));
-        dev.sample_rows(logits, &self.packed, &params.slice(0..words.len()), scratch, out)?;
-        let host = stream.clone_dtoh(&out.slice(0..n * SAMPLE_OUT)).map_err(driver_err("copying sampled tokens to the host"))?;
-        self.packed.unpack(&host)
+        dev.sample_rows(logits, packed, &params.slice(0..words.len()), scratch, out)?;
+        let staged = self.down.download(dev, &out.slice(0..n * SAMPLE_OUT))?;
+        self.pending.push_back((k, staged, n));
+        Ok(())
+    }
+
+    /// The tokens of the oldest uncollected launch (waits for its copy).
+    pub fn collect(&mut self) -> Result<Vec<SampledToken>> {
+        let (k, staged, n) = self.pending.pop_front().ok_or_else(|| NinferError::Device("device sampler: nothing launched to collect".into()))?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.packed[k].unpack(self.down.downloaded(staged, n * SAMPLE_OUT)?)
+    }
+
+    /// The device output of the last launch (`SAMPLE_OUT` words a row; token first), which a
+    /// decode step queued behind it takes its tokens from.
+    pub fn last_output(&self) -> Result<&CudaSlice<u32>> {
+        self.out.as_ref().ok_or_else(|| NinferError::Device("device sampler: no step was sampled on the device to feed from".into()))
+    }
+
+    /// Forget launches that will not be collected (after a failed step).
+    pub fn reset(&mut self) {
+        self.pending.clear();
     }
 }

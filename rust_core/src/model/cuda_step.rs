@@ -1,10 +1,12 @@
 //! The per-step metadata of a `CudaModel` step: token ids, positions, KV slots, block tables,
 //! sequence offsets and state slots, built on the host from a `StepBatch` and uploaded in two
-//! copies (one i32 buffer, one i64 buffer) into device buffers that only grow.
+//! copies (one i32 buffer, one i64 buffer, through page-locked staging) into device buffers
+//! that only grow.
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 use crate::backend::cuda::device::driver_err;
+use crate::backend::cuda::transfer::PinnedRing;
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::{NinferError, Result};
@@ -21,13 +23,30 @@ struct Sections {
 }
 
 /// Host staging and device copies of one step's metadata.
-#[derive(Default)]
 pub struct StepMeta {
     host_i32: Vec<i32>,
     host_i64: Vec<i64>,
     dev_i32: Option<CudaSlice<i32>>,
     dev_i64: Option<CudaSlice<i64>>,
+    /// Page-locked staging of the two copies: a decode step queued while the one before still
+    /// runs (asynchronous scheduling) must not wait for it, nor overwrite what it reads.
+    up_i32: PinnedRing<i32>,
+    up_i64: PinnedRing<i64>,
     sec: Sections,
+}
+
+impl Default for StepMeta {
+    fn default() -> Self {
+        StepMeta {
+            host_i32: Vec::new(),
+            host_i64: Vec::new(),
+            dev_i32: None,
+            dev_i64: None,
+            up_i32: PinnedRing::new(2),
+            up_i64: PinnedRing::new(2),
+            sec: Sections::default(),
+        }
+    }
 }
 
 impl StepMeta {
@@ -153,7 +172,7 @@ impl StepMeta {
     /// (then returns true).
     fn copy_up(&mut self, dev: &CudaDevice) -> Result<bool> {
         let (h, l) = (&self.host_i32, &self.host_i64);
-        let stream = dev.stream();
+        let stream = dev.stream().clone();
         let mut grown = false;
         if self.dev_i32.as_ref().is_none_or(|b| b.len() < h.len()) {
             self.dev_i32 = Some(stream.alloc_zeros::<i32>(h.len().next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
@@ -164,10 +183,10 @@ impl StepMeta {
             grown = true;
         }
         let d32 = self.dev_i32.as_mut().expect("allocated above");
-        stream.memcpy_htod(h.as_slice(), &mut d32.slice_mut(0..h.len())).map_err(driver_err("uploading step metadata"))?;
+        self.up_i32.upload(dev, h, &mut d32.slice_mut(0..h.len()))?;
         if !l.is_empty() {
             let d64 = self.dev_i64.as_mut().expect("allocated above");
-            stream.memcpy_htod(l.as_slice(), &mut d64.slice_mut(0..l.len())).map_err(driver_err("uploading step metadata"))?;
+            self.up_i64.upload(dev, l, &mut d64.slice_mut(0..l.len()))?;
         }
         Ok(grown)
     }
@@ -184,6 +203,11 @@ impl StepMeta {
     /// Token ids `[T]`.
     pub fn ids(&self) -> CudaView<'_, i32> {
         self.i32_view(0, self.sec.tokens)
+    }
+
+    /// The first `n` token ids, to overwrite on the device after the upload (fed decode steps).
+    pub fn ids_mut(&mut self, n: usize) -> CudaViewMut<'_, i32> {
+        self.dev_i32.as_mut().expect("step metadata uploaded").slice_mut(0..n.min(self.sec.tokens))
     }
 
     /// Position of each token `[T]`.

@@ -122,6 +122,28 @@ pub trait ModelRunner: Send {
         self.forward(batch)?.sample_on_host(rows)
     }
 
+    /// Whether `launch_sampled` returns before its step has run on the device, so that the
+    /// engine can queue the next decode step (fed its tokens on the device) while this one runs
+    /// and the host turns the last results into outputs (asynchronous scheduling). Runners that
+    /// say false are only driven through `forward_sampled`.
+    fn overlaps_steps(&self) -> bool {
+        false
+    }
+
+    /// Queue a step that `forward_sampled` would run, without waiting for it; its tokens come
+    /// from `collect_sampled`, in launch order (at most two steps are uncollected at a time).
+    /// With `feed`, the step is all decodes whose sequence `i` continues the sequence sampled in
+    /// row `i` of the step launched just before, and its token is that row's sampled token,
+    /// taken on the device (the batch's token is a placeholder).
+    fn launch_sampled(&mut self, _batch: &StepBatch, _rows: &[RowSampling], _feed: bool) -> Result<()> {
+        Err(NinferError::invalid("launch_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
+    }
+
+    /// The sampled tokens of the oldest launched step not yet collected (waits for it).
+    fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
+        Err(NinferError::invalid("collect_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
+    }
+
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;
 

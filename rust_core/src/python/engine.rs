@@ -39,6 +39,8 @@ pub struct PyEngine {
     vocab_size: usize,
     device: String,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Whether steps overlap the host's work on the step before (asynchronous scheduling).
+    async_scheduling: bool,
 }
 
 impl PyEngine {
@@ -50,6 +52,7 @@ impl PyEngine {
             vocab_size: core.validator().vocab_size,
             device,
             tokenizer: core.tokenizer().cloned(),
+            async_scheduling: core.overlaps_steps(),
             mode: Mutex::new(Mode::Inline(Box::new(core))),
         }
     }
@@ -141,6 +144,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("prefill_tokens_computed", s.prefill_tokens_computed)?;
     d.set_item("max_batch_size_seen", s.max_batch_size_seen)?;
     d.set_item("steps", s.steps)?;
+    d.set_item("lookahead_steps", s.lookahead_steps)?;
     d.set_item("preemptions", s.preemptions)?;
     Ok(d)
 }
@@ -315,6 +319,7 @@ impl PyEngine {
         d.set_item("max_concurrency", c.max_concurrency)?;
         d.set_item("prefill_chunk", c.prefill_chunk)?;
         d.set_item("prefix_reuse", c.prefix_reuse)?;
+        d.set_item("async_scheduling", self.async_scheduling)?;
         d.set_item("state_slots_running", c.running_state_slots)?;
         d.set_item("state_slots_snapshot", c.snapshot_state_slots)?;
         d.set_item("weight_bytes", l.weight_bytes)?;

@@ -86,6 +86,12 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// True when a penalty reads the tokens generated so far (repetition, presence or
+    /// frequency), so the next token's sampling row depends on the last one.
+    pub fn penalizes_history(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
     /// Check every range; the error names the field and the offending value.
     pub fn validate(&self) -> Result<()> {
         let bad = |f: &str, v: String, why: &str| Err(NinferError::invalid(f, format!("{v} {why}")));

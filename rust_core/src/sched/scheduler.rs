@@ -184,7 +184,11 @@ impl Scheduler {
 
     /// Remove a sequence (finished or aborted), freeing its blocks and slot. Returns a state
     /// copy that snapshots its final state when it ends on a block boundary (hybrid models).
-    pub fn finish(&mut self, id: SeqId) -> Option<(usize, usize)> {
+    /// `state_current` is false when a step queued after its last counted one has already
+    /// advanced its slot (asynchronous scheduling): then no snapshot is taken, since the slot no
+    /// longer holds the state of its tokens (the decode-boundary snapshot of `on_step_done`
+    /// already holds that state, under the same key).
+    pub fn finish(&mut self, id: SeqId, state_current: bool) -> Option<(usize, usize)> {
         let seq = self.seqs.remove(&id)?;
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
@@ -192,13 +196,63 @@ impl Scheduler {
         let mut copy = None;
         if let Some(slot) = seq.state_slot {
             let n = seq.num_computed;
-            if self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
+            if state_current && self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
                 copy = self.slots.reserve_snapshot(seq.block_hashes[n / bs - 1]).map(|dst| (slot, dst));
             }
             self.slots.release(slot);
         }
         self.pool.free_all(&seq.block_table);
         copy
+    }
+
+    /// The decode step after `prev` for a backend that queues it before `prev`'s tokens are
+    /// known (asynchronous scheduling): one token for each sequence of `prev`, in its order, at
+    /// the position after its computed tokens; the token itself is the backend's to take from
+    /// `prev`'s sampled output on the device (`tokens` holds a placeholder 0). Built only when it
+    /// is the step `schedule` would build once `prev`'s tokens are appended: `prev` is all
+    /// decodes and holds every running sequence, nobody waiting could be admitted (the queue is
+    /// empty or the concurrency is full), and the blocks it needs are free without preempting.
+    /// None otherwise, with nothing changed (the engine then waits for `prev` first).
+    /// Call after `on_step_done(prev)`; call `on_step_done` on the result once `prev`'s tokens
+    /// are appended (a block that fills must be hashed over real tokens).
+    pub fn schedule_lookahead(&mut self, prev: &ScheduledStep) -> Option<ScheduledStep> {
+        let n = prev.seq_ids.len();
+        if n == 0 || prev.num_decodes != n || self.running.len() != n || n > self.cfg.prefill_chunk {
+            return None;
+        }
+        if !self.waiting.is_empty() && self.running.len() < self.cfg.max_concurrency {
+            return None;
+        }
+        let bs = self.pool.block_size();
+        let mut new_blocks = 0;
+        for id in &prev.seq_ids {
+            let seq = self.seqs.get(id)?;
+            if seq.status != SeqStatus::Running || seq.remaining() != 0 {
+                return None;
+            }
+            new_blocks += usize::from(seq.block_table.len() * bs <= seq.num_computed);
+        }
+        if new_blocks > self.pool.num_free() {
+            return None;
+        }
+        let mut step = ScheduledStep::default();
+        for &id in &prev.seq_ids {
+            let seq = self.seqs.get_mut(&id).expect("checked above");
+            let pos = seq.num_computed;
+            if seq.block_table.len() * bs <= pos {
+                seq.block_table.push(self.pool.allocate().expect("free blocks counted above"));
+            }
+            step.batch.seqs.push(SeqChunk {
+                tokens: vec![0],
+                start_pos: pos,
+                block_table: seq.block_table[..(pos + 1).div_ceil(bs)].to_vec(),
+                state_slot: seq.state_slot.unwrap_or(0),
+                logits: LogitsWanted::Last,
+            });
+            step.seq_ids.push(id);
+        }
+        step.num_decodes = n;
+        Some(step)
     }
 
     /// Make sure a decoding sequence has a block for its next token, preempting the newest

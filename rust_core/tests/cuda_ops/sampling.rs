@@ -419,3 +419,46 @@ fn sample_rows_timing_at_llama3_vocab() {
         }
     }
 }
+
+/// Asynchronous scheduling's feed: each row's token (word 0 of its `SAMPLE_OUT` words) lands in
+/// the next step's ids, exactly and nowhere else.
+#[test]
+fn feed_sampled_tokens_copies_each_rows_token_into_the_step_ids() {
+    let Some(dev) = gpu("feed_sampled_tokens", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(41);
+    for n in [1usize, 3, 129, 300] {
+        let words: Vec<u32> = (0..n * SAMPLE_OUT).map(|_| (rng.unit() * 1.0e9) as u32).collect();
+        let mut ids = super::harness::OutI32::new(&dev, n);
+        dev.feed_sampled_tokens(&upload_raw(&dev, &words), &mut ids.view(), n).unwrap();
+        let got = ids.read(&dev, "fed ids");
+        let want: Vec<i32> = (0..n).map(|i| words[i * SAMPLE_OUT] as i32).collect();
+        assert_eq!(got, want, "{n} rows");
+    }
+    let short = upload_raw(&dev, &[0u32; SAMPLE_OUT]);
+    let mut ids = super::harness::OutI32::new(&dev, 2);
+    let err = dev.feed_sampled_tokens(&short, &mut ids.view(), 2).unwrap_err();
+    assert!(err.to_string().contains("sampled tokens"), "{err}");
+}
+
+/// The page-locked staging ring: uploads and downloads of changing lengths round-trip through
+/// two buffers used in turn, with copies queued back to back before any is waited for.
+#[test]
+fn pinned_ring_round_trips_queued_uploads_and_downloads() {
+    use ninfer_core::backend::cuda::transfer::PinnedRing;
+    let Some(dev) = gpu("pinned_ring", StorageDType::Bf16) else { return };
+    let (mut up, mut down) = (PinnedRing::<u32>::new(2), PinnedRing::<u32>::new(2));
+    let mut bufs: Vec<CudaSlice<u32>> = (0..4).map(|_| dev.stream().alloc_zeros::<u32>(5000).unwrap()).collect();
+    let mut pending = Vec::new();
+    for (round, len) in [7usize, 4096, 33, 5000, 1, 2500].into_iter().enumerate() {
+        let host: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ round as u32).collect();
+        let buf = &mut bufs[round % 4];
+        up.upload(&dev, &host, &mut buf.slice_mut(0..len)).unwrap();
+        let slot = down.download(&dev, &buf.slice(0..len)).unwrap();
+        pending.push((slot, host));
+        if pending.len() == 2 {
+            for (slot, want) in pending.drain(..) {
+                assert_eq!(down.downloaded(slot, want.len()).unwrap(), &want[..], "round {round}");
+            }
+        }
+    }
+}

@@ -3,6 +3,7 @@
 mod batching;
 mod caching;
 mod grammar;
+mod overlap;
 mod sampling;
 mod stopping;
 mod thread;
@@ -37,6 +38,8 @@ struct Setup {
     hybrid: bool,
     tokenizer: Option<Arc<Tokenizer>>,
     eos: Vec<u32>,
+    /// The toy overlaps steps (asynchronous scheduling, `ToyRunner::overlapping`).
+    overlap: bool,
 }
 
 impl Default for Setup {
@@ -48,6 +51,7 @@ impl Default for Setup {
             hybrid: false,
             tokenizer: None,
             eos: Vec::new(),
+            overlap: false,
         }
     }
 }
@@ -55,6 +59,7 @@ impl Default for Setup {
 impl Setup {
     fn build(&self) -> (EngineCore, Arc<Mutex<ToyLog>>) {
         let runner = ToyRunner::new(self.vocab, self.max_pos, self.hybrid);
+        let runner = if self.overlap { runner.overlapping() } else { runner };
         let log = runner.log.clone();
         let core = EngineCore::new(Box::new(runner), &self.cfg, self.tokenizer.clone(), self.eos.clone()).expect("engine");
         // Tests look at the steps requests cause; the warm-up step has its own test.

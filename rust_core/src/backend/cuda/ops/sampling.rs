@@ -71,6 +71,23 @@ impl CudaDevice {
         self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), 1024), "argmax_logsumexp", &args)
     }
 
+    /// `ids[i]` = the token `sample_rows` wrote to `sampled` for row `i`, for `n` rows: the
+    /// tokens of a decode step queued before the step ahead of it returned (asynchronous
+    /// scheduling), taken on the device.
+    pub fn feed_sampled_tokens(&self, sampled: &impl DevicePtr<u32>, ids: &mut impl DevicePtrMut<i32>, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        check_len("sampled tokens", sampled.len(), n * SAMPLE_OUT)?;
+        check_len("fed token ids", ids.len(), n)?;
+        let f = self.function(KernelFamily::Sampling, "feed_sampled_tokens")?;
+        let s = self.stream();
+        let (sp, _a) = sampled.device_ptr(s);
+        let (ip, _b) = ids.device_ptr_mut(s);
+        let args = [KArg::Ptr(sp), KArg::I32(as_i32("sampler output words", SAMPLE_OUT)?), KArg::Ptr(ip), KArg::I32(as_i32("rows", n)?)];
+        self.launch(&f, cfg((n.div_ceil(128) as u32, 1, 1), 128), "feed_sampled_tokens", &args)
+    }
+
     /// Sample every row of `packed`: `sample_scan` (many blocks per row) applies the row's
     /// grammar mask, bias and penalties, picks greedy tokens and computes the raw logprobs;
     /// `sample_pick` (one block per row, launched only when a row samples) draws the other

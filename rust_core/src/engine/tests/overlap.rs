@@ -1,0 +1,197 @@
+//! Asynchronous scheduling (a runner that `overlaps_steps`): every request gets exactly the
+//! tokens, text, finish reason and cache hits it gets from the synchronous engine; the lookahead
+//! step is taken where it is safe and never where the next sampling row depends on the token in
+//! flight. The toy's hybrid mode fails any step whose recurrent state disagrees with its KV
+//! history, so a snapshot taken from a slot the lookahead already advanced is caught.
+
+use super::*;
+
+/// `setup` with and without overlap: the two runs' results and the overlapping engine.
+fn both(setup: &Setup, reqs: &[(Vec<u32>, SamplingParams)]) -> (Vec<Collected>, Vec<Collected>, EngineCore) {
+    let (sync, sync_core, _) = run_requests(setup, reqs);
+    assert_eq!(sync_core.stats().lookahead_steps, 0);
+    assert!(!sync_core.overlaps_steps());
+    let (overlapped, core, _) = run_requests(&Setup { overlap: true, ..setup.clone() }, reqs);
+    assert!(core.overlaps_steps());
+    (sync, overlapped, core)
+}
+
+fn assert_same(sync: &[Collected], overlapped: &[Collected]) {
+    for (i, (a, b)) in sync.iter().zip(overlapped).enumerate() {
+        assert_eq!(a, b, "request {i}: synchronous vs overlapped");
+    }
+}
+
+fn mixed_requests() -> Vec<(Vec<u32>, SamplingParams)> {
+    let seeded = |seed| SamplingParams { temperature: 0.9, top_k: 20, max_tokens: 37, seed: Some(seed), logprobs: true, ..Default::default() };
+    vec![
+        (prompt(20, 1), greedy(40)),
+        (prompt(33, 2), seeded(7)),
+        (prompt(5, 3), greedy(1)),
+        (prompt(17, 4), greedy(2)),
+        (prompt(64, 5), seeded(9)),
+        (prompt(16, 6), greedy(50)),
+    ]
+}
+
+#[test]
+fn overlapped_batches_give_the_synchronous_outputs_and_take_lookahead_steps() {
+    for hybrid in [false, true] {
+        let setup = Setup { hybrid, ..Default::default() };
+        let reqs = mixed_requests();
+        let (sync, overlapped, core) = both(&setup, &reqs);
+        assert_same(&sync, &overlapped);
+        let stats = core.stats();
+        assert!(stats.lookahead_steps > 20, "hybrid {hybrid}: {} lookahead steps", stats.lookahead_steps);
+        assert_eq!(stats.kv_blocks_used, 0, "hybrid {hybrid}: every block is freed");
+        assert_eq!(stats.running + stats.waiting, 0);
+    }
+}
+
+#[test]
+fn a_single_greedy_request_runs_every_decode_but_the_last_as_a_lookahead() {
+    let (sync, overlapped, core) = both(&Setup::default(), &[(prompt(10, 1), greedy(30))]);
+    assert_same(&sync, &overlapped);
+    // Steps: the prompt, then 29 decodes; the first decode follows the prompt step (not all
+    // decodes) and the one that reaches max_tokens is never taken ahead.
+    let stats = core.stats();
+    assert_eq!((stats.steps, stats.lookahead_steps), (30, 28));
+}
+
+#[test]
+fn eos_and_stop_strings_end_requests_whose_next_step_is_already_queued() {
+    let p = prompt(10, 1);
+    let (reference, _, _) = run_requests(&Setup::default(), &[(p.clone(), greedy(40))]);
+    let eos = reference[0].tokens[12];
+    for hybrid in [false, true] {
+        let setup = Setup { eos: vec![eos], hybrid, ..Default::default() };
+        let reqs = vec![(p.clone(), greedy(40)), (prompt(30, 2), greedy(25)), (prompt(12, 3), SamplingParams { ignore_eos: true, ..greedy(40) })];
+        let (sync, overlapped, core) = both(&setup, &reqs);
+        assert_same(&sync, &overlapped);
+        assert_eq!(overlapped[0].finish, Some("stop"));
+        assert_eq!(core.stats().kv_blocks_used, 0);
+    }
+    let text = Setup { vocab: 127, tokenizer: Some(byte_tokenizer()), ..Default::default() };
+    let ascii: Vec<u32> = (0..9u32).map(|i| 32 + (i * 5) % 90).collect();
+    let (free, _, _) = run_requests(&text, &[(ascii.clone(), greedy(60))]);
+    let stop = free[0].text[20..23].to_string();
+    let with_stop = SamplingParams { stop: vec![stop], ..greedy(60) };
+    let (sync, overlapped, _) = both(&text, &[(ascii, with_stop)]);
+    assert_same(&sync, &overlapped);
+    assert_eq!(overlapped[0].finish, Some("stop"));
+}
+
+#[test]
+fn penalties_and_grammars_wait_for_the_token_in_flight() {
+    let penalized = SamplingParams { temperature: 0.0, max_tokens: 30, repetition_penalty: 1.3, ..Default::default() };
+    let presence = SamplingParams { temperature: 0.8, seed: Some(3), max_tokens: 30, presence_penalty: 0.7, ..Default::default() };
+    let (sync, overlapped, core) = both(&Setup::default(), &[(prompt(12, 1), penalized), (prompt(9, 2), presence)]);
+    assert_same(&sync, &overlapped);
+    assert_eq!(core.stats().lookahead_steps, 0, "every step holds a request whose next row counts the last token");
+    let json = Setup { vocab: 256, tokenizer: Some(byte_tokenizer()), eos: vec![0], ..Default::default() };
+    let constrained = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 80,
+        response_format: Some(serde_json::json!({"type": "json_object"})),
+        ..Default::default()
+    };
+    let (sync, overlapped, core) = both(&json, &[(prompt(8, 3), constrained)]);
+    assert_same(&sync, &overlapped);
+    assert_eq!(core.stats().lookahead_steps, 0);
+}
+
+#[test]
+fn hybrid_conversations_resume_from_snapshots_taken_under_overlap() {
+    for block in [4, 16] {
+        let setup = Setup { hybrid: true, overlap: true, cfg: EngineConfig { block_size: block, ..Setup::default().cfg }, ..Default::default() };
+        let sync_setup = Setup { overlap: false, ..setup.clone() };
+        // Output lengths that end on, just before and just after a block boundary.
+        for (len, max_tokens) in [(40, 24), (40, 23), (40, 25), (37, 27)] {
+            let p1 = prompt(len, 3);
+            let turn = |s: &Setup| {
+                let (mut core, _) = s.build();
+                core.add_request("t1", p1.clone(), greedy(max_tokens)).unwrap();
+                let t1 = run_all(&mut core).remove("t1").unwrap();
+                let mut p2 = p1.clone();
+                p2.extend(&t1.tokens);
+                p2.extend(prompt(7, 9));
+                core.add_request("t2", p2, greedy(12)).unwrap();
+                let t2 = run_all(&mut core).remove("t2").unwrap();
+                (t1, t2, core.stats())
+            };
+            let (a1, a2, _) = turn(&sync_setup);
+            let (b1, b2, stats) = turn(&setup);
+            assert_eq!((&a1, &a2), (&b1, &b2), "block {block}, prompt {len}, max_tokens {max_tokens}");
+            assert!(b2.cached_tokens > 0, "the second turn resumes from a snapshot");
+            assert!(stats.lookahead_steps > 0);
+        }
+    }
+}
+
+#[test]
+fn preemption_under_a_tiny_pool_gives_the_synchronous_outputs() {
+    for hybrid in [false, true] {
+        let tiny = Setup {
+            hybrid,
+            cfg: EngineConfig { max_context: Some(64), kv_capacity_tokens: Some(64), block_size: 4, max_concurrency: 4, prefill_chunk: 64, ..Default::default() },
+            ..Default::default()
+        };
+        let reqs: Vec<_> = (0..3).map(|i| (prompt(10 + i, i as u32), greedy(40))).collect();
+        let (sync, overlapped, core) = both(&tiny, &reqs);
+        assert_same(&sync, &overlapped);
+        assert!(core.stats().preemptions > 0);
+        assert_eq!(core.stats().kv_blocks_used, 0);
+    }
+}
+
+#[test]
+fn requests_arriving_and_aborted_mid_run_leave_nothing_behind() {
+    for hybrid in [false, true] {
+        let setup = Setup { hybrid, overlap: true, ..Default::default() };
+        let (mut core, _) = setup.build();
+        let mut all = HashMap::new();
+        core.add_request("long", prompt(20, 1), greedy(60)).unwrap();
+        core.add_request("doomed", prompt(25, 2), greedy(60)).unwrap();
+        for i in 0..40 {
+            if i == 5 {
+                core.add_request("late", prompt(30, 3), greedy(20)).unwrap();
+            }
+            if i == 12 {
+                assert!(core.abort("doomed"));
+            }
+            collect_into(&mut all, core.step().unwrap());
+        }
+        while core.has_unfinished() {
+            collect_into(&mut all, core.step().unwrap());
+        }
+        let stats = core.stats();
+        assert!(stats.lookahead_steps > 0);
+        assert_eq!((stats.kv_blocks_used, stats.running, stats.waiting), (0, 0, 0), "hybrid {hybrid}");
+        let (alone, _, _) = run_requests(&Setup { hybrid, ..Default::default() }, &[(prompt(20, 1), greedy(60)), (prompt(30, 3), greedy(20)), (prompt(25, 2), greedy(60))]);
+        assert_eq!(all["long"].tokens, alone[0].tokens);
+        assert_eq!(all["late"].tokens, alone[1].tokens);
+        let doomed = &all["doomed"];
+        assert_eq!(doomed.finish, Some("abort"));
+        assert!(doomed.tokens.len() < 60 && alone[2].tokens.starts_with(&doomed.tokens), "an aborted request's tokens are a prefix of its full output");
+    }
+}
+
+#[test]
+fn score_between_overlapped_steps_leaves_running_requests_untouched() {
+    let setup = Setup { overlap: true, ..Default::default() };
+    let (mut core, _) = setup.build();
+    let mut all = HashMap::new();
+    core.add_request("a", prompt(20, 1), greedy(30)).unwrap();
+    for _ in 0..6 {
+        collect_into(&mut all, core.step().unwrap());
+    }
+    let p = prompt(40, 4);
+    let scores = core.score(&p).unwrap();
+    while core.has_unfinished() {
+        collect_into(&mut all, core.step().unwrap());
+    }
+    let (alone, _, _) = run_requests(&Setup::default(), &[(prompt(20, 1), greedy(30))]);
+    assert_eq!(all["a"].tokens, alone[0].tokens);
+    let (mut fresh, _) = Setup::default().build();
+    assert_eq!(fresh.score(&p).unwrap(), scores);
+}
