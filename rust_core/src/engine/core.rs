@@ -291,7 +291,7 @@ impl EngineCore {
         result
     }
 
-    /// Without overlap: schedule, run, postprocess. With it, a step in flight is first followed
+    /// Without overlap: schedule, launch, complete. With it, a step in flight is first followed
     /// by its lookahead when there is one (queued before waiting for it), then completed; with
     /// no lookahead the next step is scheduled as usual and left in flight.
     fn try_step(&mut self) -> Result<Vec<RequestOutput>> {

@@ -1,6 +1,6 @@
-//! The engine: validated config and memory ledger, the synchronous `EngineCore` (schedule ->
-//! execute -> postprocess), per-request postprocessing state, and `EngineHandle`, which runs
-//! the core on its own OS thread.
+//! The engine: validated config and memory ledger, the single-threaded `EngineCore` (schedule
+//! -> launch -> complete, with one step in flight under asynchronous scheduling), per-request
+//! postprocessing state, and `EngineHandle`, which runs the core on its own OS thread.
 
 pub mod config;
 pub mod core;

@@ -195,3 +195,33 @@ fn score_between_overlapped_steps_leaves_running_requests_untouched() {
     let (mut fresh, _) = Setup::default().build();
     assert_eq!(fresh.score(&p).unwrap(), scores);
 }
+
+#[test]
+fn a_request_ending_on_a_block_boundary_under_lookahead_takes_no_stale_snapshot() {
+    // One snapshot slot: B's decode-boundary snapshot evicts A's in the step where A ends (EOS),
+    // so A's finish would snapshot again, from a slot the queued lookahead already advanced. A
+    // later prompt extending A's output would then resume from that stale state (the toy fails
+    // the step); without the snapshot it recomputes.
+    let cfg = EngineConfig { block_size: 4, snapshot_slots: Some(1), ..Setup::default().cfg };
+    let base = Setup { hybrid: true, cfg, ..Default::default() };
+    let (pa, pb) = (prompt(10, 1), prompt(10, 2));
+    let (free, _, _) = run_requests(&base, &[(pa.clone(), greedy(40))]);
+    let out = free[0].tokens.clone();
+    let k = (2..39).find(|&k| (10 + k) % 4 == 0 && !out[..k].contains(&out[k])).expect("an EOS position on a block boundary");
+    let setup = Setup { eos: vec![out[k]], overlap: true, ..base.clone() };
+    let (mut core, _) = setup.build();
+    core.add_request("a", pa.clone(), greedy(40)).unwrap();
+    // B runs in A's last step and ends before its next block boundary, so nothing evicts the
+    // snapshot A's finish would take.
+    core.add_request("b", pb, SamplingParams { ignore_eos: true, ..greedy(k + 3) }).unwrap();
+    let first = run_all(&mut core);
+    assert_eq!(first["a"].tokens, out[..=k].to_vec());
+    assert!(core.stats().lookahead_steps > 0);
+    let mut pc = pa;
+    pc.extend(&out[..k]);
+    pc.extend(prompt(5, 3));
+    core.add_request("c", pc.clone(), greedy(8)).unwrap();
+    let c = run_all(&mut core).remove("c").unwrap();
+    let (fresh, _, _) = run_requests(&Setup { eos: vec![out[k]], ..base }, &[(pc, greedy(8))]);
+    assert_eq!(c.tokens, fresh[0].tokens);
+}
