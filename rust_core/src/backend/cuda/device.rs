@@ -56,11 +56,13 @@ pub struct CudaDevice {
     /// The CUDA-core GEMV's prefetch before its PDL wait (`NINFER_CC_PREFETCH`); read once.
     cc_prefetch: super::ops::CcPrefetchPlan,
     /// The CUDA-core GEMV's launch: warps a block and warps of a block that split one warp's
-    /// K. `NINFER_CC_WARPS` / `NINFER_CC_KSPLIT` when set (`cc_launch_set`), else 8 and 1 until
-    /// the model loader sets its defaults (`use_model_cc_launch`).
+    /// K, the latter per weight shape where `NINFER_CC_KSPLIT` names shapes (`cc_ksplit_plan`),
+    /// else `cc_ksplit`. `NINFER_CC_WARPS` / `NINFER_CC_KSPLIT` when set, else 8 and 1 until the
+    /// model loader sets its defaults (`use_model_cc_launch`).
     cc_warps: AtomicUsize,
+    cc_warps_set: bool,
     cc_ksplit: AtomicUsize,
-    cc_launch_set: (bool, bool),
+    cc_ksplit_plan: super::ops::CcKsplitPlan,
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
@@ -144,9 +146,9 @@ impl CudaDevice {
         let warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
         // Until a model sets its defaults: unsplit, the unsplit block.
         let unsplit_warps = super::ops::default_cc_warps(1);
-        let ksplit = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), warps.unwrap_or(unsplit_warps))?;
-        let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(ksplit.unwrap_or(1)));
-        let cc_launch_set = (warps.is_some(), ksplit.is_some());
+        let cc_ksplit_plan = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), warps.unwrap_or(unsplit_warps))?;
+        let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(cc_ksplit_plan.default.unwrap_or(1)));
+        let cc_warps_set = warps.is_some();
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
@@ -171,8 +173,9 @@ impl CudaDevice {
             tc_prefetch_steps,
             cc_prefetch,
             cc_warps,
+            cc_warps_set,
             cc_ksplit,
-            cc_launch_set,
+            cc_ksplit_plan,
             da_min_warp_keys,
             batch_invariant,
             tc_decode_attn,
@@ -264,23 +267,25 @@ impl CudaDevice {
         self.cc_warps.load(Ordering::Relaxed)
     }
 
-    /// Warps of a CUDA-core GEMV block that share one warp's columns (`NINFER_CC_KSPLIT`).
-    pub fn cc_ksplit(&self) -> usize {
-        self.cc_ksplit.load(Ordering::Relaxed)
+    /// Warps of a CUDA-core GEMV block that share one warp's columns for a weight of `rows` x
+    /// `k` (`NINFER_CC_KSPLIT`, per shape where it names the shape). Every kernel of a weight
+    /// (the plain GEMV and its fused forms) asks with the weight's shape, so they sum alike.
+    pub fn cc_ksplit_for(&self, rows: usize, k: usize) -> usize {
+        self.cc_ksplit_plan.shapes.iter().find(|(s, _)| *s == (rows, k)).map_or_else(|| self.cc_ksplit.load(Ordering::Relaxed), |(_, v)| *v)
     }
 
-    /// Takes the CUDA-core GEMV launch of a model of hidden size `hidden` (`default_cc_ksplit`,
-    /// then `default_cc_warps` of that split) where `NINFER_CC_KSPLIT` / `NINFER_CC_WARPS` set
-    /// none. The loader calls it before the first launch, so every kernel of the model (and
-    /// every captured graph) runs with one setting.
+    /// Takes the CUDA-core GEMV launch of a model of hidden size `hidden` (`default_cc_ksplit`
+    /// for the shapes `NINFER_CC_KSPLIT` leaves, then `default_cc_warps` of that split, or the
+    /// largest split named if more) where the variables set none. The loader calls it before the
+    /// first launch, so every kernel of the model (and every captured graph) runs with one plan.
     pub fn use_model_cc_launch(&self, hidden: usize) {
-        let (warps_set, ksplit_set) = self.cc_launch_set;
-        if !ksplit_set {
+        if self.cc_ksplit_plan.default.is_none() {
             // An explicit block of 2 or 4 warps still fits the default split of 2.
             self.cc_ksplit.store(super::ops::default_cc_ksplit(hidden), Ordering::Relaxed);
         }
-        if !warps_set {
-            self.cc_warps.store(super::ops::default_cc_warps(self.cc_ksplit()), Ordering::Relaxed);
+        if !self.cc_warps_set {
+            let base = self.cc_ksplit.load(Ordering::Relaxed);
+            self.cc_warps.store(super::ops::default_cc_warps(base).max(self.cc_ksplit_plan.max_named()), Ordering::Relaxed);
         }
     }
 

@@ -420,8 +420,9 @@ impl CudaDevice {
             let yr = y + (row * n) as u64 * out.elem_bytes();
             match self.gemv_kernel(form, out.weight_rows(n), k, mm) {
                 GemvKernel::CudaCores => {
-                    // ksplit warps share one warp's columns (NINFER_CC_KSPLIT).
-                    let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm, self.cc_warps() / self.cc_ksplit())))? as u32, 1, 1);
+                    // ksplit warps share one warp's columns (NINFER_CC_KSPLIT, keyed like NINFER_GEMV_SHAPES).
+                    let ksplit = self.cc_ksplit_for(out.weight_rows(n), k);
+                    let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm, self.cc_warps() / ksplit)))? as u32, 1, 1);
                     let name = out.name(mm);
                     let f = self.function(KernelFamily::Gemv, name)?;
                     let args = [
@@ -431,7 +432,7 @@ impl CudaDevice {
                         KArg::I32(as_i32("gemv n", n)?),
                         KArg::I32(as_i32("gemv k", k)?),
                         KArg::I32(self.cc_prefetch().vectors(out.weight_rows(n), k) as i32),
-                        KArg::I32(self.cc_ksplit() as i32),
+                        KArg::I32(ksplit as i32),
                         KArg::I32(out.round_arg()),
                     ];
                     self.launch_pdl(&f, cfg(grid, (self.cc_warps() * 32) as u32), name, &args[..out.args(7)])?;

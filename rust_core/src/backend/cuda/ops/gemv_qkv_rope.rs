@@ -109,6 +109,8 @@ impl CudaDevice {
         let (fp, _h) = inv_freq.device_ptr(s);
         let name = "gemv_qkv_rope_m1";
         let f = self.function(KernelFamily::Gemv, name)?;
+        // The qkv GEMV's split (its weight's shape), so the two forms sum alike.
+        let ksplit = self.cc_ksplit_for(l.rows(), k);
         let args = [
             KArg::Ptr(xp),
             KArg::Ptr(wp),
@@ -117,7 +119,7 @@ impl CudaDevice {
             KArg::I32(as_i32("gemv_qkv_rope k", k)?),
             // The plain GEMV's pre-wait prefetch depth for this weight.
             KArg::I32(self.cc_prefetch().vectors(l.rows(), k) as i32),
-            KArg::I32(self.cc_ksplit() as i32),
+            KArg::I32(ksplit as i32),
             KArg::Ptr(kc),
             KArg::Ptr(vc),
             KArg::Ptr(pp),
@@ -130,7 +132,7 @@ impl CudaDevice {
         ];
         // A warp per pair, the device's CUDA-core GEMV warps a block, as gemv_m1 has a warp per row.
         let warps = self.cc_warps();
-        let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps / self.cc_ksplit()))? as u32, 1, 1);
+        let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps / ksplit))? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, (warps * 32) as u32), name, &args)
     }
 }

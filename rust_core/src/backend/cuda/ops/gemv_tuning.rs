@@ -287,6 +287,9 @@ pub fn default_cc_warps(ksplit: usize) -> usize {
 /// shared-memory reduction per block. Changes the order of each sum (one fixed order per
 /// setting; every CUDA-core kernel of a model takes the same, so the fused epilogues still equal
 /// their unfused pairs bit for bit). Unset: `default_cc_ksplit` of the model's hidden size.
+/// Per weight shape too (`ROWSxK=SPLIT,...`, `*=SPLIT` for the rest, the shape keys of
+/// `NINFER_GEMV_SHAPES`): a shape's kernels (the plain GEMV, its fused SwiGLU / RoPE forms) key
+/// on the same weight, so the fused forms still equal their unfused pairs.
 pub const CC_KSPLIT_VAR: &str = "NINFER_CC_KSPLIT";
 
 /// Largest hidden size whose CUDA-core GEMVs split K in two by default. Measured on the H200
@@ -306,15 +309,63 @@ pub fn default_cc_ksplit(hidden: usize) -> usize {
     }
 }
 
-/// `value` of `NINFER_CC_KSPLIT` for blocks of `warps` warps: None when unset or blank (the
-/// model's default applies), else 1, 2, 4 or 8 dividing `warps`.
-pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<Option<usize>> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
-    v.parse::<usize>()
-        .ok()
-        .filter(|s| [1, 2, 4, 8].contains(s) && *s <= warps)
-        .map(Some)
-        .ok_or_else(|| NinferError::config(CC_KSPLIT_VAR, format!("expected 1, 2, 4 or 8 and at most {CC_WARPS_VAR} ({warps}), got {v:?}")))
+/// The K split per weight shape (`NINFER_CC_KSPLIT`): `shapes` name some shapes, `default`
+/// the rest (None: the model's `default_cc_ksplit`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CcKsplitPlan {
+    pub shapes: Vec<((usize, usize), usize)>,
+    pub default: Option<usize>,
+}
+
+impl CcKsplitPlan {
+    /// The split the variable gives a weight of `rows` x `k` (None: the model's default).
+    pub fn for_shape(&self, rows: usize, k: usize) -> Option<usize> {
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map(|(_, v)| *v).or(self.default)
+    }
+
+    /// The largest split any shape names (1 when none), which the block's warps must hold.
+    pub fn max_named(&self) -> usize {
+        self.shapes.iter().map(|(_, v)| *v).chain(self.default).max().unwrap_or(1)
+    }
+}
+
+/// `value` of `NINFER_CC_KSPLIT` for blocks of `warps` warps: empty when unset or blank (the
+/// model's default applies); one split for every shape; or `ROWSxK=SPLIT` entries and at most
+/// one `*=SPLIT`, separated by commas. A split is 1, 2, 4 or 8, at most `warps`. Anything else
+/// (a bad split or shape, a shape or `*` given twice) is an error naming the variable and the
+/// offending text.
+pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<CcKsplitPlan> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(CcKsplitPlan::default()) };
+    let bad = |what: String| NinferError::config(CC_KSPLIT_VAR, format!("{what} in {v:?}"));
+    let split = |text: &str| {
+        let t = text.trim();
+        t.parse::<usize>()
+            .ok()
+            .filter(|s| [1, 2, 4, 8].contains(s) && *s <= warps)
+            .ok_or_else(|| bad(format!("expected 1, 2, 4 or 8 and at most {CC_WARPS_VAR} ({warps}), got {t:?}")))
+    };
+    if !v.contains('=') {
+        return Ok(CcKsplitPlan { shapes: Vec::new(), default: Some(split(v)?) });
+    }
+    let mut plan = CcKsplitPlan::default();
+    for entry in v.split(',').map(str::trim) {
+        let Some((shape, value)) = entry.split_once('=') else {
+            return Err(bad(format!("entry {entry:?} is not ROWSxK=SPLIT or *=SPLIT")));
+        };
+        let s = split(value)?;
+        if shape.trim() == "*" {
+            if plan.default.replace(s).is_some() {
+                return Err(bad("* given twice".into()));
+            }
+            continue;
+        }
+        let key = parse_shape_key(shape).ok_or_else(|| bad(format!("shape {:?} is not ROWSxK with positive integers", shape.trim())))?;
+        if plan.shapes.iter().any(|(k, _)| *k == key) {
+            return Err(bad(format!("shape {}x{} given twice", key.0, key.1)));
+        }
+        plan.shapes.push((key, s));
+    }
+    Ok(plan)
 }
 
 /// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
@@ -465,16 +516,38 @@ mod tests {
 
     #[test]
     fn cc_ksplit_defaults_by_hidden_size_and_divides_the_block() {
-        assert_eq!(parse_cc_ksplit(None, 8).unwrap(), None);
-        assert_eq!(parse_cc_ksplit(Some(" "), 8).unwrap(), None);
+        assert_eq!(parse_cc_ksplit(None, 8).unwrap(), CcKsplitPlan::default());
+        assert_eq!(parse_cc_ksplit(Some(" "), 8).unwrap().for_shape(6144, 4096), None);
         for (v, warps, want) in [("2", 8, 2), (" 4 ", 8, 4), ("8", 8, 8), ("2", 2, 2), ("1", 2, 1)] {
-            assert_eq!(parse_cc_ksplit(Some(v), warps).unwrap(), Some(want), "{v}");
+            let plan = parse_cc_ksplit(Some(v), warps).unwrap();
+            assert_eq!((plan.for_shape(6144, 4096), plan.for_shape(1, 8), plan.max_named()), (Some(want), Some(want), want), "{v}");
         }
         // Split in two up to the 8B's hidden size, not from the 27B's.
         assert_eq!((default_cc_ksplit(64), default_cc_ksplit(4096), default_cc_ksplit(5120)), (2, 2, 1));
         for (v, warps) in [("0", 8), ("3", 8), ("16", 8), ("4", 2), ("-1", 8), ("two", 8)] {
             let e = parse_cc_ksplit(Some(v), warps).unwrap_err().to_string();
             assert!(e.contains(CC_KSPLIT_VAR) && e.contains(v) && e.contains(&format!("({warps})")), "{v}: {e}");
+        }
+    }
+
+    #[test]
+    fn cc_ksplit_per_shape_names_shapes_and_the_rest() {
+        let plan = parse_cc_ksplit(Some("6144x4096=4, *=2"), 8).unwrap();
+        assert_eq!((plan.for_shape(6144, 4096), plan.for_shape(4096, 4096), plan.max_named()), (Some(4), Some(2), 4));
+        // Without `*` the shapes not named keep the model's default.
+        let plan = parse_cc_ksplit(Some("4096X14336=8"), 8).unwrap();
+        assert_eq!((plan.for_shape(4096, 14336), plan.for_shape(4096, 4096), plan.max_named()), (Some(8), None, 8));
+        for (v, why) in [
+            ("6144x4096=3", "got \"3\""),
+            ("6144x4096=4,6144x4096=2", "given twice"),
+            ("*=2,*=4", "* given twice"),
+            ("6144x=2", "not ROWSxK"),
+            ("6144x4096", "got \"6144x4096\""),
+            ("6144x4096=2;*=4", "got \"2;*=4\""),
+            ("6144x4096=8", "at most"),
+        ] {
+            let e = parse_cc_ksplit(Some(v), 4).unwrap_err().to_string();
+            assert!(e.contains(CC_KSPLIT_VAR) && e.contains(why), "{v}: {e}");
         }
     }
 

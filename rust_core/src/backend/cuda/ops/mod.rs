@@ -32,7 +32,7 @@ pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_ke
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::qkv_rope_fits;
 pub use gemv_tuning::{
-    default_cc_ksplit, default_cc_warps, gemv_shapes_for, parse_cc_prefetch, parse_cc_ksplit, parse_cc_warps, parse_gemv_shapes, parse_tc_prefetch_steps, CcPrefetch, CcPrefetchPlan, GemvKernel, CC_PREFETCH_DEFAULT, CC_KSPLIT_VAR, CC_PREFETCH_VAR, CC_WARPS_VAR, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
+    default_cc_ksplit, default_cc_warps, gemv_shapes_for, parse_cc_prefetch, parse_cc_ksplit, parse_cc_warps, parse_gemv_shapes, parse_tc_prefetch_steps, CcKsplitPlan, CcPrefetch, CcPrefetchPlan, GemvKernel, CC_PREFETCH_DEFAULT, CC_KSPLIT_VAR, CC_PREFETCH_VAR, CC_WARPS_VAR, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
     TC_PREFETCH_MAX_STEPS, TC_PREFETCH_VAR,
 };
 pub use rope_kv::RopeKvShape;
