@@ -297,7 +297,9 @@ pub const CC_KSPLIT_VAR: &str = "NINFER_CC_KSPLIT";
 /// Llama-3-8B (hidden 4096) batch-1 decode 228.0 / 227.9 / 227.8 tok/s unsplit against 239.5 /
 /// 239.8 / 237.1 / 237.5 at 2, 234.7 / 233.2 at 4, 214.9 / 214.3 at 8; Qwen3.5-27B (hidden 5120)
 /// 74.5 / 74.0 unsplit against 72.4 / 72.3 at 2. Its GEMVs stream more bytes a launch, so the
-/// tail is a smaller share of each and the reduction costs more than it saves.
+/// tail is a smaller share of each and the reduction costs more than it saves. One split for all
+/// of a model's weights: the 8B's qkv weight at 4 (its best in a GEMV chain) and the rest at 2
+/// decodes at 242.8 tok/s against 245.0 with 2 everywhere (ksplit_shape_ab_8b_bb0e2b7.log).
 pub const CC_KSPLIT_MAX_HIDDEN: usize = 4096;
 
 /// The K split of a model of hidden size `hidden` when `NINFER_CC_KSPLIT` is unset.
