@@ -117,6 +117,37 @@ fn parse_shape_key(shape: &str) -> Option<(usize, usize)> {
     Some((r.trim().parse::<usize>().ok()?, k.trim().parse::<usize>().ok()?)).filter(|&(r, k)| r > 0 && k > 0)
 }
 
+/// Per-shape values (`(ROWS, K)` keys in the order given) and the `*` value.
+type ShapeEntries<T> = (Vec<((usize, usize), T)>, Option<T>);
+
+/// The entries of a per-shape variable (`NINFER_GEMV_SHAPES`, `NINFER_CC_PREFETCH`,
+/// `NINFER_CC_KSPLIT`): `ROWSxK=VALUE` and at most one `*=VALUE`, separated by commas, each
+/// value read by `value`; `name` is what errors call the value (KERNEL, SETTING, SPLIT). The
+/// named shapes in order and the `*` value; a malformed entry, a shape or `*` given twice is an
+/// error made by `bad` (which names the variable).
+fn parse_shape_entries<T>(v: &str, name: &str, bad: &dyn Fn(String) -> NinferError, mut value: impl FnMut(&str) -> Result<T>) -> Result<ShapeEntries<T>> {
+    let (mut shapes, mut star) = (Vec::new(), None);
+    for entry in v.split(',').map(str::trim) {
+        let Some((shape, text)) = entry.split_once('=') else {
+            return Err(bad(format!("entry {entry:?} is not ROWSxK={name} or *={name}")));
+        };
+        let parsed = value(text)?;
+        let shape = shape.trim();
+        if shape == "*" {
+            if star.replace(parsed).is_some() {
+                return Err(bad("* given twice".into()));
+            }
+            continue;
+        }
+        let key = parse_shape_key(shape).ok_or_else(|| bad(format!("shape {shape:?} is not ROWSxK with positive integers")))?;
+        if shapes.iter().any(|(s, _)| *s == key) {
+            return Err(bad(format!("shape {}x{} given twice", key.0, key.1)));
+        }
+        shapes.push((key, parsed));
+    }
+    Ok((shapes, star))
+}
+
 /// `value` of `NINFER_CC_PREFETCH`: the default when unset or blank; one setting for every
 /// shape (`N` vectors per lane, 0..=4096, or `NMB`, 0..=1024 MiB a launch); or
 /// `ROWSxK=SETTING` entries and at most one `*=SETTING`, separated by commas. Anything else
@@ -131,27 +162,8 @@ pub fn parse_cc_prefetch(value: Option<&str>) -> Result<CcPrefetchPlan> {
     if !v.contains('=') {
         return setting(v).map(CcPrefetchPlan::uniform);
     }
-    let mut plan = CcPrefetchPlan::uniform(CcPrefetch::Vectors(0));
-    let mut star = false;
-    for entry in v.split(',').map(str::trim) {
-        let Some((shape, value)) = entry.split_once('=') else {
-            return Err(bad(format!("entry {entry:?} is not ROWSxK=SETTING or *=SETTING")));
-        };
-        let p = setting(value)?;
-        if shape.trim() == "*" {
-            if std::mem::replace(&mut star, true) {
-                return Err(bad("* given twice".into()));
-            }
-            plan.default = p;
-            continue;
-        }
-        let key = parse_shape_key(shape).ok_or_else(|| bad(format!("shape {:?} is not ROWSxK with positive integers", shape.trim())))?;
-        if plan.shapes.iter().any(|(s, _)| *s == key) {
-            return Err(bad(format!("shape {}x{} given twice", key.0, key.1)));
-        }
-        plan.shapes.push((key, p));
-    }
-    Ok(plan)
+    let (shapes, star) = parse_shape_entries(v, "SETTING", &bad, setting)?;
+    Ok(CcPrefetchPlan { shapes, default: star.unwrap_or(CcPrefetch::Vectors(0)) })
 }
 
 /// Which kernel a weight shape's decode GEMV runs.
@@ -211,31 +223,15 @@ impl GemvShapeOverride {
 pub fn parse_gemv_shapes(value: Option<&str>) -> Result<Option<GemvShapeOverride>> {
     let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
     let bad = |what: String| NinferError::config(GEMV_SHAPES_VAR, format!("{what} in {v:?}"));
-    let mut out = GemvShapeOverride::default();
-    for entry in v.split(',').map(str::trim) {
-        let Some((shape, kernel)) = entry.split_once('=') else {
-            return Err(bad(format!("entry {entry:?} is not ROWSxK=KERNEL or *=KERNEL")));
-        };
-        let (shape, kernel) = (shape.trim(), kernel.trim());
-        let kernel = GemvKernel::parse(kernel).ok_or_else(|| {
+    let kernel = |text: &str| {
+        let text = text.trim();
+        GemvKernel::parse(text).ok_or_else(|| {
             let labels: Vec<String> = GemvTcConfig::all().map(GemvTcConfig::label).collect();
-            bad(format!("unknown kernel {kernel:?} (cc or one of {})", labels.join(", ")))
-        })?;
-        if shape == "*" {
-            if out.default.replace(kernel).is_some() {
-                return Err(bad("* given twice".into()));
-            }
-            continue;
-        }
-        let Some((rows, k)) = parse_shape_key(shape) else {
-            return Err(bad(format!("shape {shape:?} is not ROWSxK with positive integers")));
-        };
-        if out.shapes.iter().any(|(s, _)| *s == (rows, k)) {
-            return Err(bad(format!("shape {rows}x{k} given twice")));
-        }
-        out.shapes.push(((rows, k), kernel));
-    }
-    Ok(Some(out))
+            bad(format!("unknown kernel {text:?} (cc or one of {})", labels.join(", ")))
+        })
+    };
+    let (shapes, default) = parse_shape_entries(v, "KERNEL", &bad, kernel)?;
+    Ok(Some(GemvShapeOverride { shapes, default }))
 }
 
 /// `value` of `NINFER_TC_PREFETCH_STEPS`: the default when unset or blank, else an integer of
@@ -349,25 +345,8 @@ pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<CcKsplitPlan
     if !v.contains('=') {
         return Ok(CcKsplitPlan { shapes: Vec::new(), default: Some(split(v)?) });
     }
-    let mut plan = CcKsplitPlan::default();
-    for entry in v.split(',').map(str::trim) {
-        let Some((shape, value)) = entry.split_once('=') else {
-            return Err(bad(format!("entry {entry:?} is not ROWSxK=SPLIT or *=SPLIT")));
-        };
-        let s = split(value)?;
-        if shape.trim() == "*" {
-            if plan.default.replace(s).is_some() {
-                return Err(bad("* given twice".into()));
-            }
-            continue;
-        }
-        let key = parse_shape_key(shape).ok_or_else(|| bad(format!("shape {:?} is not ROWSxK with positive integers", shape.trim())))?;
-        if plan.shapes.iter().any(|(k, _)| *k == key) {
-            return Err(bad(format!("shape {}x{} given twice", key.0, key.1)));
-        }
-        plan.shapes.push((key, s));
-    }
-    Ok(plan)
+    let (shapes, default) = parse_shape_entries(v, "SPLIT", &bad, split)?;
+    Ok(CcKsplitPlan { shapes, default })
 }
 
 /// The per-shape override a device uses for GEMV form `form` (compute capability `cc`), from
