@@ -8,7 +8,7 @@ from ninfer import _core
 
 STATS_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_hit_tokens", "prompt_tokens_total",
-    "generation_tokens_total", "prefill_tokens_computed", "max_batch_size_seen", "steps",
+    "generation_tokens_total", "prefill_tokens_computed", "max_batch_size_seen", "steps", "lookahead_steps",
 }
 DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"}
 
@@ -109,6 +109,8 @@ def test_info_reports_the_memory_ledger():
     assert info["kv_bytes"] == 256 * info["kv_bytes_per_token"]
     assert info["state_slots_running"] == 5 and info["state_slots_snapshot"] == 4
     assert info["total_bytes"] == info["weight_bytes"] + info["kv_bytes"] + info["state_bytes"] + info["workspace_bytes"]
+    # Host runners run each step before returning: nothing to overlap (the CUDA runner does).
+    assert info["async_scheduling"] is False
     with pytest.raises(_core.ModelLoadError) as e:
         _core.Engine.toy(max_context=128, kv_capacity=100)
     assert "100" in str(e.value) and "128" in str(e.value)

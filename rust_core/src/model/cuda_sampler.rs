@@ -5,8 +5,9 @@
 //! one copy, `sample_rows` runs on the step's logits buffer, and one copy brings back
 //! `SAMPLE_OUT` words per row. `launch` queues all of it and `collect` waits for the results,
 //! so a step can be sampled while the host still works on the one before (asynchronous
-//! scheduling); `sample` is the two in a row. Every device buffer only grows. `NINFER_DEVICE_SAMPLING=0` (read
-//! at load) sends steps through the host sampler instead, to compare the two on one model.
+//! scheduling); `sample` is the two in a row. Every device buffer only grows.
+//! `NINFER_DEVICE_SAMPLING=0` (read at load) sends steps through the host sampler instead, to
+//! compare the two on one model.
 
 use std::collections::VecDeque;
 
