@@ -110,6 +110,9 @@ pub struct EngineCore {
     inflight: Option<ScheduledStep>,
     /// Tokens of the last step of a runner that does not overlap, until `complete` takes them.
     sampled: Option<Vec<SampledToken>>,
+    /// Steps launched on an overlapping runner and not collected yet (0 to 2): what a failure
+    /// must collect and drop, whichever step it interrupted.
+    uncollected: usize,
 }
 
 /// The switch of asynchronous scheduling (`config::env_switch`; on by default).
@@ -155,6 +158,7 @@ impl EngineCore {
             overlap,
             inflight: None,
             sampled: None,
+            uncollected: 0,
         };
         core.warm_up()?;
         Ok(core)
@@ -339,12 +343,13 @@ impl EngineCore {
         self.sched.schedule_lookahead(prev)
     }
 
-    /// Forget every request and free what it holds (after a runner failure). A step in flight
-    /// is waited for and its tokens dropped, so the runner holds no launched step afterwards.
+    /// Forget every request and free what it holds (after a runner failure). Steps launched and
+    /// not collected are waited for and their tokens dropped, so the runner holds none after.
     fn drop_all(&mut self) {
-        if self.inflight.take().is_some() {
+        for _ in 0..std::mem::take(&mut self.uncollected) {
             let _ = self.runner.collect_sampled();
         }
+        self.inflight = None;
         self.sampled = None;
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
             self.sched.finish(id, true);
@@ -457,7 +462,9 @@ impl EngineCore {
             .map(|(id, _)| self.requests.get_mut(id).expect("scheduled request exists").prepare_sampling(vocab))
             .collect();
         if self.overlap {
-            self.runner.launch_sampled(&step.batch, &rows, feed)
+            self.runner.launch_sampled(&step.batch, &rows, feed)?;
+            self.uncollected += 1;
+            Ok(())
         } else {
             self.sampled = Some(self.runner.forward_sampled(&step.batch, &rows)?);
             Ok(())
@@ -483,7 +490,10 @@ impl EngineCore {
     fn complete(&mut self, step: &ScheduledStep, next: Option<&ScheduledStep>) -> Result<Vec<RequestOutput>> {
         let sampled = match self.sampled.take() {
             Some(s) => s,
-            None => self.runner.collect_sampled()?,
+            None => {
+                self.uncollected = self.uncollected.saturating_sub(1);
+                self.runner.collect_sampled()?
+            }
         };
         let mut outputs = Vec::new();
         let with_logits = step.seq_ids.iter().zip(&step.batch.seqs).filter(|(_, seq)| seq.logits != LogitsWanted::None);

@@ -9,24 +9,28 @@ use crate::engine::EngineHandle;
 fn the_thread_handle_delivers_all_deltas_like_the_inline_core() {
     let reqs: Vec<_> = (0..4).map(|i| (prompt(6 + 9 * i, i as u32), greedy(15 + i))).collect();
     let (inline, _, _) = run_requests(&Setup::default(), &reqs);
-    let (core, _) = Setup::default().build();
-    let handle = EngineHandle::start(core).unwrap();
-    for (i, (p, sp)) in reqs.iter().enumerate() {
-        handle.submit(&format!("r{i}"), p.clone(), sp.clone()).unwrap();
+    // Also with a step in flight between polls (asynchronous scheduling).
+    for overlap in [false, true] {
+        let (core, _) = Setup { overlap, ..Default::default() }.build();
+        let handle = EngineHandle::start(core).unwrap();
+        for (i, (p, sp)) in reqs.iter().enumerate() {
+            handle.submit(&format!("r{i}"), p.clone(), sp.clone()).unwrap();
+        }
+        let mut all = HashMap::new();
+        let mut polls = 0;
+        while all.values().filter(|c: &&Collected| c.finish.is_some()).count() < reqs.len() {
+            collect_into(&mut all, handle.poll(Duration::from_secs(5)).unwrap());
+            polls += 1;
+            assert!(polls < 10_000);
+        }
+        for (i, c) in inline.iter().enumerate() {
+            assert_eq!(all[&format!("r{i}")].tokens, c.tokens, "overlap {overlap}");
+        }
+        assert!(!handle.has_unfinished());
+        assert_eq!(handle.stats().kv_blocks_used, 0);
+        assert_eq!(handle.stats().lookahead_steps > 0, overlap);
+        handle.shutdown();
     }
-    let mut all = HashMap::new();
-    let mut polls = 0;
-    while all.values().filter(|c: &&Collected| c.finish.is_some()).count() < reqs.len() {
-        collect_into(&mut all, handle.poll(Duration::from_secs(5)).unwrap());
-        polls += 1;
-        assert!(polls < 10_000);
-    }
-    for (i, c) in inline.iter().enumerate() {
-        assert_eq!(all[&format!("r{i}")].tokens, c.tokens);
-    }
-    assert!(!handle.has_unfinished());
-    assert_eq!(handle.stats().kv_blocks_used, 0);
-    handle.shutdown();
 }
 
 #[test]
@@ -68,10 +72,22 @@ fn an_idle_engine_thread_does_not_step() {
     assert_eq!(steps, 3, "one prefill step that samples the first token, then two decodes");
 }
 
-/// A runner that fails its third forward.
+/// A runner that fails its `fail_at`-th step (a `forward` or, overlapping, a `launch_sampled`;
+/// the warm-up is the first).
 struct FailingRunner {
     inner: ToyRunner,
     calls: usize,
+    fail_at: usize,
+}
+
+impl FailingRunner {
+    fn count(&mut self) -> crate::Result<()> {
+        self.calls += 1;
+        if self.calls == self.fail_at {
+            return Err(crate::NinferError::Device("injected failure".into()));
+        }
+        Ok(())
+    }
 }
 
 impl crate::model::ModelRunner for FailingRunner {
@@ -85,11 +101,18 @@ impl crate::model::ModelRunner for FailingRunner {
         self.inner.allocate_caches(b, s, n)
     }
     fn forward(&mut self, batch: &crate::model::StepBatch) -> crate::Result<crate::model::Logits> {
-        self.calls += 1;
-        if self.calls == 3 {
-            return Err(crate::NinferError::Device("injected failure".into()));
-        }
+        self.count()?;
         self.inner.forward(batch)
+    }
+    fn overlaps_steps(&self) -> bool {
+        self.inner.overlaps_steps()
+    }
+    fn launch_sampled(&mut self, batch: &crate::model::StepBatch, rows: &[crate::sampling::RowSampling], feed: bool) -> crate::Result<()> {
+        self.count()?;
+        self.inner.launch_sampled(batch, rows, feed)
+    }
+    fn collect_sampled(&mut self) -> crate::Result<Vec<crate::sampling::SampledToken>> {
+        self.inner.collect_sampled()
     }
     fn copy_state(&mut self, src: usize, dst: usize) -> crate::Result<()> {
         self.inner.copy_state(src, dst)
@@ -98,7 +121,17 @@ impl crate::model::ModelRunner for FailingRunner {
 
 #[test]
 fn a_runner_failure_aborts_every_request_and_the_engine_keeps_serving() {
-    let runner = FailingRunner { inner: ToyRunner::new(VOCAB, 4096, false), calls: 0 };
+    for overlap in [false, true] {
+        a_runner_failure_aborts_every_request(overlap);
+    }
+}
+
+/// Synchronous: the first decode step fails. Overlapping: the first lookahead fails (after the
+/// prompt step and the first decode, which is in flight then and must be dropped with it).
+fn a_runner_failure_aborts_every_request(overlap: bool) {
+    let toy = ToyRunner::new(VOCAB, 4096, false);
+    let (inner, fail_at) = if overlap { (toy.overlapping(), 4) } else { (toy, 3) };
+    let runner = FailingRunner { inner, calls: 0, fail_at };
     let mut core = EngineCore::new(Box::new(runner), &Setup::default().cfg, None, Vec::new()).unwrap();
     core.add_request("a", prompt(4, 1), greedy(10)).unwrap();
     core.add_request("b", prompt(5, 2), greedy(10)).unwrap();
@@ -122,12 +155,13 @@ fn a_runner_failure_aborts_every_request_and_the_engine_keeps_serving() {
     assert_eq!(finished.values().copied().collect::<Vec<_>>(), vec!["abort", "abort"], "requests queued before the thread started are aborted too");
     assert_eq!(handle.stats().kv_blocks_used, 0);
     handle.submit("c", prompt(4, 3), greedy(2)).unwrap();
-    let mut done = false;
+    let mut c = HashMap::new();
     for _ in 0..100 {
-        done |= handle.poll(Duration::from_secs(1)).unwrap().iter().any(|o| o.request_id == "c" && o.finished());
-        if done {
+        collect_into(&mut c, handle.poll(Duration::from_secs(1)).unwrap());
+        if c.get("c").is_some_and(|c| c.finish.is_some()) {
             break;
         }
     }
-    assert!(done, "a later request runs normally");
+    let (alone, _, _) = run_requests(&Setup::default(), &[(prompt(4, 3), greedy(2))]);
+    assert_eq!(c["c"].tokens, alone[0].tokens, "a later request runs normally (overlap {overlap})");
 }
