@@ -45,6 +45,34 @@ def test_batched_requests_match_each_request_alone():
     assert stats["max_batch_size_seen"] == 3 and stats["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_overlapped_steps_give_the_same_deltas_inline_and_in_the_background(hybrid):
+    """Asynchronous scheduling (a toy that overlaps steps as the CUDA runner does): the same
+    tokens and finish reasons as the synchronous engine, inline and from the engine thread."""
+    prompts = {"a": [1, 2, 3], "b": list(range(5, 45)), "c": [9] * 20}
+    sync = _core.Engine.toy(hybrid=hybrid)
+    for rid, p in prompts.items():
+        sync.submit(rid, p, greedy(12 + len(p) % 5))
+    want = run_inline(sync)
+    eng = _core.Engine.toy(hybrid=hybrid, overlapping=True)
+    assert eng.info()["async_scheduling"] is True
+    for rid, p in prompts.items():
+        eng.submit(rid, p, greedy(12 + len(p) % 5))
+    assert run_inline(eng) == want
+    assert eng.stats()["lookahead_steps"] > 0 and eng.stats()["kv_blocks_used"] == 0
+    eng.start_background()
+    for rid, p in prompts.items():
+        eng.submit(rid, p, greedy(12 + len(p) % 5))
+    got = {}
+    while len([r for r in got.values() if r["finish"]]) < len(prompts):
+        for d in eng.poll(2.0):
+            r = got.setdefault(d["request_id"], {"tokens": [], "finish": None})
+            r["tokens"] += d["token_ids"]
+            r["finish"] = r["finish"] or d["finish_reason"]
+    assert got == want
+    eng.shutdown()
+
+
 def test_bad_requests_raise_typed_errors_at_submit():
     eng = _core.Engine.toy(max_context=64)
     with pytest.raises(_core.InvalidRequestError):

@@ -178,9 +178,10 @@ impl PyEngine {
     }
 
     /// An engine over the deterministic toy model (no weights, no tokenizer): for testing the
-    /// Python layers, the server and the CLI without a model.
+    /// Python layers, the server and the CLI without a model. `overlapping`: the toy overlaps
+    /// steps as the CUDA runner does (asynchronous scheduling, `ToyRunner::overlapping`).
     #[staticmethod]
-    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true))]
+    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false))]
     #[allow(clippy::too_many_arguments)]
     fn toy(
         vocab_size: usize,
@@ -192,9 +193,11 @@ impl PyEngine {
         max_concurrency: usize,
         prefill_chunk: usize,
         prefix_reuse: bool,
+        overlapping: bool,
     ) -> PyResult<Self> {
         let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
+        let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
         Ok(PyEngine::from_core(core, "toy".into()))
     }
