@@ -351,8 +351,10 @@ impl EngineCore {
         }
         self.inflight = None;
         self.sampled = None;
+        // No final snapshots: a failed step may have left any slot half-written (and a snapshot
+        // reserved here would never be copied into).
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
-            self.sched.finish(id, true);
+            self.sched.finish(id, false);
         }
         self.requests.clear();
         self.ids.clear();

@@ -184,10 +184,10 @@ impl Scheduler {
 
     /// Remove a sequence (finished or aborted), freeing its blocks and slot. Returns a state
     /// copy that snapshots its final state when it ends on a block boundary (hybrid models).
-    /// `state_current` is false when a step queued after its last counted one has already
-    /// advanced its slot (asynchronous scheduling): then no snapshot is taken, since the slot no
-    /// longer holds the state of its tokens (the decode-boundary snapshot of `on_step_done`
-    /// already holds that state, under the same key).
+    /// `state_current` is false when the slot may not hold the state of its computed tokens: a
+    /// step queued after its last counted one has already advanced it (asynchronous scheduling;
+    /// the decode-boundary snapshot of `on_step_done` already holds that state, under the same
+    /// key), or a runner failure interrupted a step. Then no snapshot is taken.
     pub fn finish(&mut self, id: SeqId, state_current: bool) -> Option<(usize, usize)> {
         let seq = self.seqs.remove(&id)?;
         self.running.retain(|&r| r != id);
