@@ -386,3 +386,73 @@ impl Scheduler {
         step.seq_ids.push(id);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scheduler(blocks: usize, max_concurrency: usize) -> Scheduler {
+        let cfg = SchedulerConfig { max_concurrency, prefill_chunk: 64, prefix_reuse: false };
+        Scheduler::new(cfg, BlockPool::new(blocks, 4), StateSlots::none())
+    }
+
+    /// `schedule` and its bookkeeping, as the engine runs a step whose tokens are still in flight
+    /// (not appended yet).
+    fn launch(s: &mut Scheduler) -> ScheduledStep {
+        let step = s.schedule();
+        s.on_step_done(&step);
+        step
+    }
+
+    fn settle(s: &mut Scheduler, step: &ScheduledStep) {
+        for &id in &step.seq_ids {
+            s.append_token(id, 7);
+        }
+    }
+
+    #[test]
+    fn the_lookahead_is_the_decode_step_after_the_step_in_flight() {
+        let mut s = scheduler(16, 4);
+        s.add(Sequence::new(0, vec![1; 3]));
+        s.add(Sequence::new(1, vec![2; 4]));
+        let prompts = launch(&mut s);
+        assert!(s.schedule_lookahead(&prompts).is_none(), "a prompt step is not followed ahead");
+        settle(&mut s, &prompts);
+        let decode = launch(&mut s);
+        let ahead = s.schedule_lookahead(&decode).expect("all decodes of every running sequence");
+        assert_eq!((ahead.seq_ids.clone(), ahead.num_decodes), (vec![0, 1], 2));
+        let starts: Vec<usize> = ahead.batch.seqs.iter().map(|q| q.start_pos).collect();
+        let tables: Vec<usize> = ahead.batch.seqs.iter().map(|q| q.block_table.len()).collect();
+        // Sequence 0 reaches position 4, the first of a new block; sequence 1 position 5.
+        assert_eq!((starts, tables), (vec![4, 5], vec![2, 2]));
+        assert!(ahead.batch.seqs.iter().all(|q| q.tokens == vec![0] && q.logits == LogitsWanted::Last));
+    }
+
+    #[test]
+    fn no_lookahead_while_someone_could_be_admitted_or_blocks_would_run_out() {
+        let mut s = scheduler(16, 2);
+        s.add(Sequence::new(0, vec![1; 3]));
+        let prompt = launch(&mut s);
+        settle(&mut s, &prompt);
+        let decode = launch(&mut s);
+        s.add(Sequence::new(1, vec![2; 5]));
+        assert!(s.schedule_lookahead(&decode).is_none(), "sequence 1 waits while the concurrency has room");
+        // Full concurrency: the waiting one could not be admitted anyway.
+        let mut s = scheduler(16, 1);
+        s.add(Sequence::new(0, vec![1; 3]));
+        let prompt = launch(&mut s);
+        settle(&mut s, &prompt);
+        let decode = launch(&mut s);
+        s.add(Sequence::new(1, vec![2; 5]));
+        assert!(s.schedule_lookahead(&decode).is_some());
+        // Position 4 needs a new block and none is free: nothing changes.
+        let mut s = scheduler(1, 1);
+        s.add(Sequence::new(0, vec![1; 3]));
+        let prompt = launch(&mut s);
+        settle(&mut s, &prompt);
+        let decode = launch(&mut s);
+        assert_eq!(s.pool.num_free(), 0);
+        assert!(s.schedule_lookahead(&decode).is_none());
+        assert_eq!(s.get(0).unwrap().block_table.len(), 1);
+    }
+}
