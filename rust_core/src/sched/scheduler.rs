@@ -428,29 +428,27 @@ mod tests {
         assert!(ahead.batch.seqs.iter().all(|q| q.tokens == vec![0] && q.logits == LogitsWanted::Last));
     }
 
-    #[test]
-    fn no_lookahead_while_someone_could_be_admitted_or_blocks_would_run_out() {
-        let mut s = scheduler(16, 2);
+    /// A scheduler whose sequence 0 (a 3-token prompt) has its first decode step in flight.
+    fn first_decode_in_flight(blocks: usize, max_concurrency: usize) -> (Scheduler, ScheduledStep) {
+        let mut s = scheduler(blocks, max_concurrency);
         s.add(Sequence::new(0, vec![1; 3]));
         let prompt = launch(&mut s);
         settle(&mut s, &prompt);
         let decode = launch(&mut s);
+        (s, decode)
+    }
+
+    #[test]
+    fn no_lookahead_while_someone_could_be_admitted_or_blocks_would_run_out() {
+        let (mut s, decode) = first_decode_in_flight(16, 2);
         s.add(Sequence::new(1, vec![2; 5]));
         assert!(s.schedule_lookahead(&decode).is_none(), "sequence 1 waits while the concurrency has room");
         // Full concurrency: the waiting one could not be admitted anyway.
-        let mut s = scheduler(16, 1);
-        s.add(Sequence::new(0, vec![1; 3]));
-        let prompt = launch(&mut s);
-        settle(&mut s, &prompt);
-        let decode = launch(&mut s);
+        let (mut s, decode) = first_decode_in_flight(16, 1);
         s.add(Sequence::new(1, vec![2; 5]));
         assert!(s.schedule_lookahead(&decode).is_some());
         // Position 4 needs a new block and none is free: nothing changes.
-        let mut s = scheduler(1, 1);
-        s.add(Sequence::new(0, vec![1; 3]));
-        let prompt = launch(&mut s);
-        settle(&mut s, &prompt);
-        let decode = launch(&mut s);
+        let (mut s, decode) = first_decode_in_flight(1, 1);
         assert_eq!(s.pool.num_free(), 0);
         assert!(s.schedule_lookahead(&decode).is_none());
         assert_eq!(s.get(0).unwrap().block_table.len(), 1);
