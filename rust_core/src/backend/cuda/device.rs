@@ -271,7 +271,7 @@ impl CudaDevice {
     /// `k` (`NINFER_CC_KSPLIT`, per shape where it names the shape). Every kernel of a weight
     /// (the plain GEMV and its fused forms) asks with the weight's shape, so they sum alike.
     pub fn cc_ksplit_for(&self, rows: usize, k: usize) -> usize {
-        self.cc_ksplit_plan.shapes.iter().find(|(s, _)| *s == (rows, k)).map_or_else(|| self.cc_ksplit.load(Ordering::Relaxed), |(_, v)| *v)
+        self.cc_ksplit_plan.named(rows, k).unwrap_or_else(|| self.cc_ksplit.load(Ordering::Relaxed))
     }
 
     /// Takes the CUDA-core GEMV launch of a model of hidden size `hidden` (`default_cc_ksplit`

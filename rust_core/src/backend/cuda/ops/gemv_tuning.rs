@@ -316,9 +316,14 @@ pub struct CcKsplitPlan {
 }
 
 impl CcKsplitPlan {
+    /// The split the variable names for a weight of `rows` x `k` itself (not through `*`).
+    pub fn named(&self, rows: usize, k: usize) -> Option<usize> {
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map(|(_, v)| *v)
+    }
+
     /// The split the variable gives a weight of `rows` x `k` (None: the model's default).
     pub fn for_shape(&self, rows: usize, k: usize) -> Option<usize> {
-        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map(|(_, v)| *v).or(self.default)
+        self.named(rows, k).or(self.default)
     }
 
     /// The largest split any shape names (1 when none), which the block's warps must hold.
