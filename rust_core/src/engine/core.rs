@@ -138,7 +138,8 @@ impl EngineCore {
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
         let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-        let overlap = runner.overlaps_steps() && crate::config::env_switch(ASYNC_SCHEDULING_SWITCH, true)?;
+        // Read on every backend, so a misspelt value is an error wherever it is set.
+        let overlap = crate::config::env_switch(ASYNC_SCHEDULING_SWITCH, true)? && runner.overlaps_steps();
         let mut core = EngineCore {
             cfg,
             spec,
