@@ -472,7 +472,8 @@ def ninfer_engine(b: Bench, path: Path, **kw):
 
 def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
     """(decode tok/s over the steps after the first token, load seconds), one greedy request."""
-    eng, load_s = ninfer_engine(b, path, max_context=max(2048, len(prompt) + n + 16), kv_capacity=4096,
+    eng, load_s = ninfer_engine(b, path, max_context=max(2048, len(prompt) + n + 16),
+                                kv_capacity=max(4096, len(prompt) + n + 64),
                                 max_concurrency=4, prefill_chunk=512)
     params = json.dumps({"max_tokens": n + 1, "temperature": 0.0, "ignore_eos": True})
 

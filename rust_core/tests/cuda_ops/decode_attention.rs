@@ -315,3 +315,103 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
         }
     }
 }
+
+/// The scaled form's L2 prefetch (`set_da_prefetch`, NINFER_DA_PREFETCH) changes no bit: for
+/// every lane layout (SHAPES), both storages, contexts from one key to 40000 over ragged block
+/// tables (the prefetch follows the table, one entry a key), depths 0 (none), 1, 3 and 16 (past
+/// most warps' runs) give the output of depth 0 bit for bit, in a batch of all the contexts, and
+/// every arrival counter is back at 0. Depth 0 is checked against the CPU op by the tests above.
+#[test]
+fn scaled_decode_attention_prefetch_changes_no_bit() {
+    const PF_CONTEXTS: [usize; 7] = [1, 33, 1000, 4096, 8191, 20000, 40000];
+    for st in STORAGES {
+        let Some(dev) = gpu("decode_attention_prefetch_bits", st) else { return };
+        let mut rng = Rng::new(47);
+        for (hq, hk, d) in SHAPES {
+            let bs = 16;
+            let case = paged_case(&mut rng, st, &PF_CONTEXTS, hk, d, bs);
+            let n = PF_CONTEXTS.len();
+            let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
+            let shape = case_shape(hq, hk, d, bs, &case);
+            let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
+            let seq: Vec<i32> = (0..n as i32).collect();
+            let pos: Vec<i32> = PF_CONTEXTS.iter().map(|&c| c as i32 - 1).collect();
+            let (qd, seq_d, pos_d) = (upload(&dev, &q), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
+            let scratch = decode_scratch(&dev, n, &shape);
+            let run = |depth: u32| {
+                dev.set_da_prefetch(depth).unwrap();
+                let mut out = Out16::new(&dev, n * hq * d);
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                out.read(&dev, "decode attention")
+            };
+            let base = run(0);
+            for depth in [1, 3, 16] {
+                let label = format!("decode attention hq{hq}hk{hk}/d{d} {}: prefetch {depth} vs none", st.name());
+                assert_bitwise(&run(depth), &base, &label);
+                assert_arrivals_reset(&dev, &scratch, &label);
+            }
+        }
+    }
+}
+
+/// Per-call time of the scaled form by prefetch depth at batch 1 and 2, Llama-3-8B and
+/// Qwen3.5-27B attention shapes, contexts 4096 to 65536. Each call reads the next of enough
+/// distinct K/V caches to pass 256 MB, so that L2 (50 MB on an H200) cannot hold a call's K/V
+/// from an earlier call, as in the model, where 32 layers of weights pass between two calls.
+/// Prints one TIMING line per case with the K/V read rate.
+#[test]
+fn scaled_decode_attention_prefetch_timing() {
+    let Some(dev) = gpu("decode_attention_prefetch_timing", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let bs = 16;
+    for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
+        for batch in [1, 2] {
+            for ctx in [4096, 16384, 65536] {
+                let blocks_per = ctx / bs;
+                let num_blocks = batch * blocks_per;
+                let kv_bytes = 2 * num_blocks * bs * hk * d * 2;
+                let copies = (256usize << 20).div_ceil(kv_bytes).max(2);
+                let mut rng = Rng::new(29);
+                let n = num_blocks * bs * hk * d;
+                // Distinct buffers (their contents may repeat: L2 keeps addresses, not values).
+                let (kh, vh) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+                let caches: Vec<_> = (0..copies).map(|_| (upload(&dev, &kh), upload(&dev, &vh))).collect();
+                let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
+                let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
+                let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
+                let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
+                let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+                let shape = PagedAttentionShape {
+                    n_q_heads: hq,
+                    n_kv_heads: hk,
+                    head_dim: d,
+                    q_stride: hq * d,
+                    block_size: bs,
+                    num_blocks,
+                    max_blocks_per_seq: blocks_per,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    max_context: ctx,
+                    partition: 0,
+                };
+                let scratch = decode_scratch(&dev, batch, &shape);
+                let mut line = format!("TIMING decode_attention_prefetch {name} batch={batch} ctx={ctx} ({copies} caches):");
+                let mut base = 0.0;
+                for depth in [0, 1, 2, 4, 8, 16] {
+                    dev.set_da_prefetch(depth).unwrap();
+                    let mut i = 0;
+                    let t = time_ms(&dev, 50 * copies.min(4), || {
+                        let (kc, vc) = &caches[i % copies];
+                        i += 1;
+                        dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q, kc, vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                    });
+                    if depth == 0 {
+                        base = t;
+                    }
+                    line += &format!(" pf{depth} {:.2} us {:.0} GB/s ({:.3});", t * 1e3, kv_bytes as f64 / 1e9 / (t * 1e-3), t / base);
+                }
+                assert_arrivals_reset(&dev, &scratch, &format!("prefetch timing {name} batch {batch} ctx {ctx}"));
+                println!("{line}");
+            }
+        }
+    }
+}
