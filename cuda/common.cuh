@@ -162,11 +162,6 @@ __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
 #endif
 
-// Asks L2 for the line holding `p` (no register written, no wait): every architecture here has
-// the instruction (sm_20+). Used where a warp's loads must run further ahead than its registers
-// allow (decode attention's long key runs).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // The common prologue of a kernel launched with PDL that has nothing to do before its inputs
 // are ready: wait for the previous kernel, then let the next one be scheduled (after the wait,
 // so that at most one kernel's blocks sit waiting for this one).

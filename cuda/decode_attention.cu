@@ -116,7 +116,7 @@ __device__ __forceinline__ void scaled_decode_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys, int pf_iters) {
+    float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) {
     using L = DaLayout<D, G>;
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
     // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
@@ -178,24 +178,6 @@ __device__ __forceinline__ void scaled_decode_body(
         for (int u = 0; u < U; ++u)
             tb[u] = table[min(start + KI + u * KPW + slot, end - 1) / block_size];
     }
-    // L2 prefetch (`pf_iters` > 0, DaPrefetch in ops/decode_attention.rs): a warp's loads are one
-    // iteration ahead of its arithmetic, which the registers bound; a warp with a long run of
-    // keys also asks L2 for the rows of the iteration `pf_iters` past the one it loads, so that
-    // the loads it issues later hit L2. Lane i < PF_N asks for 128-byte chunk i % PF_CPR of the
-    // K row of key i / PF_CPR of that iteration, lane PF_N + i for the V row's: one instruction a
-    // lane and one register (the table entry, requested an iteration before it is used). No
-    // arithmetic changes.
-    constexpr int PF_CPR = (D * (int)sizeof(store_t) + 127) / 128;
-    constexpr int PF_N = KI * PF_CPR;
-    static_assert(2 * PF_N <= 32, "a lane a prefetched chunk");
-    const bool pf_on = pf_iters > 0 && end - start > 2 * KI;  // uniform over the warp
-    const int pf_ahead = (pf_iters + 1) * KI;
-    const int pf_i = lane % PF_N;
-    const int pf_key = pf_i / PF_CPR;
-    const store_t* __restrict__ pf_cache = lane < PF_N ? k_cache : v_cache;
-    const long long pf_off = (long long)kvh * D + (pf_i % PF_CPR) * (128 / (int)sizeof(store_t));
-    int tbp = 0;
-    if (pf_on) tbp = table[min(start + pf_ahead + pf_key, end - 1) / block_size];
     pdl_enter();
     // The newest key's row, written by the kernel just waited for: loads above that read it read
     // it again (later iterations load after the wait).
@@ -233,11 +215,6 @@ __device__ __forceinline__ void scaled_decode_body(
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 tb[u] = table[min(jn + KI + u * KPW + slot, end - 1) / block_size];
-            if (pf_on && j + pf_ahead < end) {  // uniform over the warp
-                const int jj = min(j + pf_ahead + pf_key, end - 1);
-                if (lane < 2 * PF_N) prefetch_l2(pf_cache + ((long long)tbp * block_size + jj % block_size) * row_elems + pf_off);
-                tbp = table[min(j + pf_ahead + KI + pf_key, end - 1) / block_size];
-            }
             float s[U][G];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -407,11 +384,10 @@ __device__ __forceinline__ void scaled_decode_body(
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys,  \
-        int pf_iters) {                                                                         \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) { \
         scaled_decode_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,      \
                                  token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale, \
-                                 out, part_acc, part_ml, arrivals, min_warp_keys, pf_iters);    \
+                                 out, part_acc, part_ml, arrivals, min_warp_keys);              \
     }
 
 #define DA_HEAD_INSTANCES(D)                                                                    \

@@ -66,10 +66,6 @@ pub struct CudaDevice {
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
-    /// Iterations ahead of its loads a warp of the scaled decode attention prefetches K/V rows
-    /// into L2 (`NINFER_DA_PREFETCH`). Settable later (`set_da_prefetch`): a prefetch never
-    /// changes a value, so launches with different depths agree bit for bit.
-    da_prefetch: AtomicU32,
     /// `NINFER_BATCH_INVARIANT`: every kernel choice independent of the batch size (the GEMV
     /// form above, the decode attention form, ops/decode_attention.rs); read once.
     batch_invariant: bool,
@@ -154,7 +150,6 @@ impl CudaDevice {
         let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(cc_ksplit_plan.default.unwrap_or(1)));
         let cc_warps_set = warps.is_some();
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
-        let da_prefetch = AtomicU32::new(super::ops::parse_da_prefetch(std::env::var(super::ops::DA_PREFETCH_VAR).ok().as_deref())?);
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
@@ -182,7 +177,6 @@ impl CudaDevice {
             cc_ksplit,
             cc_ksplit_plan,
             da_min_warp_keys,
-            da_prefetch,
             batch_invariant,
             tc_decode_attn,
             tc_decode_min_tokens,
@@ -252,21 +246,6 @@ impl CudaDevice {
     /// depend on the context).
     pub fn da_min_warp_keys(&self) -> usize {
         self.da_min_warp_keys
-    }
-
-    /// Iterations ahead of its loads a warp of the scaled decode attention prefetches K/V rows
-    /// into L2 (`NINFER_DA_PREFETCH`; 0: none).
-    pub fn da_prefetch(&self) -> u32 {
-        self.da_prefetch.load(Ordering::Relaxed)
-    }
-
-    /// Sets the scaled decode attention's prefetch depth for the launches that follow
-    /// (0..=DA_PREFETCH_MAX; the tests compare depths bit for bit and time them). A captured
-    /// CUDA graph keeps the depth it was captured with.
-    pub fn set_da_prefetch(&self, iters: u32) -> Result<()> {
-        let iters = super::ops::parse_da_prefetch(Some(&iters.to_string()))?;
-        self.da_prefetch.store(iters, Ordering::Relaxed);
-        Ok(())
     }
 
     /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.

@@ -42,31 +42,6 @@ pub const DECODE_MAX_WARP_KEYS_SETTING: usize = 256;
 /// The `min_keys` of the default layout (the kernels' `min_warp_keys` 0).
 pub const DECODE_DEFAULT_LAYOUT: usize = 0;
 
-/// The environment variable that sets how many iterations ahead of its loads a warp of the scaled
-/// decode attention asks L2 for K/V rows (`pf_iters` in decode_attention.cu; 0 = no prefetch):
-/// its loads run one iteration ahead of its arithmetic, as far as the registers allow, and at
-/// long contexts that leaves a batch-1 step short of the bytes in flight the copy rate needs
-/// (Llama-3-8B at 16384 keys: 37.6 us a call, ~1.8 TB/s, cuda_ops_decode_attention_timing_79dbfb0.log).
-/// A prefetch never changes a value: every setting gives the same bits.
-pub const DA_PREFETCH_VAR: &str = "NINFER_DA_PREFETCH";
-
-/// The default of `NINFER_DA_PREFETCH`.
-pub const DA_PREFETCH_DEFAULT: u32 = 0;
-
-/// The largest `NINFER_DA_PREFETCH` accepted.
-pub const DA_PREFETCH_MAX: u32 = 64;
-
-/// `value` of `NINFER_DA_PREFETCH`: DA_PREFETCH_DEFAULT when unset, blank or `auto`, else an
-/// integer of 0..=DA_PREFETCH_MAX (an error naming the variable and the value otherwise).
-pub fn parse_da_prefetch(value: Option<&str>) -> Result<u32> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
-        return Ok(DA_PREFETCH_DEFAULT);
-    };
-    v.parse::<u32>().ok().filter(|n| *n <= DA_PREFETCH_MAX).ok_or_else(|| {
-        crate::NinferError::config(DA_PREFETCH_VAR, format!("expected `auto` or an integer of 0..={DA_PREFETCH_MAX}, got {v:?}"))
-    })
-}
-
 /// `value` of `NINFER_DA_MIN_WARP_KEYS`: DECODE_DEFAULT_LAYOUT when unset, blank or `auto`, else
 /// an integer of 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value
 /// otherwise).
@@ -357,15 +332,16 @@ impl CudaDevice {
         scratch: &AttnScratch,
     ) -> Result<()> {
         let min_keys = self.da_min_warp_keys();
-        let ((family, name), g, splits) = match form {
+        // The scaled kernels take the layout's fewest keys a warp as a last argument.
+        let ((family, name), g, splits, scaled) = match form {
             DecodeAttentionForm::Scaled => {
                 let g = decode_group(shape);
                 let splits = decode_grid_splits_with(shape.max_blocks_per_seq * shape.block_size, min_keys);
-                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits)
+                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits, true)
             }
             DecodeAttentionForm::Fixed => {
                 let (g, _) = group_and_warps(shape, 0);
-                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS)
+                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS, false)
             }
             DecodeAttentionForm::TensorCore => {
                 if !tc_decode_fits(shape) || self.compute_capability().0 < 8 {
@@ -383,7 +359,7 @@ impl CudaDevice {
                 }
                 let w = tc_decode_warps(shape.head_dim);
                 let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w);
-                ((KernelFamily::FlashAttention, tc_kernel_name(shape.head_dim)), shape.n_q_heads / shape.n_kv_heads, splits)
+                ((KernelFamily::FlashAttention, tc_kernel_name(shape.head_dim)), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
@@ -425,15 +401,8 @@ impl CudaDevice {
             KArg::Ptr(pm),
             KArg::Ptr(ar),
             KArg::I32(min_keys as i32),
-            KArg::I32(self.da_prefetch() as i32),
         ];
-        // The scaled kernels take both the layout's fewest keys a warp and the prefetch depth,
-        // the tensor-core ones the former, the fixed ones neither.
-        let n_args = match form {
-            DecodeAttentionForm::Scaled => args.len(),
-            DecodeAttentionForm::TensorCore => args.len() - 1,
-            DecodeAttentionForm::Fixed => args.len() - 2,
-        };
+        let n_args = if scaled { args.len() } else { args.len() - 1 };
         let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
         let mut config = cfg(grid, (DECODE_WARPS * 32) as u32);
         if form == DecodeAttentionForm::TensorCore {
@@ -447,19 +416,6 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_prefetch_depth_is_a_checked_setting() {
-        for unset in [None, Some(""), Some(" auto ")] {
-            assert_eq!(parse_da_prefetch(unset).unwrap(), DA_PREFETCH_DEFAULT, "{unset:?}");
-        }
-        assert_eq!(parse_da_prefetch(Some(" 4 ")).unwrap(), 4);
-        assert_eq!(parse_da_prefetch(Some("0")).unwrap(), 0);
-        for bad in ["65", "-1", "two", "4.0"] {
-            let e = parse_da_prefetch(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains(DA_PREFETCH_VAR) && e.contains(bad), "{e}");
-        }
-    }
 
     #[test]
     fn the_fewest_keys_a_warp_is_a_checked_setting_and_bounds_the_grid() {
