@@ -455,20 +455,21 @@ __device__ __forceinline__ void flash_body(
 // the layout decode_attention.cu's kernels use (the same AttnScratch).
 #define FD_MAX_SPLITS 32  // = ops/decode_attention.rs DECODE_MAX_SPLITS
 #define FD_BN 16
-// Fewest 16-key tiles a warp takes in a split: fewer splits (and partials) at short contexts.
-#define FD_MIN_WARP_TILES 4
+// Fewest 16-key tiles a warp takes in a split (fewer splits and partials at short contexts) is
+// the launch's `min_warp_tiles` (ops/decode_attention.rs TC_MIN_WARP_TILES, 4, unless
+// NINFER_TC_DECODE_MIN_TILES sets it).
 // The last block's split merge: output elements a thread sums at once, and splits of each
 // whose partials it requests before using any (FD_MERGE_ROWS x FD_MERGE_CHUNK loads in flight).
 #define FD_MERGE_ROWS 4
 #define FD_MERGE_CHUNK 8
 
-// Keys a split of a token seeing `limit` keys takes (a multiple of the block's tile row): the
-// default, or more where that would pass FD_MAX_SPLITS splits. = ops/decode_attention.rs
-// `tc_split_keys`.
-__host__ __device__ __forceinline__ int fd_split_keys(int limit, int warps) {
+// Keys a split of a token seeing `limit` keys takes (a multiple of the block's tile row):
+// `min_tiles` tiles a warp, or more where that would pass FD_MAX_SPLITS splits.
+// = ops/decode_attention.rs `tc_split_keys_with`.
+__host__ __device__ __forceinline__ int fd_split_keys(int limit, int warps, int min_tiles) {
     const int unit = warps * FD_BN;
     const int need = (limit + FD_MAX_SPLITS - 1) / FD_MAX_SPLITS;
-    return max(unit * FD_MIN_WARP_TILES, (need + unit - 1) / unit * unit);
+    return max(unit * min_tiles, (need + unit - 1) / unit * unit);
 }
 
 // The 8x8 16-bit matrix held one row pair a lane (lane l: row l/4, columns 2(l%4), +1, the mma
@@ -486,7 +487,7 @@ __device__ __forceinline__ void flash_decode_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals) {
+    float* part_acc, float* part_ml, unsigned* arrivals, int min_tiles) {
     constexpr int WARPS = FD_WARPS(D);
     constexpr int LD = D + FA_PAD;
     constexpr int TILE = FD_BN * LD;  // elements of one K or V tile
@@ -499,7 +500,7 @@ __device__ __forceinline__ void flash_decode_body(
     const int G = n_q_heads / n_kv_heads;
     pdl_enter();
     const int limit = token_pos[t] + 1;
-    const int split = fd_split_keys(limit, WARPS);
+    const int split = fd_split_keys(limit, WARPS, min_tiles);
     const int nb = (limit + split - 1) / split;
     const int b = blockIdx.y;
     if (b >= nb) return;  // beyond this token's splits (uniform over the block)
@@ -708,7 +709,7 @@ __device__ __forceinline__ void flash_decode_body(
 #define FD_BODY(D)                                                                              \
     flash_decode_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_pos,   \
                          n_q_heads, n_kv_heads, q_stride, block_size, scale, out, part_acc,     \
-                         part_ml, arrivals);
+                         part_ml, arrivals, min_warp_tiles);
 
 #define FA_BODY(D, BN, WARPS, PIPE)                                                             \
     flash_body<D, BN, WARPS, PIPE>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
@@ -738,14 +739,15 @@ FA_INSTANCE(flash_attention_d256_r128, 256, 32, 8, true)
 FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
-// decode_attention.cu's kernels (its last, min_warp_keys, unused), dynamic shared memory
-// ops/decode_attention.rs `tc_smem_bytes`. Heads per group at most 8.
+// decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the
+// fewest keys a warp), dynamic shared memory ops/decode_attention.rs `tc_smem_bytes`. Heads
+// per group at most 8.
 #define FD_INSTANCE(D)                                                                          \
     extern "C" __global__ void __launch_bounds__(FD_WARPS(D) * 32) flash_decode_d##D(          \
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) { \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_tiles) { \
         FD_BODY(D)                                                                              \
     }
 

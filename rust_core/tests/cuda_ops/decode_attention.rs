@@ -7,7 +7,7 @@
 //! where it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
 use ninfer_core::backend::cuda::StorageDType;
 
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
@@ -311,6 +311,126 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
                     check("decode_attention_newest_key", st, &format!("{label}/{what}{seqs:?}/launch{launch}"), &got, &pick(&want, hq * d), tol16(st));
                 }
                 assert_arrivals_reset(&dev, &scratch, &format!("{label} newest key {what}"));
+            }
+        }
+    }
+}
+
+/// The tensor-core form at other fewest tiles a warp (`set_tc_min_warp_tiles`,
+/// NINFER_TC_DECODE_MIN_TILES; the default is covered above): 1 (the most splits), 8 and 64 (one
+/// split up to 4096 keys at 4 warps), for the Llama-3-8B, Qwen3.5-27B and a group-of-8 d 64
+/// shape, both storages: each token alone against the CPU op over ragged tables, every row of a
+/// batch of 5 the bits of its token alone, counters back at 0.
+#[test]
+fn tensor_core_decode_attention_at_other_split_sizes() {
+    for st in STORAGES {
+        let Some(dev) = gpu("decode_attention_tc_tiles", st) else { return };
+        if dev.compute_capability().0 < 8 {
+            eprintln!("SKIP decode_attention_tc_tiles: the tensor-core form needs sm_80+");
+            return;
+        }
+        let mut rng = Rng::new(53);
+        for (hq, hk, d) in [(32, 8, 128), (24, 4, 256), (16, 2, 64)] {
+            let bs = 16;
+            let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
+            let n = CONTEXTS.len();
+            let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
+            let row = |s: usize| s * hq * d..(s + 1) * hq * d;
+            let scale = 1.0 / (d as f32).sqrt();
+            let shape = case_shape(hq, hk, d, bs, &case);
+            let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
+            let run = |seqs: &[usize], scratch: &ninfer_core::backend::cuda::ops::AttnScratch| {
+                let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
+                let seq: Vec<i32> = seqs.iter().map(|&s| s as i32).collect();
+                let pos: Vec<i32> = seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect();
+                let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
+                let mut out = Out16::new(&dev, seqs.len() * hq * d);
+                dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, scratch).unwrap();
+                out.read(&dev, "tensor-core decode attention")
+            };
+            let (alone_scratch, scratch) = (decode_scratch(&dev, 1, &shape), decode_scratch(&dev, 5, &shape));
+            for tiles in [1, 8, 64] {
+                dev.set_tc_min_warp_tiles(tiles).unwrap();
+                let label = format!("hq{hq}hk{hk}/d{d}/tiles{tiles}");
+                let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &alone_scratch)).collect();
+                for (s, &c) in CONTEXTS.iter().enumerate() {
+                    let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+                    let want = reference::attention_seq(&q[row(s)], 1, hq, &case.k_cache, &case.v_cache, table, c - 1, hk, d, bs, scale);
+                    check("decode_attention_tensor_core_tiles", st, &format!("{label}/ctx{c}"), &alone[s], &want, tol16(st));
+                }
+                assert_arrivals_reset(&dev, &alone_scratch, &label);
+                let got = run(&BATCHES[1], &scratch);
+                for (i, &s) in BATCHES[1].iter().enumerate() {
+                    assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &alone[s], &format!("tensor-core decode attention {label}: ctx {} in a batch vs alone", CONTEXTS[s]));
+                }
+                assert_arrivals_reset(&dev, &scratch, &label);
+            }
+            dev.set_tc_min_warp_tiles(TC_MIN_WARP_TILES).unwrap();
+        }
+    }
+}
+
+/// Per-call time of the tensor-core form by its fewest tiles a warp at the batches it runs
+/// (16 to 64 tokens) and 1k-4k keys, Llama-3-8B and Qwen3.5-27B attention shapes. Each call reads
+/// the next of enough distinct K/V caches to pass 256 MB (L2 is 50 MB on an H200), as in the
+/// model, where a layer's weights pass between two calls. One TIMING line a case.
+#[test]
+fn tensor_core_decode_attention_split_size_timing() {
+    let Some(dev) = gpu("decode_attention_tc_tiles_timing", StorageDType::Bf16) else { return };
+    if dev.compute_capability().0 < 8 {
+        return;
+    }
+    let s = dev.stream().clone();
+    let bs = 16;
+    for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
+        for batch in [16, 32, 64] {
+            for ctx in [1024, 2048, 4096] {
+                let blocks_per = ctx / bs;
+                let num_blocks = batch * blocks_per;
+                let kv_bytes = 2 * num_blocks * bs * hk * d * 2;
+                let copies = (256usize << 20).div_ceil(kv_bytes).max(2);
+                let mut rng = Rng::new(31);
+                let n = num_blocks * bs * hk * d;
+                // Distinct buffers (their contents may repeat: L2 keeps addresses, not values).
+                let (kh, vh) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+                let caches: Vec<_> = (0..copies).map(|_| (upload(&dev, &kh), upload(&dev, &vh))).collect();
+                let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
+                let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
+                let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
+                let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
+                let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
+                let shape = PagedAttentionShape {
+                    n_q_heads: hq,
+                    n_kv_heads: hk,
+                    head_dim: d,
+                    q_stride: hq * d,
+                    block_size: bs,
+                    num_blocks,
+                    max_blocks_per_seq: blocks_per,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    max_context: ctx,
+                    partition: 0,
+                };
+                let scratch = decode_scratch(&dev, batch, &shape);
+                let mut line = format!("TIMING decode_attention_tc_tiles {name} batch={batch} ctx={ctx} ({copies} caches):");
+                let mut base = 0.0;
+                for tiles in [TC_MIN_WARP_TILES, 1, 2, 8, 16, 64] {
+                    dev.set_tc_min_warp_tiles(tiles).unwrap();
+                    let splits = ctx.div_ceil(tc_split_keys_with(ctx, tc_decode_warps(d), tiles));
+                    let mut i = 0;
+                    let t = time_ms(&dev, 40 * copies.min(4), || {
+                        let (kc, vc) = &caches[i % copies];
+                        i += 1;
+                        dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &q, kc, vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                    });
+                    if tiles == TC_MIN_WARP_TILES {
+                        base = t;
+                    }
+                    line += &format!(" tiles {tiles} ({splits} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, kv_bytes as f64 / 1e9 / (t * 1e-3), t / base);
+                }
+                dev.set_tc_min_warp_tiles(TC_MIN_WARP_TILES).unwrap();
+                assert_arrivals_reset(&dev, &scratch, &format!("tc tiles timing {name} batch {batch} ctx {ctx}"));
+                println!("{line}");
             }
         }
     }

@@ -66,6 +66,10 @@ pub struct CudaDevice {
     /// Fewest keys a warp of the scaled decode attention walks at every context
     /// (`NINFER_DA_MIN_WARP_KEYS`), or DECODE_DEFAULT_LAYOUT (0); read once.
     da_min_warp_keys: usize,
+    /// Fewest 16-key tiles a warp of the tensor-core decode attention takes in a split
+    /// (`NINFER_TC_DECODE_MIN_TILES`, default TC_MIN_WARP_TILES). Settable later
+    /// (`set_tc_min_warp_tiles`, the op tests); a captured graph keeps the value it captured.
+    tc_min_warp_tiles: AtomicUsize,
     /// `NINFER_BATCH_INVARIANT`: every kernel choice independent of the batch size (the GEMV
     /// form above, the decode attention form, ops/decode_attention.rs); read once.
     batch_invariant: bool,
@@ -150,6 +154,7 @@ impl CudaDevice {
         let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(cc_ksplit_plan.default.unwrap_or(1)));
         let cc_warps_set = warps.is_some();
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
+        let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok().as_deref())?);
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
@@ -177,6 +182,7 @@ impl CudaDevice {
             cc_ksplit,
             cc_ksplit_plan,
             da_min_warp_keys,
+            tc_min_warp_tiles,
             batch_invariant,
             tc_decode_attn,
             tc_decode_min_tokens,
@@ -246,6 +252,21 @@ impl CudaDevice {
     /// depend on the context).
     pub fn da_min_warp_keys(&self) -> usize {
         self.da_min_warp_keys
+    }
+
+    /// Fewest 16-key tiles a warp of the tensor-core decode attention takes in a split
+    /// (`NINFER_TC_DECODE_MIN_TILES`).
+    pub fn tc_min_warp_tiles(&self) -> usize {
+        self.tc_min_warp_tiles.load(Ordering::Relaxed)
+    }
+
+    /// Sets the tensor-core decode attention's fewest tiles a warp for the launches that follow
+    /// (1..=TC_MAX_WARP_TILES_SETTING). A captured CUDA graph keeps the value it was captured
+    /// with; every value keeps batch == alone.
+    pub fn set_tc_min_warp_tiles(&self, tiles: usize) -> Result<()> {
+        let tiles = super::ops::parse_tc_min_warp_tiles(Some(&tiles.to_string()))?;
+        self.tc_min_warp_tiles.store(tiles, Ordering::Relaxed);
+        Ok(())
     }
 
     /// k32 steps per block the tensor-core GEMV prefetches before its PDL wait.

@@ -187,8 +187,30 @@ pub fn parse_tc_decode_min_tokens(value: Option<&str>) -> Result<usize> {
 
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
 const TC_TILE_KEYS: usize = 16;
-/// Fewest tiles a warp takes in a split (FD_MIN_WARP_TILES).
-const TC_MIN_WARP_TILES: usize = 4;
+/// Fewest 16-key tiles a warp of the tensor-core form takes in a split by default (the kernels'
+/// `min_warp_tiles`): fewer splits, and partials to merge, at short contexts.
+pub const TC_MIN_WARP_TILES: usize = 4;
+
+/// The variable that sets the tensor-core form's fewest tiles a warp (a tuning tool: more
+/// tiles, fewer and longer blocks; read once per device, `CudaDevice::tc_min_warp_tiles`).
+/// Every setting keeps a token's result independent of the batch; settings differ in the last
+/// bits (the split merge).
+pub const TC_MIN_WARP_TILES_VAR: &str = "NINFER_TC_DECODE_MIN_TILES";
+
+/// The largest `NINFER_TC_DECODE_MIN_TILES` accepted.
+pub const TC_MAX_WARP_TILES_SETTING: usize = 64;
+
+/// `value` of `NINFER_TC_DECODE_MIN_TILES`: TC_MIN_WARP_TILES when unset, blank or `auto`, else
+/// an integer of 1..=TC_MAX_WARP_TILES_SETTING (an error naming the variable and the value
+/// otherwise).
+pub fn parse_tc_min_warp_tiles(value: Option<&str>) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
+        return Ok(TC_MIN_WARP_TILES);
+    };
+    v.parse::<usize>().ok().filter(|n| (1..=TC_MAX_WARP_TILES_SETTING).contains(n)).ok_or_else(|| {
+        crate::NinferError::config(TC_MIN_WARP_TILES_VAR, format!("expected `auto` or an integer of 1..={TC_MAX_WARP_TILES_SETTING}, got {v:?}"))
+    })
+}
 
 /// Warps a block of `flash_decode_d{d}` (FD_WARPS): 2 at d 256, where each warp's two K/V
 /// buffers take 33 KiB, else 4.
@@ -200,16 +222,22 @@ pub fn tc_decode_warps(d: usize) -> usize {
     }
 }
 
-/// Keys one split of a token seeing `limit` keys takes (fd_split_keys): 4 tiles a warp, or more
-/// where that would pass DECODE_MAX_SPLITS splits.
+/// Keys one split of a token seeing `limit` keys takes by default (fd_split_keys): 4 tiles a
+/// warp, or more where that would pass DECODE_MAX_SPLITS splits.
 pub fn tc_split_keys(limit: usize, warps: usize) -> usize {
-    let unit = warps * TC_TILE_KEYS;
-    (unit * TC_MIN_WARP_TILES).max(limit.div_ceil(DECODE_MAX_SPLITS).div_ceil(unit) * unit)
+    tc_split_keys_with(limit, warps, TC_MIN_WARP_TILES)
 }
 
-/// Grid splits that cover every token whose context is at most `max_context`.
-pub fn tc_grid_splits(max_context: usize, warps: usize) -> usize {
-    max_context.max(1).div_ceil(warps * TC_TILE_KEYS * TC_MIN_WARP_TILES).min(DECODE_MAX_SPLITS)
+/// `tc_split_keys` with `min_tiles` the fewest tiles a warp takes.
+pub fn tc_split_keys_with(limit: usize, warps: usize, min_tiles: usize) -> usize {
+    let unit = warps * TC_TILE_KEYS;
+    (unit * min_tiles).max(limit.div_ceil(DECODE_MAX_SPLITS).div_ceil(unit) * unit)
+}
+
+/// Grid splits that cover every token whose context is at most `max_context` with `min_tiles`
+/// the fewest tiles a warp takes.
+pub fn tc_grid_splits(max_context: usize, warps: usize, min_tiles: usize) -> usize {
+    max_context.max(1).div_ceil(warps * TC_TILE_KEYS * min_tiles).min(DECODE_MAX_SPLITS)
 }
 
 /// Dynamic shared memory of `flash_decode_d{d}`: each warp's two buffers of a K and a V tile
@@ -331,12 +359,16 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let min_keys = self.da_min_warp_keys();
-        // The scaled kernels take the layout's fewest keys a warp as a last argument.
+        // The scaled kernels take the layout's fewest keys a warp as a last argument, the
+        // tensor-core ones the fewest tiles a warp, the fixed ones neither.
+        let layout_arg = match form {
+            DecodeAttentionForm::TensorCore => self.tc_min_warp_tiles(),
+            _ => self.da_min_warp_keys(),
+        };
         let ((family, name), g, splits, scaled) = match form {
             DecodeAttentionForm::Scaled => {
                 let g = decode_group(shape);
-                let splits = decode_grid_splits_with(shape.max_blocks_per_seq * shape.block_size, min_keys);
+                let splits = decode_grid_splits_with(shape.max_blocks_per_seq * shape.block_size, layout_arg);
                 ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits, true)
             }
             DecodeAttentionForm::Fixed => {
@@ -358,7 +390,7 @@ impl CudaDevice {
                     ));
                 }
                 let w = tc_decode_warps(shape.head_dim);
-                let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w);
+                let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w, self.tc_min_warp_tiles());
                 ((KernelFamily::FlashAttention, tc_kernel_name(shape.head_dim)), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
@@ -400,7 +432,7 @@ impl CudaDevice {
             KArg::Ptr(pa),
             KArg::Ptr(pm),
             KArg::Ptr(ar),
-            KArg::I32(min_keys as i32),
+            KArg::I32(layout_arg as i32),
         ];
         let n_args = if scaled { args.len() } else { args.len() - 1 };
         let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
@@ -416,6 +448,22 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fewest_tiles_a_warp_is_a_checked_setting_and_bounds_the_grid() {
+        for unset in [None, Some(""), Some(" auto ")] {
+            assert_eq!(parse_tc_min_warp_tiles(unset).unwrap(), TC_MIN_WARP_TILES, "{unset:?}");
+        }
+        assert_eq!(parse_tc_min_warp_tiles(Some(" 8 ")).unwrap(), 8);
+        for bad in ["0", "65", "-1", "eight"] {
+            let e = parse_tc_min_warp_tiles(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(TC_MIN_WARP_TILES_VAR) && e.contains(bad), "{e}");
+        }
+        // 4 warps of 16-key tiles: 4 tiles a split of 256 keys, 8 of 512; the cap of 32 splits.
+        assert_eq!(tc_split_keys_with(1100, 4, 4), 256);
+        assert_eq!(tc_split_keys_with(1100, 4, 8), 512);
+        assert_eq!(tc_split_keys_with(65536, 4, 1), 2048);
+    }
 
     #[test]
     fn the_fewest_keys_a_warp_is_a_checked_setting_and_bounds_the_grid() {
@@ -448,13 +496,15 @@ mod tests {
             let w = tc_decode_warps(d);
             // Opt-in limit of sm_86 / sm_89 (99 KiB), the smallest of the sm_80+ parts.
             assert!(tc_smem_bytes(d) <= 99 * 1024, "d{d}: {} bytes", tc_smem_bytes(d));
-            for max in [1, 63, 64, 256, 257, 1000, 8192, 8193, 40000] {
-                let grid = tc_grid_splits(max, w);
-                assert!((1..=DECODE_MAX_SPLITS).contains(&grid));
-                for ctx in 1..=max {
-                    let split = tc_split_keys(ctx, w);
-                    assert_eq!(split % (w * TC_TILE_KEYS), 0);
-                    assert!(ctx.div_ceil(split) <= grid, "d{d}: context {ctx} under a grid for {max}");
+            for min in [1, TC_MIN_WARP_TILES, 8, TC_MAX_WARP_TILES_SETTING] {
+                for max in [1, 63, 64, 256, 257, 1000, 8192, 8193, 40000] {
+                    let grid = tc_grid_splits(max, w, min);
+                    assert!((1..=DECODE_MAX_SPLITS).contains(&grid));
+                    for ctx in 1..=max {
+                        let split = tc_split_keys_with(ctx, w, min);
+                        assert_eq!(split % (w * TC_TILE_KEYS), 0);
+                        assert!(ctx.div_ceil(split) <= grid, "d{d} min {min}: context {ctx} under a grid for {max}");
+                    }
                 }
             }
         }
