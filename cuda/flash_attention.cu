@@ -456,8 +456,8 @@ __device__ __forceinline__ void flash_body(
 #define FD_MAX_SPLITS 32  // = ops/decode_attention.rs DECODE_MAX_SPLITS
 #define FD_BN 16
 // Fewest 16-key tiles a warp takes in a split (fewer splits and partials at short contexts) is
-// the launch's `min_warp_tiles` (ops/decode_attention.rs TC_MIN_WARP_TILES, 4, unless
-// NINFER_TC_DECODE_MIN_TILES sets it).
+// the launch's `min_warp_tiles` (ops/decode_attention.rs TC_MIN_WARP_TILES, 8, unless
+// NINFER_TC_DECODE_MIN_TILES sets it; why 8 there).
 // The last block's split merge: output elements a thread sums at once, and splits of each
 // whose partials it requests before using any (FD_MERGE_ROWS x FD_MERGE_CHUNK loads in flight).
 #define FD_MERGE_ROWS 4

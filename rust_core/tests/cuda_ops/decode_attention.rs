@@ -61,9 +61,9 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
     // The layout the contexts are chosen around (decode_attention.rs mirrors the kernel's).
     assert_eq!(CONTEXTS.map(decode_block_splits), [1, 1, 8, 16, 9, 16, 32, 32]);
     assert_eq!((decode_warp_keys(4096), decode_warp_keys(8191)), (16, 32));
-    // The tensor-core form's splits: 256 keys (128 at d 256) up to 32 splits, then wider.
-    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(128)))), [1, 1, 1, 2, 3, 4, 16, 32]);
-    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(256)))), [1, 1, 2, 4, 5, 8, 32, 32]);
+    // The tensor-core form's splits: 512 keys (256 at d 256) up to 32 splits, then wider.
+    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(128)))), [1, 1, 1, 1, 2, 2, 8, 16]);
+    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(256)))), [1, 1, 1, 2, 3, 4, 16, 32]);
     for st in STORAGES {
         let Some(dev) = gpu("decode_attention_scaled", st) else { return };
         let mut rng = Rng::new(41);
@@ -317,8 +317,8 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
 }
 
 /// The tensor-core form at other fewest tiles a warp (`set_tc_min_warp_tiles`,
-/// NINFER_TC_DECODE_MIN_TILES; the default is covered above): 1 (the most splits), 8 and 64 (one
-/// split up to 4096 keys at 4 warps), for the Llama-3-8B, Qwen3.5-27B and a group-of-8 d 64
+/// NINFER_TC_DECODE_MIN_TILES; the default is covered above): 1 (the most splits), 4 (the
+/// default before 8) and 64 (one split up to 4096 keys at 4 warps), for the Llama-3-8B, Qwen3.5-27B and a group-of-8 d 64
 /// shape, both storages: each token alone against the CPU op over ragged tables, every row of a
 /// batch of 5 the bits of its token alone, counters back at 0.
 #[test]
@@ -349,7 +349,7 @@ fn tensor_core_decode_attention_at_other_split_sizes() {
                 out.read(&dev, "tensor-core decode attention")
             };
             let (alone_scratch, scratch) = (decode_scratch(&dev, 1, &shape), decode_scratch(&dev, 5, &shape));
-            for tiles in [1, 8, 64] {
+            for tiles in [1, 4, 64] {
                 dev.set_tc_min_warp_tiles(tiles).unwrap();
                 let label = format!("hq{hq}hk{hk}/d{d}/tiles{tiles}");
                 let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &alone_scratch)).collect();
@@ -414,7 +414,7 @@ fn tensor_core_decode_attention_split_size_timing() {
                 let scratch = decode_scratch(&dev, batch, &shape);
                 let mut line = format!("TIMING decode_attention_tc_tiles {name} batch={batch} ctx={ctx} ({copies} caches):");
                 let mut base = 0.0;
-                for tiles in [TC_MIN_WARP_TILES, 1, 2, 8, 16, 64] {
+                for tiles in [TC_MIN_WARP_TILES, 1, 2, 4, 16, 64] {
                     dev.set_tc_min_warp_tiles(tiles).unwrap();
                     let splits = ctx.div_ceil(tc_split_keys_with(ctx, tc_decode_warps(d), tiles));
                     let mut i = 0;

@@ -188,8 +188,15 @@ pub fn parse_tc_decode_min_tokens(value: Option<&str>) -> Result<usize> {
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
 const TC_TILE_KEYS: usize = 16;
 /// Fewest 16-key tiles a warp of the tensor-core form takes in a split by default (the kernels'
-/// `min_warp_tiles`): fewer splits, and partials to merge, at short contexts.
-pub const TC_MIN_WARP_TILES: usize = 4;
+/// `min_warp_tiles`): 512 keys a split at 4 warps (d 64 / 128), 256 at 2 (d 256). Why 8, not 4
+/// (session 12's): per call on an H200 over caches L2 cannot hold
+/// (benches/results/cuda_ops_tc_tiles_0836c02.log), 8 against 4 took 0.90-0.97x at batch 16-64
+/// and 1-4k keys on Llama-3-8B (1.035x at batch 16 and 2k keys, 1.047x at batch 32 and 1k) and
+/// 0.83-0.97x on Qwen3.5-27B (1.027x at batch 32 and 1k); fewer, longer blocks keep each warp's
+/// cp.async pipeline busy past its fill and merge. In the model (Llama-3-8B, 1k-token prompts,
+/// decode phase, tp_tiles_0836c02.log) c = 16 / 32 / 64 went 2,702.7 / 4,544.5 / 6,981.1 ->
+/// 2,734.4 / 4,635.5 / 7,217.9 tok/s (+1.2% / +2.0% / +3.4%); 16 lost at c = 16 (2,543.2).
+pub const TC_MIN_WARP_TILES: usize = 8;
 
 /// The variable that sets the tensor-core form's fewest tiles a warp (a tuning tool: more
 /// tiles, fewer and longer blocks; read once per device, `CudaDevice::tc_min_warp_tiles`).
@@ -222,8 +229,8 @@ pub fn tc_decode_warps(d: usize) -> usize {
     }
 }
 
-/// Keys one split of a token seeing `limit` keys takes by default (fd_split_keys): 4 tiles a
-/// warp, or more where that would pass DECODE_MAX_SPLITS splits.
+/// Keys one split of a token seeing `limit` keys takes by default (fd_split_keys):
+/// TC_MIN_WARP_TILES tiles a warp, or more where that would pass DECODE_MAX_SPLITS splits.
 pub fn tc_split_keys(limit: usize, warps: usize) -> usize {
     tc_split_keys_with(limit, warps, TC_MIN_WARP_TILES)
 }
