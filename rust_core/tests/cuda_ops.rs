@@ -79,6 +79,7 @@ mod gemv_chain;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
+use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
@@ -1665,6 +1666,73 @@ fn arena_regions_are_aligned_disjoint_and_bounded() {
     assert!(matches!(arena.regions::<f32>(&dev, &[1 << 20]), Err(NinferError::OutOfMemory { .. })));
 }
 
+/// A decode-attention timing case: `batch` sequences of `ctx` keys each over contiguous block
+/// tables (block size 16), every token at its last position, random q and K/V, and as many
+/// distinct K/V cache pairs as pass `min_bytes` (at least one): a timing loop that reads the
+/// next pair each call keeps L2 (50 MB on an H200) from holding a call's K/V from an earlier
+/// call, as in the model, where a layer's weights pass between two calls.
+struct AttnTimingCase {
+    caches: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
+    tables: CudaSlice<i32>,
+    seq: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    q: CudaSlice<u16>,
+    out: CudaSlice<u16>,
+    shape: PagedAttentionShape,
+    /// K and V bytes one call reads.
+    kv_bytes: usize,
+}
+
+impl AttnTimingCase {
+    fn new(dev: &CudaDevice, (hq, hk, d): (usize, usize, usize), batch: usize, ctx: usize, min_bytes: usize) -> Self {
+        let bs = 16;
+        let blocks_per = ctx.div_ceil(bs);
+        let num_blocks = batch * blocks_per;
+        let n = num_blocks * bs * hk * d;
+        let kv_bytes = 2 * batch * ctx * hk * d * 2;
+        let mut rng = Rng::new(23);
+        // Distinct buffers (their contents may repeat: L2 keeps addresses, not values).
+        let (kh, vh) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+        let copies = min_bytes.div_ceil(kv_bytes).max(1);
+        let caches = (0..copies).map(|_| (upload(dev, &kh), upload(dev, &vh))).collect();
+        AttnTimingCase {
+            caches,
+            tables: upload_raw(dev, &(0..num_blocks as i32).collect::<Vec<_>>()),
+            seq: upload_raw(dev, &(0..batch as i32).collect::<Vec<_>>()),
+            pos: upload_raw(dev, &vec![ctx as i32 - 1; batch]),
+            q: upload(dev, &rng.vec(batch * hq * d, -1.0, 1.0)),
+            out: dev.stream().alloc_zeros::<u16>(batch * hq * d).unwrap(),
+            shape: PagedAttentionShape {
+                n_q_heads: hq,
+                n_kv_heads: hk,
+                head_dim: d,
+                q_stride: hq * d,
+                block_size: bs,
+                num_blocks,
+                max_blocks_per_seq: blocks_per,
+                scale: 1.0 / (d as f32).sqrt(),
+                max_context: ctx,
+                partition: 0,
+            },
+            kv_bytes,
+        }
+    }
+
+    /// Milliseconds a call of `call(case, k_cache, v_cache, out)` over `iters` calls, each on
+    /// the next cache pair.
+    fn time(&mut self, dev: &CudaDevice, iters: usize, mut call: impl FnMut(&Self, &CudaSlice<u16>, &CudaSlice<u16>, &mut CudaSlice<u16>)) -> f64 {
+        let mut out = std::mem::replace(&mut self.out, dev.stream().alloc_zeros::<u16>(1).unwrap());
+        let mut i = 0;
+        let t = time_ms(dev, iters, || {
+            let (kc, vc) = &self.caches[i % self.caches.len()];
+            i += 1;
+            call(self, kc, vc, &mut out);
+        });
+        self.out = out;
+        t
+    }
+}
+
 /// Mean milliseconds of `f` over `iters` runs after 3 warm-ups, timed with CUDA events.
 fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
     use cudarc::driver::sys::CUevent_flags;
@@ -1758,34 +1826,9 @@ fn report_decode_op_throughput() {
     let t = time_ms(&dev, 10, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
     println!("PERF op=gemm m={m} n={n} k={k} ms={t:.4} TFLOPs={:.0}", 2.0 * (m * n * k) as f64 / t / 1e9);
 
-    let (hq, hk, d, bs) = (32, 8, 128, 16);
     for (batch, ctx) in [(1, 4096), (32, 2048), (1, 32768)] {
-        let blocks_per = ctx / bs;
-        let num_blocks = batch * blocks_per;
-        let cache = s.alloc_zeros::<u16>(num_blocks * bs * hk * d).unwrap();
-        let tables: Vec<i32> = (0..num_blocks as i32).collect();
-        let tables = upload_raw(&dev, &tables);
-        let seq: Vec<i32> = (0..batch as i32).collect();
-        let pos = vec![ctx as i32 - 1; batch];
-        let (seq, pos) = (upload_raw(&dev, &seq), upload_raw(&dev, &pos));
-        let q = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
-        let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
-        let shape = PagedAttentionShape {
-            n_q_heads: hq,
-            n_kv_heads: hk,
-            head_dim: d,
-            q_stride: hq * d,
-            block_size: bs,
-            num_blocks,
-            max_blocks_per_seq: blocks_per,
-            scale: 0.088,
-            max_context: ctx,
-            partition: 0,
-        };
-        let t = time_ms(&dev, 20, || {
-            dev.paged_attention(&q, &cache, &cache, &tables, &seq, &pos, &mut out, &shape).unwrap()
-        });
-        let kv_bytes = (2 * num_blocks * bs * hk * d * 2) as f64;
-        println!("PERF op=attention_decode batch={batch} ctx={ctx} ms={t:.4} kv_GBps={:.0}", kv_bytes / t / 1e6);
+        let mut case = AttnTimingCase::new(&dev, (32, 8, 128), batch, ctx, 0);
+        let t = case.time(&dev, 20, |c, kc, vc, out| dev.paged_attention(&c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape).unwrap());
+        println!("PERF op=attention_decode batch={batch} ctx={ctx} ms={t:.4} kv_GBps={:.0}", case.kv_bytes as f64 / t / 1e6);
     }
 }

@@ -11,7 +11,7 @@ use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_
 use ninfer_core::backend::cuda::StorageDType;
 
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
-use super::{assert_arrivals_reset, assert_bitwise, decode_scratch, paged_case, reference, time_ms};
+use super::{assert_arrivals_reset, assert_bitwise, decode_scratch, paged_case, reference, AttnTimingCase};
 
 /// One key; a partial first warp; 256 (8 splits of 4-key warps); 512 (16 splits, the most 4-key
 /// warps take) and 513 (9 splits of 8-key warps, a 1-key last split); 1000 (16 splits, last one
@@ -197,49 +197,21 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
 #[test]
 fn scaled_decode_attention_timing() {
     let Some(dev) = gpu("decode_attention_timing", StorageDType::Bf16) else { return };
-    let s = dev.stream().clone();
-    let bs = 16;
     for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
         for batch in [1, 2, 4, 8, 32, 64] {
             for ctx in [256, 512, 1024, 2048, 4096, 16384] {
                 if batch * ctx > 64 * 4096 {
                     continue; // keeps the caches under ~2 GB and the report short
                 }
-                let blocks_per = ctx / bs;
-                let num_blocks = batch * blocks_per;
-                let mut rng = Rng::new(23);
-                let n = num_blocks * bs * hk * d;
-                let (kc, vc) = (upload(&dev, &rng.vec(n, -1.0, 1.0)), upload(&dev, &rng.vec(n, -1.0, 1.0)));
-                let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
-                let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
-                let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
-                let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
-                let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
-                let shape = PagedAttentionShape {
-                    n_q_heads: hq,
-                    n_kv_heads: hk,
-                    head_dim: d,
-                    q_stride: hq * d,
-                    block_size: bs,
-                    num_blocks,
-                    max_blocks_per_seq: blocks_per,
-                    scale: 1.0 / (d as f32).sqrt(),
-                    max_context: ctx,
-                    partition: 0,
+                let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 0);
+                let scratch = decode_scratch(&dev, batch, &case.shape);
+                let mut time = |form: DecodeAttentionForm| {
+                    case.time(&dev, 100, |c, kc, vc, out| dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap())
                 };
-                let scratch = decode_scratch(&dev, batch, &shape);
-                let t_fixed = time_ms(&dev, 100, || {
-                    dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
-                });
-                let t_scaled = time_ms(&dev, 100, || {
-                    dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
-                });
-                let t_tc = time_ms(&dev, 100, || {
-                    dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &q, &kc, &vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
-                });
+                let (t_fixed, t_scaled, t_tc) = (time(DecodeAttentionForm::Fixed), time(DecodeAttentionForm::Scaled), time(DecodeAttentionForm::TensorCore));
                 assert_arrivals_reset(&dev, &scratch, &format!("timing {name} batch {batch} ctx {ctx}"));
                 // K and V bytes read per call over the tensor-core time: its fraction of the copy rate.
-                let kv_gb = (2 * batch * ctx * hk * d * 2) as f64 / 1e9;
+                let kv_gb = case.kv_bytes as f64 / 1e9;
                 println!(
                     "TIMING decode_attention {name} batch={batch} ctx={ctx}: fixed {:.2} us, scaled {:.2} us, tensor-core {:.2} us per call (scaled/fixed {:.3}, tensor-core/fixed {:.3}, tensor-core K/V {:.0} GB/s)",
                     t_fixed * 1e3,
@@ -371,62 +343,33 @@ fn tensor_core_decode_attention_at_other_split_sizes() {
 }
 
 /// Per-call time of the tensor-core form by its fewest tiles a warp at the batches it runs
-/// (16 to 64 tokens) and 1k-4k keys, Llama-3-8B and Qwen3.5-27B attention shapes. Each call reads
-/// the next of enough distinct K/V caches to pass 256 MB (L2 is 50 MB on an H200), as in the
-/// model, where a layer's weights pass between two calls. One TIMING line a case.
+/// (16 to 64 tokens) and 1k-4k keys, Llama-3-8B and Qwen3.5-27B attention shapes, each call on
+/// the next of enough distinct K/V caches to pass 256 MB (AttnTimingCase). One TIMING line a
+/// case.
 #[test]
 fn tensor_core_decode_attention_split_size_timing() {
     let Some(dev) = gpu("decode_attention_tc_tiles_timing", StorageDType::Bf16) else { return };
     if dev.compute_capability().0 < 8 {
         return;
     }
-    let s = dev.stream().clone();
-    let bs = 16;
     for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
         for batch in [16, 32, 64] {
             for ctx in [1024, 2048, 4096] {
-                let blocks_per = ctx / bs;
-                let num_blocks = batch * blocks_per;
-                let kv_bytes = 2 * num_blocks * bs * hk * d * 2;
-                let copies = (256usize << 20).div_ceil(kv_bytes).max(2);
-                let mut rng = Rng::new(31);
-                let n = num_blocks * bs * hk * d;
-                // Distinct buffers (their contents may repeat: L2 keeps addresses, not values).
-                let (kh, vh) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
-                let caches: Vec<_> = (0..copies).map(|_| (upload(&dev, &kh), upload(&dev, &vh))).collect();
-                let tables = upload_raw(&dev, &(0..num_blocks as i32).collect::<Vec<_>>());
-                let seq = upload_raw(&dev, &(0..batch as i32).collect::<Vec<_>>());
-                let pos = upload_raw(&dev, &vec![ctx as i32 - 1; batch]);
-                let q = upload(&dev, &rng.vec(batch * hq * d, -1.0, 1.0));
-                let mut out = s.alloc_zeros::<u16>(batch * hq * d).unwrap();
-                let shape = PagedAttentionShape {
-                    n_q_heads: hq,
-                    n_kv_heads: hk,
-                    head_dim: d,
-                    q_stride: hq * d,
-                    block_size: bs,
-                    num_blocks,
-                    max_blocks_per_seq: blocks_per,
-                    scale: 1.0 / (d as f32).sqrt(),
-                    max_context: ctx,
-                    partition: 0,
-                };
-                let scratch = decode_scratch(&dev, batch, &shape);
+                let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 256 << 20);
+                let scratch = decode_scratch(&dev, batch, &case.shape);
+                let copies = case.caches.len();
                 let mut line = format!("TIMING decode_attention_tc_tiles {name} batch={batch} ctx={ctx} ({copies} caches):");
                 let mut base = 0.0;
                 for tiles in [TC_MIN_WARP_TILES, 1, 2, 4, 16, 64] {
                     dev.set_tc_min_warp_tiles(tiles).unwrap();
                     let splits = ctx.div_ceil(tc_split_keys_with(ctx, tc_decode_warps(d), tiles));
-                    let mut i = 0;
-                    let t = time_ms(&dev, 40 * copies.min(4), || {
-                        let (kc, vc) = &caches[i % copies];
-                        i += 1;
-                        dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &q, kc, vc, &tables, &seq, &pos, &mut out, &shape, &scratch).unwrap()
+                    let t = case.time(&dev, 40 * copies.min(4), |c, kc, vc, out| {
+                        dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap()
                     });
                     if tiles == TC_MIN_WARP_TILES {
                         base = t;
                     }
-                    line += &format!(" tiles {tiles} ({splits} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, kv_bytes as f64 / 1e9 / (t * 1e-3), t / base);
+                    line += &format!(" tiles {tiles} ({splits} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, case.kv_bytes as f64 / 1e9 / (t * 1e-3), t / base);
                 }
                 dev.set_tc_min_warp_tiles(TC_MIN_WARP_TILES).unwrap();
                 assert_arrivals_reset(&dev, &scratch, &format!("tc tiles timing {name} batch {batch} ctx {ctx}"));
