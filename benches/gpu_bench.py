@@ -23,6 +23,8 @@ Usage (GPU machine; see docs/performance.md):
         [--throughput] [--startup] [--layers N] [--skip-peer]
 No part flag: all parts. --tiny runs every part on tiny shapes with ninfer on the CPU and torch
 on the CPU (a dry run of the script's logic on a machine without a GPU).
+--ab NINFER_VAR=V1,V2 [--ab-rounds N]: the chosen parts once per value, each in its own process,
+alternated round after round, with a summary by value (benches/gpu_ab.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def log(msg: str) -> None:
     print(f"[{now} +{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
+def gpu_ab():
+    """benches/gpu_ab.py (the A-B runner), loaded beside this file whatever the working directory."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_ab", Path(__file__).with_name("gpu_ab.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True,
@@ -97,10 +109,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
+    p.add_argument("--ab", metavar="NINFER_VAR=V1,V2",
+                   help="A-B runs (benches/gpu_ab.py): the parts once per value of the variable, each in its own "
+                        "process, alternated for --ab-rounds rounds; records tagged with the value, and a summary")
+    p.add_argument("--ab-rounds", type=int, default=2, help="A-B: rounds of every value (default 2)")
     p.add_argument("--peer-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.profile_batch < 1:
         p.error(f"--profile-batch {a.profile_batch}: decode sequences a step must be at least 1")
+    if a.ab is not None:
+        try:
+            gpu_ab().parse_ab(a.ab)
+        except ValueError as e:
+            p.error(str(e))
+    if a.ab_rounds < 1:
+        p.error(f"--ab-rounds {a.ab_rounds}: at least one round")
     if not (a.decode_8b or a.decode_27b or a.throughput or a.startup or a.profile):
         a.decode_8b = a.decode_27b = a.throughput = a.startup = True
     return a
@@ -814,6 +837,8 @@ def main(argv=None) -> int:
     if a.peer_worker:
         peer_worker(a)
         return 0
+    if a.ab:
+        return gpu_ab().run_ab(a, sys.argv[1:] if argv is None else list(argv), log)
     b = Bench(a)
     log(f"device {b.device_name}; parts: " + ", ".join(
         n for n, on in (("decode-8b", a.decode_8b), ("profile", a.profile), (f"throughput {a.tp_model}", a.throughput), ("decode-27b", a.decode_27b),

@@ -1,0 +1,124 @@
+"""A-B runs of gpu_bench.py: the same parts once per setting of one NINFER_* variable, each
+setting in its own process, the settings alternated round after round (A B A B), every record
+kept with the setting it ran under, and a summary of each metric by setting with its ratio to
+the first setting.
+
+Why a process per setting: most NINFER_* variables are read once when the device opens, and a
+process that measured A first warms caches (kernel cache, page cache, clocks) for B; alternating
+rounds spreads the drift of a shared machine over both settings. Checkpoints are written once by
+the first run and kept for the others; they are removed at the end unless --keep-checkpoints.
+
+    python benches/gpu_bench.py --out ab.json --decode-8b --skip-peer \\
+        --ab NINFER_TC_DECODE_MIN_TILES=4,8 --ab-rounds 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# Record fields that tell two measurements of one metric apart (a concurrency level, a prompt).
+CASE_FIELDS = ("model", "concurrency", "batch", "prompt_tokens", "layers")
+
+
+def parse_ab(spec: str) -> tuple:
+    """`VAR=V1,V2[,...]` -> (VAR, [V1, V2, ...]): a NINFER_* variable and at least two values.
+    Raises ValueError naming the spec otherwise."""
+    var, sep, values = spec.partition("=")
+    vals = [v.strip() for v in values.split(",")]
+    if not sep or not var.startswith("NINFER_") or len(vals) < 2 or any(not v for v in vals):
+        raise ValueError(f"--ab {spec!r}: expected NINFER_VARIABLE=VALUE1,VALUE2[,...] (two or more values)")
+    return var, vals
+
+
+def child_argv(argv: list) -> list:
+    """The bench's own arguments without --ab / --ab-rounds / --out (each run gets its own
+    --out) and with --keep-checkpoints (the next run reuses them)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--ab", "--ab-rounds", "--out"):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    if "--keep-checkpoints" not in out:
+        out.append("--keep-checkpoints")
+    return out
+
+
+def summarize(records: list, var: str, values: list) -> list:
+    """Lines of the summary: per metric and case, each setting's mean value over its rounds
+    (and mean fraction of the ceiling where there is one), and its ratio to the first setting."""
+    cases: dict = {}
+    for r in records:
+        if r.get("value") is None or "ab" not in r:
+            continue
+        key = (r["metric"],) + tuple((f, r[f]) for f in CASE_FIELDS if r.get(f) is not None)
+        cases.setdefault(key, {}).setdefault(r["ab"]["value"], []).append(r)
+    lines = []
+    for key, by_value in cases.items():
+        head = key[0] + " " + " ".join(f"{f}={v}" for f, v in key[1:])
+        base = None
+        parts = []
+        for v in values:
+            runs = by_value.get(v, [])
+            if not runs:
+                parts.append(f"{var}={v}: no value")
+                continue
+            mean = statistics.fmean(r["value"] for r in runs)
+            fracs = [r["fraction_of_ceiling"] for r in runs if r.get("fraction_of_ceiling") is not None]
+            base = mean if base is None else base
+            each = ", ".join(format(r["value"], ".4g") for r in runs)
+            text = f"{var}={v}: {mean:.4g} ({each})"
+            if fracs:
+                text += f" fraction {statistics.fmean(fracs):.3f}"
+            parts.append(text + f" ratio {mean / base:.4f}")
+        lines.append(f"{head}: " + "; ".join(parts))
+    return lines
+
+
+def run_ab(a, argv: list, log) -> int:
+    """Runs the parts once per value of `a.ab` for `a.ab_rounds` rounds; appends every record to
+    `a.out` (each with "ab": {variable, value, round}); logs the summary. The exit status is 1
+    when a run failed or a record holds an error."""
+    var, values = parse_ab(a.ab)
+    out = Path(a.out)
+    records: list = json.loads(out.read_text()) if out.is_file() and out.stat().st_size else []
+    workdir = Path(a.workdir)
+    before = set(workdir.iterdir()) if workdir.is_dir() else set()
+    runs_dir = out.parent / f"{out.stem}_ab_runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    base_args = child_argv(argv)
+    status, new = 0, []
+    for rnd in range(1, a.ab_rounds + 1):
+        for v in values:
+            run_out = runs_dir / f"round{rnd}_{var}_{v}.json"
+            run_out.unlink(missing_ok=True)
+            log(f"=== A-B round {rnd}: {var}={v} ===")
+            env = dict(os.environ, **{var: v})
+            rc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_bench.py")), "--out", str(run_out),
+                                 *base_args], env=env).returncode
+            got = json.loads(run_out.read_text()) if run_out.is_file() else []
+            if rc != 0 or not got:
+                status = 1
+                log(f"A-B round {rnd} {var}={v}: exit status {rc}, {len(got)} records")
+            for r in got:
+                r["ab"] = {"variable": var, "value": v, "round": rnd}
+                status |= 1 if "error" in r else 0
+            new.extend(got)
+            out.write_text(json.dumps(records + new, indent=2) + "\n")
+    if not a.keep_checkpoints and workdir.is_dir():
+        for p in set(workdir.iterdir()) - before:
+            shutil.rmtree(p, ignore_errors=True)
+    log(f"A-B summary ({a.ab_rounds} rounds, {len(new)} records in {out}):")
+    for line in summarize(new, var, values):
+        log("  " + line)
+    return status
