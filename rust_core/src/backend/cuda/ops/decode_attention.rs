@@ -397,7 +397,7 @@ impl CudaDevice {
                     ));
                 }
                 let w = tc_decode_warps(shape.head_dim);
-                let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w, self.tc_min_warp_tiles());
+                let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w, layout_arg);
                 ((KernelFamily::FlashAttention, tc_kernel_name(shape.head_dim)), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
