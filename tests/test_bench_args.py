@@ -38,7 +38,10 @@ def test_gpu_prefill_rejects_bad_arguments_naming_them(argv, named, capsys):
 
 
 @pytest.mark.parametrize("argv, named", [(["--profile-batch", "0"], "--profile-batch 0"),
-                                         (["--tp-model", "llama-70b"], "llama-70b")])
+                                         (["--tp-model", "llama-70b"], "llama-70b"),
+                                         (["--ab", "NINFER_X=1"], "--ab 'NINFER_X=1'"),
+                                         (["--ab", "PATH=1,2"], "--ab 'PATH=1,2'"),
+                                         (["--ab", "NINFER_X=0,1", "--ab-rounds", "0"], "--ab-rounds 0")])
 def test_gpu_bench_rejects_bad_arguments_naming_them(argv, named, capsys):
     bench = _load("gpu_bench")
     with pytest.raises(SystemExit) as e:

@@ -46,11 +46,22 @@ pub const DECODE_DEFAULT_LAYOUT: usize = 0;
 /// an integer of 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value
 /// otherwise).
 pub fn parse_da_min_warp_keys(value: Option<&str>) -> Result<usize> {
+    parse_auto_count(DA_MIN_WARP_KEYS_VAR, value, DECODE_DEFAULT_LAYOUT, 1, Some(DECODE_MAX_WARP_KEYS_SETTING))
+}
+
+/// The one form of this file's layout settings: `default` when `value` is unset, blank or
+/// `auto`, else an integer of `least..=most` (no upper bound when `most` is None); an error
+/// naming `var` and the value otherwise.
+fn parse_auto_count(var: &str, value: Option<&str>, default: usize, least: usize, most: Option<usize>) -> Result<usize> {
     let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
-        return Ok(DECODE_DEFAULT_LAYOUT);
+        return Ok(default);
     };
-    v.parse::<usize>().ok().filter(|n| (1..=DECODE_MAX_WARP_KEYS_SETTING).contains(n)).ok_or_else(|| {
-        crate::NinferError::config(DA_MIN_WARP_KEYS_VAR, format!("expected `auto` or an integer of 1..={DECODE_MAX_WARP_KEYS_SETTING}, got {v:?}"))
+    v.parse::<usize>().ok().filter(|&n| n >= least && most.is_none_or(|m| n <= m)).ok_or_else(|| {
+        let range = match most {
+            Some(m) => format!("of {least}..={m}"),
+            None => format!("of at least {least}"),
+        };
+        crate::NinferError::config(var, format!("expected `auto` or an integer {range}, got {v:?}"))
     })
 }
 
@@ -176,13 +187,7 @@ pub const TC_DECODE_MIN_TOKENS_VAR: &str = "NINFER_TC_DECODE_MIN_TOKENS";
 /// DECODE_SCALED_MAX_TOKENS always run the scaled form); an error naming the variable and the
 /// value otherwise.
 pub fn parse_tc_decode_min_tokens(value: Option<&str>) -> Result<usize> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
-        return Ok(TC_DECODE_MIN_TOKENS);
-    };
-    let least = DECODE_SCALED_MAX_TOKENS + 1;
-    v.parse::<usize>().ok().filter(|&n| n >= least).ok_or_else(|| {
-        crate::NinferError::config(TC_DECODE_MIN_TOKENS_VAR, format!("expected `auto` or an integer of at least {least}, got {v:?}"))
-    })
+    parse_auto_count(TC_DECODE_MIN_TOKENS_VAR, value, TC_DECODE_MIN_TOKENS, DECODE_SCALED_MAX_TOKENS + 1, None)
 }
 
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
@@ -211,12 +216,7 @@ pub const TC_MAX_WARP_TILES_SETTING: usize = 64;
 /// an integer of 1..=TC_MAX_WARP_TILES_SETTING (an error naming the variable and the value
 /// otherwise).
 pub fn parse_tc_min_warp_tiles(value: Option<&str>) -> Result<usize> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
-        return Ok(TC_MIN_WARP_TILES);
-    };
-    v.parse::<usize>().ok().filter(|n| (1..=TC_MAX_WARP_TILES_SETTING).contains(n)).ok_or_else(|| {
-        crate::NinferError::config(TC_MIN_WARP_TILES_VAR, format!("expected `auto` or an integer of 1..={TC_MAX_WARP_TILES_SETTING}, got {v:?}"))
-    })
+    parse_auto_count(TC_MIN_WARP_TILES_VAR, value, TC_MIN_WARP_TILES, 1, Some(TC_MAX_WARP_TILES_SETTING))
 }
 
 /// Warps a block of `flash_decode_d{d}` (FD_WARPS): 2 at d 256, where each warp's two K/V
