@@ -8,6 +8,7 @@
 //! against the fixed-split form.
 
 use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::StorageDType;
 
 use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
@@ -37,6 +38,23 @@ fn case_shape(hq: usize, hk: usize, d: usize, bs: usize, case: &super::PagedCase
         max_context: 0,
         partition: 0,
     }
+}
+
+/// CONTEXTS for (hq, hk, d) over ragged block tables of block size 16 (`paged_case`), then a q
+/// row per context rounded to the storage (drawn in that order from `rng`): the case, q, its
+/// shape, and the K / V caches and tables on the device.
+fn contexts_case(
+    dev: &ninfer_core::backend::cuda::CudaDevice,
+    rng: &mut Rng,
+    st: StorageDType,
+    (hq, hk, d): (usize, usize, usize),
+) -> (super::PagedCase, Vec<f32>, PagedAttentionShape, CudaSlice<u16>, CudaSlice<u16>, CudaSlice<i32>) {
+    let bs = 16;
+    let case = paged_case(rng, st, &CONTEXTS, hk, d, bs);
+    let q = rounded(&rng.vec(CONTEXTS.len() * hq * d, -1.0, 1.0), st);
+    let shape = case_shape(hq, hk, d, bs, &case);
+    let (kd, vd, tables) = (upload(dev, &case.k_cache), upload(dev, &case.v_cache), upload_raw(dev, &case.tables));
+    (case, q, shape, kd, vd, tables)
 }
 
 /// Which launcher a test run calls.
@@ -69,14 +87,11 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
         let mut rng = Rng::new(41);
         for (hq, hk, d) in SHAPES {
             let bs = 16;
-            let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
+            let (case, q, shape, kd, vd, tables) = contexts_case(&dev, &mut rng, st, (hq, hk, d));
             let n = CONTEXTS.len();
-            let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
             let row = |s: usize| s * hq * d..(s + 1) * hq * d;
             let scale = 1.0 / (d as f32).sqrt();
-            let shape = case_shape(hq, hk, d, bs, &case);
             let label = format!("hq{hq}hk{hk}/d{d}");
-            let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
             // Token s of sequence s at its last position, for the chosen sequences.
             let run = |seqs: &[usize], shape: &PagedAttentionShape, tables: &cudarc::driver::CudaSlice<i32>, scratch: &ninfer_core::backend::cuda::ops::AttnScratch, form: Form| {
                 let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
@@ -304,13 +319,10 @@ fn tensor_core_decode_attention_at_other_split_sizes() {
         let mut rng = Rng::new(53);
         for (hq, hk, d) in [(32, 8, 128), (24, 4, 256), (16, 2, 64)] {
             let bs = 16;
-            let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
+            let (case, q, shape, kd, vd, tables) = contexts_case(&dev, &mut rng, st, (hq, hk, d));
             let n = CONTEXTS.len();
-            let q = rounded(&rng.vec(n * hq * d, -1.0, 1.0), st);
             let row = |s: usize| s * hq * d..(s + 1) * hq * d;
             let scale = 1.0 / (d as f32).sqrt();
-            let shape = case_shape(hq, hk, d, bs, &case);
-            let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
             let run = |seqs: &[usize], scratch: &ninfer_core::backend::cuda::ops::AttnScratch| {
                 let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
                 let seq: Vec<i32> = seqs.iter().map(|&s| s as i32).collect();
