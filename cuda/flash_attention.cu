@@ -42,6 +42,8 @@
 // Warps a block of the batched tensor-core decode attention (flash_decode_d*, below): at d 256
 // each warp's two K/V buffers take 33 KiB. Outside the sm_80 guard: the instances name it.
 #define FD_WARPS(D) ((D) >= 256 ? 2 : 4)
+// Warps a block of flash_decode_direct_d* (below).
+#define FDD_WARPS 4
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
@@ -481,6 +483,109 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
     return r;
 }
 
+// The end of both tensor-core decode forms: the warps' partials (each warp's O^T accumulators
+// already in sm_o, [WARPS][8 heads][D] f32, by head dim) merged in warp order through shared
+// memory, the block's partial published, and the last block to arrive merging the splits in
+// split order. `m` / `l`: the lane's running max and (warp-reduced) sum of heads 2tq, 2tq + 1.
+template <int D, int WARPS>
+__device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const float* l, int t, int kvh, int G,
+                                         int n_q_heads, int b, int nb, store_t* __restrict__ out,
+                                         float* part_acc, float* part_ml, unsigned* arrivals) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gr = lane >> 2, tq = lane & 3;
+    const int tk = t * (n_q_heads / G) + kvh;
+    float* sm_m = sm_o + WARPS * 8 * D;  // [WARPS][8]
+    float* sm_l = sm_m + WARPS * 8;
+    if (gr == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            sm_m[warp * 8 + 2 * tq + h] = m[h];  // -inf (and l 0) for a warp without keys
+            sm_l[warp * 8 + 2 * tq + h] = l[h];
+        }
+    }
+    __syncthreads();
+    const long long tok_row = (long long)t * n_q_heads + (long long)kvh * G;  // row of head 0
+    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+        const int g = i / D, d = i - g * D;
+        float mb = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, sm_m[w * 8 + g]);
+        float lb = 0.0f, ob = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = sm_m[w * 8 + g];
+            const float f = mw == NEG_INF ? 0.0f : exp2f(mw - mb);
+            lb += sm_l[w * 8 + g] * f;
+            ob += sm_o[(w * 8 + g) * D + d] * f;
+        }
+        store_block_result<D>(ob, mb, lb, d, tok_row + g, b, nb, FD_MAX_SPLITS, out, part_acc, part_ml);
+    }
+    if (nb == 1 || !arrives_last(arrivals + tk, (unsigned)nb)) return;
+    // Last block: the nb split partials in split order, read through L2 (ld.global.cg: L1 is
+    // not coherent with the other blocks' writes). Each head's max over the splits, the splits'
+    // weights and their total once, in shared memory (free again: every thread is past the
+    // warp merge); then each thread sums FD_MERGE_ROWS elements at a time with FD_MERGE_CHUNK
+    // splits' loads of each in flight before any is used. Why: the first form re-read the
+    // (max, sum) pairs for every element and waited on every load in turn, ~24 elements x nb
+    // round trips a thread at d 256, most of the d 256 kernel's ~37 us floor at short contexts.
+    float* sm_pm = sm_o;  // [8][FD_MAX_SPLITS] split max, then weight
+    float* sm_pl = sm_pm + 8 * FD_MAX_SPLITS;         // [8][FD_MAX_SPLITS] split sum
+    float* sm_tot = sm_pl + 8 * FD_MAX_SPLITS;        // [8] weighted total
+    for (int i = threadIdx.x; i < G * nb; i += WARPS * 32) {
+        const int g = i / nb, sp = i - g * nb;
+        const float* ml = part_ml + ((tok_row + g) * FD_MAX_SPLITS + sp) * 2;
+        sm_pm[g * FD_MAX_SPLITS + sp] = __ldcg(ml);
+        sm_pl[g * FD_MAX_SPLITS + sp] = __ldcg(ml + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        float* pm = sm_pm + threadIdx.x * FD_MAX_SPLITS;
+        const float* pl = sm_pl + threadIdx.x * FD_MAX_SPLITS;
+        float mx = NEG_INF;
+        for (int sp = 0; sp < nb; ++sp) mx = fmaxf(mx, pm[sp]);
+        float tot = 0.0f;
+        for (int sp = 0; sp < nb; ++sp) {
+            const float f = exp2f(pm[sp] - mx);
+            pm[sp] = f;
+            tot += pl[sp] * f;
+        }
+        sm_tot[threadIdx.x] = tot;
+    }
+    __syncthreads();
+    for (int i0 = threadIdx.x; i0 < G * D; i0 += FD_MERGE_ROWS * WARPS * 32) {
+        float acc[FD_MERGE_ROWS];
+#pragma unroll
+        for (int r = 0; r < FD_MERGE_ROWS; ++r) acc[r] = 0.0f;
+        for (int s0 = 0; s0 < nb; s0 += FD_MERGE_CHUNK) {
+            float v[FD_MERGE_ROWS][FD_MERGE_CHUNK];
+#pragma unroll
+            for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+                const int i = i0 + r * WARPS * 32;
+                const int g = i / D, d = i - g * D;
+                const float* pa = part_acc + (tok_row + g) * FD_MAX_SPLITS * D + d;
+#pragma unroll
+                for (int u = 0; u < FD_MERGE_CHUNK; ++u)
+                    v[r][u] = i < G * D && s0 + u < nb ? __ldcg(pa + (long long)(s0 + u) * D) : 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+                const int g = (i0 + r * WARPS * 32) / D;
+#pragma unroll
+                for (int u = 0; u < FD_MERGE_CHUNK; ++u)
+                    if (s0 + u < nb) acc[r] += v[r][u] * sm_pm[min(g, 7) * FD_MAX_SPLITS + s0 + u];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+            const int i = i0 + r * WARPS * 32;
+            if (i < G * D) {
+                const int g = i / D;
+                out[(tok_row + g) * D + (i - g * D)] = from_f32(acc[r] / sm_tot[g]);
+            }
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void flash_decode_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
@@ -605,10 +710,7 @@ __device__ __forceinline__ void flash_decode_body(
 
     // Merge the warps in warp order (shared memory reused: every warp is past its tiles).
     __syncthreads();
-    float* sm_o = reinterpret_cast<float*>(fa_smem);  // [WARPS][8][D]
-    float* sm_m = sm_o + WARPS * 8 * D;               // [WARPS][8]
-    float* sm_l = sm_m + WARPS * 8;
-    float* ow = sm_o + (warp * 8 + 2 * tq) * D + gr;  // head 2tq, dim gr
+    float* ow = reinterpret_cast<float*>(fa_smem) + (warp * 8 + 2 * tq) * D + gr;  // head 2tq, dim gr
 #pragma unroll
     for (int n = 0; n < D / 16; ++n) {
         ow[16 * n] = acc[n][0];
@@ -616,100 +718,228 @@ __device__ __forceinline__ void flash_decode_body(
         ow[16 * n + 8] = acc[n][2];
         ow[D + 16 * n + 8] = acc[n][3];
     }
-    if (gr == 0) {
+    fd_merge<D, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, t, kvh, G, n_q_heads, b, nb, out, part_acc,
+                       part_ml, arrivals);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention on tensor cores with K/V loaded straight into mma fragments
+// (flash_decode_direct_d*): the form of decode launches below TC_DECODE_MIN_TOKENS tokens where
+// it fits (ops/decode_attention.rs, form TensorCoreDirect).
+//
+// Why: flash_decode_* stages its tiles through 68-70 KiB of shared memory a block; the SMs then
+// take a large shared carveout, and the decode GEMVs around it run with a small L1 (below 16
+// tokens that cost more in the model than the kernel saved, docs/kernels.md). The CUDA-core
+// forms that run there instead spend ~300 instructions a warp on every 2 KB of K/V (dot
+// products, shuffle reductions, an exp per key and head), which bounds batch-1 decode at long
+// contexts (~1.9 TB/s at 16k keys on Llama-3-8B). Here every lane loads 16-byte slices of K and
+// V rows into registers and they are the fragments: the head dims of S^T = K Q^T are summed in
+// an order of our choosing, so a lane's four A-fragment elements of two k-steps are 8
+// consecutive dims of one key row (one 16-byte load; Q^T's B fragments are loaded in the same
+// order), and for O^T += V^T P^T the head dims (the M rows) are permuted so that a lane's rows
+// of every m-tile are 8 consecutive dims of each of its 4 keys (two key rows' halves paired by
+// byte permutes), un-permuted when the warp's accumulators go to shared memory. P V runs in the
+// storage type (bf16 P, as flash attention's bf16 path). No staging: the only shared memory is
+// the warps' merge (16 KiB at d 128).
+//
+// Layout: as flash_decode_*: a block of FDD_WARPS warps owns (token, kv head, split of
+// fd_split_keys(limit, FDD_WARPS, min_tiles) keys), warp w the 16-key tiles w, w + WARPS, ...
+// of the split; the next tile's rows are requested before this one's are used. Before the PDL
+// wait a warp requests its first tile (every key but a token's newest was written by earlier
+// steps; the step's metadata was uploaded before it) and loads that tile again after the wait
+// if it holds the newest key. d 64 and 128 (a tile and the next take 32-64 registers each).
+__device__ __forceinline__ unsigned u4_word(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// One 16-key tile of a lane: K rows gr and gr + 8 at dims 32p + 8tq .. +7 (k[h][p]); V rows
+// 2tq, 2tq + 1, 2tq + 8, 2tq + 9 at dims 64c + 8gr .. +7 (v[i][c]). Keys past `s_end` read the
+// split's last key (a valid row; masked out of the softmax).
+template <int D>
+struct FddTile {
+    static constexpr int KC = D / 32, VC = D / 64;
+    uint4 k[2][KC];
+    uint4 v[4][VC];
+    __device__ __forceinline__ void load(const store_t* __restrict__ k_cache, const store_t* __restrict__ v_cache,
+                                         const int* __restrict__ table, int kb, int s_end, int block_size,
+                                         long long row_elems, long long head_off, int gr, int tq) {
+        const int last = s_end - 1 - kb;  // the tile's last live row
+        const int kr[2] = {min(gr, last), min(gr + 8, last)};
+        const int vr[4] = {min(2 * tq, last), min(2 * tq + 1, last), min(2 * tq + 8, last), min(2 * tq + 9, last)};
+        long long ko[2], vo[4];
+        if ((block_size & 15) == 0) {  // the tile is inside one cache block (kb is a multiple of 16)
+            const long long base = ((long long)table[kb / block_size] * block_size + kb % block_size) * row_elems + head_off;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ko[h] = base + kr[h] * row_elems;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) vo[i] = base + vr[i] * row_elems;
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = kb + kr[h];
+                ko[h] = ((long long)table[j / block_size] * block_size + j % block_size) * row_elems + head_off;
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = kb + vr[i];
+                vo[i] = ((long long)table[j / block_size] * block_size + j % block_size) * row_elems + head_off;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int p = 0; p < KC; ++p)
+                k[h][p] = *reinterpret_cast<const uint4*>(k_cache + ko[h] + 32 * p + 8 * tq);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int c = 0; c < VC; ++c)
+                v[i][c] = *reinterpret_cast<const uint4*>(v_cache + vo[i] + 64 * c + 8 * gr);
+    }
+};
+
+template <int D>
+__device__ __forceinline__ void flash_decode_direct_body(
+    const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
+    int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
+    float* part_acc, float* part_ml, unsigned* arrivals, int min_tiles) {
+    static_assert(D == 64 || D == 128, "a lane's two tiles of K/V must fit its registers");
+    constexpr int WARPS = FDD_WARPS;
+    extern __shared__ uint4 fa_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gr = lane >> 2, tq = lane & 3;
+    const int tk = blockIdx.x;  // token * n_kv_heads + kv head
+    const int t = tk / n_kv_heads;
+    const int kvh = tk - t * n_kv_heads;
+    const int G = n_q_heads / n_kv_heads;
+    const int limit = token_pos[t] + 1;
+    const int split = fd_split_keys(limit, WARPS, min_tiles);
+    const int nb = (limit + split - 1) / split;
+    const int b = blockIdx.y;
+    if (b >= nb) {  // beyond this token's splits (uniform over the block)
+        pdl_enter();
+        return;
+    }
+    const int s0 = b * split;
+    const int s_end = min(limit, s0 + split);
+    const int* table = block_tables + (long long)token_seq[t] * max_blocks;
+    const long long row_elems = (long long)n_kv_heads * D;
+    const long long head_off = (long long)kvh * D;
+    int kb = s0 + warp * FD_BN;
+    FddTile<D> cur;
+    if (kb < s_end) cur.load(k_cache, v_cache, table, kb, s_end, block_size, row_elems, head_off, gr, tq);
+    pdl_enter();
+    // The newest key's row is written by the kernel just waited for: a first tile holding it
+    // is loaded again.
+    if (kb < s_end && s_end == limit && kb + FD_BN > limit - 1)
+        cur.load(k_cache, v_cache, table, kb, s_end, block_size, row_elems, head_off, gr, tq);
+
+    // Q^T as B fragments in the K tile's dim order: k-step k's rows 2tq, 2tq + 1 (b0) and
+    // 2tq + 8, 2tq + 9 (b1) are dims 32(k / 2) + 8tq + 4(k % 2) + 0, 1 and + 2, 3; column gr is
+    // head gr, heads past the group zero columns.
+    const float scale_log2 = scale * 1.4426950408889634f;
+    unsigned qb[D / 16][2];
+    {
+        const bool live = gr < G;
+        const store_t* qr = q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + 8 * tq;
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+            qb[k][0] = live ? ld32(qr + 32 * (k >> 1) + 4 * (k & 1)) : 0u;
+            qb[k][1] = live ? ld32(qr + 32 * (k >> 1) + 4 * (k & 1) + 2) : 0u;
+        }
+    }
+    // O^T accumulators: acc[n] rows gr / gr + 8 of m-tile n are dims 64(n / 4) + 8gr + 2(n % 4)
+    // + 0 / 1; columns heads 2tq (0, 2) and 2tq + 1 (1, 3).
+    float acc[D / 16][4];
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    for (; kb < s_end; kb += WARPS * FD_BN) {
+        const int kn = kb + WARPS * FD_BN;
+        FddTile<D> nxt;
+        if (kn < s_end) nxt.load(k_cache, v_cache, table, kn, s_end, block_size, row_elems, head_off, gr, tq);
+        // S^T = K Q^T: rows gr, gr + 8 = keys kb + gr (+8), columns 2tq, 2tq + 1 = heads.
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+            const int p = k >> 1, w = 2 * (k & 1);
+            const unsigned a[4] = {u4_word(cur.k[0][p], w), u4_word(cur.k[1][p], w), u4_word(cur.k[0][p], w + 1),
+                                   u4_word(cur.k[1][p], w + 1)};
+            mma16816(sc, a, qb[k][0], qb[k][1]);
+        }
+        float mx[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            sm_m[warp * 8 + 2 * tq + h] = m[h];  // -inf (and l 0) for a warp without keys
-            sm_l[warp * 8 + 2 * tq + h] = l[h];
+            sc[h] = kb + gr < s_end ? sc[h] * scale_log2 : NEG_INF;
+            sc[h + 2] = kb + gr + 8 < s_end ? sc[h + 2] * scale_log2 : NEG_INF;
+            mx[h] = fmaxf(m[h], fmaxf(sc[h], sc[h + 2]));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
         }
-    }
-    __syncthreads();
-    const long long tok_row = (long long)t * n_q_heads + (long long)kvh * G;  // row of head 0
-    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-        const int g = i / D, d = i - g * D;
-        float mb = NEG_INF;
+        // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
+        float corr[2];
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, sm_m[w * 8 + g]);
-        float lb = 0.0f, ob = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float mw = sm_m[w * 8 + g];
-            const float f = mw == NEG_INF ? 0.0f : exp2f(mw - mb);
-            lb += sm_l[w * 8 + g] * f;
-            ob += sm_o[(w * 8 + g) * D + d] * f;
-        }
-        store_block_result<D>(ob, mb, lb, d, tok_row + g, b, nb, FD_MAX_SPLITS, out, part_acc, part_ml);
-    }
-    if (nb == 1 || !arrives_last(arrivals + tk, (unsigned)nb)) return;
-    // Last block: the nb split partials in split order, read through L2 (ld.global.cg: L1 is
-    // not coherent with the other blocks' writes). Each head's max over the splits, the splits'
-    // weights and their total once, in shared memory (free again: every thread is past the
-    // warp merge); then each thread sums FD_MERGE_ROWS elements at a time with FD_MERGE_CHUNK
-    // splits' loads of each in flight before any is used. Why: the first form re-read the
-    // (max, sum) pairs for every element and waited on every load in turn, ~24 elements x nb
-    // round trips a thread at d 256, most of the d 256 kernel's ~37 us floor at short contexts.
-    float* sm_pm = reinterpret_cast<float*>(fa_smem);  // [8][FD_MAX_SPLITS] split max, then weight
-    float* sm_pl = sm_pm + 8 * FD_MAX_SPLITS;         // [8][FD_MAX_SPLITS] split sum
-    float* sm_tot = sm_pl + 8 * FD_MAX_SPLITS;        // [8] weighted total
-    for (int i = threadIdx.x; i < G * nb; i += WARPS * 32) {
-        const int g = i / nb, sp = i - g * nb;
-        const float* ml = part_ml + ((tok_row + g) * FD_MAX_SPLITS + sp) * 2;
-        sm_pm[g * FD_MAX_SPLITS + sp] = __ldcg(ml);
-        sm_pl[g * FD_MAX_SPLITS + sp] = __ldcg(ml + 1);
-    }
-    __syncthreads();
-    if (threadIdx.x < G) {
-        float* pm = sm_pm + threadIdx.x * FD_MAX_SPLITS;
-        const float* pl = sm_pl + threadIdx.x * FD_MAX_SPLITS;
-        float mx = NEG_INF;
-        for (int sp = 0; sp < nb; ++sp) mx = fmaxf(mx, pm[sp]);
-        float tot = 0.0f;
-        for (int sp = 0; sp < nb; ++sp) {
-            const float f = exp2f(pm[sp] - mx);
-            pm[sp] = f;
-            tot += pl[sp] * f;
-        }
-        sm_tot[threadIdx.x] = tot;
-    }
-    __syncthreads();
-    for (int i0 = threadIdx.x; i0 < G * D; i0 += FD_MERGE_ROWS * WARPS * 32) {
-        float acc[FD_MERGE_ROWS];
-#pragma unroll
-        for (int r = 0; r < FD_MERGE_ROWS; ++r) acc[r] = 0.0f;
-        for (int s0 = 0; s0 < nb; s0 += FD_MERGE_CHUNK) {
-            float v[FD_MERGE_ROWS][FD_MERGE_CHUNK];
-#pragma unroll
-            for (int r = 0; r < FD_MERGE_ROWS; ++r) {
-                const int i = i0 + r * WARPS * 32;
-                const int g = i / D, d = i - g * D;
-                const float* pa = part_acc + (tok_row + g) * FD_MAX_SPLITS * D + d;
-#pragma unroll
-                for (int u = 0; u < FD_MERGE_CHUNK; ++u)
-                    v[r][u] = i < G * D && s0 + u < nb ? __ldcg(pa + (long long)(s0 + u) * D) : 0.0f;
-            }
-#pragma unroll
-            for (int r = 0; r < FD_MERGE_ROWS; ++r) {
-                const int g = (i0 + r * WARPS * 32) / D;
-#pragma unroll
-                for (int u = 0; u < FD_MERGE_CHUNK; ++u)
-                    if (s0 + u < nb) acc[r] += v[r][u] * sm_pm[min(g, 7) * FD_MAX_SPLITS + s0 + u];
-            }
+        for (int h = 0; h < 2; ++h) {
+            corr[h] = exp2f(m[h] - mx[h]);
+            m[h] = mx[h];
+            sc[h] = exp2f(sc[h] - mx[h]);
+            sc[h + 2] = exp2f(sc[h + 2] - mx[h]);
+            l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
         }
 #pragma unroll
-        for (int r = 0; r < FD_MERGE_ROWS; ++r) {
-            const int i = i0 + r * WARPS * 32;
-            if (i < G * D) {
-                const int g = i / D;
-                out[(tok_row + g) * D + (i - g * D)] = from_f32(acc[r] / sm_tot[g]);
-            }
+        for (int n = 0; n < D / 16; ++n) {
+            acc[n][0] *= corr[0];
+            acc[n][1] *= corr[1];
+            acc[n][2] *= corr[0];
+            acc[n][3] *= corr[1];
         }
+        // P^T (keys x heads) in the storage type, transposed into O^T's B fragments.
+        const unsigned pb0 = movmatrix_trans(pack2(sc[0], sc[1]));
+        const unsigned pb1 = movmatrix_trans(pack2(sc[2], sc[3]));
+        // V^T's A fragment of m-tile n: row gr (gr + 8) is the low (high) half of word n % 4 of
+        // each key's slice c = n / 4; columns keys 2tq, 2tq + 1 (a0, a1) and 2tq + 8, 2tq + 9.
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n) {
+            const int c = n >> 2, w = n & 3;
+            const unsigned v0 = u4_word(cur.v[0][c], w), v1 = u4_word(cur.v[1][c], w);
+            const unsigned v2 = u4_word(cur.v[2][c], w), v3 = u4_word(cur.v[3][c], w);
+            const unsigned a[4] = {__byte_perm(v0, v1, 0x5410), __byte_perm(v0, v1, 0x7632),
+                                   __byte_perm(v2, v3, 0x5410), __byte_perm(v2, v3, 0x7632)};
+            mma16816(acc[n], a, pb0, pb1);
+        }
+        cur = nxt;
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the warp's sums over its keys (rows gr of every lane)
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
+    }
+    // The accumulators to shared memory by head dim (the permutation undone), then the merge.
+    float* ow = reinterpret_cast<float*>(fa_smem) + (warp * 8 + 2 * tq) * D + 8 * gr;  // head 2tq
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+        float* o = ow + 64 * (n >> 2) + 2 * (n & 3);
+        *reinterpret_cast<float2*>(o) = make_float2(acc[n][0], acc[n][2]);
+        *reinterpret_cast<float2*>(o + D) = make_float2(acc[n][1], acc[n][3]);
+    }
+    fd_merge<D, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, t, kvh, G, n_q_heads, b, nb, out, part_acc,
+                       part_ml, arrivals);
 }
 
 #define FD_BODY(D)                                                                              \
     flash_decode_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_pos,   \
                          n_q_heads, n_kv_heads, q_stride, block_size, scale, out, part_acc,     \
                          part_ml, arrivals, min_warp_tiles);
+
+#define FDD_BODY(D)                                                                             \
+    flash_decode_direct_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,       \
+                                token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale,  \
+                                out, part_acc, part_ml, arrivals, min_warp_tiles);
 
 #define FA_BODY(D, BN, WARPS, PIPE)                                                             \
     flash_body<D, BN, WARPS, PIPE>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
@@ -718,6 +948,7 @@ __device__ __forceinline__ void flash_decode_body(
 #else
 #define FA_BODY(D, BN, WARPS, PIPE)
 #define FD_BODY(D)
+#define FDD_BODY(D)
 #endif
 
 // (head size, keys per tile, warps, cp.async double buffer); the launcher's table in
@@ -754,3 +985,18 @@ FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
 FD_INSTANCE(64)
 FD_INSTANCE(128)
 FD_INSTANCE(256)
+
+// The tensor-core decode attention with K/V straight into fragments (flash_decode_direct_body):
+// the arguments of flash_decode_d*, dynamic shared memory ops/decode_attention.rs
+// `tc_direct_smem_bytes` (the warps' merge). Two blocks an SM at most 255 registers a thread.
+#define FDD_INSTANCE(D)                                                                         \
+    extern "C" __global__ void __launch_bounds__(FDD_WARPS * 32, 2) flash_decode_direct_d##D(  \
+        const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
+        const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
+        int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_tiles) { \
+        FDD_BODY(D)                                                                             \
+    }
+
+FDD_INSTANCE(64)
+FDD_INSTANCE(128)

@@ -7,7 +7,7 @@
 //! where it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_direct_fits, TC_DIRECT_MIN_WARP_TILES, TC_DIRECT_WARPS, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
 use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::StorageDType;
 
@@ -63,6 +63,7 @@ enum Form {
     Scaled,
     Fixed,
     TensorCore,
+    TensorCoreDirect,
     /// `paged_attention_decode`: the form `decode_attention_form` picks.
     Chosen,
 }
@@ -103,6 +104,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                     Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::TensorCore => dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::TensorCoreDirect => dev.paged_attention_decode_as(DecodeAttentionForm::TensorCoreDirect, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                 }
                 .unwrap();
@@ -155,34 +157,38 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 check("decode_attention_fixed", st, &format!("{label}/ctx{}", CONTEXTS[s]), &got[rows], &want[s], tol16(st));
             }
             assert_arrivals_reset(&dev, &scratch, &format!("{label} fixed"));
-            // The tensor-core form (batched decode on sm_80+ where the shape fits): against the
-            // CPU op alone, every row of a batch the bits of its token alone, a relaunch and
-            // wider tables the same bits, counters back at 0.
-            let tc = tc_decode_fits(&shape) && dev.compute_capability().0 >= 8;
+            // The tensor-core forms (on sm_80+ where the shape fits; the direct one at head sizes
+            // 64 / 128): against the CPU op alone, every row of a batch the bits of its token
+            // alone, a relaunch and wider tables the same bits, counters back at 0.
+            let sm80 = dev.compute_capability().0 >= 8;
+            let tc = tc_decode_fits(&shape) && sm80;
             let mut tc_batch1 = None;
-            if tc {
-                let tc_alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &shape, &tables, &alone_scratch, Form::TensorCore)).collect();
-                for s in 0..n {
-                    check("decode_attention_tensor_core", st, &format!("{label}/ctx{}/alone", CONTEXTS[s]), &tc_alone[s], &want[s], tol16(st));
+            for (form, fits, what) in [(Form::TensorCore, tc, "tensor-core"), (Form::TensorCoreDirect, tc_direct_fits(&shape) && sm80, "direct tensor-core")] {
+                if !fits {
+                    continue;
                 }
-                assert_arrivals_reset(&dev, &alone_scratch, &format!("{label} tensor-core alone"));
+                let tc_alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &shape, &tables, &alone_scratch, form)).collect();
+                for s in 0..n {
+                    check("decode_attention_tensor_core", st, &format!("{what}/{label}/ctx{}/alone", CONTEXTS[s]), &tc_alone[s], &want[s], tol16(st));
+                }
+                assert_arrivals_reset(&dev, &alone_scratch, &format!("{label} {what} alone"));
                 for batch in BATCHES {
-                    let got = run(&batch, &shape, &tables, &scratch, Form::TensorCore);
+                    let got = run(&batch, &shape, &tables, &scratch, form);
                     for (i, &s) in batch.iter().enumerate() {
-                        assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &tc_alone[s], &format!("tensor-core decode attention {label}: ctx {} in batch {batch:?} vs alone", CONTEXTS[s]));
+                        assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &tc_alone[s], &format!("{what} decode attention {label}: ctx {} in batch {batch:?} vs alone", CONTEXTS[s]));
                     }
-                    let again = run(&batch, &shape, &tables, &scratch, Form::TensorCore);
-                    assert_bitwise(&again, &got, &format!("tensor-core decode attention {label} batch {batch:?}: second launch"));
-                    assert_arrivals_reset(&dev, &scratch, &format!("{label} tensor-core batch {batch:?}"));
-                    if batch == BATCHES[1] {
+                    let again = run(&batch, &shape, &tables, &scratch, form);
+                    assert_bitwise(&again, &got, &format!("{what} decode attention {label} batch {batch:?}: second launch"));
+                    assert_arrivals_reset(&dev, &scratch, &format!("{label} {what} batch {batch:?}"));
+                    if batch == BATCHES[1] && matches!(form, Form::TensorCore) {
                         tc_batch1 = Some(got);
                     }
                 }
-                let got = run(&BATCHES[0], &wide_shape, &upload_raw(&dev, &wide_tables), &scratch, Form::TensorCore);
+                let got = run(&BATCHES[0], &wide_shape, &upload_raw(&dev, &wide_tables), &scratch, form);
                 for (i, &s) in BATCHES[0].iter().enumerate() {
-                    assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &tc_alone[s], &format!("tensor-core decode attention {label}: ctx {} with wide tables", CONTEXTS[s]));
+                    assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &tc_alone[s], &format!("{what} decode attention {label}: ctx {} with wide tables", CONTEXTS[s]));
                 }
-                assert_arrivals_reset(&dev, &scratch, &format!("{label} tensor-core wide tables"));
+                assert_arrivals_reset(&dev, &scratch, &format!("{label} {what} wide tables"));
             }
             // The form the model runs (`paged_attention_decode`): the scaled one alone, the
             // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS), the scaled one in any batch
@@ -241,7 +247,7 @@ fn scaled_decode_attention_timing() {
     }
 }
 
-/// The scaled form requests its first keys' K/V rows before its PDL wait, while the kernel before
+/// The scaled form (and the direct tensor-core form, where it fits) requests its first keys' K/V rows before its PDL wait, while the kernel before
 /// it (the model's rope_kv_write) may still be writing the newest key's row; it loads that row
 /// again after the wait. Here each token's newest row starts as garbage (large values that would
 /// dominate the softmax) and `kv_cache_write` writes the true row right before the attention, as
@@ -289,13 +295,15 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
                 let sl = upload_raw(&dev, &seqs.iter().map(|&s| slots[s]).collect::<Vec<_>>());
                 let seq_d = upload_raw(&dev, &seqs.iter().map(|&s| s as i32).collect::<Vec<_>>());
                 let pos_d = upload_raw(&dev, &seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect::<Vec<_>>());
-                for launch in 0..4 {
+                let direct = tc_direct_fits(&shape) && dev.compute_capability().0 >= 8;
+                let forms: &[DecodeAttentionForm] = if direct { &[DecodeAttentionForm::Scaled, DecodeAttentionForm::TensorCoreDirect] } else { &[DecodeAttentionForm::Scaled] };
+                for (&form, launch) in forms.iter().flat_map(|f| std::iter::repeat_n(f, 4).zip(0..)) {
                     let (mut kd, mut vd) = (upload(&dev, &k_bad), upload(&dev, &v_bad));
                     let mut out = Out16::new(&dev, seqs.len() * hq * d);
                     dev.kv_cache_write(&kn, &vn, &mut kd, &mut vd, &sl, row_elems, row_elems, row_elems).unwrap();
-                    dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                    dev.paged_attention_decode_as(form, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
                     let got = out.read(&dev, "decode attention after kv_cache_write");
-                    check("decode_attention_newest_key", st, &format!("{label}/{what}{seqs:?}/launch{launch}"), &got, &pick(&want, hq * d), tol16(st));
+                    check("decode_attention_newest_key", st, &format!("{label}/{form:?}/{what}{seqs:?}/launch{launch}"), &got, &pick(&want, hq * d), tol16(st));
                 }
                 assert_arrivals_reset(&dev, &scratch, &format!("{label} newest key {what}"));
             }
@@ -389,4 +397,110 @@ fn tensor_core_decode_attention_split_size_timing() {
             }
         }
     }
+}
+
+/// The direct tensor-core form at other fewest tiles a warp (its kernels' layout argument;
+/// TC_DIRECT_MIN_WARP_TILES, the default, is covered above) for the Llama-3-8B shape, a group of
+/// 8 at d 64, a group of 3 at d 128 and MHA at d 64, both storages: each token alone against
+/// the CPU op over ragged tables, every row of a batch of 5 the bits of its token alone, a
+/// block size of 8 (tiles across cache blocks) against the CPU op, counters back at 0.
+#[test]
+fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
+    for st in STORAGES {
+        let Some(dev) = gpu("decode_attention_tc_direct", st) else { return };
+        if dev.compute_capability().0 < 8 {
+            eprintln!("SKIP decode_attention_tc_direct: the tensor-core form needs sm_80+");
+            return;
+        }
+        let mut rng = Rng::new(59);
+        for (hq, hk, d) in [(32, 8, 128), (16, 2, 64), (6, 2, 128), (4, 4, 64)] {
+            for bs in [16, 8] {
+                let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
+                let q = rounded(&rng.vec(CONTEXTS.len() * hq * d, -1.0, 1.0), st);
+                let shape = case_shape(hq, hk, d, bs, &case);
+                let (kd, vd, tables) = (upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
+                let n = CONTEXTS.len();
+                let row = |s: usize| s * hq * d..(s + 1) * hq * d;
+                let scale = 1.0 / (d as f32).sqrt();
+                let run = |seqs: &[usize], scratch: &ninfer_core::backend::cuda::ops::AttnScratch, tiles: usize| {
+                    let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
+                    let seq: Vec<i32> = seqs.iter().map(|&s| s as i32).collect();
+                    let pos: Vec<i32> = seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect();
+                    let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
+                    let mut out = Out16::new(&dev, seqs.len() * hq * d);
+                    dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, tiles, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, scratch).unwrap();
+                    out.read(&dev, "direct tensor-core decode attention")
+                };
+                let (alone_scratch, scratch) = (decode_scratch(&dev, 1, &shape), decode_scratch(&dev, 5, &shape));
+                let tile_set: &[usize] = if bs == 16 { &[2, 8, 64] } else { &[TC_DIRECT_MIN_WARP_TILES] };
+                for &tiles in tile_set {
+                    let label = format!("hq{hq}hk{hk}/d{d}/bs{bs}/tiles{tiles}");
+                    let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &alone_scratch, tiles)).collect();
+                    for (s, &c) in CONTEXTS.iter().enumerate() {
+                        let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
+                        let want = reference::attention_seq(&q[row(s)], 1, hq, &case.k_cache, &case.v_cache, table, c - 1, hk, d, bs, scale);
+                        check("decode_attention_tc_direct", st, &format!("{label}/ctx{c}"), &alone[s], &want, tol16(st));
+                    }
+                    assert_arrivals_reset(&dev, &alone_scratch, &label);
+                    let got = run(&BATCHES[1], &scratch, tiles);
+                    for (i, &s) in BATCHES[1].iter().enumerate() {
+                        assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &alone[s], &format!("direct tensor-core decode attention {label}: ctx {} in a batch vs alone", CONTEXTS[s]));
+                    }
+                    assert_arrivals_reset(&dev, &scratch, &label);
+                }
+            }
+        }
+    }
+}
+
+/// Per-call time of the direct tensor-core form (by fewest tiles a warp) against the forms the
+/// model runs below 16 tokens today (scaled at 1-2, fixed at 3-15) and the staged tensor-core
+/// form, Llama-3-8B attention shape, batch 1-16, contexts 256 to 32768, each call on the next of
+/// enough distinct K/V caches to pass 256 MB (AttnTimingCase). One TIMING line a case.
+#[test]
+fn direct_tensor_core_decode_attention_timing() {
+    let Some(dev) = gpu("decode_attention_tc_direct_timing", StorageDType::Bf16) else { return };
+    if dev.compute_capability().0 < 8 {
+        return;
+    }
+    let (name, hq, hk, d) = ("llama3-8b", 32, 8, 128);
+    for batch in [1, 2, 4, 8, 16] {
+        for ctx in [256, 1024, 4096, 16384, 32768] {
+            if batch * ctx > 16 * 16384 {
+                continue;
+            }
+            let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 256 << 20);
+            let scratch = decode_scratch(&dev, batch, &case.shape);
+            let copies = case.caches.len();
+            let iters = 40 * copies.min(4);
+            let mut time = |form: DecodeAttentionForm, arg: Option<usize>| {
+                case.time(&dev, iters, |c, kc, vc, out| match arg {
+                    Some(a) => dev.paged_attention_decode_layout(form, a, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
+                    None => dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
+                })
+            };
+            let base = time(if batch <= DECODE_SCALED_MAX_TOKENS { DecodeAttentionForm::Scaled } else { DecodeAttentionForm::Fixed }, None);
+            let tc = time(DecodeAttentionForm::TensorCore, None);
+            let gbs = |t: f64| case_gbs(t, batch, ctx, hk, d);
+            let mut line = format!(
+                "TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): today's form {:.2} us {:.0} GB/s; staged tensor-core {:.2} us ({:.3});",
+                base * 1e3,
+                gbs(base),
+                tc * 1e3,
+                tc / base
+            );
+            for tiles in [1, 2, 4, 8] {
+                let splits = ctx.div_ceil(tc_split_keys_with(ctx, TC_DIRECT_WARPS, tiles));
+                let t = time(DecodeAttentionForm::TensorCoreDirect, Some(tiles));
+                line += &format!(" direct tiles {tiles} ({splits} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, gbs(t), t / base);
+            }
+            assert_arrivals_reset(&dev, &scratch, &format!("direct timing batch {batch} ctx {ctx}"));
+            println!("{line}");
+        }
+    }
+}
+
+/// K and V GB/s of a decode attention call of `ms` milliseconds over `batch` tokens of `ctx` keys.
+fn case_gbs(ms: f64, batch: usize, ctx: usize, hk: usize, d: usize) -> f64 {
+    (2 * batch * ctx * hk * d * 2) as f64 / 1e9 / (ms * 1e-3)
 }

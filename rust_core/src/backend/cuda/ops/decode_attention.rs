@@ -164,6 +164,10 @@ pub enum DecodeAttentionForm {
     /// `flash_decode_*`: the group's q heads as the columns of tensor-core tiles (sm_80+, head
     /// sizes 64 / 128 / 256, at most 8 q heads a kv head; `tc_decode_fits`).
     TensorCore,
+    /// `flash_decode_direct_*`: the tensor-core form with K/V loaded straight into the mma
+    /// fragments, no shared-memory staging (sm_80+, head sizes 64 / 128, at most 8 q heads a kv
+    /// head; `tc_direct_fits`).
+    TensorCoreDirect,
 }
 
 /// `NINFER_TC_DECODE_ATTN` (default on): batched decode attention on tensor cores where it
@@ -265,6 +269,34 @@ pub fn tc_decode_fits(sh: &PagedAttentionShape) -> bool {
         && sh.n_kv_heads > 0
         && sh.n_q_heads.is_multiple_of(sh.n_kv_heads)
         && sh.n_q_heads / sh.n_kv_heads <= 8
+}
+
+/// Warps a block of `flash_decode_direct_d{d}` (FDD_WARPS in flash_attention.cu).
+pub const TC_DIRECT_WARPS: usize = 4;
+
+/// Fewest 16-key tiles a warp of the direct tensor-core form takes in a split by default (its
+/// kernels' `min_warp_tiles`; splits of `tc_split_keys_with(limit, TC_DIRECT_WARPS, this)`).
+pub const TC_DIRECT_MIN_WARP_TILES: usize = 1;
+
+/// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 (a lane holds two
+/// tiles of K/V in registers) and GQA groups of at most 8 q heads.
+pub fn tc_direct_fits(sh: &PagedAttentionShape) -> bool {
+    matches!(sh.head_dim, 64 | 128) && tc_decode_fits(sh)
+}
+
+/// Dynamic shared memory of `flash_decode_direct_d{d}`: the warps' merge (their O^T
+/// accumulators, maxima and sums), reused for the last block's split merge.
+pub fn tc_direct_smem_bytes(d: usize) -> usize {
+    let merge = TC_DIRECT_WARPS * 8 * d * 4 + 2 * TC_DIRECT_WARPS * 8 * 4;
+    let split_merge = (2 * 8 * DECODE_MAX_SPLITS + 8) * 4;
+    merge.max(split_merge)
+}
+
+fn tc_direct_kernel_name(d: usize) -> &'static str {
+    match d {
+        64 => "flash_decode_direct_d64",
+        _ => "flash_decode_direct_d128",
+    }
 }
 
 fn tc_kernel_name(d: usize) -> &'static str {
@@ -370,8 +402,30 @@ impl CudaDevice {
         // tensor-core ones the fewest tiles a warp, the fixed ones neither.
         let layout_arg = match form {
             DecodeAttentionForm::TensorCore => self.tc_min_warp_tiles(),
+            DecodeAttentionForm::TensorCoreDirect => TC_DIRECT_MIN_WARP_TILES,
             _ => self.da_min_warp_keys(),
         };
+        self.paged_attention_decode_layout(form, layout_arg, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+    }
+
+    /// `paged_attention_decode_as` with the layout argument given: the scaled form's fewest keys
+    /// a warp, the tensor-core forms' fewest tiles a warp (ignored by the fixed form). Every
+    /// value keeps a row's result independent of the batch; values differ in the last bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_decode_layout(
+        &self,
+        form: DecodeAttentionForm,
+        layout_arg: usize,
+        q: &impl DevicePtr<u16>,
+        k_cache: &impl DevicePtr<u16>,
+        v_cache: &impl DevicePtr<u16>,
+        block_tables: &impl DevicePtr<i32>,
+        token_seq: &impl DevicePtr<i32>,
+        token_pos: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+        shape: &PagedAttentionShape,
+        scratch: &AttnScratch,
+    ) -> Result<()> {
         let ((family, name), g, splits, scaled) = match form {
             DecodeAttentionForm::Scaled => {
                 let g = decode_group(shape);
@@ -382,12 +436,16 @@ impl CudaDevice {
                 let (g, _) = group_and_warps(shape, 0);
                 ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS, false)
             }
-            DecodeAttentionForm::TensorCore => {
-                if !tc_decode_fits(shape) || self.compute_capability().0 < 8 {
+            DecodeAttentionForm::TensorCore | DecodeAttentionForm::TensorCoreDirect => {
+                let direct = form == DecodeAttentionForm::TensorCoreDirect;
+                let fits = if direct { tc_direct_fits(shape) } else { tc_decode_fits(shape) };
+                if !fits || self.compute_capability().0 < 8 {
                     return Err(crate::NinferError::invalid(
                         "decode attention form",
                         format!(
-                            "the tensor-core form needs sm_80+, head size 64/128/256 and at most 8 q heads a kv head (sm_{}{}, head size {}, {} / {} heads)",
+                            "the {} form needs sm_80+, head size {} and at most 8 q heads a kv head (sm_{}{}, head size {}, {} / {} heads)",
+                            if direct { "direct tensor-core" } else { "tensor-core" },
+                            if direct { "64/128" } else { "64/128/256" },
                             self.compute_capability().0,
                             self.compute_capability().1,
                             shape.head_dim,
@@ -396,9 +454,13 @@ impl CudaDevice {
                         ),
                     ));
                 }
-                let w = tc_decode_warps(shape.head_dim);
+                let (w, name) = if direct {
+                    (TC_DIRECT_WARPS, tc_direct_kernel_name(shape.head_dim))
+                } else {
+                    (tc_decode_warps(shape.head_dim), tc_kernel_name(shape.head_dim))
+                };
                 let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w, layout_arg);
-                ((KernelFamily::FlashAttention, tc_kernel_name(shape.head_dim)), shape.n_q_heads / shape.n_kv_heads, splits, true)
+                ((KernelFamily::FlashAttention, name), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
@@ -420,7 +482,11 @@ impl CudaDevice {
         let (pa, _h) = scratch.acc.device_ptr(s);
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
-        let smem = if form == DecodeAttentionForm::TensorCore { tc_smem_bytes(sh.head_dim) } else { 0 };
+        let (smem, tc_warps) = match form {
+            DecodeAttentionForm::TensorCore => (tc_smem_bytes(sh.head_dim), tc_decode_warps(sh.head_dim)),
+            DecodeAttentionForm::TensorCoreDirect => (tc_direct_smem_bytes(sh.head_dim), TC_DIRECT_WARPS),
+            _ => (0, 0),
+        };
         let f = self.function_with_smem(family, name, smem)?;
         let args = [
             KArg::Ptr(qp),
@@ -444,8 +510,8 @@ impl CudaDevice {
         let n_args = if scaled { args.len() } else { args.len() - 1 };
         let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
         let mut config = cfg(grid, (DECODE_WARPS * 32) as u32);
-        if form == DecodeAttentionForm::TensorCore {
-            config.block_dim = ((tc_decode_warps(sh.head_dim) * 32) as u32, 1, 1);
+        if tc_warps > 0 {
+            config.block_dim = ((tc_warps * 32) as u32, 1, 1);
             config.shared_mem_bytes = smem as u32;
         }
         self.launch_pdl(&f, config, name, &args[..n_args])
