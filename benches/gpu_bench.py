@@ -163,13 +163,19 @@ class Bench:
             s["layers"] = self.a.layers if s["arch"] == "llama" else max(4, self.a.layers - self.a.layers % 4)
         return s
 
+    def max_positions(self) -> int:
+        """The checkpoint's context: 8192, or the next power of two that holds a longer batch-1
+        run (--prompt + --tokens; the published Llama-3.1-8B config allows 131072)."""
+        need = self.a.prompt + self.a.tokens + 64
+        return 8192 if need <= 8192 else 1 << (need - 1).bit_length()
+
     def hf_config(self, s: dict):
         import transformers as tf
 
         common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
                       num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], tie_word_embeddings=False,
-                      max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+                      max_position_embeddings=self.max_positions(), bos_token_id=1, eos_token_id=2)
         if s["arch"] == "llama":
             cfg = tf.LlamaConfig(rms_norm_eps=1e-5, rope_theta=500000.0, **common)
             cfg.architectures = ["LlamaForCausalLM"]

@@ -742,12 +742,23 @@ __device__ __forceinline__ void flash_decode_body(
 // storage type (bf16 P, as flash attention's bf16 path). No staging: the only shared memory is
 // the warps' merge (16 KiB at d 128).
 //
-// Layout: as flash_decode_*: a block of FDD_WARPS warps owns (token, kv head, split of
-// fd_split_keys(limit, FDD_WARPS, min_tiles) keys), warp w the 16-key tiles w, w + WARPS, ...
-// of the split; the next tile's rows are requested before this one's are used. Before the PDL
+// Layout: a block of FDD_WARPS warps owns (token, kv head, split of fdd_split_keys(limit,
+// splits) keys), warp w the 16-key tiles w, w + WARPS, ... of the split; the next tile's rows
+// are requested before this one's are used. `splits` (at most FD_MAX_SPLITS) is the launch's:
+// the launcher aims at two blocks an SM over the launch's tokens and kv heads
+// (ops/decode_attention.rs tc_direct_splits), so a token's layout depends on its context and
+// on the launch's token count (as the form does), not on the other tokens' contexts. Before the PDL
 // wait a warp requests its first tile (every key but a token's newest was written by earlier
 // steps; the step's metadata was uploaded before it) and loads that tile again after the wait
 // if it holds the newest key. d 64 and 128 (a tile and the next take 32-64 registers each).
+// Keys a split takes for a token seeing `limit` keys: `splits` splits at most, whole blocks'
+// worth of tiles (FDD_WARPS x FD_BN keys) each. = ops/decode_attention.rs tc_direct_split_keys.
+__device__ __forceinline__ int fdd_split_keys(int limit, int splits) {
+    const int unit = FDD_WARPS * FD_BN;
+    const int need = (limit + splits - 1) / splits;
+    return max(unit, (need + unit - 1) / unit * unit);
+}
+
 __device__ __forceinline__ unsigned u4_word(const uint4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
@@ -804,7 +815,7 @@ __device__ __forceinline__ void flash_decode_direct_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals, int min_tiles) {
+    float* part_acc, float* part_ml, unsigned* arrivals, int splits) {
     static_assert(D == 64 || D == 128, "a lane's two tiles of K/V must fit its registers");
     constexpr int WARPS = FDD_WARPS;
     extern __shared__ uint4 fa_smem[];
@@ -815,7 +826,7 @@ __device__ __forceinline__ void flash_decode_direct_body(
     const int kvh = tk - t * n_kv_heads;
     const int G = n_q_heads / n_kv_heads;
     const int limit = token_pos[t] + 1;
-    const int split = fd_split_keys(limit, WARPS, min_tiles);
+    const int split = fdd_split_keys(limit, splits);
     const int nb = (limit + split - 1) / split;
     const int b = blockIdx.y;
     if (b >= nb) {  // beyond this token's splits (uniform over the block)
@@ -939,7 +950,7 @@ __device__ __forceinline__ void flash_decode_direct_body(
 #define FDD_BODY(D)                                                                             \
     flash_decode_direct_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,       \
                                 token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale,  \
-                                out, part_acc, part_ml, arrivals, min_warp_tiles);
+                                out, part_acc, part_ml, arrivals, splits);
 
 #define FA_BODY(D, BN, WARPS, PIPE)                                                             \
     flash_body<D, BN, WARPS, PIPE>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
@@ -987,14 +998,15 @@ FD_INSTANCE(128)
 FD_INSTANCE(256)
 
 // The tensor-core decode attention with K/V straight into fragments (flash_decode_direct_body):
-// the arguments of flash_decode_d*, dynamic shared memory ops/decode_attention.rs
-// `tc_direct_smem_bytes` (the warps' merge). Two blocks an SM at most 255 registers a thread.
+// the arguments of flash_decode_d*, the last the most splits a token takes (theirs: the fewest
+// tiles a warp); dynamic shared memory ops/decode_attention.rs `tc_direct_smem_bytes` (the
+// warps' merge). Two blocks an SM at most 255 registers a thread.
 #define FDD_INSTANCE(D)                                                                         \
     extern "C" __global__ void __launch_bounds__(FDD_WARPS * 32, 2) flash_decode_direct_d##D(  \
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_tiles) { \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int splits) {        \
         FDD_BODY(D)                                                                             \
     }
 

@@ -796,11 +796,25 @@ def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(dec
                                       f"graphs={graphs}: tensor-core vs CUDA-core decode attention")
 
 
+# Decode attention below 16 tokens a launch on tensor cores with K/V loaded straight into the
+# mma fragments (NINFER_TC_DECODE_DIRECT, default on where the head size is 64 / 128:
+# `flash_decode_direct_*`) against the scaled / fixed CUDA-core forms it replaced there: a
+# different summation (P V in bf16), every logits row from the same tokens within 2e-2, in
+# graphs and eagerly, at batch 1 and 5 (the fixed form's range).
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, monkeypatch):
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
+    _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
+                                      f"graphs={graphs}, {n} sequences: direct tensor-core vs CUDA-core decode attention")
+
+
 @pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
                                            ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
                                            ("NINFER_CC_WARPS", "3"), ("NINFER_CC_KSPLIT", "3"),
                                            ("NINFER_CC_KSPLIT", "512x256=3"), ("NINFER_CC_KSPLIT", "*=2,*=4"),
-                                           ("NINFER_TC_DECODE_ATTN", "maybe")])
+                                           ("NINFER_TC_DECODE_ATTN", "maybe"), ("NINFER_TC_DECODE_DIRECT", "2")])
 def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
     monkeypatch.setenv(switch, value)
     with pytest.raises(Exception, match=switch):

@@ -11,7 +11,7 @@ pub mod cuda_model;
 #[cfg(feature = "cuda")]
 mod cuda_sampler;
 #[cfg(feature = "cuda")]
-mod cuda_graphs;
+pub(crate) mod cuda_graphs;
 #[cfg(feature = "cuda")]
 mod cuda_step;
 #[cfg(feature = "cuda")]

@@ -7,7 +7,7 @@
 //! where it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_direct_fits, TC_DIRECT_MIN_WARP_TILES, TC_DIRECT_WARPS, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_DECODE_MIN_TOKENS, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_direct_fits, tc_direct_splits, tc_direct_split_keys, DECODE_MAX_SPLITS, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
 use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::StorageDType;
 
@@ -63,7 +63,8 @@ enum Form {
     Scaled,
     Fixed,
     TensorCore,
-    TensorCoreDirect,
+    /// The direct tensor-core form with this many splits at most (`paged_attention_decode_layout`).
+    TensorCoreDirect(usize),
     /// `paged_attention_decode`: the form `decode_attention_form` picks.
     Chosen,
 }
@@ -104,7 +105,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                     Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::TensorCore => dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
-                    Form::TensorCoreDirect => dev.paged_attention_decode_as(DecodeAttentionForm::TensorCoreDirect, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::TensorCoreDirect(splits) => dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                 }
                 .unwrap();
@@ -163,7 +164,11 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             let sm80 = dev.compute_capability().0 >= 8;
             let tc = tc_decode_fits(&shape) && sm80;
             let mut tc_batch1 = None;
-            for (form, fits, what) in [(Form::TensorCore, tc, "tensor-core"), (Form::TensorCoreDirect, tc_direct_fits(&shape) && sm80, "direct tensor-core")] {
+            // The direct form at a launch of 1 token's splits (its layout depends on the
+            // launch's token count, not on the other tokens: alone and in batches at that count).
+            let direct = tc_direct_fits(&shape) && sm80;
+            let direct1 = tc_direct_splits(1, hk, dev.sm_count());
+            for (form, fits, what) in [(Form::TensorCore, tc, "tensor-core"), (Form::TensorCoreDirect(direct1), direct, "direct tensor-core")] {
                 if !fits {
                     continue;
                 }
@@ -190,18 +195,23 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 }
                 assert_arrivals_reset(&dev, &scratch, &format!("{label} {what} wide tables"));
             }
-            // The form the model runs (`paged_attention_decode`): the scaled one alone, the
-            // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS), the scaled one in any batch
+            // The form the model runs (`paged_attention_decode`): the direct tensor-core one at
+            // its launch's splits where it fits and is on, else the scaled one alone and the
+            // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS); the scaled one in any batch
             // under NINFER_BATCH_INVARIANT.
             assert!(BATCHES[1].len() > DECODE_SCALED_MAX_TOKENS);
             let fixed = got;
+            let direct_on = direct && dev.tc_decode_direct() && !dev.batch_invariant();
             let s = BATCHES[1][0];
-            assert_bitwise(&run(&[s], &shape, &tables, &alone_scratch, Form::Chosen), &alone[s], &format!("decode attention {label}: the form chosen for 1 token"));
+            let alone_want = if direct_on { run(&[s], &shape, &tables, &alone_scratch, Form::TensorCoreDirect(direct1)) } else { alone[s].clone() };
+            assert_bitwise(&run(&[s], &shape, &tables, &alone_scratch, Form::Chosen), &alone_want, &format!("decode attention {label}: the form chosen for 1 token"));
             let chosen = run(&BATCHES[1], &shape, &tables, &scratch, Form::Chosen);
             let batched = if dev.batch_invariant() {
                 run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled)
-            } else if tc && dev.tc_decode_attn() && BATCHES[1].len() >= TC_DECODE_MIN_TOKENS {
+            } else if tc && dev.tc_decode_attn() && BATCHES[1].len() >= dev.tc_decode_min_tokens() {
                 tc_batch1.expect("the tensor-core form ran on BATCHES[1]")
+            } else if direct_on {
+                run(&BATCHES[1], &shape, &tables, &scratch, Form::TensorCoreDirect(tc_direct_splits(BATCHES[1].len(), hk, dev.sm_count())))
             } else {
                 fixed
             };
@@ -399,11 +409,12 @@ fn tensor_core_decode_attention_split_size_timing() {
     }
 }
 
-/// The direct tensor-core form at other fewest tiles a warp (its kernels' layout argument;
-/// TC_DIRECT_MIN_WARP_TILES, the default, is covered above) for the Llama-3-8B shape, a group of
-/// 8 at d 64, a group of 3 at d 128 and MHA at d 64, both storages: each token alone against
-/// the CPU op over ragged tables, every row of a batch of 5 the bits of its token alone, a
-/// block size of 8 (tiles across cache blocks) against the CPU op, counters back at 0.
+/// The direct tensor-core form at other most splits a token (its kernels' layout argument; the
+/// batch-1 launch's is covered above: 1 (one split up to any context), 4, 9 and 32, for the
+/// Llama-3-8B shape, a group of 8 at d 64, a group of 3 at d 128 and MHA at d 64, both
+/// storages: each token alone against the CPU op over ragged tables, every row of a batch of 5
+/// the bits of its token alone, a block size of 8 (tiles across cache blocks) against the CPU
+/// op, counters back at 0.
 #[test]
 fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
     for st in STORAGES {
@@ -422,27 +433,27 @@ fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
                 let n = CONTEXTS.len();
                 let row = |s: usize| s * hq * d..(s + 1) * hq * d;
                 let scale = 1.0 / (d as f32).sqrt();
-                let run = |seqs: &[usize], scratch: &ninfer_core::backend::cuda::ops::AttnScratch, tiles: usize| {
+                let run = |seqs: &[usize], scratch: &ninfer_core::backend::cuda::ops::AttnScratch, splits: usize| {
                     let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
                     let seq: Vec<i32> = seqs.iter().map(|&s| s as i32).collect();
                     let pos: Vec<i32> = seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect();
                     let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
                     let mut out = Out16::new(&dev, seqs.len() * hq * d);
-                    dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, tiles, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, scratch).unwrap();
+                    dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, scratch).unwrap();
                     out.read(&dev, "direct tensor-core decode attention")
                 };
                 let (alone_scratch, scratch) = (decode_scratch(&dev, 1, &shape), decode_scratch(&dev, 5, &shape));
-                let tile_set: &[usize] = if bs == 16 { &[2, 8, 64] } else { &[TC_DIRECT_MIN_WARP_TILES] };
-                for &tiles in tile_set {
-                    let label = format!("hq{hq}hk{hk}/d{d}/bs{bs}/tiles{tiles}");
-                    let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &alone_scratch, tiles)).collect();
+                let split_set: &[usize] = if bs == 16 { &[1, 4, 9] } else { &[DECODE_MAX_SPLITS] };
+                for &splits in split_set {
+                    let label = format!("hq{hq}hk{hk}/d{d}/bs{bs}/splits{splits}");
+                    let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &alone_scratch, splits)).collect();
                     for (s, &c) in CONTEXTS.iter().enumerate() {
                         let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
                         let want = reference::attention_seq(&q[row(s)], 1, hq, &case.k_cache, &case.v_cache, table, c - 1, hk, d, bs, scale);
                         check("decode_attention_tc_direct", st, &format!("{label}/ctx{c}"), &alone[s], &want, tol16(st));
                     }
                     assert_arrivals_reset(&dev, &alone_scratch, &label);
-                    let got = run(&BATCHES[1], &scratch, tiles);
+                    let got = run(&BATCHES[1], &scratch, splits);
                     for (i, &s) in BATCHES[1].iter().enumerate() {
                         assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &alone[s], &format!("direct tensor-core decode attention {label}: ctx {} in a batch vs alone", CONTEXTS[s]));
                     }
@@ -453,10 +464,11 @@ fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
     }
 }
 
-/// Per-call time of the direct tensor-core form (by fewest tiles a warp) against the forms the
-/// model runs below 16 tokens today (scaled at 1-2, fixed at 3-15) and the staged tensor-core
-/// form, Llama-3-8B attention shape, batch 1-16, contexts 256 to 32768, each call on the next of
-/// enough distinct K/V caches to pass 256 MB (AttnTimingCase). One TIMING line a case.
+/// Per-call time of the direct tensor-core form at its launch's splits (`tc_direct_splits`, and
+/// at half and twice that many) against the forms the model ran there before it (scaled at 1-2
+/// tokens, fixed at 3-15) and the staged tensor-core form, Llama-3-8B attention shape, batch 1
+/// to 64, contexts 256 to 32768, each call on the next of enough distinct K/V caches to pass
+/// 256 MB (AttnTimingCase). One TIMING line a case.
 #[test]
 fn direct_tensor_core_decode_attention_timing() {
     let Some(dev) = gpu("decode_attention_tc_direct_timing", StorageDType::Bf16) else { return };
@@ -464,7 +476,7 @@ fn direct_tensor_core_decode_attention_timing() {
         return;
     }
     let (name, hq, hk, d) = ("llama3-8b", 32, 8, 128);
-    for batch in [1, 2, 4, 8, 16] {
+    for batch in [1, 2, 4, 8, 16, 32, 64] {
         for ctx in [256, 1024, 4096, 16384, 32768] {
             if batch * ctx > 16 * 16384 {
                 continue;
@@ -483,16 +495,18 @@ fn direct_tensor_core_decode_attention_timing() {
             let tc = time(DecodeAttentionForm::TensorCore, None);
             let gbs = |t: f64| case_gbs(t, batch, ctx, hk, d);
             let mut line = format!(
-                "TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): today's form {:.2} us {:.0} GB/s; staged tensor-core {:.2} us ({:.3});",
+                "TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): CUDA-core form {:.2} us {:.0} GB/s; staged tensor-core {:.2} us {:.0} GB/s ({:.3});",
                 base * 1e3,
                 gbs(base),
                 tc * 1e3,
+                gbs(tc),
                 tc / base
             );
-            for tiles in [1, 2, 4, 8] {
-                let splits = ctx.div_ceil(tc_split_keys_with(ctx, TC_DIRECT_WARPS, tiles));
-                let t = time(DecodeAttentionForm::TensorCoreDirect, Some(tiles));
-                line += &format!(" direct tiles {tiles} ({splits} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, gbs(t), t / base);
+            let chosen = tc_direct_splits(batch, hk, dev.sm_count());
+            for (what, splits) in [("default", chosen), ("half", chosen.div_ceil(2)), ("twice", (2 * chosen).min(DECODE_MAX_SPLITS))] {
+                let per_token = ctx.div_ceil(tc_direct_split_keys(ctx, splits));
+                let t = time(DecodeAttentionForm::TensorCoreDirect, Some(splits));
+                line += &format!(" direct {what} (max {splits}: {per_token} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, gbs(t), t / base);
             }
             assert_arrivals_reset(&dev, &scratch, &format!("direct timing batch {batch} ctx {ctx}"));
             println!("{line}");

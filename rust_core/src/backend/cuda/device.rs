@@ -79,6 +79,11 @@ pub struct CudaDevice {
     /// Fewest tokens a decode launch runs the tensor-core form for (`NINFER_TC_DECODE_MIN_TOKENS`,
     /// default TC_DECODE_MIN_TOKENS); read once.
     tc_decode_min_tokens: usize,
+    /// `NINFER_TC_DECODE_DIRECT` (default on): decode launches below that count run the direct
+    /// tensor-core form where it fits (ops/decode_attention.rs `decode_attention_form`); read once.
+    tc_decode_direct: bool,
+    /// Streaming multiprocessors (the direct decode attention sizes its launches by them).
+    sm_count: usize,
     /// `NINFER_SMEM_CARVEOUT`: the preferred shared-memory carveout (percent of the unified
     /// L1 / shared memory) set on every kernel within the default 48 KiB of dynamic shared
     /// memory as it is loaded (those that opt into more keep the driver's), or None for the
@@ -157,6 +162,11 @@ impl CudaDevice {
         let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok().as_deref())?);
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
+        let tc_decode_direct = crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_err("reading the multiprocessor count"))?
+            .max(1) as usize;
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
@@ -186,6 +196,8 @@ impl CudaDevice {
             batch_invariant,
             tc_decode_attn,
             tc_decode_min_tokens,
+            tc_decode_direct,
+            sm_count,
             smem_carveout,
         })
     }
@@ -229,6 +241,17 @@ impl CudaDevice {
     /// Fewest tokens a decode launch runs the tensor-core form for (`NINFER_TC_DECODE_MIN_TOKENS`).
     pub fn tc_decode_min_tokens(&self) -> usize {
         self.tc_decode_min_tokens
+    }
+
+    /// Whether decode launches below the tensor-core form's token count run the direct
+    /// tensor-core form where it fits (`NINFER_TC_DECODE_DIRECT`).
+    pub fn tc_decode_direct(&self) -> bool {
+        self.tc_decode_direct
+    }
+
+    /// Streaming multiprocessors of the device.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     /// The GEMV form every decode projection of this device runs.

@@ -274,9 +274,42 @@ pub fn tc_decode_fits(sh: &PagedAttentionShape) -> bool {
 /// Warps a block of `flash_decode_direct_d{d}` (FDD_WARPS in flash_attention.cu).
 pub const TC_DIRECT_WARPS: usize = 4;
 
-/// Fewest 16-key tiles a warp of the direct tensor-core form takes in a split by default (its
-/// kernels' `min_warp_tiles`; splits of `tc_split_keys_with(limit, TC_DIRECT_WARPS, this)`).
-pub const TC_DIRECT_MIN_WARP_TILES: usize = 1;
+/// Blocks an SM the direct tensor-core form's launch aims at (its kernels take at most 255
+/// registers a thread for two 4-warp blocks an SM): `tc_direct_splits`.
+pub const TC_DIRECT_BLOCKS_PER_SM: usize = 2;
+
+/// Most splits a token of a direct tensor-core launch takes: enough blocks over the launch's
+/// tokens and kv heads for TC_DIRECT_BLOCKS_PER_SM blocks on each of `sms` SMs, within
+/// 1..=DECODE_MAX_SPLITS (a token's splits are `tc_direct_split_keys`). Why by launch, not by
+/// context alone: per call on an H200 (Llama-3-8B shape, cuda_ops_tc_direct_d1db179.log), the
+/// fastest fewest-tiles setting moved with the batch: 1 tile a warp (up to 32 splits) at batch
+/// 1, 2 tiles at batch 4 and 1k keys, 8 at batch 4 and 4k (32 splits: 1.6x slower, the merge
+/// of 1024 blocks' partials), 4 at batch 8 and 1k, 8 at batch 16: each time ~256 blocks, two
+/// an SM. The token count is taken at its decode-graph bucket (`decode_bucket`): a graph
+/// launches its bucket's rows and an eager step its batch's, and both must give the same bits
+/// (NINFER_CUDA_GRAPHS=0 changes no value).
+pub fn tc_direct_splits(tokens: usize, n_kv_heads: usize, sms: usize) -> usize {
+    let rows = crate::model::cuda_graphs::decode_bucket(tokens.max(1));
+    (TC_DIRECT_BLOCKS_PER_SM * sms).div_ceil(rows * n_kv_heads.max(1)).clamp(1, DECODE_MAX_SPLITS)
+}
+
+/// Keys one split of the direct tensor-core form takes for a token seeing `limit` keys when a
+/// token takes at most `splits` (fdd_split_keys): whole blocks' worth of 16-key tiles
+/// (TC_DIRECT_WARPS x 16 keys).
+pub fn tc_direct_split_keys(limit: usize, splits: usize) -> usize {
+    let unit = TC_DIRECT_WARPS * TC_TILE_KEYS;
+    unit.max(limit.div_ceil(splits.max(1)).div_ceil(unit) * unit)
+}
+
+/// Grid splits of the direct tensor-core form for tokens of at most `max_context` keys.
+pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
+    max_context.max(1).div_ceil(TC_DIRECT_WARPS * TC_TILE_KEYS).min(splits).min(DECODE_MAX_SPLITS)
+}
+
+/// `NINFER_TC_DECODE_DIRECT` (default on): decode launches below the staged tensor-core form's
+/// token count run the direct tensor-core form where it fits (head sizes 64 / 128, sm_80+);
+/// off runs the scaled / fixed CUDA-core forms there (an A/B and fallback switch).
+pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
 
 /// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 (a lane holds two
 /// tiles of K/V in registers) and GQA groups of at most 8 q heads.
@@ -317,20 +350,28 @@ fn tc_kernel_name(d: usize) -> &'static str {
 /// End to end, Llama-3-8B batch-1 decode at ~3.8k keys: 213.5 tok/s against 188.6 (+13%).
 pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
-/// The form a decode launch of `tokens` query tokens runs: the scaled one up to
-/// DECODE_SCALED_MAX_TOKENS, above it the tensor-core one from `tc_min_tokens` tokens (Some
-/// where the device and shape allow it and NINFER_TC_DECODE_ATTN is on), else the fixed one;
-/// and the scaled one at every batch size when `batch_invariant` (`NINFER_BATCH_INVARIANT`):
-/// each form alone gives a row the same bits in any batch, but switching form by batch size
-/// would not.
-/// Why the tensor-core form from TC_DECODE_MIN_TOKENS tokens: at batch 64 and ~1.2k keys on
-/// Llama-3-8B the fixed form took 223 us a layer, 59% of the step
-/// (benches/results/decode_profile_8b_b64_0ea12b0.txt).
-pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>) -> DecodeAttentionForm {
-    if batch_invariant || tokens <= DECODE_SCALED_MAX_TOKENS {
+/// The form a decode launch of `tokens` query tokens runs: the staged tensor-core one from
+/// `tc_min_tokens` tokens (Some where the device and shape allow it and NINFER_TC_DECODE_ATTN
+/// is on); below that the direct tensor-core one where `direct` (the shape fits, sm_80+,
+/// NINFER_TC_DECODE_DIRECT on), else the scaled one up to DECODE_SCALED_MAX_TOKENS and the
+/// fixed one above; and the scaled one at every batch size when `batch_invariant`
+/// (`NINFER_BATCH_INVARIANT`): the scaled form gives a row the same bits in any batch, but
+/// switching form (or the direct form's splits) by batch size would not.
+/// Why the staged tensor-core form from TC_DECODE_MIN_TOKENS tokens: at batch 64 and ~1.2k keys
+/// on Llama-3-8B the fixed form took 223 us a layer, 59% of the step
+/// (benches/results/decode_profile_8b_b64_0ea12b0.txt). Why the direct form below it: per call
+/// 0.46-0.85x the scaled / fixed forms' time at batch 1-8 and 256-32k keys on the Llama-3-8B
+/// shape (cuda_ops_tc_direct_d1db179.log), without the staged form's large shared-memory
+/// carveout that cost the GEMVs around it more than it saved below 16 tokens.
+pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>, direct: bool) -> DecodeAttentionForm {
+    if batch_invariant {
         DecodeAttentionForm::Scaled
-    } else if tc_min_tokens.is_some_and(|min| tokens >= min) {
+    } else if tokens > DECODE_SCALED_MAX_TOKENS && tc_min_tokens.is_some_and(|min| tokens >= min) {
         DecodeAttentionForm::TensorCore
+    } else if direct {
+        DecodeAttentionForm::TensorCoreDirect
+    } else if tokens <= DECODE_SCALED_MAX_TOKENS {
+        DecodeAttentionForm::Scaled
     } else {
         DecodeAttentionForm::Fixed
     }
@@ -353,8 +394,10 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let tc = self.tc_decode_attn() && self.compute_capability().0 >= 8 && tc_decode_fits(shape);
-        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc.then_some(self.tc_decode_min_tokens()));
+        let sm80 = self.compute_capability().0 >= 8;
+        let tc = self.tc_decode_attn() && sm80 && tc_decode_fits(shape);
+        let direct = self.tc_decode_direct() && sm80 && tc_direct_fits(shape);
+        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc.then_some(self.tc_decode_min_tokens()), direct);
         self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
@@ -402,14 +445,15 @@ impl CudaDevice {
         // tensor-core ones the fewest tiles a warp, the fixed ones neither.
         let layout_arg = match form {
             DecodeAttentionForm::TensorCore => self.tc_min_warp_tiles(),
-            DecodeAttentionForm::TensorCoreDirect => TC_DIRECT_MIN_WARP_TILES,
+            DecodeAttentionForm::TensorCoreDirect => tc_direct_splits(token_seq.len(), shape.n_kv_heads, self.sm_count()),
             _ => self.da_min_warp_keys(),
         };
         self.paged_attention_decode_layout(form, layout_arg, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
     /// `paged_attention_decode_as` with the layout argument given: the scaled form's fewest keys
-    /// a warp, the tensor-core forms' fewest tiles a warp (ignored by the fixed form). Every
+    /// a warp, the staged tensor-core form's fewest tiles a warp, the direct tensor-core form's
+    /// most splits a token (1..=DECODE_MAX_SPLITS; ignored by the fixed form). Every
     /// value keeps a row's result independent of the batch; values differ in the last bits.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode_layout(
@@ -459,7 +503,15 @@ impl CudaDevice {
                 } else {
                     (tc_decode_warps(shape.head_dim), tc_kernel_name(shape.head_dim))
                 };
-                let splits = tc_grid_splits(shape.max_blocks_per_seq * shape.block_size, w, layout_arg);
+                let max_context = shape.max_blocks_per_seq * shape.block_size;
+                let splits = if direct {
+                    if !(1..=DECODE_MAX_SPLITS).contains(&layout_arg) {
+                        return Err(crate::NinferError::invalid("decode attention splits", format!("the direct tensor-core form takes 1..={DECODE_MAX_SPLITS} splits a token, got {layout_arg}")));
+                    }
+                    tc_direct_grid_splits(max_context, layout_arg)
+                } else {
+                    tc_grid_splits(max_context, w, layout_arg)
+                };
                 ((KernelFamily::FlashAttention, name), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
@@ -585,16 +637,48 @@ mod tests {
 
     #[test]
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
-        use DecodeAttentionForm::{Fixed, Scaled};
+        use DecodeAttentionForm::{Fixed, Scaled, TensorCore, TensorCoreDirect};
         for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
-            assert_eq!(decode_attention_form(tokens, invariant, None), form, "{tokens} tokens, invariant {invariant}");
-            let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { DecodeAttentionForm::TensorCore } else { form };
-            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS)), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
+            assert_eq!(decode_attention_form(tokens, invariant, None, false), form, "{tokens} tokens, invariant {invariant}");
+            let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { TensorCore } else { form };
+            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), false), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
+            // The direct form takes every launch below the staged form's threshold, never a
+            // batch-invariant one.
+            let direct = if invariant { Scaled } else if tokens >= TC_DECODE_MIN_TOKENS { TensorCore } else { TensorCoreDirect };
+            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), true), direct, "{tokens} tokens, invariant {invariant}, direct");
+            let alone = if invariant { Scaled } else { TensorCoreDirect };
+            assert_eq!(decode_attention_form(tokens, invariant, None, true), alone, "{tokens} tokens, invariant {invariant}, direct only");
         }
         // A lower threshold moves the fixed form's launches, never the scaled form's.
-        assert_eq!(decode_attention_form(3, false, Some(3)), DecodeAttentionForm::TensorCore);
-        assert_eq!(decode_attention_form(2, false, Some(3)), Scaled);
-        assert_eq!(decode_attention_form(8, true, Some(3)), Scaled);
+        assert_eq!(decode_attention_form(3, false, Some(3), false), TensorCore);
+        assert_eq!(decode_attention_form(2, false, Some(3), false), Scaled);
+        assert_eq!(decode_attention_form(2, false, Some(3), true), TensorCoreDirect);
+        assert_eq!(decode_attention_form(8, true, Some(3), true), Scaled);
+    }
+
+    #[test]
+    fn the_direct_form_aims_at_two_blocks_an_sm_and_its_grid_covers_every_context() {
+        // H200 (132 SMs), Llama-3-8B's 8 kv heads: batch 1 32 splits (the cap), 4 9, 8 5, 16 3,
+        // 64 1; the batch-4 / 1k-key case takes 128-key splits (2 tiles a warp), batch 8 256.
+        assert_eq!([1, 2, 4, 8, 16, 33, 64].map(|t| tc_direct_splits(t, 8, 132)), [32, 17, 9, 5, 3, 1, 1]);
+        // By graph bucket: an eager step of 3 or 5 sequences takes the splits of its graph's 4 / 8.
+        assert_eq!((tc_direct_splits(3, 8, 132), tc_direct_splits(5, 8, 132)), (9, 5));
+        assert_eq!(tc_direct_split_keys(1024, tc_direct_splits(4, 8, 132)), 128);
+        assert_eq!(tc_direct_split_keys(1024, tc_direct_splits(8, 8, 132)), 256);
+        assert_eq!(tc_direct_split_keys(1, 32), 64);
+        assert!(tc_direct_smem_bytes(128) <= 48 * 1024, "within the default limit: no opt-in, a small carveout");
+        for splits in [1, 3, 9, 17, DECODE_MAX_SPLITS] {
+            for max in [1, 63, 64, 65, 1000, 2048, 2049, 40000] {
+                let grid = tc_direct_grid_splits(max, splits);
+                assert!((1..=splits).contains(&grid));
+                for ctx in 1..=max {
+                    let split = tc_direct_split_keys(ctx, splits);
+                    assert_eq!(split % (TC_DIRECT_WARPS * TC_TILE_KEYS), 0);
+                    assert!(ctx.div_ceil(split) <= grid, "splits {splits}: context {ctx} under a grid for {max}");
+                }
+                assert!((1..=max).any(|ctx| ctx.div_ceil(tc_direct_split_keys(ctx, splits)) == grid), "tight: splits {splits}, max {max}");
+            }
+        }
     }
 
     #[test]
@@ -644,6 +728,14 @@ mod tests {
             ("DA_SHORT_CONTEXT", DECODE_SHORT_CONTEXT),
         ] {
             assert!(src.contains(&format!("#define {name} {value}\n")), "{name} {value}");
+        }
+        // The direct tensor-core form's instances and block size (flash_attention.cu).
+        let fa = include_str!("../../../../../cuda/flash_attention.cu");
+        assert!(fa.contains(&format!("#define FDD_WARPS {TC_DIRECT_WARPS}\n")));
+        assert!(fa.contains(&format!("#define FD_BN {TC_TILE_KEYS}\n")));
+        for d in [64, 128] {
+            assert!(fa.contains(&format!("\nFDD_INSTANCE({d})")), "FDD_INSTANCE({d})");
+            assert_eq!(tc_direct_kernel_name(d), format!("flash_decode_direct_d{d}"));
         }
     }
 

@@ -23,7 +23,7 @@ pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_S
 pub use decode_attention::{
     decode_attention_form, decode_block_splits, decode_block_splits_with, decode_grid_splits, decode_grid_splits_with, decode_scratch_len,
     decode_warp_keys, decode_warp_keys_with, parse_da_min_warp_keys, AttnScratch, DecodeAttentionForm, DecodeScratchLen, DA_MIN_WARP_KEYS_VAR,
-    DECODE_DEFAULT_LAYOUT, DECODE_MAX_SPLITS, DECODE_MAX_WARP_KEYS_SETTING, DECODE_MIN_WARP_KEYS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS, DECODE_SCALED_MAX_TOKENS, tc_decode_fits, tc_direct_fits, tc_direct_smem_bytes, TC_DIRECT_MIN_WARP_TILES, TC_DIRECT_WARPS, tc_grid_splits, tc_smem_bytes, tc_split_keys, tc_split_keys_with, tc_decode_warps, parse_tc_min_warp_tiles, TC_MIN_WARP_TILES, TC_MIN_WARP_TILES_VAR, TC_MAX_WARP_TILES_SETTING, TC_DECODE_ATTN_SWITCH, TC_DECODE_MIN_TOKENS, TC_DECODE_MIN_TOKENS_VAR, parse_tc_decode_min_tokens,
+    DECODE_DEFAULT_LAYOUT, DECODE_MAX_SPLITS, DECODE_MAX_WARP_KEYS_SETTING, DECODE_MIN_WARP_KEYS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS, DECODE_SCALED_MAX_TOKENS, tc_decode_fits, tc_direct_fits, tc_direct_smem_bytes, tc_direct_splits, tc_direct_split_keys, tc_direct_grid_splits, TC_DIRECT_BLOCKS_PER_SM, TC_DECODE_DIRECT_SWITCH, TC_DIRECT_WARPS, tc_grid_splits, tc_smem_bytes, tc_split_keys, tc_split_keys_with, tc_decode_warps, parse_tc_min_warp_tiles, TC_MIN_WARP_TILES, TC_MIN_WARP_TILES_VAR, TC_MAX_WARP_TILES_SETTING, TC_DECODE_ATTN_SWITCH, TC_DECODE_MIN_TOKENS, TC_DECODE_MIN_TOKENS_VAR, parse_tc_decode_min_tokens,
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::FlashTile;
