@@ -739,8 +739,8 @@ __device__ __forceinline__ void flash_decode_body(
 // order), and for O^T += V^T P^T the head dims (the M rows) are permuted so that a lane's rows
 // of every m-tile are 8 consecutive dims of each of its 4 keys (two key rows' halves paired by
 // byte permutes), un-permuted when the warp's accumulators go to shared memory. P V runs in the
-// storage type (bf16 P, as flash attention's bf16 path). No staging: the only shared memory is
-// the warps' merge (16 KiB at d 128).
+// storage type (bf16 P, as flash attention's bf16 path; the softmax sums the rounded P). No
+// staging: the only shared memory is the warps' merge (16 KiB at d 128).
 //
 // Layout: a block of FDD_WARPS warps owns (token, kv head, split of fdd_split_keys(limit,
 // splits) keys), warp w the 16-key tiles w, w + WARPS, ... of the split; the next tile's rows
@@ -892,13 +892,15 @@ __device__ __forceinline__ void flash_decode_direct_body(
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
         }
         // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
+        // The probabilities rounded to the storage type before they are summed into l, so the
+        // weights P V multiplies are the ones it is normalised by.
         float corr[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             corr[h] = exp2f(m[h] - mx[h]);
             m[h] = mx[h];
-            sc[h] = exp2f(sc[h] - mx[h]);
-            sc[h + 2] = exp2f(sc[h + 2] - mx[h]);
+            sc[h] = round_st(exp2f(sc[h] - mx[h]));
+            sc[h + 2] = round_st(exp2f(sc[h + 2] - mx[h]));
             l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
         }
 #pragma unroll

@@ -783,31 +783,32 @@ def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, gr
                                   f"{small} vs 8 warps a CUDA-core GEMV block, K split {ksplit}", on=small, off="8")
 
 
-# Batched decode attention on tensor cores (NINFER_TC_DECODE_ATTN, default on from 16 tokens a
-# launch: `flash_decode_*`) against the fixed CUDA-core form: a different summation (P V in f16),
-# so not the same bits, but every logits row computed from the same tokens within the issue's
-# 2e-2, in graphs and eagerly, on a 20-sequence batch (past TC_DECODE_MIN_TOKENS). (The engine's
-# batch-vs-alone tests above also run it: 10 and 20 prompts are graph buckets of 16 and 32.)
+# Batched decode attention on staged tensor-core tiles (NINFER_TC_DECODE_ATTN, on from 16 tokens
+# a launch where the direct form below is off or does not fit: `flash_decode_*`) against the
+# fixed CUDA-core form: a different summation (P V in f16), so not the same bits, but every
+# logits row computed from the same tokens within the 2e-2, in graphs and eagerly, on a
+# 20-sequence batch (past TC_DECODE_MIN_TOKENS).
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
 def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(decode_dir, graphs, monkeypatch):
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv("NINFER_TC_DECODE_DIRECT", "0")
     _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_ATTN", 20,
                                       f"graphs={graphs}: tensor-core vs CUDA-core decode attention")
 
 
-# Decode attention below 16 tokens a launch on tensor cores with K/V loaded straight into the
-# mma fragments (NINFER_TC_DECODE_DIRECT, default on where the head size is 64 / 128:
-# `flash_decode_direct_*`) against the scaled / fixed CUDA-core forms it replaced there: a
-# different summation (P V in bf16), every logits row from the same tokens within 2e-2, in
-# graphs and eagerly, at batch 1 and 5 (the fixed form's range).
+# Decode attention on tensor cores with K/V loaded straight into the mma fragments
+# (NINFER_TC_DECODE_DIRECT, default on at every batch size where the head size is 64 / 128:
+# `flash_decode_direct_*`) against the forms it replaced (scaled at 1-2 tokens, fixed at 3-15,
+# staged tensor-core from 16): a different summation (P V in bf16), every logits row from the
+# same tokens within 2e-2, in graphs and eagerly, at batch 1, 5 and 20.
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("n", [1, 5, 20])
 def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, monkeypatch):
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
     _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
-                                      f"graphs={graphs}, {n} sequences: direct tensor-core vs CUDA-core decode attention")
+                                      f"graphs={graphs}, {n} sequences: direct tensor-core vs the forms before it")
 
 
 @pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),

@@ -197,8 +197,8 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             }
             // The form the model runs (`paged_attention_decode`): the direct tensor-core one at
             // its launch's splits where it fits and is on, else the scaled one alone and the
-            // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS); the scaled one in any batch
-            // under NINFER_BATCH_INVARIANT.
+            // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS, below the staged form's 16);
+            // the scaled one in any batch under NINFER_BATCH_INVARIANT.
             assert!(BATCHES[1].len() > DECODE_SCALED_MAX_TOKENS);
             let fixed = got;
             let direct_on = direct && dev.tc_decode_direct() && !dev.batch_invariant();
@@ -208,10 +208,10 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
             let chosen = run(&BATCHES[1], &shape, &tables, &scratch, Form::Chosen);
             let batched = if dev.batch_invariant() {
                 run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled)
-            } else if tc && dev.tc_decode_attn() && BATCHES[1].len() >= dev.tc_decode_min_tokens() {
-                tc_batch1.expect("the tensor-core form ran on BATCHES[1]")
             } else if direct_on {
                 run(&BATCHES[1], &shape, &tables, &scratch, Form::TensorCoreDirect(tc_direct_splits(BATCHES[1].len(), hk, dev.sm_count())))
+            } else if tc && dev.tc_decode_attn() && BATCHES[1].len() >= dev.tc_decode_min_tokens() {
+                tc_batch1.expect("the tensor-core form ran on BATCHES[1]")
             } else {
                 fixed
             };

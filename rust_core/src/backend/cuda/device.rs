@@ -79,8 +79,8 @@ pub struct CudaDevice {
     /// Fewest tokens a decode launch runs the tensor-core form for (`NINFER_TC_DECODE_MIN_TOKENS`,
     /// default TC_DECODE_MIN_TOKENS); read once.
     tc_decode_min_tokens: usize,
-    /// `NINFER_TC_DECODE_DIRECT` (default on): decode launches below that count run the direct
-    /// tensor-core form where it fits (ops/decode_attention.rs `decode_attention_form`); read once.
+    /// `NINFER_TC_DECODE_DIRECT` (default on): decode launches run the direct tensor-core form
+    /// where it fits (ops/decode_attention.rs `decode_attention_form`); read once.
     tc_decode_direct: bool,
     /// Streaming multiprocessors (the direct decode attention sizes its launches by them).
     sm_count: usize,
@@ -243,8 +243,8 @@ impl CudaDevice {
         self.tc_decode_min_tokens
     }
 
-    /// Whether decode launches below the tensor-core form's token count run the direct
-    /// tensor-core form where it fits (`NINFER_TC_DECODE_DIRECT`).
+    /// Whether decode launches run the direct tensor-core form where it fits
+    /// (`NINFER_TC_DECODE_DIRECT`).
     pub fn tc_decode_direct(&self) -> bool {
         self.tc_decode_direct
     }

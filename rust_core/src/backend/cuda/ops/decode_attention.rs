@@ -278,19 +278,20 @@ pub const TC_DIRECT_WARPS: usize = 4;
 /// registers a thread for two 4-warp blocks an SM): `tc_direct_splits`.
 pub const TC_DIRECT_BLOCKS_PER_SM: usize = 2;
 
-/// Most splits a token of a direct tensor-core launch takes: enough blocks over the launch's
-/// tokens and kv heads for TC_DIRECT_BLOCKS_PER_SM blocks on each of `sms` SMs, within
-/// 1..=DECODE_MAX_SPLITS (a token's splits are `tc_direct_split_keys`). Why by launch, not by
-/// context alone: per call on an H200 (Llama-3-8B shape, cuda_ops_tc_direct_d1db179.log), the
-/// fastest fewest-tiles setting moved with the batch: 1 tile a warp (up to 32 splits) at batch
-/// 1, 2 tiles at batch 4 and 1k keys, 8 at batch 4 and 4k (32 splits: 1.6x slower, the merge
-/// of 1024 blocks' partials), 4 at batch 8 and 1k, 8 at batch 16: each time ~256 blocks, two
-/// an SM. The token count is taken at its decode-graph bucket (`decode_bucket`): a graph
-/// launches its bucket's rows and an eager step its batch's, and both must give the same bits
+/// Most splits a token of a direct tensor-core launch takes: as many blocks over the launch's
+/// tokens and kv heads as fit TC_DIRECT_BLOCKS_PER_SM blocks on each of `sms` SMs in one wave
+/// (rounded down: a few blocks past the wave cost a second one), within 1..=DECODE_MAX_SPLITS
+/// (a token's splits are `tc_direct_split_keys`). Why by launch, not by context alone: per call
+/// on an H200 (Llama-3-8B shape, benches/results/cuda_ops_tc_direct_timing_1ab5e8a.log, 132
+/// SMs) the fastest setting held ~256 blocks at every batch: batch 1 32 splits a token (16 took
+/// 1.27x at 16k keys, 1.37x at 32k), batch 2 16, 4 8, 16 2 (3 took 1.25x at 1k keys, 1.23x at
+/// 4k), 32 1 (2 took 1.23x at 1k); 9 splits at batch 4 (288 blocks) took 1.12x of 5 at 16k keys.
+/// The token count is taken at its decode-graph bucket (`decode_bucket`): a graph launches its
+/// bucket's rows and an eager step its batch's, and both must give the same bits
 /// (NINFER_CUDA_GRAPHS=0 changes no value).
 pub fn tc_direct_splits(tokens: usize, n_kv_heads: usize, sms: usize) -> usize {
     let rows = crate::model::cuda_graphs::decode_bucket(tokens.max(1));
-    (TC_DIRECT_BLOCKS_PER_SM * sms).div_ceil(rows * n_kv_heads.max(1)).clamp(1, DECODE_MAX_SPLITS)
+    ((TC_DIRECT_BLOCKS_PER_SM * sms) / (rows * n_kv_heads.max(1))).clamp(1, DECODE_MAX_SPLITS)
 }
 
 /// Keys one split of the direct tensor-core form takes for a token seeing `limit` keys when a
@@ -306,9 +307,9 @@ pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
     max_context.max(1).div_ceil(TC_DIRECT_WARPS * TC_TILE_KEYS).min(splits).min(DECODE_MAX_SPLITS)
 }
 
-/// `NINFER_TC_DECODE_DIRECT` (default on): decode launches below the staged tensor-core form's
-/// token count run the direct tensor-core form where it fits (head sizes 64 / 128, sm_80+);
-/// off runs the scaled / fixed CUDA-core forms there (an A/B and fallback switch).
+/// `NINFER_TC_DECODE_DIRECT` (default on): decode launches run the direct tensor-core form
+/// where it fits (head sizes 64 / 128, sm_80+); off runs the forms before it there (scaled,
+/// fixed, staged tensor-core by token count; an A/B and fallback switch).
 pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
 
 /// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 (a lane holds two
@@ -350,26 +351,30 @@ fn tc_kernel_name(d: usize) -> &'static str {
 /// End to end, Llama-3-8B batch-1 decode at ~3.8k keys: 213.5 tok/s against 188.6 (+13%).
 pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
-/// The form a decode launch of `tokens` query tokens runs: the staged tensor-core one from
-/// `tc_min_tokens` tokens (Some where the device and shape allow it and NINFER_TC_DECODE_ATTN
-/// is on); below that the direct tensor-core one where `direct` (the shape fits, sm_80+,
-/// NINFER_TC_DECODE_DIRECT on), else the scaled one up to DECODE_SCALED_MAX_TOKENS and the
-/// fixed one above; and the scaled one at every batch size when `batch_invariant`
+/// The form a decode launch of `tokens` query tokens runs: the direct tensor-core one at every
+/// token count where `direct` (the shape fits, sm_80+, NINFER_TC_DECODE_DIRECT on); else the
+/// staged tensor-core one from `tc_min_tokens` tokens (Some where the device and shape allow it
+/// and NINFER_TC_DECODE_ATTN is on), the scaled one up to DECODE_SCALED_MAX_TOKENS and the
+/// fixed one in between; and the scaled one at every batch size when `batch_invariant`
 /// (`NINFER_BATCH_INVARIANT`): the scaled form gives a row the same bits in any batch, but
 /// switching form (or the direct form's splits) by batch size would not.
-/// Why the staged tensor-core form from TC_DECODE_MIN_TOKENS tokens: at batch 64 and ~1.2k keys
-/// on Llama-3-8B the fixed form took 223 us a layer, 59% of the step
-/// (benches/results/decode_profile_8b_b64_0ea12b0.txt). Why the direct form below it: per call
-/// 0.46-0.85x the scaled / fixed forms' time at batch 1-8 and 256-32k keys on the Llama-3-8B
-/// shape (cuda_ops_tc_direct_d1db179.log), without the staged form's large shared-memory
-/// carveout that cost the GEMVs around it more than it saved below 16 tokens.
+/// Why the direct form: per call on the Llama-3-8B shape (H200,
+/// benches/results/cuda_ops_tc_direct_timing_1ab5e8a.log) 0.46-0.84x the scaled / fixed forms'
+/// time at batch 1-8 and 1-32k keys, and 0.69-0.81x the staged form's at batch 16-64 and
+/// 1-4k keys; in the model (ab_tc_direct_*_1ab5e8a.log, one process a setting) batch-1 decode
+/// at a 32k context +14%, c = 4 / 8 +6.8% / +9.3% against the CUDA-core forms, c = 64 +5.0%
+/// against the staged form. The staged form keeps head size 256 (Qwen3.5-27B), where a lane
+/// cannot hold two tiles of K/V in registers. Why the staged form from TC_DECODE_MIN_TOKENS
+/// there: at batch 64 and ~1.2k keys on Llama-3-8B the fixed form took 223 us a layer, 59% of
+/// the step (benches/results/decode_profile_8b_b64_0ea12b0.txt), and below 16 tokens its large
+/// shared-memory carveout cost the GEMVs around it more than it saved.
 pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>, direct: bool) -> DecodeAttentionForm {
     if batch_invariant {
         DecodeAttentionForm::Scaled
-    } else if tokens > DECODE_SCALED_MAX_TOKENS && tc_min_tokens.is_some_and(|min| tokens >= min) {
-        DecodeAttentionForm::TensorCore
     } else if direct {
         DecodeAttentionForm::TensorCoreDirect
+    } else if tokens > DECODE_SCALED_MAX_TOKENS && tc_min_tokens.is_some_and(|min| tokens >= min) {
+        DecodeAttentionForm::TensorCore
     } else if tokens <= DECODE_SCALED_MAX_TOKENS {
         DecodeAttentionForm::Scaled
     } else {
@@ -642,9 +647,8 @@ mod tests {
             assert_eq!(decode_attention_form(tokens, invariant, None, false), form, "{tokens} tokens, invariant {invariant}");
             let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { TensorCore } else { form };
             assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), false), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
-            // The direct form takes every launch below the staged form's threshold, never a
-            // batch-invariant one.
-            let direct = if invariant { Scaled } else if tokens >= TC_DECODE_MIN_TOKENS { TensorCore } else { TensorCoreDirect };
+            // The direct form takes every launch where it fits, never a batch-invariant one.
+            let direct = if invariant { Scaled } else { TensorCoreDirect };
             assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), true), direct, "{tokens} tokens, invariant {invariant}, direct");
             let alone = if invariant { Scaled } else { TensorCoreDirect };
             assert_eq!(decode_attention_form(tokens, invariant, None, true), alone, "{tokens} tokens, invariant {invariant}, direct only");
@@ -653,19 +657,29 @@ mod tests {
         assert_eq!(decode_attention_form(3, false, Some(3), false), TensorCore);
         assert_eq!(decode_attention_form(2, false, Some(3), false), Scaled);
         assert_eq!(decode_attention_form(2, false, Some(3), true), TensorCoreDirect);
+        assert_eq!(decode_attention_form(64, false, Some(3), true), TensorCoreDirect);
         assert_eq!(decode_attention_form(8, true, Some(3), true), Scaled);
     }
 
     #[test]
     fn the_direct_form_aims_at_two_blocks_an_sm_and_its_grid_covers_every_context() {
-        // H200 (132 SMs), Llama-3-8B's 8 kv heads: batch 1 32 splits (the cap), 4 9, 8 5, 16 3,
-        // 64 1; the batch-4 / 1k-key case takes 128-key splits (2 tiles a warp), batch 8 256.
-        assert_eq!([1, 2, 4, 8, 16, 33, 64].map(|t| tc_direct_splits(t, 8, 132)), [32, 17, 9, 5, 3, 1, 1]);
+        // H200 (132 SMs), Llama-3-8B's 8 kv heads: batch 1 32 splits (the cap), 2 16, 4 8, 8 4,
+        // 16 2, 32 and more 1; the batch-4 / 1k-key case takes 128-key splits (2 tiles a warp),
+        // batch 8 256.
+        assert_eq!([1, 2, 4, 8, 16, 32, 33, 64].map(|t| tc_direct_splits(t, 8, 132)), [32, 16, 8, 4, 2, 1, 1, 1]);
         // By graph bucket: an eager step of 3 or 5 sequences takes the splits of its graph's 4 / 8.
-        assert_eq!((tc_direct_splits(3, 8, 132), tc_direct_splits(5, 8, 132)), (9, 5));
+        assert_eq!((tc_direct_splits(3, 8, 132), tc_direct_splits(5, 8, 132)), (8, 4));
         assert_eq!(tc_direct_split_keys(1024, tc_direct_splits(4, 8, 132)), 128);
         assert_eq!(tc_direct_split_keys(1024, tc_direct_splits(8, 8, 132)), 256);
         assert_eq!(tc_direct_split_keys(1, 32), 64);
+        // Never more blocks than one wave (but for the floor of one split a token).
+        for sms in [46, 108, 132] {
+            for t in 1..=64 {
+                let rows = crate::model::cuda_graphs::decode_bucket(t);
+                let splits = tc_direct_splits(t, 8, sms);
+                assert!(splits == 1 || rows * 8 * splits <= TC_DIRECT_BLOCKS_PER_SM * sms, "{sms} SMs, {t} tokens");
+            }
+        }
         assert!(tc_direct_smem_bytes(128) <= 48 * 1024, "within the default limit: no opt-in, a small carveout");
         for splits in [1, 3, 9, 17, DECODE_MAX_SPLITS] {
             for max in [1, 63, 64, 65, 1000, 2048, 2049, 40000] {
