@@ -483,24 +483,26 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
     return r;
 }
 
-// The end of both tensor-core decode forms: the warps' partials (each warp's O^T accumulators
-// already in sm_o, [WARPS][8 heads][D] f32, by head dim) merged in warp order through shared
+// The end of both tensor-core decode forms: the SLOTS partials of a block of WARPS warps (a
+// slot is a warp, or a pair of warps that split the head dims; each slot's O^T accumulators
+// already in sm_o, [SLOTS][8 heads][D] f32, by head dim) merged in slot order through shared
 // memory, the block's partial published, and the last block to arrive merging the splits in
-// split order. `m` / `l`: the lane's running max and (warp-reduced) sum of heads 2tq, 2tq + 1.
-template <int D, int WARPS>
-__device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const float* l, int t, int kvh, int G,
-                                         int n_q_heads, int b, int nb, store_t* __restrict__ out,
+// split order. `m` / `l`: the lane's running max and (warp-reduced) sum of heads 2tq, 2tq + 1,
+// written for the slot by the warps with `writes_ml` (one a slot).
+template <int D, int SLOTS, int WARPS>
+__device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const float* l, int slot, bool writes_ml, int t,
+                                         int kvh, int G, int n_q_heads, int b, int nb, store_t* __restrict__ out,
                                          float* part_acc, float* part_ml, unsigned* arrivals) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int gr = lane >> 2, tq = lane & 3;
     const int tk = t * (n_q_heads / G) + kvh;
-    float* sm_m = sm_o + WARPS * 8 * D;  // [WARPS][8]
-    float* sm_l = sm_m + WARPS * 8;
-    if (gr == 0) {
+    float* sm_m = sm_o + SLOTS * 8 * D;  // [SLOTS][8]
+    float* sm_l = sm_m + SLOTS * 8;
+    if (writes_ml && gr == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            sm_m[warp * 8 + 2 * tq + h] = m[h];  // -inf (and l 0) for a warp without keys
-            sm_l[warp * 8 + 2 * tq + h] = l[h];
+            sm_m[slot * 8 + 2 * tq + h] = m[h];  // -inf (and l 0) for a slot without keys
+            sm_l[slot * 8 + 2 * tq + h] = l[h];
         }
     }
     __syncthreads();
@@ -509,10 +511,10 @@ __device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const floa
         const int g = i / D, d = i - g * D;
         float mb = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, sm_m[w * 8 + g]);
+        for (int w = 0; w < SLOTS; ++w) mb = fmaxf(mb, sm_m[w * 8 + g]);
         float lb = 0.0f, ob = 0.0f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
+        for (int w = 0; w < SLOTS; ++w) {
             const float mw = sm_m[w * 8 + g];
             const float f = mw == NEG_INF ? 0.0f : exp2f(mw - mb);
             lb += sm_l[w * 8 + g] * f;
@@ -718,8 +720,8 @@ __device__ __forceinline__ void flash_decode_body(
         ow[16 * n + 8] = acc[n][2];
         ow[D + 16 * n + 8] = acc[n][3];
     }
-    fd_merge<D, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, t, kvh, G, n_q_heads, b, nb, out, part_acc,
-                       part_ml, arrivals);
+    fd_merge<D, WARPS, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, warp, true, t, kvh, G, n_q_heads, b, nb, out,
+                              part_acc, part_ml, arrivals);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -816,11 +818,14 @@ __device__ __forceinline__ void flash_decode_direct_body(
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
     float* part_acc, float* part_ml, unsigned* arrivals, int splits) {
-    static_assert(D == 64 || D == 128, "a lane's two tiles of K/V must fit its registers");
-    constexpr int WARPS = FDD_WARPS;
+    static_assert(D == 64 || D == 128 || D == 256, "a lane's two tiles of K/V must fit its registers");
+    // At d 256 a pair of warps shares each tile, one half of the head dims a warp (DH each).
+    constexpr int DH = D > 128 ? 128 : D, HALVES = D / DH;
+    constexpr int WARPS = FDD_WARPS, SLOTS = WARPS / HALVES;
     extern __shared__ uint4 fa_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gr = lane >> 2, tq = lane & 3;
+    const int half = warp % HALVES, slot = warp / HALVES;
     const int tk = blockIdx.x;  // token * n_kv_heads + kv head
     const int t = tk / n_kv_heads;
     const int kvh = tk - t * n_kv_heads;
@@ -837,9 +842,9 @@ __device__ __forceinline__ void flash_decode_direct_body(
     const int s_end = min(limit, s0 + split);
     const int* table = block_tables + (long long)token_seq[t] * max_blocks;
     const long long row_elems = (long long)n_kv_heads * D;
-    const long long head_off = (long long)kvh * D;
-    int kb = s0 + warp * FD_BN;
-    FddTile<D> cur;
+    const long long head_off = (long long)kvh * D + half * DH;
+    int kb = s0 + slot * FD_BN;
+    FddTile<DH> cur;
     if (kb < s_end) cur.load(k_cache, v_cache, table, kb, s_end, block_size, row_elems, head_off, gr, tq);
     pdl_enter();
     // The newest key's row is written by the kernel just waited for: a first tile holding it
@@ -851,35 +856,51 @@ __device__ __forceinline__ void flash_decode_direct_body(
     // 2tq + 8, 2tq + 9 (b1) are dims 32(k / 2) + 8tq + 4(k % 2) + 0, 1 and + 2, 3; column gr is
     // head gr, heads past the group zero columns.
     const float scale_log2 = scale * 1.4426950408889634f;
-    unsigned qb[D / 16][2];
+    unsigned qb[DH / 16][2];
     {
         const bool live = gr < G;
-        const store_t* qr = q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + 8 * tq;
+        const store_t* qr = q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + half * DH + 8 * tq;
 #pragma unroll
-        for (int k = 0; k < D / 16; ++k) {
+        for (int k = 0; k < DH / 16; ++k) {
             qb[k][0] = live ? ld32(qr + 32 * (k >> 1) + 4 * (k & 1)) : 0u;
             qb[k][1] = live ? ld32(qr + 32 * (k >> 1) + 4 * (k & 1) + 2) : 0u;
         }
     }
     // O^T accumulators: acc[n] rows gr / gr + 8 of m-tile n are dims 64(n / 4) + 8gr + 2(n % 4)
     // + 0 / 1; columns heads 2tq (0, 2) and 2tq + 1 (1, 3).
-    float acc[D / 16][4];
+    float acc[DH / 16][4];
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int n = 0; n < DH / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (; kb < s_end; kb += WARPS * FD_BN) {
-        const int kn = kb + WARPS * FD_BN;
-        FddTile<D> nxt;
+    for (int it = 0; kb < s_end; kb += SLOTS * FD_BN, ++it) {
+        const int kn = kb + SLOTS * FD_BN;
+        FddTile<DH> nxt;
         if (kn < s_end) nxt.load(k_cache, v_cache, table, kn, s_end, block_size, row_elems, head_off, gr, tq);
         // S^T = K Q^T: rows gr, gr + 8 = keys kb + gr (+8), columns 2tq, 2tq + 1 = heads.
         float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int k = 0; k < D / 16; ++k) {
+        for (int k = 0; k < DH / 16; ++k) {
             const int p = k >> 1, w = 2 * (k & 1);
             const unsigned a[4] = {u4_word(cur.k[0][p], w), u4_word(cur.k[1][p], w), u4_word(cur.k[0][p], w + 1),
                                    u4_word(cur.k[1][p], w + 1)};
             mma16816(sc, a, qb[k][0], qb[k][1]);
+        }
+        if constexpr (HALVES == 2) {
+            // The pair's two halves of each dot product summed (a + b == b + a: both warps hold
+            // the same scores and so the same softmax), through a buffer a tile parity so that
+            // one barrier a tile orders a write after the partner's read of two tiles before.
+            __shared__ float4 fdd_x[2][FDD_WARPS][32];
+            fdd_x[it & 1][warp][lane] = make_float4(sc[0], sc[1], sc[2], sc[3]);
+            if (slot == 0)  // immediate barrier ids (a register id reserves all 16)
+                asm volatile("bar.sync 1, 64;" ::: "memory");
+            else
+                asm volatile("bar.sync 2, 64;" ::: "memory");
+            const float4 o = fdd_x[it & 1][warp ^ 1][lane];
+            sc[0] += o.x;
+            sc[1] += o.y;
+            sc[2] += o.z;
+            sc[3] += o.w;
         }
         float mx[2];
 #pragma unroll
@@ -904,7 +925,7 @@ __device__ __forceinline__ void flash_decode_direct_body(
             l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
         }
 #pragma unroll
-        for (int n = 0; n < D / 16; ++n) {
+        for (int n = 0; n < DH / 16; ++n) {
             acc[n][0] *= corr[0];
             acc[n][1] *= corr[1];
             acc[n][2] *= corr[0];
@@ -916,7 +937,7 @@ __device__ __forceinline__ void flash_decode_direct_body(
         // V^T's A fragment of m-tile n: row gr (gr + 8) is the low (high) half of word n % 4 of
         // each key's slice c = n / 4; columns keys 2tq, 2tq + 1 (a0, a1) and 2tq + 8, 2tq + 9.
 #pragma unroll
-        for (int n = 0; n < D / 16; ++n) {
+        for (int n = 0; n < DH / 16; ++n) {
             const int c = n >> 2, w = n & 3;
             const unsigned v0 = u4_word(cur.v[0][c], w), v1 = u4_word(cur.v[1][c], w);
             const unsigned v2 = u4_word(cur.v[2][c], w), v3 = u4_word(cur.v[3][c], w);
@@ -932,16 +953,17 @@ __device__ __forceinline__ void flash_decode_direct_body(
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
     }
-    // The accumulators to shared memory by head dim (the permutation undone), then the merge.
-    float* ow = reinterpret_cast<float*>(fa_smem) + (warp * 8 + 2 * tq) * D + 8 * gr;  // head 2tq
+    // The accumulators to shared memory by head dim (the permutation undone), then the merge
+    // of the slots (both warps of a pair hold the same max and sum).
+    float* ow = reinterpret_cast<float*>(fa_smem) + (slot * 8 + 2 * tq) * D + half * DH + 8 * gr;  // head 2tq
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) {
+    for (int n = 0; n < DH / 16; ++n) {
         float* o = ow + 64 * (n >> 2) + 2 * (n & 3);
         *reinterpret_cast<float2*>(o) = make_float2(acc[n][0], acc[n][2]);
         *reinterpret_cast<float2*>(o + D) = make_float2(acc[n][1], acc[n][3]);
     }
-    fd_merge<D, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, t, kvh, G, n_q_heads, b, nb, out, part_acc,
-                       part_ml, arrivals);
+    fd_merge<D, SLOTS, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, slot, half == 0, t, kvh, G, n_q_heads, b, nb,
+                              out, part_acc, part_ml, arrivals);
 }
 
 #define FD_BODY(D)                                                                              \
@@ -1014,3 +1036,4 @@ FD_INSTANCE(256)
 
 FDD_INSTANCE(64)
 FDD_INSTANCE(128)
+FDD_INSTANCE(256)

@@ -411,7 +411,8 @@ fn tensor_core_decode_attention_split_size_timing() {
 
 /// The direct tensor-core form at other most splits a token (its kernels' layout argument; the
 /// batch-1 launch's is covered above: 1 (one split up to any context), 4, 9 and 32, for the
-/// Llama-3-8B shape, a group of 8 at d 64, a group of 3 at d 128 and MHA at d 64, both
+/// Llama-3-8B shape, a group of 8 at d 64, a group of 3 at d 128, MHA at d 64 and Qwen3.5-27B's
+/// groups of 6 at d 256 (a pair of warps a tile), both
 /// storages: each token alone against the CPU op over ragged tables, every row of a batch of 5
 /// the bits of its token alone, a block size of 8 (tiles across cache blocks) against the CPU
 /// op, counters back at 0.
@@ -424,7 +425,7 @@ fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
             return;
         }
         let mut rng = Rng::new(59);
-        for (hq, hk, d) in [(32, 8, 128), (16, 2, 64), (6, 2, 128), (4, 4, 64)] {
+        for (hq, hk, d) in [(32, 8, 128), (16, 2, 64), (6, 2, 128), (4, 4, 64), (24, 4, 256)] {
             for bs in [16, 8] {
                 let case = paged_case(&mut rng, st, &CONTEXTS, hk, d, bs);
                 let q = rounded(&rng.vec(CONTEXTS.len() * hq * d, -1.0, 1.0), st);
@@ -466,7 +467,7 @@ fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
 
 /// Per-call time of the direct tensor-core form at its launch's splits (`tc_direct_splits`, and
 /// at half and twice that many) against the forms the model ran there before it (scaled at 1-2
-/// tokens, fixed at 3-15) and the staged tensor-core form, Llama-3-8B attention shape, batch 1
+/// tokens, fixed at 3-15) and the staged tensor-core form, Llama-3-8B and Qwen3.5-27B attention shapes, batch 1
 /// to 64, contexts 256 to 32768, each call on the next of enough distinct K/V caches to pass
 /// 256 MB (AttnTimingCase). One TIMING line a case.
 #[test]
@@ -475,42 +476,42 @@ fn direct_tensor_core_decode_attention_timing() {
     if dev.compute_capability().0 < 8 {
         return;
     }
-    let (name, hq, hk, d) = ("llama3-8b", 32, 8, 128);
-    for batch in [1, 2, 4, 8, 16, 32, 64] {
-        for ctx in [256, 1024, 4096, 16384, 32768] {
-            if batch * ctx > 16 * 16384 {
-                continue;
-            }
-            let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 256 << 20);
-            let scratch = decode_scratch(&dev, batch, &case.shape);
-            let copies = case.caches.len();
-            let iters = 40 * copies.min(4);
-            let mut time = |form: DecodeAttentionForm, arg: Option<usize>| {
-                case.time(&dev, iters, |c, kc, vc, out| match arg {
-                    Some(a) => dev.paged_attention_decode_layout(form, a, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
-                    None => dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
-                })
-            };
-            let base = time(if batch <= DECODE_SCALED_MAX_TOKENS { DecodeAttentionForm::Scaled } else { DecodeAttentionForm::Fixed }, None);
-            let tc = time(DecodeAttentionForm::TensorCore, None);
-            let gbs = |t: f64| case_gbs(t, batch, ctx, hk, d);
-            let mut line = format!(
-                "TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): CUDA-core form {:.2} us {:.0} GB/s; staged tensor-core {:.2} us {:.0} GB/s ({:.3});",
-                base * 1e3,
-                gbs(base),
-                tc * 1e3,
-                gbs(tc),
-                tc / base
-            );
-            let chosen = tc_direct_splits(batch, hk, dev.sm_count());
-            for (what, splits) in [("default", chosen), ("half", chosen.div_ceil(2)), ("twice", (2 * chosen).min(DECODE_MAX_SPLITS))] {
-                let per_token = ctx.div_ceil(tc_direct_split_keys(ctx, splits));
-                let t = time(DecodeAttentionForm::TensorCoreDirect, Some(splits));
-                line += &format!(" direct {what} (max {splits}: {per_token} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, gbs(t), t / base);
-            }
-            assert_arrivals_reset(&dev, &scratch, &format!("direct timing batch {batch} ctx {ctx}"));
-            println!("{line}");
+    for (name, hq, hk, d, batch, ctx) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)]
+        .into_iter()
+        .flat_map(|(n, hq, hk, d)| [1, 2, 4, 8, 16, 32, 64].into_iter().flat_map(move |b| [256, 1024, 4096, 16384, 32768].map(|c| (n, hq, hk, d, b, c))))
+    {
+        if batch * ctx > 16 * 16384 || (d == 256 && (ctx == 256 || batch == 4 || batch == 32)) {
+            continue; // caches under ~2 GB; the 27B shape at fewer cases
         }
+        let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 256 << 20);
+        let scratch = decode_scratch(&dev, batch, &case.shape);
+        let copies = case.caches.len();
+        let iters = 40 * copies.min(4);
+        let mut time = |form: DecodeAttentionForm, arg: Option<usize>| {
+            case.time(&dev, iters, |c, kc, vc, out| match arg {
+                Some(a) => dev.paged_attention_decode_layout(form, a, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
+                None => dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
+            })
+        };
+        let base = time(if batch <= DECODE_SCALED_MAX_TOKENS { DecodeAttentionForm::Scaled } else { DecodeAttentionForm::Fixed }, None);
+        let tc = time(DecodeAttentionForm::TensorCore, None);
+        let gbs = |t: f64| case_gbs(t, batch, ctx, hk, d);
+        let mut line = format!(
+            "TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): CUDA-core form {:.2} us {:.0} GB/s; staged tensor-core {:.2} us {:.0} GB/s ({:.3});",
+            base * 1e3,
+            gbs(base),
+            tc * 1e3,
+            gbs(tc),
+            tc / base
+        );
+        let chosen = tc_direct_splits(batch, hk, dev.sm_count());
+        for (what, splits) in [("default", chosen), ("half", chosen.div_ceil(2)), ("twice", (2 * chosen).min(DECODE_MAX_SPLITS))] {
+            let per_token = ctx.div_ceil(tc_direct_split_keys(ctx, splits));
+            let t = time(DecodeAttentionForm::TensorCoreDirect, Some(splits));
+            line += &format!(" direct {what} (max {splits}: {per_token} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, gbs(t), t / base);
+        }
+        assert_arrivals_reset(&dev, &scratch, &format!("direct timing batch {batch} ctx {ctx}"));
+        println!("{line}");
     }
 }
 

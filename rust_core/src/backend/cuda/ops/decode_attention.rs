@@ -165,8 +165,8 @@ pub enum DecodeAttentionForm {
     /// sizes 64 / 128 / 256, at most 8 q heads a kv head; `tc_decode_fits`).
     TensorCore,
     /// `flash_decode_direct_*`: the tensor-core form with K/V loaded straight into the mma
-    /// fragments, no shared-memory staging (sm_80+, head sizes 64 / 128, at most 8 q heads a kv
-    /// head; `tc_direct_fits`).
+    /// fragments, no shared-memory staging (sm_80+, head sizes 64 / 128 / 256, at most 8 q heads
+    /// a kv head; `tc_direct_fits`).
     TensorCoreDirect,
 }
 
@@ -312,16 +312,19 @@ pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
 /// fixed, staged tensor-core by token count; an A/B and fallback switch).
 pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
 
-/// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 (a lane holds two
-/// tiles of K/V in registers) and GQA groups of at most 8 q heads.
+/// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 / 256 (a lane
+/// holds two tiles of K/V of up to 128 dims in registers; at 256 a pair of warps splits the
+/// dims) and GQA groups of at most 8 q heads.
 pub fn tc_direct_fits(sh: &PagedAttentionShape) -> bool {
-    matches!(sh.head_dim, 64 | 128) && tc_decode_fits(sh)
+    matches!(sh.head_dim, 64 | 128 | 256) && tc_decode_fits(sh)
 }
 
-/// Dynamic shared memory of `flash_decode_direct_d{d}`: the warps' merge (their O^T
-/// accumulators, maxima and sums), reused for the last block's split merge.
+/// Dynamic shared memory of `flash_decode_direct_d{d}`: the merge of its slots (a warp, or at
+/// d 256 a pair of warps; their O^T accumulators, maxima and sums), reused for the last
+/// block's split merge.
 pub fn tc_direct_smem_bytes(d: usize) -> usize {
-    let merge = TC_DIRECT_WARPS * 8 * d * 4 + 2 * TC_DIRECT_WARPS * 8 * 4;
+    let slots = TC_DIRECT_WARPS / d.div_ceil(128).max(1);
+    let merge = slots * 8 * d * 4 + 2 * slots * 8 * 4;
     let split_merge = (2 * 8 * DECODE_MAX_SPLITS + 8) * 4;
     merge.max(split_merge)
 }
@@ -329,7 +332,8 @@ pub fn tc_direct_smem_bytes(d: usize) -> usize {
 fn tc_direct_kernel_name(d: usize) -> &'static str {
     match d {
         64 => "flash_decode_direct_d64",
-        _ => "flash_decode_direct_d128",
+        128 => "flash_decode_direct_d128",
+        _ => "flash_decode_direct_d256",
     }
 }
 
@@ -494,7 +498,7 @@ impl CudaDevice {
                         format!(
                             "the {} form needs sm_80+, head size {} and at most 8 q heads a kv head (sm_{}{}, head size {}, {} / {} heads)",
                             if direct { "direct tensor-core" } else { "tensor-core" },
-                            if direct { "64/128" } else { "64/128/256" },
+                            "64/128/256",
                             self.compute_capability().0,
                             self.compute_capability().1,
                             shape.head_dim,
@@ -680,7 +684,9 @@ mod tests {
                 assert!(splits == 1 || rows * 8 * splits <= TC_DIRECT_BLOCKS_PER_SM * sms, "{sms} SMs, {t} tokens");
             }
         }
-        assert!(tc_direct_smem_bytes(128) <= 48 * 1024, "within the default limit: no opt-in, a small carveout");
+        for d in [64, 128, 256] {
+            assert!(tc_direct_smem_bytes(d) <= 48 * 1024, "d{d}: within the default limit: no opt-in, a small carveout");
+        }
         for splits in [1, 3, 9, 17, DECODE_MAX_SPLITS] {
             for max in [1, 63, 64, 65, 1000, 2048, 2049, 40000] {
                 let grid = tc_direct_grid_splits(max, splits);
@@ -747,7 +753,7 @@ mod tests {
         let fa = include_str!("../../../../../cuda/flash_attention.cu");
         assert!(fa.contains(&format!("#define FDD_WARPS {TC_DIRECT_WARPS}\n")));
         assert!(fa.contains(&format!("#define FD_BN {TC_TILE_KEYS}\n")));
-        for d in [64, 128] {
+        for d in [64, 128, 256] {
             assert!(fa.contains(&format!("\nFDD_INSTANCE({d})")), "FDD_INSTANCE({d})");
             assert_eq!(tc_direct_kernel_name(d), format!("flash_decode_direct_d{d}"));
         }
