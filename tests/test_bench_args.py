@@ -137,3 +137,15 @@ def test_records_carry_the_ninfer_settings_they_were_measured_under(tmp_path, mo
     monkeypatch.setenv("NINFER_KERNEL_CACHE", "/tmp/k")
     rec = b.record("decode_throughput_tok_s", "llama-3-8b", 1.0, s)
     assert rec["env"] == {"NINFER_SMEM_CARVEOUT": "auto", "NINFER_TC_DECODE_ATTN": "0"}
+
+
+@pytest.mark.parametrize("prompt, tokens, context", [(128, 256, 8192), (8000, 128, 8192), (8000, 256, 16384),
+                                                     (16384, 128, 32768), (32768, 128, 65536)])
+def test_the_checkpoint_context_holds_the_longest_batch_1_run(tmp_path, prompt, tokens, context):
+    """A long batch-1 run (--prompt + --tokens) needs a checkpoint whose context holds it (the
+    engine refuses a prompt past max_position_embeddings): 8192, or the next power of two."""
+    bench = _load("gpu_bench")
+    b = bench.Bench(bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--decode-8b",
+                                      "--prompt", str(prompt), "--tokens", str(tokens)]))
+    assert b.max_positions() == context
+    assert b.max_positions() >= prompt + tokens

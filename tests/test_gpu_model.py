@@ -811,6 +811,16 @@ def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_
                                       f"graphs={graphs}, {n} sequences: direct tensor-core vs the forms before it")
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_forms(tiny_checkpoints, n, monkeypatch):
+    # Qwen3.5-27B's attention head size (256: a pair of warps splits each tile's head dims).
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    d256 = tiny_checkpoints.get("qwen3_5", **{**GPU_SHAPES["qwen3_5"], "head_dim": 256})
+    _assert_switch_keeps_logits_close(d256, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
+                                      f"head size 256, {n} sequences: direct tensor-core vs the forms before it")
+
+
 @pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
                                            ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
                                            ("NINFER_CC_WARPS", "3"), ("NINFER_CC_KSPLIT", "3"),
