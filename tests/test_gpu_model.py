@@ -798,7 +798,7 @@ def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(dec
 
 
 # Decode attention on tensor cores with K/V loaded straight into the mma fragments
-# (NINFER_TC_DECODE_DIRECT, default on at every batch size where the head size is 64 / 128:
+# (NINFER_TC_DECODE_DIRECT, default on at every batch size where the head size is 64 / 128 / 256:
 # `flash_decode_direct_*`) against the forms it replaced (scaled at 1-2 tokens, fixed at 3-15,
 # staged tensor-core from 16): a different summation (P V in bf16), every logits row from the
 # same tokens within 2e-2, in graphs and eagerly, at batch 1, 5 and 20.

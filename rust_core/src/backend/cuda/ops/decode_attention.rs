@@ -308,7 +308,7 @@ pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
 }
 
 /// `NINFER_TC_DECODE_DIRECT` (default on): decode launches run the direct tensor-core form
-/// where it fits (head sizes 64 / 128, sm_80+); off runs the forms before it there (scaled,
+/// where it fits (head sizes 64 / 128 / 256, sm_80+); off runs the forms before it there (scaled,
 /// fixed, staged tensor-core by token count; an A/B and fallback switch).
 pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
 
@@ -367,9 +367,10 @@ pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 /// time at batch 1-8 and 1-32k keys, and 0.69-0.81x the staged form's at batch 16-64 and
 /// 1-4k keys; in the model (ab_tc_direct_*_1ab5e8a.log, one process a setting) batch-1 decode
 /// at a 32k context +14%, c = 4 / 8 +6.8% / +9.3% against the CUDA-core forms, c = 64 +5.0%
-/// against the staged form. The staged form keeps head size 256 (Qwen3.5-27B), where a lane
-/// cannot hold two tiles of K/V in registers. Why the staged form from TC_DECODE_MIN_TOKENS
-/// there: at batch 64 and ~1.2k keys on Llama-3-8B the fixed form took 223 us a layer, 59% of
+/// against the staged form; on Qwen3.5-27B (head size 256, 16 of 64 layers, ab_tc_direct_27b_*_558cb77.log)
+/// batch-1 decode at a 32k context +3.1%, at 1k -0.35% (per call 1.39x the scaled form's time at
+/// 1k keys, 0.65x at 32k), c = 8 / 64 +1.5% / +2.1%. Why the staged form from TC_DECODE_MIN_TOKENS
+/// where the direct one is off: at batch 64 and ~1.2k keys on Llama-3-8B the fixed form took 223 us a layer, 59% of
 /// the step (benches/results/decode_profile_8b_b64_0ea12b0.txt), and below 16 tokens its large
 /// shared-memory carveout cost the GEMVs around it more than it saved.
 pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>, direct: bool) -> DecodeAttentionForm {
