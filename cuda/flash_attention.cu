@@ -588,6 +588,43 @@ __device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const floa
     }
 }
 
+// The online softmax of one 16-key tile of a tensor-core decode form, in place: `sc` the lane's
+// S^T accumulators (keys kb + gr and kb + gr + 8, heads 2tq and 2tq + 1) become its
+// probabilities (keys at or past `s_end` 0), the running max `m` and sum `l` of the two heads and
+// the NT O^T accumulators are rescaled to the new max. ROUND: each probability rounded to the
+// storage type before it is summed (the form whose P V runs in the storage type).
+template <int NT, bool ROUND>
+__device__ __forceinline__ void fd_tile_softmax(float* sc, float* m, float* l, float (*acc)[4], int kb, int gr,
+                                                int s_end, float scale_log2) {
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        sc[h] = kb + gr < s_end ? sc[h] * scale_log2 : NEG_INF;
+        sc[h + 2] = kb + gr + 8 < s_end ? sc[h + 2] * scale_log2 : NEG_INF;
+        mx[h] = fmaxf(m[h], fmaxf(sc[h], sc[h + 2]));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+    }
+    // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        corr[h] = exp2f(m[h] - mx[h]);
+        m[h] = mx[h];
+        sc[h] = ROUND ? round_st(exp2f(sc[h] - mx[h])) : exp2f(sc[h] - mx[h]);
+        sc[h + 2] = ROUND ? round_st(exp2f(sc[h + 2] - mx[h])) : exp2f(sc[h + 2] - mx[h]);
+        l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= corr[0];
+        acc[n][1] *= corr[1];
+        acc[n][2] *= corr[0];
+        acc[n][3] *= corr[1];
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void flash_decode_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
@@ -665,33 +702,7 @@ __device__ __forceinline__ void flash_decode_body(
             ldsm_x4(a, ka + k * 32);
             mma16816(sc, a, qb[k][0], qb[k][1]);
         }
-        float mx[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            sc[h] = kb + gr < s_end ? sc[h] * scale_log2 : NEG_INF;
-            sc[h + 2] = kb + gr + 8 < s_end ? sc[h + 2] * scale_log2 : NEG_INF;
-            mx[h] = fmaxf(m[h], fmaxf(sc[h], sc[h + 2]));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-        }
-        // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
-        float corr[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            corr[h] = exp2f(m[h] - mx[h]);
-            m[h] = mx[h];
-            sc[h] = exp2f(sc[h] - mx[h]);
-            sc[h + 2] = exp2f(sc[h + 2] - mx[h]);
-            l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
-        }
-#pragma unroll
-        for (int n = 0; n < D / 16; ++n) {
-            acc[n][0] *= corr[0];
-            acc[n][1] *= corr[1];
-            acc[n][2] *= corr[0];
-            acc[n][3] *= corr[1];
-        }
+        fd_tile_softmax<D / 16, false>(sc, m, l, acc, kb, gr, s_end, scale_log2);
         // P^T (keys x heads) in f16, transposed into the B fragments of O^T += V^T P^T.
         const unsigned pb0 = movmatrix_trans(pack_f16x2(sc[0], sc[1]));
         const unsigned pb1 = movmatrix_trans(pack_f16x2(sc[2], sc[3]));
@@ -902,35 +913,9 @@ __device__ __forceinline__ void flash_decode_direct_body(
             sc[2] += o.z;
             sc[3] += o.w;
         }
-        float mx[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            sc[h] = kb + gr < s_end ? sc[h] * scale_log2 : NEG_INF;
-            sc[h + 2] = kb + gr + 8 < s_end ? sc[h + 2] * scale_log2 : NEG_INF;
-            mx[h] = fmaxf(m[h], fmaxf(sc[h], sc[h + 2]));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-        }
-        // Every tile has a key (kb < s_end), so mx is finite from the first tile on.
         // The probabilities rounded to the storage type before they are summed into l, so the
         // weights P V multiplies are the ones it is normalised by.
-        float corr[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            corr[h] = exp2f(m[h] - mx[h]);
-            m[h] = mx[h];
-            sc[h] = round_st(exp2f(sc[h] - mx[h]));
-            sc[h + 2] = round_st(exp2f(sc[h + 2] - mx[h]));
-            l[h] = l[h] * corr[h] + sc[h] + sc[h + 2];
-        }
-#pragma unroll
-        for (int n = 0; n < DH / 16; ++n) {
-            acc[n][0] *= corr[0];
-            acc[n][1] *= corr[1];
-            acc[n][2] *= corr[0];
-            acc[n][3] *= corr[1];
-        }
+        fd_tile_softmax<DH / 16, true>(sc, m, l, acc, kb, gr, s_end, scale_log2);
         // P^T (keys x heads) in the storage type, transposed into O^T's B fragments.
         const unsigned pb0 = movmatrix_trans(pack2(sc[0], sc[1]));
         const unsigned pb1 = movmatrix_trans(pack2(sc[2], sc[3]));
