@@ -363,9 +363,9 @@ pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 /// (`NINFER_BATCH_INVARIANT`): the scaled form gives a row the same bits in any batch, but
 /// switching form (or the direct form's splits) by batch size would not.
 /// Why the direct form: per call on the Llama-3-8B shape (H200,
-/// benches/results/cuda_ops_tc_direct_timing_1ab5e8a.log) 0.46-0.84x the scaled / fixed forms'
-/// time at batch 1-8 and 1-32k keys, and 0.69-0.81x the staged form's at batch 16-64 and
-/// 1-4k keys; in the model (ab_tc_direct_*_1ab5e8a.log, one process a setting) batch-1 decode
+/// benches/results/cuda_ops_tc_direct_timing_10a069a.log) 0.42-0.84x the scaled / fixed forms'
+/// time at batch 1-8 and 1-32k keys, and 0.64-0.83x the staged form's at batch 16-64 and
+/// 1-16k keys; in the model (ab_tc_direct_*_1ab5e8a.log, one process a setting) batch-1 decode
 /// at a 32k context +14%, c = 4 / 8 +6.8% / +9.3% against the CUDA-core forms, c = 64 +5.0%
 /// against the staged form; on Qwen3.5-27B (head size 256, 16 of 64 layers, ab_tc_direct_27b_*_558cb77.log)
 /// batch-1 decode at a 32k context +3.1%, at 1k -0.35% (per call 1.39x the scaled form's time at
