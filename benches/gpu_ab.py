@@ -9,7 +9,7 @@ rounds spreads the drift of a shared machine over both settings. Checkpoints are
 the first run and kept for the others; they are removed at the end unless --keep-checkpoints.
 
     python benches/gpu_bench.py --out ab.json --decode-8b --skip-peer \\
-        --ab NINFER_TC_DECODE_MIN_TILES=4,8 --ab-rounds 2
+        --ab NINFER_TC_DECODE_DIRECT=0,1 --ab-rounds 2
 """
 
 from __future__ import annotations

@@ -825,7 +825,9 @@ def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_
                                            ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
                                            ("NINFER_CC_WARPS", "3"), ("NINFER_CC_KSPLIT", "3"),
                                            ("NINFER_CC_KSPLIT", "512x256=3"), ("NINFER_CC_KSPLIT", "*=2,*=4"),
-                                           ("NINFER_TC_DECODE_ATTN", "maybe"), ("NINFER_TC_DECODE_DIRECT", "2")])
+                                           ("NINFER_TC_DECODE_ATTN", "maybe"), ("NINFER_TC_DECODE_DIRECT", "2"),
+                                           # the staged form's settings where it never runs (the direct form on)
+                                           ("NINFER_TC_DECODE_MIN_TILES", "4"), ("NINFER_TC_DECODE_MIN_TOKENS", "8")])
 def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
     monkeypatch.setenv(switch, value)
     with pytest.raises(Exception, match=switch):

@@ -79,8 +79,9 @@ pub struct CudaDevice {
     /// Fewest tokens a decode launch runs the tensor-core form for (`NINFER_TC_DECODE_MIN_TOKENS`,
     /// default TC_DECODE_MIN_TOKENS); read once.
     tc_decode_min_tokens: usize,
-    /// `NINFER_TC_DECODE_DIRECT` (default on): decode launches run the direct tensor-core form
-    /// where it fits (ops/decode_attention.rs `decode_attention_form`); read once.
+    /// `NINFER_TC_DECODE_DIRECT` (default on) and `NINFER_TC_DECODE_ATTN` on: decode launches
+    /// run the direct tensor-core form where it fits (ops/decode_attention.rs
+    /// `decode_attention_form`); read once.
     tc_decode_direct: bool,
     /// Streaming multiprocessors (the direct decode attention sizes its launches by them).
     sm_count: usize,
@@ -162,7 +163,13 @@ impl CudaDevice {
         let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok().as_deref())?);
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
-        let tc_decode_direct = crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
+        // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether.
+        let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
+        super::ops::check_staged_tc_settings(
+            tc_decode_attn && !tc_decode_direct,
+            std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref(),
+            std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok().as_deref(),
+        )?;
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?
@@ -244,7 +251,7 @@ impl CudaDevice {
     }
 
     /// Whether decode launches run the direct tensor-core form where it fits
-    /// (`NINFER_TC_DECODE_DIRECT`).
+    /// (`NINFER_TC_DECODE_DIRECT`, and not `NINFER_TC_DECODE_ATTN=0`).
     pub fn tc_decode_direct(&self) -> bool {
         self.tc_decode_direct
     }

@@ -312,6 +312,28 @@ pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
 /// fixed, staged tensor-core by token count; an A/B and fallback switch).
 pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
 
+/// The staged tensor-core form's settings (`NINFER_TC_DECODE_MIN_TOKENS`,
+/// `NINFER_TC_DECODE_MIN_TILES`, their raw values) are an error where that form never runs
+/// (`staged_runs` false: NINFER_TC_DECODE_ATTN=0, or the direct form on, which takes every
+/// launch the staged form fits): a setting that is accepted must change something. Unset,
+/// blank or `auto` is always accepted.
+pub fn check_staged_tc_settings(staged_runs: bool, min_tokens: Option<&str>, min_tiles: Option<&str>) -> Result<()> {
+    if staged_runs {
+        return Ok(());
+    }
+    for (var, value) in [(TC_DECODE_MIN_TOKENS_VAR, min_tokens), (TC_MIN_WARP_TILES_VAR, min_tiles)] {
+        if let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) {
+            return Err(crate::NinferError::config(
+                var,
+                format!(
+                    "{v:?} tunes the staged tensor-core decode attention, which runs only with {TC_DECODE_ATTN_SWITCH} on and {TC_DECODE_DIRECT_SWITCH}=0"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 / 256 (a lane
 /// holds two tiles of K/V of up to 128 dims in registers; at 256 a pair of warps splits the
 /// dims) and GQA groups of at most 8 q heads.
@@ -664,6 +686,18 @@ mod tests {
         assert_eq!(decode_attention_form(2, false, Some(3), true), TensorCoreDirect);
         assert_eq!(decode_attention_form(64, false, Some(3), true), TensorCoreDirect);
         assert_eq!(decode_attention_form(8, true, Some(3), true), Scaled);
+    }
+
+    #[test]
+    fn staged_settings_are_refused_where_the_staged_form_never_runs() {
+        for unset in [None, Some(""), Some(" auto ")] {
+            check_staged_tc_settings(false, unset, unset).unwrap();
+        }
+        check_staged_tc_settings(true, Some("8"), Some("4")).unwrap();
+        for (tokens, tiles, var, value) in [(Some("8"), None, TC_DECODE_MIN_TOKENS_VAR, "8"), (None, Some("4"), TC_MIN_WARP_TILES_VAR, "4")] {
+            let e = check_staged_tc_settings(false, tokens, tiles).unwrap_err().to_string();
+            assert!(e.contains(var) && e.contains(value) && e.contains(TC_DECODE_DIRECT_SWITCH), "{e}");
+        }
     }
 
     #[test]
