@@ -160,16 +160,14 @@ impl CudaDevice {
         let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(cc_ksplit_plan.default.unwrap_or(1)));
         let cc_warps_set = warps.is_some();
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
-        let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok().as_deref())?);
+        let min_tiles_var = std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok();
+        let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(min_tiles_var.as_deref())?);
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
-        let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref())?;
+        let min_tokens_var = std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok();
+        let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(min_tokens_var.as_deref())?;
         // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether.
         let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
-        super::ops::check_staged_tc_settings(
-            tc_decode_attn && !tc_decode_direct,
-            std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok().as_deref(),
-            std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok().as_deref(),
-        )?;
+        super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?
