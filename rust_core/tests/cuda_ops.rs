@@ -277,7 +277,8 @@ fn swiglu_and_sigmoid_gate_match_reference() {
     for st in STORAGES {
         let Some(dev) = gpu("swiglu", st) else { return };
         let mut rng = Rng::new(6);
-        for (rows, n) in [(1, 64), (9, 1000), (130, 3072)] {
+        // n a multiple of 8: the 16-byte chunk kernels; 1001: the scalar ones.
+        for (rows, n) in [(1, 64), (9, 1000), (130, 3072), (5, 1001)] {
             // fused gate_up: [rows, 2n], gate first.
             let gu = rounded(&rng.vec(rows * 2 * n, -4.0, 4.0), st);
             let gu_dev = upload(&dev, &gu);
@@ -293,6 +294,34 @@ fn swiglu_and_sigmoid_gate_match_reference() {
                 (0..rows * n).map(|e| x[e] * reference::sigmoid(gu[(e / n) * 2 * n + e % n])).collect();
             check("sigmoid_gate_mul", st, &format!("{rows}x{n}"), &xo.read(&dev, "gate"), &want, tol16(st));
         }
+    }
+}
+
+/// The chunked (`_v8`) and scalar forms of swiglu and sigmoid_gate_mul agree bit for bit: the
+/// same operands read once from aligned rows (chunked) and once one element past a 16-byte
+/// boundary (the launcher falls back to the scalar kernel).
+#[test]
+fn swiglu_and_sigmoid_gate_chunked_equal_scalar_bitwise() {
+    for st in STORAGES {
+        let Some(dev) = gpu("swiglu chunked vs scalar", st) else { return };
+        let mut rng = Rng::new(61);
+        let (rows, n) = (33, 2048);
+        let gu = rounded(&rng.vec(rows * 2 * n, -6.0, 6.0), st);
+        let shifted: Vec<f32> = std::iter::once(0.0).chain(gu.iter().copied()).collect();
+        let (aligned, skewed) = (upload(&dev, &gu), upload(&dev, &shifted));
+        let skewed = skewed.slice(1..);
+        let mut a = Out16::new(&dev, rows * n);
+        dev.swiglu(&aligned, &aligned.slice(n..), &mut a.view(), rows, n, 2 * n, 2 * n).unwrap();
+        let mut b = Out16::new(&dev, rows * n);
+        dev.swiglu(&skewed, &skewed.slice(n..), &mut b.view(), rows, n, 2 * n, 2 * n).unwrap();
+        assert_bitwise(&a.read(&dev, "swiglu chunked"), &b.read(&dev, "swiglu scalar"), &format!("swiglu {st:?}"));
+
+        let x = rounded(&rng.vec(rows * n, -3.0, 3.0), st);
+        let mut xa = Out16::with(&dev, &x);
+        dev.sigmoid_gate_mul(&mut xa.view(), &aligned, rows, n, 2 * n).unwrap();
+        let mut xb = Out16::with(&dev, &x);
+        dev.sigmoid_gate_mul(&mut xb.view(), &skewed, rows, n, 2 * n).unwrap();
+        assert_bitwise(&xa.read(&dev, "gate chunked"), &xb.read(&dev, "gate scalar"), &format!("sigmoid_gate_mul {st:?}"));
     }
 }
 

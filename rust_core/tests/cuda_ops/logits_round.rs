@@ -61,3 +61,26 @@ fn rounded_linear_f32_out_equals_the_unrounded_output_rounded_on_both_routes() {
         }
     }
 }
+
+/// `round_f32_to_storage` on 16-byte aligned logits (four a thread, a ragged tail) and on a
+/// buffer one f32 past the boundary (the scalar kernel): both the host's rounding, bit for bit,
+/// and nothing past the length touched (Out32's guard).
+#[test]
+fn round_f32_to_storage_rounds_aligned_and_unaligned_buffers() {
+    for st in STORAGES {
+        let Some(dev) = gpu("round_f32_to_storage", st) else { return };
+        let mut rng = Rng::new(93);
+        for len in [1, 3, 4, 1027, 64 * 1283 + 2] {
+            let v = rng.vec(len, -30.0, 30.0);
+            let mut aligned = Out32::with(&dev, &v);
+            dev.round_f32_to_storage(&mut aligned.view(), len).unwrap();
+            assert_rounded(&aligned.read(&dev, "round aligned"), &v, st, &format!("aligned len {len}"));
+            let shifted: Vec<f32> = std::iter::once(7.0).chain(v.iter().copied()).collect();
+            let mut skewed = Out32::with(&dev, &shifted);
+            dev.round_f32_to_storage(&mut skewed.view().slice_mut(1..), len).unwrap();
+            let got = skewed.read(&dev, "round unaligned");
+            assert_eq!(got[0], 7.0, "the element before the buffer was touched");
+            assert_rounded(&got[1..], &v, st, &format!("unaligned len {len}"));
+        }
+    }
+}

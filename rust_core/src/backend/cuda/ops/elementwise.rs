@@ -13,6 +13,19 @@ fn elementwise_grid(total: usize) -> (u32, u32, u32) {
     (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
 }
 
+/// Whether a [rows, n] elementwise op can run its `_v8` kernel (activation.cu): every row of
+/// every operand starts on a 16-byte boundary (n and the strides multiples of 8 elements, the
+/// base pointers 16-byte aligned).
+fn rows_in_chunks(n: usize, strides: &[usize], ptrs: &[u64]) -> bool {
+    n.is_multiple_of(8) && strides.iter().all(|s| s.is_multiple_of(8)) && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+/// Grid of the `_v8` kernels: x over a row's 16-byte chunks (256 a block), y over the rows
+/// (the kernels stride past 65535).
+fn chunked_rows_grid(rows: usize, n: usize) -> (u32, u32, u32) {
+    ((n / 8).div_ceil(256).max(1) as u32, rows.clamp(1, 65_535) as u32, 1)
+}
+
 impl CudaDevice {
     /// out[t] = table[ids[t]] for `ids.len()` tokens; table is [vocab, hidden].
     pub fn embedding(
@@ -112,7 +125,6 @@ impl CudaDevice {
         check_len("swiglu gate", gate.len(), strided_len(rows, n, gate_stride))?;
         check_len("swiglu up", up.len(), strided_len(rows, n, up_stride))?;
         check_len("swiglu out", out.len(), rows * n)?;
-        let f = self.function(KernelFamily::Activation, "swiglu")?;
         let s = self.stream();
         let (gp, _a) = gate.device_ptr(s);
         let (upp, _b) = up.device_ptr(s);
@@ -126,6 +138,11 @@ impl CudaDevice {
             KArg::I64(gate_stride as i64),
             KArg::I64(up_stride as i64),
         ];
+        if rows_in_chunks(n, &[gate_stride, up_stride], &[gp, upp, op]) {
+            let f = self.function(KernelFamily::Activation, "swiglu_v8")?;
+            return self.launch_pdl(&f, cfg(chunked_rows_grid(rows, n), 256), "swiglu_v8", &args);
+        }
+        let f = self.function(KernelFamily::Activation, "swiglu")?;
         self.launch_pdl(&f, cfg(elementwise_grid(rows * n), 256), "swiglu", &args)
     }
 
@@ -141,7 +158,6 @@ impl CudaDevice {
     ) -> Result<()> {
         check_len("sigmoid_gate_mul x", x.len(), rows * n)?;
         check_len("sigmoid_gate_mul gate", gate.len(), strided_len(rows, n, gate_stride))?;
-        let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul")?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr_mut(s);
         let (gp, _b) = gate.device_ptr(s);
@@ -153,6 +169,11 @@ impl CudaDevice {
             KArg::I32(as_i32("n", n)?),
             KArg::I64(gate_stride as i64),
         ];
+        if rows_in_chunks(n, &[gate_stride], &[xp, gp]) {
+            let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul_v8")?;
+            return self.launch_pdl(&f, cfg(chunked_rows_grid(rows, n), 256), "sigmoid_gate_mul_v8", &args);
+        }
+        let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul")?;
         self.launch_pdl(&f, cfg(elementwise_grid(rows * n), 256), "sigmoid_gate_mul", &args)
     }
 }
