@@ -276,17 +276,6 @@ __device__ __forceinline__ void store_state_column(float* st, int dv, const floa
     for (int i = 0; i < DK; ++i) p[(long long)i * dv] = col[i];
 }
 
-// Reads a state column (from global or shared memory), its addresses through an opaque move
-// as store_state_column's: computed where they are used, not kept live across the loop around
-// it (the staged form's item loop spilled ~400 bytes a thread without it).
-template <int DK>
-__device__ __forceinline__ void load_state_column(const float* st, int dv, float* col) {
-    const float* p;
-    asm("mov.b64 %0, %1;" : "=l"(p) : "l"(st));
-#pragma unroll
-    for (int i = 0; i < DK; ++i) col[i] = p[(long long)i * dv];
-}
-
 // Grid (DV / 32, n_v_heads, n_seqs), one warp per block; lane j owns column j of S. Gates come
 // precomputed (gdn_gates); out is the raw attention output [T, n_v_heads, dv].
 template <int DK>
@@ -323,23 +312,11 @@ __device__ __forceinline__ void recurrent_body(
 // projection's a / b columns (gdn_gate) and the output is the gated RMSNorm
 // rmsnorm(o) * w * silu(z) (gated_norm_rstd / gated_norm_out, as rmsnorm_gated), so a decode
 // step runs one kernel where gdn_gates + gdn_recurrent + rmsnorm_gated ran three.
-// A block of dv threads owns a whole head (which the norm needs) of one sequence: an item,
-// item = sequence * n_v_heads + head. Thread j owns column j with the same chain as
-// recurrent_body; o is rounded to the storage type before the norm, as the unfused path stores
-// it, so for dv <= 256 the result is the unfused path's bits (the block sum adds the same warp
-// sums in the same order as rmsnorm_gated's 256-thread block, whose extra warps add zeros).
-//
-// Two launch forms (ops/gdn.rs GdnDecodeForm), the same arithmetic on the same values:
-// - registers (`stage` null): a block per item, the column loaded from global memory straight
-//   into registers.
-// - staged (`stage` = DK * dv floats of dynamic shared memory, sm_80+): a persistent grid of as
-//   many blocks as fit at once, each walking items blockIdx.x, + gridDim.x, ...; while a block
-//   updates one item's state it copies the next item's (a contiguous DK x dv block) into shared
-//   memory with cp.async. Why: the state is the whole DK x dv f32 head (64 KiB at the 27B
-//   shape), held in 255 registers a thread, so two blocks fit an SM and in the registers form
-//   both load, compute and store in step: the batch-64 Qwen3.5-27B profile at c206865 had this
-//   kernel at 128.5 us a layer for 403 MB of state read and written (3.1 TB/s), a quarter of the
-//   step. Staging keeps the next state's reads in flight behind the update and the stores.
+// Grid (n_v_heads, n_seqs), dv / 32 warps per block: the block owns a whole head, which the norm
+// needs. Thread j owns column j with the same chain as recurrent_body; o is rounded to the
+// storage type before the norm, as the unfused path stores it, so for dv <= 256 the result is
+// the unfused path's bits (the block sum adds the same warp sums in the same order as
+// rmsnorm_gated's 256-thread block, whose extra warps add zeros).
 template <int DK>
 __device__ __forceinline__ void recurrent_gated_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
@@ -348,66 +325,38 @@ __device__ __forceinline__ void recurrent_gated_body(
     const float* __restrict__ dt_bias, float* __restrict__ state,
     const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
     const store_t* __restrict__ z, long long z_stride, const store_t* __restrict__ norm_w,
-    float eps, int n_k_heads, int n_v_heads, int dv, store_t* __restrict__ out, int n_items,
-    float* stage) {
+    float eps, int n_k_heads, int n_v_heads, int dv, store_t* __restrict__ out) {
     __shared__ float sq[DK], sk[DK], scratch[32];
     pdl_enter();
     const int j = threadIdx.x;
-    int item = blockIdx.x;
-    const float w = to_f32(norm_w[j]);
-    // The head's state: [DK, dv] floats, contiguous, at `item_state(item)`.
-    auto item_state = [&](int it) {
-        return state + ((long long)slots[it / n_v_heads] * n_v_heads + it % n_v_heads) * DK * dv;
-    };
+    const int h = blockIdx.x;
+    const int s = blockIdx.y;
+    const int kh = h / (n_v_heads / n_k_heads);
+    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
     float col[DK];
-    for (bool staged_col = false; item < n_items; item += gridDim.x, staged_col = stage != nullptr) {
-        // This item's columns: from the shared-memory copy the previous item started, or
-        // straight from global memory (the first item; every item in the registers form).
-        if (staged_col) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-            // Every thread's chunks landed, then the whole head is visible to the block; the
-            // second barrier keeps the next copy from overwriting a column still being read.
-            cp_async_wait_all();
-            __syncthreads();
-            load_state_column<DK>(stage + j, dv, col);
-            __syncthreads();
-#endif
-        } else {
-            load_state_column<DK>(item_state(item) + j, dv, col);
-        }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-        if (stage != nullptr && item + (int)gridDim.x < n_items) {
-            // 16-byte chunks c = j, j + dv, ...: the block's copies of a head are contiguous.
-            const float* src = item_state(item + gridDim.x);
-            const unsigned dst = smem_u32(stage);
-            for (int c = j; c < DK * dv / 4; c += dv) cp_async16(dst + 16 * c, src + 4 * c);
-            cp_async_commit();
-        }
-#endif
-        const int s = item / n_v_heads, h = item % n_v_heads;
-        const int kh = h / (n_v_heads / n_k_heads);
-        const float al = a_log[h], dtb = dt_bias[h];
-        for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-            // This token's own inputs, loaded before the barriers (which the compiler does not
-            // move loads across) so that their latency overlaps warp 0's q / k loads.
-            const float av = to_f32(a[t * ab_stride + h]), bv = to_f32(b[t * ab_stride + h]);
-            const float vv = to_f32(v[t * v_stride + (long long)h * dv + j]);
-            const float zv = to_f32(z[t * z_stride + (long long)h * dv + j]);
-            // Warp 0 rewrites sq / sk only after this barrier (or the previous token's
-            // block_sum barriers), which every thread passes after its last read of the
-            // previous values.
-            __syncthreads();
-            if (j < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, j, sq, sk);
-            __syncthreads();
-            float g, bt;
-            gdn_gate(av, bv, al, dtb, &g, &bt);
-            const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt, vv);
-            const float x = to_f32(from_f32(o));
-            const float rstd = gated_norm_rstd(block_sum(x * x, scratch), dv, eps);
-            out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
-        }
-        store_state_column<DK>(item_state(item) + j, dv, col);
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
+    const float w = to_f32(norm_w[j]);
+    const float al = a_log[h], dtb = dt_bias[h];
+    for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        // This token's own inputs, loaded before the barriers (which the compiler does not move
+        // loads across) so that their latency overlaps warp 0's q / k loads.
+        const float av = to_f32(a[t * ab_stride + h]), bv = to_f32(b[t * ab_stride + h]);
+        const float vv = to_f32(v[t * v_stride + (long long)h * dv + j]);
+        const float zv = to_f32(z[t * z_stride + (long long)h * dv + j]);
+        // Warp 0 rewrites sq / sk only after this barrier (or the previous token's block_sum
+        // barriers), which every thread passes after its last read of the previous values.
+        __syncthreads();
+        if (j < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, j, sq, sk);
+        __syncthreads();
+        float g, bt;
+        gdn_gate(av, bv, al, dtb, &g, &bt);
+        const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt, vv);
+        const float x = to_f32(from_f32(o));
+        const float rstd = gated_norm_rstd(block_sum(x * x, scratch), dv, eps);
+        out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
     }
+    store_state_column<DK>(st, dv, col);
 }
 
 #define RECURRENT_INSTANCE(DK)                                                                  \
@@ -429,13 +378,10 @@ RECURRENT_INSTANCE(128)
         long long v_stride, const store_t* a, const store_t* b, long long ab_stride,            \
         const float* a_log, const float* dt_bias, float* state, const int* cu_seqlens,          \
         const int* slots, const store_t* z, long long z_stride, const store_t* norm_w,          \
-        float eps, int n_k_heads, int n_v_heads, int dv, store_t* out, int n_items,             \
-        int staged) {                                                                           \
-        extern __shared__ float4 gdn_stage[];                                                   \
+        float eps, int n_k_heads, int n_v_heads, int dv, store_t* out) {                        \
         recurrent_gated_body<DK>(q, k, qk_stride, v, v_stride, a, b, ab_stride, a_log, dt_bias, \
                                  state, cu_seqlens, slots, z, z_stride, norm_w, eps, n_k_heads, \
-                                 n_v_heads, dv, out, n_items,                                   \
-                                 staged ? reinterpret_cast<float*>(gdn_stage) : nullptr);       \
+                                 n_v_heads, dv, out);                                           \
     }
 
 RECURRENT_GATED_INSTANCE(64)

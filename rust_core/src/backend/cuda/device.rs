@@ -37,9 +37,6 @@ pub struct CudaDevice {
     /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
     /// once per kernel, not per launch (a driver call the launch does not need).
     smem_limits: Mutex<HashMap<&'static str, usize>>,
-    /// Blocks of a kernel resident on the whole GPU at once, by (kernel, block size, dynamic
-    /// shared memory): the driver's occupancy times the SM count, asked once (`resident_blocks`).
-    resident: Mutex<HashMap<(&'static str, u32, usize), usize>>,
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
     blas_workspace: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
@@ -188,7 +185,6 @@ impl CudaDevice {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             smem_limits: Mutex::new(HashMap::new()),
-            resident: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
             pdl,
@@ -436,23 +432,6 @@ impl CudaDevice {
             limits.insert(name, smem);
         }
         Ok(f)
-    }
-
-    /// How many blocks of `block` threads and `smem` bytes of dynamic shared memory of kernel
-    /// `f` (named `name`) the whole GPU holds at once: the driver's occupancy (registers, shared
-    /// memory, launch bounds) per SM times the SMs. For persistent grids that walk their work
-    /// items (ops/gdn.rs, the staged GDN decode); at least 1.
-    pub(crate) fn resident_blocks(&self, f: &CudaFunction, name: &'static str, block: u32, smem: usize) -> Result<usize> {
-        let key = (name, block, smem);
-        if let Some(&n) = self.resident.lock().expect("occupancy cache poisoned").get(&key) {
-            return Ok(n);
-        }
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(block, smem, None)
-            .map_err(|e| NinferError::Device(format!("occupancy of {name} ({block} threads, {smem} bytes of shared memory): {e}")))?;
-        let n = (per_sm as usize * self.sm_count).max(1);
-        self.resident.lock().expect("occupancy cache poisoned").insert(key, n);
-        Ok(n)
     }
 
     /// The cuBLAS handle bound to this device's stream, created on first use.

@@ -50,34 +50,6 @@ pub struct RecurrentShape {
 /// __launch_bounds__(256, 1) in cuda/gdn.cu).
 pub const GATED_MAX_DV: usize = 256;
 
-/// How `gdn_recurrent_gated` is launched: the kernel's two forms (cuda/gdn.cu), which run the
-/// same arithmetic on the same values, so they give the same bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GdnDecodeForm {
-    /// A block per (sequence, value head), its state loaded straight into registers.
-    Registers,
-    /// A persistent grid of as many blocks as the GPU holds at once, each copying the next
-    /// item's state into shared memory (cp.async, sm_80+) while it updates the current one.
-    Staged,
-}
-
-/// Largest head state (dk x dv f32) the staged form copies into shared memory: 64 KiB, the
-/// Qwen3.5 / Qwen3-Next head (128 x 128), within every sm_80+ device's opt-in limit.
-pub const GDN_STAGE_MAX_BYTES: usize = 64 * 1024;
-
-/// The form for `items` (sequences x value heads) where the staged form can run (sm_80+, a
-/// 16-byte aligned state, a head within GDN_STAGE_MAX_BYTES) and `resident` of its blocks fit
-/// the GPU at once: staged where the items take more than one wave (then the copies have
-/// updates to hide behind; at the Qwen3.5-27B shape on an H200, 48 heads x 6 sequences), else
-/// registers (one wave gains nothing from the shared-memory hop).
-pub fn gdn_decode_form(items: usize, resident: usize) -> GdnDecodeForm {
-    if items > resident {
-        GdnDecodeForm::Staged
-    } else {
-        GdnDecodeForm::Registers
-    }
-}
-
 /// Tokens per block of `causal_conv1d_tiled_k*` (CONV_TOKEN_TILE in cuda/gdn.cu).
 const CONV_TOKEN_TILE: usize = 32;
 /// The largest grid y dimension CUDA launches.
@@ -343,38 +315,9 @@ impl CudaDevice {
     /// ranges of the fused input projection); out is [T, n_v_heads, dv]. For dv <= 256 the
     /// output and state are the three-kernel path's bits. One block of dv threads per (value
     /// head, sequence), so dv is at most 256 (the kernel's launch bound).
-    /// Launched in the form `gdn_decode_form` picks for the step.
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_recurrent_gated(
         &self,
-        q: &impl DevicePtr<u16>,
-        k: &impl DevicePtr<u16>,
-        v: &impl DevicePtr<u16>,
-        a: &impl DevicePtr<u16>,
-        b: &impl DevicePtr<u16>,
-        ab_stride: usize,
-        a_log: &impl DevicePtr<f32>,
-        dt_bias: &impl DevicePtr<f32>,
-        state: &mut impl DevicePtrMut<f32>,
-        cu_seqlens: &impl DevicePtr<i32>,
-        slots: &impl DevicePtr<i32>,
-        z: &impl DevicePtr<u16>,
-        z_stride: usize,
-        norm_w: &impl DevicePtr<u16>,
-        eps: f32,
-        out: &mut impl DevicePtrMut<u16>,
-        sh: &RecurrentShape,
-    ) -> Result<()> {
-        self.gdn_recurrent_gated_as(None, q, k, v, a, b, ab_stride, a_log, dt_bias, state, cu_seqlens, slots, z, z_stride, norm_w, eps, out, sh)
-    }
-
-    /// `gdn_recurrent_gated` in a given form (None: `gdn_decode_form`'s), for the tests that
-    /// hold the two forms to the same bits and time them. `Staged` where the device or the
-    /// state's alignment cannot run it is an error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gdn_recurrent_gated_as(
-        &self,
-        form: Option<GdnDecodeForm>,
         q: &impl DevicePtr<u16>,
         k: &impl DevicePtr<u16>,
         v: &impl DevicePtr<u16>,
@@ -419,7 +362,7 @@ impl CudaDevice {
         if n_seqs == 0 {
             return Ok(());
         }
-        let items = n_seqs * nv;
+        let f = self.function(KernelFamily::Gdn, name)?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);
@@ -434,7 +377,7 @@ impl CudaDevice {
         let (zp, _k) = z.device_ptr(s);
         let (wp, _l) = norm_w.device_ptr(s);
         let (op, _m) = out.device_ptr_mut(s);
-        let mut args = [
+        let args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
             KArg::I64(sh.qk_stride as i64),
@@ -456,37 +399,9 @@ impl CudaDevice {
             KArg::I32(as_i32("n_v_heads", nv)?),
             KArg::I32(as_i32("dv", sh.dv)?),
             KArg::Ptr(op),
-            KArg::I32(as_i32("gdn items", items)?),
-            KArg::I32(0), // staged, set below
         ];
-        let block = sh.dv as u32;
-        let stage_bytes = sh.dk * sh.dv * 4;
-        let cc = self.compute_capability();
-        let can_stage = cc.0 >= 8 && sp.is_multiple_of(16) && stage_bytes <= GDN_STAGE_MAX_BYTES;
-        let form = match form {
-            Some(GdnDecodeForm::Staged) if !can_stage => {
-                return Err(NinferError::Device(format!(
-                    "the staged GDN decode needs sm_80+, a 16-byte aligned state and a head of at most {GDN_STAGE_MAX_BYTES} bytes (device {}, state at {sp:#x}, head {stage_bytes} bytes)",
-                    self.arch()
-                )));
-            }
-            Some(f) => f,
-            None if !can_stage => GdnDecodeForm::Registers,
-            None => {
-                let f = self.function_with_smem(KernelFamily::Gdn, name, stage_bytes)?;
-                gdn_decode_form(items, self.resident_blocks(&f, name, block, stage_bytes)?)
-            }
-        };
-        let (f, grid, smem) = match form {
-            GdnDecodeForm::Registers => (self.function(KernelFamily::Gdn, name)?, items, 0),
-            GdnDecodeForm::Staged => {
-                let f = self.function_with_smem(KernelFamily::Gdn, name, stage_bytes)?;
-                let resident = self.resident_blocks(&f, name, block, stage_bytes)?;
-                args[22] = KArg::I32(1);
-                (f, items.min(resident), stage_bytes)
-            }
-        };
-        let config = LaunchConfig { grid_dim: (as_i32("gdn grid", grid)? as u32, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 };
+        let grid = (nv as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
+        let config = LaunchConfig { grid_dim: grid, block_dim: (sh.dv as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch_pdl(&f, config, name, &args)
     }
 
@@ -558,20 +473,5 @@ impl<T: DevicePtr<u16>> DevicePtrDyn for T {
     }
     fn raw_ptr(&self, stream: &cudarc::driver::CudaStream) -> u64 {
         self.device_ptr(stream).0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gdn_decode_stages_only_past_one_wave_of_blocks() {
-        // Qwen3.5-27B on an H200: 48 heads, two staged blocks an SM on 132 SMs.
-        let resident = 2 * 132;
-        assert_eq!(gdn_decode_form(48, resident), GdnDecodeForm::Registers);
-        assert_eq!(gdn_decode_form(5 * 48, resident), GdnDecodeForm::Registers);
-        assert_eq!(gdn_decode_form(6 * 48, resident), GdnDecodeForm::Staged);
-        assert_eq!(gdn_decode_form(64 * 48, resident), GdnDecodeForm::Staged);
     }
 }
