@@ -15,7 +15,8 @@
 // Two tilings (the launcher picks; flash_attention.rs):
 // - 4 warps (64 rows), one K/V buffer loaded synchronously between two barriers: every head
 //   size, and d 256 where a block may not have 132 KiB of shared memory (sm_86/sm_89).
-// - d 256 and d 128, 8 warps (128 rows), two K/V buffers filled by cp.async: tile t+1 is in
+// - d 256 and d 128, 8 warps (128 rows), two K/V buffers filled by cp.async (at d 128 tiles of
+//   64 keys, or 128 where a block may take 174 KiB of shared memory: sm_90): tile t+1 is in
 //   flight while tile t is multiplied. At d 256 the f32 O accumulators take 128 registers a lane, so
 //   an SM holds only 8 warps (238 registers a lane, no spills); with the synchronous form those
 //   were two 4-warp blocks, each idle while its tile came from L2, and every K/V tile crossed
@@ -274,6 +275,9 @@ __device__ __forceinline__ void flash_body(
     const int pos_b = rb < n_rows ? token_pos[row0 + rb] : -1;
     const int warp_last = min(tile0 + warp * 16 + 15, n_rows - 1);
     const int warp_max_pos = warp_last >= tile0 + warp * 16 ? token_pos[row0 + warp_last] : -1;
+    // Every row of the warp sees keys 0..warp_min_pos (-1 when a row lies past the sequence):
+    // tiles ending there need no causal mask (the mask leaves their scores as they are).
+    const int warp_min_pos = tile0 + warp * 16 + 15 < n_rows ? token_pos[row0 + tile0 + warp * 16] : -1;
     const int kv_len = token_pos[row0 + tile0 + tile_rows - 1] + 1;
     const int* table = block_tables + (long long)s * max_blocks;
 
@@ -345,15 +349,28 @@ __device__ __forceinline__ void flash_body(
             }
         }
         float mx_a = m_a, mx_b = m_b;
+        if (kb + BN - 1 <= warp_min_pos) {
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
+            for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = kb + n * 8 + 2 * tq + e;
-                sc[n][e] = j <= pos_a ? sc[n][e] * scale_log2 : NEG_INF;
-                sc[n][2 + e] = j <= pos_b ? sc[n][2 + e] * scale_log2 : NEG_INF;
-                mx_a = fmaxf(mx_a, sc[n][e]);
-                mx_b = fmaxf(mx_b, sc[n][2 + e]);
+                for (int e = 0; e < 2; ++e) {
+                    sc[n][e] *= scale_log2;
+                    sc[n][2 + e] *= scale_log2;
+                    mx_a = fmaxf(mx_a, sc[n][e]);
+                    mx_b = fmaxf(mx_b, sc[n][2 + e]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = kb + n * 8 + 2 * tq + e;
+                    sc[n][e] = j <= pos_a ? sc[n][e] * scale_log2 : NEG_INF;
+                    sc[n][2 + e] = j <= pos_b ? sc[n][2 + e] * scale_log2 : NEG_INF;
+                    mx_a = fmaxf(mx_a, sc[n][e]);
+                    mx_b = fmaxf(mx_b, sc[n][2 + e]);
+                }
             }
         }
         mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
@@ -988,6 +1005,7 @@ FA_INSTANCE(flash_attention_d128, 128, 64, 4, false)
 FA_INSTANCE(flash_attention_d256, 256, 32, 4, false)
 FA_INSTANCE(flash_attention_d256_r128, 256, 32, 8, true)
 FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
+FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
 // decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the

@@ -26,7 +26,15 @@ pub enum FlashTile {
     /// against the 64-row kernel's three (12 warps), and still wins: Llama-3-8B prefill at
     /// 2k / 8k / 32k +7% / +11% / +28% on the H200 (docs/performance.md, session 10).
     Rows128Async,
+    /// Head size 128: as Rows128Async with K/V tiles of 128 keys instead of 64 (half the
+    /// barriers, softmax rescales and staging waits per key; 228 registers a lane, no spills;
+    /// 174 KiB of shared memory a block: sm_90 only).
+    Rows128AsyncKeys128,
 }
+
+/// The tilings in the order `flash_tile` prefers them (each measured faster than the next where
+/// both fit: `flash_attention_prefill_timing_at_8k` fails otherwise).
+const ROUTE_ORDER: [FlashTile; 3] = [FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Async, FlashTile::Rows64];
 
 /// One kernel instance (FA_INSTANCE in flash_attention.cu, whose list this repeats).
 struct Instance {
@@ -58,6 +66,7 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
         (256, FlashTile::Rows64) => ("flash_attention_d256", 32, 4, 1),
         (256, FlashTile::Rows128Async) => ("flash_attention_d256_r128", 32, 8, 2),
         (128, FlashTile::Rows128Async) => ("flash_attention_d128_r128", 64, 8, 2),
+        (128, FlashTile::Rows128AsyncKeys128) => ("flash_attention_d128_r128_k128", 128, 8, 2),
         _ => {
             return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
@@ -72,17 +81,20 @@ impl CudaDevice {
         self.compute_capability().0 >= 8
     }
 
-    /// The tiling `flash_attention` uses for head size `d` here: the 128-row cp.async form at
-    /// d 256 and d 128 where a block may take its shared memory, else 64-row blocks.
+    /// The tiling `flash_attention` uses for head size `d` here: the first of ROUTE_ORDER that
+    /// exists for `d` and whose shared memory a block may take (the 128-key tiles at d 128 on
+    /// sm_90, the 128-row cp.async form at d 256 and d 128 on sm_80 / sm_90, else 64-row blocks).
     pub fn flash_tile(&self, d: usize) -> FlashTile {
+        ROUTE_ORDER.into_iter().find(|&t| self.flash_tile_fits(d, t)).unwrap_or(FlashTile::Rows64)
+    }
+
+    /// Whether tiling `tile` exists for head size `d` and fits this device's shared memory.
+    pub fn flash_tile_fits(&self, d: usize, tile: FlashTile) -> bool {
         let optin = self
             .context()
             .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .unwrap_or(0);
-        match instance(d, FlashTile::Rows128Async) {
-            Ok(wide) if wide.smem_bytes(d) <= optin.max(0) as usize => FlashTile::Rows128Async,
-            _ => FlashTile::Rows64,
-        }
+        instance(d, tile).is_ok_and(|i| i.smem_bytes(d) <= optin.max(0) as usize)
     }
 
     /// Causal attention of packed query rows over the paged cache: rows
@@ -202,6 +214,10 @@ mod tests {
         assert_eq!((wide128.rows(), wide128.bn, wide128.buffers), (128, 64, 2));
         assert_eq!(wide128.smem_bytes(128), (128 + 2 * 2 * 64) * (128 + 8) * 2);
         assert!(wide128.smem_bytes(128) <= OPTIN_SM80 && wide128.smem_bytes(128) > OPTIN_SM86);
+        // d 128 with 128-key tiles: ~174 KiB, sm_90 only (sm_80 keeps the 64-key tiles).
+        let keys128 = instance(128, FlashTile::Rows128AsyncKeys128).unwrap();
+        assert_eq!((keys128.rows(), keys128.bn, keys128.buffers), (128, 128, 2));
+        assert!(keys128.smem_bytes(128) <= OPTIN_SM90 && keys128.smem_bytes(128) > OPTIN_SM80);
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
@@ -211,7 +227,7 @@ mod tests {
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async)] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128)] {
             match instance(d, tile) {
                 Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
