@@ -1,7 +1,12 @@
-"""A-B runs of gpu_bench.py: the same parts once per setting of one NINFER_* variable, each
-setting in its own process, the settings alternated round after round (A B A B), every record
-kept with the setting it ran under, and a summary of each metric by setting with its ratio to
-the first setting.
+"""A-B runs of gpu_bench.py: the same parts once per setting of one NINFER_* variable (--ab), or
+once per build of ninfer (--ab-builds: directories that wheels of two commits were installed
+into with `pip install --target`), each setting in its own process, the settings alternated
+round after round (A B A B), every record kept with the setting it ran under (a build's records
+carry its commit), and a summary of each metric by setting with its ratio to the first setting.
+
+Why builds: a kernel change that has no switch is measured against the commit before it in the
+same call on the same machine (session 17 did this by hand to find what 3e6f84a's flash tiles
+and ed2233d's GDN form gave; records from two calls can differ by a few percent by machine).
 
 Why a process per setting: most NINFER_* variables are read once when the device opens, and a
 process that measured A first warms caches (kernel cache, page cache, clocks) for B; alternating
@@ -10,6 +15,9 @@ the first run and kept for the others; they are removed at the end unless --keep
 
     python benches/gpu_bench.py --out ab.json --decode-8b --skip-peer \\
         --ab NINFER_TC_DECODE_DIRECT=0,1 --ab-rounds 2
+    pip install --no-deps --target /tmp/site_old old/ninfer-*.whl   # and the new wheel likewise
+    python benches/gpu_bench.py --out ab.json --decode-27b --skip-peer \\
+        --ab-builds 93ca6d2=/tmp/site_old,4a58b96=/tmp/site_new
 """
 
 from __future__ import annotations
@@ -36,16 +44,44 @@ def parse_ab(spec: str) -> tuple:
     return var, vals
 
 
+def parse_ab_builds(spec: str) -> list:
+    """`COMMIT=SITE,COMMIT=SITE[,...]` -> [(COMMIT, SITE), ...]: two or more builds, each a
+    commit (what its records say) and the directory its wheel was installed into. Raises
+    ValueError naming the spec when an entry is malformed or a commit repeats."""
+    builds = []
+    for entry in spec.split(","):
+        commit, sep, site = (part.strip() for part in entry.partition("="))
+        if not sep or not commit or not site:
+            raise ValueError(f"--ab-builds {spec!r}: expected COMMIT=SITE_DIR,COMMIT=SITE_DIR[,...]")
+        builds.append((commit, site))
+    if len(builds) < 2 or len({c for c, _ in builds}) != len(builds):
+        raise ValueError(f"--ab-builds {spec!r}: two or more builds, each commit once")
+    return builds
+
+
+def settings(a) -> tuple:
+    """(variable, [(label, env, extra arguments), ...]) for the runs of --ab or --ab-builds."""
+    if getattr(a, "ab_builds", None):
+        rows = []
+        for commit, site in parse_ab_builds(a.ab_builds):
+            path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
+            rows.append((commit, {"PYTHONPATH": path}, ["--commit", commit]))
+        return "build", rows
+    var, values = parse_ab(a.ab)
+    return var, [(v, {var: v}, []) for v in values]
+
+
 def child_argv(argv: list) -> list:
-    """The bench's own arguments without --ab / --ab-rounds / --out (each run gets its own
-    --out) and with --keep-checkpoints (the next run reuses them)."""
+    """The bench's own arguments without --ab / --ab-builds / --ab-rounds / --out (each run gets
+    its own --out) and --commit (a build's run gets its own), with --keep-checkpoints (the next
+    run reuses them)."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in ("--ab", "--ab-rounds", "--out"):
+        if name in ("--ab", "--ab-builds", "--ab-rounds", "--out", "--commit"):
             skip = "=" not in arg
             continue
         out.append(arg)
@@ -86,10 +122,12 @@ def summarize(records: list, var: str, values: list) -> list:
 
 
 def run_ab(a, argv: list, log) -> int:
-    """Runs the parts once per value of `a.ab` for `a.ab_rounds` rounds; appends every record to
-    `a.out` (each with "ab": {variable, value, round}); logs the summary. The exit status is 1
-    when a run failed or a record holds an error."""
-    var, values = parse_ab(a.ab)
+    """Runs the parts once per setting (a value of `a.ab`, or a build of `a.ab_builds`) for
+    `a.ab_rounds` rounds; appends every record to `a.out` (each with "ab": {variable, value,
+    round}, the variable "build" and the value the commit for builds); logs the summary. The
+    exit status is 1 when a run failed or a record holds an error."""
+    var, rows = settings(a)
+    values = [label for label, _, _ in rows]
     out = Path(a.out)
     records: list = json.loads(out.read_text()) if out.is_file() and out.stat().st_size else []
     workdir = Path(a.workdir)
@@ -97,15 +135,17 @@ def run_ab(a, argv: list, log) -> int:
     runs_dir = out.parent / f"{out.stem}_ab_runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     base_args = child_argv(argv)
+    if var != "build" and a.commit:
+        base_args += ["--commit", a.commit]
     status, new = 0, []
     for rnd in range(1, a.ab_rounds + 1):
-        for v in values:
+        for v, env_set, extra in rows:
             run_out = runs_dir / f"round{rnd}_{var}_{v}.json"
             run_out.unlink(missing_ok=True)
             log(f"=== A-B round {rnd}: {var}={v} ===")
-            env = dict(os.environ, **{var: v})
+            env = dict(os.environ, **env_set)
             rc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_bench.py")), "--out", str(run_out),
-                                 *base_args], env=env).returncode
+                                 *base_args, *extra], env=env).returncode
             got = json.loads(run_out.read_text()) if run_out.is_file() else []
             if rc != 0 or not got:
                 status = 1

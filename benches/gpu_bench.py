@@ -112,16 +112,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ab", metavar="NINFER_VAR=V1,V2",
                    help="A-B runs (benches/gpu_ab.py): the parts once per value of the variable, each in its own "
                         "process, alternated for --ab-rounds rounds; records tagged with the value, and a summary")
+    p.add_argument("--ab-builds", metavar="COMMIT=SITE,COMMIT=SITE",
+                   help="A-B runs of builds (benches/gpu_ab.py): the parts once per directory a ninfer wheel was "
+                        "installed into (pip install --target SITE), put first on PYTHONPATH, its records carrying "
+                        "COMMIT; alternated as --ab")
     p.add_argument("--ab-rounds", type=int, default=2, help="A-B: rounds of every value (default 2)")
     p.add_argument("--peer-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.profile_batch < 1:
         p.error(f"--profile-batch {a.profile_batch}: decode sequences a step must be at least 1")
+    if a.ab is not None and a.ab_builds is not None:
+        p.error("--ab and --ab-builds: one A-B at a time")
     if a.ab is not None:
         try:
             gpu_ab().parse_ab(a.ab)
         except ValueError as e:
             p.error(str(e))
+    if a.ab_builds is not None:
+        try:
+            builds = gpu_ab().parse_ab_builds(a.ab_builds)
+        except ValueError as e:
+            p.error(str(e))
+        for commit, site in builds:
+            if not Path(site).is_dir():
+                p.error(f"--ab-builds: {commit}'s site {site!r} is not a directory")
     if a.ab_rounds < 1:
         p.error(f"--ab-rounds {a.ab_rounds}: at least one round")
     if not (a.decode_8b or a.decode_27b or a.throughput or a.startup or a.profile):
@@ -843,7 +857,7 @@ def main(argv=None) -> int:
     if a.peer_worker:
         peer_worker(a)
         return 0
-    if a.ab:
+    if a.ab or a.ab_builds:
         return gpu_ab().run_ab(a, sys.argv[1:] if argv is None else list(argv), log)
     b = Bench(a)
     log(f"device {b.device_name}; parts: " + ", ".join(

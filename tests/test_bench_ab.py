@@ -78,3 +78,48 @@ def test_a_tiny_ab_run_alternates_processes_and_tags_every_record(tmp_path):
     assert all(r["value"] > 0 for r in recs)
     assert "A-B summary" in p.stdout and "NINFER_ASYNC_SCHEDULING=1:" in p.stdout
     assert not any(work.iterdir()), list(work.iterdir())
+
+
+@pytest.mark.parametrize("spec", ["abc=/x", "abc=/x,abc=/y", "abc=/x,=/y", "abc/x,def=/y", "abc=,def=/y"])
+def test_a_malformed_builds_spec_is_refused_naming_it(spec):
+    with pytest.raises(ValueError) as e:
+        _ab().parse_ab_builds(spec)
+    assert repr(spec) in str(e.value)
+
+
+def test_a_builds_spec_gives_each_commit_and_its_site():
+    assert _ab().parse_ab_builds("93ca6d2=/tmp/old, 4a58b96=/tmp/new") == [("93ca6d2", "/tmp/old"), ("4a58b96", "/tmp/new")]
+
+
+def test_a_build_run_gets_its_own_commit_not_the_callers():
+    got = _ab().child_argv(["--commit", "abc", "--decode-27b", "--ab-builds", "a=/x,b=/y", "--commit=zz", "--out", "o.json"])
+    assert got == ["--decode-27b", "--keep-checkpoints"]
+
+
+def test_builds_that_are_not_directories_are_refused_before_any_run(tmp_path):
+    p = subprocess.run([sys.executable, str(BENCHES / "gpu_bench.py"), "--tiny", "--decode-8b", "--out", str(tmp_path / "o.json"),
+                        "--ab-builds", f"aaa={tmp_path},bbb={tmp_path / 'missing'}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "bbb" in p.stderr and "missing" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_tiny_builds_run_puts_each_site_first_and_records_its_commit(tmp_path):
+    """End to end on the tiny CPU shapes: two "builds" (empty site directories, so both import the
+    installed ninfer); each run's records carry the build's commit and the ab tag, and the
+    summary names both."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("ninfer._core")
+    out, work = tmp_path / "ab.json", tmp_path / "work"
+    old, new = tmp_path / "site_old", tmp_path / "site_new"
+    old.mkdir()
+    new.mkdir()
+    p = subprocess.run([sys.executable, str(BENCHES / "gpu_bench.py"), "--tiny", "--decode-8b", "--skip-peer",
+                        "--tokens", "8", "--out", str(out), "--workdir", str(work), "--commit", "ignored",
+                        "--ab-builds", f"1111111={old},2222222={new}", "--ab-rounds", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert [(r["commit"], r["ab"]["variable"], r["ab"]["value"]) for r in recs] == [
+        ("1111111", "build", "1111111"), ("2222222", "build", "2222222")]
+    assert all(r["value"] > 0 for r in recs)
+    assert "A-B summary" in p.stdout and "build=2222222:" in p.stdout
