@@ -22,10 +22,13 @@ def _ab():
     return mod
 
 
-@pytest.mark.parametrize("spec", ["NINFER_X", "FOO=1,2", "NINFER_X=1", "NINFER_X=1,,2", "=1,2"])
-def test_a_malformed_ab_spec_is_refused_naming_it(spec):
+@pytest.mark.parametrize("parser, spec", [
+    *(("parse_ab", s) for s in ["NINFER_X", "FOO=1,2", "NINFER_X=1", "NINFER_X=1,,2", "=1,2"]),
+    *(("parse_ab_builds", s) for s in ["abc=/x", "abc=/x,abc=/y", "abc=/x,=/y", "abc/x,def=/y", "abc=,def=/y"]),
+])
+def test_a_malformed_ab_or_builds_spec_is_refused_naming_it(parser, spec):
     with pytest.raises(ValueError) as e:
-        _ab().parse_ab(spec)
+        getattr(_ab(), parser)(spec)
     assert repr(spec) in str(e.value)
 
 
@@ -78,13 +81,6 @@ def test_a_tiny_ab_run_alternates_processes_and_tags_every_record(tmp_path):
     assert all(r["value"] > 0 for r in recs)
     assert "A-B summary" in p.stdout and "NINFER_ASYNC_SCHEDULING=1:" in p.stdout
     assert not any(work.iterdir()), list(work.iterdir())
-
-
-@pytest.mark.parametrize("spec", ["abc=/x", "abc=/x,abc=/y", "abc=/x,=/y", "abc/x,def=/y", "abc=,def=/y"])
-def test_a_malformed_builds_spec_is_refused_naming_it(spec):
-    with pytest.raises(ValueError) as e:
-        _ab().parse_ab_builds(spec)
-    assert repr(spec) in str(e.value)
 
 
 def test_a_builds_spec_gives_each_commit_and_its_site():
