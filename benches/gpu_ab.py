@@ -60,7 +60,8 @@ def parse_ab_builds(spec: str) -> list:
 
 
 def settings(a) -> tuple:
-    """(variable, [(label, env, extra arguments), ...]) for the runs of --ab or --ab-builds."""
+    """(variable, [(label, env, extra arguments), ...]) for the runs of --ab or --ab-builds: a
+    build's runs record its commit, a variable's runs the caller's --commit."""
     if getattr(a, "ab_builds", None):
         rows = []
         for commit, site in parse_ab_builds(a.ab_builds):
@@ -68,7 +69,7 @@ def settings(a) -> tuple:
             rows.append((commit, {"PYTHONPATH": path}, ["--commit", commit]))
         return "build", rows
     var, values = parse_ab(a.ab)
-    return var, [(v, {var: v}, []) for v in values]
+    return var, [(v, {var: v}, ["--commit", a.commit]) for v in values]
 
 
 def child_argv(argv: list) -> list:
@@ -135,8 +136,6 @@ def run_ab(a, argv: list, log) -> int:
     runs_dir = out.parent / f"{out.stem}_ab_runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     base_args = child_argv(argv)
-    if var != "build" and a.commit:
-        base_args += ["--commit", a.commit]
     status, new = 0, []
     for rnd in range(1, a.ab_rounds + 1):
         for v, env_set, extra in rows:
