@@ -85,6 +85,9 @@ pub struct CudaDevice {
     tc_decode_direct: bool,
     /// Streaming multiprocessors (the direct decode attention sizes its launches by them).
     sm_count: usize,
+    /// Dynamic shared memory one block may opt into, bytes (0 where the driver does not say):
+    /// read once, since the prefill routes (flash tiling, GDN scan form) ask on every launch.
+    smem_optin: usize,
     /// `NINFER_SMEM_CARVEOUT`: the preferred shared-memory carveout (percent of the unified
     /// L1 / shared memory) set on every kernel within the default 48 KiB of dynamic shared
     /// memory as it is loaded (those that opt into more keep the driver's), or None for the
@@ -172,6 +175,10 @@ impl CudaDevice {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?
             .max(1) as usize;
+        let smem_optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .unwrap_or(0)
+            .max(0) as usize;
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
@@ -203,6 +210,7 @@ impl CudaDevice {
             tc_decode_min_tokens,
             tc_decode_direct,
             sm_count,
+            smem_optin,
             smem_carveout,
         })
     }
@@ -220,6 +228,11 @@ impl CudaDevice {
     /// Compute capability (major, minor).
     pub fn compute_capability(&self) -> (u32, u32) {
         self.compute_capability
+    }
+
+    /// Dynamic shared memory one block may opt into, bytes (0 if the driver does not say).
+    pub fn smem_optin(&self) -> usize {
+        self.smem_optin
     }
 
     /// NVRTC architecture name the kernels are compiled for ("sm_90").

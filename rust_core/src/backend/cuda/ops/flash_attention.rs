@@ -1,7 +1,6 @@
 //! Prefill attention launcher (cuda/flash_attention.cu): causal flash attention on tensor
 //! cores over the paged KV cache, for steps whose sequences bring chunks of query rows.
 
-use cudarc::driver::sys::CUdevice_attribute_enum;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::attention::PagedAttentionShape;
@@ -90,11 +89,7 @@ impl CudaDevice {
 
     /// Whether tiling `tile` exists for head size `d` and fits this device's shared memory.
     pub fn flash_tile_fits(&self, d: usize, tile: FlashTile) -> bool {
-        let optin = self
-            .context()
-            .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .unwrap_or(0);
-        instance(d, tile).is_ok_and(|i| i.smem_bytes(d) <= optin.max(0) as usize)
+        instance(d, tile).is_ok_and(|i| i.smem_bytes(d) <= self.smem_optin())
     }
 
     /// Causal attention of packed query rows over the paged cache: rows

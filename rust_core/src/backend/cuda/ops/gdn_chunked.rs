@@ -3,7 +3,7 @@
 //! kernels: a chunk-parallel preparation that writes the state-independent W, U, M and
 //! per-token scales to a caller-owned workspace, then a scan over each sequence's chunks.
 
-use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::gdn::{check_delta_rule, RecurrentShape};
@@ -108,15 +108,6 @@ impl CudaDevice {
         } else {
             ScanForm::TensorCores
         }
-    }
-
-    /// Shared memory one block may opt into, bytes (0 if the driver does not say).
-    fn smem_optin(&self) -> usize {
-        let optin = self
-            .context()
-            .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .unwrap_or(0);
-        optin.max(0) as usize
     }
 
     /// Whether `gdn_chunked` runs the chunked kernels for key head size `dk` here: the scan

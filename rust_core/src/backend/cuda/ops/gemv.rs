@@ -554,12 +554,13 @@ impl CudaDevice {
         }
         let s = self.stream();
         let (yp, _c) = y.device_ptr_mut(s);
-        // Enough blocks to fill the device several times over; the kernel strides past them.
+        // Four values a thread where y allows 16-byte accesses (the logits buffers do), so a
+        // quarter of the threads; at most enough blocks to fill the device several times over
+        // (the kernels stride past them).
         const THREADS: usize = 256;
         const MAX_BLOCKS: usize = 1 << 16;
-        let grid = (len.div_ceil(THREADS).min(MAX_BLOCKS) as u32, 1, 1);
-        // Four values a thread where y allows 16-byte accesses (the logits buffers do).
-        let name = if yp.is_multiple_of(16) { "round_f32_to_storage_v4" } else { "round_f32_to_storage" };
+        let (name, per_thread) = if yp.is_multiple_of(16) { ("round_f32_to_storage_v4", 4) } else { ("round_f32_to_storage", 1) };
+        let grid = (len.div_ceil(per_thread * THREADS).min(MAX_BLOCKS) as u32, 1, 1);
         let f = self.function(KernelFamily::Gemv, name)?;
         let args = [KArg::Ptr(yp), KArg::I64(len as i64)];
         self.launch(&f, cfg(grid, THREADS as u32), name, &args)
