@@ -161,6 +161,44 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 // warps keep the weight stream busy) end sooner. The sums are still one fixed chain per
 // (column, row) for a given ksplit, whatever M and C are, so every contract above holds for
 // kernels launched with the same ksplit; ksplit = 1 is the plain loop, bit for bit.
+// A weight slice OFF bytes past p through the read-only path, the offset an immediate of the
+// load: spelled out so that an unrolled loop's loads share one address register.
+template <int OFF>
+__device__ __forceinline__ vec8 gemv_load_w(const vec8* p) {
+    unsigned r[4];
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+        : "l"(p), "n"(OFF));
+    vec8 v;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v.v[2 * e] = (store_t)(r[e] & 0xffffu);
+        v.v[2 * e + 1] = (store_t)(r[e] >> 16);
+    }
+    return v;
+}
+
+// Slice i of the lane's C weight rows (already loaded, wv) against the M rows of x into acc.
+template <int M, int C>
+__device__ __forceinline__ void gemv_slice(const store_t* __restrict__ x, int k, int i,
+                                           const vec8 (&wv)[C], float (&acc)[C][M]) {
+    float wf[C][8];
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wf[c][j] = to_f32(wv[c].v[j]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const vec8 xv = reinterpret_cast<const vec8*>(x + (long long)m * k)[i];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float xf = to_f32(xv.v[j]);
+#pragma unroll
+            for (int c = 0; c < C; ++c) acc[c][m] = fmaf(wf[c][j], xf, acc[c][m]);
+        }
+    }
+}
+
 template <int M, int C, int OUT>
 __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
                                           const store_t* __restrict__ w, void* __restrict__ y,
@@ -202,23 +240,38 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     for (int c = 0; c < C; ++c)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[c][m] = 0.0f;
-    for (int i = lane + 32 * part; i < k8; i += 32 * ksplit) {
-        float wf[C][8];
+    if (M == 1 && ksplit == 1) {
+        // Batch 1 unsplit (the Qwen3.5-27B shapes): four of the lane's slices a step, their
+        // weight loads at immediate offsets from one address (what the compiler made of this
+        // loop before the K split gave it a runtime stride); then the rest one at a time.
+        // Slices in ascending order either way. (M > 1 keeps the one loop: the held weights
+        // of four slices would cost its occupancy.)
+        int i = lane;
+        for (; i + 96 < k8; i += 128) {
+            vec8 w4[4][C];
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-            const vec8 wv = wrow[c][i];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) wf[c][j] = to_f32(wv.v[j]);
-        }
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const vec8 xv = reinterpret_cast<const vec8*>(x + (long long)m * k)[i];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float xf = to_f32(xv.v[j]);
-#pragma unroll
-                for (int c = 0; c < C; ++c) acc[c][m] = fmaf(wf[c][j], xf, acc[c][m]);
+            for (int c = 0; c < C; ++c) {
+                const vec8* p = wrow[c] + i;
+                w4[0][c] = gemv_load_w<0>(p);
+                w4[1][c] = gemv_load_w<512>(p);
+                w4[2][c] = gemv_load_w<1024>(p);
+                w4[3][c] = gemv_load_w<1536>(p);
             }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) gemv_slice<M, C>(x, k, i + 32 * u, w4[u], acc);
+        }
+        for (; i < k8; i += 32) {
+            vec8 wv[C];
+#pragma unroll
+            for (int c = 0; c < C; ++c) wv[c] = gemv_load_w<0>(wrow[c] + i);
+            gemv_slice<M, C>(x, k, i, wv, acc);
+        }
+    } else {
+        for (int i = lane + 32 * part; i < k8; i += 32 * ksplit) {
+            vec8 wv[C];
+#pragma unroll
+            for (int c = 0; c < C; ++c) wv[c] = gemv_load_w<0>(wrow[c] + i);
+            gemv_slice<M, C>(x, k, i, wv, acc);
         }
     }
     if (ksplit == 1) {
