@@ -228,6 +228,79 @@ __device__ __forceinline__ void finish_v_async(store_t* vs, int kb, int kv_len, 
 #endif
 }
 
+// One K/V tile's online softmax for a warp's 16 query rows (a lane's rows a and b): scales the
+// scores sc (BN keys, mma accumulator layout) by scale_log2, masks keys past each row's position
+// (tiles ending by warp_min_pos, which every row of the warp sees whole, skip the mask), updates
+// the running maxima m and sums l, rescales the output accumulators o and leaves sc holding the
+// unnormalized probabilities. SKIP_UNIT_CORR: skip the rescale when every row's correction is
+// exactly 1 (it changes no bit then).
+template <int BN, int D, bool SKIP_UNIT_CORR>
+__device__ __forceinline__ void fa_tile_softmax(float (&sc)[BN / 8][4], float (&o)[D / 8][4], float& m_a,
+                                                float& m_b, float& l_a, float& l_b, int kb, int pos_a,
+                                                int pos_b, int warp_min_pos, float scale_log2) {
+    const int tq = threadIdx.x & 3;  // this lane's key pair in each 8-key n-tile
+    float mx_a = m_a, mx_b = m_b;
+    if (kb + BN - 1 <= warp_min_pos) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                sc[n][e] *= scale_log2;
+                sc[n][2 + e] *= scale_log2;
+                mx_a = fmaxf(mx_a, sc[n][e]);
+                mx_b = fmaxf(mx_b, sc[n][2 + e]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = kb + n * 8 + 2 * tq + e;
+                sc[n][e] = j <= pos_a ? sc[n][e] * scale_log2 : NEG_INF;
+                sc[n][2 + e] = j <= pos_b ? sc[n][2 + e] * scale_log2 : NEG_INF;
+                mx_a = fmaxf(mx_a, sc[n][e]);
+                mx_b = fmaxf(mx_b, sc[n][2 + e]);
+            }
+        }
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    // A row with no visible key yet keeps max -inf; exponentiate against 0 so that it
+    // stays all-zero instead of NaN.
+    const float base_a = mx_a == NEG_INF ? 0.0f : mx_a;
+    const float base_b = mx_b == NEG_INF ? 0.0f : mx_b;
+    const float corr_a = exp2f(m_a - base_a);
+    const float corr_b = exp2f(m_b - base_b);
+    m_a = mx_a;
+    m_b = mx_b;
+    l_a *= corr_a;
+    l_b *= corr_b;
+    // Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the
+    // warp, and scaling O by it changes no bit: the 128-row kernels skip those D/2
+    // multiplies a lane (the 64-row kernel keeps its instruction stream unchanged).
+    if (!SKIP_UNIT_CORR || !__all_sync(0xffffffffu, corr_a == 1.0f && corr_b == 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= corr_a;
+            o[n][1] *= corr_a;
+            o[n][2] *= corr_b;
+            o[n][3] *= corr_b;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+        sc[n][0] = exp2f(sc[n][0] - base_a);
+        sc[n][1] = exp2f(sc[n][1] - base_a);
+        sc[n][2] = exp2f(sc[n][2] - base_b);
+        sc[n][3] = exp2f(sc[n][3] - base_b);
+        l_a += sc[n][0] + sc[n][1];
+        l_b += sc[n][2] + sc[n][3];
+    }
+}
+
 // WARPS warps, BN keys a tile; PIPE: two K/V buffers filled by cp.async (see the header).
 template <int D, int BN, int WARPS, bool PIPE>
 __device__ __forceinline__ void flash_body(
@@ -348,66 +421,7 @@ __device__ __forceinline__ void flash_body(
                 }
             }
         }
-        float mx_a = m_a, mx_b = m_b;
-        if (kb + BN - 1 <= warp_min_pos) {
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    sc[n][e] *= scale_log2;
-                    sc[n][2 + e] *= scale_log2;
-                    mx_a = fmaxf(mx_a, sc[n][e]);
-                    mx_b = fmaxf(mx_b, sc[n][2 + e]);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = kb + n * 8 + 2 * tq + e;
-                    sc[n][e] = j <= pos_a ? sc[n][e] * scale_log2 : NEG_INF;
-                    sc[n][2 + e] = j <= pos_b ? sc[n][2 + e] * scale_log2 : NEG_INF;
-                    mx_a = fmaxf(mx_a, sc[n][e]);
-                    mx_b = fmaxf(mx_b, sc[n][2 + e]);
-                }
-            }
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        // A row with no visible key yet keeps max -inf; exponentiate against 0 so that it
-        // stays all-zero instead of NaN.
-        const float base_a = mx_a == NEG_INF ? 0.0f : mx_a;
-        const float base_b = mx_b == NEG_INF ? 0.0f : mx_b;
-        const float corr_a = exp2f(m_a - base_a);
-        const float corr_b = exp2f(m_b - base_b);
-        m_a = mx_a;
-        m_b = mx_b;
-        l_a *= corr_a;
-        l_b *= corr_b;
-        // Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the
-        // warp, and scaling O by it changes no bit: the 128-row kernel skips those D/2
-        // multiplies a lane (the other kernels keep their instruction stream unchanged).
-        if (!PIPE || !__all_sync(0xffffffffu, corr_a == 1.0f && corr_b == 1.0f)) {
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                o[n][0] *= corr_a;
-                o[n][1] *= corr_a;
-                o[n][2] *= corr_b;
-                o[n][3] *= corr_b;
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            sc[n][0] = exp2f(sc[n][0] - base_a);
-            sc[n][1] = exp2f(sc[n][1] - base_a);
-            sc[n][2] = exp2f(sc[n][2] - base_b);
-            sc[n][3] = exp2f(sc[n][3] - base_b);
-            l_a += sc[n][0] + sc[n][1];
-            l_b += sc[n][2] + sc[n][3];
-        }
+        fa_tile_softmax<BN, D, PIPE>(sc, o, m_a, m_b, l_a, l_b, kb, pos_a, pos_b, warp_min_pos, scale_log2);
         // O += P V: the accumulator fragments of two adjacent key n-tiles are exactly the A
         // fragment of one k16 step.
         const int mi = lane >> 3;
@@ -445,6 +459,302 @@ __device__ __forceinline__ void flash_body(
             *reinterpret_cast<unsigned*>(ob + n * 8) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill attention on Hopper's warpgroup tensor cores (flash_attention_d128_wgmma, sm_90a only).
+//
+// The flash_body algorithm with its products as wgmma: a block is two warpgroups (8 warps) of
+// 64 query rows each, sharing K/V tiles of BN keys filled by cp.async into two buffers. S = Q K^T
+// is one wgmma.m64n128k16 chain a warpgroup with both operands read from shared memory (no
+// ldmatrix, no fragment registers), and O += P V takes P from the registers the softmax left it
+// in (the accumulator layout of S is the A-operand layout) and V^T from shared memory. mma.sync
+// kernels must move every K/V fragment through registers, once per 16 query rows; at ~190
+// TFLOP/s the 128-key mma.sync kernel was half of sdpa's rate on the same GPU.
+//
+// Shared memory holds Q, K and V^T in wgmma's canonical no-swizzle K-major layout: 8 x 8 "core
+// matrices" of 128 contiguous bytes, those along K 128 bytes apart (the descriptor's leading
+// byte offset), row groups 8 * K elements apart (its stride byte offset). A cp.async chunk i of
+// a tile then lands at byte 16 i: 8 consecutive chunks are the 8 rows of one core matrix, so the
+// stores never share a bank and each row's 64 consecutive bytes come from one global segment.
+// V arrives as [keys][d] in the same layout; each warp transposes its share into V^T (ldmatrix
+// .trans, then stmatrix) and converts it to f16 on the way (P V runs in f16, as in flash_body).
+// Shared memory written by threads (cp.async, stores) is made visible to wgmma's async proxy by
+// fence.proxy.async before the barrier that publishes it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Descriptor of a K-major no-swizzle operand at shared address addr (lbo / sbo in bytes: core
+// matrices adjacent along K / along M or N).
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3ffff) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Ties registers to the asm statements around them (asm volatile keeps its order): the
+// accumulators of an in-flight wgmma are neither read before its wait nor written after its
+// issue, and its A registers stay live until the wait.
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        asm volatile("" : "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_pin(unsigned (&a)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        asm volatile("" : "+r"(a[n][0]), "+r"(a[n][1]), "+r"(a[n][2]), "+r"(a[n][3])::"memory");
+}
+
+#define WG_ACC128 \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+    "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+    "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
+    "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), \
+    "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+    "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), \
+    "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), \
+    "+f"(d[15][2]), "+f"(d[15][3])
+#define WG_D128 "{" \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%2" \
+    "2,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%4" \
+    "2,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%6" \
+    "2,%63" "}"
+
+#if defined(NINFER_STORAGE_F16)
+#define WG_QK_TYPES "f16.f16"
+#else
+#define WG_QK_TYPES "bf16.bf16"
+#endif
+
+// d (64 x 128, f32) = [d +] A B, A and B 16-bit storage-type operands in shared memory.
+__device__ __forceinline__ void wgmma_m64n128_ss(float (&d)[16][4], unsigned long long a, unsigned long long b,
+                                                 int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_QK_TYPES " " WG_D128 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : WG_ACC128
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 128, f32) += A B, A f16 fragments in registers (the mma.sync m16n8k16 A layout, each
+// warp its 16 rows), B f16 in shared memory.
+__device__ __forceinline__ void wgmma_m64n128_rs_f16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WG_D128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        : WG_ACC128
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+__device__ __forceinline__ void stsm_x4(unsigned addr, const unsigned* r) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// Element offset of 16-byte chunk i's first element is 8 i; its row and first column in a
+// [rows][C] core-layout tile (see the section header).
+template <int C>
+__device__ __forceinline__ int core_chunk_row(int i) { return (i / C) * 8 + (i & 7); }
+template <int C>
+__device__ __forceinline__ int core_chunk_col(int i) { return ((i >> 3) % (C / 8)) * 8; }
+
+// Starts the copy of keys kb..kb+BN (K and V, storage type) into core-layout tiles ks / vs as one
+// cp.async group; rows past kv_len are zeroed with plain stores.
+template <int D, int BN, int NT>
+__device__ __forceinline__ void stage_kv_core(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
+                                              const store_t* __restrict__ v_cache, const int* __restrict__ table,
+                                              int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
+                                              int bs_shift, int tid) {
+    static_assert((BN * D / 8) % NT == 0, "every thread copies the same number of chunks");
+    constexpr int CHUNKS = BN * D / 8 / NT;
+    int blk[CHUNKS];
+#pragma unroll
+    for (int it = 0; it < CHUNKS; ++it) {
+        const int j = kb + core_chunk_row<D>(tid + it * NT);
+        blk[it] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+    }
+#pragma unroll
+    for (int it = 0; it < CHUNKS; ++it) {
+        const int i = tid + it * NT;
+        const int j = kb + core_chunk_row<D>(i);
+        if (j < kv_len) {
+            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+            const long long off = ((long long)blk[it] * block_size + in_block) * n_kv_heads * D +
+                                  (long long)kvh * D + core_chunk_col<D>(i);
+            cp_async16(smem_u32(ks + i * 8), k_cache + off);
+            cp_async16(smem_u32(vs + i * 8), v_cache + off);
+        } else {
+            uint4 z;
+            z.x = z.y = z.z = z.w = 0u;
+            *reinterpret_cast<uint4*>(ks + i * 8) = z;
+            *reinterpret_cast<uint4*>(vs + i * 8) = z;
+        }
+    }
+    cp_async_commit();
+}
+
+// V tile [BN][D] -> V^T [D][BN] (both core layout), as f16: four core matrices an ldmatrix.trans
+// / stmatrix pair, the block's warps taking turns.
+template <int D, int BN, int WARPS>
+__device__ __forceinline__ void transpose_v_core(unsigned short* vt, const store_t* vs, int warp, int lane) {
+    constexpr int OPS = (BN / 8) * (D / 8) / 4;
+    const int mi = lane >> 3;
+    const int rr = lane & 7;
+#pragma unroll
+    for (int op = warp; op < OPS; op += WARPS) {
+        const int kg = op / (D / 32);
+        const int dg = (op % (D / 32)) * 4 + mi;
+        unsigned r[4];
+        ldsm_x4_trans(r, smem_u32(vs + kg * 8 * D + dg * 64 + rr * 8));
+#if !defined(NINFER_STORAGE_F16)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) r[e] = bf16x2_to_f16x2(r[e]);
+#endif
+        stsm_x4(smem_u32(vt + dg * 8 * BN + kg * 64 + rr * 8), r);
+    }
+}
+
+template <int D, int BN>
+__device__ __forceinline__ void flash_wgmma_body(
+    const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ token_pos, int n_q_heads,
+    int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
+    static_assert(D == 128 && BN == 128, "the wgmma shapes below are m64n128k16");
+    constexpr int WARPS = 8;
+    constexpr int NT = WARPS * 32;
+    constexpr int BM = 16 * WARPS;
+    constexpr int TILE = BN * D;  // elements of one K or V tile
+    extern __shared__ uint4 fa_smem[];
+    store_t* qs = reinterpret_cast<store_t*>(fa_smem);                  // [BM][D]
+    store_t* kv0 = qs + BM * D;                                           // buffer b: K, then V
+    unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // [D][BN], f16
+
+    const int s = blockIdx.z;
+    const int h = blockIdx.y;
+    const int row0 = cu_seqlens[s];
+    const int n_rows = cu_seqlens[s + 1] - row0;
+    // Highest tiles (longest key ranges) are scheduled first.
+    const int tile0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (tile0 >= n_rows) return;
+    const int tile_rows = min(BM, n_rows - tile0);
+    const int kvh = h / (n_q_heads / n_kv_heads);
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int gr = lane >> 2;
+    const int wg = warp >> 2;
+
+    for (int i = tid; i < BM * D / 8; i += NT) {
+        const int r = core_chunk_row<D>(i);
+        uint4 val;
+        val.x = val.y = val.z = val.w = 0u;
+        if (r < tile_rows)
+            val = *reinterpret_cast<const uint4*>(q + (long long)(row0 + tile0 + r) * q_stride +
+                                                  (long long)h * D + core_chunk_col<D>(i));
+        *reinterpret_cast<uint4*>(qs + i * 8) = val;
+    }
+    const int ra = tile0 + warp * 16 + gr;
+    const int rb = ra + 8;
+    const int pos_a = ra < n_rows ? token_pos[row0 + ra] : -1;
+    const int pos_b = rb < n_rows ? token_pos[row0 + rb] : -1;
+    const int warp_min_pos = tile0 + warp * 16 + 15 < n_rows ? token_pos[row0 + tile0 + warp * 16] : -1;
+    // Both warpgroups compute every tile, including one wholly in a warpgroup's future (possible
+    // only after a cached prefix; its scores are all masked): wgmma under a branch that ptxas
+    // cannot prove uniform is serialized.
+    const int kv_len = token_pos[row0 + tile0 + tile_rows - 1] + 1;
+    const int* table = block_tables + (long long)s * max_blocks;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+
+    // Core-layout strides (bytes): along K 128, rows 8 * K elements apart.
+    const unsigned q_addr = smem_u32(qs + wg * 64 * D);
+    const unsigned vt_addr = smem_u32(vt);
+    constexpr unsigned LBO = 128;
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    stage_kv_core<D, BN, NT>(kv0, kv0 + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
+                             block_size, bs_shift, tid);
+    for (int kb = 0, t = 0; kb < kv_len; kb += BN, ++t) {
+        const store_t* ks = kv0 + (t & 1) * 2 * TILE;
+        const store_t* vs = ks + TILE;
+        cp_async_wait_all();
+        fence_proxy_async_smem();
+        // Tile t (and the Q tile) is in shared memory for the block; every warpgroup is done
+        // with tile t-1 (its K buffer, which the next copy overwrites, and V^T).
+        __syncthreads();
+        if (kb + BN < kv_len) {
+            store_t* kn = kv0 + ((t + 1) & 1) * 2 * TILE;
+            stage_kv_core<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, kb + BN, kv_len, kvh,
+                                     n_kv_heads, block_size, bs_shift, tid);
+        }
+        float sc[BN / 8][4];
+        const unsigned k_addr = smem_u32(ks);
+        wg_pin(sc);
+        wg_fence();
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 16)
+            wgmma_m64n128_ss(sc, wg_desc(q_addr + k0 * 16, LBO, 8 * D * 2),
+                             wg_desc(k_addr + k0 * 16, LBO, 8 * D * 2), k0 > 0);
+        wg_commit();
+        // V^T of tile t while the scores are computed.
+        transpose_v_core<D, BN, WARPS>(vt, vs, warp, lane);
+        fence_proxy_async_smem();
+        __syncthreads();
+        wg_wait_all();
+        wg_pin(sc);
+        fa_tile_softmax<BN, D, true>(sc, o, m_a, m_b, l_a, l_b, kb, pos_a, pos_b, warp_min_pos, scale_log2);
+        unsigned pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = pack_f16x2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack_f16x2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+        wg_pin(o);
+        wg_pin(pa);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_m64n128_rs_f16(o, pa[kk], wg_desc(vt_addr + kk * 256, LBO, 8 * BN * 2));
+        wg_commit();
+        wg_wait_all();
+        wg_pin(o);
+        wg_pin(pa);
+    }
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+    const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+    const int tq = lane & 3;
+    const long long out_stride = (long long)n_q_heads * D;
+    store_t* oa = out + (long long)(row0 + ra) * out_stride + (long long)h * D + 2 * tq;
+    store_t* ob = oa + 8 * out_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        if (ra < n_rows)
+            *reinterpret_cast<unsigned*>(oa + n * 8) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
+        if (rb < n_rows)
+            *reinterpret_cast<unsigned*>(ob + n * 8) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
+    }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---------------------------------------------------------------------------------------------
 // Batched decode attention on tensor cores (flash_decode_d*): one query token per sequence, the
@@ -1006,6 +1316,26 @@ FA_INSTANCE(flash_attention_d256, 256, 32, 4, false)
 FA_INSTANCE(flash_attention_d256_r128, 256, 32, 8, true)
 FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
 FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
+
+// The wgmma form (flash_wgmma_body): the same arguments, 8 warps, dynamic shared memory Q + two
+// K/V buffers + V^T (192 KiB at d 128). Only sm_90a code has wgmma; elsewhere the kernel exists
+// (every arch compiles the same names) and traps, and the launcher never routes to it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FA_WGMMA_BODY(D, BN)                                                                    \
+    flash_wgmma_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens,\
+                            token_pos, n_q_heads, n_kv_heads, block_size, scale_log2, out);
+#else
+#define FA_WGMMA_BODY(D, BN) __trap();
+#endif
+#define FA_WGMMA_INSTANCE(NAME, D, BN)                                                          \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                     \
+        const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
+        const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
+        int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
+        FA_WGMMA_BODY(D, BN)                                                                    \
+    }
+
+FA_WGMMA_INSTANCE(flash_attention_d128_wgmma, 128, 128)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
 // decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the

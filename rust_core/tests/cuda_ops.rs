@@ -2,7 +2,7 @@
 //! against CPU references on the GPU (skipped with a printed reason where no GPU is present).
 #![cfg(feature = "cuda")]
 
-use ninfer_core::backend::cuda::kernels::{KernelFamily, StorageDType, CI_ARCHES};
+use ninfer_core::backend::cuda::kernels::{nvrtc_arch, KernelFamily, StorageDType, CI_ARCHES};
 use ninfer_core::backend::cuda::nvrtc;
 
 /// Set by .ci/compile-kernels so that a missing NVRTC fails instead of skipping.
@@ -31,7 +31,7 @@ fn every_kernel_compiles_for_every_ci_arch() {
                             continue;
                         }
                         for storage in [StorageDType::Bf16, StorageDType::F16] {
-                            let arch_name = format!("sm_{arch}");
+                            let arch_name = nvrtc_arch(arch / 10, arch % 10);
                             match nvrtc::compile_cubin(family, &arch_name, storage) {
                                 Ok(cubin) if cubin.len() > 64 => compiled += 1,
                                 Ok(_) => failures.push(format!("{} {arch_name}: empty cubin", family.file_name())),
@@ -786,10 +786,11 @@ fn flash_tol(st: StorageDType) -> f32 {
     }
 }
 
-/// Every flash tiling this device runs for head size `d`: the 64-row blocks, and the one the
-/// launcher routes to when it differs (128-row cp.async blocks at d 256 on sm_80/sm_90).
+/// Every flash tiling this device runs for head size `d` (FlashTile::ALL that fit here): the
+/// 64-row blocks everywhere, the 128-row cp.async blocks on sm_80/sm_90, the 128-key and the
+/// wgmma ones at d 128 on sm_90.
 fn flash_tiles(dev: &CudaDevice, d: usize) -> Vec<FlashTile> {
-    [FlashTile::Rows64, FlashTile::Rows128Async, FlashTile::Rows128AsyncKeys128]
+    FlashTile::ALL
         .into_iter()
         .filter(|&t| dev.flash_tile_fits(d, t))
         .collect()

@@ -235,9 +235,9 @@ impl CudaDevice {
         self.smem_optin
     }
 
-    /// NVRTC architecture name the kernels are compiled for ("sm_90").
+    /// NVRTC architecture name the kernels are compiled for ("sm_90a" on an H200, "sm_86", ...).
     pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+        super::kernels::nvrtc_arch(self.compute_capability.0, self.compute_capability.1)
     }
 
     /// Whether kernels that support it are launched with Programmatic Dependent Launch.

@@ -29,11 +29,22 @@ pub enum FlashTile {
     /// barriers, softmax rescales and staging waits per key; 254 registers a lane, no spills;
     /// 174 KiB of shared memory a block: sm_90 only).
     Rows128AsyncKeys128,
+    /// Head size 128 on Hopper (sm_90a code): 128-row blocks of two warpgroups whose products
+    /// are wgmma (Q and K, then V^T, read from shared memory; P from registers), K/V tiles of
+    /// 128 keys filled by cp.async (192 KiB of shared memory a block).
+    Rows128Wgmma,
+}
+
+impl FlashTile {
+    /// Every tiling (the op tests run each one the device holds).
+    pub const ALL: [FlashTile; 4] =
+        [FlashTile::Rows64, FlashTile::Rows128Async, FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Wgmma];
 }
 
 /// The tilings in the order `flash_tile` prefers them (each measured faster than the next where
 /// both fit: `flash_attention_prefill_timing_at_8k` fails otherwise).
-const ROUTE_ORDER: [FlashTile; 3] = [FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Async, FlashTile::Rows64];
+const ROUTE_ORDER: [FlashTile; 4] =
+    [FlashTile::Rows128Wgmma, FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Async, FlashTile::Rows64];
 
 /// One kernel instance (FA_INSTANCE in flash_attention.cu, whose list this repeats).
 struct Instance {
@@ -44,6 +55,8 @@ struct Instance {
     warps: usize,
     /// K/V tile buffers in shared memory.
     buffers: usize,
+    /// wgmma products (sm_90a code only): unpadded core-layout tiles plus a V^T tile.
+    wgmma: bool,
 }
 
 impl Instance {
@@ -51,26 +64,33 @@ impl Instance {
         16 * self.warps
     }
 
-    /// Dynamic shared memory: the Q tile and each buffer's K and V tiles, padded rows of 16 bits.
+    /// Dynamic shared memory: the Q tile and each buffer's K and V tiles, rows of 16 bits
+    /// (padded for the mma.sync kernels; the wgmma kernel's core layout needs no padding and
+    /// adds the f16 V^T tile).
     fn smem_bytes(&self, d: usize) -> usize {
-        (self.rows() + 2 * self.buffers * self.bn) * (d + FA_PAD) * 2
+        if self.wgmma {
+            (self.rows() + 2 * self.buffers * self.bn + self.bn) * d * 2
+        } else {
+            (self.rows() + 2 * self.buffers * self.bn) * (d + FA_PAD) * 2
+        }
     }
 }
 
 fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
-    let (name, bn, warps, buffers) = match (d, tile) {
-        (64, FlashTile::Rows64) => ("flash_attention_d64", 64, 4, 1),
-        (96, FlashTile::Rows64) => ("flash_attention_d96", 64, 4, 1),
-        (128, FlashTile::Rows64) => ("flash_attention_d128", 64, 4, 1),
-        (256, FlashTile::Rows64) => ("flash_attention_d256", 32, 4, 1),
-        (256, FlashTile::Rows128Async) => ("flash_attention_d256_r128", 32, 8, 2),
-        (128, FlashTile::Rows128Async) => ("flash_attention_d128_r128", 64, 8, 2),
-        (128, FlashTile::Rows128AsyncKeys128) => ("flash_attention_d128_r128_k128", 128, 8, 2),
+    let (name, bn, warps, buffers, wgmma) = match (d, tile) {
+        (64, FlashTile::Rows64) => ("flash_attention_d64", 64, 4, 1, false),
+        (96, FlashTile::Rows64) => ("flash_attention_d96", 64, 4, 1, false),
+        (128, FlashTile::Rows64) => ("flash_attention_d128", 64, 4, 1, false),
+        (256, FlashTile::Rows64) => ("flash_attention_d256", 32, 4, 1, false),
+        (256, FlashTile::Rows128Async) => ("flash_attention_d256_r128", 32, 8, 2, false),
+        (128, FlashTile::Rows128Async) => ("flash_attention_d128_r128", 64, 8, 2, false),
+        (128, FlashTile::Rows128AsyncKeys128) => ("flash_attention_d128_r128_k128", 128, 8, 2, false),
+        (128, FlashTile::Rows128Wgmma) => ("flash_attention_d128_wgmma", 128, 8, 2, true),
         _ => {
             return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
     };
-    Ok(Instance { name, bn, warps, buffers })
+    Ok(Instance { name, bn, warps, buffers, wgmma })
 }
 
 impl CudaDevice {
@@ -87,9 +107,13 @@ impl CudaDevice {
         ROUTE_ORDER.into_iter().find(|&t| self.flash_tile_fits(d, t)).unwrap_or(FlashTile::Rows64)
     }
 
-    /// Whether tiling `tile` exists for head size `d` and fits this device's shared memory.
+    /// Whether tiling `tile` exists for head size `d`, fits this device's shared memory and (for
+    /// wgmma) runs here: sm_90a code, which the kernels are compiled to on compute capability 9.0
+    /// only (kernels.rs `nvrtc_arch`).
     pub fn flash_tile_fits(&self, d: usize, tile: FlashTile) -> bool {
-        instance(d, tile).is_ok_and(|i| i.smem_bytes(d) <= self.smem_optin())
+        instance(d, tile).is_ok_and(|i| {
+            i.smem_bytes(d) <= self.smem_optin() && (!i.wgmma || self.arch() == crate::backend::cuda::kernels::nvrtc_arch(9, 0))
+        })
     }
 
     /// Causal attention of packed query rows over the paged cache: rows
@@ -213,6 +237,11 @@ mod tests {
         let keys128 = instance(128, FlashTile::Rows128AsyncKeys128).unwrap();
         assert_eq!((keys128.rows(), keys128.bn, keys128.buffers), (128, 128, 2));
         assert!(keys128.smem_bytes(128) <= OPTIN_SM90 && keys128.smem_bytes(128) > OPTIN_SM80);
+        // The wgmma form at d 128: Q, two K/V buffers and V^T, unpadded: 192 KiB, sm_90 only.
+        let wg = instance(128, FlashTile::Rows128Wgmma).unwrap();
+        assert_eq!((wg.rows(), wg.bn, wg.buffers, wg.wgmma), (128, 128, 2, true));
+        assert_eq!(wg.smem_bytes(128), 192 * 1024);
+        assert!(wg.smem_bytes(128) <= OPTIN_SM90 && wg.smem_bytes(128) > OPTIN_SM80);
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
@@ -222,7 +251,7 @@ mod tests {
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128)] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (256, FlashTile::Rows128Wgmma), (64, FlashTile::Rows128Wgmma)] {
             match instance(d, tile) {
                 Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
