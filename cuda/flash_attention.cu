@@ -228,16 +228,21 @@ __device__ __forceinline__ void finish_v_async(store_t* vs, int kb, int kv_len, 
 #endif
 }
 
-// One K/V tile's online softmax for a warp's 16 query rows (a lane's rows a and b): scales the
-// scores sc (BN keys, mma accumulator layout) by scale_log2, masks keys past each row's position
-// (tiles ending by warp_min_pos, which every row of the warp sees whole, skip the mask), updates
-// the running maxima m and sums l, rescales the output accumulators o and leaves sc holding the
-// unnormalized probabilities. SKIP_UNIT_CORR: skip the rescale when every row's correction is
-// exactly 1 (it changes no bit then).
-template <int BN, int D, bool SKIP_UNIT_CORR>
-__device__ __forceinline__ void fa_tile_softmax(float (&sc)[BN / 8][4], float (&o)[D / 8][4], float& m_a,
-                                                float& m_b, float& l_a, float& l_b, int kb, int pos_a,
-                                                int pos_b, int warp_min_pos, float scale_log2) {
+// One K/V tile's online softmax for a warp's 16 query rows (a lane's rows a and b), in three
+// steps so that the wgmma kernel can run the last two apart: fa_tile_max scales the scores sc
+// (BN keys, mma accumulator layout) by scale_log2, masks keys past each row's position (tiles
+// ending by warp_min_pos, which every row of the warp sees whole, skip the mask), updates the
+// running maxima m, rescales the sums l and returns the exponent bases and output corrections;
+// fa_rescale applies the corrections to the output accumulators o; fa_tile_exp leaves sc holding
+// the unnormalized probabilities and adds them to l.
+struct FaTileScale {
+    float base_a, base_b, corr_a, corr_b;
+};
+
+template <int BN>
+__device__ __forceinline__ FaTileScale fa_tile_max(float (&sc)[BN / 8][4], float& m_a, float& m_b, float& l_a,
+                                                   float& l_b, int kb, int pos_a, int pos_b, int warp_min_pos,
+                                                   float scale_log2) {
     const int tq = threadIdx.x & 3;  // this lane's key pair in each 8-key n-tile
     float mx_a = m_a, mx_b = m_b;
     if (kb + BN - 1 <= warp_min_pos) {
@@ -270,32 +275,42 @@ __device__ __forceinline__ void fa_tile_softmax(float (&sc)[BN / 8][4], float (&
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
     // A row with no visible key yet keeps max -inf; exponentiate against 0 so that it
     // stays all-zero instead of NaN.
-    const float base_a = mx_a == NEG_INF ? 0.0f : mx_a;
-    const float base_b = mx_b == NEG_INF ? 0.0f : mx_b;
-    const float corr_a = exp2f(m_a - base_a);
-    const float corr_b = exp2f(m_b - base_b);
+    FaTileScale r;
+    r.base_a = mx_a == NEG_INF ? 0.0f : mx_a;
+    r.base_b = mx_b == NEG_INF ? 0.0f : mx_b;
+    r.corr_a = exp2f(m_a - r.base_a);
+    r.corr_b = exp2f(m_b - r.base_b);
     m_a = mx_a;
     m_b = mx_b;
-    l_a *= corr_a;
-    l_b *= corr_b;
-    // Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the
-    // warp, and scaling O by it changes no bit: the 128-row kernels skip those D/2
-    // multiplies a lane (the 64-row kernel keeps its instruction stream unchanged).
-    if (!SKIP_UNIT_CORR || !__all_sync(0xffffffffu, corr_a == 1.0f && corr_b == 1.0f)) {
+    l_a *= r.corr_a;
+    l_b *= r.corr_b;
+    return r;
+}
+
+// Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the warp, and
+// scaling O by it changes no bit: SKIP_UNIT_CORR (the 128-row kernels) skips those D/2
+// multiplies a lane then (the 64-row kernel keeps its instruction stream unchanged).
+template <int D, bool SKIP_UNIT_CORR>
+__device__ __forceinline__ void fa_rescale(float (&o)[D / 8][4], const FaTileScale& r) {
+    if (!SKIP_UNIT_CORR || !__all_sync(0xffffffffu, r.corr_a == 1.0f && r.corr_b == 1.0f)) {
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= corr_a;
-            o[n][1] *= corr_a;
-            o[n][2] *= corr_b;
-            o[n][3] *= corr_b;
+            o[n][0] *= r.corr_a;
+            o[n][1] *= r.corr_a;
+            o[n][2] *= r.corr_b;
+            o[n][3] *= r.corr_b;
         }
     }
+}
+
+template <int BN>
+__device__ __forceinline__ void fa_tile_exp(float (&sc)[BN / 8][4], const FaTileScale& r, float& l_a, float& l_b) {
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
-        sc[n][0] = exp2f(sc[n][0] - base_a);
-        sc[n][1] = exp2f(sc[n][1] - base_a);
-        sc[n][2] = exp2f(sc[n][2] - base_b);
-        sc[n][3] = exp2f(sc[n][3] - base_b);
+        sc[n][0] = exp2f(sc[n][0] - r.base_a);
+        sc[n][1] = exp2f(sc[n][1] - r.base_a);
+        sc[n][2] = exp2f(sc[n][2] - r.base_b);
+        sc[n][3] = exp2f(sc[n][3] - r.base_b);
         l_a += sc[n][0] + sc[n][1];
         l_b += sc[n][2] + sc[n][3];
     }
@@ -421,7 +436,9 @@ __device__ __forceinline__ void flash_body(
                 }
             }
         }
-        fa_tile_softmax<BN, D, PIPE>(sc, o, m_a, m_b, l_a, l_b, kb, pos_a, pos_b, warp_min_pos, scale_log2);
+        const FaTileScale ts = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, kb, pos_a, pos_b, warp_min_pos, scale_log2);
+        fa_rescale<D, PIPE>(o, ts);
+        fa_tile_exp<BN>(sc, ts, l_a, l_b);
         // O += P V: the accumulator fragments of two adjacent key n-tiles are exactly the A
         // fragment of one k16 step.
         const int mi = lane >> 3;
@@ -478,6 +495,10 @@ __device__ __forceinline__ void flash_body(
 // stores never share a bank and each row's 64 consecutive bytes come from one global segment.
 // V arrives as [keys][d] in the same layout; each warp transposes its share into V^T (ldmatrix
 // .trans, then stmatrix) and converts it to f16 on the way (P V runs in f16, as in flash_body).
+// The loop is software-pipelined: P(t) V(t) and the scores of tile t+1 are issued together, and
+// the warps transpose V(t+1) and exponentiate the new scores while the tensor cores run both
+// (two V^T buffers; O is rescaled once P(t) V(t) has landed). Issued one after the other with a
+// wait between, the same products ran at 185 TFLOP/s against the mma.sync kernel's 193.
 // Shared memory written by threads (cp.async, stores) is made visible to wgmma's async proxy by
 // fence.proxy.async before the barrier that publishes it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -491,7 +512,9 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most N of this warpgroup's newest wgmma groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
@@ -639,7 +662,7 @@ __device__ __forceinline__ void flash_wgmma_body(
     extern __shared__ uint4 fa_smem[];
     store_t* qs = reinterpret_cast<store_t*>(fa_smem);                  // [BM][D]
     store_t* kv0 = qs + BM * D;                                           // buffer b: K, then V
-    unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // [D][BN], f16
+    unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // 2 x [D][BN], f16
 
     const int s = blockIdx.z;
     const int h = blockIdx.y;
@@ -682,42 +705,24 @@ __device__ __forceinline__ void flash_wgmma_body(
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
     // Core-layout strides (bytes): along K 128, rows 8 * K elements apart.
-    const unsigned q_addr = smem_u32(qs + wg * 64 * D);
-    const unsigned vt_addr = smem_u32(vt);
     constexpr unsigned LBO = 128;
+    constexpr unsigned SBO_QK = 8 * D * 2;
+    constexpr unsigned SBO_VT = 8 * BN * 2;
+    const unsigned q_addr = smem_u32(qs + wg * 64 * D);
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-    stage_kv_core<D, BN, NT>(kv0, kv0 + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
-                             block_size, bs_shift, tid);
-    for (int kb = 0, t = 0; kb < kv_len; kb += BN, ++t) {
-        const store_t* ks = kv0 + (t & 1) * 2 * TILE;
-        const store_t* vs = ks + TILE;
-        cp_async_wait_all();
-        fence_proxy_async_smem();
-        // Tile t (and the Q tile) is in shared memory for the block; every warpgroup is done
-        // with tile t-1 (its K buffer, which the next copy overwrites, and V^T).
-        __syncthreads();
-        if (kb + BN < kv_len) {
-            store_t* kn = kv0 + ((t + 1) & 1) * 2 * TILE;
-            stage_kv_core<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, kb + BN, kv_len, kvh,
-                                     n_kv_heads, block_size, bs_shift, tid);
-        }
-        float sc[BN / 8][4];
-        const unsigned k_addr = smem_u32(ks);
-        wg_pin(sc);
-        wg_fence();
+    const int n_tiles = (kv_len + BN - 1) / BN;
+    // S (one tile's scores, then probabilities) and P (the previous tile's, f16 A fragments).
+    float sc[BN / 8][4];
+    unsigned pa[BN / 16][4];
+    // The scores of K/V buffer b into sc, as one wgmma group.
+    auto issue_scores = [&](int b) {
+        const unsigned k_addr = smem_u32(kv0 + b * 2 * TILE);
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16)
-            wgmma_m64n128_ss(sc, wg_desc(q_addr + k0 * 16, LBO, 8 * D * 2),
-                             wg_desc(k_addr + k0 * 16, LBO, 8 * D * 2), k0 > 0);
+            wgmma_m64n128_ss(sc, wg_desc(q_addr + k0 * 16, LBO, SBO_QK), wg_desc(k_addr + k0 * 16, LBO, SBO_QK), k0 > 0);
         wg_commit();
-        // V^T of tile t while the scores are computed.
-        transpose_v_core<D, BN, WARPS>(vt, vs, warp, lane);
-        fence_proxy_async_smem();
-        __syncthreads();
-        wg_wait_all();
-        wg_pin(sc);
-        fa_tile_softmax<BN, D, true>(sc, o, m_a, m_b, l_a, l_b, kb, pos_a, pos_b, warp_min_pos, scale_log2);
-        unsigned pa[BN / 16][4];
+    };
+    auto pack_p = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pa[kk][0] = pack_f16x2(sc[2 * kk][0], sc[2 * kk][1]);
@@ -725,16 +730,74 @@ __device__ __forceinline__ void flash_wgmma_body(
             pa[kk][2] = pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
             pa[kk][3] = pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
+    };
+
+    // Tile 0: its scores and probabilities before the loop.
+    stage_kv_core<D, BN, NT>(kv0, kv0 + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
+                             block_size, bs_shift, tid);
+    cp_async_wait_all();
+    fence_proxy_async_smem();
+    __syncthreads();
+    if (n_tiles > 1)
+        stage_kv_core<D, BN, NT>(kv0 + 2 * TILE, kv0 + 3 * TILE, k_cache, v_cache, table, BN, kv_len, kvh,
+                                 n_kv_heads, block_size, bs_shift, tid);
+    wg_pin(sc);
+    wg_fence();
+    issue_scores(0);
+    transpose_v_core<D, BN, WARPS>(vt, kv0 + TILE, warp, lane);
+    fence_proxy_async_smem();
+    wg_wait<0>();
+    wg_pin(sc);
+    {
+        const FaTileScale ts = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, 0, pos_a, pos_b, warp_min_pos, scale_log2);
+        fa_tile_exp<BN>(sc, ts, l_a, l_b);  // o is still zero: no rescale
+    }
+    pack_p();
+
+    // Iteration t: O += P(t) V(t) runs on the tensor cores together with the scores of tile t+1,
+    // while the warps transpose V(t+1) and then exponentiate those scores; O is rescaled once
+    // P(t) V(t) has landed.
+    for (int t = 0; t < n_tiles; ++t) {
+        const int kb_next = (t + 1) * BN;
+        const bool more = kb_next < kv_len;
+        cp_async_wait_all();
+        fence_proxy_async_smem();
+        // Tile t+1 is in shared memory and V^T(t) is published; every warpgroup is done with
+        // the scores of tile t (K buffer t & 1), V(t)'s transpose and P(t-1) V(t-1).
+        __syncthreads();
+        if (t + 2 < n_tiles) {
+            store_t* kn = kv0 + (t & 1) * 2 * TILE;
+            stage_kv_core<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, (t + 2) * BN, kv_len, kvh,
+                                     n_kv_heads, block_size, bs_shift, tid);
+        }
+        wg_pin(sc);
         wg_pin(o);
         wg_pin(pa);
         wg_fence();
+        if (more) issue_scores((t + 1) & 1);
+        const unsigned vt_addr = smem_u32(vt + (t & 1) * D * BN);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_m64n128_rs_f16(o, pa[kk], wg_desc(vt_addr + kk * 256, LBO, 8 * BN * 2));
+            wgmma_m64n128_rs_f16(o, pa[kk], wg_desc(vt_addr + kk * 256, LBO, SBO_VT));
         wg_commit();
-        wg_wait_all();
-        wg_pin(o);
-        wg_pin(pa);
+        if (more) {
+            transpose_v_core<D, BN, WARPS>(vt + ((t + 1) & 1) * D * BN, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
+            fence_proxy_async_smem();
+            wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
+            wg_pin(sc);
+            const FaTileScale ts =
+                fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, kb_next, pos_a, pos_b, warp_min_pos, scale_log2);
+            fa_tile_exp<BN>(sc, ts, l_a, l_b);
+            wg_wait<0>();
+            wg_pin(o);
+            wg_pin(pa);
+            fa_rescale<D, true>(o, ts);
+            pack_p();
+        } else {
+            wg_wait<0>();
+            wg_pin(o);
+            wg_pin(pa);
+        }
     }
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -1318,7 +1381,7 @@ FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
 FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 
 // The wgmma form (flash_wgmma_body): the same arguments, 8 warps, dynamic shared memory Q + two
-// K/V buffers + V^T (192 KiB at d 128). Only sm_90a code has wgmma; elsewhere the kernel exists
+// buffers of K, V and V^T (224 KiB at d 128). Only sm_90a code has wgmma; elsewhere the kernel exists
 // (every arch compiles the same names) and traps, and the launcher never routes to it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FA_WGMMA_BODY(D, BN)                                                                    \
