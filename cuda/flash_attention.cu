@@ -488,12 +488,15 @@ __device__ __forceinline__ void flash_body(
 // kernels must move every K/V fragment through registers, once per 16 query rows; at ~190
 // TFLOP/s the 128-key mma.sync kernel was half of sdpa's rate on the same GPU.
 //
-// Shared memory holds Q, K and V^T in wgmma's canonical no-swizzle K-major layout: 8 x 8 "core
-// matrices" of 128 contiguous bytes, those along K 128 bytes apart (the descriptor's leading
-// byte offset), row groups 8 * K elements apart (its stride byte offset). A cp.async chunk i of
-// a tile then lands at byte 16 i: 8 consecutive chunks are the 8 rows of one core matrix, so the
-// stores never share a bank and each row's 64 consecutive bytes come from one global segment.
-// V arrives as [keys][d] in the same layout; each warp transposes its share into V^T (ldmatrix
+// Shared memory holds Q, K, V and V^T in wgmma's 128-byte swizzle K-major layout: columns in
+// slabs of 64 (128 bytes a row), and in each 8-row group (1024 bytes, 1024-aligned) a row's eight
+// 16-byte chunks permuted by XOR with the row's index in the group, so that the tensor cores read
+// eight rows of one chunk column from eight different banks. A cp.async chunk's destination is
+// that permutation of its row; 8 consecutive threads fill one 128-byte row (no two share a
+// bank) from 128 consecutive bytes of global memory. (The no-swizzle layout, 8 x 8 core
+// matrices of 128 contiguous bytes, gives the same values but ran at 185 TFLOP/s against the
+// mma.sync kernel's 193: its reads of a chunk column conflict.)
+// V arrives as [keys][d]; each warp transposes its share into V^T (ldmatrix
 // .trans, then stmatrix) and converts it to f16 on the way (P V runs in f16, as in flash_body).
 // The loop is software-pipelined: P(t) V(t) and the scores of tile t+1 are issued together, and
 // the warps transpose V(t+1) and exponentiate the new scores while the tensor cores run both
@@ -503,11 +506,12 @@ __device__ __forceinline__ void flash_body(
 // fence.proxy.async before the barrier that publishes it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Descriptor of a K-major no-swizzle operand at shared address addr (lbo / sbo in bytes: core
-// matrices adjacent along K / along M or N).
-__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3ffff) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32);
+// Descriptor of a K-major operand in the 128-byte swizzle layout at shared address addr (see the
+// section header): 8-row groups 1024 bytes apart (the stride byte offset); the leading byte
+// offset is unused for this layout (1 by convention); swizzle mode 1 = 128 bytes.
+__device__ __forceinline__ unsigned long long wg_desc_sw128(unsigned addr) {
+    return (unsigned long long)((addr & 0x3ffff) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -585,17 +589,25 @@ __device__ __forceinline__ void stsm_x4(unsigned addr, const unsigned* r) {
                  ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
-// Element offset of 16-byte chunk i's first element is 8 i; its row and first column in a
-// [rows][C] core-layout tile (see the section header).
-template <int C>
-__device__ __forceinline__ int core_chunk_row(int i) { return (i / C) * 8 + (i & 7); }
-template <int C>
-__device__ __forceinline__ int core_chunk_col(int i) { return ((i >> 3) % (C / 8)) * 8; }
+// Byte offset in a [ROWS][cols] 16-bit tile in the 128-byte swizzle layout of the 16-byte chunk
+// c8 of row r: columns in slabs of 64 (128 bytes a row), a slab's rows 128 bytes apart, and
+// within each 8-row group (1024 bytes) the chunk index XORed with the row's index in the group.
+template <int ROWS>
+__device__ __forceinline__ int sw128_offset(int r, int c8) {
+    return ((c8 >> 3) * ROWS + r) * 128 + (((c8 & 7) ^ (r & 7)) << 4);
+}
+// Staging order: chunk i of a tile is chunk i % 8 of its slab in row (i / 8) % ROWS of slab
+// i / (8 ROWS), so 8 consecutive chunks fill one 128-byte row (no two share a bank) from 128
+// consecutive bytes of global memory.
+template <int ROWS>
+__device__ __forceinline__ int sw128_chunk_row(int i) { return (i >> 3) % ROWS; }
+template <int ROWS>
+__device__ __forceinline__ int sw128_chunk_c8(int i) { return (i >> 3) / ROWS * 8 + (i & 7); }
 
-// Starts the copy of keys kb..kb+BN (K and V, storage type) into core-layout tiles ks / vs as one
+// Starts the copy of keys kb..kb+BN (K and V, storage type) into swizzled tiles ks / vs as one
 // cp.async group; rows past kv_len are zeroed with plain stores.
 template <int D, int BN, int NT>
-__device__ __forceinline__ void stage_kv_core(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
+__device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
                                               const store_t* __restrict__ v_cache, const int* __restrict__ table,
                                               int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
                                               int bs_shift, int tid) {
@@ -604,33 +616,36 @@ __device__ __forceinline__ void stage_kv_core(store_t* ks, store_t* vs, const st
     int blk[CHUNKS];
 #pragma unroll
     for (int it = 0; it < CHUNKS; ++it) {
-        const int j = kb + core_chunk_row<D>(tid + it * NT);
+        const int j = kb + sw128_chunk_row<BN>(tid + it * NT);
         blk[it] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
     }
 #pragma unroll
     for (int it = 0; it < CHUNKS; ++it) {
         const int i = tid + it * NT;
-        const int j = kb + core_chunk_row<D>(i);
+        const int r = sw128_chunk_row<BN>(i);
+        const int c8 = sw128_chunk_c8<BN>(i);
+        const int j = kb + r;
+        const int so = sw128_offset<BN>(r, c8) / 2;  // elements
         if (j < kv_len) {
             const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
             const long long off = ((long long)blk[it] * block_size + in_block) * n_kv_heads * D +
-                                  (long long)kvh * D + core_chunk_col<D>(i);
-            cp_async16(smem_u32(ks + i * 8), k_cache + off);
-            cp_async16(smem_u32(vs + i * 8), v_cache + off);
+                                  (long long)kvh * D + c8 * 8;
+            cp_async16(smem_u32(ks + so), k_cache + off);
+            cp_async16(smem_u32(vs + so), v_cache + off);
         } else {
             uint4 z;
             z.x = z.y = z.z = z.w = 0u;
-            *reinterpret_cast<uint4*>(ks + i * 8) = z;
-            *reinterpret_cast<uint4*>(vs + i * 8) = z;
+            *reinterpret_cast<uint4*>(ks + so) = z;
+            *reinterpret_cast<uint4*>(vs + so) = z;
         }
     }
     cp_async_commit();
 }
 
-// V tile [BN][D] -> V^T [D][BN] (both core layout), as f16: four core matrices an ldmatrix.trans
-// / stmatrix pair, the block's warps taking turns.
+// V tile [BN][D] -> V^T [D][BN] (both swizzled), as f16: four 8 x 8 blocks an ldmatrix.trans /
+// stmatrix pair, the block's warps taking turns.
 template <int D, int BN, int WARPS>
-__device__ __forceinline__ void transpose_v_core(unsigned short* vt, const store_t* vs, int warp, int lane) {
+__device__ __forceinline__ void transpose_v_sw128(unsigned short* vt, const store_t* vs, int warp, int lane) {
     constexpr int OPS = (BN / 8) * (D / 8) / 4;
     const int mi = lane >> 3;
     const int rr = lane & 7;
@@ -639,12 +654,12 @@ __device__ __forceinline__ void transpose_v_core(unsigned short* vt, const store
         const int kg = op / (D / 32);
         const int dg = (op % (D / 32)) * 4 + mi;
         unsigned r[4];
-        ldsm_x4_trans(r, smem_u32(vs + kg * 8 * D + dg * 64 + rr * 8));
+        ldsm_x4_trans(r, smem_u32(vs + sw128_offset<BN>(kg * 8 + rr, dg) / 2));
 #if !defined(NINFER_STORAGE_F16)
 #pragma unroll
         for (int e = 0; e < 4; ++e) r[e] = bf16x2_to_f16x2(r[e]);
 #endif
-        stsm_x4(smem_u32(vt + dg * 8 * BN + kg * 64 + rr * 8), r);
+        stsm_x4(smem_u32(vt + sw128_offset<D>(dg * 8 + rr, kg) / 2), r);
     }
 }
 
@@ -660,7 +675,9 @@ __device__ __forceinline__ void flash_wgmma_body(
     constexpr int BM = 16 * WARPS;
     constexpr int TILE = BN * D;  // elements of one K or V tile
     extern __shared__ uint4 fa_smem[];
-    store_t* qs = reinterpret_cast<store_t*>(fa_smem);                  // [BM][D]
+    // Swizzle atoms are 1024-byte aligned (the launcher adds 1 KiB for this).
+    const unsigned smem_pad = (1024u - (smem_u32(fa_smem) & 1023u)) & 1023u;
+    store_t* qs = reinterpret_cast<store_t*>(reinterpret_cast<char*>(fa_smem) + smem_pad);  // [BM][D]
     store_t* kv0 = qs + BM * D;                                           // buffer b: K, then V
     unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // 2 x [D][BN], f16
 
@@ -680,13 +697,14 @@ __device__ __forceinline__ void flash_wgmma_body(
     const int wg = warp >> 2;
 
     for (int i = tid; i < BM * D / 8; i += NT) {
-        const int r = core_chunk_row<D>(i);
+        const int r = sw128_chunk_row<BM>(i);
+        const int c8 = sw128_chunk_c8<BM>(i);
         uint4 val;
         val.x = val.y = val.z = val.w = 0u;
         if (r < tile_rows)
             val = *reinterpret_cast<const uint4*>(q + (long long)(row0 + tile0 + r) * q_stride +
-                                                  (long long)h * D + core_chunk_col<D>(i));
-        *reinterpret_cast<uint4*>(qs + i * 8) = val;
+                                                  (long long)h * D + c8 * 8);
+        *reinterpret_cast<uint4*>(qs + sw128_offset<BM>(r, c8) / 2) = val;
     }
     const int ra = tile0 + warp * 16 + gr;
     const int rb = ra + 8;
@@ -704,11 +722,9 @@ __device__ __forceinline__ void flash_wgmma_body(
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
-    // Core-layout strides (bytes): along K 128, rows 8 * K elements apart.
-    constexpr unsigned LBO = 128;
-    constexpr unsigned SBO_QK = 8 * D * 2;
-    constexpr unsigned SBO_VT = 8 * BN * 2;
-    const unsigned q_addr = smem_u32(qs + wg * 64 * D);
+    // Descriptor start of the k16 step at column k0 of a swizzled tile of `rows` rows: its
+    // 64-column slab, then 2 bytes a column within the 128-byte rows.
+    const unsigned q_addr = smem_u32(qs) + wg * 64 * 128;  // this warpgroup's 64 rows
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     const int n_tiles = (kv_len + BN - 1) / BN;
     // S (one tile's scores, then probabilities) and P (the previous tile's, f16 A fragments).
@@ -719,7 +735,8 @@ __device__ __forceinline__ void flash_wgmma_body(
         const unsigned k_addr = smem_u32(kv0 + b * 2 * TILE);
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16)
-            wgmma_m64n128_ss(sc, wg_desc(q_addr + k0 * 16, LBO, SBO_QK), wg_desc(k_addr + k0 * 16, LBO, SBO_QK), k0 > 0);
+            wgmma_m64n128_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
+                             wg_desc_sw128(k_addr + (k0 >> 6) * BN * 128 + (k0 & 63) * 2), k0 > 0);
         wg_commit();
     };
     auto pack_p = [&]() {
@@ -733,18 +750,18 @@ __device__ __forceinline__ void flash_wgmma_body(
     };
 
     // Tile 0: its scores and probabilities before the loop.
-    stage_kv_core<D, BN, NT>(kv0, kv0 + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
+    stage_kv_sw128<D, BN, NT>(kv0, kv0 + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
                              block_size, bs_shift, tid);
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
     if (n_tiles > 1)
-        stage_kv_core<D, BN, NT>(kv0 + 2 * TILE, kv0 + 3 * TILE, k_cache, v_cache, table, BN, kv_len, kvh,
+        stage_kv_sw128<D, BN, NT>(kv0 + 2 * TILE, kv0 + 3 * TILE, k_cache, v_cache, table, BN, kv_len, kvh,
                                  n_kv_heads, block_size, bs_shift, tid);
     wg_pin(sc);
     wg_fence();
     issue_scores(0);
-    transpose_v_core<D, BN, WARPS>(vt, kv0 + TILE, warp, lane);
+    transpose_v_sw128<D, BN, WARPS>(vt, kv0 + TILE, warp, lane);
     fence_proxy_async_smem();
     wg_wait<0>();
     wg_pin(sc);
@@ -767,7 +784,7 @@ __device__ __forceinline__ void flash_wgmma_body(
         __syncthreads();
         if (t + 2 < n_tiles) {
             store_t* kn = kv0 + (t & 1) * 2 * TILE;
-            stage_kv_core<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, (t + 2) * BN, kv_len, kvh,
+            stage_kv_sw128<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, (t + 2) * BN, kv_len, kvh,
                                      n_kv_heads, block_size, bs_shift, tid);
         }
         wg_pin(sc);
@@ -778,10 +795,10 @@ __device__ __forceinline__ void flash_wgmma_body(
         const unsigned vt_addr = smem_u32(vt + (t & 1) * D * BN);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_m64n128_rs_f16(o, pa[kk], wg_desc(vt_addr + kk * 256, LBO, SBO_VT));
+            wgmma_m64n128_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
         wg_commit();
         if (more) {
-            transpose_v_core<D, BN, WARPS>(vt + ((t + 1) & 1) * D * BN, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
+            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * D * BN, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
             fence_proxy_async_smem();
             wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
             wg_pin(sc);
@@ -1381,8 +1398,9 @@ FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
 FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 
 // The wgmma form (flash_wgmma_body): the same arguments, 8 warps, dynamic shared memory Q + two
-// buffers of K, V and V^T (224 KiB at d 128). Only sm_90a code has wgmma; elsewhere the kernel exists
-// (every arch compiles the same names) and traps, and the launcher never routes to it.
+// buffers of K, V and V^T, aligned to 1 KiB (225 KiB at d 128). Only sm_90a code has wgmma;
+// elsewhere the kernel exists (every arch compiles the same names) and traps, and the launcher
+// never routes to it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FA_WGMMA_BODY(D, BN)                                                                    \
     flash_wgmma_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens,\

@@ -32,7 +32,7 @@ pub enum FlashTile {
     /// Head size 128 on Hopper (sm_90a code): 128-row blocks of two warpgroups whose products
     /// are wgmma (Q and K, then V^T, read from shared memory; P from registers), K/V tiles of
     /// 128 keys filled by cp.async, two V^T tiles so that P V of one tile overlaps the scores of
-    /// the next (224 KiB of shared memory a block).
+    /// the next (225 KiB of shared memory a block).
     Rows128Wgmma,
 }
 
@@ -70,7 +70,8 @@ impl Instance {
     /// adds an f16 V^T tile a buffer).
     fn smem_bytes(&self, d: usize) -> usize {
         if self.wgmma {
-            (self.rows() + 3 * self.buffers * self.bn) * d * 2
+            // + 1 KiB: the kernel aligns its tiles to the 1024-byte swizzle atoms.
+            (self.rows() + 3 * self.buffers * self.bn) * d * 2 + 1024
         } else {
             (self.rows() + 2 * self.buffers * self.bn) * (d + FA_PAD) * 2
         }
@@ -238,10 +239,11 @@ mod tests {
         let keys128 = instance(128, FlashTile::Rows128AsyncKeys128).unwrap();
         assert_eq!((keys128.rows(), keys128.bn, keys128.buffers), (128, 128, 2));
         assert!(keys128.smem_bytes(128) <= OPTIN_SM90 && keys128.smem_bytes(128) > OPTIN_SM80);
-        // The wgmma form at d 128: Q and two buffers of K, V and V^T, unpadded: 224 KiB, sm_90 only.
+        // The wgmma form at d 128: Q and two buffers of K, V and V^T, unpadded, aligned to 1 KiB:
+        // 225 KiB, sm_90 only.
         let wg = instance(128, FlashTile::Rows128Wgmma).unwrap();
         assert_eq!((wg.rows(), wg.bn, wg.buffers, wg.wgmma), (128, 128, 2, true));
-        assert_eq!(wg.smem_bytes(128), 224 * 1024);
+        assert_eq!(wg.smem_bytes(128), 225 * 1024);
         assert!(wg.smem_bytes(128) <= OPTIN_SM90 && wg.smem_bytes(128) > OPTIN_SM80);
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
