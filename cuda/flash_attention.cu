@@ -486,7 +486,7 @@ __device__ __forceinline__ void flash_body(
 // ldmatrix, no fragment registers), and O += P V takes P from the registers the softmax left it
 // in (the accumulator layout of S is the A-operand layout) and V^T from shared memory. mma.sync
 // kernels must move every K/V fragment through registers, once per 16 query rows; at ~190
-// TFLOP/s the 128-key mma.sync kernel was half of sdpa's rate on the same GPU.
+// TFLOP/s the 128-key mma.sync kernel ran at about half of sdpa's rate on the same GPU.
 //
 // Shared memory holds Q, K, V and V^T in wgmma's 128-byte swizzle K-major layout: columns in
 // slabs of 64 (128 bytes a row), and in each 8-row group (1024 bytes, 1024-aligned) a row's eight
@@ -494,14 +494,14 @@ __device__ __forceinline__ void flash_body(
 // eight rows of one chunk column from eight different banks. A cp.async chunk's destination is
 // that permutation of its row; 8 consecutive threads fill one 128-byte row (no two share a
 // bank) from 128 consecutive bytes of global memory. (The no-swizzle layout, 8 x 8 core
-// matrices of 128 contiguous bytes, gives the same values but ran at 185 TFLOP/s against the
-// mma.sync kernel's 193: its reads of a chunk column conflict.)
+// matrices of 128 contiguous bytes, gave the same values at 185 TFLOP/s, with or without the
+// pipeline below, against 193 for the 128-key mma.sync kernel and 227 for this one; 8k-token
+// Llama-3-8B prompt, H200, benches/results/cuda_ops_flash_wgmma_*.log.)
 // V arrives as [keys][d]; each warp transposes its share into V^T (ldmatrix
 // .trans, then stmatrix) and converts it to f16 on the way (P V runs in f16, as in flash_body).
 // The loop is software-pipelined: P(t) V(t) and the scores of tile t+1 are issued together, and
 // the warps transpose V(t+1) and exponentiate the new scores while the tensor cores run both
-// (two V^T buffers; O is rescaled once P(t) V(t) has landed). Issued one after the other with a
-// wait between, the same products ran at 185 TFLOP/s against the mma.sync kernel's 193.
+// (two V^T buffers; O is rescaled once P(t) V(t) has landed).
 // Shared memory written by threads (cp.async, stores) is made visible to wgmma's async proxy by
 // fence.proxy.async before the barrier that publishes it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
