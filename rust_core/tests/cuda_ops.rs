@@ -299,8 +299,7 @@ fn swiglu_and_sigmoid_gate_match_reference() {
 
 /// The chunked (`_v8`) and scalar forms of swiglu and sigmoid_gate_mul agree bit for bit: the
 /// same operands read once from aligned rows (chunked) and once one element past a 16-byte
-/// boundary (the launcher falls back to the scalar kernel); 33 x 2048 values are past the
-/// one-wave size below which the launcher keeps the scalar kernel anyway (`chunked_pays`).
+/// boundary (the launcher falls back to the scalar kernel).
 #[test]
 fn swiglu_and_sigmoid_gate_chunked_equal_scalar_bitwise() {
     for st in STORAGES {

@@ -20,16 +20,6 @@ fn rows_in_chunks(n: usize, strides: &[usize], ptrs: &[u64]) -> bool {
     n.is_multiple_of(8) && strides.iter().all(|s| s.is_multiple_of(8)) && ptrs.iter().all(|p| p.is_multiple_of(16))
 }
 
-/// Whether the `_v8` form pays for an elementwise op of `elements` values on a device of `sm_count`
-/// SMs: only when the scalar kernel (one value a thread, 256-thread blocks) would need more than
-/// one wave of a block an SM. Below that both are latency-bound and the chunked kernel's eighth of
-/// the threads each run eight values in series: Qwen3.5-27B's batch-1 attention gate (6144
-/// values) took 10.8 us a call chunked against 6.5 us scalar (decode profiles of 93ca6d2 and
-/// bdead4b, H200; kernel times there include the PDL wait on the kernel before).
-fn chunked_pays(elements: usize, sm_count: usize) -> bool {
-    elements > sm_count * 256
-}
-
 /// Grid of the `_v8` kernels: x over a row's 16-byte chunks (256 a block), y over the rows
 /// (the kernels stride past 65535).
 fn chunked_rows_grid(rows: usize, n: usize) -> (u32, u32, u32) {
@@ -148,7 +138,7 @@ impl CudaDevice {
             KArg::I64(gate_stride as i64),
             KArg::I64(up_stride as i64),
         ];
-        if chunked_pays(rows * n, self.sm_count()) && rows_in_chunks(n, &[gate_stride, up_stride], &[gp, upp, op]) {
+        if rows_in_chunks(n, &[gate_stride, up_stride], &[gp, upp, op]) {
             let f = self.function(KernelFamily::Activation, "swiglu_v8")?;
             return self.launch_pdl(&f, cfg(chunked_rows_grid(rows, n), 256), "swiglu_v8", &args);
         }
@@ -179,27 +169,11 @@ impl CudaDevice {
             KArg::I32(as_i32("n", n)?),
             KArg::I64(gate_stride as i64),
         ];
-        if chunked_pays(rows * n, self.sm_count()) && rows_in_chunks(n, &[gate_stride], &[xp, gp]) {
+        if rows_in_chunks(n, &[gate_stride], &[xp, gp]) {
             let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul_v8")?;
             return self.launch_pdl(&f, cfg(chunked_rows_grid(rows, n), 256), "sigmoid_gate_mul_v8", &args);
         }
         let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul")?;
         self.launch_pdl(&f, cfg(elementwise_grid(rows * n), 256), "sigmoid_gate_mul", &args)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunked_form_only_past_one_scalar_wave() {
-        // H200: 132 SMs. Qwen3.5-27B's batch-1 attention gate (24 heads x 256) stays scalar; the
-        // batch-64 one and the op test's 33 x 2048 rows go chunked.
-        assert!(!chunked_pays(24 * 256, 132));
-        assert!(!chunked_pays(132 * 256, 132));
-        assert!(chunked_pays(132 * 256 + 1, 132));
-        assert!(chunked_pays(64 * 24 * 256, 132));
-        assert!(chunked_pays(33 * 2048, 132));
     }
 }
