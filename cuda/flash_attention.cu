@@ -316,6 +316,69 @@ __device__ __forceinline__ void fa_tile_exp(float (&sc)[BN / 8][4], const FaTile
     }
 }
 
+// Where a flash attention block works: sequence s (grid z), q head h (grid y) and its kv head,
+// the sequence's rows row0.. (n_rows), and this block's BM-row tile from tile0 (tile_rows of
+// them). False for a tile past the sequence's rows (the grid covers the longest sequence).
+struct FaBlock {
+    int s, h, row0, n_rows, tile0, tile_rows, kvh;
+};
+
+template <int BM>
+__device__ __forceinline__ bool fa_block(FaBlock& b, const int* __restrict__ cu_seqlens, int n_q_heads,
+                                         int n_kv_heads) {
+    b.s = blockIdx.z;
+    b.h = blockIdx.y;
+    b.row0 = cu_seqlens[b.s];
+    b.n_rows = cu_seqlens[b.s + 1] - b.row0;
+    // Highest tiles (longest key ranges) are scheduled first.
+    b.tile0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (b.tile0 >= b.n_rows) return false;
+    b.tile_rows = min(BM, b.n_rows - b.tile0);
+    b.kvh = b.h / (n_q_heads / n_kv_heads);
+    return true;
+}
+
+// Positions of a lane's two rows ra and rb = ra + 8 of its warp's 16 (-1: past the sequence's
+// rows, fully masked), and warp_min_pos: every row of the warp sees keys 0..warp_min_pos (-1
+// when a row lies past the sequence), so tiles ending there need no causal mask (the mask
+// leaves their scores as they are).
+struct FaRows {
+    int ra, rb, pos_a, pos_b, warp_min_pos;
+};
+
+__device__ __forceinline__ FaRows fa_rows(const int* __restrict__ token_pos, const FaBlock& b, int warp, int gr) {
+    FaRows r;
+    r.ra = b.tile0 + warp * 16 + gr;
+    r.rb = r.ra + 8;
+    r.pos_a = r.ra < b.n_rows ? token_pos[b.row0 + r.ra] : -1;
+    r.pos_b = r.rb < b.n_rows ? token_pos[b.row0 + r.rb] : -1;
+    r.warp_min_pos = b.tile0 + warp * 16 + 15 < b.n_rows ? token_pos[b.row0 + b.tile0 + warp * 16] : -1;
+    return r;
+}
+
+// The end of a flash block: each lane's two rows of O divided by their softmax sums (summed over
+// the row's quad) and stored, rows past the sequence skipped.
+template <int D>
+__device__ __forceinline__ void fa_store_rows(store_t* __restrict__ out, const float (&o)[D / 8][4], float l_a,
+                                              float l_b, const FaBlock& b, const FaRows& r, int n_q_heads, int tq) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+    const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+    const long long out_stride = (long long)n_q_heads * D;
+    store_t* oa = out + (long long)(b.row0 + r.ra) * out_stride + (long long)b.h * D + 2 * tq;
+    store_t* ob = oa + 8 * out_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        if (r.ra < b.n_rows)
+            *reinterpret_cast<unsigned*>(oa + n * 8) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
+        if (r.rb < b.n_rows)
+            *reinterpret_cast<unsigned*>(ob + n * 8) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
+    }
+}
+
 // WARPS warps, BN keys a tile; PIPE: two K/V buffers filled by cp.async (see the header).
 template <int D, int BN, int WARPS, bool PIPE>
 __device__ __forceinline__ void flash_body(
@@ -331,15 +394,9 @@ __device__ __forceinline__ void flash_body(
     store_t* qs = reinterpret_cast<store_t*>(fa_smem);  // [BM][LD]
     store_t* kv0 = qs + BM * LD;  // per buffer: K [BN][LD], then V [BN][LD] (f16 bits)
 
-    const int s = blockIdx.z;
-    const int h = blockIdx.y;
-    const int row0 = cu_seqlens[s];
-    const int n_rows = cu_seqlens[s + 1] - row0;
-    // Highest tiles (longest key ranges) are scheduled first.
-    const int tile0 = (gridDim.x - 1 - blockIdx.x) * BM;
-    if (tile0 >= n_rows) return;
-    const int tile_rows = min(BM, n_rows - tile0);
-    const int kvh = h / (n_q_heads / n_kv_heads);
+    FaBlock fb;
+    if (!fa_block<BM>(fb, cu_seqlens, n_q_heads, n_kv_heads)) return;
+    const int s = fb.s, h = fb.h, row0 = fb.row0, n_rows = fb.n_rows, tile0 = fb.tile0, tile_rows = fb.tile_rows, kvh = fb.kvh;
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
@@ -356,16 +413,11 @@ __device__ __forceinline__ void flash_body(
                                                   (long long)h * D + c);
         *reinterpret_cast<uint4*>(qs + r * LD + c) = val;
     }
-    // Positions of this lane's two rows (-1: past the sequence's rows, fully masked).
-    const int ra = tile0 + warp * 16 + gr;
-    const int rb = ra + 8;
-    const int pos_a = ra < n_rows ? token_pos[row0 + ra] : -1;
-    const int pos_b = rb < n_rows ? token_pos[row0 + rb] : -1;
+    const FaRows fr = fa_rows(token_pos, fb, warp, gr);
+    const int pos_a = fr.pos_a, pos_b = fr.pos_b, warp_min_pos = fr.warp_min_pos;
+    // The warp's last row's position: tiles past it are skipped.
     const int warp_last = min(tile0 + warp * 16 + 15, n_rows - 1);
     const int warp_max_pos = warp_last >= tile0 + warp * 16 ? token_pos[row0 + warp_last] : -1;
-    // Every row of the warp sees keys 0..warp_min_pos (-1 when a row lies past the sequence):
-    // tiles ending there need no causal mask (the mask leaves their scores as they are).
-    const int warp_min_pos = tile0 + warp * 16 + 15 < n_rows ? token_pos[row0 + tile0 + warp * 16] : -1;
     const int kv_len = token_pos[row0 + tile0 + tile_rows - 1] + 1;
     const int* table = block_tables + (long long)s * max_blocks;
 
@@ -459,22 +511,7 @@ __device__ __forceinline__ void flash_body(
             }
         }
     }
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
-    const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-    const long long out_stride = (long long)n_q_heads * D;
-    store_t* oa = out + (long long)(row0 + ra) * out_stride + (long long)h * D + 2 * tq;
-    store_t* ob = oa + 8 * out_stride;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        if (ra < n_rows)
-            *reinterpret_cast<unsigned*>(oa + n * 8) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
-        if (rb < n_rows)
-            *reinterpret_cast<unsigned*>(ob + n * 8) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
-    }
+    fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, tq);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -681,15 +718,9 @@ __device__ __forceinline__ void flash_wgmma_body(
     store_t* kv0 = qs + BM * D;                                           // buffer b: K, then V
     unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // 2 x [D][BN], f16
 
-    const int s = blockIdx.z;
-    const int h = blockIdx.y;
-    const int row0 = cu_seqlens[s];
-    const int n_rows = cu_seqlens[s + 1] - row0;
-    // Highest tiles (longest key ranges) are scheduled first.
-    const int tile0 = (gridDim.x - 1 - blockIdx.x) * BM;
-    if (tile0 >= n_rows) return;
-    const int tile_rows = min(BM, n_rows - tile0);
-    const int kvh = h / (n_q_heads / n_kv_heads);
+    FaBlock fb;
+    if (!fa_block<BM>(fb, cu_seqlens, n_q_heads, n_kv_heads)) return;
+    const int s = fb.s, h = fb.h, row0 = fb.row0, tile0 = fb.tile0, tile_rows = fb.tile_rows, kvh = fb.kvh;
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
@@ -706,11 +737,8 @@ __device__ __forceinline__ void flash_wgmma_body(
                                                   (long long)h * D + c8 * 8);
         *reinterpret_cast<uint4*>(qs + sw128_offset<BM>(r, c8) / 2) = val;
     }
-    const int ra = tile0 + warp * 16 + gr;
-    const int rb = ra + 8;
-    const int pos_a = ra < n_rows ? token_pos[row0 + ra] : -1;
-    const int pos_b = rb < n_rows ? token_pos[row0 + rb] : -1;
-    const int warp_min_pos = tile0 + warp * 16 + 15 < n_rows ? token_pos[row0 + tile0 + warp * 16] : -1;
+    const FaRows fr = fa_rows(token_pos, fb, warp, gr);
+    const int pos_a = fr.pos_a, pos_b = fr.pos_b, warp_min_pos = fr.warp_min_pos;
     // Both warpgroups compute every tile, including one wholly in a warpgroup's future (possible
     // only after a cached prefix; its scores are all masked): wgmma under a branch that ptxas
     // cannot prove uniform is serialized.
@@ -816,23 +844,7 @@ __device__ __forceinline__ void flash_wgmma_body(
             wg_pin(pa);
         }
     }
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
-    const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-    const int tq = lane & 3;
-    const long long out_stride = (long long)n_q_heads * D;
-    store_t* oa = out + (long long)(row0 + ra) * out_stride + (long long)h * D + 2 * tq;
-    store_t* ob = oa + 8 * out_stride;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        if (ra < n_rows)
-            *reinterpret_cast<unsigned*>(oa + n * 8) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
-        if (rb < n_rows)
-            *reinterpret_cast<unsigned*>(ob + n * 8) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
-    }
+    fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
