@@ -26,7 +26,7 @@ pub enum FlashTile {
     /// 2k / 8k / 32k +7% / +11% / +28% on the H200 (docs/performance.md, session 10).
     Rows128Async,
     /// Head size 128: as Rows128Async with K/V tiles of 128 keys instead of 64 (half the
-    /// barriers, softmax rescales and staging waits per key; 254 registers a lane, no spills;
+    /// barriers, softmax rescales and staging waits per key; 234 registers a lane at sm_90a (NVRTC 12.9), no spills;
     /// 174 KiB of shared memory a block: sm_90 only).
     Rows128AsyncKeys128,
     /// Head size 128 on Hopper (sm_90a code): 128-row blocks of two warpgroups whose products
