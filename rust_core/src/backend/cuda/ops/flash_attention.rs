@@ -56,7 +56,8 @@ struct Instance {
     warps: usize,
     /// K/V tile buffers in shared memory.
     buffers: usize,
-    /// wgmma products (sm_90a code only): unpadded core-layout tiles plus a V^T tile a buffer.
+    /// wgmma products (sm_90a code only): unpadded tiles in the 128-byte swizzle layout plus a
+    /// V^T tile a buffer.
     wgmma: bool,
 }
 
@@ -66,7 +67,7 @@ impl Instance {
     }
 
     /// Dynamic shared memory: the Q tile and each buffer's K and V tiles, rows of 16 bits
-    /// (padded for the mma.sync kernels; the wgmma kernel's core layout needs no padding and
+    /// (padded for the mma.sync kernels; the wgmma kernel's swizzled layout needs no padding and
     /// adds an f16 V^T tile a buffer).
     fn smem_bytes(&self, d: usize) -> usize {
         if self.wgmma {
