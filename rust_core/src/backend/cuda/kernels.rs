@@ -11,11 +11,17 @@ pub const COMMON_HEADER: &str = include_str!("../../../../cuda/common.cuh");
 /// Architectures CI compiles every kernel for (V100 through H100/H200).
 pub const CI_ARCHES: [u32; 6] = [70, 75, 80, 86, 89, 90];
 
+/// Whether kernels for compute capability `major.minor` are compiled as sm_90a code (so that
+/// its wgmma kernels run there): 9.0 only.
+pub fn has_sm90a_code(major: u32, minor: u32) -> bool {
+    (major, minor) == (9, 0)
+}
+
 /// The NVRTC architecture the kernels are compiled for on a device of compute capability
 /// `major.minor`: its own, except that 9.0 (H100 / H200) gets `sm_90a`, whose code runs on 9.0
 /// only and adds the Hopper instructions (wgmma) the prefill attention uses there.
 pub fn nvrtc_arch(major: u32, minor: u32) -> String {
-    if (major, minor) == (9, 0) {
+    if has_sm90a_code(major, minor) {
         "sm_90a".to_string()
     } else {
         format!("sm_{major}{minor}")

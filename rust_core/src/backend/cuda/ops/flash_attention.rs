@@ -112,10 +112,11 @@ impl CudaDevice {
 
     /// Whether tiling `tile` exists for head size `d`, fits this device's shared memory and (for
     /// wgmma) runs here: sm_90a code, which the kernels are compiled to on compute capability 9.0
-    /// only (kernels.rs `nvrtc_arch`).
+    /// only (kernels.rs `has_sm90a_code`; no architecture string built on every launch).
     pub fn flash_tile_fits(&self, d: usize, tile: FlashTile) -> bool {
         instance(d, tile).is_ok_and(|i| {
-            i.smem_bytes(d) <= self.smem_optin() && (!i.wgmma || self.arch() == crate::backend::cuda::kernels::nvrtc_arch(9, 0))
+            let (major, minor) = self.compute_capability();
+            i.smem_bytes(d) <= self.smem_optin() && (!i.wgmma || crate::backend::cuda::kernels::has_sm90a_code(major, minor))
         })
     }
 
