@@ -515,7 +515,9 @@ __device__ __forceinline__ void flash_body(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill attention on Hopper's warpgroup tensor cores (flash_attention_d128_wgmma, sm_90a only).
+// Prefill attention on Hopper's warpgroup tensor cores (flash_attention_d{128,256}_wgmma, sm_90a
+// only). At d 256 the tiles are 32 keys (the 64 x 256 f32 output alone is 128 registers a lane)
+// and V^T rows are padded to one 64-key slab (the swizzle's 128-byte row).
 //
 // The flash_body algorithm with its products as wgmma: a block is two warpgroups (8 warps) of
 // 64 query rows each, sharing K/V tiles of BN keys filled by cp.async into two buffers. S = Q K^T
@@ -576,6 +578,13 @@ __device__ __forceinline__ void wg_pin(unsigned (&a)[N][4]) {
         asm volatile("" : "+r"(a[n][0]), "+r"(a[n][1]), "+r"(a[n][2]), "+r"(a[n][3])::"memory");
 }
 
+#define WG_ACC32 \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define WG_D32 "{" \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15" "}"
+
 #define WG_ACC128 \
     "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
     "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
@@ -595,15 +604,61 @@ __device__ __forceinline__ void wg_pin(unsigned (&a)[N][4]) {
     "2,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%6" \
     "2,%63" "}"
 
+#define WG_ACC256 \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+    "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+    "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+    "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+    "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+    "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
+    "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), \
+    "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+    "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), \
+    "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), \
+    "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), \
+    "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), \
+    "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), \
+    "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), \
+    "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), \
+    "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), \
+    "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), \
+    "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), \
+    "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), \
+    "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), \
+    "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), \
+    "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), \
+    "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), \
+    "+f"(d[31][3])
+#define WG_D256 "{" \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%2" \
+    "2,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%4" \
+    "2,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%6" \
+    "2,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%8" \
+    "2,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101," \
+    "%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117," \
+    "%118,%119,%120,%121,%122,%123,%124,%125,%126,%127" "}"
+
 #if defined(NINFER_STORAGE_F16)
 #define WG_QK_TYPES "f16.f16"
 #else
 #define WG_QK_TYPES "bf16.bf16"
 #endif
 
-// d (64 x 128, f32) = [d +] A B, A and B 16-bit storage-type operands in shared memory.
-__device__ __forceinline__ void wgmma_m64n128_ss(float (&d)[16][4], unsigned long long a, unsigned long long b,
-                                                 int accumulate) {
+// d (64 x N, f32) = [d +] A B, A and B 16-bit storage-type operands in shared memory (the
+// scores: N = keys a tile). One overload a tile width, the accumulator array's size picking it.
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[4][4], unsigned long long a, unsigned long long b,
+                                         int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." WG_QK_TYPES " " WG_D32 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : WG_ACC32
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a, unsigned long long b,
+                                         int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_QK_TYPES " " WG_D128 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
@@ -611,13 +666,23 @@ __device__ __forceinline__ void wgmma_m64n128_ss(float (&d)[16][4], unsigned lon
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// d (64 x 128, f32) += A B, A f16 fragments in registers (the mma.sync m16n8k16 A layout, each
-// warp its 16 rows), B f16 in shared memory.
-__device__ __forceinline__ void wgmma_m64n128_rs_f16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
+
+// d (64 x N, f32) += A B, A f16 fragments in registers (the mma.sync m16n8k16 A layout, each
+// warp its 16 rows), B f16 in shared memory (P V: N = the head size).
+
+__device__ __forceinline__ void wgmma_rs_f16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WG_D128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
         : WG_ACC128
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_rs_f16(float (&d)[32][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " WG_D256 ", {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+        : WG_ACC256
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
 }
 
@@ -706,17 +771,19 @@ __device__ __forceinline__ void flash_wgmma_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ cu_seqlens, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
-    static_assert(D == 128 && BN == 128, "the wgmma shapes below are m64n128k16");
+    static_assert((D == 128 && BN == 128) || (D == 256 && BN == 32), "wgmma_ss / wgmma_rs_f16 widths");
     constexpr int WARPS = 8;
     constexpr int NT = WARPS * 32;
     constexpr int BM = 16 * WARPS;
     constexpr int TILE = BN * D;  // elements of one K or V tile
+    // V^T rows are at least one 64-key slab wide (128 bytes, the swizzle's row), keys past BN unused.
+    constexpr int VT_TILE = D * (BN < 64 ? 64 : BN);
     extern __shared__ uint4 fa_smem[];
     // Swizzle atoms are 1024-byte aligned (the launcher adds 1 KiB for this).
     const unsigned smem_pad = (1024u - (smem_u32(fa_smem) & 1023u)) & 1023u;
     store_t* qs = reinterpret_cast<store_t*>(reinterpret_cast<char*>(fa_smem) + smem_pad);  // [BM][D]
     store_t* kv0 = qs + BM * D;                                           // buffer b: K, then V
-    unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // 2 x [D][BN], f16
+    unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // 2 x V^T, f16
 
     FaBlock fb;
     if (!fa_block<BM>(fb, cu_seqlens, n_q_heads, n_kv_heads)) return;
@@ -763,7 +830,7 @@ __device__ __forceinline__ void flash_wgmma_body(
         const unsigned k_addr = smem_u32(kv0 + b * 2 * TILE);
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16)
-            wgmma_m64n128_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
+            wgmma_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
                              wg_desc_sw128(k_addr + (k0 >> 6) * BN * 128 + (k0 & 63) * 2), k0 > 0);
         wg_commit();
     };
@@ -820,13 +887,13 @@ __device__ __forceinline__ void flash_wgmma_body(
         wg_pin(pa);
         wg_fence();
         if (more) issue_scores((t + 1) & 1);
-        const unsigned vt_addr = smem_u32(vt + (t & 1) * D * BN);
+        const unsigned vt_addr = smem_u32(vt + (t & 1) * VT_TILE);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_m64n128_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
+            wgmma_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
         wg_commit();
         if (more) {
-            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * D * BN, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
+            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
             fence_proxy_async_smem();
             wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
             wg_pin(sc);
@@ -1410,7 +1477,7 @@ FA_INSTANCE(flash_attention_d128_r128, 128, 64, 8, true)
 FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 
 // The wgmma form (flash_wgmma_body): the same arguments, 8 warps, dynamic shared memory Q + two
-// buffers of K, V and V^T, aligned to 1 KiB (225 KiB at d 128). Only sm_90a code has wgmma;
+// buffers of K, V and V^T, aligned to 1 KiB (225 KiB at d 128, 193 at d 256). Only sm_90a code has wgmma;
 // elsewhere the kernel exists (every arch compiles the same names) and traps, and the launcher
 // never routes to it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1429,6 +1496,7 @@ FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
     }
 
 FA_WGMMA_INSTANCE(flash_attention_d128_wgmma, 128, 128)
+FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
 // decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the

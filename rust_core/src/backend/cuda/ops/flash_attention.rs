@@ -29,10 +29,11 @@ pub enum FlashTile {
     /// barriers, softmax rescales and staging waits per key; 234 registers a lane at sm_90a (NVRTC 12.9), no spills;
     /// 174 KiB of shared memory a block: sm_90 only).
     Rows128AsyncKeys128,
-    /// Head size 128 on Hopper (sm_90a code): 128-row blocks of two warpgroups whose products
-    /// are wgmma (Q and K, then V^T, read from shared memory; P from registers), K/V tiles of
-    /// 128 keys filled by cp.async, two V^T tiles so that P V of one tile overlaps the scores of
-    /// the next (225 KiB of shared memory a block).
+    /// Head sizes 128 and 256 on Hopper (sm_90a code): 128-row blocks of two warpgroups whose
+    /// products are wgmma (Q and K, then V^T, read from shared memory; P from registers), K/V
+    /// tiles filled by cp.async (128 keys at d 128, 32 at d 256 where O alone takes 128
+    /// registers a lane), two V^T tiles so that P V of one tile overlaps the scores of the next
+    /// (225 / 193 KiB of shared memory a block).
     Rows128Wgmma,
 }
 
@@ -72,7 +73,7 @@ impl Instance {
     fn smem_bytes(&self, d: usize) -> usize {
         if self.wgmma {
             // + 1 KiB: the kernel aligns its tiles to the 1024-byte swizzle atoms.
-            (self.rows() + 3 * self.buffers * self.bn) * d * 2 + 1024
+            (self.rows() + 2 * self.buffers * self.bn + self.buffers * self.bn.max(64)) * d * 2 + 1024
         } else {
             (self.rows() + 2 * self.buffers * self.bn) * (d + FA_PAD) * 2
         }
@@ -89,6 +90,7 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
         (128, FlashTile::Rows128Async) => ("flash_attention_d128_r128", 64, 8, 2, false),
         (128, FlashTile::Rows128AsyncKeys128) => ("flash_attention_d128_r128_k128", 128, 8, 2, false),
         (128, FlashTile::Rows128Wgmma) => ("flash_attention_d128_wgmma", 128, 8, 2, true),
+        (256, FlashTile::Rows128Wgmma) => ("flash_attention_d256_wgmma", 32, 8, 2, true),
         _ => {
             return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
@@ -247,6 +249,11 @@ mod tests {
         assert_eq!((wg.rows(), wg.bn, wg.buffers, wg.wgmma), (128, 128, 2, true));
         assert_eq!(wg.smem_bytes(128), 225 * 1024);
         assert!(wg.smem_bytes(128) <= OPTIN_SM90 && wg.smem_bytes(128) > OPTIN_SM80);
+        // At d 256: 32-key tiles (O alone is 128 registers a lane), V^T rows padded to 64 keys.
+        let wg256 = instance(256, FlashTile::Rows128Wgmma).unwrap();
+        assert_eq!((wg256.rows(), wg256.bn, wg256.buffers), (128, 32, 2));
+        assert_eq!(wg256.smem_bytes(256), (128 * 256 + 4 * 32 * 256 + 2 * 64 * 256) * 2 + 1024);
+        assert!(wg256.smem_bytes(256) <= OPTIN_SM90 && wg256.smem_bytes(256) > OPTIN_SM80);
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
@@ -256,7 +263,7 @@ mod tests {
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (256, FlashTile::Rows128Wgmma), (64, FlashTile::Rows128Wgmma)] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma)] {
             match instance(d, tile) {
                 Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
