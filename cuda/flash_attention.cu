@@ -866,12 +866,22 @@ __device__ __forceinline__ void flash_wgmma_body(
     }
     pack_p();
 
+    // O += P(t) V(t) from V^T buffer t & 1, as one wgmma group.
+    auto issue_pv = [&](int t) {
+        const unsigned vt_addr = smem_u32(vt + (t & 1) * VT_TILE);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
+        wg_commit();
+    };
+
     // Iteration t: O += P(t) V(t) runs on the tensor cores together with the scores of tile t+1,
     // while the warps transpose V(t+1) and then exponentiate those scores; O is rescaled once
-    // P(t) V(t) has landed.
-    for (int t = 0; t < n_tiles; ++t) {
-        const int kb_next = (t + 1) * BN;
-        const bool more = kb_next < kv_len;
+    // P(t) V(t) has landed. The last tile's P V is peeled off below: a branch between
+    // wgmma.fence and a wait (an `if (more)` around the scores) makes ptxas serialize every
+    // wgmma of the kernel (C7515, each one waits for the one before); 226 TFLOP/s at 8k was
+    // that serialized form.
+    for (int t = 0; t + 1 < n_tiles; ++t) {
         cp_async_wait_all();
         fence_proxy_async_smem();
         // Tile t+1 is in shared memory and V^T(t) is published; every warpgroup is done with
@@ -886,31 +896,30 @@ __device__ __forceinline__ void flash_wgmma_body(
         wg_pin(o);
         wg_pin(pa);
         wg_fence();
-        if (more) issue_scores((t + 1) & 1);
-        const unsigned vt_addr = smem_u32(vt + (t & 1) * VT_TILE);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
-        wg_commit();
-        if (more) {
-            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
-            fence_proxy_async_smem();
-            wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
-            wg_pin(sc);
-            const FaTileScale ts =
-                fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, kb_next, pos_a, pos_b, warp_min_pos, scale_log2);
-            fa_tile_exp<BN>(sc, ts, l_a, l_b);
-            wg_wait<0>();
-            wg_pin(o);
-            wg_pin(pa);
-            fa_rescale<D, true>(o, ts);
-            pack_p();
-        } else {
-            wg_wait<0>();
-            wg_pin(o);
-            wg_pin(pa);
-        }
+        issue_scores((t + 1) & 1);
+        issue_pv(t);
+        transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
+        fence_proxy_async_smem();
+        wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
+        wg_pin(sc);
+        const FaTileScale ts =
+            fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, (t + 1) * BN, pos_a, pos_b, warp_min_pos, scale_log2);
+        fa_tile_exp<BN>(sc, ts, l_a, l_b);
+        wg_wait<0>();
+        wg_pin(o);
+        wg_pin(pa);
+        fa_rescale<D, true>(o, ts);
+        pack_p();
     }
+    // The last tile: V^T(n_tiles - 1) is published by the barrier, then its P V alone.
+    fence_proxy_async_smem();
+    __syncthreads();
+    wg_pin(o);
+    wg_pin(pa);
+    wg_fence();
+    issue_pv(n_tiles - 1);
+    wg_wait<0>();
+    wg_pin(o);
     fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
