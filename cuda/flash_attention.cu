@@ -536,14 +536,28 @@ __device__ __forceinline__ void flash_body(
 // matrices of 128 contiguous bytes, gave the same values at 185 TFLOP/s, with or without the
 // pipeline below, against 193 for the 128-key mma.sync kernel and 227 for this one; 8k-token
 // Llama-3-8B prompt, H200, benches/results/cuda_ops_flash_wgmma_*.log.)
-// V arrives as [keys][d]; each warp transposes its share into V^T (ldmatrix
-// .trans, then stmatrix) and converts it to f16 on the way (P V runs in f16, as in flash_body).
+// V arrives as [keys][d]. Compiled by NVRTC 13 (FA_WGMMA_DIRECT_V below), P V reads it as it is,
+// an N-major B operand, with P in the storage type; compiled by NVRTC 12, each warp transposes
+// its share into V^T (ldmatrix.trans, then stmatrix) in f16 and P is f16 (as in flash_body).
 // The loop is software-pipelined: P(t) V(t) and the scores of tile t+1 are issued together, and
-// the warps transpose V(t+1) and exponentiate the new scores while the tensor cores run both
-// (two V^T buffers; O is rescaled once P(t) V(t) has landed).
+// the warps (transpose V(t+1) and) exponentiate the new scores while the tensor cores run both
+// (O is rescaled once P(t) V(t) has landed).
 // Shared memory written by threads (cp.async, stores) is made visible to wgmma's async proxy by
 // fence.proxy.async before the barrier that publishes it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The direct form (FA_WGMMA_DIRECT_V 1) takes V as it arrives, as the N-major B operand of P V,
+// with P in the storage type (bf16 P, as FlashAttention and sdpa have it): no V^T, no transpose.
+// Measured on the H200 (8k-token Llama-3-8B attention): 1.698 ms against 2.321 for the
+// transposing form; the transposes alone were ~27% of the kernel (knocking out only them gave
+// 1.694). ptxas of CUDA 12.9 crashes (segfault) on the direct form, whatever sits in the loop,
+// so NVRTC 12 compiles the transposing form (V^T in f16, P in f16) and NVRTC 13 the direct one;
+// CI compiles both (.ci/compile-kernels).
+#if __CUDACC_VER_MAJOR__ >= 13
+#define FA_WGMMA_DIRECT_V 1
+#else
+#define FA_WGMMA_DIRECT_V 0
+#endif
 
 // Descriptor of a K-major operand in the 128-byte swizzle layout at shared address addr (see the
 // section header): 8-row groups 1024 bytes apart (the stride byte offset); the leading byte
@@ -686,6 +700,45 @@ __device__ __forceinline__ void wgmma_rs_f16(float (&d)[32][4], const unsigned (
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
 }
 
+// d (64 x N, f32) += A B, A storage-type fragments in registers (the P of the direct form) and
+// B = V as it arrives, [keys][d] in shared memory: N-major, so imm-trans-b is 1 (16-bit types
+// only) and no V^T is built.
+__device__ __forceinline__ void wgmma_rs_v(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_QK_TYPES " " WG_D128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : WG_ACC128
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_rs_v(float (&d)[32][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_QK_TYPES " " WG_D256 ", {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+        : WG_ACC256
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+// Descriptor of an N-major operand in the 128-byte swizzle layout (a swizzled [K rows][N] tile,
+// as stage_kv_sw128 fills V): 64-column slabs `slab_bytes` apart (the leading byte offset),
+// 8-row groups 1024 bytes apart (the stride byte offset). Checked on the H200: the two offsets
+// the other way round give a relative error of ~1.
+__device__ __forceinline__ unsigned long long wg_desc_sw128_n(unsigned addr, unsigned slab_bytes) {
+    return (unsigned long long)((addr & 0x3ffff) >> 4) | ((unsigned long long)(slab_bytes >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Two f32 values rounded to the storage type, `lo` in the low half.
+__device__ __forceinline__ unsigned pack_store2(float lo, float hi) {
+#if defined(NINFER_STORAGE_F16)
+    return pack_f16x2(lo, hi);
+#else
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
 __device__ __forceinline__ void stsm_x4(unsigned addr, const unsigned* r) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};"
                  ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
@@ -765,6 +818,11 @@ __device__ __forceinline__ void transpose_v_sw128(unsigned short* vt, const stor
     }
 }
 
+// P as the A operand of P V: the storage type in the direct form, f16 (V^T's type) otherwise.
+__device__ __forceinline__ unsigned pack_p2(float lo, float hi) {
+    return FA_WGMMA_DIRECT_V ? pack_store2(lo, hi) : pack_f16x2(lo, hi);
+}
+
 template <int D, int BN>
 __device__ __forceinline__ void flash_wgmma_body(
     const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
@@ -837,10 +895,10 @@ __device__ __forceinline__ void flash_wgmma_body(
     auto pack_p = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = pack_f16x2(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = pack_f16x2(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            pa[kk][0] = pack_p2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack_p2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack_p2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack_p2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
     };
 
@@ -856,7 +914,7 @@ __device__ __forceinline__ void flash_wgmma_body(
     wg_pin(sc);
     wg_fence();
     issue_scores(0);
-    transpose_v_sw128<D, BN, WARPS>(vt, kv0 + TILE, warp, lane);
+    if (!FA_WGMMA_DIRECT_V) transpose_v_sw128<D, BN, WARPS>(vt, kv0 + TILE, warp, lane);
     fence_proxy_async_smem();
     wg_wait<0>();
     wg_pin(sc);
@@ -868,10 +926,18 @@ __device__ __forceinline__ void flash_wgmma_body(
 
     // O += P(t) V(t) from V^T buffer t & 1, as one wgmma group.
     auto issue_pv = [&](int t) {
+#if FA_WGMMA_DIRECT_V
+        // V(t) itself (K/V buffer t & 1): a k16 step is 16 key rows of 128 bytes on.
+        const unsigned v_addr = smem_u32(kv0 + (t & 1) * 2 * TILE + TILE);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs_v(o, pa[kk], wg_desc_sw128_n(v_addr + kk * 16 * 128, BN * 128));
+#else
         const unsigned vt_addr = smem_u32(vt + (t & 1) * VT_TILE);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
+#endif
         wg_commit();
     };
 
@@ -898,7 +964,8 @@ __device__ __forceinline__ void flash_wgmma_body(
         wg_fence();
         issue_scores((t + 1) & 1);
         issue_pv(t);
-        transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
+        if (!FA_WGMMA_DIRECT_V)
+            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
         fence_proxy_async_smem();
         wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
         wg_pin(sc);

@@ -777,12 +777,16 @@ fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
 /// case has a row at position 0 (output = one V row), so the output's scale is ~1 and rounding
 /// the output to storage costs up to 2^-9 (bf16) or 2^-12 (f16). P V runs with f16 P (each
 /// weight off by at most 2^-11 relative, so the output by at most 2^-11 = 4.9e-4 as |v| <= 1),
-/// so the worst error is below 2.5e-3 (bf16) and 1e-3 (f16). With bf16 P (2^-8 relative per
-/// weight) the bf16 worst was 3.2e-3.
-fn flash_tol(st: StorageDType) -> f32 {
-    match st {
-        StorageDType::Bf16 => 3e-3,
-        StorageDType::F16 => 2e-3,
+/// so the worst error is below 2.5e-3 (bf16) and 1e-3 (f16). With bf16 P (each weight off by
+/// at most 2^-9 relative) the bound is 2^-9 + 2^-9 = 3.9e-3: 3.2e-3 and 3.03e-3 were measured.
+fn flash_tol(st: StorageDType, tile: FlashTile) -> f32 {
+    match (st, tile) {
+        // Built by NVRTC 13, the wgmma tiling multiplies P V with P in bf16 (as FlashAttention
+        // and sdpa do; the other tilings round P to f16): bound 3.9e-3 above, 3.03e-3 measured
+        // on a 128-token case (cuda_ops_flash_wgmma_direct_v_*.log); the issue allows 1e-2.
+        (StorageDType::Bf16, FlashTile::Rows128Wgmma) => 6e-3,
+        (StorageDType::Bf16, _) => 3e-3,
+        (StorageDType::F16, _) => 2e-3,
     }
 }
 
@@ -845,7 +849,7 @@ fn flash_case(dev: &CudaDevice, rng: &mut Rng, seqs: &[(usize, usize)], heads: (
             .unwrap();
         let got = out.read(dev, "flash attention");
         let label = format!("seqs{seqs:?}/d{d}/hq{hq}hk{hk}/bs{bs}/{tile:?}").replace(' ', "");
-        check("flash_attention", st, &label, &got, &want, flash_tol(st));
+        check("flash_attention", st, &label, &got, &want, flash_tol(st, tile));
         // Each warp runs the same key tiles in the same order in either tiling, so they are
         // expected to agree bit for bit; reported, not required (the contract is the tolerance).
         match &first {
