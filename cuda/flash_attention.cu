@@ -842,6 +842,11 @@ __device__ __forceinline__ void flash_wgmma_body(
     store_t* qs = reinterpret_cast<store_t*>(reinterpret_cast<char*>(fa_smem) + smem_pad);  // [BM][D]
     store_t* kv0 = qs + BM * D;                                           // buffer b: K, then V
     unsigned short* vt = reinterpret_cast<unsigned short*>(kv0 + 4 * TILE);  // 2 x V^T, f16
+    // K/V buffers. The direct form reads V(t) in place until P(t) V(t) lands at the end of
+    // iteration t, so tile t+2 (staged at its start) cannot reuse tile t's buffer: three, the
+    // third where the transposing form keeps its two V^T tiles (the same shared memory).
+    constexpr int NBUF = FA_WGMMA_DIRECT_V ? 3 : 2;
+    auto kv_buf = [&](int t) { return kv0 + (NBUF == 2 ? (t & 1) : t % NBUF) * 2 * TILE; };
 
     FaBlock fb;
     if (!fa_block<BM>(fb, cu_seqlens, n_q_heads, n_kv_heads)) return;
@@ -883,9 +888,9 @@ __device__ __forceinline__ void flash_wgmma_body(
     // S (one tile's scores, then probabilities) and P (the previous tile's, f16 A fragments).
     float sc[BN / 8][4];
     unsigned pa[BN / 16][4];
-    // The scores of K/V buffer b into sc, as one wgmma group.
-    auto issue_scores = [&](int b) {
-        const unsigned k_addr = smem_u32(kv0 + b * 2 * TILE);
+    // The scores of tile t into sc, as one wgmma group.
+    auto issue_scores = [&](int t) {
+        const unsigned k_addr = smem_u32(kv_buf(t));
 #pragma unroll
         for (int k0 = 0; k0 < D; k0 += 16)
             wgmma_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
@@ -903,18 +908,18 @@ __device__ __forceinline__ void flash_wgmma_body(
     };
 
     // Tile 0: its scores and probabilities before the loop.
-    stage_kv_sw128<D, BN, NT>(kv0, kv0 + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
+    stage_kv_sw128<D, BN, NT>(kv_buf(0), kv_buf(0) + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
                              block_size, bs_shift, tid);
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
     if (n_tiles > 1)
-        stage_kv_sw128<D, BN, NT>(kv0 + 2 * TILE, kv0 + 3 * TILE, k_cache, v_cache, table, BN, kv_len, kvh,
+        stage_kv_sw128<D, BN, NT>(kv_buf(1), kv_buf(1) + TILE, k_cache, v_cache, table, BN, kv_len, kvh,
                                  n_kv_heads, block_size, bs_shift, tid);
     wg_pin(sc);
     wg_fence();
     issue_scores(0);
-    if (!FA_WGMMA_DIRECT_V) transpose_v_sw128<D, BN, WARPS>(vt, kv0 + TILE, warp, lane);
+    if (!FA_WGMMA_DIRECT_V) transpose_v_sw128<D, BN, WARPS>(vt, kv_buf(0) + TILE, warp, lane);
     fence_proxy_async_smem();
     wg_wait<0>();
     wg_pin(sc);
@@ -924,11 +929,11 @@ __device__ __forceinline__ void flash_wgmma_body(
     }
     pack_p();
 
-    // O += P(t) V(t) from V^T buffer t & 1, as one wgmma group.
+    // O += P(t) V(t) (from V^T buffer t & 1 in the transposing form), as one wgmma group.
     auto issue_pv = [&](int t) {
 #if FA_WGMMA_DIRECT_V
-        // V(t) itself (K/V buffer t & 1): a k16 step is 16 key rows of 128 bytes on.
-        const unsigned v_addr = smem_u32(kv0 + (t & 1) * 2 * TILE + TILE);
+        // V(t) itself: a k16 step is 16 key rows of 128 bytes on.
+        const unsigned v_addr = smem_u32(kv_buf(t) + TILE);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_rs_v(o, pa[kk], wg_desc_sw128_n(v_addr + kk * 16 * 128, BN * 128));
@@ -951,10 +956,11 @@ __device__ __forceinline__ void flash_wgmma_body(
         cp_async_wait_all();
         fence_proxy_async_smem();
         // Tile t+1 is in shared memory and V^T(t) is published; every warpgroup is done with
-        // the scores of tile t (K buffer t & 1), V(t)'s transpose and P(t-1) V(t-1).
+        // the scores of tile t, V(t)'s transpose and P(t-1) V(t-1): tile t+2's buffer (tile
+        // t's with two buffers, tile t-1's with three) is free.
         __syncthreads();
         if (t + 2 < n_tiles) {
-            store_t* kn = kv0 + (t & 1) * 2 * TILE;
+            store_t* kn = kv_buf(t + 2);
             stage_kv_sw128<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, (t + 2) * BN, kv_len, kvh,
                                      n_kv_heads, block_size, bs_shift, tid);
         }
@@ -962,10 +968,10 @@ __device__ __forceinline__ void flash_wgmma_body(
         wg_pin(o);
         wg_pin(pa);
         wg_fence();
-        issue_scores((t + 1) & 1);
+        issue_scores(t + 1);
         issue_pv(t);
         if (!FA_WGMMA_DIRECT_V)
-            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv0 + ((t + 1) & 1) * 2 * TILE + TILE, warp, lane);
+            transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv_buf(t + 1) + TILE, warp, lane);
         fence_proxy_async_smem();
         wg_wait<1>();  // the scores of tile t+1 (P(t) V(t) may still run)
         wg_pin(sc);
