@@ -681,43 +681,28 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a
 }
 
 
-// d (64 x N, f32) += A B, A f16 fragments in registers (the mma.sync m16n8k16 A layout, each
-// warp its 16 rows), B f16 in shared memory (P V: N = the head size).
-
-__device__ __forceinline__ void wgmma_rs_f16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WG_D128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-        : WG_ACC128
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
-}
-
-__device__ __forceinline__ void wgmma_rs_f16(float (&d)[32][4], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " WG_D256 ", {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
-        : WG_ACC256
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
-}
-
-// d (64 x N, f32) += A B, A storage-type fragments in registers (the P of the direct form) and
-// B = V as it arrives, [keys][d] in shared memory: N-major, so imm-trans-b is 1 (16-bit types
-// only) and no V^T is built.
-__device__ __forceinline__ void wgmma_rs_v(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_QK_TYPES " " WG_D128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-        : WG_ACC128
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
-}
-
-__device__ __forceinline__ void wgmma_rs_v(float (&d)[32][4], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_QK_TYPES " " WG_D256 ", {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
-        : WG_ACC256
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
-}
+// d (64 x N, f32) += A B, A 16-bit fragments in registers (the mma.sync m16n8k16 A layout, each
+// warp its 16 rows), B in shared memory (P V: N = the head size), one overload a head size.
+// wgmma_rs_f16: f16 A and B, B K-major (V^T, the transposing form). wgmma_rs_v: storage-type A
+// and B, B = V as it arrives, [keys][d]: N-major, so imm-trans-b is 1 (16-bit types only) and no
+// V^T is built (the direct form).
+#define WG_RS_PAIR(NAME, TYPES, TRANS_B)                                                                  \
+    __device__ __forceinline__ void NAME(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                          \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " " WG_D128                     \
+                     ", {%64,%65,%66,%67}, %68, p, 1, 1, " TRANS_B ";\n}\n"                               \
+                     : WG_ACC128                                                                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));                       \
+    }                                                                                                     \
+    __device__ __forceinline__ void NAME(float (&d)[32][4], const unsigned (&a)[4], unsigned long long b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                         \
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPES " " WG_D256                     \
+                     ", {%128,%129,%130,%131}, %132, p, 1, 1, " TRANS_B ";\n}\n"                          \
+                     : WG_ACC256                                                                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));                       \
+    }
+WG_RS_PAIR(wgmma_rs_f16, "f16.f16", "0")
+WG_RS_PAIR(wgmma_rs_v, WG_QK_TYPES, "1")
 
 // Descriptor of an N-major operand in the 128-byte swizzle layout (a swizzled [K rows][N] tile,
 // as stage_kv_sw128 fills V): 64-column slabs `slab_bytes` apart (the leading byte offset),
