@@ -548,9 +548,9 @@ __device__ __forceinline__ void flash_body(
 
 // The direct form (FA_WGMMA_DIRECT_V 1) takes V as it arrives, as the N-major B operand of P V,
 // with P in the storage type (bf16 P, as FlashAttention and sdpa have it): no V^T, no transpose.
-// Measured on the H200 (8k-token Llama-3-8B attention): 1.698 ms against 2.321 for the
-// transposing form; the transposes alone were ~27% of the kernel (knocking out only them gave
-// 1.694). ptxas of CUDA 12.9 crashes (segfault) on the direct form, whatever sits in the loop,
+// Measured on the H200 (8k-token Llama-3-8B attention): 1.678 ms (6e312fe) against 2.302 for
+// the transposing form (b99d499); the transposes alone were ~27% of that kernel (knocking out
+// only them gave 1.694; benches/results/flash_wgmma_knockouts_b99d499.txt). ptxas of CUDA 12.9 crashes (segfault) on the direct form, whatever sits in the loop,
 // so NVRTC 12 compiles the transposing form (V^T in f16, P in f16) and NVRTC 13 the direct one;
 // CI compiles both (.ci/compile-kernels).
 #if __CUDACC_VER_MAJOR__ >= 13
