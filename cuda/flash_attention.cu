@@ -550,9 +550,10 @@ __device__ __forceinline__ void flash_body(
 // with P in the storage type (bf16 P, as FlashAttention and sdpa have it): no V^T, no transpose.
 // Measured on the H200 (8k-token Llama-3-8B attention): 1.678 ms (6e312fe) against 2.302 for
 // the transposing form (b99d499); the transposes alone were ~27% of that kernel (knocking out
-// only them gave 1.694; benches/results/flash_wgmma_knockouts_b99d499.txt). ptxas of CUDA 12.9 crashes (segfault) on the direct form, whatever sits in the loop,
-// so NVRTC 12 compiles the transposing form (V^T in f16, P in f16) and NVRTC 13 the direct one;
-// CI compiles both (.ci/compile-kernels).
+// only them gave 1.694; benches/results/flash_wgmma_knockouts_b99d499.txt). ptxas of CUDA 12.9
+// crashes (segfault) on the direct form, whatever sits in the loop, so NVRTC 12 compiles the
+// transposing form (V^T in f16, P in f16) and NVRTC 13 the direct one; CI compiles both
+// (.ci/compile-kernels).
 #if __CUDACC_VER_MAJOR__ >= 13
 #define FA_WGMMA_DIRECT_V 1
 #else
@@ -953,7 +954,8 @@ __device__ __forceinline__ void flash_wgmma_body(
         fa_rescale<D, true>(o, ts);
         pack_p();
     }
-    // The last tile: V^T(n_tiles - 1) is published by the barrier, then its P V alone.
+    // The last tile: the barrier publishes V^T(n_tiles - 1) (the transposing form; in the direct
+    // form V(n_tiles - 1) was published by the loop's or the prologue's), then its P V alone.
     fence_proxy_async_smem();
     __syncthreads();
     wg_pin(o);

@@ -30,10 +30,11 @@ pub enum FlashTile {
     /// 174 KiB of shared memory a block: sm_90 only).
     Rows128AsyncKeys128,
     /// Head sizes 128 and 256 on Hopper (sm_90a code): 128-row blocks of two warpgroups whose
-    /// products are wgmma (Q and K, then V^T, read from shared memory; P from registers), K/V
+    /// products are wgmma (Q and K, then V, read from shared memory; P from registers), K/V
     /// tiles filled by cp.async (128 keys at d 128, 32 at d 256 where O alone takes 128
-    /// registers a lane), two V^T tiles so that P V of one tile overlaps the scores of the next
-    /// (225 / 193 KiB of shared memory a block).
+    /// registers a lane); P V of one tile overlaps the scores of the next. Built by NVRTC 13,
+    /// P V reads V in place (three K/V buffers); by NVRTC 12, from two f16 V^T tiles (two K/V
+    /// buffers). Either way 225 / 193 KiB of shared memory a block (flash_attention.cu).
     Rows128Wgmma,
 }
 
@@ -58,7 +59,7 @@ struct Instance {
     /// K/V tile buffers in shared memory.
     buffers: usize,
     /// wgmma products (sm_90a code only): unpadded tiles in the 128-byte swizzle layout plus a
-    /// V^T tile a buffer.
+    /// V^T tile a buffer (the bytes the NVRTC 13 form uses for its third K/V buffer).
     wgmma: bool,
 }
 
