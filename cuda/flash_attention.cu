@@ -730,38 +730,46 @@ template <int ROWS>
 __device__ __forceinline__ int sw128_chunk_c8(int i) { return (i >> 3) / ROWS * 8 + (i & 7); }
 
 // Starts the copy of keys kb..kb+BN (K and V, storage type) into swizzled tiles ks / vs as one
-// cp.async group; rows past kv_len are zeroed with plain stores.
+// cp.async group; rows past kv_len are zeroed with plain stores. A thread takes rows
+// tid / 8 + k NT / 8 and in each of them the 16-byte chunk tid % 8 of every 64-column slab, so
+// it looks a row's block up once for all of its slabs, and 8 consecutive threads still fill one
+// 128-byte row (no two share a bank) from 128 consecutive bytes of global memory.
 template <int D, int BN, int NT>
 __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
                                               const store_t* __restrict__ v_cache, const int* __restrict__ table,
                                               int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
                                               int bs_shift, int tid) {
-    static_assert((BN * D / 8) % NT == 0, "every thread copies the same number of chunks");
-    constexpr int CHUNKS = BN * D / 8 / NT;
-    int blk[CHUNKS];
+    constexpr int ROWS_STEP = NT / 8;
+    static_assert(D % 64 == 0 && BN % ROWS_STEP == 0, "whole slabs, every thread the same rows");
+    constexpr int ROWS = BN / ROWS_STEP;
+    const int c = tid & 7;
+    int blk[ROWS];
 #pragma unroll
-    for (int it = 0; it < CHUNKS; ++it) {
-        const int j = kb + sw128_chunk_row<BN>(tid + it * NT);
-        blk[it] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+    for (int k = 0; k < ROWS; ++k) {
+        const int j = kb + (tid >> 3) + k * ROWS_STEP;
+        blk[k] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
     }
 #pragma unroll
-    for (int it = 0; it < CHUNKS; ++it) {
-        const int i = tid + it * NT;
-        const int r = sw128_chunk_row<BN>(i);
-        const int c8 = sw128_chunk_c8<BN>(i);
+    for (int k = 0; k < ROWS; ++k) {
+        const int r = (tid >> 3) + k * ROWS_STEP;
         const int j = kb + r;
-        const int so = sw128_offset<BN>(r, c8) / 2;  // elements
+        const int so = sw128_offset<BN>(r, c) / 2;  // elements, slab 0
         if (j < kv_len) {
             const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
-            const long long off = ((long long)blk[it] * block_size + in_block) * n_kv_heads * D +
-                                  (long long)kvh * D + c8 * 8;
-            cp_async16(smem_u32(ks + so), k_cache + off);
-            cp_async16(smem_u32(vs + so), v_cache + off);
+            const long long off = ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8;
+#pragma unroll
+            for (int sl = 0; sl < D / 64; ++sl) {
+                cp_async16(smem_u32(ks + so + sl * BN * 64), k_cache + off + sl * 64);
+                cp_async16(smem_u32(vs + so + sl * BN * 64), v_cache + off + sl * 64);
+            }
         } else {
             uint4 z;
             z.x = z.y = z.z = z.w = 0u;
-            *reinterpret_cast<uint4*>(ks + so) = z;
-            *reinterpret_cast<uint4*>(vs + so) = z;
+#pragma unroll
+            for (int sl = 0; sl < D / 64; ++sl) {
+                *reinterpret_cast<uint4*>(ks + so + sl * BN * 64) = z;
+                *reinterpret_cast<uint4*>(vs + so + sl * BN * 64) = z;
+            }
         }
     }
     cp_async_commit();
@@ -929,17 +937,18 @@ __device__ __forceinline__ void flash_wgmma_body(
         // the scores of tile t, V(t)'s transpose and P(t-1) V(t-1): tile t+2's buffer (tile
         // t's with two buffers, tile t-1's with three) is free.
         __syncthreads();
-        if (t + 2 < n_tiles) {
-            store_t* kn = kv_buf(t + 2);
-            stage_kv_sw128<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, (t + 2) * BN, kv_len, kvh,
-                                     n_kv_heads, block_size, bs_shift, tid);
-        }
         wg_pin(sc);
         wg_pin(o);
         wg_pin(pa);
         wg_fence();
         issue_scores(t + 1);
         issue_pv(t);
+        // Tile t+2's loads are issued with the tensor cores already busy.
+        if (t + 2 < n_tiles) {
+            store_t* kn = kv_buf(t + 2);
+            stage_kv_sw128<D, BN, NT>(kn, kn + TILE, k_cache, v_cache, table, (t + 2) * BN, kv_len, kvh,
+                                     n_kv_heads, block_size, bs_shift, tid);
+        }
         if (!FA_WGMMA_DIRECT_V)
             transpose_v_sw128<D, BN, WARPS>(vt + ((t + 1) & 1) * VT_TILE, kv_buf(t + 1) + TILE, warp, lane);
         fence_proxy_async_smem();
