@@ -251,14 +251,15 @@ fn gdn_recurrent_gated_sequence_in_a_batch_equals_it_alone() {
 }
 
 /// TIMING (read on the GPU; asserts nothing about speed): one decode step's GDN core at the
-/// Qwen3.5-27B shape (16 k heads, 48 v heads, dk = dv = 128), fused against the three kernels.
+/// Qwen3.5-27B shape (16 k heads, 48 v heads, dk = dv = 128), fused against the three kernels;
+/// GB/s counts the state read and written.
 #[test]
 fn gdn_recurrent_gated_timing_at_27b_shape() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gdn_recurrent_gated timing", st) else { return };
     let mut rng = Rng::new(43);
     let (nk, nv, dk, dv) = (16, 48, 128, 128);
-    for batch in [1usize, 8] {
+    for batch in [1usize, 8, 16, 64] {
         let lens = vec![1; batch];
         let slots: Vec<i32> = (0..batch as i32).collect();
         let c = Case::new(&mut rng, st, &lens, &slots, nk, nv, dk, dv, batch);
@@ -270,10 +271,13 @@ fn gdn_recurrent_gated_timing_at_27b_shape() {
         let (mut g, mut beta) = (Out32::new(&dev, t * nv), Out32::new(&dev, t * nv));
         let mut core = Out16::new(&dev, t * nv * dv);
         let three = time_ms(&dev, 200, || run_three(&dev, &c, &d, &mut state, &mut g, &mut beta, &mut core, &mut out));
+        let gbs = |ms: f64| (batch * nv * dk * dv * 4 * 2) as f64 / (ms * 1e-3) / 1e9;
         println!(
-            "TIMING gdn_recurrent_gated 27B shape batch={batch}: fused {:.2} us, gates+recurrent+rmsnorm_gated {:.2} us per step-layer (saves {:.2} us x 48 layers = {:.1} us per step)",
+            "TIMING gdn_recurrent_gated 27B shape batch={batch}: fused {:.2} us ({:.0} GB/s of state), gates+recurrent+rmsnorm_gated {:.2} us ({:.0} GB/s) per step-layer (saves {:.2} us x 48 layers = {:.1} us per step)",
             fused * 1e3,
+            gbs(fused),
             three * 1e3,
+            gbs(three),
             (three - fused) * 1e3,
             (three - fused) * 1e3 * 48.0
         );

@@ -45,7 +45,7 @@ impl FlashTile {
 }
 
 /// The tilings in the order `flash_tile` prefers them (each measured faster than the next where
-/// both fit: `flash_attention_prefill_timing_at_8k` fails otherwise).
+/// both fit: `flash_attention_prefill_timing_at_2k_and_8k` fails otherwise).
 const ROUTE_ORDER: [FlashTile; 4] =
     [FlashTile::Rows128Wgmma, FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Async, FlashTile::Rows64];
 
