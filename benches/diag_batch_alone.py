@@ -51,7 +51,7 @@ def compare(alone, batched) -> dict:
     return {"divergence": d, "alone_gap": gap, "token0_move": moves[0], "max_move": max(moves), "moves": moves}
 
 
-def main() -> None:
+def parse_args(argv: list | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--label", default="unknown", help="the build's commit, carried into the JSON")
@@ -59,11 +59,16 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--top", type=int, default=5, help="top logprobs compared a token")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not 1 <= a.prompts <= 20:
         p.error(f"--prompts {a.prompts}: 1 to 20 (the test's windows)")
     if a.tokens < 1 or a.top < 2:
         p.error(f"--tokens {a.tokens} / --top {a.top}: at least 1 token and 2 logprobs")
+    return a
+
+
+def main(argv: list | None = None) -> dict:
+    a = parse_args(argv)
     prompts = windows(a.prompts)
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True, top_logprobs=a.top)
     with LLM(DEMO / "model", device=a.device, max_context=512, prefix_reuse=False, logits_dtype="float32") as llm:
@@ -85,6 +90,7 @@ def main() -> None:
     out = Path(a.out)
     old = json.loads(out.read_text()) if out.exists() else []
     out.write_text(json.dumps(old + [{"summary": summary, "rows": rows}], indent=1) + "\n")
+    return summary
 
 
 if __name__ == "__main__":
