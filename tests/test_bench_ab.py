@@ -4,22 +4,17 @@ summarized by setting. The pure parts here; an end-to-end run on the tiny CPU sh
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHES = Path(__file__).resolve().parent.parent / "benches"
+from bench_scripts import BENCHES, load_bench
 
 
 def _ab():
-    spec = importlib.util.spec_from_file_location("gpu_ab", BENCHES / "gpu_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("gpu_ab")
 
 
 @pytest.mark.parametrize("parser, spec", [

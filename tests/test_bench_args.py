@@ -3,21 +3,11 @@ takes minutes on the GPU machine): exit status 2 and a message naming the offend
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("torch")
 
-BENCHES = Path(__file__).resolve().parent.parent / "benches"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_scripts import load_bench as _load  # noqa: E402
 
 
 @pytest.mark.parametrize(

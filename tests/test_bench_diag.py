@@ -3,20 +3,15 @@ depend on the batch) it finds a batch equal to each prompt alone, movement near 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHES = Path(__file__).resolve().parent.parent / "benches"
+from bench_scripts import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("diag_batch_alone", BENCHES / "diag_batch_alone.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("diag_batch_alone")
 
 
 @pytest.mark.parametrize("argv, named", [(["--prompts", "21"], "--prompts 21"), (["--top", "1"], "--top 1"), (["--tokens", "0"], "--tokens 0")])
