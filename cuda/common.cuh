@@ -113,15 +113,26 @@ __device__ __forceinline__ store_t swiglu_out(float gate, float up) {
 // transformers' (q * cos + rotate_half(q) * sin on bf16 tensors; docs/rounding.md): cos and
 // sin are cast to bf16 (after the rope scaling's attn_scale), each product is rounded, then
 // their sum.
+// cos and sin of pair i at `pos`, scaled and rounded to storage: the part of the rotation that
+// depends only on the token and the pair, so rope_neox computes it once for all of a token's
+// heads (rope_rotate below is exactly these two steps).
+__device__ __forceinline__ void rope_cos_sin(int i, float pos, const float* __restrict__ inv_freq,
+                                             float attn_scale, float* c, float* s) {
+    sincosf(pos * inv_freq[i], s, c);
+    *c = round_st(*c * attn_scale);
+    *s = round_st(*s * attn_scale);
+}
+__device__ __forceinline__ void rope_apply(float a, float b, float c, float s, store_t* lo,
+                                           store_t* hi) {
+    *lo = from_f32(round_st(a * c) - round_st(b * s));
+    *hi = from_f32(round_st(b * c) + round_st(a * s));
+}
 __device__ __forceinline__ void rope_rotate(float a, float b, int i, float pos,
                                             const float* __restrict__ inv_freq, float attn_scale,
                                             store_t* lo, store_t* hi) {
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    c = round_st(c * attn_scale);
-    s = round_st(s * attn_scale);
-    *lo = from_f32(round_st(a * c) - round_st(b * s));
-    *hi = from_f32(round_st(b * c) + round_st(a * s));
+    float c, s;
+    rope_cos_sin(i, pos, inv_freq, attn_scale, &c, &s);
+    rope_apply(a, b, c, s, lo, hi);
 }
 
 // Gated DeltaNet output norm, out = rmsnorm(x) * w * silu(z), in two steps that rmsnorm_gated

@@ -5,38 +5,47 @@
 #include "common.cuh"
 
 // Rotates pair i of the head at `h` (elements i and i + half) for position `pos`, returning the
-// two rotated values: common.cuh's rope_rotate on the stored pair, which both kernels below
-// (and the qkv GEMV's epilogue, gemv.cu) use, so that every route rounds each element alike.
+// two rotated values: common.cuh's rope_rotate on the stored pair, as rope_neox (its two halves,
+// rope_cos_sin and rope_apply) and the qkv GEMV's epilogue (gemv.cu) round each element.
 __device__ __forceinline__ void rope_pair(const store_t* h, int i, int half, float pos,
                                           const float* __restrict__ inv_freq, float attn_scale,
                                           store_t* lo, store_t* hi) {
     rope_rotate(to_f32(h[i]), to_f32(h[i + half]), i, pos, inv_freq, attn_scale, lo, hi);
 }
 
-// One block per (token, head): grid x = token, grid y = head, q heads first then k heads. A
-// decode step has a single token, so looping over its 40 heads inside one block made 40
-// dependent round trips to memory; a block per head runs them all at once. Each element's
-// arithmetic is the same whatever the grid, so results do not depend on the launch shape.
+// A thread per (token, pair): cos and sin once, then that pair of each head in a group of
+// heads (grid y; q heads first, then k heads). A block per (token, head) made a prefill of 2k
+// tokens launch 80k blocks of 64 threads, bound by block scheduling (~100 us a layer of the
+// Llama-3-8B shape where the bytes take ~10 us), and evaluated the same sincosf once per head.
+// Each element's arithmetic is rope_rotate's whatever the grid or the grouping, so results do
+// not depend on the launch shape (rope_kv_write, a block per head, gives the same bits).
 // q rows are `q_stride` apart, k rows `k_stride`, heads `head_dim` apart within a row.
 extern "C" __global__ void rope_neox(store_t* __restrict__ q, store_t* __restrict__ k,
                                      const int* __restrict__ positions,
-                                     const float* __restrict__ inv_freq, int n_q_heads,
-                                     int n_kv_heads, int head_dim, int rotary_dim,
-                                     long long q_stride, long long k_stride, float attn_scale) {
+                                     const float* __restrict__ inv_freq, int n_tokens,
+                                     int n_q_heads, int n_kv_heads, int head_dim, int rotary_dim,
+                                     long long q_stride, long long k_stride, float attn_scale,
+                                     int heads_per_group) {
     pdl_enter();
-    const int t = blockIdx.x;
-    const int head = blockIdx.y;
-    if (head >= n_q_heads + n_kv_heads) return;
-    store_t* h = head < n_q_heads
-                     ? q + t * q_stride + (long long)head * head_dim
-                     : k + t * k_stride + (long long)(head - n_q_heads) * head_dim;
-    const float pos = (float)positions[t];
     const int half = rotary_dim / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const long long pair = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (pair >= (long long)n_tokens * half) return;
+    const int t = (int)(pair / half);
+    const int i = (int)(pair - (long long)t * half);
+    const int h0 = blockIdx.y * heads_per_group;
+    const int h1 = min(h0 + heads_per_group, n_q_heads + n_kv_heads);
+    float c, s;
+    rope_cos_sin(i, (float)positions[t], inv_freq, attn_scale, &c, &s);
+    store_t* qt = q + t * q_stride + i;
+    store_t* kt = k + t * k_stride + i;
+#pragma unroll 4
+    for (int head = h0; head < h1; ++head) {
+        store_t* h = head < n_q_heads ? qt + (long long)head * head_dim
+                                      : kt + (long long)(head - n_q_heads) * head_dim;
         store_t lo, hi;
-        rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
-        h[i] = lo;
-        h[i + half] = hi;
+        rope_apply(to_f32(h[0]), to_f32(h[half]), c, s, &lo, &hi);
+        h[0] = lo;
+        h[half] = hi;
     }
 }
 

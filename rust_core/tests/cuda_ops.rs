@@ -265,7 +265,7 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
         let mut rng = Rng::new(5);
         // (tokens, q heads, kv heads, head_dim, rotary_dim, fused qkv layout)
         for (t, hq, hk, d, rot, fused) in
-            [(1, 8, 2, 128, 128, false), (5, 4, 4, 64, 64, true), (37, 16, 2, 256, 64, true), (3, 2, 1, 128, 32, false), (1, 32, 8, 128, 128, true), (2, 40, 8, 128, 128, false)]
+            [(1, 8, 2, 128, 128, false), (5, 4, 4, 64, 64, true), (37, 16, 2, 256, 64, true), (3, 2, 1, 128, 32, false), (1, 32, 8, 128, 128, true), (2, 40, 8, 128, 128, false), (3000, 4, 2, 128, 128, true), (2500, 24, 4, 256, 64, false)]
         {
             let theta: f32 = 1_000_000.0;
             let inv_freq: Vec<f32> = (0..rot / 2).map(|i| theta.powf(-(2.0 * i as f32) / rot as f32)).collect();
@@ -285,6 +285,40 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
             check("rope.q", st, &shape, &q.read(&dev, "rope q"), &q_host, tol16(st));
             check("rope.k", st, &shape, &k.read(&dev, "rope k"), &k_host, tol16(st));
         }
+    }
+}
+
+/// RoPE over a prefill's q and k moves its bytes at a copy's pace: at the Llama-3-8B shape
+/// (2k tokens, 32 + 8 heads of 128, fused qkv rows) and the Qwen3.5-27B one (8k tokens, 24 + 4
+/// heads of 256 rotating 64), the rotation takes at most 3x a device-to-device copy of the bytes
+/// it reads and writes. A block per (token, head) took ~10x at the 8B shape (block scheduling).
+#[test]
+fn rope_prefill_timing_against_a_copy_of_its_bytes() {
+    let Some(dev) = gpu("rope timing", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    for (name, t, hq, hk, d, rot) in [("llama-3-8b", 2048, 32, 8, 128, 128), ("qwen3_5-27b", 8192, 24, 4, 256, 64)] {
+        let width = (hq + 2 * hk) * d;
+        let inv_freq: Vec<f32> = (0..rot / 2).map(|i| 10_000f32.powf(-(2.0 * i as f32) / rot as f32)).collect();
+        let positions: Vec<i32> = (0..t as i32).collect();
+        let (pos_dev, freq_dev) = (upload_raw(&dev, &positions), upload_raw(&dev, &inv_freq));
+        let mut qkv = s.alloc_zeros::<u16>(t * width).unwrap();
+        let mut dummy = s.alloc_zeros::<u16>(1).unwrap();
+        let ms = time_ms(&dev, 20, || {
+            dev.rope_neox(&mut qkv, &mut dummy, &pos_dev, &freq_dev, hq + hk, 0, d, width, 0, 1.0).unwrap()
+        });
+        // Bytes touched: the rotated elements of every q and k head, read and written.
+        let moved = t * (hq + hk) * rot * 2;
+        let src = s.alloc_zeros::<u16>(moved / 2).unwrap();
+        let mut dst = s.alloc_zeros::<u16>(moved / 2).unwrap();
+        let copy = time_ms(&dev, 20, || s.memcpy_dtod(&src, &mut dst).unwrap());
+        println!(
+            "TIMING rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}: {:.1} us, copy of the same bytes {:.1} us ({:.2}x), {:.0} GB/s read + written",
+            ms * 1e3,
+            copy * 1e3,
+            ms / copy,
+            2.0 * moved as f64 / ms / 1e6
+        );
+        assert!(ms <= 3.0 * copy, "{name}: rope {ms:.4} ms against a copy of its bytes {copy:.4} ms");
     }
 }
 
@@ -1359,6 +1393,10 @@ fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
             (4, 8, 2, 128, 32, true, false),
             (1, 40, 8, 128, 128, true, true),
             (6, 4, 1, 256, 256, false, false),
+            // Prefill lengths: rope_neox's threads then loop over groups of several heads.
+            (1500, 8, 2, 128, 128, true, false),
+            (1200, 24, 4, 256, 64, true, true),
+            (700, 16, 4, 128, 128, false, false),
         ];
         for (t, hq, hk, d, rot, packed, gate) in cases {
             let (qd, kvd) = (hq * d, hk * d);
@@ -1367,7 +1405,7 @@ fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
             let inv_freq: Vec<f32> = (0..rot / 2).map(|i| 500_000f32.powf(-(2.0 * i as f32) / rot as f32)).collect();
             let freq = upload_raw(&dev, &inv_freq);
             let pos = upload_raw(&dev, &(0..t).map(|_| rng.below(9000) as i32).collect::<Vec<_>>());
-            let n_slots = 16 * 8;
+            let n_slots = (16 * 8).max(t);
             let mut slots: Vec<i64> = rng.permutation(n_slots)[..t].iter().map(|&x| x as i64).collect();
             if t > 2 {
                 slots[1] = -1;

@@ -86,11 +86,25 @@ impl CudaDevice {
         let (kp, _b) = k.device_ptr_mut(s);
         let (pp, _c) = positions.device_ptr(s);
         let (fp, _d) = inv_freq.device_ptr(s);
+        // A thread per (token, pair), each over a group of heads; as many groups as keep about
+        // 2048 threads on every SM busy (a prefill's pairs alone fill it: few, large groups, so
+        // each cos/sin serves many heads; a short launch gets a group per head).
+        let heads = n_q_heads + n_kv_heads;
+        let pairs = t * (rotary_dim / 2);
+        if pairs == 0 || heads == 0 {
+            return Ok(());
+        }
+        let groups = (self.sm_count() * 2048).div_ceil(pairs).clamp(1, heads.min(65_535));
+        let heads_per_group = heads.div_ceil(groups);
+        let threads = pairs.next_multiple_of(32).min(256);
+        let blocks = pairs.div_ceil(threads);
+        let grid = (as_i32("rope blocks", blocks)? as u32, heads.div_ceil(heads_per_group) as u32, 1);
         let args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
             KArg::Ptr(pp),
             KArg::Ptr(fp),
+            KArg::I32(as_i32("tokens", t)?),
             KArg::I32(as_i32("n_q_heads", n_q_heads)?),
             KArg::I32(as_i32("n_kv_heads", n_kv_heads)?),
             KArg::I32(as_i32("head_dim", head_dim)?),
@@ -98,15 +112,9 @@ impl CudaDevice {
             KArg::I64(q_stride as i64),
             KArg::I64(k_stride as i64),
             KArg::F32(attn_scale),
+            KArg::I32(heads_per_group as i32),
         ];
-        // One block per (token, head), q heads then k heads (grid y), each thread one pair.
-        let threads = (rotary_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
-        let heads = n_q_heads + n_kv_heads;
-        if heads > 65_535 {
-            return Err(crate::NinferError::Device(format!("rope: {heads} heads exceed the grid height 65535")));
-        }
-        let grid = (as_i32("tokens", t)? as u32, heads as u32, 1);
-        self.launch_pdl(&f, cfg(grid, threads), "rope_neox", &args)
+        self.launch_pdl(&f, cfg(grid, threads as u32), "rope_neox", &args)
     }
 
     /// out[r, i] = silu(gate[r, i]) * up[r, i]; out is contiguous [rows, n], gate and up rows
