@@ -39,16 +39,26 @@ def compare(alone, batched) -> dict:
     """First divergence and per-token logprob movement of one prompt (alone is the reference)."""
     n = min(len(alone.token_ids), len(batched.token_ids))
     d = next((i for i in range(n) if alone.token_ids[i] != batched.token_ids[i]), None)
-    moves = []
+    moves, gap_moves = [], []
     for i in range(n if d is None else d + 1):
         a, b = top_map(alone.logprobs[i]), top_map(batched.logprobs[i])
         common = a.keys() & b.keys()
         moves.append(max((abs(a[t] - b[t]) for t in common), default=float("nan")))
+        # How far the batch moved alone's top-2 gap (the quantity a greedy flip needs to cross).
+        (t1, _), (t2, _) = alone.logprobs[i].top[:2]
+        if t1 in b and t2 in b:
+            gap_moves.append(abs((a[t1] - a[t2]) - (b[t1] - b[t2])))
     gap = None
     if d is not None:
         top = alone.logprobs[d].top
         gap = top[0][1] - top[1][1]
-    return {"divergence": d, "alone_gap": gap, "token0_move": moves[0], "max_move": max(moves), "moves": moves}
+    return {"divergence": d, "alone_gap": gap, "token0_move": moves[0], "max_move": max(moves), "moves": moves,
+            "max_gap_move": max(gap_moves, default=float("nan"))}
+
+
+def _same(x, y) -> bool:
+    """Token ids and every reported logprob equal."""
+    return x.token_ids == y.token_ids and all(p.top == q.top for p, q in zip(x.logprobs, y.logprobs))
 
 
 def parse_args(argv: list | None = None) -> argparse.Namespace:
@@ -74,16 +84,22 @@ def main(argv: list | None = None) -> dict:
     with LLM(DEMO / "model", device=a.device, max_context=512, prefix_reuse=False, logits_dtype="float32") as llm:
         batched = llm.generate(prompts, params)
         alone = [llm.generate(pr, params)[0] for pr in prompts]
+        # Each prompt alone a second time: the same build must repeat itself bit for bit.
+        again = [llm.generate(pr, params)[0] for pr in prompts]
+    repeats = sum(_same(x, y) for x, y in zip(alone, again))
     rows = [compare(al, b) for al, b in zip(alone, batched)]
     for i, r in enumerate(rows):
         div = "none" if r["divergence"] is None else f"token {r['divergence']} (alone's gap {r['alone_gap']:.4f})"
-        print(f"{a.label} prompt {i:2d}: token-0 move {r['token0_move']:.4f}, max move {r['max_move']:.4f}, divergence {div}")
+        print(f"{a.label} prompt {i:2d}: token-0 move {r['token0_move']:.4f}, max move {r['max_move']:.4f}, "
+              f"max top-2 gap move {r['max_gap_move']:.4f}, divergence {div}")
     summary = {
         "label": a.label,
         "equal": sum(r["divergence"] is None for r in rows),
         "prompts": len(rows),
         "token0_move_max": max(r["token0_move"] for r in rows),
         "max_move_max": max(r["max_move"] for r in rows),
+        "gap_move_max": max(r["max_gap_move"] for r in rows),
+        "alone_repeats_bitwise": repeats,
         "largest_divergence_gap": max((r["alone_gap"] for r in rows if r["alone_gap"] is not None), default=None),
     }
     print(f"{a.label} summary: {json.dumps(summary)}")

@@ -26,7 +26,8 @@ def test_diag_batch_alone_on_the_cpu_finds_no_movement(tmp_path):
     out = tmp_path / "ba.json"
     summary = _load().main(["--out", str(out), "--device", "cpu", "--prompts", "3", "--tokens", "3", "--label", "cpu"])
     assert summary["equal"] == 3 and summary["prompts"] == 3
-    assert summary["token0_move_max"] < 1e-4 and summary["max_move_max"] < 1e-4
+    assert summary["token0_move_max"] < 1e-4 and summary["max_move_max"] < 1e-4 and summary["gap_move_max"] < 1e-4
+    assert summary["alone_repeats_bitwise"] == 3
     runs = json.loads(out.read_text())
     assert len(runs) == 1 and runs[0]["summary"] == summary
     assert all(len(r["moves"]) == 3 and r["divergence"] is None for r in runs[0]["rows"])
