@@ -61,6 +61,21 @@ def _same(x, y) -> bool:
     return x.token_ids == y.token_ids and all(p.top == q.top for p, q in zip(x.logprobs, y.logprobs))
 
 
+def repeat(first, second) -> dict:
+    """How a second run of the same prompt alone differs from the first: the first token that
+    differs, the largest logprob difference over the tokens both report up to there, and whether
+    the reported lists differ only in the order of equal logprobs."""
+    n = min(len(first.token_ids), len(second.token_ids))
+    d = next((i for i in range(n) if first.token_ids[i] != second.token_ids[i]), None)
+    diff, order_only = 0.0, True
+    for i in range(n if d is None else d + 1):
+        a, b = top_map(first.logprobs[i]), top_map(second.logprobs[i])
+        diff = max([diff] + [abs(a[t] - b[t]) for t in a.keys() & b.keys()])
+        order_only &= sorted(first.logprobs[i].top) == sorted(second.logprobs[i].top)
+    return {"bitwise": _same(first, second), "first_token_diff": d, "max_logprob_diff": diff,
+            "order_only": order_only}
+
+
 def parse_args(argv: list | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -87,9 +102,11 @@ def main(argv: list | None = None) -> dict:
         # Each prompt alone a second time: the same build must repeat itself bit for bit.
         again = [llm.generate(pr, params)[0] for pr in prompts]
     repeats = sum(_same(x, y) for x, y in zip(alone, again))
-    rows = [compare(al, b) for al, b in zip(alone, batched)]
+    rows = [compare(al, b) | {"repeat": repeat(al, ag)} for al, b, ag in zip(alone, batched, again)]
     for i, r in enumerate(rows):
         div = "none" if r["divergence"] is None else f"token {r['divergence']} (alone's gap {r['alone_gap']:.4f})"
+        if not r["repeat"]["bitwise"]:
+            print(f"{a.label} prompt {i:2d} alone twice differs: {json.dumps(r['repeat'])}")
         print(f"{a.label} prompt {i:2d}: token-0 move {r['token0_move']:.4f}, max move {r['max_move']:.4f}, "
               f"max top-2 gap move {r['max_gap_move']:.4f}, divergence {div}")
     summary = {
