@@ -465,6 +465,28 @@ def test_demo_model_batch_differs_from_alone_only_at_near_ties(demo_dir, demo_wi
     assert all(g is None or g[1] < NEAR_TIE for g in gaps)
 
 
+def test_demo_model_alone_request_repeats_itself_after_batches(demo_dir, demo_windows):
+    """A request carries nothing into the next: the same prompt alone gives the same tokens and
+    logprobs bit for bit on a fresh engine and after batches of 20 and of 2 have used (and
+    released) other state slots and KV blocks. Session 21 found the delta-rule state slots
+    spaced by conv + delta state when the kernels space them by the delta state alone, so a new
+    sequence on any slot but 0 started from part of its slot's previous state."""
+    params = greedy(32, top_logprobs=5)
+    mine = demo_windows[:4]
+    with LLM(demo_dir, device="cuda", max_context=512, prefix_reuse=False, logits_dtype="float32") as llm:
+        alone = lambda: [llm.generate(p, params)[0] for p in mine]
+        fresh = alone()
+        llm.generate(demo_windows, params)
+        after_20 = alone()
+        again = alone()
+        llm.generate(demo_windows[:2], params)
+        after_2 = alone()
+    for name, run in [("after a batch of 20", after_20), ("again", again), ("after a batch of 2", after_2)]:
+        for i, (a, b) in enumerate(zip(fresh, run)):
+            assert a.token_ids == b.token_ids, f"prompt {i} {name}: tokens differ from the fresh engine's"
+            assert [p.top for p in a.logprobs] == [p.top for p in b.logprobs], f"prompt {i} {name}: logprobs differ"
+
+
 def test_demo_model_prefill_kernels_match_chunked_and_cpu_logits(demo_dir, demo_windows):
     ids = sum(demo_windows[:13], [])[:300]
     gpu = _core.Model(str(demo_dir), device="cuda")

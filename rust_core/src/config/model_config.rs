@@ -81,9 +81,21 @@ impl LinearAttentionConfig {
     pub fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
     }
-    /// f32 values of one layer's recurrent state for one sequence (conv + delta state).
+    /// Values of one layer's conv state for one sequence (the last `conv_kernel - 1` inputs of
+    /// every channel).
+    pub fn conv_floats(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1)
+    }
+    /// Values of one layer's delta-rule state for one sequence: a dk x dv matrix per value head,
+    /// the slot stride of every recurrent and chunked kernel.
+    pub fn delta_floats(&self) -> usize {
+        self.num_value_heads * self.key_head_dim * self.value_head_dim
+    }
+    /// Values of one layer's recurrent state for one sequence (conv + delta state): a size, not
+    /// a slot stride (the two states live in separate buffers, strided by `conv_floats` and
+    /// `delta_floats`).
     pub fn state_floats(&self) -> usize {
-        self.conv_dim() * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
+        self.conv_floats() + self.delta_floats()
     }
 }
 

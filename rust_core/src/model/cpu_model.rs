@@ -139,8 +139,7 @@ impl CpuModel {
         let h = cfg.hidden_size;
         let rows = batch.num_tokens();
         if let Some(la) = cfg.linear_attention {
-            let conv_floats = la.conv_dim() * (la.conv_kernel - 1);
-            let delta_floats = la.num_value_heads * la.key_head_dim * la.value_head_dim;
+            let (conv_floats, delta_floats) = (la.conv_floats(), la.delta_floats());
             for s in batch.seqs.iter().filter(|s| s.start_pos == 0) {
                 for (conv, delta) in caches.conv.iter_mut().zip(caches.delta.iter_mut()) {
                     conv[s.state_slot * conv_floats..(s.state_slot + 1) * conv_floats].fill(0.0);
@@ -247,8 +246,8 @@ impl ModelRunner for CpuModel {
         }
         if let Some(la) = c.linear_attention {
             for _ in 0..c.num_linear_layers() {
-                caches.conv.push(alloc(num_state_slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
-                caches.delta.push(alloc(num_state_slots * la.num_value_heads * la.key_head_dim * la.value_head_dim, "recurrent state")?);
+                caches.conv.push(alloc(num_state_slots * la.conv_floats(), "recurrent state")?);
+                caches.delta.push(alloc(num_state_slots * la.delta_floats(), "recurrent state")?);
             }
         }
         self.caches = caches;

@@ -529,8 +529,7 @@ impl CudaModel {
     /// Sequences that start at position 0 begin from a zero recurrent state.
     fn zero_new_states(&mut self, batch: &StepBatch) -> Result<()> {
         let Some(la) = self.cfg.linear_attention else { return Ok(()) };
-        let conv_elems = la.conv_dim() * (la.conv_kernel - 1);
-        let delta_elems = la.state_floats();
+        let (conv_elems, delta_elems) = (la.conv_floats(), la.delta_floats());
         let s = self.dev.stream().clone();
         for seq in batch.seqs.iter().filter(|q| q.start_pos == 0) {
             let slot = seq.state_slot;
@@ -793,7 +792,8 @@ impl ModelRunner for CudaModel {
     fn cache_spec(&self) -> CacheSpec {
         let c = &self.cfg;
         let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
-        let state = c.linear_attention.map_or(0, |la| (la.conv_dim() * (la.conv_kernel - 1) * 2 + la.state_floats() * 4) * c.num_linear_layers());
+        // Conv state in the storage type (2 bytes), delta state in f32.
+        let state = c.linear_attention.map_or(0, |la| (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers());
         CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes }
     }
 
@@ -824,8 +824,8 @@ impl ModelRunner for CudaModel {
         if let Some(la) = c.linear_attention {
             for _ in 0..c.num_linear_layers() {
                 let slots = num_state_slots + 1;
-                caches.conv.push(alloc(&self.dev, slots * la.conv_dim() * (la.conv_kernel - 1), "recurrent state")?);
-                caches.delta.push(alloc(&self.dev, slots * la.state_floats(), "recurrent state")?);
+                caches.conv.push(alloc(&self.dev, slots * la.conv_floats(), "recurrent state")?);
+                caches.delta.push(alloc(&self.dev, slots * la.delta_floats(), "recurrent state")?);
             }
         }
         self.caches = caches;

@@ -166,8 +166,7 @@ struct GdnJob<'a> {
 pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
     let la = cfg.linear_attention.expect("linear layer without linear_attention config");
     let vd = la.value_dim();
-    let conv_floats = la.conv_dim() * (la.conv_kernel - 1);
-    let delta_floats = la.num_value_heads * la.key_head_dim * la.value_head_dim;
+    let (conv_floats, delta_floats) = (la.conv_floats(), la.delta_floats());
     let width = g.in_proj.n;
     project(&g.in_proj, &ws.h, rows, &mut ws.proj);
     let mut conv_slots: Vec<Option<&mut [f32]>> = state.conv.chunks_mut(conv_floats).map(Some).collect();
