@@ -263,6 +263,19 @@ def streamed_text(driver, index: int) -> str:
         " + arguments[0].querySelector('.answer').textContent", msgs[index])
 
 
+#: Records the length of the first assistant message's reasoning + answer text at every DOM
+#: change under #messages, in the page itself.
+WATCH_LENGTHS_JS = """
+window.__lengths = [];
+new MutationObserver(() => {
+  const m = document.querySelector('#messages .msg.assistant');
+  if (!m) return;
+  const r = m.querySelector('.reasoning-text'), a = m.querySelector('.answer');
+  window.__lengths.push((r ? r.textContent : '').length + (a ? a.textContent : '').length);
+}).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+"""
+
+
 def submit(driver, text: str, max_tokens: int, temperature: float) -> None:
     from selenium.webdriver.common.by import By
 
@@ -284,9 +297,12 @@ def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_s
                "the model name")
 
     first_prompt = FAKE_CORE_SCRIPT if kind == "server-fake-core" else "Write a Python function: Return the sum of a list of numbers."
-    submit(browser, first_prompt, 96, 0.0)
     # Streaming is seen on the whole message (reasoning, then answer): the demo model may spend
-    # most of its 96 tokens thinking, and a short answer can land between two polls.
+    # most of its 96 tokens thinking. The page records the message's length at every change
+    # (a MutationObserver, in the browser): polling from here missed every partial state once
+    # on a loaded 2-core CI machine, where a Selenium round trip can outlast the whole answer.
+    browser.execute_script(WATCH_LENGTHS_JS)
+    submit(browser, first_prompt, 96, 0.0)
     lengths = set()
     def finished():
         lengths.add(len(streamed_text(browser, 0)))
@@ -295,6 +311,7 @@ def test_chat_page_streams_an_answer_then_stops_a_second_request(browser, chat_s
     wait_until(finished, 120, "the first answer to finish")
     first = answer_text(browser, 0)
     assert first.strip(), "no streamed text appeared"
+    lengths.update(browser.execute_script("return window.__lengths"))
     partial = {n for n in lengths if 0 < n < len(streamed_text(browser, 0))}
     assert partial, "the message arrived in one piece, not streamed"
     stats = browser.find_element(By.ID, "stats").text

@@ -805,7 +805,8 @@ impl ModelRunner for CudaModel {
         self.graphs.clear();
         let c = &self.cfg;
         let spec = self.cache_spec();
-        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + num_state_slots * spec.state_bytes_per_slot) as u64;
+        // The state buffers hold one spare slot past the running ones (decode padding rows).
+        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot) as u64;
         let (free, _) = self.dev.memory_info()?;
         if needed > free as u64 {
             return Err(NinferError::OutOfMemory {
