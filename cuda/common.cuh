@@ -107,15 +107,13 @@ __device__ __forceinline__ store_t swiglu_out(float gate, float up) {
 }
 
 // RoPE of one NeoX pair (elements i and i + rotary_dim/2 of a head, widened storage values a
-// and b) at position `pos`: the one definition of the rotation, shared by rope.cu (rope_neox,
-// rope_kv_write) and the qkv GEMV's epilogue that rotates its own sums (gemv.cu
-// gemv_qkv_rope_m1), so every route rounds each element at the same points. These are
-// transformers' (q * cos + rotate_half(q) * sin on bf16 tensors; docs/rounding.md): cos and
-// sin are cast to bf16 (after the rope scaling's attn_scale), each product is rounded, then
-// their sum.
-// cos and sin of pair i at `pos`, scaled and rounded to storage: the part of the rotation that
-// depends only on the token and the pair, so rope_neox computes it once for all of a token's
-// heads (rope_rotate below is exactly these two steps).
+// and b) at position `pos`, in two steps: rope_cos_sin (cos and sin, cast to storage after the
+// rope scaling's attn_scale; depends only on the token and the pair, so rope_neox computes it
+// once for all of a token's heads) and rope_apply (each product rounded, then their sum).
+// These are transformers' (q * cos + rotate_half(q) * sin on bf16 tensors; docs/rounding.md),
+// and the one definition of the rotation: rope.cu (rope_neox, rope_kv_write) and the qkv GEMV's
+// epilogue that rotates its own sums (gemv.cu gemv_qkv_rope_m1) all use them, so every route
+// rounds each element at the same points. rope_rotate is the two steps in a row.
 __device__ __forceinline__ void rope_cos_sin(int i, float pos, const float* __restrict__ inv_freq,
                                              float attn_scale, float* c, float* s) {
     sincosf(pos * inv_freq[i], s, c);
