@@ -180,3 +180,45 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         out[base + i] = gated_norm_out(to_f32(x[base + i]), rstd, to_f32(w[i]), to_f32(z[zbase + i]));
 }
+
+// rmsnorm_gated with a warp per row, for dim a multiple of 32 up to 256 (every GDN head size):
+// lane l holds elements l + 32 k, and the sum of squares is block_sum's exactly (warp k's
+// butterfly over elements 32k..32k+31, then the butterfly over the warp partials, the missing
+// ones zero), so the bits are rmsnorm_gated's and the fused decode kernel's. Warps walk the
+// rows grid-stride. A block per row made a Qwen3.5-27B prefill of 8k tokens launch 393k blocks
+// (48 heads a token) and run 643 us a layer, bound by block scheduling, where its bytes take
+// ~90 us.
+#define GN_MAX_PARTS 8
+extern "C" __global__ void rmsnorm_gated_rows(const store_t* __restrict__ x,
+                                              const store_t* __restrict__ z, int heads,
+                                              long long z_stride,
+                                              const store_t* __restrict__ w,
+                                              store_t* __restrict__ out, int dim, float eps,
+                                              long long rows) {
+    pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const int parts = dim >> 5;
+    const long long n_warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += n_warps) {
+        const store_t* xr = x + r * dim;
+        const store_t* zr = z + (r / heads) * z_stride + (r % heads) * dim;
+        float v[GN_MAX_PARTS];
+        float t = 0.0f;
+#pragma unroll
+        for (int k = 0; k < GN_MAX_PARTS; ++k) {
+            if (k < parts) {
+                v[k] = to_f32(xr[32 * k + lane]);
+                const float p = warp_sum(v[k] * v[k]);
+                if (lane == k) t = p;
+            }
+        }
+        const float rstd = gated_norm_rstd(warp_sum(t), dim, eps);
+#pragma unroll
+        for (int k = 0; k < GN_MAX_PARTS; ++k) {
+            if (k < parts) {
+                const int e = 32 * k + lane;
+                out[r * dim + e] = gated_norm_out(v[k], rstd, to_f32(w[e]), to_f32(zr[e]));
+            }
+        }
+    }
+}

@@ -238,7 +238,9 @@ fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
         let mut rng = Rng::new(4);
         // (tokens, heads, dim, z row stride): contiguous z, and z as a column range of wider
         // rows (the fused GDN input projection: the kernel must skip the other columns).
-        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (3, 8, 128, 1024), (9, 1, 64, 64), (5, 6, 128, 6 * 128 + 40), (1, 48, 128, 16480)] {
+        // dim 80: the block-per-row kernel (not whole warps); 700 x 48: a prefill's rows, more
+        // than one wave of the warp-per-row kernel's grid.
+        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (3, 8, 128, 1024), (9, 1, 64, 64), (5, 6, 128, 6 * 128 + 40), (1, 48, 128, 16480), (4, 3, 80, 240), (700, 48, 128, 16480), (37, 2, 256, 520)] {
             let rows = tokens * heads;
             let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
             let z_wide = rounded(&rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0), st);
@@ -320,6 +322,35 @@ fn rope_prefill_timing_against_a_copy_of_its_bytes() {
         );
         assert!(ms <= 3.0 * copy, "{name}: rope {ms:.4} ms against a copy of its bytes {copy:.4} ms");
     }
+}
+
+/// The GDN output norm of a prefill moves its bytes at a copy's pace: at the Qwen3.5-27B shape
+/// (8k tokens, 48 value heads of 128) rmsnorm_gated takes at most 3x a device-to-device copy of
+/// the bytes it reads and writes (x, z, out). A block per row took ~7x (block scheduling).
+#[test]
+fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
+    let Some(dev) = gpu("rmsnorm_gated timing", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let (t, heads, dim) = (8192, 48, 128);
+    let z_stride = 2 * heads * dim + 2 * 16 * dim;
+    let x = s.alloc_zeros::<u16>(t * heads * dim).unwrap();
+    let z = s.alloc_zeros::<u16>(t * z_stride).unwrap();
+    let w = s.alloc_zeros::<u16>(dim).unwrap();
+    let mut out = s.alloc_zeros::<u16>(t * heads * dim).unwrap();
+    let ms = time_ms(&dev, 20, || dev.rmsnorm_gated(&x, &z, z_stride, &w, &mut out, t, heads, dim, 1e-6).unwrap());
+    let moved = 3 * t * heads * dim * 2;
+    let src = s.alloc_zeros::<u16>(moved / 4).unwrap();
+    let mut dst = s.alloc_zeros::<u16>(moved / 4).unwrap();
+    // A copy of n bytes reads n and writes n: half of `moved` each way.
+    let copy = time_ms(&dev, 20, || s.memcpy_dtod(&src, &mut dst).unwrap());
+    println!(
+        "TIMING rmsnorm_gated t{t} heads{heads} dim{dim}: {:.1} us, copy of the same bytes {:.1} us ({:.2}x), {:.0} GB/s read + written",
+        ms * 1e3,
+        copy * 1e3,
+        ms / copy,
+        moved as f64 / ms / 1e6
+    );
+    assert!(ms <= 3.0 * copy, "rmsnorm_gated {ms:.4} ms against a copy of its bytes {copy:.4} ms");
 }
 
 #[test]

@@ -138,13 +138,17 @@ impl CudaDevice {
         check_len("rmsnorm_gated z", z.len(), strided_len(tokens, heads * dim, z_stride))?;
         check_len("rmsnorm_gated w", w.len(), dim)?;
         check_len("rmsnorm_gated out", out.len(), rows * dim)?;
-        let f = self.function(KernelFamily::Norm, "rmsnorm_gated")?;
+        // A warp per row where the row is whole warps of at most 8 (`rmsnorm_gated_rows`, the
+        // same bits), else a block per row.
+        let by_warps = dim.is_multiple_of(32) && dim <= 256;
+        let name = if by_warps { "rmsnorm_gated_rows" } else { "rmsnorm_gated" };
+        let f = self.function(KernelFamily::Norm, name)?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (zp, _z) = z.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
-        let args = [
+        let mut args = vec![
             KArg::Ptr(xp),
             KArg::Ptr(zp),
             KArg::I32(as_i32("heads", heads.max(1))?),
@@ -154,7 +158,16 @@ impl CudaDevice {
             KArg::I32(as_i32("dim", dim)?),
             KArg::F32(eps),
         ];
+        if rows == 0 {
+            return Ok(());
+        }
+        if by_warps {
+            args.push(KArg::I64(rows as i64));
+            // 8 warps a block, grid-stride: at most 8 blocks an SM (2048 threads) in one wave.
+            let blocks = rows.div_ceil(8).min(self.sm_count() * 8);
+            return self.launch_pdl(&f, cfg((blocks as u32, 1, 1), 256), name, &args);
+        }
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
-        self.launch_pdl(&f, cfg(grid, NORM_THREADS), "rmsnorm_gated", &args)
+        self.launch_pdl(&f, cfg(grid, NORM_THREADS), name, &args)
     }
 }
