@@ -115,6 +115,22 @@ __device__ __forceinline__ void conv_tiled_body(const store_t* __restrict__ x, l
         const int j = t0 - (K - 1) + i;
         win[i] = to_f32(j >= start ? x[j * x_stride + c] : st[K - 1 + j - start]);
     }
+    if (t1 - t0 == CONV_TOKEN_TILE && t1 <= end) {
+        // A whole tile inside one sequence (nearly every tile of a long prompt): all its inputs
+        // are loaded before the first output, so the 32 loads are in flight together instead
+        // of one round trip a token (the loop below); the same operations in the same order.
+        float xs[CONV_TOKEN_TILE];
+#pragma unroll
+        for (int i = 0; i < CONV_TOKEN_TILE; ++i) xs[i] = to_f32(x[(long long)(t0 + i) * x_stride + c]);
+#pragma unroll
+        for (int i = 0; i < CONV_TOKEN_TILE; ++i) {
+            out[(long long)(t0 + i) * channels + c] = from_f32(silu_f(round_st(conv_tap<K>(win, wt, b, xs[i]))));
+#pragma unroll
+            for (int j = 0; j < K - 2; ++j) win[j] = win[j + 1];
+            win[K - 2] = xs[i];
+        }
+        return;
+    }
     for (int t = t0; t < t1; ++t) {
         if (t >= end) {
             // The next non-empty sequence starts at t: its window is all carried state.
