@@ -185,40 +185,75 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
 // lane l holds elements l + 32 k, and the sum of squares is block_sum's exactly (warp k's
 // butterfly over elements 32k..32k+31, then the butterfly over the warp partials, the missing
 // ones zero), so the bits are rmsnorm_gated's and the fused decode kernel's. Warps walk the
-// rows grid-stride. A block per row made a Qwen3.5-27B prefill of 8k tokens launch 393k blocks
-// (48 heads a token) and run 643 us a layer, bound by block scheduling, where its bytes take
-// ~90 us.
-#define GN_MAX_PARTS 8
-extern "C" __global__ void rmsnorm_gated_rows(const store_t* __restrict__ x,
-                                              const store_t* __restrict__ z, int heads,
-                                              long long z_stride,
-                                              const store_t* __restrict__ w,
-                                              store_t* __restrict__ out, int dim, float eps,
-                                              long long rows) {
-    pdl_enter();
+// rows grid-stride, two rows at a time with every x and z load of both issued before the first
+// reduction (the part count is a template constant, so nothing keeps a load behind a shuffle):
+// the kernel is bound by how many bytes are in flight. A block per row made a Qwen3.5-27B
+// prefill of 8k tokens launch 393k blocks (48 heads a token) and run 643 us a layer, bound by
+// block scheduling, where its bytes take ~90 us; a warp per row with the loads of one row
+// behind each other's reductions still took 466 us.
+template <int PARTS>
+__device__ __forceinline__ void gated_rows_body(const store_t* __restrict__ x,
+                                                const store_t* __restrict__ z, int heads,
+                                                long long z_stride,
+                                                const store_t* __restrict__ w,
+                                                store_t* __restrict__ out, float eps,
+                                                long long rows) {
+    constexpr int dim = 32 * PARTS;
     const int lane = threadIdx.x & 31;
-    const int parts = dim >> 5;
     const long long n_warps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += n_warps) {
-        const store_t* xr = x + r * dim;
-        const store_t* zr = z + (r / heads) * z_stride + (r % heads) * dim;
-        float v[GN_MAX_PARTS];
-        float t = 0.0f;
+    float wv[PARTS];
 #pragma unroll
-        for (int k = 0; k < GN_MAX_PARTS; ++k) {
-            if (k < parts) {
-                v[k] = to_f32(xr[32 * k + lane]);
-                const float p = warp_sum(v[k] * v[k]);
-                if (lane == k) t = p;
+    for (int k = 0; k < PARTS; ++k) wv[k] = to_f32(w[32 * k + lane]);
+    for (long long r0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 2; r0 < rows;
+         r0 += 2 * n_warps) {
+        // The second row of the pair is the first again past the end: its loads stay in
+        // bounds and its stores are skipped.
+        const bool two = r0 + 1 < rows;
+        const long long rr[2] = {r0, two ? r0 + 1 : r0};
+        store_t xv[2][PARTS], zv[2][PARTS];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const store_t* xr = x + rr[j] * dim;
+            const store_t* zr = z + (rr[j] / heads) * z_stride + (rr[j] % heads) * dim;
+#pragma unroll
+            for (int k = 0; k < PARTS; ++k) {
+                xv[j][k] = xr[32 * k + lane];
+                zv[j][k] = zr[32 * k + lane];
             }
         }
-        const float rstd = gated_norm_rstd(warp_sum(t), dim, eps);
 #pragma unroll
-        for (int k = 0; k < GN_MAX_PARTS; ++k) {
-            if (k < parts) {
-                const int e = 32 * k + lane;
-                out[r * dim + e] = gated_norm_out(v[k], rstd, to_f32(w[e]), to_f32(zr[e]));
+        for (int j = 0; j < 2; ++j) {
+            if (j == 1 && !two) break;
+            float t = 0.0f;
+#pragma unroll
+            for (int k = 0; k < PARTS; ++k) {
+                const float v = to_f32(xv[j][k]);
+                const float p = warp_sum(v * v);
+                if (lane == k) t = p;
             }
+            const float rstd = gated_norm_rstd(warp_sum(t), dim, eps);
+#pragma unroll
+            for (int k = 0; k < PARTS; ++k)
+                out[rr[j] * dim + 32 * k + lane] = gated_norm_out(to_f32(xv[j][k]), rstd, wv[k], to_f32(zv[j][k]));
         }
     }
 }
+
+// One entry per part count (rmsnorm_gated_rows_p1 .. _p8), so that each keeps only its own
+// registers: one entry for all of them holds the eight-part case's 72 and fits 3 blocks an SM.
+#define GATED_ROWS_INSTANCE(P)                                                                  \
+    extern "C" __global__ void rmsnorm_gated_rows_p##P(                                         \
+        const store_t* __restrict__ x, const store_t* __restrict__ z, int heads,                \
+        long long z_stride, const store_t* __restrict__ w, store_t* __restrict__ out, float eps, \
+        long long rows) {                                                                       \
+        pdl_enter();                                                                            \
+        gated_rows_body<P>(x, z, heads, z_stride, w, out, eps, rows);                           \
+    }
+GATED_ROWS_INSTANCE(1)
+GATED_ROWS_INSTANCE(2)
+GATED_ROWS_INSTANCE(3)
+GATED_ROWS_INSTANCE(4)
+GATED_ROWS_INSTANCE(5)
+GATED_ROWS_INSTANCE(6)
+GATED_ROWS_INSTANCE(7)
+GATED_ROWS_INSTANCE(8)

@@ -239,8 +239,9 @@ fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
         // (tokens, heads, dim, z row stride): contiguous z, and z as a column range of wider
         // rows (the fused GDN input projection: the kernel must skip the other columns).
         // dim 80: the block-per-row kernel (not whole warps); 700 x 48: a prefill's rows, more
-        // than one wave of the warp-per-row kernel's grid.
-        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (3, 8, 128, 1024), (9, 1, 64, 64), (5, 6, 128, 6 * 128 + 40), (1, 48, 128, 16480), (4, 3, 80, 240), (700, 48, 128, 16480), (37, 2, 256, 520)] {
+        // than one wave of the warp-per-row kernels' grid; 32, 96, 256: one, three and eight
+        // warps' parts; an odd row count (9, 15): a pair's second row past the end.
+        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (3, 8, 128, 1024), (9, 1, 64, 64), (5, 6, 128, 6 * 128 + 40), (1, 48, 128, 16480), (4, 3, 80, 240), (700, 48, 128, 16480), (37, 2, 256, 520), (5, 3, 96, 300), (7, 1, 32, 32)] {
             let rows = tokens * heads;
             let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
             let z_wide = rounded(&rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0), st);

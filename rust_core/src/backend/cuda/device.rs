@@ -37,6 +37,9 @@ pub struct CudaDevice {
     /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
     /// once per kernel, not per launch (a driver call the launch does not need).
     smem_limits: Mutex<HashMap<&'static str, usize>>,
+    /// Blocks of a kernel resident on one SM at a block size (`resident_blocks`): asked of the
+    /// driver once per kernel and size, not per launch.
+    resident: Mutex<HashMap<(&'static str, u32), usize>>,
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
     blas_workspace: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
@@ -192,6 +195,7 @@ impl CudaDevice {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             smem_limits: Mutex::new(HashMap::new()),
+            resident: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
             pdl,
@@ -417,6 +421,21 @@ impl CudaDevice {
         }
         self.functions.lock().expect("function cache poisoned").insert(name, f.clone());
         Ok(f)
+    }
+
+    /// How many blocks of `threads` threads of kernel `name` (no dynamic shared memory) one SM
+    /// holds at once: a grid-stride kernel launched with this many blocks an SM runs in one
+    /// wave, where a fixed guess either leaves SMs idle or queues a second partial wave.
+    pub(crate) fn resident_blocks(&self, f: &CudaFunction, name: &'static str, threads: u32) -> Result<usize> {
+        if let Some(&n) = self.resident.lock().expect("occupancy cache poisoned").get(&(name, threads)) {
+            return Ok(n);
+        }
+        let n = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(|e| NinferError::Device(format!("occupancy of {name} at {threads} threads: {e}")))?
+            .max(1) as usize;
+        self.resident.lock().expect("occupancy cache poisoned").insert((name, threads), n);
+        Ok(n)
     }
 
     /// The kernel `name` of `family`, allowed at least `smem` bytes of dynamic shared memory a

@@ -138,16 +138,29 @@ impl CudaDevice {
         check_len("rmsnorm_gated z", z.len(), strided_len(tokens, heads * dim, z_stride))?;
         check_len("rmsnorm_gated w", w.len(), dim)?;
         check_len("rmsnorm_gated out", out.len(), rows * dim)?;
-        // A warp per row where the row is whole warps of at most 8 (`rmsnorm_gated_rows`, the
-        // same bits), else a block per row.
-        let by_warps = dim.is_multiple_of(32) && dim <= 256;
-        let name = if by_warps { "rmsnorm_gated_rows" } else { "rmsnorm_gated" };
+        // A warp per row where the row is whole warps of at most 8 (`rmsnorm_gated_rows_p*`, one
+        // entry per warp count, the same bits), else a block per row.
+        const ROWS_KERNELS: [&str; 8] = [
+            "rmsnorm_gated_rows_p1",
+            "rmsnorm_gated_rows_p2",
+            "rmsnorm_gated_rows_p3",
+            "rmsnorm_gated_rows_p4",
+            "rmsnorm_gated_rows_p5",
+            "rmsnorm_gated_rows_p6",
+            "rmsnorm_gated_rows_p7",
+            "rmsnorm_gated_rows_p8",
+        ];
+        let by_warps = dim.is_multiple_of(32) && (32..=256).contains(&dim);
+        let name = if by_warps { ROWS_KERNELS[dim / 32 - 1] } else { "rmsnorm_gated" };
         let f = self.function(KernelFamily::Norm, name)?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (zp, _z) = z.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
+        if rows == 0 {
+            return Ok(());
+        }
         let mut args = vec![
             KArg::Ptr(xp),
             KArg::Ptr(zp),
@@ -155,18 +168,16 @@ impl CudaDevice {
             KArg::I64(z_stride as i64),
             KArg::Ptr(wp),
             KArg::Ptr(op),
-            KArg::I32(as_i32("dim", dim)?),
-            KArg::F32(eps),
         ];
-        if rows == 0 {
-            return Ok(());
-        }
         if by_warps {
-            args.push(KArg::I64(rows as i64));
-            // 8 warps a block, grid-stride: at most 8 blocks an SM (2048 threads) in one wave.
-            let blocks = rows.div_ceil(8).min(self.sm_count() * 8);
+            // The part count is in the kernel's name; rows are counted in 64 bits.
+            args.extend([KArg::F32(eps), KArg::I64(rows as i64)]);
+            // 8 warps a block, each on two rows at a time, grid-stride over one full wave.
+            let per_sm = self.resident_blocks(&f, name, 256)?;
+            let blocks = rows.div_ceil(16).min(self.sm_count() * per_sm);
             return self.launch_pdl(&f, cfg((blocks as u32, 1, 1), 256), name, &args);
         }
+        args.extend([KArg::I32(as_i32("dim", dim)?), KArg::F32(eps)]);
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, NORM_THREADS), name, &args)
     }
