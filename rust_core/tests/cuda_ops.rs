@@ -310,18 +310,8 @@ fn rope_prefill_timing_against_a_copy_of_its_bytes() {
             dev.rope_neox(&mut qkv, &mut dummy, &pos_dev, &freq_dev, hq + hk, 0, d, width, 0, 1.0).unwrap()
         });
         // Bytes touched: the rotated elements of every q and k head, read and written.
-        let moved = t * (hq + hk) * rot * 2;
-        let src = s.alloc_zeros::<u16>(moved / 2).unwrap();
-        let mut dst = s.alloc_zeros::<u16>(moved / 2).unwrap();
-        let copy = time_ms(&dev, 20, || s.memcpy_dtod(&src, &mut dst).unwrap());
-        println!(
-            "TIMING rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}: {:.1} us, copy of the same bytes {:.1} us ({:.2}x), {:.0} GB/s read + written",
-            ms * 1e3,
-            copy * 1e3,
-            ms / copy,
-            2.0 * moved as f64 / ms / 1e6
-        );
-        assert!(ms <= 3.0 * copy, "{name}: rope {ms:.4} ms against a copy of its bytes {copy:.4} ms");
+        let moved = 2 * t * (hq + hk) * rot * 2;
+        assert_copy_pace(&dev, &format!("rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}"), ms, moved);
     }
 }
 
@@ -340,18 +330,7 @@ fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
     let mut out = s.alloc_zeros::<u16>(t * heads * dim).unwrap();
     let ms = time_ms(&dev, 20, || dev.rmsnorm_gated(&x, &z, z_stride, &w, &mut out, t, heads, dim, 1e-6).unwrap());
     let moved = 3 * t * heads * dim * 2;
-    let src = s.alloc_zeros::<u16>(moved / 4).unwrap();
-    let mut dst = s.alloc_zeros::<u16>(moved / 4).unwrap();
-    // A copy of n bytes reads n and writes n: half of `moved` each way.
-    let copy = time_ms(&dev, 20, || s.memcpy_dtod(&src, &mut dst).unwrap());
-    println!(
-        "TIMING rmsnorm_gated t{t} heads{heads} dim{dim}: {:.1} us, copy of the same bytes {:.1} us ({:.2}x), {:.0} GB/s read + written",
-        ms * 1e3,
-        copy * 1e3,
-        ms / copy,
-        moved as f64 / ms / 1e6
-    );
-    assert!(ms <= 3.0 * copy, "rmsnorm_gated {ms:.4} ms against a copy of its bytes {copy:.4} ms");
+    assert_copy_pace(&dev, &format!("rmsnorm_gated t{t} heads{heads} dim{dim}"), ms, moved);
 }
 
 /// The tiled prefill conv moves its bytes at a copy's pace: at the Qwen3.5-27B shape (8k tokens
@@ -370,17 +349,7 @@ fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
     let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots: 2 };
     let ms = time_ms(&dev, 20, || dev.causal_conv1d(&x, &mut state, &w, None, &cu, &slots, &mut out, &shape).unwrap());
     let moved = 2 * t * c * 2;
-    let src = s.alloc_zeros::<u16>(moved / 4).unwrap();
-    let mut dst = s.alloc_zeros::<u16>(moved / 4).unwrap();
-    let copy = time_ms(&dev, 20, || s.memcpy_dtod(&src, &mut dst).unwrap());
-    println!(
-        "TIMING causal_conv1d t{t} channels{c} k{k} (tiled + state): {:.1} us, copy of the same bytes {:.1} us ({:.2}x), {:.0} GB/s read + written",
-        ms * 1e3,
-        copy * 1e3,
-        ms / copy,
-        moved as f64 / ms / 1e6
-    );
-    assert!(ms <= 3.0 * copy, "conv1d {ms:.4} ms against a copy of its bytes {copy:.4} ms");
+    assert_copy_pace(&dev, &format!("causal_conv1d t{t} channels{c} k{k} (tiled + state)"), ms, moved);
 }
 
 #[test]
@@ -1886,6 +1855,24 @@ impl AttnTimingCase {
 }
 
 /// Mean milliseconds of `f` over `iters` runs after 3 warm-ups, timed with CUDA events.
+/// The pace check of the memory-bound prefill kernels: times a device-to-device copy that reads
+/// and writes `moved` bytes in all (half each way), prints `what`'s TIMING line against it and
+/// asserts that `ms` is at most 3x the copy.
+fn assert_copy_pace(dev: &CudaDevice, what: &str, ms: f64, moved: usize) {
+    let s = dev.stream().clone();
+    let src = s.alloc_zeros::<u16>(moved / 4).unwrap();
+    let mut dst = s.alloc_zeros::<u16>(moved / 4).unwrap();
+    let copy = time_ms(dev, 20, || s.memcpy_dtod(&src, &mut dst).unwrap());
+    println!(
+        "TIMING {what}: {:.1} us, copy of the same bytes {:.1} us ({:.2}x), {:.0} GB/s read + written",
+        ms * 1e3,
+        copy * 1e3,
+        ms / copy,
+        moved as f64 / ms / 1e6
+    );
+    assert!(ms <= 3.0 * copy, "{what}: {ms:.4} ms against a copy of its bytes {copy:.4} ms");
+}
+
 fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
     use cudarc::driver::sys::CUevent_flags;
     for _ in 0..3 {
