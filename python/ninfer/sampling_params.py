@@ -27,6 +27,25 @@ GENERATION_CONFIG_FIELDS = {
 }
 
 
+def generation_config_defaults(generation_config: Mapping[str, object]) -> Dict[str, Any]:
+    """The sampling fields a model's generation_config.json sets, under our field names.
+
+    Only the fields vLLM honours are read (GENERATION_CONFIG_FIELDS); `do_sample: false` means
+    greedy, as in transformers; a negative top_k means none. `LLM` and `ninfer serve` both take
+    their defaults from here, so a model samples the same way from Python and over HTTP.
+    """
+    out: Dict[str, Any] = {}
+    for src, dst in GENERATION_CONFIG_FIELDS.items():
+        value = generation_config.get(src)
+        if value is not None:
+            out[dst] = value
+    if generation_config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    if _is_int(out.get("top_k")) and out["top_k"] < 0:
+        out["top_k"] = 0
+    return out
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -78,21 +97,8 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(cls, generation_config: Mapping[str, object]) -> "SamplingParams":
-        """Defaults taken from a model's generation_config.json, used when the caller gives none.
-
-        Only the fields vLLM honours are read; `do_sample: false` means greedy, as in
-        transformers.
-        """
-        kwargs = {}
-        for src, dst in GENERATION_CONFIG_FIELDS.items():
-            value = generation_config.get(src)
-            if value is not None:
-                kwargs[dst] = value
-        if generation_config.get("do_sample") is False:
-            kwargs["temperature"] = 0.0
-        if kwargs.get("top_k") is not None and kwargs["top_k"] < 0:
-            kwargs["top_k"] = 0
-        return cls(**kwargs)
+        """Defaults taken from a model's generation_config.json, used when the caller gives none."""
+        return cls(**generation_config_defaults(generation_config))
 
     def _check_types(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:

@@ -23,6 +23,9 @@ class ServerDefaults:
     default_max_tokens: Optional[int] = None
     greedy: bool = False
     enable_thinking: bool = True
+    #: Sampling fields a request that leaves them out gets (generation_config.json's, by
+    #: `--generation-config`); `greedy` still wins for the temperature.
+    sampling: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -160,6 +163,8 @@ def sampling_fields(body: dict, defaults: ServerDefaults, *, stop_field: str = "
     bias = _logit_bias(body)
     if bias:
         p["logit_bias"] = bias
+    for name, value in defaults.sampling.items():
+        p.setdefault(name, value)
     p["ignore_eos"] = boolean(body, "ignore_eos")
     p["skip_special_tokens"] = boolean(body, "skip_special_tokens", True)
     return p

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import pathlib
 import sys
@@ -74,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-reuse", action="store_true")
     p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request sets it")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking false unless a request sets it")
-    p.add_argument("--default-max-tokens", type=_positive_int("--default-max-tokens"))
+    p.add_argument("--default-max-tokens", type=_positive_int("--default-max-tokens"),
+                   help="max_tokens of a request that sets none (default: generation_config.json's max_new_tokens, else the context left)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where the sampling defaults of a request that leaves a field out come from: auto (default) "
+                        "the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens; do_sample false = greedy), DIR the generation_config.json in DIR, vllm none "
+                        "(temperature 1, no top-p/top-k)")
     p.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"))
     p.add_argument("--cors", action="append", metavar="ORIGIN", help="allowed origin (repeatable; * for any)")
     p.add_argument("--request-log-jsonl", metavar="FILE")
@@ -123,7 +130,55 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"MODEL {args.model!r} is not a directory")
     if args.model_id is None:
         args.model_id = pathlib.Path(args.model).name if args.model else "ninfer-model"
+    try:
+        args.generation_defaults, args.generation_source = generation_defaults(args.generation_config, args.model)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.default_max_tokens is None:
+        args.default_max_tokens = args.generation_defaults.get("max_tokens")
     return args
+
+
+def generation_defaults(source: str, model_dir: Optional[str]) -> tuple:
+    """(sampling defaults, the file they came from or None) for `--generation-config source`.
+
+    `auto` reads the model directory's generation_config.json when it has one; `vllm` reads
+    nothing; anything else names a directory that must hold the file. A file that is not a JSON
+    object, or whose values a request could not carry, is a ValueError naming the file.
+    """
+    from ninfer.sampling_params import generation_config_defaults
+    from ninfer.server.errors import ApiError
+    from ninfer.server.protocol import ServerDefaults, sampling_fields
+
+    if source == "vllm":
+        return {}, None
+    if source == "auto":
+        if model_dir is None:
+            return {}, None
+        path = pathlib.Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return {}, None
+    else:
+        path = pathlib.Path(source) / "generation_config.json"
+        if not path.is_file():
+            raise ValueError(f"--generation-config {source!r}: no generation_config.json in that directory "
+                             "(auto: the model's, vllm: none)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"malformed file {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"malformed file {path}: not a JSON object")
+    defaults = generation_config_defaults(config)
+    # Checked as a request carrying these fields would be, so no request fails on a default.
+    try:
+        sampling_fields({k: v for k, v in defaults.items() if k != "max_tokens"}, ServerDefaults(model_id=""))
+    except ApiError as e:
+        raise ValueError(f"malformed file {path}: {e.message}") from None
+    max_tokens = defaults.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise ValueError(f"malformed file {path}: `max_new_tokens` must be a positive integer, got {max_tokens!r}")
+    return defaults, str(path)
 
 
 def make_app(args: argparse.Namespace, on_load_failure=None):
@@ -136,8 +191,9 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     from ninfer.server.request_log import RequestLog
     from ninfer.server.state import ServerState
 
+    sampling = {k: v for k, v in args.generation_defaults.items() if k != "max_tokens"}
     defaults = ServerDefaults(model_id=args.model_id, default_max_tokens=args.default_max_tokens,
-                              greedy=args.greedy, enable_thinking=not args.no_thinking)
+                              greedy=args.greedy, enable_thinking=not args.no_thinking, sampling=sampling)
     log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None
     state = ServerState(defaults, api_key=args.api_key, request_log=log)
     engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,
@@ -169,6 +225,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.should_exit = True
 
     app = make_app(args, on_load_failure=stop)
+    if args.generation_source:
+        shown = " ".join(f"{k}={v}" for k, v in args.generation_defaults.items())
+        print(f"ninfer: request defaults from {args.generation_source}: {shown or 'none it sets'} "
+              "(a request's own fields win; --generation-config vllm ignores the file)", file=sys.stderr, flush=True)
     print(f"ninfer: serving {args.model_id} on http://{args.host}:{args.port} (loading {args.model or 'core factory'})",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
