@@ -126,6 +126,14 @@ def _divergence_gap(out, other_ids: list):
     return d, top[0][1] - top[1][1]
 
 
+def test_num_threads_on_the_gpu_is_refused_naming_it(gpu_dir):
+    # It sizes the CPU backend's pool; accepted and ignored on the GPU would be a silent no-op.
+    with pytest.raises(_core.DeviceError, match="num_threads 2"):
+        _core.Model(str(gpu_dir), device="cuda", num_threads=2)
+    with pytest.raises(_core.DeviceError, match="--num-threads"):
+        LLM(gpu_dir, device="cuda", num_threads=3)
+
+
 def test_gpu_logits_track_f32_as_closely_as_transformers_bf16(gpu_dir, hf_bf16):
     gpu = _core.Model(str(gpu_dir), device="cuda")
     vocab = gpu.config["vocab_size"]

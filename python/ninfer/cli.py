@@ -120,7 +120,7 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=_number(int, 1), metavar="N", help="context length (default: the model's)")
     p.add_argument("--kv-capacity", type=_number(int, 1), metavar="N", help="KV cache tokens (default: what fits in free GPU memory on CUDA, 4 GiB on the CPU; at least max-context)")
     p.add_argument("--prefill-chunk", type=_number(int, 1), default=512, metavar="N", help="tokens per engine step")
-    p.add_argument("--num-threads", type=_number(int, 1), metavar="N", help="CPU threads (default: all cores)")
+    p.add_argument("--num-threads", type=_number(int, 1), metavar="N", help="threads of the CPU backend (default: all cores; refused on a GPU)")
     p.add_argument("--device", type=device_arg, default="auto",
                    help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")

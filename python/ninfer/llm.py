@@ -30,7 +30,7 @@ class LLM:
     The constructor arguments are the engine's (see `_core.Engine`): `max_context` and
     `kv_capacity` in tokens (None: derived from the model and memory), `max_concurrency`
     sequences per step, `prefill_chunk` tokens per step, `prefix_reuse` for the prefix cache,
-    `num_threads` for the CPU backend, `logits_dtype` "auto" (logits rounded to the 16-bit
+    `num_threads` for the CPU backend (an error on a GPU), `logits_dtype` "auto" (logits rounded to the 16-bit
     dtype the model runs in, as transformers and vLLM produce them; docs/rounding.md) or "float32".
     """
 

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logits_dtype_flag(p)
     p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
     p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)
-    p.add_argument("--num-threads", type=_positive_int("--num-threads"))
+    p.add_argument("--num-threads", type=_positive_int("--num-threads"), help="threads of the CPU backend (default: all cores; refused on a GPU)")
     p.add_argument("--no-prefix-reuse", action="store_true")
     p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request sets it")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking false unless a request sets it")

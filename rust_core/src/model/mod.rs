@@ -71,7 +71,16 @@ pub fn resolve_device_name(device: &str) -> Result<String> {
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     match resolve_device(parse_device(&opts.device)?)? {
         ResolvedDevice::Cpu => Ok(Box::new(CpuModel::load(dir, opts)?)),
-        ResolvedDevice::Cuda(ordinal) => load_cuda(dir, ordinal, opts.logits_dtype),
+        ResolvedDevice::Cuda(ordinal) => {
+            // The thread count sizes the CPU backend's pool; the CUDA runner has no use for it, and
+            // a flag that is accepted must do something.
+            if let Some(n) = opts.num_threads {
+                return Err(crate::NinferError::Device(format!(
+                    "cuda:{ordinal}: num_threads {n} (--num-threads) sets the CPU backend's threads; leave it out on the GPU, or choose device cpu"
+                )));
+            }
+            load_cuda(dir, ordinal, opts.logits_dtype)
+        }
     }
 }
 
