@@ -59,6 +59,21 @@ def test_missing_weights_file_names_the_path(copy_of, llama_dir):
         _core.Model(str(d))
 
 
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"kv_capacity": 10}, "10 tokens is less than max_context"),
+    ({"max_context": 10**7}, "exceeds the model's max_position_embeddings"),
+    ({"max_context": 200, "kv_capacity": 100}, "100 tokens is less than max_context 200 tokens; raise --kv-capacity"),
+])
+def test_engine_flags_are_checked_before_the_weights_are_read(copy_of, llama_dir, kwargs, needle):
+    # No weights file: an error about the flags proves they were checked first (a bad flag costs
+    # no load of a large model).
+    d = copy_of(llama_dir)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(_core.NinferError, match=needle) as e:
+        _core.Engine(str(d), device="cpu", **kwargs)
+    assert "model.safetensors" not in str(e.value)
+
+
 def test_truncated_safetensors_names_the_file(copy_of, llama_dir):
     d = copy_of(llama_dir)
     f = d / "model.safetensors"

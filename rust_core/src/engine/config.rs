@@ -78,11 +78,11 @@ pub struct MemoryLedger {
 }
 
 impl EngineConfig {
-    /// Check every flag and derive the sizes for a model with this context length (0: unknown)
-    /// and these cache costs. `cache_budget` is what the device can give to the KV pool and the
-    /// recurrent-state slots together (see `ModelRunner::cache_budget_bytes`); without one the
-    /// default KV pool is capped at DEFAULT_KV_BUDGET_BYTES.
-    pub fn resolve(&self, model_max: usize, spec: &CacheSpec, cache_budget: Option<u64>) -> Result<ResolvedConfig> {
+    /// The checks that need only the model's context length (0: unknown): every count at least
+    /// 1, --max-context within the model's, --kv-capacity covering --max-context. The loaders run
+    /// them before reading any weights, so a bad flag costs no model load; `resolve` runs them
+    /// again. Returns the max context.
+    pub fn check(&self, model_max: usize) -> Result<usize> {
         let positive = |v: usize, field: &str, flag: &str| {
             if v == 0 {
                 Err(NinferError::config(format!("{field} ({flag})"), "must be at least 1"))
@@ -90,9 +90,9 @@ impl EngineConfig {
                 Ok(v)
             }
         };
-        let block_size = positive(self.block_size, "block_size", "--block-size")?;
-        let max_concurrency = positive(self.max_concurrency, "max_concurrency", "--max-concurrency")?;
-        let prefill_chunk = positive(self.prefill_chunk, "prefill_chunk", "--prefill-chunk")?;
+        positive(self.block_size, "block_size", "--block-size")?;
+        positive(self.max_concurrency, "max_concurrency", "--max-concurrency")?;
+        positive(self.prefill_chunk, "prefill_chunk", "--prefill-chunk")?;
         let max_context = match self.max_context {
             Some(m) => {
                 positive(m, "max_context", "--max-context")?;
@@ -107,16 +107,29 @@ impl EngineConfig {
             None if model_max > 0 => model_max,
             None => return Err(NinferError::config("max_context (--max-context)", "the model config gives no max_position_embeddings; set it")),
         };
+        if let Some(k) = self.kv_capacity_tokens {
+            if k < max_context {
+                let whose = if self.max_context.is_some() { "" } else { " (the model's max_position_embeddings)" };
+                return Err(NinferError::config(
+                    "kv_capacity (--kv-capacity)",
+                    format!("{k} tokens is less than max_context {max_context} tokens{whose}; raise --kv-capacity or lower --max-context"),
+                ));
+            }
+        }
+        Ok(max_context)
+    }
+
+    /// Check every flag and derive the sizes for a model with this context length (0: unknown)
+    /// and these cache costs. `cache_budget` is what the device can give to the KV pool and the
+    /// recurrent-state slots together (see `ModelRunner::cache_budget_bytes`); without one the
+    /// default KV pool is capped at DEFAULT_KV_BUDGET_BYTES.
+    pub fn resolve(&self, model_max: usize, spec: &CacheSpec, cache_budget: Option<u64>) -> Result<ResolvedConfig> {
+        let max_context = self.check(model_max)?;
+        let (block_size, max_concurrency, prefill_chunk) = (self.block_size, self.max_concurrency, self.prefill_chunk);
         let hybrid = spec.state_bytes_per_slot > 0;
         let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let kv_capacity_tokens = match self.kv_capacity_tokens {
-            Some(k) if k < max_context => {
-                return Err(NinferError::config(
-                    "kv_capacity (--kv-capacity)",
-                    format!("{k} tokens is less than max_context {max_context} tokens; raise --kv-capacity or lower --max-context"),
-                ))
-            }
             Some(k) => k,
             None => {
                 // The state slots are fixed by --max-concurrency; the KV pool takes what is left
@@ -140,6 +153,25 @@ impl EngineConfig {
             snapshot_state_slots: snapshots,
         })
     }
+}
+
+/// The advice of a KV pool plus recurrent-state slots that did not fit in `available` bytes:
+/// the pool that would, in the flags that size it. --kv-capacity cannot go below --max-context,
+/// so a pool shorter than one context needs a shorter --max-context too (the default pool is
+/// never below one context: with a long model context, --max-context is the flag to lower).
+pub fn cache_fit_hint(available: u64, spec: &CacheSpec, state_slots: usize, block_size: usize) -> String {
+    let state = state_slots as u64 * spec.state_bytes_per_slot as u64;
+    if state >= available {
+        return format!(
+            "the {state_slots} recurrent-state slots alone need {state} B: lower --max-concurrency (a slot per running sequence, and with prefix reuse one per snapshot)"
+        );
+    }
+    let block = block_size.max(1) as u64;
+    let fit = (available - state) / spec.kv_bytes_per_token.max(1) as u64 / block * block;
+    if fit == 0 {
+        return "not one KV block fits beside the recurrent-state slots: lower --max-concurrency".into();
+    }
+    format!("at most {fit} KV tokens fit beside the {state_slots} state slots: set --max-context (and --kv-capacity, which must cover it) to at most {fit}, or lower --max-concurrency")
 }
 
 impl ResolvedConfig {
@@ -213,6 +245,31 @@ mod tests {
         // An explicit --kv-capacity wins over any budget.
         let fixed = EngineConfig { kv_capacity_tokens: Some(1500), ..cfg };
         assert_eq!(fixed.resolve(model(1000), &hybrid, Some(1 << 40)).unwrap().kv_capacity_tokens, 1500);
+    }
+
+    #[test]
+    fn check_needs_only_the_model_context_and_agrees_with_resolve() {
+        // The model's own context counts when --max-context is left out.
+        let cfg = EngineConfig { kv_capacity_tokens: Some(500), ..Default::default() };
+        let msg = cfg.check(1000).unwrap_err().to_string();
+        assert!(msg.contains("500") && msg.contains("1000") && msg.contains("max_position_embeddings"), "{msg}");
+        assert_eq!(cfg.resolve(1000, &SPEC, None).unwrap_err().to_string(), msg);
+        assert_eq!(EngineConfig { max_context: Some(300), ..cfg.clone() }.check(1000).unwrap(), 300);
+        let msg = EngineConfig { max_context: Some(2000), ..Default::default() }.check(1000).unwrap_err().to_string();
+        assert!(msg.contains("2000") && msg.contains("--max-context"), "{msg}");
+        assert!(EngineConfig::default().check(0).unwrap_err().to_string().contains("set it"));
+    }
+
+    #[test]
+    fn the_cache_hint_names_the_pool_that_fits() {
+        let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
+        // 5 slots take 50,000 B; 1,000,000 B more hold 976 tokens (61 blocks of 16); 1,010,000 B 986, still 976 in blocks.
+        assert!(cache_fit_hint(1_050_000, &hybrid, 5, 16).contains("at most 976 KV tokens"));
+        let hint = cache_fit_hint(1_060_000, &hybrid, 5, 16);
+        assert!(hint.contains("at most 976 KV tokens") && hint.contains("--max-context") && hint.contains("--max-concurrency"), "{hint}");
+        let hint = cache_fit_hint(40_000, &hybrid, 5, 16);
+        assert!(hint.contains("alone need 50000 B") && hint.contains("--max-concurrency"), "{hint}");
+        assert!(cache_fit_hint(50_100, &hybrid, 5, 16).contains("not one KV block"));
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub mod output;
 pub mod request;
 pub mod toy_runner;
 
-pub use config::{EngineConfig, MemoryLedger, ResolvedConfig};
+pub use config::{cache_fit_hint, EngineConfig, MemoryLedger, ResolvedConfig};
 pub use core::{EngineCore, EngineStats, RequestValidator};
 pub use handle::EngineHandle;
 pub use output::{FinishReason, RequestOutput};

@@ -813,7 +813,7 @@ impl ModelRunner for CudaModel {
                 what: format!("KV cache ({} tokens) and {num_state_slots} state slots on cuda:{}", num_blocks * block_size, self.dev.ordinal()),
                 needed,
                 available: free as u64,
-                hint: "lower --kv-capacity or --max-concurrency".into(),
+                hint: crate::engine::cache_fit_hint(free as u64, &spec, num_state_slots + 1, block_size),
             });
         }
         let mut caches = DevCaches { block_size, num_blocks, num_slots: num_state_slots, ..Default::default() };

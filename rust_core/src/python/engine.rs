@@ -16,7 +16,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::errors::IntoPy;
 use super::tokenizer::PyTokenizer;
-use crate::config::GenerationConfig;
+use crate::config::{GenerationConfig, ModelConfig};
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
 use crate::model::{load_model, resolve_device_name, LoadOptions, LogitsDtype, ModelRunner};
 use crate::sampling::SamplingParams;
@@ -81,6 +81,8 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
 fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, cfg: &EngineConfig) -> Result<(EngineCore, String)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
+    // The flags that need only config.json are checked before any weight is read.
+    cfg.check(ModelConfig::from_dir(&dir)?.max_position_embeddings)?;
     let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
