@@ -353,10 +353,43 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
     }
 }
 
+/// A sink that allocates and reads nothing: `build` through it checks every name, shape and
+/// dtype and totals the device bytes, so that a model that cannot fit is refused with its whole
+/// size before the first upload (the one tensor whose allocation failed would name a fraction).
+struct PlanSink;
+
+impl Sink for PlanSink {
+    type W = ();
+    type F = ();
+
+    fn storage(&mut self, _t: &Packed<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn f32(&mut self, _values: &[f32]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Device bytes the weights of `cfg` in `store` take (every tensor checked as the load will).
+pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore) -> Result<usize> {
+    Ok(build(&mut PlanSink, store, cfg)?.bytes)
+}
+
 impl DevWeights {
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let needed = planned_weight_bytes(cfg, store)?;
+        let (free, _) = dev.memory_info()?;
+        if needed > free {
+            return Err(NinferError::OutOfMemory {
+                what: format!("model weights on cuda:{}", dev.ordinal()),
+                needed: needed as u64,
+                available: free as u64,
+                hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\"".into(),
+            });
+        }
         let mut sink = DeviceSink::new(dev)?;
         let w = build(&mut sink, store, cfg)?;
         dev.synchronize()?;

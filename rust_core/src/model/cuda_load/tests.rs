@@ -165,6 +165,8 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     let f32_elems: usize = dev.layers.iter().map(|l| if let DevMixer::Gdn(g) = &l.mixer { g.a_log.len() + g.dt_bias.len() } else { 0 }).sum();
     let storage_elems = host.bytes() / 4 - f32_elems;
     assert_eq!(dev.bytes, 2 * storage_elems + 4 * f32_elems, "byte count");
+    // The plan the device load checks against free memory first: the same bytes, no upload.
+    assert_eq!(planned_weight_bytes(&cfg, &store).unwrap(), dev.bytes, "planned bytes");
 }
 
 #[test]
@@ -198,6 +200,7 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     let old = ModelWeights::load(&store, &wrong).err().expect("a shape mismatch must fail");
     assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
     assert_eq!(new.to_string(), old.to_string());
+    assert_eq!(planned_weight_bytes(&wrong, &store).err().expect("the plan checks shapes too").to_string(), old.to_string());
     let mut gdn = cfg.clone();
     gdn.layer_types[0] = LayerType::LinearAttention;
     let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");
