@@ -200,7 +200,7 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     let old = ModelWeights::load(&store, &wrong).err().expect("a shape mismatch must fail");
     assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
     assert_eq!(new.to_string(), old.to_string());
-    assert_eq!(planned_weight_bytes(&wrong, &store).err().expect("the plan checks shapes too").to_string(), old.to_string());
+    assert_eq!(planned_weight_bytes(&wrong, &store).expect_err("the plan checks shapes too").to_string(), old.to_string());
     let mut gdn = cfg.clone();
     gdn.layer_types[0] = LayerType::LinearAttention;
     let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");
