@@ -130,7 +130,8 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
 
 @pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "mtp"], ["--draft-tokens", "3"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
-                                  ["--device-profile-path", "p.json"], ["--gdn-state-fp16"], ["--lm-head-draft"]])
+                                  ["--device-profile-path", "p.json"], ["--gdn-state-fp16"], ["--lm-head-draft"],
+                                  ["--vision-residency", "overlay"], ["--vision-max-merged", "4"]])
 def test_later_work_flags_are_refused_as_not_supported_yet(qwen3_dir, ninfer_env, args):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", *args], ninfer_env)
     assert proc.returncode == 2
@@ -145,11 +146,28 @@ def test_prompt_too_long_for_max_new_exits_2_with_the_numbers(qwen3_dir, ninfer_
     assert "300" in err and "256" in err
 
 
-def test_missing_model_directory_exits_1_naming_it(ninfer_env, tmp_path):
+def test_missing_model_directory_exits_2_naming_it(ninfer_env, tmp_path):
     missing = tmp_path / "no_such_model"
     proc = run_cli(["run", str(missing), "--prompt", "hi"], ninfer_env)
-    assert proc.returncode == 1
-    assert str(missing) in proc.stderr.decode()
+    assert proc.returncode == 2
+    assert str(missing) in proc.stderr.decode() and "nothing exists" in proc.stderr.decode()
+
+
+def test_a_model_file_is_refused_saying_what_a_model_is(ninfer_env, tmp_path):
+    # The original's single-file container is what its users pass first.
+    f = tmp_path / "model.ninfer"
+    f.write_bytes(b"\0" * 16)
+    for cmd in (["run", str(f), "--prompt", "hi"], ["serve", str(f)]):
+        proc = run_cli(cmd, ninfer_env)
+        err = proc.stderr.decode()
+        assert proc.returncode == 2, err
+        assert str(f) in err and "is not a directory but a file" in err and ".ninfer and GGUF" in err
+
+
+def test_kv_capacity_auto_is_accepted_as_by_serve(qwen3_dir, ninfer_env):
+    proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--raw", "--max-new", "2", "--greedy",
+                    "--kv-capacity", "auto", "--device", "cpu"], ninfer_env)
+    assert proc.returncode == 0, proc.stderr.decode()
 
 
 def test_help_lists_the_commands(ninfer_env):

@@ -28,6 +28,8 @@ LATER_WORK_FLAGS = {
     "--vision": {"action": "store_true"},
     "--gdn-state-fp16": {"action": "store_true"},
     "--lm-head-draft": {"action": "store_true"},
+    "--vision-residency": {"metavar": "MODE"},
+    "--vision-max-merged": {"metavar": "N"},
 }
 
 #: The only KV cache format so far (f32 on the CPU backend); others are refused by name.
@@ -69,6 +71,25 @@ def reject_later_work_flags(parser: argparse.ArgumentParser, args: argparse.Name
             parser.error(f"{flag} is not supported yet")
     if args.kv_dtype != DEFAULT_KV_DTYPE:
         parser.error(f"--kv-dtype {args.kv_dtype} is not supported yet (only {DEFAULT_KV_DTYPE})")
+
+
+def model_dir_error(path: str) -> Optional[str]:
+    """Why MODEL cannot be loaded before anything is read, or None for a directory.
+
+    `ninfer run` and `ninfer serve` both check it: a single-file container (the original's
+    `.ninfer`, GGUF) is the likeliest non-directory a user passes.
+    """
+    if os.path.isdir(path):
+        return None
+    if os.path.isfile(path):
+        return (f"MODEL {path!r} is not a directory but a file: NInfer loads a Hugging Face model directory "
+                "(config.json, *.safetensors, tokenizer.json); .ninfer and GGUF files are not supported yet")
+    return f"MODEL {path!r} is not a directory (nothing exists at that path)"
+
+
+def _kv_capacity(text: str) -> Optional[int]:
+    """--kv-capacity: a positive token count, or auto (None: sized from free memory)."""
+    return None if text == "auto" else _number(int, 1)(text)
 
 
 def _number(kind, low=None, high=None, low_open=False):
@@ -118,7 +139,7 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     p.add_argument("--max-new", type=_number(int, 1), metavar="N",
                    help="most tokens to generate (default: what fits in the context)")
     p.add_argument("--max-context", type=_number(int, 1), metavar="N", help="context length (default: the model's)")
-    p.add_argument("--kv-capacity", type=_number(int, 1), metavar="N", help="KV cache tokens (default: what fits in free GPU memory on CUDA, 4 GiB on the CPU; at least max-context)")
+    p.add_argument("--kv-capacity", type=_kv_capacity, metavar="N|auto", help="KV cache tokens, or auto (default: what fits in free GPU memory on CUDA, 4 GiB on the CPU; at least max-context)")
     p.add_argument("--prefill-chunk", type=_number(int, 1), default=512, metavar="N", help="tokens per engine step")
     p.add_argument("--num-threads", type=_number(int, 1), metavar="N", help="threads of the CPU backend (default: all cores; refused on a GPU)")
     p.add_argument("--device", type=device_arg, default="auto",
@@ -205,6 +226,8 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     model = args.model or default_model_dir()
     if model is None:
         parser.error("MODEL is required (no bundled demo model in this install)")
+    if model_dir_error(model):
+        parser.error(model_dir_error(model))
     messages = tools = None
     if args.messages is not None:
         try:

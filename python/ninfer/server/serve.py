@@ -14,11 +14,10 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import add_logits_dtype_flag, device_arg
+from ninfer.cli import LATER_WORK_FLAGS, add_logits_dtype_flag, device_arg, model_dir_error
 
-UNSUPPORTED_FLAGS = ("--tp", "--devices", "--spec", "--draft-tokens", "--vision", "--host-kv-mib",
-                     "--device-profile-path", "--gdn-state-fp16", "--lm-head-draft", "--vision-residency",
-                     "--vision-max-merged")
+#: Refused by name, as by `ninfer run` (one list: cli.LATER_WORK_FLAGS).
+UNSUPPORTED_FLAGS = tuple(LATER_WORK_FLAGS)
 DEFAULT_KV_DTYPE = "auto"
 BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "demo" / "model"
 
@@ -126,8 +125,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.model = str(BUNDLED_MODEL)
             if args.model_id is None:
                 args.model_id = "ninfer-demo"
-        if not pathlib.Path(args.model).is_dir():
-            parser.error(f"MODEL {args.model!r} is not a directory")
+        if model_dir_error(args.model):
+            parser.error(model_dir_error(args.model))
     if args.model_id is None:
         args.model_id = pathlib.Path(args.model).name if args.model else "ninfer-model"
     try:
