@@ -110,3 +110,34 @@ def test_served_requests_sample_with_the_model_defaults(tmp_path):
     with ServerProcess(["--core-factory", "fake_core:FakeCore", model, "--generation-config", "vllm"]) as s:
         r = httpx.post(s.url + "/v1/completions", json=dict(body, max_tokens=6)).json()
         assert r["choices"][0]["text"] == seeded
+
+
+def test_sampling_flags_are_server_defaults_over_the_file(tmp_path):
+    model = _model_dir(tmp_path, {"temperature": 0.7, "top_k": 20})
+    a = parse_args([model, "--temperature", "0", "--top-p", "0.9", "--seed", "3"])
+    assert a.flag_defaults == {"temperature": 0.0, "top_p": 0.9, "seed": 3}
+    assert parse_args([model]).flag_defaults == {}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "-1"], "--temperature -1.0"),
+    (["--top-p", "0"], "--top-p 0.0"),
+    (["--top-k", "many"], "--top-k must be an integer, got 'many'"),
+    (["--presence-penalty", "3"], "--presence-penalty 3.0"),
+])
+def test_bad_sampling_flags_exit_2_naming_flag_and_value(tmp_path, capsys, args, needle):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--core-factory", "fake_core:FakeCore", *args])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_served_requests_take_the_flag_defaults(tmp_path):
+    model = _model_dir(tmp_path, {"do_sample": False})
+    ids = [104, 105]
+    seeded = _output(ids, 5, temperature=1.0, seed=11)
+    assert seeded != _output(ids, 5, temperature=0.0)
+    # --temperature beats the file's greedy default; --seed applies to requests without one.
+    with ServerProcess(["--core-factory", "fake_core:FakeCore", model, "--temperature", "1", "--seed", "11"]) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": ids, "max_tokens": 5}).json()
+        assert r["choices"][0]["text"] == seeded
+        assert "flags" in s.log() and "seed=11" in s.log()

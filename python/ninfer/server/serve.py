@@ -49,6 +49,24 @@ def _kv_capacity(text: str):
     return _positive_int("--kv-capacity")(text)
 
 
+#: Server-wide sampling defaults (the original's users pass them to the server); the request
+#: field of the same name (dashes as underscores) overrides each.
+SAMPLING_FLAGS = {"--temperature": float, "--top-p": float, "--top-k": int, "--min-p": float,
+                  "--presence-penalty": float, "--frequency-penalty": float,
+                  "--repetition-penalty": float, "--seed": int}
+
+
+def _typed(name: str, kind):
+    """argparse type: a number of `kind`; ranges are checked as a request's are (parse_args)."""
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+    return parse
+
+
 def _port(text: str) -> int:
     v = _non_negative_int("--port")(text)
     if v > 65535:
@@ -76,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking false unless a request sets it")
     p.add_argument("--default-max-tokens", type=_positive_int("--default-max-tokens"),
                    help="max_tokens of a request that sets none (default: generation_config.json's max_new_tokens, else the context left)")
+    sampling = p.add_argument_group("request defaults (a request's own fields win; these win over generation_config.json)")
+    for flag, kind in SAMPLING_FLAGS.items():
+        sampling.add_argument(flag, type=_typed(flag, kind), metavar="INT" if kind is int else "X")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="where the sampling defaults of a request that leaves a field out come from: auto (default) "
                         "the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -135,7 +156,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(str(e))
     if args.default_max_tokens is None:
         args.default_max_tokens = args.generation_defaults.get("max_tokens")
+    try:
+        args.flag_defaults = sampling_flag_defaults(args)
+    except ValueError as e:
+        parser.error(str(e))
     return args
+
+
+def sampling_flag_defaults(args: argparse.Namespace) -> dict:
+    """The request defaults given as flags, checked as the same fields of a request would be
+    (the error names the flag and its value)."""
+    from ninfer.server.errors import ApiError
+    from ninfer.server.protocol import ServerDefaults, sampling_fields
+
+    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in SAMPLING_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        checked = sampling_fields(given, ServerDefaults(model_id=""))
+    except ApiError as e:
+        flag = "--" + (e.param or "").replace("_", "-")
+        raise ValueError(f"{flag} {given.get(e.param)!r}: {e.message}") from None
+    return {k: checked[k] for k in given}
 
 
 def generation_defaults(source: str, model_dir: Optional[str]) -> tuple:
@@ -191,6 +232,7 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     from ninfer.server.state import ServerState
 
     sampling = {k: v for k, v in args.generation_defaults.items() if k != "max_tokens"}
+    sampling.update(args.flag_defaults)
     defaults = ServerDefaults(model_id=args.model_id, default_max_tokens=args.default_max_tokens,
                               greedy=args.greedy, enable_thinking=not args.no_thinking, sampling=sampling)
     log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None
@@ -224,10 +266,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.should_exit = True
 
     app = make_app(args, on_load_failure=stop)
-    if args.generation_source:
-        shown = " ".join(f"{k}={v}" for k, v in args.generation_defaults.items())
-        print(f"ninfer: request defaults from {args.generation_source}: {shown or 'none it sets'} "
-              "(a request's own fields win; --generation-config vllm ignores the file)", file=sys.stderr, flush=True)
+    if args.generation_source or args.flag_defaults:
+        shown = " ".join(f"{k}={v}" for k, v in {**args.generation_defaults, **args.flag_defaults}.items())
+        src = " and ".join(x for x in (args.generation_source, "flags" if args.flag_defaults else None) if x)
+        print(f"ninfer: request defaults from {src}: {shown or 'none it sets'} (a request's own fields win; "
+              "--generation-config vllm ignores the file)", file=sys.stderr, flush=True)
     print(f"ninfer: serving {args.model_id} on http://{args.host}:{args.port} (loading {args.model or 'core factory'})",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
