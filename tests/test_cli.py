@@ -164,6 +164,11 @@ def test_a_model_file_is_refused_saying_what_a_model_is(ninfer_env, tmp_path):
         assert str(f) in err and "is not a directory but a file" in err and ".ninfer and GGUF" in err
 
 
+def test_greedy_with_a_temperature_is_refused(qwen3_dir, ninfer_env):
+    proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--greedy", "--temperature", "0.7"], ninfer_env)
+    assert proc.returncode == 2 and "--greedy and --temperature 0.7 contradict" in proc.stderr.decode()
+
+
 def test_kv_capacity_auto_is_accepted_as_by_serve(qwen3_dir, ninfer_env):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--raw", "--max-new", "2", "--greedy",
                     "--kv-capacity", "auto", "--device", "cpu"], ninfer_env)

@@ -124,6 +124,7 @@ def test_sampling_flags_are_server_defaults_over_the_file(tmp_path):
     (["--top-p", "0"], "--top-p 0.0"),
     (["--top-k", "many"], "--top-k must be an integer, got 'many'"),
     (["--presence-penalty", "3"], "--presence-penalty 3.0"),
+    (["--greedy", "--temperature", "0.7"], "--greedy and --temperature 0.7 contradict"),
 ])
 def test_bad_sampling_flags_exit_2_naming_flag_and_value(tmp_path, capsys, args, needle):
     with pytest.raises(SystemExit) as e:

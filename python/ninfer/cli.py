@@ -228,6 +228,8 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
         parser.error("MODEL is required (no bundled demo model in this install)")
     if model_dir_error(model):
         parser.error(model_dir_error(model))
+    if args.greedy and args.temperature is not None:
+        parser.error(f"--greedy and --temperature {args.temperature} contradict each other: give one")
     messages = tools = None
     if args.messages is not None:
         try:

@@ -160,6 +160,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.flag_defaults = sampling_flag_defaults(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.greedy and args.temperature is not None:
+        parser.error(f"--greedy and --temperature {args.temperature} contradict each other: give one")
     return args
 
 
