@@ -226,8 +226,9 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     model = args.model or default_model_dir()
     if model is None:
         parser.error("MODEL is required (no bundled demo model in this install)")
-    if model_dir_error(model):
-        parser.error(model_dir_error(model))
+    bad_model = model_dir_error(model)
+    if bad_model:
+        parser.error(bad_model)
     if args.greedy and args.temperature is not None:
         parser.error(f"--greedy and --temperature {args.temperature} contradict each other: give one")
     messages = tools = None

@@ -146,8 +146,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.model = str(BUNDLED_MODEL)
             if args.model_id is None:
                 args.model_id = "ninfer-demo"
-        if model_dir_error(args.model):
-            parser.error(model_dir_error(args.model))
+        bad_model = model_dir_error(args.model)
+        if bad_model:
+            parser.error(bad_model)
     if args.model_id is None:
         args.model_id = pathlib.Path(args.model).name if args.model else "ninfer-model"
     try:
