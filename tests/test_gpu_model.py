@@ -538,6 +538,28 @@ def test_gpu_ledger_reports_workspace_and_free_device_memory(demo_dir):
     assert "workspace" in text and "left after plan" in text, text
 
 
+def test_logits_buffer_follows_the_rows_that_want_logits_not_the_prefill_chunk(demo_dir):
+    """A prefill step wants one logits row a sequence, so the f32 logits buffer is sized by
+    those rows, not by the step's tokens (which, on Qwen3.5's 248k vocabulary at an 8192-token
+    chunk, would hold 7.6 GiB): raising the chunk from 64 to 4096 grows the workspace by the
+    activations only, well under the 4032 logits rows it used to add. A scoring request, which
+    wants every row, grows the buffer when it comes and gets the model's logits."""
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    vocab = json.loads((Path(demo_dir) / "config.json").read_text())["vocab_size"]
+    small = _core.Engine(str(demo_dir), device="cuda", max_context=4096, kv_capacity=4096, prefill_chunk=64)
+    large = _core.Engine(str(demo_dir), device="cuda", max_context=4096, kv_capacity=4096, prefill_chunk=4096)
+    growth = large.info()["workspace_bytes"] - small.info()["workspace_bytes"]
+    logits_rows_bytes = (4096 - 64) * vocab * 4
+    print(f"workspace growth 64 -> 4096 tokens: {growth / 2**20:.1f} MiB (4032 logits rows: {logits_rows_bytes / 2**20:.1f} MiB)")
+    assert 0 < growth < 0.75 * logits_rows_bytes
+    ids = _prompt(300, vocab, 3)
+    got = large.score(ids)
+    exp = _core.Model(str(demo_dir), device="cuda").logits(ids)
+    assert got.shape == (300, vocab)
+    assert np.array_equal(got, exp)
+
+
 def test_gpu_default_kv_pool_comes_from_free_device_memory(demo_dir):
     """Without --kv-capacity the CUDA engine plans the KV pool from free device memory (after
     the weights, step buffers and state slots; a reserve of 5% of the device, at least 1 GiB,

@@ -76,8 +76,11 @@ struct Activations {
     gdn_work: Option<CudaSlice<f32>>,
     /// Rows that produce logits, gathered.
     sel: Option<CudaSlice<u16>>,
-    /// f32 logits of the gathered rows.
+    /// f32 logits of the gathered rows, `logit_rows` of them: sized by the rows that want
+    /// logits (`ensure_logit_rows`), not by the step's tokens, since a prefill step wants one
+    /// row a sequence (a vocabulary of 248k at an 8192-token chunk would hold 7.6 GiB here).
     logits: Option<CudaSlice<f32>>,
+    logit_rows: usize,
     /// Block counter of the fused output projection + add_rmsnorm (`gemv_add_rmsnorm`); zero
     /// between launches, which run one at a time on the stream.
     norm_arrivals: Option<CudaSlice<u32>>,
@@ -163,7 +166,8 @@ fn alloc<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize, what: &str
     })
 }
 
-/// The buffer behind an activation slot (always set once `ensure_rows` ran).
+/// The buffer behind an activation slot (set once `ensure_rows`, for the logits
+/// `ensure_logit_rows`, ran).
 fn buf<T>(b: &Option<CudaSlice<T>>) -> &CudaSlice<T> {
     b.as_ref().expect("activation buffer allocated by ensure_rows")
 }
@@ -294,8 +298,9 @@ impl CudaModel {
             _ => 1,
         };
         // Free the old set first so that growth does not need both at once; graphs captured
-        // over the old buffers are void.
+        // over the old buffers are void. The logits buffer has its own size (ensure_logit_rows).
         self.graphs.clear();
+        let (logits, logit_rows) = (self.act.logits.take(), self.act.logit_rows);
         self.act = Activations::default();
         let a = Activations {
             rows,
@@ -314,11 +319,29 @@ impl CudaModel {
             core: Some(alloc(dev, rows * vd, "activations")?),
             gdn_work: Some(alloc(dev, gdn_work, "GDN chunk workspace")?),
             sel: Some(alloc(dev, rows * h, "activations")?),
-            logits: Some(alloc(dev, rows * c.vocab_size, "logits")?),
             // alloc zeroes: the counter must start at 0.
             norm_arrivals: Some(alloc(dev, 1, "norm counter")?),
+            logits,
+            logit_rows,
         };
         self.act = a;
+        Ok(())
+    }
+
+    /// Grow the logits buffer to hold `rows` rows of the vocabulary (the rows of a step that
+    /// want logits; grown, never shrunk). Called before a step's first kernel, so that a
+    /// device too small for a scoring request's rows fails before the step writes any cache.
+    /// Growth voids the decode graphs, which write the old buffer.
+    fn ensure_logit_rows(&mut self, rows: usize) -> Result<()> {
+        if rows <= self.act.logit_rows {
+            return Ok(());
+        }
+        let rows = rows.next_power_of_two().max(8);
+        self.graphs.clear();
+        self.act.logits = None;
+        self.act.logit_rows = 0;
+        self.act.logits = Some(alloc(&self.dev, rows * self.cfg.vocab_size, "logits")?);
+        self.act.logit_rows = rows;
         Ok(())
     }
 
@@ -383,6 +406,8 @@ impl CudaModel {
         }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
+        let counts = self.meta.logit_counts(batch);
+        self.ensure_logit_rows(counts.iter().sum())?;
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         self.meta.upload(&self.dev, batch, self.caches.block_size)?;
         self.zero_new_states(batch)?;
@@ -393,7 +418,6 @@ impl CudaModel {
         let CudaModel { cfg, dev, weights, act, meta, logits_round, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         let picked = meta.picked_runs(batch);
-        let counts = meta.logit_counts(batch);
         let m: usize = counts.iter().sum();
         let vocab = cfg.vocab_size;
         self.logits_rows = m;
@@ -422,6 +446,7 @@ impl CudaModel {
         let blocks = batch.seqs.iter().map(|q| (q.start_pos + 1).div_ceil(bs)).max().unwrap_or(1);
         let stride = table_stride(blocks);
         self.ensure_rows(rows)?;
+        self.ensure_logit_rows(rows)?;
         self.ensure_scratch(rows)?;
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let spare = self.caches.num_slots;
@@ -846,8 +871,9 @@ impl ModelRunner for CudaModel {
         self.dev.memory_info().ok().map(|(free, _)| free as u64)
     }
 
-    fn cache_budget_bytes(&mut self, step_rows: usize) -> Result<Option<u64>> {
-        self.ensure_rows(step_rows)?;
+    fn cache_budget_bytes(&mut self, step_rows: usize, decode_rows: usize) -> Result<Option<u64>> {
+        self.ensure_rows(step_rows.max(decode_bucket(decode_rows)))?;
+        self.ensure_logit_rows(decode_bucket(decode_rows))?;
         let (free, total) = self.dev.memory_info()?;
         Ok(Some(cache_budget(free as u64, total as u64)))
     }

@@ -156,10 +156,11 @@ pub trait ModelRunner: Send {
 
     /// Bytes the device can give to the caches (KV pool and recurrent-state slots), planned
     /// before they are allocated: the runner first grows its step buffers to hold a step of
-    /// `step_rows` tokens (so they are not counted as free), then answers with the free memory
-    /// less a reserve for what a step allocates later. None for host memory, where the engine
-    /// keeps its fixed default budget (EngineConfig::resolve).
-    fn cache_budget_bytes(&mut self, _step_rows: usize) -> Result<Option<u64>> {
+    /// `step_rows` tokens and a decode step of `decode_rows` sequences, all wanting logits (so
+    /// they are not counted as free), then answers with the free memory less a reserve for what
+    /// a step allocates later. None for host memory, where the engine keeps its fixed default
+    /// budget (EngineConfig::resolve).
+    fn cache_budget_bytes(&mut self, _step_rows: usize, _decode_rows: usize) -> Result<Option<u64>> {
         Ok(None)
     }
 
