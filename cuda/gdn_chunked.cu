@@ -559,8 +559,77 @@ __device__ __forceinline__ void warp_mma_sw(float (*c)[4], const AT* a, int la, 
     }
 }
 
+// Fragments by ldmatrix (`scan_pipe_body<DK, true>`). ldmatrix.x4 hands thread t word t % 4 of
+// row t / 4 of four 8 x (16 bytes) matrices, which on 32-bit data is exactly the tf32 m16n8k8
+// A fragment (a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4)) of a 16 x 8 f32 tile,
+// or the B fragments (b0 (k q, n g), b1 (k q + 4, n g)) of two n-tiles of a tile stored
+// transposed ([n][k]): one instruction where the scalar form issues four shared loads. Row
+// strides of 4 mod 32 words keep the 8 rows of each matrix on distinct banks.
+// Addresses are 32-bit shared-window byte addresses (smem_u32 once, then integer offsets that
+// unrolled loops fold into the instruction's immediate).
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+// This lane's row address offset (elements) for an A fragment of an f32 tile with row stride
+// la (matrices: rows 0-7 / 8-15 x columns 0-3 / 4-7), and for the B fragments of n-tiles 0 and 1
+// of a transposed tile with row stride lb (matrices: n 0-7 k 0-3, n 0-7 k 4-7, n 8-15 k 0-3,
+// n 8-15 k 4-7).
+__device__ __forceinline__ int ldsm_a_off(int lane, int la) { return ((lane & 7) + 8 * ((lane >> 3) & 1)) * la + 4 * (lane >> 4); }
+__device__ __forceinline__ int ldsm_b_off(int lane, int lb) { return ((lane & 7) + 8 * (lane >> 4)) * lb + 4 * ((lane >> 3) & 1); }
+// tf32 A fragment of f32 values by ldmatrix (rounded here, as tf32_of does).
+__device__ __forceinline__ void ldsm_a_tf32(unsigned (&af)[4], unsigned addr) {
+    ldsm_x4(af, addr);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) af[i] = to_tf32(__uint_as_float(af[i]));
+}
+// c[nt][4] += A (16 f32 rows at shared address a, this lane's ldsm_a_off applied, K columns)
+// times B (K x 32, tf32 bits stored transposed at b, ldsm_b_off applied, row stride LB
+// words): warp_mma_sw by ldmatrix, same products in the same order.
+template <int K, int LB>
+__device__ __forceinline__ void warp_mma_ldsm(float (*c)[4], unsigned a, unsigned b) {
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned af[4], b01[4], b23[4];
+        ldsm_a_tf32(af, a + 4 * k0);
+        ldsm_x4(b01, b + 4 * k0);
+        ldsm_x4(b23, b + 4 * (16 * LB + k0));
+        mma1688(c[0], af, b01[0], b01[1]);
+        mma1688(c[1], af, b01[2], b01[3]);
+        mma1688(c[2], af, b23[0], b23[1]);
+        mma1688(c[3], af, b23[2], b23[3]);
+    }
+}
+// Step 1's two products over one pass of the state's B fragments: ua += W S (W f32 by
+// ldmatrix at w) and oa += Q S (raw q rows at qr, stride lq, scalar loads: a 16-bit tile's
+// ldmatrix layout is not tf32's).
+template <int K, int LQ, int LB>
+__device__ __forceinline__ void warp_mma_wq_ldsm(float (*ua)[4], float (*oa)[4], unsigned w, const store_t* qr,
+                                                 unsigned b, int g, int q) {
+    const store_t* q0 = qr + g * LQ + q;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned wf[4], b01[4], b23[4];
+        ldsm_a_tf32(wf, w + 4 * k0);
+        const unsigned qf[4] = {tf32_of(q0[k0]), tf32_of(q0[8 * LQ + k0]), tf32_of(q0[k0 + 4]),
+                                tf32_of(q0[8 * LQ + k0 + 4])};
+        ldsm_x4(b01, b + 4 * k0);
+        ldsm_x4(b23, b + 4 * (16 * LB + k0));
+        mma1688(ua[0], wf, b01[0], b01[1]);
+        mma1688(oa[0], qf, b01[0], b01[1]);
+        mma1688(ua[1], wf, b01[2], b01[3]);
+        mma1688(oa[1], qf, b01[2], b01[3]);
+        mma1688(ua[2], wf, b23[0], b23[1]);
+        mma1688(oa[2], qf, b23[0], b23[1]);
+        mma1688(ua[3], wf, b23[2], b23[3]);
+        mma1688(oa[3], qf, b23[2], b23[3]);
+    }
+}
+
 // Per-warp tile strides (elements) and the shared-memory layout; gdn_chunked.rs
-// pipe_smem_bytes mirrors it.
+// pipe_smem_bytes mirrors it. The state and u tiles take the larger of the two forms' sizes:
+// [DK][32] and [C][32] swizzled, or [32][DK + 4] and [32][C + 4] transposed (ldmatrix).
 template <int DK>
 struct PipeLayout {
     static constexpr int LW = DK + 4;          // W rows, f32
@@ -568,7 +637,11 @@ struct PipeLayout {
     static constexpr int LQ = DK + 8;          // raw q rows, storage type
     static constexpr int KC = DK / CH_WARPS;   // state rows (K columns) per warp
     static constexpr int LK = KC + 8;          // raw k rows (this warp's columns), storage type
-    static constexpr int F32 = DK * CH_COLS + CH_C * CH_COLS + CH_WARPS * CHP_ROWS * (LW + LM);
+    static constexpr int LST = DK + 4;         // transposed state rows (one per value column)
+    static constexpr int LUT = CH_C + 4;       // transposed u rows
+    static constexpr int SS = CH_COLS * LST;   // state tile floats
+    static constexpr int US = CH_COLS * LUT;   // u tile floats
+    static constexpr int F32 = SS + US + CH_WARPS * CHP_ROWS * (LW + LM);
 };
 
 // Issues this warp's cp.async of chunk (t0, n) for one operand group; n <= 0 (no such chunk)
@@ -648,7 +721,101 @@ __device__ __forceinline__ void load_sk(float (&sk)[CH_C / 8][2], float& e_last,
     e_last = n > 0 ? sc_in[((long long)t0 * n_v_heads + h) * 4 + 2] : 0.0f;
 }
 
+// The same copies and loads with their addresses worked out once (`scan_pipe_body<DK, true>`):
+// the functions above recompute every 64-bit address from (token, head) per copy, about 20
+// integer instructions a copy and ~40 copies a chunk, more than the chunk's products issue.
+// Here copy `it` of an operand is the first copy's address plus it times a uniform step, and a
+// chunk's first address is one multiply-add from its first token. A zero-filled copy (row past
+// the chunk) reads nothing, so its address needs no substitute.
 template <int DK>
+struct PipeStreams {
+    using L = PipeLayout<DK>;
+    static constexpr int RW = 128 / DK;  // W rows a warp-wide round of copies advances
+    static constexpr int RQ = 256 / DK;  // Q rows likewise (M: 2)
+    // This thread's first rows within the chunk (W: r0 + lane / (DK / 4), Q: r0 + lane /
+    // (DK / 8), M: r0 + lane / 16, K: lane / (KC / 8)) and shared addresses of its first copies.
+    int rw, rq, rm, rk;
+    unsigned dw, dq, dm, dk;
+    const char *w_src, *q_src, *m_src, *k_src;  // at token 0 (the chunk's first token added per chunk)
+    long long w_tok, qk_tok, m_tok;             // bytes a token advances each
+    const float *u_src, *sc_q, *sc_k;
+    long long u_tok, sc_tok;
+    __device__ __forceinline__ PipeStreams(float* wsm, store_t* qsm, float* msm, store_t* ksm, const float* w_in,
+                                           const store_t* qh, const store_t* kw, const float* m_in,
+                                           const float* u_in, const float* sc_in, long long qk_stride, int h,
+                                           int n_v_heads, int dv, int j0, int r0, int lane, int g, int q) {
+        const int cw = lane % (DK / 4), cq = lane % (DK / 8), cm = lane % 16, ck = lane % (L::KC / 8);
+        rw = r0 + lane / (DK / 4);
+        rq = r0 + lane / (DK / 8);
+        rm = r0 + lane / 16;
+        rk = lane / (L::KC / 8);
+        dw = smem_u32(wsm + (rw - r0) * L::LW + 4 * cw);
+        dq = smem_u32(qsm + (rq - r0) * L::LQ + 8 * cq);
+        dm = smem_u32(msm + (rm - r0) * L::LM + 4 * cm);
+        dk = smem_u32(ksm + rk * L::LK + 8 * ck);
+        w_tok = (long long)n_v_heads * DK * 4;
+        qk_tok = qk_stride * 2;
+        m_tok = (long long)n_v_heads * CH_C * 4;
+        w_src = (const char*)(w_in + (long long)h * DK + 4 * cw);
+        q_src = (const char*)(qh + 8 * cq);
+        m_src = (const char*)(m_in + (long long)h * CH_C + 4 * cm);
+        k_src = (const char*)(kw + 8 * ck);
+        u_tok = (long long)n_v_heads * dv;
+        sc_tok = (long long)n_v_heads * 4;
+        u_src = u_in + ((long long)(r0 + g) * n_v_heads + h) * dv + j0 + 2 * q;
+        sc_q = sc_in + ((long long)(r0 + g) * n_v_heads + h) * 4;
+        sc_k = sc_in + ((long long)q * n_v_heads + h) * 4;
+    }
+    template <int ITS, int RSTEP, int DSTEP>
+    __device__ __forceinline__ static void copy_rows(unsigned dst, const char* src, long long step, int row, int n) {
+#pragma unroll
+        for (int it = 0; it < ITS; ++it) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + it * DSTEP), "l"(src),
+                         "r"(row + it * RSTEP < n ? 16 : 0)
+                         : "memory");
+            src += step;
+        }
+    }
+    // stage_wq / stage_m / stage_k of the chunk at token t0 with n rows.
+    __device__ __forceinline__ void wq(int t0, int n) const {
+        copy_rows<CHP_ROWS * (DK / 4) / 32, RW, RW * L::LW * 4>(dw, w_src + (t0 + rw) * w_tok, RW * w_tok, rw, n);
+        copy_rows<CHP_ROWS * (DK / 8) / 32, RQ, RQ * L::LQ * 2>(dq, q_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
+    }
+    __device__ __forceinline__ void m(int t0, int n) const {
+        copy_rows<CHP_ROWS * (CH_C / 4) / 32, 2, 2 * L::LM * 4>(dm, m_src + (t0 + rm) * m_tok, 2 * m_tok, rm, n);
+    }
+    __device__ __forceinline__ void k(int t0, int n) const {
+        constexpr int R = 32 / (L::KC / 8);
+        copy_rows<CH_C * (L::KC / 8) / 32, R, R * L::LK * 2>(dk, k_src + (t0 + rk) * qk_tok, R * qk_tok, rk, n);
+    }
+    // load_u_sq / load_sk of the chunk at token t0 with n rows (this thread's rows r0 + g, + 8).
+    __device__ __forceinline__ void u_sq(float (&un)[4][4], float (&sq)[2], int t0, int n, int r0, int g) const {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const bool ok = r0 + g + 8 * half < n;
+            const float* up = u_src + (t0 + 8 * half) * u_tok;
+            sq[half] = ok ? sc_q[(t0 + 8 * half) * sc_tok] : 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = ok ? up[8 * nt + c] : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void sk_last(float (&sk)[CH_C / 8][2], float& e_last, const float* sc_in, int t0, int n,
+                                            int h, int n_v_heads, int q) const {
+        const float* p = sc_k + t0 * sc_tok + 1;
+#pragma unroll
+        for (int j = 0; j < CH_C / 8; ++j)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                sk[j][half] = 8 * j + q + 4 * half < n ? *p : 0.0f;
+                p += 4 * sc_tok;
+            }
+        e_last = n > 0 ? sc_in[((long long)t0 * n_v_heads + h) * 4 + 2] : 0.0f;
+    }
+};
+
+template <int DK, bool LDSM>
 __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, const store_t* __restrict__ k,
                                                long long qk_stride, const float* __restrict__ work,
                                                float* __restrict__ state,
@@ -662,10 +829,21 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, qq = lane & 3;
     const int r0 = CHP_ROWS * warp;  // this warp's token rows of u and o
-    float* ss = ch_smem;                                         // [DK][32] state columns j0.., swizzled
-    float* us = ss + DK * CH_COLS;                               // [C][32] u, swizzled
-    float* wsm = us + CH_C * CH_COLS + warp * CHP_ROWS * L::LW;  // [16][LW] this warp's W rows
-    float* msm = us + CH_C * CH_COLS + CH_WARPS * CHP_ROWS * L::LW + warp * CHP_ROWS * L::LM;  // [16][LM]
+    // The state columns j0.. and u: [DK][32] / [C][32] f32, swizzled (sw32), or with LDSM
+    // [32][LST] / [32][LUT] transposed tf32 bits (each value rounded once when written instead of
+    // at every fragment read: the same operand bits).
+    float* ss = ch_smem;
+    float* us = ss + L::SS;
+    float* wsm = us + L::US + warp * CHP_ROWS * L::LW;                             // [16][LW] this warp's W rows
+    float* msm = us + L::US + CH_WARPS * CHP_ROWS * L::LW + warp * CHP_ROWS * L::LM;  // [16][LM]
+    const unsigned sst = smem_u32(ss) + 4 * ldsm_b_off(lane, L::LST);
+    const unsigned ust = smem_u32(us) + 4 * ldsm_b_off(lane, L::LUT);
+    const unsigned wsa = smem_u32(wsm) + 4 * ldsm_a_off(lane, L::LW);
+    const unsigned msa = smem_u32(msm) + 4 * ldsm_a_off(lane, L::LM);
+    // Where this thread writes state entry (row, col) and u entry (token, col).
+    auto ss_at = [&](int row, int col) -> float& { return LDSM ? ss[col * L::LST + row] : ss[sw32(row, col)]; };
+    auto us_at = [&](int t, int col) -> float& { return LDSM ? us[col * L::LUT + t] : us[sw32(t, col)]; };
+    auto op_bits = [&](float x) { return LDSM ? __uint_as_float(to_tf32(x)) : x; };
     store_t* qsm = (store_t*)(ch_smem + L::F32) + warp * CHP_ROWS * L::LQ;                     // [16][LQ]
     store_t* ksm = (store_t*)(ch_smem + L::F32) + CH_WARPS * CHP_ROWS * L::LQ + warp * CH_C * L::LK;  // [C][LK]
 
@@ -683,12 +861,34 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
 
     const int t_begin = cu_seqlens[s];
     const int t_end = cu_seqlens[s + 1];
+    const PipeStreams<DK> io(wsm, qsm, msm, ksm, w_in, qh, kw, m_in, u_in, sc_in, qk_stride, h, n_v_heads, dv, j0, r0,
+                             lane, g, qq);
+    auto stage_wq_ = [&](int t0, int n) {
+        if constexpr (LDSM) io.wq(t0, n);
+        else stage_wq<DK>(wsm, qsm, w_in, qh, qk_stride, h, n_v_heads, t0, n, r0, lane);
+    };
+    auto stage_m_ = [&](int t0, int n) {
+        if constexpr (LDSM) io.m(t0, n);
+        else stage_m<DK>(msm, m_in, h, n_v_heads, t0, n, r0, lane);
+    };
+    auto stage_k_ = [&](int t0, int n) {
+        if constexpr (LDSM) io.k(t0, n);
+        else stage_k<DK>(ksm, kw, qk_stride, t0, n, lane);
+    };
+    auto load_u_sq_ = [&](float (&un)[4][4], float (&sq)[2], int t0, int n) {
+        if constexpr (LDSM) io.u_sq(un, sq, t0, n, r0, g);
+        else load_u_sq(un, sq, u_in, sc_in, t0, n, h, n_v_heads, dv, j0, r0, g, qq);
+    };
+    auto load_sk_ = [&](float (&sk)[CH_C / 8][2], float& e_last, int t0, int n) {
+        if constexpr (LDSM) io.sk_last(sk, e_last, sc_in, t0, n, h, n_v_heads, qq);
+        else load_sk(sk, e_last, sc_in, t0, n, h, n_v_heads, qq);
+    };
     // Chunk 0's operands, in the order the loop waits for them (three groups per chunk).
-    stage_wq<DK>(wsm, qsm, w_in, qh, qk_stride, h, n_v_heads, t_begin, t_end - t_begin, r0, lane);
+    stage_wq_(t_begin, t_end - t_begin);
     cp_async_commit();
-    stage_m<DK>(msm, m_in, h, n_v_heads, t_begin, t_end - t_begin, r0, lane);
+    stage_m_(t_begin, t_end - t_begin);
     cp_async_commit();
-    stage_k<DK>(ksm, kw, qk_stride, t_begin, t_end - t_begin, lane);
+    stage_k_(t_begin, t_end - t_begin);
     cp_async_commit();
 
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
@@ -698,12 +898,12 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         int row, col;
         state_entry<DK, true>(tid, e, row, col);
         sr[e] = st[(long long)row * dv + col];
-        ss[sw32(row, col)] = sr[e];
+        ss_at(row, col) = op_bits(sr[e]);
     }
     // Loaded a chunk ahead (load_u_sq, load_sk).
     float un[4][4], sq[2], sk[CH_C / 8][2], e_last;
-    load_u_sq(un, sq, u_in, sc_in, t_begin, t_end - t_begin, h, n_v_heads, dv, j0, r0, g, qq);
-    load_sk(sk, e_last, sc_in, t_begin, t_end - t_begin, h, n_v_heads, qq);
+    load_u_sq_(un, sq, t_begin, t_end - t_begin);
+    load_sk_(sk, e_last, t_begin, t_end - t_begin);
 
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
         const int n = min(CH_C, t_end - t0);
@@ -717,10 +917,14 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) ua[nt][i] = oa[nt][i] = 0.0f;
-        warp_mma_sw<DK>(ua, wsm, L::LW, ss, g, qq);
-        warp_mma_sw<DK>(oa, qsm, L::LQ, ss, g, qq);
+        if (LDSM) {
+            warp_mma_wq_ldsm<DK, L::LQ, L::LST>(ua, oa, wsa, qsm, sst, g, qq);
+        } else {
+            warp_mma_sw<DK>(ua, wsm, L::LW, ss, g, qq);
+            warp_mma_sw<DK>(oa, qsm, L::LQ, ss, g, qq);
+        }
         __syncwarp();  // every lane's fragment reads of W and Q are done
-        stage_wq<DK>(wsm, qsm, w_in, qh, qk_stride, h, n_v_heads, t1, n1, r0, lane);
+        stage_wq_(t1, n1);
         cp_async_commit();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -729,18 +933,21 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
                 ua[nt][i] = un[nt][i] - ua[nt][i];
                 oa[nt][i] *= sq[i >> 1];
             }
-        load_u_sq(un, sq, u_in, sc_in, t1, n1, h, n_v_heads, dv, j0, r0, g, qq);
+        load_u_sq_(un, sq, t1, n1);
         // 2. u to shared memory for every warp (rows past n are zero: W, U rows are).
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) us[sw32(r0 + g + 8 * (i >> 1), 8 * nt + 2 * qq + (i & 1))] = ua[nt][i];
+            for (int i = 0; i < 4; ++i) us_at(r0 + g + 8 * (i >> 1), 8 * nt + 2 * qq + (i & 1)) = op_bits(ua[nt][i]);
         __syncthreads();
         // 3. o += M u (the whole 64-token chunk: padding rows of M and u are zero).
         cp_async_wait_warp<2>();  // M
-        warp_mma_sw<CH_C>(oa, msm, L::LM, us, g, qq);
+        if (LDSM)
+            warp_mma_ldsm<CH_C, L::LUT>(oa, msa, ust);
+        else
+            warp_mma_sw<CH_C>(oa, msm, L::LM, us, g, qq);
         __syncwarp();
-        stage_m<DK>(msm, m_in, h, n_v_heads, t1, n1, r0, lane);
+        stage_m_(t1, n1);
         cp_async_commit();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -764,22 +971,32 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
                                         to_tf32(sk[j][0] * to_f32(ksm[i * L::LK + d + 8])),
                                         to_tf32(sk[j][1] * to_f32(ksm[(i + 4) * L::LK + d])),
                                         to_tf32(sk[j][1] * to_f32(ksm[(i + 4) * L::LK + d + 8]))};
+                if (LDSM) {
+                    unsigned b01[4], b23[4];
+                    ldsm_x4(b01, ust + 4 * 8 * j);
+                    ldsm_x4(b23, ust + 4 * (16 * L::LUT + 8 * j));
+                    mma1688(sr + 16 * mt, af, b01[0], b01[1]);
+                    mma1688(sr + 16 * mt + 4, af, b01[2], b01[3]);
+                    mma1688(sr + 16 * mt + 8, af, b23[0], b23[1]);
+                    mma1688(sr + 16 * mt + 12, af, b23[2], b23[3]);
+                } else {
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-                    mma1688(sr + 16 * mt + 4 * nt, af, to_tf32(us[sw32(i, 8 * nt + g)]),
-                            to_tf32(us[sw32(i + 4, 8 * nt + g)]));
+                    for (int nt = 0; nt < 4; ++nt)
+                        mma1688(sr + 16 * mt + 4 * nt, af, to_tf32(us[sw32(i, 8 * nt + g)]),
+                                to_tf32(us[sw32(i + 4, 8 * nt + g)]));
+                }
             }
         }
         __syncwarp();
-        stage_k<DK>(ksm, kw, qk_stride, t1, n1, lane);
+        stage_k_(t1, n1);
         cp_async_commit();
-        load_sk(sk, e_last, sc_in, t1, n1, h, n_v_heads, qq);
+        load_sk_(sk, e_last, t1, n1);
         // The new state for the next chunk's step 1 (its readers finished before step 3's barrier).
 #pragma unroll
         for (int e = 0; e < NS; ++e) {
             int row, col;
             state_entry<DK, true>(tid, e, row, col);
-            ss[sw32(row, col)] = sr[e];
+            ss_at(row, col) = op_bits(sr[e]);
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -1019,10 +1236,12 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
 // gdn_chunk_scan_pipe_dk* likewise: the pipelined scan on sm_80+, the SIMT scan elsewhere.
 #ifdef CH_TENSOR_CORES
 #define SCAN_TC true
-#define SCAN_PIPE_BODY(DK) scan_pipe_body<DK>
+#define SCAN_PIPE_BODY(DK) scan_pipe_body<DK, false>
+#define SCAN_LDSM_BODY(DK) scan_pipe_body<DK, true>
 #else
 #define SCAN_TC false
 #define SCAN_PIPE_BODY(DK) scan_body<DK, false>
+#define SCAN_LDSM_BODY(DK) scan_body<DK, false>
 #endif
 
 #define CHUNKED_INSTANCE(DK)                                                                    \
@@ -1059,6 +1278,13 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
         float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
         int dv, int n_tokens, store_t* out) {                                                   \
         SCAN_PIPE_BODY(DK)(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
+                           n_v_heads, dv, n_tokens, out);                                       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_scan_ldsm_dk##DK(        \
+        const store_t* q, const store_t* k, long long qk_stride, const float* work,             \
+        float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
+        int dv, int n_tokens, store_t* out) {                                                   \
+        SCAN_LDSM_BODY(DK)(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
                            n_v_heads, dv, n_tokens, out);                                       \
     }
 

@@ -47,7 +47,9 @@ fn scan_smem_bytes(dk: usize) -> usize {
 fn pipe_smem_bytes(dk: usize) -> usize {
     let warps = CH_THREADS as usize / 32;
     let rows = CH_C / warps;
-    4 * (dk * CH_COLS + CH_C * CH_COLS + warps * rows * (dk + 4 + CH_C + 4)) + 2 * (warps * rows * (dk + 8) + warps * CH_C * (dk / warps + 8))
+    // State and u tiles transposed with rows of 4 mod 32 words (the ldmatrix form's layout; the
+    // swizzled [dk][32] / [64][32] tiles of the other form fit in them).
+    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + warps * rows * (dk + 4 + CH_C + 4)) + 2 * (warps * rows * (dk + 8) + warps * CH_C * (dk / warps + 8))
 }
 
 impl RecurrentShape {
@@ -73,6 +75,12 @@ pub enum ScanForm {
     /// q/k row stride of a multiple of 8 elements; `gdn_chunked_via` runs `TensorCores`
     /// otherwise.
     Pipelined,
+    /// `gdn_chunk_scan_ldsm_dk*`: `Pipelined` with its fragments read by ldmatrix (one
+    /// instruction for four shared loads), step 1's two products sharing one pass over the
+    /// state's fragments, and the state and u kept in shared memory as tf32 bits, rounded
+    /// once when written instead of at every read: the same operands in the same order as
+    /// `Pipelined`, so the same bits, in fewer instructions. Same requirements, same fallback.
+    PipelinedLdsm,
 }
 
 /// Which kernel prepares each chunk's W, U, M and scales (`gdn_chunked`'s first kernel). Both
@@ -270,7 +278,7 @@ impl CudaDevice {
         // The pipelined scan's 16-byte copies need aligned rows; the plain tensor-core scan
         // takes any layout.
         let form = match form {
-            ScanForm::Pipelined if !(qp | kp | wp).is_multiple_of(16) || !sh.qk_stride.is_multiple_of(8) || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
+            ScanForm::Pipelined | ScanForm::PipelinedLdsm if !(qp | kp | wp).is_multiple_of(16) || !sh.qk_stride.is_multiple_of(8) || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
                 ScanForm::TensorCores
             }
             f => f,
@@ -279,9 +287,11 @@ impl CudaDevice {
             (64, ScanForm::Simt) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64", scan_smem_bytes(64)),
             (64, ScanForm::TensorCores) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_tc_dk64", scan_smem_bytes(64)),
             (64, ScanForm::Pipelined) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_pipe_dk64", pipe_smem_bytes(64)),
+            (64, ScanForm::PipelinedLdsm) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_ldsm_dk64", pipe_smem_bytes(64)),
             (_, ScanForm::Simt) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128", scan_smem_bytes(128)),
             (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128", scan_smem_bytes(128)),
             (_, ScanForm::Pipelined) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_pipe_dk128", pipe_smem_bytes(128)),
+            (_, ScanForm::PipelinedLdsm) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_ldsm_dk128", pipe_smem_bytes(128)),
         };
         // Below sm_80 the tensor-core prep is compiled as the SIMT one, whose shared memory it
         // then needs: run the SIMT prep by name there.
@@ -350,12 +360,12 @@ impl CudaDevice {
 mod tests {
     use super::*;
 
-    /// The pipelined scan's layout at dk 128 is 113,664 bytes: two blocks fit an sm_90 SM
+    /// The pipelined scan's layout at dk 128 is 114,688 bytes: two blocks fit an sm_90 SM
     /// (228 KiB, 1 KiB reserved per block), so the 27B shape's 192 scan blocks stay one wave
     /// on an H200's 132 SMs, as the plain scan's 108,032 did.
     #[test]
     fn pipelined_scan_keeps_two_blocks_per_sm90_sm() {
-        assert_eq!(pipe_smem_bytes(128), 113_664);
+        assert_eq!(pipe_smem_bytes(128), 114_688);
         assert_eq!(scan_smem_bytes(128), 108_032);
         assert!(2 * (pipe_smem_bytes(128) + 1024) <= 228 * 1024);
         assert!(pipe_smem_bytes(64) < pipe_smem_bytes(128));
