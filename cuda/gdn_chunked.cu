@@ -517,21 +517,21 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
 // load has the rest of a chunk step to land. U and the per-token scales go to registers the
 // same way. Q and K are staged raw (storage type, exact in tf32) and scaled in f32 instead:
 // e^G q-norm on o's rows after Q S, e^{G_last - G} k-norm on the K fragment. The state slice
-// and u, which every warp reads, keep the two block barriers per chunk. Shared tiles are laid
-// out for conflict-free fragment reads: row strides of 4 mod 32 words for A operands read by
-// rows, 8-column XOR swizzle on the 32-column state and u. 111 KiB at DK 128: two blocks per
-// SM on sm_90, so the 27B shape's 192 blocks stay one wave. Requires CH_COLS == 32.
+// and u, which every warp reads, keep the two block barriers per chunk.
+// With two blocks an SM (4 warps each) a chunk step is bound by instruction issue, so the
+// instruction count is what this form keeps down (1.48 -> 0.90 ms for the 27B shape's 8k scan
+// against its first version, the same bits: gdn_scan_ldsm_ab_14e0cdf.log):
+//  - fragments by ldmatrix (ldsm_x4): W, M and the B operands (state, u) one instruction per
+//    four values; the state and u live transposed ([32][DK + 4], [32][C + 4]) as tf32 bits,
+//    rounded once when written instead of at every read;
+//  - step 1's two products (W S, Q S) share one pass over the state's fragments;
+//  - copy and load addresses stepped by a uniform stride (PipeStreams), not recomputed from
+//    (token, head) per copy (~20 integer instructions a copy, ~40 copies a chunk).
+// Row strides of 4 mod 32 words keep every fragment read conflict-free. 112 KiB at DK 128: two
+// blocks per SM on sm_90, so the 27B shape's 192 blocks stay one wave. Requires CH_COLS == 32.
 #ifdef CH_TENSOR_CORES
 #define CHP_ROWS (CH_C / CH_WARPS)  // token rows of u and o per warp
 
-// 16 bytes global -> shared, asynchronously; !valid writes 16 zero bytes and reads nothing
-// (padding rows past a sequence's end). (common.cuh has the unconditional copy and the group
-// helpers.)
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
 // Waits until at most N of this thread's committed groups are pending, then makes the whole
 // warp's copies visible to the warp.
 template <int N>
@@ -542,24 +542,7 @@ __device__ __forceinline__ void cp_async_wait_warp() {
 // tf32 operand bits: f32 rounded once; storage values (bf16 / f16) are exact in tf32.
 __device__ __forceinline__ unsigned tf32_of(float x) { return to_tf32(x); }
 __device__ __forceinline__ unsigned tf32_of(store_t x) { return __float_as_uint(to_f32(x)); }
-// Index of (row, col) in a [rows][32] f32 tile whose 8-column groups are XOR-swizzled by
-// row % 4: a B fragment's lanes (rows k0 + q, columns 8 nt + g) hit 32 distinct banks.
-__device__ __forceinline__ int sw32(int row, int col) { return row * 32 + (col ^ ((row & 3) << 3)); }
-
-// c[nt][4] += A (16 rows at a, row stride la, K columns) times B (K x 32, swizzled tile b).
-template <int K, typename AT>
-__device__ __forceinline__ void warp_mma_sw(float (*c)[4], const AT* a, int la, const float* b, int g, int q) {
-#pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 8) {
-        const unsigned af[4] = {tf32_of(a[g * la + k0 + q]), tf32_of(a[(g + 8) * la + k0 + q]),
-                                tf32_of(a[g * la + k0 + q + 4]), tf32_of(a[(g + 8) * la + k0 + q + 4])};
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-            mma1688(c[nt], af, to_tf32(b[sw32(k0 + q, 8 * nt + g)]), to_tf32(b[sw32(k0 + q + 4, 8 * nt + g)]));
-    }
-}
-
-// Fragments by ldmatrix (`scan_pipe_body<DK, true>`). ldmatrix.x4 hands thread t word t % 4 of
+// Fragments by ldmatrix. ldmatrix.x4 hands thread t word t % 4 of
 // row t / 4 of four 8 x (16 bytes) matrices, which on 32-bit data is exactly the tf32 m16n8k8
 // A fragment (a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4)) of a 16 x 8 f32 tile,
 // or the B fragments (b0 (k q, n g), b1 (k q + 4, n g)) of two n-tiles of a tile stored
@@ -586,7 +569,7 @@ __device__ __forceinline__ void ldsm_a_tf32(unsigned (&af)[4], unsigned addr) {
 }
 // c[nt][4] += A (16 f32 rows at shared address a, this lane's ldsm_a_off applied, K columns)
 // times B (K x 32, tf32 bits stored transposed at b, ldsm_b_off applied, row stride LB
-// words): warp_mma_sw by ldmatrix, same products in the same order.
+// words).
 template <int K, int LB>
 __device__ __forceinline__ void warp_mma_ldsm(float (*c)[4], unsigned a, unsigned b) {
 #pragma unroll
@@ -628,8 +611,7 @@ __device__ __forceinline__ void warp_mma_wq_ldsm(float (*ua)[4], float (*oa)[4],
 }
 
 // Per-warp tile strides (elements) and the shared-memory layout; gdn_chunked.rs
-// pipe_smem_bytes mirrors it. The state and u tiles take the larger of the two forms' sizes:
-// [DK][32] and [C][32] swizzled, or [32][DK + 4] and [32][C + 4] transposed (ldmatrix).
+// pipe_smem_bytes mirrors it.
 template <int DK>
 struct PipeLayout {
     static constexpr int LW = DK + 4;          // W rows, f32
@@ -644,89 +626,11 @@ struct PipeLayout {
     static constexpr int F32 = SS + US + CH_WARPS * CHP_ROWS * (LW + LM);
 };
 
-// Issues this warp's cp.async of chunk (t0, n) for one operand group; n <= 0 (no such chunk)
-// zero-fills. Row r of the warp's W / Q / M tile is token r0 + r; row i of its K tile is token i.
-template <int DK>
-__device__ __forceinline__ void stage_wq(float* wsm, store_t* qsm, const float* w_in, const store_t* qh,
-                                         long long qk_stride, int h, int n_v_heads, int t0, int n,
-                                         int r0, int lane) {
-    using L = PipeLayout<DK>;
-#pragma unroll
-    for (int it = 0; it < CHP_ROWS * (DK / 4) / 32; ++it) {
-        const int id = lane + 32 * it;
-        const int r = id / (DK / 4), c = id - r * (DK / 4);
-        const bool ok = r0 + r < n;
-        cp_async16(wsm + r * L::LW + 4 * c, ok ? w_in + ((long long)(t0 + r0 + r) * n_v_heads + h) * DK + 4 * c : w_in, ok);
-    }
-#pragma unroll
-    for (int it = 0; it < CHP_ROWS * (DK / 8) / 32; ++it) {
-        const int id = lane + 32 * it;
-        const int r = id / (DK / 8), c = id - r * (DK / 8);
-        const bool ok = r0 + r < n;
-        cp_async16(qsm + r * L::LQ + 8 * c, ok ? qh + (long long)(t0 + r0 + r) * qk_stride + 8 * c : qh, ok);
-    }
-}
-template <int DK>
-__device__ __forceinline__ void stage_m(float* msm, const float* m_in, int h, int n_v_heads, int t0, int n,
-                                        int r0, int lane) {
-    using L = PipeLayout<DK>;
-#pragma unroll
-    for (int it = 0; it < CHP_ROWS * (CH_C / 4) / 32; ++it) {
-        const int id = lane + 32 * it;
-        const int r = id / (CH_C / 4), c = id - r * (CH_C / 4);
-        const bool ok = r0 + r < n;
-        cp_async16(msm + r * L::LM + 4 * c, ok ? m_in + ((long long)(t0 + r0 + r) * n_v_heads + h) * CH_C + 4 * c : m_in, ok);
-    }
-}
-template <int DK>
-__device__ __forceinline__ void stage_k(store_t* ksm, const store_t* kw, long long qk_stride, int t0, int n,
-                                        int lane) {
-    using L = PipeLayout<DK>;
-#pragma unroll
-    for (int it = 0; it < CH_C * (L::KC / 8) / 32; ++it) {
-        const int id = lane + 32 * it;
-        const int i = id / (L::KC / 8), c = id - i * (L::KC / 8);
-        const bool ok = i < n;
-        cp_async16(ksm + i * L::LK + 8 * c, ok ? kw + (long long)(t0 + i) * qk_stride + 8 * c : kw, ok);
-    }
-}
-
-// Register operands loaded a chunk ahead (plain loads: they land while the chunk step runs).
-// U at this thread's entries of u (entry [nt][i]: row r0 + g + 8 (i / 2), column
-// 8 nt + 2 q + i % 2) and the q scale of its two rows;
-__device__ __forceinline__ void load_u_sq(float (&un)[4][4], float (&sq)[2], const float* u_in, const float* sc_in,
-                                          int t0, int n, int h, int n_v_heads, int dv, int j0, int r0,
-                                          int g, int q) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int t = r0 + g + 8 * half;
-        const long long row = (long long)(t0 + t) * n_v_heads + h;
-        sq[half] = t < n ? sc_in[row * 4] : 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = t < n ? u_in[row * dv + j0 + 8 * nt + 2 * q + c] : 0.0f;
-    }
-}
-// the k scale of the tokens of its K fragments (8 j + q and 8 j + q + 4) and e^{G_last}.
-__device__ __forceinline__ void load_sk(float (&sk)[CH_C / 8][2], float& e_last, const float* sc_in, int t0, int n,
-                                        int h, int n_v_heads, int q) {
-#pragma unroll
-    for (int j = 0; j < CH_C / 8; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int t = 8 * j + q + 4 * half;
-            sk[j][half] = t < n ? sc_in[((long long)(t0 + t) * n_v_heads + h) * 4 + 1] : 0.0f;
-        }
-    e_last = n > 0 ? sc_in[((long long)t0 * n_v_heads + h) * 4 + 2] : 0.0f;
-}
-
-// The same copies and loads with their addresses worked out once (`scan_pipe_body<DK, true>`):
-// the functions above recompute every 64-bit address from (token, head) per copy, about 20
-// integer instructions a copy and ~40 copies a chunk, more than the chunk's products issue.
-// Here copy `it` of an operand is the first copy's address plus it times a uniform step, and a
-// chunk's first address is one multiply-add from its first token. A zero-filled copy (row past
-// the chunk) reads nothing, so its address needs no substitute.
+// A warp's copies and loads of one chunk's operands. Copy `it` of an operand is the first
+// copy's address plus it times a uniform step, and a chunk's first address one multiply-add
+// from its first token. A copy of a row past the chunk (padding) has source size 0: it writes
+// 16 zero bytes and reads nothing, so its address needs no substitute. Row r of the warp's W /
+// Q / M tile is token r0 + r; row i of its K tile is token i.
 template <int DK>
 struct PipeStreams {
     using L = PipeLayout<DK>;
@@ -776,7 +680,7 @@ struct PipeStreams {
             src += step;
         }
     }
-    // stage_wq / stage_m / stage_k of the chunk at token t0 with n rows.
+    // The chunk at token t0 with n rows: W and Q (one group), M, K.
     __device__ __forceinline__ void wq(int t0, int n) const {
         copy_rows<CHP_ROWS * (DK / 4) / 32, RW, RW * L::LW * 4>(dw, w_src + (t0 + rw) * w_tok, RW * w_tok, rw, n);
         copy_rows<CHP_ROWS * (DK / 8) / 32, RQ, RQ * L::LQ * 2>(dq, q_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
@@ -788,7 +692,9 @@ struct PipeStreams {
         constexpr int R = 32 / (L::KC / 8);
         copy_rows<CH_C * (L::KC / 8) / 32, R, R * L::LK * 2>(dk, k_src + (t0 + rk) * qk_tok, R * qk_tok, rk, n);
     }
-    // load_u_sq / load_sk of the chunk at token t0 with n rows (this thread's rows r0 + g, + 8).
+    // Register operands of the chunk at t0 (plain loads: they land while a chunk step runs):
+    // U at this thread's entries of u (entry [nt][i]: row r0 + g + 8 (i / 2), column
+    // 8 nt + 2 q + i % 2) and the q scale of its two rows;
     __device__ __forceinline__ void u_sq(float (&un)[4][4], float (&sq)[2], int t0, int n, int r0, int g) const {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -801,6 +707,7 @@ struct PipeStreams {
                 for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = ok ? up[8 * nt + c] : 0.0f;
         }
     }
+    // the k scale of the tokens of its K fragments (8 j + q and 8 j + q + 4) and e^{G_last}.
     __device__ __forceinline__ void sk_last(float (&sk)[CH_C / 8][2], float& e_last, const float* sc_in, int t0, int n,
                                             int h, int n_v_heads, int q) const {
         const float* p = sc_k + t0 * sc_tok + 1;
@@ -815,7 +722,7 @@ struct PipeStreams {
     }
 };
 
-template <int DK, bool LDSM>
+template <int DK>
 __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, const store_t* __restrict__ k,
                                                long long qk_stride, const float* __restrict__ work,
                                                float* __restrict__ state,
@@ -829,9 +736,7 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, qq = lane & 3;
     const int r0 = CHP_ROWS * warp;  // this warp's token rows of u and o
-    // The state columns j0.. and u: [DK][32] / [C][32] f32, swizzled (sw32), or with LDSM
-    // [32][LST] / [32][LUT] transposed tf32 bits (each value rounded once when written instead of
-    // at every fragment read: the same operand bits).
+    // The state columns j0.. and u, transposed ([32][LST], [32][LUT]) as tf32 bits.
     float* ss = ch_smem;
     float* us = ss + L::SS;
     float* wsm = us + L::US + warp * CHP_ROWS * L::LW;                             // [16][LW] this warp's W rows
@@ -840,10 +745,9 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     const unsigned ust = smem_u32(us) + 4 * ldsm_b_off(lane, L::LUT);
     const unsigned wsa = smem_u32(wsm) + 4 * ldsm_a_off(lane, L::LW);
     const unsigned msa = smem_u32(msm) + 4 * ldsm_a_off(lane, L::LM);
-    // Where this thread writes state entry (row, col) and u entry (token, col).
-    auto ss_at = [&](int row, int col) -> float& { return LDSM ? ss[col * L::LST + row] : ss[sw32(row, col)]; };
-    auto us_at = [&](int t, int col) -> float& { return LDSM ? us[col * L::LUT + t] : us[sw32(t, col)]; };
-    auto op_bits = [&](float x) { return LDSM ? __uint_as_float(to_tf32(x)) : x; };
+    // State entry (row, col) and u entry (token, col) as the tf32 operand bits.
+    auto put_ss = [&](int row, int col, float x) { ss[col * L::LST + row] = __uint_as_float(to_tf32(x)); };
+    auto put_us = [&](int t, int col, float x) { us[col * L::LUT + t] = __uint_as_float(to_tf32(x)); };
     store_t* qsm = (store_t*)(ch_smem + L::F32) + warp * CHP_ROWS * L::LQ;                     // [16][LQ]
     store_t* ksm = (store_t*)(ch_smem + L::F32) + CH_WARPS * CHP_ROWS * L::LQ + warp * CH_C * L::LK;  // [C][LK]
 
@@ -863,32 +767,12 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     const int t_end = cu_seqlens[s + 1];
     const PipeStreams<DK> io(wsm, qsm, msm, ksm, w_in, qh, kw, m_in, u_in, sc_in, qk_stride, h, n_v_heads, dv, j0, r0,
                              lane, g, qq);
-    auto stage_wq_ = [&](int t0, int n) {
-        if constexpr (LDSM) io.wq(t0, n);
-        else stage_wq<DK>(wsm, qsm, w_in, qh, qk_stride, h, n_v_heads, t0, n, r0, lane);
-    };
-    auto stage_m_ = [&](int t0, int n) {
-        if constexpr (LDSM) io.m(t0, n);
-        else stage_m<DK>(msm, m_in, h, n_v_heads, t0, n, r0, lane);
-    };
-    auto stage_k_ = [&](int t0, int n) {
-        if constexpr (LDSM) io.k(t0, n);
-        else stage_k<DK>(ksm, kw, qk_stride, t0, n, lane);
-    };
-    auto load_u_sq_ = [&](float (&un)[4][4], float (&sq)[2], int t0, int n) {
-        if constexpr (LDSM) io.u_sq(un, sq, t0, n, r0, g);
-        else load_u_sq(un, sq, u_in, sc_in, t0, n, h, n_v_heads, dv, j0, r0, g, qq);
-    };
-    auto load_sk_ = [&](float (&sk)[CH_C / 8][2], float& e_last, int t0, int n) {
-        if constexpr (LDSM) io.sk_last(sk, e_last, sc_in, t0, n, h, n_v_heads, qq);
-        else load_sk(sk, e_last, sc_in, t0, n, h, n_v_heads, qq);
-    };
     // Chunk 0's operands, in the order the loop waits for them (three groups per chunk).
-    stage_wq_(t_begin, t_end - t_begin);
+    io.wq(t_begin, t_end - t_begin);
     cp_async_commit();
-    stage_m_(t_begin, t_end - t_begin);
+    io.m(t_begin, t_end - t_begin);
     cp_async_commit();
-    stage_k_(t_begin, t_end - t_begin);
+    io.k(t_begin, t_end - t_begin);
     cp_async_commit();
 
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
@@ -898,12 +782,12 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         int row, col;
         state_entry<DK, true>(tid, e, row, col);
         sr[e] = st[(long long)row * dv + col];
-        ss_at(row, col) = op_bits(sr[e]);
+        put_ss(row, col, sr[e]);
     }
-    // Loaded a chunk ahead (load_u_sq, load_sk).
+    // Loaded a chunk ahead (PipeStreams::u_sq, sk_last).
     float un[4][4], sq[2], sk[CH_C / 8][2], e_last;
-    load_u_sq_(un, sq, t_begin, t_end - t_begin);
-    load_sk_(sk, e_last, t_begin, t_end - t_begin);
+    io.u_sq(un, sq, t_begin, t_end - t_begin, r0, g);
+    io.sk_last(sk, e_last, sc_in, t_begin, t_end - t_begin, h, n_v_heads, qq);
 
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
         const int n = min(CH_C, t_end - t0);
@@ -917,14 +801,9 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) ua[nt][i] = oa[nt][i] = 0.0f;
-        if (LDSM) {
-            warp_mma_wq_ldsm<DK, L::LQ, L::LST>(ua, oa, wsa, qsm, sst, g, qq);
-        } else {
-            warp_mma_sw<DK>(ua, wsm, L::LW, ss, g, qq);
-            warp_mma_sw<DK>(oa, qsm, L::LQ, ss, g, qq);
-        }
+        warp_mma_wq_ldsm<DK, L::LQ, L::LST>(ua, oa, wsa, qsm, sst, g, qq);
         __syncwarp();  // every lane's fragment reads of W and Q are done
-        stage_wq_(t1, n1);
+        io.wq(t1, n1);
         cp_async_commit();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -933,21 +812,18 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
                 ua[nt][i] = un[nt][i] - ua[nt][i];
                 oa[nt][i] *= sq[i >> 1];
             }
-        load_u_sq_(un, sq, t1, n1);
+        io.u_sq(un, sq, t1, n1, r0, g);
         // 2. u to shared memory for every warp (rows past n are zero: W, U rows are).
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) us_at(r0 + g + 8 * (i >> 1), 8 * nt + 2 * qq + (i & 1)) = op_bits(ua[nt][i]);
+            for (int i = 0; i < 4; ++i) put_us(r0 + g + 8 * (i >> 1), 8 * nt + 2 * qq + (i & 1), ua[nt][i]);
         __syncthreads();
         // 3. o += M u (the whole 64-token chunk: padding rows of M and u are zero).
         cp_async_wait_warp<2>();  // M
-        if (LDSM)
-            warp_mma_ldsm<CH_C, L::LUT>(oa, msa, ust);
-        else
-            warp_mma_sw<CH_C>(oa, msm, L::LM, us, g, qq);
+        warp_mma_ldsm<CH_C, L::LUT>(oa, msa, ust);
         __syncwarp();
-        stage_m_(t1, n1);
+        io.m(t1, n1);
         cp_async_commit();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -971,32 +847,25 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
                                         to_tf32(sk[j][0] * to_f32(ksm[i * L::LK + d + 8])),
                                         to_tf32(sk[j][1] * to_f32(ksm[(i + 4) * L::LK + d])),
                                         to_tf32(sk[j][1] * to_f32(ksm[(i + 4) * L::LK + d + 8]))};
-                if (LDSM) {
-                    unsigned b01[4], b23[4];
-                    ldsm_x4(b01, ust + 4 * 8 * j);
-                    ldsm_x4(b23, ust + 4 * (16 * L::LUT + 8 * j));
-                    mma1688(sr + 16 * mt, af, b01[0], b01[1]);
-                    mma1688(sr + 16 * mt + 4, af, b01[2], b01[3]);
-                    mma1688(sr + 16 * mt + 8, af, b23[0], b23[1]);
-                    mma1688(sr + 16 * mt + 12, af, b23[2], b23[3]);
-                } else {
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-                        mma1688(sr + 16 * mt + 4 * nt, af, to_tf32(us[sw32(i, 8 * nt + g)]),
-                                to_tf32(us[sw32(i + 4, 8 * nt + g)]));
-                }
+                unsigned b01[4], b23[4];
+                ldsm_x4(b01, ust + 4 * 8 * j);
+                ldsm_x4(b23, ust + 4 * (16 * L::LUT + 8 * j));
+                mma1688(sr + 16 * mt, af, b01[0], b01[1]);
+                mma1688(sr + 16 * mt + 4, af, b01[2], b01[3]);
+                mma1688(sr + 16 * mt + 8, af, b23[0], b23[1]);
+                mma1688(sr + 16 * mt + 12, af, b23[2], b23[3]);
             }
         }
         __syncwarp();
-        stage_k_(t1, n1);
+        io.k(t1, n1);
         cp_async_commit();
-        load_sk_(sk, e_last, t1, n1);
+        io.sk_last(sk, e_last, sc_in, t1, n1, h, n_v_heads, qq);
         // The new state for the next chunk's step 1 (its readers finished before step 3's barrier).
 #pragma unroll
         for (int e = 0; e < NS; ++e) {
             int row, col;
             state_entry<DK, true>(tid, e, row, col);
-            ss_at(row, col) = op_bits(sr[e]);
+            put_ss(row, col, sr[e]);
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -1236,12 +1105,10 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
 // gdn_chunk_scan_pipe_dk* likewise: the pipelined scan on sm_80+, the SIMT scan elsewhere.
 #ifdef CH_TENSOR_CORES
 #define SCAN_TC true
-#define SCAN_PIPE_BODY(DK) scan_pipe_body<DK, false>
-#define SCAN_LDSM_BODY(DK) scan_pipe_body<DK, true>
+#define SCAN_PIPE_BODY(DK) scan_pipe_body<DK>
 #else
 #define SCAN_TC false
 #define SCAN_PIPE_BODY(DK) scan_body<DK, false>
-#define SCAN_LDSM_BODY(DK) scan_body<DK, false>
 #endif
 
 #define CHUNKED_INSTANCE(DK)                                                                    \
@@ -1278,13 +1145,6 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
         float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
         int dv, int n_tokens, store_t* out) {                                                   \
         SCAN_PIPE_BODY(DK)(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
-                           n_v_heads, dv, n_tokens, out);                                       \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(CH_THREADS) gdn_chunk_scan_ldsm_dk##DK(        \
-        const store_t* q, const store_t* k, long long qk_stride, const float* work,             \
-        float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
-        int dv, int n_tokens, store_t* out) {                                                   \
-        SCAN_LDSM_BODY(DK)(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
                            n_v_heads, dv, n_tokens, out);                                       \
     }
 

@@ -1207,13 +1207,13 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             // core prep keeps each scan's tolerance, and its workspace (W, U, M, scales) is held
             // to 1e-4 of the SIMT prep's.
             let mut work_simt: Option<Vec<f32>> = None;
-            for (form, prep) in [ScanForm::Simt, ScanForm::TensorCores, ScanForm::Pipelined, ScanForm::PipelinedLdsm]
+            for (form, prep) in [ScanForm::Simt, ScanForm::TensorCores, ScanForm::Pipelined]
                 .into_iter()
                 .flat_map(|f| [(f, PrepForm::Simt), (f, PrepForm::TensorCores)])
             {
                 let (tol_out, tol_state) = match form {
                     ScanForm::Simt => (tol16(st), 1e-3),
-                    ScanForm::TensorCores | ScanForm::Pipelined | ScanForm::PipelinedLdsm => (tol16(st).max(1e-2), 1e-2),
+                    ScanForm::TensorCores | ScanForm::Pipelined => (tol16(st).max(1e-2), 1e-2),
                 };
                 let mut state = Out32::with(&dev, &state0);
                 let mut out = Out16::new(&dev, t * nv * dv);
@@ -1256,8 +1256,9 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
 /// The chunked GDN scan at Qwen3.5-27B's shape (16 k heads, 48 v heads, dk = dv = 128) over
 /// one 8192-token sequence (128 chunks): each tensor-core scan form against the recurrent
 /// kernel from a nonzero state, then the scan alone timed per form. The pipelined scan must be
-/// faster than the plain tensor-core one (the lead's 8k profile had the latter at 9.3 ms), and
-/// its ldmatrix form must give its bits (same operands, same order) in less time.
+/// faster than the plain tensor-core one (the lead's 8k profile had the latter at 9.3 ms), by
+/// 5x at least (9.0 against 0.90 ms on the H200, gdn_scan_ldsm_ab_14e0cdf.log; its first
+/// version, 1.48 ms, would pass).
 #[test]
 fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
     let st = StorageDType::Bf16;
@@ -1282,8 +1283,7 @@ fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
     let (out_want, state_want) = (out_rec.read(&dev, "gdn recurrent out"), state_rec.read(&dev, "gdn recurrent state"));
     let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
     let mut ms = Vec::new();
-    let mut bits = Vec::new();
-    for form in [ScanForm::TensorCores, ScanForm::Pipelined, ScanForm::PipelinedLdsm] {
+    for form in [ScanForm::TensorCores, ScanForm::Pipelined] {
         let label = format!("t{t}/nk{nk}/nv{nv}/dk{dk}/dv{dv}/{form:?}");
         let mut state = Out32::with(&dev, &state0);
         let mut out = Out16::new(&dev, t * nv * dv);
@@ -1291,8 +1291,6 @@ fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
             .unwrap();
         check("gdn_chunked_27b.out_vs_recurrent", st, &label, &out.read(&dev, "gdn out"), &out_want, 1e-2);
         check("gdn_chunked_27b.state_vs_recurrent", st, &label, &state.read(&dev, "gdn state"), &state_want, 1e-2);
-        let to_bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
-        bits.push((to_bits(out.read(&dev, "gdn out")), to_bits(state.read(&dev, "gdn state"))));
         // The scan alone, over the workspace just filled (the state moves on; the timing does
         // not depend on its values).
         let mut scan = || {
@@ -1308,12 +1306,9 @@ fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
         dev.synchronize().unwrap();
         ms.push(t0.elapsed().as_secs_f64() / 10.0 * 1e3);
     }
-    let (ms_tc, ms_pipe, ms_ldsm) = (ms[0], ms[1], ms[2]);
-    println!("TIMING gdn_chunk_scan 27B shape (48 v heads, dk=dv=128, 8192 tokens, 1 sequence): tensor-cores {ms_tc:.3} ms, pipelined {ms_pipe:.3} ms, pipelined ldmatrix {ms_ldsm:.3} ms per call");
-    assert!(ms_pipe < ms_tc, "pipelined scan {ms_pipe:.3} ms not faster than the tensor-core scan {ms_tc:.3} ms");
-    assert!(bits[1].0 == bits[2].0, "ldmatrix scan output differs from the pipelined scan's bits");
-    assert!(bits[1].1 == bits[2].1, "ldmatrix scan state differs from the pipelined scan's bits");
-    assert!(ms_ldsm < ms_pipe, "ldmatrix scan {ms_ldsm:.3} ms not faster than the pipelined scan {ms_pipe:.3} ms");
+    let (ms_tc, ms_pipe) = (ms[0], ms[1]);
+    println!("TIMING gdn_chunk_scan 27B shape (48 v heads, dk=dv=128, 8192 tokens, 1 sequence): tensor-cores {ms_tc:.3} ms, pipelined {ms_pipe:.3} ms per call");
+    assert!(ms_pipe * 5.0 < ms_tc, "pipelined scan {ms_pipe:.3} ms not 5x faster than the tensor-core scan {ms_tc:.3} ms");
 }
 
 /// The chunked GDN prep at Qwen3.5-27B's shape (16 k heads, 48 v heads, dk = dv = 128) over

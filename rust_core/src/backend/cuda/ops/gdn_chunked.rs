@@ -47,8 +47,7 @@ fn scan_smem_bytes(dk: usize) -> usize {
 fn pipe_smem_bytes(dk: usize) -> usize {
     let warps = CH_THREADS as usize / 32;
     let rows = CH_C / warps;
-    // State and u tiles transposed with rows of 4 mod 32 words (the ldmatrix form's layout; the
-    // swizzled [dk][32] / [64][32] tiles of the other form fit in them).
+    // State and u tiles transposed, rows of 4 mod 32 words (cuda/gdn_chunked.cu PipeLayout).
     4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + warps * rows * (dk + 4 + CH_C + 4)) + 2 * (warps * rows * (dk + 8) + warps * CH_C * (dk / warps + 8))
 }
 
@@ -73,14 +72,9 @@ pub enum ScanForm {
     /// by cp.async a chunk ahead (loads overlap the products instead of preceding them), sm_80+;
     /// compiled as the SIMT scan below sm_80. Needs 16-byte aligned q, k and workspace and a
     /// q/k row stride of a multiple of 8 elements; `gdn_chunked_via` runs `TensorCores`
-    /// otherwise.
+    /// otherwise. Its fragments are read by ldmatrix from tiles whose state and u are kept as
+    /// tf32 bits (cuda/gdn_chunked.cu says why).
     Pipelined,
-    /// `gdn_chunk_scan_ldsm_dk*`: `Pipelined` with its fragments read by ldmatrix (one
-    /// instruction for four shared loads), step 1's two products sharing one pass over the
-    /// state's fragments, and the state and u kept in shared memory as tf32 bits, rounded
-    /// once when written instead of at every read: the same operands in the same order as
-    /// `Pipelined`, so the same bits, in fewer instructions. Same requirements, same fallback.
-    PipelinedLdsm,
 }
 
 /// Which kernel prepares each chunk's W, U, M and scales (`gdn_chunked`'s first kernel). Both
@@ -278,7 +272,7 @@ impl CudaDevice {
         // The pipelined scan's 16-byte copies need aligned rows; the plain tensor-core scan
         // takes any layout.
         let form = match form {
-            ScanForm::Pipelined | ScanForm::PipelinedLdsm if !(qp | kp | wp).is_multiple_of(16) || !sh.qk_stride.is_multiple_of(8) || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
+            ScanForm::Pipelined if !(qp | kp | wp).is_multiple_of(16) || !sh.qk_stride.is_multiple_of(8) || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
                 ScanForm::TensorCores
             }
             f => f,
@@ -287,11 +281,9 @@ impl CudaDevice {
             (64, ScanForm::Simt) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64", scan_smem_bytes(64)),
             (64, ScanForm::TensorCores) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_tc_dk64", scan_smem_bytes(64)),
             (64, ScanForm::Pipelined) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_pipe_dk64", pipe_smem_bytes(64)),
-            (64, ScanForm::PipelinedLdsm) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_ldsm_dk64", pipe_smem_bytes(64)),
             (_, ScanForm::Simt) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128", scan_smem_bytes(128)),
             (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128", scan_smem_bytes(128)),
             (_, ScanForm::Pipelined) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_pipe_dk128", pipe_smem_bytes(128)),
-            (_, ScanForm::PipelinedLdsm) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_ldsm_dk128", pipe_smem_bytes(128)),
         };
         // Below sm_80 the tensor-core prep is compiled as the SIMT one, whose shared memory it
         // then needs: run the SIMT prep by name there.
