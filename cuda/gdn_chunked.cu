@@ -955,29 +955,41 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
     float* m_out = u_out + rows * dv;
     float* sc_out = m_out + rows * CH_C;
 
-    // 1. Raw q and k rows (zero past n) and their norm factors (one warp per row), gates.
-    for (int r = warp; r < CH_C; r += CH_WARPS) {
-        store_t qv[EPL], kv[EPL];
-        float qss = 0.0f, kss = 0.0f;
+    // 1. Raw q and k rows (zero past n) and their norm factors (one warp per row), gates. A
+    // warp's rows go RB at a time with every load issued before the first reduction: one row at
+    // a time left each row's load latency exposed (16 rows a warp, in sequence).
+    constexpr int RB = 4;
+    for (int r_0 = warp; r_0 < CH_C; r_0 += RB * CH_WARPS) {
+        store_t qv[RB][EPL], kv[RB][EPL];
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qv[e] = kv[e] = 0;
-            if (r < n) {
-                const long long base = (long long)(t0 + r) * qk_stride + (long long)kh * DK + e * 32 + lane;
-                qv[e] = q[base];
-                kv[e] = k[base];
+        for (int b = 0; b < RB; ++b) {
+            const int r = r_0 + b * CH_WARPS;
+            const store_t* qrow = q + (long long)(t0 + r) * qk_stride + (long long)kh * DK + lane;
+            const store_t* krow = k + (long long)(t0 + r) * qk_stride + (long long)kh * DK + lane;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) {
+                qv[b][e] = r < n ? qrow[e * 32] : store_t(0);
+                kv[b][e] = r < n ? krow[e * 32] : store_t(0);
             }
-            const float a = to_f32(qv[e]), b = to_f32(kv[e]);
-            qss += a * a;
-            kss += b * b;
-            qr[r * L::LR + e * 32 + lane] = qv[e];
-            kr[r * L::LR + e * 32 + lane] = kv[e];
         }
-        const float qf = rsqrtf(warp_sum(qss) + 1e-6f) * rsqrtf((float)DK);
-        const float kf = rsqrtf(warp_sum(kss) + 1e-6f);
-        if (lane == 0) {
-            qn[r] = qf;
-            kn[r] = kf;
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+            const int r = r_0 + b * CH_WARPS;
+            float qss = 0.0f, kss = 0.0f;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) {
+                const float a = to_f32(qv[b][e]), c = to_f32(kv[b][e]);
+                qss += a * a;
+                kss += c * c;
+                qr[r * L::LR + e * 32 + lane] = qv[b][e];
+                kr[r * L::LR + e * 32 + lane] = kv[b][e];
+            }
+            const float qf = rsqrtf(warp_sum(qss) + 1e-6f) * rsqrtf((float)DK);
+            const float kf = rsqrtf(warp_sum(kss) + 1e-6f);
+            if (lane == 0) {
+                qn[r] = qf;
+                kn[r] = kf;
+            }
         }
     }
     if (warp == 0) chunk_gates(g, beta, t0, n, h, n_v_heads, lane, gc, bc, bw);
