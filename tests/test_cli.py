@@ -138,6 +138,19 @@ def test_later_work_flags_are_refused_as_not_supported_yet(qwen3_dir, ninfer_env
     assert f"{args[0]} " in proc.stderr.decode() and "is not supported yet" in proc.stderr.decode()
 
 
+def test_kv_dtype_refusal_says_what_auto_keeps(qwen3_dir, ninfer_env):
+    """`--kv-dtype bf16` (a format SEEDS users type) is refused as not supported yet, and the
+    message says that auto is the backend's compute type (bf16 on a GPU), one message for run and
+    serve (cli.kv_dtype_error)."""
+    from ninfer.cli import kv_dtype_error
+
+    assert kv_dtype_error("auto") is None
+    proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--kv-dtype", "bf16"], ninfer_env)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2
+    assert kv_dtype_error("bf16") in " ".join(err.split()), err
+
+
 def test_prompt_too_long_for_max_new_exits_2_with_the_numbers(qwen3_dir, ninfer_env):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--raw", "--max-new", "300", "--max-context", "256"],
                    ninfer_env)

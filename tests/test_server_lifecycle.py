@@ -121,6 +121,8 @@ def test_later_flags_are_refused_as_not_supported_yet(flag):
     (["--max-concurrency", "0"], "--max-concurrency"),
     (["--kv-capacity", "lots"], "--kv-capacity"),
     (["--kv-dtype", "int8"], "--kv-dtype int8 is not supported yet"),
+    # bf16 is refused as a flag, with the news that auto already keeps bf16 on a GPU
+    (["--kv-dtype", "bf16"], "(--kv-dtype auto: bf16 on a GPU"),
     (["--max-context", "4096", "--kv-capacity", "100"], "--kv-capacity 100"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--logits-dtype", "bf16"], "--logits-dtype"),

@@ -32,7 +32,8 @@ LATER_WORK_FLAGS = {
     "--vision-max-merged": {"metavar": "N"},
 }
 
-#: The only KV cache format so far (f32 on the CPU backend); others are refused by name.
+#: The only KV cache format so far: the backend's compute type (float32 on the CPU, bf16 on a
+#: GPU, f16 on sm_70/sm_75); others are refused by name (`kv_dtype_error`).
 DEFAULT_KV_DTYPE = "auto"
 
 #: --logits-dtype choices: rust_core/src/model/logits_dtype.rs parses them (LOGITS_DTYPE_CHOICES,
@@ -60,7 +61,7 @@ def add_later_work_flags(parser: argparse.ArgumentParser) -> None:
     for flag, kwargs in LATER_WORK_FLAGS.items():
         group.add_argument(flag, default=None, help=argparse.SUPPRESS, **kwargs)
     group.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, metavar="DTYPE",
-                       help=f"KV cache format; only {DEFAULT_KV_DTYPE!r} so far")
+                       help=f"KV cache format; only {DEFAULT_KV_DTYPE!r} so far (the backend's compute type)")
 
 
 def reject_later_work_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -69,8 +70,22 @@ def reject_later_work_flags(parser: argparse.ArgumentParser, args: argparse.Name
         value = getattr(args, flag[2:].replace("-", "_"))
         if value not in (None, False):
             parser.error(f"{flag} is not supported yet")
-    if args.kv_dtype != DEFAULT_KV_DTYPE:
-        parser.error(f"--kv-dtype {args.kv_dtype} is not supported yet (only {DEFAULT_KV_DTYPE})")
+    error = kv_dtype_error(args.kv_dtype)
+    if error:
+        parser.error(error)
+
+
+def kv_dtype_error(value: str) -> Optional[str]:
+    """Why `--kv-dtype value` is refused, or None for the one format there is (run and serve).
+
+    A user asking for bf16 is told that `auto` already is bf16 on a GPU, so the refusal does not
+    read as "the GPU cannot hold a bf16 cache".
+    """
+    if value == DEFAULT_KV_DTYPE:
+        return None
+    return (f"--kv-dtype {value} is not supported yet: the KV cache is kept in the backend's compute type "
+            f"(--kv-dtype {DEFAULT_KV_DTYPE}: bf16 on a GPU, f16 on sm_70/sm_75, float32 on the CPU); "
+            "quantized KV caches (int8, rk8v4, rk4v4) are later work")
 
 
 def model_dir_error(path: str) -> Optional[str]:

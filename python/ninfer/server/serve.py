@@ -14,11 +14,10 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import LATER_WORK_FLAGS, add_logits_dtype_flag, device_arg, model_dir_error
+from ninfer.cli import DEFAULT_KV_DTYPE, LATER_WORK_FLAGS, add_logits_dtype_flag, device_arg, kv_dtype_error, model_dir_error
 
 #: Refused by name, as by `ninfer run` (one list: cli.LATER_WORK_FLAGS).
 UNSUPPORTED_FLAGS = tuple(LATER_WORK_FLAGS)
-DEFAULT_KV_DTYPE = "auto"
 BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "demo" / "model"
 
 
@@ -84,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_arg, default="auto", help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-context", type=_positive_int("--max-context"))
     p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
-    p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE)
+    p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, metavar="DTYPE",
+                   help=f"KV cache format; only {DEFAULT_KV_DTYPE!r} so far (the backend's compute type)")
     add_logits_dtype_flag(p)
     p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
     p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)
@@ -135,8 +135,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     _refuse_unsupported(argv, parser)
     args = parser.parse_args(argv)
-    if args.kv_dtype != DEFAULT_KV_DTYPE:
-        parser.exit(2, f"ninfer serve: error: --kv-dtype {args.kv_dtype} is not supported yet\n")
+    kv_error = kv_dtype_error(args.kv_dtype)
+    if kv_error:
+        parser.exit(2, f"ninfer serve: error: {kv_error}\n")
     if args.kv_capacity is not None and args.max_context is not None and args.kv_capacity < args.max_context:
         parser.error(f"--kv-capacity {args.kv_capacity} must be >= --max-context {args.max_context}")
     if args.core_factory is None:
