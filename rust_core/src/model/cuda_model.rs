@@ -331,9 +331,10 @@ impl CudaModel {
     /// Grow the logits buffer to hold `rows` rows of the vocabulary (the rows of a step that
     /// want logits; grown, never shrunk). Called before a step's first kernel, so that a
     /// device too small for a scoring request's rows fails before the step writes any cache.
-    /// Growth voids the decode graphs, which write the old buffer.
+    /// Growth voids the decode graphs, which write the old buffer. A step with no such row still
+    /// allocates it once: the samplers take the buffer whatever the row count.
     fn ensure_logit_rows(&mut self, rows: usize) -> Result<()> {
-        if rows <= self.act.logit_rows {
+        if rows <= self.act.logit_rows && self.act.logits.is_some() {
             return Ok(());
         }
         let rows = rows.next_power_of_two().max(8);
