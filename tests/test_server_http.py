@@ -165,6 +165,16 @@ def test_no_thinking_kwarg_reaches_the_template(server):
       "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),
+    # Tool definitions the template and the tool-call parser cannot read (a 500 once the model
+    # emitted a call, before).
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": "f"}]}, 400, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, 400, "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": [1]}}}]}, 400,
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": 5}}]}, 400,
+     "tools[0].function.name"),
 ])
 def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server, body, status, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -172,6 +182,43 @@ def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server, b
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_bad_inputs_that_raised_500s_are_400s_and_the_server_keeps_serving(server):
+    """Found by probing the server (session 23): each of these was a 500 (an exception past the
+    validators), one of them a dropped keep-alive connection."""
+    url = server.url
+    cases = [
+        # token ids travel as u32
+        ("/v1/completions", {"prompt": [4294967296], "max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [2 ** 40]], "max_tokens": 3}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ("/v1/messages", {"max_tokens": 3, "system": [{"text": 5}], "messages": [{"role": "user", "content": "hi"}]},
+         "system[0].text"),
+        ("/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text"),
+        ("/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"text": 5}]}]}]}, "messages[0].content[0].content[0].text"),
+        ("/v1/messages", {"max_tokens": 3, "tools": 5, "messages": [{"role": "user", "content": "hi"}]}, "tools"),
+        ("/v1/messages", {"max_tokens": 3, "tools": [{"name": "f", "input_schema": [1]}],
+                          "messages": [{"role": "user", "content": "hi"}]}, "tools[0].function.parameters"),
+    ]
+    for path, body, param in cases:
+        for stream in (False, True):
+            b = dict(body, stream=True) if stream and path != "/tokenize" else body
+            r = httpx.post(url + path, json=b)
+            assert r.status_code == 400, (path, body, r.status_code, r.text)
+            assert r.json()["error"]["param"] == param, (path, r.text)
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_deep_nesting_and_integer_overflow_past_the_validators_are_400s():
+    from ninfer.server.errors import to_api_error
+
+    err = to_api_error(RecursionError("maximum recursion depth exceeded while encoding a JSON object"))
+    assert err.status == 400 and "nested too deeply" in err.message
+    err = to_api_error(OverflowError("out of range integral type conversion attempted"))
+    assert err.status == 400 and "out of range" in err.message
 
 
 def test_invalid_json_body_is_a_400(server):

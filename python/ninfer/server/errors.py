@@ -65,6 +65,12 @@ def to_api_error(exc: BaseException) -> ApiError:
             return ApiError(503, msg, type="server_error", code="out_of_memory")
     if isinstance(exc, ValueError):
         return ApiError(400, msg)
+    if isinstance(exc, OverflowError):
+        # A number past what the core's integer types hold (token ids are u32, counts usize).
+        return ApiError(400, f"a number in the request is out of range: {msg}")
+    if isinstance(exc, RecursionError):
+        # JSON nested deeper than the serialisers recurse (an extra field of a message, say).
+        return ApiError(400, "the request is nested too deeply")
     return ApiError(500, f"internal error: {type(exc).__name__}: {msg}", type="server_error")
 
 

@@ -271,12 +271,37 @@ def chat_messages(messages: Any, field: str = "messages") -> list:
     return out
 
 
+def template_kwargs(body: dict) -> dict:
+    """A body's `chat_template_kwargs` (an object; {} when absent)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request(f"`chat_template_kwargs` must be an object, got {kwargs!r}", "chat_template_kwargs")
+    return kwargs
+
+
+def _check_tool(i: int, t: Any) -> None:
+    """A tool is {"type": "function", "function": {"name": str, "parameters": JSON Schema object}}:
+    the chat template and the tool-call parser read these fields as such."""
+    where = f"tools[{i}]"
+    fn = t.get("function") if isinstance(t, dict) else None
+    if not isinstance(fn, dict) or t.get("type", "function") != "function":
+        raise bad_request(f"`{where}` must be {{\"type\": \"function\", \"function\": {{...}}}}, got {t!r}", where)
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request(f"`{where}.function.name` must be a non-empty string, got {fn.get('name')!r}", f"{where}.function.name")
+    params = fn.get("parameters")
+    if params is not None and (not isinstance(params, dict) or not isinstance(params.get("properties", {}), dict)):
+        raise bad_request(f"`{where}.function.parameters` must be a JSON Schema object (properties an object), got {params!r}",
+                          f"{where}.function.parameters")
+
+
 def parse_tools(body: dict) -> tuple:
     """(tools or None, tool_choice) from a request body; tool_choice none drops the tools."""
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        if not isinstance(tools, list):
             raise bad_request(f"`tools` must be a list of tool objects, got {tools!r}", "tools")
+        for i, t in enumerate(tools):
+            _check_tool(i, t)
         if not tools:
             tools = None
     choice = body.get("tool_choice")
@@ -305,9 +330,7 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     if top and not logprobs:
         raise bad_request("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     sampling.update(logprobs=logprobs, top_logprobs=int(top))
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise bad_request(f"`chat_template_kwargs` must be an object, got {kwargs!r}", "chat_template_kwargs")
+    kwargs = template_kwargs(body)
     # A constrained answer leaves no room for a <think> block: thinking is off unless asked for.
     kwargs = {"enable_thinking": defaults.enable_thinking and response_format is None, **kwargs}
     tools, choice = parse_tools(body)
@@ -321,12 +344,19 @@ def _prompts(v: Any) -> list:
     def is_ids(x):
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
 
+    def checked(prompts: list) -> list:
+        # Token ids travel as u32: a larger one is outside every vocabulary.
+        for p in prompts:
+            if isinstance(p, list) and max(p) >= 1 << 32:
+                raise bad_request(f"token id {max(p)} in `prompt` is outside the vocabulary", "prompt")
+        return prompts
+
     if isinstance(v, str):
         return [v]
     if is_ids(v):
-        return [v]
+        return checked([v])
     if isinstance(v, list) and v and all(isinstance(x, str) or is_ids(x) for x in v):
-        return list(v)
+        return checked(list(v))
     raise bad_request(f"`prompt` must be a string, a list of strings, a list of token ids or a list of such lists, "
                       f"got {v!r}"[:300], "prompt")
 

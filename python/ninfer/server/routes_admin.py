@@ -5,11 +5,12 @@ from __future__ import annotations
 import pathlib
 import time
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 
 from ninfer.server.errors import bad_request
-from ninfer.server.protocol import chat_messages, parse_tools
+from ninfer.server.protocol import chat_messages, parse_tools, template_kwargs
 from ninfer.server.routes_chat import json_response, read_json
 from ninfer.server.state import ServerState
 
@@ -51,11 +52,14 @@ async def tokenize(request: Request) -> Response:
     engine = state.require_engine()
     tok = state.tokenizer()
     if "messages" in body:
-        kwargs = {"enable_thinking": state.defaults.enable_thinking, **(body.get("chat_template_kwargs") or {})}
+        kwargs = {"enable_thinking": state.defaults.enable_thinking, **template_kwargs(body)}
         tools, _ = parse_tools(body)
-        text = engine.render_chat(chat_messages(body["messages"]), tools=tools, chat_template_kwargs=kwargs,
-                                  add_generation_prompt=body.get("add_generation_prompt", True) is not False)
-        ids = tok.encode(text, add_special_tokens=False)
+        messages = chat_messages(body["messages"])
+        add_prompt = body.get("add_generation_prompt", True) is not False
+        # On a worker thread, as the chat route's prepare_chat.
+        ids = await anyio.to_thread.run_sync(lambda: tok.encode(
+            engine.render_chat(messages, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_prompt),
+            add_special_tokens=False))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -63,7 +67,7 @@ async def tokenize(request: Request) -> Response:
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise bad_request(f"`add_special_tokens` must be a boolean, got {add!r}", "add_special_tokens")
-        ids = tok.encode(prompt, add_special_tokens=add)
+        ids = await anyio.to_thread.run_sync(lambda: tok.encode(prompt, add_special_tokens=add))
     return json_response({"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_context})
 
 

@@ -23,23 +23,42 @@ from ninfer.server.state import ServerState, until_disconnect
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
+def _block_text(blocks: list, where: str) -> str:
+    """The text of a list of text blocks (`system`, a tool_result's content): each `text` a string."""
+    out = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict):
+            continue
+        t = b.get("text", "")
+        if not isinstance(t, str):
+            raise bad_request(f"`{where}[{i}].text` must be a string, got {t!r}", f"{where}[{i}].text")
+        out.append(t)
+    return "".join(out)
+
+
 def _blocks_to_messages(role: str, content, where: str) -> list:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise bad_request(f"`{where}.content` must be a string or a list of blocks, got {content!r}", where)
     text, calls, out = [], [], []
-    for block in content:
+    for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            text.append(block.get("text") or "")
+            t = block.get("text")
+            if not isinstance(t, str):
+                raise bad_request(f"`{where}.content[{i}].text` must be a string, got {t!r}", f"{where}.content[{i}].text")
+            text.append(t)
         elif kind == "tool_use":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
         elif kind == "tool_result":
             c = block.get("content")
             if isinstance(c, list):
-                c = "".join(b.get("text", "") for b in c if isinstance(b, dict))
+                c = _block_text(c, f"{where}.content[{i}].content")
+            elif c is not None and not isinstance(c, str):
+                raise bad_request(f"`{where}.content[{i}].content` must be a string or a list of blocks, got {c!r}",
+                                  f"{where}.content[{i}].content")
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": c or ""})
         elif kind == "thinking":
             continue
@@ -61,7 +80,9 @@ def to_chat_body(body: dict) -> dict:
     messages = []
     system = body.get("system")
     if isinstance(system, list):
-        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+        system = _block_text(system, "system")
+    elif system is not None and not isinstance(system, str):
+        raise bad_request(f"`system` must be a string or a list of text blocks, got {system!r}", "system")
     if system:
         messages.append({"role": "system", "content": system})
     raw = body.get("messages")
@@ -76,6 +97,8 @@ def to_chat_body(body: dict) -> dict:
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
     tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request(f"`tools` must be a list of tools, got {tools!r}", "tools")
     if tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                            "parameters": t.get("input_schema") or {}}}
@@ -102,7 +125,7 @@ async def messages(request: Request) -> Response:
     """Anthropic Messages."""
     state: ServerState = request.app.state.server
     req: ChatRequest = parse_chat(to_chat_body(await read_json(request)), state.defaults)
-    ids, in_reasoning, thinking = prepare_chat(state, req)
+    ids, in_reasoning, thinking = await prepare_chat(state, req)
     mid = "msg_" + uuid.uuid4().hex[:24]
     sub = await state.start([ids], req, mid)
     b = make_builders(sub, req, in_reasoning, thinking)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import anyio
 import orjson
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -38,8 +39,16 @@ def _thinking_tokenizer(tok) -> bool:
     return tok is not None and tok.token_to_id("<think>") is not None and tok.token_to_id("</think>") is not None
 
 
-def prepare_chat(state: ServerState, req: ChatRequest) -> tuple:
-    """Render and tokenize the conversation; return (token ids, whether output starts inside <think>, thinking model)."""
+async def prepare_chat(state: ServerState, req: ChatRequest) -> tuple:
+    """Render and tokenize the conversation; return (token ids, whether output starts inside <think>, thinking model).
+
+    On a worker thread: a prompt of megabytes takes seconds to render and tokenize, which on the
+    event loop would stall every other stream and /health (the tokenizer releases the GIL).
+    """
+    return await anyio.to_thread.run_sync(_prepare_chat, state, req)
+
+
+def _prepare_chat(state: ServerState, req: ChatRequest) -> tuple:
     engine = state.require_engine()
     tok = state.tokenizer()
     if not tok.has_chat_template:
@@ -72,7 +81,7 @@ async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions."""
     state: ServerState = request.app.state.server
     req = parse_chat(await read_json(request), state.defaults)
-    ids, in_reasoning, thinking = prepare_chat(state, req)
+    ids, in_reasoning, thinking = await prepare_chat(state, req)
     rid = "chatcmpl-" + request.scope["state"]["request_id"]
     sub = await state.start([ids], req, rid)
     builders = make_builders(sub, req, in_reasoning, thinking)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -36,8 +37,10 @@ async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = parse_completion(await read_json(request), state.defaults)
     engine = state.require_engine()
-    prompts = [p if isinstance(p, list) else list(state.tokenizer().encode(p, add_special_tokens=True))
-               for p in req.prompts]
+    # On a worker thread, as prepare_chat: a long prompt would stall the event loop.
+    prompts = await anyio.to_thread.run_sync(
+        lambda: [p if isinstance(p, list) else list(state.tokenizer().encode(p, add_special_tokens=True))
+                 for p in req.prompts])
     rid = "cmpl-" + request.scope["state"]["request_id"]
     sub = await state.start(prompts, req, rid)
     builders = [ChoiceBuilder(i, reasoning=None, tools=None) for i in range(len(sub.choice_of))]

@@ -73,7 +73,8 @@ impl RequestValidator {
             }
         }
         params.validate()?;
-        if prompt.len() + params.max_tokens > self.max_context {
+        // Saturating: a max_tokens near usize::MAX (JSON allows 2^64 - 1) must not wrap past the check.
+        if prompt.len().saturating_add(params.max_tokens) > self.max_context {
             return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });
         }
         Ok(())

@@ -94,6 +94,12 @@ fn bad_requests_are_rejected_with_typed_errors() {
         Err(NinferError::ContextOverflow { prompt_tokens: 500, max_tokens: 20, max_context: 512 }) => {}
         other => panic!("{other:?}"),
     }
+    // max_tokens near usize::MAX (JSON allows 2^64 - 1) is an overflow, not a wrap past the check
+    // (it ran past the context and filled the KV pool before).
+    match core.add_request("a", prompt(4, 1), greedy(usize::MAX)) {
+        Err(NinferError::ContextOverflow { prompt_tokens: 4, max_tokens: usize::MAX, max_context: 512 }) => {}
+        other => panic!("{other:?}"),
+    }
     assert!(matches!(core.add_request("a", vec![VOCAB as u32], greedy(4)), Err(NinferError::InvalidRequest { .. })));
     assert!(matches!(core.add_request("a", prompt(4, 1), SamplingParams { top_p: 0.0, ..greedy(4) }), Err(NinferError::InvalidRequest { .. })));
     core.add_request("a", prompt(4, 1), greedy(4)).unwrap();
