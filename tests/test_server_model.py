@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -198,6 +199,32 @@ def test_prompt_too_long_is_a_400_naming_both_numbers(qwen3_server):
     msg = r.json()["error"]["message"]
     assert "230" in msg and "100" in msg and str(MAX_CONTEXT) in msg
     assert httpx.get(qwen3_server.url + "/health").status_code == 200
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(qwen3_server):
+    """A prompt of megabytes takes the tokenizer seconds: on the event loop that stalled /health
+    and every stream for as long (1.97 s of a 2.28 s request on the demo model, session 23); on a
+    worker thread (the tokenizer releases the GIL) the server answers meanwhile."""
+    url = qwen3_server.url
+    big = {}
+
+    def send():
+        t = time.time()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello world " * 300_000, "max_tokens": 3}, timeout=300)
+        big["status"], big["s"] = r.status_code, time.time() - t
+
+    th = threading.Thread(target=send)
+    th.start()
+    time.sleep(0.2)
+    worst = 0.0
+    while th.is_alive():
+        t = time.time()
+        assert httpx.get(url + "/health", timeout=300).status_code == 200
+        worst = max(worst, time.time() - t)
+        time.sleep(0.02)
+    th.join()
+    assert big["status"] == 400  # longer than the context
+    assert worst < 0.5 * big["s"], f"/health waited {worst:.2f} s of the {big['s']:.2f} s request"
 
 
 def test_second_turn_on_hybrid_model_hits_prefix_cache_with_same_output(qwen3_5_dir):
