@@ -240,6 +240,19 @@ def test_request_id_header_echoed_or_assigned(server):
     assert httpx.post(server.url + "/v1/completions", json={}).headers["x-request-id"]
 
 
+def test_concurrent_requests_with_the_same_request_id_both_run(server):
+    """A client that reuses its x-request-id across concurrent requests gets both answered (the
+    engine ids were the header's, and the second was refused as already in flight)."""
+    import concurrent.futures
+
+    body = {"model": MODEL, "prompt": "same id", "max_tokens": 40, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda _: httpx.post(server.url + "/v1/completions", json=body,
+                                                 headers={"x-request-id": "dup-1"}, timeout=60), range(2)))
+    assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+    assert all(r.headers["x-request-id"] == "dup-1" for r in rs)
+
+
 def test_n_choices_use_derived_seeds(client):
     r = client.completions.create(model=MODEL, prompt="seeded", max_tokens=6, n=3, seed=7, temperature=1.0)
     texts = [c.text for c in r.choices]

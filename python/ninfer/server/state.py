@@ -8,6 +8,7 @@ and gives each engine request an id derived from the HTTP request id.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Optional
 
 import anyio
@@ -40,6 +41,9 @@ class ServerState:
         self.request_log = request_log
         self.engine: Optional[AsyncEngine] = None
         self.load_error: Optional[str] = None
+        # Numbers the submissions, so that two requests sent with the same x-request-id get
+        # distinct engine request ids (the engine refuses an id already in flight).
+        self._submissions = itertools.count()
 
     def attach(self, engine: AsyncEngine) -> None:
         """Start serving with a loaded engine."""
@@ -79,13 +83,14 @@ class ServerState:
         """Submit n engine requests per prompt; choice index = prompt index * n + i."""
         engine = self.require_engine()
         ids_list, params, rids, choice_of = [], [], [], {}
+        serial = next(self._submissions)
         for p, ids in enumerate(prompts):
             max_tokens = self.resolve_max_tokens(req, len(ids))
             for i in range(req.n):
                 sp: dict[str, Any] = dict(req.sampling, max_tokens=max_tokens)
                 if req.n > 1 and "seed" in sp:
                     sp["seed"] = (sp["seed"] + i) & 0xFFFFFFFFFFFFFFFF
-                rid = f"{request_id}-{p * req.n + i}"
+                rid = f"{request_id}-{serial}-{p * req.n + i}"
                 ids_list.append(ids)
                 params.append(sp)
                 rids.append(rid)

@@ -71,6 +71,11 @@ impl RequestValidator {
             if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
                 return Err(NinferError::invalid("prompt_token_ids", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
             }
+            // A bias on a token the model has no logit for would be ignored: say so instead (a
+            // mistyped id), as the OpenAI API does.
+            if let Some(&bad) = params.logit_bias.keys().filter(|&&t| t as usize >= self.vocab_size).min() {
+                return Err(NinferError::invalid("logit_bias", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
+            }
         }
         params.validate()?;
         // Saturating: a max_tokens near usize::MAX (JSON allows 2^64 - 1) must not wrap past the check.

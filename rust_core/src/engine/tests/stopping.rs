@@ -101,6 +101,13 @@ fn bad_requests_are_rejected_with_typed_errors() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(core.add_request("a", vec![VOCAB as u32], greedy(4)), Err(NinferError::InvalidRequest { .. })));
+    let biased = |t: u32| SamplingParams { logit_bias: [(t, 1.0)].into_iter().collect(), ..greedy(4) };
+    match core.add_request("a", prompt(4, 1), biased(VOCAB as u32)) {
+        Err(NinferError::InvalidRequest { field, .. }) => assert_eq!(field, "logit_bias"),
+        other => panic!("{other:?}"),
+    }
+    core.add_request("b", prompt(4, 1), biased(VOCAB as u32 - 1)).expect("the last vocabulary id takes a bias");
+    core.abort("b");
     assert!(matches!(core.add_request("a", prompt(4, 1), SamplingParams { top_p: 0.0, ..greedy(4) }), Err(NinferError::InvalidRequest { .. })));
     core.add_request("a", prompt(4, 1), greedy(4)).unwrap();
     assert!(matches!(core.add_request("a", prompt(4, 1), greedy(4)), Err(NinferError::Request(..))));
