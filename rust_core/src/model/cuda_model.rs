@@ -76,11 +76,10 @@ struct Activations {
     gdn_work: Option<CudaSlice<f32>>,
     /// Rows that produce logits, gathered.
     sel: Option<CudaSlice<u16>>,
-    /// f32 logits of the gathered rows, `logit_rows` of them: sized by the rows that want
-    /// logits (`ensure_logit_rows`), not by the step's tokens, since a prefill step wants one
-    /// row a sequence (a vocabulary of 248k at an 8192-token chunk would hold 7.6 GiB here).
+    /// f32 logits of the gathered rows: sized by the rows that want logits
+    /// (`ensure_logit_rows`), not by the step's tokens, since a prefill step wants one row a
+    /// sequence (a vocabulary of 248k at an 8192-token chunk would hold 7.6 GiB here).
     logits: Option<CudaSlice<f32>>,
-    logit_rows: usize,
     /// Block counter of the fused output projection + add_rmsnorm (`gemv_add_rmsnorm`); zero
     /// between launches, which run one at a time on the stream.
     norm_arrivals: Option<CudaSlice<u32>>,
@@ -300,7 +299,7 @@ impl CudaModel {
         // Free the old set first so that growth does not need both at once; graphs captured
         // over the old buffers are void. The logits buffer has its own size (ensure_logit_rows).
         self.graphs.clear();
-        let (logits, logit_rows) = (self.act.logits.take(), self.act.logit_rows);
+        let logits = self.act.logits.take();
         self.act = Activations::default();
         let a = Activations {
             rows,
@@ -322,7 +321,6 @@ impl CudaModel {
             // alloc zeroes: the counter must start at 0.
             norm_arrivals: Some(alloc(dev, 1, "norm counter")?),
             logits,
-            logit_rows,
         };
         self.act = a;
         Ok(())
@@ -334,15 +332,14 @@ impl CudaModel {
     /// Growth voids the decode graphs, which write the old buffer. A step with no such row still
     /// allocates it once: the samplers take the buffer whatever the row count.
     fn ensure_logit_rows(&mut self, rows: usize) -> Result<()> {
-        if rows <= self.act.logit_rows && self.act.logits.is_some() {
+        let vocab = self.cfg.vocab_size;
+        if self.act.logits.as_ref().is_some_and(|l| rows * vocab <= l.len()) {
             return Ok(());
         }
         let rows = rows.next_power_of_two().max(8);
         self.graphs.clear();
         self.act.logits = None;
-        self.act.logit_rows = 0;
-        self.act.logits = Some(alloc(&self.dev, rows * self.cfg.vocab_size, "logits")?);
-        self.act.logit_rows = rows;
+        self.act.logits = Some(alloc(&self.dev, rows * vocab, "logits")?);
         Ok(())
     }
 
