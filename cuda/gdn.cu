@@ -227,13 +227,9 @@ extern "C" __global__ void gdn_gates(const store_t* __restrict__ a, const store_
 // Recurrent gated delta rule, token by token, fp32 state [n_slots, n_v_heads, DK, DV].
 // q and k are L2-normalised here (eps 1e-6) and q is scaled by DK^-1/2. Per token:
 // S *= exp(g); delta = (v - S^T k) * beta; S += k delta^T; o = S^T q.
-// Value head h reads key head h / (n_v_heads / n_k_heads). Column j of one head's S is split
-// over P adjacent threads (P a power of two up to 4), each holding DK / P of its floats in
-// registers; the two kernels below share these steps, so a column's arithmetic is the same
-// chain in both. The split is for decode at batch: one thread per column needed 128 state
-// floats plus the q / k values in flight, 255 registers and spills at DK 128, so two 4-warp
-// blocks an SM and the state (the bulk of a batched decode step's GDN traffic) streamed at
-// ~3 TB/s.
+// Value head h reads key head h / (n_v_heads / n_k_heads). One thread owns column j of one
+// head's S (DK floats in registers); the two kernels below share these steps, so a column's
+// arithmetic is the same chain in both.
 
 // One warp writes token t's normalised q (scaled by DK^-1/2) and k of key head kh into sq / sk.
 template <int DK>
@@ -259,29 +255,12 @@ __device__ __forceinline__ void load_qk_normed(const store_t* __restrict__ q,
     }
 }
 
-// Part p of a column holds rows in groups of four: its r-th float is row
-// (r / 4) * 4P + 4p + r % 4. A group's k (or q) values are one 16-byte shared load, and the
-// P parts of a column (adjacent lanes) read adjacent groups, so no two lanes of a warp hit one
-// bank at different addresses. P = 1 is the plain order, row r.
-template <int P>
-__device__ __forceinline__ int part_row(int r, int p) {
-    return (r >> 2) * 4 * P + 4 * p + (r & 3);
-}
-
-// The sum of a column's P partial sums, the same bits in every part: a butterfly over the
-// P adjacent lanes (a + b is b + a, so both lanes of a pair hold one value).
-template <int P>
-__device__ __forceinline__ float column_sum(float x) {
-#pragma unroll
-    for (int o = 1; o < P; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
-// A 16-byte shared load that ptxas keeps in program order: a volatile load is not moved
-// across another, so the loads below run one group ahead of the arithmetic instead of all
-// being issued first (which at DK 128 kept 256 loaded values live beside the state, and
-// spilled).
-__device__ __forceinline__ float4 lds_ordered(const float4* p) {
+// Four floats of sq / sk in one shared load that ptxas keeps in program order: a volatile
+// load is not moved across another, so the loops below load one group of four ahead of the
+// arithmetic. Plain loads were all issued first (ptxas hoists every load of an unrolled loop),
+// which kept up to 256 loaded values live beside the 128 state floats at DK 128: 255
+// registers and spills, two 4-warp blocks an SM, ~3 TB/s of state at batch 64.
+__device__ __forceinline__ float4 lds_in_order(const float* p) {
     float4 v;
     asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
                  : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
@@ -289,20 +268,18 @@ __device__ __forceinline__ float4 lds_ordered(const float4* p) {
     return v;
 }
 
-// One token's update of a state column part and the column's output: col *= decay;
-// delta = (v - col.k) * beta; col += k delta; returns col.q (whole-column sums).
-template <int DK, int P>
+// One token's update of a state column and its output: col *= decay; delta = (v - col.k) *
+// beta; col += k delta; returns col.q.
+template <int DK>
 __device__ __forceinline__ float delta_column_step(float* col, const float* sq, const float* sk,
-                                                   float decay, float bt, float v, int p) {
-    constexpr int G = DK / P / 4;  // groups of four rows a part
-    const float4* k4 = reinterpret_cast<const float4*>(sk) + p;
-    const float4* q4 = reinterpret_cast<const float4*>(sq) + p;
+                                                   float decay, float bt, float v) {
+    constexpr int G = DK / 4;
     float mem = 0.0f;
-    float4 kn = lds_ordered(k4);
+    float4 kn = lds_in_order(sk);
 #pragma unroll
     for (int c = 0; c < G; ++c) {
         const float4 kc = kn;
-        if (c + 1 < G) kn = lds_ordered(k4 + (c + 1) * P);
+        if (c + 1 < G) kn = lds_in_order(sk + 4 * (c + 1));
         const float kk[4] = {kc.x, kc.y, kc.z, kc.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -310,16 +287,16 @@ __device__ __forceinline__ float delta_column_step(float* col, const float* sq, 
             mem = fmaf(col[4 * c + e], kk[e], mem);
         }
     }
-    const float delta = (v - column_sum<P>(mem)) * bt;
+    const float delta = (v - mem) * bt;
     float o = 0.0f;
-    kn = lds_ordered(k4);
-    float4 qn = lds_ordered(q4);
+    kn = lds_in_order(sk);
+    float4 qn = lds_in_order(sq);
 #pragma unroll
     for (int c = 0; c < G; ++c) {
         const float4 kc = kn, qc = qn;
         if (c + 1 < G) {
-            kn = lds_ordered(k4 + (c + 1) * P);
-            qn = lds_ordered(q4 + (c + 1) * P);
+            kn = lds_in_order(sk + 4 * (c + 1));
+            qn = lds_in_order(sq + 4 * (c + 1));
         }
         const float kk[4] = {kc.x, kc.y, kc.z, kc.w};
         const float qq[4] = {qc.x, qc.y, qc.z, qc.w};
@@ -329,31 +306,24 @@ __device__ __forceinline__ float delta_column_step(float* col, const float* sq, 
             o = fmaf(col[4 * c + e], qq[e], o);
         }
     }
-    return column_sum<P>(o);
+    return o;
 }
 
-// Loads / writes back a column part (st points at the column's row 0). The store address
-// goes through an opaque move so that ptxas computes the addresses again here instead of
-// keeping the load loop's 64-bit addresses live across the token loop: that took ~1 KB of
-// spills per thread at DK 128 (sm_70..sm_90, NVRTC 12.9), about as much local-memory traffic
-// as the state itself.
-template <int DK, int P>
-__device__ __forceinline__ void load_state_column(const float* st, int dv, int p, float* col) {
+// Writes a state column back. The address goes through an opaque move so that ptxas computes
+// the DK addresses again here instead of keeping the load loop's 64-bit addresses live across
+// the token loop: that took ~1 KB of spills per thread in both kernels at DK 128 (sm_70..sm_90,
+// NVRTC 12.9), about as much local-memory traffic as the state itself.
+template <int DK>
+__device__ __forceinline__ void store_state_column(float* st, int dv, const float* col) {
+    float* p;
+    asm("mov.b64 %0, %1;" : "=l"(p) : "l"(st));
 #pragma unroll
-    for (int r = 0; r < DK / P; ++r) col[r] = st[(long long)part_row<P>(r, p) * dv];
-}
-template <int DK, int P>
-__device__ __forceinline__ void store_state_column(float* st, int dv, int p, const float* col) {
-    float* ptr;
-    asm("mov.b64 %0, %1;" : "=l"(ptr) : "l"(st));
-#pragma unroll
-    for (int r = 0; r < DK / P; ++r) ptr[(long long)part_row<P>(r, p) * dv] = col[r];
+    for (int i = 0; i < DK; ++i) p[(long long)i * dv] = col[i];
 }
 
-// Grid (DV / 32, n_v_heads, n_seqs), 32 P threads a block owning 32 columns (thread
-// t: column t / P, part t % P). Gates come precomputed (gdn_gates); out is the raw attention
-// output [T, n_v_heads, dv].
-template <int DK, int P>
+// Grid (DV / 32, n_v_heads, n_seqs), one warp per block; lane j owns column j of S. Gates come
+// precomputed (gdn_gates); out is the raw attention output [T, n_v_heads, dv].
+template <int DK>
 __device__ __forceinline__ void recurrent_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
     const store_t* __restrict__ v, long long v_stride, const float* __restrict__ g,
@@ -361,38 +331,40 @@ __device__ __forceinline__ void recurrent_body(
     const int* __restrict__ slots, int n_k_heads, int n_v_heads, int dv,
     store_t* __restrict__ out) {
     __shared__ __align__(16) float sq[DK], sk[DK];
-    const int p = threadIdx.x % P;
-    const int j = blockIdx.x * 32 + threadIdx.x / P;
+    const int lane = threadIdx.x;
+    const int j = blockIdx.x * 32 + lane;
     const int h = blockIdx.y;
     const int s = blockIdx.z;
     const int kh = h / (n_v_heads / n_k_heads);
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
-    float col[DK / P];
-    load_state_column<DK, P>(st, dv, p, col);
+    float col[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-        __syncthreads();
-        if (threadIdx.x < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, threadIdx.x, sq, sk);
-        __syncthreads();
+        __syncwarp();
+        load_qk_normed<DK>(q, k, qk_stride, t, kh, lane, sq, sk);
+        __syncwarp();
         const float decay = expf(g[(long long)t * n_v_heads + h]);
         const float bt = beta[(long long)t * n_v_heads + h];
-        const float o = delta_column_step<DK, P>(col, sq, sk, decay, bt,
-                                                 to_f32(v[t * v_stride + (long long)h * dv + j]), p);
-        if (p == 0) out[((long long)t * n_v_heads + h) * dv + j] = from_f32(o);
+        const float o = delta_column_step<DK>(col, sq, sk, decay, bt,
+                                              to_f32(v[t * v_stride + (long long)h * dv + j]));
+        out[((long long)t * n_v_heads + h) * dv + j] = from_f32(o);
     }
-    store_state_column<DK, P>(st, dv, p, col);
+    store_state_column<DK>(st, dv, col);
 }
 
 // Decode form with the gates and the output norm fused in: per token, the gates come from the
 // projection's a / b columns (gdn_gate) and the output is the gated RMSNorm
 // rmsnorm(o) * w * silu(z) (gated_norm_rstd / gated_norm_out, as rmsnorm_gated), so a decode
 // step runs one kernel where gdn_gates + gdn_recurrent + rmsnorm_gated ran three.
-// Grid (n_v_heads, n_seqs), dv P threads a block (thread t: column t / P, part t % P): the
-// block owns a whole head, which the norm needs. Each column has the same chain as
-// recurrent_body; o is rounded to the storage type before the norm, as the unfused path
-// stores it, and the sum of squares is taken over xs[t] by thread t, so for dv <= 256 the
-// result is the unfused path's bits (the block sum adds the same warp sums in the same order
-// as rmsnorm_gated's 256-thread block; warps past dv add zeros there and here).
-template <int DK, int P, int DVF>
+// Grid (n_v_heads, n_seqs), dv / 32 warps per block: the block owns a whole head, which the norm
+// needs. Thread j owns column j with the same chain as recurrent_body; o is rounded to the
+// storage type before the norm, as the unfused path stores it, so for dv <= 256 the result is
+// the unfused path's bits (the block sum adds the same warp sums in the same order as
+// rmsnorm_gated's 256-thread block, whose extra warps add zeros). DVF is dv as a compile-time
+// constant (0: the dv argument): the state's row addresses are then immediate offsets of one
+// base instead of a 64-bit register pair each.
+template <int DK, int DVF>
 __device__ __forceinline__ void recurrent_gated_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
     const store_t* __restrict__ v, long long v_stride, const store_t* __restrict__ a,
@@ -402,17 +374,17 @@ __device__ __forceinline__ void recurrent_gated_body(
     const store_t* __restrict__ z, long long z_stride, const store_t* __restrict__ norm_w,
     float eps, int n_k_heads, int n_v_heads, int dv_arg, store_t* __restrict__ out) {
     __shared__ __align__(16) float sq[DK], sk[DK];
-    __shared__ float xs[256], scratch[32];
-    const int dv = DVF ? DVF : dv_arg;
+    __shared__ float scratch[32];
     pdl_enter();
-    const int p = threadIdx.x % P;
-    const int j = threadIdx.x / P;
+    const int dv = DVF ? DVF : dv_arg;
+    const int j = threadIdx.x;
     const int h = blockIdx.x;
     const int s = blockIdx.y;
     const int kh = h / (n_v_heads / n_k_heads);
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
-    float col[DK / P];
-    load_state_column<DK, P>(st, dv, p, col);
+    float col[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
     const float w = to_f32(norm_w[j]);
     const float al = a_log[h], dtb = dt_bias[h];
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
@@ -424,73 +396,47 @@ __device__ __forceinline__ void recurrent_gated_body(
         // Warp 0 rewrites sq / sk only after this barrier (or the previous token's block_sum
         // barriers), which every thread passes after its last read of the previous values.
         __syncthreads();
-        if (threadIdx.x < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, threadIdx.x, sq, sk);
+        if (j < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, j, sq, sk);
         __syncthreads();
         float g, bt;
         gdn_gate(av, bv, al, dtb, &g, &bt);
-        const float o = delta_column_step<DK, P>(col, sq, sk, expf(g), bt, vv, p);
+        const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt, vv);
         const float x = to_f32(from_f32(o));
-        if (P > 1) {
-            if (p == 0) xs[j] = x;
-            __syncthreads();
-        }
-        const float xt = P == 1 ? x : (threadIdx.x < dv ? xs[threadIdx.x] : 0.0f);
-        const float rstd = gated_norm_rstd(block_sum(xt * xt, scratch), dv, eps);
-        if (p == 0) out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
+        const float rstd = gated_norm_rstd(block_sum(x * x, scratch), dv, eps);
+        out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
     }
-    store_state_column<DK, P>(st, dv, p, col);
+    store_state_column<DK>(st, dv, col);
 }
 
-#define RECURRENT_INSTANCE(DK, P)                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * P) gdn_recurrent_dk##DK##_s##P(           \
+#define RECURRENT_INSTANCE(DK)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32) gdn_recurrent_dk##DK(                      \
         const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
         long long v_stride, const float* g, const float* beta, float* state,                    \
         const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads, int dv,          \
         store_t* out) {                                                                         \
-        recurrent_body<DK, P>(q, k, qk_stride, v, v_stride, g, beta, state, cu_seqlens, slots,  \
-                              n_k_heads, n_v_heads, dv, out);                                   \
+        recurrent_body<DK>(q, k, qk_stride, v, v_stride, g, beta, state, cu_seqlens, slots,     \
+                           n_k_heads, n_v_heads, dv, out);                                      \
     }
 
-// dv up to 256 columns, so up to 256 P threads a block.
-#define RECURRENT_GATED_INSTANCE(DK, P)                                                         \
-    extern "C" __global__ void __launch_bounds__(256 * P, 1) gdn_recurrent_gated_dk##DK##_s##P( \
+RECURRENT_INSTANCE(64)
+RECURRENT_INSTANCE(128)
+
+// THREADS / MIN_BLOCKS are the launch bounds: any dv up to 256, or dv fixed at 128 (the
+// Qwen3.5 / Qwen3-Next head) with three blocks an SM, which caps ptxas at 168 registers. On
+// the H200 at batch 64 that streams the state at 3.73 TB/s against 3.21 for the dv-argument
+// form (0aabdc5's instance sweep, benches/results).
+#define RECURRENT_GATED_INSTANCE(NAME, DK, DVF, THREADS, MIN_BLOCKS)                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                     \
         const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
         long long v_stride, const store_t* a, const store_t* b, long long ab_stride,            \
         const float* a_log, const float* dt_bias, float* state, const int* cu_seqlens,          \
         const int* slots, const store_t* z, long long z_stride, const store_t* norm_w,          \
         float eps, int n_k_heads, int n_v_heads, int dv, store_t* out) {                        \
-        recurrent_gated_body<DK, P, 0>(q, k, qk_stride, v, v_stride, a, b, ab_stride, a_log,    \
-                                    dt_bias, state, cu_seqlens, slots, z, z_stride, norm_w,     \
-                                    eps, n_k_heads, n_v_heads, dv, out);                        \
+        recurrent_gated_body<DK, DVF>(q, k, qk_stride, v, v_stride, a, b, ab_stride, a_log,     \
+                                      dt_bias, state, cu_seqlens, slots, z, z_stride, norm_w,   \
+                                      eps, n_k_heads, n_v_heads, dv, out);                      \
     }
 
-RECURRENT_INSTANCE(64, 1)
-RECURRENT_INSTANCE(64, 2)
-RECURRENT_INSTANCE(64, 4)
-RECURRENT_INSTANCE(128, 1)
-RECURRENT_INSTANCE(128, 2)
-RECURRENT_INSTANCE(128, 4)
-RECURRENT_GATED_INSTANCE(64, 1)
-RECURRENT_GATED_INSTANCE(64, 2)
-RECURRENT_GATED_INSTANCE(64, 4)
-RECURRENT_GATED_INSTANCE(128, 1)
-RECURRENT_GATED_INSTANCE(128, 2)
-RECURRENT_GATED_INSTANCE(128, 4)
-
-#define RECURRENT_GATED_FIXED(DK, DV, P, MB)                                                    \
-    extern "C" __global__ void __launch_bounds__(DV * P, MB) gdn_recurrent_gated_dk##DK##_dv##DV##_s##P##_b##MB( \
-        const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
-        long long v_stride, const store_t* a, const store_t* b, long long ab_stride,            \
-        const float* a_log, const float* dt_bias, float* state, const int* cu_seqlens,          \
-        const int* slots, const store_t* z, long long z_stride, const store_t* norm_w,          \
-        float eps, int n_k_heads, int n_v_heads, int dv, store_t* out) {                        \
-        recurrent_gated_body<DK, P, DV>(q, k, qk_stride, v, v_stride, a, b, ab_stride, a_log,   \
-                                        dt_bias, state, cu_seqlens, slots, z, z_stride, norm_w, \
-                                        eps, n_k_heads, n_v_heads, dv, out);                    \
-    }
-RECURRENT_GATED_FIXED(128, 128, 1, 2)
-RECURRENT_GATED_FIXED(128, 128, 1, 3)
-RECURRENT_GATED_FIXED(128, 128, 2, 2)
-RECURRENT_GATED_FIXED(128, 128, 2, 3)
-RECURRENT_GATED_FIXED(128, 128, 4, 1)
-RECURRENT_GATED_FIXED(128, 128, 4, 2)
+RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk64, 64, 0, 256, 1)
+RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk128, 128, 0, 256, 1)
+RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk128_dv128, 128, 128, 128, 3)

@@ -46,28 +46,9 @@ pub struct RecurrentShape {
     pub n_slots: usize,
 }
 
-/// Largest value head dim of `gdn_recurrent_gated` (GDN_SPLIT threads per value column; the
-/// kernel's __launch_bounds__(256 * P, 1) in cuda/gdn.cu).
+/// Largest value head dim of `gdn_recurrent_gated` (one thread per value column; the kernel's
+/// __launch_bounds__(256, 1) in cuda/gdn.cu).
 pub const GATED_MAX_DV: usize = 256;
-
-/// Threads per state column in the recurrent kernels (`P` in cuda/gdn.cu, instantiated for 1,
-/// 2 and 4): each holds dk / GDN_SPLIT of the column's floats.
-pub const GDN_SPLIT: usize = 4;
-
-/// The recurrent kernels' names and threads per column for key head dim `dk` and value head
-/// dim `dv`: the gated (decode) kernel, its block size, and the three-kernel path's
-/// `gdn_recurrent`. At dk = dv = 128 (every Qwen3.5 / Qwen3-Next GDN head) the gated kernel
-/// is an instance with dv fixed, whose state addresses are immediate offsets of one base.
-fn recurrent_kernels(dk: usize, dv: usize) -> Result<(&'static str, u32, &'static str)> {
-    if dk != 64 && dk != 128 {
-        return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {dk}")));
-    }
-    let p = GDN_SPLIT;
-    let gated = if dk == 128 && dv == 128 { format!("gdn_recurrent_gated_dk128_dv128_s{p}_b{}", if p == 4 { 2 } else { 2 }) } else { format!("gdn_recurrent_gated_dk{dk}_s{p}") };
-    let gated = std::env::var("NINFER_GDN_GATED_KERNEL").ok().filter(|v| !v.is_empty()).unwrap_or(gated);
-    let gp = gated.rsplit_once("_s").and_then(|(_, t)| t.split('_').next()).and_then(|t| t.parse::<usize>().ok()).unwrap_or(p);
-    Ok((Box::leak(gated.into_boxed_str()), (dv * gp) as u32, Box::leak(format!("gdn_recurrent_dk{dk}_s{p}").into_boxed_str())))
-}
 
 /// Tokens per block of `causal_conv1d_tiled_k*` (CONV_TOKEN_TILE in cuda/gdn.cu).
 const CONV_TOKEN_TILE: usize = 32;
@@ -317,9 +298,13 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        let (_, _, name) = recurrent_kernels(shape.dk, shape.dv)?;
+        let name = match shape.dk {
+            64 => "gdn_recurrent_dk64",
+            128 => "gdn_recurrent_dk128",
+            d => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
+        };
         let f = self.function(KernelFamily::Gdn, name)?;
-        self.delta_rule_launch(&f, name, (32 * GDN_SPLIT) as u32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
+        self.delta_rule_launch(&f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
     }
 
     /// The decode form of a GDN layer's core in one kernel: the gates from the projection's
@@ -351,7 +336,15 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         sh: &RecurrentShape,
     ) -> Result<()> {
-        let (name, block, _) = recurrent_kernels(sh.dk, sh.dv)?;
+        // At dk = dv = 128 (every Qwen3.5 / Qwen3-Next GDN head) an instance with dv fixed,
+        // whose state addresses are immediate offsets and whose launch bounds fit three blocks
+        // an SM; same arithmetic.
+        let name = match (sh.dk, sh.dv) {
+            (128, 128) => "gdn_recurrent_gated_dk128_dv128",
+            (64, _) => "gdn_recurrent_gated_dk64",
+            (128, _) => "gdn_recurrent_gated_dk128",
+            (d, _) => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
+        };
         if sh.dv > GATED_MAX_DV {
             return Err(NinferError::Unsupported(format!("fused GDN decode with value head dim {} (at most {GATED_MAX_DV})", sh.dv)));
         }
@@ -412,7 +405,7 @@ impl CudaDevice {
             KArg::Ptr(op),
         ];
         let grid = (nv as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
-        let config = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        let config = LaunchConfig { grid_dim: grid, block_dim: (sh.dv as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch_pdl(&f, config, name, &args)
     }
 
