@@ -14,8 +14,9 @@ from ninfer._core import InvalidRequestError
 
 
 class GenerationError(InvalidRequestError):
-    """A request failed after it started: its `response_format` grammar could not go on (the
-    lexer grew too complex to compute the next token mask, or the grammar rejected a token).
+    """A request failed after it was accepted: its `response_format` grammar could not go on (the
+    lexer grew too complex to compute the next token mask, or the grammar rejected a token), or
+    the engine thread refused it on arrival.
 
     The engine ends such a request with finish reason "error" and the reason; every API raises
     this after the output produced so far, instead of returning that truncated output as if it
