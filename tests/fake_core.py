@@ -288,3 +288,20 @@ class FailingFakeCore(FakeCore):
             self.failed = True
             raise RuntimeError("device lost")
         return super().poll(timeout_s)
+
+
+class MidwayFailingFakeCore(FakeCore):
+    """FakeCore that ends a request whose prompt says "fail midway" after three tokens with
+    finish_reason "error" and the reason, as the engine ends a request whose grammar fails midway
+    (the token it failed on is not output)."""
+
+    ERROR = ("invalid request field `response_format`: grammar matcher failed consuming token 99: "
+             "lexer error: too many expressions constructed")
+
+    def _delta(self, r, toks, finish):
+        if finish is None and len(r.out) > 3 and "fail midway" in self.tokenizer.decode(r.prompt):
+            r.out.pop()
+            return {"request_id": r.rid, "token_ids": [], "text": "", "logprobs": None, "finish_reason": "error",
+                    "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "cached_tokens": r.cached,
+                    "error": self.ERROR}
+        return super()._delta(r, toks, finish)

@@ -10,7 +10,8 @@ STATS_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_hit_tokens", "prompt_tokens_total",
     "generation_tokens_total", "prefill_tokens_computed", "max_batch_size_seen", "steps", "lookahead_steps",
 }
-DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"}
+DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+              "error"}
 
 
 def greedy(n, **extra):
@@ -22,6 +23,7 @@ def run_inline(engine):
     while engine.has_unfinished():
         for d in engine.step():
             assert set(d) == DELTA_KEYS
+            assert (d["error"] is not None) == (d["finish_reason"] == "error"), d
             r = out.setdefault(d["request_id"], {"tokens": [], "finish": None})
             r["tokens"] += d["token_ids"]
             if d["finish_reason"]:

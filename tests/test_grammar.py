@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import re
 
+import anyio
 import pytest
 
-from ninfer import LLM, InvalidRequestError, SamplingParams
+from ninfer import LLM, GenerationError, InvalidRequestError, SamplingParams
 
 from json_schema_check import validate
 
@@ -99,3 +100,57 @@ def test_invalid_schema_is_rejected_naming_response_format(llm):
 def test_response_format_must_be_an_object():
     with pytest.raises(InvalidRequestError, match="response_format"):
         SamplingParams(response_format="json")
+
+
+#: A regex llguidance compiles but whose lexer grows too complex once the output reaches the
+#: `c`s: whatever the model picks for the `[ab]` bytes, the request fails a few tokens in.
+FAILS_MIDWAY = {"type": "regex", "regex": "[ab]{3}c{100000}"}
+
+
+def test_a_grammar_that_fails_midway_raises_after_every_prompt_finished(llm):
+    failing = SamplingParams(seed=1, temperature=1.0, max_tokens=50, response_format=FAILS_MIDWAY)
+    normal = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate("Hello", normal)
+    with pytest.raises(GenerationError, match="field `response_format`.*too many expressions") as e:
+        llm.generate(["Code:", "Hello"], [failing, normal])
+    assert isinstance(e.value, InvalidRequestError)
+    bad, good = e.value.outputs
+    assert bad.finish_reason == "error" and "response_format" in bad.error
+    assert re.fullmatch(r"[ab]{3}c*", bad.text), bad.text
+    assert bad.outputs[0].usage.completion_tokens == len(bad.token_ids) > 0
+    assert good.finish_reason == "length" and good.error is None
+    assert good.token_ids == alone[0].token_ids, "the neighbour in the batch is untouched"
+    assert llm.generate("Hello", normal)[0].token_ids == alone[0].token_ids, "the engine keeps serving"
+
+
+def test_a_grammar_that_fails_midway_raises_from_stream_after_the_partial_output(llm):
+    deltas = []
+    with pytest.raises(GenerationError, match="response_format") as e:
+        for d in llm.stream("Code:", SamplingParams(seed=1, temperature=1.0, max_tokens=50,
+                                                      response_format=FAILS_MIDWAY)):
+            deltas.append(d)
+    assert deltas and all(d["finish_reason"] is None for d in deltas)
+    assert e.value.delta["finish_reason"] == "error" and e.value.delta["token_ids"] == []
+    text = "".join(d["text"] for d in deltas) + e.value.delta["text"]
+    assert re.fullmatch(r"[ab]{3}c*", text), text
+
+
+def test_a_grammar_that_fails_midway_raises_from_the_async_engine(qwen3_dir):
+    from ninfer.engine import AsyncEngine
+
+    async def main():
+        engine = await AsyncEngine.start(str(qwen3_dir), max_context=MAX_CONTEXT)
+        try:
+            deltas = []
+            params = {"max_tokens": 50, "seed": 1, "temperature": 1.0, "response_format": FAILS_MIDWAY}
+            with pytest.raises(GenerationError, match="response_format") as e:
+                async for d in engine.generate("Code:", params):
+                    deltas.append(d)
+            assert deltas and not any(d.finished for d in deltas)
+            assert e.value.delta.finish_reason == "error" and e.value.delta.error == str(e.value)
+            normal = [d async for d in engine.generate("Hello", {"max_tokens": 4, "ignore_eos": True})]
+            assert normal[-1].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+
+    anyio.run(main)

@@ -16,7 +16,7 @@ import pytest
 # A test dependency (pyproject's test extra); the GPU machine runs `pytest -m gpu` without it.
 openai = pytest.importorskip("openai")
 
-from fake_core import FakeCore
+from fake_core import FakeCore, MidwayFailingFakeCore
 from ninfer.server.metrics import parse_metrics
 from server_process import ServerProcess
 
@@ -347,3 +347,27 @@ def test_streamed_n_choices_carry_their_index(server):
     ids = list(b"many")
     assert [texts[0], texts[1]] == [expected_output(ids, 4, temperature=1.0, seed=3 + i)["text"] for i in range(2)]
 
+
+
+def test_a_request_failing_midway_is_an_anthropic_error_event_on_messages():
+    body = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "please fail midway"}]}
+    with ServerProcess(["--core-factory", "fake_core:MidwayFailingFakeCore", "--model-id", MODEL]) as s:
+        r = httpx.post(s.url + "/v1/messages", json=body)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "response_format" and "grammar" in r.json()["error"]["message"]
+        events = []
+        with httpx.stream("POST", s.url + "/v1/messages", json=dict(body, stream=True)) as r:
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[6:])))
+        names = [n for n, _ in events]
+        assert names[-1] == "error" and "message_stop" not in names and "message_delta" not in names, names
+        assert events[-1][1] == {"type": "error", "error": {"type": "invalid_request_error",
+                                                             "message": MidwayFailingFakeCore.ERROR}}
+        text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+        assert len(text) == 3, "the partial output streamed before the error"
+        ok = httpx.post(s.url + "/v1/messages", json=dict(body, messages=[{"role": "user", "content": "hello"}]))
+        assert ok.status_code == 200 and ok.json()["stop_reason"] == "max_tokens"

@@ -16,7 +16,7 @@ from ninfer._core import (  # noqa: F401
     __version__,
 )
 from ninfer.llm import LLM  # noqa: F401
-from ninfer.outputs import CompletionOutput, RequestOutput, TokenLogprob, Usage  # noqa: F401
+from ninfer.outputs import CompletionOutput, GenerationError, RequestOutput, TokenLogprob, Usage  # noqa: F401
 from ninfer.sampling_params import SamplingParams  # noqa: F401
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "UnsupportedError",
     "InvalidRequestError",
     "ContextOverflowError",
+    "GenerationError",
     "OutOfMemoryError",
     "DeviceError",
     "__version__",

@@ -24,6 +24,8 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ninfer.outputs import GenerationError
+
 Messages = Sequence[dict]
 Prompt = Union[str, Sequence[int], Messages]
 
@@ -40,6 +42,8 @@ class Delta:
     completion_tokens: int
     cached_tokens: int
     logprobs: Optional[list] = None
+    #: Why the request failed midway: set with finish_reason "error" on its last delta.
+    error: Optional[str] = None
 
     @classmethod
     def from_core(cls, d: dict) -> "Delta":
@@ -53,6 +57,7 @@ class Delta:
             completion_tokens=int(d.get("completion_tokens") or 0),
             cached_tokens=int(d.get("cached_tokens") or 0),
             logprobs=d.get("logprobs"),
+            error=d.get("error"),
         )
 
     @property
@@ -114,7 +119,9 @@ class RequestStream:
     """The deltas of one or more submitted requests, in arrival order; closing it early aborts them.
 
     One stream can carry several requests (the `n` choices of one API call): iteration ends when
-    all of them finished, and each delta names its request.
+    all of them finished, and each delta names its request. A request that fails midway (finish
+    reason "error") raises `GenerationError` in place of its last delta, which the exception
+    carries; the stream ends there, and closing it aborts the other requests.
     """
 
     def __init__(self, engine: "AsyncEngine", request_ids: list, receive: MemoryObjectReceiveStream, timings: dict):
@@ -143,6 +150,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._open.clear()
             raise item
+        if item.finish_reason == "error":
+            self._open.discard(item.request_id)
+            raise GenerationError(item.error or "the request failed", request_id=item.request_id, delta=item)
         if item.finished:
             self._open.discard(item.request_id)
         return item
@@ -351,7 +361,10 @@ class AsyncEngine:
         tools: Optional[list] = None,
         chat_template_kwargs: Optional[dict] = None,
     ) -> AsyncIterator[Delta]:
-        """Yield the deltas of one request; breaking out or cancelling aborts it."""
+        """Yield the deltas of one request; breaking out or cancelling aborts it.
+
+        A request that fails midway raises `ninfer.GenerationError` after the deltas it produced.
+        """
         ids = self.encode_prompt(prompt, tools=tools, chat_template_kwargs=chat_template_kwargs)
         stream = await self.submit(ids, params, request_id)
         try:

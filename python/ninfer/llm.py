@@ -15,7 +15,7 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from ninfer import _core
-from ninfer.outputs import CompletionOutput, RequestOutput
+from ninfer.outputs import CompletionOutput, GenerationError, RequestOutput
 from ninfer.sampling_params import SamplingParams
 
 #: What `generate` accepts as prompts: a string, token ids, or a list of either.
@@ -149,7 +149,10 @@ class LLM:
         `prompts` is a string, a list of strings, a list of token ids or a list of lists of
         token ids. `params` is one `SamplingParams` for all, one per prompt, or None for the
         model's defaults. Bad input raises before anything runs (InvalidRequestError,
-        ContextOverflowError with the numbers).
+        ContextOverflowError with the numbers). A completion that fails midway (its
+        `response_format` grammar cannot go on) raises `GenerationError` once every prompt has
+        finished; its `outputs` holds the whole result, the failed completions with
+        finish_reason "error" and their `error`.
         """
         items = [(text, self.encode(text) if ids is None else ids)
                  for text, ids in _normalize_prompts(prompts)]
@@ -186,7 +189,8 @@ class LLM:
         """Yield the engine's deltas for one prompt as they are produced (the CLI's path).
 
         Each delta is the dict `_core.Engine.step` returns. Closing the iterator early aborts
-        the request.
+        the request. A request that fails midway raises `GenerationError` in place of its last
+        delta (which the exception carries as `delta`).
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else _as_token_ids(prompt)
         params = self._resolve_params(params, 1)[0]
@@ -205,6 +209,8 @@ class LLM:
                         continue
                     if d.get("finish_reason") is not None:
                         pending.discard(rid)
+                    if d.get("finish_reason") == "error":
+                        raise GenerationError(d.get("error") or "the request failed", request_id=rid, delta=d)
                     yield d
         finally:
             self._abort_and_drain(pending)
@@ -291,7 +297,19 @@ class LLM:
         finally:
             self._abort_and_drain({rid for rid, c in route.items() if not c.finished})
             self._busy = False
+        _raise_failures(results)
         return results
+
+
+def _raise_failures(results: List[RequestOutput]) -> None:
+    """Raise `GenerationError` when a completion failed midway, carrying every result."""
+    failed = [(i, c) for i, r in enumerate(results) for c in r.outputs if c.finish_reason == "error"]
+    if not failed:
+        return
+    i, first = failed[0]
+    total = sum(len(r.outputs) for r in results)
+    raise GenerationError(f"{len(failed)} of {total} completions failed; the first (prompt {i}, completion "
+                          f"{first.index}): {first.error or 'the request failed'}", outputs=results)
 
 
 def _is_token_ids(x) -> bool:

@@ -2,12 +2,40 @@
 
 The engine streams deltas (see `_core.Engine.step`); these classes fold the deltas of one
 request into its final text, tokens, log-probabilities, finish reason and token counts.
+`GenerationError` is what a request that failed midway raises instead of a truncated result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Any, List, Optional
+
+from ninfer._core import InvalidRequestError
+
+
+class GenerationError(InvalidRequestError):
+    """A request failed after it was accepted: its `response_format` grammar could not go on (the
+    lexer grew too complex to compute the next token mask, or the grammar rejected a token), or
+    the engine thread refused it on arrival.
+
+    The engine ends such a request with finish reason "error" and the reason; every API raises
+    this after the output produced so far, instead of returning that truncated output as if it
+    were complete. The message is the engine's and names the request field at fault, as other
+    `InvalidRequestError` messages do (the server answers it with a 400 on that field).
+
+    `request_id` names the failed request. `delta` is its last delta (a `Delta` from
+    `AsyncEngine`, the engine's dict from `LLM.stream`): the text held back until the end and
+    the token counts. `outputs` is, from `LLM.generate` / `LLM.chat`, the list of every
+    prompt's `RequestOutput` (the others complete, the failed one with finish_reason "error"
+    and its `error`).
+    """
+
+    def __init__(self, message: str, *, request_id: Optional[str] = None, delta: Any = None,
+                 outputs: Optional[list] = None):
+        super().__init__(message)
+        self.request_id = request_id
+        self.delta = delta
+        self.outputs = outputs
 
 
 @dataclasses.dataclass
@@ -50,6 +78,8 @@ class CompletionOutput:
     logprobs: Optional[List[TokenLogprob]] = None
     finish_reason: Optional[str] = None
     usage: Usage = dataclasses.field(default_factory=Usage)
+    #: Why the completion failed midway (finish_reason "error"); None otherwise.
+    error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +99,7 @@ class CompletionOutput:
                 self.logprobs.append(TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), top))
         if delta.get("finish_reason") is not None:
             self.finish_reason = delta["finish_reason"]
+            self.error = delta.get("error")
         self.usage = Usage(
             prompt_tokens=int(delta.get("prompt_tokens", self.usage.prompt_tokens)),
             completion_tokens=int(delta.get("completion_tokens", len(self.token_ids))),
@@ -106,8 +137,13 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """"stop", "length" or "abort" for the first completion."""
+        """"stop", "length", "abort" or "error" (see `GenerationError`) for the first completion."""
         return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why the first completion failed midway (finish_reason "error"); None otherwise."""
+        return self.outputs[0].error
 
     @property
     def finished(self) -> bool:

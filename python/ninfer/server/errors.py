@@ -2,7 +2,9 @@
 
 Handlers raise `ApiError` (or let core exceptions through); `error_response` turns any of them
 into `{"error": {"message", "type", "param", "code"}}` with the right status, and
-`error_payload` gives the same body for an SSE `data:` event when a stream fails midway.
+`error_payload` gives the same body for an SSE `data:` event when a stream fails midway (a
+request whose grammar fails after tokens were sent, `ninfer.GenerationError`, among others).
+`anthropic_error_payload` is the same error in the Anthropic shape, for `/v1/messages` streams.
 """
 
 from __future__ import annotations
@@ -82,6 +84,20 @@ def error_body(err: ApiError) -> dict:
 def error_payload(exc: BaseException) -> str:
     """JSON text of the error, for an SSE `data:` event after the stream started."""
     return orjson.dumps(error_body(to_api_error(exc))).decode()
+
+
+#: Anthropic's error type per HTTP status (its API documents these); others by class of status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_payload(exc: BaseException) -> str:
+    """JSON text of the error in the Anthropic shape, `{"type": "error", "error": {"type", "message"}}`,
+    for the `event: error` of a `/v1/messages` stream."""
+    err = to_api_error(exc)
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": err.message}}).decode()
 
 
 def error_response(exc: BaseException) -> Response:

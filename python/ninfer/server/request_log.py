@@ -2,7 +2,7 @@
 
 The request log writes one line per finished engine request: id, token counts, the time it
 waited before its first token (queue + prefill, which the server sees as one span), the decode
-time after it, and the finish reason.
+time after it, and the finish reason (and the error of a request that failed midway).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class RequestLog:
             "total_s": round(end - timing.submitted, 6),
             "finish_reason": delta.finish_reason,
         }
+        if delta.error:
+            # A request that failed midway: the log is where an operator sees why.
+            record["error"] = delta.error
         line = orjson.dumps(record).decode()
         with self._lock:
             self._file.write(line + "\n")

@@ -14,7 +14,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ninfer.server.errors import bad_request, error_payload
+from ninfer.server.errors import anthropic_error_payload, bad_request
 from ninfer.server.protocol import ChatRequest, number, parse_chat
 from ninfer.server.routes_chat import SSE_PING_S, json_response, make_builders, prepare_chat, read_json
 from ninfer.server.sse import error_event, named_event
@@ -193,4 +193,4 @@ async def _stream(sub, req: ChatRequest, b, mid: str):
                                        "usage": {"output_tokens": b.completion_tokens}})
         yield _event("message_stop", {})
     except Exception as e:
-        yield error_event(error_payload(e), "error")
+        yield error_event(anthropic_error_payload(e), "error")

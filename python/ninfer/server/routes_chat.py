@@ -139,4 +139,6 @@ async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text,
             yield _chunk(rid, created, model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
         yield DONE
     except Exception as e:
+        # As vLLM reports a failure midway: the error event, then the end of the stream.
         yield error_event(error_payload(e))
+        yield DONE

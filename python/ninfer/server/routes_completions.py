@@ -89,4 +89,6 @@ async def _stream(sub: Submission, req, builders: list, token_text, rid: str, cr
             yield _chunk(rid, created, req.model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
         yield DONE
     except Exception as e:
+        # As vLLM reports a failure midway: the error event, then the end of the stream.
         yield error_event(error_payload(e))
+        yield DONE

@@ -178,9 +178,9 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         }
         let result = if core.has_unfinished() { core.step() } else { Ok(Vec::new()) };
         let mut ob = shared.outbox.lock().expect("outbox");
-        for (id, _) in &rejected {
-            shared.live.lock().expect("live ids").remove(id);
-            ob.outputs.push(aborted(id));
+        for (id, error) in rejected {
+            shared.live.lock().expect("live ids").remove(&id);
+            ob.outputs.push(RequestOutput { finish_reason: Some(FinishReason::Error), error: Some(error), ..aborted(&id) });
         }
         match result {
             Ok(outs) => {
@@ -212,6 +212,8 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
     shared.ready.notify_all();
 }
 
+/// The final delta of a request the engine thread dropped: refused when it reached the core, or
+/// cut off by an engine failure (which `poll` then reports).
 fn aborted(id: &str) -> RequestOutput {
     RequestOutput {
         request_id: id.to_string(),
@@ -222,5 +224,6 @@ fn aborted(id: &str) -> RequestOutput {
         prompt_tokens: 0,
         completion_tokens: 0,
         cached_tokens: 0,
+        error: None,
     }
 }

@@ -9,8 +9,13 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
-    /// Aborted by the client (or the engine failed).
+    /// Aborted by the client, or dropped because the engine failed (every request then ends,
+    /// and the engine reports the failure itself).
     Abort,
+    /// This request failed after it was accepted (its grammar could not go on midway, or the
+    /// engine thread refused it): `RequestOutput::error` says why. Distinct from `Abort` so that a caller reports a failure instead of handing out a
+    /// truncated answer as if it were complete.
+    Error,
 }
 
 impl FinishReason {
@@ -20,6 +25,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
         }
     }
 }
@@ -40,6 +46,11 @@ pub struct RequestOutput {
     pub completion_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
+    /// Why the request failed: set only on the last delta of a request that ends with
+    /// `FinishReason::Error`. The message of the `NinferError` that ended it, which names the
+    /// request field at fault (`response_format` for a grammar), so that the caller can report it
+    /// as an invalid request.
+    pub error: Option<String>,
 }
 
 impl RequestOutput {

@@ -6,7 +6,7 @@ use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingPa
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
 use crate::tokenizer::Tokenizer;
-use crate::Result;
+use crate::{NinferError, Result};
 
 /// Everything the engine keeps about one request besides its scheduler `Sequence`.
 pub struct RequestState {
@@ -19,8 +19,9 @@ pub struct RequestState {
     stop: StopChecker,
     /// The `response_format` matcher; None for free text (no per-token cost then).
     grammar: Option<GrammarConstraint>,
-    /// The grammar failed (a token it did not allow, or no token left): the request ends.
-    grammar_failed: bool,
+    /// Why the grammar could not compute the last mask (too complex a lexer, no token left):
+    /// the request ends with it when the token sampled without the mask comes back.
+    grammar_error: Option<NinferError>,
 }
 
 /// What happened when one token was accepted.
@@ -42,18 +43,19 @@ impl RequestState {
             completion_tokens: 0,
             params,
             grammar,
-            grammar_failed: false,
+            grammar_error: None,
         }
     }
 
     /// The sampling row of this request's next token over `vocab` logits (restricted to the
-    /// tokens the grammar allows, when the request has one); takes the request's RNG draw.
+    /// tokens the grammar allows, when the request has one); takes the request's RNG draw. When
+    /// the grammar cannot compute a mask the row is left unconstrained and the error is kept:
+    /// the token sampled from it is never output, `accept` ends the request with the error.
     pub fn prepare_sampling(&mut self, vocab: usize) -> RowSampling {
         let mask = match self.grammar.as_mut().map(GrammarConstraint::compute_mask) {
             Some(Ok(mask)) => Some(mask),
             Some(Err(e)) => {
-                eprintln!("ninfer: request {}: {e}; ending it", self.request_id);
-                self.grammar_failed = true;
+                self.grammar_error.get_or_insert(e);
                 None
             }
             None => None,
@@ -68,27 +70,23 @@ impl RequestState {
         self.grammar.is_none() && !self.params.penalizes_history() && self.completion_tokens + 1 < self.params.max_tokens
     }
 
-    /// Advance the grammar past `token`; true when the constrained output is complete (or the
-    /// grammar failed), which ends the request.
-    fn grammar_done(&mut self, token: u32) -> bool {
+    /// Advance the grammar past `token`: true when the constrained output is complete, which
+    /// ends the request. An error when the grammar failed, now (it rejects the token) or while
+    /// computing the mask `token` was sampled under: the token is then not valid output.
+    fn advance_grammar(&mut self, token: u32) -> std::result::Result<bool, NinferError> {
         let Some(grammar) = self.grammar.as_mut() else {
-            return false;
+            return Ok(false);
         };
-        if self.grammar_failed {
-            return true;
+        if let Some(e) = self.grammar_error.take() {
+            return Err(e);
         }
-        match grammar.consume(token) {
-            Ok(()) => grammar.is_finished(),
-            Err(e) => {
-                eprintln!("ninfer: request {}: {e}; ending it", self.request_id);
-                self.grammar_failed = true;
-                true
-            }
-        }
+        grammar.consume(token)?;
+        Ok(grammar.is_finished())
     }
 
     /// Account for a sampled token: record it in the penalty history, detokenize, check stop
-    /// conditions, build the delta.
+    /// conditions, build the delta. A token the grammar fails on ends the request with
+    /// `FinishReason::Error` instead (`failed`).
     pub fn accept(
         &mut self,
         token: u32,
@@ -97,11 +95,14 @@ impl RequestState {
         eos_token_ids: &[u32],
         cached_tokens: usize,
     ) -> Result<TokenEvent> {
+        let grammar_done = match self.advance_grammar(token) {
+            Ok(done) => done,
+            Err(e) => return self.failed(e, tokenizer, cached_tokens),
+        };
         self.sampler.record(token);
         self.completion_tokens += 1;
         let is_eos = !self.params.ignore_eos && eos_token_ids.contains(&token);
         let is_stop_token = self.params.stop_token_ids.contains(&token);
-        let grammar_done = self.grammar_done(token);
         let mut text = String::new();
         let mut finish = None;
         let mut stop_string_matched = false;
@@ -123,13 +124,10 @@ impl RequestState {
             finish = Some(FinishReason::Length);
         }
         if let (Some(_), false, Some(tok)) = (finish, stop_string_matched, tokenizer) {
-            let rest = self.detok.flush(tok)?;
-            let out = self.stop.push(&rest);
-            text.push_str(&out.text);
-            if out.matched.is_some() {
+            let (rest, matched) = self.flush_text(tok)?;
+            text.push_str(&rest);
+            if matched {
                 finish = Some(FinishReason::Stop);
-            } else {
-                text.push_str(&self.stop.flush());
             }
         }
         let output = RequestOutput {
@@ -141,8 +139,38 @@ impl RequestState {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
             cached_tokens,
+            error: None,
         };
         Ok(TokenEvent { finished: finish.is_some(), output })
+    }
+
+    /// The text held back at the end of a request (an incomplete UTF-8 sequence, a possible
+    /// start of a stop string), cut at a stop string it completes; true when it completed one.
+    fn flush_text(&mut self, tokenizer: &Tokenizer) -> Result<(String, bool)> {
+        let rest = self.detok.flush(tokenizer)?;
+        let mut out = self.stop.push(&rest);
+        let matched = out.matched.is_some();
+        if !matched {
+            out.text.push_str(&self.stop.flush());
+        }
+        Ok((out.text, matched))
+    }
+
+    /// The final delta of a request that failed on `error`: the text of the tokens already
+    /// accepted that was still held back, no new token (the one sampled is not valid output, so
+    /// it is neither output nor counted), finish reason `Error` and the error's message.
+    fn failed(&mut self, error: NinferError, tokenizer: Option<&Tokenizer>, cached_tokens: usize) -> Result<TokenEvent> {
+        let text = match tokenizer {
+            Some(tok) => self.flush_text(tok)?.0,
+            None => String::new(),
+        };
+        let output = RequestOutput {
+            text,
+            finish_reason: Some(FinishReason::Error),
+            error: Some(error.to_string()),
+            ..self.aborted(cached_tokens)
+        };
+        Ok(TokenEvent { finished: true, output })
     }
 
     /// The final delta of an aborted request.
@@ -156,6 +184,7 @@ impl RequestState {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
             cached_tokens,
+            error: None,
         }
     }
 }

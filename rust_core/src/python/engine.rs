@@ -123,6 +123,7 @@ fn output_dict<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, P
     d.set_item("prompt_tokens", o.prompt_tokens)?;
     d.set_item("completion_tokens", o.completion_tokens)?;
     d.set_item("cached_tokens", o.cached_tokens)?;
+    d.set_item("error", o.error.as_deref())?;
     Ok(d)
 }
 
@@ -230,7 +231,10 @@ impl PyEngine {
         })
     }
 
-    /// Run one engine step (inline mode) and return its deltas.
+    /// Run one engine step (inline mode) and return its deltas: dicts of request_id, token_ids,
+    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens and error
+    /// (the message, only on the last delta of a request that failed midway: finish_reason
+    /// "error").
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let outs = py.detach(|| {
             self.with_mode(|m| match m {

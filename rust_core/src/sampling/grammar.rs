@@ -298,7 +298,10 @@ fn invalid(reason: impl Into<String>) -> NinferError {
     NinferError::invalid(FIELD, reason)
 }
 
+/// A matcher failure midway; its reason cut to the first line: llguidance appends a dump of the
+/// parser state, which reaches the client through the request's error and says nothing to it.
 fn matcher_failed(what: &str, reason: &str) -> NinferError {
+    let reason = reason.lines().next().unwrap_or(reason).trim();
     invalid(format!("grammar matcher failed {what}: {reason}"))
 }
 

@@ -108,3 +108,50 @@ fn response_format_needs_a_tokenizer() {
     let err = core.add_request("r", prompt(3, 1), with_format(greedy(10), json!({"type": "json_object"}))).unwrap_err();
     assert!(matches!(err, NinferError::Unsupported(_)), "{err}");
 }
+
+
+/// A regex llguidance compiles but whose lexer grows too complex once the output reaches the
+/// `c`s: whatever the model picks for the first three bytes, consuming the fourth fails.
+fn fails_after_three_bytes() -> Json {
+    json!({"type": "regex", "regex": "[ab]{3}c{100000}"})
+}
+
+#[test]
+fn a_grammar_that_fails_midway_ends_its_request_with_the_error() {
+    for overlap in [false, true] {
+        let setup = Setup { overlap, ..json_setup() };
+        let free = (prompt(6, 3), SamplingParams { seed: Some(11), max_tokens: 40, ..Default::default() });
+        let (alone, _, _) = run_requests(&setup, std::slice::from_ref(&free));
+        let failing = (prompt(5, 1), with_format(greedy(50), fails_after_three_bytes()));
+        let fine = (prompt(5, 2), with_format(greedy(50), json!({"type": "regex", "regex": "[0-9]{4}"})));
+        let (out, core, _) = run_requests(&setup, &[failing, free, fine]);
+        let failed = &out[0];
+        assert_eq!(failed.finish, Some("error"), "overlap {overlap}: {failed:?}");
+        let error = failed.error.as_deref().unwrap_or_default();
+        assert!(error.contains("field `response_format`") && error.contains("too many expressions"), "{error}");
+        assert!(!error.contains('\n'), "one line, without llguidance's state dump: {error:?}");
+        // The token the grammar failed on is not output: only the three it accepted.
+        assert_eq!(failed.tokens.len(), 3, "{failed:?}");
+        assert!(failed.text.len() == 3 && failed.text.bytes().all(|b| b == b'a' || b == b'b'), "{failed:?}");
+        assert_eq!(out[1].tokens, alone[0].tokens, "a neighbour in the batch is untouched");
+        assert_eq!(out[1].finish, alone[0].finish);
+        assert_eq!((out[2].finish, out[2].text.len()), (Some("stop"), 4), "{:?}", out[2]);
+        assert!(out[1..].iter().all(|c| c.error.is_none()));
+        assert!(!core.has_unfinished());
+    }
+}
+
+#[test]
+fn a_grammar_failure_reaches_the_poller_of_the_engine_thread() {
+    let handle = crate::engine::EngineHandle::start(json_setup().build().0).unwrap();
+    handle.submit("bad", prompt(5, 1), with_format(greedy(50), fails_after_three_bytes())).unwrap();
+    handle.submit("ok", prompt(5, 2), greedy(8)).unwrap();
+    let mut all = HashMap::new();
+    while handle.has_unfinished() {
+        collect_into(&mut all, handle.poll(std::time::Duration::from_secs(5)).unwrap());
+    }
+    assert_eq!(all["bad"].finish, Some("error"));
+    assert!(all["bad"].error.as_deref().is_some_and(|e| e.contains("response_format")));
+    assert_eq!((all["ok"].finish, all["ok"].tokens.len()), (Some("length"), 8));
+    handle.shutdown();
+}

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::toy_runner::ToyLog;
-use super::{EngineConfig, EngineCore, RequestOutput, ToyRunner};
+use super::{EngineConfig, EngineCore, FinishReason, RequestOutput, ToyRunner};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
@@ -27,6 +27,8 @@ struct Collected {
     finish: Option<&'static str>,
     cached_tokens: usize,
     deltas: usize,
+    /// The error of a request that failed (finish "error").
+    error: Option<String>,
 }
 
 /// Engine settings for a test.
@@ -84,6 +86,8 @@ fn collect_into(all: &mut HashMap<String, Collected>, outs: Vec<RequestOutput>) 
         c.text.push_str(&o.text);
         c.deltas += 1;
         c.cached_tokens = o.cached_tokens;
+        assert_eq!(o.error.is_some(), o.finish_reason == Some(FinishReason::Error), "{}: an error comes with finish reason error, on the last delta", o.request_id);
+        c.error = o.error;
         if let Some(f) = o.finish_reason {
             assert!(c.finish.is_none(), "{} finished twice", o.request_id);
             c.finish = Some(f.as_str());
