@@ -120,7 +120,7 @@ def test_missing_messages_file_is_an_error_naming_the_path(qwen3_dir, ninfer_env
 @pytest.mark.parametrize("flag,value", [("--max-new", "-5"), ("--max-new", "0"), ("--temperature", "-1"),
                                         ("--top-p", "1.5"), ("--device", "tpu"), ("--seed", "abc"),
                                         ("--max-context", "0"), ("--presence-penalty", "3"),
-                                        ("--logits-dtype", "bfloat16")])
+                                        ("--logits-dtype", "bfloat16"), ("--kv-dtype", "fp8")])
 def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, flag, value):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", flag, value], ninfer_env)
     err = proc.stderr.decode()
@@ -138,17 +138,43 @@ def test_later_work_flags_are_refused_as_not_supported_yet(qwen3_dir, ninfer_env
     assert f"{args[0]} " in proc.stderr.decode() and "is not supported yet" in proc.stderr.decode()
 
 
-def test_kv_dtype_refusal_says_what_auto_keeps(qwen3_dir, ninfer_env):
-    """`--kv-dtype bf16` (a format SEEDS users type) is refused as not supported yet, and the
-    message says that auto is the backend's compute type (bf16 on a GPU), one message for run and
-    serve (cli.kv_dtype_error)."""
-    from ninfer.cli import kv_dtype_error
+def test_kv_dtype_names_are_the_cores():
+    """The CLI's copies of the --kv-dtype names (it refuses the others before importing the core)
+    are the core's, which maps them to types (rust_core/src/model/kv_dtype.rs)."""
+    from ninfer import _core
+    from ninfer.cli import KV_DTYPES, QUANTIZED_KV_DTYPES, kv_dtype_error
 
-    assert kv_dtype_error("auto") is None
-    proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--kv-dtype", "bf16"], ninfer_env)
-    err = proc.stderr.decode()
+    assert tuple(_core.KV_DTYPES) == KV_DTYPES
+    assert tuple(_core.QUANTIZED_KV_DTYPES) == QUANTIZED_KV_DTYPES
+    assert all(kv_dtype_error(name) is None for name in KV_DTYPES + ("BF16", "Float32"))
+
+
+@pytest.mark.parametrize("value,needle", [("int8", "is not supported yet: quantized KV caches (int8, rk8v4, rk4v4) are later work"),
+                                          ("rk4v4", "is not supported yet: quantized KV caches"),
+                                          ("fp8", "is not a KV cache type")])
+def test_kv_dtype_no_backend_keeps_is_refused_with_what_each_keeps(qwen3_dir, ninfer_env, value, needle):
+    """A quantized format (SEEDS' int8, rk8v4, rk4v4) is later work and an unknown name is no
+    type; both exit 2 before the core loads, saying what each backend keeps (cli.kv_dtype_error)."""
+    proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", "--kv-dtype", value], ninfer_env)
+    err = " ".join(proc.stderr.decode().split())
     assert proc.returncode == 2
-    assert kv_dtype_error("bf16") in " ".join(err.split()), err
+    assert f"--kv-dtype {value} {needle}" in err, err
+    assert "bf16 on a GPU, f16 on sm_70/sm_75, float32 on the CPU" in err, err
+
+
+def test_kv_dtype_float32_runs_on_the_cpu_and_bf16_is_refused_naming_float32(qwen3_dir, ninfer_env):
+    """The CPU keeps its KV cache in float32: `--kv-dtype float32` runs as auto does; bf16 (what
+    a GPU keeps) is refused by the core once the device is known, naming float32."""
+    base = ["run", str(qwen3_dir), "--prompt", "Say hello", "--max-new", "8", "--greedy", "--max-context", "256",
+            "--device", "cpu"]
+    auto = run_cli(base, ninfer_env)
+    named = run_cli(base + ["--kv-dtype", "float32"], ninfer_env)
+    assert auto.returncode == 0 and named.returncode == 0, named.stderr.decode()
+    assert named.stdout == auto.stdout
+    bf16 = run_cli(base + ["--kv-dtype", "bf16"], ninfer_env)
+    err = " ".join(bf16.stderr.decode().split())
+    assert bf16.returncode == 1
+    assert "--kv-dtype" in err and "bf16 is not supported on cpu: its KV cache is float32 (use auto or float32)" in err, err
 
 
 def test_prompt_too_long_for_max_new_exits_2_with_the_numbers(qwen3_dir, ninfer_env):

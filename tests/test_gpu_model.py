@@ -134,6 +134,19 @@ def test_num_threads_on_the_gpu_is_refused_naming_it(gpu_dir):
         LLM(gpu_dir, device="cuda", num_threads=3)
 
 
+def test_kv_dtype_names_the_gpu_storage_type_and_refuses_another(gpu_dir):
+    # The GPU keeps its KV cache in its storage type: bf16 on sm_80+ (f16 on sm_7x) by name is
+    # accepted and runs as auto does; the other 16-bit type is refused naming the kept one.
+    kept, other = ("bf16", "f16") if torch.cuda.get_device_capability()[0] >= 8 else ("f16", "bf16")
+    with LLM(gpu_dir, device="cuda", max_context=256, kv_dtype=kept) as named:
+        [a] = named.generate(PROMPTS[0], greedy(8))
+    with LLM(gpu_dir, device="cuda", max_context=256) as auto:
+        [b] = auto.generate(PROMPTS[0], greedy(8))
+    assert a.token_ids == b.token_ids
+    with pytest.raises(_core.ModelLoadError, match=f"{other} is not supported on cuda:0 .*its KV cache is {kept}"):
+        LLM(gpu_dir, device="cuda", kv_dtype=other)
+
+
 def test_gpu_logits_track_f32_as_closely_as_transformers_bf16(gpu_dir, hf_bf16):
     gpu = _core.Model(str(gpu_dir), device="cuda")
     vocab = gpu.config["vocab_size"]

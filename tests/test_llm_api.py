@@ -17,7 +17,9 @@ from ninfer import (
     LLM,
     ContextOverflowError,
     InvalidRequestError,
+    ModelLoadError,
     SamplingParams,
+    UnsupportedError,
 )
 
 MAX_CONTEXT = 256
@@ -307,3 +309,16 @@ def test_defaults_come_from_generation_config_when_no_params_are_given(qwen3_dir
         [a] = engine.generate("hello")
         [b] = engine.generate("hello", SamplingParams(temperature=0.0, max_tokens=7))
         assert a.token_ids == b.token_ids
+
+
+def test_kv_dtype_accepts_the_cpu_cache_type_by_name_and_refuses_another(qwen3_dir, llm):
+    """kv_dtype as --kv-dtype: "f32" is the CPU's KV cache type and gives auto's tokens; "bf16" is
+    refused naming float32, a quantized format as later work."""
+    with LLM(qwen3_dir, max_context=MAX_CONTEXT, kv_dtype="f32") as named:
+        [a] = named.generate("hello", greedy(6))
+    [b] = llm.generate("hello", greedy(6))
+    assert a.token_ids == b.token_ids
+    with pytest.raises(ModelLoadError, match="bf16 is not supported on cpu: its KV cache is float32"):
+        LLM(qwen3_dir, kv_dtype="bf16")
+    with pytest.raises(UnsupportedError, match="kv_dtype `int8`.*later work"):
+        LLM(qwen3_dir, kv_dtype="int8")

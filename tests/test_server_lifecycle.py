@@ -121,8 +121,8 @@ def test_later_flags_are_refused_as_not_supported_yet(flag):
     (["--max-concurrency", "0"], "--max-concurrency"),
     (["--kv-capacity", "lots"], "--kv-capacity"),
     (["--kv-dtype", "int8"], "--kv-dtype int8 is not supported yet"),
-    # bf16 is refused as a flag, with the news that auto already keeps bf16 on a GPU
-    (["--kv-dtype", "bf16"], "(--kv-dtype auto: bf16 on a GPU"),
+    # a name no backend keeps is refused as a flag, saying what auto keeps on each
+    (["--kv-dtype", "fp8"], "bf16 on a GPU, f16 on sm_70/sm_75, float32 on the CPU"),
     (["--max-context", "4096", "--kv-capacity", "100"], "--kv-capacity 100"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--logits-dtype", "bf16"], "--logits-dtype"),
@@ -163,6 +163,13 @@ def test_index_page_answers_and_unknown_route_is_openai_404():
         assert httpx.get(s.url + "/").status_code == 200
         r = httpx.get(s.url + "/v1/nothing")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_kv_dtype_the_backend_does_not_keep_stops_the_server_naming_its_type(qwen3_dir):
+    """`--kv-dtype bf16` passes the flag check (a GPU keeps bf16) and reaches the core, which
+    refuses it on the CPU naming float32."""
+    r = _serve(str(qwen3_dir), "--device", "cpu", "--kv-dtype", "bf16")
+    assert r.returncode == 1 and "bf16 is not supported on cpu: its KV cache is float32" in r.stderr, r.stderr
 
 
 def test_model_that_fails_to_load_stops_the_server_with_status_1(tmp_path):

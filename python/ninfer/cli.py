@@ -32,9 +32,16 @@ LATER_WORK_FLAGS = {
     "--vision-max-merged": {"metavar": "N"},
 }
 
-#: The only KV cache format so far: the backend's compute type (float32 on the CPU, bf16 on a
-#: GPU, f16 on sm_70/sm_75); others are refused by name (`kv_dtype_error`).
+#: --kv-dtype: the KV cache is kept in the backend's own type (bf16 on a GPU, f16 on sm_70/sm_75,
+#: float32 on the CPU); `auto` or that type by name is accepted. rust_core/src/model/kv_dtype.rs
+#: maps the spellings to types and checks the type against the backend once the device is known
+#: (KV_DTYPE_CHOICES and QUANTIZED_KV_DTYPES, exported as `_core.KV_DTYPES` and
+#: `_core.QUANTIZED_KV_DTYPES`, which tests/test_cli.py compares with these copies); the CLI
+#: refuses any other name itself (`kv_dtype_error`) before a weight is read.
 DEFAULT_KV_DTYPE = "auto"
+KV_DTYPES = ("auto", "bf16", "bfloat16", "f16", "float16", "half", "f32", "float32")
+QUANTIZED_KV_DTYPES = ("int8", "rk8v4", "rk4v4")
+_KV_KEPT = "bf16 on a GPU, f16 on sm_70/sm_75, float32 on the CPU"
 
 #: --logits-dtype choices: rust_core/src/model/logits_dtype.rs parses them (LOGITS_DTYPE_CHOICES,
 #: exported as `_core.LOGITS_DTYPES`, which tests/test_cli.py compares with this copy; the CLI
@@ -56,16 +63,15 @@ commands:
 
 
 def add_later_work_flags(parser: argparse.ArgumentParser) -> None:
-    """Accept the flags of later work (and `--kv-dtype`) so `reject_later_work_flags` can refuse them."""
+    """Accept the flags of later work so `reject_later_work_flags` can refuse them."""
     group = parser.add_argument_group("not supported yet (refused)")
     for flag, kwargs in LATER_WORK_FLAGS.items():
         group.add_argument(flag, default=None, help=argparse.SUPPRESS, **kwargs)
-    group.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, metavar="DTYPE",
-                       help=f"KV cache format; only {DEFAULT_KV_DTYPE!r} so far (the backend's compute type)")
 
 
 def reject_later_work_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with status 2 and "<flag> is not supported yet" when one of those flags was given."""
+    """Exit with status 2 and "<flag> is not supported yet" when one of those flags was given (and
+    on a --kv-dtype that no backend keeps)."""
     for flag in LATER_WORK_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value not in (None, False):
@@ -76,16 +82,31 @@ def reject_later_work_flags(parser: argparse.ArgumentParser, args: argparse.Name
 
 
 def kv_dtype_error(value: str) -> Optional[str]:
-    """Why `--kv-dtype value` is refused, or None for the one format there is (run and serve).
+    """Why `--kv-dtype value` is refused before anything loads, or None for a name the core takes
+    (run and serve); whether the chosen backend keeps that type the core checks once the device
+    is known.
 
-    A user asking for bf16 is told that `auto` already is bf16 on a GPU, so the refusal does not
-    read as "the GPU cannot hold a bf16 cache".
+    A quantized format (SEEDS' int8, rk8v4, rk4v4) is named as later work, and the message says
+    what each backend keeps, so a refusal does not read as "this GPU cannot hold a bf16 cache".
     """
-    if value == DEFAULT_KV_DTYPE:
+    name = value.strip().lower()
+    if name in KV_DTYPES:
         return None
-    return (f"--kv-dtype {value} is not supported yet: the KV cache is kept in the backend's compute type "
-            f"(--kv-dtype {DEFAULT_KV_DTYPE}: bf16 on a GPU, f16 on sm_70/sm_75, float32 on the CPU); "
-            "quantized KV caches (int8, rk8v4, rk4v4) are later work")
+    if name in QUANTIZED_KV_DTYPES:
+        return (f"--kv-dtype {value} is not supported yet: quantized KV caches ({', '.join(QUANTIZED_KV_DTYPES)}) "
+                f"are later work; --kv-dtype auto (or that type by name) keeps the KV cache in the backend's own "
+                f"type: {_KV_KEPT}")
+    return (f"--kv-dtype {value} is not a KV cache type: give auto or the backend's own type by name "
+            f"({_KV_KEPT}; spellings: {', '.join(KV_DTYPES)})")
+
+
+def add_kv_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """`--kv-dtype` (shared with `ninfer serve`); checked by `kv_dtype_error`, then by the core."""
+    parser.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, metavar="DTYPE",
+                        help=f"KV cache type: auto (default) keeps it in the backend's own type ({_KV_KEPT}); "
+                             "that type by name (bf16|bfloat16, f16|float16|half, f32|float32) is accepted "
+                             "where the backend keeps it and refused elsewhere; quantized caches "
+                             f"({', '.join(QUANTIZED_KV_DTYPES)}) are later work")
 
 
 def model_dir_error(path: str) -> Optional[str]:
@@ -171,6 +192,7 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_logits_dtype_flag(p)
+    add_kv_dtype_flag(p)
     add_later_work_flags(p)
     return p
 
@@ -261,7 +283,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
         t0 = time.perf_counter()
         llm = LLM(model, device=args.device, max_context=args.max_context, kv_capacity=args.kv_capacity,
                   prefill_chunk=args.prefill_chunk, num_threads=args.num_threads, max_concurrency=1,
-                  logits_dtype=args.logits_dtype)
+                  logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype)
         load_s = time.perf_counter() - t0
         print(f"ninfer: loaded {model} in {load_s:.2f} s (max context {llm.max_context} tokens)",
               file=sys.stderr, flush=True)

@@ -31,7 +31,9 @@ class LLM:
     `kv_capacity` in tokens (None: derived from the model and memory), `max_concurrency`
     sequences per step, `prefill_chunk` tokens per step, `prefix_reuse` for the prefix cache,
     `num_threads` for the CPU backend (an error on a GPU), `logits_dtype` "auto" (logits rounded to the 16-bit
-    dtype the model runs in, as transformers and vLLM produce them; docs/rounding.md) or "float32".
+    dtype the model runs in, as transformers and vLLM produce them; docs/rounding.md) or "float32", `kv_dtype`
+    "auto" or the type the backend keeps its KV cache in by name ("bf16" on a GPU, "float32" on the CPU; another
+    is refused before the weights load).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class LLM:
         prefix_reuse: bool = True,
         num_threads: Optional[int] = None,
         logits_dtype: str = "auto",
+        kv_dtype: str = "auto",
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         self._core = _core.Engine(
@@ -57,6 +60,7 @@ class LLM:
             prefix_reuse=prefix_reuse,
             num_threads=num_threads,
             logits_dtype=logits_dtype,
+            kv_dtype=kv_dtype,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

@@ -14,7 +14,8 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import DEFAULT_KV_DTYPE, LATER_WORK_FLAGS, add_logits_dtype_flag, device_arg, kv_dtype_error, model_dir_error
+from ninfer.cli import (LATER_WORK_FLAGS, add_kv_dtype_flag, add_logits_dtype_flag, device_arg, kv_dtype_error,
+                        model_dir_error)
 
 #: Refused by name, as by `ninfer run` (one list: cli.LATER_WORK_FLAGS).
 UNSUPPORTED_FLAGS = tuple(LATER_WORK_FLAGS)
@@ -83,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_arg, default="auto", help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-context", type=_positive_int("--max-context"))
     p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
-    p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, metavar="DTYPE",
-                   help=f"KV cache format; only {DEFAULT_KV_DTYPE!r} so far (the backend's compute type)")
+    add_kv_dtype_flag(p)
     add_logits_dtype_flag(p)
     p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
     p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)
@@ -244,7 +244,7 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,
                          max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
                          prefix_reuse=not args.no_prefix_reuse, num_threads=args.num_threads,
-                         logits_dtype=args.logits_dtype)
+                         logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype)
     factory = _load_factory(args.core_factory, build_parser()) if args.core_factory else None
 
     async def start_engine():

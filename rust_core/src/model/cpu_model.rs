@@ -14,7 +14,7 @@ use crate::{NinferError, Result};
 use super::layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
 use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
 use super::weights::{Mixer, ModelWeights, MtpWeights};
-use super::{LoadOptions, LogitsRound};
+use super::{KvDtype, LoadOptions, LogitsRound};
 
 /// KV pool and recurrent-state slots, per layer.
 #[derive(Default)]
@@ -63,6 +63,8 @@ fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
 impl CpuModel {
     /// Load config and weights from a HF model directory.
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        // The KV cache (`Caches`) is f32 whatever the checkpoint's dtype.
+        opts.kv_dtype.check("cpu", KvDtype::Float32)?;
         let cfg = ModelConfig::from_dir(dir)?;
         let store = WeightStore::open(dir)?;
         let weights = ModelWeights::load(&store, &cfg)?;

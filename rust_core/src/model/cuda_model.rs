@@ -26,6 +26,7 @@ use super::cuda_graphs::{decode_bucket, table_stride, DecodeGraphs};
 use super::cuda_sampler::DeviceSampler;
 use super::cuda_step::StepMeta;
 use super::cuda_weights::{DevLayer, DevLinear, DevMixer, DevWeights};
+use super::kv_dtype::KvDtype;
 use super::logits_dtype::LogitsDtype;
 use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
 
@@ -178,13 +179,15 @@ fn buf_mut<T>(b: &mut Option<CudaSlice<T>>) -> &mut CudaSlice<T> {
 impl CudaModel {
     /// Load config and weights from a HF model directory onto device `ordinal`.
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
-        Self::load_with(dir, ordinal, LogitsDtype::Auto)
+        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto)
     }
 
-    /// As `load`, with the logits rounded as `logits_dtype` says.
-    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype) -> Result<Self> {
+    /// As `load`, with the logits rounded as `logits_dtype` says and `kv_dtype` checked against
+    /// the device's storage type (the KV cache's) as soon as the device is open.
+    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::new(ordinal)?);
+        kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
         dev.use_model_cc_launch(cfg.hidden_size);
         Self::check_supported(&cfg)?;
         // Switches first, so that a misspelt value fails before a long load.

@@ -16,6 +16,7 @@ pub(crate) mod cuda_graphs;
 mod cuda_step;
 #[cfg(feature = "cuda")]
 pub mod cuda_weights;
+pub mod kv_dtype;
 pub mod layers;
 pub mod logits_dtype;
 pub mod runner;
@@ -29,6 +30,7 @@ mod tests;
 use std::path::Path;
 
 pub use cpu_model::CpuModel;
+pub use kv_dtype::{KvDtype, KV_DTYPE_CHOICES, QUANTIZED_KV_DTYPES};
 pub use logits_dtype::{LogitsDtype, LogitsRound, LOGITS_DTYPE_CHOICES};
 #[cfg(feature = "cuda")]
 pub use cuda_model::CudaModel;
@@ -47,6 +49,9 @@ pub struct LoadOptions {
     pub num_threads: Option<usize>,
     /// Logits rounded to the 16-bit dtype the model runs in (Auto, the default) or kept f32.
     pub logits_dtype: LogitsDtype,
+    /// The KV cache type asked for: Auto (the default) or the one the backend keeps, checked
+    /// by each backend's loader before any weight is read.
+    pub kv_dtype: KvDtype,
 }
 
 /// The device a `device=` string names ("" is the CPU); a string that names none is an
@@ -79,17 +84,17 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
                     "cuda:{ordinal}: num_threads {n} (--num-threads) sets the CPU backend's threads; leave it out on the GPU, or choose device cpu"
                 )));
             }
-            load_cuda(dir, ordinal, opts.logits_dtype)
+            load_cuda(dir, ordinal, opts)
         }
     }
 }
 
 #[cfg(feature = "cuda")]
-fn load_cuda(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype) -> Result<Box<dyn ModelRunner>> {
-    Ok(Box::new(CudaModel::load_with(dir, ordinal, logits_dtype)?))
+fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
+    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn load_cuda(_dir: &Path, ordinal: usize, _logits_dtype: LogitsDtype) -> Result<Box<dyn ModelRunner>> {
+fn load_cuda(_dir: &Path, ordinal: usize, _opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     Err(crate::NinferError::Device(format!("cuda:{ordinal}: this build of ninfer has no CUDA backend (built without the `cuda` feature)")))
 }

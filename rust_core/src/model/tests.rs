@@ -57,7 +57,7 @@ fn load(dir: &Path) -> CpuModel {
 }
 
 fn load_logits(dir: &Path, logits_dtype: LogitsDtype) -> CpuModel {
-    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2), logits_dtype }).unwrap();
+    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2), logits_dtype, ..Default::default() }).unwrap();
     m.allocate_caches(32, 4, 4).unwrap();
     m
 }
@@ -179,4 +179,17 @@ fn bad_block_table_and_slot_are_rejected() {
     // No GPU here (or a checkpoint the CUDA kernels do not take): a typed error, never a panic.
     let cuda = load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None, ..Default::default() });
     assert!(matches!(cuda, Err(NinferError::Device(_) | NinferError::Unsupported(_))));
+}
+
+/// The CPU keeps its KV cache in f32: kv_dtype float32 (and auto) load, bf16 is refused naming
+/// float32, before the directory is read (a path with nothing in it gives the same error).
+#[test]
+fn cpu_kv_dtype_is_float32_and_another_is_refused_before_reading() {
+    let dir = hybrid_checkpoint("kv_dtype");
+    let opts = |kv_dtype| LoadOptions { device: "cpu".into(), num_threads: Some(2), kv_dtype, ..Default::default() };
+    assert!(CpuModel::load(&dir, &opts(KvDtype::Float32)).is_ok());
+    let e = CpuModel::load(&dir, &opts(KvDtype::Bf16)).err().expect("bf16 refused on the CPU").to_string();
+    assert!(e.contains("bf16 is not supported on cpu: its KV cache is float32"), "{e}");
+    let nothing = CpuModel::load(&dir.join("absent"), &opts(KvDtype::F16)).err().expect("refused").to_string();
+    assert!(nothing.contains("f16 is not supported on cpu"), "{nothing}");
 }

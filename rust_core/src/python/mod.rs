@@ -18,5 +18,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The CLI's --logits-dtype choices (python/ninfer/cli.py keeps a copy a test compares).
     m.add("LOGITS_DTYPES", crate::model::LOGITS_DTYPE_CHOICES.to_vec())?;
+    // The CLI's --kv-dtype spellings and the quantized names it refuses as later work (copies
+    // in python/ninfer/cli.py, compared by the same test).
+    m.add("KV_DTYPES", crate::model::KV_DTYPE_CHOICES.to_vec())?;
+    m.add("QUANTIZED_KV_DTYPES", crate::model::QUANTIZED_KV_DTYPES.to_vec())?;
     Ok(())
 }

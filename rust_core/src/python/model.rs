@@ -40,7 +40,7 @@ impl PyModel {
     #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto"))]
     fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str) -> PyResult<Self> {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
-        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype };
+        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, ..Default::default() };
         let model = py
             .detach(|| -> crate::Result<Loaded> {
                 if resolve_device(parse_device(device)?)? == ResolvedDevice::Cpu {
