@@ -164,3 +164,24 @@ def test_async_engine_is_exported_from_the_package():
     from ninfer.engine import AsyncEngine as Direct
 
     assert ninfer.AsyncEngine is Direct
+
+
+async def test_sampling_params_asking_for_several_completions_are_refused_not_cut_to_one():
+    """One engine request is one completion: `SamplingParams(n=3)` through `generate`/`submit` is
+    refused naming `n` (it used to run one completion and drop the other two silently)."""
+    from ninfer import InvalidRequestError, SamplingParams
+
+    engine = await AsyncEngine.start(core=FakeCore())
+    try:
+        with pytest.raises(InvalidRequestError, match="field `n`: 3"):
+            await collect(engine.generate([9, 9], SamplingParams(n=3, max_tokens=2)))
+        with pytest.raises(InvalidRequestError, match="field `n`: 2"):
+            await engine.submit([9, 9], SamplingParams(n=2, max_tokens=2))
+        assert engine.in_flight() == 0
+        with pytest.raises(InvalidRequestError, match="field `n`: 2"):
+            await engine.submit_many([[9, 9], [8, 8]], [SamplingParams(max_tokens=2), SamplingParams(n=2)], ["a", "b"])
+        assert engine.in_flight() == 0, "the first request of a refused submit_many is not left in flight"
+        deltas = await collect(engine.generate([9, 9], SamplingParams(n=1, max_tokens=2)))
+        assert deltas[-1].completion_tokens == 2
+    finally:
+        await engine.shutdown()

@@ -99,7 +99,8 @@ def params_to_json(params: Any, room: Optional[int] = None) -> str:
     """Turn sampling params into the JSON the core reads.
 
     Accepts None, a JSON string, a dict, `ninfer.SamplingParams` (its max_tokens None means all
-    of `room`, the context left after the prompt) or any dataclass of core fields.
+    of `room`, the context left after the prompt; its `n` must be 1, as one request is one
+    completion) or any dataclass of core fields.
     """
     if params is None:
         return "{}"
@@ -108,6 +109,14 @@ def params_to_json(params: Any, room: Optional[int] = None) -> str:
     if isinstance(params, dict):
         return json.dumps(params)
     if hasattr(params, "to_core_json"):
+        n = getattr(params, "n", 1)
+        if n != 1:
+            # One engine request is one completion: silently running one of `n` would lose the rest.
+            from ninfer._core import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"invalid request field `n`: {n} (an AsyncEngine request is one completion; submit_many "
+                "one request per completion, or use LLM.generate)")
         max_tokens = getattr(params, "max_tokens", None) or room
         return params.to_core_json(max_tokens, getattr(params, "seed", None))
     if dataclasses.is_dataclass(params):
@@ -325,11 +334,13 @@ class AsyncEngine:
         rids = list(request_ids)
         if len(set(rids)) != len(rids) or any(rid in self._streams for rid in rids):
             raise ValueError(f"request ids {rids} repeat or are already in flight")
+        # Every params object serialised before any request is registered: one refused (a bad
+        # type, n > 1) must leave nothing in flight.
+        jobs = [(rid, list(ids), params_to_json(p, max(self.max_context - len(ids), 1)))
+                for ids, p, rid in zip(prompts, params, rids)]
         send, receive = anyio.create_memory_object_stream(math.inf)
         timings = {}
-        jobs = []
-        for ids, p, rid in zip(prompts, params, rids):
-            jobs.append((rid, list(ids), params_to_json(p, max(self.max_context - len(ids), 1))))
+        for rid, _, _ in jobs:
             timings[rid] = RequestTiming(submitted=time.monotonic())
             self._streams[rid] = send
             self._timings[rid] = timings[rid]
