@@ -184,6 +184,22 @@ def test_grammar_failing_midway_ends_an_openai_stream_with_an_error_event_then_d
         assert PARTIAL.fullmatch(text), (path, text)
 
 
+def test_grammar_failing_midway_streams_the_text_held_back_for_a_stop_string_before_the_error(server):
+    """Stop strings that start with every possible `[ab]{3}` hold the whole partial output back;
+    the failed request's last delta carries it, and the stream sends it before the error event
+    (it used to be dropped, so the stream showed none of the output the request produced)."""
+    stops = [f"{a}{b}{c}z" for a in "ab" for b in "ab" for c in "ab"]
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        events = sse_events(server, path, dict(failing_bodies()[path], stop=stops))
+        assert events[-1] == (None, "[DONE]"), events
+        assert_names_the_grammar_failure(json.loads(events[-2][1])["error"])
+        chunks = [json.loads(d) for _, d in events[:-2]]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks), "no normal finish chunk"
+        text = "".join((c["choices"][0]["text"] if path == "/v1/completions"
+                        else c["choices"][0]["delta"].get("content") or "") for c in chunks)
+        assert PARTIAL.fullmatch(text), (path, text)
+
+
 def test_grammar_failing_midway_is_an_error_to_the_openai_client(client):
     body = failing_bodies()["/v1/chat/completions"]
     with pytest.raises(openai.BadRequestError) as e:

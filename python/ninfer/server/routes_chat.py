@@ -11,6 +11,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ninfer.outputs import GenerationError
 from ninfer.server.choices import ChoiceBuilder, TokenText, chat_logprobs
 from ninfer.server.errors import bad_request, error_payload
 from ninfer.server.protocol import ChatRequest, parse_chat
@@ -137,6 +138,17 @@ async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text,
                                                         "finish_reason": b.finish_reason}], with_usage=wu)
         if wu:
             yield _chunk(rid, created, model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
+        yield DONE
+    except GenerationError as e:
+        # The failed request's last delta holds the text of its accepted tokens that was still
+        # held back (a possible stop-string start, a parser's buffer): sent before the error, so
+        # the stream carries all the output produced, as LLM.generate's result does.
+        b = builders[sub.choice_of[e.request_id]] if e.request_id in sub.choice_of else None
+        fields = b.feed(e.delta) if b is not None and e.delta is not None else None
+        if fields:
+            yield _chunk(rid, created, model, [{"index": b.index, "delta": fields, "logprobs": None,
+                                                "finish_reason": None}], with_usage=wu)
+        yield error_event(error_payload(e))
         yield DONE
     except Exception as e:
         # As vLLM reports a failure midway: the error event, then the end of the stream.

@@ -9,6 +9,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ninfer.outputs import GenerationError
 from ninfer.server.choices import ChoiceBuilder, TokenText
 from ninfer.server.errors import error_payload
 from ninfer.server.protocol import parse_completion
@@ -87,6 +88,19 @@ async def _stream(sub: Submission, req, builders: list, token_text, rid: str, cr
                     yield _chunk(rid, created, req.model, [choice], with_usage=wu)
         if wu:
             yield _chunk(rid, created, req.model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
+        yield DONE
+    except GenerationError as e:
+        # The failed request's held-back text (a possible stop-string start), sent before the
+        # error as routes_chat does.
+        delta = e.delta
+        if delta is not None and delta.text and e.request_id in sub.choice_of:
+            b = builders[sub.choice_of[e.request_id]]
+            b.feed(delta)
+            choice = {"index": b.index, "text": delta.text, "logprobs": None, "finish_reason": None}
+            if req.return_token_ids:
+                choice["token_ids"] = []
+            yield _chunk(rid, created, req.model, [choice], with_usage=wu)
+        yield error_event(error_payload(e))
         yield DONE
     except Exception as e:
         # As vLLM reports a failure midway: the error event, then the end of the stream.
