@@ -371,3 +371,16 @@ def test_a_request_failing_midway_is_an_anthropic_error_event_on_messages():
         assert len(text) == 3, "the partial output streamed before the error"
         ok = httpx.post(s.url + "/v1/messages", json=dict(body, messages=[{"role": "user", "content": "hello"}]))
         assert ok.status_code == 200 and ok.json()["stop_reason"] == "max_tokens"
+
+
+def test_completion_suffix_is_refused_not_ignored(server):
+    """`suffix` (fill in the middle) is not implemented: a non-empty one is a 400 naming it, as
+    `echo` is, rather than an answer that silently ignores the text after the insertion point."""
+    body = {"model": MODEL, "prompt": "def f(", "max_tokens": 3}
+    for suffix, code in (("):\n    return 1", "unsupported"), (7, None)):
+        r = httpx.post(server.url + "/v1/completions", json=dict(body, suffix=suffix))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "suffix" and err["code"] == code and err["type"] == "invalid_request_error", err
+    for suffix in (None, ""):
+        assert httpx.post(server.url + "/v1/completions", json=dict(body, suffix=suffix)).status_code == 200

@@ -368,6 +368,12 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
     common = _common(body, defaults)
     if boolean(body, "echo"):
         raise bad_request("`echo` is not supported yet", "echo", "unsupported")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad_request(f"`suffix` must be a string, got {_type_name(suffix)} {suffix!r}", "suffix")
+    if suffix:
+        # Text after the insertion point (fill-in-the-middle): ignoring it would answer another question.
+        raise bad_request("`suffix` is not supported yet", "suffix", "unsupported")
     if body.get("best_of") not in (None, 1):
         raise bad_request(f"`best_of` {body['best_of']!r} is not supported yet", "best_of", "unsupported")
     sampling = sampling_fields(body, defaults)
