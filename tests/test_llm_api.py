@@ -322,3 +322,16 @@ def test_kv_dtype_accepts_the_cpu_cache_type_by_name_and_refuses_another(qwen3_d
         LLM(qwen3_dir, kv_dtype="bf16")
     with pytest.raises(UnsupportedError, match="kv_dtype `int8`.*later work"):
         LLM(qwen3_dir, kv_dtype="int8")
+
+
+def test_engine_string_options_take_none_as_their_default_and_name_a_wrong_type(qwen3_dir, llm):
+    """`kv_dtype=None` (as `max_context=None`) is the default, auto; a non-string is a TypeError
+    naming the argument (the core's says only "'int' object is not an instance of 'str'")."""
+    with LLM(qwen3_dir, max_context=MAX_CONTEXT, kv_dtype=None, logits_dtype=None, device=None) as engine:
+        [a] = engine.generate("hello", greedy(4))
+    assert a.token_ids == llm.generate("hello", greedy(4))[0].token_ids
+    for name, value in (("kv_dtype", 123), ("kv_dtype", b"float32"), ("logits_dtype", 1.0), ("device", 0)):
+        with pytest.raises(TypeError, match=rf"LLM\({name}=\.\.\.\) must be a string.*got {type(value).__name__}"):
+            LLM(qwen3_dir, **{name: value})
+    with pytest.raises(UnsupportedError, match="kv_dtype ``"):
+        LLM(qwen3_dir, kv_dtype="")

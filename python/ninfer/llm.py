@@ -33,23 +33,26 @@ class LLM:
     `num_threads` for the CPU backend (an error on a GPU), `logits_dtype` "auto" (logits rounded to the 16-bit
     dtype the model runs in, as transformers and vLLM produce them; docs/rounding.md) or "float32", `kv_dtype`
     "auto" or the type the backend keeps its KV cache in by name ("bf16" on a GPU, "float32" on the CPU; another
-    is refused before the weights load).
+    is refused before the weights load). None for `device`, `logits_dtype` or `kv_dtype` is the default.
     """
 
     def __init__(
         self,
         model_dir: Union[str, os.PathLike],
-        device: str = "cpu",
+        device: Optional[str] = "cpu",
         max_context: Optional[int] = None,
         kv_capacity: Optional[int] = None,
         max_concurrency: int = 64,
         prefill_chunk: int = 512,
         prefix_reuse: bool = True,
         num_threads: Optional[int] = None,
-        logits_dtype: str = "auto",
-        kv_dtype: str = "auto",
+        logits_dtype: Optional[str] = "auto",
+        kv_dtype: Optional[str] = "auto",
     ) -> None:
         self.model_dir = os.fspath(model_dir)
+        device = _option_name("device", device, "cpu")
+        logits_dtype = _option_name("logits_dtype", logits_dtype, "auto")
+        kv_dtype = _option_name("kv_dtype", kv_dtype, "auto")
         self._core = _core.Engine(
             self.model_dir,
             device=device,
@@ -303,6 +306,17 @@ class LLM:
             self._busy = False
         _raise_failures(results)
         return results
+
+
+def _option_name(name: str, value, default: str) -> str:
+    """A string option of the engine (`device`, `logits_dtype`, `kv_dtype`): None is its default;
+    another type is a TypeError naming the argument (the core's own says only "'int' object is
+    not an instance of 'str'")."""
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise TypeError(f"LLM({name}=...) must be a string such as {default!r}, got {type(value).__name__} {value!r}")
+    return value
 
 
 def _raise_failures(results: List[RequestOutput]) -> None:
