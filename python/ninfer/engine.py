@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ninfer._core import InvalidRequestError
 from ninfer.outputs import GenerationError
 
 Messages = Sequence[dict]
@@ -112,8 +113,6 @@ def params_to_json(params: Any, room: Optional[int] = None) -> str:
         n = getattr(params, "n", 1)
         if n != 1:
             # One engine request is one completion: silently running one of `n` would lose the rest.
-            from ninfer._core import InvalidRequestError
-
             raise InvalidRequestError(
                 f"invalid request field `n`: {n} (an AsyncEngine request is one completion; submit_many "
                 "one request per completion, or use LLM.generate)")

@@ -139,18 +139,16 @@ async def _stream(sub: Submission, req: ChatRequest, builders: list, token_text,
         if wu:
             yield _chunk(rid, created, model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
         yield DONE
-    except GenerationError as e:
-        # The failed request's last delta holds the text of its accepted tokens that was still
-        # held back (a possible stop-string start, a parser's buffer): sent before the error, so
-        # the stream carries all the output produced, as LLM.generate's result does.
-        b = builders[sub.choice_of[e.request_id]] if e.request_id in sub.choice_of else None
-        fields = b.feed(e.delta) if b is not None and e.delta is not None else None
-        if fields:
-            yield _chunk(rid, created, model, [{"index": b.index, "delta": fields, "logprobs": None,
-                                                "finish_reason": None}], with_usage=wu)
-        yield error_event(error_payload(e))
-        yield DONE
     except Exception as e:
+        if isinstance(e, GenerationError) and e.delta is not None and e.request_id in sub.choice_of:
+            # The failed request's last delta holds the text of its accepted tokens that was still
+            # held back (a possible stop-string start, a parser's buffer): sent before the error,
+            # so the stream carries all the output produced, as LLM.generate's result does.
+            b = builders[sub.choice_of[e.request_id]]
+            fields = b.feed(e.delta)
+            if fields:
+                yield _chunk(rid, created, model, [{"index": b.index, "delta": fields, "logprobs": None,
+                                                    "finish_reason": None}], with_usage=wu)
         # As vLLM reports a failure midway: the error event, then the end of the stream.
         yield error_event(error_payload(e))
         yield DONE

@@ -38,10 +38,12 @@ async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = parse_completion(await read_json(request), state.defaults)
     engine = state.require_engine()
-    # On a worker thread, as prepare_chat: a long prompt would stall the event loop.
-    prompts = await anyio.to_thread.run_sync(
-        lambda: [p if isinstance(p, list) else list(state.tokenizer().encode(p, add_special_tokens=True))
-                 for p in req.prompts])
+    prompts = req.prompts
+    if any(isinstance(p, str) for p in prompts):
+        # On a worker thread, as prepare_chat: a long prompt would stall the event loop.
+        prompts = await anyio.to_thread.run_sync(
+            lambda: [p if isinstance(p, list) else list(state.tokenizer().encode(p, add_special_tokens=True))
+                     for p in req.prompts])
     rid = "cmpl-" + request.scope["state"]["request_id"]
     sub = await state.start(prompts, req, rid)
     builders = [ChoiceBuilder(i, reasoning=None, tools=None) for i in range(len(sub.choice_of))]
@@ -89,20 +91,15 @@ async def _stream(sub: Submission, req, builders: list, token_text, rid: str, cr
         if wu:
             yield _chunk(rid, created, req.model, [], usage_of(builders, sub.prompt_tokens), with_usage=True)
         yield DONE
-    except GenerationError as e:
-        # The failed request's held-back text (a possible stop-string start), sent before the
-        # error as routes_chat does.
-        delta = e.delta
+    except Exception as e:
+        delta = e.delta if isinstance(e, GenerationError) else None
         if delta is not None and delta.text and e.request_id in sub.choice_of:
-            b = builders[sub.choice_of[e.request_id]]
-            b.feed(delta)
-            choice = {"index": b.index, "text": delta.text, "logprobs": None, "finish_reason": None}
+            # The failed request's held-back text (a possible stop-string start), sent before the
+            # error as routes_chat does.
+            choice = {"index": sub.choice_of[e.request_id], "text": delta.text, "logprobs": None, "finish_reason": None}
             if req.return_token_ids:
                 choice["token_ids"] = []
             yield _chunk(rid, created, req.model, [choice], with_usage=wu)
-        yield error_event(error_payload(e))
-        yield DONE
-    except Exception as e:
         # As vLLM reports a failure midway: the error event, then the end of the stream.
         yield error_event(error_payload(e))
         yield DONE
