@@ -76,6 +76,30 @@ def gpu_ab():
     return mod
 
 
+#: Request fields the timed parts set themselves (greedy over exactly the timed tokens).
+OWN_SAMPLING_FIELDS = ("max_tokens", "ignore_eos", "n", "stream")
+
+
+def parse_sampling(text: str) -> dict:
+    """--sampling's JSON object of extra request fields. Raises argparse.ArgumentTypeError naming
+    the value when it is not an object or sets a field the parts own."""
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object of sampling fields")
+    own = sorted(set(extra) & set(OWN_SAMPLING_FIELDS))
+    if own:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(own)} is set by the timed parts themselves")
+    return extra
+
+
+def request_params(b: "Bench", max_tokens: int) -> str:
+    """The timed requests' sampling: greedy, EOS ignored, plus --sampling's fields."""
+    return json.dumps({"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **b.a.sampling})
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True,
@@ -107,6 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-budget-s", type=float, default=150.0,
                    help="throughput: skip a peer level whose estimated time exceeds this")
     p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--sampling", metavar="JSON", type=parse_sampling, default={},
+                   help="decode and throughput: sampling fields added to every ninfer request (a JSON object, e.g. "
+                        "'{\"presence_penalty\": 0.5}' to time requests with penalties); recorded in each record; "
+                        "needs --skip-peer (the transformers peer samples greedily without them)")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
     p.add_argument("--ab", metavar="NINFER_VAR=V1,V2",
@@ -136,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         for commit, site in builds:
             if not Path(site).is_dir():
                 p.error(f"--ab-builds: {commit}'s site {site!r} is not a directory")
+    if a.sampling and not a.skip_peer and not a.peer_worker:
+        p.error("--sampling: the transformers peer cannot apply the same sampling; add --skip-peer")
     if a.ab_rounds < 1:
         p.error(f"--ab-rounds {a.ab_rounds}: at least one round")
     if not (a.decode_8b or a.decode_27b or a.throughput or a.startup or a.profile):
@@ -300,6 +330,8 @@ class Bench:
         env = ninfer_settings(os.environ)
         if env:
             rec["env"] = env
+        if self.a.sampling and metric in ("decode_bs1_tok_s", "decode_throughput_tok_s"):
+            rec["sampling"] = self.a.sampling
         rec.update(fields)
         return rec
 
@@ -514,11 +546,12 @@ def ninfer_engine(b: Bench, path: Path, **kw):
 
 
 def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
-    """(decode tok/s over the steps after the first token, load seconds), one greedy request."""
+    """(decode tok/s over the steps after the first token, load seconds, steps queued ahead of the
+    step in flight), one greedy request (plus --sampling's fields)."""
     eng, load_s = ninfer_engine(b, path, max_context=max(2048, len(prompt) + n + 16),
                                 kv_capacity=max(4096, len(prompt) + n + 64),
                                 max_concurrency=4, prefill_chunk=512)
-    params = json.dumps({"max_tokens": n + 1, "temperature": 0.0, "ignore_eos": True})
+    params = request_params(b, n + 1)
 
     def run(rid: str) -> tuple:
         eng.submit(rid, prompt, params)
@@ -532,8 +565,9 @@ def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
 
     run("warmup")
     toks, secs = run("timed")
+    lookahead = eng.stats()["lookahead_steps"]
     eng.shutdown()
-    return toks / secs, load_s
+    return toks / secs, load_s, lookahead
 
 
 def part_decode(b: Bench, model: str) -> list:
@@ -548,11 +582,12 @@ def part_decode(b: Bench, model: str) -> list:
         peer = run_peer(b, {"kind": "decode", "model": model, "prompt": a.prompt, "tokens": peer_tokens})["tok_s"]
         log(f"transformers generate bs1 {model}: {peer:.2f} tok/s")
     log(f"ninfer decode bs1 {model}: loading")
-    tok_s, load_s = ninfer_decode(b, path, prompt, a.tokens)
+    tok_s, load_s, lookahead = ninfer_decode(b, path, prompt, a.tokens)
     ctx = a.prompt + a.tokens // 2
     moved = b.bytes_per_token(s, ctx)
     frac = moved * tok_s / rate
-    log(f"ninfer decode bs1 {model}: {tok_s:.2f} tok/s (load {load_s:.1f} s), {frac:.3f} of the copy rate")
+    log(f"ninfer decode bs1 {model}: {tok_s:.2f} tok/s (load {load_s:.1f} s), {frac:.3f} of the copy rate, "
+        f"{lookahead} steps queued ahead")
     return [b.record("decode_bs1_tok_s", model, round(tok_s, 2), s,
                      fraction_of_ceiling=round(frac, 4),
                      ceiling="device copy rate: bytes moved per token (weights read, KV read, recurrent state read "
@@ -560,7 +595,8 @@ def part_decode(b: Bench, model: str) -> list:
                      copy_rate_bytes_s=round(rate), bytes_moved_per_token=moved,
                      peer="transformers generate (bf16, eager, random init from the config, same GPU)",
                      peer_value=round(peer, 2) if peer else None, peer_decode_tokens=peer_tokens,
-                     prompt_tokens=a.prompt, output_tokens=a.tokens, batch=1, ninfer_load_s=round(load_s, 1))]
+                     prompt_tokens=a.prompt, output_tokens=a.tokens, batch=1, ninfer_load_s=round(load_s, 1),
+                     lookahead_steps=lookahead)]
 
 
 def part_throughput(b: Bench) -> list:
@@ -596,7 +632,7 @@ def part_throughput(b: Bench) -> list:
                 peers[str(c)] = {"skipped": f"failed: {str(e)[-300:]}"}
     eng, load_s = ninfer_engine(b, path, max_context=plen + olen + 16, kv_capacity=max(levels) * (plen + olen + 32),
                                 max_concurrency=max(levels), prefill_chunk=a.prefill_chunk)
-    params = json.dumps({"max_tokens": olen, "temperature": 0.0, "ignore_eos": True})
+    params = request_params(b, olen)
     eng.submit("warmup", random_prompt(plen, s["vocab"], 7), json.dumps({"max_tokens": 8, "ignore_eos": True}))
     while eng.has_unfinished():
         eng.step()

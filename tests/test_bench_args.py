@@ -3,6 +3,9 @@ takes minutes on the GPU machine): exit status 2 and a message naming the offend
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("torch")
@@ -31,13 +34,27 @@ def test_gpu_prefill_rejects_bad_arguments_naming_them(argv, named, capsys):
                                          (["--tp-model", "llama-70b"], "llama-70b"),
                                          (["--ab", "NINFER_X=1"], "--ab 'NINFER_X=1'"),
                                          (["--ab", "PATH=1,2"], "--ab 'PATH=1,2'"),
-                                         (["--ab", "NINFER_X=0,1", "--ab-rounds", "0"], "--ab-rounds 0")])
+                                         (["--ab", "NINFER_X=0,1", "--ab-rounds", "0"], "--ab-rounds 0"),
+                                         (["--sampling", "{bad", "--skip-peer"], "'{bad' is not JSON"),
+                                         (["--sampling", "[1]", "--skip-peer"], "'[1]': expected a JSON object"),
+                                         (["--sampling", '{"max_tokens": 3}', "--skip-peer"], "max_tokens is set by"),
+                                         (["--sampling", '{"presence_penalty": 0.5}'], "add --skip-peer")])
 def test_gpu_bench_rejects_bad_arguments_naming_them(argv, named, capsys):
     bench = _load("gpu_bench")
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--out", "x.json", *argv])
     assert e.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_gpu_bench_sampling_fields_reach_the_timed_requests_and_the_records():
+    bench = _load("gpu_bench")
+    a = bench.parse_args(["--out", "x.json", "--skip-peer", "--sampling", '{"presence_penalty": 0.5, "seed": 3}'])
+    params = json.loads(bench.request_params(SimpleNamespace(a=a), 9))
+    assert params == {"max_tokens": 9, "temperature": 0.0, "ignore_eos": True, "presence_penalty": 0.5, "seed": 3}
+    plain = bench.parse_args(["--out", "x.json"])
+    assert json.loads(bench.request_params(SimpleNamespace(a=plain), 9)) == {"max_tokens": 9, "temperature": 0.0,
+                                                                             "ignore_eos": True}
 
 
 def test_gpu_prefill_accepts_a_profile_within_the_longest_prompt():
