@@ -567,6 +567,21 @@ __device__ __forceinline__ void ldsm_a_tf32(unsigned (&af)[4], unsigned addr) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) af[i] = to_tf32(__uint_as_float(af[i]));
 }
+// The B fragments of n-tiles 0-3 at column k0 of a transposed tf32 tile (shared address b,
+// ldsm_b_off applied, row stride LB words): b01 n-tiles 0 and 1, b23 n-tiles 2 and 3.
+template <int LB>
+__device__ __forceinline__ void ldsm_b4(unsigned (&b01)[4], unsigned (&b23)[4], unsigned b, int k0) {
+    ldsm_x4(b01, b + 4 * k0);
+    ldsm_x4(b23, b + 4 * (16 * LB + k0));
+}
+// c[nt][4] += the A fragment af times n-tiles 0-3 of ldsm_b4's fragments.
+__device__ __forceinline__ void mma_b4(float (*c)[4], const unsigned (&af)[4], const unsigned (&b01)[4],
+                                       const unsigned (&b23)[4]) {
+    mma1688(c[0], af, b01[0], b01[1]);
+    mma1688(c[1], af, b01[2], b01[3]);
+    mma1688(c[2], af, b23[0], b23[1]);
+    mma1688(c[3], af, b23[2], b23[3]);
+}
 // c[nt][4] += A (16 f32 rows at shared address a, this lane's ldsm_a_off applied, K columns)
 // times B (K x 32, tf32 bits stored transposed at b, ldsm_b_off applied, row stride LB
 // words).
@@ -576,12 +591,8 @@ __device__ __forceinline__ void warp_mma_ldsm(float (*c)[4], unsigned a, unsigne
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned af[4], b01[4], b23[4];
         ldsm_a_tf32(af, a + 4 * k0);
-        ldsm_x4(b01, b + 4 * k0);
-        ldsm_x4(b23, b + 4 * (16 * LB + k0));
-        mma1688(c[0], af, b01[0], b01[1]);
-        mma1688(c[1], af, b01[2], b01[3]);
-        mma1688(c[2], af, b23[0], b23[1]);
-        mma1688(c[3], af, b23[2], b23[3]);
+        ldsm_b4<LB>(b01, b23, b, k0);
+        mma_b4(c, af, b01, b23);
     }
 }
 // Step 1's two products over one pass of the state's B fragments: ua += W S (W f32 by
@@ -597,16 +608,9 @@ __device__ __forceinline__ void warp_mma_wq_ldsm(float (*ua)[4], float (*oa)[4],
         ldsm_a_tf32(wf, w + 4 * k0);
         const unsigned qf[4] = {tf32_of(q0[k0]), tf32_of(q0[8 * LQ + k0]), tf32_of(q0[k0 + 4]),
                                 tf32_of(q0[8 * LQ + k0 + 4])};
-        ldsm_x4(b01, b + 4 * k0);
-        ldsm_x4(b23, b + 4 * (16 * LB + k0));
-        mma1688(ua[0], wf, b01[0], b01[1]);
-        mma1688(oa[0], qf, b01[0], b01[1]);
-        mma1688(ua[1], wf, b01[2], b01[3]);
-        mma1688(oa[1], qf, b01[2], b01[3]);
-        mma1688(ua[2], wf, b23[0], b23[1]);
-        mma1688(oa[2], qf, b23[0], b23[1]);
-        mma1688(ua[3], wf, b23[2], b23[3]);
-        mma1688(oa[3], qf, b23[2], b23[3]);
+        ldsm_b4<LB>(b01, b23, b, k0);
+        mma_b4(ua, wf, b01, b23);
+        mma_b4(oa, qf, b01, b23);
     }
 }
 
