@@ -138,6 +138,24 @@ mod tests {
     }
 
     #[test]
+    fn with_input_counts_the_input_only_on_a_row_that_asks() {
+        let row = RowSampling {
+            temperature: 0.0,
+            penalties: PenaltyParams { repetition: 1.0, presence: 1.0, frequency: 2.0 },
+            penalized: vec![(1, 1), (2, 0)],
+            ..Default::default()
+        };
+        assert_eq!(row.with_input(1), row, "a row without count_input is unchanged");
+        let counting = RowSampling { count_input: true, ..row.clone() };
+        let raw = [0.0f32, 6.0, 2.5];
+        assert_eq!(RowSampling { penalized: vec![(1, 2), (2, 0)], ..row.clone() }, counting.with_input(1));
+        assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 1)], ..row.clone() }, counting.with_input(2));
+        assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 0), (0, 1)], ..row.clone() }, counting.with_input(0));
+        assert_eq!(row.sample(&raw).token, 1, "6 - 3 beats 2.5");
+        assert_eq!(counting.with_input(1).sample(&raw).token, 2, "6 - 5 loses to 2.5");
+    }
+
+    #[test]
     fn filtered_draw_walks_candidates_in_descending_order() {
         let raw = [0.0f32, 3.0, 3.0, 1.0];
         let row = RowSampling { top_k: 3, ..Default::default() };
