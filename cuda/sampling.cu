@@ -98,6 +98,9 @@ enum {
 };
 #define FLAG_GREEDY 1u
 #define FLAG_LOGPROBS 2u
+// The row's input token of this step (fed[row], the token the step before sampled for it) is an
+// output not yet in its penalty pairs (RowSampling::count_input: a step queued ahead).
+#define FLAG_COUNT_INPUT 4u
 
 // Radix select modes: stop where the count reaches the target, or the mass reaches / exceeds it.
 #define SEL_COUNT_GE 0
@@ -540,19 +543,70 @@ __device__ void raw_logprobs(const float* raw, int vocab, int token, int n, unsi
     }
 }
 
+// One token's logit under the repetition penalty, then presence / frequency for a token the
+// output holds n times (penalties.rs `apply_penalties`: one rounded f32 op each).
+__device__ __forceinline__ float penalized_logit(float l, unsigned n, float rep, float pres, float freq) {
+    if (rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+    if ((pres != 0.0f || freq != 0.0f) && n > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn((float)n, freq), pres));
+    return l;
+}
+
+// The penalties of one row over its logits [lo, lo + len), held in chunk[0..len) (chunk[i] is
+// id lo + i), as penalties.rs `apply_penalties` (after the bias): for each penalty pair
+// (token, output count) in range, the repetition penalty, then presence / frequency when the
+// count is > 0, one rounded f32 op each. `input` (SAMPLE_NONE when the row has no
+// FLAG_COUNT_INPUT) is one more output occurrence, as `PenaltyHistory::with_pending_output`:
+// its pair counts n + 1, or, with no pair, it is penalized as (input, 1) after the pairs (each
+// token's penalty is independent of the others, so the order does not matter). Every thread
+// of the block calls it; `input_paired` is a shared word; it ends with a barrier.
+__device__ void apply_penalty_pairs(float* chunk, int lo, int len, const unsigned* params, const unsigned* p,
+                                    unsigned input, unsigned* input_paired) {
+    const float rep = __uint_as_float(p[P_REP]);
+    const float pres = __uint_as_float(p[P_PRES]);
+    const float freq = __uint_as_float(p[P_FREQ]);
+    const unsigned* pen = params + p[P_PEN_OFF];
+    const unsigned input_at = input - (unsigned)lo;  // wraps past len when outside the chunk
+    const bool input_here = input != SAMPLE_NONE && input_at < (unsigned)len;
+    if (threadIdx.x == 0) *input_paired = 0;
+    __syncthreads();
+    for (unsigned e = threadIdx.x; e < p[P_PEN_N]; e += blockDim.x) {
+        const unsigned tok = pen[2 * e], at = tok - (unsigned)lo;
+        if (at >= (unsigned)len) continue;
+        unsigned n = pen[2 * e + 1];
+        if (tok == input) {
+            ++n;
+            *input_paired = 1;
+        }
+        chunk[at] = penalized_logit(chunk[at], n, rep, pres, freq);
+    }
+    __syncthreads();
+    if (input_here) {  // uniform over the block
+        if (threadIdx.x == 0 && !*input_paired) chunk[input_at] = penalized_logit(chunk[input_at], 1, rep, pres, freq);
+        __syncthreads();
+    }
+}
+
+// The token a row counts as one more output (FLAG_COUNT_INPUT), or SAMPLE_NONE.
+__device__ __forceinline__ unsigned counted_input(const unsigned* p, const int* fed, int row) {
+    return (p[P_FLAGS] & FLAG_COUNT_INPUT) ? (unsigned)fed[row] : SAMPLE_NONE;
+}
+
 // params: per row SAMPLE_HDR header words (P_*), then the rows' bias pairs (token, f32 bits),
 // penalty pairs (token, output count) and allow-mask words at the offsets the headers give.
 // logits: f32 [*, vocab], row p[P_SRC_ROW] is sampled; work: f32 [rows, vocab] scratch for the
-// processed logits. out: per row SAMPLE_OUT words: token, raw logprob (f32 bits), top ids[20],
-// top logprobs[20].
+// processed logits. fed: i32, fed[r] is row r's input token where its header has
+// FLAG_COUNT_INPUT (the ids of a fed decode step, whose row r is sequence r; unread otherwise,
+// may be null). out: per row SAMPLE_OUT words: token, raw logprob (f32 bits), top ids[20], top
+// logprobs[20].
 // This is the whole sampler in one block per row (one SM streams the row several times: ~52 us
 // a row at vocab 128256 on an H200). Steps use sample_scan + sample_pick below; this kernel
 // stays as their reference in the op tests (same tokens, same top ids) and as the TIMING
 // baseline.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work, int vocab,
-            const unsigned* __restrict__ params, unsigned* __restrict__ out) {
+            const unsigned* __restrict__ params, const int* __restrict__ fed, unsigned* __restrict__ out) {
     __shared__ SampleShared sh;
+    __shared__ unsigned input_paired;
     const unsigned* p = params + (long long)blockIdx.x * SAMPLE_HDR;
     const float* raw = logits + (long long)p[P_SRC_ROW] * vocab;
     float* row = work + (long long)blockIdx.x * vocab;
@@ -569,21 +623,7 @@ sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work
         const unsigned tok = bias[2 * e];
         if (tok < (unsigned)vocab) row[tok] = __fadd_rn(row[tok], __uint_as_float(bias[2 * e + 1]));
     }
-    __syncthreads();
-    const float rep = __uint_as_float(p[P_REP]);
-    const float pres = __uint_as_float(p[P_PRES]);
-    const float freq = __uint_as_float(p[P_FREQ]);
-    const bool pres_freq = pres != 0.0f || freq != 0.0f;
-    const unsigned* pen = params + p[P_PEN_OFF];
-    for (unsigned e = threadIdx.x; e < p[P_PEN_N]; e += blockDim.x) {
-        const unsigned tok = pen[2 * e], n = pen[2 * e + 1];
-        if (tok >= (unsigned)vocab) continue;
-        float l = row[tok];
-        if (rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-        if (pres_freq && n > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn((float)n, freq), pres));
-        row[tok] = l;
-    }
-    __syncthreads();
+    apply_penalty_pairs(row, 0, vocab, params, p, counted_input(p, fed, blockIdx.x), &input_paired);
     int token;
     if (p[P_FLAGS] & FLAG_GREEDY) {
         float best;
@@ -605,7 +645,7 @@ sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work
 // row samples) draws the non-greedy tokens from the processed logits sample_scan left in `work`.
 //
 // A sample_scan block loads its chunk once into registers, applies the row's grammar mask, the
-// bias and penalty entries that fall in the chunk (per element, exactly as sample_rows_one_block),
+// bias and penalty entries that fall in the chunk (apply_penalty_pairs, as sample_rows_one_block),
 // and reduces the chunk to one partial record: the processed argmax (greedy rows), the raw max
 // and sum of exp(raw - max) (logprob rows), and the chunk's top-n raw logits in (value
 // descending by total order, id ascending) order. It writes the record, `__threadfence()`s and
@@ -707,16 +747,17 @@ __device__ float scan_block_max(float v, float* red) {
     return warp_max(lane < n_warps ? red[lane] : NEG_INF);
 }
 
-// params, logits, work, out: as sample_rows_one_block (work is written for non-greedy rows only;
+// params, logits, work, fed, out: as sample_rows_one_block (work is written for non-greedy rows only;
 // for a non-greedy row with logprobs, out[1] holds the row's logsumexp for sample_pick).
 // partials: u32 [rows, gridDim.x, SCAN_REC]; arrivals: u32 [rows], zero before the launch and
 // zero after it.
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 sample_scan(const float* __restrict__ logits, float* __restrict__ work, int vocab,
-            const unsigned* __restrict__ params, unsigned* __restrict__ partials,
+            const unsigned* __restrict__ params, const int* __restrict__ fed, unsigned* __restrict__ partials,
             unsigned* __restrict__ arrivals, unsigned* __restrict__ out) {
     // The chunk's processed logits; the last block reuses it for the merge candidates.
     __shared__ unsigned s_buf[SCAN_SPAN];
+    __shared__ unsigned input_paired;
     __shared__ float red_f[32];
     __shared__ int red_i[32];
     __shared__ unsigned red_k[32];
@@ -752,21 +793,7 @@ sample_scan(const float* __restrict__ logits, float* __restrict__ work, int voca
         const unsigned at = bias[2 * e] - (unsigned)lo;
         if (at < (unsigned)len) s_row[at] = __fadd_rn(s_row[at], __uint_as_float(bias[2 * e + 1]));
     }
-    __syncthreads();
-    const float rep = __uint_as_float(p[P_REP]);
-    const float pres = __uint_as_float(p[P_PRES]);
-    const float freq = __uint_as_float(p[P_FREQ]);
-    const bool pres_freq = pres != 0.0f || freq != 0.0f;
-    const unsigned* pen = params + p[P_PEN_OFF];
-    for (unsigned e = tid; e < p[P_PEN_N]; e += SCAN_THREADS) {
-        const unsigned at = pen[2 * e] - (unsigned)lo, n = pen[2 * e + 1];
-        if (at >= (unsigned)len) continue;
-        float l = s_row[at];
-        if (rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-        if (pres_freq && n > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn((float)n, freq), pres));
-        s_row[at] = l;
-    }
-    __syncthreads();
+    apply_penalty_pairs(s_row, lo, len, params, p, counted_input(p, fed, r), &input_paired);
 
     unsigned* rec = partials + ((long long)r * nb + b) * SCAN_REC;
     if (greedy) {

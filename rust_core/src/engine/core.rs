@@ -337,9 +337,10 @@ impl EngineCore {
 
     /// The decode step to queue behind `prev` before its tokens are known, when that is safe:
     /// no abort is pending (aborts free blocks and take snapshots, which need a settled state),
-    /// no sequence of `prev` samples its next token from inputs its token in flight changes
-    /// (penalties count it, a grammar advances on it), none is sure to end with it (its length
-    /// limit), and the scheduler would pick exactly this step (`Scheduler::schedule_lookahead`).
+    /// no sequence of `prev` samples its next token from a host input its token in flight
+    /// changes (a grammar mask; penalties count it on the runner instead, `count_input`), none
+    /// is sure to end with it (its length limit), and the scheduler would pick exactly this
+    /// step (`Scheduler::schedule_lookahead`).
     fn lookahead(&mut self, prev: &ScheduledStep) -> Option<ScheduledStep> {
         if !self.pending_aborts.is_empty() {
             return None;
@@ -458,7 +459,8 @@ impl EngineCore {
 
     /// Queue the scheduled batch (with the snapshot restores it needs first) and the sampling
     /// of a token for every sequence that produces logits, in step order; `feed`: a lookahead
-    /// step, whose tokens the runner takes from the step launched before it. A runner that does
+    /// step, whose tokens the runner takes from the step launched before it (and whose rows
+    /// with penalties count that token, not accepted yet, on the runner). A runner that does
     /// not overlap runs it now and `complete` takes its tokens.
     fn launch(&mut self, step: &ScheduledStep, feed: bool) -> Result<()> {
         for &(src, dst) in &step.copies_before {
@@ -470,7 +472,7 @@ impl EngineCore {
             .iter()
             .zip(&step.batch.seqs)
             .filter(|(_, seq)| seq.logits != LogitsWanted::None)
-            .map(|(id, _)| self.requests.get_mut(id).expect("scheduled request exists").prepare_sampling(vocab))
+            .map(|(id, _)| self.requests.get_mut(id).expect("scheduled request exists").prepare_sampling(vocab, feed))
             .collect();
         if self.overlap {
             self.runner.launch_sampled(&step.batch, &rows, feed)?;

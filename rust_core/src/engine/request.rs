@@ -51,7 +51,10 @@ impl RequestState {
     /// tokens the grammar allows, when the request has one); takes the request's RNG draw. When
     /// the grammar cannot compute a mask the row is left unconstrained and the error is kept:
     /// the token sampled from it is never output, `accept` ends the request with the error.
-    pub fn prepare_sampling(&mut self, vocab: usize) -> RowSampling {
+    /// `input_in_flight`: the row is of a step queued ahead, whose input token (this request's
+    /// newest output) is not accepted yet; a row with penalties then counts it on the runner
+    /// (`RowSampling::count_input`).
+    pub fn prepare_sampling(&mut self, vocab: usize, input_in_flight: bool) -> RowSampling {
         let mask = match self.grammar.as_mut().map(GrammarConstraint::compute_mask) {
             Some(Ok(mask)) => Some(mask),
             Some(Err(e)) => {
@@ -60,14 +63,18 @@ impl RequestState {
             }
             None => None,
         };
-        self.sampler.prepare(&self.params, mask.as_ref(), vocab)
+        let mut row = self.sampler.prepare(&self.params, mask.as_ref(), vocab);
+        row.count_input = input_in_flight && self.params.penalizes_history();
+        row
     }
 
     /// Whether the row of the token after the next can be prepared before the next token is
-    /// known (asynchronous scheduling): no penalty counts the output, no grammar advances on it,
-    /// and the next token does not reach `max_tokens` (it surely ends the request).
+    /// known (asynchronous scheduling): no grammar advances on it (its mask is computed on the
+    /// host from the token), and the next token does not reach `max_tokens` (it surely ends
+    /// the request). Penalties do not stop it: the row counts the token in flight on the
+    /// runner (`RowSampling::count_input`), which every overlapping runner's sampler does.
     pub fn can_sample_ahead(&self) -> bool {
-        self.grammar.is_none() && !self.params.penalizes_history() && self.completion_tokens + 1 < self.params.max_tokens
+        self.grammar.is_none() && self.completion_tokens + 1 < self.params.max_tokens
     }
 
     /// Advance the grammar past `token`: true when the constrained output is complete, which

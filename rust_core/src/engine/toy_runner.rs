@@ -12,7 +12,8 @@
 //! `overlapping()` makes it a runner that `overlaps_steps` the way a device backend does, for
 //! testing asynchronous scheduling on the host: `launch_sampled` runs the step at once (as a
 //! device stream runs queued work in order) and keeps its tokens until `collect_sampled`; a fed
-//! step takes its tokens from the launch before it.
+//! step takes its tokens from the launch before it, and its rows with penalties count them
+//! (`RowSampling::with_input`, the device sampler's reference).
 
 use std::sync::{Arc, Mutex};
 
@@ -160,6 +161,7 @@ impl ModelRunner for ToyRunner {
             return Err(NinferError::Device("toy: launch_sampled without overlapping() or with two steps uncollected".into()));
         }
         let mut batch = batch.clone();
+        let mut rows = rows.to_vec();
         if feed {
             if batch.seqs.len() != self.last_launched.len() || batch.seqs.iter().any(|q| q.tokens.len() != 1) {
                 return Err(NinferError::Device(format!("toy: a fed step of {} rows after a step of {} sampled rows", batch.seqs.len(), self.last_launched.len())));
@@ -167,8 +169,13 @@ impl ModelRunner for ToyRunner {
             for (q, &t) in batch.seqs.iter_mut().zip(&self.last_launched) {
                 q.tokens[0] = t;
             }
+            // Every sequence of a fed step samples: row i's input is the token fed to sequence
+            // i, which a row with penalties counts as the device sampler does.
+            for (row, &t) in rows.iter_mut().zip(&self.last_launched) {
+                *row = row.with_input(t);
+            }
         }
-        let sampled = self.forward(&batch)?.sample_on_host(rows)?;
+        let sampled = self.forward(&batch)?.sample_on_host(&rows)?;
         self.last_launched = sampled.iter().map(|s| s.token).collect();
         self.launched.as_mut().expect("checked above").push_back(sampled);
         Ok(())

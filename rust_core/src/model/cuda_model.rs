@@ -897,7 +897,10 @@ impl ModelRunner for CudaModel {
             return Err(NinferError::invalid("launch_sampled", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
         }
         let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;
-        self.sampler.launch(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size).inspect_err(|_| self.sampler.reset())
+        // A fed step's rows with penalties count its input token, which the device ids hold
+        // (feed_sampled_tokens wrote them; row i is sequence i).
+        let fed = feed.then(|| self.dmeta.ids());
+        self.sampler.launch(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size, fed.as_ref()).inspect_err(|_| self.sampler.reset())
     }
 
     fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {

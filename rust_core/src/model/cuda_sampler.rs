@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::{PackedSampling, SampleScratch, SAMPLE_OUT};
@@ -70,15 +70,16 @@ impl DeviceSampler {
         if !self.pending.is_empty() {
             return Err(NinferError::Device(format!("device sampler: a synchronous step while {} launched steps are uncollected", self.pending.len())));
         }
-        self.launch(dev, logits, counts, rows, vocab)?;
+        self.launch(dev, logits, counts, rows, vocab, None)?;
         self.collect()
     }
 
     /// Queue the sampling of the last logits row of every sequence with rows (`counts[i]` rows
     /// for sequence `i`, packed in order in `logits`, f32 `[*, vocab]`; `rows[j]` goes with the
     /// j-th sequence that has rows) and the copy of its results to the host; `collect` returns
-    /// them. At most two launches are uncollected at a time.
-    pub fn launch(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize) -> Result<()> {
+    /// them. At most two launches are uncollected at a time. `fed`: the step's input ids on the
+    /// device when it is a fed decode step (its rows with penalties `count_input`).
+    pub fn launch(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize, fed: Option<&CudaView<'_, i32>>) -> Result<()> {
         if self.pending.len() >= self.packed.len() {
             return Err(NinferError::Device(format!("device sampler: {} launches are already uncollected", self.pending.len())));
         }
@@ -116,7 +117,7 @@ impl DeviceSampler {
         let params = self.params.as_mut().expect("allocated above");
         self.up.upload(dev, words, &mut params.slice_mut(0..words.len()))?;
         let (scratch, out) = (self.scratch.as_mut().expect("allocated above"), self.out.as_mut().expect("allocated above"));
-        dev.sample_rows(logits, packed, &params.slice(0..words.len()), scratch, out)?;
+        dev.sample_rows(logits, packed, &params.slice(0..words.len()), fed, scratch, out)?;
         let staged = self.down.download(dev, &out.slice(0..n * SAMPLE_OUT))?;
         self.pending.push_back((k, staged, n));
         Ok(())

@@ -65,10 +65,15 @@ impl Logits {
     }
 
     /// Sample each sequence that produced rows from its last row with the host sampler, in
-    /// sequence order: `rows[i]` belongs to the i-th such sequence.
+    /// sequence order: `rows[i]` belongs to the i-th such sequence. A row that `count_input`s
+    /// is refused: the host does not know the step's input token (resolve it with
+    /// `RowSampling::with_input`).
     pub fn sample_on_host(&self, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
         let seqs: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i] > 0).collect();
         check_sampling_rows(seqs.len(), rows.len())?;
+        if rows.iter().any(|r| r.count_input) {
+            return Err(NinferError::invalid("sampling rows", "a row counts its step's input token, which the host sampler does not know"));
+        }
         Ok(seqs
             .iter()
             .zip(rows)
@@ -134,7 +139,9 @@ pub trait ModelRunner: Send {
     /// from `collect_sampled`, in launch order (at most two steps are uncollected at a time).
     /// With `feed`, the step is all decodes whose sequence `i` continues the sequence sampled in
     /// row `i` of the step launched just before, and its token is that row's sampled token,
-    /// taken on the device (the batch's token is a placeholder).
+    /// taken on the device (the batch's token is a placeholder). A row of a fed step may
+    /// `count_input` (it has penalties): its sampler counts that token as one more output
+    /// occurrence, as `RowSampling::with_input` does on the host.
     fn launch_sampled(&mut self, _batch: &StepBatch, _rows: &[RowSampling], _feed: bool) -> Result<()> {
         Err(NinferError::invalid("launch_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
     }

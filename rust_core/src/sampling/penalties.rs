@@ -42,6 +42,20 @@ impl PenaltyHistory {
         }
     }
 
+    /// `penalized` with one more output occurrence of `token`, for a row built while `token`,
+    /// the request's newest output, is still in flight (a step queued ahead under asynchronous
+    /// scheduling: `RowSampling::count_input`). Equals `penalized(params)` after
+    /// `push_output(token)` up to order, so the device sampler (cuda/sampling.cu) that counts
+    /// its step's input token this way samples what the synchronous engine samples.
+    pub fn with_pending_output(penalized: &[(u32, u32)], token: u32) -> Vec<(u32, u32)> {
+        let mut pairs = penalized.to_vec();
+        match pairs.iter_mut().find(|(t, _)| *t == token) {
+            Some((_, n)) => *n += 1,
+            None => pairs.push((token, 1)),
+        }
+        pairs
+    }
+
     /// Apply logit bias, repetition, presence and frequency penalties to `logits` in place.
     pub fn apply(&self, params: &SamplingParams, logits: &mut [f32]) {
         let bias: Vec<(u32, f32)> = params.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
@@ -114,6 +128,40 @@ mod tests {
         let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
         h.apply(&p, &mut l);
         assert_eq!(l, vec![0.0, -1.0, -0.75, 0.0]);
+    }
+
+    /// Merging the pending token into the pairs gives the pairs after recording it, for every
+    /// penalty scope and a token that is new, prompt-only (count 0) or already output.
+    #[test]
+    fn a_pending_output_merged_into_the_pairs_equals_recording_it() {
+        let scopes = [
+            SamplingParams { repetition_penalty: 1.3, ..Default::default() },
+            SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.8, frequency_penalty: -0.5, ..Default::default() },
+            SamplingParams::default(),
+        ];
+        let mut h = PenaltyHistory::new(&[3, 4, 3]);
+        h.push_output(5);
+        h.push_output(5);
+        h.push_output(6);
+        for p in &scopes {
+            for pending in [5, 6, 4, 9] {
+                let mut after = h.clone();
+                after.push_output(pending);
+                let mut want = after.penalized(p);
+                let mut got = PenaltyHistory::with_pending_output(&h.penalized(p), pending);
+                if p.penalizes_history() {
+                    want.sort_unstable();
+                    got.sort_unstable();
+                    assert_eq!(got, want, "pending {pending}, params {p:?}");
+                }
+                let logits: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
+                let (mut a, mut b) = (logits.clone(), logits);
+                apply_penalties(&mut a, &PenaltyParams::of(p), &[], &got);
+                after.apply(p, &mut b);
+                assert_eq!(a, b, "pending {pending}, params {p:?}: the same logits");
+            }
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! already taken from the request's RNG, so that a seed gives the same tokens wherever the
 //! row is sampled.
 
-use super::penalties::{apply_penalties, PenaltyParams};
+use super::penalties::{apply_penalties, PenaltyHistory, PenaltyParams};
 use super::sampler::{argmax, raw_logprobs, sample_filtered, SampledToken};
 
 /// One row's sampling decision, fully specified.
@@ -27,6 +27,13 @@ pub struct RowSampling {
     pub penalties: PenaltyParams,
     /// `(token, output count)` of every token a penalty touches (see `PenaltyHistory::penalized`).
     pub penalized: Vec<(u32, u32)>,
+    /// The token this row's step takes as input is the request's newest output and is not in
+    /// `penalized` yet: a decode step queued before the step that samples its input has
+    /// returned (asynchronous scheduling), whose input the device takes from that step's
+    /// sampler output. The sampler counts it as one more output occurrence
+    /// (`PenaltyHistory::with_pending_output`); the host sampler needs it resolved first
+    /// (`with_input`). Set only on rows with a penalty.
+    pub count_input: bool,
     /// `(token, additive bias)`, each token at most once.
     pub logit_bias: Vec<(u32, f32)>,
     /// Grammar allow-mask: bit `t % 32` of word `t / 32` set when token `t` may be sampled;
@@ -48,6 +55,7 @@ impl Default for RowSampling {
             u: 0.0,
             penalties: PenaltyParams { repetition: 1.0, presence: 0.0, frequency: 0.0 },
             penalized: Vec::new(),
+            count_input: false,
             logit_bias: Vec::new(),
             allow: None,
             logprobs: false,
@@ -73,8 +81,22 @@ impl RowSampling {
         self.logprobs || self.top_logprobs > 0
     }
 
-    /// Grammar mask, then bias and penalties, applied to a copy of `raw`.
+    /// This row once its step's input token is known to be `input`: with `count_input`, `input`
+    /// merged into the penalized pairs (the reference of what the device sampler does with the
+    /// token it reads on the device); else the row unchanged.
+    pub fn with_input(&self, input: u32) -> RowSampling {
+        let mut row = self.clone();
+        if row.count_input {
+            row.penalized = PenaltyHistory::with_pending_output(&row.penalized, input);
+            row.count_input = false;
+        }
+        row
+    }
+
+    /// Grammar mask, then bias and penalties, applied to a copy of `raw`. The row must not
+    /// `count_input` (its pairs would lack the input token; resolve it with `with_input`).
     pub fn processed(&self, raw: &[f32]) -> Vec<f32> {
+        debug_assert!(!self.count_input, "a row that counts its input token is sampled on the host before with_input");
         let mut logits = raw.to_vec();
         if let Some(words) = &self.allow {
             for (i, l) in logits.iter_mut().enumerate() {
@@ -113,6 +135,24 @@ mod tests {
             assert_eq!(lp.top[0].0, 0, "top logprobs come from the raw row, mask or not");
         }
         assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 3, "no filter: the draw walks ids in order");
+    }
+
+    #[test]
+    fn with_input_counts_the_input_only_on_a_row_that_asks() {
+        let row = RowSampling {
+            temperature: 0.0,
+            penalties: PenaltyParams { repetition: 1.0, presence: 1.0, frequency: 2.0 },
+            penalized: vec![(1, 1), (2, 0)],
+            ..Default::default()
+        };
+        assert_eq!(row.with_input(1), row, "a row without count_input is unchanged");
+        let counting = RowSampling { count_input: true, ..row.clone() };
+        let raw = [0.0f32, 6.0, 2.5];
+        assert_eq!(RowSampling { penalized: vec![(1, 2), (2, 0)], ..row.clone() }, counting.with_input(1));
+        assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 1)], ..row.clone() }, counting.with_input(2));
+        assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 0), (0, 1)], ..row.clone() }, counting.with_input(0));
+        assert_eq!(row.sample(&raw).token, 1, "6 - 3 beats 2.5");
+        assert_eq!(counting.with_input(1).sample(&raw).token, 2, "6 - 5 loses to 2.5");
     }
 
     #[test]

@@ -74,6 +74,7 @@ impl RequestSampler {
             u,
             penalties: PenaltyParams::of(params),
             penalized: self.history.penalized(params),
+            count_input: false,
             logit_bias: params.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
             allow: mask.map(|m| m.bitset(vocab)),
             logprobs: params.logprobs,

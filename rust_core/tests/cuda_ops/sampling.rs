@@ -21,20 +21,29 @@ const OUT_GUARD: u32 = 0xdead_beef;
 /// and check it against `sample_rows_one_block` (the one-block kernel it replaced): the same
 /// tokens and top ids bit for bit, logprobs within f32 summation-order error.
 fn device_sample(dev: &CudaDevice, logits: &CudaSlice<f32>, vocab: usize, rows: &[RowSampling], src: &[usize]) -> Vec<SampledToken> {
+    device_sample_fed(dev, logits, vocab, rows, src, None)
+}
+
+/// `device_sample` of a step whose input ids are `fed` (row r's is `fed[r]`, which the rows
+/// that `count_input` count as one more output).
+fn device_sample_fed(dev: &CudaDevice, logits: &CudaSlice<f32>, vocab: usize, rows: &[RowSampling], src: &[usize], fed: Option<&[i32]>) -> Vec<SampledToken> {
     let mut packed = PackedSampling::default();
     packed.pack(rows, src, vocab).unwrap();
     let params = upload_raw(dev, packed.words());
+    let fed = fed.map(|f| upload_raw(dev, f));
+    let fed_view = fed.as_ref().map(|f| f.slice(0..f.len()));
+    let fed = fed_view.as_ref();
     let mut scratch = SampleScratch::new(dev, rows.len(), vocab).unwrap();
     let n = rows.len() * SAMPLE_OUT;
     let mut out = upload_raw(dev, &vec![OUT_GUARD; n + GUARD]);
-    dev.sample_rows(logits, &packed, &params, &mut scratch, &mut out.slice_mut(0..n)).unwrap();
+    dev.sample_rows(logits, &packed, &params, fed, &mut scratch, &mut out.slice_mut(0..n)).unwrap();
     dev.synchronize().unwrap();
     let host = dev.stream().clone_dtoh(&out).unwrap();
     assert!(host[n..].iter().all(|&g| g == OUT_GUARD), "sample_rows wrote past its output");
     let got = packed.unpack(&host[..n]).unwrap();
     let mut work = dev.stream().alloc_zeros::<f32>(rows.len() * vocab).unwrap();
     let mut out1 = upload_raw(dev, &vec![OUT_GUARD; n]);
-    dev.sample_rows_one_block(logits, &mut work, &packed, &params, &mut out1).unwrap();
+    dev.sample_rows_one_block(logits, &mut work, &packed, &params, fed, &mut out1).unwrap();
     let one = packed.unpack(&dev.stream().clone_dtoh(&out1).unwrap()).unwrap();
     for (i, (g, o)) in got.iter().zip(&one).enumerate() {
         assert_eq!(g.token, o.token, "vocab {vocab}, row {i}: many-block token vs one-block token");
@@ -304,11 +313,11 @@ fn device_sampler_rejects_buffers_too_small_for_the_rows() {
     let logits = dev.stream().alloc_zeros::<f32>(3 * vocab).unwrap();
     let mut scratch = SampleScratch::new(&dev, 2, vocab).unwrap();
     let mut out = dev.stream().alloc_zeros::<u32>(2 * SAMPLE_OUT).unwrap();
-    let err = dev.sample_rows(&logits, &packed, &params, &mut scratch, &mut out).unwrap_err();
+    let err = dev.sample_rows(&logits, &packed, &params, None, &mut scratch, &mut out).unwrap_err();
     assert!(matches!(err, NinferError::Device(ref m) if m.contains("sampler logits")), "{err}");
     packed.pack(&[RowSampling::default(), RowSampling::default()], &[0, 2], vocab).unwrap();
     let mut small = SampleScratch::new(&dev, 1, vocab).unwrap();
-    let err = dev.sample_rows(&logits, &packed, &params, &mut small, &mut out).unwrap_err();
+    let err = dev.sample_rows(&logits, &packed, &params, None, &mut small, &mut out).unwrap_err();
     assert!(matches!(err, NinferError::Device(ref m) if m.contains("sampler scratch")), "{err}");
 }
 
@@ -364,7 +373,7 @@ fn many_block_sampler_merges_chunks_in_order_and_resets_its_counters() {
         let n = rows.len() * SAMPLE_OUT;
         for launch in 0..2 {
             let mut out = upload_raw(&dev, &vec![OUT_GUARD; n]);
-            dev.sample_rows(&dlogits, &packed, &params, &mut scratch, &mut out).unwrap();
+            dev.sample_rows(&dlogits, &packed, &params, None, &mut scratch, &mut out).unwrap();
             let got = packed.unpack(&dev.stream().clone_dtoh(&out).unwrap()).unwrap();
             let what = |i: usize| format!("vocab {vocab}, launch {launch}, row {i}");
             assert_eq!(got[0].token, (span + 9) as u32, "{}: equal maxima in three blocks", what(0));
@@ -391,6 +400,132 @@ fn many_block_sampler_merges_chunks_in_order_and_resets_its_counters() {
     }
 }
 
+/// Asynchronous scheduling with penalties: a row that `count_input`s (a step queued ahead,
+/// whose input token is the request's newest output, not in the pairs the host built) counts
+/// `fed[r]` as one more output occurrence, exactly as the host reference
+/// `RowSampling::with_input` (`PenaltyHistory::with_pending_output`) + `apply_penalties`: the
+/// token already in the pairs with a count > 0 (its count + 1), in them with count 0 (a
+/// prompt-only token under the repetition penalty: count 1), or absent (penalized as (t, 1)),
+/// under each penalty scope, with a bias on it, greedy and seeded, at vocabularies of one and
+/// many `sample_scan` chunks (the token in the first, a middle and the last, ragged chunk).
+/// Each row's logits make the extra occurrence decide the greedy token: the input token's raw
+/// logit is the largest, and a runner-up sits halfway between its processed logit with and
+/// without the extra count. Rows without the flag ignore their `fed` entry.
+#[test]
+fn device_sampler_counts_the_fed_input_token_as_one_more_output() {
+    let Some(dev) = gpu("sample_rows count_input", StorageDType::Bf16) else { return };
+    let mut rng = Rng::new(46);
+    let span = SAMPLE_SCAN_SPAN;
+    let scopes = [
+        PenaltyParams { repetition: 1.3, presence: 0.0, frequency: 0.0 },
+        PenaltyParams { repetition: 1.0, presence: 0.4, frequency: 0.3 },
+        PenaltyParams { repetition: 1.2, presence: 0.5, frequency: 0.7 },
+        PenaltyParams { repetition: 0.8, presence: 0.0, frequency: 0.9 },
+    ];
+    let (mut decisive, mut compared, mut skipped) = (0, 0, 0);
+    for vocab in [1000, 3 * span + 77, 151_936] {
+        let mut rows = Vec::new();
+        let mut fed = Vec::new();
+        let mut logits = Vec::new();
+        for (si, scope) in scopes.iter().enumerate() {
+            // (a) in the pairs with count 2, (b) with count 0, (c) absent.
+            for case in 0..3 {
+                for seeded in [false, true] {
+                    let r = rows.len();
+                    let input = match r % 3 {
+                        0 => rng.below(vocab.min(span)),
+                        1 => vocab / 2,
+                        _ => vocab - 1 - rng.below(20),
+                    } as u32;
+                    let mut pen: Vec<(u32, u32)> = rng.permutation(vocab).into_iter().map(|t| t as u32).filter(|&t| t != input).take(30).map(|t| (t, rng.below(4) as u32)).collect();
+                    match case {
+                        0 => pen.insert(rng.below(pen.len()), (input, 2)),
+                        1 => pen.push((input, 0)),
+                        _ => {}
+                    }
+                    let mut row = RowSampling {
+                        temperature: if seeded { 0.7 } else { 0.0 },
+                        top_k: if seeded && si % 2 == 1 { 5 } else { 0 },
+                        u: if seeded { draw(&mut rng) } else { 0.0 },
+                        penalties: *scope,
+                        penalized: pen,
+                        count_input: true,
+                        logit_bias: if case == 1 { vec![(input, 1.0)] } else { Vec::new() },
+                        logprobs: seeded,
+                        top_logprobs: if seeded { 2 } else { 0 },
+                        ..Default::default()
+                    };
+                    if si == 3 && case == 2 {
+                        row.logit_bias.push(((input + 1) % vocab as u32, -2.0));
+                    }
+                    let mut raw = rng.vec(vocab, -4.0, 4.0);
+                    raw[input as usize] = 10.0;
+                    let unpenalized = |t: u32| t != input && !row.penalized.iter().any(|p| p.0 == t) && !row.logit_bias.iter().any(|b| b.0 == t);
+                    let runner = loop {
+                        let t = rng.below(vocab) as u32;
+                        if unpenalized(t) {
+                            break t;
+                        }
+                    };
+                    let stale = RowSampling { count_input: false, ..row.clone() }.processed(&raw)[input as usize];
+                    let counted = row.with_input(input).processed(&raw)[input as usize];
+                    raw[runner as usize] = 0.5 * (stale + counted);
+                    if stale != counted {
+                        decisive += 1;
+                    }
+                    rows.push(row);
+                    fed.push(input as i32);
+                    logits.extend(raw);
+                }
+            }
+        }
+        // Rows that do not count their input: their fed entry (a token of theirs) is not read.
+        for temperature in [0.0f32, 0.9] {
+            let mut row = RowSampling { temperature, u: draw(&mut rng), ..Default::default() };
+            processors(&mut rng, vocab, &mut row, 2);
+            let t = row.penalized[0].0;
+            let mut raw = rng.vec(vocab, -4.0, 4.0);
+            raw[t as usize] = 10.0;
+            rows.push(row);
+            fed.push(t as i32);
+            logits.extend(raw);
+        }
+        let src: Vec<usize> = (0..rows.len()).collect();
+        let dlogits = upload_raw(&dev, &logits);
+        let got = device_sample_fed(&dev, &dlogits, vocab, &rows, &src, Some(&fed));
+        for (i, row) in rows.iter().enumerate() {
+            let raw = &logits[i * vocab..(i + 1) * vocab];
+            let host = row.with_input(fed[i] as u32);
+            let at = |u: f64| RowSampling { u: u.clamp(0.0, 1.0 - 1e-12), ..host.clone() }.sample(raw).token;
+            let want = at(host.u);
+            if !host.is_greedy() && (at(host.u - 1e-5) != want || at(host.u + 1e-5) != want) {
+                skipped += 1;
+                continue;
+            }
+            compared += 1;
+            assert_eq!(got[i].token, want, "vocab {vocab}, row {i}: input {} counted {}, penalties {:?}, T {}", fed[i], row.count_input, row.penalties, row.temperature);
+            if let Some(lp) = &got[i].logprob {
+                let w = raw_logprobs(raw, got[i].token, row.top_logprobs);
+                check("sample_rows.count_input", StorageDType::Bf16, &format!("v{vocab}/r{i}"), &[lp.logprob], &[w.logprob], TOL32);
+            }
+        }
+        // A counting row without the step's ids (or too few of them) is refused.
+        let mut packed = PackedSampling::default();
+        packed.pack(&rows, &src, vocab).unwrap();
+        let params = upload_raw(&dev, packed.words());
+        let mut scratch = SampleScratch::new(&dev, rows.len(), vocab).unwrap();
+        let mut out = dev.stream().alloc_zeros::<u32>(rows.len() * SAMPLE_OUT).unwrap();
+        let err = dev.sample_rows(&dlogits, &packed, &params, None, &mut scratch, &mut out).unwrap_err();
+        assert!(err.to_string().contains("sampler fed ids"), "{err}");
+        let short = upload_raw(&dev, &fed[..rows.len() - 1]);
+        let err = dev.sample_rows(&dlogits, &packed, &params, Some(&short.slice(0..rows.len() - 1)), &mut scratch, &mut out).unwrap_err();
+        assert!(err.to_string().contains("sampler fed ids"), "{err}");
+    }
+    println!("PARITY op=sample_rows.count_input compared={compared} skipped_near_boundary={skipped} decisive_rows={decisive}");
+    assert!(skipped * 10 <= compared, "{skipped} of {} draws near a CDF boundary", compared + skipped);
+    assert!(decisive >= 3 * 18, "{decisive} rows where the extra occurrence changes the input's logit");
+}
+
 /// TIMING (read on the GPU; asserts nothing about speed): `sample_rows` (many blocks per row)
 /// against `sample_rows_one_block` at Llama-3's vocabulary, greedy with and without logprobs
 /// (the benchmarks' and most agents' case), logits resident in L2 as after the LM head.
@@ -413,8 +548,8 @@ fn sample_rows_timing_at_llama3_vocab() {
             let mut scratch = SampleScratch::new(&dev, n_rows, vocab).unwrap();
             let mut work = dev.stream().alloc_zeros::<f32>(n_rows * vocab).unwrap();
             let mut out = dev.stream().alloc_zeros::<u32>(n_rows * SAMPLE_OUT).unwrap();
-            let before = time_ms(&dev, 200, || dev.sample_rows_one_block(&dlogits, &mut work, &packed, &params, &mut out).unwrap());
-            let after = time_ms(&dev, 200, || dev.sample_rows(&dlogits, &packed, &params, &mut scratch, &mut out).unwrap());
+            let before = time_ms(&dev, 200, || dev.sample_rows_one_block(&dlogits, &mut work, &packed, &params, None, &mut out).unwrap());
+            let after = time_ms(&dev, 200, || dev.sample_rows(&dlogits, &packed, &params, None, &mut scratch, &mut out).unwrap());
             println!("TIMING sample_rows vocab={vocab} rows={n_rows} {label}: before_us {:.1} after_us {:.1}", before * 1e3, after * 1e3);
         }
     }

@@ -1,8 +1,9 @@
 //! Asynchronous scheduling (a runner that `overlaps_steps`): every request gets exactly the
 //! tokens, text, finish reason and cache hits it gets from the synchronous engine; the lookahead
-//! step is taken where it is safe and never where the next sampling row depends on the token in
-//! flight. The toy's hybrid mode fails any step whose recurrent state disagrees with its KV
-//! history, so a snapshot taken from a slot the lookahead already advanced is caught.
+//! step is taken where it is safe and never where the next sampling row needs the token in
+//! flight on the host (a grammar); rows with penalties count it on the runner. The toy's hybrid
+//! mode fails any step whose recurrent state disagrees with its KV history, so a snapshot taken
+//! from a slot the lookahead already advanced is caught.
 
 use super::*;
 
@@ -81,13 +82,52 @@ fn eos_and_stop_strings_end_requests_whose_next_step_is_already_queued() {
     assert_eq!(overlapped[0].finish, Some("stop"));
 }
 
+/// Requests with penalties run ahead: each row of a lookahead step counts the token in flight
+/// (the step's input) on the runner, so the tokens are the synchronous engine's.
+/// The toy samples a fed row on the host after `RowSampling::with_input`, the reference the
+/// device sampler is tested against; a row that ignored the token in flight would penalize it
+/// one occurrence short and pick other tokens here.
 #[test]
-fn penalties_and_grammars_wait_for_the_token_in_flight() {
-    let penalized = SamplingParams { temperature: 0.0, max_tokens: 30, repetition_penalty: 1.3, ..Default::default() };
-    let presence = SamplingParams { temperature: 0.8, seed: Some(3), max_tokens: 30, presence_penalty: 0.7, ..Default::default() };
-    let (sync, overlapped, core) = both(&Setup::default(), &[(prompt(12, 1), penalized), (prompt(9, 2), presence)]);
-    assert_same(&sync, &overlapped);
-    assert_eq!(core.stats().lookahead_steps, 0, "every step holds a request whose next row counts the last token");
+fn penalties_run_ahead_and_count_the_token_in_flight() {
+    let repetition = SamplingParams { temperature: 0.0, max_tokens: 40, repetition_penalty: 1.3, ..Default::default() };
+    let pres_freq = SamplingParams { temperature: 0.8, seed: Some(3), max_tokens: 40, presence_penalty: 0.7, frequency_penalty: 0.9, logprobs: true, ..Default::default() };
+    let all_three = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 35,
+        repetition_penalty: 0.9,
+        presence_penalty: 1.5,
+        frequency_penalty: 2.0,
+        top_logprobs: 3,
+        ..Default::default()
+    };
+    let seeded_top_k = SamplingParams { temperature: 1.1, top_k: 8, seed: Some(11), max_tokens: 33, frequency_penalty: 1.2, ..Default::default() };
+    let reqs = vec![
+        (prompt(12, 1), repetition),
+        (prompt(9, 2), pres_freq),
+        (prompt(20, 3), all_three),
+        (prompt(7, 4), seeded_top_k),
+        (prompt(15, 5), greedy(30)),
+    ];
+    for hybrid in [false, true] {
+        let setup = Setup { hybrid, ..Default::default() };
+        let (sync, overlapped, core) = both(&setup, &reqs);
+        assert_same(&sync, &overlapped);
+        assert!(core.stats().lookahead_steps > 20, "hybrid {hybrid}: {} lookahead steps", core.stats().lookahead_steps);
+        let unpenalized: Vec<_> = reqs
+            .iter()
+            .map(|(p, params)| (p.clone(), SamplingParams { repetition_penalty: 1.0, presence_penalty: 0.0, frequency_penalty: 0.0, ..params.clone() }))
+            .collect();
+        let (plain, _, _) = run_requests(&setup, &unpenalized);
+        for i in 0..4 {
+            assert_ne!(sync[i].tokens, plain[i].tokens, "hybrid {hybrid}, request {i}: the penalties change the output");
+        }
+    }
+}
+
+/// A grammar's mask is computed on the host from the token sampled before, so a request with a
+/// `response_format` waits for the token in flight: no step is queued ahead of it.
+#[test]
+fn grammars_wait_for_the_token_in_flight() {
     let json = Setup { vocab: 256, tokenizer: Some(byte_tokenizer()), eos: vec![0], ..Default::default() };
     let constrained = SamplingParams {
         temperature: 0.0,

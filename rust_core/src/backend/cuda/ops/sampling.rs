@@ -1,7 +1,7 @@
 //! Sampling on the device (cuda/sampling.cu): greedy argmax + logsumexp, and the full sampler
 //! (`sample_rows`) whose inputs `PackedSampling` lays out.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
 use super::{as_i32, cfg, check_len, KArg, PackedSampling, SAMPLE_OUT, SAMPLE_SCAN_REC};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
@@ -94,12 +94,15 @@ impl CudaDevice {
     /// rows' tokens from the processed logits in the scratch. Writes `SAMPLE_OUT` words per row
     /// to `out` (decode with `PackedSampling::unpack`). `params` must hold `packed.words()`
     /// (uploaded by the caller, so that it can batch the copy); `logits` is f32 `[*, vocab]`
-    /// and stays unchanged.
+    /// and stays unchanged. `fed`: the step's input ids, `fed[r]` row r's (a fed decode step's,
+    /// whose row r is sequence r), which a row that `count_input`s counts as one more output
+    /// occurrence; needed only when `packed.counts_input()`.
     pub fn sample_rows(
         &self,
         logits: &impl DevicePtr<f32>,
         packed: &PackedSampling,
         params: &impl DevicePtr<u32>,
+        fed: Option<&CudaView<'_, i32>>,
         scratch: &mut SampleScratch,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
@@ -108,6 +111,7 @@ impl CudaDevice {
             return Ok(());
         }
         check_len("sampler logits", logits.len(), (packed.max_src_row() + 1) * vocab)?;
+        let fed = check_fed(packed, fed)?;
         if !scratch.fits(rows, vocab) {
             return Err(crate::NinferError::Device(format!(
                 "sampler scratch holds {} rows of vocab {}, the step needs {rows} rows of vocab {vocab}",
@@ -124,10 +128,11 @@ impl CudaDevice {
         let (op, _d) = out.device_ptr_mut(s);
         let (xp, _e) = scratch.partials.device_ptr_mut(s);
         let (cp, _f) = scratch.arrivals.device_ptr_mut(s);
+        let (fp, _g) = fed.map(|f| f.device_ptr(s)).unzip();
         let v = as_i32("vocab", vocab)?;
         let grid = (as_i32("sampler blocks", blocks)? as u32, as_i32("rows", rows)? as u32, 1);
         let scan = self.function(KernelFamily::Sampling, "sample_scan")?;
-        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(xp), KArg::Ptr(cp), KArg::Ptr(op)];
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(fp.unwrap_or(0)), KArg::Ptr(xp), KArg::Ptr(cp), KArg::Ptr(op)];
         self.launch(&scan, cfg(grid, SCAN_THREADS), "sample_scan", &args)?;
         if packed.all_greedy() {
             return Ok(());
@@ -140,13 +145,14 @@ impl CudaDevice {
     /// `sample_rows` in one kernel of one block per row (the whole row streamed by one SM):
     /// the same tokens and top ids, logsumexp summed in another order. The op tests compare
     /// `sample_rows` against it and time both; steps use `sample_rows`. `work` is f32
-    /// `[rows, vocab]` scratch.
+    /// `[rows, vocab]` scratch; `fed` as `sample_rows`.
     pub fn sample_rows_one_block(
         &self,
         logits: &impl DevicePtr<f32>,
         work: &mut impl DevicePtrMut<f32>,
         packed: &PackedSampling,
         params: &impl DevicePtr<u32>,
+        fed: Option<&CudaView<'_, i32>>,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         let (rows, vocab) = (packed.rows(), packed.vocab());
@@ -154,6 +160,7 @@ impl CudaDevice {
             return Ok(());
         }
         check_len("sampler logits", logits.len(), (packed.max_src_row() + 1) * vocab)?;
+        let fed = check_fed(packed, fed)?;
         check_len("sampler work", work.len(), rows * vocab)?;
         check_len("sampler params", params.len(), packed.words().len())?;
         check_len("sampler output", out.len(), rows * SAMPLE_OUT)?;
@@ -163,7 +170,19 @@ impl CudaDevice {
         let (wp, _b) = work.device_ptr_mut(s);
         let (pp, _c) = params.device_ptr(s);
         let (op, _d) = out.device_ptr_mut(s);
-        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(pp), KArg::Ptr(op)];
+        let (fp, _e) = fed.map(|f| f.device_ptr(s)).unzip();
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(pp), KArg::Ptr(fp.unwrap_or(0)), KArg::Ptr(op)];
         self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), SAMPLE_THREADS), "sample_rows_one_block", &args)
     }
+}
+
+/// The input ids a sampler launch reads: none unless some row counts its input, then one per
+/// row at least.
+fn check_fed<'a, 'b>(packed: &PackedSampling, fed: Option<&'a CudaView<'b, i32>>) -> Result<Option<&'a CudaView<'b, i32>>> {
+    if !packed.counts_input() {
+        return Ok(None);
+    }
+    let fed = fed.ok_or_else(|| crate::NinferError::invalid("sampler fed ids", "a row counts its step's input token and no input ids were given"))?;
+    check_len("sampler fed ids", fed.len(), packed.rows())?;
+    Ok(Some(fed))
 }

@@ -45,6 +45,8 @@ const P_PEN_N: usize = 15;
 const P_MASK_OFF: usize = 16;
 const FLAG_GREEDY: u32 = 1;
 const FLAG_LOGPROBS: u32 = 2;
+/// `RowSampling::count_input`: the kernel reads the row's input token from its `fed` ids.
+const FLAG_COUNT_INPUT: u32 = 4;
 
 /// One step's sampling inputs in the kernel's layout: `rows` headers, then each row's bias
 /// pairs, penalty pairs and allow-mask words.
@@ -79,7 +81,9 @@ impl PackedSampling {
             }
             let h = r * SAMPLE_HDR;
             w[h + P_SRC_ROW] = u32::try_from(src).map_err(|_| NinferError::invalid("src_row", src.to_string()))?;
-            w[h + P_FLAGS] = (if row.is_greedy() { FLAG_GREEDY } else { 0 }) | (if row.wants_logprobs() { FLAG_LOGPROBS } else { 0 });
+            w[h + P_FLAGS] = (if row.is_greedy() { FLAG_GREEDY } else { 0 })
+                | (if row.wants_logprobs() { FLAG_LOGPROBS } else { 0 })
+                | (if row.count_input { FLAG_COUNT_INPUT } else { 0 });
             w[h + P_TOP_K] = if row.top_k < vocab { row.top_k as u32 } else { 0 };
             w[h + P_N_TOP] = row.top_logprobs as u32;
             w[h + P_TEMP] = row.temperature.to_bits();
@@ -138,6 +142,11 @@ impl PackedSampling {
         (0..self.rows).all(|r| self.words[r * SAMPLE_HDR + P_FLAGS] & FLAG_GREEDY != 0)
     }
 
+    /// Whether some row counts its step's input token (then the sampler needs the step's ids).
+    pub fn counts_input(&self) -> bool {
+        (0..self.rows).any(|r| self.words[r * SAMPLE_HDR + P_FLAGS] & FLAG_COUNT_INPUT != 0)
+    }
+
     /// The largest source row index.
     pub fn max_src_row(&self) -> usize {
         self.max_src_row
@@ -193,6 +202,12 @@ mod tests {
         };
         let b = RowSampling { temperature: 0.0, ..Default::default() };
         let mut p = PackedSampling::default();
+        p.pack(&[a.clone(), b.clone()], &[4, 1], 40).unwrap();
+        assert!(!p.counts_input());
+        let fed = RowSampling { count_input: true, ..a.clone() };
+        p.pack(&[b.clone(), fed], &[1, 4], 40).unwrap();
+        assert!(p.counts_input());
+        assert_eq!(p.words()[SAMPLE_HDR + P_FLAGS], FLAG_LOGPROBS | FLAG_COUNT_INPUT);
         p.pack(&[a, b], &[4, 1], 40).unwrap();
         let w = p.words();
         assert_eq!(p.rows(), 2);
