@@ -66,14 +66,19 @@ def log(msg: str) -> None:
     print(f"[{now} +{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
-def gpu_ab():
-    """benches/gpu_ab.py (the A-B runner), loaded beside this file whatever the working directory."""
+def sibling(name: str):
+    """benches/NAME.py, loaded beside this file whatever the working directory."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_ab", Path(__file__).with_name("gpu_ab.py"))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def gpu_ab():
+    """benches/gpu_ab.py, the A-B runner."""
+    return sibling("gpu_ab")
 
 
 #: Request fields the timed parts set themselves (greedy over exactly the timed tokens).
@@ -246,6 +251,7 @@ class Bench:
         s = self.shape(model)
         path = self.workdir / f"{model}-{s['layers']}l"
         if (path / "config.json").exists():
+            self.tokenizer_for_grammars(path, s)
             return path
         problem = room_for_checkpoint(path, self.weight_bytes(s)[1])
         if problem:
@@ -261,7 +267,15 @@ class Bench:
             raise
         gb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
         log(f"checkpoint written: {gb:.1f} GB in {time.perf_counter() - t:.1f} s")
+        self.tokenizer_for_grammars(path, s)
         return path
+
+    def tokenizer_for_grammars(self, path: Path, s: dict) -> None:
+        """A full-vocabulary tokenizer.json beside the weights when --sampling has a
+        response_format (the engine compiles grammars against the tokenizer's byte strings)."""
+        if "response_format" in self.a.sampling and not (path / "tokenizer.json").exists():
+            sibling("bench_tokenizer").write_tokenizer(path, s["vocab"])
+            log(f"wrote a {s['vocab']}-token byte-level tokenizer.json for the response_format requests")
 
     def drop_checkpoint(self, model: str) -> None:
         if self.a.keep_checkpoints:

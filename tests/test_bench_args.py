@@ -156,3 +156,22 @@ def test_the_checkpoint_context_holds_the_longest_batch_1_run(tmp_path, prompt, 
                                       "--prompt", str(prompt), "--tokens", str(tokens)]))
     assert b.max_positions() == context
     assert b.max_positions() >= prompt + tokens
+
+
+def test_bench_tokenizer_has_the_model_vocab_with_special_pad_bos_eos_and_round_trips_text():
+    pytest.importorskip("tokenizers")
+    tok = _load("bench_tokenizer").build_tokenizer(5000)
+    assert tok.get_vocab_size() == 5000
+    assert [tok.id_to_token(i) for i in range(3)] == ["<|pad|>", "<|bos|>", "<|eos|>"]
+    text = 'Hello world. {"a": 12} x_y\n'
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()), "composed tokens are used"
+    assert 2 not in ids, "no byte string encodes to the end-of-text id"
+
+
+@pytest.mark.parametrize("size", [258, 10**7])
+def test_bench_tokenizer_refuses_a_size_it_cannot_build_naming_it(size):
+    pytest.importorskip("tokenizers")
+    with pytest.raises(ValueError, match=f"vocab_size {size}"):
+        _load("bench_tokenizer").build_tokenizer(size)
