@@ -14,7 +14,7 @@
 //! `launch_sampling` samples it (as a device stream runs queued work in order), keeping the
 //! tokens until `collect_sampled`; a fed step takes its tokens from the step sampled before it,
 //! and its rows with penalties count them (`RowSampling::with_input`, the device sampler's
-//! reference). `failing_sampling` makes one `launch_sampling` call fail, to test recovery.
+//! reference).
 
 use std::sync::{Arc, Mutex};
 
@@ -50,9 +50,6 @@ pub struct ToyRunner {
     /// The logits of the step `launch_forward` ran and `launch_sampling` has not sampled yet,
     /// with the input token of each row when it was fed.
     forwarded: Option<(Logits, Option<Vec<u32>>)>,
-    /// `launch_sampling` calls so far, and the one that fails (`failing_sampling`).
-    samplings: usize,
-    fail_sampling: Option<usize>,
 }
 
 fn mix(h: u64, t: u64) -> u64 {
@@ -76,21 +73,12 @@ impl ToyRunner {
             launched: None,
             last_launched: Vec::new(),
             forwarded: None,
-            samplings: 0,
-            fail_sampling: None,
         }
     }
 
     /// The same toy as a runner that overlaps steps (`launch_forward`, `launch_sampling`, `collect_sampled`).
     pub fn overlapping(mut self) -> Self {
         self.launched = Some(VecDeque::new());
-        self
-    }
-
-    /// The same toy whose `launch_sampling` call number `call` (from 0) fails, as a device
-    /// error would, after the forward it samples has run.
-    pub fn failing_sampling(mut self, call: usize) -> Self {
-        self.fail_sampling = Some(call);
         self
     }
 
@@ -196,14 +184,9 @@ impl ModelRunner for ToyRunner {
     }
 
     fn launch_sampling(&mut self, rows: &[RowSampling]) -> Result<()> {
-        let call = self.samplings;
-        self.samplings += 1;
         let (logits, inputs) = self.forwarded.take().ok_or_else(|| NinferError::Device("toy: launch_sampling with no forward queued".into()))?;
         if self.launched.as_ref().is_none_or(|q| q.len() >= 2) {
             return Err(NinferError::Device("toy: launch_sampling without overlapping() or with two steps uncollected".into()));
-        }
-        if self.fail_sampling == Some(call) {
-            return Err(NinferError::Device(format!("toy: launch_sampling call {call} fails (failing_sampling)")));
         }
         let sampled = match inputs {
             // Every sequence of a fed step samples: row i's input is the token fed to sequence

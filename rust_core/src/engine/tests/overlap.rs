@@ -180,38 +180,35 @@ fn grammars_run_their_forward_ahead_and_sample_after_the_token_in_flight() {
     assert!(plain.stats().lookahead_steps > 20);
 }
 
-/// A runner failure in the sampling of a split lookahead (its forward already queued, the step
-/// before it collected) drops every request and leaves nothing launched behind: the next
-/// request runs as on a fresh engine.
+/// A runner failure in a split lookahead, in its forward (the step before still in flight) or
+/// in its sampling (the forward queued, the step before collected), drops every request and
+/// leaves nothing launched behind: the next requests run as on a fresh engine.
 #[test]
-fn a_failed_split_sampling_leaves_nothing_uncollected() {
-    let setup = json_setup(false);
+fn a_failed_split_lookahead_leaves_nothing_uncollected() {
     let constrained = with_format(greedy(60), serde_json::json!({"type": "json_object"}));
-    // Sampling calls: 0 the prompt step, 1 the first decode (after a prefill: not a lookahead),
-    // 2 the first split lookahead, 3 the second.
-    let runner = ToyRunner::new(setup.vocab, setup.max_pos, false).overlapping().failing_sampling(3);
-    let mut core = EngineCore::new(Box::new(runner), &setup.cfg, setup.tokenizer.clone(), setup.eos.clone()).unwrap();
-    core.add_request("a", prompt(8, 3), constrained.clone()).unwrap();
-    core.add_request("b", prompt(9, 4), greedy(40)).unwrap();
-    let mut steps = 0;
-    let err = loop {
-        match core.step() {
-            Ok(_) => steps += 1,
-            Err(e) => break e,
-        }
-        assert!(steps < 10, "the injected failure happens");
-    };
-    assert!(err.to_string().contains("failing_sampling"), "{err}");
-    assert_eq!(core.stats().split_lookahead_steps, 1, "the failure is in the second split lookahead");
-    assert!(!core.has_unfinished());
-    assert_eq!(core.stats().kv_blocks_used, 0);
     let reqs = [(prompt(8, 3), constrained), (prompt(9, 4), greedy(40))];
-    for (i, (p, params)) in reqs.iter().enumerate() {
-        core.add_request(&format!("again{i}"), p.clone(), params.clone()).unwrap();
+    for (hybrid, in_sampling) in [(false, true), (false, false), (true, true)] {
+        let setup = json_setup(hybrid);
+        // Steps: 1 the warm-up, 2 the prompt step, 3 the first decode (after a prefill: not a
+        // lookahead), 4 the first split lookahead, 5 the second.
+        let inner = ToyRunner::new(setup.vocab, setup.max_pos, hybrid).overlapping();
+        let runner = FailingRunner { inner, calls: 0, fail_at: 5, in_sampling };
+        let mut core = EngineCore::new(Box::new(runner), &setup.cfg, setup.tokenizer.clone(), setup.eos.clone()).unwrap();
+        for (i, (p, params)) in reqs.iter().enumerate() {
+            core.add_request(&format!("r{i}"), p.clone(), params.clone()).unwrap();
+        }
+        let err = (0..10).find_map(|_| core.step().err()).expect("the injected failure happens");
+        assert!(err.to_string().contains("injected failure"), "{err}");
+        assert_eq!(core.stats().split_lookahead_steps, 1, "the failure is in the second split lookahead");
+        assert!(!core.has_unfinished());
+        assert_eq!(core.stats().kv_blocks_used, 0);
+        for (i, (p, params)) in reqs.iter().enumerate() {
+            core.add_request(&format!("again{i}"), p.clone(), params.clone()).unwrap();
+        }
+        let after = run_all(&mut core);
+        let (fresh, _, _) = run_requests(&setup, &reqs);
+        assert_eq!((&after["again0"], &after["again1"]), (&fresh[0], &fresh[1]), "hybrid {hybrid}, in sampling {in_sampling}");
     }
-    let after = run_all(&mut core);
-    let (fresh, _, _) = run_requests(&setup, &reqs);
-    assert_eq!((&after["again0"], &after["again1"]), (&fresh[0], &fresh[1]));
 }
 
 #[test]
