@@ -654,7 +654,7 @@ def _generate_async(model_dir, monkeypatch, on: bool, batches):
     function of the previous batch's outputs) with asynchronous scheduling on or off
     (`NINFER_ASYNC_SCHEDULING`, read when the engine starts). Batch invariance is on: a lookahead
     step keeps a request that just ended in its batch, so the two modes run some steps at
-    different batch sizes. Returns the outputs and the engine's lookahead step count."""
+    different batch sizes. Returns the outputs and the engine's stats."""
     monkeypatch.setenv("NINFER_ASYNC_SCHEDULING", "1" if on else "0")
     monkeypatch.setenv("NINFER_BATCH_INVARIANT", "1")
     with LLM(model_dir, device="cuda", max_context=512) as llm:
@@ -662,12 +662,23 @@ def _generate_async(model_dir, monkeypatch, on: bool, batches):
         outs = []
         for prompts, params in batches:
             outs.append(llm.generate(prompts(outs[-1]) if callable(prompts) else prompts, params))
-        return outs, llm.engine.stats()["lookahead_steps"]
+        return outs, llm.engine.stats()
+
+
+_SCHEMA = {"type": "json_schema", "json_schema": {"name": "point", "schema": {
+    "type": "object",
+    "properties": {"label": {"type": "string", "maxLength": 12}, "x": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["label", "x", "ok"], "additionalProperties": False}}}
+#: Words and a closing answer: several tokens in any tokenizer, then the grammar completes (the
+#: request stops while the next step's forward pass is queued).
+_REGEX = {"type": "regex", "regex": "([a-z]{2,5} ){3,6}(yes|no)!"}
 
 
 # Penalized requests run ahead too: a lookahead step's sampler counts its input token (the token
 # still in flight, read on the device) as one more output occurrence, so the penalties see what
-# the synchronous engine's history holds.
+# the synchronous engine's history holds. Requests with a response_format run their forward pass
+# ahead and sample after the step in flight is completed (their masks need its token): a split
+# lookahead, counted in stats()["split_lookahead_steps"].
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=0.0, logprobs=True, top_logprobs=2),
     SEEDED[1],
@@ -676,26 +687,37 @@ def _generate_async(model_dir, monkeypatch, on: bool, batches):
     dict(temperature=0.0, presence_penalty=1.0, frequency_penalty=1.5, top_logprobs=2),
     dict(temperature=0.9, top_k=40, presence_penalty=0.8, frequency_penalty=1.2, seed=11, logprobs=True),
     dict(temperature=0.8, repetition_penalty=1.3, seed=12),
+    dict(temperature=0.0, logprobs=True, top_logprobs=2, response_format={"type": "json_object"}),
+    dict(temperature=0.9, top_k=40, seed=13, logprobs=True, response_format={"type": "json_object"}),
+    dict(temperature=0.0, logprobs=True, response_format=_REGEX),
+    dict(temperature=0.8, seed=14, frequency_penalty=0.5, logprobs=True, response_format=_REGEX),
+    dict(temperature=0.0, repetition_penalty=1.2, response_format=_SCHEMA),
+    dict(temperature=1.0, top_p=0.9, seed=15, logprobs=True, top_logprobs=3, response_format=_SCHEMA),
 ], ids=["greedy", "seeded", "seeded_all_penalties", "greedy_repetition", "greedy_presence_frequency",
-        "seeded_presence_frequency", "seeded_repetition"])
+        "seeded_presence_frequency", "seeded_repetition", "greedy_json_object", "seeded_json_object",
+        "greedy_regex", "seeded_regex_frequency", "greedy_json_schema_repetition", "seeded_json_schema"])
 def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs(gpu_dir, monkeypatch, kwargs):
     # Different lengths (EOS not ignored): requests end while the next step is already queued.
     batch = [(PROMPTS, [SamplingParams(max_tokens=6 + 5 * i, **kwargs) for i in range(len(PROMPTS))])]
-    (on,), lookahead = _generate_async(gpu_dir, monkeypatch, True, batch)
-    (off,), none = _generate_async(gpu_dir, monkeypatch, False, batch)
-    assert none == 0
-    assert lookahead > 0, lookahead
+    (on,), stats = _generate_async(gpu_dir, monkeypatch, True, batch)
+    (off,), sync = _generate_async(gpu_dir, monkeypatch, False, batch)
+    assert sync["lookahead_steps"] == 0
+    assert stats["lookahead_steps"] > 0, stats
+    # Every lookahead holds a constrained request when they all have one.
+    split = stats["lookahead_steps"] if "response_format" in kwargs else 0
+    assert stats["split_lookahead_steps"] == split, stats
     _assert_same_tokens_and_logprobs(on, off)
     assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+    assert [o.text for o in on] == [o.text for o in off]
 
 
 def test_async_scheduling_keeps_prefix_and_state_snapshots_for_the_next_turn(gpu_dir, monkeypatch):
     params = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
     batches = [(PROMPTS[:4], params),
                (lambda first: [o.prompt_token_ids + o.token_ids + [5, 6, 7] for o in first], greedy(12))]
-    (on1, on2), lookahead = _generate_async(gpu_dir, monkeypatch, True, batches)
+    (on1, on2), stats = _generate_async(gpu_dir, monkeypatch, True, batches)
     (off1, off2), _ = _generate_async(gpu_dir, monkeypatch, False, batches)
-    assert lookahead > 0
+    assert stats["lookahead_steps"] > 0
     for a, b in zip(on1 + on2, off1 + off2):
         assert a.token_ids == b.token_ids
         assert a.usage.cached_tokens == b.usage.cached_tokens

@@ -109,6 +109,8 @@ class ServerMetrics:
             "steps": ("engine_steps_total", "counter", "Engine steps run."),
             "lookahead_steps": ("engine_lookahead_steps_total", "counter",
                                 "Decode steps queued before the step ahead returned (asynchronous scheduling)."),
+            "split_lookahead_steps": ("engine_split_lookahead_steps_total", "counter",
+                                      "Lookahead steps whose sampling waited for the step ahead (grammar masks)."),
         }
         for key, (name, kind, help_) in gauges.items():
             if key in core_stats:

@@ -12,8 +12,11 @@
 //! in flight, so the device runs the next step while the host copies results, detokenizes and
 //! schedules: the ~50 us of host turnaround between decode steps leaves the device's timeline.
 //! Outputs then come one `step()` call later. The lookahead is taken only when it is the step the
-//! scheduler would pick anyway and no sampling input depends on the token in flight
-//! (`lookahead`); otherwise the core waits, exactly as without it.
+//! scheduler would pick anyway and no request is sure to end with the token in flight
+//! (`lookahead`); otherwise the core waits, exactly as without it. When a sampling row needs the
+//! token in flight on the host (a grammar's allow-mask), only the lookahead's forward pass is
+//! queued ahead: its rows are built, and its sampling queued, once the step in flight is
+//! completed, while the device runs the forward (a split lookahead).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -47,6 +50,9 @@ pub struct EngineStats {
     /// Steps queued before the tokens of the step ahead of them were known (asynchronous
     /// scheduling).
     pub lookahead_steps: u64,
+    /// The lookahead steps of those whose forward pass only was queued ahead, their sampling
+    /// after the step before was completed (a row needed its token on the host: a grammar).
+    pub split_lookahead_steps: u64,
     pub preemptions: u64,
 }
 
@@ -306,14 +312,24 @@ impl EngineCore {
 
     /// Without overlap: schedule, launch, complete. With it, a step in flight is first followed
     /// by its lookahead when there is one (queued before waiting for it), then completed; with
-    /// no lookahead the next step is scheduled as usual and left in flight.
+    /// no lookahead the next step is scheduled as usual and left in flight. A split lookahead
+    /// queues its forward pass before the completion and its sampling after it, so that the
+    /// rows are built from the states the completed tokens leave (grammars advanced on them)
+    /// while the device runs the forward.
     fn try_step(&mut self) -> Result<Vec<RequestOutput>> {
         let mut outputs = Vec::new();
         if let Some(prev) = self.inflight.take() {
-            if let Some(next) = self.lookahead(&prev) {
-                self.launch(&next, true)?;
+            if let Some((next, split)) = self.lookahead(&prev) {
+                if split {
+                    self.launch_forward(&next)?;
+                    outputs.extend(self.complete(&prev, Some(&next))?);
+                    self.launch_sampling(&next)?;
+                    self.stats.split_lookahead_steps += 1;
+                } else {
+                    self.launch(&next, true)?;
+                    outputs.extend(self.complete(&prev, Some(&next))?);
+                }
                 self.stats.lookahead_steps += 1;
-                outputs.extend(self.complete(&prev, Some(&next))?);
                 self.after_launch(&next)?;
                 self.inflight = Some(next);
                 return Ok(outputs);
@@ -337,20 +353,24 @@ impl EngineCore {
 
     /// The decode step to queue behind `prev` before its tokens are known, when that is safe:
     /// no abort is pending (aborts free blocks and take snapshots, which need a settled state),
-    /// no sequence of `prev` samples its next token from a host input its token in flight
-    /// changes (a grammar mask; penalties count it on the runner instead, `count_input`), none
-    /// is sure to end with it (its length limit), and the scheduler would pick exactly this
-    /// step (`Scheduler::schedule_lookahead`).
-    fn lookahead(&mut self, prev: &ScheduledStep) -> Option<ScheduledStep> {
+    /// no sequence of `prev` is sure to end with its token in flight (its length limit), and
+    /// the scheduler would pick exactly this step (`Scheduler::schedule_lookahead`). True with
+    /// it when the step must be split: a sequence samples its next token from a host input the
+    /// token in flight changes (a grammar mask; penalties count it on the runner instead,
+    /// `count_input`), so only the forward pass runs ahead.
+    fn lookahead(&mut self, prev: &ScheduledStep) -> Option<(ScheduledStep, bool)> {
         if !self.pending_aborts.is_empty() {
             return None;
         }
+        let mut split = false;
         for id in &prev.seq_ids {
-            if !self.requests.get(id)?.can_sample_ahead() {
+            let req = self.requests.get(id)?;
+            if !req.can_run_ahead() {
                 return None;
             }
+            split |= req.samples_after_input();
         }
-        self.sched.schedule_lookahead(prev)
+        self.sched.schedule_lookahead(prev).map(|next| (next, split))
     }
 
     /// Forget every request and free what it holds (after a runner failure). Steps launched and
@@ -463,25 +483,59 @@ impl EngineCore {
     /// with penalties count that token, not accepted yet, on the runner). A runner that does
     /// not overlap runs it now and `complete` takes its tokens.
     fn launch(&mut self, step: &ScheduledStep, feed: bool) -> Result<()> {
-        for &(src, dst) in &step.copies_before {
-            self.runner.copy_state(src, dst)?;
-        }
-        let vocab = self.runner.config().vocab_size;
-        let rows: Vec<RowSampling> = step
-            .seq_ids
-            .iter()
-            .zip(&step.batch.seqs)
-            .filter(|(_, seq)| seq.logits != LogitsWanted::None)
-            .map(|(id, _)| self.requests.get_mut(id).expect("scheduled request exists").prepare_sampling(vocab, feed))
-            .collect();
+        self.restore_states(step)?;
+        let rows = self.sampling_rows(step, feed, false);
         if self.overlap {
             self.runner.launch_sampled(&step.batch, &rows, feed)?;
             self.uncollected += 1;
-            Ok(())
         } else {
             self.sampled = Some(self.runner.forward_sampled(&step.batch, &rows)?);
-            Ok(())
         }
+        Ok(())
+    }
+
+    /// The first half of a split lookahead: the forward pass of `step` (fed its tokens on the
+    /// runner), queued before the step in flight is completed.
+    fn launch_forward(&mut self, step: &ScheduledStep) -> Result<()> {
+        self.restore_states(step)?;
+        self.runner.launch_forward(&step.batch, true)
+    }
+
+    /// The second half, once the step before is completed: the rows, built from the states its
+    /// tokens left, and their sampling, queued behind the forward.
+    fn launch_sampling(&mut self, step: &ScheduledStep) -> Result<()> {
+        let rows = self.sampling_rows(step, true, true);
+        self.runner.launch_sampling(&rows)?;
+        self.uncollected += 1;
+        Ok(())
+    }
+
+    /// The snapshot restores `step` needs before it runs.
+    fn restore_states(&mut self, step: &ScheduledStep) -> Result<()> {
+        for &(src, dst) in &step.copies_before {
+            self.runner.copy_state(src, dst)?;
+        }
+        Ok(())
+    }
+
+    /// One sampling row for every sequence of `step` that produces logits (each takes its
+    /// request's RNG draw). `feed`: the step takes the tokens of the step before as input.
+    /// `completed`: that step is completed already (a split lookahead), so its tokens are
+    /// accepted and no row counts its input on the runner; a request that ended with them is
+    /// gone and gets a greedy, unconstrained row whose token is dropped, as a request ending
+    /// under a whole lookahead has its row computed and dropped.
+    fn sampling_rows(&mut self, step: &ScheduledStep, feed: bool, completed: bool) -> Vec<RowSampling> {
+        let vocab = self.runner.config().vocab_size;
+        step.seq_ids
+            .iter()
+            .zip(&step.batch.seqs)
+            .filter(|(_, seq)| seq.logits != LogitsWanted::None)
+            .map(|(id, _)| match self.requests.get_mut(id) {
+                Some(req) => req.prepare_sampling(vocab, feed && !completed),
+                None if completed => RowSampling { temperature: 0.0, ..Default::default() },
+                None => unreachable!("a scheduled request runs until a completed step ends it"),
+            })
+            .collect()
     }
 
     /// The scheduler's bookkeeping of a launched step (computed counts, prefix-cache blocks,

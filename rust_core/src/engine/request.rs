@@ -68,13 +68,20 @@ impl RequestState {
         row
     }
 
-    /// Whether the row of the token after the next can be prepared before the next token is
-    /// known (asynchronous scheduling): no grammar advances on it (its mask is computed on the
-    /// host from the token), and the next token does not reach `max_tokens` (it surely ends
-    /// the request). Penalties do not stop it: the row counts the token in flight on the
-    /// runner (`RowSampling::count_input`), which every overlapping runner's sampler does.
-    pub fn can_sample_ahead(&self) -> bool {
-        self.grammar.is_none() && self.completion_tokens + 1 < self.params.max_tokens
+    /// Whether a step can be queued before the next token is known (asynchronous scheduling):
+    /// the next token does not reach `max_tokens` (which surely ends the request).
+    pub fn can_run_ahead(&self) -> bool {
+        self.completion_tokens + 1 < self.params.max_tokens
+    }
+
+    /// Whether the row of the token after the next can only be prepared once the next token is
+    /// accepted: a grammar's allow-mask is computed on the host from the state the token
+    /// advances it to. A step queued ahead then waits for its rows before it samples (a split
+    /// lookahead, `ModelRunner::launch_forward`). Penalties need no wait: a row built before
+    /// the token counts it on the runner (`RowSampling::count_input`), which every overlapping
+    /// runner's sampler does.
+    pub fn samples_after_input(&self) -> bool {
+        self.grammar.is_some()
     }
 
     /// Advance the grammar past `token`: true when the constrained output is complete, which

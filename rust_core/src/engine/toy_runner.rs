@@ -10,10 +10,11 @@
 //! bad prefix hit is caught at once.
 //!
 //! `overlapping()` makes it a runner that `overlaps_steps` the way a device backend does, for
-//! testing asynchronous scheduling on the host: `launch_sampled` runs the step at once (as a
-//! device stream runs queued work in order) and keeps its tokens until `collect_sampled`; a fed
-//! step takes its tokens from the launch before it, and its rows with penalties count them
-//! (`RowSampling::with_input`, the device sampler's reference).
+//! testing asynchronous scheduling on the host: `launch_forward` runs the forward at once and
+//! `launch_sampling` samples it (as a device stream runs queued work in order), keeping the
+//! tokens until `collect_sampled`; a fed step takes its tokens from the step sampled before it,
+//! and its rows with penalties count them (`RowSampling::with_input`, the device sampler's
+//! reference).
 
 use std::sync::{Arc, Mutex};
 
@@ -46,6 +47,9 @@ pub struct ToyRunner {
     launched: Option<VecDeque<Vec<SampledToken>>>,
     /// Tokens of the last launched step (what a fed step continues).
     last_launched: Vec<u32>,
+    /// The logits of the step `launch_forward` ran and `launch_sampling` has not sampled yet,
+    /// with the input token of each row when it was fed.
+    forwarded: Option<(Logits, Option<Vec<u32>>)>,
 }
 
 fn mix(h: u64, t: u64) -> u64 {
@@ -68,10 +72,11 @@ impl ToyRunner {
             log: Arc::new(Mutex::new(ToyLog::default())),
             launched: None,
             last_launched: Vec::new(),
+            forwarded: None,
         }
     }
 
-    /// The same toy as a runner that overlaps steps (`launch_sampled` / `collect_sampled`).
+    /// The same toy as a runner that overlaps steps (`launch_forward`, `launch_sampling`, `collect_sampled`).
     pub fn overlapping(mut self) -> Self {
         self.launched = Some(VecDeque::new());
         self
@@ -156,26 +161,39 @@ impl ModelRunner for ToyRunner {
         self.launched.is_some()
     }
 
-    fn launch_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling], feed: bool) -> Result<()> {
-        if self.launched.as_ref().is_none_or(|q| q.len() >= 2) {
-            return Err(NinferError::Device("toy: launch_sampled without overlapping() or with two steps uncollected".into()));
+    fn launch_forward(&mut self, batch: &StepBatch, feed: bool) -> Result<()> {
+        if self.launched.is_none() {
+            return Err(NinferError::Device("toy: launch_forward without overlapping()".into()));
         }
+        self.forwarded = None;
         let mut batch = batch.clone();
-        let mut rows = rows.to_vec();
-        if feed {
+        let inputs = if feed {
             if batch.seqs.len() != self.last_launched.len() || batch.seqs.iter().any(|q| q.tokens.len() != 1) {
                 return Err(NinferError::Device(format!("toy: a fed step of {} rows after a step of {} sampled rows", batch.seqs.len(), self.last_launched.len())));
             }
             for (q, &t) in batch.seqs.iter_mut().zip(&self.last_launched) {
                 q.tokens[0] = t;
             }
+            Some(self.last_launched.clone())
+        } else {
+            None
+        };
+        let logits = self.forward(&batch)?;
+        self.forwarded = Some((logits, inputs));
+        Ok(())
+    }
+
+    fn launch_sampling(&mut self, rows: &[RowSampling]) -> Result<()> {
+        let (logits, inputs) = self.forwarded.take().ok_or_else(|| NinferError::Device("toy: launch_sampling with no forward queued".into()))?;
+        if self.launched.as_ref().is_none_or(|q| q.len() >= 2) {
+            return Err(NinferError::Device("toy: launch_sampling without overlapping() or with two steps uncollected".into()));
+        }
+        let sampled = match inputs {
             // Every sequence of a fed step samples: row i's input is the token fed to sequence
             // i, which a row with penalties counts as the device sampler does.
-            for (row, &t) in rows.iter_mut().zip(&self.last_launched) {
-                *row = row.with_input(t);
-            }
-        }
-        let sampled = self.forward(&batch)?.sample_on_host(&rows)?;
+            Some(inputs) => logits.sample_on_host(&rows.iter().zip(&inputs).map(|(row, &t)| row.with_input(t)).collect::<Vec<_>>())?,
+            None => logits.sample_on_host(rows)?,
+        };
         self.last_launched = sampled.iter().map(|s| s.token).collect();
         self.launched.as_mut().expect("checked above").push_back(sampled);
         Ok(())

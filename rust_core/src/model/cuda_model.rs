@@ -114,6 +114,9 @@ pub struct CudaModel {
     logits_rows: usize,
     /// Device-side sampling (`forward_sampled`).
     sampler: DeviceSampler,
+    /// The step `launch_forward` queued and `launch_sampling` has not sampled yet: its logits
+    /// rows per sequence, and whether it was fed (its input ids are then the sampled tokens).
+    forwarded: Option<(Vec<usize>, bool)>,
     /// Output projections run `gemv_add_rmsnorm` (the add + norm fused into the decode GEMV's
     /// last block) when FUSED_NORM_SWITCH is on, else `linear` + `add_rmsnorm`: the same bits.
     /// Off by default (FUSED_NORM_DEFAULT).
@@ -244,6 +247,7 @@ impl CudaModel {
             pinned: None,
             logits_rows: 0,
             sampler,
+            forwarded: None,
             fused_norm,
             fused_rope,
             logits_round,
@@ -396,14 +400,14 @@ impl CudaModel {
     }
 
     /// `run`; with `feed` (a decode step only), the tokens are the ones the device sampler
-    /// wrote for the step launched before (`ModelRunner::launch_sampled`).
+    /// wrote for the step sampled before (`ModelRunner::launch_forward`).
     fn run_fed(&mut self, batch: &StepBatch, feed: bool) -> Result<Vec<usize>> {
         self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
         if is_decode(batch) {
             return self.decode_step(batch, feed);
         }
         if feed {
-            return Err(NinferError::invalid("launch_sampled", "only a decode step (one token a sequence) takes its tokens from the step before"));
+            return Err(NinferError::invalid("launch_forward", "only a decode step (one token a sequence) takes its tokens from the step before"));
         }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
@@ -892,13 +896,23 @@ impl ModelRunner for CudaModel {
         self.sampler.enabled()
     }
 
-    fn launch_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling], feed: bool) -> Result<()> {
+    /// The forward only (a CUDA graph for a decode step): the sampling, queued behind it by
+    /// `launch_sampling`, is never part of a captured graph.
+    fn launch_forward(&mut self, batch: &StepBatch, feed: bool) -> Result<()> {
         if !self.sampler.enabled() {
-            return Err(NinferError::invalid("launch_sampled", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
+            return Err(NinferError::invalid("launch_forward", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
         }
+        self.forwarded = None;
         let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;
+        self.forwarded = Some((counts, feed));
+        Ok(())
+    }
+
+    fn launch_sampling(&mut self, rows: &[RowSampling]) -> Result<()> {
+        let (counts, feed) = self.forwarded.take().ok_or_else(|| NinferError::invalid("launch_sampling", "no forward pass was queued to sample (launch_forward)"))?;
         // A fed step's rows with penalties count its input token, which the device ids hold
-        // (feed_sampled_tokens wrote them; row i is sequence i).
+        // (feed_sampled_tokens wrote them; row i is sequence i). Nothing queued since the
+        // forward rewrote them: the next step's metadata is uploaded after this.
         let fed = feed.then(|| self.dmeta.ids());
         self.sampler.launch(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size, fed.as_ref()).inspect_err(|_| self.sampler.reset())
     }

@@ -135,15 +135,33 @@ pub trait ModelRunner: Send {
         false
     }
 
-    /// Queue a step that `forward_sampled` would run, without waiting for it; its tokens come
-    /// from `collect_sampled`, in launch order (at most two steps are uncollected at a time).
+    /// Queue a step that `forward_sampled` would run, without waiting for it: its forward pass
+    /// (`launch_forward`), then its sampling (`launch_sampling`). Its tokens come from
+    /// `collect_sampled`, in launch order (at most two steps are uncollected at a time).
+    fn launch_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling], feed: bool) -> Result<()> {
+        self.launch_forward(batch, feed)?;
+        self.launch_sampling(rows)
+    }
+
+    /// Queue the forward pass of a step, without waiting for it and without sampling it: the
+    /// engine then collects the step before it and builds this step's rows from the tokens it
+    /// got (a grammar's allow-mask), while the device runs the forward. `launch_sampling` must
+    /// follow before anything else is queued (it reads the logits this writes); a forward that
+    /// is never sampled (a step that failed between the two) is abandoned by the next one.
     /// With `feed`, the step is all decodes whose sequence `i` continues the sequence sampled in
-    /// row `i` of the step launched just before, and its token is that row's sampled token,
-    /// taken on the device (the batch's token is a placeholder). A row of a fed step may
-    /// `count_input` (it has penalties): its sampler counts that token as one more output
-    /// occurrence, as `RowSampling::with_input` does on the host.
-    fn launch_sampled(&mut self, _batch: &StepBatch, _rows: &[RowSampling], _feed: bool) -> Result<()> {
-        Err(NinferError::invalid("launch_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
+    /// row `i` of the step sampled just before, and its token is that row's sampled token, taken
+    /// on the device (the batch's token is a placeholder).
+    fn launch_forward(&mut self, _batch: &StepBatch, _feed: bool) -> Result<()> {
+        Err(NinferError::invalid("launch_forward", "this backend runs steps synchronously (overlaps_steps is false)"))
+    }
+
+    /// Queue the sampling of the step whose forward `launch_forward` queued last: `rows[i]`
+    /// samples the last logits row of its i-th sequence that produces logits; the tokens come
+    /// from `collect_sampled`. A row of a fed step may `count_input` (it has penalties and was
+    /// built before the token in flight was accepted): its sampler counts the step's input
+    /// token as one more output occurrence, as `RowSampling::with_input` does on the host.
+    fn launch_sampling(&mut self, _rows: &[RowSampling]) -> Result<()> {
+        Err(NinferError::invalid("launch_sampling", "this backend runs steps synchronously (overlaps_steps is false)"))
     }
 
     /// The sampled tokens of the oldest launched step not yet collected (waits for it).

@@ -148,6 +148,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("max_batch_size_seen", s.max_batch_size_seen)?;
     d.set_item("steps", s.steps)?;
     d.set_item("lookahead_steps", s.lookahead_steps)?;
+    d.set_item("split_lookahead_steps", s.split_lookahead_steps)?;
     d.set_item("preemptions", s.preemptions)?;
     Ok(d)
 }

@@ -151,3 +151,58 @@ fn build_byte_tokenizer() -> Arc<Tokenizer> {
     std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
     Arc::new(Tokenizer::from_dir(&dir).expect("byte tokenizer"))
 }
+
+/// A runner that fails its `fail_at`-th step (the warm-up is the first) as a device would: in
+/// its `forward` / `launch_forward`, or with `in_sampling` in its `launch_sampling`, after the
+/// forward has run.
+struct FailingRunner {
+    inner: ToyRunner,
+    calls: usize,
+    fail_at: usize,
+    in_sampling: bool,
+}
+
+impl FailingRunner {
+    fn failure(&mut self, in_sampling: bool) -> crate::Result<()> {
+        if !in_sampling {
+            self.calls += 1;
+        }
+        if self.calls == self.fail_at && self.in_sampling == in_sampling {
+            return Err(crate::NinferError::Device("injected failure".into()));
+        }
+        Ok(())
+    }
+}
+
+impl crate::model::ModelRunner for FailingRunner {
+    fn config(&self) -> &crate::config::ModelConfig {
+        self.inner.config()
+    }
+    fn cache_spec(&self) -> crate::model::CacheSpec {
+        self.inner.cache_spec()
+    }
+    fn allocate_caches(&mut self, b: usize, s: usize, n: usize) -> crate::Result<()> {
+        self.inner.allocate_caches(b, s, n)
+    }
+    fn forward(&mut self, batch: &crate::model::StepBatch) -> crate::Result<crate::model::Logits> {
+        self.failure(false)?;
+        self.inner.forward(batch)
+    }
+    fn overlaps_steps(&self) -> bool {
+        self.inner.overlaps_steps()
+    }
+    fn launch_forward(&mut self, batch: &crate::model::StepBatch, feed: bool) -> crate::Result<()> {
+        self.failure(false)?;
+        self.inner.launch_forward(batch, feed)
+    }
+    fn launch_sampling(&mut self, rows: &[crate::sampling::RowSampling]) -> crate::Result<()> {
+        self.failure(true)?;
+        self.inner.launch_sampling(rows)
+    }
+    fn collect_sampled(&mut self) -> crate::Result<Vec<crate::sampling::SampledToken>> {
+        self.inner.collect_sampled()
+    }
+    fn copy_state(&mut self, src: usize, dst: usize) -> crate::Result<()> {
+        self.inner.copy_state(src, dst)
+    }
+}

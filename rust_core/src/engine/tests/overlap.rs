@@ -1,7 +1,8 @@
 //! Asynchronous scheduling (a runner that `overlaps_steps`): every request gets exactly the
 //! tokens, text, finish reason and cache hits it gets from the synchronous engine; the lookahead
-//! step is taken where it is safe and never where the next sampling row needs the token in
-//! flight on the host (a grammar); rows with penalties count it on the runner. The toy's hybrid
+//! step is taken where it is safe, split where the next sampling row needs the token in flight
+//! on the host (a grammar: the forward runs ahead, the sampling after the completion); rows
+//! with penalties count it on the runner. The toy's hybrid
 //! mode fails any step whose recurrent state disagrees with its KV history, so a snapshot taken
 //! from a slot the lookahead already advanced is caught.
 
@@ -124,20 +125,90 @@ fn penalties_run_ahead_and_count_the_token_in_flight() {
     }
 }
 
-/// A grammar's mask is computed on the host from the token sampled before, so a request with a
-/// `response_format` waits for the token in flight: no step is queued ahead of it.
+fn json_setup(hybrid: bool) -> Setup {
+    Setup { vocab: 256, tokenizer: Some(byte_tokenizer()), eos: vec![0], hybrid, ..Default::default() }
+}
+
+fn with_format(params: SamplingParams, format: serde_json::Value) -> SamplingParams {
+    SamplingParams { response_format: Some(format), ..params }
+}
+
+/// A grammar's mask is computed on the host from the token sampled before, so a lookahead with
+/// a `response_format` request is split: its forward pass is queued ahead, its rows are built
+/// (masks from the advanced grammars) and sampled once the step in flight is completed. Every
+/// request, constrained or not, gets the synchronous engine's outputs; requests whose grammar
+/// completes, or fails, while the next forward is queued end as they do there.
 #[test]
-fn grammars_wait_for_the_token_in_flight() {
-    let json = Setup { vocab: 256, tokenizer: Some(byte_tokenizer()), eos: vec![0], ..Default::default() };
-    let constrained = SamplingParams {
-        temperature: 0.0,
-        max_tokens: 80,
-        response_format: Some(serde_json::json!({"type": "json_object"})),
-        ..Default::default()
-    };
-    let (sync, overlapped, core) = both(&json, &[(prompt(8, 3), constrained)]);
-    assert_same(&sync, &overlapped);
-    assert_eq!(core.stats().lookahead_steps, 0);
+fn grammars_run_their_forward_ahead_and_sample_after_the_token_in_flight() {
+    use serde_json::json;
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object",
+        "properties": {"label": {"type": "string", "maxLength": 6}, "x": {"type": "integer", "minimum": -50, "maximum": 50}},
+        "required": ["label", "x"],
+        "additionalProperties": false
+    }}});
+    let seeded = |seed| SamplingParams { temperature: 0.9, top_k: 30, seed: Some(seed), max_tokens: 120, logprobs: true, ..Default::default() };
+    let reqs = vec![
+        (prompt(8, 3), with_format(SamplingParams { top_logprobs: 2, ..greedy(80) }, json!({"type": "json_object"}))),
+        (prompt(6, 1), with_format(seeded(5), json!({"type": "json_object"}))),
+        // Complete after a few tokens, in steps whose successor is queued.
+        (prompt(5, 2), with_format(greedy(50), json!({"type": "regex", "regex": "[0-9]{4}"}))),
+        (prompt(9, 4), with_format(seeded(6), json!({"type": "regex", "regex": "(yes|no)!"}))),
+        (prompt(7, 5), with_format(seeded(7), schema.clone())),
+        (prompt(4, 6), with_format(greedy(120), schema)),
+        // Fails consuming its fourth byte (tests/grammar.rs).
+        (prompt(5, 7), with_format(greedy(50), json!({"type": "regex", "regex": "[ab]{3}c{100000}"}))),
+        (prompt(12, 8), seeded(8)),
+        (prompt(10, 9), SamplingParams { repetition_penalty: 1.3, frequency_penalty: 0.5, ..greedy(60) }),
+        (prompt(11, 10), greedy(45)),
+    ];
+    for hybrid in [false, true] {
+        let (sync, overlapped, core) = both(&json_setup(hybrid), &reqs);
+        assert_same(&sync, &overlapped);
+        let stats = core.stats();
+        assert!(stats.split_lookahead_steps > 20, "hybrid {hybrid}: {stats:?}");
+        assert!(stats.lookahead_steps >= stats.split_lookahead_steps);
+        assert_eq!(stats.kv_blocks_used, 0, "hybrid {hybrid}: every block is freed");
+        for (i, c) in overlapped.iter().enumerate().take(6) {
+            assert_eq!(c.finish, Some("stop"), "hybrid {hybrid}, request {i}: {c:?}");
+        }
+        assert_eq!((overlapped[2].text.len(), overlapped[6].finish, overlapped[6].tokens.len()), (4, Some("error"), 3));
+    }
+    // Without a grammar in the batch no lookahead is split.
+    let (_, _, plain) = both(&json_setup(false), &reqs[7..]);
+    assert_eq!(plain.stats().split_lookahead_steps, 0);
+    assert!(plain.stats().lookahead_steps > 20);
+}
+
+/// A runner failure in a split lookahead, in its forward (the step before still in flight) or
+/// in its sampling (the forward queued, the step before collected), drops every request and
+/// leaves nothing launched behind: the next requests run as on a fresh engine.
+#[test]
+fn a_failed_split_lookahead_leaves_nothing_uncollected() {
+    let constrained = with_format(greedy(60), serde_json::json!({"type": "json_object"}));
+    let reqs = [(prompt(8, 3), constrained), (prompt(9, 4), greedy(40))];
+    for (hybrid, in_sampling) in [(false, true), (false, false), (true, true)] {
+        let setup = json_setup(hybrid);
+        // Steps: 1 the warm-up, 2 the prompt step, 3 the first decode (after a prefill: not a
+        // lookahead), 4 the first split lookahead, 5 the second.
+        let inner = ToyRunner::new(setup.vocab, setup.max_pos, hybrid).overlapping();
+        let runner = FailingRunner { inner, calls: 0, fail_at: 5, in_sampling };
+        let mut core = EngineCore::new(Box::new(runner), &setup.cfg, setup.tokenizer.clone(), setup.eos.clone()).unwrap();
+        for (i, (p, params)) in reqs.iter().enumerate() {
+            core.add_request(&format!("r{i}"), p.clone(), params.clone()).unwrap();
+        }
+        let err = (0..10).find_map(|_| core.step().err()).expect("the injected failure happens");
+        assert!(err.to_string().contains("injected failure"), "{err}");
+        assert_eq!(core.stats().split_lookahead_steps, 1, "the failure is in the second split lookahead");
+        assert!(!core.has_unfinished());
+        assert_eq!(core.stats().kv_blocks_used, 0);
+        for (i, (p, params)) in reqs.iter().enumerate() {
+            core.add_request(&format!("again{i}"), p.clone(), params.clone()).unwrap();
+        }
+        let after = run_all(&mut core);
+        let (fresh, _, _) = run_requests(&setup, &reqs);
+        assert_eq!((&after["again0"], &after["again1"]), (&fresh[0], &fresh[1]), "hybrid {hybrid}, in sampling {in_sampling}");
+    }
 }
 
 #[test]

@@ -72,53 +72,6 @@ fn an_idle_engine_thread_does_not_step() {
     assert_eq!(steps, 3, "one prefill step that samples the first token, then two decodes");
 }
 
-/// A runner that fails its `fail_at`-th step (a `forward` or, overlapping, a `launch_sampled`;
-/// the warm-up is the first).
-struct FailingRunner {
-    inner: ToyRunner,
-    calls: usize,
-    fail_at: usize,
-}
-
-impl FailingRunner {
-    fn count(&mut self) -> crate::Result<()> {
-        self.calls += 1;
-        if self.calls == self.fail_at {
-            return Err(crate::NinferError::Device("injected failure".into()));
-        }
-        Ok(())
-    }
-}
-
-impl crate::model::ModelRunner for FailingRunner {
-    fn config(&self) -> &crate::config::ModelConfig {
-        self.inner.config()
-    }
-    fn cache_spec(&self) -> crate::model::CacheSpec {
-        self.inner.cache_spec()
-    }
-    fn allocate_caches(&mut self, b: usize, s: usize, n: usize) -> crate::Result<()> {
-        self.inner.allocate_caches(b, s, n)
-    }
-    fn forward(&mut self, batch: &crate::model::StepBatch) -> crate::Result<crate::model::Logits> {
-        self.count()?;
-        self.inner.forward(batch)
-    }
-    fn overlaps_steps(&self) -> bool {
-        self.inner.overlaps_steps()
-    }
-    fn launch_sampled(&mut self, batch: &crate::model::StepBatch, rows: &[crate::sampling::RowSampling], feed: bool) -> crate::Result<()> {
-        self.count()?;
-        self.inner.launch_sampled(batch, rows, feed)
-    }
-    fn collect_sampled(&mut self) -> crate::Result<Vec<crate::sampling::SampledToken>> {
-        self.inner.collect_sampled()
-    }
-    fn copy_state(&mut self, src: usize, dst: usize) -> crate::Result<()> {
-        self.inner.copy_state(src, dst)
-    }
-}
-
 #[test]
 fn a_runner_failure_aborts_every_request_and_the_engine_keeps_serving() {
     for overlap in [false, true] {
@@ -131,7 +84,7 @@ fn a_runner_failure_aborts_every_request_and_the_engine_keeps_serving() {
 fn a_runner_failure_aborts_every_request(overlap: bool) {
     let toy = ToyRunner::new(VOCAB, 4096, false);
     let (inner, fail_at) = if overlap { (toy.overlapping(), 4) } else { (toy, 3) };
-    let runner = FailingRunner { inner, calls: 0, fail_at };
+    let runner = FailingRunner { inner, calls: 0, fail_at, in_sampling: false };
     let mut core = EngineCore::new(Box::new(runner), &Setup::default().cfg, None, Vec::new()).unwrap();
     core.add_request("a", prompt(4, 1), greedy(10)).unwrap();
     core.add_request("b", prompt(5, 2), greedy(10)).unwrap();
