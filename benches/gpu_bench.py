@@ -560,8 +560,8 @@ def ninfer_engine(b: Bench, path: Path, **kw):
 
 
 def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
-    """(decode tok/s over the steps after the first token, load seconds, steps queued ahead of the
-    step in flight), one greedy request (plus --sampling's fields)."""
+    """(decode tok/s over the steps after the first token, load seconds, (steps queued ahead of
+    the step in flight, those of them split)), one greedy request (plus --sampling's fields)."""
     eng, load_s = ninfer_engine(b, path, max_context=max(2048, len(prompt) + n + 16),
                                 kv_capacity=max(4096, len(prompt) + n + 64),
                                 max_concurrency=4, prefill_chunk=512)
@@ -579,9 +579,11 @@ def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
 
     run("warmup")
     toks, secs = run("timed")
-    lookahead = eng.stats()["lookahead_steps"]
+    stats = eng.stats()
     eng.shutdown()
-    return toks / secs, load_s, lookahead
+    # Split lookahead steps (a grammar's forward queued ahead, its sampling after the token in
+    # flight) count in both; builds before them have no such key.
+    return toks / secs, load_s, (stats["lookahead_steps"], stats.get("split_lookahead_steps", 0))
 
 
 def part_decode(b: Bench, model: str) -> list:
@@ -596,12 +598,12 @@ def part_decode(b: Bench, model: str) -> list:
         peer = run_peer(b, {"kind": "decode", "model": model, "prompt": a.prompt, "tokens": peer_tokens})["tok_s"]
         log(f"transformers generate bs1 {model}: {peer:.2f} tok/s")
     log(f"ninfer decode bs1 {model}: loading")
-    tok_s, load_s, lookahead = ninfer_decode(b, path, prompt, a.tokens)
+    tok_s, load_s, (lookahead, split) = ninfer_decode(b, path, prompt, a.tokens)
     ctx = a.prompt + a.tokens // 2
     moved = b.bytes_per_token(s, ctx)
     frac = moved * tok_s / rate
     log(f"ninfer decode bs1 {model}: {tok_s:.2f} tok/s (load {load_s:.1f} s), {frac:.3f} of the copy rate, "
-        f"{lookahead} steps queued ahead")
+        f"{lookahead} steps queued ahead ({split} of them split)")
     return [b.record("decode_bs1_tok_s", model, round(tok_s, 2), s,
                      fraction_of_ceiling=round(frac, 4),
                      ceiling="device copy rate: bytes moved per token (weights read, KV read, recurrent state read "
@@ -610,7 +612,7 @@ def part_decode(b: Bench, model: str) -> list:
                      peer="transformers generate (bf16, eager, random init from the config, same GPU)",
                      peer_value=round(peer, 2) if peer else None, peer_decode_tokens=peer_tokens,
                      prompt_tokens=a.prompt, output_tokens=a.tokens, batch=1, ninfer_load_s=round(load_s, 1),
-                     lookahead_steps=lookahead)]
+                     lookahead_steps=lookahead, split_lookahead_steps=split)]
 
 
 def part_throughput(b: Bench) -> list:
