@@ -698,7 +698,11 @@ _REGEX = {"type": "regex", "regex": "([a-z]{2,5} ){3,6}(yes|no)!"}
         "greedy_regex", "seeded_regex_frequency", "greedy_json_schema_repetition", "seeded_json_schema"])
 def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs(gpu_dir, monkeypatch, kwargs):
     # Different lengths (EOS not ignored): requests end while the next step is already queued.
-    batch = [(PROMPTS, [SamplingParams(max_tokens=6 + 5 * i, **kwargs) for i in range(len(PROMPTS))])]
+    # A request that ends unforeseen (EOS, a grammar completing) keeps a dropped row in the step
+    # queued after it, so the two modes run that step at different batch sizes: bit-equal only
+    # on the batch-invariant route, at most GEMV_MAX_M = 8 rows a step (cuBLAS above it).
+    prompts = PROMPTS[:8]
+    batch = [(prompts, [SamplingParams(max_tokens=6 + 5 * i, **kwargs) for i in range(len(prompts))])]
     (on,), stats = _generate_async(gpu_dir, monkeypatch, True, batch)
     (off,), sync = _generate_async(gpu_dir, monkeypatch, False, batch)
     assert sync["lookahead_steps"] == 0
