@@ -146,10 +146,17 @@ fn a_grammar_failure_reaches_the_poller_of_the_engine_thread() {
     let handle = crate::engine::EngineHandle::start(json_setup().build().0).unwrap();
     handle.submit("bad", prompt(5, 1), with_format(greedy(50), fails_after_three_bytes())).unwrap();
     handle.submit("ok", prompt(5, 2), greedy(8)).unwrap();
-    let mut all = HashMap::new();
-    while handle.has_unfinished() {
+    // Until both final deltas are polled: `has_unfinished` turns false once they are queued,
+    // which can be before this thread has polled the last of them.
+    let mut all: HashMap<String, Collected> = HashMap::new();
+    let done = |all: &HashMap<String, Collected>| ["bad", "ok"].iter().all(|id| all.get(*id).is_some_and(|c| c.finish.is_some()));
+    for _ in 0..1000 {
+        if done(&all) {
+            break;
+        }
         collect_into(&mut all, handle.poll(std::time::Duration::from_secs(5)).unwrap());
     }
+    assert!(!handle.has_unfinished());
     assert_eq!(all["bad"].finish, Some("error"));
     assert!(all["bad"].error.as_deref().is_some_and(|e| e.contains("response_format")));
     assert_eq!((all["ok"].finish, all["ok"].tokens.len()), (Some("length"), 8));
