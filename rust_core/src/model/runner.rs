@@ -201,3 +201,21 @@ pub trait ModelRunner: Send {
         0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row that counts its step's input token (a lookahead row with penalties) needs that
+    /// token, which only the runner knows: the host sampler refuses it instead of sampling
+    /// with one occurrence too few.
+    #[test]
+    fn the_host_sampler_refuses_a_row_that_counts_its_input_token() {
+        let logits = Logits { vocab: 4, data: vec![0.0, 1.0, 3.0, 2.0], rows: vec![1] };
+        let plain = RowSampling { temperature: 0.0, ..Default::default() };
+        assert_eq!(logits.sample_on_host(std::slice::from_ref(&plain)).unwrap()[0].token, 2);
+        let counting = RowSampling { count_input: true, ..plain };
+        let e = logits.sample_on_host(&[counting]).unwrap_err().to_string();
+        assert!(e.contains("input token"), "{e}");
+    }
+}
