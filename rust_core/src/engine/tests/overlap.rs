@@ -336,3 +336,13 @@ fn a_request_ending_on_a_block_boundary_under_lookahead_takes_no_stale_snapshot(
     let (fresh, _, _) = run_requests(&Setup { eos: vec![out[k]], ..base }, &[(pc, greedy(8))]);
     assert_eq!(c.tokens, fresh[0].tokens);
 }
+
+/// The runner contract's order: a sampling with no forward queued before it is an error (it
+/// would sample the logits of a step already sampled), not a second draw from them.
+#[test]
+fn a_sampling_with_no_forward_queued_is_refused() {
+    use crate::model::ModelRunner;
+    let mut runner = ToyRunner::new(64, 256, false).overlapping();
+    let e = runner.launch_sampling(&[]).unwrap_err().to_string();
+    assert!(e.contains("no forward queued"), "{e}");
+}
