@@ -582,8 +582,9 @@ def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
     stats = eng.stats()
     eng.shutdown()
     # Split lookahead steps (a grammar's forward queued ahead, its sampling after the token in
-    # flight) count in both; builds before them have no such key.
-    return toks / secs, load_s, (stats["lookahead_steps"], stats.get("split_lookahead_steps", 0))
+    # flight) count in both. Builds before either counter (an A-B of older builds) have no such
+    # key: None, recorded as unknown rather than as zero.
+    return toks / secs, load_s, (stats.get("lookahead_steps"), stats.get("split_lookahead_steps"))
 
 
 def part_decode(b: Bench, model: str) -> list:
