@@ -975,6 +975,266 @@ __device__ __forceinline__ void flash_wgmma_body(
     wg_pin(o);
     fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Warp-specialized wgmma prefill attention (flash_attention_d128_wgmma_ws, d 128, the direct
+// form, so NVRTC 13 only). flash_wgmma_body's warps stage K/V themselves and pass one block
+// barrier a tile, so both warpgroups exponentiate at the same time while the tensor cores idle
+// (docs/kernels.md, session 20: ~2.97 us a 128-key tile at 8k against ~1.5 for its wgmma
+// alone). Here, as in FlashAttention-3, a third warpgroup only copies: it fills three K/V
+// buffers by cp.async and signals each through a "full" mbarrier (cp.async.mbarrier.arrive
+// .noinc: the arrival lands when the thread's copies have), and waits on the buffer's "empty"
+// mbarrier (one arrival a consumer warp, after its P V of that tile) before refilling it. The
+// two consumer warpgroups (64 query rows each) never meet at a block barrier: each waits for
+// its tiles only, and with PINGPONG they take turns issuing their wgmma (two named barriers),
+// so one warpgroup's softmax runs under the other's products. The producer gives registers
+// back (setmaxnreg) so the consumers keep flash_wgmma_body's ~230 a lane at 384 threads.
+// Per tile the arithmetic is flash_wgmma_body's, in the same order: the outputs are equal bit
+// for bit (`flash_attention_wgmma_ws_equals_wgmma_bit_for_bit`).
+#if FA_WGMMA_DIRECT_V
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nMBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra MBAR_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// An arrival on `bar` once every cp.async this thread issued before it has landed (counted in
+// the barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// 16 bytes by cp.async, or 16 zero bytes (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// stage_kv_sw128 for the producer warpgroup: every chunk by cp.async, rows past kv_len
+// zero-filled by it too (no plain stores, so the "full" arrival covers the whole tile).
+template <int D, int BN, int NT>
+__device__ __forceinline__ void stage_kv_sw128_zfill(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
+                                                     const store_t* __restrict__ v_cache, const int* __restrict__ table,
+                                                     int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
+                                                     int bs_shift, int tid) {
+    constexpr int ROWS_STEP = NT / 8;
+    static_assert(D % 64 == 0 && BN % ROWS_STEP == 0, "whole slabs, every thread the same rows");
+    constexpr int ROWS = BN / ROWS_STEP;
+    const int c = tid & 7;
+    int blk[ROWS];
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) {
+        const int j = kb + (tid >> 3) + k * ROWS_STEP;
+        blk[k] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) {
+        const int r = (tid >> 3) + k * ROWS_STEP;
+        const int j = kb + r;
+        const int so = sw128_offset<BN>(r, c) / 2;
+        const bool valid = j < kv_len;
+        const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+        const long long off =
+            valid ? ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8 : 0;
+#pragma unroll
+        for (int sl = 0; sl < D / 64; ++sl) {
+            cp_async16_zfill(smem_u32(ks + so + sl * BN * 64), k_cache + off + sl * 64, valid);
+            cp_async16_zfill(smem_u32(vs + so + sl * BN * 64), v_cache + off + sl * 64, valid);
+        }
+    }
+}
+
+// Named barriers (0 is __syncthreads): 1 + wg publishes a consumer warpgroup's Q rows, 3 + wg
+// is warpgroup wg's turn to issue wgmma (PINGPONG).
+template <int D, int BN, bool PINGPONG>
+__device__ __forceinline__ void flash_wgmma_ws_body(
+    const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
+    const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ token_pos, int n_q_heads,
+    int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
+    static_assert(D == 128 && BN == 128, "the d 128 tiling of flash_wgmma_body");
+    constexpr int BM = 128;   // two consumer warpgroups of 64 rows
+    constexpr int NBUF = 3;   // V(t) is read in place until P(t) V(t) lands
+    constexpr int TILE = BN * D;
+    extern __shared__ uint4 fa_smem[];
+    __shared__ unsigned long long fa_bars[2 * NBUF];  // full[b], then empty[b]
+    const unsigned smem_pad = (1024u - (smem_u32(fa_smem) & 1023u)) & 1023u;
+    store_t* qs = reinterpret_cast<store_t*>(reinterpret_cast<char*>(fa_smem) + smem_pad);  // [BM][D]
+    store_t* kv0 = qs + BM * D;
+    auto kv_buf = [&](int t) { return kv0 + (t % NBUF) * 2 * TILE; };
+    const unsigned full0 = smem_u32(&fa_bars[0]);
+    const unsigned empty0 = smem_u32(&fa_bars[NBUF]);
+
+    FaBlock fb;
+    if (!fa_block<BM>(fb, cu_seqlens, n_q_heads, n_kv_heads)) return;
+    const int s = fb.s, h = fb.h, row0 = fb.row0, tile0 = fb.tile0, tile_rows = fb.tile_rows, kvh = fb.kvh;
+    const int tid = threadIdx.x;
+    // Broadcast so that ptxas sees a warp-uniform role (a branch it cannot prove uniform
+    // serializes the wgmma under it).
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (tid == 0) {
+#pragma unroll
+        for (int b = 0; b < NBUF; ++b) {
+            mbar_init(full0 + 8 * b, 128);  // the producer's threads
+            mbar_init(empty0 + 8 * b, 8);   // the consumer warps
+        }
+    }
+    __syncthreads();
+    const int kv_len = token_pos[row0 + tile0 + tile_rows - 1] + 1;
+    const int* table = block_tables + (long long)s * max_blocks;
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    const int n_tiles = (kv_len + BN - 1) / BN;
+
+    if (wg == 2) {
+        // Producer: tile j into buffer j % NBUF once the consumers have released its previous
+        // tile (j - NBUF).
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+        const int ptid = tid - 256;
+        for (int j = 0; j < n_tiles; ++j) {
+            const int b = j % NBUF;
+            if (j >= NBUF) mbar_wait(empty0 + 8 * b, ((j / NBUF) - 1) & 1);
+            store_t* kb = kv_buf(j);
+            stage_kv_sw128_zfill<D, BN, 128>(kb, kb + TILE, k_cache, v_cache, table, j * BN, kv_len, kvh,
+                                             n_kv_heads, block_size, bs_shift, ptid);
+            cp_async_mbar_arrive(full0 + 8 * b);
+        }
+        cp_async_wait_all();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int gr = lane >> 2;
+    const int ctid = tid & 127;
+
+    // This warpgroup's 64 Q rows (rows wg * 64 ..), published to its wgmma by its own barrier.
+    for (int i = ctid; i < 64 * D / 8; i += 128) {
+        const int r = wg * 64 + sw128_chunk_row<64>(i);
+        const int c8 = sw128_chunk_c8<64>(i);
+        uint4 val;
+        val.x = val.y = val.z = val.w = 0u;
+        if (r < tile_rows)
+            val = *reinterpret_cast<const uint4*>(q + (long long)(row0 + tile0 + r) * q_stride +
+                                                  (long long)h * D + c8 * 8);
+        *reinterpret_cast<uint4*>(qs + sw128_offset<BM>(r, c8) / 2) = val;
+    }
+    fence_proxy_async_smem();
+    named_bar_sync(1 + wg, 128);
+    const FaRows fr = fa_rows(token_pos, fb, warp, gr);
+    const int pos_a = fr.pos_a, pos_b = fr.pos_b, warp_min_pos = fr.warp_min_pos;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const unsigned q_addr = smem_u32(qs) + wg * 64 * 128;
+    float sc[BN / 8][4];
+    unsigned pa[BN / 16][4];
+    auto wait_full = [&](int t) {
+        mbar_wait(full0 + 8 * (t % NBUF), (t / NBUF) & 1);
+        fence_proxy_async_smem();
+    };
+    // Tile t's buffer is free once this warp's P(t) V(t) has landed.
+    auto release = [&](int t) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * (t % NBUF));
+    };
+    auto turn_wait = [&]() {
+        if (PINGPONG) named_bar_sync(3 + wg, 256);
+    };
+    auto turn_pass = [&]() {
+        if (PINGPONG) named_bar_arrive(3 + (wg ^ 1), 256);
+    };
+    auto issue_scores = [&](int t) {
+        const unsigned k_addr = smem_u32(kv_buf(t));
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 16)
+            wgmma_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
+                     wg_desc_sw128(k_addr + (k0 >> 6) * BN * 128 + (k0 & 63) * 2), k0 > 0);
+        wg_commit();
+    };
+    auto issue_pv = [&](int t) {
+        const unsigned v_addr = smem_u32(kv_buf(t) + TILE);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs_v(o, pa[kk], wg_desc_sw128_n(v_addr + kk * 16 * 128, BN * 128));
+        wg_commit();
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = pack_p2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack_p2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack_p2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack_p2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+    };
+
+    // Turns: each warpgroup issues n_tiles + 1 times (the first scores, n_tiles - 1 loop
+    // iterations, the last P V) and passes the turn after each but warpgroup 1's last (which
+    // nobody waits for); warpgroup 1 passes once first, so warpgroup 0 starts.
+    if (PINGPONG && wg == 1) named_bar_arrive(3, 256);
+    wait_full(0);
+    turn_wait();
+    wg_pin(sc);
+    wg_fence();
+    issue_scores(0);
+    turn_pass();
+    wg_wait<0>();
+    wg_pin(sc);
+    {
+        const FaTileScale ts = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, 0, pos_a, pos_b, warp_min_pos, scale_log2);
+        fa_tile_exp<BN>(sc, ts, l_a, l_b);
+    }
+    pack_p();
+    for (int t = 0; t + 1 < n_tiles; ++t) {
+        wait_full(t + 1);
+        turn_wait();
+        wg_pin(sc);
+        wg_pin(o);
+        wg_pin(pa);
+        wg_fence();
+        issue_scores(t + 1);
+        issue_pv(t);
+        turn_pass();
+        wg_wait<1>();
+        wg_pin(sc);
+        const FaTileScale ts =
+            fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, (t + 1) * BN, pos_a, pos_b, warp_min_pos, scale_log2);
+        fa_tile_exp<BN>(sc, ts, l_a, l_b);
+        wg_wait<0>();
+        wg_pin(o);
+        wg_pin(pa);
+        release(t);
+        fa_rescale<D, true>(o, ts);
+        pack_p();
+    }
+    turn_wait();
+    wg_pin(o);
+    wg_pin(pa);
+    wg_fence();
+    issue_pv(n_tiles - 1);
+    wg_wait<0>();
+    wg_pin(o);
+    if (PINGPONG && wg == 0) named_bar_arrive(4, 256);
+    fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
+}
+#endif  // FA_WGMMA_DIRECT_V
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---------------------------------------------------------------------------------------------
@@ -1559,6 +1819,28 @@ FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 
 FA_WGMMA_INSTANCE(flash_attention_d128_wgmma, 128, 128)
 FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
+
+// The warp-specialized form (flash_wgmma_ws_body): the same arguments, 12 warps (a producer
+// warpgroup and two consumer warpgroups), the wgmma form's shared memory; the direct form only,
+// so sm_90a code built by NVRTC 13 (the launcher checks the NVRTC that built it).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FA_WGMMA_DIRECT_V
+#define FA_WGMMA_WS_BODY(D, BN, PP)                                                             \
+    flash_wgmma_ws_body<D, BN, PP>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
+                                   cu_seqlens, token_pos, n_q_heads, n_kv_heads, block_size,    \
+                                   scale_log2, out);
+#else
+#define FA_WGMMA_WS_BODY(D, BN, PP) __trap();
+#endif
+#define FA_WGMMA_WS_INSTANCE(NAME, D, BN, PP)                                                   \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                  \
+        const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
+        const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
+        int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
+        FA_WGMMA_WS_BODY(D, BN, PP)                                                             \
+    }
+
+FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws, 128, 128, true)
+FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws_nopp, 128, 128, false)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
 // decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the

@@ -86,6 +86,12 @@ pub struct CudaDevice {
     /// run the direct tensor-core form where it fits (ops/decode_attention.rs
     /// `decode_attention_form`); read once.
     tc_decode_direct: bool,
+    /// `NINFER_FA_WS` (default on): the warp-specialized prefill attention where it fits
+    /// (ops/flash_attention.rs `flash_tile`); read once.
+    fa_ws: bool,
+    /// Major version of the NVRTC that compiles this device's kernels (0 where none loads):
+    /// the warp-specialized prefill attention exists only in NVRTC 13's build.
+    nvrtc_major: i32,
     /// Streaming multiprocessors (the direct decode attention sizes its launches by them).
     sm_count: usize,
     /// Dynamic shared memory one block may opt into, bytes (0 where the driver does not say):
@@ -174,6 +180,8 @@ impl CudaDevice {
         // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether.
         let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
         super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
+        let fa_ws = crate::config::env_switch::env_switch(super::ops::FA_WS_SWITCH, true)?;
+        let nvrtc_major = super::nvrtc::nvrtc_version().map_or(0, |v| v.0);
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?
@@ -213,6 +221,8 @@ impl CudaDevice {
             tc_decode_attn,
             tc_decode_min_tokens,
             tc_decode_direct,
+            fa_ws,
+            nvrtc_major,
             sm_count,
             smem_optin,
             smem_carveout,
@@ -269,6 +279,16 @@ impl CudaDevice {
     /// (`NINFER_TC_DECODE_DIRECT`, and not `NINFER_TC_DECODE_ATTN=0`).
     pub fn tc_decode_direct(&self) -> bool {
         self.tc_decode_direct
+    }
+
+    /// Whether prefill attention may take the warp-specialized wgmma form (`NINFER_FA_WS`).
+    pub fn fa_ws(&self) -> bool {
+        self.fa_ws
+    }
+
+    /// Major version of the loaded NVRTC (0 where none loads).
+    pub fn nvrtc_major(&self) -> i32 {
+        self.nvrtc_major
     }
 
     /// Streaming multiprocessors of the device.

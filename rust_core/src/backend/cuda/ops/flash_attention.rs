@@ -36,26 +36,57 @@ pub enum FlashTile {
     /// P V reads V in place (three K/V buffers); by NVRTC 12, from two f16 V^T tiles (two K/V
     /// buffers). Either way 225 / 193 KiB of shared memory a block (flash_attention.cu).
     Rows128Wgmma,
+    /// Rows128Wgmma at d 128, warp-specialized (flash_wgmma_ws_body): a third warpgroup only
+    /// stages K/V (three buffers, "full" / "empty" mbarriers), the two consumer warpgroups meet
+    /// at no block barrier and take turns issuing their wgmma, so one's softmax runs under the
+    /// other's products. The direct form only: sm_90a code built by NVRTC 13. The same shared
+    /// memory, 384 threads; outputs equal to Rows128Wgmma's bit for bit.
+    Rows128WgmmaWs,
+    /// Rows128WgmmaWs without the turns (each consumer warpgroup issues when its tile is in):
+    /// tested and timed against it, never routed.
+    Rows128WgmmaWsFree,
 }
 
 impl FlashTile {
     /// Every tiling (the op tests run each one the device holds).
-    pub const ALL: [FlashTile; 4] =
-        [FlashTile::Rows64, FlashTile::Rows128Async, FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Wgmma];
+    pub const ALL: [FlashTile; 6] = [
+        FlashTile::Rows64,
+        FlashTile::Rows128Async,
+        FlashTile::Rows128AsyncKeys128,
+        FlashTile::Rows128Wgmma,
+        FlashTile::Rows128WgmmaWs,
+        FlashTile::Rows128WgmmaWsFree,
+    ];
+
+    /// The warp-specialized forms (NVRTC 13 only; `NINFER_FA_WS=0` keeps them off the route).
+    pub fn warp_specialized(self) -> bool {
+        matches!(self, FlashTile::Rows128WgmmaWs | FlashTile::Rows128WgmmaWsFree)
+    }
 }
+
+/// `NINFER_FA_WS` (default on): prefill attention at d 128 on Hopper runs the warp-specialized
+/// wgmma form where it was built (NVRTC 13); 0 routes to the plain wgmma form. Read once.
+pub const FA_WS_SWITCH: &str = "NINFER_FA_WS";
 
 /// The tilings in the order `flash_tile` prefers them (each measured faster than the next where
 /// both fit: `flash_attention_prefill_timing_at_2k_and_8k` fails otherwise).
-const ROUTE_ORDER: [FlashTile; 4] =
-    [FlashTile::Rows128Wgmma, FlashTile::Rows128AsyncKeys128, FlashTile::Rows128Async, FlashTile::Rows64];
+const ROUTE_ORDER: [FlashTile; 5] = [
+    FlashTile::Rows128WgmmaWs,
+    FlashTile::Rows128Wgmma,
+    FlashTile::Rows128AsyncKeys128,
+    FlashTile::Rows128Async,
+    FlashTile::Rows64,
+];
 
 /// One kernel instance (FA_INSTANCE in flash_attention.cu, whose list this repeats).
 struct Instance {
     name: &'static str,
     /// Keys per K/V tile.
     bn: usize,
-    /// Warps per block; each owns 16 query rows.
+    /// Warps per block that own 16 query rows each.
     warps: usize,
+    /// Warps per block that only stage K/V (the warp-specialized form's producer warpgroup).
+    producer_warps: usize,
     /// K/V tile buffers in shared memory.
     buffers: usize,
     /// wgmma products (sm_90a code only): unpadded tiles in the 128-byte swizzle layout plus a
@@ -82,6 +113,7 @@ impl Instance {
 }
 
 fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
+    let producer_warps = if tile.warp_specialized() { 4 } else { 0 };
     let (name, bn, warps, buffers, wgmma) = match (d, tile) {
         (64, FlashTile::Rows64) => ("flash_attention_d64", 64, 4, 1, false),
         (96, FlashTile::Rows64) => ("flash_attention_d96", 64, 4, 1, false),
@@ -92,11 +124,13 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
         (128, FlashTile::Rows128AsyncKeys128) => ("flash_attention_d128_r128_k128", 128, 8, 2, false),
         (128, FlashTile::Rows128Wgmma) => ("flash_attention_d128_wgmma", 128, 8, 2, true),
         (256, FlashTile::Rows128Wgmma) => ("flash_attention_d256_wgmma", 32, 8, 2, true),
+        (128, FlashTile::Rows128WgmmaWs) => ("flash_attention_d128_wgmma_ws", 128, 8, 2, true),
+        (128, FlashTile::Rows128WgmmaWsFree) => ("flash_attention_d128_wgmma_ws_nopp", 128, 8, 2, true),
         _ => {
             return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
     };
-    Ok(Instance { name, bn, warps, buffers, wgmma })
+    Ok(Instance { name, bn, warps, producer_warps, buffers, wgmma })
 }
 
 impl CudaDevice {
@@ -110,7 +144,10 @@ impl CudaDevice {
     /// exists for `d` and whose shared memory a block may take (the 128-key tiles at d 128 on
     /// sm_90, the 128-row cp.async form at d 256 and d 128 on sm_80 / sm_90, else 64-row blocks).
     pub fn flash_tile(&self, d: usize) -> FlashTile {
-        ROUTE_ORDER.into_iter().find(|&t| self.flash_tile_fits(d, t)).unwrap_or(FlashTile::Rows64)
+        ROUTE_ORDER
+            .into_iter()
+            .find(|&t| (self.fa_ws() || !t.warp_specialized()) && self.flash_tile_fits(d, t))
+            .unwrap_or(FlashTile::Rows64)
     }
 
     /// Whether tiling `tile` exists for head size `d`, fits this device's shared memory and (for
@@ -119,7 +156,9 @@ impl CudaDevice {
     pub fn flash_tile_fits(&self, d: usize, tile: FlashTile) -> bool {
         instance(d, tile).is_ok_and(|i| {
             let (major, minor) = self.compute_capability();
-            i.smem_bytes(d) <= self.smem_optin() && (!i.wgmma || crate::backend::cuda::kernels::has_sm90a_code(major, minor))
+            i.smem_bytes(d) <= self.smem_optin()
+                && (!i.wgmma || crate::backend::cuda::kernels::has_sm90a_code(major, minor))
+                && (!tile.warp_specialized() || self.nvrtc_major() >= 13)
         })
     }
 
@@ -213,7 +252,8 @@ impl CudaDevice {
             as_i32("n_q_heads", sh.n_q_heads)? as u32,
             as_i32("n_seqs", n_seqs)? as u32,
         );
-        let config = LaunchConfig { grid_dim: grid, block_dim: (32 * inst.warps as u32, 1, 1), shared_mem_bytes: smem as u32 };
+        let threads = 32 * (inst.warps + inst.producer_warps) as u32;
+        let config = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, config, name, &args)
     }
 }
@@ -255,6 +295,13 @@ mod tests {
         assert_eq!((wg256.rows(), wg256.bn, wg256.buffers), (128, 32, 2));
         assert_eq!(wg256.smem_bytes(256), (128 * 256 + 4 * 32 * 256 + 2 * 64 * 256) * 2 + 1024);
         assert!(wg256.smem_bytes(256) <= OPTIN_SM90 && wg256.smem_bytes(256) > OPTIN_SM80);
+        // The warp-specialized form: the wgmma form's rows and shared memory, plus a producer
+        // warpgroup (384 threads).
+        for tile in [FlashTile::Rows128WgmmaWs, FlashTile::Rows128WgmmaWsFree] {
+            let ws = instance(128, tile).unwrap();
+            assert_eq!((ws.rows(), ws.bn, ws.warps + ws.producer_warps), (128, 128, 12));
+            assert_eq!(ws.smem_bytes(128), wg.smem_bytes(128));
+        }
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
@@ -264,7 +311,7 @@ mod tests {
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma)] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma), (256, FlashTile::Rows128WgmmaWs), (64, FlashTile::Rows128WgmmaWsFree)] {
             match instance(d, tile) {
                 Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),

@@ -26,7 +26,7 @@ pub use decode_attention::{
     DECODE_DEFAULT_LAYOUT, DECODE_MAX_SPLITS, DECODE_MAX_WARP_KEYS_SETTING, DECODE_MIN_WARP_KEYS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS, DECODE_SCALED_MAX_TOKENS, tc_decode_fits, check_staged_tc_settings, tc_direct_fits, tc_direct_smem_bytes, tc_direct_splits, tc_direct_split_keys, tc_direct_grid_splits, TC_DIRECT_BLOCKS_PER_SM, TC_DECODE_DIRECT_SWITCH, TC_DIRECT_WARPS, tc_grid_splits, tc_smem_bytes, tc_split_keys, tc_split_keys_with, tc_decode_warps, parse_tc_min_warp_tiles, TC_MIN_WARP_TILES, TC_MIN_WARP_TILES_VAR, TC_MAX_WARP_TILES_SETTING, TC_DECODE_ATTN_SWITCH, TC_DECODE_MIN_TOKENS, TC_DECODE_MIN_TOKENS_VAR, parse_tc_decode_min_tokens,
 };
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
-pub use flash_attention::FlashTile;
+pub use flash_attention::{FlashTile, FA_WS_SWITCH};
 pub use gdn_chunked::{PrepForm, ScanForm};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
