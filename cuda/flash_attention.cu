@@ -986,9 +986,12 @@ __device__ __forceinline__ void flash_wgmma_body(
 // .noinc: the arrival lands when the thread's copies have), and waits on the buffer's "empty"
 // mbarrier (one arrival a consumer warp, after its P V of that tile) before refilling it. The
 // two consumer warpgroups (64 query rows each) never meet at a block barrier: each waits for
-// its tiles only, and with PINGPONG they take turns issuing their wgmma (two named barriers),
-// so one warpgroup's softmax runs under the other's products. The producer gives registers
-// back (setmaxnreg) so the consumers keep flash_wgmma_body's ~230 a lane at 384 threads.
+// its own tiles only, so they drift apart and one's softmax runs under the other's products.
+// The producer gives registers back (setmaxnreg: 56 a lane) so the consumers keep
+// flash_wgmma_body's 224 at 384 threads. Measured on the H200 (8k-token Llama-3-8B attention,
+// cuda_ops_flash_ws_d0e9008.log): 1.274 ms against 1.509 for flash_wgmma_body (432 against 364
+// TFLOP/s). Making the consumers take turns at the tensor cores (FlashAttention-3's
+// "ping-pong", two named barriers) measured the same (1.281 ms) and was dropped.
 // Per tile the arithmetic is flash_wgmma_body's, in the same order: the outputs are equal bit
 // for bit (`flash_attention_wgmma_ws_equals_wgmma_bit_for_bit`).
 #if FA_WGMMA_DIRECT_V
@@ -1018,11 +1021,9 @@ __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// A barrier of `threads` threads (a multiple of 32) under id `id` (0 is __syncthreads).
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // stage_kv_sw128 for the producer warpgroup: every chunk by cp.async, rows past kv_len
@@ -1059,9 +1060,7 @@ __device__ __forceinline__ void stage_kv_sw128_zfill(store_t* ks, store_t* vs, c
     }
 }
 
-// Named barriers (0 is __syncthreads): 1 + wg publishes a consumer warpgroup's Q rows, 3 + wg
-// is warpgroup wg's turn to issue wgmma (PINGPONG).
-template <int D, int BN, bool PINGPONG>
+template <int D, int BN>
 __device__ __forceinline__ void flash_wgmma_ws_body(
     const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
@@ -1134,7 +1133,7 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
         *reinterpret_cast<uint4*>(qs + sw128_offset<BM>(r, c8) / 2) = val;
     }
     fence_proxy_async_smem();
-    named_bar_sync(1 + wg, 128);
+    named_bar_sync(1 + wg, 128);  // this warpgroup's rows only
     const FaRows fr = fa_rows(token_pos, fb, warp, gr);
     const int pos_a = fr.pos_a, pos_b = fr.pos_b, warp_min_pos = fr.warp_min_pos;
 
@@ -1153,12 +1152,6 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
     auto release = [&](int t) {
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * (t % NBUF));
-    };
-    auto turn_wait = [&]() {
-        if (PINGPONG) named_bar_sync(3 + wg, 256);
-    };
-    auto turn_pass = [&]() {
-        if (PINGPONG) named_bar_arrive(3 + (wg ^ 1), 256);
     };
     auto issue_scores = [&](int t) {
         const unsigned k_addr = smem_u32(kv_buf(t));
@@ -1185,16 +1178,12 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
         }
     };
 
-    // Turns: each warpgroup issues n_tiles + 1 times (the first scores, n_tiles - 1 loop
-    // iterations, the last P V) and passes the turn after each but warpgroup 1's last (which
-    // nobody waits for); warpgroup 1 passes once first, so warpgroup 0 starts.
-    if (PINGPONG && wg == 1) named_bar_arrive(3, 256);
+    // flash_wgmma_body's loop, its block barriers replaced by the waits for tile t + 1 and the
+    // release of tile t.
     wait_full(0);
-    turn_wait();
     wg_pin(sc);
     wg_fence();
     issue_scores(0);
-    turn_pass();
     wg_wait<0>();
     wg_pin(sc);
     {
@@ -1204,14 +1193,12 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
     pack_p();
     for (int t = 0; t + 1 < n_tiles; ++t) {
         wait_full(t + 1);
-        turn_wait();
         wg_pin(sc);
         wg_pin(o);
         wg_pin(pa);
         wg_fence();
         issue_scores(t + 1);
         issue_pv(t);
-        turn_pass();
         wg_wait<1>();
         wg_pin(sc);
         const FaTileScale ts =
@@ -1224,14 +1211,12 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
         fa_rescale<D, true>(o, ts);
         pack_p();
     }
-    turn_wait();
     wg_pin(o);
     wg_pin(pa);
     wg_fence();
     issue_pv(n_tiles - 1);
     wg_wait<0>();
     wg_pin(o);
-    if (PINGPONG && wg == 0) named_bar_arrive(4, 256);
     fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
 }
 #endif  // FA_WGMMA_DIRECT_V
@@ -1824,23 +1809,22 @@ FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
 // warpgroup and two consumer warpgroups), the wgmma form's shared memory; the direct form only,
 // so sm_90a code built by NVRTC 13 (the launcher checks the NVRTC that built it).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FA_WGMMA_DIRECT_V
-#define FA_WGMMA_WS_BODY(D, BN, PP)                                                             \
-    flash_wgmma_ws_body<D, BN, PP>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,     \
-                                   cu_seqlens, token_pos, n_q_heads, n_kv_heads, block_size,    \
-                                   scale_log2, out);
+#define FA_WGMMA_WS_BODY(D, BN)                                                                 \
+    flash_wgmma_ws_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,         \
+                               cu_seqlens, token_pos, n_q_heads, n_kv_heads, block_size,        \
+                               scale_log2, out);
 #else
-#define FA_WGMMA_WS_BODY(D, BN, PP) __trap();
+#define FA_WGMMA_WS_BODY(D, BN) __trap();
 #endif
-#define FA_WGMMA_WS_INSTANCE(NAME, D, BN, PP)                                                   \
+#define FA_WGMMA_WS_INSTANCE(NAME, D, BN)                                                       \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                  \
         const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
         const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
         int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
-        FA_WGMMA_WS_BODY(D, BN, PP)                                                             \
+        FA_WGMMA_WS_BODY(D, BN)                                                                 \
     }
 
-FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws, 128, 128, true)
-FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws_nopp, 128, 128, false)
+FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws, 128, 128)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
 // decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the
