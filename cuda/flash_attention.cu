@@ -977,8 +977,8 @@ __device__ __forceinline__ void flash_wgmma_body(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Warp-specialized wgmma prefill attention (flash_attention_d128_wgmma_ws, d 128, the direct
-// form, so NVRTC 13 only). flash_wgmma_body's warps stage K/V themselves and pass one block
+// Warp-specialized wgmma prefill attention (flash_attention_d{128,256}_wgmma_ws, flash_wgmma_body's
+// tilings, the direct form, so NVRTC 13 only). flash_wgmma_body's warps stage K/V themselves and pass one block
 // barrier a tile, so both warpgroups exponentiate at the same time while the tensor cores idle
 // (docs/kernels.md, session 20: ~2.97 us a 128-key tile at 8k against ~1.5 for its wgmma
 // alone). Here, as in FlashAttention-3, a third warpgroup only copies: it fills three K/V
@@ -1066,7 +1066,7 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ cu_seqlens, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
-    static_assert(D == 128 && BN == 128, "the d 128 tiling of flash_wgmma_body");
+    static_assert((D == 128 && BN == 128) || (D == 256 && BN == 32), "flash_wgmma_body's tilings");
     constexpr int BM = 128;   // two consumer warpgroups of 64 rows
     constexpr int NBUF = 3;   // V(t) is read in place until P(t) V(t) lands
     constexpr int TILE = BN * D;
@@ -1825,6 +1825,7 @@ FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
     }
 
 FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws, 128, 128)
+FA_WGMMA_WS_INSTANCE(flash_attention_d256_wgmma_ws, 256, 32)
 
 // The batched tensor-core decode attention (flash_decode_body); the arguments of
 // decode_attention.cu's kernels, the last the fewest tiles a warp takes in a split (theirs: the

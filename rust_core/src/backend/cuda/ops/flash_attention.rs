@@ -36,7 +36,7 @@ pub enum FlashTile {
     /// P V reads V in place (three K/V buffers); by NVRTC 12, from two f16 V^T tiles (two K/V
     /// buffers). Either way 225 / 193 KiB of shared memory a block (flash_attention.cu).
     Rows128Wgmma,
-    /// Rows128Wgmma at d 128, warp-specialized (flash_wgmma_ws_body): a third warpgroup only
+    /// Rows128Wgmma at d 128 and d 256, warp-specialized (flash_wgmma_ws_body): a third warpgroup only
     /// stages K/V (three buffers, "full" / "empty" mbarriers) and the two consumer warpgroups
     /// meet at no block barrier, so one's softmax runs under the other's products (+18% at 8k
     /// on the H200). The direct form only: sm_90a code built by NVRTC 13. The same shared
@@ -121,6 +121,7 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
         (128, FlashTile::Rows128Wgmma) => ("flash_attention_d128_wgmma", 128, 8, 2, true),
         (256, FlashTile::Rows128Wgmma) => ("flash_attention_d256_wgmma", 32, 8, 2, true),
         (128, FlashTile::Rows128WgmmaWs) => ("flash_attention_d128_wgmma_ws", 128, 8, 2, true),
+        (256, FlashTile::Rows128WgmmaWs) => ("flash_attention_d256_wgmma_ws", 32, 8, 2, true),
         _ => {
             return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
@@ -295,6 +296,9 @@ mod tests {
         let ws = instance(128, FlashTile::Rows128WgmmaWs).unwrap();
         assert_eq!((ws.rows(), ws.bn, ws.warps + ws.producer_warps), (128, 128, 12));
         assert_eq!(ws.smem_bytes(128), wg.smem_bytes(128));
+        let ws256 = instance(256, FlashTile::Rows128WgmmaWs).unwrap();
+        assert_eq!((ws256.rows(), ws256.bn, ws256.warps + ws256.producer_warps), (128, 32, 12));
+        assert_eq!(ws256.smem_bytes(256), wg256.smem_bytes(256));
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
@@ -304,7 +308,7 @@ mod tests {
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma), (256, FlashTile::Rows128WgmmaWs)] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma), (64, FlashTile::Rows128WgmmaWs)] {
             match instance(d, tile) {
                 Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
