@@ -229,31 +229,42 @@ __device__ __forceinline__ void finish_v_async(store_t* vs, int kb, int kv_len, 
 }
 
 // One K/V tile's online softmax for a warp's 16 query rows (a lane's rows a and b), in three
-// steps so that the wgmma kernel can run the last two apart: fa_tile_max scales the scores sc
-// (BN keys, mma accumulator layout) by scale_log2, masks keys past each row's position (tiles
-// ending by warp_min_pos, which every row of the warp sees whole, skip the mask), updates the
-// running maxima m, rescales the sums l and returns the exponent bases and output corrections;
-// fa_rescale applies the corrections to the output accumulators o; fa_tile_exp leaves sc holding
-// the unnormalized probabilities and adds them to l.
+// steps so that the wgmma kernel can run the last two apart: fa_tile_max masks keys past each
+// row's position in the raw scores sc (BN keys, mma accumulator layout; tiles ending by
+// warp_min_pos, which every row of the warp sees whole, skip the mask), updates the running
+// maxima m (in units of scale_log2 * score: the tile's raw maximum times scale_log2, which is
+// the maximum of the scaled scores, the scale being positive), rescales the sums l and returns
+// the exponent bases and output corrections; fa_rescale applies the corrections to the output
+// accumulators o; fa_tile_exp leaves sc holding the unnormalized probabilities
+// 2^(score * scale_log2 - base), the scale folded into one fma, and adds them to l.
 struct FaTileScale {
-    float base_a, base_b, corr_a, corr_b;
+    float base_a, base_b, corr_a, corr_b, scale;
 };
+
+// 2^x on the MUFU unit alone (ex2.approx.ftz). exp2f without fast math wraps the same
+// instruction in a range check and two predicated multiplies so that results below 2^-126 come
+// out denormal; here such a probability (or output correction) sits beside the row's largest
+// term, which is 1, so it vanishes in every f32 sum either way, and the softmax saves three of
+// its four instructions an element.
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 template <int BN>
 __device__ __forceinline__ FaTileScale fa_tile_max(float (&sc)[BN / 8][4], float& m_a, float& m_b, float& l_a,
                                                    float& l_b, int kb, int pos_a, int pos_b, int warp_min_pos,
                                                    float scale_log2) {
     const int tq = threadIdx.x & 3;  // this lane's key pair in each 8-key n-tile
-    float mx_a = m_a, mx_b = m_b;
+    float rx_a = NEG_INF, rx_b = NEG_INF;
     if (kb + BN - 1 <= warp_min_pos) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                sc[n][e] *= scale_log2;
-                sc[n][2 + e] *= scale_log2;
-                mx_a = fmaxf(mx_a, sc[n][e]);
-                mx_b = fmaxf(mx_b, sc[n][2 + e]);
+                rx_a = fmaxf(rx_a, sc[n][e]);
+                rx_b = fmaxf(rx_b, sc[n][2 + e]);
             }
         }
     } else {
@@ -262,24 +273,27 @@ __device__ __forceinline__ FaTileScale fa_tile_max(float (&sc)[BN / 8][4], float
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int j = kb + n * 8 + 2 * tq + e;
-                sc[n][e] = j <= pos_a ? sc[n][e] * scale_log2 : NEG_INF;
-                sc[n][2 + e] = j <= pos_b ? sc[n][2 + e] * scale_log2 : NEG_INF;
-                mx_a = fmaxf(mx_a, sc[n][e]);
-                mx_b = fmaxf(mx_b, sc[n][2 + e]);
+                if (j > pos_a) sc[n][e] = NEG_INF;
+                if (j > pos_b) sc[n][2 + e] = NEG_INF;
+                rx_a = fmaxf(rx_a, sc[n][e]);
+                rx_b = fmaxf(rx_b, sc[n][2 + e]);
             }
         }
     }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    rx_a = fmaxf(rx_a, __shfl_xor_sync(0xffffffffu, rx_a, 1));
+    rx_a = fmaxf(rx_a, __shfl_xor_sync(0xffffffffu, rx_a, 2));
+    rx_b = fmaxf(rx_b, __shfl_xor_sync(0xffffffffu, rx_b, 1));
+    rx_b = fmaxf(rx_b, __shfl_xor_sync(0xffffffffu, rx_b, 2));
+    const float mx_a = fmaxf(m_a, rx_a * scale_log2);
+    const float mx_b = fmaxf(m_b, rx_b * scale_log2);
     // A row with no visible key yet keeps max -inf; exponentiate against 0 so that it
     // stays all-zero instead of NaN.
     FaTileScale r;
+    r.scale = scale_log2;
     r.base_a = mx_a == NEG_INF ? 0.0f : mx_a;
     r.base_b = mx_b == NEG_INF ? 0.0f : mx_b;
-    r.corr_a = exp2f(m_a - r.base_a);
-    r.corr_b = exp2f(m_b - r.base_b);
+    r.corr_a = fa_exp2(m_a - r.base_a);
+    r.corr_b = fa_exp2(m_b - r.base_b);
     m_a = mx_a;
     m_b = mx_b;
     l_a *= r.corr_a;
@@ -287,7 +301,7 @@ __device__ __forceinline__ FaTileScale fa_tile_max(float (&sc)[BN / 8][4], float
     return r;
 }
 
-// Once the running maxima settle, corr is exp2f(0) = 1 exactly for every row of the warp, and
+// Once the running maxima settle, corr is fa_exp2(0) = 1 exactly for every row of the warp, and
 // scaling O by it changes no bit: SKIP_UNIT_CORR (the 128-row kernels) skips those D/2
 // multiplies a lane then (the 64-row kernel keeps its instruction stream unchanged).
 template <int D, bool SKIP_UNIT_CORR>
@@ -307,10 +321,10 @@ template <int BN>
 __device__ __forceinline__ void fa_tile_exp(float (&sc)[BN / 8][4], const FaTileScale& r, float& l_a, float& l_b) {
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
-        sc[n][0] = exp2f(sc[n][0] - r.base_a);
-        sc[n][1] = exp2f(sc[n][1] - r.base_a);
-        sc[n][2] = exp2f(sc[n][2] - r.base_b);
-        sc[n][3] = exp2f(sc[n][3] - r.base_b);
+        sc[n][0] = fa_exp2(fmaf(sc[n][0], r.scale, -r.base_a));
+        sc[n][1] = fa_exp2(fmaf(sc[n][1], r.scale, -r.base_a));
+        sc[n][2] = fa_exp2(fmaf(sc[n][2], r.scale, -r.base_b));
+        sc[n][3] = fa_exp2(fmaf(sc[n][3], r.scale, -r.base_b));
         l_a += sc[n][0] + sc[n][1];
         l_b += sc[n][2] + sc[n][3];
     }
