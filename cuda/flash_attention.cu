@@ -743,12 +743,20 @@ __device__ __forceinline__ int sw128_chunk_row(int i) { return (i >> 3) % ROWS; 
 template <int ROWS>
 __device__ __forceinline__ int sw128_chunk_c8(int i) { return (i >> 3) / ROWS * 8 + (i & 7); }
 
+// 16 bytes by cp.async, or 16 zero bytes (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
 // Starts the copy of keys kb..kb+BN (K and V, storage type) into swizzled tiles ks / vs as one
 // cp.async group; rows past kv_len are zeroed with plain stores. A thread takes rows
 // tid / 8 + k NT / 8 and in each of them the 16-byte chunk tid % 8 of every 64-column slab, so
 // it looks a row's block up once for all of its slabs, and 8 consecutive threads still fill one
 // 128-byte row (no two share a bank) from 128 consecutive bytes of global memory.
-template <int D, int BN, int NT>
+// ZFILL (the warp-specialized form's producer): rows past kv_len are zero-filled by cp.async
+// too and no group is committed, so an mbarrier arrival after it covers the whole tile.
+template <int D, int BN, int NT, bool ZFILL = false>
 __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
                                               const store_t* __restrict__ v_cache, const int* __restrict__ table,
                                               int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
@@ -768,7 +776,17 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
         const int r = (tid >> 3) + k * ROWS_STEP;
         const int j = kb + r;
         const int so = sw128_offset<BN>(r, c) / 2;  // elements, slab 0
-        if (j < kv_len) {
+        if (ZFILL) {
+            const bool valid = j < kv_len;
+            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+            const long long off =
+                valid ? ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8 : 0;
+#pragma unroll
+            for (int sl = 0; sl < D / 64; ++sl) {
+                cp_async16_zfill(smem_u32(ks + so + sl * BN * 64), k_cache + off + sl * 64, valid);
+                cp_async16_zfill(smem_u32(vs + so + sl * BN * 64), v_cache + off + sl * 64, valid);
+            }
+        } else if (j < kv_len) {
             const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
             const long long off = ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8;
 #pragma unroll
@@ -786,7 +804,7 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
             }
         }
     }
-    cp_async_commit();
+    if (!ZFILL) cp_async_commit();
 }
 
 // V tile [BN][D] -> V^T [D][BN] (both swizzled), as f16: four 8 x 8 blocks an ldmatrix.trans /
@@ -814,6 +832,40 @@ __device__ __forceinline__ void transpose_v_sw128(unsigned short* vt, const stor
 __device__ __forceinline__ unsigned pack_p2(float lo, float hi) {
     return FA_WGMMA_DIRECT_V ? pack_store2(lo, hi) : pack_f16x2(lo, hi);
 }
+
+// The wgmma bodies' steps, one definition for both (flash_wgmma_body, flash_wgmma_ws_body).
+// The scores of one K tile (swizzled, at shared address k_addr) against a warpgroup's 64 Q rows
+// (at q_addr in the BM-row Q tile) into sc, as one wgmma group.
+template <int D, int BN, int BM>
+__device__ __forceinline__ void wg_issue_scores(float (&sc)[BN / 8][4], unsigned q_addr, unsigned k_addr) {
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16)
+        wgmma_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
+                 wg_desc_sw128(k_addr + (k0 >> 6) * BN * 128 + (k0 & 63) * 2), k0 > 0);
+    wg_commit();
+}
+// P (the probabilities in sc) as the A fragments of P V.
+template <int BN>
+__device__ __forceinline__ void wg_pack_p(unsigned (&pa)[BN / 16][4], const float (&sc)[BN / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[kk][0] = pack_p2(sc[2 * kk][0], sc[2 * kk][1]);
+        pa[kk][1] = pack_p2(sc[2 * kk][2], sc[2 * kk][3]);
+        pa[kk][2] = pack_p2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        pa[kk][3] = pack_p2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+}
+#if FA_WGMMA_DIRECT_V
+// O += P V with V as it arrived (a V tile at shared address v_addr: a k16 step is 16 key rows
+// of 128 bytes on), as one wgmma group.
+template <int D, int BN>
+__device__ __forceinline__ void wg_issue_pv_direct(float (&o)[D / 8][4], unsigned (&pa)[BN / 16][4], unsigned v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs_v(o, pa[kk], wg_desc_sw128_n(v_addr + kk * 16 * 128, BN * 128));
+    wg_commit();
+}
+#endif
 
 template <int D, int BN>
 __device__ __forceinline__ void flash_wgmma_body(
@@ -881,23 +933,8 @@ __device__ __forceinline__ void flash_wgmma_body(
     float sc[BN / 8][4];
     unsigned pa[BN / 16][4];
     // The scores of tile t into sc, as one wgmma group.
-    auto issue_scores = [&](int t) {
-        const unsigned k_addr = smem_u32(kv_buf(t));
-#pragma unroll
-        for (int k0 = 0; k0 < D; k0 += 16)
-            wgmma_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
-                             wg_desc_sw128(k_addr + (k0 >> 6) * BN * 128 + (k0 & 63) * 2), k0 > 0);
-        wg_commit();
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = pack_p2(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = pack_p2(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = pack_p2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = pack_p2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-    };
+    auto issue_scores = [&](int t) { wg_issue_scores<D, BN, BM>(sc, q_addr, smem_u32(kv_buf(t))); };
+    auto pack_p = [&]() { wg_pack_p<BN>(pa, sc); };
 
     // Tile 0: its scores and probabilities before the loop.
     stage_kv_sw128<D, BN, NT>(kv_buf(0), kv_buf(0) + TILE, k_cache, v_cache, table, 0, kv_len, kvh, n_kv_heads,
@@ -924,18 +961,14 @@ __device__ __forceinline__ void flash_wgmma_body(
     // O += P(t) V(t) (from V^T buffer t & 1 in the transposing form), as one wgmma group.
     auto issue_pv = [&](int t) {
 #if FA_WGMMA_DIRECT_V
-        // V(t) itself: a k16 step is 16 key rows of 128 bytes on.
-        const unsigned v_addr = smem_u32(kv_buf(t) + TILE);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs_v(o, pa[kk], wg_desc_sw128_n(v_addr + kk * 16 * 128, BN * 128));
+        wg_issue_pv_direct<D, BN>(o, pa, smem_u32(kv_buf(t) + TILE));  // V(t) itself
 #else
         const unsigned vt_addr = smem_u32(vt + (t & 1) * VT_TILE);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_rs_f16(o, pa[kk], wg_desc_sw128(vt_addr + (kk * 16 >> 6) * D * 128 + (kk * 16 & 63) * 2));
-#endif
         wg_commit();
+#endif
     };
 
     // Iteration t: O += P(t) V(t) runs on the tensor cores together with the scores of tile t+1,
@@ -1030,48 +1063,9 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
-// 16 bytes by cp.async, or 16 zero bytes (nothing read) when !valid.
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
 // A barrier of `threads` threads (a multiple of 32) under id `id` (0 is __syncthreads).
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// stage_kv_sw128 for the producer warpgroup: every chunk by cp.async, rows past kv_len
-// zero-filled by it too (no plain stores, so the "full" arrival covers the whole tile).
-template <int D, int BN, int NT>
-__device__ __forceinline__ void stage_kv_sw128_zfill(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
-                                                     const store_t* __restrict__ v_cache, const int* __restrict__ table,
-                                                     int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
-                                                     int bs_shift, int tid) {
-    constexpr int ROWS_STEP = NT / 8;
-    static_assert(D % 64 == 0 && BN % ROWS_STEP == 0, "whole slabs, every thread the same rows");
-    constexpr int ROWS = BN / ROWS_STEP;
-    const int c = tid & 7;
-    int blk[ROWS];
-#pragma unroll
-    for (int k = 0; k < ROWS; ++k) {
-        const int j = kb + (tid >> 3) + k * ROWS_STEP;
-        blk[k] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
-    }
-#pragma unroll
-    for (int k = 0; k < ROWS; ++k) {
-        const int r = (tid >> 3) + k * ROWS_STEP;
-        const int j = kb + r;
-        const int so = sw128_offset<BN>(r, c) / 2;
-        const bool valid = j < kv_len;
-        const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
-        const long long off =
-            valid ? ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8 : 0;
-#pragma unroll
-        for (int sl = 0; sl < D / 64; ++sl) {
-            cp_async16_zfill(smem_u32(ks + so + sl * BN * 64), k_cache + off + sl * 64, valid);
-            cp_async16_zfill(smem_u32(vs + so + sl * BN * 64), v_cache + off + sl * 64, valid);
-        }
-    }
 }
 
 template <int D, int BN>
@@ -1122,7 +1116,7 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
             const int b = j % NBUF;
             if (j >= NBUF) mbar_wait(empty0 + 8 * b, ((j / NBUF) - 1) & 1);
             store_t* kb = kv_buf(j);
-            stage_kv_sw128_zfill<D, BN, 128>(kb, kb + TILE, k_cache, v_cache, table, j * BN, kv_len, kvh,
+            stage_kv_sw128<D, BN, 128, true>(kb, kb + TILE, k_cache, v_cache, table, j * BN, kv_len, kvh,
                                              n_kv_heads, block_size, bs_shift, ptid);
             cp_async_mbar_arrive(full0 + 8 * b);
         }
@@ -1167,30 +1161,9 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * (t % NBUF));
     };
-    auto issue_scores = [&](int t) {
-        const unsigned k_addr = smem_u32(kv_buf(t));
-#pragma unroll
-        for (int k0 = 0; k0 < D; k0 += 16)
-            wgmma_ss(sc, wg_desc_sw128(q_addr + (k0 >> 6) * BM * 128 + (k0 & 63) * 2),
-                     wg_desc_sw128(k_addr + (k0 >> 6) * BN * 128 + (k0 & 63) * 2), k0 > 0);
-        wg_commit();
-    };
-    auto issue_pv = [&](int t) {
-        const unsigned v_addr = smem_u32(kv_buf(t) + TILE);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs_v(o, pa[kk], wg_desc_sw128_n(v_addr + kk * 16 * 128, BN * 128));
-        wg_commit();
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = pack_p2(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = pack_p2(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = pack_p2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = pack_p2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-    };
+    auto issue_scores = [&](int t) { wg_issue_scores<D, BN, BM>(sc, q_addr, smem_u32(kv_buf(t))); };
+    auto issue_pv = [&](int t) { wg_issue_pv_direct<D, BN>(o, pa, smem_u32(kv_buf(t) + TILE)); };
+    auto pack_p = [&]() { wg_pack_p<BN>(pa, sc); };
 
     // flash_wgmma_body's loop, its block barriers replaced by the waits for tile t + 1 and the
     // release of tile t.
@@ -1808,13 +1781,15 @@ FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 #else
 #define FA_WGMMA_BODY(D, BN) __trap();
 #endif
-#define FA_WGMMA_INSTANCE(NAME, D, BN)                                                          \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                     \
+// A wgmma-form kernel: the arguments above, __launch_bounds__ of the trailing arguments.
+#define FA_WGMMA_KERNEL(NAME, BODY, ...)                                                        \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) NAME(                             \
         const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
         const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
         int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
-        FA_WGMMA_BODY(D, BN)                                                                    \
+        BODY                                                                                    \
     }
+#define FA_WGMMA_INSTANCE(NAME, D, BN) FA_WGMMA_KERNEL(NAME, FA_WGMMA_BODY(D, BN), 256)
 
 FA_WGMMA_INSTANCE(flash_attention_d128_wgmma, 128, 128)
 FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
@@ -1830,13 +1805,7 @@ FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
 #else
 #define FA_WGMMA_WS_BODY(D, BN) __trap();
 #endif
-#define FA_WGMMA_WS_INSTANCE(NAME, D, BN)                                                       \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                  \
-        const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
-        const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
-        int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out) {        \
-        FA_WGMMA_WS_BODY(D, BN)                                                                 \
-    }
+#define FA_WGMMA_WS_INSTANCE(NAME, D, BN) FA_WGMMA_KERNEL(NAME, FA_WGMMA_WS_BODY(D, BN), 384, 1)
 
 FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws, 128, 128)
 FA_WGMMA_WS_INSTANCE(flash_attention_d256_wgmma_ws, 256, 32)
