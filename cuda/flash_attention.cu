@@ -1037,10 +1037,11 @@ __device__ __forceinline__ void flash_wgmma_body(
 // The producer gives registers back (setmaxnreg: 56 a lane) so the consumers keep
 // flash_wgmma_body's 224 at 384 threads. Measured on the H200 (8k-token Llama-3-8B attention,
 // cuda_ops_flash_ws_d0e9008.log): 1.274 ms against 1.509 for flash_wgmma_body (432 against 364
-// TFLOP/s). Making the consumers take turns at the tensor cores (FlashAttention-3's
-// "ping-pong", two named barriers) measured the same (1.281 ms) and was dropped.
+// TFLOP/s; 1.175 since the softmax's bare ex2, cuda_ops_flash_05fde09.log). Making the
+// consumers take turns at the tensor cores (FlashAttention-3's "ping-pong", two named barriers)
+// measured the same (1.281 ms) and was dropped.
 // Per tile the arithmetic is flash_wgmma_body's, in the same order: the outputs are equal bit
-// for bit (`flash_attention_wgmma_ws_equals_wgmma_bit_for_bit`).
+// for bit (the flash op tests require it of every case, tests/cuda_ops.rs `flash_case`).
 #if FA_WGMMA_DIRECT_V
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
