@@ -60,8 +60,9 @@ impl FlashTile {
     }
 }
 
-/// `NINFER_FA_WS` (default on): prefill attention at d 128 on Hopper runs the warp-specialized
-/// wgmma form where it was built (NVRTC 13); 0 routes to the plain wgmma form. Read once.
+/// `NINFER_FA_WS` (default on): prefill attention at d 128 and d 256 on Hopper runs the
+/// warp-specialized wgmma form where it was built (NVRTC 13); 0 routes to the plain wgmma form.
+/// Read once.
 pub const FA_WS_SWITCH: &str = "NINFER_FA_WS";
 
 /// The tilings in the order `flash_tile` prefers them (each measured faster than the next where
