@@ -307,6 +307,17 @@ mod tests {
         }
     }
 
+    /// `NINFER_FA_WS` as the device reads it (env_switch): on unless 0/false/off/no, and a
+    /// misspelt value stops the load with an error naming the variable and the value.
+    #[test]
+    fn fa_ws_switch_defaults_on_and_rejects_a_misspelt_value() {
+        use crate::config::env_switch::parse_switch;
+        assert!(parse_switch(FA_WS_SWITCH, None, true).unwrap());
+        assert!(!parse_switch(FA_WS_SWITCH, Some("off"), true).unwrap());
+        let e = parse_switch(FA_WS_SWITCH, Some("maybe"), true).unwrap_err().to_string();
+        assert!(e.contains("NINFER_FA_WS") && e.contains("maybe"), "{e}");
+    }
+
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
         for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma), (64, FlashTile::Rows128WgmmaWs)] {
