@@ -754,9 +754,7 @@ __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, 
 // tid / 8 + k NT / 8 and in each of them the 16-byte chunk tid % 8 of every 64-column slab, so
 // it looks a row's block up once for all of its slabs, and 8 consecutive threads still fill one
 // 128-byte row (no two share a bank) from 128 consecutive bytes of global memory.
-// ZFILL (the warp-specialized form's producer): rows past kv_len are zero-filled by cp.async
-// too and no group is committed, so an mbarrier arrival after it covers the whole tile.
-template <int D, int BN, int NT, bool ZFILL = false>
+template <int D, int BN, int NT>
 __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const store_t* __restrict__ k_cache,
                                               const store_t* __restrict__ v_cache, const int* __restrict__ table,
                                               int kb, int kv_len, int kvh, int n_kv_heads, int block_size,
@@ -776,17 +774,7 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
         const int r = (tid >> 3) + k * ROWS_STEP;
         const int j = kb + r;
         const int so = sw128_offset<BN>(r, c) / 2;  // elements, slab 0
-        if (ZFILL) {
-            const bool valid = j < kv_len;
-            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
-            const long long off =
-                valid ? ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8 : 0;
-#pragma unroll
-            for (int sl = 0; sl < D / 64; ++sl) {
-                cp_async16_zfill(smem_u32(ks + so + sl * BN * 64), k_cache + off + sl * 64, valid);
-                cp_async16_zfill(smem_u32(vs + so + sl * BN * 64), v_cache + off + sl * 64, valid);
-            }
-        } else if (j < kv_len) {
+        if (j < kv_len) {
             const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
             const long long off = ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8;
 #pragma unroll
@@ -804,8 +792,75 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
             }
         }
     }
-    if (!ZFILL) cp_async_commit();
+    cp_async_commit();
 }
+
+// The warp-specialized form's producer staging (flash_wgmma_ws_body): the same tiles, chunks
+// and thread-to-chunk map as stage_kv_sw128, with rows past kv_len zero-filled by cp.async (so
+// an mbarrier arrival after it covers the whole tile; no group is committed) and the address
+// arithmetic a row reduced to one wide multiply-add. Nsight Compute on the H200 (8k-token d 128
+// attention, ncu_flash_ws_28f274c.txt) counted half of the kernel's issued instructions in
+// the producer when it ran stage_kv_sw128's ~75 instructions a row (64-bit products of the
+// row index, the kv-head offset and the pointers rebuilt for every row, each row's shared
+// offset recomputed): issue slots its four warps share with the consumers' softmax. Here what
+// does not change from tile to tile is computed once: the chunk's pointers at the kv head
+// (kp, vp), a row's and a block's strides, and the shared offset of the thread's first row,
+// whose later rows lie 16 x 128 bytes apart (the swizzle XORs with the row index mod 8, which
+// a step of 16 rows keeps).
+template <int D, int BN>
+struct KvStager {
+    static constexpr int ROWS = BN / 16;  // 128 threads, 8 to a row: 16 rows a step
+    const char* kp;  // k_cache + kvh D + chunk (bytes)
+    const char* vp;
+    const int* table;
+    unsigned row_bytes, blk_bytes;  // n_kv_heads D and block_size n_kv_heads D, in bytes
+    int row0, bs_shift, block_size, kv_len;
+    unsigned so0;  // bytes: the first row's chunk in slab 0
+
+    __device__ __forceinline__ KvStager(const store_t* k_cache, const store_t* v_cache, const int* table_, int kvh,
+                                        int n_kv_heads, int block_size_, int bs_shift_, int kv_len_, int ptid) {
+        const int c = ptid & 7;
+        row0 = ptid >> 3;
+        kp = reinterpret_cast<const char*>(k_cache + (long long)kvh * D + c * 8);
+        vp = reinterpret_cast<const char*>(v_cache + (long long)kvh * D + c * 8);
+        table = table_;
+        row_bytes = (unsigned)(n_kv_heads * D) * 2u;
+        blk_bytes = (unsigned)block_size_ * row_bytes;
+        bs_shift = bs_shift_;
+        block_size = block_size_;
+        kv_len = kv_len_;
+        so0 = sw128_offset<BN>(row0, c);
+    }
+
+    // Keys kb..kb+BN into the swizzled tiles at shared addresses ks / vs. Block numbers and
+    // in-block offsets are non-negative, so the offset is one unsigned wide multiply-add; a row
+    // past kv_len looks up the last key's block (an in-bounds address; source size 0 reads
+    // nothing and writes 16 zero bytes).
+    __device__ __forceinline__ void stage(unsigned ks, unsigned vs, int kb) const {
+        unsigned blk[ROWS];
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const int j = min(kb + row0 + 16 * k, kv_len - 1);
+            blk[k] = (unsigned)table[bs_shift >= 0 ? j >> bs_shift : j / block_size];
+        }
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const int j = kb + row0 + 16 * k;
+            const bool valid = j < kv_len;
+            const int jc = min(j, kv_len - 1);
+            const unsigned in_block = (unsigned)(bs_shift >= 0 ? jc & (block_size - 1) : jc % block_size);
+            const unsigned long long off = (unsigned long long)blk[k] * blk_bytes + in_block * row_bytes;
+            const char* kr = kp + off;
+            const char* vr = vp + off;
+            const unsigned so = so0 + k * 16 * 128;
+#pragma unroll
+            for (int sl = 0; sl < D / 64; ++sl) {
+                cp_async16_zfill(ks + so + sl * BN * 128, kr + sl * 128, valid);
+                cp_async16_zfill(vs + so + sl * BN * 128, vr + sl * 128, valid);
+            }
+        }
+    }
+};
 
 // V tile [BN][D] -> V^T [D][BN] (both swizzled), as f16: four 8 x 8 blocks an ldmatrix.trans /
 // stmatrix pair, the block's warps taking turns.
@@ -1112,13 +1167,12 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
         // Producer: tile j into buffer j % NBUF once the consumers have released its previous
         // tile (j - NBUF).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
-        const int ptid = tid - 256;
+        const KvStager<D, BN> stager(k_cache, v_cache, table, kvh, n_kv_heads, block_size, bs_shift, kv_len, tid - 256);
         for (int j = 0; j < n_tiles; ++j) {
             const int b = j % NBUF;
             if (j >= NBUF) mbar_wait(empty0 + 8 * b, ((j / NBUF) - 1) & 1);
-            store_t* kb = kv_buf(j);
-            stage_kv_sw128<D, BN, 128, true>(kb, kb + TILE, k_cache, v_cache, table, j * BN, kv_len, kvh,
-                                             n_kv_heads, block_size, bs_shift, ptid);
+            const unsigned kb = smem_u32(kv_buf(j));
+            stager.stage(kb, kb + TILE * 2, j * BN);
             cp_async_mbar_arrive(full0 + 8 * b);
         }
         cp_async_wait_all();
