@@ -799,7 +799,7 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
 // and thread-to-chunk map as stage_kv_sw128, with rows past kv_len zero-filled by cp.async (so
 // an mbarrier arrival after it covers the whole tile; no group is committed) and the address
 // arithmetic a row reduced to one wide multiply-add. Nsight Compute on the H200 (8k-token d 128
-// attention, ncu_flash_ws_28f274c.txt) counted half of the kernel's issued instructions in
+// attention, ncu_flash_attention_d128_wgmma_ws_28f274c.txt) counted half of the kernel's issued instructions in
 // the producer when it ran stage_kv_sw128's ~75 instructions a row (64-bit products of the
 // row index, the kv-head offset and the pointers rebuilt for every row, each row's shared
 // offset recomputed): issue slots its four warps share with the consumers' softmax. Here what

@@ -1050,6 +1050,22 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
     }
     __syncthreads();  // A complete; every read of the raw q tile (xs's space) done
     // 3. Forward substitution (I + A) X = R, as prep_body's step 3; A rows read as float4.
+    // A value column's right-hand side comes from global memory, 16 rows a block: each block's
+    // rows are requested one block ahead (the first block of the thread's first value column
+    // before its key column), so their latency hides under the substitution's FMAs. Loaded at
+    // the point of use, they were the kernel's largest stall: 14% of Nsight Compute's warp
+    // samples on the four conversions right after the loads (ncu_gdn_chunk_prep_tc_dk128_28f274c.txt).
+    store_t vn[16];
+    auto load_v = [&](int jv, int b) {
+        const store_t* vj = v + (long long)h * dv + (jv - DK);
+#pragma unroll
+        for (int r = 0; r < 16; ++r) vn[r] = b + r < n ? vj[(long long)(t0 + b + r) * v_stride] : store_t(0);
+    };
+    {
+        int jv = tid;
+        while (jv < DK) jv += CH_THREADS;
+        if (jv < DK + dv) load_v(jv, 0);
+    }
     for (int j = tid; j < DK + dv; j += CH_THREADS) {
         float* dst;
         long long stride;
@@ -1073,10 +1089,12 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
                     for (int e = 0; e < 4; ++e) x[4 * r4 + e] = bs[e] * to_f32(kr[(b + 4 * r4 + e) * L::LR + j]);
                 }
             } else {
-                const store_t* vj = v + (long long)h * dv + (j - DK);
 #pragma unroll
-                for (int r = 0; r < 16; ++r)
-                    x[r] = b + r < n ? bc[b + r] * to_f32(vj[(long long)(t0 + b + r) * v_stride]) : 0.0f;
+                for (int r = 0; r < 16; ++r) x[r] = b + r < n ? bc[b + r] * to_f32(vn[r]) : 0.0f;
+                if (b + 16 < CH_C)
+                    load_v(j, b + 16);
+                else if (j + CH_THREADS < DK + dv)
+                    load_v(j + CH_THREADS, 0);
             }
 #pragma unroll 1
             for (int i = 0; i < b; i += 4) {
