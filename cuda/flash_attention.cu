@@ -798,15 +798,15 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
 // The warp-specialized form's producer staging (flash_wgmma_ws_body): the same tiles, chunks
 // and thread-to-chunk map as stage_kv_sw128, with rows past kv_len zero-filled by cp.async (so
 // an mbarrier arrival after it covers the whole tile; no group is committed) and the address
-// arithmetic a row reduced to one wide multiply-add. Nsight Compute on the H200 (8k-token d 128
-// attention, ncu_flash_attention_d128_wgmma_ws_28f274c.txt) counted half of the kernel's issued instructions in
-// the producer when it ran stage_kv_sw128's ~75 instructions a row (64-bit products of the
-// row index, the kv-head offset and the pointers rebuilt for every row, each row's shared
-// offset recomputed): issue slots its four warps share with the consumers' softmax. Here what
-// does not change from tile to tile is computed once: the chunk's pointers at the kv head
-// (kp, vp), a row's and a block's strides, and the shared offset of the thread's first row,
-// whose later rows lie 16 x 128 bytes apart (the swizzle XORs with the row index mod 8, which
-// a step of 16 rows keeps).
+// arithmetic a row reduced to one wide multiply-add. Nsight Compute on the H200 (8k-token
+// d 128 attention; benches/results/ncu_flash_attention_d128_wgmma_ws_28f274c.txt) counted
+// half of the kernel's issued instructions in the producer when it ran stage_kv_sw128's ~75
+// instructions a row (64-bit products of the row index, the kv-head offset and the pointers
+// rebuilt for every row, each row's shared offset recomputed, an 8-byte spill): issue slots
+// its four warps share with the consumers' softmax. Here what does not change from tile to
+// tile is computed once: the chunk's pointers at the kv head (kp, vp), a row's and a block's
+// strides, and the shared offset of the thread's first row, whose later rows lie 16 x 128
+// bytes apart (the swizzle XORs with the row index mod 8, which a step of 16 rows keeps).
 template <int D, int BN>
 struct KvStager {
     static constexpr int ROWS = BN / 16;  // 128 threads, 8 to a row: 16 rows a step
