@@ -1275,7 +1275,7 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
 /// 5x at least (9.0 against 0.90 ms on the H200, gdn_scan_ldsm_ab_14e0cdf.log; its first
 /// version, 1.48 ms, would pass).
 #[test]
-fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
+fn gdn_chunked_scan_forms_timing_at_27b_shape_agree_and_pipelined_is_faster() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gdn_chunked 27B shape", st) else { return };
     let (t, nk, nv, dk, dv) = (8192usize, 16usize, 48usize, 128usize, 128usize);
@@ -1332,7 +1332,7 @@ fn gdn_chunked_scan_forms_at_27b_shape_agree_and_pipelined_is_faster() {
 /// alone timed per form. The tensor-core prep must be faster than the SIMT one (the round-4
 /// 8k profile had the latter at 2.37 ms per GDN layer).
 #[test]
-fn gdn_chunk_prep_forms_at_27b_shape_agree_and_tensor_cores_are_faster() {
+fn gdn_chunk_prep_forms_timing_at_27b_shape_agree_and_tensor_cores_are_faster() {
     let st = StorageDType::Bf16;
     let Some(dev) = gpu("gdn_chunk_prep 27B shape", st) else { return };
     let (t, nk, nv, dk, dv) = (8192usize, 16usize, 48usize, 128usize, 128usize);
