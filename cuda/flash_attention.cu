@@ -157,6 +157,16 @@ __device__ __forceinline__ void stage_kv_sync(store_t* ks, store_t* vs, const st
     }
 }
 
+// A key's block-table index and its row within the block (block_size keys a block): a shift
+// and a mask where the size is a power of two (bs_shift = log2 of it, else -1), a division
+// otherwise. One definition for every stager below.
+__device__ __forceinline__ int kv_block_of(int j, int block_size, int bs_shift) {
+    return bs_shift >= 0 ? j >> bs_shift : j / block_size;
+}
+__device__ __forceinline__ int kv_row_in_block(int j, int block_size, int bs_shift) {
+    return bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+}
+
 // Starts the copy of keys kb..kb+BN into ks/vs as one cp.async group (V still in the storage
 // type); rows past kv_len are zeroed with plain stores. Each thread owns the same 16-byte
 // chunks in stage_kv_async and finish_v_async. bs_shift = log2(block_size) when block_size is a
@@ -178,7 +188,7 @@ __device__ __forceinline__ void stage_kv_async(store_t* ks, store_t* vs, const s
 #pragma unroll
     for (int it = 0; it < CHUNKS; ++it) {
         const int j = kb + (tid + it * NT) / VPR;
-        blk[it] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+        blk[it] = j < kv_len ? table[kv_block_of(j, block_size, bs_shift)] : 0;
     }
 #pragma unroll
     for (int it = 0; it < CHUNKS; ++it) {
@@ -187,7 +197,7 @@ __device__ __forceinline__ void stage_kv_async(store_t* ks, store_t* vs, const s
         const int c = (i - r * VPR) * 8;
         const int j = kb + r;
         if (j < kv_len) {
-            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+            const int in_block = kv_row_in_block(j, block_size, bs_shift);
             const long long off = ((long long)blk[it] * block_size + in_block) * n_kv_heads * D +
                                   (long long)kvh * D + c;
             cp_async16(smem_u32(ks + r * LD + c), k_cache + off);
@@ -767,7 +777,7 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
 #pragma unroll
     for (int k = 0; k < ROWS; ++k) {
         const int j = kb + (tid >> 3) + k * ROWS_STEP;
-        blk[k] = j < kv_len ? table[bs_shift >= 0 ? j >> bs_shift : j / block_size] : 0;
+        blk[k] = j < kv_len ? table[kv_block_of(j, block_size, bs_shift)] : 0;
     }
 #pragma unroll
     for (int k = 0; k < ROWS; ++k) {
@@ -775,7 +785,7 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
         const int j = kb + r;
         const int so = sw128_offset<BN>(r, c) / 2;  // elements, slab 0
         if (j < kv_len) {
-            const int in_block = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+            const int in_block = kv_row_in_block(j, block_size, bs_shift);
             const long long off = ((long long)blk[k] * block_size + in_block) * n_kv_heads * D + (long long)kvh * D + c * 8;
 #pragma unroll
             for (int sl = 0; sl < D / 64; ++sl) {
@@ -841,14 +851,14 @@ struct KvStager {
 #pragma unroll
         for (int k = 0; k < ROWS; ++k) {
             const int j = min(kb + row0 + 16 * k, kv_len - 1);
-            blk[k] = (unsigned)table[bs_shift >= 0 ? j >> bs_shift : j / block_size];
+            blk[k] = (unsigned)table[kv_block_of(j, block_size, bs_shift)];
         }
 #pragma unroll
         for (int k = 0; k < ROWS; ++k) {
             const int j = kb + row0 + 16 * k;
             const bool valid = j < kv_len;
             const int jc = min(j, kv_len - 1);
-            const unsigned in_block = (unsigned)(bs_shift >= 0 ? jc & (block_size - 1) : jc % block_size);
+            const unsigned in_block = (unsigned)kv_row_in_block(jc, block_size, bs_shift);
             const unsigned long long off = (unsigned long long)blk[k] * blk_bytes + in_block * row_bytes;
             const char* kr = kp + off;
             const char* vr = vp + off;
