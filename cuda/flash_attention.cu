@@ -1227,48 +1227,75 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
         if (lane == 0) mbar_arrive(empty0 + 8 * (t % NBUF));
     };
     auto issue_scores = [&](int t) { wg_issue_scores<D, BN, BM>(sc, q_addr, smem_u32(kv_buf(t))); };
-    auto issue_pv = [&](int t) { wg_issue_pv_direct<D, BN>(o, pa, smem_u32(kv_buf(t) + TILE)); };
-    auto pack_p = [&]() { wg_pack_p<BN>(pa, sc); };
 
     // flash_wgmma_body's loop, its block barriers replaced by the waits for tile t + 1 and the
-    // release of tile t.
+    // release of tile t, and each tile's wait for P V moved to the start of the next tile.
+    // Why: with the wait after the exponentials in the same basic block (flash_wgmma_body's
+    // order), ptxas schedules the WARPGROUP.DEPBAR for P(t) V(t) above them, right after the
+    // row maxima (SASS of NVRTC 13.0; Nsight Compute put 4.7% of the warp samples on it), so
+    // a warpgroup exponentiated only once its own P V had landed. Awaited at the top of the next
+    // step, it comes after them; P(t + 1) then needs registers of its own while P(t) V(t) still
+    // reads P(t): two sets, `cur` and `prev`, swapped by unrolling the loop twice.
+    // The arithmetic and its order are unchanged (O is rescaled by tile t + 1's correction once
+    // P(t) V(t) has landed, as before): the outputs stay equal bit for bit.
     wait_full(0);
     wg_pin(sc);
     wg_fence();
     issue_scores(0);
     wg_wait<0>();
     wg_pin(sc);
-    {
-        const FaTileScale ts = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, 0, pos_a, pos_b, warp_min_pos, scale_log2);
-        fa_tile_exp<BN>(sc, ts, l_a, l_b);
-    }
-    pack_p();
-    for (int t = 0; t + 1 < n_tiles; ++t) {
+    FaTileScale pend = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, 0, pos_a, pos_b, warp_min_pos, scale_log2);
+    fa_tile_exp<BN>(sc, pend, l_a, l_b);
+    unsigned pb[BN / 16][4];
+    wg_pack_p<BN>(pa, sc);
+    // P(t - 1) V(t - 1) awaited (`prev`, its A registers, free again), tile t - 1 released and O
+    // rescaled for tile t (pend: the correction tile t's maxima made).
+    auto land_pv = [&](int t, unsigned (&prev)[BN / 16][4]) {
+        wg_wait<0>();
+        wg_pin(o);
+        wg_pin(prev);
+        release(t - 1);
+        fa_rescale<D, true>(o, pend);
+    };
+    // Tile t (its P in `cur`): S(t + 1) and P(t) V(t) issued together, tile t + 1's
+    // probabilities packed into `prev` while P(t) V(t) runs.
+    auto step = [&](int t, unsigned (&cur)[BN / 16][4], unsigned (&prev)[BN / 16][4]) {
+        if (t > 0) land_pv(t, prev);
         wait_full(t + 1);
         wg_pin(sc);
         wg_pin(o);
-        wg_pin(pa);
+        wg_pin(cur);
         wg_fence();
         issue_scores(t + 1);
-        issue_pv(t);
+        wg_issue_pv_direct<D, BN>(o, cur, smem_u32(kv_buf(t) + TILE));
         wg_wait<1>();
         wg_pin(sc);
-        const FaTileScale ts =
-            fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, (t + 1) * BN, pos_a, pos_b, warp_min_pos, scale_log2);
-        fa_tile_exp<BN>(sc, ts, l_a, l_b);
+        pend = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, (t + 1) * BN, pos_a, pos_b, warp_min_pos, scale_log2);
+        fa_tile_exp<BN>(sc, pend, l_a, l_b);
+        wg_pack_p<BN>(prev, sc);
+    };
+    // The last tile t: P(t) V(t) alone.
+    auto last = [&](int t, unsigned (&cur)[BN / 16][4], unsigned (&prev)[BN / 16][4]) {
+        if (t > 0) land_pv(t, prev);
+        wg_pin(o);
+        wg_pin(cur);
+        wg_fence();
+        wg_issue_pv_direct<D, BN>(o, cur, smem_u32(kv_buf(t) + TILE));
         wg_wait<0>();
         wg_pin(o);
-        wg_pin(pa);
-        release(t);
-        fa_rescale<D, true>(o, ts);
-        pack_p();
+    };
+    for (int t = 0;; t += 2) {
+        if (t + 1 >= n_tiles) {
+            last(t, pa, pb);
+            break;
+        }
+        step(t, pa, pb);
+        if (t + 2 >= n_tiles) {
+            last(t + 1, pb, pa);
+            break;
+        }
+        step(t + 1, pb, pa);
     }
-    wg_pin(o);
-    wg_pin(pa);
-    wg_fence();
-    issue_pv(n_tiles - 1);
-    wg_wait<0>();
-    wg_pin(o);
     fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
 }
 #endif  // FA_WGMMA_DIRECT_V
