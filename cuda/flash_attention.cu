@@ -340,25 +340,40 @@ __device__ __forceinline__ void fa_tile_exp(float (&sc)[BN / 8][4], const FaTile
     }
 }
 
-// Where a flash attention block works: sequence s (grid z), q head h (grid y) and its kv head,
-// the sequence's rows row0.. (n_rows), and this block's BM-row tile from tile0 (tile_rows of
-// them). False for a tile past the sequence's rows (the grid covers the longest sequence).
+// Where a flash attention block works: sequence s, q head h and its kv head, the sequence's rows
+// row0.. (n_rows), and this block's BM-row tile from tile0 (tile_rows of them); fa_block maps
+// the block index to these. False for a tile past the sequence's rows (the grid covers the
+// longest sequence).
 struct FaBlock {
     int s, h, row0, n_rows, tile0, tile_rows, kvh;
 };
 
+// The grid is (row tiles, q heads, sequences), but a block's work is not its grid coordinates:
+// blocks start roughly in linear index order (x fastest), and that order is mapped to work by
+// sequence, then kv head, then row tile from the last (the longest key ranges first), then the
+// q heads of the kv head. Within a kv head the longest tiles start first and the shortest end
+// the launch; the q heads that read the same K/V run together, so one kv head's K/V at a time
+// is live in L2 (a 32k-key d 128 head is 16 MiB), as when each q head's tiles ran in turn. That
+// older order (a head's tiles longest first, then the next head's) started the last heads'
+// longest tiles in the last waves, each then running alone for many tile steps.
 template <int BM>
 __device__ __forceinline__ bool fa_block(FaBlock& b, const int* __restrict__ cu_seqlens, int n_q_heads,
                                          int n_kv_heads) {
-    b.s = blockIdx.z;
-    b.h = blockIdx.y;
+    const unsigned tiles = gridDim.x;
+    const unsigned group = n_q_heads / n_kv_heads;
+    unsigned lin = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned qh = lin % group;
+    lin /= group;
+    const unsigned tile_rev = lin % tiles;
+    lin /= tiles;
+    b.kvh = lin % n_kv_heads;
+    b.s = lin / n_kv_heads;
+    b.h = b.kvh * group + qh;
     b.row0 = cu_seqlens[b.s];
     b.n_rows = cu_seqlens[b.s + 1] - b.row0;
-    // Highest tiles (longest key ranges) are scheduled first.
-    b.tile0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    b.tile0 = (tiles - 1 - tile_rev) * BM;
     if (b.tile0 >= b.n_rows) return false;
     b.tile_rows = min(BM, b.n_rows - b.tile0);
-    b.kvh = b.h / (n_q_heads / n_kv_heads);
     return true;
 }
 
