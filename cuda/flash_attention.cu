@@ -350,25 +350,36 @@ struct FaBlock {
 
 // The grid is (row tiles, q heads, sequences), but a block's work is not its grid coordinates:
 // blocks start roughly in linear index order (x fastest), and that order is mapped to work by
-// sequence, then kv head, then row tile from the last (the longest key ranges first), then the
-// q heads of the kv head. Within a kv head the longest tiles start first and the shortest end
-// the launch; the q heads that read the same K/V run together, so one kv head's K/V at a time
-// is live in L2 (a 32k-key d 128 head is 16 MiB), as when each q head's tiles ran in turn. That
-// older order (a head's tiles longest first, then the next head's) started the last heads'
-// longest tiles in the last waves, each then running alone for many tile steps.
+// sequence, then a span of kv heads, then row tile from the last (the longest key ranges
+// first), then the span's q heads. Within a span the longest tiles start first and the
+// shortest end it; the q heads that read the same K/V run together, so only the span's K/V is
+// live in L2 (a 32k-key d 128 kv head is 16 MiB), as when each q head's tiles ran in turn. The
+// span is one kv head where that head's blocks fill the SMs at least once (long prompts), else
+// the fewest kv heads (a divisor of their count) that do. That older order (a q head's tiles
+// longest first, then the next head's) started the last heads' longest tiles in the last
+// waves, each then running alone for many tile steps.
+__device__ __forceinline__ unsigned sm_id_count() {
+    unsigned n;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n;
+}
 template <int BM>
 __device__ __forceinline__ bool fa_block(FaBlock& b, const int* __restrict__ cu_seqlens, int n_q_heads,
                                          int n_kv_heads) {
     const unsigned tiles = gridDim.x;
     const unsigned group = n_q_heads / n_kv_heads;
+    const unsigned kv_heads = n_kv_heads;
+    const unsigned want = sm_id_count();
+    unsigned span = 1;
+    while (span < kv_heads && (kv_heads % span != 0 || span * group * tiles < want)) ++span;
     unsigned lin = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
-    const unsigned qh = lin % group;
-    lin /= group;
+    const unsigned in_span = lin % (span * group);
+    lin /= span * group;
     const unsigned tile_rev = lin % tiles;
     lin /= tiles;
-    b.kvh = lin % n_kv_heads;
-    b.s = lin / n_kv_heads;
-    b.h = b.kvh * group + qh;
+    b.kvh = lin % (kv_heads / span) * span + in_span / group;
+    b.s = lin / (kv_heads / span);
+    b.h = b.kvh * group + in_span % group;
     b.row0 = cu_seqlens[b.s];
     b.n_rows = cu_seqlens[b.s + 1] - b.row0;
     b.tile0 = (tiles - 1 - tile_rev) * BM;
