@@ -363,16 +363,16 @@ __device__ __forceinline__ unsigned sm_id_count() {
     asm("mov.u32 %0, %%nsmid;" : "=r"(n));
     return n;
 }
+// Work item `lin` (a linear block index, x fastest, of a (tiles, q heads, sequences) grid) to
+// its block; false when the tile lies past its sequence's rows (a shorter sequence of the launch).
 template <int BM>
-__device__ __forceinline__ bool fa_block(FaBlock& b, const int* __restrict__ cu_seqlens, int n_q_heads,
-                                         int n_kv_heads) {
-    const unsigned tiles = gridDim.x;
+__device__ __forceinline__ bool fa_item(FaBlock& b, unsigned lin, unsigned tiles, const int* __restrict__ cu_seqlens,
+                                        int n_q_heads, int n_kv_heads) {
     const unsigned group = n_q_heads / n_kv_heads;
     const unsigned kv_heads = n_kv_heads;
     const unsigned want = sm_id_count();
     unsigned span = 1;
     while (span < kv_heads && (kv_heads % span != 0 || span * group * tiles < want)) ++span;
-    unsigned lin = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
     const unsigned in_span = lin % (span * group);
     lin /= span * group;
     const unsigned tile_rev = lin % tiles;
@@ -386,6 +386,12 @@ __device__ __forceinline__ bool fa_block(FaBlock& b, const int* __restrict__ cu_
     if (b.tile0 >= b.n_rows) return false;
     b.tile_rows = min(BM, b.n_rows - b.tile0);
     return true;
+}
+template <int BM>
+__device__ __forceinline__ bool fa_block(FaBlock& b, const int* __restrict__ cu_seqlens, int n_q_heads,
+                                         int n_kv_heads) {
+    return fa_item<BM>(b, blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x, cu_seqlens,
+                       n_q_heads, n_kv_heads);
 }
 
 // Positions of a lane's two rows ra and rb = ra + 8 of its warp's 16 (-1: past the sequence's
@@ -1160,28 +1166,67 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// This warpgroup's 64 Q rows of block fb (rows wg * 64 ..) into the swizzled Q tile by
+// cp.async, rows past the tile zero-filled; the caller commits, waits and publishes them.
+template <int D, int BM>
+__device__ __forceinline__ void fa_ws_load_q(unsigned qs, const store_t* __restrict__ q, long long q_stride,
+                                             const FaBlock& fb, int wg, int ctid) {
+#pragma unroll 4
+    for (int i = ctid; i < 64 * D / 8; i += 128) {
+        const int r = wg * 64 + sw128_chunk_row<64>(i);
+        const int c8 = sw128_chunk_c8<64>(i);
+        const bool valid = r < fb.tile_rows;
+        const store_t* src = q + (long long)(fb.row0 + fb.tile0 + (valid ? r : 0)) * q_stride + (long long)fb.h * D + c8 * 8;
+        cp_async16_zfill(qs + sw128_offset<BM>(r, c8), src, valid);
+    }
+}
+
+// The keys block fb reads: through its tile's last row.
+__device__ __forceinline__ int fa_kv_len(const int* __restrict__ token_pos, const FaBlock& fb) {
+    return token_pos[fb.row0 + fb.tile0 + fb.tile_rows - 1] + 1;
+}
+
+// Persistent and dynamically scheduled: the launch has one block an SM (its shared memory allows
+// no second), and each block takes work items (the (row tile, q head, sequence) blocks of the
+// other tilings, in fa_item's order, longest tiles first) from a counter in global memory until
+// none is left. Why: with a block a work item, every item began with its Q load and its first
+// K/V tiles in flight and nothing else on the SM, and ended with its output stores alone
+// (Nsight Compute, 8k d 128 at 85e27b4: 9% of the warp samples in those two phases, the Q
+// load's long-scoreboard waits most of it). Here the producer stages the next item's tiles while
+// the consumers finish the current one, and the consumers load their next Q rows by cp.async
+// under the last tile's P V and the output stores. A static split of the items over the blocks
+// would lose more than that to imbalance (causal tiles differ in length up to 64x at 8k), hence
+// the counter: work[0] the next item, work[1] the blocks done; the last block done zeroes both
+// for the next launch (every block has taken its last, empty, item before it counts itself
+// done, so no block reads work[0] after the reset). The producer's first thread takes the
+// items, skips those past their sequence and hands each to the consumers through a ring of four
+// slots, each with an mbarrier of one arrival (the producer cannot run four items ahead: it
+// stays within NBUF tiles of the consumers); -1 ends the block.
 template <int D, int BN>
 __device__ __forceinline__ void flash_wgmma_ws_body(
     const store_t* __restrict__ q, long long q_stride, const store_t* __restrict__ k_cache,
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ cu_seqlens, const int* __restrict__ token_pos, int n_q_heads,
-    int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out) {
+    int n_kv_heads, int block_size, float scale_log2, store_t* __restrict__ out,
+    unsigned* __restrict__ work, int row_tiles, int n_seqs) {
     static_assert((D == 128 && BN == 128) || (D == 256 && BN == 32), "flash_wgmma_body's tilings");
     constexpr int BM = 128;   // two consumer warpgroups of 64 rows
     constexpr int NBUF = 3;   // V(t) is read in place until P(t) V(t) lands
+    constexpr int RING = 4;   // work items handed from the producer to the consumers
     constexpr int TILE = BN * D;
     extern __shared__ uint4 fa_smem[];
-    __shared__ unsigned long long fa_bars[2 * NBUF];  // full[b], then empty[b]
+    __shared__ unsigned long long fa_bars[2 * NBUF + RING];  // full[b], empty[b], item[i]
+    __shared__ int fa_items[RING];
     const unsigned smem_pad = (1024u - (smem_u32(fa_smem) & 1023u)) & 1023u;
     store_t* qs = reinterpret_cast<store_t*>(reinterpret_cast<char*>(fa_smem) + smem_pad);  // [BM][D]
     store_t* kv0 = qs + BM * D;
-    auto kv_buf = [&](int t) { return kv0 + (t % NBUF) * 2 * TILE; };
+    // Tiles are numbered across the block's items (g), so the buffers' barrier phases carry on.
+    auto kv_buf = [&](unsigned g) { return kv0 + (g % NBUF) * 2 * TILE; };
     const unsigned full0 = smem_u32(&fa_bars[0]);
     const unsigned empty0 = smem_u32(&fa_bars[NBUF]);
+    const unsigned item0 = smem_u32(&fa_bars[2 * NBUF]);
+    const unsigned total = (unsigned)row_tiles * (unsigned)n_q_heads * (unsigned)n_seqs;
 
-    FaBlock fb;
-    if (!fa_block<BM>(fb, cu_seqlens, n_q_heads, n_kv_heads)) return;
-    const int s = fb.s, h = fb.h, row0 = fb.row0, tile0 = fb.tile0, tile_rows = fb.tile_rows, kvh = fb.kvh;
     const int tid = threadIdx.x;
     // Broadcast so that ptxas sees a warp-uniform role (a branch it cannot prove uniform
     // serializes the wgmma under it).
@@ -1192,26 +1237,55 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
             mbar_init(full0 + 8 * b, 128);  // the producer's threads
             mbar_init(empty0 + 8 * b, 8);   // the consumer warps
         }
+#pragma unroll
+        for (int i = 0; i < RING; ++i) mbar_init(item0 + 8 * i, 1);
     }
     __syncthreads();
-    const int kv_len = token_pos[row0 + tile0 + tile_rows - 1] + 1;
-    const int* table = block_tables + (long long)s * max_blocks;
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-    const int n_tiles = (kv_len + BN - 1) / BN;
 
     if (wg == 2) {
-        // Producer: tile j into buffer j % NBUF once the consumers have released its previous
-        // tile (j - NBUF).
+        // Producer: tile g into buffer g % NBUF once the consumers have released its previous
+        // tile (g - NBUF).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
-        const KvStager<D, BN> stager(k_cache, v_cache, table, kvh, n_kv_heads, block_size, bs_shift, kv_len, tid - 256);
-        for (int j = 0; j < n_tiles; ++j) {
-            const int b = j % NBUF;
-            if (j >= NBUF) mbar_wait(empty0 + 8 * b, ((j / NBUF) - 1) & 1);
-            const unsigned kb = smem_u32(kv_buf(j));
-            stager.stage(kb, kb + TILE * 2, j * BN);
-            cp_async_mbar_arrive(full0 + 8 * b);
+        const int ptid = tid - 256;
+        unsigned g = 0;
+        for (int k = 0;; ++k) {
+            if (ptid == 0) {
+                int item = -1;
+                for (;;) {
+                    const unsigned lin = atomicAdd(work, 1u);
+                    if (lin >= total) break;
+                    FaBlock tb;
+                    if (fa_item<BM>(tb, lin, row_tiles, cu_seqlens, n_q_heads, n_kv_heads)) {
+                        item = (int)lin;
+                        break;
+                    }
+                }
+                fa_items[k % RING] = item;
+                mbar_arrive(item0 + 8 * (k % RING));  // releases the slot's write to the consumers
+            }
+            named_bar_sync(3, 128);  // the producer's threads read the slot after its write
+            const int item = fa_items[k % RING];
+            if (item < 0) break;
+            FaBlock fb;
+            fa_item<BM>(fb, (unsigned)item, row_tiles, cu_seqlens, n_q_heads, n_kv_heads);
+            const int kv_len = fa_kv_len(token_pos, fb);
+            const int n_tiles = (kv_len + BN - 1) / BN;
+            const KvStager<D, BN> stager(k_cache, v_cache, block_tables + (long long)fb.s * max_blocks, fb.kvh,
+                                         n_kv_heads, block_size, bs_shift, kv_len, ptid);
+            for (int j = 0; j < n_tiles; ++j, ++g) {
+                const unsigned b = g % NBUF;
+                if (g >= NBUF) mbar_wait(empty0 + 8 * b, ((g / NBUF) - 1) & 1);
+                const unsigned kb = smem_u32(kv_buf(g));
+                stager.stage(kb, kb + TILE * 2, j * BN);
+                cp_async_mbar_arrive(full0 + 8 * b);
+            }
         }
         cp_async_wait_all();
+        if (ptid == 0 && atomicAdd(work + 1, 1u) == gridDim.x - 1) {
+            work[0] = 0u;
+            work[1] = 0u;
+        }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
@@ -1219,110 +1293,135 @@ __device__ __forceinline__ void flash_wgmma_ws_body(
     const int lane = tid & 31;
     const int gr = lane >> 2;
     const int ctid = tid & 127;
+    const unsigned q_smem = smem_u32(qs);
+    const unsigned q_addr = q_smem + wg * 64 * 128;
+    // Item k of this block from the producer's ring (-1: none left).
+    auto next_item = [&](int k) {
+        mbar_wait(item0 + 8 * (k % RING), (k / RING) & 1);
+        return fa_items[k % RING];
+    };
+    int item = next_item(0);
+    if (item < 0) return;
+    FaBlock fb;
+    fa_item<BM>(fb, (unsigned)item, row_tiles, cu_seqlens, n_q_heads, n_kv_heads);
+    fa_ws_load_q<D, BM>(q_smem, q, q_stride, fb, wg, ctid);
+    cp_async_commit();
+    FaRows fr = fa_rows(token_pos, fb, warp, gr);
+    int n_tiles = (fa_kv_len(token_pos, fb) + BN - 1) / BN;
+    unsigned g0 = 0;
 
-    // This warpgroup's 64 Q rows (rows wg * 64 ..), published to its wgmma by its own barrier.
-    for (int i = ctid; i < 64 * D / 8; i += 128) {
-        const int r = wg * 64 + sw128_chunk_row<64>(i);
-        const int c8 = sw128_chunk_c8<64>(i);
-        uint4 val;
-        val.x = val.y = val.z = val.w = 0u;
-        if (r < tile_rows)
-            val = *reinterpret_cast<const uint4*>(q + (long long)(row0 + tile0 + r) * q_stride +
-                                                  (long long)h * D + c8 * 8);
-        *reinterpret_cast<uint4*>(qs + sw128_offset<BM>(r, c8) / 2) = val;
-    }
-    fence_proxy_async_smem();
-    named_bar_sync(1 + wg, 128);  // this warpgroup's rows only
-    const FaRows fr = fa_rows(token_pos, fb, warp, gr);
-    const int pos_a = fr.pos_a, pos_b = fr.pos_b, warp_min_pos = fr.warp_min_pos;
-
-    float o[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
-    const unsigned q_addr = smem_u32(qs) + wg * 64 * 128;
-    float sc[BN / 8][4];
-    unsigned pa[BN / 16][4];
-    auto wait_full = [&](int t) {
-        mbar_wait(full0 + 8 * (t % NBUF), (t / NBUF) & 1);
+    for (int k = 0;; ++k) {
+        // This item's Q rows (loaded under the previous item's last tile), published to this
+        // warpgroup's wgmma by its own barrier.
+        cp_async_wait_all();
         fence_proxy_async_smem();
-    };
-    // Tile t's buffer is free once this warp's P(t) V(t) has landed.
-    auto release = [&](int t) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * (t % NBUF));
-    };
-    auto issue_scores = [&](int t) { wg_issue_scores<D, BN, BM>(sc, q_addr, smem_u32(kv_buf(t))); };
+        named_bar_sync(1 + wg, 128);
+        const int pos_a = fr.pos_a, pos_b = fr.pos_b, warp_min_pos = fr.warp_min_pos;
 
-    // flash_wgmma_body's loop, its block barriers replaced by the waits for tile t + 1 and the
-    // release of tile t, and each tile's wait for P V moved to the start of the next tile.
-    // Why: with the wait after the exponentials in the same basic block (flash_wgmma_body's
-    // order), ptxas schedules the WARPGROUP.DEPBAR for P(t) V(t) above them, right after the
-    // row maxima (SASS of NVRTC 13.0; Nsight Compute put 4.7% of the warp samples on it), so
-    // a warpgroup exponentiated only once its own P V had landed. Awaited at the top of the next
-    // step, it comes after them; P(t + 1) then needs registers of its own while P(t) V(t) still
-    // reads P(t): two sets, `cur` and `prev`, swapped by unrolling the loop twice.
-    // The arithmetic and its order are unchanged (O is rescaled by tile t + 1's correction once
-    // P(t) V(t) has landed, as before): the outputs stay equal bit for bit.
-    wait_full(0);
-    wg_pin(sc);
-    wg_fence();
-    issue_scores(0);
-    wg_wait<0>();
-    wg_pin(sc);
-    FaTileScale pend = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, 0, pos_a, pos_b, warp_min_pos, scale_log2);
-    fa_tile_exp<BN>(sc, pend, l_a, l_b);
-    unsigned pb[BN / 16][4];
-    wg_pack_p<BN>(pa, sc);
-    // P(t - 1) V(t - 1) awaited (`prev`, its A registers, free again), tile t - 1 released and O
-    // rescaled for tile t (pend: the correction tile t's maxima made).
-    auto land_pv = [&](int t, unsigned (&prev)[BN / 16][4]) {
-        wg_wait<0>();
-        wg_pin(o);
-        wg_pin(prev);
-        release(t - 1);
-        fa_rescale<D, true>(o, pend);
-    };
-    // Tile t (its P in `cur`): S(t + 1) and P(t) V(t) issued together, tile t + 1's
-    // probabilities packed into `prev` while P(t) V(t) runs.
-    auto step = [&](int t, unsigned (&cur)[BN / 16][4], unsigned (&prev)[BN / 16][4]) {
-        if (t > 0) land_pv(t, prev);
-        wait_full(t + 1);
+        float o[D / 8][4];
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+        float sc[BN / 8][4];
+        unsigned pa[BN / 16][4];
+        auto wait_full = [&](int t) {
+            const unsigned g = g0 + t;
+            mbar_wait(full0 + 8 * (g % NBUF), (g / NBUF) & 1);
+            fence_proxy_async_smem();
+        };
+        // Tile t's buffer is free once this warp's P(t) V(t) has landed.
+        auto release = [&](int t) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((g0 + t) % NBUF));
+        };
+        auto issue_scores = [&](int t) { wg_issue_scores<D, BN, BM>(sc, q_addr, smem_u32(kv_buf(g0 + t))); };
+
+        // flash_wgmma_body's loop, its block barriers replaced by the waits for tile t + 1 and
+        // the release of tile t, and each tile's wait for P V moved to the start of the next
+        // tile. Why: with the wait after the exponentials in the same basic block
+        // (flash_wgmma_body's order), ptxas schedules the WARPGROUP.DEPBAR for P(t) V(t) above
+        // them, right after the row maxima (SASS of NVRTC 13.0; Nsight Compute put 4.7% of the
+        // warp samples on it), so a warpgroup exponentiated only once its own P V had landed.
+        // Awaited at the top of the next step, it comes after them; P(t + 1) then needs
+        // registers of its own while P(t) V(t) still reads P(t): two sets, `cur` and `prev`,
+        // swapped by unrolling the loop twice. The arithmetic and its order are unchanged (O is
+        // rescaled by tile t + 1's correction once P(t) V(t) has landed, as before): the
+        // outputs stay equal bit for bit.
+        wait_full(0);
         wg_pin(sc);
-        wg_pin(o);
-        wg_pin(cur);
         wg_fence();
-        issue_scores(t + 1);
-        wg_issue_pv_direct<D, BN>(o, cur, smem_u32(kv_buf(t) + TILE));
-        wg_wait<1>();
+        issue_scores(0);
+        wg_wait<0>();
         wg_pin(sc);
-        pend = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, (t + 1) * BN, pos_a, pos_b, warp_min_pos, scale_log2);
+        FaTileScale pend = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, 0, pos_a, pos_b, warp_min_pos, scale_log2);
         fa_tile_exp<BN>(sc, pend, l_a, l_b);
-        wg_pack_p<BN>(prev, sc);
-    };
-    // The last tile t: P(t) V(t) alone.
-    auto last = [&](int t, unsigned (&cur)[BN / 16][4], unsigned (&prev)[BN / 16][4]) {
-        if (t > 0) land_pv(t, prev);
-        wg_pin(o);
-        wg_pin(cur);
-        wg_fence();
-        wg_issue_pv_direct<D, BN>(o, cur, smem_u32(kv_buf(t) + TILE));
-        wg_wait<0>();
-        wg_pin(o);
-    };
-    for (int t = 0;; t += 2) {
-        if (t + 1 >= n_tiles) {
-            last(t, pa, pb);
-            break;
+        unsigned pb[BN / 16][4];
+        wg_pack_p<BN>(pa, sc);
+        // P(t - 1) V(t - 1) awaited (`prev`, its A registers, free again), tile t - 1 released
+        // and O rescaled for tile t (pend: the correction tile t's maxima made).
+        auto land_pv = [&](int t, unsigned (&prev)[BN / 16][4]) {
+            wg_wait<0>();
+            wg_pin(o);
+            wg_pin(prev);
+            release(t - 1);
+            fa_rescale<D, true>(o, pend);
+        };
+        // Tile t (its P in `cur`): S(t + 1) and P(t) V(t) issued together, tile t + 1's
+        // probabilities packed into `prev` while P(t) V(t) runs.
+        auto step = [&](int t, unsigned (&cur)[BN / 16][4], unsigned (&prev)[BN / 16][4]) {
+            if (t > 0) land_pv(t, prev);
+            wait_full(t + 1);
+            wg_pin(sc);
+            wg_pin(o);
+            wg_pin(cur);
+            wg_fence();
+            issue_scores(t + 1);
+            wg_issue_pv_direct<D, BN>(o, cur, smem_u32(kv_buf(g0 + t) + TILE));
+            wg_wait<1>();
+            wg_pin(sc);
+            pend = fa_tile_max<BN>(sc, m_a, m_b, l_a, l_b, (t + 1) * BN, pos_a, pos_b, warp_min_pos, scale_log2);
+            fa_tile_exp<BN>(sc, pend, l_a, l_b);
+            wg_pack_p<BN>(prev, sc);
+        };
+        // The last tile t: no wgmma reads Q any more (every score product has landed), so the
+        // next item's Q rows are requested first; then P(t) V(t) alone, its release, and this
+        // item's output.
+        FaBlock nfb;
+        auto last = [&](int t, unsigned (&cur)[BN / 16][4], unsigned (&prev)[BN / 16][4]) {
+            if (t > 0) land_pv(t, prev);
+            item = next_item(k + 1);
+            if (item >= 0) {
+                fa_item<BM>(nfb, (unsigned)item, row_tiles, cu_seqlens, n_q_heads, n_kv_heads);
+                fa_ws_load_q<D, BM>(q_smem, q, q_stride, nfb, wg, ctid);
+                cp_async_commit();
+            }
+            wg_pin(o);
+            wg_pin(cur);
+            wg_fence();
+            wg_issue_pv_direct<D, BN>(o, cur, smem_u32(kv_buf(g0 + t) + TILE));
+            wg_wait<0>();
+            wg_pin(o);
+            release(t);
+        };
+        for (int t = 0;; t += 2) {
+            if (t + 1 >= n_tiles) {
+                last(t, pa, pb);
+                break;
+            }
+            step(t, pa, pb);
+            if (t + 2 >= n_tiles) {
+                last(t + 1, pb, pa);
+                break;
+            }
+            step(t + 1, pb, pa);
         }
-        step(t, pa, pb);
-        if (t + 2 >= n_tiles) {
-            last(t + 1, pb, pa);
-            break;
-        }
-        step(t + 1, pb, pa);
+        fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
+        if (item < 0) break;
+        g0 += n_tiles;
+        fb = nfb;
+        fr = fa_rows(token_pos, fb, warp, gr);
+        n_tiles = (fa_kv_len(token_pos, fb) + BN - 1) / BN;
     }
-    fa_store_rows<D>(out, o, l_a, l_b, fb, fr, n_q_heads, lane & 3);
 }
 #endif  // FA_WGMMA_DIRECT_V
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1912,18 +2011,27 @@ FA_INSTANCE(flash_attention_d128_r128_k128, 128, 128, 8, true)
 FA_WGMMA_INSTANCE(flash_attention_d128_wgmma, 128, 128)
 FA_WGMMA_INSTANCE(flash_attention_d256_wgmma, 256, 32)
 
-// The warp-specialized form (flash_wgmma_ws_body): the same arguments, 12 warps (a producer
-// warpgroup and two consumer warpgroups), the wgmma form's shared memory; the direct form only,
-// so sm_90a code built by NVRTC 13 (the launcher checks the NVRTC that built it).
+// The warp-specialized form (flash_wgmma_ws_body): the arguments above and three more (the
+// scheduler's two counters, zero before the launch and left zero; the row tiles and the
+// sequences of the work), 12 warps (a producer warpgroup and two consumer warpgroups), the wgmma
+// form's shared memory, a block an SM (persistent); the direct form only, so sm_90a code built by
+// NVRTC 13 (the launcher checks the NVRTC that built it).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FA_WGMMA_DIRECT_V
 #define FA_WGMMA_WS_BODY(D, BN)                                                                 \
     flash_wgmma_ws_body<D, BN>(q, q_stride, k_cache, v_cache, block_tables, max_blocks,         \
                                cu_seqlens, token_pos, n_q_heads, n_kv_heads, block_size,        \
-                               scale_log2, out);
+                               scale_log2, out, work, row_tiles, n_seqs);
 #else
 #define FA_WGMMA_WS_BODY(D, BN) __trap();
 #endif
-#define FA_WGMMA_WS_INSTANCE(NAME, D, BN) FA_WGMMA_KERNEL(NAME, FA_WGMMA_WS_BODY(D, BN), 384, 1)
+#define FA_WGMMA_WS_INSTANCE(NAME, D, BN)                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                  \
+        const store_t* q, long long q_stride, const store_t* k_cache, const store_t* v_cache,   \
+        const int* block_tables, int max_blocks, const int* cu_seqlens, const int* token_pos,   \
+        int n_q_heads, int n_kv_heads, int block_size, float scale_log2, store_t* out,          \
+        unsigned* work, int row_tiles, int n_seqs) {                                            \
+        FA_WGMMA_WS_BODY(D, BN)                                                                 \
+    }
 
 FA_WGMMA_WS_INSTANCE(flash_attention_d128_wgmma_ws, 128, 128)
 FA_WGMMA_WS_INSTANCE(flash_attention_d256_wgmma_ws, 256, 32)

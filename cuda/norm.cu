@@ -190,7 +190,8 @@ extern "C" __global__ void rmsnorm_gated(const store_t* __restrict__ x,
 // the kernel is bound by how many bytes are in flight. A block per row made a Qwen3.5-27B
 // prefill of 8k tokens launch 393k blocks (48 heads a token) and run 643 us a layer, bound by
 // block scheduling, where its bytes take ~90 us; a warp per row with the loads of one row
-// behind each other's reductions still took 466 us.
+// behind each other's reductions still took 466 us. Rows the 16-byte form below can read (dim
+// 32, 64, 128 or 256, aligned) go to it; this one is its fallback and its reference.
 template <int PARTS>
 __device__ __forceinline__ void gated_rows_body(const store_t* __restrict__ x,
                                                 const store_t* __restrict__ z, int heads,
@@ -257,3 +258,108 @@ GATED_ROWS_INSTANCE(5)
 GATED_ROWS_INSTANCE(6)
 GATED_ROWS_INSTANCE(7)
 GATED_ROWS_INSTANCE(8)
+
+// rmsnorm_gated_rows_p* with 16-byte loads and stores, for PARTS 1, 2, 4 and 8 (dim 32, 64, 128,
+// 256): lane l holds the 8 consecutive elements 8 (l % L) .. 8 (l % L) + 7 of a row, L = dim / 8
+// lanes a row, so one load instruction of x (or z, or store of out) covers 32 / L rows (two at
+// dim 128) where the scalar form's covers 32 elements of one (its loads are 2 bytes a lane: 195.8
+// us at the 27B 8k shape, 2.67x a copy of its bytes). The outputs are gated_norm_out per element,
+// so only the sum of squares needs care: the scalar form's is a fixed tree over the element
+// index n = 32 k + l of sq[n] = x[n]^2. warp_sum(v * v) of part k pairs lanes l and l ^ 16,
+// then ^ 8, 4, 2, 1: it combines n's bits 4, 3, 2, 1, 0 in that order (each lane adding its
+// partner's value to its own: a + b and b + a are the same bits). warp_sum over the parts (lane
+// k holding p_k, the others 0) pairs k with k ^ 16, ^ 8, ^ 4, ^ 2, ^ 1: with k < 8 the first two
+// add zeros, and so does every step on a bit above PARTS - 1 (x + 0 is x exactly for the
+// non-negative sums here, +0 included), so what it computes is: combine k's bits from the highest
+// to bit 0, i.e. n's bits log2(dim) - 1 down to 5. Here n = 8 (l % L) + e (e the element within
+// the lane): n's bits 4 and 3 are the lane's bits 1 and 0, n's bits 2, 1, 0 are e's, and n's
+// bits 5 and up are the lane's bits 2 and up. So: per element, xor-shuffle 2 then 1 (n bits 4,
+// 3); in the lane, e with e + 4, then + 2, then + 1 (bits 2, 1, 0); then xor-shuffle L / 2 down
+// to 4 (n bits log2(dim) - 1 .. 5). Every addition of the scalar tree, on the same operands,
+// minus the additions of zero: the same bits (rmsnorm_gated_rows_v8_equals_scalar_bit_for_bit).
+// The shuffles stay inside a row's L lanes. Each warp takes GATED_V8_LOADS load groups (2 x
+// 32 / L rows) at a time, every x and z load of them before the first shuffle; the launcher
+// picks this form when x, z, w and out are 16-byte aligned and z_stride is a multiple of 8
+// (every row and every lane's chunk then is), and runs it over one resident wave like the scalar
+// form.
+#define GATED_V8_LOADS 2
+
+template <int PARTS>
+__device__ __forceinline__ void gated_rows_v8_body(const store_t* __restrict__ x,
+                                                   const store_t* __restrict__ z, int heads,
+                                                   long long z_stride,
+                                                   const store_t* __restrict__ w,
+                                                   store_t* __restrict__ out, float eps,
+                                                   long long rows) {
+    static_assert(PARTS == 1 || PARTS == 2 || PARTS == 4 || PARTS == 8, "a row is 4, 8, 16 or 32 lanes");
+    constexpr int dim = 32 * PARTS;
+    constexpr int row_lanes = dim / 8;
+    constexpr int rows_per_load = 32 / row_lanes;
+    constexpr int rows_per_step = GATED_V8_LOADS * rows_per_load;
+    const int lane = threadIdx.x & 31;
+    const int col = (lane % row_lanes) * 8;
+    const long long n_warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    float wv[8];
+    unpack_chunk(*reinterpret_cast<const uint4*>(w + col), wv);
+    for (long long r0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * rows_per_step;
+         r0 < rows; r0 += rows_per_step * n_warps) {
+        // A lane whose row is past the end loads the last row (in bounds), joins the shuffles of
+        // its own row's lanes and stores nothing.
+        long long rr[GATED_V8_LOADS];
+        uint4 xq[GATED_V8_LOADS], zq[GATED_V8_LOADS];
+#pragma unroll
+        for (int g = 0; g < GATED_V8_LOADS; ++g) {
+            rr[g] = r0 + g * rows_per_load + lane / row_lanes;
+            const long long r = rr[g] < rows ? rr[g] : rows - 1;
+            xq[g] = *reinterpret_cast<const uint4*>(x + r * dim + col);
+            zq[g] = *reinterpret_cast<const uint4*>(z + (r / heads) * z_stride + (r % heads) * dim + col);
+        }
+#pragma unroll
+        for (int g = 0; g < GATED_V8_LOADS; ++g) {
+            float xv[8], sq[8];
+            unpack_chunk(xq[g], xv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sq[e] = xv[e] * xv[e];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], 2);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], 1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sq[e] += sq[e + 4];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) sq[e] += sq[e + 2];
+            float t = sq[0] + sq[1];
+#pragma unroll
+            for (int o = row_lanes / 2; o >= 4; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+            const float rstd = gated_norm_rstd(t, dim, eps);
+            if (rr[g] < rows) {
+                float zv[8];
+                unpack_chunk(zq[g], zv);
+                unsigned u[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    u[i] = (unsigned)gated_norm_out(xv[2 * i], rstd, wv[2 * i], zv[2 * i]) |
+                           ((unsigned)gated_norm_out(xv[2 * i + 1], rstd, wv[2 * i + 1], zv[2 * i + 1]) << 16);
+                uint4 o;
+                o.x = u[0];
+                o.y = u[1];
+                o.z = u[2];
+                o.w = u[3];
+                *reinterpret_cast<uint4*>(out + rr[g] * dim + col) = o;
+            }
+        }
+    }
+}
+
+#define GATED_ROWS_V8_INSTANCE(P)                                                               \
+    extern "C" __global__ void rmsnorm_gated_rows_v8_p##P(                                      \
+        const store_t* __restrict__ x, const store_t* __restrict__ z, int heads,                \
+        long long z_stride, const store_t* __restrict__ w, store_t* __restrict__ out, float eps, \
+        long long rows) {                                                                       \
+        pdl_enter();                                                                            \
+        gated_rows_v8_body<P>(x, z, heads, z_stride, w, out, eps, rows);                        \
+    }
+GATED_ROWS_V8_INSTANCE(1)
+GATED_ROWS_V8_INSTANCE(2)
+GATED_ROWS_V8_INSTANCE(4)
+GATED_ROWS_V8_INSTANCE(8)

@@ -92,6 +92,8 @@ mod decode_attention;
 mod gemv_qkv_rope;
 #[path = "cuda_ops/gemv_chain.rs"]
 mod gemv_chain;
+#[path = "cuda_ops/prefill_vec.rs"]
+mod prefill_vec;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
@@ -311,13 +313,14 @@ fn rope_prefill_timing_against_a_copy_of_its_bytes() {
         });
         // Bytes touched: the rotated elements of every q and k head, read and written.
         let moved = 2 * t * (hq + hk) * rot * 2;
-        assert_copy_pace(&dev, &format!("rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}"), ms, moved);
+        assert_copy_pace(&dev, &format!("rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}"), ms, moved, 3.0);
     }
 }
 
 /// The GDN output norm of a prefill moves its bytes at a copy's pace: at the Qwen3.5-27B shape
-/// (8k tokens, 48 value heads of 128) rmsnorm_gated takes at most 3x a device-to-device copy of
-/// the bytes it reads and writes (x, z, out). A block per row took ~7x (block scheduling).
+/// (8k tokens, 48 value heads of 128) rmsnorm_gated takes at most 1.8x a device-to-device copy
+/// of the bytes it reads and writes (x, z, out). A block per row took ~7x (block scheduling), a
+/// warp per row with 2-byte loads 2.67x (195.8 us); the 16-byte form runs here.
 #[test]
 fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
     let Some(dev) = gpu("rmsnorm_gated timing", StorageDType::Bf16) else { return };
@@ -330,12 +333,14 @@ fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
     let mut out = s.alloc_zeros::<u16>(t * heads * dim).unwrap();
     let ms = time_ms(&dev, 20, || dev.rmsnorm_gated(&x, &z, z_stride, &w, &mut out, t, heads, dim, 1e-6).unwrap());
     let moved = 3 * t * heads * dim * 2;
-    assert_copy_pace(&dev, &format!("rmsnorm_gated t{t} heads{heads} dim{dim}"), ms, moved);
+    assert_copy_pace(&dev, &format!("rmsnorm_gated t{t} heads{heads} dim{dim}"), ms, moved, 1.8);
 }
 
 /// The tiled prefill conv moves its bytes at a copy's pace: at the Qwen3.5-27B shape (8k tokens
 /// of one sequence, 10240 channels read from 16480-wide projection rows, kernel 4) it takes at
-/// most 3x a device-to-device copy of the bytes it reads and writes (x's channels, out).
+/// most 1.8x a device-to-device copy of the bytes it reads and writes (x's channels, out). A
+/// thread per channel with 2-byte loads took 2.77x (226.2 us); the 8-channel 16-byte form runs
+/// here.
 #[test]
 fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
     let Some(dev) = gpu("conv1d timing", StorageDType::Bf16) else { return };
@@ -349,7 +354,27 @@ fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
     let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots: 2 };
     let ms = time_ms(&dev, 20, || dev.causal_conv1d(&x, &mut state, &w, None, &cu, &slots, &mut out, &shape).unwrap());
     let moved = 2 * t * c * 2;
-    assert_copy_pace(&dev, &format!("causal_conv1d t{t} channels{c} k{k} (tiled + state)"), ms, moved);
+    assert_copy_pace(&dev, &format!("causal_conv1d t{t} channels{c} k{k} (tiled + state)"), ms, moved, 1.8);
+}
+
+/// The residual add + RMSNorm of a prefill at the Qwen3.5-27B shape (8k rows of 5120) and the
+/// Llama-3-8B one (8k rows of 4096) against a device-to-device copy of the bytes it reads and
+/// writes (x and the residual read, the residual and the normed rows written). A figure first:
+/// the profile of a 27B 16-layer 8k prefill put it at 148 us a call (under PDL, whose waits
+/// the profiler counts), about 1.8x such a copy; bound 3x like the other prefill kernels.
+#[test]
+fn add_rmsnorm_prefill_timing_against_a_copy_of_its_bytes() {
+    let Some(dev) = gpu("add_rmsnorm timing", StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    for (name, rows, dim) in [("qwen3_5-27b", 8192, 5120), ("llama-3-8b", 8192, 4096)] {
+        let mut residual = s.alloc_zeros::<u16>(rows * dim).unwrap();
+        let x = s.alloc_zeros::<u16>(rows * dim).unwrap();
+        let w = s.alloc_zeros::<u16>(dim).unwrap();
+        let mut out = s.alloc_zeros::<u16>(rows * dim).unwrap();
+        let ms = time_ms(&dev, 20, || dev.add_rmsnorm(&mut residual, &x, &w, &mut out, rows, dim, 1e-6, false).unwrap());
+        let moved = 4 * rows * dim * 2;
+        assert_copy_pace(&dev, &format!("add_rmsnorm {name} rows{rows} dim{dim}"), ms, moved, 3.0);
+    }
 }
 
 #[test]
@@ -939,6 +964,8 @@ fn flash_case(dev: &CudaDevice, rng: &mut Rng, seqs: &[(usize, usize)], heads: (
             let w = wgmma.as_ref().expect("the wgmma form fits wherever a warp-specialized one does");
             let diff = got.iter().zip(w).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             assert_eq!(diff, 0, "flash attention {label}: {diff} elements differ from Rows128Wgmma");
+            // Persistent: its last block zeroed the work counters for the next launch.
+            assert_eq!(dev.flash_work_counters().unwrap(), [0, 0], "flash attention {label}: work counters left set");
         }
         // Each warp runs the same key tiles in the same order in either tiling, so they are
         // expected to agree bit for bit; reported, not required (the contract is the tolerance).
@@ -1874,8 +1901,8 @@ impl AttnTimingCase {
 /// Mean milliseconds of `f` over `iters` runs after 3 warm-ups, timed with CUDA events.
 /// The pace check of the memory-bound prefill kernels: times a device-to-device copy that reads
 /// and writes `moved` bytes in all (half each way), prints `what`'s TIMING line against it and
-/// asserts that `ms` is at most 3x the copy.
-fn assert_copy_pace(dev: &CudaDevice, what: &str, ms: f64, moved: usize) {
+/// asserts that `ms` is at most `max_ratio` times the copy.
+fn assert_copy_pace(dev: &CudaDevice, what: &str, ms: f64, moved: usize, max_ratio: f64) {
     let s = dev.stream().clone();
     let src = s.alloc_zeros::<u16>(moved / 4).unwrap();
     let mut dst = s.alloc_zeros::<u16>(moved / 4).unwrap();
@@ -1887,7 +1914,7 @@ fn assert_copy_pace(dev: &CudaDevice, what: &str, ms: f64, moved: usize) {
         ms / copy,
         moved as f64 / ms / 1e6
     );
-    assert!(ms <= 3.0 * copy, "{what}: {ms:.4} ms against a copy of its bytes {copy:.4} ms");
+    assert!(ms <= max_ratio * copy, "{what}: {ms:.4} ms against a copy of its bytes {copy:.4} ms (bound {max_ratio}x)");
 }
 
 fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {

@@ -43,6 +43,10 @@ pub struct CudaDevice {
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
     blas_workspace: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
+    /// The persistent prefill attention's work counters (ops/flash_attention.rs): zero between
+    /// launches (the last block of a launch zeroes them), allocated here so that no launch
+    /// allocates. One stream orders every launch, so one pair serves them all.
+    fa_work: cudarc::driver::CudaSlice<u32>,
     /// Kernels that wait on their predecessor are launched with Programmatic Dependent Launch
     /// (`ops::launch_pdl`): sm_90+ unless `NINFER_PDL` is off.
     pdl: bool,
@@ -193,6 +197,7 @@ impl CudaDevice {
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
+        let fa_work = stream.alloc_zeros::<u32>(2).map_err(driver_err("allocating the attention work counters"))?;
         Ok(CudaDevice {
             ordinal,
             name,
@@ -206,6 +211,7 @@ impl CudaDevice {
             resident: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
+            fa_work,
             pdl,
             gemv_form,
             gemv_shapes,
@@ -294,6 +300,11 @@ impl CudaDevice {
     /// Streaming multiprocessors of the device.
     pub fn sm_count(&self) -> usize {
         self.sm_count
+    }
+
+    /// The persistent prefill attention's two work counters (zero between its launches).
+    pub(crate) fn fa_work(&self) -> &cudarc::driver::CudaSlice<u32> {
+        &self.fa_work
     }
 
     /// The GEMV form every decode projection of this device runs.

@@ -159,6 +159,17 @@ impl CudaDevice {
         })
     }
 
+    /// The persistent prefill attention's work counters as they stand after the stream's
+    /// work so far: both zero whenever no launch is running (its last block zeroes them; a
+    /// nonzero pair would make the next launch skip work). For tests and diagnostics.
+    pub fn flash_work_counters(&self) -> Result<[u32; 2]> {
+        let v = self
+            .stream()
+            .clone_dtoh(self.fa_work())
+            .map_err(|e| NinferError::Device(format!("reading the attention work counters: {e:?}")))?;
+        Ok([v[0], v[1]])
+    }
+
     /// Causal attention of packed query rows over the paged cache: rows
     /// cu_seqlens[s]..cu_seqlens[s+1] are sequence s (token_seq[r] = s), row r at position
     /// token_pos[r] sees keys 0..=token_pos[r]; positions are consecutive within a sequence
@@ -229,7 +240,7 @@ impl CudaDevice {
         let (cp, _e) = cu_seqlens.device_ptr(s);
         let (pp, _f) = token_pos.device_ptr(s);
         let (op, _g) = out.device_ptr_mut(s);
-        let args = [
+        let mut args = vec![
             KArg::Ptr(qp),
             KArg::I64(sh.q_stride as i64),
             KArg::Ptr(kp),
@@ -244,11 +255,22 @@ impl CudaDevice {
             KArg::F32(sh.scale * std::f32::consts::LOG2_E),
             KArg::Ptr(op),
         ];
-        let grid = (
-            as_i32("flash attention row tiles", max_rows.div_ceil(inst.rows()))? as u32,
-            as_i32("n_q_heads", sh.n_q_heads)? as u32,
-            as_i32("n_seqs", n_seqs)? as u32,
-        );
+        let row_tiles = as_i32("flash attention row tiles", max_rows.div_ceil(inst.rows()))? as u32;
+        let heads = as_i32("n_q_heads", sh.n_q_heads)? as u32;
+        let seqs = as_i32("n_seqs", n_seqs)? as u32;
+        let (grid, _w) = if tile.warp_specialized() {
+            // Persistent: a block an SM (its shared memory allows no second) taking the
+            // (row tile, head, sequence) work items from the device's counters.
+            let (wp, w) = self.fa_work().device_ptr(s);
+            args.extend([KArg::Ptr(wp), KArg::I32(row_tiles as i32), KArg::I32(seqs as i32)]);
+            let items = row_tiles as u64 * heads as u64 * seqs as u64;
+            if items > u32::MAX as u64 {
+                return Err(NinferError::Device(format!("flash attention: {items} work items exceed the 32-bit counter")));
+            }
+            (((items as u32).min(self.sm_count() as u32), 1, 1), Some(w))
+        } else {
+            ((row_tiles, heads, seqs), None)
+        };
         let threads = 32 * (inst.warps + inst.producer_warps) as u32;
         let config = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, config, name, &args)

@@ -18,6 +18,50 @@ pub(super) fn chunked_norm_threads(dim: usize) -> u32 {
     dim.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32
 }
 
+/// How `rmsnorm_gated` runs rows of one shape (`gated_norm_route`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GatedNormRoute {
+    /// `rmsnorm_gated`: a block per row.
+    BlockPerRow,
+    /// A `rmsnorm_gated_rows_*` kernel: each warp takes `rows_per_warp` rows at a time,
+    /// grid-stride.
+    Warps { name: &'static str, rows_per_warp: usize },
+}
+
+/// The route of `rmsnorm_gated` for rows of `dim` whose z rows are `z_stride` apart, `aligned`
+/// when x, z, w and out all start on 16-byte boundaries: the one place that decides it. Rows of
+/// whole warps up to 8 (every GDN head size) take a warp per row (`rmsnorm_gated_rows_p*`, the
+/// part count in the name, two rows a warp at a time); of those, dims 32, 64, 128 and 256 take
+/// the 16-byte form (`rmsnorm_gated_rows_v8_p*`, 2 loads of 256 / dim rows a warp at a time)
+/// where every row of x, z and out and every 8-element chunk of a row starts on a 16-byte
+/// boundary (aligned bases, z_stride a multiple of 8; dim is one). All give the bits of the
+/// block-per-row `rmsnorm_gated`, which takes every other dim.
+fn gated_norm_route(dim: usize, z_stride: usize, aligned: bool) -> GatedNormRoute {
+    const ROWS_KERNELS: [&str; 8] = [
+        "rmsnorm_gated_rows_p1",
+        "rmsnorm_gated_rows_p2",
+        "rmsnorm_gated_rows_p3",
+        "rmsnorm_gated_rows_p4",
+        "rmsnorm_gated_rows_p5",
+        "rmsnorm_gated_rows_p6",
+        "rmsnorm_gated_rows_p7",
+        "rmsnorm_gated_rows_p8",
+    ];
+    if !dim.is_multiple_of(32) || !(32..=256).contains(&dim) {
+        return GatedNormRoute::BlockPerRow;
+    }
+    let v8 = aligned && z_stride.is_multiple_of(8);
+    let name = match dim / 32 {
+        1 if v8 => "rmsnorm_gated_rows_v8_p1",
+        2 if v8 => "rmsnorm_gated_rows_v8_p2",
+        4 if v8 => "rmsnorm_gated_rows_v8_p4",
+        8 if v8 => "rmsnorm_gated_rows_v8_p8",
+        parts => return GatedNormRoute::Warps { name: ROWS_KERNELS[parts - 1], rows_per_warp: 2 },
+    };
+    // GATED_V8_LOADS (2) loads of 32 / (dim / 8) rows each (cuda/norm.cu).
+    GatedNormRoute::Warps { name, rows_per_warp: 2 * 256 / dim }
+}
+
 impl CudaDevice {
     /// Per-head RMSNorm in one launch: row r holds `heads` heads of `dim` elements starting at
     /// element r * x_stride of x (contiguous heads), written to r * out_stride + h * dim of
@@ -138,26 +182,18 @@ impl CudaDevice {
         check_len("rmsnorm_gated z", z.len(), strided_len(tokens, heads * dim, z_stride))?;
         check_len("rmsnorm_gated w", w.len(), dim)?;
         check_len("rmsnorm_gated out", out.len(), rows * dim)?;
-        // A warp per row where the row is whole warps of at most 8 (`rmsnorm_gated_rows_p*`, one
-        // entry per warp count, the same bits), else a block per row.
-        const ROWS_KERNELS: [&str; 8] = [
-            "rmsnorm_gated_rows_p1",
-            "rmsnorm_gated_rows_p2",
-            "rmsnorm_gated_rows_p3",
-            "rmsnorm_gated_rows_p4",
-            "rmsnorm_gated_rows_p5",
-            "rmsnorm_gated_rows_p6",
-            "rmsnorm_gated_rows_p7",
-            "rmsnorm_gated_rows_p8",
-        ];
-        let by_warps = dim.is_multiple_of(32) && (32..=256).contains(&dim);
-        let name = if by_warps { ROWS_KERNELS[dim / 32 - 1] } else { "rmsnorm_gated" };
-        let f = self.function(KernelFamily::Norm, name)?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (zp, _z) = z.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
+        let aligned = [xp, zp, wp, op].iter().all(|p| p.is_multiple_of(16));
+        let route = gated_norm_route(dim, z_stride, aligned);
+        let name = match route {
+            GatedNormRoute::BlockPerRow => "rmsnorm_gated",
+            GatedNormRoute::Warps { name, .. } => name,
+        };
+        let f = self.function(KernelFamily::Norm, name)?;
         if rows == 0 {
             return Ok(());
         }
@@ -169,16 +205,40 @@ impl CudaDevice {
             KArg::Ptr(wp),
             KArg::Ptr(op),
         ];
-        if by_warps {
+        if let GatedNormRoute::Warps { rows_per_warp, .. } = route {
             // The part count is in the kernel's name; rows are counted in 64 bits.
             args.extend([KArg::F32(eps), KArg::I64(rows as i64)]);
-            // 8 warps a block, each on two rows at a time, grid-stride over one full wave.
+            // 8 warps a block, grid-stride over one full wave.
             let per_sm = self.resident_blocks(&f, name, 256)?;
-            let blocks = rows.div_ceil(16).min(self.sm_count() * per_sm);
+            let blocks = rows.div_ceil(8 * rows_per_warp).min(self.sm_count() * per_sm);
             return self.launch_pdl(&f, cfg((blocks as u32, 1, 1), 256), name, &args);
         }
         args.extend([KArg::I32(as_i32("dim", dim)?), KArg::F32(eps)]);
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, NORM_THREADS), name, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warps(name: &'static str, rows_per_warp: usize) -> GatedNormRoute {
+        GatedNormRoute::Warps { name, rows_per_warp }
+    }
+
+    #[test]
+    fn gated_norm_takes_16_byte_rows_only_for_aligned_power_of_two_warp_parts() {
+        // The 27B prefill: 48 heads of 128, z a column range of 16480-wide projection rows.
+        assert_eq!(gated_norm_route(128, 16480, true), warps("rmsnorm_gated_rows_v8_p4", 4));
+        assert_eq!(gated_norm_route(32, 32, true), warps("rmsnorm_gated_rows_v8_p1", 16));
+        assert_eq!(gated_norm_route(64, 64, true), warps("rmsnorm_gated_rows_v8_p2", 8));
+        assert_eq!(gated_norm_route(256, 520, true), warps("rmsnorm_gated_rows_v8_p8", 2));
+        assert_eq!(gated_norm_route(128, 16480, false), warps("rmsnorm_gated_rows_p4", 2));
+        assert_eq!(gated_norm_route(128, 6 * 128 + 4, true), warps("rmsnorm_gated_rows_p4", 2));
+        assert_eq!(gated_norm_route(96, 300, true), warps("rmsnorm_gated_rows_p3", 2));
+        assert_eq!(gated_norm_route(224, 224, true), warps("rmsnorm_gated_rows_p7", 2));
+        assert_eq!(gated_norm_route(80, 240, true), GatedNormRoute::BlockPerRow);
+        assert_eq!(gated_norm_route(512, 512, true), GatedNormRoute::BlockPerRow);
     }
 }

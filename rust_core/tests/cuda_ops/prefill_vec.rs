@@ -1,0 +1,211 @@
+//! The 16-byte forms of the memory-bound prefill kernels against their one-element-a-lane forms,
+//! bit for bit: `rmsnorm_gated_rows_v8_p*` (8 elements a lane, its sum of squares rebuilt as the
+//! scalar warp kernel's reduction tree) against `rmsnorm_gated_rows_p*`, and
+//! `causal_conv1d_tiled_v8_k*` (8 channels a thread) against `causal_conv1d_tiled_k*`. The
+//! launchers take the 16-byte forms on aligned rows and fall back on the others, so each test runs
+//! the same operands once aligned and once one element past a 16-byte boundary (the conv also
+//! through `ConvPath::TiledScalar`), and checks the routed result against the CPU reference too.
+
+use ninfer_core::backend::cuda::ops::{ConvPath, ConvShape, DevicePtrDyn};
+use ninfer_core::backend::cuda::StorageDType;
+
+use super::assert_bitwise;
+use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
+use super::reference;
+
+const EPS: f32 = 1e-6;
+
+/// Values whose squares span 2^48: summed in another order their f32 sums differ in most rows,
+/// so a reduction tree other than the scalar kernel's shows in rstd and, through it, in outputs.
+fn spread(rng: &mut Rng, n: usize, st: StorageDType) -> Vec<f32> {
+    let v: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0) * (2f32).powi(rng.below(24) as i32 - 12)).collect();
+    rounded(&v, st)
+}
+
+/// `rmsnorm_gated_rows_p*`'s f32 sum of squares of one row of 32 * parts: part k's 32 squares
+/// (lane l holding element 32k + l) through the xor butterfly 16, 8, 4, 2, 1, then the parts'
+/// sums (lane k holding part k's, the others 0) through it again; lane 0's result.
+fn scalar_tree_sum(x: &[f32]) -> f32 {
+    fn butterfly(mut v: [f32; 32]) -> [f32; 32] {
+        for o in [16, 8, 4, 2, 1] {
+            let before = v;
+            for (l, x) in v.iter_mut().enumerate() {
+                *x = before[l] + before[l ^ o];
+            }
+        }
+        assert!(v.iter().all(|s| s.to_bits() == v[0].to_bits()), "every lane ends with the same bits");
+        v
+    }
+    let mut parts = [0f32; 32];
+    for (k, p) in parts.iter_mut().take(x.len() / 32).enumerate() {
+        *p = butterfly(std::array::from_fn(|l| x[32 * k + l] * x[32 * k + l]))[k];
+    }
+    butterfly(parts)[0]
+}
+
+/// `rmsnorm_gated_rows_v8_p*`'s f32 sum of squares of one row of dim = 8 * lanes (lane l holding
+/// elements 8l .. 8l + 7): per element the xor shuffles 2 then 1, in the lane e + 4, e + 2,
+/// e + 1, then the xor shuffles lanes / 2 down to 4; lane 0's result.
+fn v8_tree_sum(x: &[f32]) -> f32 {
+    let lanes = x.len() / 8;
+    let mut sq: Vec<[f32; 8]> = (0..lanes).map(|l| std::array::from_fn(|e| x[8 * l + e] * x[8 * l + e])).collect();
+    for o in [2, 1] {
+        let before = sq.clone();
+        for (l, s) in sq.iter_mut().enumerate() {
+            for (e, v) in s.iter_mut().enumerate() {
+                *v = before[l][e] + before[l ^ o][e];
+            }
+        }
+    }
+    let mut t: Vec<f32> = sq
+        .iter()
+        .map(|s| {
+            let a: [f32; 4] = std::array::from_fn(|e| s[e] + s[e + 4]);
+            (a[0] + a[2]) + (a[1] + a[3])
+        })
+        .collect();
+    let mut o = lanes / 2;
+    while o >= 4 {
+        let before = t.clone();
+        for (l, v) in t.iter_mut().enumerate() {
+            *v = before[l] + before[l ^ o];
+        }
+        o /= 2;
+    }
+    assert!(t.iter().all(|s| s.to_bits() == t[0].to_bits()), "every lane of the row ends with the same bits");
+    t[0]
+}
+
+/// The 16-byte norm's reduction (emulated on the host with IEEE f32 additions, as the GPU's
+/// FADD rounds) is the scalar kernel's tree, bit for bit, at every dim it runs (32, 64, 128,
+/// 256), on inputs where the order of the sum matters: a sequential sum of the same squares
+/// differs from the tree in many rows. No GPU needed.
+#[test]
+fn gated_norm_v8_sum_order_is_the_scalar_tree_on_the_host() {
+    let mut rng = Rng::new(71);
+    for st in STORAGES {
+        for dim in [32, 64, 128, 256] {
+            let (rows, mut reordered) = (2000, 0);
+            for _ in 0..rows {
+                let x = spread(&mut rng, dim, st);
+                let tree = scalar_tree_sum(&x);
+                assert_eq!(v8_tree_sum(&x).to_bits(), tree.to_bits(), "{st:?} dim {dim}: {x:?}");
+                let sequential: f32 = x.iter().map(|v| v * v).sum();
+                reordered += (sequential.to_bits() != tree.to_bits()) as usize;
+            }
+            assert!(reordered > rows / 10, "{st:?} dim {dim}: only {reordered} of {rows} rows tell the orders apart");
+        }
+    }
+}
+
+/// `rmsnorm_gated` from aligned buffers (`rmsnorm_gated_rows_v8_p*`) equals the same rows with x
+/// one element past a 16-byte boundary (the launcher falls back to `rmsnorm_gated_rows_p*`), bit
+/// for bit, and matches the CPU reference: every 16-byte dim, row counts that leave a warp's last
+/// load group partly or wholly past the end (rows not a multiple of 2, 4, 8 or 16), z as a column
+/// range of wider rows, and a prefill's 700 x 48 rows (more than one wave of the grid).
+#[test]
+fn rmsnorm_gated_v8_equals_scalar_bit_for_bit() {
+    for st in STORAGES {
+        let Some(dev) = gpu("rmsnorm_gated v8 vs scalar", st) else { return };
+        let mut rng = Rng::new(72);
+        // (tokens, heads, dim, z row stride)
+        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (7, 3, 128, 3 * 128 + 8), (700, 48, 128, 16480), (13, 5, 32, 5 * 32 + 24), (3, 1, 32, 32), (9, 1, 64, 64), (11, 3, 64, 200), (37, 2, 256, 520), (5, 1, 256, 256), (1, 48, 128, 16480)] {
+            let rows = tokens * heads;
+            let x = spread(&mut rng, rows * dim, st);
+            let z_wide = rounded(&rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0), st);
+            let z: Vec<f32> = (0..tokens).flat_map(|t| z_wide[t * z_stride..t * z_stride + heads * dim].to_vec()).collect();
+            let w = rounded(&rng.vec(dim, 0.5, 1.5), st);
+            let (z_dev, w_dev) = (upload(&dev, &z_wide), upload(&dev, &w));
+            let x_aligned = upload(&dev, &x);
+            let x_skewed = upload(&dev, &std::iter::once(0.0).chain(x.iter().copied()).collect::<Vec<_>>());
+            let mut v8 = Out16::new(&dev, rows * dim);
+            dev.rmsnorm_gated(&x_aligned, &z_dev, z_stride, &w_dev, &mut v8.view(), tokens, heads, dim, EPS).unwrap();
+            let mut scalar = Out16::new(&dev, rows * dim);
+            dev.rmsnorm_gated(&x_skewed.slice(1..), &z_dev, z_stride, &w_dev, &mut scalar.view(), tokens, heads, dim, EPS).unwrap();
+            let label = format!("{st:?} {tokens}x{heads}x{dim}/zs{z_stride}");
+            let v8 = v8.read(&dev, "rmsnorm_gated v8");
+            assert_bitwise(&v8, &scalar.read(&dev, "rmsnorm_gated scalar"), &format!("rmsnorm_gated v8 vs scalar {label}"));
+            let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, EPS);
+            check("rmsnorm_gated_v8", st, &label, &v8, &want, tol16(st));
+            println!("PARITY op=rmsnorm_gated_v8_vs_scalar storage={} shape={label} bitwise=1", st.name());
+        }
+    }
+}
+
+/// The tiled prefill conv with 8 channels a thread (`causal_conv1d_tiled_v8_k*`, aligned rows)
+/// gives the bytes of the one-channel tiles, outputs and state, whether those run by request
+/// (`ConvPath::TiledScalar`) or because x is one element past a 16-byte boundary: tiles wholly
+/// inside a sequence and tiles that cross sequence ends, start a sequence (window from the old
+/// state) or hold several; sequences shorter than the window and empty ones; channel counts
+/// that leave a block's last threads idle; with and without bias; every kernel size. The
+/// result also matches the CPU op.
+#[test]
+fn causal_conv1d_tiled_v8_equals_one_channel_tiles_bit_for_bit() {
+    for st in STORAGES {
+        let Some(dev) = gpu("conv1d tiled v8 vs scalar", st) else { return };
+        let mut rng = Rng::new(73);
+        // (sequence lengths, kernel size, channels, bias)
+        let cases: [(Vec<usize>, usize, usize, bool); 9] = [
+            (vec![100, 1, 0, 2, 37], 4, 200, true),
+            (vec![16], 4, 128, false),
+            (vec![1, 1, 15, 17, 2], 3, 64, true),
+            (vec![0, 70, 0], 2, 96, false),
+            (vec![2, 2, 2, 2, 2, 2, 2, 2], 4, 304, true),
+            (vec![15, 1, 16, 1], 4, 128, false),
+            (vec![1, 1, 1], 4, 200, true),
+            (vec![3000, 5, 33], 3, 2056, true),
+            (vec![4096], 4, 10240, false),
+        ];
+        for (lens, k, c, with_bias) in cases {
+            let n_slots = lens.len() + 3;
+            let slots: Vec<i32> = rng.permutation(n_slots)[..lens.len()].iter().map(|&v| v as i32).collect();
+            let t: usize = lens.iter().sum();
+            let stride = c + 16;
+            let x = rounded(&rng.vec(t * stride, -2.0, 2.0), st);
+            let w = rounded(&rng.vec(c * k, -1.0, 1.0), st);
+            let bias = rounded(&rng.vec(c, -0.5, 0.5), st);
+            let state0 = rounded(&rng.vec(n_slots * (k - 1) * c, -2.0, 2.0), st);
+            let mut cu = vec![0i32];
+            for l in &lens {
+                cu.push(cu.last().unwrap() + *l as i32);
+            }
+            let x_aligned = upload(&dev, &x);
+            let x_skewed = upload(&dev, &std::iter::once(0.0).chain(x.iter().copied()).collect::<Vec<_>>());
+            let (w_dev, bias_dev) = (upload(&dev, &w), upload(&dev, &bias));
+            let (cu_dev, slots_dev) = (upload_raw(&dev, &cu), upload_raw(&dev, &slots));
+            let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots };
+            let run = |path: ConvPath, skewed: bool| {
+                let mut state = Out16::with(&dev, &state0);
+                let mut out = Out16::new(&dev, t * c);
+                let b = if with_bias { Some(&bias_dev as &dyn DevicePtrDyn) } else { None };
+                let res = if skewed {
+                    dev.causal_conv1d_via(path, &x_skewed.slice(1..), &mut state.view(), &w_dev, b, &cu_dev, &slots_dev, &mut out.view(), &shape)
+                } else {
+                    dev.causal_conv1d_via(path, &x_aligned, &mut state.view(), &w_dev, b, &cu_dev, &slots_dev, &mut out.view(), &shape)
+                };
+                res.unwrap();
+                (out.read(&dev, "conv out"), state.read(&dev, "conv state"))
+            };
+            let (out_v8, state_v8) = run(ConvPath::Tiled, false);
+            let label = format!("{st:?} lens{lens:?}/k{k}/c{c}/bias{}", with_bias as u8).replace(' ', "");
+            for (what, skewed, path) in [("requested", false, ConvPath::TiledScalar), ("unaligned", true, ConvPath::Tiled)] {
+                let (out_one, state_one) = run(path, skewed);
+                assert_bitwise(&out_v8, &out_one, &format!("conv1d tiled v8 vs one-channel ({what}) out {label}"));
+                assert_bitwise(&state_v8, &state_one, &format!("conv1d tiled v8 vs one-channel ({what}) state {label}"));
+            }
+            let mut state_want = state0.clone();
+            let mut out_want = Vec::new();
+            for (s, &slot) in slots.iter().enumerate() {
+                let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
+                let xs: Vec<f32> = (a..b).flat_map(|i| x[i * stride..i * stride + c].to_vec()).collect();
+                let sl = slot as usize * (k - 1) * c;
+                let mut st_slot = state_want[sl..sl + (k - 1) * c].to_vec();
+                out_want.extend(reference::conv1d_seq(&xs, &mut st_slot, &w, with_bias.then_some(&bias[..]), b - a, c, k));
+                state_want[sl..sl + (k - 1) * c].copy_from_slice(&rounded(&st_slot, st));
+            }
+            check("conv1d_tiled_v8.out", st, &label, &out_v8, &out_want, tol16(st));
+            check("conv1d_tiled_v8.state", st, &label, &state_v8, &state_want, 0.0);
+            println!("PARITY op=conv1d_tiled_v8_vs_one_channel storage={} shape={label} bitwise=1", st.name());
+        }
+    }
+}
