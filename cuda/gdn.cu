@@ -81,8 +81,7 @@ CONV_INSTANCE(4)
 // the sequence's conv_state slot (as it was before this call) where it reaches before the
 // sequence's first token. Only reads conv_state: causal_conv1d_state_k* writes the new state in
 // a later launch, because the block holding a sequence's last tokens is in general not the one
-// reading its old state, and no order between blocks of one grid is guaranteed. Where rows allow
-// 16-byte accesses the launcher runs causal_conv1d_tiled_v8_k* (below) instead, the same bytes.
+// reading its old state, and no order between blocks of one grid is guaranteed.
 template <int K>
 __device__ __forceinline__ void conv_tiled_body(const store_t* __restrict__ x, long long x_stride,
                                                 const store_t* __restrict__ conv_state,
@@ -196,137 +195,6 @@ __device__ __forceinline__ void conv_state_body(const store_t* __restrict__ x, l
 CONV_TILED_INSTANCE(2)
 CONV_TILED_INSTANCE(3)
 CONV_TILED_INSTANCE(4)
-
-// Tokens per block of the 16-byte prefill conv (ops/gdn.rs CONV_V8_TOKEN_TILE). Its thread holds
-// a tile's inputs for 8 channels (4 registers a token, packed until used) beside 8 channels'
-// weights, bias and window in f32: at K 4 (sm_90a, NVRTC 13.0) 16 tokens take 156 registers (3
-// blocks of 128 threads an SM), 8 tokens 124 (4 blocks) and 32 tokens 215 (2 blocks). The K-1
-// window rows each tile reads again mostly hit L2 (the tile before it runs beside it).
-#define CONV_V8_TOKEN_TILE 16
-
-// One token of 8 channels: xr holds the token's inputs of channels c0..c0+7, win[e] channel
-// c0+e's window (shifted on by one token here), o the token's output row at c0. Per channel the
-// operations of conv_tiled_body in its order (conv_tap, rounded, SiLU, rounded).
-template <int K>
-__device__ __forceinline__ void conv8_token(uint4 xr, float (&win)[8][K - 1], const float (&wt)[8][K],
-                                            const float (&b)[8], store_t* __restrict__ o) {
-    float xv[8], y[8];
-    unpack_chunk(xr, xv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        y[e] = silu_f(round_st(conv_tap<K>(win[e], wt[e], b[e], xv[e])));
-#pragma unroll
-        for (int i = 0; i < K - 2; ++i) win[e][i] = win[e][i + 1];
-        win[e][K - 2] = xv[e];
-    }
-    *reinterpret_cast<uint4*>(o) = pack_chunk(y);
-}
-
-// conv_tiled_body with a thread on 8 consecutive channels of a token tile of CONV_V8_TOKEN_TILE:
-// one 16-byte load per token row of x and one 16-byte store per output row, where the scalar
-// form issues a 2-byte load and store per channel (a warp's access 64 bytes: 226.2 us with the
-// state kernel at the 27B 8k shape, 2.77x a copy of its bytes). Every channel's arithmetic is
-// conv_tiled_body's, so the two forms agree bit for bit. The launcher picks this form when
-// channels and x_stride are multiples of 8 and x, out, weight and bias are 16-byte aligned
-// (so is every row and every channel group's K weights); grid (channel groups of
-// 8 * blockDim.x, token tiles). A tile inside one sequence loads all its rows before the first
-// output; any other tile (a sequence boundary inside it, or the last, short one) walks its
-// tokens one at a time, as conv_tiled_body does, 8 channels a step. The carried window is read
-// from conv_state with 2-byte loads (once per sequence start, 8 channels' K-1 values each).
-template <int K>
-__device__ __forceinline__ void conv_tiled_v8_body(const store_t* __restrict__ x, long long x_stride,
-                                                   const store_t* __restrict__ conv_state,
-                                                   const store_t* __restrict__ weight,
-                                                   const store_t* __restrict__ bias,
-                                                   const int* __restrict__ cu_seqlens,
-                                                   const int* __restrict__ slots, int n_seqs,
-                                                   int channels, store_t* __restrict__ out) {
-    pdl_enter();
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
-    const int n_tokens = cu_seqlens[n_seqs];
-    const int t0 = blockIdx.y * CONV_V8_TOKEN_TILE;
-    const int t1 = min(t0 + CONV_V8_TOKEN_TILE, n_tokens);
-    if (c0 >= channels || t0 >= t1) return;
-    int s = 0, hi = n_seqs;
-    while (hi - s > 1) {
-        const int mid = (s + hi) >> 1;
-        if (cu_seqlens[mid] <= t0) s = mid;
-        else hi = mid;
-    }
-    // Channel c0+e's K weights are elements (c0 + e) * K + i: the 8 channels' are 8K in a row.
-    float wt[8][K], b[8], win[8][K - 1];
-    {
-        float wf[8 * K];
-        const uint4* wq = reinterpret_cast<const uint4*>(weight + (long long)c0 * K);
-#pragma unroll
-        for (int q = 0; q < K; ++q) unpack_chunk(wq[q], wf + 8 * q);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-#pragma unroll
-            for (int i = 0; i < K; ++i) wt[e][i] = wf[e * K + i];
-    }
-    if (bias) {
-        unpack_chunk(*reinterpret_cast<const uint4*>(bias + c0), b);
-    } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-    }
-    int start = cu_seqlens[s], end = cu_seqlens[s + 1];
-    // Channel c0+e's carried window is K-1 elements at st + e * (K - 1).
-    const store_t* st = conv_state + ((long long)slots[s] * channels + c0) * (K - 1);
-#pragma unroll
-    for (int i = 0; i < K - 1; ++i) {
-        const int j = t0 - (K - 1) + i;
-        if (j >= start) {
-            float f[8];
-            unpack_chunk(*reinterpret_cast<const uint4*>(x + j * x_stride + c0), f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) win[e][i] = f[e];
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) win[e][i] = to_f32(st[e * (K - 1) + K - 1 + j - start]);
-        }
-    }
-    if (t1 - t0 == CONV_V8_TOKEN_TILE && t1 <= end) {
-        uint4 xs[CONV_V8_TOKEN_TILE];
-#pragma unroll
-        for (int i = 0; i < CONV_V8_TOKEN_TILE; ++i)
-            xs[i] = *reinterpret_cast<const uint4*>(x + (long long)(t0 + i) * x_stride + c0);
-#pragma unroll
-        for (int i = 0; i < CONV_V8_TOKEN_TILE; ++i)
-            conv8_token<K>(xs[i], win, wt, b, out + (long long)(t0 + i) * channels + c0);
-        return;
-    }
-    for (int t = t0; t < t1; ++t) {
-        if (t >= end) {
-            do {
-                ++s;
-            } while (cu_seqlens[s + 1] <= t);
-            start = t;
-            end = cu_seqlens[s + 1];
-            st = conv_state + ((long long)slots[s] * channels + c0) * (K - 1);
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-#pragma unroll
-                for (int i = 0; i < K - 1; ++i) win[e][i] = to_f32(st[e * (K - 1) + i]);
-        }
-        conv8_token<K>(*reinterpret_cast<const uint4*>(x + t * x_stride + c0), win, wt, b,
-                       out + (long long)t * channels + c0);
-    }
-}
-
-#define CONV_TILED_V8_INSTANCE(K)                                                              \
-    extern "C" __global__ void causal_conv1d_tiled_v8_k##K(                                    \
-        const store_t* x, long long x_stride, const store_t* conv_state,                       \
-        const store_t* weight, const store_t* bias, const int* cu_seqlens, const int* slots,   \
-        int n_seqs, int channels, store_t* out) {                                              \
-        conv_tiled_v8_body<K>(x, x_stride, conv_state, weight, bias, cu_seqlens, slots,        \
-                              n_seqs, channels, out);                                          \
-    }
-
-CONV_TILED_V8_INSTANCE(2)
-CONV_TILED_V8_INSTANCE(3)
-CONV_TILED_V8_INSTANCE(4)
 
 // Gates of one token and value head h from its projection values a and b: g = -exp(A_log) *
 // softplus(a + dt_bias) (log of the decay) and beta = sigmoid(b). gdn_gates and the fused

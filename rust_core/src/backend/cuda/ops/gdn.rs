@@ -52,14 +52,10 @@ pub const GATED_MAX_DV: usize = 256;
 
 /// Tokens per block of `causal_conv1d_tiled_k*` (CONV_TOKEN_TILE in cuda/gdn.cu).
 const CONV_TOKEN_TILE: usize = 32;
-/// Tokens per block of `causal_conv1d_tiled_v8_k*` (CONV_V8_TOKEN_TILE in cuda/gdn.cu).
-const CONV_V8_TOKEN_TILE: usize = 16;
-/// Threads per block of the tiled conv kernels (a channel each, or 8 in the `_v8` form).
-const CONV_THREADS: usize = 128;
 /// The largest grid y dimension CUDA launches.
 const MAX_GRID_Y: usize = 65535;
 
-/// Which conv1d kernels run a step. All compute each output with the same f32 operations in
+/// Which conv1d kernels run a step. Both compute each output with the same f32 operations in
 /// the same order, so they give the same bytes (outputs and state).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConvPath {
@@ -67,14 +63,8 @@ pub enum ConvPath {
     /// updates the state in the same pass. One launch; serial over time.
     PerSequence,
     /// `causal_conv1d_tiled_k*` (blocks own channel x token tiles, parallel over time) then
-    /// `causal_conv1d_state_k*` (the new state, after every read of the old one). The tiles
-    /// run `causal_conv1d_tiled_v8_k*` (8 channels a thread, 16-byte loads and stores) where
-    /// `conv_tiled_v8` allows it.
+    /// `causal_conv1d_state_k*` (the new state, after every read of the old one).
     Tiled,
-    /// `Tiled` with one channel a thread (2-byte accesses) even where 16-byte ones are
-    /// possible: what `Tiled` falls back to on unaligned rows, selectable so that the op tests
-    /// can hold the two tile forms to the same bytes.
-    TiledScalar,
 }
 
 impl ConvPath {
@@ -87,15 +77,6 @@ impl ConvPath {
             ConvPath::PerSequence
         }
     }
-}
-
-/// Whether the tiled conv's tiles can run 8 channels a thread with 16-byte accesses
-/// (`causal_conv1d_tiled_v8_k*`, the bytes of the one-channel form): every 8-channel group of
-/// every x row, out row, weight row group and the bias must start on a 16-byte boundary, so
-/// `channels` and `x_stride` are multiples of 8 and `aligned` says that x, out, weight and bias
-/// (where there is one) start on 16-byte boundaries.
-fn conv_tiled_v8(channels: usize, x_stride: usize, aligned: bool) -> bool {
-    channels.is_multiple_of(8) && x_stride.is_multiple_of(8) && aligned
 }
 
 fn check_slots(slots: usize, cu_seqlens: usize) -> Result<usize> {
@@ -168,10 +149,10 @@ impl CudaDevice {
     ) -> Result<()> {
         let sh = shape;
         let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
-        let [per_seq, tiled, tiled_v8, update] = match sh.kernel_size {
-            2 => ["causal_conv1d_k2", "causal_conv1d_tiled_k2", "causal_conv1d_tiled_v8_k2", "causal_conv1d_state_k2"],
-            3 => ["causal_conv1d_k3", "causal_conv1d_tiled_k3", "causal_conv1d_tiled_v8_k3", "causal_conv1d_state_k3"],
-            4 => ["causal_conv1d_k4", "causal_conv1d_tiled_k4", "causal_conv1d_tiled_v8_k4", "causal_conv1d_state_k4"],
+        let [per_seq, tiled, update] = match sh.kernel_size {
+            2 => ["causal_conv1d_k2", "causal_conv1d_tiled_k2", "causal_conv1d_state_k2"],
+            3 => ["causal_conv1d_k3", "causal_conv1d_tiled_k3", "causal_conv1d_state_k3"],
+            4 => ["causal_conv1d_k4", "causal_conv1d_tiled_k4", "causal_conv1d_state_k4"],
             k => return Err(NinferError::Unsupported(format!("CUDA conv1d with kernel size {k}"))),
         };
         check_len("conv1d x", x.len(), strided_len(sh.n_tokens, sh.channels, sh.x_stride))?;
@@ -194,7 +175,7 @@ impl CudaDevice {
         let (op, _f) = out.device_ptr_mut(s);
         let bp = bias.map(|b| b.raw_ptr(s)).unwrap_or(0);
         let channels = as_i32("channels", sh.channels)?;
-        let seq_grid = (sh.channels.div_ceil(CONV_THREADS) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
+        let seq_grid = (sh.channels.div_ceil(128) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
         match path {
             ConvPath::PerSequence => {
                 let f = self.function(KernelFamily::Gdn, per_seq)?;
@@ -209,22 +190,17 @@ impl CudaDevice {
                     KArg::I32(channels),
                     KArg::Ptr(op),
                 ];
-                self.launch_pdl(&f, cfg(seq_grid, CONV_THREADS as u32), per_seq, &args)
+                self.launch_pdl(&f, cfg(seq_grid, 128), per_seq, &args)
             }
-            ConvPath::Tiled | ConvPath::TiledScalar => {
-                // bp is 0 without a bias.
-                let aligned = [xp, op, wp, bp].iter().all(|p| p.is_multiple_of(16));
-                let v8 = path == ConvPath::Tiled && conv_tiled_v8(sh.channels, sh.x_stride, aligned);
-                // (kernel, tokens a tile, channels a thread)
-                let (name, tile, per_thread) = if v8 { (tiled_v8, CONV_V8_TOKEN_TILE, 8) } else { (tiled, CONV_TOKEN_TILE, 1) };
-                let tiles = sh.n_tokens.div_ceil(tile);
+            ConvPath::Tiled => {
+                let tiles = sh.n_tokens.div_ceil(CONV_TOKEN_TILE);
                 if tiles > MAX_GRID_Y {
                     return Err(NinferError::Device(format!(
-                        "conv1d: {} tokens in one step is {tiles} token tiles of {tile} (grid limit {MAX_GRID_Y})",
+                        "conv1d: {} tokens in one step is {tiles} token tiles of {CONV_TOKEN_TILE} (grid limit {MAX_GRID_Y})",
                         sh.n_tokens
                     )));
                 }
-                let f = self.function(KernelFamily::Gdn, name)?;
+                let f = self.function(KernelFamily::Gdn, tiled)?;
                 let args = [
                     KArg::Ptr(xp),
                     KArg::I64(sh.x_stride as i64),
@@ -237,8 +213,8 @@ impl CudaDevice {
                     KArg::I32(channels),
                     KArg::Ptr(op),
                 ];
-                let grid = (sh.channels.div_ceil(CONV_THREADS * per_thread) as u32, tiles as u32, 1);
-                self.launch_pdl(&f, cfg(grid, CONV_THREADS as u32), name, &args)?;
+                let grid = (sh.channels.div_ceil(128) as u32, tiles as u32, 1);
+                self.launch_pdl(&f, cfg(grid, 128), tiled, &args)?;
                 // Stream order (or the PDL wait, which returns once the conv grid has
                 // completed) puts every read of the old state before these writes.
                 let f = self.function(KernelFamily::Gdn, update)?;
@@ -250,7 +226,7 @@ impl CudaDevice {
                     KArg::Ptr(sp),
                     KArg::I32(channels),
                 ];
-                self.launch_pdl(&f, cfg(seq_grid, CONV_THREADS as u32), update, &args)
+                self.launch_pdl(&f, cfg(seq_grid, 128), update, &args)
             }
         }
     }
@@ -501,19 +477,5 @@ impl<T: DevicePtr<u16>> DevicePtrDyn for T {
     }
     fn raw_ptr(&self, stream: &cudarc::driver::CudaStream) -> u64 {
         self.device_ptr(stream).0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tiled_conv_takes_16_byte_accesses_only_on_aligned_groups_of_8_channels() {
-        assert!(conv_tiled_v8(10240, 16480, true));
-        assert!(conv_tiled_v8(8, 8, true));
-        assert!(!conv_tiled_v8(10240, 16480, false));
-        assert!(!conv_tiled_v8(204, 208, true));
-        assert!(!conv_tiled_v8(200, 204, true));
     }
 }
