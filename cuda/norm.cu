@@ -242,14 +242,16 @@ __device__ __forceinline__ void gated_rows_body(const store_t* __restrict__ x,
 
 // One entry per part count (rmsnorm_gated_rows_p1 .. _p8), so that each keeps only its own
 // registers: one entry for all of them holds the eight-part case's 72 and fits 3 blocks an SM.
-#define GATED_ROWS_INSTANCE(P)                                                                  \
-    extern "C" __global__ void rmsnorm_gated_rows_p##P(                                         \
+// (The 16-byte form below shares the signature: GATED_ROWS_KERNEL(name, body, P).)
+#define GATED_ROWS_KERNEL(NAME, BODY, P)                                                        \
+    extern "C" __global__ void NAME(                                                            \
         const store_t* __restrict__ x, const store_t* __restrict__ z, int heads,                \
         long long z_stride, const store_t* __restrict__ w, store_t* __restrict__ out, float eps, \
         long long rows) {                                                                       \
         pdl_enter();                                                                            \
-        gated_rows_body<P>(x, z, heads, z_stride, w, out, eps, rows);                           \
+        BODY<P>(x, z, heads, z_stride, w, out, eps, rows);                                      \
     }
+#define GATED_ROWS_INSTANCE(P) GATED_ROWS_KERNEL(rmsnorm_gated_rows_p##P, gated_rows_body, P)
 GATED_ROWS_INSTANCE(1)
 GATED_ROWS_INSTANCE(2)
 GATED_ROWS_INSTANCE(3)
@@ -351,14 +353,7 @@ __device__ __forceinline__ void gated_rows_v8_body(const store_t* __restrict__ x
     }
 }
 
-#define GATED_ROWS_V8_INSTANCE(P)                                                               \
-    extern "C" __global__ void rmsnorm_gated_rows_v8_p##P(                                      \
-        const store_t* __restrict__ x, const store_t* __restrict__ z, int heads,                \
-        long long z_stride, const store_t* __restrict__ w, store_t* __restrict__ out, float eps, \
-        long long rows) {                                                                       \
-        pdl_enter();                                                                            \
-        gated_rows_v8_body<P>(x, z, heads, z_stride, w, out, eps, rows);                        \
-    }
+#define GATED_ROWS_V8_INSTANCE(P) GATED_ROWS_KERNEL(rmsnorm_gated_rows_v8_p##P, gated_rows_v8_body, P)
 GATED_ROWS_V8_INSTANCE(1)
 GATED_ROWS_V8_INSTANCE(2)
 GATED_ROWS_V8_INSTANCE(4)
