@@ -574,13 +574,16 @@ __device__ __forceinline__ void ldsm_b4(unsigned (&b01)[4], unsigned (&b23)[4], 
     ldsm_x4(b01, b + 4 * k0);
     ldsm_x4(b23, b + 4 * (16 * LB + k0));
 }
+// c[0..1][4] += the A fragment af times the two n-tiles of one ldsm_x4 B load (b01 of ldsm_b4).
+__device__ __forceinline__ void mma_b2(float (*c)[4], const unsigned (&af)[4], const unsigned (&b)[4]) {
+    mma1688(c[0], af, b[0], b[1]);
+    mma1688(c[1], af, b[2], b[3]);
+}
 // c[nt][4] += the A fragment af times n-tiles 0-3 of ldsm_b4's fragments.
 __device__ __forceinline__ void mma_b4(float (*c)[4], const unsigned (&af)[4], const unsigned (&b01)[4],
                                        const unsigned (&b23)[4]) {
-    mma1688(c[0], af, b01[0], b01[1]);
-    mma1688(c[1], af, b01[2], b01[3]);
-    mma1688(c[2], af, b23[0], b23[1]);
-    mma1688(c[3], af, b23[2], b23[3]);
+    mma_b2(c, af, b01);
+    mma_b2(c + 2, af, b23);
 }
 // c[nt][4] += A (16 f32 rows at shared address a, this lane's ldsm_a_off applied, K columns)
 // times B (K x 32, tf32 bits stored transposed at b, ldsm_b_off applied, row stride LB
@@ -630,13 +633,69 @@ struct PipeLayout {
     static constexpr int F32 = SS + US + CH_WARPS * CHP_ROWS * (LW + LM);
 };
 
-// A warp's copies and loads of one chunk's operands. Copy `it` of an operand is the first
-// copy's address plus it times a uniform step, and a chunk's first address one multiply-add
-// from its first token. A copy of a row past the chunk (padding) has source size 0: it writes
-// 16 zero bytes and reads nothing, so its address needs no substitute. Row r of the warp's W /
-// Q / M tile is token r0 + r; row i of its K tile is token i.
+// N 16-byte cp.async copies of consecutive rows, RSTEP rows apart: copy `it` goes from src plus
+// it times step to shared address dst plus it times DSTEP, and one for row `row + it * RSTEP`
+// at or past n (padding) has source size 0: it writes 16 zero bytes and reads nothing, so its
+// address needs no substitute.
+template <int N, int RSTEP, int DSTEP>
+__device__ __forceinline__ void copy_rows16(unsigned dst, const char* src, long long step, int row, int n) {
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + it * DSTEP), "l"(src),
+                     "r"(row + it * RSTEP < n ? 16 : 0)
+                     : "memory");
+        src += step;
+    }
+}
+
+// The operands a tensor-core scan thread loads to registers a chunk ahead (plain loads: they
+// land while a chunk step runs), addresses stepped per chunk by a uniform stride: U at its NT
+// n-tiles' entries of u (entry [nt][i]: row r0 + g + 8 (i / 2), column col0 + 8 nt + i % 2,
+// col0 already holding the value column of the lane's 2 q) with the q scale of its two rows,
+// and the k scales of the tokens of its K fragments (8 j + q and 8 j + q + 4) with e^{G_last}.
+template <int NT>
+struct ScanRegLoads {
+    const float *u_src, *sc_q, *sc_k, *sc_last;  // at token 0 (the chunk's first token added per chunk)
+    long long u_tok, sc_tok;
+    __device__ __forceinline__ ScanRegLoads(const float* u_in, const float* sc_in, int h, int n_v_heads, int dv,
+                                            int col0, int r0, int g, int q) {
+        u_tok = (long long)n_v_heads * dv;
+        sc_tok = (long long)n_v_heads * 4;
+        u_src = u_in + ((long long)(r0 + g) * n_v_heads + h) * dv + col0;
+        sc_q = sc_in + ((long long)(r0 + g) * n_v_heads + h) * 4;
+        sc_k = sc_in + ((long long)q * n_v_heads + h) * 4 + 1;
+        sc_last = sc_in + (long long)h * 4 + 2;
+    }
+    __device__ __forceinline__ void u_sq(float (&un)[NT][4], float (&sq)[2], int t0, int n, int r0, int g) const {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const bool ok = r0 + g + 8 * half < n;
+            const float* up = u_src + (t0 + 8 * half) * u_tok;
+            sq[half] = ok ? sc_q[(t0 + 8 * half) * sc_tok] : 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = ok ? up[8 * nt + c] : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void sk_last(float (&sk)[CH_C / 8][2], float& e_last, int t0, int n, int q) const {
+        const float* p = sc_k + t0 * sc_tok;
+#pragma unroll
+        for (int j = 0; j < CH_C / 8; ++j)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                sk[j][half] = 8 * j + q + 4 * half < n ? *p : 0.0f;
+                p += 4 * sc_tok;
+            }
+        e_last = n > 0 ? sc_last[t0 * sc_tok] : 0.0f;
+    }
+};
+
+// A warp's copies of one chunk's operands. Copy `it` of an operand is the first copy's address
+// plus it times a uniform step, and a chunk's first address one multiply-add from its first
+// token. Row r of the warp's W / Q / M tile is token r0 + r; row i of its K tile is token i.
 template <int DK>
-struct PipeStreams {
+struct PipeStreams : ScanRegLoads<4> {
     using L = PipeLayout<DK>;
     static constexpr int RW = 128 / DK;  // W rows a warp-wide round of copies advances
     static constexpr int RQ = 256 / DK;  // Q rows likewise (M: 2)
@@ -646,12 +705,11 @@ struct PipeStreams {
     unsigned dw, dq, dm, dk;
     const char *w_src, *q_src, *m_src, *k_src;  // at token 0 (the chunk's first token added per chunk)
     long long w_tok, qk_tok, m_tok;             // bytes a token advances each
-    const float *u_src, *sc_q, *sc_k;
-    long long u_tok, sc_tok;
     __device__ __forceinline__ PipeStreams(float* wsm, store_t* qsm, float* msm, store_t* ksm, const float* w_in,
                                            const store_t* qh, const store_t* kw, const float* m_in,
                                            const float* u_in, const float* sc_in, long long qk_stride, int h,
-                                           int n_v_heads, int dv, int j0, int r0, int lane, int g, int q) {
+                                           int n_v_heads, int dv, int j0, int r0, int lane, int g, int q)
+        : ScanRegLoads<4>(u_in, sc_in, h, n_v_heads, dv, j0 + 2 * q, r0, g, q) {
         const int cw = lane % (DK / 4), cq = lane % (DK / 8), cm = lane % 16, ck = lane % (L::KC / 8);
         rw = r0 + lane / (DK / 4);
         rq = r0 + lane / (DK / 8);
@@ -668,61 +726,18 @@ struct PipeStreams {
         q_src = (const char*)(qh + 8 * cq);
         m_src = (const char*)(m_in + (long long)h * CH_C + 4 * cm);
         k_src = (const char*)(kw + 8 * ck);
-        u_tok = (long long)n_v_heads * dv;
-        sc_tok = (long long)n_v_heads * 4;
-        u_src = u_in + ((long long)(r0 + g) * n_v_heads + h) * dv + j0 + 2 * q;
-        sc_q = sc_in + ((long long)(r0 + g) * n_v_heads + h) * 4;
-        sc_k = sc_in + ((long long)q * n_v_heads + h) * 4;
-    }
-    template <int ITS, int RSTEP, int DSTEP>
-    __device__ __forceinline__ static void copy_rows(unsigned dst, const char* src, long long step, int row, int n) {
-#pragma unroll
-        for (int it = 0; it < ITS; ++it) {
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + it * DSTEP), "l"(src),
-                         "r"(row + it * RSTEP < n ? 16 : 0)
-                         : "memory");
-            src += step;
-        }
     }
     // The chunk at token t0 with n rows: W and Q (one group), M, K.
     __device__ __forceinline__ void wq(int t0, int n) const {
-        copy_rows<CHP_ROWS * (DK / 4) / 32, RW, RW * L::LW * 4>(dw, w_src + (t0 + rw) * w_tok, RW * w_tok, rw, n);
-        copy_rows<CHP_ROWS * (DK / 8) / 32, RQ, RQ * L::LQ * 2>(dq, q_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
+        copy_rows16<CHP_ROWS * (DK / 4) / 32, RW, RW * L::LW * 4>(dw, w_src + (t0 + rw) * w_tok, RW * w_tok, rw, n);
+        copy_rows16<CHP_ROWS * (DK / 8) / 32, RQ, RQ * L::LQ * 2>(dq, q_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
     }
     __device__ __forceinline__ void m(int t0, int n) const {
-        copy_rows<CHP_ROWS * (CH_C / 4) / 32, 2, 2 * L::LM * 4>(dm, m_src + (t0 + rm) * m_tok, 2 * m_tok, rm, n);
+        copy_rows16<CHP_ROWS * (CH_C / 4) / 32, 2, 2 * L::LM * 4>(dm, m_src + (t0 + rm) * m_tok, 2 * m_tok, rm, n);
     }
     __device__ __forceinline__ void k(int t0, int n) const {
         constexpr int R = 32 / (L::KC / 8);
-        copy_rows<CH_C * (L::KC / 8) / 32, R, R * L::LK * 2>(dk, k_src + (t0 + rk) * qk_tok, R * qk_tok, rk, n);
-    }
-    // Register operands of the chunk at t0 (plain loads: they land while a chunk step runs):
-    // U at this thread's entries of u (entry [nt][i]: row r0 + g + 8 (i / 2), column
-    // 8 nt + 2 q + i % 2) and the q scale of its two rows;
-    __device__ __forceinline__ void u_sq(float (&un)[4][4], float (&sq)[2], int t0, int n, int r0, int g) const {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const bool ok = r0 + g + 8 * half < n;
-            const float* up = u_src + (t0 + 8 * half) * u_tok;
-            sq[half] = ok ? sc_q[(t0 + 8 * half) * sc_tok] : 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = ok ? up[8 * nt + c] : 0.0f;
-        }
-    }
-    // the k scale of the tokens of its K fragments (8 j + q and 8 j + q + 4) and e^{G_last}.
-    __device__ __forceinline__ void sk_last(float (&sk)[CH_C / 8][2], float& e_last, const float* sc_in, int t0, int n,
-                                            int h, int n_v_heads, int q) const {
-        const float* p = sc_k + t0 * sc_tok + 1;
-#pragma unroll
-        for (int j = 0; j < CH_C / 8; ++j)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                sk[j][half] = 8 * j + q + 4 * half < n ? *p : 0.0f;
-                p += 4 * sc_tok;
-            }
-        e_last = n > 0 ? sc_in[((long long)t0 * n_v_heads + h) * 4 + 2] : 0.0f;
+        copy_rows16<CH_C * (L::KC / 8) / 32, R, R * L::LK * 2>(dk, k_src + (t0 + rk) * qk_tok, R * qk_tok, rk, n);
     }
 };
 
@@ -791,7 +806,7 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     // Loaded a chunk ahead (PipeStreams::u_sq, sk_last).
     float un[4][4], sq[2], sk[CH_C / 8][2], e_last;
     io.u_sq(un, sq, t_begin, t_end - t_begin, r0, g);
-    io.sk_last(sk, e_last, sc_in, t_begin, t_end - t_begin, h, n_v_heads, qq);
+    io.sk_last(sk, e_last, t_begin, t_end - t_begin, qq);
 
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
         const int n = min(CH_C, t_end - t0);
@@ -863,7 +878,7 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         __syncwarp();
         io.k(t1, n1);
         cp_async_commit();
-        io.sk_last(sk, e_last, sc_in, t1, n1, h, n_v_heads, qq);
+        io.sk_last(sk, e_last, t1, n1, qq);
         // The new state for the next chunk's step 1 (its readers finished before step 3's barrier).
 #pragma unroll
         for (int e = 0; e < NS; ++e) {
@@ -877,6 +892,255 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     for (int e = 0; e < NS; ++e) {
         int row, col;
         state_entry<DK, true>(tid, e, row, col);
+        st[(long long)row * dv + col] = sr[e];
+    }
+}
+
+// Eight-warp scan (sm_80+), `gdn_chunk_scan_wide_dk*`: the pipelined scan's products and
+// operand tiles, over twice the warps. The pipelined scan runs 4 warps a block, two blocks an
+// SM (the 27B shape's 192 blocks), and there a chunk step is one warp's serial chain: ncu at
+// 85e27b4 (ncu_prefill_kernels_85e27b4.txt) finds each warp issuing on 19% of its cycles and
+// waiting on fixed-latency results, shared and global loads the rest, with two warps a
+// scheduler to cover each other. Here 8 warps split every product of a chunk step in half:
+//  - steps 1 and 3 (u = U - W S, o = e^G Q S + M u: 64 token rows x 32 value columns): warp w
+//    takes token rows 16 (w % 4).. and value columns 16 (w / 4)..: two n-tiles, not four;
+//  - step 4 (the DK x 32 state): warp w takes state m-tile w % (DK / 16) and DK / 32 n-tiles
+//    (4 at DK 128: rows 16 w.., every column; 2 at DK 64).
+// Each mma is the pipelined scan's, with the same operands in the same k order, so both forms
+// give the same bits (GPU test). The tiles are now shared by the warps that read them (the W,
+// Q and M rows by two warps, every K column's rows by all), so the block copies them together
+// into one tile each (16-byte cp.async, no per-warp slices), and block barriers publish them:
+// a chunk step's two barriers (B1 before step 1, B2 before step 3) also order the copies. M
+// and K are requested after B1 (every reader of the last chunk's passed it) and land during
+// step 1; W and Q of the next chunk after B2, landing during steps 3 and 4. Registers: 16
+// state entries a thread at DK 128 instead of 32, and half the accumulators, so two 8-warp
+// blocks fit an SM (launch bounds 256, 2: at most 128 registers); shared memory 109 KiB at
+// DK 128 (one K tile instead of four per-warp column slices with their padding).
+#define CHW_THREADS 256
+#define CHW_WARPS (CHW_THREADS / 32)
+
+// Tile strides (elements) and the shared-memory layout; gdn_chunked.rs wide_smem_bytes mirrors
+// it. Row strides of 4 mod 32 words keep the fragment reads conflict-free (the raw q / k rows:
+// DK + 8 storage elements, (DK + 8) / 2 words).
+template <int DK>
+struct WideLayout {
+    static constexpr int LST = DK + 4;   // transposed state rows (tf32 bits), one per value column
+    static constexpr int LUT = CH_C + 4; // transposed u rows
+    static constexpr int LW = DK + 4;    // W rows, f32
+    static constexpr int LM = CH_C + 4;  // M rows, f32
+    static constexpr int LQK = DK + 8;   // raw q and k rows, storage type
+    static constexpr int SS = CH_COLS * LST;
+    static constexpr int US = CH_COLS * LUT;
+    static constexpr int F32 = SS + US + CH_C * (LW + LM);
+    static constexpr int MT = DK / 16;                // state m-tiles
+    static constexpr int NTW = 4 * MT / CHW_WARPS;    // state n-tiles per warp
+};
+
+// State entry e of a thread of warp w (mma C layout): m-tile w % MT, n-tile
+// NTW (w / MT) + e / 4, element e % 4.
+template <int DK>
+__device__ __forceinline__ void wide_state_entry(int warp, int lane, int e, int& row, int& col) {
+    using L = WideLayout<DK>;
+    row = 16 * (warp % L::MT) + (lane >> 2) + 8 * ((e >> 1) & 1);
+    col = 8 * (L::NTW * (warp / L::MT) + (e >> 2)) + 2 * (lane & 3) + (e & 1);
+}
+
+// The block's copies of one chunk's tiles: thread tid copies row tid / (16-byte copies a row)
+// + it * (rows a round of 256 copies covers), column tid % (copies a row).
+template <int DK>
+struct WideStreams {
+    using L = WideLayout<DK>;
+    static constexpr int RW = CHW_THREADS / (DK / 4);    // W rows a round advances
+    static constexpr int RQ = CHW_THREADS / (DK / 8);    // Q and K rows
+    static constexpr int RM = CHW_THREADS / (CH_C / 4);  // M rows
+    int rw, rq, rm;
+    unsigned dw, dq, dk, dm;
+    const char *w_src, *q_src, *k_src, *m_src;  // at token 0
+    long long w_tok, qk_tok, m_tok;             // bytes a token advances each
+    __device__ __forceinline__ WideStreams(float* wsm, store_t* qsm, store_t* ksm, float* msm, const float* w_in,
+                                           const store_t* qh, const store_t* kh, const float* m_in,
+                                           long long qk_stride, int h, int n_v_heads, int tid) {
+        const int cw = tid % (DK / 4), cq = tid % (DK / 8), cm = tid % (CH_C / 4);
+        rw = tid / (DK / 4);
+        rq = tid / (DK / 8);
+        rm = tid / (CH_C / 4);
+        dw = smem_u32(wsm + rw * L::LW + 4 * cw);
+        dq = smem_u32(qsm + rq * L::LQK + 8 * cq);
+        dk = smem_u32(ksm + rq * L::LQK + 8 * cq);
+        dm = smem_u32(msm + rm * L::LM + 4 * cm);
+        w_tok = (long long)n_v_heads * DK * 4;
+        qk_tok = qk_stride * 2;
+        m_tok = (long long)n_v_heads * CH_C * 4;
+        w_src = (const char*)(w_in + (long long)h * DK + 4 * cw);
+        q_src = (const char*)(qh + 8 * cq);
+        k_src = (const char*)(kh + 8 * cq);
+        m_src = (const char*)(m_in + (long long)h * CH_C + 4 * cm);
+    }
+    // The chunk at token t0 with n rows: W and Q (one group), then M and K (one group).
+    __device__ __forceinline__ void wq(int t0, int n) const {
+        copy_rows16<CH_C / RW, RW, RW * L::LW * 4>(dw, w_src + (t0 + rw) * w_tok, RW * w_tok, rw, n);
+        copy_rows16<CH_C / RQ, RQ, RQ * L::LQK * 2>(dq, q_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
+    }
+    __device__ __forceinline__ void mk(int t0, int n) const {
+        copy_rows16<CH_C / RM, RM, RM * L::LM * 4>(dm, m_src + (t0 + rm) * m_tok, RM * m_tok, rm, n);
+        copy_rows16<CH_C / RQ, RQ, RQ * L::LQK * 2>(dk, k_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
+    }
+};
+
+template <int DK>
+__device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, const store_t* __restrict__ k,
+                                               long long qk_stride, const float* __restrict__ work,
+                                               float* __restrict__ state,
+                                               const int* __restrict__ cu_seqlens,
+                                               const int* __restrict__ slots, int n_k_heads,
+                                               int n_v_heads, int dv, int n_tokens,
+                                               store_t* __restrict__ out) {
+    using L = WideLayout<DK>;
+    constexpr int NS = 4 * L::NTW;  // state entries per thread (wide_state_entry)
+    extern __shared__ float ch_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, qq = lane & 3;
+    const int r0 = 16 * (warp & 3);   // this warp's token rows of u and o
+    const int c0 = 16 * (warp >> 2);  // and value columns (of the block's 32)
+    const int sn0 = 8 * L::NTW * (warp / L::MT);  // its first state column (step 4)
+    // The state columns j0.. and u, transposed ([32][LST], [32][LUT]) as tf32 bits; the W, M,
+    // raw q and raw k tiles of the chunk.
+    float* ss = ch_smem;
+    float* us = ss + L::SS;
+    float* wsm = us + L::US;
+    float* msm = wsm + CH_C * L::LW;
+    store_t* qsm = (store_t*)(ch_smem + L::F32);
+    store_t* ksm = qsm + CH_C * L::LQK;
+    const unsigned sst = smem_u32(ss) + 4 * (ldsm_b_off(lane, L::LST) + c0 * L::LST);
+    const unsigned ust = smem_u32(us) + 4 * (ldsm_b_off(lane, L::LUT) + c0 * L::LUT);
+    const unsigned ust4 = smem_u32(us) + 4 * (ldsm_b_off(lane, L::LUT) + sn0 * L::LUT);
+    const unsigned wsa = smem_u32(wsm) + 4 * (ldsm_a_off(lane, L::LW) + r0 * L::LW);
+    const unsigned msa = smem_u32(msm) + 4 * (ldsm_a_off(lane, L::LM) + r0 * L::LM);
+    const store_t* q0 = qsm + (r0 + g) * L::LQK + qq;              // step 1's raw q rows
+    const store_t* k0 = ksm + qq * L::LQK + 16 * (warp % L::MT) + g;  // step 4's raw k entries
+    auto put_ss = [&](int row, int col, float x) { ss[col * L::LST + row] = __uint_as_float(to_tf32(x)); };
+    auto put_us = [&](int t, int col, float x) { us[col * L::LUT + t] = __uint_as_float(to_tf32(x)); };
+
+    const int j0 = blockIdx.x * CH_COLS;
+    const int h = blockIdx.y;
+    const int s = blockIdx.z;
+    const int kh = h / (n_v_heads / n_k_heads);
+    const long long rows = (long long)n_tokens * n_v_heads;
+    const float* w_in = work;
+    const float* u_in = w_in + rows * DK;
+    const float* m_in = u_in + rows * dv;
+    const float* sc_in = m_in + rows * CH_C;
+
+    const int t_begin = cu_seqlens[s];
+    const int t_end = cu_seqlens[s + 1];
+    const WideStreams<DK> io(wsm, qsm, ksm, msm, w_in, q + (long long)kh * DK, k + (long long)kh * DK, m_in,
+                             qk_stride, h, n_v_heads, tid);
+    const ScanRegLoads<2> regs(u_in, sc_in, h, n_v_heads, dv, j0 + c0 + 2 * qq, r0, g, qq);
+    io.wq(t_begin, t_end - t_begin);
+    cp_async_commit();
+
+    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
+    float sr[NS];  // this thread's state entries (wide_state_entry)
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+        int row, col;
+        wide_state_entry<DK>(warp, lane, e, row, col);
+        sr[e] = st[(long long)row * dv + col];
+        put_ss(row, col, sr[e]);
+    }
+    // Loaded a chunk ahead (ScanRegLoads).
+    float un[2][4], sq[2], sk[CH_C / 8][2], e_last;
+    regs.u_sq(un, sq, t_begin, t_end - t_begin, r0, g);
+    regs.sk_last(sk, e_last, t_begin, t_end - t_begin, qq);
+
+    for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
+        const int n = min(CH_C, t_end - t0);
+        const int t1 = t0 + CH_C;
+        const int n1 = t_end - t1;  // the next chunk's tokens (<= 0: none, its copies zero-fill)
+        cp_async_wait_group<0>();   // W, Q
+        __syncthreads();  // B1: ss, W and Q hold this chunk's; every reader of u, M and K is done
+        io.mk(t0, n);
+        cp_async_commit();
+        // 1. u = U - W S and o = e^G (Q S) on this warp's 16 rows and 16 columns.
+        float ua[2][4], oa[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ua[nt][i] = oa[nt][i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < DK; kk += 8) {
+            unsigned wf[4], b[4];
+            ldsm_a_tf32(wf, wsa + 4 * kk);
+            const unsigned qf[4] = {tf32_of(q0[kk]), tf32_of(q0[8 * L::LQK + kk]), tf32_of(q0[kk + 4]),
+                                    tf32_of(q0[8 * L::LQK + kk + 4])};
+            ldsm_x4(b, sst + 4 * kk);
+            mma_b2(ua, wf, b);
+            mma_b2(oa, qf, b);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                ua[nt][i] = un[nt][i] - ua[nt][i];
+                oa[nt][i] *= sq[i >> 1];
+            }
+        regs.u_sq(un, sq, t1, n1, r0, g);
+        // 2. u to shared memory for every warp (rows past n are zero: W, U rows are).
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) put_us(r0 + g + 8 * (i >> 1), c0 + 8 * nt + 2 * qq + (i & 1), ua[nt][i]);
+        cp_async_wait_group<0>();  // M, K
+        __syncthreads();  // B2: u, M and K published; every reader of ss, W and Q is done
+        io.wq(t1, n1);
+        cp_async_commit();
+        // 3. o += M u (the whole 64-token chunk: padding rows of M and u are zero).
+#pragma unroll
+        for (int kk = 0; kk < CH_C; kk += 8) {
+            unsigned af[4], b[4];
+            ldsm_a_tf32(af, msa + 4 * kk);
+            ldsm_x4(b, ust + 4 * kk);
+            mma_b2(oa, af, b);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = r0 + g + 8 * (i >> 1);
+                if (t < n) out[((long long)(t0 + t) * n_v_heads + h) * dv + j0 + c0 + 8 * nt + 2 * qq + (i & 1)] = from_f32(oa[nt][i]);
+            }
+        // 4. S = e^{G_last} S + (diag(e^{G_last - G}) K)^T u on this warp's state tiles: A(d, i)
+        // = sk_i k_i[d], read transposed from the K tile.
+#pragma unroll
+        for (int e = 0; e < NS; ++e) sr[e] *= e_last;
+#pragma unroll
+        for (int j = 0; j < CH_C / 8; ++j) {
+            const store_t* kr = k0 + 8 * j * L::LQK;
+            const unsigned af[4] = {to_tf32(sk[j][0] * to_f32(kr[0])), to_tf32(sk[j][0] * to_f32(kr[8])),
+                                    to_tf32(sk[j][1] * to_f32(kr[4 * L::LQK])),
+                                    to_tf32(sk[j][1] * to_f32(kr[4 * L::LQK + 8]))};
+#pragma unroll
+            for (int p = 0; p < L::NTW / 2; ++p) {
+                unsigned b[4];
+                ldsm_x4(b, ust4 + 4 * (16 * p * L::LUT + 8 * j));
+                mma1688(sr + 8 * p, af, b[0], b[1]);
+                mma1688(sr + 8 * p + 4, af, b[2], b[3]);
+            }
+        }
+        regs.sk_last(sk, e_last, t1, n1, qq);
+        // The new state for the next chunk's step 1 (its readers finished before B2).
+#pragma unroll
+        for (int e = 0; e < NS; ++e) {
+            int row, col;
+            wide_state_entry<DK>(warp, lane, e, row, col);
+            put_ss(row, col, sr[e]);
+        }
+    }
+    cp_async_wait_all();
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+        int row, col;
+        wide_state_entry<DK>(warp, lane, e, row, col);
         st[(long long)row * dv + col] = sr[e];
     }
 }
@@ -1140,9 +1404,20 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
 #ifdef CH_TENSOR_CORES
 #define SCAN_TC true
 #define SCAN_PIPE_BODY(DK) scan_pipe_body<DK>
+// gdn_chunk_scan_wide_dk* exists on sm_80+ only (256 threads: no SIMT form; the launcher runs
+// the SIMT scan below sm_80).
+#define SCAN_WIDE_INSTANCE(DK)                                                                  \
+    extern "C" __global__ void __launch_bounds__(CHW_THREADS, 2) gdn_chunk_scan_wide_dk##DK(    \
+        const store_t* q, const store_t* k, long long qk_stride, const float* work,             \
+        float* state, const int* cu_seqlens, const int* slots, int n_k_heads, int n_v_heads,    \
+        int dv, int n_tokens, store_t* out) {                                                   \
+        scan_wide_body<DK>(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
+                           n_v_heads, dv, n_tokens, out);                                       \
+    }
 #else
 #define SCAN_TC false
 #define SCAN_PIPE_BODY(DK) scan_body<DK, false>
+#define SCAN_WIDE_INSTANCE(DK)
 #endif
 
 #define CHUNKED_INSTANCE(DK)                                                                    \
@@ -1180,7 +1455,8 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
         int dv, int n_tokens, store_t* out) {                                                   \
         SCAN_PIPE_BODY(DK)(q, k, qk_stride, work, state, cu_seqlens, slots, n_k_heads,          \
                            n_v_heads, dv, n_tokens, out);                                       \
-    }
+    }                                                                                           \
+    SCAN_WIDE_INSTANCE(DK)
 
 CHUNKED_INSTANCE(64)
 CHUNKED_INSTANCE(128)
