@@ -233,9 +233,18 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
 // b1 (q + 4, g); C (16 x 8) c0 (g, 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define CH_TENSOR_CORES 1
+// f32 to tf32 operand bits, rounded to nearest. sm_90 converts in one instruction (cvt.rn,
+// F2FP.TF32), ties to even; cvt.rna (ties away from zero, the only form before sm_90) is four
+// there (an inf / NaN test, an add, a mask, a select), and a scan chunk step converts ~150
+// values a warp: ~40% of the pipelined scan's instructions were these. The two differ only
+// on exact ties.
 __device__ __forceinline__ unsigned to_tf32(float x) {
     unsigned r;
+#if __CUDA_ARCH__ >= 900
+    asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#else
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#endif
     return r;
 }
 __device__ __forceinline__ void mma1688(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -666,17 +675,23 @@ struct ScanRegLoads {
         sc_k = sc_in + ((long long)q * n_v_heads + h) * 4 + 1;
         sc_last = sc_in + (long long)h * 4 + 2;
     }
-    __device__ __forceinline__ void u_sq(float (&un)[NT][4], float (&sq)[2], int t0, int n, int r0, int g) const {
+    // (U's two adjacent columns in one 8-byte load: the workspace is 16-byte aligned, col0 even)
+    __device__ __forceinline__ void u(float (&un)[NT][4], int t0, int n, int r0, int g) const {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const bool ok = r0 + g + 8 * half < n;
             const float* up = u_src + (t0 + 8 * half) * u_tok;
-            sq[half] = ok ? sc_q[(t0 + 8 * half) * sc_tok] : 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) un[nt][2 * half + c] = ok ? up[8 * nt + c] : 0.0f;
+            for (int nt = 0; nt < NT; ++nt) {
+                const float2 x = ok ? *(const float2*)(up + 8 * nt) : make_float2(0.0f, 0.0f);
+                un[nt][2 * half] = x.x;
+                un[nt][2 * half + 1] = x.y;
+            }
         }
+    }
+    __device__ __forceinline__ void sq(float (&sq)[2], int t0, int n, int r0, int g) const {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) sq[half] = r0 + g + 8 * half < n ? sc_q[(t0 + 8 * half) * sc_tok] : 0.0f;
     }
     __device__ __forceinline__ void sk_last(float (&sk)[CH_C / 8][2], float& e_last, int t0, int n, int q) const {
         const float* p = sc_k + t0 * sc_tok;
@@ -803,9 +818,10 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
         sr[e] = st[(long long)row * dv + col];
         put_ss(row, col, sr[e]);
     }
-    // Loaded a chunk ahead (PipeStreams::u_sq, sk_last).
+    // Loaded a chunk ahead (ScanRegLoads).
     float un[4][4], sq[2], sk[CH_C / 8][2], e_last;
-    io.u_sq(un, sq, t_begin, t_end - t_begin, r0, g);
+    io.u(un, t_begin, t_end - t_begin, r0, g);
+    io.sq(sq, t_begin, t_end - t_begin, r0, g);
     io.sk_last(sk, e_last, t_begin, t_end - t_begin, qq);
 
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
@@ -831,7 +847,8 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
                 ua[nt][i] = un[nt][i] - ua[nt][i];
                 oa[nt][i] *= sq[i >> 1];
             }
-        io.u_sq(un, sq, t1, n1, r0, g);
+        io.u(un, t1, n1, r0, g);
+        io.sq(sq, t1, n1, r0, g);
         // 2. u to shared memory for every warp (rows past n are zero: W, U rows are).
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -931,7 +948,7 @@ struct WideLayout {
     static constexpr int LQK = DK + 8;   // raw q and k rows, storage type
     static constexpr int SS = CH_COLS * LST;
     static constexpr int US = CH_COLS * LUT;
-    static constexpr int F32 = SS + US + CH_C * (LW + LM);
+    static constexpr int F32 = SS + US + CH_C * (LW + LM + 4);  // ... and the per-token scales [C][4]
     static constexpr int MT = DK / 16;                // state m-tiles
     static constexpr int NTW = 4 * MT / CHW_WARPS;    // state n-tiles per warp
 };
@@ -953,13 +970,15 @@ struct WideStreams {
     static constexpr int RW = CHW_THREADS / (DK / 4);    // W rows a round advances
     static constexpr int RQ = CHW_THREADS / (DK / 8);    // Q and K rows
     static constexpr int RM = CHW_THREADS / (CH_C / 4);  // M rows
-    int rw, rq, rm;
-    unsigned dw, dq, dk, dm;
-    const char *w_src, *q_src, *k_src, *m_src;  // at token 0
-    long long w_tok, qk_tok, m_tok;             // bytes a token advances each
-    __device__ __forceinline__ WideStreams(float* wsm, store_t* qsm, store_t* ksm, float* msm, const float* w_in,
-                                           const store_t* qh, const store_t* kh, const float* m_in,
-                                           long long qk_stride, int h, int n_v_heads, int tid) {
+    int rw, rq, rm, tid;
+    unsigned dw, dq, dk, dm, ds;
+    const char *w_src, *q_src, *k_src, *m_src, *s_src;  // at token 0
+    long long w_tok, qk_tok, m_tok, s_tok;              // bytes a token advances each
+    __device__ __forceinline__ WideStreams(float* wsm, store_t* qsm, store_t* ksm, float* msm, float* scs,
+                                           const float* w_in, const store_t* qh, const store_t* kh,
+                                           const float* m_in, const float* sc_in, long long qk_stride, int h,
+                                           int n_v_heads, int tid_)
+        : tid(tid_) {
         const int cw = tid % (DK / 4), cq = tid % (DK / 8), cm = tid % (CH_C / 4);
         rw = tid / (DK / 4);
         rq = tid / (DK / 8);
@@ -968,15 +987,19 @@ struct WideStreams {
         dq = smem_u32(qsm + rq * L::LQK + 8 * cq);
         dk = smem_u32(ksm + rq * L::LQK + 8 * cq);
         dm = smem_u32(msm + rm * L::LM + 4 * cm);
+        ds = smem_u32(scs + 4 * tid);
         w_tok = (long long)n_v_heads * DK * 4;
         qk_tok = qk_stride * 2;
         m_tok = (long long)n_v_heads * CH_C * 4;
+        s_tok = (long long)n_v_heads * 4 * 4;
         w_src = (const char*)(w_in + (long long)h * DK + 4 * cw);
         q_src = (const char*)(qh + 8 * cq);
         k_src = (const char*)(kh + 8 * cq);
         m_src = (const char*)(m_in + (long long)h * CH_C + 4 * cm);
+        s_src = (const char*)(sc_in + (long long)h * 4);
     }
-    // The chunk at token t0 with n rows: W and Q (one group), then M and K (one group).
+    // The chunk at token t0 with n rows: W and Q (one group), then M, K and the scales (one
+    // group; thread t < 64 copies token t's four scales).
     __device__ __forceinline__ void wq(int t0, int n) const {
         copy_rows16<CH_C / RW, RW, RW * L::LW * 4>(dw, w_src + (t0 + rw) * w_tok, RW * w_tok, rw, n);
         copy_rows16<CH_C / RQ, RQ, RQ * L::LQK * 2>(dq, q_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
@@ -984,6 +1007,7 @@ struct WideStreams {
     __device__ __forceinline__ void mk(int t0, int n) const {
         copy_rows16<CH_C / RM, RM, RM * L::LM * 4>(dm, m_src + (t0 + rm) * m_tok, RM * m_tok, rm, n);
         copy_rows16<CH_C / RQ, RQ, RQ * L::LQK * 2>(dk, k_src + (t0 + rq) * qk_tok, RQ * qk_tok, rq, n);
+        if (tid < CH_C) copy_rows16<1, 0, 0>(ds, s_src + (t0 + tid) * s_tok, 0, tid, n);
     }
 };
 
@@ -1009,6 +1033,7 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
     float* us = ss + L::SS;
     float* wsm = us + L::US;
     float* msm = wsm + CH_C * L::LW;
+    float* scs = msm + CH_C * L::LM;  // [C][4] per-token scales (q e^G, k e^{G_last - G}, e^{G_last}, 0)
     store_t* qsm = (store_t*)(ch_smem + L::F32);
     store_t* ksm = qsm + CH_C * L::LQK;
     const unsigned sst = smem_u32(ss) + 4 * (ldsm_b_off(lane, L::LST) + c0 * L::LST);
@@ -1033,8 +1058,8 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
 
     const int t_begin = cu_seqlens[s];
     const int t_end = cu_seqlens[s + 1];
-    const WideStreams<DK> io(wsm, qsm, ksm, msm, w_in, q + (long long)kh * DK, k + (long long)kh * DK, m_in,
-                             qk_stride, h, n_v_heads, tid);
+    const WideStreams<DK> io(wsm, qsm, ksm, msm, scs, w_in, q + (long long)kh * DK, k + (long long)kh * DK, m_in,
+                             sc_in, qk_stride, h, n_v_heads, tid);
     const ScanRegLoads<2> regs(u_in, sc_in, h, n_v_heads, dv, j0 + c0 + 2 * qq, r0, g, qq);
     io.wq(t_begin, t_end - t_begin);
     cp_async_commit();
@@ -1048,10 +1073,9 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
         sr[e] = st[(long long)row * dv + col];
         put_ss(row, col, sr[e]);
     }
-    // Loaded a chunk ahead (ScanRegLoads).
-    float un[2][4], sq[2], sk[CH_C / 8][2], e_last;
-    regs.u_sq(un, sq, t_begin, t_end - t_begin, r0, g);
-    regs.sk_last(sk, e_last, t_begin, t_end - t_begin, qq);
+    // U loaded a chunk ahead (ScanRegLoads); the scales come with M and K.
+    float un[2][4];
+    regs.u(un, t_begin, t_end - t_begin, r0, g);
 
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
         const int n = min(CH_C, t_end - t0);
@@ -1080,21 +1104,24 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                ua[nt][i] = un[nt][i] - ua[nt][i];
-                oa[nt][i] *= sq[i >> 1];
-            }
-        regs.u_sq(un, sq, t1, n1, r0, g);
+            for (int i = 0; i < 4; ++i) ua[nt][i] = un[nt][i] - ua[nt][i];
+        regs.u(un, t1, n1, r0, g);
         // 2. u to shared memory for every warp (rows past n are zero: W, U rows are).
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) put_us(r0 + g + 8 * (i >> 1), c0 + 8 * nt + 2 * qq + (i & 1), ua[nt][i]);
-        cp_async_wait_group<0>();  // M, K
-        __syncthreads();  // B2: u, M and K published; every reader of ss, W and Q is done
+        cp_async_wait_group<0>();  // M, K, scales
+        __syncthreads();  // B2: u, M, K and the scales published; every reader of ss, W and Q is done
         io.wq(t1, n1);
         cp_async_commit();
-        // 3. o += M u (the whole 64-token chunk: padding rows of M and u are zero).
+        // 3. o = e^G-scaled Q S (the q scale of each row, zero past n) + M u (the whole 64-token
+        // chunk: padding rows of M and u are zero).
+        const float sq[2] = {scs[4 * (r0 + g)], scs[4 * (r0 + g + 8)]};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) oa[nt][i] *= sq[i >> 1];
 #pragma unroll
         for (int kk = 0; kk < CH_C; kk += 8) {
             unsigned af[4], b[4];
@@ -1102,23 +1129,27 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
             ldsm_x4(b, ust + 4 * kk);
             mma_b2(oa, af, b);
         }
+        // Two adjacent columns a 4-byte store (the launcher requires out 4-byte aligned; dv even).
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int t = r0 + g + 8 * (i >> 1);
-                if (t < n) out[((long long)(t0 + t) * n_v_heads + h) * dv + j0 + c0 + 8 * nt + 2 * qq + (i & 1)] = from_f32(oa[nt][i]);
+            for (int half = 0; half < 2; ++half) {
+                const int t = r0 + g + 8 * half;
+                if (t < n)
+                    *(unsigned*)(out + ((long long)(t0 + t) * n_v_heads + h) * dv + j0 + c0 + 8 * nt + 2 * qq) =
+                        (unsigned)from_f32(oa[nt][2 * half]) | ((unsigned)from_f32(oa[nt][2 * half + 1]) << 16);
             }
         // 4. S = e^{G_last} S + (diag(e^{G_last - G}) K)^T u on this warp's state tiles: A(d, i)
-        // = sk_i k_i[d], read transposed from the K tile.
+        // = sk_i k_i[d], read transposed from the K tile (sk zero past n).
+        const float e_last = scs[2];
 #pragma unroll
         for (int e = 0; e < NS; ++e) sr[e] *= e_last;
 #pragma unroll
         for (int j = 0; j < CH_C / 8; ++j) {
             const store_t* kr = k0 + 8 * j * L::LQK;
-            const unsigned af[4] = {to_tf32(sk[j][0] * to_f32(kr[0])), to_tf32(sk[j][0] * to_f32(kr[8])),
-                                    to_tf32(sk[j][1] * to_f32(kr[4 * L::LQK])),
-                                    to_tf32(sk[j][1] * to_f32(kr[4 * L::LQK + 8]))};
+            const float sk0 = scs[4 * (8 * j + qq) + 1], sk1 = scs[4 * (8 * j + qq + 4) + 1];
+            const unsigned af[4] = {to_tf32(sk0 * to_f32(kr[0])), to_tf32(sk0 * to_f32(kr[8])),
+                                    to_tf32(sk1 * to_f32(kr[4 * L::LQK])), to_tf32(sk1 * to_f32(kr[4 * L::LQK + 8]))};
 #pragma unroll
             for (int p = 0; p < L::NTW / 2; ++p) {
                 unsigned b[4];
@@ -1127,7 +1158,6 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
                 mma1688(sr + 8 * p + 4, af, b[2], b[3]);
             }
         }
-        regs.sk_last(sk, e_last, t1, n1, qq);
         // The new state for the next chunk's step 1 (its readers finished before B2).
 #pragma unroll
         for (int e = 0; e < NS; ++e) {

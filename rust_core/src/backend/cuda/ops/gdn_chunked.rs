@@ -55,10 +55,11 @@ fn pipe_smem_bytes(dk: usize) -> usize {
 }
 
 /// Dynamic shared memory of an eight-warp scan block in bytes (`WideLayout` in gdn_chunked.cu):
-/// the state slice and u as the pipelined scan's, then the chunk's W rows (dk + 4 f32) and M
-/// rows (68 f32), and its raw q and k rows (dk + 8 storage elements each), one tile of each.
+/// the state slice and u as the pipelined scan's, then the chunk's W rows (dk + 4 f32), M rows
+/// (68 f32) and per-token scales (4 f32), and its raw q and k rows (dk + 8 storage elements
+/// each), one tile of each.
 fn wide_smem_bytes(dk: usize) -> usize {
-    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + CH_C * (dk + 4 + CH_C + 4))
+    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + CH_C * (dk + 4 + CH_C + 4 + 4))
         + 2 * 2 * CH_C * (dk + 8)
 }
 
@@ -88,7 +89,8 @@ pub enum ScanForm {
     Pipelined,
     /// `gdn_chunk_scan_wide_dk*`: the pipelined scan's products over 8 warps a block instead
     /// of 4 (each warp half of every product), its tiles copied by the whole block; the same
-    /// bits as `Pipelined`, sm_80+ (`Simt` below), with `Pipelined`'s alignment needs.
+    /// bits as `Pipelined`, sm_80+ (`Simt` below), with `Pipelined`'s alignment needs and a
+    /// 4-byte aligned output (`TensorCores` runs otherwise).
     Wide,
 }
 
@@ -365,7 +367,12 @@ impl CudaDevice {
         let aligned = (qp | kp | wp).is_multiple_of(16) && sh.qk_stride.is_multiple_of(8);
         let form = match form {
             ScanForm::Wide if self.compute_capability().0 < 8 => ScanForm::Simt,
-            ScanForm::Wide if !aligned || wide_smem_bytes(sh.dk) > self.smem_optin() => {
+            // (and it stores two output columns at a time)
+            ScanForm::Wide
+                if !aligned
+                    || !op.is_multiple_of(4)
+                    || wide_smem_bytes(sh.dk) > self.smem_optin() =>
+            {
                 ScanForm::TensorCores
             }
             ScanForm::Pipelined if !aligned || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
@@ -528,12 +535,12 @@ mod tests {
     /// The tensor-core prep's layout at dk 128 is 68,864 bytes: three blocks fit an sm_90 SM
     /// (the SIMT prep's 83,712 fit two), and it never needs more than the SIMT prep, so
     /// `has_gdn_chunked` (sized by the SIMT prep and the scan) covers it.
-    /// The eight-warp scan's layout at dk 128 is 111,616 bytes: two of its blocks fit an
+    /// The eight-warp scan's layout at dk 128 is 112,640 bytes: two of its blocks fit an
     /// sm_90 SM too (its launch bounds cap the registers at 128 for the same reason).
     #[test]
     fn eight_warp_scan_keeps_two_blocks_per_sm90_sm() {
-        assert_eq!(wide_smem_bytes(128), 111_616);
-        assert_eq!(wide_smem_bytes(64), 70_656);
+        assert_eq!(wide_smem_bytes(128), 112_640);
+        assert_eq!(wide_smem_bytes(64), 71_680);
         assert!(2 * (wide_smem_bytes(128) + 1024) <= 228 * 1024);
     }
 
