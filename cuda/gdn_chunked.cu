@@ -18,9 +18,10 @@
 //  - gdn_chunk_scan: one block per (32 value columns, value head, sequence) walks the chunks
 //    in order and only propagates the state: three dense products per chunk against the f32
 //    state slice (register-tiled 4x4 per thread), no substitution and nothing recomputed.
-//    Three forms: SIMT (gdn_chunk_scan_dk*), tensor cores (gdn_chunk_scan_tc_dk*, sm_80+) and
+//    Four forms: SIMT (gdn_chunk_scan_dk*), tensor cores (gdn_chunk_scan_tc_dk*, sm_80+),
 //    tensor cores with each warp's operands staged by cp.async a chunk ahead
-//    (gdn_chunk_scan_pipe_dk*, sm_80+, the default there; see scan_pipe_body).
+//    (gdn_chunk_scan_pipe_dk*, sm_80+; see scan_pipe_body) and the same products over 8 warps
+//    a block (gdn_chunk_scan_wide_dk*, sm_80+, the default there; see scan_wide_body).
 // Padding rows of a sequence's last chunk are zero in every operand: they change nothing.
 //
 // Workspace (f32, rows = n_tokens * n_v_heads, indexed by token so ragged sequences need no
@@ -927,18 +928,21 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
 // give the same bits (GPU test). The tiles are now shared by the warps that read them (the W,
 // Q and M rows by two warps, every K column's rows by all), so the block copies them together
 // into one tile each (16-byte cp.async, no per-warp slices), and block barriers publish them:
-// a chunk step's two barriers (B1 before step 1, B2 before step 3) also order the copies. M
-// and K are requested after B1 (every reader of the last chunk's passed it) and land during
-// step 1; W and Q of the next chunk after B2, landing during steps 3 and 4. Registers: 16
-// state entries a thread at DK 128 instead of 32, and half the accumulators, so two 8-warp
-// blocks fit an SM (launch bounds 256, 2: at most 128 registers); shared memory 109 KiB at
-// DK 128 (one K tile instead of four per-warp column slices with their padding).
+// a chunk step's two barriers (B1 before step 1, B2 before step 3) also order the copies. M,
+// K and the per-token scales are requested after B1 (every reader of the last chunk's passed
+// it) and land during step 1; W and Q of the next chunk after B2, landing during steps 3 and
+// 4 (the scales as a tile too: every warp reads all 64 tokens' k scales, which as register
+// loads were 17 global loads a thread a chunk). Registers: 16 state entries a thread at DK 128
+// instead of 32, and half the accumulators, so two 8-warp blocks fit an SM (launch bounds
+// 256, 2: at most 128 registers); shared memory 110 KiB at DK 128 (one K tile instead of four
+// per-warp column slices with their padding). 27B shape, 8k tokens: 0.758 ms against the
+// pipelined scan's 0.890 (docs/kernels.md).
 #define CHW_THREADS 256
 #define CHW_WARPS (CHW_THREADS / 32)
 
-// Tile strides (elements) and the shared-memory layout; gdn_chunked.rs wide_smem_bytes mirrors
-// it. Row strides of 4 mod 32 words keep the fragment reads conflict-free (the raw q / k rows:
-// DK + 8 storage elements, (DK + 8) / 2 words).
+// Tile strides (elements) and the shared-memory layout (state, u, W, M, scales in f32, then raw
+// q and k); gdn_chunked.rs wide_smem_bytes mirrors it. Row strides of 4 mod 32 words keep the
+// fragment reads conflict-free (the raw q / k rows: DK + 8 storage elements, (DK + 8) / 2 words).
 template <int DK>
 struct WideLayout {
     static constexpr int LST = DK + 4;   // transposed state rows (tf32 bits), one per value column
