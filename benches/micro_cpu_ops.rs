@@ -21,75 +21,39 @@ fn time<F: FnMut()>(iters: usize, mut f: F) -> f64 {
 }
 
 fn main() {
-    let threads = std::env::var("NINFER_BENCH_THREADS")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.unwrap_or(0))
-        .build()
-        .unwrap();
+    let threads = std::env::var("NINFER_BENCH_THREADS").ok().and_then(|s| s.parse().ok());
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads.unwrap_or(0)).build().unwrap();
     println!("threads: {}", pool.current_num_threads());
     pool.install(|| {
-        for &(m, k, n) in &[
-            (1usize, 512usize, 32000usize),
-            (1, 512, 1376),
-            (4, 512, 2752),
-            (8, 1376, 512),
-        ] {
+        for &(m, k, n) in &[(1usize, 512usize, 32000usize), (1, 512, 1376), (4, 512, 2752), (8, 1376, 512)] {
             let x = vec![0.5f32; m * k];
             let w = vec![0.25f32; n * k];
             let mut out = vec![0f32; m * n];
             let s = time(50, || linear(&x, m, k, &w, n, None, &mut out));
-            println!(
-                "gemv m={m} k={k} n={n}: {:.3} ms, {:.1} GB/s",
-                s * 1e3,
-                (n * k * 4) as f64 / s / 1e9
-            );
+            println!("gemv m={m} k={k} n={n}: {:.3} ms, {:.1} GB/s", s * 1e3, (n * k * 4) as f64 / s / 1e9);
         }
         for &(m, k, n) in &[(128usize, 512usize, 1376usize), (512, 512, 512)] {
             let x = vec![0.5f32; m * k];
             let w = vec![0.25f32; n * k];
             let mut out = vec![0f32; m * n];
             let s = time(10, || linear(&x, m, k, &w, n, None, &mut out));
-            println!(
-                "gemm m={m} k={k} n={n}: {:.3} ms, {:.1} GFLOP/s",
-                s * 1e3,
-                (2 * m * n * k) as f64 / s / 1e9
-            );
+            println!("gemm m={m} k={k} n={n}: {:.3} ms, {:.1} GFLOP/s", s * 1e3, (2 * m * n * k) as f64 / s / 1e9);
         }
     });
     let Some(dir) = std::env::var_os("NINFER_BENCH_MODEL").map(PathBuf::from) else {
         println!("set NINFER_BENCH_MODEL=<hf dir> for whole-model decode");
         return;
     };
-    let mut model = load_model(
-        &dir,
-        &LoadOptions {
-            device: "cpu".into(),
-            num_threads: threads,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut model = load_model(&dir, &LoadOptions { device: "cpu".into(), num_threads: threads, ..Default::default() }).unwrap();
     let bs = 16;
     let (prompt, steps) = (16usize, 64usize);
     for batch_size in [1usize, 8] {
         let per_seq = (prompt + steps).div_ceil(bs);
-        model
-            .allocate_caches(per_seq * batch_size, bs, batch_size)
-            .unwrap();
-        let tables: Vec<Vec<u32>> = (0..batch_size)
-            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
-            .collect();
+        model.allocate_caches(per_seq * batch_size, bs, batch_size).unwrap();
+        let tables: Vec<Vec<u32>> = (0..batch_size).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
         let prefill = StepBatch {
             seqs: (0..batch_size)
-                .map(|s| SeqChunk {
-                    tokens: (0..prompt as u32).map(|t| 3 + t + s as u32).collect(),
-                    start_pos: 0,
-                    block_table: tables[s].clone(),
-                    state_slot: s,
-                    logits: LogitsWanted::Last,
-                })
+                .map(|s| SeqChunk { tokens: (0..prompt as u32).map(|t| 3 + t + s as u32).collect(), start_pos: 0, block_table: tables[s].clone(), state_slot: s, logits: LogitsWanted::Last })
                 .collect(),
         };
         // The first forward also grows the workspace; time the second (same positions again).
@@ -101,13 +65,7 @@ fn main() {
         for i in 0..steps {
             let step = StepBatch {
                 seqs: (0..batch_size)
-                    .map(|s| SeqChunk {
-                        tokens: vec![5 + (i as u32 % 50)],
-                        start_pos: prompt + i,
-                        block_table: tables[s].clone(),
-                        state_slot: s,
-                        logits: LogitsWanted::Last,
-                    })
+                    .map(|s| SeqChunk { tokens: vec![5 + (i as u32 % 50)], start_pos: prompt + i, block_table: tables[s].clone(), state_slot: s, logits: LogitsWanted::Last })
                     .collect(),
             };
             model.forward(&step).unwrap();

@@ -34,11 +34,7 @@ pub enum NinferError {
 
     /// A tensor is present with a shape that does not match the config.
     #[error("tensor {name} has shape {got:?}, expected {expected:?} (from config.json)")]
-    TensorShape {
-        name: String,
-        expected: Vec<usize>,
-        got: Vec<usize>,
-    },
+    TensorShape { name: String, expected: Vec<usize>, got: Vec<usize> },
 
     /// A tensor has a dtype we cannot load.
     #[error("tensor {name} has dtype {dtype}, supported: F32, F16, BF16")]
@@ -46,10 +42,7 @@ pub enum NinferError {
 
     /// The checkpoint's architecture is not implemented.
     #[error("unsupported architecture {name}; supported: {}", supported.join(", "))]
-    UnsupportedArchitecture {
-        name: String,
-        supported: Vec<String>,
-    },
+    UnsupportedArchitecture { name: String, supported: Vec<String> },
 
     /// A config field (model config.json or engine config) is missing or out of range.
     #[error("invalid config field `{field}`: {reason}")]
@@ -73,20 +66,11 @@ pub enum NinferError {
 
     /// Prompt plus requested tokens exceed the context the engine was started with.
     #[error("prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the maximum context of {max_context} tokens")]
-    ContextOverflow {
-        prompt_tokens: usize,
-        max_tokens: usize,
-        max_context: usize,
-    },
+    ContextOverflow { prompt_tokens: usize, max_tokens: usize, max_context: usize },
 
     /// Memory planning found that something does not fit.
     #[error("out of memory planning {what}: needs {needed} B, available {available} B; {hint}")]
-    OutOfMemory {
-        what: String,
-        needed: u64,
-        available: u64,
-        hint: String,
-    },
+    OutOfMemory { what: String, needed: u64, available: u64, hint: String },
 
     /// A request id that the engine does not know or already has.
     #[error("request {0}: {1}")]
@@ -104,33 +88,21 @@ pub enum NinferError {
 impl NinferError {
     /// Shorthand for a config error.
     pub fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        NinferError::Config {
-            field: field.into(),
-            reason: reason.into(),
-        }
+        NinferError::Config { field: field.into(), reason: reason.into() }
     }
 
     /// Shorthand for an invalid request field.
     pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        NinferError::InvalidRequest {
-            field: field.into(),
-            reason: reason.into(),
-        }
+        NinferError::InvalidRequest { field: field.into(), reason: reason.into() }
     }
 
     /// Shorthand for an I/O error on a path.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        NinferError::Io {
-            path: path.into(),
-            source,
-        }
+        NinferError::Io { path: path.into(), source }
     }
 
     /// Shorthand for a malformed file.
     pub fn malformed(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
-        NinferError::MalformedFile {
-            path: path.into(),
-            reason: reason.into(),
-        }
+        NinferError::MalformedFile { path: path.into(), reason: reason.into() }
     }
 }

@@ -14,20 +14,14 @@ fn nvrtc_required() -> bool {
 /// .ci/compile-kernels keeps its NVRTC 13 pass to the arch whose code differs between 12 and 13).
 fn ci_arches() -> Vec<u32> {
     match std::env::var("NINFER_CI_ARCHES") {
-        Ok(list) if !list.trim().is_empty() => {
-            list.split(',')
-                .map(|a| {
-                    let a: u32 = a.trim().parse().unwrap_or_else(|_| {
-                        panic!("NINFER_CI_ARCHES: {a:?} is not an arch like 90")
-                    });
-                    assert!(
-                        CI_ARCHES.contains(&a),
-                        "NINFER_CI_ARCHES: {a} is not one of {CI_ARCHES:?}"
-                    );
-                    a
-                })
-                .collect()
-        }
+        Ok(list) if !list.trim().is_empty() => list
+            .split(',')
+            .map(|a| {
+                let a: u32 = a.trim().parse().unwrap_or_else(|_| panic!("NINFER_CI_ARCHES: {a:?} is not an arch like 90"));
+                assert!(CI_ARCHES.contains(&a), "NINFER_CI_ARCHES: {a} is not one of {CI_ARCHES:?}");
+                a
+            })
+            .collect(),
         _ => CI_ARCHES.to_vec(),
     }
 }
@@ -35,10 +29,7 @@ fn ci_arches() -> Vec<u32> {
 #[test]
 fn every_kernel_compiles_for_every_ci_arch() {
     if !nvrtc::nvrtc_available() {
-        assert!(
-            !nvrtc_required(),
-            "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found"
-        );
+        assert!(!nvrtc_required(), "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found");
         eprintln!("SKIP every_kernel_compiles_for_every_ci_arch: libnvrtc not found");
         return;
     }
@@ -59,10 +50,7 @@ fn every_kernel_compiles_for_every_ci_arch() {
                             let arch_name = nvrtc_arch(arch / 10, arch % 10);
                             match nvrtc::compile_cubin(family, &arch_name, storage) {
                                 Ok(cubin) if cubin.len() > 64 => compiled += 1,
-                                Ok(_) => failures.push(format!(
-                                    "{} {arch_name}: empty cubin",
-                                    family.file_name()
-                                )),
+                                Ok(_) => failures.push(format!("{} {arch_name}: empty cubin", family.file_name())),
                                 Err(e) => failures.push(e.to_string()),
                             }
                         }
@@ -71,91 +59,63 @@ fn every_kernel_compiles_for_every_ci_arch() {
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("compile thread panicked"))
-            .collect()
+        handles.into_iter().map(|h| h.join().expect("compile thread panicked")).collect()
     });
     if major >= 13 {
         eprintln!("NVRTC {major}.{minor} cannot target sm_70; CI uses NVRTC 12.x for it");
     }
     let compiled: usize = results.iter().map(|r| r.0).sum();
     let failures: Vec<String> = results.into_iter().flat_map(|r| r.1).collect();
-    assert!(
-        failures.is_empty(),
-        "{} compile failures:\n{}",
-        failures.len(),
-        failures.join("\n\n")
-    );
+    assert!(failures.is_empty(), "{} compile failures:\n{}", failures.len(), failures.join("\n\n"));
     eprintln!("compiled {compiled} (family, arch, storage) combinations");
 }
 
-#[path = "cuda_ops/decode_attention.rs"]
-mod decode_attention;
-#[path = "cuda_ops/gdn_gated.rs"]
-mod gdn_gated;
-#[path = "cuda_ops/gemv_add_rmsnorm.rs"]
-mod gemv_add_rmsnorm;
-#[path = "cuda_ops/gemv_chain.rs"]
-mod gemv_chain;
-#[path = "cuda_ops/gemv_qkv_rope.rs"]
-mod gemv_qkv_rope;
-#[path = "cuda_ops/gemv_tc.rs"]
-mod gemv_tc;
 #[path = "cuda_ops/harness.rs"]
 mod harness;
-#[path = "cuda_ops/logits_round.rs"]
-mod logits_round;
-#[path = "cuda_ops/prefill_vec.rs"]
-mod prefill_vec;
 #[path = "cuda_ops/reference.rs"]
 mod reference;
-#[path = "cuda_ops/rounding_points.rs"]
-mod rounding_points;
 #[path = "cuda_ops/sampling.rs"]
 mod sampling;
+#[path = "cuda_ops/gdn_gated.rs"]
+mod gdn_gated;
+#[path = "cuda_ops/gemv_tc.rs"]
+mod gemv_tc;
+#[path = "cuda_ops/gemv_add_rmsnorm.rs"]
+mod gemv_add_rmsnorm;
+#[path = "cuda_ops/rounding_points.rs"]
+mod rounding_points;
+#[path = "cuda_ops/logits_round.rs"]
+mod logits_round;
+#[path = "cuda_ops/decode_attention.rs"]
+mod decode_attention;
+#[path = "cuda_ops/gemv_qkv_rope.rs"]
+mod gemv_qkv_rope;
+#[path = "cuda_ops/gemv_chain.rs"]
+mod gemv_chain;
+#[path = "cuda_ops/prefill_vec.rs"]
+mod prefill_vec;
 
-use cudarc::driver::CudaSlice;
 use harness::*;
-use ninfer_core::backend::cuda::ops::{
-    decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm,
-    FlashTile, GemvForm, PagedAttentionShape, PrepForm, RecurrentShape, RopeKvShape, ScanForm,
-};
+use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};
+use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::CudaDevice;
 use ninfer_core::NinferError;
 
 #[test]
 fn embedding_gather_copies_rows_exactly() {
     for st in STORAGES {
-        let Some(dev) = gpu("embedding", st) else {
-            return;
-        };
+        let Some(dev) = gpu("embedding", st) else { return };
         let mut rng = Rng::new(1);
         for (vocab, hidden, n) in [(1000, 64, 5), (517, 100, 33), (4099, 2048, 1)] {
             let table = rounded(&rng.vec(vocab * hidden, -1.0, 1.0), st);
             let ids: Vec<i32> = (0..n).map(|_| rng.below(vocab) as i32).collect();
             let mut out = Out16::new(&dev, n * hidden);
-            dev.embedding(
-                &upload(&dev, &table),
-                &upload_raw(&dev, &ids),
-                &mut out.view(),
-                vocab,
-                hidden,
-            )
-            .unwrap();
+            dev.embedding(&upload(&dev, &table), &upload_raw(&dev, &ids), &mut out.view(), vocab, hidden)
+                .unwrap();
             let got = out.read(&dev, "embedding");
-            let want: Vec<f32> = ids
-                .iter()
-                .flat_map(|&i| table[i as usize * hidden..(i as usize + 1) * hidden].to_vec())
-                .collect();
-            check(
-                "embedding",
-                st,
-                &format!("v{vocab}xh{hidden}xt{n}"),
-                &got,
-                &want,
-                0.0,
-            );
+            let want: Vec<f32> =
+                ids.iter().flat_map(|&i| table[i as usize * hidden..(i as usize + 1) * hidden].to_vec()).collect();
+            check("embedding", st, &format!("v{vocab}xh{hidden}xt{n}"), &got, &want, 0.0);
         }
     }
 }
@@ -163,50 +123,20 @@ fn embedding_gather_copies_rows_exactly() {
 #[test]
 fn rmsnorm_matches_reference_for_both_weight_conventions_and_strides() {
     for st in STORAGES {
-        let Some(dev) = gpu("rmsnorm", st) else {
-            return;
-        };
+        let Some(dev) = gpu("rmsnorm", st) else { return };
         let mut rng = Rng::new(2);
         // Past 32768 (40000) some chunks are past the register cache and read twice; 1003 and the
         // stride 4100 take the scalar path (dim or rows not 16-byte aligned).
-        for (rows, dim, x_stride) in [
-            (1, 64, 64),
-            (7, 1000, 1000),
-            (33, 4096, 4096),
-            (12, 128, 384),
-            (1, 4096, 4096),
-            (3, 5120, 5120),
-            (2, 2048, 2048),
-            (5, 1003, 1003),
-            (4, 4096, 4100),
-            (2, 40000, 40000),
-        ] {
+        for (rows, dim, x_stride) in [(1, 64, 64), (7, 1000, 1000), (33, 4096, 4096), (12, 128, 384), (1, 4096, 4096), (3, 5120, 5120), (2, 2048, 2048), (5, 1003, 1003), (4, 4096, 4100), (2, 40000, 40000)] {
             for plus_one in [false, true] {
                 let x = rounded(&rng.vec(rows * x_stride, -2.0, 2.0), st);
                 let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
                 let mut out = Out16::new(&dev, rows * dim);
-                dev.rmsnorm(
-                    &upload(&dev, &x),
-                    &upload(&dev, &w),
-                    &mut out.view(),
-                    rows,
-                    dim,
-                    x_stride,
-                    dim,
-                    1e-6,
-                    plus_one,
-                )
-                .unwrap();
+                dev.rmsnorm(&upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, dim, x_stride, dim, 1e-6, plus_one)
+                    .unwrap();
                 let want = reference::rmsnorm(&x, &w, rows, dim, x_stride, 1e-6, plus_one);
                 let shape = format!("{rows}x{dim}/s{x_stride}/p{}", plus_one as u8);
-                check(
-                    "rmsnorm",
-                    st,
-                    &shape,
-                    &out.read(&dev, "rmsnorm"),
-                    &want,
-                    tol16(st),
-                );
+                check("rmsnorm", st, &shape, &out.read(&dev, "rmsnorm"), &want, tol16(st));
             }
         }
     }
@@ -217,40 +147,18 @@ fn rmsnorm_matches_reference_for_both_weight_conventions_and_strides() {
 #[test]
 fn rmsnorm_heads_normalises_every_head_of_every_row_in_place_of_the_projection() {
     for st in STORAGES {
-        let Some(dev) = gpu("rmsnorm_heads", st) else {
-            return;
-        };
+        let Some(dev) = gpu("rmsnorm_heads", st) else { return };
         let mut rng = Rng::new(5);
         for (rows, heads, dim, x_stride) in [(1, 8, 64, 512), (5, 4, 128, 1024), (3, 2, 256, 700)] {
             let x = rounded(&rng.vec(rows * x_stride, -2.0, 2.0), st);
             let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
             let mut out = Out16::new(&dev, rows * heads * dim);
-            dev.rmsnorm_heads(
-                &upload(&dev, &x),
-                &upload(&dev, &w),
-                &mut out.view(),
-                rows,
-                heads,
-                dim,
-                x_stride,
-                heads * dim,
-                1e-6,
-                true,
-            )
-            .unwrap();
+            dev.rmsnorm_heads(&upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, heads, dim, x_stride, heads * dim, 1e-6, true)
+                .unwrap();
             // The heads of a row as rows of their own: row (r, h) starts at r * x_stride + h * dim.
-            let per_head: Vec<f32> = (0..rows * heads)
-                .flat_map(|i| x[(i / heads) * x_stride + (i % heads) * dim..][..dim].to_vec())
-                .collect();
+            let per_head: Vec<f32> = (0..rows * heads).flat_map(|i| x[(i / heads) * x_stride + (i % heads) * dim..][..dim].to_vec()).collect();
             let want = reference::rmsnorm(&per_head, &w, rows * heads, dim, dim, 1e-6, true);
-            check(
-                "rmsnorm_heads",
-                st,
-                &format!("{rows}x{heads}x{dim}/s{x_stride}"),
-                &out.read(&dev, "rmsnorm_heads"),
-                &want,
-                tol16(st),
-            );
+            check("rmsnorm_heads", st, &format!("{rows}x{heads}x{dim}/s{x_stride}"), &out.read(&dev, "rmsnorm_heads"), &want, tol16(st));
         }
     }
 }
@@ -258,58 +166,22 @@ fn rmsnorm_heads_normalises_every_head_of_every_row_in_place_of_the_projection()
 #[test]
 fn add_rmsnorm_updates_residual_and_normalises_the_sum() {
     for st in STORAGES {
-        let Some(dev) = gpu("add_rmsnorm", st) else {
-            return;
-        };
+        let Some(dev) = gpu("add_rmsnorm", st) else { return };
         let mut rng = Rng::new(3);
-        for (rows, dim) in [
-            (1, 64),
-            (5, 2048),
-            (64, 1000),
-            (1, 4096),
-            (3, 5120),
-            (4, 1003),
-            (2, 40000),
-        ] {
+        for (rows, dim) in [(1, 64), (5, 2048), (64, 1000), (1, 4096), (3, 5120), (4, 1003), (2, 40000)] {
             for plus_one in [false, true] {
                 let res = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
                 let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
                 let w = rounded(&rng.vec(dim, -1.0, 1.0), st);
                 let mut residual = Out16::with(&dev, &res);
                 let mut out = Out16::new(&dev, rows * dim);
-                dev.add_rmsnorm(
-                    &mut residual.view(),
-                    &upload(&dev, &x),
-                    &upload(&dev, &w),
-                    &mut out.view(),
-                    rows,
-                    dim,
-                    1e-6,
-                    plus_one,
-                )
-                .unwrap();
-                let sum: Vec<f32> = rounded(
-                    &res.iter().zip(&x).map(|(a, b)| a + b).collect::<Vec<_>>(),
-                    st,
-                );
+                dev.add_rmsnorm(&mut residual.view(), &upload(&dev, &x), &upload(&dev, &w), &mut out.view(), rows, dim, 1e-6, plus_one)
+                    .unwrap();
+                let sum: Vec<f32> = rounded(&res.iter().zip(&x).map(|(a, b)| a + b).collect::<Vec<_>>(), st);
                 let want = reference::rmsnorm(&sum, &w, rows, dim, dim, 1e-6, plus_one);
                 let shape = format!("{rows}x{dim}/p{}", plus_one as u8);
-                check(
-                    "add_rmsnorm.residual",
-                    st,
-                    &shape,
-                    &residual.read(&dev, "residual"),
-                    &sum,
-                    tol16(st),
-                );
-                check(
-                    "add_rmsnorm.out",
-                    st,
-                    &shape,
-                    &out.read(&dev, "add_rmsnorm"),
-                    &want,
-                    tol16(st),
-                );
+                check("add_rmsnorm.residual", st, &shape, &residual.read(&dev, "residual"), &sum, tol16(st));
+                check("add_rmsnorm.out", st, &shape, &out.read(&dev, "add_rmsnorm"), &want, tol16(st));
             }
         }
     }
@@ -321,9 +193,7 @@ fn add_rmsnorm_updates_residual_and_normalises_the_sum() {
 #[test]
 fn rmsnorm_rows_are_bitwise_independent_of_batch_and_alignment() {
     for st in STORAGES {
-        let Some(dev) = gpu("rmsnorm_bitwise", st) else {
-            return;
-        };
+        let Some(dev) = gpu("rmsnorm_bitwise", st) else { return };
         let mut rng = Rng::new(21);
         let rows = 8;
         for dim in [4096, 5120, 2048, 128, 1003, 40000] {
@@ -331,82 +201,26 @@ fn rmsnorm_rows_are_bitwise_independent_of_batch_and_alignment() {
             let res = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
             let w = upload(&dev, &rounded(&rng.vec(dim, -1.0, 1.0), st));
             let mut norm = Out16::new(&dev, rows * dim);
-            dev.rmsnorm(
-                &upload(&dev, &x),
-                &w,
-                &mut norm.view(),
-                rows,
-                dim,
-                dim,
-                dim,
-                1e-6,
-                false,
-            )
-            .unwrap();
+            dev.rmsnorm(&upload(&dev, &x), &w, &mut norm.view(), rows, dim, dim, dim, 1e-6, false).unwrap();
             let norm = norm.read(&dev, "rmsnorm batch");
             let mut residual = Out16::with(&dev, &res);
             let mut added = Out16::new(&dev, rows * dim);
-            dev.add_rmsnorm(
-                &mut residual.view(),
-                &upload(&dev, &x),
-                &w,
-                &mut added.view(),
-                rows,
-                dim,
-                1e-6,
-                true,
-            )
-            .unwrap();
+            dev.add_rmsnorm(&mut residual.view(), &upload(&dev, &x), &w, &mut added.view(), rows, dim, 1e-6, true).unwrap();
             let added = added.read(&dev, "add_rmsnorm batch");
             let residual = residual.read(&dev, "add_rmsnorm residual batch");
             for r in [0, 5] {
                 let row = r * dim..(r + 1) * dim;
-                let shifted: Vec<f32> = std::iter::once(0.0)
-                    .chain(x[row.clone()].iter().copied())
-                    .collect();
+                let shifted: Vec<f32> = std::iter::once(0.0).chain(x[row.clone()].iter().copied()).collect();
                 let shifted = upload(&dev, &shifted);
                 let mut alone = Out16::new(&dev, dim);
-                dev.rmsnorm(
-                    &shifted.slice(1..),
-                    &w,
-                    &mut alone.view(),
-                    1,
-                    dim,
-                    dim,
-                    dim,
-                    1e-6,
-                    false,
-                )
-                .unwrap();
+                dev.rmsnorm(&shifted.slice(1..), &w, &mut alone.view(), 1, dim, dim, dim, 1e-6, false).unwrap();
                 let what = format!("{st:?} dim {dim} row {r}");
-                assert_bitwise(
-                    &alone.read(&dev, "rmsnorm alone"),
-                    &norm[row.clone()],
-                    &format!("rmsnorm {what}"),
-                );
+                assert_bitwise(&alone.read(&dev, "rmsnorm alone"), &norm[row.clone()], &format!("rmsnorm {what}"));
                 let mut res_alone = Out16::with(&dev, &res[row.clone()]);
                 let mut alone = Out16::new(&dev, dim);
-                dev.add_rmsnorm(
-                    &mut res_alone.view(),
-                    &shifted.slice(1..),
-                    &w,
-                    &mut alone.view(),
-                    1,
-                    dim,
-                    1e-6,
-                    true,
-                )
-                .unwrap();
-                assert_bitwise(
-                    &alone.read(&dev, "add_rmsnorm alone"),
-                    &added[row.clone()],
-                    &format!("add_rmsnorm {what}"),
-                );
-                assert_bitwise(
-                    &res_alone.read(&dev, "residual alone"),
-                    &residual[row.clone()],
-                    &format!("add_rmsnorm residual {what}"),
-                );
+                dev.add_rmsnorm(&mut res_alone.view(), &shifted.slice(1..), &w, &mut alone.view(), 1, dim, 1e-6, true).unwrap();
+                assert_bitwise(&alone.read(&dev, "add_rmsnorm alone"), &added[row.clone()], &format!("add_rmsnorm {what}"));
+                assert_bitwise(&res_alone.read(&dev, "residual alone"), &residual[row.clone()], &format!("add_rmsnorm residual {what}"));
             }
         }
     }
@@ -422,72 +236,30 @@ fn assert_bitwise(got: &[f32], want: &[f32], what: &str) {
 #[test]
 fn gated_rmsnorm_multiplies_by_silu_of_the_gate() {
     for st in STORAGES {
-        let Some(dev) = gpu("rmsnorm_gated", st) else {
-            return;
-        };
+        let Some(dev) = gpu("rmsnorm_gated", st) else { return };
         let mut rng = Rng::new(4);
         // (tokens, heads, dim, z row stride): contiguous z, and z as a column range of wider
         // rows (the fused GDN input projection: the kernel must skip the other columns).
         // dim 80: the block-per-row kernel (not whole warps); 700 x 48: a prefill's rows, more
         // than one wave of the warp-per-row kernels' grid; 32, 96, 256: one, three and eight
         // warps' parts; an odd row count (9, 15): a pair's second row past the end.
-        for (tokens, heads, dim, z_stride) in [
-            (1, 1, 128, 128),
-            (3, 8, 128, 1024),
-            (9, 1, 64, 64),
-            (5, 6, 128, 6 * 128 + 40),
-            (1, 48, 128, 16480),
-            (4, 3, 80, 240),
-            (700, 48, 128, 16480),
-            (37, 2, 256, 520),
-            (5, 3, 96, 300),
-            (7, 1, 32, 32),
-        ] {
+        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (3, 8, 128, 1024), (9, 1, 64, 64), (5, 6, 128, 6 * 128 + 40), (1, 48, 128, 16480), (4, 3, 80, 240), (700, 48, 128, 16480), (37, 2, 256, 520), (5, 3, 96, 300), (7, 1, 32, 32)] {
             let rows = tokens * heads;
             let x = rounded(&rng.vec(rows * dim, -2.0, 2.0), st);
-            let z_wide = rounded(
-                &rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0),
-                st,
-            );
-            let z: Vec<f32> = (0..tokens)
-                .flat_map(|t| z_wide[t * z_stride..t * z_stride + heads * dim].to_vec())
-                .collect();
+            let z_wide = rounded(&rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0), st);
+            let z: Vec<f32> = (0..tokens).flat_map(|t| z_wide[t * z_stride..t * z_stride + heads * dim].to_vec()).collect();
             let w = rounded(&rng.vec(dim, 0.5, 1.5), st);
             let mut out = Out16::new(&dev, rows * dim);
-            dev.rmsnorm_gated(
-                &upload(&dev, &x),
-                &upload(&dev, &z_wide),
-                z_stride,
-                &upload(&dev, &w),
-                &mut out.view(),
-                tokens,
-                heads,
-                dim,
-                1e-6,
-            )
-            .unwrap();
+            dev.rmsnorm_gated(&upload(&dev, &x), &upload(&dev, &z_wide), z_stride, &upload(&dev, &w), &mut out.view(), tokens, heads, dim, 1e-6)
+                .unwrap();
             let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, 1e-6);
-            check(
-                "rmsnorm_gated",
-                st,
-                &format!("{tokens}x{heads}x{dim}/zs{z_stride}"),
-                &out.read(&dev, "rmsnorm_gated"),
-                &want,
-                tol16(st),
-            );
+            check("rmsnorm_gated", st, &format!("{tokens}x{heads}x{dim}/zs{z_stride}"), &out.read(&dev, "rmsnorm_gated"), &want, tol16(st));
         }
         // A z row stride shorter than a token's heads would make tokens overlap: a typed error.
-        let (x, z, w) = (
-            upload(&dev, &[0.5; 2 * 64]),
-            upload(&dev, &[0.5; 2 * 64]),
-            upload(&dev, &[1.0; 64]),
-        );
+        let (x, z, w) = (upload(&dev, &[0.5; 2 * 64]), upload(&dev, &[0.5; 2 * 64]), upload(&dev, &[1.0; 64]));
         let mut out = Out16::new(&dev, 2 * 64);
         let short = dev.rmsnorm_gated(&x, &z, 32, &w, &mut out.view(), 2, 1, 64, 1e-6);
-        assert!(
-            matches!(short, Err(NinferError::Device(ref m)) if m.contains("stride 32")),
-            "{short:?}"
-        );
+        assert!(matches!(short, Err(NinferError::Device(ref m)) if m.contains("stride 32")), "{short:?}");
     }
 }
 
@@ -497,20 +269,11 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
         let Some(dev) = gpu("rope", st) else { return };
         let mut rng = Rng::new(5);
         // (tokens, q heads, kv heads, head_dim, rotary_dim, fused qkv layout)
-        for (t, hq, hk, d, rot, fused) in [
-            (1, 8, 2, 128, 128, false),
-            (5, 4, 4, 64, 64, true),
-            (37, 16, 2, 256, 64, true),
-            (3, 2, 1, 128, 32, false),
-            (1, 32, 8, 128, 128, true),
-            (2, 40, 8, 128, 128, false),
-            (3000, 4, 2, 128, 128, true),
-            (2500, 24, 4, 256, 64, false),
-        ] {
+        for (t, hq, hk, d, rot, fused) in
+            [(1, 8, 2, 128, 128, false), (5, 4, 4, 64, 64, true), (37, 16, 2, 256, 64, true), (3, 2, 1, 128, 32, false), (1, 32, 8, 128, 128, true), (2, 40, 8, 128, 128, false), (3000, 4, 2, 128, 128, true), (2500, 24, 4, 256, 64, false)]
+        {
             let theta: f32 = 1_000_000.0;
-            let inv_freq: Vec<f32> = (0..rot / 2)
-                .map(|i| theta.powf(-(2.0 * i as f32) / rot as f32))
-                .collect();
+            let inv_freq: Vec<f32> = (0..rot / 2).map(|i| theta.powf(-(2.0 * i as f32) / rot as f32)).collect();
             let positions: Vec<i32> = (0..t).map(|_| rng.below(8000) as i32).collect();
             let (qw, kw) = (hq * d, hk * d);
             let stride = if fused { qw + 2 * kw } else { 0 };
@@ -519,38 +282,13 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
             let mut k_host = rounded(&rng.vec(t * k_stride.max(kw), -1.0, 1.0), st);
             let mut q = Out16::with(&dev, &q_host);
             let mut k = Out16::with(&dev, &k_host);
-            dev.rope_neox(
-                &mut q.view(),
-                &mut k.view(),
-                &upload_raw(&dev, &positions),
-                &upload_raw(&dev, &inv_freq),
-                hq,
-                hk,
-                d,
-                q_stride,
-                k_stride,
-                1.0,
-            )
-            .unwrap();
+            dev.rope_neox(&mut q.view(), &mut k.view(), &upload_raw(&dev, &positions), &upload_raw(&dev, &inv_freq), hq, hk, d, q_stride, k_stride, 1.0)
+                .unwrap();
             reference::rope(&mut q_host, &positions, q_stride, hq, d, &inv_freq, 1.0);
             reference::rope(&mut k_host, &positions, k_stride, hk, d, &inv_freq, 1.0);
             let shape = format!("t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/fused{}", fused as u8);
-            check(
-                "rope.q",
-                st,
-                &shape,
-                &q.read(&dev, "rope q"),
-                &q_host,
-                tol16(st),
-            );
-            check(
-                "rope.k",
-                st,
-                &shape,
-                &k.read(&dev, "rope k"),
-                &k_host,
-                tol16(st),
-            );
+            check("rope.q", st, &shape, &q.read(&dev, "rope q"), &q_host, tol16(st));
+            check("rope.k", st, &shape, &k.read(&dev, "rope k"), &k_host, tol16(st));
         }
     }
 }
@@ -561,46 +299,21 @@ fn rope_rotates_full_and_partial_heads_at_per_token_positions() {
 /// it reads and writes. A block per (token, head) took ~10x at the 8B shape (block scheduling).
 #[test]
 fn rope_prefill_timing_against_a_copy_of_its_bytes() {
-    let Some(dev) = gpu("rope timing", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("rope timing", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
-    for (name, t, hq, hk, d, rot) in [
-        ("llama-3-8b", 2048, 32, 8, 128, 128),
-        ("qwen3_5-27b", 8192, 24, 4, 256, 64),
-    ] {
+    for (name, t, hq, hk, d, rot) in [("llama-3-8b", 2048, 32, 8, 128, 128), ("qwen3_5-27b", 8192, 24, 4, 256, 64)] {
         let width = (hq + 2 * hk) * d;
-        let inv_freq: Vec<f32> = (0..rot / 2)
-            .map(|i| 10_000f32.powf(-(2.0 * i as f32) / rot as f32))
-            .collect();
+        let inv_freq: Vec<f32> = (0..rot / 2).map(|i| 10_000f32.powf(-(2.0 * i as f32) / rot as f32)).collect();
         let positions: Vec<i32> = (0..t as i32).collect();
         let (pos_dev, freq_dev) = (upload_raw(&dev, &positions), upload_raw(&dev, &inv_freq));
         let mut qkv = s.alloc_zeros::<u16>(t * width).unwrap();
         let mut dummy = s.alloc_zeros::<u16>(1).unwrap();
         let ms = time_ms(&dev, 20, || {
-            dev.rope_neox(
-                &mut qkv,
-                &mut dummy,
-                &pos_dev,
-                &freq_dev,
-                hq + hk,
-                0,
-                d,
-                width,
-                0,
-                1.0,
-            )
-            .unwrap()
+            dev.rope_neox(&mut qkv, &mut dummy, &pos_dev, &freq_dev, hq + hk, 0, d, width, 0, 1.0).unwrap()
         });
         // Bytes touched: the rotated elements of every q and k head, read and written.
         let moved = 2 * t * (hq + hk) * rot * 2;
-        assert_copy_pace(
-            &dev,
-            &format!("rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}"),
-            ms,
-            moved,
-            3.0,
-        );
+        assert_copy_pace(&dev, &format!("rope_neox {name} t{t} hq{hq} hk{hk} d{d} rot{rot}"), ms, moved, 3.0);
     }
 }
 
@@ -610,9 +323,7 @@ fn rope_prefill_timing_against_a_copy_of_its_bytes() {
 /// warp per row with 2-byte loads 2.67x (195.8 us), the 16-byte form 2.18x (159.6 us, H200).
 #[test]
 fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
-    let Some(dev) = gpu("rmsnorm_gated timing", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("rmsnorm_gated timing", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
     let (t, heads, dim) = (8192, 48, 128);
     let z_stride = 2 * heads * dim + 2 * 16 * dim;
@@ -620,18 +331,9 @@ fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
     let z = s.alloc_zeros::<u16>(t * z_stride).unwrap();
     let w = s.alloc_zeros::<u16>(dim).unwrap();
     let mut out = s.alloc_zeros::<u16>(t * heads * dim).unwrap();
-    let ms = time_ms(&dev, 20, || {
-        dev.rmsnorm_gated(&x, &z, z_stride, &w, &mut out, t, heads, dim, 1e-6)
-            .unwrap()
-    });
+    let ms = time_ms(&dev, 20, || dev.rmsnorm_gated(&x, &z, z_stride, &w, &mut out, t, heads, dim, 1e-6).unwrap());
     let moved = 3 * t * heads * dim * 2;
-    assert_copy_pace(
-        &dev,
-        &format!("rmsnorm_gated t{t} heads{heads} dim{dim}"),
-        ms,
-        moved,
-        2.5,
-    );
+    assert_copy_pace(&dev, &format!("rmsnorm_gated t{t} heads{heads} dim{dim}"), ms, moved, 2.5);
 }
 
 /// The tiled prefill conv moves its bytes at a copy's pace: at the Qwen3.5-27B shape (8k tokens
@@ -640,38 +342,18 @@ fn rmsnorm_gated_prefill_timing_against_a_copy_of_its_bytes() {
 /// (226.2 us) on the H200; a form with 8 channels a thread and 16-byte loads took 4.6x (378 us).
 #[test]
 fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
-    let Some(dev) = gpu("conv1d timing", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("conv1d timing", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
     let (t, c, stride, k) = (8192, 10240, 16480, 4);
     let x = s.alloc_zeros::<u16>(t * stride).unwrap();
     let mut state = s.alloc_zeros::<u16>(2 * c * (k - 1)).unwrap();
     let w = s.alloc_zeros::<u16>(c * k).unwrap();
-    let (cu, slots) = (
-        upload_raw(&dev, &[0i32, t as i32]),
-        upload_raw(&dev, &[0i32]),
-    );
+    let (cu, slots) = (upload_raw(&dev, &[0i32, t as i32]), upload_raw(&dev, &[0i32]));
     let mut out = s.alloc_zeros::<u16>(t * c).unwrap();
-    let shape = ConvShape {
-        n_tokens: t,
-        channels: c,
-        x_stride: stride,
-        kernel_size: k,
-        n_slots: 2,
-    };
-    let ms = time_ms(&dev, 20, || {
-        dev.causal_conv1d(&x, &mut state, &w, None, &cu, &slots, &mut out, &shape)
-            .unwrap()
-    });
+    let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots: 2 };
+    let ms = time_ms(&dev, 20, || dev.causal_conv1d(&x, &mut state, &w, None, &cu, &slots, &mut out, &shape).unwrap());
     let moved = 2 * t * c * 2;
-    assert_copy_pace(
-        &dev,
-        &format!("causal_conv1d t{t} channels{c} k{k} (tiled + state)"),
-        ms,
-        moved,
-        3.0,
-    );
+    assert_copy_pace(&dev, &format!("causal_conv1d t{t} channels{c} k{k} (tiled + state)"), ms, moved, 3.0);
 }
 
 /// The residual add + RMSNorm of a prefill at the Qwen3.5-27B shape (8k rows of 5120) and the
@@ -682,27 +364,16 @@ fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
 /// like the other prefill kernels.
 #[test]
 fn add_rmsnorm_prefill_timing_against_a_copy_of_its_bytes() {
-    let Some(dev) = gpu("add_rmsnorm timing", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("add_rmsnorm timing", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
     for (name, rows, dim) in [("qwen3_5-27b", 8192, 5120), ("llama-3-8b", 8192, 4096)] {
         let mut residual = s.alloc_zeros::<u16>(rows * dim).unwrap();
         let x = s.alloc_zeros::<u16>(rows * dim).unwrap();
         let w = s.alloc_zeros::<u16>(dim).unwrap();
         let mut out = s.alloc_zeros::<u16>(rows * dim).unwrap();
-        let ms = time_ms(&dev, 20, || {
-            dev.add_rmsnorm(&mut residual, &x, &w, &mut out, rows, dim, 1e-6, false)
-                .unwrap()
-        });
+        let ms = time_ms(&dev, 20, || dev.add_rmsnorm(&mut residual, &x, &w, &mut out, rows, dim, 1e-6, false).unwrap());
         let moved = 4 * rows * dim * 2;
-        assert_copy_pace(
-            &dev,
-            &format!("add_rmsnorm {name} rows{rows} dim{dim}"),
-            ms,
-            moved,
-            3.0,
-        );
+        assert_copy_pace(&dev, &format!("add_rmsnorm {name} rows{rows} dim{dim}"), ms, moved, 3.0);
     }
 }
 
@@ -717,41 +388,16 @@ fn swiglu_and_sigmoid_gate_match_reference() {
             let gu = rounded(&rng.vec(rows * 2 * n, -4.0, 4.0), st);
             let gu_dev = upload(&dev, &gu);
             let mut out = Out16::new(&dev, rows * n);
-            dev.swiglu(
-                &gu_dev,
-                &gu_dev.slice(n..),
-                &mut out.view(),
-                rows,
-                n,
-                2 * n,
-                2 * n,
-            )
-            .unwrap();
+            dev.swiglu(&gu_dev, &gu_dev.slice(n..), &mut out.view(), rows, n, 2 * n, 2 * n).unwrap();
             let want = reference::swiglu(&gu, rows, n);
-            check(
-                "swiglu",
-                st,
-                &format!("{rows}x{n}"),
-                &out.read(&dev, "swiglu"),
-                &want,
-                tol16(st),
-            );
+            check("swiglu", st, &format!("{rows}x{n}"), &out.read(&dev, "swiglu"), &want, tol16(st));
 
             let x = rounded(&rng.vec(rows * n, -2.0, 2.0), st);
             let mut xo = Out16::with(&dev, &x);
-            dev.sigmoid_gate_mul(&mut xo.view(), &gu_dev, rows, n, 2 * n)
-                .unwrap();
-            let want: Vec<f32> = (0..rows * n)
-                .map(|e| x[e] * reference::sigmoid(gu[(e / n) * 2 * n + e % n]))
-                .collect();
-            check(
-                "sigmoid_gate_mul",
-                st,
-                &format!("{rows}x{n}"),
-                &xo.read(&dev, "gate"),
-                &want,
-                tol16(st),
-            );
+            dev.sigmoid_gate_mul(&mut xo.view(), &gu_dev, rows, n, 2 * n).unwrap();
+            let want: Vec<f32> =
+                (0..rows * n).map(|e| x[e] * reference::sigmoid(gu[(e / n) * 2 * n + e % n])).collect();
+            check("sigmoid_gate_mul", st, &format!("{rows}x{n}"), &xo.read(&dev, "gate"), &want, tol16(st));
         }
     }
 }
@@ -762,9 +408,7 @@ fn swiglu_and_sigmoid_gate_match_reference() {
 #[test]
 fn swiglu_and_sigmoid_gate_chunked_equal_scalar_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("swiglu chunked vs scalar", st) else {
-            return;
-        };
+        let Some(dev) = gpu("swiglu chunked vs scalar", st) else { return };
         let mut rng = Rng::new(61);
         let (rows, n) = (33, 2048);
         let gu = rounded(&rng.vec(rows * 2 * n, -6.0, 6.0), st);
@@ -772,45 +416,17 @@ fn swiglu_and_sigmoid_gate_chunked_equal_scalar_bitwise() {
         let (aligned, skewed) = (upload(&dev, &gu), upload(&dev, &shifted));
         let skewed = skewed.slice(1..);
         let mut a = Out16::new(&dev, rows * n);
-        dev.swiglu(
-            &aligned,
-            &aligned.slice(n..),
-            &mut a.view(),
-            rows,
-            n,
-            2 * n,
-            2 * n,
-        )
-        .unwrap();
+        dev.swiglu(&aligned, &aligned.slice(n..), &mut a.view(), rows, n, 2 * n, 2 * n).unwrap();
         let mut b = Out16::new(&dev, rows * n);
-        dev.swiglu(
-            &skewed,
-            &skewed.slice(n..),
-            &mut b.view(),
-            rows,
-            n,
-            2 * n,
-            2 * n,
-        )
-        .unwrap();
-        assert_bitwise(
-            &a.read(&dev, "swiglu chunked"),
-            &b.read(&dev, "swiglu scalar"),
-            &format!("swiglu {st:?}"),
-        );
+        dev.swiglu(&skewed, &skewed.slice(n..), &mut b.view(), rows, n, 2 * n, 2 * n).unwrap();
+        assert_bitwise(&a.read(&dev, "swiglu chunked"), &b.read(&dev, "swiglu scalar"), &format!("swiglu {st:?}"));
 
         let x = rounded(&rng.vec(rows * n, -3.0, 3.0), st);
         let mut xa = Out16::with(&dev, &x);
-        dev.sigmoid_gate_mul(&mut xa.view(), &aligned, rows, n, 2 * n)
-            .unwrap();
+        dev.sigmoid_gate_mul(&mut xa.view(), &aligned, rows, n, 2 * n).unwrap();
         let mut xb = Out16::with(&dev, &x);
-        dev.sigmoid_gate_mul(&mut xb.view(), &skewed, rows, n, 2 * n)
-            .unwrap();
-        assert_bitwise(
-            &xa.read(&dev, "gate chunked"),
-            &xb.read(&dev, "gate scalar"),
-            &format!("sigmoid_gate_mul {st:?}"),
-        );
+        dev.sigmoid_gate_mul(&mut xb.view(), &skewed, rows, n, 2 * n).unwrap();
+        assert_bitwise(&xa.read(&dev, "gate chunked"), &xb.read(&dev, "gate scalar"), &format!("sigmoid_gate_mul {st:?}"));
     }
 }
 
@@ -819,13 +435,7 @@ fn gemv_matches_reference_for_small_m_in_both_output_types() {
     for st in STORAGES {
         let Some(dev) = gpu("gemv", st) else { return };
         let mut rng = Rng::new(7);
-        for (m, n, k) in [
-            (1, 1, 64),
-            (1, 4096, 1024),
-            (3, 1000, 2056),
-            (8, 257, 512),
-            (11, 300, 4096),
-        ] {
+        for (m, n, k) in [(1, 1, 64), (1, 4096, 1024), (3, 1000, 2056), (8, 257, 512), (11, 300, 4096)] {
             let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
             let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
             let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
@@ -835,16 +445,8 @@ fn gemv_matches_reference_for_small_m_in_both_output_types() {
             dev.gemv(&xd, &wd, &mut y.view(), m, n, k).unwrap();
             check("gemv", st, &shape, &y.read(&dev, "gemv"), &want, tol16(st));
             let mut y32 = Out32::new(&dev, m * n);
-            dev.gemv_f32_out(&xd, &wd, &mut y32.view(), m, n, k)
-                .unwrap();
-            check(
-                "gemv_f32out",
-                st,
-                &shape,
-                &y32.read(&dev, "gemv f32"),
-                &want,
-                TOL32,
-            );
+            dev.gemv_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
+            check("gemv_f32out", st, &shape, &y32.read(&dev, "gemv f32"), &want, TOL32);
         }
     }
 }
@@ -858,17 +460,9 @@ fn linear_routes_by_m_and_matches_reference() {
             let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
             let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
             let mut y = Out16::new(&dev, m * n);
-            dev.linear(&upload(&dev, &x), &upload(&dev, &w), &mut y.view(), m, n, k)
-                .unwrap();
+            dev.linear(&upload(&dev, &x), &upload(&dev, &w), &mut y.view(), m, n, k).unwrap();
             let want = reference::matmul_nt(&x, &w, m, n, k);
-            check(
-                "linear",
-                st,
-                &format!("m{m}n{n}k{k}"),
-                &y.read(&dev, "linear"),
-                &want,
-                tol16(st),
-            );
+            check("linear", st, &format!("m{m}n{n}k{k}"), &y.read(&dev, "linear"), &want, tol16(st));
         }
     }
 }
@@ -880,9 +474,7 @@ fn linear_routes_by_m_and_matches_reference() {
 #[test]
 fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("gemv_rows", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gemv_rows", st) else { return };
         let mut rng = Rng::new(23);
         let (n, k) = (333, 4096 + 8);
         let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
@@ -891,37 +483,21 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
                 let x = rounded(&rng.vec(m * k, -2.0, 2.0), st);
                 let xd = upload(&dev, &x);
                 let mut y = Out16::new(&dev, m * n);
-                dev.gemv_with(form, &xd, &w, &mut y.view(), m, n, k)
-                    .unwrap();
+                dev.gemv_with(form, &xd, &w, &mut y.view(), m, n, k).unwrap();
                 let mut y32 = Out32::new(&dev, m * n);
-                dev.gemv_f32_out_with(form, &xd, &w, &mut y32.view(), m, n, k)
-                    .unwrap();
+                dev.gemv_f32_out_with(form, &xd, &w, &mut y32.view(), m, n, k).unwrap();
                 let (many, many32) = (y.read(&dev, "gemv rows"), y32.read(&dev, "gemv rows f32"));
                 for r in 0..m {
                     let xr = upload(&dev, &x[r * k..(r + 1) * k]);
                     let mut one = Out16::new(&dev, n);
-                    dev.gemv_with(form, &xr, &w, &mut one.view(), 1, n, k)
-                        .unwrap();
+                    dev.gemv_with(form, &xr, &w, &mut one.view(), 1, n, k).unwrap();
                     let mut one32 = Out32::new(&dev, n);
-                    dev.gemv_f32_out_with(form, &xr, &w, &mut one32.view(), 1, n, k)
-                        .unwrap();
-                    let (one, one32) =
-                        (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
+                    dev.gemv_f32_out_with(form, &xr, &w, &mut one32.view(), 1, n, k).unwrap();
+                    let (one, one32) = (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
                     let row = &many[r * n..(r + 1) * n];
                     let row32 = &many32[r * n..(r + 1) * n];
-                    assert!(
-                        row.iter()
-                            .zip(&one)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{st:?} {form:?} m={m} row {r}: storage output differs from M=1"
-                    );
-                    assert!(
-                        row32
-                            .iter()
-                            .zip(&one32)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{st:?} {form:?} m={m} row {r}: f32 output differs from M=1"
-                    );
+                    assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} m={m} row {r}: storage output differs from M=1");
+                    assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} m={m} row {r}: f32 output differs from M=1");
                 }
             }
         }
@@ -947,9 +523,7 @@ fn invariant_gemv_forms(dev: &CudaDevice) -> Vec<GemvForm> {
 #[test]
 fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("gemv_gateup_swiglu", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gemv_gateup_swiglu", st) else { return };
         let mut rng = Rng::new(29);
         for (inter, k) in [(333, 1000), (37, 8), (1027, 4096)] {
             let s = 3.0 / (k as f32).sqrt();
@@ -960,58 +534,26 @@ fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
                 let xd = upload(&dev, &x);
                 let shape = format!("m{m}inter{inter}k{k}");
                 let mut fused = Out16::new(&dev, m * inter);
-                dev.gemv_gateup_swiglu(&xd, &wd, &mut fused.view(), m, inter, k)
-                    .unwrap();
+                dev.gemv_gateup_swiglu(&xd, &wd, &mut fused.view(), m, inter, k).unwrap();
                 let fused = fused.read(&dev, "gemv_gateup_swiglu");
                 let mut gu = Out16::new(&dev, m * 2 * inter);
                 dev.gemv(&xd, &wd, &mut gu.view(), m, 2 * inter, k).unwrap();
                 let gu_host = gu.read(&dev, "gate_up gemv");
                 let gud = upload(&dev, &gu_host);
                 let mut act = Out16::new(&dev, m * inter);
-                dev.swiglu(
-                    &gud,
-                    &gud.slice(inter..),
-                    &mut act.view(),
-                    m,
-                    inter,
-                    2 * inter,
-                    2 * inter,
-                )
-                .unwrap();
-                assert_bitwise(
-                    &fused,
-                    &act.read(&dev, "swiglu"),
-                    &format!("gemv_gateup_swiglu {st:?} {shape} vs gemv + swiglu"),
-                );
-                let want = reference::swiglu(
-                    &rounded(&reference::matmul_nt(&x, &w, m, 2 * inter, k), st),
-                    m,
-                    inter,
-                );
+                dev.swiglu(&gud, &gud.slice(inter..), &mut act.view(), m, inter, 2 * inter, 2 * inter).unwrap();
+                assert_bitwise(&fused, &act.read(&dev, "swiglu"), &format!("gemv_gateup_swiglu {st:?} {shape} vs gemv + swiglu"));
+                let want = reference::swiglu(&rounded(&reference::matmul_nt(&x, &w, m, 2 * inter, k), st), m, inter);
                 check("gemv_gateup_swiglu", st, &shape, &fused, &want, tol16(st));
                 // Batch == alone in each batch-invariant form.
                 for form in invariant_gemv_forms(&dev).into_iter().filter(|_| m > 1) {
                     let mut many = Out16::new(&dev, m * inter);
-                    dev.gemv_gateup_swiglu_with(form, &xd, &wd, &mut many.view(), m, inter, k)
-                        .unwrap();
+                    dev.gemv_gateup_swiglu_with(form, &xd, &wd, &mut many.view(), m, inter, k).unwrap();
                     let many = many.read(&dev, "gemv_gateup_swiglu rows");
                     for r in [0, m - 1] {
                         let mut one = Out16::new(&dev, inter);
-                        dev.gemv_gateup_swiglu_with(
-                            form,
-                            &upload(&dev, &x[r * k..(r + 1) * k]),
-                            &wd,
-                            &mut one.view(),
-                            1,
-                            inter,
-                            k,
-                        )
-                        .unwrap();
-                        assert_bitwise(
-                            &many[r * inter..(r + 1) * inter],
-                            &one.read(&dev, "gemv_gateup_swiglu one"),
-                            &format!("gemv_gateup_swiglu {st:?} {form:?} {shape} row {r} vs M=1"),
-                        );
+                        dev.gemv_gateup_swiglu_with(form, &upload(&dev, &x[r * k..(r + 1) * k]), &wd, &mut one.view(), 1, inter, k).unwrap();
+                        assert_bitwise(&many[r * inter..(r + 1) * inter], &one.read(&dev, "gemv_gateup_swiglu one"), &format!("gemv_gateup_swiglu {st:?} {form:?} {shape} row {r} vs M=1"));
                     }
                 }
             }
@@ -1020,28 +562,18 @@ fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
         // errors, not wrong results.
         let (x, w) = (upload(&dev, &[0.0; 64]), upload(&dev, &[0.0; 64]));
         let mut act = Out16::new(&dev, 16);
-        assert!(matches!(
-            dev.gemv_gateup_swiglu(&x, &w, &mut act.view(), 1, 2, 12),
-            Err(NinferError::Device(_))
-        ));
-        assert!(dev
-            .gemv_gateup_swiglu(&x, &w, &mut act.view(), 1, 5, 8)
-            .is_err());
+        assert!(matches!(dev.gemv_gateup_swiglu(&x, &w, &mut act.view(), 1, 2, 12), Err(NinferError::Device(_))));
+        assert!(dev.gemv_gateup_swiglu(&x, &w, &mut act.view(), 1, 5, 8).is_err());
     }
 }
 
 #[test]
 fn gemv_rejects_k_not_a_multiple_of_8() {
-    let Some(dev) = gpu("gemv_k", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("gemv_k", StorageDType::Bf16) else { return };
     let x = upload(&dev, &[0.0; 12]);
     let w = upload(&dev, &[0.0; 12]);
     let mut y = Out16::new(&dev, 1);
-    assert!(matches!(
-        dev.gemv(&x, &w, &mut y.view(), 1, 1, 12),
-        Err(NinferError::Device(_))
-    ));
+    assert!(matches!(dev.gemv(&x, &w, &mut y.view(), 1, 1, 12), Err(NinferError::Device(_))));
 }
 
 #[test]
@@ -1059,25 +591,15 @@ fn cublas_gemm_matches_reference_in_both_output_types() {
             dev.gemm(&xd, &wd, &mut y.view(), m, n, k).unwrap();
             check("gemm", st, &shape, &y.read(&dev, "gemm"), &want, tol16(st));
             let mut y32 = Out32::new(&dev, m * n);
-            dev.gemm_f32_out(&xd, &wd, &mut y32.view(), m, n, k)
-                .unwrap();
-            check(
-                "gemm_f32out",
-                st,
-                &shape,
-                &y32.read(&dev, "gemm f32"),
-                &want,
-                TOL32,
-            );
+            dev.gemm_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
+            check("gemm_f32out", st, &shape, &y32.read(&dev, "gemm f32"), &want, TOL32);
         }
     }
 }
 
 #[test]
 fn buffers_too_small_for_the_shape_are_device_errors() {
-    let Some(dev) = gpu("check_len", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("check_len", StorageDType::Bf16) else { return };
     let x = upload(&dev, &[1.0; 63]);
     let w = upload(&dev, &[1.0; 64]);
     let mut out = Out16::new(&dev, 64);
@@ -1096,14 +618,7 @@ struct PagedCase {
     num_blocks: usize,
 }
 
-fn paged_case(
-    rng: &mut Rng,
-    st: StorageDType,
-    contexts: &[usize],
-    hk: usize,
-    d: usize,
-    bs: usize,
-) -> PagedCase {
+fn paged_case(rng: &mut Rng, st: StorageDType, contexts: &[usize], hk: usize, d: usize, bs: usize) -> PagedCase {
     let need: Vec<usize> = contexts.iter().map(|c| c.div_ceil(bs)).collect();
     let max_blocks = need.iter().copied().max().unwrap_or(1).max(1);
     let num_blocks = need.iter().sum::<usize>() + 5;
@@ -1128,16 +643,7 @@ fn paged_case(
 
 /// Runs paged attention for query tokens (seq, pos) and compares with the reference.
 #[allow(clippy::too_many_arguments)]
-fn attention_case(
-    dev: &CudaDevice,
-    rng: &mut Rng,
-    op: &str,
-    contexts: &[usize],
-    tokens: &[(usize, usize)],
-    d: usize,
-    partition: usize,
-    heads: (usize, usize),
-) {
+fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize], tokens: &[(usize, usize)], d: usize, partition: usize, heads: (usize, usize)) {
     let st = dev.storage();
     let ((hq, hk), bs) = (heads, 16);
     let case = paged_case(rng, st, contexts, hk, d, bs);
@@ -1181,19 +687,7 @@ fn attention_case(
         }
         let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
         let qs = &q[i * hq * d..j * hq * d];
-        want.extend(reference::attention_seq(
-            qs,
-            j - i,
-            hq,
-            &case.k_cache,
-            &case.v_cache,
-            table,
-            p0,
-            hk,
-            d,
-            bs,
-            scale,
-        ));
+        want.extend(reference::attention_seq(qs, j - i, hq, &case.k_cache, &case.v_cache, table, p0, hk, d, bs, scale));
         i = j;
     }
     let label = format!("ctx{contexts:?}/t{t}/d{d}/hq{hq}hk{hk}/part{partition}").replace(' ', "");
@@ -1215,14 +709,7 @@ fn attention_case(
         &scratch,
     )
     .unwrap();
-    check(
-        &format!("{op}/decode_one_kernel"),
-        st,
-        &label,
-        &out.read(dev, op),
-        &want,
-        tol16(st),
-    );
+    check(&format!("{op}/decode_one_kernel"), st, &label, &out.read(dev, op), &want, tol16(st));
     assert_arrivals_reset(dev, &scratch, &label);
     let scratch = two_kernel_scratch(dev, t, &shape);
     let mut out = Out16::new(dev, t * hq * d);
@@ -1238,14 +725,7 @@ fn attention_case(
         &scratch,
     )
     .unwrap();
-    check(
-        &format!("{op}/decode_two_kernels"),
-        st,
-        &label,
-        &out.read(dev, op),
-        &want,
-        tol16(st),
-    );
+    check(&format!("{op}/decode_two_kernels"), st, &label, &out.read(dev, op), &want, tol16(st));
 }
 
 /// Scratch for `paged_attention_decode` of `t` tokens: NaN partials (a partial read before it
@@ -1272,10 +752,7 @@ fn two_kernel_scratch(dev: &CudaDevice, t: usize, shape: &PagedAttentionShape) -
 /// Every arrival counter of a completed one-kernel decode attention is back at 0.
 fn assert_arrivals_reset(dev: &CudaDevice, scratch: &AttnScratch, what: &str) {
     let counts = dev.stream().clone_dtoh(&scratch.arrivals).unwrap();
-    assert!(
-        counts.iter().all(|&c| c == 0),
-        "{what}: arrival counters left at {counts:?}"
-    );
+    assert!(counts.iter().all(|&c| c == 0), "{what}: arrival counters left at {counts:?}");
 }
 
 /// The one-kernel decode attention (`paged_attention_decode_as`, the scaled form) over a wide range of contexts (up
@@ -1287,9 +764,7 @@ fn assert_arrivals_reset(dev: &CudaDevice, scratch: &AttnScratch, what: &str) {
 #[test]
 fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
     for st in STORAGES {
-        let Some(dev) = gpu("decode_attention_one_kernel", st) else {
-            return;
-        };
+        let Some(dev) = gpu("decode_attention_one_kernel", st) else { return };
         let mut rng = Rng::new(19);
         let contexts = [1, 15, 16, 17, 127, 128, 129, 1000, 5000, 40000];
         // Llama-3-8B (group 4), Qwen3.5-27B attention (group 6: one head a block), a group of 8.
@@ -1311,121 +786,45 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
                 max_context: 0,
                 partition: 0,
             };
-            let (qd, kd, vd, tables) = (
-                upload(&dev, &q),
-                upload(&dev, &case.k_cache),
-                upload(&dev, &case.v_cache),
-                upload_raw(&dev, &case.tables),
-            );
+            let (qd, kd, vd, tables) =
+                (upload(&dev, &q), upload(&dev, &case.k_cache), upload(&dev, &case.v_cache), upload_raw(&dev, &case.tables));
             let token_seq: Vec<i32> = (0..t as i32).collect();
             let token_pos: Vec<i32> = contexts.iter().map(|&c| c as i32 - 1).collect();
             let (seq_d, pos_d) = (upload_raw(&dev, &token_seq), upload_raw(&dev, &token_pos));
             let label = format!("hq{hq}hk{hk}/d{d}");
             let scratch = decode_scratch(&dev, t, &shape);
             let run = |out: &mut Out16| {
-                dev.paged_attention_decode_as(
-                    DecodeAttentionForm::Scaled,
-                    &qd,
-                    &kd,
-                    &vd,
-                    &tables,
-                    &seq_d,
-                    &pos_d,
-                    &mut out.view(),
-                    &shape,
-                    &scratch,
-                )
-                .unwrap();
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
                 out.read(&dev, "decode attention")
             };
             let batch = run(&mut Out16::new(&dev, t * hq * d));
             assert_arrivals_reset(&dev, &scratch, &label);
             let again = run(&mut Out16::new(&dev, t * hq * d));
-            assert_bitwise(
-                &again,
-                &batch,
-                &format!("decode attention {label}: second launch"),
-            );
+            assert_bitwise(&again, &batch, &format!("decode attention {label}: second launch"));
             let mut want = Vec::with_capacity(t * hq * d);
             for (s, &c) in contexts.iter().enumerate() {
                 let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
                 let qs = &q[s * hq * d..(s + 1) * hq * d];
-                want.extend(reference::attention_seq(
-                    qs,
-                    1,
-                    hq,
-                    &case.k_cache,
-                    &case.v_cache,
-                    table,
-                    c - 1,
-                    hk,
-                    d,
-                    bs,
-                    scale,
-                ));
+                want.extend(reference::attention_seq(qs, 1, hq, &case.k_cache, &case.v_cache, table, c - 1, hk, d, bs, scale));
             }
             for (s, &c) in contexts.iter().enumerate() {
                 let rows = s * hq * d..(s + 1) * hq * d;
-                check(
-                    "decode_attention_one_kernel",
-                    st,
-                    &format!("{label}/ctx{c}"),
-                    &batch[rows.clone()],
-                    &want[rows],
-                    tol16(st),
-                );
+                check("decode_attention_one_kernel", st, &format!("{label}/ctx{c}"), &batch[rows.clone()], &want[rows], tol16(st));
             }
             let alone_scratch = decode_scratch(&dev, 1, &shape);
             for (s, &c) in contexts.iter().enumerate() {
-                let (seq1, pos1) = (
-                    upload_raw(&dev, &[s as i32]),
-                    upload_raw(&dev, &[c as i32 - 1]),
-                );
+                let (seq1, pos1) = (upload_raw(&dev, &[s as i32]), upload_raw(&dev, &[c as i32 - 1]));
                 let q1 = upload(&dev, &q[s * hq * d..(s + 1) * hq * d]);
                 let mut out = Out16::new(&dev, hq * d);
-                dev.paged_attention_decode_as(
-                    DecodeAttentionForm::Scaled,
-                    &q1,
-                    &kd,
-                    &vd,
-                    &tables,
-                    &seq1,
-                    &pos1,
-                    &mut out.view(),
-                    &shape,
-                    &alone_scratch,
-                )
-                .unwrap();
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
                 let alone = out.read(&dev, "decode attention alone");
-                assert_bitwise(
-                    &alone,
-                    &batch[s * hq * d..(s + 1) * hq * d],
-                    &format!("decode attention {label}: ctx {c} alone vs batch"),
-                );
+                assert_bitwise(&alone, &batch[s * hq * d..(s + 1) * hq * d], &format!("decode attention {label}: ctx {c} alone vs batch"));
             }
             assert_arrivals_reset(&dev, &alone_scratch, &label);
             let two = two_kernel_scratch(&dev, t, &shape);
             let mut out = Out16::new(&dev, t * hq * d);
-            dev.paged_attention_decode_two_kernels(
-                &qd,
-                &kd,
-                &vd,
-                &tables,
-                &seq_d,
-                &pos_d,
-                &mut out.view(),
-                &shape,
-                &two,
-            )
-            .unwrap();
-            check(
-                "decode_attention_two_kernels",
-                st,
-                &label,
-                &out.read(&dev, "two-kernel decode"),
-                &want,
-                tol16(st),
-            );
+            dev.paged_attention_decode_two_kernels(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &two).unwrap();
+            check("decode_attention_two_kernels", st, &label, &out.read(&dev, "two-kernel decode"), &want, tol16(st));
         }
     }
 }
@@ -1433,94 +832,37 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
 #[test]
 fn paged_decode_attention_matches_reference_with_and_without_splits() {
     for st in STORAGES {
-        let Some(dev) = gpu("attention_decode", st) else {
-            return;
-        };
+        let Some(dev) = gpu("attention_decode", st) else { return };
         let mut rng = Rng::new(9);
         for d in [64, 96, 128, 256] {
             let contexts = [1, 17, 700];
-            let tokens: Vec<(usize, usize)> = contexts
-                .iter()
-                .enumerate()
-                .map(|(s, &c)| (s, c - 1))
-                .collect();
+            let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
             for partition in [0, 64, 1 << 20] {
-                attention_case(
-                    &dev,
-                    &mut rng,
-                    "attention_decode",
-                    &contexts,
-                    &tokens,
-                    d,
-                    partition,
-                    (8, 2),
-                );
+                attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, d, partition, (8, 2));
             }
         }
         // Every group size: 1 (MHA), 3 (no grouped instance: one head per warp), 2, 8.
         for heads in [(4, 4), (6, 2), (4, 2), (8, 1)] {
             for d in [64, 128, 256] {
-                attention_case(
-                    &dev,
-                    &mut rng,
-                    "attention_decode",
-                    &[33, 900],
-                    &[(0, 32), (1, 899)],
-                    d,
-                    0,
-                    heads,
-                );
+                attention_case(&dev, &mut rng, "attention_decode", &[33, 900], &[(0, 32), (1, 899)], d, 0, heads);
             }
         }
         let contexts = [3000];
-        attention_case(
-            &dev,
-            &mut rng,
-            "attention_decode",
-            &contexts,
-            &[(0, 2999)],
-            128,
-            0,
-            (8, 2),
-        );
+        attention_case(&dev, &mut rng, "attention_decode", &contexts, &[(0, 2999)], 128, 0, (8, 2));
         // Llama-3-8B heads at contexts around the 512-key point where decode splits start to
         // grow beyond 8 keys (decode_partition), and short ones split 8 keys at a time.
         let contexts = [170, 512, 513, 1025, 1500];
-        let tokens: Vec<(usize, usize)> = contexts
-            .iter()
-            .enumerate()
-            .map(|(s, &c)| (s, c - 1))
-            .collect();
-        attention_case(
-            &dev,
-            &mut rng,
-            "attention_decode",
-            &contexts,
-            &tokens,
-            128,
-            0,
-            (32, 8),
-        );
+        let tokens: Vec<(usize, usize)> = contexts.iter().enumerate().map(|(s, &c)| (s, c - 1)).collect();
+        attention_case(&dev, &mut rng, "attention_decode", &contexts, &tokens, 128, 0, (32, 8));
         // Past 4096 keys the decode splits grow beyond 64 keys (decode_partition).
-        attention_case(
-            &dev,
-            &mut rng,
-            "attention_decode",
-            &[5000, 9],
-            &[(0, 4999), (1, 8)],
-            128,
-            0,
-            (8, 2),
-        );
+        attention_case(&dev, &mut rng, "attention_decode", &[5000, 9], &[(0, 4999), (1, 8)], 128, 0, (8, 2));
     }
 }
 
 #[test]
 fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
     for st in STORAGES {
-        let Some(dev) = gpu("attention_prefill", st) else {
-            return;
-        };
+        let Some(dev) = gpu("attention_prefill", st) else { return };
         let mut rng = Rng::new(10);
         // seq 0: fresh prompt of 40; seq 1: 275 cached tokens then a chunk of 25.
         let contexts = [40, 300];
@@ -1528,37 +870,10 @@ fn paged_prefill_attention_is_causal_over_cached_prefix_and_new_tokens() {
         tokens.extend((275..300).map(|p| (1, p)));
         for d in [64, 128] {
             for partition in [0, 128, 1 << 20] {
-                attention_case(
-                    &dev,
-                    &mut rng,
-                    "attention_prefill",
-                    &contexts,
-                    &tokens,
-                    d,
-                    partition,
-                    (8, 2),
-                );
+                attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, partition, (8, 2));
             }
-            attention_case(
-                &dev,
-                &mut rng,
-                "attention_prefill",
-                &contexts,
-                &tokens,
-                d,
-                0,
-                (6, 2),
-            );
-            attention_case(
-                &dev,
-                &mut rng,
-                "attention_prefill",
-                &contexts,
-                &tokens,
-                d,
-                0,
-                (8, 1),
-            );
+            attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, 0, (6, 2));
+            attention_case(&dev, &mut rng, "attention_prefill", &contexts, &tokens, d, 0, (8, 1));
         }
     }
 }
@@ -1593,14 +908,7 @@ fn flash_tiles(dev: &CudaDevice, d: usize) -> Vec<FlashTile> {
 /// Runs flash attention for sequences given as (cached prefix, chunk length) in every tiling
 /// the device runs for `d` and compares every query row with the CPU paged attention (on
 /// sm_70/sm_75 the launcher computes it with the scalar kernel).
-fn flash_case(
-    dev: &CudaDevice,
-    rng: &mut Rng,
-    seqs: &[(usize, usize)],
-    heads: (usize, usize),
-    d: usize,
-    bs: usize,
-) {
+fn flash_case(dev: &CudaDevice, rng: &mut Rng, seqs: &[(usize, usize)], heads: (usize, usize), d: usize, bs: usize) {
     let st = dev.storage();
     let (hq, hk) = heads;
     let contexts: Vec<usize> = seqs.iter().map(|&(p, n)| p + n).collect();
@@ -1629,100 +937,42 @@ fn flash_case(
         partition: 0,
     };
     let max_rows = seqs.iter().map(|s| s.1).max().unwrap();
-    let (qd, kd, vd) = (
-        upload(dev, &q),
-        upload(dev, &case.k_cache),
-        upload(dev, &case.v_cache),
-    );
-    let (tables, seq_d, pos_d, cu_d) = (
-        upload_raw(dev, &case.tables),
-        upload_raw(dev, &token_seq),
-        upload_raw(dev, &token_pos),
-        upload_raw(dev, &cu),
-    );
+    let (qd, kd, vd) = (upload(dev, &q), upload(dev, &case.k_cache), upload(dev, &case.v_cache));
+    let (tables, seq_d, pos_d, cu_d) =
+        (upload_raw(dev, &case.tables), upload_raw(dev, &token_seq), upload_raw(dev, &token_pos), upload_raw(dev, &cu));
     let mut want = Vec::with_capacity(t * hq * d);
     for (s, &(p, n)) in seqs.iter().enumerate() {
         let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
         let r0 = cu[s] as usize;
-        let qs: Vec<f32> = (r0..r0 + n)
-            .flat_map(|r| q[r * q_stride..r * q_stride + hq * d].to_vec())
-            .collect();
-        want.extend(reference::attention_seq(
-            &qs,
-            n,
-            hq,
-            &case.k_cache,
-            &case.v_cache,
-            table,
-            p,
-            hk,
-            d,
-            bs,
-            scale,
-        ));
+        let qs: Vec<f32> = (r0..r0 + n).flat_map(|r| q[r * q_stride..r * q_stride + hq * d].to_vec()).collect();
+        want.extend(reference::attention_seq(&qs, n, hq, &case.k_cache, &case.v_cache, table, p, hk, d, bs, scale));
     }
     let mut first: Option<Vec<f32>> = None;
     let mut wgmma: Option<Vec<f32>> = None;
     for tile in flash_tiles(dev, d) {
         let mut out = Out16::new(dev, t * hq * d);
-        dev.flash_attention_tiled(
-            &qd,
-            &kd,
-            &vd,
-            &tables,
-            &seq_d,
-            &pos_d,
-            &cu_d,
-            &mut out.view(),
-            &shape,
-            max_rows,
-            tile,
-        )
-        .unwrap();
+        dev.flash_attention_tiled(&qd, &kd, &vd, &tables, &seq_d, &pos_d, &cu_d, &mut out.view(), &shape, max_rows, tile)
+            .unwrap();
         let got = out.read(dev, "flash attention");
         let label = format!("seqs{seqs:?}/d{d}/hq{hq}hk{hk}/bs{bs}/{tile:?}").replace(' ', "");
-        check(
-            "flash_attention",
-            st,
-            &label,
-            &got,
-            &want,
-            flash_tol(st, tile),
-        );
+        check("flash_attention", st, &label, &got, &want, flash_tol(st, tile));
         // The warp-specialized forms run the wgmma form's arithmetic in its order: required
         // bit for bit (FlashTile::ALL lists the wgmma form first).
         if tile == FlashTile::Rows128Wgmma {
             wgmma = Some(got.clone());
         } else if tile.warp_specialized() {
-            let w = wgmma
-                .as_ref()
-                .expect("the wgmma form fits wherever a warp-specialized one does");
-            let diff = got
-                .iter()
-                .zip(w)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(
-                diff, 0,
-                "flash attention {label}: {diff} elements differ from Rows128Wgmma"
-            );
+            let w = wgmma.as_ref().expect("the wgmma form fits wherever a warp-specialized one does");
+            let diff = got.iter().zip(w).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(diff, 0, "flash attention {label}: {diff} elements differ from Rows128Wgmma");
             // Persistent: its last block zeroed the work counters for the next launch.
-            assert_eq!(
-                dev.flash_work_counters().unwrap(),
-                [0, 0],
-                "flash attention {label}: work counters left set"
-            );
+            assert_eq!(dev.flash_work_counters().unwrap(), [0, 0], "flash attention {label}: work counters left set");
         }
         // Each warp runs the same key tiles in the same order in either tiling, so they are
         // expected to agree bit for bit; reported, not required (the contract is the tolerance).
         match &first {
             None => first = Some(got),
             Some(f) => {
-                let diff = got
-                    .iter()
-                    .zip(f)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let diff = got.iter().zip(f).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 println!("PARITY op=flash_attention_tilings storage={} shape={label} differing_elements={diff}", st.name());
             }
         }
@@ -1732,14 +982,9 @@ fn flash_case(
 #[test]
 fn flash_attention_matches_reference_for_chunks_prefixes_and_gqa() {
     for st in STORAGES {
-        let Some(dev) = gpu("flash_attention", st) else {
-            return;
-        };
+        let Some(dev) = gpu("flash_attention", st) else { return };
         if !dev.has_flash_attention() {
-            eprintln!(
-                "NOTE flash_attention: {} has no sm_80 tensor cores; the scalar route is tested",
-                dev.arch()
-            );
+            eprintln!("NOTE flash_attention: {} has no sm_80 tensor cores; the scalar route is tested", dev.arch());
         }
         let mut rng = Rng::new(21);
         for d in [64, 128, 256] {
@@ -1749,25 +994,11 @@ fn flash_attention_matches_reference_for_chunks_prefixes_and_gqa() {
                     flash_case(&dev, &mut rng, &[(0, n)], (8, 2), d, bs);
                 }
                 // Three sequences: a chunk after a cached prefix, a decode row, a fresh prompt.
-                flash_case(
-                    &dev,
-                    &mut rng,
-                    &[(275, 128), (40, 1), (0, 17)],
-                    (8, 2),
-                    d,
-                    bs,
-                );
+                flash_case(&dev, &mut rng, &[(275, 128), (40, 1), (0, 17)], (8, 2), d, bs);
             }
             // GQA groups 1, 4, 6 with a cached prefix and a 1-row sequence in the same step.
             for heads in [(4, 4), (8, 2), (12, 2)] {
-                flash_case(
-                    &dev,
-                    &mut rng,
-                    &[(33, 300), (100, 1), (0, 128)],
-                    heads,
-                    d,
-                    16,
-                );
+                flash_case(&dev, &mut rng, &[(33, 300), (100, 1), (0, 128)], heads, d, 16);
             }
         }
         flash_case(&dev, &mut rng, &[(0, 200)], (8, 2), 96, 16);
@@ -1779,14 +1010,7 @@ fn flash_attention_matches_reference_for_chunks_prefixes_and_gqa() {
         // A block size that is not a power of two (the 128-row kernel indexes the table with a
         // shift for powers of two and divides otherwise).
         for d in [128, 256] {
-            flash_case(
-                &dev,
-                &mut rng,
-                &[(275, 128), (40, 1), (0, 300)],
-                (12, 2),
-                d,
-                24,
-            );
+            flash_case(&dev, &mut rng, &[(275, 128), (40, 1), (0, 300)], (12, 2), d, 24);
         }
     }
 }
@@ -1799,9 +1023,7 @@ fn flash_attention_matches_reference_for_chunks_prefixes_and_gqa() {
 #[test]
 fn flash_attention_of_a_sequence_is_bitwise_independent_of_the_batch() {
     for st in STORAGES {
-        let Some(dev) = gpu("flash_attention_batch", st) else {
-            return;
-        };
+        let Some(dev) = gpu("flash_attention_batch", st) else { return };
         let mut rng = Rng::new(22);
         for (d, (hq, hk), bs) in [(128, (8, 2), 16), (64, (4, 4), 32), (256, (8, 1), 16)] {
             // (cached prefix, rows): prefixes 0, 7, ..., 133 give different kv lengths and
@@ -1859,14 +1081,8 @@ fn flash_attention_of_a_sequence_is_bitwise_independent_of_the_batch() {
                     max_rows,
                 )
                 .unwrap();
-                let bits: Vec<u32> = out
-                    .read(&dev, "flash attention")
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect();
-                (0..ids.len())
-                    .map(|i| bits[cu[i] as usize * width..cu[i + 1] as usize * width].to_vec())
-                    .collect()
+                let bits: Vec<u32> = out.read(&dev, "flash attention").iter().map(|x| x.to_bits()).collect();
+                (0..ids.len()).map(|i| bits[cu[i] as usize * width..cu[i + 1] as usize * width].to_vec()).collect()
             };
             let alone: Vec<Vec<u32>> = (0..seqs.len()).map(|s| run(&[s]).remove(0)).collect();
             let short: Vec<usize> = (0..20).collect();
@@ -1897,24 +1113,14 @@ fn flash_attention_of_a_sequence_is_bitwise_independent_of_the_batch() {
 /// tiling must be the fastest (2k: figures only).
 #[test]
 fn flash_attention_prefill_timing_at_2k_and_8k() {
-    let Some(dev) = gpu("flash_attention_timing", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("flash_attention_timing", StorageDType::Bf16) else { return };
     if !dev.has_flash_attention() {
-        eprintln!(
-            "SKIP flash_attention_timing: {} has no sm_80 tensor cores",
-            dev.arch()
-        );
+        eprintln!("SKIP flash_attention_timing: {} has no sm_80 tensor cores", dev.arch());
         return;
     }
     let mut rng = Rng::new(23);
     let bs = 16usize;
-    for (n, d, hq, hk) in [
-        (8192usize, 256usize, 24usize, 4usize),
-        (8192, 128, 32, 8),
-        (2048, 256, 24, 4),
-        (2048, 128, 32, 8),
-    ] {
+    for (n, d, hq, hk) in [(8192usize, 256usize, 24usize, 4usize), (8192, 128, 32, 8), (2048, 256, 24, 4), (2048, 128, 32, 8)] {
         let st = dev.storage();
         let case = paged_case(&mut rng, st, &[n], hk, d, bs);
         let q_stride = hq * d + 2 * hk * d;
@@ -1941,20 +1147,8 @@ fn flash_attention_prefill_timing_at_2k_and_8k() {
         let mut ms = Vec::new();
         for tile in flash_tiles(&dev, d) {
             let t = time_ms(&dev, 10, || {
-                dev.flash_attention_tiled(
-                    &q,
-                    &kd,
-                    &vd,
-                    &tables,
-                    &seq_d,
-                    &pos_d,
-                    &cu_d,
-                    &mut out.view(),
-                    &shape,
-                    n,
-                    tile,
-                )
-                .unwrap()
+                dev.flash_attention_tiled(&q, &kd, &vd, &tables, &seq_d, &pos_d, &cu_d, &mut out.view(), &shape, n, tile)
+                    .unwrap()
             });
             println!(
                 "TIMING flash_attention d{d} hq{hq} hk{hk} n{n} {tile:?}{}: {t:.3} ms, {:.1} TFLOP/s",
@@ -1967,15 +1161,9 @@ fn flash_attention_prefill_timing_at_2k_and_8k() {
             continue; // 2k: figures only (short causal loops weigh the prologue more)
         }
         let tiles = flash_tiles(&dev, d);
-        let routed = ms[tiles
-            .iter()
-            .position(|&t| t == dev.flash_tile(d))
-            .expect("the routed tiling is among those that fit")];
+        let routed = ms[tiles.iter().position(|&t| t == dev.flash_tile(d)).expect("the routed tiling is among those that fit")];
         for (t, m) in tiles.iter().zip(&ms) {
-            assert!(
-                routed <= *m,
-                "d{d}: the routed tiling ({routed:.3} ms) is slower than {t:?} ({m:.3} ms)"
-            );
+            assert!(routed <= *m, "d{d}: the routed tiling ({routed:.3} ms) is slower than {t:?} ({m:.3} ms)");
         }
     }
 }
@@ -1986,9 +1174,7 @@ fn flash_attention_prefill_timing_at_2k_and_8k() {
 #[test]
 fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
     for st in STORAGES {
-        let Some(dev) = gpu("gdn_chunked", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gdn_chunked", st) else { return };
         let mut rng = Rng::new(22);
         for (lens, dk, dv) in [
             (vec![1], 128, 128),
@@ -2006,11 +1192,7 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             let stride = 2 * nk * dk + nv * dv;
             let qkv = rounded(&rng.vec(t * stride, -1.0, 1.0), st);
             // Decays from near 1 to strong, as the gates produce them.
-            let g = rng
-                .vec(t * nv, -1.0, 0.0)
-                .iter()
-                .map(|x| x * x * x * 2.0)
-                .collect::<Vec<f32>>();
+            let g = rng.vec(t * nv, -1.0, 0.0).iter().map(|x| x * x * x * 2.0).collect::<Vec<f32>>();
             let beta = rng.vec(t * nv, 0.0, 1.0);
             let state0 = rng.vec(n_slots * nv * dk * dv, -0.3, 0.3);
             let mut cu = vec![0i32];
@@ -2018,22 +1200,8 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
                 cu.push(cu.last().unwrap() + *l as i32);
             }
             let qkv_dev = upload(&dev, &qkv);
-            let shape = RecurrentShape {
-                n_tokens: t,
-                n_k_heads: nk,
-                n_v_heads: nv,
-                dk,
-                dv,
-                qk_stride: stride,
-                v_stride: stride,
-                n_slots,
-            };
-            let (g_dev, beta_dev, cu_dev, slots_dev) = (
-                upload_raw(&dev, &g),
-                upload_raw(&dev, &beta),
-                upload_raw(&dev, &cu),
-                upload_raw(&dev, &slots),
-            );
+            let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots };
+            let (g_dev, beta_dev, cu_dev, slots_dev) = (upload_raw(&dev, &g), upload_raw(&dev, &beta), upload_raw(&dev, &cu), upload_raw(&dev, &slots));
             // The same call through the recurrent kernel.
             let mut state_rec = Out32::with(&dev, &state0);
             let mut out_rec = Out16::new(&dev, t * nv * dv);
@@ -2055,15 +1223,9 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             for (s, &slot) in slots.iter().enumerate() {
                 let toks = cu[s] as usize..cu[s + 1] as usize;
                 let cols = |from: usize, len: usize| -> Vec<f32> {
-                    toks.clone()
-                        .flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec())
-                        .collect()
+                    toks.clone().flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec()).collect()
                 };
-                let (q, kk, v) = (
-                    cols(0, nk * dk),
-                    cols(nk * dk, nk * dk),
-                    cols(2 * nk * dk, nv * dv),
-                );
+                let (q, kk, v) = (cols(0, nk * dk), cols(nk * dk, nk * dk), cols(2 * nk * dk, nv * dv));
                 let so = slot as usize * nv * dk * dv;
                 let o = reference::gdn_recurrent_seq(
                     &q,
@@ -2090,25 +1252,17 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
             // same order: its output and state equal the pipelined scan's bit for bit.
             let mut work_simt: Option<Vec<f32>> = None;
             let mut pipelined: Vec<(PrepForm, Vec<f32>, Vec<f32>)> = Vec::new();
-            for (form, prep) in [
-                ScanForm::Simt,
-                ScanForm::TensorCores,
-                ScanForm::Pipelined,
-                ScanForm::Wide,
-            ]
-            .into_iter()
-            .flat_map(|f| [(f, PrepForm::Simt), (f, PrepForm::TensorCores)])
+            for (form, prep) in [ScanForm::Simt, ScanForm::TensorCores, ScanForm::Pipelined, ScanForm::Wide]
+                .into_iter()
+                .flat_map(|f| [(f, PrepForm::Simt), (f, PrepForm::TensorCores)])
             {
                 let (tol_out, tol_state) = match form {
                     ScanForm::Simt => (tol16(st), 1e-3),
-                    ScanForm::TensorCores | ScanForm::Pipelined | ScanForm::Wide => {
-                        (tol16(st).max(1e-2), 1e-2)
-                    }
+                    ScanForm::TensorCores | ScanForm::Pipelined | ScanForm::Wide => (tol16(st).max(1e-2), 1e-2),
                 };
                 let mut state = Out32::with(&dev, &state0);
                 let mut out = Out16::new(&dev, t * nv * dv);
-                let mut work =
-                    Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
+                let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
                 dev.gdn_chunked_forms(
                     form,
                     prep,
@@ -2125,63 +1279,18 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
                     &shape,
                 )
                 .unwrap();
-                let label = format!(
-                    "lens{lens:?}/dk{dk}/dv{dv}/chunked{}/{form:?}/prep{prep:?}",
-                    dev.has_gdn_chunked(dk)
-                )
-                .replace(' ', "");
-                check(
-                    "gdn_chunked.out",
-                    st,
-                    &label,
-                    &out.read(&dev, "gdn out"),
-                    &out_want,
-                    tol_out,
-                );
-                check(
-                    "gdn_chunked.state",
-                    st,
-                    &label,
-                    &state.read(&dev, "gdn state"),
-                    &state_want,
-                    tol_state,
-                );
+                let label = format!("lens{lens:?}/dk{dk}/dv{dv}/chunked{}/{form:?}/prep{prep:?}", dev.has_gdn_chunked(dk)).replace(' ', "");
+                check("gdn_chunked.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol_out);
+                check("gdn_chunked.state", st, &label, &state.read(&dev, "gdn state"), &state_want, tol_state);
                 let out_got = out.read(&dev, "gdn out");
-                check(
-                    "gdn_chunked.out_vs_recurrent",
-                    st,
-                    &label,
-                    &out_got,
-                    &out_rec.read(&dev, "gdn recurrent out"),
-                    tol_out,
-                );
-                check(
-                    "gdn_chunked.state_vs_recurrent",
-                    st,
-                    &label,
-                    &state.read(&dev, "gdn state"),
-                    &state_rec.read(&dev, "gdn recurrent state"),
-                    tol_state,
-                );
+                check("gdn_chunked.out_vs_recurrent", st, &label, &out_got, &out_rec.read(&dev, "gdn recurrent out"), tol_out);
+                check("gdn_chunked.state_vs_recurrent", st, &label, &state.read(&dev, "gdn state"), &state_rec.read(&dev, "gdn recurrent state"), tol_state);
                 match form {
-                    ScanForm::Pipelined => {
-                        pipelined.push((prep, out_got, state.read(&dev, "gdn state")))
-                    }
+                    ScanForm::Pipelined => pipelined.push((prep, out_got, state.read(&dev, "gdn state"))),
                     ScanForm::Wide => {
-                        let (_, want_out, want_state) = pipelined
-                            .iter()
-                            .find(|(p, ..)| *p == prep)
-                            .expect("the pipelined scan runs first");
-                        assert_bitwise(
-                            &out_got,
-                            want_out,
-                            &format!("{label}: eight-warp scan output vs the pipelined scan's"),
-                        );
-                        assert_bitwise(
-                            &state.read(&dev, "gdn state"),
-                            want_state,
-                            &format!("{label}: eight-warp scan state vs the pipelined scan's"),
-                        );
+                        let (_, want_out, want_state) = pipelined.iter().find(|(p, ..)| *p == prep).expect("the pipelined scan runs first");
+                        assert_bitwise(&out_got, want_out, &format!("{label}: eight-warp scan output vs the pipelined scan's"));
+                        assert_bitwise(&state.read(&dev, "gdn state"), want_state, &format!("{label}: eight-warp scan state vs the pipelined scan's"));
                     }
                     _ => {}
                 }
@@ -2189,14 +1298,7 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
                     let w = work.read(&dev, "gdn chunk workspace");
                     match (prep, &work_simt) {
                         (PrepForm::Simt, _) => work_simt = Some(w),
-                        (PrepForm::TensorCores, Some(want)) => check(
-                            "gdn_chunked.work_tc_prep_vs_simt_prep",
-                            st,
-                            &label,
-                            &w,
-                            want,
-                            1e-4,
-                        ),
+                        (PrepForm::TensorCores, Some(want)) => check("gdn_chunked.work_tc_prep_vs_simt_prep", st, &label, &w, want, 1e-4),
                         (PrepForm::TensorCores, None) => unreachable!("the SIMT prep runs first"),
                     }
                 }
@@ -2211,13 +1313,12 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
 /// then the scan alone timed per form. The pipelined scan must be faster than the plain
 /// tensor-core one by 5x at least (9.0 against 0.90 ms on the H200, gdn_scan_ldsm_ab_14e0cdf.log;
 /// its first version, 1.48 ms, would pass), and the eight-warp scan faster than the pipelined
-/// one (0.758 against 0.890 ms, gdn_scan_wide_20ab278.log; its first version, 0.976, failed).
+/// one (0.737 against 0.861 ms, cuda_ops_20a5dd2.log; its first version, 0.976 against 0.905,
+/// failed: gdn_scan_wide_be8043d.log).
 #[test]
 fn gdn_chunked_scan_forms_timing_at_27b_shape_agree_and_eight_warps_are_fastest() {
     let st = StorageDType::Bf16;
-    let Some(dev) = gpu("gdn_chunked 27B shape", st) else {
-        return;
-    };
+    let Some(dev) = gpu("gdn_chunked 27B shape", st) else { return };
     let (t, nk, nv, dk, dv) = (8192usize, 16usize, 48usize, 128usize, 128usize);
     if !dev.has_gdn_chunked(dk) {
         eprintln!("SKIP gdn_chunked 27B shape: no chunked kernels for dk {dk} here");
@@ -2226,126 +1327,40 @@ fn gdn_chunked_scan_forms_timing_at_27b_shape_agree_and_eight_warps_are_fastest(
     let mut rng = Rng::new(27);
     let stride = 2 * nk * dk + nv * dv;
     let qkv_dev = upload(&dev, &rng.vec(t * stride, -1.0, 1.0));
-    let g = rng
-        .vec(t * nv, -1.0, 0.0)
-        .iter()
-        .map(|x| x * x * x * 2.0)
-        .collect::<Vec<f32>>();
-    let (g_dev, beta_dev) = (
-        upload_raw(&dev, &g),
-        upload_raw(&dev, &rng.vec(t * nv, 0.0, 1.0)),
-    );
+    let g = rng.vec(t * nv, -1.0, 0.0).iter().map(|x| x * x * x * 2.0).collect::<Vec<f32>>();
+    let (g_dev, beta_dev) = (upload_raw(&dev, &g), upload_raw(&dev, &rng.vec(t * nv, 0.0, 1.0)));
     let state0 = rng.vec(nv * dk * dv, -0.3, 0.3);
-    let (cu_dev, slots_dev) = (
-        upload_raw(&dev, &[0i32, t as i32]),
-        upload_raw(&dev, &[0i32]),
-    );
-    let shape = RecurrentShape {
-        n_tokens: t,
-        n_k_heads: nk,
-        n_v_heads: nv,
-        dk,
-        dv,
-        qk_stride: stride,
-        v_stride: stride,
-        n_slots: 1,
-    };
-    let (q, k, v) = (
-        qkv_dev.slice(0..),
-        qkv_dev.slice(nk * dk..),
-        qkv_dev.slice(2 * nk * dk..),
-    );
+    let (cu_dev, slots_dev) = (upload_raw(&dev, &[0i32, t as i32]), upload_raw(&dev, &[0i32]));
+    let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots: 1 };
+    let (q, k, v) = (qkv_dev.slice(0..), qkv_dev.slice(nk * dk..), qkv_dev.slice(2 * nk * dk..));
     let mut state_rec = Out32::with(&dev, &state0);
     let mut out_rec = Out16::new(&dev, t * nv * dv);
-    dev.gdn_recurrent(
-        &q,
-        &k,
-        &v,
-        &g_dev,
-        &beta_dev,
-        &mut state_rec.view(),
-        &cu_dev,
-        &slots_dev,
-        &mut out_rec.view(),
-        &shape,
-    )
-    .unwrap();
-    let (out_want, state_want) = (
-        out_rec.read(&dev, "gdn recurrent out"),
-        state_rec.read(&dev, "gdn recurrent state"),
-    );
+    dev.gdn_recurrent(&q, &k, &v, &g_dev, &beta_dev, &mut state_rec.view(), &cu_dev, &slots_dev, &mut out_rec.view(), &shape).unwrap();
+    let (out_want, state_want) = (out_rec.read(&dev, "gdn recurrent out"), state_rec.read(&dev, "gdn recurrent state"));
     let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
     let (mut ms, mut pipelined) = (Vec::new(), None);
     for form in [ScanForm::TensorCores, ScanForm::Pipelined, ScanForm::Wide] {
         let label = format!("t{t}/nk{nk}/nv{nv}/dk{dk}/dv{dv}/{form:?}");
         let mut state = Out32::with(&dev, &state0);
         let mut out = Out16::new(&dev, t * nv * dv);
-        dev.gdn_chunked_via(
-            form,
-            &q,
-            &k,
-            &v,
-            &g_dev,
-            &beta_dev,
-            &mut state.view(),
-            &cu_dev,
-            &slots_dev,
-            &mut out.view(),
-            &mut work.view(),
-            &shape,
-        )
-        .unwrap();
+        dev.gdn_chunked_via(form, &q, &k, &v, &g_dev, &beta_dev, &mut state.view(), &cu_dev, &slots_dev, &mut out.view(), &mut work.view(), &shape)
+            .unwrap();
         let (out_got, state_got) = (out.read(&dev, "gdn out"), state.read(&dev, "gdn state"));
-        check(
-            "gdn_chunked_27b.out_vs_recurrent",
-            st,
-            &label,
-            &out_got,
-            &out_want,
-            1e-2,
-        );
-        check(
-            "gdn_chunked_27b.state_vs_recurrent",
-            st,
-            &label,
-            &state_got,
-            &state_want,
-            1e-2,
-        );
+        check("gdn_chunked_27b.out_vs_recurrent", st, &label, &out_got, &out_want, 1e-2);
+        check("gdn_chunked_27b.state_vs_recurrent", st, &label, &state_got, &state_want, 1e-2);
         match (form, &pipelined) {
             (ScanForm::Pipelined, _) => pipelined = Some((out_got, state_got)),
             (ScanForm::Wide, Some((want_out, want_state))) => {
-                assert_bitwise(
-                    &out_got,
-                    want_out,
-                    &format!("{label}: eight-warp scan output vs the pipelined scan's"),
-                );
-                assert_bitwise(
-                    &state_got,
-                    want_state,
-                    &format!("{label}: eight-warp scan state vs the pipelined scan's"),
-                );
+                assert_bitwise(&out_got, want_out, &format!("{label}: eight-warp scan output vs the pipelined scan's"));
+                assert_bitwise(&state_got, want_state, &format!("{label}: eight-warp scan state vs the pipelined scan's"));
             }
             _ => {}
         }
         // The scan alone, over the workspace just filled (the state moves on; the timing does
         // not depend on its values).
         let mut scan = || {
-            dev.gdn_chunked_scan_only(
-                form,
-                &q,
-                &k,
-                &v,
-                &g_dev,
-                &beta_dev,
-                &mut state.view(),
-                &cu_dev,
-                &slots_dev,
-                &mut out.view(),
-                &mut work.view(),
-                &shape,
-            )
-            .unwrap()
+            dev.gdn_chunked_scan_only(form, &q, &k, &v, &g_dev, &beta_dev, &mut state.view(), &cu_dev, &slots_dev, &mut out.view(), &mut work.view(), &shape)
+                .unwrap()
         };
         scan();
         dev.synchronize().unwrap();
@@ -2357,17 +1372,9 @@ fn gdn_chunked_scan_forms_timing_at_27b_shape_agree_and_eight_warps_are_fastest(
         ms.push(t0.elapsed().as_secs_f64() / 10.0 * 1e3);
     }
     let (ms_tc, ms_pipe, ms_wide) = (ms[0], ms[1], ms[2]);
-    println!(
-        "TIMING gdn_chunk_scan 27B shape (48 v heads, dk=dv=128, 8192 tokens, 1 sequence): tensor-cores {ms_tc:.3} ms, pipelined {ms_pipe:.3} ms, eight-warp {ms_wide:.3} ms per call"
-    );
-    assert!(
-        ms_pipe * 5.0 < ms_tc,
-        "pipelined scan {ms_pipe:.3} ms not 5x faster than the tensor-core scan {ms_tc:.3} ms"
-    );
-    assert!(
-        ms_wide < ms_pipe,
-        "eight-warp scan {ms_wide:.3} ms not faster than the pipelined scan {ms_pipe:.3} ms"
-    );
+    println!("TIMING gdn_chunk_scan 27B shape (48 v heads, dk=dv=128, 8192 tokens, 1 sequence): tensor-cores {ms_tc:.3} ms, pipelined {ms_pipe:.3} ms, eight-warp {ms_wide:.3} ms per call");
+    assert!(ms_pipe * 5.0 < ms_tc, "pipelined scan {ms_pipe:.3} ms not 5x faster than the tensor-core scan {ms_tc:.3} ms");
+    assert!(ms_wide < ms_pipe, "eight-warp scan {ms_wide:.3} ms not faster than the pipelined scan {ms_pipe:.3} ms");
 }
 
 /// The chunked GDN prep at Qwen3.5-27B's shape (16 k heads, 48 v heads, dk = dv = 128) over
@@ -2378,9 +1385,7 @@ fn gdn_chunked_scan_forms_timing_at_27b_shape_agree_and_eight_warps_are_fastest(
 #[test]
 fn gdn_chunk_prep_forms_timing_at_27b_shape_agree_and_tensor_cores_are_faster() {
     let st = StorageDType::Bf16;
-    let Some(dev) = gpu("gdn_chunk_prep 27B shape", st) else {
-        return;
-    };
+    let Some(dev) = gpu("gdn_chunk_prep 27B shape", st) else { return };
     let (t, nk, nv, dk, dv) = (8192usize, 16usize, 48usize, 128usize, 128usize);
     if !dev.has_gdn_chunked(dk) || dev.gdn_prep_form() != PrepForm::TensorCores {
         eprintln!("SKIP gdn_chunk_prep 27B shape: no tensor-core prep for dk {dk} here");
@@ -2389,54 +1394,16 @@ fn gdn_chunk_prep_forms_timing_at_27b_shape_agree_and_tensor_cores_are_faster() 
     let mut rng = Rng::new(28);
     let stride = 2 * nk * dk + nv * dv;
     let qkv_dev = upload(&dev, &rng.vec(t * stride, -1.0, 1.0));
-    let g = rng
-        .vec(t * nv, -1.0, 0.0)
-        .iter()
-        .map(|x| x * x * x * 2.0)
-        .collect::<Vec<f32>>();
-    let (g_dev, beta_dev) = (
-        upload_raw(&dev, &g),
-        upload_raw(&dev, &rng.vec(t * nv, 0.0, 1.0)),
-    );
+    let g = rng.vec(t * nv, -1.0, 0.0).iter().map(|x| x * x * x * 2.0).collect::<Vec<f32>>();
+    let (g_dev, beta_dev) = (upload_raw(&dev, &g), upload_raw(&dev, &rng.vec(t * nv, 0.0, 1.0)));
     let state0 = rng.vec(nv * dk * dv, -0.3, 0.3);
-    let (cu_dev, slots_dev) = (
-        upload_raw(&dev, &[0i32, t as i32]),
-        upload_raw(&dev, &[0i32]),
-    );
-    let shape = RecurrentShape {
-        n_tokens: t,
-        n_k_heads: nk,
-        n_v_heads: nv,
-        dk,
-        dv,
-        qk_stride: stride,
-        v_stride: stride,
-        n_slots: 1,
-    };
-    let (q, k, v) = (
-        qkv_dev.slice(0..),
-        qkv_dev.slice(nk * dk..),
-        qkv_dev.slice(2 * nk * dk..),
-    );
+    let (cu_dev, slots_dev) = (upload_raw(&dev, &[0i32, t as i32]), upload_raw(&dev, &[0i32]));
+    let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots: 1 };
+    let (q, k, v) = (qkv_dev.slice(0..), qkv_dev.slice(nk * dk..), qkv_dev.slice(2 * nk * dk..));
     let mut state_rec = Out32::with(&dev, &state0);
     let mut out_rec = Out16::new(&dev, t * nv * dv);
-    dev.gdn_recurrent(
-        &q,
-        &k,
-        &v,
-        &g_dev,
-        &beta_dev,
-        &mut state_rec.view(),
-        &cu_dev,
-        &slots_dev,
-        &mut out_rec.view(),
-        &shape,
-    )
-    .unwrap();
-    let (out_want, state_want) = (
-        out_rec.read(&dev, "gdn recurrent out"),
-        state_rec.read(&dev, "gdn recurrent state"),
-    );
+    dev.gdn_recurrent(&q, &k, &v, &g_dev, &beta_dev, &mut state_rec.view(), &cu_dev, &slots_dev, &mut out_rec.view(), &shape).unwrap();
+    let (out_want, state_want) = (out_rec.read(&dev, "gdn recurrent out"), state_rec.read(&dev, "gdn recurrent state"));
     let scan = dev.gdn_scan_form(dk);
     let mut work = Out32::new(&dev, RecurrentShape::chunked_workspace_len(t, nv, dk, dv));
     let (mut ms, mut work_simt) = (Vec::new(), Vec::new());
@@ -2444,66 +1411,18 @@ fn gdn_chunk_prep_forms_timing_at_27b_shape_agree_and_tensor_cores_are_faster() 
         let label = format!("t{t}/nk{nk}/nv{nv}/dk{dk}/dv{dv}/{scan:?}/prep{prep:?}");
         let mut state = Out32::with(&dev, &state0);
         let mut out = Out16::new(&dev, t * nv * dv);
-        dev.gdn_chunked_forms(
-            scan,
-            prep,
-            &q,
-            &k,
-            &v,
-            &g_dev,
-            &beta_dev,
-            &mut state.view(),
-            &cu_dev,
-            &slots_dev,
-            &mut out.view(),
-            &mut work.view(),
-            &shape,
-        )
-        .unwrap();
-        check(
-            "gdn_chunk_prep_27b.out_vs_recurrent",
-            st,
-            &label,
-            &out.read(&dev, "gdn out"),
-            &out_want,
-            1e-2,
-        );
-        check(
-            "gdn_chunk_prep_27b.state_vs_recurrent",
-            st,
-            &label,
-            &state.read(&dev, "gdn state"),
-            &state_want,
-            1e-2,
-        );
+        dev.gdn_chunked_forms(scan, prep, &q, &k, &v, &g_dev, &beta_dev, &mut state.view(), &cu_dev, &slots_dev, &mut out.view(), &mut work.view(), &shape)
+            .unwrap();
+        check("gdn_chunk_prep_27b.out_vs_recurrent", st, &label, &out.read(&dev, "gdn out"), &out_want, 1e-2);
+        check("gdn_chunk_prep_27b.state_vs_recurrent", st, &label, &state.read(&dev, "gdn state"), &state_want, 1e-2);
         let w = work.read(&dev, "gdn chunk workspace");
         match prep {
             PrepForm::Simt => work_simt = w,
-            PrepForm::TensorCores => check(
-                "gdn_chunk_prep_27b.work_tc_vs_simt",
-                st,
-                &label,
-                &w,
-                &work_simt,
-                1e-4,
-            ),
+            PrepForm::TensorCores => check("gdn_chunk_prep_27b.work_tc_vs_simt", st, &label, &w, &work_simt, 1e-4),
         }
         let mut run = || {
-            dev.gdn_chunked_prep_only(
-                prep,
-                &q,
-                &k,
-                &v,
-                &g_dev,
-                &beta_dev,
-                &mut state.view(),
-                &cu_dev,
-                &slots_dev,
-                &mut out.view(),
-                &mut work.view(),
-                &shape,
-            )
-            .unwrap()
+            dev.gdn_chunked_prep_only(prep, &q, &k, &v, &g_dev, &beta_dev, &mut state.view(), &cu_dev, &slots_dev, &mut out.view(), &mut work.view(), &shape)
+                .unwrap()
         };
         run();
         dev.synchronize().unwrap();
@@ -2516,18 +1435,13 @@ fn gdn_chunk_prep_forms_timing_at_27b_shape_agree_and_tensor_cores_are_faster() 
     }
     let (ms_simt, ms_tc) = (ms[0], ms[1]);
     println!("TIMING gdn_chunk_prep 27B shape (48 v heads, 16 k heads, dk=dv=128, 8192 tokens, 1 sequence): simt {ms_simt:.3} ms, tensor-cores {ms_tc:.3} ms per call ({:.2}x)", ms_simt / ms_tc);
-    assert!(
-        ms_tc < ms_simt,
-        "tensor-core prep {ms_tc:.3} ms not faster than the SIMT prep {ms_simt:.3} ms"
-    );
+    assert!(ms_tc < ms_simt, "tensor-core prep {ms_tc:.3} ms not faster than the SIMT prep {ms_simt:.3} ms");
 }
 
 #[test]
 fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
     for st in STORAGES {
-        let Some(dev) = gpu("kv_cache_write", st) else {
-            return;
-        };
+        let Some(dev) = gpu("kv_cache_write", st) else { return };
         let mut rng = Rng::new(11);
         // 10 new tokens at positions 20..30 of a sequence whose 4 blocks of 8 are scattered.
         let (t, hk, d, bs, start) = (10, 2, 64, 8, 20);
@@ -2542,53 +1456,17 @@ fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
         let k0 = rounded(&rng.vec(n_slots * row, -1.0, 1.0), st);
         let v0 = rounded(&rng.vec(n_slots * row, -1.0, 1.0), st);
         let (mut kc, mut vc) = (Out16::with(&dev, &k0), Out16::with(&dev, &v0));
-        dev.kv_cache_write(
-            &kv_dev,
-            &kv_dev.slice(row..),
-            &mut kc.view(),
-            &mut vc.view(),
-            &upload_raw(&dev, &slots),
-            row,
-            stride,
-            stride,
-        )
-        .unwrap();
+        dev.kv_cache_write(&kv_dev, &kv_dev.slice(row..), &mut kc.view(), &mut vc.view(), &upload_raw(&dev, &slots), row, stride, stride)
+            .unwrap();
         let (mut k_want, mut v_want) = (k0.clone(), v0.clone());
         for (i, &s) in slots.iter().enumerate() {
             if s >= 0 {
-                let (k_row, v_row) = (
-                    &kv[i * stride..i * stride + row],
-                    &kv[i * stride + row..i * stride + 2 * row],
-                );
-                reference::write_kv(
-                    &mut k_want,
-                    &mut v_want,
-                    k_row,
-                    v_row,
-                    &table,
-                    start + i,
-                    hk,
-                    d,
-                    bs,
-                );
+                let (k_row, v_row) = (&kv[i * stride..i * stride + row], &kv[i * stride + row..i * stride + 2 * row]);
+                reference::write_kv(&mut k_want, &mut v_want, k_row, v_row, &table, start + i, hk, d, bs);
             }
         }
-        check(
-            "kv_cache_write.k",
-            st,
-            "t10",
-            &kc.read(&dev, "k cache"),
-            &k_want,
-            0.0,
-        );
-        check(
-            "kv_cache_write.v",
-            st,
-            "t10",
-            &vc.read(&dev, "v cache"),
-            &v_want,
-            0.0,
-        );
+        check("kv_cache_write.k", st, "t10", &kc.read(&dev, "k cache"), &k_want, 0.0);
+        check("kv_cache_write.v", st, "t10", &vc.read(&dev, "v cache"), &v_want, 0.0);
     }
 }
 
@@ -2602,9 +1480,7 @@ fn kv_cache_write_fills_mapped_slots_and_skips_negative_ones() {
 #[test]
 fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("rope_kv_write", st) else {
-            return;
-        };
+        let Some(dev) = gpu("rope_kv_write", st) else { return };
         let mut rng = Rng::new(31);
         // (tokens, q heads, kv heads, head_dim, rotary_dim, packed, output gate)
         let cases = [
@@ -2624,37 +1500,20 @@ fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
             let (qd, kvd) = (hq * d, hk * d);
             let k_off = if gate { 2 * qd } else { qd };
             let (v_off, width) = (k_off + kvd, k_off + 2 * kvd);
-            let inv_freq: Vec<f32> = (0..rot / 2)
-                .map(|i| 500_000f32.powf(-(2.0 * i as f32) / rot as f32))
-                .collect();
+            let inv_freq: Vec<f32> = (0..rot / 2).map(|i| 500_000f32.powf(-(2.0 * i as f32) / rot as f32)).collect();
             let freq = upload_raw(&dev, &inv_freq);
-            let pos = upload_raw(
-                &dev,
-                &(0..t).map(|_| rng.below(9000) as i32).collect::<Vec<_>>(),
-            );
+            let pos = upload_raw(&dev, &(0..t).map(|_| rng.below(9000) as i32).collect::<Vec<_>>());
             let n_slots = (16 * 8).max(t);
-            let mut slots: Vec<i64> = rng.permutation(n_slots)[..t]
-                .iter()
-                .map(|&x| x as i64)
-                .collect();
+            let mut slots: Vec<i64> = rng.permutation(n_slots)[..t].iter().map(|&x| x as i64).collect();
             if t > 2 {
                 slots[1] = -1;
             }
             let sl = upload_raw(&dev, &slots);
             let proj = rounded(&rng.vec(t * width, -2.0, 2.0), st);
-            let (qn, kn) = (
-                rounded(&rng.vec(t * qd, -2.0, 2.0), st),
-                rounded(&rng.vec(t * kvd, -2.0, 2.0), st),
-            );
-            let (k0, v0) = (
-                rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st),
-                rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st),
-            );
+            let (qn, kn) = (rounded(&rng.vec(t * qd, -2.0, 2.0), st), rounded(&rng.vec(t * kvd, -2.0, 2.0), st));
+            let (k0, v0) = (rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st), rounded(&rng.vec(n_slots * kvd, -1.0, 1.0), st));
             let scale = 1.25;
-            let label = format!(
-                "t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/packed{}/gate{}",
-                packed as u8, gate as u8
-            );
+            let label = format!("t{t}/hq{hq}/hk{hk}/d{d}/rot{rot}/packed{}/gate{}", packed as u8, gate as u8);
             // [proj, q, k, k cache, v cache] for the two kernels, then for the fused one.
             let outs = || [&proj, &qn, &kn, &k0, &v0].map(|init| Out16::with(&dev, init));
             let (mut two, mut one) = (outs(), outs());
@@ -2665,125 +1524,27 @@ fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
                 if packed {
                     let mut pv = p.view();
                     if gate {
-                        dev.rope_neox(
-                            &mut pv,
-                            &mut dummy.view(),
-                            &pos,
-                            &freq,
-                            hq,
-                            0,
-                            d,
-                            width,
-                            0,
-                            scale,
-                        )
-                        .unwrap();
-                        dev.rope_neox(
-                            &mut pv.slice_mut(k_off..),
-                            &mut dummy.view(),
-                            &pos,
-                            &freq,
-                            hk,
-                            0,
-                            d,
-                            width,
-                            0,
-                            scale,
-                        )
-                        .unwrap();
+                        dev.rope_neox(&mut pv, &mut dummy.view(), &pos, &freq, hq, 0, d, width, 0, scale).unwrap();
+                        dev.rope_neox(&mut pv.slice_mut(k_off..), &mut dummy.view(), &pos, &freq, hk, 0, d, width, 0, scale).unwrap();
                     } else {
-                        dev.rope_neox(
-                            &mut pv,
-                            &mut dummy.view(),
-                            &pos,
-                            &freq,
-                            hq + hk,
-                            0,
-                            d,
-                            width,
-                            0,
-                            scale,
-                        )
-                        .unwrap();
+                        dev.rope_neox(&mut pv, &mut dummy.view(), &pos, &freq, hq + hk, 0, d, width, 0, scale).unwrap();
                     }
-                    dev.kv_cache_write(
-                        &pv.slice(k_off..),
-                        &pv.slice(v_off..),
-                        &mut kc,
-                        &mut vc,
-                        &sl,
-                        kvd,
-                        width,
-                        width,
-                    )
-                    .unwrap();
+                    dev.kv_cache_write(&pv.slice(k_off..), &pv.slice(v_off..), &mut kc, &mut vc, &sl, kvd, width, width).unwrap();
                 } else {
                     let mut kv = k.view();
-                    dev.rope_neox(
-                        &mut q.view(),
-                        &mut kv,
-                        &pos,
-                        &freq,
-                        hq,
-                        hk,
-                        d,
-                        qd,
-                        kvd,
-                        scale,
-                    )
-                    .unwrap();
-                    dev.kv_cache_write(
-                        &kv,
-                        &p.view().slice(v_off..),
-                        &mut kc,
-                        &mut vc,
-                        &sl,
-                        kvd,
-                        kvd,
-                        width,
-                    )
-                    .unwrap();
+                    dev.rope_neox(&mut q.view(), &mut kv, &pos, &freq, hq, hk, d, qd, kvd, scale).unwrap();
+                    dev.kv_cache_write(&kv, &p.view().slice(v_off..), &mut kc, &mut vc, &sl, kvd, kvd, width).unwrap();
                 }
             }
             {
                 let [p, q, k, kc, vc] = &mut one;
                 let (mut kc, mut vc) = (kc.view(), vc.view());
-                let shape = |q_stride, k_stride| RopeKvShape {
-                    n_q_heads: hq,
-                    n_kv_heads: hk,
-                    head_dim: d,
-                    q_stride,
-                    k_stride,
-                    v_stride: width,
-                    attn_scale: scale,
-                };
+                let shape = |q_stride, k_stride| RopeKvShape { n_q_heads: hq, n_kv_heads: hk, head_dim: d, q_stride, k_stride, v_stride: width, attn_scale: scale };
                 if packed {
-                    dev.rope_kv_write_packed(
-                        &mut p.view(),
-                        k_off,
-                        v_off,
-                        &mut kc,
-                        &mut vc,
-                        &pos,
-                        &sl,
-                        &freq,
-                        &shape(width, width),
-                    )
-                    .unwrap();
+                    dev.rope_kv_write_packed(&mut p.view(), k_off, v_off, &mut kc, &mut vc, &pos, &sl, &freq, &shape(width, width)).unwrap();
                 } else {
                     let pv = p.view();
-                    dev.rope_kv_write(
-                        &mut q.view(),
-                        &mut k.view(),
-                        &pv.slice(v_off..),
-                        &mut kc,
-                        &mut vc,
-                        &pos,
-                        &sl,
-                        &freq,
-                        &shape(qd, kvd),
-                    )
-                    .unwrap();
+                    dev.rope_kv_write(&mut q.view(), &mut k.view(), &pv.slice(v_off..), &mut kc, &mut vc, &pos, &sl, &freq, &shape(qd, kvd)).unwrap();
                 }
             }
             for (i, what) in ["proj", "q", "k", "k cache", "v cache"].iter().enumerate() {
@@ -2793,15 +1554,8 @@ fn rope_kv_write_equals_rope_then_kv_cache_write_bitwise() {
             // The fused kernel did write: the cached rows differ from the initial cache.
             let kc = one[3].read(&dev, "k cache");
             let s0 = slots[0] as usize * kvd;
-            assert!(
-                kc[s0..s0 + kvd] != k0[s0..s0 + kvd],
-                "rope_kv_write {st:?} {label}: slot {} not written",
-                slots[0]
-            );
-            println!(
-                "PARITY op=rope_kv_write storage={} shape={label} bitwise=1",
-                st.name()
-            );
+            assert!(kc[s0..s0 + kvd] != k0[s0..s0 + kvd], "rope_kv_write {st:?} {label}: slot {} not written", slots[0]);
+            println!("PARITY op=rope_kv_write storage={} shape={label} bitwise=1", st.name());
         }
     }
 }
@@ -2811,12 +1565,7 @@ fn causal_conv1d_carries_state_across_decode_and_prefill() {
     for st in STORAGES {
         let Some(dev) = gpu("conv1d", st) else { return };
         let mut rng = Rng::new(12);
-        for (lens, k, with_bias) in [
-            (vec![1, 1, 1], 4, true),
-            (vec![5, 1, 13], 4, false),
-            (vec![7, 2], 3, true),
-            (vec![4], 2, true),
-        ] {
+        for (lens, k, with_bias) in [(vec![1, 1, 1], 4, true), (vec![5, 1, 13], 4, false), (vec![7, 2], 3, true), (vec![4], 2, true)] {
             let c = 200;
             let n_slots = 6;
             let slots: Vec<i32> = [4, 0, 2][..lens.len()].to_vec();
@@ -2833,13 +1582,7 @@ fn causal_conv1d_carries_state_across_decode_and_prefill() {
             let mut state = Out16::with(&dev, &state0);
             let mut out = Out16::new(&dev, t * c);
             let bias_dev = upload(&dev, &bias);
-            let shape = ConvShape {
-                n_tokens: t,
-                channels: c,
-                x_stride: stride,
-                kernel_size: k,
-                n_slots,
-            };
+            let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots };
             dev.causal_conv1d(
                 &upload(&dev, &x),
                 &mut state.view(),
@@ -2855,39 +1598,15 @@ fn causal_conv1d_carries_state_across_decode_and_prefill() {
             let mut out_want = Vec::new();
             for (s, &slot) in slots.iter().enumerate() {
                 let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
-                let xs: Vec<f32> = (a..b)
-                    .flat_map(|i| x[i * stride..i * stride + c].to_vec())
-                    .collect();
+                let xs: Vec<f32> = (a..b).flat_map(|i| x[i * stride..i * stride + c].to_vec()).collect();
                 let sl = slot as usize * (k - 1) * c;
                 let mut st_slot = state_want[sl..sl + (k - 1) * c].to_vec();
-                out_want.extend(reference::conv1d_seq(
-                    &xs,
-                    &mut st_slot,
-                    &w,
-                    with_bias.then_some(&bias[..]),
-                    b - a,
-                    c,
-                    k,
-                ));
+                out_want.extend(reference::conv1d_seq(&xs, &mut st_slot, &w, with_bias.then_some(&bias[..]), b - a, c, k));
                 state_want[sl..sl + (k - 1) * c].copy_from_slice(&rounded(&st_slot, st));
             }
             let label = format!("lens{lens:?}/k{k}/bias{}", with_bias as u8).replace(' ', "");
-            check(
-                "conv1d.out",
-                st,
-                &label,
-                &out.read(&dev, "conv out"),
-                &out_want,
-                tol16(st),
-            );
-            check(
-                "conv1d.state",
-                st,
-                &label,
-                &state.read(&dev, "conv state"),
-                &state_want,
-                0.0,
-            );
+            check("conv1d.out", st, &label, &out.read(&dev, "conv out"), &out_want, tol16(st));
+            check("conv1d.state", st, &label, &state.read(&dev, "conv state"), &state_want, 0.0);
         }
     }
 }
@@ -2901,9 +1620,7 @@ fn causal_conv1d_carries_state_across_decode_and_prefill() {
 fn causal_conv1d_tiled_equals_per_sequence_bit_for_bit() {
     use ninfer_core::backend::cuda::ops::ConvPath;
     for st in STORAGES {
-        let Some(dev) = gpu("conv1d_tiled", st) else {
-            return;
-        };
+        let Some(dev) = gpu("conv1d_tiled", st) else { return };
         let mut rng = Rng::new(21);
         let cases: [(Vec<usize>, usize, usize, bool); 8] = [
             (vec![100, 1, 0, 2, 37], 4, 200, true),
@@ -2917,10 +1634,7 @@ fn causal_conv1d_tiled_equals_per_sequence_bit_for_bit() {
         ];
         for (lens, k, c, with_bias) in cases {
             let n_slots = lens.len() + 3;
-            let slots: Vec<i32> = rng.permutation(n_slots)[..lens.len()]
-                .iter()
-                .map(|&v| v as i32)
-                .collect();
+            let slots: Vec<i32> = rng.permutation(n_slots)[..lens.len()].iter().map(|&v| v as i32).collect();
             let t: usize = lens.iter().sum();
             let stride = c + 8;
             let x = rounded(&rng.vec(t * stride, -2.0, 2.0), st);
@@ -2931,107 +1645,43 @@ fn causal_conv1d_tiled_equals_per_sequence_bit_for_bit() {
             for l in &lens {
                 cu.push(cu.last().unwrap() + *l as i32);
             }
-            let (x_dev, w_dev, bias_dev) =
-                (upload(&dev, &x), upload(&dev, &w), upload(&dev, &bias));
+            let (x_dev, w_dev, bias_dev) = (upload(&dev, &x), upload(&dev, &w), upload(&dev, &bias));
             let (cu_dev, slots_dev) = (upload_raw(&dev, &cu), upload_raw(&dev, &slots));
-            let shape = ConvShape {
-                n_tokens: t,
-                channels: c,
-                x_stride: stride,
-                kernel_size: k,
-                n_slots,
-            };
+            let shape = ConvShape { n_tokens: t, channels: c, x_stride: stride, kernel_size: k, n_slots };
             let run = |path: ConvPath| {
                 let mut state = Out16::with(&dev, &state0);
                 let mut out = Out16::new(&dev, t * c);
-                let b = if with_bias {
-                    Some(&bias_dev as &dyn ninfer_core::backend::cuda::ops::DevicePtrDyn)
-                } else {
-                    None
-                };
-                dev.causal_conv1d_via(
-                    path,
-                    &x_dev,
-                    &mut state.view(),
-                    &w_dev,
-                    b,
-                    &cu_dev,
-                    &slots_dev,
-                    &mut out.view(),
-                    &shape,
-                )
-                .unwrap();
+                let b = if with_bias { Some(&bias_dev as &dyn ninfer_core::backend::cuda::ops::DevicePtrDyn) } else { None };
+                dev.causal_conv1d_via(path, &x_dev, &mut state.view(), &w_dev, b, &cu_dev, &slots_dev, &mut out.view(), &shape)
+                    .unwrap();
                 (out.read(&dev, "conv out"), state.read(&dev, "conv state"))
             };
             let (out_seq, state_seq) = run(ConvPath::PerSequence);
             let (out_tiled, state_tiled) = run(ConvPath::Tiled);
-            let label =
-                format!("{:?} lens{lens:?}/k{k}/c{c}/bias{}", st, with_bias as u8).replace(' ', "");
+            let label = format!("{:?} lens{lens:?}/k{k}/c{c}/bias{}", st, with_bias as u8).replace(' ', "");
             assert_bitwise(&out_tiled, &out_seq, &format!("conv1d tiled out {label}"));
-            assert_bitwise(
-                &state_tiled,
-                &state_seq,
-                &format!("conv1d tiled state {label}"),
-            );
+            assert_bitwise(&state_tiled, &state_seq, &format!("conv1d tiled state {label}"));
             let mut state_want = state0.clone();
             let mut out_want = Vec::new();
             for (s, &slot) in slots.iter().enumerate() {
                 let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
-                let xs: Vec<f32> = (a..b)
-                    .flat_map(|i| x[i * stride..i * stride + c].to_vec())
-                    .collect();
+                let xs: Vec<f32> = (a..b).flat_map(|i| x[i * stride..i * stride + c].to_vec()).collect();
                 let sl = slot as usize * (k - 1) * c;
                 let mut st_slot = state_want[sl..sl + (k - 1) * c].to_vec();
-                out_want.extend(reference::conv1d_seq(
-                    &xs,
-                    &mut st_slot,
-                    &w,
-                    with_bias.then_some(&bias[..]),
-                    b - a,
-                    c,
-                    k,
-                ));
+                out_want.extend(reference::conv1d_seq(&xs, &mut st_slot, &w, with_bias.then_some(&bias[..]), b - a, c, k));
                 state_want[sl..sl + (k - 1) * c].copy_from_slice(&rounded(&st_slot, st));
             }
-            check(
-                "conv1d_tiled.out",
-                st,
-                &label,
-                &out_tiled,
-                &out_want,
-                tol16(st),
-            );
-            check(
-                "conv1d_tiled.state",
-                st,
-                &label,
-                &state_tiled,
-                &state_want,
-                0.0,
-            );
+            check("conv1d_tiled.out", st, &label, &out_tiled, &out_want, tol16(st));
+            check("conv1d_tiled.state", st, &label, &state_tiled, &state_want, 0.0);
             if t >= 4096 {
                 // The point of the tiled form: a long prompt no longer walks time in one thread.
                 let mut state = Out16::with(&dev, &state0);
                 let mut out = Out16::new(&dev, t * c);
-                let b = if with_bias {
-                    Some(&bias_dev as &dyn ninfer_core::backend::cuda::ops::DevicePtrDyn)
-                } else {
-                    None
-                };
+                let b = if with_bias { Some(&bias_dev as &dyn ninfer_core::backend::cuda::ops::DevicePtrDyn) } else { None };
                 let mut time = |path: ConvPath| {
                     let mut launch = || {
-                        dev.causal_conv1d_via(
-                            path,
-                            &x_dev,
-                            &mut state.view(),
-                            &w_dev,
-                            b,
-                            &cu_dev,
-                            &slots_dev,
-                            &mut out.view(),
-                            &shape,
-                        )
-                        .unwrap()
+                        dev.causal_conv1d_via(path, &x_dev, &mut state.view(), &w_dev, b, &cu_dev, &slots_dev, &mut out.view(), &shape)
+                            .unwrap()
                     };
                     launch();
                     dev.synchronize().unwrap();
@@ -3044,10 +1694,7 @@ fn causal_conv1d_tiled_equals_per_sequence_bit_for_bit() {
                 };
                 let (ms_seq, ms_tiled) = (time(ConvPath::PerSequence), time(ConvPath::Tiled));
                 println!("TIMING conv1d {label}: per-sequence {ms_seq:.3} ms, tiled {ms_tiled:.3} ms per call");
-                assert!(
-                    ms_tiled < ms_seq,
-                    "{label}: tiled {ms_tiled:.3} ms not faster than per-sequence {ms_seq:.3} ms"
-                );
+                assert!(ms_tiled < ms_seq, "{label}: tiled {ms_tiled:.3} ms not faster than per-sequence {ms_seq:.3} ms");
             }
         }
     }
@@ -3056,88 +1703,46 @@ fn causal_conv1d_tiled_equals_per_sequence_bit_for_bit() {
 #[test]
 fn gdn_gates_match_softplus_and_sigmoid() {
     for st in STORAGES {
-        let Some(dev) = gpu("gdn_gates", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gdn_gates", st) else { return };
         let mut rng = Rng::new(13);
         // Contiguous a / b, and a / b as column ranges of wider rows (the fused GDN input
         // projection's output: b at column off, a at off + h, rows `stride` wide).
         for (t, h, stride, off) in [(7, 8, 8, 0), (5, 48, 16480, 16384), (3, 8, 40, 7)] {
             let wide_a = rounded(&rng.vec((t - 1) * stride + h + off + h, -30.0, 30.0), st);
             let wide_b = rounded(&rng.vec((t - 1) * stride + h + off, -6.0, 6.0), st);
-            let pick = |v: &[f32], at: usize| -> Vec<f32> {
-                (0..t)
-                    .flat_map(|r| v[r * stride + at..r * stride + at + h].to_vec())
-                    .collect()
-            };
+            let pick = |v: &[f32], at: usize| -> Vec<f32> { (0..t).flat_map(|r| v[r * stride + at..r * stride + at + h].to_vec()).collect() };
             let (a, b) = (pick(&wide_a, off + h), pick(&wide_b, off));
             let a_log = rng.vec(h, -1.0, 1.0);
             let dt_bias = rng.vec(h, -1.0, 1.0);
             let (mut g, mut beta) = (Out32::new(&dev, t * h), Out32::new(&dev, t * h));
             let (da, db) = (upload(&dev, &wide_a), upload(&dev, &wide_b));
-            dev.gdn_gates(
-                &da.slice(off + h..),
-                &db.slice(off..),
-                stride,
-                &upload_raw(&dev, &a_log),
-                &upload_raw(&dev, &dt_bias),
-                &mut g.view(),
-                &mut beta.view(),
-                t,
-                h,
-            )
-            .unwrap();
+            dev.gdn_gates(&da.slice(off + h..), &db.slice(off..), stride, &upload_raw(&dev, &a_log), &upload_raw(&dev, &dt_bias), &mut g.view(), &mut beta.view(), t, h)
+                .unwrap();
             let g_want: Vec<f32> = (0..t * h)
                 .map(|e| -a_log[e % h].exp() * reference::softplus(a[e] + dt_bias[e % h]))
                 .collect();
             // beta is rounded to storage, as transformers' b.sigmoid() on a bf16 tensor.
-            let beta_want: Vec<f32> = rounded(
-                &b.iter().map(|&x| reference::sigmoid(x)).collect::<Vec<_>>(),
-                st,
-            );
+            let beta_want: Vec<f32> = rounded(&b.iter().map(|&x| reference::sigmoid(x)).collect::<Vec<_>>(), st);
             let shape = format!("t{t}h{h}/s{stride}");
-            check(
-                "gdn_gates.g",
-                st,
-                &shape,
-                &g.read(&dev, "g"),
-                &g_want,
-                TOL32,
-            );
+            check("gdn_gates.g", st, &shape, &g.read(&dev, "g"), &g_want, TOL32);
             // A storage ulp: the device's expf may put a sigmoid on the other side of a rounding
             // boundary (rounding_points.rs checks the rounding itself, element by element).
-            check(
-                "gdn_gates.beta",
-                st,
-                &shape,
-                &beta.read(&dev, "beta"),
-                &beta_want,
-                tol16(st),
-            );
+            check("gdn_gates.beta", st, &shape, &beta.read(&dev, "beta"), &beta_want, tol16(st));
         }
         // A row stride below the head count would read one token's gates as another's: a typed error.
         let (ab, f) = (upload(&dev, &[0.5; 16]), upload_raw(&dev, &[0.0f32; 8]));
         let (mut g, mut beta) = (Out32::new(&dev, 16), Out32::new(&dev, 16));
         let short = dev.gdn_gates(&ab, &ab, 4, &f, &f, &mut g.view(), &mut beta.view(), 2, 8);
-        assert!(
-            matches!(short, Err(NinferError::Device(ref m)) if m.contains("stride 4")),
-            "{short:?}"
-        );
+        assert!(matches!(short, Err(NinferError::Device(ref m)) if m.contains("stride 4")), "{short:?}");
     }
 }
 
 #[test]
 fn gdn_recurrent_rule_matches_reference_and_updates_state() {
     for st in STORAGES {
-        let Some(dev) = gpu("gdn_recurrent", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gdn_recurrent", st) else { return };
         let mut rng = Rng::new(14);
-        for (lens, dk, dv) in [
-            (vec![1, 1], 128, 128),
-            (vec![3, 9, 1], 64, 64),
-            (vec![16], 128, 64),
-        ] {
+        for (lens, dk, dv) in [(vec![1, 1], 128, 128), (vec![3, 9, 1], 64, 64), (vec![16], 128, 64)] {
             let (nk, nv, n_slots) = (2, 4, 5);
             let slots: Vec<i32> = [3, 0, 4, 1][..lens.len()].to_vec();
             let t: usize = lens.iter().sum();
@@ -3153,16 +1758,7 @@ fn gdn_recurrent_rule_matches_reference_and_updates_state() {
             let qkv_dev = upload(&dev, &qkv);
             let mut state = Out32::with(&dev, &state0);
             let mut out = Out16::new(&dev, t * nv * dv);
-            let shape = RecurrentShape {
-                n_tokens: t,
-                n_k_heads: nk,
-                n_v_heads: nv,
-                dk,
-                dv,
-                qk_stride: stride,
-                v_stride: stride,
-                n_slots,
-            };
+            let shape = RecurrentShape { n_tokens: t, n_k_heads: nk, n_v_heads: nv, dk, dv, qk_stride: stride, v_stride: stride, n_slots };
             dev.gdn_recurrent(
                 &qkv_dev,
                 &qkv_dev.slice(nk * dk..),
@@ -3181,15 +1777,9 @@ fn gdn_recurrent_rule_matches_reference_and_updates_state() {
             for (s, &slot) in slots.iter().enumerate() {
                 let toks = cu[s] as usize..cu[s + 1] as usize;
                 let cols = |from: usize, len: usize| -> Vec<f32> {
-                    toks.clone()
-                        .flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec())
-                        .collect()
+                    toks.clone().flat_map(|i| qkv[i * stride + from..i * stride + from + len].to_vec()).collect()
                 };
-                let (q, kk, v) = (
-                    cols(0, nk * dk),
-                    cols(nk * dk, nk * dk),
-                    cols(2 * nk * dk, nv * dv),
-                );
+                let (q, kk, v) = (cols(0, nk * dk), cols(nk * dk, nk * dk), cols(2 * nk * dk, nv * dv));
                 let so = slot as usize * nv * dk * dv;
                 let o = reference::gdn_recurrent_seq(
                     &q,
@@ -3207,31 +1797,15 @@ fn gdn_recurrent_rule_matches_reference_and_updates_state() {
                 out_want[toks.start * nv * dv..toks.end * nv * dv].copy_from_slice(&o);
             }
             let label = format!("lens{lens:?}/dk{dk}/dv{dv}").replace(' ', "");
-            check(
-                "gdn_recurrent.out",
-                st,
-                &label,
-                &out.read(&dev, "gdn out"),
-                &out_want,
-                tol16(st),
-            );
-            check(
-                "gdn_recurrent.state",
-                st,
-                &label,
-                &state.read(&dev, "gdn state"),
-                &state_want,
-                TOL32,
-            );
+            check("gdn_recurrent.out", st, &label, &out.read(&dev, "gdn out"), &out_want, tol16(st));
+            check("gdn_recurrent.state", st, &label, &state.read(&dev, "gdn state"), &state_want, TOL32);
         }
     }
 }
 
 #[test]
 fn argmax_picks_the_first_maximum_and_logsumexp_matches() {
-    let Some(dev) = gpu("argmax", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("argmax", StorageDType::Bf16) else { return };
     let mut rng = Rng::new(15);
     for (rows, vocab) in [(1, 1000), (4, 151_936), (3, 7)] {
         let mut logits = rng.vec(rows * vocab, -10.0, 10.0);
@@ -3240,14 +1814,7 @@ fn argmax_picks_the_first_maximum_and_logsumexp_matches() {
         logits[i] = 20.0;
         logits[j] = 20.0;
         let (mut ids, mut lse) = (OutI32::new(&dev, rows), Out32::new(&dev, rows));
-        dev.argmax_logsumexp(
-            &upload_raw(&dev, &logits),
-            &mut ids.view(),
-            &mut lse.view(),
-            rows,
-            vocab,
-        )
-        .unwrap();
+        dev.argmax_logsumexp(&upload_raw(&dev, &logits), &mut ids.view(), &mut lse.view(), rows, vocab).unwrap();
         let got_ids = ids.read(&dev, "argmax ids");
         let mut want_lse = Vec::new();
         for r in 0..rows {
@@ -3260,18 +1827,10 @@ fn argmax_picks_the_first_maximum_and_logsumexp_matches() {
             }
             assert_eq!(got_ids[r], best as i32, "row {r} of {rows}x{vocab}");
             let mx = row[best] as f64;
-            want_lse
-                .push((mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln()) as f32);
+            want_lse.push((mx + row.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln()) as f32);
         }
         assert_eq!(got_ids[0], i as i32, "ties go to the lowest index");
-        check(
-            "logsumexp",
-            StorageDType::Bf16,
-            &format!("{rows}x{vocab}"),
-            &lse.read(&dev, "lse"),
-            &want_lse,
-            TOL32,
-        );
+        check("logsumexp", StorageDType::Bf16, &format!("{rows}x{vocab}"), &lse.read(&dev, "lse"), &want_lse, TOL32);
     }
 }
 
@@ -3279,33 +1838,21 @@ fn argmax_picks_the_first_maximum_and_logsumexp_matches() {
 fn arena_regions_are_aligned_disjoint_and_bounded() {
     use cudarc::driver::DevicePtr;
     use ninfer_core::backend::cuda::arena::{ActivationArena, ARENA_ALIGN};
-    let Some(dev) = gpu("arena", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("arena", StorageDType::Bf16) else { return };
     let mut arena = ActivationArena::new(&dev, 1 << 20).unwrap();
     {
         let mut regions = arena.regions::<u16>(&dev, &[100, 1000, 3]).unwrap();
-        let ptrs: Vec<u64> = regions
-            .iter()
-            .map(|r| r.device_ptr(dev.stream()).0)
-            .collect();
+        let ptrs: Vec<u64> = regions.iter().map(|r| r.device_ptr(dev.stream()).0).collect();
         assert!(ptrs.iter().all(|p| p % ARENA_ALIGN as u64 == 0));
         assert!(ptrs[0] + 200 <= ptrs[1] && ptrs[1] + 2000 <= ptrs[2]);
         let x = upload(&dev, &vec![3.0; 100]);
         let w = upload(&dev, &vec![1.0; 100]);
-        dev.rmsnorm(&x, &w, &mut *regions[0], 1, 100, 100, 100, 0.0, false)
-            .unwrap();
+        dev.rmsnorm(&x, &w, &mut *regions[0], 1, 100, 100, 100, 0.0, false).unwrap();
         dev.synchronize().unwrap();
-        let back = from_bits(
-            &dev.stream().clone_dtoh(&*regions[0]).unwrap(),
-            dev.storage(),
-        );
+        let back = from_bits(&dev.stream().clone_dtoh(&*regions[0]).unwrap(), dev.storage());
         assert!(back.iter().all(|&v| (v - 1.0).abs() < 1e-2), "{back:?}");
     }
-    assert!(matches!(
-        arena.regions::<f32>(&dev, &[1 << 20]),
-        Err(NinferError::OutOfMemory { .. })
-    ));
+    assert!(matches!(arena.regions::<f32>(&dev, &[1 << 20]), Err(NinferError::OutOfMemory { .. })));
 }
 
 /// A decode-attention timing case: `batch` sequences of `ctx` keys each over contiguous block
@@ -3326,13 +1873,7 @@ struct AttnTimingCase {
 }
 
 impl AttnTimingCase {
-    fn new(
-        dev: &CudaDevice,
-        (hq, hk, d): (usize, usize, usize),
-        batch: usize,
-        ctx: usize,
-        min_bytes: usize,
-    ) -> Self {
+    fn new(dev: &CudaDevice, (hq, hk, d): (usize, usize, usize), batch: usize, ctx: usize, min_bytes: usize) -> Self {
         let bs = 16;
         let blocks_per = ctx.div_ceil(bs);
         let num_blocks = batch * blocks_per;
@@ -3342,9 +1883,7 @@ impl AttnTimingCase {
         // Distinct buffers (their contents may repeat: L2 keeps addresses, not values).
         let (kh, vh) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
         let copies = min_bytes.div_ceil(kv_bytes).max(1);
-        let caches = (0..copies)
-            .map(|_| (upload(dev, &kh), upload(dev, &vh)))
-            .collect();
+        let caches = (0..copies).map(|_| (upload(dev, &kh), upload(dev, &vh))).collect();
         AttnTimingCase {
             caches,
             tables: upload_raw(dev, &(0..num_blocks as i32).collect::<Vec<_>>()),
@@ -3370,12 +1909,7 @@ impl AttnTimingCase {
 
     /// Milliseconds a call of `call(case, k_cache, v_cache, out)` over `iters` calls, each on
     /// the next cache pair.
-    fn time(
-        &mut self,
-        dev: &CudaDevice,
-        iters: usize,
-        mut call: impl FnMut(&Self, &CudaSlice<u16>, &CudaSlice<u16>, &mut CudaSlice<u16>),
-    ) -> f64 {
+    fn time(&mut self, dev: &CudaDevice, iters: usize, mut call: impl FnMut(&Self, &CudaSlice<u16>, &CudaSlice<u16>, &mut CudaSlice<u16>)) -> f64 {
         let mut out = std::mem::replace(&mut self.out, dev.stream().alloc_zeros::<u16>(1).unwrap());
         let mut i = 0;
         let t = time_ms(dev, iters, || {
@@ -3404,10 +1938,7 @@ fn assert_copy_pace(dev: &CudaDevice, what: &str, ms: f64, moved: usize, max_rat
         ms / copy,
         moved as f64 / ms / 1e6
     );
-    assert!(
-        ms <= max_ratio * copy,
-        "{what}: {ms:.4} ms against a copy of its bytes {copy:.4} ms (bound {max_ratio}x)"
-    );
+    assert!(ms <= max_ratio * copy, "{what}: {ms:.4} ms against a copy of its bytes {copy:.4} ms (bound {max_ratio}x)");
 }
 
 fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
@@ -3415,14 +1946,8 @@ fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
         f();
     }
-    let start = dev
-        .context()
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
-    let end = dev
-        .context()
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
+    let start = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let end = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
     start.record(dev.stream()).unwrap();
     for _ in 0..iters {
         f();
@@ -3437,45 +1962,27 @@ fn time_ms(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
 #[test]
 #[ignore]
 fn report_decode_op_throughput() {
-    let Some(dev) = gpu("throughput", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("throughput", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
     let (n, k) = (14336, 4096);
     let w = s.alloc_zeros::<u16>(n * k).unwrap();
     let mut w2 = s.alloc_zeros::<u16>(n * k).unwrap();
     let bytes = (n * k * 2) as f64;
     let copy = time_ms(&dev, 20, || s.memcpy_dtod(&w, &mut w2).unwrap());
-    println!(
-        "PERF op=copy bytes={bytes} ms={copy:.4} GBps={:.0}",
-        2.0 * bytes / copy / 1e6
-    );
+    println!("PERF op=copy bytes={bytes} ms={copy:.4} GBps={:.0}", 2.0 * bytes / copy / 1e6);
     for m in [1, 2, 4, 8] {
         let x = s.alloc_zeros::<u16>(m * k).unwrap();
         let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
         let t = time_ms(&dev, 20, || dev.gemv(&x, &w, &mut y, m, n, k).unwrap());
         let gbps = bytes / t / 1e6;
-        println!(
-            "PERF op=gemv m={m} n={n} k={k} ms={t:.4} GBps={gbps:.0} frac_of_copy_read={:.2}",
-            t.recip() * copy / 2.0
-        );
+        println!("PERF op=gemv m={m} n={n} k={k} ms={t:.4} GBps={gbps:.0} frac_of_copy_read={:.2}", t.recip() * copy / 2.0);
         let tg = time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
-        println!(
-            "PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}",
-            bytes / tg / 1e6
-        );
+        println!("PERF op=cublas_small_m m={m} ms={tg:.4} GBps={:.0}", bytes / tg / 1e6);
     }
     // The two GEMV forms against cuBLAS: weight read rate of the tensor-core GEMV (the route on
     // sm_80+), the SIMT GEMV and cuBLAS, at the 8B gate/up shape for M = 1, 2, 4, 8, and at M = 1
     // for a 4096 x 4096 projection and the 8B lm_head (128256 x 4096, f32 logits).
-    for (m, n, k, f32_out) in [
-        (1, 14336, 4096, false),
-        (2, 14336, 4096, false),
-        (4, 14336, 4096, false),
-        (8, 14336, 4096, false),
-        (1, 4096, 4096, false),
-        (1, 128256, 4096, true),
-    ] {
+    for (m, n, k, f32_out) in [(1, 14336, 4096, false), (2, 14336, 4096, false), (4, 14336, 4096, false), (8, 14336, 4096, false), (1, 4096, 4096, false), (1, 128256, 4096, true)] {
         let w = s.alloc_zeros::<u16>(n * k).unwrap();
         let x = s.alloc_zeros::<u16>(m * k).unwrap();
         let wbytes = (n * k * 2) as f64;
@@ -3483,29 +1990,18 @@ fn report_decode_op_throughput() {
             if f32_out {
                 let mut y = s.alloc_zeros::<f32>(m * n).unwrap();
                 match form {
-                    Some(form) => time_ms(&dev, 20, || {
-                        dev.gemv_f32_out_with(form, &x, &w, &mut y, m, n, k)
-                            .unwrap()
-                    }),
-                    None => time_ms(&dev, 20, || {
-                        dev.gemm_f32_out(&x, &w, &mut y, m, n, k).unwrap()
-                    }),
+                    Some(form) => time_ms(&dev, 20, || dev.gemv_f32_out_with(form, &x, &w, &mut y, m, n, k).unwrap()),
+                    None => time_ms(&dev, 20, || dev.gemm_f32_out(&x, &w, &mut y, m, n, k).unwrap()),
                 }
             } else {
                 let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
                 match form {
-                    Some(form) => time_ms(&dev, 20, || {
-                        dev.gemv_with(form, &x, &w, &mut y, m, n, k).unwrap()
-                    }),
+                    Some(form) => time_ms(&dev, 20, || dev.gemv_with(form, &x, &w, &mut y, m, n, k).unwrap()),
                     None => time_ms(&dev, 20, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap()),
                 }
             }
         };
-        let (tc, simt, cublas) = (
-            time(Some(GemvForm::TensorCores)),
-            time(Some(GemvForm::Simt)),
-            time(None),
-        );
+        let (tc, simt, cublas) = (time(Some(GemvForm::TensorCores)), time(Some(GemvForm::Simt)), time(None));
         println!(
             "PERF op=gemv_forms m={m} n={n} k={k} out={} tc_GBps={:.0} simt_GBps={:.0} cublas_GBps={:.0} tc_over_simt={:.3} tc_frac_of_copy_read={:.2}",
             if f32_out { "f32" } else { "storage" },
@@ -3526,41 +2022,20 @@ fn report_decode_op_throughput() {
         let mut act = s.alloc_zeros::<u16>(m * inter).unwrap();
         let unfused = time_ms(&dev, 20, || {
             dev.gemv(&x, &wgu, &mut gu, m, 2 * inter, k).unwrap();
-            dev.swiglu(
-                &gu,
-                &gu.slice(inter..),
-                &mut act,
-                m,
-                inter,
-                2 * inter,
-                2 * inter,
-            )
-            .unwrap();
+            dev.swiglu(&gu, &gu.slice(inter..), &mut act, m, inter, 2 * inter, 2 * inter).unwrap();
         });
-        let fused = time_ms(&dev, 20, || {
-            dev.gemv_gateup_swiglu(&x, &wgu, &mut act, m, inter, k)
-                .unwrap()
-        });
+        let fused = time_ms(&dev, 20, || dev.gemv_gateup_swiglu(&x, &wgu, &mut act, m, inter, k).unwrap());
         println!("PERF op=gate_up m={m} n={} k={k} gemv_swiglu_ms={unfused:.4} fused_ms={fused:.4} GBps={:.0}", 2 * inter, 2.0 * bytes / fused / 1e6);
     }
     let m = 4096;
     let x = s.alloc_zeros::<u16>(m * k).unwrap();
     let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
     let t = time_ms(&dev, 10, || dev.gemm(&x, &w, &mut y, m, n, k).unwrap());
-    println!(
-        "PERF op=gemm m={m} n={n} k={k} ms={t:.4} TFLOPs={:.0}",
-        2.0 * (m * n * k) as f64 / t / 1e9
-    );
+    println!("PERF op=gemm m={m} n={n} k={k} ms={t:.4} TFLOPs={:.0}", 2.0 * (m * n * k) as f64 / t / 1e9);
 
     for (batch, ctx) in [(1, 4096), (32, 2048), (1, 32768)] {
         let mut case = AttnTimingCase::new(&dev, (32, 8, 128), batch, ctx, 0);
-        let t = case.time(&dev, 20, |c, kc, vc, out| {
-            dev.paged_attention(&c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape)
-                .unwrap()
-        });
-        println!(
-            "PERF op=attention_decode batch={batch} ctx={ctx} ms={t:.4} kv_GBps={:.0}",
-            case.kv_bytes as f64 / t / 1e6
-        );
+        let t = case.time(&dev, 20, |c, kc, vc, out| dev.paged_attention(&c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape).unwrap());
+        println!("PERF op=attention_decode batch={batch} ctx={ctx} ms={t:.4} kv_GBps={:.0}", case.kv_bytes as f64 / t / 1e6);
     }
 }

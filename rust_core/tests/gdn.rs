@@ -3,8 +3,7 @@
 //! by tests/gdn_golden.py).
 
 use ninfer_core::backend::cpu::gdn::{
-    causal_conv1d_silu, gated_delta_rule_chunked, gated_delta_rule_recurrent, rms_norm_gated,
-    GdnDims,
+    causal_conv1d_silu, gated_delta_rule_chunked, gated_delta_rule_recurrent, rms_norm_gated, GdnDims,
 };
 use serde_json::Value;
 
@@ -33,16 +32,8 @@ impl SplitMix {
 /// max |a - b| / max |b|: the error relative to the size of the reference.
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    let size = want
-        .iter()
-        .map(|b| b.abs())
-        .fold(0.0f32, f32::max)
-        .max(1e-6);
+    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let size = want.iter().map(|b| b.abs()).fold(0.0f32, f32::max).max(1e-6);
     diff / size
 }
 
@@ -103,10 +94,7 @@ impl DeltaInputs {
             &self.k[t0 * nk * kd..(t0 + n) * nk * kd],
         );
         let v = &self.v[t0 * nv * vd..(t0 + n) * nv * vd];
-        let (g, beta) = (
-            &self.g[t0 * nv..(t0 + n) * nv],
-            &self.beta[t0 * nv..(t0 + n) * nv],
-        );
+        let (g, beta) = (&self.g[t0 * nv..(t0 + n) * nv], &self.beta[t0 * nv..(t0 + n) * nv]);
         form(&d, q, k, v, g, beta, state, &mut out);
         out
     }
@@ -190,14 +178,7 @@ fn split_calls_with_carried_state_equal_one_call() {
 }
 
 /// Zero-padded causal depthwise conv + SiLU over a whole sequence, written the plain way.
-fn naive_conv(
-    x: &[f32],
-    t: usize,
-    c: usize,
-    w: &[f32],
-    k: usize,
-    bias: Option<&[f32]>,
-) -> Vec<f32> {
+fn naive_conv(x: &[f32], t: usize, c: usize, w: &[f32], k: usize, bias: Option<&[f32]>) -> Vec<f32> {
     let mut out = vec![0.0; t * c];
     for i in 0..t {
         for ch in 0..c {
@@ -226,10 +207,7 @@ fn conv1d_chunks_with_carried_state_equal_one_call_and_naive() {
         let mut state = vec![0.0; c * (k - 1)];
         let mut one = vec![f32::NAN; t * c];
         causal_conv1d_silu(&x, t, c, &w, k, b, &mut state, &mut one);
-        assert!(
-            rel_err(&one, &want) < 1e-6,
-            "one call differs from naive conv"
-        );
+        assert!(rel_err(&one, &want) < 1e-6, "one call differs from naive conv");
         let last_inputs: Vec<f32> = (0..c)
             .flat_map(|ch| (t - (k - 1)..t).map(move |i| (i, ch)))
             .map(|(i, ch)| x[i * c + ch])
@@ -250,10 +228,7 @@ fn conv1d_chunks_with_carried_state_equal_one_call_and_naive() {
                 t0 += n;
             }
             assert_eq!(t0, t);
-            assert!(
-                rel_err(&out, &one) < 1e-6,
-                "chunked conv differs from one call"
-            );
+            assert!(rel_err(&out, &one) < 1e-6, "chunked conv differs from one call");
             assert_eq!(state, last_inputs, "chunked conv state differs");
         }
     }
@@ -285,12 +260,8 @@ fn usize_of(v: &Value, key: &str) -> usize {
 }
 
 fn golden() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/gdn_golden.json"
-    );
-    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden fixture"))
-        .expect("parse golden fixture")
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gdn_golden.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read golden fixture")).expect("parse golden fixture")
 }
 
 #[test]
@@ -312,14 +283,8 @@ fn delta_rule_matches_transformers_golden() {
             let mut out = vec![f32::NAN; want_out.len()];
             form(&d, &q, &k, &v, &g, &beta, &mut state, &mut out);
             let (eo, es) = (rel_err(&out, &want_out), rel_err(&state, &want_state));
-            assert!(
-                eo < 1e-4,
-                "{name} out vs transformers ({d:?}): rel err {eo}"
-            );
-            assert!(
-                es < 1e-4,
-                "{name} final state vs transformers ({d:?}): rel err {es}"
-            );
+            assert!(eo < 1e-4, "{name} out vs transformers ({d:?}): rel err {eo}");
+            assert!(es < 1e-4, "{name} final state vs transformers ({d:?}): rel err {es}");
         }
     }
 }
@@ -328,11 +293,7 @@ fn delta_rule_matches_transformers_golden() {
 fn conv1d_matches_transformers_golden() {
     let golden = golden();
     for case in golden["conv1d"].as_array().expect("conv1d cases") {
-        let (t, c, k) = (
-            usize_of(case, "t"),
-            usize_of(case, "c"),
-            usize_of(case, "k"),
-        );
+        let (t, c, k) = (usize_of(case, "t"), usize_of(case, "c"), usize_of(case, "k"));
         let bias = case["bias"].as_array().map(|_| floats(&case["bias"]));
         let want = floats(&case["out"]);
         let mut state = vec![0.0; c * (k - 1)];
@@ -348,20 +309,14 @@ fn conv1d_matches_transformers_golden() {
             &mut out,
         );
         let e = rel_err(&out, &want);
-        assert!(
-            e < 1e-4,
-            "conv1d vs transformers (t={t}, c={c}, k={k}): rel err {e}"
-        );
+        assert!(e < 1e-4, "conv1d vs transformers (t={t}, c={c}, k={k}): rel err {e}");
     }
 }
 
 #[test]
 fn rms_norm_gated_matches_transformers_golden() {
     let golden = golden();
-    for case in golden["rms_norm_gated"]
-        .as_array()
-        .expect("rms_norm_gated cases")
-    {
+    for case in golden["rms_norm_gated"].as_array().expect("rms_norm_gated cases") {
         let (rows, v_dim) = (usize_of(case, "rows"), usize_of(case, "v_dim"));
         let eps = case["eps"].as_f64().expect("eps") as f32;
         let want = floats(&case["out"]);

@@ -43,28 +43,15 @@ pub struct WeightStore {
 
 fn map_file(path: &Path) -> Result<MappedFile> {
     if !path.exists() {
-        return Err(NinferError::MissingFile {
-            path: path.to_path_buf(),
-            what: "a safetensors weight file".into(),
-        });
+        return Err(NinferError::MissingFile { path: path.to_path_buf(), what: "a safetensors weight file".into() });
     }
     let file = File::open(path).map_err(|e| NinferError::io(path, e))?;
     // SAFETY: the file is opened read-only; like every mmap-based loader we assume nobody
     // truncates the checkpoint while the model loads.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| NinferError::io(path, e))?;
-    let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-        NinferError::malformed(
-            path,
-            format!("not a valid safetensors file (truncated?): {e}"),
-        )
-    })?;
-    Ok(MappedFile {
-        path: path.to_path_buf(),
-        file,
-        mmap,
-        header_len,
-        metadata,
-    })
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(&mmap).map_err(|e| NinferError::malformed(path, format!("not a valid safetensors file (truncated?): {e}")))?;
+    Ok(MappedFile { path: path.to_path_buf(), file, mmap, header_len, metadata })
 }
 
 fn dtype_name(d: Dtype) -> String {
@@ -80,38 +67,27 @@ impl WeightStore {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| NinferError::io(&index_path, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| NinferError::malformed(&index_path, e.to_string()))?;
+            let text = std::fs::read_to_string(&index_path).map_err(|e| NinferError::io(&index_path, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| NinferError::malformed(&index_path, e.to_string()))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| NinferError::malformed(&index_path, "no `weight_map` object"))?;
             let mut shard_of: BTreeMap<String, usize> = BTreeMap::new();
             for (name, file) in map {
-                let file = file.as_str().ok_or_else(|| {
-                    NinferError::malformed(
-                        &index_path,
-                        format!("weight_map[{name}] is not a file name"),
-                    )
-                })?;
+                let file = file.as_str().ok_or_else(|| NinferError::malformed(&index_path, format!("weight_map[{name}] is not a file name")))?;
                 let next = shard_of.len();
                 let i = *shard_of.entry(file.to_string()).or_insert(next);
                 index.insert(name.clone(), i);
             }
-            let mut ordered: Vec<(usize, String)> =
-                shard_of.into_iter().map(|(f, i)| (i, f)).collect();
+            let mut ordered: Vec<(usize, String)> = shard_of.into_iter().map(|(f, i)| (i, f)).collect();
             ordered.sort();
             for (_, f) in ordered {
                 files.push(map_file(&dir.join(f))?);
             }
             for (name, &i) in &index {
                 if files[i].metadata.info(name).is_none() {
-                    return Err(NinferError::MissingTensor {
-                        name: name.clone(),
-                        path: files[i].path.clone(),
-                    });
+                    return Err(NinferError::MissingTensor { name: name.clone(), path: files[i].path.clone() });
                 }
             }
         } else if single.exists() {
@@ -121,16 +97,9 @@ impl WeightStore {
             }
             files.push(f);
         } else {
-            return Err(NinferError::MissingFile {
-                path: single,
-                what: "the weights (model.safetensors or model.safetensors.index.json)".into(),
-            });
+            return Err(NinferError::MissingFile { path: single, what: "the weights (model.safetensors or model.safetensors.index.json)".into() });
         }
-        Ok(WeightStore {
-            files,
-            index,
-            dir: dir.to_path_buf(),
-        })
+        Ok(WeightStore { files, index, dir: dir.to_path_buf() })
     }
 
     /// True when the checkpoint holds `name`.
@@ -149,17 +118,11 @@ impl WeightStore {
     pub fn info(&self, name: &str) -> Result<TensorInfo> {
         let (f, info) = self.locate(name)?;
         let _ = f;
-        Ok(TensorInfo {
-            shape: info.shape.clone(),
-            dtype: dtype_name(info.dtype),
-        })
+        Ok(TensorInfo { shape: info.shape.clone(), dtype: dtype_name(info.dtype) })
     }
 
     fn locate(&self, name: &str) -> Result<(&MappedFile, &::safetensors::tensor::TensorInfo)> {
-        let missing = || NinferError::MissingTensor {
-            name: name.to_string(),
-            path: self.dir.clone(),
-        };
+        let missing = || NinferError::MissingTensor { name: name.to_string(), path: self.dir.clone() };
         let &i = self.index.get(name).ok_or_else(missing)?;
         let f = &self.files[i];
         let info = f.metadata.info(name).ok_or_else(missing)?;
@@ -172,49 +135,24 @@ impl WeightStore {
     pub fn raw(&self, name: &str, expected: &[usize]) -> Result<RawTensor<'_>> {
         let (f, info) = self.locate(name)?;
         if info.shape != expected {
-            return Err(NinferError::TensorShape {
-                name: name.to_string(),
-                expected: expected.to_vec(),
-                got: info.shape.clone(),
-            });
+            return Err(NinferError::TensorShape { name: name.to_string(), expected: expected.to_vec(), got: info.shape.clone() });
         }
         let elem = match info.dtype {
             Dtype::F32 => 4,
             Dtype::F16 | Dtype::BF16 => 2,
-            other => {
-                return Err(NinferError::TensorDtype {
-                    name: name.to_string(),
-                    dtype: dtype_name(other),
-                })
-            }
+            other => return Err(NinferError::TensorDtype { name: name.to_string(), dtype: dtype_name(other) }),
         };
         let start = 8 + f.header_len + info.data_offsets.0;
         let end = 8 + f.header_len + info.data_offsets.1;
-        let bytes = f.mmap.get(start..end).ok_or_else(|| {
-            NinferError::malformed(
-                &f.path,
-                format!("tensor {name} lies past the end of the file"),
-            )
-        })?;
+        let bytes = f
+            .mmap
+            .get(start..end)
+            .ok_or_else(|| NinferError::malformed(&f.path, format!("tensor {name} lies past the end of the file")))?;
         let numel: usize = info.shape.iter().product();
         if bytes.len() != numel * elem {
-            return Err(NinferError::malformed(
-                &f.path,
-                format!(
-                    "tensor {name} has {} values, shape needs {numel}",
-                    bytes.len() / elem
-                ),
-            ));
+            return Err(NinferError::malformed(&f.path, format!("tensor {name} has {} values, shape needs {numel}", bytes.len() / elem)));
         }
-        Ok(RawTensor {
-            name: name.to_string(),
-            dtype: info.dtype,
-            numel,
-            bytes,
-            file: &f.file,
-            path: &f.path,
-            offset: start as u64,
-        })
+        Ok(RawTensor { name: name.to_string(), dtype: info.dtype, numel, bytes, file: &f.file, path: &f.path, offset: start as u64 })
     }
 
     /// Load a tensor as f32 after checking that its shape is `expected`.
@@ -249,26 +187,17 @@ impl RawTensor<'_> {
         let n = out.len();
         match self.dtype {
             Dtype::F32 => {
-                for (o, b) in out
-                    .iter_mut()
-                    .zip(self.bytes[4 * first..4 * (first + n)].chunks_exact(4))
-                {
+                for (o, b) in out.iter_mut().zip(self.bytes[4 * first..4 * (first + n)].chunks_exact(4)) {
                     *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
             }
             Dtype::F16 => {
-                for (o, b) in out
-                    .iter_mut()
-                    .zip(self.bytes[2 * first..2 * (first + n)].chunks_exact(2))
-                {
+                for (o, b) in out.iter_mut().zip(self.bytes[2 * first..2 * (first + n)].chunks_exact(2)) {
                     *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
                 }
             }
             _ => {
-                for (o, b) in out
-                    .iter_mut()
-                    .zip(self.bytes[2 * first..2 * (first + n)].chunks_exact(2))
-                {
+                for (o, b) in out.iter_mut().zip(self.bytes[2 * first..2 * (first + n)].chunks_exact(2)) {
                     *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
                 }
             }
@@ -282,9 +211,7 @@ impl RawTensor<'_> {
     pub fn read_into(&self, first: usize, out: &mut [u8]) -> Result<()> {
         use std::os::unix::fs::FileExt;
         debug_assert!(first + out.len() <= self.bytes.len());
-        self.file
-            .read_exact_at(out, self.offset + first as u64)
-            .map_err(|e| NinferError::io(self.path, e))
+        self.file.read_exact_at(out, self.offset + first as u64).map_err(|e| NinferError::io(self.path, e))
     }
 
     /// Copies stored bytes `first..first + out.len()` into `out` (from the mapping where
@@ -303,19 +230,11 @@ mod tests {
     use ::safetensors::tensor::TensorView;
 
     fn write(dir: &Path, file: &str, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
-        let bufs: Vec<Vec<u8>> = tensors
-            .iter()
-            .map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
+        let bufs: Vec<Vec<u8>> = tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
         let views: Vec<(String, TensorView)> = tensors
             .iter()
             .zip(&bufs)
-            .map(|((n, s, _), b)| {
-                (
-                    n.to_string(),
-                    TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
-                )
-            })
+            .map(|((n, s, _), b)| (n.to_string(), TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
             .collect();
         ::safetensors::tensor::serialize_to_file(views, None, &dir.join(file)).unwrap();
     }
@@ -330,21 +249,11 @@ mod tests {
     #[test]
     fn single_file_loads_and_checks_shape() {
         let d = tmpdir("single");
-        write(
-            &d,
-            "model.safetensors",
-            &[("a", vec![2, 3], (0..6).map(|x| x as f32).collect())],
-        );
+        write(&d, "model.safetensors", &[("a", vec![2, 3], (0..6).map(|x| x as f32).collect())]);
         let s = WeightStore::open(&d).unwrap();
         assert_eq!(s.load_f32("a", &[2, 3]).unwrap()[5], 5.0);
-        assert!(matches!(
-            s.load_f32("a", &[3, 2]),
-            Err(NinferError::TensorShape { .. })
-        ));
-        assert!(matches!(
-            s.load_f32("b", &[1]),
-            Err(NinferError::MissingTensor { .. })
-        ));
+        assert!(matches!(s.load_f32("a", &[3, 2]), Err(NinferError::TensorShape { .. })));
+        assert!(matches!(s.load_f32("b", &[1]), Err(NinferError::MissingTensor { .. })));
     }
 
     #[test]
@@ -352,11 +261,7 @@ mod tests {
         let d = tmpdir("shards");
         write(&d, "s1.safetensors", &[("a", vec![2], vec![1.0, 2.0])]);
         write(&d, "s2.safetensors", &[("b", vec![1], vec![3.0])]);
-        std::fs::write(
-            d.join("model.safetensors.index.json"),
-            r#"{"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}"#,
-        )
-        .unwrap();
+        std::fs::write(d.join("model.safetensors.index.json"), r#"{"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}"#).unwrap();
         let s = WeightStore::open(&d).unwrap();
         assert_eq!(s.load_f32("b", &[1]).unwrap(), vec![3.0]);
         assert_eq!(s.names(), vec!["a", "b"]);

@@ -11,16 +11,11 @@ pub fn env_switch(name: &str, default: bool) -> Result<bool> {
 
 /// `value` of switch `name`: 1/true/on/yes or 0/false/off/no (any case, spaces trimmed).
 pub fn parse_switch(name: &str, value: Option<&str>, default: bool) -> Result<bool> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(default);
-    };
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(default) };
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Ok(true),
         "0" | "false" | "off" | "no" => Ok(false),
-        _ => Err(NinferError::config(
-            name,
-            format!("expected 1/true/on/yes or 0/false/off/no, got {v:?}"),
-        )),
+        _ => Err(NinferError::config(name, format!("expected 1/true/on/yes or 0/false/off/no, got {v:?}"))),
     }
 }
 
@@ -42,12 +37,7 @@ mod tests {
 
     #[test]
     fn an_unknown_value_is_an_error_naming_the_variable_and_the_value() {
-        let e = parse_switch("NINFER_CUDA_GRAPHS", Some("maybe"), true)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("NINFER_CUDA_GRAPHS") && e.contains("maybe"),
-            "{e}"
-        );
+        let e = parse_switch("NINFER_CUDA_GRAPHS", Some("maybe"), true).unwrap_err().to_string();
+        assert!(e.contains("NINFER_CUDA_GRAPHS") && e.contains("maybe"), "{e}");
     }
 }

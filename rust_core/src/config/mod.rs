@@ -7,7 +7,5 @@ pub mod rope;
 
 pub use env_switch::env_switch;
 pub use generation_config::GenerationConfig;
-pub use model_config::{
-    ArchFamily, LayerType, LinearAttentionConfig, ModelConfig, SUPPORTED_ARCHITECTURES,
-};
+pub use model_config::{ArchFamily, LayerType, LinearAttentionConfig, ModelConfig, SUPPORTED_ARCHITECTURES};
 pub use rope::{RopeConfig, RopeScaling};

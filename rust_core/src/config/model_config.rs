@@ -163,52 +163,34 @@ impl<'a> Fields<'a> {
     fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-                NinferError::config(
-                    self.name(key),
-                    format!("expected a non-negative integer, got {v}"),
-                )
-            }),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| NinferError::config(self.name(key), format!("expected a non-negative integer, got {v}"))),
         }
     }
     fn usize(&self, key: &str) -> Result<usize> {
-        let n = self
-            .opt_usize(key)?
-            .ok_or_else(|| NinferError::config(self.name(key), "missing from config.json"))?;
+        let n = self.opt_usize(key)?.ok_or_else(|| NinferError::config(self.name(key), "missing from config.json"))?;
         if n == 0 {
-            return Err(NinferError::config(
-                self.name(key),
-                "must be positive, got 0",
-            ));
+            return Err(NinferError::config(self.name(key), "must be positive, got 0"));
         }
         Ok(n)
     }
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                NinferError::config(self.name(key), format!("expected a number, got {v}"))
-            }),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| NinferError::config(self.name(key), format!("expected a number, got {v}"))),
         }
     }
     fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(NinferError::config(
-                self.name(key),
-                format!("expected a boolean, got {v}"),
-            )),
+            Some(v) => Err(NinferError::config(self.name(key), format!("expected a boolean, got {v}"))),
         }
     }
     fn str_or(&self, key: &str, default: &'a str) -> Result<&'a str> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(default),
             Some(Value::String(s)) => Ok(s.as_str()),
-            Some(v) => Err(NinferError::config(
-                self.name(key),
-                format!("expected a string, got {v}"),
-            )),
+            Some(v) => Err(NinferError::config(self.name(key), format!("expected a string, got {v}"))),
         }
     }
 }
@@ -217,22 +199,12 @@ impl<'a> Fields<'a> {
 pub(crate) fn token_id_list(v: Option<&Value>, field: &str) -> Result<Vec<u32>> {
     match v {
         None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::Number(n)) => n
-            .as_u64()
-            .map(|i| vec![i as u32])
-            .ok_or_else(|| NinferError::config(field, format!("expected a token id, got {n}"))),
+        Some(Value::Number(n)) => n.as_u64().map(|i| vec![i as u32]).ok_or_else(|| NinferError::config(field, format!("expected a token id, got {n}"))),
         Some(Value::Array(items)) => items
             .iter()
-            .map(|i| {
-                i.as_u64().map(|i| i as u32).ok_or_else(|| {
-                    NinferError::config(field, format!("expected token ids, got {i}"))
-                })
-            })
+            .map(|i| i.as_u64().map(|i| i as u32).ok_or_else(|| NinferError::config(field, format!("expected token ids, got {i}"))))
             .collect(),
-        Some(other) => Err(NinferError::config(
-            field,
-            format!("expected an int or a list of ints, got {other}"),
-        )),
+        Some(other) => Err(NinferError::config(field, format!("expected an int or a list of ints, got {other}"))),
     }
 }
 
@@ -258,10 +230,7 @@ impl ModelConfig {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         if !path.exists() {
-            return Err(NinferError::MissingFile {
-                path,
-                what: "the HF model config (config.json)".into(),
-            });
+            return Err(NinferError::MissingFile { path, what: "the HF model config (config.json)".into() });
         }
         let text = std::fs::read_to_string(&path).map_err(|e| NinferError::io(&path, e))?;
         Self::from_json_str(&text, &path)
@@ -269,22 +238,13 @@ impl ModelConfig {
 
     /// Parse config.json text; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let root: Value =
-            serde_json::from_str(text).map_err(|e| NinferError::malformed(path, e.to_string()))?;
-        let root = root
-            .as_object()
-            .ok_or_else(|| NinferError::malformed(path, "config.json is not a JSON object"))?;
+        let root: Value = serde_json::from_str(text).map_err(|e| NinferError::malformed(path, e.to_string()))?;
+        let root = root.as_object().ok_or_else(|| NinferError::malformed(path, "config.json is not a JSON object"))?;
         let architecture = match root.get("architectures") {
-            Some(Value::Array(a)) if !a.is_empty() => a[0]
-                .as_str()
-                .ok_or_else(|| NinferError::config("architectures", "expected a list of strings"))?
-                .to_string(),
-            _ => {
-                return Err(NinferError::config(
-                    "architectures",
-                    "missing from config.json (expected e.g. [\"LlamaForCausalLM\"])",
-                ))
+            Some(Value::Array(a)) if !a.is_empty() => {
+                a[0].as_str().ok_or_else(|| NinferError::config("architectures", "expected a list of strings"))?.to_string()
             }
+            _ => return Err(NinferError::config("architectures", "missing from config.json (expected e.g. [\"LlamaForCausalLM\"])")),
         };
         let family = match architecture.as_str() {
             "LlamaForCausalLM" => ArchFamily::Llama,
@@ -294,34 +254,21 @@ impl ModelConfig {
             _ => {
                 return Err(NinferError::UnsupportedArchitecture {
                     name: architecture,
-                    supported: SUPPORTED_ARCHITECTURES
-                        .iter()
-                        .map(|s| s.to_string())
-                        .collect(),
+                    supported: SUPPORTED_ARCHITECTURES.iter().map(|s| s.to_string()).collect(),
                 })
             }
         };
         let (text_cfg, prefix) = match root.get("text_config") {
-            Some(Value::Object(t)) if architecture == "Qwen3_5ForConditionalGeneration" => {
-                (t, "text_config.")
-            }
+            Some(Value::Object(t)) if architecture == "Qwen3_5ForConditionalGeneration" => (t, "text_config."),
             None | Some(Value::Null) if architecture == "Qwen3_5ForConditionalGeneration" => {
-                return Err(NinferError::config(
-                    "text_config",
-                    "missing from config.json",
-                ))
+                return Err(NinferError::config("text_config", "missing from config.json"))
             }
             _ => (root, ""),
         };
-        let f = Fields {
-            obj: text_cfg,
-            prefix,
-        };
+        let f = Fields { obj: text_cfg, prefix };
         let hidden_size = f.usize("hidden_size")?;
         let num_attention_heads = f.usize("num_attention_heads")?;
-        let num_kv_heads = f
-            .opt_usize("num_key_value_heads")?
-            .unwrap_or(num_attention_heads);
+        let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
         if num_kv_heads == 0 || num_attention_heads % num_kv_heads != 0 {
             return Err(NinferError::config(
                 f.name("num_key_value_heads"),
@@ -332,36 +279,25 @@ impl ModelConfig {
             Some(d) if d > 0 => d,
             _ => {
                 if hidden_size % num_attention_heads != 0 {
-                    return Err(NinferError::config(
-                        f.name("head_dim"),
-                        "missing and hidden_size is not a multiple of num_attention_heads",
-                    ));
+                    return Err(NinferError::config(f.name("head_dim"), "missing and hidden_size is not a multiple of num_attention_heads"));
                 }
                 hidden_size / num_attention_heads
             }
         };
         let num_layers = f.usize("num_hidden_layers")?;
-        let max_position_embeddings =
-            f.opt_usize("max_position_embeddings")?
-                .unwrap_or(match family {
-                    ArchFamily::Llama => 2048,
-                    _ => 32768,
-                });
+        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(match family {
+            ArchFamily::Llama => 2048,
+            _ => 32768,
+        });
         let act = match f.obj.get("hidden_activation") {
             Some(Value::String(s)) => s.as_str(),
             _ => f.str_or("hidden_act", "silu")?,
         };
         if act != "silu" && act != "swish" {
-            return Err(NinferError::config(
-                f.name("hidden_act"),
-                format!("`{act}` is not supported; only silu"),
-            ));
+            return Err(NinferError::config(f.name("hidden_act"), format!("`{act}` is not supported; only silu")));
         }
         if f.bool_or("use_sliding_window", false)? {
-            return Err(NinferError::Unsupported(format!(
-                "{}use_sliding_window=true (sliding-window attention)",
-                prefix
-            )));
+            return Err(NinferError::Unsupported(format!("{}use_sliding_window=true (sliding-window attention)", prefix)));
         }
         let is_qwen35 = family == ArchFamily::Qwen3_5;
         let layer_types = match f.obj.get("layer_types") {
@@ -370,39 +306,22 @@ impl ModelConfig {
                 .map(|v| match v.as_str() {
                     Some("full_attention") => Ok(LayerType::FullAttention),
                     Some("linear_attention") if is_qwen35 => Ok(LayerType::LinearAttention),
-                    _ => Err(NinferError::config(
-                        f.name("layer_types"),
-                        format!("unsupported layer type {v}"),
-                    )),
+                    _ => Err(NinferError::config(f.name("layer_types"), format!("unsupported layer type {v}"))),
                 })
                 .collect::<Result<Vec<_>>>()?,
             None | Some(Value::Null) if is_qwen35 => {
                 let interval = f.opt_usize("full_attention_interval")?.unwrap_or(4).max(1);
                 (0..num_layers)
-                    .map(|i| {
-                        if (i + 1) % interval != 0 {
-                            LayerType::LinearAttention
-                        } else {
-                            LayerType::FullAttention
-                        }
-                    })
+                    .map(|i| if (i + 1) % interval != 0 { LayerType::LinearAttention } else { LayerType::FullAttention })
                     .collect()
             }
             None | Some(Value::Null) => vec![LayerType::FullAttention; num_layers],
-            Some(v) => {
-                return Err(NinferError::config(
-                    f.name("layer_types"),
-                    format!("expected a list, got {v}"),
-                ))
-            }
+            Some(v) => return Err(NinferError::config(f.name("layer_types"), format!("expected a list, got {v}"))),
         };
         if layer_types.len() != num_layers {
             return Err(NinferError::config(
                 f.name("layer_types"),
-                format!(
-                    "has {} entries but num_hidden_layers is {num_layers}",
-                    layer_types.len()
-                ),
+                format!("has {} entries but num_hidden_layers is {num_layers}", layer_types.len()),
             ));
         }
         let linear_attention = if layer_types.contains(&LayerType::LinearAttention) {
@@ -416,34 +335,22 @@ impl ModelConfig {
             if !la.num_value_heads.is_multiple_of(la.num_key_heads) {
                 return Err(NinferError::config(
                     f.name("linear_num_value_heads"),
-                    format!(
-                        "{} is not a multiple of linear_num_key_heads {}",
-                        la.num_value_heads, la.num_key_heads
-                    ),
+                    format!("{} is not a multiple of linear_num_key_heads {}", la.num_value_heads, la.num_key_heads),
                 ));
             }
             if la.conv_kernel < 2 {
-                return Err(NinferError::config(
-                    f.name("linear_conv_kernel_dim"),
-                    "must be at least 2",
-                ));
+                return Err(NinferError::config(f.name("linear_conv_kernel_dim"), "must be at least 2"));
             }
             Some(la)
         } else {
             None
         };
-        let rope = RopeConfig::from_config(
-            f.obj,
-            max_position_embeddings,
-            if is_qwen35 { 0.25 } else { 1.0 },
-        )?;
+        let rope = RopeConfig::from_config(f.obj, max_position_embeddings, if is_qwen35 { 0.25 } else { 1.0 })?;
         let rot = rope.rotary_dim(head_dim);
         if rot == 0 || rot % 2 != 0 {
             return Err(NinferError::config(
                 f.name("partial_rotary_factor"),
-                format!(
-                    "gives {rot} rotary dims of head_dim {head_dim}; must be even and positive"
-                ),
+                format!("gives {rot} rotary dims of head_dim {head_dim}; must be even and positive"),
             ));
         }
         let eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
@@ -485,18 +392,12 @@ impl ModelConfig {
 
     /// Number of layers with a KV cache.
     pub fn num_attention_layers(&self) -> usize {
-        self.layer_types
-            .iter()
-            .filter(|t| **t == LayerType::FullAttention)
-            .count()
+        self.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count()
     }
 
     /// Number of Gated DeltaNet layers (with a recurrent state).
     pub fn num_linear_layers(&self) -> usize {
-        self.layer_types
-            .iter()
-            .filter(|t| **t == LayerType::LinearAttention)
-            .count()
+        self.layer_types.iter().filter(|t| **t == LayerType::LinearAttention).count()
     }
 }
 
@@ -529,10 +430,7 @@ mod tests {
         let mut v = llama();
         v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
         let e = parse(v).unwrap_err().to_string();
-        assert!(
-            e.contains("GPT2LMHeadModel") && e.contains("Qwen3_5ForCausalLM"),
-            "{e}"
-        );
+        assert!(e.contains("GPT2LMHeadModel") && e.contains("Qwen3_5ForCausalLM"), "{e}");
     }
 
     #[test]
@@ -540,10 +438,7 @@ mod tests {
         let mut v = llama();
         v.as_object_mut().unwrap().remove("intermediate_size");
         let e = parse(v).unwrap_err();
-        assert!(
-            matches!(&e, NinferError::Config { field, .. } if field == "intermediate_size"),
-            "{e}"
-        );
+        assert!(matches!(&e, NinferError::Config { field, .. } if field == "intermediate_size"), "{e}");
     }
 
     #[test]

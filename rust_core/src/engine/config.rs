@@ -85,10 +85,7 @@ impl EngineConfig {
     pub fn check(&self, model_max: usize) -> Result<usize> {
         let positive = |v: usize, field: &str, flag: &str| {
             if v == 0 {
-                Err(NinferError::config(
-                    format!("{field} ({flag})"),
-                    "must be at least 1",
-                ))
+                Err(NinferError::config(format!("{field} ({flag})"), "must be at least 1"))
             } else {
                 Ok(v)
             }
@@ -102,28 +99,17 @@ impl EngineConfig {
                 if model_max > 0 && m > model_max {
                     return Err(NinferError::config(
                         "max_context (--max-context)",
-                        format!(
-                            "{m} tokens exceeds the model's max_position_embeddings {model_max}"
-                        ),
+                        format!("{m} tokens exceeds the model's max_position_embeddings {model_max}"),
                     ));
                 }
                 m
             }
             None if model_max > 0 => model_max,
-            None => {
-                return Err(NinferError::config(
-                    "max_context (--max-context)",
-                    "the model config gives no max_position_embeddings; set it",
-                ))
-            }
+            None => return Err(NinferError::config("max_context (--max-context)", "the model config gives no max_position_embeddings; set it")),
         };
         if let Some(k) = self.kv_capacity_tokens {
             if k < max_context {
-                let whose = if self.max_context.is_some() {
-                    ""
-                } else {
-                    " (the model's max_position_embeddings)"
-                };
+                let whose = if self.max_context.is_some() { "" } else { " (the model's max_position_embeddings)" };
                 return Err(NinferError::config(
                     "kv_capacity (--kv-capacity)",
                     format!("{k} tokens is less than max_context {max_context} tokens{whose}; raise --kv-capacity or lower --max-context"),
@@ -137,21 +123,11 @@ impl EngineConfig {
     /// and these cache costs. `cache_budget` is what the device can give to the KV pool and the
     /// recurrent-state slots together (see `ModelRunner::cache_budget_bytes`); without one the
     /// default KV pool is capped at DEFAULT_KV_BUDGET_BYTES.
-    pub fn resolve(
-        &self,
-        model_max: usize,
-        spec: &CacheSpec,
-        cache_budget: Option<u64>,
-    ) -> Result<ResolvedConfig> {
+    pub fn resolve(&self, model_max: usize, spec: &CacheSpec, cache_budget: Option<u64>) -> Result<ResolvedConfig> {
         let max_context = self.check(model_max)?;
-        let (block_size, max_concurrency, prefill_chunk) =
-            (self.block_size, self.max_concurrency, self.prefill_chunk);
+        let (block_size, max_concurrency, prefill_chunk) = (self.block_size, self.max_concurrency, self.prefill_chunk);
         let hybrid = spec.state_bytes_per_slot > 0;
-        let snapshots = if hybrid && self.prefix_reuse {
-            self.snapshot_slots.unwrap_or(max_concurrency)
-        } else {
-            0
-        };
+        let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let kv_capacity_tokens = match self.kv_capacity_tokens {
             Some(k) => k,
@@ -159,15 +135,10 @@ impl EngineConfig {
                 // The state slots are fixed by --max-concurrency; the KV pool takes what is left
                 // of a device budget. A pool below one full context is still planned (and its
                 // allocation then fails with the bytes needed vs available).
-                let state_bytes =
-                    ((running_state_slots + snapshots) * spec.state_bytes_per_slot) as u64;
-                let budget =
-                    cache_budget.map_or(DEFAULT_KV_BUDGET_BYTES, |b| b.saturating_sub(state_bytes));
-                let tokens = (budget / spec.kv_bytes_per_token.max(1) as u64).min(usize::MAX as u64)
-                    as usize;
-                tokens
-                    .min(max_context.saturating_mul(max_concurrency))
-                    .max(max_context)
+                let state_bytes = ((running_state_slots + snapshots) * spec.state_bytes_per_slot) as u64;
+                let budget = cache_budget.map_or(DEFAULT_KV_BUDGET_BYTES, |b| b.saturating_sub(state_bytes));
+                let tokens = (budget / spec.kv_bytes_per_token.max(1) as u64).min(usize::MAX as u64) as usize;
+                tokens.min(max_context.saturating_mul(max_concurrency)).max(max_context)
             }
         };
         Ok(ResolvedConfig {
@@ -188,12 +159,7 @@ impl EngineConfig {
 /// the pool that would, in the flags that size it. --kv-capacity cannot go below --max-context,
 /// so a pool shorter than one context needs a shorter --max-context too (the default pool is
 /// never below one context: with a long model context, --max-context is the flag to lower).
-pub fn cache_fit_hint(
-    available: u64,
-    spec: &CacheSpec,
-    state_slots: usize,
-    block_size: usize,
-) -> String {
+pub fn cache_fit_hint(available: u64, spec: &CacheSpec, state_slots: usize, block_size: usize) -> String {
     let state = state_slots as u64 * spec.state_bytes_per_slot as u64;
     if state >= available {
         return format!(
@@ -203,8 +169,7 @@ pub fn cache_fit_hint(
     let block = block_size.max(1) as u64;
     let fit = (available - state) / spec.kv_bytes_per_token.max(1) as u64 / block * block;
     if fit == 0 {
-        return "not one KV block fits beside the recurrent-state slots: lower --max-concurrency"
-            .into();
+        return "not one KV block fits beside the recurrent-state slots: lower --max-concurrency".into();
     }
     format!("at most {fit} KV tokens fit beside the {state_slots} state slots: set --max-context (and --kv-capacity, which must cover it) to at most {fit}, or lower --max-concurrency")
 }
@@ -239,50 +204,25 @@ mod tests {
         max_pos
     }
 
-    const SPEC: CacheSpec = CacheSpec {
-        kv_bytes_per_token: 1024,
-        state_bytes_per_slot: 0,
-        weight_bytes: 1 << 20,
-    };
+    const SPEC: CacheSpec = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 0, weight_bytes: 1 << 20 };
 
     #[test]
     fn kv_capacity_below_max_context_is_an_error_naming_both_numbers() {
-        let cfg = EngineConfig {
-            max_context: Some(4096),
-            kv_capacity_tokens: Some(1000),
-            ..Default::default()
-        };
-        let msg = cfg
-            .resolve(model(8192), &SPEC, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            msg.contains("1000") && msg.contains("4096") && msg.contains("--kv-capacity"),
-            "{msg}"
-        );
+        let cfg = EngineConfig { max_context: Some(4096), kv_capacity_tokens: Some(1000), ..Default::default() };
+        let msg = cfg.resolve(model(8192), &SPEC, None).unwrap_err().to_string();
+        assert!(msg.contains("1000") && msg.contains("4096") && msg.contains("--kv-capacity"), "{msg}");
     }
 
     #[test]
     fn zero_flags_are_errors_naming_the_flag() {
-        let cfg = EngineConfig {
-            prefill_chunk: 0,
-            ..Default::default()
-        };
-        let msg = cfg
-            .resolve(model(128), &SPEC, None)
-            .unwrap_err()
-            .to_string();
+        let cfg = EngineConfig { prefill_chunk: 0, ..Default::default() };
+        let msg = cfg.resolve(model(128), &SPEC, None).unwrap_err().to_string();
         assert!(msg.contains("--prefill-chunk"), "{msg}");
     }
 
     #[test]
     fn defaults_take_the_model_context_and_a_bounded_kv_pool() {
-        let r = EngineConfig {
-            max_concurrency: 4,
-            ..Default::default()
-        }
-        .resolve(model(1000), &SPEC, None)
-        .unwrap();
+        let r = EngineConfig { max_concurrency: 4, ..Default::default() }.resolve(model(1000), &SPEC, None).unwrap();
         assert_eq!(r.max_context, 1000);
         assert_eq!(r.kv_capacity_tokens, 4000);
         assert_eq!(r.num_blocks, 250);
@@ -294,117 +234,47 @@ mod tests {
 
     #[test]
     fn a_device_budget_sizes_the_default_kv_pool_after_the_state_slots() {
-        let hybrid = CacheSpec {
-            kv_bytes_per_token: 1024,
-            state_bytes_per_slot: 10_000,
-            weight_bytes: 0,
-        };
-        let cfg = EngineConfig {
-            max_concurrency: 4,
-            ..Default::default()
-        };
+        let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
+        let cfg = EngineConfig { max_concurrency: 4, ..Default::default() };
         // 4 running + 1 score slot + 4 snapshots = 9 slots of 10,000 B come off the budget first.
-        let r = cfg
-            .resolve(model(1000), &hybrid, Some(90_000 + 2500 * 1024))
-            .unwrap();
+        let r = cfg.resolve(model(1000), &hybrid, Some(90_000 + 2500 * 1024)).unwrap();
         assert_eq!(r.kv_capacity_tokens, 2500);
         // A large budget is capped at max_concurrency full contexts, a small one at one context.
-        assert_eq!(
-            cfg.resolve(model(1000), &hybrid, Some(1 << 40))
-                .unwrap()
-                .kv_capacity_tokens,
-            4000
-        );
-        assert_eq!(
-            cfg.resolve(model(1000), &hybrid, Some(1))
-                .unwrap()
-                .kv_capacity_tokens,
-            1000
-        );
+        assert_eq!(cfg.resolve(model(1000), &hybrid, Some(1 << 40)).unwrap().kv_capacity_tokens, 4000);
+        assert_eq!(cfg.resolve(model(1000), &hybrid, Some(1)).unwrap().kv_capacity_tokens, 1000);
         // An explicit --kv-capacity wins over any budget.
-        let fixed = EngineConfig {
-            kv_capacity_tokens: Some(1500),
-            ..cfg
-        };
-        assert_eq!(
-            fixed
-                .resolve(model(1000), &hybrid, Some(1 << 40))
-                .unwrap()
-                .kv_capacity_tokens,
-            1500
-        );
+        let fixed = EngineConfig { kv_capacity_tokens: Some(1500), ..cfg };
+        assert_eq!(fixed.resolve(model(1000), &hybrid, Some(1 << 40)).unwrap().kv_capacity_tokens, 1500);
     }
 
     #[test]
     fn check_needs_only_the_model_context_and_agrees_with_resolve() {
         // The model's own context counts when --max-context is left out.
-        let cfg = EngineConfig {
-            kv_capacity_tokens: Some(500),
-            ..Default::default()
-        };
+        let cfg = EngineConfig { kv_capacity_tokens: Some(500), ..Default::default() };
         let msg = cfg.check(1000).unwrap_err().to_string();
-        assert!(
-            msg.contains("500") && msg.contains("1000") && msg.contains("max_position_embeddings"),
-            "{msg}"
-        );
+        assert!(msg.contains("500") && msg.contains("1000") && msg.contains("max_position_embeddings"), "{msg}");
         assert_eq!(cfg.resolve(1000, &SPEC, None).unwrap_err().to_string(), msg);
-        assert_eq!(
-            EngineConfig {
-                max_context: Some(300),
-                ..cfg.clone()
-            }
-            .check(1000)
-            .unwrap(),
-            300
-        );
-        let msg = EngineConfig {
-            max_context: Some(2000),
-            ..Default::default()
-        }
-        .check(1000)
-        .unwrap_err()
-        .to_string();
-        assert!(
-            msg.contains("2000") && msg.contains("--max-context"),
-            "{msg}"
-        );
-        assert!(EngineConfig::default()
-            .check(0)
-            .unwrap_err()
-            .to_string()
-            .contains("set it"));
+        assert_eq!(EngineConfig { max_context: Some(300), ..cfg.clone() }.check(1000).unwrap(), 300);
+        let msg = EngineConfig { max_context: Some(2000), ..Default::default() }.check(1000).unwrap_err().to_string();
+        assert!(msg.contains("2000") && msg.contains("--max-context"), "{msg}");
+        assert!(EngineConfig::default().check(0).unwrap_err().to_string().contains("set it"));
     }
 
     #[test]
     fn the_cache_hint_names_the_pool_that_fits() {
-        let hybrid = CacheSpec {
-            kv_bytes_per_token: 1024,
-            state_bytes_per_slot: 10_000,
-            weight_bytes: 0,
-        };
+        let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
         // 5 slots take 50,000 B; 1,000,000 B more hold 976 tokens (61 blocks of 16); 1,010,000 B 986, still 976 in blocks.
         assert!(cache_fit_hint(1_050_000, &hybrid, 5, 16).contains("at most 976 KV tokens"));
         let hint = cache_fit_hint(1_060_000, &hybrid, 5, 16);
-        assert!(
-            hint.contains("at most 976 KV tokens")
-                && hint.contains("--max-context")
-                && hint.contains("--max-concurrency"),
-            "{hint}"
-        );
+        assert!(hint.contains("at most 976 KV tokens") && hint.contains("--max-context") && hint.contains("--max-concurrency"), "{hint}");
         let hint = cache_fit_hint(40_000, &hybrid, 5, 16);
-        assert!(
-            hint.contains("alone need 50000 B") && hint.contains("--max-concurrency"),
-            "{hint}"
-        );
+        assert!(hint.contains("alone need 50000 B") && hint.contains("--max-concurrency"), "{hint}");
         assert!(cache_fit_hint(50_100, &hybrid, 5, 16).contains("not one KV block"));
     }
 
     #[test]
     fn max_context_beyond_the_model_is_rejected() {
-        let cfg = EngineConfig {
-            max_context: Some(2000),
-            ..Default::default()
-        };
+        let cfg = EngineConfig { max_context: Some(2000), ..Default::default() };
         assert!(cfg.resolve(model(1000), &SPEC, None).is_err());
     }
 }

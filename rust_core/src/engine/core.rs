@@ -27,9 +27,7 @@ use rand_chacha::ChaCha8Rng;
 use super::{EngineConfig, MemoryLedger, RequestOutput, RequestState, ResolvedConfig};
 use crate::kv::BlockPool;
 use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
-use crate::sampling::{
-    GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler,
-};
+use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{ScheduledStep, Scheduler, SchedulerConfig, SeqId, Sequence};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
@@ -77,39 +75,18 @@ impl RequestValidator {
         }
         if self.vocab_size > 0 {
             if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
-                return Err(NinferError::invalid(
-                    "prompt_token_ids",
-                    format!(
-                        "token id {bad} is outside the vocabulary of {} tokens",
-                        self.vocab_size
-                    ),
-                ));
+                return Err(NinferError::invalid("prompt_token_ids", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
             }
             // A bias on a token the model has no logit for would be ignored: say so instead (a
             // mistyped id), as the OpenAI API does.
-            if let Some(&bad) = params
-                .logit_bias
-                .keys()
-                .filter(|&&t| t as usize >= self.vocab_size)
-                .min()
-            {
-                return Err(NinferError::invalid(
-                    "logit_bias",
-                    format!(
-                        "token id {bad} is outside the vocabulary of {} tokens",
-                        self.vocab_size
-                    ),
-                ));
+            if let Some(&bad) = params.logit_bias.keys().filter(|&&t| t as usize >= self.vocab_size).min() {
+                return Err(NinferError::invalid("logit_bias", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
             }
         }
         params.validate()?;
         // Saturating: a max_tokens near usize::MAX (JSON allows 2^64 - 1) must not wrap past the check.
         if prompt.len().saturating_add(params.max_tokens) > self.max_context {
-            return Err(NinferError::ContextOverflow {
-                prompt_tokens: prompt.len(),
-                max_tokens: params.max_tokens,
-                max_context: self.max_context,
-            });
+            return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });
         }
         Ok(())
     }
@@ -156,57 +133,27 @@ pub const ASYNC_SCHEDULING_SWITCH: &str = "NINFER_ASYNC_SCHEDULING";
 impl EngineCore {
     /// Validate the config against the model, allocate the runner's caches, build the
     /// scheduler. `eos_token_ids` usually come from `GenerationConfig`.
-    pub fn new(
-        mut runner: Box<dyn ModelRunner>,
-        config: &EngineConfig,
-        tokenizer: Option<Arc<Tokenizer>>,
-        eos_token_ids: Vec<u32>,
-    ) -> Result<Self> {
+    pub fn new(mut runner: Box<dyn ModelRunner>, config: &EngineConfig, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Result<Self> {
         let spec = runner.cache_spec();
         let model_max = runner.config().max_position_embeddings;
-        let step_rows = if model_max > 0 {
-            config.prefill_chunk.min(model_max)
-        } else {
-            config.prefill_chunk
-        };
+        let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
         // A step's tokens fit the one budget (prefill_chunk), so decode rows do too.
         let decode_rows = config.max_concurrency.min(step_rows);
-        let budget = if config.kv_capacity_tokens.is_none() {
-            runner.cache_budget_bytes(step_rows, decode_rows)?
-        } else {
-            None
-        };
+        let budget = if config.kv_capacity_tokens.is_none() { runner.cache_budget_bytes(step_rows, decode_rows)? } else { None };
         let cfg = config.resolve(model_max, &spec, budget)?;
-        let slots = if cfg.running_state_slots > 0 {
-            StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots)
-        } else {
-            StateSlots::none()
-        };
+        let slots = if cfg.running_state_slots > 0 { StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots) } else { StateSlots::none() };
         runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total())?;
         let sched = Scheduler::new(
-            SchedulerConfig {
-                max_concurrency: cfg.max_concurrency,
-                prefill_chunk: cfg.prefill_chunk,
-                prefix_reuse: cfg.prefix_reuse,
-            },
+            SchedulerConfig { max_concurrency: cfg.max_concurrency, prefill_chunk: cfg.prefill_chunk, prefix_reuse: cfg.prefix_reuse },
             BlockPool::new(cfg.num_blocks, cfg.block_size),
             slots,
         );
         let vocab_size = runner.config().vocab_size;
-        let grammar =
-            SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
-        let validator = RequestValidator {
-            max_context: cfg.max_context,
-            vocab_size,
-            grammar,
-        };
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
+        let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         // Read on every backend, so a misspelt value is an error wherever it is set.
-        let overlap =
-            crate::config::env_switch(ASYNC_SCHEDULING_SWITCH, true)? && runner.overlaps_steps();
+        let overlap = crate::config::env_switch(ASYNC_SCHEDULING_SWITCH, true)? && runner.overlaps_steps();
         let mut core = EngineCore {
             cfg,
             spec,
@@ -240,37 +187,14 @@ impl EngineCore {
     /// cached prefix yet and a sequence starting at position 0 clears its state slot.
     fn warm_up(&mut self) -> Result<()> {
         let bs = self.cfg.block_size;
-        let tokens = self
-            .cfg
-            .prefill_chunk
-            .min(self.cfg.max_context)
-            .min(self.sched.pool.num_free() * bs);
+        let tokens = self.cfg.prefill_chunk.min(self.cfg.max_context).min(self.sched.pool.num_free() * bs);
         if tokens > 0 {
-            let table: Vec<u32> = (0..tokens.div_ceil(bs))
-                .map(|_| {
-                    self.sched
-                        .pool
-                        .allocate()
-                        .expect("free blocks counted above")
-                })
-                .collect();
-            let slot = if self.sched.slots.enabled() {
-                self.sched.slots.acquire()
-            } else {
-                Some(0)
-            };
+            let table: Vec<u32> = (0..tokens.div_ceil(bs)).map(|_| self.sched.pool.allocate().expect("free blocks counted above")).collect();
+            let slot = if self.sched.slots.enabled() { self.sched.slots.acquire() } else { Some(0) };
             let result = match slot {
                 Some(state_slot) => {
-                    let seq = SeqChunk {
-                        tokens: vec![0; tokens],
-                        start_pos: 0,
-                        block_table: table.clone(),
-                        state_slot,
-                        logits: LogitsWanted::Last,
-                    };
-                    self.runner
-                        .forward(&StepBatch { seqs: vec![seq] })
-                        .map(|_| ())
+                    let seq = SeqChunk { tokens: vec![0; tokens], start_pos: 0, block_table: table.clone(), state_slot, logits: LogitsWanted::Last };
+                    self.runner.forward(&StepBatch { seqs: vec![seq] }).map(|_| ())
                 }
                 None => Ok(()),
             };
@@ -279,12 +203,7 @@ impl EngineCore {
                 self.sched.slots.release(s);
             }
             result.map_err(|e| match e {
-                NinferError::OutOfMemory {
-                    what,
-                    needed,
-                    available,
-                    hint,
-                } => NinferError::OutOfMemory {
+                NinferError::OutOfMemory { what, needed, available, hint } => NinferError::OutOfMemory {
                     what: format!("the warm-up step of {tokens} tokens (--prefill-chunk): {what}"),
                     needed,
                     available,
@@ -329,12 +248,7 @@ impl EngineCore {
 
     /// Queue a request. Errors: empty prompt, context overflow, bad params (a bad
     /// `response_format` included), duplicate id.
-    pub fn add_request(
-        &mut self,
-        request_id: &str,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<()> {
+    pub fn add_request(&mut self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         self.validator.check(&prompt, &params)?;
         let grammar = self.validator.grammar(&params)?;
         self.add_checked_request(request_id, prompt, params, grammar)
@@ -342,34 +256,16 @@ impl EngineCore {
 
     /// Queue a request whose checks already passed and whose grammar constraint (if any) was
     /// compiled by the caller (`EngineHandle::submit` does both on the submitting thread).
-    pub fn add_checked_request(
-        &mut self,
-        request_id: &str,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        grammar: Option<GrammarConstraint>,
-    ) -> Result<()> {
+    pub fn add_checked_request(&mut self, request_id: &str, prompt: Vec<u32>, params: SamplingParams, grammar: Option<GrammarConstraint>) -> Result<()> {
         if self.ids.contains_key(request_id) {
-            return Err(NinferError::Request(
-                request_id.to_string(),
-                "a request with this id is already running".into(),
-            ));
+            return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
         }
         self.validator.check(&prompt, &params)?;
         let id = self.next_seq;
         self.next_seq += 1;
         let fallback_seed = self.seed_rng.random();
         self.stats.prompt_tokens_total += prompt.len() as u64;
-        self.requests.insert(
-            id,
-            RequestState::new(
-                request_id.to_string(),
-                &prompt,
-                params,
-                fallback_seed,
-                grammar,
-            ),
-        );
+        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar));
         self.ids.insert(request_id.to_string(), id);
         self.sched.add(Sequence::new(id, prompt));
         Ok(())
@@ -474,9 +370,7 @@ impl EngineCore {
             }
             split |= req.samples_after_input();
         }
-        self.sched
-            .schedule_lookahead(prev)
-            .map(|next| (next, split))
+        self.sched.schedule_lookahead(prev).map(|next| (next, split))
     }
 
     /// Forget every request and free what it holds (after a runner failure). Steps launched and
@@ -499,20 +393,10 @@ impl EngineCore {
 
     /// Logits of every position of `tokens` (one sequence, no prefix cache, no sampling).
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.validator
-            .check(
-                tokens,
-                &SamplingParams {
-                    max_tokens: 1,
-                    ..Default::default()
-                },
-            )
-            .or_else(|e| match e {
-                NinferError::ContextOverflow { .. } if tokens.len() <= self.cfg.max_context => {
-                    Ok(())
-                }
-                e => Err(e),
-            })?;
+        self.validator.check(tokens, &SamplingParams { max_tokens: 1, ..Default::default() }).or_else(|e| match e {
+            NinferError::ContextOverflow { .. } if tokens.len() <= self.cfg.max_context => Ok(()),
+            e => Err(e),
+        })?;
         let bs = self.cfg.block_size;
         let needed = tokens.len().div_ceil(bs);
         let pool = &mut self.sched.pool;
@@ -525,14 +409,8 @@ impl EngineCore {
                 hint: "wait for running requests to finish or raise --kv-capacity".into(),
             });
         }
-        let table: Vec<u32> = (0..needed)
-            .map(|_| pool.allocate().expect("checked"))
-            .collect();
-        let slot = if self.sched.slots.enabled() {
-            self.sched.slots.acquire()
-        } else {
-            Some(0)
-        };
+        let table: Vec<u32> = (0..needed).map(|_| pool.allocate().expect("checked")).collect();
+        let slot = if self.sched.slots.enabled() { self.sched.slots.acquire() } else { Some(0) };
         let result = self.score_with(tokens, &table, slot);
         self.sched.pool.free_all(&table);
         if let (true, Some(s)) = (self.sched.slots.enabled(), slot) {
@@ -560,15 +438,8 @@ impl EngineCore {
         self.sched.slots.num_snapshots_held()
     }
 
-    fn score_with(
-        &mut self,
-        tokens: &[u32],
-        table: &[u32],
-        slot: Option<usize>,
-    ) -> Result<Vec<f32>> {
-        let slot = slot.ok_or_else(|| {
-            NinferError::Request("score".into(), "no free recurrent-state slot".into())
-        })?;
+    fn score_with(&mut self, tokens: &[u32], table: &[u32], slot: Option<usize>) -> Result<Vec<f32>> {
+        let slot = slot.ok_or_else(|| NinferError::Request("score".into(), "no free recurrent-state slot".into()))?;
         let bs = self.cfg.block_size;
         let mut out = Vec::with_capacity(tokens.len() * self.validator.vocab_size);
         let mut start = 0;
@@ -653,12 +524,7 @@ impl EngineCore {
     /// accepted and no row counts its input on the runner; a request that ended with them is
     /// gone and gets a greedy, unconstrained row whose token is dropped, as a request ending
     /// under a whole lookahead has its row computed and dropped.
-    fn sampling_rows(
-        &mut self,
-        step: &ScheduledStep,
-        feed: bool,
-        completed: bool,
-    ) -> Vec<RowSampling> {
+    fn sampling_rows(&mut self, step: &ScheduledStep, feed: bool, completed: bool) -> Vec<RowSampling> {
         let vocab = self.runner.config().vocab_size;
         step.seq_ids
             .iter()
@@ -666,10 +532,7 @@ impl EngineCore {
             .filter(|(_, seq)| seq.logits != LogitsWanted::None)
             .map(|(id, _)| match self.requests.get_mut(id) {
                 Some(req) => req.prepare_sampling(vocab, feed && !completed),
-                None if completed => RowSampling {
-                    temperature: 0.0,
-                    ..Default::default()
-                },
+                None if completed => RowSampling { temperature: 0.0, ..Default::default() },
                 None => unreachable!("a scheduled request runs until a completed step ends it"),
             })
             .collect()
@@ -691,11 +554,7 @@ impl EngineCore {
     /// stop conditions. `next`: the lookahead already queued behind `step`; a sequence that ends
     /// here but runs in it has a slot already past its tokens (no final snapshot then), and its
     /// row of `next` is simply never collected into an output.
-    fn complete(
-        &mut self,
-        step: &ScheduledStep,
-        next: Option<&ScheduledStep>,
-    ) -> Result<Vec<RequestOutput>> {
+    fn complete(&mut self, step: &ScheduledStep, next: Option<&ScheduledStep>) -> Result<Vec<RequestOutput>> {
         let sampled = match self.sampled.take() {
             Some(s) => s,
             None => {
@@ -704,23 +563,11 @@ impl EngineCore {
             }
         };
         let mut outputs = Vec::new();
-        let with_logits = step
-            .seq_ids
-            .iter()
-            .zip(&step.batch.seqs)
-            .filter(|(_, seq)| seq.logits != LogitsWanted::None);
+        let with_logits = step.seq_ids.iter().zip(&step.batch.seqs).filter(|(_, seq)| seq.logits != LogitsWanted::None);
         for ((&id, _), s) in with_logits.zip(sampled) {
             let cached = self.cached_tokens(id);
-            let Some(req) = self.requests.get_mut(&id) else {
-                continue;
-            };
-            let event = req.accept(
-                s.token,
-                s.logprob,
-                self.tokenizer.as_deref(),
-                &self.eos_token_ids,
-                cached,
-            )?;
+            let Some(req) = self.requests.get_mut(&id) else { continue };
+            let event = req.accept(s.token, s.logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
             self.stats.generation_tokens_total += 1;
             self.sched.append_token(id, s.token);
             if event.finished {
@@ -738,9 +585,6 @@ impl EngineCore {
     }
 
     fn cached_tokens(&self, id: SeqId) -> usize {
-        self.sched
-            .get(id)
-            .and_then(|s| s.cached_tokens)
-            .unwrap_or(0)
+        self.sched.get(id).and_then(|s| s.cached_tokens).unwrap_or(0)
     }
 }

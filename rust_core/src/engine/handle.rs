@@ -17,17 +17,9 @@ use crate::{NinferError, Result};
 
 #[allow(clippy::large_enum_variant)] // a few commands a request; boxing would only add an allocation
 enum Command {
-    Submit {
-        request_id: String,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        grammar: Option<GrammarConstraint>,
-    },
+    Submit { request_id: String, prompt: Vec<u32>, params: SamplingParams, grammar: Option<GrammarConstraint> },
     Abort(String),
-    Score {
-        tokens: Vec<u32>,
-        reply: Sender<Result<Vec<f32>>>,
-    },
+    Score { tokens: Vec<u32>, reply: Sender<Result<Vec<f32>>> },
     Shutdown,
 }
 
@@ -59,28 +51,15 @@ impl EngineHandle {
     /// Move `core` onto a new thread and start its loop.
     pub fn start(core: EngineCore) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
-        let shared = Arc::new(Shared {
-            outbox: Mutex::new(Outbox::default()),
-            ready: Condvar::new(),
-            live: Mutex::new(HashSet::new()),
-        });
+        let shared = Arc::new(Shared { outbox: Mutex::new(Outbox::default()), ready: Condvar::new(), live: Mutex::new(HashSet::new()) });
         let validator = core.validator();
-        shared
-            .live
-            .lock()
-            .expect("live ids")
-            .extend(core.request_ids());
+        shared.live.lock().expect("live ids").extend(core.request_ids());
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ninfer-engine".into())
             .spawn(move || run_loop(core, rx, thread_shared))
             .map_err(|e| NinferError::Device(format!("cannot start the engine thread: {e}")))?;
-        Ok(EngineHandle {
-            tx,
-            shared,
-            validator,
-            thread: Mutex::new(Some(thread)),
-        })
+        Ok(EngineHandle { tx, shared, validator, thread: Mutex::new(Some(thread)) })
     }
 
     /// Queue a request; bad input and duplicate ids are rejected here, at once.
@@ -90,18 +69,10 @@ impl EngineHandle {
         {
             let mut live = self.shared.live.lock().expect("live ids");
             if !live.insert(request_id.to_string()) {
-                return Err(NinferError::Request(
-                    request_id.to_string(),
-                    "a request with this id is already running".into(),
-                ));
+                return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
             }
         }
-        self.send(Command::Submit {
-            request_id: request_id.to_string(),
-            prompt,
-            params,
-            grammar,
-        })
+        self.send(Command::Submit { request_id: request_id.to_string(), prompt, params, grammar })
     }
 
     /// Abort a request (its final delta arrives through `poll`).
@@ -113,8 +84,7 @@ impl EngineHandle {
     pub fn score(&self, tokens: Vec<u32>) -> Result<Vec<f32>> {
         let (reply, rx) = mpsc::channel();
         self.send(Command::Score { tokens, reply })?;
-        rx.recv()
-            .map_err(|_| NinferError::Device("the engine thread has stopped".into()))?
+        rx.recv().map_err(|_| NinferError::Device("the engine thread has stopped".into()))?
     }
 
     /// Wait up to `timeout` for deltas; returns at once when some are ready. An engine failure
@@ -127,12 +97,7 @@ impl EngineHandle {
             if now >= deadline {
                 break;
             }
-            ob = self
-                .shared
-                .ready
-                .wait_timeout(ob, deadline - now)
-                .expect("outbox")
-                .0;
+            ob = self.shared.ready.wait_timeout(ob, deadline - now).expect("outbox").0;
         }
         if !ob.outputs.is_empty() {
             return Ok(std::mem::take(&mut ob.outputs));
@@ -163,9 +128,7 @@ impl EngineHandle {
     }
 
     fn send(&self, cmd: Command) -> Result<()> {
-        self.tx
-            .send(cmd)
-            .map_err(|_| NinferError::Device("the engine thread has stopped".into()))
+        self.tx.send(cmd).map_err(|_| NinferError::Device("the engine thread has stopped".into()))
     }
 }
 
@@ -195,12 +158,7 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         let mut cmd = first;
         while let Some(c) = cmd {
             match c {
-                Command::Submit {
-                    request_id,
-                    prompt,
-                    params,
-                    grammar,
-                } => {
+                Command::Submit { request_id, prompt, params, grammar } => {
                     if let Err(e) = core.add_checked_request(&request_id, prompt, params, grammar) {
                         rejected.push((request_id, e.to_string()));
                     }
@@ -218,19 +176,11 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         if shutdown {
             break;
         }
-        let result = if core.has_unfinished() {
-            core.step()
-        } else {
-            Ok(Vec::new())
-        };
+        let result = if core.has_unfinished() { core.step() } else { Ok(Vec::new()) };
         let mut ob = shared.outbox.lock().expect("outbox");
         for (id, error) in rejected {
             shared.live.lock().expect("live ids").remove(&id);
-            ob.outputs.push(RequestOutput {
-                finish_reason: Some(FinishReason::Error),
-                error: Some(error),
-                ..aborted(&id)
-            });
+            ob.outputs.push(RequestOutput { finish_reason: Some(FinishReason::Error), error: Some(error), ..aborted(&id) });
         }
         match result {
             Ok(outs) => {

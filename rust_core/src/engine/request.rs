@@ -2,9 +2,7 @@
 //! rules that decide when a request is finished.
 
 use super::{FinishReason, RequestOutput};
-use crate::sampling::{
-    GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob,
-};
+use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
 use crate::tokenizer::Tokenizer;
@@ -35,13 +33,7 @@ pub struct TokenEvent {
 impl RequestState {
     /// State for a new request; `fallback_seed` seeds requests without a seed.
     /// `grammar` constrains every sampled token to the request's `response_format`.
-    pub fn new(
-        request_id: String,
-        prompt: &[u32],
-        params: SamplingParams,
-        fallback_seed: u64,
-        grammar: Option<GrammarConstraint>,
-    ) -> Self {
+    pub fn new(request_id: String, prompt: &[u32], params: SamplingParams, fallback_seed: u64, grammar: Option<GrammarConstraint>) -> Self {
         RequestState {
             request_id,
             sampler: RequestSampler::new(&params, prompt, fallback_seed),
@@ -163,10 +155,7 @@ impl RequestState {
             cached_tokens,
             error: None,
         };
-        Ok(TokenEvent {
-            finished: finish.is_some(),
-            output,
-        })
+        Ok(TokenEvent { finished: finish.is_some(), output })
     }
 
     /// The text held back at the end of a request (an incomplete UTF-8 sequence, a possible
@@ -184,12 +173,7 @@ impl RequestState {
     /// The final delta of a request that failed on `error`: the text of the tokens already
     /// accepted that was still held back, no new token (the one sampled is not valid output, so
     /// it is neither output nor counted), finish reason `Error` and the error's message.
-    fn failed(
-        &mut self,
-        error: NinferError,
-        tokenizer: Option<&Tokenizer>,
-        cached_tokens: usize,
-    ) -> Result<TokenEvent> {
+    fn failed(&mut self, error: NinferError, tokenizer: Option<&Tokenizer>, cached_tokens: usize) -> Result<TokenEvent> {
         let text = match tokenizer {
             Some(tok) => self.flush_text(tok)?.0,
             None => String::new(),
@@ -200,10 +184,7 @@ impl RequestState {
             error: Some(error.to_string()),
             ..self.aborted(cached_tokens)
         };
-        Ok(TokenEvent {
-            finished: true,
-            output,
-        })
+        Ok(TokenEvent { finished: true, output })
     }
 
     /// The final delta of an aborted request.

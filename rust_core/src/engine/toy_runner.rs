@@ -53,9 +53,7 @@ pub struct ToyRunner {
 }
 
 fn mix(h: u64, t: u64) -> u64 {
-    let mut x = h ^ t
-        .wrapping_add(0x9E37_79B9_7F4A_7C15)
-        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let mut x = h ^ t.wrapping_add(0x9E37_79B9_7F4A_7C15).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^= x >> 31;
     x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 29)
@@ -66,11 +64,7 @@ impl ToyRunner {
     /// recurrent state per slot.
     pub fn new(vocab_size: usize, max_position_embeddings: usize, hybrid: bool) -> Self {
         ToyRunner {
-            config: ModelConfig {
-                vocab_size,
-                max_position_embeddings,
-                ..Default::default()
-            },
+            config: ModelConfig { vocab_size, max_position_embeddings, ..Default::default() },
             hybrid,
             block_size: 0,
             kv: Vec::new(),
@@ -96,9 +90,7 @@ impl ToyRunner {
     }
 
     fn kv_index(&self, table: &[u32], pos: usize) -> Result<usize> {
-        let b = *table.get(pos / self.block_size).ok_or_else(|| {
-            NinferError::Device(format!("toy: block table too short for position {pos}"))
-        })?;
+        let b = *table.get(pos / self.block_size).ok_or_else(|| NinferError::Device(format!("toy: block table too short for position {pos}")))?;
         Ok(b as usize * self.block_size + pos % self.block_size)
     }
 
@@ -107,9 +99,7 @@ impl ToyRunner {
         let mut h = 0u64;
         let mut out = Vec::with_capacity(end);
         for pos in 0..end {
-            let t = self.kv[self.kv_index(table, pos)?].ok_or_else(|| {
-                NinferError::Device(format!("toy: position {pos} read before it was written"))
-            })?;
+            let t = self.kv[self.kv_index(table, pos)?].ok_or_else(|| NinferError::Device(format!("toy: position {pos} read before it was written")))?;
             h = mix(h, t as u64);
             out.push(h);
         }
@@ -123,19 +113,10 @@ impl ModelRunner for ToyRunner {
     }
 
     fn cache_spec(&self) -> CacheSpec {
-        CacheSpec {
-            kv_bytes_per_token: 64,
-            state_bytes_per_slot: if self.hybrid { 256 } else { 0 },
-            weight_bytes: 4096,
-        }
+        CacheSpec { kv_bytes_per_token: 64, state_bytes_per_slot: if self.hybrid { 256 } else { 0 }, weight_bytes: 4096 }
     }
 
-    fn allocate_caches(
-        &mut self,
-        num_blocks: usize,
-        block_size: usize,
-        num_state_slots: usize,
-    ) -> Result<()> {
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
         self.block_size = block_size;
         self.kv = vec![None; num_blocks * block_size];
         self.states = vec![0; num_state_slots];
@@ -144,11 +125,7 @@ impl ModelRunner for ToyRunner {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.log.lock().expect("toy log").steps.push(batch.clone());
-        let mut logits = Logits {
-            vocab: self.config.vocab_size,
-            data: Vec::new(),
-            rows: Vec::new(),
-        };
+        let mut logits = Logits { vocab: self.config.vocab_size, data: Vec::new(), rows: Vec::new() };
         for seq in &batch.seqs {
             for (j, &t) in seq.tokens.iter().enumerate() {
                 let idx = self.kv_index(&seq.block_table, seq.start_pos + j)?;
@@ -157,21 +134,10 @@ impl ModelRunner for ToyRunner {
             let end = seq.start_pos + seq.tokens.len();
             let hist = self.history(&seq.block_table, end)?;
             if self.hybrid {
-                let mut state = if seq.start_pos == 0 {
-                    0
-                } else {
-                    self.states[seq.state_slot]
-                };
-                let expected_before = if seq.start_pos == 0 {
-                    0
-                } else {
-                    hist[seq.start_pos - 1]
-                };
+                let mut state = if seq.start_pos == 0 { 0 } else { self.states[seq.state_slot] };
+                let expected_before = if seq.start_pos == 0 { 0 } else { hist[seq.start_pos - 1] };
                 if state != expected_before {
-                    return Err(NinferError::Device(format!(
-                        "toy: state slot {} does not match the KV history at {}",
-                        seq.state_slot, seq.start_pos
-                    )));
+                    return Err(NinferError::Device(format!("toy: state slot {} does not match the KV history at {}", seq.state_slot, seq.start_pos)));
                 }
                 for &t in &seq.tokens {
                     state = mix(state, t as u64);
@@ -197,21 +163,13 @@ impl ModelRunner for ToyRunner {
 
     fn launch_forward(&mut self, batch: &StepBatch, feed: bool) -> Result<()> {
         if self.launched.is_none() {
-            return Err(NinferError::Device(
-                "toy: launch_forward without overlapping()".into(),
-            ));
+            return Err(NinferError::Device("toy: launch_forward without overlapping()".into()));
         }
         self.forwarded = None;
         let mut batch = batch.clone();
         let inputs = if feed {
-            if batch.seqs.len() != self.last_launched.len()
-                || batch.seqs.iter().any(|q| q.tokens.len() != 1)
-            {
-                return Err(NinferError::Device(format!(
-                    "toy: a fed step of {} rows after a step of {} sampled rows",
-                    batch.seqs.len(),
-                    self.last_launched.len()
-                )));
+            if batch.seqs.len() != self.last_launched.len() || batch.seqs.iter().any(|q| q.tokens.len() != 1) {
+                return Err(NinferError::Device(format!("toy: a fed step of {} rows after a step of {} sampled rows", batch.seqs.len(), self.last_launched.len())));
             }
             for (q, &t) in batch.seqs.iter_mut().zip(&self.last_launched) {
                 q.tokens[0] = t;
@@ -226,39 +184,23 @@ impl ModelRunner for ToyRunner {
     }
 
     fn launch_sampling(&mut self, rows: &[RowSampling]) -> Result<()> {
-        let (logits, inputs) = self.forwarded.take().ok_or_else(|| {
-            NinferError::Device("toy: launch_sampling with no forward queued".into())
-        })?;
+        let (logits, inputs) = self.forwarded.take().ok_or_else(|| NinferError::Device("toy: launch_sampling with no forward queued".into()))?;
         if self.launched.as_ref().is_none_or(|q| q.len() >= 2) {
-            return Err(NinferError::Device(
-                "toy: launch_sampling without overlapping() or with two steps uncollected".into(),
-            ));
+            return Err(NinferError::Device("toy: launch_sampling without overlapping() or with two steps uncollected".into()));
         }
         let sampled = match inputs {
             // Every sequence of a fed step samples: row i's input is the token fed to sequence
             // i, which a row with penalties counts as the device sampler does.
-            Some(inputs) => logits.sample_on_host(
-                &rows
-                    .iter()
-                    .zip(&inputs)
-                    .map(|(row, &t)| row.with_input(t))
-                    .collect::<Vec<_>>(),
-            )?,
+            Some(inputs) => logits.sample_on_host(&rows.iter().zip(&inputs).map(|(row, &t)| row.with_input(t)).collect::<Vec<_>>())?,
             None => logits.sample_on_host(rows)?,
         };
         self.last_launched = sampled.iter().map(|s| s.token).collect();
-        self.launched
-            .as_mut()
-            .expect("checked above")
-            .push_back(sampled);
+        self.launched.as_mut().expect("checked above").push_back(sampled);
         Ok(())
     }
 
     fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
-        self.launched
-            .as_mut()
-            .and_then(VecDeque::pop_front)
-            .ok_or_else(|| NinferError::Device("toy: collect_sampled with no step launched".into()))
+        self.launched.as_mut().and_then(VecDeque::pop_front).ok_or_else(|| NinferError::Device("toy: collect_sampled with no step launched".into()))
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

@@ -183,11 +183,7 @@ mod tests {
         p.acquire_cached(b);
         assert_eq!(p.num_free(), 3);
         assert_eq!(p.hit_tokens, 4);
-        assert_eq!(
-            p.lookup(h[1], &[0, 0]),
-            None,
-            "tokens must match, not only the hash"
-        );
+        assert_eq!(p.lookup(h[1], &[0, 0]), None, "tokens must match, not only the hash");
     }
 
     #[test]
@@ -215,10 +211,6 @@ mod tests {
         assert_eq!(p.lookup(1, &[3]), Some(a));
         p.free(b);
         p.allocate().unwrap();
-        assert_eq!(
-            p.lookup(1, &[3]),
-            Some(a),
-            "evicting the duplicate must not drop the original"
-        );
+        assert_eq!(p.lookup(1, &[3]), Some(a), "evicting the duplicate must not drop the original");
     }
 }

@@ -50,13 +50,12 @@ pub struct CpuModel {
 
 fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(floats)
-        .map_err(|_| NinferError::OutOfMemory {
-            what: what.to_string(),
-            needed: 4 * floats as u64,
-            available: 0,
-            hint: "lower --kv-capacity or --max-concurrency".into(),
-        })?;
+    v.try_reserve_exact(floats).map_err(|_| NinferError::OutOfMemory {
+        what: what.to_string(),
+        needed: 4 * floats as u64,
+        available: 0,
+        hint: "lower --kv-capacity or --max-concurrency".into(),
+    })?;
     v.resize(floats, 0.0);
     Ok(v)
 }
@@ -77,17 +76,7 @@ impl CpuModel {
             .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
-        Ok(CpuModel {
-            cfg,
-            weights,
-            cache_index,
-            inv_freq,
-            rope_scale,
-            caches: Caches::default(),
-            ws: Workspace::default(),
-            pool: Arc::new(pool),
-            logits_round,
-        })
+        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round })
     }
 
     /// The MTP head, when the checkpoint has one.
@@ -102,11 +91,7 @@ impl CpuModel {
 
     /// KV blocks and state slots currently allocated.
     pub fn cache_capacity(&self) -> (usize, usize, usize) {
-        (
-            self.caches.num_blocks,
-            self.caches.block_size,
-            self.caches.num_slots,
-        )
+        (self.caches.num_blocks, self.caches.block_size, self.caches.num_slots)
     }
 
     fn validate(&self, batch: &StepBatch) -> Result<()> {
@@ -114,27 +99,14 @@ impl CpuModel {
         let has_attn = !c.k.is_empty();
         let has_lin = !c.conv.is_empty() || self.cfg.num_linear_layers() > 0;
         if (has_attn || self.cfg.num_attention_layers() > 0) && c.block_size == 0 {
-            return Err(NinferError::invalid(
-                "caches",
-                "allocate_caches was not called before forward",
-            ));
+            return Err(NinferError::invalid("caches", "allocate_caches was not called before forward"));
         }
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.tokens.is_empty() {
-                return Err(NinferError::invalid(
-                    format!("seqs[{i}].tokens"),
-                    "empty chunk",
-                ));
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), "empty chunk"));
             }
-            if let Some(t) = s
-                .tokens
-                .iter()
-                .find(|&&t| t as usize >= self.cfg.vocab_size)
-            {
-                return Err(NinferError::invalid(
-                    format!("seqs[{i}].tokens"),
-                    format!("token id {t} >= vocab_size {}", self.cfg.vocab_size),
-                ));
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), format!("token id {t} >= vocab_size {}", self.cfg.vocab_size)));
             }
             if self.cfg.num_attention_layers() > 0 {
                 let end = s.start_pos + s.tokens.len();
@@ -142,38 +114,22 @@ impl CpuModel {
                 if s.block_table.len() < need {
                     return Err(NinferError::invalid(
                         format!("seqs[{i}].block_table"),
-                        format!(
-                            "{} blocks cover fewer than {end} positions (block size {})",
-                            s.block_table.len(),
-                            c.block_size
-                        ),
+                        format!("{} blocks cover fewer than {end} positions (block size {})", s.block_table.len(), c.block_size),
                     ));
                 }
-                if let Some(b) = s.block_table[..need]
-                    .iter()
-                    .find(|&&b| b as usize >= c.num_blocks)
-                {
-                    return Err(NinferError::invalid(
-                        format!("seqs[{i}].block_table"),
-                        format!("block {b} >= num_blocks {}", c.num_blocks),
-                    ));
+                if let Some(b) = s.block_table[..need].iter().find(|&&b| b as usize >= c.num_blocks) {
+                    return Err(NinferError::invalid(format!("seqs[{i}].block_table"), format!("block {b} >= num_blocks {}", c.num_blocks)));
                 }
             }
             if has_lin && s.state_slot >= c.num_slots {
-                return Err(NinferError::invalid(
-                    format!("seqs[{i}].state_slot"),
-                    format!("slot {} >= num_state_slots {}", s.state_slot, c.num_slots),
-                ));
+                return Err(NinferError::invalid(format!("seqs[{i}].state_slot"), format!("slot {} >= num_state_slots {}", s.state_slot, c.num_slots)));
             }
         }
         if has_lin {
             let mut slots: Vec<usize> = batch.seqs.iter().map(|s| s.state_slot).collect();
             slots.sort_unstable();
             if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
-                return Err(NinferError::invalid(
-                    "state_slot",
-                    format!("slot {} is used by two sequences of one step", w[0]),
-                ));
+                return Err(NinferError::invalid("state_slot", format!("slot {} is used by two sequences of one step", w[0])));
             }
         }
         Ok(())
@@ -181,16 +137,7 @@ impl CpuModel {
 
     fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.validate(batch)?;
-        let CpuModel {
-            cfg,
-            weights,
-            cache_index,
-            inv_freq,
-            rope_scale,
-            caches,
-            ws,
-            ..
-        } = self;
+        let CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches, ws, .. } = self;
         let h = cfg.hidden_size;
         let rows = batch.num_tokens();
         if let Some(la) = cfg.linear_attention {
@@ -213,54 +160,23 @@ impl CpuModel {
                 r += 1;
             }
         }
-        rope_tables(
-            &ws.positions,
-            inv_freq,
-            *rope_scale,
-            &mut ws.cos,
-            &mut ws.sin,
-        );
-        let layout = KvLayout {
-            block_size: caches.block_size,
-            n_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
+        rope_tables(&ws.positions, inv_freq, *rope_scale, &mut ws.cos, &mut ws.sin);
+        let layout = KvLayout { block_size: caches.block_size, n_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
         for (li, layer) in weights.layers.iter().enumerate() {
-            rms_norm(
-                &ws.x,
-                rows,
-                h,
-                &layer.input_norm,
-                cfg.rms_norm_eps,
-                fit(&mut ws.h, rows * h),
-            );
+            rms_norm(&ws.x, rows, h, &layer.input_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
             let ci = cache_index[li];
             match &layer.mixer {
                 Mixer::Attention(a) => {
-                    let kv = LayerKv {
-                        k: &mut caches.k[ci],
-                        v: &mut caches.v[ci],
-                        layout,
-                    };
+                    let kv = LayerKv { k: &mut caches.k[ci], v: &mut caches.v[ci], layout };
                     attention_step(cfg, a, kv, batch, ws, rows);
                 }
                 Mixer::Gdn(g) => {
-                    let st = LayerState {
-                        conv: &mut caches.conv[ci],
-                        delta: &mut caches.delta[ci],
-                    };
+                    let st = LayerState { conv: &mut caches.conv[ci], delta: &mut caches.delta[ci] };
                     gdn_step(cfg, g, st, batch, ws, rows);
                 }
             }
             add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
-            rms_norm(
-                &ws.x,
-                rows,
-                h,
-                &layer.post_norm,
-                cfg.rms_norm_eps,
-                fit(&mut ws.h, rows * h),
-            );
+            rms_norm(&ws.x, rows, h, &layer.post_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
             mlp_step(layer, ws, rows);
             add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
         }
@@ -288,33 +204,14 @@ impl CpuModel {
         for (i, &row) in picked.iter().enumerate() {
             sel[i * h..(i + 1) * h].copy_from_slice(&ws.x[row * h..(row + 1) * h]);
         }
-        rms_norm(
-            &ws.sel,
-            m,
-            h,
-            &weights.final_norm,
-            cfg.rms_norm_eps,
-            fit(&mut ws.sel_normed, m * h),
-        );
+        rms_norm(&ws.sel, m, h, &weights.final_norm, cfg.rms_norm_eps, fit(&mut ws.sel_normed, m * h));
         let vocab = cfg.vocab_size;
         let mut data = vec![0f32; m * vocab];
-        linear(
-            &ws.sel_normed,
-            m,
-            h,
-            weights.lm_head_weights(),
-            vocab,
-            None,
-            &mut data,
-        );
+        linear(&ws.sel_normed, m, h, weights.lm_head_weights(), vocab, None, &mut data);
         if let Some(r) = self.logits_round {
             r.apply(&mut data);
         }
-        Ok(Logits {
-            vocab,
-            data,
-            rows: counts,
-        })
+        Ok(Logits { vocab, data, rows: counts })
     }
 }
 
@@ -332,33 +229,17 @@ impl ModelRunner for CpuModel {
     fn cache_spec(&self) -> CacheSpec {
         let c = &self.cfg;
         let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 4;
-        let state = c
-            .linear_attention
-            .map_or(0, |la| la.state_floats() * 4 * c.num_linear_layers());
-        CacheSpec {
-            kv_bytes_per_token: kv,
-            state_bytes_per_slot: state,
-            weight_bytes: self.weights.bytes(),
-        }
+        let state = c.linear_attention.map_or(0, |la| la.state_floats() * 4 * c.num_linear_layers());
+        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes() }
     }
 
-    fn allocate_caches(
-        &mut self,
-        num_blocks: usize,
-        block_size: usize,
-        num_state_slots: usize,
-    ) -> Result<()> {
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
         if block_size == 0 {
             return Err(NinferError::config("block_size", "must be positive"));
         }
         let c = &self.cfg;
         let kv_floats = num_blocks * block_size * c.num_kv_heads * c.head_dim;
-        let mut caches = Caches {
-            block_size,
-            num_blocks,
-            num_slots: num_state_slots,
-            ..Default::default()
-        };
+        let mut caches = Caches { block_size, num_blocks, num_slots: num_state_slots, ..Default::default() };
         // Free the old pool first so that a resize does not need both at once.
         self.caches = Caches::default();
         for _ in 0..c.num_attention_layers() {
@@ -367,14 +248,8 @@ impl ModelRunner for CpuModel {
         }
         if let Some(la) = c.linear_attention {
             for _ in 0..c.num_linear_layers() {
-                caches.conv.push(alloc(
-                    num_state_slots * la.conv_floats(),
-                    "recurrent state",
-                )?);
-                caches.delta.push(alloc(
-                    num_state_slots * la.delta_floats(),
-                    "recurrent state",
-                )?);
+                caches.conv.push(alloc(num_state_slots * la.conv_floats(), "recurrent state")?);
+                caches.delta.push(alloc(num_state_slots * la.delta_floats(), "recurrent state")?);
             }
         }
         self.caches = caches;
@@ -393,20 +268,12 @@ impl ModelRunner for CpuModel {
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
         let slots = self.caches.num_slots;
         if src >= slots || dst >= slots {
-            return Err(NinferError::invalid(
-                "state_slot",
-                format!("copy {src} -> {dst} outside {slots} slots"),
-            ));
+            return Err(NinferError::invalid("state_slot", format!("copy {src} -> {dst} outside {slots} slots")));
         }
         if src == dst {
             return Ok(());
         }
-        for buf in self
-            .caches
-            .conv
-            .iter_mut()
-            .chain(self.caches.delta.iter_mut())
-        {
+        for buf in self.caches.conv.iter_mut().chain(self.caches.delta.iter_mut()) {
             let per = buf.len() / slots;
             buf.copy_within(src * per..(src + 1) * per, dst * per);
         }

@@ -25,11 +25,7 @@ use crate::{NinferError, Result};
 /// that padding wastes little.
 pub fn decode_bucket(n: usize) -> usize {
     const SMALL: [usize; 9] = [1, 2, 4, 8, 16, 24, 32, 48, 64];
-    SMALL
-        .iter()
-        .copied()
-        .find(|&b| b >= n)
-        .unwrap_or_else(|| n.div_ceil(32) * 32)
+    SMALL.iter().copied().find(|&b| b >= n).unwrap_or_else(|| n.div_ceil(32) * 32)
 }
 
 /// Block-table columns of a decode step whose longest table needs `blocks`: the next power of
@@ -57,10 +53,7 @@ pub struct DecodeGraphs {
 impl DecodeGraphs {
     /// Enabled unless the switch `NINFER_CUDA_GRAPHS` is off (`config::env_switch`).
     pub fn from_env() -> crate::Result<Self> {
-        Ok(DecodeGraphs {
-            enabled: crate::config::env_switch("NINFER_CUDA_GRAPHS", true)?,
-            graphs: HashMap::new(),
-        })
+        Ok(DecodeGraphs { enabled: crate::config::env_switch("NINFER_CUDA_GRAPHS", true)?, graphs: HashMap::new() })
     }
 
     /// Whether decode steps run as graphs.
@@ -91,40 +84,25 @@ impl DecodeGraphs {
 
     /// Captures what `queue` puts on the device's stream (nothing runs) as the graph for `key`.
     /// cuBLAS is created first: its handle and workspace must not be allocated under capture.
-    pub fn capture(
-        &mut self,
-        dev: &CudaDevice,
-        key: (usize, usize),
-        queue: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
+    pub fn capture(&mut self, dev: &CudaDevice, key: (usize, usize), queue: impl FnOnce() -> Result<()>) -> Result<()> {
         dev.blas()?;
         let s = dev.stream();
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(driver_err("beginning graph capture"))?;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(driver_err("beginning graph capture"))?;
         let queued = queue();
         // End the capture whatever happened, so that the stream is usable again.
         let ended = s.end_capture(CUgraphInstantiate_flags(0));
         queued?;
         let graph = ended
             .map_err(driver_err("capturing a decode step"))?
-            .ok_or_else(|| {
-                NinferError::Device(format!(
-                    "capturing the decode step of bucket {key:?} produced no graph"
-                ))
-            })?;
-        graph
-            .upload()
-            .map_err(driver_err("uploading a decode graph"))?;
+            .ok_or_else(|| NinferError::Device(format!("capturing the decode step of bucket {key:?} produced no graph")))?;
+        graph.upload().map_err(driver_err("uploading a decode graph"))?;
         self.graphs.insert(key, OwnedGraph(graph));
         Ok(())
     }
 
     /// Queues a replay of the graph for `key` (captured before).
     pub fn launch(&self, key: (usize, usize)) -> Result<()> {
-        let g = self
-            .graphs
-            .get(&key)
-            .ok_or_else(|| NinferError::Device(format!("no decode graph for {key:?}")))?;
+        let g = self.graphs.get(&key).ok_or_else(|| NinferError::Device(format!("no decode graph for {key:?}")))?;
         g.0.launch().map_err(driver_err("launching a decode graph"))
     }
 }
@@ -135,22 +113,7 @@ mod tests {
 
     #[test]
     fn buckets_cover_every_batch_with_the_listed_sizes() {
-        let want = [
-            (1, 1),
-            (2, 2),
-            (3, 4),
-            (5, 8),
-            (8, 8),
-            (9, 16),
-            (17, 24),
-            (25, 32),
-            (33, 48),
-            (49, 64),
-            (65, 96),
-            (96, 96),
-            (97, 128),
-            (300, 320),
-        ];
+        let want = [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24), (25, 32), (33, 48), (49, 64), (65, 96), (96, 96), (97, 128), (300, 320)];
         for (n, b) in want {
             assert_eq!(decode_bucket(n), b, "bucket of {n}");
         }

@@ -13,9 +13,9 @@
 //! kernels add 1 for zero-centred models), `A_log` and `dt_bias` in f32, the GDN input
 //! projection as four buffers.
 
-use ::safetensors::Dtype;
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 use rayon::prelude::*;
+use ::safetensors::Dtype;
 
 use crate::artifact::{RawTensor, WeightStore};
 use crate::backend::cuda::device::driver_err;
@@ -54,19 +54,10 @@ impl<'a> Packed<'a> {
         let mut segments = Vec::with_capacity(parts.len());
         let mut dst = 0;
         for (i, p) in parts.iter().enumerate() {
-            segments.push(Segment {
-                part: i,
-                src: 0,
-                len: p.numel,
-                dst,
-            });
+            segments.push(Segment { part: i, src: 0, len: p.numel, dst });
             dst += p.numel;
         }
-        Packed {
-            parts,
-            segments,
-            numel: dst,
-        }
+        Packed { parts, segments, numel: dst }
     }
 
     /// One checkpoint tensor as is.
@@ -85,12 +76,7 @@ impl<'a> Packed<'a> {
         let first = &self.segments[0];
         debug_assert!(first.part == 0 && first.dst == 0 && first.len.is_multiple_of(blocks));
         let block = first.len / blocks;
-        let permuted = (0..blocks).map(|d| Segment {
-            part: 0,
-            src: source_block(d) * block,
-            len: block,
-            dst: d * block,
-        });
+        let permuted = (0..blocks).map(|d| Segment { part: 0, src: source_block(d) * block, len: block, dst: d * block });
         self.segments.splice(0..1, permuted);
         self
     }
@@ -98,40 +84,18 @@ impl<'a> Packed<'a> {
     /// Elements `first..first + out.len()` of the packed tensor as `storage` bits, spread over
     /// the rayon pool. `read`: copy same-type bytes with positioned file reads rather than
     /// through the mapping.
-    pub fn fill(
-        &self,
-        first: usize,
-        out: &mut [u16],
-        storage: StorageDType,
-        read: bool,
-    ) -> Result<()> {
-        out.par_chunks_mut(TASK_ELEMS)
-            .enumerate()
-            .try_for_each(|(i, chunk)| {
-                self.fill_serial(first + i * TASK_ELEMS, chunk, storage, read)
-            })
+    pub fn fill(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+        out.par_chunks_mut(TASK_ELEMS).enumerate().try_for_each(|(i, chunk)| self.fill_serial(first + i * TASK_ELEMS, chunk, storage, read))
     }
 
-    fn fill_serial(
-        &self,
-        first: usize,
-        out: &mut [u16],
-        storage: StorageDType,
-        read: bool,
-    ) -> Result<()> {
+    fn fill_serial(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
         let end = first + out.len();
         let start = self.segments.partition_point(|s| s.dst + s.len <= first);
         for seg in self.segments[start..].iter().take_while(|s| s.dst < end) {
             let lo = seg.dst.max(first);
             let hi = (seg.dst + seg.len).min(end);
             let src = seg.src + (lo - seg.dst);
-            convert(
-                &self.parts[seg.part],
-                src,
-                &mut out[lo - first..hi - first],
-                storage,
-                read,
-            )?;
+            convert(&self.parts[seg.part], src, &mut out[lo - first..hi - first], storage, read)?;
         }
         Ok(())
     }
@@ -140,44 +104,27 @@ impl<'a> Packed<'a> {
 static READ_FALLBACK: std::sync::Once = std::sync::Once::new();
 
 /// Elements `src..src + out.len()` of `t` as `storage` bits.
-fn convert(
-    t: &RawTensor<'_>,
-    src: usize,
-    out: &mut [u16],
-    storage: StorageDType,
-    read: bool,
-) -> Result<()> {
+fn convert(t: &RawTensor<'_>, src: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
     let n = out.len();
     match (t.dtype, storage) {
         (Dtype::BF16, StorageDType::Bf16) | (Dtype::F16, StorageDType::F16) => {
             if read && cfg!(target_endian = "little") {
                 // SAFETY: u16 has no invalid bit patterns and u8 has alignment 1; on a
                 // little-endian host the stored bytes are the u16 values.
-                let bytes =
-                    unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), 2 * n) };
+                let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), 2 * n) };
                 match t.read_into(2 * src, bytes) {
                     Ok(()) => return Ok(()),
                     // The mapping holds the same bytes: a sandbox that refuses reads into
                     // pinned memory costs speed, not the load.
-                    Err(e) => READ_FALLBACK.call_once(|| {
-                        eprintln!(
-                            "ninfer: positioned read failed ({e}); copying through the mapping"
-                        )
-                    }),
+                    Err(e) => READ_FALLBACK.call_once(|| eprintln!("ninfer: positioned read failed ({e}); copying through the mapping")),
                 }
             }
-            for (o, b) in out
-                .iter_mut()
-                .zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2))
-            {
+            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
                 *o = u16::from_le_bytes([b[0], b[1]]);
             }
         }
         (Dtype::BF16, StorageDType::F16) => {
-            for (o, b) in out
-                .iter_mut()
-                .zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2))
-            {
+            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
                 *o = storage_bit_from_bf16(u16::from_le_bytes([b[0], b[1]]), storage);
             }
         }
@@ -205,11 +152,7 @@ pub trait Sink {
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
 /// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
-pub fn build<S: Sink>(
-    sink: &mut S,
-    store: &WeightStore,
-    cfg: &ModelConfig,
-) -> Result<DevWeights<S::W, S::F>> {
+pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<DevWeights<S::W, S::F>> {
     let b = Builder { store, cfg };
     let prefix = names::decoder_prefix(store);
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
@@ -218,73 +161,22 @@ pub fn build<S: Sink>(
     for (i, kind) in cfg.layer_types.iter().enumerate() {
         let p = names::layer(prefix, i);
         let mixer = match kind {
-            LayerType::FullAttention => DevMixer::Attention(Box::new(b.attention(
-                sink,
-                &names::mixer(&p, *kind),
-                &mut bytes,
-            )?)),
-            LayerType::LinearAttention => DevMixer::Gdn(Box::new(b.gdn(
-                sink,
-                &names::mixer(&p, *kind),
-                &mut bytes,
-            )?)),
+            LayerType::FullAttention => DevMixer::Attention(Box::new(b.attention(sink, &names::mixer(&p, *kind), &mut bytes)?)),
+            LayerType::LinearAttention => DevMixer::Gdn(Box::new(b.gdn(sink, &names::mixer(&p, *kind), &mut bytes)?)),
         };
-        let gate_up = names::gate_up(cfg, &p)
-            .iter()
-            .map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h]))
-            .collect::<Result<Vec<_>>>()?;
+        let gate_up = names::gate_up(cfg, &p).iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
         layers.push(DevLayer {
-            input_norm: b.put(
-                sink,
-                Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?),
-                &mut bytes,
-            )?,
-            post_norm: b.put(
-                sink,
-                Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?),
-                &mut bytes,
-            )?,
+            input_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), &mut bytes)?,
+            post_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), &mut bytes)?,
             mixer,
             gate_up: b.linear(sink, Packed::concat(gate_up), h, &mut bytes)?,
-            down: b.linear(
-                sink,
-                Packed::single(store.raw(
-                    &format!("{p}.mlp.down_proj.weight"),
-                    &[h, cfg.intermediate_size],
-                )?),
-                cfg.intermediate_size,
-                &mut bytes,
-            )?,
+            down: b.linear(sink, Packed::single(store.raw(&format!("{p}.mlp.down_proj.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, &mut bytes)?,
         });
     }
-    let lm_head = if cfg.tie_word_embeddings {
-        None
-    } else {
-        Some(b.linear(
-            sink,
-            Packed::single(store.raw("lm_head.weight", &[v, h])?),
-            h,
-            &mut bytes,
-        )?)
-    };
-    let embed = b.put(
-        sink,
-        Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?),
-        &mut bytes,
-    )?;
-    let final_norm = b.put(
-        sink,
-        Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?),
-        &mut bytes,
-    )?;
-    Ok(DevWeights {
-        embed,
-        layers,
-        final_norm,
-        lm_head,
-        bytes,
-        norm_plus_one: cfg.zero_centered_norm,
-    })
+    let lm_head = if cfg.tie_word_embeddings { None } else { Some(b.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
+    let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
+    let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
+    Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
 }
 
 struct Builder<'a> {
@@ -298,49 +190,25 @@ impl<'a> Builder<'a> {
         sink.storage(&t)
     }
 
-    fn put_f32<S: Sink>(
-        &self,
-        sink: &mut S,
-        name: &str,
-        n: usize,
-        bytes: &mut usize,
-    ) -> Result<S::F> {
+    fn put_f32<S: Sink>(&self, sink: &mut S, name: &str, n: usize, bytes: &mut usize) -> Result<S::F> {
         let values = self.store.load_f32(name, &[n])?;
         *bytes += 4 * n;
         sink.f32(&values)
     }
 
-    fn linear<S: Sink>(
-        &self,
-        sink: &mut S,
-        t: Packed<'_>,
-        k: usize,
-        bytes: &mut usize,
-    ) -> Result<DevLinear<S::W>> {
+    fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<DevLinear<S::W>> {
         let n = t.numel() / k;
-        Ok(DevLinear {
-            w: self.put(sink, t, bytes)?,
-            n,
-            k,
-        })
+        Ok(DevLinear { w: self.put(sink, t, bytes)?, n, k })
     }
 
     fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'a>> {
         self.store.raw(&format!("{name}.weight"), &[rows, cols])
     }
 
-    fn attention<S: Sink>(
-        &self,
-        sink: &mut S,
-        p: &str,
-        bytes: &mut usize,
-    ) -> Result<DevAttention<S::W>> {
+    fn attention<S: Sink>(&self, sink: &mut S, p: &str, bytes: &mut usize) -> Result<DevAttention<S::W>> {
         let c = self.cfg;
         let (h, nh, hd) = (c.hidden_size, c.num_attention_heads, c.head_dim);
-        let parts = names::attention_qkv(c, p)
-            .iter()
-            .map(|part| self.weight(&part.name, part.rows, h))
-            .collect::<Result<Vec<_>>>()?;
+        let parts = names::attention_qkv(c, p).iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
         let mut qkv = Packed::concat(parts);
         if c.attn_output_gate {
             qkv = qkv.permute_first_part(2 * nh, |d| names::gated_query_source_block(d, nh));
@@ -348,21 +216,13 @@ impl<'a> Builder<'a> {
         let (q_norm, k_norm) = if c.qk_norm {
             let q = Packed::single(self.store.raw(&format!("{p}.q_norm.weight"), &[hd])?);
             let k = Packed::single(self.store.raw(&format!("{p}.k_norm.weight"), &[hd])?);
-            (
-                Some(self.put(sink, q, bytes)?),
-                Some(self.put(sink, k, bytes)?),
-            )
+            (Some(self.put(sink, q, bytes)?), Some(self.put(sink, k, bytes)?))
         } else {
             (None, None)
         };
         Ok(DevAttention {
             qkv: self.linear(sink, qkv, h, bytes)?,
-            o: self.linear(
-                sink,
-                Packed::single(self.weight(&format!("{p}.o_proj"), h, nh * hd)?),
-                nh * hd,
-                bytes,
-            )?,
+            o: self.linear(sink, Packed::single(self.weight(&format!("{p}.o_proj"), h, nh * hd)?), nh * hd, bytes)?,
             q_norm,
             k_norm,
         })
@@ -370,59 +230,19 @@ impl<'a> Builder<'a> {
 
     fn gdn<S: Sink>(&self, sink: &mut S, p: &str, bytes: &mut usize) -> Result<DevGdn<S::W, S::F>> {
         let c = self.cfg;
-        let la = c.linear_attention.ok_or_else(|| {
-            NinferError::config(
-                "linear_num_key_heads",
-                "missing for a linear_attention layer",
-            )
-        })?;
-        let (h, cd, vd, nv) = (
-            c.hidden_size,
-            la.conv_dim(),
-            la.value_dim(),
-            la.num_value_heads,
-        );
-        let in_proj = names::gdn_in_proj(c, p)?
-            .iter()
-            .map(|part| self.weight(&part.name, part.rows, h))
-            .collect::<Result<Vec<_>>>()?;
+        let la = c.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
+        let (h, cd, vd, nv) = (c.hidden_size, la.conv_dim(), la.value_dim(), la.num_value_heads);
+        let in_proj = names::gdn_in_proj(c, p)?.iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
         let conv_b_name = format!("{p}.conv1d.bias");
-        let conv_b = if self.store.contains(&conv_b_name) {
-            Some(self.put(
-                sink,
-                Packed::single(self.store.raw(&conv_b_name, &[cd])?),
-                bytes,
-            )?)
-        } else {
-            None
-        };
+        let conv_b = if self.store.contains(&conv_b_name) { Some(self.put(sink, Packed::single(self.store.raw(&conv_b_name, &[cd])?), bytes)?) } else { None };
         Ok(DevGdn {
             in_proj: self.linear(sink, Packed::concat(in_proj), h, bytes)?,
-            conv_w: self.put(
-                sink,
-                Packed::single(
-                    self.store
-                        .raw(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?,
-                ),
-                bytes,
-            )?,
+            conv_w: self.put(sink, Packed::single(self.store.raw(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?), bytes)?,
             conv_b,
             a_log: self.put_f32(sink, &format!("{p}.A_log"), nv, bytes)?,
             dt_bias: self.put_f32(sink, &format!("{p}.dt_bias"), nv, bytes)?,
-            norm: self.put(
-                sink,
-                Packed::single(
-                    self.store
-                        .raw(&format!("{p}.norm.weight"), &[la.value_head_dim])?,
-                ),
-                bytes,
-            )?,
-            out: self.linear(
-                sink,
-                Packed::single(self.weight(&format!("{p}.out_proj"), h, vd)?),
-                vd,
-                bytes,
-            )?,
+            norm: self.put(sink, Packed::single(self.store.raw(&format!("{p}.norm.weight"), &[la.value_head_dim])?), bytes)?,
+            out: self.linear(sink, Packed::single(self.weight(&format!("{p}.out_proj"), h, vd)?), vd, bytes)?,
         })
     }
 }
@@ -470,21 +290,10 @@ impl<'a> DeviceSink<'a> {
                     Stage::Pageable(vec![0u16; STAGE_ELEMS])
                 }
             };
-            stages.push((
-                stage,
-                ctx.new_event(None)
-                    .map_err(driver_err("creating a staging event"))?,
-            ));
+            stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
         let read = !crate::config::env_switch("NINFER_LOAD_MMAP", false)?;
-        Ok(DeviceSink {
-            dev,
-            stages,
-            next: 0,
-            read,
-            fill_s: 0.0,
-            wait_s: 0.0,
-        })
+        Ok(DeviceSink { dev, stages, next: 0, read, fill_s: 0.0, wait_s: 0.0 })
     }
 }
 
@@ -505,9 +314,7 @@ impl Sink for DeviceSink<'_> {
     fn storage(&mut self, t: &Packed<'_>) -> Result<CudaSlice<u16>> {
         let stream = self.dev.stream();
         let n = t.numel();
-        let mut dst = stream
-            .alloc_zeros::<u16>(n.max(1))
-            .map_err(|e| out_of_memory(self.dev, 2 * n, e))?;
+        let mut dst = stream.alloc_zeros::<u16>(n.max(1)).map_err(|e| out_of_memory(self.dev, 2 * n, e))?;
         let storage = self.dev.storage();
         let mut first = 0;
         while first < n {
@@ -516,33 +323,24 @@ impl Sink for DeviceSink<'_> {
             self.next = (self.next + 1) % STAGES;
             // The copy that last read this buffer must be done before it is refilled.
             let clock = std::time::Instant::now();
-            ev.synchronize()
-                .map_err(driver_err("waiting for a staging buffer"))?;
+            ev.synchronize().map_err(driver_err("waiting for a staging buffer"))?;
             self.wait_s += clock.elapsed().as_secs_f64();
             let clock = std::time::Instant::now();
             let host: &mut [u16] = match stage {
-                Stage::Pinned(p) => &mut p
-                    .as_mut_slice()
-                    .map_err(driver_err("mapping a staging buffer"))?[..len],
+                Stage::Pinned(p) => &mut p.as_mut_slice().map_err(driver_err("mapping a staging buffer"))?[..len],
                 Stage::Pageable(v) => &mut v[..len],
             };
             t.fill(first, host, storage, self.read)?;
             self.fill_s += clock.elapsed().as_secs_f64();
-            stream
-                .memcpy_htod(&*host, &mut dst.slice_mut(first..first + len))
-                .map_err(driver_err("uploading weights"))?;
-            ev.record(stream)
-                .map_err(driver_err("recording a staging event"))?;
+            stream.memcpy_htod(&*host, &mut dst.slice_mut(first..first + len)).map_err(driver_err("uploading weights"))?;
+            ev.record(stream).map_err(driver_err("recording a staging event"))?;
             first += len;
         }
         Ok(dst)
     }
 
     fn f32(&mut self, values: &[f32]) -> Result<CudaSlice<f32>> {
-        self.dev
-            .stream()
-            .clone_htod(values)
-            .map_err(driver_err("uploading weights"))
+        self.dev.stream().clone_htod(values).map_err(driver_err("uploading weights"))
     }
 }
 
@@ -551,8 +349,7 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
         what: format!("model weights on cuda:{} ({e})", dev.ordinal()),
         needed: needed as u64,
         available: dev.memory_info().map(|(f, _)| f as u64).unwrap_or(0),
-        hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\""
-            .into(),
+        hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\"".into(),
     }
 }
 
@@ -582,9 +379,7 @@ pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore) -> Result<us
 impl DevWeights {
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
-        dev.context()
-            .bind_to_thread()
-            .map_err(driver_err("binding the CUDA context"))?;
+        dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let needed = planned_weight_bytes(cfg, store)?;
         let (free, _) = dev.memory_info()?;
         if needed > free {
@@ -598,10 +393,7 @@ impl DevWeights {
         let mut sink = DeviceSink::new(dev)?;
         let w = build(&mut sink, store, cfg)?;
         dev.synchronize()?;
-        let pinned = sink
-            .stages
-            .iter()
-            .all(|(s, _)| matches!(s, Stage::Pinned(_)));
+        let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
         eprintln!(
             "ninfer: weights streamed through {} staging ({}): {:.1} s filling, {:.1} s waiting for copies, {} threads",
             if pinned { "pinned" } else { "pageable" },

@@ -16,10 +16,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZe
 
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::ops::{
-    decode_scratch_len, qkv_rope_fits, AttnScratch, ConvShape, PagedAttentionShape, RecurrentShape,
-    RopeKvShape, GATED_MAX_DV, GEMV_ROUTE_MAX_M,
-};
+use crate::backend::cuda::ops::{decode_scratch_len, qkv_rope_fits, AttnScratch, ConvShape, GATED_MAX_DV, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
@@ -157,55 +154,29 @@ impl Activations {
         fn b<T>(x: &Option<CudaSlice<T>>) -> usize {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
-        let u16s = [
-            &self.x,
-            &self.h,
-            &self.tmp,
-            &self.proj,
-            &self.qn,
-            &self.kn,
-            &self.mix,
-            &self.gate_up,
-            &self.act,
-            &self.conv_out,
-            &self.core,
-            &self.sel,
-        ];
-        u16s.iter().map(|x| b(x)).sum::<usize>()
-            + b(&self.g)
-            + b(&self.beta)
-            + b(&self.gdn_work)
-            + b(&self.logits)
-            + b(&self.norm_arrivals)
+        let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.norm_arrivals)
     }
 }
 
-fn alloc<T: DeviceRepr + ValidAsZeroBits>(
-    dev: &CudaDevice,
-    n: usize,
-    what: &str,
-) -> Result<CudaSlice<T>> {
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize, what: &str) -> Result<CudaSlice<T>> {
     let free = dev.memory_info().map(|(f, _)| f as u64).unwrap_or(0);
-    dev.stream()
-        .alloc_zeros::<T>(n.max(1))
-        .map_err(|e| NinferError::OutOfMemory {
-            what: format!("{what} ({e})"),
-            needed: (n * std::mem::size_of::<T>()) as u64,
-            available: free,
-            hint: "lower --kv-capacity, --max-concurrency or --prefill-chunk".into(),
-        })
+    dev.stream().alloc_zeros::<T>(n.max(1)).map_err(|e| NinferError::OutOfMemory {
+        what: format!("{what} ({e})"),
+        needed: (n * std::mem::size_of::<T>()) as u64,
+        available: free,
+        hint: "lower --kv-capacity, --max-concurrency or --prefill-chunk".into(),
+    })
 }
 
 /// The buffer behind an activation slot (set once `ensure_rows`, for the logits
 /// `ensure_logit_rows`, ran).
 fn buf<T>(b: &Option<CudaSlice<T>>) -> &CudaSlice<T> {
-    b.as_ref()
-        .expect("activation buffer allocated by ensure_rows")
+    b.as_ref().expect("activation buffer allocated by ensure_rows")
 }
 
 fn buf_mut<T>(b: &mut Option<CudaSlice<T>>) -> &mut CudaSlice<T> {
-    b.as_mut()
-        .expect("activation buffer allocated by ensure_rows")
+    b.as_mut().expect("activation buffer allocated by ensure_rows")
 }
 
 impl CudaModel {
@@ -216,18 +187,10 @@ impl CudaModel {
 
     /// As `load`, with the logits rounded as `logits_dtype` says and `kv_dtype` checked against
     /// the device's storage type (the KV cache's) as soon as the device is open.
-    pub fn load_with(
-        dir: &Path,
-        ordinal: usize,
-        logits_dtype: LogitsDtype,
-        kv_dtype: KvDtype,
-    ) -> Result<Self> {
+    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::new(ordinal)?);
-        kv_dtype.check(
-            &format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()),
-            dev.storage().into(),
-        )?;
+        kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
         dev.use_model_cc_launch(cfg.hidden_size);
         Self::check_supported(&cfg)?;
         // Switches first, so that a misspelt value fails before a long load.
@@ -253,10 +216,7 @@ impl CudaModel {
         let weights = weights?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
-        let inv_freq = dev
-            .stream()
-            .clone_htod(&inv_freq)
-            .map_err(driver_err("uploading rope frequencies"))?;
+        let inv_freq = dev.stream().clone_htod(&inv_freq).map_err(driver_err("uploading rope frequencies"))?;
         let dummy = alloc::<u16>(&dev, 1, "rope scratch")?;
         eprintln!(
             "ninfer: loaded {} on cuda:{} ({}, {}, {:?}): {:.2} GiB of weights in {:.1} s ({:.1} GB/s)",
@@ -296,25 +256,15 @@ impl CudaModel {
 
     /// Shapes the kernels do not cover yet fail at load with the reason, not mid-step.
     fn check_supported(cfg: &ModelConfig) -> Result<()> {
-        let unsupported = |what: String| {
-            Err(NinferError::Unsupported(format!(
-                "{what} on the CUDA backend (use device=\"cpu\")"
-            )))
-        };
+        let unsupported = |what: String| Err(NinferError::Unsupported(format!("{what} on the CUDA backend (use device=\"cpu\")")));
         if cfg.num_attention_layers() > 0 && !matches!(cfg.head_dim, 64 | 96 | 128 | 256) {
-            return unsupported(format!(
-                "head_dim {} (kernels: 64, 96, 128, 256)",
-                cfg.head_dim
-            ));
+            return unsupported(format!("head_dim {} (kernels: 64, 96, 128, 256)", cfg.head_dim));
         }
         if cfg.qkv_bias || cfg.o_bias || cfg.mlp_bias {
             return unsupported("projection biases".into());
         }
         if let Some(la) = cfg.linear_attention {
-            if !matches!(la.key_head_dim, 64 | 128)
-                || la.value_head_dim % 32 != 0
-                || !(2..=4).contains(&la.conv_kernel)
-            {
+            if !matches!(la.key_head_dim, 64 | 128) || la.value_head_dim % 32 != 0 || !(2..=4).contains(&la.conv_kernel) {
                 return unsupported(format!(
                     "Gated DeltaNet with key head dim {}, value head dim {}, conv kernel {} (kernels: dk 64/128, dv a multiple of 32, kernel 2-4)",
                     la.key_head_dim, la.value_head_dim, la.conv_kernel
@@ -331,11 +281,7 @@ impl CudaModel {
 
     /// KV blocks, block size and state slots currently allocated.
     pub fn cache_capacity(&self) -> (usize, usize, usize) {
-        (
-            self.caches.num_blocks,
-            self.caches.block_size,
-            self.caches.num_slots,
-        )
+        (self.caches.num_blocks, self.caches.block_size, self.caches.num_slots)
     }
 
     /// Grow the activation buffers to hold `rows` tokens (with headroom, so that a run of
@@ -347,27 +293,14 @@ impl CudaModel {
         let rows = rows.next_power_of_two().max(8);
         let c = &self.cfg;
         let dev = &self.dev;
-        let (h, qd, kvd) = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-        );
+        let (h, qd, kvd) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
-        let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| {
-            (la.conv_dim(), la.value_dim(), la.num_value_heads)
-        });
+        let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
         // The GDN input projection's output row: conv channels, z, b and a (DevGdn::in_proj).
         let gdn_in = cd + vd + 2 * nv;
         let inter = c.intermediate_size;
         let gdn_work = match c.linear_attention {
-            Some(la) if dev.has_gdn_chunked(la.key_head_dim) => {
-                RecurrentShape::chunked_workspace_len(
-                    rows,
-                    la.num_value_heads,
-                    la.key_head_dim,
-                    la.value_head_dim,
-                )
-            }
+            Some(la) if dev.has_gdn_chunked(la.key_head_dim) => RecurrentShape::chunked_workspace_len(rows, la.num_value_heads, la.key_head_dim, la.value_head_dim),
             _ => 1,
         };
         // Free the old set first so that growth does not need both at once; graphs captured
@@ -381,16 +314,8 @@ impl CudaModel {
             h: Some(alloc(dev, rows * h, "activations")?),
             tmp: Some(alloc(dev, rows * h, "activations")?),
             proj: Some(alloc(dev, rows * attn_width.max(gdn_in), "activations")?),
-            qn: Some(alloc(
-                dev,
-                if c.qk_norm { rows * qd } else { 1 },
-                "activations",
-            )?),
-            kn: Some(alloc(
-                dev,
-                if c.qk_norm { rows * kvd } else { 1 },
-                "activations",
-            )?),
+            qn: Some(alloc(dev, if c.qk_norm { rows * qd } else { 1 }, "activations")?),
+            kn: Some(alloc(dev, if c.qk_norm { rows * kvd } else { 1 }, "activations")?),
             mix: Some(alloc(dev, rows * qd.max(vd), "activations")?),
             gate_up: Some(alloc(dev, rows * 2 * inter, "activations")?),
             act: Some(alloc(dev, rows * inter, "activations")?),
@@ -415,12 +340,7 @@ impl CudaModel {
     /// allocates it once: the samplers take the buffer whatever the row count.
     fn ensure_logit_rows(&mut self, rows: usize) -> Result<()> {
         let vocab = self.cfg.vocab_size;
-        if self
-            .act
-            .logits
-            .as_ref()
-            .is_some_and(|l| rows * vocab <= l.len())
-        {
+        if self.act.logits.as_ref().is_some_and(|l| rows * vocab <= l.len()) {
             return Ok(());
         }
         let rows = rows.next_power_of_two().max(8);
@@ -469,16 +389,8 @@ impl CudaModel {
     fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
         let counts = self.run(batch)?;
         let m: usize = counts.iter().sum();
-        let data = if m == 0 {
-            Vec::new()
-        } else {
-            self.logits_to_host(m)?
-        };
-        Ok(Logits {
-            vocab: self.cfg.vocab_size,
-            data,
-            rows: counts,
-        })
+        let data = if m == 0 { Vec::new() } else { self.logits_to_host(m)? };
+        Ok(Logits { vocab: self.cfg.vocab_size, data, rows: counts })
     }
 
     /// Run a step up to the f32 logits of its wanted rows, left in `act.logits` in sequence
@@ -490,45 +402,25 @@ impl CudaModel {
     /// `run`; with `feed` (a decode step only), the tokens are the ones the device sampler
     /// wrote for the step sampled before (`ModelRunner::launch_forward`).
     fn run_fed(&mut self, batch: &StepBatch, feed: bool) -> Result<Vec<usize>> {
-        self.meta.validate(
-            &self.cfg,
-            batch,
-            self.caches.block_size,
-            self.caches.num_blocks,
-            self.caches.num_slots,
-        )?;
+        self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
         if is_decode(batch) {
             return self.decode_step(batch, feed);
         }
         if feed {
-            return Err(NinferError::invalid(
-                "launch_forward",
-                "only a decode step (one token a sequence) takes its tokens from the step before",
-            ));
+            return Err(NinferError::invalid("launch_forward", "only a decode step (one token a sequence) takes its tokens from the step before"));
         }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
         let counts = self.meta.logit_counts(batch);
         self.ensure_logit_rows(counts.iter().sum())?;
-        self.dev
-            .context()
-            .bind_to_thread()
-            .map_err(driver_err("binding the CUDA context"))?;
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         self.meta.upload(&self.dev, batch, self.caches.block_size)?;
         self.zero_new_states(batch)?;
         // Longest chunk of the step: prefill kernels (flash attention, chunked GDN) take over
         // from the decode kernels when a sequence brings more than one token.
         let max_rows = batch.seqs.iter().map(|q| q.tokens.len()).max().unwrap_or(0);
         self.run_layers(false, rows, max_rows)?;
-        let CudaModel {
-            cfg,
-            dev,
-            weights,
-            act,
-            meta,
-            logits_round,
-            ..
-        } = self;
+        let CudaModel { cfg, dev, weights, act, meta, logits_round, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         let picked = meta.picked_runs(batch);
         let m: usize = counts.iter().sum();
@@ -537,34 +429,15 @@ impl CudaModel {
         if m == 0 {
             return Ok(counts);
         }
-        dev.add_rmsnorm(
-            buf_mut(&mut act.x),
-            buf(&act.tmp),
-            &weights.final_norm,
-            buf_mut(&mut act.h),
-            rows,
-            h,
-            eps,
-            plus_one,
-        )?;
+        dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
         let mut out_row = 0;
         for (r0, n) in picked {
             let src = buf(&act.h).slice(r0 * h..(r0 + n) * h);
             let mut dst = buf_mut(&mut act.sel).slice_mut(out_row * h..(out_row + n) * h);
-            dev.stream()
-                .memcpy_dtod(&src, &mut dst)
-                .map_err(driver_err("gathering logits rows"))?;
+            dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering logits rows"))?;
             out_row += n;
         }
-        dev.linear_f32_out(
-            buf(&act.sel),
-            weights.lm_head(),
-            buf_mut(&mut act.logits),
-            m,
-            vocab,
-            h,
-            *logits_round,
-        )?;
+        dev.linear_f32_out(buf(&act.sel), weights.lm_head(), buf_mut(&mut act.logits), m, vocab, h, *logits_round)?;
         Ok(counts)
     }
 
@@ -573,39 +446,20 @@ impl CudaModel {
     /// kernels with the same per-row arithmetic, so their logits agree bit for bit.
     fn decode_step(&mut self, batch: &StepBatch, feed: bool) -> Result<Vec<usize>> {
         let n = batch.seqs.len();
-        let rows = if self.graphs.enabled() {
-            decode_bucket(n)
-        } else {
-            n
-        };
+        let rows = if self.graphs.enabled() { decode_bucket(n) } else { n };
         let bs = self.caches.block_size.max(1);
-        let blocks = batch
-            .seqs
-            .iter()
-            .map(|q| (q.start_pos + 1).div_ceil(bs))
-            .max()
-            .unwrap_or(1);
+        let blocks = batch.seqs.iter().map(|q| (q.start_pos + 1).div_ceil(bs)).max().unwrap_or(1);
         let stride = table_stride(blocks);
         self.ensure_rows(rows)?;
         self.ensure_logit_rows(rows)?;
         self.ensure_scratch(rows)?;
-        self.dev
-            .context()
-            .bind_to_thread()
-            .map_err(driver_err("binding the CUDA context"))?;
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let spare = self.caches.num_slots;
-        if self
-            .dmeta
-            .upload_decode(&self.dev, batch, rows, stride, bs, spare)?
-        {
+        if self.dmeta.upload_decode(&self.dev, batch, rows, stride, bs, spare)? {
             self.graphs.clear();
         }
         if feed {
-            self.dev.feed_sampled_tokens(
-                self.sampler.last_output()?,
-                &mut self.dmeta.ids_mut(n),
-                n,
-            )?;
+            self.dev.feed_sampled_tokens(self.sampler.last_output()?, &mut self.dmeta.ids_mut(n), n)?;
         }
         self.zero_new_states(batch)?;
         let key = (rows, stride);
@@ -634,23 +488,8 @@ impl CudaModel {
     /// into `act.logits`. Nothing here allocates or synchronizes (it is what graphs capture).
     fn decode_forward(&mut self, rows: usize) -> Result<()> {
         self.run_layers(true, rows, 1)?;
-        let CudaModel {
-            cfg,
-            dev,
-            weights,
-            act,
-            logits_round,
-            ..
-        } = self;
-        dev.linear_f32_out(
-            buf(&act.h),
-            weights.lm_head(),
-            buf_mut(&mut act.logits),
-            rows,
-            cfg.vocab_size,
-            cfg.hidden_size,
-            *logits_round,
-        )
+        let CudaModel { cfg, dev, weights, act, logits_round, .. } = self;
+        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size, *logits_round)
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
@@ -660,113 +499,30 @@ impl CudaModel {
     /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
     /// norms only when some row wants logits.
     fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
-        let CudaModel {
-            cfg,
-            dev,
-            weights,
-            cache_index,
-            inv_freq,
-            rope_scale,
-            caches,
-            act,
-            meta,
-            dummy,
-            dmeta,
-            scratch,
-            fused_norm,
-            fused_rope,
-            ..
-        } = self;
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_norm, fused_rope, .. } = self;
         let fused = *fused_norm;
-        let (meta, scratch) = if decode {
-            (&*dmeta, scratch.as_ref())
-        } else {
-            (&*meta, None)
-        };
+        let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
-        dev.embedding(
-            &weights.embed,
-            &meta.ids(),
-            buf_mut(&mut act.x),
-            cfg.vocab_size,
-            h,
-        )?;
+        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
         if let Some(first) = weights.layers.first() {
-            dev.rmsnorm(
-                buf(&act.x),
-                &first.input_norm,
-                buf_mut(&mut act.h),
-                rows,
-                h,
-                h,
-                h,
-                eps,
-                plus_one,
-            )?;
+            dev.rmsnorm(buf(&act.x), &first.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
         }
         for (li, layer) in weights.layers.iter().enumerate() {
             let ci = cache_index[li];
-            let post = NormNext {
-                w: Some(&layer.post_norm),
-                eps,
-                plus_one,
-                fused,
-            };
+            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one, fused };
             match &layer.mixer {
                 DevMixer::Attention(a) => {
-                    let attn = AttnCtx {
-                        cfg,
-                        dev,
-                        meta,
-                        inv_freq,
-                        rope_scale: *rope_scale,
-                        block_size: caches.block_size,
-                        num_blocks: caches.num_blocks,
-                        decode: scratch,
-                        max_rows,
-                        fused_rope: *fused_rope,
-                    };
-                    attn.run(
-                        a,
-                        &mut caches.k[ci],
-                        &mut caches.v[ci],
-                        act,
-                        dummy,
-                        rows,
-                        &post,
-                    )?;
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows, fused_rope: *fused_rope };
+                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows, &post)?;
                 }
-                DevMixer::Gdn(g) => gdn_layer(
-                    cfg,
-                    dev,
-                    meta,
-                    g,
-                    &mut caches.conv[ci],
-                    &mut caches.delta[ci],
-                    caches.num_slots + 1,
-                    act,
-                    rows,
-                    max_rows,
-                    &post,
-                )?,
+                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows, max_rows, &post)?,
             }
             let next = match weights.layers.get(li + 1) {
                 Some(l) => Some(&l.input_norm),
                 None if decode => Some(&weights.final_norm),
                 None => None,
             };
-            mlp(
-                dev,
-                layer,
-                act,
-                rows,
-                &NormNext {
-                    w: next,
-                    eps,
-                    plus_one,
-                    fused,
-                },
-            )?;
+            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one, fused })?;
         }
         Ok(())
     }
@@ -778,29 +534,17 @@ impl CudaModel {
         if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
             self.pinned = None;
             // SAFETY: the buffer is written by the copy below before it is read.
-            let p = unsafe {
-                self.dev
-                    .context()
-                    .alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0)
-            }
-            .map_err(driver_err("allocating pinned logits"))?;
+            let p = unsafe { self.dev.context().alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }.map_err(driver_err("allocating pinned logits"))?;
             self.pinned = Some(p);
         }
         let pinned = self.pinned.as_mut().expect("allocated above");
         let src = buf(&self.act.logits).slice(0..n);
         // Copy into exactly n elements: cudarc sizes a copy by its destination, and the pinned
         // buffer is rounded up (copying into all of it would read past the logits).
-        let host = pinned
-            .as_mut_slice()
-            .map_err(driver_err("waiting for the pinned logits buffer"))?;
-        self.dev
-            .stream()
-            .memcpy_dtoh(&src, &mut host[..n])
-            .map_err(driver_err("copying logits to the host"))?;
+        let host = pinned.as_mut_slice().map_err(driver_err("waiting for the pinned logits buffer"))?;
+        self.dev.stream().memcpy_dtoh(&src, &mut host[..n]).map_err(driver_err("copying logits to the host"))?;
         self.dev.synchronize()?;
-        let host = pinned
-            .as_slice()
-            .map_err(driver_err("reading pinned logits"))?;
+        let host = pinned.as_slice().map_err(driver_err("reading pinned logits"))?;
         Ok(host[..n].to_vec())
     }
 
@@ -814,20 +558,16 @@ impl CudaModel {
 
     /// Sequences that start at position 0 begin from a zero recurrent state.
     fn zero_new_states(&mut self, batch: &StepBatch) -> Result<()> {
-        let Some(la) = self.cfg.linear_attention else {
-            return Ok(());
-        };
+        let Some(la) = self.cfg.linear_attention else { return Ok(()) };
         let (conv_elems, delta_elems) = (la.conv_floats(), la.delta_floats());
         let s = self.dev.stream().clone();
         for seq in batch.seqs.iter().filter(|q| q.start_pos == 0) {
             let slot = seq.state_slot;
             for conv in &mut self.caches.conv {
-                s.memset_zeros(&mut conv.slice_mut(slot * conv_elems..(slot + 1) * conv_elems))
-                    .map_err(driver_err("clearing a state slot"))?;
+                s.memset_zeros(&mut conv.slice_mut(slot * conv_elems..(slot + 1) * conv_elems)).map_err(driver_err("clearing a state slot"))?;
             }
             for delta in &mut self.caches.delta {
-                s.memset_zeros(&mut delta.slice_mut(slot * delta_elems..(slot + 1) * delta_elems))
-                    .map_err(driver_err("clearing a state slot"))?;
+                s.memset_zeros(&mut delta.slice_mut(slot * delta_elems..(slot + 1) * delta_elems)).map_err(driver_err("clearing a state slot"))?;
             }
         }
         Ok(())
@@ -863,24 +603,12 @@ impl AttnCtx<'_> {
         let (c, dev) = (self.cfg, self.dev);
         let plain_qkv = !c.attn_output_gate && a.q_norm.is_none() && a.k_norm.is_none();
         let kernel = dev.gemv_kernel(dev.gemv_form(), a.qkv.n, a.qkv.k, 1);
-        self.fused_rope
-            && self.decode.is_some()
-            && plain_qkv
-            && qkv_rope_fits(kernel, rows, c.head_dim, self.inv_freq.len() * 2, a.qkv.k)
+        self.fused_rope && self.decode.is_some() && plain_qkv && qkv_rope_fits(kernel, rows, c.head_dim, self.inv_freq.len() * 2, a.qkv.k)
     }
 
     /// Softmax attention sub-block: reads `act.h`, ends with `Activations::project_out`.
     #[allow(clippy::too_many_arguments)]
-    fn run(
-        &self,
-        a: &super::cuda_weights::DevAttention,
-        kc: &mut CudaSlice<u16>,
-        vc: &mut CudaSlice<u16>,
-        act: &mut Activations,
-        dummy: &mut CudaSlice<u16>,
-        rows: usize,
-        then: &NormNext,
-    ) -> Result<()> {
+    fn run(&self, a: &super::cuda_weights::DevAttention, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
         let (c, dev) = (self.cfg, self.dev);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let (qd, kvd) = (nh * hd, nkv * hd);
@@ -888,30 +616,11 @@ impl AttnCtx<'_> {
         let k_off = if c.attn_output_gate { 2 * qd } else { qd };
         let v_off = k_off + kvd;
         let positions = self.meta.positions();
-        let rope = |q_stride, k_stride| RopeKvShape {
-            n_q_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: hd,
-            q_stride,
-            k_stride,
-            v_stride: width,
-            attn_scale: self.rope_scale,
-        };
+        let rope = |q_stride, k_stride| RopeKvShape { n_q_heads: nh, n_kv_heads: nkv, head_dim: hd, q_stride, k_stride, v_stride: width, attn_scale: self.rope_scale };
         // Batch-1 decode projects, rotates and caches in one kernel where `fuses_rope` allows.
         let fused_rope = self.fuses_rope(a, rows);
         if fused_rope {
-            dev.gemv_qkv_rope_kv_write(
-                buf(&act.h),
-                &a.qkv.w,
-                buf_mut(&mut act.proj),
-                kc,
-                vc,
-                &positions,
-                &self.meta.slot_mapping(),
-                self.inv_freq,
-                &rope(width, width),
-                a.qkv.k,
-            )?;
+            dev.gemv_qkv_rope_kv_write(buf(&act.h), &a.qkv.w, buf_mut(&mut act.proj), kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width), a.qkv.k)?;
         } else {
             linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), rows)?;
         }
@@ -919,145 +628,37 @@ impl AttnCtx<'_> {
         // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write); other steps
         // run the two kernels.
         let decode = self.decode.is_some();
-        let (q_src, q_stride, k_rows, k_stride): (
-            CudaView<'_, u16>,
-            usize,
-            CudaView<'_, u16>,
-            usize,
-        );
+        let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
         if let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) {
             let proj = buf(&act.proj);
-            head_norm(
-                dev,
-                proj,
-                0,
-                width,
-                qw,
-                buf_mut(&mut act.qn),
-                nh,
-                hd,
-                rows,
-                c.rms_norm_eps,
-                c.zero_centered_norm,
-            )?;
-            head_norm(
-                dev,
-                proj,
-                k_off,
-                width,
-                kw,
-                buf_mut(&mut act.kn),
-                nkv,
-                hd,
-                rows,
-                c.rms_norm_eps,
-                c.zero_centered_norm,
-            )?;
+            head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
+            head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
             let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
             if decode {
                 let v = buf(&act.proj).slice(v_off..);
-                dev.rope_kv_write(
-                    qn,
-                    kn,
-                    &v,
-                    kc,
-                    vc,
-                    &positions,
-                    &self.meta.slot_mapping(),
-                    self.inv_freq,
-                    &rope(qd, kvd),
-                )?;
+                dev.rope_kv_write(qn, kn, &v, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(qd, kvd))?;
             } else {
-                dev.rope_neox(
-                    qn,
-                    kn,
-                    &positions,
-                    self.inv_freq,
-                    nh,
-                    nkv,
-                    hd,
-                    qd,
-                    kvd,
-                    self.rope_scale,
-                )?;
+                dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
             }
-            (q_src, q_stride, k_rows, k_stride) =
-                (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
+            (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
         } else {
             let proj = buf_mut(&mut act.proj);
             if fused_rope {
                 // gemv_qkv_rope_kv_write rotated q and k and wrote the cache.
             } else if decode {
-                dev.rope_kv_write_packed(
-                    proj,
-                    k_off,
-                    v_off,
-                    kc,
-                    vc,
-                    &positions,
-                    &self.meta.slot_mapping(),
-                    self.inv_freq,
-                    &rope(width, width),
-                )?;
+                dev.rope_kv_write_packed(proj, k_off, v_off, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width))?;
             } else if k_off == qd {
                 // Keys follow the queries in each row: one launch rotates both as q heads.
-                dev.rope_neox(
-                    proj,
-                    dummy,
-                    &positions,
-                    self.inv_freq,
-                    nh + nkv,
-                    0,
-                    hd,
-                    width,
-                    0,
-                    self.rope_scale,
-                )?;
+                dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh + nkv, 0, hd, width, 0, self.rope_scale)?;
             } else {
-                dev.rope_neox(
-                    proj,
-                    dummy,
-                    &positions,
-                    self.inv_freq,
-                    nh,
-                    0,
-                    hd,
-                    width,
-                    0,
-                    self.rope_scale,
-                )?;
-                dev.rope_neox(
-                    &mut proj.slice_mut(k_off..),
-                    dummy,
-                    &positions,
-                    self.inv_freq,
-                    nkv,
-                    0,
-                    hd,
-                    width,
-                    0,
-                    self.rope_scale,
-                )?;
+                dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh, 0, hd, width, 0, self.rope_scale)?;
+                dev.rope_neox(&mut proj.slice_mut(k_off..), dummy, &positions, self.inv_freq, nkv, 0, hd, width, 0, self.rope_scale)?;
             }
-            (q_src, q_stride, k_rows, k_stride) = (
-                buf(&act.proj).as_view(),
-                width,
-                buf(&act.proj).slice(k_off..),
-                width,
-            );
+            (q_src, q_stride, k_rows, k_stride) = (buf(&act.proj).as_view(), width, buf(&act.proj).slice(k_off..), width);
         }
         if !decode {
             let v_rows = buf(&act.proj).slice(v_off..);
-            dev.kv_cache_write(
-                &k_rows,
-                &v_rows,
-                kc,
-                vc,
-                &self.meta.slot_mapping(),
-                kvd,
-                k_stride,
-                width,
-            )?;
+            dev.kv_cache_write(&k_rows, &v_rows, kc, vc, &self.meta.slot_mapping(), kvd, k_stride, width)?;
         }
         let shape = PagedAttentionShape {
             n_q_heads: nh,
@@ -1074,24 +675,11 @@ impl AttnCtx<'_> {
         let mut mix = buf_mut(&mut act.mix).slice_mut(0..rows * qd);
         let (tables, token_seq) = (self.meta.block_tables(), self.meta.token_seq());
         match self.decode {
-            Some(scratch) => dev.paged_attention_decode(
-                &q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch,
-            )?,
-            None if self.max_rows > 1 && q_stride % 8 == 0 => dev.flash_attention(
-                &q_src,
-                kc,
-                vc,
-                &tables,
-                &token_seq,
-                &positions,
-                &self.meta.cu_seqlens(),
-                &mut mix,
-                &shape,
-                self.max_rows,
-            )?,
-            None => dev.paged_attention(
-                &q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape,
-            )?,
+            Some(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
+            None if self.max_rows > 1 && q_stride % 8 == 0 => {
+                dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?
+            }
+            None => dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?,
         }
         if c.attn_output_gate {
             let gate = buf(&act.proj).slice(qd..);
@@ -1104,31 +692,8 @@ impl AttnCtx<'_> {
 /// Per-head RMSNorm of `heads` heads starting at column `offset` of `src` rows (stride
 /// `width`) into contiguous `[rows, heads * hd]`, one launch for all rows and heads.
 #[allow(clippy::too_many_arguments)]
-fn head_norm(
-    dev: &CudaDevice,
-    src: &CudaSlice<u16>,
-    offset: usize,
-    width: usize,
-    w: &CudaSlice<u16>,
-    out: &mut CudaSlice<u16>,
-    heads: usize,
-    hd: usize,
-    rows: usize,
-    eps: f32,
-    plus_one: bool,
-) -> Result<()> {
-    dev.rmsnorm_heads(
-        &src.slice(offset..),
-        w,
-        out,
-        rows,
-        heads,
-        hd,
-        width,
-        heads * hd,
-        eps,
-        plus_one,
-    )
+fn head_norm(dev: &CudaDevice, src: &CudaSlice<u16>, offset: usize, width: usize, w: &CudaSlice<u16>, out: &mut CudaSlice<u16>, heads: usize, hd: usize, rows: usize, eps: f32, plus_one: bool) -> Result<()> {
+    dev.rmsnorm_heads(&src.slice(offset..), w, out, rows, heads, hd, width, heads * hd, eps, plus_one)
 }
 
 /// The residual add + RMSNorm that follows a sub-block's output projection.
@@ -1156,68 +721,25 @@ impl Activations {
     /// `x` += projection and `h` = rmsnorm(x), in one kernel where `gemv_add_rmsnorm` can
     /// (tensor-core decode GEMV), else `linear` into `tmp` and `add_rmsnorm`, bit for bit the
     /// same; with no norm, the projection is left in `tmp`.
-    fn project_out(
-        &mut self,
-        dev: &CudaDevice,
-        l: &DevLinear,
-        input: ProjIn,
-        rows: usize,
-        then: &NormNext,
-    ) -> Result<()> {
-        let Activations {
-            x,
-            h,
-            tmp,
-            mix,
-            act,
-            norm_arrivals,
-            ..
-        } = self;
+    fn project_out(&mut self, dev: &CudaDevice, l: &DevLinear, input: ProjIn, rows: usize, then: &NormNext) -> Result<()> {
+        let Activations { x, h, tmp, mix, act, norm_arrivals, .. } = self;
         let src = buf(match input {
             ProjIn::Mix => mix,
             ProjIn::Act => act,
         });
         match then.w {
             None => linear(dev, l, src, buf_mut(tmp), rows),
-            Some(w) if then.fused => dev.gemv_add_rmsnorm(
-                src,
-                &l.w,
-                buf_mut(tmp),
-                buf_mut(x),
-                w,
-                buf_mut(h),
-                buf_mut(norm_arrivals),
-                rows,
-                l.n,
-                l.k,
-                then.eps,
-                then.plus_one,
-            ),
+            Some(w) if then.fused => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
             Some(w) => {
                 linear(dev, l, src, buf_mut(tmp), rows)?;
-                dev.add_rmsnorm(
-                    buf_mut(x),
-                    buf(tmp),
-                    w,
-                    buf_mut(h),
-                    rows,
-                    l.n,
-                    then.eps,
-                    then.plus_one,
-                )
+                dev.add_rmsnorm(buf_mut(x), buf(tmp), w, buf_mut(h), rows, l.n, then.eps, then.plus_one)
             }
         }
     }
 }
 
 /// `y = x · Wᵀ` for `rows` rows (GEMV up to 8 rows, cuBLAS above).
-fn linear(
-    dev: &CudaDevice,
-    l: &DevLinear,
-    x: &CudaSlice<u16>,
-    y: &mut CudaSlice<u16>,
-    rows: usize,
-) -> Result<()> {
+fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
     dev.linear(x, &l.w, y, rows, l.n, l.k)
 }
 
@@ -1232,60 +754,19 @@ const GDN_CHUNK: usize = 64;
 /// computes the gates, the recurrent rule and the gated norm in one kernel, the three-kernel
 /// recurrent path's bits (value head dims above GATED_MAX_DV keep that path).
 #[allow(clippy::too_many_arguments)]
-fn gdn_layer(
-    cfg: &ModelConfig,
-    dev: &CudaDevice,
-    meta: &StepMeta,
-    g: &super::cuda_weights::DevGdn,
-    conv: &mut CudaSlice<u16>,
-    delta: &mut CudaSlice<f32>,
-    n_slots: usize,
-    act: &mut Activations,
-    rows: usize,
-    max_rows: usize,
-    then: &NormNext,
-) -> Result<()> {
-    let la = cfg
-        .linear_attention
-        .expect("GDN layer without linear_attention config");
-    let (cd, kd, vd, nv) = (
-        la.conv_dim(),
-        la.key_dim(),
-        la.value_dim(),
-        la.num_value_heads,
-    );
+fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cuda_weights::DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize, then: &NormNext) -> Result<()> {
+    let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
+    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
     // One projection: row t of act.proj is q | k | v (conv channels), z, b, a (DevGdn::in_proj).
     let width = g.in_proj.n;
     linear(dev, &g.in_proj, buf(&act.h), buf_mut(&mut act.proj), rows)?;
     let proj = buf(&act.proj);
     let cu = meta.cu_seqlens();
     let slots = meta.slots();
-    let conv_shape = ConvShape {
-        n_tokens: rows,
-        channels: cd,
-        x_stride: width,
-        kernel_size: la.conv_kernel,
-        n_slots,
-    };
-    let bias = g
-        .conv_b
-        .as_ref()
-        .map(|b| b as &dyn crate::backend::cuda::ops::DevicePtrDyn);
-    dev.causal_conv1d(
-        proj,
-        conv,
-        &g.conv_w,
-        bias,
-        &cu,
-        &slots,
-        buf_mut(&mut act.conv_out),
-        &conv_shape,
-    )?;
-    let (z, b, a) = (
-        proj.slice(cd..),
-        proj.slice(cd + vd..),
-        proj.slice(cd + vd + nv..),
-    );
+    let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: width, kernel_size: la.conv_kernel, n_slots };
+    let bias = g.conv_b.as_ref().map(|b| b as &dyn crate::backend::cuda::ops::DevicePtrDyn);
+    dev.causal_conv1d(proj, conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
+    let (z, b, a) = (proj.slice(cd..), proj.slice(cd + vd..), proj.slice(cd + vd + nv..));
     let co = buf(&act.conv_out);
     let shape = RecurrentShape {
         n_tokens: rows,
@@ -1302,76 +783,15 @@ fn gdn_layer(
     // kernel does not fit the device (`gdn_chunked` would fall back to it).
     let recurrent = max_rows < GDN_CHUNK || !dev.has_gdn_chunked(la.key_head_dim);
     if recurrent && la.value_head_dim <= GATED_MAX_DV {
-        dev.gdn_recurrent_gated(
-            &q,
-            &k,
-            &v,
-            &a,
-            &b,
-            width,
-            &g.a_log,
-            &g.dt_bias,
-            delta,
-            &cu,
-            &slots,
-            &z,
-            width,
-            &g.norm,
-            cfg.rms_norm_eps,
-            buf_mut(&mut act.mix),
-            &shape,
-        )?;
+        dev.gdn_recurrent_gated(&q, &k, &v, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
     } else {
-        dev.gdn_gates(
-            &a,
-            &b,
-            width,
-            &g.a_log,
-            &g.dt_bias,
-            buf_mut(&mut act.g),
-            buf_mut(&mut act.beta),
-            rows,
-            nv,
-        )?;
+        dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
         if max_rows >= GDN_CHUNK {
-            dev.gdn_chunked(
-                &q,
-                &k,
-                &v,
-                buf(&act.g),
-                buf(&act.beta),
-                delta,
-                &cu,
-                &slots,
-                buf_mut(&mut act.core),
-                buf_mut(&mut act.gdn_work),
-                &shape,
-            )?;
+            dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;
         } else {
-            dev.gdn_recurrent(
-                &q,
-                &k,
-                &v,
-                buf(&act.g),
-                buf(&act.beta),
-                delta,
-                &cu,
-                &slots,
-                buf_mut(&mut act.core),
-                &shape,
-            )?;
+            dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
         }
-        dev.rmsnorm_gated(
-            buf(&act.core),
-            &z,
-            width,
-            &g.norm,
-            buf_mut(&mut act.mix),
-            rows,
-            nv,
-            la.value_head_dim,
-            cfg.rms_norm_eps,
-        )?;
+        dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
     }
     act.project_out(dev, &g.out, ProjIn::Mix, rows, then)
 }
@@ -1382,41 +802,14 @@ fn gdn_layer(
 /// [rows, 2 * inter] round trip less, the weight stream untouched); larger steps run cuBLAS,
 /// swiglu and cuBLAS. The loader packs every model's gate_up weight as gate rows then up rows,
 /// the layout the kernel pairs.
-fn mlp(
-    dev: &CudaDevice,
-    layer: &DevLayer,
-    act: &mut Activations,
-    rows: usize,
-    then: &NormNext,
-) -> Result<()> {
+fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize, then: &NormNext) -> Result<()> {
     let inter = layer.gate_up.n / 2;
     if rows <= GEMV_ROUTE_MAX_M && layer.gate_up.k.is_multiple_of(8) {
-        dev.gemv_gateup_swiglu(
-            buf(&act.h),
-            &layer.gate_up.w,
-            buf_mut(&mut act.act),
-            rows,
-            inter,
-            layer.gate_up.k,
-        )?;
+        dev.gemv_gateup_swiglu(buf(&act.h), &layer.gate_up.w, buf_mut(&mut act.act), rows, inter, layer.gate_up.k)?;
     } else {
-        linear(
-            dev,
-            &layer.gate_up,
-            buf(&act.h),
-            buf_mut(&mut act.gate_up),
-            rows,
-        )?;
+        linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), rows)?;
         let gu = buf(&act.gate_up);
-        dev.swiglu(
-            &gu.slice(0..),
-            &gu.slice(inter..),
-            buf_mut(&mut act.act),
-            rows,
-            inter,
-            2 * inter,
-            2 * inter,
-        )?;
+        dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     }
     act.project_out(dev, &layer.down, ProjIn::Act, rows, then)
 }
@@ -1430,22 +823,11 @@ impl ModelRunner for CudaModel {
         let c = &self.cfg;
         let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
         // Conv state in the storage type (2 bytes), delta state in f32.
-        let state = c.linear_attention.map_or(0, |la| {
-            (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers()
-        });
-        CacheSpec {
-            kv_bytes_per_token: kv,
-            state_bytes_per_slot: state,
-            weight_bytes: self.weights.bytes,
-        }
+        let state = c.linear_attention.map_or(0, |la| (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers());
+        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes }
     }
 
-    fn allocate_caches(
-        &mut self,
-        num_blocks: usize,
-        block_size: usize,
-        num_state_slots: usize,
-    ) -> Result<()> {
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
         if block_size == 0 {
             return Err(NinferError::config("block_size", "must be positive"));
         }
@@ -1454,32 +836,17 @@ impl ModelRunner for CudaModel {
         let c = &self.cfg;
         let spec = self.cache_spec();
         // The state buffers hold one spare slot past the running ones (decode padding rows).
-        let needed = (num_blocks * block_size * spec.kv_bytes_per_token
-            + (num_state_slots + 1) * spec.state_bytes_per_slot) as u64;
+        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot) as u64;
         let (free, _) = self.dev.memory_info()?;
         if needed > free as u64 {
             return Err(NinferError::OutOfMemory {
-                what: format!(
-                    "KV cache ({} tokens) and {num_state_slots} state slots on cuda:{}",
-                    num_blocks * block_size,
-                    self.dev.ordinal()
-                ),
+                what: format!("KV cache ({} tokens) and {num_state_slots} state slots on cuda:{}", num_blocks * block_size, self.dev.ordinal()),
                 needed,
                 available: free as u64,
-                hint: crate::engine::cache_fit_hint(
-                    free as u64,
-                    &spec,
-                    num_state_slots + 1,
-                    block_size,
-                ),
+                hint: crate::engine::cache_fit_hint(free as u64, &spec, num_state_slots + 1, block_size),
             });
         }
-        let mut caches = DevCaches {
-            block_size,
-            num_blocks,
-            num_slots: num_state_slots,
-            ..Default::default()
-        };
+        let mut caches = DevCaches { block_size, num_blocks, num_slots: num_state_slots, ..Default::default() };
         let kv_elems = num_blocks * block_size * c.num_kv_heads * c.head_dim;
         for _ in 0..c.num_attention_layers() {
             caches.k.push(alloc(&self.dev, kv_elems, "KV cache")?);
@@ -1488,16 +855,8 @@ impl ModelRunner for CudaModel {
         if let Some(la) = c.linear_attention {
             for _ in 0..c.num_linear_layers() {
                 let slots = num_state_slots + 1;
-                caches.conv.push(alloc(
-                    &self.dev,
-                    slots * la.conv_floats(),
-                    "recurrent state",
-                )?);
-                caches.delta.push(alloc(
-                    &self.dev,
-                    slots * la.delta_floats(),
-                    "recurrent state",
-                )?);
+                caches.conv.push(alloc(&self.dev, slots * la.conv_floats(), "recurrent state")?);
+                caches.delta.push(alloc(&self.dev, slots * la.delta_floats(), "recurrent state")?);
             }
         }
         self.caches = caches;
@@ -1509,10 +868,7 @@ impl ModelRunner for CudaModel {
     }
 
     fn workspace_bytes(&self) -> usize {
-        let scratch = self
-            .scratch
-            .as_ref()
-            .map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
+        let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
         self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch
     }
 
@@ -1527,22 +883,12 @@ impl ModelRunner for CudaModel {
         Ok(Some(cache_budget(free as u64, total as u64)))
     }
 
-    fn forward_sampled(
-        &mut self,
-        batch: &StepBatch,
-        rows: &[RowSampling],
-    ) -> Result<Vec<SampledToken>> {
+    fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
         if !self.sampler.enabled() {
             return self.step(batch)?.sample_on_host(rows);
         }
         let counts = self.run(batch)?;
-        self.sampler.sample(
-            &self.dev,
-            buf(&self.act.logits),
-            &counts,
-            rows,
-            self.cfg.vocab_size,
-        )
+        self.sampler.sample(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size)
     }
 
     /// Steps overlap when they sample on the device (the host sampler needs the logits first).
@@ -1557,34 +903,18 @@ impl ModelRunner for CudaModel {
             return Err(NinferError::invalid("launch_forward", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
         }
         self.forwarded = None;
-        let counts = self
-            .run_fed(batch, feed)
-            .inspect_err(|_| self.sampler.reset())?;
+        let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;
         self.forwarded = Some((counts, feed));
         Ok(())
     }
 
     fn launch_sampling(&mut self, rows: &[RowSampling]) -> Result<()> {
-        let (counts, feed) = self.forwarded.take().ok_or_else(|| {
-            NinferError::invalid(
-                "launch_sampling",
-                "no forward pass was queued to sample (launch_forward)",
-            )
-        })?;
+        let (counts, feed) = self.forwarded.take().ok_or_else(|| NinferError::invalid("launch_sampling", "no forward pass was queued to sample (launch_forward)"))?;
         // A fed step's rows with penalties count its input token, which the device ids hold
         // (feed_sampled_tokens wrote them; row i is sequence i). Nothing queued since the
         // forward rewrote them: the next step's metadata is uploaded after this.
         let fed = feed.then(|| self.dmeta.ids());
-        self.sampler
-            .launch(
-                &self.dev,
-                buf(&self.act.logits),
-                &counts,
-                rows,
-                self.cfg.vocab_size,
-                fed.as_ref(),
-            )
-            .inspect_err(|_| self.sampler.reset())
+        self.sampler.launch(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size, fed.as_ref()).inspect_err(|_| self.sampler.reset())
     }
 
     fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
@@ -1598,18 +928,12 @@ impl ModelRunner for CudaModel {
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
         let slots = self.caches.num_slots;
         if src >= slots || dst >= slots {
-            return Err(NinferError::invalid(
-                "state_slot",
-                format!("copy {src} -> {dst} outside {slots} slots"),
-            ));
+            return Err(NinferError::invalid("state_slot", format!("copy {src} -> {dst} outside {slots} slots")));
         }
         if src == dst {
             return Ok(());
         }
-        self.dev
-            .context()
-            .bind_to_thread()
-            .map_err(driver_err("binding the CUDA context"))?;
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let s = self.dev.stream().clone();
         // Buffers hold one more slot than the engine's (the decode padding slot).
         for buf in &mut self.caches.conv {
@@ -1632,21 +956,11 @@ fn cache_budget(free: u64, total: u64) -> u64 {
 
 /// A step the decode graphs serve: every sequence runs one token and wants its logits.
 fn is_decode(batch: &StepBatch) -> bool {
-    !batch.seqs.is_empty()
-        && batch
-            .seqs
-            .iter()
-            .all(|q| q.tokens.len() == 1 && q.logits == LogitsWanted::Last)
+    !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.tokens.len() == 1 && q.logits == LogitsWanted::Last)
 }
 
 /// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.
-fn copy_slot<T: DeviceRepr>(
-    s: &Arc<cudarc::driver::CudaStream>,
-    buf: &mut CudaSlice<T>,
-    slots: usize,
-    src: usize,
-    dst: usize,
-) -> Result<()> {
+fn copy_slot<T: DeviceRepr>(s: &Arc<cudarc::driver::CudaStream>, buf: &mut CudaSlice<T>, slots: usize, src: usize, dst: usize) -> Result<()> {
     let per = buf.len() / slots;
     let (lo, mut hi) = buf.split_at_mut(src.max(dst) * per);
     let r = if src < dst {

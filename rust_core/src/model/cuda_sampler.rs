@@ -66,19 +66,9 @@ impl DeviceSampler {
 
     /// Sample the last logits row of every sequence with rows and wait for the tokens
     /// (`launch` then `collect`).
-    pub fn sample(
-        &mut self,
-        dev: &CudaDevice,
-        logits: &CudaSlice<f32>,
-        counts: &[usize],
-        rows: &[RowSampling],
-        vocab: usize,
-    ) -> Result<Vec<SampledToken>> {
+    pub fn sample(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize) -> Result<Vec<SampledToken>> {
         if !self.pending.is_empty() {
-            return Err(NinferError::Device(format!(
-                "device sampler: a synchronous step while {} launched steps are uncollected",
-                self.pending.len()
-            )));
+            return Err(NinferError::Device(format!("device sampler: a synchronous step while {} launched steps are uncollected", self.pending.len())));
         }
         self.launch(dev, logits, counts, rows, vocab, None)?;
         self.collect()
@@ -89,20 +79,9 @@ impl DeviceSampler {
     /// j-th sequence that has rows) and the copy of its results to the host; `collect` returns
     /// them. At most two launches are uncollected at a time. `fed`: the step's input ids on the
     /// device when it is a fed decode step (its rows with penalties `count_input`).
-    pub fn launch(
-        &mut self,
-        dev: &CudaDevice,
-        logits: &CudaSlice<f32>,
-        counts: &[usize],
-        rows: &[RowSampling],
-        vocab: usize,
-        fed: Option<&CudaView<'_, i32>>,
-    ) -> Result<()> {
+    pub fn launch(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize, fed: Option<&CudaView<'_, i32>>) -> Result<()> {
         if self.pending.len() >= self.packed.len() {
-            return Err(NinferError::Device(format!(
-                "device sampler: {} launches are already uncollected",
-                self.pending.len()
-            )));
+            return Err(NinferError::Device(format!("device sampler: {} launches are already uncollected", self.pending.len())));
         }
         self.src_rows.clear();
         let mut end = 0;
@@ -126,38 +105,19 @@ impl DeviceSampler {
         let stream = dev.stream();
         let grow = |len: usize| len.next_power_of_two();
         if self.params.as_ref().is_none_or(|b| b.len() < words.len()) {
-            self.params = Some(
-                stream
-                    .alloc_zeros::<u32>(grow(words.len()))
-                    .map_err(driver_err("allocating sampler params"))?,
-            );
+            self.params = Some(stream.alloc_zeros::<u32>(grow(words.len())).map_err(driver_err("allocating sampler params"))?);
         }
         if self.scratch.as_ref().is_none_or(|b| !b.fits(n, vocab)) {
             self.scratch = None;
             self.scratch = Some(SampleScratch::new(dev, grow(n), vocab)?);
         }
         if self.out.as_ref().is_none_or(|b| b.len() < n * SAMPLE_OUT) {
-            self.out = Some(
-                stream
-                    .alloc_zeros::<u32>(grow(n) * SAMPLE_OUT)
-                    .map_err(driver_err("allocating sampler output"))?,
-            );
+            self.out = Some(stream.alloc_zeros::<u32>(grow(n) * SAMPLE_OUT).map_err(driver_err("allocating sampler output"))?);
         }
         let params = self.params.as_mut().expect("allocated above");
-        self.up
-            .upload(dev, words, &mut params.slice_mut(0..words.len()))?;
-        let (scratch, out) = (
-            self.scratch.as_mut().expect("allocated above"),
-            self.out.as_mut().expect("allocated above"),
-        );
-        dev.sample_rows(
-            logits,
-            packed,
-            &params.slice(0..words.len()),
-            fed,
-            scratch,
-            out,
-        )?;
+        self.up.upload(dev, words, &mut params.slice_mut(0..words.len()))?;
+        let (scratch, out) = (self.scratch.as_mut().expect("allocated above"), self.out.as_mut().expect("allocated above"));
+        dev.sample_rows(logits, packed, &params.slice(0..words.len()), fed, scratch, out)?;
         let staged = self.down.download(dev, &out.slice(0..n * SAMPLE_OUT))?;
         self.pending.push_back((k, staged, n));
         Ok(())
@@ -165,9 +125,7 @@ impl DeviceSampler {
 
     /// The tokens of the oldest uncollected launch (waits for its copy).
     pub fn collect(&mut self) -> Result<Vec<SampledToken>> {
-        let (k, staged, n) = self.pending.pop_front().ok_or_else(|| {
-            NinferError::Device("device sampler: nothing launched to collect".into())
-        })?;
+        let (k, staged, n) = self.pending.pop_front().ok_or_else(|| NinferError::Device("device sampler: nothing launched to collect".into()))?;
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -177,11 +135,7 @@ impl DeviceSampler {
     /// The device output of the last launch (`SAMPLE_OUT` words a row; token first), which a
     /// decode step queued behind it takes its tokens from.
     pub fn last_output(&self) -> Result<&CudaSlice<u32>> {
-        self.out.as_ref().ok_or_else(|| {
-            NinferError::Device(
-                "device sampler: no step was sampled on the device to feed from".into(),
-            )
-        })
+        self.out.as_ref().ok_or_else(|| NinferError::Device("device sampler: no step was sampled on the device to feed from".into()))
     }
 
     /// Forget launches that will not be collected (after a failed step).

@@ -51,32 +51,16 @@ impl Default for StepMeta {
 
 impl StepMeta {
     /// The checks the CPU model makes, so that a bad step is a typed error, not a bad kernel.
-    pub fn validate(
-        &self,
-        cfg: &ModelConfig,
-        batch: &StepBatch,
-        block_size: usize,
-        num_blocks: usize,
-        num_slots: usize,
-    ) -> Result<()> {
+    pub fn validate(&self, cfg: &ModelConfig, batch: &StepBatch, block_size: usize, num_blocks: usize, num_slots: usize) -> Result<()> {
         if cfg.num_attention_layers() > 0 && block_size == 0 {
-            return Err(NinferError::invalid(
-                "caches",
-                "allocate_caches was not called before forward",
-            ));
+            return Err(NinferError::invalid("caches", "allocate_caches was not called before forward"));
         }
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.tokens.is_empty() {
-                return Err(NinferError::invalid(
-                    format!("seqs[{i}].tokens"),
-                    "empty chunk",
-                ));
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), "empty chunk"));
             }
             if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(NinferError::invalid(
-                    format!("seqs[{i}].tokens"),
-                    format!("token id {t} >= vocab_size {}", cfg.vocab_size),
-                ));
+                return Err(NinferError::invalid(format!("seqs[{i}].tokens"), format!("token id {t} >= vocab_size {}", cfg.vocab_size)));
             }
             if cfg.num_attention_layers() > 0 {
                 let end = s.start_pos + s.tokens.len();
@@ -84,27 +68,15 @@ impl StepMeta {
                 if s.block_table.len() < need {
                     return Err(NinferError::invalid(
                         format!("seqs[{i}].block_table"),
-                        format!(
-                            "{} blocks cover fewer than {end} positions (block size {block_size})",
-                            s.block_table.len()
-                        ),
+                        format!("{} blocks cover fewer than {end} positions (block size {block_size})", s.block_table.len()),
                     ));
                 }
-                if let Some(b) = s.block_table[..need]
-                    .iter()
-                    .find(|&&b| b as usize >= num_blocks)
-                {
-                    return Err(NinferError::invalid(
-                        format!("seqs[{i}].block_table"),
-                        format!("block {b} >= num_blocks {num_blocks}"),
-                    ));
+                if let Some(b) = s.block_table[..need].iter().find(|&&b| b as usize >= num_blocks) {
+                    return Err(NinferError::invalid(format!("seqs[{i}].block_table"), format!("block {b} >= num_blocks {num_blocks}")));
                 }
             }
             if cfg.num_linear_layers() > 0 && s.state_slot >= num_slots {
-                return Err(NinferError::invalid(
-                    format!("seqs[{i}].state_slot"),
-                    format!("slot {} >= num_state_slots {num_slots}", s.state_slot),
-                ));
+                return Err(NinferError::invalid(format!("seqs[{i}].state_slot"), format!("slot {} >= num_state_slots {num_slots}", s.state_slot)));
             }
         }
         if cfg.num_linear_layers() > 0 {
@@ -112,10 +84,7 @@ impl StepMeta {
             let mut slots: Vec<usize> = batch.seqs.iter().map(|s| s.state_slot).collect();
             slots.sort_unstable();
             if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
-                return Err(NinferError::invalid(
-                    "state_slot",
-                    format!("slot {} is used by two sequences of one step", w[0]),
-                ));
+                return Err(NinferError::invalid("state_slot", format!("slot {} is used by two sequences of one step", w[0])));
             }
         }
         Ok(())
@@ -127,40 +96,13 @@ impl StepMeta {
         let t = batch.num_tokens();
         let s = batch.seqs.len();
         let bs = block_size.max(1);
-        let max_context = batch
-            .seqs
-            .iter()
-            .map(|q| q.start_pos + q.tokens.len())
-            .max()
-            .unwrap_or(0);
-        let max_blocks = batch
-            .seqs
-            .iter()
-            .map(|q| (q.start_pos + q.tokens.len()).div_ceil(bs))
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let max_context = batch.seqs.iter().map(|q| q.start_pos + q.tokens.len()).max().unwrap_or(0);
+        let max_blocks = batch.seqs.iter().map(|q| (q.start_pos + q.tokens.len()).div_ceil(bs)).max().unwrap_or(0).max(1);
         let h = &mut self.host_i32;
         h.clear();
-        h.extend(
-            batch
-                .seqs
-                .iter()
-                .flat_map(|q| q.tokens.iter().map(|&x| x as i32)),
-        );
-        h.extend(
-            batch
-                .seqs
-                .iter()
-                .flat_map(|q| (q.start_pos..q.start_pos + q.tokens.len()).map(|p| p as i32)),
-        );
-        h.extend(
-            batch
-                .seqs
-                .iter()
-                .enumerate()
-                .flat_map(|(i, q)| std::iter::repeat_n(i as i32, q.tokens.len())),
-        );
+        h.extend(batch.seqs.iter().flat_map(|q| q.tokens.iter().map(|&x| x as i32)));
+        h.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + q.tokens.len()).map(|p| p as i32)));
+        h.extend(batch.seqs.iter().enumerate().flat_map(|(i, q)| std::iter::repeat_n(i as i32, q.tokens.len())));
         let mut acc = 0i32;
         h.push(0);
         for q in &batch.seqs {
@@ -184,12 +126,7 @@ impl StepMeta {
                 l.push(slot);
             }
         }
-        self.sec = Sections {
-            tokens: t,
-            seqs: s,
-            max_blocks,
-            max_context,
-        };
+        self.sec = Sections { tokens: t, seqs: s, max_blocks, max_context };
         self.copy_up(dev).map(|_| ())
     }
 
@@ -199,15 +136,7 @@ impl StepMeta {
     /// (`rows`, `stride`). Padding rows take token 0 at position 0 of an all-zero block table,
     /// write no KV (slot -1) and run on `spare_slot`, a recurrent-state slot no sequence owns.
     /// Returns true when the device buffers had to grow (addresses changed).
-    pub fn upload_decode(
-        &mut self,
-        dev: &CudaDevice,
-        batch: &StepBatch,
-        rows: usize,
-        stride: usize,
-        block_size: usize,
-        spare_slot: usize,
-    ) -> Result<bool> {
+    pub fn upload_decode(&mut self, dev: &CudaDevice, batch: &StepBatch, rows: usize, stride: usize, block_size: usize, spare_slot: usize) -> Result<bool> {
         let n = batch.seqs.len();
         debug_assert!(n <= rows && batch.seqs.iter().all(|q| q.tokens.len() == 1));
         let bs = block_size.max(1);
@@ -231,23 +160,11 @@ impl StepMeta {
         l.clear();
         l.extend(batch.seqs.iter().map(|q| {
             let p = q.start_pos;
-            q.block_table
-                .get(p / bs)
-                .map_or(-1, |&b| b as i64 * bs as i64 + (p % bs) as i64)
+            q.block_table.get(p / bs).map_or(-1, |&b| b as i64 * bs as i64 + (p % bs) as i64)
         }));
         l.extend(std::iter::repeat_n(-1, rows - n));
-        let max_context = batch
-            .seqs
-            .iter()
-            .map(|q| q.start_pos + 1)
-            .max()
-            .unwrap_or(0);
-        self.sec = Sections {
-            tokens: rows,
-            seqs: rows,
-            max_blocks: stride,
-            max_context,
-        };
+        let max_context = batch.seqs.iter().map(|q| q.start_pos + 1).max().unwrap_or(0);
+        self.sec = Sections { tokens: rows, seqs: rows, max_blocks: stride, max_context };
         self.copy_up(dev)
     }
 
@@ -258,23 +175,11 @@ impl StepMeta {
         let stream = dev.stream().clone();
         let mut grown = false;
         if self.dev_i32.as_ref().is_none_or(|b| b.len() < h.len()) {
-            self.dev_i32 = Some(
-                stream
-                    .alloc_zeros::<i32>(h.len().next_power_of_two())
-                    .map_err(driver_err("allocating step metadata"))?,
-            );
+            self.dev_i32 = Some(stream.alloc_zeros::<i32>(h.len().next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
             grown = true;
         }
-        if self
-            .dev_i64
-            .as_ref()
-            .is_none_or(|b| b.len() < l.len().max(1))
-        {
-            self.dev_i64 = Some(
-                stream
-                    .alloc_zeros::<i64>(l.len().max(1).next_power_of_two())
-                    .map_err(driver_err("allocating step metadata"))?,
-            );
+        if self.dev_i64.as_ref().is_none_or(|b| b.len() < l.len().max(1)) {
+            self.dev_i64 = Some(stream.alloc_zeros::<i64>(l.len().max(1).next_power_of_two()).map_err(driver_err("allocating step metadata"))?);
             grown = true;
         }
         let d32 = self.dev_i32.as_mut().expect("allocated above");
@@ -288,15 +193,11 @@ impl StepMeta {
 
     /// Device bytes of the metadata buffers.
     pub fn bytes(&self) -> usize {
-        self.dev_i32.as_ref().map_or(0, |b| b.len() * 4)
-            + self.dev_i64.as_ref().map_or(0, |b| b.len() * 8)
+        self.dev_i32.as_ref().map_or(0, |b| b.len() * 4) + self.dev_i64.as_ref().map_or(0, |b| b.len() * 8)
     }
 
     fn i32_view(&self, start: usize, len: usize) -> CudaView<'_, i32> {
-        self.dev_i32
-            .as_ref()
-            .expect("step metadata uploaded")
-            .slice(start..start + len)
+        self.dev_i32.as_ref().expect("step metadata uploaded").slice(start..start + len)
     }
 
     /// Token ids `[T]`.
@@ -306,10 +207,7 @@ impl StepMeta {
 
     /// The first `n` token ids, to overwrite on the device after the upload (fed decode steps).
     pub fn ids_mut(&mut self, n: usize) -> CudaViewMut<'_, i32> {
-        self.dev_i32
-            .as_mut()
-            .expect("step metadata uploaded")
-            .slice_mut(0..n.min(self.sec.tokens))
+        self.dev_i32.as_mut().expect("step metadata uploaded").slice_mut(0..n.min(self.sec.tokens))
     }
 
     /// Position of each token `[T]`.
@@ -334,18 +232,12 @@ impl StepMeta {
 
     /// Block tables `[S, max_blocks_per_seq]`, zero-padded.
     pub fn block_tables(&self) -> CudaView<'_, i32> {
-        self.i32_view(
-            3 * self.sec.tokens + 2 * self.sec.seqs + 1,
-            self.sec.seqs * self.sec.max_blocks,
-        )
+        self.i32_view(3 * self.sec.tokens + 2 * self.sec.seqs + 1, self.sec.seqs * self.sec.max_blocks)
     }
 
     /// Flat KV slot of each token `[T]` (block * block_size + offset).
     pub fn slot_mapping(&self) -> CudaView<'_, i64> {
-        self.dev_i64
-            .as_ref()
-            .expect("step metadata uploaded")
-            .slice(0..self.sec.tokens)
+        self.dev_i64.as_ref().expect("step metadata uploaded").slice(0..self.sec.tokens)
     }
 
     /// Columns of the block tables.

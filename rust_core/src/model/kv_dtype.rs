@@ -26,9 +26,7 @@ pub enum KvDtype {
 /// The accepted spellings (case-insensitive), for error messages and the CLI's copy
 /// (python/ninfer/cli.py `KV_DTYPES`): each type by its short name and by the names torch,
 /// vLLM and llama.cpp give it.
-pub const KV_DTYPE_CHOICES: [&str; 8] = [
-    "auto", "bf16", "bfloat16", "f16", "float16", "half", "f32", "float32",
-];
+pub const KV_DTYPE_CHOICES: [&str; 8] = ["auto", "bf16", "bfloat16", "f16", "float16", "half", "f32", "float32"];
 
 /// Quantized KV formats the original offers: refused as later work rather than as unknown.
 pub const QUANTIZED_KV_DTYPES: [&str; 3] = ["int8", "rk8v4", "rk4v4"];
@@ -43,14 +41,10 @@ impl KvDtype {
             "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
             "f16" | "float16" | "half" => Ok(KvDtype::F16),
             "f32" | "float32" => Ok(KvDtype::Float32),
-            q if QUANTIZED_KV_DTYPES.contains(&q) => Err(NinferError::Unsupported(format!(
-                "kv_dtype `{text}` (quantized KV caches, {}, are later work)",
-                QUANTIZED_KV_DTYPES.join(", ")
-            ))),
-            _ => Err(NinferError::Unsupported(format!(
-                "kv_dtype `{text}` (available: {})",
-                KV_DTYPE_CHOICES.join(", ")
-            ))),
+            q if QUANTIZED_KV_DTYPES.contains(&q) => {
+                Err(NinferError::Unsupported(format!("kv_dtype `{text}` (quantized KV caches, {}, are later work)", QUANTIZED_KV_DTYPES.join(", "))))
+            }
+            _ => Err(NinferError::Unsupported(format!("kv_dtype `{text}` (available: {})", KV_DTYPE_CHOICES.join(", ")))),
         }
     }
 
@@ -121,39 +115,20 @@ mod tests {
     fn parse_refuses_quantized_formats_as_later_work_and_names_an_unknown_value() {
         for q in QUANTIZED_KV_DTYPES {
             let e = KvDtype::parse(q).unwrap_err().to_string();
-            assert!(
-                e.contains(&format!("kv_dtype `{q}`")) && e.contains("later work"),
-                "{e}"
-            );
+            assert!(e.contains(&format!("kv_dtype `{q}`")) && e.contains("later work"), "{e}");
         }
         let e = KvDtype::parse("fp8").unwrap_err().to_string();
-        assert!(
-            e.contains("kv_dtype `fp8`") && e.contains(&KV_DTYPE_CHOICES.join(", ")),
-            "{e}"
-        );
+        assert!(e.contains("kv_dtype `fp8`") && e.contains(&KV_DTYPE_CHOICES.join(", ")), "{e}");
     }
 
     #[test]
     fn check_accepts_auto_and_the_kept_type_only() {
         assert!(KvDtype::Auto.check("cpu", KvDtype::Float32).is_ok());
         assert!(KvDtype::Float32.check("cpu", KvDtype::Float32).is_ok());
-        assert!(KvDtype::Bf16
-            .check("cuda:0 (H200, sm_90a)", KvDtype::Bf16)
-            .is_ok());
-        let e = KvDtype::Bf16
-            .check("cpu", KvDtype::Float32)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("--kv-dtype")
-                && e.contains("bf16 is not supported on cpu")
-                && e.contains("its KV cache is float32"),
-            "{e}"
-        );
-        let e = KvDtype::F16
-            .check("cuda:0 (H200, sm_90a)", KvDtype::Bf16)
-            .unwrap_err()
-            .to_string();
+        assert!(KvDtype::Bf16.check("cuda:0 (H200, sm_90a)", KvDtype::Bf16).is_ok());
+        let e = KvDtype::Bf16.check("cpu", KvDtype::Float32).unwrap_err().to_string();
+        assert!(e.contains("--kv-dtype") && e.contains("bf16 is not supported on cpu") && e.contains("its KV cache is float32"), "{e}");
+        let e = KvDtype::F16.check("cuda:0 (H200, sm_90a)", KvDtype::Bf16).unwrap_err().to_string();
         assert!(e.contains("f16 is not supported on cuda:0 (H200, sm_90a): its KV cache is bf16 (use auto or bf16)"), "{e}");
     }
 }

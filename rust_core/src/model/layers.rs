@@ -43,22 +43,8 @@ pub struct Workspace {
 impl Workspace {
     /// Bytes the buffers hold (their capacity: they only grow).
     pub fn bytes(&self) -> usize {
-        let f = [
-            &self.x,
-            &self.h,
-            &self.proj,
-            &self.mix,
-            &self.tmp,
-            &self.gate_up,
-            &self.act,
-            &self.cos,
-            &self.sin,
-            &self.sel,
-            &self.sel_normed,
-        ];
-        f.iter().map(|v| v.capacity() * 4).sum::<usize>()
-            + self.positions.capacity() * std::mem::size_of::<usize>()
-            + self.gdn.bytes()
+        let f = [&self.x, &self.h, &self.proj, &self.mix, &self.tmp, &self.gate_up, &self.act, &self.cos, &self.sin, &self.sel, &self.sel_normed];
+        f.iter().map(|v| v.capacity() * 4).sum::<usize>() + self.positions.capacity() * std::mem::size_of::<usize>() + self.gdn.bytes()
     }
 }
 
@@ -82,14 +68,7 @@ pub struct LayerKv<'a> {
 }
 
 /// Softmax attention sub-block: reads `ws.h`, writes `ws.tmp`.
-pub fn attention_step(
-    cfg: &ModelConfig,
-    a: &AttentionWeights,
-    kv: LayerKv<'_>,
-    batch: &StepBatch,
-    ws: &mut Workspace,
-    rows: usize,
-) {
+pub fn attention_step(cfg: &ModelConfig, a: &AttentionWeights, kv: LayerKv<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
     let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
     let qd = nh * hd;
     let kvd = nkv * hd;
@@ -114,17 +93,7 @@ pub fn attention_step(
     for seq in &batch.seqs {
         let t = seq.tokens.len();
         let base = row * width;
-        write_kv(
-            kv.k,
-            kv.v,
-            &kv.layout,
-            &seq.block_table,
-            seq.start_pos,
-            t,
-            &proj[base + k_off..],
-            &proj[base + v_off..],
-            width,
-        );
+        write_kv(kv.k, kv.v, &kv.layout, &seq.block_table, seq.start_pos, t, &proj[base + k_off..], &proj[base + v_off..], width);
         row += t;
     }
     // Every sequence's attention in one parallel region (decode batches have many short ones).
@@ -141,20 +110,7 @@ pub fn attention_step(
     let (proj, cache_k, cache_v, layout) = (&*proj, &*kv.k, &*kv.v, &kv.layout);
     outs.into_par_iter().for_each(|(seq, row, out)| {
         let t = seq.tokens.len();
-        paged_attention(
-            &proj[row * width..],
-            width,
-            t,
-            nh,
-            cache_k,
-            cache_v,
-            layout,
-            &seq.block_table,
-            seq.start_pos,
-            scale,
-            out,
-            qd,
-        );
+        paged_attention(&proj[row * width..], width, t, nh, cache_k, cache_v, layout, &seq.block_table, seq.start_pos, scale, out, qd);
     });
     if gated {
         for r in 0..rows {
@@ -191,17 +147,7 @@ pub struct GdnScratch {
 
 impl GdnScratch {
     fn bytes(&self) -> usize {
-        let f = [
-            &self.conv_in,
-            &self.conv_out,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.g,
-            &self.beta,
-            &self.core,
-            &self.z,
-        ];
+        let f = [&self.conv_in, &self.conv_out, &self.q, &self.k, &self.v, &self.g, &self.beta, &self.core, &self.z];
         f.iter().map(|v| v.capacity() * 4).sum()
     }
 }
@@ -217,25 +163,14 @@ struct GdnJob<'a> {
 
 /// Gated DeltaNet sub-block: reads `ws.h`, writes `ws.tmp`. Sequences run in parallel (each
 /// owns its state slot; the engine never puts one slot twice in a step).
-pub fn gdn_step(
-    cfg: &ModelConfig,
-    g: &GdnWeights,
-    state: LayerState<'_>,
-    batch: &StepBatch,
-    ws: &mut Workspace,
-    rows: usize,
-) {
-    let la = cfg
-        .linear_attention
-        .expect("linear layer without linear_attention config");
+pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
+    let la = cfg.linear_attention.expect("linear layer without linear_attention config");
     let vd = la.value_dim();
     let (conv_floats, delta_floats) = (la.conv_floats(), la.delta_floats());
     let width = g.in_proj.n;
     project(&g.in_proj, &ws.h, rows, &mut ws.proj);
-    let mut conv_slots: Vec<Option<&mut [f32]>> =
-        state.conv.chunks_mut(conv_floats).map(Some).collect();
-    let mut delta_slots: Vec<Option<&mut [f32]>> =
-        state.delta.chunks_mut(delta_floats).map(Some).collect();
+    let mut conv_slots: Vec<Option<&mut [f32]>> = state.conv.chunks_mut(conv_floats).map(Some).collect();
+    let mut delta_slots: Vec<Option<&mut [f32]>> = state.delta.chunks_mut(delta_floats).map(Some).collect();
     let mut jobs = Vec::with_capacity(batch.seqs.len());
     let mut rest = fit(&mut ws.mix, rows * vd);
     let mut row = 0;
@@ -243,19 +178,9 @@ pub fn gdn_step(
         let t = seq.tokens.len();
         let (out, tail) = rest.split_at_mut(t * vd);
         rest = tail;
-        let conv = conv_slots[seq.state_slot]
-            .take()
-            .expect("state slot used twice in one step");
-        let delta = delta_slots[seq.state_slot]
-            .take()
-            .expect("state slot used twice in one step");
-        jobs.push(GdnJob {
-            row,
-            t,
-            conv,
-            delta,
-            out,
-        });
+        let conv = conv_slots[seq.state_slot].take().expect("state slot used twice in one step");
+        let delta = delta_slots[seq.state_slot].take().expect("state slot used twice in one step");
+        jobs.push(GdnJob { row, t, conv, delta, out });
         row += t;
     }
     let proj = &ws.proj[..rows * width];
@@ -263,65 +188,32 @@ pub fn gdn_step(
         let job = jobs.pop().expect("one job");
         gdn_seq(cfg, g, proj, job, &mut ws.gdn);
     } else {
-        jobs.into_par_iter()
-            .for_each_init(GdnScratch::default, |scratch, job| {
-                gdn_seq(cfg, g, proj, job, scratch)
-            });
+        jobs.into_par_iter().for_each_init(GdnScratch::default, |scratch, job| gdn_seq(cfg, g, proj, job, scratch));
     }
     project(&g.out_proj, &ws.mix, rows, &mut ws.tmp);
 }
 
 /// Conv, delta rule and gated norm of one sequence's rows of the fused input projection.
 fn gdn_seq(cfg: &ModelConfig, g: &GdnWeights, proj: &[f32], job: GdnJob<'_>, s: &mut GdnScratch) {
-    let la = cfg
-        .linear_attention
-        .expect("linear layer without linear_attention config");
-    let (cd, kd, vd, nv) = (
-        la.conv_dim(),
-        la.key_dim(),
-        la.value_dim(),
-        la.num_value_heads,
-    );
+    let la = cfg.linear_attention.expect("linear layer without linear_attention config");
+    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
     let width = g.in_proj.n;
-    let GdnJob {
-        row,
-        t,
-        conv,
-        delta,
-        out,
-    } = job;
+    let GdnJob { row, t, conv, delta, out } = job;
     let proj = &proj[row * width..(row + t) * width];
     let conv_in = fit(&mut s.conv_in, t * cd);
     for r in 0..t {
         conv_in[r * cd..(r + 1) * cd].copy_from_slice(&proj[r * width..r * width + cd]);
     }
     let conv_out = fit(&mut s.conv_out, t * cd);
-    gdn::causal_conv1d_silu(
-        conv_in,
-        t,
-        cd,
-        &g.conv_w,
-        la.conv_kernel,
-        g.conv_b.as_deref(),
-        conv,
-        conv_out,
-    );
-    let (q, k, v) = (
-        fit(&mut s.q, t * kd),
-        fit(&mut s.k, t * kd),
-        fit(&mut s.v, t * vd),
-    );
+    gdn::causal_conv1d_silu(conv_in, t, cd, &g.conv_w, la.conv_kernel, g.conv_b.as_deref(), conv, conv_out);
+    let (q, k, v) = (fit(&mut s.q, t * kd), fit(&mut s.k, t * kd), fit(&mut s.v, t * vd));
     for r in 0..t {
         let src = &conv_out[r * cd..(r + 1) * cd];
         q[r * kd..(r + 1) * kd].copy_from_slice(&src[..kd]);
         k[r * kd..(r + 1) * kd].copy_from_slice(&src[kd..2 * kd]);
         v[r * vd..(r + 1) * vd].copy_from_slice(&src[2 * kd..]);
     }
-    let (gb, beta, z) = (
-        fit(&mut s.g, t * nv),
-        fit(&mut s.beta, t * nv),
-        fit(&mut s.z, t * vd),
-    );
+    let (gb, beta, z) = (fit(&mut s.g, t * nv), fit(&mut s.beta, t * nv), fit(&mut s.z, t * vd));
     for r in 0..t {
         let p = &proj[r * width..(r + 1) * width];
         z[r * vd..(r + 1) * vd].copy_from_slice(&p[cd..cd + vd]);
@@ -333,27 +225,13 @@ fn gdn_seq(cfg: &ModelConfig, g: &GdnWeights, proj: &[f32], job: GdnJob<'_>, s: 
         }
     }
     let core = fit(&mut s.core, t * vd);
-    let dims = GdnDims {
-        t,
-        num_k_heads: la.num_key_heads,
-        num_v_heads: nv,
-        k_dim: la.key_head_dim,
-        v_dim: la.value_head_dim,
-    };
+    let dims = GdnDims { t, num_k_heads: la.num_key_heads, num_v_heads: nv, k_dim: la.key_head_dim, v_dim: la.value_head_dim };
     if t > 1 {
         gdn::gated_delta_rule_chunked(&dims, q, k, v, gb, beta, delta, core);
     } else {
         gdn::gated_delta_rule_recurrent(&dims, q, k, v, gb, beta, delta, core);
     }
-    gdn::rms_norm_gated(
-        core,
-        z,
-        t * nv,
-        la.value_head_dim,
-        &g.norm,
-        cfg.rms_norm_eps,
-        out,
-    );
+    gdn::rms_norm_gated(core, z, t * nv, la.value_head_dim, &g.norm, cfg.rms_norm_eps, out);
 }
 
 /// SwiGLU MLP sub-block: reads `ws.h`, writes `ws.tmp`.

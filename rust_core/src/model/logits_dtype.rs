@@ -37,10 +37,7 @@ impl LogitsDtype {
         match text.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(LogitsDtype::Auto),
             "float32" | "f32" => Ok(LogitsDtype::Float32),
-            _ => Err(NinferError::Unsupported(format!(
-                "logits_dtype `{text}` (available: {})",
-                LOGITS_DTYPE_CHOICES.join(", ")
-            ))),
+            _ => Err(NinferError::Unsupported(format!("logits_dtype `{text}` (available: {})", LOGITS_DTYPE_CHOICES.join(", ")))),
         }
     }
 
@@ -53,11 +50,7 @@ impl LogitsDtype {
     /// The 16-bit type the logits of the model in `store` are rounded to, or None for f32
     /// logits: the stored dtype of the lm_head weight (the embedding when tied).
     pub fn resolve(self, store: &WeightStore, cfg: &ModelConfig) -> Result<Option<LogitsRound>> {
-        let name = if cfg.tie_word_embeddings {
-            format!("{}.embed_tokens.weight", names::decoder_prefix(store))
-        } else {
-            "lm_head.weight".to_string()
-        };
+        let name = if cfg.tie_word_embeddings { format!("{}.embed_tokens.weight", names::decoder_prefix(store)) } else { "lm_head.weight".to_string() };
         let stored = store.info(&name)?.dtype;
         Ok(match stored.as_str() {
             _ if !self.rounds(&stored) => None,
@@ -80,12 +73,8 @@ impl LogitsRound {
     /// the kernels' `round_st`), keeping it as f32.
     pub fn apply(self, logits: &mut [f32]) {
         match self {
-            LogitsRound::Bf16 => logits
-                .iter_mut()
-                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
-            LogitsRound::F16 => logits
-                .iter_mut()
-                .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+            LogitsRound::Bf16 => logits.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+            LogitsRound::F16 => logits.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
         }
     }
 }
@@ -100,10 +89,7 @@ mod tests {
         assert_eq!(LogitsDtype::parse("Float32").unwrap(), LogitsDtype::Float32);
         assert_eq!(LogitsDtype::parse("f32").unwrap(), LogitsDtype::Float32);
         let e = LogitsDtype::parse("bfloat16").unwrap_err().to_string();
-        assert!(
-            e.contains("logits_dtype") && e.contains("bfloat16") && e.contains("auto, float32"),
-            "{e}"
-        );
+        assert!(e.contains("logits_dtype") && e.contains("bfloat16") && e.contains("auto, float32"), "{e}");
     }
 
     #[test]
@@ -117,12 +103,7 @@ mod tests {
     fn bf16_rounding_is_nearest_even_and_keeps_the_low_half_zero() {
         // 1 + 2^-8 is halfway between bf16 1.0 and 1 + 2^-7: ties go to the even 1.0; just above
         // it rounds up.
-        let mut v = [
-            1.0 + 2f32.powi(-8),
-            1.0 + 2f32.powi(-8) + 2f32.powi(-20),
-            -3.3,
-            f32::INFINITY,
-        ];
+        let mut v = [1.0 + 2f32.powi(-8), 1.0 + 2f32.powi(-8) + 2f32.powi(-20), -3.3, f32::INFINITY];
         LogitsRound::Bf16.apply(&mut v);
         assert_eq!(v[0], 1.0);
         assert_eq!(v[1], 1.0 + 2f32.powi(-7));

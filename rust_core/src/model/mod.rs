@@ -5,13 +5,13 @@
 
 pub mod cpu_model;
 #[cfg(feature = "cuda")]
-pub(crate) mod cuda_graphs;
-#[cfg(feature = "cuda")]
 pub mod cuda_load;
 #[cfg(feature = "cuda")]
 pub mod cuda_model;
 #[cfg(feature = "cuda")]
 mod cuda_sampler;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_graphs;
 #[cfg(feature = "cuda")]
 mod cuda_step;
 #[cfg(feature = "cuda")]
@@ -30,10 +30,10 @@ mod tests;
 use std::path::Path;
 
 pub use cpu_model::CpuModel;
-#[cfg(feature = "cuda")]
-pub use cuda_model::CudaModel;
 pub use kv_dtype::{KvDtype, KV_DTYPE_CHOICES, QUANTIZED_KV_DTYPES};
 pub use logits_dtype::{LogitsDtype, LogitsRound, LOGITS_DTYPE_CHOICES};
+#[cfg(feature = "cuda")]
+pub use cuda_model::CudaModel;
 pub use runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 pub use weights::{ModelWeights, MtpWeights};
 
@@ -60,11 +60,7 @@ pub fn parse_device(device: &str) -> Result<DeviceSpec> {
     if device.trim().is_empty() {
         return Ok(DeviceSpec::Cpu);
     }
-    DeviceSpec::parse(device).map_err(|_| {
-        crate::NinferError::Unsupported(format!(
-            "device `{device}` (available: cpu, cuda, cuda:N, auto)"
-        ))
-    })
+    DeviceSpec::parse(device).map_err(|_| crate::NinferError::Unsupported(format!("device `{device}` (available: cpu, cuda, cuda:N, auto)")))
 }
 
 /// The concrete device a `device=` string resolves to ("cpu" or "cuda:N"), so that what the
@@ -95,12 +91,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
 
 #[cfg(feature = "cuda")]
 fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
-    Ok(Box::new(CudaModel::load_with(
-        dir,
-        ordinal,
-        opts.logits_dtype,
-        opts.kv_dtype,
-    )?))
+    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype)?))
 }
 
 #[cfg(not(feature = "cuda"))]

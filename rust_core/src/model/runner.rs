@@ -72,10 +72,7 @@ impl Logits {
         let seqs: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i] > 0).collect();
         check_sampling_rows(seqs.len(), rows.len())?;
         if rows.iter().any(|r| r.count_input) {
-            return Err(NinferError::invalid(
-                "sampling rows",
-                "a row counts its step's input token, which the host sampler does not know",
-            ));
+            return Err(NinferError::invalid("sampling rows", "a row counts its step's input token, which the host sampler does not know"));
         }
         Ok(seqs
             .iter()
@@ -91,10 +88,7 @@ impl Logits {
 /// `forward_sampled` needs one `RowSampling` per sequence that produces logits.
 pub fn check_sampling_rows(seqs_with_logits: usize, rows: usize) -> Result<()> {
     if seqs_with_logits != rows {
-        return Err(NinferError::invalid(
-            "sampling rows",
-            format!("{rows} rows for {seqs_with_logits} sequences that produce logits"),
-        ));
+        return Err(NinferError::invalid("sampling rows", format!("{rows} rows for {seqs_with_logits} sequences that produce logits")));
     }
     Ok(())
 }
@@ -120,12 +114,7 @@ pub trait ModelRunner: Send {
 
     /// Allocate the KV pool (`num_blocks` blocks of `block_size` tokens) and `num_state_slots`
     /// recurrent-state slots. Called once before the first step.
-    fn allocate_caches(
-        &mut self,
-        num_blocks: usize,
-        block_size: usize,
-        num_state_slots: usize,
-    ) -> Result<()>;
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()>;
 
     /// Run one step. Sequences with `start_pos == 0` start from a zero recurrent state.
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits>;
@@ -134,11 +123,7 @@ pub trait ModelRunner: Send {
     /// samples the last logits row of the i-th such sequence, in batch order. A device backend
     /// overrides this to sample where the logits are and copy back only ids and logprobs; the
     /// default runs `forward` and the host sampler (`RowSampling::sample`, the reference).
-    fn forward_sampled(
-        &mut self,
-        batch: &StepBatch,
-        rows: &[RowSampling],
-    ) -> Result<Vec<SampledToken>> {
+    fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
         self.forward(batch)?.sample_on_host(rows)
     }
 
@@ -153,12 +138,7 @@ pub trait ModelRunner: Send {
     /// Queue a step that `forward_sampled` would run, without waiting for it: its forward pass
     /// (`launch_forward`), then its sampling (`launch_sampling`). Its tokens come from
     /// `collect_sampled`, in launch order (at most two steps are uncollected at a time).
-    fn launch_sampled(
-        &mut self,
-        batch: &StepBatch,
-        rows: &[RowSampling],
-        feed: bool,
-    ) -> Result<()> {
+    fn launch_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling], feed: bool) -> Result<()> {
         self.launch_forward(batch, feed)?;
         self.launch_sampling(rows)
     }
@@ -172,10 +152,7 @@ pub trait ModelRunner: Send {
     /// row `i` of the step sampled just before, and its token is that row's sampled token, taken
     /// on the device (the batch's token is a placeholder).
     fn launch_forward(&mut self, _batch: &StepBatch, _feed: bool) -> Result<()> {
-        Err(NinferError::invalid(
-            "launch_forward",
-            "this backend runs steps synchronously (overlaps_steps is false)",
-        ))
+        Err(NinferError::invalid("launch_forward", "this backend runs steps synchronously (overlaps_steps is false)"))
     }
 
     /// Queue the sampling of the step whose forward `launch_forward` queued last: `rows[i]`
@@ -184,18 +161,12 @@ pub trait ModelRunner: Send {
     /// built before the token in flight was accepted): its sampler counts the step's input
     /// token as one more output occurrence, as `RowSampling::with_input` does on the host.
     fn launch_sampling(&mut self, _rows: &[RowSampling]) -> Result<()> {
-        Err(NinferError::invalid(
-            "launch_sampling",
-            "this backend runs steps synchronously (overlaps_steps is false)",
-        ))
+        Err(NinferError::invalid("launch_sampling", "this backend runs steps synchronously (overlaps_steps is false)"))
     }
 
     /// The sampled tokens of the oldest launched step not yet collected (waits for it).
     fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
-        Err(NinferError::invalid(
-            "collect_sampled",
-            "this backend runs steps synchronously (overlaps_steps is false)",
-        ))
+        Err(NinferError::invalid("collect_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
     }
 
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
@@ -214,11 +185,7 @@ pub trait ModelRunner: Send {
     /// they are not counted as free), then answers with the free memory less a reserve for what
     /// a step allocates later. None for host memory, where the engine keeps its fixed default
     /// budget (EngineConfig::resolve).
-    fn cache_budget_bytes(
-        &mut self,
-        _step_rows: usize,
-        _decode_rows: usize,
-    ) -> Result<Option<u64>> {
+    fn cache_budget_bytes(&mut self, _step_rows: usize, _decode_rows: usize) -> Result<Option<u64>> {
         Ok(None)
     }
 
@@ -244,23 +211,10 @@ mod tests {
     /// with one occurrence too few.
     #[test]
     fn the_host_sampler_refuses_a_row_that_counts_its_input_token() {
-        let logits = Logits {
-            vocab: 4,
-            data: vec![0.0, 1.0, 3.0, 2.0],
-            rows: vec![1],
-        };
-        let plain = RowSampling {
-            temperature: 0.0,
-            ..Default::default()
-        };
-        assert_eq!(
-            logits.sample_on_host(std::slice::from_ref(&plain)).unwrap()[0].token,
-            2
-        );
-        let counting = RowSampling {
-            count_input: true,
-            ..plain
-        };
+        let logits = Logits { vocab: 4, data: vec![0.0, 1.0, 3.0, 2.0], rows: vec![1] };
+        let plain = RowSampling { temperature: 0.0, ..Default::default() };
+        assert_eq!(logits.sample_on_host(std::slice::from_ref(&plain)).unwrap()[0].token, 2);
+        let counting = RowSampling { count_input: true, ..plain };
         let e = logits.sample_on_host(&[counting]).unwrap_err().to_string();
         assert!(e.contains("input token"), "{e}");
     }

@@ -21,32 +21,11 @@ pub(crate) struct TinyDims {
 /// `prefix`, in the order the tests seed them: embedding, final norm, untied lm_head, then per
 /// layer its two norms, the SwiGLU MLP and its mixer. `qwen` gives attention the Qwen3.5 layout
 /// (gated q projection, q/k norms); `conv_bias` adds the GDN conv1d bias.
-pub(crate) fn tensor_shapes(
-    d: &TinyDims,
-    prefix: &str,
-    layer_types: &[&str],
-    qwen: bool,
-    conv_bias: bool,
-) -> Vec<(String, Vec<usize>)> {
-    let TinyDims {
-        h,
-        v,
-        inter,
-        nh,
-        nkv,
-        hd,
-        nk,
-        nv,
-        kd,
-        vd,
-        kern,
-    } = *d;
+pub(crate) fn tensor_shapes(d: &TinyDims, prefix: &str, layer_types: &[&str], qwen: bool, conv_bias: bool) -> Vec<(String, Vec<usize>)> {
+    let TinyDims { h, v, inter, nh, nkv, hd, nk, nv, kd, vd, kern } = *d;
     let conv = 2 * nk * kd + nv * vd;
-    let mut t: Vec<(String, Vec<usize>)> = vec![
-        (format!("{prefix}.embed_tokens.weight"), vec![v, h]),
-        (format!("{prefix}.norm.weight"), vec![h]),
-        ("lm_head.weight".into(), vec![v, h]),
-    ];
+    let mut t: Vec<(String, Vec<usize>)> =
+        vec![(format!("{prefix}.embed_tokens.weight"), vec![v, h]), (format!("{prefix}.norm.weight"), vec![h]), ("lm_head.weight".into(), vec![v, h])];
     for (i, kind) in layer_types.iter().enumerate() {
         let p = format!("{prefix}.layers.{i}");
         t.push((format!("{p}.input_layernorm.weight"), vec![h]));
@@ -56,10 +35,7 @@ pub(crate) fn tensor_shapes(
         t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter]));
         if *kind == "full_attention" {
             let a = format!("{p}.self_attn");
-            t.push((
-                format!("{a}.q_proj.weight"),
-                vec![if qwen { 2 } else { 1 } * nh * hd, h],
-            ));
+            t.push((format!("{a}.q_proj.weight"), vec![if qwen { 2 } else { 1 } * nh * hd, h]));
             t.push((format!("{a}.k_proj.weight"), vec![nkv * hd, h]));
             t.push((format!("{a}.v_proj.weight"), vec![nkv * hd, h]));
             t.push((format!("{a}.o_proj.weight"), vec![h, nh * hd]));
@@ -88,9 +64,7 @@ pub(crate) fn tensor_shapes(
 
 /// `len` xorshift values in [-0.5, 0.5), reproducible from `seed`.
 pub(crate) fn centered_noise(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..len)
         .map(|_| {
             s ^= s << 13;

@@ -11,10 +11,7 @@ use super::*;
 use crate::NinferError;
 
 fn rand_vec(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    centered_noise(len, seed)
-        .iter()
-        .map(|x| x * 2.0 * scale)
-        .collect()
+    centered_noise(len, seed).iter().map(|x| x * 2.0 * scale).collect()
 }
 
 /// Write a random Qwen3.5-style hybrid checkpoint (layers: linear, full, linear) to a temp dir.
@@ -35,26 +32,8 @@ fn hybrid_checkpoint_as(tag: &str, dtype: Dtype) -> PathBuf {
         "linear_num_value_heads": nv, "linear_key_head_dim": kd, "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let dims = TinyDims {
-        h,
-        v,
-        inter,
-        nh,
-        nkv,
-        hd,
-        nk,
-        nv,
-        kd,
-        vd,
-        kern,
-    };
-    let t = tensor_shapes(
-        &dims,
-        "model",
-        &["linear_attention", "full_attention", "linear_attention"],
-        true,
-        false,
-    );
+    let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv, kd, vd, kern };
+    let t = tensor_shapes(&dims, "model", &["linear_attention", "full_attention", "linear_attention"], true, false);
     let bufs: Vec<Vec<u8>> = t
         .iter()
         .enumerate()
@@ -62,19 +41,13 @@ fn hybrid_checkpoint_as(tag: &str, dtype: Dtype) -> PathBuf {
             let n: usize = shape.iter().product();
             let v = rand_vec(n, i as u64 + 11, 0.3);
             match dtype {
-                Dtype::BF16 => v
-                    .iter()
-                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                    .collect(),
+                Dtype::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
                 _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             }
         })
         .collect();
-    let views: Vec<(String, TensorView)> = t
-        .iter()
-        .zip(&bufs)
-        .map(|((n, s), b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()))
-        .collect();
+    let views: Vec<(String, TensorView)> =
+        t.iter().zip(&bufs).map(|((n, s), b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap())).collect();
     safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     dir
 }
@@ -84,28 +57,13 @@ fn load(dir: &Path) -> CpuModel {
 }
 
 fn load_logits(dir: &Path, logits_dtype: LogitsDtype) -> CpuModel {
-    let mut m = CpuModel::load(
-        dir,
-        &LoadOptions {
-            device: "cpu".into(),
-            num_threads: Some(2),
-            logits_dtype,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut m = CpuModel::load(dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2), logits_dtype, ..Default::default() }).unwrap();
     m.allocate_caches(32, 4, 4).unwrap();
     m
 }
 
 fn seq(tokens: &[u32], start: usize, table: &[u32], slot: usize, logits: LogitsWanted) -> SeqChunk {
-    SeqChunk {
-        tokens: tokens.to_vec(),
-        start_pos: start,
-        block_table: table.to_vec(),
-        state_slot: slot,
-        logits,
-    }
+    SeqChunk { tokens: tokens.to_vec(), start_pos: start, block_table: table.to_vec(), state_slot: slot, logits }
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -116,11 +74,7 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 const PROMPT: [u32; 13] = [3, 17, 99, 4, 56, 23, 8, 71, 100, 0, 42, 5, 64];
 
 fn whole(m: &mut CpuModel, table: &[u32]) -> Vec<f32> {
-    m.forward(&StepBatch {
-        seqs: vec![seq(&PROMPT, 0, table, 0, LogitsWanted::All)],
-    })
-    .unwrap()
-    .data
+    m.forward(&StepBatch { seqs: vec![seq(&PROMPT, 0, table, 0, LogitsWanted::All)] }).unwrap().data
 }
 
 #[test]
@@ -134,27 +88,13 @@ fn chunked_prefill_and_decode_match_whole_prompt() {
     let mut got = Vec::new();
     let mut pos = 0;
     for len in [5usize, 4, 1, 1, 1, 1] {
-        let out = m
-            .forward(&StepBatch {
-                seqs: vec![seq(
-                    &PROMPT[pos..pos + len],
-                    pos,
-                    &table,
-                    1,
-                    LogitsWanted::All,
-                )],
-            })
-            .unwrap();
+        let out = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[pos..pos + len], pos, &table, 1, LogitsWanted::All)] }).unwrap();
         assert_eq!(out.rows, vec![len]);
         got.extend_from_slice(&out.data);
         pos += len;
     }
     assert_eq!(got.len(), PROMPT.len() * v);
-    assert!(
-        max_rel(&got, &full) < 1e-4,
-        "rel err {}",
-        max_rel(&got, &full)
-    );
+    assert!(max_rel(&got, &full) < 1e-4, "rel err {}", max_rel(&got, &full));
 }
 
 /// logits_dtype "auto" on a bf16 checkpoint: every logit (prefill rows and decode steps) is a
@@ -175,30 +115,15 @@ fn auto_logits_of_a_bf16_checkpoint_are_the_f32_logits_rounded_to_bf16() {
     let auto = steps(&mut load_logits(&dir, LogitsDtype::Auto));
     let f32s = steps(&mut load_logits(&dir, LogitsDtype::Float32));
     assert_eq!(auto.len(), (PROMPT.len() + 3) * 101);
-    assert!(
-        auto.iter().all(|x| x.to_bits() & 0xffff == 0),
-        "auto logits must be bf16 values"
-    );
-    assert!(
-        f32s.iter().any(|x| x.to_bits() & 0xffff != 0),
-        "float32 logits must keep their low bits"
-    );
+    assert!(auto.iter().all(|x| x.to_bits() & 0xffff == 0), "auto logits must be bf16 values");
+    assert!(f32s.iter().any(|x| x.to_bits() & 0xffff != 0), "float32 logits must keep their low bits");
     for (i, (a, f)) in auto.iter().zip(&f32s).enumerate() {
-        assert_eq!(
-            a.to_bits(),
-            half::bf16::from_f32(*f).to_f32().to_bits(),
-            "logit {i}: auto {a} vs round(float32 {f})"
-        );
+        assert_eq!(a.to_bits(), half::bf16::from_f32(*f).to_f32().to_bits(), "logit {i}: auto {a} vs round(float32 {f})");
     }
     let dir32 = hybrid_checkpoint("f32logits");
     let a32 = whole(&mut load_logits(&dir32, LogitsDtype::Auto), &table);
     let f32b = whole(&mut load_logits(&dir32, LogitsDtype::Float32), &table);
-    assert!(
-        a32.iter()
-            .zip(&f32b)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "auto on an f32 checkpoint is f32"
-    );
+    assert!(a32.iter().zip(&f32b).all(|(a, b)| a.to_bits() == b.to_bits()), "auto on an f32 checkpoint is f32");
 }
 
 #[test]
@@ -209,30 +134,15 @@ fn mixed_batch_matches_each_sequence_alone() {
     let (ta, tb): (Vec<u32>, Vec<u32>) = (vec![0, 1, 2, 3], vec![10, 11, 12, 13]);
     let full_a = whole(&mut m, &ta);
     let other: Vec<u32> = vec![9, 8, 7, 6, 5, 4];
-    let alone_b = m
-        .forward(&StepBatch {
-            seqs: vec![seq(&other, 0, &tb, 2, LogitsWanted::All)],
-        })
-        .unwrap()
-        .data;
+    let alone_b = m.forward(&StepBatch { seqs: vec![seq(&other, 0, &tb, 2, LogitsWanted::All)] }).unwrap().data;
     // A: prefill 10 tokens then decode token 11; B in the same steps: prefill 5 then decode 1.
     let s1 = m
-        .forward(&StepBatch {
-            seqs: vec![
-                seq(&PROMPT[..10], 0, &ta, 0, LogitsWanted::None),
-                seq(&other[..5], 0, &tb, 3, LogitsWanted::Last),
-            ],
-        })
+        .forward(&StepBatch { seqs: vec![seq(&PROMPT[..10], 0, &ta, 0, LogitsWanted::None), seq(&other[..5], 0, &tb, 3, LogitsWanted::Last)] })
         .unwrap();
     assert_eq!(s1.rows, vec![0, 1]);
     assert!(max_rel(s1.of_seq(1), &alone_b[4 * v..5 * v]) < 1e-4);
     let s2 = m
-        .forward(&StepBatch {
-            seqs: vec![
-                seq(&other[5..6], 5, &tb, 3, LogitsWanted::Last),
-                seq(&PROMPT[10..11], 10, &ta, 0, LogitsWanted::Last),
-            ],
-        })
+        .forward(&StepBatch { seqs: vec![seq(&other[5..6], 5, &tb, 3, LogitsWanted::Last), seq(&PROMPT[10..11], 10, &ta, 0, LogitsWanted::Last)] })
         .unwrap();
     assert!(max_rel(s2.of_seq(0), &alone_b[5 * v..6 * v]) < 1e-4);
     assert!(max_rel(s2.of_seq(1), &full_a[10 * v..11 * v]) < 1e-4);
@@ -245,21 +155,11 @@ fn copied_state_slot_continues_like_the_original() {
     let table: Vec<u32> = vec![4, 5, 6, 7];
     let full = whole(&mut m, &table);
     let v = m.config().vocab_size;
-    m.forward(&StepBatch {
-        seqs: vec![seq(&PROMPT[..8], 0, &table, 1, LogitsWanted::None)],
-    })
-    .unwrap();
+    m.forward(&StepBatch { seqs: vec![seq(&PROMPT[..8], 0, &table, 1, LogitsWanted::None)] }).unwrap();
     m.copy_state(1, 2).unwrap();
     // Clobber slot 1 with another sequence; slot 2 (the copy) must still hold the prefix state.
-    m.forward(&StepBatch {
-        seqs: vec![seq(&[1, 2, 3], 0, &[20], 1, LogitsWanted::None)],
-    })
-    .unwrap();
-    let out = m
-        .forward(&StepBatch {
-            seqs: vec![seq(&PROMPT[8..], 8, &table, 2, LogitsWanted::All)],
-        })
-        .unwrap();
+    m.forward(&StepBatch { seqs: vec![seq(&[1, 2, 3], 0, &[20], 1, LogitsWanted::None)] }).unwrap();
+    let out = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[8..], 8, &table, 2, LogitsWanted::All)] }).unwrap();
     assert!(max_rel(&out.data, &full[8 * v..]) < 1e-4);
     assert!(m.copy_state(1, 4).is_err());
 }
@@ -268,38 +168,17 @@ fn copied_state_slot_continues_like_the_original() {
 fn bad_block_table_and_slot_are_rejected() {
     let dir = hybrid_checkpoint("bad");
     let mut m = load(&dir);
-    let short = m.forward(&StepBatch {
-        seqs: vec![seq(&PROMPT, 0, &[0, 1], 0, LogitsWanted::Last)],
-    });
+    let short = m.forward(&StepBatch { seqs: vec![seq(&PROMPT, 0, &[0, 1], 0, LogitsWanted::Last)] });
     assert!(matches!(short, Err(NinferError::InvalidRequest { .. })));
-    let slot = m.forward(&StepBatch {
-        seqs: vec![seq(&PROMPT[..2], 0, &[0], 9, LogitsWanted::Last)],
-    });
+    let slot = m.forward(&StepBatch { seqs: vec![seq(&PROMPT[..2], 0, &[0], 9, LogitsWanted::Last)] });
     assert!(matches!(slot, Err(NinferError::InvalidRequest { .. })));
-    let twice = m.forward(&StepBatch {
-        seqs: vec![
-            seq(&[1], 0, &[0], 1, LogitsWanted::Last),
-            seq(&[2], 0, &[1], 1, LogitsWanted::Last),
-        ],
-    });
+    let twice = m.forward(&StepBatch { seqs: vec![seq(&[1], 0, &[0], 1, LogitsWanted::Last), seq(&[2], 0, &[1], 1, LogitsWanted::Last)] });
     assert!(matches!(twice, Err(NinferError::InvalidRequest { .. })));
-    let tok = m.forward(&StepBatch {
-        seqs: vec![seq(&[500], 0, &[0], 0, LogitsWanted::Last)],
-    });
+    let tok = m.forward(&StepBatch { seqs: vec![seq(&[500], 0, &[0], 0, LogitsWanted::Last)] });
     assert!(matches!(tok, Err(NinferError::InvalidRequest { .. })));
     // No GPU here (or a checkpoint the CUDA kernels do not take): a typed error, never a panic.
-    let cuda = load_model(
-        &dir,
-        &LoadOptions {
-            device: "cuda".into(),
-            num_threads: None,
-            ..Default::default()
-        },
-    );
-    assert!(matches!(
-        cuda,
-        Err(NinferError::Device(_) | NinferError::Unsupported(_))
-    ));
+    let cuda = load_model(&dir, &LoadOptions { device: "cuda".into(), num_threads: None, ..Default::default() });
+    assert!(matches!(cuda, Err(NinferError::Device(_) | NinferError::Unsupported(_))));
 }
 
 /// The CPU keeps its KV cache in f32: kv_dtype float32 (and auto) load, bf16 is refused naming
@@ -307,24 +186,10 @@ fn bad_block_table_and_slot_are_rejected() {
 #[test]
 fn cpu_kv_dtype_is_float32_and_another_is_refused_before_reading() {
     let dir = hybrid_checkpoint("kv_dtype");
-    let opts = |kv_dtype| LoadOptions {
-        device: "cpu".into(),
-        num_threads: Some(2),
-        kv_dtype,
-        ..Default::default()
-    };
+    let opts = |kv_dtype| LoadOptions { device: "cpu".into(), num_threads: Some(2), kv_dtype, ..Default::default() };
     assert!(CpuModel::load(&dir, &opts(KvDtype::Float32)).is_ok());
-    let e = CpuModel::load(&dir, &opts(KvDtype::Bf16))
-        .err()
-        .expect("bf16 refused on the CPU")
-        .to_string();
-    assert!(
-        e.contains("bf16 is not supported on cpu: its KV cache is float32"),
-        "{e}"
-    );
-    let nothing = CpuModel::load(&dir.join("absent"), &opts(KvDtype::F16))
-        .err()
-        .expect("refused")
-        .to_string();
+    let e = CpuModel::load(&dir, &opts(KvDtype::Bf16)).err().expect("bf16 refused on the CPU").to_string();
+    assert!(e.contains("bf16 is not supported on cpu: its KV cache is float32"), "{e}");
+    let nothing = CpuModel::load(&dir.join("absent"), &opts(KvDtype::F16)).err().expect("refused").to_string();
     assert!(nothing.contains("f16 is not supported on cpu"), "{nothing}");
 }

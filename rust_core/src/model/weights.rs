@@ -24,11 +24,7 @@ pub struct Linear {
 impl Linear {
     fn load(store: &WeightStore, name: &str, n: usize, k: usize, bias: bool) -> Result<Self> {
         let w = store.load_f32(&format!("{name}.weight"), &[n, k])?;
-        let b = if bias {
-            Some(store.load_f32(&format!("{name}.bias"), &[n])?)
-        } else {
-            None
-        };
+        let b = if bias { Some(store.load_f32(&format!("{name}.bias"), &[n])?) } else { None };
         Ok(Linear { w, b, n, k })
     }
 
@@ -49,12 +45,7 @@ impl Linear {
                 }
             }
         }
-        Linear {
-            w,
-            b: any_bias.then_some(b),
-            n,
-            k,
-        }
+        Linear { w, b: any_bias.then_some(b), n, k }
     }
 
     /// Bytes held.
@@ -187,11 +178,7 @@ pub mod names {
     pub fn attention_qkv(cfg: &ModelConfig, attn: &str) -> [Part; 3] {
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim);
         let q_rows = nh * hd * if cfg.attn_output_gate { 2 } else { 1 };
-        [
-            part(format!("{attn}.q_proj"), q_rows),
-            part(format!("{attn}.k_proj"), nkv * hd),
-            part(format!("{attn}.v_proj"), nkv * hd),
-        ]
+        [part(format!("{attn}.q_proj"), q_rows), part(format!("{attn}.k_proj"), nkv * hd), part(format!("{attn}.v_proj"), nkv * hd)]
     }
 
     /// For a gated-attention q_proj (HF layout: per head `[query(hd) | gate(hd)]`) fused as
@@ -205,12 +192,7 @@ pub mod names {
     /// Parts of the fused Gated DeltaNet input projection in fused row order: conv channels
     /// (q, k, v), z, b, a.
     pub fn gdn_in_proj(cfg: &ModelConfig, gdn: &str) -> Result<[Part; 4]> {
-        let la = cfg.linear_attention.ok_or_else(|| {
-            NinferError::config(
-                "linear_num_key_heads",
-                "missing for a linear_attention layer",
-            )
-        })?;
+        let la = cfg.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
         let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
         Ok([
             part(format!("{gdn}.in_proj_qkv"), cd),
@@ -223,10 +205,7 @@ pub mod names {
     /// Parts of the fused MLP input projection: gate, then up.
     pub fn gate_up(cfg: &ModelConfig, layer: &str) -> [Part; 2] {
         let inter = cfg.intermediate_size;
-        [
-            part(format!("{layer}.mlp.gate_proj"), inter),
-            part(format!("{layer}.mlp.up_proj"), inter),
-        ]
+        [part(format!("{layer}.mlp.gate_proj"), inter), part(format!("{layer}.mlp.up_proj"), inter)]
     }
 }
 
@@ -269,44 +248,22 @@ impl Loader<'_> {
         let v = Linear::load(self.store, &vp.name, vp.rows, h, c.qkv_bias)?;
         let o = Linear::load(self.store, &format!("{p}.o_proj"), h, nh * hd, c.o_bias)?;
         let (q_norm, k_norm) = if c.qk_norm {
-            (
-                Some(self.norm(&format!("{p}.q_norm.weight"), hd)?),
-                Some(self.norm(&format!("{p}.k_norm.weight"), hd)?),
-            )
+            (Some(self.norm(&format!("{p}.q_norm.weight"), hd)?), Some(self.norm(&format!("{p}.k_norm.weight"), hd)?))
         } else {
             (None, None)
         };
-        Ok(AttentionWeights {
-            qkv: Linear::fuse(vec![q, k, v]),
-            o,
-            q_norm,
-            k_norm,
-        })
+        Ok(AttentionWeights { qkv: Linear::fuse(vec![q, k, v]), o, q_norm, k_norm })
     }
 
     fn gdn(&self, p: &str) -> Result<GdnWeights> {
         let c = self.cfg;
-        let la = c.linear_attention.ok_or_else(|| {
-            NinferError::config(
-                "linear_num_key_heads",
-                "missing for a linear_attention layer",
-            )
-        })?;
+        let la = c.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
         let h = c.hidden_size;
         let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
-        let in_proj = names::gdn_in_proj(c, p)?
-            .iter()
-            .map(|part| Linear::load(self.store, &part.name, part.rows, h, false))
-            .collect::<Result<Vec<_>>>()?;
-        let conv_w = self
-            .store
-            .load_f32(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?;
+        let in_proj = names::gdn_in_proj(c, p)?.iter().map(|part| Linear::load(self.store, &part.name, part.rows, h, false)).collect::<Result<Vec<_>>>()?;
+        let conv_w = self.store.load_f32(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?;
         let conv_b_name = format!("{p}.conv1d.bias");
-        let conv_b = if self.store.contains(&conv_b_name) {
-            Some(self.store.load_f32(&conv_b_name, &[cd])?)
-        } else {
-            None
-        };
+        let conv_b = if self.store.contains(&conv_b_name) { Some(self.store.load_f32(&conv_b_name, &[cd])?) } else { None };
         let a_log = self.store.load_f32(&format!("{p}.A_log"), &[nv])?;
         Ok(GdnWeights {
             in_proj: Linear::fuse(in_proj),
@@ -314,9 +271,7 @@ impl Loader<'_> {
             conv_b,
             neg_a: a_log.iter().map(|x| -x.exp()).collect(),
             dt_bias: self.store.load_f32(&format!("{p}.dt_bias"), &[nv])?,
-            norm: self
-                .store
-                .load_f32(&format!("{p}.norm.weight"), &[la.value_head_dim])?,
+            norm: self.store.load_f32(&format!("{p}.norm.weight"), &[la.value_head_dim])?,
             out_proj: Linear::load(self.store, &format!("{p}.out_proj"), h, vd, false)?,
         })
     }
@@ -328,22 +283,13 @@ impl Loader<'_> {
             LayerType::FullAttention => Mixer::Attention(self.attention(&names::mixer(p, kind))?),
             LayerType::LinearAttention => Mixer::Gdn(self.gdn(&names::mixer(p, kind))?),
         };
-        let gate_up = names::gate_up(c, p)
-            .iter()
-            .map(|part| Linear::load(self.store, &part.name, part.rows, h, c.mlp_bias))
-            .collect::<Result<Vec<_>>>()?;
+        let gate_up = names::gate_up(c, p).iter().map(|part| Linear::load(self.store, &part.name, part.rows, h, c.mlp_bias)).collect::<Result<Vec<_>>>()?;
         Ok(LayerWeights {
             input_norm: self.norm(&format!("{p}.input_layernorm.weight"), h)?,
             post_norm: self.norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
             mixer,
             gate_up: Linear::fuse(gate_up),
-            down: Linear::load(
-                self.store,
-                &format!("{p}.mlp.down_proj"),
-                h,
-                inter,
-                c.mlp_bias,
-            )?,
+            down: Linear::load(self.store, &format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias)?,
         })
     }
 
@@ -353,16 +299,11 @@ impl Loader<'_> {
         }
         let h = self.cfg.hidden_size;
         let mut n_layers = 0;
-        while self
-            .store
-            .contains(&format!("mtp.layers.{n_layers}.input_layernorm.weight"))
-        {
+        while self.store.contains(&format!("mtp.layers.{n_layers}.input_layernorm.weight")) {
             n_layers += 1;
         }
         let n_layers = n_layers.max(self.cfg.mtp_num_layers).max(1);
-        let layers = (0..n_layers)
-            .map(|i| self.layer(&format!("mtp.layers.{i}"), LayerType::FullAttention))
-            .collect::<Result<Vec<_>>>()?;
+        let layers = (0..n_layers).map(|i| self.layer(&format!("mtp.layers.{i}"), LayerType::FullAttention)).collect::<Result<Vec<_>>>()?;
         Ok(Some(MtpWeights {
             fc: Linear::load(self.store, "mtp.fc", h, 2 * h, false)?,
             pre_fc_norm_embedding: self.norm("mtp.pre_fc_norm_embedding.weight", h)?,
@@ -386,18 +327,8 @@ impl ModelWeights {
             .enumerate()
             .map(|(i, kind)| l.layer(&names::layer(prefix, i), *kind))
             .collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(Linear::load(store, "lm_head", v, h, false)?)
-        };
-        Ok(ModelWeights {
-            embed,
-            layers,
-            final_norm: l.norm(&format!("{prefix}.norm.weight"), h)?,
-            lm_head,
-            mtp: l.mtp()?,
-        })
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(Linear::load(store, "lm_head", v, h, false)?) };
+        Ok(ModelWeights { embed, layers, final_norm: l.norm(&format!("{prefix}.norm.weight"), h)?, lm_head, mtp: l.mtp()? })
     }
 
     /// The `[vocab, hidden]` matrix the logits are computed with.
@@ -409,31 +340,15 @@ impl ModelWeights {
     pub fn bytes(&self) -> usize {
         let layer_bytes = |l: &LayerWeights| {
             let mixer = match &l.mixer {
-                Mixer::Attention(a) => {
-                    a.qkv.bytes()
-                        + a.o.bytes()
-                        + 4 * (a.q_norm.as_ref().map_or(0, Vec::len)
-                            + a.k_norm.as_ref().map_or(0, Vec::len))
-                }
+                Mixer::Attention(a) => a.qkv.bytes() + a.o.bytes() + 4 * (a.q_norm.as_ref().map_or(0, Vec::len) + a.k_norm.as_ref().map_or(0, Vec::len)),
                 Mixer::Gdn(g) => {
-                    g.in_proj.bytes()
-                        + g.out_proj.bytes()
-                        + 4 * (g.conv_w.len()
-                            + g.conv_b.as_ref().map_or(0, Vec::len)
-                            + g.neg_a.len()
-                            + g.dt_bias.len()
-                            + g.norm.len())
+                    g.in_proj.bytes() + g.out_proj.bytes() + 4 * (g.conv_w.len() + g.conv_b.as_ref().map_or(0, Vec::len) + g.neg_a.len() + g.dt_bias.len() + g.norm.len())
                 }
             };
-            mixer
-                + l.gate_up.bytes()
-                + l.down.bytes()
-                + 4 * (l.input_norm.len() + l.post_norm.len())
+            mixer + l.gate_up.bytes() + l.down.bytes() + 4 * (l.input_norm.len() + l.post_norm.len())
         };
         let mtp = self.mtp.as_ref().map_or(0, |m| {
-            m.fc.bytes()
-                + m.layers.iter().map(layer_bytes).sum::<usize>()
-                + 4 * (m.pre_fc_norm_embedding.len() + m.pre_fc_norm_hidden.len() + m.norm.len())
+            m.fc.bytes() + m.layers.iter().map(layer_bytes).sum::<usize>() + 4 * (m.pre_fc_norm_embedding.len() + m.pre_fc_norm_hidden.len() + m.norm.len())
         });
         4 * (self.embed.len() + self.final_norm.len())
             + self.layers.iter().map(layer_bytes).sum::<usize>()

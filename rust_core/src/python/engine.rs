@@ -17,13 +17,8 @@ use pyo3::types::{PyDict, PyList};
 use super::errors::IntoPy;
 use super::tokenizer::PyTokenizer;
 use crate::config::{GenerationConfig, ModelConfig};
-use crate::engine::{
-    EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput,
-    ResolvedConfig, ToyRunner,
-};
-use crate::model::{
-    load_model, resolve_device_name, KvDtype, LoadOptions, LogitsDtype, ModelRunner,
-};
+use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
+use crate::model::{load_model, resolve_device_name, KvDtype, LoadOptions, LogitsDtype, ModelRunner};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -66,72 +61,36 @@ impl PyEngine {
     fn background(&self) -> PyResult<Option<Arc<EngineHandle>>> {
         self.with_mode(|m| match m {
             Mode::Background(h) => Ok(Some(h.clone())),
-            Mode::Inline(_) => Err(PyRuntimeError::new_err(
-                "poll() needs start_background() first",
-            )),
+            Mode::Inline(_) => Err(PyRuntimeError::new_err("poll() needs start_background() first")),
             Mode::Closed => Ok(None),
         })
     }
 
     fn with_mode<T>(&self, f: impl FnOnce(&mut Mode) -> PyResult<T>) -> PyResult<T> {
-        let mut g = self
-            .mode
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
+        let mut g = self.mode.lock().map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
         f(&mut g)
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-fn engine_config(
-    max_context: Option<usize>,
-    kv_capacity: Option<usize>,
-    max_concurrency: usize,
-    prefill_chunk: usize,
-    prefix_reuse: bool,
-) -> EngineConfig {
-    EngineConfig {
-        max_context,
-        kv_capacity_tokens: kv_capacity,
-        max_concurrency,
-        prefill_chunk,
-        prefix_reuse,
-        ..Default::default()
-    }
+fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_concurrency: usize, prefill_chunk: usize, prefix_reuse: bool) -> EngineConfig {
+    EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, ..Default::default() }
 }
 
 /// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N").
-fn load(
-    dir: &str,
-    device: &str,
-    num_threads: Option<usize>,
-    logits_dtype: LogitsDtype,
-    kv_dtype: KvDtype,
-    cfg: &EngineConfig,
-) -> Result<(EngineCore, String)> {
+fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cfg: &EngineConfig) -> Result<(EngineCore, String)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
     // The flags that need only config.json are checked before any weight is read.
     cfg.check(ModelConfig::from_dir(&dir)?.max_position_embeddings)?;
-    let runner: Box<dyn ModelRunner> = load_model(
-        &dir,
-        &LoadOptions {
-            device: device.clone(),
-            num_threads,
-            logits_dtype,
-            kv_dtype,
-        },
-    )?;
+    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
         Err(NinferError::MissingFile { .. }) => None,
         Err(e) => return Err(e),
     };
     let gen = GenerationConfig::from_dir(&dir)?;
-    Ok((
-        EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)?,
-        device,
-    ))
+    Ok((EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)?, device))
 }
 
 fn output_dict<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
@@ -219,18 +178,10 @@ impl PyEngine {
         logits_dtype: &str,
         kv_dtype: &str,
     ) -> PyResult<Self> {
-        let cfg = engine_config(
-            max_context,
-            kv_capacity,
-            max_concurrency,
-            prefill_chunk,
-            prefix_reuse,
-        );
+        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
-        let (core, device) = py
-            .detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, &cfg))
-            .py()?;
+        let (core, device) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, &cfg)).py()?;
         Ok(PyEngine::from_core(core, device))
     }
 
@@ -252,37 +203,15 @@ impl PyEngine {
         prefix_reuse: bool,
         overlapping: bool,
     ) -> PyResult<Self> {
-        let cfg = engine_config(
-            max_context,
-            kv_capacity,
-            max_concurrency,
-            prefill_chunk,
-            prefix_reuse,
-        );
+        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
-        let runner = if overlapping {
-            runner.overlapping()
-        } else {
-            runner
-        };
-        let core = EngineCore::new(
-            Box::new(runner),
-            &cfg,
-            None,
-            eos_token_ids.unwrap_or_default(),
-        )
-        .py()?;
+        let runner = if overlapping { runner.overlapping() } else { runner };
+        let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
         Ok(PyEngine::from_core(core, "toy".into()))
     }
 
     /// Queue a request; raises InvalidRequestError / ContextOverflowError at once on bad input.
-    fn submit(
-        &self,
-        py: Python<'_>,
-        request_id: &str,
-        prompt_token_ids: Vec<u32>,
-        params_json: &str,
-    ) -> PyResult<()> {
+    fn submit(&self, py: Python<'_>, request_id: &str, prompt_token_ids: Vec<u32>, params_json: &str) -> PyResult<()> {
         let params = SamplingParams::from_json(params_json).py()?;
         py.detach(|| {
             self.with_mode(|m| match m {
@@ -315,9 +244,7 @@ impl PyEngine {
         let outs = py.detach(|| {
             self.with_mode(|m| match m {
                 Mode::Inline(core) => core.step().py(),
-                Mode::Background(_) => Err(PyRuntimeError::new_err(
-                    "the engine runs in the background: use poll()",
-                )),
+                Mode::Background(_) => Err(PyRuntimeError::new_err("the engine runs in the background: use poll()")),
                 Mode::Closed => Err(closed()),
             })
         })?;
@@ -336,17 +263,10 @@ impl PyEngine {
     }
 
     /// Logits of every position of `token_ids`, as a float32 array [T, vocab].
-    fn score<'py>(
-        &self,
-        py: Python<'py>,
-        token_ids: Vec<u32>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    fn score<'py>(&self, py: Python<'py>, token_ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let t = token_ids.len();
         let data = py.detach(move || -> PyResult<Vec<f32>> {
-            let mut g = self
-                .mode
-                .lock()
-                .map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
+            let mut g = self.mode.lock().map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
             match &mut *g {
                 Mode::Inline(core) => core.score(&token_ids).py(),
                 Mode::Background(h) => {
@@ -434,10 +354,7 @@ impl PyEngine {
     /// tokenizer.json).
     #[getter]
     fn tokenizer(&self, py: Python<'_>) -> PyResult<Option<Py<PyTokenizer>>> {
-        self.tokenizer
-            .as_ref()
-            .map(|t| Py::new(py, PyTokenizer::from_shared(t.clone())))
-            .transpose()
+        self.tokenizer.as_ref().map(|t| Py::new(py, PyTokenizer::from_shared(t.clone()))).transpose()
     }
 
     /// Token ids that end generation (from generation_config.json).

@@ -9,42 +9,12 @@ use pyo3::prelude::*;
 
 use crate::NinferError;
 
-create_exception!(
-    _core,
-    NinferErrorPy,
-    PyException,
-    "Base class of every NInfer error."
-);
-create_exception!(
-    _core,
-    ModelLoadError,
-    NinferErrorPy,
-    "The model directory or a file in it is missing or malformed."
-);
-create_exception!(
-    _core,
-    UnsupportedError,
-    NinferErrorPy,
-    "An architecture, flag or feature that is not supported."
-);
-create_exception!(
-    _core,
-    InvalidRequestError,
-    NinferErrorPy,
-    "A request field or prompt is invalid."
-);
-create_exception!(
-    _core,
-    ContextOverflowError,
-    InvalidRequestError,
-    "Prompt plus max_tokens exceed the context."
-);
-create_exception!(
-    _core,
-    OutOfMemoryError,
-    NinferErrorPy,
-    "Memory planning found that something does not fit."
-);
+create_exception!(_core, NinferErrorPy, PyException, "Base class of every NInfer error.");
+create_exception!(_core, ModelLoadError, NinferErrorPy, "The model directory or a file in it is missing or malformed.");
+create_exception!(_core, UnsupportedError, NinferErrorPy, "An architecture, flag or feature that is not supported.");
+create_exception!(_core, InvalidRequestError, NinferErrorPy, "A request field or prompt is invalid.");
+create_exception!(_core, ContextOverflowError, InvalidRequestError, "Prompt plus max_tokens exceed the context.");
+create_exception!(_core, OutOfMemoryError, NinferErrorPy, "Memory planning found that something does not fit.");
 create_exception!(_core, DeviceError, NinferErrorPy, "A GPU/device failure.");
 
 /// Convert a core error to the matching Python exception.
@@ -59,13 +29,10 @@ pub fn to_py(e: NinferError) -> PyErr {
         | NinferError::TensorDtype { .. }
         | NinferError::Config { .. }
         | NinferError::Tokenizer(_) => ModelLoadError::new_err(msg),
-        NinferError::UnsupportedArchitecture { .. } | NinferError::Unsupported(_) => {
-            UnsupportedError::new_err(msg)
+        NinferError::UnsupportedArchitecture { .. } | NinferError::Unsupported(_) => UnsupportedError::new_err(msg),
+        NinferError::InvalidRequest { .. } | NinferError::EmptyPrompt | NinferError::Request(..) | NinferError::Template(_) => {
+            InvalidRequestError::new_err(msg)
         }
-        NinferError::InvalidRequest { .. }
-        | NinferError::EmptyPrompt
-        | NinferError::Request(..)
-        | NinferError::Template(_) => InvalidRequestError::new_err(msg),
         NinferError::ContextOverflow { .. } => ContextOverflowError::new_err(msg),
         NinferError::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),
         NinferError::Device(_) => DeviceError::new_err(msg),
@@ -89,10 +56,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ModelLoadError", py.get_type::<ModelLoadError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
-    m.add(
-        "ContextOverflowError",
-        py.get_type::<ContextOverflowError>(),
-    )?;
+    m.add("ContextOverflowError", py.get_type::<ContextOverflowError>())?;
     m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     Ok(())

@@ -21,9 +21,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The CLI's --kv-dtype spellings and the quantized names it refuses as later work (copies
     // in python/ninfer/cli.py, compared by the same test).
     m.add("KV_DTYPES", crate::model::KV_DTYPE_CHOICES.to_vec())?;
-    m.add(
-        "QUANTIZED_KV_DTYPES",
-        crate::model::QUANTIZED_KV_DTYPES.to_vec(),
-    )?;
+    m.add("QUANTIZED_KV_DTYPES", crate::model::QUANTIZED_KV_DTYPES.to_vec())?;
     Ok(())
 }

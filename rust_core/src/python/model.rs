@@ -9,10 +9,7 @@ use pyo3::types::PyDict;
 
 use super::errors::IntoPy;
 use crate::backend::cuda::{resolve_device, ResolvedDevice};
-use crate::model::{
-    load_model, parse_device, CpuModel, LoadOptions, LogitsDtype, LogitsWanted, ModelRunner,
-    SeqChunk, StepBatch,
-};
+use crate::model::{load_model, parse_device, CpuModel, LoadOptions, LogitsDtype, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::NinferError;
 
 /// Block size of the private KV pool `logits` uses.
@@ -41,56 +38,28 @@ impl PyModel {
     /// `logits_dtype`: "auto" (logits rounded to the 16-bit dtype the model runs in, as
     /// transformers returns them) or "float32" (the lm_head's f32 sums).
     #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto"))]
-    fn new(
-        py: Python<'_>,
-        model_dir: PathBuf,
-        device: &str,
-        num_threads: Option<usize>,
-        logits_dtype: &str,
-    ) -> PyResult<Self> {
+    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str) -> PyResult<Self> {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
-        let opts = LoadOptions {
-            device: device.to_string(),
-            num_threads,
-            logits_dtype,
-            ..Default::default()
-        };
+        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, ..Default::default() };
         let model = py
             .detach(|| -> crate::Result<Loaded> {
                 if resolve_device(parse_device(device)?)? == ResolvedDevice::Cpu {
                     let cpu = CpuModel::load(&model_dir, &opts)?;
                     let (has_mtp, threads) = (cpu.mtp().is_some(), cpu.num_threads());
-                    return Ok(Loaded {
-                        runner: Box::new(cpu),
-                        has_mtp,
-                        num_threads: Some(threads),
-                        capacity: (0, 0, 0),
-                    });
+                    return Ok(Loaded { runner: Box::new(cpu), has_mtp, num_threads: Some(threads), capacity: (0, 0, 0) });
                 }
                 let runner = load_model(&model_dir, &opts)?;
                 let has_mtp = runner.config().mtp_num_layers > 0;
-                Ok(Loaded {
-                    runner,
-                    has_mtp,
-                    num_threads: None,
-                    capacity: (0, 0, 0),
-                })
+                Ok(Loaded { runner, has_mtp, num_threads: None, capacity: (0, 0, 0) })
             })
             .py()?;
-        Ok(PyModel {
-            model: Mutex::new(model),
-        })
+        Ok(PyModel { model: Mutex::new(model) })
     }
 
     /// Logits of every position of `token_ids`: float32 `[T, vocab]`, in one forward, or in
     /// forwards of `chunk` tokens each continuing from the cached prefix (chunked prefill).
     #[pyo3(signature = (token_ids, chunk = None))]
-    fn logits<'py>(
-        &self,
-        py: Python<'py>,
-        token_ids: Vec<u32>,
-        chunk: Option<usize>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    fn logits<'py>(&self, py: Python<'py>, token_ids: Vec<u32>, chunk: Option<usize>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         if token_ids.is_empty() {
             return Err(NinferError::EmptyPrompt).py();
         }
@@ -135,12 +104,7 @@ impl PyModel {
     /// each prompt is prefilled in a step of its own, then every decode step runs all
     /// sequences together (one token each). Returns (tokens `[n][steps]`, float32 logits
     /// `[steps, n, vocab]` of every decode step, decode graphs the model holds at the end).
-    fn decode_greedy<'py>(
-        &self,
-        py: Python<'py>,
-        prompts: Vec<Vec<u32>>,
-        steps: usize,
-    ) -> PyResult<(Vec<Vec<u32>>, Bound<'py, PyArray3<f32>>, usize)> {
+    fn decode_greedy<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>, steps: usize) -> PyResult<(Vec<Vec<u32>>, Bound<'py, PyArray3<f32>>, usize)> {
         if prompts.iter().any(|p| p.is_empty()) {
             return Err(NinferError::EmptyPrompt).py();
         }
@@ -148,10 +112,7 @@ impl PyModel {
         let (tokens, data, vocab, graphs) = py
             .detach(|| -> crate::Result<_> {
                 let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
-                let per_seq: Vec<usize> = prompts
-                    .iter()
-                    .map(|p| (p.len() + steps).div_ceil(BLOCK_SIZE))
-                    .collect();
+                let per_seq: Vec<usize> = prompts.iter().map(|p| (p.len() + steps).div_ceil(BLOCK_SIZE)).collect();
                 let blocks: usize = per_seq.iter().sum();
                 m.runner.allocate_caches(blocks, BLOCK_SIZE, n)?;
                 m.capacity = (blocks, BLOCK_SIZE, n);
@@ -167,13 +128,7 @@ impl PyModel {
                 let argmax = crate::sampling::argmax;
                 let mut last = Vec::with_capacity(n);
                 for (i, p) in prompts.iter().enumerate() {
-                    let seqs = vec![SeqChunk {
-                        tokens: p.clone(),
-                        start_pos: 0,
-                        block_table: tables[i].clone(),
-                        state_slot: i,
-                        logits: LogitsWanted::Last,
-                    }];
+                    let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
                     let l = m.runner.forward(&StepBatch { seqs })?;
                     last.push(argmax(l.of_seq(0)));
                 }
@@ -182,13 +137,7 @@ impl PyModel {
                 let mut data = Vec::with_capacity(steps * n * vocab);
                 for step in 0..steps {
                     let seqs = (0..n)
-                        .map(|i| SeqChunk {
-                            tokens: vec![last[i]],
-                            start_pos: prompts[i].len() + step,
-                            block_table: tables[i].clone(),
-                            state_slot: i,
-                            logits: LogitsWanted::Last,
-                        })
+                        .map(|i| SeqChunk { tokens: vec![last[i]], start_pos: prompts[i].len() + step, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last })
                         .collect();
                     let l = m.runner.forward(&StepBatch { seqs })?;
                     for (i, t) in tokens.iter_mut().enumerate() {
@@ -218,10 +167,7 @@ impl PyModel {
         d.set_item("num_attention_heads", c.num_attention_heads)?;
         d.set_item("num_kv_heads", c.num_kv_heads)?;
         d.set_item("head_dim", c.head_dim)?;
-        d.set_item(
-            "layer_types",
-            c.layer_types.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
-        )?;
+        d.set_item("layer_types", c.layer_types.iter().map(|t| t.as_str()).collect::<Vec<_>>())?;
         d.set_item("max_position_embeddings", c.max_position_embeddings)?;
         d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
         d.set_item("eos_token_ids", c.eos_token_ids.clone())?;

@@ -35,8 +35,7 @@ impl PyTokenizer {
 }
 
 fn parse_json(text: &str, field: &str) -> Result<Json, NinferError> {
-    serde_json::from_str(text)
-        .map_err(|e| NinferError::invalid(field, format!("not valid JSON: {e}")))
+    serde_json::from_str(text).map_err(|e| NinferError::invalid(field, format!("not valid JSON: {e}")))
 }
 
 #[pymethods]
@@ -45,9 +44,7 @@ impl PyTokenizer {
     #[new]
     fn new(py: Python<'_>, model_dir: PathBuf) -> PyResult<Self> {
         let tokenizer = py.detach(|| Tokenizer::from_dir(&model_dir)).py()?;
-        Ok(PyTokenizer {
-            inner: Arc::new(tokenizer),
-        })
+        Ok(PyTokenizer { inner: Arc::new(tokenizer) })
     }
 
     /// Text to token ids.
@@ -56,8 +53,7 @@ impl PyTokenizer {
         if text.len() < GIL_RELEASE_BYTES {
             return self.inner.encode(text, add_special_tokens).py();
         }
-        py.detach(|| self.inner.encode(text, add_special_tokens))
-            .py()
+        py.detach(|| self.inner.encode(text, add_special_tokens)).py()
     }
 
     /// Token ids to text.
@@ -66,8 +62,7 @@ impl PyTokenizer {
         if ids.len() < GIL_RELEASE_IDS {
             return self.inner.decode(&ids, skip_special_tokens).py();
         }
-        py.detach(|| self.inner.decode(&ids, skip_special_tokens))
-            .py()
+        py.detach(|| self.inner.decode(&ids, skip_special_tokens)).py()
     }
 
     /// Id of a token string, or None when it is not in the vocabulary.
@@ -95,10 +90,7 @@ impl PyTokenizer {
     /// The default chat template's source, or None.
     #[getter]
     fn chat_template(&self) -> Option<String> {
-        self.inner
-            .chat_template(false)
-            .ok()
-            .map(|t| t.source().to_string())
+        self.inner.chat_template(false).ok().map(|t| t.source().to_string())
     }
 
     /// BOS token text, or None (Qwen models have none).
@@ -133,42 +125,18 @@ impl PyTokenizer {
         kwargs_json: Option<&str>,
     ) -> PyResult<String> {
         let messages = parse_json(messages_json, "messages").py()?;
-        let tools = tools_json
-            .map(|t| parse_json(t, "tools"))
-            .transpose()
-            .py()?;
+        let tools = tools_json.map(|t| parse_json(t, "tools")).transpose().py()?;
         let tools = tools.filter(|t| !t.is_null());
-        let kwargs: Map<String, Json> = match kwargs_json
-            .map(|k| parse_json(k, "chat_template_kwargs"))
-            .transpose()
-            .py()?
-        {
+        let kwargs: Map<String, Json> = match kwargs_json.map(|k| parse_json(k, "chat_template_kwargs")).transpose().py()? {
             None | Some(Json::Null) => Map::new(),
             Some(Json::Object(map)) => map,
-            Some(_) => {
-                return Err(to_py(NinferError::invalid(
-                    "chat_template_kwargs",
-                    "must be a JSON object",
-                )))
-            }
+            Some(_) => return Err(to_py(NinferError::invalid("chat_template_kwargs", "must be a JSON object"))),
         };
-        py.detach(|| {
-            self.inner.apply_chat_template(
-                &messages,
-                tools.as_ref(),
-                add_generation_prompt,
-                &kwargs,
-            )
-        })
-        .py()
+        py.detach(|| self.inner.apply_chat_template(&messages, tools.as_ref(), add_generation_prompt, &kwargs)).py()
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Tokenizer({}, vocab_size={})",
-            self.inner.path().display(),
-            self.inner.vocab_size()
-        )
+        format!("Tokenizer({}, vocab_size={})", self.inner.path().display(), self.inner.vocab_size())
     }
 }
 

@@ -51,9 +51,7 @@ pub enum ResponseFormat {
 impl ResponseFormat {
     /// Parse and shape-check a `response_format` value; errors name the offending field.
     pub fn parse(value: &Json) -> Result<Self> {
-        let object = value
-            .as_object()
-            .ok_or_else(|| invalid(format!("must be an object with a \"type\", got {value}")))?;
+        let object = value.as_object().ok_or_else(|| invalid(format!("must be an object with a \"type\", got {value}")))?;
         let kind = object.get("type").and_then(Json::as_str).ok_or_else(|| invalid("`type` is required: one of \"text\", \"json_object\", \"json_schema\", \"regex\", \"lark\""))?;
         let string_field = |name: &str| -> Result<String> {
             object
@@ -70,27 +68,15 @@ impl ResponseFormat {
                     .get("json_schema")
                     .and_then(Json::as_object)
                     .ok_or_else(|| invalid("type \"json_schema\" needs an object field `json_schema` with a `schema`"))?;
-                let schema = spec
-                    .get("schema")
-                    .ok_or_else(|| invalid("`json_schema.schema` is required"))?;
+                let schema = spec.get("schema").ok_or_else(|| invalid("`json_schema.schema` is required"))?;
                 if !(schema.is_object() || schema.is_boolean()) {
-                    return Err(invalid(format!(
-                        "`json_schema.schema` must be a JSON schema object, got {schema}"
-                    )));
+                    return Err(invalid(format!("`json_schema.schema` must be a JSON schema object, got {schema}")));
                 }
-                Ok(ResponseFormat::JsonSchema {
-                    schema: schema.clone(),
-                })
+                Ok(ResponseFormat::JsonSchema { schema: schema.clone() })
             }
-            "regex" => Ok(ResponseFormat::Regex {
-                pattern: string_field("regex")?,
-            }),
-            "lark" => Ok(ResponseFormat::Lark {
-                grammar: string_field("lark")?,
-            }),
-            other => Err(invalid(format!(
-                "unknown type \"{other}\"; supported: text, json_object, json_schema, regex, lark"
-            ))),
+            "regex" => Ok(ResponseFormat::Regex { pattern: string_field("regex")? }),
+            "lark" => Ok(ResponseFormat::Lark { grammar: string_field("lark")? }),
+            other => Err(invalid(format!("unknown type \"{other}\"; supported: text, json_object, json_schema, regex, lark"))),
         }
     }
 
@@ -103,8 +89,7 @@ impl ResponseFormat {
     fn to_grammar(&self) -> Option<TopLevelGrammar> {
         let json = |mut schema: Json| {
             if let Some(map) = schema.as_object_mut() {
-                map.entry("x-guidance")
-                    .or_insert_with(|| json!({"whitespace_pattern": JSON_WHITESPACE}));
+                map.entry("x-guidance").or_insert_with(|| json!({"whitespace_pattern": JSON_WHITESPACE}));
             }
             TopLevelGrammar::from_json_schema(schema)
         };
@@ -126,9 +111,7 @@ pub struct GrammarCompiler {
 
 impl std::fmt::Debug for GrammarCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrammarCompiler")
-            .field("logits_width", &self.logits_width)
-            .finish()
+        f.debug_struct("GrammarCompiler").field("logits_width", &self.logits_width).finish()
     }
 }
 
@@ -137,14 +120,9 @@ impl GrammarCompiler {
     /// of the model's logits rows, which may exceed the tokenizer's vocabulary.
     pub fn new(tokenizer: &Tokenizer, eos_token_ids: &[u32], logits_width: usize) -> Result<Self> {
         let env = GrammarVocab::new(tokenizer, eos_token_ids, logits_width)?.into_env();
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| {
-            NinferError::Tokenizer(format!("cannot index the vocabulary for grammars: {e}"))
-        })?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| NinferError::Tokenizer(format!("cannot index the vocabulary for grammars: {e}")))?;
         factory.quiet();
-        Ok(GrammarCompiler {
-            factory,
-            logits_width,
-        })
+        Ok(GrammarCompiler { factory, logits_width })
     }
 
     /// Compile a request's format into a fresh matcher; None when the format is plain text.
@@ -153,18 +131,12 @@ impl GrammarCompiler {
         let Some(grammar) = format.to_grammar() else {
             return Ok(None);
         };
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| invalid(describe_compile_error(format, &e.to_string())))?;
+        let parser = self.factory.create_parser(grammar).map_err(|e| invalid(describe_compile_error(format, &e.to_string())))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(reason) = matcher.get_error() {
             return Err(invalid(describe_compile_error(format, &reason)));
         }
-        Ok(Some(GrammarConstraint {
-            matcher,
-            logits_width: self.logits_width,
-        }))
+        Ok(Some(GrammarConstraint { matcher, logits_width: self.logits_width }))
     }
 
     /// Parse a raw `response_format` value and compile it.
@@ -190,36 +162,20 @@ struct LazyCompiler {
 
 impl std::fmt::Debug for SharedGrammarCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedGrammarCompiler")
-            .field("built", &self.inner.built.get().is_some())
-            .finish()
+        f.debug_struct("SharedGrammarCompiler").field("built", &self.inner.built.get().is_some()).finish()
     }
 }
 
 impl SharedGrammarCompiler {
     /// A compiler for `tokenizer` (None: constrained requests are rejected), stopping on
     /// `eos_token_ids`, masking logits rows `logits_width` long.
-    pub fn new(
-        tokenizer: Option<Arc<Tokenizer>>,
-        eos_token_ids: Vec<u32>,
-        logits_width: usize,
-    ) -> Self {
-        SharedGrammarCompiler {
-            inner: Arc::new(LazyCompiler {
-                tokenizer,
-                eos_token_ids,
-                logits_width,
-                built: OnceLock::new(),
-            }),
-        }
+    pub fn new(tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>, logits_width: usize) -> Self {
+        SharedGrammarCompiler { inner: Arc::new(LazyCompiler { tokenizer, eos_token_ids, logits_width, built: OnceLock::new() }) }
     }
 
     /// The constraint for a request's `response_format`; None (and no work at all) when the
     /// request has none or asks for plain text.
-    pub fn constraint_for(
-        &self,
-        response_format: Option<&Json>,
-    ) -> Result<Option<GrammarConstraint>> {
+    pub fn constraint_for(&self, response_format: Option<&Json>) -> Result<Option<GrammarConstraint>> {
         let Some(value) = response_format else {
             return Ok(None);
         };
@@ -229,19 +185,12 @@ impl SharedGrammarCompiler {
         }
         let lazy = &self.inner;
         let Some(tokenizer) = &lazy.tokenizer else {
-            return Err(NinferError::Unsupported(
-                "response_format on a model directory without tokenizer.json".into(),
-            ));
+            return Err(NinferError::Unsupported("response_format on a model directory without tokenizer.json".into()));
         };
-        let built = lazy.built.get_or_init(|| {
-            GrammarCompiler::new(tokenizer, &lazy.eos_token_ids, lazy.logits_width)
-                .map_err(|e| e.to_string())
-        });
+        let built = lazy.built.get_or_init(|| GrammarCompiler::new(tokenizer, &lazy.eos_token_ids, lazy.logits_width).map_err(|e| e.to_string()));
         match built {
             Ok(compiler) => compiler.compile(&format),
-            Err(reason) => Err(NinferError::Unsupported(format!(
-                "response_format with this tokenizer ({reason})"
-            ))),
+            Err(reason) => Err(NinferError::Unsupported(format!("response_format with this tokenizer ({reason})"))),
         }
     }
 }
@@ -254,9 +203,7 @@ pub struct GrammarConstraint {
 
 impl std::fmt::Debug for GrammarConstraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrammarConstraint")
-            .field("finished", &self.is_finished())
-            .finish()
+        f.debug_struct("GrammarConstraint").field("finished", &self.is_finished()).finish()
     }
 }
 
@@ -264,20 +211,11 @@ impl GrammarConstraint {
     /// The token ids allowed at the next position: EOS among them once the output is complete,
     /// only EOS once the grammar admits no further text.
     pub fn compute_mask(&mut self) -> Result<TokenMask> {
-        let set = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| matcher_failed("computing the token mask", &e.to_string()))?;
+        let set = self.matcher.compute_mask_or_eos().map_err(|e| matcher_failed("computing the token mask", &e.to_string()))?;
         if set.is_zero() {
-            return Err(matcher_failed(
-                "computing the token mask",
-                "no token can continue the output",
-            ));
+            return Err(matcher_failed("computing the token mask", "no token can continue the output"));
         }
-        Ok(TokenMask {
-            set,
-            width: self.logits_width,
-        })
+        Ok(TokenMask { set, width: self.logits_width })
     }
 
     /// Compute the mask and apply it to one logits row: disallowed logits become -inf.
@@ -289,9 +227,7 @@ impl GrammarConstraint {
     /// Advance past a sampled token (EOS included: it ends an accepting grammar); a token the
     /// mask did not allow is an error.
     pub fn consume(&mut self, token: u32) -> Result<()> {
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| matcher_failed(&format!("consuming token {token}"), &e.to_string()))
+        self.matcher.consume_token(token).map_err(|e| matcher_failed(&format!("consuming token {token}"), &e.to_string()))
     }
 
     /// Whether the output is complete: EOS was consumed in an accepting state, or the grammar
@@ -320,11 +256,7 @@ impl TokenMask {
 
     /// The allowed ids in increasing order.
     pub fn allowed(&self) -> Vec<u32> {
-        self.set
-            .to_list()
-            .into_iter()
-            .filter(|&t| (t as usize) < self.width)
-            .collect()
+        self.set.to_list().into_iter().filter(|&t| (t as usize) < self.width).collect()
     }
 
     /// How many ids are allowed.
@@ -336,17 +268,11 @@ impl TokenMask {
     /// is allowed (the layout `RowSampling::allow` and the device sampler take).
     pub fn bitset(&self, vocab: usize) -> Vec<u32> {
         let words = self.set.as_slice();
-        let mut out: Vec<u32> = (0..vocab.div_ceil(32))
-            .map(|w| words.get(w).copied().unwrap_or(0))
-            .collect();
+        let mut out: Vec<u32> = (0..vocab.div_ceil(32)).map(|w| words.get(w).copied().unwrap_or(0)).collect();
         let limit = self.width.min(vocab);
         for (w, bits) in out.iter_mut().enumerate().skip(limit / 32) {
             let keep = limit.saturating_sub(w * 32).min(32);
-            *bits &= if keep == 32 {
-                u32::MAX
-            } else {
-                (1u32 << keep) - 1
-            };
+            *bits &= if keep == 32 { u32::MAX } else { (1u32 << keep) - 1 };
         }
         out
     }

@@ -12,9 +12,7 @@ pub mod penalties;
 pub mod row;
 pub mod sampler;
 
-pub use grammar::{
-    GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGrammarCompiler, TokenMask,
-};
+pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGrammarCompiler, TokenMask};
 pub use params::SamplingParams;
 pub use penalties::{PenaltyHistory, PenaltyParams};
 pub use row::RowSampling;

@@ -76,8 +76,7 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Parse the JSON object Python sends and check every range.
     pub fn from_json(s: &str) -> Result<Self> {
-        let p: SamplingParams = serde_json::from_str(s)
-            .map_err(|e| NinferError::invalid("sampling_params", e.to_string()))?;
+        let p: SamplingParams = serde_json::from_str(s).map_err(|e| NinferError::invalid("sampling_params", e.to_string()))?;
         p.validate()?;
         Ok(p)
     }
@@ -90,21 +89,14 @@ impl SamplingParams {
     /// True when a penalty reads the tokens generated so far (repetition, presence or
     /// frequency), so the next token's sampling row depends on the last one.
     pub fn penalizes_history(&self) -> bool {
-        self.repetition_penalty != 1.0
-            || self.presence_penalty != 0.0
-            || self.frequency_penalty != 0.0
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
     /// Check every range; the error names the field and the offending value.
     pub fn validate(&self) -> Result<()> {
-        let bad =
-            |f: &str, v: String, why: &str| Err(NinferError::invalid(f, format!("{v} {why}")));
+        let bad = |f: &str, v: String, why: &str| Err(NinferError::invalid(f, format!("{v} {why}")));
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad(
-                "temperature",
-                self.temperature.to_string(),
-                "must be a finite number >= 0",
-            );
+            return bad("temperature", self.temperature.to_string(), "must be a finite number >= 0");
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", self.top_p.to_string(), "must be in (0, 1]");
@@ -113,32 +105,16 @@ impl SamplingParams {
             return bad("min_p", self.min_p.to_string(), "must be in [0, 1]");
         }
         if !(self.presence_penalty >= -2.0 && self.presence_penalty <= 2.0) {
-            return bad(
-                "presence_penalty",
-                self.presence_penalty.to_string(),
-                "must be in [-2, 2]",
-            );
+            return bad("presence_penalty", self.presence_penalty.to_string(), "must be in [-2, 2]");
         }
         if !(self.frequency_penalty >= -2.0 && self.frequency_penalty <= 2.0) {
-            return bad(
-                "frequency_penalty",
-                self.frequency_penalty.to_string(),
-                "must be in [-2, 2]",
-            );
+            return bad("frequency_penalty", self.frequency_penalty.to_string(), "must be in [-2, 2]");
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad(
-                "repetition_penalty",
-                self.repetition_penalty.to_string(),
-                "must be > 0",
-            );
+            return bad("repetition_penalty", self.repetition_penalty.to_string(), "must be > 0");
         }
         if self.top_logprobs > 20 {
-            return bad(
-                "top_logprobs",
-                self.top_logprobs.to_string(),
-                "must be at most 20",
-            );
+            return bad("top_logprobs", self.top_logprobs.to_string(), "must be at most 20");
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "0".into(), "must be at least 1");
@@ -148,11 +124,7 @@ impl SamplingParams {
         }
         for (tok, b) in &self.logit_bias {
             if !b.is_finite() || b.abs() > 100.0 {
-                return bad(
-                    "logit_bias",
-                    format!("{tok}: {b}"),
-                    "bias must be in [-100, 100]",
-                );
+                return bad("logit_bias", format!("{tok}: {b}"), "bias must be in [-100, 100]");
             }
         }
         Ok(())

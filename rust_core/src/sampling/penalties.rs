@@ -17,10 +17,7 @@ pub struct PenaltyHistory {
 impl PenaltyHistory {
     /// Start from the prompt tokens.
     pub fn new(prompt: &[u32]) -> Self {
-        PenaltyHistory {
-            seen: prompt.iter().copied().collect(),
-            output_counts: HashMap::new(),
-        }
+        PenaltyHistory { seen: prompt.iter().copied().collect(), output_counts: HashMap::new() }
     }
 
     /// Record one generated token.
@@ -81,11 +78,7 @@ pub struct PenaltyParams {
 impl PenaltyParams {
     /// The strengths a request asked for.
     pub fn of(params: &SamplingParams) -> Self {
-        PenaltyParams {
-            repetition: params.repetition_penalty,
-            presence: params.presence_penalty,
-            frequency: params.frequency_penalty,
-        }
+        PenaltyParams { repetition: params.repetition_penalty, presence: params.presence_penalty, frequency: params.frequency_penalty }
     }
 }
 
@@ -94,12 +87,7 @@ impl PenaltyParams {
 /// positive, multiplied when not), then presence / frequency (OpenAI: `logit -= count *
 /// frequency + presence` for tokens with count > 0). Out-of-range ids are ignored. Every
 /// operation is one rounded f32 op, so `cuda/sampling.cu` reproduces it bit for bit.
-pub fn apply_penalties(
-    logits: &mut [f32],
-    p: &PenaltyParams,
-    bias: &[(u32, f32)],
-    penalized: &[(u32, u32)],
-) {
+pub fn apply_penalties(logits: &mut [f32], p: &PenaltyParams, bias: &[(u32, f32)], penalized: &[(u32, u32)]) {
     for &(tok, b) in bias {
         if let Some(l) = logits.get_mut(tok as usize) {
             *l += b;
@@ -107,15 +95,9 @@ pub fn apply_penalties(
     }
     let pres_freq = p.presence != 0.0 || p.frequency != 0.0;
     for &(tok, n) in penalized {
-        let Some(l) = logits.get_mut(tok as usize) else {
-            continue;
-        };
+        let Some(l) = logits.get_mut(tok as usize) else { continue };
         if p.repetition != 1.0 {
-            *l = if *l > 0.0 {
-                *l / p.repetition
-            } else {
-                *l * p.repetition
-            };
+            *l = if *l > 0.0 { *l / p.repetition } else { *l * p.repetition };
         }
         if pres_freq && n > 0 {
             *l -= n as f32 * p.frequency + p.presence;
@@ -131,10 +113,7 @@ mod tests {
     fn repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() {
         let mut l = vec![2.0, -2.0, 3.0];
         let h = PenaltyHistory::new(&[0, 1]);
-        let p = SamplingParams {
-            repetition_penalty: 2.0,
-            ..Default::default()
-        };
+        let p = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
         h.apply(&p, &mut l);
         assert_eq!(l, vec![1.0, -4.0, 3.0]);
     }
@@ -146,11 +125,7 @@ mod tests {
         h.push_output(1);
         h.push_output(1);
         h.push_output(2);
-        let p = SamplingParams {
-            presence_penalty: 0.5,
-            frequency_penalty: 0.25,
-            ..Default::default()
-        };
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
         h.apply(&p, &mut l);
         assert_eq!(l, vec![0.0, -1.0, -0.75, 0.0]);
     }
@@ -160,20 +135,9 @@ mod tests {
     #[test]
     fn a_pending_output_merged_into_the_pairs_equals_recording_it() {
         let scopes = [
-            SamplingParams {
-                repetition_penalty: 1.3,
-                ..Default::default()
-            },
-            SamplingParams {
-                presence_penalty: 0.5,
-                frequency_penalty: 0.25,
-                ..Default::default()
-            },
-            SamplingParams {
-                repetition_penalty: 0.8,
-                frequency_penalty: -0.5,
-                ..Default::default()
-            },
+            SamplingParams { repetition_penalty: 1.3, ..Default::default() },
+            SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.8, frequency_penalty: -0.5, ..Default::default() },
             SamplingParams::default(),
         ];
         let mut h = PenaltyHistory::new(&[3, 4, 3]);
@@ -204,10 +168,7 @@ mod tests {
     fn logit_bias_adds_to_named_tokens_and_ignores_out_of_range_ids() {
         let mut l = vec![1.0, 1.0];
         let h = PenaltyHistory::new(&[]);
-        let p = SamplingParams {
-            logit_bias: [(1, -3.0), (99, 5.0)].into_iter().collect(),
-            ..Default::default()
-        };
+        let p = SamplingParams { logit_bias: [(1, -3.0), (99, 5.0)].into_iter().collect(), ..Default::default() };
         h.apply(&p, &mut l);
         assert_eq!(l, vec![1.0, -2.0]);
     }

@@ -53,11 +53,7 @@ impl Default for RowSampling {
             top_p: 1.0,
             min_p: 0.0,
             u: 0.0,
-            penalties: PenaltyParams {
-                repetition: 1.0,
-                presence: 0.0,
-                frequency: 0.0,
-            },
+            penalties: PenaltyParams { repetition: 1.0, presence: 0.0, frequency: 0.0 },
             penalized: Vec::new(),
             count_input: false,
             logit_bias: Vec::new(),
@@ -100,10 +96,7 @@ impl RowSampling {
     /// Grammar mask, then bias and penalties, applied to a copy of `raw`. The row must not
     /// `count_input` (its pairs would lack the input token; resolve it with `with_input`).
     pub fn processed(&self, raw: &[f32]) -> Vec<f32> {
-        debug_assert!(
-            !self.count_input,
-            "a row that counts its input token is sampled on the host before with_input"
-        );
+        debug_assert!(!self.count_input, "a row that counts its input token is sampled on the host before with_input");
         let mut logits = raw.to_vec();
         if let Some(words) = &self.allow {
             for (i, l) in logits.iter_mut().enumerate() {
@@ -113,12 +106,7 @@ impl RowSampling {
                 }
             }
         }
-        apply_penalties(
-            &mut logits,
-            &self.penalties,
-            &self.logit_bias,
-            &self.penalized,
-        );
+        apply_penalties(&mut logits, &self.penalties, &self.logit_bias, &self.penalized);
         logits
     }
 
@@ -126,14 +114,8 @@ impl RowSampling {
     /// the raw row.
     pub fn sample(&self, raw: &[f32]) -> SampledToken {
         let logits = self.processed(raw);
-        let token = if self.is_greedy() {
-            argmax(&logits)
-        } else {
-            sample_filtered(&logits, self, self.u)
-        };
-        let logprob = self
-            .wants_logprobs()
-            .then(|| raw_logprobs(raw, token, self.top_logprobs));
+        let token = if self.is_greedy() { argmax(&logits) } else { sample_filtered(&logits, self, self.u) };
+        let logprob = self.wants_logprobs().then(|| raw_logprobs(raw, token, self.top_logprobs));
         SampledToken { token, logprob }
     }
 }
@@ -145,122 +127,40 @@ mod tests {
     #[test]
     fn allow_mask_restricts_the_draw_and_logprobs_stay_raw() {
         let raw = [4.0f32, 1.0, 0.5, 0.0, -1.0, 2.0];
-        let row = RowSampling {
-            allow: Some(vec![0b10_1000]),
-            logprobs: true,
-            top_logprobs: 1,
-            ..Default::default()
-        };
+        let row = RowSampling { allow: Some(vec![0b10_1000]), logprobs: true, top_logprobs: 1, ..Default::default() };
         for u in [0.0, 0.3, 0.999] {
             let s = RowSampling { u, ..row.clone() }.sample(&raw);
-            assert!(
-                s.token == 3 || s.token == 5,
-                "u {u}: token {} is masked out",
-                s.token
-            );
+            assert!(s.token == 3 || s.token == 5, "u {u}: token {} is masked out", s.token);
             let lp = s.logprob.unwrap();
-            assert_eq!(
-                lp.top[0].0, 0,
-                "top logprobs come from the raw row, mask or not"
-            );
+            assert_eq!(lp.top[0].0, 0, "top logprobs come from the raw row, mask or not");
         }
-        assert_eq!(
-            RowSampling {
-                u: 0.0,
-                ..row.clone()
-            }
-            .sample(&raw)
-            .token,
-            3,
-            "no filter: the draw walks ids in order"
-        );
+        assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 3, "no filter: the draw walks ids in order");
     }
 
     #[test]
     fn with_input_counts_the_input_only_on_a_row_that_asks() {
         let row = RowSampling {
             temperature: 0.0,
-            penalties: PenaltyParams {
-                repetition: 1.0,
-                presence: 1.0,
-                frequency: 2.0,
-            },
+            penalties: PenaltyParams { repetition: 1.0, presence: 1.0, frequency: 2.0 },
             penalized: vec![(1, 1), (2, 0)],
             ..Default::default()
         };
-        assert_eq!(
-            row.with_input(1),
-            row,
-            "a row without count_input is unchanged"
-        );
-        let counting = RowSampling {
-            count_input: true,
-            ..row.clone()
-        };
+        assert_eq!(row.with_input(1), row, "a row without count_input is unchanged");
+        let counting = RowSampling { count_input: true, ..row.clone() };
         let raw = [0.0f32, 6.0, 2.5];
-        assert_eq!(
-            RowSampling {
-                penalized: vec![(1, 2), (2, 0)],
-                ..row.clone()
-            },
-            counting.with_input(1)
-        );
-        assert_eq!(
-            RowSampling {
-                penalized: vec![(1, 1), (2, 1)],
-                ..row.clone()
-            },
-            counting.with_input(2)
-        );
-        assert_eq!(
-            RowSampling {
-                penalized: vec![(1, 1), (2, 0), (0, 1)],
-                ..row.clone()
-            },
-            counting.with_input(0)
-        );
+        assert_eq!(RowSampling { penalized: vec![(1, 2), (2, 0)], ..row.clone() }, counting.with_input(1));
+        assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 1)], ..row.clone() }, counting.with_input(2));
+        assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 0), (0, 1)], ..row.clone() }, counting.with_input(0));
         assert_eq!(row.sample(&raw).token, 1, "6 - 3 beats 2.5");
-        assert_eq!(
-            counting.with_input(1).sample(&raw).token,
-            2,
-            "6 - 5 loses to 2.5"
-        );
+        assert_eq!(counting.with_input(1).sample(&raw).token, 2, "6 - 5 loses to 2.5");
     }
 
     #[test]
     fn filtered_draw_walks_candidates_in_descending_order() {
         let raw = [0.0f32, 3.0, 3.0, 1.0];
-        let row = RowSampling {
-            top_k: 3,
-            ..Default::default()
-        };
-        assert_eq!(
-            RowSampling {
-                u: 0.0,
-                ..row.clone()
-            }
-            .sample(&raw)
-            .token,
-            1,
-            "ties: lower id first"
-        );
-        assert_eq!(
-            RowSampling {
-                u: 0.999,
-                ..row.clone()
-            }
-            .sample(&raw)
-            .token,
-            3
-        );
-        assert_eq!(
-            RowSampling {
-                temperature: 0.0,
-                ..row
-            }
-            .sample(&raw)
-            .token,
-            1
-        );
+        let row = RowSampling { top_k: 3, ..Default::default() };
+        assert_eq!(RowSampling { u: 0.0, ..row.clone() }.sample(&raw).token, 1, "ties: lower id first");
+        assert_eq!(RowSampling { u: 0.999, ..row.clone() }.sample(&raw).token, 3);
+        assert_eq!(RowSampling { temperature: 0.0, ..row }.sample(&raw).token, 1);
     }
 }

@@ -54,12 +54,7 @@ impl RequestSampler {
 
     /// `sample` restricted to the tokens a grammar `mask` allows (applied before penalties and
     /// warpers, so they only ever see allowed tokens). Logprobs still come from the raw row.
-    pub fn sample_masked(
-        &mut self,
-        params: &SamplingParams,
-        raw: &[f32],
-        mask: Option<&TokenMask>,
-    ) -> SampledToken {
+    pub fn sample_masked(&mut self, params: &SamplingParams, raw: &[f32], mask: Option<&TokenMask>) -> SampledToken {
         let row = self.prepare(params, mask, raw.len());
         let s = row.sample(raw);
         self.record(s.token);
@@ -69,17 +64,8 @@ impl RequestSampler {
     /// Everything the next token's sampler needs over a vocabulary of `vocab` tokens: the
     /// request's parameters, its penalty history, the grammar mask, and one uniform draw from
     /// the request's RNG when sampling is not greedy.
-    pub fn prepare(
-        &mut self,
-        params: &SamplingParams,
-        mask: Option<&TokenMask>,
-        vocab: usize,
-    ) -> RowSampling {
-        let u = if params.is_greedy() {
-            0.0
-        } else {
-            self.rng.random()
-        };
+    pub fn prepare(&mut self, params: &SamplingParams, mask: Option<&TokenMask>, vocab: usize) -> RowSampling {
+        let u = if params.is_greedy() { 0.0 } else { self.rng.random() };
         RowSampling {
             temperature: params.temperature,
             top_k: params.top_k,
@@ -116,22 +102,10 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// Log-softmax of the raw logits at `token`, plus the `top` most likely tokens.
 pub fn raw_logprobs(raw: &[f32], token: u32, top: usize) -> TokenLogprob {
     let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max
-        + raw
-            .iter()
-            .map(|&l| (l as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
+    let lse = max + raw.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
     let lp = |t: u32| (raw[t as usize] as f64 - lse) as f32;
-    let top = top_indices(raw, top)
-        .into_iter()
-        .map(|t| (t, lp(t)))
-        .collect();
-    TokenLogprob {
-        token_id: token,
-        logprob: lp(token),
-        top,
-    }
+    let top = top_indices(raw, top).into_iter().map(|t| (t, lp(t))).collect();
+    TokenLogprob { token_id: token, logprob: lp(token), top }
 }
 
 /// The `k` largest entries, largest first, lower index first among ties.
@@ -140,11 +114,7 @@ fn top_indices(values: &[f32], k: usize) -> Vec<u32> {
         return Vec::new();
     }
     let mut idx: Vec<u32> = (0..values.len() as u32).collect();
-    let cmp = |a: &u32, b: &u32| {
-        values[*b as usize]
-            .total_cmp(&values[*a as usize])
-            .then(a.cmp(b))
-    };
+    let cmp = |a: &u32, b: &u32| values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b));
     let k = k.min(idx.len());
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, cmp);
@@ -198,11 +168,7 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
     } else {
         let floor = params.min_p as f64;
         let mut c: Vec<u32> = (0..n as u32).filter(|&i| weight(i) >= floor).collect();
-        c.sort_by(|a, b| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        });
+        c.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
         let z: f64 = c.iter().map(|&i| weight(i)).sum();
         (c, z)
     };
@@ -274,30 +240,17 @@ mod tests {
         assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0, 3.0]), 1);
         assert_eq!(argmax(&[2.5; 9]), 0);
         assert_eq!(argmax(&[f32::NEG_INFINITY, 0.5, 0.5]), 1);
-        let raw: Vec<f32> = (0..5000)
-            .map(|i| half::bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0).to_f32())
-            .collect();
+        let raw: Vec<f32> = (0..5000).map(|i| half::bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0).to_f32()).collect();
         let best = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let first = raw.iter().position(|&x| x == best).unwrap() as u32;
-        assert!(
-            raw.iter().filter(|&&x| x == best).count() > 1,
-            "the row must hold tied maxima"
-        );
+        assert!(raw.iter().filter(|&&x| x == best).count() > 1, "the row must hold tied maxima");
         let greedy = params(|p| p.temperature = 0.0);
-        assert_eq!(
-            RequestSampler::new(&greedy, &[], 0)
-                .sample(&greedy, &raw)
-                .token,
-            first
-        );
+        assert_eq!(RequestSampler::new(&greedy, &[], 0).sample(&greedy, &raw).token, first);
         let top1 = params(|p| {
             p.top_k = 1;
             p.seed = Some(3);
         });
-        assert_eq!(
-            RequestSampler::new(&top1, &[], 0).sample(&top1, &raw).token,
-            first
-        );
+        assert_eq!(RequestSampler::new(&top1, &[], 0).sample(&top1, &raw).token, first);
     }
 
     #[test]
@@ -354,51 +307,22 @@ mod tests {
     #[test]
     fn top_p_over_a_large_vocabulary_matches_the_exact_nucleus() {
         // Five tokens per value: ties go lower id first.
-        let raw: Vec<f32> = (0..5000)
-            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
-            .collect();
+        let raw: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect();
         for top_p in [0.5f32, 0.9, 0.3] {
             for j in 0..200 {
                 let u = (j as f64 + 0.5) / 200.0;
-                let row = RowSampling {
-                    top_p,
-                    u,
-                    ..Default::default()
-                };
-                assert_eq!(
-                    row.sample(&raw).token,
-                    exact_nucleus_token(&raw, top_p as f64, u),
-                    "top_p {top_p}, u {u}"
-                );
+                let row = RowSampling { top_p, u, ..Default::default() };
+                assert_eq!(row.sample(&raw).token, exact_nucleus_token(&raw, top_p as f64, u), "top_p {top_p}, u {u}");
             }
         }
         // A flat row: the nucleus of 0.5 is 50_002 of 100_003 tokens, walked in id order.
         let flat = vec![0.5f32; 100_003];
         for (u, want) in [(0.0, 0), (0.2, 10_000), (0.6, 30_001), (0.99, 49_501)] {
-            assert_eq!(
-                RowSampling {
-                    top_p: 0.5,
-                    u,
-                    ..Default::default()
-                }
-                .sample(&flat)
-                .token,
-                want,
-                "flat row, u {u}"
-            );
+            assert_eq!(RowSampling { top_p: 0.5, u, ..Default::default() }.sample(&flat).token, want, "flat row, u {u}");
         }
         // With top-k the share is of the top-k mass (HF order: top-k, then top-p renormalized).
-        let row = RowSampling {
-            top_k: 4,
-            top_p: 0.5,
-            u: 0.99,
-            ..Default::default()
-        };
-        assert_eq!(
-            row.sample(&[0.0; 5]).token,
-            1,
-            "half of the top-k 4 is ids 0 and 1 (of the vocabulary: 0, 1, 2)"
-        );
+        let row = RowSampling { top_k: 4, top_p: 0.5, u: 0.99, ..Default::default() };
+        assert_eq!(row.sample(&[0.0; 5]).token, 1, "half of the top-k 4 is ids 0 and 1 (of the vocabulary: 0, 1, 2)");
     }
 
     #[test]
@@ -419,9 +343,7 @@ mod tests {
         let p = params(|p| p.seed = Some(7));
         let run = || {
             let mut s = RequestSampler::new(&p, &[], 0);
-            (0..2000)
-                .map(|_| s.sample(&p, &raw).token)
-                .collect::<Vec<_>>()
+            (0..2000).map(|_| s.sample(&p, &raw).token).collect::<Vec<_>>()
         };
         let a = run();
         assert_eq!(a, run());
@@ -429,10 +351,7 @@ mod tests {
         for t in 0..3 {
             let freq = a.iter().filter(|&&x| x == t).count() as f64 / a.len() as f64;
             let expect = (raw[t as usize] as f64).exp() / z;
-            assert!(
-                (freq - expect).abs() < 0.04,
-                "token {t}: {freq} vs {expect}"
-            );
+            assert!((freq - expect).abs() < 0.04, "token {t}: {freq} vs {expect}");
         }
     }
 

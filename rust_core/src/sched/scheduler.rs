@@ -61,15 +61,7 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler over a KV pool and state slots sized by the engine.
     pub fn new(cfg: SchedulerConfig, pool: BlockPool, slots: StateSlots) -> Self {
-        Scheduler {
-            cfg,
-            pool,
-            slots,
-            seqs: HashMap::new(),
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            num_preemptions: 0,
-        }
+        Scheduler { cfg, pool, slots, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), num_preemptions: 0 }
     }
 
     /// Queue a new sequence.
@@ -142,12 +134,8 @@ impl Scheduler {
         }
 
         while budget > 0 && self.running.len() < self.cfg.max_concurrency {
-            let Some(&id) = self.waiting.front() else {
-                break;
-            };
-            let Some(copy) = self.try_admit(id) else {
-                break;
-            };
+            let Some(&id) = self.waiting.front() else { break };
+            let Some(copy) = self.try_admit(id) else { break };
             self.waiting.pop_front();
             step.copies_before.extend(copy);
             let n = self.chunk_len(id, budget);
@@ -165,31 +153,20 @@ impl Scheduler {
         let bs = self.pool.block_size();
         let mut copies = Vec::new();
         for (chunk, id) in step.batch.seqs.iter().zip(&step.seq_ids) {
-            let Some(seq) = self.seqs.get_mut(id) else {
-                continue;
-            };
+            let Some(seq) = self.seqs.get_mut(id) else { continue };
             seq.num_computed += chunk.tokens.len();
             if self.cfg.prefix_reuse {
                 let full = seq.num_computed / bs;
                 seq.ensure_hashes(full, bs);
                 for b in seq.num_registered_blocks..full {
-                    self.pool.register_full(
-                        seq.block_table[b],
-                        seq.block_hashes[b],
-                        &seq.tokens[b * bs..(b + 1) * bs],
-                    );
+                    self.pool.register_full(seq.block_table[b], seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]);
                 }
                 seq.num_registered_blocks = seq.num_registered_blocks.max(full);
             }
-            let decode_boundary =
-                self.cfg.prefix_reuse && chunk.tokens.len() == 1 && seq.num_computed % bs == 0;
+            let decode_boundary = self.cfg.prefix_reuse && chunk.tokens.len() == 1 && seq.num_computed % bs == 0;
             if seq.snapshot_at == Some(seq.num_computed) {
                 seq.snapshot_at = None;
-                if let (Some(slot), Some(dst)) = (
-                    seq.state_slot,
-                    self.slots
-                        .reserve_snapshot(seq.block_hashes[seq.num_computed / bs - 1]),
-                ) {
+                if let (Some(slot), Some(dst)) = (seq.state_slot, self.slots.reserve_snapshot(seq.block_hashes[seq.num_computed / bs - 1])) {
                     copies.push((slot, dst));
                 }
             } else if decode_boundary && seq.state_slot.is_some() {
@@ -197,8 +174,7 @@ impl Scheduler {
                 if let Some(old) = seq.trailing_snapshot.replace(key) {
                     self.slots.drop_snapshot(old);
                 }
-                if let (Some(slot), Some(dst)) = (seq.state_slot, self.slots.reserve_snapshot(key))
-                {
+                if let (Some(slot), Some(dst)) = (seq.state_slot, self.slots.reserve_snapshot(key)) {
                     copies.push((slot, dst));
                 }
             }
@@ -220,16 +196,8 @@ impl Scheduler {
         let mut copy = None;
         if let Some(slot) = seq.state_slot {
             let n = seq.num_computed;
-            if state_current
-                && self.cfg.prefix_reuse
-                && n > 0
-                && n % bs == 0
-                && seq.block_hashes.len() >= n / bs
-            {
-                copy = self
-                    .slots
-                    .reserve_snapshot(seq.block_hashes[n / bs - 1])
-                    .map(|dst| (slot, dst));
+            if state_current && self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
+                copy = self.slots.reserve_snapshot(seq.block_hashes[n / bs - 1]).map(|dst| (slot, dst));
             }
             self.slots.release(slot);
         }
@@ -249,8 +217,7 @@ impl Scheduler {
     /// are appended (a block that fills must be hashed over real tokens).
     pub fn schedule_lookahead(&mut self, prev: &ScheduledStep) -> Option<ScheduledStep> {
         let n = prev.seq_ids.len();
-        if n == 0 || prev.num_decodes != n || self.running.len() != n || n > self.cfg.prefill_chunk
-        {
+        if n == 0 || prev.num_decodes != n || self.running.len() != n || n > self.cfg.prefill_chunk {
             return None;
         }
         if !self.waiting.is_empty() && self.running.len() < self.cfg.max_concurrency {
@@ -273,8 +240,7 @@ impl Scheduler {
             let seq = self.seqs.get_mut(&id).expect("checked above");
             let pos = seq.num_computed;
             if seq.block_table.len() * bs <= pos {
-                seq.block_table
-                    .push(self.pool.allocate().expect("free blocks counted above"));
+                seq.block_table.push(self.pool.allocate().expect("free blocks counted above"));
             }
             step.batch.seqs.push(SeqChunk {
                 tokens: vec![0],
@@ -342,18 +308,13 @@ impl Scheduler {
             let max_hit = (len - 1) / bs;
             let mut ids = Vec::new();
             for b in 0..max_hit {
-                match self
-                    .pool
-                    .lookup(seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs])
-                {
+                match self.pool.lookup(seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]) {
                     Some(blk) => ids.push(blk),
                     None => break,
                 }
             }
             if hybrid {
-                let usable = (1..=ids.len())
-                    .rev()
-                    .find(|&j| self.slots.has_snapshot(seq.block_hashes[j - 1]));
+                let usable = (1..=ids.len()).rev().find(|&j| self.slots.has_snapshot(seq.block_hashes[j - 1]));
                 match usable {
                     Some(j) => {
                         ids.truncate(j);
@@ -368,10 +329,7 @@ impl Scheduler {
             (Vec::new(), None)
         };
         let needed = len.div_ceil(bs) - hit_ids.len();
-        let hits_now_free = hit_ids
-            .iter()
-            .filter(|&&b| self.pool.ref_count(b) == 0)
-            .count();
+        let hits_now_free = hit_ids.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
         let headroom = usize::from(!self.running.is_empty());
         if needed + hits_now_free + headroom > self.pool.num_free() {
             return None;
@@ -423,11 +381,7 @@ impl Scheduler {
             start_pos: start,
             block_table: seq.block_table[..end.div_ceil(bs)].to_vec(),
             state_slot: seq.state_slot.unwrap_or(0),
-            logits: if end == seq.tokens.len() {
-                LogitsWanted::Last
-            } else {
-                LogitsWanted::None
-            },
+            logits: if end == seq.tokens.len() { LogitsWanted::Last } else { LogitsWanted::None },
         });
         step.seq_ids.push(id);
     }
@@ -438,11 +392,7 @@ mod tests {
     use super::*;
 
     fn scheduler(blocks: usize, max_concurrency: usize) -> Scheduler {
-        let cfg = SchedulerConfig {
-            max_concurrency,
-            prefill_chunk: 64,
-            prefix_reuse: false,
-        };
+        let cfg = SchedulerConfig { max_concurrency, prefill_chunk: 64, prefix_reuse: false };
         Scheduler::new(cfg, BlockPool::new(blocks, 4), StateSlots::none())
     }
 
@@ -466,30 +416,16 @@ mod tests {
         s.add(Sequence::new(0, vec![1; 3]));
         s.add(Sequence::new(1, vec![2; 4]));
         let prompts = launch(&mut s);
-        assert!(
-            s.schedule_lookahead(&prompts).is_none(),
-            "a prompt step is not followed ahead"
-        );
+        assert!(s.schedule_lookahead(&prompts).is_none(), "a prompt step is not followed ahead");
         settle(&mut s, &prompts);
         let decode = launch(&mut s);
-        let ahead = s
-            .schedule_lookahead(&decode)
-            .expect("all decodes of every running sequence");
+        let ahead = s.schedule_lookahead(&decode).expect("all decodes of every running sequence");
         assert_eq!((ahead.seq_ids.clone(), ahead.num_decodes), (vec![0, 1], 2));
         let starts: Vec<usize> = ahead.batch.seqs.iter().map(|q| q.start_pos).collect();
-        let tables: Vec<usize> = ahead
-            .batch
-            .seqs
-            .iter()
-            .map(|q| q.block_table.len())
-            .collect();
+        let tables: Vec<usize> = ahead.batch.seqs.iter().map(|q| q.block_table.len()).collect();
         // Sequence 0 reaches position 4, the first of a new block; sequence 1 position 5.
         assert_eq!((starts, tables), (vec![4, 5], vec![2, 2]));
-        assert!(ahead
-            .batch
-            .seqs
-            .iter()
-            .all(|q| q.tokens == vec![0] && q.logits == LogitsWanted::Last));
+        assert!(ahead.batch.seqs.iter().all(|q| q.tokens == vec![0] && q.logits == LogitsWanted::Last));
     }
 
     /// A scheduler whose sequence 0 (a 3-token prompt) has its first decode step in flight.
@@ -506,10 +442,7 @@ mod tests {
     fn no_lookahead_while_someone_could_be_admitted_or_blocks_would_run_out() {
         let (mut s, decode) = first_decode_in_flight(16, 2);
         s.add(Sequence::new(1, vec![2; 5]));
-        assert!(
-            s.schedule_lookahead(&decode).is_none(),
-            "sequence 1 waits while the concurrency has room"
-        );
+        assert!(s.schedule_lookahead(&decode).is_none(), "sequence 1 waits while the concurrency has room");
         // Full concurrency: the waiting one could not be admitted anyway.
         let (mut s, decode) = first_decode_in_flight(16, 1);
         s.add(Sequence::new(1, vec![2; 5]));

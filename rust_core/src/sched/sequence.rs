@@ -76,10 +76,7 @@ impl Sequence {
         while self.block_hashes.len() < n {
             let b = self.block_hashes.len();
             let parent = self.block_hashes.last().copied();
-            self.block_hashes.push(block_hash(
-                parent,
-                &self.tokens[b * block_size..(b + 1) * block_size],
-            ));
+            self.block_hashes.push(block_hash(parent, &self.tokens[b * block_size..(b + 1) * block_size]));
         }
     }
 }

@@ -154,11 +154,7 @@ mod tests {
         assert_eq!(s.total(), 4);
         s.drop_snapshot(10);
         assert_eq!(s.find_snapshot(10), None);
-        assert_eq!(
-            s.reserve_snapshot(40),
-            Some(x),
-            "a dropped snapshot frees its slot"
-        );
+        assert_eq!(s.reserve_snapshot(40), Some(x), "a dropped snapshot frees its slot");
     }
 
     #[test]

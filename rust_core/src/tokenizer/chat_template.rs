@@ -37,9 +37,7 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("source_len", &self.source.len())
-            .finish()
+        f.debug_struct("ChatTemplate").field("source_len", &self.source.len()).finish()
     }
 }
 
@@ -67,43 +65,20 @@ impl ChatTemplate {
         // Jinja2's `iterable` and `sequence` tests are Python's: none is neither, strings and
         // dicts are both (minijinja iterates none as empty and calls only lists sequences).
         env.add_test("iterable", |value: &Value| {
-            matches!(
-                value.kind(),
-                ValueKind::String
-                    | ValueKind::Seq
-                    | ValueKind::Map
-                    | ValueKind::Iterable
-                    | ValueKind::Bytes
-                    | ValueKind::Undefined
-            )
+            matches!(value.kind(), ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Iterable | ValueKind::Bytes | ValueKind::Undefined)
         });
         env.add_test("sequence", |value: &Value| {
-            matches!(
-                value.kind(),
-                ValueKind::String
-                    | ValueKind::Seq
-                    | ValueKind::Map
-                    | ValueKind::Bytes
-                    | ValueKind::Undefined
-            )
+            matches!(value.kind(), ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Bytes | ValueKind::Undefined)
         });
         env.add_filter("tojson", tojson_filter);
         env.add_filter("string", |value: &Value| Value::from(py_str(value)));
-        env.add_function(
-            "raise_exception",
-            |message: String| -> std::result::Result<Value, Error> {
-                Err(Error::new(ErrorKind::InvalidOperation, message))
-            },
-        );
-        env.add_function("strftime_now", |format: String| {
-            CivilTime::now().format(&format)
+        env.add_function("raise_exception", |message: String| -> std::result::Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, message))
         });
+        env.add_function("strftime_now", |format: String| CivilTime::now().format(&format));
         env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
             .map_err(|e| NinferError::Template(format!("cannot compile: {}", describe(&e))))?;
-        Ok(ChatTemplate {
-            env,
-            source: source.to_string(),
-        })
+        Ok(ChatTemplate { env, source: source.to_string() })
     }
 
     /// The template text as the model ships it.
@@ -118,18 +93,9 @@ impl ChatTemplate {
     /// through as given). `tools` is a JSON array of tool schemas or `None`. `extra` holds the
     /// other template variables: the tokenizer's special tokens and caller kwargs such as
     /// `enable_thinking`.
-    pub fn render(
-        &self,
-        messages: &Json,
-        tools: Option<&Json>,
-        add_generation_prompt: bool,
-        extra: &Map<String, Json>,
-    ) -> Result<String> {
+    pub fn render(&self, messages: &Json, tools: Option<&Json>, add_generation_prompt: bool, extra: &Map<String, Json>) -> Result<String> {
         let messages = normalize_messages(messages)?;
-        if let Some(name) = RESERVED_VARIABLES
-            .iter()
-            .find(|name| extra.contains_key(**name))
-        {
+        if let Some(name) = RESERVED_VARIABLES.iter().find(|name| extra.contains_key(**name)) {
             return Err(NinferError::invalid(
                 "chat_template_kwargs",
                 format!("`{name}` is set by the request itself and cannot be passed as a template kwarg"),
@@ -137,30 +103,19 @@ impl ChatTemplate {
         }
         if let Some(tools) = tools {
             if !tools.is_array() {
-                return Err(NinferError::invalid(
-                    "tools",
-                    "must be a list of tool schemas",
-                ));
+                return Err(NinferError::invalid("tools", "must be a list of tool schemas"));
             }
         }
         let mut context = Map::new();
         context.insert("messages".into(), Json::Array(messages));
         context.insert("tools".into(), tools.cloned().unwrap_or(Json::Null));
         context.insert("documents".into(), Json::Null);
-        context.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(add_generation_prompt),
-        );
+        context.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
         for (key, value) in extra {
             context.insert(key.clone(), value.clone());
         }
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| NinferError::Template(describe(&e)))?;
-        template
-            .render(Value::from(Serde(&context)))
-            .map_err(|e| NinferError::Template(describe(&e)))
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| NinferError::Template(describe(&e)))?;
+        template.render(Value::from(Serde(&context))).map_err(|e| NinferError::Template(describe(&e)))
     }
 }
 
@@ -181,33 +136,18 @@ fn describe(e: &Error) -> String {
 /// `reasoning` is also exposed as `reasoning_content` (and `thinking`), in the same key order
 /// Python's `{"thinking": r, **message, "reasoning_content": r}` gives.
 fn normalize_messages(messages: &Json) -> Result<Vec<Json>> {
-    let list = messages
-        .as_array()
-        .ok_or_else(|| NinferError::invalid("messages", "must be a list of message objects"))?;
+    let list = messages.as_array().ok_or_else(|| NinferError::invalid("messages", "must be a list of message objects"))?;
     if list.is_empty() {
-        return Err(NinferError::invalid(
-            "messages",
-            "cannot apply a chat template to an empty conversation",
-        ));
+        return Err(NinferError::invalid("messages", "cannot apply a chat template to an empty conversation"));
     }
     list.iter()
         .enumerate()
         .map(|(i, message)| {
-            let object = message.as_object().ok_or_else(|| {
-                NinferError::invalid(
-                    format!("messages[{i}]"),
-                    "must be an object with `role` and `content`",
-                )
-            })?;
-            let kept: Map<String, Json> = object
-                .iter()
-                .filter(|(_, v)| !v.is_null())
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            let reasoning = REASONING_FIELDS
-                .iter()
-                .find_map(|field| kept.get(*field))
-                .cloned();
+            let object = message
+                .as_object()
+                .ok_or_else(|| NinferError::invalid(format!("messages[{i}]"), "must be an object with `role` and `content`"))?;
+            let kept: Map<String, Json> = object.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+            let reasoning = REASONING_FIELDS.iter().find_map(|field| kept.get(*field)).cloned();
             let Some(reasoning) = reasoning else {
                 return Ok(Json::Object(kept));
             };
@@ -231,9 +171,7 @@ fn tojson_filter(
     separators: Option<Value>,
     kwargs: Kwargs,
 ) -> std::result::Result<String, Error> {
-    let ensure_ascii = kwargs
-        .get::<Option<Value>>("ensure_ascii")?
-        .or(ensure_ascii);
+    let ensure_ascii = kwargs.get::<Option<Value>>("ensure_ascii")?.or(ensure_ascii);
     let indent = kwargs.get::<Option<Value>>("indent")?.or(indent);
     let separators = kwargs.get::<Option<Value>>("separators")?.or(separators);
     let sort_keys = kwargs.get::<Option<Value>>("sort_keys")?;
@@ -241,17 +179,10 @@ fn tojson_filter(
     let indent = match indent {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
-        Some(v) if v.kind() == ValueKind::String => {
-            Some(v.as_str().unwrap_or_default().to_string())
-        }
+        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
         Some(v) => match v.as_i64() {
             Some(n) => Some(" ".repeat(n.max(0) as usize)),
-            None => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("tojson indent must be an int or a string, got {}", v.kind()),
-                ))
-            }
+            None => return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson indent must be an int or a string, got {}", v.kind()))),
         },
     };
     let separators = match separators {
@@ -260,16 +191,10 @@ fn tojson_filter(
         Some(v) => {
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
-                [item, key] if item.as_str().is_some() && key.as_str().is_some() => Some((
-                    item.as_str().unwrap_or_default().to_string(),
-                    key.as_str().unwrap_or_default().to_string(),
-                )),
-                _ => {
-                    return Err(Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson separators must be two strings",
-                    ))
+                [item, key] if item.as_str().is_some() && key.as_str().is_some() => {
+                    Some((item.as_str().unwrap_or_default().to_string(), key.as_str().unwrap_or_default().to_string()))
                 }
+                _ => return Err(Error::new(ErrorKind::InvalidOperation, "tojson separators must be two strings")),
             }
         }
     };
@@ -299,11 +224,7 @@ fn rewrite_generation_tags(source: &str) -> String {
         let marker_start = inner.starts_with(['-', '+']);
         let body_start = if marker_start { 1 } else { 0 };
         let marker_end = inner.len() > body_start && inner.ends_with(['-', '+']);
-        let body_end = if marker_end {
-            inner.len() - 1
-        } else {
-            inner.len()
-        };
+        let body_end = if marker_end { inner.len() - 1 } else { inner.len() };
         let keyword = inner[body_start..body_end].trim();
         let replacement = match keyword {
             "generation" => Some("if true"),

@@ -26,21 +26,13 @@ impl IncrementalDetokenizer {
     /// Start after `prompt` (only its last few tokens are kept as context).
     pub fn new(prompt: &[u32], skip_special_tokens: bool) -> Self {
         let ctx = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT)..];
-        IncrementalDetokenizer {
-            tokens: ctx.to_vec(),
-            prefix_offset: 0,
-            read_offset: ctx.len(),
-            skip_special_tokens,
-        }
+        IncrementalDetokenizer { tokens: ctx.to_vec(), prefix_offset: 0, read_offset: ctx.len(), skip_special_tokens }
     }
 
     /// Add one token; returns the newly completed text (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, token: u32) -> Result<String> {
         self.tokens.push(token);
-        let prefix = tok.decode(
-            &self.tokens[self.prefix_offset..self.read_offset],
-            self.skip_special_tokens,
-        )?;
+        let prefix = tok.decode(&self.tokens[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
         let full = tok.decode(&self.tokens[self.prefix_offset..], self.skip_special_tokens)?;
         if full.len() <= prefix.len() || full.ends_with('\u{FFFD}') {
             return Ok(String::new());
@@ -57,10 +49,7 @@ impl IncrementalDetokenizer {
         if self.read_offset == self.tokens.len() {
             return Ok(String::new());
         }
-        let prefix = tok.decode(
-            &self.tokens[self.prefix_offset..self.read_offset],
-            self.skip_special_tokens,
-        )?;
+        let prefix = tok.decode(&self.tokens[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
         let full = tok.decode(&self.tokens[self.prefix_offset..], self.skip_special_tokens)?;
         self.prefix_offset = self.read_offset;
         self.read_offset = self.tokens.len();
@@ -118,8 +107,7 @@ mod tests {
         }
         text.push_str(&d.flush(&tok).unwrap());
         let all: Vec<u32> = prompt.iter().chain(&out).copied().collect();
-        let expected =
-            tok.decode(&all, true).unwrap()[tok.decode(&prompt, true).unwrap().len()..].to_string();
+        let expected = tok.decode(&all, true).unwrap()[tok.decode(&prompt, true).unwrap().len()..].to_string();
         assert_eq!(text, expected);
         assert_eq!(text, " Hello world! a");
     }

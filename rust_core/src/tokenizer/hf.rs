@@ -48,49 +48,27 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(NinferError::MissingFile {
-                path,
-                what: "the HF tokenizer (tokenizer.json)".into(),
-            });
+            return Err(NinferError::MissingFile { path, what: "the HF tokenizer (tokenizer.json)".into() });
         }
-        let mut inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| NinferError::malformed(&path, e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| NinferError::malformed(&path, e.to_string()))?;
         let config_path = config::config_path(dir);
         let config = TokenizerConfig::load(&config_path)?;
-        apply_config(&mut inner, &config)
-            .map_err(|reason| NinferError::malformed(&config_path, reason))?;
+        apply_config(&mut inner, &config).map_err(|reason| NinferError::malformed(&config_path, reason))?;
         let chat_templates = load_chat_templates(dir, &config, &config_path)?;
-        let clean_up_spaces = config.clean_up_tokenization_spaces
-            && !matches!(inner.get_model(), ModelWrapper::BPE(_));
-        Ok(Tokenizer {
-            inner,
-            path,
-            special_tokens: config.special_tokens,
-            chat_templates,
-            clean_up_spaces,
-        })
+        let clean_up_spaces = config.clean_up_tokenization_spaces && !matches!(inner.get_model(), ModelWrapper::BPE(_));
+        Ok(Tokenizer { inner, path, special_tokens: config.special_tokens, chat_templates, clean_up_spaces })
     }
 
     /// Text to token ids; `add_special_tokens` adds what the post-processor adds (BOS for Llama).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| NinferError::Tokenizer(e.to_string()))?;
+        let enc = self.inner.encode_fast(text, add_special_tokens).map_err(|e| NinferError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Token ids to text.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        let text = self
-            .inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| NinferError::Tokenizer(e.to_string()))?;
-        Ok(if self.clean_up_spaces {
-            clean_up_tokenization(&text)
-        } else {
-            text
-        })
+        let text = self.inner.decode(ids, skip_special_tokens).map_err(|e| NinferError::Tokenizer(e.to_string()))?;
+        Ok(if self.clean_up_spaces { clean_up_tokenization(&text) } else { text })
     }
 
     /// Id of a token string (special tokens included).
@@ -110,10 +88,7 @@ impl Tokenizer {
 
     /// The text of a named special token (`"bos_token"`, `"eos_token"`, `"pad_token"`, ...).
     pub fn special_token(&self, name: &str) -> Option<&str> {
-        self.special_tokens
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t.as_str())
+        self.special_tokens.iter().find(|(n, _)| n == name).map(|(_, t)| t.as_str())
     }
 
     /// The BOS token text, when the model has one (Qwen models do not).
@@ -143,21 +118,13 @@ impl Tokenizer {
 
     /// Names of the chat templates ("default", "tool_use", ...).
     pub fn chat_template_names(&self) -> Vec<&str> {
-        self.chat_templates
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .collect()
+        self.chat_templates.iter().map(|(n, _)| n.as_str()).collect()
     }
 
     /// The chat template transformers would use: with several, "tool_use" when tools are given
     /// and the model has it, else "default".
     pub fn chat_template(&self, with_tools: bool) -> Result<&ChatTemplate> {
-        let find = |name: &str| {
-            self.chat_templates
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, t)| t)
-        };
+        let find = |name: &str| self.chat_templates.iter().find(|(n, _)| n == name).map(|(_, t)| t);
         match self.chat_templates.as_slice() {
             [] => Err(NinferError::Template(format!(
                 "the tokenizer in {} has no chat template (none in tokenizer_config.json, chat_template.jinja or additional_chat_templates/)",
@@ -180,13 +147,7 @@ impl Tokenizer {
     /// `apply_chat_template(messages, tools=tools, add_generation_prompt=..., tokenize=False,
     /// **kwargs)` does: the named special tokens are template variables, and `kwargs` (such as
     /// `enable_thinking`) override them.
-    pub fn apply_chat_template(
-        &self,
-        messages: &Json,
-        tools: Option<&Json>,
-        add_generation_prompt: bool,
-        kwargs: &Map<String, Json>,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &Json, tools: Option<&Json>, add_generation_prompt: bool, kwargs: &Map<String, Json>) -> Result<String> {
         let template = self.chat_template(tools.is_some())?;
         let mut extra = Map::new();
         for (name, text) in &self.special_tokens {
@@ -213,15 +174,8 @@ impl Tokenizer {
 /// the vocabulary lacks and honour `split_special_tokens`. `add_bos_token`/`add_eos_token` are
 /// not applied: transformers 5 drops them whenever `tokenizer.json` exists, whose post-processor
 /// alone decides what `add_special_tokens=True` adds.
-fn apply_config(
-    inner: &mut tokenizers::Tokenizer,
-    config: &TokenizerConfig,
-) -> std::result::Result<(), String> {
-    let added: std::collections::HashSet<String> = inner
-        .get_added_tokens_decoder()
-        .into_values()
-        .map(|t| t.content)
-        .collect();
+fn apply_config(inner: &mut tokenizers::Tokenizer, config: &TokenizerConfig) -> std::result::Result<(), String> {
+    let added: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
     let missing: Vec<AddedToken> = config
         .added_tokens
         .iter()
@@ -254,19 +208,11 @@ fn apply_config(
 /// transformers' search order: `chat_template.jinja` ("default") and `additional_chat_templates/*.jinja`
 /// (named by file stem) win over `chat_template` in the config; `chat_template.json` (where
 /// processors of vision models keep it) is the last resort.
-fn load_chat_templates(
-    dir: &Path,
-    config: &TokenizerConfig,
-    config_path: &Path,
-) -> Result<Vec<(String, ChatTemplate)>> {
+fn load_chat_templates(dir: &Path, config: &TokenizerConfig, config_path: &Path) -> Result<Vec<(String, ChatTemplate)>> {
     let mut sources: Vec<(String, String, PathBuf)> = Vec::new();
     let single_file = dir.join("chat_template.jinja");
     if single_file.exists() {
-        sources.push((
-            DEFAULT_TEMPLATE.into(),
-            read_text(&single_file)?,
-            single_file,
-        ));
+        sources.push((DEFAULT_TEMPLATE.into(), read_text(&single_file)?, single_file));
     }
     let template_dir = dir.join("additional_chat_templates");
     if template_dir.is_dir() {
@@ -277,20 +223,13 @@ fn load_chat_templates(
             .collect();
         files.sort();
         for file in files {
-            let name = file
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             sources.push((name, read_text(&file)?, file));
         }
     }
     if sources.is_empty() {
         match &config.chat_template {
-            Some(ConfigTemplates::Single(text)) => sources.push((
-                DEFAULT_TEMPLATE.into(),
-                text.clone(),
-                config_path.to_path_buf(),
-            )),
+            Some(ConfigTemplates::Single(text)) => sources.push((DEFAULT_TEMPLATE.into(), text.clone(), config_path.to_path_buf())),
             Some(ConfigTemplates::Named(list)) => {
                 for (name, text) in list {
                     sources.push((name.clone(), text.clone(), config_path.to_path_buf()));
@@ -302,26 +241,18 @@ fn load_chat_templates(
     if sources.is_empty() {
         let json_file = dir.join("chat_template.json");
         if json_file.exists() {
-            let value: Json = serde_json::from_str(&read_text(&json_file)?)
-                .map_err(|e| NinferError::malformed(&json_file, e.to_string()))?;
+            let value: Json = serde_json::from_str(&read_text(&json_file)?).map_err(|e| NinferError::malformed(&json_file, e.to_string()))?;
             let text = value
                 .get("chat_template")
                 .and_then(Json::as_str)
-                .ok_or_else(|| {
-                    NinferError::malformed(
-                        &json_file,
-                        "expected an object with a string `chat_template`",
-                    )
-                })?;
+                .ok_or_else(|| NinferError::malformed(&json_file, "expected an object with a string `chat_template`"))?;
             sources.push((DEFAULT_TEMPLATE.into(), text.to_string(), json_file));
         }
     }
     sources
         .into_iter()
         .map(|(name, text, path)| {
-            let template = ChatTemplate::new(&text).map_err(|e| {
-                NinferError::malformed(&path, format!("chat template {name:?}: {e}"))
-            })?;
+            let template = ChatTemplate::new(&text).map_err(|e| NinferError::malformed(&path, format!("chat template {name:?}: {e}")))?;
             Ok((name, template))
         })
         .collect()

@@ -23,40 +23,24 @@ pub struct StopChecker {
 impl StopChecker {
     /// Empty stop strings are ignored.
     pub fn new(stops: &[String]) -> Self {
-        StopChecker {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
-            held: String::new(),
-        }
+        StopChecker { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), held: String::new() }
     }
 
     /// Feed a delta of text.
     pub fn push(&mut self, delta: &str) -> StopOutcome {
         if self.stops.is_empty() {
-            return StopOutcome {
-                text: delta.to_string(),
-                matched: None,
-            };
+            return StopOutcome { text: delta.to_string(), matched: None };
         }
         let mut buf = std::mem::take(&mut self.held);
         buf.push_str(delta);
-        let first = self
-            .stops
-            .iter()
-            .filter_map(|s| buf.find(s.as_str()).map(|at| (at, s)))
-            .min_by_key(|(at, _)| *at);
+        let first = self.stops.iter().filter_map(|s| buf.find(s.as_str()).map(|at| (at, s))).min_by_key(|(at, _)| *at);
         if let Some((at, s)) = first {
             buf.truncate(at);
-            return StopOutcome {
-                text: buf,
-                matched: Some(s.clone()),
-            };
+            return StopOutcome { text: buf, matched: Some(s.clone()) };
         }
         let keep = self.longest_partial_suffix(&buf);
         self.held = buf.split_off(buf.len() - keep);
-        StopOutcome {
-            text: buf,
-            matched: None,
-        }
+        StopOutcome { text: buf, matched: None }
     }
 
     /// The held-back text, released when generation ends for another reason.
@@ -99,10 +83,7 @@ mod tests {
 
     #[test]
     fn stop_string_split_over_deltas_is_cut_with_the_text_before_it_kept() {
-        assert_eq!(
-            feed(&["END"], &["hello E", "N", "D more"]),
-            ("hello ".into(), Some("END".into()))
-        );
+        assert_eq!(feed(&["END"], &["hello E", "N", "D more"]), ("hello ".into(), Some("END".into())));
     }
 
     #[test]
@@ -119,9 +100,6 @@ mod tests {
 
     #[test]
     fn earliest_of_several_stop_strings_wins_and_multibyte_text_is_safe() {
-        assert_eq!(
-            feed(&["b", "éa"], &["xé", "ab"]),
-            ("x".into(), Some("éa".into()))
-        );
+        assert_eq!(feed(&["b", "éa"], &["xé", "ab"]), ("x".into(), Some("éa".into())));
     }
 }

@@ -23,12 +23,8 @@ const LAYERS: usize = 32;
 
 /// The four projections of a decoder layer in launch order: name, weight rows (the fused gate_up
 /// weight's 2 x inter), K.
-const PROJECTIONS: [(&str, usize, usize); 4] = [
-    ("qkv", QKV, HIDDEN),
-    ("o", HIDDEN, HIDDEN),
-    ("gate_up_swiglu", 2 * INTER, HIDDEN),
-    ("down", HIDDEN, INTER),
-];
+const PROJECTIONS: [(&str, usize, usize); 4] =
+    [("qkv", QKV, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up_swiglu", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)];
 
 /// The activations the chain passes along.
 struct Acts {
@@ -42,15 +38,7 @@ struct Acts {
 fn project(dev: &CudaDevice, form: GemvForm, idx: usize, w: &CudaSlice<u16>, a: &mut Acts) {
     match idx {
         0 => dev.gemv_with(form, &a.hid, w, &mut a.qkv, 1, QKV, HIDDEN),
-        1 => dev.gemv_with(
-            form,
-            &a.qkv.slice(0..HIDDEN),
-            w,
-            &mut a.hid,
-            1,
-            HIDDEN,
-            HIDDEN,
-        ),
+        1 => dev.gemv_with(form, &a.qkv.slice(0..HIDDEN), w, &mut a.hid, 1, HIDDEN, HIDDEN),
         2 => dev.gemv_gateup_swiglu_with(form, &a.hid, w, &mut a.act, 1, INTER, HIDDEN),
         _ => dev.gemv_with(form, &a.act, w, &mut a.hid, 1, HIDDEN, INTER),
     }
@@ -60,9 +48,7 @@ fn project(dev: &CudaDevice, form: GemvForm, idx: usize, w: &CudaSlice<u16>, a: 
 #[test]
 #[ignore]
 fn report_gemv_chain_boundary_cost() {
-    let Some(dev) = gpu("gemv_chain", StorageDType::Bf16) else {
-        return;
-    };
+    let Some(dev) = gpu("gemv_chain", StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
     // Device copy rate (read + write), as gpu_bench.py measures its ceiling.
     let elems = 1usize << 30;
@@ -72,19 +58,10 @@ fn report_gemv_chain_boundary_cost() {
     let copy_rate = 2.0 * (elems * 2) as f64 / (copy_ms * 1e-3);
     drop((a, b));
 
-    let layers: Vec<Vec<CudaSlice<u16>>> = (0..LAYERS)
-        .map(|_| {
-            PROJECTIONS
-                .iter()
-                .map(|&(_, rows, k)| s.alloc_zeros::<u16>(rows * k).unwrap())
-                .collect()
-        })
-        .collect();
+    let layers: Vec<Vec<CudaSlice<u16>>> =
+        (0..LAYERS).map(|_| PROJECTIONS.iter().map(|&(_, rows, k)| s.alloc_zeros::<u16>(rows * k).unwrap()).collect()).collect();
     let proj_bytes = |rows: usize, k: usize| (LAYERS * 2 * rows * k) as f64;
-    let bytes: f64 = PROJECTIONS
-        .iter()
-        .map(|&(_, rows, k)| proj_bytes(rows, k))
-        .sum();
+    let bytes: f64 = PROJECTIONS.iter().map(|&(_, rows, k)| proj_bytes(rows, k)).sum();
     let mut acts = Acts {
         hid: s.alloc_zeros::<u16>(HIDDEN).unwrap(),
         qkv: s.alloc_zeros::<u16>(QKV).unwrap(),
@@ -104,9 +81,7 @@ fn report_gemv_chain_boundary_cost() {
         let w = s.alloc_zeros::<u16>(rows * k).unwrap();
         let x = s.alloc_zeros::<u16>(k).unwrap();
         let mut y = s.alloc_zeros::<u16>(rows).unwrap();
-        let single_ms = time_ms(&dev, 10, || {
-            dev.gemv_with(form, &x, &w, &mut y, 1, rows, k).unwrap()
-        });
+        let single_ms = time_ms(&dev, 10, || dev.gemv_with(form, &x, &w, &mut y, 1, rows, k).unwrap());
         let single_rate = (rows * k * 2) as f64 / (single_ms * 1e-3);
         let chain_rate = bytes / (chain_ms * 1e-3);
         let per_boundary_us = (chain_ms - bytes / single_rate * 1e3) * 1e3 / launches as f64;

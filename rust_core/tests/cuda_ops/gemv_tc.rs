@@ -7,18 +7,13 @@
 //! and the cold-L2 sweep of the instances over the decode shapes of Llama-3-8B and Qwen3.5-27B
 //! (`report_gemv_tc_sweep`, ignored: run on the GPU to fill `GEMV_TC_RULES`).
 
-use ninfer_core::backend::cuda::ops::{
-    gemv_form, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig,
-    TC_PREFETCH_DEFAULT_STEPS,
-};
+use ninfer_core::backend::cuda::ops::{gemv_form, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, TC_PREFETCH_DEFAULT_STEPS};
 use ninfer_core::backend::cuda::StorageDType;
 
 use ninfer_core::backend::cuda::CudaDevice;
 
 use super::assert_bitwise;
-use super::harness::{
-    check, gpu, rounded, tol16, upload, upload_raw, Out16, Out32, Rng, STORAGES, TOL32,
-};
+use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Out32, Rng, STORAGES, TOL32};
 use super::reference;
 
 #[test]
@@ -48,9 +43,7 @@ struct OneRows {
 #[test]
 fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("gemv_tc", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gemv_tc", st) else { return };
         if dev.compute_capability().0 < 8 {
             eprintln!("SKIP gemv_tc: {} runs the SIMT GEMV", dev.arch());
             return;
@@ -64,17 +57,9 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
             let x = rounded(&rng.vec(8 * k, -1.0, 1.0), st);
             // The references of every M (the first M rows of x): GEMV over the first n rows of
             // w, and SwiGLU of the fused [2n, k] weight's sums rounded as the GEMV stores them.
-            let want: Vec<Vec<f32>> = (1..=8)
-                .map(|m| reference::matmul_nt(&x[..m * k], &w[..n * k], m, n, k))
-                .collect();
+            let want: Vec<Vec<f32>> = (1..=8).map(|m| reference::matmul_nt(&x[..m * k], &w[..n * k], m, n, k)).collect();
             let want_act: Vec<Vec<f32>> = (1..=8)
-                .map(|m| {
-                    reference::swiglu(
-                        &rounded(&reference::matmul_nt(&x[..m * k], &w, m, 2 * n, k), st),
-                        m,
-                        n,
-                    )
-                })
+                .map(|m| reference::swiglu(&rounded(&reference::matmul_nt(&x[..m * k], &w, m, 2 * n, k), st), m, n))
                 .collect();
             // One-row results of the first instance of each warps count.
             let mut first_of_warps: Vec<OneRows> = Vec::new();
@@ -89,34 +74,22 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
                     dev.gemv_with(tc, &xr, &wd, &mut y.view(), 1, n, k).unwrap();
                     one16.push(y.read(&dev, "gemv_tc one"));
                     let mut y32 = Out32::new(&dev, n);
-                    dev.gemv_f32_out_with(tc, &xr, &wd, &mut y32.view(), 1, n, k)
-                        .unwrap();
+                    dev.gemv_f32_out_with(tc, &xr, &wd, &mut y32.view(), 1, n, k).unwrap();
                     one32.push(y32.read(&dev, "gemv_tc_f32out one"));
                     let mut act = Out16::new(&dev, n);
-                    dev.gemv_gateup_swiglu_with(tc, &xr, &wd, &mut act.view(), 1, n, k)
-                        .unwrap();
+                    dev.gemv_gateup_swiglu_with(tc, &xr, &wd, &mut act.view(), 1, n, k).unwrap();
                     one_act.push(act.read(&dev, "gemv_tc_gateup_swiglu one"));
                 }
                 match first_of_warps.iter().find(|f| f.config.warps == c.warps) {
                     Some(f) => {
                         for r in 0..8 {
-                            let what = |op: &str| {
-                                format!(
-                                    "{op} {st:?} n{n}k{k} x row {r}: {inst} vs {}",
-                                    f.config.label()
-                                )
-                            };
+                            let what = |op: &str| format!("{op} {st:?} n{n}k{k} x row {r}: {inst} vs {}", f.config.label());
                             assert_bitwise(&one16[r], &f.y16[r], &what("gemv_tc"));
                             assert_bitwise(&one32[r], &f.y32[r], &what("gemv_tc_f32out"));
                             assert_bitwise(&one_act[r], &f.act[r], &what("gemv_tc_gateup_swiglu"));
                         }
                     }
-                    None => first_of_warps.push(OneRows {
-                        config: c,
-                        y16: one16.clone(),
-                        y32: one32.clone(),
-                        act: one_act.clone(),
-                    }),
+                    None => first_of_warps.push(OneRows { config: c, y16: one16.clone(), y32: one32.clone(), act: one_act.clone() }),
                 }
                 for m in 1..=8 {
                     let xd = upload(&dev, &x[..m * k]);
@@ -126,54 +99,27 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
                     let y = y.read(&dev, "gemv_tc");
                     check("gemv_tc", st, &shape, &y, &want[m - 1], tol16(st));
                     let mut y32 = Out32::new(&dev, m * n);
-                    dev.gemv_f32_out_with(tc, &xd, &wd, &mut y32.view(), m, n, k)
-                        .unwrap();
+                    dev.gemv_f32_out_with(tc, &xd, &wd, &mut y32.view(), m, n, k).unwrap();
                     let y32 = y32.read(&dev, "gemv_tc_f32out");
                     check("gemv_tc_f32out", st, &shape, &y32, &want[m - 1], TOL32);
                     // SwiGLU over the fused [2n, k] weight, against the reference and bit for
                     // bit against this instance's GEMV of the fused weight followed by swiglu.
                     let mut act = Out16::new(&dev, m * n);
-                    dev.gemv_gateup_swiglu_with(tc, &xd, &wd, &mut act.view(), m, n, k)
-                        .unwrap();
+                    dev.gemv_gateup_swiglu_with(tc, &xd, &wd, &mut act.view(), m, n, k).unwrap();
                     let act = act.read(&dev, "gemv_tc_gateup_swiglu");
-                    check(
-                        "gemv_tc_gateup_swiglu",
-                        st,
-                        &shape,
-                        &act,
-                        &want_act[m - 1],
-                        tol16(st),
-                    );
+                    check("gemv_tc_gateup_swiglu", st, &shape, &act, &want_act[m - 1], tol16(st));
                     let mut gu = Out16::new(&dev, m * 2 * n);
-                    dev.gemv_with(tc, &xd, &wd, &mut gu.view(), m, 2 * n, k)
-                        .unwrap();
+                    dev.gemv_with(tc, &xd, &wd, &mut gu.view(), m, 2 * n, k).unwrap();
                     let gud = upload(&dev, &gu.read(&dev, "gemv_tc gate_up"));
                     let mut act2 = Out16::new(&dev, m * n);
-                    dev.swiglu(&gud, &gud.slice(n..), &mut act2.view(), m, n, 2 * n, 2 * n)
-                        .unwrap();
-                    assert_bitwise(
-                        &act,
-                        &act2.read(&dev, "swiglu"),
-                        &format!("gemv_tc_gateup_swiglu {st:?} {shape} vs gemv_tc + swiglu"),
-                    );
+                    dev.swiglu(&gud, &gud.slice(n..), &mut act2.view(), m, n, 2 * n, 2 * n).unwrap();
+                    assert_bitwise(&act, &act2.read(&dev, "swiglu"), &format!("gemv_tc_gateup_swiglu {st:?} {shape} vs gemv_tc + swiglu"));
                     // Batch == alone: every row of the M-row launch equals its one-row launch.
                     for r in 0..m {
                         let rows = r * n..(r + 1) * n;
-                        assert_bitwise(
-                            &y[rows.clone()],
-                            &one16[r],
-                            &format!("gemv_tc {st:?} {shape} row {r} vs M=1"),
-                        );
-                        assert_bitwise(
-                            &y32[rows.clone()],
-                            &one32[r],
-                            &format!("gemv_tc_f32out {st:?} {shape} row {r} vs M=1"),
-                        );
-                        assert_bitwise(
-                            &act[rows],
-                            &one_act[r],
-                            &format!("gemv_tc_gateup_swiglu {st:?} {shape} row {r} vs M=1"),
-                        );
+                        assert_bitwise(&y[rows.clone()], &one16[r], &format!("gemv_tc {st:?} {shape} row {r} vs M=1"));
+                        assert_bitwise(&y32[rows.clone()], &one32[r], &format!("gemv_tc_f32out {st:?} {shape} row {r} vs M=1"));
+                        assert_bitwise(&act[rows], &one_act[r], &format!("gemv_tc_gateup_swiglu {st:?} {shape} row {r} vs M=1"));
                     }
                 }
             }
@@ -187,9 +133,7 @@ fn tc_gemv_matches_reference_and_rows_equal_one_row_bitwise() {
 #[test]
 fn tensor_cores_run_the_shapes_instance() {
     let st = StorageDType::Bf16;
-    let Some(dev) = gpu("gemv_tc_config", st) else {
-        return;
-    };
+    let Some(dev) = gpu("gemv_tc_config", st) else { return };
     if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_tc_config: {} runs the SIMT GEMV", dev.arch());
         return;
@@ -201,72 +145,36 @@ fn tensor_cores_run_the_shapes_instance() {
         let xd = upload(&dev, &rounded(&rng.vec(m * k, -1.0, 1.0), st));
         let fixed = GemvForm::TensorCoresAs(gemv_tc_config(n, k));
         let mut a = Out16::new(&dev, m * n);
-        dev.gemv_with(GemvForm::TensorCores, &xd, &w, &mut a.view(), m, n, k)
-            .unwrap();
+        dev.gemv_with(GemvForm::TensorCores, &xd, &w, &mut a.view(), m, n, k).unwrap();
         let mut b = Out16::new(&dev, m * n);
-        dev.gemv_with(fixed, &xd, &w, &mut b.view(), m, n, k)
-            .unwrap();
-        assert_bitwise(
-            &a.read(&dev, "gemv TensorCores"),
-            &b.read(&dev, "gemv TensorCoresAs"),
-            &format!("gemv {n}x{k} m={m}"),
-        );
+        dev.gemv_with(fixed, &xd, &w, &mut b.view(), m, n, k).unwrap();
+        assert_bitwise(&a.read(&dev, "gemv TensorCores"), &b.read(&dev, "gemv TensorCoresAs"), &format!("gemv {n}x{k} m={m}"));
         let inter = n / 2;
         let fixed = GemvForm::TensorCoresAs(gemv_tc_config(2 * inter, k));
         let mut c = Out16::new(&dev, m * inter);
-        dev.gemv_gateup_swiglu_with(GemvForm::TensorCores, &xd, &w, &mut c.view(), m, inter, k)
-            .unwrap();
+        dev.gemv_gateup_swiglu_with(GemvForm::TensorCores, &xd, &w, &mut c.view(), m, inter, k).unwrap();
         let mut d = Out16::new(&dev, m * inter);
-        dev.gemv_gateup_swiglu_with(fixed, &xd, &w, &mut d.view(), m, inter, k)
-            .unwrap();
-        assert_bitwise(
-            &c.read(&dev, "swiglu TensorCores"),
-            &d.read(&dev, "swiglu TensorCoresAs"),
-            &format!("gemv_gateup_swiglu inter {inter} k {k} m={m}"),
-        );
+        dev.gemv_gateup_swiglu_with(fixed, &xd, &w, &mut d.view(), m, inter, k).unwrap();
+        assert_bitwise(&c.read(&dev, "swiglu TensorCores"), &d.read(&dev, "swiglu TensorCoresAs"), &format!("gemv_gateup_swiglu inter {inter} k {k} m={m}"));
     }
     // ByShape: at M = 1 a shape the table runs on CUDA cores there runs the SIMT kernel (every
     // shape today), else its instance; at M = 5 its instance; bit for bit.
     for (n2, k2) in [(4096, 8192), (4096, 1024)] {
         let w2 = upload(&dev, &rounded(&rng.vec(n2 * k2, -0.05, 0.05), st));
         for m in [1, 5] {
-            let form = if m == 1 && gemv_shape_on_cuda_cores(n2, k2) {
-                GemvForm::Simt
-            } else {
-                GemvForm::TensorCoresAs(gemv_tc_config(n2, k2))
-            };
+            let form = if m == 1 && gemv_shape_on_cuda_cores(n2, k2) { GemvForm::Simt } else { GemvForm::TensorCoresAs(gemv_tc_config(n2, k2)) };
             let xd = upload(&dev, &rounded(&rng.vec(m * k2, -1.0, 1.0), st));
             let mut a = Out16::new(&dev, m * n2);
-            dev.gemv_with(GemvForm::ByShape, &xd, &w2, &mut a.view(), m, n2, k2)
-                .unwrap();
+            dev.gemv_with(GemvForm::ByShape, &xd, &w2, &mut a.view(), m, n2, k2).unwrap();
             let mut b = Out16::new(&dev, m * n2);
-            dev.gemv_with(form, &xd, &w2, &mut b.view(), m, n2, k2)
-                .unwrap();
-            assert_bitwise(
-                &a.read(&dev, "gemv ByShape"),
-                &b.read(&dev, "gemv fixed form"),
-                &format!("ByShape {n2}x{k2} m={m} as {form:?}"),
-            );
+            dev.gemv_with(form, &xd, &w2, &mut b.view(), m, n2, k2).unwrap();
+            assert_bitwise(&a.read(&dev, "gemv ByShape"), &b.read(&dev, "gemv fixed form"), &format!("ByShape {n2}x{k2} m={m} as {form:?}"));
         }
     }
     // A pair that has no instance is a typed error naming it, not a launch.
     let xd = upload(&dev, &rounded(&rng.vec(k, -1.0, 1.0), st));
     let mut y = Out16::new(&dev, n);
-    let err = dev
-        .gemv_with(
-            GemvForm::TensorCoresAs(GemvTcConfig {
-                warps: 12,
-                unroll: 4,
-                hold: false,
-            }),
-            &xd,
-            &w,
-            &mut y.view(),
-            1,
-            n,
-            k,
-        )
-        .unwrap_err();
+    let err = dev.gemv_with(GemvForm::TensorCoresAs(GemvTcConfig { warps: 12, unroll: 4, hold: false }), &xd, &w, &mut y.view(), 1, n, k).unwrap_err();
     assert!(err.to_string().contains("12 warps"), "{err}");
 }
 
@@ -277,23 +185,13 @@ fn tensor_cores_run_the_shapes_instance() {
 #[test]
 fn tc_prefetch_depth_changes_no_bit() {
     let st = StorageDType::Bf16;
-    let Some(dev) = gpu("gemv_tc_prefetch", st) else {
-        return;
-    };
+    let Some(dev) = gpu("gemv_tc_prefetch", st) else { return };
     if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_tc_prefetch: {} runs the SIMT GEMV", dev.arch());
         return;
     }
-    assert_eq!(
-        dev.tc_prefetch_steps(),
-        TC_PREFETCH_DEFAULT_STEPS,
-        "run without NINFER_TC_PREFETCH_STEPS"
-    );
-    assert!(dev
-        .set_tc_prefetch_steps(513)
-        .unwrap_err()
-        .to_string()
-        .contains("513"));
+    assert_eq!(dev.tc_prefetch_steps(), TC_PREFETCH_DEFAULT_STEPS, "run without NINFER_TC_PREFETCH_STEPS");
+    assert!(dev.set_tc_prefetch_steps(513).unwrap_err().to_string().contains("513"));
     let mut rng = Rng::new(53);
     let n = 1024;
     let mut arrivals = upload_raw(&dev, &[0u32]);
@@ -304,87 +202,29 @@ fn tc_prefetch_depth_changes_no_bit() {
         for m in [1, 8] {
             let x = upload(&dev, &rounded(&rng.vec(m * k, -1.0, 1.0), st));
             let residual = rounded(&rng.vec(m * n, -2.0, 2.0), st);
-            for c in [
-                GemvTcConfig {
-                    warps: 4,
-                    unroll: 4,
-                    hold: false,
-                },
-                GemvTcConfig {
-                    warps: 8,
-                    unroll: 8,
-                    hold: true,
-                },
-                GemvTcConfig {
-                    warps: 16,
-                    unroll: 4,
-                    hold: true,
-                },
-            ] {
+            for c in [GemvTcConfig { warps: 4, unroll: 4, hold: false }, GemvTcConfig { warps: 8, unroll: 8, hold: true }, GemvTcConfig { warps: 16, unroll: 4, hold: true }] {
                 let form = GemvForm::TensorCoresAs(c);
                 let run = |arrivals: &mut cudarc::driver::CudaSlice<u32>| {
                     let mut y = Out16::new(&dev, m * n);
                     dev.gemv_with(form, &x, &w, &mut y.view(), m, n, k).unwrap();
                     let mut y32 = Out32::new(&dev, m * n);
-                    dev.gemv_f32_out_with(form, &x, &w, &mut y32.view(), m, n, k)
-                        .unwrap();
+                    dev.gemv_f32_out_with(form, &x, &w, &mut y32.view(), m, n, k).unwrap();
                     let mut act = Out16::new(&dev, m * n);
-                    dev.gemv_gateup_swiglu_with(form, &x, &w, &mut act.view(), m, n, k)
-                        .unwrap();
-                    let (mut tmp, mut res, mut h) = (
-                        Out16::new(&dev, m * n),
-                        Out16::with(&dev, &residual),
-                        Out16::new(&dev, m * n),
-                    );
-                    dev.gemv_add_rmsnorm_with(
-                        form,
-                        &x,
-                        &w,
-                        &mut tmp.view(),
-                        &mut res.view(),
-                        &nw,
-                        &mut h.view(),
-                        arrivals,
-                        m,
-                        n,
-                        k,
-                        1e-5,
-                        false,
-                    )
-                    .unwrap();
-                    [
-                        y.read(&dev, "y"),
-                        y32.read(&dev, "y32"),
-                        act.read(&dev, "act"),
-                        res.read(&dev, "residual"),
-                        h.read(&dev, "h"),
-                    ]
+                    dev.gemv_gateup_swiglu_with(form, &x, &w, &mut act.view(), m, n, k).unwrap();
+                    let (mut tmp, mut res, mut h) = (Out16::new(&dev, m * n), Out16::with(&dev, &residual), Out16::new(&dev, m * n));
+                    dev.gemv_add_rmsnorm_with(form, &x, &w, &mut tmp.view(), &mut res.view(), &nw, &mut h.view(), arrivals, m, n, k, 1e-5, false).unwrap();
+                    [y.read(&dev, "y"), y32.read(&dev, "y32"), act.read(&dev, "act"), res.read(&dev, "residual"), h.read(&dev, "h")]
                 };
-                dev.set_tc_prefetch_steps(TC_PREFETCH_DEFAULT_STEPS)
-                    .unwrap();
+                dev.set_tc_prefetch_steps(TC_PREFETCH_DEFAULT_STEPS).unwrap();
                 let want = run(&mut arrivals);
                 for depth in [0, 7, 64, 512] {
                     dev.set_tc_prefetch_steps(depth).unwrap();
                     let got = run(&mut arrivals);
-                    for (i, what) in [
-                        "gemv",
-                        "f32out",
-                        "swiglu",
-                        "add_rmsnorm residual",
-                        "add_rmsnorm h",
-                    ]
-                    .iter()
-                    .enumerate()
-                    {
-                        assert_bitwise(
-                            &got[i],
-                            &want[i],
-                            &format!("{what} {} k{k} m{m} prefetch {depth}", c.label()),
-                        );
+                    for (i, what) in ["gemv", "f32out", "swiglu", "add_rmsnorm residual", "add_rmsnorm h"].iter().enumerate() {
+                        assert_bitwise(&got[i], &want[i], &format!("{what} {} k{k} m{m} prefetch {depth}", c.label()));
                     }
                 }
-                dev.set_tc_prefetch_steps(TC_PREFETCH_DEFAULT_STEPS)
-                    .unwrap();
+                dev.set_tc_prefetch_steps(TC_PREFETCH_DEFAULT_STEPS).unwrap();
             }
         }
     }
@@ -395,9 +235,7 @@ fn tc_prefetch_depth_changes_no_bit() {
 #[test]
 fn gemv_routes_through_gemv_form() {
     let st = StorageDType::Bf16;
-    let Some(dev) = gpu("gemv_route", st) else {
-        return;
-    };
+    let Some(dev) = gpu("gemv_route", st) else { return };
     let form = dev.gemv_form();
     let mut rng = Rng::new(43);
     let (n, k) = (100, 264);
@@ -408,25 +246,14 @@ fn gemv_routes_through_gemv_form() {
             let mut a = Out16::new(&dev, m * n);
             dev.linear(&xd, &w, &mut a.view(), m, n, k).unwrap();
             let mut b = Out16::new(&dev, m * n);
-            dev.gemv_with(form, &xd, &w, &mut b.view(), m, n, k)
-                .unwrap();
-            assert_bitwise(
-                &a.read(&dev, "linear"),
-                &b.read(&dev, "gemv_with"),
-                &format!("linear vs gemv_with({form:?}) m={m}"),
-            );
+            dev.gemv_with(form, &xd, &w, &mut b.view(), m, n, k).unwrap();
+            assert_bitwise(&a.read(&dev, "linear"), &b.read(&dev, "gemv_with"), &format!("linear vs gemv_with({form:?}) m={m}"));
         }
         let mut c = Out16::new(&dev, m * n);
-        dev.gemv_gateup_swiglu(&xd, &w, &mut c.view(), m, n, k)
-            .unwrap();
+        dev.gemv_gateup_swiglu(&xd, &w, &mut c.view(), m, n, k).unwrap();
         let mut d = Out16::new(&dev, m * n);
-        dev.gemv_gateup_swiglu_with(form, &xd, &w, &mut d.view(), m, n, k)
-            .unwrap();
-        assert_bitwise(
-            &c.read(&dev, "gemv_gateup_swiglu"),
-            &d.read(&dev, "gemv_gateup_swiglu_with"),
-            &format!("gemv_gateup_swiglu vs _with({form:?}) m={m}"),
-        );
+        dev.gemv_gateup_swiglu_with(form, &xd, &w, &mut d.view(), m, n, k).unwrap();
+        assert_bitwise(&c.read(&dev, "gemv_gateup_swiglu"), &d.read(&dev, "gemv_gateup_swiglu_with"), &format!("gemv_gateup_swiglu vs _with({form:?}) m={m}"));
     }
 }
 
@@ -473,24 +300,13 @@ const REPEATS: usize = 7;
 /// the stream gets a 1 GB device copy (`filler`), during which the host queues the launches
 /// ahead of the GPU, so small shapes are timed as the GPU runs them (as in a CUDA graph), not at
 /// the host's launch rate.
-fn times_ms(
-    dev: &CudaDevice,
-    filler: &mut dyn FnMut(),
-    launches: usize,
-    f: &mut dyn FnMut(usize),
-) -> Vec<f64> {
+fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> Vec<f64> {
     use cudarc::driver::sys::CUevent_flags;
     for i in 0..launches {
         f(i);
     }
-    let start = dev
-        .context()
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
-    let end = dev
-        .context()
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
+    let start = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let end = dev.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
     let mut ms: Vec<f64> = (0..REPEATS)
         .map(|_| {
             filler();
@@ -519,9 +335,7 @@ fn times_ms(
 #[ignore]
 fn report_gemv_tc_sweep() {
     let st = StorageDType::Bf16;
-    let Some(dev) = gpu("gemv_tc_sweep", st) else {
-        return;
-    };
+    let Some(dev) = gpu("gemv_tc_sweep", st) else { return };
     if dev.compute_capability().0 < 8 {
         eprintln!("SKIP gemv_tc_sweep: {} runs the SIMT GEMV", dev.arch());
         return;
@@ -537,14 +351,9 @@ fn report_gemv_tc_sweep() {
     let copy_elems = 512 << 20;
     let copy_src = s.alloc_zeros::<u16>(copy_elems).unwrap();
     let mut copy_dst = s.alloc_zeros::<u16>(copy_elems).unwrap();
-    let copy_ms = times_ms(&dev, &mut || {}, 1, &mut |_| {
-        s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap()
-    })[0];
+    let copy_ms = times_ms(&dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap())[0];
     let copy = 2.0 * (copy_elems * 2) as f64 / copy_ms / 1e6;
-    println!(
-        "PERF op=gemv_tc_sweep_copy bytes={} GBps={copy:.0}",
-        copy_elems * 2
-    );
+    println!("PERF op=gemv_tc_sweep_copy bytes={} GBps={copy:.0}", copy_elems * 2);
     let mut filler = || s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap();
     let default = GemvTcConfig::DEFAULT;
     for (name, rows, k, out) in SWEEP_SHAPES {
@@ -556,8 +365,7 @@ fn report_gemv_tc_sweep() {
         let mut at = 0;
         while at < copies * len {
             let n = block.len().min(copies * len - at);
-            s.memcpy_dtod(&block.slice(..n), &mut w.slice_mut(at..at + n))
-                .unwrap();
+            s.memcpy_dtod(&block.slice(..n), &mut w.slice_mut(at..at + n)).unwrap();
             at += n;
         }
         let x = upload(&dev, &rounded(&rng.vec(8 * k, -1.0, 1.0), st));
@@ -574,15 +382,9 @@ fn report_gemv_tc_sweep() {
                 times_ms(&dev, &mut filler, launches, &mut |i| {
                     let wi = w.slice((i % copies) * len..(i % copies + 1) * len);
                     match (out, form) {
-                        (SweepOut::Store, Some(f)) => {
-                            dev.gemv_with(f, &xm, &wi, &mut y16, m, rows, k)
-                        }
-                        (SweepOut::F32, Some(f)) => {
-                            dev.gemv_f32_out_with(f, &xm, &wi, &mut y32, m, rows, k)
-                        }
-                        (SweepOut::SwiGlu, Some(f)) => {
-                            dev.gemv_gateup_swiglu_with(f, &xm, &wi, &mut y16, m, rows / 2, k)
-                        }
+                        (SweepOut::Store, Some(f)) => dev.gemv_with(f, &xm, &wi, &mut y16, m, rows, k),
+                        (SweepOut::F32, Some(f)) => dev.gemv_f32_out_with(f, &xm, &wi, &mut y32, m, rows, k),
+                        (SweepOut::SwiGlu, Some(f)) => dev.gemv_gateup_swiglu_with(f, &xm, &wi, &mut y16, m, rows / 2, k),
                         (SweepOut::F32, None) => dev.gemm_f32_out(&xm, &wi, &mut y32, m, rows, k),
                         (_, None) => dev.gemm(&xm, &wi, &mut y16, m, rows, k),
                     }
@@ -634,15 +436,7 @@ fn report_gemv_tc_sweep() {
         let (b1, bs) = (argmin(&m1_ms), argmin(&sum_ms));
         // The best of the default's warps count: unroll and hold leave every bit of the result
         // as it is, so this pick changes speed only.
-        let same_warps: Vec<f64> = (0..configs.len())
-            .map(|j| {
-                if configs[j].warps == default.warps {
-                    sum_ms[j]
-                } else {
-                    f64::MAX
-                }
-            })
-            .collect();
+        let same_warps: Vec<f64> = (0..configs.len()).map(|j| if configs[j].warps == default.warps { sum_ms[j] } else { f64::MAX }).collect();
         let bw = argmin(&same_warps);
         println!(
             "PERF op=gemv_tc_sweep_pick shape={name} rows={rows} k={k} blocks={} best_m1={} m1_speedup={:.3} best_sum={} sum_speedup={:.3} best_sum_m1_speedup={:.3} best_w{}={} w{}_sum_speedup={:.3} w{}_m1_speedup={:.3}",
@@ -660,8 +454,5 @@ fn report_gemv_tc_sweep() {
             m1_ms[dflt] / m1_ms[bw]
         );
     }
-    println!(
-        "PERF op=gemv_tc_sweep_done seconds={:.1}",
-        clock.elapsed().as_secs_f64()
-    );
+    println!("PERF op=gemv_tc_sweep_done seconds={:.1}", clock.elapsed().as_secs_f64());
 }

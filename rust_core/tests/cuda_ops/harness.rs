@@ -76,28 +76,16 @@ impl Rng {
 /// f32 -> storage bits.
 pub fn to_bits(v: &[f32], st: StorageDType) -> Vec<u16> {
     match st {
-        StorageDType::Bf16 => v
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_bits())
-            .collect(),
-        StorageDType::F16 => v
-            .iter()
-            .map(|&x| half::f16::from_f32(x).to_bits())
-            .collect(),
+        StorageDType::Bf16 => v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect(),
+        StorageDType::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect(),
     }
 }
 
 /// storage bits -> f32.
 pub fn from_bits(v: &[u16], st: StorageDType) -> Vec<f32> {
     match st {
-        StorageDType::Bf16 => v
-            .iter()
-            .map(|&x| half::bf16::from_bits(x).to_f32())
-            .collect(),
-        StorageDType::F16 => v
-            .iter()
-            .map(|&x| half::f16::from_bits(x).to_f32())
-            .collect(),
+        StorageDType::Bf16 => v.iter().map(|&x| half::bf16::from_bits(x).to_f32()).collect(),
+        StorageDType::F16 => v.iter().map(|&x| half::f16::from_bits(x).to_f32()).collect(),
     }
 }
 
@@ -108,9 +96,7 @@ pub fn rounded(v: &[f32], st: StorageDType) -> Vec<f32> {
 
 /// Uploads f32 values as storage bits.
 pub fn upload(dev: &CudaDevice, v: &[f32]) -> CudaSlice<u16> {
-    dev.stream()
-        .clone_htod(&to_bits(v, dev.storage()))
-        .expect("upload")
+    dev.stream().clone_htod(&to_bits(v, dev.storage())).expect("upload")
 }
 
 /// Uploads any plain values.
@@ -129,19 +115,13 @@ impl Out16 {
     pub fn new(dev: &CudaDevice, n: usize) -> Self {
         let mut host = vec![0x7fc0u16; n];
         host.extend(std::iter::repeat_n(GUARD16, GUARD));
-        Out16 {
-            buf: dev.stream().clone_htod(&host).expect("alloc"),
-            n,
-        }
+        Out16 { buf: dev.stream().clone_htod(&host).expect("alloc"), n }
     }
     /// Like `new` but starting from `init` (in-place ops), then the guard.
     pub fn with(dev: &CudaDevice, init: &[f32]) -> Self {
         let mut host = to_bits(init, dev.storage());
         host.extend(std::iter::repeat_n(GUARD16, GUARD));
-        Out16 {
-            buf: dev.stream().clone_htod(&host).expect("alloc"),
-            n: init.len(),
-        }
+        Out16 { buf: dev.stream().clone_htod(&host).expect("alloc"), n: init.len() }
     }
     /// The first `n` elements, as the op's output argument.
     pub fn view(&mut self) -> CudaViewMut<'_, u16> {
@@ -153,10 +133,7 @@ impl Out16 {
         dev.synchronize().expect("synchronize");
         let host = dev.stream().clone_dtoh(&self.buf).expect("download");
         let (data, guard) = host.split_at(self.n);
-        assert!(
-            guard.iter().all(|&g| g == GUARD16),
-            "{what}: write past the end of the output"
-        );
+        assert!(guard.iter().all(|&g| g == GUARD16), "{what}: write past the end of the output");
         let v = from_bits(data, dev.storage());
         if let Some(i) = v.iter().position(|x| x.is_nan()) {
             panic!("{what}: element {i} of {} left unwritten (NaN)", self.n);
@@ -180,10 +157,7 @@ impl Out32 {
     pub fn with(dev: &CudaDevice, init: &[f32]) -> Self {
         let mut host = init.to_vec();
         host.extend(std::iter::repeat_n(f32::from_bits(GUARD32), GUARD));
-        Out32 {
-            buf: dev.stream().clone_htod(&host).expect("alloc"),
-            n: init.len(),
-        }
+        Out32 { buf: dev.stream().clone_htod(&host).expect("alloc"), n: init.len() }
     }
     /// The first `n` elements.
     pub fn view(&mut self) -> CudaViewMut<'_, f32> {
@@ -217,10 +191,7 @@ impl OutI32 {
     pub fn new(dev: &CudaDevice, n: usize) -> Self {
         let mut host = vec![i32::MIN; n];
         host.extend(std::iter::repeat_n(0x5eed, GUARD));
-        OutI32 {
-            buf: dev.stream().clone_htod(&host).expect("alloc"),
-            n,
-        }
+        OutI32 { buf: dev.stream().clone_htod(&host).expect("alloc"), n }
     }
     /// The first `n` elements.
     pub fn view(&mut self) -> CudaViewMut<'_, i32> {
@@ -232,10 +203,7 @@ impl OutI32 {
         dev.synchronize().expect("synchronize");
         let host = dev.stream().clone_dtoh(&self.buf).expect("download");
         let (data, guard) = host.split_at(self.n);
-        assert!(
-            guard.iter().all(|&g| g == 0x5eed),
-            "{what}: write past the end of the output"
-        );
+        assert!(guard.iter().all(|&g| g == 0x5eed), "{what}: write past the end of the output");
         assert!(!data.contains(&i32::MIN), "{what}: output left unwritten");
         data.to_vec()
     }
@@ -245,25 +213,15 @@ impl OutI32 {
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len(), "length mismatch");
     let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let diff = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     diff / scale
 }
 
 /// Asserts `rel_err <= tol` and prints a PARITY line that the GPU run's summary collects.
 pub fn check(op: &str, st: StorageDType, shape: &str, got: &[f32], want: &[f32], tol: f32) {
     let e = rel_err(got, want);
-    println!(
-        "PARITY op={op} storage={} shape={shape} rel_err={e:.3e} tol={tol:.0e}",
-        st.name()
-    );
-    assert!(
-        e <= tol,
-        "{op} ({}, {shape}): rel err {e:.3e} > {tol:.0e}",
-        st.name()
-    );
+    println!("PARITY op={op} storage={} shape={shape} rel_err={e:.3e} tol={tol:.0e}", st.name());
+    assert!(e <= tol, "{op} ({}, {shape}): rel err {e:.3e} > {tol:.0e}", st.name());
 }
 
 /// Tolerance for outputs in storage precision.

@@ -8,30 +8,17 @@ use ninfer_core::backend::cuda::ops::GemvForm;
 
 use super::harness::{gpu, rounded, upload, Out32, Rng, STORAGES};
 
-fn assert_rounded(
-    got: &[f32],
-    unrounded: &[f32],
-    st: ninfer_core::backend::cuda::StorageDType,
-    what: &str,
-) {
+fn assert_rounded(got: &[f32], unrounded: &[f32], st: ninfer_core::backend::cuda::StorageDType, what: &str) {
     let want = rounded(unrounded, st);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(
-            g.to_bits(),
-            w.to_bits(),
-            "{what} {st:?}: element {i} is {g} ({:#x}), rounding the unflagged {} gives {w}",
-            g.to_bits(),
-            unrounded[i]
-        );
+        assert_eq!(g.to_bits(), w.to_bits(), "{what} {st:?}: element {i} is {g} ({:#x}), rounding the unflagged {} gives {w}", g.to_bits(), unrounded[i]);
     }
 }
 
 #[test]
 fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
     for st in STORAGES {
-        let Some(dev) = gpu("gemv f32out round_out", st) else {
-            return;
-        };
+        let Some(dev) = gpu("gemv f32out round_out", st) else { return };
         let mut rng = Rng::new(91);
         let mut forms = vec![GemvForm::Simt];
         if dev.compute_capability().0 >= 8 {
@@ -44,19 +31,11 @@ fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
                 let xd = upload(&dev, &rounded(&rng.vec(m * k, -2.0, 2.0), st));
                 for &form in &forms {
                     let mut plain = Out32::new(&dev, m * n);
-                    dev.gemv_f32_out_round_with(form, &xd, &w, &mut plain.view(), m, n, k, false)
-                        .unwrap();
+                    dev.gemv_f32_out_round_with(form, &xd, &w, &mut plain.view(), m, n, k, false).unwrap();
                     let mut round = Out32::new(&dev, m * n);
-                    dev.gemv_f32_out_round_with(form, &xd, &w, &mut round.view(), m, n, k, true)
-                        .unwrap();
-                    let (plain, round) = (
-                        plain.read(&dev, "gemv f32"),
-                        round.read(&dev, "gemv f32 rounded"),
-                    );
-                    assert!(
-                        plain.iter().any(|x| rounded(&[*x], st)[0] != *x),
-                        "the test needs sums that rounding changes"
-                    );
+                    dev.gemv_f32_out_round_with(form, &xd, &w, &mut round.view(), m, n, k, true).unwrap();
+                    let (plain, round) = (plain.read(&dev, "gemv f32"), round.read(&dev, "gemv f32 rounded"));
+                    assert!(plain.iter().any(|x| rounded(&[*x], st)[0] != *x), "the test needs sums that rounding changes");
                     assert_rounded(&round, &plain, st, &format!("{form:?} m{m}n{n}k{k}"));
                 }
             }
@@ -67,9 +46,7 @@ fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
 #[test]
 fn rounded_linear_f32_out_equals_the_unrounded_output_rounded_on_both_routes() {
     for st in STORAGES {
-        let Some(dev) = gpu("linear_f32_out round", st) else {
-            return;
-        };
+        let Some(dev) = gpu("linear_f32_out round", st) else { return };
         let mut rng = Rng::new(92);
         let (n, k) = (3001, 512);
         let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
@@ -77,17 +54,10 @@ fn rounded_linear_f32_out_equals_the_unrounded_output_rounded_on_both_routes() {
         for m in [1, 5, 8, 9, 64, 300] {
             let xd = upload(&dev, &rounded(&rng.vec(m * k, -2.0, 2.0), st));
             let mut plain = Out32::new(&dev, m * n);
-            dev.linear_f32_out(&xd, &w, &mut plain.view(), m, n, k, false)
-                .unwrap();
+            dev.linear_f32_out(&xd, &w, &mut plain.view(), m, n, k, false).unwrap();
             let mut round = Out32::new(&dev, m * n);
-            dev.linear_f32_out(&xd, &w, &mut round.view(), m, n, k, true)
-                .unwrap();
-            assert_rounded(
-                &round.read(&dev, "linear rounded"),
-                &plain.read(&dev, "linear"),
-                st,
-                &format!("linear_f32_out m{m}"),
-            );
+            dev.linear_f32_out(&xd, &w, &mut round.view(), m, n, k, true).unwrap();
+            assert_rounded(&round.read(&dev, "linear rounded"), &plain.read(&dev, "linear"), st, &format!("linear_f32_out m{m}"));
         }
     }
 }
@@ -98,24 +68,16 @@ fn rounded_linear_f32_out_equals_the_unrounded_output_rounded_on_both_routes() {
 #[test]
 fn round_f32_to_storage_rounds_aligned_and_unaligned_buffers() {
     for st in STORAGES {
-        let Some(dev) = gpu("round_f32_to_storage", st) else {
-            return;
-        };
+        let Some(dev) = gpu("round_f32_to_storage", st) else { return };
         let mut rng = Rng::new(93);
         for len in [1, 3, 4, 1027, 64 * 1283 + 2] {
             let v = rng.vec(len, -30.0, 30.0);
             let mut aligned = Out32::with(&dev, &v);
             dev.round_f32_to_storage(&mut aligned.view(), len).unwrap();
-            assert_rounded(
-                &aligned.read(&dev, "round aligned"),
-                &v,
-                st,
-                &format!("aligned len {len}"),
-            );
+            assert_rounded(&aligned.read(&dev, "round aligned"), &v, st, &format!("aligned len {len}"));
             let shifted: Vec<f32> = std::iter::once(7.0).chain(v.iter().copied()).collect();
             let mut skewed = Out32::with(&dev, &shifted);
-            dev.round_f32_to_storage(&mut skewed.view().slice_mut(1..), len)
-                .unwrap();
+            dev.round_f32_to_storage(&mut skewed.view().slice_mut(1..), len).unwrap();
             let got = skewed.read(&dev, "round unaligned");
             assert_eq!(got[0], 7.0, "the element before the buffer was touched");
             assert_rounded(&got[1..], &v, st, &format!("unaligned len {len}"));

@@ -18,9 +18,7 @@ const EPS: f32 = 1e-6;
 /// Values whose squares span 2^48: summed in another order their f32 sums differ in most rows,
 /// so a reduction tree other than the scalar kernel's shows in rstd and, through it, in outputs.
 fn spread(rng: &mut Rng, n: usize, st: StorageDType) -> Vec<f32> {
-    let v: Vec<f32> = (0..n)
-        .map(|_| rng.range(-1.0, 1.0) * (2f32).powi(rng.below(24) as i32 - 12))
-        .collect();
+    let v: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0) * (2f32).powi(rng.below(24) as i32 - 12)).collect();
     rounded(&v, st)
 }
 
@@ -35,10 +33,7 @@ fn scalar_tree_sum(x: &[f32]) -> f32 {
                 *x = before[l] + before[l ^ o];
             }
         }
-        assert!(
-            v.iter().all(|s| s.to_bits() == v[0].to_bits()),
-            "every lane ends with the same bits"
-        );
+        assert!(v.iter().all(|s| s.to_bits() == v[0].to_bits()), "every lane ends with the same bits");
         v
     }
     let mut parts = [0f32; 32];
@@ -53,9 +48,7 @@ fn scalar_tree_sum(x: &[f32]) -> f32 {
 /// e + 1, then the xor shuffles lanes / 2 down to 4; lane 0's result.
 fn v8_tree_sum(x: &[f32]) -> f32 {
     let lanes = x.len() / 8;
-    let mut sq: Vec<[f32; 8]> = (0..lanes)
-        .map(|l| std::array::from_fn(|e| x[8 * l + e] * x[8 * l + e]))
-        .collect();
+    let mut sq: Vec<[f32; 8]> = (0..lanes).map(|l| std::array::from_fn(|e| x[8 * l + e] * x[8 * l + e])).collect();
     for o in [2, 1] {
         let before = sq.clone();
         for (l, s) in sq.iter_mut().enumerate() {
@@ -79,10 +72,7 @@ fn v8_tree_sum(x: &[f32]) -> f32 {
         }
         o /= 2;
     }
-    assert!(
-        t.iter().all(|s| s.to_bits() == t[0].to_bits()),
-        "every lane of the row ends with the same bits"
-    );
+    assert!(t.iter().all(|s| s.to_bits() == t[0].to_bits()), "every lane of the row ends with the same bits");
     t[0]
 }
 
@@ -99,18 +89,11 @@ fn gated_norm_v8_sum_order_is_the_scalar_tree_on_the_host() {
             for _ in 0..rows {
                 let x = spread(&mut rng, dim, st);
                 let tree = scalar_tree_sum(&x);
-                assert_eq!(
-                    v8_tree_sum(&x).to_bits(),
-                    tree.to_bits(),
-                    "{st:?} dim {dim}: {x:?}"
-                );
+                assert_eq!(v8_tree_sum(&x).to_bits(), tree.to_bits(), "{st:?} dim {dim}: {x:?}");
                 let sequential: f32 = x.iter().map(|v| v * v).sum();
                 reordered += (sequential.to_bits() != tree.to_bits()) as usize;
             }
-            assert!(
-                reordered > rows / 10,
-                "{st:?} dim {dim}: only {reordered} of {rows} rows tell the orders apart"
-            );
+            assert!(reordered > rows / 10, "{st:?} dim {dim}: only {reordered} of {rows} rows tell the orders apart");
         }
     }
 }
@@ -123,80 +106,29 @@ fn gated_norm_v8_sum_order_is_the_scalar_tree_on_the_host() {
 #[test]
 fn rmsnorm_gated_v8_equals_scalar_bit_for_bit() {
     for st in STORAGES {
-        let Some(dev) = gpu("rmsnorm_gated v8 vs scalar", st) else {
-            return;
-        };
+        let Some(dev) = gpu("rmsnorm_gated v8 vs scalar", st) else { return };
         let mut rng = Rng::new(72);
         // (tokens, heads, dim, z row stride)
-        for (tokens, heads, dim, z_stride) in [
-            (1, 1, 128, 128),
-            (7, 3, 128, 3 * 128 + 8),
-            (700, 48, 128, 16480),
-            (13, 5, 32, 5 * 32 + 24),
-            (3, 1, 32, 32),
-            (9, 1, 64, 64),
-            (11, 3, 64, 200),
-            (37, 2, 256, 520),
-            (5, 1, 256, 256),
-            (1, 48, 128, 16480),
-        ] {
+        for (tokens, heads, dim, z_stride) in [(1, 1, 128, 128), (7, 3, 128, 3 * 128 + 8), (700, 48, 128, 16480), (13, 5, 32, 5 * 32 + 24), (3, 1, 32, 32), (9, 1, 64, 64), (11, 3, 64, 200), (37, 2, 256, 520), (5, 1, 256, 256), (1, 48, 128, 16480)] {
             let rows = tokens * heads;
             let x = spread(&mut rng, rows * dim, st);
-            let z_wide = rounded(
-                &rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0),
-                st,
-            );
-            let z: Vec<f32> = (0..tokens)
-                .flat_map(|t| z_wide[t * z_stride..t * z_stride + heads * dim].to_vec())
-                .collect();
+            let z_wide = rounded(&rng.vec((tokens - 1) * z_stride + heads * dim, -4.0, 4.0), st);
+            let z: Vec<f32> = (0..tokens).flat_map(|t| z_wide[t * z_stride..t * z_stride + heads * dim].to_vec()).collect();
             let w = rounded(&rng.vec(dim, 0.5, 1.5), st);
             let (z_dev, w_dev) = (upload(&dev, &z_wide), upload(&dev, &w));
             let x_aligned = upload(&dev, &x);
-            let x_skewed = upload(
-                &dev,
-                &std::iter::once(0.0)
-                    .chain(x.iter().copied())
-                    .collect::<Vec<_>>(),
-            );
+            let x_skewed = upload(&dev, &std::iter::once(0.0).chain(x.iter().copied()).collect::<Vec<_>>());
             let mut v8 = Out16::new(&dev, rows * dim);
-            dev.rmsnorm_gated(
-                &x_aligned,
-                &z_dev,
-                z_stride,
-                &w_dev,
-                &mut v8.view(),
-                tokens,
-                heads,
-                dim,
-                EPS,
-            )
-            .unwrap();
+            dev.rmsnorm_gated(&x_aligned, &z_dev, z_stride, &w_dev, &mut v8.view(), tokens, heads, dim, EPS).unwrap();
             let mut scalar = Out16::new(&dev, rows * dim);
-            dev.rmsnorm_gated(
-                &x_skewed.slice(1..),
-                &z_dev,
-                z_stride,
-                &w_dev,
-                &mut scalar.view(),
-                tokens,
-                heads,
-                dim,
-                EPS,
-            )
-            .unwrap();
+            dev.rmsnorm_gated(&x_skewed.slice(1..), &z_dev, z_stride, &w_dev, &mut scalar.view(), tokens, heads, dim, EPS).unwrap();
             let label = format!("{st:?} {tokens}x{heads}x{dim}/zs{z_stride}");
             let v8 = v8.read(&dev, "rmsnorm_gated v8");
-            assert_bitwise(
-                &v8,
-                &scalar.read(&dev, "rmsnorm_gated scalar"),
-                &format!("rmsnorm_gated v8 vs scalar {label}"),
-            );
+            assert_bitwise(&v8, &scalar.read(&dev, "rmsnorm_gated scalar"), &format!("rmsnorm_gated v8 vs scalar {label}"));
             let want = reference::rmsnorm_gated(&x, &z, &w, rows, dim, EPS);
             check("rmsnorm_gated_v8", st, &label, &v8, &want, tol16(st));
-            println!(
-                "PARITY op=rmsnorm_gated_v8_vs_scalar storage={} shape={label} bitwise=1",
-                st.name()
-            );
+            println!("PARITY op=rmsnorm_gated_v8_vs_scalar storage={} shape={label} bitwise=1", st.name());
         }
     }
 }
+

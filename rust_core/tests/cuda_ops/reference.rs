@@ -7,20 +7,8 @@ use ninfer_core::backend::cpu::{activation, attention, gdn, matmul, norm, rope};
 
 /// RMSNorm of `rows` rows of `dim` (x rows `x_stride` apart); `plus_one` folds w + 1 into the
 /// weight first, as the model loader does for the (1 + w) convention.
-pub fn rmsnorm(
-    x: &[f32],
-    w: &[f32],
-    rows: usize,
-    dim: usize,
-    x_stride: usize,
-    eps: f32,
-    plus_one: bool,
-) -> Vec<f32> {
-    let w: Vec<f32> = if plus_one {
-        w.iter().map(|v| 1.0 + v).collect()
-    } else {
-        w.to_vec()
-    };
+pub fn rmsnorm(x: &[f32], w: &[f32], rows: usize, dim: usize, x_stride: usize, eps: f32, plus_one: bool) -> Vec<f32> {
+    let w: Vec<f32> = if plus_one { w.iter().map(|v| 1.0 + v).collect() } else { w.to_vec() };
     if x_stride == dim {
         let mut out = vec![0.0; rows * dim];
         norm::rms_norm(x, rows, dim, &w, eps, &mut out);
@@ -28,20 +16,11 @@ pub fn rmsnorm(
     }
     let mut y = x.to_vec();
     norm::rms_norm_heads_inplace(&mut y, rows, x_stride, 0, 1, dim, &w, eps);
-    (0..rows)
-        .flat_map(|r| y[r * x_stride..r * x_stride + dim].to_vec())
-        .collect()
+    (0..rows).flat_map(|r| y[r * x_stride..r * x_stride + dim].to_vec()).collect()
 }
 
 /// Gated RMSNorm of the GDN output.
-pub fn rmsnorm_gated(
-    x: &[f32],
-    z: &[f32],
-    w: &[f32],
-    rows: usize,
-    dim: usize,
-    eps: f32,
-) -> Vec<f32> {
+pub fn rmsnorm_gated(x: &[f32], z: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32) -> Vec<f32> {
     let mut out = vec![0.0; rows * dim];
     gdn::rms_norm_gated(x, z, rows, dim, w, eps, &mut out);
     out
@@ -66,29 +45,11 @@ pub fn swiglu(gate_up: &[f32], rows: usize, n: usize) -> Vec<f32> {
 
 /// NeoX RoPE in place on `heads` heads of every row (rows `stride` apart).
 #[allow(clippy::too_many_arguments)]
-pub fn rope(
-    x: &mut [f32],
-    positions: &[i32],
-    stride: usize,
-    heads: usize,
-    head_dim: usize,
-    inv_freq: &[f32],
-    scale: f32,
-) {
+pub fn rope(x: &mut [f32], positions: &[i32], stride: usize, heads: usize, head_dim: usize, inv_freq: &[f32], scale: f32) {
     let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     rope::rope_tables(&pos, inv_freq, scale, &mut cos, &mut sin);
-    rope::apply_rope(
-        x,
-        pos.len(),
-        stride,
-        0,
-        heads,
-        head_dim,
-        &cos,
-        &sin,
-        inv_freq.len(),
-    );
+    rope::apply_rope(x, pos.len(), stride, 0, heads, head_dim, &cos, &sin, inv_freq.len());
 }
 
 /// y[M, N] = x[M, K] W[N, K]^T.
@@ -114,72 +75,23 @@ pub fn attention_seq(
     block_size: usize,
     scale: f32,
 ) -> Vec<f32> {
-    let layout = attention::KvLayout {
-        block_size,
-        n_kv_heads,
-        head_dim: d,
-    };
+    let layout = attention::KvLayout { block_size, n_kv_heads, head_dim: d };
     let table: Vec<u32> = table.iter().map(|&b| b as u32).collect();
     let mut out = vec![0.0; t * n_heads * d];
-    attention::paged_attention(
-        q,
-        n_heads * d,
-        t,
-        n_heads,
-        k_cache,
-        v_cache,
-        &layout,
-        &table,
-        start_pos,
-        scale,
-        &mut out,
-        n_heads * d,
-    );
+    attention::paged_attention(q, n_heads * d, t, n_heads, k_cache, v_cache, &layout, &table, start_pos, scale, &mut out, n_heads * d);
     out
 }
 
 /// The CPU KV write of one token row at `pos` through a block table.
 #[allow(clippy::too_many_arguments)]
-pub fn write_kv(
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
-    k: &[f32],
-    v: &[f32],
-    table: &[i32],
-    pos: usize,
-    n_kv_heads: usize,
-    d: usize,
-    block_size: usize,
-) {
-    let layout = attention::KvLayout {
-        block_size,
-        n_kv_heads,
-        head_dim: d,
-    };
+pub fn write_kv(k_cache: &mut [f32], v_cache: &mut [f32], k: &[f32], v: &[f32], table: &[i32], pos: usize, n_kv_heads: usize, d: usize, block_size: usize) {
+    let layout = attention::KvLayout { block_size, n_kv_heads, head_dim: d };
     let table: Vec<u32> = table.iter().map(|&b| b as u32).collect();
-    attention::write_kv(
-        k_cache,
-        v_cache,
-        &layout,
-        &table,
-        pos,
-        1,
-        k,
-        v,
-        n_kv_heads * d,
-    );
+    attention::write_kv(k_cache, v_cache, &layout, &table, pos, 1, k, v, n_kv_heads * d);
 }
 
 /// Causal conv1d + SiLU of one sequence with carried state [c, k-1] (updated).
-pub fn conv1d_seq(
-    x: &[f32],
-    state: &mut [f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    t: usize,
-    c: usize,
-    k: usize,
-) -> Vec<f32> {
+pub fn conv1d_seq(x: &[f32], state: &mut [f32], w: &[f32], bias: Option<&[f32]>, t: usize, c: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0.0; t * c];
     gdn::causal_conv1d_silu(x, t, c, w, k, bias, state, &mut out);
     out
@@ -201,13 +113,7 @@ pub fn gdn_recurrent_seq(
     dk: usize,
     dv: usize,
 ) -> Vec<f32> {
-    let dims = gdn::GdnDims {
-        t,
-        num_k_heads: nk,
-        num_v_heads: nv,
-        k_dim: dk,
-        v_dim: dv,
-    };
+    let dims = gdn::GdnDims { t, num_k_heads: nk, num_v_heads: nv, k_dim: dk, v_dim: dv };
     let mut out = vec![0.0; t * nv * dv];
     gdn::gated_delta_rule_recurrent(&dims, q, k, v, g, beta, state, &mut out);
     out

@@ -27,15 +27,12 @@ pub fn softplus(x: f32) -> f32 {
 /// SwiGLU over a fused gate|up projection: `gate_up` is `[rows, 2 * inter]` (gate first),
 /// `out[rows, inter] = silu(gate) * up`.
 pub fn swiglu(gate_up: &[f32], rows: usize, inter: usize, out: &mut [f32]) {
-    out[..rows * inter]
-        .par_chunks_mut(inter)
-        .zip(gate_up[..rows * 2 * inter].par_chunks(2 * inter))
-        .for_each(|(o, gu)| {
-            let (g, u) = gu.split_at(inter);
-            for ((oi, gi), ui) in o.iter_mut().zip(g).zip(u) {
-                *oi = silu(*gi) * ui;
-            }
-        });
+    out[..rows * inter].par_chunks_mut(inter).zip(gate_up[..rows * 2 * inter].par_chunks(2 * inter)).for_each(|(o, gu)| {
+        let (g, u) = gu.split_at(inter);
+        for ((oi, gi), ui) in o.iter_mut().zip(g).zip(u) {
+            *oi = silu(*gi) * ui;
+        }
+    });
 }
 
 #[cfg(test)]

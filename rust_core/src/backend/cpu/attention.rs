@@ -27,8 +27,7 @@ impl KvLayout {
     #[inline]
     pub fn offset(&self, block_table: &[u32], pos: usize, kv_head: usize) -> usize {
         let block = block_table[pos / self.block_size] as usize;
-        ((block * self.block_size + pos % self.block_size) * self.n_kv_heads + kv_head)
-            * self.head_dim
+        ((block * self.block_size + pos % self.block_size) * self.n_kv_heads + kv_head) * self.head_dim
     }
 }
 
@@ -81,8 +80,7 @@ pub fn paged_attention(
     let ptr = SharedMut(out.as_mut_ptr());
     let out_len = out.len();
     (0..t * n_heads).into_par_iter().for_each(|task| {
-        #[allow(clippy::redundant_locals)]
-        // capture the Send wrapper whole, not its raw-pointer field
+        #[allow(clippy::redundant_locals)] // capture the Send wrapper whole, not its raw-pointer field
         let ptr = ptr;
         let (r, h) = (task / n_heads, task % n_heads);
         let pos = start_pos + r;
@@ -135,37 +133,19 @@ mod tests {
 
     /// Dense causal GQA attention over contiguous K/V, in f64.
     #[allow(clippy::too_many_arguments)] // the shape, spelled out as the kernel takes it
-    fn naive(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        t: usize,
-        nh: usize,
-        nkv: usize,
-        hd: usize,
-        scale: f32,
-    ) -> Vec<f32> {
+    fn naive(q: &[f32], k: &[f32], v: &[f32], t: usize, nh: usize, nkv: usize, hd: usize, scale: f32) -> Vec<f32> {
         let mut out = vec![0f32; t * nh * hd];
         for r in 0..t {
             for h in 0..nh {
                 let kvh = h / (nh / nkv);
                 let scores: Vec<f64> = (0..=r)
-                    .map(|s| {
-                        (0..hd)
-                            .map(|d| {
-                                q[(r * nh + h) * hd + d] as f64 * k[(s * nkv + kvh) * hd + d] as f64
-                            })
-                            .sum::<f64>()
-                            * scale as f64
-                    })
+                    .map(|s| (0..hd).map(|d| q[(r * nh + h) * hd + d] as f64 * k[(s * nkv + kvh) * hd + d] as f64).sum::<f64>() * scale as f64)
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
-                    out[(r * nh + h) * hd + d] = (0..=r)
-                        .map(|s| e[s] / z * v[(s * nkv + kvh) * hd + d] as f64)
-                        .sum::<f64>() as f32;
+                    out[(r * nh + h) * hd + d] = (0..=r).map(|s| e[s] / z * v[(s * nkv + kvh) * hd + d] as f64).sum::<f64>() as f32;
                 }
             }
         }
@@ -175,11 +155,7 @@ mod tests {
     #[test]
     fn paged_attention_in_two_chunks_matches_dense_reference() {
         let (t, nh, nkv, hd, bs) = (11, 6, 2, 12, 4);
-        let layout = KvLayout {
-            block_size: bs,
-            n_kv_heads: nkv,
-            head_dim: hd,
-        };
+        let layout = KvLayout { block_size: bs, n_kv_heads: nkv, head_dim: hd };
         let q = rand_vec(t * nh * hd, 1);
         let k = rand_vec(t * nkv * hd, 2);
         let v = rand_vec(t * nkv * hd, 3);
@@ -191,31 +167,8 @@ mod tests {
         // Prefill 7 tokens, then 4 more (chunked), each chunk attending over the cache.
         for (start, len) in [(0usize, 7usize), (7, 4)] {
             let w = nkv * hd;
-            write_kv(
-                &mut ck,
-                &mut cv,
-                &layout,
-                &table,
-                start,
-                len,
-                &k[start * w..],
-                &v[start * w..],
-                w,
-            );
-            paged_attention(
-                &q[start * nh * hd..],
-                nh * hd,
-                len,
-                nh,
-                &ck,
-                &cv,
-                &layout,
-                &table,
-                start,
-                scale,
-                &mut out[start * nh * hd..],
-                nh * hd,
-            );
+            write_kv(&mut ck, &mut cv, &layout, &table, start, len, &k[start * w..], &v[start * w..], w);
+            paged_attention(&q[start * nh * hd..], nh * hd, len, nh, &ck, &cv, &layout, &table, start, scale, &mut out[start * nh * hd..], nh * hd);
         }
         let r = naive(&q, &k, &v, t, nh, nkv, hd, scale);
         for (a, e) in out.iter().zip(&r) {

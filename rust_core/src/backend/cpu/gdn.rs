@@ -58,11 +58,7 @@ pub fn causal_conv1d_silu(
     let hist = k - 1;
     assert_eq!(x.len(), t * c, "conv x must be [t={t}, c={c}]");
     assert_eq!(weight.len(), c * k, "conv weight must be [c={c}, k={k}]");
-    assert_eq!(
-        conv_state.len(),
-        c * hist,
-        "conv state must be [c={c}, k-1={hist}]"
-    );
+    assert_eq!(conv_state.len(), c * hist, "conv state must be [c={c}, k-1={hist}]");
     assert_eq!(out.len(), t * c, "conv out must be [t={t}, c={c}]");
     if let Some(b) = bias {
         assert_eq!(b.len(), c, "conv bias must be [c={c}]");
@@ -118,9 +114,7 @@ pub fn causal_conv1d_silu(
                 .enumerate()
                 .for_each(|(i, o)| inner_row(edge + i, o));
         } else {
-            rows.chunks_mut(c)
-                .enumerate()
-                .for_each(|(i, o)| inner_row(edge + i, o));
+            rows.chunks_mut(c).enumerate().for_each(|(i, o)| inner_row(edge + i, o));
         }
     }
     // The new state is the last k-1 entries of [state, x]; reading index t + p >= p lets the
@@ -201,11 +195,7 @@ impl DeltaInputs<'_> {
             "v must be [t={t}, num_v_heads={nv}, v_dim={vd}]"
         );
         assert_eq!(self.g.len(), t * nv, "g must be [t={t}, num_v_heads={nv}]");
-        assert_eq!(
-            self.beta.len(),
-            t * nv,
-            "beta must be [t={t}, num_v_heads={nv}]"
-        );
+        assert_eq!(self.beta.len(), t * nv, "beta must be [t={t}, num_v_heads={nv}]");
         assert_eq!(
             state.len(),
             nv * kd * vd,
@@ -236,15 +226,7 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 /// The convention is a plain `weight` (initialised to ones), not the `1 + weight` of the
 /// model's other RMSNorms. x, z: `[rows, v_dim]`; weight: `[v_dim]`; out: `[rows, v_dim]`.
 /// Panics if a slice length does not match the dimensions.
-pub fn rms_norm_gated(
-    x: &[f32],
-    z: &[f32],
-    rows: usize,
-    v_dim: usize,
-    weight: &[f32],
-    eps: f32,
-    out: &mut [f32],
-) {
+pub fn rms_norm_gated(x: &[f32], z: &[f32], rows: usize, v_dim: usize, weight: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(
         x.len(),
         rows * v_dim,
@@ -255,11 +237,7 @@ pub fn rms_norm_gated(
         rows * v_dim,
         "gated norm z must be [rows={rows}, v_dim={v_dim}]"
     );
-    assert_eq!(
-        weight.len(),
-        v_dim,
-        "gated norm weight must be [v_dim={v_dim}]"
-    );
+    assert_eq!(weight.len(), v_dim, "gated norm weight must be [v_dim={v_dim}]");
     assert_eq!(
         out.len(),
         rows * v_dim,

@@ -14,19 +14,8 @@ use super::SharedMut;
 pub const SMALL_M: usize = 8;
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ + bias[n]`.
-pub fn linear(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    w: &[f32],
-    n: usize,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-) {
-    assert!(
-        x.len() >= m * k && w.len() >= n * k && out.len() >= m * n,
-        "linear: buffer too small"
-    );
+pub fn linear(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) {
+    assert!(x.len() >= m * k && w.len() >= n * k && out.len() >= m * n, "linear: buffer too small");
     if m == 0 || n == 0 {
         return;
     }
@@ -44,15 +33,7 @@ pub fn linear(
     }
 }
 
-fn gemv_rows(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    w: &[f32],
-    n: usize,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-) {
+fn gemv_rows(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, bias: Option<&[f32]>, out: &mut [f32]) {
     let threads = rayon::current_num_threads().max(1);
     // Enough blocks to balance, each large enough to amortize task overhead (~16 KiB of weights).
     let min_rows = (4096 / k.max(1)).max(4);
@@ -60,8 +41,7 @@ fn gemv_rows(
     let nblocks = n.div_ceil(block);
     let ptr = SharedMut(out.as_mut_ptr());
     (0..nblocks).into_par_iter().for_each(|bi| {
-        #[allow(clippy::redundant_locals)]
-        // capture the Send wrapper whole, not its raw-pointer field
+        #[allow(clippy::redundant_locals)] // capture the Send wrapper whole, not its raw-pointer field
         let ptr = ptr;
         let rows = bi * block..((bi + 1) * block).min(n);
         simd::rows_block(w, x, m, k, rows, &mut |j, dots| {
@@ -80,8 +60,7 @@ fn gemm(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
     let nslices = n.div_ceil(slice);
     let ptr = SharedMut(out.as_mut_ptr());
     (0..nslices).into_par_iter().for_each(|si| {
-        #[allow(clippy::redundant_locals)]
-        // capture the Send wrapper whole, not its raw-pointer field
+        #[allow(clippy::redundant_locals)] // capture the Send wrapper whole, not its raw-pointer field
         let ptr = ptr;
         let j0 = si * slice;
         let nc = slice.min(n - j0);
@@ -140,13 +119,7 @@ mod tests {
 
     #[test]
     fn linear_matches_naive_for_small_and_large_m() {
-        for &(m, k, n) in &[
-            (1, 37, 53),
-            (3, 64, 100),
-            (8, 19, 7),
-            (9, 33, 41),
-            (40, 70, 130),
-        ] {
+        for &(m, k, n) in &[(1, 37, 53), (3, 64, 100), (8, 19, 7), (9, 33, 41), (40, 70, 130)] {
             let x = rand_vec(m * k, 1);
             let w = rand_vec(n * k, 2);
             let b = rand_vec(n, 3);

@@ -20,9 +20,7 @@ pub fn rms_norm(x: &[f32], rows: usize, dim: usize, w: &[f32], eps: f32, out: &m
     let x = &x[..rows * dim];
     let out = &mut out[..rows * dim];
     if rows >= 4 {
-        out.par_chunks_mut(dim)
-            .zip(x.par_chunks(dim))
-            .for_each(|(o, xr)| norm_row(xr, w, eps, o));
+        out.par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(|(o, xr)| norm_row(xr, w, eps, o));
     } else {
         for (o, xr) in out.chunks_mut(dim).zip(x.chunks(dim)) {
             norm_row(xr, w, eps, o);
@@ -33,16 +31,7 @@ pub fn rms_norm(x: &[f32], rows: usize, dim: usize, w: &[f32], eps: f32, out: &m
 /// Normalize, in place, `heads` consecutive sub-rows of width `dim` in each of `rows` rows of
 /// stride `stride` (per-head q/k norm inside a fused projection output).
 #[allow(clippy::too_many_arguments)]
-pub fn rms_norm_heads_inplace(
-    x: &mut [f32],
-    rows: usize,
-    stride: usize,
-    offset: usize,
-    heads: usize,
-    dim: usize,
-    w: &[f32],
-    eps: f32,
-) {
+pub fn rms_norm_heads_inplace(x: &mut [f32], rows: usize, stride: usize, offset: usize, heads: usize, dim: usize, w: &[f32], eps: f32) {
     for r in 0..rows {
         for h in 0..heads {
             let s = r * stride + offset + h * dim;

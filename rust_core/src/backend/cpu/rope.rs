@@ -3,13 +3,7 @@
 
 /// Fill `cos`/`sin` (`[positions, inv_freq.len()]`) for the given positions, as transformers
 /// does: `angle = f32(pos) * inv_freq` in f32, then `cos(angle) * scale`.
-pub fn rope_tables(
-    positions: &[usize],
-    inv_freq: &[f32],
-    scale: f32,
-    cos: &mut Vec<f32>,
-    sin: &mut Vec<f32>,
-) {
+pub fn rope_tables(positions: &[usize], inv_freq: &[f32], scale: f32, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
     let half = inv_freq.len();
     cos.resize(positions.len() * half, 0.0);
     sin.resize(positions.len() * half, 0.0);
@@ -25,17 +19,7 @@ pub fn rope_tables(
 /// Rotate, in place, `heads` heads of width `head_dim` starting at `offset` in each of `rows`
 /// rows of stride `stride`; row `r` uses `cos/sin[r * half..]` with `half = rotary_dim / 2`.
 #[allow(clippy::too_many_arguments)]
-pub fn apply_rope(
-    x: &mut [f32],
-    rows: usize,
-    stride: usize,
-    offset: usize,
-    heads: usize,
-    head_dim: usize,
-    cos: &[f32],
-    sin: &[f32],
-    half: usize,
-) {
+pub fn apply_rope(x: &mut [f32], rows: usize, stride: usize, offset: usize, heads: usize, head_dim: usize, cos: &[f32], sin: &[f32], half: usize) {
     for r in 0..rows {
         let c = &cos[r * half..(r + 1) * half];
         let s = &sin[r * half..(r + 1) * half];

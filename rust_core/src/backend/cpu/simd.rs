@@ -110,13 +110,7 @@ fn row_dots<const M: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32; 8]) 
 }
 
 #[inline(always)]
-fn rows_block_m<const M: usize>(
-    w: &[f32],
-    x: &[f32],
-    k: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut dyn FnMut(usize, &[f32; 8]),
-) {
+fn rows_block_m<const M: usize>(w: &[f32], x: &[f32], k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
     let mut tmp = [0f32; 8];
     for j in rows {
         row_dots::<M>(&w[j * k..(j + 1) * k], x, k, &mut tmp);
@@ -126,23 +120,11 @@ fn rows_block_m<const M: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rows_block_avx2<const M: usize>(
-    w: &[f32],
-    x: &[f32],
-    k: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut dyn FnMut(usize, &[f32; 8]),
-) {
+unsafe fn rows_block_avx2<const M: usize>(w: &[f32], x: &[f32], k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
     rows_block_m::<M>(w, x, k, rows, out)
 }
 
-fn rows_block_dispatch<const M: usize>(
-    w: &[f32],
-    x: &[f32],
-    k: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut dyn FnMut(usize, &[f32; 8]),
-) {
+fn rows_block_dispatch<const M: usize>(w: &[f32], x: &[f32], k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports avx2 and fma (checked at runtime).
@@ -153,14 +135,7 @@ fn rows_block_dispatch<const M: usize>(
 
 /// For each weight row `j` in `rows` (`w` is `[n, k]`), the dot products with the `m <= 8`
 /// input rows of `x`, handed to `out(j, dots)`. Each weight row is read once for all inputs.
-pub fn rows_block(
-    w: &[f32],
-    x: &[f32],
-    m: usize,
-    k: usize,
-    rows: std::ops::Range<usize>,
-    out: &mut dyn FnMut(usize, &[f32; 8]),
-) {
+pub fn rows_block(w: &[f32], x: &[f32], m: usize, k: usize, rows: std::ops::Range<usize>, out: &mut dyn FnMut(usize, &[f32; 8])) {
     match m {
         1 => rows_block_dispatch::<1>(w, x, k, rows, out),
         2 => rows_block_dispatch::<2>(w, x, k, rows, out),
@@ -183,11 +158,7 @@ mod tests {
         for n in [0, 1, 5, 16, 17, 37, 100] {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-            let naive: f64 = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (*x as f64) * (*y as f64))
-                .sum();
+            let naive: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64) * (*y as f64)).sum();
             assert!((dot(&a, &b) as f64 - naive).abs() < 1e-4, "n={n}");
         }
     }

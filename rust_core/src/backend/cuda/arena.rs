@@ -22,9 +22,7 @@ pub struct ActivationArena {
 
 /// Bytes that regions of these byte lengths take in an arena, alignment padding included.
 pub fn arena_bytes(lens: &[usize]) -> usize {
-    lens.iter()
-        .map(|l| l.div_ceil(ARENA_ALIGN) * ARENA_ALIGN)
-        .sum()
+    lens.iter().map(|l| l.div_ceil(ARENA_ALIGN) * ARENA_ALIGN).sum()
 }
 
 /// A typed region of the arena. It derefs to a `CudaSlice<T>` (so every op takes it) that does
@@ -98,15 +96,8 @@ impl ActivationArena {
         for (&len, &b) in lens.iter().zip(&bytes) {
             // SAFETY: [base + offset, base + offset + b) lies inside `buf` (checked above),
             // regions are disjoint, and each is leaked (not freed) when dropped.
-            let slice = unsafe {
-                device
-                    .stream()
-                    .upgrade_device_ptr::<T>(self.base + offset as u64, len)
-            };
-            out.push(ArenaRegion {
-                slice: ManuallyDrop::new(slice),
-                _arena: PhantomData,
-            });
+            let slice = unsafe { device.stream().upgrade_device_ptr::<T>(self.base + offset as u64, len) };
+            out.push(ArenaRegion { slice: ManuallyDrop::new(slice), _arena: PhantomData });
             offset += b.div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
         }
         Ok(out)

@@ -35,9 +35,7 @@ impl CudaDevice {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let dims = [m, n, k];
         if dims.iter().any(|&d| d > i32::MAX as usize) {
-            return Err(NinferError::Device(format!(
-                "gemm dims {dims:?} exceed i32"
-            )));
+            return Err(NinferError::Device(format!("gemm dims {dims:?} exceed i32")));
         }
         // SAFETY: the pointers are live device buffers whose lengths the callers checked
         // against m, n, k; the handle is bound to this device's stream.

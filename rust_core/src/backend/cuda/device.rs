@@ -118,22 +118,14 @@ pub const SMEM_CARVEOUT_VAR: &str = "NINFER_SMEM_CARVEOUT";
 /// make the SM reconfigure between them, which waits for the running blocks to drain and so
 /// cuts into the overlap that programmatic dependent launch buys.
 pub fn parse_smem_carveout(value: Option<&str>) -> Result<Option<i32>> {
-    let Some(v) = value
-        .map(str::trim)
-        .filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto"))
-    else {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
         return Ok(None);
     };
     v.parse::<i32>()
         .ok()
         .filter(|p| (0..=100).contains(p))
         .map(Some)
-        .ok_or_else(|| {
-            NinferError::config(
-                SMEM_CARVEOUT_VAR,
-                format!("expected `auto` or a percentage of 0..=100, got {v:?}"),
-            )
-        })
+        .ok_or_else(|| NinferError::config(SMEM_CARVEOUT_VAR, format!("expected `auto` or a percentage of 0..=100, got {v:?}")))
 }
 
 /// cuBLAS workspace bytes: what NVIDIA recommends for Hopper (32 MiB; 4 MiB is enough on older
@@ -170,70 +162,32 @@ impl CudaDevice {
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
         let invariant = std::env::var(super::ops::BATCH_INVARIANT_SWITCH).ok();
-        let batch_invariant = crate::config::env_switch::parse_switch(
-            super::ops::BATCH_INVARIANT_SWITCH,
-            invariant.as_deref(),
-            false,
-        )?;
-        let gemv_form = super::ops::gemv_form_with_switch(
-            (major, minor),
-            tc_switch.as_deref(),
-            batch_invariant,
-        )?;
+        let batch_invariant = crate::config::env_switch::parse_switch(super::ops::BATCH_INVARIANT_SWITCH, invariant.as_deref(), false)?;
+        let gemv_form = super::ops::gemv_form_with_switch((major, minor), tc_switch.as_deref(), batch_invariant)?;
         let shapes = std::env::var(super::ops::GEMV_SHAPES_VAR).ok();
-        let gemv_shapes = super::ops::gemv_shapes_for(
-            (major, minor),
-            gemv_form,
-            tc_switch.as_deref(),
-            shapes.as_deref(),
-        )?;
+        let gemv_shapes = super::ops::gemv_shapes_for((major, minor), gemv_form, tc_switch.as_deref(), shapes.as_deref())?;
         let prefetch = std::env::var(super::ops::TC_PREFETCH_VAR).ok();
-        let tc_prefetch_steps =
-            AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
-        let cc_prefetch = super::ops::parse_cc_prefetch(
-            std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref(),
-        )?;
-        let warps =
-            super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
+        let tc_prefetch_steps = AtomicU32::new(super::ops::parse_tc_prefetch_steps(prefetch.as_deref())?);
+        let cc_prefetch = super::ops::parse_cc_prefetch(std::env::var(super::ops::CC_PREFETCH_VAR).ok().as_deref())?;
+        let warps = super::ops::parse_cc_warps(std::env::var(super::ops::CC_WARPS_VAR).ok().as_deref())?;
         // Until a model sets its defaults: unsplit, the unsplit block.
         let unsplit_warps = super::ops::default_cc_warps(1);
-        let cc_ksplit_plan = super::ops::parse_cc_ksplit(
-            std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(),
-            warps.unwrap_or(unsplit_warps),
-        )?;
-        let (cc_warps, cc_ksplit) = (
-            AtomicUsize::new(warps.unwrap_or(unsplit_warps)),
-            AtomicUsize::new(cc_ksplit_plan.default.unwrap_or(1)),
-        );
+        let cc_ksplit_plan = super::ops::parse_cc_ksplit(std::env::var(super::ops::CC_KSPLIT_VAR).ok().as_deref(), warps.unwrap_or(unsplit_warps))?;
+        let (cc_warps, cc_ksplit) = (AtomicUsize::new(warps.unwrap_or(unsplit_warps)), AtomicUsize::new(cc_ksplit_plan.default.unwrap_or(1)));
         let cc_warps_set = warps.is_some();
-        let da_min_warp_keys = super::ops::parse_da_min_warp_keys(
-            std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR)
-                .ok()
-                .as_deref(),
-        )?;
+        let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let min_tiles_var = std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok();
-        let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(
-            min_tiles_var.as_deref(),
-        )?);
-        let tc_decode_attn =
-            crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
+        let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(min_tiles_var.as_deref())?);
+        let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
         let min_tokens_var = std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok();
-        let tc_decode_min_tokens =
-            super::ops::parse_tc_decode_min_tokens(min_tokens_var.as_deref())?;
+        let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(min_tokens_var.as_deref())?;
         // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether.
-        let tc_decode_direct = tc_decode_attn
-            && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
-        super::ops::check_staged_tc_settings(
-            tc_decode_attn && !tc_decode_direct,
-            min_tokens_var.as_deref(),
-            min_tiles_var.as_deref(),
-        )?;
+        let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
+        super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
         let fa_ws = crate::config::env_switch::env_switch(super::ops::FA_WS_SWITCH, true)?;
         let nvrtc_major = super::nvrtc::nvrtc_version().map_or(0, |v| v.0);
         let sm_count = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?
             .max(1) as usize;
         let smem_optin = ctx
@@ -242,12 +196,8 @@ impl CudaDevice {
             .max(0) as usize;
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
-        let stream = ctx
-            .new_stream()
-            .map_err(driver_err("creating the device stream"))?;
-        let fa_work = stream
-            .alloc_zeros::<u32>(2)
-            .map_err(driver_err("allocating the attention work counters"))?;
+        let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
+        let fa_work = stream.alloc_zeros::<u32>(2).map_err(driver_err("allocating the attention work counters"))?;
         Ok(CudaDevice {
             ordinal,
             name,
@@ -364,13 +314,7 @@ impl CudaDevice {
 
     /// The kernel a weight of `rows` x `k` runs in GEMV form `form` for a launch of `m` rows on
     /// this device (its `NINFER_GEMV_SHAPES` override applied): `ops::gemv_kernel`.
-    pub fn gemv_kernel(
-        &self,
-        form: super::ops::GemvForm,
-        rows: usize,
-        k: usize,
-        m: usize,
-    ) -> super::ops::GemvKernel {
+    pub fn gemv_kernel(&self, form: super::ops::GemvForm, rows: usize, k: usize, m: usize) -> super::ops::GemvKernel {
         super::ops::gemv_kernel(form, self.gemv_shapes.as_ref(), rows, k, m)
     }
 
@@ -424,9 +368,7 @@ impl CudaDevice {
     /// `k` (`NINFER_CC_KSPLIT`, per shape where it names the shape). Every kernel of a weight
     /// (the plain GEMV and its fused forms) asks with the weight's shape, so they sum alike.
     pub fn cc_ksplit_for(&self, rows: usize, k: usize) -> usize {
-        self.cc_ksplit_plan
-            .named(rows, k)
-            .unwrap_or_else(|| self.cc_ksplit.load(Ordering::Relaxed))
+        self.cc_ksplit_plan.named(rows, k).unwrap_or_else(|| self.cc_ksplit.load(Ordering::Relaxed))
     }
 
     /// Takes the CUDA-core GEMV launch of a model of hidden size `hidden` (`default_cc_ksplit`
@@ -436,15 +378,11 @@ impl CudaDevice {
     pub fn use_model_cc_launch(&self, hidden: usize) {
         if self.cc_ksplit_plan.default.is_none() {
             // An explicit block of 2 or 4 warps still fits the default split of 2.
-            self.cc_ksplit
-                .store(super::ops::default_cc_ksplit(hidden), Ordering::Relaxed);
+            self.cc_ksplit.store(super::ops::default_cc_ksplit(hidden), Ordering::Relaxed);
         }
         if !self.cc_warps_set {
             let base = self.cc_ksplit.load(Ordering::Relaxed);
-            self.cc_warps.store(
-                super::ops::default_cc_warps(base).max(self.cc_ksplit_plan.max_named()),
-                Ordering::Relaxed,
-            );
+            self.cc_warps.store(super::ops::default_cc_warps(base).max(self.cc_ksplit_plan.max_named()), Ordering::Relaxed);
         }
     }
 
@@ -465,16 +403,12 @@ impl CudaDevice {
 
     /// (free, total) device memory in bytes, for the memory ledger.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
-        self.ctx
-            .mem_get_info()
-            .map_err(driver_err("reading free device memory"))
+        self.ctx.mem_get_info().map_err(driver_err("reading free device memory"))
     }
 
     /// Waits until all queued work is done; surfaces asynchronous kernel faults.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(driver_err("synchronizing the stream"))
+        self.stream.synchronize().map_err(driver_err("synchronizing the stream"))
     }
 
     /// Compiles (or reads from the disk cache) and loads every kernel family now, so that the
@@ -483,9 +417,7 @@ impl CudaDevice {
         // NVRTC compiles are independent and single-threaded: fill the disk cache for all
         // families in parallel first, so that a cold start costs the slowest one, not the sum.
         let arch = self.arch();
-        KernelFamily::ALL
-            .par_iter()
-            .try_for_each(|&f| nvrtc::cached_cubin(f, &arch, self.storage).map(|_| ()))?;
+        KernelFamily::ALL.par_iter().try_for_each(|&f| nvrtc::cached_cubin(f, &arch, self.storage).map(|_| ()))?;
         for family in KernelFamily::ALL {
             self.module(family)?;
         }
@@ -499,86 +431,47 @@ impl CudaDevice {
         }
         let cubin = nvrtc::cached_cubin(family, &self.arch(), self.storage)?;
         let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
-            NinferError::Device(format!(
-                "loading cuda/{} for {}: {e}",
-                family.file_name(),
-                self.arch()
-            ))
+            NinferError::Device(format!("loading cuda/{} for {}: {e}", family.file_name(), self.arch()))
         })?;
         modules.insert(family, module.clone());
         Ok(module)
     }
 
     /// The kernel `name` of `family`, loading its module on first use.
-    pub(crate) fn function(
-        &self,
-        family: KernelFamily,
-        name: &'static str,
-    ) -> Result<CudaFunction> {
-        if let Some(f) = self
-            .functions
-            .lock()
-            .expect("function cache poisoned")
-            .get(name)
-        {
+    pub(crate) fn function(&self, family: KernelFamily, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().expect("function cache poisoned").get(name) {
             return Ok(f.clone());
         }
         let module = self.module(family)?;
         let f = module.load_function(name).map_err(|e| {
-            NinferError::Device(format!(
-                "kernel {name} missing from cuda/{}: {e}",
-                family.file_name()
-            ))
+            NinferError::Device(format!("kernel {name} missing from cuda/{}: {e}", family.file_name()))
         })?;
         if let Some(pct) = self.smem_carveout {
             f.set_attribute(cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)
                 .map_err(|e| NinferError::Device(format!("setting the shared-memory carveout of {name} to {pct}%: {e}")))?;
         }
-        self.functions
-            .lock()
-            .expect("function cache poisoned")
-            .insert(name, f.clone());
+        self.functions.lock().expect("function cache poisoned").insert(name, f.clone());
         Ok(f)
     }
 
     /// How many blocks of `threads` threads of kernel `name` (no dynamic shared memory) one SM
     /// holds at once: a grid-stride kernel launched with this many blocks an SM runs in one
     /// wave, where a fixed guess either leaves SMs idle or queues a second partial wave.
-    pub(crate) fn resident_blocks(
-        &self,
-        f: &CudaFunction,
-        name: &'static str,
-        threads: u32,
-    ) -> Result<usize> {
-        if let Some(&n) = self
-            .resident
-            .lock()
-            .expect("occupancy cache poisoned")
-            .get(&(name, threads))
-        {
+    pub(crate) fn resident_blocks(&self, f: &CudaFunction, name: &'static str, threads: u32) -> Result<usize> {
+        if let Some(&n) = self.resident.lock().expect("occupancy cache poisoned").get(&(name, threads)) {
             return Ok(n);
         }
         let n = f
             .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-            .map_err(|e| {
-                NinferError::Device(format!("occupancy of {name} at {threads} threads: {e}"))
-            })?
+            .map_err(|e| NinferError::Device(format!("occupancy of {name} at {threads} threads: {e}")))?
             .max(1) as usize;
-        self.resident
-            .lock()
-            .expect("occupancy cache poisoned")
-            .insert((name, threads), n);
+        self.resident.lock().expect("occupancy cache poisoned").insert((name, threads), n);
         Ok(n)
     }
 
     /// The kernel `name` of `family`, allowed at least `smem` bytes of dynamic shared memory a
     /// block (beyond the default 48 KiB needs the opt-in attribute, set once per kernel).
-    pub(crate) fn function_with_smem(
-        &self,
-        family: KernelFamily,
-        name: &'static str,
-        smem: usize,
-    ) -> Result<CudaFunction> {
+    pub(crate) fn function_with_smem(&self, family: KernelFamily, name: &'static str, smem: usize) -> Result<CudaFunction> {
         let f = self.function(family, name)?;
         if smem <= 48 * 1024 {
             return Ok(f); // within the default limit: nothing to raise, no lock on the launch path
@@ -627,19 +520,12 @@ impl CudaDevice {
         // SAFETY: the handle is live and the workspace outlives it (both dropped with the
         // device; the workspace is stored next to the handle).
         let st = unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *b.handle(),
-                wp as *mut std::ffi::c_void,
-                BLAS_WORKSPACE_BYTES,
-            )
+            cudarc::cublas::sys::cublasSetWorkspace_v2(*b.handle(), wp as *mut std::ffi::c_void, BLAS_WORKSPACE_BYTES)
         };
         if st != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(NinferError::Device(format!("cublasSetWorkspace: {st:?}")));
         }
-        *self
-            .blas_workspace
-            .lock()
-            .expect("cublas workspace poisoned") = Some(ws);
+        *self.blas_workspace.lock().expect("cublas workspace poisoned") = Some(ws);
         *slot = Some(b.clone());
         Ok(b)
     }
@@ -657,10 +543,7 @@ mod tests {
         assert_eq!(parse_smem_carveout(Some("100")).unwrap(), Some(100));
         for bad in ["101", "-1", "half", "50%"] {
             let e = parse_smem_carveout(Some(bad)).unwrap_err().to_string();
-            assert!(
-                e.contains(SMEM_CARVEOUT_VAR) && e.contains(bad),
-                "{bad}: {e}"
-            );
+            assert!(e.contains(SMEM_CARVEOUT_VAR) && e.contains(bad), "{bad}: {e}");
         }
     }
 }

@@ -54,10 +54,7 @@ fn no_nvrtc() -> NinferError {
 
 /// The NVRTC options for one family compiled for `arch` (e.g. "sm_90") with `storage`.
 fn options(arch: &str, storage: StorageDType) -> Vec<String> {
-    let mut o = vec![
-        format!("--gpu-architecture={arch}"),
-        "-std=c++17".to_string(),
-    ];
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
     o.extend(storage.defines().iter().map(|d| d.to_string()));
     o
 }
@@ -122,28 +119,16 @@ unsafe fn program_log(prog: sys::nvrtcProgram) -> String {
     }
     let mut buf = vec![0u8; size.max(1)];
     sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char);
-    String::from_utf8_lossy(&buf)
-        .trim_end_matches('\0')
-        .to_string()
+    String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()
 }
 
 /// # Safety
 /// `prog` must be a successfully compiled NVRTC program.
 unsafe fn read_cubin(prog: sys::nvrtcProgram, family: KernelFamily, arch: &str) -> Result<Vec<u8>> {
     let mut size = 0usize;
-    check(
-        "cubin size",
-        family,
-        arch,
-        sys::nvrtcGetCUBINSize(prog, &mut size),
-    )?;
+    check("cubin size", family, arch, sys::nvrtcGetCUBINSize(prog, &mut size))?;
     let mut buf = vec![0u8; size];
-    check(
-        "cubin",
-        family,
-        arch,
-        sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char),
-    )?;
+    check("cubin", family, arch, sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char))?;
     Ok(buf)
 }
 
@@ -171,10 +156,7 @@ pub fn cache_dir() -> PathBuf {
         return PathBuf::from(d).join("ninfer").join("kernels");
     }
     if let Some(d) = std::env::var_os("HOME") {
-        return PathBuf::from(d)
-            .join(".cache")
-            .join("ninfer")
-            .join("kernels");
+        return PathBuf::from(d).join(".cache").join("ninfer").join("kernels");
     }
     std::env::temp_dir().join("ninfer-kernels")
 }

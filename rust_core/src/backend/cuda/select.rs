@@ -124,10 +124,7 @@ mod tests {
 
     #[test]
     fn cpu_and_auto_always_resolve() {
-        assert_eq!(
-            resolve_device(DeviceSpec::Cpu).unwrap(),
-            ResolvedDevice::Cpu
-        );
+        assert_eq!(resolve_device(DeviceSpec::Cpu).unwrap(), ResolvedDevice::Cpu);
         assert!(resolve_device(DeviceSpec::Auto).is_ok());
     }
 

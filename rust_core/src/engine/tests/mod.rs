@@ -47,13 +47,7 @@ struct Setup {
 impl Default for Setup {
     fn default() -> Self {
         Setup {
-            cfg: EngineConfig {
-                max_context: Some(512),
-                kv_capacity_tokens: Some(4096),
-                max_concurrency: 8,
-                prefill_chunk: 128,
-                ..Default::default()
-            },
+            cfg: EngineConfig { max_context: Some(512), kv_capacity_tokens: Some(4096), max_concurrency: 8, prefill_chunk: 128, ..Default::default() },
             vocab: VOCAB,
             max_pos: 4096,
             hybrid: false,
@@ -67,19 +61,9 @@ impl Default for Setup {
 impl Setup {
     fn build(&self) -> (EngineCore, Arc<Mutex<ToyLog>>) {
         let runner = ToyRunner::new(self.vocab, self.max_pos, self.hybrid);
-        let runner = if self.overlap {
-            runner.overlapping()
-        } else {
-            runner
-        };
+        let runner = if self.overlap { runner.overlapping() } else { runner };
         let log = runner.log.clone();
-        let core = EngineCore::new(
-            Box::new(runner),
-            &self.cfg,
-            self.tokenizer.clone(),
-            self.eos.clone(),
-        )
-        .expect("engine");
+        let core = EngineCore::new(Box::new(runner), &self.cfg, self.tokenizer.clone(), self.eos.clone()).expect("engine");
         // Tests look at the steps requests cause; the warm-up step has its own test.
         log.lock().expect("toy log").steps.clear();
         (core, log)
@@ -87,18 +71,12 @@ impl Setup {
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ..Default::default()
-    }
+    SamplingParams { temperature: 0.0, max_tokens, ..Default::default() }
 }
 
 /// Deterministic prompt of `len` tokens, different for each `salt`.
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32)
-        .map(|i| (i * 7 + salt * 13 + 1) % VOCAB as u32)
-        .collect()
+    (0..len as u32).map(|i| (i * 7 + salt * 13 + 1) % VOCAB as u32).collect()
 }
 
 fn collect_into(all: &mut HashMap<String, Collected>, outs: Vec<RequestOutput>) {
@@ -108,12 +86,7 @@ fn collect_into(all: &mut HashMap<String, Collected>, outs: Vec<RequestOutput>) 
         c.text.push_str(&o.text);
         c.deltas += 1;
         c.cached_tokens = o.cached_tokens;
-        assert_eq!(
-            o.error.is_some(),
-            o.finish_reason == Some(FinishReason::Error),
-            "{}: an error comes with finish reason error, on the last delta",
-            o.request_id
-        );
+        assert_eq!(o.error.is_some(), o.finish_reason == Some(FinishReason::Error), "{}: an error comes with finish reason error, on the last delta", o.request_id);
         c.error = o.error;
         if let Some(f) = o.finish_reason {
             assert!(c.finish.is_none(), "{} finished twice", o.request_id);
@@ -135,19 +108,13 @@ fn run_all(core: &mut EngineCore) -> HashMap<String, Collected> {
 }
 
 /// Run requests together in one engine.
-fn run_requests(
-    setup: &Setup,
-    reqs: &[(Vec<u32>, SamplingParams)],
-) -> (Vec<Collected>, EngineCore, Arc<Mutex<ToyLog>>) {
+fn run_requests(setup: &Setup, reqs: &[(Vec<u32>, SamplingParams)]) -> (Vec<Collected>, EngineCore, Arc<Mutex<ToyLog>>) {
     let (mut core, log) = setup.build();
     for (i, (p, sp)) in reqs.iter().enumerate() {
-        core.add_request(&format!("r{i}"), p.clone(), sp.clone())
-            .expect("add");
+        core.add_request(&format!("r{i}"), p.clone(), sp.clone()).expect("add");
     }
     let all = run_all(&mut core);
-    let out = (0..reqs.len())
-        .map(|i| all[&format!("r{i}")].clone())
-        .collect();
+    let out = (0..reqs.len()).map(|i| all[&format!("r{i}")].clone()).collect();
     (out, core, log)
 }
 
@@ -162,8 +129,7 @@ fn build_byte_tokenizer() -> Arc<Tokenizer> {
     let mut chars = Vec::new();
     let mut n = 0u32;
     for b in 0u32..256 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         chars.push(if printable {
             char::from_u32(b).unwrap()
         } else {
@@ -171,11 +137,7 @@ fn build_byte_tokenizer() -> Arc<Tokenizer> {
             char::from_u32(255 + n).unwrap()
         });
     }
-    let vocab: serde_json::Map<String, serde_json::Value> = chars
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
-        .collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = chars.iter().enumerate().map(|(i, c)| (c.to_string(), serde_json::json!(i))).collect();
     let json = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},

@@ -7,31 +7,18 @@ use crate::engine::EngineHandle;
 
 #[test]
 fn the_thread_handle_delivers_all_deltas_like_the_inline_core() {
-    let reqs: Vec<_> = (0..4)
-        .map(|i| (prompt(6 + 9 * i, i as u32), greedy(15 + i)))
-        .collect();
+    let reqs: Vec<_> = (0..4).map(|i| (prompt(6 + 9 * i, i as u32), greedy(15 + i))).collect();
     let (inline, _, _) = run_requests(&Setup::default(), &reqs);
     // Also with a step in flight between polls (asynchronous scheduling).
     for overlap in [false, true] {
-        let (core, _) = Setup {
-            overlap,
-            ..Default::default()
-        }
-        .build();
+        let (core, _) = Setup { overlap, ..Default::default() }.build();
         let handle = EngineHandle::start(core).unwrap();
         for (i, (p, sp)) in reqs.iter().enumerate() {
-            handle
-                .submit(&format!("r{i}"), p.clone(), sp.clone())
-                .unwrap();
+            handle.submit(&format!("r{i}"), p.clone(), sp.clone()).unwrap();
         }
         let mut all = HashMap::new();
         let mut polls = 0;
-        while all
-            .values()
-            .filter(|c: &&Collected| c.finish.is_some())
-            .count()
-            < reqs.len()
-        {
+        while all.values().filter(|c: &&Collected| c.finish.is_some()).count() < reqs.len() {
             collect_into(&mut all, handle.poll(Duration::from_secs(5)).unwrap());
             polls += 1;
             assert!(polls < 10_000);
@@ -52,10 +39,7 @@ fn the_thread_handle_rejects_bad_input_at_once_and_aborts() {
     let handle = EngineHandle::start(core).unwrap();
     assert!(handle.submit("x", vec![], greedy(3)).is_err());
     handle.submit("long", prompt(10, 1), greedy(500)).unwrap();
-    assert!(
-        handle.submit("long", prompt(10, 1), greedy(4)).is_err(),
-        "duplicate id"
-    );
+    assert!(handle.submit("long", prompt(10, 1), greedy(4)).is_err(), "duplicate id");
     handle.abort("long").unwrap();
     let mut fin = None;
     for _ in 0..1000 {
@@ -71,10 +55,7 @@ fn the_thread_handle_rejects_bad_input_at_once_and_aborts() {
     assert_eq!(fin.map(|f| f.as_str()), Some("abort"));
     let t = std::time::Instant::now();
     assert!(handle.poll(Duration::from_millis(50)).unwrap().is_empty());
-    assert!(
-        t.elapsed() >= Duration::from_millis(45),
-        "an idle poll waits for its timeout"
-    );
+    assert!(t.elapsed() >= Duration::from_millis(45), "an idle poll waits for its timeout");
 }
 
 #[test]
@@ -88,10 +69,7 @@ fn an_idle_engine_thread_does_not_step() {
     let steps = handle.stats().steps;
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(handle.stats().steps, steps);
-    assert_eq!(
-        steps, 3,
-        "one prefill step that samples the first token, then two decodes"
-    );
+    assert_eq!(steps, 3, "one prefill step that samples the first token, then two decodes");
 }
 
 #[test]
@@ -105,19 +83,9 @@ fn a_runner_failure_aborts_every_request_and_the_engine_keeps_serving() {
 /// prompt step and the first decode, which is in flight then and must be dropped with it).
 fn a_runner_failure_aborts_every_request(overlap: bool) {
     let toy = ToyRunner::new(VOCAB, 4096, false);
-    let (inner, fail_at) = if overlap {
-        (toy.overlapping(), 4)
-    } else {
-        (toy, 3)
-    };
-    let runner = FailingRunner {
-        inner,
-        calls: 0,
-        fail_at,
-        in_sampling: false,
-    };
-    let mut core =
-        EngineCore::new(Box::new(runner), &Setup::default().cfg, None, Vec::new()).unwrap();
+    let (inner, fail_at) = if overlap { (toy.overlapping(), 4) } else { (toy, 3) };
+    let runner = FailingRunner { inner, calls: 0, fail_at, in_sampling: false };
+    let mut core = EngineCore::new(Box::new(runner), &Setup::default().cfg, None, Vec::new()).unwrap();
     core.add_request("a", prompt(4, 1), greedy(10)).unwrap();
     core.add_request("b", prompt(5, 2), greedy(10)).unwrap();
     let handle = EngineHandle::start(core).unwrap();
@@ -137,11 +105,7 @@ fn a_runner_failure_aborts_every_request(overlap: bool) {
         }
     }
     assert!(error.unwrap().contains("injected failure"));
-    assert_eq!(
-        finished.values().copied().collect::<Vec<_>>(),
-        vec!["abort", "abort"],
-        "requests queued before the thread started are aborted too"
-    );
+    assert_eq!(finished.values().copied().collect::<Vec<_>>(), vec!["abort", "abort"], "requests queued before the thread started are aborted too");
     assert_eq!(handle.stats().kv_blocks_used, 0);
     handle.submit("c", prompt(4, 3), greedy(2)).unwrap();
     let mut c = HashMap::new();
@@ -152,8 +116,5 @@ fn a_runner_failure_aborts_every_request(overlap: bool) {
         }
     }
     let (alone, _, _) = run_requests(&Setup::default(), &[(prompt(4, 3), greedy(2))]);
-    assert_eq!(
-        c["c"].tokens, alone[0].tokens,
-        "a later request runs normally (overlap {overlap})"
-    );
+    assert_eq!(c["c"].tokens, alone[0].tokens, "a later request runs normally (overlap {overlap})");
 }

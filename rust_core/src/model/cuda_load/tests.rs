@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use ::safetensors::tensor::{Dtype, TensorView};
 
 use super::*;
-use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
+use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::weights::{LayerWeights, Linear, Mixer, ModelWeights};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
@@ -46,11 +46,7 @@ impl Sink for HostSink {
 
 fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
     // Away from 0, so that the old path's `(1 + w) - 1` of a zero-centred norm is exact.
-    centered_noise(len, seed)
-        .iter()
-        .map(|x| x * 0.6)
-        .map(|x| if x.abs() < 1e-3 { 1e-3 } else { x })
-        .collect()
+    centered_noise(len, seed).iter().map(|x| x * 0.6).map(|x| if x.abs() < 1e-3 { 1e-3 } else { x }).collect()
 }
 
 /// A tiny checkpoint of `arch` with every tensor in `dtype`, in two shards.
@@ -61,35 +57,15 @@ fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
     let (h, v, inter, nh, nkv, hd) = (32usize, 50usize, 48usize, 4usize, 2usize, 8usize);
     let (nk, nvh, kd, vd, kern) = (2usize, 4usize, 8usize, 8usize, 4usize);
     let qwen = arch == "Qwen3_5ForCausalLM";
-    let types = if qwen {
-        vec!["linear_attention", "full_attention", "linear_attention"]
-    } else {
-        vec!["full_attention"; 3]
-    };
+    let types = if qwen { vec!["linear_attention", "full_attention", "linear_attention"] } else { vec!["full_attention"; 3] };
     let cfg = serde_json::json!({"architectures": [arch], "hidden_size": h, "intermediate_size": inter,
         "num_hidden_layers": 3, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": v,
         "layer_types": types, "linear_num_key_heads": nk, "linear_num_value_heads": nvh, "linear_key_head_dim": kd,
         "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern, "tie_word_embeddings": false,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let prefix = if qwen {
-        "model.language_model"
-    } else {
-        "model"
-    };
-    let dims = TinyDims {
-        h,
-        v,
-        inter,
-        nh,
-        nkv,
-        hd,
-        nk,
-        nv: nvh,
-        kd,
-        vd,
-        kern,
-    };
+    let prefix = if qwen { "model.language_model" } else { "model" };
+    let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv: nvh, kd, vd, kern };
     let t = tensor_shapes(&dims, prefix, &types, qwen, true);
     let bufs: Vec<Vec<u8>> = t
         .iter()
@@ -97,14 +73,8 @@ fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
         .map(|(i, (_, shape))| {
             let vals = rand_vec(shape.iter().product(), i as u64 + 3);
             match dtype {
-                Dtype::BF16 => vals
-                    .iter()
-                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                    .collect(),
-                Dtype::F16 => vals
-                    .iter()
-                    .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                    .collect(),
+                Dtype::BF16 => vals.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+                Dtype::F16 => vals.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
                 _ => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
             }
         })
@@ -112,24 +82,13 @@ fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
     let mut index = serde_json::Map::new();
     for (shard, range) in [(0usize, 0..t.len() / 2), (1, t.len() / 2..t.len())] {
         let file = format!("model-{shard}.safetensors");
-        let views: Vec<(String, TensorView)> = range
-            .map(|i| {
-                (
-                    t[i].0.clone(),
-                    TensorView::new(dtype, t[i].1.clone(), &bufs[i]).unwrap(),
-                )
-            })
-            .collect();
+        let views: Vec<(String, TensorView)> = range.map(|i| (t[i].0.clone(), TensorView::new(dtype, t[i].1.clone(), &bufs[i]).unwrap())).collect();
         for (name, _) in &views {
             index.insert(name.clone(), serde_json::Value::String(file.clone()));
         }
         ::safetensors::tensor::serialize_to_file(views, None, &dir.join(&file)).unwrap();
     }
-    std::fs::write(
-        dir.join("model.safetensors.index.json"),
-        serde_json::json!({"weight_map": index}).to_string(),
-    )
-    .unwrap();
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": index}).to_string()).unwrap();
     dir
 }
 
@@ -140,11 +99,7 @@ fn old_bits(values: &[f32], st: StorageDType) -> Vec<u16> {
 
 /// What it sent for a host norm weight (`1 + w` on zero-centred models, uploaded as `w`).
 fn old_norm(w: &[f32], plus_one: bool, st: StorageDType) -> Vec<u16> {
-    let raw: Vec<f32> = if plus_one {
-        w.iter().map(|x| x - 1.0).collect()
-    } else {
-        w.to_vec()
-    };
+    let raw: Vec<f32> = if plus_one { w.iter().map(|x| x - 1.0).collect() } else { w.to_vec() };
     old_bits(&raw, st)
 }
 
@@ -152,12 +107,7 @@ fn old_norm(w: &[f32], plus_one: bool, st: StorageDType) -> Vec<u16> {
 fn same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!(
-            "{what}: element {i} of {} differs: {:?}, want {:?}",
-            got.len(),
-            got[i],
-            want[i]
-        );
+        panic!("{what}: element {i} of {} differs: {:?}, want {:?}", got.len(), got[i], want[i]);
     }
 }
 
@@ -165,100 +115,34 @@ fn rows(l: &Linear, r0: usize, r1: usize, st: StorageDType) -> Vec<u16> {
     old_bits(&l.w[r0 * l.k..r1 * l.k], st)
 }
 
-fn check_layer(
-    cfg: &ModelConfig,
-    host: &LayerWeights,
-    dev: &DevLayer<Vec<u16>, Vec<f32>>,
-    st: StorageDType,
-    li: usize,
-) {
+fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, Vec<f32>>, st: StorageDType, li: usize) {
     let p1 = cfg.zero_centered_norm;
-    same(
-        &dev.input_norm,
-        &old_norm(&host.input_norm, p1, st),
-        &format!("layer {li} input_norm"),
-    );
-    same(
-        &dev.post_norm,
-        &old_norm(&host.post_norm, p1, st),
-        &format!("layer {li} post_norm"),
-    );
-    same(
-        &dev.gate_up.w,
-        &old_bits(&host.gate_up.w, st),
-        &format!("layer {li} gate_up"),
-    );
-    assert_eq!(
-        (dev.gate_up.n, dev.gate_up.k),
-        (host.gate_up.n, host.gate_up.k)
-    );
-    same(
-        &dev.down.w,
-        &old_bits(&host.down.w, st),
-        &format!("layer {li} down"),
-    );
+    same(&dev.input_norm, &old_norm(&host.input_norm, p1, st), &format!("layer {li} input_norm"));
+    same(&dev.post_norm, &old_norm(&host.post_norm, p1, st), &format!("layer {li} post_norm"));
+    same(&dev.gate_up.w, &old_bits(&host.gate_up.w, st), &format!("layer {li} gate_up"));
+    assert_eq!((dev.gate_up.n, dev.gate_up.k), (host.gate_up.n, host.gate_up.k));
+    same(&dev.down.w, &old_bits(&host.down.w, st), &format!("layer {li} down"));
     match (&host.mixer, &dev.mixer) {
         (Mixer::Attention(a), DevMixer::Attention(d)) => {
-            same(
-                &d.qkv.w,
-                &old_bits(&a.qkv.w, st),
-                &format!("layer {li} qkv"),
-            );
-            assert_eq!(
-                (d.qkv.n, d.qkv.k, d.o.n, d.o.k),
-                (a.qkv.n, a.qkv.k, a.o.n, a.o.k)
-            );
+            same(&d.qkv.w, &old_bits(&a.qkv.w, st), &format!("layer {li} qkv"));
+            assert_eq!((d.qkv.n, d.qkv.k, d.o.n, d.o.k), (a.qkv.n, a.qkv.k, a.o.n, a.o.k));
             same(&d.o.w, &old_bits(&a.o.w, st), &format!("layer {li} o"));
-            assert_eq!(
-                d.q_norm,
-                a.q_norm.as_deref().map(|w| old_norm(w, p1, st)),
-                "layer {li} q_norm"
-            );
-            assert_eq!(
-                d.k_norm,
-                a.k_norm.as_deref().map(|w| old_norm(w, p1, st)),
-                "layer {li} k_norm"
-            );
+            assert_eq!(d.q_norm, a.q_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} q_norm");
+            assert_eq!(d.k_norm, a.k_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} k_norm");
         }
         (Mixer::Gdn(g), DevMixer::Gdn(d)) => {
             let la = cfg.linear_attention.unwrap();
             let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
-            same(
-                &d.in_proj.w,
-                &rows(&g.in_proj, 0, cd + vd + 2 * nv, st),
-                &format!("layer {li} gdn in_proj"),
-            );
-            assert_eq!(
-                (d.in_proj.n, d.in_proj.k, d.out.n, d.out.k),
-                (cd + vd + 2 * nv, g.in_proj.k, g.out_proj.n, g.out_proj.k)
-            );
-            same(
-                &d.conv_w,
-                &old_bits(&g.conv_w, st),
-                &format!("layer {li} conv_w"),
-            );
-            assert_eq!(
-                d.conv_b,
-                g.conv_b.as_deref().map(|b| old_bits(b, st)),
-                "layer {li} conv_b"
-            );
+            same(&d.in_proj.w, &rows(&g.in_proj, 0, cd + vd + 2 * nv, st), &format!("layer {li} gdn in_proj"));
+            assert_eq!((d.in_proj.n, d.in_proj.k, d.out.n, d.out.k), (cd + vd + 2 * nv, g.in_proj.k, g.out_proj.n, g.out_proj.k));
+            same(&d.conv_w, &old_bits(&g.conv_w, st), &format!("layer {li} conv_w"));
+            assert_eq!(d.conv_b, g.conv_b.as_deref().map(|b| old_bits(b, st)), "layer {li} conv_b");
             same(&d.dt_bias, &g.dt_bias, &format!("layer {li} dt_bias"));
-            same(
-                &d.norm,
-                &old_bits(&g.norm, st),
-                &format!("layer {li} gdn norm"),
-            );
-            same(
-                &d.out.w,
-                &old_bits(&g.out_proj.w, st),
-                &format!("layer {li} out_proj"),
-            );
+            same(&d.norm, &old_bits(&g.norm, st), &format!("layer {li} gdn norm"));
+            same(&d.out.w, &old_bits(&g.out_proj.w, st), &format!("layer {li} out_proj"));
             // The old path went A_log -> -exp(A_log) -> ln, the new one uploads A_log as stored.
             for (new, neg_a) in d.a_log.iter().zip(&g.neg_a) {
-                assert!(
-                    (new - (-neg_a).ln()).abs() <= 1e-6 * new.abs().max(1.0),
-                    "layer {li} A_log {new} vs {neg_a}"
-                );
+                assert!((new - (-neg_a).ln()).abs() <= 1e-6 * new.abs().max(1.0), "layer {li} A_log {new} vs {neg_a}");
             }
         }
         _ => panic!("layer {li}: mixer kinds differ"),
@@ -275,36 +159,14 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
         check_layer(&cfg, h, d, st, li);
     }
     same(&dev.embed, &old_bits(&host.embed, st), "embed");
-    same(
-        &dev.final_norm,
-        &old_norm(&host.final_norm, cfg.zero_centered_norm, st),
-        "final_norm",
-    );
-    same(
-        &dev.lm_head.as_ref().unwrap().w,
-        &old_bits(&host.lm_head.as_ref().unwrap().w, st),
-        "lm_head",
-    );
+    same(&dev.final_norm, &old_norm(&host.final_norm, cfg.zero_centered_norm, st), "final_norm");
+    same(&dev.lm_head.as_ref().unwrap().w, &old_bits(&host.lm_head.as_ref().unwrap().w, st), "lm_head");
     assert_eq!(dev.norm_plus_one, cfg.zero_centered_norm);
-    let f32_elems: usize = dev
-        .layers
-        .iter()
-        .map(|l| {
-            if let DevMixer::Gdn(g) = &l.mixer {
-                g.a_log.len() + g.dt_bias.len()
-            } else {
-                0
-            }
-        })
-        .sum();
+    let f32_elems: usize = dev.layers.iter().map(|l| if let DevMixer::Gdn(g) = &l.mixer { g.a_log.len() + g.dt_bias.len() } else { 0 }).sum();
     let storage_elems = host.bytes() / 4 - f32_elems;
     assert_eq!(dev.bytes, 2 * storage_elems + 4 * f32_elems, "byte count");
     // The plan the device load checks against free memory first: the same bytes, no upload.
-    assert_eq!(
-        planned_weight_bytes(&cfg, &store).unwrap(),
-        dev.bytes,
-        "planned bytes"
-    );
+    assert_eq!(planned_weight_bytes(&cfg, &store).unwrap(), dev.bytes, "planned bytes");
 }
 
 #[test]
@@ -333,34 +195,14 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     let store = WeightStore::open(&dir).unwrap();
     let mut wrong = cfg.clone();
     wrong.intermediate_size += 1;
-    let sink = &mut HostSink {
-        storage: StorageDType::Bf16,
-        read: true,
-    };
-    let new = build(sink, &store, &wrong)
-        .err()
-        .expect("a shape mismatch must fail");
-    let old = ModelWeights::load(&store, &wrong)
-        .err()
-        .expect("a shape mismatch must fail");
+    let sink = &mut HostSink { storage: StorageDType::Bf16, read: true };
+    let new = build(sink, &store, &wrong).err().expect("a shape mismatch must fail");
+    let old = ModelWeights::load(&store, &wrong).err().expect("a shape mismatch must fail");
     assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
     assert_eq!(new.to_string(), old.to_string());
-    assert_eq!(
-        planned_weight_bytes(&wrong, &store)
-            .expect_err("the plan checks shapes too")
-            .to_string(),
-        old.to_string()
-    );
+    assert_eq!(planned_weight_bytes(&wrong, &store).expect_err("the plan checks shapes too").to_string(), old.to_string());
     let mut gdn = cfg.clone();
     gdn.layer_types[0] = LayerType::LinearAttention;
-    let new = build(sink, &store, &gdn)
-        .err()
-        .expect("a missing tensor must fail");
-    assert!(
-        matches!(
-            new,
-            NinferError::MissingTensor { .. } | NinferError::Config { .. }
-        ),
-        "{new}"
-    );
+    let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");
+    assert!(matches!(new, NinferError::MissingTensor { .. } | NinferError::Config { .. }), "{new}");
 }

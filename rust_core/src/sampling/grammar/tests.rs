@@ -14,8 +14,8 @@ use super::*;
 /// Pieces merged on top of the 256 byte tokens: JSON punctuation, keywords, the schema's keys,
 /// and some words, so that outputs mix multi-byte and single-byte tokens.
 const BYTE_LEVEL_WORDS: &[&str] = &[
-    "{\"", "\":", "\",", "\"}", "\": ", ", \"", "true", "false", "null", "name", "age", "tags",
-    "active", "alpha", "beta", "gamma", "12", "100", "\n  ", " the", " cat", "ab", "\"a", "\"b",
+    "{\"", "\":", "\",", "\"}", "\": ", ", \"", "true", "false", "null", "name", "age", "tags", "active", "alpha", "beta", "gamma", "12", "100", "\n  ",
+    " the", " cat", "ab", "\"a", "\"b",
 ];
 
 /// A temporary model directory holding one tokenizer.
@@ -56,11 +56,7 @@ fn byte_level_tokenizer() -> (TokenizerDir, Tokenizer) {
     for (c, b) in byte_level_chars() {
         chars[b as usize] = c;
     }
-    let spell = |text: &str| -> Vec<String> {
-        text.bytes()
-            .map(|b| chars[b as usize].to_string())
-            .collect()
-    };
+    let spell = |text: &str| -> Vec<String> { text.bytes().map(|b| chars[b as usize].to_string()).collect() };
     let mut vocab = Map::new();
     for c in &chars {
         vocab.insert(c.to_string(), json!(vocab.len()));
@@ -79,11 +75,7 @@ fn byte_level_tokenizer() -> (TokenizerDir, Tokenizer) {
         }
     }
     let n = vocab.len();
-    let added = vec![
-        added_token(n, "<|endoftext|>", true),
-        added_token(n + 1, "<|im_end|>", true),
-        added_token(n + 2, "<think>", false),
-    ];
+    let added = vec![added_token(n, "<|endoftext|>", true), added_token(n + 1, "<|im_end|>", true), added_token(n + 2, "<think>", false)];
     let tokenizer = json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": added,
@@ -94,21 +86,14 @@ fn byte_level_tokenizer() -> (TokenizerDir, Tokenizer) {
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
                   "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}
     });
-    let dir = TokenizerDir::new(
-        &tokenizer,
-        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
-    );
+    let dir = TokenizerDir::new(&tokenizer, &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}));
     let tok = dir.load();
     (dir, tok)
 }
 
 /// A SentencePiece-style tokenizer: `▁` for spaces and `<0xNN>` byte-fallback tokens.
 fn byte_fallback_tokenizer() -> (TokenizerDir, Tokenizer) {
-    let mut vocab = vec![
-        json!(["<unk>", 0.0]),
-        json!(["<s>", 0.0]),
-        json!(["</s>", 0.0]),
-    ];
+    let mut vocab = vec![json!(["<unk>", 0.0]), json!(["<s>", 0.0]), json!(["</s>", 0.0])];
     for b in 0..=255u8 {
         vocab.push(json!([format!("<0x{b:02X}>"), 0.0]));
     }
@@ -126,10 +111,7 @@ fn byte_fallback_tokenizer() -> (TokenizerDir, Tokenizer) {
             {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
         "model": {"type": "Unigram", "unk_id": 0, "vocab": vocab, "byte_fallback": true}
     });
-    let dir = TokenizerDir::new(
-        &tokenizer,
-        &json!({"bos_token": "<s>", "eos_token": "</s>"}),
-    );
+    let dir = TokenizerDir::new(&tokenizer, &json!({"bos_token": "<s>", "eos_token": "</s>"}));
     let tok = dir.load();
     (dir, tok)
 }
@@ -137,18 +119,8 @@ fn byte_fallback_tokenizer() -> (TokenizerDir, Tokenizer) {
 /// Generate under `format` with a seeded "model" that draws uniformly among the allowed tokens,
 /// picking EOS with probability `eos_bias` whenever it is allowed. Returns the decoded text and
 /// whether the grammar finished within `max_tokens`.
-fn sample_constrained(
-    compiler: &GrammarCompiler,
-    tok: &Tokenizer,
-    format: &Json,
-    seed: u64,
-    eos_bias: f64,
-    max_tokens: usize,
-) -> (String, bool) {
-    let mut constraint = compiler
-        .compile_value(format)
-        .unwrap()
-        .expect("a constrained format");
+fn sample_constrained(compiler: &GrammarCompiler, tok: &Tokenizer, format: &Json, seed: u64, eos_bias: f64, max_tokens: usize) -> (String, bool) {
+    let mut constraint = compiler.compile_value(format).unwrap().expect("a constrained format");
     let eos = tok.eos_token_id().unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::new();
@@ -156,11 +128,7 @@ fn sample_constrained(
         let mask = constraint.compute_mask().unwrap();
         let allowed = mask.allowed();
         assert!(!allowed.is_empty());
-        let token = if mask.is_allowed(eos) && rng.random::<f64>() < eos_bias {
-            eos
-        } else {
-            allowed[rng.random_range(0..allowed.len())]
-        };
+        let token = if mask.is_allowed(eos) && rng.random::<f64>() < eos_bias { eos } else { allowed[rng.random_range(0..allowed.len())] };
         constraint.consume(token).unwrap();
         if token != eos {
             out.push(token);
@@ -176,31 +144,20 @@ fn sample_constrained(
 fn byte_level_tokens_spell_their_raw_bytes_and_specials_are_marked() {
     let (_dir, tok) = byte_level_tokenizer();
     let words = token_bytes_for_test(&tok, tok.vocab_size() + 5);
-    assert_eq!(
-        words.len(),
-        tok.vocab_size() + 5,
-        "padded to the logits width"
-    );
+    assert_eq!(words.len(), tok.vocab_size() + 5, "padded to the logits width");
     for b in 0..=255u8 {
         assert_eq!(words[b as usize], vec![b], "byte token {b}");
     }
     let id = |s: &str| tok.encode(s, false).unwrap();
-    let [space_the] = id(" the")[..] else {
-        panic!("\" the\" is one token")
-    };
+    let [space_the] = id(" the")[..] else { panic!("\" the\" is one token") };
     assert_eq!(words[space_the as usize], b" the");
-    let [newline_indent] = id("\n  ")[..] else {
-        panic!("one token")
-    };
+    let [newline_indent] = id("\n  ")[..] else { panic!("one token") };
     assert_eq!(words[newline_indent as usize], b"\n  ");
     let im_end = tok.token_to_id("<|im_end|>").unwrap() as usize;
     assert_eq!(words[im_end][0], toktrie::TokTrie::SPECIAL_TOKEN_MARKER);
     assert_eq!(&words[im_end][1..], b"<|im_end|>");
     let think = tok.token_to_id("<think>").unwrap() as usize;
-    assert_eq!(
-        words[think], b"<think>",
-        "a non-special added token is plain text"
-    );
+    assert_eq!(words[think], b"<think>", "a non-special added token is plain text");
     for pad in &words[tok.vocab_size()..] {
         assert_eq!(pad[0], toktrie::TokTrie::SPECIAL_TOKEN_MARKER);
     }
@@ -226,18 +183,11 @@ fn json_object_outputs_parse_as_objects() {
     let format = json!({"type": "json_object"});
     for seed in 0..30 {
         let (text, finished) = sample_constrained(&compiler, &tok, &format, seed, 0.5, 4000);
-        assert!(
-            finished,
-            "seed {seed}: not finished after 4000 tokens: {text:?}"
-        );
+        assert!(finished, "seed {seed}: not finished after 4000 tokens: {text:?}");
         // IgnoredAny checks the syntax without converting numbers, which may exceed f64 (1e400
         // is valid JSON).
-        serde_json::from_str::<serde::de::IgnoredAny>(&text)
-            .unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
-        assert!(
-            text.trim_start().starts_with('{') && text.trim_end().ends_with('}'),
-            "seed {seed}: {text:?}"
-        );
+        serde_json::from_str::<serde::de::IgnoredAny>(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
+        assert!(text.trim_start().starts_with('{') && text.trim_end().ends_with('}'), "seed {seed}: {text:?}");
     }
 }
 
@@ -272,16 +222,10 @@ fn check_person(value: &Json) -> std::result::Result<(), String> {
         return Err(format!("age {age}"));
     }
     let tags = object["tags"].as_array().ok_or("tags is not an array")?;
-    if tags.len() > 3
-        || tags
-            .iter()
-            .any(|t| !matches!(t.as_str(), Some("alpha" | "beta" | "gamma")))
-    {
+    if tags.len() > 3 || tags.iter().any(|t| !matches!(t.as_str(), Some("alpha" | "beta" | "gamma"))) {
         return Err(format!("tags {tags:?}"));
     }
-    object["active"]
-        .as_bool()
-        .ok_or("active is not a boolean")?;
+    object["active"].as_bool().ok_or("active is not a boolean")?;
     Ok(())
 }
 
@@ -293,8 +237,7 @@ fn json_schema_outputs_parse_and_validate() {
     for seed in 0..40 {
         let (text, finished) = sample_constrained(&compiler, &tok, &format, seed, 0.5, 2000);
         assert!(finished, "seed {seed}: not finished: {text:?}");
-        let value: Json =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
+        let value: Json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
         check_person(&value).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
     }
 }
@@ -307,8 +250,7 @@ fn json_schema_works_with_a_byte_fallback_tokenizer() {
     for seed in 0..10 {
         let (text, finished) = sample_constrained(&compiler, &tok, &format, seed, 0.5, 2000);
         assert!(finished, "seed {seed}: not finished: {text:?}");
-        let value: Json =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
+        let value: Json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
         check_person(&value).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
     }
 }
@@ -323,10 +265,7 @@ fn regex_format_matches_the_whole_pattern_then_finishes() {
         assert!(finished, "seed {seed}: {text:?}");
         let (word, digits) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
         assert!(word == "true" || word == "false", "{text:?}");
-        assert!(
-            digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()),
-            "{text:?}"
-        );
+        assert!(digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()), "{text:?}");
     }
 }
 
@@ -335,25 +274,15 @@ fn masks_exclude_specials_and_padding_and_allow_only_eos_after_a_complete_output
     let (_dir, tok) = byte_level_tokenizer();
     let width = tok.vocab_size() + 7;
     let compiler = GrammarCompiler::new(&tok, &[], width).unwrap();
-    let mut constraint = compiler
-        .compile_value(&json!({"type": "regex", "regex": "a[bx]"}))
-        .unwrap()
-        .unwrap();
+    let mut constraint = compiler.compile_value(&json!({"type": "regex", "regex": "a[bx]"})).unwrap().unwrap();
     let eos = tok.eos_token_id().unwrap();
     let first = constraint.compute_mask().unwrap();
     let allowed = first.allowed();
     let ab = tok.encode("ab", false).unwrap();
     assert_eq!(ab.len(), 1, "\"ab\" is one token");
-    assert_eq!(
-        allowed,
-        vec![b'a' as u32, ab[0]],
-        "exactly the tokens that start a match"
-    );
+    assert_eq!(allowed, vec![b'a' as u32, ab[0]], "exactly the tokens that start a match");
     assert!(!first.is_allowed(eos), "EOS before the output is complete");
-    assert!(
-        !first.is_allowed(tok.vocab_size() as u32),
-        "padding ids are never allowed"
-    );
+    assert!(!first.is_allowed(tok.vocab_size() as u32), "padding ids are never allowed");
 
     let mut logits: Vec<f32> = (0..width).map(|i| i as f32 * 0.01).collect();
     first.apply(&mut logits);
@@ -364,21 +293,14 @@ fn masks_exclude_specials_and_padding_and_allow_only_eos_after_a_complete_output
     constraint.consume(ab[0]).unwrap();
     assert!(constraint.is_accepting());
     assert!(constraint.is_finished(), "nothing can follow \"ab\"");
-    assert_eq!(
-        constraint.compute_mask().unwrap().allowed(),
-        vec![eos],
-        "only EOS after the complete output"
-    );
+    assert_eq!(constraint.compute_mask().unwrap().allowed(), vec![eos], "only EOS after the complete output");
 }
 
 #[test]
 fn an_accepting_grammar_that_can_continue_finishes_on_eos() {
     let (_dir, tok) = byte_level_tokenizer();
     let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
-    let mut constraint = compiler
-        .compile_value(&json!({"type": "regex", "regex": "a+"}))
-        .unwrap()
-        .unwrap();
+    let mut constraint = compiler.compile_value(&json!({"type": "regex", "regex": "a+"})).unwrap().unwrap();
     let eos = tok.eos_token_id().unwrap();
     constraint.consume(b'a' as u32).unwrap();
     let mask = constraint.compute_mask().unwrap();
@@ -394,43 +316,26 @@ fn engine_eos_ids_replace_the_tokenizer_eos() {
     let endoftext = tok.token_to_id("<|endoftext|>").unwrap();
     let im_end = tok.eos_token_id().unwrap();
     let compiler = GrammarCompiler::new(&tok, &[endoftext, im_end], tok.vocab_size()).unwrap();
-    let mut constraint = compiler
-        .compile_value(&json!({"type": "regex", "regex": "a"}))
-        .unwrap()
-        .unwrap();
+    let mut constraint = compiler.compile_value(&json!({"type": "regex", "regex": "a"})).unwrap().unwrap();
     constraint.consume(b'a' as u32).unwrap();
-    assert_eq!(
-        constraint.compute_mask().unwrap().allowed(),
-        vec![endoftext, im_end]
-    );
+    assert_eq!(constraint.compute_mask().unwrap().allowed(), vec![endoftext, im_end]);
 }
 
 #[test]
 fn consuming_a_disallowed_token_is_an_error_naming_response_format() {
     let (_dir, tok) = byte_level_tokenizer();
     let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
-    let mut constraint = compiler
-        .compile_value(&json!({"type": "json_object"}))
-        .unwrap()
-        .unwrap();
+    let mut constraint = compiler.compile_value(&json!({"type": "json_object"})).unwrap().unwrap();
     let err = constraint.consume(b'x' as u32).unwrap_err();
-    assert!(
-        matches!(&err, NinferError::InvalidRequest { field, .. } if field == "response_format"),
-        "{err}"
-    );
+    assert!(matches!(&err, NinferError::InvalidRequest { field, .. } if field == "response_format"), "{err}");
 }
 
 #[test]
 fn text_format_is_unconstrained() {
     let (_dir, tok) = byte_level_tokenizer();
     let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
-    assert!(compiler
-        .compile_value(&json!({"type": "text"}))
-        .unwrap()
-        .is_none());
-    assert!(!ResponseFormat::parse(&json!({"type": "text"}))
-        .unwrap()
-        .is_constrained());
+    assert!(compiler.compile_value(&json!({"type": "text"})).unwrap().is_none());
+    assert!(!ResponseFormat::parse(&json!({"type": "text"})).unwrap().is_constrained());
 }
 
 #[test]
@@ -442,26 +347,11 @@ fn invalid_formats_are_rejected_naming_response_format_and_the_problem() {
         (json!({"schema": {}}), "`type` is required"),
         (json!({"type": "yaml"}), "unknown type \"yaml\""),
         (json!({"type": "json_schema"}), "`json_schema`"),
-        (
-            json!({"type": "json_schema", "json_schema": {"name": "x"}}),
-            "`json_schema.schema` is required",
-        ),
-        (
-            json!({"type": "json_schema", "json_schema": {"schema": 3}}),
-            "must be a JSON schema object",
-        ),
-        (
-            json!({"type": "json_schema", "json_schema": {"schema": {"type": "banana"}}}),
-            "json_schema.schema",
-        ),
-        (
-            json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}}}),
-            "json_schema.schema",
-        ),
-        (
-            json!({"type": "regex", "regex": "(unclosed"}),
-            "invalid regex",
-        ),
+        (json!({"type": "json_schema", "json_schema": {"name": "x"}}), "`json_schema.schema` is required"),
+        (json!({"type": "json_schema", "json_schema": {"schema": 3}}), "must be a JSON schema object"),
+        (json!({"type": "json_schema", "json_schema": {"schema": {"type": "banana"}}}), "json_schema.schema"),
+        (json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}}}), "json_schema.schema"),
+        (json!({"type": "regex", "regex": "(unclosed"}), "invalid regex"),
         (json!({"type": "regex"}), "`regex`"),
     ];
     for (format, expected) in cases {
@@ -469,10 +359,7 @@ fn invalid_formats_are_rejected_naming_response_format_and_the_problem() {
         match &err {
             NinferError::InvalidRequest { field, reason } => {
                 assert_eq!(field, "response_format");
-                assert!(
-                    reason.contains(expected),
-                    "{format}: {reason:?} should mention {expected:?}"
-                );
+                assert!(reason.contains(expected), "{format}: {reason:?} should mention {expected:?}");
             }
             other => panic!("{format}: {other}"),
         }

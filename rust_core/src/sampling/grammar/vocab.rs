@@ -37,11 +37,7 @@ impl GrammarVocab {
     /// logits rows (ids past the tokenizer's vocabulary are never allowed).
     pub fn new(tokenizer: &Tokenizer, eos_token_ids: &[u32], logits_width: usize) -> Result<Self> {
         let words = token_bytes(tokenizer, logits_width)?;
-        let mut eos: Vec<u32> = eos_token_ids
-            .iter()
-            .copied()
-            .filter(|&t| (t as usize) < words.len())
-            .collect();
+        let mut eos: Vec<u32> = eos_token_ids.iter().copied().filter(|&t| (t as usize) < words.len()).collect();
         if eos.is_empty() {
             eos.extend(tokenizer.eos_token_id());
         }
@@ -81,8 +77,7 @@ fn token_bytes(tokenizer: &Tokenizer, logits_width: usize) -> Result<Vec<Vec<u8>
     let inner = tokenizer.inner();
     let spelling = token_spelling(inner)?;
     let vocab_size = tokenizer.vocab_size();
-    let added: HashMap<u32, tokenizers::AddedToken> =
-        inner.get_added_tokens_decoder().into_iter().collect();
+    let added: HashMap<u32, tokenizers::AddedToken> = inner.get_added_tokens_decoder().into_iter().collect();
     let byte_chars = byte_level_chars();
     let width = vocab_size.max(logits_width);
     let mut words = Vec::with_capacity(width);
@@ -90,9 +85,7 @@ fn token_bytes(tokenizer: &Tokenizer, logits_width: usize) -> Result<Vec<Vec<u8>
         let word = match (added.get(&id), inner.id_to_token(id)) {
             (Some(token), _) if token.special => special_word(&token.content),
             (Some(token), _) => token.content.as_bytes().to_vec(),
-            (None, Some(piece)) => {
-                spell(&piece, spelling, &byte_chars).unwrap_or_else(|| special_word(&piece))
-            }
+            (None, Some(piece)) => spell(&piece, spelling, &byte_chars).unwrap_or_else(|| special_word(&piece)),
             (None, None) => special_word(&format!("<[unused {id}]>")),
         };
         words.push(word);
@@ -113,10 +106,7 @@ fn special_word(name: &str) -> Vec<u8> {
 fn spell(piece: &str, spelling: TokenSpelling, byte_chars: &HashMap<char, u8>) -> Option<Vec<u8>> {
     match spelling {
         TokenSpelling::ByteLevel => piece.chars().map(|c| byte_chars.get(&c).copied()).collect(),
-        TokenSpelling::Text {
-            space,
-            byte_fallback,
-        } => {
+        TokenSpelling::Text { space, byte_fallback } => {
             if byte_fallback {
                 if let Some(byte) = byte_fallback_value(piece) {
                     return Some(vec![byte]);
@@ -140,23 +130,16 @@ fn byte_fallback_value(piece: &str) -> Option<u8> {
 /// `tokenizers` crate, its JSON is the stable description).
 fn token_spelling(inner: &tokenizers::Tokenizer) -> Result<TokenSpelling> {
     let Some(decoder) = inner.get_decoder() else {
-        return Ok(TokenSpelling::Text {
-            space: ' ',
-            byte_fallback: false,
-        });
+        return Ok(TokenSpelling::Text { space: ' ', byte_fallback: false });
     };
-    let description = serde_json::to_value(decoder)
-        .map_err(|e| NinferError::Tokenizer(format!("cannot describe the decoder: {e}")))?;
+    let description = serde_json::to_value(decoder).map_err(|e| NinferError::Tokenizer(format!("cannot describe the decoder: {e}")))?;
     let mut found = DecoderFacts::default();
     found.visit(&description);
     if found.byte_level {
         return Ok(TokenSpelling::ByteLevel);
     }
     if found.unknown.is_empty() || found.byte_fallback || found.space.is_some() {
-        return Ok(TokenSpelling::Text {
-            space: found.space.unwrap_or(' '),
-            byte_fallback: found.byte_fallback,
-        });
+        return Ok(TokenSpelling::Text { space: found.space.unwrap_or(' '), byte_fallback: found.byte_fallback });
     }
     Err(NinferError::Unsupported(format!(
         "grammar-constrained decoding with a tokenizer whose decoder is {}",
@@ -180,29 +163,18 @@ impl DecoderFacts {
             "ByteLevel" => self.byte_level = true,
             "ByteFallback" => self.byte_fallback = true,
             "Sequence" => {
-                for inner in step
-                    .get("decoders")
-                    .and_then(Json::as_array)
-                    .into_iter()
-                    .flatten()
-                {
+                for inner in step.get("decoders").and_then(Json::as_array).into_iter().flatten() {
                     self.visit(inner);
                 }
             }
             "Replace" if step.get("content").and_then(Json::as_str) == Some(" ") => {
-                let pattern = step
-                    .get("pattern")
-                    .and_then(|p| p.get("String"))
-                    .and_then(Json::as_str);
+                let pattern = step.get("pattern").and_then(|p| p.get("String")).and_then(Json::as_str);
                 if let Some(c) = pattern.and_then(single_char) {
                     self.space = Some(c);
                 }
             }
             "Metaspace" => {
-                let replacement = step
-                    .get("replacement")
-                    .and_then(Json::as_str)
-                    .and_then(single_char);
+                let replacement = step.get("replacement").and_then(Json::as_str).and_then(single_char);
                 self.space = Some(replacement.unwrap_or('\u{2581}'));
             }
             "Fuse" | "Strip" | "Replace" => {}

@@ -31,12 +31,7 @@ pub fn json_dumps(value: &Value, options: &JsonOptions) -> Result<String, Error>
         None if options.indent.is_some() => (",".to_string(), ": ".to_string()),
         None => (", ".to_string(), ": ".to_string()),
     };
-    let mut writer = JsonWriter {
-        options,
-        item_sep,
-        key_sep,
-        out: String::new(),
-    };
+    let mut writer = JsonWriter { options, item_sep, key_sep, out: String::new() };
     writer.value(value, 0)?;
     Ok(writer.out)
 }
@@ -61,25 +56,16 @@ impl JsonWriter<'_> {
     fn value(&mut self, value: &Value, depth: usize) -> Result<(), Error> {
         match value.kind() {
             ValueKind::None => self.out.push_str("null"),
-            ValueKind::Bool => self
-                .out
-                .push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Bool => self.out.push_str(if value.is_true() { "true" } else { "false" }),
             ValueKind::Number => self.out.push_str(&json_number(value)),
-            ValueKind::String => json_string(
-                &mut self.out,
-                value.as_str().unwrap_or_default(),
-                self.options.ensure_ascii,
-            ),
+            ValueKind::String => json_string(&mut self.out, value.as_str().unwrap_or_default(), self.options.ensure_ascii),
             ValueKind::Map => self.map(value, depth)?,
             ValueKind::Seq | ValueKind::Iterable => {
                 let items: Vec<Value> = value.try_iter()?.collect();
                 self.seq(&items, depth)?;
             }
             kind => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("Object of type {kind} is not JSON serializable"),
-                ));
+                return Err(Error::new(ErrorKind::InvalidOperation, format!("Object of type {kind} is not JSON serializable")));
             }
         }
         Ok(())
@@ -142,10 +128,7 @@ fn json_key(key: &Value) -> Result<String, Error> {
         ValueKind::Number => Ok(json_number(key)),
         ValueKind::Bool => Ok(if key.is_true() { "true" } else { "false" }.to_string()),
         ValueKind::None => Ok("null".to_string()),
-        kind => Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!("keys must be str, int, float, bool or None, not {kind}"),
-        )),
+        kind => Err(Error::new(ErrorKind::InvalidOperation, format!("keys must be str, int, float, bool or None, not {kind}"))),
     }
 }
 
@@ -215,20 +198,12 @@ pub fn float_repr(f: f64) -> String {
         if decpt <= 0 {
             format!("0.{}{}", "0".repeat((-decpt) as usize), digits)
         } else if decpt < n {
-            format!(
-                "{}.{}",
-                &digits[..decpt as usize],
-                &digits[decpt as usize..]
-            )
+            format!("{}.{}", &digits[..decpt as usize], &digits[decpt as usize..])
         } else {
             format!("{}{}.0", digits, "0".repeat((decpt - n) as usize))
         }
     } else {
-        let mant = if n > 1 {
-            format!("{}.{}", &digits[..1], &digits[1..])
-        } else {
-            digits.clone()
-        };
+        let mant = if n > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits.clone() };
         let exp_sign = if exp < 0 { '-' } else { '+' };
         format!("{}e{}{:02}", mant, exp_sign, exp.abs())
     };
@@ -300,11 +275,7 @@ fn write_repr(out: &mut String, value: &Value) {
 
 /// A Python string literal: single quotes unless the text has `'` and no `"`.
 fn repr_string(out: &mut String, s: &str) {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     out.push(quote);
     for c in s.chars() {
         match c {
@@ -383,57 +354,28 @@ mod tests {
         let v = from_json(r#"{"t": "<b>&'\"é😀\u0001\n"}"#);
         let out = json_dumps(&v, &JsonOptions::default()).unwrap();
         assert_eq!(out, "{\"t\": \"<b>&'\\\"é😀\\u0001\\n\"}");
-        let ascii = json_dumps(
-            &v,
-            &JsonOptions {
-                ensure_ascii: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        assert_eq!(
-            ascii,
-            "{\"t\": \"<b>&'\\\"\\u00e9\\ud83d\\ude00\\u0001\\n\"}"
-        );
+        let ascii = json_dumps(&v, &JsonOptions { ensure_ascii: true, ..Default::default() }).unwrap();
+        assert_eq!(ascii, "{\"t\": \"<b>&'\\\"\\u00e9\\ud83d\\ude00\\u0001\\n\"}");
     }
 
     #[test]
     fn json_dumps_indents_with_comma_item_separator() {
         let v = from_json(r#"{"a": [1, {"b": null}], "e": []}"#);
-        let out = json_dumps(
-            &v,
-            &JsonOptions {
-                indent: Some("  ".into()),
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        assert_eq!(
-            out,
-            "{\n  \"a\": [\n    1,\n    {\n      \"b\": null\n    }\n  ],\n  \"e\": []\n}"
-        );
+        let out = json_dumps(&v, &JsonOptions { indent: Some("  ".into()), ..Default::default() }).unwrap();
+        assert_eq!(out, "{\n  \"a\": [\n    1,\n    {\n      \"b\": null\n    }\n  ],\n  \"e\": []\n}");
     }
 
     #[test]
     fn json_dumps_sorts_keys_and_takes_custom_separators() {
         let v = from_json(r#"{"b": true, "a": false}"#);
-        let options = JsonOptions {
-            sort_keys: true,
-            separators: Some((",".into(), ":".into())),
-            ..Default::default()
-        };
+        let options = JsonOptions { sort_keys: true, separators: Some((",".into(), ":".into())), ..Default::default() };
         assert_eq!(json_dumps(&v, &options).unwrap(), r#"{"a":false,"b":true}"#);
     }
 
     #[test]
     fn repr_matches_python_for_containers_and_quotes() {
-        let v = from_json(
-            r#"{"city": "Paris", "n": 2, "f": 0.5, "ok": true, "none": null, "l": ["it's", "a\"b"]}"#,
-        );
-        assert_eq!(
-            py_repr(&v),
-            r#"{'city': 'Paris', 'n': 2, 'f': 0.5, 'ok': True, 'none': None, 'l': ["it's", 'a"b']}"#
-        );
+        let v = from_json(r#"{"city": "Paris", "n": 2, "f": 0.5, "ok": true, "none": null, "l": ["it's", "a\"b"]}"#);
+        assert_eq!(py_repr(&v), r#"{'city': 'Paris', 'n': 2, 'f': 0.5, 'ok': True, 'none': None, 'l': ["it's", 'a"b']}"#);
         assert_eq!(py_repr(&Value::from("both ' and \"")), r#"'both \' and "'"#);
         assert_eq!(py_str(&Value::from("plain")), "plain");
     }

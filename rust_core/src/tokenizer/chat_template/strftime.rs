@@ -6,29 +6,9 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const WEEKDAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
+const MONTHS: [&str; 12] =
+    ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 
 /// A broken-down UTC time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,10 +49,7 @@ impl CivilTime {
 
     /// Now, in UTC.
     pub fn now() -> Self {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0);
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         Self::from_unix(secs)
     }
 
@@ -89,11 +66,7 @@ impl CivilTime {
                 out.push('%');
                 break;
             };
-            let hour12 = if self.hour.is_multiple_of(12) {
-                12
-            } else {
-                self.hour % 12
-            };
+            let hour12 = if self.hour.is_multiple_of(12) { 12 } else { self.hour % 12 };
             let month = MONTHS[(self.month - 1) as usize];
             let weekday = WEEKDAYS[self.weekday as usize];
             match d {
@@ -115,16 +88,8 @@ impl CivilTime {
                 'u' => out.push_str(&(self.weekday + 1).to_string()),
                 'w' => out.push_str(&((self.weekday + 1) % 7).to_string()),
                 'F' => out.push_str(&format!("{}-{:02}-{:02}", self.year, self.month, self.day)),
-                'T' => out.push_str(&format!(
-                    "{:02}:{:02}:{:02}",
-                    self.hour, self.minute, self.second
-                )),
-                'D' => out.push_str(&format!(
-                    "{:02}/{:02}/{:02}",
-                    self.month,
-                    self.day,
-                    self.year.rem_euclid(100)
-                )),
+                'T' => out.push_str(&format!("{:02}:{:02}:{:02}", self.hour, self.minute, self.second)),
+                'D' => out.push_str(&format!("{:02}/{:02}/{:02}", self.month, self.day, self.year.rem_euclid(100))),
                 'Z' | 'z' => {}
                 '%' => out.push('%'),
                 other => {
@@ -170,16 +135,10 @@ mod tests {
     fn unix_seconds_convert_to_the_right_calendar_day() {
         // 2024-02-29T13:05:09Z, a Thursday, day 60 of a leap year.
         let t = CivilTime::from_unix(1_709_211_909);
-        assert_eq!(
-            (t.year, t.month, t.day, t.hour, t.minute, t.second),
-            (2024, 2, 29, 13, 5, 9)
-        );
+        assert_eq!((t.year, t.month, t.day, t.hour, t.minute, t.second), (2024, 2, 29, 13, 5, 9));
         assert_eq!(t.weekday, 3);
         assert_eq!(t.day_of_year, 60);
-        assert_eq!(
-            CivilTime::from_unix(0).format("%Y-%m-%d %A"),
-            "1970-01-01 Thursday"
-        );
+        assert_eq!(CivilTime::from_unix(0).format("%Y-%m-%d %A"), "1970-01-01 Thursday");
     }
 
     #[test]
@@ -187,9 +146,6 @@ mod tests {
         let t = CivilTime::from_unix(1_709_211_909);
         assert_eq!(t.format("%d %b %Y"), "29 Feb 2024");
         assert_eq!(t.format("%B %d, %Y %I:%M %p"), "February 29, 2024 01:05 PM");
-        assert_eq!(
-            t.format("%a %j %y %% %F %T %Q"),
-            "Thu 060 24 % 2024-02-29 13:05:09 %Q"
-        );
+        assert_eq!(t.format("%a %j %y %% %F %T %Q"), "Thu 060 24 % 2024-02-29 13:05:09 %Q");
     }
 }

@@ -26,19 +26,13 @@ fn trim_and_lstrip_blocks_match_jinja2() {
 fn printed_values_use_python_str() {
     let template = "{{ 1e16 }}|{{ 0.00001 }}|{{ {'a': 1, 'b': [true, none, 'x']} }}|{{ true }}|{{ none }}|{{ messages[0].missing }}|{{ messages[0] | string }}";
     let out = render(template, json!([{"role": "user", "content": "it's"}]));
-    assert_eq!(
-        out,
-        r#"1e+16|1e-05|{'a': 1, 'b': [True, None, 'x']}|True|None||{'role': 'user', 'content': "it's"}"#
-    );
+    assert_eq!(out, r#"1e+16|1e-05|{'a': 1, 'b': [True, None, 'x']}|True|None||{'role': 'user', 'content': "it's"}"#);
 }
 
 #[test]
 fn tojson_is_python_json_dumps() {
     let template = "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|{{ messages[0].content | tojson(ensure_ascii=true) }}|{{ {'b': 1, 'a': 2} | tojson(sort_keys=true, separators=(',', ':')) }}";
-    let out = render(
-        template,
-        json!([{"role": "user", "content": "<b>é & \"q\"</b>", "n": 1.5}]),
-    );
+    let out = render(template, json!([{"role": "user", "content": "<b>é & \"q\"</b>", "n": 1.5}]));
     let want = "{\"role\": \"user\", \"content\": \"<b>é & \\\"q\\\"</b>\", \"n\": 1.5}|{\n  \"role\": \"user\",\n  \"content\": \"<b>é & \\\"q\\\"</b>\",\n  \"n\": 1.5\n}|\"<b>\\u00e9 & \\\"q\\\"</b>\"|{\"a\":2,\"b\":1}";
     assert_eq!(out, want);
 }
@@ -53,8 +47,7 @@ fn python_string_and_dict_methods_work() {
 #[test]
 fn namespace_loop_controls_and_reverse_slices_work() {
     let template = "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}{% if m.role == 'stop' %}{% break %}{% endif %}{% set ns.n = ns.n + 1 %}{{ loop.index0 }}{{ 'L' if loop.last else '' }}{% endfor %}#{{ ns.n }}{{ messages[::-1][0].role }}";
-    let messages =
-        json!([{"role": "a"}, {"role": "skip"}, {"role": "b"}, {"role": "stop"}, {"role": "c"}]);
+    let messages = json!([{"role": "a"}, {"role": "skip"}, {"role": "b"}, {"role": "stop"}, {"role": "c"}]);
     assert_eq!(render(template, messages), "02#2c");
 }
 
@@ -73,57 +66,35 @@ fn null_keys_are_dropped_and_reasoning_is_aliased() {
 fn iterable_and_sequence_tests_follow_python() {
     let template = "{{ none is iterable }}{{ 'ab' is iterable }}{{ {} is iterable }}{{ x is iterable }}{{ 1 is iterable }}|{{ 'ab' is sequence }}{{ {} is sequence }}{{ [] is sequence }}{{ none is sequence }}{{ x is sequence }}{{ 1 is sequence }}|{{ true is number }}";
     let out = render(template, json!([{"role": "user", "content": "x"}]));
-    assert_eq!(
-        out,
-        "FalseTrueTrueTrueFalse|TrueTrueTrueFalseTrueFalse|True"
-    );
+    assert_eq!(out, "FalseTrueTrueTrueFalse|TrueTrueTrueFalseTrueFalse|True");
 }
 
 #[test]
 fn generation_tags_render_their_body() {
     let template = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}\n{%- generation -%}\n  !{% endgeneration %}{% endfor %}";
-    assert_eq!(
-        render(template, json!([{"role": "user", "content": "hi"}])),
-        "hi!"
-    );
+    assert_eq!(render(template, json!([{"role": "user", "content": "hi"}])), "hi!");
 }
 
 #[test]
 fn extra_kwargs_tools_and_documents_are_visible() {
     let template = "{{ bos_token }}{% if enable_thinking is defined and enable_thinking is false %}nothink{% endif %}{{ 'gen' if add_generation_prompt }}{{ tools is none }}{{ documents is none }}";
-    let out = render_with(
-        template,
-        json!([{"role": "user", "content": "hi"}]),
-        json!({"bos_token": "<s>", "enable_thinking": false}),
-    )
-    .unwrap();
+    let out = render_with(template, json!([{"role": "user", "content": "hi"}]), json!({"bos_token": "<s>", "enable_thinking": false})).unwrap();
     assert_eq!(out, "<s>nothinkgenTrueTrue");
 }
 
 #[test]
 fn raise_exception_becomes_a_template_error_with_its_message() {
     let template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok";
-    let err = render_with(
-        template,
-        json!([{"role": "system", "content": "x"}]),
-        json!({}),
-    )
-    .unwrap_err();
+    let err = render_with(template, json!([{"role": "system", "content": "x"}]), json!({})).unwrap_err();
     match err {
-        NinferError::Template(text) => assert!(
-            text.contains("first message must be from the user"),
-            "{text}"
-        ),
+        NinferError::Template(text) => assert!(text.contains("first message must be from the user"), "{text}"),
         other => panic!("expected a template error, got {other:?}"),
     }
 }
 
 #[test]
 fn strftime_now_formats_the_current_date() {
-    let out = render(
-        "{{ strftime_now('%Y-%m-%d') }}",
-        json!([{"role": "user", "content": "hi"}]),
-    );
+    let out = render("{{ strftime_now('%Y-%m-%d') }}", json!([{"role": "user", "content": "hi"}]));
     assert_eq!(out, CivilTime::now().format("%Y-%m-%d"));
 }
 
@@ -137,11 +108,7 @@ fn malformed_template_fails_to_compile() {
 fn bad_messages_are_invalid_requests() {
     let template = ChatTemplate::new("{{ messages | length }}").unwrap();
     let none = Map::new();
-    for (messages, field) in [
-        (json!([]), "messages"),
-        (json!({"role": "user"}), "messages"),
-        (json!(["hi"]), "messages[0]"),
-    ] {
+    for (messages, field) in [(json!([]), "messages"), (json!({"role": "user"}), "messages"), (json!(["hi"]), "messages[0]")] {
         match template.render(&messages, None, false, &none).unwrap_err() {
             NinferError::InvalidRequest { field: got, .. } => assert_eq!(got, field),
             other => panic!("expected an invalid request for {messages}, got {other:?}"),
@@ -149,12 +116,7 @@ fn bad_messages_are_invalid_requests() {
     }
     let reserved: Map<String, Json> = json!({"messages": []}).as_object().cloned().unwrap();
     assert!(matches!(
-        template.render(
-            &json!([{"role": "user", "content": "x"}]),
-            None,
-            false,
-            &reserved
-        ),
+        template.render(&json!([{"role": "user", "content": "x"}]), None, false, &reserved),
         Err(NinferError::InvalidRequest { .. })
     ));
 }

@@ -12,15 +12,7 @@ use serde_json::Value as Json;
 use crate::{NinferError, Result};
 
 /// The named special-token attributes transformers passes to chat templates, in its order.
-pub const NAMED_SPECIAL_TOKENS: [&str; 7] = [
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
+pub const NAMED_SPECIAL_TOKENS: [&str; 7] = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 /// One entry of `added_tokens_decoder`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,16 +62,13 @@ impl TokenizerConfig {
             return Ok(Self::default());
         }
         let text = std::fs::read_to_string(path).map_err(|e| NinferError::io(path, e))?;
-        let json: Json =
-            serde_json::from_str(&text).map_err(|e| NinferError::malformed(path, e.to_string()))?;
+        let json: Json = serde_json::from_str(&text).map_err(|e| NinferError::malformed(path, e.to_string()))?;
         Self::from_json(&json, path)
     }
 
     /// Parse the JSON object of a config file; `path` names it in errors.
     pub fn from_json(json: &Json, path: &Path) -> Result<Self> {
-        let object = json
-            .as_object()
-            .ok_or_else(|| NinferError::malformed(path, "expected a JSON object"))?;
+        let object = json.as_object().ok_or_else(|| NinferError::malformed(path, "expected a JSON object"))?;
         let mut config = TokenizerConfig::default();
         for name in NAMED_SPECIAL_TOKENS {
             if let Some(value) = object.get(name) {
@@ -90,18 +79,9 @@ impl TokenizerConfig {
         }
         config.add_bos_token = optional_bool(object.get("add_bos_token"), path, "add_bos_token")?;
         config.add_eos_token = optional_bool(object.get("add_eos_token"), path, "add_eos_token")?;
-        config.clean_up_tokenization_spaces = optional_bool(
-            object.get("clean_up_tokenization_spaces"),
-            path,
-            "clean_up_tokenization_spaces",
-        )?
-        .unwrap_or(false);
-        config.split_special_tokens = optional_bool(
-            object.get("split_special_tokens"),
-            path,
-            "split_special_tokens",
-        )?
-        .unwrap_or(false);
+        config.clean_up_tokenization_spaces =
+            optional_bool(object.get("clean_up_tokenization_spaces"), path, "clean_up_tokenization_spaces")?.unwrap_or(false);
+        config.split_special_tokens = optional_bool(object.get("split_special_tokens"), path, "split_special_tokens")?.unwrap_or(false);
         if let Some(decoder) = object.get("added_tokens_decoder") {
             config.added_tokens = added_tokens(decoder, path)?;
         }
@@ -124,15 +104,9 @@ fn token_text(value: &Json, path: &Path, field: &str) -> Result<Option<String>> 
         Json::String(text) => Ok(Some(text.clone())),
         Json::Object(map) => match map.get("content") {
             Some(Json::String(text)) => Ok(Some(text.clone())),
-            _ => Err(NinferError::malformed(
-                path,
-                format!("`{field}` is an object without a string `content`"),
-            )),
+            _ => Err(NinferError::malformed(path, format!("`{field}` is an object without a string `content`"))),
         },
-        other => Err(NinferError::malformed(
-            path,
-            format!("`{field}` must be a string or an AddedToken object, got {other}"),
-        )),
+        other => Err(NinferError::malformed(path, format!("`{field}` must be a string or an AddedToken object, got {other}"))),
     }
 }
 
@@ -140,42 +114,25 @@ fn optional_bool(value: Option<&Json>, path: &Path, field: &str) -> Result<Optio
     match value {
         None | Some(Json::Null) => Ok(None),
         Some(Json::Bool(b)) => Ok(Some(*b)),
-        Some(other) => Err(NinferError::malformed(
-            path,
-            format!("`{field}` must be true or false, got {other}"),
-        )),
+        Some(other) => Err(NinferError::malformed(path, format!("`{field}` must be true or false, got {other}"))),
     }
 }
 
 fn added_tokens(decoder: &Json, path: &Path) -> Result<Vec<AddedTokenSpec>> {
-    let map = decoder.as_object().ok_or_else(|| {
-        NinferError::malformed(
-            path,
-            "`added_tokens_decoder` must be an object of id -> token",
-        )
-    })?;
+    let map = decoder.as_object().ok_or_else(|| NinferError::malformed(path, "`added_tokens_decoder` must be an object of id -> token"))?;
     let mut tokens = Vec::with_capacity(map.len());
     for (key, value) in map {
-        let id: u32 = key.parse().map_err(|_| {
-            NinferError::malformed(
-                path,
-                format!("`added_tokens_decoder` key {key:?} is not a token id"),
-            )
-        })?;
-        let entry = value.as_object().ok_or_else(|| {
-            NinferError::malformed(
-                path,
-                format!("`added_tokens_decoder[{key}]` must be an object"),
-            )
-        })?;
-        let flag =
-            |name: &str, default: bool| entry.get(name).and_then(Json::as_bool).unwrap_or(default);
-        let content = entry.get("content").and_then(Json::as_str).ok_or_else(|| {
-            NinferError::malformed(
-                path,
-                format!("`added_tokens_decoder[{key}]` has no string `content`"),
-            )
-        })?;
+        let id: u32 = key
+            .parse()
+            .map_err(|_| NinferError::malformed(path, format!("`added_tokens_decoder` key {key:?} is not a token id")))?;
+        let entry = value
+            .as_object()
+            .ok_or_else(|| NinferError::malformed(path, format!("`added_tokens_decoder[{key}]` must be an object")))?;
+        let flag = |name: &str, default: bool| entry.get(name).and_then(Json::as_bool).unwrap_or(default);
+        let content = entry
+            .get("content")
+            .and_then(Json::as_str)
+            .ok_or_else(|| NinferError::malformed(path, format!("`added_tokens_decoder[{key}]` has no string `content`")))?;
         let special = flag("special", false);
         tokens.push(AddedTokenSpec {
             id,
@@ -200,10 +157,7 @@ fn named_templates(items: &[Json], path: &Path) -> Result<Vec<(String, String)>>
             let template = item.get("template").and_then(Json::as_str);
             match (name, template) {
                 (Some(name), Some(template)) => Ok((name.to_string(), template.to_string())),
-                _ => Err(NinferError::malformed(
-                    path,
-                    format!("`chat_template[{i}]` needs string `name` and `template`"),
-                )),
+                _ => Err(NinferError::malformed(path, format!("`chat_template[{i}]` needs string `name` and `template`"))),
             }
         })
         .collect()
@@ -231,43 +185,22 @@ mod tests {
             "chat_template": [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]
         });
         let config = TokenizerConfig::from_json(&json, Path::new("tc.json")).unwrap();
-        assert_eq!(
-            config.special_tokens,
-            vec![
-                ("bos_token".into(), "<s>".into()),
-                ("eos_token".into(), "</s>".into())
-            ]
-        );
+        assert_eq!(config.special_tokens, vec![("bos_token".into(), "<s>".into()), ("eos_token".into(), "</s>".into())]);
         assert_eq!(config.add_bos_token, Some(true));
         assert_eq!(config.add_eos_token, None);
-        assert_eq!(
-            config.added_tokens.iter().map(|t| t.id).collect::<Vec<_>>(),
-            vec![2, 5]
-        );
+        assert_eq!(config.added_tokens.iter().map(|t| t.id).collect::<Vec<_>>(), vec![2, 5]);
         assert!(!config.added_tokens[0].normalized);
         assert_eq!(
             config.chat_template,
-            Some(ConfigTemplates::Named(vec![
-                ("default".into(), "A".into()),
-                ("tool_use".into(), "B".into())
-            ]))
+            Some(ConfigTemplates::Named(vec![("default".into(), "A".into()), ("tool_use".into(), "B".into())]))
         );
     }
 
     #[test]
     fn wrong_types_name_the_file() {
-        for bad in [
-            json!({"chat_template": 3}),
-            json!({"add_bos_token": "yes"}),
-            json!([1]),
-            json!({"added_tokens_decoder": {"x": {}}}),
-        ] {
-            let err = TokenizerConfig::from_json(&bad, Path::new("/m/tokenizer_config.json"))
-                .unwrap_err();
-            assert!(
-                err.to_string().contains("/m/tokenizer_config.json"),
-                "{err}"
-            );
+        for bad in [json!({"chat_template": 3}), json!({"add_bos_token": "yes"}), json!([1]), json!({"added_tokens_decoder": {"x": {}}})] {
+            let err = TokenizerConfig::from_json(&bad, Path::new("/m/tokenizer_config.json")).unwrap_err();
+            assert!(err.to_string().contains("/m/tokenizer_config.json"), "{err}");
         }
     }
 }

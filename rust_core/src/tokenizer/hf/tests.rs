@@ -51,20 +51,12 @@ fn no_kwargs() -> Map<String, Json> {
 
 #[test]
 fn encodes_decodes_and_names_special_tokens() {
-    let config =
-        json!({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": true}}).to_string();
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        ("tokenizer_config.json", &config),
-    ]);
+    let config = json!({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": true}}).to_string();
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", &config)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     assert_eq!(tok.vocab_size(), 8);
     assert_eq!(tok.encode("hello world .", false).unwrap(), vec![0, 1, 2]);
-    assert_eq!(
-        tok.encode("hello world .", true).unwrap(),
-        vec![0, 1, 2],
-        "no post-processor and no add_bos_token: nothing added"
-    );
+    assert_eq!(tok.encode("hello world .", true).unwrap(), vec![0, 1, 2], "no post-processor and no add_bos_token: nothing added");
     assert_eq!(tok.decode(&[6, 0, 1, 7], true).unwrap(), "hello world");
     assert_eq!(tok.bos_token(), Some("<s>"));
     assert_eq!(tok.eos_token(), Some("</s>"));
@@ -77,10 +69,7 @@ fn encodes_decodes_and_names_special_tokens() {
 fn add_bos_token_in_config_does_not_override_tokenizer_json() {
     // transformers 5 drops add_bos_token/add_eos_token when tokenizer.json exists.
     let config = json!({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true, "add_eos_token": true}).to_string();
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        ("tokenizer_config.json", &config),
-    ]);
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", &config)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     assert_eq!(tok.encode("hello", true).unwrap(), vec![0]);
 }
@@ -88,77 +77,41 @@ fn add_bos_token_in_config_does_not_override_tokenizer_json() {
 #[test]
 fn clean_up_tokenization_spaces_applies_to_non_bpe_models() {
     let config = json!({"clean_up_tokenization_spaces": true}).to_string();
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        ("tokenizer_config.json", &config),
-    ]);
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", &config)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     assert_eq!(tok.decode(&[4, 5, 0, 2], false).unwrap(), "it's hello.");
 }
 
 #[test]
 fn added_tokens_decoder_entries_missing_from_tokenizer_json_are_added() {
-    let config =
-        json!({"added_tokens_decoder": {"8": {"content": "<tool>", "special": false}}}).to_string();
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        ("tokenizer_config.json", &config),
-    ]);
+    let config = json!({"added_tokens_decoder": {"8": {"content": "<tool>", "special": false}}}).to_string();
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", &config)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     assert_eq!(tok.token_to_id("<tool>"), Some(8));
-    assert_eq!(
-        tok.encode("hello<tool>world", false).unwrap(),
-        vec![0, 8, 1]
-    );
+    assert_eq!(tok.encode("hello<tool>world", false).unwrap(), vec![0, 8, 1]);
 }
 
 #[test]
 fn chat_template_comes_from_config_string_with_special_tokens_as_variables() {
     let config = json!({"bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{{ flag | default('-') }}"}).to_string();
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        ("tokenizer_config.json", &config),
-    ]);
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", &config)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     let messages = json!([{"role": "user", "content": "hi"}]);
-    assert_eq!(
-        tok.apply_chat_template(&messages, None, false, &no_kwargs())
-            .unwrap(),
-        "<s>user:hi;-"
-    );
-    let kwargs: Map<String, Json> = json!({"flag": "on", "bos_token": "[B]"})
-        .as_object()
-        .cloned()
-        .unwrap();
-    assert_eq!(
-        tok.apply_chat_template(&messages, None, false, &kwargs)
-            .unwrap(),
-        "[B]user:hi;on",
-        "kwargs override special tokens"
-    );
+    assert_eq!(tok.apply_chat_template(&messages, None, false, &no_kwargs()).unwrap(), "<s>user:hi;-");
+    let kwargs: Map<String, Json> = json!({"flag": "on", "bos_token": "[B]"}).as_object().cloned().unwrap();
+    assert_eq!(tok.apply_chat_template(&messages, None, false, &kwargs).unwrap(), "[B]user:hi;on", "kwargs override special tokens");
 }
 
 #[test]
 fn named_templates_pick_tool_use_when_tools_are_given() {
     let config = json!({"chat_template": [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools={{ tools | length }}"}]}).to_string();
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        ("tokenizer_config.json", &config),
-    ]);
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", &config)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     let messages = json!([{"role": "user", "content": "hi"}]);
     assert_eq!(tok.chat_template_names(), vec!["default", "tool_use"]);
-    assert_eq!(
-        tok.apply_chat_template(&messages, None, true, &no_kwargs())
-            .unwrap(),
-        "plain"
-    );
+    assert_eq!(tok.apply_chat_template(&messages, None, true, &no_kwargs()).unwrap(), "plain");
     let tools = json!([{"type": "function", "function": {"name": "f"}}]);
-    assert_eq!(
-        tok.apply_chat_template(&messages, Some(&tools), true, &no_kwargs())
-            .unwrap(),
-        "tools=1"
-    );
+    assert_eq!(tok.apply_chat_template(&messages, Some(&tools), true, &no_kwargs()).unwrap(), "tools=1");
 }
 
 #[test]
@@ -172,52 +125,22 @@ fn template_files_override_the_config_template() {
     ]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
     let messages = json!([{"role": "user", "content": "hi"}]);
-    assert_eq!(
-        tok.apply_chat_template(&messages, None, true, &no_kwargs())
-            .unwrap(),
-        "from file"
-    );
-    assert_eq!(
-        tok.apply_chat_template(&messages, Some(&json!([])), true, &no_kwargs())
-            .unwrap(),
-        "tool file"
-    );
+    assert_eq!(tok.apply_chat_template(&messages, None, true, &no_kwargs()).unwrap(), "from file");
+    assert_eq!(tok.apply_chat_template(&messages, Some(&json!([])), true, &no_kwargs()).unwrap(), "tool file");
 }
 
 #[test]
 fn chat_template_json_is_the_last_resort() {
-    let dir = ModelDir::new(&[
-        ("tokenizer.json", WORD_LEVEL),
-        (
-            "chat_template.json",
-            r#"{"chat_template": "vision {{ messages | length }}"}"#,
-        ),
-    ]);
+    let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL), ("chat_template.json", r#"{"chat_template": "vision {{ messages | length }}"}"#)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
-    assert_eq!(
-        tok.apply_chat_template(
-            &json!([{"role": "user", "content": "x"}]),
-            None,
-            true,
-            &no_kwargs()
-        )
-        .unwrap(),
-        "vision 1"
-    );
+    assert_eq!(tok.apply_chat_template(&json!([{"role": "user", "content": "x"}]), None, true, &no_kwargs()).unwrap(), "vision 1");
 }
 
 #[test]
 fn no_template_is_a_template_error() {
     let dir = ModelDir::new(&[("tokenizer.json", WORD_LEVEL)]);
     let tok = Tokenizer::from_dir(&dir.0).unwrap();
-    let err = tok
-        .apply_chat_template(
-            &json!([{"role": "user", "content": "x"}]),
-            None,
-            true,
-            &no_kwargs(),
-        )
-        .unwrap_err();
+    let err = tok.apply_chat_template(&json!([{"role": "user", "content": "x"}]), None, true, &no_kwargs()).unwrap_err();
     assert!(matches!(err, NinferError::Template(_)), "{err:?}");
 }
 
@@ -234,27 +157,9 @@ fn missing_tokenizer_json_names_the_path() {
 fn malformed_files_name_their_path() {
     let cases = [
         (vec![("tokenizer.json", "{ not json")], "tokenizer.json"),
-        (
-            vec![
-                ("tokenizer.json", WORD_LEVEL),
-                ("tokenizer_config.json", "[1, 2"),
-            ],
-            "tokenizer_config.json",
-        ),
-        (
-            vec![
-                ("tokenizer.json", WORD_LEVEL),
-                ("chat_template.jinja", "{% for m in messages %}"),
-            ],
-            "chat_template.jinja",
-        ),
-        (
-            vec![
-                ("tokenizer.json", WORD_LEVEL),
-                ("chat_template.json", r#"{"x": 1}"#),
-            ],
-            "chat_template.json",
-        ),
+        (vec![("tokenizer.json", WORD_LEVEL), ("tokenizer_config.json", "[1, 2")], "tokenizer_config.json"),
+        (vec![("tokenizer.json", WORD_LEVEL), ("chat_template.jinja", "{% for m in messages %}")], "chat_template.jinja"),
+        (vec![("tokenizer.json", WORD_LEVEL), ("chat_template.json", r#"{"x": 1}"#)], "chat_template.json"),
     ];
     for (files, bad) in cases {
         let dir = ModelDir::new(&files);

@@ -35,14 +35,7 @@ pub fn gated_delta_rule_chunked(
     state: &mut [f32],
     out: &mut [f32],
 ) {
-    let inputs = DeltaInputs {
-        d,
-        q,
-        k,
-        v,
-        g,
-        beta,
-    };
+    let inputs = DeltaInputs { d, q, k, v, g, beta };
     inputs.check(state, out);
     let GdnDims {
         t,
@@ -77,13 +70,11 @@ pub fn gated_delta_rule_chunked(
                 }
             }
         });
-    out.par_chunks_mut(nv * vd)
-        .enumerate()
-        .for_each(|(i, row)| {
-            for (h, dst) in row.chunks_mut(vd).enumerate() {
-                dst.copy_from_slice(&head_major[(h * t + i) * vd..(h * t + i + 1) * vd]);
-            }
-        });
+    out.par_chunks_mut(nv * vd).enumerate().for_each(|(i, row)| {
+        for (h, dst) in row.chunks_mut(vd).enumerate() {
+            dst.copy_from_slice(&head_major[(h * t + i) * vd..(h * t + i + 1) * vd]);
+        }
+    });
 }
 
 /// Per-head buffers of one chunk (C rows: [`GDN_CHUNK`], or t when shorter), reused across a
@@ -132,15 +123,7 @@ impl ChunkScratch {
 
     /// One chunk of `len` tokens from `t0` for value head `h`: writes `out` (`[len, v_dim]`)
     /// and advances `s` (`[k_dim, v_dim]`).
-    fn run(
-        &mut self,
-        x: &DeltaInputs,
-        h: usize,
-        t0: usize,
-        len: usize,
-        s: &mut [f32],
-        out: &mut [f32],
-    ) {
+    fn run(&mut self, x: &DeltaInputs, h: usize, t0: usize, len: usize, s: &mut [f32], out: &mut [f32]) {
         let GdnDims {
             num_k_heads: nk,
             num_v_heads: nv,
@@ -163,10 +146,7 @@ impl ChunkScratch {
             self.beta[i] = b;
             let ed = acc.exp();
             let vs = (tok * nv + h) * vd;
-            for (r, vj) in self.bv[i * vd..(i + 1) * vd]
-                .iter_mut()
-                .zip(&x.v[vs..vs + vd])
-            {
+            for (r, vj) in self.bv[i * vd..(i + 1) * vd].iter_mut().zip(&x.v[vs..vs + vd]) {
                 *r = vj * b;
             }
             for a in 0..kd {
@@ -202,11 +182,7 @@ impl ChunkScratch {
         // exp(cum_i - cum_j) (j < i), inverted in place: T = (I + A)^-1.
         for i in 0..n {
             for j in 0..n {
-                let decay = if j <= i {
-                    (self.cum[i] - self.cum[j]).exp()
-                } else {
-                    0.0
-                };
+                let decay = if j <= i { (self.cum[i] - self.cum[j]).exp() } else { 0.0 };
                 self.qk[i * c + j] *= decay;
                 let a = self.beta[i] * self.kk[i * c + j] * decay;
                 self.kk[i * c + j] = if j < i { a } else { 0.0 };
@@ -235,61 +211,21 @@ impl ChunkScratch {
             (&mut self.w, kd),
         );
         // v_new = u - w S: the part of each value the old state does not already predict.
-        gemm(
-            n,
-            kd,
-            vd,
-            -1.0,
-            (&self.w, kd, 1),
-            (&*s, vd, 1),
-            1.0,
-            (&mut self.u, vd),
-        );
+        gemm(n, kd, vd, -1.0, (&self.w, kd, 1), (&*s, vd, 1), 1.0, (&mut self.u, vd));
         // o = (q exp(cum)) S + attn v_new.
         for i in 0..n {
             let ed = self.cum[i].exp();
-            self.q[i * kd..(i + 1) * kd]
-                .iter_mut()
-                .for_each(|x| *x *= ed);
+            self.q[i * kd..(i + 1) * kd].iter_mut().for_each(|x| *x *= ed);
         }
-        gemm(
-            n,
-            kd,
-            vd,
-            1.0,
-            (&self.q, kd, 1),
-            (&*s, vd, 1),
-            0.0,
-            (&mut *out, vd),
-        );
-        gemm(
-            n,
-            n,
-            vd,
-            1.0,
-            (&self.qk, c, 1),
-            (&self.u, vd, 1),
-            1.0,
-            (out, vd),
-        );
+        gemm(n, kd, vd, 1.0, (&self.q, kd, 1), (&*s, vd, 1), 0.0, (&mut *out, vd));
+        gemm(n, n, vd, 1.0, (&self.qk, c, 1), (&self.u, vd, 1), 1.0, (out, vd));
         // S = exp(cum_last) S + (k exp(cum_last - cum))^T v_new.
         let last = self.cum[n - 1];
         for j in 0..n {
             let kdec = (last - self.cum[j]).exp();
-            self.k[j * kd..(j + 1) * kd]
-                .iter_mut()
-                .for_each(|x| *x *= kdec);
+            self.k[j * kd..(j + 1) * kd].iter_mut().for_each(|x| *x *= kdec);
         }
-        gemm(
-            kd,
-            n,
-            vd,
-            1.0,
-            (&self.k, 1, kd),
-            (&self.u, vd, 1),
-            last.exp(),
-            (s, vd),
-        );
+        gemm(kd, n, vd, 1.0, (&self.k, 1, kd), (&self.u, vd, 1), last.exp(), (s, vd));
     }
 }
 
@@ -331,18 +267,10 @@ fn gemm(
     if m == 0 || n == 0 {
         return;
     }
-    let end = |rows: usize, cols: usize, rs: usize, cs: usize| {
-        (rows - 1) * rs + (cols.max(1) - 1) * cs + 1
-    };
+    let end = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols.max(1) - 1) * cs + 1;
     if k > 0 {
-        assert!(
-            a.0.len() >= end(m, k, a.1, a.2),
-            "gemm: a view out of bounds"
-        );
-        assert!(
-            b.0.len() >= end(k, n, b.1, b.2),
-            "gemm: b view out of bounds"
-        );
+        assert!(a.0.len() >= end(m, k, a.1, a.2), "gemm: a view out of bounds");
+        assert!(b.0.len() >= end(k, n, b.1, b.2), "gemm: b view out of bounds");
     }
     assert!(c.0.len() >= end(m, n, c.1, 1), "gemm: c view out of bounds");
     // SAFETY: the asserts above keep every element matrixmultiply reads from a and b and writes

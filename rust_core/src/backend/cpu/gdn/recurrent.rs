@@ -25,14 +25,7 @@ pub fn gated_delta_rule_recurrent(
     state: &mut [f32],
     out: &mut [f32],
 ) {
-    let x = DeltaInputs {
-        d,
-        q,
-        k,
-        v,
-        g,
-        beta,
-    };
+    let x = DeltaInputs { d, q, k, v, g, beta };
     x.check(state, out);
     let GdnDims {
         t,
@@ -54,10 +47,7 @@ pub fn gated_delta_rule_recurrent(
         if parallel {
             heads.for_each(|(h, (s, o))| head_token(&x, h, tok, s, o));
         } else {
-            let heads = state
-                .chunks_mut(kd * vd)
-                .zip(out_row.chunks_mut(vd))
-                .enumerate();
+            let heads = state.chunks_mut(kd * vd).zip(out_row.chunks_mut(vd)).enumerate();
             heads.for_each(|(h, (s, o))| head_token(&x, h, tok, s, o));
         }
     }

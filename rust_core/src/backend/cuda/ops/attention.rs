@@ -54,9 +54,7 @@ impl PagedAttentionShape {
         if self.partition > 0 {
             return (self.partition, ctx.div_ceil(self.partition));
         }
-        let want = (TARGET_WARPS / warps.max(1))
-            .max(1)
-            .min(ctx.div_ceil(MIN_PARTITION));
+        let want = (TARGET_WARPS / warps.max(1)).max(1).min(ctx.div_ceil(MIN_PARTITION));
         let partition = ctx.div_ceil(want);
         (partition, ctx.div_ceil(partition))
     }
@@ -76,10 +74,7 @@ pub const FIXED_BLOCK_SPLITS: usize = DECODE_SPLITS / FIXED_WARPS;
 /// `tokens` query tokens (one partial per warp split).
 pub fn two_kernel_decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> (usize, usize) {
     let rows = tokens * shape.n_q_heads;
-    (
-        rows * DECODE_SPLITS * shape.head_dim,
-        rows * DECODE_SPLITS * 2,
-    )
+    (rows * DECODE_SPLITS * shape.head_dim, rows * DECODE_SPLITS * 2)
 }
 
 /// (q heads per warp, warps) for `t` query tokens: one warp serves a whole GQA group when the
@@ -154,16 +149,8 @@ impl CudaDevice {
         v_stride: usize,
     ) -> Result<()> {
         let t = slot_mapping.len();
-        check_len(
-            "kv_cache_write k",
-            k.len(),
-            strided_len(t, row_elems, k_stride),
-        )?;
-        check_len(
-            "kv_cache_write v",
-            v.len(),
-            strided_len(t, row_elems, v_stride),
-        )?;
+        check_len("kv_cache_write k", k.len(), strided_len(t, row_elems, k_stride))?;
+        check_len("kv_cache_write v", v.len(), strided_len(t, row_elems, v_stride))?;
         if k_cache.len() != v_cache.len() || k_cache.len() % row_elems.max(1) != 0 {
             return Err(NinferError::Device(format!(
                 "kv_cache_write: caches of {} and {} elements do not hold rows of {row_elems}",
@@ -188,12 +175,7 @@ impl CudaDevice {
             KArg::I64(k_stride as i64),
             KArg::I64(v_stride as i64),
         ];
-        self.launch_pdl(
-            &f,
-            cfg((as_i32("tokens", t)? as u32, 1, 1), 128),
-            "kv_cache_write",
-            &args,
-        )
+        self.launch_pdl(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), 128), "kv_cache_write", &args)
     }
 
     /// Causal attention of `token_seq.len()` query tokens over the paged cache; token t is in
@@ -211,16 +193,7 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         shape: &PagedAttentionShape,
     ) -> Result<()> {
-        self.check_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-        )?;
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let t = token_seq.len();
         let d = sh.head_dim;
@@ -233,28 +206,14 @@ impl CudaDevice {
             // kernel first (idle splits write only their (max, sum), which the combine skips).
             unsafe {
                 Some((
-                    s.alloc::<f32>(rows * n_splits * d)
-                        .map_err(driver_err("attention partials"))?,
-                    s.alloc::<f32>(rows * n_splits * 2)
-                        .map_err(driver_err("attention partials"))?,
+                    s.alloc::<f32>(rows * n_splits * d).map_err(driver_err("attention partials"))?,
+                    s.alloc::<f32>(rows * n_splits * 2).map_err(driver_err("attention partials"))?,
                 ))
             }
         } else {
             None
         };
-        self.attention_launch(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            sh,
-            partition as i32,
-            n_splits,
-            scratch.as_ref().map(|(a, m)| (a, m)),
-        )
+        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, sh, partition as i32, n_splits, scratch.as_ref().map(|(a, m)| (a, m)))
     }
 
     /// The two-kernel form of decode attention (a warp per split of
@@ -275,32 +234,11 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        self.check_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-        )?;
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let (acc, ml) = two_kernel_decode_scratch_len(token_seq.len(), shape);
         check_len("attention scratch acc", scratch.acc.len(), acc)?;
         check_len("attention scratch ml", scratch.ml.len(), ml)?;
-        self.attention_launch(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-            0,
-            DECODE_SPLITS,
-            Some((&scratch.acc, &scratch.ml)),
-        )
+        self.attention_launch(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, 0, DECODE_SPLITS, Some((&scratch.acc, &scratch.ml)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -390,9 +328,7 @@ impl CudaDevice {
         let t = token_seq.len();
         let d = sh.head_dim;
         if !matches!(d, 64 | 96 | 128 | 256) {
-            return Err(NinferError::Unsupported(format!(
-                "CUDA attention with head_dim {d}"
-            )));
+            return Err(NinferError::Unsupported(format!("CUDA attention with head_dim {d}")));
         }
         if sh.n_kv_heads == 0 || !sh.n_q_heads.is_multiple_of(sh.n_kv_heads) {
             return Err(NinferError::Device(format!(
@@ -400,11 +336,7 @@ impl CudaDevice {
                 sh.n_q_heads, sh.n_kv_heads
             )));
         }
-        check_len(
-            "attention q",
-            q.len(),
-            strided_len(t, sh.n_q_heads * d, sh.q_stride),
-        )?;
+        check_len("attention q", q.len(), strided_len(t, sh.n_q_heads * d, sh.q_stride))?;
         let cache = sh.num_blocks * sh.block_size * sh.n_kv_heads * d;
         check_len("attention k_cache", k_cache.len(), cache)?;
         check_len("attention v_cache", v_cache.len(), cache)?;
@@ -431,42 +363,21 @@ mod tests {
         assert_eq!(kernel_name(96, 4), "paged_attention_d96_g4");
         assert_eq!(kernel_name(128, 8), "paged_attention_d128_g8");
         assert_eq!(kernel_name(256, 2), "paged_attention_d256_g2");
-        assert_eq!(
-            fixed_decode_kernel_name(128, 4),
-            "decode_attention_fixed_d128_g4"
-        );
-        assert_eq!(
-            fixed_decode_kernel_name(256, 1),
-            "decode_attention_fixed_d256_g1"
-        );
-        assert_eq!(
-            fixed_decode_kernel_name(64, 8),
-            "decode_attention_fixed_d64_g8"
-        );
+        assert_eq!(fixed_decode_kernel_name(128, 4), "decode_attention_fixed_d128_g4");
+        assert_eq!(fixed_decode_kernel_name(256, 1), "decode_attention_fixed_d256_g1");
+        assert_eq!(fixed_decode_kernel_name(64, 8), "decode_attention_fixed_d64_g8");
         // Every name the launchers can ask for is an instance in the kernel source: both
         // families come from ATTN_GROUP_INSTANCE(D, G), G = 1, 2, 4, 8, for each ATTN_INSTANCE(D).
         let src = include_str!("../../../../../cuda/attention.cu");
         for d in [64, 96, 128, 256] {
-            assert!(
-                src.contains(&format!("\nATTN_INSTANCE({d})")),
-                "ATTN_INSTANCE({d})"
-            );
+            assert!(src.contains(&format!("\nATTN_INSTANCE({d})")), "ATTN_INSTANCE({d})");
             for g in [1, 2, 4, 8] {
-                assert!(
-                    src.contains(&format!("ATTN_GROUP_INSTANCE(D, {g})")),
-                    "G = {g}"
-                );
-                for (prefix, name) in [
-                    ("paged_attention", kernel_name(d, g)),
-                    ("decode_attention_fixed", fixed_decode_kernel_name(d, g)),
-                ] {
+                assert!(src.contains(&format!("ATTN_GROUP_INSTANCE(D, {g})")), "G = {g}");
+                for (prefix, name) in [("paged_attention", kernel_name(d, g)), ("decode_attention_fixed", fixed_decode_kernel_name(d, g))] {
                     assert_eq!(name, format!("{prefix}_d{d}_g{g}"));
                 }
             }
         }
-        assert!(
-            src.contains("paged_attention_d##D##_g##G(")
-                && src.contains("decode_attention_fixed_d##D##_g##G(")
-        );
+        assert!(src.contains("paged_attention_d##D##_g##G(") && src.contains("decode_attention_fixed_d##D##_g##G("));
     }
 }

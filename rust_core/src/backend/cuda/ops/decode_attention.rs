@@ -6,10 +6,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::attention::{
-    by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape,
-    FIXED_BLOCK_SPLITS,
-};
+use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
@@ -49,44 +46,23 @@ pub const DECODE_DEFAULT_LAYOUT: usize = 0;
 /// an integer of 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value
 /// otherwise).
 pub fn parse_da_min_warp_keys(value: Option<&str>) -> Result<usize> {
-    parse_auto_count(
-        DA_MIN_WARP_KEYS_VAR,
-        value,
-        DECODE_DEFAULT_LAYOUT,
-        1,
-        Some(DECODE_MAX_WARP_KEYS_SETTING),
-    )
+    parse_auto_count(DA_MIN_WARP_KEYS_VAR, value, DECODE_DEFAULT_LAYOUT, 1, Some(DECODE_MAX_WARP_KEYS_SETTING))
 }
 
 /// The one form of this file's layout settings: `default` when `value` is unset, blank or
 /// `auto`, else an integer of `least..=most` (no upper bound when `most` is None); an error
 /// naming `var` and the value otherwise.
-fn parse_auto_count(
-    var: &str,
-    value: Option<&str>,
-    default: usize,
-    least: usize,
-    most: Option<usize>,
-) -> Result<usize> {
-    let Some(v) = value
-        .map(str::trim)
-        .filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto"))
-    else {
+fn parse_auto_count(var: &str, value: Option<&str>, default: usize, least: usize, most: Option<usize>) -> Result<usize> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
         return Ok(default);
     };
-    v.parse::<usize>()
-        .ok()
-        .filter(|&n| n >= least && most.is_none_or(|m| n <= m))
-        .ok_or_else(|| {
-            let range = match most {
-                Some(m) => format!("of {least}..={m}"),
-                None => format!("of at least {least}"),
-            };
-            crate::NinferError::config(
-                var,
-                format!("expected `auto` or an integer {range}, got {v:?}"),
-            )
-        })
+    v.parse::<usize>().ok().filter(|&n| n >= least && most.is_none_or(|m| n <= m)).ok_or_else(|| {
+        let range = match most {
+            Some(m) => format!("of {least}..={m}"),
+            None => format!("of at least {least}"),
+        };
+        crate::NinferError::config(var, format!("expected `auto` or an integer {range}, got {v:?}"))
+    })
 }
 
 /// Keys per warp of `decode_attention_*` for a token that sees `context` keys at the default
@@ -117,9 +93,7 @@ pub fn decode_block_splits(context: usize) -> usize {
 
 /// `decode_block_splits` with `min_keys` the fewest keys a warp walks.
 pub fn decode_block_splits_with(context: usize, min_keys: usize) -> usize {
-    context
-        .max(1)
-        .div_ceil(decode_warp_keys_with(context, min_keys) * DECODE_WARPS)
+    context.max(1).div_ceil(decode_warp_keys_with(context, min_keys) * DECODE_WARPS)
 }
 
 /// Grid height of `decode_attention_*` for tokens of at most `max_context` keys: a bound on
@@ -132,18 +106,10 @@ pub fn decode_grid_splits(max_context: usize) -> usize {
 
 /// `decode_grid_splits` with `min_keys` the fewest keys a warp walks.
 pub fn decode_grid_splits_with(max_context: usize, min_keys: usize) -> usize {
-    let bound = |max: usize, fewest: usize| {
-        max.max(1)
-            .div_ceil(fewest * DECODE_WARPS)
-            .min(DECODE_MAX_SPLITS)
-    };
+    let bound = |max: usize, fewest: usize| max.max(1).div_ceil(fewest * DECODE_WARPS).min(DECODE_MAX_SPLITS);
     match min_keys {
         // The short contexts' bound, and the longer contexts' (the larger past 1024 keys).
-        DECODE_DEFAULT_LAYOUT => bound(
-            max_context.min(DECODE_SHORT_CONTEXT),
-            DECODE_SHORT_WARP_KEYS,
-        )
-        .max(bound(max_context, DECODE_MIN_WARP_KEYS)),
+        DECODE_DEFAULT_LAYOUT => bound(max_context.min(DECODE_SHORT_CONTEXT), DECODE_SHORT_WARP_KEYS).max(bound(max_context, DECODE_MIN_WARP_KEYS)),
         m => bound(max_context, m),
     }
 }
@@ -153,10 +119,7 @@ pub fn decode_grid_splits_with(max_context: usize, min_keys: usize) -> usize {
 /// its own (Qwen3.5-27B's groups of 6: 2 heads a block, each K/V row read 3 times, not 6).
 fn decode_group(sh: &PagedAttentionShape) -> usize {
     let group = (sh.n_q_heads / sh.n_kv_heads.max(1)).max(1);
-    [8, 4, 2, 1]
-        .into_iter()
-        .find(|g| group.is_multiple_of(*g))
-        .unwrap_or(1)
+    [8, 4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
 }
 
 /// The scaled one-kernel decode attention for head size `d` and `g` q heads per block.
@@ -188,11 +151,7 @@ pub struct DecodeScratchLen {
 /// query tokens. Counters are one per row, whatever the group a block serves.
 pub fn decode_scratch_len(tokens: usize, shape: &PagedAttentionShape) -> DecodeScratchLen {
     let rows = tokens * shape.n_q_heads;
-    DecodeScratchLen {
-        acc: rows * DECODE_MAX_SPLITS * shape.head_dim,
-        ml: rows * DECODE_MAX_SPLITS * 2,
-        arrivals: rows,
-    }
+    DecodeScratchLen { acc: rows * DECODE_MAX_SPLITS * shape.head_dim, ml: rows * DECODE_MAX_SPLITS * 2, arrivals: rows }
 }
 
 /// The one-kernel decode attention a launch runs (`decode_attention_form`).
@@ -232,13 +191,7 @@ pub const TC_DECODE_MIN_TOKENS_VAR: &str = "NINFER_TC_DECODE_MIN_TOKENS";
 /// DECODE_SCALED_MAX_TOKENS always run the scaled form); an error naming the variable and the
 /// value otherwise.
 pub fn parse_tc_decode_min_tokens(value: Option<&str>) -> Result<usize> {
-    parse_auto_count(
-        TC_DECODE_MIN_TOKENS_VAR,
-        value,
-        TC_DECODE_MIN_TOKENS,
-        DECODE_SCALED_MAX_TOKENS + 1,
-        None,
-    )
+    parse_auto_count(TC_DECODE_MIN_TOKENS_VAR, value, TC_DECODE_MIN_TOKENS, DECODE_SCALED_MAX_TOKENS + 1, None)
 }
 
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
@@ -267,13 +220,7 @@ pub const TC_MAX_WARP_TILES_SETTING: usize = 64;
 /// an integer of 1..=TC_MAX_WARP_TILES_SETTING (an error naming the variable and the value
 /// otherwise).
 pub fn parse_tc_min_warp_tiles(value: Option<&str>) -> Result<usize> {
-    parse_auto_count(
-        TC_MIN_WARP_TILES_VAR,
-        value,
-        TC_MIN_WARP_TILES,
-        1,
-        Some(TC_MAX_WARP_TILES_SETTING),
-    )
+    parse_auto_count(TC_MIN_WARP_TILES_VAR, value, TC_MIN_WARP_TILES, 1, Some(TC_MAX_WARP_TILES_SETTING))
 }
 
 /// Warps a block of `flash_decode_d{d}` (FD_WARPS): 2 at d 256, where each warp's two K/V
@@ -301,10 +248,7 @@ pub fn tc_split_keys_with(limit: usize, warps: usize, min_tiles: usize) -> usize
 /// Grid splits that cover every token whose context is at most `max_context` with `min_tiles`
 /// the fewest tiles a warp takes.
 pub fn tc_grid_splits(max_context: usize, warps: usize, min_tiles: usize) -> usize {
-    max_context
-        .max(1)
-        .div_ceil(warps * TC_TILE_KEYS * min_tiles)
-        .min(DECODE_MAX_SPLITS)
+    max_context.max(1).div_ceil(warps * TC_TILE_KEYS * min_tiles).min(DECODE_MAX_SPLITS)
 }
 
 /// Dynamic shared memory of `flash_decode_d{d}`: each warp's two buffers of a K and a V tile
@@ -360,11 +304,7 @@ pub fn tc_direct_split_keys(limit: usize, splits: usize) -> usize {
 
 /// Grid splits of the direct tensor-core form for tokens of at most `max_context` keys.
 pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
-    max_context
-        .max(1)
-        .div_ceil(TC_DIRECT_WARPS * TC_TILE_KEYS)
-        .min(splits)
-        .min(DECODE_MAX_SPLITS)
+    max_context.max(1).div_ceil(TC_DIRECT_WARPS * TC_TILE_KEYS).min(splits).min(DECODE_MAX_SPLITS)
 }
 
 /// `NINFER_TC_DECODE_DIRECT` (default on): decode launches run the direct tensor-core form
@@ -377,22 +317,12 @@ pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
 /// (`staged_runs` false: NINFER_TC_DECODE_ATTN=0, or the direct form on, which takes every
 /// launch the staged form fits): a setting that is accepted must change something. Unset,
 /// blank or `auto` is always accepted.
-pub fn check_staged_tc_settings(
-    staged_runs: bool,
-    min_tokens: Option<&str>,
-    min_tiles: Option<&str>,
-) -> Result<()> {
+pub fn check_staged_tc_settings(staged_runs: bool, min_tokens: Option<&str>, min_tiles: Option<&str>) -> Result<()> {
     if staged_runs {
         return Ok(());
     }
-    for (var, value) in [
-        (TC_DECODE_MIN_TOKENS_VAR, min_tokens),
-        (TC_MIN_WARP_TILES_VAR, min_tiles),
-    ] {
-        if let Some(v) = value
-            .map(str::trim)
-            .filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto"))
-        {
+    for (var, value) in [(TC_DECODE_MIN_TOKENS_VAR, min_tokens), (TC_MIN_WARP_TILES_VAR, min_tiles)] {
+        if let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) {
             return Err(crate::NinferError::config(
                 var,
                 format!(
@@ -465,12 +395,7 @@ pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 /// where the direct one is off: at batch 64 and ~1.2k keys on Llama-3-8B the fixed form took 223 us a layer, 59% of
 /// the step (benches/results/decode_profile_8b_b64_0ea12b0.txt), and below 16 tokens its large
 /// shared-memory carveout cost the GEMVs around it more than it saved.
-pub fn decode_attention_form(
-    tokens: usize,
-    batch_invariant: bool,
-    tc_min_tokens: Option<usize>,
-    direct: bool,
-) -> DecodeAttentionForm {
+pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>, direct: bool) -> DecodeAttentionForm {
     if batch_invariant {
         DecodeAttentionForm::Scaled
     } else if direct {
@@ -504,24 +429,8 @@ impl CudaDevice {
         let sm80 = self.compute_capability().0 >= 8;
         let tc = self.tc_decode_attn() && sm80 && tc_decode_fits(shape);
         let direct = self.tc_decode_direct() && sm80 && tc_direct_fits(shape);
-        let form = decode_attention_form(
-            token_seq.len(),
-            self.batch_invariant(),
-            tc.then_some(self.tc_decode_min_tokens()),
-            direct,
-        );
-        self.paged_attention_decode_as(
-            form,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-            scratch,
-        )
+        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc.then_some(self.tc_decode_min_tokens()), direct);
+        self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
     /// Decode attention in one kernel of the given form (both take the same arguments and
@@ -568,24 +477,10 @@ impl CudaDevice {
         // tensor-core ones the fewest tiles a warp, the fixed ones neither.
         let layout_arg = match form {
             DecodeAttentionForm::TensorCore => self.tc_min_warp_tiles(),
-            DecodeAttentionForm::TensorCoreDirect => {
-                tc_direct_splits(token_seq.len(), shape.n_kv_heads, self.sm_count())
-            }
+            DecodeAttentionForm::TensorCoreDirect => tc_direct_splits(token_seq.len(), shape.n_kv_heads, self.sm_count()),
             _ => self.da_min_warp_keys(),
         };
-        self.paged_attention_decode_layout(
-            form,
-            layout_arg,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-            scratch,
-        )
+        self.paged_attention_decode_layout(form, layout_arg, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
     /// `paged_attention_decode_as` with the layout argument given: the scaled form's fewest keys
@@ -610,39 +505,16 @@ impl CudaDevice {
         let ((family, name), g, splits, scaled) = match form {
             DecodeAttentionForm::Scaled => {
                 let g = decode_group(shape);
-                let splits = decode_grid_splits_with(
-                    shape.max_blocks_per_seq * shape.block_size,
-                    layout_arg,
-                );
-                (
-                    (
-                        KernelFamily::DecodeAttention,
-                        decode_kernel_name(shape.head_dim, g),
-                    ),
-                    g,
-                    splits,
-                    true,
-                )
+                let splits = decode_grid_splits_with(shape.max_blocks_per_seq * shape.block_size, layout_arg);
+                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits, true)
             }
             DecodeAttentionForm::Fixed => {
                 let (g, _) = group_and_warps(shape, 0);
-                (
-                    (
-                        KernelFamily::Attention,
-                        fixed_decode_kernel_name(shape.head_dim, g),
-                    ),
-                    g,
-                    FIXED_BLOCK_SPLITS,
-                    false,
-                )
+                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS, false)
             }
             DecodeAttentionForm::TensorCore | DecodeAttentionForm::TensorCoreDirect => {
                 let direct = form == DecodeAttentionForm::TensorCoreDirect;
-                let fits = if direct {
-                    tc_direct_fits(shape)
-                } else {
-                    tc_decode_fits(shape)
-                };
+                let fits = if direct { tc_direct_fits(shape) } else { tc_decode_fits(shape) };
                 if !fits || self.compute_capability().0 < 8 {
                     return Err(crate::NinferError::invalid(
                         "decode attention form",
@@ -661,10 +533,7 @@ impl CudaDevice {
                 let (w, name) = if direct {
                     (TC_DIRECT_WARPS, tc_direct_kernel_name(shape.head_dim))
                 } else {
-                    (
-                        tc_decode_warps(shape.head_dim),
-                        tc_kernel_name(shape.head_dim),
-                    )
+                    (tc_decode_warps(shape.head_dim), tc_kernel_name(shape.head_dim))
                 };
                 let max_context = shape.max_blocks_per_seq * shape.block_size;
                 let splits = if direct {
@@ -675,34 +544,16 @@ impl CudaDevice {
                 } else {
                     tc_grid_splits(max_context, w, layout_arg)
                 };
-                (
-                    (KernelFamily::FlashAttention, name),
-                    shape.n_q_heads / shape.n_kv_heads,
-                    splits,
-                    true,
-                )
+                ((KernelFamily::FlashAttention, name), shape.n_q_heads / shape.n_kv_heads, splits, true)
             }
         };
-        self.check_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-        )?;
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let t = token_seq.len();
         let need = decode_scratch_len(t, sh);
         check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
         check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
-        check_len(
-            "attention scratch arrivals",
-            scratch.arrivals.len(),
-            need.arrivals,
-        )?;
+        check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
         let blocks = t * sh.n_q_heads / g;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
@@ -716,12 +567,8 @@ impl CudaDevice {
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
         let (smem, tc_warps) = match form {
-            DecodeAttentionForm::TensorCore => {
-                (tc_smem_bytes(sh.head_dim), tc_decode_warps(sh.head_dim))
-            }
-            DecodeAttentionForm::TensorCoreDirect => {
-                (tc_direct_smem_bytes(sh.head_dim), TC_DIRECT_WARPS)
-            }
+            DecodeAttentionForm::TensorCore => (tc_smem_bytes(sh.head_dim), tc_decode_warps(sh.head_dim)),
+            DecodeAttentionForm::TensorCoreDirect => (tc_direct_smem_bytes(sh.head_dim), TC_DIRECT_WARPS),
             _ => (0, 0),
         };
         let f = self.function_with_smem(family, name, smem)?;
@@ -745,11 +592,7 @@ impl CudaDevice {
             KArg::I32(layout_arg as i32),
         ];
         let n_args = if scaled { args.len() } else { args.len() - 1 };
-        let grid = (
-            as_i32("decode attention blocks", blocks)? as u32,
-            splits as u32,
-            1,
-        );
+        let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
         let mut config = cfg(grid, (DECODE_WARPS * 32) as u32);
         if tc_warps > 0 {
             config.block_dim = ((tc_warps * 32) as u32, 1, 1);
@@ -766,11 +609,7 @@ mod tests {
     #[test]
     fn the_fewest_tiles_a_warp_is_a_checked_setting_and_bounds_the_grid() {
         for unset in [None, Some(""), Some(" auto ")] {
-            assert_eq!(
-                parse_tc_min_warp_tiles(unset).unwrap(),
-                TC_MIN_WARP_TILES,
-                "{unset:?}"
-            );
+            assert_eq!(parse_tc_min_warp_tiles(unset).unwrap(), TC_MIN_WARP_TILES, "{unset:?}");
         }
         assert_eq!(parse_tc_min_warp_tiles(Some(" 8 ")).unwrap(), 8);
         for bad in ["0", "65", "-1", "eight"] {
@@ -786,40 +625,24 @@ mod tests {
     #[test]
     fn the_fewest_keys_a_warp_is_a_checked_setting_and_bounds_the_grid() {
         for unset in [None, Some(""), Some(" auto "), Some("AUTO")] {
-            assert_eq!(
-                parse_da_min_warp_keys(unset).unwrap(),
-                DECODE_DEFAULT_LAYOUT,
-                "{unset:?}"
-            );
+            assert_eq!(parse_da_min_warp_keys(unset).unwrap(), DECODE_DEFAULT_LAYOUT, "{unset:?}");
         }
         assert_eq!(parse_da_min_warp_keys(Some(" 4 ")).unwrap(), 4);
         for bad in ["0", "-1", "257", "x", "2.5"] {
             let e = parse_da_min_warp_keys(Some(bad)).unwrap_err().to_string();
-            assert!(
-                e.contains(DA_MIN_WARP_KEYS_VAR) && e.contains(bad),
-                "{bad}: {e}"
-            );
+            assert!(e.contains(DA_MIN_WARP_KEYS_VAR) && e.contains(bad), "{bad}: {e}");
         }
         // 256 keys: 8 splits of 4-key warps, 2 of 16, 1 of 32; the cap of 32 splits holds.
-        assert_eq!(
-            [4, 16, 32].map(|m| decode_block_splits_with(256, m)),
-            [8, 2, 1]
-        );
+        assert_eq!([4, 16, 32].map(|m| decode_block_splits_with(256, m)), [8, 2, 1]);
         for min in [DECODE_DEFAULT_LAYOUT, 1, 4, 16, 32, 256] {
             for max in [1, 63, 64, 65, 300, 512, 513, 700, 1100, 2048, 2049, 5000] {
                 let grid = decode_grid_splits_with(max, min);
                 assert!(grid <= DECODE_MAX_SPLITS);
                 for ctx in 1..=max {
-                    assert!(
-                        decode_block_splits_with(ctx, min) <= grid,
-                        "context {ctx} under a grid for {max}, min {min}"
-                    );
+                    assert!(decode_block_splits_with(ctx, min) <= grid, "context {ctx} under a grid for {max}, min {min}");
                 }
                 // Tight: some context up to `max` takes the whole grid.
-                assert!(
-                    (1..=max).any(|ctx| decode_block_splits_with(ctx, min) == grid),
-                    "grid for {max}, min {min}"
-                );
+                assert!((1..=max).any(|ctx| decode_block_splits_with(ctx, min) == grid), "grid for {max}, min {min}");
             }
         }
     }
@@ -829,11 +652,7 @@ mod tests {
         for d in [64, 128, 256] {
             let w = tc_decode_warps(d);
             // Opt-in limit of sm_86 / sm_89 (99 KiB), the smallest of the sm_80+ parts.
-            assert!(
-                tc_smem_bytes(d) <= 99 * 1024,
-                "d{d}: {} bytes",
-                tc_smem_bytes(d)
-            );
+            assert!(tc_smem_bytes(d) <= 99 * 1024, "d{d}: {} bytes", tc_smem_bytes(d));
             for min in [1, TC_MIN_WARP_TILES, 8, TC_MAX_WARP_TILES_SETTING] {
                 for max in [1, 63, 64, 256, 257, 1000, 8192, 8193, 40000] {
                     let grid = tc_grid_splits(max, w, min);
@@ -841,10 +660,7 @@ mod tests {
                     for ctx in 1..=max {
                         let split = tc_split_keys_with(ctx, w, min);
                         assert_eq!(split % (w * TC_TILE_KEYS), 0);
-                        assert!(
-                            ctx.div_ceil(split) <= grid,
-                            "d{d} min {min}: context {ctx} under a grid for {max}"
-                        );
+                        assert!(ctx.div_ceil(split) <= grid, "d{d} min {min}: context {ctx} under a grid for {max}");
                     }
                 }
             }
@@ -854,56 +670,21 @@ mod tests {
     #[test]
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
         use DecodeAttentionForm::{Fixed, Scaled, TensorCore, TensorCoreDirect};
-        for (tokens, invariant, form) in [
-            (1, false, Scaled),
-            (2, false, Scaled),
-            (3, false, Fixed),
-            (8, false, Fixed),
-            (64, false, Fixed),
-            (1, true, Scaled),
-            (8, true, Scaled),
-            (64, true, Scaled),
-        ] {
-            assert_eq!(
-                decode_attention_form(tokens, invariant, None, false),
-                form,
-                "{tokens} tokens, invariant {invariant}"
-            );
-            let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS {
-                TensorCore
-            } else {
-                form
-            };
-            assert_eq!(
-                decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), false),
-                tc,
-                "{tokens} tokens, invariant {invariant}, tensor cores"
-            );
+        for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
+            assert_eq!(decode_attention_form(tokens, invariant, None, false), form, "{tokens} tokens, invariant {invariant}");
+            let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { TensorCore } else { form };
+            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), false), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
             // The direct form takes every launch where it fits, never a batch-invariant one.
             let direct = if invariant { Scaled } else { TensorCoreDirect };
-            assert_eq!(
-                decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), true),
-                direct,
-                "{tokens} tokens, invariant {invariant}, direct"
-            );
+            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), true), direct, "{tokens} tokens, invariant {invariant}, direct");
             let alone = if invariant { Scaled } else { TensorCoreDirect };
-            assert_eq!(
-                decode_attention_form(tokens, invariant, None, true),
-                alone,
-                "{tokens} tokens, invariant {invariant}, direct only"
-            );
+            assert_eq!(decode_attention_form(tokens, invariant, None, true), alone, "{tokens} tokens, invariant {invariant}, direct only");
         }
         // A lower threshold moves the fixed form's launches, never the scaled form's.
         assert_eq!(decode_attention_form(3, false, Some(3), false), TensorCore);
         assert_eq!(decode_attention_form(2, false, Some(3), false), Scaled);
-        assert_eq!(
-            decode_attention_form(2, false, Some(3), true),
-            TensorCoreDirect
-        );
-        assert_eq!(
-            decode_attention_form(64, false, Some(3), true),
-            TensorCoreDirect
-        );
+        assert_eq!(decode_attention_form(2, false, Some(3), true), TensorCoreDirect);
+        assert_eq!(decode_attention_form(64, false, Some(3), true), TensorCoreDirect);
         assert_eq!(decode_attention_form(8, true, Some(3), true), Scaled);
     }
 
@@ -913,17 +694,9 @@ mod tests {
             check_staged_tc_settings(false, unset, unset).unwrap();
         }
         check_staged_tc_settings(true, Some("8"), Some("4")).unwrap();
-        for (tokens, tiles, var, value) in [
-            (Some("8"), None, TC_DECODE_MIN_TOKENS_VAR, "8"),
-            (None, Some("4"), TC_MIN_WARP_TILES_VAR, "4"),
-        ] {
-            let e = check_staged_tc_settings(false, tokens, tiles)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains(var) && e.contains(value) && e.contains(TC_DECODE_DIRECT_SWITCH),
-                "{e}"
-            );
+        for (tokens, tiles, var, value) in [(Some("8"), None, TC_DECODE_MIN_TOKENS_VAR, "8"), (None, Some("4"), TC_MIN_WARP_TILES_VAR, "4")] {
+            let e = check_staged_tc_settings(false, tokens, tiles).unwrap_err().to_string();
+            assert!(e.contains(var) && e.contains(value) && e.contains(TC_DECODE_DIRECT_SWITCH), "{e}");
         }
     }
 
@@ -932,15 +705,9 @@ mod tests {
         // H200 (132 SMs), Llama-3-8B's 8 kv heads: batch 1 32 splits (the cap), 2 16, 4 8, 8 4,
         // 16 2, 32 and more 1; the batch-4 / 1k-key case takes 128-key splits (2 tiles a warp),
         // batch 8 256.
-        assert_eq!(
-            [1, 2, 4, 8, 16, 32, 33, 64].map(|t| tc_direct_splits(t, 8, 132)),
-            [32, 16, 8, 4, 2, 1, 1, 1]
-        );
+        assert_eq!([1, 2, 4, 8, 16, 32, 33, 64].map(|t| tc_direct_splits(t, 8, 132)), [32, 16, 8, 4, 2, 1, 1, 1]);
         // By graph bucket: an eager step of 3 or 5 sequences takes the splits of its graph's 4 / 8.
-        assert_eq!(
-            (tc_direct_splits(3, 8, 132), tc_direct_splits(5, 8, 132)),
-            (8, 4)
-        );
+        assert_eq!((tc_direct_splits(3, 8, 132), tc_direct_splits(5, 8, 132)), (8, 4));
         assert_eq!(tc_direct_split_keys(1024, tc_direct_splits(4, 8, 132)), 128);
         assert_eq!(tc_direct_split_keys(1024, tc_direct_splits(8, 8, 132)), 256);
         assert_eq!(tc_direct_split_keys(1, 32), 64);
@@ -949,17 +716,11 @@ mod tests {
             for t in 1..=64 {
                 let rows = crate::model::cuda_graphs::decode_bucket(t);
                 let splits = tc_direct_splits(t, 8, sms);
-                assert!(
-                    splits == 1 || rows * 8 * splits <= TC_DIRECT_BLOCKS_PER_SM * sms,
-                    "{sms} SMs, {t} tokens"
-                );
+                assert!(splits == 1 || rows * 8 * splits <= TC_DIRECT_BLOCKS_PER_SM * sms, "{sms} SMs, {t} tokens");
             }
         }
         for d in [64, 128, 256] {
-            assert!(
-                tc_direct_smem_bytes(d) <= 48 * 1024,
-                "d{d}: within the default limit: no opt-in, a small carveout"
-            );
+            assert!(tc_direct_smem_bytes(d) <= 48 * 1024, "d{d}: within the default limit: no opt-in, a small carveout");
         }
         for splits in [1, 3, 9, 17, DECODE_MAX_SPLITS] {
             for max in [1, 63, 64, 65, 1000, 2048, 2049, 40000] {
@@ -968,39 +729,22 @@ mod tests {
                 for ctx in 1..=max {
                     let split = tc_direct_split_keys(ctx, splits);
                     assert_eq!(split % (TC_DIRECT_WARPS * TC_TILE_KEYS), 0);
-                    assert!(
-                        ctx.div_ceil(split) <= grid,
-                        "splits {splits}: context {ctx} under a grid for {max}"
-                    );
+                    assert!(ctx.div_ceil(split) <= grid, "splits {splits}: context {ctx} under a grid for {max}");
                 }
-                assert!(
-                    (1..=max).any(|ctx| ctx.div_ceil(tc_direct_split_keys(ctx, splits)) == grid),
-                    "tight: splits {splits}, max {max}"
-                );
+                assert!((1..=max).any(|ctx| ctx.div_ceil(tc_direct_split_keys(ctx, splits)) == grid), "tight: splits {splits}, max {max}");
             }
         }
     }
 
     #[test]
     fn tc_min_tokens_setting_parses_or_names_the_bad_value() {
-        assert_eq!(
-            parse_tc_decode_min_tokens(None).unwrap(),
-            TC_DECODE_MIN_TOKENS
-        );
-        assert_eq!(
-            parse_tc_decode_min_tokens(Some(" auto ")).unwrap(),
-            TC_DECODE_MIN_TOKENS
-        );
+        assert_eq!(parse_tc_decode_min_tokens(None).unwrap(), TC_DECODE_MIN_TOKENS);
+        assert_eq!(parse_tc_decode_min_tokens(Some(" auto ")).unwrap(), TC_DECODE_MIN_TOKENS);
         assert_eq!(parse_tc_decode_min_tokens(Some("3")).unwrap(), 3);
         assert_eq!(parse_tc_decode_min_tokens(Some("64")).unwrap(), 64);
         for bad in ["2", "0", "-4", "eight", "1.5"] {
-            let e = parse_tc_decode_min_tokens(Some(bad))
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains(TC_DECODE_MIN_TOKENS_VAR) && e.contains(bad),
-                "{bad}: {e}"
-            );
+            let e = parse_tc_decode_min_tokens(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(TC_DECODE_MIN_TOKENS_VAR) && e.contains(bad), "{bad}: {e}");
         }
     }
 
@@ -1024,16 +768,10 @@ mod tests {
         let src = include_str!("../../../../../cuda/decode_attention.cu");
         assert!(src.contains("decode_attention_d##D##_g##G("));
         for d in [64, 96, 128, 256] {
-            assert!(
-                src.contains(&format!("\nDA_HEAD_INSTANCES({d})")),
-                "DA_HEAD_INSTANCES({d})"
-            );
+            assert!(src.contains(&format!("\nDA_HEAD_INSTANCES({d})")), "DA_HEAD_INSTANCES({d})");
             for g in [1, 2, 4, 8] {
                 assert!(src.contains(&format!("DA_INSTANCE(D, {g})")), "G = {g}");
-                assert_eq!(
-                    decode_kernel_name(d, g),
-                    format!("decode_attention_d{d}_g{g}")
-                );
+                assert_eq!(decode_kernel_name(d, g), format!("decode_attention_d{d}_g{g}"));
             }
         }
         // The constants this file mirrors.
@@ -1044,24 +782,15 @@ mod tests {
             ("DA_SHORT_WARP_KEYS", DECODE_SHORT_WARP_KEYS),
             ("DA_SHORT_CONTEXT", DECODE_SHORT_CONTEXT),
         ] {
-            assert!(
-                src.contains(&format!("#define {name} {value}\n")),
-                "{name} {value}"
-            );
+            assert!(src.contains(&format!("#define {name} {value}\n")), "{name} {value}");
         }
         // The direct tensor-core form's instances and block size (flash_attention.cu).
         let fa = include_str!("../../../../../cuda/flash_attention.cu");
         assert!(fa.contains(&format!("#define FDD_WARPS {TC_DIRECT_WARPS}\n")));
         assert!(fa.contains(&format!("#define FD_BN {TC_TILE_KEYS}\n")));
         for d in [64, 128, 256] {
-            assert!(
-                fa.contains(&format!("\nFDD_INSTANCE({d})")),
-                "FDD_INSTANCE({d})"
-            );
-            assert_eq!(
-                tc_direct_kernel_name(d),
-                format!("flash_decode_direct_d{d}")
-            );
+            assert!(fa.contains(&format!("\nFDD_INSTANCE({d})")), "FDD_INSTANCE({d})");
+            assert_eq!(tc_direct_kernel_name(d), format!("flash_decode_direct_d{d}"));
         }
     }
 
@@ -1069,34 +798,15 @@ mod tests {
     /// warps up to 2048, then 32 splits of longer warps; the grid bound covers every context below it.
     #[test]
     fn splits_grow_with_the_context_up_to_the_cap() {
-        let cases = [
-            (1, 4, 1),
-            (32, 4, 1),
-            (33, 4, 2),
-            (256, 4, 8),
-            (512, 4, 16),
-            (513, 8, 9),
-            (1024, 8, 16),
-            (2048, 8, 32),
-            (2049, 9, 29),
-            (4096, 16, 32),
-            (16384, 64, 32),
-        ];
+        let cases = [(1, 4, 1), (32, 4, 1), (33, 4, 2), (256, 4, 8), (512, 4, 16), (513, 8, 9), (1024, 8, 16), (2048, 8, 32), (2049, 9, 29), (4096, 16, 32), (16384, 64, 32)];
         for (ctx, keys, splits) in cases {
-            assert_eq!(
-                (decode_warp_keys(ctx), decode_block_splits(ctx)),
-                (keys, splits),
-                "context {ctx}"
-            );
+            assert_eq!((decode_warp_keys(ctx), decode_block_splits(ctx)), (keys, splits), "context {ctx}");
         }
         for max in [1, 63, 64, 65, 300, 512, 513, 600, 2048, 2049, 2100, 5000] {
             let grid = decode_grid_splits(max);
             assert!(grid <= DECODE_MAX_SPLITS);
             for ctx in 1..=max {
-                assert!(
-                    decode_block_splits(ctx) <= grid,
-                    "context {ctx} under a grid for {max}"
-                );
+                assert!(decode_block_splits(ctx) <= grid, "context {ctx} under a grid for {max}");
             }
         }
         assert_eq!(decode_grid_splits(16 * 16), 8);
@@ -1109,14 +819,7 @@ mod tests {
     #[test]
     fn decode_scratch_has_a_partial_per_split_and_a_counter_per_row() {
         let len = decode_scratch_len(3, &shape(32, 8, 128));
-        assert_eq!(
-            len,
-            DecodeScratchLen {
-                acc: 3 * 32 * 32 * 128,
-                ml: 3 * 32 * 32 * 2,
-                arrivals: 3 * 32
-            }
-        );
+        assert_eq!(len, DecodeScratchLen { acc: 3 * 32 * 32 * 128, ml: 3 * 32 * 32 * 2, arrivals: 3 * 32 });
         const { assert!(FIXED_BLOCK_SPLITS <= DECODE_MAX_SPLITS) };
         // Llama-3-8B groups of 4; Qwen3.5-27B groups of 6 take 2 heads a block; MHA 1; 16 -> 8.
         assert_eq!(decode_group(&shape(32, 8, 128)), 4);

@@ -17,19 +17,13 @@ fn elementwise_grid(total: usize) -> (u32, u32, u32) {
 /// every operand starts on a 16-byte boundary (n and the strides multiples of 8 elements, the
 /// base pointers 16-byte aligned).
 fn rows_in_chunks(n: usize, strides: &[usize], ptrs: &[u64]) -> bool {
-    n.is_multiple_of(8)
-        && strides.iter().all(|s| s.is_multiple_of(8))
-        && ptrs.iter().all(|p| p.is_multiple_of(16))
+    n.is_multiple_of(8) && strides.iter().all(|s| s.is_multiple_of(8)) && ptrs.iter().all(|p| p.is_multiple_of(16))
 }
 
 /// Grid of the `_v8` kernels: x over a row's 16-byte chunks (256 a block), y over the rows
 /// (the kernels stride past 65535).
 fn chunked_rows_grid(rows: usize, n: usize) -> (u32, u32, u32) {
-    (
-        (n / 8).div_ceil(256).max(1) as u32,
-        rows.clamp(1, 65_535) as u32,
-        1,
-    )
+    ((n / 8).div_ceil(256).max(1) as u32, rows.clamp(1, 65_535) as u32, 1)
 }
 
 impl CudaDevice {
@@ -57,12 +51,7 @@ impl CudaDevice {
             KArg::I32(as_i32("hidden", hidden)?),
             KArg::I32(as_i32("vocab", vocab)?),
         ];
-        self.launch(
-            &f,
-            cfg((as_i32("tokens", n)? as u32, 1, 1), 128),
-            "embedding_gather",
-            &args,
-        )
+        self.launch(&f, cfg((as_i32("tokens", n)? as u32, 1, 1), 128), "embedding_gather", &args)
     }
 
     /// NeoX RoPE in place on q [T, q_stride] and k [T, k_stride] (heads of `head_dim` from the
@@ -89,16 +78,8 @@ impl CudaDevice {
                 "rope: rotary_dim {rotary_dim} exceeds head_dim {head_dim}"
             )));
         }
-        check_len(
-            "rope q",
-            q.len(),
-            strided_len(t, n_q_heads * head_dim, q_stride),
-        )?;
-        check_len(
-            "rope k",
-            k.len(),
-            strided_len(t, n_kv_heads * head_dim, k_stride),
-        )?;
+        check_len("rope q", q.len(), strided_len(t, n_q_heads * head_dim, q_stride))?;
+        check_len("rope k", k.len(), strided_len(t, n_kv_heads * head_dim, k_stride))?;
         let f = self.function(KernelFamily::Rope, "rope_neox")?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr_mut(s);
@@ -113,17 +94,11 @@ impl CudaDevice {
         if pairs == 0 || heads == 0 {
             return Ok(());
         }
-        let groups = (self.sm_count() * 2048)
-            .div_ceil(pairs)
-            .clamp(1, heads.min(65_535));
+        let groups = (self.sm_count() * 2048).div_ceil(pairs).clamp(1, heads.min(65_535));
         let heads_per_group = heads.div_ceil(groups);
         let threads = pairs.next_multiple_of(32).min(256);
         let blocks = pairs.div_ceil(threads);
-        let grid = (
-            as_i32("rope blocks", blocks)? as u32,
-            heads.div_ceil(heads_per_group) as u32,
-            1,
-        );
+        let grid = (as_i32("rope blocks", blocks)? as u32, heads.div_ceil(heads_per_group) as u32, 1);
         let args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
@@ -190,11 +165,7 @@ impl CudaDevice {
         gate_stride: usize,
     ) -> Result<()> {
         check_len("sigmoid_gate_mul x", x.len(), rows * n)?;
-        check_len(
-            "sigmoid_gate_mul gate",
-            gate.len(),
-            strided_len(rows, n, gate_stride),
-        )?;
+        check_len("sigmoid_gate_mul gate", gate.len(), strided_len(rows, n, gate_stride))?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr_mut(s);
         let (gp, _b) = gate.device_ptr(s);
@@ -208,19 +179,9 @@ impl CudaDevice {
         ];
         if rows_in_chunks(n, &[gate_stride], &[xp, gp]) {
             let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul_v8")?;
-            return self.launch_pdl(
-                &f,
-                cfg(chunked_rows_grid(rows, n), 256),
-                "sigmoid_gate_mul_v8",
-                &args,
-            );
+            return self.launch_pdl(&f, cfg(chunked_rows_grid(rows, n), 256), "sigmoid_gate_mul_v8", &args);
         }
         let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul")?;
-        self.launch_pdl(
-            &f,
-            cfg(elementwise_grid(rows * n), 256),
-            "sigmoid_gate_mul",
-            &args,
-        )
+        self.launch_pdl(&f, cfg(elementwise_grid(rows * n), 256), "sigmoid_gate_mul", &args)
     }
 }

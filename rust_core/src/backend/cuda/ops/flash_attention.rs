@@ -104,8 +104,7 @@ impl Instance {
     fn smem_bytes(&self, d: usize) -> usize {
         if self.wgmma {
             // + 1 KiB: the kernel aligns its tiles to the 1024-byte swizzle atoms.
-            (self.rows() + 2 * self.buffers * self.bn + self.buffers * self.bn.max(64)) * d * 2
-                + 1024
+            (self.rows() + 2 * self.buffers * self.bn + self.buffers * self.bn.max(64)) * d * 2 + 1024
         } else {
             (self.rows() + 2 * self.buffers * self.bn) * (d + FA_PAD) * 2
         }
@@ -121,27 +120,16 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
         (256, FlashTile::Rows64) => ("flash_attention_d256", 32, 4, 1, false),
         (256, FlashTile::Rows128Async) => ("flash_attention_d256_r128", 32, 8, 2, false),
         (128, FlashTile::Rows128Async) => ("flash_attention_d128_r128", 64, 8, 2, false),
-        (128, FlashTile::Rows128AsyncKeys128) => {
-            ("flash_attention_d128_r128_k128", 128, 8, 2, false)
-        }
+        (128, FlashTile::Rows128AsyncKeys128) => ("flash_attention_d128_r128_k128", 128, 8, 2, false),
         (128, FlashTile::Rows128Wgmma) => ("flash_attention_d128_wgmma", 128, 8, 2, true),
         (256, FlashTile::Rows128Wgmma) => ("flash_attention_d256_wgmma", 32, 8, 2, true),
         (128, FlashTile::Rows128WgmmaWs) => ("flash_attention_d128_wgmma_ws", 128, 8, 2, true),
         (256, FlashTile::Rows128WgmmaWs) => ("flash_attention_d256_wgmma_ws", 32, 8, 2, true),
         _ => {
-            return Err(NinferError::Unsupported(format!(
-                "CUDA flash attention with head_dim {d} and tiling {tile:?}"
-            )))
+            return Err(NinferError::Unsupported(format!("CUDA flash attention with head_dim {d} and tiling {tile:?}")))
         }
     };
-    Ok(Instance {
-        name,
-        bn,
-        warps,
-        producer_warps,
-        buffers,
-        wgmma,
-    })
+    Ok(Instance { name, bn, warps, producer_warps, buffers, wgmma })
 }
 
 impl CudaDevice {
@@ -177,9 +165,10 @@ impl CudaDevice {
     /// work so far: both zero whenever no launch is running (its last block zeroes them; a
     /// nonzero pair would make the next launch skip work). For tests and diagnostics.
     pub fn flash_work_counters(&self) -> Result<[u32; 2]> {
-        let v = self.stream().clone_dtoh(self.fa_work()).map_err(|e| {
-            NinferError::Device(format!("reading the attention work counters: {e:?}"))
-        })?;
+        let v = self
+            .stream()
+            .clone_dtoh(self.fa_work())
+            .map_err(|e| NinferError::Device(format!("reading the attention work counters: {e:?}")))?;
         Ok([v[0], v[1]])
     }
 
@@ -203,19 +192,7 @@ impl CudaDevice {
         max_rows: usize,
     ) -> Result<()> {
         let tile = self.flash_tile(shape.head_dim);
-        self.flash_attention_tiled(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            cu_seqlens,
-            out,
-            shape,
-            max_rows,
-            tile,
-        )
+        self.flash_attention_tiled(q, k_cache, v_cache, block_tables, token_seq, token_pos, cu_seqlens, out, shape, max_rows, tile)
     }
 
     /// `flash_attention` with the block tiling chosen by the caller (tests run every tiling
@@ -237,27 +214,9 @@ impl CudaDevice {
         tile: FlashTile,
     ) -> Result<()> {
         if !self.has_flash_attention() {
-            return self.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                token_seq,
-                token_pos,
-                out,
-                shape,
-            );
+            return self.paged_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape);
         }
-        self.check_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            token_seq,
-            token_pos,
-            out,
-            shape,
-        )?;
+        self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
         let d = sh.head_dim;
         let inst = instance(d, tile)?;
@@ -272,11 +231,7 @@ impl CudaDevice {
         if n_seqs == 0 || max_rows == 0 {
             return Ok(());
         }
-        check_len(
-            "flash attention block_tables",
-            block_tables.len(),
-            n_seqs * sh.max_blocks_per_seq,
-        )?;
+        check_len("flash attention block_tables", block_tables.len(), n_seqs * sh.max_blocks_per_seq)?;
         let smem = inst.smem_bytes(d);
         let f = self.function_with_smem(KernelFamily::FlashAttention, name, smem)?;
         let s = self.stream();
@@ -309,27 +264,17 @@ impl CudaDevice {
             // Persistent: a block an SM (its shared memory allows no second) taking the
             // (row tile, head, sequence) work items from the device's counters.
             let (wp, w) = self.fa_work().device_ptr(s);
-            args.extend([
-                KArg::Ptr(wp),
-                KArg::I32(row_tiles as i32),
-                KArg::I32(seqs as i32),
-            ]);
+            args.extend([KArg::Ptr(wp), KArg::I32(row_tiles as i32), KArg::I32(seqs as i32)]);
             let items = row_tiles as u64 * heads as u64 * seqs as u64;
             if items > u32::MAX as u64 {
-                return Err(NinferError::Device(format!(
-                    "flash attention: {items} work items exceed the 32-bit counter"
-                )));
+                return Err(NinferError::Device(format!("flash attention: {items} work items exceed the 32-bit counter")));
             }
             (((items as u32).min(self.sm_count() as u32), 1, 1), Some(w))
         } else {
             ((row_tiles, heads, seqs), None)
         };
         let threads = 32 * (inst.warps + inst.producer_warps) as u32;
-        let config = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let config = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, config, name, &args)
     }
 }
@@ -363,42 +308,26 @@ mod tests {
         // The wgmma form at d 128: Q and two buffers of K, V and V^T, unpadded, aligned to 1 KiB:
         // 225 KiB, sm_90 only.
         let wg = instance(128, FlashTile::Rows128Wgmma).unwrap();
-        assert_eq!(
-            (wg.rows(), wg.bn, wg.buffers, wg.wgmma),
-            (128, 128, 2, true)
-        );
+        assert_eq!((wg.rows(), wg.bn, wg.buffers, wg.wgmma), (128, 128, 2, true));
         assert_eq!(wg.smem_bytes(128), 225 * 1024);
         assert!(wg.smem_bytes(128) <= OPTIN_SM90 && wg.smem_bytes(128) > OPTIN_SM80);
         // At d 256: 32-key tiles (O alone is 128 registers a lane), V^T rows padded to 64 keys.
         let wg256 = instance(256, FlashTile::Rows128Wgmma).unwrap();
         assert_eq!((wg256.rows(), wg256.bn, wg256.buffers), (128, 32, 2));
-        assert_eq!(
-            wg256.smem_bytes(256),
-            (128 * 256 + 4 * 32 * 256 + 2 * 64 * 256) * 2 + 1024
-        );
+        assert_eq!(wg256.smem_bytes(256), (128 * 256 + 4 * 32 * 256 + 2 * 64 * 256) * 2 + 1024);
         assert!(wg256.smem_bytes(256) <= OPTIN_SM90 && wg256.smem_bytes(256) > OPTIN_SM80);
         // The warp-specialized form: the wgmma form's rows and shared memory, plus a producer
         // warpgroup (384 threads).
         let ws = instance(128, FlashTile::Rows128WgmmaWs).unwrap();
-        assert_eq!(
-            (ws.rows(), ws.bn, ws.warps + ws.producer_warps),
-            (128, 128, 12)
-        );
+        assert_eq!((ws.rows(), ws.bn, ws.warps + ws.producer_warps), (128, 128, 12));
         assert_eq!(ws.smem_bytes(128), wg.smem_bytes(128));
         let ws256 = instance(256, FlashTile::Rows128WgmmaWs).unwrap();
-        assert_eq!(
-            (ws256.rows(), ws256.bn, ws256.warps + ws256.producer_warps),
-            (128, 32, 12)
-        );
+        assert_eq!((ws256.rows(), ws256.bn, ws256.warps + ws256.producer_warps), (128, 32, 12));
         assert_eq!(ws256.smem_bytes(256), wg256.smem_bytes(256));
         // The 64-row kernels fit every sm_80+ device, so they remain the fallback everywhere.
         for d in [64, 96, 128, 256] {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
-            assert!(
-                narrow.smem_bytes(d) <= OPTIN_SM86,
-                "d{d}: {} bytes",
-                narrow.smem_bytes(d)
-            );
+            assert!(narrow.smem_bytes(d) <= OPTIN_SM86, "d{d}: {} bytes", narrow.smem_bytes(d));
         }
     }
 
@@ -409,26 +338,15 @@ mod tests {
         use crate::config::env_switch::parse_switch;
         assert!(parse_switch(FA_WS_SWITCH, None, true).unwrap());
         assert!(!parse_switch(FA_WS_SWITCH, Some("off"), true).unwrap());
-        let e = parse_switch(FA_WS_SWITCH, Some("maybe"), true)
-            .unwrap_err()
-            .to_string();
+        let e = parse_switch(FA_WS_SWITCH, Some("maybe"), true).unwrap_err().to_string();
         assert!(e.contains("NINFER_FA_WS") && e.contains("maybe"), "{e}");
     }
 
     #[test]
     fn tilings_without_a_kernel_are_unsupported() {
-        for (d, tile) in [
-            (96, FlashTile::Rows128Async),
-            (80, FlashTile::Rows64),
-            (64, FlashTile::Rows128Async),
-            (256, FlashTile::Rows128AsyncKeys128),
-            (64, FlashTile::Rows128Wgmma),
-            (64, FlashTile::Rows128WgmmaWs),
-        ] {
+        for (d, tile) in [(96, FlashTile::Rows128Async), (80, FlashTile::Rows64), (64, FlashTile::Rows128Async), (256, FlashTile::Rows128AsyncKeys128), (64, FlashTile::Rows128Wgmma), (64, FlashTile::Rows128WgmmaWs)] {
             match instance(d, tile) {
-                Err(NinferError::Unsupported(msg)) => {
-                    assert!(msg.contains(&d.to_string()), "{msg}")
-                }
+                Err(NinferError::Unsupported(msg)) => assert!(msg.contains(&d.to_string()), "{msg}"),
                 Err(e) => panic!("d{d} {tile:?}: expected Unsupported, got {e:?}"),
                 Ok(i) => panic!("d{d} {tile:?}: unexpected kernel {}", i.name),
             }

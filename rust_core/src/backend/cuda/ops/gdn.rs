@@ -94,36 +94,19 @@ fn check_slots(slots: usize, cu_seqlens: usize) -> Result<usize> {
 pub(super) fn check_delta_rule(sh: &RecurrentShape, lens: [usize; 9]) -> Result<usize> {
     let [q, k, v, g, beta, state, cu_seqlens, slots, out] = lens;
     let n_seqs = check_slots(slots, cu_seqlens)?;
-    if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads)
-    {
+    if !sh.dv.is_multiple_of(32) || sh.n_k_heads == 0 || !sh.n_v_heads.is_multiple_of(sh.n_k_heads) {
         return Err(NinferError::Device(format!(
             "gdn: dv {} must be a multiple of 32 and {} v heads a multiple of {} k heads",
             sh.dv, sh.n_v_heads, sh.n_k_heads
         )));
     }
     let t = sh.n_tokens;
-    check_len(
-        "gdn q",
-        q,
-        strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride),
-    )?;
-    check_len(
-        "gdn k",
-        k,
-        strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride),
-    )?;
-    check_len(
-        "gdn v",
-        v,
-        strided_len(t, sh.n_v_heads * sh.dv, sh.v_stride),
-    )?;
+    check_len("gdn q", q, strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
+    check_len("gdn k", k, strided_len(t, sh.n_k_heads * sh.dk, sh.qk_stride))?;
+    check_len("gdn v", v, strided_len(t, sh.n_v_heads * sh.dv, sh.v_stride))?;
     check_len("gdn g", g, t * sh.n_v_heads)?;
     check_len("gdn beta", beta, t * sh.n_v_heads)?;
-    check_len(
-        "gdn state",
-        state,
-        sh.n_slots * sh.n_v_heads * sh.dk * sh.dv,
-    )?;
+    check_len("gdn state", state, sh.n_slots * sh.n_v_heads * sh.dk * sh.dv)?;
     check_len("gdn out", out, t * sh.n_v_heads * sh.dv)?;
     Ok(n_seqs)
 }
@@ -146,9 +129,7 @@ impl CudaDevice {
         shape: &ConvShape,
     ) -> Result<()> {
         let path = ConvPath::for_step(shape.n_tokens, slots.len());
-        self.causal_conv1d_via(
-            path, x, conv_state, weight, bias, cu_seqlens, slots, out, shape,
-        )
+        self.causal_conv1d_via(path, x, conv_state, weight, bias, cu_seqlens, slots, out, shape)
     }
 
     /// `causal_conv1d` with the kernel form chosen by the caller (the op-parity tests run
@@ -169,32 +150,12 @@ impl CudaDevice {
         let sh = shape;
         let n_seqs = check_slots(slots.len(), cu_seqlens.len())?;
         let [per_seq, tiled, update] = match sh.kernel_size {
-            2 => [
-                "causal_conv1d_k2",
-                "causal_conv1d_tiled_k2",
-                "causal_conv1d_state_k2",
-            ],
-            3 => [
-                "causal_conv1d_k3",
-                "causal_conv1d_tiled_k3",
-                "causal_conv1d_state_k3",
-            ],
-            4 => [
-                "causal_conv1d_k4",
-                "causal_conv1d_tiled_k4",
-                "causal_conv1d_state_k4",
-            ],
-            k => {
-                return Err(NinferError::Unsupported(format!(
-                    "CUDA conv1d with kernel size {k}"
-                )))
-            }
+            2 => ["causal_conv1d_k2", "causal_conv1d_tiled_k2", "causal_conv1d_state_k2"],
+            3 => ["causal_conv1d_k3", "causal_conv1d_tiled_k3", "causal_conv1d_state_k3"],
+            4 => ["causal_conv1d_k4", "causal_conv1d_tiled_k4", "causal_conv1d_state_k4"],
+            k => return Err(NinferError::Unsupported(format!("CUDA conv1d with kernel size {k}"))),
         };
-        check_len(
-            "conv1d x",
-            x.len(),
-            strided_len(sh.n_tokens, sh.channels, sh.x_stride),
-        )?;
+        check_len("conv1d x", x.len(), strided_len(sh.n_tokens, sh.channels, sh.x_stride))?;
         check_len(
             "conv1d conv_state",
             conv_state.len(),
@@ -214,11 +175,7 @@ impl CudaDevice {
         let (op, _f) = out.device_ptr_mut(s);
         let bp = bias.map(|b| b.raw_ptr(s)).unwrap_or(0);
         let channels = as_i32("channels", sh.channels)?;
-        let seq_grid = (
-            sh.channels.div_ceil(128) as u32,
-            as_i32("n_seqs", n_seqs)? as u32,
-            1,
-        );
+        let seq_grid = (sh.channels.div_ceil(128) as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
         match path {
             ConvPath::PerSequence => {
                 let f = self.function(KernelFamily::Gdn, per_seq)?;
@@ -293,20 +250,10 @@ impl CudaDevice {
     ) -> Result<()> {
         let n = n_tokens * n_heads;
         if ab_stride < n_heads {
-            return Err(NinferError::Device(format!(
-                "gdn_gates: row stride {ab_stride} below the {n_heads} heads"
-            )));
+            return Err(NinferError::Device(format!("gdn_gates: row stride {ab_stride} below the {n_heads} heads")));
         }
-        check_len(
-            "gdn_gates a",
-            a.len(),
-            strided_len(n_tokens, n_heads, ab_stride),
-        )?;
-        check_len(
-            "gdn_gates b",
-            b.len(),
-            strided_len(n_tokens, n_heads, ab_stride),
-        )?;
+        check_len("gdn_gates a", a.len(), strided_len(n_tokens, n_heads, ab_stride))?;
+        check_len("gdn_gates b", b.len(), strided_len(n_tokens, n_heads, ab_stride))?;
         check_len("gdn_gates A_log", a_log.len(), n_heads)?;
         check_len("gdn_gates dt_bias", dt_bias.len(), n_heads)?;
         check_len("gdn_gates g", g.len(), n)?;
@@ -354,16 +301,10 @@ impl CudaDevice {
         let name = match shape.dk {
             64 => "gdn_recurrent_dk64",
             128 => "gdn_recurrent_dk128",
-            d => {
-                return Err(NinferError::Unsupported(format!(
-                    "CUDA GDN with key head dim {d}"
-                )))
-            }
+            d => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
         };
         let f = self.function(KernelFamily::Gdn, name)?;
-        self.delta_rule_launch(
-            &f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape,
-        )
+        self.delta_rule_launch(&f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
     }
 
     /// The decode form of a GDN layer's core in one kernel: the gates from the projection's
@@ -402,17 +343,10 @@ impl CudaDevice {
             (128, 128) => "gdn_recurrent_gated_dk128_dv128",
             (64, _) => "gdn_recurrent_gated_dk64",
             (128, _) => "gdn_recurrent_gated_dk128",
-            (d, _) => {
-                return Err(NinferError::Unsupported(format!(
-                    "CUDA GDN with key head dim {d}"
-                )))
-            }
+            (d, _) => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
         };
         if sh.dv > GATED_MAX_DV {
-            return Err(NinferError::Unsupported(format!(
-                "fused GDN decode with value head dim {} (at most {GATED_MAX_DV})",
-                sh.dv
-            )));
+            return Err(NinferError::Unsupported(format!("fused GDN decode with value head dim {} (at most {GATED_MAX_DV})", sh.dv)));
         }
         let (t, nv) = (sh.n_tokens, sh.n_v_heads);
         if ab_stride < nv || z_stride < nv * sh.dv {
@@ -422,37 +356,12 @@ impl CudaDevice {
             )));
         }
         // The gates are computed inside from a / b, so g / beta have no buffers to check.
-        let n_seqs = check_delta_rule(
-            sh,
-            [
-                q.len(),
-                k.len(),
-                v.len(),
-                t * nv,
-                t * nv,
-                state.len(),
-                cu_seqlens.len(),
-                slots.len(),
-                out.len(),
-            ],
-        )?;
-        check_len(
-            "gdn_recurrent_gated a",
-            a.len(),
-            strided_len(t, nv, ab_stride),
-        )?;
-        check_len(
-            "gdn_recurrent_gated b",
-            b.len(),
-            strided_len(t, nv, ab_stride),
-        )?;
+        let n_seqs = check_delta_rule(sh, [q.len(), k.len(), v.len(), t * nv, t * nv, state.len(), cu_seqlens.len(), slots.len(), out.len()])?;
+        check_len("gdn_recurrent_gated a", a.len(), strided_len(t, nv, ab_stride))?;
+        check_len("gdn_recurrent_gated b", b.len(), strided_len(t, nv, ab_stride))?;
         check_len("gdn_recurrent_gated A_log", a_log.len(), nv)?;
         check_len("gdn_recurrent_gated dt_bias", dt_bias.len(), nv)?;
-        check_len(
-            "gdn_recurrent_gated z",
-            z.len(),
-            strided_len(t, nv * sh.dv, z_stride),
-        )?;
+        check_len("gdn_recurrent_gated z", z.len(), strided_len(t, nv * sh.dv, z_stride))?;
         check_len("gdn_recurrent_gated norm", norm_w.len(), sh.dv)?;
         if n_seqs == 0 {
             return Ok(());
@@ -496,11 +405,7 @@ impl CudaDevice {
             KArg::Ptr(op),
         ];
         let grid = (nv as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
-        let config = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (sh.dv as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = LaunchConfig { grid_dim: grid, block_dim: (sh.dv as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch_pdl(&f, config, name, &args)
     }
 
@@ -524,20 +429,7 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<u16>,
         sh: &RecurrentShape,
     ) -> Result<()> {
-        let n_seqs = check_delta_rule(
-            sh,
-            [
-                q.len(),
-                k.len(),
-                v.len(),
-                g.len(),
-                beta.len(),
-                state.len(),
-                cu_seqlens.len(),
-                slots.len(),
-                out.len(),
-            ],
-        )?;
+        let n_seqs = check_delta_rule(sh, [q.len(), k.len(), v.len(), g.len(), beta.len(), state.len(), cu_seqlens.len(), slots.len(), out.len()])?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);
@@ -564,16 +456,8 @@ impl CudaDevice {
             KArg::I32(as_i32("dv", sh.dv)?),
             KArg::Ptr(op),
         ];
-        let grid = (
-            (sh.dv / 32) as u32,
-            sh.n_v_heads as u32,
-            as_i32("n_seqs", n_seqs)? as u32,
-        );
-        let config = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
+        let grid = ((sh.dv / 32) as u32, sh.n_v_heads as u32, as_i32("n_seqs", n_seqs)? as u32);
+        let config = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
         self.launch(f, config, name, &args)
     }
 }

@@ -50,8 +50,7 @@ fn pipe_smem_bytes(dk: usize) -> usize {
     let warps = CH_THREADS as usize / 32;
     let rows = CH_C / warps;
     // State and u tiles transposed, rows of 4 mod 32 words (cuda/gdn_chunked.cu PipeLayout).
-    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + warps * rows * (dk + 4 + CH_C + 4))
-        + 2 * (warps * rows * (dk + 8) + warps * CH_C * (dk / warps + 8))
+    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + warps * rows * (dk + 4 + CH_C + 4)) + 2 * (warps * rows * (dk + 8) + warps * CH_C * (dk / warps + 8))
 }
 
 /// Dynamic shared memory of an eight-warp scan block in bytes (`WideLayout` in gdn_chunked.cu):
@@ -59,8 +58,7 @@ fn pipe_smem_bytes(dk: usize) -> usize {
 /// (68 f32) and per-token scales (4 f32), and its raw q and k rows (dk + 8 storage elements
 /// each), one tile of each.
 fn wide_smem_bytes(dk: usize) -> usize {
-    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + CH_C * (dk + 4 + CH_C + 4 + 4))
-        + 2 * 2 * CH_C * (dk + 8)
+    4 * (CH_COLS * (dk + 4) + CH_COLS * (CH_C + 4) + CH_C * (dk + 4 + CH_C + 4 + 4)) + 2 * 2 * CH_C * (dk + 8)
 }
 
 impl RecurrentShape {
@@ -158,20 +156,7 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_via(
-            self.gdn_scan_form(shape.dk),
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            cu_seqlens,
-            slots,
-            out,
-            work,
-            shape,
-        )
+        self.gdn_chunked_via(self.gdn_scan_form(shape.dk), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
     /// `gdn_chunked` with the scan kernel chosen by the caller and this device's prep
@@ -192,21 +177,7 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_forms(
-            form,
-            self.gdn_prep_form(),
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            cu_seqlens,
-            slots,
-            out,
-            work,
-            shape,
-        )
+        self.gdn_chunked_forms(form, self.gdn_prep_form(), q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
     /// `gdn_chunked` with both kernels chosen by the caller (the op-parity tests run every pair).
@@ -227,22 +198,7 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_launch(
-            form,
-            Some(prep),
-            true,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            cu_seqlens,
-            slots,
-            out,
-            work,
-            shape,
-        )
+        self.gdn_chunked_launch(form, Some(prep), true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
     /// Only the prep of `gdn_chunked_forms` (fills the workspace; state and output untouched):
@@ -266,22 +222,7 @@ impl CudaDevice {
         if !self.has_gdn_chunked(shape.dk) {
             return Ok(());
         }
-        self.gdn_chunked_launch(
-            ScanForm::Simt,
-            Some(prep),
-            false,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            cu_seqlens,
-            slots,
-            out,
-            work,
-            shape,
-        )
+        self.gdn_chunked_launch(ScanForm::Simt, Some(prep), false, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
     /// Only the scan of `gdn_chunked_via`, over a workspace that a `gdn_chunked_via` call with
@@ -303,9 +244,7 @@ impl CudaDevice {
         work: &mut impl DevicePtrMut<f32>,
         shape: &RecurrentShape,
     ) -> Result<()> {
-        self.gdn_chunked_launch(
-            form, None, true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape,
-        )
+        self.gdn_chunked_launch(form, None, true, q, k, v, g, beta, state, cu_seqlens, slots, out, work, shape)
     }
 
     /// Runs the prep (`prep`, if any) then the scan (if `with_scan`).
@@ -331,23 +270,9 @@ impl CudaDevice {
         if !self.has_gdn_chunked(sh.dk) {
             return self.gdn_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out, sh);
         }
-        let lens = [
-            q.len(),
-            k.len(),
-            v.len(),
-            g.len(),
-            beta.len(),
-            state.len(),
-            cu_seqlens.len(),
-            slots.len(),
-            out.len(),
-        ];
+        let lens = [q.len(), k.len(), v.len(), g.len(), beta.len(), state.len(), cu_seqlens.len(), slots.len(), out.len()];
         let n_seqs = check_delta_rule(sh, lens)?;
-        check_len(
-            "gdn workspace",
-            work.len(),
-            RecurrentShape::chunked_workspace_len(sh.n_tokens, sh.n_v_heads, sh.dk, sh.dv),
-        )?;
+        check_len("gdn workspace", work.len(), RecurrentShape::chunked_workspace_len(sh.n_tokens, sh.n_v_heads, sh.dk, sh.dv))?;
         if sh.n_tokens == 0 || n_seqs == 0 {
             return Ok(());
         }
@@ -368,97 +293,38 @@ impl CudaDevice {
         let form = match form {
             ScanForm::Wide if self.compute_capability().0 < 8 => ScanForm::Simt,
             // (and it stores two output columns at a time)
-            ScanForm::Wide
-                if !aligned
-                    || !op.is_multiple_of(4)
-                    || wide_smem_bytes(sh.dk) > self.smem_optin() =>
-            {
-                ScanForm::TensorCores
-            }
-            ScanForm::Pipelined if !aligned || pipe_smem_bytes(sh.dk) > self.smem_optin() => {
-                ScanForm::TensorCores
-            }
+            ScanForm::Wide if !aligned || !op.is_multiple_of(4) || wide_smem_bytes(sh.dk) > self.smem_optin() => ScanForm::TensorCores,
+            ScanForm::Pipelined if !aligned || pipe_smem_bytes(sh.dk) > self.smem_optin() => ScanForm::TensorCores,
             f => f,
         };
         let (prep_name, scan_name, scan_smem) = match (sh.dk, form) {
-            (64, ScanForm::Simt) => (
-                "gdn_chunk_prep_dk64",
-                "gdn_chunk_scan_dk64",
-                scan_smem_bytes(64),
-            ),
-            (64, ScanForm::TensorCores) => (
-                "gdn_chunk_prep_dk64",
-                "gdn_chunk_scan_tc_dk64",
-                scan_smem_bytes(64),
-            ),
-            (64, ScanForm::Pipelined) => (
-                "gdn_chunk_prep_dk64",
-                "gdn_chunk_scan_pipe_dk64",
-                pipe_smem_bytes(64),
-            ),
-            (_, ScanForm::Simt) => (
-                "gdn_chunk_prep_dk128",
-                "gdn_chunk_scan_dk128",
-                scan_smem_bytes(128),
-            ),
-            (_, ScanForm::TensorCores) => (
-                "gdn_chunk_prep_dk128",
-                "gdn_chunk_scan_tc_dk128",
-                scan_smem_bytes(128),
-            ),
-            (_, ScanForm::Pipelined) => (
-                "gdn_chunk_prep_dk128",
-                "gdn_chunk_scan_pipe_dk128",
-                pipe_smem_bytes(128),
-            ),
-            (64, ScanForm::Wide) => (
-                "gdn_chunk_prep_dk64",
-                "gdn_chunk_scan_wide_dk64",
-                wide_smem_bytes(64),
-            ),
-            (_, ScanForm::Wide) => (
-                "gdn_chunk_prep_dk128",
-                "gdn_chunk_scan_wide_dk128",
-                wide_smem_bytes(128),
-            ),
+            (64, ScanForm::Simt) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_dk64", scan_smem_bytes(64)),
+            (64, ScanForm::TensorCores) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_tc_dk64", scan_smem_bytes(64)),
+            (64, ScanForm::Pipelined) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_pipe_dk64", pipe_smem_bytes(64)),
+            (_, ScanForm::Simt) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_dk128", scan_smem_bytes(128)),
+            (_, ScanForm::TensorCores) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_tc_dk128", scan_smem_bytes(128)),
+            (_, ScanForm::Pipelined) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_pipe_dk128", pipe_smem_bytes(128)),
+            (64, ScanForm::Wide) => ("gdn_chunk_prep_dk64", "gdn_chunk_scan_wide_dk64", wide_smem_bytes(64)),
+            (_, ScanForm::Wide) => ("gdn_chunk_prep_dk128", "gdn_chunk_scan_wide_dk128", wide_smem_bytes(128)),
         };
-        let scan_threads = if form == ScanForm::Wide {
-            CHW_THREADS
-        } else {
-            CH_THREADS
-        };
+        let scan_threads = if form == ScanForm::Wide { CHW_THREADS } else { CH_THREADS };
         // Below sm_80 the tensor-core prep is compiled as the SIMT one, whose shared memory it
         // then needs: run the SIMT prep by name there.
         let (prep_name, prep_smem) = match prep {
-            Some(PrepForm::TensorCores) if self.compute_capability().0 >= 8 => (
-                if sh.dk == 64 {
-                    "gdn_chunk_prep_tc_dk64"
-                } else {
-                    "gdn_chunk_prep_tc_dk128"
-                },
-                prep_tc_smem_bytes(sh.dk),
-            ),
+            Some(PrepForm::TensorCores) if self.compute_capability().0 >= 8 => {
+                (if sh.dk == 64 { "gdn_chunk_prep_tc_dk64" } else { "gdn_chunk_prep_tc_dk128" }, prep_tc_smem_bytes(sh.dk))
+            }
             _ => (prep_name, prep_smem_bytes(sh.dk)),
         };
         let prep_fn = self.function(KernelFamily::GdnChunked, prep_name)?;
         let scan = self.function(KernelFamily::GdnChunked, scan_name)?;
         prep_fn
-            .set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                prep_smem as i32,
-            )
+            .set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prep_smem as i32)
             .map_err(driver_err("raising the GDN chunk-prep shared-memory limit"))?;
-        scan.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            scan_smem as i32,
-        )
-        .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
+        scan.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, scan_smem as i32)
+            .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
         let (n_seqs_i, n_tokens) = (as_i32("n_seqs", n_seqs)?, as_i32("n_tokens", sh.n_tokens)?);
-        let (nk, nv, dv) = (
-            as_i32("n_k_heads", sh.n_k_heads)?,
-            as_i32("n_v_heads", sh.n_v_heads)?,
-            as_i32("dv", sh.dv)?,
-        );
+        let (nk, nv, dv) = (as_i32("n_k_heads", sh.n_k_heads)?, as_i32("n_v_heads", sh.n_v_heads)?, as_i32("dv", sh.dv)?);
         let prep_args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
@@ -478,11 +344,7 @@ impl CudaDevice {
         // Every sequence has at most ceil(len / 64) chunks, so this bounds the chunk count;
         // blocks past the last chunk return at once.
         let max_chunks = as_i32("gdn chunks", sh.n_tokens.div_ceil(CH_C) + n_seqs)? as u32;
-        let config = LaunchConfig {
-            grid_dim: (max_chunks, sh.n_v_heads as u32, 1),
-            block_dim: (CH_THREADS, 1, 1),
-            shared_mem_bytes: prep_smem as u32,
-        };
+        let config = LaunchConfig { grid_dim: (max_chunks, sh.n_v_heads as u32, 1), block_dim: (CH_THREADS, 1, 1), shared_mem_bytes: prep_smem as u32 };
         if prep.is_some() {
             self.launch(&prep_fn, config, prep_name, &prep_args)?;
         }
@@ -503,16 +365,8 @@ impl CudaDevice {
             KArg::I32(n_tokens),
             KArg::Ptr(op),
         ];
-        let grid = (
-            (sh.dv / CH_COLS) as u32,
-            sh.n_v_heads as u32,
-            n_seqs_i as u32,
-        );
-        let config = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (scan_threads, 1, 1),
-            shared_mem_bytes: scan_smem as u32,
-        };
+        let grid = ((sh.dv / CH_COLS) as u32, sh.n_v_heads as u32, n_seqs_i as u32);
+        let config = LaunchConfig { grid_dim: grid, block_dim: (scan_threads, 1, 1), shared_mem_bytes: scan_smem as u32 };
         self.launch(&scan, config, scan_name, &scan_args)
     }
 }

@@ -63,11 +63,7 @@ pub struct GemvTcConfig {
 
 /// Shorthand for the instance tables.
 const fn tc(warps: usize, unroll: usize, hold: bool) -> GemvTcConfig {
-    GemvTcConfig {
-        warps,
-        unroll,
-        hold,
-    }
+    GemvTcConfig { warps, unroll, hold }
 }
 
 impl GemvTcConfig {
@@ -98,12 +94,7 @@ impl GemvTcConfig {
 
     /// "w{warps}u{unroll}" plus "h" when held: the kernel name's suffix and the sweep's key.
     pub fn label(self) -> String {
-        format!(
-            "w{}u{}{}",
-            self.warps,
-            self.unroll,
-            if self.hold { "h" } else { "" }
-        )
+        format!("w{}u{}{}", self.warps, self.unroll, if self.hold { "h" } else { "" })
     }
 }
 
@@ -159,54 +150,14 @@ pub struct GemvTcRule {
 /// down on tensor cores. So `cuda_cores` (the kernel `GemvForm::ByShape` runs at M = 1) is set
 /// for every shape measured; from M = 2 on every shape runs its tensor-core instance (`config`).
 pub const GEMV_TC_RULES: &[GemvTcRule] = &[
-    GemvTcRule {
-        max_rows: 4096,
-        min_k: 8192,
-        config: tc(16, 4, false),
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: 4096,
-        min_k: 0,
-        config: tc(8, 8, true),
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: 5120,
-        min_k: 16384,
-        config: GemvTcConfig::DEFAULT,
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: 6144,
-        min_k: 0,
-        config: tc(8, 4, true),
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: 65536,
-        min_k: 5120,
-        config: tc(8, 8, true),
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: 65536,
-        min_k: 0,
-        config: tc(8, 8, true),
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: 131072,
-        min_k: 0,
-        config: tc(16, 4, true),
-        cuda_cores: true,
-    },
-    GemvTcRule {
-        max_rows: usize::MAX,
-        min_k: 0,
-        config: tc(8, 8, true),
-        cuda_cores: true,
-    },
+    GemvTcRule { max_rows: 4096, min_k: 8192, config: tc(16, 4, false), cuda_cores: true },
+    GemvTcRule { max_rows: 4096, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
+    GemvTcRule { max_rows: 5120, min_k: 16384, config: GemvTcConfig::DEFAULT, cuda_cores: true },
+    GemvTcRule { max_rows: 6144, min_k: 0, config: tc(8, 4, true), cuda_cores: true },
+    GemvTcRule { max_rows: 65536, min_k: 5120, config: tc(8, 8, true), cuda_cores: true },
+    GemvTcRule { max_rows: 65536, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
+    GemvTcRule { max_rows: 131072, min_k: 0, config: tc(16, 4, true), cuda_cores: true },
+    GemvTcRule { max_rows: usize::MAX, min_k: 0, config: tc(8, 8, true), cuda_cores: true },
 ];
 
 /// The tensor-core GEMV instance for a weight of `rows` x `k` (the fused gate_up weight's
@@ -235,13 +186,7 @@ fn gemv_rule_in(rules: &[GemvTcRule], rows: usize, k: usize) -> Option<&GemvTcRu
 /// table): the one place that resolves a form to a kernel, for the GEMV launcher and the fused
 /// add + RMSNorm route alike. `m` is the rows of the launch (1..=GEMV_MAX_M): only `ByShape`
 /// looks at it, to run its batch-1 kernel (`gemv_shape_on_cuda_cores`) at M = 1 alone.
-pub fn gemv_kernel(
-    form: GemvForm,
-    shapes: Option<&GemvShapeOverride>,
-    rows: usize,
-    k: usize,
-    m: usize,
-) -> GemvKernel {
+pub fn gemv_kernel(form: GemvForm, shapes: Option<&GemvShapeOverride>, rows: usize, k: usize, m: usize) -> GemvKernel {
     match form {
         GemvForm::Simt => GemvKernel::CudaCores,
         GemvForm::TensorCores => GemvKernel::TensorCores(gemv_tc_config(rows, k)),
@@ -282,10 +227,7 @@ fn no_tc_instance(c: GemvTcConfig) -> NinferError {
         c.warps,
         c.unroll,
         c.hold,
-        GemvTcConfig::all()
-            .map(GemvTcConfig::label)
-            .collect::<Vec<_>>()
-            .join(", ")
+        GemvTcConfig::all().map(GemvTcConfig::label).collect::<Vec<_>>().join(", ")
     ))
 }
 
@@ -324,11 +266,7 @@ pub const BATCH_INVARIANT_SWITCH: &str = "NINFER_BATCH_INVARIANT";
 /// once per device (`CudaDevice::gemv_form`), so a sequence's projections never change form
 /// mid-run. `Simt` and `TensorCores` are batch invariant (one kernel per shape whatever M);
 /// `ByShape` is not.
-pub fn gemv_form_with_switch(
-    cc: (u32, u32),
-    switch: Option<&str>,
-    invariant: bool,
-) -> Result<GemvForm> {
+pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>, invariant: bool) -> Result<GemvForm> {
     if switch.map(str::trim).is_none_or(str::is_empty) {
         return Ok(match gemv_form(cc) {
             GemvForm::ByShape if invariant => GemvForm::TensorCores,
@@ -336,11 +274,7 @@ pub fn gemv_form_with_switch(
         });
     }
     let on = crate::config::env_switch::parse_switch(TC_GEMV_SWITCH, switch, true)?;
-    Ok(if on && cc.0 >= 8 {
-        GemvForm::TensorCores
-    } else {
-        GemvForm::Simt
-    })
+    Ok(if on && cc.0 >= 8 { GemvForm::TensorCores } else { GemvForm::Simt })
 }
 
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
@@ -440,9 +374,8 @@ impl GemvOut {
     }
 }
 
-const NAMES: [&str; GEMV_MAX_M] = [
-    "gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8",
-];
+const NAMES: [&str; GEMV_MAX_M] =
+    ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4", "gemv_m5", "gemv_m6", "gemv_m7", "gemv_m8"];
 const NAMES_GATEUP_SWIGLU: [&str; GEMV_MAX_M] = [
     "gemv_gateup_swiglu_m1",
     "gemv_gateup_swiglu_m2",
@@ -468,17 +401,7 @@ impl CudaDevice {
     /// Launches the GEMV of form `form` with epilogue `out` over `m` rows, GEMV_MAX_M rows per
     /// launch; `n` is the number of output columns (the activation width for SwiGlu).
     #[allow(clippy::too_many_arguments)]
-    fn gemv_launch(
-        &self,
-        form: GemvForm,
-        x: u64,
-        w: u64,
-        y: u64,
-        out: GemvOut,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<()> {
+    fn gemv_launch(&self, form: GemvForm, x: u64, w: u64, y: u64, out: GemvOut, m: usize, n: usize, k: usize) -> Result<()> {
         if !k.is_multiple_of(8) {
             return Err(NinferError::Device(format!(
                 "gemv needs K to be a multiple of 8 (16-byte loads), got K = {k}"
@@ -499,14 +422,7 @@ impl CudaDevice {
                 GemvKernel::CudaCores => {
                     // ksplit warps share one warp's columns (NINFER_CC_KSPLIT, keyed like NINFER_GEMV_SHAPES).
                     let ksplit = self.cc_ksplit_for(out.weight_rows(n), k);
-                    let grid = (
-                        as_i32(
-                            "gemv n",
-                            n.div_ceil(out.cols_per_block(mm, self.cc_warps() / ksplit)),
-                        )? as u32,
-                        1,
-                        1,
-                    );
+                    let grid = (as_i32("gemv n", n.div_ceil(out.cols_per_block(mm, self.cc_warps() / ksplit)))? as u32, 1, 1);
                     let name = out.name(mm);
                     let f = self.function(KernelFamily::Gemv, name)?;
                     let args = [
@@ -519,20 +435,11 @@ impl CudaDevice {
                         KArg::I32(ksplit as i32),
                         KArg::I32(out.round_arg()),
                     ];
-                    self.launch_pdl(
-                        &f,
-                        cfg(grid, (self.cc_warps() * 32) as u32),
-                        name,
-                        &args[..out.args(7)],
-                    )?;
+                    self.launch_pdl(&f, cfg(grid, (self.cc_warps() * 32) as u32), name, &args[..out.args(7)])?;
                 }
                 // One instance per weight shape, whatever M.
                 GemvKernel::TensorCores(c) => {
-                    let grid = (
-                        as_i32("gemv n", n.div_ceil(out.tc_cols_per_block()))? as u32,
-                        1,
-                        1,
-                    );
+                    let grid = (as_i32("gemv n", n.div_ceil(out.tc_cols_per_block()))? as u32, 1, 1);
                     let name = out.tc_name(c)?;
                     let f = self.function(KernelFamily::GemvTc, name)?;
                     let args = [
@@ -545,12 +452,7 @@ impl CudaDevice {
                         KArg::I32(self.tc_prefetch_steps() as i32),
                         KArg::I32(out.round_arg()),
                     ];
-                    self.launch_pdl(
-                        &f,
-                        cfg(grid, (c.warps * 32) as u32),
-                        name,
-                        &args[..out.args(7)],
-                    )?;
+                    self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args[..out.args(7)])?;
                 }
             }
             row += mm;
@@ -657,16 +559,8 @@ impl CudaDevice {
         // (the kernels stride past them).
         const THREADS: usize = 256;
         const MAX_BLOCKS: usize = 1 << 16;
-        let (name, per_thread) = if yp.is_multiple_of(16) {
-            ("round_f32_to_storage_v4", 4)
-        } else {
-            ("round_f32_to_storage", 1)
-        };
-        let grid = (
-            len.div_ceil(per_thread * THREADS).min(MAX_BLOCKS) as u32,
-            1,
-            1,
-        );
+        let (name, per_thread) = if yp.is_multiple_of(16) { ("round_f32_to_storage_v4", 4) } else { ("round_f32_to_storage", 1) };
+        let grid = (len.div_ceil(per_thread * THREADS).min(MAX_BLOCKS) as u32, 1, 1);
         let f = self.function(KernelFamily::Gemv, name)?;
         let args = [KArg::Ptr(yp), KArg::I64(len as i64)];
         self.launch(&f, cfg(grid, THREADS as u32), name, &args)
@@ -773,168 +667,70 @@ mod tests {
 
     #[test]
     fn tc_gemv_switch_picks_the_form_and_rejects_a_misspelt_value() {
-        assert_eq!(
-            gemv_form_with_switch((9, 0), None, false).unwrap(),
-            GemvForm::ByShape
-        );
-        assert_eq!(
-            gemv_form_with_switch((9, 0), Some(" "), false).unwrap(),
-            GemvForm::ByShape
-        );
-        assert_eq!(
-            gemv_form_with_switch((7, 5), None, false).unwrap(),
-            GemvForm::Simt
-        );
-        assert_eq!(
-            gemv_form_with_switch((9, 0), Some("0"), false).unwrap(),
-            GemvForm::Simt
-        );
-        assert_eq!(
-            gemv_form_with_switch((9, 0), Some("on"), false).unwrap(),
-            GemvForm::TensorCores
-        );
+        assert_eq!(gemv_form_with_switch((9, 0), None, false).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((9, 0), Some(" "), false).unwrap(), GemvForm::ByShape);
+        assert_eq!(gemv_form_with_switch((7, 5), None, false).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), false).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("on"), false).unwrap(), GemvForm::TensorCores);
         // On will not force the mma path onto a device without it.
-        assert_eq!(
-            gemv_form_with_switch((7, 5), Some("1"), false).unwrap(),
-            GemvForm::Simt
-        );
-        let e = gemv_form_with_switch((9, 0), Some("tc"), false)
-            .unwrap_err()
-            .to_string();
+        assert_eq!(gemv_form_with_switch((7, 5), Some("1"), false).unwrap(), GemvForm::Simt);
+        let e = gemv_form_with_switch((9, 0), Some("tc"), false).unwrap_err().to_string();
         assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
         // Batch invariance: one kernel per shape for every M (tensor cores), whatever M; an
         // explicit NINFER_TC_GEMV is invariant already and wins; below sm_80 the SIMT form is.
-        assert_eq!(
-            gemv_form_with_switch((9, 0), None, true).unwrap(),
-            GemvForm::TensorCores
-        );
-        assert_eq!(
-            gemv_form_with_switch((9, 0), Some("0"), true).unwrap(),
-            GemvForm::Simt
-        );
-        assert_eq!(
-            gemv_form_with_switch((7, 5), None, true).unwrap(),
-            GemvForm::Simt
-        );
-        let e =
-            crate::config::env_switch::parse_switch(BATCH_INVARIANT_SWITCH, Some("always"), false)
-                .unwrap_err()
-                .to_string();
-        assert!(
-            e.contains(BATCH_INVARIANT_SWITCH) && e.contains("always"),
-            "{e}"
-        );
+        assert_eq!(gemv_form_with_switch((9, 0), None, true).unwrap(), GemvForm::TensorCores);
+        assert_eq!(gemv_form_with_switch((9, 0), Some("0"), true).unwrap(), GemvForm::Simt);
+        assert_eq!(gemv_form_with_switch((7, 5), None, true).unwrap(), GemvForm::Simt);
+        let e = crate::config::env_switch::parse_switch(BATCH_INVARIANT_SWITCH, Some("always"), false).unwrap_err().to_string();
+        assert!(e.contains(BATCH_INVARIANT_SWITCH) && e.contains("always"), "{e}");
     }
 
     #[test]
     fn gemv_kernel_resolves_the_form_and_only_by_shape_takes_the_override() {
-        let o =
-            super::super::gemv_tuning::parse_gemv_shapes(Some("6144x4096=cc,4096x14336=w16u4h"))
-                .unwrap()
-                .unwrap();
+        let o = super::super::gemv_tuning::parse_gemv_shapes(Some("6144x4096=cc,4096x14336=w16u4h")).unwrap().unwrap();
         let on_tc = GemvKernel::TensorCores;
         // Without an override ByShape is GEMV_TC_RULES: at M = 1 on CUDA cores; from M = 2 on
         // every shape on its tensor-core instance.
-        assert_eq!(
-            gemv_kernel(GemvForm::ByShape, None, 6144, 4096, 1),
-            GemvKernel::CudaCores
-        );
-        assert_eq!(
-            gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 1),
-            GemvKernel::CudaCores
-        );
-        assert_eq!(
-            gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 2),
-            on_tc(gemv_tc_config(4096, 14336))
-        );
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096, 1), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 1), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, None, 4096, 14336, 2), on_tc(gemv_tc_config(4096, 14336)));
         for m in [2, 5, 8] {
-            assert_eq!(
-                gemv_kernel(GemvForm::ByShape, None, 6144, 4096, m),
-                on_tc(gemv_tc_config(6144, 4096))
-            );
-            assert_eq!(
-                gemv_kernel(GemvForm::ByShape, None, 128256, 4096, m),
-                on_tc(gemv_tc_config(128256, 4096))
-            );
+            assert_eq!(gemv_kernel(GemvForm::ByShape, None, 6144, 4096, m), on_tc(gemv_tc_config(6144, 4096)));
+            assert_eq!(gemv_kernel(GemvForm::ByShape, None, 128256, 4096, m), on_tc(gemv_tc_config(128256, 4096)));
         }
         // The override moves the shapes it names, and only those, at every M.
         for m in [1, 3] {
-            assert_eq!(
-                gemv_kernel(GemvForm::ByShape, Some(&o), 6144, 4096, m),
-                GemvKernel::CudaCores
-            );
-            assert_eq!(
-                gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 14336, m),
-                on_tc(tc(16, 4, true))
-            );
+            assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 6144, 4096, m), GemvKernel::CudaCores);
+            assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 14336, m), on_tc(tc(16, 4, true)));
         }
-        assert_eq!(
-            gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096, 1),
-            GemvKernel::CudaCores
-        );
-        assert_eq!(
-            gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096, 2),
-            on_tc(gemv_tc_config(4096, 4096))
-        );
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096, 1), GemvKernel::CudaCores);
+        assert_eq!(gemv_kernel(GemvForm::ByShape, Some(&o), 4096, 4096, 2), on_tc(gemv_tc_config(4096, 4096)));
         // The forms that put every shape on one kernel consult neither the override nor M.
         for m in [1, 8] {
-            assert_eq!(
-                gemv_kernel(GemvForm::Simt, Some(&o), 4096, 14336, m),
-                GemvKernel::CudaCores
-            );
-            assert_eq!(
-                gemv_kernel(GemvForm::TensorCores, Some(&o), 6144, 4096, m),
-                on_tc(gemv_tc_config(6144, 4096))
-            );
-            assert_eq!(
-                gemv_kernel(
-                    GemvForm::TensorCoresAs(GemvTcConfig::DEFAULT),
-                    Some(&o),
-                    6144,
-                    4096,
-                    m
-                ),
-                on_tc(GemvTcConfig::DEFAULT)
-            );
+            assert_eq!(gemv_kernel(GemvForm::Simt, Some(&o), 4096, 14336, m), GemvKernel::CudaCores);
+            assert_eq!(gemv_kernel(GemvForm::TensorCores, Some(&o), 6144, 4096, m), on_tc(gemv_tc_config(6144, 4096)));
+            assert_eq!(gemv_kernel(GemvForm::TensorCoresAs(GemvTcConfig::DEFAULT), Some(&o), 6144, 4096, m), on_tc(GemvTcConfig::DEFAULT));
         }
     }
 
     #[test]
     fn kernel_names_follow_the_instances_of_gemv_tc_cu() {
         let src = include_str!("../../../../../cuda/gemv_tc.cu");
-        for prefix in [
-            "gemv_tc",
-            "gemv_tc_f32out",
-            "gemv_tc_gateup_swiglu",
-            "gemv_tc_add_rmsnorm",
-        ] {
-            assert!(
-                src.contains(&format!("{prefix}_w##W##_u##U##H(")),
-                "{prefix}"
-            );
+        for prefix in ["gemv_tc", "gemv_tc_f32out", "gemv_tc_gateup_swiglu", "gemv_tc_add_rmsnorm"] {
+            assert!(src.contains(&format!("{prefix}_w##W##_u##U##H(")), "{prefix}");
         }
         assert!(GemvTcConfig::all().any(|c| c == GemvTcConfig::DEFAULT));
         for c in GemvTcConfig::all() {
             let (w, u, h) = (c.warps, c.unroll, if c.hold { "h" } else { "" });
             let line = format!("\nGEMV_TC_INSTANCE({w}, {u}, {}, {h})\n", c.hold);
             assert!(src.contains(&line), "{line}");
-            for (out, prefix) in [
-                (GemvOut::Store, "gemv_tc"),
-                (GemvOut::F32(false), "gemv_tc_f32out"),
-                (GemvOut::SwiGlu, "gemv_tc_gateup_swiglu"),
-            ] {
+            for (out, prefix) in [(GemvOut::Store, "gemv_tc"), (GemvOut::F32(false), "gemv_tc_f32out"), (GemvOut::SwiGlu, "gemv_tc_gateup_swiglu")] {
                 assert_eq!(out.tc_name(c).unwrap(), format!("{prefix}_w{w}_u{u}{h}"));
             }
-            assert_eq!(
-                tc_add_rmsnorm_name(c).unwrap(),
-                format!("gemv_tc_add_rmsnorm_w{w}_u{u}{h}")
-            );
+            assert_eq!(tc_add_rmsnorm_name(c).unwrap(), format!("gemv_tc_add_rmsnorm_w{w}_u{u}{h}"));
         }
         // The source has no instance the table does not list.
-        assert_eq!(
-            src.matches("\nGEMV_TC_INSTANCE(").count(),
-            GemvTcConfig::ALL.len()
-        );
+        assert_eq!(src.matches("\nGEMV_TC_INSTANCE(").count(), GemvTcConfig::ALL.len());
         let err = GemvOut::Store.tc_name(tc(32, 4, false)).unwrap_err();
         assert!(err.to_string().contains("32 warps"), "{err}");
     }
@@ -943,28 +739,12 @@ mod tests {
     fn gemv_tc_config_takes_the_first_matching_rule_by_shape() {
         let w16 = tc(16, 4, true);
         let w4 = tc(4, 8, true);
-        let rules = [
-            GemvTcRule {
-                max_rows: 6144,
-                min_k: 4096,
-                config: w16,
-                cuda_cores: false,
-            },
-            GemvTcRule {
-                max_rows: usize::MAX,
-                min_k: 0,
-                config: w4,
-                cuda_cores: false,
-            },
-        ];
+        let rules = [GemvTcRule { max_rows: 6144, min_k: 4096, config: w16, cuda_cores: false }, GemvTcRule { max_rows: usize::MAX, min_k: 0, config: w4, cuda_cores: false }];
         assert_eq!(gemv_tc_config_in(&rules, 4096, 14336), w16);
         assert_eq!(gemv_tc_config_in(&rules, 6144, 4096), w16);
         assert_eq!(gemv_tc_config_in(&rules, 6145, 4096), w4);
         assert_eq!(gemv_tc_config_in(&rules, 4096, 1024), w4);
-        assert_eq!(
-            gemv_tc_config_in(&rules[..1], 128256, 4096),
-            GemvTcConfig::DEFAULT
-        );
+        assert_eq!(gemv_tc_config_in(&rules[..1], 128256, 4096), GemvTcConfig::DEFAULT);
         // The live table names only instances that exist.
         for r in GEMV_TC_RULES {
             assert!(GemvTcConfig::all().any(|c| c == r.config), "{r:?}");

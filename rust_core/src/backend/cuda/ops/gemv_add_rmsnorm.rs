@@ -39,13 +39,7 @@ pub enum AddNormRoute {
 /// The route for `rows` rows of width `n` (the hidden size) over K = `k`, in GEMV form `form`
 /// under the built-in per-shape table (`add_norm_route_for` of the form's kernel for the
 /// weight), with all of the norm's buffers 16-byte aligned or not.
-pub fn add_norm_route(
-    form: GemvForm,
-    rows: usize,
-    n: usize,
-    k: usize,
-    aligned: bool,
-) -> AddNormRoute {
+pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
     add_norm_route_for(gemv_kernel(form, None, n, k, rows), rows, n, k, aligned)
 }
 
@@ -55,15 +49,8 @@ pub fn add_norm_route(
 /// whole rows with 16-byte accesses (n % 8 == 0, aligned rows). A weight the plain GEMV runs on
 /// CUDA cores keeps the two kernels, so that both routes give the plain GEMV's bits
 /// (`NINFER_FUSED_NORM` on == off).
-pub fn add_norm_route_for(
-    kernel: GemvKernel,
-    rows: usize,
-    n: usize,
-    k: usize,
-    aligned: bool,
-) -> AddNormRoute {
-    let fits =
-        (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
+pub fn add_norm_route_for(kernel: GemvKernel, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
+    let fits = (1..=GEMV_MAX_M).contains(&rows) && k.is_multiple_of(8) && n.is_multiple_of(8) && aligned;
     if matches!(kernel, GemvKernel::TensorCores(_)) && fits {
         AddNormRoute::Fused
     } else {
@@ -94,21 +81,7 @@ impl CudaDevice {
         eps: f32,
         plus_one: bool,
     ) -> Result<()> {
-        self.gemv_add_rmsnorm_with(
-            self.gemv_form(),
-            x,
-            w,
-            tmp,
-            residual,
-            norm_w,
-            h,
-            arrivals,
-            rows,
-            n,
-            k,
-            eps,
-            plus_one,
-        )
+        self.gemv_add_rmsnorm_with(self.gemv_form(), x, w, tmp, residual, norm_w, h, arrivals, rows, n, k, eps, plus_one)
     }
 
     /// As `gemv_add_rmsnorm` in the given GEMV form (tests run the SIMT form's two kernels on
@@ -181,11 +154,7 @@ impl CudaDevice {
                     KArg::F32(eps),
                     KArg::I32(plus_one as i32),
                 ];
-                let grid = (
-                    as_i32("gemv_add_rmsnorm n", n.div_ceil(TC_COLS))? as u32,
-                    1,
-                    1,
-                );
+                let grid = (as_i32("gemv_add_rmsnorm n", n.div_ceil(TC_COLS))? as u32, 1, 1);
                 self.launch_pdl(&f, cfg(grid, (c.warps * 32) as u32), name, &args)
             }
         }
@@ -200,61 +169,21 @@ mod tests {
     fn fused_only_for_tensor_core_decode_rows_of_aligned_whole_chunks() {
         let tc = GemvForm::TensorCores;
         for rows in 1..=GEMV_MAX_M {
-            assert_eq!(
-                add_norm_route(tc, rows, 4096, 14336, true),
-                AddNormRoute::Fused
-            );
+            assert_eq!(add_norm_route(tc, rows, 4096, 14336, true), AddNormRoute::Fused);
         }
-        assert_eq!(
-            add_norm_route(tc, 0, 4096, 4096, true),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(tc, GEMV_MAX_M + 1, 4096, 4096, true),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(tc, 1, 4100, 4096, true),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(tc, 1, 4096, 4100, true),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(tc, 1, 4096, 4096, false),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(GemvForm::Simt, 1, 4096, 4096, true),
-            AddNormRoute::TwoKernels
-        );
-        let w4 = crate::backend::cuda::ops::GemvTcConfig {
-            warps: 4,
-            unroll: 4,
-            hold: false,
-        };
-        assert_eq!(
-            add_norm_route(GemvForm::TensorCoresAs(w4), 8, 5120, 17408, true),
-            AddNormRoute::Fused
-        );
+        assert_eq!(add_norm_route(tc, 0, 4096, 4096, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(tc, GEMV_MAX_M + 1, 4096, 4096, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(tc, 1, 4100, 4096, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(tc, 1, 4096, 4100, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(tc, 1, 4096, 4096, false), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(GemvForm::Simt, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
+        let w4 = crate::backend::cuda::ops::GemvTcConfig { warps: 4, unroll: 4, hold: false };
+        assert_eq!(add_norm_route(GemvForm::TensorCoresAs(w4), 8, 5120, 17408, true), AddNormRoute::Fused);
         // Per shape and M: at M = 1 the 8B's o and down projections run on CUDA cores, from M = 2
         // on tensor cores (GEMV_TC_RULES); the route follows.
-        assert_eq!(
-            add_norm_route(GemvForm::ByShape, 1, 4096, 4096, true),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true),
-            AddNormRoute::TwoKernels
-        );
-        assert_eq!(
-            add_norm_route(GemvForm::ByShape, 2, 4096, 4096, true),
-            AddNormRoute::Fused
-        );
-        assert_eq!(
-            add_norm_route(GemvForm::ByShape, 2, 4096, 14336, true),
-            AddNormRoute::Fused
-        );
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 4096, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 1, 4096, 14336, true), AddNormRoute::TwoKernels);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 4096, true), AddNormRoute::Fused);
+        assert_eq!(add_norm_route(GemvForm::ByShape, 2, 4096, 14336, true), AddNormRoute::Fused);
     }
 }

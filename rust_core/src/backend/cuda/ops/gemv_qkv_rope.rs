@@ -23,18 +23,8 @@ use crate::{NinferError, Result};
 /// that runs on tensor cores would change bits), full rotary, K a multiple of 8 (16-byte loads).
 /// The model adds what depends on its layout (q, k, v packed with nothing between q and k, no
 /// q/k norm) and its switch.
-pub fn qkv_rope_fits(
-    kernel: GemvKernel,
-    rows: usize,
-    head_dim: usize,
-    rotary_dim: usize,
-    k: usize,
-) -> bool {
-    kernel == GemvKernel::CudaCores
-        && rows == 1
-        && rotary_dim == head_dim
-        && head_dim > 0
-        && k.is_multiple_of(8)
+pub fn qkv_rope_fits(kernel: GemvKernel, rows: usize, head_dim: usize, rotary_dim: usize, k: usize) -> bool {
+    kernel == GemvKernel::CudaCores && rows == 1 && rotary_dim == head_dim && head_dim > 0 && k.is_multiple_of(8)
 }
 
 /// The packed qkv row the fused kernel computes: n_q_heads q heads, then n_kv_heads k heads,
@@ -53,32 +43,18 @@ impl QkvRopeLayout {
     fn new(shape: &RopeKvShape, rotary_dim: usize, k: usize, tokens: usize) -> Result<Self> {
         let err = |m: String| Err(NinferError::Device(format!("gemv_qkv_rope: {m}")));
         if tokens != 1 {
-            return err(format!(
-                "one token only (the batch-1 decode GEMV), got {tokens}"
-            ));
+            return err(format!("one token only (the batch-1 decode GEMV), got {tokens}"));
         }
         if rotary_dim != shape.head_dim || shape.head_dim == 0 {
-            return err(format!(
-                "full rotary only: rotary_dim {rotary_dim} with head_dim {}",
-                shape.head_dim
-            ));
+            return err(format!("full rotary only: rotary_dim {rotary_dim} with head_dim {}", shape.head_dim));
         }
         if k == 0 || !k.is_multiple_of(8) {
-            return err(format!(
-                "K must be a positive multiple of 8 (16-byte loads), got K = {k}"
-            ));
+            return err(format!("K must be a positive multiple of 8 (16-byte loads), got K = {k}"));
         }
         if shape.n_q_heads == 0 || shape.n_kv_heads == 0 {
-            return err(format!(
-                "{} q heads and {} kv heads",
-                shape.n_q_heads, shape.n_kv_heads
-            ));
+            return err(format!("{} q heads and {} kv heads", shape.n_q_heads, shape.n_kv_heads));
         }
-        let l = QkvRopeLayout {
-            n_q_heads: shape.n_q_heads,
-            n_kv_heads: shape.n_kv_heads,
-            head_dim: shape.head_dim,
-        };
+        let l = QkvRopeLayout { n_q_heads: shape.n_q_heads, n_kv_heads: shape.n_kv_heads, head_dim: shape.head_dim };
         as_i32("gemv_qkv_rope rows", l.rows())?;
         Ok(l)
     }
@@ -156,11 +132,7 @@ impl CudaDevice {
         ];
         // A warp per pair, the device's CUDA-core GEMV warps a block, as gemv_m1 has a warp per row.
         let warps = self.cc_warps();
-        let grid = (
-            as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps / ksplit))? as u32,
-            1,
-            1,
-        );
+        let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps / ksplit))? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, (warps * 32) as u32), name, &args)
     }
 }
@@ -170,15 +142,7 @@ mod tests {
     use super::*;
 
     fn shape(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> RopeKvShape {
-        RopeKvShape {
-            n_q_heads,
-            n_kv_heads,
-            head_dim,
-            q_stride: 0,
-            k_stride: 0,
-            v_stride: 0,
-            attn_scale: 1.0,
-        }
+        RopeKvShape { n_q_heads, n_kv_heads, head_dim, q_stride: 0, k_stride: 0, v_stride: 0, attn_scale: 1.0 }
     }
 
     /// The two qkv rows of pair p, as the kernel maps them (qkv_pair_row in cuda/gemv.cu):
@@ -191,13 +155,7 @@ mod tests {
 
     #[test]
     fn every_row_of_the_packed_qkv_row_belongs_to_exactly_one_rope_pair() {
-        for (hq, hkv, hd) in [
-            (32, 8, 128),
-            (8, 2, 64),
-            (4, 4, 128),
-            (1, 1, 2),
-            (40, 8, 256),
-        ] {
+        for (hq, hkv, hd) in [(32, 8, 128), (8, 2, 64), (4, 4, 128), (1, 1, 2), (40, 8, 256)] {
             let l = QkvRopeLayout::new(&shape(hq, hkv, hd), hd, 4096, 1).unwrap();
             assert_eq!(l.rows(), (hq + 2 * hkv) * hd);
             let mut owner = vec![usize::MAX; l.rows()];
@@ -206,25 +164,13 @@ mod tests {
                 // Both rows in one head, i and i + head_dim / 2 of it: the elements rope_pair
                 // rotates together.
                 assert_eq!(r0 / hd, r1 / hd, "pair {p}");
-                assert_eq!(
-                    (r0 % hd, r1 % hd),
-                    (p % (hd / 2), p % (hd / 2) + hd / 2),
-                    "pair {p}"
-                );
+                assert_eq!((r0 % hd, r1 % hd), (p % (hd / 2), p % (hd / 2) + hd / 2), "pair {p}");
                 for r in [r0, r1] {
-                    assert_eq!(
-                        owner[r],
-                        usize::MAX,
-                        "row {r} of pairs {} and {p}",
-                        owner[r]
-                    );
+                    assert_eq!(owner[r], usize::MAX, "row {r} of pairs {} and {p}", owner[r]);
                     owner[r] = p;
                 }
             }
-            assert!(
-                owner.iter().all(|&p| p != usize::MAX),
-                "{hq}/{hkv}/{hd}: a row without a pair"
-            );
+            assert!(owner.iter().all(|&p| p != usize::MAX), "{hq}/{hkv}/{hd}: a row without a pair");
         }
         // The kernel maps pairs by the same arithmetic.
         let src = include_str!("../../../../../cuda/gemv.cu");
@@ -239,10 +185,7 @@ mod tests {
         let m = e(QkvRopeLayout::new(&s, 128, 4096, 2));
         assert!(m.contains("one token") && m.contains('2'), "{m}");
         let m = e(QkvRopeLayout::new(&s, 64, 4096, 1));
-        assert!(
-            m.contains("rotary_dim 64") && m.contains("head_dim 128"),
-            "{m}"
-        );
+        assert!(m.contains("rotary_dim 64") && m.contains("head_dim 128"), "{m}");
         let m = e(QkvRopeLayout::new(&s, 128, 1001, 1));
         assert!(m.contains("K = 1001"), "{m}");
         let m = e(QkvRopeLayout::new(&shape(4, 0, 128), 128, 4096, 1));
@@ -257,15 +200,9 @@ mod tests {
     fn only_the_batch_one_cuda_core_gemv_with_full_rotary_fuses() {
         let tc = GemvKernel::TensorCores(super::super::GemvTcConfig::DEFAULT);
         assert!(qkv_rope_fits(GemvKernel::CudaCores, 1, 128, 128, 4096));
-        assert!(
-            !qkv_rope_fits(tc, 1, 128, 128, 4096),
-            "tensor-core sums differ from gemv_m1's"
-        );
+        assert!(!qkv_rope_fits(tc, 1, 128, 128, 4096), "tensor-core sums differ from gemv_m1's");
         assert!(!qkv_rope_fits(GemvKernel::CudaCores, 2, 128, 128, 4096));
-        assert!(
-            !qkv_rope_fits(GemvKernel::CudaCores, 1, 128, 64, 4096),
-            "partial rotary"
-        );
+        assert!(!qkv_rope_fits(GemvKernel::CudaCores, 1, 128, 64, 4096), "partial rotary");
         assert!(!qkv_rope_fits(GemvKernel::CudaCores, 1, 128, 128, 4100));
     }
 
@@ -273,13 +210,8 @@ mod tests {
     fn caches_that_do_not_hold_whole_rows_are_refused() {
         let s = shape(8, 2, 64);
         assert!(check_kv_caches("gemv_qkv_rope", 128 * 4, 128 * 4, &s).is_ok());
-        let m = check_kv_caches("gemv_qkv_rope", 128 * 4 + 1, 128 * 4 + 1, &s)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            m.contains("gemv_qkv_rope") && m.contains("513") && m.contains("rows of 128"),
-            "{m}"
-        );
+        let m = check_kv_caches("gemv_qkv_rope", 128 * 4 + 1, 128 * 4 + 1, &s).unwrap_err().to_string();
+        assert!(m.contains("gemv_qkv_rope") && m.contains("513") && m.contains("rows of 128"), "{m}");
         assert!(check_kv_caches("gemv_qkv_rope", 128 * 4, 128 * 3, &s).is_err());
     }
 }

@@ -92,19 +92,12 @@ pub struct CcPrefetchPlan {
 impl CcPrefetchPlan {
     /// One setting for every shape.
     pub fn uniform(setting: CcPrefetch) -> Self {
-        CcPrefetchPlan {
-            shapes: Vec::new(),
-            default: setting,
-        }
+        CcPrefetchPlan { shapes: Vec::new(), default: setting }
     }
 
     /// Vectors per lane to prefetch for a weight of `rows` x `k`: its entry's, else the default's.
     pub fn vectors(&self, rows: usize, k: usize) -> u32 {
-        self.shapes
-            .iter()
-            .find(|(s, _)| *s == (rows, k))
-            .map_or(self.default, |(_, p)| *p)
-            .vectors(rows, k)
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map_or(self.default, |(_, p)| *p).vectors(rows, k)
     }
 }
 
@@ -112,17 +105,8 @@ impl CcPrefetchPlan {
 fn parse_cc_setting(v: &str) -> Option<CcPrefetch> {
     let lower = v.trim().to_ascii_lowercase();
     match lower.strip_suffix("mb") {
-        Some(mb) => mb
-            .trim()
-            .parse::<u64>()
-            .ok()
-            .filter(|&m| m <= 1024)
-            .map(|m| CcPrefetch::Budget(m << 20)),
-        None => lower
-            .parse::<u32>()
-            .ok()
-            .filter(|&n| n <= 4096)
-            .map(CcPrefetch::Vectors),
+        Some(mb) => mb.trim().parse::<u64>().ok().filter(|&m| m <= 1024).map(|m| CcPrefetch::Budget(m << 20)),
+        None => lower.parse::<u32>().ok().filter(|&n| n <= 4096).map(CcPrefetch::Vectors),
     }
 }
 
@@ -130,11 +114,7 @@ fn parse_cc_setting(v: &str) -> Option<CcPrefetch> {
 /// `NINFER_CC_PREFETCH`).
 fn parse_shape_key(shape: &str) -> Option<(usize, usize)> {
     let (r, k) = shape.trim().split_once(['x', 'X'])?;
-    Some((
-        r.trim().parse::<usize>().ok()?,
-        k.trim().parse::<usize>().ok()?,
-    ))
-    .filter(|&(r, k)| r > 0 && k > 0)
+    Some((r.trim().parse::<usize>().ok()?, k.trim().parse::<usize>().ok()?)).filter(|&(r, k)| r > 0 && k > 0)
 }
 
 /// Per-shape values (`(ROWS, K)` keys in the order given) and the `*` value.
@@ -145,18 +125,11 @@ type ShapeEntries<T> = (Vec<((usize, usize), T)>, Option<T>);
 /// value read by `value`; `name` is what errors call the value (KERNEL, SETTING, SPLIT). The
 /// named shapes in order and the `*` value; a malformed entry, a shape or `*` given twice is an
 /// error made by `bad` (which names the variable).
-fn parse_shape_entries<T>(
-    v: &str,
-    name: &str,
-    bad: &dyn Fn(String) -> NinferError,
-    mut value: impl FnMut(&str) -> Result<T>,
-) -> Result<ShapeEntries<T>> {
+fn parse_shape_entries<T>(v: &str, name: &str, bad: &dyn Fn(String) -> NinferError, mut value: impl FnMut(&str) -> Result<T>) -> Result<ShapeEntries<T>> {
     let (mut shapes, mut star) = (Vec::new(), None);
     for entry in v.split(',').map(str::trim) {
         let Some((shape, text)) = entry.split_once('=') else {
-            return Err(bad(format!(
-                "entry {entry:?} is not ROWSxK={name} or *={name}"
-            )));
+            return Err(bad(format!("entry {entry:?} is not ROWSxK={name} or *={name}")));
         };
         let parsed = value(text)?;
         let shape = shape.trim();
@@ -166,11 +139,7 @@ fn parse_shape_entries<T>(
             }
             continue;
         }
-        let key = parse_shape_key(shape).ok_or_else(|| {
-            bad(format!(
-                "shape {shape:?} is not ROWSxK with positive integers"
-            ))
-        })?;
+        let key = parse_shape_key(shape).ok_or_else(|| bad(format!("shape {shape:?} is not ROWSxK with positive integers")))?;
         if shapes.iter().any(|(s, _)| *s == key) {
             return Err(bad(format!("shape {}x{} given twice", key.0, key.1)));
         }
@@ -185,9 +154,7 @@ fn parse_shape_entries<T>(
 /// (a bad setting or shape, a shape or `*` given twice) is an error naming the variable and the
 /// offending text.
 pub fn parse_cc_prefetch(value: Option<&str>) -> Result<CcPrefetchPlan> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(CcPrefetchPlan::uniform(CC_PREFETCH_DEFAULT));
-    };
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(CcPrefetchPlan::uniform(CC_PREFETCH_DEFAULT)) };
     let bad = |what: String| NinferError::config(CC_PREFETCH_VAR, format!("{what} in {v:?}"));
     let setting = |text: &str| {
         parse_cc_setting(text).ok_or_else(|| bad(format!("expected vectors per lane (0..=4096) or a budget such as 16MB (0..=1024 MB), got {:?}", text.trim())))
@@ -196,10 +163,7 @@ pub fn parse_cc_prefetch(value: Option<&str>) -> Result<CcPrefetchPlan> {
         return setting(v).map(CcPrefetchPlan::uniform);
     }
     let (shapes, star) = parse_shape_entries(v, "SETTING", &bad, setting)?;
-    Ok(CcPrefetchPlan {
-        shapes,
-        default: star.unwrap_or(CcPrefetch::Vectors(0)),
-    })
+    Ok(CcPrefetchPlan { shapes, default: star.unwrap_or(CcPrefetch::Vectors(0)) })
 }
 
 /// Which kernel a weight shape's decode GEMV runs.
@@ -224,9 +188,7 @@ impl GemvKernel {
         if v.eq_ignore_ascii_case("cc") {
             return Some(GemvKernel::CudaCores);
         }
-        GemvTcConfig::all()
-            .find(|c| c.label().eq_ignore_ascii_case(v))
-            .map(GemvKernel::TensorCores)
+        GemvTcConfig::all().find(|c| c.label().eq_ignore_ascii_case(v)).map(GemvKernel::TensorCores)
     }
 }
 
@@ -241,21 +203,14 @@ impl GemvShapeOverride {
     /// The kernel the override gives a weight of `rows` x `k`: its entry, else the `*`
     /// default, else None (the built-in table decides).
     pub fn kernel(&self, rows: usize, k: usize) -> Option<GemvKernel> {
-        self.shapes
-            .iter()
-            .find(|(s, _)| *s == (rows, k))
-            .map(|(_, kernel)| *kernel)
-            .or(self.default)
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map(|(_, kernel)| *kernel).or(self.default)
     }
 
     /// The value back in the variable's spelling (entries in the given order, `*` last): what
     /// the bench logs per variant.
     pub fn describe(&self) -> String {
-        let mut parts: Vec<String> = self
-            .shapes
-            .iter()
-            .map(|((r, k), kernel)| format!("{r}x{k}={}", kernel.label()))
-            .collect();
+        let mut parts: Vec<String> =
+            self.shapes.iter().map(|((r, k), kernel)| format!("{r}x{k}={}", kernel.label())).collect();
         if let Some(d) = self.default {
             parts.push(format!("*={}", d.label()));
         }
@@ -266,18 +221,13 @@ impl GemvShapeOverride {
 /// `value` of `NINFER_GEMV_SHAPES`: None when unset or blank; a malformed entry, an unknown
 /// kernel or a shape given twice is an error naming the variable and the offending text.
 pub fn parse_gemv_shapes(value: Option<&str>) -> Result<Option<GemvShapeOverride>> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(None);
-    };
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
     let bad = |what: String| NinferError::config(GEMV_SHAPES_VAR, format!("{what} in {v:?}"));
     let kernel = |text: &str| {
         let text = text.trim();
         GemvKernel::parse(text).ok_or_else(|| {
             let labels: Vec<String> = GemvTcConfig::all().map(GemvTcConfig::label).collect();
-            bad(format!(
-                "unknown kernel {text:?} (cc or one of {})",
-                labels.join(", ")
-            ))
+            bad(format!("unknown kernel {text:?} (cc or one of {})", labels.join(", ")))
         })
     };
     let (shapes, default) = parse_shape_entries(v, "KERNEL", &bad, kernel)?;
@@ -287,18 +237,10 @@ pub fn parse_gemv_shapes(value: Option<&str>) -> Result<Option<GemvShapeOverride
 /// `value` of `NINFER_TC_PREFETCH_STEPS`: the default when unset or blank, else an integer of
 /// 0..=TC_PREFETCH_MAX_STEPS (an error naming the variable and the value otherwise).
 pub fn parse_tc_prefetch_steps(value: Option<&str>) -> Result<u32> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(TC_PREFETCH_DEFAULT_STEPS);
-    };
-    v.parse::<u32>()
-        .ok()
-        .filter(|&s| s <= TC_PREFETCH_MAX_STEPS)
-        .ok_or_else(|| {
-            NinferError::config(
-                TC_PREFETCH_VAR,
-                format!("expected an integer of 0..={TC_PREFETCH_MAX_STEPS}, got {v:?}"),
-            )
-        })
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(TC_PREFETCH_DEFAULT_STEPS) };
+    v.parse::<u32>().ok().filter(|&s| s <= TC_PREFETCH_MAX_STEPS).ok_or_else(|| {
+        NinferError::config(TC_PREFETCH_VAR, format!("expected an integer of 0..={TC_PREFETCH_MAX_STEPS}, got {v:?}"))
+    })
 }
 
 /// Warps a block of the CUDA-core GEMV (gemv.cu, one output column a warp at M = 1; the fused
@@ -315,14 +257,8 @@ pub const CC_WARPS_VAR: &str = "NINFER_CC_WARPS";
 /// `value` of `NINFER_CC_WARPS`: None when unset or blank (the model's default applies,
 /// `default_cc_warps`), else 2, 4 or 8.
 pub fn parse_cc_warps(value: Option<&str>) -> Result<Option<usize>> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(None);
-    };
-    v.parse::<usize>()
-        .ok()
-        .filter(|w| [2, 4, GEMV_WARPS].contains(w))
-        .map(Some)
-        .ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(None) };
+    v.parse::<usize>().ok().filter(|w| [2, 4, GEMV_WARPS].contains(w)).map(Some).ok_or_else(|| NinferError::config(CC_WARPS_VAR, format!("expected 2, 4 or 8, got {v:?}")))
 }
 
 /// Warps a CUDA-core GEMV block when `NINFER_CC_WARPS` is unset, given the K split: 4 (two
@@ -382,10 +318,7 @@ pub struct CcKsplitPlan {
 impl CcKsplitPlan {
     /// The split the variable names for a weight of `rows` x `k` itself (not through `*`).
     pub fn named(&self, rows: usize, k: usize) -> Option<usize> {
-        self.shapes
-            .iter()
-            .find(|(s, _)| *s == (rows, k))
-            .map(|(_, v)| *v)
+        self.shapes.iter().find(|(s, _)| *s == (rows, k)).map(|(_, v)| *v)
     }
 
     /// The split the variable gives a weight of `rows` x `k` (None: the model's default).
@@ -395,12 +328,7 @@ impl CcKsplitPlan {
 
     /// The largest split any shape names (1 when none), which the block's warps must hold.
     pub fn max_named(&self) -> usize {
-        self.shapes
-            .iter()
-            .map(|(_, v)| *v)
-            .chain(self.default)
-            .max()
-            .unwrap_or(1)
+        self.shapes.iter().map(|(_, v)| *v).chain(self.default).max().unwrap_or(1)
     }
 }
 
@@ -410,26 +338,17 @@ impl CcKsplitPlan {
 /// (a bad split or shape, a shape or `*` given twice) is an error naming the variable and the
 /// offending text.
 pub fn parse_cc_ksplit(value: Option<&str>, warps: usize) -> Result<CcKsplitPlan> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(CcKsplitPlan::default());
-    };
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else { return Ok(CcKsplitPlan::default()) };
     let bad = |what: String| NinferError::config(CC_KSPLIT_VAR, format!("{what} in {v:?}"));
     let split = |text: &str| {
         let t = text.trim();
         t.parse::<usize>()
             .ok()
             .filter(|s| [1, 2, 4, 8].contains(s) && *s <= warps)
-            .ok_or_else(|| {
-                bad(format!(
-                    "expected 1, 2, 4 or 8 and at most {CC_WARPS_VAR} ({warps}), got {t:?}"
-                ))
-            })
+            .ok_or_else(|| bad(format!("expected 1, 2, 4 or 8 and at most {CC_WARPS_VAR} ({warps}), got {t:?}")))
     };
     if !v.contains('=') {
-        return Ok(CcKsplitPlan {
-            shapes: Vec::new(),
-            default: Some(split(v)?),
-        });
+        return Ok(CcKsplitPlan { shapes: Vec::new(), default: Some(split(v)?) });
     }
     let (shapes, default) = parse_shape_entries(v, "SPLIT", &bad, split)?;
     Ok(CcKsplitPlan { shapes, default })
@@ -446,9 +365,7 @@ pub fn gemv_shapes_for(
     tc_switch: Option<&str>,
     shapes: Option<&str>,
 ) -> Result<Option<GemvShapeOverride>> {
-    let Some(o) = parse_gemv_shapes(shapes)? else {
-        return Ok(None);
-    };
+    let Some(o) = parse_gemv_shapes(shapes)? else { return Ok(None) };
     if cc.0 < 8 {
         return Ok(None);
     }
@@ -473,44 +390,19 @@ mod tests {
     #[test]
     fn cc_prefetch_parses_vectors_or_a_budget_and_caps_at_the_row() {
         let uniform = CcPrefetchPlan::uniform;
-        assert_eq!(
-            parse_cc_prefetch(None).unwrap(),
-            uniform(CC_PREFETCH_DEFAULT)
-        );
-        assert_eq!(
-            parse_cc_prefetch(Some(" ")).unwrap(),
-            uniform(CC_PREFETCH_DEFAULT)
-        );
-        assert_eq!(
-            parse_cc_prefetch(Some("8")).unwrap(),
-            uniform(CcPrefetch::Vectors(8))
-        );
-        assert_eq!(
-            parse_cc_prefetch(Some("16MB")).unwrap(),
-            uniform(CcPrefetch::Budget(16 << 20))
-        );
-        assert_eq!(
-            parse_cc_prefetch(Some("24 mb")).unwrap(),
-            uniform(CcPrefetch::Budget(24 << 20))
-        );
+        assert_eq!(parse_cc_prefetch(None).unwrap(), uniform(CC_PREFETCH_DEFAULT));
+        assert_eq!(parse_cc_prefetch(Some(" ")).unwrap(), uniform(CC_PREFETCH_DEFAULT));
+        assert_eq!(parse_cc_prefetch(Some("8")).unwrap(), uniform(CcPrefetch::Vectors(8)));
+        assert_eq!(parse_cc_prefetch(Some("16MB")).unwrap(), uniform(CcPrefetch::Budget(16 << 20)));
+        assert_eq!(parse_cc_prefetch(Some("24 mb")).unwrap(), uniform(CcPrefetch::Budget(24 << 20)));
         for bad in ["-1", "x", "4097", "2000MB", "MB", "1.5"] {
             let e = parse_cc_prefetch(Some(bad)).unwrap_err().to_string();
-            assert!(
-                e.contains(CC_PREFETCH_VAR) && e.contains(bad.trim()),
-                "{bad}: {e}"
-            );
+            assert!(e.contains(CC_PREFETCH_VAR) && e.contains(bad.trim()), "{bad}: {e}");
         }
         // Llama-3-8B at 16 MiB: o_proj (4096 x 4096) 8 of its 16 vectors a lane, gate_up (28672
         // rows) 1, the lm_head none; a fixed depth is capped at the row (K 4096: 16).
         let b = CcPrefetch::Budget(16 << 20);
-        assert_eq!(
-            (
-                b.vectors(4096, 4096),
-                b.vectors(28672, 4096),
-                b.vectors(128256, 4096)
-            ),
-            (8, 1, 0)
-        );
+        assert_eq!((b.vectors(4096, 4096), b.vectors(28672, 4096), b.vectors(128256, 4096)), (8, 1, 0));
         assert_eq!(b.vectors(4096, 14336), 8);
         assert_eq!(CcPrefetch::Budget(1 << 30).vectors(4096, 4096), 16);
         assert_eq!(CcPrefetch::Vectors(64).vectors(4096, 4096), 16);
@@ -524,75 +416,36 @@ mod tests {
         let plan = parse_cc_prefetch(Some(" 6144x4096=4, 28672X4096 = 16MB ")).unwrap();
         assert_eq!(plan.vectors(6144, 4096), 4);
         assert_eq!(plan.vectors(28672, 4096), 1);
-        assert_eq!(
-            (
-                plan.vectors(4096, 4096),
-                plan.vectors(4096, 14336),
-                plan.vectors(128256, 4096)
-            ),
-            (0, 0, 0)
-        );
+        assert_eq!((plan.vectors(4096, 4096), plan.vectors(4096, 14336), plan.vectors(128256, 4096)), (0, 0, 0));
         let starred = parse_cc_prefetch(Some("4096x14336=0,*=2")).unwrap();
-        assert_eq!(
-            (
-                starred.vectors(4096, 14336),
-                starred.vectors(4096, 4096),
-                starred.vectors(6144, 4096)
-            ),
-            (0, 2, 2)
-        );
-        for bad in [
-            "6144x4096=4,6144x4096=2",
-            "*=1,*=2",
-            "6144x4096",
-            "6144x4096=x",
-            "0x4096=1",
-            "6144=1",
-            "a=1,6144x4096=1",
-            "6144x4096=5000",
-        ] {
+        assert_eq!((starred.vectors(4096, 14336), starred.vectors(4096, 4096), starred.vectors(6144, 4096)), (0, 2, 2));
+        for bad in ["6144x4096=4,6144x4096=2", "*=1,*=2", "6144x4096", "6144x4096=x", "0x4096=1", "6144=1", "a=1,6144x4096=1", "6144x4096=5000"] {
             let e = parse_cc_prefetch(Some(bad)).unwrap_err().to_string();
             assert!(e.contains(CC_PREFETCH_VAR) && e.contains(bad), "{bad}: {e}");
         }
     }
 
     fn tc(warps: usize, unroll: usize, hold: bool) -> GemvKernel {
-        GemvKernel::TensorCores(GemvTcConfig {
-            warps,
-            unroll,
-            hold,
-        })
+        GemvKernel::TensorCores(GemvTcConfig { warps, unroll, hold })
     }
 
     #[test]
     fn shapes_parse_to_per_shape_kernels_with_a_default() {
         assert_eq!(parse_gemv_shapes(None).unwrap(), None);
         assert_eq!(parse_gemv_shapes(Some("  ")).unwrap(), None);
-        let o = parse_gemv_shapes(Some(" 6144x4096=cc, 4096X4096 = W8U8H,*=w16u4"))
-            .unwrap()
-            .unwrap();
+        let o = parse_gemv_shapes(Some(" 6144x4096=cc, 4096X4096 = W8U8H,*=w16u4")).unwrap().unwrap();
         assert_eq!(o.kernel(6144, 4096), Some(GemvKernel::CudaCores));
         assert_eq!(o.kernel(4096, 4096), Some(tc(8, 8, true)));
         assert_eq!(o.kernel(28672, 4096), Some(tc(16, 4, false)));
         assert_eq!(o.describe(), "6144x4096=cc,4096x4096=w8u8h,*=w16u4");
         // Without `*` the shapes it does not name are left to the built-in table.
-        let o = parse_gemv_shapes(Some("4096x14336=w8u4h"))
-            .unwrap()
-            .unwrap();
+        let o = parse_gemv_shapes(Some("4096x14336=w8u4h")).unwrap().unwrap();
         assert_eq!(o.kernel(4096, 14336), Some(tc(8, 4, true)));
         assert_eq!(o.kernel(14336, 4096), None);
-        assert_eq!(
-            parse_gemv_shapes(Some("*=cc"))
-                .unwrap()
-                .unwrap()
-                .kernel(1, 8),
-            Some(GemvKernel::CudaCores)
-        );
+        assert_eq!(parse_gemv_shapes(Some("*=cc")).unwrap().unwrap().kernel(1, 8), Some(GemvKernel::CudaCores));
         // Every instance label is accepted.
         for c in GemvTcConfig::all() {
-            let o = parse_gemv_shapes(Some(&format!("*={}", c.label())))
-                .unwrap()
-                .unwrap();
+            let o = parse_gemv_shapes(Some(&format!("*={}", c.label()))).unwrap().unwrap();
             assert_eq!(o.kernel(4096, 4096), Some(GemvKernel::TensorCores(c)));
         }
     }
@@ -615,28 +468,19 @@ mod tests {
             assert!(e.contains(GEMV_SHAPES_VAR) && e.contains(fault), "{v}: {e}");
         }
         let e = parse_gemv_shapes(Some("*=fast")).unwrap_err().to_string();
-        assert!(
-            e.contains("w8u4h") && e.contains("cc or"),
-            "lists the kernels: {e}"
-        );
+        assert!(e.contains("w8u4h") && e.contains("cc or"), "lists the kernels: {e}");
     }
 
     #[test]
     fn prefetch_steps_default_to_16_and_reject_what_is_not_0_to_512() {
         assert_eq!(parse_tc_prefetch_steps(None).unwrap(), 16);
-        assert_eq!(
-            parse_tc_prefetch_steps(Some(" ")).unwrap(),
-            TC_PREFETCH_DEFAULT_STEPS
-        );
+        assert_eq!(parse_tc_prefetch_steps(Some(" ")).unwrap(), TC_PREFETCH_DEFAULT_STEPS);
         for (v, want) in [("0", 0), (" 32 ", 32), ("512", 512)] {
             assert_eq!(parse_tc_prefetch_steps(Some(v)).unwrap(), want, "{v}");
         }
         for v in ["513", "-1", "16k", "1e2", "sixteen"] {
             let e = parse_tc_prefetch_steps(Some(v)).unwrap_err().to_string();
-            assert!(
-                e.contains(TC_PREFETCH_VAR) && e.contains(v) && e.contains("0..=512"),
-                "{v}: {e}"
-            );
+            assert!(e.contains(TC_PREFETCH_VAR) && e.contains(v) && e.contains("0..=512"), "{v}: {e}");
         }
     }
 
@@ -648,91 +492,37 @@ mod tests {
             assert_eq!(parse_cc_warps(Some(v)).unwrap(), Some(want), "{v}");
         }
         // Unset: 4 with the K split of 2 (the pair measured together), else 8; never below the split.
-        assert_eq!(
-            [1, 2, 4, 8].map(default_cc_warps),
-            [GEMV_WARPS, 4, GEMV_WARPS, GEMV_WARPS]
-        );
+        assert_eq!([1, 2, 4, 8].map(default_cc_warps), [GEMV_WARPS, 4, GEMV_WARPS, GEMV_WARPS]);
         assert!([1, 2, 4, 8].iter().all(|&s| default_cc_warps(s) >= s));
         for v in ["0", "1", "3", "16", "-2", "four"] {
             let e = parse_cc_warps(Some(v)).unwrap_err().to_string();
-            assert!(
-                e.contains(CC_WARPS_VAR) && e.contains(v) && e.contains("2, 4 or 8"),
-                "{v}: {e}"
-            );
+            assert!(e.contains(CC_WARPS_VAR) && e.contains(v) && e.contains("2, 4 or 8"), "{v}: {e}");
         }
     }
 
     #[test]
     fn cc_ksplit_defaults_by_hidden_size_and_divides_the_block() {
         assert_eq!(parse_cc_ksplit(None, 8).unwrap(), CcKsplitPlan::default());
-        assert_eq!(
-            parse_cc_ksplit(Some(" "), 8).unwrap().for_shape(6144, 4096),
-            None
-        );
-        for (v, warps, want) in [
-            ("2", 8, 2),
-            (" 4 ", 8, 4),
-            ("8", 8, 8),
-            ("2", 2, 2),
-            ("1", 2, 1),
-        ] {
+        assert_eq!(parse_cc_ksplit(Some(" "), 8).unwrap().for_shape(6144, 4096), None);
+        for (v, warps, want) in [("2", 8, 2), (" 4 ", 8, 4), ("8", 8, 8), ("2", 2, 2), ("1", 2, 1)] {
             let plan = parse_cc_ksplit(Some(v), warps).unwrap();
-            assert_eq!(
-                (
-                    plan.for_shape(6144, 4096),
-                    plan.for_shape(1, 8),
-                    plan.max_named()
-                ),
-                (Some(want), Some(want), want),
-                "{v}"
-            );
+            assert_eq!((plan.for_shape(6144, 4096), plan.for_shape(1, 8), plan.max_named()), (Some(want), Some(want), want), "{v}");
         }
         // Split in two up to the 8B's hidden size, not from the 27B's.
-        assert_eq!(
-            (
-                default_cc_ksplit(64),
-                default_cc_ksplit(4096),
-                default_cc_ksplit(5120)
-            ),
-            (2, 2, 1)
-        );
-        for (v, warps) in [
-            ("0", 8),
-            ("3", 8),
-            ("16", 8),
-            ("4", 2),
-            ("-1", 8),
-            ("two", 8),
-        ] {
+        assert_eq!((default_cc_ksplit(64), default_cc_ksplit(4096), default_cc_ksplit(5120)), (2, 2, 1));
+        for (v, warps) in [("0", 8), ("3", 8), ("16", 8), ("4", 2), ("-1", 8), ("two", 8)] {
             let e = parse_cc_ksplit(Some(v), warps).unwrap_err().to_string();
-            assert!(
-                e.contains(CC_KSPLIT_VAR) && e.contains(v) && e.contains(&format!("({warps})")),
-                "{v}: {e}"
-            );
+            assert!(e.contains(CC_KSPLIT_VAR) && e.contains(v) && e.contains(&format!("({warps})")), "{v}: {e}");
         }
     }
 
     #[test]
     fn cc_ksplit_per_shape_names_shapes_and_the_rest() {
         let plan = parse_cc_ksplit(Some("6144x4096=4, *=2"), 8).unwrap();
-        assert_eq!(
-            (
-                plan.for_shape(6144, 4096),
-                plan.for_shape(4096, 4096),
-                plan.max_named()
-            ),
-            (Some(4), Some(2), 4)
-        );
+        assert_eq!((plan.for_shape(6144, 4096), plan.for_shape(4096, 4096), plan.max_named()), (Some(4), Some(2), 4));
         // Without `*` the shapes not named keep the model's default.
         let plan = parse_cc_ksplit(Some("4096X14336=8"), 8).unwrap();
-        assert_eq!(
-            (
-                plan.for_shape(4096, 14336),
-                plan.for_shape(4096, 4096),
-                plan.max_named()
-            ),
-            (Some(8), None, 8)
-        );
+        assert_eq!((plan.for_shape(4096, 14336), plan.for_shape(4096, 4096), plan.max_named()), (Some(8), None, 8));
         for (v, why) in [
             ("6144x4096=3", "got \"3\""),
             ("6144x4096=4,6144x4096=2", "given twice"),
@@ -750,28 +540,15 @@ mod tests {
     #[test]
     fn the_shape_override_needs_the_per_shape_form() {
         let v = Some("6144x4096=cc");
-        let o = gemv_shapes_for((9, 0), GemvForm::ByShape, None, v)
-            .unwrap()
-            .unwrap();
+        let o = gemv_shapes_for((9, 0), GemvForm::ByShape, None, v).unwrap().unwrap();
         assert_eq!(o.kernel(6144, 4096), Some(GemvKernel::CudaCores));
-        assert_eq!(
-            gemv_shapes_for((9, 0), GemvForm::ByShape, None, None).unwrap(),
-            None
-        );
+        assert_eq!(gemv_shapes_for((9, 0), GemvForm::ByShape, None, None).unwrap(), None);
         for (form, tc) in [(GemvForm::TensorCores, "1"), (GemvForm::Simt, "0")] {
-            let e = gemv_shapes_for((9, 0), form, Some(tc), v)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains(GEMV_SHAPES_VAR) && e.contains("NINFER_TC_GEMV"),
-                "{e}"
-            );
+            let e = gemv_shapes_for((9, 0), form, Some(tc), v).unwrap_err().to_string();
+            assert!(e.contains(GEMV_SHAPES_VAR) && e.contains("NINFER_TC_GEMV"), "{e}");
         }
         // Below sm_80 there is one kernel; the override is ignored, but still spell-checked.
-        assert_eq!(
-            gemv_shapes_for((7, 5), GemvForm::Simt, None, v).unwrap(),
-            None
-        );
+        assert_eq!(gemv_shapes_for((7, 5), GemvForm::Simt, None, v).unwrap(), None);
         assert!(gemv_shapes_for((7, 5), GemvForm::Simt, None, Some("x")).is_err());
     }
 }

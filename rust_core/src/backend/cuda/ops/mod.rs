@@ -19,46 +19,25 @@ mod rope_kv;
 mod sampling;
 mod sampling_pack;
 
-pub use attention::{
-    two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS,
-};
+pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS};
 pub use decode_attention::{
-    check_staged_tc_settings, decode_attention_form, decode_block_splits, decode_block_splits_with,
-    decode_grid_splits, decode_grid_splits_with, decode_scratch_len, decode_warp_keys,
-    decode_warp_keys_with, parse_da_min_warp_keys, parse_tc_decode_min_tokens,
-    parse_tc_min_warp_tiles, tc_decode_fits, tc_decode_warps, tc_direct_fits,
-    tc_direct_grid_splits, tc_direct_smem_bytes, tc_direct_split_keys, tc_direct_splits,
-    tc_grid_splits, tc_smem_bytes, tc_split_keys, tc_split_keys_with, AttnScratch,
-    DecodeAttentionForm, DecodeScratchLen, DA_MIN_WARP_KEYS_VAR, DECODE_DEFAULT_LAYOUT,
-    DECODE_MAX_SPLITS, DECODE_MAX_WARP_KEYS_SETTING, DECODE_MIN_WARP_KEYS,
-    DECODE_SCALED_MAX_TOKENS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS, TC_DECODE_ATTN_SWITCH,
-    TC_DECODE_DIRECT_SWITCH, TC_DECODE_MIN_TOKENS, TC_DECODE_MIN_TOKENS_VAR,
-    TC_DIRECT_BLOCKS_PER_SM, TC_DIRECT_WARPS, TC_MAX_WARP_TILES_SETTING, TC_MIN_WARP_TILES,
-    TC_MIN_WARP_TILES_VAR,
+    decode_attention_form, decode_block_splits, decode_block_splits_with, decode_grid_splits, decode_grid_splits_with, decode_scratch_len,
+    decode_warp_keys, decode_warp_keys_with, parse_da_min_warp_keys, AttnScratch, DecodeAttentionForm, DecodeScratchLen, DA_MIN_WARP_KEYS_VAR,
+    DECODE_DEFAULT_LAYOUT, DECODE_MAX_SPLITS, DECODE_MAX_WARP_KEYS_SETTING, DECODE_MIN_WARP_KEYS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS, DECODE_SCALED_MAX_TOKENS, tc_decode_fits, check_staged_tc_settings, tc_direct_fits, tc_direct_smem_bytes, tc_direct_splits, tc_direct_split_keys, tc_direct_grid_splits, TC_DIRECT_BLOCKS_PER_SM, TC_DECODE_DIRECT_SWITCH, TC_DIRECT_WARPS, tc_grid_splits, tc_smem_bytes, tc_split_keys, tc_split_keys_with, tc_decode_warps, parse_tc_min_warp_tiles, TC_MIN_WARP_TILES, TC_MIN_WARP_TILES_VAR, TC_MAX_WARP_TILES_SETTING, TC_DECODE_ATTN_SWITCH, TC_DECODE_MIN_TOKENS, TC_DECODE_MIN_TOKENS_VAR, parse_tc_decode_min_tokens,
 };
-pub use flash_attention::{FlashTile, FA_WS_SWITCH};
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
+pub use flash_attention::{FlashTile, FA_WS_SWITCH};
 pub use gdn_chunked::{PrepForm, ScanForm};
-pub use gemv::{
-    gemv_form, gemv_form_with_switch, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config,
-    GemvForm, GemvTcConfig, GemvTcRule, BATCH_INVARIANT_SWITCH, GEMV_ROUTE_MAX_M, GEMV_TC_RULES,
-    TC_GEMV_SWITCH,
-};
+pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::qkv_rope_fits;
 pub use gemv_tuning::{
-    default_cc_ksplit, default_cc_warps, gemv_shapes_for, parse_cc_ksplit, parse_cc_prefetch,
-    parse_cc_warps, parse_gemv_shapes, parse_tc_prefetch_steps, CcKsplitPlan, CcPrefetch,
-    CcPrefetchPlan, GemvKernel, GemvShapeOverride, CC_KSPLIT_VAR, CC_PREFETCH_DEFAULT,
-    CC_PREFETCH_VAR, CC_WARPS_VAR, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
+    default_cc_ksplit, default_cc_warps, gemv_shapes_for, parse_cc_prefetch, parse_cc_ksplit, parse_cc_warps, parse_gemv_shapes, parse_tc_prefetch_steps, CcKsplitPlan, CcPrefetch, CcPrefetchPlan, GemvKernel, CC_PREFETCH_DEFAULT, CC_KSPLIT_VAR, CC_PREFETCH_VAR, CC_WARPS_VAR, GemvShapeOverride, GEMV_SHAPES_VAR, TC_PREFETCH_DEFAULT_STEPS,
     TC_PREFETCH_MAX_STEPS, TC_PREFETCH_VAR,
 };
 pub use rope_kv::RopeKvShape;
 pub use sampling::SampleScratch;
-pub use sampling_pack::{
-    sample_scan_blocks, PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT, SAMPLE_SCAN_REC,
-    SAMPLE_SCAN_SPAN,
-};
+pub use sampling_pack::{sample_scan_blocks, PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT, SAMPLE_SCAN_REC, SAMPLE_SCAN_SPAN};
 
 use std::ffi::c_void;
 
@@ -105,11 +84,7 @@ pub fn pdl_enabled(cc: (u32, u32), switch: Option<&str>) -> Result<bool> {
 
 /// A launch configuration of `grid` blocks of `block` threads.
 pub(crate) fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// One kernel parameter, by value (device pointers are raw addresses).
@@ -201,21 +176,12 @@ impl CudaDevice {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        self.context()
-            .bind_to_thread()
-            .map_err(|e| NinferError::Device(format!("launching {name}: {e}")))?;
+        self.context().bind_to_thread().map_err(|e| NinferError::Device(format!("launching {name}: {e}")))?;
         // SAFETY: each launcher checked every buffer against the shape the kernel indexes; the
         // parameter array and the values it points at (`args`) outlive the call, which copies them.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &lc,
-                f.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(|e| NinferError::Device(format!("launching {name} (PDL): {e}")))
+        unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| NinferError::Device(format!("launching {name} (PDL): {e}")))
     }
 }
 
@@ -227,10 +193,7 @@ mod tests {
     fn pdl_is_on_by_default_from_sm90_only_and_the_switch_turns_it_off() {
         assert!(pdl_enabled((9, 0), None).unwrap());
         assert!(pdl_enabled((10, 0), Some("")).unwrap());
-        assert!(
-            !pdl_enabled((8, 9), None).unwrap(),
-            "no griddepcontrol before sm_90"
-        );
+        assert!(!pdl_enabled((8, 9), None).unwrap(), "no griddepcontrol before sm_90");
         assert!(!pdl_enabled((8, 0), Some("1")).unwrap());
         for off in ["0", "off", "False"] {
             assert!(!pdl_enabled((9, 0), Some(off)).unwrap(), "{off}");

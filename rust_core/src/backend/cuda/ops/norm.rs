@@ -25,10 +25,7 @@ enum GatedNormRoute {
     BlockPerRow,
     /// A `rmsnorm_gated_rows_*` kernel: each warp takes `rows_per_warp` rows at a time,
     /// grid-stride.
-    Warps {
-        name: &'static str,
-        rows_per_warp: usize,
-    },
+    Warps { name: &'static str, rows_per_warp: usize },
 }
 
 /// The route of `rmsnorm_gated` for rows of `dim` whose z rows are `z_stride` apart, `aligned`
@@ -59,18 +56,10 @@ fn gated_norm_route(dim: usize, z_stride: usize, aligned: bool) -> GatedNormRout
         2 if v8 => "rmsnorm_gated_rows_v8_p2",
         4 if v8 => "rmsnorm_gated_rows_v8_p4",
         8 if v8 => "rmsnorm_gated_rows_v8_p8",
-        parts => {
-            return GatedNormRoute::Warps {
-                name: ROWS_KERNELS[parts - 1],
-                rows_per_warp: 2,
-            }
-        }
+        parts => return GatedNormRoute::Warps { name: ROWS_KERNELS[parts - 1], rows_per_warp: 2 },
     };
     // GATED_V8_LOADS (2) loads of 32 / (dim / 8) rows each (cuda/norm.cu).
-    GatedNormRoute::Warps {
-        name,
-        rows_per_warp: 2 * 256 / dim,
-    }
+    GatedNormRoute::Warps { name, rows_per_warp: 2 * 256 / dim }
 }
 
 impl CudaDevice {
@@ -91,17 +80,9 @@ impl CudaDevice {
         eps: f32,
         plus_one: bool,
     ) -> Result<()> {
-        check_len(
-            "rmsnorm_heads x",
-            x.len(),
-            strided_len(rows, heads * dim, x_stride),
-        )?;
+        check_len("rmsnorm_heads x", x.len(), strided_len(rows, heads * dim, x_stride))?;
         check_len("rmsnorm_heads w", w.len(), dim)?;
-        check_len(
-            "rmsnorm_heads out",
-            out.len(),
-            strided_len(rows, heads * dim, out_stride),
-        )?;
+        check_len("rmsnorm_heads out", out.len(), strided_len(rows, heads * dim, out_stride))?;
         let f = self.function(KernelFamily::Norm, "rmsnorm")?;
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
@@ -117,11 +98,7 @@ impl CudaDevice {
             KArg::F32(eps),
             KArg::I32(plus_one as i32),
         ];
-        let grid = (
-            as_i32("rows", rows)? as u32,
-            as_i32("heads", heads)? as u32,
-            1,
-        );
+        let grid = (as_i32("rows", rows)? as u32, as_i32("heads", heads)? as u32, 1);
         self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "rmsnorm", &args)
     }
 
@@ -178,12 +155,7 @@ impl CudaDevice {
             KArg::I32(plus_one as i32),
         ];
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
-        self.launch_pdl(
-            &f,
-            cfg(grid, chunked_norm_threads(dim)),
-            "add_rmsnorm",
-            &args,
-        )
+        self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "add_rmsnorm", &args)
     }
 
     /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head),
@@ -204,16 +176,10 @@ impl CudaDevice {
     ) -> Result<()> {
         let rows = tokens * heads;
         if z_stride < heads * dim {
-            return Err(NinferError::Device(format!(
-                "rmsnorm_gated: z row stride {z_stride} below {heads} heads x {dim}"
-            )));
+            return Err(NinferError::Device(format!("rmsnorm_gated: z row stride {z_stride} below {heads} heads x {dim}")));
         }
         check_len("rmsnorm_gated x", x.len(), rows * dim)?;
-        check_len(
-            "rmsnorm_gated z",
-            z.len(),
-            strided_len(tokens, heads * dim, z_stride),
-        )?;
+        check_len("rmsnorm_gated z", z.len(), strided_len(tokens, heads * dim, z_stride))?;
         check_len("rmsnorm_gated w", w.len(), dim)?;
         check_len("rmsnorm_gated out", out.len(), rows * dim)?;
         let s = self.stream();
@@ -244,9 +210,7 @@ impl CudaDevice {
             args.extend([KArg::F32(eps), KArg::I64(rows as i64)]);
             // 8 warps a block, grid-stride over one full wave.
             let per_sm = self.resident_blocks(&f, name, 256)?;
-            let blocks = rows
-                .div_ceil(8 * rows_per_warp)
-                .min(self.sm_count() * per_sm);
+            let blocks = rows.div_ceil(8 * rows_per_warp).min(self.sm_count() * per_sm);
             return self.launch_pdl(&f, cfg((blocks as u32, 1, 1), 256), name, &args);
         }
         args.extend([KArg::I32(as_i32("dim", dim)?), KArg::F32(eps)]);
@@ -260,51 +224,21 @@ mod tests {
     use super::*;
 
     fn warps(name: &'static str, rows_per_warp: usize) -> GatedNormRoute {
-        GatedNormRoute::Warps {
-            name,
-            rows_per_warp,
-        }
+        GatedNormRoute::Warps { name, rows_per_warp }
     }
 
     #[test]
     fn gated_norm_takes_16_byte_rows_only_for_aligned_power_of_two_warp_parts() {
         // The 27B prefill: 48 heads of 128, z a column range of 16480-wide projection rows.
-        assert_eq!(
-            gated_norm_route(128, 16480, true),
-            warps("rmsnorm_gated_rows_v8_p4", 4)
-        );
-        assert_eq!(
-            gated_norm_route(32, 32, true),
-            warps("rmsnorm_gated_rows_v8_p1", 16)
-        );
-        assert_eq!(
-            gated_norm_route(64, 64, true),
-            warps("rmsnorm_gated_rows_v8_p2", 8)
-        );
-        assert_eq!(
-            gated_norm_route(256, 520, true),
-            warps("rmsnorm_gated_rows_v8_p8", 2)
-        );
-        assert_eq!(
-            gated_norm_route(128, 16480, false),
-            warps("rmsnorm_gated_rows_p4", 2)
-        );
-        assert_eq!(
-            gated_norm_route(128, 6 * 128 + 4, true),
-            warps("rmsnorm_gated_rows_p4", 2)
-        );
-        assert_eq!(
-            gated_norm_route(96, 300, true),
-            warps("rmsnorm_gated_rows_p3", 2)
-        );
-        assert_eq!(
-            gated_norm_route(224, 224, true),
-            warps("rmsnorm_gated_rows_p7", 2)
-        );
+        assert_eq!(gated_norm_route(128, 16480, true), warps("rmsnorm_gated_rows_v8_p4", 4));
+        assert_eq!(gated_norm_route(32, 32, true), warps("rmsnorm_gated_rows_v8_p1", 16));
+        assert_eq!(gated_norm_route(64, 64, true), warps("rmsnorm_gated_rows_v8_p2", 8));
+        assert_eq!(gated_norm_route(256, 520, true), warps("rmsnorm_gated_rows_v8_p8", 2));
+        assert_eq!(gated_norm_route(128, 16480, false), warps("rmsnorm_gated_rows_p4", 2));
+        assert_eq!(gated_norm_route(128, 6 * 128 + 4, true), warps("rmsnorm_gated_rows_p4", 2));
+        assert_eq!(gated_norm_route(96, 300, true), warps("rmsnorm_gated_rows_p3", 2));
+        assert_eq!(gated_norm_route(224, 224, true), warps("rmsnorm_gated_rows_p7", 2));
         assert_eq!(gated_norm_route(80, 240, true), GatedNormRoute::BlockPerRow);
-        assert_eq!(
-            gated_norm_route(512, 512, true),
-            GatedNormRoute::BlockPerRow
-        );
+        assert_eq!(gated_norm_route(512, 512, true), GatedNormRoute::BlockPerRow);
     }
 }

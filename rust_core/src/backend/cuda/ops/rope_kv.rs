@@ -30,17 +30,10 @@ pub struct RopeKvShape {
 /// Fails unless the k and v caches (`k_len`, `v_len` elements) are alike and hold whole rows of
 /// `n_kv_heads * head_dim` (slots x heads x head_dim): the check of every launcher that writes
 /// a decode step's keys and values (`op` names it in the error).
-pub(super) fn check_kv_caches(
-    op: &str,
-    k_len: usize,
-    v_len: usize,
-    sh: &RopeKvShape,
-) -> Result<()> {
+pub(super) fn check_kv_caches(op: &str, k_len: usize, v_len: usize, sh: &RopeKvShape) -> Result<()> {
     let row = sh.n_kv_heads * sh.head_dim;
     if k_len != v_len || !k_len.is_multiple_of(row.max(1)) {
-        return Err(NinferError::Device(format!(
-            "{op}: caches of {k_len} and {v_len} elements do not hold rows of {row}"
-        )));
+        return Err(NinferError::Device(format!("{op}: caches of {k_len} and {v_len} elements do not hold rows of {row}")));
     }
     Ok(())
 }
@@ -76,36 +69,14 @@ impl CudaDevice {
         shape: &RopeKvShape,
     ) -> Result<()> {
         let (t, sh) = (positions.len(), shape);
-        check_len(
-            "rope_kv_write q",
-            q.len(),
-            strided_len(t, sh.n_q_heads * sh.head_dim, sh.q_stride),
-        )?;
-        check_len(
-            "rope_kv_write k",
-            k.len(),
-            strided_len(t, sh.n_kv_heads * sh.head_dim, sh.k_stride),
-        )?;
-        check_len(
-            "rope_kv_write v",
-            v.len(),
-            strided_len(t, sh.n_kv_heads * sh.head_dim, sh.v_stride),
-        )?;
+        check_len("rope_kv_write q", q.len(), strided_len(t, sh.n_q_heads * sh.head_dim, sh.q_stride))?;
+        check_len("rope_kv_write k", k.len(), strided_len(t, sh.n_kv_heads * sh.head_dim, sh.k_stride))?;
+        check_len("rope_kv_write v", v.len(), strided_len(t, sh.n_kv_heads * sh.head_dim, sh.v_stride))?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr_mut(s);
         let (kp, _b) = k.device_ptr_mut(s);
         let (vp, _c) = v.device_ptr(s);
-        self.rope_kv_caches(
-            qp,
-            kp,
-            vp,
-            k_cache,
-            v_cache,
-            positions,
-            slot_mapping,
-            inv_freq,
-            sh,
-        )
+        self.rope_kv_caches(qp, kp, vp, k_cache, v_cache, positions, slot_mapping, inv_freq, sh)
     }
 
     /// As `rope_kv_write` with q, k and v packed in one buffer (the fused qkv projection): token
@@ -126,34 +97,12 @@ impl CudaDevice {
     ) -> Result<()> {
         let (t, sh) = (positions.len(), shape);
         let kv_row = sh.n_kv_heads * sh.head_dim;
-        check_len(
-            "rope_kv_write q",
-            qkv.len(),
-            strided_len(t, sh.n_q_heads * sh.head_dim, sh.q_stride),
-        )?;
-        check_len(
-            "rope_kv_write k",
-            qkv.len(),
-            k_off + strided_len(t, kv_row, sh.k_stride),
-        )?;
-        check_len(
-            "rope_kv_write v",
-            qkv.len(),
-            v_off + strided_len(t, kv_row, sh.v_stride),
-        )?;
+        check_len("rope_kv_write q", qkv.len(), strided_len(t, sh.n_q_heads * sh.head_dim, sh.q_stride))?;
+        check_len("rope_kv_write k", qkv.len(), k_off + strided_len(t, kv_row, sh.k_stride))?;
+        check_len("rope_kv_write v", qkv.len(), v_off + strided_len(t, kv_row, sh.v_stride))?;
         let s = self.stream();
         let (p, _a) = qkv.device_ptr_mut(s);
-        self.rope_kv_caches(
-            p,
-            p + 2 * k_off as u64,
-            p + 2 * v_off as u64,
-            k_cache,
-            v_cache,
-            positions,
-            slot_mapping,
-            inv_freq,
-            sh,
-        )
+        self.rope_kv_caches(p, p + 2 * k_off as u64, p + 2 * v_off as u64, k_cache, v_cache, positions, slot_mapping, inv_freq, sh)
     }
 
     /// Checks the caches and the per-token inputs, then launches.
@@ -179,37 +128,17 @@ impl CudaDevice {
         let (pp, _c) = positions.device_ptr(s);
         let (sp, _d) = slot_mapping.device_ptr(s);
         let (fp, _e) = inv_freq.device_ptr(s);
-        let ptrs = RopeKvPtrs {
-            q,
-            k,
-            v,
-            k_cache: kc,
-            v_cache: vc,
-            positions: pp,
-            slots: sp,
-            inv_freq: fp,
-        };
+        let ptrs = RopeKvPtrs { q, k, v, k_cache: kc, v_cache: vc, positions: pp, slots: sp, inv_freq: fp };
         self.rope_kv_launch(&ptrs, t, inv_freq.len() * 2, sh)
     }
 
-    fn rope_kv_launch(
-        &self,
-        p: &RopeKvPtrs,
-        t: usize,
-        rotary_dim: usize,
-        sh: &RopeKvShape,
-    ) -> Result<()> {
+    fn rope_kv_launch(&self, p: &RopeKvPtrs, t: usize, rotary_dim: usize, sh: &RopeKvShape) -> Result<()> {
         if rotary_dim > sh.head_dim {
-            return Err(NinferError::Device(format!(
-                "rope_kv_write: rotary_dim {rotary_dim} exceeds head_dim {}",
-                sh.head_dim
-            )));
+            return Err(NinferError::Device(format!("rope_kv_write: rotary_dim {rotary_dim} exceeds head_dim {}", sh.head_dim)));
         }
         let heads = sh.n_q_heads + sh.n_kv_heads;
         if heads > 65_535 {
-            return Err(NinferError::Device(format!(
-                "rope_kv_write: {heads} heads exceed the grid height 65535"
-            )));
+            return Err(NinferError::Device(format!("rope_kv_write: {heads} heads exceed the grid height 65535")));
         }
         let f = self.function(KernelFamily::Rope, "rope_kv_write")?;
         let args = [

@@ -32,15 +32,9 @@ impl SampleScratch {
         let s = dev.stream();
         let rows = rows.max(1);
         Ok(SampleScratch {
-            work: s
-                .alloc_zeros::<f32>(rows * vocab)
-                .map_err(driver_err("allocating sampler scratch"))?,
-            partials: s
-                .alloc_zeros::<u32>(rows * super::sample_scan_blocks(vocab) * SAMPLE_SCAN_REC)
-                .map_err(driver_err("allocating sampler partials"))?,
-            arrivals: s
-                .alloc_zeros::<u32>(rows)
-                .map_err(driver_err("allocating sampler counters"))?,
+            work: s.alloc_zeros::<f32>(rows * vocab).map_err(driver_err("allocating sampler scratch"))?,
+            partials: s.alloc_zeros::<u32>(rows * super::sample_scan_blocks(vocab) * SAMPLE_SCAN_REC).map_err(driver_err("allocating sampler partials"))?,
+            arrivals: s.alloc_zeros::<u32>(rows).map_err(driver_err("allocating sampler counters"))?,
             rows,
             vocab,
         })
@@ -72,29 +66,15 @@ impl CudaDevice {
         let (lp, _a) = logits.device_ptr(s);
         let (ip, _b) = ids.device_ptr_mut(s);
         let (sp, _c) = lse.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(lp),
-            KArg::I32(as_i32("vocab", vocab)?),
-            KArg::Ptr(ip),
-            KArg::Ptr(sp),
-        ];
-        self.launch(
-            &f,
-            cfg((as_i32("rows", rows)? as u32, 1, 1), 1024),
-            "argmax_logsumexp",
-            &args,
-        )
+        let args =
+            [KArg::Ptr(lp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(ip), KArg::Ptr(sp)];
+        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), 1024), "argmax_logsumexp", &args)
     }
 
     /// `ids[i]` = the token `sample_rows` wrote to `sampled` for row `i`, for `n` rows: the
     /// tokens of a decode step queued before the step ahead of it returned (asynchronous
     /// scheduling), taken on the device.
-    pub fn feed_sampled_tokens(
-        &self,
-        sampled: &impl DevicePtr<u32>,
-        ids: &mut impl DevicePtrMut<i32>,
-        n: usize,
-    ) -> Result<()> {
+    pub fn feed_sampled_tokens(&self, sampled: &impl DevicePtr<u32>, ids: &mut impl DevicePtrMut<i32>, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -104,18 +84,8 @@ impl CudaDevice {
         let s = self.stream();
         let (sp, _a) = sampled.device_ptr(s);
         let (ip, _b) = ids.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(sp),
-            KArg::I32(as_i32("sampler output words", SAMPLE_OUT)?),
-            KArg::Ptr(ip),
-            KArg::I32(as_i32("rows", n)?),
-        ];
-        self.launch(
-            &f,
-            cfg((n.div_ceil(128) as u32, 1, 1), 128),
-            "feed_sampled_tokens",
-            &args,
-        )
+        let args = [KArg::Ptr(sp), KArg::I32(as_i32("sampler output words", SAMPLE_OUT)?), KArg::Ptr(ip), KArg::I32(as_i32("rows", n)?)];
+        self.launch(&f, cfg((n.div_ceil(128) as u32, 1, 1), 128), "feed_sampled_tokens", &args)
     }
 
     /// Sample every row of `packed`: `sample_scan` (many blocks per row) applies the row's
@@ -140,11 +110,7 @@ impl CudaDevice {
         if rows == 0 {
             return Ok(());
         }
-        check_len(
-            "sampler logits",
-            logits.len(),
-            (packed.max_src_row() + 1) * vocab,
-        )?;
+        check_len("sampler logits", logits.len(), (packed.max_src_row() + 1) * vocab)?;
         let fed = check_fed(packed, fed)?;
         if !scratch.fits(rows, vocab) {
             return Err(crate::NinferError::Device(format!(
@@ -164,40 +130,16 @@ impl CudaDevice {
         let (cp, _f) = scratch.arrivals.device_ptr_mut(s);
         let (fp, _g) = fed.map(|f| f.device_ptr(s)).unzip();
         let v = as_i32("vocab", vocab)?;
-        let grid = (
-            as_i32("sampler blocks", blocks)? as u32,
-            as_i32("rows", rows)? as u32,
-            1,
-        );
+        let grid = (as_i32("sampler blocks", blocks)? as u32, as_i32("rows", rows)? as u32, 1);
         let scan = self.function(KernelFamily::Sampling, "sample_scan")?;
-        let args = [
-            KArg::Ptr(lp),
-            KArg::Ptr(wp),
-            KArg::I32(v),
-            KArg::Ptr(pp),
-            KArg::Ptr(fp.unwrap_or(0)),
-            KArg::Ptr(xp),
-            KArg::Ptr(cp),
-            KArg::Ptr(op),
-        ];
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(fp.unwrap_or(0)), KArg::Ptr(xp), KArg::Ptr(cp), KArg::Ptr(op)];
         self.launch(&scan, cfg(grid, SCAN_THREADS), "sample_scan", &args)?;
         if packed.all_greedy() {
             return Ok(());
         }
         let pick = self.function(KernelFamily::Sampling, "sample_pick")?;
-        let args = [
-            KArg::Ptr(lp),
-            KArg::Ptr(wp),
-            KArg::I32(v),
-            KArg::Ptr(pp),
-            KArg::Ptr(op),
-        ];
-        self.launch(
-            &pick,
-            cfg((grid.1, 1, 1), SAMPLE_THREADS),
-            "sample_pick",
-            &args,
-        )
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(op)];
+        self.launch(&pick, cfg((grid.1, 1, 1), SAMPLE_THREADS), "sample_pick", &args)
     }
 
     /// `sample_rows` in one kernel of one block per row (the whole row streamed by one SM):
@@ -217,11 +159,7 @@ impl CudaDevice {
         if rows == 0 {
             return Ok(());
         }
-        check_len(
-            "sampler logits",
-            logits.len(),
-            (packed.max_src_row() + 1) * vocab,
-        )?;
+        check_len("sampler logits", logits.len(), (packed.max_src_row() + 1) * vocab)?;
         let fed = check_fed(packed, fed)?;
         check_len("sampler work", work.len(), rows * vocab)?;
         check_len("sampler params", params.len(), packed.words().len())?;
@@ -233,38 +171,18 @@ impl CudaDevice {
         let (pp, _c) = params.device_ptr(s);
         let (op, _d) = out.device_ptr_mut(s);
         let (fp, _e) = fed.map(|f| f.device_ptr(s)).unzip();
-        let args = [
-            KArg::Ptr(lp),
-            KArg::Ptr(wp),
-            KArg::I32(as_i32("vocab", vocab)?),
-            KArg::Ptr(pp),
-            KArg::Ptr(fp.unwrap_or(0)),
-            KArg::Ptr(op),
-        ];
-        self.launch(
-            &f,
-            cfg((as_i32("rows", rows)? as u32, 1, 1), SAMPLE_THREADS),
-            "sample_rows_one_block",
-            &args,
-        )
+        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(pp), KArg::Ptr(fp.unwrap_or(0)), KArg::Ptr(op)];
+        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), SAMPLE_THREADS), "sample_rows_one_block", &args)
     }
 }
 
 /// The input ids a sampler launch reads: none unless some row counts its input, then one per
 /// row at least.
-fn check_fed<'a, 'b>(
-    packed: &PackedSampling,
-    fed: Option<&'a CudaView<'b, i32>>,
-) -> Result<Option<&'a CudaView<'b, i32>>> {
+fn check_fed<'a, 'b>(packed: &PackedSampling, fed: Option<&'a CudaView<'b, i32>>) -> Result<Option<&'a CudaView<'b, i32>>> {
     if !packed.counts_input() {
         return Ok(None);
     }
-    let fed = fed.ok_or_else(|| {
-        crate::NinferError::invalid(
-            "sampler fed ids",
-            "a row counts its step's input token and no input ids were given",
-        )
-    })?;
+    let fed = fed.ok_or_else(|| crate::NinferError::invalid("sampler fed ids", "a row counts its step's input token and no input ids were given"))?;
     check_len("sampler fed ids", fed.len(), packed.rows())?;
     Ok(Some(fed))
 }

@@ -64,48 +64,27 @@ impl PackedSampling {
     /// this value's allocation, so a sampler that keeps one packs every step without allocating.
     pub fn pack(&mut self, rows: &[RowSampling], src_rows: &[usize], vocab: usize) -> Result<()> {
         if rows.len() != src_rows.len() {
-            return Err(NinferError::invalid(
-                "sampling rows",
-                format!("{} rows but {} source rows", rows.len(), src_rows.len()),
-            ));
+            return Err(NinferError::invalid("sampling rows", format!("{} rows but {} source rows", rows.len(), src_rows.len())));
         }
         if vocab == 0 || vocab > i32::MAX as usize {
-            return Err(NinferError::invalid(
-                "vocab",
-                format!("{vocab} is not a vocabulary size the sampler takes"),
-            ));
+            return Err(NinferError::invalid("vocab", format!("{vocab} is not a vocabulary size the sampler takes")));
         }
         let w = &mut self.words;
         w.clear();
         w.resize(rows.len() * SAMPLE_HDR, 0);
         for (r, (row, &src)) in rows.iter().zip(src_rows).enumerate() {
             if row.top_logprobs > SAMPLE_MAX_TOP {
-                return Err(NinferError::invalid(
-                    "top_logprobs",
-                    format!("{} exceeds {SAMPLE_MAX_TOP}", row.top_logprobs),
-                ));
+                return Err(NinferError::invalid("top_logprobs", format!("{} exceeds {SAMPLE_MAX_TOP}", row.top_logprobs)));
             }
             if !row.is_greedy() && !(0.0..1.0).contains(&row.u) {
-                return Err(NinferError::invalid(
-                    "u",
-                    format!("{} is not a uniform draw in [0, 1)", row.u),
-                ));
+                return Err(NinferError::invalid("u", format!("{} is not a uniform draw in [0, 1)", row.u)));
             }
             let h = r * SAMPLE_HDR;
-            w[h + P_SRC_ROW] =
-                u32::try_from(src).map_err(|_| NinferError::invalid("src_row", src.to_string()))?;
+            w[h + P_SRC_ROW] = u32::try_from(src).map_err(|_| NinferError::invalid("src_row", src.to_string()))?;
             w[h + P_FLAGS] = (if row.is_greedy() { FLAG_GREEDY } else { 0 })
-                | (if row.wants_logprobs() {
-                    FLAG_LOGPROBS
-                } else {
-                    0
-                })
+                | (if row.wants_logprobs() { FLAG_LOGPROBS } else { 0 })
                 | (if row.count_input { FLAG_COUNT_INPUT } else { 0 });
-            w[h + P_TOP_K] = if row.top_k < vocab {
-                row.top_k as u32
-            } else {
-                0
-            };
+            w[h + P_TOP_K] = if row.top_k < vocab { row.top_k as u32 } else { 0 };
             w[h + P_N_TOP] = row.top_logprobs as u32;
             w[h + P_TEMP] = row.temperature.to_bits();
             w[h + P_TOP_P] = row.top_p.to_bits();
@@ -177,12 +156,7 @@ impl PackedSampling {
     /// logprob entry each row asked for.
     pub fn unpack(&self, out: &[u32]) -> Result<Vec<SampledToken>> {
         if out.len() < self.rows * SAMPLE_OUT {
-            return Err(NinferError::Device(format!(
-                "sampler output holds {} words, {} rows need {}",
-                out.len(),
-                self.rows,
-                self.rows * SAMPLE_OUT
-            )));
+            return Err(NinferError::Device(format!("sampler output holds {} words, {} rows need {}", out.len(), self.rows, self.rows * SAMPLE_OUT)));
         }
         (0..self.rows)
             .map(|r| {
@@ -190,21 +164,12 @@ impl PackedSampling {
                 let o = &out[r * SAMPLE_OUT..(r + 1) * SAMPLE_OUT];
                 let token = o[0];
                 if token as usize >= self.vocab {
-                    return Err(NinferError::Device(format!(
-                        "device sampler returned token {token} for row {r} (vocab {})",
-                        self.vocab
-                    )));
+                    return Err(NinferError::Device(format!("device sampler returned token {token} for row {r} (vocab {})", self.vocab)));
                 }
                 let logprob = (h[P_FLAGS] & FLAG_LOGPROBS != 0).then(|| {
                     let n = (h[P_N_TOP] as usize).min(self.vocab);
-                    let top = (0..n)
-                        .map(|i| (o[2 + i], f32::from_bits(o[2 + SAMPLE_MAX_TOP + i])))
-                        .collect();
-                    TokenLogprob {
-                        token_id: token,
-                        logprob: f32::from_bits(o[1]),
-                        top,
-                    }
+                    let top = (0..n).map(|i| (o[2 + i], f32::from_bits(o[2 + SAMPLE_MAX_TOP + i]))).collect();
+                    TokenLogprob { token_id: token, logprob: f32::from_bits(o[1]), top }
                 });
                 Ok(SampledToken { token, logprob })
             })
@@ -214,15 +179,7 @@ impl PackedSampling {
 
 /// A word offset into the params buffer (the kernel indexes with u32).
 fn offset(len: usize) -> Result<u32> {
-    u32::try_from(len)
-        .ok()
-        .filter(|&o| o != NONE)
-        .ok_or_else(|| {
-            NinferError::invalid(
-                "sampling params",
-                format!("{len} words exceed the u32 offsets the sampler reads"),
-            )
-        })
+    u32::try_from(len).ok().filter(|&o| o != NONE).ok_or_else(|| NinferError::invalid("sampling params", format!("{len} words exceed the u32 offsets the sampler reads")))
 }
 
 #[cfg(test)]
@@ -236,34 +193,21 @@ mod tests {
             temperature: 0.7,
             top_k: 5000,
             u: 0.25,
-            penalties: PenaltyParams {
-                repetition: 1.1,
-                presence: 0.5,
-                frequency: 0.0,
-            },
+            penalties: PenaltyParams { repetition: 1.1, presence: 0.5, frequency: 0.0 },
             penalized: vec![(3, 0), (9, 2)],
             logit_bias: vec![(7, -1.5)],
             allow: Some(vec![0b1010]),
             top_logprobs: 2,
             ..Default::default()
         };
-        let b = RowSampling {
-            temperature: 0.0,
-            ..Default::default()
-        };
+        let b = RowSampling { temperature: 0.0, ..Default::default() };
         let mut p = PackedSampling::default();
         p.pack(&[a.clone(), b.clone()], &[4, 1], 40).unwrap();
         assert!(!p.counts_input());
-        let fed = RowSampling {
-            count_input: true,
-            ..a.clone()
-        };
+        let fed = RowSampling { count_input: true, ..a.clone() };
         p.pack(&[b.clone(), fed], &[1, 4], 40).unwrap();
         assert!(p.counts_input());
-        assert_eq!(
-            p.words()[SAMPLE_HDR + P_FLAGS],
-            FLAG_LOGPROBS | FLAG_COUNT_INPUT
-        );
+        assert_eq!(p.words()[SAMPLE_HDR + P_FLAGS], FLAG_LOGPROBS | FLAG_COUNT_INPUT);
         p.pack(&[a, b], &[4, 1], 40).unwrap();
         let w = p.words();
         assert_eq!(p.rows(), 2);
@@ -271,20 +215,13 @@ mod tests {
         assert_eq!(w[P_SRC_ROW], 4);
         assert_eq!(w[P_TOP_K], 0, "top_k >= vocab disables the filter");
         assert_eq!(w[P_FLAGS], FLAG_LOGPROBS);
-        assert_eq!(
-            f64::from_bits(w[P_U_LO] as u64 | (w[P_U_HI] as u64) << 32),
-            0.25
-        );
+        assert_eq!(f64::from_bits(w[P_U_LO] as u64 | (w[P_U_HI] as u64) << 32), 0.25);
         let bias = w[P_BIAS_OFF] as usize;
         assert_eq!(&w[bias..bias + 2], &[7, (-1.5f32).to_bits()]);
         let pen = w[P_PEN_OFF] as usize;
         assert_eq!(&w[pen..pen + 4], &[3, 0, 9, 2]);
         let mask = w[P_MASK_OFF] as usize;
-        assert_eq!(
-            &w[mask..mask + 2],
-            &[0b1010, 0],
-            "the mask covers ceil(40 / 32) words"
-        );
+        assert_eq!(&w[mask..mask + 2], &[0b1010, 0], "the mask covers ceil(40 / 32) words");
         assert_eq!(w[SAMPLE_HDR + P_FLAGS], FLAG_GREEDY);
         assert!(!p.all_greedy(), "row 0 samples");
         assert_eq!(w[SAMPLE_HDR + P_MASK_OFF], NONE);
@@ -298,60 +235,27 @@ mod tests {
         out[SAMPLE_OUT] = 39;
         let s = p.unpack(&out).unwrap();
         assert_eq!(s[0].token, 3);
-        assert_eq!(
-            s[0].logprob,
-            Some(TokenLogprob {
-                token_id: 3,
-                logprob: -0.5,
-                top: vec![(1, -0.25), (3, -0.5)]
-            })
-        );
-        assert_eq!(
-            s[1],
-            SampledToken {
-                token: 39,
-                logprob: None
-            }
-        );
+        assert_eq!(s[0].logprob, Some(TokenLogprob { token_id: 3, logprob: -0.5, top: vec![(1, -0.25), (3, -0.5)] }));
+        assert_eq!(s[1], SampledToken { token: 39, logprob: None });
         out[SAMPLE_OUT] = 40;
-        assert!(
-            matches!(p.unpack(&out), Err(NinferError::Device(_))),
-            "a token outside the vocabulary is an error"
-        );
+        assert!(matches!(p.unpack(&out), Err(NinferError::Device(_))), "a token outside the vocabulary is an error");
     }
 
     #[test]
     fn pack_rejects_a_draw_outside_the_unit_interval_and_too_many_top_logprobs() {
         let mut p = PackedSampling::default();
-        let greedy = RowSampling {
-            temperature: 0.0,
-            ..Default::default()
-        };
+        let greedy = RowSampling { temperature: 0.0, ..Default::default() };
         p.pack(&[greedy.clone(), greedy], &[0, 0], 10).unwrap();
         assert!(p.all_greedy(), "temperature 0 rows are greedy");
         assert_eq!(sample_scan_blocks(128_256), 63);
         assert_eq!(sample_scan_blocks(2048), 1);
         assert_eq!(sample_scan_blocks(7), 1);
         for u in [1.0, -0.1, f64::NAN] {
-            let bad_u = RowSampling {
-                u,
-                ..Default::default()
-            };
+            let bad_u = RowSampling { u, ..Default::default() };
             assert!(p.pack(&[bad_u], &[0], 10).is_err(), "u {u}");
         }
-        p.pack(
-            &[RowSampling {
-                u: 0.0,
-                ..Default::default()
-            }],
-            &[0],
-            10,
-        )
-        .unwrap();
-        let bad_top = RowSampling {
-            top_logprobs: 21,
-            ..Default::default()
-        };
+        p.pack(&[RowSampling { u: 0.0, ..Default::default() }], &[0], 10).unwrap();
+        let bad_top = RowSampling { top_logprobs: 21, ..Default::default() };
         assert!(p.pack(&[bad_top], &[0], 10).is_err());
     }
 }
