@@ -53,6 +53,20 @@ __device__ __forceinline__ bool find_chunk(const int* __restrict__ cu_seqlens, i
     return false;
 }
 
+// The workspace's four arrays for n_tokens tokens (layout above): W, U, M and the scales, one
+// place for the preps that write them and the scans that read them (F = float / const float).
+template <int DK, typename F>
+struct ChunkWork {
+    F *w, *u, *m, *sc;
+    __device__ __forceinline__ ChunkWork(F* work, int n_tokens, int n_v_heads, int dv) {
+        const long long rows = (long long)n_tokens * n_v_heads;
+        w = work;
+        u = w + rows * DK;
+        m = u + rows * dv;
+        sc = m + rows * CH_C;
+    }
+};
+
 // The chunk's gates, by one warp: inclusive prefix sum gc of the log decays g (lanes hold rows
 // lane and lane + 32), beta (bc) and beta e^G (bw); rows past n are zero in g and beta.
 __device__ __forceinline__ void chunk_gates(const float* __restrict__ g, const float* __restrict__ beta, int t0,
@@ -121,11 +135,8 @@ __device__ __forceinline__ void prep_body(const store_t* __restrict__ q, const s
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
-    const long long rows = (long long)n_tokens * n_v_heads;
-    float* w_out = work;
-    float* u_out = w_out + rows * DK;
-    float* m_out = u_out + rows * dv;
-    float* sc_out = m_out + rows * CH_C;
+    const ChunkWork<DK, float> wk(work, n_tokens, n_v_heads, dv);
+    float *w_out = wk.w, *u_out = wk.u, *m_out = wk.m, *sc_out = wk.sc;
 
     // 1. Normalised q and k rows (one warp per row), gates.
     for (int r = warp; r < CH_C; r += CH_WARPS) {
@@ -315,11 +326,8 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     const int tid = threadIdx.x;
     const int tx = tid & 7;   // SIMT: columns tx + 8c
     const int ty = tid >> 3;  // SIMT: rows ty + 16r
-    const long long rows = (long long)n_tokens * n_v_heads;
-    const float* w_in = work;
-    const float* u_in = w_in + rows * DK;
-    const float* m_in = u_in + rows * dv;
-    const float* sc_in = m_in + rows * CH_C;
+    const ChunkWork<DK, const float> ws(work, n_tokens, n_v_heads, dv);
+    const float *w_in = ws.w, *u_in = ws.u, *m_in = ws.m, *sc_in = ws.sc;
 
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
     float sr[NS];  // this thread's state entries (state_entry)
@@ -790,11 +798,8 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     const int h = blockIdx.y;
     const int s = blockIdx.z;
     const int kh = h / (n_v_heads / n_k_heads);
-    const long long rows = (long long)n_tokens * n_v_heads;
-    const float* w_in = work;
-    const float* u_in = w_in + rows * DK;
-    const float* m_in = u_in + rows * dv;
-    const float* sc_in = m_in + rows * CH_C;
+    const ChunkWork<DK, const float> ws(work, n_tokens, n_v_heads, dv);
+    const float *w_in = ws.w, *u_in = ws.u, *m_in = ws.m, *sc_in = ws.sc;
     const store_t* qh = q + (long long)kh * DK;
     const store_t* kw = k + (long long)kh * DK + warp * L::KC;  // this warp's K columns
 
@@ -1054,11 +1059,8 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
     const int h = blockIdx.y;
     const int s = blockIdx.z;
     const int kh = h / (n_v_heads / n_k_heads);
-    const long long rows = (long long)n_tokens * n_v_heads;
-    const float* w_in = work;
-    const float* u_in = w_in + rows * DK;
-    const float* m_in = u_in + rows * dv;
-    const float* sc_in = m_in + rows * CH_C;
+    const ChunkWork<DK, const float> ws(work, n_tokens, n_v_heads, dv);
+    const float *w_in = ws.w, *u_in = ws.u, *m_in = ws.m, *sc_in = ws.sc;
 
     const int t_begin = cu_seqlens[s];
     const int t_end = cu_seqlens[s + 1];
@@ -1251,11 +1253,8 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
-    const long long rows = (long long)n_tokens * n_v_heads;
-    float* w_out = work;
-    float* u_out = w_out + rows * DK;
-    float* m_out = u_out + rows * dv;
-    float* sc_out = m_out + rows * CH_C;
+    const ChunkWork<DK, float> wk(work, n_tokens, n_v_heads, dv);
+    float *w_out = wk.w, *u_out = wk.u, *m_out = wk.m, *sc_out = wk.sc;
 
     // 1. Raw q and k rows (zero past n) and their norm factors (one warp per row), gates. A
     // warp's rows go RB at a time with every load issued before the first reduction: one row at
