@@ -1,6 +1,7 @@
-//! The 16-byte form of the GDN output norm of a prefill against its one-element-a-lane form, bit
-//! for bit: `rmsnorm_gated_rows_v8_p*` (8 elements a lane, its sum of squares rebuilt as the
-//! scalar warp kernel's reduction tree) against `rmsnorm_gated_rows_p*`. The launcher takes the
+//! The prefill forms of the norms against the forms they replace, bit for bit: the 16-byte GDN
+//! output norm `rmsnorm_gated_rows_v8_p*` (8 elements a lane, its sum of squares rebuilt as the
+//! scalar warp kernel's reduction tree) against `rmsnorm_gated_rows_p*`, and the warp-per-row
+//! `add_rmsnorm_rows_g*` against the block-per-row `add_rmsnorm`. The launcher takes the
 //! 16-byte form on aligned rows and falls back on the other, so the test runs the same operands
 //! once aligned and once one element past a 16-byte boundary, and checks the routed result
 //! against the CPU reference too. (A 16-byte form of the tiled prefill conv, 8 channels a
@@ -132,3 +133,40 @@ fn rmsnorm_gated_v8_equals_scalar_bit_for_bit() {
     }
 }
 
+
+/// `add_rmsnorm` over a prefill's rows (`add_rmsnorm_rows_g*`: a warp a row, taken on aligned
+/// rows of the instanced sizes from 128 rows on) equals the block-per-row kernel (x one element
+/// past a 16-byte boundary sends the same call there) bit for bit, residual and output, and
+/// matches the CPU reference: every instanced size, row counts that leave the last block part
+/// empty, both weight conventions, and values whose squares span 2^48, so that a summation
+/// order other than the block kernel's shows.
+#[test]
+fn add_rmsnorm_rows_equal_the_block_per_row_kernel_bit_for_bit() {
+    for st in STORAGES {
+        let Some(dev) = gpu("add_rmsnorm rows vs block", st) else { return };
+        let mut rng = Rng::new(73);
+        for (rows, dim) in [(128, 2048), (131, 3072), (130, 4096), (129, 5120), (700, 5120)] {
+            for plus_one in [false, true] {
+                let res = spread(&mut rng, rows * dim, st);
+                let x = spread(&mut rng, rows * dim, st);
+                let w = rounded(&rng.vec(dim, 0.5, 1.5), st);
+                let w_dev = upload(&dev, &w);
+                let x_aligned = upload(&dev, &x);
+                let x_skewed = upload(&dev, &std::iter::once(0.0).chain(x.iter().copied()).collect::<Vec<_>>());
+                let (mut res_rows, mut out_rows) = (Out16::with(&dev, &res), Out16::new(&dev, rows * dim));
+                dev.add_rmsnorm(&mut res_rows.view(), &x_aligned, &w_dev, &mut out_rows.view(), rows, dim, EPS, plus_one).unwrap();
+                let (mut res_block, mut out_block) = (Out16::with(&dev, &res), Out16::new(&dev, rows * dim));
+                dev.add_rmsnorm(&mut res_block.view(), &x_skewed.slice(1..), &w_dev, &mut out_block.view(), rows, dim, EPS, plus_one)
+                    .unwrap();
+                let label = format!("{st:?} {rows}x{dim}/p{}", plus_one as u8);
+                let (out, res_got) = (out_rows.read(&dev, "add_rmsnorm rows"), res_rows.read(&dev, "add_rmsnorm rows residual"));
+                assert_bitwise(&out, &out_block.read(&dev, "add_rmsnorm block"), &format!("add_rmsnorm rows vs block {label}"));
+                assert_bitwise(&res_got, &res_block.read(&dev, "add_rmsnorm block residual"), &format!("add_rmsnorm residual rows vs block {label}"));
+                let sum = rounded(&res.iter().zip(&x).map(|(a, b)| a + b).collect::<Vec<_>>(), st);
+                check("add_rmsnorm_rows.residual", st, &label, &res_got, &sum, tol16(st));
+                check("add_rmsnorm_rows.out", st, &label, &out, &reference::rmsnorm(&sum, &w, rows, dim, dim, EPS, plus_one), tol16(st));
+                println!("PARITY op=add_rmsnorm_rows_vs_block storage={} shape={label} bitwise=1", st.name());
+            }
+        }
+    }
+}

@@ -18,6 +18,30 @@ pub(super) fn chunked_norm_threads(dim: usize) -> u32 {
     dim.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32
 }
 
+/// Rows from which `add_rmsnorm` runs a warp per row (`add_rmsnorm_rows_g*`, norm.cu) where it
+/// can: a prefill's rows (8k rows of 5120: 151.5 -> see docs/kernels.md). Fewer rows (decode
+/// batches) keep a block per row, whose 640 threads load a row at once where one warp would
+/// load it 40 chunks a lane. Both give the same bits, so the split is speed only.
+const ADD_NORM_ROWS_MIN: usize = 128;
+/// Warps (rows) per block of `add_rmsnorm_rows_g*`.
+const ADD_NORM_ROWS_WARPS: usize = 4;
+
+/// The warp-per-row kernel of `add_rmsnorm` for `rows` rows of `dim` (`aligned`: every pointer
+/// on a 16-byte boundary), or None for the block-per-row kernel: the one place that decides.
+/// Instanced for dim = 256 G at the hidden sizes it serves (G = 32 spills registers).
+pub(super) fn add_norm_rows_kernel(rows: usize, dim: usize, aligned: bool) -> Option<&'static str> {
+    if rows < ADD_NORM_ROWS_MIN || !aligned {
+        return None;
+    }
+    match dim {
+        2048 => Some("add_rmsnorm_rows_g8"),
+        3072 => Some("add_rmsnorm_rows_g12"),
+        4096 => Some("add_rmsnorm_rows_g16"),
+        5120 => Some("add_rmsnorm_rows_g20"),
+        _ => None,
+    }
+}
+
 /// How `rmsnorm_gated` runs rows of one shape (`gated_norm_route`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GatedNormRoute {
@@ -139,12 +163,26 @@ impl CudaDevice {
         check_len("add_rmsnorm x", x.len(), rows * dim)?;
         check_len("add_rmsnorm w", w.len(), dim)?;
         check_len("add_rmsnorm out", out.len(), rows * dim)?;
-        let f = self.function(KernelFamily::Norm, "add_rmsnorm")?;
         let s = self.stream();
         let (rp, _r) = residual.device_ptr_mut(s);
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
+        if let Some(name) = add_norm_rows_kernel(rows, dim, (rp | xp | wp | op).is_multiple_of(16)) {
+            let f = self.function(KernelFamily::Norm, name)?;
+            let args = [
+                KArg::Ptr(rp),
+                KArg::Ptr(xp),
+                KArg::Ptr(wp),
+                KArg::Ptr(op),
+                KArg::I32(as_i32("rows", rows)?),
+                KArg::F32(eps),
+                KArg::I32(plus_one as i32),
+            ];
+            let grid = (rows.div_ceil(ADD_NORM_ROWS_WARPS) as u32, 1, 1);
+            return self.launch_pdl(&f, cfg(grid, 32 * ADD_NORM_ROWS_WARPS as u32), name, &args);
+        }
+        let f = self.function(KernelFamily::Norm, "add_rmsnorm")?;
         let args = [
             KArg::Ptr(rp),
             KArg::Ptr(xp),
@@ -222,6 +260,20 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_norm_takes_a_warp_per_row_for_aligned_prefill_rows_of_the_instanced_sizes() {
+        assert_eq!(add_norm_rows_kernel(8192, 5120, true), Some("add_rmsnorm_rows_g20"));
+        assert_eq!(add_norm_rows_kernel(128, 4096, true), Some("add_rmsnorm_rows_g16"));
+        assert_eq!(add_norm_rows_kernel(300, 2048, true), Some("add_rmsnorm_rows_g8"));
+        assert_eq!(add_norm_rows_kernel(300, 3072, true), Some("add_rmsnorm_rows_g12"));
+        // decode batches, unaligned rows, other sizes: a block per row
+        assert_eq!(add_norm_rows_kernel(127, 5120, true), None);
+        assert_eq!(add_norm_rows_kernel(8192, 5120, false), None);
+        for dim in [64, 1000, 1024, 2304, 8192] {
+            assert_eq!(add_norm_rows_kernel(8192, dim, true), None, "dim {dim}");
+        }
+    }
 
     fn warps(name: &'static str, rows_per_warp: usize) -> GatedNormRoute {
         GatedNormRoute::Warps { name, rows_per_warp }
