@@ -360,8 +360,9 @@ fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
 /// Llama-3-8B one (8k rows of 4096) against a device-to-device copy of the bytes it reads and
 /// writes (x and the residual read, the residual and the normed rows written). A figure first:
 /// the profile of a 27B 16-layer 8k prefill put it at 148 us a call (under PDL, whose waits
-/// the profiler counts); alone on the H200 151.5 us, 1.86x (8B shape 86.9 us, 1.30x). Bound 3x
-/// like the other prefill kernels.
+/// the profiler counts); alone on the H200 151.5 us, 1.86x (8B shape 86.9 us, 1.30x) with a
+/// block a row, 91.8 us, 1.13x (8B 74.5 us, 1.13x) with a warp a row (`add_rmsnorm_rows_g*`,
+/// add_rmsnorm_rows_00dfd20.log). Bound 1.5x: the block-per-row form fails it.
 #[test]
 fn add_rmsnorm_prefill_timing_against_a_copy_of_its_bytes() {
     let Some(dev) = gpu("add_rmsnorm timing", StorageDType::Bf16) else { return };
@@ -373,7 +374,7 @@ fn add_rmsnorm_prefill_timing_against_a_copy_of_its_bytes() {
         let mut out = s.alloc_zeros::<u16>(rows * dim).unwrap();
         let ms = time_ms(&dev, 20, || dev.add_rmsnorm(&mut residual, &x, &w, &mut out, rows, dim, 1e-6, false).unwrap());
         let moved = 4 * rows * dim * 2;
-        assert_copy_pace(&dev, &format!("add_rmsnorm {name} rows{rows} dim{dim}"), ms, moved, 3.0);
+        assert_copy_pace(&dev, &format!("add_rmsnorm {name} rows{rows} dim{dim}"), ms, moved, 1.5);
     }
 }
 
