@@ -169,32 +169,15 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
-        if let Some(name) = add_norm_rows_kernel(rows, dim, (rp | xp | wp | op).is_multiple_of(16)) {
-            let f = self.function(KernelFamily::Norm, name)?;
-            let args = [
-                KArg::Ptr(rp),
-                KArg::Ptr(xp),
-                KArg::Ptr(wp),
-                KArg::Ptr(op),
-                KArg::I32(as_i32("rows", rows)?),
-                KArg::F32(eps),
-                KArg::I32(plus_one as i32),
-            ];
-            let grid = (rows.div_ceil(ADD_NORM_ROWS_WARPS) as u32, 1, 1);
-            return self.launch_pdl(&f, cfg(grid, 32 * ADD_NORM_ROWS_WARPS as u32), name, &args);
-        }
-        let f = self.function(KernelFamily::Norm, "add_rmsnorm")?;
-        let args = [
-            KArg::Ptr(rp),
-            KArg::Ptr(xp),
-            KArg::Ptr(wp),
-            KArg::Ptr(op),
-            KArg::I32(as_i32("dim", dim)?),
-            KArg::F32(eps),
-            KArg::I32(plus_one as i32),
-        ];
-        let grid = (as_i32("rows", rows)? as u32, 1, 1);
-        self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "add_rmsnorm", &args)
+        // The kernels differ in one argument: the warp-per-row ones take the row count (their
+        // dim is a template constant), the block kernel dim (a block is a row).
+        let (name, count, blocks, threads) = match add_norm_rows_kernel(rows, dim, (rp | xp | wp | op).is_multiple_of(16)) {
+            Some(name) => (name, as_i32("rows", rows)?, rows.div_ceil(ADD_NORM_ROWS_WARPS) as u32, 32 * ADD_NORM_ROWS_WARPS as u32),
+            None => ("add_rmsnorm", as_i32("dim", dim)?, as_i32("rows", rows)? as u32, chunked_norm_threads(dim)),
+        };
+        let f = self.function(KernelFamily::Norm, name)?;
+        let args = [KArg::Ptr(rp), KArg::Ptr(xp), KArg::Ptr(wp), KArg::Ptr(op), KArg::I32(count), KArg::F32(eps), KArg::I32(plus_one as i32)];
+        self.launch_pdl(&f, cfg((blocks, 1, 1), threads), name, &args)
     }
 
     /// Gated DeltaNet output norm: out = rmsnorm(x) * w * silu(z), rows of `dim` (one head),
