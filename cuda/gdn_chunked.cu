@@ -67,6 +67,28 @@ struct ChunkWork {
     }
 };
 
+// A scan block's place in the launch grid (gdn_chunked.rs: dv / 32 x n_v_heads x n_seqs
+// blocks) and what it reads and writes there, one place for the three scan bodies: its state
+// columns j0..j0+31, value head h and the key head kh it shares, sequence s and that sequence's
+// tokens [t_begin, t_end), the workspace arrays, and its state slice (row stride dv).
+template <int DK>
+struct ScanBlock {
+    int j0, h, s, kh, t_begin, t_end;
+    ChunkWork<DK, const float> ws;
+    float* st;
+    __device__ __forceinline__ ScanBlock(const float* work, float* state, const int* __restrict__ cu_seqlens,
+                                         const int* __restrict__ slots, int n_k_heads, int n_v_heads, int dv,
+                                         int n_tokens)
+        : j0(blockIdx.x * CH_COLS),
+          h(blockIdx.y),
+          s(blockIdx.z),
+          kh(h / (n_v_heads / n_k_heads)),
+          t_begin(cu_seqlens[s]),
+          t_end(cu_seqlens[s + 1]),
+          ws(work, n_tokens, n_v_heads, dv),
+          st(state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0) {}
+};
+
 // The chunk's gates, by one warp: inclusive prefix sum gc of the log decays g (lanes hold rows
 // lane and lane + 32), beta (bc) and beta e^G (bw); rows past n are zero in g and beta.
 __device__ __forceinline__ void chunk_gates(const float* __restrict__ g, const float* __restrict__ beta, int t0,
@@ -319,17 +341,14 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
     float* mm = wk + CH_C * LK;      // [C][LM]  M
     float* us = mm + CH_C * LM;      // [C][LS]  U, then u
 
-    const int j0 = blockIdx.x * CH_COLS;
-    const int h = blockIdx.y;
-    const int s = blockIdx.z;
-    const int kh = h / (n_v_heads / n_k_heads);
+    const ScanBlock<DK> blk(work, state, cu_seqlens, slots, n_k_heads, n_v_heads, dv, n_tokens);
+    const int j0 = blk.j0, h = blk.h, kh = blk.kh, t_begin = blk.t_begin, t_end = blk.t_end;
+    const float *w_in = blk.ws.w, *u_in = blk.ws.u, *m_in = blk.ws.m, *sc_in = blk.ws.sc;
+    float* st = blk.st;
     const int tid = threadIdx.x;
     const int tx = tid & 7;   // SIMT: columns tx + 8c
     const int ty = tid >> 3;  // SIMT: rows ty + 16r
-    const ChunkWork<DK, const float> ws(work, n_tokens, n_v_heads, dv);
-    const float *w_in = ws.w, *u_in = ws.u, *m_in = ws.m, *sc_in = ws.sc;
 
-    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
     float sr[NS];  // this thread's state entries (state_entry)
 #pragma unroll
     for (int e = 0; e < NS; ++e) {
@@ -339,8 +358,6 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
         ss[row * LS + col] = sr[e];
     }
 
-    const int t_begin = cu_seqlens[s];
-    const int t_end = cu_seqlens[s + 1];
     for (int t0 = t_begin; t0 < t_end; t0 += CH_C) {
         const int n = min(CH_C, t_end - t0);
         __syncthreads();  // the previous chunk's readers of every tile are done
@@ -794,17 +811,13 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     store_t* qsm = (store_t*)(ch_smem + L::F32) + warp * CHP_ROWS * L::LQ;                     // [16][LQ]
     store_t* ksm = (store_t*)(ch_smem + L::F32) + CH_WARPS * CHP_ROWS * L::LQ + warp * CH_C * L::LK;  // [C][LK]
 
-    const int j0 = blockIdx.x * CH_COLS;
-    const int h = blockIdx.y;
-    const int s = blockIdx.z;
-    const int kh = h / (n_v_heads / n_k_heads);
-    const ChunkWork<DK, const float> ws(work, n_tokens, n_v_heads, dv);
-    const float *w_in = ws.w, *u_in = ws.u, *m_in = ws.m, *sc_in = ws.sc;
+    const ScanBlock<DK> blk(work, state, cu_seqlens, slots, n_k_heads, n_v_heads, dv, n_tokens);
+    const int j0 = blk.j0, h = blk.h, kh = blk.kh, t_begin = blk.t_begin, t_end = blk.t_end;
+    const float *w_in = blk.ws.w, *u_in = blk.ws.u, *m_in = blk.ws.m, *sc_in = blk.ws.sc;
+    float* st = blk.st;
     const store_t* qh = q + (long long)kh * DK;
     const store_t* kw = k + (long long)kh * DK + warp * L::KC;  // this warp's K columns
 
-    const int t_begin = cu_seqlens[s];
-    const int t_end = cu_seqlens[s + 1];
     const PipeStreams<DK> io(wsm, qsm, msm, ksm, w_in, qh, kw, m_in, u_in, sc_in, qk_stride, h, n_v_heads, dv, j0, r0,
                              lane, g, qq);
     // Chunk 0's operands, in the order the loop waits for them (three groups per chunk).
@@ -815,7 +828,6 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
     io.k(t_begin, t_end - t_begin);
     cp_async_commit();
 
-    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
     float sr[NS];  // this thread's state entries (state_entry<DK, true>)
 #pragma unroll
     for (int e = 0; e < NS; ++e) {
@@ -1055,22 +1067,17 @@ __device__ __forceinline__ void scan_wide_body(const store_t* __restrict__ q, co
     auto put_ss = [&](int row, int col, float x) { ss[col * L::LST + row] = __uint_as_float(to_tf32(x)); };
     auto put_us = [&](int t, int col, float x) { us[col * L::LUT + t] = __uint_as_float(to_tf32(x)); };
 
-    const int j0 = blockIdx.x * CH_COLS;
-    const int h = blockIdx.y;
-    const int s = blockIdx.z;
-    const int kh = h / (n_v_heads / n_k_heads);
-    const ChunkWork<DK, const float> ws(work, n_tokens, n_v_heads, dv);
-    const float *w_in = ws.w, *u_in = ws.u, *m_in = ws.m, *sc_in = ws.sc;
+    const ScanBlock<DK> blk(work, state, cu_seqlens, slots, n_k_heads, n_v_heads, dv, n_tokens);
+    const int j0 = blk.j0, h = blk.h, kh = blk.kh, t_begin = blk.t_begin, t_end = blk.t_end;
+    const float *w_in = blk.ws.w, *u_in = blk.ws.u, *m_in = blk.ws.m, *sc_in = blk.ws.sc;
+    float* st = blk.st;
 
-    const int t_begin = cu_seqlens[s];
-    const int t_end = cu_seqlens[s + 1];
     const WideStreams<DK> io(wsm, qsm, ksm, msm, scs, w_in, q + (long long)kh * DK, k + (long long)kh * DK, m_in,
                              sc_in, qk_stride, h, n_v_heads, tid);
     const ScanRegLoads<2> regs(u_in, sc_in, h, n_v_heads, dv, j0 + c0 + 2 * qq, r0, g, qq);
     io.wq(t_begin, t_end - t_begin);
     cp_async_commit();
 
-    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j0;
     float sr[NS];  // this thread's state entries (wide_state_entry)
 #pragma unroll
     for (int e = 0; e < NS; ++e) {
