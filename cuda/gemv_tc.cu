@@ -493,3 +493,193 @@ GEMV_TC_INSTANCE(8, 8, true, h)
 GEMV_TC_INSTANCE(16, 4, false, )
 GEMV_TC_INSTANCE(16, 4, true, h)
 GEMV_TC_INSTANCE(16, 8, true, h)
+
+// ---------------------------------------------------------------------------------------------
+// Decode GEMM for 9..64 rows (gemv_tc_batch_m{16,32,64}_w{W}; ops/gemv_batch.rs): y[M, N] =
+// x[M, K] * W[N, K]^T for the decode batches above GEMV_TC_MAX_M, on sm_80+. Why not cuBLAS:
+// at these M its kernels read the weights at 2.5-3.5 TB/s on the H200 for the projections of
+// N = 4096-6144 (an 8B's qkv / o / down: 2.5 TB/s for o at M = 16, against a 4.16 TB/s copy;
+// benches/results/cublaslt_algos_6e9605a.log, with every cublasLt algorithm no better), they
+// cannot start their weight loads before the previous kernel ends, and a block tile of 64+ x
+// rows leaves few blocks for 132 SMs. Here the weights stream as in the GEMV above, straight
+// from global memory into mma fragments (the k permutation of tc_step), and are requested
+// before the PDL wait; only x goes through shared memory.
+//
+// Layout. Block (tile, split): weight rows tile * 16 W .. + 16 W (warp w: its 16-row A tile),
+// K range split * ks .. + ks. The block's x rows (< M) of that range go through shared memory
+// in chunks of 128 k, TCB_STAGES chunks in flight by cp.async; every warp reads each chunk as
+// the B fragments of its MT n-tiles (x rows 8j .. 8j + 7), 16 bytes per lane per n-tile and
+// k32 step, at the same k permutation as its weight registers. A chunk's 4 k32 steps of weight
+// loads (8 x 16 bytes a lane) are issued one chunk ahead, so two chunks of weights are in
+// flight per warp. n-tiles at or past M are skipped (warp-uniform).
+//
+// Split K. With one split a block stores y. With several, each block writes its f32 D
+// fragments to `partial` in fragment order (16 bytes a lane per n-tile, coalesced) and the
+// block of a tile that arrives last (common.cuh's arrives_last; `arrivals` has one counter per
+// tile, zero between launches) adds the splits' fragments in split order 0, 1, ... and stores
+// y: the same sums whichever block arrives last, so the result depends on (K, ks, W) only, not
+// on M or on timing. Each output is rounded to the storage type once.
+#define TCB_KC 128               // k per chunk: 4 k32 steps
+#define TCB_LX (TCB_KC + 32)     // chunk row stride, elements: 320 bytes = 64 mod 128, so the 8
+                                 // lanes of a quarter warp (rows g, g + 1 x 4 t) hit 8 bank groups
+#define TCB_STAGES 3
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// 16 bytes of f32 partials another block of this launch wrote: through L2 (L1 is not coherent).
+__device__ __forceinline__ float4 tcb_load_partial(const float* p) {
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+                 : "l"(p)
+                 : "memory");
+    return r;
+}
+
+template <int MT, int WARPS>
+__device__ __forceinline__ void gemv_tc_batch_body(const store_t* __restrict__ x, const store_t* __restrict__ w,
+                                                   store_t* __restrict__ y, float* __restrict__ partial,
+                                                   unsigned* __restrict__ arrivals, int m, int n_out, int k,
+                                                   int ks) {
+    extern __shared__ __align__(16) unsigned char tcb_smem[];
+    store_t* xs = reinterpret_cast<store_t*>(tcb_smem);  // [TCB_STAGES][8 MT][TCB_LX]
+    constexpr int STAGE = 8 * MT * TCB_LX;
+    constexpr int THREADS = 32 * WARPS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int n0 = tile * 16 * WARPS + 16 * warp;
+    const long long row_lo = min(n0 + g, n_out - 1);
+    const long long row_hi = min(n0 + g + 8, n_out - 1);
+    const int kb = split * ks;
+    const int chunks = (min(k, kb + ks) - kb) / TCB_KC;
+    const store_t* wlo = w + row_lo * k + kb + 8 * t;
+    const store_t* whi = w + row_hi * k + kb + 8 * t;
+
+    // Chunk 0's weights before the PDL wait: they do not depend on the previous kernel.
+    tc_frag lo[4], hi[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        lo[u] = tc_load_w(wlo + 32 * u);
+        hi[u] = tc_load_w(whi + 32 * u);
+    }
+    pdl_enter();
+
+    // Chunk c of the block's x rows into stage c % TCB_STAGES (16 pieces of 16 bytes a row);
+    // every thread commits a group per chunk, empty past the last, so group counts agree.
+    const int pieces = m * (TCB_KC / 8);
+    auto copy_x = [&](int c) {
+        if (c < chunks) {
+            store_t* dst = xs + (c % TCB_STAGES) * STAGE;
+            const store_t* src = x + kb + c * TCB_KC;
+            for (int p = threadIdx.x; p < pieces; p += THREADS) {
+                const int r = p >> 4, q = p & 15;
+                cp_async16(smem_u32(dst + r * TCB_LX + 8 * q), src + (long long)r * k + 8 * q);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int c = 0; c < TCB_STAGES - 1; ++c) copy_x(c);
+
+    float d[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[j][i] = 0.0f;
+    const int tiles_m = (m + 7) >> 3;  // n-tiles holding x rows
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait_group<TCB_STAGES - 2>();
+        __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
+        copy_x(c + TCB_STAGES - 1);
+        tc_frag lo_n[4], hi_n[4];
+        if (c + 1 < chunks) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                lo_n[u] = tc_load_w(wlo + (c + 1) * TCB_KC + 32 * u);
+                hi_n[u] = tc_load_w(whi + (c + 1) * TCB_KC + 32 * u);
+            }
+        }
+        const store_t* xc = xs + (c % TCB_STAGES) * STAGE + g * TCB_LX + 8 * t;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                if (j < tiles_m) {
+                    const tc_frag b = *reinterpret_cast<const tc_frag*>(xc + j * 8 * TCB_LX + 32 * u);
+                    tc_step(d[j], lo[u], hi[u], b);
+                }
+            }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            lo[u] = lo_n[u];
+            hi[u] = hi_n[u];
+        }
+    }
+    cp_async_wait_all();
+
+    if (splits > 1) {
+        // This split's fragments, then the tile's last block sums every split's in order.
+        const long long frag = ((long long)tile * WARPS + warp) * MT * 32 + lane;  // float4 units
+        const long long split_stride = (long long)gridDim.x * WARPS * MT * 32;
+        float4* mine = reinterpret_cast<float4*>(partial) + split * split_stride + frag;
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+            if (j < tiles_m) mine[j * 32] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
+        if (!arrives_last(arrivals + tile, splits)) return;
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) d[j][i] = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float* p = partial + 4 * (s * split_stride + frag);
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                if (j < tiles_m) {
+                    const float4 v = tcb_load_partial(p + 4 * 32 * j);
+                    d[j][0] += v.x;
+                    d[j][1] += v.y;
+                    d[j][2] += v.z;
+                    d[j][3] += v.w;
+                }
+            }
+        }
+    }
+    // Lane (g, t) of n-tile j: weight rows n0 + g (d[j][0], d[j][1]) and n0 + g + 8 (d[j][2],
+    // d[j][3]) for x rows 8j + 2t and 8j + 2t + 1.
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = 8 * j + 2 * t + i;
+            if (r >= m) continue;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int n = n0 + g + 8 * hh;
+                if (n < n_out) y[(long long)r * n_out + n] = from_f32(d[j][2 * hh + i]);
+            }
+        }
+}
+#endif
+
+// M <= 8 MT rows (the launcher picks the smallest MT), W warps a block; shared memory
+// TCB_STAGES * 8 MT * TCB_LX storage elements (ops/gemv_batch.rs `batch_smem_bytes`). Needs
+// K and ks multiples of TCB_KC and 16-byte aligned rows (the launcher routes other shapes to
+// cuBLAS). Defined on sm_80+ only (cp.async, m16n8k16); empty below, where it is never launched.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define GEMV_TC_BATCH_BODY(MT, W) gemv_tc_batch_body<MT, W>(x, w, y, partial, arrivals, m, n_out, k, ks);
+#else
+#define GEMV_TC_BATCH_BODY(MT, W)
+#endif
+#define GEMV_TC_BATCH_INSTANCE(MT, W)                                                                \
+    extern "C" __global__ void __launch_bounds__(W * 32) gemv_tc_batch_m##MT##_w##W(                 \
+        const store_t* x, const store_t* w, store_t* y, float* partial, unsigned* arrivals, int m,    \
+        int n_out, int k, int ks) {                                                                  \
+        GEMV_TC_BATCH_BODY(MT / 8, W)                                                                \
+    }
+
+GEMV_TC_BATCH_INSTANCE(16, 4)
+GEMV_TC_BATCH_INSTANCE(32, 4)
+GEMV_TC_BATCH_INSTANCE(64, 4)
+GEMV_TC_BATCH_INSTANCE(16, 8)
+GEMV_TC_BATCH_INSTANCE(32, 8)
+GEMV_TC_BATCH_INSTANCE(64, 8)
