@@ -172,3 +172,76 @@ fn batch_gemm_timing_against_cublas() {
     }
     assert!(failures.is_empty(), "batch GEMM slower than cuBLAS: {failures:?}");
 }
+
+/// Launch sweep of the batch kernel (run with --ignored on the GPU): per decode shape and
+/// M = 32 / 64, the cold-L2 weight read rate of 4 and 8 warps at 1, 2, 4, 8 and 16 splits
+/// (where K allows) against cuBLAS: where `batch_gemm_plan_with`'s split target comes from.
+#[test]
+#[ignore]
+fn report_batch_gemm_sweep() {
+    let st = StorageDType::Bf16;
+    let Some(dev) = gpu("gemv_batch_sweep", st) else { return };
+    if !dev.batch_gemm() {
+        return;
+    }
+    let s = dev.stream().clone();
+    let mut rng = Rng::new(74);
+    let block = upload(&dev, &rounded(&rng.vec(4 << 20, -0.05, 0.05), st));
+    let copy_elems = 256 << 20;
+    let copy_src = s.alloc_zeros::<u16>(copy_elems).unwrap();
+    let mut copy_dst = s.alloc_zeros::<u16>(copy_elems).unwrap();
+    let copy_ms = super::gemv_tc::times_ms(&dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap())[0];
+    println!("SWEEP copy rate {:.2} TB/s (read + write)", 4.0 * copy_elems as f64 / copy_ms / 1e9);
+    let mut filler = || s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap();
+    let shapes = [
+        ("8b qkv", 6144, 4096),
+        ("8b o", 4096, 4096),
+        ("8b gate_up", 28672, 4096),
+        ("8b down", 4096, 14336),
+        ("27b gdn_in", 16480, 5120),
+        ("27b o", 5120, 6144),
+        ("27b gate_up", 34816, 5120),
+        ("27b down", 5120, 17408),
+    ];
+    for (name, n, k) in shapes {
+        let len = n * k;
+        let copies = (512usize << 20).div_ceil(len * 2).max(2);
+        let mut w = s.alloc_zeros::<u16>(copies * len).unwrap();
+        let mut at = 0;
+        while at < copies * len {
+            let c = block.len().min(copies * len - at);
+            s.memcpy_dtod(&block.slice(..c), &mut w.slice_mut(at..at + c)).unwrap();
+            at += c;
+        }
+        for m in [32, 64] {
+            let x = upload(&dev, &rounded(&rng.vec(m * k, -1.0, 1.0), st));
+            let mut y = s.alloc_zeros::<u16>(m * n).unwrap();
+            let launches = copies * 4;
+            let mut time = |plan: Option<BatchGemmPlan>| {
+                super::gemv_tc::times_ms(&dev, &mut filler, launches, &mut |i| {
+                    let wi = w.slice((i % copies) * len..(i % copies + 1) * len);
+                    match plan {
+                        Some(p) => dev.gemv_batch_with(p, &x, &wi, &mut y, m, n, k).unwrap(),
+                        None => dev.gemm(&x, &wi, &mut y, m, n, k).unwrap(),
+                    }
+                })[3]
+            };
+            let tbs = |ms: f64| (len * 2) as f64 / ms / 1e9;
+            let mut line = format!("SWEEP {name} n{n} k{k} m{m}: cuBLAS {:.2}", tbs(time(None)));
+            for warps in [4, 8] {
+                let base = batch_gemm_plan_with(m, n, k, dev.sm_count(), warps).unwrap();
+                line += &format!(" | w{warps} plan({})={:.2}", base.splits, tbs(time(Some(base))));
+                for splits in [1, 2, 4, 8, 16] {
+                    let chunks = k / 128;
+                    let ks = chunks.div_ceil(splits) * 128;
+                    let p = BatchGemmPlan { splits: k.div_ceil(ks), ks, ..base };
+                    if p.splits != splits || p.partial_floats(n) > ninfer_core::backend::cuda::ops::BATCH_GEMM_PARTIAL_FLOATS {
+                        continue;
+                    }
+                    line += &format!(" s{splits}={:.2}", tbs(time(Some(p))));
+                }
+            }
+            println!("{line}");
+        }
+    }
+}
