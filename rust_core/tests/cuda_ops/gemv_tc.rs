@@ -300,7 +300,7 @@ const REPEATS: usize = 7;
 /// the stream gets a 1 GB device copy (`filler`), during which the host queues the launches
 /// ahead of the GPU, so small shapes are timed as the GPU runs them (as in a CUDA graph), not at
 /// the host's launch rate.
-pub(super) fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> Vec<f64> {
+fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> Vec<f64> {
     use cudarc::driver::sys::CUevent_flags;
     for i in 0..launches {
         f(i);

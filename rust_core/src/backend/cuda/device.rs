@@ -47,10 +47,6 @@ pub struct CudaDevice {
     /// launches (the last block of a launch zeroes them), allocated here so that no launch
     /// allocates. One stream orders every launch, so one pair serves them all.
     fa_work: cudarc::driver::CudaSlice<u32>,
-    /// The decode batch GEMM's split-K partials and tile counters (ops/gemv_batch.rs; counters
-    /// zero between launches), allocated here so that no launch allocates; None below sm_80 or
-    /// with `NINFER_BATCH_GEMM` off.
-    batch_work: Option<(cudarc::driver::CudaSlice<f32>, cudarc::driver::CudaSlice<u32>)>,
     /// Kernels that wait on their predecessor are launched with Programmatic Dependent Launch
     /// (`ops::launch_pdl`): sm_90+ unless `NINFER_PDL` is off.
     pdl: bool,
@@ -202,18 +198,6 @@ impl CudaDevice {
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         let fa_work = stream.alloc_zeros::<u32>(2).map_err(driver_err("allocating the attention work counters"))?;
-        let batch_gemm = major >= 8 && crate::config::env_switch::env_switch(super::ops::BATCH_GEMM_SWITCH, true)?;
-        let batch_work = if batch_gemm {
-            // SAFETY: every partial is written by its launch before the tile's last block reads it.
-            let partial = unsafe { stream.alloc::<f32>(super::ops::BATCH_GEMM_PARTIAL_FLOATS) }
-                .map_err(driver_err("allocating the batch GEMM partials"))?;
-            let arrivals = stream
-                .alloc_zeros::<u32>(super::ops::BATCH_GEMM_MAX_TILES)
-                .map_err(driver_err("allocating the batch GEMM counters"))?;
-            Some((partial, arrivals))
-        } else {
-            None
-        };
         Ok(CudaDevice {
             ordinal,
             name,
@@ -228,7 +212,6 @@ impl CudaDevice {
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
             fa_work,
-            batch_work,
             pdl,
             gemv_form,
             gemv_shapes,
@@ -286,17 +269,6 @@ impl CudaDevice {
     /// alone bit for bit.
     pub fn batch_invariant(&self) -> bool {
         self.batch_invariant
-    }
-
-    /// Whether decode batches of 9..64 rows run the batch GEMM kernel (`NINFER_BATCH_GEMM`,
-    /// sm_80+) where their shape fits it (ops/gemv_batch.rs), instead of cuBLAS.
-    pub fn batch_gemm(&self) -> bool {
-        self.batch_work.is_some()
-    }
-
-    /// The batch GEMM's partials and tile counters (an error where `batch_gemm` is off).
-    pub(crate) fn batch_work(&self) -> Result<&(cudarc::driver::CudaSlice<f32>, cudarc::driver::CudaSlice<u32>)> {
-        self.batch_work.as_ref().ok_or_else(|| NinferError::Device("the batch GEMM needs sm_80+ and NINFER_BATCH_GEMM on".into()))
     }
 
     /// Whether batched decode attention may run on tensor cores (`NINFER_TC_DECODE_ATTN`).

@@ -499,8 +499,7 @@ impl CudaDevice {
     }
 
     /// y[M, N] = x[M, K] * W[N, K]^T by the faster route for M: the GEMV kernel for
-    /// M <= GEMV_ROUTE_MAX_M (and K % 8 == 0), above it `gemm_rows` (the batch kernel up to
-    /// 64 rows where it fits, cuBLAS otherwise).
+    /// M <= GEMV_ROUTE_MAX_M (and K % 8 == 0), cuBLAS otherwise.
     pub fn linear(
         &self,
         x: &impl DevicePtr<u16>,
@@ -513,7 +512,7 @@ impl CudaDevice {
         if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
             self.gemv(x, w, y, m, n, k)
         } else {
-            self.gemm_rows(x, w, y, m, n, k)
+            self.gemm(x, w, y, m, n, k)
         }
     }
 

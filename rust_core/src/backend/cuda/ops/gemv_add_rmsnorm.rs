@@ -123,7 +123,7 @@ impl CudaDevice {
                 if rows <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
                     self.gemv_with(form, x, w, tmp, rows, n, k)?;
                 } else {
-                    self.gemm_rows(x, w, tmp, rows, n, k)?;
+                    self.gemm(x, w, tmp, rows, n, k)?;
                 }
                 self.add_rmsnorm(residual, tmp, norm_w, h, rows, n, eps, plus_one)
             }

@@ -12,7 +12,6 @@ mod gdn;
 mod gdn_chunked;
 mod gemv;
 mod gemv_add_rmsnorm;
-mod gemv_batch;
 mod gemv_qkv_rope;
 mod gemv_tuning;
 mod norm;
@@ -30,7 +29,6 @@ pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::{FlashTile, FA_WS_SWITCH};
 pub use gdn_chunked::{PrepForm, ScanForm};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
-pub use gemv_batch::{batch_gemm_plan_with, BatchGemmPlan, BATCH_GEMM_KC, BATCH_GEMM_MAX_M, BATCH_GEMM_MAX_TILES, BATCH_GEMM_MIN_M, BATCH_GEMM_PARTIAL_FLOATS, BATCH_GEMM_SWITCH, BATCH_GEMM_WARPS};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::qkv_rope_fits;
 pub use gemv_tuning::{
