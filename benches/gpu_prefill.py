@@ -15,8 +15,11 @@ final-norm parameters: the embedding is a gather and the lm_head runs for one ro
 (4 x heads x head_dim x mean context per full-attention layer) + Gated DeltaNet (6 x dk x dv per
 value head per linear-attention layer: state read, update and output).
 
+The checkpoint is deleted when the run ends (`--keep-checkpoint` keeps it): the 27B one left on
+the 64 GiB disk made the next benchmark of the same call fail for want of space.
+
 Usage: python benches/gpu_prefill.py --out results.json --shape llama-3-8b --prompts 2048,8192
-       [--layers 8] [--chunk 8192] [--commit SHA] [--skip-peer]
+       [--layers 8] [--chunk 8192] [--commit SHA] [--skip-peer] [--keep-checkpoint]
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def parse_args(argv: list | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", default="2048,8192,32768", help="prompt lengths, comma separated")
     p.add_argument("--chunk", type=int, default=8192, help="engine prefill_chunk (longer prompts go in chunks)")
     p.add_argument("--dir", default="/tmp/ninfer_prefill_ckpt")
+    p.add_argument("--keep-checkpoint", action="store_true", help="leave the checkpoint in --dir after the run")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
@@ -191,6 +195,14 @@ def profile_prefill(first_token_s, prompt: list, out: Path) -> None:
 
 def main() -> None:
     a = parse_args()
+    try:
+        run(a)
+    finally:
+        if not a.keep_checkpoint:
+            shutil.rmtree(a.dir, ignore_errors=True)
+
+
+def run(a: argparse.Namespace) -> None:
     shape = SHAPES[a.shape]
     layers = a.layers or shape["layers"]
     lengths = a.lengths

@@ -1,9 +1,11 @@
 """The GPU benchmark scripts reject malformed arguments before they build a checkpoint (which
-takes minutes on the GPU machine): exit status 2 and a message naming the offending value."""
+takes minutes on the GPU machine): exit status 2 and a message naming the offending value; and
+gpu_prefill removes the checkpoint it built when it ends."""
 
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -175,3 +177,23 @@ def test_bench_tokenizer_refuses_a_size_it_cannot_build_naming_it(size):
     pytest.importorskip("tokenizers")
     with pytest.raises(ValueError, match=f"vocab_size {size}"):
         _load("bench_tokenizer").build_tokenizer(size)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_gpu_prefill_deletes_its_checkpoint_after_the_run_unless_kept(tmp_path, monkeypatch, keep):
+    """The 27B checkpoint (50 GB) left on the GPU machine's 64 GiB disk made the next benchmark
+    of the same call fail; the run removes it when it ends, a failing run too."""
+    prefill = _load("gpu_prefill")
+    ckpt = tmp_path / "ckpt"
+
+    def fake_run(a):
+        ckpt.mkdir()
+        (ckpt / "model.safetensors").write_bytes(b"0" * 16)
+        raise RuntimeError("the run fails after writing its checkpoint")
+
+    monkeypatch.setattr(prefill, "run", fake_run)
+    argv = ["gpu_prefill.py", "--out", str(tmp_path / "x.json"), "--dir", str(ckpt)] + (["--keep-checkpoint"] if keep else [])
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(RuntimeError, match="fails after writing"):
+        prefill.main()
+    assert ckpt.exists() == keep
