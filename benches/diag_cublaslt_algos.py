@@ -47,7 +47,7 @@ def load_lt():
     raise SystemExit("no libcublasLt found")
 
 
-LT = load_lt()
+LT = None  # libcublasLt, loaded by main() after the arguments parse
 vp = ctypes.c_void_p
 
 
@@ -128,12 +128,29 @@ SHAPES = {  # (N, K) of the decode projections
 }
 
 
-def main():
+def row_counts(text: str) -> list:
+    """--ms: comma-separated row counts >= 1, or an argparse error naming the value."""
+    try:
+        ms = [int(v) for v in text.split(",")]
+    except ValueError:
+        ms = []
+    if not ms or min(ms) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated row counts >= 1, e.g. 16,32,64")
+    return ms
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--ms", default="16,32,64")
+    ap.add_argument("--ms", type=row_counts, default=[16, 32, 64])
     ap.add_argument("--max-algos", type=int, default=24)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    global LT
+    args = parse_args()
+    LT = load_lt()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
@@ -159,7 +176,7 @@ def main():
             wbytes = n * k * 2
             reps = max(2, -(-(512 << 20) // wbytes))
             ws_list = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(reps)]
-            for m in [int(v) for v in args.ms.split(",")]:
+            for m in args.ms:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                 ref = x @ ws_list[0].t()

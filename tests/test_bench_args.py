@@ -197,3 +197,18 @@ def test_gpu_prefill_deletes_its_checkpoint_after_the_run_unless_kept(tmp_path, 
     with pytest.raises(RuntimeError, match="fails after writing"):
         prefill.main()
     assert ckpt.exists() == keep
+
+
+@pytest.mark.parametrize("value", ["16,x", "0,32", "", "-8"])
+def test_diag_cublaslt_algos_rejects_bad_row_counts_naming_them(value, capsys):
+    diag = _load("diag_cublaslt_algos")
+    with pytest.raises(SystemExit) as e:
+        diag.parse_args(["--ms", value])
+    assert e.value.code == 2
+    assert repr(value) in capsys.readouterr().err
+
+
+def test_diag_cublaslt_algos_parses_row_counts():
+    diag = _load("diag_cublaslt_algos")
+    assert diag.parse_args([]).ms == [16, 32, 64]
+    assert diag.parse_args(["--ms", "9,64"]).ms == [9, 64]
