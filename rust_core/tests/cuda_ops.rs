@@ -436,12 +436,16 @@ fn gemv_matches_reference_for_small_m_in_both_output_types() {
     for st in STORAGES {
         let Some(dev) = gpu("gemv", st) else { return };
         let mut rng = Rng::new(7);
-        for (m, n, k) in [(1, 1, 64), (1, 4096, 1024), (3, 1000, 2056), (8, 257, 512), (11, 300, 4096)] {
+        for ((m, n, k), hidden) in [(1, 1, 64), (1, 4096, 1024), (1, 333, 4104), (3, 1000, 2056), (8, 257, 512), (11, 300, 4096)]
+            .into_iter()
+            .flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h)))
+        {
+            dev.use_model_cc_launch(hidden);
             let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
             let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
             let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
             let want = reference::matmul_nt(&x, &w, m, n, k);
-            let shape = format!("m{m}n{n}k{k}");
+            let shape = format!("m{m}n{n}k{k} ksplit {}", dev.cc_ksplit_for(n, k));
             let mut y = Out16::new(&dev, m * n);
             dev.gemv(&xd, &wd, &mut y.view(), m, n, k).unwrap();
             check("gemv", st, &shape, &y.read(&dev, "gemv"), &want, tol16(st));
@@ -479,7 +483,9 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
         let mut rng = Rng::new(23);
         let (n, k) = (333, 4096 + 8);
         let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
-        for form in invariant_gemv_forms(&dev) {
+        for (form, hidden) in invariant_gemv_forms(&dev).into_iter().flat_map(|f| HIDDEN_PER_KSPLIT.map(|h| (f, h))) {
+            dev.use_model_cc_launch(hidden);
+            let split = dev.cc_ksplit_for(n, k);
             for m in 2..=8 {
                 let x = rounded(&rng.vec(m * k, -2.0, 2.0), st);
                 let xd = upload(&dev, &x);
@@ -497,8 +503,8 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
                     let (one, one32) = (one.read(&dev, "gemv one"), one32.read(&dev, "gemv one f32"));
                     let row = &many[r * n..(r + 1) * n];
                     let row32 = &many32[r * n..(r + 1) * n];
-                    assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} m={m} row {r}: storage output differs from M=1");
-                    assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} m={m} row {r}: f32 output differs from M=1");
+                    assert!(row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} ksplit {split} m={m} row {r}: storage output differs from M=1");
+                    assert!(row32.iter().zip(&one32).all(|(a, b)| a.to_bits() == b.to_bits()), "{st:?} {form:?} ksplit {split} m={m} row {r}: f32 output differs from M=1");
                 }
             }
         }
@@ -526,14 +532,15 @@ fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
     for st in STORAGES {
         let Some(dev) = gpu("gemv_gateup_swiglu", st) else { return };
         let mut rng = Rng::new(29);
-        for (inter, k) in [(333, 1000), (37, 8), (1027, 4096)] {
+        for ((inter, k), hidden) in [(333, 1000), (37, 8), (1027, 4096)].into_iter().flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h))) {
+            dev.use_model_cc_launch(hidden);
             let s = 3.0 / (k as f32).sqrt();
             let w = rounded(&rng.vec(2 * inter * k, -s, s), st);
             let wd = upload(&dev, &w);
             for m in (1..=8).chain([11]) {
                 let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
                 let xd = upload(&dev, &x);
-                let shape = format!("m{m}inter{inter}k{k}");
+                let shape = format!("m{m}inter{inter}k{k} ksplit {}", dev.cc_ksplit_for(2 * inter, k));
                 let mut fused = Out16::new(&dev, m * inter);
                 dev.gemv_gateup_swiglu(&xd, &wd, &mut fused.view(), m, inter, k).unwrap();
                 let fused = fused.read(&dev, "gemv_gateup_swiglu");

@@ -5,7 +5,8 @@
 //! heads of 128, K 4096), a GQA shape of head 64 at a K that is no multiple of 256 (a lane's
 //! ragged last vectors), and MHA at K = 8 (one vector: every lane but one sums nothing); at
 //! positions 0, 7 and 131071 (sincosf's slow argument reduction), with a rope attn_scale, and
-//! a negative slot (padding row) that must leave both caches untouched; bf16 and f16. Also
+//! a negative slot (padding row) that must leave both caches untouched; bf16 and f16; K split 1
+//! and 2 (the batch-1 loops of both default splits). Also
 //! against the CPU model's GEMV and RoPE within the storage tolerance. The PERF report times the
 //! fused kernel against the two kernels it replaces.
 
@@ -14,7 +15,7 @@ use ninfer_core::backend::cuda::ops::{GemvForm, RopeKvShape};
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::assert_bitwise;
-use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, STORAGES};
+use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, HIDDEN_PER_KSPLIT, STORAGES};
 use super::reference;
 
 /// Slots of the test caches.
@@ -68,7 +69,9 @@ fn gemv_qkv_rope_equals_gemv_then_rope_kv_write_bitwise() {
         let Some(dev) = gpu("gemv_qkv_rope", st) else { return };
         let mut rng = Rng::new(77);
         // (q heads, kv heads, head_dim, K, attn_scale)
-        for (hq, hkv, d, k, scale) in [(32, 8, 128, 4096, 1.0), (8, 2, 64, 1000, 1.25), (4, 4, 128, 8, 1.0)] {
+        let cases = [(32, 8, 128, 4096, 1.0), (8, 2, 64, 1000, 1.25), (4, 4, 128, 8, 1.0)];
+        for ((hq, hkv, d, k, scale), hidden) in cases.into_iter().flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h))) {
+            dev.use_model_cc_launch(hidden);
             let rows = (hq + 2 * hkv) * d;
             let s = 2.0 / (k as f32).sqrt();
             let (x_host, w_host) = (rounded(&rng.vec(k, -1.0, 1.0), st), rounded(&rng.vec(rows * k, -s, s), st));
@@ -80,7 +83,7 @@ fn gemv_qkv_rope_equals_gemv_then_rope_kv_write_bitwise() {
                 let pos = upload_raw(&dev, &[p]);
                 for slot in [rng.below(SLOTS) as i64, -1] {
                     let sl = upload_raw(&dev, &[slot]);
-                    let label = format!("{st:?} hq{hq}/hkv{hkv}/d{d}/k{k}/pos{p}/slot{slot}");
+                    let label = format!("{st:?} hq{hq}/hkv{hkv}/d{d}/k{k}/ksplit{}/pos{p}/slot{slot}", dev.cc_ksplit_for(rows, k));
                     let want = two_kernels(&dev, &c, &pos, &sl, &k0, &v0);
                     let got = fused(&dev, &c, &pos, &sl, &k0, &v0);
                     for (i, what) in ["qkv row", "k cache", "v cache"].iter().enumerate() {

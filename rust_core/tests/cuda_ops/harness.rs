@@ -35,6 +35,11 @@ pub fn gpu(test: &str, storage: StorageDType) -> Option<CudaDevice> {
     Some(CudaDevice::with_storage(0, storage).expect("opening cuda:0"))
 }
 
+/// Model hidden sizes whose default CUDA-core GEMV K split (`default_cc_ksplit`) is 1 and 2: a
+/// GEMV test sets each on its device in turn (`use_model_cc_launch`), since the batch-1 loop
+/// differs by split (cuda/gemv.cu `gemv_stream4`; the Qwen3.5-27B runs 1, the Llama-3-8B 2).
+pub const HIDDEN_PER_KSPLIT: [usize; 2] = [5120, 4096];
+
 /// Small deterministic generator (xorshift64*), so failures reproduce from the seed.
 pub struct Rng(u64);
 

@@ -6,7 +6,7 @@
 
 use ninfer_core::backend::cuda::ops::GemvForm;
 
-use super::harness::{gpu, rounded, upload, Out32, Rng, STORAGES};
+use super::harness::{gpu, rounded, upload, Out32, Rng, HIDDEN_PER_KSPLIT, STORAGES};
 
 fn assert_rounded(got: &[f32], unrounded: &[f32], st: ninfer_core::backend::cuda::StorageDType, what: &str) {
     let want = rounded(unrounded, st);
@@ -25,7 +25,9 @@ fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
             forms.extend([GemvForm::TensorCores, GemvForm::ByShape]);
         }
         // A 128256-row head (the Llama 3 vocabulary) at a small K, and a ragged N.
-        for (n, k) in [(128_256, 256), (1000, 2056)] {
+        for ((n, k), hidden) in [(128_256, 256), (1000, 2056)].into_iter().flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h))) {
+            dev.use_model_cc_launch(hidden);
+            let split = dev.cc_ksplit_for(n, k);
             let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
             for m in 1..=8 {
                 let xd = upload(&dev, &rounded(&rng.vec(m * k, -2.0, 2.0), st));
@@ -36,7 +38,7 @@ fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
                     dev.gemv_f32_out_round_with(form, &xd, &w, &mut round.view(), m, n, k, true).unwrap();
                     let (plain, round) = (plain.read(&dev, "gemv f32"), round.read(&dev, "gemv f32 rounded"));
                     assert!(plain.iter().any(|x| rounded(&[*x], st)[0] != *x), "the test needs sums that rounding changes");
-                    assert_rounded(&round, &plain, st, &format!("{form:?} m{m}n{n}k{k}"));
+                    assert_rounded(&round, &plain, st, &format!("{form:?} ksplit {split} m{m}n{n}k{k}"));
                 }
             }
         }
