@@ -272,15 +272,21 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     for (int c = 0; c < C; ++c)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[c][m] = 0.0f;
-    // Batch 1 with ksplit 1 (the Qwen3.5-27B shapes) or 2 (the Llama-3-8B ones): four of the
-    // lane's slices a step (gemv_stream4). Other splits and M > 1 keep the one loop: the held
-    // weights of four slices would cost an M > 1 kernel its occupancy.
+    // Batch 1: four of the lane's slices a step (gemv_stream4) at every split the launcher
+    // takes (1 for the Qwen3.5-27B shapes, 2 for the Llama-3-8B ones, 4 and 8 as tuning
+    // settings). M > 1 keeps the one loop: the held weights of four slices would cost an M > 1
+    // kernel its occupancy.
+    const int first = lane + 32 * part;
     if (M == 1 && ksplit == 1) {
-        gemv_stream4<M, C, 32>(x, k, k8, lane, wrow, acc);
+        gemv_stream4<M, C, 32>(x, k, k8, first, wrow, acc);
     } else if (M == 1 && ksplit == 2) {
-        gemv_stream4<M, C, 64>(x, k, k8, lane + 32 * part, wrow, acc);
+        gemv_stream4<M, C, 64>(x, k, k8, first, wrow, acc);
+    } else if (M == 1 && ksplit == 4) {
+        gemv_stream4<M, C, 128>(x, k, k8, first, wrow, acc);
+    } else if (M == 1 && ksplit == 8) {
+        gemv_stream4<M, C, 256>(x, k, k8, first, wrow, acc);
     } else {
-        for (int i = lane + 32 * part; i < k8; i += 32 * ksplit) {
+        for (int i = first; i < k8; i += 32 * ksplit) {
             vec8 wv[C];
 #pragma unroll
             for (int c = 0; c < C; ++c) wv[c] = gemv_load_w<0>(wrow[c] + i);
