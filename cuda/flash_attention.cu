@@ -616,23 +616,6 @@ __device__ __forceinline__ void flash_body(
 #define FA_WGMMA_DIRECT_V 0
 #endif
 
-// Descriptor of a K-major operand in the 128-byte swizzle layout at shared address addr (see the
-// section header): 8-row groups 1024 bytes apart (the stride byte offset); the leading byte
-// offset is unused for this layout (1 by convention); swizzle mode 1 = 128 bytes.
-__device__ __forceinline__ unsigned long long wg_desc_sw128(unsigned addr) {
-    return (unsigned long long)((addr & 0x3ffff) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-// Waits until at most N of this warpgroup's newest wgmma groups are still in flight.
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fence_proxy_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Ties registers to the asm statements around them (asm volatile keeps its order): the
 // accumulators of an in-flight wgmma are neither read before its wait nor written after its
 // issue, and its A registers stay live until the wait.
@@ -768,27 +751,6 @@ __device__ __forceinline__ unsigned pack_store2(float lo, float hi) {
 __device__ __forceinline__ void stsm_x4(unsigned addr, const unsigned* r) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};"
                  ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
-
-// Byte offset in a [ROWS][cols] 16-bit tile in the 128-byte swizzle layout of the 16-byte chunk
-// c8 of row r: columns in slabs of 64 (128 bytes a row), a slab's rows 128 bytes apart, and
-// within each 8-row group (1024 bytes) the chunk index XORed with the row's index in the group.
-template <int ROWS>
-__device__ __forceinline__ int sw128_offset(int r, int c8) {
-    return ((c8 >> 3) * ROWS + r) * 128 + (((c8 & 7) ^ (r & 7)) << 4);
-}
-// Staging order: chunk i of a tile is chunk i % 8 of its slab in row (i / 8) % ROWS of slab
-// i / (8 ROWS), so 8 consecutive chunks fill one 128-byte row (no two share a bank) from 128
-// consecutive bytes of global memory.
-template <int ROWS>
-__device__ __forceinline__ int sw128_chunk_row(int i) { return (i >> 3) % ROWS; }
-template <int ROWS>
-__device__ __forceinline__ int sw128_chunk_c8(int i) { return (i >> 3) / ROWS * 8 + (i & 7); }
-
-// 16 bytes by cp.async, or 16 zero bytes (nothing read) when !valid.
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
 }
 
 // Starts the copy of keys kb..kb+BN (K and V, storage type) into swizzled tiles ks / vs as one

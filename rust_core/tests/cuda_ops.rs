@@ -80,6 +80,8 @@ mod sampling;
 mod gdn_gated;
 #[path = "cuda_ops/gemv_tc.rs"]
 mod gemv_tc;
+#[path = "cuda_ops/gemm_wg.rs"]
+mod gemm_wg;
 #[path = "cuda_ops/gemv_add_rmsnorm.rs"]
 mod gemv_add_rmsnorm;
 #[path = "cuda_ops/rounding_points.rs"]

@@ -288,19 +288,19 @@ const SWEEP_SHAPES: [(&str, usize, usize, SweepOut); 11] = [
 
 /// Weight bytes each timed run streams through distinct copies of a shape's weight, at least:
 /// five times the H200's 50 MB L2, so no launch finds its weight in L2 from an earlier one.
-const COLD_BYTES: usize = 256 << 20;
+pub(super) const COLD_BYTES: usize = 256 << 20;
 /// Weight bytes per timed repeat, at least (a whole number of passes over the copies): enough
 /// launches that the events' resolution does not matter.
-const REPEAT_BYTES: usize = 512 << 20;
+pub(super) const REPEAT_BYTES: usize = 512 << 20;
 /// Timed repeats per figure; the median is reported.
-const REPEATS: usize = 7;
+pub(super) const REPEATS: usize = 7;
 
 /// Milliseconds per call of `f(i)` over `launches` back-to-back calls (i = call index), timed
 /// with CUDA events, REPEATS times after one untimed pass, ascending. Before each start event
 /// the stream gets a 1 GB device copy (`filler`), during which the host queues the launches
 /// ahead of the GPU, so small shapes are timed as the GPU runs them (as in a CUDA graph), not at
 /// the host's launch rate.
-fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> Vec<f64> {
+pub(super) fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usize, f: &mut dyn FnMut(usize)) -> Vec<f64> {
     use cudarc::driver::sys::CUevent_flags;
     for i in 0..launches {
         f(i);

@@ -93,6 +93,9 @@ pub struct CudaDevice {
     /// `NINFER_FA_WS` (default on): the warp-specialized prefill attention where it fits
     /// (ops/flash_attention.rs `flash_tile`); read once.
     fa_ws: bool,
+    /// `NINFER_WG_GEMM` (default on) and sm_90a code: decode launches of 9-64 rows run
+    /// `gemm_wg` (ops/gemm_wg.rs) instead of cuBLAS; read once.
+    wg_gemm: bool,
     /// Major version of the NVRTC that compiles this device's kernels (0 where none loads):
     /// the warp-specialized prefill attention exists only in NVRTC 13's build.
     nvrtc_major: i32,
@@ -185,6 +188,8 @@ impl CudaDevice {
         let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
         super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
         let fa_ws = crate::config::env_switch::env_switch(super::ops::FA_WS_SWITCH, true)?;
+        let wg_gemm = super::ops::parse_wg_gemm_switch(std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?
+            && super::kernels::has_sm90a_code(major, minor);
         let nvrtc_major = super::nvrtc::nvrtc_version().map_or(0, |v| v.0);
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -228,6 +233,7 @@ impl CudaDevice {
             tc_decode_min_tokens,
             tc_decode_direct,
             fa_ws,
+            wg_gemm,
             nvrtc_major,
             sm_count,
             smem_optin,
@@ -290,6 +296,11 @@ impl CudaDevice {
     /// Whether prefill attention may take the warp-specialized wgmma form (`NINFER_FA_WS`).
     pub fn fa_ws(&self) -> bool {
         self.fa_ws
+    }
+
+    /// Whether decode launches of 9-64 rows may run `gemm_wg` (`NINFER_WG_GEMM`, sm_90a).
+    pub fn wg_gemm(&self) -> bool {
+        self.wg_gemm
     }
 
     /// Major version of the loaded NVRTC (0 where none loads).

@@ -499,7 +499,8 @@ impl CudaDevice {
     }
 
     /// y[M, N] = x[M, K] * W[N, K]^T by the faster route for M: the GEMV kernel for
-    /// M <= GEMV_ROUTE_MAX_M (and K % 8 == 0), cuBLAS otherwise.
+    /// M <= GEMV_ROUTE_MAX_M (and K % 8 == 0), the warpgroup GEMM for 9..=64 rows where it
+    /// runs (`wg_gemm_fits`: sm_90a, `NINFER_WG_GEMM`), cuBLAS otherwise.
     pub fn linear(
         &self,
         x: &impl DevicePtr<u16>,
@@ -511,6 +512,8 @@ impl CudaDevice {
     ) -> Result<()> {
         if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
             self.gemv(x, w, y, m, n, k)
+        } else if self.wg_gemm_fits(m, k) {
+            self.gemm_wg_with(x, w, y, m, n, k, None)
         } else {
             self.gemm(x, w, y, m, n, k)
         }

@@ -10,6 +10,7 @@ mod elementwise;
 mod flash_attention;
 mod gdn;
 mod gdn_chunked;
+mod gemm_wg;
 mod gemv;
 mod gemv_add_rmsnorm;
 mod gemv_qkv_rope;
@@ -28,6 +29,7 @@ pub use decode_attention::{
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::{FlashTile, FA_WS_SWITCH};
 pub use gdn_chunked::{PrepForm, ScanForm};
+pub use gemm_wg::{gemm_wg_plan, parse_wg_gemm_switch, GemmWgPlan, WG_GEMM_MAX_M, WG_GEMM_MIN_M, WG_GEMM_SWITCH};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::qkv_rope_fits;
@@ -147,6 +149,21 @@ impl CudaDevice {
         if !self.pdl() {
             return self.launch(f, config, name, args);
         }
+        self.launch_ex(f, config, name, args, true, 1)
+    }
+
+    /// Queues `f` with `args` through cuLaunchKernelEx with the launch attributes asked for:
+    /// PDL (`pdl`, only for kernels that keep `launch_pdl`'s invariant) and thread-block
+    /// clusters of `cluster_x` x 1 x 1 blocks (`cluster_x` > 1, sm_90+; grid.x a multiple of it).
+    pub(crate) fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        config: LaunchConfig,
+        name: &str,
+        args: &[KArg],
+        pdl: bool,
+        cluster_x: u32,
+    ) -> Result<()> {
         if config.grid_dim.0 == 0 || config.grid_dim.1 == 0 || config.grid_dim.2 == 0 {
             return Ok(());
         }
@@ -160,10 +177,23 @@ impl CudaDevice {
                 KArg::F32(v) => v as *const f32 as *mut c_void,
             })
             .collect();
-        // SAFETY: an all-zero attribute is a valid plain-old-data value; id and value are set next.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
+        if pdl {
+            // SAFETY: an all-zero attribute is a valid plain-old-data value; id and value are set next.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            attrs.push(attr);
+        }
+        if cluster_x > 1 {
+            // SAFETY: as above.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = cluster_x;
+            attr.value.clusterDim.y = 1;
+            attr.value.clusterDim.z = 1;
+            attrs.push(attr);
+        }
         let lc = sys::CUlaunchConfig {
             gridDimX: config.grid_dim.0,
             gridDimY: config.grid_dim.1,
@@ -173,15 +203,16 @@ impl CudaDevice {
             blockDimZ: config.block_dim.2,
             sharedMemBytes: config.shared_mem_bytes,
             hStream: self.stream().cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         self.context().bind_to_thread().map_err(|e| NinferError::Device(format!("launching {name}: {e}")))?;
         // SAFETY: each launcher checked every buffer against the shape the kernel indexes; the
-        // parameter array and the values it points at (`args`) outlive the call, which copies them.
+        // parameter array, the values it points at (`args`) and the attributes outlive the
+        // call, which copies them.
         unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
-            .map_err(|e| NinferError::Device(format!("launching {name} (PDL): {e}")))
+            .map_err(|e| NinferError::Device(format!("launching {name} (cuLaunchKernelEx, PDL {pdl}, cluster {cluster_x}): {e}")))
     }
 }
 
