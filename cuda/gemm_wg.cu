@@ -9,12 +9,12 @@
 // tile, x through shared memory a chunk at a time, one chunk of weights in flight a warp) read
 // 1.2-3.0 TB/s and lost. Here the weights stream the way the prefill attention streams K/V:
 //
-// - A block is two warpgroups over a 128-row weight tile (64 rows each, the wgmma's M). x is the
-//   B operand, its rows the wgmma's N (16, 32 or 64: the launch's M rounded up; rows past M are
-//   zero-filled and their outputs never stored; each output element depends only on its own
-//   weight row and x row, so padding changes no value).
+// - A block is two warpgroups over a 128- or 256-row weight tile (64 or 128 rows each, in m64
+//   wgmma tiles). x is the B operand, its rows the wgmma's N (16, 32 or 64: the launch's M
+//   rounded up; rows past M are zero-filled and their outputs never stored; each output element
+//   depends only on its own weight row and x row, so padding changes no value).
 // - K goes in 64-column stages (one 128-byte row of the swizzle layout): a stage is the tile's
-//   16 KiB of weights plus M x 128 bytes of x, staged by cp.async into a ring of STAGES buffers,
+//   16 or 32 KiB of weights plus M x 128 bytes of x, staged by cp.async into a ring of STAGES buffers,
 //   STAGES - 1 ahead of the products. The first STAGES - 1 stages of weights are requested
 //   before the PDL wait (they depend on no kernel), so the weight stream starts while the
 //   kernel before is still finishing.
@@ -40,7 +40,6 @@
 #define GW_TYPES "bf16.bf16"
 #endif
 
-constexpr int GW_ROWS = 128;     // weight rows a block: two warpgroups of 64
 constexpr int GW_THREADS = 256;  // two warpgroups
 constexpr int GW_BK = 64;        // k a stage: one 128-byte row of the swizzle layout
 
@@ -113,13 +112,16 @@ __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr, unsigned rank) {
     return v;
 }
 
-// MN: x rows of the wgmma (M rounded up to 16 / 32 / 64). `steps`: 64-column stages a split
-// takes (the last split may take fewer; the host makes every split non-empty).
-template <int MN, int STAGES>
+// MN: x rows of the wgmma (M rounded up to 16 / 32 / 64); WT: 64-row weight tiles a warpgroup
+// (the block's weight tile is 128 WT rows: x staged once serves them all, so WT = 2 halves the
+// x bytes a weight byte costs); STAGES: the ring. `steps`: 64-column stages a split takes (the
+// last split may take fewer; the host makes every split non-empty).
+template <int MN, int WT, int STAGES>
 __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, const store_t* __restrict__ w,
                                              store_t* __restrict__ y, int m, int n, int k, int steps) {
     constexpr int J = MN / 8;
-    constexpr int W_BYTES = GW_ROWS * 128;
+    constexpr int ROWS = 128 * WT;
+    constexpr int W_BYTES = ROWS * 128;
     constexpr int X_BYTES = MN * 128;
     constexpr int STAGE = W_BYTES + X_BYTES;
     static_assert(X_BYTES % 1024 == 0, "swizzle atoms are 1 KiB aligned");
@@ -131,26 +133,26 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
-    const int n0 = blockIdx.y * GW_ROWS;
+    const int n0 = blockIdx.y * ROWS;
     const int split = blockIdx.x;
     const int splits = gridDim.x;
     const int total = (k + GW_BK - 1) / GW_BK;
     const int s0 = split * steps;
     const int nsteps = min(total, s0 + steps) - s0;
 
-    // Stage st (local index) into ring buffer b: weights (1024 chunks, 4 a thread: chunk i is
-    // row i / 8, chunk i % 8 of the 128-byte row, so 8 consecutive threads copy 128 consecutive
-    // bytes) and x (MN x 8 chunks).
+    // Stage st (local index) into ring buffer b: weights (ROWS x 8 chunks: chunk i is row i / 8,
+    // chunk i % 8 of the 128-byte row, so 8 consecutive threads copy 128 consecutive bytes) and
+    // x (MN x 8 chunks).
     auto load_w = [&](int st, int b) {
         const int kc = (s0 + st) * GW_BK + (tid & 7) * 8;
         const unsigned dst = base + b * STAGE;
 #pragma unroll
-        for (int i = 0; i < GW_ROWS * 8 / GW_THREADS; ++i) {
+        for (int i = 0; i < ROWS * 8 / GW_THREADS; ++i) {
             const int r = (tid >> 3) + i * (GW_THREADS / 8);
             const int row = n0 + r;
             const bool valid = row < n && kc < k;
             const store_t* src = valid ? w + (long long)row * k + kc : w;
-            cp_async16_zfill(dst + sw128_offset<GW_ROWS>(r, tid & 7), src, valid);
+            cp_async16_zfill(dst + sw128_offset<ROWS>(r, tid & 7), src, valid);
         }
     };
     auto load_x = [&](int st, int b) {
@@ -184,9 +186,11 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
         cp_async_commit();
     }
 
-    float d[J][4];
+    float d[WT][J][4];
 #pragma unroll
-    for (int j = 0; j < J; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+    for (int t = 0; t < WT; ++t)
+#pragma unroll
+        for (int j = 0; j < J; ++j) d[t][j][0] = d[t][j][1] = d[t][j][2] = d[t][j][3] = 0.f;
 
     for (int s = 0; s < nsteps; ++s) {
         cp_async_wait_group<STAGES - 2>();
@@ -194,7 +198,8 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
         // This warpgroup's products of stage s - 1 are done, and after the barrier everyone's:
         // its buffer, (s - 1) % STAGES = (s + AHEAD) % STAGES, may be refilled.
         wg_wait<0>();
-        gw_pin(d);
+#pragma unroll
+        for (int t = 0; t < WT; ++t) gw_pin(d[t]);
         __syncthreads();
         const int nx = s + AHEAD;
         if (nx < nsteps) {
@@ -203,20 +208,28 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
         }
         cp_async_commit();
         const unsigned stage = base + (s % STAGES) * STAGE;
-        const unsigned a0 = stage + wg * 64 * 128;
         const unsigned b0 = stage + W_BYTES;
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < GW_BK / 16; ++kk) gw_mma(d, wg_desc_sw128(a0 + kk * 32), wg_desc_sw128(b0 + kk * 32));
+        for (int t = 0; t < WT; ++t) {
+            const unsigned a0 = stage + (wg * WT + t) * 64 * 128;
+#pragma unroll
+            for (int kk = 0; kk < GW_BK / 16; ++kk)
+                gw_mma(d[t], wg_desc_sw128(a0 + kk * 32), wg_desc_sw128(b0 + kk * 32));
+        }
         wg_commit();
     }
     wg_wait<0>();
-    gw_pin(d);
+#pragma unroll
+    for (int t = 0; t < WT; ++t) gw_pin(d[t]);
 
-    // Output (row r of the tile, x row c) of slot (j, t): thread t's d[j].
-    auto store4 = [&](int j, int t, float4 v) {
-        const int ra = (t >> 7) * 64 + ((t >> 5) & 3) * 16 + ((t & 31) >> 2);
-        const int ca = 8 * j + 2 * (t & 3);
+    // Slot (t, j, thread) holds that thread's d[t][j]: tile rows (wg WT + t) 64 + 16 warp + g
+    // and + 8, x rows 8 j + 2 q and + 1.
+    auto store4 = [&](int f, float4 v) {
+        const int th = f % GW_THREADS, tj = f / GW_THREADS;
+        const int t = tj / J, j = tj % J;
+        const int ra = ((th >> 7) * WT + t) * 64 + ((th >> 5) & 3) * 16 + ((th & 31) >> 2);
+        const int ca = 8 * j + 2 * (th & 3);
         const int na = n0 + ra, nb = na + 8;
         if (ca < m) {
             if (na < n) y[(long long)ca * n + na] = from_f32(v.x);
@@ -229,19 +242,25 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
     };
     if (splits == 1) {
 #pragma unroll
-        for (int j = 0; j < J; ++j) store4(j, tid, make_float4(d[j][0], d[j][1], d[j][2], d[j][3]));
+        for (int t = 0; t < WT; ++t)
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+                store4((t * J + j) * GW_THREADS + tid, make_float4(d[t][j][0], d[t][j][1], d[t][j][2], d[t][j][3]));
         return;
     }
 
-    // Split K: this block's partial tile into its shared memory as slots (j, t) of 16 bytes,
-    // slot j * 256 + t (every stage buffer is free: all products have landed), then each block
-    // of the cluster sums its share of the slots over the cluster in split order.
+    // Split K: this block's partial tile into its shared memory as 16-byte slots (every stage
+    // buffer is free: all products have landed), then each block of the cluster sums its share
+    // of the slots over the cluster's blocks in split order.
     __syncthreads();
     float4* red = reinterpret_cast<float4*>(base_ptr);
 #pragma unroll
-    for (int j = 0; j < J; ++j) red[j * GW_THREADS + tid] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
+    for (int t = 0; t < WT; ++t)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            red[(t * J + j) * GW_THREADS + tid] = make_float4(d[t][j][0], d[t][j][1], d[t][j][2], d[t][j][3]);
     cluster_sync();
-    const int slots = J * GW_THREADS;
+    const int slots = WT * J * GW_THREADS;
     const int share = (slots + splits - 1) / splits;
     const int rank = (int)cluster_rank();
     const int end = min(slots, (rank + 1) * share);
@@ -255,7 +274,7 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
             acc.z += p.z;
             acc.w += p.w;
         }
-        store4(f / GW_THREADS, f % GW_THREADS, acc);
+        store4(f, acc);
     }
     // No block leaves while another may still read its shared memory.
     cluster_sync();
@@ -263,22 +282,24 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// Every instance: the arguments, 256 threads, dynamic shared memory STAGES x (16 KiB + MN x 128
-// bytes) + 1 KiB of alignment slack; grid (splits, ceil(n / 128)), launched as clusters of
-// (splits, 1, 1). Only sm_90a code has a body.
+// Every instance: the arguments, 256 threads, dynamic shared memory STAGES x (128 WT x 128 + MN x
+// 128 bytes) + 1 KiB of alignment slack; grid (splits, ceil(n / (128 WT))), launched as clusters
+// of (splits, 1, 1). Only sm_90a code has a body. Names: gemm_wg_n{MN}_r{128 WT}_s{STAGES}.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GW_BODY(MN, STAGES) gemm_wg_body<MN, STAGES>(x, w, y, m, n, k, steps);
+#define GW_BODY(MN, WT, STAGES) gemm_wg_body<MN, WT, STAGES>(x, w, y, m, n, k, steps);
 #else
-#define GW_BODY(MN, STAGES)
+#define GW_BODY(MN, WT, STAGES)
 #endif
-#define GEMM_WG_INSTANCE(NAME, MN, STAGES)                                                              \
-    extern "C" __global__ void __launch_bounds__(256) NAME(const store_t* __restrict__ x,              \
-                                                           const store_t* __restrict__ w,              \
-                                                           store_t* __restrict__ y, int m, int n,      \
-                                                           int k, int steps) {                         \
-        GW_BODY(MN, STAGES)                                                                             \
+#define GEMM_WG_INSTANCE(MN, WT, STAGES, ROWS)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gemm_wg_n##MN##_r##ROWS##_s##STAGES(                    \
+        const store_t* __restrict__ x, const store_t* __restrict__ w, store_t* __restrict__ y, int m, int n, \
+        int k, int steps) {                                                                                  \
+        GW_BODY(MN, WT, STAGES)                                                                              \
     }
 
-GEMM_WG_INSTANCE(gemm_wg_n16, 16, 4)
-GEMM_WG_INSTANCE(gemm_wg_n32, 32, 4)
-GEMM_WG_INSTANCE(gemm_wg_n64, 64, 4)
+GEMM_WG_INSTANCE(16, 1, 4, 128)
+GEMM_WG_INSTANCE(32, 1, 4, 128)
+GEMM_WG_INSTANCE(64, 1, 4, 128)
+GEMM_WG_INSTANCE(16, 2, 6, 256)
+GEMM_WG_INSTANCE(32, 2, 5, 256)
+GEMM_WG_INSTANCE(64, 2, 5, 256)

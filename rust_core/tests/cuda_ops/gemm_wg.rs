@@ -1,13 +1,12 @@
 //! The warpgroup decode GEMM (cuda/gemm_wg.cu, `gemm_wg_with`; sm_90a only) against the CPU
 //! reference at every instance (M of 1..64 around the 16 / 32 / 64 boundaries), ragged N and K
 //! (partial tiles, partial stages, K from one 8-element chunk to the 8B down projection's
-//! 14336), K split over 1-8 blocks of a cluster, both storage types; launches are deterministic
+//! 14336), 128- and 256-row blocks, K split over 1-8 blocks of a cluster, both storage types; launches are deterministic
 //! and rows of a padded launch equal the same rows of a fuller launch of the same instance bit
 //! for bit; `linear` routes 9-64 rows to it; and the cold-L2 sweep against cuBLAS over the
 //! decode shapes of Llama-3-8B and Qwen3.5-27B (`report_gemm_wg_sweep`, ignored: run on the GPU).
 
 use ninfer_core::backend::cuda::kernels::has_sm90a_code;
-use ninfer_core::backend::cuda::ops::gemm_wg_plan;
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::assert_bitwise;
@@ -39,17 +38,19 @@ fn gemm_wg_matches_reference_at_every_instance_and_split() {
             for m in [1, 9, 16, 17, 32, 33, 48, 64] {
                 let want = reference::matmul_nt(&x[..m * k], &w, m, n, k);
                 let xd = upload(&dev, &x[..m * k]);
-                for splits in [None, Some(1), Some(3), Some(8)] {
-                    let plan = gemm_wg_plan(m, n, k, dev.sm_count(), splits);
-                    let shape = format!("m{m}n{n}k{k} splits {}x{} steps", plan.splits, plan.steps);
-                    let mut y = Out16::new(&dev, m * n);
-                    dev.gemm_wg_with(&xd, &wd, &mut y.view(), m, n, k, splits).unwrap();
-                    let got = y.read(&dev, "gemm_wg");
-                    check("gemm_wg", st, &shape, &got, &want, tol16(st));
-                    // The cluster sums partials in split order, whichever block finishes first.
-                    let mut again = Out16::new(&dev, m * n);
-                    dev.gemm_wg_with(&xd, &wd, &mut again.view(), m, n, k, splits).unwrap();
-                    assert_bitwise(&again.read(&dev, "gemm_wg again"), &got, &format!("gemm_wg {st:?} {shape} repeated"));
+                for rows in [128, 256] {
+                    for splits in [None, Some(1), Some(3), Some(8)] {
+                        let plan = dev.gemm_wg_plan_for(m, n, k, Some(rows), splits).unwrap();
+                        let shape = format!("m{m}n{n}k{k} rows {rows} splits {}x{} steps", plan.splits, plan.steps);
+                        let mut y = Out16::new(&dev, m * n);
+                        dev.gemm_wg_with(&xd, &wd, &mut y.view(), m, n, k, Some(rows), splits).unwrap();
+                        let got = y.read(&dev, "gemm_wg");
+                        check("gemm_wg", st, &shape, &got, &want, tol16(st));
+                        // The cluster sums partials in split order, whichever block finishes first.
+                        let mut again = Out16::new(&dev, m * n);
+                        dev.gemm_wg_with(&xd, &wd, &mut again.view(), m, n, k, Some(rows), splits).unwrap();
+                        assert_bitwise(&again.read(&dev, "gemm_wg again"), &got, &format!("gemm_wg {st:?} {shape} repeated"));
+                    }
                 }
             }
         }
@@ -71,7 +72,7 @@ fn gemm_wg_padded_rows_equal_the_same_rows_of_a_full_launch() {
         let run = |m: usize| {
             let xd = upload(&dev, &x[..m * k]);
             let mut y = Out16::new(&dev, m * n);
-            dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, Some(4)).unwrap();
+            dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, None, Some(4)).unwrap();
             y.read(&dev, "gemm_wg")
         };
         let (a, b) = (run(part), run(full));
@@ -97,7 +98,7 @@ fn linear_routes_9_to_64_rows_to_gemm_wg() {
         let mut a = Out16::new(&dev, m * n);
         dev.linear(&xd, &w, &mut a.view(), m, n, k).unwrap();
         let mut b = Out16::new(&dev, m * n);
-        dev.gemm_wg_with(&xd, &w, &mut b.view(), m, n, k, None).unwrap();
+        dev.gemm_wg_with(&xd, &w, &mut b.view(), m, n, k, None, None).unwrap();
         assert_bitwise(&a.read(&dev, "linear"), &b.read(&dev, "gemm_wg"), &format!("linear m{m}"));
     }
     assert!(!dev.wg_gemm_fits(8, k) && !dev.wg_gemm_fits(65, k) && !dev.wg_gemm_fits(16, 1001));
@@ -118,7 +119,8 @@ const SHAPES: [(&str, usize, usize); 9] = [
 ];
 
 /// Cold-L2 sweep (run with --ignored on the GPU): per shape and M = 16, 32, 64, the weight read
-/// rate (GB/s) of cuBLAS and of gemm_wg at its plan's split and at 1, 4, 8 splits, each
+/// rate (GB/s) of cuBLAS and of gemm_wg at its defaults, with 128-row blocks at their plan, and
+/// at 2, 4, 8 splits, each
 /// launch on its own copy of the weight (gemv_tc.rs `times_ms`), against a 1 GB copy.
 #[test]
 #[ignore]
@@ -152,34 +154,37 @@ fn report_gemm_wg_sweep() {
         let mut y = s.alloc_zeros::<u16>(64 * rows).unwrap();
         for m in [16, 32, 64] {
             let xm = x.slice(..m * k);
-            // None: cuBLAS; Some(splits): gemm_wg (splits None: its plan).
-            let mut time = |form: Option<Option<usize>>| {
+            // None: cuBLAS; Some((rows, splits)): gemm_wg (None: its defaults).
+            let mut time = |form: Option<(Option<usize>, Option<usize>)>| {
                 times_ms(&dev, &mut filler, launches, &mut |i| {
                     let wi = w.slice((i % copies) * len..(i % copies + 1) * len);
                     match form {
                         None => dev.gemm(&xm, &wi, &mut y, m, rows, k),
-                        Some(splits) => dev.gemm_wg_with(&xm, &wi, &mut y, m, rows, k, splits),
+                        Some((r, sp)) => dev.gemm_wg_with(&xm, &wi, &mut y, m, rows, k, r, sp),
                     }
                     .unwrap()
                 })[REPEATS / 2]
             };
             let gbps = |ms: f64| bytes as f64 / ms / 1e6;
             let cublas = time(None);
-            let plan = gemm_wg_plan(m, rows, k, dev.sm_count(), None);
-            let wg = time(Some(None));
+            let plan = dev.gemm_wg_plan_for(m, rows, k, None, None).unwrap();
+            let plan128 = dev.gemm_wg_plan_for(m, rows, k, Some(128), None).unwrap();
+            let wg = time(Some((None, None)));
             sum_cublas += cublas;
             sum_wg += wg;
             let mut line = format!(
-                "PERF op=gemm_wg_sweep shape={name} rows={rows} k={k} m={m} cublas={:.0} wg={:.0} plan_splits={} wg_vs_cublas={:.3} wg_frac={:.3} cublas_frac={:.3}",
+                "PERF op=gemm_wg_sweep shape={name} rows={rows} k={k} m={m} cublas={:.0} wg={:.0} plan_splits={} wg_vs_cublas={:.3} wg_frac={:.3} cublas_frac={:.3} r128={:.0} r128_splits={}",
                 gbps(cublas),
                 gbps(wg),
                 plan.splits,
                 cublas / wg,
                 gbps(wg) / copy,
-                gbps(cublas) / copy
+                gbps(cublas) / copy,
+                gbps(time(Some((Some(128), None)))),
+                plan128.splits
             );
-            for sp in [1, 4, 8] {
-                line += &format!(" s{sp}={:.0}", gbps(time(Some(Some(sp)))));
+            for sp in [2, 4, 8] {
+                line += &format!(" s{sp}={:.0}", gbps(time(Some((None, Some(sp))))));
             }
             println!("{line}");
         }

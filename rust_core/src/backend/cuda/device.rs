@@ -96,6 +96,9 @@ pub struct CudaDevice {
     /// `NINFER_WG_GEMM` (default on) and sm_90a code: decode launches of 9-64 rows run
     /// `gemm_wg` (ops/gemm_wg.rs) instead of cuBLAS; read once.
     wg_gemm: bool,
+    /// Clusters of each gemm_wg instance and size resident at once (ops/gemm_wg.rs), asked of
+    /// the driver once each.
+    wg_capacity: Mutex<HashMap<(&'static str, usize), usize>>,
     /// Major version of the NVRTC that compiles this device's kernels (0 where none loads):
     /// the warp-specialized prefill attention exists only in NVRTC 13's build.
     nvrtc_major: i32,
@@ -234,6 +237,7 @@ impl CudaDevice {
             tc_decode_direct,
             fa_ws,
             wg_gemm,
+            wg_capacity: Mutex::new(HashMap::new()),
             nvrtc_major,
             sm_count,
             smem_optin,
@@ -301,6 +305,11 @@ impl CudaDevice {
     /// Whether decode launches of 9-64 rows may run `gemm_wg` (`NINFER_WG_GEMM`, sm_90a).
     pub fn wg_gemm(&self) -> bool {
         self.wg_gemm
+    }
+
+    /// gemm_wg's cache of resident clusters per (instance, size).
+    pub(crate) fn wg_capacity_cache(&self) -> &Mutex<HashMap<(&'static str, usize), usize>> {
+        &self.wg_capacity
     }
 
     /// Major version of the loaded NVRTC (0 where none loads).

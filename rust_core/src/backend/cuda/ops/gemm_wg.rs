@@ -2,7 +2,7 @@
 //! instance per M, the split of K over a thread-block cluster, the launcher, and the switch
 //! that routes `linear` to it (`NINFER_WG_GEMM`).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::{as_i32, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -16,49 +16,78 @@ pub const WG_GEMM_MIN_M: usize = super::GEMV_ROUTE_MAX_M + 1;
 /// Most rows one launch takes: the widest instance's wgmma N.
 pub const WG_GEMM_MAX_M: usize = 64;
 
-/// Weight rows a block (two warpgroups of 64), k a stage, threads a block, stages in the ring
-/// (gemm_wg.cu's GW_ROWS, GW_BK, GW_THREADS and the instances' STAGES).
-const GW_ROWS: usize = 128;
-const GW_BK: usize = 64;
-const GW_THREADS: u32 = 256;
-const GW_STAGES: usize = 4;
-/// Largest portable cluster: the most blocks that split one tile's K.
-const MAX_SPLITS: usize = 8;
-/// Fewest 64-column stages a split takes (shorter splits spend more on the pipeline's fill and
-/// the cluster's sum than they stream).
-const MIN_SPLIT_STEPS: usize = 4;
-/// Shared memory of a Hopper SM (228 KiB, 1 KiB of it reserved per resident block): how many
-/// blocks of an instance an SM holds, which sets how many splits fill the device.
-const SM_SMEM_BYTES: usize = 228 << 10;
-/// Registers of an SM and what the widest instance takes a thread (74, ptxas of NVRTC 12.9 /
-/// 13.0, rounded up to the allocation granule): at most 3 blocks of 256 threads an SM.
-const SM_REGS: usize = 65536;
-const MAX_REGS_PER_THREAD: usize = 80;
-
 /// `NINFER_WG_GEMM` as read (`config::parse_switch`; unset means on). A misspelt value is an
 /// error naming the variable.
 pub fn parse_wg_gemm_switch(value: Option<&str>) -> Result<bool> {
     crate::config::env_switch::parse_switch(WG_GEMM_SWITCH, value, true)
 }
 
-/// The instance (kernel name, wgmma N) for a launch of `m` rows.
-fn instance(m: usize) -> (&'static str, usize) {
-    match m {
-        0..=16 => ("gemm_wg_n16", 16),
-        17..=32 => ("gemm_wg_n32", 32),
-        _ => ("gemm_wg_n64", 64),
+/// k a stage and threads a block (gemm_wg.cu's GW_BK and GW_THREADS).
+const GW_BK: usize = 64;
+const GW_THREADS: u32 = 256;
+/// Largest portable cluster: the most blocks that split one tile's K.
+const MAX_SPLITS: usize = 8;
+/// Fewest 64-column stages a split takes (shorter splits spend more on the pipeline's fill and
+/// the cluster's sum than they stream).
+const MIN_SPLIT_STEPS: usize = 4;
+
+/// One kernel of gemm_wg.cu (GEMM_WG_INSTANCE): x rows of the wgmma (`mn`, 16 / 32 / 64),
+/// weight rows a block (`rows`, 128 or 256: 64 or 128 a warpgroup) and stages in the ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GemmWgInstance {
+    pub mn: usize,
+    pub rows: usize,
+    pub stages: usize,
+}
+
+const fn gw(mn: usize, rows: usize, stages: usize) -> GemmWgInstance {
+    GemmWgInstance { mn, rows, stages }
+}
+
+impl GemmWgInstance {
+    /// Every instance (the GEMM_WG_INSTANCE lines of gemm_wg.cu).
+    pub const ALL: [GemmWgInstance; 6] = [gw(16, 128, 4), gw(32, 128, 4), gw(64, 128, 4), gw(16, 256, 6), gw(32, 256, 5), gw(64, 256, 5)];
+
+    /// The instance for `m` rows with `rows` weight rows a block (None: DEFAULT_ROWS).
+    pub fn for_rows(m: usize, rows: Option<usize>) -> Result<Self> {
+        let mn = match m {
+            0..=16 => 16,
+            17..=32 => 32,
+            _ => 64,
+        };
+        let rows = rows.unwrap_or(DEFAULT_ROWS);
+        Self::ALL
+            .into_iter()
+            .find(|i| i.mn == mn && i.rows == rows)
+            .ok_or_else(|| NinferError::Device(format!("gemm_wg has no instance of {rows} weight rows a block (128 or 256)")))
+    }
+
+    /// The kernel's name: gemm_wg_n{mn}_r{rows}_s{stages}.
+    pub fn name(self) -> &'static str {
+        match (self.mn, self.rows, self.stages) {
+            (16, 128, 4) => "gemm_wg_n16_r128_s4",
+            (32, 128, 4) => "gemm_wg_n32_r128_s4",
+            (64, 128, 4) => "gemm_wg_n64_r128_s4",
+            (16, 256, 6) => "gemm_wg_n16_r256_s6",
+            (32, 256, 5) => "gemm_wg_n32_r256_s5",
+            (64, 256, 5) => "gemm_wg_n64_r256_s5",
+            _ => unreachable!("gemm_wg instance {self:?} is not in ALL"),
+        }
+    }
+
+    /// Dynamic shared memory: the ring of stages (the weight tile and `mn` x rows, 128 bytes a
+    /// row) and 1 KiB to align it to the swizzle's 1 KiB atoms.
+    pub fn smem_bytes(self) -> usize {
+        self.stages * (self.rows + self.mn) * 128 + 1024
     }
 }
 
-/// Dynamic shared memory of the instance of wgmma N `mn`: the ring of stages (a 128-row weight
-/// tile and `mn` x rows, 128 bytes a row) and 1 KiB to align it to the swizzle's 1 KiB atoms.
-fn smem_bytes(mn: usize) -> usize {
-    GW_STAGES * (GW_ROWS + mn) * 128 + 1024
-}
+/// Weight rows a block by default: 256 (two m64 tiles a warpgroup share every x stage).
+pub const DEFAULT_ROWS: usize = 256;
 
-/// How one launch covers y[M, N]: `tiles` 128-row weight tiles (grid.y), each split over
-/// `splits` blocks of one cluster (grid.x) taking `steps` 64-column stages of K each (the last
-/// possibly fewer, none empty).
+/// How one launch covers y[M, N]: `tiles` weight tiles (grid.y), each split over `splits`
+/// blocks of one cluster (grid.x) taking `steps` 64-column stages of K each (the last possibly
+/// fewer, none empty).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemmWgPlan {
     pub tiles: usize,
@@ -66,20 +95,27 @@ pub struct GemmWgPlan {
     pub steps: usize,
 }
 
-/// The plan for `m` x `n` x `k` on `sm_count` SMs, with `splits` forced where given (the op
-/// tests and the sweep), else as many splits as fill every SM's resident blocks once
-/// (tiles x splits <= SMs x blocks an SM), within 1..=8 and at least MIN_SPLIT_STEPS stages a
-/// split. Why fill once and not more: a second wave of blocks starts its pipeline from empty,
-/// and the partial tiles of more splits cost more cluster sums.
-pub fn gemm_wg_plan(m: usize, n: usize, k: usize, sm_count: usize, splits: Option<usize>) -> GemmWgPlan {
-    let (_, mn) = instance(m);
-    let tiles = n.div_ceil(GW_ROWS).max(1);
+/// The plan for `n` x `k` in blocks of `rows` weight rows, with `splits` forced where given
+/// (the op tests and the sweep), else the split that finishes soonest: with `capacity(s)`
+/// clusters of s blocks resident at once (cuOccupancyMaxActiveClusters: a cluster's blocks must
+/// share one GPC, so this is not SMs x blocks an SM / s), the tiles take ceil(tiles /
+/// capacity) waves of ceil(stages / s) stages each; the fewest splits among the fastest (fewer
+/// partial tiles to sum), within 1..=8 and at least MIN_SPLIT_STEPS stages a split.
+pub fn gemm_wg_plan(n: usize, k: usize, rows: usize, capacity: &dyn Fn(usize) -> usize, splits: Option<usize>) -> GemmWgPlan {
+    let tiles = n.div_ceil(rows).max(1);
     let total = k.div_ceil(GW_BK).max(1);
-    let per_sm = (SM_SMEM_BYTES / (smem_bytes(mn) + 1024)).min(SM_REGS / (MAX_REGS_PER_THREAD * GW_THREADS as usize)).max(1);
-    let want = splits.unwrap_or_else(|| (sm_count * per_sm / tiles).min((total / MIN_SPLIT_STEPS).max(1)));
-    let want = want.clamp(1, MAX_SPLITS).min(total);
-    let steps = total.div_ceil(want);
-    GemmWgPlan { tiles, splits: total.div_ceil(steps), steps }
+    let span = |s: usize| {
+        let steps = total.div_ceil(s);
+        (steps, total.div_ceil(steps))
+    };
+    let best = match splits {
+        Some(s) => s.clamp(1, MAX_SPLITS).min(total),
+        None => (1..=MAX_SPLITS.min((total / MIN_SPLIT_STEPS).max(1)))
+            .min_by_key(|&s| (tiles.div_ceil(capacity(s).max(1)) * span(s).0, s))
+            .unwrap_or(1),
+    };
+    let (steps, splits) = span(best);
+    GemmWgPlan { tiles, splits, steps }
 }
 
 impl CudaDevice {
@@ -89,9 +125,46 @@ impl CudaDevice {
         self.wg_gemm() && (WG_GEMM_MIN_M..=WG_GEMM_MAX_M).contains(&m) && k.is_multiple_of(8)
     }
 
+    /// Clusters of `splits` blocks of `inst` resident at once (cuOccupancyMaxActiveClusters,
+    /// asked once per instance and size), or SMs / splits where the driver does not say.
+    fn wg_cluster_capacity(&self, f: &cudarc::driver::CudaFunction, inst: GemmWgInstance, splits: usize) -> usize {
+        let key = (inst.name(), splits);
+        let mut cache = self.wg_capacity_cache().lock().expect("gemm_wg capacity cache poisoned");
+        *cache.entry(key).or_insert_with(|| {
+            // SAFETY: an all-zero attribute is plain old data; id and value are set next.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = splits as u32;
+            attr.value.clusterDim.y = 1;
+            attr.value.clusterDim.z = 1;
+            let lc = sys::CUlaunchConfig {
+                gridDimX: splits as u32,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: GW_THREADS,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: inst.smem_bytes() as u32,
+                hStream: self.stream().cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let mut clusters: std::ffi::c_int = 0;
+            // SAFETY: `lc` and `attr` outlive the call, which only reads them.
+            let ok = self.context().bind_to_thread().is_ok()
+                && unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &lc) }.result().is_ok();
+            if ok && clusters > 0 {
+                clusters as usize
+            } else {
+                (self.sm_count() / splits).max(1)
+            }
+        })
+    }
+
     /// y[M, N] (storage type) = x[M, K] * W[N, K]^T on warpgroup tensor cores, for M of
-    /// 1..=64 (`linear` sends 9..=64), with the plan's splits or `splits` where given. sm_90a
-    /// only; K a multiple of 8 and x, W 16-byte aligned.
+    /// 1..=64 (`linear` sends 9..=64), in blocks of `rows` weight rows (None: DEFAULT_ROWS)
+    /// with the plan's splits, or `splits` where given. sm_90a only; K a multiple of 8 and x,
+    /// W 16-byte aligned.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_wg_with(
         &self,
@@ -101,6 +174,7 @@ impl CudaDevice {
         m: usize,
         n: usize,
         k: usize,
+        rows: Option<usize>,
         splits: Option<usize>,
     ) -> Result<()> {
         let (major, minor) = self.compute_capability();
@@ -110,6 +184,7 @@ impl CudaDevice {
         if m == 0 || m > WG_GEMM_MAX_M || !k.is_multiple_of(8) {
             return Err(NinferError::Device(format!("gemm_wg takes 1..={WG_GEMM_MAX_M} rows and K a multiple of 8, got m {m}, k {k}")));
         }
+        let inst = GemmWgInstance::for_rows(m, rows)?;
         check_len("gemm_wg x", x.len(), m * k)?;
         check_len("gemm_wg w", w.len(), n * k)?;
         check_len("gemm_wg y", y.len(), m * n)?;
@@ -123,10 +198,10 @@ impl CudaDevice {
         if !xp.is_multiple_of(16) || !wp.is_multiple_of(16) {
             return Err(NinferError::Device("gemm_wg: x and W must be 16-byte aligned".into()));
         }
-        let plan = gemm_wg_plan(m, n, k, self.sm_count(), splits);
-        let (name, mn) = instance(m);
-        let smem = smem_bytes(mn);
+        let name = inst.name();
+        let smem = inst.smem_bytes();
         let f = self.function_with_smem(KernelFamily::GemmWg, name, smem)?;
+        let plan = gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(&f, inst, sp), splits);
         let config = LaunchConfig {
             grid_dim: (plan.splits as u32, as_i32("gemm_wg tiles", plan.tiles)? as u32, 1),
             block_dim: (GW_THREADS, 1, 1),
@@ -145,6 +220,13 @@ impl CudaDevice {
         // (`launch_pdl`'s invariant): the launch may take PDL wherever the device does.
         self.launch_ex(&f, config, name, &args, self.pdl(), plan.splits as u32)
     }
+
+    /// The plan `gemm_wg_with` launches for these shapes (the sweep prints it).
+    pub fn gemm_wg_plan_for(&self, m: usize, n: usize, k: usize, rows: Option<usize>, splits: Option<usize>) -> Result<GemmWgPlan> {
+        let inst = GemmWgInstance::for_rows(m, rows)?;
+        let f = self.function_with_smem(KernelFamily::GemmWg, inst.name(), inst.smem_bytes())?;
+        Ok(gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(&f, inst, sp), splits))
+    }
 }
 
 #[cfg(test)]
@@ -152,23 +234,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn plans_fill_the_h200_once_and_keep_every_split_non_empty() {
-        // Llama-3-8B at 64 rows on 132 SMs (two 97 KiB blocks an SM): qkv, o, down, gate_up.
-        assert_eq!(gemm_wg_plan(64, 6144, 4096, 132, None), GemmWgPlan { tiles: 48, splits: 5, steps: 13 });
-        assert_eq!(gemm_wg_plan(64, 4096, 4096, 132, None), GemmWgPlan { tiles: 32, splits: 8, steps: 8 });
-        assert_eq!(gemm_wg_plan(64, 4096, 14336, 132, None), GemmWgPlan { tiles: 32, splits: 8, steps: 28 });
-        assert_eq!(gemm_wg_plan(64, 28672, 4096, 132, None), GemmWgPlan { tiles: 224, splits: 1, steps: 64 });
-        // Three 73 KiB blocks an SM at 16 rows.
-        assert_eq!(gemm_wg_plan(16, 6144, 4096, 132, None).splits, 8);
-        // Short K: at least MIN_SPLIT_STEPS stages a split; ragged K: no empty split.
-        assert_eq!(gemm_wg_plan(64, 333, 1000, 132, None), GemmWgPlan { tiles: 3, splits: 4, steps: 4 });
+    fn plans_take_the_fewest_waves_of_resident_clusters_and_keep_every_split_non_empty() {
+        // An H200-like device: 132 SMs in 8 GPCs of 16-18, one 201 KiB block an SM, so
+        // clusters of s blocks fit 8 x floor(16 / s) (the smallest GPCs).
+        let h200 = |s: usize| 8 * (16 / s);
+        // Llama-3-8B, 256-row tiles: qkv (24 tiles, 64 stages): 5 splits (24 clusters of 5 fit:
+        // one wave of 13 stages; of 6 only 16 fit: two waves of 11); o (16 tiles): 8 splits;
+        // down (16 tiles, 224 stages): 8; gate_up (112 tiles): 1 (no split finishes sooner).
+        assert_eq!(gemm_wg_plan(6144, 4096, 256, &h200, None), GemmWgPlan { tiles: 24, splits: 5, steps: 13 });
+        assert_eq!(gemm_wg_plan(4096, 4096, 256, &h200, None), GemmWgPlan { tiles: 16, splits: 8, steps: 8 });
+        assert_eq!(gemm_wg_plan(4096, 14336, 256, &h200, None), GemmWgPlan { tiles: 16, splits: 8, steps: 28 });
+        assert_eq!(gemm_wg_plan(28672, 4096, 256, &h200, None).tiles, 112);
+        // Short K: at least MIN_SPLIT_STEPS stages a split; forced splits never leave one empty.
+        assert_eq!(gemm_wg_plan(333, 1000, 128, &h200, None).splits, 4);
         for k in [8, 64, 65, 1000, 4096] {
             for forced in 1..=8 {
-                let p = gemm_wg_plan(40, 333, k, 132, Some(forced));
+                let p = gemm_wg_plan(333, k, 128, &h200, Some(forced));
                 let total = k.div_ceil(64);
                 assert!(p.splits >= 1 && p.splits <= forced && (p.splits - 1) * p.steps < total && p.splits * p.steps >= total, "{k} {forced} {p:?}");
             }
         }
+    }
+
+    #[test]
+    fn every_instance_has_a_name_and_fits_the_h200s_shared_memory() {
+        for i in GemmWgInstance::ALL {
+            assert!(i.name().starts_with("gemm_wg_n") && i.smem_bytes() <= 227 << 10, "{i:?}");
+            assert_eq!(GemmWgInstance::for_rows(i.mn, Some(i.rows)).unwrap(), i);
+        }
+        assert_eq!(GemmWgInstance::for_rows(9, None).unwrap().mn, 16);
+        assert_eq!(GemmWgInstance::for_rows(33, None).unwrap().mn, 64);
+        assert!(GemmWgInstance::for_rows(16, Some(192)).unwrap_err().to_string().contains("192"));
     }
 
     #[test]
