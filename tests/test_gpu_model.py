@@ -817,6 +817,28 @@ def _assert_switch_changes_no_bit(decode_dir, monkeypatch, switch, graphs, n, wh
     assert on_tokens == off_tokens
 
 
+@pytest.mark.parametrize("n", [12, 40])
+def test_wg_gemm_decode_tracks_cublas(decode_dir, n, monkeypatch):
+    """NINFER_WG_GEMM=1 (sm_90a): decode steps of 9-64 sequences run their projections on the
+    warpgroup GEMM (cuda/gemm_wg.cu, thread-block clusters) instead of cuBLAS, inside CUDA
+    graphs. Another summation order, so not bit for bit: the second step's logits (the first
+    that decodes; the first comes from the prefill, which has more rows and stays on cuBLAS)
+    agree within REL_TOL for every sequence whose first token agrees, and they all must."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("gemm_wg runs on sm_90a (H100 / H200) only")
+    monkeypatch.setenv("NINFER_CUDA_GRAPHS", "1")
+    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = _decode_with_switch(
+        decode_dir, monkeypatch, "NINFER_WG_GEMM", "1", "0", n, 4)
+    assert on_graphs >= 1 and off_graphs >= 1
+    assert np.isfinite(on_logits).all()
+    same_first = [i for i in range(n) if on_tokens[i][0] == off_tokens[i][0]]
+    assert len(same_first) == n, f"first tokens differ at {set(range(n)) - set(same_first)}"
+    a, b = on_logits[1], off_logits[1]
+    err = float(np.abs(a - b).max() / np.abs(b).max())
+    print(f"{decode_dir.name[:8]} n={n}: decode-step logits with gemm_wg vs cuBLAS rel err {err:.2e}")
+    assert err <= REL_TOL
+
+
 # Programmatic Dependent Launch (sm_90+, NINFER_PDL, default on) only changes when a kernel's
 # blocks are scheduled, never what they compute: decode logits with it on and off must be
 # identical bit for bit, in graphs (programmatic edges) and eagerly.

@@ -3,7 +3,7 @@
 //! (partial tiles, partial stages, K from one 8-element chunk to the 8B down projection's
 //! 14336), 128- and 256-row blocks, K split over 1-8 blocks of a cluster, both storage types; launches are deterministic
 //! and rows of a padded launch equal the same rows of a fuller launch of the same instance bit
-//! for bit; `linear` routes 9-64 rows to it; and the cold-L2 sweep against cuBLAS over the
+//! for bit; `linear` routes 9-64 rows to it when switched on; and the cold-L2 sweep against cuBLAS over the
 //! decode shapes of Llama-3-8B and Qwen3.5-27B (`report_gemm_wg_sweep`, ignored: run on the GPU).
 
 use ninfer_core::backend::cuda::kernels::has_sm90a_code;
@@ -80,27 +80,34 @@ fn gemm_wg_padded_rows_equal_the_same_rows_of_a_full_launch() {
     }
 }
 
-/// `linear` runs 9-64 rows on the warpgroup GEMM here (`NINFER_WG_GEMM` unset), bit for bit.
+/// `linear` runs 9-64 rows on the warpgroup GEMM once it is switched on (`NINFER_WG_GEMM=1`,
+/// here `set_wg_gemm`), bit for bit, and cuBLAS once it is off.
 #[test]
-fn linear_routes_9_to_64_rows_to_gemm_wg() {
+fn linear_routes_9_to_64_rows_to_gemm_wg_when_switched_on() {
     let st = StorageDType::Bf16;
     let Some(dev) = hopper("gemm_wg_route", st) else { return };
-    if !dev.wg_gemm() {
-        eprintln!("SKIP gemm_wg_route: NINFER_WG_GEMM is off in this environment");
-        return;
-    }
     let mut rng = Rng::new(73);
     let (n, k) = (768, 1024);
     let w = upload(&dev, &rounded(&rng.vec(n * k, -0.05, 0.05), st));
     for m in [9, 24, 64] {
-        assert!(dev.wg_gemm_fits(m, k), "m {m}");
         let xd = upload(&dev, &rounded(&rng.vec(m * k, -1.0, 1.0), st));
-        let mut a = Out16::new(&dev, m * n);
-        dev.linear(&xd, &w, &mut a.view(), m, n, k).unwrap();
-        let mut b = Out16::new(&dev, m * n);
-        dev.gemm_wg_with(&xd, &w, &mut b.view(), m, n, k, None, None).unwrap();
-        assert_bitwise(&a.read(&dev, "linear"), &b.read(&dev, "gemm_wg"), &format!("linear m{m}"));
+        let run = |route: &dyn Fn(&mut Out16)| {
+            let mut y = Out16::new(&dev, m * n);
+            route(&mut y);
+            y.read(&dev, "linear")
+        };
+        dev.set_wg_gemm(true);
+        assert!(dev.wg_gemm_fits(m, k), "m {m}");
+        let routed = run(&|y| dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap());
+        let direct = run(&|y| dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, None, None).unwrap());
+        assert_bitwise(&routed, &direct, &format!("linear m{m} with NINFER_WG_GEMM on"));
+        dev.set_wg_gemm(false);
+        assert!(!dev.wg_gemm_fits(m, k), "m {m}");
+        let off = run(&|y| dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap());
+        let cublas = run(&|y| dev.gemm(&xd, &w, &mut y.view(), m, n, k).unwrap());
+        assert_bitwise(&off, &cublas, &format!("linear m{m} with NINFER_WG_GEMM off"));
     }
+    dev.set_wg_gemm(true);
     assert!(!dev.wg_gemm_fits(8, k) && !dev.wg_gemm_fits(65, k) && !dev.wg_gemm_fits(16, 1001));
 }
 

@@ -7,7 +7,7 @@
 //! cuBLAS gets a preallocated workspace so that a captured GEMM never allocates.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -93,9 +93,10 @@ pub struct CudaDevice {
     /// `NINFER_FA_WS` (default on): the warp-specialized prefill attention where it fits
     /// (ops/flash_attention.rs `flash_tile`); read once.
     fa_ws: bool,
-    /// `NINFER_WG_GEMM` (default on) and sm_90a code: decode launches of 9-64 rows run
-    /// `gemm_wg` (ops/gemm_wg.rs) instead of cuBLAS; read once.
-    wg_gemm: bool,
+    /// `NINFER_WG_GEMM=1` (default off) and sm_90a code: decode launches of 9-64 rows run
+    /// `gemm_wg` (ops/gemm_wg.rs) instead of cuBLAS. Settable later (`set_wg_gemm`, the op
+    /// tests); a captured graph keeps the kernels it captured.
+    wg_gemm: AtomicBool,
     /// Clusters of each gemm_wg instance and size resident at once (ops/gemm_wg.rs), asked of
     /// the driver once each.
     wg_capacity: Mutex<HashMap<(&'static str, usize), usize>>,
@@ -191,8 +192,10 @@ impl CudaDevice {
         let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
         super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
         let fa_ws = crate::config::env_switch::env_switch(super::ops::FA_WS_SWITCH, true)?;
-        let wg_gemm = super::ops::parse_wg_gemm_switch(std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?
-            && super::kernels::has_sm90a_code(major, minor);
+        let wg_gemm = AtomicBool::new(
+            super::ops::parse_wg_gemm_switch(std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?
+                && super::kernels::has_sm90a_code(major, minor),
+        );
         let nvrtc_major = super::nvrtc::nvrtc_version().map_or(0, |v| v.0);
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -302,9 +305,16 @@ impl CudaDevice {
         self.fa_ws
     }
 
-    /// Whether decode launches of 9-64 rows may run `gemm_wg` (`NINFER_WG_GEMM`, sm_90a).
+    /// Whether decode launches of 9-64 rows run `gemm_wg` (`NINFER_WG_GEMM=1`, sm_90a).
     pub fn wg_gemm(&self) -> bool {
-        self.wg_gemm
+        self.wg_gemm.load(Ordering::Relaxed)
+    }
+
+    /// Routes decode launches of 9-64 rows to `gemm_wg` (`on`, where the device has sm_90a
+    /// code) or cuBLAS from now on: `NINFER_WG_GEMM` for a device already open (the op tests).
+    pub fn set_wg_gemm(&self, on: bool) {
+        let (major, minor) = self.compute_capability;
+        self.wg_gemm.store(on && super::kernels::has_sm90a_code(major, minor), Ordering::Relaxed);
     }
 
     /// gemm_wg's cache of resident clusters per (instance, size).

@@ -1,6 +1,13 @@
 //! Decode GEMM of 9-64 rows on Hopper's warpgroup tensor cores (cuda/gemm_wg.cu): the
 //! instance per M, the split of K over a thread-block cluster, the launcher, and the switch
-//! that routes `linear` to it (`NINFER_WG_GEMM`).
+//! that routes `linear` to it (`NINFER_WG_GEMM=1`).
+//!
+//! Off by default: measured on the H200 (benches/results/gemm_wg_sweep_a626660.log,
+//! wg_gemm_ab_a626660.log) it reads the weights at 0.94x cuBLAS's rate summed over the decode
+//! shapes of Llama-3-8B and Qwen3.5-27B at 16 / 32 / 64 rows (1.10-1.14x on the 8B's o
+//! projection at 16-32 rows, 0.83-0.88x on the 27B's gate_up), and Llama-3-8B batched decode
+//! at concurrency 16 / 32 / 64 with it is within 1% of cuBLAS either way. docs/kernels.md
+//! "Decode GEMM on warpgroup tensor cores" says what bounds it and what would lift it.
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut, LaunchConfig};
 
@@ -9,17 +16,17 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
 
-/// `NINFER_WG_GEMM=0` sends decode launches of 9-64 rows to cuBLAS instead of `gemm_wg_*`.
+/// `NINFER_WG_GEMM=1` sends decode launches of 9-64 rows to `gemm_wg_*` instead of cuBLAS.
 pub const WG_GEMM_SWITCH: &str = "NINFER_WG_GEMM";
 /// Fewest rows `linear` sends to the kernel (fewer run the decode GEMV).
 pub const WG_GEMM_MIN_M: usize = super::GEMV_ROUTE_MAX_M + 1;
 /// Most rows one launch takes: the widest instance's wgmma N.
 pub const WG_GEMM_MAX_M: usize = 64;
 
-/// `NINFER_WG_GEMM` as read (`config::parse_switch`; unset means on). A misspelt value is an
+/// `NINFER_WG_GEMM` as read (`config::parse_switch`; unset means off). A misspelt value is an
 /// error naming the variable.
 pub fn parse_wg_gemm_switch(value: Option<&str>) -> Result<bool> {
-    crate::config::env_switch::parse_switch(WG_GEMM_SWITCH, value, true)
+    crate::config::env_switch::parse_switch(WG_GEMM_SWITCH, value, false)
 }
 
 /// k a stage and threads a block (gemm_wg.cu's GW_BK and GW_THREADS).
@@ -119,7 +126,7 @@ pub fn gemm_wg_plan(n: usize, k: usize, rows: usize, capacity: &dyn Fn(usize) ->
 }
 
 impl CudaDevice {
-    /// Whether `linear` runs `m` x `k` on `gemm_wg` here: sm_90a code, `NINFER_WG_GEMM` on,
+    /// Whether `linear` runs `m` x `k` on `gemm_wg` here: sm_90a code, `NINFER_WG_GEMM=1`,
     /// 9..=64 rows, K a multiple of 8 (16-byte rows).
     pub fn wg_gemm_fits(&self, m: usize, k: usize) -> bool {
         self.wg_gemm() && (WG_GEMM_MIN_M..=WG_GEMM_MAX_M).contains(&m) && k.is_multiple_of(8)
@@ -268,8 +275,9 @@ mod tests {
     }
 
     #[test]
-    fn the_switch_defaults_on_and_rejects_a_misspelt_value() {
-        assert!(parse_wg_gemm_switch(None).unwrap());
+    fn the_switch_defaults_off_and_rejects_a_misspelt_value() {
+        assert!(!parse_wg_gemm_switch(None).unwrap());
+        assert!(parse_wg_gemm_switch(Some("1")).unwrap());
         assert!(!parse_wg_gemm_switch(Some("0")).unwrap());
         let e = parse_wg_gemm_switch(Some("cublas")).unwrap_err().to_string();
         assert!(e.contains(WG_GEMM_SWITCH) && e.contains("cublas"), "{e}");
