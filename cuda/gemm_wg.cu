@@ -280,6 +280,203 @@ __device__ __forceinline__ void gemm_wg_body(const store_t* __restrict__ x, cons
     cluster_sync();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Stream-K form (gemm_wg_sk_*): a persistent grid of one block an SM, each block taking an equal
+// run of the (tile, 64-column stage) units in tile-major order, so that every SM streams for the
+// whole launch and its ring of stages never drains between tiles (the split form leaves SMs idle
+// when tiles x splits do not fill them, and refills every block's pipeline from empty). A tile
+// whose stages fall to several blocks is summed by the block holding its first stage, which
+// reaches it last (at the end of its run): the other blocks' parts are the first segments of
+// their runs, written to `part` (f32, one tile a block) and published by `flags[block]`
+// (release / acquire), then added in ascending k order, so the bits do not depend on timing. The
+// summing block resets the flag for the next launch. Every block must be resident at once (the
+// summing block spins on later blocks): the host launches at most one block an SM, and the next
+// kernel may launch (pdl_launch_dependents) only once every block is done with its work.
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_u32(unsigned* p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+
+// `tstages`: 64-column stages a tile (ceil(k / 64)); `units`: tiles x tstages.
+template <int MN, int WT, int STAGES>
+__device__ __forceinline__ void gemm_wg_sk_body(const store_t* __restrict__ x, const store_t* __restrict__ w,
+                                                store_t* __restrict__ y, int m, int n, int k, float4* part,
+                                                unsigned* flags, int tstages, int units) {
+    constexpr int J = MN / 8;
+    constexpr int ROWS = 128 * WT;
+    constexpr int W_BYTES = ROWS * 128;
+    constexpr int X_BYTES = MN * 128;
+    constexpr int STAGE = W_BYTES + X_BYTES;
+    constexpr int SLOTS = WT * J * GW_THREADS;  // float4 slots of a tile's partial
+    extern __shared__ unsigned char gw_smem_raw[];
+    const unsigned raw = smem_u32(gw_smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7;
+    const int nb = gridDim.x, b = blockIdx.x;
+    auto run_start = [&](int blk) { return (int)((long long)blk * units / nb); };
+    const int u0 = run_start(b);
+    const int len = run_start(b + 1) - u0;
+
+    auto load_w = [&](int i, int slot) {
+        const int u = u0 + i;
+        const int n0 = (u / tstages) * ROWS;
+        const int kc = (u % tstages) * GW_BK + (tid & 7) * 8;
+        const unsigned dst = base + slot * STAGE;
+#pragma unroll
+        for (int c = 0; c < ROWS * 8 / GW_THREADS; ++c) {
+            const int r = (tid >> 3) + c * (GW_THREADS / 8);
+            const int row = n0 + r;
+            const bool valid = row < n && kc < k;
+            const store_t* src = valid ? w + (long long)row * k + kc : w;
+            cp_async16_zfill(dst + sw128_offset<ROWS>(r, tid & 7), src, valid);
+        }
+    };
+    auto load_x = [&](int i, int slot) {
+        const int kc = ((u0 + i) % tstages) * GW_BK + (tid & 7) * 8;
+        const unsigned dst = base + slot * STAGE + W_BYTES;
+#pragma unroll
+        for (int c = 0; c < (MN * 8 + GW_THREADS - 1) / GW_THREADS; ++c) {
+            const int r = (tid >> 3) + c * (GW_THREADS / 8);
+            if (r < MN) {
+                const bool valid = r < m && kc < k;
+                const store_t* src = valid ? x + (long long)r * k + kc : x;
+                cp_async16_zfill(dst + sw128_offset<MN>(r, tid & 7), src, valid);
+            }
+        }
+    };
+    // Output of slot f of tile `tile` (as gemm_wg_body's store4).
+    auto store4 = [&](int tile, int f, float4 v) {
+        const int th = f % GW_THREADS, tj = f / GW_THREADS;
+        const int t = tj / J, j = tj % J;
+        const int ra = ((th >> 7) * WT + t) * 64 + ((th >> 5) & 3) * 16 + ((th & 31) >> 2);
+        const int ca = 8 * j + 2 * (th & 3);
+        const int na = tile * ROWS + ra, nb8 = na + 8;
+        if (ca < m) {
+            if (na < n) y[(long long)ca * n + na] = from_f32(v.x);
+            if (nb8 < n) y[(long long)ca * n + nb8] = from_f32(v.z);
+        }
+        if (ca + 1 < m) {
+            if (na < n) y[(long long)(ca + 1) * n + na] = from_f32(v.y);
+            if (nb8 < n) y[(long long)(ca + 1) * n + nb8] = from_f32(v.w);
+        }
+    };
+
+    constexpr int AHEAD = STAGES - 1;
+#pragma unroll
+    for (int st = 0; st < AHEAD; ++st)
+        if (st < len) load_w(st, st);
+    cp_async_commit();
+    pdl_wait();
+#pragma unroll
+    for (int st = 0; st < AHEAD; ++st) {
+        if (st < len) load_x(st, st);
+        cp_async_commit();
+    }
+
+    float d[WT][J][4];
+#pragma unroll
+    for (int t = 0; t < WT; ++t)
+#pragma unroll
+        for (int j = 0; j < J; ++j) d[t][j][0] = d[t][j][1] = d[t][j][2] = d[t][j][3] = 0.f;
+
+    int seg_k0 = u0 % tstages;  // the current segment's first stage within its tile
+    for (int i = 0; i < len; ++i) {
+        cp_async_wait_group<STAGES - 2>();
+        fence_proxy_async_smem();
+        wg_wait<0>();
+#pragma unroll
+        for (int t = 0; t < WT; ++t) gw_pin(d[t]);
+        __syncthreads();
+        const int nx = i + AHEAD;
+        if (nx < len) {
+            load_w(nx, nx % STAGES);
+            load_x(nx, nx % STAGES);
+        }
+        cp_async_commit();
+        const unsigned stage = base + (i % STAGES) * STAGE;
+        const unsigned b0 = stage + W_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int t = 0; t < WT; ++t) {
+            const unsigned a0 = stage + (wg * WT + t) * 64 * 128;
+#pragma unroll
+            for (int kk = 0; kk < GW_BK / 16; ++kk)
+                gw_mma(d[t], wg_desc_sw128(a0 + kk * 32), wg_desc_sw128(b0 + kk * 32));
+        }
+        wg_commit();
+
+        const int u = u0 + i;
+        const int ks = u % tstages;
+        if (ks != tstages - 1 && i != len - 1) continue;
+        // The segment ends here: its sum is final once this warpgroup's products land.
+        wg_wait<0>();
+#pragma unroll
+        for (int t = 0; t < WT; ++t) gw_pin(d[t]);
+        const int tile = u / tstages;
+        if (seg_k0 != 0) {
+            // A later part of the tile (only a run's first segment starts past stage 0): to
+            // `part`, then the flag.
+            float4* mine = part + (long long)b * SLOTS;
+#pragma unroll
+            for (int t = 0; t < WT; ++t)
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+                    mine[(t * J + j) * GW_THREADS + tid] = make_float4(d[t][j][0], d[t][j][1], d[t][j][2], d[t][j][3]);
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) st_release_u32(flags + b, 1u);
+        } else {
+            // The tile's first part: add the later parts (blocks b + 1, ... whose runs start
+            // inside this tile), in k order, then store.
+            if (ks != tstages - 1) {
+                const int tile_end = (tile + 1) * tstages;
+                for (int c = b + 1; c < nb && run_start(c) < tile_end; ++c) {
+                    if (tid == 0)
+                        while (ld_acquire_u32(flags + c) == 0u) {
+                        }
+                    __syncthreads();
+                    const float4* theirs = part + (long long)c * SLOTS;
+#pragma unroll
+                    for (int t = 0; t < WT; ++t)
+#pragma unroll
+                        for (int j = 0; j < J; ++j) {
+                            const float4 p = ld_cg_f4(theirs + (t * J + j) * GW_THREADS + tid);
+                            d[t][j][0] += p.x;
+                            d[t][j][1] += p.y;
+                            d[t][j][2] += p.z;
+                            d[t][j][3] += p.w;
+                        }
+                    __syncthreads();
+                    if (tid == 0) flags[c] = 0u;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < WT; ++t)
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+                    store4(tile, (t * J + j) * GW_THREADS + tid, make_float4(d[t][j][0], d[t][j][1], d[t][j][2], d[t][j][3]));
+        }
+#pragma unroll
+        for (int t = 0; t < WT; ++t)
+#pragma unroll
+            for (int j = 0; j < J; ++j) d[t][j][0] = d[t][j][1] = d[t][j][2] = d[t][j][3] = 0.f;
+        seg_k0 = 0;
+    }
+    pdl_launch_dependents();
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Every instance: the arguments, 256 threads, dynamic shared memory STAGES x (128 WT x 128 + MN x
@@ -303,3 +500,23 @@ GEMM_WG_INSTANCE(64, 1, 4, 128)
 GEMM_WG_INSTANCE(16, 2, 6, 256)
 GEMM_WG_INSTANCE(32, 2, 5, 256)
 GEMM_WG_INSTANCE(64, 2, 5, 256)
+
+// The stream-K form: the arguments above but `steps`, then `part` (one tile of f32 partials a
+// block), `flags` (one a block, zero between launches), stages a tile and units; 256 threads,
+// the same shared memory; grid (blocks), one block an SM at most, no clusters.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GW_SK_BODY(MN, WT, STAGES) \
+    gemm_wg_sk_body<MN, WT, STAGES>(x, w, y, m, n, k, reinterpret_cast<float4*>(part), flags, tstages, units);
+#else
+#define GW_SK_BODY(MN, WT, STAGES)
+#endif
+#define GEMM_WG_SK_INSTANCE(MN, WT, STAGES, ROWS)                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gemm_wg_sk_n##MN##_r##ROWS##_s##STAGES(                   \
+        const store_t* __restrict__ x, const store_t* __restrict__ w, store_t* __restrict__ y, int m, int n,   \
+        int k, float* part, unsigned* flags, int tstages, int units) {                                         \
+        GW_SK_BODY(MN, WT, STAGES)                                                                             \
+    }
+
+GEMM_WG_SK_INSTANCE(16, 2, 6, 256)
+GEMM_WG_SK_INSTANCE(32, 2, 5, 256)
+GEMM_WG_SK_INSTANCE(64, 2, 5, 256)
