@@ -11,7 +11,7 @@ use ninfer_core::backend::cuda::ops::WgForm;
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::assert_bitwise;
-use super::gemv_tc::{times_ms, COLD_BYTES, REPEATS, REPEAT_BYTES};
+use super::gemv_tc::{cold_weights, copy_ceiling, times_ms, REPEATS};
 use super::harness::{check, gpu, rounded, tol16, upload, Out16, Rng, STORAGES};
 use super::reference;
 
@@ -155,26 +155,14 @@ fn report_gemm_wg_sweep() {
     let s = dev.stream().clone();
     let mut rng = Rng::new(74);
     let block = upload(&dev, &rounded(&rng.vec(4 << 20, -0.05, 0.05), st));
-    let copy_elems = 512 << 20;
-    let copy_src = s.alloc_zeros::<u16>(copy_elems).unwrap();
-    let mut copy_dst = s.alloc_zeros::<u16>(copy_elems).unwrap();
-    let copy_ms = times_ms(&dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap())[0];
-    let copy = 2.0 * (copy_elems * 2) as f64 / copy_ms / 1e6;
+    let (copy_src, mut copy_dst, copy) = copy_ceiling(&dev);
     println!("PERF op=gemm_wg_sweep_copy GBps={copy:.0}");
     let mut filler = || s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap();
     let (mut sum_cublas, mut sum_wg) = (0.0, 0.0);
     for (name, rows, k) in SHAPES {
         let len = rows * k;
         let bytes = len * 2;
-        let copies = COLD_BYTES.div_ceil(bytes);
-        let launches = REPEAT_BYTES.div_ceil(bytes).div_ceil(copies) * copies;
-        let mut w = s.alloc_zeros::<u16>(copies * len).unwrap();
-        let mut at = 0;
-        while at < copies * len {
-            let n = block.len().min(copies * len - at);
-            s.memcpy_dtod(&block.slice(..n), &mut w.slice_mut(at..at + n)).unwrap();
-            at += n;
-        }
+        let (w, copies, launches) = cold_weights(&dev, &block, len);
         let x = upload(&dev, &rounded(&rng.vec(64 * k, -1.0, 1.0), st));
         let mut y = s.alloc_zeros::<u16>(64 * rows).unwrap();
         for m in [16, 32, 64] {

@@ -10,6 +10,7 @@
 use ninfer_core::backend::cuda::ops::{gemv_form, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, TC_PREFETCH_DEFAULT_STEPS};
 use ninfer_core::backend::cuda::StorageDType;
 
+use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::CudaDevice;
 
 use super::assert_bitwise;
@@ -288,12 +289,42 @@ const SWEEP_SHAPES: [(&str, usize, usize, SweepOut); 11] = [
 
 /// Weight bytes each timed run streams through distinct copies of a shape's weight, at least:
 /// five times the H200's 50 MB L2, so no launch finds its weight in L2 from an earlier one.
-pub(super) const COLD_BYTES: usize = 256 << 20;
+const COLD_BYTES: usize = 256 << 20;
 /// Weight bytes per timed repeat, at least (a whole number of passes over the copies): enough
 /// launches that the events' resolution does not matter.
-pub(super) const REPEAT_BYTES: usize = 512 << 20;
+const REPEAT_BYTES: usize = 512 << 20;
 /// Timed repeats per figure; the median is reported.
 pub(super) const REPEATS: usize = 7;
+
+/// The ceiling of the sweeps: two 1 GB buffers and the rate (GB/s, read + write bytes) of one
+/// device-to-device copy between them, the fastest of the repeats (benches/gpu_bench.py's
+/// ceiling: the best of 20 copies). The buffers stay for the copy before each timed repeat.
+pub(super) fn copy_ceiling(dev: &CudaDevice) -> (CudaSlice<u16>, CudaSlice<u16>, f64) {
+    let s = dev.stream().clone();
+    let copy_elems = 512 << 20;
+    let copy_src = s.alloc_zeros::<u16>(copy_elems).unwrap();
+    let mut copy_dst = s.alloc_zeros::<u16>(copy_elems).unwrap();
+    let copy_ms = times_ms(dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap())[0];
+    (copy_src, copy_dst, 2.0 * (copy_elems * 2) as f64 / copy_ms / 1e6)
+}
+
+/// Distinct copies of a weight of `len` elements, at least COLD_BYTES in all, each filled from
+/// `block` (random values: the mma datapath's power depends on the data), and the launches a
+/// timed repeat runs (at least REPEAT_BYTES, whole passes over the copies).
+pub(super) fn cold_weights(dev: &CudaDevice, block: &CudaSlice<u16>, len: usize) -> (CudaSlice<u16>, usize, usize) {
+    let s = dev.stream();
+    let bytes = len * 2;
+    let copies = COLD_BYTES.div_ceil(bytes);
+    let launches = REPEAT_BYTES.div_ceil(bytes).div_ceil(copies) * copies;
+    let mut w = s.alloc_zeros::<u16>(copies * len).unwrap();
+    let mut at = 0;
+    while at < copies * len {
+        let n = block.len().min(copies * len - at);
+        s.memcpy_dtod(&block.slice(..n), &mut w.slice_mut(at..at + n)).unwrap();
+        at += n;
+    }
+    (w, copies, launches)
+}
 
 /// Milliseconds per call of `f(i)` over `launches` back-to-back calls (i = call index), timed
 /// with CUDA events, REPEATS times after one untimed pass, ascending. Before each start event
@@ -348,26 +379,14 @@ fn report_gemv_tc_sweep() {
     let block = upload(&dev, &rounded(&rng.vec(4 << 20, -0.05, 0.05), st));
     // The copy rate: 1 GB device to device, counted as read + write bytes, the best of the
     // repeats (benches/gpu_bench.py's ceiling: the best of 20 copies).
-    let copy_elems = 512 << 20;
-    let copy_src = s.alloc_zeros::<u16>(copy_elems).unwrap();
-    let mut copy_dst = s.alloc_zeros::<u16>(copy_elems).unwrap();
-    let copy_ms = times_ms(&dev, &mut || {}, 1, &mut |_| s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap())[0];
-    let copy = 2.0 * (copy_elems * 2) as f64 / copy_ms / 1e6;
-    println!("PERF op=gemv_tc_sweep_copy bytes={} GBps={copy:.0}", copy_elems * 2);
+    let (copy_src, mut copy_dst, copy) = copy_ceiling(&dev);
+    println!("PERF op=gemv_tc_sweep_copy bytes={} GBps={copy:.0}", copy_src.len() * 2);
     let mut filler = || s.memcpy_dtod(&copy_src, &mut copy_dst).unwrap();
     let default = GemvTcConfig::DEFAULT;
     for (name, rows, k, out) in SWEEP_SHAPES {
         let len = rows * k;
         let bytes = len * 2;
-        let copies = COLD_BYTES.div_ceil(bytes);
-        let launches = REPEAT_BYTES.div_ceil(bytes).div_ceil(copies) * copies;
-        let mut w = s.alloc_zeros::<u16>(copies * len).unwrap();
-        let mut at = 0;
-        while at < copies * len {
-            let n = block.len().min(copies * len - at);
-            s.memcpy_dtod(&block.slice(..n), &mut w.slice_mut(at..at + n)).unwrap();
-            at += n;
-        }
+        let (w, copies, launches) = cold_weights(&dev, &block, len);
         let x = upload(&dev, &rounded(&rng.vec(8 * k, -1.0, 1.0), st));
         let mut y16 = s.alloc_zeros::<u16>(8 * rows).unwrap();
         let mut y32 = s.alloc_zeros::<f32>(8 * rows).unwrap();
