@@ -823,16 +823,22 @@ def test_wg_gemm_decode_tracks_cublas(decode_dir, n, monkeypatch):
     warpgroup GEMM (cuda/gemm_wg.cu, thread-block clusters) instead of cuBLAS, inside CUDA
     graphs. Another summation order, so not bit for bit: the second step's logits (the first
     that decodes; the first comes from the prefill, which has more rows and stays on cuBLAS)
-    agree within REL_TOL for every sequence whose first token agrees, and they all must."""
+    agree within REL_TOL, and so do the first tokens. 40 sequences repeat 12 prompts (the demo
+    model's held-out text has 12 windows of these lengths)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("gemm_wg runs on sm_90a (H100 / H200) only")
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", "1")
-    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = _decode_with_switch(
-        decode_dir, monkeypatch, "NINFER_WG_GEMM", "1", "0", n, 4)
+    base = _decode_prompts(decode_dir, 12)
+    prompts = [base[i % len(base)] for i in range(n)]
+    runs = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("NINFER_WG_GEMM", value)
+        runs[value] = _core.Model(str(decode_dir), device="cuda").decode_greedy(prompts, 4)
+    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = runs["1"], runs["0"]
     assert on_graphs >= 1 and off_graphs >= 1
     assert np.isfinite(on_logits).all()
-    same_first = [i for i in range(n) if on_tokens[i][0] == off_tokens[i][0]]
-    assert len(same_first) == n, f"first tokens differ at {set(range(n)) - set(same_first)}"
+    differ = [i for i in range(n) if on_tokens[i][0] != off_tokens[i][0]]
+    assert not differ, f"first tokens differ at {differ}"
     a, b = on_logits[1], off_logits[1]
     err = float(np.abs(a - b).max() / np.abs(b).max())
     print(f"{decode_dir.name[:8]} n={n}: decode-step logits with gemm_wg vs cuBLAS rel err {err:.2e}")

@@ -7,7 +7,6 @@
 //! decode shapes of Llama-3-8B and Qwen3.5-27B (`report_gemm_wg_sweep`, ignored: run on the GPU).
 
 use ninfer_core::backend::cuda::kernels::has_sm90a_code;
-use ninfer_core::backend::cuda::ops::WgForm;
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::assert_bitwise;
@@ -31,7 +30,7 @@ fn gemm_wg_matches_reference_at_every_instance_and_split() {
     for st in STORAGES {
         let Some(dev) = hopper("gemm_wg", st) else { return };
         let mut rng = Rng::new(71);
-        for (n, k) in [(333, 8), (333, 1000), (1000, 4096), (256, 14336), (600, 2048)] {
+        for (n, k) in [(333, 8), (333, 1000), (1000, 4096), (256, 14336)] {
             let s = 3.0 / (k as f32).sqrt();
             let w = rounded(&rng.vec(n * k, -s, s), st);
             let wd = upload(&dev, &w);
@@ -39,38 +38,23 @@ fn gemm_wg_matches_reference_at_every_instance_and_split() {
             for m in [1, 9, 16, 17, 32, 33, 48, 64] {
                 let want = reference::matmul_nt(&x[..m * k], &w, m, n, k);
                 let xd = upload(&dev, &x[..m * k]);
-                for form in forms() {
-                    let shape = match form {
-                        WgForm::Split { rows, splits } => {
-                            let plan = dev.gemm_wg_plan_for(m, n, k, rows, splits).unwrap();
-                            format!("m{m}n{n}k{k} rows {rows:?} splits {}x{} steps", plan.splits, plan.steps)
-                        }
-                        WgForm::StreamK => format!("m{m}n{n}k{k} stream-K"),
-                    };
-                    let mut y = Out16::new(&dev, m * n);
-                    dev.gemm_wg_with(&xd, &wd, &mut y.view(), m, n, k, form).unwrap();
-                    let got = y.read(&dev, "gemm_wg");
-                    check("gemm_wg", st, &shape, &got, &want, tol16(st));
-                    // Partial tiles are summed in k order, whichever block finishes first.
-                    let mut again = Out16::new(&dev, m * n);
-                    dev.gemm_wg_with(&xd, &wd, &mut again.view(), m, n, k, form).unwrap();
-                    assert_bitwise(&again.read(&dev, "gemm_wg again"), &got, &format!("gemm_wg {st:?} {shape} repeated"));
+                for rows in [128, 256] {
+                    for splits in [None, Some(1), Some(3), Some(8)] {
+                        let plan = dev.gemm_wg_plan_for(m, n, k, Some(rows), splits).unwrap();
+                        let shape = format!("m{m}n{n}k{k} rows {rows} splits {}x{} steps", plan.splits, plan.steps);
+                        let mut y = Out16::new(&dev, m * n);
+                        dev.gemm_wg_with(&xd, &wd, &mut y.view(), m, n, k, Some(rows), splits).unwrap();
+                        let got = y.read(&dev, "gemm_wg");
+                        check("gemm_wg", st, &shape, &got, &want, tol16(st));
+                        // The cluster sums partials in split order, whichever block finishes first.
+                        let mut again = Out16::new(&dev, m * n);
+                        dev.gemm_wg_with(&xd, &wd, &mut again.view(), m, n, k, Some(rows), splits).unwrap();
+                        assert_bitwise(&again.read(&dev, "gemm_wg again"), &got, &format!("gemm_wg {st:?} {shape} repeated"));
+                    }
                 }
             }
         }
     }
-}
-
-/// Every form the tests run: stream-K, and the split form at both block sizes with the plan's
-/// splits and with 1, 3 and 8.
-fn forms() -> Vec<WgForm> {
-    let mut v = vec![WgForm::StreamK];
-    for rows in [128, 256] {
-        for splits in [None, Some(1), Some(3), Some(8)] {
-            v.push(WgForm::Split { rows: Some(rows), splits });
-        }
-    }
-    v
 }
 
 /// Each output depends only on its weight row and x row, so the x rows an instance pads with
@@ -85,16 +69,14 @@ fn gemm_wg_padded_rows_equal_the_same_rows_of_a_full_launch() {
     let w = upload(&dev, &rounded(&rng.vec(n * k, -0.05, 0.05), st));
     let x = rounded(&rng.vec(64 * k, -1.0, 1.0), st);
     for (part, full) in [(9, 16), (17, 32), (33, 64)] {
-        let run = |m: usize, form: WgForm| {
+        let run = |m: usize| {
             let xd = upload(&dev, &x[..m * k]);
             let mut y = Out16::new(&dev, m * n);
-            dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, form).unwrap();
+            dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, None, Some(4)).unwrap();
             y.read(&dev, "gemm_wg")
         };
-        for form in [WgForm::StreamK, WgForm::Split { rows: None, splits: Some(4) }] {
-            let (a, b) = (run(part, form), run(full, form));
-            assert_bitwise(&a, &b[..part * n], &format!("gemm_wg {form:?} m{part} vs the first rows of m{full}"));
-        }
+        let (a, b) = (run(part), run(full));
+        assert_bitwise(&a, &b[..part * n], &format!("gemm_wg m{part} vs the first rows of m{full}"));
     }
 }
 
@@ -114,18 +96,18 @@ fn linear_routes_9_to_64_rows_to_gemm_wg_when_switched_on() {
             route(&mut y);
             y.read(&dev, "linear")
         };
-        dev.set_wg_gemm(true).unwrap();
+        dev.set_wg_gemm(true);
         assert!(dev.wg_gemm_fits(m, k), "m {m}");
         let routed = run(&|y| dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap());
-        let direct = run(&|y| dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, WgForm::StreamK).unwrap());
+        let direct = run(&|y| dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, None, None).unwrap());
         assert_bitwise(&routed, &direct, &format!("linear m{m} with NINFER_WG_GEMM on"));
-        dev.set_wg_gemm(false).unwrap();
+        dev.set_wg_gemm(false);
         assert!(!dev.wg_gemm_fits(m, k), "m {m}");
         let off = run(&|y| dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap());
         let cublas = run(&|y| dev.gemm(&xd, &w, &mut y.view(), m, n, k).unwrap());
         assert_bitwise(&off, &cublas, &format!("linear m{m} with NINFER_WG_GEMM off"));
     }
-    dev.set_wg_gemm(true).unwrap();
+    dev.set_wg_gemm(true);
     assert!(!dev.wg_gemm_fits(8, k) && !dev.wg_gemm_fits(65, k) && !dev.wg_gemm_fits(16, 1001));
 }
 
@@ -144,8 +126,8 @@ const SHAPES: [(&str, usize, usize); 9] = [
 ];
 
 /// Cold-L2 sweep (run with --ignored on the GPU): per shape and M = 16, 32, 64, the weight read
-/// rate (GB/s) of cuBLAS, gemm_wg's stream-K form and its split form at 256- and 128-row blocks
-/// (their plans), each
+/// rate (GB/s) of cuBLAS and of gemm_wg at its defaults, with 128-row blocks at their plan, and
+/// at 2, 4, 8 splits, each
 /// launch on its own copy of the weight (gemv_tc.rs `times_ms`), against a 1 GB copy.
 #[test]
 #[ignore]
@@ -167,37 +149,40 @@ fn report_gemm_wg_sweep() {
         let mut y = s.alloc_zeros::<u16>(64 * rows).unwrap();
         for m in [16, 32, 64] {
             let xm = x.slice(..m * k);
-            // None: cuBLAS; Some(form): gemm_wg.
-            let mut time = |form: Option<WgForm>| {
+            // None: cuBLAS; Some((rows, splits)): gemm_wg (None: its defaults).
+            let mut time = |form: Option<(Option<usize>, Option<usize>)>| {
                 times_ms(&dev, &mut filler, launches, &mut |i| {
                     let wi = w.slice((i % copies) * len..(i % copies + 1) * len);
                     match form {
                         None => dev.gemm(&xm, &wi, &mut y, m, rows, k),
-                        Some(f) => dev.gemm_wg_with(&xm, &wi, &mut y, m, rows, k, f),
+                        Some((r, sp)) => dev.gemm_wg_with(&xm, &wi, &mut y, m, rows, k, r, sp),
                     }
                     .unwrap()
                 })[REPEATS / 2]
             };
             let gbps = |ms: f64| bytes as f64 / ms / 1e6;
             let cublas = time(None);
-            let wg = time(Some(WgForm::StreamK));
+            let plan = dev.gemm_wg_plan_for(m, rows, k, None, None).unwrap();
+            let plan128 = dev.gemm_wg_plan_for(m, rows, k, Some(128), None).unwrap();
+            let wg = time(Some((None, None)));
             sum_cublas += cublas;
             sum_wg += wg;
-            let split = |r: usize| WgForm::Split { rows: Some(r), splits: None };
-            let line = format!(
-                "PERF op=gemm_wg_sweep shape={name} rows={rows} k={k} m={m} cublas={:.0} stream_k={:.0} sk_vs_cublas={:.3} sk_frac={:.3} cublas_frac={:.3} split_r256={:.0} split_r256_splits={} split_r128={:.0} split_r128_splits={}",
+            let mut line = format!(
+                "PERF op=gemm_wg_sweep shape={name} rows={rows} k={k} m={m} cublas={:.0} wg={:.0} plan_splits={} wg_vs_cublas={:.3} wg_frac={:.3} cublas_frac={:.3} r128={:.0} r128_splits={}",
                 gbps(cublas),
                 gbps(wg),
+                plan.splits,
                 cublas / wg,
                 gbps(wg) / copy,
                 gbps(cublas) / copy,
-                gbps(time(Some(split(256)))),
-                dev.gemm_wg_plan_for(m, rows, k, Some(256), None).unwrap().splits,
-                gbps(time(Some(split(128)))),
-                dev.gemm_wg_plan_for(m, rows, k, Some(128), None).unwrap().splits,
+                gbps(time(Some((Some(128), None)))),
+                plan128.splits
             );
+            for sp in [2, 4, 8] {
+                line += &format!(" s{sp}={:.0}", gbps(time(Some((None, Some(sp))))));
+            }
             println!("{line}");
         }
     }
-    println!("PERF op=gemm_wg_sweep_total cublas_ms={sum_cublas:.4} stream_k_ms={sum_wg:.4} speedup={:.3}", sum_cublas / sum_wg);
+    println!("PERF op=gemm_wg_sweep_total cublas_ms={sum_cublas:.4} wg_ms={sum_wg:.4} speedup={:.3}", sum_cublas / sum_wg);
 }

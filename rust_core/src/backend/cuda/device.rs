@@ -100,10 +100,6 @@ pub struct CudaDevice {
     /// Clusters of each gemm_wg instance and size resident at once (ops/gemm_wg.rs), asked of
     /// the driver once each.
     wg_capacity: Mutex<HashMap<(&'static str, usize), usize>>,
-    /// gemm_wg's stream-K partials (one 256 x 64 f32 tile an SM) and flags (one an SM, zero
-    /// between launches): allocated when the switch is first on (at open or `set_wg_gemm`, so
-    /// never inside a CUDA graph capture) or by the first direct launch.
-    wg_work: Mutex<Option<(cudarc::driver::CudaSlice<f32>, cudarc::driver::CudaSlice<u32>)>>,
     /// Major version of the NVRTC that compiles this device's kernels (0 where none loads):
     /// the warp-specialized prefill attention exists only in NVRTC 13's build.
     nvrtc_major: i32,
@@ -213,7 +209,7 @@ impl CudaDevice {
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         let fa_work = stream.alloc_zeros::<u32>(2).map_err(driver_err("allocating the attention work counters"))?;
-        let dev = CudaDevice {
+        Ok(CudaDevice {
             ordinal,
             name,
             compute_capability: (major, minor),
@@ -245,16 +241,11 @@ impl CudaDevice {
             fa_ws,
             wg_gemm,
             wg_capacity: Mutex::new(HashMap::new()),
-            wg_work: Mutex::new(None),
             nvrtc_major,
             sm_count,
             smem_optin,
             smem_carveout,
-        };
-        if dev.wg_gemm() {
-            dev.wg_work_ptrs()?;
-        }
-        Ok(dev)
+        })
     }
 
     /// Device ordinal (N of cuda:N).
@@ -321,28 +312,9 @@ impl CudaDevice {
 
     /// Routes decode launches of 9-64 rows to `gemm_wg` (`on`, where the device has sm_90a
     /// code) or cuBLAS from now on: `NINFER_WG_GEMM` for a device already open (the op tests).
-    pub fn set_wg_gemm(&self, on: bool) -> Result<()> {
+    pub fn set_wg_gemm(&self, on: bool) {
         let (major, minor) = self.compute_capability;
-        let on = on && super::kernels::has_sm90a_code(major, minor);
-        if on {
-            self.wg_work_ptrs()?;
-        }
-        self.wg_gemm.store(on, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// gemm_wg's stream-K partials and flags (device pointers), allocated on first use.
-    pub(crate) fn wg_work_ptrs(&self) -> Result<(u64, u64)> {
-        let mut slot = self.wg_work.lock().expect("gemm_wg work poisoned");
-        if slot.is_none() {
-            let part = self.stream.alloc_zeros::<f32>(super::ops::wg_part_len(self.sm_count)).map_err(driver_err("allocating gemm_wg's partials"))?;
-            let flags = self.stream.alloc_zeros::<u32>(self.sm_count).map_err(driver_err("allocating gemm_wg's flags"))?;
-            *slot = Some((part, flags));
-        }
-        let (part, flags) = slot.as_ref().expect("just allocated");
-        let pp = cudarc::driver::DevicePtr::device_ptr(part, &self.stream).0;
-        let fp = cudarc::driver::DevicePtr::device_ptr(flags, &self.stream).0;
-        Ok((pp, fp))
+        self.wg_gemm.store(on && super::kernels::has_sm90a_code(major, minor), Ordering::Relaxed);
     }
 
     /// gemm_wg's cache of resident clusters per (instance, size).

@@ -102,36 +102,6 @@ pub struct GemmWgPlan {
     pub steps: usize,
 }
 
-/// Which gemm_wg kernel a launch runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WgForm {
-    /// `gemm_wg_sk_*`: a persistent grid of one block an SM over equal runs of (tile, stage)
-    /// units, 256-row tiles, tiles shared by several blocks summed in k order through
-    /// `part` / `flags` (the device's `wg_work`).
-    StreamK,
-    /// `gemm_wg_n*`: a block per (tile, split), K split over a thread-block cluster summed
-    /// through distributed shared memory; `rows` a block (None: DEFAULT_ROWS) and the splits
-    /// (None: `gemm_wg_plan`'s).
-    Split { rows: Option<usize>, splits: Option<usize> },
-}
-
-/// The form `linear` runs when the switch is on.
-pub const DEFAULT_FORM: WgForm = WgForm::StreamK;
-
-/// The stream-K kernel of wgmma N `mn` (its 256-row instances: GEMM_WG_SK_INSTANCE).
-fn sk_name(mn: usize) -> &'static str {
-    match mn {
-        16 => "gemm_wg_sk_n16_r256_s6",
-        32 => "gemm_wg_sk_n32_r256_s5",
-        _ => "gemm_wg_sk_n64_r256_s5",
-    }
-}
-
-/// f32 elements of the stream-K partials a device needs: one 256 x 64 tile a block, a block an SM.
-pub fn wg_part_len(sm_count: usize) -> usize {
-    sm_count * 256 * WG_GEMM_MAX_M
-}
-
 /// The plan for `n` x `k` in blocks of `rows` weight rows, with `splits` forced where given
 /// (the op tests and the sweep), else the split that finishes soonest: with `capacity(s)`
 /// clusters of s blocks resident at once (cuOccupancyMaxActiveClusters: a cluster's blocks must
@@ -199,8 +169,9 @@ impl CudaDevice {
     }
 
     /// y[M, N] (storage type) = x[M, K] * W[N, K]^T on warpgroup tensor cores, for M of
-    /// 1..=64 (`linear` sends 9..=64), in `form`. sm_90a only; K a multiple of 8 and x, W
-    /// 16-byte aligned.
+    /// 1..=64 (`linear` sends 9..=64), in blocks of `rows` weight rows (None: DEFAULT_ROWS)
+    /// with the plan's splits, or `splits` where given. sm_90a only; K a multiple of 8 and x,
+    /// W 16-byte aligned.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_wg_with(
         &self,
@@ -210,7 +181,8 @@ impl CudaDevice {
         m: usize,
         n: usize,
         k: usize,
-        form: WgForm,
+        rows: Option<usize>,
+        splits: Option<usize>,
     ) -> Result<()> {
         let (major, minor) = self.compute_capability();
         if !crate::backend::cuda::kernels::has_sm90a_code(major, minor) {
@@ -219,10 +191,6 @@ impl CudaDevice {
         if m == 0 || m > WG_GEMM_MAX_M || !k.is_multiple_of(8) {
             return Err(NinferError::Device(format!("gemm_wg takes 1..={WG_GEMM_MAX_M} rows and K a multiple of 8, got m {m}, k {k}")));
         }
-        let rows = match form {
-            WgForm::StreamK => Some(256),
-            WgForm::Split { rows, .. } => rows,
-        };
         let inst = GemmWgInstance::for_rows(m, rows)?;
         check_len("gemm_wg x", x.len(), m * k)?;
         check_len("gemm_wg w", w.len(), n * k)?;
@@ -237,50 +205,30 @@ impl CudaDevice {
         if !xp.is_multiple_of(16) || !wp.is_multiple_of(16) {
             return Err(NinferError::Device("gemm_wg: x and W must be 16-byte aligned".into()));
         }
+        let name = inst.name();
         let smem = inst.smem_bytes();
-        let head = [
+        let f = self.function_with_smem(KernelFamily::GemmWg, name, smem)?;
+        let plan = gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(&f, inst, sp), splits);
+        let config = LaunchConfig {
+            grid_dim: (plan.splits as u32, as_i32("gemm_wg tiles", plan.tiles)? as u32, 1),
+            block_dim: (GW_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let args = [
             KArg::Ptr(xp),
             KArg::Ptr(wp),
             KArg::Ptr(yp),
             KArg::I32(m as i32),
             KArg::I32(as_i32("gemm_wg n", n)?),
             KArg::I32(as_i32("gemm_wg k", k)?),
+            KArg::I32(plan.steps as i32),
         ];
-        match form {
-            WgForm::StreamK => {
-                let name = sk_name(inst.mn);
-                let f = self.function_with_smem(KernelFamily::GemmWg, name, smem)?;
-                let tstages = k.div_ceil(GW_BK).max(1);
-                let units = n.div_ceil(inst.rows) * tstages;
-                // One block an SM at most: every block must be resident at once (blocks wait
-                // for later blocks' parts).
-                let blocks = self.sm_count().min(units);
-                let (pp, fp) = self.wg_work_ptrs()?;
-                let config = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (GW_THREADS, 1, 1), shared_mem_bytes: smem as u32 };
-                let args = [head[0], head[1], head[2], head[3], head[4], head[5], KArg::Ptr(pp), KArg::Ptr(fp), KArg::I32(tstages as i32), KArg::I32(as_i32("gemm_wg units", units)?)];
-                // Waits for the kernel before in every block before reading x or writing
-                // (`launch_pdl`'s invariant); lets the next one launch only at its very end.
-                self.launch_ex(&f, config, name, &args, self.pdl(), 1)
-            }
-            WgForm::Split { splits, .. } => {
-                let name = inst.name();
-                let f = self.function_with_smem(KernelFamily::GemmWg, name, smem)?;
-                let plan = gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(&f, inst, sp), splits);
-                let config = LaunchConfig {
-                    grid_dim: (plan.splits as u32, as_i32("gemm_wg tiles", plan.tiles)? as u32, 1),
-                    block_dim: (GW_THREADS, 1, 1),
-                    shared_mem_bytes: smem as u32,
-                };
-                let args = [head[0], head[1], head[2], head[3], head[4], head[5], KArg::I32(plan.steps as i32)];
-                // The kernel waits for the one before in every block before it reads x or
-                // writes y (`launch_pdl`'s invariant): the launch may take PDL wherever the
-                // device does.
-                self.launch_ex(&f, config, name, &args, self.pdl(), plan.splits as u32)
-            }
-        }
+        // The kernel waits for the one before in every block before it reads x or writes y
+        // (`launch_pdl`'s invariant): the launch may take PDL wherever the device does.
+        self.launch_ex(&f, config, name, &args, self.pdl(), plan.splits as u32)
     }
 
-    /// The plan `gemm_wg_with` launches in the split form for these shapes (the tests print it).
+    /// The plan `gemm_wg_with` launches for these shapes (the sweep prints it).
     pub fn gemm_wg_plan_for(&self, m: usize, n: usize, k: usize, rows: Option<usize>, splits: Option<usize>) -> Result<GemmWgPlan> {
         let inst = GemmWgInstance::for_rows(m, rows)?;
         let f = self.function_with_smem(KernelFamily::GemmWg, inst.name(), inst.smem_bytes())?;

@@ -513,7 +513,7 @@ impl CudaDevice {
         if m <= GEMV_ROUTE_MAX_M && k.is_multiple_of(8) {
             self.gemv(x, w, y, m, n, k)
         } else if self.wg_gemm_fits(m, k) {
-            self.gemm_wg_with(x, w, y, m, n, k, super::WG_GEMM_DEFAULT_FORM)
+            self.gemm_wg_with(x, w, y, m, n, k, None, None)
         } else {
             self.gemm(x, w, y, m, n, k)
         }
