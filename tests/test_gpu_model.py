@@ -822,9 +822,10 @@ def test_wg_gemm_decode_tracks_cublas(decode_dir, n, monkeypatch):
     """NINFER_WG_GEMM=1 (sm_90a): decode steps of 9-64 sequences run their projections on the
     warpgroup GEMM (cuda/gemm_wg.cu, thread-block clusters) instead of cuBLAS, inside CUDA
     graphs. Another summation order, so not bit for bit: the second step's logits (the first
-    that decodes; the first comes from the prefill, which has more rows and stays on cuBLAS)
-    agree within REL_TOL, and so do the first tokens. 40 sequences repeat 12 prompts (the demo
-    model's held-out text has 12 windows of these lengths)."""
+    that decodes; the first comes from the prefill, which has more rows and stays on cuBLAS, so
+    both runs feed the same first tokens to it, as the test checks before comparing) agree
+    within REL_TOL. 40 sequences repeat 12 prompts (the demo model's held-out text has 12
+    windows of these lengths)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("gemm_wg runs on sm_90a (H100 / H200) only")
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", "1")

@@ -96,18 +96,18 @@ fn linear_routes_9_to_64_rows_to_gemm_wg_when_switched_on() {
             route(&mut y);
             y.read(&dev, "linear")
         };
-        dev.set_wg_gemm(true);
+        dev.set_wg_gemm(true).unwrap();
         assert!(dev.wg_gemm_fits(m, k), "m {m}");
         let routed = run(&|y| dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap());
         let direct = run(&|y| dev.gemm_wg_with(&xd, &w, &mut y.view(), m, n, k, None, None).unwrap());
         assert_bitwise(&routed, &direct, &format!("linear m{m} with NINFER_WG_GEMM on"));
-        dev.set_wg_gemm(false);
+        dev.set_wg_gemm(false).unwrap();
         assert!(!dev.wg_gemm_fits(m, k), "m {m}");
         let off = run(&|y| dev.linear(&xd, &w, &mut y.view(), m, n, k).unwrap());
         let cublas = run(&|y| dev.gemm(&xd, &w, &mut y.view(), m, n, k).unwrap());
         assert_bitwise(&off, &cublas, &format!("linear m{m} with NINFER_WG_GEMM off"));
     }
-    dev.set_wg_gemm(true);
+    dev.set_wg_gemm(true).unwrap();
     assert!(!dev.wg_gemm_fits(8, k) && !dev.wg_gemm_fits(65, k) && !dev.wg_gemm_fits(16, 1001));
 }
 

@@ -93,7 +93,7 @@ pub struct CudaDevice {
     /// `NINFER_FA_WS` (default on): the warp-specialized prefill attention where it fits
     /// (ops/flash_attention.rs `flash_tile`); read once.
     fa_ws: bool,
-    /// `NINFER_WG_GEMM=1` (default off) and sm_90a code: decode launches of 9-64 rows run
+    /// `NINFER_WG_GEMM=1` (default off; an error without sm_90a code): decode launches of 9-64 rows run
     /// `gemm_wg` (ops/gemm_wg.rs) instead of cuBLAS. Settable later (`set_wg_gemm`, the op
     /// tests); a captured graph keeps the kernels it captured.
     wg_gemm: AtomicBool,
@@ -192,10 +192,7 @@ impl CudaDevice {
         let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
         super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
         let fa_ws = crate::config::env_switch::env_switch(super::ops::FA_WS_SWITCH, true)?;
-        let wg_gemm = AtomicBool::new(
-            super::ops::parse_wg_gemm_switch(std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?
-                && super::kernels::has_sm90a_code(major, minor),
-        );
+        let wg_gemm = AtomicBool::new(super::ops::wg_gemm_enabled((major, minor), std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?);
         let nvrtc_major = super::nvrtc::nvrtc_version().map_or(0, |v| v.0);
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -310,11 +307,13 @@ impl CudaDevice {
         self.wg_gemm.load(Ordering::Relaxed)
     }
 
-    /// Routes decode launches of 9-64 rows to `gemm_wg` (`on`, where the device has sm_90a
-    /// code) or cuBLAS from now on: `NINFER_WG_GEMM` for a device already open (the op tests).
-    pub fn set_wg_gemm(&self, on: bool) {
-        let (major, minor) = self.compute_capability;
-        self.wg_gemm.store(on && super::kernels::has_sm90a_code(major, minor), Ordering::Relaxed);
+    /// Routes decode launches of 9-64 rows to `gemm_wg` (`on`) or cuBLAS from now on:
+    /// `NINFER_WG_GEMM` for a device already open (the op tests); on where the device has no
+    /// sm_90a code is the same error as the variable's.
+    pub fn set_wg_gemm(&self, on: bool) -> Result<()> {
+        let on = super::ops::wg_gemm_enabled(self.compute_capability, Some(if on { "1" } else { "0" }))?;
+        self.wg_gemm.store(on, Ordering::Relaxed);
+        Ok(())
     }
 
     /// gemm_wg's cache of resident clusters per (instance, size).

@@ -1,6 +1,6 @@
 //! Decode GEMM of 9-64 rows on Hopper's warpgroup tensor cores (cuda/gemm_wg.cu): the
 //! instance per M, the split of K over a thread-block cluster, the launcher, and the switch
-//! that routes `linear` to it (`NINFER_WG_GEMM=1`).
+//! that routes `linear` to it (`NINFER_WG_GEMM=1`; an error on a GPU without sm_90a code).
 //!
 //! Off by default: measured on the H200 (benches/results/gemm_wg_sweep_a626660.log,
 //! wg_gemm_ab_a626660.log) it reads the weights at 0.94x cuBLAS's rate summed over the decode
@@ -27,6 +27,28 @@ pub const WG_GEMM_MAX_M: usize = 64;
 /// error naming the variable.
 pub fn parse_wg_gemm_switch(value: Option<&str>) -> Result<bool> {
     crate::config::env_switch::parse_switch(WG_GEMM_SWITCH, value, false)
+}
+
+/// Whether a device of compute capability `cc` runs gemm_wg, given `NINFER_WG_GEMM`'s value:
+/// asking for it where there is no sm_90a code (no wgmma: anything but 9.0) is an error naming
+/// the variable and the device, not a switch silently ignored.
+pub fn wg_gemm_enabled(cc: (u32, u32), value: Option<&str>) -> Result<bool> {
+    let on = parse_wg_gemm_switch(value)?;
+    if on && !crate::backend::cuda::kernels::has_sm90a_code(cc.0, cc.1) {
+        return Err(NinferError::config(
+            WG_GEMM_SWITCH,
+            format!("gemm_wg needs sm_90a (H100 / H200: wgmma); this device is compute capability {}.{}; unset it to run cuBLAS", cc.0, cc.1),
+        ));
+    }
+    Ok(on)
+}
+
+/// The launch shapes gemm_wg takes: 1..=64 rows and K a multiple of 8 (16-byte rows).
+pub fn check_wg_shape(m: usize, k: usize) -> Result<()> {
+    if m == 0 || m > WG_GEMM_MAX_M || !k.is_multiple_of(8) {
+        return Err(NinferError::Device(format!("gemm_wg takes 1..={WG_GEMM_MAX_M} rows and K a multiple of 8, got m {m}, k {k}")));
+    }
+    Ok(())
 }
 
 /// k a stage and threads a block (gemm_wg.cu's GW_BK and GW_THREADS).
@@ -188,9 +210,7 @@ impl CudaDevice {
         if !crate::backend::cuda::kernels::has_sm90a_code(major, minor) {
             return Err(NinferError::Device(format!("gemm_wg needs sm_90a code (wgmma); this device is {}", self.arch())));
         }
-        if m == 0 || m > WG_GEMM_MAX_M || !k.is_multiple_of(8) {
-            return Err(NinferError::Device(format!("gemm_wg takes 1..={WG_GEMM_MAX_M} rows and K a multiple of 8, got m {m}, k {k}")));
-        }
+        check_wg_shape(m, k)?;
         let inst = GemmWgInstance::for_rows(m, rows)?;
         check_len("gemm_wg x", x.len(), m * k)?;
         check_len("gemm_wg w", w.len(), n * k)?;
@@ -272,6 +292,29 @@ mod tests {
         assert_eq!(GemmWgInstance::for_rows(9, None).unwrap().mn, 16);
         assert_eq!(GemmWgInstance::for_rows(33, None).unwrap().mn, 64);
         assert!(GemmWgInstance::for_rows(16, Some(192)).unwrap_err().to_string().contains("192"));
+    }
+
+    #[test]
+    fn the_switch_on_a_gpu_without_wgmma_is_an_error_naming_it_and_the_device() {
+        assert!(wg_gemm_enabled((9, 0), Some("1")).unwrap());
+        assert!(!wg_gemm_enabled((9, 0), None).unwrap());
+        for cc in [(8, 0), (8, 9), (10, 0), (7, 0)] {
+            assert!(!wg_gemm_enabled(cc, Some("0")).unwrap(), "{cc:?}");
+            let e = wg_gemm_enabled(cc, Some("on")).unwrap_err().to_string();
+            assert!(e.contains(WG_GEMM_SWITCH) && e.contains("sm_90a") && e.contains(&format!("{}.{}", cc.0, cc.1)), "{e}");
+        }
+        assert!(wg_gemm_enabled((8, 0), Some("maybe")).unwrap_err().to_string().contains("maybe"));
+    }
+
+    #[test]
+    fn shapes_outside_1_to_64_rows_or_ragged_k_are_rejected_with_the_numbers() {
+        for (m, k) in [(1, 8), (9, 4096), (64, 14336)] {
+            check_wg_shape(m, k).unwrap();
+        }
+        for (m, k) in [(0, 4096), (65, 4096), (16, 1001), (16, 4)] {
+            let e = check_wg_shape(m, k).unwrap_err().to_string();
+            assert!(e.contains(&format!("m {m}, k {k}")), "{e}");
+        }
     }
 
     #[test]
