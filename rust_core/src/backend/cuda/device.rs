@@ -97,9 +97,8 @@ pub struct CudaDevice {
     /// `gemm_wg` (ops/gemm_wg.rs) instead of cuBLAS. Settable later (`set_wg_gemm`, the op
     /// tests); a captured graph keeps the kernels it captured.
     wg_gemm: AtomicBool,
-    /// Clusters of each gemm_wg instance and size resident at once (ops/gemm_wg.rs), asked of
-    /// the driver once each.
-    wg_capacity: Mutex<HashMap<(&'static str, usize), usize>>,
+    /// gemm_wg's plan per (instance, n, k, forced splits) (ops/gemm_wg.rs), worked out once each.
+    wg_plans: super::ops::WgPlanCache,
     /// Major version of the NVRTC that compiles this device's kernels (0 where none loads):
     /// the warp-specialized prefill attention exists only in NVRTC 13's build.
     nvrtc_major: i32,
@@ -237,7 +236,7 @@ impl CudaDevice {
             tc_decode_direct,
             fa_ws,
             wg_gemm,
-            wg_capacity: Mutex::new(HashMap::new()),
+            wg_plans: Mutex::new(HashMap::new()),
             nvrtc_major,
             sm_count,
             smem_optin,
@@ -316,9 +315,9 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// gemm_wg's cache of resident clusters per (instance, size).
-    pub(crate) fn wg_capacity_cache(&self) -> &Mutex<HashMap<(&'static str, usize), usize>> {
-        &self.wg_capacity
+    /// gemm_wg's plans per (instance, n, k, forced splits).
+    pub(crate) fn wg_plan_cache(&self) -> &super::ops::WgPlanCache {
+        &self.wg_plans
     }
 
     /// Major version of the loaded NVRTC (0 where none loads).

@@ -124,6 +124,9 @@ pub struct GemmWgPlan {
     pub steps: usize,
 }
 
+/// A device's gemm_wg plans by (instance name, n, k, forced splits).
+pub type WgPlanCache = std::sync::Mutex<std::collections::HashMap<(&'static str, usize, usize, Option<usize>), GemmWgPlan>>;
+
 /// The plan for `n` x `k` in blocks of `rows` weight rows, with `splits` forced where given
 /// (the op tests and the sweep), else the split that finishes soonest: with `capacity(s)`
 /// clusters of s blocks resident at once (cuOccupancyMaxActiveClusters: a cluster's blocks must
@@ -154,12 +157,20 @@ impl CudaDevice {
         self.wg_gemm() && (WG_GEMM_MIN_M..=WG_GEMM_MAX_M).contains(&m) && k.is_multiple_of(8)
     }
 
-    /// Clusters of `splits` blocks of `inst` resident at once (cuOccupancyMaxActiveClusters,
-    /// asked once per instance and size), or SMs / splits where the driver does not say.
+    /// The plan of `inst` for `n` x `k` (`splits` forced or not), worked out once per shape
+    /// and kept: a decode step launches the same few shapes every layer, and the plan asks the
+    /// driver up to 8 questions.
+    fn wg_plan(&self, f: &cudarc::driver::CudaFunction, inst: GemmWgInstance, n: usize, k: usize, splits: Option<usize>) -> GemmWgPlan {
+        let mut plans = self.wg_plan_cache().lock().expect("gemm_wg plan cache poisoned");
+        *plans
+            .entry((inst.name(), n, k, splits))
+            .or_insert_with(|| gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(f, inst, sp), splits))
+    }
+
+    /// Clusters of `splits` blocks of `inst` resident at once (cuOccupancyMaxActiveClusters),
+    /// or SMs / splits where the driver does not say.
     fn wg_cluster_capacity(&self, f: &cudarc::driver::CudaFunction, inst: GemmWgInstance, splits: usize) -> usize {
-        let key = (inst.name(), splits);
-        let mut cache = self.wg_capacity_cache().lock().expect("gemm_wg capacity cache poisoned");
-        *cache.entry(key).or_insert_with(|| {
+        {
             // SAFETY: an all-zero attribute is plain old data; id and value are set next.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
@@ -187,7 +198,7 @@ impl CudaDevice {
             } else {
                 (self.sm_count() / splits).max(1)
             }
-        })
+        }
     }
 
     /// y[M, N] (storage type) = x[M, K] * W[N, K]^T on warpgroup tensor cores, for M of
@@ -228,7 +239,7 @@ impl CudaDevice {
         let name = inst.name();
         let smem = inst.smem_bytes();
         let f = self.function_with_smem(KernelFamily::GemmWg, name, smem)?;
-        let plan = gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(&f, inst, sp), splits);
+        let plan = self.wg_plan(&f, inst, n, k, splits);
         let config = LaunchConfig {
             grid_dim: (plan.splits as u32, as_i32("gemm_wg tiles", plan.tiles)? as u32, 1),
             block_dim: (GW_THREADS, 1, 1),
@@ -252,7 +263,7 @@ impl CudaDevice {
     pub fn gemm_wg_plan_for(&self, m: usize, n: usize, k: usize, rows: Option<usize>, splits: Option<usize>) -> Result<GemmWgPlan> {
         let inst = GemmWgInstance::for_rows(m, rows)?;
         let f = self.function_with_smem(KernelFamily::GemmWg, inst.name(), inst.smem_bytes())?;
-        Ok(gemm_wg_plan(n, k, inst.rows, &|sp| self.wg_cluster_capacity(&f, inst, sp), splits))
+        Ok(self.wg_plan(&f, inst, n, k, splits))
     }
 }
 

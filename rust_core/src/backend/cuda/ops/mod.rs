@@ -29,7 +29,7 @@ pub use decode_attention::{
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use flash_attention::{FlashTile, FA_WS_SWITCH};
 pub use gdn_chunked::{PrepForm, ScanForm};
-pub use gemm_wg::{check_wg_shape, gemm_wg_plan, parse_wg_gemm_switch, wg_gemm_enabled, GemmWgInstance, GemmWgPlan, WG_GEMM_MAX_M, WG_GEMM_MIN_M, WG_GEMM_SWITCH};
+pub use gemm_wg::{check_wg_shape, gemm_wg_plan, parse_wg_gemm_switch, wg_gemm_enabled, GemmWgInstance, GemmWgPlan, WgPlanCache, WG_GEMM_MAX_M, WG_GEMM_MIN_M, WG_GEMM_SWITCH};
 pub use gemv::{gemv_form, gemv_form_with_switch, BATCH_INVARIANT_SWITCH, gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, GemvTcRule, GEMV_ROUTE_MAX_M, GEMV_TC_RULES, TC_GEMV_SWITCH};
 pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::qkv_rope_fits;
