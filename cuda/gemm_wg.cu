@@ -1,6 +1,7 @@
-// Decode GEMM on Hopper's warpgroup tensor cores (gemm_wg_n{16,32,64}, sm_90a code only):
-// y[M, N] = x[M, K] * W[N, K]^T for the 9-64 rows of a batched decode step, where the step is
-// bound by reading W once.
+// Decode GEMM on Hopper's warpgroup tensor cores (gemm_wg_n{16,32,64}_r{128,256}_s*, sm_90a code
+// only): y[M, N] = x[M, K] * W[N, K]^T for the 9-64 rows of a batched decode step, where the step
+// is bound by reading W once. Runs only with NINFER_WG_GEMM=1: on the H200 it matches cuBLAS in
+// the model but does not beat it (docs/kernels.md "Decode GEMM on warpgroup tensor cores").
 //
 // Why not cuBLAS there: at 16-64 rows cuBLAS reads the Llama-3-8B qkv / o projections at
 // 2.9-3.1 TB/s and the down projection at 3.5 (plus a split-K reduce kernel) against a 4.2 TB/s
