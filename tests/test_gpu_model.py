@@ -20,6 +20,7 @@ Two kinds of checkpoint:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -70,6 +71,17 @@ PROMPTS = [
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def _device_cc() -> tuple:
+    """The compute capability our engine runs the GPU as: the one NINFER_EMULATE_ARCH names
+    (`80`, `8.0` or `sm_80`; rust_core/src/backend/cuda/emulate.rs), else the GPU's own. The
+    suites run under the variable to execute older GPUs' code paths on a newer GPU."""
+    v = os.environ.get("NINFER_EMULATE_ARCH", "").strip()
+    if v:
+        digits = v.removeprefix("sm_").replace(".", "")
+        return int(digits[:-1]), int(digits[-1])
+    return torch.cuda.get_device_capability()
 
 
 @pytest.fixture(scope="module", params=list(GPU_SHAPES))
@@ -137,7 +149,7 @@ def test_num_threads_on_the_gpu_is_refused_naming_it(gpu_dir):
 def test_kv_dtype_names_the_gpu_storage_type_and_refuses_another(gpu_dir):
     # The GPU keeps its KV cache in its storage type: bf16 on sm_80+ (f16 on sm_7x) by name is
     # accepted and runs as auto does; the other 16-bit type is refused naming the kept one.
-    kept, other = ("bf16", "f16") if torch.cuda.get_device_capability()[0] >= 8 else ("f16", "bf16")
+    kept, other = ("bf16", "f16") if _device_cc()[0] >= 8 else ("f16", "bf16")
     with LLM(gpu_dir, device="cuda", max_context=256, kv_dtype=kept) as named:
         [a] = named.generate(PROMPTS[0], greedy(8))
     with LLM(gpu_dir, device="cuda", max_context=256) as auto:
@@ -145,6 +157,49 @@ def test_kv_dtype_names_the_gpu_storage_type_and_refuses_another(gpu_dir):
     assert a.token_ids == b.token_ids
     with pytest.raises(_core.ModelLoadError, match=f"{other} is not supported on cuda:0 .*its KV cache is {kept}"):
         LLM(gpu_dir, device="cuda", kv_dtype=other)
+
+
+@pytest.mark.parametrize("arch", ["8.6", "7.5"])
+def test_gpu_runs_an_older_architectures_code_when_asked(gpu_dir, hf_bf16, monkeypatch, capfd, arch):
+    """NINFER_EMULATE_ARCH: the device runs as the named older GPU (its kernels PTX for that
+    architecture, JIT-compiled by the driver; its routes and shared-memory limit; f16 storage
+    below 8.0), says so once on stderr, and its logits track transformers f32 as closely as
+    transformers bf16 does, prefill and a decode step alike. A bad value is refused naming
+    the variable."""
+    cc = tuple(int(c) for c in arch.split("."))
+    if torch.cuda.get_device_capability() <= cc:
+        pytest.skip(f"the GPU is not newer than {arch}")
+    monkeypatch.setenv("NINFER_EMULATE_ARCH", "ampere")
+    with pytest.raises(_core.ModelLoadError, match="NINFER_EMULATE_ARCH.*ampere"):
+        _core.Model(str(gpu_dir), device="cuda")
+    monkeypatch.setenv("NINFER_EMULATE_ARCH", arch)
+    capfd.readouterr()
+    emu = _core.Model(str(gpu_dir), device="cuda")
+    err = capfd.readouterr().err
+    assert f"runs as {arch} (NINFER_EMULATE_ARCH)" in err and f"compute_{arch.replace('.', '')}" in err, err
+    vocab = emu.config["vocab_size"]
+    ids = _prompt(70, vocab, seed=1)
+    got = emu.logits(ids)
+    hf_f32 = transformers.AutoModelForCausalLM.from_pretrained(str(gpu_dir), dtype=torch.float32).to("cuda").eval()
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        exp_bf16 = hf_bf16(x).logits[0].float().cpu().numpy()
+        exp_f32 = hf_f32(x).logits[0].float().cpu().numpy()
+    theirs = _rel_err(exp_bf16, exp_f32)
+    ours = _rel_err(got, exp_f32)
+    print(f"{gpu_dir.name[:8]} as {arch}: prefill logits rel err vs hf_f32 {ours:.2e} (hf_bf16 {theirs:.2e})")
+    assert ours <= 2 * theirs + 5e-3
+    # Decode: three sequences a step (the batched decode kernels); step s fed tokens[i][s], so
+    # its logits are transformers f32's last row on the prompt and tokens[i][:s + 1].
+    prompts = [_prompt(n, vocab, seed=n) for n in (9, 33, 70)]
+    tokens, logits, _ = emu.decode_greedy(prompts, 2)
+    for i, p in enumerate(prompts):
+        for s in range(2):
+            with torch.no_grad():
+                ref = hf_f32(torch.tensor([p + tokens[i][:s + 1]], device="cuda")).logits[0, -1].float().cpu().numpy()
+            step = _rel_err(logits[s][i], ref)
+            print(f"{gpu_dir.name[:8]} as {arch}: decode step {s} logits of sequence {i} rel err vs hf_f32 {step:.2e}")
+            assert step <= 2 * theirs + 5e-3
 
 
 def test_gpu_logits_track_f32_as_closely_as_transformers_bf16(gpu_dir, hf_bf16):
@@ -826,7 +881,7 @@ def test_wg_gemm_decode_tracks_cublas(decode_dir, n, monkeypatch):
     both runs feed the same first tokens to it, as the test checks before comparing) agree
     within REL_TOL. 40 sequences repeat 12 prompts (the demo model's held-out text has 12
     windows of these lengths)."""
-    if torch.cuda.get_device_capability() != (9, 0):
+    if _device_cc() != (9, 0):
         pytest.skip("gemm_wg runs on sm_90a (H100 / H200) only")
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", "1")
     base = _decode_prompts(decode_dir, 12)

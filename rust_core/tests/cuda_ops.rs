@@ -48,7 +48,7 @@ fn every_kernel_compiles_for_every_ci_arch() {
                         }
                         for storage in [StorageDType::Bf16, StorageDType::F16] {
                             let arch_name = nvrtc_arch(arch / 10, arch % 10);
-                            match nvrtc::compile_cubin(family, &arch_name, storage) {
+                            match nvrtc::compile_image(family, &arch_name, storage) {
                                 Ok(cubin) if cubin.len() > 64 => compiled += 1,
                                 Ok(_) => failures.push(format!("{} {arch_name}: empty cubin", family.file_name())),
                                 Err(e) => failures.push(e.to_string()),
@@ -68,6 +68,24 @@ fn every_kernel_compiles_for_every_ci_arch() {
     let failures: Vec<String> = results.into_iter().flat_map(|r| r.1).collect();
     assert!(failures.is_empty(), "{} compile failures:\n{}", failures.len(), failures.join("\n\n"));
     eprintln!("compiled {compiled} (family, arch, storage) combinations");
+}
+
+/// What `NINFER_EMULATE_ARCH` loads (ninfer_core::backend::cuda::emulate): the kernels as PTX
+/// for a virtual architecture, text the driver JIT-compiles, targeting that architecture.
+#[test]
+fn kernels_compile_to_ptx_for_a_virtual_arch() {
+    if !nvrtc::nvrtc_available() {
+        assert!(!nvrtc_required(), "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found");
+        eprintln!("SKIP kernels_compile_to_ptx_for_a_virtual_arch: libnvrtc not found");
+        return;
+    }
+    for (arch, storage) in [("compute_80", StorageDType::Bf16), ("compute_75", StorageDType::F16)] {
+        let ptx = nvrtc::compile_image(KernelFamily::ALL[0], arch, storage).unwrap();
+        let text = String::from_utf8(ptx).expect("PTX is text");
+        let target = format!(".target sm_{}", &arch["compute_".len()..]);
+        assert!(text.contains(&target) && text.contains(".entry"), "{arch}: no {target} / .entry in the PTX");
+        assert!(!text.ends_with('\0'), "{arch}: the PTX keeps NVRTC's terminating NUL");
+    }
 }
 
 #[path = "cuda_ops/harness.rs"]

@@ -28,7 +28,11 @@ pub(crate) fn driver_err(what: &'static str) -> impl Fn(DriverError) -> NinferEr
 pub struct CudaDevice {
     ordinal: usize,
     name: String,
+    /// The capability every route sees: the GPU's own, or the one `NINFER_EMULATE_ARCH` names.
     compute_capability: (u32, u32),
+    /// The GPU's own capability where `NINFER_EMULATE_ARCH` names another (emulate.rs): its
+    /// kernels are then PTX for `compute_capability`, JIT-compiled by the driver.
+    emulating: Option<(u32, u32)>,
     storage: StorageDType,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -163,7 +167,10 @@ impl CudaDevice {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(driver_err("reading the compute capability"))?;
-        let (major, minor) = (major as u32, minor as u32);
+        let real = (major as u32, minor as u32);
+        let emulated = super::emulate::parse_emulated_arch(real, std::env::var(super::emulate::EMULATE_ARCH_VAR).ok().as_deref())?;
+        // Every route below sees the emulated capability (emulate.rs).
+        let (major, minor) = emulated.unwrap_or(real);
         let pdl_switch = std::env::var(super::ops::PDL_SWITCH).ok();
         let pdl = super::ops::pdl_enabled((major, minor), pdl_switch.as_deref())?;
         let tc_switch = std::env::var(super::ops::TC_GEMV_SWITCH).ok();
@@ -197,18 +204,35 @@ impl CudaDevice {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?
             .max(1) as usize;
-        let smem_optin = ctx
+        let mut smem_optin = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .unwrap_or(0)
             .max(0) as usize;
+        if let Some(limit) = emulated.and_then(super::emulate::smem_optin_of) {
+            smem_optin = smem_optin.min(limit);
+        }
         let smem_carveout = parse_smem_carveout(std::env::var(SMEM_CARVEOUT_VAR).ok().as_deref())?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
+        if let Some(cc) = emulated {
+            eprintln!(
+                "ninfer: cuda:{ordinal} ({name}, compute capability {}.{}) runs as {}.{} ({}): kernels compiled to PTX \
+                 for {} and JIT-compiled by the driver, {} KiB of shared memory a block; timings do not stand for that GPU",
+                real.0,
+                real.1,
+                cc.0,
+                cc.1,
+                super::emulate::EMULATE_ARCH_VAR,
+                super::emulate::ptx_arch(cc),
+                smem_optin / 1024
+            );
+        }
         let stream = ctx.new_stream().map_err(driver_err("creating the device stream"))?;
         let fa_work = stream.alloc_zeros::<u32>(2).map_err(driver_err("allocating the attention work counters"))?;
         Ok(CudaDevice {
             ordinal,
             name,
             compute_capability: (major, minor),
+            emulating: emulated.map(|_| real),
             storage: storage.unwrap_or_else(|| StorageDType::for_arch(major, minor)),
             ctx,
             stream,
@@ -264,9 +288,20 @@ impl CudaDevice {
         self.smem_optin
     }
 
-    /// NVRTC architecture name the kernels are compiled for ("sm_90a" on an H200, "sm_86", ...).
+    /// NVRTC architecture name the kernels are compiled for ("sm_90a" on an H200, "sm_86", ...;
+    /// "compute_80" for PTX where `NINFER_EMULATE_ARCH` names 8.0).
     pub fn arch(&self) -> String {
-        super::kernels::nvrtc_arch(self.compute_capability.0, self.compute_capability.1)
+        let (major, minor) = self.compute_capability;
+        match self.emulating {
+            Some(_) => super::emulate::ptx_arch((major, minor)),
+            None => super::kernels::nvrtc_arch(major, minor),
+        }
+    }
+
+    /// The GPU's own compute capability where `NINFER_EMULATE_ARCH` makes it run as another
+    /// (`compute_capability`), else None.
+    pub fn emulating(&self) -> Option<(u32, u32)> {
+        self.emulating
     }
 
     /// Whether kernels that support it are launched with Programmatic Dependent Launch.
@@ -445,7 +480,7 @@ impl CudaDevice {
         // NVRTC compiles are independent and single-threaded: fill the disk cache for all
         // families in parallel first, so that a cold start costs the slowest one, not the sum.
         let arch = self.arch();
-        KernelFamily::ALL.par_iter().try_for_each(|&f| nvrtc::cached_cubin(f, &arch, self.storage).map(|_| ()))?;
+        KernelFamily::ALL.par_iter().try_for_each(|&f| nvrtc::cached_image(f, &arch, self.storage).map(|_| ()))?;
         for family in KernelFamily::ALL {
             self.module(family)?;
         }
@@ -457,8 +492,15 @@ impl CudaDevice {
         if let Some(m) = modules.get(&family) {
             return Ok(m.clone());
         }
-        let cubin = nvrtc::cached_cubin(family, &self.arch(), self.storage)?;
-        let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
+        let arch = self.arch();
+        let image = nvrtc::cached_image(family, &arch, self.storage)?;
+        let image = if nvrtc::is_ptx_arch(&arch) {
+            // PTX text: the driver JIT-compiles it for the GPU present.
+            Ptx::from_src(String::from_utf8(image).map_err(|_| NinferError::Device(format!("cuda/{}: NVRTC's PTX for {arch} is not text", family.file_name())))?)
+        } else {
+            Ptx::from_binary(image)
+        };
+        let module = self.ctx.load_module(image).map_err(|e| {
             NinferError::Device(format!("loading cuda/{} for {}: {e}", family.file_name(), self.arch()))
         })?;
         modules.insert(family, module.clone());
@@ -503,6 +545,14 @@ impl CudaDevice {
         let f = self.function(family, name)?;
         if smem <= 48 * 1024 {
             return Ok(f); // within the default limit: nothing to raise, no lock on the launch path
+        }
+        if self.smem_optin > 0 && smem > self.smem_optin {
+            // The driver would refuse it on the GPU the device runs as (here too where it is
+            // emulated on a larger one): a route that did not check the limit.
+            return Err(NinferError::Device(format!(
+                "{name} needs {smem} bytes of shared memory a block; cuda:{} (compute capability {}.{}) allows {}",
+                self.ordinal, self.compute_capability.0, self.compute_capability.1, self.smem_optin
+            )));
         }
         let mut limits = self.smem_limits.lock().expect("smem limits poisoned");
         if limits.get(name).is_none_or(|&have| have < smem) {

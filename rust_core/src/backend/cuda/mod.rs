@@ -15,6 +15,8 @@ pub mod blas;
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
+pub mod emulate;
+#[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;

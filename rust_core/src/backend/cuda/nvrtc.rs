@@ -1,4 +1,5 @@
-//! NVRTC compilation of the kernel families to cubin, with an on-disk cache.
+//! NVRTC compilation of the kernel families to cubin (or to PTX for a device that runs as an
+//! older architecture, `emulate.rs`), with an on-disk cache.
 //!
 //! Compiling at first use on the target (rather than in build.rs) means the wheel needs no CUDA
 //! toolkit to build and each GPU gets machine code for its exact architecture from the NVRTC it
@@ -59,9 +60,11 @@ fn options(arch: &str, storage: StorageDType) -> Vec<String> {
     o
 }
 
-/// Compiles one family for `arch` ("sm_70" ... "sm_90a") to cubin, without the cache.
-/// A compile error carries NVRTC's log, which names the file and line.
-pub fn compile_cubin(family: KernelFamily, arch: &str, storage: StorageDType) -> Result<Vec<u8>> {
+/// Compiles one family for `arch` without the cache: to cubin for a real architecture ("sm_70"
+/// ... "sm_90a"), to PTX text for a virtual one ("compute_80", which the driver JIT-compiles for
+/// the GPU present: `emulate.rs`). A compile error carries NVRTC's log, which names the file
+/// and line.
+pub fn compile_image(family: KernelFamily, arch: &str, storage: StorageDType) -> Result<Vec<u8>> {
     if !nvrtc_available() {
         return Err(no_nvrtc());
     }
@@ -103,7 +106,7 @@ pub fn compile_cubin(family: KernelFamily, arch: &str, storage: StorageDType) ->
                 program_log(prog)
             )))
         } else {
-            read_cubin(prog, family, arch)
+            read_image(prog, family, arch)
         };
         sys::nvrtcDestroyProgram(&mut prog);
         result
@@ -122,10 +125,25 @@ unsafe fn program_log(prog: sys::nvrtcProgram) -> String {
     String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()
 }
 
+/// Whether `arch` is a virtual architecture ("compute_80"), compiled to PTX rather than cubin.
+pub fn is_ptx_arch(arch: &str) -> bool {
+    arch.starts_with("compute_")
+}
+
 /// # Safety
 /// `prog` must be a successfully compiled NVRTC program.
-unsafe fn read_cubin(prog: sys::nvrtcProgram, family: KernelFamily, arch: &str) -> Result<Vec<u8>> {
+unsafe fn read_image(prog: sys::nvrtcProgram, family: KernelFamily, arch: &str) -> Result<Vec<u8>> {
     let mut size = 0usize;
+    if is_ptx_arch(arch) {
+        check("PTX size", family, arch, sys::nvrtcGetPTXSize(prog, &mut size))?;
+        let mut buf = vec![0u8; size];
+        check("PTX", family, arch, sys::nvrtcGetPTX(prog, buf.as_mut_ptr() as *mut c_char))?;
+        // The driver takes PTX as a C string: the text without its terminating NUL.
+        while buf.last() == Some(&0) {
+            buf.pop();
+        }
+        return Ok(buf);
+    }
     check("cubin size", family, arch, sys::nvrtcGetCUBINSize(prog, &mut size))?;
     let mut buf = vec![0u8; size];
     check("cubin", family, arch, sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char))?;
@@ -161,9 +179,10 @@ pub fn cache_dir() -> PathBuf {
     std::env::temp_dir().join("ninfer-kernels")
 }
 
-/// The cubin of `family` for `arch`, from the disk cache or compiled (and then cached).
-/// A cache that cannot be written is not an error: the cubin is simply rebuilt next time.
-pub fn cached_cubin(family: KernelFamily, arch: &str, storage: StorageDType) -> Result<Vec<u8>> {
+/// The cubin (PTX for a `compute_XY` arch) of `family` for `arch`, from the disk cache or
+/// compiled (and then cached). A cache that cannot be written is not an error: the image is
+/// simply rebuilt next time.
+pub fn cached_image(family: KernelFamily, arch: &str, storage: StorageDType) -> Result<Vec<u8>> {
     let (major, minor) = nvrtc_version()?;
     let version = format!("{major}.{minor}");
     let opts = options(arch, storage).join(" ");
@@ -174,18 +193,19 @@ pub fn cached_cubin(family: KernelFamily, arch: &str, storage: StorageDType) -> 
         version.as_bytes(),
     ]);
     let stem = family.file_name().trim_end_matches(".cu");
-    let path = cache_dir().join(format!("{stem}-{}-{arch}-{key:016x}.cubin", storage.name()));
+    let ext = if is_ptx_arch(arch) { "ptx" } else { "cubin" };
+    let path = cache_dir().join(format!("{stem}-{}-{arch}-{key:016x}.{ext}", storage.name()));
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
             return Ok(bytes);
         }
     }
-    let cubin = compile_cubin(family, arch, storage)?;
+    let image = compile_image(family, arch, storage)?;
     if std::fs::create_dir_all(cache_dir()).is_ok() {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
+        if std::fs::write(&tmp, &image).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok(cubin)
+    Ok(image)
 }
