@@ -84,6 +84,12 @@ def _device_cc() -> tuple:
     return torch.cuda.get_device_capability()
 
 
+def _storage_dtype():
+    """The type our engine stores weights, activations and "auto" logits in on this device:
+    bf16 from 8.0 on, f16 below (sm_7x has no bf16 units; kernels.rs `StorageDType`)."""
+    return torch.bfloat16 if _device_cc()[0] >= 8 else torch.float16
+
+
 @pytest.fixture(scope="module", params=list(GPU_SHAPES))
 def gpu_dir(request, tiny_checkpoints):
     if not _cuda_available():
@@ -323,17 +329,17 @@ def test_gpu_batch_differs_from_alone_only_at_near_ties(gpu_dir):
     assert all(g is None or g[1] < NEAR_TIE for g in gaps)
 
 
-def _bf16_copy(src: Path, dst: Path) -> Path:
-    """`src` with every tensor rounded to bf16 by torch (round to nearest even) except `A_log`
-    and `dt_bias`, which the loader keeps in f32: the same device weights through the loader's
-    raw bf16 path that `src` (f32) gives through its conversion path."""
+def _storage_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor rounded to the storage type (`_storage_dtype`) by torch (round to
+    nearest even) except `A_log` and `dt_bias`, which the loader keeps in f32: the same device
+    weights through the loader's raw path that `src` (f32) gives through its conversion path."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix == ".safetensors":
             keep = ("A_log", "dt_bias")
-            t = {k: v if k.endswith(keep) else v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}
+            t = {k: v if k.endswith(keep) else v.to(_storage_dtype()) for k, v in load_file(str(f)).items()}
             save_file(t, str(dst / f.name), metadata={"format": "pt"})
         elif f.is_file():
             shutil.copy(f, dst / f.name)
@@ -351,17 +357,18 @@ def _timed_load(path: Path):
 
 
 def test_gpu_loader_conversion_and_raw_paths_give_identical_logits(gpu_dir, tmp_path, monkeypatch):
-    """The tiny checkpoints are f32 (converted on the host while loading); their bf16 copy goes
-    through positioned reads, and with NINFER_LOAD_MMAP=1 through the mapping: all three must
-    put the same bits on the device, so the logits are bitwise equal."""
+    """The tiny checkpoints are f32 (converted on the host while loading); their copy in the
+    storage type (bf16, f16 on sm_7x) goes through positioned reads, and with NINFER_LOAD_MMAP=1
+    through the mapping: all three must put the same bits on the device, so the logits are
+    bitwise equal."""
     ids = _prompt(40, TINY_VOCAB, seed=4)
     from_f32 = _timed_load(gpu_dir).logits(ids)
-    bf16_dir = _bf16_copy(gpu_dir, tmp_path / "bf16")
-    from_bf16 = _timed_load(bf16_dir).logits(ids)
+    raw_dir = _storage_copy(gpu_dir, tmp_path / "raw")
+    from_raw = _timed_load(raw_dir).logits(ids)
     monkeypatch.setenv("NINFER_LOAD_MMAP", "1")
-    from_mmap = _core.Model(str(bf16_dir), device="cuda").logits(ids)
-    assert np.array_equal(from_f32, from_bf16)
-    assert np.array_equal(from_bf16, from_mmap)
+    from_mmap = _core.Model(str(raw_dir), device="cuda").logits(ids)
+    assert np.array_equal(from_f32, from_raw)
+    assert np.array_equal(from_raw, from_mmap)
 
 
 def test_unsupported_head_dim_is_refused_at_load(tiny_checkpoints):
@@ -441,8 +448,9 @@ def test_demo_model_greedy_64_tokens_match_transformers_bf16(demo_dir, demo_wind
     them, greedy taking the lowest id among equal values as torch.argmax: the brief's 95% of
     prompts (19/20) with the same 64 tokens (teacher-forced, argmax of our bf16-rounded decode
     logits agreed on 20/20, benches/results/diag_greedy_ties_64e81ae.log); any divergence at a
-    near-tie."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(demo_dir), dtype=torch.bfloat16).to("cuda").eval()
+    near-tie. Where the engine stores f16 (sm_7x, or NINFER_EMULATE_ARCH below 8.0), against
+    transformers in f16: the same rounding."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(demo_dir), dtype=_storage_dtype()).to("cuda").eval()
     same, divergences = _greedy_vs_transformers(demo_dir, demo_windows, hf)
     print(f"demo: {same}/{len(demo_windows)} prompts equal transformers bf16 greedy (64 tokens, logits_dtype auto); "
           f"divergences (token, our top-2 gap): {divergences}")
@@ -469,7 +477,7 @@ def test_demo_model_auto_logits_are_the_float32_logits_rounded_to_bf16(demo_dir,
     for bit."""
     auto = _core.Model(str(demo_dir), device="cuda")
     f32 = _core.Model(str(demo_dir), device="cuda", logits_dtype="float32")
-    bf16 = lambda a: torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+    bf16 = lambda a: torch.from_numpy(a).to(_storage_dtype()).float().numpy()
     for ids in (demo_windows[0] + demo_windows[1], demo_windows[2][:5]):
         got, full = auto.logits(ids), f32.logits(ids)
         assert (full.view(np.uint32) & 0xFFFF).any(), "float32 logits keep their low bits"
@@ -1127,4 +1135,4 @@ def test_real_shape_random_models_match_transformers_bf16(name, tmp_path):
           f"alone vs in a batch of two: {self_same}/10 prompts, {self_prefix / 10:.1f} tokens before the first divergence")
     assert ours32 <= 2 * theirs32 + 5e-3
     # Prefill of 64 rows (cuBLAS, then round_f32_to_storage): auto is bf16(float32) bit for bit.
-    _assert_bitwise(got_auto, torch.from_numpy(got).to(torch.bfloat16).float().numpy(), f"{name}: auto vs bf16(float32) logits")
+    _assert_bitwise(got_auto, torch.from_numpy(got).to(_storage_dtype()).float().numpy(), f"{name}: auto vs bf16(float32) logits")
