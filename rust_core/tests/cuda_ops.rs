@@ -26,11 +26,20 @@ fn ci_arches() -> Vec<u32> {
     }
 }
 
+/// Whether NVRTC loads; where it does not, says that `test` skips (or fails it, under
+/// NINFER_REQUIRE_NVRTC=1).
+fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc::nvrtc_available() {
+        return true;
+    }
+    assert!(!nvrtc_required(), "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found");
+    eprintln!("SKIP {test}: libnvrtc not found");
+    false
+}
+
 #[test]
 fn every_kernel_compiles_for_every_ci_arch() {
-    if !nvrtc::nvrtc_available() {
-        assert!(!nvrtc_required(), "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found");
-        eprintln!("SKIP every_kernel_compiles_for_every_ci_arch: libnvrtc not found");
+    if !nvrtc_or_skip("every_kernel_compiles_for_every_ci_arch") {
         return;
     }
     let (major, minor) = nvrtc::nvrtc_version().unwrap();
@@ -74,9 +83,7 @@ fn every_kernel_compiles_for_every_ci_arch() {
 /// for a virtual architecture, text the driver JIT-compiles, targeting that architecture.
 #[test]
 fn kernels_compile_to_ptx_for_a_virtual_arch() {
-    if !nvrtc::nvrtc_available() {
-        assert!(!nvrtc_required(), "NINFER_REQUIRE_NVRTC=1 but libnvrtc was not found");
-        eprintln!("SKIP kernels_compile_to_ptx_for_a_virtual_arch: libnvrtc not found");
+    if !nvrtc_or_skip("kernels_compile_to_ptx_for_a_virtual_arch") {
         return;
     }
     for (arch, storage) in [("compute_80", StorageDType::Bf16), ("compute_75", StorageDType::F16)] {
