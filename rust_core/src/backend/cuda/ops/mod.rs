@@ -76,11 +76,19 @@ pub(crate) fn as_i32(what: &str, v: usize) -> Result<i32> {
 pub const PDL_SWITCH: &str = "NINFER_PDL";
 
 /// Whether kernels that support it are launched with PDL on a device of compute capability
-/// `cc`, given the value of `NINFER_PDL` (`config::parse_switch`; unset means on): PDL needs
-/// sm_90 (the griddepcontrol instructions; older devices would ignore the attribute anyway).
-/// A misspelt value is an error naming the variable.
+/// `cc`, given the value of `NINFER_PDL` (`config::parse_switch`; unset means on where the
+/// device has it): PDL needs sm_90 (the griddepcontrol instructions; older devices would ignore
+/// the attribute). A misspelt value, or on named explicitly for an older device (where it
+/// could only be ignored), is an error naming the variable.
 pub fn pdl_enabled(cc: (u32, u32), switch: Option<&str>) -> Result<bool> {
+    let explicit = switch.is_some_and(|v| !v.trim().is_empty());
     let on = crate::config::env_switch::parse_switch(PDL_SWITCH, switch, true)?;
+    if on && explicit && cc.0 < 9 {
+        return Err(NinferError::config(
+            PDL_SWITCH,
+            format!("programmatic dependent launch needs compute capability 9.0 or newer; this device is {}.{} (unset it, or 0)", cc.0, cc.1),
+        ));
+    }
     Ok(on && cc.0 >= 9)
 }
 
@@ -225,11 +233,20 @@ mod tests {
         assert!(pdl_enabled((9, 0), None).unwrap());
         assert!(pdl_enabled((10, 0), Some("")).unwrap());
         assert!(!pdl_enabled((8, 9), None).unwrap(), "no griddepcontrol before sm_90");
-        assert!(!pdl_enabled((8, 0), Some("1")).unwrap());
+        assert!(!pdl_enabled((8, 0), Some("")).unwrap());
+        assert!(!pdl_enabled((8, 0), Some("0")).unwrap());
         for off in ["0", "off", "False"] {
             assert!(!pdl_enabled((9, 0), Some(off)).unwrap(), "{off}");
         }
         assert!(pdl_enabled((9, 0), Some("on")).unwrap());
+    }
+
+    #[test]
+    fn pdl_named_on_for_a_device_without_it_is_an_error_naming_the_variable_and_device() {
+        for v in ["1", "on", " yes "] {
+            let e = pdl_enabled((8, 6), Some(v)).unwrap_err().to_string();
+            assert!(e.contains("NINFER_PDL") && e.contains("9.0") && e.contains("8.6"), "{e}");
+        }
     }
 
     #[test]
