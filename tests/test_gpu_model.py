@@ -85,6 +85,13 @@ def _device_cc() -> tuple:
     return torch.cuda.get_device_capability()
 
 
+def _skip_below_sm80(what: str) -> None:
+    """Skips a test that switches `what` on explicitly: below 8.0 there is none, and the switch
+    named on stops the load (ops/mod.rs `refuse_explicit_on`)."""
+    if _device_cc() < (8, 0):
+        pytest.skip(f"{what} needs sm_80+")
+
+
 def _storage_dtype():
     """The type our engine stores weights, activations and "auto" logits in on this device:
     bf16 from 8.0 on, f16 below (sm_7x has no bf16 units; kernels.rs `StorageDType`)."""
@@ -1013,6 +1020,7 @@ def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, gr
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
 def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(decode_dir, graphs, monkeypatch):
+    _skip_below_sm80("decode attention on tensor cores")
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
     monkeypatch.setenv("NINFER_TC_DECODE_DIRECT", "0")
     _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_ATTN", 20,
@@ -1028,6 +1036,7 @@ def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(dec
 @pytest.mark.parametrize("graphs", ["1", "0"])
 @pytest.mark.parametrize("n", [1, 5, 20])
 def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, monkeypatch):
+    _skip_below_sm80("decode attention on tensor cores")
     monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
     _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
                                       f"graphs={graphs}, {n} sequences: direct tensor-core vs the forms before it")
@@ -1038,6 +1047,7 @@ def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_
     # Qwen3.5-27B's attention head size (256: a pair of warps splits each tile's head dims).
     if not _cuda_available():
         pytest.skip("torch sees no CUDA device")
+    _skip_below_sm80("decode attention on tensor cores")
     d256 = tiny_checkpoints.get("qwen3_5", **{**GPU_SHAPES["qwen3_5"], "head_dim": 256})
     _assert_switch_keeps_logits_close(d256, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
                                       f"head size 256, {n} sequences: direct tensor-core vs the forms before it")

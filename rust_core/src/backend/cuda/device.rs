@@ -192,14 +192,30 @@ impl CudaDevice {
         let min_tiles_var = std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok();
         let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(min_tiles_var.as_deref())?);
         let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
+        // Decode attention on tensor cores (both forms) is sm_80+ (ops/decode_attention.rs).
+        let tc_attn_needs = super::ops::needs_cc("decode attention on tensor cores", (8, 0), (major, minor));
+        for switch in [super::ops::TC_DECODE_ATTN_SWITCH, super::ops::TC_DECODE_DIRECT_SWITCH] {
+            super::ops::refuse_explicit_on(switch, std::env::var(switch).ok().as_deref(), major >= 8, &tc_attn_needs)?;
+        }
         let min_tokens_var = std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok();
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(min_tokens_var.as_deref())?;
-        // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether.
-        let tc_decode_direct = tc_decode_attn && crate::config::env_switch::env_switch(super::ops::TC_DECODE_DIRECT_SWITCH, true)?;
+        // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether, so the
+        // direct form named on beside it could only be ignored.
+        let direct_var = std::env::var(super::ops::TC_DECODE_DIRECT_SWITCH).ok();
+        let direct_needs = format!("the direct tensor-core decode attention is off under {}=0", super::ops::TC_DECODE_ATTN_SWITCH);
+        super::ops::refuse_explicit_on(super::ops::TC_DECODE_DIRECT_SWITCH, direct_var.as_deref(), tc_decode_attn, &direct_needs)?;
+        let tc_decode_direct = tc_decode_attn && crate::config::env_switch::parse_switch(super::ops::TC_DECODE_DIRECT_SWITCH, direct_var.as_deref(), true)?;
         super::ops::check_staged_tc_settings(tc_decode_attn && !tc_decode_direct, min_tokens_var.as_deref(), min_tiles_var.as_deref())?;
         let fa_ws = crate::config::env_switch::env_switch(super::ops::FA_WS_SWITCH, true)?;
-        let wg_gemm = AtomicBool::new(super::ops::wg_gemm_enabled((major, minor), std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?);
         let nvrtc_major = super::nvrtc::nvrtc_version().map_or(0, |v| v.0);
+        // The warp-specialized prefill attention exists in sm_90a code built by NVRTC 13.
+        let has_ws = super::kernels::has_sm90a_code(major, minor) && nvrtc_major >= 13;
+        let ws_needs = format!(
+            "the warp-specialized prefill attention is sm_90a code built by NVRTC 13; this device is {major}.{minor} and NVRTC {}",
+            if nvrtc_major > 0 { nvrtc_major.to_string() } else { "none".into() }
+        );
+        super::ops::refuse_explicit_on(super::ops::FA_WS_SWITCH, std::env::var(super::ops::FA_WS_SWITCH).ok().as_deref(), has_ws, &ws_needs)?;
+        let wg_gemm = AtomicBool::new(super::ops::wg_gemm_enabled((major, minor), std::env::var(super::ops::WG_GEMM_SWITCH).ok().as_deref())?);
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("reading the multiprocessor count"))?

@@ -274,7 +274,8 @@ pub fn gemv_form_with_switch(cc: (u32, u32), switch: Option<&str>, invariant: bo
         });
     }
     let on = crate::config::env_switch::parse_switch(TC_GEMV_SWITCH, switch, true)?;
-    Ok(if on && cc.0 >= 8 { GemvForm::TensorCores } else { GemvForm::Simt })
+    super::refuse_explicit_on(TC_GEMV_SWITCH, switch, cc.0 >= 8, &super::needs_cc("the tensor-core GEMV", (8, 0), cc))?;
+    Ok(if on { GemvForm::TensorCores } else { GemvForm::Simt })
 }
 
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
@@ -675,8 +676,10 @@ mod tests {
         assert_eq!(gemv_form_with_switch((7, 5), None, false).unwrap(), GemvForm::Simt);
         assert_eq!(gemv_form_with_switch((9, 0), Some("0"), false).unwrap(), GemvForm::Simt);
         assert_eq!(gemv_form_with_switch((9, 0), Some("on"), false).unwrap(), GemvForm::TensorCores);
-        // On will not force the mma path onto a device without it.
-        assert_eq!(gemv_form_with_switch((7, 5), Some("1"), false).unwrap(), GemvForm::Simt);
+        // On for a device without the mma path is refused, not ignored.
+        let e = gemv_form_with_switch((7, 5), Some("1"), false).unwrap_err().to_string();
+        assert!(e.contains("NINFER_TC_GEMV") && e.contains("8.0") && e.contains("7.5"), "{e}");
+        assert_eq!(gemv_form_with_switch((7, 5), Some("0"), false).unwrap(), GemvForm::Simt);
         let e = gemv_form_with_switch((9, 0), Some("tc"), false).unwrap_err().to_string();
         assert!(e.contains(TC_GEMV_SWITCH) && e.contains("tc"), "{e}");
         // Batch invariance: one kernel per shape for every M (tensor cores), whatever M; an

@@ -367,7 +367,11 @@ pub fn gemv_shapes_for(
 ) -> Result<Option<GemvShapeOverride>> {
     let Some(o) = parse_gemv_shapes(shapes)? else { return Ok(None) };
     if cc.0 < 8 {
-        return Ok(None);
+        // Every shape runs the CUDA-core GEMV there: the table it would replace does not apply.
+        return Err(NinferError::config(
+            GEMV_SHAPES_VAR,
+            format!("picks tensor-core GEMV kernels per shape: {}", super::needs_cc("the tensor-core GEMV", (8, 0), cc)),
+        ));
     }
     if form != GemvForm::ByShape {
         let tc = tc_switch.unwrap_or_default().trim();
@@ -547,8 +551,11 @@ mod tests {
             let e = gemv_shapes_for((9, 0), form, Some(tc), v).unwrap_err().to_string();
             assert!(e.contains(GEMV_SHAPES_VAR) && e.contains("NINFER_TC_GEMV"), "{e}");
         }
-        // Below sm_80 there is one kernel; the override is ignored, but still spell-checked.
-        assert_eq!(gemv_shapes_for((7, 5), GemvForm::Simt, None, v).unwrap(), None);
+        // Below sm_80 there is one kernel: the override is refused naming the device (spelling
+        // first), and unset is fine.
+        let e = gemv_shapes_for((7, 5), GemvForm::Simt, None, v).unwrap_err().to_string();
+        assert!(e.contains(GEMV_SHAPES_VAR) && e.contains("8.0") && e.contains("7.5"), "{e}");
         assert!(gemv_shapes_for((7, 5), GemvForm::Simt, None, Some("x")).is_err());
+        assert_eq!(gemv_shapes_for((7, 5), GemvForm::Simt, None, None).unwrap(), None);
     }
 }

@@ -81,15 +81,27 @@ pub const PDL_SWITCH: &str = "NINFER_PDL";
 /// the attribute). A misspelt value, or on named explicitly for an older device (where it
 /// could only be ignored), is an error naming the variable.
 pub fn pdl_enabled(cc: (u32, u32), switch: Option<&str>) -> Result<bool> {
-    let explicit = switch.is_some_and(|v| !v.trim().is_empty());
     let on = crate::config::env_switch::parse_switch(PDL_SWITCH, switch, true)?;
-    if on && explicit && cc.0 < 9 {
-        return Err(NinferError::config(
-            PDL_SWITCH,
-            format!("programmatic dependent launch needs compute capability 9.0 or newer; this device is {}.{} (unset it, or 0)", cc.0, cc.1),
-        ));
-    }
+    refuse_explicit_on(PDL_SWITCH, switch, cc.0 >= 9, &needs_cc("programmatic dependent launch", (9, 0), cc))?;
     Ok(on && cc.0 >= 9)
+}
+
+/// Switch `name`, whose value is `value`, named on (1/true/on/yes) where what it turns on is
+/// unavailable (`has` false; `why` says why): an error naming the variable and the reason,
+/// since there it could only be ignored. Unset, blank, off and `has` pass; a misspelt value is
+/// `parse_switch`'s error.
+pub fn refuse_explicit_on(name: &str, value: Option<&str>, has: bool, why: &str) -> Result<()> {
+    let explicit_on = value.is_some_and(|v| !v.trim().is_empty()) && crate::config::env_switch::parse_switch(name, value, false)?;
+    if explicit_on && !has {
+        return Err(NinferError::config(name, format!("{why} (unset it, or 0)")));
+    }
+    Ok(())
+}
+
+/// "`what` needs compute capability X.Y or newer; this device is A.B": `refuse_explicit_on`'s
+/// reason for a feature of newer GPUs.
+pub fn needs_cc(what: &str, needed: (u32, u32), cc: (u32, u32)) -> String {
+    format!("{what} needs compute capability {}.{} or newer; this device is {}.{}", needed.0, needed.1, cc.0, cc.1)
 }
 
 /// A launch configuration of `grid` blocks of `block` threads.
@@ -247,6 +259,19 @@ mod tests {
             let e = pdl_enabled((8, 6), Some(v)).unwrap_err().to_string();
             assert!(e.contains("NINFER_PDL") && e.contains("9.0") && e.contains("8.6"), "{e}");
         }
+    }
+
+    #[test]
+    fn an_explicit_on_is_refused_only_where_the_device_lacks_it() {
+        let need = needs_cc("X", (8, 0), (7, 5));
+        assert_eq!(need, "X needs compute capability 8.0 or newer; this device is 7.5");
+        assert!(refuse_explicit_on("NINFER_X", Some("1"), true, &need).is_ok());
+        for v in [None, Some(""), Some(" "), Some("0"), Some("off")] {
+            assert!(refuse_explicit_on("NINFER_X", v, false, &need).is_ok(), "{v:?}");
+        }
+        let e = refuse_explicit_on("NINFER_X", Some("on"), false, &need).unwrap_err().to_string();
+        assert!(e.contains("NINFER_X") && e.contains(&need), "{e}");
+        assert!(refuse_explicit_on("NINFER_X", Some("maybe"), false, &need).unwrap_err().to_string().contains("maybe"));
     }
 
     #[test]
