@@ -34,12 +34,9 @@ pub fn parse_wg_gemm_switch(value: Option<&str>) -> Result<bool> {
 /// the variable and the device, not a switch silently ignored.
 pub fn wg_gemm_enabled(cc: (u32, u32), value: Option<&str>) -> Result<bool> {
     let on = parse_wg_gemm_switch(value)?;
-    if on && !crate::backend::cuda::kernels::has_sm90a_code(cc.0, cc.1) {
-        return Err(NinferError::config(
-            WG_GEMM_SWITCH,
-            format!("gemm_wg needs sm_90a (H100 / H200: wgmma); this device is compute capability {}.{}; unset it to run cuBLAS", cc.0, cc.1),
-        ));
-    }
+    let has = crate::backend::cuda::kernels::has_sm90a_code(cc.0, cc.1);
+    let why = format!("gemm_wg needs sm_90a (H100 / H200: wgmma); this device is compute capability {}.{}, where cuBLAS runs", cc.0, cc.1);
+    super::refuse_explicit_on(WG_GEMM_SWITCH, value, has, &why)?;
     Ok(on)
 }
 
