@@ -191,17 +191,18 @@ impl CudaDevice {
         let da_min_warp_keys = super::ops::parse_da_min_warp_keys(std::env::var(super::ops::DA_MIN_WARP_KEYS_VAR).ok().as_deref())?;
         let min_tiles_var = std::env::var(super::ops::TC_MIN_WARP_TILES_VAR).ok();
         let tc_min_warp_tiles = AtomicUsize::new(super::ops::parse_tc_min_warp_tiles(min_tiles_var.as_deref())?);
-        let tc_decode_attn = crate::config::env_switch::env_switch(super::ops::TC_DECODE_ATTN_SWITCH, true)?;
+        let attn_var = std::env::var(super::ops::TC_DECODE_ATTN_SWITCH).ok();
+        let direct_var = std::env::var(super::ops::TC_DECODE_DIRECT_SWITCH).ok();
+        let tc_decode_attn = crate::config::env_switch::parse_switch(super::ops::TC_DECODE_ATTN_SWITCH, attn_var.as_deref(), true)?;
         // Decode attention on tensor cores (both forms) is sm_80+ (ops/decode_attention.rs).
         let tc_attn_needs = super::ops::needs_cc("decode attention on tensor cores", (8, 0), (major, minor));
-        for switch in [super::ops::TC_DECODE_ATTN_SWITCH, super::ops::TC_DECODE_DIRECT_SWITCH] {
-            super::ops::refuse_explicit_on(switch, std::env::var(switch).ok().as_deref(), major >= 8, &tc_attn_needs)?;
+        for (switch, value) in [(super::ops::TC_DECODE_ATTN_SWITCH, &attn_var), (super::ops::TC_DECODE_DIRECT_SWITCH, &direct_var)] {
+            super::ops::refuse_explicit_on(switch, value.as_deref(), major >= 8, &tc_attn_needs)?;
         }
         let min_tokens_var = std::env::var(super::ops::TC_DECODE_MIN_TOKENS_VAR).ok();
         let tc_decode_min_tokens = super::ops::parse_tc_decode_min_tokens(min_tokens_var.as_deref())?;
         // NINFER_TC_DECODE_ATTN=0 keeps decode attention off tensor cores altogether, so the
         // direct form named on beside it could only be ignored.
-        let direct_var = std::env::var(super::ops::TC_DECODE_DIRECT_SWITCH).ok();
         let direct_needs = format!("the direct tensor-core decode attention is off under {}=0", super::ops::TC_DECODE_ATTN_SWITCH);
         super::ops::refuse_explicit_on(super::ops::TC_DECODE_DIRECT_SWITCH, direct_var.as_deref(), tc_decode_attn, &direct_needs)?;
         let tc_decode_direct = tc_decode_attn && crate::config::env_switch::parse_switch(super::ops::TC_DECODE_DIRECT_SWITCH, direct_var.as_deref(), true)?;
@@ -517,7 +518,7 @@ impl CudaDevice {
             Ptx::from_binary(image)
         };
         let module = self.ctx.load_module(image).map_err(|e| {
-            NinferError::Device(format!("loading cuda/{} for {}: {e}", family.file_name(), self.arch()))
+            NinferError::Device(format!("loading cuda/{} for {arch}: {e}", family.file_name()))
         })?;
         modules.insert(family, module.clone());
         Ok(module)

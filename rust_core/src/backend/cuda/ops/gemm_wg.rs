@@ -167,34 +167,32 @@ impl CudaDevice {
     /// Clusters of `splits` blocks of `inst` resident at once (cuOccupancyMaxActiveClusters),
     /// or SMs / splits where the driver does not say.
     fn wg_cluster_capacity(&self, f: &cudarc::driver::CudaFunction, inst: GemmWgInstance, splits: usize) -> usize {
-        {
-            // SAFETY: an all-zero attribute is plain old data; id and value are set next.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attr.value.clusterDim.x = splits as u32;
-            attr.value.clusterDim.y = 1;
-            attr.value.clusterDim.z = 1;
-            let lc = sys::CUlaunchConfig {
-                gridDimX: splits as u32,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: GW_THREADS,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: inst.smem_bytes() as u32,
-                hStream: self.stream().cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            let mut clusters: std::ffi::c_int = 0;
-            // SAFETY: `lc` and `attr` outlive the call, which only reads them.
-            let ok = self.context().bind_to_thread().is_ok()
-                && unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &lc) }.result().is_ok();
-            if ok && clusters > 0 {
-                clusters as usize
-            } else {
-                (self.sm_count() / splits).max(1)
-            }
+        // SAFETY: an all-zero attribute is plain old data; id and value are set next.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = splits as u32;
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: splits as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: GW_THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: inst.smem_bytes() as u32,
+            hStream: self.stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut clusters: std::ffi::c_int = 0;
+        // SAFETY: `lc` and `attr` outlive the call, which only reads them.
+        let ok = self.context().bind_to_thread().is_ok()
+            && unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &lc) }.result().is_ok();
+        if ok && clusters > 0 {
+            clusters as usize
+        } else {
+            (self.sm_count() / splits).max(1)
         }
     }
 
