@@ -297,7 +297,17 @@ class Bench:
         """Bytes one decode step of `batch` sequences at `context` tokens moves: the weights once,
         per sequence the KV cache read (attention layers) and the recurrent state read and
         written (Gated DeltaNet layers: f32 delta state, bf16 conv state)."""
+        return self.step_bytes(s, [context] * batch)
+
+    def step_bytes(self, s: dict, contexts: list) -> int:
+        """Bytes one decode step moves whose sequences are at `contexts` tokens: the weights once,
+        plus each sequence's own (`seq_bytes`)."""
         weights, _ = self.weight_bytes(s)
+        return weights + sum(self.seq_bytes(s, c) for c in contexts)
+
+    def seq_bytes(self, s: dict, context: int) -> int:
+        """Bytes one sequence at `context` tokens adds to a decode step: its KV cache read and its
+        recurrent state read and written."""
         if s["arch"] == "llama":
             n_attn, n_lin = s["layers"], 0
         else:
@@ -309,7 +319,7 @@ class Bench:
             conv_dim = 2 * s["lin_k_heads"] * s["lin_k_dim"] + s["lin_v_heads"] * s["lin_v_dim"]
             delta = s["lin_v_heads"] * s["lin_k_dim"] * s["lin_v_dim"] * 4
             state = n_lin * 2 * (delta + conv_dim * (s["conv"] - 1) * 2)
-        return weights + batch * (kv + state)
+        return kv + state
 
     def copy_rate(self) -> float:
         if self._copy_rate is None:
@@ -659,21 +669,26 @@ def part_throughput(b: Bench) -> list:
         counts: dict = {}
         all_first = None  # when the last request got its first token: the decode phase starts
         after_first = 0  # tokens generated in the steps after that
+        ideal_s = 0.0  # those steps' bytes at the copy rate, each step for the sequences it ran
         t0 = time.perf_counter()
         for i in range(c):
             eng.submit(f"c{c}-{i}", random_prompt(plen, s["vocab"], 1000 * c + i), params)
         while eng.has_unfinished():
             deltas = eng.step()
             now = time.perf_counter()
+            contexts = []
             for d in deltas:
                 n = len(d["token_ids"])
                 if not n:
                     continue
                 rid = d["request_id"]
+                contexts.append(plen + counts.get(rid, 0))
                 counts[rid] = counts.get(rid, 0) + n
                 first.setdefault(rid, now)
                 if all_first is not None:
                     after_first += n
+            if all_first is not None and contexts:
+                ideal_s += b.step_bytes(s, contexts) / rate
             if all_first is None and len(first) == c:
                 all_first = now
         t_end = time.perf_counter()
@@ -686,18 +701,26 @@ def part_throughput(b: Bench) -> list:
         ctx = plen + olen // 2
         ceiling = c * rate / b.bytes_per_token(s, ctx, batch=c) * 1.0
         decode_frac = decode_tok_s / ceiling if decode_tok_s else None
+        step_frac = ideal_s / decode_s if decode_s > 0 and ideal_s else None
         peer = peers.get(str(c), {})
         log(f"ninfer throughput c={c}: {tok_s:.1f} output tok/s ({total} tokens in {t_end - t0:.1f} s); decode phase "
-            f"{decode_tok_s or 0:.1f} tok/s = {decode_frac or 0:.3f} of its bandwidth ceiling")
+            f"{decode_tok_s or 0:.1f} tok/s = {decode_frac or 0:.3f} of its bandwidth ceiling at c sequences, "
+            f"{step_frac or 0:.3f} of each step's own")
         recs.append(b.record(
             "decode_throughput_tok_s", model, round(tok_s, 1), s,
             fraction_of_ceiling=None,
             ceiling_note=("none for the whole run: it mixes the prefill of the 1k-token prompts (compute-bound) "
                           "with decode (bandwidth-bound). The decode phase alone (after every request's first "
                           "token) is given with its bandwidth roofline: weights once per step plus each "
-                          "sequence's KV cache at the mean context, at the copy rate"),
+                          "sequence's KV cache at the mean context, at the copy rate, as if all c sequences ran "
+                          "every step (decode_phase_fraction_of_bandwidth); and against each step's own bytes "
+                          "(weights plus the KV and state of the sequences that step ran, at their contexts) "
+                          "summed over the phase (decode_phase_fraction_of_step_bandwidth): requests that got "
+                          "their first token in earlier prefill steps finish earlier, so the phase ends with "
+                          "steps of fewer sequences, which the first figure counts as loss"),
             decode_phase_tok_s=round(decode_tok_s, 1) if decode_tok_s else None,
             decode_phase_fraction_of_bandwidth=round(decode_frac, 4) if decode_frac else None,
+            decode_phase_fraction_of_step_bandwidth=round(step_frac, 4) if step_frac else None,
             copy_rate_bytes_s=round(rate),
             peer="transformers generate, padded batch of the same size (bf16, eager, random init, same GPU), "
                  "output tokens / generate time",
@@ -875,8 +898,12 @@ def part_profile(b: Bench, model: str) -> list:
         busy_us = sum(getattr(e, "cuda_time", 0.0) for e in kernels)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
     idle = device_idle(kernels, steps)
+    # The profiled steps' bytes at the copy rate (each sequence at prompt + warm + k tokens in
+    # step k): the fraction of the bandwidth ceiling the steady state reaches.
+    ideal = sum(b.step_bytes(s, [a.prompt + warm + k] * n) for k in range(steps)) / b.copy_rate()
     text = (f"{steps} decode steps, batch {n} ({a.prompt}-token prompts), {model}: wall {wall / steps * 1e3:.3f} ms/step, GPU kernel time "
-            f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step\n"
+            f"{busy_us / steps / 1e3:.3f} ms/step, {len(kernels) / steps:.0f} kernels/step; the steps' bytes at the copy rate "
+            f"{ideal / steps * 1e3:.3f} ms/step = {ideal / wall:.3f} of the wall time\n"
             f"device timeline: busy (union of kernels and copies) {idle['busy_us_per_step']:.1f} us/step, idle "
             f"before a step's first kernel (host turnaround: result copy, scheduling, metadata upload, graph "
             f"launch) {idle['between_steps_us_per_step']:.1f} us/step, idle inside steps "
@@ -887,6 +914,8 @@ def part_profile(b: Bench, model: str) -> list:
     log(text[:3000])
     return [b.record("decode_step_profile", model, round(wall / steps * 1e3, 4), s, unit="ms per step",
                      gpu_kernel_ms_per_step=round(busy_us / steps / 1e3, 4), kernels_per_step=len(kernels) / steps,
+                     bandwidth_ms_per_step=round(ideal / steps * 1e3, 4), fraction_of_step_bandwidth=round(ideal / wall, 4),
+                     copy_rate_bytes_s=round(b.copy_rate()),
                      device_idle_us_per_step=idle,
                      fraction_of_ceiling=None, peer=None, peer_value=None, batch=n, prompt_tokens=a.prompt,
                      table_file=out.name)]

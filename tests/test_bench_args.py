@@ -212,3 +212,26 @@ def test_diag_cublaslt_algos_parses_row_counts():
     diag = _load("diag_cublaslt_algos")
     assert diag.parse_args([]).ms == [16, 32, 64]
     assert diag.parse_args(["--ms", "9,64"]).ms == [9, 64]
+
+
+def test_decode_bytes_per_step_count_each_sequence_at_its_own_context(tmp_path, monkeypatch):
+    """The bandwidth ceilings of gpu_bench: a decode step moves the weights once plus, per
+    sequence, its KV cache at its own context (attention layers) and its recurrent state read and
+    written (GDN layers, independent of the context); the throughput part's per-step ceiling sums
+    these over the sequences each step ran, so a step of fewer sequences needs fewer bytes."""
+    bench = _load("gpu_bench")
+    b = bench.Bench(bench.parse_args(["--out", str(tmp_path / "o.json"), "--workdir", str(tmp_path)]))
+    monkeypatch.setattr(bench.Bench, "weight_bytes", lambda self, s: (1_000_000, 2_000_000))
+    llama, qwen = b.shape("llama-3-8b"), b.shape("qwen3_5-27b")
+    # Llama-3-8B: 32 layers x (K, V) x 8 kv heads x 128 x 2 bytes = 128 KiB a token.
+    assert b.seq_bytes(llama, 1) == 131072 and b.seq_bytes(llama, 1000) == 1000 * 131072
+    assert b.step_bytes(llama, [1000, 3000]) == 1_000_000 + 4000 * 131072
+    assert b.bytes_per_token(llama, 1500, batch=2) == b.step_bytes(llama, [1500, 1500])
+    assert b.step_bytes(llama, []) == 1_000_000
+    # Qwen3.5-27B: 16 attention layers x (K, V) x 4 kv heads x 256 x 2 bytes a token, plus the 48
+    # GDN layers' state read and written: f32 delta state 48 heads x 128 x 128, bf16 conv state
+    # (2 x 16 x 128 + 48 x 128 channels) x 3 taps.
+    state = 48 * 2 * (48 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) * 3 * 2)
+    assert b.seq_bytes(qwen, 0) == state
+    assert b.seq_bytes(qwen, 1001) - b.seq_bytes(qwen, 1000) == 16 * 2 * 4 * 256 * 2
+    assert b.step_bytes(qwen, [10, 20, 30]) == 1_000_000 + 3 * state + 60 * 65536
