@@ -202,6 +202,7 @@ class Bench:
         self.earlier = len(self.records)
         self.device_name = device_name(a.tiny)
         self._copy_rate = None
+        self._weight_bytes: dict = {}
 
     # -- shapes --
 
@@ -287,11 +288,15 @@ class Bench:
 
     def weight_bytes(self, s: dict) -> tuple:
         """(bytes of every weight a decode step reads: all but the embedding table, plus one
-        embedding row; total checkpoint bytes), bf16."""
-        shapes = self.param_shapes(s)
-        total = sum(prod(v) for v in shapes.values()) * 2
-        embed = sum(prod(v) for k, v in shapes.items() if "embed_tokens" in k) * 2
-        return total - embed + s["hidden"] * 2, total
+        embedding row; total checkpoint bytes), bf16. Kept per shape: building the model on the
+        meta device takes a noticeable fraction of a second."""
+        key = json.dumps(s, sort_keys=True)
+        if key not in self._weight_bytes:
+            shapes = self.param_shapes(s)
+            total = sum(prod(v) for v in shapes.values()) * 2
+            embed = sum(prod(v) for k, v in shapes.items() if "embed_tokens" in k) * 2
+            self._weight_bytes[key] = (total - embed + s["hidden"] * 2, total)
+        return self._weight_bytes[key]
 
     def bytes_per_token(self, s: dict, context: int, batch: int = 1) -> int:
         """Bytes one decode step of `batch` sequences at `context` tokens moves: the weights once,
@@ -669,7 +674,7 @@ def part_throughput(b: Bench) -> list:
         counts: dict = {}
         all_first = None  # when the last request got its first token: the decode phase starts
         after_first = 0  # tokens generated in the steps after that
-        ideal_s = 0.0  # those steps' bytes at the copy rate, each step for the sequences it ran
+        phase_steps = []  # those steps' sequences' contexts (their bytes are summed after the timed loop)
         t0 = time.perf_counter()
         for i in range(c):
             eng.submit(f"c{c}-{i}", random_prompt(plen, s["vocab"], 1000 * c + i), params)
@@ -688,7 +693,7 @@ def part_throughput(b: Bench) -> list:
                 if all_first is not None:
                     after_first += n
             if all_first is not None and contexts:
-                ideal_s += b.step_bytes(s, contexts) / rate
+                phase_steps.append(contexts)
             if all_first is None and len(first) == c:
                 all_first = now
         t_end = time.perf_counter()
@@ -701,6 +706,7 @@ def part_throughput(b: Bench) -> list:
         ctx = plen + olen // 2
         ceiling = c * rate / b.bytes_per_token(s, ctx, batch=c) * 1.0
         decode_frac = decode_tok_s / ceiling if decode_tok_s else None
+        ideal_s = sum(b.step_bytes(s, ctxs) for ctxs in phase_steps) / rate  # each step's bytes at the copy rate
         step_frac = ideal_s / decode_s if decode_s > 0 and ideal_s else None
         peer = peers.get(str(c), {})
         log(f"ninfer throughput c={c}: {tok_s:.1f} output tok/s ({total} tokens in {t_end - t0:.1f} s); decode phase "
