@@ -337,6 +337,39 @@ def test_gpu_batch_differs_from_alone_only_at_near_ties(gpu_dir):
     assert all(g is None or g[1] < NEAR_TIE for g in gaps)
 
 
+def _prefix_hit_vs_miss(model_dir: Path, device: str) -> tuple:
+    """Each of four prompts (100-139 tokens) run by an engine without prefix reuse (a miss), then
+    twice by one with it: the first run fills the cache, the second resumes from it. Returns
+    (cold outputs, first outputs, second outputs, the warm engine's prefix-hit tokens)."""
+    params = greedy(24, top_logprobs=2)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [_prompt(100 + 13 * i, vocab, seed=60 + i) for i in range(4)]
+    with LLM(model_dir, device=device, max_context=512, prefix_reuse=False, logits_dtype="float32") as cold:
+        misses = [cold.generate(p, params)[0] for p in prompts]
+    with LLM(model_dir, device=device, max_context=512, prefix_reuse=True, logits_dtype="float32") as warm:
+        firsts = [warm.generate(p, params)[0] for p in prompts]
+        hits = [warm.generate(p, params)[0] for p in prompts]
+        hit_tokens = warm.engine.stats()["prefix_hit_tokens"]
+    return misses, firsts, hits, hit_tokens
+
+
+def test_gpu_prefix_cache_hit_differs_from_miss_only_at_near_ties(gpu_dir):
+    """A prompt whose prefix is cached resumes from it: its KV blocks (and, on the hybrid, the
+    GDN state snapshot at the hit) are reused and only the rest is prefilled, over the cached
+    prefix (paged attention from a nonzero start; the GDN kernels from a restored state). Its
+    greedy output equals a cold engine's but at near-ties, as batch vs alone (f32 logits)."""
+    misses, firsts, hits, hit_tokens = _prefix_hit_vs_miss(gpu_dir, "cuda")
+    assert hit_tokens > 0
+    assert all(f.usage.cached_tokens == 0 for f in firsts), "random prompts share no prefix"
+    assert all(h.usage.cached_tokens >= 64 for h in hits), [h.usage.cached_tokens for h in hits]
+    gaps = [_divergence_gap(h, m.token_ids) for h, m in zip(hits, misses)]
+    first_gaps = [_divergence_gap(f, m.token_ids) for f, m in zip(firsts, misses)]
+    print(f"{gpu_dir.name[:8]}: prefix hits of {[h.usage.cached_tokens for h in hits]} tokens; "
+          f"{gaps.count(None)}/{len(hits)} hit outputs equal the cold engine's, divergences (token, hit's top-2 "
+          f"gap): {[g for g in gaps if g]}; first runs {first_gaps.count(None)}/{len(firsts)}")
+    assert all(g is None or g[1] < NEAR_TIE for g in gaps + first_gaps)
+
+
 def _storage_copy(src: Path, dst: Path) -> Path:
     """`src` with every tensor rounded to the storage type (`_storage_dtype`) by torch (round to
     nearest even) except `A_log` and `dt_bias`, which the loader keeps in f32: the same device
