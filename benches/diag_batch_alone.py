@@ -1,6 +1,6 @@
 """Diagnostic: how far a batch moves the demo model's logits from the same prompt alone.
 
-By default the decode GEMV depends on the batch (docs/performance.md, "The price is batch
+By default the decode GEMV depends on the batch (docs/performance-history.md, "The price is batch
 invariance"), so a prompt generated in a batch may leave its alone run at a near-tie; the GPU
 test `test_demo_model_batch_differs_from_alone_only_at_near_ties` allows divergences where alone's
 top-2 logprob gap is below 0.5. This measures the movement itself, so that two builds can be

@@ -6,7 +6,7 @@
 #
 # Why: the per-shape table (GEMV_TC_RULES in ops/gemv.rs) came from an isolated cold-L2 sweep
 # that put the 8B's qkv / o on tensor cores (+13-14% there), yet in the model that default
-# decodes ~3% slower than CUDA cores everywhere (docs/performance.md "The decode GEMV choice").
+# decodes ~3% slower than CUDA cores everywhere (docs/performance-history.md "The decode GEMV choice").
 # The settings are read once per device, so each variant is its own process; the random
 # checkpoint is written by the first and kept (--keep-checkpoints, deleted at the end unless
 # KEEP=1), so a variant costs ~15-18 s after the first (load from the page cache, warm-up

@@ -4,7 +4,7 @@
 //! (`NINFER_CC_PREFETCH`), and the CUDA-core GEMV's warps a block (`NINFER_CC_WARPS`).
 //!
 //! Why: the per-shape table was filled from an isolated, cold-L2 sweep, and in the model the
-//! choice it made decoded slower than CUDA cores everywhere (docs/performance.md "The decode GEMV
+//! choice it made decoded slower than CUDA cores everywhere (docs/performance-history.md "The decode GEMV
 //! choice"); what a kernel gains alone and what it gains between its neighbours (PDL overlap,
 //! warm L2, the prefetch issued before the wait) differ. These let one process of the decode
 //! bench (benches/gemv_variants.sh) measure a shape's kernel and the prefetch depth in the model
