@@ -12,6 +12,7 @@ gpu_bench's Bench into /tmp/ckpt):
     NINFER_ASYNC_SCHEDULING=0 python benches/graph_capture_cost.py llama-3-8b 32
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -23,9 +24,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu_bench as gb  # noqa: E402
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", choices=sorted(gb.SHAPES), help="the shape whose random checkpoint is measured")
+    p.add_argument("layers", type=int, help="layers of it to build (1 or more)")
+    a = p.parse_args(argv)
+    if a.layers < 1:
+        p.error(f"layers {a.layers}: at least 1")
+    return a
+
+
 def main() -> None:
-    model = sys.argv[1]
-    layers = sys.argv[2]
+    args = parse_args()
+    model, layers = args.model, str(args.layers)
     a = gb.parse_args(["--out", "/tmp/probe.json", "--workdir", "/tmp/ckpt", "--skip-peer", "--layers", layers,
                        "--profile"])
     b = gb.Bench(a)

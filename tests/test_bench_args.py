@@ -235,3 +235,14 @@ def test_decode_bytes_per_step_count_each_sequence_at_its_own_context(tmp_path, 
     assert b.seq_bytes(qwen, 0) == state
     assert b.seq_bytes(qwen, 1001) - b.seq_bytes(qwen, 1000) == 16 * 2 * 4 * 256 * 2
     assert b.step_bytes(qwen, [10, 20, 30]) == 1_000_000 + 3 * state + 60 * 65536
+
+
+@pytest.mark.parametrize("argv, named", [(["llama-70b", "8"], "llama-70b"), (["llama-3-8b", "x"], "'x'"),
+                                         (["llama-3-8b", "0"], "layers 0"), (["llama-3-8b"], "layers")])
+def test_graph_capture_cost_rejects_bad_arguments_naming_them(argv, named, capsys):
+    probe = _load("graph_capture_cost")
+    with pytest.raises(SystemExit) as e:
+        probe.parse_args(argv)
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
+    assert probe.parse_args(["qwen3_5-27b", "16"]).layers == 16
