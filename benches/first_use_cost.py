@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_bench as gb  # noqa: E402
 
-DEFAULT_LENGTHS = "16,100,117,200,400,800,1600,3200,6400,12800"
+DEFAULT_LENGTHS = "16,100,117,200,400,800,1600,3200,6400"
+# The checkpoints gpu_bench writes have an 8192-token context; one token is the output.
+MAX_PROMPT = 8191
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("model", choices=sorted(gb.SHAPES), help="the shape whose random checkpoint is measured")
     p.add_argument("layers", type=int, help="layers of it to build (1 or more)")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS,
-                   help=f"prompt lengths in tokens, comma-separated, each 1 to 16384 (default {DEFAULT_LENGTHS})")
+                   help=f"prompt lengths in tokens, comma-separated, each 1 to {MAX_PROMPT} (default {DEFAULT_LENGTHS})")
     a = p.parse_args(argv)
     if a.layers < 1:
         p.error(f"layers {a.layers}: at least 1")
@@ -42,9 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.lengths = [int(x) for x in a.lengths.split(",")]
     except ValueError:
         p.error(f"--lengths {a.lengths!r}: not a comma-separated list of integers")
-    bad = [n for n in a.lengths if not 1 <= n <= 16384]
+    bad = [n for n in a.lengths if not 1 <= n <= MAX_PROMPT]
     if bad:
-        p.error(f"--lengths: {bad[0]} is outside 1 to 16384 (the engine's prefill chunk here)")
+        p.error(f"--lengths: {bad[0]} is outside 1 to {MAX_PROMPT} (the checkpoint's context less the output token)")
     return a
 
 
@@ -67,8 +69,8 @@ def main() -> None:
     from ninfer import _core
 
     t0 = time.perf_counter()
-    eng = _core.Engine(str(path), device="cuda", prefix_reuse=False, max_context=16400, kv_capacity=2 * 16400,
-                       max_concurrency=8, prefill_chunk=16384)
+    eng = _core.Engine(str(path), device="cuda", prefix_reuse=False, max_context=MAX_PROMPT + 1,
+                       kv_capacity=2 * (MAX_PROMPT + 1), max_concurrency=8, prefill_chunk=MAX_PROMPT + 1)
     built = time.perf_counter() - t0
     params = json.dumps({"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
 
