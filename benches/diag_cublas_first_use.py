@@ -8,7 +8,11 @@ so the question is whether cuBLAS's per-shape work (its heuristic for a shape it
 is that cost. Run with CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 as well: if every call then pays
 what only the first paid, the heuristic is the cost.
 
-    python benches/diag_cublas_first_use.py [M ...]
+    python benches/diag_cublas_first_use.py [--kernels] [M ...]
+
+--kernels names the kernel cuBLAS ran for each (shape, M) (torch.profiler over the second call):
+whether two M values that each paid the first-call cost ran the same kernel tells a per-kernel
+cost (loading it) from a per-shape one.
 """
 
 import os
@@ -30,26 +34,42 @@ def timed_ms(fn) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def kernel_name(fn) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return "+".join(n[:60] for n in names) or "?"
+
+
 def main() -> None:
-    ms = [int(x) for x in sys.argv[1:]] or [100, 117, 200, 800, 1600, 1601, 3000]
+    argv = sys.argv[1:]
+    kernels = "--kernels" in argv
+    ms = [int(x) for x in argv if x != "--kernels"] or [100, 117, 200, 800, 1600, 1601, 3000]
     dev = torch.device("cuda")
     w = {k: torch.randn(n, kk, device=dev, dtype=torch.bfloat16) for k, (n, kk) in SHAPES.items()}
-    x = torch.randn(max(ms), 14336, device=dev, dtype=torch.bfloat16)
+    # Contiguous activations of each K, as the engine's (a column slice of a wider one would
+    # hand cuBLAS another leading dimension and perhaps another kernel).
+    xs = {kk: torch.randn(max(ms + [4096]), kk, device=dev, dtype=torch.bfloat16) for kk in {4096, 14336}}
     # Every shape once at an M outside the list, so the first calls below pay only per-M work.
     for k, (n, kk) in SHAPES.items():
-        timed_ms(lambda: x[:4096, :kk] @ w[k].T)
+        timed_ms(lambda: xs[kk][:4096] @ w[k].T)
     print(f"# CUBLASLT_HEURISTICS_CACHE_CAPACITY={os.environ.get('CUBLASLT_HEURISTICS_CACHE_CAPACITY', 'unset')}, "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for m in ms:
         firsts, seconds = [], []
         for k, (n, kk) in SHAPES.items():
-            a = x[:m, :kk]
-            if k == "lm_head":
-                a = x[:1, :kk]  # the engine's lm_head runs on the rows that want logits only
+            a = xs[kk][:1 if k == "lm_head" else m]  # the engine's lm_head runs on the rows that want logits
             firsts.append(timed_ms(lambda: a @ w[k].T))
             seconds.append(timed_ms(lambda: a @ w[k].T))
         detail = ", ".join(f"{k} {f:.2f}/{s:.2f}" for k, f, s in zip(SHAPES, firsts, seconds))
         print(f"M={m}: first {sum(firsts):.2f} ms, second {sum(seconds):.2f} ms ({detail})", flush=True)
+        if kernels:
+            for k, (n, kk) in SHAPES.items():
+                a = xs[kk][:1 if k == "lm_head" else m]
+                print(f"    {k}: {kernel_name(lambda: a @ w[k].T)}", flush=True)
 
 
 if __name__ == "__main__":
