@@ -3,7 +3,7 @@ cuBLAS as the engine): for each M, the Llama-3-8B prefill projections (qkv, o, g
 lm_head) run once and then again, each call synchronized and timed on the host.
 
 Why: the engine's first prefill of a new token count is 10-35 ms slower than its second
-(graph_capture_cost_*.log, first_use_*.log) and CUDA_MODULE_LOADING=EAGER does not remove it,
+(first_use_8b_82df186.log) and CUDA_MODULE_LOADING=EAGER does not remove it,
 so the question is whether cuBLAS's per-shape work (its heuristic for a shape it has not seen)
 is that cost. Run with CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 as well: if every call then pays
 what only the first paid, the heuristic is the cost.

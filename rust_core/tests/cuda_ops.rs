@@ -632,6 +632,34 @@ fn cublas_gemm_matches_reference_in_both_output_types() {
     }
 }
 
+/// cuBLAS runs `padded_rows(m)` rows where both buffers hold them (blas.rs: one kernel a
+/// bucket of row counts, all run at startup, instead of one per count): the first m rows are the
+/// product, and so are the padded ones (from x's rows beyond m), which are written, not left
+/// poisoned; the guard after them stays whole.
+#[test]
+fn cublas_gemm_runs_padded_rows_where_the_buffers_hold_them() {
+    use ninfer_core::backend::cuda::blas::padded_rows;
+    for st in STORAGES {
+        let Some(dev) = gpu("gemm_padded", st) else { return };
+        let mut rng = Rng::new(81);
+        for (m, n, k) in [(17, 256, 512), (100, 320, 256), (300, 64, 128)] {
+            let mp = padded_rows(m);
+            assert!(mp > m, "m {m} pads");
+            let x = rounded(&rng.vec(mp * k, -1.0, 1.0), st);
+            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
+            let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
+            let want = reference::matmul_nt(&x, &w, mp, n, k);
+            let shape = format!("m{m}(padded {mp})n{n}k{k}");
+            let mut y = Out16::new(&dev, mp * n);
+            dev.gemm(&xd, &wd, &mut y.view(), m, n, k).unwrap();
+            check("gemm padded", st, &shape, &y.read(&dev, "gemm padded"), &want, tol16(st));
+            let mut y32 = Out32::new(&dev, mp * n);
+            dev.gemm_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
+            check("gemm_f32out padded", st, &shape, &y32.read(&dev, "gemm f32 padded"), &want, TOL32);
+        }
+    }
+}
+
 #[test]
 fn buffers_too_small_for_the_shape_are_device_errors() {
     let Some(dev) = gpu("check_len", StorageDType::Bf16) else { return };

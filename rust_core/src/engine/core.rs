@@ -184,7 +184,9 @@ impl EngineCore {
     /// free, so that every step buffer reaches its high-water mark now: the ledger then shows
     /// the real workspace and free memory, and a too-small device fails at startup instead of
     /// on the first long request. Nothing it writes is reachable afterwards: the blocks hold no
-    /// cached prefix yet and a sequence starting at position 0 clears its state slot.
+    /// cached prefix yet and a sequence starting at position 0 clears its state slot. Then the
+    /// runner's `warm_up_kernels`, so that the first requests of other sizes do not pay for
+    /// kernels met for the first time either.
     fn warm_up(&mut self) -> Result<()> {
         let bs = self.cfg.block_size;
         let tokens = self.cfg.prefill_chunk.min(self.cfg.max_context).min(self.sched.pool.num_free() * bs);
@@ -212,6 +214,7 @@ impl EngineCore {
                 e => e,
             })?;
         }
+        self.runner.warm_up_kernels()?;
         self.workspace_bytes = self.runner.workspace_bytes() as u64;
         self.device_free_bytes = self.runner.device_free_bytes();
         Ok(())

@@ -32,6 +32,8 @@ pub struct ToyLog {
     pub steps: Vec<StepBatch>,
     /// Every `copy_state(src, dst)` call.
     pub copies: Vec<(usize, usize)>,
+    /// For each `warm_up_kernels` call, the steps the runner had received by then.
+    pub kernel_warm_ups: Vec<usize>,
 }
 
 /// Deterministic toy model.
@@ -201,6 +203,13 @@ impl ModelRunner for ToyRunner {
 
     fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
         self.launched.as_mut().and_then(VecDeque::pop_front).ok_or_else(|| NinferError::Device("toy: collect_sampled with no step launched".into()))
+    }
+
+    fn warm_up_kernels(&mut self) -> Result<()> {
+        let mut log = self.log.lock().expect("toy log");
+        let steps = log.steps.len();
+        log.kernel_warm_ups.push(steps);
+        Ok(())
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

@@ -17,6 +17,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZe
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::{decode_scratch_len, qkv_rope_fits, AttnScratch, ConvShape, GATED_MAX_DV, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
+use crate::backend::cuda::blas::padded_row_buckets;
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::sampling::{RowSampling, SampledToken};
@@ -814,6 +815,44 @@ fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize, t
     act.project_out(dev, &layer.down, ProjIn::Act, rows, then)
 }
 
+impl CudaModel {
+    /// Runs each cuBLAS GEMM shape of the model (every projection's [n, k], the lm_head with
+    /// f32 output) once at every row bucket of `padded_rows` the step buffers hold, on whatever
+    /// they contain (nothing reads the results), so that cuBLAS meets its kernels now and not
+    /// inside a request (backend/cuda/blas.rs: ~4 ms a kernel it has not run yet, on Hopper).
+    /// The MLP's buffers serve every shape: `gate_up` has the widest rows of the step buffers
+    /// and `act` the next; a shape they do not hold (none of the supported models') is left out.
+    fn warm_gemm_kernels(&mut self) -> Result<()> {
+        let CudaModel { cfg, dev, weights, act, .. } = self;
+        let mut shapes: Vec<&DevLinear> = Vec::new();
+        for l in &weights.layers {
+            match &l.mixer {
+                DevMixer::Attention(a) => shapes.extend([&a.qkv, &a.o]),
+                DevMixer::Gdn(g) => shapes.extend([&g.in_proj, &g.out]),
+            }
+            shapes.extend([&l.gate_up, &l.down]);
+        }
+        shapes.sort_by_key(|l| (l.n, l.k));
+        shapes.dedup_by_key(|l| (l.n, l.k));
+        let Activations { act: x, gate_up: y, logits, rows, .. } = act;
+        let (Some(x), Some(y)) = (x.as_ref(), y.as_mut()) else {
+            return Ok(());
+        };
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        for m in padded_row_buckets(*rows) {
+            for l in &shapes {
+                if x.len() >= m * l.k && y.len() >= m * l.n {
+                    dev.gemm(x, &l.w, y, m, l.n, l.k)?;
+                }
+            }
+            if let Some(out) = logits.as_mut().filter(|o| o.len() >= m * vocab && x.len() >= m * h) {
+                dev.gemm_f32_out(x, weights.lm_head(), out, m, vocab, h)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl ModelRunner for CudaModel {
     fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -865,6 +904,10 @@ impl ModelRunner for CudaModel {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.step(batch)
+    }
+
+    fn warm_up_kernels(&mut self) -> Result<()> {
+        self.warm_gemm_kernels()
     }
 
     fn workspace_bytes(&self) -> usize {

@@ -169,6 +169,13 @@ pub trait ModelRunner: Send {
         Err(NinferError::invalid("collect_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
     }
 
+    /// Run once, after the engine's warm-up step, what would otherwise first run inside a
+    /// request at another step size and cost it time then (CUDA: cuBLAS's kernels for each
+    /// row bucket). Nothing it writes is read afterwards.
+    fn warm_up_kernels(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;
 

@@ -146,7 +146,7 @@ fn preemption_of_a_hybrid_model_restarts_its_recurrent_state_correctly() {
 }
 
 #[test]
-fn startup_runs_one_warm_up_step_of_a_full_chunk_and_leaves_nothing_allocated() {
+fn startup_runs_one_warm_up_step_of_a_full_chunk_then_the_kernel_warm_up_and_leaves_nothing_allocated() {
     let setup = Setup { cfg: EngineConfig { prefill_chunk: 48, ..Setup::default().cfg }, hybrid: true, ..Default::default() };
     let runner = crate::engine::toy_runner::ToyRunner::new(setup.vocab, setup.max_pos, true);
     let log = runner.log.clone();
@@ -155,6 +155,7 @@ fn startup_runs_one_warm_up_step_of_a_full_chunk_and_leaves_nothing_allocated() 
     assert_eq!(warm.len(), 1);
     assert_eq!((warm[0].seqs.len(), warm[0].num_tokens(), warm[0].seqs[0].start_pos), (1, 48, 0));
     assert_eq!(warm[0].seqs[0].logits, LogitsWanted::Last);
+    assert_eq!(log.lock().unwrap().kernel_warm_ups, vec![1], "the runner warms its kernels once, after the step");
     let stats = core.stats();
     assert_eq!((stats.kv_blocks_used, stats.steps, stats.prefill_tokens_computed), (0, 0, 0));
     assert_eq!(core.sched_snapshots_held(), 0);
