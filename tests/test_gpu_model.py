@@ -655,6 +655,25 @@ def test_gpu_ledger_reports_workspace_and_free_device_memory(demo_dir):
     assert "workspace" in text and "left after plan" in text, text
 
 
+def test_gpu_workspace_plans_the_decode_scratch_and_sampler_for_the_concurrency(demo_dir):
+    """The buffers a decode step of max_concurrency sequences needs are grown at startup and
+    counted in the ledger's workspace: the f32 logits rows, the device sampler's processed logits
+    (as many again) and the decode attention's split-K scratch (32 splits of every q head). So
+    the ledger plans them, and a server does not allocate them (nor drop its captured decode
+    graphs, as a growing attention scratch does) while its concurrency climbs."""
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    c = json.loads((Path(demo_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    vocab, heads, hd = c["vocab_size"], c["num_attention_heads"], c["head_dim"]
+    ws = {n: _core.Engine(str(demo_dir), device="cuda", max_context=2048, kv_capacity=4096, max_concurrency=n,
+                          prefill_chunk=256).info()["workspace_bytes"] for n in (8, 64)}
+    per_row = 2 * vocab * 4 + heads * 32 * hd * 4
+    print(f"workspace at concurrency 8 / 64: {ws[8] / 2**20:.2f} / {ws[64] / 2**20:.2f} MiB; 56 rows of logits, "
+          f"sampler and attention scratch: {56 * per_row / 2**20:.2f} MiB")
+    assert ws[64] - ws[8] >= 56 * per_row
+
+
 def test_logits_buffer_follows_the_rows_that_want_logits_not_the_prefill_chunk(demo_dir):
     """A prefill step wants one logits row a sequence, so the f32 logits buffer is sized by
     those rows, not by the step's tokens (which, on Qwen3.5's 248k vocabulary at an 8192-token

@@ -139,7 +139,9 @@ impl EngineCore {
         let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
         // A step's tokens fit the one budget (prefill_chunk), so decode rows do too.
         let decode_rows = config.max_concurrency.min(step_rows);
-        let budget = if config.kv_capacity_tokens.is_none() { runner.cache_budget_bytes(step_rows, decode_rows)? } else { None };
+        // Asked either way, so that the runner's step buffers for the largest steps exist
+        // before the caches are planned; its budget counts only without a --kv-capacity.
+        let budget = runner.cache_budget_bytes(step_rows, decode_rows)?.filter(|_| config.kv_capacity_tokens.is_none());
         let cfg = config.resolve(model_max, &spec, budget)?;
         let slots = if cfg.running_state_slots > 0 { StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots) } else { StateSlots::none() };
         runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total())?;

@@ -816,6 +816,22 @@ fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize, t
 }
 
 impl CudaModel {
+    /// Grows the buffers a step of `rows` sequences wanting logits needs besides the
+    /// activations and logits (the decode attention's split-K scratch, the device sampler's
+    /// buffers) now: they then count in the memory plan and the startup ledger, and a running
+    /// server does not allocate them as its concurrency climbs, nor drop every captured decode
+    /// graph each time the attention scratch grows (it did at 16, 32 and 64 sequences).
+    fn reserve_decode(&mut self, rows: usize) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.ensure_scratch(rows)?;
+        if self.sampler.enabled() {
+            self.sampler.reserve(&self.dev, rows, self.cfg.vocab_size)?;
+        }
+        Ok(())
+    }
+
     /// Runs each cuBLAS GEMM shape of the model (every projection's [n, k], the lm_head with
     /// f32 output) once at every row bucket of `padded_rows` the step buffers hold, on whatever
     /// they contain (nothing reads the results), so that cuBLAS meets its kernels now and not
@@ -907,12 +923,16 @@ impl ModelRunner for CudaModel {
     }
 
     fn warm_up_kernels(&mut self) -> Result<()> {
+        // The logits rows planned (cache_budget_bytes, or the warm-up step's) are the most rows
+        // a step samples, until a request wants more (prompt logprobs).
+        let rows = self.act.logits.as_ref().map_or(0, |l| l.len() / self.cfg.vocab_size.max(1));
+        self.reserve_decode(rows)?;
         self.warm_gemm_kernels()
     }
 
     fn workspace_bytes(&self) -> usize {
         let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
-        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch
+        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes()
     }
 
     fn device_free_bytes(&self) -> Option<u64> {
@@ -922,6 +942,7 @@ impl ModelRunner for CudaModel {
     fn cache_budget_bytes(&mut self, step_rows: usize, decode_rows: usize) -> Result<Option<u64>> {
         self.ensure_rows(step_rows.max(decode_bucket(decode_rows)))?;
         self.ensure_logit_rows(decode_bucket(decode_rows))?;
+        self.reserve_decode(decode_bucket(decode_rows))?;
         let (free, total) = self.dev.memory_info()?;
         Ok(Some(cache_budget(free as u64, total as u64)))
     }

@@ -99,20 +99,12 @@ impl DeviceSampler {
             self.pending.push_back((k, usize::MAX, 0));
             return Ok(());
         }
+        self.reserve(dev, n, vocab)?;
         let packed = &mut self.packed[k];
         packed.pack(rows, &self.src_rows, vocab)?;
         let words = packed.words();
-        let stream = dev.stream();
-        let grow = |len: usize| len.next_power_of_two();
         if self.params.as_ref().is_none_or(|b| b.len() < words.len()) {
-            self.params = Some(stream.alloc_zeros::<u32>(grow(words.len())).map_err(driver_err("allocating sampler params"))?);
-        }
-        if self.scratch.as_ref().is_none_or(|b| !b.fits(n, vocab)) {
-            self.scratch = None;
-            self.scratch = Some(SampleScratch::new(dev, grow(n), vocab)?);
-        }
-        if self.out.as_ref().is_none_or(|b| b.len() < n * SAMPLE_OUT) {
-            self.out = Some(stream.alloc_zeros::<u32>(grow(n) * SAMPLE_OUT).map_err(driver_err("allocating sampler output"))?);
+            self.params = Some(dev.stream().alloc_zeros::<u32>(words.len().next_power_of_two()).map_err(driver_err("allocating sampler params"))?);
         }
         let params = self.params.as_mut().expect("allocated above");
         self.up.upload(dev, words, &mut params.slice_mut(0..words.len()))?;
@@ -121,6 +113,26 @@ impl DeviceSampler {
         let staged = self.down.download(dev, &out.slice(0..n * SAMPLE_OUT))?;
         self.pending.push_back((k, staged, n));
         Ok(())
+    }
+
+    /// Grows the scratch and output buffers to serve `rows` rows of width `vocab` (to the next
+    /// power of two; they never shrink). The model calls it at startup for the most rows a
+    /// step samples, so that they are part of the memory plan and no step allocates them.
+    pub fn reserve(&mut self, dev: &CudaDevice, rows: usize, vocab: usize) -> Result<()> {
+        let grow = rows.next_power_of_two();
+        if self.scratch.as_ref().is_none_or(|b| !b.fits(rows, vocab)) {
+            self.scratch = None;
+            self.scratch = Some(SampleScratch::new(dev, grow, vocab)?);
+        }
+        if self.out.as_ref().is_none_or(|b| b.len() < rows * SAMPLE_OUT) {
+            self.out = Some(dev.stream().alloc_zeros::<u32>(grow * SAMPLE_OUT).map_err(driver_err("allocating sampler output"))?);
+        }
+        Ok(())
+    }
+
+    /// Device bytes of the sampler's buffers.
+    pub fn bytes(&self) -> usize {
+        self.scratch.as_ref().map_or(0, |s| s.bytes()) + self.params.as_ref().map_or(0, |b| b.len() * 4) + self.out.as_ref().map_or(0, |b| b.len() * 4)
     }
 
     /// The tokens of the oldest uncollected launch (waits for its copy).

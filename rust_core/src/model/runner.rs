@@ -191,7 +191,8 @@ pub trait ModelRunner: Send {
     /// `step_rows` tokens and a decode step of `decode_rows` sequences, all wanting logits (so
     /// they are not counted as free), then answers with the free memory less a reserve for what
     /// a step allocates later. None for host memory, where the engine keeps its fixed default
-    /// budget (EngineConfig::resolve).
+    /// budget (EngineConfig::resolve). The engine asks even with a KV capacity given (and then
+    /// ignores the answer), so the step buffers are grown before the caches either way.
     fn cache_budget_bytes(&mut self, _step_rows: usize, _decode_rows: usize) -> Result<Option<u64>> {
         Ok(None)
     }

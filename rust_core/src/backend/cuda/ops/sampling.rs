@@ -44,6 +44,11 @@ impl SampleScratch {
     pub fn fits(&self, rows: usize, vocab: usize) -> bool {
         rows <= self.rows && vocab == self.vocab
     }
+
+    /// Device bytes of the three buffers.
+    pub fn bytes(&self) -> usize {
+        self.work.len() * 4 + self.partials.len() * 4 + self.arrivals.len() * 4
+    }
 }
 
 impl CudaDevice {
