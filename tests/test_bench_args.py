@@ -237,25 +237,20 @@ def test_decode_bytes_per_step_count_each_sequence_at_its_own_context(tmp_path, 
     assert b.step_bytes(qwen, [10, 20, 30]) == 1_000_000 + 3 * state + 60 * 65536
 
 
-@pytest.mark.parametrize("argv, named", [(["llama-70b", "8"], "llama-70b"), (["llama-3-8b", "x"], "'x'"),
-                                         (["llama-3-8b", "0"], "layers 0"), (["llama-3-8b"], "layers")])
-def test_graph_capture_cost_rejects_bad_arguments_naming_them(argv, named, capsys):
-    probe = _load("graph_capture_cost")
+@pytest.mark.parametrize("probe, argv, named", [
+    ("graph_capture_cost", ["llama-70b", "8"], "llama-70b"), ("graph_capture_cost", ["llama-3-8b", "x"], "'x'"),
+    ("graph_capture_cost", ["llama-3-8b", "0"], "layers 0"), ("graph_capture_cost", ["llama-3-8b"], "layers"),
+    ("first_use_cost", ["llama-3-8b", "0"], "layers 0"),
+    ("first_use_cost", ["llama-3-8b", "4", "--lengths", "100,x"], "'100,x'"),
+    ("first_use_cost", ["llama-3-8b", "4", "--lengths", "100,0"], "0 is outside"),
+    ("first_use_cost", ["llama-3-8b", "4", "--lengths", "8192"], "8192 is outside")])
+def test_probes_reject_bad_arguments_naming_them(probe, argv, named, capsys):
     with pytest.raises(SystemExit) as e:
-        probe.parse_args(argv)
+        _load(probe).parse_args(argv)
     assert e.value.code == 2
     assert named in capsys.readouterr().err
-    assert probe.parse_args(["qwen3_5-27b", "16"]).layers == 16
 
 
-@pytest.mark.parametrize("argv, named", [(["llama-3-8b", "0"], "layers 0"),
-                                         (["llama-3-8b", "4", "--lengths", "100,x"], "'100,x'"),
-                                         (["llama-3-8b", "4", "--lengths", "100,0"], "0 is outside"),
-                                         (["llama-3-8b", "4", "--lengths", "8192"], "8192 is outside")])
-def test_first_use_cost_rejects_bad_arguments_naming_them(argv, named, capsys):
-    probe = _load("first_use_cost")
-    with pytest.raises(SystemExit) as e:
-        probe.parse_args(argv)
-    assert e.value.code == 2
-    assert named in capsys.readouterr().err
-    assert probe.parse_args(["llama-3-8b", "4", "--lengths", "1,8191"]).lengths == [1, 8191]
+def test_probes_take_good_arguments():
+    assert _load("graph_capture_cost").parse_args(["qwen3_5-27b", "16"]).layers == 16
+    assert _load("first_use_cost").parse_args(["llama-3-8b", "4", "--lengths", "1,8191"]).lengths == [1, 8191]

@@ -611,51 +611,31 @@ fn gemv_rejects_k_not_a_multiple_of_8() {
     assert!(matches!(dev.gemv(&x, &w, &mut y.view(), 1, 1, 12), Err(NinferError::Device(_))));
 }
 
+/// cuBLAS GEMM against the host product, into buffers of exactly m rows and into buffers that
+/// hold `padded_rows(m)`, where it runs that many (blas.rs: one kernel a bucket of row counts,
+/// all run at startup, instead of one per count): the padded rows are the product too (of x's
+/// rows beyond m), written rather than left poisoned, and the guard after them stays whole; in
+/// exact buffers nothing past m rows is written.
 #[test]
 fn cublas_gemm_matches_reference_in_both_output_types() {
+    use ninfer_core::backend::cuda::blas::padded_rows;
     for st in STORAGES {
         let Some(dev) = gpu("gemm", st) else { return };
         let mut rng = Rng::new(8);
-        for (m, n, k) in [(17, 256, 512), (128, 1000, 1024), (1, 64, 64)] {
-            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+        for (m, n, k, padded) in [(17, 256, 512, false), (128, 1000, 1024, false), (1, 64, 64, false), (17, 256, 512, true), (100, 320, 256, true), (300, 64, 128, true)] {
+            let rows = if padded { padded_rows(m) } else { m };
+            assert!(!padded || rows > m, "m {m} pads");
+            let x = rounded(&rng.vec(rows * k, -1.0, 1.0), st);
             let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
             let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
-            let want = reference::matmul_nt(&x, &w, m, n, k);
-            let shape = format!("m{m}n{n}k{k}");
-            let mut y = Out16::new(&dev, m * n);
+            let want = reference::matmul_nt(&x, &w, rows, n, k);
+            let shape = format!("m{m}n{n}k{k} in {rows} rows");
+            let mut y = Out16::new(&dev, rows * n);
             dev.gemm(&xd, &wd, &mut y.view(), m, n, k).unwrap();
             check("gemm", st, &shape, &y.read(&dev, "gemm"), &want, tol16(st));
-            let mut y32 = Out32::new(&dev, m * n);
+            let mut y32 = Out32::new(&dev, rows * n);
             dev.gemm_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
             check("gemm_f32out", st, &shape, &y32.read(&dev, "gemm f32"), &want, TOL32);
-        }
-    }
-}
-
-/// cuBLAS runs `padded_rows(m)` rows where both buffers hold them (blas.rs: one kernel a
-/// bucket of row counts, all run at startup, instead of one per count): the first m rows are the
-/// product, and so are the padded ones (from x's rows beyond m), which are written, not left
-/// poisoned; the guard after them stays whole.
-#[test]
-fn cublas_gemm_runs_padded_rows_where_the_buffers_hold_them() {
-    use ninfer_core::backend::cuda::blas::padded_rows;
-    for st in STORAGES {
-        let Some(dev) = gpu("gemm_padded", st) else { return };
-        let mut rng = Rng::new(81);
-        for (m, n, k) in [(17, 256, 512), (100, 320, 256), (300, 64, 128)] {
-            let mp = padded_rows(m);
-            assert!(mp > m, "m {m} pads");
-            let x = rounded(&rng.vec(mp * k, -1.0, 1.0), st);
-            let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
-            let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
-            let want = reference::matmul_nt(&x, &w, mp, n, k);
-            let shape = format!("m{m}(padded {mp})n{n}k{k}");
-            let mut y = Out16::new(&dev, mp * n);
-            dev.gemm(&xd, &wd, &mut y.view(), m, n, k).unwrap();
-            check("gemm padded", st, &shape, &y.read(&dev, "gemm padded"), &want, tol16(st));
-            let mut y32 = Out32::new(&dev, mp * n);
-            dev.gemm_f32_out(&xd, &wd, &mut y32.view(), m, n, k).unwrap();
-            check("gemm_f32out padded", st, &shape, &y32.read(&dev, "gemm f32 padded"), &want, TOL32);
         }
     }
 }
