@@ -2,11 +2,13 @@
 cuBLAS as the engine): for each M, the Llama-3-8B prefill projections (qkv, o, gate_up, down,
 lm_head) run once and then again, each call synchronized and timed on the host.
 
-Why: the engine's first prefill of a new token count is 10-35 ms slower than its second
-(first_use_8b_82df186.log) and CUDA_MODULE_LOADING=EAGER does not remove it,
-so the question is whether cuBLAS's per-shape work (its heuristic for a shape it has not seen)
-is that cost. Run with CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 as well: if every call then pays
-what only the first paid, the heuristic is the cost.
+Why: the engine's first prefill of a new token count was 10-35 ms slower than its second
+(first_use_8b_82df186.log) and CUDA_MODULE_LOADING=EAGER did not remove it. Run with
+CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 as well: if every call then pays what only the first paid,
+the heuristic is the cost. It was not (cublas_first_use_82df186.log: ~0.35 ms a call without the
+cache, 3.5-6 ms a first call either way); --kernels showed the cost follows the kernel: Hopper's
+`nvjet` kernels take a tile that follows M in steps of 8, and a kernel already run pays nothing
+(blas.rs `padded_rows` is the answer).
 
     python benches/diag_cublas_first_use.py [--kernels] [M ...]
 

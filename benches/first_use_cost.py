@@ -3,13 +3,16 @@ length runs twice (different tokens, prefix reuse off, one output token); the fi
 length's GEMM and attention shapes for the first time in the process, the second does not. Also
 the engine's construction time and the GPU memory in use once it is built.
 
-Why: the startup warm-up step runs one full `prefill_chunk`, so the kernels of other sizes
-(cuBLAS picks its kernels by the GEMM's M) first run during a user's request. Run it once as
-is and once with CUDA_MODULE_LOADING=EAGER (read by the driver at initialisation: every
-module of every loaded library then loads at startup instead of at its first launch) to see
-how much of the first-use cost is the driver's lazy module loading. On the GPU machine with
-ninfer importable (a random checkpoint of the shape, written by gpu_bench's Bench into
-/tmp/ckpt):
+Why: the startup warm-up step runs one full `prefill_chunk`, so kernels of other sizes used to
+first run during a user's request: cuBLAS's generated Hopper kernels, one per tile its M calls
+for (~4 ms each), and the decode buffers grown as concurrency climbed. Before 4f5cb10's row
+buckets and startup GEMM run, the 8B paid 83-95 ms over the default lengths (10-24 ms a length up
+to 1600), the 27B shape with 8 layers 121.5 ms; after, 3.7 and -1.4 (results/first_use_*.log).
+It stays the check that no request pays for a first use. CUDA_MODULE_LOADING=EAGER (read by the
+driver at initialisation: every module loads at startup) tells lazy module loading apart; it
+did not change the figures. On the GPU machine with ninfer importable (a random checkpoint of
+the shape, written by gpu_bench's Bench into /tmp/ckpt; `.ci/gpu-parts probe` runs it on several
+builds):
 
     python benches/first_use_cost.py llama-3-8b 32
     CUDA_MODULE_LOADING=EAGER python benches/first_use_cost.py llama-3-8b 32
