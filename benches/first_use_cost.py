@@ -36,13 +36,11 @@ MAX_PROMPT = 8191
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", choices=sorted(gb.SHAPES), help="the shape whose random checkpoint is measured")
-    p.add_argument("layers", type=int, help="layers of it to build (1 or more)")
+    gb.add_probe_shape_args(p)
     p.add_argument("--lengths", default=DEFAULT_LENGTHS,
                    help=f"prompt lengths in tokens, comma-separated, each 1 to {MAX_PROMPT} (default {DEFAULT_LENGTHS})")
     a = p.parse_args(argv)
-    if a.layers < 1:
-        p.error(f"layers {a.layers}: at least 1")
+    gb.check_probe_shape_args(p, a)
     try:
         a.lengths = [int(x) for x in a.lengths.split(",")]
     except ValueError:
@@ -64,11 +62,7 @@ def gpu_memory_used_mib() -> str:
 
 def main() -> None:
     args = parse_args()
-    a = gb.parse_args(["--out", "/tmp/probe.json", "--workdir", "/tmp/ckpt", "--skip-peer", "--layers",
-                       str(args.layers), "--profile"])
-    b = gb.Bench(a)
-    s = b.shape(args.model)
-    path = b.checkpoint(args.model)
+    s, path = gb.probe_checkpoint(args.model, args.layers)
     from ninfer import _core
 
     t0 = time.perf_counter()

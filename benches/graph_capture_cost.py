@@ -26,22 +26,16 @@ import gpu_bench as gb  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", choices=sorted(gb.SHAPES), help="the shape whose random checkpoint is measured")
-    p.add_argument("layers", type=int, help="layers of it to build (1 or more)")
+    gb.add_probe_shape_args(p)
     a = p.parse_args(argv)
-    if a.layers < 1:
-        p.error(f"layers {a.layers}: at least 1")
+    gb.check_probe_shape_args(p, a)
     return a
 
 
 def main() -> None:
     args = parse_args()
-    model, layers = args.model, str(args.layers)
-    a = gb.parse_args(["--out", "/tmp/probe.json", "--workdir", "/tmp/ckpt", "--skip-peer", "--layers", layers,
-                       "--profile"])
-    b = gb.Bench(a)
-    s = b.shape(model)
-    path = b.checkpoint(model)
+    model, layers = args.model, args.layers
+    s, path = gb.probe_checkpoint(model, layers)
     from ninfer import _core
 
     eng = _core.Engine(str(path), device="cuda", prefix_reuse=False, max_context=4096, kv_capacity=64 * 1100,

@@ -923,10 +923,6 @@ impl ModelRunner for CudaModel {
     }
 
     fn warm_up_kernels(&mut self) -> Result<()> {
-        // The logits rows planned (cache_budget_bytes, or the warm-up step's) are the most rows
-        // a step samples, until a request wants more (prompt logprobs).
-        let rows = self.act.logits.as_ref().map_or(0, |l| l.len() / self.cfg.vocab_size.max(1));
-        self.reserve_decode(rows)?;
         self.warm_gemm_kernels()
     }
 
