@@ -1141,8 +1141,10 @@ def test_real_shape_random_models_match_transformers_bf16(name, tmp_path):
     """Logits of a real-shape random model against transformers on the same GPU, in bf16 and in
     f32 (the same bf16-rounded weights, upcast): ours must be as close to f32 as transformers'
     own bf16 path is (within 2x + 5e-3, as for the tiny models). Greedy agreement over 64 tokens
-    is measured and printed: random weights give nearly flat logits over 128k-248k tokens, where
-    any two bf16 implementations flip near-ties within a few tokens."""
+    is measured: random weights give nearly flat logits over 128k-248k tokens, where any two bf16
+    implementations flip near-ties within tens of tokens, so it is held to what transformers' own
+    eager and sdpa attention paths reach against each other (ours at least half as many tokens
+    before the first divergence), and printed with transformers alone vs in a batch of two."""
     if not _cuda_available():
         pytest.skip("torch sees no CUDA device")
     model_cls, cfg_cls, cfg = REAL_SHAPES[name]
@@ -1184,6 +1186,19 @@ def test_real_shape_random_models_match_transformers_bf16(name, tmp_path):
     # Default logits_dtype "auto" (bf16 logits) against plain transformers bf16 (bf16 logits),
     # then ours with f32 logits against transformers with an f32 head.
     same_auto, prefix_auto = agreement({}, hf)
+    # transformers against itself through its other attention path: eager (bf16 matmuls and an
+    # f32 softmax) instead of sdpa, the same weights and GPU. Two bf16 implementations that sum
+    # attention in different orders: how long they agree is what ours can be held to.
+    hf_eager = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16, attn_implementation="eager").to("cuda").eval()
+    hf_eager.generation_config.eos_token_id = None
+    paths_same, paths_prefix = 0, 0
+    for prompt in prompts:
+        sdpa, eager = _hf_greedy(hf, prompt, 64), _hf_greedy(hf_eager, prompt, 64)
+        paths_same += sdpa == eager
+        paths_prefix += _matched_prefix(eager, sdpa) / 10
+    del hf_eager
+    torch.cuda.empty_cache()
     same, prefix = agreement({"logits_dtype": "float32"}, _f32_head(hf))
     # transformers against itself: the same prompt alone and as one row of a batch of two
     # identical rows (cuBLAS picks another kernel for M = 2, so the same sums run in another
@@ -1197,7 +1212,11 @@ def test_real_shape_random_models_match_transformers_bf16(name, tmp_path):
           f"{theirs32:.2e}; 64 greedy tokens equal transformers bf16 (f32 logits) on {same}/10 prompts, "
           f"{prefix:.1f} tokens agree on average before the first divergence; (bf16 logits, logits_dtype auto) "
           f"on {same_auto}/10 prompts, {prefix_auto:.1f} tokens before the first divergence; transformers bf16 "
-          f"alone vs in a batch of two: {self_same}/10 prompts, {self_prefix / 10:.1f} tokens before the first divergence")
+          f"alone vs in a batch of two: {self_same}/10 prompts, {self_prefix / 10:.1f} tokens before the first divergence; "
+          f"transformers bf16 eager vs sdpa attention: {paths_same}/10 prompts, {paths_prefix:.1f} tokens before the first divergence")
     assert ours32 <= 2 * theirs32 + 5e-3
+    # Ours (as users run it, bf16 logits) keeps transformers' greedy path at least half as long
+    # as transformers' two attention paths keep each other's.
+    assert prefix_auto >= 0.5 * paths_prefix, (prefix_auto, paths_prefix)
     # Prefill of 64 rows (cuBLAS, then round_f32_to_storage): auto is bf16(float32) bit for bit.
     _assert_bitwise(got_auto, torch.from_numpy(got).to(_storage_dtype()).float().numpy(), f"{name}: auto vs bf16(float32) logits")
