@@ -373,6 +373,18 @@ extern "C" __global__ void round_f32_to_storage(float* y, long long n) {
         y[i] = round_st(y[i]);
 }
 
+// y[r, j] = from_f32(y32[r, j] + bias[j]) for the `rows` x `n` outputs of a projection with a
+// bias (Qwen2's q/k/v, Llama's attention_bias and mlp_bias): the f32 sums of linear_f32_out plus
+// the bias, rounded once to the storage type, as torch's addmm and cuBLASLt's bias epilogue
+// round (rounding the sums first and adding the bias after would round twice). Grid-stride over
+// a 64-bit count.
+extern "C" __global__ void add_bias_to_storage(const float* y32, const store_t* bias, store_t* y, long long rows, long long n) {
+    const long long total = rows * n;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride)
+        y[i] = from_f32(y32[i] + to_f32(bias[i % n]));
+}
+
 // round_f32_to_storage four values a thread through 16-byte accesses, for a 16-byte aligned y
 // (the launcher checks; the scalar loop took 32 us over the 64 x 128256 logits of a batch-64
 // decode step at 35ab5d2); the last n % 4 values by the first threads.

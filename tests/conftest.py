@@ -28,6 +28,7 @@ DEFAULT_MAX_POSITIONS = 1024
 #: (model arch, tokenizer style) per fixture name.
 TINY_CHECKPOINTS = {
     "llama": ("llama", "llama3"),
+    "qwen2": ("qwen2", "qwen3"),
     "qwen3": ("qwen3", "qwen3"),
     "qwen3_5": ("qwen3_5", "qwen3"),
 }

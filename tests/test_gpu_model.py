@@ -268,6 +268,59 @@ def test_gpu_greedy_tracks_f32_as_long_as_transformers_bf16(gpu_dir, hf_bf16):
     assert ours >= 0.5 * theirs
 
 
+#: Tiny checkpoints with projection biases at sizes the kernels take: Qwen2 (q/k/v biases) and
+#: Llama with `attention_bias` (q/k/v/o) and `mlp_bias` (gate/up/down); tests/tiny_models.py
+#: sets every bias away from zero.
+BIASED = {
+    "qwen2": ("qwen2", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)),
+    "llama-biased": ("llama", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                   attention_bias=True, mlp_bias=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(BIASED))
+def test_gpu_projection_biases_match_transformers_and_the_cpu(name, tiny_checkpoints):
+    """Projections with biases (`linear_bias`: the f32 sums plus the bias, rounded once): prefill
+    logits as close to transformers f32 and to our CPU f32 path as transformers bf16 is, and
+    within the 2e-2 of transformers bf16 (or 1.5x its eager-vs-sdpa spread where wider, as for the
+    bias-free tiny models); greedy decoding, alone (the GEMV route, the fused RoPE and residual
+    + norm epilogues left out) and in a batch of 10 (cuBLAS), as long on transformers f32's path
+    as transformers bf16 stays on it, which a bias missed or added twice on either route breaks."""
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    arch, shape = BIASED[name]
+    path = tiny_checkpoints.get(arch, **shape)
+    vocab = TINY_VOCAB
+    ids = _prompt(70, vocab, seed=1)
+    got = _core.Model(str(path), device="cuda").logits(ids)
+    x = torch.tensor([ids], device="cuda")
+    hf = {}
+    with torch.no_grad():
+        for key, dtype, attn in (("f32", torch.float32, "sdpa"), ("bf16", torch.bfloat16, "sdpa"), ("eager", torch.bfloat16, "eager")):
+            hf[key] = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn).to("cuda").eval()
+            hf[key].generation_config.eos_token_id = None
+        exp = {key: m(x).logits[0].float().cpu().numpy() for key, m in hf.items()}
+    cpu = _core.Model(str(path), device="cpu").logits(ids)
+    theirs32, ours32, ours_cpu = _rel_err(exp["bf16"], exp["f32"]), _rel_err(got, exp["f32"]), _rel_err(got, cpu)
+    ours_bf16, paths = _rel_err(got, exp["bf16"]), _rel_err(exp["eager"], exp["bf16"])
+    prompts = [_prompt(16 + 3 * i, vocab, seed=60 + i) for i in range(10)]
+    with LLM(path, device="cuda", max_context=512) as llm:
+        batch = [o.token_ids for o in llm.generate(prompts, greedy(64))]
+        alone = [llm.generate([p], greedy(64))[0].token_ids for p in prompts]
+    refs = {key: [_hf_greedy(hf[key], p, 64) for p in prompts] for key in ("f32", "bf16")}
+    on_path = lambda outs: sum(_matched_prefix(o, r) for o, r in zip(outs, refs["f32"])) / len(outs)  # noqa: E731
+    ours_batch, ours_alone = on_path(batch), on_path(alone)
+    theirs_path = on_path(refs["bf16"])
+    print(f"{name}: rel err ours-vs-hf_f32 {ours32:.2e}, hf_bf16-vs-hf_f32 {theirs32:.2e}, ours-vs-cpu_f32 {ours_cpu:.2e}, "
+          f"ours-vs-hf_bf16 {ours_bf16:.2e}, hf_bf16 eager-vs-sdpa {paths:.2e}; tokens on hf_f32's greedy path: "
+          f"ours in a batch of 10 {ours_batch:.1f}, ours alone {ours_alone:.1f}, hf_bf16 {theirs_path:.1f}")
+    assert ours32 <= 2 * theirs32 + 5e-3
+    assert ours_cpu <= 2 * theirs32 + 5e-3
+    assert ours_bf16 <= max(REL_TOL, 1.5 * paths), (ours_bf16, paths)
+    assert ours_batch >= 0.5 * theirs_path
+    assert ours_alone >= 0.5 * theirs_path
+
+
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_gpu_chunked_prefill_equals_whole_prefill(gpu_dir, chunk):
     # Whole prefill runs the prefill kernels (flash attention, chunked Gated DeltaNet), 7-token

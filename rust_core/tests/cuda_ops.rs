@@ -113,6 +113,8 @@ mod gemv_add_rmsnorm;
 mod rounding_points;
 #[path = "cuda_ops/logits_round.rs"]
 mod logits_round;
+#[path = "cuda_ops/linear_bias.rs"]
+mod linear_bias;
 #[path = "cuda_ops/decode_attention.rs"]
 mod decode_attention;
 #[path = "cuda_ops/gemv_qkv_rope.rs"]

@@ -164,13 +164,17 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> R
             LayerType::FullAttention => DevMixer::Attention(Box::new(b.attention(sink, &names::mixer(&p, *kind), &mut bytes)?)),
             LayerType::LinearAttention => DevMixer::Gdn(Box::new(b.gdn(sink, &names::mixer(&p, *kind), &mut bytes)?)),
         };
-        let gate_up = names::gate_up(cfg, &p).iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
+        let gate_up_parts = names::gate_up(cfg, &p);
+        let gate_up = gate_up_parts.iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
+        let gate_up_bias = b.biases(&gate_up_parts.iter().map(|part| (part.name.as_str(), part.rows)).collect::<Vec<_>>(), cfg.mlp_bias)?;
+        let down_name = format!("{p}.mlp.down_proj");
+        let down_bias = b.biases(&[(down_name.as_str(), h)], cfg.mlp_bias)?;
         layers.push(DevLayer {
             input_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), &mut bytes)?,
             post_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), &mut bytes)?,
             mixer,
-            gate_up: b.linear(sink, Packed::concat(gate_up), h, &mut bytes)?,
-            down: b.linear(sink, Packed::single(store.raw(&format!("{p}.mlp.down_proj.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, &mut bytes)?,
+            gate_up: b.linear_biased(sink, Packed::concat(gate_up), h, gate_up_bias, &mut bytes)?,
+            down: b.linear_biased(sink, Packed::single(store.raw(&format!("{down_name}.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, down_bias, &mut bytes)?,
         });
     }
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(b.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
@@ -197,8 +201,24 @@ impl<'a> Builder<'a> {
     }
 
     fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<DevLinear<S::W>> {
+        self.linear_biased(sink, t, k, None, bytes)
+    }
+
+    /// A projection with its bias (`[n]`, the parts in the order of the weight's), if any.
+    fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<DevLinear<S::W>> {
         let n = t.numel() / k;
-        Ok(DevLinear { w: self.put(sink, t, bytes)?, n, k })
+        let w = self.put(sink, t, bytes)?;
+        let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
+        Ok(DevLinear { w, n, k, bias })
+    }
+
+    /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
+    fn biases(&self, parts: &[(&str, usize)], on: bool) -> Result<Option<Packed<'a>>> {
+        if !on {
+            return Ok(None);
+        }
+        let raws = parts.iter().map(|(name, rows)| self.store.raw(&format!("{name}.bias"), &[*rows])).collect::<Result<Vec<_>>>()?;
+        Ok(Some(Packed::concat(raws)))
     }
 
     fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'a>> {
@@ -208,7 +228,12 @@ impl<'a> Builder<'a> {
     fn attention<S: Sink>(&self, sink: &mut S, p: &str, bytes: &mut usize) -> Result<DevAttention<S::W>> {
         let c = self.cfg;
         let (h, nh, hd) = (c.hidden_size, c.num_attention_heads, c.head_dim);
-        let parts = names::attention_qkv(c, p).iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
+        let qkv_parts = names::attention_qkv(c, p);
+        let parts = qkv_parts.iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
+        // CudaModel::check_supported refuses q/k/v biases beside the gated query layout.
+        let qkv_bias = self.biases(&qkv_parts.iter().map(|part| (part.name.as_str(), part.rows)).collect::<Vec<_>>(), c.qkv_bias)?;
+        let o_name = format!("{p}.o_proj");
+        let o_bias = self.biases(&[(o_name.as_str(), h)], c.o_bias)?;
         let mut qkv = Packed::concat(parts);
         if c.attn_output_gate {
             qkv = qkv.permute_first_part(2 * nh, |d| names::gated_query_source_block(d, nh));
@@ -221,8 +246,8 @@ impl<'a> Builder<'a> {
             (None, None)
         };
         Ok(DevAttention {
-            qkv: self.linear(sink, qkv, h, bytes)?,
-            o: self.linear(sink, Packed::single(self.weight(&format!("{p}.o_proj"), h, nh * hd)?), nh * hd, bytes)?,
+            qkv: self.linear_biased(sink, qkv, h, qkv_bias, bytes)?,
+            o: self.linear_biased(sink, Packed::single(self.weight(&o_name, h, nh * hd)?), nh * hd, o_bias, bytes)?,
             q_norm,
             k_norm,
         })

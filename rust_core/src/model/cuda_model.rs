@@ -85,6 +85,10 @@ struct Activations {
     /// Block counter of the fused output projection + add_rmsnorm (`gemv_add_rmsnorm`); zero
     /// between launches, which run one at a time on the stream.
     norm_arrivals: Option<CudaSlice<u32>>,
+    /// f32 sums of a projection with a bias before the bias is added and the sum rounded
+    /// (`CudaDevice::linear_bias`): rows x the widest biased projection, one element in models
+    /// without biases.
+    lin32: Option<CudaSlice<f32>>,
 }
 
 /// A model on one CUDA device (weights in the device's storage type).
@@ -156,7 +160,7 @@ impl Activations {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
         let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
-        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.norm_arrivals)
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.norm_arrivals) + b(&self.lin32)
     }
 }
 
@@ -261,8 +265,8 @@ impl CudaModel {
         if cfg.num_attention_layers() > 0 && !matches!(cfg.head_dim, 64 | 96 | 128 | 256) {
             return unsupported(format!("head_dim {} (kernels: 64, 96, 128, 256)", cfg.head_dim));
         }
-        if cfg.qkv_bias || cfg.o_bias || cfg.mlp_bias {
-            return unsupported("projection biases".into());
+        if cfg.qkv_bias && cfg.attn_output_gate {
+            return unsupported("q/k/v projection biases with a gated query (attn_output_gate)".into());
         }
         if let Some(la) = cfg.linear_attention {
             if !matches!(la.key_head_dim, 64 | 128) || la.value_head_dim % 32 != 0 || !(2..=4).contains(&la.conv_kernel) {
@@ -328,6 +332,7 @@ impl CudaModel {
             sel: Some(alloc(dev, rows * h, "activations")?),
             // alloc zeroes: the counter must start at 0.
             norm_arrivals: Some(alloc(dev, 1, "norm counter")?),
+            lin32: Some(alloc(dev, rows * biased_width(c, attn_width), "activations")?),
             logits,
         };
         self.act = a;
@@ -602,7 +607,7 @@ impl AttnCtx<'_> {
     /// switch on. Same bits either way.
     fn fuses_rope(&self, a: &super::cuda_weights::DevAttention, rows: usize) -> bool {
         let (c, dev) = (self.cfg, self.dev);
-        let plain_qkv = !c.attn_output_gate && a.q_norm.is_none() && a.k_norm.is_none();
+        let plain_qkv = !c.attn_output_gate && a.q_norm.is_none() && a.k_norm.is_none() && a.qkv.bias.is_none();
         let kernel = dev.gemv_kernel(dev.gemv_form(), a.qkv.n, a.qkv.k, 1);
         self.fused_rope && self.decode.is_some() && plain_qkv && qkv_rope_fits(kernel, rows, c.head_dim, self.inv_freq.len() * 2, a.qkv.k)
     }
@@ -623,7 +628,7 @@ impl AttnCtx<'_> {
         if fused_rope {
             dev.gemv_qkv_rope_kv_write(buf(&act.h), &a.qkv.w, buf_mut(&mut act.proj), kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width), a.qkv.k)?;
         } else {
-            linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), rows)?;
+            linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), &mut act.lin32, rows)?;
         }
         // Decode steps the projection did not fuse rotate q and k and write the cache in one
         // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write); other steps
@@ -723,25 +728,38 @@ impl Activations {
     /// (tensor-core decode GEMV), else `linear` into `tmp` and `add_rmsnorm`, bit for bit the
     /// same; with no norm, the projection is left in `tmp`.
     fn project_out(&mut self, dev: &CudaDevice, l: &DevLinear, input: ProjIn, rows: usize, then: &NormNext) -> Result<()> {
-        let Activations { x, h, tmp, mix, act, norm_arrivals, .. } = self;
+        let Activations { x, h, tmp, mix, act, norm_arrivals, lin32, .. } = self;
         let src = buf(match input {
             ProjIn::Mix => mix,
             ProjIn::Act => act,
         });
         match then.w {
-            None => linear(dev, l, src, buf_mut(tmp), rows),
-            Some(w) if then.fused => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
+            None => linear(dev, l, src, buf_mut(tmp), lin32, rows),
+            Some(w) if then.fused && l.bias.is_none() => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
             Some(w) => {
-                linear(dev, l, src, buf_mut(tmp), rows)?;
+                linear(dev, l, src, buf_mut(tmp), lin32, rows)?;
                 dev.add_rmsnorm(buf_mut(x), buf(tmp), w, buf_mut(h), rows, l.n, then.eps, then.plus_one)
             }
         }
     }
 }
 
-/// `y = x · Wᵀ` for `rows` rows (GEMV up to 8 rows, cuBLAS above).
-fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, rows: usize) -> Result<()> {
-    dev.linear(x, &l.w, y, rows, l.n, l.k)
+/// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, cuBLAS above); a bias is added
+/// to the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`).
+fn linear(dev: &CudaDevice, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, lin32: &mut Option<CudaSlice<f32>>, rows: usize) -> Result<()> {
+    match &l.bias {
+        None => dev.linear(x, &l.w, y, rows, l.n, l.k),
+        Some(b) => dev.linear_bias(x, &l.w, b, buf_mut(lin32), y, rows, l.n, l.k),
+    }
+}
+
+/// Columns of `Activations::lin32` a row: the widest projection with a bias (`attn_width`: the
+/// packed q | k | v row), 1 for models without biases (the buffer is then never read).
+fn biased_width(c: &ModelConfig, attn_width: usize) -> usize {
+    let qkv = if c.qkv_bias { attn_width } else { 0 };
+    let o = if c.o_bias { c.hidden_size } else { 0 };
+    let mlp = if c.mlp_bias { (2 * c.intermediate_size).max(c.hidden_size) } else { 0 };
+    qkv.max(o).max(mlp).max(1)
 }
 
 /// Tokens per chunk of the chunked GDN kernel; shorter steps stay on the recurrent kernel.
@@ -760,7 +778,7 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
     let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
     // One projection: row t of act.proj is q | k | v (conv channels), z, b, a (DevGdn::in_proj).
     let width = g.in_proj.n;
-    linear(dev, &g.in_proj, buf(&act.h), buf_mut(&mut act.proj), rows)?;
+    linear(dev, &g.in_proj, buf(&act.h), buf_mut(&mut act.proj), &mut act.lin32, rows)?;
     let proj = buf(&act.proj);
     let cu = meta.cu_seqlens();
     let slots = meta.slots();
@@ -805,10 +823,10 @@ fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &super::cu
 /// the layout the kernel pairs.
 fn mlp(dev: &CudaDevice, layer: &DevLayer, act: &mut Activations, rows: usize, then: &NormNext) -> Result<()> {
     let inter = layer.gate_up.n / 2;
-    if rows <= GEMV_ROUTE_MAX_M && layer.gate_up.k.is_multiple_of(8) {
+    if rows <= GEMV_ROUTE_MAX_M && layer.gate_up.k.is_multiple_of(8) && layer.gate_up.bias.is_none() {
         dev.gemv_gateup_swiglu(buf(&act.h), &layer.gate_up.w, buf_mut(&mut act.act), rows, inter, layer.gate_up.k)?;
     } else {
-        linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), rows)?;
+        linear(dev, &layer.gate_up, buf(&act.h), buf_mut(&mut act.gate_up), &mut act.lin32, rows)?;
         let gu = buf(&act.gate_up);
         dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     }
@@ -848,16 +866,22 @@ impl CudaModel {
             }
             shapes.extend([&l.gate_up, &l.down]);
         }
-        shapes.sort_by_key(|l| (l.n, l.k));
-        shapes.dedup_by_key(|l| (l.n, l.k));
-        let Activations { act: x, gate_up: y, logits, rows, .. } = act;
-        let (Some(x), Some(y)) = (x.as_ref(), y.as_mut()) else {
+        // A projection with a bias runs cuBLAS with f32 output (`linear_bias`): another kernel.
+        shapes.sort_by_key(|l| (l.n, l.k, l.bias.is_some()));
+        shapes.dedup_by_key(|l| (l.n, l.k, l.bias.is_some()));
+        let Activations { act: x, gate_up: y, logits, lin32, rows, .. } = act;
+        let (Some(x), Some(y), Some(y32)) = (x.as_ref(), y.as_mut(), lin32.as_mut()) else {
             return Ok(());
         };
         let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
         for m in padded_row_buckets(*rows) {
             for l in &shapes {
-                if x.len() >= m * l.k && y.len() >= m * l.n {
+                if x.len() < m * l.k {
+                    continue;
+                }
+                if l.bias.is_some() && y32.len() >= m * l.n {
+                    dev.gemm_f32_out(x, &l.w, y32, m, l.n, l.k)?;
+                } else if l.bias.is_none() && y.len() >= m * l.n {
                     dev.gemm(x, &l.w, y, m, l.n, l.k)?;
                 }
             }
@@ -1034,4 +1058,26 @@ fn copy_slot<T: DeviceRepr>(s: &Arc<cudarc::driver::CudaStream>, buf: &mut CudaS
         s.memcpy_dtod(&from, &mut to)
     };
     r.map_err(driver_err("copying a state slot"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(arch: &str, extra: serde_json::Value) -> ModelConfig {
+        let mut v = serde_json::json!({"architectures": [arch], "hidden_size": 256, "intermediate_size": 512,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100});
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        ModelConfig::from_json_str(&v.to_string(), std::path::Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn projection_biases_load_on_the_gpu_except_beside_a_gated_query() {
+        CudaModel::check_supported(&config("Qwen2ForCausalLM", serde_json::json!({}))).unwrap();
+        CudaModel::check_supported(&config("LlamaForCausalLM", serde_json::json!({"attention_bias": true, "mlp_bias": true}))).unwrap();
+        let mut gated = config("Qwen2ForCausalLM", serde_json::json!({}));
+        gated.attn_output_gate = true;
+        let err = CudaModel::check_supported(&gated).unwrap_err().to_string();
+        assert!(err.contains("q/k/v projection biases with a gated query"), "{err}");
+    }
 }

@@ -9,11 +9,14 @@
 
 use cudarc::driver::CudaSlice;
 
-/// A bias-free projection `y = x · Wᵀ` with `w` as `[n, k]` in storage type.
+/// A projection `y = x · Wᵀ (+ bias)` with `w` as `[n, k]` in storage type.
 pub struct DevLinear<W = CudaSlice<u16>> {
     pub w: W,
     pub n: usize,
     pub k: usize,
+    /// `[n]` in storage type, where the checkpoint has one (Qwen2's q/k/v, Llama's
+    /// `attention_bias` / `mlp_bias`), packed in the order of `w`'s rows.
+    pub bias: Option<W>,
 }
 
 /// Softmax attention of one layer (q | gate | k | v fused as on the host).

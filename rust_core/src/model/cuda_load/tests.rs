@@ -51,6 +51,12 @@ fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
 
 /// A tiny checkpoint of `arch` with every tensor in `dtype`, in two shards.
 fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
+    checkpoint_with(tag, arch, dtype, false)
+}
+
+/// As `checkpoint`, with `biased` the projection biases of the architecture: Qwen2's q/k/v,
+/// and for Llama `attention_bias` (q/k/v/o) and `mlp_bias` (gate/up/down).
+fn checkpoint_with(tag: &str, arch: &str, dtype: Dtype, biased: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ninfer_cuda_load_{tag}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -62,11 +68,22 @@ fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
         "num_hidden_layers": 3, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": v,
         "layer_types": types, "linear_num_key_heads": nk, "linear_num_value_heads": nvh, "linear_key_head_dim": kd,
         "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern, "tie_word_embeddings": false,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "attention_bias": biased, "mlp_bias": biased});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let prefix = if qwen { "model.language_model" } else { "model" };
     let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv: nvh, kd, vd, kern };
-    let t = tensor_shapes(&dims, prefix, &types, qwen, true);
+    let mut t = tensor_shapes(&dims, prefix, &types, qwen, true);
+    if biased {
+        let mlp = arch == "LlamaForCausalLM";
+        for i in 0..types.len() {
+            let (a, m) = (format!("{prefix}.layers.{i}.self_attn"), format!("{prefix}.layers.{i}.mlp"));
+            t.extend([(format!("{a}.q_proj.bias"), vec![nh * hd]), (format!("{a}.k_proj.bias"), vec![nkv * hd]), (format!("{a}.v_proj.bias"), vec![nkv * hd])]);
+            if mlp {
+                t.extend([(format!("{a}.o_proj.bias"), vec![h]), (format!("{m}.gate_proj.bias"), vec![inter]), (format!("{m}.up_proj.bias"), vec![inter]), (format!("{m}.down_proj.bias"), vec![h])]);
+            }
+        }
+    }
     let bufs: Vec<Vec<u8>> = t
         .iter()
         .enumerate()
@@ -122,11 +139,15 @@ fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, 
     same(&dev.gate_up.w, &old_bits(&host.gate_up.w, st), &format!("layer {li} gate_up"));
     assert_eq!((dev.gate_up.n, dev.gate_up.k), (host.gate_up.n, host.gate_up.k));
     same(&dev.down.w, &old_bits(&host.down.w, st), &format!("layer {li} down"));
+    assert_eq!(dev.gate_up.bias, host.gate_up.b.as_deref().map(|b| old_bits(b, st)), "layer {li} gate_up bias");
+    assert_eq!(dev.down.bias, host.down.b.as_deref().map(|b| old_bits(b, st)), "layer {li} down bias");
     match (&host.mixer, &dev.mixer) {
         (Mixer::Attention(a), DevMixer::Attention(d)) => {
             same(&d.qkv.w, &old_bits(&a.qkv.w, st), &format!("layer {li} qkv"));
             assert_eq!((d.qkv.n, d.qkv.k, d.o.n, d.o.k), (a.qkv.n, a.qkv.k, a.o.n, a.o.k));
             same(&d.o.w, &old_bits(&a.o.w, st), &format!("layer {li} o"));
+            assert_eq!(d.qkv.bias, a.qkv.b.as_deref().map(|b| old_bits(b, st)), "layer {li} qkv bias");
+            assert_eq!(d.o.bias, a.o.b.as_deref().map(|b| old_bits(b, st)), "layer {li} o bias");
             assert_eq!(d.q_norm, a.q_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} q_norm");
             assert_eq!(d.k_norm, a.k_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} k_norm");
         }
@@ -185,6 +206,21 @@ fn f32_and_f16_llama_pack_like_the_host_layouts() {
         for st in [StorageDType::Bf16, StorageDType::F16] {
             check(&dir, st, true);
         }
+    }
+}
+
+#[test]
+fn projection_biases_pack_like_the_host_layouts() {
+    for (tag, arch) in [("qwen2_bias", "Qwen2ForCausalLM"), ("llama_bias", "LlamaForCausalLM")] {
+        let dir = checkpoint_with(tag, arch, Dtype::BF16, true);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let llama = arch == "LlamaForCausalLM";
+        assert_eq!((cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias), (true, llama, llama), "{arch}");
+        for st in [StorageDType::Bf16, StorageDType::F16] {
+            check(&dir, st, true);
+        }
+        let dev = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &WeightStore::open(&dir).unwrap(), &cfg).unwrap();
+        assert!(dev.layers.iter().all(|l| matches!(&l.mixer, DevMixer::Attention(a) if a.qkv.bias.is_some())), "{arch}: every qkv has its bias");
     }
 }
 

@@ -549,6 +549,41 @@ impl CudaDevice {
         }
     }
 
+    /// y[M, N] = x[M, K] * W[N, K]^T + bias[N] in the storage type, rounded once after the
+    /// bias is added (as torch's addmm rounds): the f32 sums of `linear_f32_out` into `y32`
+    /// (at least M x N), then `add_bias_to_storage`. For the projections of checkpoints with
+    /// biases; the fused epilogues (RoPE, SwiGLU, residual + norm) run only without one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_bias(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &impl DevicePtr<u16>,
+        bias: &impl DevicePtr<u16>,
+        y32: &mut impl DevicePtrMut<f32>,
+        y: &mut impl DevicePtrMut<u16>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        check_len("linear_bias bias", bias.len(), n)?;
+        check_len("linear_bias y32", y32.len(), m * n)?;
+        check_len("linear_bias y", y.len(), m * n)?;
+        if m == 0 {
+            return Ok(());
+        }
+        self.linear_f32_out(x, w, y32, m, n, k, false)?;
+        let s = self.stream();
+        let (sp, _a) = y32.device_ptr_mut(s);
+        let (bp, _b) = bias.device_ptr(s);
+        let (yp, _c) = y.device_ptr_mut(s);
+        const THREADS: usize = 256;
+        const MAX_BLOCKS: usize = 1 << 16;
+        let grid = ((m * n).div_ceil(THREADS).min(MAX_BLOCKS) as u32, 1, 1);
+        let f = self.function(KernelFamily::Gemv, "add_bias_to_storage")?;
+        let args = [KArg::Ptr(sp), KArg::Ptr(bp), KArg::Ptr(yp), KArg::I64(m as i64), KArg::I64(n as i64)];
+        self.launch(&f, cfg(grid, THREADS as u32), "add_bias_to_storage", &args)
+    }
+
     /// Rounds the first `len` values of `y` to the storage type in place, kept as f32
     /// (`round_st` of common.cuh, round-to-nearest-even: what the GEMV's `round_out` does).
     pub fn round_f32_to_storage(&self, y: &mut impl DevicePtrMut<f32>, len: usize) -> Result<()> {
