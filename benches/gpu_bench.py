@@ -19,7 +19,7 @@ randomly initialised from the config (no checkpoint load), in a subprocess so th
 freed before ninfer loads.
 
 Usage (GPU machine; see docs/performance.md):
-    python benches/gpu_bench.py --out OUT/gpu_bench.json --commit SHA [--decode-8b] [--decode-27b]
+    python benches/gpu_bench.py --out OUT/gpu_bench.json --commit SHA [--decode-8b] [--decode-27b] [--decode-qwen2-7b]
         [--throughput] [--startup] [--layers N] [--skip-peer]
 No part flag: all parts. --tiny runs every part on tiny shapes with ninfer on the CPU and torch
 on the CPU (a dry run of the script's logic on a machine without a GPU).
@@ -51,6 +51,9 @@ SHAPES = {
     # Qwen3.5-27B text config (shared/REFERENCES.md): 16 x [3 GDN + 1 gated attention].
     "qwen3_5-27b": dict(arch="qwen3_5", hidden=5120, layers=64, heads=24, kv_heads=4, head_dim=256, ffn=17408,
                         vocab=248320, lin_k_heads=16, lin_v_heads=48, lin_k_dim=128, lin_v_dim=128, conv=4),
+    # Qwen2-7B (published config): q/k/v projection biases, the path `linear_bias` runs.
+    "qwen2-7b": dict(arch="qwen2", hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, ffn=18944,
+                     vocab=152064),
 }
 
 #: --tiny: the same two architectures at sizes the CPU runs in seconds.
@@ -58,6 +61,7 @@ TINY_SHAPES = {
     "llama-3-8b": dict(arch="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512),
     "qwen3_5-27b": dict(arch="qwen3_5", hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=512,
                         lin_k_heads=2, lin_v_heads=4, lin_k_dim=32, lin_v_dim=32, conv=4),
+    "qwen2-7b": dict(arch="qwen2", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512),
 }
 
 
@@ -113,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--decode-8b", action="store_true", help="decode_bs1_tok_s, Llama-3-8B shape")
     p.add_argument("--decode-27b", action="store_true", help="decode_bs1_tok_s, Qwen3.5-27B shape")
+    p.add_argument("--decode-qwen2-7b", action="store_true",
+                   help="decode_bs1_tok_s, Qwen2-7B shape (q/k/v biases); not part of the default set")
     p.add_argument("--throughput", action="store_true", help="decode_throughput_tok_s, Llama-3-8B shape")
     p.add_argument("--startup", action="store_true", help="startup_s of `ninfer serve`, Qwen3.5-27B shape")
     p.add_argument("--profile", action="store_true",
@@ -173,7 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--sampling: the transformers peer cannot apply the same sampling; add --skip-peer")
     if a.ab_rounds < 1:
         p.error(f"--ab-rounds {a.ab_rounds}: at least one round")
-    if not (a.decode_8b or a.decode_27b or a.throughput or a.startup or a.profile):
+    if not (a.decode_8b or a.decode_27b or a.decode_qwen2_7b or a.throughput or a.startup or a.profile):
         a.decode_8b = a.decode_27b = a.throughput = a.startup = True
     return a
 
@@ -210,7 +216,7 @@ class Bench:
         s = dict(self.shapes[model])
         s["full_layers"] = s["layers"]
         if self.a.layers:
-            s["layers"] = self.a.layers if s["arch"] == "llama" else max(4, self.a.layers - self.a.layers % 4)
+            s["layers"] = self.a.layers if s["arch"] != "qwen3_5" else max(4, self.a.layers - self.a.layers % 4)
         return s
 
     def max_positions(self) -> int:
@@ -229,6 +235,9 @@ class Bench:
         if s["arch"] == "llama":
             cfg = tf.LlamaConfig(rms_norm_eps=1e-5, rope_theta=500000.0, **common)
             cfg.architectures = ["LlamaForCausalLM"]
+        elif s["arch"] == "qwen2":
+            cfg = tf.Qwen2Config(rms_norm_eps=1e-6, rope_theta=1000000.0, **common)
+            cfg.architectures = ["Qwen2ForCausalLM"]
         else:
             layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(s["layers"])]
             cfg = tf.Qwen3_5TextConfig(rms_norm_eps=1e-6, layer_types=layer_types, linear_num_key_heads=s["lin_k_heads"],
@@ -313,7 +322,7 @@ class Bench:
     def seq_bytes(self, s: dict, context: int) -> int:
         """Bytes one sequence at `context` tokens adds to a decode step: its KV cache read and its
         recurrent state read and written."""
-        if s["arch"] == "llama":
+        if s["arch"] != "qwen3_5":
             n_attn, n_lin = s["layers"], 0
         else:
             n_attn = s["layers"] // 4
@@ -628,7 +637,7 @@ def part_decode(b: Bench, model: str) -> list:
     path = b.checkpoint(model)
     rate = b.copy_rate()
     prompt = random_prompt(a.prompt, s["vocab"], 1)
-    peer_tokens = min(a.tokens, 128 if s["arch"] == "llama" else 64)
+    peer_tokens = min(a.tokens, 64 if s["arch"] == "qwen3_5" else 128)
     peer = None
     if not a.skip_peer:
         peer = run_peer(b, {"kind": "decode", "model": model, "prompt": a.prompt, "tokens": peer_tokens})["tok_s"]
@@ -970,7 +979,7 @@ def main(argv=None) -> int:
     b = Bench(a)
     log(f"device {b.device_name}; parts: " + ", ".join(
         n for n, on in (("decode-8b", a.decode_8b), ("profile", a.profile), (f"throughput {a.tp_model}", a.throughput), ("decode-27b", a.decode_27b),
-                        ("startup", a.startup)) if on))
+                        ("startup", a.startup), ("decode-qwen2-7b", a.decode_qwen2_7b)) if on))
     # Shape by shape: the two checkpoints do not fit the disk together.
     if a.decode_8b:
         guarded(b, "decode_bs1_tok_s", "llama-3-8b", lambda: part_decode(b, "llama-3-8b"))
@@ -979,6 +988,9 @@ def main(argv=None) -> int:
     if a.throughput and a.tp_model == "llama-3-8b":
         guarded(b, "decode_throughput_tok_s", "llama-3-8b", lambda: part_throughput(b))
     b.drop_checkpoint("llama-3-8b")
+    if a.decode_qwen2_7b:
+        guarded(b, "decode_bs1_tok_s", "qwen2-7b", lambda: part_decode(b, "qwen2-7b"))
+        b.drop_checkpoint("qwen2-7b")
     if a.startup:
         guarded(b, "startup_s", "qwen3_5-27b", lambda: part_startup(b))
     if a.decode_27b:

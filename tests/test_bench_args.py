@@ -254,3 +254,20 @@ def test_probes_reject_bad_arguments_naming_them(probe, argv, named, capsys):
 def test_probes_take_good_arguments():
     assert _load("graph_capture_cost").parse_args(["qwen3_5-27b", "16"]).layers == 16
     assert _load("first_use_cost").parse_args(["llama-3-8b", "4", "--lengths", "1,8191"]).lengths == [1, 8191]
+
+
+def test_the_qwen2_shape_has_projection_biases_and_attention_only_bytes(tmp_path):
+    """--decode-qwen2-7b times the bias path (`linear_bias`): its checkpoint config is Qwen2's,
+    whose q/k/v projections carry biases the weights read per token include, and a sequence adds
+    only its KV cache (no recurrent state) to a step's bytes."""
+    bench = _load("gpu_bench")
+    a = bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--decode-qwen2-7b"])
+    assert a.decode_qwen2_7b and not (a.decode_8b or a.decode_27b or a.throughput or a.startup)
+    b = bench.Bench(a)
+    s = b.shape("qwen2-7b")
+    assert b.hf_config(s).architectures == ["Qwen2ForCausalLM"]
+    shapes = b.param_shapes(s)
+    assert {n.rsplit(".", 2)[-2] for n in shapes if n.endswith(".bias")} == {"q_proj", "k_proj", "v_proj"}
+    assert b.seq_bytes(s, 100) == s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 100 * 2
+    weights, total = b.weight_bytes(s)
+    assert weights == total - s["vocab"] * s["hidden"] * 2 + s["hidden"] * 2
