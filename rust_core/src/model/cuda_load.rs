@@ -166,9 +166,9 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> R
         };
         let gate_up_parts = names::gate_up(cfg, &p);
         let gate_up = gate_up_parts.iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
-        let gate_up_bias = b.biases(&gate_up_parts.iter().map(|part| (part.name.as_str(), part.rows)).collect::<Vec<_>>(), cfg.mlp_bias)?;
+        let gate_up_bias = b.biases(gate_up_parts.iter().map(|part| (part.name.as_str(), part.rows)), cfg.mlp_bias)?;
         let down_name = format!("{p}.mlp.down_proj");
-        let down_bias = b.biases(&[(down_name.as_str(), h)], cfg.mlp_bias)?;
+        let down_bias = b.biases([(down_name.as_str(), h)], cfg.mlp_bias)?;
         layers.push(DevLayer {
             input_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), &mut bytes)?,
             post_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), &mut bytes)?,
@@ -213,11 +213,11 @@ impl<'a> Builder<'a> {
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
-    fn biases(&self, parts: &[(&str, usize)], on: bool) -> Result<Option<Packed<'a>>> {
+    fn biases<'n>(&self, parts: impl IntoIterator<Item = (&'n str, usize)>, on: bool) -> Result<Option<Packed<'a>>> {
         if !on {
             return Ok(None);
         }
-        let raws = parts.iter().map(|(name, rows)| self.store.raw(&format!("{name}.bias"), &[*rows])).collect::<Result<Vec<_>>>()?;
+        let raws = parts.into_iter().map(|(name, rows)| self.store.raw(&format!("{name}.bias"), &[rows])).collect::<Result<Vec<_>>>()?;
         Ok(Some(Packed::concat(raws)))
     }
 
@@ -231,9 +231,9 @@ impl<'a> Builder<'a> {
         let qkv_parts = names::attention_qkv(c, p);
         let parts = qkv_parts.iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
         // CudaModel::check_supported refuses q/k/v biases beside the gated query layout.
-        let qkv_bias = self.biases(&qkv_parts.iter().map(|part| (part.name.as_str(), part.rows)).collect::<Vec<_>>(), c.qkv_bias)?;
+        let qkv_bias = self.biases(qkv_parts.iter().map(|part| (part.name.as_str(), part.rows)), c.qkv_bias)?;
         let o_name = format!("{p}.o_proj");
-        let o_bias = self.biases(&[(o_name.as_str(), h)], c.o_bias)?;
+        let o_bias = self.biases([(o_name.as_str(), h)], c.o_bias)?;
         let mut qkv = Packed::concat(parts);
         if c.attn_output_gate {
             qkv = qkv.permute_first_part(2 * nh, |d| names::gated_query_source_block(d, nh));

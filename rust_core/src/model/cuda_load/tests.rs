@@ -225,6 +225,18 @@ fn projection_biases_pack_like_the_host_layouts() {
 }
 
 #[test]
+fn a_missing_bias_fails_naming_it_as_the_cpu_loader_does() {
+    // A Qwen2 config always declares q/k/v biases; this checkpoint has none.
+    let dir = checkpoint_with("qwen2_no_bias", "Qwen2ForCausalLM", Dtype::BF16, false);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let new = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &store, &cfg).err().expect("a missing bias must fail");
+    let old = ModelWeights::load(&store, &cfg).err().expect("a missing bias must fail");
+    assert!(matches!(new, NinferError::MissingTensor { .. }) && new.to_string().contains("q_proj.bias"), "{new}");
+    assert_eq!(new.to_string(), old.to_string());
+}
+
+#[test]
 fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     let dir = checkpoint("bad_shape", "LlamaForCausalLM", Dtype::BF16);
     let cfg = ModelConfig::from_dir(&dir).unwrap();

@@ -9,7 +9,7 @@ use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
 
 /// Grid of 256-thread blocks for a grid-stride loop over `total` elements.
-fn elementwise_grid(total: usize) -> (u32, u32, u32) {
+pub(super) fn elementwise_grid(total: usize) -> (u32, u32, u32) {
     (total.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
 }
 

@@ -576,12 +576,9 @@ impl CudaDevice {
         let (sp, _a) = y32.device_ptr_mut(s);
         let (bp, _b) = bias.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
-        const THREADS: usize = 256;
-        const MAX_BLOCKS: usize = 1 << 16;
-        let grid = ((m * n).div_ceil(THREADS).min(MAX_BLOCKS) as u32, 1, 1);
         let f = self.function(KernelFamily::Gemv, "add_bias_to_storage")?;
         let args = [KArg::Ptr(sp), KArg::Ptr(bp), KArg::Ptr(yp), KArg::I64(m as i64), KArg::I64(n as i64)];
-        self.launch(&f, cfg(grid, THREADS as u32), "add_bias_to_storage", &args)
+        self.launch(&f, cfg(super::elementwise::elementwise_grid(m * n), 256), "add_bias_to_storage", &args)
     }
 
     /// Rounds the first `len` values of `y` to the storage type in place, kept as f32
