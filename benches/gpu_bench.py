@@ -504,26 +504,6 @@ def copy_rate(torch, dev: str) -> float:
     return 2 * 2 * n / best
 
 
-def add_probe_shape_args(p: argparse.ArgumentParser) -> None:
-    """The arguments of the probe scripts (graph_capture_cost.py, first_use_cost.py): a shape
-    and how many of its layers to build; `check_probe_shape_args` checks them once parsed."""
-    p.add_argument("model", choices=sorted(SHAPES), help="the shape whose random checkpoint is measured")
-    p.add_argument("layers", type=int, help="layers of it to build (1 or more)")
-
-
-def check_probe_shape_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.layers < 1:
-        p.error(f"layers {a.layers}: at least 1")
-
-
-def probe_checkpoint(model: str, layers: int) -> tuple:
-    """(shape, path) of the random checkpoint a probe script runs: the shape at `layers` layers,
-    written into /tmp/ckpt as the benchmark parts write theirs (kept there for the next run)."""
-    b = Bench(parse_args(["--out", "/tmp/probe.json", "--workdir", "/tmp/ckpt", "--skip-peer", "--layers",
-                          str(layers), "--profile"]))
-    return b.shape(model), b.checkpoint(model)
-
-
 def random_prompt(n: int, vocab: int, seed: int) -> list:
     import random
 

@@ -199,21 +199,6 @@ def test_gpu_prefill_deletes_its_checkpoint_after_the_run_unless_kept(tmp_path, 
     assert ckpt.exists() == keep
 
 
-@pytest.mark.parametrize("value", ["16,x", "0,32", "", "-8"])
-def test_diag_cublaslt_algos_rejects_bad_row_counts_naming_them(value, capsys):
-    diag = _load("diag_cublaslt_algos")
-    with pytest.raises(SystemExit) as e:
-        diag.parse_args(["--ms", value])
-    assert e.value.code == 2
-    assert repr(value) in capsys.readouterr().err
-
-
-def test_diag_cublaslt_algos_parses_row_counts():
-    diag = _load("diag_cublaslt_algos")
-    assert diag.parse_args([]).ms == [16, 32, 64]
-    assert diag.parse_args(["--ms", "9,64"]).ms == [9, 64]
-
-
 def test_decode_bytes_per_step_count_each_sequence_at_its_own_context(tmp_path, monkeypatch):
     """The bandwidth ceilings of gpu_bench: a decode step moves the weights once plus, per
     sequence, its KV cache at its own context (attention layers) and its recurrent state read and
@@ -235,25 +220,6 @@ def test_decode_bytes_per_step_count_each_sequence_at_its_own_context(tmp_path, 
     assert b.seq_bytes(qwen, 0) == state
     assert b.seq_bytes(qwen, 1001) - b.seq_bytes(qwen, 1000) == 16 * 2 * 4 * 256 * 2
     assert b.step_bytes(qwen, [10, 20, 30]) == 1_000_000 + 3 * state + 60 * 65536
-
-
-@pytest.mark.parametrize("probe, argv, named", [
-    ("graph_capture_cost", ["llama-70b", "8"], "llama-70b"), ("graph_capture_cost", ["llama-3-8b", "x"], "'x'"),
-    ("graph_capture_cost", ["llama-3-8b", "0"], "layers 0"), ("graph_capture_cost", ["llama-3-8b"], "layers"),
-    ("first_use_cost", ["llama-3-8b", "0"], "layers 0"),
-    ("first_use_cost", ["llama-3-8b", "4", "--lengths", "100,x"], "'100,x'"),
-    ("first_use_cost", ["llama-3-8b", "4", "--lengths", "100,0"], "0 is outside"),
-    ("first_use_cost", ["llama-3-8b", "4", "--lengths", "8192"], "8192 is outside")])
-def test_probes_reject_bad_arguments_naming_them(probe, argv, named, capsys):
-    with pytest.raises(SystemExit) as e:
-        _load(probe).parse_args(argv)
-    assert e.value.code == 2
-    assert named in capsys.readouterr().err
-
-
-def test_probes_take_good_arguments():
-    assert _load("graph_capture_cost").parse_args(["qwen3_5-27b", "16"]).layers == 16
-    assert _load("first_use_cost").parse_args(["llama-3-8b", "4", "--lengths", "1,8191"]).lengths == [1, 8191]
 
 
 def test_the_qwen2_shape_has_projection_biases_and_attention_only_bytes(tmp_path):
