@@ -11,6 +11,7 @@ import ast
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo"))
 MODEL_DIR = DEMO_DIR / "model"
 HELDOUT = DEMO_DIR / "heldout_tokens.json"
-RECORD = DEMO_DIR / "training_record.json"
+TRAINING_DIR = REPO / "tools" / "demo"
+"""The training code and its record (not shipped in the package)."""
+RECORD = TRAINING_DIR / "training_record.json"
 
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason="demo model not trained yet")
 
@@ -110,7 +113,11 @@ def test_mtp_tensors_use_qwen35_names_and_shapes():
 def test_chat_template_matches_the_training_renderer():
     from transformers import AutoTokenizer
 
-    from ninfer.demo.bpe_tokenizer import render_chat
+    sys.path.insert(0, str(TRAINING_DIR))
+    try:
+        from bpe_tokenizer import render_chat
+    finally:
+        sys.path.remove(str(TRAINING_DIR))
 
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     messages = [
@@ -222,7 +229,7 @@ def test_ninfer_greedy_tokens_match_the_oracle_samples():
     if not hasattr(ninfer, "LLM"):
         pytest.skip("ninfer.LLM has not landed")
     samples = json.loads(RECORD.read_text())["greedy_samples"]
-    # The oracle (ninfer.demo.greedy_sample) is transformers in f32, whose logits are f32: compare
+    # The oracle (tools/demo/greedy_sample.py) is transformers in f32, whose logits are f32: compare
     # with ours unrounded (the default rounds them to the checkpoint's bf16, docs/rounding.md).
     llm = ninfer.LLM(str(MODEL_DIR), logits_dtype="float32")
     prompts = list(samples)

@@ -1,7 +1,8 @@
-"""The bundled demo model and the script that trained it (see MODEL_CARD.md).
+"""The bundled demo model (see MODEL_CARD.md; the code that trained it is the repository's
+tools/demo/, not part of the package).
 
 `MODEL_DIR` is what `ninfer serve` uses when no model is given; importing this package loads
-nothing heavy (the training modules import torch and transformers only when run).
+nothing heavy.
 """
 
 from pathlib import Path

@@ -2,7 +2,7 @@
 
 One command, seeded, on one GPU in about six minutes:
 
-    python -m ninfer.demo.train --out OUT_DIR [--steps N]
+    python tools/demo/train.py --out OUT_DIR [--steps N]
 
 It lists the CPython stdlib's .py files, holds out ~2% of them, trains an 8k byte-level BPE on
 the rest, builds chat examples (docstring -> function) from them, trains the model and its MTP
@@ -30,9 +30,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ninfer.demo import bpe_tokenizer, corpus
-from ninfer.demo.heldout_eval import as_saved_fp32, heldout_metrics
-from ninfer.demo.mtp_head import MtpHead
+import bpe_tokenizer
+import corpus
+from heldout_eval import as_saved_fp32, heldout_metrics
+from mtp_head import MtpHead
 
 MTP_LOSS_WEIGHT = 0.3
 """The MTP loss is added to the main loss with this weight (as in DeepSeek-V3's MTP training)."""
@@ -361,8 +362,8 @@ def main(argv=None) -> None:
     }
     (out / "heldout_tokens.json").write_text(json.dumps(shipped_record) + "\n")
     record = {
-        "command": "python -m ninfer.demo.train --out OUT" + (f" --steps {args.steps}" if args.steps else ""),
-        "reproduce_with": f"python -m ninfer.demo.train --out OUT --steps {final_step} --seed {args.seed}",
+        "command": "python tools/demo/train.py --out OUT" + (f" --steps {args.steps}" if args.steps else ""),
+        "reproduce_with": f"python tools/demo/train.py --out OUT --steps {final_step} --seed {args.seed}",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "steps": final_step,
         "weights_from_step": best[0] if best is not None else final_step,

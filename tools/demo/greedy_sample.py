@@ -1,6 +1,6 @@
 """Record the demo model's greedy completions, computed by the oracle (transformers, CPU, f32).
 
-    python -m ninfer.demo.greedy_sample [--prompt TEXT] [--max-new-tokens N]
+    python tools/demo/greedy_sample.py [--prompt TEXT] [--max-new-tokens N]
 
 The completions go into training_record.json under "greedy_samples" (text and token ids), so the
 model card can quote them and ninfer's own greedy decoding has a reference to compare with.
@@ -12,7 +12,9 @@ import argparse
 import json
 from pathlib import Path
 
-DEMO_DIR = Path(__file__).resolve().parent
+TOOLS_DIR = Path(__file__).resolve().parent
+MODEL_DIR = TOOLS_DIR.parents[1] / "python" / "ninfer" / "demo" / "model"
+"""The shipped model: the package's copy in this checkout."""
 DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef list_python_files(root):\n")
 
 
@@ -46,11 +48,11 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", action="append", help="prompt(s) to complete (default: the card's)")
     p.add_argument("--max-new-tokens", type=int, default=160)
     args = p.parse_args(argv)
-    record_path = DEMO_DIR / "training_record.json"
+    record_path = TOOLS_DIR / "training_record.json"
     record = json.loads(record_path.read_text())
     samples = record.setdefault("greedy_samples", {})
     for prompt in args.prompt or DEFAULT_PROMPTS:
-        sample = greedy_completion(DEMO_DIR / "model", prompt, args.max_new_tokens)
+        sample = greedy_completion(MODEL_DIR, prompt, args.max_new_tokens)
         sample["computed_by"] = f"transformers {transformers.__version__}, CPU, float32"
         samples[prompt] = sample
         print(prompt + sample["completion"], "\n---", sample["finish_reason"], flush=True)
