@@ -5,8 +5,7 @@ round after round (A B A B), every record kept with the setting it ran under (a 
 carry its commit), and a summary of each metric by setting with its ratio to the first setting.
 
 Why builds: a kernel change that has no switch is measured against the commit before it in the
-same call on the same machine (session 17 did this by hand to find what 3e6f84a's flash tiles
-and ed2233d's GDN form gave; records from two calls can differ by a few percent by machine).
+same call on the same machine (records from two calls can differ by a few percent by machine).
 
 Why a process per setting: most NINFER_* variables are read once when the device opens, and a
 process that measured A first warms caches (kernel cache, page cache, clocks) for B; alternating
@@ -14,10 +13,10 @@ rounds spreads the drift of a shared machine over both settings. Checkpoints are
 the first run and kept for the others; they are removed at the end unless --keep-checkpoints.
 
     python benches/gpu_bench.py --out ab.json --decode-8b --skip-peer \\
-        --ab NINFER_TC_DECODE_DIRECT=0,1 --ab-rounds 2
+        --ab NINFER_VAR=A,B --ab-rounds 2
     pip install --no-deps --target /tmp/site_old old/ninfer-*.whl   # and the new wheel likewise
     python benches/gpu_bench.py --out ab.json --decode-27b --skip-peer \\
-        --ab-builds 93ca6d2=/tmp/site_old,4a58b96=/tmp/site_new
+        --ab-builds OLD_COMMIT=/tmp/site_old,NEW_COMMIT=/tmp/site_new
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The issue-4 GPU records: batch-1 decode (Llama-3-8B and Qwen3.5-27B shapes), decode
+"""The GPU benchmark records: batch-1 decode (Llama-3-8B and Qwen3.5-27B shapes), decode
 throughput at several concurrencies (Llama-3-8B shape) and startup time (Qwen3.5-27B shape).
 
 Every part writes record objects (commit, date, device, command, model, metric, value,
