@@ -515,6 +515,35 @@ mod tests {
     }
 
     #[test]
+    fn update_from_output_appends_each_token_and_frees_the_ended_sequences() {
+        let mut s = scheduler(16, 4);
+        s.add(Sequence::new(0, vec![1; 3]));
+        s.add(Sequence::new(1, vec![2; 4]));
+        launch(&mut s);
+        assert_eq!(s.used_blocks(), 2);
+        let outcomes = [SeqOutcome { id: 0, token: 9, finished: false }, SeqOutcome { id: 1, token: 8, finished: true }];
+        assert!(s.update_from_output(&outcomes, None).is_empty(), "no state slots, no snapshots");
+        assert_eq!(s.get(0).unwrap().output(), &[9]);
+        assert!(s.get(1).is_none());
+        assert_eq!((s.num_running(), s.used_blocks()), (1, 1));
+    }
+
+    #[test]
+    fn a_loan_holds_its_blocks_and_slot_until_given_back() {
+        let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: false };
+        let mut s = Scheduler::new(cfg, BlockPool::new(4, 4), StateSlots::new(1, 0));
+        let loan = s.lend(3).expect("3 of 4 blocks free");
+        assert_eq!((loan.block_table.len(), loan.state_slot.is_some(), s.free_blocks()), (3, true, 1));
+        assert!(s.lend(2).is_none(), "too few blocks left");
+        let slotless = s.lend(1).expect("a block is free");
+        assert_eq!(slotless.state_slot, None, "the only running slot is lent");
+        s.give_back(slotless);
+        s.give_back(loan);
+        assert_eq!(s.free_blocks(), 4);
+        assert!(s.lend(0).expect("nothing asked").state_slot.is_some(), "the slot came back");
+    }
+
+    #[test]
     fn the_lookahead_is_the_decode_step_after_the_step_in_flight() {
         let mut s = scheduler(16, 4);
         s.add(Sequence::new(0, vec![1; 3]));
