@@ -76,14 +76,13 @@ def test_overlapped_steps_give_the_same_deltas_inline_and_in_the_background(hybr
     eng.shutdown()
 
 
-def test_async_scheduling_switch_turns_overlap_off_and_a_misspelt_value_stops_the_start(monkeypatch):
-    monkeypatch.setenv("NINFER_ASYNC_SCHEDULING", "0")
-    assert _core.Engine.toy(overlapping=True).info()["async_scheduling"] is False
-    monkeypatch.setenv("NINFER_ASYNC_SCHEDULING", "sometimes")
+def test_async_scheduling_option_turns_overlap_off_and_a_wrong_value_stops_the_start():
+    assert _core.Engine.toy(overlapping=True, async_scheduling=False).info()["async_scheduling"] is False
+    assert _core.Engine.toy(overlapping=False, async_scheduling=True).info()["async_scheduling"] is False, \
+        "effective only where the runner overlaps steps"
     for overlapping in (True, False):
-        with pytest.raises(Exception, match="NINFER_ASYNC_SCHEDULING") as e:
-            _core.Engine.toy(overlapping=overlapping)
-        assert "sometimes" in str(e.value)
+        with pytest.raises(TypeError, match="async_scheduling"):
+            _core.Engine.toy(overlapping=overlapping, async_scheduling="sometimes")
 
 
 def test_bad_requests_raise_typed_errors_at_submit():

@@ -837,12 +837,11 @@ def test_demo_model_device_sampling_equals_host_sampling(demo_dir, demo_windows,
 def _generate_async(model_dir, monkeypatch, on: bool, batches):
     """Generate each batch of `(prompts, params)` in turn on one cuda engine (`prompts` may be a
     function of the previous batch's outputs) with asynchronous scheduling on or off
-    (`NINFER_ASYNC_SCHEDULING`, read when the engine starts). Batch invariance is on: a lookahead
+    (the engine option `async_scheduling`). Batch invariance is on: a lookahead
     step keeps a request that just ended in its batch, so the two modes run some steps at
     different batch sizes. Returns the outputs and the engine's stats."""
-    monkeypatch.setenv("NINFER_ASYNC_SCHEDULING", "1" if on else "0")
     monkeypatch.setenv("NINFER_BATCH_INVARIANT", "1")
-    with LLM(model_dir, device="cuda", max_context=512) as llm:
+    with LLM(model_dir, device="cuda", max_context=512, async_scheduling=on) as llm:
         assert llm.engine.info()["async_scheduling"] is on
         outs = []
         for prompts, params in batches:

@@ -28,6 +28,10 @@ pub struct EngineConfig {
     /// Recurrent-state snapshot slots for prefix reuse on hybrid models; default
     /// `max_concurrency`.
     pub snapshot_slots: Option<usize>,
+    /// Asynchronous scheduling: keep a step in flight and queue the next decode step before
+    /// its tokens are known (engine/overlap.rs). Effective only where the runner
+    /// `overlaps_steps` (the CUDA backend); the outputs are the same either way.
+    pub async_scheduling: bool,
 }
 
 impl Default for EngineConfig {
@@ -40,6 +44,7 @@ impl Default for EngineConfig {
             prefill_chunk: 512,
             prefix_reuse: true,
             snapshot_slots: None,
+            async_scheduling: true,
         }
     }
 }

@@ -2,8 +2,8 @@
 //!
 //! Submits and aborts travel over a command channel; deltas come back through one output queue
 //! that `poll` drains (waiting on a condvar, so a caller can release the GIL and block). The
-//! thread steps while there is work and sleeps on the channel when idle: no busy spin. Request
-//! checks run on the caller's thread, so bad input is rejected at once.
+//! thread steps while there is work and sleeps on the channel when idle: no busy spin. Requests
+//! are validated on the caller's thread, once, so bad input is rejected at once.
 
 use std::collections::HashSet;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
@@ -64,8 +64,7 @@ impl EngineHandle {
 
     /// Queue a request; bad input and duplicate ids are rejected here, at once.
     pub fn submit(&self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
-        self.validator.check(&prompt, &params)?;
-        let grammar = self.validator.grammar(&params)?;
+        let grammar = self.validator.validate(&prompt, &params)?;
         {
             let mut live = self.shared.live.lock().expect("live ids");
             if !live.insert(request_id.to_string()) {
@@ -154,15 +153,10 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
             }
         };
         let mut shutdown = false;
-        let mut rejected = Vec::new();
         let mut cmd = first;
         while let Some(c) = cmd {
             match c {
-                Command::Submit { request_id, prompt, params, grammar } => {
-                    if let Err(e) = core.add_checked_request(&request_id, prompt, params, grammar) {
-                        rejected.push((request_id, e.to_string()));
-                    }
-                }
+                Command::Submit { request_id, prompt, params, grammar } => core.add_checked_request(&request_id, prompt, params, grammar),
                 Command::Abort(id) => {
                     core.abort(&id);
                 }
@@ -178,10 +172,6 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         }
         let result = if core.has_unfinished() { core.step() } else { Ok(Vec::new()) };
         let mut ob = shared.outbox.lock().expect("outbox");
-        for (id, error) in rejected {
-            shared.live.lock().expect("live ids").remove(&id);
-            ob.outputs.push(RequestOutput { finish_reason: Some(FinishReason::Error), error: Some(error), ..aborted(&id) });
-        }
         match result {
             Ok(outs) => {
                 let mut live = shared.live.lock().expect("live ids");
@@ -212,8 +202,7 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
     shared.ready.notify_all();
 }
 
-/// The final delta of a request the engine thread dropped: refused when it reached the core, or
-/// cut off by an engine failure (which `poll` then reports).
+/// The final delta of a request cut off by an engine failure (which `poll` then reports).
 fn aborted(id: &str) -> RequestOutput {
     RequestOutput {
         request_id: id.to_string(),

@@ -12,9 +12,9 @@ pub enum FinishReason {
     /// Aborted by the client, or dropped because the engine failed (every request then ends,
     /// and the engine reports the failure itself).
     Abort,
-    /// This request failed after it was accepted (its grammar could not go on midway, or the
-    /// engine thread refused it): `RequestOutput::error` says why. Distinct from `Abort` so that a caller reports a failure instead of handing out a
-    /// truncated answer as if it were complete.
+    /// This request failed after it was accepted (its grammar could not go on midway):
+    /// `RequestOutput::error` says why. Distinct from `Abort` so that a caller reports a
+    /// failure instead of handing out a truncated answer as if it were complete.
     Error,
 }
 

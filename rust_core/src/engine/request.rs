@@ -24,6 +24,20 @@ pub struct RequestState {
     grammar_error: Option<NinferError>,
 }
 
+/// Where the input token of a step stands when the step's sampling rows are built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowInput {
+    /// Accepted on the host: the step was scheduled after the step before it was updated.
+    Accepted,
+    /// In flight: the step (a lookahead) takes its input from the step launched before it,
+    /// not updated yet; a row with penalties counts it on the runner
+    /// (`RowSampling::count_input`).
+    InFlight,
+    /// Fed on the runner and accepted since: the sampling half of a split lookahead, built
+    /// after the step before was updated.
+    FedThenAccepted,
+}
+
 /// What happened when one token was accepted.
 pub struct TokenEvent {
     pub output: RequestOutput,
@@ -51,10 +65,10 @@ impl RequestState {
     /// tokens the grammar allows, when the request has one); takes the request's RNG draw. When
     /// the grammar cannot compute a mask the row is left unconstrained and the error is kept:
     /// the token sampled from it is never output, `accept` ends the request with the error.
-    /// `input_in_flight`: the row is of a step queued ahead, whose input token (this request's
-    /// newest output) is not accepted yet; a row with penalties then counts it on the runner
+    /// `input`: under `RowInput::InFlight` the step's input token (this request's newest
+    /// output) is not accepted yet, and a row with penalties counts it on the runner
     /// (`RowSampling::count_input`).
-    pub fn prepare_sampling(&mut self, vocab: usize, input_in_flight: bool) -> RowSampling {
+    pub fn prepare_sampling(&mut self, vocab: usize, input: RowInput) -> RowSampling {
         let mask = match self.grammar.as_mut().map(GrammarConstraint::compute_mask) {
             Some(Ok(mask)) => Some(mask),
             Some(Err(e)) => {
@@ -64,7 +78,7 @@ impl RequestState {
             None => None,
         };
         let mut row = self.sampler.prepare(&self.params, mask.as_ref(), vocab);
-        row.count_input = input_in_flight && self.params.penalizes_history();
+        row.count_input = input == RowInput::InFlight && self.params.penalizes_history();
         row
     }
 

@@ -73,8 +73,8 @@ impl PyEngine {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_concurrency: usize, prefill_chunk: usize, prefix_reuse: bool) -> EngineConfig {
-    EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, ..Default::default() }
+fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_concurrency: usize, prefill_chunk: usize, prefix_reuse: bool, async_scheduling: bool) -> EngineConfig {
+    EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling, ..Default::default() }
 }
 
 /// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N").
@@ -161,9 +161,10 @@ fn closed() -> PyErr {
 impl PyEngine {
     /// Load a model directory (weights, tokenizer.json if present, generation_config.json).
     /// `kv_dtype`: "auto" or the type the backend keeps its KV cache in by name
-    /// (model/kv_dtype.rs); another is refused before any weight is read.
+    /// (model/kv_dtype.rs); another is refused before any weight is read. `async_scheduling`:
+    /// keep a step in flight where the runner overlaps steps (`EngineConfig::async_scheduling`).
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto"))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -177,8 +178,9 @@ impl PyEngine {
         num_threads: Option<usize>,
         logits_dtype: &str,
         kv_dtype: &str,
+        async_scheduling: bool,
     ) -> PyResult<Self> {
-        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
+        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let (core, device) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, &cfg)).py()?;
@@ -187,9 +189,10 @@ impl PyEngine {
 
     /// An engine over the deterministic toy model (no weights, no tokenizer): for testing the
     /// Python layers, the server and the CLI without a model. `overlapping`: the toy overlaps
-    /// steps as the CUDA runner does (asynchronous scheduling, `ToyRunner::overlapping`).
+    /// steps as the CUDA runner does (`ToyRunner::overlapping`), so `async_scheduling` takes
+    /// effect.
     #[staticmethod]
-    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false))]
+    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false, async_scheduling=true))]
     #[allow(clippy::too_many_arguments)]
     fn toy(
         vocab_size: usize,
@@ -202,8 +205,9 @@ impl PyEngine {
         prefill_chunk: usize,
         prefix_reuse: bool,
         overlapping: bool,
+        async_scheduling: bool,
     ) -> PyResult<Self> {
-        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse);
+        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
         let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;

@@ -4,5 +4,5 @@
 pub mod scheduler;
 pub mod sequence;
 
-pub use scheduler::{ScheduledStep, Scheduler, SchedulerConfig};
+pub use scheduler::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqOutcome, SlotState};
 pub use sequence::{SeqId, SeqStatus, Sequence};

@@ -44,18 +44,52 @@ impl ScheduledStep {
     }
 }
 
-/// Queues, sequences and the caches' bookkeeping.
+/// One sequence's outcome of a completed step, as the engine's postprocessing decided it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqOutcome {
+    pub id: SeqId,
+    /// The token it sampled (appended to its tokens).
+    pub token: u32,
+    /// Its request ended with this token: the sequence is removed.
+    pub finished: bool,
+}
+
+/// Whether a finishing sequence's state slot holds the state of exactly its computed tokens,
+/// so that a final snapshot of it can be taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// It does: a snapshot is taken when the sequence ends on a block boundary.
+    Current,
+    /// A step queued after its last counted one has already advanced it (asynchronous
+    /// scheduling; the decode-boundary snapshot of `on_step_launched` already holds that state,
+    /// under the same key), or a runner failure interrupted a step: no snapshot.
+    Unsettled,
+}
+
+/// KV blocks and a state slot lent outside any sequence (the engine's warm-up step, `score`);
+/// nobody else holds them until `Scheduler::give_back`.
+#[derive(Debug)]
+#[must_use = "a loan must be given back"]
+pub struct Loan {
+    pub block_table: Vec<u32>,
+    /// The slot to run in: 0 for a model without recurrent state, None when every running slot
+    /// is taken.
+    pub state_slot: Option<usize>,
+}
+
+/// Queues, sequences and the caches' bookkeeping. The KV block pool and the state slots are
+/// its own: the engine reaches them only through the methods below.
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    pub pool: BlockPool,
-    pub slots: StateSlots,
+    pool: BlockPool,
+    slots: StateSlots,
     seqs: HashMap<SeqId, Sequence>,
     waiting: VecDeque<SeqId>,
     /// Running sequences, oldest admission first.
     running: Vec<SeqId>,
     /// Preemptions since start.
-    pub num_preemptions: u64,
+    num_preemptions: u64,
 }
 
 impl Scheduler {
@@ -79,6 +113,62 @@ impl Scheduler {
     pub fn append_token(&mut self, id: SeqId, token: u32) {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.tokens.push(token);
+        }
+    }
+
+    /// Prompt tokens `id` was served from the prefix cache at its first admission (0 before).
+    pub fn cached_tokens(&self, id: SeqId) -> usize {
+        self.seqs.get(&id).and_then(|s| s.cached_tokens).unwrap_or(0)
+    }
+
+    /// Blocks that can be handed out now.
+    pub fn free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    /// Blocks held by a sequence or a loan.
+    pub fn used_blocks(&self) -> usize {
+        self.pool.num_used()
+    }
+
+    /// Blocks in the KV pool.
+    pub fn total_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Prefix-cache hits, in tokens, since start.
+    pub fn prefix_hit_tokens(&self) -> u64 {
+        self.pool.hit_tokens
+    }
+
+    /// Preemptions since start.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    /// Recurrent-state snapshots currently held.
+    pub fn snapshots_held(&self) -> usize {
+        self.slots.num_snapshots_held()
+    }
+
+    /// Lend `blocks` free KV blocks and a running state slot to a step outside the queues; None
+    /// when fewer blocks are free.
+    pub fn lend(&mut self, blocks: usize) -> Option<Loan> {
+        if self.pool.num_free() < blocks {
+            return None;
+        }
+        let block_table = (0..blocks).map(|_| self.pool.allocate().expect("free blocks counted above")).collect();
+        let state_slot = if self.slots.enabled() { self.slots.acquire() } else { Some(0) };
+        Some(Loan { block_table, state_slot })
+    }
+
+    /// Take back what `lend` handed out. Nothing a loan's step wrote is reachable afterwards:
+    /// its blocks were never registered in the prefix cache, and a sequence starting at
+    /// position 0 clears the slot it gets.
+    pub fn give_back(&mut self, loan: Loan) {
+        self.pool.free_all(&loan.block_table);
+        if let (true, Some(s)) = (self.slots.enabled(), loan.state_slot) {
+            self.slots.release(s);
         }
     }
 
@@ -145,11 +235,11 @@ impl Scheduler {
         step
     }
 
-    /// After the runner ran `step`: advance computed counts, publish full blocks to the prefix
+    /// Once the runner has `step` (run, or queued in order): advance computed counts, publish full blocks to the prefix
     /// cache, and return the state copies (src, dst) that take snapshots now: at a prompt's last
     /// block boundary, and at each block boundary reached while decoding (a sequence keeps only
     /// its latest decode snapshot, which is what the next turn of a conversation resumes from).
-    pub fn on_step_done(&mut self, step: &ScheduledStep) -> Vec<(usize, usize)> {
+    pub fn on_step_launched(&mut self, step: &ScheduledStep) -> Vec<(usize, usize)> {
         let bs = self.pool.block_size();
         let mut copies = Vec::new();
         for (chunk, id) in step.batch.seqs.iter().zip(&step.seq_ids) {
@@ -182,13 +272,27 @@ impl Scheduler {
         copies
     }
 
+    /// The bookkeeping of a completed step, once its tokens were postprocessed: append each
+    /// sequence's token and remove those whose requests ended (`finish`). `queued_after`: the
+    /// lookahead step already queued behind it (asynchronous scheduling); a sequence ending here
+    /// that runs in it has a slot already past its tokens (`SlotState::Unsettled`). Returns the
+    /// state copies that take final snapshots, in order.
+    pub fn update_from_output(&mut self, outcomes: &[SeqOutcome], queued_after: Option<&ScheduledStep>) -> Vec<(usize, usize)> {
+        let mut copies = Vec::new();
+        for o in outcomes {
+            self.append_token(o.id, o.token);
+            if o.finished {
+                let slot = if queued_after.is_some_and(|n| n.seq_ids.contains(&o.id)) { SlotState::Unsettled } else { SlotState::Current };
+                copies.extend(self.finish(o.id, slot));
+            }
+        }
+        copies
+    }
+
     /// Remove a sequence (finished or aborted), freeing its blocks and slot. Returns a state
-    /// copy that snapshots its final state when it ends on a block boundary (hybrid models).
-    /// `state_current` is false when the slot may not hold the state of its computed tokens: a
-    /// step queued after its last counted one has already advanced it (asynchronous scheduling;
-    /// the decode-boundary snapshot of `on_step_done` already holds that state, under the same
-    /// key), or a runner failure interrupted a step. Then no snapshot is taken.
-    pub fn finish(&mut self, id: SeqId, state_current: bool) -> Option<(usize, usize)> {
+    /// copy that snapshots its final state when it ends on a block boundary (hybrid models) and
+    /// its slot is `SlotState::Current`.
+    pub fn finish(&mut self, id: SeqId, slot_state: SlotState) -> Option<(usize, usize)> {
         let seq = self.seqs.remove(&id)?;
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
@@ -196,7 +300,7 @@ impl Scheduler {
         let mut copy = None;
         if let Some(slot) = seq.state_slot {
             let n = seq.num_computed;
-            if state_current && self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
+            if slot_state == SlotState::Current && self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
                 copy = self.slots.reserve_snapshot(seq.block_hashes[n / bs - 1]).map(|dst| (slot, dst));
             }
             self.slots.release(slot);
@@ -213,7 +317,7 @@ impl Scheduler {
     /// decodes and holds every running sequence, nobody waiting could be admitted (the queue is
     /// empty or the concurrency is full), and the blocks it needs are free without preempting.
     /// None otherwise, with nothing changed (the engine then waits for `prev` first).
-    /// Call after `on_step_done(prev)`; call `on_step_done` on the result once `prev`'s tokens
+    /// Call after `on_step_launched(prev)`; call `on_step_launched` on the result once `prev`'s tokens
     /// are appended (a block that fills must be hashed over real tokens).
     pub fn schedule_lookahead(&mut self, prev: &ScheduledStep) -> Option<ScheduledStep> {
         let n = prev.seq_ids.len();
@@ -400,7 +504,7 @@ mod tests {
     /// (not appended yet).
     fn launch(s: &mut Scheduler) -> ScheduledStep {
         let step = s.schedule();
-        s.on_step_done(&step);
+        s.on_step_launched(&step);
         step
     }
 
@@ -408,6 +512,35 @@ mod tests {
         for &id in &step.seq_ids {
             s.append_token(id, 7);
         }
+    }
+
+    #[test]
+    fn update_from_output_appends_each_token_and_frees_the_ended_sequences() {
+        let mut s = scheduler(16, 4);
+        s.add(Sequence::new(0, vec![1; 3]));
+        s.add(Sequence::new(1, vec![2; 4]));
+        launch(&mut s);
+        assert_eq!(s.used_blocks(), 2);
+        let outcomes = [SeqOutcome { id: 0, token: 9, finished: false }, SeqOutcome { id: 1, token: 8, finished: true }];
+        assert!(s.update_from_output(&outcomes, None).is_empty(), "no state slots, no snapshots");
+        assert_eq!(s.get(0).unwrap().output(), &[9]);
+        assert!(s.get(1).is_none());
+        assert_eq!((s.num_running(), s.used_blocks()), (1, 1));
+    }
+
+    #[test]
+    fn a_loan_holds_its_blocks_and_slot_until_given_back() {
+        let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: false };
+        let mut s = Scheduler::new(cfg, BlockPool::new(4, 4), StateSlots::new(1, 0));
+        let loan = s.lend(3).expect("3 of 4 blocks free");
+        assert_eq!((loan.block_table.len(), loan.state_slot.is_some(), s.free_blocks()), (3, true, 1));
+        assert!(s.lend(2).is_none(), "too few blocks left");
+        let slotless = s.lend(1).expect("a block is free");
+        assert_eq!(slotless.state_slot, None, "the only running slot is lent");
+        s.give_back(slotless);
+        s.give_back(loan);
+        assert_eq!(s.free_blocks(), 4);
+        assert!(s.lend(0).expect("nothing asked").state_slot.is_some(), "the slot came back");
     }
 
     #[test]

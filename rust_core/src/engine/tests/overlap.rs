@@ -51,6 +51,17 @@ fn overlapped_batches_give_the_synchronous_outputs_and_take_lookahead_steps() {
 }
 
 #[test]
+fn async_scheduling_off_runs_an_overlapping_runner_step_by_step() {
+    let reqs = mixed_requests();
+    let (sync, _, _) = run_requests(&Setup::default(), &reqs);
+    let off = Setup { overlap: true, cfg: EngineConfig { async_scheduling: false, ..Setup::default().cfg }, ..Default::default() };
+    let (outputs, core, _) = run_requests(&off, &reqs);
+    assert!(!core.overlaps_steps());
+    assert_eq!(core.stats().lookahead_steps, 0);
+    assert_same(&sync, &outputs);
+}
+
+#[test]
 fn a_single_greedy_request_runs_every_decode_but_the_last_as_a_lookahead() {
     let (sync, overlapped, core) = both(&Setup::default(), &[(prompt(10, 1), greedy(30))]);
     assert_same(&sync, &overlapped);

@@ -1,0 +1,55 @@
+//! `RequestValidator`: the checks a request passes once, where it enters the engine
+//! (`EngineCore::add_request` inline, `EngineHandle::submit` on the submitting thread), so that
+//! bad input is reported to the caller at once.
+
+use crate::sampling::{GrammarConstraint, SamplingParams, SharedGrammarCompiler};
+use crate::{NinferError, Result};
+
+/// The checks a request must pass before it is queued; cheap and shareable, so a submitting
+/// thread can reject bad input at once while the core runs elsewhere.
+#[derive(Clone, Debug)]
+pub struct RequestValidator {
+    pub max_context: usize,
+    /// 0 when unknown.
+    pub vocab_size: usize,
+    /// Compiles `response_format` into a grammar constraint (built on first use).
+    pub grammar: SharedGrammarCompiler,
+}
+
+impl RequestValidator {
+    /// Reject an empty prompt, out-of-vocabulary ids, bad params and context overflow.
+    pub fn check(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(NinferError::EmptyPrompt);
+        }
+        if self.vocab_size > 0 {
+            if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+                return Err(NinferError::invalid("prompt_token_ids", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
+            }
+            // A bias on a token the model has no logit for would be ignored: say so instead (a
+            // mistyped id), as the OpenAI API does.
+            if let Some(&bad) = params.logit_bias.keys().filter(|&&t| t as usize >= self.vocab_size).min() {
+                return Err(NinferError::invalid("logit_bias", format!("token id {bad} is outside the vocabulary of {} tokens", self.vocab_size)));
+            }
+        }
+        params.validate()?;
+        // Saturating: a max_tokens near usize::MAX (JSON allows 2^64 - 1) must not wrap past the check.
+        if prompt.len().saturating_add(params.max_tokens) > self.max_context {
+            return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });
+        }
+        Ok(())
+    }
+
+    /// Every check of a request about to be queued (`check`, then its `response_format`
+    /// compiled): its grammar constraint, None without one.
+    pub fn validate(&self, prompt: &[u32], params: &SamplingParams) -> Result<Option<GrammarConstraint>> {
+        self.check(prompt, params)?;
+        self.grammar(params)
+    }
+
+    /// The grammar constraint of a request with a `response_format` (None without one). A schema
+    /// the compiler rejects is an `InvalidRequest` on `response_format`, reported at submit.
+    pub fn grammar(&self, params: &SamplingParams) -> Result<Option<GrammarConstraint>> {
+        self.grammar.constraint_for(params.response_format.as_ref())
+    }
+}
