@@ -9,7 +9,7 @@ use ::safetensors::tensor::{Dtype, TensorView};
 use super::*;
 use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
 use crate::backend::cuda::transfer::storage_bits_from_f32;
-use crate::model::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
 /// boundaries fall inside segments.

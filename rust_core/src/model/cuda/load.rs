@@ -9,7 +9,7 @@
 //! converted element by element) while the copy engine drains the ones filled before, so host
 //! reads and PCIe copies overlap and host memory stays at the ring's size.
 //!
-//! What lands on the device is what `cuda_weights` documents: norm weights as stored (the
+//! What lands on the device is what `weights` documents: norm weights as stored (the
 //! kernels add 1 for zero-centred models), `A_log` and `dt_bias` in f32, the GDN input
 //! projection as four buffers.
 
@@ -23,10 +23,10 @@ use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
+use crate::model::names;
 use crate::{NinferError, Result};
 
-use super::cuda_weights::{DevAttention, DevGdn, DevLayer, DevLinear, DevMixer, DevWeights};
-use super::weights::names;
+use super::weights::{DevAttention, DevGdn, DevLayer, DevLinear, DevMixer, DevWeights};
 
 /// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
 struct Segment {

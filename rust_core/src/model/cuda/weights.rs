@@ -1,5 +1,5 @@
 //! The weights of one model on a CUDA device, in the device's storage type (bf16, or f16 on
-//! sm_7x), loaded once by `cuda_load` straight from the checkpoint. The types are generic over
+//! sm_7x), loaded once by `load` straight from the checkpoint. The types are generic over
 //! the buffer types so that the packing can be checked into host vectors in tests; the
 //! defaults are the device buffers the step code uses.
 //!
