@@ -4,13 +4,14 @@
 
 use cudarc::driver::{CudaSlice, CudaView};
 
-use crate::backend::cuda::ops::{qkv_rope_fits, AttnScratch, PagedAttentionShape, RopeKvShape};
+use crate::backend::cuda::ops::{AttnScratch, PagedAttentionShape, RopeKvShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::Result;
 
 use super::buffers::{buf, buf_mut, Activations};
-use super::residual::{linear, NormNext, ProjIn};
+use super::residual::{NormNext, ProjIn};
+use super::route::{AttentionRoute, QkRoute, QueryLayout};
 use super::step_meta::StepMeta;
 use super::weights::DevAttention;
 
@@ -28,73 +29,68 @@ pub(super) struct AttnCtx<'a> {
     pub(super) decode: Option<&'a AttnScratch>,
     /// Most query rows of one sequence in the step (flash attention above one).
     pub(super) max_rows: usize,
-    /// `CudaModel::fused_rope`.
-    pub(super) fused_rope: bool,
 }
 
 impl AttnCtx<'_> {
-    /// Whether this layer's qkv projection over `rows` rows runs `gemv_qkv_rope_kv_write`
-    /// (projection, RoPE and KV cache write in one kernel) instead of `linear` and
-    /// `rope_kv_write_packed`: a decode step of one row whose projection is the CUDA-core GEMV
-    /// at M = 1 (`qkv_rope_fits`: the fused kernel's sums are that GEMV's), keys right after the
-    /// queries (no output gate), no q/k norm between projection and RoPE, full rotary, and the
-    /// switch on. Same bits either way.
-    fn fuses_rope(&self, a: &DevAttention, rows: usize) -> bool {
-        let (c, dev) = (self.cfg, self.dev);
-        let plain_qkv = !c.attn_output_gate && a.q_norm.is_none() && a.k_norm.is_none() && a.qkv.bias.is_none();
-        let kernel = dev.gemv_kernel(dev.gemv_form(), a.qkv.n, a.qkv.k, 1);
-        self.fused_rope && self.decode.is_some() && plain_qkv && qkv_rope_fits(kernel, rows, c.head_dim, self.inv_freq.len() * 2, a.qkv.k)
-    }
-
-    /// Softmax attention sub-block: reads `act.h`, ends with `Activations::project_out`.
+    /// Softmax attention sub-block, as the layer's `route` says: reads `act.h`, ends with
+    /// `Activations::project_out`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn run(&self, a: &DevAttention, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
+    pub(super) fn run(&self, a: &DevAttention, route: &AttentionRoute, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
         let (c, dev) = (self.cfg, self.dev);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let width = a.qkv.n;
-        let k_off = if c.attn_output_gate { 2 * qd } else { qd };
+        let k_off = match route.query {
+            QueryLayout::Plain => qd,
+            QueryLayout::Gated => 2 * qd,
+        };
         let v_off = k_off + kvd;
         let positions = self.meta.positions();
         let rope = |q_stride, k_stride| RopeKvShape { n_q_heads: nh, n_kv_heads: nkv, head_dim: hd, q_stride, k_stride, v_stride: width, attn_scale: self.rope_scale };
-        // Batch-1 decode projects, rotates and caches in one kernel where `fuses_rope` allows.
-        let fused_rope = self.fuses_rope(a, rows);
-        if fused_rope {
+        let decode = self.decode.is_some();
+        // Batch-1 decode projects, rotates and caches in one kernel where the route allows.
+        let rope_in_gemv = route.rope_in_gemv && decode && rows == 1;
+        if rope_in_gemv {
             dev.gemv_qkv_rope_kv_write(buf(&act.h), &a.qkv.w, buf_mut(&mut act.proj), kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width), a.qkv.k)?;
         } else {
-            linear(dev, &a.qkv, buf(&act.h), buf_mut(&mut act.proj), &mut act.lin32, rows)?;
+            a.qkv.forward(dev, buf(&act.h), buf_mut(&mut act.proj), buf_mut(&mut act.lin32), rows)?;
         }
         // Decode steps the projection did not fuse rotate q and k and write the cache in one
         // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write); other steps
         // run the two kernels.
-        let decode = self.decode.is_some();
         let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
-        if let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) {
-            let proj = buf(&act.proj);
-            head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
-            head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
-            let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
-            if decode {
-                let v = buf(&act.proj).slice(v_off..);
-                dev.rope_kv_write(qn, kn, &v, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(qd, kvd))?;
-            } else {
-                dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
+        match route.qk {
+            QkRoute::HeadNorm => {
+                let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) else {
+                    unreachable!("LayerRoute::choose routes HeadNorm only where both norms are loaded")
+                };
+                let proj = buf(&act.proj);
+                head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
+                head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
+                let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
+                if decode {
+                    let v = buf(&act.proj).slice(v_off..);
+                    dev.rope_kv_write(qn, kn, &v, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(qd, kvd))?;
+                } else {
+                    dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
+                }
+                (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
             }
-            (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
-        } else {
-            let proj = buf_mut(&mut act.proj);
-            if fused_rope {
-                // gemv_qkv_rope_kv_write rotated q and k and wrote the cache.
-            } else if decode {
-                dev.rope_kv_write_packed(proj, k_off, v_off, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width))?;
-            } else if k_off == qd {
-                // Keys follow the queries in each row: one launch rotates both as q heads.
-                dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh + nkv, 0, hd, width, 0, self.rope_scale)?;
-            } else {
-                dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh, 0, hd, width, 0, self.rope_scale)?;
-                dev.rope_neox(&mut proj.slice_mut(k_off..), dummy, &positions, self.inv_freq, nkv, 0, hd, width, 0, self.rope_scale)?;
+            QkRoute::InPlace => {
+                let proj = buf_mut(&mut act.proj);
+                if rope_in_gemv {
+                    // gemv_qkv_rope_kv_write rotated q and k and wrote the cache.
+                } else if decode {
+                    dev.rope_kv_write_packed(proj, k_off, v_off, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width))?;
+                } else if route.query == QueryLayout::Plain {
+                    // Keys follow the queries in each row: one launch rotates both as q heads.
+                    dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh + nkv, 0, hd, width, 0, self.rope_scale)?;
+                } else {
+                    dev.rope_neox(proj, dummy, &positions, self.inv_freq, nh, 0, hd, width, 0, self.rope_scale)?;
+                    dev.rope_neox(&mut proj.slice_mut(k_off..), dummy, &positions, self.inv_freq, nkv, 0, hd, width, 0, self.rope_scale)?;
+                }
+                (q_src, q_stride, k_rows, k_stride) = (buf(&act.proj).as_view(), width, buf(&act.proj).slice(k_off..), width);
             }
-            (q_src, q_stride, k_rows, k_stride) = (buf(&act.proj).as_view(), width, buf(&act.proj).slice(k_off..), width);
         }
         if !decode {
             let v_rows = buf(&act.proj).slice(v_off..);
@@ -116,16 +112,16 @@ impl AttnCtx<'_> {
         let (tables, token_seq) = (self.meta.block_tables(), self.meta.token_seq());
         match self.decode {
             Some(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
-            None if self.max_rows > 1 && q_stride % 8 == 0 => {
+            None if self.max_rows > 1 && route.flash_prefill => {
                 dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?
             }
             None => dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?,
         }
-        if c.attn_output_gate {
+        if route.query == QueryLayout::Gated {
             let gate = buf(&act.proj).slice(qd..);
             dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
         }
-        act.project_out(dev, &a.o, ProjIn::Mix, rows, then)
+        act.project_out(dev, &a.o, route.out, ProjIn::Mix, rows, then)
     }
 }
 

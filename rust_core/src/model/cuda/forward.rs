@@ -10,10 +10,11 @@ use crate::{NinferError, Result};
 
 use super::attention::AttnCtx;
 use super::buffers::{buf, buf_mut};
-use super::gdn::gdn_layer;
+use super::gdn::{gdn_layer, GdnState};
 use super::graphs::{decode_bucket, table_stride};
 use super::mlp::mlp;
 use super::residual::NormNext;
+use super::route::MixerRoute;
 use super::weights::DevMixer;
 use super::CudaModel;
 
@@ -131,30 +132,33 @@ impl CudaModel {
     /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
     /// norms only when some row wants logits.
     pub(super) fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_norm, fused_rope, .. } = self;
-        let fused = *fused_norm;
+        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
         let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
         if let Some(first) = weights.layers.first() {
             dev.rmsnorm(buf(&act.x), &first.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
         }
-        for (li, layer) in weights.layers.iter().enumerate() {
+        for (li, (layer, route)) in weights.layers.iter().zip(routes.iter()).enumerate() {
             let ci = cache_index[li];
-            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one, fused };
-            match &layer.mixer {
-                DevMixer::Attention(a) => {
-                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows, fused_rope: *fused_rope };
-                    attn.run(a, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows, &post)?;
+            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one };
+            match (&layer.mixer, &route.mixer) {
+                (DevMixer::Attention(a), MixerRoute::Attention(r)) => {
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows };
+                    attn.run(a, r, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows, &post)?;
                 }
-                DevMixer::Gdn(g) => gdn_layer(cfg, dev, meta, g, &mut caches.conv[ci], &mut caches.delta[ci], caches.num_slots + 1, act, rows, max_rows, &post)?,
+                (DevMixer::Gdn(g), MixerRoute::Gdn(r)) => {
+                    let state = GdnState { conv: &mut caches.conv[ci], delta: &mut caches.delta[ci], n_slots: caches.num_slots + 1 };
+                    gdn_layer(cfg, dev, meta, g, r, state, act, rows, max_rows, &post)?;
+                }
+                _ => unreachable!("LayerRoute::choose gives each layer its mixer's route"),
             }
             let next = match weights.layers.get(li + 1) {
                 Some(l) => Some(&l.input_norm),
                 None if decode => Some(&weights.final_norm),
                 None => None,
             };
-            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one, fused })?;
+            mlp(dev, layer, &route.mlp, act, rows, &NormNext { w: next, eps, plus_one })?;
         }
         Ok(())
     }

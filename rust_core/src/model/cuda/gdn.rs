@@ -2,33 +2,37 @@
 
 use cudarc::driver::CudaSlice;
 
-use crate::backend::cuda::ops::{ConvShape, RecurrentShape, GATED_MAX_DV};
+use crate::backend::cuda::ops::{ConvShape, RecurrentShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::Result;
 
 use super::buffers::{buf, buf_mut, Activations};
-use super::residual::{linear, NormNext, ProjIn};
+use super::residual::{NormNext, ProjIn};
+use super::route::{GdnKernels, GdnRoute};
 use super::step_meta::StepMeta;
 use super::weights::DevGdn;
 
-/// Tokens per chunk of the chunked GDN kernel; shorter steps stay on the recurrent kernel.
-const GDN_CHUNK: usize = 64;
+/// One GDN layer's recurrent state on the device: the conv and delta buffers of every slot.
+pub(super) struct GdnState<'a> {
+    pub(super) conv: &'a mut CudaSlice<u16>,
+    pub(super) delta: &'a mut CudaSlice<f32>,
+    /// Slots the buffers hold (the engine's and the decode padding slot).
+    pub(super) n_slots: usize,
+}
 
 /// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, projects it
-/// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), ends with `Activations::project_out`. Steps with a sequence chunk of at least GDN_CHUNK
-/// tokens run gdn_gates, the chunked kernel for all their sequences (it is exact for short ones
-/// too) and rmsnorm_gated; others (decode, short chunks, and every step on a device without the
-/// chunked kernel) run `gdn_recurrent_gated`, which
-/// computes the gates, the recurrent rule and the gated norm in one kernel, the three-kernel
-/// recurrent path's bits (value head dims above GATED_MAX_DV keep that path).
+/// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), runs the kernels
+/// `GdnRoute::kernels` gives the step's longest chunk `max_rows`, and ends with
+/// `Activations::project_out`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &DevGdn, conv: &mut CudaSlice<u16>, delta: &mut CudaSlice<f32>, n_slots: usize, act: &mut Activations, rows: usize, max_rows: usize, then: &NormNext) -> Result<()> {
+pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &DevGdn, route: &GdnRoute, state: GdnState<'_>, act: &mut Activations, rows: usize, max_rows: usize, then: &NormNext) -> Result<()> {
+    let GdnState { conv, delta, n_slots } = state;
     let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
     let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
     // One projection: row t of act.proj is q | k | v (conv channels), z, b, a (DevGdn::in_proj).
     let width = g.in_proj.n;
-    linear(dev, &g.in_proj, buf(&act.h), buf_mut(&mut act.proj), &mut act.lin32, rows)?;
+    g.in_proj.forward(dev, buf(&act.h), buf_mut(&mut act.proj), buf_mut(&mut act.lin32), rows)?;
     let proj = buf(&act.proj);
     let cu = meta.cu_seqlens();
     let slots = meta.slots();
@@ -48,19 +52,19 @@ pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g:
         n_slots,
     };
     let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
-    // The recurrent rule runs when no chunk reaches GDN_CHUNK tokens, or where the chunked
-    // kernel does not fit the device (`gdn_chunked` would fall back to it).
-    let recurrent = max_rows < GDN_CHUNK || !dev.has_gdn_chunked(la.key_head_dim);
-    if recurrent && la.value_head_dim <= GATED_MAX_DV {
-        dev.gdn_recurrent_gated(&q, &k, &v, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
-    } else {
-        dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
-        if max_rows >= GDN_CHUNK {
-            dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;
-        } else {
-            dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+    match route.kernels(max_rows) {
+        GdnKernels::RecurrentGated => {
+            dev.gdn_recurrent_gated(&q, &k, &v, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
         }
-        dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
+        kernels => {
+            dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
+            if kernels == GdnKernels::Chunked {
+                dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;
+            } else {
+                dev.gdn_recurrent(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), &shape)?;
+            }
+            dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
+        }
     }
-    act.project_out(dev, &g.out, ProjIn::Mix, rows, then)
+    act.project_out(dev, &g.out, route.out, ProjIn::Mix, rows, then)
 }

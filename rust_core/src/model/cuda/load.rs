@@ -26,7 +26,8 @@ use crate::config::{LayerType, ModelConfig};
 use crate::model::names;
 use crate::{NinferError, Result};
 
-use super::weights::{DevAttention, DevGdn, DevLayer, DevLinear, DevMixer, DevWeights};
+use super::linear::{Linear, LinearRoute, WeightFormat};
+use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevWeights};
 
 /// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
 struct Segment {
@@ -148,6 +149,10 @@ pub trait Sink {
     type F;
     fn storage(&mut self, t: &Packed<'_>) -> Result<Self::W>;
     fn f32(&mut self, values: &[f32]) -> Result<Self::F>;
+    /// The format the projections' weights are stored in.
+    fn format(&self) -> WeightFormat;
+    /// The decode GEMV route of a `[n, k]` projection weight.
+    fn route(&self, n: usize, k: usize) -> LinearRoute;
 }
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
@@ -200,16 +205,17 @@ impl<'a> Builder<'a> {
         sink.f32(&values)
     }
 
-    fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<DevLinear<S::W>> {
+    fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<Linear<S::W>> {
         self.linear_biased(sink, t, k, None, bytes)
     }
 
-    /// A projection with its bias (`[n]`, the parts in the order of the weight's), if any.
-    fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<DevLinear<S::W>> {
+    /// A projection with its bias (`[n]`, the parts in the order of the weight's), if any, in
+    /// the sink's format and with the route it gives the shape.
+    fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let n = t.numel() / k;
         let w = self.put(sink, t, bytes)?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
-        Ok(DevLinear { w, n, k, bias })
+        Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k) })
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
@@ -367,6 +373,14 @@ impl Sink for DeviceSink<'_> {
     fn f32(&mut self, values: &[f32]) -> Result<CudaSlice<f32>> {
         self.dev.stream().clone_htod(values).map_err(driver_err("uploading weights"))
     }
+
+    fn format(&self) -> WeightFormat {
+        self.dev.storage().into()
+    }
+
+    fn route(&self, n: usize, k: usize) -> LinearRoute {
+        LinearRoute::on_device(self.dev, n, k)
+    }
 }
 
 fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError) -> NinferError {
@@ -381,7 +395,10 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// A sink that allocates and reads nothing: `build` through it checks every name, shape and
 /// dtype and totals the device bytes, so that a model that cannot fit is refused with its whole
 /// size before the first upload (the one tensor whose allocation failed would name a fraction).
-struct PlanSink;
+/// Its projections get `format` and the CUDA-core route: a plan runs nothing.
+struct PlanSink {
+    format: WeightFormat,
+}
 
 impl Sink for PlanSink {
     type W = ();
@@ -394,18 +411,27 @@ impl Sink for PlanSink {
     fn f32(&mut self, _values: &[f32]) -> Result<()> {
         Ok(())
     }
+
+    fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    fn route(&self, _n: usize, k: usize) -> LinearRoute {
+        LinearRoute::cuda_cores(k)
+    }
 }
 
-/// Device bytes the weights of `cfg` in `store` take (every tensor checked as the load will).
-pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore) -> Result<usize> {
-    Ok(build(&mut PlanSink, store, cfg)?.bytes)
+/// Device bytes the weights of `cfg` in `store` take in `format` (every tensor checked as the
+/// load will).
+pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat) -> Result<usize> {
+    Ok(build(&mut PlanSink { format }, store, cfg)?.bytes)
 }
 
 impl DevWeights {
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let needed = planned_weight_bytes(cfg, store)?;
+        let needed = planned_weight_bytes(cfg, store, dev.storage().into())?;
         let (free, _) = dev.memory_info()?;
         if needed > free {
             return Err(NinferError::OutOfMemory {

@@ -9,17 +9,20 @@
 //! Decode steps (one token per sequence, each wanting its logits) are padded to a batch bucket
 //! and replayed as CUDA graphs (`graphs`); prefill and mixed steps run eagerly, with the
 //! prefill kernels (flash attention, chunked GDN). `weights` and `load` hold the weights on the
-//! device and stream them there; `buffers` the caches and activations a step runs in;
-//! `runner` the engine-facing `ModelRunner`.
+//! device and stream them there, each projection a `linear::Linear` carrying its format and
+//! kernel route; `route` the kernels each layer runs, decided at load; `buffers` the caches and
+//! activations a step runs in; `runner` the engine-facing `ModelRunner`.
 
 mod attention;
 mod buffers;
 mod forward;
 mod gdn;
 pub(crate) mod graphs;
+pub mod linear;
 pub mod load;
 mod mlp;
 mod residual;
+pub mod route;
 mod runner;
 mod sampler;
 mod step_meta;
@@ -41,6 +44,7 @@ use crate::{NinferError, Result};
 
 use buffers::{alloc, Activations, DevCaches};
 use graphs::DecodeGraphs;
+use route::{Fusions, LayerRoute};
 use sampler::DeviceSampler;
 use step_meta::StepMeta;
 use weights::DevWeights;
@@ -50,6 +54,8 @@ pub struct CudaModel {
     cfg: ModelConfig,
     dev: Arc<CudaDevice>,
     weights: DevWeights,
+    /// The kernels of each layer (`weights.layers[i]` runs `routes[i]`), decided at load.
+    routes: Vec<LayerRoute>,
     /// Layer index -> index into the KV lists (attention) or the state lists (GDN).
     cache_index: Vec<usize>,
     /// f32 `[rotary_dim / 2]`.
@@ -76,36 +82,12 @@ pub struct CudaModel {
     /// The step `launch_forward` queued and `launch_sampling` has not sampled yet: its logits
     /// rows per sequence, and whether it was fed (its input ids are then the sampled tokens).
     forwarded: Option<(Vec<usize>, bool)>,
-    /// Output projections run `gemv_add_rmsnorm` (the add + norm fused into the decode GEMV's
-    /// last block) when FUSED_NORM_SWITCH is on, else `linear` + `add_rmsnorm`: the same bits.
-    /// Off by default (FUSED_NORM_DEFAULT).
-    fused_norm: bool,
-    /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
-    /// (`gemv_qkv_rope_kv_write`, where `AttnCtx::fuses_rope` allows) unless FUSED_ROPE_SWITCH is
-    /// off: then the GEMV and `rope_kv_write`, the same bits, kept so that one build can time both.
-    fused_rope: bool,
     /// The lm_head rounds logits to the storage type (logits_dtype "auto",
     /// model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's cuBLAS GEMM
     /// (`linear_f32_out`), the one place every consumer (device and host sampling, logprobs,
     /// `Model.logits`) reads logits from.
     logits_round: bool,
 }
-
-/// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means
-/// FUSED_NORM_DEFAULT).
-pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
-
-/// Off: the fused kernel's last block normalises every row of the launch alone, after the whole
-/// grid, and that serial tail costs more than the kernel boundary it saves. On the H200
-/// (benches/results/gemv_add_rmsnorm_perf_f3efcca.log, tp_fused_norm_f3efcca.log): per launch at
-/// Llama-3-8B's o / down and M = 8, 28.6 / 43.2 us fused against 13.4 / 34.4 us for the GEMV +
-/// add_rmsnorm (Qwen3.5-27B's down 81.4 against 48.9); in the model, Llama-3-8B batched decode
-/// at concurrency 2 / 4 / 8 (the rows that take this route: one row runs the CUDA-core GEMV and
-/// two kernels either way, more than 8 cuBLAS) decodes 3% / 7% / 13% faster with it off.
-pub const FUSED_NORM_DEFAULT: bool = false;
-
-/// The environment switch of `CudaModel::fused_rope` (`config::env_switch`; unset means on).
-pub const FUSED_ROPE_SWITCH: &str = "NINFER_FUSED_ROPE";
 
 impl CudaModel {
     /// Load config and weights from a HF model directory onto device `ordinal`.
@@ -123,8 +105,7 @@ impl CudaModel {
         Self::check_supported(&cfg)?;
         // Switches first, so that a misspelt value fails before a long load.
         let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
-        let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, FUSED_NORM_DEFAULT)?;
-        let fused_rope = crate::config::env_switch(FUSED_ROPE_SWITCH, true)?;
+        let fusions = Fusions::from_env()?;
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
         // converted while loading, as transformers' `dtype=torch.bfloat16` does), so "auto"
@@ -144,6 +125,8 @@ impl CudaModel {
         let weights = weights?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
+        let gdn_chunked = cfg.linear_attention.is_some_and(|la| dev.has_gdn_chunked(la.key_head_dim));
+        let routes = weights.layers.iter().map(|l| LayerRoute::choose(&cfg, l, 2 * inv_freq.len(), gdn_chunked, fusions)).collect();
         let inv_freq = dev.stream().clone_htod(&inv_freq).map_err(driver_err("uploading rope frequencies"))?;
         let dummy = alloc::<u16>(&dev, 1, "rope scratch")?;
         eprintln!(
@@ -161,6 +144,7 @@ impl CudaModel {
             cfg,
             dev,
             weights,
+            routes,
             cache_index,
             inv_freq,
             rope_scale,
@@ -176,8 +160,6 @@ impl CudaModel {
             logits_rows: 0,
             sampler,
             forwarded: None,
-            fused_norm,
-            fused_rope,
             logits_round,
         })
     }

@@ -15,7 +15,8 @@ use crate::{NinferError, Result};
 
 use super::buffers::{alloc, buf, Activations, DevCaches};
 use super::graphs::decode_bucket;
-use super::weights::{DevLinear, DevMixer};
+use super::linear::Linear;
+use super::weights::DevMixer;
 use super::CudaModel;
 
 impl CudaModel {
@@ -43,7 +44,7 @@ impl CudaModel {
     /// and `act` the next; a shape they do not hold (none of the supported models') is left out.
     fn warm_gemm_kernels(&mut self) -> Result<()> {
         let CudaModel { cfg, dev, weights, act, .. } = self;
-        let mut shapes: Vec<&DevLinear> = Vec::new();
+        let mut shapes: Vec<&Linear> = Vec::new();
         for l in &weights.layers {
             match &l.mixer {
                 DevMixer::Attention(a) => shapes.extend([&a.qkv, &a.o]),
