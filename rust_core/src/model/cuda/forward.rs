@@ -18,7 +18,19 @@ use super::route::MixerRoute;
 use super::weights::DevMixer;
 use super::CudaModel;
 
+/// Which metadata and kernels a forward over the layers runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// A decode step (`dmeta`, padded rows): decode attention over the split-K scratch, and the
+    /// final norm applied after the last layer.
+    Decode,
+    /// A prefill or mixed step (`meta`) whose longest sequence chunk is `max_rows` tokens:
+    /// prefill kernels (flash attention, chunked GDN) above one.
+    Prefill { max_rows: usize },
+}
+
 impl CudaModel {
+    /// Run a step and copy the logits of its wanted rows to the host.
     pub(super) fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
         let counts = self.run(batch)?;
         let m: usize = counts.iter().sum();
@@ -52,7 +64,7 @@ impl CudaModel {
         // Longest chunk of the step: prefill kernels (flash attention, chunked GDN) take over
         // from the decode kernels when a sequence brings more than one token.
         let max_rows = batch.seqs.iter().map(|q| q.tokens.len()).max().unwrap_or(0);
-        self.run_layers(false, rows, max_rows)?;
+        self.run_layers(Pass::Prefill { max_rows }, rows)?;
         let CudaModel { cfg, dev, weights, act, meta, logits_round, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         let picked = meta.picked_runs(batch);
@@ -120,20 +132,23 @@ impl CudaModel {
     /// Queues a decode step's forward over `rows` (padded) rows of `dmeta`, logits of every row
     /// into `act.logits`. Nothing here allocates or synchronizes (it is what graphs capture).
     pub(super) fn decode_forward(&mut self, rows: usize) -> Result<()> {
-        self.run_layers(true, rows, 1)?;
+        self.run_layers(Pass::Decode, rows)?;
         let CudaModel { cfg, dev, weights, act, logits_round, .. } = self;
         dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size, *logits_round)
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
-    /// attention when `decode`, else `meta`). Each sub-block's output projection also adds into
+    /// attention for `Pass::Decode`, else `meta`). Each sub-block's output projection also adds into
     /// the residual and applies the norm that follows it (`Activations::project_out`: one
     /// kernel at decode). A decode step, whose every row wants logits, ends with the final norm
     /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
     /// norms only when some row wants logits.
-    pub(super) fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
+    pub(super) fn run_layers(&mut self, pass: Pass, rows: usize) -> Result<()> {
         let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
-        let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
+        let (meta, scratch, max_rows) = match pass {
+            Pass::Decode => (&*dmeta, scratch.as_ref(), 1),
+            Pass::Prefill { max_rows } => (&*meta, None, max_rows),
+        };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
         if let Some(first) = weights.layers.first() {
@@ -155,7 +170,7 @@ impl CudaModel {
             }
             let next = match weights.layers.get(li + 1) {
                 Some(l) => Some(&l.input_norm),
-                None if decode => Some(&weights.final_norm),
+                None if pass == Pass::Decode => Some(&weights.final_norm),
                 None => None,
             };
             mlp(dev, layer, &route.mlp, act, rows, &NormNext { w: next, eps, plus_one })?;
