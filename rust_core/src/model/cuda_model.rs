@@ -18,8 +18,9 @@ use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::{decode_scratch_len, qkv_rope_fits, AttnScratch, ConvShape, GATED_MAX_DV, PagedAttentionShape, RecurrentShape, RopeKvShape, GEMV_ROUTE_MAX_M};
 use crate::backend::cuda::blas::padded_row_buckets;
+use crate::backend::cuda::plan::ModelShape;
 use crate::backend::cuda::CudaDevice;
-use crate::config::ModelConfig;
+use crate::config::{CudaOptions, ModelConfig};
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
@@ -127,8 +128,7 @@ pub struct CudaModel {
     /// Off by default (FUSED_NORM_DEFAULT).
     fused_norm: bool,
     /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
-    /// (`gemv_qkv_rope_kv_write`, where `AttnCtx::fuses_rope` allows) unless FUSED_ROPE_SWITCH is
-    /// off: then the GEMV and `rope_kv_write`, the same bits, kept so that one build can time both.
+    /// (`gemv_qkv_rope_kv_write`, where `AttnCtx::fuses_rope` allows): the plan's `fused_rope`.
     fused_rope: bool,
     /// The lm_head rounds logits to the storage type (logits_dtype "auto",
     /// model/logits_dtype.rs): in the decode GEMV's epilogue and after prefill's cuBLAS GEMM
@@ -149,9 +149,6 @@ pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
 /// at concurrency 2 / 4 / 8 (the rows that take this route: one row runs the CUDA-core GEMV and
 /// two kernels either way, more than 8 cuBLAS) decodes 3% / 7% / 13% faster with it off.
 pub const FUSED_NORM_DEFAULT: bool = false;
-
-/// The environment switch of `CudaModel::fused_rope` (`config::env_switch`; unset means on).
-pub const FUSED_ROPE_SWITCH: &str = "NINFER_FUSED_ROPE";
 
 impl Activations {
     /// Device bytes of every buffer.
@@ -187,21 +184,20 @@ fn buf_mut<T>(b: &mut Option<CudaSlice<T>>) -> &mut CudaSlice<T> {
 impl CudaModel {
     /// Load config and weights from a HF model directory onto device `ordinal`.
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
-        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto)
+        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto, &CudaOptions::default())
     }
 
-    /// As `load`, with the logits rounded as `logits_dtype` says and `kv_dtype` checked against
-    /// the device's storage type (the KV cache's) as soon as the device is open.
-    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype) -> Result<Self> {
+    /// As `load`, with the logits rounded as `logits_dtype` says, `kv_dtype` checked against
+    /// the device's storage type (the KV cache's) as soon as the device is open, and the
+    /// device's route plan made for this model under `options`.
+    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype, options: &CudaOptions) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
-        let dev = Arc::new(CudaDevice::new(ordinal)?);
+        let dev = Arc::new(CudaDevice::for_model(ordinal, ModelShape { hidden_size: Some(cfg.hidden_size) }, options)?);
         kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
-        dev.use_model_cc_launch(cfg.hidden_size);
         Self::check_supported(&cfg)?;
-        // Switches first, so that a misspelt value fails before a long load.
-        let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
+        let (graphs, sampler) = (DecodeGraphs::new(dev.plan().cuda_graphs), DeviceSampler::new(dev.plan().device_sampling));
         let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, FUSED_NORM_DEFAULT)?;
-        let fused_rope = crate::config::env_switch(FUSED_ROPE_SWITCH, true)?;
+        let fused_rope = dev.plan().fused_rope;
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
         // converted while loading, as transformers' `dtype=torch.bfloat16` does), so "auto"
@@ -984,7 +980,7 @@ impl ModelRunner for CudaModel {
     /// `launch_sampling`, is never part of a captured graph.
     fn launch_forward(&mut self, batch: &StepBatch, feed: bool) -> Result<()> {
         if !self.sampler.enabled() {
-            return Err(NinferError::invalid("launch_forward", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
+            return Err(NinferError::invalid("launch_forward", "steps sample on the host (device_sampling off), which needs each step's logits first"));
         }
         self.forwarded = None;
         let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;

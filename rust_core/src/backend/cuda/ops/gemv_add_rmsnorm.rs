@@ -15,8 +15,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv::{gemv_kernel, tc_add_rmsnorm_name, GemvForm, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
-use super::gemv_tuning::GemvKernel;
+use super::gemv_route::{gemv_kernel, tc_add_rmsnorm_name, GemvForm, GemvKernel, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
 use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
@@ -40,7 +39,7 @@ pub enum AddNormRoute {
 /// under the built-in per-shape table (`add_norm_route_for` of the form's kernel for the
 /// weight), with all of the norm's buffers 16-byte aligned or not.
 pub fn add_norm_route(form: GemvForm, rows: usize, n: usize, k: usize, aligned: bool) -> AddNormRoute {
-    add_norm_route_for(gemv_kernel(form, None, n, k, rows), rows, n, k, aligned)
+    add_norm_route_for(gemv_kernel(form, crate::backend::cuda::plan::GEMV_TC_RULES, n, k, rows), rows, n, k, aligned)
 }
 
 /// The route when the plain GEMV of the [n, k] weight runs `kernel` (`gemv_kernel`): the one
