@@ -105,8 +105,6 @@ mod sampling;
 mod gdn_gated;
 #[path = "cuda_ops/gemv_tc.rs"]
 mod gemv_tc;
-#[path = "cuda_ops/gemv_add_rmsnorm.rs"]
-mod gemv_add_rmsnorm;
 #[path = "cuda_ops/rounding_points.rs"]
 mod rounding_points;
 #[path = "cuda_ops/logits_round.rs"]

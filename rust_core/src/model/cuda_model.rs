@@ -83,9 +83,6 @@ struct Activations {
     /// (`ensure_logit_rows`), not by the step's tokens, since a prefill step wants one row a
     /// sequence (a vocabulary of 248k at an 8192-token chunk would hold 7.6 GiB here).
     logits: Option<CudaSlice<f32>>,
-    /// Block counter of the fused output projection + add_rmsnorm (`gemv_add_rmsnorm`); zero
-    /// between launches, which run one at a time on the stream.
-    norm_arrivals: Option<CudaSlice<u32>>,
     /// f32 sums of a projection with a bias before the bias is added and the sum rounded
     /// (`CudaDevice::linear_bias`): rows x the widest biased projection, one element in models
     /// without biases.
@@ -123,10 +120,6 @@ pub struct CudaModel {
     /// The step `launch_forward` queued and `launch_sampling` has not sampled yet: its logits
     /// rows per sequence, and whether it was fed (its input ids are then the sampled tokens).
     forwarded: Option<(Vec<usize>, bool)>,
-    /// Output projections run `gemv_add_rmsnorm` (the add + norm fused into the decode GEMV's
-    /// last block) when FUSED_NORM_SWITCH is on, else `linear` + `add_rmsnorm`: the same bits.
-    /// Off by default (FUSED_NORM_DEFAULT).
-    fused_norm: bool,
     /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
     /// (`gemv_qkv_rope_kv_write`, where `AttnCtx::fuses_rope` allows): the plan's `fused_rope`.
     fused_rope: bool,
@@ -137,19 +130,6 @@ pub struct CudaModel {
     logits_round: bool,
 }
 
-/// The environment switch of `CudaModel::fused_norm` (`config::env_switch`; unset means
-/// FUSED_NORM_DEFAULT).
-pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
-
-/// Off: the fused kernel's last block normalises every row of the launch alone, after the whole
-/// grid, and that serial tail costs more than the kernel boundary it saves. On the H200
-/// (benches/results/gemv_add_rmsnorm_perf_f3efcca.log, tp_fused_norm_f3efcca.log): per launch at
-/// Llama-3-8B's o / down and M = 8, 28.6 / 43.2 us fused against 13.4 / 34.4 us for the GEMV +
-/// add_rmsnorm (Qwen3.5-27B's down 81.4 against 48.9); in the model, Llama-3-8B batched decode
-/// at concurrency 2 / 4 / 8 (the rows that take this route: one row runs the CUDA-core GEMV and
-/// two kernels either way, more than 8 cuBLAS) decodes 3% / 7% / 13% faster with it off.
-pub const FUSED_NORM_DEFAULT: bool = false;
-
 impl Activations {
     /// Device bytes of every buffer.
     fn bytes(&self) -> usize {
@@ -157,7 +137,7 @@ impl Activations {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
         let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
-        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.norm_arrivals) + b(&self.lin32)
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.lin32)
     }
 }
 
@@ -196,7 +176,6 @@ impl CudaModel {
         kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
         Self::check_supported(&cfg)?;
         let (graphs, sampler) = (DecodeGraphs::new(dev.plan().cuda_graphs), DeviceSampler::new(dev.plan().device_sampling));
-        let fused_norm = crate::config::env_switch(FUSED_NORM_SWITCH, FUSED_NORM_DEFAULT)?;
         let fused_rope = dev.plan().fused_rope;
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
@@ -249,7 +228,6 @@ impl CudaModel {
             logits_rows: 0,
             sampler,
             forwarded: None,
-            fused_norm,
             fused_rope,
             logits_round,
         })
@@ -326,8 +304,6 @@ impl CudaModel {
             core: Some(alloc(dev, rows * vd, "activations")?),
             gdn_work: Some(alloc(dev, gdn_work, "GDN chunk workspace")?),
             sel: Some(alloc(dev, rows * h, "activations")?),
-            // alloc zeroes: the counter must start at 0.
-            norm_arrivals: Some(alloc(dev, 1, "norm counter")?),
             lin32: Some(alloc(dev, rows * biased_width(c, attn_width), "activations")?),
             logits,
         };
@@ -501,8 +477,7 @@ impl CudaModel {
     /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
     /// norms only when some row wants logits.
     fn run_layers(&mut self, decode: bool, rows: usize, max_rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_norm, fused_rope, .. } = self;
-        let fused = *fused_norm;
+        let CudaModel { cfg, dev, weights, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, fused_rope, .. } = self;
         let (meta, scratch) = if decode { (&*dmeta, scratch.as_ref()) } else { (&*meta, None) };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
@@ -511,7 +486,7 @@ impl CudaModel {
         }
         for (li, layer) in weights.layers.iter().enumerate() {
             let ci = cache_index[li];
-            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one, fused };
+            let post = NormNext { w: Some(&layer.post_norm), eps, plus_one };
             match &layer.mixer {
                 DevMixer::Attention(a) => {
                     let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows, fused_rope: *fused_rope };
@@ -524,7 +499,7 @@ impl CudaModel {
                 None if decode => Some(&weights.final_norm),
                 None => None,
             };
-            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one, fused })?;
+            mlp(dev, layer, act, rows, &NormNext { w: next, eps, plus_one })?;
         }
         Ok(())
     }
@@ -705,8 +680,6 @@ struct NormNext<'a> {
     w: Option<&'a CudaSlice<u16>>,
     eps: f32,
     plus_one: bool,
-    /// `CudaModel::fused_norm`: `gemv_add_rmsnorm`, else `linear` + `add_rmsnorm`.
-    fused: bool,
 }
 
 /// The activation buffer a sub-block's output projection reads.
@@ -720,18 +693,16 @@ enum ProjIn {
 
 impl Activations {
     /// A sub-block's output projection of `input` for `rows` rows, then `then`: residual
-    /// `x` += projection and `h` = rmsnorm(x), in one kernel where `gemv_add_rmsnorm` can
-    /// (tensor-core decode GEMV), else `linear` into `tmp` and `add_rmsnorm`, bit for bit the
-    /// same; with no norm, the projection is left in `tmp`.
+    /// `x` += projection and `h` = rmsnorm(x) (`linear` into `tmp`, then `add_rmsnorm`); with no
+    /// norm, the projection is left in `tmp`.
     fn project_out(&mut self, dev: &CudaDevice, l: &DevLinear, input: ProjIn, rows: usize, then: &NormNext) -> Result<()> {
-        let Activations { x, h, tmp, mix, act, norm_arrivals, lin32, .. } = self;
+        let Activations { x, h, tmp, mix, act, lin32, .. } = self;
         let src = buf(match input {
             ProjIn::Mix => mix,
             ProjIn::Act => act,
         });
         match then.w {
             None => linear(dev, l, src, buf_mut(tmp), lin32, rows),
-            Some(w) if then.fused && l.bias.is_none() => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
             Some(w) => {
                 linear(dev, l, src, buf_mut(tmp), lin32, rows)?;
                 dev.add_rmsnorm(buf_mut(x), buf(tmp), w, buf_mut(h), rows, l.n, then.eps, then.plus_one)

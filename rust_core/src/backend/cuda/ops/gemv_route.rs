@@ -185,13 +185,6 @@ fn no_tc_instance(c: GemvTcConfig) -> NinferError {
     ))
 }
 
-/// The output projection with the residual add + RMSNorm epilogue (`gemv_add_rmsnorm`) in
-/// instance `c`: the instance the plain GEMV of the same weight runs, so that the fused kernel
-/// sums exactly as `gemv` does.
-pub(crate) fn tc_add_rmsnorm_name(c: GemvTcConfig) -> Result<&'static str> {
-    by_tc_config!("gemv_tc_add_rmsnorm", c).ok_or_else(|| no_tc_instance(c))
-}
-
 /// Output columns one warp computes in the kernel for `m` rows (the C of each GEMV_INSTANCE
 /// in gemv.cu, which this must match): sharing each x load between C weight rows keeps
 /// multi-row GEMV from being bound by re-reading x; one row keeps one column per warp for
@@ -391,7 +384,7 @@ mod tests {
     #[test]
     fn kernel_names_follow_the_instances_of_gemv_tc_cu() {
         let src = include_str!("../../../../../cuda/gemv_tc.cu");
-        for prefix in ["gemv_tc", "gemv_tc_f32out", "gemv_tc_gateup_swiglu", "gemv_tc_add_rmsnorm"] {
+        for prefix in ["gemv_tc", "gemv_tc_f32out", "gemv_tc_gateup_swiglu"] {
             assert!(src.contains(&format!("{prefix}_w##W##_u##U##H(")), "{prefix}");
         }
         assert!(GemvTcConfig::all().any(|c| c == GemvTcConfig::DEFAULT));
@@ -402,7 +395,6 @@ mod tests {
             for (out, prefix) in [(GemvOut::Store, "gemv_tc"), (GemvOut::F32(false), "gemv_tc_f32out"), (GemvOut::SwiGlu, "gemv_tc_gateup_swiglu")] {
                 assert_eq!(out.tc_name(c).unwrap(), format!("{prefix}_w{w}_u{u}{h}"));
             }
-            assert_eq!(tc_add_rmsnorm_name(c).unwrap(), format!("gemv_tc_add_rmsnorm_w{w}_u{u}{h}"));
         }
         // The source has no instance the table does not list.
         assert_eq!(src.matches("\nGEMV_TC_INSTANCE(").count(), GemvTcConfig::ALL.len());

@@ -11,7 +11,6 @@ mod flash_attention;
 mod gdn;
 mod gdn_chunked;
 mod gemv;
-mod gemv_add_rmsnorm;
 mod gemv_qkv_rope;
 mod gemv_route;
 mod norm;
@@ -29,7 +28,6 @@ pub use decode_attention::{
 pub use flash_attention::{flash_tile_for, FlashTile};
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use gdn_chunked::{PrepForm, ScanForm};
-pub use gemv_add_rmsnorm::{add_norm_route, add_norm_route_for, AddNormRoute};
 pub use gemv_qkv_rope::{qkv_rope_fits, qkv_rope_launch};
 pub use gemv_route::{gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, gemv_tc_config_in, GemvForm, GemvKernel, GemvLaunch, GemvTcConfig, GemvTcRule, GEMV_MAX_M, GEMV_ROUTE_MAX_M, GEMV_WARPS};
 #[cfg(test)]
