@@ -45,6 +45,9 @@ pub struct LoadOptions {
     /// The KV cache type asked for: Auto (the default) or the one the backend keeps, checked
     /// by each backend's loader before any weight is read.
     pub kv_dtype: KvDtype,
+    /// The CUDA backend's options (graphs, batch invariance, device sampling, device profile):
+    /// inputs of the device's route plan.
+    pub cuda: crate::config::CudaOptions,
 }
 
 /// The device a `device=` string names ("" is the CPU); a string that names none is an
@@ -84,7 +87,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
 
 #[cfg(feature = "cuda")]
 fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
-    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype)?))
+    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda)?))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -121,7 +121,7 @@ impl AttnCtx<'_> {
             let gate = buf(&act.proj).slice(qd..);
             dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
         }
-        act.project_out(dev, &a.o, route.out, ProjIn::Mix, rows, then)
+        act.project_out(dev, &a.o, ProjIn::Mix, rows, then)
     }
 }
 

@@ -62,9 +62,6 @@ pub(super) struct Activations {
     /// (`ensure_logit_rows`), not by the step's tokens, since a prefill step wants one row a
     /// sequence (a vocabulary of 248k at an 8192-token chunk would hold 7.6 GiB here).
     pub(super) logits: Option<CudaSlice<f32>>,
-    /// Block counter of the fused output projection + add_rmsnorm (`gemv_add_rmsnorm`); zero
-    /// between launches, which run one at a time on the stream.
-    pub(super) norm_arrivals: Option<CudaSlice<u32>>,
     /// f32 sums of a projection with a bias before the bias is added and the sum rounded
     /// (`CudaDevice::linear_bias`): rows x the widest biased projection, one element in models
     /// without biases.
@@ -78,7 +75,7 @@ impl Activations {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
         let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
-        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.norm_arrivals) + b(&self.lin32)
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.lin32)
     }
 }
 
@@ -144,8 +141,6 @@ impl CudaModel {
             core: Some(alloc(dev, rows * vd, "activations")?),
             gdn_work: Some(alloc(dev, gdn_work, "GDN chunk workspace")?),
             sel: Some(alloc(dev, rows * h, "activations")?),
-            // alloc zeroes: the counter must start at 0.
-            norm_arrivals: Some(alloc(dev, 1, "norm counter")?),
             lin32: Some(alloc(dev, rows * biased_width(c, attn_width), "activations")?),
             logits,
         };

@@ -66,5 +66,5 @@ pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g:
             dev.rmsnorm_gated(buf(&act.core), &z, width, &g.norm, buf_mut(&mut act.mix), rows, nv, la.value_head_dim, cfg.rms_norm_eps)?;
         }
     }
-    act.project_out(dev, &g.out, route.out, ProjIn::Mix, rows, then)
+    act.project_out(dev, &g.out, ProjIn::Mix, rows, then)
 }

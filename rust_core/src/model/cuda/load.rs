@@ -296,7 +296,6 @@ pub struct DeviceSink<'a> {
     dev: &'a CudaDevice,
     stages: Vec<(Stage, CudaEvent)>,
     next: usize,
-    read: bool,
     /// Seconds spent filling staging buffers, and waiting for a buffer's copy to finish: which
     /// side limits the load (printed with the load time).
     fill_s: f64,
@@ -304,8 +303,8 @@ pub struct DeviceSink<'a> {
 }
 
 impl<'a> DeviceSink<'a> {
-    /// `NINFER_LOAD_MMAP=1` copies through the memory mapping instead of positioned reads (for
-    /// comparing the two on a new machine).
+    /// Same-type tensors are copied with positioned reads (`convert` falls back to the memory
+    /// mapping where a read fails).
     pub fn new(dev: &'a CudaDevice) -> Result<Self> {
         let ctx = dev.context();
         let mut stages = Vec::with_capacity(STAGES);
@@ -323,8 +322,7 @@ impl<'a> DeviceSink<'a> {
             };
             stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
-        let read = !crate::config::env_switch("NINFER_LOAD_MMAP", false)?;
-        Ok(DeviceSink { dev, stages, next: 0, read, fill_s: 0.0, wait_s: 0.0 })
+        Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0 })
     }
 }
 
@@ -361,7 +359,7 @@ impl Sink for DeviceSink<'_> {
                 Stage::Pinned(p) => &mut p.as_mut_slice().map_err(driver_err("mapping a staging buffer"))?[..len],
                 Stage::Pageable(v) => &mut v[..len],
             };
-            t.fill(first, host, storage, self.read)?;
+            t.fill(first, host, storage, true)?;
             self.fill_s += clock.elapsed().as_secs_f64();
             stream.memcpy_htod(&*host, &mut dst.slice_mut(first..first + len)).map_err(driver_err("uploading weights"))?;
             ev.record(stream).map_err(driver_err("recording a staging event"))?;
@@ -446,9 +444,8 @@ impl DevWeights {
         dev.synchronize()?;
         let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
         eprintln!(
-            "ninfer: weights streamed through {} staging ({}): {:.1} s filling, {:.1} s waiting for copies, {} threads",
+            "ninfer: weights streamed through {} staging (positioned reads): {:.1} s filling, {:.1} s waiting for copies, {} threads",
             if pinned { "pinned" } else { "pageable" },
-            if sink.read { "positioned reads" } else { "the mapping" },
             sink.fill_s,
             sink.wait_s,
             rayon::current_num_threads()

@@ -25,5 +25,5 @@ pub(super) fn mlp(dev: &CudaDevice, layer: &DevLayer, route: &MlpRoute, act: &mu
         let gu = buf(&act.gate_up);
         dev.swiglu(&gu.slice(0..), &gu.slice(inter..), buf_mut(&mut act.act), rows, inter, 2 * inter, 2 * inter)?;
     }
-    act.project_out(dev, &layer.down, route.down, ProjIn::Act, rows, then)
+    act.project_out(dev, &layer.down, ProjIn::Act, rows, then)
 }

@@ -36,8 +36,9 @@ use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use crate::artifact::WeightStore;
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::ops::AttnScratch;
+use crate::backend::cuda::plan::ModelShape;
 use crate::backend::cuda::CudaDevice;
-use crate::config::ModelConfig;
+use crate::config::{CudaOptions, ModelConfig};
 use crate::model::kv_dtype::KvDtype;
 use crate::model::logits_dtype::LogitsDtype;
 use crate::{NinferError, Result};
@@ -92,20 +93,19 @@ pub struct CudaModel {
 impl CudaModel {
     /// Load config and weights from a HF model directory onto device `ordinal`.
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
-        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto)
+        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto, &CudaOptions::default())
     }
 
-    /// As `load`, with the logits rounded as `logits_dtype` says and `kv_dtype` checked against
-    /// the device's storage type (the KV cache's) as soon as the device is open.
-    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype) -> Result<Self> {
+    /// As `load`, with the logits rounded as `logits_dtype` says, `kv_dtype` checked against
+    /// the device's storage type (the KV cache's) as soon as the device is open, and the
+    /// device's route plan made for this model under `options`.
+    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype, options: &CudaOptions) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
-        let dev = Arc::new(CudaDevice::new(ordinal)?);
+        let dev = Arc::new(CudaDevice::for_model(ordinal, ModelShape { hidden_size: Some(cfg.hidden_size) }, options)?);
         kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
-        dev.use_model_cc_launch(cfg.hidden_size);
         Self::check_supported(&cfg)?;
-        // Switches first, so that a misspelt value fails before a long load.
-        let (graphs, sampler) = (DecodeGraphs::from_env()?, DeviceSampler::from_env()?);
-        let fusions = Fusions::from_env()?;
+        let (graphs, sampler) = (DecodeGraphs::new(dev.plan().cuda_graphs), DeviceSampler::new(dev.plan().device_sampling));
+        let fusions = Fusions { rope_in_gemv: dev.plan().fused_rope };
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
         // converted while loading, as transformers' `dtype=torch.bfloat16` does), so "auto"

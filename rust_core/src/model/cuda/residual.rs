@@ -8,7 +8,6 @@ use crate::Result;
 
 use super::buffers::{buf, buf_mut, Activations};
 use super::linear::Linear;
-use super::route::AddNorm;
 
 /// The residual add + RMSNorm that follows a sub-block's output projection.
 pub(super) struct NormNext<'a> {
@@ -30,24 +29,18 @@ pub(super) enum ProjIn {
 
 impl Activations {
     /// A sub-block's output projection `l` of `input` for `rows` rows, then `then`: residual
-    /// `x` += projection and `h` = rmsnorm(x), as the layer's route `add_norm` says (one
-    /// `gemv_add_rmsnorm`, or `linear` into `tmp` and `add_rmsnorm`, bit for bit the same);
-    /// with no norm, the projection is left in `tmp`.
-    pub(super) fn project_out(&mut self, dev: &CudaDevice, l: &Linear, add_norm: AddNorm, input: ProjIn, rows: usize, then: &NormNext) -> Result<()> {
-        let Activations { x, h, tmp, mix, act, norm_arrivals, lin32, .. } = self;
+    /// `x` += projection and `h` = rmsnorm(x) (`Linear::forward` into `tmp`, then
+    /// `add_rmsnorm`); with no norm, the projection is left in `tmp`.
+    pub(super) fn project_out(&mut self, dev: &CudaDevice, l: &Linear, input: ProjIn, rows: usize, then: &NormNext) -> Result<()> {
+        let Activations { x, h, tmp, mix, act, lin32, .. } = self;
         let src = buf(match input {
             ProjIn::Mix => mix,
             ProjIn::Act => act,
         });
-        let Some(w) = then.w else {
-            return l.forward(dev, src, buf_mut(tmp), buf_mut(lin32), rows);
-        };
-        match add_norm {
-            AddNorm::InGemv => dev.gemv_add_rmsnorm(src, &l.w, buf_mut(tmp), buf_mut(x), w, buf_mut(h), buf_mut(norm_arrivals), rows, l.n, l.k, then.eps, then.plus_one),
-            AddNorm::Separate => {
-                l.forward(dev, src, buf_mut(tmp), buf_mut(lin32), rows)?;
-                dev.add_rmsnorm(buf_mut(x), buf(tmp), w, buf_mut(h), rows, l.n, then.eps, then.plus_one)
-            }
+        l.forward(dev, src, buf_mut(tmp), buf_mut(lin32), rows)?;
+        match then.w {
+            None => Ok(()),
+            Some(w) => dev.add_rmsnorm(buf_mut(x), buf(tmp), w, buf_mut(h), rows, l.n, then.eps, then.plus_one),
         }
     }
 }

@@ -1,72 +1,22 @@
 //! The kernels each layer of a `CudaModel` runs, decided once at load (`LayerRoute::choose`)
 //! from the model's shapes, the layer's weights (biases, q/k norms, each projection's
-//! `LinearRoute`), the device (chunked GDN) and the fusion switches. A step matches on its
-//! layer's route and adds only what depends on the step itself: decode or prefill, its rows,
-//! its longest chunk.
+//! `LinearRoute`), the device (chunked GDN) and the fusions its plan enables. A step matches on
+//! its layer's route and adds only what depends on the step itself: decode or prefill, its
+//! rows, its longest chunk.
 
 use crate::backend::cuda::ops::{qkv_rope_fits, GATED_MAX_DV};
 use crate::config::ModelConfig;
-use crate::Result;
 
-use super::linear::Linear;
-use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer};
+use super::weights::{DevAttention, DevLayer, DevMixer};
 
-/// The environment switch of `Fusions::add_norm_in_gemv` (`config::env_switch`; unset means
-/// FUSED_NORM_DEFAULT).
-pub const FUSED_NORM_SWITCH: &str = "NINFER_FUSED_NORM";
-
-/// Off: the fused kernel's last block normalises every row of the launch alone, after the whole
-/// grid, and that serial tail costs more than the kernel boundary it saves (batched decode on
-/// the H200 ran 3-13% faster with it off).
-pub const FUSED_NORM_DEFAULT: bool = false;
-
-/// The environment switch of `Fusions::rope_in_gemv` (`config::env_switch`; unset means on).
-pub const FUSED_ROPE_SWITCH: &str = "NINFER_FUSED_ROPE";
-
-/// The model-wide fusion switches, read once at load; each layer's route applies them where
-/// its weights allow.
+/// The model-wide fusions the device's plan enables; each layer's route applies them where its
+/// weights allow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fusions {
-    /// Output projections run `gemv_add_rmsnorm` (the residual add + norm fused into the decode
-    /// GEMV's last block) instead of `linear` + `add_rmsnorm`: the same bits.
-    pub add_norm_in_gemv: bool,
-    /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
-    /// (`gemv_qkv_rope_kv_write`) instead of the GEMV and `rope_kv_write`: the same bits, both
-    /// kept so that one build can time both.
+    /// Batch-1 decode may run the qkv projection with RoPE and the KV cache write in its
+    /// epilogue (`gemv_qkv_rope_kv_write`) instead of the GEMV and `rope_kv_write`: the same
+    /// bits (the plan's `fused_rope`).
     pub rope_in_gemv: bool,
-}
-
-impl Fusions {
-    /// The switches `NINFER_FUSED_NORM` and `NINFER_FUSED_ROPE`; a misspelt value is an error.
-    pub fn from_env() -> Result<Self> {
-        Ok(Fusions {
-            add_norm_in_gemv: crate::config::env_switch(FUSED_NORM_SWITCH, FUSED_NORM_DEFAULT)?,
-            rope_in_gemv: crate::config::env_switch(FUSED_ROPE_SWITCH, true)?,
-        })
-    }
-}
-
-/// How a sub-block's output projection adds into the residual stream and applies the RMSNorm
-/// that follows it (where one follows: the last layer of a prefill step leaves the projection
-/// alone).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AddNorm {
-    /// `gemv_add_rmsnorm`: one kernel where it applies (tensor-core decode GEMV), else the two.
-    InGemv,
-    /// `linear` into `tmp`, then `add_rmsnorm`: bit for bit the same.
-    Separate,
-}
-
-impl AddNorm {
-    /// The fused form where the switch is on and the projection has no bias (the fused
-    /// kernel has no bias epilogue).
-    fn choose<W>(l: &Linear<W>, fusions: Fusions) -> Self {
-        if fusions.add_norm_in_gemv && l.bias.is_none() {
-            AddNorm::InGemv
-        } else {
-            AddNorm::Separate
-        }
-    }
 }
 
 /// Where q, k and v sit in a row of the packed qkv projection.
@@ -102,8 +52,6 @@ pub struct AttentionRoute {
     /// Steps where a sequence brings several tokens run flash attention (the queries' row
     /// stride a multiple of 8), else paged attention.
     pub flash_prefill: bool,
-    /// The output projection `o`.
-    pub out: AddNorm,
 }
 
 /// Which kernels a Gated DeltaNet step runs (`GdnRoute::kernels`).
@@ -128,8 +76,6 @@ pub struct GdnRoute {
     pub chunked: bool,
     /// The value head dim fits the one-kernel recurrent form (at most GATED_MAX_DV).
     pub gated_recurrent: bool,
-    /// The output projection.
-    pub out: AddNorm,
 }
 
 impl GdnRoute {
@@ -163,8 +109,6 @@ pub struct MlpRoute {
     /// Decode-sized steps (up to GEMV_ROUTE_MAX_M rows) compute SwiGLU in the gate_up GEMV's
     /// epilogue (`gemv_gateup_swiglu`): the weight runs the GEMV and has no bias.
     pub swiglu_in_gemv: bool,
-    /// The down projection.
-    pub down: AddNorm,
 }
 
 /// The kernels of one decoder layer, decided at load.
@@ -181,10 +125,10 @@ impl LayerRoute {
     pub fn choose<W, F>(cfg: &ModelConfig, layer: &DevLayer<W, F>, rotary_dim: usize, gdn_chunked: bool, fusions: Fusions) -> Self {
         let mixer = match &layer.mixer {
             DevMixer::Attention(a) => MixerRoute::Attention(attention(cfg, a, rotary_dim, fusions)),
-            DevMixer::Gdn(g) => MixerRoute::Gdn(gdn(cfg, g, gdn_chunked, fusions)),
+            DevMixer::Gdn(_) => MixerRoute::Gdn(gdn(cfg, gdn_chunked)),
         };
         let up = &layer.gate_up;
-        let mlp = MlpRoute { swiglu_in_gemv: up.route.gemv && up.bias.is_none(), down: AddNorm::choose(&layer.down, fusions) };
+        let mlp = MlpRoute { swiglu_in_gemv: up.route.gemv && up.bias.is_none() };
         LayerRoute { mixer, mlp }
     }
 }
@@ -198,12 +142,12 @@ fn attention<W>(cfg: &ModelConfig, a: &DevAttention<W>, rotary_dim: usize, fusio
         QkRoute::HeadNorm => cfg.num_attention_heads * cfg.head_dim,
         QkRoute::InPlace => a.qkv.n,
     };
-    AttentionRoute { query, qk, rope_in_gemv, flash_prefill: q_stride.is_multiple_of(8), out: AddNorm::choose(&a.o, fusions) }
+    AttentionRoute { query, qk, rope_in_gemv, flash_prefill: q_stride.is_multiple_of(8) }
 }
 
-fn gdn<W, F>(cfg: &ModelConfig, g: &DevGdn<W, F>, gdn_chunked: bool, fusions: Fusions) -> GdnRoute {
+fn gdn(cfg: &ModelConfig, gdn_chunked: bool) -> GdnRoute {
     let dv = cfg.linear_attention.map_or(0, |la| la.value_head_dim);
-    GdnRoute { chunked: gdn_chunked, gated_recurrent: dv <= GATED_MAX_DV, out: AddNorm::choose(&g.out, fusions) }
+    GdnRoute { chunked: gdn_chunked, gated_recurrent: dv <= GATED_MAX_DV }
 }
 
 #[cfg(test)]

@@ -170,7 +170,7 @@ impl ModelRunner for CudaModel {
     /// `launch_sampling`, is never part of a captured graph.
     fn launch_forward(&mut self, batch: &StepBatch, feed: bool) -> Result<()> {
         if !self.sampler.enabled() {
-            return Err(NinferError::invalid("launch_forward", "steps sample on the host (NINFER_DEVICE_SAMPLING=0), which needs each step's logits first"));
+            return Err(NinferError::invalid("launch_forward", "steps sample on the host (device_sampling off), which needs each step's logits first"));
         }
         self.forwarded = None;
         let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;

@@ -1,12 +1,13 @@
 //! Each layer's route against the conditions the step code tested before routes existed: which
-//! projections fuse RoPE, SwiGLU and the residual norm, how q and k reach attention, and which
-//! GDN kernels a step runs.
+//! projections fuse RoPE and SwiGLU, how q and k reach attention, and which GDN kernels a step
+//! runs.
 
 use super::*;
 use crate::backend::cuda::ops::{gemv_tc_config, GemvKernel, GemvTcConfig};
-use crate::model::cuda::linear::{LinearRoute, WeightFormat};
+use crate::model::cuda::linear::{Linear, LinearRoute, WeightFormat};
+use crate::model::cuda::weights::DevGdn;
 
-const DEFAULTS: Fusions = Fusions { add_norm_in_gemv: false, rope_in_gemv: true };
+const DEFAULTS: Fusions = Fusions { rope_in_gemv: true };
 
 fn config(arch: &str, extra: serde_json::Value) -> ModelConfig {
     let mut v = serde_json::json!({"architectures": [arch], "hidden_size": 4096, "intermediate_size": 14336,
@@ -50,13 +51,13 @@ const TC: GemvKernel = GemvKernel::TensorCores(GemvTcConfig { warps: 4, unroll: 
 fn batch_1_decode_fuses_rope_into_a_plain_qkv_gemv_on_cuda_cores_only() {
     let llama = config("LlamaForCausalLM", serde_json::json!({}));
     let (a, mlp) = attention_route(&llama, GemvKernel::CudaCores, DEFAULTS);
-    assert_eq!(a, AttentionRoute { query: QueryLayout::Plain, qk: QkRoute::InPlace, rope_in_gemv: true, flash_prefill: true, out: AddNorm::Separate });
-    assert_eq!(mlp, MlpRoute { swiglu_in_gemv: true, down: AddNorm::Separate });
+    assert_eq!(a, AttentionRoute { query: QueryLayout::Plain, qk: QkRoute::InPlace, rope_in_gemv: true, flash_prefill: true });
+    assert_eq!(mlp, MlpRoute { swiglu_in_gemv: true });
     // The shape's own tensor-core instance, as a device would route it: no fused RoPE.
     let tc = GemvKernel::TensorCores(gemv_tc_config(6144, 4096));
     assert!(!attention_route(&llama, tc, DEFAULTS).0.rope_in_gemv);
     assert!(!attention_route(&llama, TC, DEFAULTS).0.rope_in_gemv);
-    assert!(!attention_route(&llama, GemvKernel::CudaCores, Fusions { rope_in_gemv: false, ..DEFAULTS }).0.rope_in_gemv, "the switch off");
+    assert!(!attention_route(&llama, GemvKernel::CudaCores, Fusions { rope_in_gemv: false }).0.rope_in_gemv, "the switch off");
 }
 
 #[test]
@@ -104,19 +105,18 @@ fn flash_prefill_needs_the_row_stride_of_the_queries_attention_reads_a_multiple_
 }
 
 #[test]
-fn biased_projections_keep_swiglu_and_the_residual_norm_out_of_the_gemv() {
-    let on = Fusions { add_norm_in_gemv: true, ..DEFAULTS };
+fn biased_projections_keep_swiglu_and_rope_out_of_the_gemv() {
     let llama = config("LlamaForCausalLM", serde_json::json!({}));
-    let (a, mlp) = attention_route(&llama, TC, on);
-    assert_eq!((a.out, mlp.down, mlp.swiglu_in_gemv), (AddNorm::InGemv, AddNorm::InGemv, true));
+    let (a, mlp) = attention_route(&llama, GemvKernel::CudaCores, DEFAULTS);
+    assert!(a.rope_in_gemv && mlp.swiglu_in_gemv);
 
     let mlp_bias = config("LlamaForCausalLM", serde_json::json!({"mlp_bias": true}));
-    let (a, mlp) = attention_route(&mlp_bias, TC, on);
-    assert_eq!((a.out, mlp.down, mlp.swiglu_in_gemv), (AddNorm::InGemv, AddNorm::Separate, false));
+    let (a, mlp) = attention_route(&mlp_bias, GemvKernel::CudaCores, DEFAULTS);
+    assert!(a.rope_in_gemv && !mlp.swiglu_in_gemv);
 
     let attention_bias = config("LlamaForCausalLM", serde_json::json!({"attention_bias": true}));
-    let (a, mlp) = attention_route(&attention_bias, TC, on);
-    assert_eq!((a.out, a.rope_in_gemv, mlp.down), (AddNorm::Separate, false, AddNorm::InGemv));
+    let (a, mlp) = attention_route(&attention_bias, GemvKernel::CudaCores, DEFAULTS);
+    assert!(!a.rope_in_gemv && mlp.swiglu_in_gemv);
 }
 
 #[test]
