@@ -8,8 +8,8 @@
 //! scratch, logits) and no argument depends on the step's contexts (attention derives each
 //! token's context from its uploaded position; `paged_attention_decode`). When one of those
 //! buffers grows or the caches are reallocated the graphs are dropped and recaptured lazily.
-//! With `cuda_graphs` off (`CudaOptions`) decode steps run eagerly with the same kernels (same results, bit
-//! for bit).
+//! With `cuda_graphs` off (`CudaOptions`) decode steps run eagerly with the same kernels (same
+//! results, bit for bit).
 
 use std::collections::HashMap;
 

@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use ::safetensors::tensor::{Dtype, TensorView};
 
 use super::*;
-use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
+use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
 /// boundaries fall inside segments.
