@@ -47,7 +47,7 @@ pub struct AttentionRoute {
     /// write in one kernel) instead of `linear` and `rope_kv_write_packed`: the qkv weight's
     /// one-row GEMV is the CUDA-core kernel (the fused kernel's sums are that GEMV's, and it
     /// needs K a multiple of 8), rotary over the whole head, q | k | v rows with no norm and no
-    /// bias between projection and RoPE, and the switch on. Same bits either way.
+    /// bias between projection and RoPE, and the plan's fusion on. Same bits either way.
     pub rope_in_gemv: bool,
     /// Steps where a sequence brings several tokens run flash attention (the queries' row
     /// stride a multiple of 8), else paged attention.

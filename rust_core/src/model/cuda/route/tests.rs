@@ -57,7 +57,7 @@ fn batch_1_decode_fuses_rope_into_a_plain_qkv_gemv_on_cuda_cores_only() {
     let tc = GemvKernel::TensorCores(gemv_tc_config(6144, 4096));
     assert!(!attention_route(&llama, tc, DEFAULTS).0.rope_in_gemv);
     assert!(!attention_route(&llama, TC, DEFAULTS).0.rope_in_gemv);
-    assert!(!attention_route(&llama, GemvKernel::CudaCores, Fusions { rope_in_gemv: false }).0.rope_in_gemv, "the switch off");
+    assert!(!attention_route(&llama, GemvKernel::CudaCores, Fusions { rope_in_gemv: false }).0.rope_in_gemv, "the plan's fusion off");
 }
 
 #[test]
