@@ -320,9 +320,8 @@ __device__ __forceinline__ void merge_warp_partials(int g, int i, const float (&
 }
 
 // RMSNorm arithmetic of a row in chunks of 8 storage elements (a uint4), shared by norm.cu's
-// rmsnorm / add_rmsnorm and the GEMV epilogue that fuses add_rmsnorm (gemv_tc.cu
-// gemv_tc_add_rmsnorm): both round the same expressions in the same order, so the fused kernel
-// gives add_rmsnorm's bits. The row's f32 sum of squares is defined over `lanes` lanes (the
+// rmsnorm / add_rmsnorm kernels, which round the same expressions in the same order whatever
+// their block shape. The row's f32 sum of squares is defined over `lanes` lanes (the
 // block size add_rmsnorm runs with, ops/norm.rs chunked_norm_threads, a multiple of 32 that
 // depends on the row length only): lane l sums the chunks l, l + lanes, ... in order with
 // `chunk_sum_squares` from 0, each group of 32 lanes is summed by `warp_sum`, and the groups'

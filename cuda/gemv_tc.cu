@@ -46,28 +46,11 @@
 // are bit-exact across M for one WARPS, and a shape must keep one WARPS for every M.
 #include "common.cuh"
 
-// The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits),
-// SwiGLU of gate/up pairs, or the residual add + RMSNorm that follows an output projection
-// (gemv_tc_add_rmsnorm below).
+// The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits) or
+// SwiGLU of gate/up pairs.
 #define GEMV_TC_OUT_STORE 0
 #define GEMV_TC_OUT_F32 1
 #define GEMV_TC_OUT_SWIGLU 2
-#define GEMV_TC_OUT_ADD_RMSNORM 3
-// Rows the add + RMSNorm epilogue normalises: the launcher's GEMV_MAX_M (ops/gemv.rs).
-#define GEMV_TC_MAX_M 8
-
-// The add + RMSNorm epilogue's operands (unused by the other epilogues): y is the residual
-// stream [M, N], updated in place; h [M, N] gets rmsnorm(residual) with weight `w` (or 1 + w);
-// `arrivals` is a device counter that is 0 between launches; `lanes` is the sum order's lane
-// count (common.cuh's RMSNorm arithmetic).
-struct gemv_tc_norm {
-    const store_t* w;
-    store_t* h;
-    unsigned* arrivals;
-    int lanes;
-    float eps;
-    int plus_one;
-};
 
 
 // 16 bytes of 8 storage elements as the four 32-bit registers of mma fragments (element 2i in
@@ -176,28 +159,21 @@ __device__ constexpr int gemv_tc_cols() {
 
 template <int OUT, int WARPS>
 __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], void* y, int m,
-                                              int n_out, int n0, const store_t (&res)[4],
-                                              int round_out);
-template <int WARPS>
-__device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
-                                                  int m, int dim);
+                                              int n_out, int n0, int round_out);
 
 // y[m, n] for x rows m < M, output columns n of the block (ragged N: tile rows past n_out read
 // row n_out - 1 and store nothing). GEMV_TC_OUT_SWIGLU: W is the fused gate_up weight [2 n_out,
 // K] and y = act[M, n_out] = silu(gate) * up, each sum rounded to the storage type as the GEMV
 // stores it and the activation computed as cuda/activation.cu's swiglu computes it
 // (common.cuh's swiglu_out), so act is bit for bit this kernel's GEMV of the
-// fused weight followed by swiglu. GEMV_TC_OUT_ADD_RMSNORM: y is the residual [M, n_out], to
-// which the sums are added, and the last block normalises it into nm.h (gemv_tc_norm_rows).
+// fused weight followed by swiglu.
 // `prefetch`: the k32 steps of the block (the first ones, warp w taking w, w + WARPS, ...)
 // whose weight lines are fetched into L2 before the PDL wait, 0 for none; a launch argument
-// (ops/gemv_tuning.rs, NINFER_TC_PREFETCH_STEPS, default 16 = 16 KB a block) so that the depth
-// can be measured in the model. It changes no value.
+// (the route plan's tc_prefetch_steps, 16 = 16 KB a block). It changes no value.
 template <int OUT, int WARPS, int UNROLL, bool HOLD>
 __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
                                              const store_t* __restrict__ w, void* y, int m,
-                                             int n_out, int k, int prefetch,
-                                             const gemv_tc_norm& nm, int round_out = 0) {
+                                             int n_out, int k, int prefetch, int round_out = 0) {
     __shared__ float red[WARPS][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -220,22 +196,6 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
         asm volatile("prefetch.global.L2 [%0];" ::"l"(whi + 32 * s));
     }
     pdl_enter();
-    // The add + RMSNorm epilogue's residual elements (warp 0's outputs, in gemv_tc_store's
-    // order), loaded now, after the wait, so that their latency hides behind the weight stream
-    // instead of following the reduction.
-    store_t res[4] = {0, 0, 0, 0};
-    if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) {
-        if (warp == 0) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int r = 2 * t + i, n = n0 + g + 8 * hh;
-                    if (r < m && n < n_out)
-                        res[2 * hh + i] = reinterpret_cast<const store_t*>(y)[(long long)r * n_out + n];
-                }
-        }
-    }
     // Zero (M >= 1), but not to the compiler: HOLD's dependency of the mmas on the loads.
     const unsigned hold_zero = m < 0 ? 0xffffffffu : 0u;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -283,8 +243,7 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[warp][j][lane] = d[j];
     __syncthreads();
-    if (warp == 0) gemv_tc_store<OUT, WARPS>(red, y, m, n_out, n0, res, round_out);
-    if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) gemv_tc_norm_rows<WARPS>((store_t*)y, nm, m, n_out);
+    if (warp == 0) gemv_tc_store<OUT, WARPS>(red, y, m, n_out, n0, round_out);
 }
 
 // Warp 0 of a block: sums the warps' partials in warp order and stores the block's outputs.
@@ -293,8 +252,7 @@ __device__ __forceinline__ void gemv_tc_body(const store_t* __restrict__ x,
 // gains no kernel.
 template <int OUT, int WARPS>
 __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], void* y, int m,
-                                              int n_out, int n0, const store_t (&res)[4],
-                                              int round_out) {
+                                              int n_out, int n0, int round_out) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     float v[4];
@@ -324,10 +282,6 @@ __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], 
                 if constexpr (OUT == GEMV_TC_OUT_F32) {
                     const float l = v[2 * h + i];
                     reinterpret_cast<float*>(y)[(long long)r * n_out + n] = round_out ? round_st(l) : l;
-                } else if constexpr (OUT == GEMV_TC_OUT_ADD_RMSNORM) {
-                    // add_rmsnorm's add of the stored projection: both rounded to storage.
-                    reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(
-                        norm_residual_add(to_f32(res[2 * h + i]), to_f32(from_f32(v[2 * h + i]))));
                 } else
                     reinterpret_cast<store_t*>(y)[(long long)r * n_out + n] = from_f32(v[2 * h + i]);
             }
@@ -335,153 +289,24 @@ __device__ __forceinline__ void gemv_tc_store(const float (&red)[WARPS][4][32], 
     }
 }
 
-// 16 bytes of a row another block of this launch wrote: through L2 (ld.global.cg), since L1 is
-// not coherent with other SMs' writes; "memory" keeps it after the __threadfence().
-__device__ __forceinline__ uint4 tc_load_shared_row(const store_t* p) {
-    uint4 r;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p)
-                 : "memory");
-    return r;
-}
-
-// Pairs (row, 32-lane group) of the norm per warp whose chunks the last block loads in one
-// batch and keeps in registers from the sum of squares to the scaling (with their weight
-// chunks): the 2 pairs per warp of one row of 4096, so a one-row norm makes one L2 round trip
-// for the residual and the weight, not one per step. More would cost the whole kernel
-// registers: 8 took it from 56 to 122 (2 blocks per SM instead of 4, the GEMV's occupancy);
-// 2 keep it at 64 (sm_90, with the residual preload of gemv_tc_body), the most that still
-// fits 4 blocks of 256 threads per SM.
-#define GEMV_TC_NORM_CACHE 2
-
-// Lane group `p % groups` of row `p / groups` (group_sum[row][group] = the sum of squares of its
-// lanes' chunks, in common.cuh's order). `first`: the lane's first chunk, already loaded.
-__device__ __forceinline__ void tc_norm_group(const store_t* residual, int dim, int lanes,
-                                              int p, const uint4* first,
-                                              float (&group_sum)[GEMV_TC_MAX_M][32]) {
-    const int lane = threadIdx.x & 31, groups = lanes >> 5, n_chunks = dim >> 3;
-    const int r = p / groups, ch0 = (p % groups) * 32 + lane;
-    const store_t* row = residual + (long long)r * dim;
-    float ss = 0.0f;
-    if (ch0 < n_chunks) ss = chunk_sum_squares(first ? *first : tc_load_shared_row(row + ch0 * 8), ss);
-    for (int ch = ch0 + lanes; ch < n_chunks; ch += lanes)
-        ss = chunk_sum_squares(tc_load_shared_row(row + ch * 8), ss);
-    ss = warp_sum(ss);
-    if (lane == 0) group_sum[r][p % groups] = ss;
-}
-
-// h chunk = residual chunk * rstd * weight.
-__device__ __forceinline__ void tc_norm_store(store_t* h, uint4 xr, uint4 wr, float rstd,
-                                              int plus_one) {
-    float f[8], wf[8];
-    unpack_chunk(xr, f);
-    unpack_chunk(wr, wf);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
-    *reinterpret_cast<uint4*>(h) = pack_chunk(f);
-}
-
-// Lane group `p % groups` of row `p / groups` scaled into h (chunks past the first loaded here;
-// `first` / `wfirst`: the first chunk and its weight, already loaded).
-__device__ __forceinline__ void tc_norm_scale_group(const store_t* residual, const gemv_tc_norm& nm,
-                                                    int dim, int p, const uint4* first,
-                                                    const uint4* wfirst, const float* rstd) {
-    const int lane = threadIdx.x & 31, groups = nm.lanes >> 5, n_chunks = dim >> 3;
-    const int r = p / groups, ch0 = (p % groups) * 32 + lane;
-    const long long row = (long long)r * dim;
-    for (int ch = ch0; ch < n_chunks; ch += nm.lanes) {
-        const bool cached = first && ch == ch0;
-        const uint4 xr = cached ? *first : tc_load_shared_row(residual + row + ch * 8);
-        const uint4 wr = cached ? *wfirst : *reinterpret_cast<const uint4*>(nm.w + ch * 8);
-        tc_norm_store(nm.h + row + ch * 8, xr, wr, rstd[r], nm.plus_one);
-    }
-}
-
-// The add + RMSNorm epilogue's tail, run by every block after its residual columns are
-// written: the block publishes them (__threadfence) and counts itself in; the block that
-// arrives last (common.cuh's arrives_last, which also resets the counter for the next launch /
-// graph replay), so sees every column, normalises the m rows into nm.h. The sum of squares follows common.cuh's RMSNorm order
-// over nm.lanes lanes with WARPS warps: warp w takes the (row, 32-lane group) pairs w, w + WARPS, ...,
-// each lane summing its lane's chunks and warp_sum giving the group's sum; warp r then sums
-// row r's group sums (warps r, r + WARPS, ... of m <= 8 rows). add_rmsnorm with nm.lanes threads sums the
-// same values in the same tree, so h and the residual are add_rmsnorm's bit for bit. Needs dim
-// % 8 == 0 and 16-byte aligned rows (the launcher checks).
-template <int WARPS>
-__device__ __forceinline__ void gemv_tc_norm_rows(store_t* residual, const gemv_tc_norm& nm,
-                                                  int m, int dim) {
-    __shared__ float group_sum[GEMV_TC_MAX_M][32];
-    __shared__ float rstd[GEMV_TC_MAX_M];
-    if (!arrives_last(nm.arrivals, gridDim.x)) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_chunks = dim >> 3, groups = nm.lanes >> 5, pairs = m * groups;
-    // The warp's first GEMV_TC_NORM_CACHE pairs: each lane's first chunk and its weight chunk,
-    // all loads issued before any is used.
-    uint4 xc[GEMV_TC_NORM_CACHE], wc[GEMV_TC_NORM_CACHE];
-#pragma unroll
-    for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
-        const int p = warp + j * WARPS;
-        const int ch = (p % groups) * 32 + lane;
-        if (p < pairs && ch < n_chunks) {
-            xc[j] = tc_load_shared_row(residual + (long long)(p / groups) * dim + ch * 8);
-            wc[j] = *reinterpret_cast<const uint4*>(nm.w + ch * 8);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
-        const int p = warp + j * WARPS;
-        if (p < pairs) tc_norm_group(residual, dim, nm.lanes, p, &xc[j], group_sum);
-    }
-    for (int p = warp + GEMV_TC_NORM_CACHE * WARPS; p < pairs; p += WARPS)
-        tc_norm_group(residual, dim, nm.lanes, p, nullptr, group_sum);
-    __syncthreads();
-    for (int r = warp; r < m; r += WARPS) {
-        const float t = warp_sum(lane < groups ? group_sum[r][lane] : 0.0f);
-        if (lane == 0) rstd[r] = norm_rstd(t, dim, nm.eps);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < GEMV_TC_NORM_CACHE; ++j) {
-        const int p = warp + j * WARPS;
-        if (p < pairs) tc_norm_scale_group(residual, nm, dim, p, &xc[j], &wc[j], rstd);
-    }
-    for (int p = warp + GEMV_TC_NORM_CACHE * WARPS; p < pairs; p += WARPS)
-        tc_norm_scale_group(residual, nm, dim, p, nullptr, nullptr, rstd);
-}
-
-// The four epilogues of one (WARPS, UNROLL, HOLD), the name ending in H (empty or h): plain
-// GEMV, f32 logits, the fused gate_up weight's SwiGLU (act[M, inter]), and the output projection
-// with the residual add + RMSNorm (residual[M, N] += x W^T, h = rmsnorm(residual); `arrivals`
-// 0 at launch and after it, `lanes` add_rmsnorm's block size for rows of N, M <= GEMV_TC_MAX_M;
-// bit for bit gemv_tc of the same instance followed by add_rmsnorm, ops/gemv_add_rmsnorm.rs).
-// Every one takes `prefetch` (gemv_tc_body) after k. Launch bounds follow WARPS.
+// The three epilogues of one (WARPS, UNROLL, HOLD), the name ending in H (empty or h): plain
+// GEMV, f32 logits and the fused gate_up weight's SwiGLU (act[M, inter]). Every one takes
+// `prefetch` (gemv_tc_body) after k. Launch bounds follow WARPS.
 #define GEMV_TC_INSTANCE(W, U, HOLD, H)                                                     \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* y, int m,       \
                                int n_out, int k, int prefetch) {                            \
-        gemv_tc_body<GEMV_TC_OUT_STORE, W, U, HOLD>(x, w, y, m, n_out, k, prefetch,         \
-                                                    gemv_tc_norm{});                        \
+        gemv_tc_body<GEMV_TC_OUT_STORE, W, U, HOLD>(x, w, y, m, n_out, k, prefetch);        \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_f32out_w##W##_u##U##H(const store_t* x, const store_t* w, float* y, int m,  \
                                       int n_out, int k, int prefetch, int round_out) {      \
-        gemv_tc_body<GEMV_TC_OUT_F32, W, U, HOLD>(x, w, y, m, n_out, k, prefetch,           \
-                                                  gemv_tc_norm{}, round_out);               \
+        gemv_tc_body<GEMV_TC_OUT_F32, W, U, HOLD>(x, w, y, m, n_out, k, prefetch, round_out); \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(W * 32)                                    \
         gemv_tc_gateup_swiglu_w##W##_u##U##H(const store_t* x, const store_t* w, store_t* act, \
                                              int m, int inter, int k, int prefetch) {       \
-        gemv_tc_body<GEMV_TC_OUT_SWIGLU, W, U, HOLD>(x, w, act, m, inter, k, prefetch,      \
-                                                     gemv_tc_norm{});                       \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(W * 32)                                    \
-        gemv_tc_add_rmsnorm_w##W##_u##U##H(                                                 \
-            const store_t* x, const store_t* w, store_t* residual, int m, int n_out, int k, \
-            int prefetch, const store_t* w_norm, store_t* h, unsigned* arrivals, int lanes, \
-            float eps, int plus_one) {                                                      \
-        gemv_tc_body<GEMV_TC_OUT_ADD_RMSNORM, W, U, HOLD>(                                  \
-            x, w, residual, m, n_out, k, prefetch,                                          \
-            gemv_tc_norm{w_norm, h, arrivals, lanes, eps, plus_one});                       \
+        gemv_tc_body<GEMV_TC_OUT_SWIGLU, W, U, HOLD>(x, w, act, m, inter, k, prefetch);     \
     }
 
 GEMV_TC_INSTANCE(4, 4, false, )

@@ -8,8 +8,8 @@ __device__ __forceinline__ float norm_weight(const store_t* w, int i, int plus_o
     return plus_one ? 1.0f + wf : wf;
 }
 
-// rmsnorm and add_rmsnorm work in chunks of 8 elements (the arithmetic is common.cuh's, which the
-// fused GEMV epilogue gemv_tc_add_rmsnorm shares): chunk c of a row is elements
+// rmsnorm and add_rmsnorm work in chunks of 8 elements (the arithmetic is common.cuh's): chunk c
+// of a row is elements
 // [8c, 8c + 8) and thread i takes chunks i, i + blockDim.x, ... The launcher sizes the block
 // from `dim` alone (dim/8 threads rounded up to a warp, at most 1024), so one pass usually
 // covers the row and its first NORM_CACHE chunks per thread stay in registers between the

@@ -591,53 +591,13 @@ __device__ __forceinline__ unsigned counted_input(const unsigned* p, const int* 
     return (p[P_FLAGS] & FLAG_COUNT_INPUT) ? (unsigned)fed[row] : SAMPLE_NONE;
 }
 
-// params: per row SAMPLE_HDR header words (P_*), then the rows' bias pairs (token, f32 bits),
+// The sampler kernels' arguments. params: per row SAMPLE_HDR header words (P_*), then the rows' bias pairs (token, f32 bits),
 // penalty pairs (token, output count) and allow-mask words at the offsets the headers give.
 // logits: f32 [*, vocab], row p[P_SRC_ROW] is sampled; work: f32 [rows, vocab] scratch for the
 // processed logits. fed: i32, fed[r] is row r's input token where its header has
 // FLAG_COUNT_INPUT (the ids of a fed decode step, whose row r is sequence r; unread otherwise,
 // may be null). out: per row SAMPLE_OUT words: token, raw logprob (f32 bits), top ids[20], top
 // logprobs[20].
-// This is the whole sampler in one block per row (one SM streams the row several times: ~52 us
-// a row at vocab 128256 on an H200). Steps use sample_scan + sample_pick below; this kernel
-// stays as their reference in the op tests (same tokens, same top ids) and as the TIMING
-// baseline.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work, int vocab,
-            const unsigned* __restrict__ params, const int* __restrict__ fed, unsigned* __restrict__ out) {
-    __shared__ SampleShared sh;
-    __shared__ unsigned input_paired;
-    const unsigned* p = params + (long long)blockIdx.x * SAMPLE_HDR;
-    const float* raw = logits + (long long)p[P_SRC_ROW] * vocab;
-    float* row = work + (long long)blockIdx.x * vocab;
-    unsigned* o = out + (long long)blockIdx.x * SAMPLE_OUT;
-    const unsigned mask_off = p[P_MASK_OFF];
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = raw[i];
-        if (mask_off != SAMPLE_NONE && !((params[mask_off + (i >> 5)] >> (i & 31)) & 1u)) v = NEG_INF;
-        row[i] = v;
-    }
-    __syncthreads();
-    const unsigned* bias = params + p[P_BIAS_OFF];
-    for (unsigned e = threadIdx.x; e < p[P_BIAS_N]; e += blockDim.x) {
-        const unsigned tok = bias[2 * e];
-        if (tok < (unsigned)vocab) row[tok] = __fadd_rn(row[tok], __uint_as_float(bias[2 * e + 1]));
-    }
-    apply_penalty_pairs(row, 0, vocab, params, p, counted_input(p, fed, blockIdx.x), &input_paired);
-    int token;
-    if (p[P_FLAGS] & FLAG_GREEDY) {
-        float best;
-        block_argmax(row, vocab, sh, &best, &token);
-    } else {
-        token = sample_processed(row, vocab, p, sh);
-    }
-    if (p[P_FLAGS] & FLAG_LOGPROBS) {
-        raw_logprobs(raw, vocab, token, (int)p[P_N_TOP], o, sh);
-    } else if (threadIdx.x == 0) {
-        o[1] = 0;
-    }
-    if (threadIdx.x == 0) o[0] = (unsigned)token;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The sampler over many blocks per row: sample_scan (grid: SCAN_SPAN-logit chunks x rows) does
@@ -645,7 +605,7 @@ sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work
 // row samples) draws the non-greedy tokens from the processed logits sample_scan left in `work`.
 //
 // A sample_scan block loads its chunk once into registers, applies the row's grammar mask, the
-// bias and penalty entries that fall in the chunk (apply_penalty_pairs, as sample_rows_one_block),
+// bias and penalty entries that fall in the chunk (apply_penalty_pairs),
 // and reduces the chunk to one partial record: the processed argmax (greedy rows), the raw max
 // and sum of exp(raw - max) (logprob rows), and the chunk's top-n raw logits in (value
 // descending by total order, id ascending) order. It writes the record, `__threadfence()`s and
@@ -653,10 +613,9 @@ sample_rows_one_block(const float* __restrict__ logits, float* __restrict__ work
 // merges the row's records in chunk order, so the result does not depend on which block is last
 // (graph == eager). atomicInc(counter, nb - 1) stores 0 when it elects the last block, so every
 // counter is 0 again after each launch (the next step / replay starts there).
-// Results: the greedy token equals sample_rows_one_block's bit for bit (largest value by float
-// compare, lowest id on ties: an associative merge). logsumexp = M + log(sum_b s_b exp(m_b - M))
-// sums in another order than the one-block kernel (f32, relative error ~1e-6 of the sum, so the
-// logprobs move by ~1e-6 absolute); the top ids are the host's (total order, lower id first).
+// Results: the greedy token is the largest value by float compare, lowest id on ties (an
+// associative merge); logsumexp = M + log(sum_b s_b exp(m_b - M)); the top ids are the host's
+// (total order, lower id first).
 #define SCAN_THREADS 256
 #define SCAN_PER_THREAD 8
 #define SCAN_SPAN (SCAN_THREADS * SCAN_PER_THREAD)
@@ -747,7 +706,7 @@ __device__ float scan_block_max(float v, float* red) {
     return warp_max(lane < n_warps ? red[lane] : NEG_INF);
 }
 
-// params, logits, work, fed, out: as sample_rows_one_block (work is written for non-greedy rows only;
+// params, logits, work, fed, out: as the sampler kernels' arguments above (work is written for non-greedy rows only;
 // for a non-greedy row with logprobs, out[1] holds the row's logsumexp for sample_pick).
 // partials: u32 [rows, gridDim.x, SCAN_REC]; arrivals: u32 [rows], zero before the launch and
 // zero after it.
@@ -937,7 +896,7 @@ sample_scan(const float* __restrict__ logits, float* __restrict__ work, int voca
 }
 
 // The non-greedy rows after sample_scan: the token drawn from the processed logits in `work`
-// (sample_processed, as sample_rows_one_block), and its raw logprob from the logsumexp that
+// (sample_processed), and its raw logprob from the logsumexp that
 // sample_scan left in out[1]. Greedy rows are done already and return at once.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_pick(const float* __restrict__ logits, const float* __restrict__ work, int vocab,

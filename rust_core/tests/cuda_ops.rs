@@ -105,10 +105,6 @@ mod sampling;
 mod gdn_gated;
 #[path = "cuda_ops/gemv_tc.rs"]
 mod gemv_tc;
-#[path = "cuda_ops/gemm_wg.rs"]
-mod gemm_wg;
-#[path = "cuda_ops/gemv_add_rmsnorm.rs"]
-mod gemv_add_rmsnorm;
 #[path = "cuda_ops/rounding_points.rs"]
 mod rounding_points;
 #[path = "cuda_ops/logits_round.rs"]
@@ -469,7 +465,7 @@ fn gemv_matches_reference_for_small_m_in_both_output_types() {
             .into_iter()
             .flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h)))
         {
-            dev.use_model_cc_launch(hidden);
+            let dev = model_device(&dev, hidden);
             let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
             let w = rounded(&rng.vec(n * k, -1.0, 1.0), st);
             let (xd, wd) = (upload(&dev, &x), upload(&dev, &w));
@@ -513,7 +509,7 @@ fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
         let (n, k) = (333, 4096 + 8);
         let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
         for (form, hidden) in invariant_gemv_forms(&dev).into_iter().flat_map(|f| HIDDEN_PER_KSPLIT.map(|h| (f, h))) {
-            dev.use_model_cc_launch(hidden);
+            let dev = model_device(&dev, hidden);
             let split = dev.cc_ksplit_for(n, k);
             for m in 2..=8 {
                 let x = rounded(&rng.vec(m * k, -2.0, 2.0), st);
@@ -562,7 +558,7 @@ fn gemv_gateup_swiglu_equals_gemv_then_swiglu_bitwise() {
         let Some(dev) = gpu("gemv_gateup_swiglu", st) else { return };
         let mut rng = Rng::new(29);
         for ((inter, k), hidden) in [(333, 1000), (37, 8), (1027, 4096)].into_iter().flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h))) {
-            dev.use_model_cc_launch(hidden);
+            let dev = model_device(&dev, hidden);
             let s = 3.0 / (k as f32).sqrt();
             let w = rounded(&rng.vec(2 * inter * k, -s, s), st);
             let wd = upload(&dev, &w);

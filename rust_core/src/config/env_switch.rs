@@ -1,6 +1,7 @@
-//! On/off switches read from the environment (`NINFER_CUDA_GRAPHS`, `NINFER_DEVICE_SAMPLING`,
-//! `NINFER_LOAD_MMAP`, `NINFER_PDL`, `NINFER_TC_GEMV`, `NINFER_BATCH_INVARIANT`, `NINFER_FUSED_NORM`, `NINFER_FUSED_ROPE`, `NINFER_TC_DECODE_ATTN`, `NINFER_TC_DECODE_DIRECT`, `NINFER_FA_WS`, `NINFER_WG_GEMM`): one spelling rule for all of them, and a typo is an error that names the
-//! variable and its value instead of silently leaving the default on.
+//! On/off switches read from the environment (`NINFER_ASYNC_SCHEDULING`): one spelling rule for
+//! all of them, and a typo is an error that names the variable and its value instead of
+//! silently leaving the default on. Route decisions are not switches: the CUDA device's plan
+//! (backend/cuda/plan) makes them from the device, the model and `CudaOptions`.
 
 use crate::{NinferError, Result};
 

@@ -13,7 +13,7 @@ use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
 use crate::{NinferError, Result};
 
-use super::weights::names;
+use super::names;
 
 /// What the user asked for (`logits_dtype=` / `--logits-dtype`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,41 +1,34 @@
 //! Model architectures and the engine-facing runner contract.
 //!
-//! `weights` loads a checkpoint into backend layouts, `layers` runs each layer kind over a
-//! step, `cpu_model` ties them into a `ModelRunner`.
+//! `cpu` and `cuda` each hold one backend's model: its weights loaded from a checkpoint into the
+//! backend's layouts, the step over every layer kind, and the `ModelRunner` that ties them
+//! together. What both share lives here: the runner contract (`runner`), the checkpoint's
+//! tensor names (`names`), and the KV and logits dtypes a load asks for.
 
-pub mod cpu_model;
+pub mod cpu;
 #[cfg(feature = "cuda")]
-pub mod cuda_load;
+pub mod cuda;
+/// The decode buckets under their former path, which `backend::cuda::ops::decode_attention`
+/// sizes its scratch by.
 #[cfg(feature = "cuda")]
-pub mod cuda_model;
-#[cfg(feature = "cuda")]
-mod cuda_sampler;
-#[cfg(feature = "cuda")]
-pub(crate) mod cuda_graphs;
-#[cfg(feature = "cuda")]
-mod cuda_step;
-#[cfg(feature = "cuda")]
-pub mod cuda_weights;
+pub(crate) use cuda::graphs as cuda_graphs;
 pub mod kv_dtype;
-pub mod layers;
 pub mod logits_dtype;
+pub mod names;
 pub mod runner;
-pub mod weights;
 
 #[cfg(test)]
 mod test_checkpoint;
-#[cfg(test)]
-mod tests;
 
 use std::path::Path;
 
-pub use cpu_model::CpuModel;
+pub use cpu::weights::{ModelWeights, MtpWeights};
+pub use cpu::CpuModel;
 pub use kv_dtype::{KvDtype, KV_DTYPE_CHOICES, QUANTIZED_KV_DTYPES};
 pub use logits_dtype::{LogitsDtype, LogitsRound, LOGITS_DTYPE_CHOICES};
 #[cfg(feature = "cuda")]
-pub use cuda_model::CudaModel;
+pub use cuda::CudaModel;
 pub use runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
-pub use weights::{ModelWeights, MtpWeights};
 
 use crate::backend::cuda::{resolve_device, DeviceSpec, ResolvedDevice};
 use crate::Result;
@@ -52,6 +45,9 @@ pub struct LoadOptions {
     /// The KV cache type asked for: Auto (the default) or the one the backend keeps, checked
     /// by each backend's loader before any weight is read.
     pub kv_dtype: KvDtype,
+    /// The CUDA backend's options (graphs, batch invariance, device sampling, device profile):
+    /// inputs of the device's route plan.
+    pub cuda: crate::config::CudaOptions,
 }
 
 /// The device a `device=` string names ("" is the CPU); a string that names none is an
@@ -91,7 +87,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
 
 #[cfg(feature = "cuda")]
 fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
-    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype)?))
+    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda)?))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -18,6 +18,7 @@ use super::errors::IntoPy;
 use super::tokenizer::PyTokenizer;
 use crate::config::{GenerationConfig, ModelConfig};
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
+use crate::config::CudaOptions;
 use crate::model::{load_model, resolve_device_name, KvDtype, LoadOptions, LogitsDtype, ModelRunner};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
@@ -78,12 +79,13 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
 }
 
 /// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N").
-fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cfg: &EngineConfig) -> Result<(EngineCore, String)> {
+#[allow(clippy::too_many_arguments)]
+fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, cfg: &EngineConfig) -> Result<(EngineCore, String)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
     // The flags that need only config.json are checked before any weight is read.
     cfg.check(ModelConfig::from_dir(&dir)?.max_position_embeddings)?;
-    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype })?;
+    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype, cuda })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
         Err(NinferError::MissingFile { .. }) => None,
@@ -163,8 +165,10 @@ impl PyEngine {
     /// `kv_dtype`: "auto" or the type the backend keeps its KV cache in by name
     /// (model/kv_dtype.rs); another is refused before any weight is read. `async_scheduling`:
     /// keep a step in flight where the runner overlaps steps (`EngineConfig::async_scheduling`).
+    /// `cuda_graphs`, `batch_invariant` and `device_sampling`: the CUDA backend's options
+    /// (`CudaOptions`).
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -179,11 +183,15 @@ impl PyEngine {
         logits_dtype: &str,
         kv_dtype: &str,
         async_scheduling: bool,
+        cuda_graphs: bool,
+        batch_invariant: bool,
+        device_sampling: bool,
     ) -> PyResult<Self> {
         let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
-        let (core, device) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, &cfg)).py()?;
+        let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: None };
+        let (core, device) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, cuda, &cfg)).py()?;
         Ok(PyEngine::from_core(core, device))
     }
 

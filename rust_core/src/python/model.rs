@@ -37,10 +37,14 @@ impl PyModel {
     #[new]
     /// `logits_dtype`: "auto" (logits rounded to the 16-bit dtype the model runs in, as
     /// transformers returns them) or "float32" (the lm_head's f32 sums).
-    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto"))]
-    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str) -> PyResult<Self> {
+    /// `cuda_graphs`, `batch_invariant`, `device_sampling`: the CUDA backend's options
+    /// (`CudaOptions`).
+    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto", cuda_graphs = true, batch_invariant = false, device_sampling = true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str, cuda_graphs: bool, batch_invariant: bool, device_sampling: bool) -> PyResult<Self> {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
-        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, ..Default::default() };
+        let cuda = crate::config::CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: None };
+        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, cuda, ..Default::default() };
         let model = py
             .detach(|| -> crate::Result<Loaded> {
                 if resolve_device(parse_device(device)?)? == ResolvedDevice::Cpu {

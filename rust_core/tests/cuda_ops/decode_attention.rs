@@ -3,11 +3,11 @@
 //! ragged block tables, in both storages and every head size; a token in batches of 5 tokens of
 //! other contexts against the same token alone, bit for bit; a wider block table (a bigger grid,
 //! as a graph bucket's) and a second launch on the same scratch, bit for bit, with every arrival
-//! counter back at 0; the same for the tensor-core form batched decode runs (`flash_decode_*`)
-//! where it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
+//! counter back at 0; the same for the direct tensor-core form (`flash_decode_direct_*`) where
+//! it fits; the form `paged_attention_decode` picks by batch size; and TIMING lines
 //! against the fixed-split form.
 
-use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_decode_fits, tc_direct_fits, tc_direct_splits, tc_direct_split_keys, DECODE_MAX_SPLITS, tc_split_keys, tc_split_keys_with, tc_decode_warps, DecodeAttentionForm, TC_MIN_WARP_TILES, PagedAttentionShape, DECODE_SCALED_MAX_TOKENS};
+use ninfer_core::backend::cuda::ops::{decode_block_splits, decode_warp_keys, tc_direct_fits, tc_direct_splits, tc_direct_split_keys, DecodeAttentionForm, PagedAttentionShape, DECODE_MAX_SPLITS, DECODE_SCALED_MAX_TOKENS};
 use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::StorageDType;
 
@@ -62,10 +62,9 @@ fn contexts_case(
 enum Form {
     Scaled,
     Fixed,
-    TensorCore,
     /// The direct tensor-core form with this many splits at most (`paged_attention_decode_layout`).
     TensorCoreDirect(usize),
-    /// `paged_attention_decode`: the form `decode_attention_form` picks.
+    /// `paged_attention_decode`: the form the plan's route picks.
     Chosen,
 }
 
@@ -81,9 +80,6 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
     // The layout the contexts are chosen around (decode_attention.rs mirrors the kernel's).
     assert_eq!(CONTEXTS.map(decode_block_splits), [1, 1, 8, 16, 9, 16, 32, 32]);
     assert_eq!((decode_warp_keys(4096), decode_warp_keys(8191)), (16, 32));
-    // The tensor-core form's splits: 512 keys (256 at d 256) up to 32 splits, then wider.
-    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(128)))), [1, 1, 1, 1, 2, 2, 8, 16]);
-    assert_eq!(CONTEXTS.map(|c| c.div_ceil(tc_split_keys(c, tc_decode_warps(256)))), [1, 1, 1, 2, 3, 4, 16, 32]);
     for st in STORAGES {
         let Some(dev) = gpu("decode_attention_scaled", st) else { return };
         let mut rng = Rng::new(41);
@@ -104,7 +100,6 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 match form {
                     Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
-                    Form::TensorCore => dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::TensorCoreDirect(splits) => dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                     Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
                 }
@@ -158,17 +153,15 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 check("decode_attention_fixed", st, &format!("{label}/ctx{}", CONTEXTS[s]), &got[rows], &want[s], tol16(st));
             }
             assert_arrivals_reset(&dev, &scratch, &format!("{label} fixed"));
-            // The tensor-core forms (on sm_80+ where the shape fits; the direct one at head sizes
-            // 64 / 128): against the CPU op alone, every row of a batch the bits of its token
-            // alone, a relaunch and wider tables the same bits, counters back at 0.
+            // The direct tensor-core form (on sm_80+ where the shape fits): against the CPU op
+            // alone, every row of a batch the bits of its token alone, a relaunch and wider
+            // tables the same bits, counters back at 0.
             let sm80 = dev.compute_capability().0 >= 8;
-            let tc = tc_decode_fits(&shape) && sm80;
-            let mut tc_batch1 = None;
             // The direct form at a launch of 1 token's splits (its layout depends on the
             // launch's token count, not on the other tokens: alone and in batches at that count).
             let direct = tc_direct_fits(&shape) && sm80;
             let direct1 = tc_direct_splits(1, hk, dev.sm_count());
-            for (form, fits, what) in [(Form::TensorCore, tc, "tensor-core"), (Form::TensorCoreDirect(direct1), direct, "direct tensor-core")] {
+            for (form, fits, what) in [(Form::TensorCoreDirect(direct1), direct, "direct tensor-core")] {
                 if !fits {
                     continue;
                 }
@@ -185,9 +178,6 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                     let again = run(&batch, &shape, &tables, &scratch, form);
                     assert_bitwise(&again, &got, &format!("{what} decode attention {label} batch {batch:?}: second launch"));
                     assert_arrivals_reset(&dev, &scratch, &format!("{label} {what} batch {batch:?}"));
-                    if batch == BATCHES[1] && matches!(form, Form::TensorCore) {
-                        tc_batch1 = Some(got);
-                    }
                 }
                 let got = run(&BATCHES[0], &wide_shape, &upload_raw(&dev, &wide_tables), &scratch, form);
                 for (i, &s) in BATCHES[0].iter().enumerate() {
@@ -196,12 +186,12 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 assert_arrivals_reset(&dev, &scratch, &format!("{label} {what} wide tables"));
             }
             // The form the model runs (`paged_attention_decode`): the direct tensor-core one at
-            // its launch's splits where it fits and is on, else the scaled one alone and the
-            // fixed one in a batch of 5 (DECODE_SCALED_MAX_TOKENS, below the staged form's 16);
-            // the scaled one in any batch under NINFER_BATCH_INVARIANT.
+            // its launch's splits where it fits, else the scaled one alone and the fixed one in a
+            // batch of 5 (DECODE_SCALED_MAX_TOKENS); the scaled one in any batch under batch
+            // invariance.
             assert!(BATCHES[1].len() > DECODE_SCALED_MAX_TOKENS);
             let fixed = got;
-            let direct_on = direct && dev.tc_decode_direct() && !dev.batch_invariant();
+            let direct_on = direct && dev.plan().decode_attention.tensor_cores && !dev.batch_invariant();
             let s = BATCHES[1][0];
             let alone_want = if direct_on { run(&[s], &shape, &tables, &alone_scratch, Form::TensorCoreDirect(direct1)) } else { alone[s].clone() };
             assert_bitwise(&run(&[s], &shape, &tables, &alone_scratch, Form::Chosen), &alone_want, &format!("decode attention {label}: the form chosen for 1 token"));
@@ -210,8 +200,6 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 run(&BATCHES[1], &shape, &tables, &scratch, Form::Scaled)
             } else if direct_on {
                 run(&BATCHES[1], &shape, &tables, &scratch, Form::TensorCoreDirect(tc_direct_splits(BATCHES[1].len(), hk, dev.sm_count())))
-            } else if tc && dev.tc_decode_attn() && BATCHES[1].len() >= dev.tc_decode_min_tokens() {
-                tc_batch1.expect("the tensor-core form ran on BATCHES[1]")
             } else {
                 fixed
             };
@@ -239,18 +227,16 @@ fn scaled_decode_attention_timing() {
                 let mut time = |form: DecodeAttentionForm| {
                     case.time(&dev, 100, |c, kc, vc, out| dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap())
                 };
-                let (t_fixed, t_scaled, t_tc) = (time(DecodeAttentionForm::Fixed), time(DecodeAttentionForm::Scaled), time(DecodeAttentionForm::TensorCore));
+                let (t_fixed, t_scaled) = (time(DecodeAttentionForm::Fixed), time(DecodeAttentionForm::Scaled));
                 assert_arrivals_reset(&dev, &scratch, &format!("timing {name} batch {batch} ctx {ctx}"));
-                // K and V bytes read per call over the tensor-core time: its fraction of the copy rate.
+                // K and V bytes read per call over the scaled time: its fraction of the copy rate.
                 let kv_gb = case.kv_bytes as f64 / 1e9;
                 println!(
-                    "TIMING decode_attention {name} batch={batch} ctx={ctx}: fixed {:.2} us, scaled {:.2} us, tensor-core {:.2} us per call (scaled/fixed {:.3}, tensor-core/fixed {:.3}, tensor-core K/V {:.0} GB/s)",
+                    "TIMING decode_attention {name} batch={batch} ctx={ctx}: fixed {:.2} us, scaled {:.2} us per call (scaled/fixed {:.3}, scaled K/V {:.0} GB/s)",
                     t_fixed * 1e3,
                     t_scaled * 1e3,
-                    t_tc * 1e3,
                     t_scaled / t_fixed,
-                    t_tc / t_fixed,
-                    kv_gb / (t_tc * 1e-3)
+                    kv_gb / (t_scaled * 1e-3)
                 );
             }
         }
@@ -321,94 +307,6 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
     }
 }
 
-/// The tensor-core form at other fewest tiles a warp (`set_tc_min_warp_tiles`,
-/// NINFER_TC_DECODE_MIN_TILES; the default is covered above): 1 (the most splits), 4 (the
-/// default before 8) and 64 (one split up to 4096 keys at 4 warps), for the Llama-3-8B, Qwen3.5-27B and a group-of-8 d 64
-/// shape, both storages: each token alone against the CPU op over ragged tables, every row of a
-/// batch of 5 the bits of its token alone, counters back at 0.
-#[test]
-fn tensor_core_decode_attention_at_other_split_sizes() {
-    for st in STORAGES {
-        let Some(dev) = gpu("decode_attention_tc_tiles", st) else { return };
-        if dev.compute_capability().0 < 8 {
-            eprintln!("SKIP decode_attention_tc_tiles: the tensor-core form needs sm_80+");
-            return;
-        }
-        let mut rng = Rng::new(53);
-        for (hq, hk, d) in [(32, 8, 128), (24, 4, 256), (16, 2, 64)] {
-            let bs = 16;
-            let (case, q, shape, kd, vd, tables) = contexts_case(&dev, &mut rng, st, (hq, hk, d));
-            let n = CONTEXTS.len();
-            let row = |s: usize| s * hq * d..(s + 1) * hq * d;
-            let scale = 1.0 / (d as f32).sqrt();
-            let run = |seqs: &[usize], scratch: &ninfer_core::backend::cuda::ops::AttnScratch| {
-                let qs: Vec<f32> = seqs.iter().flat_map(|&s| q[row(s)].iter().copied()).collect();
-                let seq: Vec<i32> = seqs.iter().map(|&s| s as i32).collect();
-                let pos: Vec<i32> = seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect();
-                let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
-                let mut out = Out16::new(&dev, seqs.len() * hq * d);
-                dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, scratch).unwrap();
-                out.read(&dev, "tensor-core decode attention")
-            };
-            let (alone_scratch, scratch) = (decode_scratch(&dev, 1, &shape), decode_scratch(&dev, 5, &shape));
-            for tiles in [1, 4, 64] {
-                dev.set_tc_min_warp_tiles(tiles).unwrap();
-                let label = format!("hq{hq}hk{hk}/d{d}/tiles{tiles}");
-                let alone: Vec<Vec<f32>> = (0..n).map(|s| run(&[s], &alone_scratch)).collect();
-                for (s, &c) in CONTEXTS.iter().enumerate() {
-                    let table = &case.tables[s * case.max_blocks..(s + 1) * case.max_blocks];
-                    let want = reference::attention_seq(&q[row(s)], 1, hq, &case.k_cache, &case.v_cache, table, c - 1, hk, d, bs, scale);
-                    check("decode_attention_tensor_core_tiles", st, &format!("{label}/ctx{c}"), &alone[s], &want, tol16(st));
-                }
-                assert_arrivals_reset(&dev, &alone_scratch, &label);
-                let got = run(&BATCHES[1], &scratch);
-                for (i, &s) in BATCHES[1].iter().enumerate() {
-                    assert_bitwise(&got[i * hq * d..(i + 1) * hq * d], &alone[s], &format!("tensor-core decode attention {label}: ctx {} in a batch vs alone", CONTEXTS[s]));
-                }
-                assert_arrivals_reset(&dev, &scratch, &label);
-            }
-            dev.set_tc_min_warp_tiles(TC_MIN_WARP_TILES).unwrap();
-        }
-    }
-}
-
-/// Per-call time of the tensor-core form by its fewest tiles a warp at the batches it runs
-/// (16 to 64 tokens) and 1k-4k keys, Llama-3-8B and Qwen3.5-27B attention shapes, each call on
-/// the next of enough distinct K/V caches to pass 256 MB (AttnTimingCase). One TIMING line a
-/// case.
-#[test]
-fn tensor_core_decode_attention_split_size_timing() {
-    let Some(dev) = gpu("decode_attention_tc_tiles_timing", StorageDType::Bf16) else { return };
-    if dev.compute_capability().0 < 8 {
-        return;
-    }
-    for (name, hq, hk, d) in [("llama3-8b", 32, 8, 128), ("qwen3.5-27b", 24, 4, 256)] {
-        for batch in [16, 32, 64] {
-            for ctx in [1024, 2048, 4096] {
-                let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 256 << 20);
-                let scratch = decode_scratch(&dev, batch, &case.shape);
-                let copies = case.caches.len();
-                let mut line = format!("TIMING decode_attention_tc_tiles {name} batch={batch} ctx={ctx} ({copies} caches):");
-                let mut base = 0.0;
-                for tiles in [TC_MIN_WARP_TILES, 1, 2, 4, 16, 64] {
-                    dev.set_tc_min_warp_tiles(tiles).unwrap();
-                    let splits = ctx.div_ceil(tc_split_keys_with(ctx, tc_decode_warps(d), tiles));
-                    let t = case.time(&dev, 40 * copies.min(4), |c, kc, vc, out| {
-                        dev.paged_attention_decode_as(DecodeAttentionForm::TensorCore, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap()
-                    });
-                    if tiles == TC_MIN_WARP_TILES {
-                        base = t;
-                    }
-                    line += &format!(" tiles {tiles} ({splits} splits) {:.2} us {:.0} GB/s ({:.3});", t * 1e3, case.kv_bytes as f64 / 1e9 / (t * 1e-3), t / base);
-                }
-                dev.set_tc_min_warp_tiles(TC_MIN_WARP_TILES).unwrap();
-                assert_arrivals_reset(&dev, &scratch, &format!("tc tiles timing {name} batch {batch} ctx {ctx}"));
-                println!("{line}");
-            }
-        }
-    }
-}
-
 /// The direct tensor-core form at other most splits a token (its kernels' layout argument; the
 /// batch-1 launch's is covered above: 1 (one split up to any context), 4, 9 and 32, for the
 /// Llama-3-8B shape, a group of 8 at d 64, a group of 3 at d 128, MHA at d 64 and Qwen3.5-27B's
@@ -466,8 +364,8 @@ fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
 }
 
 /// Per-call time of the direct tensor-core form at its launch's splits (`tc_direct_splits`, and
-/// at half and twice that many) against the forms the model ran there before it (scaled at 1-2
-/// tokens, fixed at 3-15) and the staged tensor-core form, Llama-3-8B and Qwen3.5-27B attention shapes, batch 1
+/// at half and twice that many) against the forms the model runs where it does not fit (scaled
+/// at 1-2 tokens, fixed from 3), Llama-3-8B and Qwen3.5-27B attention shapes, batch 1
 /// to 64, contexts 256 to 32768, each call on the next of enough distinct K/V caches to pass
 /// 256 MB (AttnTimingCase). One TIMING line a case.
 #[test]
@@ -494,16 +392,8 @@ fn direct_tensor_core_decode_attention_timing() {
             })
         };
         let base = time(if batch <= DECODE_SCALED_MAX_TOKENS { DecodeAttentionForm::Scaled } else { DecodeAttentionForm::Fixed }, None);
-        let tc = time(DecodeAttentionForm::TensorCore, None);
         let gbs = |t: f64| case_gbs(t, batch, ctx, hk, d);
-        let mut line = format!(
-            "TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): CUDA-core form {:.2} us {:.0} GB/s; staged tensor-core {:.2} us {:.0} GB/s ({:.3});",
-            base * 1e3,
-            gbs(base),
-            tc * 1e3,
-            gbs(tc),
-            tc / base
-        );
+        let mut line = format!("TIMING decode_attention_tc_direct {name} batch={batch} ctx={ctx} ({copies} caches): CUDA-core form {:.2} us {:.0} GB/s;", base * 1e3, gbs(base));
         let chosen = tc_direct_splits(batch, hk, dev.sm_count());
         for (what, splits) in [("default", chosen), ("half", chosen.div_ceil(2)), ("twice", (2 * chosen).min(DECODE_MAX_SPLITS))] {
             let per_token = ctx.div_ceil(tc_direct_split_keys(ctx, splits));

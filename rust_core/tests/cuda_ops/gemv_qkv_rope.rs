@@ -15,7 +15,7 @@ use ninfer_core::backend::cuda::ops::{GemvForm, RopeKvShape};
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
 
 use super::assert_bitwise;
-use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Rng, HIDDEN_PER_KSPLIT, STORAGES};
+use super::harness::{check, gpu, model_device, rounded, tol16, upload, upload_raw, Out16, Rng, HIDDEN_PER_KSPLIT, STORAGES};
 use super::reference;
 
 /// Slots of the test caches.
@@ -71,7 +71,7 @@ fn gemv_qkv_rope_equals_gemv_then_rope_kv_write_bitwise() {
         // (q heads, kv heads, head_dim, K, attn_scale)
         let cases = [(32, 8, 128, 4096, 1.0), (8, 2, 64, 1000, 1.25), (4, 4, 128, 8, 1.0)];
         for ((hq, hkv, d, k, scale), hidden) in cases.into_iter().flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h))) {
-            dev.use_model_cc_launch(hidden);
+            let dev = model_device(&dev, hidden);
             let rows = (hq + 2 * hkv) * d;
             let s = 2.0 / (k as f32).sqrt();
             let (x_host, w_host) = (rounded(&rng.vec(k, -1.0, 1.0), st), rounded(&rng.vec(rows * k, -s, s), st));

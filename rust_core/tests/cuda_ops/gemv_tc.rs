@@ -3,28 +3,20 @@
 //! M = 1..8, ragged N and K = 8 / 1000 / 4096 / 14336 in both storage types and all three
 //! epilogues; row r of an M-row launch against the one-row launch bit for bit (batch == alone);
 //! the SwiGLU epilogue against its own GEMV of the fused weight followed by swiglu bit for bit;
-//! the routing (`gemv` runs `gemv_form`, the tensor-core form the shape's `gemv_tc_config`);
+//! the routing (`gemv` runs the plan's `gemv_form`, the tensor-core form the shape's `gemv_tc_config`);
 //! and the cold-L2 sweep of the instances over the decode shapes of Llama-3-8B and Qwen3.5-27B
 //! (`report_gemv_tc_sweep`, ignored: run on the GPU to fill `GEMV_TC_RULES`).
 
-use ninfer_core::backend::cuda::ops::{gemv_form, gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig, TC_PREFETCH_DEFAULT_STEPS};
+use ninfer_core::backend::cuda::ops::{gemv_shape_on_cuda_cores, gemv_tc_config, GemvForm, GemvTcConfig};
+use ninfer_core::backend::cuda::plan::TC_PREFETCH_STEPS;
 use ninfer_core::backend::cuda::StorageDType;
 
 use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::CudaDevice;
 
 use super::assert_bitwise;
-use super::harness::{check, gpu, rounded, tol16, upload, upload_raw, Out16, Out32, Rng, STORAGES, TOL32};
+use super::harness::{check, gpu, profile_device, rounded, tol16, upload, Out16, Out32, Rng, STORAGES, TOL32};
 use super::reference;
-
-#[test]
-fn gemv_form_is_by_shape_from_sm80() {
-    assert_eq!(gemv_form((7, 0)), GemvForm::Simt);
-    assert_eq!(gemv_form((7, 5)), GemvForm::Simt);
-    assert_eq!(gemv_form((8, 0)), GemvForm::ByShape);
-    assert_eq!(gemv_form((8, 9)), GemvForm::ByShape);
-    assert_eq!(gemv_form((9, 0)), GemvForm::ByShape);
-}
 
 /// One instance's one-row results of each x row: storage, f32 and SwiGLU outputs.
 struct OneRows {
@@ -179,8 +171,8 @@ fn tensor_cores_run_the_shapes_instance() {
     assert!(err.to_string().contains("12 warps"), "{err}");
 }
 
-/// The pre-wait L2 prefetch depth (`set_tc_prefetch_steps`, NINFER_TC_PREFETCH_STEPS) changes
-/// no bit: every epilogue (storage, f32, SwiGLU, the fused add + RMSNorm) of instances with 4,
+/// The pre-wait L2 prefetch depth (the plan's `tc_prefetch_steps`, which a device profile may
+/// set) changes no bit: every epilogue (storage, f32, SwiGLU) of instances with 4,
 /// 8 and 16 warps at depths 0 (none), 7 (not a multiple of the warps), 64 and 512 (past K)
 /// against the default depth 16, at M = 1 and 8, K = 1000 (a partial last step) and 14336.
 #[test]
@@ -191,41 +183,34 @@ fn tc_prefetch_depth_changes_no_bit() {
         eprintln!("SKIP gemv_tc_prefetch: {} runs the SIMT GEMV", dev.arch());
         return;
     }
-    assert_eq!(dev.tc_prefetch_steps(), TC_PREFETCH_DEFAULT_STEPS, "run without NINFER_TC_PREFETCH_STEPS");
-    assert!(dev.set_tc_prefetch_steps(513).unwrap_err().to_string().contains("513"));
+    assert_eq!(dev.tc_prefetch_steps(), TC_PREFETCH_STEPS);
     let mut rng = Rng::new(53);
     let n = 1024;
-    let mut arrivals = upload_raw(&dev, &[0u32]);
-    let nw = upload(&dev, &rounded(&rng.vec(n, 0.5, 1.5), st));
     for k in [1000, 14336] {
         let s = 3.0 / (k as f32).sqrt();
         let w = upload(&dev, &rounded(&rng.vec(2 * n * k, -s, s), st));
         for m in [1, 8] {
             let x = upload(&dev, &rounded(&rng.vec(m * k, -1.0, 1.0), st));
-            let residual = rounded(&rng.vec(m * n, -2.0, 2.0), st);
             for c in [GemvTcConfig { warps: 4, unroll: 4, hold: false }, GemvTcConfig { warps: 8, unroll: 8, hold: true }, GemvTcConfig { warps: 16, unroll: 4, hold: true }] {
                 let form = GemvForm::TensorCoresAs(c);
-                let run = |arrivals: &mut cudarc::driver::CudaSlice<u32>| {
+                let run = |dev: &ninfer_core::backend::cuda::CudaDevice| {
                     let mut y = Out16::new(&dev, m * n);
                     dev.gemv_with(form, &x, &w, &mut y.view(), m, n, k).unwrap();
                     let mut y32 = Out32::new(&dev, m * n);
                     dev.gemv_f32_out_with(form, &x, &w, &mut y32.view(), m, n, k).unwrap();
                     let mut act = Out16::new(&dev, m * n);
                     dev.gemv_gateup_swiglu_with(form, &x, &w, &mut act.view(), m, n, k).unwrap();
-                    let (mut tmp, mut res, mut h) = (Out16::new(&dev, m * n), Out16::with(&dev, &residual), Out16::new(&dev, m * n));
-                    dev.gemv_add_rmsnorm_with(form, &x, &w, &mut tmp.view(), &mut res.view(), &nw, &mut h.view(), arrivals, m, n, k, 1e-5, false).unwrap();
-                    [y.read(&dev, "y"), y32.read(&dev, "y32"), act.read(&dev, "act"), res.read(&dev, "residual"), h.read(&dev, "h")]
+                    [y.read(dev, "y"), y32.read(dev, "y32"), act.read(dev, "act")]
                 };
-                dev.set_tc_prefetch_steps(TC_PREFETCH_DEFAULT_STEPS).unwrap();
-                let want = run(&mut arrivals);
+                let want = run(&dev);
                 for depth in [0, 7, 64, 512] {
-                    dev.set_tc_prefetch_steps(depth).unwrap();
-                    let got = run(&mut arrivals);
-                    for (i, what) in ["gemv", "f32out", "swiglu", "add_rmsnorm residual", "add_rmsnorm h"].iter().enumerate() {
+                    let deep = profile_device(&dev, &format!(r#"{{"tc_prefetch_steps": {depth}}}"#));
+                    assert_eq!(deep.tc_prefetch_steps(), depth);
+                    let got = run(&deep);
+                    for (i, what) in ["gemv", "f32out", "swiglu"].iter().enumerate() {
                         assert_bitwise(&got[i], &want[i], &format!("{what} {} k{k} m{m} prefetch {depth}", c.label()));
                     }
                 }
-                dev.set_tc_prefetch_steps(TC_PREFETCH_DEFAULT_STEPS).unwrap();
             }
         }
     }

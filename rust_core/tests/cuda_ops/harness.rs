@@ -239,3 +239,28 @@ pub fn tol16(st: StorageDType) -> f32 {
 
 /// Tolerance for f32 outputs.
 pub const TOL32: f32 = 1e-4;
+
+/// `dev`'s GPU opened again with the plan of a model of hidden size `hidden` (its CUDA-core
+/// GEMV K split and block, plan/defaults.rs), after `dev`'s queued work: the GEMV tests run each
+/// of HIDDEN_PER_KSPLIT on the buffers `dev` uploaded.
+pub fn model_device(dev: &CudaDevice, hidden: usize) -> CudaDevice {
+    use ninfer_core::backend::cuda::plan::ModelShape;
+    dev.synchronize().expect("synchronizing cuda:0");
+    CudaDevice::open(dev.ordinal(), Some(dev.storage()), ModelShape { hidden_size: Some(hidden) }, &Default::default()).expect("opening cuda:0 for a model")
+}
+
+/// `dev`'s GPU opened again with a device profile whose `plan` object is `plan_json` (plan/
+/// profile.rs), after `dev`'s queued work: tests of the routes a profile may set.
+pub fn profile_device(dev: &CudaDevice, plan_json: &str) -> CudaDevice {
+    use ninfer_core::backend::cuda::plan::ModelShape;
+    use ninfer_core::config::CudaOptions;
+    dev.synchronize().expect("synchronizing cuda:0");
+    let (major, minor) = dev.compute_capability();
+    let path = std::env::temp_dir().join(format!("ninfer_profile_{}_{}.json", std::process::id(), plan_json.len()));
+    let text = format!(r#"{{"version": 1, "device": {:?}, "compute_capability": "{major}.{minor}", "plan": {plan_json}}}"#, dev.name());
+    std::fs::write(&path, text).expect("writing the test profile");
+    let options = CudaOptions { profile: Some(path.clone()), ..CudaOptions::default() };
+    let d = CudaDevice::open(dev.ordinal(), Some(dev.storage()), ModelShape::default(), &options).expect("opening cuda:0 with a profile");
+    let _ = std::fs::remove_file(path);
+    d
+}

@@ -6,7 +6,7 @@
 
 use ninfer_core::backend::cuda::ops::GemvForm;
 
-use super::harness::{gpu, rounded, upload, Out32, Rng, HIDDEN_PER_KSPLIT, STORAGES};
+use super::harness::{gpu, model_device, rounded, upload, Out32, Rng, HIDDEN_PER_KSPLIT, STORAGES};
 
 fn assert_rounded(got: &[f32], unrounded: &[f32], st: ninfer_core::backend::cuda::StorageDType, what: &str) {
     let want = rounded(unrounded, st);
@@ -26,7 +26,7 @@ fn rounded_f32_gemv_equals_the_unrounded_output_rounded_bitwise() {
         }
         // A 128256-row head (the Llama 3 vocabulary) at a small K, and a ragged N.
         for ((n, k), hidden) in [(128_256, 256), (1000, 2056)].into_iter().flat_map(|case| HIDDEN_PER_KSPLIT.map(|h| (case, h))) {
-            dev.use_model_cc_launch(hidden);
+            let dev = model_device(&dev, hidden);
             let split = dev.cc_ksplit_for(n, k);
             let w = upload(&dev, &rounded(&rng.vec(n * k, -1.0, 1.0), st));
             for m in 1..=8 {

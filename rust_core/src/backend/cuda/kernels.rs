@@ -79,8 +79,6 @@ pub enum KernelFamily {
     Gemv,
     /// Small-M GEMV for decode on tensor cores (sm_80+).
     GemvTc,
-    /// Decode GEMM of 9-64 rows on warpgroup tensor cores (sm_90a).
-    GemmWg,
     /// Paged attention (decode and prefill), split combine, KV cache write.
     Attention,
     /// One-kernel decode attention whose splits grow with each token's context.
@@ -97,14 +95,13 @@ pub enum KernelFamily {
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 13] = [
+    pub const ALL: [KernelFamily; 12] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
         KernelFamily::Activation,
         KernelFamily::Gemv,
         KernelFamily::GemvTc,
-        KernelFamily::GemmWg,
         KernelFamily::Attention,
         KernelFamily::DecodeAttention,
         KernelFamily::FlashAttention,
@@ -122,7 +119,6 @@ impl KernelFamily {
             KernelFamily::Activation => "activation.cu",
             KernelFamily::Gemv => "gemv.cu",
             KernelFamily::GemvTc => "gemv_tc.cu",
-            KernelFamily::GemmWg => "gemm_wg.cu",
             KernelFamily::Attention => "attention.cu",
             KernelFamily::DecodeAttention => "decode_attention.cu",
             KernelFamily::FlashAttention => "flash_attention.cu",
@@ -141,7 +137,6 @@ impl KernelFamily {
             KernelFamily::Activation => include_str!("../../../../cuda/activation.cu"),
             KernelFamily::Gemv => include_str!("../../../../cuda/gemv.cu"),
             KernelFamily::GemvTc => include_str!("../../../../cuda/gemv_tc.cu"),
-            KernelFamily::GemmWg => include_str!("../../../../cuda/gemm_wg.cu"),
             KernelFamily::Attention => include_str!("../../../../cuda/attention.cu"),
             KernelFamily::DecodeAttention => include_str!("../../../../cuda/decode_attention.cu"),
             KernelFamily::FlashAttention => include_str!("../../../../cuda/flash_attention.cu"),

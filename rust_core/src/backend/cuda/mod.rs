@@ -23,6 +23,8 @@ pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(feature = "cuda")]
+pub mod plan;
+#[cfg(feature = "cuda")]
 pub mod transfer;
 
 pub use select::{cuda_device_count, resolve_device, DeviceSpec, ResolvedDevice};

@@ -1,8 +1,8 @@
-//! Decode-step attention launchers: the one-kernel decode attention whose split-K layout grows
-//! with each token's context (cuda/decode_attention.cu), the tensor-core form batched decode
-//! runs (`flash_decode_*`, cuda/flash_attention.cu), their scratch, and the fixed-split form
-//! (`decode_attention_fixed_*` in attention.cu), the baseline both are timed against and the
-//! batched route where the tensor-core form does not apply.
+//! Decode-step attention launchers: the direct tensor-core form every sm_80+ decode runs where
+//! the head size allows (`flash_decode_direct_*`), the one-kernel form whose split-K layout
+//! grows with each token's context (`decode_attention_*`, the batch-invariant route and the
+//! small-batch route elsewhere), the fixed-split form (`decode_attention_fixed_*`, batches of 3+
+//! where neither tensor-core form applies), and their scratch.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
@@ -27,43 +27,8 @@ pub const DECODE_SHORT_WARP_KEYS: usize = 4;
 /// Most keys of a token that takes DECODE_SHORT_WARP_KEYS by default (DA_SHORT_CONTEXT).
 pub const DECODE_SHORT_CONTEXT: usize = 512;
 
-/// The environment variable that fixes the fewest keys a warp walks at every context (a tuning
-/// tool, read once per device: `CudaDevice::da_min_warp_keys`): 1..=DECODE_MAX_WARP_KEYS_SETTING;
-/// unset, blank or `auto`: the default layout (DECODE_SHORT_WARP_KEYS up to DECODE_SHORT_CONTEXT
-/// keys, DECODE_MIN_WARP_KEYS above). Fewer keys a warp: more block splits at short contexts (more
-/// partials to merge, fewer loads a warp); more: fewer splits (one block, no merge, up to 8 x that
-/// many keys). Every setting keeps a token's result independent of the batch; settings differ in
-/// the last bits.
-pub const DA_MIN_WARP_KEYS_VAR: &str = "NINFER_DA_MIN_WARP_KEYS";
-
-/// The largest `NINFER_DA_MIN_WARP_KEYS` accepted.
-pub const DECODE_MAX_WARP_KEYS_SETTING: usize = 256;
-
 /// The `min_keys` of the default layout (the kernels' `min_warp_keys` 0).
 pub const DECODE_DEFAULT_LAYOUT: usize = 0;
-
-/// `value` of `NINFER_DA_MIN_WARP_KEYS`: DECODE_DEFAULT_LAYOUT when unset, blank or `auto`, else
-/// an integer of 1..=DECODE_MAX_WARP_KEYS_SETTING (an error naming the variable and the value
-/// otherwise).
-pub fn parse_da_min_warp_keys(value: Option<&str>) -> Result<usize> {
-    parse_auto_count(DA_MIN_WARP_KEYS_VAR, value, DECODE_DEFAULT_LAYOUT, 1, Some(DECODE_MAX_WARP_KEYS_SETTING))
-}
-
-/// The one form of this file's layout settings: `default` when `value` is unset, blank or
-/// `auto`, else an integer of `least..=most` (no upper bound when `most` is None); an error
-/// naming `var` and the value otherwise.
-fn parse_auto_count(var: &str, value: Option<&str>, default: usize, least: usize, most: Option<usize>) -> Result<usize> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) else {
-        return Ok(default);
-    };
-    v.parse::<usize>().ok().filter(|&n| n >= least && most.is_none_or(|m| n <= m)).ok_or_else(|| {
-        let range = match most {
-            Some(m) => format!("of {least}..={m}"),
-            None => format!("of at least {least}"),
-        };
-        crate::NinferError::config(var, format!("expected `auto` or an integer {range}, got {v:?}"))
-    })
-}
 
 /// Keys per warp of `decode_attention_*` for a token that sees `context` keys at the default
 /// layout: 4 up to a 512-key context, 8 up to 2048, then as many as keep the token within
@@ -161,116 +126,14 @@ pub enum DecodeAttentionForm {
     Scaled,
     /// `decode_attention_fixed_*`: FIXED_BLOCK_SPLITS blocks per (token, group).
     Fixed,
-    /// `flash_decode_*`: the group's q heads as the columns of tensor-core tiles (sm_80+, head
-    /// sizes 64 / 128 / 256, at most 8 q heads a kv head; `tc_decode_fits`).
-    TensorCore,
     /// `flash_decode_direct_*`: the tensor-core form with K/V loaded straight into the mma
     /// fragments, no shared-memory staging (sm_80+, head sizes 64 / 128 / 256, at most 8 q heads
     /// a kv head; `tc_direct_fits`).
     TensorCoreDirect,
 }
 
-/// `NINFER_TC_DECODE_ATTN` (default on): batched decode attention on tensor cores where it
-/// fits; off runs the fixed CUDA-core form there (an A/B and fallback switch).
-pub const TC_DECODE_ATTN_SWITCH: &str = "NINFER_TC_DECODE_ATTN";
-
-/// Fewest query tokens a decode launch runs the tensor-core form for. Measured in the model on
-/// an H200 (Llama-3-8B, 1k-token prompts, decode phase against the fixed form in the same call):
-/// c = 8 -16% (benches/results/tp8_tc_ab_69b3576.log), c = 16 / 32 / 64 +13% / +22% / +36%
-/// (tp8_tc_ab_24ff285.log); with session 12's kernel, from 3 tokens c = 4 / 8 still -15% / -14%
-/// although it wins per call (its large shared-memory carveout leaves the GEMVs after it a small
-/// L1: docs/kernels.md, tp8_tcmin_carveout_79dbfb0.log), and Qwen3.5-27B c = 16 / 32 / 64 +3% /
-/// +6% / +10% (tp27_tc_ab_79dbfb0.log). `NINFER_TC_DECODE_MIN_TOKENS` overrides it (a tuning tool).
-pub const TC_DECODE_MIN_TOKENS: usize = 16;
-
-/// The variable that overrides TC_DECODE_MIN_TOKENS.
-pub const TC_DECODE_MIN_TOKENS_VAR: &str = "NINFER_TC_DECODE_MIN_TOKENS";
-
-/// `value` of `NINFER_TC_DECODE_MIN_TOKENS`: TC_DECODE_MIN_TOKENS when unset, blank or `auto`,
-/// else an integer of at least DECODE_SCALED_MAX_TOKENS + 1 (launches up to
-/// DECODE_SCALED_MAX_TOKENS always run the scaled form); an error naming the variable and the
-/// value otherwise.
-pub fn parse_tc_decode_min_tokens(value: Option<&str>) -> Result<usize> {
-    parse_auto_count(TC_DECODE_MIN_TOKENS_VAR, value, TC_DECODE_MIN_TOKENS, DECODE_SCALED_MAX_TOKENS + 1, None)
-}
-
 /// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
 const TC_TILE_KEYS: usize = 16;
-/// Fewest 16-key tiles a warp of the tensor-core form takes in a split by default (the kernels'
-/// `min_warp_tiles`): 512 keys a split at 4 warps (d 64 / 128), 256 at 2 (d 256). Why 8, not 4
-/// (session 12's): per call on an H200 over caches L2 cannot hold
-/// (benches/results/cuda_ops_tc_tiles_0836c02.log), 8 against 4 took 0.90-0.97x at batch 16-64
-/// and 1-4k keys on Llama-3-8B (1.035x at batch 16 and 2k keys, 1.047x at batch 32 and 1k) and
-/// 0.83-0.97x on Qwen3.5-27B (1.027x at batch 32 and 1k); fewer, longer blocks keep each warp's
-/// cp.async pipeline busy past its fill and merge. In the model (Llama-3-8B, 1k-token prompts,
-/// decode phase, tp_tiles_0836c02.log) c = 16 / 32 / 64 went 2,702.7 / 4,544.5 / 6,981.1 ->
-/// 2,734.4 / 4,635.5 / 7,217.9 tok/s (+1.2% / +2.0% / +3.4%); 16 lost at c = 16 (2,543.2).
-pub const TC_MIN_WARP_TILES: usize = 8;
-
-/// The variable that sets the tensor-core form's fewest tiles a warp (a tuning tool: more
-/// tiles, fewer and longer blocks; read once per device, `CudaDevice::tc_min_warp_tiles`).
-/// Every setting keeps a token's result independent of the batch; settings differ in the last
-/// bits (the split merge).
-pub const TC_MIN_WARP_TILES_VAR: &str = "NINFER_TC_DECODE_MIN_TILES";
-
-/// The largest `NINFER_TC_DECODE_MIN_TILES` accepted.
-pub const TC_MAX_WARP_TILES_SETTING: usize = 64;
-
-/// `value` of `NINFER_TC_DECODE_MIN_TILES`: TC_MIN_WARP_TILES when unset, blank or `auto`, else
-/// an integer of 1..=TC_MAX_WARP_TILES_SETTING (an error naming the variable and the value
-/// otherwise).
-pub fn parse_tc_min_warp_tiles(value: Option<&str>) -> Result<usize> {
-    parse_auto_count(TC_MIN_WARP_TILES_VAR, value, TC_MIN_WARP_TILES, 1, Some(TC_MAX_WARP_TILES_SETTING))
-}
-
-/// Warps a block of `flash_decode_d{d}` (FD_WARPS): 2 at d 256, where each warp's two K/V
-/// buffers take 33 KiB, else 4.
-pub fn tc_decode_warps(d: usize) -> usize {
-    if d >= 256 {
-        2
-    } else {
-        4
-    }
-}
-
-/// Keys one split of a token seeing `limit` keys takes by default (fd_split_keys):
-/// TC_MIN_WARP_TILES tiles a warp, or more where that would pass DECODE_MAX_SPLITS splits.
-pub fn tc_split_keys(limit: usize, warps: usize) -> usize {
-    tc_split_keys_with(limit, warps, TC_MIN_WARP_TILES)
-}
-
-/// `tc_split_keys` with `min_tiles` the fewest tiles a warp takes.
-pub fn tc_split_keys_with(limit: usize, warps: usize, min_tiles: usize) -> usize {
-    let unit = warps * TC_TILE_KEYS;
-    (unit * min_tiles).max(limit.div_ceil(DECODE_MAX_SPLITS).div_ceil(unit) * unit)
-}
-
-/// Grid splits that cover every token whose context is at most `max_context` with `min_tiles`
-/// the fewest tiles a warp takes.
-pub fn tc_grid_splits(max_context: usize, warps: usize, min_tiles: usize) -> usize {
-    max_context.max(1).div_ceil(warps * TC_TILE_KEYS * min_tiles).min(DECODE_MAX_SPLITS)
-}
-
-/// Dynamic shared memory of `flash_decode_d{d}`: each warp's two buffers of a K and a V tile
-/// (rows padded by 8 elements), reused for the warps' merge and then for the last block's split
-/// merge (each head's split maxima / weights and sums, and totals).
-pub fn tc_smem_bytes(d: usize) -> usize {
-    let w = tc_decode_warps(d);
-    let tiles = w * 4 * TC_TILE_KEYS * (d + 8) * 2;
-    let merge = w * 8 * d * 4 + 2 * w * 8 * 4;
-    let split_merge = (2 * 8 * DECODE_MAX_SPLITS + 8) * 4;
-    tiles.max(merge).max(split_merge)
-}
-
-/// Whether the tensor-core form serves this shape: head sizes with an instance and GQA groups
-/// of at most 8 q heads (the tile's 8 columns).
-pub fn tc_decode_fits(sh: &PagedAttentionShape) -> bool {
-    matches!(sh.head_dim, 64 | 128 | 256)
-        && sh.n_kv_heads > 0
-        && sh.n_q_heads.is_multiple_of(sh.n_kv_heads)
-        && sh.n_q_heads / sh.n_kv_heads <= 8
-}
-
 /// Warps a block of `flash_decode_direct_d{d}` (FDD_WARPS in flash_attention.cu).
 pub const TC_DIRECT_WARPS: usize = 4;
 
@@ -307,38 +170,14 @@ pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
     max_context.max(1).div_ceil(TC_DIRECT_WARPS * TC_TILE_KEYS).min(splits).min(DECODE_MAX_SPLITS)
 }
 
-/// `NINFER_TC_DECODE_DIRECT` (default on): decode launches run the direct tensor-core form
-/// where it fits (head sizes 64 / 128 / 256, sm_80+); off runs the forms before it there (scaled,
-/// fixed, staged tensor-core by token count; an A/B and fallback switch).
-pub const TC_DECODE_DIRECT_SWITCH: &str = "NINFER_TC_DECODE_DIRECT";
-
-/// The staged tensor-core form's settings (`NINFER_TC_DECODE_MIN_TOKENS`,
-/// `NINFER_TC_DECODE_MIN_TILES`, their raw values) are an error where that form never runs
-/// (`staged_runs` false: NINFER_TC_DECODE_ATTN=0, or the direct form on, which takes every
-/// launch the staged form fits): a setting that is accepted must change something. Unset,
-/// blank or `auto` is always accepted.
-pub fn check_staged_tc_settings(staged_runs: bool, min_tokens: Option<&str>, min_tiles: Option<&str>) -> Result<()> {
-    if staged_runs {
-        return Ok(());
-    }
-    for (var, value) in [(TC_DECODE_MIN_TOKENS_VAR, min_tokens), (TC_MIN_WARP_TILES_VAR, min_tiles)] {
-        if let Some(v) = value.map(str::trim).filter(|v| !v.is_empty() && !v.eq_ignore_ascii_case("auto")) {
-            return Err(crate::NinferError::config(
-                var,
-                format!(
-                    "{v:?} tunes the staged tensor-core decode attention, which runs only with {TC_DECODE_ATTN_SWITCH} on and {TC_DECODE_DIRECT_SWITCH}=0"
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Whether the direct tensor-core form serves this shape: head sizes 64 / 128 / 256 (a lane
 /// holds two tiles of K/V of up to 128 dims in registers; at 256 a pair of warps splits the
 /// dims) and GQA groups of at most 8 q heads.
 pub fn tc_direct_fits(sh: &PagedAttentionShape) -> bool {
-    matches!(sh.head_dim, 64 | 128 | 256) && tc_decode_fits(sh)
+    matches!(sh.head_dim, 64 | 128 | 256)
+        && sh.n_kv_heads > 0
+        && sh.n_q_heads.is_multiple_of(sh.n_kv_heads)
+        && sh.n_q_heads / sh.n_kv_heads <= 8
 }
 
 /// Dynamic shared memory of `flash_decode_direct_d{d}`: the merge of its slots (a warp, or at
@@ -359,14 +198,6 @@ fn tc_direct_kernel_name(d: usize) -> &'static str {
     }
 }
 
-fn tc_kernel_name(d: usize) -> &'static str {
-    match d {
-        64 => "flash_decode_d64",
-        128 => "flash_decode_d128",
-        _ => "flash_decode_d256",
-    }
-}
-
 /// Most query tokens a decode launch runs the scaled form for by default. Measured on an H200
 /// (TIMING lines of cuda_ops decode_attention, benches/results/attnsplit_timing_e27b4e8.log,
 /// scaled / fixed per call): at batch 1, 0.48x at 4096 keys and 0.32x at 16384 (Llama-3-8B;
@@ -377,42 +208,108 @@ fn tc_kernel_name(d: usize) -> &'static str {
 /// End to end, Llama-3-8B batch-1 decode at ~3.8k keys: 213.5 tok/s against 188.6 (+13%).
 pub const DECODE_SCALED_MAX_TOKENS: usize = 2;
 
-/// The form a decode launch of `tokens` query tokens runs: the direct tensor-core one at every
-/// token count where `direct` (the shape fits, sm_80+, NINFER_TC_DECODE_DIRECT on); else the
-/// staged tensor-core one from `tc_min_tokens` tokens (Some where the device and shape allow it
-/// and NINFER_TC_DECODE_ATTN is on), the scaled one up to DECODE_SCALED_MAX_TOKENS and the
-/// fixed one in between; and the scaled one at every batch size when `batch_invariant`
-/// (`NINFER_BATCH_INVARIANT`): the scaled form gives a row the same bits in any batch, but
-/// switching form (or the direct form's splits) by batch size would not.
-/// Why the direct form: per call on the Llama-3-8B shape (H200,
-/// benches/results/cuda_ops_tc_direct_timing_10a069a.log) 0.42-0.84x the scaled / fixed forms'
-/// time at batch 1-8 and 1-32k keys, and 0.64-0.83x the staged form's at batch 16-64 and
-/// 1-16k keys; in the model (ab_tc_direct_*_1ab5e8a.log, one process a setting) batch-1 decode
-/// at a 32k context +14%, c = 4 / 8 +6.8% / +9.3% against the CUDA-core forms, c = 64 +5.0%
-/// against the staged form; on Qwen3.5-27B (head size 256, 16 of 64 layers, ab_tc_direct_27b_*_558cb77.log)
-/// batch-1 decode at a 32k context +3.1%, at 1k -0.35% (per call 1.39x the scaled form's time at
-/// 1k keys, 0.65x at 32k), c = 8 / 64 +1.5% / +2.1%. Why the staged form from TC_DECODE_MIN_TOKENS
-/// where the direct one is off: at batch 64 and ~1.2k keys on Llama-3-8B the fixed form took 223 us a layer, 59% of
-/// the step (benches/results/decode_profile_8b_b64_0ea12b0.txt), and below 16 tokens its large
-/// shared-memory carveout cost the GEMVs around it more than it saved.
-pub fn decode_attention_form(tokens: usize, batch_invariant: bool, tc_min_tokens: Option<usize>, direct: bool) -> DecodeAttentionForm {
-    if batch_invariant {
-        DecodeAttentionForm::Scaled
-    } else if direct {
-        DecodeAttentionForm::TensorCoreDirect
-    } else if tokens > DECODE_SCALED_MAX_TOKENS && tc_min_tokens.is_some_and(|min| tokens >= min) {
-        DecodeAttentionForm::TensorCore
-    } else if tokens <= DECODE_SCALED_MAX_TOKENS {
-        DecodeAttentionForm::Scaled
-    } else {
-        DecodeAttentionForm::Fixed
+/// The plan's decode attention route: which form a launch runs (`form`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeAttentionRoute {
+    /// The direct tensor-core form where the shape fits (sm_80+).
+    pub tensor_cores: bool,
+    /// Every launch in the scaled form (the plan's batch invariance).
+    pub batch_invariant: bool,
+}
+
+impl DecodeAttentionRoute {
+    /// The form a decode launch of `tokens` query tokens of `shape` runs: the scaled one at
+    /// every batch size when batch invariant (it gives a row the same bits in any batch, but
+    /// switching form, or the direct form's splits, by batch size would not); else the direct
+    /// tensor-core one where it fits; else the scaled one up to DECODE_SCALED_MAX_TOKENS and
+    /// the fixed one above.
+    /// Why the direct form: per call on the Llama-3-8B shape (H200) 0.42-0.84x the scaled /
+    /// fixed forms' time at batch 1-8 and 1-32k keys and 0.64-0.83x the staged tensor-core
+    /// form's at batch 16-64; in the model batch-1 decode at a 32k context +14%, c = 4 / 8
+    /// +6.8% / +9.3%, c = 64 +5.0%; on Qwen3.5-27B (head size 256) batch-1 decode at a 32k
+    /// context +3.1%, at 1k -0.35%, c = 8 / 64 +1.5% / +2.1%.
+    pub fn form(&self, tokens: usize, shape: &PagedAttentionShape) -> DecodeAttentionForm {
+        if self.batch_invariant {
+            DecodeAttentionForm::Scaled
+        } else if self.tensor_cores && tc_direct_fits(shape) {
+            DecodeAttentionForm::TensorCoreDirect
+        } else if tokens <= DECODE_SCALED_MAX_TOKENS {
+            DecodeAttentionForm::Scaled
+        } else {
+            DecodeAttentionForm::Fixed
+        }
     }
+}
+
+/// One decode attention launch as the plan routes it: the kernel, its grid (tokens x groups of
+/// q heads, splits), block, dynamic shared memory, and the layout argument the scaled and
+/// direct kernels take last (None for the fixed form, which takes none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeAttentionLaunch {
+    pub family: KernelFamily,
+    pub name: &'static str,
+    pub grid: (usize, usize),
+    pub block: usize,
+    pub smem: usize,
+    pub layout_arg: Option<usize>,
+}
+
+/// The layout argument a launch of `form` takes by default: the direct form's most splits a
+/// token (`tc_direct_splits` of the launch and the device's SMs), else the scaled form's
+/// default layout (ignored by the fixed form).
+pub fn default_layout_arg(form: DecodeAttentionForm, tokens: usize, shape: &PagedAttentionShape, sm_count: usize) -> usize {
+    match form {
+        DecodeAttentionForm::TensorCoreDirect => tc_direct_splits(tokens, shape.n_kv_heads, sm_count),
+        _ => DECODE_DEFAULT_LAYOUT,
+    }
+}
+
+/// The launch of decode attention form `form` with layout argument `layout_arg` for `tokens`
+/// query tokens of `shape` on a device of compute capability `cc`; an error where the form does
+/// not serve the shape there.
+pub fn decode_attention_launch(cc: (u32, u32), form: DecodeAttentionForm, layout_arg: usize, shape: &PagedAttentionShape, tokens: usize) -> Result<DecodeAttentionLaunch> {
+    let max_context = shape.max_blocks_per_seq * shape.block_size;
+    let (family, name, g, splits, block, smem, scaled) = match form {
+        DecodeAttentionForm::Scaled => {
+            let g = decode_group(shape);
+            (KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g), g, decode_grid_splits_with(max_context, layout_arg), DECODE_WARPS, 0, true)
+        }
+        DecodeAttentionForm::Fixed => {
+            let (g, _) = group_and_warps(shape, 0);
+            (KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g), g, FIXED_BLOCK_SPLITS, DECODE_WARPS, 0, false)
+        }
+        DecodeAttentionForm::TensorCoreDirect => {
+            if !tc_direct_fits(shape) || cc.0 < 8 {
+                return Err(crate::NinferError::invalid(
+                    "decode attention form",
+                    format!(
+                        "the direct tensor-core form needs sm_80+, head size 64/128/256 and at most 8 q heads a kv head (sm_{}{}, head size {}, {} / {} heads)",
+                        cc.0, cc.1, shape.head_dim, shape.n_q_heads, shape.n_kv_heads
+                    ),
+                ));
+            }
+            if !(1..=DECODE_MAX_SPLITS).contains(&layout_arg) {
+                return Err(crate::NinferError::invalid("decode attention splits", format!("the direct tensor-core form takes 1..={DECODE_MAX_SPLITS} splits a token, got {layout_arg}")));
+            }
+            let splits = tc_direct_grid_splits(max_context, layout_arg);
+            let d = shape.head_dim;
+            (KernelFamily::FlashAttention, tc_direct_kernel_name(d), shape.n_q_heads / shape.n_kv_heads, splits, TC_DIRECT_WARPS, tc_direct_smem_bytes(d), true)
+        }
+    };
+    Ok(DecodeAttentionLaunch {
+        family,
+        name,
+        grid: (tokens * shape.n_q_heads / g, splits),
+        block: block * 32,
+        smem,
+        layout_arg: scaled.then_some(layout_arg),
+    })
 }
 
 impl CudaDevice {
     /// Decode attention (one query token per sequence, or any tokens) in one kernel, in the form
-    /// `decode_attention_form` picks for this launch's token count (`paged_attention_decode_as`).
-    /// A decode graph's token count is fixed, so every replay of it runs the form it captured.
+    /// the plan's route picks for this launch's token count (`paged_attention_decode_as`). A
+    /// decode graph's token count is fixed, so every replay of it runs the form it captured.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode(
         &self,
@@ -426,14 +323,11 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let sm80 = self.compute_capability().0 >= 8;
-        let tc = self.tc_decode_attn() && sm80 && tc_decode_fits(shape);
-        let direct = self.tc_decode_direct() && sm80 && tc_direct_fits(shape);
-        let form = decode_attention_form(token_seq.len(), self.batch_invariant(), tc.then_some(self.tc_decode_min_tokens()), direct);
+        let form = self.plan().decode_attention.form(token_seq.len(), shape);
         self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
-    /// Decode attention in one kernel of the given form (both take the same arguments and
+    /// Decode attention in one kernel of the given form (all take the same arguments and
     /// scratch).
     ///
     /// `Scaled` (`decode_attention_*`, decode_attention.cu): a split-K layout that depends on
@@ -447,9 +341,9 @@ impl CudaDevice {
     /// `Fixed` (`decode_attention_fixed_*`, attention.cu): FIXED_BLOCK_SPLITS blocks per (token,
     /// group) whatever the context.
     ///
-    /// `TensorCore` (`flash_decode_*`, flash_attention.cu; `tc_decode_fits` shapes on sm_80+):
-    /// a block per (token, kv head, split of `tc_split_keys(context)` keys), grid splits
-    /// `tc_grid_splits` of the block tables' width, merged in-kernel as the scaled form.
+    /// `TensorCoreDirect` (`flash_decode_direct_*`; `tc_direct_fits` shapes on sm_80+): a block
+    /// per (token, kv head, split of `tc_direct_split_keys` keys), K/V loaded straight into the
+    /// mma fragments, merged in-kernel as the scaled form.
     ///
     /// In every form a row's result is the same in any batch (batch == alone, bit for bit) and
     /// in any launch. `shape.max_context` and `shape.partition` are ignored; `scratch` must hold
@@ -473,20 +367,14 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        // The scaled kernels take the layout's fewest keys a warp as a last argument, the
-        // tensor-core ones the fewest tiles a warp, the fixed ones neither.
-        let layout_arg = match form {
-            DecodeAttentionForm::TensorCore => self.tc_min_warp_tiles(),
-            DecodeAttentionForm::TensorCoreDirect => tc_direct_splits(token_seq.len(), shape.n_kv_heads, self.sm_count()),
-            _ => self.da_min_warp_keys(),
-        };
+        let layout_arg = default_layout_arg(form, token_seq.len(), shape, self.sm_count());
         self.paged_attention_decode_layout(form, layout_arg, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
     }
 
     /// `paged_attention_decode_as` with the layout argument given: the scaled form's fewest keys
-    /// a warp, the staged tensor-core form's fewest tiles a warp, the direct tensor-core form's
-    /// most splits a token (1..=DECODE_MAX_SPLITS; ignored by the fixed form). Every
-    /// value keeps a row's result independent of the batch; values differ in the last bits.
+    /// a warp (DECODE_DEFAULT_LAYOUT: the context's), the direct tensor-core form's most splits a
+    /// token (1..=DECODE_MAX_SPLITS; ignored by the fixed form). Every value keeps a row's result
+    /// independent of the batch; values differ in the last bits.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_decode_layout(
         &self,
@@ -502,59 +390,14 @@ impl CudaDevice {
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
-        let ((family, name), g, splits, scaled) = match form {
-            DecodeAttentionForm::Scaled => {
-                let g = decode_group(shape);
-                let splits = decode_grid_splits_with(shape.max_blocks_per_seq * shape.block_size, layout_arg);
-                ((KernelFamily::DecodeAttention, decode_kernel_name(shape.head_dim, g)), g, splits, true)
-            }
-            DecodeAttentionForm::Fixed => {
-                let (g, _) = group_and_warps(shape, 0);
-                ((KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g)), g, FIXED_BLOCK_SPLITS, false)
-            }
-            DecodeAttentionForm::TensorCore | DecodeAttentionForm::TensorCoreDirect => {
-                let direct = form == DecodeAttentionForm::TensorCoreDirect;
-                let fits = if direct { tc_direct_fits(shape) } else { tc_decode_fits(shape) };
-                if !fits || self.compute_capability().0 < 8 {
-                    return Err(crate::NinferError::invalid(
-                        "decode attention form",
-                        format!(
-                            "the {} form needs sm_80+, head size {} and at most 8 q heads a kv head (sm_{}{}, head size {}, {} / {} heads)",
-                            if direct { "direct tensor-core" } else { "tensor-core" },
-                            "64/128/256",
-                            self.compute_capability().0,
-                            self.compute_capability().1,
-                            shape.head_dim,
-                            shape.n_q_heads,
-                            shape.n_kv_heads
-                        ),
-                    ));
-                }
-                let (w, name) = if direct {
-                    (TC_DIRECT_WARPS, tc_direct_kernel_name(shape.head_dim))
-                } else {
-                    (tc_decode_warps(shape.head_dim), tc_kernel_name(shape.head_dim))
-                };
-                let max_context = shape.max_blocks_per_seq * shape.block_size;
-                let splits = if direct {
-                    if !(1..=DECODE_MAX_SPLITS).contains(&layout_arg) {
-                        return Err(crate::NinferError::invalid("decode attention splits", format!("the direct tensor-core form takes 1..={DECODE_MAX_SPLITS} splits a token, got {layout_arg}")));
-                    }
-                    tc_direct_grid_splits(max_context, layout_arg)
-                } else {
-                    tc_grid_splits(max_context, w, layout_arg)
-                };
-                ((KernelFamily::FlashAttention, name), shape.n_q_heads / shape.n_kv_heads, splits, true)
-            }
-        };
+        let t = token_seq.len();
+        let l = decode_attention_launch(self.compute_capability(), form, layout_arg, shape, t)?;
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
-        let t = token_seq.len();
         let need = decode_scratch_len(t, sh);
         check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
         check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
         check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
-        let blocks = t * sh.n_q_heads / g;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k_cache.device_ptr(s);
@@ -566,12 +409,7 @@ impl CudaDevice {
         let (pa, _h) = scratch.acc.device_ptr(s);
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
-        let (smem, tc_warps) = match form {
-            DecodeAttentionForm::TensorCore => (tc_smem_bytes(sh.head_dim), tc_decode_warps(sh.head_dim)),
-            DecodeAttentionForm::TensorCoreDirect => (tc_direct_smem_bytes(sh.head_dim), TC_DIRECT_WARPS),
-            _ => (0, 0),
-        };
-        let f = self.function_with_smem(family, name, smem)?;
+        let f = self.function_with_smem(l.family, l.name, l.smem)?;
         let args = [
             KArg::Ptr(qp),
             KArg::Ptr(kp),
@@ -589,16 +427,13 @@ impl CudaDevice {
             KArg::Ptr(pa),
             KArg::Ptr(pm),
             KArg::Ptr(ar),
-            KArg::I32(layout_arg as i32),
+            KArg::I32(l.layout_arg.unwrap_or(0) as i32),
         ];
-        let n_args = if scaled { args.len() } else { args.len() - 1 };
-        let grid = (as_i32("decode attention blocks", blocks)? as u32, splits as u32, 1);
-        let mut config = cfg(grid, (DECODE_WARPS * 32) as u32);
-        if tc_warps > 0 {
-            config.block_dim = ((tc_warps * 32) as u32, 1, 1);
-            config.shared_mem_bytes = smem as u32;
-        }
-        self.launch_pdl(&f, config, name, &args[..n_args])
+        let n_args = if l.layout_arg.is_some() { args.len() } else { args.len() - 1 };
+        let grid = (as_i32("decode attention blocks", l.grid.0)? as u32, l.grid.1 as u32, 1);
+        let mut config = cfg(grid, l.block as u32);
+        config.shared_mem_bytes = l.smem as u32;
+        self.launch_pdl(&f, config, l.name, &args[..n_args])
     }
 }
 
@@ -607,31 +442,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_fewest_tiles_a_warp_is_a_checked_setting_and_bounds_the_grid() {
-        for unset in [None, Some(""), Some(" auto ")] {
-            assert_eq!(parse_tc_min_warp_tiles(unset).unwrap(), TC_MIN_WARP_TILES, "{unset:?}");
-        }
-        assert_eq!(parse_tc_min_warp_tiles(Some(" 8 ")).unwrap(), 8);
-        for bad in ["0", "65", "-1", "eight"] {
-            let e = parse_tc_min_warp_tiles(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains(TC_MIN_WARP_TILES_VAR) && e.contains(bad), "{e}");
-        }
-        // 4 warps of 16-key tiles: 4 tiles a split of 256 keys, 8 of 512; the cap of 32 splits.
-        assert_eq!(tc_split_keys_with(1100, 4, 4), 256);
-        assert_eq!(tc_split_keys_with(1100, 4, 8), 512);
-        assert_eq!(tc_split_keys_with(65536, 4, 1), 2048);
-    }
-
-    #[test]
-    fn the_fewest_keys_a_warp_is_a_checked_setting_and_bounds_the_grid() {
-        for unset in [None, Some(""), Some(" auto "), Some("AUTO")] {
-            assert_eq!(parse_da_min_warp_keys(unset).unwrap(), DECODE_DEFAULT_LAYOUT, "{unset:?}");
-        }
-        assert_eq!(parse_da_min_warp_keys(Some(" 4 ")).unwrap(), 4);
-        for bad in ["0", "-1", "257", "x", "2.5"] {
-            let e = parse_da_min_warp_keys(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains(DA_MIN_WARP_KEYS_VAR) && e.contains(bad), "{bad}: {e}");
-        }
+    fn the_fewest_keys_a_warp_bounds_the_grid() {
         // 256 keys: 8 splits of 4-key warps, 2 of 16, 1 of 32; the cap of 32 splits holds.
         assert_eq!([4, 16, 32].map(|m| decode_block_splits_with(256, m)), [8, 2, 1]);
         for min in [DECODE_DEFAULT_LAYOUT, 1, 4, 16, 32, 256] {
@@ -648,58 +459,18 @@ mod tests {
     }
 
     #[test]
-    fn the_tensor_core_grid_covers_every_context_and_its_shared_memory_fits_every_sm80_part() {
-        for d in [64, 128, 256] {
-            let w = tc_decode_warps(d);
-            // Opt-in limit of sm_86 / sm_89 (99 KiB), the smallest of the sm_80+ parts.
-            assert!(tc_smem_bytes(d) <= 99 * 1024, "d{d}: {} bytes", tc_smem_bytes(d));
-            for min in [1, TC_MIN_WARP_TILES, 8, TC_MAX_WARP_TILES_SETTING] {
-                for max in [1, 63, 64, 256, 257, 1000, 8192, 8193, 40000] {
-                    let grid = tc_grid_splits(max, w, min);
-                    assert!((1..=DECODE_MAX_SPLITS).contains(&grid));
-                    for ctx in 1..=max {
-                        let split = tc_split_keys_with(ctx, w, min);
-                        assert_eq!(split % (w * TC_TILE_KEYS), 0);
-                        assert!(ctx.div_ceil(split) <= grid, "d{d} min {min}: context {ctx} under a grid for {max}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
     fn small_batches_and_batch_invariant_runs_take_the_scaled_form() {
-        use DecodeAttentionForm::{Fixed, Scaled, TensorCore, TensorCoreDirect};
+        use DecodeAttentionForm::{Fixed, Scaled, TensorCoreDirect};
+        let (fits, d96) = (shape(32, 8, 128), shape(32, 8, 96));
         for (tokens, invariant, form) in [(1, false, Scaled), (2, false, Scaled), (3, false, Fixed), (8, false, Fixed), (64, false, Fixed), (1, true, Scaled), (8, true, Scaled), (64, true, Scaled)] {
-            assert_eq!(decode_attention_form(tokens, invariant, None, false), form, "{tokens} tokens, invariant {invariant}");
-            let tc = if form == Fixed && tokens >= TC_DECODE_MIN_TOKENS { TensorCore } else { form };
-            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), false), tc, "{tokens} tokens, invariant {invariant}, tensor cores");
+            let cuda_cores = DecodeAttentionRoute { tensor_cores: false, batch_invariant: invariant };
+            assert_eq!(cuda_cores.form(tokens, &fits), form, "{tokens} tokens, invariant {invariant}");
             // The direct form takes every launch where it fits, never a batch-invariant one.
-            let direct = if invariant { Scaled } else { TensorCoreDirect };
-            assert_eq!(decode_attention_form(tokens, invariant, Some(TC_DECODE_MIN_TOKENS), true), direct, "{tokens} tokens, invariant {invariant}, direct");
-            let alone = if invariant { Scaled } else { TensorCoreDirect };
-            assert_eq!(decode_attention_form(tokens, invariant, None, true), alone, "{tokens} tokens, invariant {invariant}, direct only");
-        }
-        // A lower threshold moves the fixed form's launches, never the scaled form's.
-        assert_eq!(decode_attention_form(3, false, Some(3), false), TensorCore);
-        assert_eq!(decode_attention_form(2, false, Some(3), false), Scaled);
-        assert_eq!(decode_attention_form(2, false, Some(3), true), TensorCoreDirect);
-        assert_eq!(decode_attention_form(64, false, Some(3), true), TensorCoreDirect);
-        assert_eq!(decode_attention_form(8, true, Some(3), true), Scaled);
-    }
-
-    #[test]
-    fn staged_settings_are_refused_where_the_staged_form_never_runs() {
-        for unset in [None, Some(""), Some(" auto ")] {
-            check_staged_tc_settings(false, unset, unset).unwrap();
-        }
-        check_staged_tc_settings(true, Some("8"), Some("4")).unwrap();
-        for (tokens, tiles, var, value) in [(Some("8"), None, TC_DECODE_MIN_TOKENS_VAR, "8"), (None, Some("4"), TC_MIN_WARP_TILES_VAR, "4")] {
-            let e = check_staged_tc_settings(false, tokens, tiles).unwrap_err().to_string();
-            assert!(e.contains(var) && e.contains(value) && e.contains(TC_DECODE_DIRECT_SWITCH), "{e}");
+            let tc = DecodeAttentionRoute { tensor_cores: true, batch_invariant: invariant };
+            assert_eq!(tc.form(tokens, &fits), if invariant { Scaled } else { TensorCoreDirect }, "{tokens} tokens, invariant {invariant}, direct");
+            assert_eq!(tc.form(tokens, &d96), form, "head size 96 has no direct form");
         }
     }
-
     #[test]
     fn the_direct_form_aims_at_two_blocks_an_sm_and_its_grid_covers_every_context() {
         // H200 (132 SMs), Llama-3-8B's 8 kv heads: batch 1 32 splits (the cap), 2 16, 4 8, 8 4,
@@ -733,18 +504,6 @@ mod tests {
                 }
                 assert!((1..=max).any(|ctx| ctx.div_ceil(tc_direct_split_keys(ctx, splits)) == grid), "tight: splits {splits}, max {max}");
             }
-        }
-    }
-
-    #[test]
-    fn tc_min_tokens_setting_parses_or_names_the_bad_value() {
-        assert_eq!(parse_tc_decode_min_tokens(None).unwrap(), TC_DECODE_MIN_TOKENS);
-        assert_eq!(parse_tc_decode_min_tokens(Some(" auto ")).unwrap(), TC_DECODE_MIN_TOKENS);
-        assert_eq!(parse_tc_decode_min_tokens(Some("3")).unwrap(), 3);
-        assert_eq!(parse_tc_decode_min_tokens(Some("64")).unwrap(), 64);
-        for bad in ["2", "0", "-4", "eight", "1.5"] {
-            let e = parse_tc_decode_min_tokens(Some(bad)).unwrap_err().to_string();
-            assert!(e.contains(TC_DECODE_MIN_TOKENS_VAR) && e.contains(bad), "{bad}: {e}");
         }
     }
 

@@ -7,6 +7,7 @@ use super::attention::PagedAttentionShape;
 use super::{as_i32, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
+use crate::backend::cuda::plan::{DeviceFacts, Plan};
 use crate::{NinferError, Result};
 
 /// Shared-memory row padding in elements (FA_PAD).
@@ -56,16 +57,12 @@ impl FlashTile {
         FlashTile::Rows128WgmmaWs,
     ];
 
-    /// The warp-specialized form (NVRTC 13 only; `NINFER_FA_WS=0` keeps it off the route).
+    /// The warp-specialized form (sm_90a code built by NVRTC 13 only: the plan's
+    /// `prefill_warp_specialized`).
     pub fn warp_specialized(self) -> bool {
         self == FlashTile::Rows128WgmmaWs
     }
 }
-
-/// `NINFER_FA_WS` (default on): prefill attention at d 128 and d 256 on Hopper runs the
-/// warp-specialized wgmma form where it was built (NVRTC 13); 0 routes to the plain wgmma form.
-/// Read once.
-pub const FA_WS_SWITCH: &str = "NINFER_FA_WS";
 
 /// The tilings in the order `flash_tile` prefers them (each measured faster than the next where
 /// both fit: `flash_attention_prefill_timing_at_2k_and_8k` fails otherwise).
@@ -132,6 +129,29 @@ fn instance(d: usize, tile: FlashTile) -> Result<Instance> {
     Ok(Instance { name, bn, warps, producer_warps, buffers, wgmma })
 }
 
+/// The tiling prefill attention takes for head size `d` under `plan`: the first of ROUTE_ORDER
+/// that exists for `d`, whose shared memory a block may take and (the warp-specialized form)
+/// that the plan allows (the 128-key tiles at d 128 on sm_90, the 128-row cp.async form at d 256
+/// and d 128 on sm_80 / sm_90, else 64-row blocks).
+pub fn flash_tile_for(plan: &Plan, d: usize) -> FlashTile {
+    ROUTE_ORDER
+        .into_iter()
+        .find(|&t| (plan.prefill_warp_specialized || !t.warp_specialized()) && tile_fits(&plan.facts, d, t))
+        .unwrap_or(FlashTile::Rows64)
+}
+
+/// Whether tiling `tile` exists for head size `d`, fits the device's shared memory and (for
+/// wgmma) runs there: sm_90a code, which the kernels are compiled to on compute capability 9.0
+/// only (kernels.rs `has_sm90a_code`), the warp-specialized form built by NVRTC 13 only.
+pub fn tile_fits(facts: &DeviceFacts, d: usize, tile: FlashTile) -> bool {
+    instance(d, tile).is_ok_and(|i| {
+        let (major, minor) = facts.compute_capability;
+        i.smem_bytes(d) <= facts.smem_optin
+            && (!i.wgmma || crate::backend::cuda::kernels::has_sm90a_code(major, minor))
+            && (!tile.warp_specialized() || facts.nvrtc_major >= 13)
+    })
+}
+
 impl CudaDevice {
     /// Whether this device runs `flash_attention` on tensor cores (sm_80+); below that the
     /// launcher computes the same result with the scalar `paged_attention` kernel.
@@ -139,26 +159,15 @@ impl CudaDevice {
         self.compute_capability().0 >= 8
     }
 
-    /// The tiling `flash_attention` uses for head size `d` here: the first of ROUTE_ORDER that
-    /// exists for `d` and whose shared memory a block may take (the 128-key tiles at d 128 on
-    /// sm_90, the 128-row cp.async form at d 256 and d 128 on sm_80 / sm_90, else 64-row blocks).
+    /// The tiling `flash_attention` uses for head size `d` here (`flash_tile_for` of the plan).
     pub fn flash_tile(&self, d: usize) -> FlashTile {
-        ROUTE_ORDER
-            .into_iter()
-            .find(|&t| (self.fa_ws() || !t.warp_specialized()) && self.flash_tile_fits(d, t))
-            .unwrap_or(FlashTile::Rows64)
+        flash_tile_for(self.plan(), d)
     }
 
     /// Whether tiling `tile` exists for head size `d`, fits this device's shared memory and (for
-    /// wgmma) runs here: sm_90a code, which the kernels are compiled to on compute capability 9.0
-    /// only (kernels.rs `has_sm90a_code`; no architecture string built on every launch).
+    /// wgmma) runs here (`tile_fits`).
     pub fn flash_tile_fits(&self, d: usize, tile: FlashTile) -> bool {
-        instance(d, tile).is_ok_and(|i| {
-            let (major, minor) = self.compute_capability();
-            i.smem_bytes(d) <= self.smem_optin()
-                && (!i.wgmma || crate::backend::cuda::kernels::has_sm90a_code(major, minor))
-                && (!tile.warp_specialized() || self.nvrtc_major() >= 13)
-        })
+        tile_fits(&self.plan().facts, d, tile)
     }
 
     /// The persistent prefill attention's work counters as they stand after the stream's
@@ -329,17 +338,6 @@ mod tests {
             let narrow = instance(d, FlashTile::Rows64).unwrap();
             assert!(narrow.smem_bytes(d) <= OPTIN_SM86, "d{d}: {} bytes", narrow.smem_bytes(d));
         }
-    }
-
-    /// `NINFER_FA_WS` as the device reads it (env_switch): on unless 0/false/off/no, and a
-    /// misspelt value stops the load with an error naming the variable and the value.
-    #[test]
-    fn fa_ws_switch_defaults_on_and_rejects_a_misspelt_value() {
-        use crate::config::env_switch::parse_switch;
-        assert!(parse_switch(FA_WS_SWITCH, None, true).unwrap());
-        assert!(!parse_switch(FA_WS_SWITCH, Some("off"), true).unwrap());
-        let e = parse_switch(FA_WS_SWITCH, Some("maybe"), true).unwrap_err().to_string();
-        assert!(e.contains("NINFER_FA_WS") && e.contains("maybe"), "{e}");
     }
 
     #[test]

@@ -106,13 +106,9 @@ pub enum PrepForm {
 }
 
 impl CudaDevice {
-    /// The prep `gdn_chunked` runs here: tensor cores from sm_80 on.
+    /// The prep `gdn_chunked` runs here: the plan's (tensor cores from sm_80 on).
     pub fn gdn_prep_form(&self) -> PrepForm {
-        if self.compute_capability().0 < 8 {
-            PrepForm::Simt
-        } else {
-            PrepForm::TensorCores
-        }
+        self.plan().gdn_prep
     }
 
     /// The scan `gdn_chunked` runs here for key head size `dk`: tensor cores from sm_80 on,

@@ -10,11 +10,12 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::gemv_tuning::GemvKernel;
+use super::gemv_route::GemvKernel;
 use super::rope_kv::{check_kv_caches, RopeKvShape};
 use super::{as_i32, cfg, check_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
+use crate::backend::cuda::plan::Plan;
 use crate::{NinferError, Result};
 
 /// Whether a qkv projection can run `gemv_qkv_rope_kv_write` instead of the GEMV and
@@ -25,6 +26,18 @@ use crate::{NinferError, Result};
 /// q/k norm) and its switch.
 pub fn qkv_rope_fits(kernel: GemvKernel, rows: usize, head_dim: usize, rotary_dim: usize, k: usize) -> bool {
     kernel == GemvKernel::CudaCores && rows == 1 && rotary_dim == head_dim && head_dim > 0 && k.is_multiple_of(8)
+}
+
+/// The fused kernel's launch for a packed qkv row of `rows` rows over K = `k` under `plan`: a
+/// warp per RoPE pair and the plan's CUDA-core GEMV block, as gemv_m1 has a warp per row, with
+/// the qkv GEMV's K split and prefetch (its weight's), so the two forms sum alike. Grid, block
+/// and the int arguments (pairs, k, prefetch vectors, K split).
+pub fn qkv_rope_launch(plan: &Plan, rows: usize, k: usize) -> Result<(u32, u32, [i32; 4])> {
+    let pairs = rows / 2;
+    let (warps, ksplit) = (plan.cc_warps, plan.cc_ksplit);
+    let grid = as_i32("gemv_qkv_rope blocks", pairs.div_ceil(warps / ksplit))? as u32;
+    let ints = [as_i32("gemv_qkv_rope pairs", pairs)?, as_i32("gemv_qkv_rope k", k)?, plan.cc_prefetch_vectors(rows, k) as i32, ksplit as i32];
+    Ok((grid, (warps * 32) as u32, ints))
 }
 
 /// The packed qkv row the fused kernel computes: n_q_heads q heads, then n_kv_heads k heads,
@@ -65,6 +78,7 @@ impl QkvRopeLayout {
     }
 
     /// RoPE pairs of the row: the kernel's warps.
+    #[cfg(test)]
     fn pairs(&self) -> usize {
         self.rows() / 2
     }
@@ -109,17 +123,15 @@ impl CudaDevice {
         let (fp, _h) = inv_freq.device_ptr(s);
         let name = "gemv_qkv_rope_m1";
         let f = self.function(KernelFamily::Gemv, name)?;
-        // The qkv GEMV's split (its weight's shape), so the two forms sum alike.
-        let ksplit = self.cc_ksplit_for(l.rows(), k);
+        let (grid, block, [pairs, kk, prefetch, ksplit]) = qkv_rope_launch(self.plan(), l.rows(), k)?;
         let args = [
             KArg::Ptr(xp),
             KArg::Ptr(wp),
             KArg::Ptr(yp),
-            KArg::I32(as_i32("gemv_qkv_rope pairs", l.pairs())?),
-            KArg::I32(as_i32("gemv_qkv_rope k", k)?),
-            // The plain GEMV's pre-wait prefetch depth for this weight.
-            KArg::I32(self.cc_prefetch().vectors(l.rows(), k) as i32),
-            KArg::I32(ksplit as i32),
+            KArg::I32(pairs),
+            KArg::I32(kk),
+            KArg::I32(prefetch),
+            KArg::I32(ksplit),
             KArg::Ptr(kc),
             KArg::Ptr(vc),
             KArg::Ptr(pp),
@@ -130,10 +142,7 @@ impl CudaDevice {
             KArg::I32(as_i32("head_dim", l.head_dim)? / 2),
             KArg::F32(shape.attn_scale),
         ];
-        // A warp per pair, the device's CUDA-core GEMV warps a block, as gemv_m1 has a warp per row.
-        let warps = self.cc_warps();
-        let grid = (as_i32("gemv_qkv_rope blocks", l.pairs().div_ceil(warps / ksplit))? as u32, 1, 1);
-        self.launch_pdl(&f, cfg(grid, (warps * 32) as u32), name, &args)
+        self.launch_pdl(&f, cfg((grid, 1, 1), block), name, &args)
     }
 }
 

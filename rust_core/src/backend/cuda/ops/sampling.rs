@@ -10,7 +10,7 @@ use crate::Result;
 
 /// Threads of a `sample_scan` block (SCAN_THREADS in sampling.cu).
 const SCAN_THREADS: u32 = 256;
-/// Threads of a `sample_pick` / `sample_rows_one_block` block (SAMPLE_THREADS).
+/// Threads of a `sample_pick` block (SAMPLE_THREADS).
 const SAMPLE_THREADS: u32 = 1024;
 
 /// Device scratch of `sample_rows` for up to `rows` rows of a `vocab`-wide logits buffer,
@@ -145,39 +145,6 @@ impl CudaDevice {
         let pick = self.function(KernelFamily::Sampling, "sample_pick")?;
         let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(op)];
         self.launch(&pick, cfg((grid.1, 1, 1), SAMPLE_THREADS), "sample_pick", &args)
-    }
-
-    /// `sample_rows` in one kernel of one block per row (the whole row streamed by one SM):
-    /// the same tokens and top ids, logsumexp summed in another order. The op tests compare
-    /// `sample_rows` against it and time both; steps use `sample_rows`. `work` is f32
-    /// `[rows, vocab]` scratch; `fed` as `sample_rows`.
-    pub fn sample_rows_one_block(
-        &self,
-        logits: &impl DevicePtr<f32>,
-        work: &mut impl DevicePtrMut<f32>,
-        packed: &PackedSampling,
-        params: &impl DevicePtr<u32>,
-        fed: Option<&CudaView<'_, i32>>,
-        out: &mut impl DevicePtrMut<u32>,
-    ) -> Result<()> {
-        let (rows, vocab) = (packed.rows(), packed.vocab());
-        if rows == 0 {
-            return Ok(());
-        }
-        check_len("sampler logits", logits.len(), (packed.max_src_row() + 1) * vocab)?;
-        let fed = check_fed(packed, fed)?;
-        check_len("sampler work", work.len(), rows * vocab)?;
-        check_len("sampler params", params.len(), packed.words().len())?;
-        check_len("sampler output", out.len(), rows * SAMPLE_OUT)?;
-        let f = self.function(KernelFamily::Sampling, "sample_rows_one_block")?;
-        let s = self.stream();
-        let (lp, _a) = logits.device_ptr(s);
-        let (wp, _b) = work.device_ptr_mut(s);
-        let (pp, _c) = params.device_ptr(s);
-        let (op, _d) = out.device_ptr_mut(s);
-        let (fp, _e) = fed.map(|f| f.device_ptr(s)).unzip();
-        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(pp), KArg::Ptr(fp.unwrap_or(0)), KArg::Ptr(op)];
-        self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), SAMPLE_THREADS), "sample_rows_one_block", &args)
     }
 }
 

@@ -9,136 +9,25 @@
 //! converted element by element) while the copy engine drains the ones filled before, so host
 //! reads and PCIe copies overlap and host memory stays at the ring's size.
 //!
-//! What lands on the device is what `cuda_weights` documents: norm weights as stored (the
+//! What lands on the device is what `weights` documents: norm weights as stored (the
 //! kernels add 1 for zero-centred models), `A_log` and `dt_bias` in f32, the GDN input
 //! projection as four buffers.
 
+mod pack;
+
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
-use rayon::prelude::*;
-use ::safetensors::Dtype;
 
 use crate::artifact::{RawTensor, WeightStore};
 use crate::backend::cuda::device::driver_err;
-use crate::backend::cuda::kernels::StorageDType;
-use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
+use crate::model::names;
 use crate::{NinferError, Result};
 
-use super::cuda_weights::{DevAttention, DevGdn, DevLayer, DevLinear, DevMixer, DevWeights};
-use super::weights::names;
+pub use pack::Packed;
 
-/// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
-struct Segment {
-    part: usize,
-    src: usize,
-    len: usize,
-    dst: usize,
-}
-
-/// One device tensor in storage type, assembled from checkpoint tensors.
-pub struct Packed<'a> {
-    parts: Vec<RawTensor<'a>>,
-    /// Sorted by `dst`, covering `0..numel` without gaps.
-    segments: Vec<Segment>,
-    numel: usize,
-}
-
-/// Elements converted per rayon task (2 MiB of bf16: large enough that a positioned read is
-/// efficient, small enough to spread a staging buffer over all cores).
-const TASK_ELEMS: usize = 1 << 20;
-
-impl<'a> Packed<'a> {
-    /// The checkpoint tensors one after the other (a fused projection's row blocks).
-    pub fn concat(parts: Vec<RawTensor<'a>>) -> Self {
-        let mut segments = Vec::with_capacity(parts.len());
-        let mut dst = 0;
-        for (i, p) in parts.iter().enumerate() {
-            segments.push(Segment { part: i, src: 0, len: p.numel, dst });
-            dst += p.numel;
-        }
-        Packed { parts, segments, numel: dst }
-    }
-
-    /// One checkpoint tensor as is.
-    pub fn single(t: RawTensor<'a>) -> Self {
-        Self::concat(vec![t])
-    }
-
-    /// Elements in the packed tensor.
-    pub fn numel(&self) -> usize {
-        self.numel
-    }
-
-    /// Replaces the first part (which must start at 0) by its `blocks` equal blocks taken in
-    /// the order `source_block(d)` gives for destination block `d`.
-    fn permute_first_part(mut self, blocks: usize, source_block: impl Fn(usize) -> usize) -> Self {
-        let first = &self.segments[0];
-        debug_assert!(first.part == 0 && first.dst == 0 && first.len.is_multiple_of(blocks));
-        let block = first.len / blocks;
-        let permuted = (0..blocks).map(|d| Segment { part: 0, src: source_block(d) * block, len: block, dst: d * block });
-        self.segments.splice(0..1, permuted);
-        self
-    }
-
-    /// Elements `first..first + out.len()` of the packed tensor as `storage` bits, spread over
-    /// the rayon pool. `read`: copy same-type bytes with positioned file reads rather than
-    /// through the mapping.
-    pub fn fill(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
-        out.par_chunks_mut(TASK_ELEMS).enumerate().try_for_each(|(i, chunk)| self.fill_serial(first + i * TASK_ELEMS, chunk, storage, read))
-    }
-
-    fn fill_serial(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
-        let end = first + out.len();
-        let start = self.segments.partition_point(|s| s.dst + s.len <= first);
-        for seg in self.segments[start..].iter().take_while(|s| s.dst < end) {
-            let lo = seg.dst.max(first);
-            let hi = (seg.dst + seg.len).min(end);
-            let src = seg.src + (lo - seg.dst);
-            convert(&self.parts[seg.part], src, &mut out[lo - first..hi - first], storage, read)?;
-        }
-        Ok(())
-    }
-}
-
-static READ_FALLBACK: std::sync::Once = std::sync::Once::new();
-
-/// Elements `src..src + out.len()` of `t` as `storage` bits.
-fn convert(t: &RawTensor<'_>, src: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
-    let n = out.len();
-    match (t.dtype, storage) {
-        (Dtype::BF16, StorageDType::Bf16) | (Dtype::F16, StorageDType::F16) => {
-            if read && cfg!(target_endian = "little") {
-                // SAFETY: u16 has no invalid bit patterns and u8 has alignment 1; on a
-                // little-endian host the stored bytes are the u16 values.
-                let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), 2 * n) };
-                match t.read_into(2 * src, bytes) {
-                    Ok(()) => return Ok(()),
-                    // The mapping holds the same bytes: a sandbox that refuses reads into
-                    // pinned memory costs speed, not the load.
-                    Err(e) => READ_FALLBACK.call_once(|| eprintln!("ninfer: positioned read failed ({e}); copying through the mapping")),
-                }
-            }
-            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
-                *o = u16::from_le_bytes([b[0], b[1]]);
-            }
-        }
-        (Dtype::BF16, StorageDType::F16) => {
-            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
-                *o = storage_bit_from_bf16(u16::from_le_bytes([b[0], b[1]]), storage);
-            }
-        }
-        _ => {
-            // F32 or F16 sources (and F16 into bf16): through f32, rounding to nearest even once.
-            let mut tmp = vec![0f32; n];
-            t.f32_into(src, &mut tmp);
-            for (o, v) in out.iter_mut().zip(tmp) {
-                *o = storage_bit_from_f32(v, storage);
-            }
-        }
-    }
-    Ok(())
-}
+use super::linear::{Linear, LinearRoute, WeightFormat};
+use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevWeights};
 
 /// Where packed tensors go: device buffers, or host vectors in the packing test.
 pub trait Sink {
@@ -148,6 +37,10 @@ pub trait Sink {
     type F;
     fn storage(&mut self, t: &Packed<'_>) -> Result<Self::W>;
     fn f32(&mut self, values: &[f32]) -> Result<Self::F>;
+    /// The format the projections' weights are stored in.
+    fn format(&self) -> WeightFormat;
+    /// The decode GEMV route of a `[n, k]` projection weight.
+    fn route(&self, n: usize, k: usize) -> LinearRoute;
 }
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
@@ -200,16 +93,17 @@ impl<'a> Builder<'a> {
         sink.f32(&values)
     }
 
-    fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<DevLinear<S::W>> {
+    fn linear<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bytes: &mut usize) -> Result<Linear<S::W>> {
         self.linear_biased(sink, t, k, None, bytes)
     }
 
-    /// A projection with its bias (`[n]`, the parts in the order of the weight's), if any.
-    fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<DevLinear<S::W>> {
+    /// A projection with its bias (`[n]`, the parts in the order of the weight's), if any, in
+    /// the sink's format and with the route it gives the shape.
+    fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let n = t.numel() / k;
         let w = self.put(sink, t, bytes)?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
-        Ok(DevLinear { w, n, k, bias })
+        Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k) })
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
@@ -290,7 +184,6 @@ pub struct DeviceSink<'a> {
     dev: &'a CudaDevice,
     stages: Vec<(Stage, CudaEvent)>,
     next: usize,
-    read: bool,
     /// Seconds spent filling staging buffers, and waiting for a buffer's copy to finish: which
     /// side limits the load (printed with the load time).
     fill_s: f64,
@@ -298,8 +191,8 @@ pub struct DeviceSink<'a> {
 }
 
 impl<'a> DeviceSink<'a> {
-    /// `NINFER_LOAD_MMAP=1` copies through the memory mapping instead of positioned reads (for
-    /// comparing the two on a new machine).
+    /// Same-type tensors are copied with positioned reads (`convert` falls back to the memory
+    /// mapping where a read fails).
     pub fn new(dev: &'a CudaDevice) -> Result<Self> {
         let ctx = dev.context();
         let mut stages = Vec::with_capacity(STAGES);
@@ -317,8 +210,7 @@ impl<'a> DeviceSink<'a> {
             };
             stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
-        let read = !crate::config::env_switch("NINFER_LOAD_MMAP", false)?;
-        Ok(DeviceSink { dev, stages, next: 0, read, fill_s: 0.0, wait_s: 0.0 })
+        Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0 })
     }
 }
 
@@ -355,7 +247,7 @@ impl Sink for DeviceSink<'_> {
                 Stage::Pinned(p) => &mut p.as_mut_slice().map_err(driver_err("mapping a staging buffer"))?[..len],
                 Stage::Pageable(v) => &mut v[..len],
             };
-            t.fill(first, host, storage, self.read)?;
+            t.fill(first, host, storage, true)?;
             self.fill_s += clock.elapsed().as_secs_f64();
             stream.memcpy_htod(&*host, &mut dst.slice_mut(first..first + len)).map_err(driver_err("uploading weights"))?;
             ev.record(stream).map_err(driver_err("recording a staging event"))?;
@@ -366,6 +258,14 @@ impl Sink for DeviceSink<'_> {
 
     fn f32(&mut self, values: &[f32]) -> Result<CudaSlice<f32>> {
         self.dev.stream().clone_htod(values).map_err(driver_err("uploading weights"))
+    }
+
+    fn format(&self) -> WeightFormat {
+        self.dev.storage().into()
+    }
+
+    fn route(&self, n: usize, k: usize) -> LinearRoute {
+        LinearRoute::on_device(self.dev, n, k)
     }
 }
 
@@ -381,7 +281,10 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// A sink that allocates and reads nothing: `build` through it checks every name, shape and
 /// dtype and totals the device bytes, so that a model that cannot fit is refused with its whole
 /// size before the first upload (the one tensor whose allocation failed would name a fraction).
-struct PlanSink;
+/// Its projections get `format` and the CUDA-core route: a plan runs nothing.
+struct PlanSink {
+    format: WeightFormat,
+}
 
 impl Sink for PlanSink {
     type W = ();
@@ -394,18 +297,27 @@ impl Sink for PlanSink {
     fn f32(&mut self, _values: &[f32]) -> Result<()> {
         Ok(())
     }
+
+    fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    fn route(&self, _n: usize, k: usize) -> LinearRoute {
+        LinearRoute::cuda_cores(k)
+    }
 }
 
-/// Device bytes the weights of `cfg` in `store` take (every tensor checked as the load will).
-pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore) -> Result<usize> {
-    Ok(build(&mut PlanSink, store, cfg)?.bytes)
+/// Device bytes the weights of `cfg` in `store` take in `format` (every tensor checked as the
+/// load will).
+pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat) -> Result<usize> {
+    Ok(build(&mut PlanSink { format }, store, cfg)?.bytes)
 }
 
 impl DevWeights {
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let needed = planned_weight_bytes(cfg, store)?;
+        let needed = planned_weight_bytes(cfg, store, dev.storage().into())?;
         let (free, _) = dev.memory_info()?;
         if needed > free {
             return Err(NinferError::OutOfMemory {
@@ -420,9 +332,8 @@ impl DevWeights {
         dev.synchronize()?;
         let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
         eprintln!(
-            "ninfer: weights streamed through {} staging ({}): {:.1} s filling, {:.1} s waiting for copies, {} threads",
+            "ninfer: weights streamed through {} staging (positioned reads): {:.1} s filling, {:.1} s waiting for copies, {} threads",
             if pinned { "pinned" } else { "pageable" },
-            if sink.read { "positioned reads" } else { "the mapping" },
             sink.fill_s,
             sink.wait_s,
             rayon::current_num_threads()

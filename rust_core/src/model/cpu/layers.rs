@@ -10,8 +10,8 @@ use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm_heads_inplace;
 use crate::backend::cpu::rope::apply_rope;
 use crate::config::ModelConfig;
+use crate::model::runner::{SeqChunk, StepBatch};
 
-use super::runner::{SeqChunk, StepBatch};
 use super::weights::{AttentionWeights, GdnWeights, LayerWeights, Linear};
 
 /// Buffers reused from step to step (grown, never shrunk), so a step allocates almost nothing.

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
-use super::*;
+use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
+use crate::model::*;
 use crate::NinferError;
 
 fn rand_vec(len: usize, seed: u64, scale: f32) -> Vec<f32> {

@@ -11,7 +11,7 @@ use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::{NinferError, Result};
 
-use super::runner::{LogitsWanted, StepBatch};
+use crate::model::runner::{LogitsWanted, StepBatch};
 
 /// Where each section lives in the packed i32 buffer.
 #[derive(Default, Clone, Copy)]

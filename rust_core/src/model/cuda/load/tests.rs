@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use ::safetensors::tensor::{Dtype, TensorView};
 
 use super::*;
-use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
+use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::storage_bits_from_f32;
-use crate::model::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
 /// boundaries fall inside segments.
@@ -41,6 +42,14 @@ impl Sink for HostSink {
 
     fn f32(&mut self, values: &[f32]) -> Result<Vec<f32>> {
         Ok(values.to_vec())
+    }
+
+    fn format(&self) -> WeightFormat {
+        self.storage.into()
+    }
+
+    fn route(&self, _n: usize, k: usize) -> LinearRoute {
+        LinearRoute::cuda_cores(k)
     }
 }
 
@@ -138,6 +147,7 @@ fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, 
     same(&dev.post_norm, &old_norm(&host.post_norm, p1, st), &format!("layer {li} post_norm"));
     same(&dev.gate_up.w, &old_bits(&host.gate_up.w, st), &format!("layer {li} gate_up"));
     assert_eq!((dev.gate_up.n, dev.gate_up.k), (host.gate_up.n, host.gate_up.k));
+    assert_eq!((dev.gate_up.format, dev.down.format), (st.into(), st.into()), "layer {li} weight format");
     same(&dev.down.w, &old_bits(&host.down.w, st), &format!("layer {li} down"));
     assert_eq!(dev.gate_up.bias, host.gate_up.b.as_deref().map(|b| old_bits(b, st)), "layer {li} gate_up bias");
     assert_eq!(dev.down.bias, host.down.b.as_deref().map(|b| old_bits(b, st)), "layer {li} down bias");
@@ -187,7 +197,7 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     let storage_elems = host.bytes() / 4 - f32_elems;
     assert_eq!(dev.bytes, 2 * storage_elems + 4 * f32_elems, "byte count");
     // The plan the device load checks against free memory first: the same bytes, no upload.
-    assert_eq!(planned_weight_bytes(&cfg, &store).unwrap(), dev.bytes, "planned bytes");
+    assert_eq!(planned_weight_bytes(&cfg, &store, st.into()).unwrap(), dev.bytes, "planned bytes");
 }
 
 #[test]
@@ -248,7 +258,7 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     let old = ModelWeights::load(&store, &wrong).err().expect("a shape mismatch must fail");
     assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
     assert_eq!(new.to_string(), old.to_string());
-    assert_eq!(planned_weight_bytes(&wrong, &store).expect_err("the plan checks shapes too").to_string(), old.to_string());
+    assert_eq!(planned_weight_bytes(&wrong, &store, WeightFormat::Bf16).expect_err("the plan checks shapes too").to_string(), old.to_string());
     let mut gdn = cfg.clone();
     gdn.layer_types[0] = LayerType::LinearAttention;
     let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");

@@ -1,5 +1,5 @@
 //! The weights of one model on a CUDA device, in the device's storage type (bf16, or f16 on
-//! sm_7x), loaded once by `cuda_load` straight from the checkpoint. The types are generic over
+//! sm_7x), loaded once by `load` straight from the checkpoint. The types are generic over
 //! the buffer types so that the packing can be checked into host vectors in tests; the
 //! defaults are the device buffers the step code uses.
 //!
@@ -9,20 +9,12 @@
 
 use cudarc::driver::CudaSlice;
 
-/// A projection `y = x · Wᵀ (+ bias)` with `w` as `[n, k]` in storage type.
-pub struct DevLinear<W = CudaSlice<u16>> {
-    pub w: W,
-    pub n: usize,
-    pub k: usize,
-    /// `[n]` in storage type, where the checkpoint has one (Qwen2's q/k/v, Llama's
-    /// `attention_bias` / `mlp_bias`), packed in the order of `w`'s rows.
-    pub bias: Option<W>,
-}
+use super::linear::Linear;
 
 /// Softmax attention of one layer (q | gate | k | v fused as on the host).
 pub struct DevAttention<W = CudaSlice<u16>> {
-    pub qkv: DevLinear<W>,
-    pub o: DevLinear<W>,
+    pub qkv: Linear<W>,
+    pub o: Linear<W>,
     pub q_norm: Option<W>,
     pub k_norm: Option<W>,
 }
@@ -32,7 +24,7 @@ pub struct DevGdn<W = CudaSlice<u16>, F = CudaSlice<f32>> {
     /// The four input projections as one `[conv_dim + value_dim + 2 n_v_heads, hidden]`
     /// matrix, rows q | k | v (the conv input channels), z, b, a: one GEMV per decode step
     /// instead of four (b and a are 48 rows each at the 27B shape, a launch each for ~0.5 MB).
-    pub in_proj: DevLinear<W>,
+    pub in_proj: Linear<W>,
     /// `[conv_dim, kernel]`.
     pub conv_w: W,
     pub conv_b: Option<W>,
@@ -42,7 +34,7 @@ pub struct DevGdn<W = CudaSlice<u16>, F = CudaSlice<f32>> {
     pub dt_bias: F,
     /// `[value_head_dim]`, applied as is (not zero-centred).
     pub norm: W,
-    pub out: DevLinear<W>,
+    pub out: Linear<W>,
 }
 
 /// The token mixer of one layer.
@@ -57,8 +49,8 @@ pub struct DevLayer<W = CudaSlice<u16>, F = CudaSlice<f32>> {
     pub post_norm: W,
     pub mixer: DevMixer<W, F>,
     /// gate | up, `[2 * intermediate, hidden]`.
-    pub gate_up: DevLinear<W>,
-    pub down: DevLinear<W>,
+    pub gate_up: Linear<W>,
+    pub down: Linear<W>,
 }
 
 /// All weights of a model on the device.
@@ -68,7 +60,7 @@ pub struct DevWeights<W = CudaSlice<u16>, F = CudaSlice<f32>> {
     pub layers: Vec<DevLayer<W, F>>,
     pub final_norm: W,
     /// None when tied to `embed`.
-    pub lm_head: Option<DevLinear<W>>,
+    pub lm_head: Option<Linear<W>>,
     /// Device bytes of all of the above.
     pub bytes: usize,
     /// Whether norm weights are `w` with the kernels adding 1 (zero-centred checkpoints).

@@ -6,7 +6,7 @@
 //! `SAMPLE_OUT` words per row. `launch` queues all of it and `collect` waits for the results,
 //! so a step can be sampled while the host still works on the one before (asynchronous
 //! scheduling); `sample` is the two in a row. Every device buffer only grows.
-//! `NINFER_DEVICE_SAMPLING=0` (read at load) sends steps through the host sampler instead, to
+//! With `device_sampling` off (`CudaOptions`) steps go through the host sampler instead, to
 //! compare the two on one model.
 
 use std::collections::VecDeque;
@@ -42,10 +42,9 @@ pub struct DeviceSampler {
 }
 
 impl DeviceSampler {
-    /// On unless the switch `NINFER_DEVICE_SAMPLING` is off (`config::env_switch`).
-    pub fn from_env() -> crate::Result<Self> {
-        let enabled = crate::config::env_switch("NINFER_DEVICE_SAMPLING", true)?;
-        Ok(DeviceSampler {
+    /// The device sampler, used when `enabled` (the plan's `device_sampling`).
+    pub fn new(enabled: bool) -> Self {
+        DeviceSampler {
             enabled,
             packed: Default::default(),
             next_pack: 0,
@@ -56,7 +55,7 @@ impl DeviceSampler {
             up: PinnedRing::new(2),
             down: PinnedRing::new(2),
             pending: VecDeque::new(),
-        })
+        }
     }
 
     /// Whether steps sample on the device.

@@ -8,8 +8,8 @@
 //! scratch, logits) and no argument depends on the step's contexts (attention derives each
 //! token's context from its uploaded position; `paged_attention_decode`). When one of those
 //! buffers grows or the caches are reallocated the graphs are dropped and recaptured lazily.
-//! `NINFER_CUDA_GRAPHS=0` runs decode steps eagerly with the same kernels (same results, bit
-//! for bit).
+//! With `cuda_graphs` off (`CudaOptions`) decode steps run eagerly with the same kernels (same
+//! results, bit for bit).
 
 use std::collections::HashMap;
 
@@ -51,9 +51,9 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// Enabled unless the switch `NINFER_CUDA_GRAPHS` is off (`config::env_switch`).
-    pub fn from_env() -> crate::Result<Self> {
-        Ok(DecodeGraphs { enabled: crate::config::env_switch("NINFER_CUDA_GRAPHS", true)?, graphs: HashMap::new() })
+    /// Decode graphs, captured and replayed when `enabled` (the plan's `cuda_graphs`).
+    pub fn new(enabled: bool) -> Self {
+        DecodeGraphs { enabled, graphs: HashMap::new() }
     }
 
     /// Whether decode steps run as graphs.

@@ -1,4 +1,13 @@
 //! `CpuModel`: a loaded model on the CPU backend, running engine steps.
+//!
+//! `weights` loads a checkpoint into f32 host layouts, `layers` runs each layer kind over a
+//! step, and `CpuModel` ties them into a `ModelRunner`.
+
+pub mod layers;
+pub mod weights;
+
+#[cfg(test)]
+mod tests;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,12 +18,12 @@ use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use crate::config::ModelConfig;
+use crate::model::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
+use crate::model::{KvDtype, LoadOptions, LogitsRound};
 use crate::{NinferError, Result};
 
-use super::layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
-use super::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
-use super::weights::{Mixer, ModelWeights, MtpWeights};
-use super::{KvDtype, LoadOptions, LogitsRound};
+use layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
+use weights::{Mixer, ModelWeights, MtpWeights};
 
 /// KV pool and recurrent-state slots, per layer.
 #[derive(Default)]

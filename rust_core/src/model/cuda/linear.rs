@@ -1,0 +1,92 @@
+//! `Linear`: one projection's weight on the device with everything that decides how it runs,
+//! fixed when the model is loaded: its storage format, its bias, and its decode GEMV route.
+//! The step code calls `Linear::forward` and reads the route; it never asks the device again.
+
+use cudarc::driver::CudaSlice;
+
+use crate::backend::cuda::kernels::StorageDType;
+use crate::backend::cuda::ops::GemvKernel;
+use crate::backend::cuda::CudaDevice;
+use crate::Result;
+
+/// How a weight's elements are stored. Today every weight is a dense matrix in the device's
+/// 16-bit storage type; a quantized format is a new variant here, with its own arm in
+/// `Linear::forward` (the match is exhaustive, so no projection can miss it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// bfloat16 (sm_80 and newer).
+    Bf16,
+    /// IEEE half (sm_7x, which has no bf16 arithmetic).
+    F16,
+}
+
+impl From<StorageDType> for WeightFormat {
+    fn from(s: StorageDType) -> Self {
+        match s {
+            StorageDType::Bf16 => WeightFormat::Bf16,
+            StorageDType::F16 => WeightFormat::F16,
+        }
+    }
+}
+
+/// The decode GEMV route of one weight shape on one device, chosen at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearRoute {
+    /// Steps of up to GEMV_ROUTE_MAX_M rows run the decode GEMV (K a multiple of 8, its 16-byte
+    /// loads), and so may take the GEMV's epilogue fusions; other steps, and every step of a
+    /// weight whose K is not, run the GEMM.
+    pub gemv: bool,
+    /// The kernel the GEMV runs for a one-row step: the device's GEMV form applied to this
+    /// shape (`CudaDevice::gemv_kernel` at M = 1). Batch-1 decode fuses RoPE into the qkv
+    /// projection only where this is the CUDA-core kernel.
+    pub gemv_m1: GemvKernel,
+}
+
+impl LinearRoute {
+    /// The route of a `[n, k]` weight whose one-row GEMV runs `gemv_m1`.
+    pub fn new(gemv_m1: GemvKernel, k: usize) -> Self {
+        LinearRoute { gemv: k.is_multiple_of(8), gemv_m1 }
+    }
+
+    /// The route of a device whose GEMV runs on CUDA cores at every shape (sm_7x); also what
+    /// the loader's sinks that run nothing (the memory plan, the packing test) give.
+    pub fn cuda_cores(k: usize) -> Self {
+        Self::new(GemvKernel::CudaCores, k)
+    }
+
+    /// The route `dev` gives a `[n, k]` weight.
+    pub fn on_device(dev: &CudaDevice, n: usize, k: usize) -> Self {
+        Self::new(dev.gemv_kernel(dev.gemv_form(), n, k, 1), k)
+    }
+}
+
+/// A projection `y = x · Wᵀ (+ bias)` with `w` as `[n, k]`.
+///
+/// Tensor parallelism adds a `shard` field here: which rows (column-parallel) or columns
+/// (row-parallel) of the full matrix this device holds and the collective that joins the
+/// partial outputs; `n` and `k` then describe this device's part.
+pub struct Linear<W = CudaSlice<u16>> {
+    pub w: W,
+    /// Output features.
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    pub format: WeightFormat,
+    /// `[n]` in storage type, where the checkpoint has one (Qwen2's q/k/v, Llama's
+    /// `attention_bias` / `mlp_bias`), packed in the order of `w`'s rows.
+    pub bias: Option<W>,
+    pub route: LinearRoute,
+}
+
+impl Linear {
+    /// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, GEMM above); a bias is added
+    /// to the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`).
+    pub fn forward(&self, dev: &CudaDevice, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize) -> Result<()> {
+        match self.format {
+            WeightFormat::Bf16 | WeightFormat::F16 => match &self.bias {
+                None => dev.linear(x, &self.w, y, rows, self.n, self.k),
+                Some(b) => dev.linear_bias(x, &self.w, b, lin32, y, rows, self.n, self.k),
+            },
+        }
+    }
+}

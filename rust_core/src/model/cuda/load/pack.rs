@@ -1,0 +1,123 @@
+//! `Packed`: one device tensor described as segments of checkpoint tensors (a fused
+//! projection's parts one after the other, Qwen3.5's gated q_proj reordered block by block),
+//! converted to the device's storage type chunk by chunk on the rayon pool.
+
+use rayon::prelude::*;
+use ::safetensors::Dtype;
+
+use crate::artifact::RawTensor;
+use crate::backend::cuda::kernels::StorageDType;
+use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
+use crate::Result;
+
+/// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
+struct Segment {
+    part: usize,
+    src: usize,
+    len: usize,
+    dst: usize,
+}
+
+/// One device tensor in storage type, assembled from checkpoint tensors.
+pub struct Packed<'a> {
+    parts: Vec<RawTensor<'a>>,
+    /// Sorted by `dst`, covering `0..numel` without gaps.
+    segments: Vec<Segment>,
+    numel: usize,
+}
+
+/// Elements converted per rayon task (2 MiB of bf16: large enough that a positioned read is
+/// efficient, small enough to spread a staging buffer over all cores).
+const TASK_ELEMS: usize = 1 << 20;
+
+impl<'a> Packed<'a> {
+    /// The checkpoint tensors one after the other (a fused projection's row blocks).
+    pub fn concat(parts: Vec<RawTensor<'a>>) -> Self {
+        let mut segments = Vec::with_capacity(parts.len());
+        let mut dst = 0;
+        for (i, p) in parts.iter().enumerate() {
+            segments.push(Segment { part: i, src: 0, len: p.numel, dst });
+            dst += p.numel;
+        }
+        Packed { parts, segments, numel: dst }
+    }
+
+    /// One checkpoint tensor as is.
+    pub fn single(t: RawTensor<'a>) -> Self {
+        Self::concat(vec![t])
+    }
+
+    /// Elements in the packed tensor.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Replaces the first part (which must start at 0) by its `blocks` equal blocks taken in
+    /// the order `source_block(d)` gives for destination block `d`.
+    pub(super) fn permute_first_part(mut self, blocks: usize, source_block: impl Fn(usize) -> usize) -> Self {
+        let first = &self.segments[0];
+        debug_assert!(first.part == 0 && first.dst == 0 && first.len.is_multiple_of(blocks));
+        let block = first.len / blocks;
+        let permuted = (0..blocks).map(|d| Segment { part: 0, src: source_block(d) * block, len: block, dst: d * block });
+        self.segments.splice(0..1, permuted);
+        self
+    }
+
+    /// Elements `first..first + out.len()` of the packed tensor as `storage` bits, spread over
+    /// the rayon pool. `read`: copy same-type bytes with positioned file reads rather than
+    /// through the mapping.
+    pub fn fill(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+        out.par_chunks_mut(TASK_ELEMS).enumerate().try_for_each(|(i, chunk)| self.fill_serial(first + i * TASK_ELEMS, chunk, storage, read))
+    }
+
+    pub(super) fn fill_serial(&self, first: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+        let end = first + out.len();
+        let start = self.segments.partition_point(|s| s.dst + s.len <= first);
+        for seg in self.segments[start..].iter().take_while(|s| s.dst < end) {
+            let lo = seg.dst.max(first);
+            let hi = (seg.dst + seg.len).min(end);
+            let src = seg.src + (lo - seg.dst);
+            convert(&self.parts[seg.part], src, &mut out[lo - first..hi - first], storage, read)?;
+        }
+        Ok(())
+    }
+}
+
+static READ_FALLBACK: std::sync::Once = std::sync::Once::new();
+
+/// Elements `src..src + out.len()` of `t` as `storage` bits.
+fn convert(t: &RawTensor<'_>, src: usize, out: &mut [u16], storage: StorageDType, read: bool) -> Result<()> {
+    let n = out.len();
+    match (t.dtype, storage) {
+        (Dtype::BF16, StorageDType::Bf16) | (Dtype::F16, StorageDType::F16) => {
+            if read && cfg!(target_endian = "little") {
+                // SAFETY: u16 has no invalid bit patterns and u8 has alignment 1; on a
+                // little-endian host the stored bytes are the u16 values.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), 2 * n) };
+                match t.read_into(2 * src, bytes) {
+                    Ok(()) => return Ok(()),
+                    // The mapping holds the same bytes: a sandbox that refuses reads into
+                    // pinned memory costs speed, not the load.
+                    Err(e) => READ_FALLBACK.call_once(|| eprintln!("ninfer: positioned read failed ({e}); copying through the mapping")),
+                }
+            }
+            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
+                *o = u16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        (Dtype::BF16, StorageDType::F16) => {
+            for (o, b) in out.iter_mut().zip(t.bytes[2 * src..2 * (src + n)].chunks_exact(2)) {
+                *o = storage_bit_from_bf16(u16::from_le_bytes([b[0], b[1]]), storage);
+            }
+        }
+        _ => {
+            // F32 or F16 sources (and F16 into bf16): through f32, rounding to nearest even once.
+            let mut tmp = vec![0f32; n];
+            t.f32_into(src, &mut tmp);
+            for (o, v) in out.iter_mut().zip(tmp) {
+                *o = storage_bit_from_f32(v, storage);
+            }
+        }
+    }
+    Ok(())
+}

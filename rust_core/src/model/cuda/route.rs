@@ -1,0 +1,154 @@
+//! The kernels each layer of a `CudaModel` runs, decided once at load (`LayerRoute::choose`)
+//! from the model's shapes, the layer's weights (biases, q/k norms, each projection's
+//! `LinearRoute`), the device (chunked GDN) and the fusions its plan enables. A step matches on
+//! its layer's route and adds only what depends on the step itself: decode or prefill, its
+//! rows, its longest chunk.
+
+use crate::backend::cuda::ops::{qkv_rope_fits, GATED_MAX_DV};
+use crate::config::ModelConfig;
+
+use super::weights::{DevAttention, DevLayer, DevMixer};
+
+/// The model-wide fusions the device's plan enables; each layer's route applies them where its
+/// weights allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fusions {
+    /// Batch-1 decode may run the qkv projection with RoPE and the KV cache write in its
+    /// epilogue (`gemv_qkv_rope_kv_write`) instead of the GEMV and `rope_kv_write`: the same
+    /// bits (the plan's `fused_rope`).
+    pub rope_in_gemv: bool,
+}
+
+/// Where q, k and v sit in a row of the packed qkv projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueryLayout {
+    /// q | k | v.
+    Plain,
+    /// q | gate | k | v: the attention output is multiplied by sigmoid(gate) before the
+    /// output projection (Qwen3.5's `attn_output_gate`).
+    Gated,
+}
+
+/// How q and k go from the projection to attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkRoute {
+    /// A per-head RMSNorm of q and k into their own buffers (`qn`, `kn`), rotated there.
+    HeadNorm,
+    /// Rotated in place in the projection's rows.
+    InPlace,
+}
+
+/// The route of a softmax attention layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionRoute {
+    pub query: QueryLayout,
+    pub qk: QkRoute,
+    /// A one-row decode step runs `gemv_qkv_rope_kv_write` (projection, RoPE and KV cache
+    /// write in one kernel) instead of `linear` and `rope_kv_write_packed`: the qkv weight's
+    /// one-row GEMV is the CUDA-core kernel (the fused kernel's sums are that GEMV's, and it
+    /// needs K a multiple of 8), rotary over the whole head, q | k | v rows with no norm and no
+    /// bias between projection and RoPE, and the plan's fusion on. Same bits either way.
+    pub rope_in_gemv: bool,
+    /// Steps where a sequence brings several tokens run flash attention (the queries' row
+    /// stride a multiple of 8), else paged attention.
+    pub flash_prefill: bool,
+}
+
+/// Which kernels a Gated DeltaNet step runs (`GdnRoute::kernels`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnKernels {
+    /// `gdn_recurrent_gated`: gates, recurrent rule and gated norm in one kernel.
+    RecurrentGated,
+    /// `gdn_gates`, `gdn_recurrent`, `rmsnorm_gated`: the same bits.
+    Recurrent,
+    /// `gdn_gates`, `gdn_chunked` (which runs the recurrent rule where the device lacks the
+    /// chunked kernel's shared memory), `rmsnorm_gated`.
+    Chunked,
+}
+
+/// Tokens per chunk of the chunked GDN kernel; shorter steps stay on the recurrent kernel.
+pub const GDN_CHUNK: usize = 64;
+
+/// The route of a Gated DeltaNet layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnRoute {
+    /// The device runs the chunked kernel for this key head dim (`has_gdn_chunked`).
+    pub chunked: bool,
+    /// The value head dim fits the one-kernel recurrent form (at most GATED_MAX_DV).
+    pub gated_recurrent: bool,
+}
+
+impl GdnRoute {
+    /// The kernels of a step whose longest sequence chunk is `max_rows` tokens: the chunked
+    /// kernel from GDN_CHUNK tokens on where the device has it (it is exact for the short
+    /// sequences of that step too), else the recurrent rule, in one kernel where the value
+    /// head dim allows.
+    pub fn kernels(&self, max_rows: usize) -> GdnKernels {
+        let long = max_rows >= GDN_CHUNK;
+        let recurrent = !long || !self.chunked;
+        if recurrent && self.gated_recurrent {
+            GdnKernels::RecurrentGated
+        } else if long {
+            GdnKernels::Chunked
+        } else {
+            GdnKernels::Recurrent
+        }
+    }
+}
+
+/// The token mixer's route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixerRoute {
+    Attention(AttentionRoute),
+    Gdn(GdnRoute),
+}
+
+/// The route of the SwiGLU MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlpRoute {
+    /// Decode-sized steps (up to GEMV_ROUTE_MAX_M rows) compute SwiGLU in the gate_up GEMV's
+    /// epilogue (`gemv_gateup_swiglu`): the weight runs the GEMV and has no bias.
+    pub swiglu_in_gemv: bool,
+}
+
+/// The kernels of one decoder layer, decided at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerRoute {
+    pub mixer: MixerRoute,
+    pub mlp: MlpRoute,
+}
+
+impl LayerRoute {
+    /// The route of `layer` of the model `cfg`: `rotary_dim` is the rotated part of a head
+    /// (twice the RoPE frequencies), `gdn_chunked` whether the device runs the chunked GDN
+    /// kernel for the model's key head dim.
+    pub fn choose<W, F>(cfg: &ModelConfig, layer: &DevLayer<W, F>, rotary_dim: usize, gdn_chunked: bool, fusions: Fusions) -> Self {
+        let mixer = match &layer.mixer {
+            DevMixer::Attention(a) => MixerRoute::Attention(attention(cfg, a, rotary_dim, fusions)),
+            DevMixer::Gdn(_) => MixerRoute::Gdn(gdn(cfg, gdn_chunked)),
+        };
+        let up = &layer.gate_up;
+        let mlp = MlpRoute { swiglu_in_gemv: up.route.gemv && up.bias.is_none() };
+        LayerRoute { mixer, mlp }
+    }
+}
+
+fn attention<W>(cfg: &ModelConfig, a: &DevAttention<W>, rotary_dim: usize, fusions: Fusions) -> AttentionRoute {
+    let query = if cfg.attn_output_gate { QueryLayout::Gated } else { QueryLayout::Plain };
+    let qk = if a.q_norm.is_some() && a.k_norm.is_some() { QkRoute::HeadNorm } else { QkRoute::InPlace };
+    let plain_qkv = query == QueryLayout::Plain && a.q_norm.is_none() && a.k_norm.is_none() && a.qkv.bias.is_none();
+    let rope_in_gemv = fusions.rope_in_gemv && plain_qkv && qkv_rope_fits(a.qkv.route.gemv_m1, 1, cfg.head_dim, rotary_dim, a.qkv.k);
+    let q_stride = match qk {
+        QkRoute::HeadNorm => cfg.num_attention_heads * cfg.head_dim,
+        QkRoute::InPlace => a.qkv.n,
+    };
+    AttentionRoute { query, qk, rope_in_gemv, flash_prefill: q_stride.is_multiple_of(8) }
+}
+
+fn gdn(cfg: &ModelConfig, gdn_chunked: bool) -> GdnRoute {
+    let dv = cfg.linear_attention.map_or(0, |la| la.value_head_dim);
+    GdnRoute { chunked: gdn_chunked, gated_recurrent: dv <= GATED_MAX_DV }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,242 @@
+//! `CudaModel` as the engine's `ModelRunner`: cache allocation and the memory plan, steps with
+//! host or device sampling, the overlapped launch / sample / collect of asynchronous
+//! scheduling, state-slot copies, and the cuBLAS warm-up.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use crate::backend::cuda::blas::padded_row_buckets;
+use crate::backend::cuda::device::driver_err;
+use crate::config::ModelConfig;
+use crate::model::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
+use crate::sampling::{RowSampling, SampledToken};
+use crate::{NinferError, Result};
+
+use super::buffers::{alloc, buf, Activations, DevCaches};
+use super::graphs::decode_bucket;
+use super::linear::Linear;
+use super::weights::DevMixer;
+use super::CudaModel;
+
+impl CudaModel {
+    /// Grows the buffers a step of `rows` sequences wanting logits needs besides the
+    /// activations and logits (the decode attention's split-K scratch, the device sampler's
+    /// buffers) now: they then count in the memory plan and the startup ledger, and a running
+    /// server does not allocate them as its concurrency climbs, nor drop every captured decode
+    /// graph each time the attention scratch grows (it did at 16, 32 and 64 sequences).
+    fn reserve_decode(&mut self, rows: usize) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.ensure_scratch(rows)?;
+        if self.sampler.enabled() {
+            self.sampler.reserve(&self.dev, rows, self.cfg.vocab_size)?;
+        }
+        Ok(())
+    }
+
+    /// Runs each cuBLAS GEMM shape of the model (every projection's [n, k], the lm_head with
+    /// f32 output) once at every row bucket of `padded_rows` the step buffers hold, on whatever
+    /// they contain (nothing reads the results), so that cuBLAS meets its kernels now and not
+    /// inside a request (backend/cuda/blas.rs: ~4 ms a kernel it has not run yet, on Hopper).
+    /// The MLP's buffers serve every shape: `gate_up` has the widest rows of the step buffers
+    /// and `act` the next; a shape they do not hold (none of the supported models') is left out.
+    fn warm_gemm_kernels(&mut self) -> Result<()> {
+        let CudaModel { cfg, dev, weights, act, .. } = self;
+        let mut shapes: Vec<&Linear> = Vec::new();
+        for l in &weights.layers {
+            match &l.mixer {
+                DevMixer::Attention(a) => shapes.extend([&a.qkv, &a.o]),
+                DevMixer::Gdn(g) => shapes.extend([&g.in_proj, &g.out]),
+            }
+            shapes.extend([&l.gate_up, &l.down]);
+        }
+        // A projection with a bias runs cuBLAS with f32 output (`linear_bias`): another kernel.
+        shapes.sort_by_key(|l| (l.n, l.k, l.bias.is_some()));
+        shapes.dedup_by_key(|l| (l.n, l.k, l.bias.is_some()));
+        let Activations { act: x, gate_up: y, logits, lin32, rows, .. } = act;
+        let (Some(x), Some(y), Some(y32)) = (x.as_ref(), y.as_mut(), lin32.as_mut()) else {
+            return Ok(());
+        };
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        for m in padded_row_buckets(*rows) {
+            for l in &shapes {
+                if x.len() < m * l.k {
+                    continue;
+                }
+                if l.bias.is_some() && y32.len() >= m * l.n {
+                    dev.gemm_f32_out(x, &l.w, y32, m, l.n, l.k)?;
+                } else if l.bias.is_none() && y.len() >= m * l.n {
+                    dev.gemm(x, &l.w, y, m, l.n, l.k)?;
+                }
+            }
+            if let Some(out) = logits.as_mut().filter(|o| o.len() >= m * vocab && x.len() >= m * h) {
+                dev.gemm_f32_out(x, weights.lm_head(), out, m, vocab, h)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ModelRunner for CudaModel {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn cache_spec(&self) -> CacheSpec {
+        let c = &self.cfg;
+        let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
+        // Conv state in the storage type (2 bytes), delta state in f32.
+        let state = c.linear_attention.map_or(0, |la| (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers());
+        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes }
+    }
+
+    fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
+        if block_size == 0 {
+            return Err(NinferError::config("block_size", "must be positive"));
+        }
+        self.caches = DevCaches::default();
+        self.graphs.clear();
+        let c = &self.cfg;
+        let spec = self.cache_spec();
+        // The state buffers hold one spare slot past the running ones (decode padding rows).
+        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot) as u64;
+        let (free, _) = self.dev.memory_info()?;
+        if needed > free as u64 {
+            return Err(NinferError::OutOfMemory {
+                what: format!("KV cache ({} tokens) and {num_state_slots} state slots on cuda:{}", num_blocks * block_size, self.dev.ordinal()),
+                needed,
+                available: free as u64,
+                hint: crate::engine::cache_fit_hint(free as u64, &spec, num_state_slots + 1, block_size),
+            });
+        }
+        let mut caches = DevCaches { block_size, num_blocks, num_slots: num_state_slots, ..Default::default() };
+        let kv_elems = num_blocks * block_size * c.num_kv_heads * c.head_dim;
+        for _ in 0..c.num_attention_layers() {
+            caches.k.push(alloc(&self.dev, kv_elems, "KV cache")?);
+            caches.v.push(alloc(&self.dev, kv_elems, "KV cache")?);
+        }
+        if let Some(la) = c.linear_attention {
+            for _ in 0..c.num_linear_layers() {
+                let slots = num_state_slots + 1;
+                caches.conv.push(alloc(&self.dev, slots * la.conv_floats(), "recurrent state")?);
+                caches.delta.push(alloc(&self.dev, slots * la.delta_floats(), "recurrent state")?);
+            }
+        }
+        self.caches = caches;
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
+        self.step(batch)
+    }
+
+    fn warm_up_kernels(&mut self) -> Result<()> {
+        self.warm_gemm_kernels()
+    }
+
+    fn workspace_bytes(&self) -> usize {
+        let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
+        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes()
+    }
+
+    fn device_free_bytes(&self) -> Option<u64> {
+        self.dev.memory_info().ok().map(|(free, _)| free as u64)
+    }
+
+    fn cache_budget_bytes(&mut self, step_rows: usize, decode_rows: usize) -> Result<Option<u64>> {
+        self.ensure_rows(step_rows.max(decode_bucket(decode_rows)))?;
+        self.ensure_logit_rows(decode_bucket(decode_rows))?;
+        self.reserve_decode(decode_bucket(decode_rows))?;
+        let (free, total) = self.dev.memory_info()?;
+        Ok(Some(cache_budget(free as u64, total as u64)))
+    }
+
+    fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
+        if !self.sampler.enabled() {
+            return self.step(batch)?.sample_on_host(rows);
+        }
+        let counts = self.run(batch)?;
+        self.sampler.sample(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size)
+    }
+
+    /// Steps overlap when they sample on the device (the host sampler needs the logits first).
+    fn overlaps_steps(&self) -> bool {
+        self.sampler.enabled()
+    }
+
+    /// The forward only (a CUDA graph for a decode step): the sampling, queued behind it by
+    /// `launch_sampling`, is never part of a captured graph.
+    fn launch_forward(&mut self, batch: &StepBatch, feed: bool) -> Result<()> {
+        if !self.sampler.enabled() {
+            return Err(NinferError::invalid("launch_forward", "steps sample on the host (device_sampling off), which needs each step's logits first"));
+        }
+        self.forwarded = None;
+        let counts = self.run_fed(batch, feed).inspect_err(|_| self.sampler.reset())?;
+        self.forwarded = Some((counts, feed));
+        Ok(())
+    }
+
+    fn launch_sampling(&mut self, rows: &[RowSampling]) -> Result<()> {
+        let (counts, feed) = self.forwarded.take().ok_or_else(|| NinferError::invalid("launch_sampling", "no forward pass was queued to sample (launch_forward)"))?;
+        // A fed step's rows with penalties count its input token, which the device ids hold
+        // (feed_sampled_tokens wrote them; row i is sequence i). Nothing queued since the
+        // forward rewrote them: the next step's metadata is uploaded after this.
+        let fed = feed.then(|| self.dmeta.ids());
+        self.sampler.launch(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size, fed.as_ref()).inspect_err(|_| self.sampler.reset())
+    }
+
+    fn collect_sampled(&mut self) -> Result<Vec<SampledToken>> {
+        self.sampler.collect().inspect_err(|_| self.sampler.reset())
+    }
+
+    fn decode_graphs(&self) -> usize {
+        self.graphs.len()
+    }
+
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
+        let slots = self.caches.num_slots;
+        if src >= slots || dst >= slots {
+            return Err(NinferError::invalid("state_slot", format!("copy {src} -> {dst} outside {slots} slots")));
+        }
+        if src == dst {
+            return Ok(());
+        }
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let s = self.dev.stream().clone();
+        // Buffers hold one more slot than the engine's (the decode padding slot).
+        for buf in &mut self.caches.conv {
+            copy_slot(&s, buf, slots + 1, src, dst)?;
+        }
+        for buf in &mut self.caches.delta {
+            copy_slot(&s, buf, slots + 1, src, dst)?;
+        }
+        Ok(())
+    }
+}
+
+/// What the default KV pool and state slots may take of `free` device bytes (step buffers
+/// already allocated): all but a reserve of 5% of the device, at least 1 GiB, for what is
+/// allocated later (decode graphs and their scratch, the warm-up step's leftovers, the CUDA
+/// context's own growth, other processes' drift).
+fn cache_budget(free: u64, total: u64) -> u64 {
+    free.saturating_sub((total / 20).max(1 << 30))
+}
+
+/// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.
+fn copy_slot<T: DeviceRepr>(s: &Arc<cudarc::driver::CudaStream>, buf: &mut CudaSlice<T>, slots: usize, src: usize, dst: usize) -> Result<()> {
+    let per = buf.len() / slots;
+    let (lo, mut hi) = buf.split_at_mut(src.max(dst) * per);
+    let r = if src < dst {
+        let from = lo.slice(src * per..(src + 1) * per);
+        let mut to = hi.slice_mut(0..per);
+        s.memcpy_dtod(&from, &mut to)
+    } else {
+        let mut lo = lo;
+        let from = hi.slice(0..per);
+        let mut to = lo.slice_mut(dst * per..(dst + 1) * per);
+        s.memcpy_dtod(&from, &mut to)
+    };
+    r.map_err(driver_err("copying a state slot"))
+}
