@@ -1,0 +1,106 @@
+"""Python-to-Rust crossings of one chat request, counted by wrapping the core.
+
+The real `_core.Engine` over the bundled demo model is wrapped in a proxy that logs every call
+and every property read that runs Rust code (the engine's and its tokenizer's). The count runs
+from the chat route (or `AsyncEngine.generate` with messages) up to the call that queues the
+request. Today the chat route crosses six times (a `has_chat_template` read, template render,
+encode, two `token_to_id`, submit) and `AsyncEngine.generate` three (render, encode, submit).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ninfer import _core
+from ninfer.engine import AsyncEngine
+
+DEMO = Path(__file__).resolve().parent.parent / "python" / "ninfer" / "demo" / "model"
+
+#: The calls that queue a request: the window ends with the first of them.
+QUEUEING = {"submit", "submit_chat"}
+#: The output side (the pump's thread), not part of a request's way in.
+OUTPUT_SIDE = {"poll"}
+
+
+class Counting:
+    """Proxy that logs every crossing into a `_core` object (calls and property reads)."""
+
+    def __init__(self, target, log: list, name: str):
+        self._target = target
+        self._log = log
+        self._name = name
+
+    def __getattr__(self, attr):
+        value = getattr(self._target, attr)
+        if attr in OUTPUT_SIDE:
+            return value
+        if callable(value):
+            def call(*args, **kwargs):
+                self._log.append(f"{self._name}.{attr}")
+                return self._wrap(value(*args, **kwargs))
+            return call
+        # A property of a pyclass is a getter: Rust code runs.
+        self._log.append(f"{self._name}.{attr}")
+        return self._wrap(value)
+
+    def _wrap(self, value):
+        if isinstance(value, _core.Tokenizer):
+            return Counting(value, self._log, "tokenizer")
+        return value
+
+
+def until_queued(log: list) -> list:
+    """The crossings up to and including the first queueing call."""
+    for i, entry in enumerate(log):
+        if entry.split(".")[-1] in QUEUEING:
+            return log[:i + 1]
+    raise AssertionError(f"no queueing call among {log}")
+
+
+def test_one_crossing_per_chat_request_through_the_chat_route():
+    from starlette.testclient import TestClient
+
+    from ninfer.server.app import build_app
+    from ninfer.server.protocol import ServerDefaults
+    from ninfer.server.state import ServerState
+
+    log: list = []
+    state = ServerState(ServerDefaults(model_id="demo"))
+
+    async def factory():
+        core = Counting(_core.Engine(str(DEMO), max_context=512), log, "engine")
+        return await AsyncEngine.start(core=core)
+
+    with TestClient(build_app(state, factory)) as client:
+        deadline = time.monotonic() + 120
+        while state.engine is None and state.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state.engine is not None, state.load_error
+        log.clear()
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 0
+    crossings = until_queued(log)
+    assert crossings == ["tokenizer.has_chat_template", "tokenizer.apply_chat_template", "tokenizer.encode",
+                         "tokenizer.token_to_id", "tokenizer.token_to_id", "engine.submit"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_one_crossing_per_chat_request_through_async_engine(anyio_backend):
+    log: list = []
+    core = Counting(await anyio.to_thread.run_sync(lambda: _core.Engine(str(DEMO), max_context=512)), log, "engine")
+    engine = await AsyncEngine.start(core=core)
+    try:
+        log.clear()
+        deltas = [d async for d in engine.generate([{"role": "user", "content": "Hello"}], {"max_tokens": 3})]
+        assert deltas[-1].finished
+    finally:
+        await engine.shutdown()
+    crossings = until_queued(log)
+    assert crossings == ["tokenizer.apply_chat_template", "tokenizer.encode", "engine.submit"]
