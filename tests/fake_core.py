@@ -142,6 +142,33 @@ class FakeCore:
             self._waiting.append(_Req(request_id, list(prompt_token_ids), params, script, cached))
             self._lock.notify_all()
 
+    def submit_chat(self, request_ids, messages_json, params_json, tools_json=None, chat_template_kwargs_json=None,
+                    max_tokens=None, default_max_tokens=None, add_generation_prompt=True):
+        """As the core's: render, tokenize and queue one request per id (choice i: seed + i)."""
+        text = self.tokenizer.apply_chat_template(messages_json, tools_json, add_generation_prompt,
+                                                  chat_template_kwargs_json)
+        ids = self.tokenizer.encode(text)
+        if max_tokens is None:
+            room = self.max_context - len(ids)
+            if room < 1:
+                err = ContextOverflowError(f"prompt of {len(ids)} tokens leaves no room in the maximum context of "
+                                           f"{self.max_context} tokens")
+                err.param = "messages"
+                raise err
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        params = json.loads(params_json)
+        for i, rid in enumerate(request_ids):
+            p = dict(params, max_tokens=max_tokens)
+            if p.get("seed") is not None:
+                p["seed"] = (p["seed"] + i) & 0xFFFFFFFFFFFFFFFF
+            try:
+                self.submit(rid, ids, json.dumps(p))
+            except Exception:
+                for done in request_ids[:i]:
+                    self.abort(done)
+                raise
+        return len(ids), text.rfind("<think>") > text.rfind("</think>"), True
+
     def _prefix_hit(self, ids):
         hit, h = 0, b""
         for i in range(0, len(ids) - BLOCK + 1, BLOCK):
@@ -236,12 +263,13 @@ class FakeCore:
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
 
-    def poll(self, timeout_s):
-        deadline = time.monotonic() + timeout_s
+    def poll(self, timeout_s=None):
+        """Deltas as they come; None waits until there are some or the core is shut down."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            while not self._out:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._out and not self._stop:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     return []
                 self._lock.wait(left)
             out, self._out = self._out, []
@@ -254,7 +282,9 @@ class FakeCore:
                         kv_blocks_used=used, kv_blocks_total=self.kv_blocks_total)
 
     def shutdown(self):
-        self._stop = True
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=2)
 

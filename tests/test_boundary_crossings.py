@@ -3,8 +3,9 @@
 The real `_core.Engine` over the bundled demo model is wrapped in a proxy that logs every call
 and every property read that runs Rust code (the engine's and its tokenizer's). The count runs
 from the chat route (or `AsyncEngine.generate` with messages) up to the call that queues the
-request. Today the chat route crosses six times (a `has_chat_template` read, template render,
-encode, two `token_to_id`, submit) and `AsyncEngine.generate` three (render, encode, submit).
+request. Before the chat path crossed once: template render, encode, two `token_to_id`, a
+`has_chat_template` read and submit were six crossings; now rendering, tokenizing, the reasoning
+check and submission are one call.
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ def test_one_crossing_per_chat_request_through_the_chat_route():
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > 0
     crossings = until_queued(log)
-    assert crossings == ["tokenizer.has_chat_template", "tokenizer.apply_chat_template", "tokenizer.encode",
-                         "tokenizer.token_to_id", "tokenizer.token_to_id", "engine.submit"]
+    assert len(crossings) == 1, crossings
 
 
 @pytest.mark.anyio
@@ -103,4 +103,4 @@ async def test_one_crossing_per_chat_request_through_async_engine(anyio_backend)
     finally:
         await engine.shutdown()
     crossings = until_queued(log)
-    assert crossings == ["tokenizer.apply_chat_template", "tokenizer.encode", "engine.submit"]
+    assert len(crossings) == 1, crossings

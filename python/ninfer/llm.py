@@ -80,15 +80,8 @@ class LLM:
             return None
 
     def _load_default_params(self) -> SamplingParams:
-        path = os.path.join(self.model_dir, "generation_config.json")
-        if not os.path.isfile(path):
-            return SamplingParams()
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise _core.ModelLoadError(f"malformed file {path}: {e}") from e
-        return SamplingParams.from_generation_config(config)
+        """generation_config.json's defaults, as the core parsed them at load."""
+        return SamplingParams(**dict(self._core.generation_defaults))
 
     @property
     def engine(self):

@@ -3,6 +3,7 @@
 The engine streams deltas (see `_core.Engine.step`); these classes fold the deltas of one
 request into its final text, tokens, log-probabilities, finish reason and token counts.
 `GenerationError` is what a request that failed midway raises instead of a truncated result.
+`Delta` is one step's new output of one request, as `AsyncEngine` streams it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,51 @@ class GenerationError(InvalidRequestError):
         self.request_id = request_id
         self.delta = delta
         self.outputs = outputs
+
+
+@dataclasses.dataclass
+class Delta:
+    """New output of one request after one engine step (text never splits a UTF-8 sequence)."""
+
+    request_id: str
+    token_ids: list
+    text: str
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: Optional[list] = None
+    #: Why the request failed midway: set with finish_reason "error" on its last delta.
+    error: Optional[str] = None
+
+    @classmethod
+    def from_core(cls, d: dict) -> "Delta":
+        """Build from the dict `core.poll()` returns."""
+        return cls(
+            request_id=d["request_id"],
+            token_ids=list(d.get("token_ids") or ()),
+            text=d.get("text") or "",
+            finish_reason=d.get("finish_reason"),
+            prompt_tokens=int(d.get("prompt_tokens") or 0),
+            completion_tokens=int(d.get("completion_tokens") or 0),
+            cached_tokens=int(d.get("cached_tokens") or 0),
+            logprobs=d.get("logprobs"),
+            error=d.get("error"),
+        )
+
+    @property
+    def finished(self) -> bool:
+        """True on the last delta of a request."""
+        return self.finish_reason is not None
+
+    @property
+    def usage(self) -> dict:
+        """OpenAI-style token usage as of this delta."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
 
 @dataclasses.dataclass

@@ -15,36 +15,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ninfer._core import InvalidRequestError
 
-#: Fields that generation_config.json may set as defaults when the caller gives no params
-#: (the ones vLLM reads), mapped to our field names.
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def generation_config_defaults(generation_config: Mapping[str, object]) -> Dict[str, Any]:
-    """The sampling fields a model's generation_config.json sets, under our field names.
-
-    Only the fields vLLM honours are read (GENERATION_CONFIG_FIELDS); `do_sample: false` means
-    greedy, as in transformers; a negative top_k means none. `LLM` and `ninfer serve` both take
-    their defaults from here, so a model samples the same way from Python and over HTTP.
-    """
-    out: Dict[str, Any] = {}
-    for src, dst in GENERATION_CONFIG_FIELDS.items():
-        value = generation_config.get(src)
-        if value is not None:
-            out[dst] = value
-    if generation_config.get("do_sample") is False:
-        out["temperature"] = 0.0
-    if _is_int(out.get("top_k")) and out["top_k"] < 0:
-        out["top_k"] = 0
-    return out
-
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -94,11 +64,6 @@ class SamplingParams:
     def greedy(cls, **kwargs) -> "SamplingParams":
         """Argmax decoding (temperature 0); other fields as given."""
         return cls(temperature=0.0, **kwargs)
-
-    @classmethod
-    def from_generation_config(cls, generation_config: Mapping[str, object]) -> "SamplingParams":
-        """Defaults taken from a model's generation_config.json, used when the caller gives none."""
-        return cls(**generation_config_defaults(generation_config))
 
     def _check_types(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:

@@ -4,8 +4,10 @@
 
 use pyo3::prelude::*;
 
+mod chat;
 mod engine;
 mod errors;
+mod generation;
 mod model;
 mod tokenizer;
 
@@ -15,6 +17,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tokenizer::register(m)?;
     model::register(m)?;
     engine::register(m)?;
+    generation::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The CLI's --logits-dtype choices (python/ninfer/cli.py keeps a copy a test compares).
     m.add("LOGITS_DTYPES", crate::model::LOGITS_DTYPE_CHOICES.to_vec())?;
