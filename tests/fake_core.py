@@ -16,7 +16,7 @@ import math
 import threading
 import time
 
-from ninfer._core import ContextOverflowError, InvalidRequestError
+from ninfer._core import ContextOverflowError, Delta, InvalidRequestError
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 SKIPPED = {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}
@@ -245,8 +245,7 @@ class FakeCore:
             k = r.params.get("top_logprobs", 0)
             top = [[toks[0], -0.25]] + [[(toks[0] + i) % 256, -1.0 - i] for i in range(1, k)]
             lp = [{"token_id": toks[0], "logprob": -0.25, "top": top[:k]}]
-        return {"request_id": r.rid, "token_ids": toks, "text": new, "logprobs": lp, "finish_reason": finish,
-                "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "cached_tokens": r.cached}
+        return Delta(r.rid, toks, new, finish, len(r.prompt), len(r.out), r.cached, lp)
 
     def start_background(self):
         def loop():
@@ -331,7 +330,5 @@ class MidwayFailingFakeCore(FakeCore):
     def _delta(self, r, toks, finish):
         if finish is None and len(r.out) > 3 and "fail midway" in self.tokenizer.decode(r.prompt):
             r.out.pop()
-            return {"request_id": r.rid, "token_ids": [], "text": "", "logprobs": None, "finish_reason": "error",
-                    "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "cached_tokens": r.cached,
-                    "error": self.ERROR}
+            return Delta(r.rid, [], "", "error", len(r.prompt), len(r.out), r.cached, error=self.ERROR)
         return super()._delta(r, toks, finish)

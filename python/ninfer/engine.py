@@ -460,19 +460,18 @@ class AsyncEngine:
                 return  # the event loop is closed
 
     def _dispatch(self, deltas: list) -> None:
-        """On the event loop: fan one poll's deltas out to the request streams."""
+        """On the event loop: fan one poll's deltas (the core's `Delta` objects) out to the streams."""
         if self._closed:
             return
         self.steps_polled += 1
         now = time.monotonic()
-        for d in deltas:
-            rid = d["request_id"]
+        for delta in deltas:
+            rid = delta.request_id
             send = self._streams.get(rid)
             if send is None:
-                if d.get("finish_reason") is not None and rid in self._aborting:
-                    self._finished(rid, Delta.from_core(d), self._aborting.pop(rid), now)
+                if delta.finished and rid in self._aborting:
+                    self._finished(rid, delta, self._aborting.pop(rid), now)
                 continue
-            delta = Delta.from_core(d)
             timing = self._timings.get(rid)
             if timing is not None:
                 self._mark(timing, delta, now)
@@ -482,6 +481,7 @@ class AsyncEngine:
             if delta.finished:
                 self._streams.pop(rid, None)
                 self._timings.pop(rid, None)
+
     def _fail_all(self, error: BaseException) -> None:
         """The engine failed: every open request ends with this error (and is aborted, best effort)."""
         for send in set(self._streams.values()):

@@ -15,7 +15,7 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from ninfer import _core
-from ninfer.outputs import CompletionOutput, GenerationError, RequestOutput
+from ninfer.outputs import CompletionOutput, Delta, GenerationError, RequestOutput
 from ninfer.sampling_params import SamplingParams
 
 #: What `generate` accepts as prompts: a string, token ids, or a list of either.
@@ -185,12 +185,12 @@ class LLM:
         self,
         prompt: Union[str, Sequence[int]],
         params: Optional[SamplingParams] = None,
-    ) -> Iterator[dict]:
+    ) -> Iterator[Delta]:
         """Yield the engine's deltas for one prompt as they are produced (the CLI's path).
 
-        Each delta is the dict `_core.Engine.step` returns. Closing the iterator early aborts
-        the request. A request that fails midway raises `GenerationError` in place of its last
-        delta (which the exception carries as `delta`).
+        Each is a `ninfer.Delta` (`delta.text`, or `delta["text"]` as a dict reads). Closing the
+        iterator early aborts the request. A request that fails midway raises `GenerationError`
+        in place of its last delta (which the exception carries as `delta`).
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else _as_token_ids(prompt)
         params = self._resolve_params(params, 1)[0]
@@ -205,12 +205,12 @@ class LLM:
             while pending:
                 deltas = self._step_checked(pending)
                 for d in deltas:
-                    if d["request_id"] != rid:
+                    if d.request_id != rid:
                         continue
-                    if d.get("finish_reason") is not None:
+                    if d.finished:
                         pending.discard(rid)
-                    if d.get("finish_reason") == "error":
-                        raise GenerationError(d.get("error") or "the request failed", request_id=rid, delta=d)
+                    if d.finish_reason == "error":
+                        raise GenerationError(d.error or "the request failed", request_id=rid, delta=d)
                     yield d
         finally:
             self._abort_and_drain(pending)
@@ -288,12 +288,12 @@ class LLM:
             pending = set(route)
             while pending:
                 for d in self._step_checked(pending):
-                    completion = route.get(d["request_id"])
+                    completion = route.get(d.request_id)
                     if completion is None:
                         continue
                     completion.add_delta(d)
                     if completion.finished:
-                        pending.discard(d["request_id"])
+                        pending.discard(d.request_id)
         finally:
             self._abort_and_drain({rid for rid, c in route.items() if not c.finished})
             self._busy = False

@@ -3,7 +3,8 @@
 The engine streams deltas (see `_core.Engine.step`); these classes fold the deltas of one
 request into its final text, tokens, log-probabilities, finish reason and token counts.
 `GenerationError` is what a request that failed midway raises instead of a truncated result.
-`Delta` is one step's new output of one request, as `AsyncEngine` streams it.
+`Delta` (the core's `_core.Delta`) is one step's new output of one request, as `LLM.stream`
+and `AsyncEngine` give it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional
 
-from ninfer._core import InvalidRequestError
+from ninfer._core import Delta, InvalidRequestError  # noqa: F401 (Delta: exported from here)
 
 
 class GenerationError(InvalidRequestError):
@@ -24,9 +25,8 @@ class GenerationError(InvalidRequestError):
     were complete. The message is the engine's and names the request field at fault, as other
     `InvalidRequestError` messages do (the server answers it with a 400 on that field).
 
-    `request_id` names the failed request. `delta` is its last delta (a `Delta` from
-    `AsyncEngine`, the engine's dict from `LLM.stream`): the text held back until the end and
-    the token counts. `outputs` is, from `LLM.generate` / `LLM.chat`, the list of every
+    `request_id` names the failed request. `delta` is its last `Delta`: the text held back until
+    the end and the token counts. `outputs` is, from `LLM.generate` / `LLM.chat`, the list of every
     prompt's `RequestOutput` (the others complete, the failed one with finish_reason "error"
     and its `error`).
     """
@@ -37,51 +37,6 @@ class GenerationError(InvalidRequestError):
         self.request_id = request_id
         self.delta = delta
         self.outputs = outputs
-
-
-@dataclasses.dataclass
-class Delta:
-    """New output of one request after one engine step (text never splits a UTF-8 sequence)."""
-
-    request_id: str
-    token_ids: list
-    text: str
-    finish_reason: Optional[str]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: Optional[list] = None
-    #: Why the request failed midway: set with finish_reason "error" on its last delta.
-    error: Optional[str] = None
-
-    @classmethod
-    def from_core(cls, d: dict) -> "Delta":
-        """Build from the dict `core.poll()` returns."""
-        return cls(
-            request_id=d["request_id"],
-            token_ids=list(d.get("token_ids") or ()),
-            text=d.get("text") or "",
-            finish_reason=d.get("finish_reason"),
-            prompt_tokens=int(d.get("prompt_tokens") or 0),
-            completion_tokens=int(d.get("completion_tokens") or 0),
-            cached_tokens=int(d.get("cached_tokens") or 0),
-            logprobs=d.get("logprobs"),
-            error=d.get("error"),
-        )
-
-    @property
-    def finished(self) -> bool:
-        """True on the last delta of a request."""
-        return self.finish_reason is not None
-
-    @property
-    def usage(self) -> dict:
-        """OpenAI-style token usage as of this delta."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
 
 
 @dataclasses.dataclass
@@ -132,25 +87,22 @@ class CompletionOutput:
         """True once the engine reported a finish reason."""
         return self.finish_reason is not None
 
-    def add_delta(self, delta: dict) -> None:
-        """Fold one engine delta (a dict of `_core.Engine.step`) into this completion."""
-        self.token_ids.extend(delta.get("token_ids") or ())
-        self.text += delta.get("text") or ""
-        lps = delta.get("logprobs")
+    def add_delta(self, delta: Delta) -> None:
+        """Fold one engine delta into this completion."""
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        lps = delta.logprobs
         if lps is not None:
             if self.logprobs is None:
                 self.logprobs = []
             for lp in lps:
                 top = [(int(t), float(v)) for t, v in (lp.get("top") or ())]
                 self.logprobs.append(TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), top))
-        if delta.get("finish_reason") is not None:
-            self.finish_reason = delta["finish_reason"]
-            self.error = delta.get("error")
-        self.usage = Usage(
-            prompt_tokens=int(delta.get("prompt_tokens", self.usage.prompt_tokens)),
-            completion_tokens=int(delta.get("completion_tokens", len(self.token_ids))),
-            cached_tokens=int(delta.get("cached_tokens", self.usage.cached_tokens)),
-        )
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.error = delta.error
+        self.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                           cached_tokens=delta.cached_tokens)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::chat::{resolve_max_tokens, ChatInput};
+use super::delta::PyDelta;
 use super::errors::{IntoPy, InvalidRequestError};
 use super::generation::defaults_dict;
 use super::tokenizer::PyTokenizer;
@@ -121,44 +122,10 @@ fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: Logit
     Ok((EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)?, device, gen.sampling))
 }
 
-fn output_dict<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("request_id", &o.request_id)?;
-    d.set_item("token_ids", &o.token_ids)?;
-    d.set_item("text", &o.text)?;
-    match &o.logprobs {
-        None => d.set_item("logprobs", py.None())?,
-        Some(lps) => {
-            let list = PyList::empty(py);
-            for lp in lps {
-                let e = PyDict::new(py);
-                e.set_item("token_id", lp.token_id)?;
-                e.set_item("logprob", lp.logprob)?;
-                let top = PyList::empty(py);
-                for &(t, l) in &lp.top {
-                    let pair = PyList::empty(py);
-                    pair.append(t)?;
-                    pair.append(l)?;
-                    top.append(pair)?;
-                }
-                e.set_item("top", top)?;
-                list.append(e)?;
-            }
-            d.set_item("logprobs", list)?;
-        }
-    }
-    d.set_item("finish_reason", o.finish_reason.map(|f| f.as_str()))?;
-    d.set_item("prompt_tokens", o.prompt_tokens)?;
-    d.set_item("completion_tokens", o.completion_tokens)?;
-    d.set_item("cached_tokens", o.cached_tokens)?;
-    d.set_item("error", o.error.as_deref())?;
-    Ok(d)
-}
-
 fn outputs_list<'py>(py: Python<'py>, outs: &[RequestOutput]) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for o in outs {
-        list.append(output_dict(py, o)?)?;
+        list.append(PyDelta::from_output(py, o)?)?;
     }
     Ok(list)
 }
@@ -291,9 +258,9 @@ impl PyEngine {
         py.detach(|| self.abort_queued(request_id))
     }
 
-    /// Run one engine step (inline mode) and return its deltas: dicts of request_id, token_ids,
-    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens and error
-    /// (the message, only on the last delta of a request that failed midway: finish_reason
+    /// Run one engine step (inline mode) and return its deltas (`Delta`: request_id, token_ids,
+    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens and error,
+    /// the message only on the last delta of a request that failed midway: finish_reason
     /// "error").
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let outs = py.detach(|| {

@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 
 mod chat;
+mod delta;
 mod engine;
 mod errors;
 mod generation;
@@ -16,6 +17,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     tokenizer::register(m)?;
     model::register(m)?;
+    delta::register(m)?;
     engine::register(m)?;
     generation::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
