@@ -83,6 +83,10 @@ class FakeTokenizer:
         return text
 
 
+    def encode_chat(self, messages_json, tools_json=None, add_generation_prompt=True, kwargs_json=None):
+        return self.encode(self.apply_chat_template(messages_json, tools_json, add_generation_prompt, kwargs_json))
+
+
 class _Req:
     def __init__(self, rid, prompt, params, script, cached):
         self.rid = rid

@@ -246,15 +246,14 @@ class AsyncEngine:
         """A process-unique request id."""
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
 
-    def render_chat(self, messages: Messages, *, tools=None, chat_template_kwargs=None, add_generation_prompt=True) -> str:
-        """The chat template applied to messages, as text (the server's /tokenize)."""
-        tok = self._tokenizer()
-        return tok.apply_chat_template(
+    def encode_chat(self, messages: Messages, *, tools=None, chat_template_kwargs=None, add_generation_prompt=True) -> list:
+        """Token ids of a conversation rendered with the chat template (the server's /tokenize)."""
+        return list(self._tokenizer().encode_chat(
             json.dumps(list(messages)),
             json.dumps(tools) if tools else None,
             add_generation_prompt,
             json.dumps(chat_template_kwargs) if chat_template_kwargs else None,
-        )
+        ))
 
     def _tokenizer(self):
         if self.tokenizer is None:

@@ -131,13 +131,12 @@ class LLM:
         if self._tokenizer is None or not self._tokenizer.has_chat_template:
             raise _core.InvalidRequestError(
                 f"{self.model_dir} has no chat template: use generate() with a plain prompt")
-        text = self._tokenizer.apply_chat_template(
+        return list(self._tokenizer.encode_chat(
             json.dumps(list(messages), ensure_ascii=False),
             json.dumps(list(tools), ensure_ascii=False) if tools else None,
             add_generation_prompt,
             json.dumps(chat_template_kwargs, ensure_ascii=False) if chat_template_kwargs else None,
-        )
-        return self.encode(text, add_special_tokens=False)
+        ))
 
     def generate(
         self,
