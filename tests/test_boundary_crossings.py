@@ -104,3 +104,44 @@ async def test_one_crossing_per_chat_request_through_async_engine(anyio_backend)
         await engine.shutdown()
     crossings = until_queued(log)
     assert len(crossings) == 1, crossings
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_chat_call_sizes_max_tokens_from_the_prompt_it_renders(anyio_backend):
+    """max_tokens None: the server default clamped to the context left, else all of it; a prompt
+    that leaves no room is a ContextOverflowError the server reports on `messages`."""
+    from ninfer.server.errors import to_api_error
+
+    engine = await AsyncEngine.start(DEMO, max_context=64)
+    try:
+        msgs = [{"role": "user", "content": "Hi"}]
+        stream = await engine.submit_chat(msgs, {"temperature": 0, "ignore_eos": True}, default_max_tokens=3)
+        async with stream:
+            deltas = [d async for d in stream]
+        assert deltas[-1].completion_tokens == 3 and deltas[-1].prompt_tokens == stream.chat.prompt_tokens
+        stream = await engine.submit_chat(msgs, {"temperature": 0, "ignore_eos": True})
+        async with stream:
+            deltas = [d async for d in stream]
+        assert deltas[-1].completion_tokens == 64 - stream.chat.prompt_tokens
+        with pytest.raises(_core.ContextOverflowError, match="leaves no room") as e:
+            await engine.submit_chat([{"role": "user", "content": "word " * 80}], {})
+        err = to_api_error(e.value)
+        assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded")
+        assert engine.in_flight() == 0
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_async_engine_defaults_are_llms_generation_config_ones(anyio_backend):
+    from ninfer import LLM
+
+    engine = await AsyncEngine.start(DEMO, max_context=1024)
+    try:
+        with LLM(DEMO, max_context=1024) as llm:
+            assert engine.default_params == llm.get_default_sampling_params()
+        assert engine.default_params.max_tokens == 512  # the demo's max_new_tokens
+    finally:
+        await engine.shutdown()
