@@ -19,7 +19,6 @@ builds):
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -69,7 +68,7 @@ def main() -> None:
     eng = _core.Engine(str(path), device="cuda", prefix_reuse=False, max_context=MAX_PROMPT + 1,
                        kv_capacity=2 * (MAX_PROMPT + 1), max_concurrency=8, prefill_chunk=MAX_PROMPT + 1)
     built = time.perf_counter() - t0
-    params = json.dumps({"max_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+    params = _core.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def prefill_ms(plen: int, seed: int) -> float:
         """The request's whole time (its prefill and one sampled token): with asynchronous

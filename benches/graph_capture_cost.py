@@ -13,7 +13,6 @@ gpu_bench's Bench into /tmp/ckpt):
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ def main() -> None:
                        max_concurrency=64, prefill_chunk=16384)
 
     def run_level(n: int, plen: int, toks: int, tag: str) -> list:
-        params = json.dumps({"max_tokens": toks, "temperature": 0.0, "ignore_eos": True})
+        params = _core.SamplingParams(max_tokens=toks, temperature=0.0, ignore_eos=True)
         for i in range(n):
             eng.submit(f"{tag}-{i}", gb.random_prompt(plen, s["vocab"], 100 + i), params)
         times = []

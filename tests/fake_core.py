@@ -122,8 +122,9 @@ class FakeCore:
     def info(self):
         return {"max_concurrency": self.max_concurrency, "max_context": self.max_context, "device": "fake"}
 
-    def submit(self, request_id, prompt_token_ids, params_json):
-        params = json.loads(params_json)
+    def submit(self, request_id, prompt_token_ids, params):
+        # The core's typed params (what AsyncEngine sends), or their JSON (tests script requests so).
+        params = json.loads(params if isinstance(params, str) else params.to_json())
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: at least one token is required")
         max_tokens = params.get("max_tokens", 256)
@@ -146,7 +147,7 @@ class FakeCore:
             self._waiting.append(_Req(request_id, list(prompt_token_ids), params, script, cached))
             self._lock.notify_all()
 
-    def submit_chat(self, request_ids, messages_json, params_json, tools_json=None, chat_template_kwargs_json=None,
+    def submit_chat(self, request_ids, messages_json, params, tools_json=None, chat_template_kwargs_json=None,
                     max_tokens=None, default_max_tokens=None, add_generation_prompt=True):
         """As the core's: render, tokenize and queue one request per id (choice i: seed + i)."""
         text = self.tokenizer.apply_chat_template(messages_json, tools_json, add_generation_prompt,
@@ -160,7 +161,7 @@ class FakeCore:
                 err.param = "messages"
                 raise err
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        params = json.loads(params_json)
+        params = json.loads(params.to_json())
         for i, rid in enumerate(request_ids):
             p = dict(params, max_tokens=max_tokens)
             if p.get("seed") is not None:

@@ -25,7 +25,7 @@ def test_delta_is_the_cores_type_and_reads_by_attribute_or_key():
 
 def test_the_engine_steps_out_deltas():
     core = _core.Engine.toy(vocab_size=32)
-    core.submit("a", [1, 2, 3], '{"max_tokens": 2, "temperature": 0, "ignore_eos": true}')
+    core.submit("a", [1, 2, 3], _core.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     deltas = []
     while core.has_unfinished():
         deltas += core.step()

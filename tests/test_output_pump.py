@@ -78,7 +78,7 @@ def test_a_blocking_poll_returns_the_deltas_of_a_request():
     core = _core.Engine(str(DEMO), max_context=256)
     core.start_background()
     try:
-        core.submit("a", [5, 6, 7], '{"max_tokens": 3, "temperature": 0}')
+        core.submit("a", [5, 6, 7], _core.SamplingParams(max_tokens=3, temperature=0))
         deltas: list = []
         while not (deltas and deltas[-1]["finish_reason"]):
             deltas += core.poll()

@@ -29,6 +29,7 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ninfer import _core
 from ninfer._core import InvalidRequestError
 from ninfer.outputs import Delta, GenerationError
 from ninfer.sampling_params import SamplingParams
@@ -58,7 +59,7 @@ class QueueFullError(Exception):
 
 
 def core_params(params: Any) -> tuple:
-    """(the JSON object the core reads, max_tokens or None) of sampling params.
+    """(the fields of `_core.SamplingParams`, max_tokens or None) of sampling params.
 
     Accepts None ({}), a JSON string, a dict, `ninfer.SamplingParams` (its `n` must be 1, as one
     request is one completion) or any dataclass of core fields. max_tokens None (or absent)
@@ -88,10 +89,10 @@ def core_params(params: Any) -> tuple:
     raise TypeError(f"sampling params must be a dict, a dataclass or None, got {type(params).__name__}")
 
 
-def params_to_json(params: Any, room: int) -> str:
-    """`core_params` as the JSON `_core.Engine.submit` takes, max_tokens None resolved to `room`."""
+def params_to_core(params: Any, room: int) -> "_core.SamplingParams":
+    """`core_params` as the checked `_core.SamplingParams`, max_tokens None resolved to `room`."""
     fields, max_tokens = core_params(params)
-    return json.dumps(dict(fields, max_tokens=room if max_tokens is None else max_tokens))
+    return _core.SamplingParams(**fields, max_tokens=room if max_tokens is None else max_tokens)
 
 
 @dataclasses.dataclass
@@ -294,16 +295,16 @@ class AsyncEngine:
         engine step, and the event loop must keep serving other streams meanwhile.
         """
         rids = self._check_room_for(request_ids)
-        # Every params object serialised before any request is registered: one refused (a bad
-        # type, n > 1) must leave nothing in flight.
-        jobs = [(rid, list(ids), params_to_json(self._or_default(p), max(self.max_context - len(ids), 1)))
+        # Every params object built (and checked) before any request is registered: one refused
+        # (a bad value, n > 1) must leave nothing in flight.
+        jobs = [(rid, list(ids), params_to_core(self._or_default(p), max(self.max_context - len(ids), 1)))
                 for ids, p, rid in zip(prompts, params, rids)]
         receive, timings = self._register(rids)
         submitted: list = []
 
         def run() -> None:
-            for rid, ids, pj in jobs:
-                self.core.submit(rid, ids, pj)
+            for rid, ids, checked in jobs:
+                self.core.submit(rid, ids, checked)
                 submitted.append(rid)
 
         try:
@@ -327,7 +328,7 @@ class AsyncEngine:
         """
         rids = self._check_room_for(request_ids or [self.new_request_id()])
         fields, max_tokens = core_params(self._or_default(params))
-        args = (json.dumps(list(messages)), json.dumps(dict(fields, max_tokens=1)),
+        args = (json.dumps(list(messages)), _core.SamplingParams(**fields),
                 json.dumps(tools) if tools else None,
                 json.dumps(chat_template_kwargs) if chat_template_kwargs else None,
                 max_tokens, default_max_tokens, add_generation_prompt)

@@ -248,7 +248,7 @@ class LLM:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_context - len(ids))
-        self._core.submit(rid, ids, params.to_core_json(max_tokens, params.seed_for(index)))
+        self._core.submit(rid, ids, params.to_core(max_tokens, params.seed_for(index)))
         return rid
 
     def _step_checked(self, pending: set) -> list:

@@ -1,18 +1,18 @@
 """Per-request sampling parameters of the offline API.
 
-The fields mirror the Rust `SamplingParams` (rust_core/src/sampling/params.rs) so one object
-serializes to the JSON that `_core.Engine.submit` takes. Python checks only what Rust cannot see
-(types, `n`, and the `max_tokens=None` convention); every range check lives in Rust, so a value
-is judged the same way whether it comes from here, the CLI or the server.
+The fields mirror the Rust `SamplingParams` (rust_core/src/sampling/params.rs): `to_core` builds
+the typed `_core.SamplingParams` that `_core.Engine.submit` takes. Python checks only what Rust
+cannot see (types, `n`, and the `max_tokens=None` convention); every range check lives in Rust,
+so a value is judged the same way whether it comes from here, the CLI or the server.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from ninfer import _core
 from ninfer._core import InvalidRequestError
 
 
@@ -112,7 +112,7 @@ class SamplingParams:
             raise bad("response_format", "must be an object such as {\"type\": \"json_object\"} or None")
 
     def to_core_dict(self, max_tokens: int, seed: Optional[int]) -> dict:
-        """The object `_core.Engine.submit` takes, for one completion.
+        """The fields of `_core.SamplingParams`, for one completion.
 
         `max_tokens` and `seed` are resolved by the caller (context left, `seed + i` for n>1).
         """
@@ -136,9 +136,9 @@ class SamplingParams:
             "response_format": None if self.response_format is None else dict(self.response_format),
         }
 
-    def to_core_json(self, max_tokens: int, seed: Optional[int]) -> str:
-        """`to_core_dict` as the JSON string `_core.Engine.submit` takes."""
-        return json.dumps(self.to_core_dict(max_tokens, seed))
+    def to_core(self, max_tokens: int, seed: Optional[int]) -> "_core.SamplingParams":
+        """The checked `_core.SamplingParams` of one completion (`to_core_dict`'s fields)."""
+        return _core.SamplingParams(**self.to_core_dict(max_tokens, seed))
 
     def seed_for(self, index: int) -> Optional[int]:
         """The seed of completion `index` of `n`: `seed + index`, or None when unseeded."""

@@ -18,6 +18,7 @@ use super::chat::{resolve_max_tokens, ChatInput};
 use super::delta::PyDelta;
 use super::errors::{IntoPy, InvalidRequestError};
 use super::generation::defaults_dict;
+use super::sampling::PySamplingParams;
 use super::tokenizer::PyTokenizer;
 use crate::config::generation_config::SamplingDefaults;
 use crate::config::{GenerationConfig, ModelConfig};
@@ -206,27 +207,27 @@ impl PyEngine {
     }
 
     /// Queue a request; raises InvalidRequestError / ContextOverflowError at once on bad input.
-    fn submit(&self, py: Python<'_>, request_id: &str, prompt_token_ids: Vec<u32>, params_json: &str) -> PyResult<()> {
-        let params = SamplingParams::from_json(params_json).py()?;
+    fn submit(&self, py: Python<'_>, request_id: &str, prompt_token_ids: Vec<u32>, params: PyRef<'_, PySamplingParams>) -> PyResult<()> {
+        let params = params.inner.clone();
         py.detach(|| self.queue(request_id, prompt_token_ids, params))
     }
 
     /// A chat request in one crossing: render `messages` (JSON) with the chat template (with
     /// `tools` and `chat_template_kwargs`, JSON too), tokenize, and queue one request per id
-    /// (the `n` choices of one call; choice `i` samples with `seed + i`). `params_json` is as
+    /// (the `n` choices of one call; choice `i` samples with `seed + i`). `params` is as
     /// `submit`'s; its `max_tokens` is replaced by `max_tokens`, or when None by
     /// `default_max_tokens` clamped to the context left, else all of it. All or nothing: when
     /// one request is refused, those queued are aborted and the error raised. Returns
     /// (prompt tokens, whether the output starts inside `<think>`, whether the vocabulary has
     /// the `<think>` / `</think>` tags).
-    #[pyo3(signature = (request_ids, messages_json, params_json, tools_json=None, chat_template_kwargs_json=None, max_tokens=None, default_max_tokens=None, add_generation_prompt=true))]
+    #[pyo3(signature = (request_ids, messages_json, params, tools_json=None, chat_template_kwargs_json=None, max_tokens=None, default_max_tokens=None, add_generation_prompt=true))]
     #[allow(clippy::too_many_arguments)]
     fn submit_chat(
         &self,
         py: Python<'_>,
         request_ids: Vec<String>,
         messages_json: &str,
-        params_json: &str,
+        params: PyRef<'_, PySamplingParams>,
         tools_json: Option<&str>,
         chat_template_kwargs_json: Option<&str>,
         max_tokens: Option<usize>,
@@ -234,7 +235,7 @@ impl PyEngine {
         add_generation_prompt: bool,
     ) -> PyResult<(usize, bool, bool)> {
         let tokenizer = self.tokenizer.clone().ok_or_else(|| InvalidRequestError::new_err("this model has no tokenizer: pass prompt token ids"))?;
-        let params = SamplingParams::from_json(params_json).py()?;
+        let params = params.inner.clone();
         let input = ChatInput::parse(messages_json, tools_json, chat_template_kwargs_json).py()?;
         let prompt = py.detach(|| tokenizer.chat_prompt(&input.messages, input.tools.as_ref(), add_generation_prompt, &input.kwargs)).py()?;
         let max_tokens = resolve_max_tokens(py, max_tokens, default_max_tokens, prompt.token_ids.len(), self.config.max_context)?;
