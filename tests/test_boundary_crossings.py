@@ -3,9 +3,11 @@
 The real `_core.Engine` over the bundled demo model is wrapped in a proxy that logs every call
 and every property read that runs Rust code (the engine's and its tokenizer's). The count runs
 from the chat route (or `AsyncEngine.generate` with messages) up to the call that queues the
-request. Before the chat path crossed once: template render, encode, two `token_to_id`, a
-`has_chat_template` read and submit were six crossings; now rendering, tokenizing, the reasoning
-check and submission are one call.
+request. Before, the chat route crossed six times (a `has_chat_template` read, template render,
+encode, two `token_to_id`, submit) and `AsyncEngine.generate` three; now rendering,
+tokenizing, the reasoning check and submission are one call into the engine. The typed sampling
+params that call carries (`_core.SamplingParams`, checked when built) are counted too: built
+once per request.
 """
 
 from __future__ import annotations
@@ -54,6 +56,34 @@ class Counting:
         return value
 
 
+class CountingCoreModule:
+    """Stands for `ninfer._core` in `ninfer.engine`: logs each `SamplingParams` built."""
+
+    def __init__(self, log: list):
+        self._log = log
+
+    def __getattr__(self, name):
+        return getattr(_core, name)
+
+    def SamplingParams(self, **fields):  # noqa: N802 (the class it stands for)
+        self._log.append("SamplingParams()")
+        return _core.SamplingParams(**fields)
+
+
+@pytest.fixture
+def log(monkeypatch) -> list:
+    """The crossings, typed-params constructions included."""
+    import ninfer.engine
+
+    entries: list = []
+    monkeypatch.setattr(ninfer.engine, "_core", CountingCoreModule(entries))
+    return entries
+
+
+#: One request's way in: its params built (and checked) once, then one call into the engine.
+ONE_CROSSING = ["SamplingParams()", "engine.submit_chat"]
+
+
 def until_queued(log: list) -> list:
     """The crossings up to and including the first queueing call."""
     for i, entry in enumerate(log):
@@ -62,14 +92,13 @@ def until_queued(log: list) -> list:
     raise AssertionError(f"no queueing call among {log}")
 
 
-def test_one_crossing_per_chat_request_through_the_chat_route():
+def test_one_crossing_per_chat_request_through_the_chat_route(log):
     from starlette.testclient import TestClient
 
     from ninfer.server.app import build_app
     from ninfer.server.protocol import ServerDefaults
     from ninfer.server.state import ServerState
 
-    log: list = []
     state = ServerState(ServerDefaults(model_id="demo"))
 
     async def factory():
@@ -86,14 +115,12 @@ def test_one_crossing_per_chat_request_through_the_chat_route():
             "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > 0
-    crossings = until_queued(log)
-    assert len(crossings) == 1, crossings
+    assert until_queued(log) == ONE_CROSSING
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_one_crossing_per_chat_request_through_async_engine(anyio_backend):
-    log: list = []
+async def test_one_crossing_per_chat_request_through_async_engine(anyio_backend, log):
     core = Counting(await anyio.to_thread.run_sync(lambda: _core.Engine(str(DEMO), max_context=512)), log, "engine")
     engine = await AsyncEngine.start(core=core)
     try:
@@ -102,8 +129,7 @@ async def test_one_crossing_per_chat_request_through_async_engine(anyio_backend)
         assert deltas[-1].finished
     finally:
         await engine.shutdown()
-    crossings = until_queued(log)
-    assert len(crossings) == 1, crossings
+    assert until_queued(log) == ONE_CROSSING
 
 
 @pytest.mark.anyio
