@@ -109,6 +109,13 @@ def request_params(b: "Bench", max_tokens: int) -> str:
     return json.dumps({"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **b.a.sampling})
 
 
+def _core_params(fields_json: str):
+    """The engine's typed sampling params (`_core.SamplingParams`) of a JSON object of fields."""
+    from ninfer import _core
+
+    return _core.SamplingParams(**json.loads(fields_json))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True,
@@ -589,7 +596,7 @@ def ninfer_decode(b: Bench, path: Path, prompt: list, n: int) -> tuple:
     eng, load_s = ninfer_engine(b, path, max_context=max(2048, len(prompt) + n + 16),
                                 kv_capacity=max(4096, len(prompt) + n + 64),
                                 max_concurrency=4, prefill_chunk=512)
-    params = request_params(b, n + 1)
+    params = _core_params(request_params(b, n + 1))
 
     def run(rid: str) -> tuple:
         eng.submit(rid, prompt, params)
@@ -673,8 +680,8 @@ def part_throughput(b: Bench) -> list:
                 peers[str(c)] = {"skipped": f"failed: {str(e)[-300:]}"}
     eng, load_s = ninfer_engine(b, path, max_context=plen + olen + 16, kv_capacity=max(levels) * (plen + olen + 32),
                                 max_concurrency=max(levels), prefill_chunk=a.prefill_chunk)
-    params = request_params(b, olen)
-    eng.submit("warmup", random_prompt(plen, s["vocab"], 7), json.dumps({"max_tokens": 8, "ignore_eos": True}))
+    params = _core_params(request_params(b, olen))
+    eng.submit("warmup", random_prompt(plen, s["vocab"], 7), _core_params('{"max_tokens": 8, "ignore_eos": true}'))
     while eng.has_unfinished():
         eng.step()
     recs = []
@@ -896,7 +903,7 @@ def part_profile(b: Bench, model: str) -> list:
     ctx = a.prompt + warm + steps + 16
     eng, _ = ninfer_engine(b, path, max_context=max(2048, ctx), kv_capacity=max(4096, n * (ctx + 16)),
                            max_concurrency=max(4, n), prefill_chunk=chunk)
-    params = json.dumps({"max_tokens": warm + steps + 8, "temperature": 0.0, "ignore_eos": True})
+    params = _core_params(json.dumps({"max_tokens": warm + steps + 8, "temperature": 0.0, "ignore_eos": True}))
     for i in range(n):
         eng.submit(f"p{i}", random_prompt(a.prompt, s["vocab"], 2 + i), params)
     for _ in range(warm):

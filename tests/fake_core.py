@@ -16,7 +16,7 @@ import math
 import threading
 import time
 
-from ninfer._core import ContextOverflowError, InvalidRequestError
+from ninfer._core import ContextOverflowError, Delta, InvalidRequestError
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 SKIPPED = {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}
@@ -83,6 +83,10 @@ class FakeTokenizer:
         return text
 
 
+    def encode_chat(self, messages_json, tools_json=None, add_generation_prompt=True, kwargs_json=None):
+        return self.encode(self.apply_chat_template(messages_json, tools_json, add_generation_prompt, kwargs_json))
+
+
 class _Req:
     def __init__(self, rid, prompt, params, script, cached):
         self.rid = rid
@@ -118,8 +122,9 @@ class FakeCore:
     def info(self):
         return {"max_concurrency": self.max_concurrency, "max_context": self.max_context, "device": "fake"}
 
-    def submit(self, request_id, prompt_token_ids, params_json):
-        params = json.loads(params_json)
+    def submit(self, request_id, prompt_token_ids, params):
+        # The core's typed params (what AsyncEngine sends), or their JSON (tests script requests so).
+        params = json.loads(params if isinstance(params, str) else params.to_json())
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty: at least one token is required")
         max_tokens = params.get("max_tokens", 256)
@@ -141,6 +146,33 @@ class FakeCore:
             cached = self._prefix_hit(prompt_token_ids)
             self._waiting.append(_Req(request_id, list(prompt_token_ids), params, script, cached))
             self._lock.notify_all()
+
+    def submit_chat(self, request_ids, messages_json, params, tools_json=None, chat_template_kwargs_json=None,
+                    max_tokens=None, default_max_tokens=None, add_generation_prompt=True):
+        """As the core's: render, tokenize and queue one request per id (choice i: seed + i)."""
+        text = self.tokenizer.apply_chat_template(messages_json, tools_json, add_generation_prompt,
+                                                  chat_template_kwargs_json)
+        ids = self.tokenizer.encode(text)
+        if max_tokens is None:
+            room = self.max_context - len(ids)
+            if room < 1:
+                err = ContextOverflowError(f"prompt of {len(ids)} tokens leaves no room in the maximum context of "
+                                           f"{self.max_context} tokens")
+                err.param = "messages"
+                raise err
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        params = json.loads(params.to_json())
+        for i, rid in enumerate(request_ids):
+            p = dict(params, max_tokens=max_tokens)
+            if p.get("seed") is not None:
+                p["seed"] = (p["seed"] + i) & 0xFFFFFFFFFFFFFFFF
+            try:
+                self.submit(rid, ids, json.dumps(p))
+            except Exception:
+                for done in request_ids[:i]:
+                    self.abort(done)
+                raise
+        return len(ids), text.rfind("<think>") > text.rfind("</think>"), True
 
     def _prefix_hit(self, ids):
         hit, h = 0, b""
@@ -218,8 +250,7 @@ class FakeCore:
             k = r.params.get("top_logprobs", 0)
             top = [[toks[0], -0.25]] + [[(toks[0] + i) % 256, -1.0 - i] for i in range(1, k)]
             lp = [{"token_id": toks[0], "logprob": -0.25, "top": top[:k]}]
-        return {"request_id": r.rid, "token_ids": toks, "text": new, "logprobs": lp, "finish_reason": finish,
-                "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "cached_tokens": r.cached}
+        return Delta(r.rid, toks, new, finish, len(r.prompt), len(r.out), r.cached, lp)
 
     def start_background(self):
         def loop():
@@ -236,12 +267,13 @@ class FakeCore:
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
 
-    def poll(self, timeout_s):
-        deadline = time.monotonic() + timeout_s
+    def poll(self, timeout_s=None):
+        """Deltas as they come; None waits until there are some or the core is shut down."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            while not self._out:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._out and not self._stop:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     return []
                 self._lock.wait(left)
             out, self._out = self._out, []
@@ -254,7 +286,9 @@ class FakeCore:
                         kv_blocks_used=used, kv_blocks_total=self.kv_blocks_total)
 
     def shutdown(self):
-        self._stop = True
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=2)
 
@@ -301,7 +335,5 @@ class MidwayFailingFakeCore(FakeCore):
     def _delta(self, r, toks, finish):
         if finish is None and len(r.out) > 3 and "fail midway" in self.tokenizer.decode(r.prompt):
             r.out.pop()
-            return {"request_id": r.rid, "token_ids": [], "text": "", "logprobs": None, "finish_reason": "error",
-                    "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "cached_tokens": r.cached,
-                    "error": self.ERROR}
+            return Delta(r.rid, [], "", "error", len(r.prompt), len(r.out), r.cached, error=self.ERROR)
         return super()._delta(r, toks, finish)

@@ -1,7 +1,5 @@
 """The `_core.Engine` binding over the toy model: the shared API contract as Python sees it."""
 
-import json
-
 import pytest
 
 from ninfer import _core
@@ -16,7 +14,7 @@ DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "p
 
 
 def greedy(n, **extra):
-    return json.dumps({"max_tokens": n, "temperature": 0, **extra})
+    return _core.SamplingParams(max_tokens=n, temperature=0, **extra)
 
 
 def run_inline(engine):
@@ -93,9 +91,9 @@ def test_bad_requests_raise_typed_errors_at_submit():
         eng.submit("a", [1] * 60, greedy(10))
     assert "60" in str(e.value) and "64" in str(e.value)
     with pytest.raises(_core.InvalidRequestError):
-        eng.submit("a", [1], json.dumps({"temperature": -1}))
+        eng.submit("a", [1], _core.SamplingParams(temperature=-1))
     with pytest.raises(_core.InvalidRequestError):
-        eng.submit("a", [1], json.dumps({"no_such_field": 1}))
+        eng.submit("a", [1], _core.SamplingParams(no_such_field=1))
     assert not eng.has_unfinished()
 
 

@@ -32,7 +32,7 @@ def hf_greedy(model, prompt, n):
 
 
 def greedy(n):
-    return json.dumps({"max_tokens": n, "temperature": 0, "ignore_eos": True})
+    return _core.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 def run(engine, reqs):
@@ -105,7 +105,7 @@ def tiny_with_tokenizer(tmp_path_factory):
 
 
 def collect(engine, rid, prompt, **params):
-    engine.submit(rid, prompt, json.dumps({"max_tokens": 40, "temperature": 0, "ignore_eos": True, **params}))
+    engine.submit(rid, prompt, _core.SamplingParams(**{"max_tokens": 40, "temperature": 0, "ignore_eos": True, **params}))
     toks, text, finish = [], "", None
     while engine.has_unfinished():
         for d in engine.step():

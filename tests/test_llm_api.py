@@ -280,9 +280,9 @@ def test_sampling_params_reject_wrong_types_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_sampling_params_serialize_to_the_engine_json():
+def test_sampling_params_build_the_engines_typed_params():
     p = SamplingParams(temperature=0.5, stop="END", logit_bias={"3": 2}, top_logprobs=2, seed=9)
-    d = json.loads(p.to_core_json(max_tokens=17, seed=p.seed_for(1)))
+    d = json.loads(p.to_core(max_tokens=17, seed=p.seed_for(1)).to_json())
     assert d["max_tokens"] == 17 and d["seed"] == 10
     assert d["stop"] == ["END"]
     assert d["logit_bias"] == {"3": 2.0}

@@ -63,7 +63,7 @@ def offline_greedy(model_dir, prompts: list, max_tokens: int) -> list:
     outs = []
     core = _core.Engine(str(model_dir), max_context=MAX_CONTEXT, prefix_reuse=False)
     for i, ids in enumerate(prompts):
-        core.submit(f"r{i}", list(ids), json.dumps({"max_tokens": max_tokens, "temperature": 0.0}))
+        core.submit(f"r{i}", list(ids), _core.SamplingParams(max_tokens=max_tokens, temperature=0.0))
         text, toks = "", []
         while core.has_unfinished():
             for d in core.step():

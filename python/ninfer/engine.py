@@ -1,11 +1,14 @@
 """AsyncEngine: the asyncio face of the Rust engine, shared by the server and async users.
 
-The Rust engine runs on its own OS thread (`core.start_background()`). One pump task waits in
-`core.poll` with the GIL released and gets every delta of the finished step(s) at once, then
-fans them out to one anyio memory stream per request. So Python crosses into the core once per
-engine step, never once per token per request. Leaving a request's iterator early (break,
-cancellation, a client that disconnects) aborts the request, which frees its KV blocks in the
-engine's next step.
+The Rust engine runs on its own OS thread (`core.start_background()`). The output pump, a thread
+of its own, sleeps in `core.poll()` with the GIL released until the engine has deltas, gets
+every delta of the finished step(s) at once, and hands them to the event loop, which fans them
+out to one anyio memory stream per request. So Python crosses into the core once per engine
+step, never once per token per request, and the pump takes no thread from the pool that
+tokenization and submission use. A chat request crosses once on its way in too
+(`core.submit_chat` renders, tokenizes and queues it). Leaving a request's iterator early
+(break, cancellation, a client that disconnects) aborts the request, which frees its KV blocks
+in the engine's next step.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import sys
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional, Sequence, Union
@@ -24,56 +29,13 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ninfer import _core
 from ninfer._core import InvalidRequestError
-from ninfer.outputs import GenerationError
+from ninfer.outputs import Delta, GenerationError
+from ninfer.sampling_params import SamplingParams
 
 Messages = Sequence[dict]
 Prompt = Union[str, Sequence[int], Messages]
-
-
-@dataclasses.dataclass
-class Delta:
-    """New output of one request after one engine step (text never splits a UTF-8 sequence)."""
-
-    request_id: str
-    token_ids: list
-    text: str
-    finish_reason: Optional[str]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: Optional[list] = None
-    #: Why the request failed midway: set with finish_reason "error" on its last delta.
-    error: Optional[str] = None
-
-    @classmethod
-    def from_core(cls, d: dict) -> "Delta":
-        """Build from the dict `core.poll()` returns."""
-        return cls(
-            request_id=d["request_id"],
-            token_ids=list(d.get("token_ids") or ()),
-            text=d.get("text") or "",
-            finish_reason=d.get("finish_reason"),
-            prompt_tokens=int(d.get("prompt_tokens") or 0),
-            completion_tokens=int(d.get("completion_tokens") or 0),
-            cached_tokens=int(d.get("cached_tokens") or 0),
-            logprobs=d.get("logprobs"),
-            error=d.get("error"),
-        )
-
-    @property
-    def finished(self) -> bool:
-        """True on the last delta of a request."""
-        return self.finish_reason is not None
-
-    @property
-    def usage(self) -> dict:
-        """OpenAI-style token usage as of this delta."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
 
 
 @dataclasses.dataclass
@@ -96,31 +58,53 @@ class QueueFullError(Exception):
         self.limit = limit
 
 
-def params_to_json(params: Any, room: Optional[int] = None) -> str:
-    """Turn sampling params into the JSON the core reads.
+def core_params(params: Any) -> tuple:
+    """(the fields of `_core.SamplingParams`, max_tokens or None) of sampling params.
 
-    Accepts None, a JSON string, a dict, `ninfer.SamplingParams` (its max_tokens None means all
-    of `room`, the context left after the prompt; its `n` must be 1, as one request is one
-    completion) or any dataclass of core fields.
+    Accepts None ({}), a JSON string, a dict, `ninfer.SamplingParams` (its `n` must be 1, as one
+    request is one completion) or any dataclass of core fields. max_tokens None (or absent)
+    means as many as fit in the context after the prompt, as in `LLM`; the caller resolves it
+    once the prompt's length is known.
     """
     if params is None:
-        return "{}"
+        return {}, None
     if isinstance(params, str):
-        return params
+        params = json.loads(params)
     if isinstance(params, dict):
-        return json.dumps(params)
-    if hasattr(params, "to_core_json"):
+        fields = dict(params)
+        return fields, fields.pop("max_tokens", None)
+    if hasattr(params, "to_core_dict"):
         n = getattr(params, "n", 1)
         if n != 1:
             # One engine request is one completion: silently running one of `n` would lose the rest.
             raise InvalidRequestError(
                 f"invalid request field `n`: {n} (an AsyncEngine request is one completion; submit_many "
                 "one request per completion, or use LLM.generate)")
-        max_tokens = getattr(params, "max_tokens", None) or room
-        return params.to_core_json(max_tokens, getattr(params, "seed", None))
+        fields = params.to_core_dict(1, getattr(params, "seed", None))
+        del fields["max_tokens"]
+        return fields, getattr(params, "max_tokens", None)
     if dataclasses.is_dataclass(params):
-        return json.dumps(dataclasses.asdict(params))
+        fields = dataclasses.asdict(params)
+        return fields, fields.pop("max_tokens", None)
     raise TypeError(f"sampling params must be a dict, a dataclass or None, got {type(params).__name__}")
+
+
+def params_to_core(params: Any, room: int) -> "_core.SamplingParams":
+    """`core_params` as the checked `_core.SamplingParams`, max_tokens None resolved to `room`."""
+    fields, max_tokens = core_params(params)
+    return _core.SamplingParams(**fields, max_tokens=room if max_tokens is None else max_tokens)
+
+
+@dataclasses.dataclass
+class ChatPrompt:
+    """What `core.submit_chat` reports about a rendered conversation, for the server's parsers."""
+
+    #: Tokens of the rendered prompt.
+    prompt_tokens: int
+    #: The prompt leaves a `<think>` block open: the output starts inside reasoning.
+    starts_in_reasoning: bool
+    #: The vocabulary holds `<think>` and `</think>`: the output may carry reasoning.
+    has_thinking_tags: bool
 
 
 class RequestStream:
@@ -138,6 +122,8 @@ class RequestStream:
         self.timings = timings
         self._receive = receive
         self._open = set(request_ids)
+        #: For a conversation submitted with `submit_chat`: its prompt's length and reasoning flags.
+        self.chat: Optional[ChatPrompt] = None
 
     @property
     def request_id(self) -> str:
@@ -189,35 +175,32 @@ class RequestStream:
         self.close()
 
 
-def _tokenizer_of(model_dir: str):
-    """The model directory's tokenizer when the core does not expose one (None without tokenizer.json)."""
-    import os
-
-    from ninfer import _core
-
-    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-        return None
-    return _core.Tokenizer(model_dir)
-
-
 class AsyncEngine:
-    """Asynchronous driver of one `_core.Engine`: submit requests, iterate their deltas."""
+    """Asynchronous driver of one `_core.Engine`: submit requests, iterate their deltas.
 
-    def __init__(self, core: Any, *, poll_timeout_s: float = 0.05, max_queue: Optional[int] = None):
+    Start it with `await AsyncEngine.start(model_dir)`, stream with `generate` (an async
+    iterator) or `submit` (a `RequestStream` to iterate), and stop it with `shutdown()`.
+    Requests without params sample with the model's generation_config.json defaults, as
+    `LLM.generate` does; a max_tokens of None means as many as fit in the context.
+    """
+
+    def __init__(self, core: Any, *, max_queue: Optional[int] = None):
         self.core = core
         self.tokenizer = getattr(core, "tokenizer", None)
+        #: Read once here: the chat route checks it per request without crossing into the core.
+        self.has_chat_template = bool(self.tokenizer is not None and self.tokenizer.has_chat_template)
         self.max_context = int(core.max_context)
         self.eos_token_ids = list(getattr(core, "eos_token_ids", []) or [])
+        #: The params of a request that gives none: generation_config.json's, as `LLM` uses.
+        self.default_params = SamplingParams(**dict(getattr(core, "generation_defaults", None) or {}))
         info = core.info() if hasattr(core, "info") else {}
         self.max_concurrency = int(info.get("max_concurrency", 64) or 64)
         self.max_queue = max_queue
-        self.poll_timeout_s = poll_timeout_s
         self._streams: dict = {}
         self._timings: dict = {}
         self._aborting: dict = {}
         self._ids = itertools.count()
-        self._wake = asyncio.Event()
-        self._pump_task: Optional[asyncio.Task] = None
+        self._pump_thread: Optional[threading.Thread] = None
         self._closed = False
         self.finished_listeners: list = []
         self.steps_polled = 0
@@ -225,78 +208,53 @@ class AsyncEngine:
     @classmethod
     async def start(
         cls,
-        model_dir: Optional[str] = None,
+        model_dir: Union[str, os.PathLike, None] = None,
         device: str = "cpu",
         *,
         core: Any = None,
-        poll_timeout_s: float = 0.05,
         max_queue: Optional[int] = None,
         **engine_kwargs: Any,
     ) -> "AsyncEngine":
-        """Load the model (off the event loop), start the engine thread and the pump task.
+        """Load the model (off the event loop), start the engine thread and the output pump.
 
+        `engine_kwargs` are `_core.Engine`'s (and `LLM`'s): max_context, kv_capacity,
+        max_concurrency, prefill_chunk, prefix_reuse, num_threads, logits_dtype, kv_dtype.
         `core` injects an already-built engine object with the `_core.Engine` interface (tests).
         """
         if core is None:
             from ninfer import _core
 
-            core = await anyio.to_thread.run_sync(lambda: _core.Engine(model_dir, device=device, **engine_kwargs))
+            path = os.fspath(model_dir)
+            core = await anyio.to_thread.run_sync(lambda: _core.Engine(path, device=device, **engine_kwargs))
         core.start_background()
-        engine = cls(core, poll_timeout_s=poll_timeout_s, max_queue=max_queue)
-        if engine.tokenizer is None and model_dir is not None:
-            engine.tokenizer = await anyio.to_thread.run_sync(_tokenizer_of, model_dir)
+        engine = cls(core, max_queue=max_queue)
         if engine_kwargs.get("max_concurrency"):
             engine.max_concurrency = int(engine_kwargs["max_concurrency"])
-        engine._pump_task = asyncio.get_running_loop().create_task(engine._pump())
+        engine._start_pump(asyncio.get_running_loop())
         return engine
 
     async def shutdown(self) -> None:
-        """Stop the pump, fail every open stream, and stop the engine thread."""
+        """Fail every open stream, stop the engine thread, and with it the output pump."""
         if self._closed:
             return
         self._closed = True
-        if self._pump_task is not None:
-            self._pump_task.cancel()
-            try:
-                await self._pump_task
-            except (asyncio.CancelledError, Exception):
-                pass
         self._fail_all(RuntimeError("the engine was shut down"))
         await anyio.to_thread.run_sync(self.core.shutdown)
+        if self._pump_thread is not None:
+            await anyio.to_thread.run_sync(self._pump_thread.join, 5.0)
 
     def new_request_id(self, prefix: str = "req") -> str:
         """A process-unique request id."""
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
 
-    def encode_prompt(
-        self,
-        prompt: Prompt,
-        *,
-        tools: Optional[list] = None,
-        chat_template_kwargs: Optional[dict] = None,
-        add_generation_prompt: bool = True,
-    ) -> list:
-        """Token ids of a prompt: a string (tokenized with special tokens), token ids, or chat messages."""
-        if isinstance(prompt, str):
-            return list(self._tokenizer().encode(prompt, add_special_tokens=True))
-        seq = list(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
-            return seq
-        return list(self._tokenizer().encode(
-            self.render_chat(seq, tools=tools, chat_template_kwargs=chat_template_kwargs,
-                             add_generation_prompt=add_generation_prompt),
-            add_special_tokens=False,
-        ))
-
-    def render_chat(self, messages: Messages, *, tools=None, chat_template_kwargs=None, add_generation_prompt=True) -> str:
-        """The chat template applied to messages, as text."""
-        tok = self._tokenizer()
-        return tok.apply_chat_template(
+    def encode_chat(self, messages: Messages, *, tools=None, chat_template_kwargs=None, add_generation_prompt=True) -> list:
+        """Token ids of a conversation rendered with the chat template (the server's /tokenize)."""
+        return list(self._tokenizer().encode_chat(
             json.dumps(list(messages)),
             json.dumps(tools) if tools else None,
             add_generation_prompt,
             json.dumps(chat_template_kwargs) if chat_template_kwargs else None,
-        )
+        ))
 
     def _tokenizer(self):
         if self.tokenizer is None:
@@ -307,76 +265,140 @@ class AsyncEngine:
         """Requests submitted and not finished."""
         return len(self._streams)
 
-    async def submit(self, prompt_token_ids: Sequence[int], params: Any = None,
-                     request_id: Optional[str] = None) -> RequestStream:
-        """Submit a tokenized request; raises on bad input or a full queue, before any delta.
+    async def submit(self, prompt: Prompt, params: Any = None, request_id: Optional[str] = None, *,
+                     tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None) -> RequestStream:
+        """Queue one request and return its stream of deltas; bad input or a full queue raise here,
+        before any delta.
 
-        Returns the request's stream of deltas; iterate it, and close it (or leave its
-        `async with`) to abort the request early.
+        Takes what `generate` takes: `prompt` is a string (tokenized with special tokens), token
+        ids, or chat messages (rendered with the chat template, with `tools` and
+        `chat_template_kwargs`); `params` is None (the model's defaults), `SamplingParams`, a
+        dict or JSON string of the core's fields. Iterate the stream, and close it (or leave its
+        `async with`) to abort the request early. `generate` is this plus the iteration.
         """
-        return await self.submit_many([prompt_token_ids], [params], [request_id or self.new_request_id()])
+        request_id = request_id or self.new_request_id()
+        if _is_messages(prompt):
+            return await self.submit_chat(prompt, params, request_ids=[request_id], tools=tools,
+                                          chat_template_kwargs=chat_template_kwargs)
+        if isinstance(prompt, str):
+            ids = list(self._tokenizer().encode(prompt, add_special_tokens=True))
+        else:
+            ids = list(prompt)
+        return await self.submit_many([ids], [params], [request_id])
 
     async def submit_many(self, prompts: Sequence[Sequence[int]], params: Sequence[Any],
                           request_ids: Sequence[str]) -> RequestStream:
-        """Submit several requests that share one stream (e.g. the n choices of one call).
+        """Submit several tokenized requests that share one stream (e.g. the n choices of one call).
 
         All or nothing: if one is refused, those already submitted are aborted and the error
         raised. The core calls run on a worker thread: the core may hold its lock for up to one
         engine step, and the event loop must keep serving other streams meanwhile.
         """
-        if self._closed:
-            raise RuntimeError("the engine was shut down")
-        if self.max_queue is not None:
-            limit = self.max_concurrency + self.max_queue
-            if len(self._streams) + len(prompts) > limit:
-                raise QueueFullError(len(self._streams), limit)
-        rids = list(request_ids)
-        if len(set(rids)) != len(rids) or any(rid in self._streams for rid in rids):
-            raise ValueError(f"request ids {rids} repeat or are already in flight")
-        # Every params object serialised before any request is registered: one refused (a bad
-        # type, n > 1) must leave nothing in flight.
-        jobs = [(rid, list(ids), params_to_json(p, max(self.max_context - len(ids), 1)))
+        rids = self._check_room_for(request_ids)
+        # Every params object built (and checked) before any request is registered: one refused
+        # (a bad value, n > 1) must leave nothing in flight.
+        jobs = [(rid, list(ids), params_to_core(self._or_default(p), max(self.max_context - len(ids), 1)))
                 for ids, p, rid in zip(prompts, params, rids)]
-        send, receive = anyio.create_memory_object_stream(math.inf)
-        timings = {}
-        for rid, _, _ in jobs:
-            timings[rid] = RequestTiming(submitted=time.monotonic())
-            self._streams[rid] = send
-            self._timings[rid] = timings[rid]
+        receive, timings = self._register(rids)
         submitted: list = []
 
         def run() -> None:
-            for rid, ids, pj in jobs:
-                self.core.submit(rid, ids, pj)
+            for rid, ids, checked in jobs:
+                self.core.submit(rid, ids, checked)
                 submitted.append(rid)
 
         try:
             await anyio.to_thread.run_sync(run)
         except BaseException:
-            for rid in rids:
-                self._streams.pop(rid, None)
-                self._timings.pop(rid, None)
+            self._unregister(rids)
             for rid in submitted:
                 self._abort_in_core(rid)
             raise
-        self._wake.set()
         return RequestStream(self, rids, receive, timings)
+
+    async def submit_chat(self, messages: Messages, params: Any = None, *, request_ids: Optional[Sequence[str]] = None,
+                          tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None,
+                          add_generation_prompt: bool = True,
+                          default_max_tokens: Optional[int] = None) -> RequestStream:
+        """Queue a conversation in one call into the core, which renders it with the chat
+        template, tokenizes it and queues one request per id (several ids: the n choices of one
+        API call, choice i sampling with seed + i). max_tokens None is `default_max_tokens`
+        clamped to the context left, else all of it. The stream's `chat` tells the prompt's
+        length and whether the output starts inside `<think>`. All or nothing, as `submit_many`.
+        """
+        rids = self._check_room_for(request_ids or [self.new_request_id()])
+        fields, max_tokens = core_params(self._or_default(params))
+        args = (json.dumps(list(messages)), _core.SamplingParams(**fields),
+                json.dumps(tools) if tools else None,
+                json.dumps(chat_template_kwargs) if chat_template_kwargs else None,
+                max_tokens, default_max_tokens, add_generation_prompt)
+        receive, timings = self._register(rids)
+        queued: list = []
+
+        def run() -> tuple:
+            queued.append(self.core.submit_chat(rids, *args))
+            return queued[0]
+
+        try:
+            prompt = await anyio.to_thread.run_sync(run)
+        except BaseException:
+            # Cancelled while the core call ran: the requests were queued, and nobody reads them.
+            self._unregister(rids)
+            for rid in rids if queued else ():
+                self._abort_in_core(rid)
+            raise
+        stream = RequestStream(self, rids, receive, timings)
+        stream.chat = ChatPrompt(*prompt)
+        return stream
+
+    def _or_default(self, params: Any) -> Any:
+        return self.default_params if params is None else params
+
+    def _check_room_for(self, request_ids: Sequence[str]) -> list:
+        """The ids, checked: the engine is open, the queue has room, no id repeats or is in flight."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        rids = list(request_ids)
+        if self.max_queue is not None:
+            limit = self.max_concurrency + self.max_queue
+            if len(self._streams) + len(rids) > limit:
+                raise QueueFullError(len(self._streams), limit)
+        if len(set(rids)) != len(rids) or any(rid in self._streams for rid in rids):
+            raise ValueError(f"request ids {rids} repeat or are already in flight")
+        return rids
+
+    def _register(self, rids: list) -> tuple:
+        """One memory stream for the requests, registered before they reach the core (the pump
+        may deliver their first delta before the submitting call returns)."""
+        send, receive = anyio.create_memory_object_stream(math.inf)
+        timings = {}
+        for rid in rids:
+            timings[rid] = RequestTiming(submitted=time.monotonic())
+            self._streams[rid] = send
+            self._timings[rid] = timings[rid]
+        return receive, timings
+
+    def _unregister(self, rids: list) -> None:
+        for rid in rids:
+            self._streams.pop(rid, None)
+            self._timings.pop(rid, None)
 
     async def generate(
         self,
         prompt: Prompt,
         params: Any = None,
-        *,
         request_id: Optional[str] = None,
+        *,
         tools: Optional[list] = None,
         chat_template_kwargs: Optional[dict] = None,
     ) -> AsyncIterator[Delta]:
         """Yield the deltas of one request; breaking out or cancelling aborts it.
 
-        A request that fails midway raises `ninfer.GenerationError` after the deltas it produced.
+        Takes what `submit` takes (a string, token ids or chat messages; params None for the
+        model's defaults). Bad input raises at the first iteration; a request that fails midway
+        raises `ninfer.GenerationError` after the deltas it produced.
         """
-        ids = self.encode_prompt(prompt, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        stream = await self.submit(ids, params, request_id)
+        stream = await self.submit(prompt, params, request_id, tools=tools, chat_template_kwargs=chat_template_kwargs)
         try:
             async for delta in stream:
                 yield delta
@@ -412,38 +434,53 @@ class AsyncEngine:
         """`stats()` from a worker thread, so the event loop keeps serving."""
         return await anyio.to_thread.run_sync(self.stats)
 
-    async def _pump(self) -> None:
-        """The one loop that polls the core and fans deltas out to request streams."""
-        while True:
-            if not self._streams and not self._aborting:
-                self._wake.clear()
-                await self._wake.wait()
+    def _start_pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._pump_thread = threading.Thread(target=self._pump, args=(loop,), name="ninfer-output-pump", daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The output pump's own thread: sleeps in `core.poll(None)` (GIL released) until the engine
+        has deltas and hands them to the event loop; ends when the engine stops (a blocking poll
+        returns nothing only then)."""
+        while not self._closed:
             try:
-                deltas = await anyio.to_thread.run_sync(self.core.poll, self.poll_timeout_s, abandon_on_cancel=True)
+                deltas = self.core.poll(None)
             except Exception as e:
-                self._fail_all(e)
+                deltas, error = None, e
+            else:
+                if not deltas:
+                    return
+                error = None
+            try:
+                if error is not None:
+                    loop.call_soon_threadsafe(self._fail_all, error)
+                else:
+                    loop.call_soon_threadsafe(self._dispatch, deltas)
+            except RuntimeError:
+                return  # the event loop is closed
+
+    def _dispatch(self, deltas: list) -> None:
+        """On the event loop: fan one poll's deltas (the core's `Delta` objects) out to the streams."""
+        if self._closed:
+            return
+        self.steps_polled += 1
+        now = time.monotonic()
+        for delta in deltas:
+            rid = delta.request_id
+            send = self._streams.get(rid)
+            if send is None:
+                if delta.finished and rid in self._aborting:
+                    self._finished(rid, delta, self._aborting.pop(rid), now)
                 continue
-            if not deltas:
-                continue
-            self.steps_polled += 1
-            now = time.monotonic()
-            for d in deltas:
-                rid = d["request_id"]
-                send = self._streams.get(rid)
-                if send is None:
-                    if d.get("finish_reason") is not None and rid in self._aborting:
-                        self._finished(rid, Delta.from_core(d), self._aborting.pop(rid), now)
-                    continue
-                delta = Delta.from_core(d)
-                timing = self._timings.get(rid)
-                if timing is not None:
-                    self._mark(timing, delta, now)
-                    if delta.finished:
-                        self._finished(rid, delta, timing, now)
-                send.send_nowait(delta)
+            timing = self._timings.get(rid)
+            if timing is not None:
+                self._mark(timing, delta, now)
                 if delta.finished:
-                    self._streams.pop(rid, None)
-                    self._timings.pop(rid, None)
+                    self._finished(rid, delta, timing, now)
+            send.send_nowait(delta)
+            if delta.finished:
+                self._streams.pop(rid, None)
+                self._timings.pop(rid, None)
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine failed: every open request ends with this error (and is aborted, best effort)."""
@@ -477,3 +514,7 @@ class AsyncEngine:
         if delta.finished:
             timing.finished = now
 
+
+def _is_messages(prompt: Any) -> bool:
+    """Chat messages (a sequence of dicts), as opposed to a string or token ids."""
+    return not isinstance(prompt, str) and bool(prompt) and all(isinstance(m, dict) for m in prompt)

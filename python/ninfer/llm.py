@@ -15,7 +15,7 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from ninfer import _core
-from ninfer.outputs import CompletionOutput, GenerationError, RequestOutput
+from ninfer.outputs import CompletionOutput, Delta, GenerationError, RequestOutput
 from ninfer.sampling_params import SamplingParams
 
 #: What `generate` accepts as prompts: a string, token ids, or a list of either.
@@ -80,15 +80,8 @@ class LLM:
             return None
 
     def _load_default_params(self) -> SamplingParams:
-        path = os.path.join(self.model_dir, "generation_config.json")
-        if not os.path.isfile(path):
-            return SamplingParams()
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise _core.ModelLoadError(f"malformed file {path}: {e}") from e
-        return SamplingParams.from_generation_config(config)
+        """generation_config.json's defaults, as the core parsed them at load."""
+        return SamplingParams(**dict(self._core.generation_defaults))
 
     @property
     def engine(self):
@@ -138,13 +131,12 @@ class LLM:
         if self._tokenizer is None or not self._tokenizer.has_chat_template:
             raise _core.InvalidRequestError(
                 f"{self.model_dir} has no chat template: use generate() with a plain prompt")
-        text = self._tokenizer.apply_chat_template(
+        return list(self._tokenizer.encode_chat(
             json.dumps(list(messages), ensure_ascii=False),
             json.dumps(list(tools), ensure_ascii=False) if tools else None,
             add_generation_prompt,
             json.dumps(chat_template_kwargs, ensure_ascii=False) if chat_template_kwargs else None,
-        )
-        return self.encode(text, add_special_tokens=False)
+        ))
 
     def generate(
         self,
@@ -192,12 +184,12 @@ class LLM:
         self,
         prompt: Union[str, Sequence[int]],
         params: Optional[SamplingParams] = None,
-    ) -> Iterator[dict]:
+    ) -> Iterator[Delta]:
         """Yield the engine's deltas for one prompt as they are produced (the CLI's path).
 
-        Each delta is the dict `_core.Engine.step` returns. Closing the iterator early aborts
-        the request. A request that fails midway raises `GenerationError` in place of its last
-        delta (which the exception carries as `delta`).
+        Each is a `ninfer.Delta` (`delta.text`, or `delta["text"]` as a dict reads). Closing the
+        iterator early aborts the request. A request that fails midway raises `GenerationError`
+        in place of its last delta (which the exception carries as `delta`).
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else _as_token_ids(prompt)
         params = self._resolve_params(params, 1)[0]
@@ -212,12 +204,12 @@ class LLM:
             while pending:
                 deltas = self._step_checked(pending)
                 for d in deltas:
-                    if d["request_id"] != rid:
+                    if d.request_id != rid:
                         continue
-                    if d.get("finish_reason") is not None:
+                    if d.finished:
                         pending.discard(rid)
-                    if d.get("finish_reason") == "error":
-                        raise GenerationError(d.get("error") or "the request failed", request_id=rid, delta=d)
+                    if d.finish_reason == "error":
+                        raise GenerationError(d.error or "the request failed", request_id=rid, delta=d)
                     yield d
         finally:
             self._abort_and_drain(pending)
@@ -256,7 +248,7 @@ class LLM:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_context - len(ids))
-        self._core.submit(rid, ids, params.to_core_json(max_tokens, params.seed_for(index)))
+        self._core.submit(rid, ids, params.to_core(max_tokens, params.seed_for(index)))
         return rid
 
     def _step_checked(self, pending: set) -> list:
@@ -295,12 +287,12 @@ class LLM:
             pending = set(route)
             while pending:
                 for d in self._step_checked(pending):
-                    completion = route.get(d["request_id"])
+                    completion = route.get(d.request_id)
                     if completion is None:
                         continue
                     completion.add_delta(d)
                     if completion.finished:
-                        pending.discard(d["request_id"])
+                        pending.discard(d.request_id)
         finally:
             self._abort_and_drain({rid for rid, c in route.items() if not c.finished})
             self._busy = False

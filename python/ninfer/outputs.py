@@ -3,6 +3,8 @@
 The engine streams deltas (see `_core.Engine.step`); these classes fold the deltas of one
 request into its final text, tokens, log-probabilities, finish reason and token counts.
 `GenerationError` is what a request that failed midway raises instead of a truncated result.
+`Delta` (the core's `_core.Delta`) is one step's new output of one request, as `LLM.stream`
+and `AsyncEngine` give it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional
 
-from ninfer._core import InvalidRequestError
+from ninfer._core import Delta, InvalidRequestError  # noqa: F401 (Delta: exported from here)
 
 
 class GenerationError(InvalidRequestError):
@@ -23,9 +25,8 @@ class GenerationError(InvalidRequestError):
     were complete. The message is the engine's and names the request field at fault, as other
     `InvalidRequestError` messages do (the server answers it with a 400 on that field).
 
-    `request_id` names the failed request. `delta` is its last delta (a `Delta` from
-    `AsyncEngine`, the engine's dict from `LLM.stream`): the text held back until the end and
-    the token counts. `outputs` is, from `LLM.generate` / `LLM.chat`, the list of every
+    `request_id` names the failed request. `delta` is its last `Delta`: the text held back until
+    the end and the token counts. `outputs` is, from `LLM.generate` / `LLM.chat`, the list of every
     prompt's `RequestOutput` (the others complete, the failed one with finish_reason "error"
     and its `error`).
     """
@@ -86,25 +87,22 @@ class CompletionOutput:
         """True once the engine reported a finish reason."""
         return self.finish_reason is not None
 
-    def add_delta(self, delta: dict) -> None:
-        """Fold one engine delta (a dict of `_core.Engine.step`) into this completion."""
-        self.token_ids.extend(delta.get("token_ids") or ())
-        self.text += delta.get("text") or ""
-        lps = delta.get("logprobs")
+    def add_delta(self, delta: Delta) -> None:
+        """Fold one engine delta into this completion."""
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        lps = delta.logprobs
         if lps is not None:
             if self.logprobs is None:
                 self.logprobs = []
             for lp in lps:
                 top = [(int(t), float(v)) for t, v in (lp.get("top") or ())]
                 self.logprobs.append(TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), top))
-        if delta.get("finish_reason") is not None:
-            self.finish_reason = delta["finish_reason"]
-            self.error = delta.get("error")
-        self.usage = Usage(
-            prompt_tokens=int(delta.get("prompt_tokens", self.usage.prompt_tokens)),
-            completion_tokens=int(delta.get("completion_tokens", len(self.token_ids))),
-            cached_tokens=int(delta.get("cached_tokens", self.usage.cached_tokens)),
-        )
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.error = delta.error
+        self.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                           cached_tokens=delta.cached_tokens)
 
 
 @dataclasses.dataclass

@@ -1,49 +1,19 @@
 """Per-request sampling parameters of the offline API.
 
-The fields mirror the Rust `SamplingParams` (rust_core/src/sampling/params.rs) so one object
-serializes to the JSON that `_core.Engine.submit` takes. Python checks only what Rust cannot see
-(types, `n`, and the `max_tokens=None` convention); every range check lives in Rust, so a value
-is judged the same way whether it comes from here, the CLI or the server.
+The fields mirror the Rust `SamplingParams` (rust_core/src/sampling/params.rs): `to_core` builds
+the typed `_core.SamplingParams` that `_core.Engine.submit` takes. Python checks only what Rust
+cannot see (types, `n`, and the `max_tokens=None` convention); every range check lives in Rust,
+so a value is judged the same way whether it comes from here, the CLI or the server.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from ninfer import _core
 from ninfer._core import InvalidRequestError
-
-#: Fields that generation_config.json may set as defaults when the caller gives no params
-#: (the ones vLLM reads), mapped to our field names.
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def generation_config_defaults(generation_config: Mapping[str, object]) -> Dict[str, Any]:
-    """The sampling fields a model's generation_config.json sets, under our field names.
-
-    Only the fields vLLM honours are read (GENERATION_CONFIG_FIELDS); `do_sample: false` means
-    greedy, as in transformers; a negative top_k means none. `LLM` and `ninfer serve` both take
-    their defaults from here, so a model samples the same way from Python and over HTTP.
-    """
-    out: Dict[str, Any] = {}
-    for src, dst in GENERATION_CONFIG_FIELDS.items():
-        value = generation_config.get(src)
-        if value is not None:
-            out[dst] = value
-    if generation_config.get("do_sample") is False:
-        out["temperature"] = 0.0
-    if _is_int(out.get("top_k")) and out["top_k"] < 0:
-        out["top_k"] = 0
-    return out
 
 
 def _is_int(v: object) -> bool:
@@ -95,11 +65,6 @@ class SamplingParams:
         """Argmax decoding (temperature 0); other fields as given."""
         return cls(temperature=0.0, **kwargs)
 
-    @classmethod
-    def from_generation_config(cls, generation_config: Mapping[str, object]) -> "SamplingParams":
-        """Defaults taken from a model's generation_config.json, used when the caller gives none."""
-        return cls(**generation_config_defaults(generation_config))
-
     def _check_types(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
             value = getattr(self, field)
@@ -147,7 +112,7 @@ class SamplingParams:
             raise bad("response_format", "must be an object such as {\"type\": \"json_object\"} or None")
 
     def to_core_dict(self, max_tokens: int, seed: Optional[int]) -> dict:
-        """The object `_core.Engine.submit` takes, for one completion.
+        """The fields of `_core.SamplingParams`, for one completion.
 
         `max_tokens` and `seed` are resolved by the caller (context left, `seed + i` for n>1).
         """
@@ -171,9 +136,9 @@ class SamplingParams:
             "response_format": None if self.response_format is None else dict(self.response_format),
         }
 
-    def to_core_json(self, max_tokens: int, seed: Optional[int]) -> str:
-        """`to_core_dict` as the JSON string `_core.Engine.submit` takes."""
-        return json.dumps(self.to_core_dict(max_tokens, seed))
+    def to_core(self, max_tokens: int, seed: Optional[int]) -> "_core.SamplingParams":
+        """The checked `_core.SamplingParams` of one completion (`to_core_dict`'s fields)."""
+        return _core.SamplingParams(**self.to_core_dict(max_tokens, seed))
 
     def seed_for(self, index: int) -> Optional[int]:
         """The seed of completion `index` of `n`: `seed + index`, or None when unseeded."""

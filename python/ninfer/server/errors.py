@@ -57,7 +57,8 @@ def to_api_error(exc: BaseException) -> ApiError:
     msg = str(exc)
     if core is not None:
         if isinstance(exc, core.ContextOverflowError):
-            return ApiError(400, msg, param="max_tokens", code="context_length_exceeded")
+            # A prompt that leaves no room at all names `messages` (the exception's `param`).
+            return ApiError(400, msg, param=getattr(exc, "param", None) or "max_tokens", code="context_length_exceeded")
         if isinstance(exc, core.InvalidRequestError):
             m = _FIELD.search(msg)
             return ApiError(400, msg, param=m.group(1) if m else None)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Optional
 
 from ninfer.server.errors import ApiError, bad_request
 
 _UNSET = object()
+#: The field an InvalidRequestError of the core names.
+_FIELD = re.compile(r"field `([^`]+)`")
 
 
 @dataclasses.dataclass
@@ -126,28 +129,30 @@ def _logit_bias(body: dict) -> dict:
             tok = int(k)
         except (TypeError, ValueError):
             raise bad_request(f"`logit_bias` key {k!r} is not a token id", "logit_bias") from None
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise bad_request(f"`logit_bias` value for {k} must be a number in [-100, 100], got {b!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise bad_request(f"`logit_bias` value for {k} must be a number, got {b!r}", "logit_bias")
         out[str(tok)] = float(b)
     return out
 
 
-def sampling_fields(body: dict, defaults: ServerDefaults, *, stop_field: str = "stop") -> dict:
-    """The sampling params JSON for the core, from the OpenAI request fields."""
+def sampling_fields(body: dict, defaults: ServerDefaults, *, stop_field: str = "stop", check: bool = True) -> dict:
+    """The fields of the core's sampling params, from the OpenAI request fields.
+
+    Here: the JSON types, and the limits of the OpenAI API (temperature up to 2, at most 16
+    stop strings); the ranges the engine itself needs are the core's (`_core.SamplingParams`,
+    rust_core/src/sampling/params.rs), checked once. `check` builds those params to check
+    them now (flags, generation_config.json); a request's are checked when it is submitted.
+    """
     p: dict = {}
     temperature = number(body, "temperature", lo=0, hi=2)
     if temperature is None and defaults.greedy:
         temperature = 0.0
     if temperature is not None:
         p["temperature"] = float(temperature)
-    for name, lo, hi, lo_open in (("top_p", 0, 1, True), ("min_p", 0, 1, False),
-                                  ("presence_penalty", -2, 2, False), ("frequency_penalty", -2, 2, False)):
-        v = number(body, name, lo=lo, hi=hi, lo_open=lo_open)
+    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = number(body, name)
         if v is not None:
             p[name] = float(v)
-    rep = number(body, "repetition_penalty", lo=0, lo_open=True)
-    if rep is not None:
-        p["repetition_penalty"] = float(rep)
     top_k = number(body, "top_k", lo=-1, integer=True)
     if top_k is not None:
         p["top_k"] = max(int(top_k), 0)
@@ -167,7 +172,20 @@ def sampling_fields(body: dict, defaults: ServerDefaults, *, stop_field: str = "
         p.setdefault(name, value)
     p["ignore_eos"] = boolean(body, "ignore_eos")
     p["skip_special_tokens"] = boolean(body, "skip_special_tokens", True)
+    if check:
+        check_sampling(p)
     return p
+
+
+def check_sampling(fields: dict) -> None:
+    """The core's check of sampling fields, as a 400 naming the field."""
+    from ninfer import _core
+
+    try:
+        _core.SamplingParams(**fields)
+    except _core.InvalidRequestError as e:
+        m = _FIELD.search(str(e))
+        raise bad_request(str(e), m.group(1) if m else None) from None
 
 
 def _max_tokens(body: dict, *names: str) -> Optional[int]:
@@ -322,7 +340,8 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
         raise bad_request("the request body must be a JSON object")
     common = _common(body, defaults)
     response_format = _response_format(body)
-    sampling = sampling_fields(body, defaults)
+    # Checked by the core when the request is submitted (one check, the engine's).
+    sampling = sampling_fields(body, defaults, check=False)
     if response_format is not None:
         sampling["response_format"] = response_format
     logprobs = boolean(body, "logprobs")
@@ -376,7 +395,7 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
         raise bad_request("`suffix` is not supported yet", "suffix", "unsupported")
     if body.get("best_of") not in (None, 1):
         raise bad_request(f"`best_of` {body['best_of']!r} is not supported yet", "best_of", "unsupported")
-    sampling = sampling_fields(body, defaults)
+    sampling = sampling_fields(body, defaults, check=False)
     response_format = _response_format(body)
     if response_format is not None:
         sampling["response_format"] = response_format

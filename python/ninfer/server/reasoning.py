@@ -2,19 +2,14 @@
 
 Works on streamed text: `feed(text)` returns the (reasoning, content) parts that are certain so
 far, holding back a tail that could be the start of a tag. Qwen3-style templates either let the
-model open `<think>` itself or open it in the prompt; `starts_in_reasoning(prompt_text)` tells
-the two apart.
+model open `<think>` itself or open it in the prompt; the core tells the two apart when it
+renders the prompt (`core.submit_chat`, rust_core/src/tokenizer/chat_prompt.rs).
 """
 
 from __future__ import annotations
 
 OPEN = "<think>"
 CLOSE = "</think>"
-
-
-def starts_in_reasoning(prompt_text: str) -> bool:
-    """True when the rendered prompt leaves a `<think>` block open for the model to continue."""
-    return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

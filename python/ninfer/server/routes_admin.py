@@ -56,10 +56,9 @@ async def tokenize(request: Request) -> Response:
         tools, _ = parse_tools(body)
         messages = chat_messages(body["messages"])
         add_prompt = body.get("add_generation_prompt", True) is not False
-        # On a worker thread, as the chat route's prepare_chat.
-        ids = await anyio.to_thread.run_sync(lambda: tok.encode(
-            engine.render_chat(messages, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_prompt),
-            add_special_tokens=False))
+        # On a worker thread: a long conversation would stall the event loop.
+        ids = await anyio.to_thread.run_sync(lambda: engine.encode_chat(
+            messages, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_prompt))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from ninfer.server.errors import anthropic_error_payload, bad_request
 from ninfer.server.protocol import ChatRequest, number, parse_chat
-from ninfer.server.routes_chat import SSE_PING_S, json_response, make_builders, prepare_chat, read_json
+from ninfer.server.routes_chat import SSE_PING_S, json_response, make_builders, read_json
 from ninfer.server.sse import error_event, named_event
 from ninfer.server.state import ServerState, until_disconnect
 
@@ -125,10 +125,9 @@ async def messages(request: Request) -> Response:
     """Anthropic Messages."""
     state: ServerState = request.app.state.server
     req: ChatRequest = parse_chat(to_chat_body(await read_json(request)), state.defaults)
-    ids, in_reasoning, thinking = await prepare_chat(state, req)
     mid = "msg_" + uuid.uuid4().hex[:24]
-    sub = await state.start([ids], req, mid)
-    b = make_builders(sub, req, in_reasoning, thinking)[0]
+    sub = await state.start_chat(req, mid)
+    b = make_builders(sub, req)[0]
     if req.stream:
         return EventSourceResponse(_stream(sub, req, b, mid), ping=SSE_PING_S, sep="\n")
 

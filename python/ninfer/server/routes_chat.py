@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import anyio
 import orjson
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -15,7 +14,7 @@ from ninfer.outputs import GenerationError
 from ninfer.server.choices import ChoiceBuilder, TokenText, chat_logprobs
 from ninfer.server.errors import bad_request, error_payload
 from ninfer.server.protocol import ChatRequest, parse_chat
-from ninfer.server.reasoning import ReasoningParser, starts_in_reasoning
+from ninfer.server.reasoning import ReasoningParser
 from ninfer.server.sse import DONE, data_event, error_event
 from ninfer.server.state import ServerState, Submission, until_disconnect
 
@@ -36,34 +35,12 @@ def json_response(obj, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def _thinking_tokenizer(tok) -> bool:
-    return tok is not None and tok.token_to_id("<think>") is not None and tok.token_to_id("</think>") is not None
-
-
-async def prepare_chat(state: ServerState, req: ChatRequest) -> tuple:
-    """Render and tokenize the conversation; return (token ids, whether output starts inside <think>, thinking model).
-
-    On a worker thread: a prompt of megabytes takes seconds to render and tokenize, which on the
-    event loop would stall every other stream and /health (the tokenizer releases the GIL).
-    """
-    return await anyio.to_thread.run_sync(_prepare_chat, state, req)
-
-
-def _prepare_chat(state: ServerState, req: ChatRequest) -> tuple:
-    engine = state.require_engine()
-    tok = state.tokenizer()
-    if not tok.has_chat_template:
-        raise bad_request("this model has no chat template: use /v1/completions", "messages")
-    text = engine.render_chat(req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs)
-    ids = list(tok.encode(text, add_special_tokens=False))
-    return ids, starts_in_reasoning(text), _thinking_tokenizer(tok)
-
-
-def make_builders(sub: Submission, req: ChatRequest, in_reasoning: bool, thinking: bool) -> list:
-    """One ChoiceBuilder per choice."""
+def make_builders(sub: Submission, req: ChatRequest) -> list:
+    """One ChoiceBuilder per choice; a reasoning parser when the model has thinking tags."""
+    chat = sub.stream.chat
     # Grammar-constrained output is the answer itself, never reasoning.
-    thinking = thinking and "response_format" not in req.sampling
-    return [ChoiceBuilder(i, reasoning=ReasoningParser(in_reasoning) if thinking else None, tools=req.tools)
+    thinking = chat.has_thinking_tags and "response_format" not in req.sampling
+    return [ChoiceBuilder(i, reasoning=ReasoningParser(chat.starts_in_reasoning) if thinking else None, tools=req.tools)
             for i in range(len(sub.choice_of))]
 
 
@@ -82,10 +59,9 @@ async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions."""
     state: ServerState = request.app.state.server
     req = parse_chat(await read_json(request), state.defaults)
-    ids, in_reasoning, thinking = await prepare_chat(state, req)
     rid = "chatcmpl-" + request.scope["state"]["request_id"]
-    sub = await state.start([ids], req, rid)
-    builders = make_builders(sub, req, in_reasoning, thinking)
+    sub = await state.start_chat(req, rid)
+    builders = make_builders(sub, req)
     token_text = TokenText(state.engine.tokenizer)
     created = int(time.time())
     if req.stream:

@@ -40,7 +40,7 @@ async def completions(request: Request) -> Response:
     engine = state.require_engine()
     prompts = req.prompts
     if any(isinstance(p, str) for p in prompts):
-        # On a worker thread, as prepare_chat: a long prompt would stall the event loop.
+        # On a worker thread: a long prompt would stall the event loop.
         prompts = await anyio.to_thread.run_sync(
             lambda: [p if isinstance(p, list) else list(state.tokenizer().encode(p, add_special_tokens=True))
                      for p in req.prompts])

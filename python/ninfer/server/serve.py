@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import pathlib
 import sys
@@ -190,7 +189,7 @@ def generation_defaults(source: str, model_dir: Optional[str]) -> tuple:
     nothing; anything else names a directory that must hold the file. A file that is not a JSON
     object, or whose values a request could not carry, is a ValueError naming the file.
     """
-    from ninfer.sampling_params import generation_config_defaults
+    from ninfer import _core
     from ninfer.server.errors import ApiError
     from ninfer.server.protocol import ServerDefaults, sampling_fields
 
@@ -208,20 +207,15 @@ def generation_defaults(source: str, model_dir: Optional[str]) -> tuple:
             raise ValueError(f"--generation-config {source!r}: no generation_config.json in that directory "
                              "(auto: the model's, vllm: none)")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"malformed file {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"malformed file {path}: not a JSON object")
-    defaults = generation_config_defaults(config)
+        # The core's parser (the engine's own), which names the file and the field at fault.
+        defaults = dict(_core.generation_defaults(str(path.parent)))
+    except _core.NinferError as e:
+        raise ValueError(str(e)) from None
     # Checked as a request carrying these fields would be, so no request fails on a default.
     try:
         sampling_fields({k: v for k, v in defaults.items() if k != "max_tokens"}, ServerDefaults(model_id=""))
     except ApiError as e:
         raise ValueError(f"malformed file {path}: {e.message}") from None
-    max_tokens = defaults.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise ValueError(f"malformed file {path}: `max_new_tokens` must be a positive integer, got {max_tokens!r}")
     return defaults, str(path)
 
 

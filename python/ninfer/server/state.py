@@ -2,7 +2,8 @@
 
 `ServerState.start` turns validated requests into engine submissions: it resolves max_tokens
 (request, else `--default-max-tokens`, else what fits the context), derives seeds for n > 1,
-and gives each engine request an id derived from the HTTP request id.
+and gives each engine request an id derived from the HTTP request id. `start_chat` does the same
+for a conversation in one call into the core, which renders, tokenizes and queues it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import anyio
 from starlette.requests import Request
 
 from ninfer.engine import AsyncEngine, RequestStream
-from ninfer.server.errors import ApiError
+from ninfer.server.errors import ApiError, bad_request
 from ninfer.server.metrics import ServerMetrics
-from ninfer.server.protocol import GenerationRequest, ServerDefaults
+from ninfer.server.protocol import ChatRequest, GenerationRequest, ServerDefaults
 from ninfer.server.request_log import RequestLog
 
 
@@ -97,6 +98,21 @@ class ServerState:
                 choice_of[rid] = p * req.n + i
         stream = await engine.submit_many(ids_list, params, rids)
         return Submission(stream, choice_of, [len(ids) for ids in prompts])
+
+
+    async def start_chat(self, req: ChatRequest, request_id: str) -> Submission:
+        """Submit a conversation's n choices in one call into the core (choice i samples with
+        seed + i); the stream's `chat` tells where the output starts (reasoning or not)."""
+        engine = self.require_engine()
+        self.tokenizer()  # a 400 when the model has none
+        if not engine.has_chat_template:
+            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        serial = next(self._submissions)
+        rids = [f"{request_id}-{serial}-{i}" for i in range(req.n)]
+        stream = await engine.submit_chat(req.messages, dict(req.sampling, max_tokens=req.max_tokens), request_ids=rids,
+                                          tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                          default_max_tokens=self.defaults.default_max_tokens)
+        return Submission(stream, {rid: i for i, rid in enumerate(rids)}, [stream.chat.prompt_tokens])
 
 
 async def until_disconnect(request: Request, work) -> Any:

@@ -89,14 +89,25 @@ impl EngineHandle {
     /// Wait up to `timeout` for deltas; returns at once when some are ready. An engine failure
     /// is returned as an error once its deltas are drained.
     pub fn poll(&self, timeout: Duration) -> Result<Vec<RequestOutput>> {
-        let deadline = Instant::now() + timeout;
+        self.wait(Some(timeout))
+    }
+
+    /// `poll` that, with no timeout, waits until there are deltas, an engine failure, or the
+    /// thread has stopped (shutdown): an output pump sleeps here instead of waking on a timer.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Vec<RequestOutput>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
         let mut ob = self.shared.outbox.lock().expect("outbox");
         while ob.outputs.is_empty() && ob.error.is_none() && !ob.stopped {
-            let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            ob = self.shared.ready.wait_timeout(ob, deadline - now).expect("outbox").0;
+            ob = match deadline {
+                None => self.shared.ready.wait(ob).expect("outbox"),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break;
+                    }
+                    self.shared.ready.wait_timeout(ob, deadline - now).expect("outbox").0
+                }
+            };
         }
         if !ob.outputs.is_empty() {
             return Ok(std::mem::take(&mut ob.outputs));

@@ -14,8 +14,13 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::errors::IntoPy;
+use super::chat::{resolve_max_tokens, ChatInput};
+use super::delta::PyDelta;
+use super::errors::{IntoPy, InvalidRequestError};
+use super::generation::defaults_dict;
+use super::sampling::PySamplingParams;
 use super::tokenizer::PyTokenizer;
+use crate::config::generation_config::SamplingDefaults;
 use crate::config::{GenerationConfig, ModelConfig};
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
 use crate::config::CudaOptions;
@@ -40,13 +45,16 @@ pub struct PyEngine {
     vocab_size: usize,
     device: String,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// generation_config.json's sampling defaults, parsed with the EOS ids at load.
+    generation_defaults: SamplingDefaults,
     /// Whether steps overlap the host's work on the step before (asynchronous scheduling).
     async_scheduling: bool,
 }
 
 impl PyEngine {
-    fn from_core(core: EngineCore, device: String) -> Self {
+    fn from_core(core: EngineCore, device: String, generation_defaults: SamplingDefaults) -> Self {
         PyEngine {
+            generation_defaults,
             config: core.config().clone(),
             ledger: core.ledger(),
             eos_token_ids: core.eos_token_ids().to_vec(),
@@ -67,6 +75,27 @@ impl PyEngine {
         })
     }
 
+    /// Queue one checked request in either mode (the caller has released the GIL).
+    fn queue(&self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> PyResult<()> {
+        self.with_mode(|m| match m {
+            Mode::Inline(core) => core.add_request(request_id, prompt, params).py(),
+            Mode::Background(h) => h.submit(request_id, prompt, params).py(),
+            Mode::Closed => Err(closed()),
+        })
+    }
+
+    /// Abort a request in either mode (the caller has released the GIL).
+    fn abort_queued(&self, request_id: &str) -> PyResult<()> {
+        self.with_mode(|m| match m {
+            Mode::Inline(core) => {
+                core.abort(request_id);
+                Ok(())
+            }
+            Mode::Background(h) => h.abort(request_id).py(),
+            Mode::Closed => Ok(()),
+        })
+    }
+
     fn with_mode<T>(&self, f: impl FnOnce(&mut Mode) -> PyResult<T>) -> PyResult<T> {
         let mut g = self.mode.lock().map_err(|_| PyRuntimeError::new_err("engine lock poisoned"))?;
         f(&mut g)
@@ -78,9 +107,10 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
     EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling, ..Default::default() }
 }
 
-/// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N").
+/// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N")
+/// and generation_config.json's sampling defaults.
 #[allow(clippy::too_many_arguments)]
-fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, cfg: &EngineConfig) -> Result<(EngineCore, String)> {
+fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, cfg: &EngineConfig) -> Result<(EngineCore, String, SamplingDefaults)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
     // The flags that need only config.json are checked before any weight is read.
@@ -92,47 +122,13 @@ fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: Logit
         Err(e) => return Err(e),
     };
     let gen = GenerationConfig::from_dir(&dir)?;
-    Ok((EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)?, device))
-}
-
-fn output_dict<'py>(py: Python<'py>, o: &RequestOutput) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("request_id", &o.request_id)?;
-    d.set_item("token_ids", &o.token_ids)?;
-    d.set_item("text", &o.text)?;
-    match &o.logprobs {
-        None => d.set_item("logprobs", py.None())?,
-        Some(lps) => {
-            let list = PyList::empty(py);
-            for lp in lps {
-                let e = PyDict::new(py);
-                e.set_item("token_id", lp.token_id)?;
-                e.set_item("logprob", lp.logprob)?;
-                let top = PyList::empty(py);
-                for &(t, l) in &lp.top {
-                    let pair = PyList::empty(py);
-                    pair.append(t)?;
-                    pair.append(l)?;
-                    top.append(pair)?;
-                }
-                e.set_item("top", top)?;
-                list.append(e)?;
-            }
-            d.set_item("logprobs", list)?;
-        }
-    }
-    d.set_item("finish_reason", o.finish_reason.map(|f| f.as_str()))?;
-    d.set_item("prompt_tokens", o.prompt_tokens)?;
-    d.set_item("completion_tokens", o.completion_tokens)?;
-    d.set_item("cached_tokens", o.cached_tokens)?;
-    d.set_item("error", o.error.as_deref())?;
-    Ok(d)
+    Ok((EngineCore::new(runner, cfg, tokenizer, gen.eos_token_ids)?, device, gen.sampling))
 }
 
 fn outputs_list<'py>(py: Python<'py>, outs: &[RequestOutput]) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for o in outs {
-        list.append(output_dict(py, o)?)?;
+        list.append(PyDelta::from_output(py, o)?)?;
     }
     Ok(list)
 }
@@ -191,8 +187,8 @@ impl PyEngine {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: None };
-        let (core, device) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, cuda, &cfg)).py()?;
-        Ok(PyEngine::from_core(core, device))
+        let (core, device, defaults) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, cuda, &cfg)).py()?;
+        Ok(PyEngine::from_core(core, device, defaults))
     }
 
     /// An engine over the deterministic toy model (no weights, no tokenizer): for testing the
@@ -219,38 +215,65 @@ impl PyEngine {
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
         let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
-        Ok(PyEngine::from_core(core, "toy".into()))
+        Ok(PyEngine::from_core(core, "toy".into(), SamplingDefaults::default()))
     }
 
     /// Queue a request; raises InvalidRequestError / ContextOverflowError at once on bad input.
-    fn submit(&self, py: Python<'_>, request_id: &str, prompt_token_ids: Vec<u32>, params_json: &str) -> PyResult<()> {
-        let params = SamplingParams::from_json(params_json).py()?;
+    fn submit(&self, py: Python<'_>, request_id: &str, prompt_token_ids: Vec<u32>, params: PyRef<'_, PySamplingParams>) -> PyResult<()> {
+        let params = params.inner.clone();
+        py.detach(|| self.queue(request_id, prompt_token_ids, params))
+    }
+
+    /// A chat request in one crossing: render `messages` (JSON) with the chat template (with
+    /// `tools` and `chat_template_kwargs`, JSON too), tokenize, and queue one request per id
+    /// (the `n` choices of one call; choice `i` samples with `seed + i`). `params` is as
+    /// `submit`'s; its `max_tokens` is replaced by `max_tokens`, or when None by
+    /// `default_max_tokens` clamped to the context left, else all of it. All or nothing: when
+    /// one request is refused, those queued are aborted and the error raised. Returns
+    /// (prompt tokens, whether the output starts inside `<think>`, whether the vocabulary has
+    /// the `<think>` / `</think>` tags).
+    #[pyo3(signature = (request_ids, messages_json, params, tools_json=None, chat_template_kwargs_json=None, max_tokens=None, default_max_tokens=None, add_generation_prompt=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_chat(
+        &self,
+        py: Python<'_>,
+        request_ids: Vec<String>,
+        messages_json: &str,
+        params: PyRef<'_, PySamplingParams>,
+        tools_json: Option<&str>,
+        chat_template_kwargs_json: Option<&str>,
+        max_tokens: Option<usize>,
+        default_max_tokens: Option<usize>,
+        add_generation_prompt: bool,
+    ) -> PyResult<(usize, bool, bool)> {
+        let tokenizer = self.tokenizer.clone().ok_or_else(|| InvalidRequestError::new_err("this model has no tokenizer: pass prompt token ids"))?;
+        let params = params.inner.clone();
+        let input = ChatInput::parse(messages_json, tools_json, chat_template_kwargs_json).py()?;
+        let prompt = py.detach(|| tokenizer.chat_prompt(&input.messages, input.tools.as_ref(), add_generation_prompt, &input.kwargs)).py()?;
+        let max_tokens = resolve_max_tokens(py, max_tokens, default_max_tokens, prompt.token_ids.len(), self.config.max_context)?;
         py.detach(|| {
-            self.with_mode(|m| match m {
-                Mode::Inline(core) => core.add_request(request_id, prompt_token_ids, params).py(),
-                Mode::Background(h) => h.submit(request_id, prompt_token_ids, params).py(),
-                Mode::Closed => Err(closed()),
-            })
-        })
+            for (i, rid) in request_ids.iter().enumerate() {
+                let p = SamplingParams { max_tokens, seed: params.seed.map(|s| s.wrapping_add(i as u64)), ..params.clone() };
+                if let Err(e) = self.queue(rid, prompt.token_ids.clone(), p) {
+                    for done in &request_ids[..i] {
+                        let _ = self.abort_queued(done);
+                    }
+                    return Err(e);
+                }
+            }
+            Ok(())
+        })?;
+        Ok((prompt.token_ids.len(), prompt.starts_in_reasoning, tokenizer.has_thinking_tags()))
     }
 
     /// Abort a request; its final delta ("abort") comes with the next step / poll.
     fn abort(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        py.detach(|| {
-            self.with_mode(|m| match m {
-                Mode::Inline(core) => {
-                    core.abort(request_id);
-                    Ok(())
-                }
-                Mode::Background(h) => h.abort(request_id).py(),
-                Mode::Closed => Ok(()),
-            })
-        })
+        py.detach(|| self.abort_queued(request_id))
     }
 
-    /// Run one engine step (inline mode) and return its deltas: dicts of request_id, token_ids,
-    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens and error
-    /// (the message, only on the last delta of a request that failed midway: finish_reason
+    /// Run one engine step (inline mode) and return its deltas (`Delta`: request_id, token_ids,
+    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens and error,
+    /// the message only on the last delta of a request that failed midway: finish_reason
     /// "error").
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let outs = py.detach(|| {
@@ -308,14 +331,16 @@ impl PyEngine {
         })
     }
 
-    /// Wait (GIL released) up to `timeout_s` for deltas; returns as soon as there are some. The
-    /// wait holds no lock: `submit` and `abort` from other threads go through meanwhile.
-    #[pyo3(signature = (timeout_s=0.1))]
-    fn poll<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyList>> {
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+    /// Wait (GIL released) for deltas; returns as soon as there are some. `timeout_s` None
+    /// waits until there are, the engine fails or it is shut down (then the list is empty),
+    /// so the caller's thread sleeps instead of waking on a timer. The wait holds no lock:
+    /// `submit`, `abort` and `shutdown` from other threads go through meanwhile.
+    #[pyo3(signature = (timeout_s=None))]
+    fn poll<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Bound<'py, PyList>> {
+        let timeout = timeout_s.map(|t| Duration::from_secs_f64(t.max(0.0)));
         let handle = self.background()?;
         let outs = match handle {
-            Some(h) => py.detach(|| h.poll(timeout)).py()?,
+            Some(h) => py.detach(|| h.wait(timeout)).py()?,
             None => Vec::new(),
         };
         outputs_list(py, &outs)
@@ -373,6 +398,13 @@ impl PyEngine {
     #[getter]
     fn eos_token_ids(&self) -> Vec<u32> {
         self.eos_token_ids.clone()
+    }
+
+    /// generation_config.json's sampling defaults under the request's field names (temperature,
+    /// top_p, top_k, min_p, repetition_penalty, max_tokens): the fields it sets, {} without it.
+    #[getter]
+    fn generation_defaults<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        defaults_dict(py, &self.generation_defaults)
     }
 
     /// Longest prompt + max_tokens a request may have.

@@ -4,9 +4,14 @@
 
 use pyo3::prelude::*;
 
+mod chat;
+mod delta;
 mod engine;
 mod errors;
+mod generation;
+mod json_value;
 mod model;
+mod sampling;
 mod tokenizer;
 
 #[pymodule]
@@ -14,7 +19,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     tokenizer::register(m)?;
     model::register(m)?;
+    delta::register(m)?;
     engine::register(m)?;
+    generation::register(m)?;
+    sampling::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The CLI's --logits-dtype choices (python/ninfer/cli.py keeps a copy a test compares).
     m.add("LOGITS_DTYPES", crate::model::LOGITS_DTYPE_CHOICES.to_vec())?;

@@ -1,15 +1,15 @@
-//! `_core.Tokenizer`: the model directory's tokenizer and chat template, for the server (which
-//! renders and tokenizes chat requests before `Engine.submit`) and for tests against transformers.
+//! `_core.Tokenizer`: the model directory's tokenizer and chat template, for the offline API,
+//! the server's /tokenize and tests against transformers (a chat request to the engine renders
+//! and tokenizes inside `Engine.submit_chat`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use serde_json::{Map, Value as Json};
 
-use super::errors::{to_py, IntoPy};
+use super::chat::ChatInput;
+use super::errors::IntoPy;
 use crate::tokenizer::Tokenizer;
-use crate::NinferError;
 
 /// Texts shorter than this are encoded without releasing the GIL: the release costs more.
 const GIL_RELEASE_BYTES: usize = 2048;
@@ -32,10 +32,6 @@ impl PyTokenizer {
     pub fn shared(&self) -> Arc<Tokenizer> {
         self.inner.clone()
     }
-}
-
-fn parse_json(text: &str, field: &str) -> Result<Json, NinferError> {
-    serde_json::from_str(text).map_err(|e| NinferError::invalid(field, format!("not valid JSON: {e}")))
 }
 
 #[pymethods]
@@ -124,15 +120,23 @@ impl PyTokenizer {
         add_generation_prompt: bool,
         kwargs_json: Option<&str>,
     ) -> PyResult<String> {
-        let messages = parse_json(messages_json, "messages").py()?;
-        let tools = tools_json.map(|t| parse_json(t, "tools")).transpose().py()?;
-        let tools = tools.filter(|t| !t.is_null());
-        let kwargs: Map<String, Json> = match kwargs_json.map(|k| parse_json(k, "chat_template_kwargs")).transpose().py()? {
-            None | Some(Json::Null) => Map::new(),
-            Some(Json::Object(map)) => map,
-            Some(_) => return Err(to_py(NinferError::invalid("chat_template_kwargs", "must be a JSON object"))),
-        };
-        py.detach(|| self.inner.apply_chat_template(&messages, tools.as_ref(), add_generation_prompt, &kwargs)).py()
+        let input = ChatInput::parse(messages_json, tools_json, kwargs_json).py()?;
+        py.detach(|| self.inner.apply_chat_template(&input.messages, input.tools.as_ref(), add_generation_prompt, &input.kwargs)).py()
+    }
+
+    /// `apply_chat_template` and the encoding of its text (no special tokens added), in one call.
+    #[pyo3(signature = (messages_json, tools_json = None, add_generation_prompt = true, kwargs_json = None))]
+    fn encode_chat(
+        &self,
+        py: Python<'_>,
+        messages_json: &str,
+        tools_json: Option<&str>,
+        add_generation_prompt: bool,
+        kwargs_json: Option<&str>,
+    ) -> PyResult<Vec<u32>> {
+        let input = ChatInput::parse(messages_json, tools_json, kwargs_json).py()?;
+        let prompt = py.detach(|| self.inner.chat_prompt(&input.messages, input.tools.as_ref(), add_generation_prompt, &input.kwargs)).py()?;
+        Ok(prompt.token_ids)
     }
 
     fn __repr__(&self) -> String {

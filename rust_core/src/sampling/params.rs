@@ -1,17 +1,17 @@
-//! Per-request sampling parameters, as they cross from Python (one JSON object per request).
+//! Per-request sampling parameters, as they cross from Python (`_core.SamplingParams`).
 //!
 //! Field names follow the OpenAI / vLLM request fields so the server can forward them as they
 //! come. `validate` is the one place that checks ranges; errors name the field and the value.
 
 use std::collections::HashMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::ResponseFormat;
 use crate::{NinferError, Result};
 
 /// How to pick tokens and when to stop.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
     /// Most tokens to generate.
@@ -74,9 +74,9 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Parse the JSON object Python sends and check every range.
-    pub fn from_json(s: &str) -> Result<Self> {
-        let p: SamplingParams = serde_json::from_str(s).map_err(|e| NinferError::invalid("sampling_params", e.to_string()))?;
+    /// Read the fields Python sends (a JSON object) and check every range.
+    pub fn from_value(v: serde_json::Value) -> Result<Self> {
+        let p: SamplingParams = serde_json::from_value(v).map_err(|e| NinferError::invalid("sampling_params", e.to_string()))?;
         p.validate()?;
         Ok(p)
     }

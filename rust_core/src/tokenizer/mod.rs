@@ -1,5 +1,7 @@
-//! Tokenization: HF tokenizer.json, chat templates, incremental detokenization, stop strings.
+//! Tokenization: HF tokenizer.json, chat templates and chat prompts, incremental detokenization,
+//! stop strings.
 
+pub mod chat_prompt;
 pub mod chat_template;
 pub mod detokenizer;
 pub mod hf;
