@@ -335,3 +335,17 @@ def test_engine_string_options_take_none_as_their_default_and_name_a_wrong_type(
             LLM(qwen3_dir, **{name: value})
     with pytest.raises(UnsupportedError, match="kv_dtype ``"):
         LLM(qwen3_dir, kv_dtype="")
+
+
+def test_engine_options_reach_the_core_and_a_wrong_type_stops_the_load(qwen3_dir, llm):
+    """`async_scheduling`, `cuda_graphs`, `batch_invariant` and `device_sampling` are `LLM`
+    arguments (not environment switches); the CUDA ones change nothing on the CPU."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    want = llm.generate("The capital of France is", params)[0].token_ids
+    with LLM(qwen3_dir, max_context=MAX_CONTEXT, async_scheduling=False, cuda_graphs=False,
+             batch_invariant=True, device_sampling=False) as other:
+        assert other.engine.info()["async_scheduling"] is False
+        assert other.generate("The capital of France is", params)[0].token_ids == want
+    for name in ("async_scheduling", "cuda_graphs", "batch_invariant", "device_sampling"):
+        with pytest.raises(TypeError, match=name):
+            LLM(qwen3_dir, max_context=MAX_CONTEXT, **{name: "sometimes"})
