@@ -550,9 +550,8 @@ def test_demo_model_greedy_64_tokens_match_transformers_bf16(demo_dir, demo_wind
     """Default logits_dtype "auto": our logits rounded to bf16 as transformers' lm_head returns
     them, greedy taking the lowest id among equal values as torch.argmax: the brief's 95% of
     prompts (19/20) with the same 64 tokens (teacher-forced, argmax of our bf16-rounded decode
-    logits agreed on 20/20, benches/results/diag_greedy_ties_64e81ae.log); any divergence at a
-    near-tie. Where the engine stores f16 (sm_7x, or NINFER_EMULATE_ARCH below 8.0), against
-    transformers in f16: the same rounding."""
+    logits agreed on 20/20); any divergence at a near-tie. Where the engine stores f16 (sm_7x,
+    or NINFER_EMULATE_ARCH below 8.0), against transformers in f16: the same rounding."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(demo_dir), dtype=_storage_dtype()).to("cuda").eval()
     same, divergences = _greedy_vs_transformers(demo_dir, demo_windows, hf)
     print(f"demo: {same}/{len(demo_windows)} prompts equal transformers {str(_storage_dtype())[6:]} greedy (64 tokens, logits_dtype auto); "
@@ -563,8 +562,8 @@ def test_demo_model_greedy_64_tokens_match_transformers_bf16(demo_dir, demo_wind
 
 def test_demo_model_greedy_64_tokens_match_transformers_bf16_with_our_f32_logits(demo_dir, demo_windows):
     """logits_dtype "float32" against plain transformers bf16: our f32 logits resolve near-ties
-    that transformers' bf16 logits make exact (lowest id wins there); measured 16/20 at 64e81ae,
-    so this holds >= 80% with every divergence at a near-tie."""
+    that transformers' bf16 logits make exact (lowest id wins there); measured 16/20, so this
+    holds >= 80% with every divergence at a near-tie."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(demo_dir), dtype=torch.bfloat16).to("cuda").eval()
     same, divergences = _greedy_vs_transformers(demo_dir, demo_windows, hf, logits_dtype="float32")
     print(f"demo: {same}/{len(demo_windows)} prompts equal transformers bf16 greedy (64 tokens, logits_dtype float32); "
@@ -622,10 +621,10 @@ def _f32_head(model):
 def test_demo_model_greedy_64_tokens_match_transformers_with_f32_logits(demo_dir, demo_windows):
     """Against transformers bf16 whose logits are not rounded to bf16 (see `_f32_head`): the
     brief asks for 95% of prompts with the same 64 greedy tokens (met in the default mode, bf16
-    logits against transformers' bf16 logits: 20/20 at 7f5b63e); here f32 against f32 measured
-    18/20 before the kernels rounded where transformers rounds (hfround) and 16/20 since
-    (gpu_tests_7f5b63e.log), so this holds 80% and requires every divergence to be at a
-    near-tie. Ours with f32 logits too (logits_dtype "float32")."""
+    logits against transformers' bf16 logits: 20/20); here f32 against f32 measured 18/20
+    before the kernels rounded where transformers rounds and 16/20 since, so this holds 80% and
+    requires every divergence to be at a near-tie. Ours with f32 logits too (logits_dtype
+    "float32")."""
     with LLM(demo_dir, device="cuda", max_context=512, logits_dtype="float32") as llm:
         outs = llm.generate(demo_windows, greedy(64, top_logprobs=2))
     hf = _f32_head(transformers.AutoModelForCausalLM.from_pretrained(str(demo_dir), dtype=torch.bfloat16).to("cuda").eval())
@@ -655,9 +654,9 @@ def test_demo_model_batch_differs_from_alone_only_at_near_ties(demo_dir, demo_wi
 def test_demo_model_alone_request_repeats_itself_after_batches(demo_dir, demo_windows):
     """A request carries nothing into the next: the same prompt alone gives the same tokens and
     logprobs bit for bit on a fresh engine and after batches of 20 and of 2 have used (and
-    released) other state slots and KV blocks. Session 21 found the delta-rule state slots
-    spaced by conv + delta state when the kernels space them by the delta state alone, so a new
-    sequence on any slot but 0 started from part of its slot's previous state."""
+    released) other state slots and KV blocks. It once caught delta-rule state slots spaced by
+    conv + delta state when the kernels space them by the delta state alone, so a new sequence
+    on any slot but 0 started from part of its slot's previous state."""
     params = greedy(32, top_logprobs=5)
     mine = demo_windows[:4]
     with LLM(demo_dir, device="cuda", max_context=512, prefix_reuse=False, logits_dtype="float32") as llm:
@@ -1042,7 +1041,7 @@ def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, m
 
 
 # The output projections' residual add + RMSNorm fused into the decode GEMV (NINFER_FUSED_NORM,
-# default off since session 10: `gemv_add_rmsnorm`, the last block of the GEMV normalising) against the GEMV
+# default off: `gemv_add_rmsnorm`, the last block of the GEMV normalising) against the GEMV
 # followed by add_rmsnorm: the same bits, in graphs (the block counter reset by the kernel
 # itself on every replay) and eagerly.
 

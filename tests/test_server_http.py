@@ -185,7 +185,7 @@ def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server, b
 
 
 def test_bad_inputs_that_raised_500s_are_400s_and_the_server_keeps_serving(server):
-    """Found by probing the server (session 23): each of these was a 500 (an exception past the
+    """Found by probing the server: each of these was a 500 (an exception past the
     validators), one of them a dropped keep-alive connection."""
     url = server.url
     cases = [

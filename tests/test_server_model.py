@@ -203,7 +203,7 @@ def test_prompt_too_long_is_a_400_naming_both_numbers(qwen3_server):
 
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(qwen3_server):
     """A prompt of megabytes takes the tokenizer seconds: on the event loop that stalled /health
-    and every stream for as long (1.97 s of a 2.28 s request on the demo model, session 23); on a
+    and every stream for as long (1.97 s of a 2.28 s request on the demo model); on a
     worker thread (the tokenizer releases the GIL) the server answers meanwhile."""
     url = qwen3_server.url
     big = {}

@@ -1,4 +1,4 @@
-//! On/off switches read from the environment (`NINFER_ASYNC_SCHEDULING`): one spelling rule for
+//! On/off switches read from the environment (`NINFER_*=1|0`): one spelling rule for
 //! all of them, and a typo is an error that names the variable and its value instead of
 //! silently leaving the default on. Route decisions are not switches: the CUDA device's plan
 //! (backend/cuda/plan) makes them from the device, the model and `CudaOptions`.

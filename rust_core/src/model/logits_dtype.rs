@@ -6,8 +6,8 @@
 //! greedy decoding there is argmax over bf16 values, where near-ties collapse into exact ties
 //! that argmax resolves to the lowest index. Our f32 logits resolve those near-ties by the
 //! f32 value instead: on the demo model that alone made 3 of 20 prompts diverge from
-//! transformers within 64 greedy tokens (benches/results/diag_greedy_ties_64e81ae.log, where
-//! argmax of our logits rounded to bf16 agrees on 20/20). "float32" keeps the unrounded sums.
+//! transformers within 64 greedy tokens (where argmax of our logits rounded to bf16 agrees on
+//! 20/20). "float32" keeps the unrounded sums.
 
 use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
