@@ -34,6 +34,8 @@ class LLM:
     dtype the model runs in, as transformers and vLLM produce them; docs/rounding.md) or "float32", `kv_dtype`
     "auto" or the type the backend keeps its KV cache in by name ("bf16" on a GPU, "float32" on the CPU; another
     is refused before the weights load). None for `device`, `logits_dtype` or `kv_dtype` is the default.
+    `cuda_graphs`, `batch_invariant` and `device_sampling`: the CUDA backend's options (decode steps as
+    CUDA graphs; every route independent of the batch size; sampling on the device).
     """
 
     def __init__(
@@ -48,6 +50,9 @@ class LLM:
         num_threads: Optional[int] = None,
         logits_dtype: Optional[str] = "auto",
         kv_dtype: Optional[str] = "auto",
+        cuda_graphs: bool = True,
+        batch_invariant: bool = False,
+        device_sampling: bool = True,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -64,6 +69,9 @@ class LLM:
             num_threads=num_threads,
             logits_dtype=logits_dtype,
             kv_dtype=kv_dtype,
+            cuda_graphs=cuda_graphs,
+            batch_invariant=batch_invariant,
+            device_sampling=device_sampling,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()
