@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -955,6 +956,181 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n):
         a_tokens, a_logits, _ = model.decode_greedy([p], 32)
         assert a_tokens[0] == b_tokens[i], f"sequence {i} of {n}: greedy tokens differ"
         _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")
+
+
+# Routes a device profile may set (backend/cuda/plan/profile.rs): each comparison loads the
+# model twice, under two profiles of this GPU that differ in one plan field, and decodes the
+# same prompts greedily. A profile this GPU cannot run stops the load naming the field, so a
+# comparison never runs the default route twice unnoticed.
+
+def _profile(tmp_path, name, plan):
+    """A device profile of this GPU (its driver name and the capability the engine runs it as)
+    whose `plan` overrides the default routes; its path."""
+    major, minor = _device_cc()
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"version": 1, "device": torch.cuda.get_device_name(),
+                                "compute_capability": f"{major}.{minor}", "plan": plan}))
+    return str(path)
+
+
+def _decode_under_plans(decode_dir, tmp_path, on, off, n, steps, graphs=True):
+    """`decode_greedy` of `n` prompts for `steps` tokens by a model loaded under plan overrides
+    `on`, then by one loaded under `off` (CUDA graphs as `graphs` says)."""
+    prompts = _decode_prompts(decode_dir, n)
+    runs = []
+    for name, plan in (("on", on), ("off", off)):
+        model = _core.Model(str(decode_dir), device="cuda", cuda_graphs=graphs,
+                            device_profile=_profile(tmp_path, name, plan))
+        runs.append(model.decode_greedy(prompts, steps))
+        del model
+    return runs
+
+
+def _assert_plans_change_no_bit(decode_dir, tmp_path, on, off, graphs, n, what):
+    """Greedy decode of `n` prompts under plan overrides `on` and `off` (CUDA graphs as `graphs`
+    says): the same logits bit for bit and the same tokens."""
+    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = _decode_under_plans(
+        decode_dir, tmp_path, on, off, n, 16, graphs)
+    assert (on_graphs >= 1) == graphs and (off_graphs >= 1) == graphs
+    assert np.isfinite(on_logits).all()
+    _assert_bitwise(on_logits, off_logits, f"{decode_dir.name[:8]} n={n} graphs={graphs}: {what}")
+    assert on_tokens == off_tokens
+
+
+def _assert_plans_keep_logits_close(decode_dir, tmp_path, on, off, n, what, graphs=True):
+    """Greedy decode of `n` prompts under plan overrides `on` and `off`: every logits row
+    computed from the same tokens within the issue's 2e-2. Logits row s ([steps, sequences,
+    vocab]) is the step fed token s, and tokens[0] (the prefill's) is shared, so a sequence's
+    rows count up to its first differing token."""
+    (on_tokens, on_logits, _), (off_tokens, off_logits, _) = _decode_under_plans(
+        decode_dir, tmp_path, on, off, n, 12, graphs)
+    assert np.isfinite(on_logits).all() and on_logits.shape == off_logits.shape
+    worst = 0.0
+    for i in range(n):
+        same = next((s for s, (a, b) in enumerate(zip(on_tokens[i], off_tokens[i])) if a != b), len(on_tokens[i]))
+        a, b = on_logits[:same, i], off_logits[:same, i]
+        worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)))
+    assert worst <= 2e-2, f"{decode_dir.name[:8]}: {what}: rel err {worst:.3e}"
+
+
+# Programmatic Dependent Launch (sm_90+, the plan's `pdl`, on by default there) only changes
+# when a kernel's blocks are scheduled, never what they compute: decode logits with it on and
+# off must be identical bit for bit, in graphs (programmatic edges) and eagerly.
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, tmp_path):
+    if _device_cc() < (9, 0):
+        pytest.skip("PDL needs sm_90+ (a profile asking for it is refused below)")
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {"pdl": True}, {"pdl": False}, graphs, 3, "PDL on vs off")
+
+
+# The batch-1 qkv projection with RoPE and the KV cache write in its epilogue (the plan's
+# `fused_rope`, on by default: `gemv_qkv_rope_m1` where the qkv weight's M = 1 GEMV is the
+# CUDA-core kernel, no q/k norm, no output gate) against the GEMV followed by rope_kv_write: the
+# same bits, in graphs and eagerly. One sequence (the fused kernel is batch 1's), then three
+# (unchanged path).
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_with_fused_rope_equals_gemv_then_rope_kv_write_bitwise(decode_dir, graphs, n, tmp_path):
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {"fused_rope": True}, {"fused_rope": False}, graphs, n,
+                                "fused rope vs gemv + rope_kv_write")
+
+
+# Warps a block of the CUDA-core GEMV (the plan's `cc_warps`: 2 against 8) only changes how rows
+# are grouped into blocks: the same bits, at batch 1 (every projection on CUDA cores, the fused
+# RoPE one included) and 3, in graphs and eagerly.
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_with_2_warp_gemv_blocks_equals_8_warp_blocks_bitwise(decode_dir, graphs, n, tmp_path):
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {"cc_warps": 2}, {"cc_warps": 8}, graphs, n,
+                                "2 vs 8 warps a CUDA-core GEMV block")
+
+
+# K split in the CUDA-core GEMV (the plan's `cc_ksplit`: warps of a block sharing one warp's
+# rows). It changes each sum's order, so against the unsplit GEMV the logits agree within the
+# issue's 2e-2, not bit for bit; under one split the fused RoPE epilogue still equals the GEMV
+# followed by rope_kv_write bit for bit, and smaller blocks equal 8-warp blocks.
+
+@pytest.mark.parametrize("ksplit", [2, 4, 8])
+def test_decode_with_k_split_gemv_matches_the_unsplit_gemv(decode_dir, ksplit, tmp_path):
+    _assert_plans_keep_logits_close(decode_dir, tmp_path, {"cc_ksplit": ksplit, "cc_warps": 8}, {"cc_ksplit": 1}, 3,
+                                    f"K split {ksplit} vs the unsplit GEMV")
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("ksplit", [2, 4])
+def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, graphs, ksplit, tmp_path):
+    split = {"cc_ksplit": ksplit, "cc_warps": 8}
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {**split, "fused_rope": True}, {**split, "fused_rope": False},
+                                graphs, 1, f"fused rope vs gemv + rope_kv_write, K split {ksplit}")
+    # A block holds at least one warp per split.
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {**split, "cc_warps": ksplit}, split, graphs, 1,
+                                f"{ksplit} vs 8 warps a CUDA-core GEMV block, K split {ksplit}")
+
+
+# Decode attention on tensor cores with K/V loaded straight into the mma fragments (the plan's
+# decode attention route, on from sm_80 where the head size is 64 / 128 / 256:
+# `flash_decode_direct_*`) against the CUDA-core forms (scaled at 1-2 tokens, fixed beyond): a
+# different summation (P V in bf16), every logits row from the same tokens within 2e-2, in
+# graphs and eagerly, at batch 1, 5 and 20.
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("n", [1, 5, 20])
+def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, tmp_path):
+    if _device_cc() < (8, 0):
+        pytest.skip("decode attention on tensor cores needs sm_80+")
+    _assert_plans_keep_logits_close(decode_dir, tmp_path, {"decode_tensor_cores": True}, {"decode_tensor_cores": False},
+                                    n, f"graphs={graphs}, {n} sequences: direct tensor-core vs CUDA-core forms",
+                                    graphs)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_forms(tiny_checkpoints, n, tmp_path):
+    # Qwen3.5-27B's attention head size (256: a pair of warps splits each tile's head dims).
+    if not _cuda_available():
+        pytest.skip("torch sees no CUDA device")
+    if _device_cc() < (8, 0):
+        pytest.skip("decode attention on tensor cores needs sm_80+")
+    d256 = tiny_checkpoints.get("qwen3_5", **{**GPU_SHAPES["qwen3_5"], "head_dim": 256})
+    _assert_plans_keep_logits_close(d256, tmp_path, {"decode_tensor_cores": True}, {"decode_tensor_cores": False}, n,
+                                    f"head size 256, {n} sequences: direct tensor-core vs CUDA-core forms")
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"plan": {"cc_warps": 3}}, "plan.cc_warps"),
+    ({"plan": {"cc_ksplit": 3}}, "plan.cc_ksplit"),
+    ({"plan": {"cc_ksplit": 8, "cc_warps": 4}}, "plan.cc_ksplit"),
+    ({"plan": {"tc_prefetch_steps": 513}}, "plan.tc_prefetch_steps"),
+    ({"plan": {"smem_carveout": 101}}, "plan.smem_carveout"),
+    ({"plan": {"pdl": "sometimes"}}, "sometimes"),
+    ({"plan": {"fused_rope": "perhaps"}}, "perhaps"),
+    ({"plan": {"gemv_rules": [{"kernel": "w3u3"}]}}, "plan.gemv_rules"),
+    # A route that no longer exists is an unknown field, not silently the default.
+    ({"plan": {"tc_decode_attn": False}}, "tc_decode_attn"),
+    ({"version": 99}, "version"),
+    ({"device": "Some Other GPU"}, "Some Other GPU"),
+    ({"compute_capability": "1.0"}, "compute_capability"),
+])
+def test_a_profile_this_gpu_cannot_run_stops_the_load_naming_what(decode_dir, change, named, tmp_path):
+    profile = tmp_path / "bad.json"
+    good = json.loads(Path(_profile(tmp_path, "good", {})).read_text())
+    profile.write_text(json.dumps({**good, **change}))
+    with pytest.raises(Exception, match=re.escape(named)):
+        _core.Model(str(decode_dir), device="cuda", device_profile=str(profile))
+
+
+@pytest.mark.parametrize("option, value", [("cuda_graphs", "yes"), ("batch_invariant", "mostly"),
+                                           ("device_sampling", 1.5), ("device_profile", 42)])
+def test_a_wrong_typed_option_is_a_type_error(decode_dir, option, value):
+    # The options that replaced the environment switches are typed: a value of another type is
+    # refused before the load, never read as a default.
+    with pytest.raises(TypeError):
+        _core.Model(str(decode_dir), device="cuda", **{option: value})
+    if option != "device_profile":
+        with pytest.raises(TypeError):
+            LLM(decode_dir, device="cuda", **{option: value})
 
 
 #: Real shapes (tensor sizes of the published configs) with few layers: the kernels run at the
