@@ -1,19 +1,21 @@
-"""A-B runs of gpu_bench.py: the same parts once per setting of one NINFER_* variable (--ab), or
+"""A-B runs of gpu_bench.py: the same parts once per value of one engine option (--ab, e.g.
+`cuda_graphs=true,false`: passed to every engine the parts build, as gpu_bench's --option), or
 once per build of ninfer (--ab-builds: directories that wheels of two commits were installed
 into with `pip install --target`), each setting in its own process, the settings alternated
-round after round (A B A B), every record kept with the setting it ran under (a build's records
-carry its commit), and a summary of each metric by setting with its ratio to the first setting.
+round after round (A B A B), every record kept with the setting it ran under (an option's
+records carry it in "options", a build's records its commit), and a summary of each metric by
+setting with its ratio to the first setting.
 
-Why builds: a kernel change that has no switch is measured against the commit before it in the
+Why builds: a kernel change that has no option is measured against the commit before it in the
 same call on the same machine (records from two calls can differ by a few percent by machine).
 
-Why a process per setting: most NINFER_* variables are read once when the device opens, and a
-process that measured A first warms caches (kernel cache, page cache, clocks) for B; alternating
-rounds spreads the drift of a shared machine over both settings. Checkpoints are written once by
-the first run and kept for the others; they are removed at the end unless --keep-checkpoints.
+Why a process per setting: a process that measured A first warms caches (kernel cache, page
+cache, clocks) for B; alternating rounds spreads the drift of a shared machine over both
+settings. Checkpoints are written once by the first run and kept for the others; they are
+removed at the end unless --keep-checkpoints.
 
     python benches/gpu_bench.py --out ab.json --decode-8b --skip-peer \\
-        --ab NINFER_VAR=A,B --ab-rounds 2
+        --ab cuda_graphs=true,false --ab-rounds 2
     pip install --no-deps --target /tmp/site_old old/ninfer-*.whl   # and the new wheel likewise
     python benches/gpu_bench.py --out ab.json --decode-27b --skip-peer \\
         --ab-builds OLD_COMMIT=/tmp/site_old,NEW_COMMIT=/tmp/site_new
@@ -33,14 +35,31 @@ from pathlib import Path
 CASE_FIELDS = ("model", "concurrency", "batch", "prompt_tokens", "layers")
 
 
+#: The engine options a run may set (`_core.Engine` keyword arguments, as `LLM(...)` takes them).
+ENGINE_OPTIONS = ("async_scheduling", "cuda_graphs", "batch_invariant", "device_sampling")
+
+#: How an option's value is spelt on the command line, and what the engine is given.
+OPTION_VALUES = {"true": True, "false": False}
+
+
+def parse_option(spec: str) -> tuple:
+    """`NAME=true|false` -> (NAME, bool): an engine option and its value. Raises ValueError
+    naming the spec and the options otherwise."""
+    name, sep, value = (part.strip() for part in spec.partition("="))
+    if not sep or name not in ENGINE_OPTIONS or value.lower() not in OPTION_VALUES:
+        raise ValueError(f"{spec!r}: expected OPTION=true|false, OPTION one of {', '.join(ENGINE_OPTIONS)}")
+    return name, OPTION_VALUES[value.lower()]
+
+
 def parse_ab(spec: str) -> tuple:
-    """`VAR=V1,V2[,...]` -> (VAR, [V1, V2, ...]): a NINFER_* variable and at least two values.
-    Raises ValueError naming the spec otherwise."""
-    var, sep, values = spec.partition("=")
-    vals = [v.strip() for v in values.split(",")]
-    if not sep or not var.startswith("NINFER_") or len(vals) < 2 or any(not v for v in vals):
-        raise ValueError(f"--ab {spec!r}: expected NINFER_VARIABLE=VALUE1,VALUE2[,...] (two or more values)")
-    return var, vals
+    """`OPTION=V1,V2` -> (OPTION, [V1, V2]): an engine option and its two values ("true" and
+    "false", in the order given). Raises ValueError naming the spec otherwise."""
+    name, sep, values = spec.partition("=")
+    name, vals = name.strip(), [v.strip().lower() for v in values.split(",")]
+    if not sep or name not in ENGINE_OPTIONS or sorted(vals) != ["false", "true"]:
+        raise ValueError(f"--ab {spec!r}: expected OPTION=true,false (or false,true), "
+                         f"OPTION one of {', '.join(ENGINE_OPTIONS)}")
+    return name, vals
 
 
 def parse_ab_builds(spec: str) -> list:
@@ -60,21 +79,22 @@ def parse_ab_builds(spec: str) -> list:
 
 def settings(a) -> tuple:
     """(variable, [(label, env, extra arguments), ...]) for the runs of --ab or --ab-builds: a
-    build's runs record its commit, a variable's runs the caller's --commit."""
+    build's runs record its commit, an option's runs the caller's --commit and pass the option
+    to the engine (gpu_bench's --option)."""
     if getattr(a, "ab_builds", None):
         rows = []
         for commit, site in parse_ab_builds(a.ab_builds):
             path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
             rows.append((commit, {"PYTHONPATH": path}, ["--commit", commit]))
         return "build", rows
-    var, values = parse_ab(a.ab)
-    return var, [(v, {var: v}, ["--commit", a.commit]) for v in values]
+    name, values = parse_ab(a.ab)
+    return name, [(v, {}, ["--commit", a.commit, "--option", f"{name}={v}"]) for v in values]
 
 
 def child_argv(argv: list) -> list:
-    """The bench's own arguments without --ab / --ab-builds / --ab-rounds / --out (each run gets
-    its own --out) and --commit (a build's run gets its own), with --keep-checkpoints (the next
-    run reuses them)."""
+    """The bench's own arguments (--option included) without --ab / --ab-builds / --ab-rounds /
+    --out (each run gets its own --out) and --commit (a build's run gets its own), with
+    --keep-checkpoints (the next run reuses them)."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -122,9 +142,10 @@ def summarize(records: list, var: str, values: list) -> list:
 
 
 def run_ab(a, argv: list, log) -> int:
-    """Runs the parts once per setting (a value of `a.ab`, or a build of `a.ab_builds`) for
-    `a.ab_rounds` rounds; appends every record to `a.out` (each with "ab": {variable, value,
-    round}, the variable "build" and the value the commit for builds); logs the summary. The
+    """Runs the parts once per setting (a value of the option `a.ab`, or a build of
+    `a.ab_builds`) for `a.ab_rounds` rounds; appends every record to `a.out` (each with "ab":
+    {variable, value, round}: the option and its value, or "build" and the commit); logs the
+    summary. The
     exit status is 1 when a run failed or a record holds an error."""
     var, rows = settings(a)
     values = [label for label, _, _ in rows]

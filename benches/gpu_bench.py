@@ -23,8 +23,10 @@ Usage (GPU machine; see docs/performance.md):
         [--throughput] [--startup] [--layers N] [--skip-peer]
 No part flag: all parts. --tiny runs every part on tiny shapes with ninfer on the CPU and torch
 on the CPU (a dry run of the script's logic on a machine without a GPU).
---ab NINFER_VAR=V1,V2 [--ab-rounds N]: the chosen parts once per value, each in its own process,
-alternated round after round, with a summary by value (benches/gpu_ab.py).
+--option OPTION=true|false (repeatable): an engine option (async_scheduling, cuda_graphs,
+batch_invariant, device_sampling) given to every engine the parts build, and named in every record.
+--ab OPTION=true,false [--ab-rounds N]: the chosen parts once per value of an engine option, each
+in its own process, alternated round after round, with a summary by value (benches/gpu_ab.py).
 """
 
 from __future__ import annotations
@@ -110,10 +112,13 @@ def request_params(b: "Bench", max_tokens: int) -> str:
 
 
 def _core_params(fields_json: str):
-    """The engine's typed sampling params (`_core.SamplingParams`) of a JSON object of fields."""
+    """The engine's typed sampling params (`_core.SamplingParams`) of a JSON object of fields, or
+    the JSON text itself for a build whose `Engine.submit` took text (an --ab-builds run of a
+    commit from before the typed params)."""
     from ninfer import _core
 
-    return _core.SamplingParams(**json.loads(fields_json))
+    typed = getattr(_core, "SamplingParams", None)
+    return fields_json if typed is None else typed(**json.loads(fields_json))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -155,9 +160,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "needs --skip-peer (the transformers peer samples greedily without them)")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
-    p.add_argument("--ab", metavar="NINFER_VAR=V1,V2",
-                   help="A-B runs (benches/gpu_ab.py): the parts once per value of the variable, each in its own "
-                        "process, alternated for --ab-rounds rounds; records tagged with the value, and a summary")
+    p.add_argument("--option", metavar="OPTION=true|false", action="append", default=[],
+                   help="an engine option (" + ", ".join(gpu_ab().ENGINE_OPTIONS) + ") given to every engine the "
+                        "parts build and recorded in their records (repeatable; not with --startup: the server it "
+                        "times takes no engine options)")
+    p.add_argument("--ab", metavar="OPTION=true,false",
+                   help="A-B runs (benches/gpu_ab.py): the parts once per value of the engine option, each in its "
+                        "own process, alternated for --ab-rounds rounds; records tagged with the value, and a summary")
     p.add_argument("--ab-builds", metavar="COMMIT=SITE,COMMIT=SITE",
                    help="A-B runs of builds (benches/gpu_ab.py): the parts once per directory a ninfer wheel was "
                         "installed into (pip install --target SITE), put first on PYTHONPATH, its records carrying "
@@ -169,11 +178,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--profile-batch {a.profile_batch}: decode sequences a step must be at least 1")
     if a.ab is not None and a.ab_builds is not None:
         p.error("--ab and --ab-builds: one A-B at a time")
+    options = {}
+    for spec in a.option:
+        try:
+            name, value = gpu_ab().parse_option(spec)
+        except ValueError as e:
+            p.error(f"--option {e}")
+        if name in options:
+            p.error(f"--option {spec!r}: {name} is given twice")
+        options[name] = value
+    a.options = options
     if a.ab is not None:
         try:
-            gpu_ab().parse_ab(a.ab)
+            name, _ = gpu_ab().parse_ab(a.ab)
         except ValueError as e:
             p.error(str(e))
+        if name in options:
+            p.error(f"--ab {a.ab!r}: --option sets {name} already")
     if a.ab_builds is not None:
         try:
             builds = gpu_ab().parse_ab_builds(a.ab_builds)
@@ -188,6 +209,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ab-rounds {a.ab_rounds}: at least one round")
     if not (a.decode_8b or a.decode_27b or a.decode_qwen2_7b or a.throughput or a.startup or a.profile):
         a.decode_8b = a.decode_27b = a.throughput = a.startup = True
+    if a.startup and (options or a.ab is not None):
+        p.error("--option / --ab: the startup part times `ninfer serve`, which takes no engine options; "
+                "name the other parts (e.g. --decode-8b --throughput)")
     return a
 
 
@@ -375,6 +399,8 @@ class Bench:
         env = ninfer_settings(os.environ)
         if env:
             rec["env"] = env
+        if self.a.options:
+            rec["options"] = dict(self.a.options)
         if self.a.sampling and metric in ("decode_bs1_tok_s", "decode_throughput_tok_s"):
             rec["sampling"] = self.a.sampling
         rec.update(fields)
@@ -391,8 +417,9 @@ class Bench:
 
 
 def ninfer_settings(environ) -> dict:
-    """The NINFER_* variables a run was made under (A/B runs switch forms through them, and a
-    record must say which form it measured); paths that change nothing measured are left out."""
+    """The NINFER_* variables a run was made under (NINFER_EMULATE_ARCH runs the GPU as an older
+    one, and a record must say which it measured); paths that change nothing measured are left
+    out."""
     return {k: v for k, v in sorted(environ.items()) if k.startswith("NINFER_") and k not in SETTINGS_NOT_RECORDED}
 
 
@@ -583,10 +610,12 @@ def peer_worker(a: argparse.Namespace) -> None:
 
 
 def ninfer_engine(b: Bench, path: Path, **kw):
+    """An engine on `path` with the arguments `kw` and --option's engine options, and the
+    seconds it took to load."""
     from ninfer import _core
 
     t = time.perf_counter()
-    eng = _core.Engine(str(path), device=b.ninfer_device, prefix_reuse=False, **kw)
+    eng = _core.Engine(str(path), device=b.ninfer_device, prefix_reuse=False, **b.a.options, **kw)
     return eng, time.perf_counter() - t
 
 

@@ -157,7 +157,10 @@ def ninfer_prefill(path: Path, prompts: list, chunk: int, profile: list | None =
     eng = _core.Engine(str(path), device="cuda", max_context=longest + 16, kv_capacity=longest + 64,
                        max_concurrency=2, prefill_chunk=chunk, prefix_reuse=False)
     load_s = time.perf_counter() - t0
-    params = _core.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    fields = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    # A build from before the typed params (PREFILL_ORDER runs older commits) took them as JSON text.
+    typed = getattr(_core, "SamplingParams", None)
+    params = json.dumps(fields) if typed is None else typed(**fields)
 
     def first_token_s(rid: str, prompt: list) -> float:
         t = time.perf_counter()

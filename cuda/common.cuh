@@ -275,7 +275,7 @@ __device__ __forceinline__ void softmax_state_init(const store_t* q_lane, float 
 // a, running max mx, sum): the normalised output when the token has one block split (nb == 1),
 // else split b's partial (accumulators, and max and sum at i == 0) at row * max_splits + b, for
 // the last block to arrive to merge. Shared by both CUDA-core forms (merge_warp_partials) and the
-// tensor-core one (flash_attention.cu flash_decode_body), whose partials share one layout.
+// direct tensor-core one (decode_attention.cu fd_merge), whose partials share one layout.
 template <int D>
 __device__ __forceinline__ void store_block_result(float a, float mx, float sum, int i, long long row,
                                                    int b, int nb, int max_splits, store_t* out,

@@ -34,9 +34,18 @@ def test_gpu_prefill_rejects_bad_arguments_naming_them(argv, named, capsys):
 
 @pytest.mark.parametrize("argv, named", [(["--profile-batch", "0"], "--profile-batch 0"),
                                          (["--tp-model", "llama-70b"], "llama-70b"),
-                                         (["--ab", "NINFER_X=1"], "--ab 'NINFER_X=1'"),
-                                         (["--ab", "PATH=1,2"], "--ab 'PATH=1,2'"),
-                                         (["--ab", "NINFER_X=0,1", "--ab-rounds", "0"], "--ab-rounds 0"),
+                                         (["--ab", "cuda_graphs=true", "--decode-8b"], "--ab 'cuda_graphs=true'"),
+                                         (["--ab", "NINFER_PDL=0,1", "--decode-8b"], "--ab 'NINFER_PDL=0,1'"),
+                                         (["--ab", "cuda_graphs=true,false", "--decode-8b", "--ab-rounds", "0"],
+                                          "--ab-rounds 0"),
+                                         (["--option", "pdl=false", "--decode-8b"], "--option 'pdl=false'"),
+                                         (["--option", "cuda_graphs=0", "--decode-8b"], "--option 'cuda_graphs=0'"),
+                                         (["--option", "cuda_graphs=false", "--option", "cuda_graphs=true",
+                                           "--decode-8b"], "cuda_graphs is given twice"),
+                                         (["--option", "cuda_graphs=false", "--ab", "cuda_graphs=true,false",
+                                           "--decode-8b"], "--option sets cuda_graphs already"),
+                                         (["--option", "cuda_graphs=false", "--startup"], "takes no engine options"),
+                                         (["--ab", "cuda_graphs=true,false"], "takes no engine options"),
                                          (["--sampling", "{bad", "--skip-peer"], "'{bad' is not JSON"),
                                          (["--sampling", "[1]", "--skip-peer"], "'[1]': expected a JSON object"),
                                          (["--sampling", '{"max_tokens": 3}', "--skip-peer"], "max_tokens is set by"),
@@ -132,20 +141,42 @@ def test_a_checkpoint_write_that_fails_leaves_nothing_behind(tmp_path, monkeypat
     assert (path / "config.json").exists() and b.checkpoint("llama-3-8b") == path
 
 
-def test_records_carry_the_ninfer_settings_they_were_measured_under(tmp_path, monkeypatch):
-    """An A/B run switches forms through NINFER_* variables: each record names the ones set
-    (not the kernel-cache path or the commit), and a run under none has no `env` field."""
+def test_records_carry_the_settings_they_were_measured_under(tmp_path, monkeypatch):
+    """Each record names the engine options --option set and the NINFER_* variables set (the
+    architecture a GPU runs as; not the kernel-cache path or the commit); a run under none has
+    neither an `options` nor an `env` field."""
     bench = _load("gpu_bench")
     for k in [k for k in __import__("os").environ if k.startswith("NINFER_")]:
         monkeypatch.delenv(k)
     b = bench.Bench(bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--throughput"]))
     s = b.shape("llama-3-8b")
-    assert "env" not in b.record("decode_throughput_tok_s", "llama-3-8b", 1.0, s)
-    monkeypatch.setenv("NINFER_TC_DECODE_ATTN", "0")
-    monkeypatch.setenv("NINFER_SMEM_CARVEOUT", "auto")
+    plain = b.record("decode_throughput_tok_s", "llama-3-8b", 1.0, s)
+    assert "env" not in plain and "options" not in plain
+    monkeypatch.setenv("NINFER_EMULATE_ARCH", "80")
     monkeypatch.setenv("NINFER_KERNEL_CACHE", "/tmp/k")
+    monkeypatch.setenv("NINFER_COMMIT", "abc")
+    b = bench.Bench(bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--throughput",
+                                      "--option", "cuda_graphs=false", "--option", "batch_invariant=TRUE"]))
     rec = b.record("decode_throughput_tok_s", "llama-3-8b", 1.0, s)
-    assert rec["env"] == {"NINFER_SMEM_CARVEOUT": "auto", "NINFER_TC_DECODE_ATTN": "0"}
+    assert rec["env"] == {"NINFER_EMULATE_ARCH": "80"}
+    assert rec["options"] == {"cuda_graphs": False, "batch_invariant": True}
+
+
+def test_every_engine_the_parts_build_gets_the_options(tmp_path, monkeypatch):
+    """--option's values reach `_core.Engine` as keyword arguments, beside each part's own."""
+    core = pytest.importorskip("ninfer._core")
+    bench = _load("gpu_bench")
+    seen = []
+    monkeypatch.setattr(core, "Engine", lambda path, **kw: seen.append((path, kw)) or "engine")
+    a = bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--decode-8b",
+                          "--option", "device_sampling=false", "--option", "async_scheduling=true"])
+    eng, secs = bench.ninfer_engine(SimpleNamespace(a=a, ninfer_device="cpu"), tmp_path, max_context=64)
+    assert eng == "engine" and secs >= 0
+    assert seen == [(str(tmp_path), {"device": "cpu", "prefix_reuse": False, "device_sampling": False,
+                                     "async_scheduling": True, "max_context": 64})]
+    plain = bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--decode-8b"])
+    bench.ninfer_engine(SimpleNamespace(a=plain, ninfer_device="cpu"), tmp_path)
+    assert seen[1] == (str(tmp_path), {"device": "cpu", "prefix_reuse": False})
 
 
 @pytest.mark.parametrize("prompt, tokens, context", [(128, 256, 8192), (8000, 128, 8192), (8000, 256, 16384),
@@ -237,3 +268,16 @@ def test_the_qwen2_shape_has_projection_biases_and_attention_only_bytes(tmp_path
     assert b.seq_bytes(s, 100) == s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 100 * 2
     weights, total = b.weight_bytes(s)
     assert weights == total - s["vocab"] * s["hidden"] * 2 + s["hidden"] * 2
+
+
+def test_sampling_params_are_typed_or_json_text_as_the_build_takes_them(monkeypatch):
+    """An --ab-builds run of a commit from before the typed params submits them as the JSON
+    text that build's Engine.submit took; a build with `_core.SamplingParams` gets the object."""
+    core = pytest.importorskip("ninfer._core")
+    bench = _load("gpu_bench")
+    text = '{"max_tokens": 5, "temperature": 0.0, "ignore_eos": true}'
+    typed = bench._core_params(text)
+    assert isinstance(typed, core.SamplingParams) and json.loads(typed.to_json())["max_tokens"] == 5
+    assert json.loads(typed.to_json())["ignore_eos"] is True
+    monkeypatch.delattr(core, "SamplingParams")
+    assert bench._core_params(text) == text

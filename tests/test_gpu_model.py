@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -83,13 +84,6 @@ def _device_cc() -> tuple:
         digits = v.removeprefix("sm_").replace(".", "")
         return int(digits[:-1]), int(digits[-1])
     return torch.cuda.get_device_capability()
-
-
-def _skip_below_sm80(what: str) -> None:
-    """Skips a test that switches `what` on explicitly: below 8.0 there is none, and the switch
-    named on stops the load (ops/mod.rs `refuse_explicit_on`)."""
-    if _device_cc() < (8, 0):
-        pytest.skip(f"{what} needs sm_80+")
 
 
 def _storage_dtype():
@@ -459,19 +453,15 @@ def _timed_load(path: Path):
     return m
 
 
-def test_gpu_loader_conversion_and_raw_paths_give_identical_logits(gpu_dir, tmp_path, monkeypatch):
+def test_gpu_loader_conversion_and_raw_paths_give_identical_logits(gpu_dir, tmp_path):
     """The tiny checkpoints are f32 (converted on the host while loading); their copy in the
-    storage type (bf16, f16 on sm_7x) goes through positioned reads, and with NINFER_LOAD_MMAP=1
-    through the mapping: all three must put the same bits on the device, so the logits are
-    bitwise equal."""
+    storage type (bf16, f16 on sm_7x) goes through positioned reads: both must put the same bits
+    on the device, so the logits are bitwise equal."""
     ids = _prompt(40, TINY_VOCAB, seed=4)
     from_f32 = _timed_load(gpu_dir).logits(ids)
     raw_dir = _storage_copy(gpu_dir, tmp_path / "raw")
     from_raw = _timed_load(raw_dir).logits(ids)
-    monkeypatch.setenv("NINFER_LOAD_MMAP", "1")
-    from_mmap = _core.Model(str(raw_dir), device="cuda").logits(ids)
     assert np.array_equal(from_f32, from_raw)
-    assert np.array_equal(from_raw, from_mmap)
 
 
 def test_unsupported_head_dim_is_refused_at_load(tiny_checkpoints):
@@ -511,16 +501,14 @@ def test_demo_model_logits_match_transformers_bf16_and_cpu_f32(demo_dir, demo_wi
     assert _rel_err(got, cpu) <= REL_TOL
 
 
-def test_demo_model_direct_load_matches_cpu_f32(demo_dir, demo_windows, monkeypatch):
-    """The bf16 demo checkpoint through the direct loader (positioned reads, and the mapping):
-    logits within REL_TOL of the CPU f32 model, both read paths bitwise equal."""
+def test_demo_model_direct_load_matches_cpu_f32(demo_dir, demo_windows):
+    """The bf16 demo checkpoint through the direct loader (positioned reads): logits within
+    REL_TOL of the CPU f32 model."""
     ids = demo_windows[3] + demo_windows[4]
     got = _timed_load(demo_dir).logits(ids)
     cpu = _core.Model(str(demo_dir), device="cpu").logits(ids)
     print(f"demo: direct load, rel err vs CPU f32 {_rel_err(got, cpu):.2e}")
     assert _rel_err(got, cpu) <= REL_TOL
-    monkeypatch.setenv("NINFER_LOAD_MMAP", "1")
-    assert np.array_equal(_core.Model(str(demo_dir), device="cuda").logits(ids), got)
 
 
 def test_demo_model_heldout_perplexity_matches_training_record(demo_dir):
@@ -776,11 +764,10 @@ def test_gpu_default_kv_pool_comes_from_free_device_memory(demo_dir):
     del eng
 
 
-def _generate_with(model_dir, monkeypatch, device_sampling: bool, prompts, params):
-    """Generate on cuda with sampling on the device, or on the host (`NINFER_DEVICE_SAMPLING=0`,
-    read when the model loads): both paths see the same logits, so only sampling differs."""
-    monkeypatch.setenv("NINFER_DEVICE_SAMPLING", "1" if device_sampling else "0")
-    with LLM(model_dir, device="cuda", max_context=512, prefix_reuse=False) as llm:
+def _generate_with(model_dir, device_sampling: bool, prompts, params):
+    """Generate on cuda with sampling on the device, or on the host (`device_sampling=False`):
+    both paths see the same logits, so only sampling differs."""
+    with LLM(model_dir, device="cuda", max_context=512, prefix_reuse=False, device_sampling=device_sampling) as llm:
         return llm.generate(prompts, params)
 
 
@@ -808,39 +795,38 @@ SEEDED = [
 ]
 
 
-def test_device_greedy_sampling_equals_host_sampling(gpu_dir, monkeypatch):
+def test_device_greedy_sampling_equals_host_sampling(gpu_dir):
     params = greedy(24, logprobs=True, top_logprobs=5)
-    dev = _generate_with(gpu_dir, monkeypatch, True, PROMPTS, params)
-    host = _generate_with(gpu_dir, monkeypatch, False, PROMPTS, params)
+    dev = _generate_with(gpu_dir, True, PROMPTS, params)
+    host = _generate_with(gpu_dir, False, PROMPTS, params)
     _assert_same_tokens_and_logprobs(dev, host)
 
 
 @pytest.mark.parametrize("kwargs", SEEDED)
-def test_device_seeded_sampling_equals_host_and_repeats(gpu_dir, monkeypatch, kwargs):
+def test_device_seeded_sampling_equals_host_and_repeats(gpu_dir, kwargs):
     params = SamplingParams(max_tokens=24, ignore_eos=True, **kwargs)
-    dev = _generate_with(gpu_dir, monkeypatch, True, PROMPTS, params)
-    again = _generate_with(gpu_dir, monkeypatch, True, PROMPTS, params)
-    host = _generate_with(gpu_dir, monkeypatch, False, PROMPTS, params)
+    dev = _generate_with(gpu_dir, True, PROMPTS, params)
+    again = _generate_with(gpu_dir, True, PROMPTS, params)
+    host = _generate_with(gpu_dir, False, PROMPTS, params)
     assert [o.token_ids for o in dev] == [o.token_ids for o in again], "same seed, same tokens"
     _assert_same_tokens_and_logprobs(dev, host)
 
 
-def test_demo_model_device_sampling_equals_host_sampling(demo_dir, demo_windows, monkeypatch):
+def test_demo_model_device_sampling_equals_host_sampling(demo_dir, demo_windows):
     for params in (greedy(32, top_logprobs=4), SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.9,
                                                                top_p=0.95, top_k=50, seed=3)):
-        dev = _generate_with(demo_dir, monkeypatch, True, demo_windows, params)
-        host = _generate_with(demo_dir, monkeypatch, False, demo_windows, params)
+        dev = _generate_with(demo_dir, True, demo_windows, params)
+        host = _generate_with(demo_dir, False, demo_windows, params)
         _assert_same_tokens_and_logprobs(dev, host)
 
 
-def _generate_async(model_dir, monkeypatch, on: bool, batches):
+def _generate_async(model_dir, on: bool, batches):
     """Generate each batch of `(prompts, params)` in turn on one cuda engine (`prompts` may be a
     function of the previous batch's outputs) with asynchronous scheduling on or off
     (the engine option `async_scheduling`). Batch invariance is on: a lookahead
     step keeps a request that just ended in its batch, so the two modes run some steps at
     different batch sizes. Returns the outputs and the engine's stats."""
-    monkeypatch.setenv("NINFER_BATCH_INVARIANT", "1")
-    with LLM(model_dir, device="cuda", max_context=512, async_scheduling=on) as llm:
+    with LLM(model_dir, device="cuda", max_context=512, async_scheduling=on, batch_invariant=True) as llm:
         assert llm.engine.info()["async_scheduling"] is on
         outs = []
         for prompts, params in batches:
@@ -879,15 +865,15 @@ _REGEX = {"type": "regex", "regex": "([a-z]{2,5} ){3,6}(yes|no)!"}
 ], ids=["greedy", "seeded", "seeded_all_penalties", "greedy_repetition", "greedy_presence_frequency",
         "seeded_presence_frequency", "seeded_repetition", "greedy_json_object", "seeded_json_object",
         "greedy_regex", "seeded_regex_frequency", "greedy_json_schema_repetition", "seeded_json_schema"])
-def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs(gpu_dir, monkeypatch, kwargs):
+def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs(gpu_dir, kwargs):
     # Different lengths (EOS not ignored): requests end while the next step is already queued.
     # A request that ends unforeseen (EOS, a grammar completing) keeps a dropped row in the step
     # queued after it, so the two modes run that step at different batch sizes: bit-equal only
     # on the batch-invariant route, at most GEMV_MAX_M = 8 rows a step (cuBLAS above it).
     prompts = PROMPTS[:8]
     batch = [(prompts, [SamplingParams(max_tokens=6 + 5 * i, **kwargs) for i in range(len(prompts))])]
-    (on,), stats = _generate_async(gpu_dir, monkeypatch, True, batch)
-    (off,), sync = _generate_async(gpu_dir, monkeypatch, False, batch)
+    (on,), stats = _generate_async(gpu_dir, True, batch)
+    (off,), sync = _generate_async(gpu_dir, False, batch)
     assert sync["lookahead_steps"] == 0
     assert stats["lookahead_steps"] > 0, stats
     # Every lookahead holds a constrained request when they all have one.
@@ -898,12 +884,12 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs(gpu_dir, mon
     assert [o.text for o in on] == [o.text for o in off]
 
 
-def test_async_scheduling_keeps_prefix_and_state_snapshots_for_the_next_turn(gpu_dir, monkeypatch):
+def test_async_scheduling_keeps_prefix_and_state_snapshots_for_the_next_turn(gpu_dir):
     params = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
     batches = [(PROMPTS[:4], params),
                (lambda first: [o.prompt_token_ids + o.token_ids + [5, 6, 7] for o in first], greedy(12))]
-    (on1, on2), stats = _generate_async(gpu_dir, monkeypatch, True, batches)
-    (off1, off2), _ = _generate_async(gpu_dir, monkeypatch, False, batches)
+    (on1, on2), stats = _generate_async(gpu_dir, True, batches)
+    (off1, off2), _ = _generate_async(gpu_dir, False, batches)
     assert stats["lookahead_steps"] > 0
     for a, b in zip(on1 + on2, off1 + off2):
         assert a.token_ids == b.token_ids
@@ -912,16 +898,12 @@ def test_async_scheduling_keeps_prefix_and_state_snapshots_for_the_next_turn(gpu
 
 
 # Decode steps as CUDA graphs (one per batch bucket): replayed logits must equal eager logits bit
-# for bit, and with NINFER_BATCH_INVARIANT a sequence decoded in a batch of <= 8 must equal the
+# for bit, and with batch_invariant a sequence decoded in a batch of <= 8 must equal the
 # same sequence decoded alone bit for bit (one GEMV kernel per shape for every M, whose per-row
 # summation does not depend on M; per-token attention splits).
 
-def _decode_models(model_dir, monkeypatch):
-    graphed = _core.Model(str(model_dir), device="cuda")
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", "0")
-    eager = _core.Model(str(model_dir), device="cuda")
-    monkeypatch.delenv("NINFER_CUDA_GRAPHS")
-    return graphed, eager
+def _decode_models(model_dir):
+    return _core.Model(str(model_dir), device="cuda"), _core.Model(str(model_dir), device="cuda", cuda_graphs=False)
 
 
 def _decode_prompts(model_dir, n):
@@ -950,25 +932,24 @@ def decode_dir(request, tiny_checkpoints):
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_graph_replayed_decode_equals_eager_decode_bitwise(decode_dir, n, monkeypatch):
-    graphed, eager = _decode_models(decode_dir, monkeypatch)
+def test_graph_replayed_decode_equals_eager_decode_bitwise(decode_dir, n):
+    graphed, eager = _decode_models(decode_dir)
     prompts = _decode_prompts(decode_dir, n)
     g_tokens, g_logits, g_graphs = graphed.decode_greedy(prompts, 12)
     e_tokens, e_logits, e_graphs = eager.decode_greedy(prompts, 12)
     assert g_graphs >= 1, "decode steps did not run as CUDA graphs"
-    assert e_graphs == 0, "NINFER_CUDA_GRAPHS=0 did not disable graphs"
+    assert e_graphs == 0, "cuda_graphs=False did not disable graphs"
     assert np.isfinite(g_logits).all()
     _assert_bitwise(g_logits, e_logits, f"{decode_dir.name[:8]} bucket of {n}: graph vs eager")
     assert g_tokens == e_tokens
 
 
 @pytest.mark.parametrize("n", [2, 5, 8])
-def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n, monkeypatch):
+def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n):
     # The default GEMV form runs faster kernels at batch 1 than in a batch (the last bits may
     # differ; test_*_batch_differs_from_alone_only_at_near_ties covers it): batch invariance is
-    # the opt-in NINFER_BATCH_INVARIANT.
-    monkeypatch.setenv("NINFER_BATCH_INVARIANT", "1")
-    model = _core.Model(str(decode_dir), device="cuda")
+    # the opt-in batch_invariant.
+    model = _core.Model(str(decode_dir), device="cuda", batch_invariant=True)
     prompts = _decode_prompts(decode_dir, n)
     b_tokens, b_logits, _ = model.decode_greedy(prompts, 32)
     for i, p in enumerate(prompts):
@@ -977,110 +958,52 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n, monkeypatc
         _assert_bitwise(b_logits[:, i], a_logits[:, 0], f"{decode_dir.name[:8]} sequence {i} of {n}: batch vs alone")
 
 
-def _decode_with_switch(decode_dir, monkeypatch, switch, on, off, n, steps):
-    """`decode_greedy` of `n` prompts for `steps` tokens by a model loaded with environment
-    switch `switch` set to `on`, then by one loaded with it set to `off`."""
-    monkeypatch.setenv(switch, on)
-    on = _core.Model(str(decode_dir), device="cuda")
-    monkeypatch.setenv(switch, off)
-    off = _core.Model(str(decode_dir), device="cuda")
+# Routes a device profile may set (backend/cuda/plan/profile.rs): each comparison loads the
+# model twice, under two profiles of this GPU that differ in one plan field, and decodes the
+# same prompts greedily. A profile this GPU cannot run stops the load naming the field, so a
+# comparison never runs the default route twice unnoticed.
+
+def _profile(tmp_path, name, plan):
+    """A device profile of this GPU (its driver name and the capability the engine runs it as)
+    whose `plan` overrides the default routes; its path."""
+    major, minor = _device_cc()
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"version": 1, "device": torch.cuda.get_device_name(),
+                                "compute_capability": f"{major}.{minor}", "plan": plan}))
+    return str(path)
+
+
+def _decode_under_plans(decode_dir, tmp_path, on, off, n, steps, graphs=True):
+    """`decode_greedy` of `n` prompts for `steps` tokens by a model loaded under plan overrides
+    `on`, then by one loaded under `off` (CUDA graphs as `graphs` says)."""
     prompts = _decode_prompts(decode_dir, n)
-    return on.decode_greedy(prompts, steps), off.decode_greedy(prompts, steps)
+    runs = []
+    for name, plan in (("on", on), ("off", off)):
+        model = _core.Model(str(decode_dir), device="cuda", cuda_graphs=graphs,
+                            device_profile=_profile(tmp_path, name, plan))
+        runs.append(model.decode_greedy(prompts, steps))
+        del model
+    return runs
 
 
-def _assert_switch_changes_no_bit(decode_dir, monkeypatch, switch, graphs, n, what, on="1", off="0"):
-    """Greedy decode of `n` prompts with environment switch `switch` set to `on` and to `off`
-    (CUDA graphs as `graphs` says): the same logits bit for bit and the same tokens."""
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = _decode_with_switch(
-        decode_dir, monkeypatch, switch, on, off, n, 16)
-    assert (on_graphs >= 1) == (graphs == "1") and (off_graphs >= 1) == (graphs == "1")
+def _assert_plans_change_no_bit(decode_dir, tmp_path, on, off, graphs, n, what):
+    """Greedy decode of `n` prompts under plan overrides `on` and `off` (CUDA graphs as `graphs`
+    says): the same logits bit for bit and the same tokens."""
+    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = _decode_under_plans(
+        decode_dir, tmp_path, on, off, n, 16, graphs)
+    assert (on_graphs >= 1) == graphs and (off_graphs >= 1) == graphs
     assert np.isfinite(on_logits).all()
     _assert_bitwise(on_logits, off_logits, f"{decode_dir.name[:8]} n={n} graphs={graphs}: {what}")
     assert on_tokens == off_tokens
 
 
-@pytest.mark.parametrize("n", [12, 40])
-def test_wg_gemm_decode_tracks_cublas(decode_dir, n, monkeypatch):
-    """NINFER_WG_GEMM=1 (sm_90a): decode steps of 9-64 sequences run their projections on the
-    warpgroup GEMM (cuda/gemm_wg.cu, thread-block clusters) instead of cuBLAS, inside CUDA
-    graphs. Another summation order, so not bit for bit: the second step's logits (the first
-    that decodes; the first comes from the prefill, which has more rows and stays on cuBLAS, so
-    both runs feed the same first tokens to it, as the test checks before comparing) agree
-    within REL_TOL. 40 sequences repeat 12 prompts (the demo model's held-out text has 12
-    windows of these lengths)."""
-    if _device_cc() != (9, 0):
-        pytest.skip("gemm_wg runs on sm_90a (H100 / H200) only")
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", "1")
-    base = _decode_prompts(decode_dir, 12)
-    prompts = [base[i % len(base)] for i in range(n)]
-    runs = {}
-    for value in ("1", "0"):
-        monkeypatch.setenv("NINFER_WG_GEMM", value)
-        runs[value] = _core.Model(str(decode_dir), device="cuda").decode_greedy(prompts, 4)
-    (on_tokens, on_logits, on_graphs), (off_tokens, off_logits, off_graphs) = runs["1"], runs["0"]
-    assert on_graphs >= 1 and off_graphs >= 1
-    assert np.isfinite(on_logits).all()
-    differ = [i for i in range(n) if on_tokens[i][0] != off_tokens[i][0]]
-    assert not differ, f"first tokens differ at {differ}"
-    a, b = on_logits[1], off_logits[1]
-    err = float(np.abs(a - b).max() / np.abs(b).max())
-    print(f"{decode_dir.name[:8]} n={n}: decode-step logits with gemm_wg vs cuBLAS rel err {err:.2e}")
-    assert err <= REL_TOL
-
-
-# Programmatic Dependent Launch (sm_90+, NINFER_PDL, default on) only changes when a kernel's
-# blocks are scheduled, never what they compute: decode logits with it on and off must be
-# identical bit for bit, in graphs (programmatic edges) and eagerly.
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, monkeypatch):
-    if _device_cc() < (9, 0):
-        pytest.skip("PDL needs sm_90+ (NINFER_PDL=1 is refused below)")
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_PDL", graphs, 3, "PDL on vs off")
-
-
-# The output projections' residual add + RMSNorm fused into the decode GEMV (NINFER_FUSED_NORM,
-# default off: `gemv_add_rmsnorm`, the last block of the GEMV normalising) against the GEMV
-# followed by add_rmsnorm: the same bits, in graphs (the block counter reset by the kernel
-# itself on every replay) and eagerly.
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-def test_decode_with_fused_norm_equals_gemv_then_add_rmsnorm_bitwise(decode_dir, graphs, monkeypatch):
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_FUSED_NORM", graphs, 3,
-                                  "fused norm vs gemv + add_rmsnorm")
-
-
-# The batch-1 qkv projection with RoPE and the KV cache write in its epilogue (NINFER_FUSED_ROPE,
-# default on: `gemv_qkv_rope_m1` where the qkv weight's M = 1 GEMV is the CUDA-core kernel, no
-# q/k norm, no output gate) against the GEMV followed by rope_kv_write: the same bits, in graphs
-# and eagerly. One sequence (the fused kernel is batch 1's), then three (unchanged path).
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("n", [1, 3])
-def test_decode_with_fused_rope_equals_gemv_then_rope_kv_write_bitwise(decode_dir, graphs, n, monkeypatch):
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_FUSED_ROPE", graphs, n,
-                                  "fused rope vs gemv + rope_kv_write")
-
-
-# Warps a block of the CUDA-core GEMV (NINFER_CC_WARPS, a tuning setting: 2 against the default
-# 8) only changes how rows are grouped into blocks: the same bits, at batch 1 (every projection
-# on CUDA cores, the fused RoPE one included) and 3, in graphs and eagerly.
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("n", [1, 3])
-def test_decode_with_2_warp_gemv_blocks_equals_8_warp_blocks_bitwise(decode_dir, graphs, n, monkeypatch):
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_CC_WARPS", graphs, n,
-                                  "2 vs 8 warps a CUDA-core GEMV block", on="2", off="8")
-
-
-def _assert_switch_keeps_logits_close(decode_dir, monkeypatch, switch, n, what, on="1", off="0"):
-    """Greedy decode of `n` prompts with environment switch `switch` set to `on` and to `off`:
-    every logits row computed from the same tokens within the issue's 2e-2. Logits row s
-    ([steps, sequences, vocab]) is the step fed token s, and tokens[0] (the prefill's) is shared,
-    so a sequence's rows count up to its first differing token."""
-    (on_tokens, on_logits, _), (off_tokens, off_logits, _) = _decode_with_switch(
-        decode_dir, monkeypatch, switch, on, off, n, 12)
+def _assert_plans_keep_logits_close(decode_dir, tmp_path, on, off, n, what, graphs=True):
+    """Greedy decode of `n` prompts under plan overrides `on` and `off`: every logits row
+    computed from the same tokens within the issue's 2e-2. Logits row s ([steps, sequences,
+    vocab]) is the step fed token s, and tokens[0] (the prefill's) is shared, so a sequence's
+    rows count up to its first differing token."""
+    (on_tokens, on_logits, _), (off_tokens, off_logits, _) = _decode_under_plans(
+        decode_dir, tmp_path, on, off, n, 12, graphs)
     assert np.isfinite(on_logits).all() and on_logits.shape == off_logits.shape
     worst = 0.0
     for i in range(n):
@@ -1090,92 +1013,124 @@ def _assert_switch_keeps_logits_close(decode_dir, monkeypatch, switch, n, what, 
     assert worst <= 2e-2, f"{decode_dir.name[:8]}: {what}: rel err {worst:.3e}"
 
 
-# K split in the CUDA-core GEMV (NINFER_CC_KSPLIT, a tuning setting: warps of a block sharing
-# one warp's rows). It changes each sum's order, so against the unsplit GEMV the logits agree
-# within the issue's 2e-2, not bit for bit; under one setting the fused RoPE epilogue still
-# equals the GEMV followed by rope_kv_write bit for bit, and 2-warp blocks equal 8-warp blocks.
+# Programmatic Dependent Launch (sm_90+, the plan's `pdl`, on by default there) only changes
+# when a kernel's blocks are scheduled, never what they compute: decode logits with it on and
+# off must be identical bit for bit, in graphs (programmatic edges) and eagerly.
 
-def _ksplit_value(decode_dir, ksplit: str) -> str:
-    """`NINFER_CC_KSPLIT` for a test setting: `qkv4` splits the attention's fused q/k/v weight
-    in 4 and every other weight in 2 (per weight shape, `ROWSxK=SPLIT,*=SPLIT`); else as given."""
-    if ksplit != "qkv4":
-        return ksplit
-    c = json.loads((Path(decode_dir) / "config.json").read_text())
-    c = c.get("text_config", c)
-    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return f"{(c['num_attention_heads'] + 2 * c['num_key_value_heads']) * hd}x{c['hidden_size']}=4,*=2"
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, tmp_path):
+    if _device_cc() < (9, 0):
+        pytest.skip("PDL needs sm_90+ (a profile asking for it is refused below)")
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {"pdl": True}, {"pdl": False}, graphs, 3, "PDL on vs off")
 
 
-@pytest.mark.parametrize("ksplit", ["2", "4", "8", "qkv4"])
-def test_decode_with_k_split_gemv_matches_the_unsplit_gemv(decode_dir, ksplit, monkeypatch):
-    _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_CC_KSPLIT", 3,
-                                      f"K split {ksplit} vs the unsplit GEMV", on=_ksplit_value(decode_dir, ksplit), off="1")
+# The batch-1 qkv projection with RoPE and the KV cache write in its epilogue (the plan's
+# `fused_rope`, on by default: `gemv_qkv_rope_m1` where the qkv weight's M = 1 GEMV is the
+# CUDA-core kernel, no q/k norm, no output gate) against the GEMV followed by rope_kv_write: the
+# same bits, in graphs and eagerly. One sequence (the fused kernel is batch 1's), then three
+# (unchanged path).
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_with_fused_rope_equals_gemv_then_rope_kv_write_bitwise(decode_dir, graphs, n, tmp_path):
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {"fused_rope": True}, {"fused_rope": False}, graphs, n,
+                                "fused rope vs gemv + rope_kv_write")
 
 
-@pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("ksplit", ["2", "qkv4"])
-def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, graphs, ksplit, monkeypatch):
-    # Per shape (qkv4), the fused RoPE kernel must take its weight's split, as the qkv GEMV does.
-    monkeypatch.setenv("NINFER_CC_KSPLIT", _ksplit_value(decode_dir, ksplit))
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_FUSED_ROPE", graphs, 1,
-                                  f"fused rope vs gemv + rope_kv_write, K split {ksplit}")
-    small = "2" if ksplit == "2" else "4"
-    _assert_switch_changes_no_bit(decode_dir, monkeypatch, "NINFER_CC_WARPS", graphs, 1,
-                                  f"{small} vs 8 warps a CUDA-core GEMV block, K split {ksplit}", on=small, off="8")
+# Warps a block of the CUDA-core GEMV (the plan's `cc_warps`: 2 against 8) only changes how rows
+# are grouped into blocks: the same bits, at batch 1 (every projection on CUDA cores, the fused
+# RoPE one included) and 3, in graphs and eagerly.
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_with_2_warp_gemv_blocks_equals_8_warp_blocks_bitwise(decode_dir, graphs, n, tmp_path):
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {"cc_warps": 2}, {"cc_warps": 8}, graphs, n,
+                                "2 vs 8 warps a CUDA-core GEMV block")
 
 
-# Batched decode attention on staged tensor-core tiles (NINFER_TC_DECODE_ATTN, on from 16 tokens
-# a launch where the direct form below is off or does not fit: `flash_decode_*`) against the
-# fixed CUDA-core form: a different summation (P V in f16), so not the same bits, but every
-# logits row computed from the same tokens within the issue's 2e-2, in graphs and eagerly, on a
-# 20-sequence batch (past TC_DECODE_MIN_TOKENS).
+# K split in the CUDA-core GEMV (the plan's `cc_ksplit`: warps of a block sharing one warp's
+# rows). It changes each sum's order, so against the unsplit GEMV the logits agree within the
+# issue's 2e-2, not bit for bit; under one split the fused RoPE epilogue still equals the GEMV
+# followed by rope_kv_write bit for bit, and smaller blocks equal 8-warp blocks.
 
-@pytest.mark.parametrize("graphs", ["1", "0"])
-def test_batched_decode_attention_on_tensor_cores_matches_the_cuda_core_form(decode_dir, graphs, monkeypatch):
-    _skip_below_sm80("decode attention on tensor cores")
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    monkeypatch.setenv("NINFER_TC_DECODE_DIRECT", "0")
-    _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_ATTN", 20,
-                                      f"graphs={graphs}: tensor-core vs CUDA-core decode attention")
+@pytest.mark.parametrize("ksplit", [2, 4, 8])
+def test_decode_with_k_split_gemv_matches_the_unsplit_gemv(decode_dir, ksplit, tmp_path):
+    _assert_plans_keep_logits_close(decode_dir, tmp_path, {"cc_ksplit": ksplit, "cc_warps": 8}, {"cc_ksplit": 1}, 3,
+                                    f"K split {ksplit} vs the unsplit GEMV")
 
 
-# Decode attention on tensor cores with K/V loaded straight into the mma fragments
-# (NINFER_TC_DECODE_DIRECT, default on at every batch size where the head size is 64 / 128 / 256:
-# `flash_decode_direct_*`) against the forms it replaced (scaled at 1-2 tokens, fixed at 3-15,
-# staged tensor-core from 16): a different summation (P V in bf16), every logits row from the
-# same tokens within 2e-2, in graphs and eagerly, at batch 1, 5 and 20.
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("ksplit", [2, 4])
+def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, graphs, ksplit, tmp_path):
+    split = {"cc_ksplit": ksplit, "cc_warps": 8}
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {**split, "fused_rope": True}, {**split, "fused_rope": False},
+                                graphs, 1, f"fused rope vs gemv + rope_kv_write, K split {ksplit}")
+    # A block holds at least one warp per split.
+    _assert_plans_change_no_bit(decode_dir, tmp_path, {**split, "cc_warps": ksplit}, split, graphs, 1,
+                                f"{ksplit} vs 8 warps a CUDA-core GEMV block, K split {ksplit}")
 
-@pytest.mark.parametrize("graphs", ["1", "0"])
+
+# Decode attention on tensor cores with K/V loaded straight into the mma fragments (the plan's
+# decode attention route, on from sm_80 where the head size is 64 / 128 / 256:
+# `flash_decode_direct_*`) against the CUDA-core forms (scaled at 1-2 tokens, fixed beyond): a
+# different summation (P V in bf16), every logits row from the same tokens within 2e-2, in
+# graphs and eagerly, at batch 1, 5 and 20.
+
+@pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("n", [1, 5, 20])
-def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, monkeypatch):
-    _skip_below_sm80("decode attention on tensor cores")
-    monkeypatch.setenv("NINFER_CUDA_GRAPHS", graphs)
-    _assert_switch_keeps_logits_close(decode_dir, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
-                                      f"graphs={graphs}, {n} sequences: direct tensor-core vs the forms before it")
+def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, tmp_path):
+    if _device_cc() < (8, 0):
+        pytest.skip("decode attention on tensor cores needs sm_80+")
+    _assert_plans_keep_logits_close(decode_dir, tmp_path, {"decode_tensor_cores": True}, {"decode_tensor_cores": False},
+                                    n, f"graphs={graphs}, {n} sequences: direct tensor-core vs CUDA-core forms",
+                                    graphs)
 
 
 @pytest.mark.parametrize("n", [1, 5])
-def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_forms(tiny_checkpoints, n, monkeypatch):
+def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_forms(tiny_checkpoints, n, tmp_path):
     # Qwen3.5-27B's attention head size (256: a pair of warps splits each tile's head dims).
     if not _cuda_available():
         pytest.skip("torch sees no CUDA device")
-    _skip_below_sm80("decode attention on tensor cores")
+    if _device_cc() < (8, 0):
+        pytest.skip("decode attention on tensor cores needs sm_80+")
     d256 = tiny_checkpoints.get("qwen3_5", **{**GPU_SHAPES["qwen3_5"], "head_dim": 256})
-    _assert_switch_keeps_logits_close(d256, monkeypatch, "NINFER_TC_DECODE_DIRECT", n,
-                                      f"head size 256, {n} sequences: direct tensor-core vs the forms before it")
+    _assert_plans_keep_logits_close(d256, tmp_path, {"decode_tensor_cores": True}, {"decode_tensor_cores": False}, n,
+                                    f"head size 256, {n} sequences: direct tensor-core vs CUDA-core forms")
 
 
-@pytest.mark.parametrize("switch, value", [("NINFER_BATCH_INVARIANT", "mostly"), ("NINFER_PDL", "sometimes"),
-                                           ("NINFER_FUSED_ROPE", "perhaps"), ("NINFER_DA_MIN_WARP_KEYS", "0"),
-                                           ("NINFER_CC_WARPS", "3"), ("NINFER_CC_KSPLIT", "3"),
-                                           ("NINFER_CC_KSPLIT", "512x256=3"), ("NINFER_CC_KSPLIT", "*=2,*=4"),
-                                           ("NINFER_TC_DECODE_ATTN", "maybe"), ("NINFER_TC_DECODE_DIRECT", "2"),
-                                           # the staged form's settings where it never runs (the direct form on)
-                                           ("NINFER_TC_DECODE_MIN_TILES", "4"), ("NINFER_TC_DECODE_MIN_TOKENS", "8")])
-def test_a_misspelt_switch_stops_the_load_naming_it(decode_dir, switch, value, monkeypatch):
-    monkeypatch.setenv(switch, value)
-    with pytest.raises(Exception, match=switch):
-        _core.Model(str(decode_dir), device="cuda")
+@pytest.mark.parametrize("change, named", [
+    ({"plan": {"cc_warps": 3}}, "plan.cc_warps"),
+    ({"plan": {"cc_ksplit": 3}}, "plan.cc_ksplit"),
+    ({"plan": {"cc_ksplit": 8, "cc_warps": 4}}, "plan.cc_ksplit"),
+    ({"plan": {"tc_prefetch_steps": 513}}, "plan.tc_prefetch_steps"),
+    ({"plan": {"smem_carveout": 101}}, "plan.smem_carveout"),
+    ({"plan": {"pdl": "sometimes"}}, "sometimes"),
+    ({"plan": {"fused_rope": "perhaps"}}, "perhaps"),
+    ({"plan": {"gemv_rules": [{"kernel": "w3u3"}]}}, "plan.gemv_rules"),
+    # A route that no longer exists is an unknown field, not silently the default.
+    ({"plan": {"tc_decode_attn": False}}, "tc_decode_attn"),
+    ({"version": 99}, "version"),
+    ({"device": "Some Other GPU"}, "Some Other GPU"),
+    ({"compute_capability": "1.0"}, "compute_capability"),
+])
+def test_a_profile_this_gpu_cannot_run_stops_the_load_naming_what(decode_dir, change, named, tmp_path):
+    profile = tmp_path / "bad.json"
+    good = json.loads(Path(_profile(tmp_path, "good", {})).read_text())
+    profile.write_text(json.dumps({**good, **change}))
+    with pytest.raises(Exception, match=re.escape(named)):
+        _core.Model(str(decode_dir), device="cuda", device_profile=str(profile))
+
+
+@pytest.mark.parametrize("option, value", [("cuda_graphs", "yes"), ("batch_invariant", "mostly"),
+                                           ("device_sampling", 1.5), ("device_profile", 42)])
+def test_a_wrong_typed_option_is_a_type_error(decode_dir, option, value):
+    # The options that replaced the environment switches are typed: a value of another type is
+    # refused before the load, never read as a default.
+    with pytest.raises(TypeError):
+        _core.Model(str(decode_dir), device="cuda", **{option: value})
+    if option != "device_profile":
+        with pytest.raises(TypeError):
+            LLM(decode_dir, device="cuda", **{option: value})
 
 
 #: Real shapes (tensor sizes of the published configs) with few layers: the kernels run at the

@@ -38,12 +38,13 @@ impl PyModel {
     /// `logits_dtype`: "auto" (logits rounded to the 16-bit dtype the model runs in, as
     /// transformers returns them) or "float32" (the lm_head's f32 sums).
     /// `cuda_graphs`, `batch_invariant`, `device_sampling`: the CUDA backend's options
-    /// (`CudaOptions`).
-    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto", cuda_graphs = true, batch_invariant = false, device_sampling = true))]
+    /// (`CudaOptions`); `device_profile`: a device profile's path (backend/cuda/plan/profile.rs),
+    /// whose routes override the plan's defaults (the GPU tests compare routes through it).
+    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto", cuda_graphs = true, batch_invariant = false, device_sampling = true, device_profile = None))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str, cuda_graphs: bool, batch_invariant: bool, device_sampling: bool) -> PyResult<Self> {
+    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str, cuda_graphs: bool, batch_invariant: bool, device_sampling: bool, device_profile: Option<PathBuf>) -> PyResult<Self> {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
-        let cuda = crate::config::CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: None };
+        let cuda = crate::config::CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
         let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, cuda, ..Default::default() };
         let model = py
             .detach(|| -> crate::Result<Loaded> {

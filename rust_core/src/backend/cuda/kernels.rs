@@ -2,11 +2,20 @@
 //!
 //! Kernels are compiled from these sources with NVRTC on the machine that runs them, for its
 //! exact architecture (see `nvrtc.rs` and docs/kernels.md), so the crate itself never needs a
-//! CUDA toolkit to build. Each `.cu` in `cuda/` is one family; `common.cuh` is handed to NVRTC
-//! as the header they all include.
+//! CUDA toolkit to build. Each `.cu` in `cuda/` is one family; the headers (`HEADERS`:
+//! `common.cuh`, which they all include, and the attention families' `attention_keys.cuh` and
+//! `attention_mma.cuh`) are handed to NVRTC with each.
 
 /// The header every kernel source includes (`#include "common.cuh"`).
 pub const COMMON_HEADER: &str = include_str!("../../../../cuda/common.cuh");
+
+/// Every header a kernel source may include, by the name it includes it as: handed to NVRTC
+/// with each program and hashed into the kernel cache's keys.
+pub const HEADERS: [(&str, &str); 3] = [
+    ("common.cuh", COMMON_HEADER),
+    ("attention_keys.cuh", include_str!("../../../../cuda/attention_keys.cuh")),
+    ("attention_mma.cuh", include_str!("../../../../cuda/attention_mma.cuh")),
+];
 
 /// Architectures CI compiles every kernel for (V100 through H100/H200).
 pub const CI_ARCHES: [u32; 6] = [70, 75, 80, 86, 89, 90];
@@ -81,10 +90,13 @@ pub enum KernelFamily {
     GemvTc,
     /// Paged attention (decode and prefill), split combine, KV cache write.
     Attention,
-    /// One-kernel decode attention whose splits grow with each token's context.
+    /// Decode attention in one kernel: the direct tensor-core form (sm_80+), the form whose
+    /// splits grow with each token's context and the fixed-split form.
     DecodeAttention,
-    /// Causal flash attention for prefill on tensor cores (sm_80+).
+    /// Causal flash attention for prefill on tensor cores with mma.sync (sm_80+).
     FlashAttention,
+    /// Causal flash attention for prefill on Hopper's warpgroup tensor cores (sm_90a).
+    FlashAttentionSm90,
     /// Gated DeltaNet: causal conv1d, gates, recurrent rule.
     Gdn,
     /// Gated DeltaNet chunked prefill (WY form, 64-token chunks).
@@ -95,7 +107,7 @@ pub enum KernelFamily {
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 12] = [
+    pub const ALL: [KernelFamily; 13] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
@@ -105,6 +117,7 @@ impl KernelFamily {
         KernelFamily::Attention,
         KernelFamily::DecodeAttention,
         KernelFamily::FlashAttention,
+        KernelFamily::FlashAttentionSm90,
         KernelFamily::Gdn,
         KernelFamily::GdnChunked,
         KernelFamily::Sampling,
@@ -122,6 +135,7 @@ impl KernelFamily {
             KernelFamily::Attention => "attention.cu",
             KernelFamily::DecodeAttention => "decode_attention.cu",
             KernelFamily::FlashAttention => "flash_attention.cu",
+            KernelFamily::FlashAttentionSm90 => "flash_attention_sm90.cu",
             KernelFamily::Gdn => "gdn.cu",
             KernelFamily::GdnChunked => "gdn_chunked.cu",
             KernelFamily::Sampling => "sampling.cu",
@@ -140,6 +154,7 @@ impl KernelFamily {
             KernelFamily::Attention => include_str!("../../../../cuda/attention.cu"),
             KernelFamily::DecodeAttention => include_str!("../../../../cuda/decode_attention.cu"),
             KernelFamily::FlashAttention => include_str!("../../../../cuda/flash_attention.cu"),
+            KernelFamily::FlashAttentionSm90 => include_str!("../../../../cuda/flash_attention_sm90.cu"),
             KernelFamily::Gdn => include_str!("../../../../cuda/gdn.cu"),
             KernelFamily::GdnChunked => include_str!("../../../../cuda/gdn_chunked.cu"),
             KernelFamily::Sampling => include_str!("../../../../cuda/sampling.cu"),

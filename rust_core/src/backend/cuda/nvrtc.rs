@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use cudarc::nvrtc::sys;
 
-use super::kernels::{KernelFamily, StorageDType, COMMON_HEADER};
+use super::kernels::{KernelFamily, StorageDType, HEADERS};
 use crate::{NinferError, Result};
 
 /// True when an NVRTC library can be loaded (libnvrtc.so.13 or .so.12 on the loader path).
@@ -70,10 +70,10 @@ pub fn compile_image(family: KernelFamily, arch: &str, storage: StorageDType) ->
     }
     let src = CString::new(family.source()).expect("kernel sources contain no NUL");
     let name = CString::new(family.file_name()).expect("file names contain no NUL");
-    let header = CString::new(COMMON_HEADER).expect("header contains no NUL");
-    let header_name = CString::new("common.cuh").expect("literal");
-    let headers = [header.as_ptr()];
-    let header_names = [header_name.as_ptr()];
+    let texts: Vec<CString> = HEADERS.iter().map(|(_, text)| CString::new(*text).expect("headers contain no NUL")).collect();
+    let names: Vec<CString> = HEADERS.iter().map(|(name, _)| CString::new(*name).expect("header names contain no NUL")).collect();
+    let headers: Vec<*const c_char> = texts.iter().map(|t| t.as_ptr()).collect();
+    let header_names: Vec<*const c_char> = names.iter().map(|n| n.as_ptr()).collect();
     let opts: Vec<CString> = options(arch, storage)
         .into_iter()
         .map(|o| CString::new(o).expect("options contain no NUL"))
@@ -92,7 +92,7 @@ pub fn compile_image(family: KernelFamily, arch: &str, storage: StorageDType) ->
                 &mut prog,
                 src.as_ptr(),
                 name.as_ptr(),
-                1,
+                headers.len() as c_int,
                 headers.as_ptr(),
                 header_names.as_ptr(),
             ),
@@ -186,12 +186,10 @@ pub fn cached_image(family: KernelFamily, arch: &str, storage: StorageDType) -> 
     let (major, minor) = nvrtc_version()?;
     let version = format!("{major}.{minor}");
     let opts = options(arch, storage).join(" ");
-    let key = fnv1a(&[
-        family.source().as_bytes(),
-        COMMON_HEADER.as_bytes(),
-        opts.as_bytes(),
-        version.as_bytes(),
-    ]);
+    let mut parts: Vec<&[u8]> = vec![family.source().as_bytes()];
+    parts.extend(HEADERS.iter().map(|(_, text)| text.as_bytes()));
+    parts.extend([opts.as_bytes(), version.as_bytes()]);
+    let key = fnv1a(&parts);
     let stem = family.file_name().trim_end_matches(".cu");
     let ext = if is_ptx_arch(arch) { "ptx" } else { "cubin" };
     let path = cache_dir().join(format!("{stem}-{}-{arch}-{key:016x}.{ext}", storage.name()));

@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::decode_attention::AttnScratch;
-use super::{as_i32, cfg, check_len, strided_len, KArg};
+use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -60,13 +60,13 @@ impl PagedAttentionShape {
     }
 }
 
-/// Warp splits a decode token may take in attention.cu (DECODE_SPLITS there, whose
+/// Warp splits a decode token may take in attention_keys.cuh (DECODE_SPLITS there, whose
 /// decode_partition keeps every context within it): the grid height of the two-kernel decode
 /// path, and FIXED_BLOCK_SPLITS blocks of FIXED_WARPS warps in `decode_attention_fixed`.
 pub const DECODE_SPLITS: usize = 64;
-/// Warps per block of `decode_attention_fixed_*` (DA_WARPS in attention.cu).
+/// Warps per block of `decode_attention_fixed_*` (DA_WARPS in decode_attention.cu).
 const FIXED_WARPS: usize = 8;
-/// Block splits per (token, group) of `decode_attention_fixed_*` (DA_SPLITS in attention.cu):
+/// Block splits per (token, group) of `decode_attention_fixed_*` (DA_SPLITS in decode_attention.cu):
 /// its grid height and the stride of its partials in the scratch.
 pub const FIXED_BLOCK_SPLITS: usize = DECODE_SPLITS / FIXED_WARPS;
 
@@ -165,15 +165,15 @@ impl CudaDevice {
         let (kc, _c) = k_cache.device_ptr_mut(s);
         let (vc, _d) = v_cache.device_ptr_mut(s);
         let (sp, _e) = slot_mapping.device_ptr(s);
-        let args = [
-            KArg::Ptr(kp),
-            KArg::Ptr(vp),
-            KArg::Ptr(kc),
-            KArg::Ptr(vc),
-            KArg::Ptr(sp),
-            KArg::I32(as_i32("row_elems", row_elems)?),
-            KArg::I64(k_stride as i64),
-            KArg::I64(v_stride as i64),
+        let args = kargs![
+            kp,
+            vp,
+            kc,
+            vc,
+            sp,
+            as_i32("row_elems", row_elems)?,
+            k_stride as i64,
+            v_stride as i64,
         ];
         self.launch_pdl(&f, cfg((as_i32("tokens", t)? as u32, 1, 1), 128), "kv_cache_write", &args)
     }
@@ -274,24 +274,24 @@ impl CudaDevice {
         };
         let name = (kernel_name(d, g), combine_name(d));
         let f = self.function(KernelFamily::Attention, name.0)?;
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::Ptr(vp),
-            KArg::Ptr(bp),
-            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
-            KArg::Ptr(sp),
-            KArg::Ptr(pp),
-            KArg::I32(as_i32("tokens", t)?),
-            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
-            KArg::I64(sh.q_stride as i64),
-            KArg::I32(as_i32("block_size", sh.block_size)?),
-            KArg::F32(sh.scale),
-            KArg::I32(partition),
-            KArg::Ptr(op),
-            KArg::Ptr(pa),
-            KArg::Ptr(pm),
+        let args = kargs![
+            qp,
+            kp,
+            vp,
+            bp,
+            as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?,
+            sp,
+            pp,
+            as_i32("tokens", t)?,
+            as_i32("n_q_heads", sh.n_q_heads)?,
+            as_i32("n_kv_heads", sh.n_kv_heads)?,
+            sh.q_stride as i64,
+            as_i32("block_size", sh.block_size)?,
+            sh.scale,
+            partition,
+            op,
+            pa,
+            pm,
         ];
         let blocks = as_i32("attention blocks", warps.div_ceil(ATTN_WARPS))? as u32;
         let block = (ATTN_WARPS * 32) as u32;
@@ -299,12 +299,12 @@ impl CudaDevice {
         if n_splits > 1 {
             let blocks = as_i32("attention blocks", rows.div_ceil(ATTN_WARPS))? as u32;
             let f = self.function(KernelFamily::Attention, name.1)?;
-            let args = [
-                KArg::Ptr(pa),
-                KArg::Ptr(pm),
-                KArg::I32(as_i32("rows", rows)?),
-                KArg::I32(n_splits as i32),
-                KArg::Ptr(op),
+            let args = kargs![
+                pa,
+                pm,
+                as_i32("rows", rows)?,
+                n_splits as i32,
+                op,
             ];
             self.launch_pdl(&f, cfg((blocks, 1, 1), block), name.1, &args)?;
         }
@@ -358,7 +358,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kernel_names_follow_the_instances_of_attention_cu() {
+    fn kernel_names_follow_the_instances_of_the_attention_sources() {
         assert_eq!(kernel_name(64, 1), "paged_attention_d64_g1");
         assert_eq!(kernel_name(96, 4), "paged_attention_d96_g4");
         assert_eq!(kernel_name(128, 8), "paged_attention_d128_g8");
@@ -366,18 +366,22 @@ mod tests {
         assert_eq!(fixed_decode_kernel_name(128, 4), "decode_attention_fixed_d128_g4");
         assert_eq!(fixed_decode_kernel_name(256, 1), "decode_attention_fixed_d256_g1");
         assert_eq!(fixed_decode_kernel_name(64, 8), "decode_attention_fixed_d64_g8");
-        // Every name the launchers can ask for is an instance in the kernel source: both
-        // families come from ATTN_GROUP_INSTANCE(D, G), G = 1, 2, 4, 8, for each ATTN_INSTANCE(D).
+        // Every name the launchers can ask for is an instance in the kernel source:
+        // ATTN_GROUP_INSTANCE(D, G) in attention.cu, DA_FIXED_INSTANCE(D, G) in
+        // decode_attention.cu, G = 1, 2, 4, 8, for each head size.
         let src = include_str!("../../../../../cuda/attention.cu");
+        let decode = include_str!("../../../../../cuda/decode_attention.cu");
         for d in [64, 96, 128, 256] {
             assert!(src.contains(&format!("\nATTN_INSTANCE({d})")), "ATTN_INSTANCE({d})");
+            assert!(decode.contains(&format!("\nDA_FIXED_HEAD_INSTANCES({d})")), "DA_FIXED_HEAD_INSTANCES({d})");
             for g in [1, 2, 4, 8] {
                 assert!(src.contains(&format!("ATTN_GROUP_INSTANCE(D, {g})")), "G = {g}");
+                assert!(decode.contains(&format!("DA_FIXED_INSTANCE(D, {g})")), "G = {g}");
                 for (prefix, name) in [("paged_attention", kernel_name(d, g)), ("decode_attention_fixed", fixed_decode_kernel_name(d, g))] {
                     assert_eq!(name, format!("{prefix}_d{d}_g{g}"));
                 }
             }
         }
-        assert!(src.contains("paged_attention_d##D##_g##G(") && src.contains("decode_attention_fixed_d##D##_g##G("));
+        assert!(src.contains("paged_attention_d##D##_g##G(") && decode.contains("decode_attention_fixed_d##D##_g##G("));
     }
 }

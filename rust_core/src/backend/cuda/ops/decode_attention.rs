@@ -7,12 +7,12 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
-use super::{as_i32, cfg, check_len, KArg};
+use super::{as_i32, cfg, check_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
 
-/// Warps per block of both one-kernel forms (DA_WARPS in decode_attention.cu and attention.cu).
+/// Warps per block of both one-kernel forms (DA_WARPS in decode_attention.cu).
 const DECODE_WARPS: usize = 8;
 /// Most block splits a token takes in `decode_attention_*` (DA_MAX_SPLITS in
 /// decode_attention.cu): the stride of the partials in the scratch.
@@ -132,9 +132,9 @@ pub enum DecodeAttentionForm {
     TensorCoreDirect,
 }
 
-/// Keys a tensor-core tile row takes (FD_BN in flash_attention.cu).
+/// Keys a tensor-core tile row takes (FD_BN in decode_attention.cu).
 const TC_TILE_KEYS: usize = 16;
-/// Warps a block of `flash_decode_direct_d{d}` (FDD_WARPS in flash_attention.cu).
+/// Warps a block of `flash_decode_direct_d{d}` (FDD_WARPS in decode_attention.cu).
 pub const TC_DIRECT_WARPS: usize = 4;
 
 /// Blocks an SM the direct tensor-core form's launch aims at (its kernels take at most 255
@@ -151,7 +151,7 @@ pub const TC_DIRECT_BLOCKS_PER_SM: usize = 2;
 /// 4k), 32 1 (2 took 1.23x at 1k); 9 splits at batch 4 (288 blocks) took 1.12x of 5 at 16k keys.
 /// The token count is taken at its decode-graph bucket (`decode_bucket`): a graph launches its
 /// bucket's rows and an eager step its batch's, and both must give the same bits
-/// (NINFER_CUDA_GRAPHS=0 changes no value).
+/// (turning CUDA graphs off changes no value).
 pub fn tc_direct_splits(tokens: usize, n_kv_heads: usize, sms: usize) -> usize {
     let rows = crate::model::cuda_graphs::decode_bucket(tokens.max(1));
     ((TC_DIRECT_BLOCKS_PER_SM * sms) / (rows * n_kv_heads.max(1))).clamp(1, DECODE_MAX_SPLITS)
@@ -276,7 +276,7 @@ pub fn decode_attention_launch(cc: (u32, u32), form: DecodeAttentionForm, layout
         }
         DecodeAttentionForm::Fixed => {
             let (g, _) = group_and_warps(shape, 0);
-            (KernelFamily::Attention, fixed_decode_kernel_name(shape.head_dim, g), g, FIXED_BLOCK_SPLITS, DECODE_WARPS, 0, false)
+            (KernelFamily::DecodeAttention, fixed_decode_kernel_name(shape.head_dim, g), g, FIXED_BLOCK_SPLITS, DECODE_WARPS, 0, false)
         }
         DecodeAttentionForm::TensorCoreDirect => {
             if !tc_direct_fits(shape) || cc.0 < 8 {
@@ -293,7 +293,7 @@ pub fn decode_attention_launch(cc: (u32, u32), form: DecodeAttentionForm, layout
             }
             let splits = tc_direct_grid_splits(max_context, layout_arg);
             let d = shape.head_dim;
-            (KernelFamily::FlashAttention, tc_direct_kernel_name(d), shape.n_q_heads / shape.n_kv_heads, splits, TC_DIRECT_WARPS, tc_direct_smem_bytes(d), true)
+            (KernelFamily::DecodeAttention, tc_direct_kernel_name(d), shape.n_q_heads / shape.n_kv_heads, splits, TC_DIRECT_WARPS, tc_direct_smem_bytes(d), true)
         }
     };
     Ok(DecodeAttentionLaunch {
@@ -338,7 +338,7 @@ impl CudaDevice {
     /// context, and their width is fixed per decode graph, so a graph captured once replays any
     /// later step of its bucket.
     ///
-    /// `Fixed` (`decode_attention_fixed_*`, attention.cu): FIXED_BLOCK_SPLITS blocks per (token,
+    /// `Fixed` (`decode_attention_fixed_*`, decode_attention.cu): FIXED_BLOCK_SPLITS blocks per (token,
     /// group) whatever the context.
     ///
     /// `TensorCoreDirect` (`flash_decode_direct_*`; `tc_direct_fits` shapes on sm_80+): a block
@@ -410,24 +410,24 @@ impl CudaDevice {
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
         let f = self.function_with_smem(l.family, l.name, l.smem)?;
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::Ptr(vp),
-            KArg::Ptr(bp),
-            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
-            KArg::Ptr(sp),
-            KArg::Ptr(pp),
-            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
-            KArg::I64(sh.q_stride as i64),
-            KArg::I32(as_i32("block_size", sh.block_size)?),
-            KArg::F32(sh.scale),
-            KArg::Ptr(op),
-            KArg::Ptr(pa),
-            KArg::Ptr(pm),
-            KArg::Ptr(ar),
-            KArg::I32(l.layout_arg.unwrap_or(0) as i32),
+        let args = kargs![
+            qp,
+            kp,
+            vp,
+            bp,
+            as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?,
+            sp,
+            pp,
+            as_i32("n_q_heads", sh.n_q_heads)?,
+            as_i32("n_kv_heads", sh.n_kv_heads)?,
+            sh.q_stride as i64,
+            as_i32("block_size", sh.block_size)?,
+            sh.scale,
+            op,
+            pa,
+            pm,
+            ar,
+            l.layout_arg.unwrap_or(0) as i32,
         ];
         let n_args = if l.layout_arg.is_some() { args.len() } else { args.len() - 1 };
         let grid = (as_i32("decode attention blocks", l.grid.0)? as u32, l.grid.1 as u32, 1);
@@ -543,8 +543,8 @@ mod tests {
         ] {
             assert!(src.contains(&format!("#define {name} {value}\n")), "{name} {value}");
         }
-        // The direct tensor-core form's instances and block size (flash_attention.cu).
-        let fa = include_str!("../../../../../cuda/flash_attention.cu");
+        // The direct tensor-core form's instances and block size.
+        let fa = src;
         assert!(fa.contains(&format!("#define FDD_WARPS {TC_DIRECT_WARPS}\n")));
         assert!(fa.contains(&format!("#define FD_BN {TC_TILE_KEYS}\n")));
         for d in [64, 128, 256] {

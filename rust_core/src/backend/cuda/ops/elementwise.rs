@@ -3,7 +3,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len, strided_len, KArg};
+use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -44,12 +44,12 @@ impl CudaDevice {
         let (tp, _a) = table.device_ptr(s);
         let (ip, _b) = ids.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(tp),
-            KArg::Ptr(ip),
-            KArg::Ptr(op),
-            KArg::I32(as_i32("hidden", hidden)?),
-            KArg::I32(as_i32("vocab", vocab)?),
+        let args = kargs![
+            tp,
+            ip,
+            op,
+            as_i32("hidden", hidden)?,
+            as_i32("vocab", vocab)?,
         ];
         self.launch(&f, cfg((as_i32("tokens", n)? as u32, 1, 1), 128), "embedding_gather", &args)
     }
@@ -99,20 +99,20 @@ impl CudaDevice {
         let threads = pairs.next_multiple_of(32).min(256);
         let blocks = pairs.div_ceil(threads);
         let grid = (as_i32("rope blocks", blocks)? as u32, heads.div_ceil(heads_per_group) as u32, 1);
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::Ptr(pp),
-            KArg::Ptr(fp),
-            KArg::I32(as_i32("tokens", t)?),
-            KArg::I32(as_i32("n_q_heads", n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", n_kv_heads)?),
-            KArg::I32(as_i32("head_dim", head_dim)?),
-            KArg::I32(as_i32("rotary_dim", rotary_dim)?),
-            KArg::I64(q_stride as i64),
-            KArg::I64(k_stride as i64),
-            KArg::F32(attn_scale),
-            KArg::I32(heads_per_group as i32),
+        let args = kargs![
+            qp,
+            kp,
+            pp,
+            fp,
+            as_i32("tokens", t)?,
+            as_i32("n_q_heads", n_q_heads)?,
+            as_i32("n_kv_heads", n_kv_heads)?,
+            as_i32("head_dim", head_dim)?,
+            as_i32("rotary_dim", rotary_dim)?,
+            q_stride as i64,
+            k_stride as i64,
+            attn_scale,
+            heads_per_group as i32,
         ];
         self.launch_pdl(&f, cfg(grid, threads as u32), "rope_neox", &args)
     }
@@ -137,14 +137,14 @@ impl CudaDevice {
         let (gp, _a) = gate.device_ptr(s);
         let (upp, _b) = up.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(gp),
-            KArg::Ptr(upp),
-            KArg::Ptr(op),
-            KArg::I32(as_i32("rows", rows)?),
-            KArg::I32(as_i32("n", n)?),
-            KArg::I64(gate_stride as i64),
-            KArg::I64(up_stride as i64),
+        let args = kargs![
+            gp,
+            upp,
+            op,
+            as_i32("rows", rows)?,
+            as_i32("n", n)?,
+            gate_stride as i64,
+            up_stride as i64,
         ];
         if rows_in_chunks(n, &[gate_stride, up_stride], &[gp, upp, op]) {
             let f = self.function(KernelFamily::Activation, "swiglu_v8")?;
@@ -169,13 +169,13 @@ impl CudaDevice {
         let s = self.stream();
         let (xp, _a) = x.device_ptr_mut(s);
         let (gp, _b) = gate.device_ptr(s);
-        let args = [
-            KArg::Ptr(xp),
-            KArg::Ptr(gp),
-            KArg::Ptr(xp),
-            KArg::I32(as_i32("rows", rows)?),
-            KArg::I32(as_i32("n", n)?),
-            KArg::I64(gate_stride as i64),
+        let args = kargs![
+            xp,
+            gp,
+            xp,
+            as_i32("rows", rows)?,
+            as_i32("n", n)?,
+            gate_stride as i64,
         ];
         if rows_in_chunks(n, &[gate_stride], &[xp, gp]) {
             let f = self.function(KernelFamily::Activation, "sigmoid_gate_mul_v8")?;

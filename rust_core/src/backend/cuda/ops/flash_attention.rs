@@ -4,7 +4,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::attention::PagedAttentionShape;
-use super::{as_i32, check_len, KArg};
+use super::{as_i32, check_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::backend::cuda::plan::{DeviceFacts, Plan};
@@ -74,7 +74,8 @@ const ROUTE_ORDER: [FlashTile; 5] = [
     FlashTile::Rows64,
 ];
 
-/// One kernel instance (FA_INSTANCE in flash_attention.cu, whose list this repeats).
+/// One kernel instance (FA_INSTANCE in flash_attention.cu, FA_WGMMA_INSTANCE and
+/// FA_WGMMA_WS_INSTANCE in flash_attention_sm90.cu, whose lists this repeats).
 struct Instance {
     name: &'static str,
     /// Keys per K/V tile.
@@ -242,7 +243,9 @@ impl CudaDevice {
         }
         check_len("flash attention block_tables", block_tables.len(), n_seqs * sh.max_blocks_per_seq)?;
         let smem = inst.smem_bytes(d);
-        let f = self.function_with_smem(KernelFamily::FlashAttention, name, smem)?;
+        // The wgmma tilings are flash_attention_sm90.cu's, the mma.sync ones flash_attention.cu's.
+        let family = if inst.wgmma { KernelFamily::FlashAttentionSm90 } else { KernelFamily::FlashAttention };
+        let f = self.function_with_smem(family, name, smem)?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k_cache.device_ptr(s);
@@ -251,21 +254,21 @@ impl CudaDevice {
         let (cp, _e) = cu_seqlens.device_ptr(s);
         let (pp, _f) = token_pos.device_ptr(s);
         let (op, _g) = out.device_ptr_mut(s);
-        let mut args = vec![
-            KArg::Ptr(qp),
-            KArg::I64(sh.q_stride as i64),
-            KArg::Ptr(kp),
-            KArg::Ptr(vp),
-            KArg::Ptr(bp),
-            KArg::I32(as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?),
-            KArg::Ptr(cp),
-            KArg::Ptr(pp),
-            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
-            KArg::I32(as_i32("block_size", sh.block_size)?),
-            KArg::F32(sh.scale * std::f32::consts::LOG2_E),
-            KArg::Ptr(op),
-        ];
+        let mut args = Vec::from(kargs![
+            qp,
+            sh.q_stride as i64,
+            kp,
+            vp,
+            bp,
+            as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?,
+            cp,
+            pp,
+            as_i32("n_q_heads", sh.n_q_heads)?,
+            as_i32("n_kv_heads", sh.n_kv_heads)?,
+            as_i32("block_size", sh.block_size)?,
+            sh.scale * std::f32::consts::LOG2_E,
+            op,
+        ]);
         let row_tiles = as_i32("flash attention row tiles", max_rows.div_ceil(inst.rows()))? as u32;
         let heads = as_i32("n_q_heads", sh.n_q_heads)? as u32;
         let seqs = as_i32("n_seqs", n_seqs)? as u32;
@@ -273,7 +276,7 @@ impl CudaDevice {
             // Persistent: a block an SM (its shared memory allows no second) taking the
             // (row tile, head, sequence) work items from the device's counters.
             let (wp, w) = self.fa_work().device_ptr(s);
-            args.extend([KArg::Ptr(wp), KArg::I32(row_tiles as i32), KArg::I32(seqs as i32)]);
+            args.extend(kargs![wp, row_tiles as i32, seqs as i32]);
             let items = row_tiles as u64 * heads as u64 * seqs as u64;
             if items > u32::MAX as u64 {
                 return Err(NinferError::Device(format!("flash attention: {items} work items exceed the 32-bit counter")));

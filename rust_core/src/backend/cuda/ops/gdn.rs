@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig};
 
-use super::{as_i32, cfg, check_len, strided_len, KArg};
+use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -179,16 +179,16 @@ impl CudaDevice {
         match path {
             ConvPath::PerSequence => {
                 let f = self.function(KernelFamily::Gdn, per_seq)?;
-                let args = [
-                    KArg::Ptr(xp),
-                    KArg::I64(sh.x_stride as i64),
-                    KArg::Ptr(cp),
-                    KArg::Ptr(wp),
-                    KArg::Ptr(bp),
-                    KArg::Ptr(qp),
-                    KArg::Ptr(sp),
-                    KArg::I32(channels),
-                    KArg::Ptr(op),
+                let args = kargs![
+                    xp,
+                    sh.x_stride as i64,
+                    cp,
+                    wp,
+                    bp,
+                    qp,
+                    sp,
+                    channels,
+                    op,
                 ];
                 self.launch_pdl(&f, cfg(seq_grid, 128), per_seq, &args)
             }
@@ -201,30 +201,30 @@ impl CudaDevice {
                     )));
                 }
                 let f = self.function(KernelFamily::Gdn, tiled)?;
-                let args = [
-                    KArg::Ptr(xp),
-                    KArg::I64(sh.x_stride as i64),
-                    KArg::Ptr(cp),
-                    KArg::Ptr(wp),
-                    KArg::Ptr(bp),
-                    KArg::Ptr(qp),
-                    KArg::Ptr(sp),
-                    KArg::I32(n_seqs as i32),
-                    KArg::I32(channels),
-                    KArg::Ptr(op),
+                let args = kargs![
+                    xp,
+                    sh.x_stride as i64,
+                    cp,
+                    wp,
+                    bp,
+                    qp,
+                    sp,
+                    n_seqs as i32,
+                    channels,
+                    op,
                 ];
                 let grid = (sh.channels.div_ceil(128) as u32, tiles as u32, 1);
                 self.launch_pdl(&f, cfg(grid, 128), tiled, &args)?;
                 // Stream order (or the PDL wait, which returns once the conv grid has
                 // completed) puts every read of the old state before these writes.
                 let f = self.function(KernelFamily::Gdn, update)?;
-                let args = [
-                    KArg::Ptr(xp),
-                    KArg::I64(sh.x_stride as i64),
-                    KArg::Ptr(cp),
-                    KArg::Ptr(qp),
-                    KArg::Ptr(sp),
-                    KArg::I32(channels),
+                let args = kargs![
+                    xp,
+                    sh.x_stride as i64,
+                    cp,
+                    qp,
+                    sp,
+                    channels,
                 ];
                 self.launch_pdl(&f, cfg(seq_grid, 128), update, &args)
             }
@@ -266,16 +266,16 @@ impl CudaDevice {
         let (dp, _d) = dt_bias.device_ptr(s);
         let (gp, _e) = g.device_ptr_mut(s);
         let (ep, _f) = beta.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(ap),
-            KArg::Ptr(bp),
-            KArg::I64(ab_stride as i64),
-            KArg::Ptr(lp),
-            KArg::Ptr(dp),
-            KArg::I32(as_i32("tokens", n_tokens)?),
-            KArg::I32(as_i32("heads", n_heads)?),
-            KArg::Ptr(gp),
-            KArg::Ptr(ep),
+        let args = kargs![
+            ap,
+            bp,
+            ab_stride as i64,
+            lp,
+            dp,
+            as_i32("tokens", n_tokens)?,
+            as_i32("heads", n_heads)?,
+            gp,
+            ep,
         ];
         let grid = (as_i32("gates", n.div_ceil(256))? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, 256), "gdn_gates", &args)
@@ -381,28 +381,28 @@ impl CudaDevice {
         let (zp, _k) = z.device_ptr(s);
         let (wp, _l) = norm_w.device_ptr(s);
         let (op, _m) = out.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::I64(sh.qk_stride as i64),
-            KArg::Ptr(vp),
-            KArg::I64(sh.v_stride as i64),
-            KArg::Ptr(ap),
-            KArg::Ptr(bp),
-            KArg::I64(ab_stride as i64),
-            KArg::Ptr(alp),
-            KArg::Ptr(dtp),
-            KArg::Ptr(sp),
-            KArg::Ptr(cp),
-            KArg::Ptr(lp),
-            KArg::Ptr(zp),
-            KArg::I64(z_stride as i64),
-            KArg::Ptr(wp),
-            KArg::F32(eps),
-            KArg::I32(as_i32("n_k_heads", sh.n_k_heads)?),
-            KArg::I32(as_i32("n_v_heads", nv)?),
-            KArg::I32(as_i32("dv", sh.dv)?),
-            KArg::Ptr(op),
+        let args = kargs![
+            qp,
+            kp,
+            sh.qk_stride as i64,
+            vp,
+            sh.v_stride as i64,
+            ap,
+            bp,
+            ab_stride as i64,
+            alp,
+            dtp,
+            sp,
+            cp,
+            lp,
+            zp,
+            z_stride as i64,
+            wp,
+            eps,
+            as_i32("n_k_heads", sh.n_k_heads)?,
+            as_i32("n_v_heads", nv)?,
+            as_i32("dv", sh.dv)?,
+            op,
         ];
         let grid = (nv as u32, as_i32("n_seqs", n_seqs)? as u32, 1);
         let config = LaunchConfig { grid_dim: grid, block_dim: (sh.dv as u32, 1, 1), shared_mem_bytes: 0 };
@@ -440,21 +440,21 @@ impl CudaDevice {
         let (cp, _g) = cu_seqlens.device_ptr(s);
         let (lp, _h) = slots.device_ptr(s);
         let (op, _i) = out.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::I64(sh.qk_stride as i64),
-            KArg::Ptr(vp),
-            KArg::I64(sh.v_stride as i64),
-            KArg::Ptr(gp),
-            KArg::Ptr(bp),
-            KArg::Ptr(sp),
-            KArg::Ptr(cp),
-            KArg::Ptr(lp),
-            KArg::I32(as_i32("n_k_heads", sh.n_k_heads)?),
-            KArg::I32(as_i32("n_v_heads", sh.n_v_heads)?),
-            KArg::I32(as_i32("dv", sh.dv)?),
-            KArg::Ptr(op),
+        let args = kargs![
+            qp,
+            kp,
+            sh.qk_stride as i64,
+            vp,
+            sh.v_stride as i64,
+            gp,
+            bp,
+            sp,
+            cp,
+            lp,
+            as_i32("n_k_heads", sh.n_k_heads)?,
+            as_i32("n_v_heads", sh.n_v_heads)?,
+            as_i32("dv", sh.dv)?,
+            op,
         ];
         let grid = ((sh.dv / 32) as u32, sh.n_v_heads as u32, as_i32("n_seqs", n_seqs)? as u32);
         let config = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };

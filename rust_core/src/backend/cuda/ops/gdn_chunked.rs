@@ -7,7 +7,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::gdn::{check_delta_rule, RecurrentShape};
-use super::{as_i32, check_len, KArg};
+use super::{as_i32, check_len};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -321,21 +321,21 @@ impl CudaDevice {
             .map_err(driver_err("raising the GDN chunk-scan shared-memory limit"))?;
         let (n_seqs_i, n_tokens) = (as_i32("n_seqs", n_seqs)?, as_i32("n_tokens", sh.n_tokens)?);
         let (nk, nv, dv) = (as_i32("n_k_heads", sh.n_k_heads)?, as_i32("n_v_heads", sh.n_v_heads)?, as_i32("dv", sh.dv)?);
-        let prep_args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::I64(sh.qk_stride as i64),
-            KArg::Ptr(vp),
-            KArg::I64(sh.v_stride as i64),
-            KArg::Ptr(gp),
-            KArg::Ptr(bp),
-            KArg::Ptr(cp),
-            KArg::I32(n_seqs_i),
-            KArg::I32(nk),
-            KArg::I32(nv),
-            KArg::I32(dv),
-            KArg::I32(n_tokens),
-            KArg::Ptr(wp),
+        let prep_args = kargs![
+            qp,
+            kp,
+            sh.qk_stride as i64,
+            vp,
+            sh.v_stride as i64,
+            gp,
+            bp,
+            cp,
+            n_seqs_i,
+            nk,
+            nv,
+            dv,
+            n_tokens,
+            wp,
         ];
         // Every sequence has at most ceil(len / 64) chunks, so this bounds the chunk count;
         // blocks past the last chunk return at once.
@@ -347,19 +347,19 @@ impl CudaDevice {
         if !with_scan {
             return Ok(());
         }
-        let scan_args = [
-            KArg::Ptr(qp),
-            KArg::Ptr(kp),
-            KArg::I64(sh.qk_stride as i64),
-            KArg::Ptr(wp),
-            KArg::Ptr(sp),
-            KArg::Ptr(cp),
-            KArg::Ptr(lp),
-            KArg::I32(nk),
-            KArg::I32(nv),
-            KArg::I32(dv),
-            KArg::I32(n_tokens),
-            KArg::Ptr(op),
+        let scan_args = kargs![
+            qp,
+            kp,
+            sh.qk_stride as i64,
+            wp,
+            sp,
+            cp,
+            lp,
+            nk,
+            nv,
+            dv,
+            n_tokens,
+            op,
         ];
         let grid = ((sh.dv / CH_COLS) as u32, sh.n_v_heads as u32, n_seqs_i as u32);
         let config = LaunchConfig { grid_dim: grid, block_dim: (scan_threads, 1, 1), shared_mem_bytes: scan_smem as u32 };

@@ -5,7 +5,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::gemv_route::{gemv_launch_spec, GemvForm, GemvOut, GEMV_MAX_M, GEMV_ROUTE_MAX_M};
-use super::{cfg, check_len, KArg};
+use super::{cfg, check_len, KernelArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -33,9 +33,9 @@ impl CudaDevice {
             let yr = y + (row * n) as u64 * out.elem_bytes();
             let l = gemv_launch_spec(self.plan(), form, out, mm, n, k)?;
             let f = self.function(l.family, l.name)?;
-            let mut args = [KArg::Ptr(xr), KArg::Ptr(w), KArg::Ptr(yr), KArg::I32(0), KArg::I32(0), KArg::I32(0), KArg::I32(0), KArg::I32(0)];
+            let mut args = kargs![xr, w, yr, 0i32, 0i32, 0i32, 0i32, 0i32];
             for (slot, &v) in args[3..].iter_mut().zip(l.ints()) {
-                *slot = KArg::I32(v);
+                *slot = v.karg();
             }
             self.launch_pdl(&f, cfg((l.grid, 1, 1), l.block), l.name, &args[..3 + l.ints().len()])?;
             row += mm;
@@ -156,7 +156,7 @@ impl CudaDevice {
         let (bp, _b) = bias.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
         let f = self.function(KernelFamily::Gemv, "add_bias_to_storage")?;
-        let args = [KArg::Ptr(sp), KArg::Ptr(bp), KArg::Ptr(yp), KArg::I64(m as i64), KArg::I64(n as i64)];
+        let args = kargs![sp, bp, yp, m as i64, n as i64];
         self.launch(&f, cfg(super::elementwise::elementwise_grid(m * n), 256), "add_bias_to_storage", &args)
     }
 
@@ -177,7 +177,7 @@ impl CudaDevice {
         let (name, per_thread) = if yp.is_multiple_of(16) { ("round_f32_to_storage_v4", 4) } else { ("round_f32_to_storage", 1) };
         let grid = (len.div_ceil(per_thread * THREADS).min(MAX_BLOCKS) as u32, 1, 1);
         let f = self.function(KernelFamily::Gemv, name)?;
-        let args = [KArg::Ptr(yp), KArg::I64(len as i64)];
+        let args = kargs![yp, len as i64];
         self.launch(&f, cfg(grid, THREADS as u32), name, &args)
     }
 

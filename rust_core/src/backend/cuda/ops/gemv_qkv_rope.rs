@@ -12,7 +12,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::gemv_route::GemvKernel;
 use super::rope_kv::{check_kv_caches, RopeKvShape};
-use super::{as_i32, cfg, check_len, KArg};
+use super::{as_i32, cfg, check_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::backend::cuda::plan::Plan;
@@ -124,23 +124,23 @@ impl CudaDevice {
         let name = "gemv_qkv_rope_m1";
         let f = self.function(KernelFamily::Gemv, name)?;
         let (grid, block, [pairs, kk, prefetch, ksplit]) = qkv_rope_launch(self.plan(), l.rows(), k)?;
-        let args = [
-            KArg::Ptr(xp),
-            KArg::Ptr(wp),
-            KArg::Ptr(yp),
-            KArg::I32(pairs),
-            KArg::I32(kk),
-            KArg::I32(prefetch),
-            KArg::I32(ksplit),
-            KArg::Ptr(kc),
-            KArg::Ptr(vc),
-            KArg::Ptr(pp),
-            KArg::Ptr(sp),
-            KArg::Ptr(fp),
-            KArg::I32(as_i32("n_q_heads", l.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", l.n_kv_heads)?),
-            KArg::I32(as_i32("head_dim", l.head_dim)? / 2),
-            KArg::F32(shape.attn_scale),
+        let args = kargs![
+            xp,
+            wp,
+            yp,
+            pairs,
+            kk,
+            prefetch,
+            ksplit,
+            kc,
+            vc,
+            pp,
+            sp,
+            fp,
+            as_i32("n_q_heads", l.n_q_heads)?,
+            as_i32("n_kv_heads", l.n_kv_heads)?,
+            as_i32("head_dim", l.head_dim)? / 2,
+            shape.attn_scale,
         ];
         self.launch_pdl(&f, cfg((grid, 1, 1), block), name, &args)
     }

@@ -4,6 +4,15 @@
 //! numbers, never an out-of-bounds kernel) and queues the kernel on the device's stream; none
 //! synchronizes. Storage buffers are `u16` bit patterns of the device's `StorageDType`.
 
+/// The argument list of a kernel launch, `kargs![x, w, y, n, eps]`: each value passed as its
+/// Rust type says (`u64` a device pointer, `i32` an `int`, `i64` a `long long`, `f32` a
+/// `float`; `KernelArg`), in the kernel's parameter order.
+macro_rules! kargs {
+    ($($a:expr),* $(,)?) => {
+        [$($crate::backend::cuda::ops::KernelArg::karg($a)),*]
+    };
+}
+
 mod attention;
 mod decode_attention;
 mod elementwise;
@@ -83,6 +92,36 @@ pub(crate) enum KArg {
     I64(i64),
     /// A `float` parameter.
     F32(f32),
+}
+
+/// A value a kernel parameter takes by value (`kargs!`).
+pub(crate) trait KernelArg: Copy {
+    /// The value as a launch argument.
+    fn karg(self) -> KArg;
+}
+
+impl KernelArg for u64 {
+    fn karg(self) -> KArg {
+        KArg::Ptr(self)
+    }
+}
+
+impl KernelArg for i32 {
+    fn karg(self) -> KArg {
+        KArg::I32(self)
+    }
+}
+
+impl KernelArg for i64 {
+    fn karg(self) -> KArg {
+        KArg::I64(self)
+    }
+}
+
+impl KernelArg for f32 {
+    fn karg(self) -> KArg {
+        KArg::F32(self)
+    }
 }
 
 impl CudaDevice {

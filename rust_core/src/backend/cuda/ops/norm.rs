@@ -2,7 +2,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len, strided_len, KArg};
+use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -113,15 +113,15 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (op, _c) = out.device_ptr_mut(s);
-        let args = [
-            KArg::Ptr(xp),
-            KArg::Ptr(wp),
-            KArg::Ptr(op),
-            KArg::I32(as_i32("dim", dim)?),
-            KArg::I64(x_stride as i64),
-            KArg::I64(out_stride as i64),
-            KArg::F32(eps),
-            KArg::I32(plus_one as i32),
+        let args = kargs![
+            xp,
+            wp,
+            op,
+            as_i32("dim", dim)?,
+            x_stride as i64,
+            out_stride as i64,
+            eps,
+            plus_one as i32,
         ];
         let grid = (as_i32("rows", rows)? as u32, as_i32("heads", heads)? as u32, 1);
         self.launch_pdl(&f, cfg(grid, chunked_norm_threads(dim)), "rmsnorm", &args)
@@ -176,7 +176,7 @@ impl CudaDevice {
             None => ("add_rmsnorm", as_i32("dim", dim)?, as_i32("rows", rows)? as u32, chunked_norm_threads(dim)),
         };
         let f = self.function(KernelFamily::Norm, name)?;
-        let args = [KArg::Ptr(rp), KArg::Ptr(xp), KArg::Ptr(wp), KArg::Ptr(op), KArg::I32(count), KArg::F32(eps), KArg::I32(plus_one as i32)];
+        let args = kargs![rp, xp, wp, op, count, eps, plus_one as i32];
         self.launch_pdl(&f, cfg((blocks, 1, 1), threads), name, &args)
     }
 
@@ -219,23 +219,23 @@ impl CudaDevice {
         if rows == 0 {
             return Ok(());
         }
-        let mut args = vec![
-            KArg::Ptr(xp),
-            KArg::Ptr(zp),
-            KArg::I32(as_i32("heads", heads.max(1))?),
-            KArg::I64(z_stride as i64),
-            KArg::Ptr(wp),
-            KArg::Ptr(op),
-        ];
+        let mut args = Vec::from(kargs![
+            xp,
+            zp,
+            as_i32("heads", heads.max(1))?,
+            z_stride as i64,
+            wp,
+            op,
+        ]);
         if let GatedNormRoute::Warps { rows_per_warp, .. } = route {
             // The part count is in the kernel's name; rows are counted in 64 bits.
-            args.extend([KArg::F32(eps), KArg::I64(rows as i64)]);
+            args.extend(kargs![eps, rows as i64]);
             // 8 warps a block, grid-stride over one full wave.
             let per_sm = self.resident_blocks(&f, name, 256)?;
             let blocks = rows.div_ceil(8 * rows_per_warp).min(self.sm_count() * per_sm);
             return self.launch_pdl(&f, cfg((blocks as u32, 1, 1), 256), name, &args);
         }
-        args.extend([KArg::I32(as_i32("dim", dim)?), KArg::F32(eps)]);
+        args.extend(kargs![as_i32("dim", dim)?, eps]);
         let grid = (as_i32("rows", rows)? as u32, 1, 1);
         self.launch_pdl(&f, cfg(grid, NORM_THREADS), name, &args)
     }

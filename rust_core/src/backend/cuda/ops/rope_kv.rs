@@ -4,7 +4,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len, strided_len, KArg};
+use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::{NinferError, Result};
@@ -141,23 +141,23 @@ impl CudaDevice {
             return Err(NinferError::Device(format!("rope_kv_write: {heads} heads exceed the grid height 65535")));
         }
         let f = self.function(KernelFamily::Rope, "rope_kv_write")?;
-        let args = [
-            KArg::Ptr(p.q),
-            KArg::Ptr(p.k),
-            KArg::Ptr(p.v),
-            KArg::Ptr(p.k_cache),
-            KArg::Ptr(p.v_cache),
-            KArg::Ptr(p.positions),
-            KArg::Ptr(p.slots),
-            KArg::Ptr(p.inv_freq),
-            KArg::I32(as_i32("n_q_heads", sh.n_q_heads)?),
-            KArg::I32(as_i32("n_kv_heads", sh.n_kv_heads)?),
-            KArg::I32(as_i32("head_dim", sh.head_dim)?),
-            KArg::I32(as_i32("rotary_dim", rotary_dim)?),
-            KArg::I64(sh.q_stride as i64),
-            KArg::I64(sh.k_stride as i64),
-            KArg::I64(sh.v_stride as i64),
-            KArg::F32(sh.attn_scale),
+        let args = kargs![
+            p.q,
+            p.k,
+            p.v,
+            p.k_cache,
+            p.v_cache,
+            p.positions,
+            p.slots,
+            p.inv_freq,
+            as_i32("n_q_heads", sh.n_q_heads)?,
+            as_i32("n_kv_heads", sh.n_kv_heads)?,
+            as_i32("head_dim", sh.head_dim)?,
+            as_i32("rotary_dim", rotary_dim)?,
+            sh.q_stride as i64,
+            sh.k_stride as i64,
+            sh.v_stride as i64,
+            sh.attn_scale,
         ];
         // A block per (token, head), q heads then k heads (grid y); a thread per rotated pair,
         // as rope_neox, and the k blocks' cache copies loop over the head with the same threads.

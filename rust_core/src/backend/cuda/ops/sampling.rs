@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len, KArg, PackedSampling, SAMPLE_OUT, SAMPLE_SCAN_REC};
+use super::{as_i32, cfg, check_len, PackedSampling, SAMPLE_OUT, SAMPLE_SCAN_REC};
 use crate::backend::cuda::device::{driver_err, CudaDevice};
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -72,7 +72,7 @@ impl CudaDevice {
         let (ip, _b) = ids.device_ptr_mut(s);
         let (sp, _c) = lse.device_ptr_mut(s);
         let args =
-            [KArg::Ptr(lp), KArg::I32(as_i32("vocab", vocab)?), KArg::Ptr(ip), KArg::Ptr(sp)];
+            kargs![lp, as_i32("vocab", vocab)?, ip, sp];
         self.launch(&f, cfg((as_i32("rows", rows)? as u32, 1, 1), 1024), "argmax_logsumexp", &args)
     }
 
@@ -89,7 +89,7 @@ impl CudaDevice {
         let s = self.stream();
         let (sp, _a) = sampled.device_ptr(s);
         let (ip, _b) = ids.device_ptr_mut(s);
-        let args = [KArg::Ptr(sp), KArg::I32(as_i32("sampler output words", SAMPLE_OUT)?), KArg::Ptr(ip), KArg::I32(as_i32("rows", n)?)];
+        let args = kargs![sp, as_i32("sampler output words", SAMPLE_OUT)?, ip, as_i32("rows", n)?];
         self.launch(&f, cfg((n.div_ceil(128) as u32, 1, 1), 128), "feed_sampled_tokens", &args)
     }
 
@@ -137,13 +137,13 @@ impl CudaDevice {
         let v = as_i32("vocab", vocab)?;
         let grid = (as_i32("sampler blocks", blocks)? as u32, as_i32("rows", rows)? as u32, 1);
         let scan = self.function(KernelFamily::Sampling, "sample_scan")?;
-        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(fp.unwrap_or(0)), KArg::Ptr(xp), KArg::Ptr(cp), KArg::Ptr(op)];
+        let args = kargs![lp, wp, v, pp, fp.unwrap_or(0), xp, cp, op];
         self.launch(&scan, cfg(grid, SCAN_THREADS), "sample_scan", &args)?;
         if packed.all_greedy() {
             return Ok(());
         }
         let pick = self.function(KernelFamily::Sampling, "sample_pick")?;
-        let args = [KArg::Ptr(lp), KArg::Ptr(wp), KArg::I32(v), KArg::Ptr(pp), KArg::Ptr(op)];
+        let args = kargs![lp, wp, v, pp, op];
         self.launch(&pick, cfg((grid.1, 1, 1), SAMPLE_THREADS), "sample_pick", &args)
     }
 }
