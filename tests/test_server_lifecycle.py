@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from ninfer.server.metrics import parse_metrics
-from server_process import ROOT, ServerProcess
+from server_process import NINFER, ROOT, ServerProcess, free_port, tests_on_pythonpath
 
 MODEL = "fake-model"
 
@@ -104,9 +104,9 @@ def test_log_stats_interval_prints_summary_lines():
 
 
 def _serve(*args):
-    return subprocess.run([sys.executable, "-m", "ninfer.server.serve", *args], capture_output=True, text=True,
-                          cwd=ROOT, env={"PYTHONPATH": f"{ROOT / 'python'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"},
-                          timeout=60)
+    """`ninfer serve ARGS` to its exit, on a free port unless ARGS name one."""
+    return subprocess.run([*NINFER, "serve", "--port", str(free_port()), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=tests_on_pythonpath(os.environ), timeout=60)
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--spec", "--devices", "--draft-tokens", "--host-kv-mib", "--vision",
