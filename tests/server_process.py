@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NINFER = [sys.executable, "-m", "ninfer.cli"]
 
 
-def tests_on_pythonpath(environ) -> dict:
+def env_with_tests_dir(environ) -> dict:
     """A copy of `environ` with tests/ (where --core-factory finds fake_core) added to PYTHONPATH;
     the package itself comes from the environment, never from the checkout's python/."""
     env = dict(environ)
@@ -39,7 +39,7 @@ class ServerProcess:
     def __init__(self, args: list, *, ready_timeout_s: float = 120.0, wait_ready: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = tests_on_pythonpath(os.environ)
+        env = env_with_tests_dir(os.environ)
         self.log_path = ROOT / "tests" / ".cache" / f"server-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")

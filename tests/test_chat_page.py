@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from server_process import NINFER, tests_on_pythonpath
+from server_process import NINFER, env_with_tests_dir
 
 REPO = Path(__file__).resolve().parents[1]
 #: The package the tests run against (the installed one), found without importing it.
@@ -162,7 +162,7 @@ class NinferServer:
         self.cmd = [*NINFER, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         if kind == "server-fake-core":
             self.cmd += ["--core-factory", "fake_core:SlowFakeCore", "--model-id", "fake"]
-        self.env = tests_on_pythonpath(os.environ)
+        self.env = env_with_tests_dir(os.environ)
         self.proc = None
 
     def __enter__(self):

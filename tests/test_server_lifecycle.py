@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from ninfer.server.metrics import parse_metrics
-from server_process import NINFER, ROOT, ServerProcess, free_port, tests_on_pythonpath
+from server_process import NINFER, ROOT, ServerProcess, env_with_tests_dir, free_port
 
 MODEL = "fake-model"
 
@@ -106,7 +107,7 @@ def test_log_stats_interval_prints_summary_lines():
 def _serve(*args):
     """`ninfer serve ARGS` to its exit, on a free port unless ARGS name one."""
     return subprocess.run([*NINFER, "serve", "--port", str(free_port()), *args], capture_output=True, text=True, cwd=ROOT,
-                          env=tests_on_pythonpath(os.environ), timeout=60)
+                          env=env_with_tests_dir(os.environ), timeout=60)
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--spec", "--devices", "--draft-tokens", "--host-kv-mib", "--vision",
@@ -176,3 +177,19 @@ def test_model_that_fails_to_load_stops_the_server_with_status_1(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     r = _serve(str(tmp_path))
     assert r.returncode == 1 and "model load failed" in r.stderr
+
+
+def test_a_port_in_use_exits_2_naming_it_before_serving():
+    """The bundled demo model's server on a port another socket listens on: refused as a flag,
+    before the "serving on" line and before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = _serve("--port", str(port))
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in r.stderr, r.stderr
+    assert "serving" not in r.stderr and "loaded" not in r.stderr, r.stderr
+    assert elapsed < 30
