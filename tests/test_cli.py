@@ -223,7 +223,6 @@ def test_help_lists_the_commands(ninfer_env):
 
 
 def test_serve_delegates_to_the_server_program(ninfer_env):
-    pytest.importorskip("ninfer.server.serve")
     proc = run_cli(["serve", "--help"], ninfer_env)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "--host" in proc.stdout.decode() and "--port" in proc.stdout.decode()

@@ -4,6 +4,8 @@
 and decode speed on stderr, so the answer can be piped while the figures stay on the terminal.
 `ninfer MODEL --prompt ...` (no subcommand) is `run`, as users of the original type it.
 `serve` and the `ninfer-serve` program belong to `ninfer.server.serve`, imported only then.
+The sampling flags are defined here once for both (`add_sampling_flags`) and checked as the
+request fields of the same names are (`sampling_flag_values`).
 """
 
 from __future__ import annotations
