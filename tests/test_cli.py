@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -329,3 +330,18 @@ def test_run_and_serve_refuse_a_sampling_flag_alike(qwen3_dir, ninfer_env, flag,
         err = " ".join(proc.stderr.decode().split())
         assert proc.returncode == 2 and needle in err, err
         assert "serving" not in err
+
+
+def test_tests_and_their_subprocesses_import_the_installed_package(repo_root, ninfer_env):
+    """The package under test is the installed one (or the build a developer put on PYTHONPATH),
+    never the checkout's python/ by accident, and the programs the tests start import the same."""
+    import ninfer
+
+    here = Path(ninfer.__file__).resolve()
+    checkout = (repo_root / "python").resolve()
+    named = any(Path(p).resolve() == checkout for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    assert named or checkout not in here.parents, here
+    proc = subprocess.run([sys.executable, "-c", "import ninfer; print(ninfer.__file__)"], capture_output=True,
+                          text=True, env=ninfer_env, cwd=repo_root, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).resolve() == here
