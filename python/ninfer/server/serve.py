@@ -1,7 +1,9 @@
 """`ninfer serve` / `ninfer-serve`: flags, validation and uvicorn startup.
 
-Bad flag values exit with status 2 and name the flag and the value. Flags of features that do
-not exist yet are refused with "<flag> is not supported yet" rather than silently ignored.
+Bad flag values exit with status 2 and name the flag and the value, as does a port already in
+use (checked before anything starts). Flags of features that do not exist yet are refused with
+"<flag> is not supported yet" rather than silently ignored. The sampling flags are `ninfer run`'s
+(cli.add_sampling_flags).
 """
 
 from __future__ import annotations
