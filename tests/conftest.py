@@ -124,7 +124,7 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ninfer_env(repo_root) -> dict:
+def ninfer_env() -> dict:
     """Environment for `python -m ninfer.cli` subprocesses: the tests' own, inherited, so they
     import the package the tests import (the installed one, or an in-place build that the
     developer put on PYTHONPATH)."""

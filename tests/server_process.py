@@ -1,4 +1,4 @@
-"""Start the installed `ninfer serve` as a real process on a free loopback port, for server tests and benchmarks."""
+"""Start the installed `ninfer serve` as a real process on a free loopback port (server tests, benchmarks)."""
 
 from __future__ import annotations
 

@@ -319,9 +319,11 @@ def test_run_and_serve_take_the_same_sampling_flags():
     assert {k: v for k, v in run.items() if k != "--greedy"} == {k: v for k, v in serve.items() if k != "--greedy"}
 
 
-@pytest.mark.parametrize("flag,value,needle", [("--top-k", "-2", "--top-k -2: `top_k` must be >= -1"),
-                                               ("--temperature", "nan", "--temperature nan: `temperature` must be finite"),
-                                               ("--seed", "1.5", "--seed must be an integer, got '1.5'")])
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--top-k", "-2", "--top-k -2: `top_k` must be >= -1"),
+    ("--temperature", "nan", "--temperature nan: `temperature` must be finite"),
+    ("--seed", "1.5", "--seed must be an integer, got '1.5'"),
+])
 def test_run_and_serve_refuse_a_sampling_flag_alike(qwen3_dir, ninfer_env, flag, value, needle):
     """Both check a sampling flag as the request field of the same name is checked."""
     run = run_cli(["run", str(qwen3_dir), "--prompt", "hi", flag, value], ninfer_env)

@@ -106,8 +106,8 @@ def test_log_stats_interval_prints_summary_lines():
 
 def _serve(*args):
     """`ninfer serve ARGS` to its exit, on a free port unless ARGS name one."""
-    return subprocess.run([*NINFER, "serve", "--port", str(free_port()), *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env_with_tests_dir(os.environ), timeout=60)
+    return subprocess.run([*NINFER, "serve", "--port", str(free_port()), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env_with_tests_dir(os.environ), timeout=60)
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--spec", "--devices", "--draft-tokens", "--host-kv-mib", "--vision",
