@@ -124,11 +124,8 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ninfer_env(repo_root) -> dict:
-    """Environment for `python -m ninfer.cli` subprocesses that import this checkout's package."""
-    import ninfer
-
-    env = dict(os.environ)
-    package_parent = str(Path(ninfer.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    return env
+def ninfer_env() -> dict:
+    """Environment for `python -m ninfer.cli` subprocesses: the tests' own, inherited, so they
+    import the package the tests import (the installed one, or an in-place build that the
+    developer put on PYTHONPATH)."""
+    return dict(os.environ)

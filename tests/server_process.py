@@ -1,4 +1,4 @@
-"""Start `ninfer serve` as a real process on a free loopback port, for server tests and benchmarks."""
+"""Start the installed `ninfer serve` as a real process on a free loopback port (server tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ import time
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: The `ninfer` program of the Python running the tests: the installed package (or, in
+#: development, whatever the inherited PYTHONPATH points at, such as an in-place build).
+NINFER = [sys.executable, "-m", "ninfer.cli"]
+
+
+def env_with_tests_dir(environ) -> dict:
+    """A copy of `environ` with tests/ (where --core-factory finds fake_core) added to PYTHONPATH;
+    the package itself comes from the environment, never from the checkout's python/."""
+    env = dict(environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "tests"), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def free_port() -> int:
@@ -27,12 +39,11 @@ class ServerProcess:
     def __init__(self, args: list, *, ready_timeout_s: float = 120.0, wait_ready: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+        env = env_with_tests_dir(os.environ)
         self.log_path = ROOT / "tests" / ".cache" / f"server-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ninfer.server.serve", *args, "--port", str(self.port)],
+        self.proc = subprocess.Popen([*NINFER, "serve", *args, "--port", str(self.port)],
                                      env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
         if wait_ready:
             self.wait_ready(ready_timeout_s)

@@ -2,20 +2,20 @@
 
 The page is driven through selenium with Debian's `chromium` and `chromium-driver` (no driver
 download at test time). It runs against two servers: a small Starlette stand-in written here,
-which streams OpenAI-shaped SSE chunks at a known pace and records client disconnects, and
-`ninfer serve` with no model argument (the bundled demo model) once the server and the engine
-binding exist.
+which streams OpenAI-shaped SSE chunks at a known pace and records client disconnects, and the
+installed `ninfer serve`, on its paced fake engine and with no model argument (the bundled demo
+model).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -23,9 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from server_process import NINFER, env_with_tests_dir
+
 REPO = Path(__file__).resolve().parents[1]
-STATIC = REPO / "python" / "ninfer" / "static"
-DEMO_MODEL = REPO / "python" / "ninfer" / "demo" / "model"
+#: The package the tests run against (the installed one), found without importing it.
+PACKAGE = Path(importlib.util.find_spec("ninfer").submodule_search_locations[0])
+STATIC = PACKAGE / "static"
+DEMO_MODEL = PACKAGE / "demo" / "model"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
@@ -149,34 +153,16 @@ def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = No
     raise TimeoutError(url)
 
 
-def ninfer_server_missing(kind: str) -> str | None:
-    """Why `ninfer serve` cannot run for `kind` here, or None when it can."""
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("ninfer.server.serve") is None:
-            return "ninfer's server has not landed"
-        import ninfer._core as core
-    except ImportError as exc:
-        return f"ninfer does not import: {exc}"
-    if kind == "server-fake-core":
-        return None if (REPO / "tests" / "fake_core.py").exists() else "tests/fake_core.py is missing"
-    if not hasattr(core, "Engine"):
-        return "_core.Engine has not landed"
-    return None if (DEMO_MODEL / "config.json").exists() else "the demo model is missing"
-
-
 class NinferServer:
-    """`python -m ninfer.server.serve` on a free port: the bundled demo model, or the server's
+    """The installed `ninfer serve` on a free port: the bundled demo model, or the server's
     paced fake engine (tests/fake_core.py, 50 tokens/s) for the real HTTP layer without a model."""
 
     def __init__(self, kind: str):
         self.port = free_port()
-        self.cmd = [sys.executable, "-m", "ninfer.server.serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.cmd = [*NINFER, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         if kind == "server-fake-core":
             self.cmd += ["--core-factory", "fake_core:SlowFakeCore", "--model-id", "fake"]
-        paths = [str(REPO / "python"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+        self.env = env_with_tests_dir(os.environ)
         self.proc = None
 
     def __enter__(self):
@@ -217,15 +203,12 @@ def browser():
 
 @pytest.fixture(params=["stub", "server-fake-core", "ninfer-demo"])
 def chat_server(request):
-    """(kind, base URL, stub or None): the stand-in here, then the real server when it exists."""
+    """(kind, base URL, stub or None): the stand-in here, then the real server (fake engine, demo model)."""
     kind = request.param
     if kind == "stub":
         with StubChatServer() as stub:
             yield kind, f"http://127.0.0.1:{stub.port}", stub
         return
-    missing = ninfer_server_missing(kind)
-    if missing:
-        pytest.skip(missing)
     with NinferServer(kind) as server:
         yield kind, f"http://127.0.0.1:{server.port}", None
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -221,7 +224,6 @@ def test_help_lists_the_commands(ninfer_env):
 
 
 def test_serve_delegates_to_the_server_program(ninfer_env):
-    pytest.importorskip("ninfer.server.serve")
     proc = run_cli(["serve", "--help"], ninfer_env)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "--host" in proc.stdout.decode() and "--port" in proc.stdout.decode()
@@ -248,3 +250,100 @@ def test_device_auto_runs_where_it_can_and_says_which_device(qwen3_dir, ninfer_e
         assert "device=auto" in err and "using the CPU" in err, err
     else:
         assert "memory ledger (device cuda:0)" in err, err
+
+
+def _help_entries(text: str) -> dict:
+    """{first option string or positional name: its whole entry} of an argparse --help text."""
+    entries, key = {}, None
+    for line in text.splitlines():
+        if re.match(r"^  \S", line):
+            key = line.split()[0].rstrip(",")
+            entries[key] = line
+        elif line.startswith("   ") and key is not None:
+            entries[key] += " " + line.strip()
+        else:
+            key = None
+    return {k: " ".join(v.split()) for k, v in entries.items()}
+
+
+def _value_options(parser):
+    """(first option string or name, default) of every argument that takes a value, but the
+    required choice of `run` (--prompt or --messages), which has no default."""
+    required = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
+    for action in parser._actions:
+        if action.nargs == 0 or action.help == argparse.SUPPRESS or action in required:
+            continue
+        yield (action.option_strings[0] if action.option_strings else action.metavar or action.dest), action.default
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_help_shows_the_default_of_every_option(command, ninfer_env):
+    from ninfer.cli import build_run_parser
+    from ninfer.server.serve import build_parser
+
+    proc = run_cli([command, "--help"], ninfer_env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    entries = _help_entries(proc.stdout.decode())
+    options = list(_value_options(build_run_parser() if command == "run" else build_parser()))
+    assert len(options) > 15
+    for name, default in options:
+        assert name in entries, (name, sorted(entries))
+        assert "default" in entries[name], entries[name]
+        if default not in (None, []) and f"default: {default}" not in entries[name]:
+            assert f"{default} (default)" in entries[name], entries[name]
+    if command == "serve":
+        for name, shown in (("--host", "127.0.0.1"), ("--port", "8000"), ("--max-concurrency", "64"),
+                            ("--log-level", "warning"), ("--prefill-chunk", "512")):
+            assert f"(default: {shown})" in entries[name], entries[name]
+        assert "NINFER_API_KEY" in entries["--api-key"]
+    else:
+        assert "(default: 512)" in entries["--prefill-chunk"]
+
+
+def test_serve_help_does_not_show_the_api_key(ninfer_env):
+    proc = run_cli(["serve", "--help"], dict(ninfer_env, NINFER_API_KEY="s3cret-key"))
+    assert proc.returncode == 0 and "s3cret-key" not in proc.stdout.decode()
+
+
+def test_run_and_serve_take_the_same_sampling_flags():
+    """One definition (cli.add_sampling_flags): the same flags, metavars and help in both."""
+    from ninfer.cli import SAMPLING_FLAGS, build_run_parser
+    from ninfer.server.serve import build_parser
+
+    def sampling(parser):
+        return {a.option_strings[0]: (a.metavar, a.help) for a in parser._actions
+                if a.option_strings and (a.option_strings[0] in SAMPLING_FLAGS or a.option_strings[0] == "--greedy")}
+
+    run, serve = sampling(build_run_parser()), sampling(build_parser())
+    assert set(run) == set(SAMPLING_FLAGS) | {"--greedy"}
+    assert {k: v for k, v in run.items() if k != "--greedy"} == {k: v for k, v in serve.items() if k != "--greedy"}
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--top-k", "-2", "--top-k -2: `top_k` must be >= -1"),
+    ("--temperature", "nan", "--temperature nan: `temperature` must be finite"),
+    ("--seed", "1.5", "--seed must be an integer, got '1.5'"),
+])
+def test_run_and_serve_refuse_a_sampling_flag_alike(qwen3_dir, ninfer_env, flag, value, needle):
+    """Both check a sampling flag as the request field of the same name is checked."""
+    run = run_cli(["run", str(qwen3_dir), "--prompt", "hi", flag, value], ninfer_env)
+    serve = run_cli(["serve", str(qwen3_dir), flag, value], ninfer_env)
+    for proc in (run, serve):
+        err = " ".join(proc.stderr.decode().split())
+        assert proc.returncode == 2 and needle in err, err
+        assert "serving" not in err
+
+
+def test_tests_and_their_subprocesses_import_the_installed_package(repo_root, ninfer_env):
+    """The package under test is the installed one (or the build a developer put on PYTHONPATH),
+    never the checkout's python/ by accident, and the programs the tests start import the same."""
+    import ninfer
+
+    here = Path(ninfer.__file__).resolve()
+    checkout = (repo_root / "python").resolve()
+    named = any(Path(p).resolve() == checkout for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    assert named or checkout not in here.parents, here
+    proc = subprocess.run([sys.executable, "-c", "import ninfer; print(ninfer.__file__)"], capture_output=True,
+                          text=True, env=ninfer_env, cwd=repo_root, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).resolve() == here

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from ninfer.server.metrics import parse_metrics
-from server_process import ROOT, ServerProcess
+from server_process import NINFER, ROOT, ServerProcess, env_with_tests_dir, free_port
 
 MODEL = "fake-model"
 
@@ -104,9 +105,9 @@ def test_log_stats_interval_prints_summary_lines():
 
 
 def _serve(*args):
-    return subprocess.run([sys.executable, "-m", "ninfer.server.serve", *args], capture_output=True, text=True,
-                          cwd=ROOT, env={"PYTHONPATH": f"{ROOT / 'python'}:{ROOT / 'tests'}", "PATH": "/usr/bin:/bin"},
-                          timeout=60)
+    """`ninfer serve ARGS` to its exit, on a free port unless ARGS name one."""
+    return subprocess.run([*NINFER, "serve", "--port", str(free_port()), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env_with_tests_dir(os.environ), timeout=60)
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--spec", "--devices", "--draft-tokens", "--host-kv-mib", "--vision",
@@ -176,3 +177,19 @@ def test_model_that_fails_to_load_stops_the_server_with_status_1(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     r = _serve(str(tmp_path))
     assert r.returncode == 1 and "model load failed" in r.stderr
+
+
+def test_a_port_in_use_exits_2_naming_it_before_serving():
+    """The bundled demo model's server on a port another socket listens on: refused as a flag,
+    before the "serving on" line and before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = _serve("--port", str(port))
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in r.stderr, r.stderr
+    assert "serving" not in r.stderr and "loaded" not in r.stderr, r.stderr
+    assert elapsed < 30

@@ -4,6 +4,8 @@
 and decode speed on stderr, so the answer can be piped while the figures stay on the terminal.
 `ninfer MODEL --prompt ...` (no subcommand) is `run`, as users of the original type it.
 `serve` and the `ninfer-serve` program belong to `ninfer.server.serve`, imported only then.
+The sampling flags are defined here once for both (`add_sampling_flags`) and checked as the
+request fields of the same names are (`sampling_flag_values`).
 """
 
 from __future__ import annotations
@@ -123,26 +125,108 @@ def model_dir_error(path: str) -> Optional[str]:
     return f"MODEL {path!r} is not a directory (nothing exists at that path)"
 
 
-def _kv_capacity(text: str) -> Optional[int]:
-    """--kv-capacity: a positive token count, or auto (None: sized from free memory)."""
-    return None if text == "auto" else _number(int, 1)(text)
+def _int_at_least(name: str, lo: int, what: str):
+    """argparse type: an integer >= lo; the error names the flag and the value."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
+        return v
+    return parse
 
 
-def _number(kind, low=None, high=None, low_open=False):
+def positive_int(name: str):
+    """argparse type of flag `name`: an integer >= 1."""
+    return _int_at_least(name, 1, "a positive integer")
+
+
+def non_negative_int(name: str):
+    """argparse type of flag `name`: an integer >= 0."""
+    return _int_at_least(name, 0, "an integer >= 0")
+
+
+def _typed(name: str, kind):
+    """argparse type: a number of `kind`; ranges are checked as a request's are (sampling_flag_values)."""
     def parse(text: str):
         try:
-            value = kind(text)
+            return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if kind is float and value != value:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number")
-        if low is not None and (value <= low if low_open else value < low):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{text} must be <= {high}")
-        return value
-
+            raise argparse.ArgumentTypeError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
     return parse
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` of run and serve: each option that takes a value shows its default, from the
+    parser unless its help already says what the default is (a None default means "decided
+    later", which only the help can say)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default not in (None, False, [], argparse.SUPPRESS) and "default" not in text
+                and (action.option_strings or action.nargs in ("?", "*"))):
+            text += " (default: %(default)s)"
+        return text
+
+
+#: The sampling flags of `ninfer run` and `ninfer serve`: flag -> (type, metavar, what it does,
+#: default when the model's generation_config.json sets none, whether that file can set it).
+#: Each is a default of the command's requests; the value is checked as the request field of
+#: the same name (dashes as underscores) would be, so run and serve take the same values.
+SAMPLING_FLAGS = {
+    "--temperature": (float, "T", "sampling temperature; 0 is argmax decoding", "1.0", True),
+    "--top-p": (float, "P", "sample from the most likely tokens whose probabilities add up to P", "1.0", True),
+    "--top-k": (int, "K", "sample from the K most likely tokens; 0 disables", "0", True),
+    "--min-p": (float, "P", "drop tokens less likely than P times the most likely one", "0.0", True),
+    "--presence-penalty": (float, "X", "subtracted from the logit of every token already generated", "0.0", False),
+    "--frequency-penalty": (float, "X", "subtracted from a token's logit once per time it was generated", "0.0",
+                            False),
+    "--repetition-penalty": (float, "X", "divides the positive logits (multiplies the negative ones) of tokens "
+                                         "in the prompt or generated", "1.0", True),
+    "--seed": (int, "N", "seed of the sampler", "unseeded", False),
+}
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, title: str, max_tokens_flag: str,
+                       greedy_help: str) -> argparse._ArgumentGroup:
+    """Add --greedy, the SAMPLING_FLAGS and the command's max-tokens flag (`--max-new` for run,
+    `--default-max-tokens` for serve) in one group, which is returned for the command's own."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--greedy", action="store_true", help=greedy_help)
+    for flag, (kind, metavar, what, fallback, from_file) in SAMPLING_FLAGS.items():
+        default = f"the model's generation_config.json, else {fallback}" if from_file else fallback
+        group.add_argument(flag, type=_typed(flag, kind), metavar=metavar, help=f"{what} (default: {default})")
+    group.add_argument(max_tokens_flag, type=positive_int(max_tokens_flag), metavar="N",
+                       help="most tokens to generate (default: the model's generation_config.json max_new_tokens, "
+                            "else what fits in the context)")
+    return group
+
+
+def sampling_flag_values(args: argparse.Namespace) -> dict:
+    """The SAMPLING_FLAGS given, as request fields (`top_p`, ...) checked as a request's are;
+    ValueError naming the flag and its value for a value a request could not carry, and for
+    --greedy with a --temperature."""
+    from ninfer.server.errors import ApiError
+    from ninfer.server.protocol import ServerDefaults, sampling_fields
+
+    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in SAMPLING_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        checked = sampling_fields(given, ServerDefaults(model_id=""))
+    except ApiError as e:
+        flag = "--" + (e.param or "").replace("_", "-")
+        raise ValueError(f"{flag} {given.get(e.param)!r}: {e.message}") from None
+    if args.greedy and args.temperature is not None:
+        raise ValueError(f"--greedy and --temperature {args.temperature} contradict each other: give one")
+    return {k: checked[k] for k in given}
+
+
+def kv_capacity_arg(text: str) -> Optional[int]:
+    """argparse type of --kv-capacity: a positive token count, or auto (None: sized from free memory)."""
+    return None if text == "auto" else positive_int("--kv-capacity")(text)
 
 
 def device_arg(text: str) -> str:
@@ -162,7 +246,8 @@ def add_logits_dtype_flag(parser: argparse.ArgumentParser) -> None:
 
 def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     """The parser of `ninfer run`."""
-    p = argparse.ArgumentParser(prog=prog, description="Answer one prompt; stream the answer to stdout.")
+    p = argparse.ArgumentParser(prog=prog, description="Answer one prompt; stream the answer to stdout.",
+                                formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="model directory (config.json, model.safetensors, tokenizer.json); "
                         "default: the bundled demo model")
@@ -172,27 +257,18 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
                      help="UTF-8 JSON: an array of chat messages, or {\"messages\": [...], \"tools\": [...]}")
     p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     p.add_argument("--no-thinking", action="store_true", help="render the chat template with enable_thinking=false")
-    p.add_argument("--max-new", type=_number(int, 1), metavar="N",
-                   help="most tokens to generate (default: what fits in the context)")
-    p.add_argument("--max-context", type=_number(int, 1), metavar="N", help="context length (default: the model's)")
-    p.add_argument("--kv-capacity", type=_kv_capacity, metavar="N|auto", help="KV cache tokens, or auto (default: what fits in free GPU memory on CUDA, 4 GiB on the CPU; at least max-context)")
-    p.add_argument("--prefill-chunk", type=_number(int, 1), default=512, metavar="N", help="tokens per engine step")
-    p.add_argument("--num-threads", type=_number(int, 1), metavar="N", help="threads of the CPU backend (default: all cores; refused on a GPU)")
+    p.add_argument("--max-context", type=positive_int("--max-context"), metavar="N", help="context length (default: the model's)")
+    p.add_argument("--kv-capacity", type=kv_capacity_arg, metavar="N|auto", help="KV cache tokens, or auto (default: what fits in free GPU memory on CUDA, 4 GiB on the CPU; at least max-context)")
+    p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=512, metavar="N", help="tokens per engine step")
+    p.add_argument("--num-threads", type=positive_int("--num-threads"), metavar="N", help="threads of the CPU backend (default: all cores; refused on a GPU)")
     p.add_argument("--device", type=device_arg, default="auto",
                    help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N (default: auto)")
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
-    p.add_argument("--temperature", type=_number(float, 0.0), metavar="T")
-    p.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), metavar="P")
-    p.add_argument("--top-k", type=_number(int, 0), metavar="K", help="0 disables")
-    p.add_argument("--min-p", type=_number(float, 0.0, 1.0), metavar="P")
-    p.add_argument("--presence-penalty", type=_number(float, -2.0, 2.0), metavar="X")
-    p.add_argument("--frequency-penalty", type=_number(float, -2.0, 2.0), metavar="X")
-    p.add_argument("--repetition-penalty", type=_number(float, 0.0, low_open=True), metavar="X")
-    p.add_argument("--seed", type=_number(int, 0), metavar="N")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_logits_dtype_flag(p)
     add_kv_dtype_flag(p)
+    sampling = add_sampling_flags(p, "sampling", "--max-new", "argmax decoding (temperature 0)")
+    sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop string (repeatable; default: none)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_later_work_flags(p)
     return p
 
@@ -228,15 +304,13 @@ def default_model_dir() -> Optional[str]:
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
-def _sampling_params(llm, args):
+def _sampling_params(llm, args, flag_values: dict):
+    """The model's default params with the sampling flags (`sampling_flag_values`) over them."""
     params = llm.get_default_sampling_params()
     if args.greedy:
         params.temperature = 0.0
-    for flag in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed"):
-        value = getattr(args, flag)
-        if value is not None:
-            setattr(params, flag, value)
+    for field, value in flag_values.items():
+        setattr(params, field, value)
     if args.max_new is not None:
         params.max_tokens = args.max_new
     params.stop = list(args.stop)
@@ -266,8 +340,10 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     bad_model = model_dir_error(model)
     if bad_model:
         parser.error(bad_model)
-    if args.greedy and args.temperature is not None:
-        parser.error(f"--greedy and --temperature {args.temperature} contradict each other: give one")
+    try:
+        flag_values = sampling_flag_values(args)
+    except ValueError as e:
+        parser.error(str(e))
     messages = tools = None
     if args.messages is not None:
         try:
@@ -295,7 +371,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
             ids = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}], None, kwargs)
         else:
             ids = llm.encode(args.prompt)
-        return _stream_answer(llm, ids, _sampling_params(llm, args))
+        return _stream_answer(llm, ids, _sampling_params(llm, args, flag_values))
     except KeyboardInterrupt:
         print("\nninfer: interrupted", file=sys.stderr)
         return 130

@@ -1,73 +1,33 @@
 """`ninfer serve` / `ninfer-serve`: flags, validation and uvicorn startup.
 
-Bad flag values exit with status 2 and name the flag and the value. Flags of features that do
-not exist yet are refused with "<flag> is not supported yet" rather than silently ignored.
+Bad flag values exit with status 2 and name the flag and the value, as does a port already in
+use (checked before anything starts). Flags of features that do not exist yet are refused with
+"<flag> is not supported yet" rather than silently ignored. The sampling flags are `ninfer run`'s
+(cli.add_sampling_flags).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import pathlib
+import socket
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import (LATER_WORK_FLAGS, add_kv_dtype_flag, add_logits_dtype_flag, device_arg, kv_dtype_error,
-                        model_dir_error)
+from ninfer.cli import (LATER_WORK_FLAGS, HelpFormatter, add_kv_dtype_flag, add_logits_dtype_flag,
+                        add_sampling_flags, device_arg, kv_capacity_arg, kv_dtype_error, model_dir_error,
+                        non_negative_int, positive_int, sampling_flag_values)
 
 #: Refused by name, as by `ninfer run` (one list: cli.LATER_WORK_FLAGS).
 UNSUPPORTED_FLAGS = tuple(LATER_WORK_FLAGS)
 BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "demo" / "model"
 
 
-def _int_at_least(name: str, lo: int, what: str):
-    """argparse type: an integer >= lo; the error names the flag and the value."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
-        return v
-    return parse
-
-
-def _positive_int(name: str):
-    return _int_at_least(name, 1, "a positive integer")
-
-
-def _non_negative_int(name: str):
-    return _int_at_least(name, 0, "an integer >= 0")
-
-
-def _kv_capacity(text: str):
-    if text == "auto":
-        return None
-    return _positive_int("--kv-capacity")(text)
-
-
-#: Server-wide sampling defaults (the original's users pass them to the server); the request
-#: field of the same name (dashes as underscores) overrides each.
-SAMPLING_FLAGS = {"--temperature": float, "--top-p": float, "--top-k": int, "--min-p": float,
-                  "--presence-penalty": float, "--frequency-penalty": float,
-                  "--repetition-penalty": float, "--seed": int}
-
-
-def _typed(name: str, kind):
-    """argparse type: a number of `kind`; ranges are checked as a request's are (parse_args)."""
-    def parse(text: str):
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-    return parse
-
-
 def _port(text: str) -> int:
-    v = _non_negative_int("--port")(text)
+    v = non_negative_int("--port")(text)
     if v > 65535:
         raise argparse.ArgumentTypeError(f"--port must be in 0..65535, got {text!r}")
     return v
@@ -75,41 +35,44 @@ def _port(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ninfer serve` argument parser."""
-    p = argparse.ArgumentParser(prog="ninfer serve", description="OpenAI-compatible NInfer server")
+    p = argparse.ArgumentParser(prog="ninfer serve", description="OpenAI-compatible NInfer server",
+                                formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", help="model directory (default: the bundled demo model, if installed)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--model-id", help="name clients use in `model` (default: the model directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    p.add_argument("--model-id", metavar="NAME", help="name clients use in `model` (default: the model directory name)")
     p.add_argument("--device", type=device_arg, default="auto", help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N")
-    p.add_argument("--max-context", type=_positive_int("--max-context"))
-    p.add_argument("--kv-capacity", type=_kv_capacity, default=None, help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
+    p.add_argument("--max-context", type=positive_int("--max-context"), metavar="N", help="context length (default: the model's)")
+    p.add_argument("--kv-capacity", type=kv_capacity_arg, default=None, metavar="N|auto", help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
     add_kv_dtype_flag(p)
     add_logits_dtype_flag(p)
-    p.add_argument("--max-concurrency", type=_positive_int("--max-concurrency"), default=64)
-    p.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk"), default=512)
-    p.add_argument("--num-threads", type=_positive_int("--num-threads"), help="threads of the CPU backend (default: all cores; refused on a GPU)")
-    p.add_argument("--no-prefix-reuse", action="store_true")
-    p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request sets it")
+    p.add_argument("--max-concurrency", type=positive_int("--max-concurrency"), default=64, metavar="N",
+                   help="requests decoded together")
+    p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=512, metavar="N", help="tokens per engine step")
+    p.add_argument("--num-threads", type=positive_int("--num-threads"), metavar="N", help="threads of the CPU backend (default: all cores; refused on a GPU)")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="do not reuse the KV cache of a shared prompt prefix")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking false unless a request sets it")
-    p.add_argument("--default-max-tokens", type=_positive_int("--default-max-tokens"),
-                   help="max_tokens of a request that sets none (default: generation_config.json's max_new_tokens, else the context left)")
-    sampling = p.add_argument_group("request defaults (a request's own fields win; these win over generation_config.json)")
-    for flag, kind in SAMPLING_FLAGS.items():
-        sampling.add_argument(flag, type=_typed(flag, kind), metavar="INT" if kind is int else "X")
+    add_sampling_flags(p, "request defaults (a request's own fields win; these win over generation_config.json)",
+                       "--default-max-tokens", "temperature 0 unless a request sets it")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="where the sampling defaults of a request that leaves a field out come from: auto (default) "
                         "the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens; do_sample false = greedy), DIR the generation_config.json in DIR, vllm none "
                         "(temperature 1, no top-p/top-k)")
-    p.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"))
-    p.add_argument("--cors", action="append", metavar="ORIGIN", help="allowed origin (repeatable; * for any)")
-    p.add_argument("--request-log-jsonl", metavar="FILE")
-    p.add_argument("--log-stats-interval-ms", type=_positive_int("--log-stats-interval-ms"))
-    p.add_argument("--max-queue", type=_non_negative_int("--max-queue"),
-                   help="requests allowed to wait beyond --max-concurrency before 429")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"), metavar="KEY",
+                   help="key clients must send as `Authorization: Bearer KEY` (default: $NINFER_API_KEY, else none)")
+    p.add_argument("--cors", action="append", metavar="ORIGIN",
+                   help="allowed origin (repeatable; * for any; default: none)")
+    p.add_argument("--request-log-jsonl", metavar="FILE", help="append one JSON line per finished request to FILE (default: none)")
+    p.add_argument("--log-stats-interval-ms", type=positive_int("--log-stats-interval-ms"), metavar="MS",
+                   help="print throughput and queue figures this often (default: never)")
+    p.add_argument("--max-queue", type=non_negative_int("--max-queue"), metavar="N",
+                   help="requests allowed to wait beyond --max-concurrency before 429 (default: no limit)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     p.add_argument("--core-factory", metavar="MODULE:CALLABLE",
-                   help="build the engine core with this callable instead of _core.Engine (tests, benchmarks)")
+                   help="build the engine core with this callable instead of _core.Engine (tests, benchmarks; "
+                        "default: _core.Engine)")
     return p
 
 
@@ -158,28 +121,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.default_max_tokens is None:
         args.default_max_tokens = args.generation_defaults.get("max_tokens")
     try:
-        args.flag_defaults = sampling_flag_defaults(args)
+        args.flag_defaults = sampling_flag_values(args)
     except ValueError as e:
         parser.error(str(e))
-    if args.greedy and args.temperature is not None:
-        parser.error(f"--greedy and --temperature {args.temperature} contradict each other: give one")
     return args
-
-
-def sampling_flag_defaults(args: argparse.Namespace) -> dict:
-    """The request defaults given as flags, checked as the same fields of a request would be
-    (the error names the flag and its value)."""
-    from ninfer.server.errors import ApiError
-    from ninfer.server.protocol import ServerDefaults, sampling_fields
-
-    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in SAMPLING_FLAGS}
-    given = {k: v for k, v in given.items() if v is not None}
-    try:
-        checked = sampling_fields(given, ServerDefaults(model_id=""))
-    except ApiError as e:
-        flag = "--" + (e.param or "").replace("_", "-")
-        raise ValueError(f"{flag} {given.get(e.param)!r}: {e.message}") from None
-    return {k: checked[k] for k in given}
 
 
 def generation_defaults(source: str, model_dir: Optional[str]) -> tuple:
@@ -253,11 +198,41 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     return build_app(state, start_engine, cors=args.cors, log_stats_interval_s=interval, on_load_failure=on_load_failure)
 
 
+def listen_error(host: str, port: int) -> Optional[str]:
+    """Why the server could not listen on host:port (a port in use above all), or None.
+
+    Checked by binding each address as the server will (SO_REUSEADDR, IPv6 sockets IPv6 only),
+    then letting go: a flag error before the "serving on" line and before the model loads,
+    rather than uvicorn's failure once everything has started.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host}: cannot resolve it ({e.strerror})"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"--port {port}: {host}:{port} is already in use (another program listens there; "
+                            "pick another --port)")
+                return f"--host {host} --port {port}: cannot listen there ({e.strerror})"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `ninfer serve` and `ninfer-serve`."""
     import uvicorn
 
     args = parse_args(argv)
+    error = listen_error(args.host, args.port)
+    if error:
+        print(f"ninfer serve: error: {error}", file=sys.stderr)
+        return 2
     server: Optional[uvicorn.Server] = None
 
     def stop() -> None:
