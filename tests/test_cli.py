@@ -133,7 +133,7 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
 
 @pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "mtp"], ["--draft-tokens", "3"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
-                                  ["--device-profile-path", "p.json"], ["--gdn-state-fp16"], ["--lm-head-draft"],
+                                  ["--gdn-state-fp16"], ["--lm-head-draft"],
                                   ["--vision-residency", "overlay"], ["--vision-max-merged", "4"]])
 def test_later_work_flags_are_refused_as_not_supported_yet(qwen3_dir, ninfer_env, args):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", *args], ninfer_env)
@@ -347,3 +347,29 @@ def test_tests_and_their_subprocesses_import_the_installed_package(repo_root, ni
                           text=True, env=ninfer_env, cwd=repo_root, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()).resolve() == here
+
+
+def test_engine_option_flags_become_the_engines_keyword_arguments():
+    """`run` and `serve` share the engine options; each flag is the `LLM(...)` argument of the same
+    name, and the defaults are the engine's."""
+    from ninfer.cli import build_run_parser, engine_option_kwargs
+    from ninfer.server.serve import build_parser
+
+    for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
+        assert engine_option_kwargs(parser.parse_args(base)) == dict(
+            async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None)
+        args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
+                                  "--no-device-sampling", "--device-profile-path", "h200.json"])
+        assert engine_option_kwargs(args) == dict(
+            async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
+            device_profile="h200.json")
+
+
+def test_engine_option_flags_run_and_a_device_profile_on_the_cpu_is_refused_naming_it(qwen3_dir, ninfer_env):
+    ok = run_cli(["run", str(qwen3_dir), "--device", "cpu", "--prompt", "hi", "--max-new", "3", "--greedy",
+                  "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant", "--no-device-sampling"], ninfer_env)
+    assert ok.returncode == 0, ok.stderr.decode()
+    bad = run_cli(["run", str(qwen3_dir), "--device", "cpu", "--prompt", "hi", "--device-profile-path", "h200.json"],
+                  ninfer_env)
+    err = bad.stderr.decode()
+    assert bad.returncode != 0 and "h200.json" in err and "--device-profile-path" in err, err

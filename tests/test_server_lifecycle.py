@@ -111,7 +111,7 @@ def _serve(*args):
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--spec", "--devices", "--draft-tokens", "--host-kv-mib", "--vision",
-                                  "--gdn-state-fp16", "--lm-head-draft", "--device-profile-path"])
+                                  "--gdn-state-fp16", "--lm-head-draft"])
 def test_later_flags_are_refused_as_not_supported_yet(flag):
     r = _serve("--core-factory", "fake_core:FakeCore", flag, "2")
     assert r.returncode == 2 and f"{flag} is not supported yet" in r.stderr

@@ -26,7 +26,6 @@ LATER_WORK_FLAGS = {
     "--spec": {"metavar": "KIND"},
     "--draft-tokens": {"metavar": "N"},
     "--host-kv-mib": {"metavar": "MIB"},
-    "--device-profile-path": {"metavar": "FILE"},
     "--vision": {"action": "store_true"},
     "--gdn-state-fp16": {"action": "store_true"},
     "--lm-head-draft": {"action": "store_true"},
@@ -244,6 +243,32 @@ def add_logits_dtype_flag(parser: argparse.ArgumentParser) -> None:
                              "float32: the lm_head's f32 sums unrounded")
 
 
+def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's on/off options and the device profile (shared with `ninfer serve`); each is an
+    `LLM(...)` / `AsyncEngine.start(...)` argument of the same name (`engine_option_kwargs`)."""
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--no-async-scheduling", action="store_true",
+                       help="wait for each step before scheduling the next (default: keep one step in flight "
+                            "where the backend overlaps steps)")
+    group.add_argument("--no-cuda-graphs", action="store_true",
+                       help="run decode steps eagerly (default: replay captured CUDA graphs; same results)")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="make every CUDA kernel choice independent of the batch size, so a sequence in a "
+                            "batch equals it alone bit for bit (slower)")
+    group.add_argument("--no-device-sampling", action="store_true",
+                       help="sample each step's logits on the host (default: on the GPU)")
+    group.add_argument("--device-profile-path", metavar="FILE", default=None,
+                       help="a measured device profile (JSON) whose routes override the GPU's default routing "
+                            "table (rust_core/src/backend/cuda/plan/profile.rs)")
+
+
+def engine_option_kwargs(args: argparse.Namespace) -> dict:
+    """`add_engine_option_flags`' values as the engine's keyword arguments."""
+    return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
+                batch_invariant=args.batch_invariant, device_sampling=not args.no_device_sampling,
+                device_profile=args.device_profile_path)
+
+
 def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     """The parser of `ninfer run`."""
     p = argparse.ArgumentParser(prog=prog, description="Answer one prompt; stream the answer to stdout.",
@@ -265,6 +290,7 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
                    help="auto (the GPU when present, else the CPU), cpu, cuda or cuda:N (default: auto)")
     add_logits_dtype_flag(p)
     add_kv_dtype_flag(p)
+    add_engine_option_flags(p)
     sampling = add_sampling_flags(p, "sampling", "--max-new", "argmax decoding (temperature 0)")
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop string (repeatable; default: none)")
@@ -359,7 +385,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
         t0 = time.perf_counter()
         llm = LLM(model, device=args.device, max_context=args.max_context, kv_capacity=args.kv_capacity,
                   prefill_chunk=args.prefill_chunk, num_threads=args.num_threads, max_concurrency=1,
-                  logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype)
+                  logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype, **engine_option_kwargs(args))
         load_s = time.perf_counter() - t0
         print(f"ninfer: loaded {model} in {load_s:.2f} s (max context {llm.max_context} tokens)",
               file=sys.stderr, flush=True)

@@ -38,7 +38,8 @@ class LLM:
     overlaps steps); `cuda_graphs` replays captured decode steps; `batch_invariant` makes every
     kernel choice independent of the batch size (a row's bits never depend on its batch, at some
     speed); `device_sampling` samples on the GPU (off: on the host). The last three are CUDA
-    options and change nothing on the CPU.
+    options and change nothing on the CPU; `device_profile` is a measured profile (JSON) whose
+    routes override the GPU's default table, refused on the CPU.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class LLM:
         cuda_graphs: bool = True,
         batch_invariant: bool = False,
         device_sampling: bool = True,
+        device_profile: Optional[Union[str, os.PathLike]] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -77,6 +79,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
             batch_invariant=batch_invariant,
             device_sampling=device_sampling,
+            device_profile=None if device_profile is None else os.fspath(device_profile),
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

@@ -17,9 +17,10 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import (LATER_WORK_FLAGS, HelpFormatter, add_kv_dtype_flag, add_logits_dtype_flag,
-                        add_sampling_flags, device_arg, kv_capacity_arg, kv_dtype_error, model_dir_error,
-                        non_negative_int, positive_int, sampling_flag_values)
+from ninfer.cli import (LATER_WORK_FLAGS, HelpFormatter, add_engine_option_flags, add_kv_dtype_flag,
+                        add_logits_dtype_flag, add_sampling_flags, device_arg, engine_option_kwargs,
+                        kv_capacity_arg, kv_dtype_error, model_dir_error, non_negative_int, positive_int,
+                        sampling_flag_values)
 
 #: Refused by name, as by `ninfer run` (one list: cli.LATER_WORK_FLAGS).
 UNSUPPORTED_FLAGS = tuple(LATER_WORK_FLAGS)
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-capacity", type=kv_capacity_arg, default=None, metavar="N|auto", help="tokens in the shared KV pool, or auto (default): --max-concurrency full contexts, as far as free GPU memory allows on CUDA (keeping 5%% of the device, at least 1 GiB, in reserve) or 4 GiB on the CPU")
     add_kv_dtype_flag(p)
     add_logits_dtype_flag(p)
+    add_engine_option_flags(p)
     p.add_argument("--max-concurrency", type=positive_int("--max-concurrency"), default=64, metavar="N",
                    help="requests decoded together")
     p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=512, metavar="N", help="tokens per engine step")
@@ -183,7 +185,7 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,
                          max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
                          prefix_reuse=not args.no_prefix_reuse, num_threads=args.num_threads,
-                         logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype)
+                         logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype, **engine_option_kwargs(args))
     factory = _load_factory(args.core_factory, build_parser()) if args.core_factory else None
 
     async def start_engine():

@@ -71,7 +71,16 @@ pub fn resolve_device_name(device: &str) -> Result<String> {
 /// Load a HF model directory onto a backend.
 pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     match resolve_device(parse_device(&opts.device)?)? {
-        ResolvedDevice::Cpu => Ok(Box::new(CpuModel::load(dir, opts)?)),
+        ResolvedDevice::Cpu => {
+            // A device profile holds a GPU's measured routes; on the CPU it would do nothing.
+            if let Some(path) = &opts.cuda.profile {
+                return Err(crate::NinferError::Device(format!(
+                    "cpu: device profile {} (--device-profile-path) holds a GPU's routes; leave it out on the CPU, or choose a cuda device",
+                    path.display()
+                )));
+            }
+            Ok(Box::new(CpuModel::load(dir, opts)?))
+        }
         ResolvedDevice::Cuda(ordinal) => {
             // The thread count sizes the CPU backend's pool; the CUDA runner has no use for it, and
             // a flag that is accepted must do something.

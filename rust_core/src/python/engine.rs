@@ -161,10 +161,10 @@ impl PyEngine {
     /// `kv_dtype`: "auto" or the type the backend keeps its KV cache in by name
     /// (model/kv_dtype.rs); another is refused before any weight is read. `async_scheduling`:
     /// keep a step in flight where the runner overlaps steps (`EngineConfig::async_scheduling`).
-    /// `cuda_graphs`, `batch_invariant` and `device_sampling`: the CUDA backend's options
-    /// (`CudaOptions`).
+    /// `cuda_graphs`, `batch_invariant`, `device_sampling` and `device_profile` (a measured
+    /// profile's path, backend/cuda/plan/profile.rs): the CUDA backend's options (`CudaOptions`).
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -182,11 +182,12 @@ impl PyEngine {
         cuda_graphs: bool,
         batch_invariant: bool,
         device_sampling: bool,
+        device_profile: Option<PathBuf>,
     ) -> PyResult<Self> {
         let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
-        let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: None };
+        let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
         let (core, device, defaults) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, cuda, &cfg)).py()?;
         Ok(PyEngine::from_core(core, device, defaults))
     }
