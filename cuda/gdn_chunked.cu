@@ -953,7 +953,7 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
 // instead of 32, and half the accumulators, so two 8-warp blocks fit an SM (launch bounds
 // 256, 2: at most 128 registers); shared memory 110 KiB at DK 128 (one K tile instead of four
 // per-warp column slices with their padding). 27B shape, 8k tokens: 0.758 ms against the
-// pipelined scan's 0.890 (docs/kernels.md).
+// pipelined scan's 0.890.
 #define CHW_THREADS 256
 #define CHW_WARPS (CHW_THREADS / 32)
 
