@@ -273,8 +273,8 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[c][m] = 0.0f;
     // Batch 1: four of the lane's slices a step (gemv_stream4) at every split the launcher
-    // takes (1 for the Qwen3.5-27B shapes, 2 for the Llama-3-8B ones, 4 and 8 as tuning
-    // settings). M > 1 keeps the one loop: the held weights of four slices would cost an M > 1
+    // takes (1 for the Qwen3.5-27B shapes, 2 for the Llama-3-8B ones, 4 and 8 where a device
+    // profile sets them). M > 1 keeps the one loop: the held weights of four slices would cost an M > 1
     // kernel its occupancy.
     const int first = lane + 32 * part;
     if (M == 1 && ksplit == 1) {
