@@ -89,11 +89,11 @@ __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, 
 #endif
 
 // Warpgroup MMA (wgmma, sm_90a code only): operand descriptors of the 128-byte swizzle layout and
-// the group fences, for every family with wgmma kernels (flash_attention.cu's prefill attention,
-// gemm_wg.cu's decode GEMM).
+// the group fences, for every family with wgmma kernels (flash_attention_sm90.cu's prefill
+// attention).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Descriptor of a K-major operand in the 128-byte swizzle layout at shared address addr (the
-// layout: flash_attention.cu's wgmma section): 8-row groups 1024 bytes apart (the stride byte offset); the leading byte
+// layout: flash_attention_sm90.cu): 8-row groups 1024 bytes apart (the stride byte offset); the leading byte
 // offset is unused for this layout (1 by convention); swizzle mode 1 = 128 bytes.
 __device__ __forceinline__ unsigned long long wg_desc_sw128(unsigned addr) {
     return (unsigned long long)((addr & 0x3ffff) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |

@@ -8,10 +8,10 @@
 // merge through shared memory, and the block splits merge in-kernel: the last block to arrive on
 // the (token, group) counter merges all of them in split order (no combine kernel).
 //
-// Why the layout scales: the fixed form (decode_attention_fixed_* in attention.cu, 8 block splits
+// Why the layout scales: the fixed form (decode_attention_fixed_* below, 8 block splits
 // whatever the context) gives Llama-3-8B at batch 1 only 8 groups x 8 blocks = 64 blocks on 132
 // SMs, each warp walking 64 keys one dependent round trip after another at a 4096-key context:
-// 32.6 us for 16.8 MB of K/V (~0.5 TB/s; H200, one_kernel_decode_attention_timing at 7f5b63e).
+// 32.6 us for 16.8 MB of K/V (~0.5 TB/s on the H200).
 // Here a warp takes at least DA_SHORT_WARP_KEYS keys up to DA_SHORT_CONTEXT keys and
 // DA_MIN_WARP_KEYS above, and the block splits grow with the context up to DA_MAX_SPLITS
 // (ceil(limit / 32) up to 512 keys, ceil(limit / 64) up to 2048, then 32 with ceil(limit / 256)
@@ -42,11 +42,10 @@
 #define DA_MAX_SPLITS 32
 // Fewest keys a warp walks by default: DA_SHORT_WARP_KEYS for a token of up to DA_SHORT_CONTEXT
 // keys (256 keys: 8 block splits), DA_MIN_WARP_KEYS above (1024 keys: 16). Per call on an H200
-// (TIMING of cuda_ops decode_attention, dakeys_093c1a4.log), batch 1: 4 keys a warp against 8
-// took 7.22 / 8.13 us at 256 keys on Llama-3-8B (6.32 / 7.11 on Qwen3.5-27B) but 9.36 / 8.83 at
-// 1024 (12.80 / 9.07: 32 partials to merge). The kernels take the launch's `min_warp_keys`: 0
-// for this default, else that many at every context (NINFER_DA_MIN_WARP_KEYS, a tuning tool,
-// ops/decode_attention.rs).
+// (TIMING of cuda_ops decode_attention), batch 1: 4 keys a warp against 8 took 7.22 / 8.13 us
+// at 256 keys on Llama-3-8B (6.32 / 7.11 on Qwen3.5-27B) but 9.36 / 8.83 at 1024 (12.80 / 9.07:
+// 32 partials to merge). The kernels take the launch's `min_warp_keys`: 0 for this default,
+// else that many at every context (the op tests' other layouts, ops/decode_attention.rs).
 #define DA_MIN_WARP_KEYS 8
 #define DA_SHORT_WARP_KEYS 4
 #define DA_SHORT_CONTEXT 512

@@ -27,7 +27,7 @@
 // bank) from 128 consecutive bytes of global memory. (The no-swizzle layout, 8 x 8 core
 // matrices of 128 contiguous bytes, gave the same values at 185 TFLOP/s, with or without the
 // pipeline below, against 193 for the 128-key mma.sync kernel and 227 for this one; 8k-token
-// Llama-3-8B prompt, H200, benches/results/cuda_ops_flash_wgmma_*.log.)
+// Llama-3-8B prompt, H200.)
 // V arrives as [keys][d]. Compiled by NVRTC 13 (FA_WGMMA_DIRECT_V below), P V reads it as it is,
 // an N-major B operand, with P in the storage type; compiled by NVRTC 12, each warp transposes
 // its share into V^T (ldmatrix.trans, then stmatrix) in f16 and P is f16 (as in flash_body).
@@ -40,9 +40,9 @@
 
 // The direct form (FA_WGMMA_DIRECT_V 1) takes V as it arrives, as the N-major B operand of P V,
 // with P in the storage type (bf16 P, as FlashAttention and sdpa have it): no V^T, no transpose.
-// Measured on the H200 (8k-token Llama-3-8B attention): 1.678 ms (6e312fe) against 2.302 for
-// the transposing form (b99d499); the transposes alone were ~27% of that kernel (knocking out
-// only them gave 1.694; benches/results/flash_wgmma_knockouts_b99d499.txt). ptxas of CUDA 12.9
+// Measured on the H200 (8k-token Llama-3-8B attention): 1.678 ms against 2.302 for the
+// transposing form; the transposes alone were ~27% of that kernel (knocking out only them gave
+// 1.694). ptxas of CUDA 12.9
 // crashes (segfault) on the direct form, whatever sits in the loop, so NVRTC 12 compiles the
 // transposing form (V^T in f16, P in f16) and NVRTC 13 the direct one; CI compiles both
 // (.ci/compile-kernels).
@@ -239,7 +239,7 @@ __device__ __forceinline__ void stage_kv_sw128(store_t* ks, store_t* vs, const s
 // and thread-to-chunk map as stage_kv_sw128, with rows past kv_len zero-filled by cp.async (so
 // an mbarrier arrival after it covers the whole tile; no group is committed) and the address
 // arithmetic a row reduced to one wide multiply-add. Nsight Compute on the H200 (8k-token
-// d 128 attention; benches/results/ncu_flash_attention_d128_wgmma_ws_28f274c.txt) counted
+// d 128 attention) counted
 // half of the kernel's issued instructions in the producer when it ran stage_kv_sw128's ~75
 // instructions a row (64-bit products of the row index, the kv-head offset and the pointers
 // rebuilt for every row, each row's shared offset recomputed, an 8-byte spill): issue slots
@@ -522,21 +522,20 @@ __device__ __forceinline__ void flash_wgmma_body(
 // Warp-specialized wgmma prefill attention (flash_attention_d{128,256}_wgmma_ws, flash_wgmma_body's
 // tilings, the direct form, so NVRTC 13 only). flash_wgmma_body's warps stage K/V themselves and pass one block
 // barrier a tile, so both warpgroups exponentiate at the same time while the tensor cores idle
-// (docs/kernels.md, session 20: ~2.97 us a 128-key tile at 8k against ~1.5 for its wgmma
-// alone). Here, as in FlashAttention-3, a third warpgroup only copies: it fills three K/V
+// (~2.97 us a 128-key tile at 8k against ~1.5 for its wgmma alone). Here, as in FlashAttention-3, a third warpgroup only copies: it fills three K/V
 // buffers by cp.async and signals each through a "full" mbarrier (cp.async.mbarrier.arrive
 // .noinc: the arrival lands when the thread's copies have), and waits on the buffer's "empty"
 // mbarrier (one arrival a consumer warp, after its P V of that tile) before refilling it. The
 // two consumer warpgroups (64 query rows each) never meet at a block barrier: each waits for
 // its own tiles only, so they drift apart and one's softmax runs under the other's products.
 // The producer gives registers back (setmaxnreg: 56 a lane) so the consumers keep
-// flash_wgmma_body's 224 at 384 threads. Measured on the H200 (8k-token Llama-3-8B attention,
-// cuda_ops_flash_ws_d0e9008.log): 1.274 ms against 1.509 for flash_wgmma_body (432 against 364
-// TFLOP/s; 1.175 since the softmax's bare ex2, cuda_ops_flash_05fde09.log). Making the
+// flash_wgmma_body's 224 at 384 threads. Measured on the H200 (8k-token Llama-3-8B attention):
+// 1.274 ms against 1.509 for flash_wgmma_body (432 against 364 TFLOP/s; 1.175 since the
+// softmax's bare ex2). Making the
 // consumers take turns at the tensor cores (FlashAttention-3's "ping-pong", two named barriers)
 // measured the same (1.281 ms) and was dropped.
 // Per tile the arithmetic is flash_wgmma_body's, in the same order: the outputs are equal bit
-// for bit (the flash op tests require it of every case, tests/cuda_ops.rs `flash_case`).
+// for bit (the flash op tests require it of every case, rust_core/tests/cuda_ops.rs `flash_case`).
 #if FA_WGMMA_DIRECT_V
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -589,7 +588,7 @@ __device__ __forceinline__ int fa_kv_len(const int* __restrict__ token_pos, cons
 // other tilings, in fa_item's order, longest tiles first) from a counter in global memory until
 // none is left. Why: with a block a work item, every item began with its Q load and its first
 // K/V tiles in flight and nothing else on the SM, and ended with its output stores alone
-// (Nsight Compute, 8k d 128 at 85e27b4: 9% of the warp samples in those two phases, the Q
+// (Nsight Compute, 8k d 128: 9% of the warp samples in those two phases, the Q
 // load's long-scoreboard waits most of it). Here the producer stages the next item's tiles while
 // the consumers finish the current one, and the consumers load their next Q rows by cp.async
 // under the last tile's P V and the output stores. A static split of the items over the blocks

@@ -555,7 +555,7 @@ __device__ __forceinline__ void scan_body(const store_t* __restrict__ q, const s
 // and u, which every warp reads, keep the two block barriers per chunk.
 // With two blocks an SM (4 warps each) a chunk step is bound by instruction issue, so the
 // instruction count is what this form keeps down (1.48 -> 0.90 ms for the 27B shape's 8k scan
-// against its first version, the same bits: gdn_scan_ldsm_ab_14e0cdf.log):
+// against its first version, the same bits):
 //  - fragments by ldmatrix (ldsm_x4): W, M and the B operands (state, u) one instruction per
 //    four values; the state and u live transposed ([32][DK + 4], [32][C + 4]) as tf32 bits,
 //    rounded once when written instead of at every read;
@@ -933,8 +933,8 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
 
 // Eight-warp scan (sm_80+), `gdn_chunk_scan_wide_dk*`: the pipelined scan's products and
 // operand tiles, over twice the warps. The pipelined scan runs 4 warps a block, two blocks an
-// SM (the 27B shape's 192 blocks), and there a chunk step is one warp's serial chain: ncu at
-// 85e27b4 (ncu_prefill_kernels_85e27b4.txt) finds each warp issuing on 19% of its cycles and
+// SM (the 27B shape's 192 blocks), and there a chunk step is one warp's serial chain: Nsight
+// Compute finds each warp issuing on 19% of its cycles and
 // waiting on fixed-latency results, shared and global loads the rest, with two warps a
 // scheduler to cover each other. Here 8 warps split every product of a chunk step in half:
 //  - steps 1 and 3 (u = U - W S, o = e^G Q S + M u: 64 token rows x 32 value columns): warp w
@@ -953,7 +953,7 @@ __device__ __forceinline__ void scan_pipe_body(const store_t* __restrict__ q, co
 // instead of 32, and half the accumulators, so two 8-warp blocks fit an SM (launch bounds
 // 256, 2: at most 128 registers); shared memory 110 KiB at DK 128 (one K tile instead of four
 // per-warp column slices with their padding). 27B shape, 8k tokens: 0.758 ms against the
-// pipelined scan's 0.890 (docs/kernels.md).
+// pipelined scan's 0.890.
 #define CHW_THREADS 256
 #define CHW_WARPS (CHW_THREADS / 32)
 
@@ -1358,7 +1358,7 @@ __device__ __forceinline__ void prep_tc_body(const store_t* __restrict__ q, cons
     // rows are requested one block ahead (the first block of the thread's first value column
     // before its key column), so their latency hides under the substitution's FMAs. Loaded at
     // the point of use, they were the kernel's largest stall: 14% of Nsight Compute's warp
-    // samples on the four conversions right after the loads (ncu_gdn_chunk_prep_tc_dk128_28f274c.txt).
+    // samples on the four conversions right after the loads.
     store_t vn[16];
     auto load_v = [&](int jv, int b) {
         const store_t* vj = v + (long long)h * dv + (jv - DK);

@@ -1,7 +1,7 @@
 // Decode GEMV: y[M, N] = x[M, K] * W[N, K]^T for small M (1..8 rows of activations).
 // Decode is bound by reading the weights, so every weight byte is read exactly once, with
 // 16-byte loads coalesced across the warp: one warp owns C output columns (rows of W),
-// the block holds up to GEMV_WARPS such warps (the launcher's NINFER_CC_WARPS), and each lane
+// the block holds up to GEMV_WARPS such warps (the plan's `cc_warps`), and each lane
 // keeps M f32 partial sums that a warp reduction combines. x is small and served from L1/L2.
 // K must be a multiple of 8.
 // The route of every M on sm_7x and of M = 1 on sm_80+; from M = 2 sm_80+ runs the tensor-core
@@ -153,7 +153,7 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[C][M], void* __res
 // pairs; the warp owns pair n0, the two rows one rotation combines (qkv_pair_row), with the
 // same chains as gemv_m1's one row each, and ends as gemv_qkv_rope_store says.
 //
-// K split (`ksplit`, the launcher's NINFER_CC_KSPLIT: 1, 2, 4 or 8, dividing the block's warps):
+// K split (`ksplit`, the plan's `cc_ksplit`: 1, 2, 4 or 8, dividing the block's warps):
 // ksplit adjacent warps of a block share one warp's columns, warp part s of them taking the
 // lane's k-slices s, s + ksplit, ... (each load still 512 contiguous bytes a warp); each warp
 // reduces its lanes, and the group's part 0 adds the parts in order 0, 1, .. and stores. A warp
@@ -202,8 +202,8 @@ __device__ __forceinline__ void gemv_slice(const store_t* __restrict__ x, int k,
 // The lane's slices first, first + STEP, ... (STEP = 32 x ksplit vectors) four a step, their
 // weight loads at immediate offsets from one address, then the rest one at a time; slices in
 // ascending order either way, so the sums are the plain loop's bit for bit. The loop with a
-// runtime stride is not unrolled by the compiler since its loads became inline PTX (0b68c8f:
-// one slice in flight a lane; at batch 1 the Llama-3-8B decoded 0.8% slower than with the
+// runtime stride is not unrolled by the compiler since its loads became inline PTX (one slice
+// in flight a lane; at batch 1 the Llama-3-8B decoded 0.8% slower than with the
 // four-slice loop the compiler had made of the plain C++ loads), so the four are spelled out.
 template <int M, int C, int STEP>
 __device__ __forceinline__ void gemv_stream4(const store_t* __restrict__ x, int k, int k8, int first,
@@ -240,7 +240,7 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int part = warp % ksplit;
-    // Warps a block: the launcher's (NINFER_CC_WARPS, at most GEMV_WARPS), ksplit a column group.
+    // Warps a block: the plan's `cc_warps` (at most GEMV_WARPS), ksplit a column group.
     const int n0 = (blockIdx.x * ((blockDim.x >> 5) / ksplit) + warp / ksplit) * gemv_cols_per_warp<C, OUT>();
     const int k8 = k / 8;
     const vec8* wrow[C];
@@ -248,13 +248,13 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
     for (int c = 0; c < C; ++c)
         wrow[c] = reinterpret_cast<const vec8*>(w + gemv_weight_row<C, OUT>(c, n0, n_out, qr.half) * k);
     // The weights never depend on an earlier kernel, so under PDL (launch_pdl) the lane's
-    // first `prefetch` weight vectors (the launcher's depth, NINFER_CC_PREFETCH in
-    // ops/gemv_tuning.rs) can be fetched into L2 before waiting for the kernel that wrote x.
+    // first `prefetch` weight vectors (the plan's `cc_prefetch_vectors`) can be fetched into L2
+    // before waiting for the kernel that wrote x.
     // Measured in the model, none decodes fastest (the default 0): the early lines slow the
     // kernels still running more than they save. The loop below is unchanged (a register
     // preload that split it measured ~3% slower). Copying the first vectors into shared memory
-    // with cp.async before the wait did not help either (branch ccstage, docs/performance.md
-    // session 9): kept in flight through the whole row it decodes as fast as this loop, as a
+    // with cp.async before the wait did not help either: kept in flight through the whole row
+    // it decodes as fast as this loop, as a
     // prologue before this loop ~14% slower.
 #pragma unroll 4
     for (int p = 0; p < prefetch; ++p) {
@@ -273,8 +273,8 @@ __device__ __forceinline__ void gemv_body(const store_t* __restrict__ x,
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[c][m] = 0.0f;
     // Batch 1: four of the lane's slices a step (gemv_stream4) at every split the launcher
-    // takes (1 for the Qwen3.5-27B shapes, 2 for the Llama-3-8B ones, 4 and 8 as tuning
-    // settings). M > 1 keeps the one loop: the held weights of four slices would cost an M > 1
+    // takes (1 for the Qwen3.5-27B shapes, 2 for the Llama-3-8B ones, 4 and 8 where a device
+    // profile sets them). M > 1 keeps the one loop: the held weights of four slices would cost an M > 1
     // kernel its occupancy.
     const int first = lane + 32 * part;
     if (M == 1 && ksplit == 1) {
@@ -387,7 +387,7 @@ extern "C" __global__ void add_bias_to_storage(const float* y32, const store_t* 
 
 // round_f32_to_storage four values a thread through 16-byte accesses, for a 16-byte aligned y
 // (the launcher checks; the scalar loop took 32 us over the 64 x 128256 logits of a batch-64
-// decode step at 35ab5d2); the last n % 4 values by the first threads.
+// decode step); the last n % 4 values by the first threads.
 extern "C" __global__ void round_f32_to_storage_v4(float* y, long long n) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -169,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 // us, 1.86x a copy of its bytes (a 640-thread block per row: one load round trip, two block
 // barriers and the stores, per block); every chunk load of a row is issued here before the
 // first reduction (G a template constant), 2 G 16-byte loads a lane in flight: 91.8 us, 1.13x
-// (add_rmsnorm_rows_00dfd20.log; 255 registers at G = 20, no spills).
+// (255 registers at G = 20, no spills).
 template <int G>
 __device__ __forceinline__ void add_rmsnorm_rows_body(store_t* __restrict__ residual,
                                                       const store_t* __restrict__ x,

@@ -91,7 +91,7 @@ extern "C" __global__ void argmax_logsumexp(const float* __restrict__ logits, in
 
 typedef unsigned long long u64;
 
-// Header words of one row in the params buffer (see rust_core/src/model/cuda_sampler.rs).
+// Header words of one row in the params buffer (see rust_core/src/backend/cuda/ops/sampling_pack.rs).
 enum {
     P_SRC_ROW = 0, P_FLAGS, P_TOP_K, P_N_TOP, P_TEMP, P_TOP_P, P_MIN_P, P_REP, P_PRES, P_FREQ,
     P_U_LO, P_U_HI, P_BIAS_OFF, P_BIAS_N, P_PEN_OFF, P_PEN_N, P_MASK_OFF

@@ -386,8 +386,8 @@ fn causal_conv1d_prefill_timing_against_a_copy_of_its_bytes() {
 /// writes (x and the residual read, the residual and the normed rows written). A figure first:
 /// the profile of a 27B 16-layer 8k prefill put it at 148 us a call (under PDL, whose waits
 /// the profiler counts); alone on the H200 151.5 us, 1.86x (8B shape 86.9 us, 1.30x) with a
-/// block a row, 91.8 us, 1.13x (8B 74.5 us, 1.13x) with a warp a row (`add_rmsnorm_rows_g*`,
-/// add_rmsnorm_rows_00dfd20.log). Bound 1.5x: the block-per-row form fails it.
+/// block a row, 91.8 us, 1.13x (8B 74.5 us, 1.13x) with a warp a row (`add_rmsnorm_rows_g*`).
+/// Bound 1.5x: the block-per-row form fails it.
 #[test]
 fn add_rmsnorm_prefill_timing_against_a_copy_of_its_bytes() {
     let Some(dev) = gpu("add_rmsnorm timing", StorageDType::Bf16) else { return };
@@ -499,7 +499,7 @@ fn linear_routes_by_m_and_matches_reference() {
 
 /// Row r of an M-row GEMV must be bit-identical to the one-row GEMV of that row, for every
 /// M the kernel serves and both output types, in each batch-invariant form (one kernel for
-/// every M: `Simt`, and `TensorCores` from sm_80 on; `NINFER_BATCH_INVARIANT` picks the latter):
+/// every M: `Simt`, and `TensorCores` from sm_80 on; `CudaOptions::batch_invariant` picks the latter):
 /// the batch == alone guarantee of decode.
 #[test]
 fn multi_row_gemv_rows_equal_single_row_gemv_bitwise() {
@@ -929,7 +929,7 @@ fn flash_tol(st: StorageDType, tile: FlashTile) -> f32 {
     match (st, tile) {
         // Built by NVRTC 13, the wgmma tiling multiplies P V with P in bf16 (as FlashAttention
         // and sdpa do; the other tilings round P to f16): bound 3.9e-3 above, 3.03e-3 measured
-        // on a 128-token case (cuda_ops_flash_wgmma_direct_v_*.log); the issue allows 1e-2.
+        // on a 128-token case; 1e-2 is allowed.
         (StorageDType::Bf16, FlashTile::Rows128Wgmma | FlashTile::Rows128WgmmaWs) => 6e-3,
         (StorageDType::Bf16, _) => 3e-3,
         (StorageDType::F16, _) => 2e-3,
@@ -1352,10 +1352,9 @@ fn gdn_chunked_matches_recurrent_reference_from_nonzero_state() {
 /// one 8192-token sequence (128 chunks): each tensor-core scan form against the recurrent
 /// kernel from a nonzero state, the eight-warp form bit for bit against the pipelined one,
 /// then the scan alone timed per form. The pipelined scan must be faster than the plain
-/// tensor-core one by 5x at least (9.0 against 0.90 ms on the H200, gdn_scan_ldsm_ab_14e0cdf.log;
-/// its first version, 1.48 ms, would pass), and the eight-warp scan faster than the pipelined
-/// one (0.737 against 0.861 ms, cuda_ops_20a5dd2.log; its first version, 0.976 against 0.905,
-/// failed: gdn_scan_wide_be8043d.log).
+/// tensor-core one by 5x at least (9.0 against 0.90 ms on the H200; its first version, 1.48 ms,
+/// would pass), and the eight-warp scan faster than the pipelined one (0.737 against 0.861 ms;
+/// its first version, 0.976 against 0.905, failed).
 #[test]
 fn gdn_chunked_scan_forms_timing_at_27b_shape_agree_and_eight_warps_are_fastest() {
     let st = StorageDType::Bf16;

@@ -212,7 +212,7 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
 /// Per-call time of the scaled decode attention against the fixed-split form, at
 /// the Llama-3-8B and Qwen3.5-27B attention shapes, batch 1, 2, 4 and 8, contexts 256 to 16384
 /// (distinct K and V caches, every token at the full context). Prints one TIMING line per case;
-/// benches/results/*timing* logs and performance.md quote them.
+/// `DECODE_SCALED_MAX_TOKENS` (ops/decode_attention.rs) cites them.
 #[test]
 fn scaled_decode_attention_timing() {
     let Some(dev) = gpu("decode_attention_timing", StorageDType::Bf16) else { return };

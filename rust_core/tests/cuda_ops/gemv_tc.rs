@@ -346,7 +346,7 @@ pub(super) fn times_ms(dev: &CudaDevice, filler: &mut dyn FnMut(), launches: usi
 /// token), against the rate of a 1 GB device-to-device copy (read + write bytes). One line per
 /// (shape, M), then per shape the instance with the highest M = 1 rate, the one with the least
 /// time over M = 1, 2, 4, 8, and the latter among the default's warps count (bit-identical
-/// results), each against the default: the cold-L2 starting point of `GEMV_TC_RULES` (the M = 1 column is now set from in-model decode, benches/gemv_variants.sh).
+/// results), each against the default: the cold-L2 starting point of `GEMV_TC_RULES` (the M = 1 column is now set from in-model decode).
 #[test]
 #[ignore]
 fn report_gemv_tc_sweep() {

@@ -4,13 +4,11 @@
 //!
 //! Rows are padded to a few buckets (`padded_rows`) where the buffers hold them: on Hopper,
 //! cuBLAS 12.8+ / 13 runs generated `nvjet` kernels whose tile follows M in steps of 8, and each
-//! costs ~4 ms the first time a process runs it (benches/diag_cublas_first_use.py,
-//! results/cublas_first_use_82df186.log: the first call at M = 100, 117, 200 paid 3.5-6 ms a
-//! shape; M = 104 and 1608 reused the kernels of 100 and 1601 and paid nothing;
+//! costs ~4 ms the first time a process runs it (the first call at M = 100, 117, 200 paid
+//! 3.5-6 ms a shape; M = 104 and 1608 reused the kernels of 100 and 1601 and paid nothing;
 //! CUDA_MODULE_LOADING=EAGER does not remove it). Unpadded, every new token count of a prefill
-//! or mixed step met new kernels (an 8B prefill paid 10-24 ms more the first time;
-//! results/first_use_8b_82df186.log); padded, the buckets are few and `CudaModel` runs them all
-//! once at startup (`warm_gemm_kernels`).
+//! or mixed step met new kernels (an 8B prefill paid 10-24 ms more the first time); padded,
+//! the buckets are few and `CudaModel` runs them all once at startup (`warm_gemm_kernels`).
 
 use std::ffi::c_void;
 

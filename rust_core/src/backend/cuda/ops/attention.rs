@@ -1,7 +1,7 @@
 //! Paged attention launchers (cuda/attention.cu): KV cache write, one attention kernel for
-//! decode and prefill with optional split-K (flash decoding) and its combine, the fixed-split
-//! one-kernel decode form (decode batches of 3+ tokens, ops/decode_attention.rs) and the
-//! two-kernel decode baseline.
+//! decode and prefill with optional split-K (flash decoding) and its combine, the names and
+//! sizes of the fixed-split decode form (its kernels are decode_attention.cu's, launched from
+//! ops/decode_attention.rs) and the two-kernel decode baseline.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 

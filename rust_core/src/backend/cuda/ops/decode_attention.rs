@@ -145,8 +145,7 @@ pub const TC_DIRECT_BLOCKS_PER_SM: usize = 2;
 /// tokens and kv heads as fit TC_DIRECT_BLOCKS_PER_SM blocks on each of `sms` SMs in one wave
 /// (rounded down: a few blocks past the wave cost a second one), within 1..=DECODE_MAX_SPLITS
 /// (a token's splits are `tc_direct_split_keys`). Why by launch, not by context alone: per call
-/// on an H200 (Llama-3-8B shape, benches/results/cuda_ops_tc_direct_timing_1ab5e8a.log, 132
-/// SMs) the fastest setting held ~256 blocks at every batch: batch 1 32 splits a token (16 took
+/// on an H200 (Llama-3-8B shape, 132 SMs) the fastest setting held ~256 blocks at every batch: batch 1 32 splits a token (16 took
 /// 1.27x at 16k keys, 1.37x at 32k), batch 2 16, 4 8, 16 2 (3 took 1.25x at 1k keys, 1.23x at
 /// 4k), 32 1 (2 took 1.23x at 1k); 9 splits at batch 4 (288 blocks) took 1.12x of 5 at 16k keys.
 /// The token count is taken at its decode-graph bucket (`decode_bucket`): a graph launches its
@@ -199,8 +198,7 @@ fn tc_direct_kernel_name(d: usize) -> &'static str {
 }
 
 /// Most query tokens a decode launch runs the scaled form for by default. Measured on an H200
-/// (TIMING lines of cuda_ops decode_attention, benches/results/attnsplit_timing_e27b4e8.log,
-/// scaled / fixed per call): at batch 1, 0.48x at 4096 keys and 0.32x at 16384 (Llama-3-8B;
+/// (TIMING lines of cuda_ops decode_attention, scaled / fixed per call): at batch 1, 0.48x at 4096 keys and 0.32x at 16384 (Llama-3-8B;
 /// Qwen3.5-27B 0.80x / 0.44x), within noise at 256 keys on the 8B (1.13x, +0.9 us, on the 27B);
 /// batch 2 0.59-0.88x at every context of both shapes; batch 4 mixed (1.17-1.21x at 1-4k keys
 /// on the 8B); batch 8 1.13-1.23x at 1-4k keys: there the fixed grid (64 blocks a token on the
@@ -224,8 +222,8 @@ impl DecodeAttentionRoute {
     /// tensor-core one where it fits; else the scaled one up to DECODE_SCALED_MAX_TOKENS and
     /// the fixed one above.
     /// Why the direct form: per call on the Llama-3-8B shape (H200) 0.42-0.84x the scaled /
-    /// fixed forms' time at batch 1-8 and 1-32k keys and 0.64-0.83x the staged tensor-core
-    /// form's at batch 16-64; in the model batch-1 decode at a 32k context +14%, c = 4 / 8
+    /// fixed forms' time at batch 1-8 and 1-32k keys and 0.64-0.83x the (removed) staged
+    /// tensor-core form's at batch 16-64; in the model batch-1 decode at a 32k context +14%, c = 4 / 8
     /// +6.8% / +9.3%, c = 64 +5.0%; on Qwen3.5-27B (head size 256) batch-1 decode at a 32k
     /// context +3.1%, at 1k -0.35%, c = 8 / 64 +1.5% / +2.1%.
     pub fn form(&self, tokens: usize, shape: &PagedAttentionShape) -> DecodeAttentionForm {

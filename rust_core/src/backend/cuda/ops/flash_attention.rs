@@ -24,7 +24,7 @@ pub enum FlashTile {
     /// crosses L2 once per 128 rows instead of 64). Needs 132 KiB (d 256) or 102 KiB (d 128) of
     /// shared memory a block: sm_80 and sm_90, not sm_86/sm_89 (99 KiB). At d 128 a block takes 182 registers a lane (166 before the unmasked-tile branch), one block (8 warps) an SM
     /// against the 64-row kernel's three (12 warps), and still wins: Llama-3-8B prefill at
-    /// 2k / 8k / 32k +7% / +11% / +28% on the H200 (docs/performance-history.md, session 10).
+    /// 2k / 8k / 32k +7% / +11% / +28% on the H200.
     Rows128Async,
     /// Head size 128: as Rows128Async with K/V tiles of 128 keys instead of 64 (half the
     /// barriers, softmax rescales and staging waits per key; 234 registers a lane at sm_90a (NVRTC 12.9), no spills;
@@ -35,7 +35,7 @@ pub enum FlashTile {
     /// tiles filled by cp.async (128 keys at d 128, 32 at d 256 where O alone takes 128
     /// registers a lane); P V of one tile overlaps the scores of the next. Built by NVRTC 13,
     /// P V reads V in place (three K/V buffers); by NVRTC 12, from two f16 V^T tiles (two K/V
-    /// buffers). Either way 225 / 193 KiB of shared memory a block (flash_attention.cu).
+    /// buffers). Either way 225 / 193 KiB of shared memory a block (flash_attention_sm90.cu).
     Rows128Wgmma,
     /// Rows128Wgmma at d 128 and d 256, warp-specialized (flash_wgmma_ws_body): a third warpgroup only
     /// stages K/V (three buffers, "full" / "empty" mbarriers) and the two consumer warpgroups

@@ -23,7 +23,7 @@ use crate::{NinferError, Result};
 /// (`kernel`, `CudaDevice::gemv_kernel`: the fused kernel's sums are `gemv_m1`'s, so a weight
 /// that runs on tensor cores would change bits), full rotary, K a multiple of 8 (16-byte loads).
 /// The model adds what depends on its layout (q, k, v packed with nothing between q and k, no
-/// q/k norm) and its switch.
+/// q/k norm) and the plan's `fused_rope`.
 pub fn qkv_rope_fits(kernel: GemvKernel, rows: usize, head_dim: usize, rotary_dim: usize, k: usize) -> bool {
     kernel == GemvKernel::CudaCores && rows == 1 && rotary_dim == head_dim && head_dim > 0 && k.is_multiple_of(8)
 }

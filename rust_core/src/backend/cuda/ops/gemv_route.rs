@@ -18,7 +18,7 @@ pub const GEMV_MAX_M: usize = 8;
 /// cuBLAS picks its algorithm (and summation order) by M, which would break that. Both GEMV
 /// kernels keep it on their own; `GemvForm::ByShape` mixes them by M (faster at batch 1) and so
 /// gives it up unless the plan is batch invariant (plan/defaults.rs). Measured on
-/// the H200 at 14336x4096 bf16 (benches/results/perf_ops_71d15e5.log): SIMT GEMV 3.70 / 3.33 /
+/// the H200 at 14336x4096 bf16: SIMT GEMV 3.70 / 3.33 /
 /// 2.68 / 1.15 TB/s at M = 1 / 2 / 4 / 8 against cuBLAS 3.74 / 3.56 / 3.83 / 3.84.
 pub const GEMV_ROUTE_MAX_M: usize = GEMV_MAX_M;
 
