@@ -109,6 +109,8 @@ impl PyModel {
     /// each prompt is prefilled in a step of its own, then every decode step runs all
     /// sequences together (one token each). Returns (tokens `[n][steps]`, float32 logits
     /// `[steps, n, vocab]` of every decode step, decode graphs the model holds at the end).
+    /// A test hook, compiled with the `testing` feature (which the extension's build turns on).
+    #[cfg(feature = "testing")]
     fn decode_greedy<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>, steps: usize) -> PyResult<(Vec<Vec<u32>>, Bound<'py, PyArray3<f32>>, usize)> {
         if prompts.iter().any(|p| p.is_empty()) {
             return Err(NinferError::EmptyPrompt).py();
