@@ -105,25 +105,49 @@ pub enum PrepForm {
     TensorCores,
 }
 
+/// The scan of each key head size the chunked kernels take, chosen once per device by the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnScanForms {
+    /// For key heads of 64.
+    pub dk64: ScanForm,
+    /// For key heads of 128.
+    pub dk128: ScanForm,
+}
+
+impl GdnScanForms {
+    /// The default scans of a device of compute capability major `cc_major` whose blocks may opt
+    /// into `smem_optin` bytes: tensor cores from sm_80 on, the eight-warp form where its shared
+    /// memory fits (every sm_80+ part that runs the chunked kernels), else the pipelined one.
+    pub fn for_device(cc_major: u32, smem_optin: usize) -> GdnScanForms {
+        let form = |dk: usize| {
+            if cc_major < 8 {
+                ScanForm::Simt
+            } else if wide_smem_bytes(dk) <= smem_optin {
+                ScanForm::Wide
+            } else if pipe_smem_bytes(dk) <= smem_optin {
+                ScanForm::Pipelined
+            } else {
+                ScanForm::TensorCores
+            }
+        };
+        GdnScanForms { dk64: form(64), dk128: form(128) }
+    }
+
+    /// The scan for key head size `dk` (the 128 kernels serve every size but 64).
+    pub fn for_dk(&self, dk: usize) -> ScanForm {
+        if dk == 64 { self.dk64 } else { self.dk128 }
+    }
+}
+
 impl CudaDevice {
     /// The prep `gdn_chunked` runs here: the plan's (tensor cores from sm_80 on).
     pub fn gdn_prep_form(&self) -> PrepForm {
         self.plan().gdn_prep
     }
 
-    /// The scan `gdn_chunked` runs here for key head size `dk`: tensor cores from sm_80 on,
-    /// the eight-warp form where its shared memory fits (every sm_80+ part that runs the
-    /// chunked kernels), else the pipelined one.
+    /// The scan `gdn_chunked` runs here for key head size `dk`: the plan's (`GdnScanForms`).
     pub fn gdn_scan_form(&self, dk: usize) -> ScanForm {
-        if self.compute_capability().0 < 8 {
-            ScanForm::Simt
-        } else if wide_smem_bytes(dk) <= self.smem_optin() {
-            ScanForm::Wide
-        } else if pipe_smem_bytes(dk) <= self.smem_optin() {
-            ScanForm::Pipelined
-        } else {
-            ScanForm::TensorCores
-        }
+        self.plan().gdn_scan.for_dk(dk)
     }
 
     /// Whether `gdn_chunked` runs the chunked kernels for key head size `dk` here: the scan

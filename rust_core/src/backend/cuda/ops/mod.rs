@@ -36,7 +36,7 @@ pub use decode_attention::{
 };
 pub use flash_attention::{flash_tile_for, FlashTile};
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
-pub use gdn_chunked::{PrepForm, ScanForm};
+pub use gdn_chunked::{GdnScanForms, PrepForm, ScanForm};
 pub use gemv_qkv_rope::{qkv_rope_fits, qkv_rope_launch};
 pub use gemv_route::{gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, gemv_tc_config_in, GemvForm, GemvKernel, GemvLaunch, GemvTcConfig, GemvTcRule, GEMV_MAX_M, GEMV_ROUTE_MAX_M, GEMV_WARPS};
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! what each route computes and why it won.
 
 use super::{DeviceFacts, ModelShape, Plan};
-use crate::backend::cuda::ops::{DecodeAttentionRoute, GemvForm, GemvTcConfig, GemvTcRule, PrepForm};
+use crate::backend::cuda::ops::{DecodeAttentionRoute, GdnScanForms, GemvForm, GemvTcConfig, GemvTcRule, PrepForm};
 use crate::config::CudaOptions;
 
 /// Shorthand for the instance table.
@@ -114,6 +114,7 @@ pub fn default_plan(facts: &DeviceFacts, model: ModelShape, options: &CudaOption
         prefill_warp_specialized: crate::backend::cuda::kernels::has_sm90a_code(facts.compute_capability.0, facts.compute_capability.1)
             && facts.nvrtc_major >= 13,
         gdn_prep: if major >= 8 { PrepForm::TensorCores } else { PrepForm::Simt },
+        gdn_scan: GdnScanForms::for_device(major, facts.smem_optin),
         fused_rope: true,
         // The griddepcontrol instructions are sm_90+ (older devices would ignore the attribute).
         pdl: major >= 9,

@@ -12,7 +12,7 @@ mod tests;
 pub use defaults::{default_cc_ksplit, default_cc_warps, default_plan, CC_KSPLIT_MAX_HIDDEN, CC_PREFETCH_VECTORS, GEMV_TC_RULES, TC_PREFETCH_STEPS};
 pub use profile::{DeviceProfile, PlanOverrides, PROFILE_VERSION};
 
-use crate::backend::cuda::ops::{DecodeAttentionRoute, GemvForm, GemvTcRule, PrepForm};
+use crate::backend::cuda::ops::{DecodeAttentionRoute, GdnScanForms, GemvForm, GemvTcRule, PrepForm};
 use crate::config::CudaOptions;
 use crate::Result;
 
@@ -61,6 +61,8 @@ pub struct Plan {
     pub prefill_warp_specialized: bool,
     /// The chunked GDN's prep form.
     pub gdn_prep: PrepForm,
+    /// The chunked GDN's scan form per key head size.
+    pub gdn_scan: GdnScanForms,
     /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
     /// where the layer's layout allows it (`qkv_rope_fits`).
     pub fused_rope: bool,

@@ -236,3 +236,18 @@ fn a_bad_profile_is_an_error_naming_the_file_and_the_field() {
     let e = Plan::build(&facts((9, 0), 132, 232448, 13), ModelShape::default(), &CudaOptions { profile: Some("/nonexistent/p.json".into()), ..Default::default() }).unwrap_err().to_string();
     assert!(e.contains("/nonexistent/p.json") && e.contains("cannot be read"), "{e}");
 }
+
+#[test]
+fn the_gdn_scan_form_is_the_plans_per_key_head_size_as_the_shared_memory_allows() {
+    use crate::backend::cuda::ops::ScanForm::{Simt, TensorCores, Wide};
+    // The eight-warp scan needs 71,680 B (dk 64) / 112,640 B (dk 128) of shared memory: sm_80
+    // and sm_90 take it for both, the 99 KiB parts at dk 64 only (dk 128 falls to the plain
+    // tensor-core scan: the pipelined one needs 114,688 B), and below sm_80 the scan runs on
+    // CUDA cores.
+    let want = [Simt, Simt, Wide, Wide, Wide, Wide, Wide];
+    let want128 = [Simt, Simt, Wide, TensorCores, TensorCores, Wide, TensorCores];
+    for (i, (cc, sms, smem)) in ARCHES.into_iter().enumerate() {
+        let plan = default_plan(&facts(cc, sms, smem, 13), ModelShape::default(), &CudaOptions::default());
+        assert_eq!((plan.gdn_scan.for_dk(64), plan.gdn_scan.for_dk(128)), (want[i], want128[i]), "sm_{}{}", cc.0, cc.1);
+    }
+}
