@@ -8,10 +8,6 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-/// The decode buckets under their former path, which `backend::cuda::ops::decode_attention`
-/// sizes its scratch by.
-#[cfg(feature = "cuda")]
-pub(crate) use cuda::graphs as cuda_graphs;
 pub mod kv_dtype;
 pub mod logits_dtype;
 pub mod names;

@@ -152,7 +152,7 @@ pub const TC_DIRECT_BLOCKS_PER_SM: usize = 2;
 /// bucket's rows and an eager step its batch's, and both must give the same bits
 /// (turning CUDA graphs off changes no value).
 pub fn tc_direct_splits(tokens: usize, n_kv_heads: usize, sms: usize) -> usize {
-    let rows = crate::model::cuda_graphs::decode_bucket(tokens.max(1));
+    let rows = crate::model::cuda::graphs::decode_bucket(tokens.max(1));
     ((TC_DIRECT_BLOCKS_PER_SM * sms) / (rows * n_kv_heads.max(1))).clamp(1, DECODE_MAX_SPLITS)
 }
 
@@ -483,7 +483,7 @@ mod tests {
         // Never more blocks than one wave (but for the floor of one split a token).
         for sms in [46, 108, 132] {
             for t in 1..=64 {
-                let rows = crate::model::cuda_graphs::decode_bucket(t);
+                let rows = crate::model::cuda::graphs::decode_bucket(t);
                 let splits = tc_direct_splits(t, 8, sms);
                 assert!(splits == 1 || rows * 8 * splits <= TC_DIRECT_BLOCKS_PER_SM * sms, "{sms} SMs, {t} tokens");
             }
