@@ -218,7 +218,8 @@ class AsyncEngine:
         """Load the model (off the event loop), start the engine thread and the output pump.
 
         `engine_kwargs` are `_core.Engine`'s (and `LLM`'s): max_context, kv_capacity,
-        max_concurrency, prefill_chunk, prefix_reuse, num_threads, logits_dtype, kv_dtype.
+        max_concurrency, prefill_chunk, prefix_reuse, num_threads, logits_dtype, kv_dtype, and the
+        engine options async_scheduling, cuda_graphs, batch_invariant, device_sampling, device_profile.
         `core` injects an already-built engine object with the `_core.Engine` interface (tests).
         """
         if core is None:
