@@ -3,8 +3,9 @@
 Qwen3 writes `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder writes
 `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`.
 The streaming parser passes ordinary text through as content (holding back a tail that could
-start `<tool_call>`) and streams each call as OpenAI `tool_calls` delta items: the first carries
-the index, id and name, later ones argument fragments as the model writes them.
+start `<tool_call>` and the whitespace before it: whitespace next to a call is dropped) and
+streams each call as OpenAI `tool_calls` delta items: the first carries the index, id and name,
+later ones argument fragments as the model writes them.
 
 A call's `arguments` string is by definition the concatenation of its fragments, and every
 decision depends only on the text read so far, so any chunking of the same output (a stream or
@@ -18,6 +19,10 @@ one whole response) yields the same calls. The arguments are:
 - any other body (another key order, arguments as a string, text before `<function=`): read
   whole when `</tool_call>` arrives and sent as one item, normalised by `json.dumps`; a body that
   is no call at all stays content.
+Within one `feed`, a call's fragments are merged into one item, so only the first item can lack an
+id: it continues the call that was open before; content of the same feed comes after it in the
+text and, but for text between two calls that both begin in that feed, before the items with ids
+(the order a consumer that opens a block per part needs).
 `</tool_call>` ends a call wherever it appears. Once a call's name is out it stays a call: output
 that ends (max_tokens) inside JSON arguments leaves them cut short, as OpenAI does; XML arguments
 are closed where the call ends.
