@@ -34,6 +34,7 @@ SAMPLES = [
     '<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx\n</function>\n</tool_call>',
     '<tool_call>\n{"name": "cut", "arguments": {"a": "unfinished',
     "<tool_call>\n<function=run>\n<parameter=cmd>\nunfinished",
+    "<tool_call><function=f><parameter=a</function><parameter=b>1</parameter></tool_call>",
 ]
 
 
@@ -161,6 +162,10 @@ def test_malformed_tool_call_is_kept_as_content():
     assert stream_tools(text, 1) == (text, [])
     # The whitespace before a block that is no call stays with it.
     assert parse_tool_calls(SAMPLES[4]) == (SAMPLES[4], [])
+
+
+def test_an_xml_function_ends_at_its_first_close_tag():
+    assert without_ids(parse_tool_calls(SAMPLES[10])[1]) == [("f", "{}")]
 
 
 def test_other_json_layouts_are_read_whole_at_the_close_tag():

@@ -255,7 +255,7 @@ class ToolCallParser:
         """Consume what is certain of `avail` (the call's text read so far, a possible close tag
         held back) in the current mode; returns how many characters were used."""
         if self.mode == "head":
-            return self._head(avail, ended)
+            return self._head(avail)
         if self.mode == "json":
             return self._json(avail)
         if self.mode == "xml":
@@ -264,7 +264,8 @@ class ToolCallParser:
             return len(avail)
         return 0  # whole: waits for the end of the call
 
-    def _head(self, avail: str, ended: bool) -> int:
+    def _head(self, avail: str) -> int:
+        """Wait until the body shows a call of either format (then start it) or shows it is neither."""
         s = avail.lstrip()
         if not s:
             return 0
@@ -354,7 +355,7 @@ class ToolCallParser:
             return f + len(_FUNCTION_END)
         if p >= 0:
             m = _PARAMETER_HEAD.match(avail, p)
-            if m is not None:
+            if m is not None and (f < 0 or m.end() <= f):  # the function ends at its first </function>
                 self.param = m.group(1)
                 self._emit((", " if self.nparams else "") + json.dumps(self.param, ensure_ascii=False) + ": ")
                 self.nparams += 1
