@@ -151,6 +151,19 @@ def test_streamed_qwen3_coder_xml_arguments_join_to_the_whole_ones(client):
     assert joined_tool_calls(chunks) == whole
 
 
+def test_a_call_cut_by_max_tokens_keeps_the_arguments_written_streaming_and_not(client):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "say:" + call}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    # <tool_call> is one token, then a byte a token: 45 tokens end inside the city.
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=45)
+    assert r.choices[0].finish_reason == "length"
+    [tc] = r.choices[0].message.tool_calls
+    assert (tc.function.name, tc.function.arguments) == ("get_weather", '{"city": "Pari')
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=45, stream=True))
+    assert joined_tool_calls(chunks) == [(0, "get_weather", '{"city": "Pari')]
+
+
 def test_a_tool_call_inside_the_reasoning_is_no_call_streaming_and_not(client):
     text = '<think>\nmaybe <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n</think>\n\nNo.'
     msgs = [{"role": "user", "content": "say:" + text}]
