@@ -314,6 +314,8 @@ class ToolCallParser:
         return len(avail)
 
     def _xml(self, avail: str, ended: bool) -> int:
+        """Inside `<function=...>`: a parameter value up to the tag that ends it (a string's text as it
+        comes, its trailing newlines held since the value is stripped of them), or the text between."""
         if not self.in_value:
             return self._between(avail, ended)
         ends = [(avail.find(t), t) for t in _VALUE_ENDS]
