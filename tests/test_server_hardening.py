@@ -18,7 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ninfer.server.app import build_app
 from ninfer.server.metrics import parse_metrics
+from ninfer.server.protocol import ServerDefaults
+from ninfer.server.state import ServerState
 from server_process import ServerProcess
 
 DEMO = Path(__file__).resolve().parents[1] / "python" / "ninfer" / "demo" / "model"
@@ -58,6 +61,34 @@ def test_unknown_anthropic_role_is_a_400_naming_it(server):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "wizard", "content": "abracadabra"}]}
     r = httpx.post(server.url + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 400 and "wizard" in r.text, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize("sent", [[], [b'{"messages": [']])
+def test_a_client_leaving_before_or_while_its_body_is_read_is_a_quiet_client_cancel(path, sent):
+    """At the ASGI level: the app returns normally (uvicorn logs an exception that escapes it at
+    error level) and counts the cancel, whether no byte or part of the body arrived."""
+    state = ServerState(ServerDefaults(model_id=MODEL))
+
+    async def never_loads():
+        await asyncio.sleep(3600)
+
+    app = build_app(state, never_loads)
+    messages = [{"type": "http.request", "body": b, "more_body": True} for b in sent] + [{"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0) if len(messages) > 1 else messages[0]
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert state.metrics.client_cancels == {"body": 1, "response": 0}
+    assert 'ninfer_client_cancels_total{stage="body"} 1' in state.metrics.render({})
 
 
 def _request(path: str, body: dict) -> tuple:
@@ -124,6 +155,8 @@ def test_disconnect_storm_leaves_nothing_running_and_logs_no_error(server):
     assert m[body_key] - before[body_key] == early, "every client that left before its body was read is a cancel"
     response_key = 'ninfer_client_cancels_total{stage="response"}'
     assert 0 < m[response_key] - before[response_key] <= len(plan) - early
+    abort_key = 'ninfer_requests_total{finish_reason="abort"}'
+    assert 0 < m.get(abort_key, 0) - before.get(abort_key, 0) <= len(plan) - early, "requests left mid-generation"
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
