@@ -150,13 +150,16 @@ def test_disconnect_storm_leaves_nothing_running_and_logs_no_error(server):
     assert settled == (0, 0, 0), f"running, waiting, KV blocks in use after the storm: {settled}"
     errors = ERROR_LINE.findall(server.log())
     assert not errors, server.log()[-4000:]
-    early = sum(1 for kind, *_ in plan if kind in ("headers_only", "mid_body"))
+    early = [reset for kind, *_, reset in plan if kind in ("headers_only", "mid_body")]
     body_key = 'ninfer_client_cancels_total{stage="body"}'
-    assert m[body_key] - before[body_key] == early, "every client that left before its body was read is a cancel"
+    # A reset may reach the server before it read the request's headers (the kernel then drops
+    # them, and no request exists); a close always comes after them.
+    closed = early.count(False)
+    assert closed <= m[body_key] - before[body_key] <= len(early), "a client that left before its body was read"
     response_key = 'ninfer_client_cancels_total{stage="response"}'
-    assert 0 < m[response_key] - before[response_key] <= len(plan) - early
+    assert 0 < m[response_key] - before[response_key] <= len(plan) - len(early)
     abort_key = 'ninfer_requests_total{finish_reason="abort"}'
-    assert 0 < m.get(abort_key, 0) - before.get(abort_key, 0) <= len(plan) - early, "requests left mid-generation"
+    assert 0 < m.get(abort_key, 0) - before.get(abort_key, 0) <= len(plan) - len(early), "requests left mid-generation"
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
