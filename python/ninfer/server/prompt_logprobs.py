@@ -28,8 +28,10 @@ def prompt_logprob_entries(logits, token_ids: list, top: int) -> list:
         chosen = lp[np.arange(len(rows)), targets]
         k = min(top, lp.shape[1])
         best = np.argpartition(-lp, k - 1, axis=1)[:, :k] if k else np.zeros((len(rows), 0), dtype=np.int64)
-        for r in range(len(rows)):
-            ranked = sorted(best[r].tolist(), key=lambda t: (-lp[r, t], t))
-            out.append({"token_id": int(targets[r]), "logprob": float(chosen[r]),
-                        "top": [(t, float(lp[r, t])) for t in ranked]})
+        values = np.take_along_axis(lp, best, axis=1)
+        order = np.lexsort((best, -values), axis=-1)
+        best_ids = np.take_along_axis(best, order, axis=1).tolist()
+        best_lps = np.take_along_axis(values, order, axis=1).tolist()
+        for token, logprob, ids_r, lps_r in zip(targets.tolist(), chosen.tolist(), best_ids, best_lps):
+            out.append({"token_id": token, "logprob": logprob, "top": list(zip(ids_r, lps_r))})
     return out
