@@ -9,12 +9,15 @@ first token's null.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from ninfer.server.prompt_logprobs import prompt_logprob_entries
 from server_process import ServerProcess
 
 DEMO = Path(__file__).resolve().parents[1] / "python" / "ninfer" / "demo" / "model"
@@ -165,3 +168,42 @@ def test_max_tokens_0_needs_echo(server):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "max_tokens" and says in err["message"], err
+
+
+def test_scoring_a_long_prompt_leaves_the_event_loop_free(server):
+    """The forward runs on the engine thread and the log-softmax on a worker thread: /health
+    answers meanwhile."""
+    ids = [(i * 7919) % 5000 + 10 for i in range(1000)]
+    done = {}
+
+    def send():
+        t = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True,
+                                                             "logprobs": 5, "max_tokens": 0}, timeout=300)
+        done["status"], done["s"] = r.status_code, time.monotonic() - t
+
+    th = threading.Thread(target=send)
+    th.start()
+    time.sleep(0.05)
+    worst = 0.0
+    while th.is_alive():
+        t = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=300).status_code == 200
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.02)
+    th.join()
+    assert done["status"] == 200
+    assert worst < 0.5 * done["s"], f"/health waited {worst:.2f} s of the {done['s']:.2f} s request"
+
+
+def test_prompt_logprob_entries_rank_ties_by_id_and_leave_the_first_token_null():
+    logits = np.array([[0, 1, 1, 3], [2, 2, 2, 0], [5, 0, 0, 0]], dtype=np.float32)
+    entries = prompt_logprob_entries(logits, [1, 2, 3, 0], 3)
+    assert entries[0] == {"token_id": 1, "logprob": None, "top": None}
+    assert [e["token_id"] for e in entries] == [1, 2, 3, 0]
+    assert [t for t, _ in entries[1]["top"]] == [3, 1, 2]
+    assert [t for t, _ in entries[2]["top"]] == [0, 1, 2]
+    logz = np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
+    assert entries[3]["logprob"] == pytest.approx(5 - logz[2], abs=1e-12)
+    assert prompt_logprob_entries(logits, [1, 2], 0)[1]["top"] == []
+    assert prompt_logprob_entries(logits, [1], 2) == [{"token_id": 1, "logprob": None, "top": None}]
