@@ -82,6 +82,9 @@ def test_max_tokens_0_scores_text_and_token_id_prompts_like_llm_score(server, ll
         check_prompt_logprobs(llm, choice["logprobs"], ids, 3)
     assert r["usage"] == {"prompt_tokens": len(text_ids) + len(IDS), "completion_tokens": 0,
                           "total_tokens": len(text_ids) + len(IDS)}
+    twice = complete(server, prompt=[IDS, TEXT], echo=True, max_tokens=0, n=2)
+    assert [(c["index"], c["text"], c["logprobs"]) for c in twice["choices"]] == [
+        (0, r["choices"][1]["text"], None), (1, r["choices"][1]["text"], None), (2, TEXT, None), (3, TEXT, None)]
 
 
 def test_loglikelihood_of_a_continuation_as_an_evaluation_harness_asks_for_it(server, llm):
