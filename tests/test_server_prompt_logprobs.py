@@ -165,12 +165,16 @@ def test_the_openai_client_reads_echoed_logprobs(server, llm):
     check_prompt_logprobs(llm, lp.model_dump(), IDS, 1)
 
 
-def test_max_tokens_0_needs_echo(server):
-    for body, says in (({"max_tokens": 0}, "needs `echo`"), ({"max_tokens": -1, "echo": True}, "got -1")):
-        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": TEXT, **body}, timeout=60)
+def test_max_tokens_0_needs_echo_and_a_prompt_the_engine_could_run(server):
+    cases = (({"prompt": TEXT, "max_tokens": 0}, "max_tokens", "needs `echo`"),
+             ({"prompt": TEXT, "max_tokens": -1, "echo": True}, "max_tokens", "got -1"),
+             ({"prompt": "", "max_tokens": 0, "echo": True}, "prompt", "empty"),
+             ({"prompt": [5] * 1025, "max_tokens": 0, "echo": True, "logprobs": 1}, "prompt", "1025 tokens exceeds"))
+    for body, param, says in cases:
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == "max_tokens" and says in err["message"], err
+        assert err["param"] == param and says in err["message"], err
 
 
 def test_scoring_a_long_prompt_leaves_the_event_loop_free(server):

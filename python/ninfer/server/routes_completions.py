@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from ninfer.outputs import GenerationError
 from ninfer.server.choices import ChoiceBuilder, TokenText
-from ninfer.server.errors import error_payload
+from ninfer.server.errors import ApiError, bad_request, error_payload
 from ninfer.server.prompt_logprobs import prompt_logprob_entries
 from ninfer.server.protocol import CompletionRequest, parse_completion
 from ninfer.server.routes_chat import SSE_PING_S, json_response, read_json, usage_of
@@ -95,10 +95,18 @@ async def completions(request: Request) -> Response:
     rid = "cmpl-" + request.scope["state"]["request_id"]
     token_text = TokenText(engine.tokenizer)
     created = int(time.time())
-    echo = await echoes(state, req, prompts) if req.echo else None
     if req.max_tokens == 0:
-        return _prompts_only(req, echo, prompts, token_text, rid, created)
+        _check_scorable(prompts, engine.max_context)
+        return _prompts_only(req, await echoes(state, req, prompts), prompts, token_text, rid, created)
+    # Submitted first: a request the engine refuses costs no scoring forward.
     sub = await state.start(prompts, req, rid)
+    echo = None
+    if req.echo:
+        try:
+            echo = await echoes(state, req, prompts)
+        except BaseException:
+            sub.stream.close()
+            raise
     builders = [ChoiceBuilder(i, reasoning=None, tools=None) for i in range(len(sub.choice_of))]
     if req.stream:
         return EventSourceResponse(_stream(sub, req, builders, token_text, rid, created, echo),
@@ -121,6 +129,16 @@ async def completions(request: Request) -> Response:
             c["token_ids"] = b.token_ids
     return json_response({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                           "choices": choices, "usage": usage_of(builders, sub.prompt_tokens)})
+
+
+def _check_scorable(prompts: list, max_context: int) -> None:
+    """A prompt returned without generation still has to be one the engine could run."""
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt is empty: at least one token is required", "prompt")
+        if len(ids) > max_context:
+            raise ApiError(400, f"prompt of {len(ids)} tokens exceeds the maximum context of {max_context} tokens",
+                           param="prompt", code="context_length_exceeded")
 
 
 def _prompts_only(req: CompletionRequest, echo: list, prompts: list, token_text, rid: str, created: int) -> Response:
