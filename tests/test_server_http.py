@@ -429,8 +429,8 @@ def test_a_request_failing_midway_is_an_anthropic_error_event_on_messages():
 
 
 def test_completion_suffix_is_refused_not_ignored(server):
-    """`suffix` (fill in the middle) is not implemented: a non-empty one is a 400 naming it, as
-    `echo` is, rather than an answer that silently ignores the text after the insertion point."""
+    """`suffix` (fill in the middle) is not implemented: a non-empty one is a 400 naming it, rather
+    than an answer that silently ignores the text after the insertion point."""
     body = {"model": MODEL, "prompt": "def f(", "max_tokens": 3}
     for suffix, code in (("):\n    return 1", "unsupported"), (7, None)):
         r = httpx.post(server.url + "/v1/completions", json=dict(body, suffix=suffix))
