@@ -134,7 +134,8 @@ class ServerState:
         engine = self.require_engine()
         if self._tool_syntax is None:
             self._tool_syntax = ToolSyntax.of(engine.tokenizer)
-        reasoning = prompt_reasoning(engine, req.messages, req.tools, req.chat_template_kwargs)
+        reasoning = prompt_reasoning(engine.tokenizer, self._tool_syntax, req.messages, req.tools,
+                                     req.chat_template_kwargs)
         # As OpenAI documents it: "required" calls one or more tools (one with parallel_tool_calls
         # false), a named function is called exactly once.
         parallel = req.parallel_tool_calls and req.tool_choice == "required"

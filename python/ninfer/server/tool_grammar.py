@@ -43,18 +43,22 @@ class ToolSyntax:
 
     xml: bool
     tags: dict
+    #: The model may reason first: its template writes `<think>` and its vocabulary has both tags.
+    thinking: bool = False
 
     @classmethod
     def of(cls, tokenizer) -> "ToolSyntax":
-        """The syntax of a core tokenizer: its chat template picks the format, its vocabulary
-        tells which tags are special tokens."""
+        """The syntax of a core tokenizer: its chat template picks the format and tells whether
+        the model thinks, its vocabulary tells which tags are special tokens."""
         template = tokenizer.chat_template or ""
-        return cls(xml="<function=" in template, tags={t: _tag_atom(tokenizer, t) for t in TAGS})
+        has_tags = tokenizer.token_to_id("<think>") is not None and tokenizer.token_to_id("</think>") is not None
+        return cls(xml="<function=" in template, tags={t: _tag_atom(tokenizer, t) for t in TAGS},
+                   thinking=has_tags and "<think>" in template)
 
     @classmethod
-    def plain(cls, xml: bool = False) -> "ToolSyntax":
+    def plain(cls, xml: bool = False, thinking: bool = False) -> "ToolSyntax":
         """Every tag a literal string."""
-        return cls(xml=xml, tags={t: json.dumps(t) for t in TAGS})
+        return cls(xml=xml, tags={t: json.dumps(t) for t in TAGS}, thinking=thinking)
 
 
 def _tag_atom(tokenizer, tag: str) -> str:
@@ -64,10 +68,10 @@ def _tag_atom(tokenizer, tag: str) -> str:
     return json.dumps(tag)
 
 
-def reasoning_mode(prompt_text: str, has_thinking_tags: bool) -> str:
-    """Where the output starts, from the rendered prompt: inside an open `<think>`, after a
-    closed one (thinking off), or free to open one."""
-    if not has_thinking_tags:
+def reasoning_mode(prompt_text: str, thinking: bool) -> str:
+    """Where the output starts, from the rendered prompt of a model that thinks (or not):
+    inside an open `<think>`, after a closed one (thinking off), or free to open one."""
+    if not thinking:
         return REASONING_NONE
     opened, closed = prompt_text.rfind("<think>"), prompt_text.rfind("</think>")
     if opened > closed:
@@ -181,6 +185,8 @@ def _xml_function(i: int, fn: dict) -> list:
 
 
 _PARAM_END = json.dumps("\n</parameter>\n")
+#: Text containing a tag that the XML tool-call parser stops a value at.
+_XML_TAGS = r"/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
 
 
 def _xml_value(rule: str, schema, defs: dict, lines: list) -> str:
@@ -191,9 +197,11 @@ def _xml_value(rule: str, schema, defs: dict, lines: list) -> str:
             alts = " | ".join(json.dumps(o, ensure_ascii=False) for o in options if isinstance(o, str))
             return f"({alts}) {_PARAM_END}"
         lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-        body = "/(?s:.*)/" if not lo and hi is None else f"/(?s:.{{{lo},{'' if hi is None else hi}}})/"
+        # Raw text that the tool-call parser reads back whole: no tag that ends the value, the
+        # function or the call early.
+        lines.append(f"{rule.upper()}: /(?s:.{{{lo},{'' if hi is None else hi}}})/ & ~{_XML_TAGS}")
         # Lazy: the value ends at the first closing tag, which the suffix writes.
-        lines.append(f"{rule}[suffix={_PARAM_END}]: {body}")
+        lines.append(f"{rule}[suffix={_PARAM_END}]: {rule.upper()}")
         return rule
     sub = _compact(schema)
     if defs and "$ref" in json.dumps(schema):
@@ -201,9 +209,10 @@ def _xml_value(rule: str, schema, defs: dict, lines: list) -> str:
     return f"%json {json.dumps(sub)} {_PARAM_END}"
 
 
-def prompt_reasoning(engine, messages: list, tools: Optional[list], kwargs: dict) -> str:
+def prompt_reasoning(tokenizer, syntax: ToolSyntax, messages: list, tools: Optional[list], kwargs: dict) -> str:
     """The reasoning mode of a conversation, from its prompt rendered as the core will."""
-    tok = engine.tokenizer
-    text = tok.apply_chat_template(json.dumps(messages), json.dumps(tools) if tools else None, True,
-                                   json.dumps(kwargs) if kwargs else None)
-    return reasoning_mode(text, tok.token_to_id("<think>") is not None and tok.token_to_id("</think>") is not None)
+    if not syntax.thinking:
+        return REASONING_NONE
+    text = tokenizer.apply_chat_template(json.dumps(messages), json.dumps(tools) if tools else None, True,
+                                         json.dumps(kwargs) if kwargs else None)
+    return reasoning_mode(text, True)
