@@ -9,8 +9,10 @@ arguments valid against the tool's JSON schema:
 The format is the one the chat template writes: XML when the template's source contains
 `<function=`, JSON otherwise. Arguments are compact JSON (no whitespace between tokens), and
 objects that list `properties` admit no other keys unless the schema says otherwise
-(`additionalProperties`, `patternProperties`). Parallel calls are separated by one newline,
-as the templates write them. When thinking is on, a reasoning block comes first: continued
+(`additionalProperties`, `patternProperties`). An XML string parameter is raw text up to its
+closing tag (checked for enum / const / minLength / maxLength; a pattern or format is enforced in
+the JSON format only), its parameters come in schema order. Parallel calls are separated by one
+newline, as the templates write them. When thinking is on, a reasoning block comes first: continued
 when the prompt opened `<think>`, optional when the model opens it itself; any text up to
 `</think>` is admitted, so a thinking budget's forced closing sequence is too.
 
