@@ -211,3 +211,21 @@ def test_a_forced_grammar_with_no_reasoning_starts_with_the_call(llm, syntax):
     grammar = tool_call_grammar([ADD], syntax, parallel=False, reasoning=REASONING_NONE)
     out = run(llm, grammar, seed=0, thinking=False)
     assert out.text.startswith("<tool_call>\n{\"name\": \"add\", \"arguments\": {")
+
+
+def test_reasoning_the_prompt_opened_is_closed_before_the_call(llm, syntax):
+    # As after a template that opens <think> itself: the output continues the block, closes it
+    # with the model's own </think>, and only then calls.
+    grammar = tool_call_grammar([ADD], syntax, parallel=False, reasoning=REASONING_OPEN)
+    finished = 0
+    for seed in SEEDS:
+        out = run(llm, grammar, seed, thinking=True, max_tokens=200)
+        if out.finish_reason != "stop":
+            continue
+        finished += 1
+        reasoning, content = split_reasoning(out.text, in_reasoning=True)
+        content, calls = parse_tool_calls(content, TOOLS)
+        assert reasoning is not None and "</think>" not in reasoning
+        assert content == "" and len(calls) == 1, out.text
+        check_calls(calls, {"add"})
+    assert finished >= len(SEEDS) // 2
