@@ -229,3 +229,20 @@ def test_reasoning_the_prompt_opened_is_closed_before_the_call(llm, syntax):
         assert content == "" and len(calls) == 1, out.text
         check_calls(calls, {"add"})
     assert finished >= len(SEEDS) // 2
+
+
+def test_the_end_of_thinking_token_is_admitted_anywhere_in_the_reasoning(llm, syntax):
+    # A thinking budget closes the reasoning by forcing `</think>`; here logit biases make the
+    # model open it and close it as soon as the grammar lets it (a budget of 0): the added
+    # tokens `<think>` and `</think>` themselves are admitted, and the call follows.
+    tok = llm._tokenizer
+    think, close = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    grammar = tool_call_grammar([ADD], syntax, parallel=False, reasoning=REASONING_OPTIONAL)
+    for seed in SEEDS:
+        out = llm.chat([MESSAGES], SamplingParams(max_tokens=80, seed=seed, logit_bias={think: 50.0, close: 100.0},
+                                                  response_format={"type": "lark", "lark": grammar}),
+                       tools=TOOLS, chat_template_kwargs={"enable_thinking": True})[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids[:2] == [think, close], out.text
+        reasoning, content, calls = calls_of(out.text)
+        assert reasoning == "" and content == "" and len(calls) == 1
+        check_calls(calls, {"add"})
