@@ -23,7 +23,7 @@ from json_schema_check import validate
 
 MODEL = "demo"
 #: Bounded arguments, so that a model that never saw a tool call still completes one.
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city", "parameters": {
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
     "required": ["city", "unit"]}}}
@@ -161,7 +161,8 @@ def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_naming_the_tools(clie
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}, "required": ["a"]}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[bad], tool_choice="required", max_tokens=4)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[bad], tool_choice="required",
+                                       max_tokens=4)
     assert e.value.body["param"] == "tools"
 
 
@@ -191,12 +192,14 @@ def test_a_qwen3_coder_template_gets_xml_calls(coder_dir):
             for stream in (False, True):
                 kwargs = dict(model="coder", messages=MESSAGES, tools=[NOTE, ADD], parallel_tool_calls=False,
                               tool_choice={"type": "function", "function": {"name": "note"}}, seed=seed,
-                              max_tokens=300, stream=stream, extra_body={"return_token_ids": True} if not stream else None)
+                              max_tokens=300, stream=stream,
+                              extra_body=None if stream else {"return_token_ids": True})
                 if stream:
                     calls, finish, _ = streamed(client.chat.completions.create(**kwargs))
                 else:
                     r = client.chat.completions.create(**kwargs)
-                    calls, finish = [t.model_dump() for t in r.choices[0].message.tool_calls], r.choices[0].finish_reason
+                    finish = r.choices[0].finish_reason
+                    calls = [t.model_dump() for t in r.choices[0].message.tool_calls or ()]
                     text = _core.Tokenizer(str(coder_dir)).decode(r.choices[0].model_dump()["token_ids"], False)
                     assert text.startswith("<tool_call>\n<function=note>\n<parameter=title>\n")
                 assert finish == "tool_calls" and len(calls) == 1

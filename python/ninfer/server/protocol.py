@@ -338,7 +338,8 @@ def parse_tools(body: dict) -> tuple:
         name = _forced_name(choice)
         names = [t["function"]["name"] for t in tools or ()]
         if not names:
-            raise bad_request(f"`tool_choice` {choice!r} forces a tool call, but the request has no `tools`", "tool_choice")
+            raise bad_request(f"`tool_choice` {choice!r} forces a tool call, but the request has no `tools`",
+                              "tool_choice")
         if name is not None and name not in names:
             raise bad_request(f"`tool_choice` names the function {name!r}, which is not among the tools: "
                               f"{', '.join(names)}", "tool_choice")

@@ -4,7 +4,8 @@ The grammar admits only what the model writes for a call, in the model's own for
 arguments valid against the tool's JSON schema:
 
 - Qwen3 JSON: `<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>`;
-- Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`.
+- Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...`
+  `</function>\\n</tool_call>`.
 
 The format is the one the chat template writes: XML when the template's source contains
 `<function=`, JSON otherwise. Arguments are compact JSON (no whitespace between tokens), and
@@ -56,11 +57,6 @@ class ToolSyntax:
         has_tags = tokenizer.token_to_id("<think>") is not None and tokenizer.token_to_id("</think>") is not None
         return cls(xml="<function=" in template, tags={t: _tag_atom(tokenizer, t) for t in TAGS},
                    thinking=has_tags and "<think>" in template)
-
-    @classmethod
-    def plain(cls, xml: bool = False, thinking: bool = False) -> "ToolSyntax":
-        """Every tag a literal string."""
-        return cls(xml=xml, tags={t: json.dumps(t) for t in TAGS}, thinking=thinking)
 
 
 def _tag_atom(tokenizer, tag: str) -> str:
@@ -115,7 +111,8 @@ def tool_call_grammar(tools: list, syntax: ToolSyntax, *, parallel: bool, reason
     lines.append('calls: call ("\\n" call)*')
     names = [f"fn_{i}" for i in range(len(tools))]
     if syntax.xml:
-        lines.append(f"call: {t['<tool_call>']} \"\\n<function=\" ({' | '.join(names)}) \"</function>\\n\" {t['</tool_call>']}")
+        lines.append(f"call: {t['<tool_call>']} \"\\n<function=\" ({' | '.join(names)}) "
+                     f"\"</function>\\n\" {t['</tool_call>']}")
         for i, tool in enumerate(tools):
             lines += _xml_function(i, tool["function"])
     else:
