@@ -1,6 +1,6 @@
 """Forced tool calls as agent frameworks and structured-output libraries send them, against
-`ninfer serve` on the demo model: a LangChain tool loop, instructor's TOOLS mode and LangChain's
-`with_structured_output(method="function_calling")`.
+`ninfer serve` on the demo model: the OpenAI Agents SDK's run loop, a LangChain tool loop,
+instructor's TOOLS mode and LangChain's `with_structured_output(method="function_calling")`.
 
 The demo model was never taught tool calls: what these show is that the server's grammar turns
 whatever it writes into a call the libraries accept, with arguments valid against the schema,
@@ -10,6 +10,9 @@ The server runs with `--no-thinking`, so that a call is the whole answer.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Annotated
 
 import pytest
 from pydantic import BaseModel, Field
@@ -23,6 +26,7 @@ if not hasattr(_core, "Engine"):
 openai = pytest.importorskip("openai")
 instructor = pytest.importorskip("instructor")
 langchain_openai = pytest.importorskip("langchain_openai")
+agents = pytest.importorskip("agents")
 from langchain_core.messages import HumanMessage
 from langchain_core.tools import tool
 
@@ -58,6 +62,38 @@ def server():
 def chat_model(server, seed: int, max_tokens: int):
     return langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=MODEL, seed=seed,
                                        max_tokens=max_tokens, max_retries=0)
+
+
+def test_an_openai_agents_sdk_run_calls_the_tool_and_answers(server):
+    """The SDK's own loop: turn 1 forces a call (ModelSettings tool_choice "required"), the SDK
+    runs the Python function and sends its result back, turn 2 (the SDK resets tool_choice to
+    auto after a call) answers in text, which ends the run."""
+    agents.set_tracing_disabled(True)
+    ran = []
+
+    @agents.function_tool
+    def add(a: Annotated[int, Field(ge=0, le=999)], b: Annotated[int, Field(ge=0, le=999)]) -> int:
+        """Add two numbers."""
+        ran.append(a + b)
+        return a + b
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    for seed in range(3):
+        settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                        extra_args={"seed": seed})
+        agent = agents.Agent(name="calculator", instructions="Use the add tool.", tools=[add], model=model,
+                             model_settings=settings)
+        result = agents.Runner.run_sync(agent, "What is 2 + 3?", max_turns=4)
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+        call, output = result.new_items[0].raw_item, result.new_items[1]
+        assert call.name == "add"
+        args = json.loads(call.arguments)
+        validate(args, add.params_json_schema)
+        assert output.output == args["a"] + args["b"] == ran[-1]
+        assert len(result.raw_responses) == 2 and result.final_output
+    assert len(ran) == 3
 
 
 def test_a_langchain_tool_loop_runs_the_tool_and_completes(server):
