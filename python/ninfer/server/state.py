@@ -130,7 +130,9 @@ class ServerState:
 
     def tool_call_format(self, req: ChatRequest) -> dict:
         """The grammar (as a Lark response_format the core compiles) that forces a request's
-        tool call: the model's tool-call syntax, after the reasoning block its prompt leaves room for."""
+        tool call: the model's tool-call syntax, after the reasoning block its prompt leaves room
+        for. It goes in the submission only: `req.sampling` stays free of it, so the reply's
+        reasoning is still split off (routes_chat.make_builders)."""
         engine = self.require_engine()
         if self._tool_syntax is None:
             self._tool_syntax = ToolSyntax.of(engine.tokenizer)
