@@ -216,10 +216,18 @@ def test_no_thinking_kwarg_reaches_the_template(server):
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "max_tokens"),
+    # A forced tool_choice needs tools, and a named function must be one of them.
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": "required"}, 400, "tool_choice"),
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),
+      "tool_choice": {"type": "function", "name": "f"}}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "any"}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "parallel_tool_calls": "no"}, 400, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "response_format"),
     # Tool definitions the template and the tool-call parser cannot read (a 500 once the model
     # emitted a call, before).
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": "f"}]}, 400, "tools[0]"),

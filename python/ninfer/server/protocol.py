@@ -52,7 +52,9 @@ class ChatRequest(GenerationRequest):
 
     messages: list = dataclasses.field(default_factory=list)
     tools: Optional[list] = None
-    tool_choice: Any = None
+    tool_choice: Any = "auto"
+    #: With a forced tool_choice: whether the grammar admits more than one call.
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
@@ -325,7 +327,12 @@ def _check_tool(i: int, t: Any) -> None:
 
 
 def parse_tools(body: dict) -> tuple:
-    """(tools or None, tool_choice) from a request body; tool_choice none drops the tools."""
+    """(tools or None, tool_choice) from a request body; tool_choice none drops the tools.
+
+    tool_choice comes back as "auto", "none", "required" or {"type": "function", "function":
+    {"name": N}} naming one of the tools; the last two force a call (`ServerState.start_chat`
+    enforces them with a grammar).
+    """
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -335,15 +342,38 @@ def parse_tools(body: dict) -> tuple:
         if not tools:
             tools = None
     choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
     if choice == "none":
         tools = None
     elif choice == "required" or isinstance(choice, dict):
-        # Forcing a tool call needs a grammar over the model's own tool-call syntax; until that
-        # exists, say so rather than accept a choice the output would not honour.
-        raise bad_request(f"`tool_choice` {choice!r} is not supported yet (use auto or none)", "tool_choice")
-    elif choice not in (None, "auto"):
+        name = _forced_name(choice)
+        names = [t["function"]["name"] for t in tools or ()]
+        if not names:
+            raise bad_request(f"`tool_choice` {choice!r} forces a tool call, but the request has no `tools`",
+                              "tool_choice")
+        if name is not None and name not in names:
+            raise bad_request(f"`tool_choice` names the function {name!r}, which is not among the tools: "
+                              f"{', '.join(names)}", "tool_choice")
+    elif choice != "auto":
         raise bad_request(f"`tool_choice` must be none, auto, required or a function object, got {choice!r}", "tool_choice")
     return tools, choice
+
+
+def _forced_name(choice: Any) -> Optional[str]:
+    """The function a tool_choice object names (None for "required"); 400 when malformed."""
+    if choice == "required":
+        return None
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"`tool_choice` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                          f"to name a function, got {choice!r}", "tool_choice")
+    return fn["name"]
+
+
+def forces_tool_call(choice: Any) -> bool:
+    """Whether a parsed tool_choice forces a call."""
+    return choice == "required" or isinstance(choice, dict)
 
 
 def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
@@ -365,10 +395,14 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     # A constrained answer leaves no room for a <think> block: thinking is off unless asked for.
     kwargs = {"enable_thinking": defaults.enable_thinking and response_format is None, **kwargs}
     tools, choice = parse_tools(body)
+    parallel = boolean(body, "parallel_tool_calls", default=True)
+    if forces_tool_call(choice) and response_format is not None:
+        raise bad_request("`response_format` cannot be combined with a `tool_choice` that forces a call: "
+                          "the call is the whole answer", "response_format")
     return ChatRequest(
         sampling=sampling, max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
         logprobs=logprobs, top_logprobs=int(top), messages=chat_messages(body.get("messages")),
-        tools=tools, tool_choice=choice, chat_template_kwargs=kwargs, **common)
+        tools=tools, tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs, **common)
 
 
 def _prompts(v: Any) -> list:

@@ -16,9 +16,10 @@ import anyio
 from starlette.requests import Request
 
 from ninfer.engine import AsyncEngine, RequestStream
-from ninfer.server.errors import ApiError, bad_request
+from ninfer.server.errors import ApiError, bad_request, to_api_error
 from ninfer.server.metrics import ServerMetrics
-from ninfer.server.protocol import ChatRequest, GenerationRequest, ServerDefaults
+from ninfer.server.protocol import ChatRequest, GenerationRequest, ServerDefaults, forces_tool_call
+from ninfer.server.tool_grammar import ToolSyntax, forced_tools, prompt_reasoning, tool_call_grammar
 from ninfer.server.request_log import RequestLog
 
 
@@ -45,6 +46,8 @@ class ServerState:
         # Numbers the submissions, so that two requests sent with the same x-request-id get
         # distinct engine request ids (the engine refuses an id already in flight).
         self._submissions = itertools.count()
+        #: The model's tool-call syntax, read from its tokenizer on the first forced tool call.
+        self._tool_syntax: Optional[ToolSyntax] = None
 
     def attach(self, engine: AsyncEngine) -> None:
         """Start serving with a loaded engine."""
@@ -109,10 +112,38 @@ class ServerState:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
         serial = next(self._submissions)
         rids = [f"{request_id}-{serial}-{i}" for i in range(req.n)]
-        stream = await engine.submit_chat(req.messages, dict(req.sampling, max_tokens=req.max_tokens), request_ids=rids,
-                                          tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
-                                          default_max_tokens=self.defaults.default_max_tokens)
+        sampling = dict(req.sampling, max_tokens=req.max_tokens)
+        forced = forces_tool_call(req.tool_choice)
+        if forced:
+            sampling["response_format"] = await anyio.to_thread.run_sync(self.tool_call_format, req)
+        try:
+            stream = await engine.submit_chat(req.messages, sampling, request_ids=rids,
+                                              tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                              default_max_tokens=self.defaults.default_max_tokens)
+        except Exception as e:
+            err = to_api_error(e)
+            if forced and err.param == "response_format":
+                # The grammar is the server's; what the client sent wrong is a tool's schema.
+                raise bad_request(f"the tools' parameter schemas cannot be enforced: {err.message}", "tools") from e
+            raise
         return Submission(stream, {rid: i for i, rid in enumerate(rids)}, [stream.chat.prompt_tokens])
+
+    def tool_call_format(self, req: ChatRequest) -> dict:
+        """The grammar (as a Lark response_format the core compiles) that forces a request's
+        tool call: the model's tool-call syntax, after the reasoning block its prompt leaves room
+        for. It goes in the submission only: `req.sampling` stays free of it, so the reply's
+        reasoning is still split off (routes_chat.make_builders)."""
+        engine = self.require_engine()
+        if self._tool_syntax is None:
+            self._tool_syntax = ToolSyntax.of(engine.tokenizer)
+        reasoning = prompt_reasoning(engine.tokenizer, self._tool_syntax, req.messages, req.tools,
+                                     req.chat_template_kwargs)
+        # As OpenAI documents it: "required" calls one or more tools (one with parallel_tool_calls
+        # false), a named function is called exactly once.
+        parallel = req.parallel_tool_calls and req.tool_choice == "required"
+        grammar = tool_call_grammar(forced_tools(req.tools, req.tool_choice), self._tool_syntax,
+                                    parallel=parallel, reasoning=reasoning)
+        return {"type": "lark", "lark": grammar}
 
 
 async def until_disconnect(request: Request, work) -> Any:
