@@ -120,9 +120,13 @@ def test_required_with_parallel_calls_admits_several(client):
                                            seed=seed, max_tokens=120, extra_body=NO_THINKING)
         c = r.choices[0]
         calls = [t.model_dump() for t in c.message.tool_calls or ()]
-        check_calls(calls, set(SCHEMAS))
-        # A call cut short by max_tokens stays text; all complete ones were parsed.
         assert c.finish_reason in ("tool_calls", "length")
+        # A call cut short by max_tokens keeps the arguments written so far (as OpenAI does);
+        # every call before it is complete and valid.
+        complete = calls if c.finish_reason == "tool_calls" else calls[:-1]
+        assert calls
+        if complete:
+            check_calls(complete, set(SCHEMAS))
         counts.append(len(calls))
     assert max(counts) > 1
 
