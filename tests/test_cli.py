@@ -357,12 +357,14 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
 
     for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
         assert engine_option_kwargs(parser.parse_args(base)) == dict(
-            async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None)
+            async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None,
+            json_schema_open_objects=False)
         args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
-                                  "--no-device-sampling", "--device-profile-path", "h200.json"])
+                                  "--no-device-sampling", "--device-profile-path", "h200.json",
+                                  "--json-schema-open-objects"])
         assert engine_option_kwargs(args) == dict(
             async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
-            device_profile="h200.json")
+            device_profile="h200.json", json_schema_open_objects=True)
 
 
 def test_engine_option_flags_run_and_a_device_profile_on_the_cpu_is_refused_naming_it(qwen3_dir, ninfer_env):

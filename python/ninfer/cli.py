@@ -260,13 +260,17 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device-profile-path", metavar="FILE", default=None,
                        help="a measured device profile (JSON) whose routes override the GPU's default routing "
                             "table (rust_core/src/backend/cuda/plan/profile.rs)")
+    group.add_argument("--json-schema-open-objects", action="store_true",
+                       help="let a response_format json_schema's objects that do not say additionalProperties "
+                            "admit keys they do not list, as JSON Schema does (default: only the listed keys, as "
+                            "OpenAI reads them; a strict schema never admits others)")
 
 
 def engine_option_kwargs(args: argparse.Namespace) -> dict:
     """`add_engine_option_flags`' values as the engine's keyword arguments."""
     return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
                 batch_invariant=args.batch_invariant, device_sampling=not args.no_device_sampling,
-                device_profile=args.device_profile_path)
+                device_profile=args.device_profile_path, json_schema_open_objects=args.json_schema_open_objects)
 
 
 def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:

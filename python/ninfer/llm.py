@@ -39,7 +39,9 @@ class LLM:
     kernel choice independent of the batch size (a row's bits never depend on its batch, at some
     speed); `device_sampling` samples on the GPU (off: on the host). The last three are CUDA
     options and change nothing on the CPU; `device_profile` is a measured profile (JSON) whose
-    routes override the GPU's default table, refused on the CPU.
+    routes override the GPU's default table, refused on the CPU. `json_schema_open_objects` lets a
+    `response_format` json_schema's objects that do not say `additionalProperties` admit unlisted
+    keys, as JSON Schema does (default: only the listed ones, as OpenAI reads them).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class LLM:
         batch_invariant: bool = False,
         device_sampling: bool = True,
         device_profile: Optional[Union[str, os.PathLike]] = None,
+        json_schema_open_objects: bool = False,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -80,6 +83,7 @@ class LLM:
             batch_invariant=batch_invariant,
             device_sampling=device_sampling,
             device_profile=None if device_profile is None else os.fspath(device_profile),
+            json_schema_open_objects=json_schema_open_objects,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

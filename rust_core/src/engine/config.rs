@@ -32,6 +32,10 @@ pub struct EngineConfig {
     /// its tokens are known (engine/overlap.rs). Effective only where the runner
     /// `overlaps_steps` (the CUDA backend); the outputs are the same either way.
     pub async_scheduling: bool,
+    /// `json_schema` objects without `additionalProperties` admit unlisted keys, as JSON Schema
+    /// says (`--json-schema-open-objects`); default: only the listed ones, as OpenAI reads them
+    /// (sampling/grammar/closed_objects.rs). A strict schema is closed either way.
+    pub json_schema_open_objects: bool,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +49,7 @@ impl Default for EngineConfig {
             prefix_reuse: true,
             snapshot_slots: None,
             async_scheduling: true,
+            json_schema_open_objects: false,
         }
     }
 }

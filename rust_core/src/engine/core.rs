@@ -96,7 +96,7 @@ impl EngineCore {
             slots,
         );
         let vocab_size = runner.config().vocab_size;
-        let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
+        let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size, config.json_schema_open_objects);
         let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         let overlap = (config.async_scheduling && runner.overlaps_steps()).then(OverlappedStep::default);

@@ -163,8 +163,9 @@ impl PyEngine {
     /// keep a step in flight where the runner overlaps steps (`EngineConfig::async_scheduling`).
     /// `cuda_graphs`, `batch_invariant`, `device_sampling` and `device_profile` (a measured
     /// profile's path, backend/cuda/plan/profile.rs): the CUDA backend's options (`CudaOptions`).
+    /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`.
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -183,8 +184,9 @@ impl PyEngine {
         batch_invariant: bool,
         device_sampling: bool,
         device_profile: Option<PathBuf>,
+        json_schema_open_objects: bool,
     ) -> PyResult<Self> {
-        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
+        let cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };

@@ -9,6 +9,7 @@
 //! ([`GrammarConstraint::is_finished`]). Requests without a response format never touch this
 //! module, so unconstrained decoding pays nothing for it.
 
+mod closed_objects;
 mod vocab;
 
 use std::sync::{Arc, OnceLock};
@@ -21,15 +22,19 @@ use toktrie::SimpleVob;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
 
+pub use closed_objects::{close_objects, ObjectKeys};
 pub use vocab::GrammarVocab;
 
 /// The request field every grammar error names.
 const FIELD: &str = "response_format";
 
-/// Whitespace the JSON grammars allow between tokens: pretty-printing up to 32 characters
-/// (newline plus indentation) per gap, bounded so that a weak model cannot loop on spaces
-/// forever. A schema can override it with llguidance's `x-guidance` options.
-const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,32}";
+/// How the JSON grammars lay output out (llguidance's `x-guidance` options): `, ` between items,
+/// `: ` after keys (json.dumps' default, the spacing models see most) and no other whitespace,
+/// so that a weak model cannot pad an answer with runs of spaces and newlines. A schema can
+/// override it with its own `x-guidance`.
+fn json_layout() -> Json {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
 
 /// What the output must look like, parsed from the OpenAI-style `response_format` object.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,9 +44,9 @@ pub enum ResponseFormat {
     /// `{"type": "json_object"}`: any JSON object.
     JsonObject,
     /// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`:
-    /// JSON that validates against `schema`. `strict` is accepted and ignored: the schema is
-    /// always enforced.
-    JsonSchema { schema: Json },
+    /// JSON that validates against `schema`, its objects admitting no keys they do not list
+    /// unless they say so (`strict`: never; closed_objects.rs).
+    JsonSchema { schema: Json, strict: bool },
     /// `{"type": "regex", "regex": "..."}` (an extension): text matching the whole regex.
     Regex { pattern: String },
     /// `{"type": "lark", "lark": "..."}` (an extension): text in a llguidance Lark grammar.
@@ -72,7 +77,12 @@ impl ResponseFormat {
                 if !(schema.is_object() || schema.is_boolean()) {
                     return Err(invalid(format!("`json_schema.schema` must be a JSON schema object, got {schema}")));
                 }
-                Ok(ResponseFormat::JsonSchema { schema: schema.clone() })
+                let strict = match spec.get("strict") {
+                    None | Some(Json::Null) => false,
+                    Some(Json::Bool(strict)) => *strict,
+                    Some(other) => return Err(invalid(format!("`json_schema.strict` must be a boolean, got {other}"))),
+                };
+                Ok(ResponseFormat::JsonSchema { schema: schema.clone(), strict })
             }
             "regex" => Ok(ResponseFormat::Regex { pattern: string_field("regex")? }),
             "lark" => Ok(ResponseFormat::Lark { grammar: string_field("lark")? }),
@@ -85,21 +95,27 @@ impl ResponseFormat {
         !matches!(self, ResponseFormat::Text)
     }
 
-    /// The llguidance grammar for this format (None for plain text).
-    fn to_grammar(&self) -> Option<TopLevelGrammar> {
+    /// The llguidance grammar for this format (None for plain text); `open_objects`: a
+    /// non-strict schema's objects keep JSON Schema's open default. A strict schema that admits
+    /// unlisted keys is an error naming where.
+    fn to_grammar(&self, open_objects: bool) -> Result<Option<TopLevelGrammar>> {
         let json = |mut schema: Json| {
             if let Some(map) = schema.as_object_mut() {
-                map.entry("x-guidance").or_insert_with(|| json!({"whitespace_pattern": JSON_WHITESPACE}));
+                map.entry("x-guidance").or_insert_with(json_layout);
             }
             TopLevelGrammar::from_json_schema(schema)
         };
-        match self {
+        Ok(match self {
             ResponseFormat::Text => None,
             ResponseFormat::JsonObject => Some(json(json!({"type": "object"}))),
-            ResponseFormat::JsonSchema { schema } => Some(json(schema.clone())),
+            ResponseFormat::JsonSchema { schema, strict } => {
+                let mut schema = schema.clone();
+                close_objects(&mut schema, ObjectKeys::for_request(*strict, open_objects)).map_err(|e| invalid(format!("json_schema.schema: {e}")))?;
+                Some(json(schema))
+            }
             ResponseFormat::Regex { pattern } => Some(TopLevelGrammar::from_regex(pattern)),
             ResponseFormat::Lark { grammar } => Some(TopLevelGrammar::from_lark(grammar.clone())),
-        }
+        })
     }
 }
 
@@ -107,6 +123,8 @@ impl ResponseFormat {
 pub struct GrammarCompiler {
     factory: ParserFactory,
     logits_width: usize,
+    /// Non-strict `json_schema` objects keep JSON Schema's open default (`ObjectKeys::Open`).
+    open_objects: bool,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
@@ -122,13 +140,20 @@ impl GrammarCompiler {
         let env = GrammarVocab::new(tokenizer, eos_token_ids, logits_width)?.into_env();
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| NinferError::Tokenizer(format!("cannot index the vocabulary for grammars: {e}")))?;
         factory.quiet();
-        Ok(GrammarCompiler { factory, logits_width })
+        Ok(GrammarCompiler { factory, logits_width, open_objects: false })
+    }
+
+    /// Give non-strict `json_schema` objects JSON Schema's open default (any unlisted key)
+    /// instead of OpenAI's reading (only the listed ones).
+    pub fn with_open_objects(mut self, open_objects: bool) -> Self {
+        self.open_objects = open_objects;
+        self
     }
 
     /// Compile a request's format into a fresh matcher; None when the format is plain text.
     /// A schema or grammar llguidance rejects is an invalid `response_format` naming the cause.
     pub fn compile(&self, format: &ResponseFormat) -> Result<Option<GrammarConstraint>> {
-        let Some(grammar) = format.to_grammar() else {
+        let Some(grammar) = format.to_grammar(self.open_objects)? else {
             return Ok(None);
         };
         let parser = self.factory.create_parser(grammar).map_err(|e| invalid(describe_compile_error(format, &e.to_string())))?;
@@ -157,6 +182,7 @@ struct LazyCompiler {
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     logits_width: usize,
+    open_objects: bool,
     built: OnceLock<std::result::Result<GrammarCompiler, String>>,
 }
 
@@ -168,9 +194,10 @@ impl std::fmt::Debug for SharedGrammarCompiler {
 
 impl SharedGrammarCompiler {
     /// A compiler for `tokenizer` (None: constrained requests are rejected), stopping on
-    /// `eos_token_ids`, masking logits rows `logits_width` long.
-    pub fn new(tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>, logits_width: usize) -> Self {
-        SharedGrammarCompiler { inner: Arc::new(LazyCompiler { tokenizer, eos_token_ids, logits_width, built: OnceLock::new() }) }
+    /// `eos_token_ids`, masking logits rows `logits_width` long; `open_objects` as
+    /// `GrammarCompiler::with_open_objects`.
+    pub fn new(tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>, logits_width: usize, open_objects: bool) -> Self {
+        SharedGrammarCompiler { inner: Arc::new(LazyCompiler { tokenizer, eos_token_ids, logits_width, open_objects, built: OnceLock::new() }) }
     }
 
     /// The constraint for a request's `response_format`; None (and no work at all) when the
@@ -187,7 +214,9 @@ impl SharedGrammarCompiler {
         let Some(tokenizer) = &lazy.tokenizer else {
             return Err(NinferError::Unsupported("response_format on a model directory without tokenizer.json".into()));
         };
-        let built = lazy.built.get_or_init(|| GrammarCompiler::new(tokenizer, &lazy.eos_token_ids, lazy.logits_width).map_err(|e| e.to_string()));
+        let built = lazy
+            .built
+            .get_or_init(|| GrammarCompiler::new(tokenizer, &lazy.eos_token_ids, lazy.logits_width).map(|c| c.with_open_objects(lazy.open_objects)).map_err(|e| e.to_string()));
         match built {
             Ok(compiler) => compiler.compile(&format),
             Err(reason) => Err(NinferError::Unsupported(format!("response_format with this tokenizer ({reason})"))),

@@ -160,7 +160,8 @@ fn grammars_run_their_forward_ahead_and_sample_after_the_token_in_flight() {
     }}});
     let seeded = |seed| SamplingParams { temperature: 0.9, top_k: 30, seed: Some(seed), max_tokens: 120, logprobs: true, ..Default::default() };
     let reqs = vec![
-        (prompt(8, 3), with_format(SamplingParams { top_logprobs: 2, ..greedy(80) }, json!({"type": "json_object"}))),
+        // A prompt whose greedy object closes after 61 tokens (JSON admits no free whitespace).
+        (prompt(9, 3), with_format(SamplingParams { top_logprobs: 2, ..greedy(80) }, json!({"type": "json_object"}))),
         (prompt(6, 1), with_format(seeded(5), json!({"type": "json_object"}))),
         // Complete after a few tokens, in steps whose successor is queued.
         (prompt(5, 2), with_format(greedy(50), json!({"type": "regex", "regex": "[0-9]{4}"}))),

@@ -373,3 +373,142 @@ fn compiler_is_shareable_and_constraints_move_between_threads() {
     shareable::<GrammarCompiler>();
     movable::<GrammarConstraint>();
 }
+
+/// Consume `text` one byte token at a time (the byte-level tokenizer's ids 0..256 are the bytes).
+fn consume_bytes(constraint: &mut GrammarConstraint, text: &str) {
+    for b in text.bytes() {
+        constraint.consume(b as u32).unwrap_or_else(|e| panic!("{text:?} at {:?}: {e}", b as char));
+    }
+}
+
+/// A two-field schema as instructor and LangChain send it: no `additionalProperties`.
+fn two_field_format(strict: Option<bool>) -> Json {
+    let schema = json!({"type": "object", "title": "Person", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]});
+    let mut spec = json!({"name": "Person", "schema": schema});
+    if let Some(strict) = strict {
+        spec["strict"] = json!(strict);
+    }
+    json!({"type": "json_schema", "json_schema": spec})
+}
+
+#[test]
+fn a_schema_without_additional_properties_admits_only_its_keys_unless_the_server_opens_objects() {
+    let (_dir, tok) = byte_level_tokenizer();
+    let eos = tok.eos_token_id().unwrap();
+    for strict in [None, Some(false), Some(true)] {
+        let format = two_field_format(strict);
+        let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
+        let mut constraint = compiler.compile_value(&format).unwrap().unwrap();
+        consume_bytes(&mut constraint, r#"{"name": "Al", "age": 3"#);
+        let mask = constraint.compute_mask().unwrap();
+        assert!(!mask.is_allowed(b',' as u32), "{strict:?}: no key after the listed ones");
+        assert!(mask.is_allowed(b'}' as u32) && mask.is_allowed(b'0' as u32));
+        consume_bytes(&mut constraint, "}");
+        assert!(constraint.is_finished(), "{strict:?}: nothing can follow the closed object");
+        assert_eq!(constraint.compute_mask().unwrap().allowed(), vec![eos]);
+
+        let open = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap().with_open_objects(true);
+        let mut constraint = open.compile_value(&format).unwrap().unwrap();
+        consume_bytes(&mut constraint, r#"{"name": "Al", "age": 3"#);
+        let more_keys = constraint.compute_mask().unwrap().is_allowed(b',' as u32);
+        assert_eq!(more_keys, strict != Some(true), "{strict:?}: open objects admit more keys, strict never");
+        if more_keys {
+            consume_bytes(&mut constraint, r#", "extra": [1]}"#);
+            assert!(constraint.is_finished());
+        }
+    }
+}
+
+#[test]
+fn randomly_sampled_outputs_of_an_unlisted_schema_have_exactly_its_keys() {
+    let (_dir, tok) = byte_level_tokenizer();
+    let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
+    let schema = json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "maxItems": 2,
+        "items": {"type": "object", "properties": {"label": {"enum": ["alpha", "beta"]}}, "required": ["label"]}}}, "required": ["name", "tags"]});
+    let format = json!({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}});
+    for seed in 0..30 {
+        let (text, finished) = sample_constrained(&compiler, &tok, &format, seed, 0.5, 2000);
+        assert!(finished, "seed {seed}: {text:?}");
+        let value: Json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text:?}"));
+        let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["name", "tags"], "seed {seed}: {text:?}");
+        for tag in value["tags"].as_array().unwrap() {
+            assert_eq!(tag.as_object().unwrap().keys().collect::<Vec<_>>(), ["label"], "seed {seed}: {text:?}");
+        }
+    }
+}
+
+#[test]
+fn json_output_is_spaced_like_json_dumps_with_no_free_whitespace() {
+    let (_dir, tok) = byte_level_tokenizer();
+    let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
+    let one_space = |mask: &TokenMask, at: &str| {
+        assert!(mask.is_allowed(b' ' as u32), "a space {at}");
+        for t in mask.allowed() {
+            let text = tok.decode(&[t], false).unwrap();
+            assert!(text.starts_with(' ') && !text[1..].starts_with(char::is_whitespace), "{text:?} admitted {at}");
+        }
+    };
+    let no_whitespace = |mask: &TokenMask, at: &str| {
+        for ws in [b' ', b'\n', b'\t', b'\r'] {
+            assert!(!mask.is_allowed(ws as u32), "{:?} admitted {at}", ws as char);
+        }
+    };
+    for format in [json!({"type": "json_object"}), two_field_format(None)] {
+        let mut constraint = compiler.compile_value(&format).unwrap().unwrap();
+        no_whitespace(&constraint.compute_mask().unwrap(), "before the object");
+        consume_bytes(&mut constraint, "{");
+        no_whitespace(&constraint.compute_mask().unwrap(), "after {");
+        consume_bytes(&mut constraint, r#""name""#);
+        no_whitespace(&constraint.compute_mask().unwrap(), "before the colon");
+        consume_bytes(&mut constraint, ":");
+        one_space(&constraint.compute_mask().unwrap(), "after the colon");
+        consume_bytes(&mut constraint, r#" "Al""#);
+        no_whitespace(&constraint.compute_mask().unwrap(), "after a value");
+        consume_bytes(&mut constraint, ",");
+        one_space(&constraint.compute_mask().unwrap(), "after the comma");
+        consume_bytes(&mut constraint, r#" "age": 7"#);
+        no_whitespace(&constraint.compute_mask().unwrap(), "after the last value");
+        consume_bytes(&mut constraint, "}");
+        assert!(constraint.is_accepting());
+    }
+    let (text, finished) = sample_constrained(&compiler, &tok, &json!({"type": "json_object"}), 3, 0.2, 4000);
+    assert!(finished && !text.contains('\n') && !text.starts_with(' ') && !text.ends_with(' '), "{text:?}");
+}
+
+#[test]
+fn a_schema_may_bring_its_own_layout() {
+    let (_dir, tok) = byte_level_tokenizer();
+    let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap();
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "x-guidance": {"item_separator": ",", "key_separator": ":", "whitespace_flexible": false}});
+    let mut constraint = compiler.compile_value(&json!({"type": "json_schema", "json_schema": {"schema": schema}})).unwrap().unwrap();
+    consume_bytes(&mut constraint, r#"{"a":"#);
+    assert!(!constraint.compute_mask().unwrap().is_allowed(b' ' as u32));
+    consume_bytes(&mut constraint, "1}");
+    assert!(constraint.is_finished());
+}
+
+#[test]
+fn strict_schemas_that_admit_more_keys_and_non_boolean_strict_are_refused() {
+    let (_dir, tok) = byte_level_tokenizer();
+    let compiler = GrammarCompiler::new(&tok, &[], tok.vocab_size()).unwrap().with_open_objects(true);
+    let open_meta = json!({"type": "object", "properties": {"meta": {"type": "object", "additionalProperties": true}}});
+    let cases = [
+        (json!({"type": "json_schema", "json_schema": {"schema": open_meta.clone(), "strict": true}}), "#/properties/meta/additionalProperties"),
+        (json!({"type": "json_schema", "json_schema": {"schema": open_meta.clone(), "strict": "yes"}}), "`json_schema.strict` must be a boolean"),
+    ];
+    for (format, expected) in cases {
+        match compiler.compile_value(&format).unwrap_err() {
+            NinferError::InvalidRequest { field, reason } => {
+                assert_eq!(field, "response_format");
+                assert!(reason.contains(expected), "{reason:?} should mention {expected:?}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+    for strict in [json!(false), json!(null)] {
+        let format = json!({"type": "json_schema", "json_schema": {"schema": open_meta.clone(), "strict": strict}});
+        assert!(compiler.compile_value(&format).unwrap().is_some(), "an explicit true is honoured without strict");
+    }
+    assert_eq!(ResponseFormat::parse(&two_field_format(Some(true))).unwrap(), ResponseFormat::JsonSchema { schema: two_field_format(None)["json_schema"]["schema"].clone(), strict: true });
+}
