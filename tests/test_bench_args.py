@@ -281,3 +281,23 @@ def test_sampling_params_are_typed_or_json_text_as_the_build_takes_them(monkeypa
     assert json.loads(typed.to_json())["ignore_eos"] is True
     monkeypatch.delattr(core, "SamplingParams")
     assert bench._core_params(text) == text
+
+
+def test_output_hashes_dry_run_is_the_same_in_two_processes(tmp_path):
+    """benches/gpu_output_hashes.py (two builds compared by their greedy tokens) on the tiny
+    shapes: a line per shape and batch, and the same hashes from a second process."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benches" / "gpu_output_hashes.py"
+
+    def run() -> list:
+        out = subprocess.run([sys.executable, str(script), "2", "tiny"], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line.split(" secs=")[0] for line in out.stdout.splitlines() if line.startswith("HASH ")]
+
+    first = run()
+    assert len(first) == 6 and all("hash=" in line for line in first)
+    assert run() == first
