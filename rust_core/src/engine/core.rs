@@ -24,6 +24,7 @@ use super::request::RowInput;
 use super::{EngineConfig, MemoryLedger, RequestOutput, RequestState, RequestValidator, ResolvedConfig};
 use crate::kv::BlockPool;
 use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
 use crate::state::StateSlots;
@@ -97,7 +98,8 @@ impl EngineCore {
         );
         let vocab_size = runner.config().vocab_size;
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
-        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
+        let thinking = tokenizer.as_ref().and_then(ThinkingTags::of).filter(|t| (t.open.max(t.close) as usize) < vocab_size);
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar, thinking };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         let overlap = (config.async_scheduling && runner.overlaps_steps()).then(OverlappedStep::default);
         let mut core = EngineCore {
@@ -206,7 +208,8 @@ impl EngineCore {
         self.next_seq += 1;
         let fallback_seed = self.seed_rng.random();
         self.stats.prompt_tokens_total += prompt.len() as u64;
-        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar));
+        let thinking = self.validator.thinking_tracker(&prompt, &params);
+        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar, thinking));
         self.ids.insert(request_id.to_string(), id);
         self.sched.add(Sequence::new(id, prompt));
     }
