@@ -9,6 +9,7 @@ calling thread (no background thread), one GIL crossing per engine step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -39,7 +40,9 @@ class LLM:
     kernel choice independent of the batch size (a row's bits never depend on its batch, at some
     speed); `device_sampling` samples on the GPU (off: on the host). The last three are CUDA
     options and change nothing on the CPU; `device_profile` is a measured profile (JSON) whose
-    routes override the GPU's default table, refused on the CPU.
+    routes override the GPU's default table, refused on the CPU. `thinking_budget` is the
+    reasoning budget (tokens) of calls that pass no sampling params, as `ninfer serve
+    --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class LLM:
         batch_invariant: bool = False,
         device_sampling: bool = True,
         device_profile: Optional[Union[str, os.PathLike]] = None,
+        thinking_budget: Optional[int] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -83,6 +87,8 @@ class LLM:
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()
+        if thinking_budget is not None:
+            self._default_params = dataclasses.replace(self._default_params, thinking_budget=thinking_budget)
         self._ids = itertools.count()
         self._prefix = f"llm{next(_instance_ids)}"
         self._busy = False

@@ -41,6 +41,8 @@ pub struct EngineStats {
     pub prefix_hit_tokens: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
+    /// Of those, the tokens generated inside reasoning blocks (what thinking budgets count).
+    pub reasoning_tokens_total: u64,
     /// Tokens run through the model as prompt (prefill chunks and recompute), not decodes.
     pub prefill_tokens_computed: u64,
     pub max_batch_size_seen: usize,
@@ -328,8 +330,10 @@ impl EngineCore {
         for ((&id, _), s) in with_logits.zip(sampled) {
             let cached = self.sched.cached_tokens(id);
             let Some(req) = self.requests.get_mut(&id) else { continue };
+            let reasoning_before = req.reasoning_tokens();
             let event = req.accept(s.token, s.logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
             self.stats.generation_tokens_total += 1;
+            self.stats.reasoning_tokens_total += (req.reasoning_tokens() - reasoning_before) as u64;
             outcomes.push(SeqOutcome { id, token: s.token, finished: event.finished });
             outputs.push(event.output);
         }
