@@ -58,5 +58,6 @@ def test_no_room_for_an_answer_is_refused_naming_both_numbers(llm):
 def test_llm_thinking_budget_is_the_default_of_calls_without_params():
     with LLM(MODEL_DIR, max_context=1024, thinking_budget=5) as engine:
         assert engine.get_default_sampling_params().thinking_budget == 5
-        [o] = engine.chat(MESSAGES)
-        assert o.usage.reasoning_tokens == 5, o.text
+        # Unseeded (the defaults carry no seed): the demo reasons for 25-45 tokens unbudgeted.
+        outs = engine.chat([MESSAGES] * 3)
+        assert all(o.usage.reasoning_tokens <= 5 for o in outs), [o.text for o in outs]
