@@ -117,7 +117,6 @@ impl PyDelta {
         d.set_item("prompt_tokens", self.prompt_tokens)?;
         d.set_item("completion_tokens", self.completion_tokens)?;
         d.set_item("total_tokens", self.prompt_tokens + self.completion_tokens)?;
-        d.set_item("reasoning_tokens", self.reasoning_tokens)?;
         Ok(d)
     }
 
