@@ -130,6 +130,7 @@ def test_streaming_usage_reports_reasoning_tokens(server):
     ({"thinking_budget": -1}, "thinking_budget", ["-1"]),
     ({"thinking_budget": "8"}, "thinking_budget", ["'8'"]),
     ({"thinking_budget": 2.5}, "thinking_budget", ["2.5"]),
+    ({"thinking_budget": 2**40, "max_tokens": None}, "thinking_budget", [str(2**40)]),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", ["extreme", "low", "medium", "high"]),
     ({"reasoning_effort": 3}, "reasoning_effort", ["3"]),
 ])
@@ -149,3 +150,40 @@ def test_metrics_count_reasoning_apart_from_answer_tokens(server):
     assert values["reasoning_tokens_total"] >= 5
     assert values["answer_tokens_total"] == values["generation_tokens_total"] - values["reasoning_tokens_total"]
     assert values["engine_reasoning_tokens_total"] >= values["reasoning_tokens_total"]
+
+
+def _state(**defaults):
+    from types import SimpleNamespace
+
+    from ninfer.server.protocol import ServerDefaults
+    from ninfer.server.state import ServerState
+
+    state = ServerState(ServerDefaults(model_id=MODEL, **defaults))
+    state.engine = SimpleNamespace(core=SimpleNamespace(thinking_closing_tokens=lambda message: 3 + len(message or "")))
+    return state
+
+
+def _fields(state, **body):
+    from ninfer.server.protocol import parse_chat
+
+    return state.thinking_fields(parse_chat({"messages": MESSAGES, **body}, state.defaults))
+
+
+def test_the_server_default_budget_applies_only_where_it_leaves_room():
+    state = _state(reasoning_budget=100, reasoning_budget_message="ab")
+    assert _fields(state, max_tokens=200) == {"thinking_budget": 100, "thinking_budget_message": "ab"}
+    assert _fields(state) == {"thinking_budget": 100, "thinking_budget_message": "ab"}
+    # 100 + 5 closing tokens leave no room in 105: the default steps aside instead of a 400.
+    assert _fields(state, max_tokens=105) == {"thinking_budget": None}
+    assert _fields(state, reasoning_effort="high", max_tokens=105) == {}
+    assert _fields(_state(), max_tokens=105) == {}
+
+
+def test_effort_budgets_flag_overrides_the_table_entries_it_names():
+    from ninfer.server.protocol import REASONING_EFFORT_BUDGETS, parse_effort_budgets
+
+    table = parse_effort_budgets("low=8, high=4096,medium=none")
+    assert table == {**REASONING_EFFORT_BUDGETS, "low": 8, "medium": None, "high": 4096}
+    for bad in ("low", "huge=3", "low=-1", "low=many"):
+        with pytest.raises(ValueError):
+            parse_effort_budgets(bad)

@@ -374,7 +374,7 @@ def parse_tools(body: dict) -> tuple:
 def thinking_budget(body: dict, defaults: ServerDefaults) -> tuple:
     """(budget or None, the field it came from or None): `thinking_budget` (tokens) wins over
     `reasoning_effort` (a name in the server's table, whose budget may be None: unlimited)."""
-    budget = number(body, "thinking_budget", lo=0, integer=True)
+    budget = number(body, "thinking_budget", lo=0, hi=2**32 - 1, integer=True)
     if budget is not None:
         return int(budget), "thinking_budget"
     effort = body.get("reasoning_effort")
