@@ -187,3 +187,11 @@ def test_effort_budgets_flag_overrides_the_table_entries_it_names():
     for bad in ("low", "huge=3", "low=-1", "low=many"):
         with pytest.raises(ValueError):
             parse_effort_budgets(bad)
+
+
+def test_the_stats_line_splits_reasoning_from_answer_throughput():
+    from ninfer.server.request_log import stats_line
+
+    line = stats_line({"generation_tokens_total": 100, "reasoning_tokens_total": 40},
+                      {"generation_tokens_total": 50, "reasoning_tokens_total": 20}, 2.0)
+    assert "gen_tok/s=25.0 (reasoning_tok/s=10.0 answer_tok/s=15.0)" in line
