@@ -61,3 +61,17 @@ def test_llm_thinking_budget_is_the_default_of_calls_without_params():
         # Unseeded (the defaults carry no seed): the demo reasons for 25-45 tokens unbudgeted.
         outs = engine.chat([MESSAGES] * 3)
         assert all(o.usage.reasoning_tokens <= 5 for o in outs), [o.text for o in outs]
+
+
+def test_ninfer_run_thinking_budget_flag(llm, ninfer_env):
+    import subprocess
+    import sys
+
+    prompt = MESSAGES[0]["content"]
+    [ref] = llm.chat(MESSAGES, SamplingParams(max_tokens=32, seed=3, thinking_budget=6))
+    proc = subprocess.run([sys.executable, "-m", "ninfer.cli", "run", str(MODEL_DIR), "--prompt", prompt,
+                           "--max-new", "32", "--seed", "3", "--thinking-budget", "6", "--max-context", "512"],
+                          capture_output=True, env=ninfer_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode() == ref.text
+    assert ref.usage.reasoning_tokens == 6 and "</think>" in ref.text
