@@ -7,10 +7,10 @@ from ninfer import _core
 STATS_KEYS = {
     "running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_hit_tokens", "prompt_tokens_total",
     "generation_tokens_total", "prefill_tokens_computed", "max_batch_size_seen", "steps", "lookahead_steps",
-    "split_lookahead_steps",
+    "split_lookahead_steps", "reasoning_tokens_total",
 }
 DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-              "error"}
+              "error", "reasoning_tokens"}
 
 
 def greedy(n, **extra):

@@ -286,6 +286,8 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
                      help="UTF-8 JSON: an array of chat messages, or {\"messages\": [...], \"tools\": [...]}")
     p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     p.add_argument("--no-thinking", action="store_true", help="render the chat template with enable_thinking=false")
+    p.add_argument("--thinking-budget", type=non_negative_int("--thinking-budget"), metavar="N",
+                   help="close the model's reasoning after N tokens and let it answer (default: unlimited)")
     p.add_argument("--max-context", type=positive_int("--max-context"), metavar="N", help="context length (default: the model's)")
     p.add_argument("--kv-capacity", type=kv_capacity_arg, metavar="N|auto", help="KV cache tokens, or auto (default: what fits in free GPU memory on CUDA, 4 GiB on the CPU; at least max-context)")
     p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=512, metavar="N", help="tokens per engine step")
@@ -345,6 +347,8 @@ def _sampling_params(llm, args, flag_values: dict):
         params.max_tokens = args.max_new
     params.stop = list(args.stop)
     params.ignore_eos = args.ignore_eos
+    if args.thinking_budget is not None:
+        params.thinking_budget = args.thinking_budget
     params.n = 1
     return params
 

@@ -9,6 +9,7 @@ calling thread (no background thread), one GIL crossing per engine step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -42,6 +43,9 @@ class LLM:
     routes override the GPU's default table, refused on the CPU. `json_schema_open_objects` lets a
     `response_format` json_schema's objects that do not say `additionalProperties` admit unlisted
     keys, as JSON Schema does (default: only the listed ones, as OpenAI reads them).
+    `thinking_budget` is the
+    reasoning budget (tokens) of calls that pass no sampling params, as `ninfer serve
+    --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class LLM:
         device_sampling: bool = True,
         device_profile: Optional[Union[str, os.PathLike]] = None,
         json_schema_open_objects: bool = False,
+        thinking_budget: Optional[int] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -87,6 +92,8 @@ class LLM:
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()
+        if thinking_budget is not None:
+            self._default_params = dataclasses.replace(self._default_params, thinking_budget=thinking_budget)
         self._ids = itertools.count()
         self._prefix = f"llm{next(_instance_ids)}"
         self._busy = False

@@ -62,6 +62,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    #: Of `completion_tokens`, those inside the reasoning block (what a thinking budget counts).
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -102,7 +104,8 @@ class CompletionOutput:
             self.finish_reason = delta.finish_reason
             self.error = delta.error
         self.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                           cached_tokens=delta.cached_tokens)
+                           cached_tokens=delta.cached_tokens,
+                           reasoning_tokens=getattr(delta, "reasoning_tokens", 0))
 
 
 @dataclasses.dataclass
@@ -156,4 +159,5 @@ class RequestOutput:
             prompt_tokens=first.prompt_tokens or len(self.prompt_token_ids),
             completion_tokens=sum(o.usage.completion_tokens for o in self.outputs),
             cached_tokens=first.cached_tokens,
+            reasoning_tokens=sum(o.usage.reasoning_tokens for o in self.outputs),
         )

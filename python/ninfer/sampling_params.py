@@ -56,6 +56,12 @@ class SamplingParams:
     #: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": {...}}}`,
     #: `{"type": "regex", "regex": ...}`, `{"type": "lark", "lark": ...}`, or None / text.
     response_format: Optional[Dict[str, Any]] = None
+    #: Most tokens a thinking model's reasoning block (`<think>` ... `</think>`) may take; when
+    #: it runs out the engine forces the end of the reasoning and the answer follows, all within
+    #: `max_tokens`. 0 closes the reasoning at once; None leaves it unlimited.
+    thinking_budget: Optional[int] = None
+    #: A sentence forced before the end-of-thinking tag when the budget runs out (None: none).
+    thinking_budget_message: Optional[str] = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -108,6 +114,10 @@ class SamplingParams:
                 raise bad(field, "must be true or false")
         if self.top_logprobs > 0:
             self.logprobs = True
+        if self.thinking_budget is not None and (not _is_int(self.thinking_budget) or self.thinking_budget < 0):
+            raise bad("thinking_budget", "must be an integer >= 0 or None")
+        if self.thinking_budget_message is not None and not isinstance(self.thinking_budget_message, str):
+            raise bad("thinking_budget_message", "must be a string or None")
         if self.response_format is not None and not isinstance(self.response_format, Mapping):
             raise bad("response_format", "must be an object such as {\"type\": \"json_object\"} or None")
 
@@ -134,6 +144,8 @@ class SamplingParams:
             "top_logprobs": int(self.top_logprobs),
             "skip_special_tokens": self.skip_special_tokens,
             "response_format": None if self.response_format is None else dict(self.response_format),
+            "thinking_budget": self.thinking_budget,
+            "thinking_budget_message": self.thinking_budget_message,
         }
 
     def to_core(self, max_tokens: int, seed: Optional[int]) -> "_core.SamplingParams":

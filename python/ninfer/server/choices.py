@@ -58,6 +58,7 @@ class ChoiceBuilder:
         self.token_ids: list = []
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
+        self.reasoning_tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -69,6 +70,7 @@ class ChoiceBuilder:
         if delta.logprobs:
             self.logprobs += delta.logprobs
         self.completion_tokens = delta.completion_tokens
+        self.reasoning_tokens = getattr(delta, "reasoning_tokens", 0)
         self.prompt_tokens = delta.prompt_tokens
         self.cached_tokens = delta.cached_tokens
         reasoning, content = ("", delta.text)

@@ -18,6 +18,31 @@ _UNSET = object()
 _FIELD = re.compile(r"field `([^`]+)`")
 
 
+#: `reasoning_effort` -> thinking budget in tokens (None: unlimited) unless
+#: `--reasoning-effort-budgets` says otherwise: room for a focused plan at low, for most coding
+#: and maths problems at medium, whatever the model needs at high (27B-class thinking models
+#: often reason for several thousand tokens on hard problems).
+REASONING_EFFORT_BUDGETS = {"minimal": 0, "low": 1024, "medium": 8192, "high": None}
+
+
+def parse_effort_budgets(text: str) -> dict:
+    """`--reasoning-effort-budgets low=N,medium=N,high=N|none` over the default table; ValueError
+    naming the bad entry."""
+    table = dict(REASONING_EFFORT_BUDGETS)
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if not sep or name not in table:
+            raise ValueError(f"{item!r}: expected EFFORT=N with EFFORT one of {', '.join(table)}")
+        if value in ("none", "unlimited"):
+            table[name] = None
+        elif value.isdigit():
+            table[name] = int(value)
+        else:
+            raise ValueError(f"{item!r}: the budget must be a number of tokens >= 0 or none")
+    return table
+
+
 @dataclasses.dataclass
 class ServerDefaults:
     """Server-wide defaults that requests may override (from `ninfer serve` flags)."""
@@ -29,6 +54,13 @@ class ServerDefaults:
     #: Sampling fields a request that leaves them out gets (generation_config.json's, by
     #: `--generation-config`); `greedy` still wins for the temperature.
     sampling: dict = dataclasses.field(default_factory=dict)
+    #: `--reasoning-budget`: the thinking budget of a chat request that sets none (applied
+    #: only where it leaves room for an answer within the request's max_tokens).
+    reasoning_budget: Optional[int] = None
+    #: `--reasoning-effort-budgets`: `reasoning_effort` -> budget (None: unlimited).
+    effort_budgets: dict = dataclasses.field(default_factory=lambda: dict(REASONING_EFFORT_BUDGETS))
+    #: `--reasoning-budget-message`: a sentence forced before the end-of-thinking tag.
+    reasoning_budget_message: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -56,6 +88,11 @@ class ChatRequest(GenerationRequest):
     #: With a forced tool_choice: whether the grammar admits more than one call.
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    #: The request field its thinking budget came from (`thinking_budget` or
+    #: `reasoning_effort`), None when it set none (the server default may apply).
+    budget_field: Optional[str] = None
+    #: The `reasoning_effort` the request named, for messages.
+    reasoning_effort: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -376,6 +413,21 @@ def forces_tool_call(choice: Any) -> bool:
     return choice == "required" or isinstance(choice, dict)
 
 
+def thinking_budget(body: dict, defaults: ServerDefaults) -> tuple:
+    """(budget or None, the field it came from or None): `thinking_budget` (tokens) wins over
+    `reasoning_effort` (a name in the server's table, whose budget may be None: unlimited)."""
+    budget = number(body, "thinking_budget", lo=0, hi=2**32 - 1, integer=True)
+    if budget is not None:
+        return int(budget), "thinking_budget"
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None, None
+    if not isinstance(effort, str) or effort not in defaults.effort_budgets:
+        raise bad_request(f"`reasoning_effort` must be one of {', '.join(defaults.effort_budgets)}, got {effort!r}",
+                          "reasoning_effort")
+    return defaults.effort_budgets[effort], "reasoning_effort"
+
+
 def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     """Validate a chat completions body."""
     if not isinstance(body, dict):
@@ -391,6 +443,9 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     if top and not logprobs:
         raise bad_request("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     sampling.update(logprobs=logprobs, top_logprobs=int(top))
+    budget, budget_field = thinking_budget(body, defaults)
+    if budget_field is not None:
+        sampling["thinking_budget"] = budget
     kwargs = template_kwargs(body)
     # A constrained answer leaves no room for a <think> block: thinking is off unless asked for.
     kwargs = {"enable_thinking": defaults.enable_thinking and response_format is None, **kwargs}
@@ -402,7 +457,9 @@ def parse_chat(body: Any, defaults: ServerDefaults) -> ChatRequest:
     return ChatRequest(
         sampling=sampling, max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
         logprobs=logprobs, top_logprobs=int(top), messages=chat_messages(body.get("messages")),
-        tools=tools, tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs, **common)
+        tools=tools, tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
+        budget_field=budget_field,
+        reasoning_effort=body.get("reasoning_effort") if budget_field == "reasoning_effort" else None, **common)
 
 
 def _prompts(v: Any) -> list:

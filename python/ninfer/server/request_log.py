@@ -33,6 +33,7 @@ class RequestLog:
             "request_id": request_id,
             "prompt_tokens": delta.prompt_tokens,
             "completion_tokens": delta.completion_tokens,
+            "reasoning_tokens": getattr(delta, "reasoning_tokens", 0),
             "cached_tokens": delta.cached_tokens,
             "queue_prefill_s": round(first - timing.submitted, 6) if first is not None else None,
             "decode_s": round(end - first, 6) if first is not None else None,
@@ -57,11 +58,14 @@ def stats_line(stats: dict, prev: Optional[dict], interval_s: float) -> str:
     """One-line summary of engine counters, with throughput since the previous line."""
     gen = stats.get("generation_tokens_total", 0)
     prompt = stats.get("prompt_tokens_total", 0)
+    reasoning = stats.get("reasoning_tokens_total", 0)
     dgen = gen - (prev or {}).get("generation_tokens_total", 0)
     dprompt = prompt - (prev or {}).get("prompt_tokens_total", 0)
+    dreason = reasoning - (prev or {}).get("reasoning_tokens_total", 0)
     return (f"ninfer: running={stats.get('running', 0)} waiting={stats.get('waiting', 0)} "
             f"kv_blocks={stats.get('kv_blocks_used', 0)}/{stats.get('kv_blocks_total', 0)} "
             f"prompt_tok/s={dprompt / interval_s:.1f} gen_tok/s={dgen / interval_s:.1f} "
+            f"(reasoning_tok/s={dreason / interval_s:.1f} answer_tok/s={(dgen - dreason) / interval_s:.1f}) "
             f"prefix_hit_tokens={stats.get('prefix_hit_tokens', 0)} steps={stats.get('steps', 0)}")
 
 

@@ -48,7 +48,8 @@ def usage_of(builders: list, prompt_tokens: list) -> dict:
     """OpenAI usage summed over choices (prompt counted once per prompt)."""
     completion = sum(b.completion_tokens for b in builders)
     prompt = sum(prompt_tokens)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "completion_tokens_details": {"reasoning_tokens": sum(b.reasoning_tokens for b in builders)}}
     cached = max((b.cached_tokens for b in builders), default=0)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}

@@ -34,6 +34,15 @@ def _port(text: str) -> int:
     return v
 
 
+def _effort_budgets(text: str) -> dict:
+    from ninfer.server.protocol import parse_effort_budgets
+
+    try:
+        return parse_effort_budgets(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--reasoning-effort-budgets {e}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `ninfer serve` argument parser."""
     p = argparse.ArgumentParser(prog="ninfer serve", description="OpenAI-compatible NInfer server",
@@ -54,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=positive_int("--num-threads"), metavar="N", help="threads of the CPU backend (default: all cores; refused on a GPU)")
     p.add_argument("--no-prefix-reuse", action="store_true", help="do not reuse the KV cache of a shared prompt prefix")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking false unless a request sets it")
+    p.add_argument("--reasoning-budget", type=non_negative_int("--reasoning-budget"), metavar="N",
+                   help="thinking budget (tokens) of a chat request that sets neither thinking_budget nor "
+                        "reasoning_effort, where it leaves room for an answer within its max_tokens: the engine then "
+                        "closes the reasoning after N tokens (default: unlimited)")
+    p.add_argument("--reasoning-effort-budgets", type=_effort_budgets, default=None, metavar="low=N,medium=N,high=N",
+                   help="thinking budgets of reasoning_effort minimal / low / medium / high, each a number of tokens or "
+                        "none (unlimited); entries left out keep their defaults: minimal=0,low=1024,medium=8192,high=none")
+    p.add_argument("--reasoning-budget-message", metavar="TEXT",
+                   help="a sentence the engine writes into the reasoning before closing it when a budget runs out, "
+                        "e.g. \"Thinking budget reached; answering now.\" (default: none, only the end-of-thinking tag)")
     add_sampling_flags(p, "request defaults (a request's own fields win; these win over generation_config.json)",
                        "--default-max-tokens", "temperature 0 unless a request sets it")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
@@ -179,7 +198,10 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     sampling = {k: v for k, v in args.generation_defaults.items() if k != "max_tokens"}
     sampling.update(args.flag_defaults)
     defaults = ServerDefaults(model_id=args.model_id, default_max_tokens=args.default_max_tokens,
-                              greedy=args.greedy, enable_thinking=not args.no_thinking, sampling=sampling)
+                              greedy=args.greedy, enable_thinking=not args.no_thinking, sampling=sampling,
+                              reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message)
+    if args.reasoning_effort_budgets is not None:
+        defaults.effort_budgets = args.reasoning_effort_budgets
     log = RequestLog(args.request_log_jsonl) if args.request_log_jsonl else None
     state = ServerState(defaults, api_key=args.api_key, request_log=log)
     engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,

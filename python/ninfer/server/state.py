@@ -23,6 +23,9 @@ from ninfer.server.tool_grammar import ToolSyntax, forced_tools, prompt_reasonin
 from ninfer.server.request_log import RequestLog
 
 
+_UNKNOWN = object()
+
+
 @dataclasses.dataclass
 class Submission:
     """A started API call: one stream over all its engine requests, and which choice each one is."""
@@ -48,6 +51,8 @@ class ServerState:
         self._submissions = itertools.count()
         #: The model's tool-call syntax, read from its tokenizer on the first forced tool call.
         self._tool_syntax: Optional[ToolSyntax] = None
+        #: `core.thinking_closing_tokens` for the server's budget message, asked once.
+        self._closing_tokens: Any = _UNKNOWN
 
     def attach(self, engine: AsyncEngine) -> None:
         """Start serving with a loaded engine."""
@@ -110,9 +115,9 @@ class ServerState:
         self.tokenizer()  # a 400 when the model has none
         if not engine.has_chat_template:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        sampling = dict(req.sampling, max_tokens=req.max_tokens, **self.thinking_fields(req))
         serial = next(self._submissions)
         rids = [f"{request_id}-{serial}-{i}" for i in range(req.n)]
-        sampling = dict(req.sampling, max_tokens=req.max_tokens)
         forced = forces_tool_call(req.tool_choice)
         if forced:
             sampling["response_format"] = await anyio.to_thread.run_sync(self.tool_call_format, req)
@@ -144,6 +149,39 @@ class ServerState:
         grammar = tool_call_grammar(forced_tools(req.tools, req.tool_choice), self._tool_syntax,
                                     parallel=parallel, reasoning=reasoning)
         return {"type": "lark", "lark": grammar}
+
+
+    def closing_tokens(self) -> Optional[int]:
+        """Tokens the engine forces to close a reasoning block whose budget ran out (with the
+        server's `--reasoning-budget-message`); None when the model has no thinking tags."""
+        if self._closing_tokens is _UNKNOWN:
+            ask = getattr(self.require_engine().core, "thinking_closing_tokens", None)
+            self._closing_tokens = ask(self.defaults.reasoning_budget_message) if ask else None
+        return self._closing_tokens
+
+    def thinking_fields(self, req: ChatRequest) -> dict:
+        """The thinking-budget sampling fields of a chat request: its own budget (from
+        `thinking_budget` or `reasoning_effort`), else the server's `--reasoning-budget` where that
+        leaves room for an answer. An explicit budget without that room is a 400 naming the field,
+        the budget and max_tokens."""
+        field = req.budget_field
+        budget = req.sampling.get("thinking_budget") if field else self.defaults.reasoning_budget
+        closing = self.closing_tokens() if budget is not None else None
+        if closing is None:
+            return {}
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.defaults.default_max_tokens
+        if max_tokens is not None and budget + closing >= max_tokens:
+            if field is None:
+                return {"thinking_budget": None}
+            what = (f"`thinking_budget` {budget}" if field == "thinking_budget"
+                    else f"`reasoning_effort` {req.reasoning_effort!r} (a thinking budget of {budget} tokens)")
+            raise bad_request(f"{what} plus the {closing} tokens that close the reasoning leave no room for an answer "
+                              f"within max_tokens {max_tokens}: raise max_tokens above {budget + closing} or lower the "
+                              "budget", field)
+        fields = {"thinking_budget": budget}
+        if self.defaults.reasoning_budget_message:
+            fields["thinking_budget_message"] = self.defaults.reasoning_budget_message
+        return fields
 
 
 async def until_disconnect(request: Request, work) -> Any:

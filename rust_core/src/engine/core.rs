@@ -24,6 +24,7 @@ use super::request::RowInput;
 use super::{EngineConfig, MemoryLedger, RequestOutput, RequestState, RequestValidator, ResolvedConfig};
 use crate::kv::BlockPool;
 use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
 use crate::state::StateSlots;
@@ -40,6 +41,8 @@ pub struct EngineStats {
     pub prefix_hit_tokens: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
+    /// Of those, the tokens generated inside reasoning blocks (what thinking budgets count).
+    pub reasoning_tokens_total: u64,
     /// Tokens run through the model as prompt (prefill chunks and recompute), not decodes.
     pub prefill_tokens_computed: u64,
     pub max_batch_size_seen: usize,
@@ -97,7 +100,8 @@ impl EngineCore {
         );
         let vocab_size = runner.config().vocab_size;
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size, config.json_schema_open_objects);
-        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
+        let thinking = tokenizer.as_ref().and_then(ThinkingTags::of).filter(|t| (t.open.max(t.close) as usize) < vocab_size);
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar, thinking };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         let overlap = (config.async_scheduling && runner.overlaps_steps()).then(OverlappedStep::default);
         let mut core = EngineCore {
@@ -206,7 +210,8 @@ impl EngineCore {
         self.next_seq += 1;
         let fallback_seed = self.seed_rng.random();
         self.stats.prompt_tokens_total += prompt.len() as u64;
-        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar));
+        let thinking = self.validator.thinking_tracker(&prompt, &params);
+        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar, thinking));
         self.ids.insert(request_id.to_string(), id);
         self.sched.add(Sequence::new(id, prompt));
     }
@@ -325,8 +330,10 @@ impl EngineCore {
         for ((&id, _), s) in with_logits.zip(sampled) {
             let cached = self.sched.cached_tokens(id);
             let Some(req) = self.requests.get_mut(&id) else { continue };
+            let reasoning_before = req.reasoning_tokens();
             let event = req.accept(s.token, s.logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
             self.stats.generation_tokens_total += 1;
+            self.stats.reasoning_tokens_total += (req.reasoning_tokens() - reasoning_before) as u64;
             outcomes.push(SeqOutcome { id, token: s.token, finished: event.finished });
             outputs.push(event.output);
         }

@@ -223,6 +223,7 @@ fn aborted(id: &str) -> RequestOutput {
         finish_reason: Some(FinishReason::Abort),
         prompt_tokens: 0,
         completion_tokens: 0,
+        reasoning_tokens: 0,
         cached_tokens: 0,
         error: None,
     }

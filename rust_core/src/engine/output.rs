@@ -44,6 +44,9 @@ pub struct RequestOutput {
     pub finish_reason: Option<FinishReason>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Of `completion_tokens`, those generated inside the reasoning block that a thinking
+    /// budget counts (not the think tags, not a closing sequence the engine forced).
+    pub reasoning_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
     /// Why the request failed: set only on the last delta of a request that ends with

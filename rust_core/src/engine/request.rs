@@ -2,6 +2,7 @@
 //! rules that decide when a request is finished.
 
 use super::{FinishReason, RequestOutput};
+use crate::sampling::thinking::{ReasoningTracker, ThinkingTags};
 use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
@@ -22,6 +23,9 @@ pub struct RequestState {
     /// Why the grammar could not compute the last mask (too complex a lexer, no token left):
     /// the request ends with it when the token sampled without the mask comes back.
     grammar_error: Option<NinferError>,
+    /// The reasoning block's count and the `thinking_budget` that closes it; None for a
+    /// tokenizer without thinking tags.
+    thinking: Option<(ReasoningTracker, ThinkingTags)>,
 }
 
 /// Where the input token of a step stands when the step's sampling rows are built.
@@ -46,9 +50,18 @@ pub struct TokenEvent {
 
 impl RequestState {
     /// State for a new request; `fallback_seed` seeds requests without a seed.
-    /// `grammar` constrains every sampled token to the request's `response_format`.
-    pub fn new(request_id: String, prompt: &[u32], params: SamplingParams, fallback_seed: u64, grammar: Option<GrammarConstraint>) -> Self {
+    /// `grammar` constrains every sampled token to the request's `response_format`; `thinking`
+    /// counts its reasoning and enforces its `thinking_budget`.
+    pub fn new(
+        request_id: String,
+        prompt: &[u32],
+        params: SamplingParams,
+        fallback_seed: u64,
+        grammar: Option<GrammarConstraint>,
+        thinking: Option<(ReasoningTracker, ThinkingTags)>,
+    ) -> Self {
         RequestState {
+            thinking,
             request_id,
             sampler: RequestSampler::new(&params, prompt, fallback_seed),
             detok: IncrementalDetokenizer::new(prompt, params.skip_special_tokens),
@@ -67,7 +80,9 @@ impl RequestState {
     /// the token sampled from it is never output, `accept` ends the request with the error.
     /// `input`: under `RowInput::InFlight` the step's input token (this request's newest
     /// output) is not accepted yet, and a row with penalties counts it on the runner
-    /// (`RowSampling::count_input`).
+    /// (`RowSampling::count_input`). When the thinking budget has run out the row allows only
+    /// the next token of the closing sequence, if the grammar allows it too (the grammar owns
+    /// the output's format: otherwise its mask stands and the budget gives way).
     pub fn prepare_sampling(&mut self, vocab: usize, input: RowInput) -> RowSampling {
         let mask = match self.grammar.as_mut().map(GrammarConstraint::compute_mask) {
             Some(Ok(mask)) => Some(mask),
@@ -77,9 +92,26 @@ impl RequestState {
             }
             None => None,
         };
+        // A row built before its input token is known is free: `samples_after_input` holds back
+        // the rows that the token could force.
+        let forced = match (&self.thinking, input) {
+            (Some((tracker, _)), RowInput::Accepted | RowInput::FedThenAccepted) => tracker.forced(),
+            _ => None,
+        };
+        let forced = forced.filter(|&t| (t as usize) < vocab && mask.as_ref().is_none_or(|m| m.is_allowed(t)));
         let mut row = self.sampler.prepare(&self.params, mask.as_ref(), vocab);
+        if let Some(t) = forced {
+            let mut words = vec![0u32; vocab.div_ceil(32)];
+            words[t as usize / 32] = 1 << (t % 32);
+            row.allow = Some(words);
+        }
         row.count_input = input == RowInput::InFlight && self.params.penalizes_history();
         row
+    }
+
+    /// Tokens generated inside the reasoning so far (what the thinking budget counts).
+    pub fn reasoning_tokens(&self) -> usize {
+        self.thinking.as_ref().map_or(0, |(t, _)| t.reasoning_tokens())
     }
 
     /// Whether a step can be queued before the next token is known (asynchronous scheduling):
@@ -94,8 +126,10 @@ impl RequestState {
     /// lookahead, `ModelRunner::launch_forward`). Penalties need no wait: a row built before
     /// the token counts it on the runner (`RowSampling::count_input`), which every overlapping
     /// runner's sampler does.
+    /// A thinking budget about to run out (or closing) needs the same wait: whether the row is
+    /// forced depends on the token before it.
     pub fn samples_after_input(&self) -> bool {
-        self.grammar.is_some()
+        self.grammar.is_some() || self.thinking.as_ref().is_some_and(|(t, _)| t.next_row_depends_on_token())
     }
 
     /// Advance the grammar past `token`: true when the constrained output is complete, which
@@ -131,6 +165,9 @@ impl RequestState {
         self.completion_tokens += 1;
         let is_eos = !self.params.ignore_eos && eos_token_ids.contains(&token);
         let is_stop_token = self.params.stop_token_ids.contains(&token);
+        if let (Some((tracker, tags)), false) = (self.thinking.as_mut(), is_eos || is_stop_token) {
+            tracker.accept(token, |t| tags.is_blank(t));
+        }
         let mut text = String::new();
         let mut finish = None;
         let mut stop_string_matched = false;
@@ -166,6 +203,7 @@ impl RequestState {
             finish_reason: finish,
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
+            reasoning_tokens: self.reasoning_tokens(),
             cached_tokens,
             error: None,
         };
@@ -211,6 +249,7 @@ impl RequestState {
             finish_reason: Some(FinishReason::Abort),
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
+            reasoning_tokens: self.reasoning_tokens(),
             cached_tokens,
             error: None,
         }

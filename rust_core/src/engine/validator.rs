@@ -2,6 +2,7 @@
 //! (`EngineCore::add_request` inline, `EngineHandle::submit` on the submitting thread), so that
 //! bad input is reported to the caller at once.
 
+use crate::sampling::thinking::{ReasoningTracker, ThinkingTags};
 use crate::sampling::{GrammarConstraint, SamplingParams, SharedGrammarCompiler};
 use crate::{NinferError, Result};
 
@@ -14,6 +15,9 @@ pub struct RequestValidator {
     pub vocab_size: usize,
     /// Compiles `response_format` into a grammar constraint (built on first use).
     pub grammar: SharedGrammarCompiler,
+    /// The tokenizer's `<think>` / `</think>` ids: reasoning is counted and budgets enforced;
+    /// None (no tags) leaves every request's output unconstrained by `thinking_budget`.
+    pub thinking: Option<ThinkingTags>,
 }
 
 impl RequestValidator {
@@ -37,7 +41,37 @@ impl RequestValidator {
         if prompt.len().saturating_add(params.max_tokens) > self.max_context {
             return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });
         }
+        self.check_thinking_budget(params)
+    }
+
+    /// A thinking budget must leave room for an answer: the budget plus the closing sequence
+    /// it forces must stay under `max_tokens`.
+    fn check_thinking_budget(&self, params: &SamplingParams) -> Result<()> {
+        let (Some(budget), Some(tags)) = (params.thinking_budget, &self.thinking) else {
+            return Ok(());
+        };
+        let closing = tags.closing(params.thinking_budget_message.as_deref())?.len();
+        if budget as usize + closing >= params.max_tokens {
+            return Err(NinferError::invalid(
+                "thinking_budget",
+                format!(
+                    "{budget} plus the {closing} tokens that close the reasoning leave no room for an answer within max_tokens {}: \
+                     raise max_tokens above {} or lower the budget",
+                    params.max_tokens,
+                    budget as usize + closing
+                ),
+            ));
+        }
         Ok(())
+    }
+
+    /// The reasoning tracker of a checked request (None when the tokenizer has no thinking
+    /// tags), with the tags it reads blank tokens with.
+    pub fn thinking_tracker(&self, prompt: &[u32], params: &SamplingParams) -> Option<(ReasoningTracker, ThinkingTags)> {
+        let tags = self.thinking.as_ref()?;
+        // The closing sequence tokenized in `check` already: it cannot fail here.
+        let tracker = tags.tracker(prompt, params.thinking_budget, params.thinking_budget_message.as_deref()).ok()?;
+        Some((tracker, tags.clone()))
     }
 
     /// Every check of a request about to be queued (`check`, then its `response_format`

@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::engine::RequestOutput;
 
 /// The field names item access accepts.
-const FIELDS: [&str; 9] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error"];
+const FIELDS: [&str; 10] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "error"];
 
 /// New output of one request after one engine step (text never splits a UTF-8 sequence).
 #[pyclass(name = "Delta", module = "ninfer._core", frozen)]
@@ -35,6 +35,10 @@ pub struct PyDelta {
     prompt_tokens: usize,
     #[pyo3(get)]
     completion_tokens: usize,
+    /// Of `completion_tokens` so far, those inside the reasoning block (what a thinking budget
+    /// counts; the think tags and a closing sequence the engine forced are not).
+    #[pyo3(get)]
+    reasoning_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     #[pyo3(get)]
     cached_tokens: usize,
@@ -72,6 +76,7 @@ impl PyDelta {
             finish_reason: o.finish_reason.map(|f| f.as_str().to_string()),
             prompt_tokens: o.prompt_tokens,
             completion_tokens: o.completion_tokens,
+            reasoning_tokens: o.reasoning_tokens,
             cached_tokens: o.cached_tokens,
             error: o.error.clone(),
         })
@@ -82,7 +87,7 @@ impl PyDelta {
 impl PyDelta {
     /// A delta from its fields (test doubles of the engine build theirs this way).
     #[new]
-    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None))]
+    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None, reasoning_tokens=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
@@ -94,8 +99,9 @@ impl PyDelta {
         cached_tokens: usize,
         logprobs: Option<Py<PyList>>,
         error: Option<String>,
+        reasoning_tokens: usize,
     ) -> Self {
-        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens, error }
+        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens, error }
     }
 
     /// True on the last delta of a request.

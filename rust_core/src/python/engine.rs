@@ -25,6 +25,7 @@ use crate::config::{GenerationConfig, ModelConfig};
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
 use crate::config::CudaOptions;
 use crate::model::{load_model, resolve_device_name, KvDtype, LoadOptions, LogitsDtype, ModelRunner};
+use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -142,6 +143,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
     d.set_item("prompt_tokens_total", s.prompt_tokens_total)?;
     d.set_item("generation_tokens_total", s.generation_tokens_total)?;
+    d.set_item("reasoning_tokens_total", s.reasoning_tokens_total)?;
     d.set_item("prefill_tokens_computed", s.prefill_tokens_computed)?;
     d.set_item("max_batch_size_seen", s.max_batch_size_seen)?;
     d.set_item("steps", s.steps)?;
@@ -408,6 +410,18 @@ impl PyEngine {
     #[getter]
     fn generation_defaults<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         defaults_dict(py, &self.generation_defaults)
+    }
+
+    /// How many tokens the engine forces to close a reasoning block whose `thinking_budget`
+    /// ran out (with `message`, a transition sentence, before the end tag); None when the
+    /// vocabulary has no thinking tags (budgets then change nothing). A request's budget plus
+    /// this must stay under its max_tokens.
+    #[pyo3(signature = (message=None))]
+    fn thinking_closing_tokens(&self, message: Option<&str>) -> PyResult<Option<usize>> {
+        let Some(tags) = self.tokenizer.as_ref().and_then(ThinkingTags::of) else {
+            return Ok(None);
+        };
+        Ok(Some(tags.closing(message).py()?.len()))
     }
 
     /// Longest prompt + max_tokens a request may have.

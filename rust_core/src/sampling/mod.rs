@@ -11,6 +11,7 @@ pub mod params;
 pub mod penalties;
 pub mod row;
 pub mod sampler;
+pub mod thinking;
 
 pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGrammarCompiler, TokenMask};
 pub use params::SamplingParams;

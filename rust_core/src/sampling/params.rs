@@ -47,6 +47,13 @@ pub struct SamplingParams {
     /// regex, lark) enforced by grammar-constrained decoding; None or `{"type": "text"}` for
     /// free text. Its shape is checked here, the schema itself when the engine compiles it.
     pub response_format: Option<serde_json::Value>,
+    /// Most tokens the reasoning block may take (`<think>` ... `</think>` of a thinking
+    /// model); when it runs out the engine forces the end of the reasoning and the answer
+    /// follows, all within `max_tokens`. 0 closes the reasoning at once. None: unlimited.
+    pub thinking_budget: Option<u32>,
+    /// A sentence forced before the end-of-thinking tag when the budget runs out (None: the
+    /// tag alone).
+    pub thinking_budget_message: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -69,6 +76,8 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             skip_special_tokens: true,
             response_format: None,
+            thinking_budget: None,
+            thinking_budget_message: None,
         }
     }
 }

@@ -6,6 +6,7 @@ mod grammar;
 mod overlap;
 mod sampling;
 mod stopping;
+mod thinking;
 mod thread;
 
 use std::collections::HashMap;
@@ -29,6 +30,8 @@ struct Collected {
     deltas: usize,
     /// The error of a request that failed (finish "error").
     error: Option<String>,
+    /// The reasoning tokens its last delta counted.
+    reasoning_tokens: usize,
 }
 
 /// Engine settings for a test.
@@ -86,6 +89,7 @@ fn collect_into(all: &mut HashMap<String, Collected>, outs: Vec<RequestOutput>) 
         c.text.push_str(&o.text);
         c.deltas += 1;
         c.cached_tokens = o.cached_tokens;
+        c.reasoning_tokens = o.reasoning_tokens;
         assert_eq!(o.error.is_some(), o.finish_reason == Some(FinishReason::Error), "{}: an error comes with finish reason error, on the last delta", o.request_id);
         c.error = o.error;
         if let Some(f) = o.finish_reason {
@@ -126,6 +130,11 @@ fn byte_tokenizer() -> Arc<Tokenizer> {
 }
 
 fn build_byte_tokenizer() -> Arc<Tokenizer> {
+    build_byte_tokenizer_with(&[])
+}
+
+/// The byte tokenizer with `added` (non-special) tokens from id 256 on.
+fn build_byte_tokenizer_with(added: &[&str]) -> Arc<Tokenizer> {
     let mut chars = Vec::new();
     let mut n = 0u32;
     for b in 0u32..256 {
@@ -139,14 +148,17 @@ fn build_byte_tokenizer() -> Arc<Tokenizer> {
     }
     let vocab: serde_json::Map<String, serde_json::Value> = chars.iter().enumerate().map(|(i, c)| (c.to_string(), serde_json::json!(i))).collect();
     let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+        "added_tokens": added.iter().enumerate().map(|(i, content)| serde_json::json!({
+            "id": 256 + i, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false
+        })).collect::<Vec<_>>(),
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
         "post_processor": null,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
                    "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []}
     });
-    let dir = std::env::temp_dir().join(format!("ninfer-byte-tok-{}-{}", std::process::id(), n));
+    let dir = std::env::temp_dir().join(format!("ninfer-byte-tok-{}-{}-{}", std::process::id(), n, added.len()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
     Arc::new(Tokenizer::from_dir(&dir).expect("byte tokenizer"))
