@@ -16,7 +16,8 @@ def test_delta_is_the_cores_type_and_reads_by_attribute_or_key():
     assert d["text"] == "hi" and d.get("cached_tokens") == 1 and d.get("nope", 7) == 7
     assert d["logprobs"][0]["token_id"] == 5
     assert set(d) == set(d.keys()) == {"request_id", "token_ids", "text", "logprobs", "finish_reason",
-                                       "prompt_tokens", "completion_tokens", "cached_tokens", "error"}
+                                       "prompt_tokens", "completion_tokens", "cached_tokens", "error", "stop_reason"}
+    assert d.stop_reason is None and ninfer.Delta("r3", stop_reason="END").stop_reason == "END"
     assert dict(d)["completion_tokens"] == 2
     with pytest.raises(KeyError):
         d["finished"]
@@ -31,3 +32,17 @@ def test_the_engine_steps_out_deltas():
         deltas += core.step()
     assert all(isinstance(d, ninfer.Delta) for d in deltas)
     assert sum(len(d.token_ids) for d in deltas) == 2 and deltas[-1].finish_reason == "length"
+
+
+def test_the_stop_token_id_that_ended_a_request_is_its_stop_reason():
+    core = _core.Engine.toy(vocab_size=32)
+    core.submit("a", [1, 2, 3], _core.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    first = []
+    while core.has_unfinished():
+        first += [t for d in core.step() for t in d.token_ids]
+    core.submit("b", [1, 2, 3], _core.SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[first[1]]))
+    deltas = []
+    while core.has_unfinished():
+        deltas += core.step()
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", first[1])
+    assert all(d.stop_reason is None for d in deltas[:-1])
