@@ -248,6 +248,7 @@ def test_tool_choice_maps_onto_the_chat_body(choice, expected):
     ({"type": "enabled", "budget_tokens": 8}, {"thinking_budget": 8, "chat_template_kwargs": {"enable_thinking": True}}),
     ({"type": "enabled", "budget_tokens": 0}, {"thinking_budget": 0, "chat_template_kwargs": {"enable_thinking": True}}),
     ({"type": "enabled"}, {"chat_template_kwargs": {"enable_thinking": True}}),
+    ({"type": "adaptive"}, {"chat_template_kwargs": {"enable_thinking": True}}),
     ({"type": "disabled"}, {"chat_template_kwargs": {"enable_thinking": False}}),
 ])
 def test_thinking_maps_onto_the_chat_body(thinking, expected):
@@ -280,3 +281,41 @@ def test_count_tokens_route_checks_its_body(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "other", "messages": user("x")})
     assert r.status_code == 404
+
+
+def stream_events(*deltas) -> list:
+    """The events `BlockStream` makes of these chat delta fields, parsed."""
+    from ninfer.server.routes_anthropic import BlockStream
+
+    s = BlockStream()
+    raw = [e for d in deltas for e in s.feed(d)] + s.close()
+    return [json.loads(e.split(b"data: ", 1)[1]) for e in raw]
+
+
+def test_tool_calls_streamed_as_fragments_become_input_json_deltas_of_one_block_each():
+    """The chat path's streamed tool calls: a first item with id and name, then argument
+    fragments by index; two calls, text before them."""
+    events = stream_events(
+        {"reasoning_content": "think"}, {"content": "Let me check."},
+        {"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+        {"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}},
+                        {"index": 1, "function": {"arguments": 'ty": "Oslo"}'}}]})
+    check_block_order(events)
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [(b["type"], b.get("id")) for b in starts] == [("thinking", None), ("text", None), ("tool_use", "call_a"),
+                                                          ("tool_use", "call_b")]
+    assert starts[0]["signature"] == "" and starts[2]["input"] == {}
+    args = ["".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["index"] == i)
+            for i in (2, 3)]
+    assert [json.loads(a) for a in args] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0] == [
+        "thinking_delta", "signature_delta"]
+
+
+def test_a_whole_tool_call_in_one_item_is_one_block_with_one_input_json_delta():
+    events = stream_events({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                            "function": {"name": "f", "arguments": '{"a": 1}'}}]})
+    assert [e["type"] for e in events] == ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert events[1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}

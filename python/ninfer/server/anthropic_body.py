@@ -133,20 +133,22 @@ def _tool_choice(body: dict, chat: dict) -> None:
 def _thinking(body: dict, chat: dict) -> None:
     """Anthropic `thinking` onto the chat body: enabled with `budget_tokens` is a thinking budget
     (any integer >= 0 here: small budgets are how a small model gets to its answer, where
-    Anthropic's API asks for 1024 or more), disabled turns the template's thinking off."""
+    Anthropic's API asks for 1024 or more), adaptive thinks as the model does by default,
+    disabled turns the template's thinking off."""
     thinking = body.get("thinking")
     if thinking is None:
         return
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
         chat["chat_template_kwargs"] = {"enable_thinking": False}
-    elif kind == "enabled":
+    elif kind in ("enabled", "adaptive"):
         chat["chat_template_kwargs"] = {"enable_thinking": True}
-        if thinking.get("budget_tokens") is not None:
+        if kind == "enabled" and thinking.get("budget_tokens") is not None:
             field = "thinking.budget_tokens"
             chat["thinking_budget"] = number({field: thinking["budget_tokens"]}, field, lo=0, integer=True)
     else:
-        raise bad_request(f"`thinking` must be an object with type enabled or disabled, got {thinking!r}", "thinking")
+        raise bad_request(f"`thinking` must be an object with type enabled, adaptive or disabled, got {thinking!r}",
+                          "thinking")
 
 
 def _stop_sequences(body: dict):
