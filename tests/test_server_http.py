@@ -108,6 +108,20 @@ def test_chat_logprobs_carry_engine_values(client):
     assert all(c.logprob == -0.25 and len(c.top_logprobs) == 2 for c in content)
 
 
+def joined_tool_calls(chunks) -> list:
+    """(index, name, arguments) of each streamed call: its first item names it, the rest add arguments."""
+    calls = []
+    for c in chunks:
+        for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            if t.id is not None:
+                assert t.index == len(calls) and t.type == "function"
+                calls.append([t.index, t.function.name, t.function.arguments or ""])
+            else:
+                assert t.function.name is None
+                calls[t.index][2] += t.function.arguments
+    return [tuple(c) for c in calls]
+
+
 def test_tool_call_json_parsed_streaming_and_not(client):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     msgs = [{"role": "user", "content": "say:" + call}]
@@ -115,12 +129,53 @@ def test_tool_call_json_parsed_streaming_and_not(client):
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=200)
     assert r.choices[0].finish_reason == "tool_calls"
     tc = r.choices[0].message.tool_calls
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in tc] == [("get_weather", {"city": "Paris"})]
+    assert [(t.function.name, t.function.arguments) for t in tc] == [("get_weather", '{"city": "Paris"}')]
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=200, stream=True))
-    streamed = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
-        (0, "get_weather", {"city": "Paris"})]
+    assert joined_tool_calls(chunks) == [(0, "get_weather", '{"city": "Paris"}')]
+    # The fake core writes a byte a step: the arguments arrive in many fragments, before the close tag.
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 5
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_streamed_qwen3_coder_xml_arguments_join_to_the_whole_ones(client):
+    call = ('<tool_call>\n<function=edit>\n<parameter=path>\na "b" </c>\n</parameter>\n<parameter=n>\n12\n'
+            '</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "x", "arguments": {"y": ["</", {}]}}\n</tool_call>')
+    msgs = [{"role": "user", "content": "say:" + call}]
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=160)
+    whole = [(k, t.function.name, t.function.arguments) for k, t in enumerate(r.choices[0].message.tool_calls)]
+    assert whole == [(0, "edit", '{"path": "a \\"b\\" </c>", "n": 12}'), (1, "x", '{"y": ["</", {}]}')]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=160, stream=True))
+    assert joined_tool_calls(chunks) == whole
+
+
+def test_a_call_cut_by_max_tokens_keeps_the_arguments_written_streaming_and_not(client):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "say:" + call}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    # <tool_call> is one token, then a byte a token: 53 tokens end inside the city.
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=53)
+    assert r.choices[0].finish_reason == "length"
+    [tc] = r.choices[0].message.tool_calls
+    assert (tc.function.name, tc.function.arguments) == ("get_weather", '{"city": "Pari')
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=53, stream=True))
+    assert joined_tool_calls(chunks) == [(0, "get_weather", '{"city": "Pari')]
+
+
+def test_a_tool_call_inside_the_reasoning_is_no_call_streaming_and_not(client):
+    text = '<think>\nmaybe <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n</think>\n\nNo.'
+    msgs = [{"role": "user", "content": "say:" + text}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=200)
+    msg = r.choices[0].message
+    assert msg.tool_calls is None and r.choices[0].finish_reason == "stop" and msg.content == "No."
+    reasoning = 'maybe <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+    assert msg.model_extra["reasoning_content"] == reasoning
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=200, stream=True))
+    assert joined_tool_calls(chunks) == []
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices) == reasoning
 
 
 def test_tool_call_qwen3_coder_xml_parsed_with_schema_types(client):
@@ -374,8 +429,8 @@ def test_a_request_failing_midway_is_an_anthropic_error_event_on_messages():
 
 
 def test_completion_suffix_is_refused_not_ignored(server):
-    """`suffix` (fill in the middle) is not implemented: a non-empty one is a 400 naming it, as
-    `echo` is, rather than an answer that silently ignores the text after the insertion point."""
+    """`suffix` (fill in the middle) is not implemented: a non-empty one is a 400 naming it, rather
+    than an answer that silently ignores the text after the insertion point."""
     body = {"model": MODEL, "prompt": "def f(", "max_tokens": 3}
     for suffix, code in (("):\n    return 1", "unsupported"), (7, None)):
         r = httpx.post(server.url + "/v1/completions", json=dict(body, suffix=suffix))

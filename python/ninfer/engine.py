@@ -427,6 +427,14 @@ class AsyncEngine:
             return
         loop.run_in_executor(None, self.core.abort, request_id)
 
+    async def score(self, token_ids: Sequence[int]):
+        """Logits of every position of `token_ids` (numpy float32 [T, vocab]): `LLM.score`'s one
+        forward, run by the engine thread between steps while this coroutine waits off the loop."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        ids = list(token_ids)
+        return await anyio.to_thread.run_sync(lambda: self.core.score(ids))
+
     def stats(self) -> dict:
         """The core's counters (running, waiting, KV blocks, prefix hits, ...); may wait up to a step."""
         return dict(self.core.stats())

@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -34,7 +35,10 @@ _OPEN_PATHS = ("/health", "/metrics", "/static", "/favicon.ico")
 
 
 class RequestContext:
-    """Pure ASGI middleware: assigns the request id, checks the API key, stamps x-request-id, counts errors."""
+    """Pure ASGI middleware: assigns the request id, checks the API key, stamps x-request-id, counts
+    errors, and counts a client that leaves before its whole response was sent as a client cancel
+    (one that leaves before or while its body is read ends the request quietly: nobody is left to
+    answer, and it is no server error)."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -48,6 +52,15 @@ class RequestContext:
         rid = given if _SAFE_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         metrics = self.state.metrics
+        progress = {"body_read": False, "sent": False, "left": None}
+
+        async def receive_watched():
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                progress["body_read"] = True
+            elif message["type"] == "http.disconnect" and not progress["sent"] and progress["left"] is None:
+                progress["left"] = "response" if progress["body_read"] else "body"
+            return message
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -56,13 +69,21 @@ class RequestContext:
                 message = dict(message, headers=hs)
                 if message["status"] >= 400:
                     metrics.http_error(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                progress["sent"] = True
             await send(message)
 
         if self.state.api_key and not self._authorized(scope["path"], headers):
             err = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
                            type="authentication_error", code="invalid_api_key")
             return await error_response(err)(scope, receive, send_with_id)
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive_watched, send_with_id)
+        except ClientDisconnect:
+            pass  # raised by reading the body of a client that has left
+        finally:
+            if progress["left"] is not None:
+                metrics.client_cancelled(progress["left"])
 
     def _authorized(self, path: str, headers: dict) -> bool:
         if path == "/" or path.startswith(_OPEN_PATHS):

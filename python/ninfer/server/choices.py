@@ -2,7 +2,9 @@
 
 Streaming and non-streaming replies use the same `ChoiceBuilder`: `feed(delta)` returns the
 OpenAI `delta` object to stream (or None when nothing is certain yet), and the accumulated
-fields form the non-streaming message.
+fields form the non-streaming message. Tool calls stream as OpenAI `tool_calls` items (a call's
+first item has its index, id and name, later ones `{"index", "function": {"arguments": FRAGMENT}}`);
+the message's calls are those fragments joined (tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class ChoiceBuilder:
         calls: list = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final=final)
+            self.tool_calls = self.tools.calls
         self.reasoning_text += reasoning
         self.content += content
         out: dict = {}
@@ -83,8 +86,7 @@ class ChoiceBuilder:
         if content:
             out["content"] = content
         if calls:
-            out["tool_calls"] = [dict(c, index=len(self.tool_calls) + k) for k, c in enumerate(calls)]
-            self.tool_calls += calls
+            out["tool_calls"] = calls
         if final:
             self.finish_reason = delta.finish_reason
             if self.tool_calls and self.finish_reason == "stop":

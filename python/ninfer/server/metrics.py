@@ -52,6 +52,7 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.cached_tokens = 0
         self.http_errors = {}
+        self.client_cancels = {"body": 0, "response": 0}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
 
@@ -72,6 +73,12 @@ class ServerMetrics:
         with self.lock:
             self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
+    def client_cancelled(self, stage: str) -> None:
+        """Count a client that disconnected before its response was complete: at `stage` "body"
+        (before or while its request body was read) or "response" (while it was answered)."""
+        with self.lock:
+            self.client_cancels[stage] = self.client_cancels.get(stage, 0) + 1
+
     def render(self, core_stats: dict) -> str:
         """The whole exposition text."""
         p = PREFIX
@@ -84,6 +91,11 @@ class ServerMetrics:
                       f"# TYPE {p}_http_errors_total counter"]
             for status, n in sorted(self.http_errors.items()):
                 lines.append(f'{p}_http_errors_total{{status="{status}"}} {n}')
+            lines += [f"# HELP {p}_client_cancels_total Requests whose client disconnected before the response was "
+                      "complete, by stage (body: before or while the request body was read).",
+                      f"# TYPE {p}_client_cancels_total counter"]
+            for stage, n in sorted(self.client_cancels.items()):
+                lines.append(f'{p}_client_cancels_total{{stage="{stage}"}} {n}')
             for name, value, help_ in (
                 ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
                 ("generation_tokens_total", self.generation_tokens, "Generated tokens of finished requests."),

@@ -58,9 +58,14 @@ class ChatRequest(GenerationRequest):
 
 @dataclasses.dataclass
 class CompletionRequest(GenerationRequest):
-    """A /v1/completions request: one or more prompts, each text or token ids."""
+    """A /v1/completions request: one or more prompts, each text or token ids.
+
+    `echo` puts each prompt before its completion (and, with `logprobs`, the prompt's tokens
+    before the completion's); `max_tokens` 0 (with echo only) scores the prompt, generating nothing.
+    """
 
     prompts: list = dataclasses.field(default_factory=list)
+    echo: bool = False
 
 
 def _type_name(v: Any) -> str:
@@ -270,8 +275,12 @@ def _tool_calls_with_object_arguments(calls: Any, where: str) -> list:
     return out
 
 
+#: The roles a chat message may have; another would be rendered by the template as it pleases.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def chat_messages(messages: Any, field: str = "messages") -> list:
-    """Validate chat messages and flatten content-part arrays into text."""
+    """Validate chat messages (a known role each) and flatten content-part arrays into text."""
     if not isinstance(messages, list) or not messages:
         raise bad_request(f"`{field}` must be a non-empty list of messages, got {messages!r}", field)
     out = []
@@ -279,6 +288,9 @@ def chat_messages(messages: Any, field: str = "messages") -> list:
         where = f"{field}[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"`{where}` must be an object with a string `role`, got {m!r}", where)
+        if m["role"] not in CHAT_ROLES:
+            raise bad_request(f"`{where}.role` {m['role']!r} is not a known role; accepted roles: "
+                              f"{', '.join(CHAT_ROLES)}", f"{where}.role")
         msg = dict(m)
         msg["content"] = _message_content(m.get("content"), f"{where}.content")
         if msg["content"] is None:
@@ -385,8 +397,7 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     common = _common(body, defaults)
-    if boolean(body, "echo"):
-        raise bad_request("`echo` is not supported yet", "echo", "unsupported")
+    echo = boolean(body, "echo")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise bad_request(f"`suffix` must be a string, got {_type_name(suffix)} {suffix!r}", "suffix")
@@ -402,6 +413,11 @@ def parse_completion(body: Any, defaults: ServerDefaults) -> CompletionRequest:
     top = number(body, "logprobs", lo=0, hi=20, integer=True)
     logprobs = top is not None
     sampling.update(logprobs=logprobs, top_logprobs=int(top or 0))
-    max_tokens = _max_tokens(body, "max_tokens")
-    return CompletionRequest(sampling=sampling, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=int(top or 0),
-                             prompts=_prompts(body.get("prompt")), **common)
+    max_tokens = number(body, "max_tokens", lo=0, integer=True)
+    if max_tokens == 0 and not echo:
+        # As vLLM: 0 tokens return only the echoed (and scored) prompt, nothing without echo.
+        raise bad_request("`max_tokens` 0 needs `echo` true (it returns the prompt, scored with `logprobs`); "
+                          "without echo it must be >= 1", "max_tokens")
+    return CompletionRequest(sampling=sampling, max_tokens=None if max_tokens is None else int(max_tokens),
+                             logprobs=logprobs, top_logprobs=int(top or 0), prompts=_prompts(body.get("prompt")),
+                             echo=echo, **common)
