@@ -23,8 +23,11 @@ pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason
 
 MODEL = "ninfer-demo"
 QUESTION = "Return the absolute value of a number."
+#: Bounded fields: the demo model, never taught tool calls, writes runaway strings and digits
+#: that the forced-call grammar alone cannot end.
 WEATHER = {"name": "get_weather", "description": "The weather forecast of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                             "required": ["city"], "additionalProperties": False}}
 
 

@@ -130,6 +130,22 @@ def test_tool_use_blocks_streaming_and_not(client, server):
     assert json.loads("".join(fragments)) == {"city": "Paris", "days": 2}
 
 
+def test_a_tool_call_cut_by_max_tokens_is_a_tool_use_block_with_the_fragments_written(client, server):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France"}}\n</tool_call>'
+    # <tool_call> is one token, then a byte a token: 53 tokens end inside the city.
+    kw = dict(model=MODEL, max_tokens=53, tools=[WEATHER], messages=user("say:" + call))
+    r = client.messages.create(**kw)
+    assert r.stop_reason == "max_tokens"
+    assert [(b.type, b.name, b.input) for b in r.content] == [("tool_use", "get_weather", {})]
+    events = raw_events(server, kw)
+    check_block_order(events)
+    assert "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta") == '{"city": "Pari'
+    with client.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    # The SDK's partial parse drops an unfinished string: the same input as the whole answer's.
+    assert final.stop_reason == "max_tokens" and final.content[0].input == {}
+
+
 def test_two_tool_calls_are_two_blocks_in_order(server):
     second = CALL.replace("Paris", "Oslo")
     events = raw_events(server, {"model": MODEL, "max_tokens": 300, "tools": [WEATHER],

@@ -38,6 +38,16 @@ def stop_fields(b, matched, stops: Optional[list]) -> tuple:
     return STOP_REASON.get(b.finish_reason, "end_turn"), None
 
 
+def tool_input(arguments: str) -> dict:
+    """A tool call's `input`: its arguments, or {} when they are not a whole JSON object (a call
+    cut by max_tokens; a stream carried the fragments written)."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _content_blocks(b) -> list:
     blocks = []
     if b.reasoning is not None and b.reasoning.saw_reasoning:
@@ -45,9 +55,8 @@ def _content_blocks(b) -> list:
     if b.content:
         blocks.append({"type": "text", "text": b.content})
     for c in b.tool_calls:
-        args = c["function"]["arguments"]
         blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                       "input": json.loads(args) if args else {}})
+                       "input": tool_input(c["function"]["arguments"])})
     return blocks
 
 
