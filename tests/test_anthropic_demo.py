@@ -175,3 +175,11 @@ def test_agent_tool_loop_through_the_sdk(client):
     assert ran and second.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in second.content if b.type != "thinking"] == ["text"] and second.content[-1].text.strip()
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_a_budget_without_room_for_an_answer_is_a_400_naming_budget_tokens(client):
+    """Needs the thinking budget on the chat path (`thinking_budget`)."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ask(client, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 16})
+    assert e.value.body["error"]["param"] == "thinking.budget_tokens"
+    assert "16" in e.value.body["error"]["message"] and "max_tokens" in e.value.body["error"]["message"]

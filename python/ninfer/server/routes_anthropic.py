@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ninfer.server.anthropic_body import to_chat_body
-from ninfer.server.errors import anthropic_error_payload
+from ninfer.server.errors import ApiError, anthropic_error_payload
 from ninfer.server.protocol import ChatRequest, parse_chat
 from ninfer.server.routes_chat import SSE_PING_S, json_response, make_builders, read_json
 from ninfer.server.sse import error_event, named_event
@@ -67,7 +67,13 @@ async def messages(request: Request) -> Response:
     req: ChatRequest = parse_chat(to_chat_body(body), state.defaults)
     stops = body.get("stop_sequences")
     mid = "msg_" + uuid.uuid4().hex[:24]
-    sub = await state.start_chat(req, mid)
+    try:
+        sub = await state.start_chat(req, mid)
+    except ApiError as e:
+        # A budget without room for an answer: named as the Anthropic field it came from.
+        if e.param == "thinking_budget":
+            e.param, e.message = "thinking.budget_tokens", e.message.replace("`thinking_budget`", "`thinking.budget_tokens`")
+        raise
     b = make_builders(sub, req)[0]
     if req.stream:
         return EventSourceResponse(_stream(sub, req, b, mid, stops), ping=SSE_PING_S, sep="\n")
