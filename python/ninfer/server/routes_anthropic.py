@@ -72,7 +72,8 @@ async def messages(request: Request) -> Response:
     except ApiError as e:
         # A budget without room for an answer: named as the Anthropic field it came from.
         if e.param == "thinking_budget":
-            e.param, e.message = "thinking.budget_tokens", e.message.replace("`thinking_budget`", "`thinking.budget_tokens`")
+            e.param = "thinking.budget_tokens"
+            e.message = e.message.replace("`thinking_budget`", "`thinking.budget_tokens`")
         raise
     b = make_builders(sub, req)[0]
     if req.stream:
@@ -84,7 +85,7 @@ async def messages(request: Request) -> Response:
             async for delta in sub.stream:
                 b.feed(delta)
                 if delta.finished:
-                    last["stop"] = getattr(delta, "stop_reason", None)
+                    last["stop"] = delta.stop_reason
 
     await until_disconnect(request, collect)
     reason, sequence = stop_fields(b, last.get("stop"), stops)
@@ -178,7 +179,7 @@ async def _stream(sub, req: ChatRequest, b, mid: str, stops: Optional[list]):
                 for e in blocks.feed(b.feed(delta)):
                     yield e
                 if delta.finished:
-                    matched = getattr(delta, "stop_reason", None)
+                    matched = delta.stop_reason
         for e in blocks.close():
             yield e
         reason, sequence = stop_fields(b, matched, stops)
