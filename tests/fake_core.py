@@ -239,10 +239,11 @@ class FakeCore:
         full = self.tokenizer.decode(r.out, skip_special_tokens=skip)
         if finish is None and full.endswith("\ufffd"):
             full = full.rstrip("\ufffd")
+        matched = None
         for s in r.params.get("stop", []) or []:
             at = full.find(s)
             if at >= 0:
-                full, finish = full[:at], "stop"
+                full, finish, matched = full[:at], "stop", s
         new = full[len(r.sent_text):] if full.startswith(r.sent_text) else ""
         r.sent_text = full if full.startswith(r.sent_text) else r.sent_text
         lp = None
@@ -250,7 +251,7 @@ class FakeCore:
             k = r.params.get("top_logprobs", 0)
             top = [[toks[0], -0.25]] + [[(toks[0] + i) % 256, -1.0 - i] for i in range(1, k)]
             lp = [{"token_id": toks[0], "logprob": -0.25, "top": top[:k]}]
-        return Delta(r.rid, toks, new, finish, len(r.prompt), len(r.out), r.cached, lp)
+        return Delta(r.rid, toks, new, finish, len(r.prompt), len(r.out), r.cached, lp, stop_reason=matched)
 
     def start_background(self):
         def loop():

@@ -10,7 +10,7 @@ STATS_KEYS = {
     "split_lookahead_steps", "reasoning_tokens_total",
 }
 DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-              "error", "reasoning_tokens"}
+              "error", "reasoning_tokens", "stop_reason"}
 
 
 def greedy(n, **extra):
@@ -108,7 +108,7 @@ def test_eos_logprobs_and_score():
     deltas = []
     while eng.has_unfinished():
         deltas += eng.step()
-    assert deltas[-1]["finish_reason"] == "stop"
+    assert (deltas[-1]["finish_reason"], deltas[-1]["stop_reason"]) == ("stop", None), "EOS is no stop reason"
     assert [d["token_ids"][0] for d in deltas] == ref[: ref.index(eos) + 1]
     lp = deltas[0]["logprobs"][0]
     assert lp["token_id"] == deltas[0]["token_ids"][0] and len(lp["top"]) == 3

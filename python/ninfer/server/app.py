@@ -149,6 +149,7 @@ def build_app(state: ServerState, engine_factory: EngineFactory, *, cors: Option
         Route("/v1/chat/completions", routes_chat.chat_completions, methods=["POST"]),
         Route("/v1/completions", routes_completions.completions, methods=["POST"]),
         Route("/v1/messages", routes_anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", routes_anthropic.count_tokens, methods=["POST"]),
         Route("/v1/models", routes_admin.models, methods=["GET"]),
         Route("/health", routes_admin.health, methods=["GET"]),
         Route("/metrics", routes_admin.metrics, methods=["GET"]),

@@ -1,112 +1,51 @@
-"""POST /v1/messages: the Anthropic Messages API over the same engine, streaming and not.
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API over the same engine.
 
-The body is translated to a chat request (system prompt, text / tool_use / tool_result blocks,
-tools with `input_schema`), run through the same reasoning and tool-call parsing, and answered
-with content blocks (`thinking`, `text`, `tool_use`) and Anthropic stop reasons.
+The body is translated to a chat request (`anthropic_body.to_chat_body`), run through the same
+reasoning and tool-call parsing, and answered with content blocks (`thinking`, `text`,
+`tool_use`) and Anthropic stop reasons; a stream sends each block as it grows (a tool call's
+arguments as `input_json_delta` fragments).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from typing import Optional
 
+import anyio
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ninfer.server.errors import anthropic_error_payload, bad_request
-from ninfer.server.protocol import ChatRequest, number, parse_chat
+from ninfer.server.anthropic_body import to_chat_body
+from ninfer.server.errors import ApiError, anthropic_error_payload
+from ninfer.server.protocol import ChatRequest, parse_chat
 from ninfer.server.routes_chat import SSE_PING_S, json_response, make_builders, read_json
 from ninfer.server.sse import error_event, named_event
 from ninfer.server.state import ServerState, until_disconnect
 
+__all__ = ["count_tokens", "messages", "to_chat_body"]
+
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
-def _block_text(blocks: list, where: str) -> str:
-    """The text of a list of text blocks (`system`, a tool_result's content): each `text` a string."""
-    out = []
-    for i, b in enumerate(blocks):
-        if not isinstance(b, dict):
-            continue
-        t = b.get("text", "")
-        if not isinstance(t, str):
-            raise bad_request(f"`{where}[{i}].text` must be a string, got {t!r}", f"{where}[{i}].text")
-        out.append(t)
-    return "".join(out)
+def stop_fields(b, matched, stops: Optional[list]) -> tuple:
+    """(stop_reason, stop_sequence): `stop_sequence` with the string when one of the request's
+    `stop_sequences` ended the answer (`matched`: the core's `stop_reason` of the last delta),
+    else the finish reason's Anthropic name and None. A tool call wins: the client must run it."""
+    if b.finish_reason == "stop" and isinstance(matched, str) and matched in (stops or ()):
+        return "stop_sequence", matched
+    return STOP_REASON.get(b.finish_reason, "end_turn"), None
 
 
-def _blocks_to_messages(role: str, content, where: str) -> list:
-    if isinstance(content, str):
-        return [{"role": role, "content": content}]
-    if not isinstance(content, list):
-        raise bad_request(f"`{where}.content` must be a string or a list of blocks, got {content!r}", where)
-    text, calls, out = [], [], []
-    for i, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            t = block.get("text")
-            if not isinstance(t, str):
-                raise bad_request(f"`{where}.content[{i}].text` must be a string, got {t!r}", f"{where}.content[{i}].text")
-            text.append(t)
-        elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
-        elif kind == "tool_result":
-            c = block.get("content")
-            if isinstance(c, list):
-                c = _block_text(c, f"{where}.content[{i}].content")
-            elif c is not None and not isinstance(c, str):
-                raise bad_request(f"`{where}.content[{i}].content` must be a string or a list of blocks, got {c!r}",
-                                  f"{where}.content[{i}].content")
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": c or ""})
-        elif kind == "thinking":
-            continue
-        else:
-            raise bad_request(f"content block type {kind!r} is not supported yet", where, "unsupported")
-    msg = {"role": role, "content": "".join(text)}
-    if calls:
-        msg["tool_calls"] = calls
-    return ([msg] if text or calls or not out else []) + out
-
-
-def to_chat_body(body: dict) -> dict:
-    """The equivalent OpenAI chat body."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    if body.get("max_tokens") is None:
-        raise bad_request("`max_tokens` is required", "max_tokens")
-    number(body, "max_tokens", lo=1, integer=True)
-    messages = []
-    system = body.get("system")
-    if isinstance(system, list):
-        system = _block_text(system, "system")
-    elif system is not None and not isinstance(system, str):
-        raise bad_request(f"`system` must be a string or a list of text blocks, got {system!r}", "system")
-    if system:
-        messages.append({"role": "system", "content": system})
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad_request(f"`messages` must be a non-empty list, got {raw!r}", "messages")
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"`messages[{i}]` must have role user or assistant, got {m!r}", f"messages[{i}]")
-        messages += _blocks_to_messages(m["role"], m.get("content"), f"messages[{i}]")
-    chat = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
-    chat["messages"] = messages
-    if body.get("stop_sequences") is not None:
-        chat["stop"] = body["stop_sequences"]
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_request(f"`tools` must be a list of tools, got {tools!r}", "tools")
-    if tools:
-        chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                                           "parameters": t.get("input_schema") or {}}}
-                         for t in tools if isinstance(t, dict)]
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict):
-        chat["chat_template_kwargs"] = {"enable_thinking": thinking.get("type") == "enabled"}
-    return chat
+def tool_input(arguments: str) -> dict:
+    """A tool call's `input`: its arguments, or {} when they are not a whole JSON object (a call
+    cut by max_tokens; a stream carried the fragments written)."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _content_blocks(b) -> list:
@@ -117,78 +56,134 @@ def _content_blocks(b) -> list:
         blocks.append({"type": "text", "text": b.content})
     for c in b.tool_calls:
         blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                       "input": json.loads(c["function"]["arguments"])})
+                       "input": tool_input(c["function"]["arguments"])})
     return blocks
 
 
 async def messages(request: Request) -> Response:
     """Anthropic Messages."""
     state: ServerState = request.app.state.server
-    req: ChatRequest = parse_chat(to_chat_body(await read_json(request)), state.defaults)
+    body = await read_json(request)
+    req: ChatRequest = parse_chat(to_chat_body(body), state.defaults)
+    stops = body.get("stop_sequences")
     mid = "msg_" + uuid.uuid4().hex[:24]
-    sub = await state.start_chat(req, mid)
+    try:
+        sub = await state.start_chat(req, mid)
+    except ApiError as e:
+        # A budget without room for an answer: named as the Anthropic field it came from.
+        if e.param == "thinking_budget":
+            e.param = "thinking.budget_tokens"
+            e.message = e.message.replace("`thinking_budget`", "`thinking.budget_tokens`")
+        raise
     b = make_builders(sub, req)[0]
     if req.stream:
-        return EventSourceResponse(_stream(sub, req, b, mid), ping=SSE_PING_S, sep="\n")
+        return EventSourceResponse(_stream(sub, req, b, mid, stops), ping=SSE_PING_S, sep="\n")
+    last: dict = {}
 
     async def collect():
         with sub.stream:
             async for delta in sub.stream:
                 b.feed(delta)
+                if delta.finished:
+                    last["stop"] = delta.stop_reason
 
     await until_disconnect(request, collect)
+    reason, sequence = stop_fields(b, last.get("stop"), stops)
     return json_response({"id": mid, "type": "message", "role": "assistant", "model": req.model,
-                          "content": _content_blocks(b), "stop_reason": STOP_REASON.get(b.finish_reason, "end_turn"),
-                          "stop_sequence": None,
+                          "content": _content_blocks(b), "stop_reason": reason, "stop_sequence": sequence,
                           "usage": {"input_tokens": b.prompt_tokens, "output_tokens": b.completion_tokens}})
+
+
+async def count_tokens(request: Request) -> Response:
+    """Anthropic token counting: the prompt tokens the same body would take on /v1/messages
+    (same rendering: system, blocks, tools, thinking on or off)."""
+    state: ServerState = request.app.state.server
+    req: ChatRequest = parse_chat(to_chat_body(await read_json(request), for_count=True), state.defaults)
+    engine = state.require_engine()
+    state.tokenizer()  # a 400 when the model has none
+    # On a worker thread: a long conversation would stall the event loop.
+    ids = await anyio.to_thread.run_sync(lambda: engine.encode_chat(
+        req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs))
+    return json_response({"input_tokens": len(ids)})
 
 
 def _event(kind: str, data: dict) -> bytes:
     return named_event(kind, dict(data, type=kind))
 
 
-async def _stream(sub, req: ChatRequest, b, mid: str):
+class BlockStream:
+    """The content-block events of one streamed answer, from the chat delta fields: a block
+    opens when output of another kind starts (or a new tool call), and the open block closes
+    before it, so blocks open and close in order."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: Optional[tuple] = None  # ("thinking",), ("text",) or ("tool_use", call index)
+        self.call_block: dict = {}  # tool call index -> its block index
+
+    def _switch(self, key: tuple, start: dict) -> list:
+        events = self.close()
+        self.index += 1
+        self.open = key
+        events.append(_event("content_block_start", {"index": self.index, "content_block": start}))
+        return events
+
+    def _delta(self, delta: dict) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def close(self) -> list:
+        """Close the open block, if any (a thinking block gets its, empty, signature first)."""
+        if self.open is None:
+            return []
+        events = []
+        if self.open[0] == "thinking":
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
+        events.append(_event("content_block_stop", {"index": self.index}))
+        self.open = None
+        return events
+
+    def feed(self, fields: dict) -> list:
+        """The events of one chat `delta` (reasoning_content, content, tool_calls items)."""
+        events = []
+        if fields.get("reasoning_content"):
+            if self.open != ("thinking",):
+                events += self._switch(("thinking",), {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": fields["reasoning_content"]}))
+        if fields.get("content"):
+            if self.open != ("text",):
+                events += self._switch(("text",), {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": fields["content"]}))
+        for item in fields.get("tool_calls", ()):
+            call = item.get("index")
+            fn = item.get("function") or {}
+            if "id" in item:
+                # The first item of a call (id and name); a whole call comes as one such item.
+                events += self._switch(("tool_use", call), {"type": "tool_use", "id": item["id"],
+                                                            "name": fn.get("name"), "input": {}})
+                self.call_block[call] = self.index
+            if fn.get("arguments"):
+                events.append(_event("content_block_delta", {"index": self.call_block.get(call, self.index), "delta": {
+                    "type": "input_json_delta", "partial_json": fn["arguments"]}}))
+        return events
+
+
+async def _stream(sub, req: ChatRequest, b, mid: str, stops: Optional[list]):
     try:
         yield _event("message_start", {"message": {"id": mid, "type": "message", "role": "assistant", "model": req.model,
                                                    "content": [], "stop_reason": None, "stop_sequence": None,
                                                    "usage": {"input_tokens": sub.prompt_tokens[0], "output_tokens": 0}}})
-        index, open_kind = -1, None
-
-        def switch(kind, start):
-            nonlocal index, open_kind
-            events = []
-            if open_kind is not None:
-                events.append(_event("content_block_stop", {"index": index}))
-            index += 1
-            open_kind = kind
-            events.append(_event("content_block_start", {"index": index, "content_block": start}))
-            return events
-
+        blocks = BlockStream()
+        matched = None
         with sub.stream:
             async for delta in sub.stream:
-                fields = b.feed(delta)
-                if fields.get("reasoning_content"):
-                    if open_kind != "thinking":
-                        for e in switch("thinking", {"type": "thinking", "thinking": ""}):
-                            yield e
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "thinking_delta", "thinking": fields["reasoning_content"]}})
-                if fields.get("content"):
-                    if open_kind != "text":
-                        for e in switch("text", {"type": "text", "text": ""}):
-                            yield e
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "text_delta", "text": fields["content"]}})
-                for c in fields.get("tool_calls", []):
-                    for e in switch("tool_use", {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                                                 "input": {}}):
-                        yield e
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": c["function"]["arguments"]}})
-        if open_kind is not None:
-            yield _event("content_block_stop", {"index": index})
-        yield _event("message_delta", {"delta": {"stop_reason": STOP_REASON.get(b.finish_reason, "end_turn"),
-                                                 "stop_sequence": None},
+                for e in blocks.feed(b.feed(delta)):
+                    yield e
+                if delta.finished:
+                    matched = delta.stop_reason
+        for e in blocks.close():
+            yield e
+        reason, sequence = stop_fields(b, matched, stops)
+        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                        "usage": {"output_tokens": b.completion_tokens}})
         yield _event("message_stop", {})
     except Exception as e:

@@ -226,5 +226,6 @@ fn aborted(id: &str) -> RequestOutput {
         reasoning_tokens: 0,
         cached_tokens: 0,
         error: None,
+        stop_reason: None,
     }
 }

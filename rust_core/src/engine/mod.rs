@@ -16,7 +16,7 @@ pub mod validator;
 pub use config::{cache_fit_hint, EngineConfig, MemoryLedger, ResolvedConfig};
 pub use core::{EngineCore, EngineStats};
 pub use handle::EngineHandle;
-pub use output::{FinishReason, RequestOutput};
+pub use output::{FinishReason, RequestOutput, StopReason};
 pub use request::RequestState;
 #[cfg(any(test, feature = "testing"))]
 pub use toy_runner::ToyRunner;

@@ -30,6 +30,16 @@ impl FinishReason {
     }
 }
 
+/// What ended a request with `FinishReason::Stop`, when it was not an EOS token or a finished
+/// grammar: servers report it (Anthropic's `stop_sequence`, vLLM's `stop_reason`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// One of the request's stop strings (cut from the text).
+    Text(String),
+    /// One of the request's stop token ids.
+    Token(u32),
+}
+
 /// One request's progress in one step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestOutput {
@@ -54,6 +64,8 @@ pub struct RequestOutput {
     /// request field at fault (`response_format` for a grammar), so that the caller can report it
     /// as an invalid request.
     pub error: Option<String>,
+    /// The stop string or stop token id that ended the request, on its last delta.
+    pub stop_reason: Option<StopReason>,
 }
 
 impl RequestOutput {

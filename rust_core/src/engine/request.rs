@@ -1,7 +1,7 @@
 //! Per-request postprocessing state: sampler, incremental detokenizer and stop checker, and the
 //! rules that decide when a request is finished.
 
-use super::{FinishReason, RequestOutput};
+use super::{FinishReason, RequestOutput, StopReason};
 use crate::sampling::thinking::{ReasoningTracker, ThinkingTags};
 use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
@@ -170,16 +170,17 @@ impl RequestState {
         }
         let mut text = String::new();
         let mut finish = None;
-        let mut stop_string_matched = false;
+        let mut stop_reason = None;
         if is_eos || is_stop_token {
             finish = Some(FinishReason::Stop);
+            stop_reason = is_stop_token.then_some(StopReason::Token(token));
         } else if let Some(tok) = tokenizer {
             let delta = self.detok.push(tok, token)?;
             let out = self.stop.push(&delta);
             text = out.text;
-            if out.matched.is_some() {
+            if let Some(s) = out.matched {
                 finish = Some(FinishReason::Stop);
-                stop_string_matched = true;
+                stop_reason = Some(StopReason::Text(s));
             }
         }
         if finish.is_none() && grammar_done {
@@ -188,11 +189,12 @@ impl RequestState {
         if finish.is_none() && self.completion_tokens >= self.params.max_tokens {
             finish = Some(FinishReason::Length);
         }
-        if let (Some(_), false, Some(tok)) = (finish, stop_string_matched, tokenizer) {
+        if let (Some(_), false, Some(tok)) = (finish, matches!(stop_reason, Some(StopReason::Text(_))), tokenizer) {
             let (rest, matched) = self.flush_text(tok)?;
             text.push_str(&rest);
-            if matched {
+            if let Some(s) = matched {
                 finish = Some(FinishReason::Stop);
+                stop_reason = Some(StopReason::Text(s));
             }
         }
         let output = RequestOutput {
@@ -206,20 +208,20 @@ impl RequestState {
             reasoning_tokens: self.reasoning_tokens(),
             cached_tokens,
             error: None,
+            stop_reason,
         };
         Ok(TokenEvent { finished: finish.is_some(), output })
     }
 
     /// The text held back at the end of a request (an incomplete UTF-8 sequence, a possible
-    /// start of a stop string), cut at a stop string it completes; true when it completed one.
-    fn flush_text(&mut self, tokenizer: &Tokenizer) -> Result<(String, bool)> {
+    /// start of a stop string), cut at a stop string it completes, which comes with it.
+    fn flush_text(&mut self, tokenizer: &Tokenizer) -> Result<(String, Option<String>)> {
         let rest = self.detok.flush(tokenizer)?;
         let mut out = self.stop.push(&rest);
-        let matched = out.matched.is_some();
-        if !matched {
+        if out.matched.is_none() {
             out.text.push_str(&self.stop.flush());
         }
-        Ok((out.text, matched))
+        Ok((out.text, out.matched))
     }
 
     /// The final delta of a request that failed on `error`: the text of the tokens already
@@ -252,6 +254,7 @@ impl RequestState {
             reasoning_tokens: self.reasoning_tokens(),
             cached_tokens,
             error: None,
+            stop_reason: None,
         }
     }
 }

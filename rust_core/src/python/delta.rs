@@ -9,10 +9,10 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::engine::RequestOutput;
+use crate::engine::{RequestOutput, StopReason};
 
 /// The field names item access accepts.
-const FIELDS: [&str; 10] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "error"];
+const FIELDS: [&str; 11] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "error", "stop_reason"];
 
 /// New output of one request after one engine step (text never splits a UTF-8 sequence).
 #[pyclass(name = "Delta", module = "ninfer._core", frozen)]
@@ -45,6 +45,10 @@ pub struct PyDelta {
     /// Why the request failed midway: set with finish_reason "error" on its last delta.
     #[pyo3(get)]
     error: Option<String>,
+    /// What ended a "stop" request besides EOS, on its last delta: the matched stop string (str)
+    /// or stop token id (int); None otherwise.
+    #[pyo3(get)]
+    stop_reason: Option<Py<PyAny>>,
 }
 
 impl PyDelta {
@@ -68,6 +72,11 @@ impl PyDelta {
                 Some(list.unbind())
             }
         };
+        let stop_reason = match &o.stop_reason {
+            None => None,
+            Some(StopReason::Text(s)) => Some(s.into_pyobject(py)?.into_any().unbind()),
+            Some(StopReason::Token(t)) => Some(t.into_pyobject(py)?.into_any().unbind()),
+        };
         Ok(PyDelta {
             request_id: o.request_id.clone(),
             token_ids: o.token_ids.clone(),
@@ -79,6 +88,7 @@ impl PyDelta {
             reasoning_tokens: o.reasoning_tokens,
             cached_tokens: o.cached_tokens,
             error: o.error.clone(),
+            stop_reason,
         })
     }
 }
@@ -87,7 +97,7 @@ impl PyDelta {
 impl PyDelta {
     /// A delta from its fields (test doubles of the engine build theirs this way).
     #[new]
-    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None, reasoning_tokens=0))]
+    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None, reasoning_tokens=0, stop_reason=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
@@ -100,8 +110,9 @@ impl PyDelta {
         logprobs: Option<Py<PyList>>,
         error: Option<String>,
         reasoning_tokens: usize,
+        stop_reason: Option<Py<PyAny>>,
     ) -> Self {
-        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens, error }
+        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens, error, stop_reason }
     }
 
     /// True on the last delta of a request.

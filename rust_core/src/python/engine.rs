@@ -277,9 +277,9 @@ impl PyEngine {
     }
 
     /// Run one engine step (inline mode) and return its deltas (`Delta`: request_id, token_ids,
-    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens and error,
+    /// text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens, error,
     /// the message only on the last delta of a request that failed midway: finish_reason
-    /// "error").
+    /// "error", and stop_reason, the stop string or stop token id that ended it).
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let outs = py.detach(|| {
             self.with_mode(|m| match m {

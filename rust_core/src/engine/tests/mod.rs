@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::toy_runner::ToyLog;
-use super::{EngineConfig, EngineCore, FinishReason, RequestOutput, ToyRunner};
+use super::{EngineConfig, EngineCore, FinishReason, RequestOutput, StopReason, ToyRunner};
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
@@ -32,6 +32,8 @@ struct Collected {
     error: Option<String>,
     /// The reasoning tokens its last delta counted.
     reasoning_tokens: usize,
+    /// The stop string or stop token id that ended the request.
+    stop_reason: Option<StopReason>,
 }
 
 /// Engine settings for a test.
@@ -92,6 +94,8 @@ fn collect_into(all: &mut HashMap<String, Collected>, outs: Vec<RequestOutput>) 
         c.reasoning_tokens = o.reasoning_tokens;
         assert_eq!(o.error.is_some(), o.finish_reason == Some(FinishReason::Error), "{}: an error comes with finish reason error, on the last delta", o.request_id);
         c.error = o.error;
+        assert!(o.stop_reason.is_none() || o.finish_reason == Some(FinishReason::Stop), "{}: a stop reason comes with finish reason stop", o.request_id);
+        c.stop_reason = o.stop_reason;
         if let Some(f) = o.finish_reason {
             assert!(c.finish.is_none(), "{} finished twice", o.request_id);
             c.finish = Some(f.as_str());

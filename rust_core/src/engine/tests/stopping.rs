@@ -21,7 +21,7 @@ fn eos_token_ends_with_stop_unless_ignore_eos() {
     let k = reference[0].tokens.iter().position(|&t| t == eos).unwrap();
     let with_eos = Setup { eos: vec![eos], ..Default::default() };
     let (out, _, _) = run_requests(&with_eos, &[(p.clone(), greedy(30))]);
-    assert_eq!(out[0].finish, Some("stop"));
+    assert_eq!((out[0].finish, &out[0].stop_reason), (Some("stop"), &None), "EOS is no stop reason");
     assert_eq!(out[0].tokens, reference[0].tokens[..=k].to_vec(), "the EOS token is the last token");
     let ignoring = SamplingParams { ignore_eos: true, ..greedy(30) };
     let (out, _, _) = run_requests(&with_eos, &[(p.clone(), ignoring)]);
@@ -30,12 +30,13 @@ fn eos_token_ends_with_stop_unless_ignore_eos() {
     let stop_ids = SamplingParams { stop_token_ids: vec![eos], ..greedy(30) };
     let (out, _, _) = run_requests(&Setup::default(), &[(p, stop_ids)]);
     assert_eq!((out[0].finish, out[0].tokens.len()), (Some("stop"), k + 1));
+    assert_eq!(out[0].stop_reason, Some(StopReason::Token(eos)), "the stop token id is reported");
 }
 
 #[test]
 fn max_tokens_ends_with_length() {
     let (out, _, _) = run_requests(&Setup::default(), &[(prompt(3, 1), greedy(7))]);
-    assert_eq!((out[0].finish, out[0].tokens.len()), (Some("length"), 7));
+    assert_eq!((out[0].finish, out[0].tokens.len(), &out[0].stop_reason), (Some("length"), 7, &None));
 }
 
 #[test]
@@ -55,9 +56,10 @@ fn stop_string_spanning_tokens_cuts_the_text_before_it() {
     let text = reference[0].text.clone();
     let stop = text[20..23].to_string();
     let cut = text.find(&stop).unwrap();
-    let sp = SamplingParams { stop: vec![stop.clone()], ..greedy(60) };
+    let sp = SamplingParams { stop: vec!["never there".into(), stop.clone()], ..greedy(60) };
     let (out, _, _) = run_requests(&setup, &[(p, sp)]);
     assert_eq!(out[0].finish, Some("stop"));
+    assert_eq!(out[0].stop_reason, Some(StopReason::Text(stop.clone())), "the stop string that matched is reported");
     assert_eq!(out[0].text, text[..cut]);
     assert_eq!(out[0].tokens.len(), cut + stop.len(), "one byte per token: generation ends at the token completing the match");
 }
