@@ -45,7 +45,9 @@ class TorchMtp:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
         self.model = load_reference(path)
-        config = copy.deepcopy(self.model.config)
+        # Qwen3_5ForConditionalGeneration nests the text model in `language_model`.
+        self.text = getattr(self.model.model, "language_model", self.model.model)
+        config = copy.deepcopy(self.model.config.get_text_config())
         config.layer_types = ["full_attention"]
         config.num_hidden_layers = 1
         config._attn_implementation = "eager"
@@ -65,17 +67,17 @@ class TorchMtp:
     @torch.no_grad()
     def target(self, ids):
         """Logits [T, V] and final (normed) hidden states [T, H] of the target."""
-        hidden = self.model.model(input_ids=torch.tensor([ids])).last_hidden_state
+        hidden = self.text(input_ids=torch.tensor([ids])).last_hidden_state
         return self.model.lm_head(hidden)[0], hidden[0]
 
     @torch.no_grad()
     def head(self, hidden, next_tokens):
         """The head over rows at positions 0..T-1: normed outputs [T, H] and logits [T, V]."""
         t = len(next_tokens)
-        e = self.norm_emb(self.model.model.embed_tokens(torch.tensor(next_tokens)))
+        e = self.norm_emb(self.text.embed_tokens(torch.tensor(next_tokens)))
         x = torch.cat([e, self.norm_hidden(hidden)], dim=-1) @ self.fc.T
         positions = torch.arange(t).view(1, 1, -1).expand(3, 1, -1)
-        cos_sin = self.model.model.rotary_emb(x[None], positions)
+        cos_sin = self.text.rotary_emb(x[None], positions)
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         out = self.layer(x[None], position_embeddings=cos_sin, attention_mask=mask)
         out = self.norm((out[0] if isinstance(out, tuple) else out)[0])
@@ -99,6 +101,12 @@ class TorchMtp:
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory):
     return add_mtp_head(make_model(tmp_path_factory.mktemp("mtp") / "qwen3_5", "qwen3_5", seed=3), seed=3)
+
+
+@pytest.fixture(scope="module")
+def mtp_vl_dir(tmp_path_factory):
+    """The multimodal layout: decoder under `model.language_model`, config under `text_config`."""
+    return add_mtp_head(make_model(tmp_path_factory.mktemp("mtp_vl") / "qwen3_5_vl", "qwen3_5_vl", seed=6), seed=6)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +144,14 @@ def test_three_recursive_drafts_match_the_torch_head(mtp_dir, reference, n):
     for depth in range(3):
         assert _rel_err(logits[depth], ref_logits[depth]) < REL_TOL, depth
     assert tokens == ref_tokens
+
+
+def test_drafts_of_the_multimodal_layout_match_the_torch_head(mtp_vl_dir):
+    drafter = _core.MtpDrafter(str(mtp_vl_dir))
+    ids = _prompt(25, seed=11)
+    tokens, logits = _drafts(drafter, ids, 3)
+    ref_tokens, ref_logits = TorchMtp(mtp_vl_dir).drafts(ids, 3)
+    assert tokens == ref_tokens and _rel_err(logits, ref_logits) < REL_TOL
 
 
 def test_rolling_the_mtp_kv_back_and_redrafting_equals_drafting_fresh(mtp_dir, reference):
