@@ -130,3 +130,49 @@ def load_reference(path):
     arch = cfg["architectures"][0]
     cls = getattr(tf, arch)
     return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def add_mtp_head(path, *, seed: int = 0) -> Path:
+    """Give a tiny Qwen3.5 checkpoint a random MTP head under the names Qwen3.5 checkpoints use
+    (`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` a
+    gated full-attention layer, `mtp.norm`) and declare it (`mtp_num_hidden_layers: 1`).
+    transformers neither builds nor saves `mtp.*`, so the tensors are appended by hand."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    hidden, inter = text["hidden_size"], text["intermediate_size"]
+    heads, kv_heads, head_dim = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    g = torch.Generator().manual_seed(seed + 101)
+
+    def weight(*shape, scale=0.08):
+        return torch.randn(shape, generator=g) * scale
+
+    def norm(dim):
+        return torch.randn(dim, generator=g) * 0.3  # zero-centred: applied as 1 + w
+
+    tensors = load_file(path / "model.safetensors")
+    layer = "mtp.layers.0."
+    tensors.update({
+        "mtp.fc.weight": weight(hidden, 2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": norm(hidden),
+        "mtp.pre_fc_norm_hidden.weight": norm(hidden),
+        "mtp.norm.weight": norm(hidden),
+        layer + "input_layernorm.weight": norm(hidden),
+        layer + "post_attention_layernorm.weight": norm(hidden),
+        layer + "self_attn.q_proj.weight": weight(2 * heads * head_dim, hidden),
+        layer + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+        layer + "self_attn.q_norm.weight": norm(head_dim),
+        layer + "self_attn.k_norm.weight": norm(head_dim),
+        layer + "mlp.gate_proj.weight": weight(inter, hidden),
+        layer + "mlp.up_proj.weight": weight(inter, hidden),
+        layer + "mlp.down_proj.weight": weight(hidden, inter),
+    })
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -62,6 +62,20 @@ pub(crate) fn tensor_shapes(d: &TinyDims, prefix: &str, layer_types: &[&str], qw
     t
 }
 
+/// The tensors of a Qwen3.5 MTP head with one (gated) full-attention layer: `mtp.fc`, its two
+/// input norms, `mtp.layers.0.*` and `mtp.norm`.
+pub(crate) fn mtp_tensor_shapes(d: &TinyDims) -> Vec<(String, Vec<usize>)> {
+    let h = d.h;
+    let mut t = vec![
+        ("mtp.fc.weight".to_string(), vec![h, 2 * h]),
+        ("mtp.pre_fc_norm_embedding.weight".to_string(), vec![h]),
+        ("mtp.pre_fc_norm_hidden.weight".to_string(), vec![h]),
+    ];
+    // `mtp.norm.weight` and the layer, without the embedding and lm_head the head shares.
+    t.extend(tensor_shapes(d, "mtp", &["full_attention"], true, false).into_iter().filter(|(n, _)| n.starts_with("mtp.") && n != "mtp.embed_tokens.weight"));
+    t
+}
+
 /// `len` xorshift values in [-0.5, 0.5), reproducible from `seed`.
 pub(crate) fn centered_noise(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

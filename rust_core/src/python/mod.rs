@@ -11,6 +11,7 @@ mod errors;
 mod generation;
 mod json_value;
 mod model;
+mod mtp;
 mod sampling;
 mod tokenizer;
 
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     tokenizer::register(m)?;
     model::register(m)?;
+    mtp::register(m)?;
     delta::register(m)?;
     engine::register(m)?;
     generation::register(m)?;

@@ -4,8 +4,11 @@
 //! step, and `CpuModel` ties them into a `ModelRunner`.
 
 pub mod layers;
+pub mod mtp;
 pub mod weights;
 
+#[cfg(test)]
+mod mtp_tests;
 #[cfg(test)]
 mod tests;
 
@@ -144,7 +147,15 @@ impl CpuModel {
         Ok(())
     }
 
-    fn step(&mut self, batch: &StepBatch) -> Result<Logits> {
+    /// `forward`, also writing the final hidden state (after the model's norm, what the lm_head
+    /// reads and what an MTP head is conditioned on) of every token of the step into `hidden`,
+    /// `[num_tokens, hidden_size]` in batch order. The logits are those `forward` returns.
+    pub fn forward_with_hidden(&mut self, batch: &StepBatch, hidden: &mut Vec<f32>) -> Result<Logits> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.step(batch, Some(hidden)))
+    }
+
+    fn step(&mut self, batch: &StepBatch, hidden_out: Option<&mut Vec<f32>>) -> Result<Logits> {
         self.validate(batch)?;
         let CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches, ws, .. } = self;
         let h = cfg.hidden_size;
@@ -188,6 +199,9 @@ impl CpuModel {
             rms_norm(&ws.x, rows, h, &layer.post_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
             mlp_step(layer, ws, rows);
             add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
+        }
+        if let Some(out) = hidden_out {
+            rms_norm(&ws.x, rows, h, &weights.final_norm, cfg.rms_norm_eps, fit(out, rows * h));
         }
         let mut counts = Vec::with_capacity(batch.seqs.len());
         let mut picked = Vec::new();
@@ -267,7 +281,7 @@ impl ModelRunner for CpuModel {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.step(batch))
+        pool.install(|| self.step(batch, None))
     }
 
     fn workspace_bytes(&self) -> usize {

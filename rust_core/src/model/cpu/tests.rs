@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
+use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 use crate::model::*;
 use crate::NinferError;
 
@@ -21,6 +21,11 @@ fn hybrid_checkpoint(tag: &str) -> PathBuf {
 
 /// As `hybrid_checkpoint`, every tensor stored as `dtype` (F32 or BF16).
 fn hybrid_checkpoint_as(tag: &str, dtype: Dtype) -> PathBuf {
+    write_hybrid(tag, dtype, false)
+}
+
+/// The hybrid checkpoint, with a random MTP head (`mtp.*`, one layer) when `mtp`.
+pub(super) fn write_hybrid(tag: &str, dtype: Dtype, mtp: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ninfer_model_{tag}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -30,10 +35,14 @@ fn hybrid_checkpoint_as(tag: &str, dtype: Dtype) -> PathBuf {
         "num_hidden_layers": 3, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "vocab_size": v,
         "layer_types": ["linear_attention", "full_attention", "linear_attention"], "linear_num_key_heads": nk,
         "linear_num_value_heads": nv, "linear_key_head_dim": kd, "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}});
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "mtp_num_hidden_layers": if mtp { 1 } else { 0 }});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv, kd, vd, kern };
-    let t = tensor_shapes(&dims, "model", &["linear_attention", "full_attention", "linear_attention"], true, false);
+    let mut t = tensor_shapes(&dims, "model", &["linear_attention", "full_attention", "linear_attention"], true, false);
+    if mtp {
+        t.extend(mtp_tensor_shapes(&dims));
+    }
     let bufs: Vec<Vec<u8>> = t
         .iter()
         .enumerate()
@@ -52,7 +61,7 @@ fn hybrid_checkpoint_as(tag: &str, dtype: Dtype) -> PathBuf {
     dir
 }
 
-fn load(dir: &Path) -> CpuModel {
+pub(super) fn load(dir: &Path) -> CpuModel {
     load_logits(dir, LogitsDtype::Auto)
 }
 
@@ -62,11 +71,11 @@ fn load_logits(dir: &Path, logits_dtype: LogitsDtype) -> CpuModel {
     m
 }
 
-fn seq(tokens: &[u32], start: usize, table: &[u32], slot: usize, logits: LogitsWanted) -> SeqChunk {
+pub(super) fn seq(tokens: &[u32], start: usize, table: &[u32], slot: usize, logits: LogitsWanted) -> SeqChunk {
     SeqChunk { tokens: tokens.to_vec(), start_pos: start, block_table: table.to_vec(), state_slot: slot, logits }
 }
 
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     let m = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     a.iter().zip(b).fold(0f32, |d, (x, y)| d.max((x - y).abs())) / m
 }

@@ -1,0 +1,143 @@
+//! The MTP drafter's invariants on a synthetic hybrid checkpoint with a random MTP head:
+//! absorbing in chunks equals one call, rolling back and redrafting equals drafting fresh, a
+//! batch equals each sequence alone, and the forward's hidden states leave its logits as they
+//! were. Parity with a torch definition of the head is in tests/test_mtp_head.py.
+
+use safetensors::tensor::Dtype;
+
+use super::mtp::{Draft, MtpDrafter, MtpSeq, NO_MTP_WEIGHTS};
+use super::tests::{load, max_rel, seq, write_hybrid};
+use crate::model::*;
+use crate::sampling::argmax;
+use crate::NinferError;
+
+const TOKENS: [u32; 16] = [3, 17, 99, 4, 56, 23, 8, 71, 100, 0, 42, 5, 64, 9, 31, 77];
+
+/// The model (KV pool of 32 blocks of 4), a drafter on the same pool shape, and the target's
+/// hidden states `[16, hidden]` of `TOKENS` (block table `table`).
+fn setup(tag: &str, table: &[u32]) -> (CpuModel, MtpDrafter, Vec<f32>) {
+    let dir = write_hybrid(tag, Dtype::F32, true);
+    let mut m = load(&dir);
+    let mut d = MtpDrafter::new(&m).unwrap();
+    d.allocate(&m, 32, 4).unwrap();
+    let mut hidden = Vec::new();
+    m.forward_with_hidden(&StepBatch { seqs: vec![seq(&TOKENS, 0, table, 0, LogitsWanted::All)] }, &mut hidden).unwrap();
+    (m, d, hidden)
+}
+
+/// Rows `from..to` of the sequence: hidden states at those positions, the tokens after them.
+fn rows<'a>(table: &'a [u32], hidden: &'a [f32], h: usize, from: usize, to: usize) -> MtpSeq<'a> {
+    MtpSeq { block_table: table, start_pos: from, hidden: &hidden[from * h..to * h], next_tokens: &TOKENS[from + 1..to + 1] }
+}
+
+fn greedy(m: &CpuModel, d: &mut MtpDrafter, seqs: &[MtpSeq<'_>], k: usize) -> Vec<Vec<Draft>> {
+    d.draft(m, seqs, k, &mut |_, _, l| argmax(l)).unwrap()
+}
+
+fn assert_same(a: &[Draft], b: &[Draft]) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.token, y.token, "draft {i}");
+        assert!(max_rel(&x.logits, &y.logits) < 1e-5, "draft {i}: rel err {}", max_rel(&x.logits, &y.logits));
+    }
+}
+
+#[test]
+fn a_checkpoint_without_mtp_weights_is_refused_naming_the_flag() {
+    let m = load(&write_hybrid("mtp_none", Dtype::F32, false));
+    let e = MtpDrafter::new(&m).err().expect("refused").to_string();
+    assert!(e.contains(NO_MTP_WEIGHTS), "{e}");
+}
+
+#[test]
+fn hidden_states_leave_the_logits_unchanged_and_feed_the_lm_head() {
+    let table: Vec<u32> = vec![7, 2, 9, 30];
+    let (mut m, _, hidden) = setup("mtp_hidden", &table);
+    let h = m.config().hidden_size;
+    let plain = m.forward(&StepBatch { seqs: vec![seq(&TOKENS, 0, &table, 0, LogitsWanted::All)] }).unwrap();
+    let mut again = Vec::new();
+    let with = m.forward_with_hidden(&StepBatch { seqs: vec![seq(&TOKENS, 0, &table, 0, LogitsWanted::All)] }, &mut again).unwrap();
+    assert_eq!(plain.rows, with.rows);
+    assert!(plain.data.iter().zip(&with.data).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_eq!(hidden.len(), TOKENS.len() * h);
+    assert_eq!(hidden, again);
+    // Every row's hidden state times the lm_head is that row's logits.
+    let v = m.config().vocab_size;
+    let mut logits = vec![0f32; TOKENS.len() * v];
+    crate::backend::cpu::matmul::linear(&hidden, TOKENS.len(), h, m.weights.lm_head_weights(), v, None, &mut logits);
+    assert!(max_rel(&logits, &plain.data) < 1e-5, "rel err {}", max_rel(&logits, &plain.data));
+}
+
+#[test]
+fn absorbing_in_chunks_equals_one_call() {
+    let table: Vec<u32> = vec![7, 2, 9, 30, 11];
+    let (m, mut one, hidden) = setup("mtp_chunks", &table);
+    let h = m.config().hidden_size;
+    let whole = greedy(&m, &mut one, &[rows(&table, &hidden, h, 0, 12)], 3);
+    let mut chunked = MtpDrafter::new(&m).unwrap();
+    chunked.allocate(&m, 32, 4).unwrap();
+    assert!(greedy(&m, &mut chunked, &[rows(&table, &hidden, h, 0, 5)], 0)[0].is_empty());
+    greedy(&m, &mut chunked, &[rows(&table, &hidden, h, 5, 9)], 0);
+    let last = greedy(&m, &mut chunked, &[rows(&table, &hidden, h, 9, 12)], 3);
+    assert_eq!(whole[0].len(), 3);
+    assert_same(&whole[0], &last[0]);
+}
+
+/// Drafting writes speculative MTP rows past the accepted length; drafting again from an
+/// earlier position (a rejected draft) gives what a drafter that never saw them gives.
+#[test]
+fn rolling_back_and_redrafting_equals_drafting_fresh() {
+    let table: Vec<u32> = vec![4, 5, 6, 7, 8];
+    let (m, mut rolled, hidden) = setup("mtp_rollback", &table);
+    let h = m.config().hidden_size;
+    let first = greedy(&m, &mut rolled, &[rows(&table, &hidden, h, 0, 8)], 5);
+    assert_eq!(first[0].len(), 5);
+    // One draft "accepted": the target's rows 8..10 replace the speculative rows from 8 on.
+    let redrafted = greedy(&m, &mut rolled, &[rows(&table, &hidden, h, 8, 10)], 3);
+    let mut fresh = MtpDrafter::new(&m).unwrap();
+    fresh.allocate(&m, 32, 4).unwrap();
+    let expected = greedy(&m, &mut fresh, &[rows(&table, &hidden, h, 0, 10)], 3);
+    assert_same(&redrafted[0], &expected[0]);
+}
+
+#[test]
+fn a_batch_of_sequences_drafts_as_each_alone() {
+    let (ta, tb): (Vec<u32>, Vec<u32>) = (vec![0, 1, 2, 3, 4], vec![10, 11, 12, 13, 14]);
+    let (mut m, mut d, ha) = setup("mtp_batch", &ta);
+    let h = m.config().hidden_size;
+    let mut hb = Vec::new();
+    m.forward_with_hidden(&StepBatch { seqs: vec![seq(&TOKENS, 0, &tb, 1, LogitsWanted::None)] }, &mut hb).unwrap();
+    assert_eq!(ha, hb, "the hidden states do not depend on where the KV lives");
+    let alone_a = greedy(&m, &mut d, &[rows(&ta, &ha, h, 0, 11)], 4);
+    let alone_b = greedy(&m, &mut d, &[rows(&tb, &hb, h, 0, 6)], 4);
+    // Different lengths in one batch, the pool's earlier contents overwritten where re-used.
+    let both = greedy(&m, &mut d, &[rows(&ta, &ha, h, 0, 11), rows(&tb, &hb, h, 0, 6)], 4);
+    assert_same(&both[0], &alone_a[0]);
+    assert_same(&both[1], &alone_b[0]);
+    let mut picked = Vec::new();
+    d.draft(&m, &[rows(&ta, &ha, h, 10, 11), rows(&tb, &hb, h, 5, 6)], 2, &mut |s, depth, l| {
+        picked.push((s, depth));
+        argmax(l)
+    })
+    .unwrap();
+    assert_eq!(picked, vec![(0, 0), (1, 0), (0, 1), (1, 1)]);
+}
+
+#[test]
+fn bad_rows_and_short_block_tables_are_rejected() {
+    let table: Vec<u32> = vec![0, 1, 2];
+    let (m, mut d, hidden) = setup("mtp_bad", &[0, 1, 2, 3]);
+    let h = m.config().hidden_size;
+    let mut pick = |_: usize, _: usize, l: &[f32]| argmax(l);
+    // 10 rows then 4 drafts write positions 0..=12 (the last draft writes none): three blocks
+    // of 4 hold 12 positions.
+    let short = d.draft(&m, &[rows(&table, &hidden, h, 0, 10)], 4, &mut pick);
+    assert!(matches!(short, Err(NinferError::InvalidRequest { .. })), "{short:?}");
+    assert!(d.draft(&m, &[rows(&table, &hidden, h, 0, 10)], 3, &mut pick).is_ok());
+    let wrong = MtpSeq { block_table: &table, start_pos: 0, hidden: &hidden[..h], next_tokens: &[1, 2] };
+    assert!(d.draft(&m, &[wrong], 1, &mut pick).is_err());
+    let tok = MtpSeq { block_table: &table, start_pos: 0, hidden: &hidden[..h], next_tokens: &[500] };
+    assert!(d.draft(&m, &[tok], 1, &mut pick).is_err());
+    let mut unallocated = MtpDrafter::new(&m).unwrap();
+    assert!(unallocated.draft(&m, &[rows(&table, &hidden, h, 0, 2)], 1, &mut pick).is_err());
+}
