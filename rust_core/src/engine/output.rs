@@ -58,4 +58,17 @@ impl RequestOutput {
     pub fn finished(&self) -> bool {
         self.finish_reason.is_some()
     }
+
+    /// Append the delta that followed this one in the same step (the tokens of a verified
+    /// draft after the first): its tokens, text and logprobs, and its counts and ending.
+    pub fn merge(&mut self, next: RequestOutput) {
+        self.token_ids.extend(next.token_ids);
+        self.text.push_str(&next.text);
+        if let (Some(a), Some(b)) = (self.logprobs.as_mut(), next.logprobs) {
+            a.extend(b);
+        }
+        self.finish_reason = next.finish_reason;
+        self.completion_tokens = next.completion_tokens;
+        self.error = next.error;
+    }
 }

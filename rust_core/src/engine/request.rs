@@ -3,6 +3,7 @@
 
 use super::{FinishReason, RequestOutput};
 use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob};
+use crate::spec::SpecStats;
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
 use crate::tokenizer::Tokenizer;
@@ -22,6 +23,8 @@ pub struct RequestState {
     /// Why the grammar could not compute the last mask (too complex a lexer, no token left):
     /// the request ends with it when the token sampled without the mask comes back.
     grammar_error: Option<NinferError>,
+    /// This request's draft and acceptance counts (speculative decoding).
+    pub spec: SpecStats,
 }
 
 /// Where the input token of a step stands when the step's sampling rows are built.
@@ -58,6 +61,7 @@ impl RequestState {
             params,
             grammar,
             grammar_error: None,
+            spec: SpecStats::default(),
         }
     }
 
