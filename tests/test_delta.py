@@ -16,7 +16,7 @@ def test_delta_is_the_cores_type_and_reads_by_attribute_or_key():
     assert d["text"] == "hi" and d.get("cached_tokens") == 1 and d.get("nope", 7) == 7
     assert d["logprobs"][0]["token_id"] == 5
     assert set(d) == set(d.keys()) == {"request_id", "token_ids", "text", "logprobs", "finish_reason",
-                                       "prompt_tokens", "completion_tokens", "cached_tokens", "error"}
+                                       "prompt_tokens", "completion_tokens", "cached_tokens", "error", "spec"}
     assert dict(d)["completion_tokens"] == 2
     with pytest.raises(KeyError):
         d["finished"]

@@ -39,7 +39,10 @@ class LLM:
     kernel choice independent of the batch size (a row's bits never depend on its batch, at some
     speed); `device_sampling` samples on the GPU (off: on the host). The last three are CUDA
     options and change nothing on the CPU; `device_profile` is a measured profile (JSON) whose
-    routes override the GPU's default table, refused on the CPU.
+    routes override the GPU's default table, refused on the CPU. `spec` turns on speculative
+    decoding ("ngram": drafts from the request's own tokens, verified `draft_tokens` (1..8, default
+    3) at a time; the CPU backend; "mtp" and "dflash" are not supported yet); outputs are those of
+    plain decoding.
     """
 
     def __init__(
@@ -59,6 +62,8 @@ class LLM:
         batch_invariant: bool = False,
         device_sampling: bool = True,
         device_profile: Optional[Union[str, os.PathLike]] = None,
+        spec: Optional[str] = None,
+        draft_tokens: Optional[int] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -80,6 +85,8 @@ class LLM:
             batch_invariant=batch_invariant,
             device_sampling=device_sampling,
             device_profile=None if device_profile is None else os.fspath(device_profile),
+            spec=spec,
+            draft_tokens=draft_tokens,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

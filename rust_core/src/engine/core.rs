@@ -222,7 +222,9 @@ impl EngineCore {
         self.next_seq += 1;
         let fallback_seed = self.seed_rng.random();
         self.stats.prompt_tokens_total += prompt.len() as u64;
-        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar));
+        let mut req = RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar);
+        req.spec = self.speculation.as_ref().map(|_| SpecStats::default());
+        self.requests.insert(id, req);
         self.ids.insert(request_id.to_string(), id);
         self.sched.add(Sequence::new(id, prompt));
     }
@@ -243,6 +245,11 @@ impl EngineCore {
     /// Ids of every request not yet finished.
     pub fn request_ids(&self) -> Vec<String> {
         self.ids.keys().cloned().collect()
+    }
+
+    /// Speculative decoding's settings, None when off.
+    pub fn spec_config(&self) -> Option<&SpecConfig> {
+        self.speculation.as_ref().map(|(s, _)| s)
     }
 
     /// Whether steps overlap the host's work on the last one (asynchronous scheduling).

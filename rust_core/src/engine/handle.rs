@@ -225,5 +225,6 @@ fn aborted(id: &str) -> RequestOutput {
         completion_tokens: 0,
         cached_tokens: 0,
         error: None,
+        spec: None,
     }
 }

@@ -1,6 +1,7 @@
 //! What the engine hands back per request per step: a delta of tokens and text.
 
 use crate::sampling::TokenLogprob;
+use crate::spec::SpecStats;
 
 /// Why a request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +52,9 @@ pub struct RequestOutput {
     /// request field at fault (`response_format` for a grammar), so that the caller can report it
     /// as an invalid request.
     pub error: Option<String>,
+    /// The request's draft and acceptance counts, on its last delta when speculative decoding
+    /// is on.
+    pub spec: Option<SpecStats>,
 }
 
 impl RequestOutput {
@@ -70,5 +74,6 @@ impl RequestOutput {
         self.finish_reason = next.finish_reason;
         self.completion_tokens = next.completion_tokens;
         self.error = next.error;
+        self.spec = next.spec;
     }
 }

@@ -23,8 +23,8 @@ pub struct RequestState {
     /// Why the grammar could not compute the last mask (too complex a lexer, no token left):
     /// the request ends with it when the token sampled without the mask comes back.
     grammar_error: Option<NinferError>,
-    /// This request's draft and acceptance counts (speculative decoding).
-    pub spec: SpecStats,
+    /// This request's draft and acceptance counts; None without speculative decoding.
+    pub spec: Option<SpecStats>,
 }
 
 /// Where the input token of a step stands when the step's sampling rows are built.
@@ -61,7 +61,7 @@ impl RequestState {
             params,
             grammar,
             grammar_error: None,
-            spec: SpecStats::default(),
+            spec: None,
         }
     }
 
@@ -172,6 +172,7 @@ impl RequestState {
             completion_tokens: self.completion_tokens,
             cached_tokens,
             error: None,
+            spec: finish.and(self.spec.clone()),
         };
         Ok(TokenEvent { finished: finish.is_some(), output })
     }
@@ -217,6 +218,7 @@ impl RequestState {
             completion_tokens: self.completion_tokens,
             cached_tokens,
             error: None,
+            spec: self.spec.clone(),
         }
     }
 }

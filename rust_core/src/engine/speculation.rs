@@ -72,8 +72,13 @@ impl EngineCore {
                 Ok((s.token, event.finished))
             })?;
             if k > 0 {
-                req.spec.record(k, accepted.drafts, accepted.tokens.len());
+                if let Some(s) = req.spec.as_mut() {
+                    s.record(k, accepted.drafts, accepted.tokens.len());
+                }
                 self.stats.spec.record(k, accepted.drafts, accepted.tokens.len());
+                if let Some(d) = delta.as_mut().filter(|d| d.finished()) {
+                    d.spec = req.spec.clone();
+                }
             }
             accepted_drafts[i] = accepted.drafts;
             let n = accepted.tokens.len();

@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::engine::RequestOutput;
 
 /// The field names item access accepts.
-const FIELDS: [&str; 9] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error"];
+const FIELDS: [&str; 10] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "error", "spec"];
 
 /// New output of one request after one engine step (text never splits a UTF-8 sequence).
 #[pyclass(name = "Delta", module = "ninfer._core", frozen)]
@@ -41,6 +41,10 @@ pub struct PyDelta {
     /// Why the request failed midway: set with finish_reason "error" on its last delta.
     #[pyo3(get)]
     error: Option<String>,
+    /// Speculative decoding's counts of the request (drafted, accepted, verify_steps,
+    /// mean_accepted_length, acceptance_by_position), on its last delta when `--spec` is on.
+    #[pyo3(get)]
+    spec: Option<Py<PyDict>>,
 }
 
 impl PyDelta {
@@ -64,7 +68,20 @@ impl PyDelta {
                 Some(list.unbind())
             }
         };
+        let spec = match &o.spec {
+            None => None,
+            Some(s) => {
+                let d = PyDict::new(py);
+                d.set_item("verify_steps", s.verify_steps)?;
+                d.set_item("drafted", s.drafted)?;
+                d.set_item("accepted", s.accepted)?;
+                d.set_item("mean_accepted_length", s.mean_accepted_length())?;
+                d.set_item("acceptance_by_position", s.acceptance_by_position())?;
+                Some(d.unbind())
+            }
+        };
         Ok(PyDelta {
+            spec,
             request_id: o.request_id.clone(),
             token_ids: o.token_ids.clone(),
             text: o.text.clone(),
@@ -82,7 +99,7 @@ impl PyDelta {
 impl PyDelta {
     /// A delta from its fields (test doubles of the engine build theirs this way).
     #[new]
-    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None))]
+    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None, spec=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
@@ -94,8 +111,9 @@ impl PyDelta {
         cached_tokens: usize,
         logprobs: Option<Py<PyList>>,
         error: Option<String>,
+        spec: Option<Py<PyDict>>,
     ) -> Self {
-        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens, error }
+        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, cached_tokens, error, spec }
     }
 
     /// True on the last delta of a request.

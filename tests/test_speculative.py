@@ -1,0 +1,168 @@
+"""Speculative decoding with the n-gram drafter (`spec="ngram"`) through the offline API, on the
+bundled demo model and tiny random Llama and Qwen3.5 checkpoints: greedy output equals plain
+greedy output token for token (alone, in a batch of 8 with mixed parameters, with chunked prefill,
+prefix-cache hits, a json_schema grammar, stop strings, EOS and max_tokens), seeded sampling
+equals plain seeded sampling, and bad options are refused naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ninfer import LLM, SamplingParams, _core
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DIR = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo"))
+DEMO_MODEL = DEMO_DIR / "model"
+
+#: Repetitive prompts, where prompt lookup finds drafts that are accepted.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four one two three four one two",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "SELECT name FROM users; SELECT name FROM",
+    "a b c a b c a b c a b",
+    "12 + 34 = 46. 12 + 34 =",
+    "The weather in Paris is nice. The weather in",
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "demo"])
+def model_dir(request, tiny_checkpoints):
+    if request.param == "demo":
+        if not (DEMO_MODEL / "config.json").exists():
+            pytest.skip("demo model not shipped")
+        return DEMO_MODEL
+    return tiny_checkpoints.get(request.param)
+
+
+def greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kwargs)
+
+
+def _run(model_dir, prompts, params, **engine):
+    with LLM(model_dir, max_context=512, max_concurrency=8, **engine) as llm:
+        ids = [llm.encode(p) for p in prompts]
+        outs = llm.generate(ids, params)
+        return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats()
+
+
+def _mixed_params():
+    return [
+        greedy(40),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+        greedy(1),
+        greedy(25, frequency_penalty=0.5, logit_bias={5: 1.0}),
+        SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=33, ignore_eos=True, presence_penalty=0.3),
+        greedy(7),
+        greedy(48, repetition_penalty=1.2),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_with_ngram_drafts_equals_plain_greedy_alone(model_dir, k):
+    plain, _ = _run(model_dir, PROMPTS[:2], greedy(48))
+    spec, stats = _run(model_dir, PROMPTS[:2], greedy(48), spec="ngram", draft_tokens=k)
+    assert spec == plain
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_verify_steps"] > 0
+    assert len(stats["spec_acceptance_by_position"]) <= k
+
+
+def test_a_batch_of_8_with_mixed_parameters_and_chunked_prefill_equals_plain(model_dir):
+    params = _mixed_params()
+    plain, _ = _run(model_dir, PROMPTS, params)
+    spec, stats = _run(model_dir, PROMPTS, params, spec="ngram", draft_tokens=4, prefill_chunk=16)
+    assert spec == plain
+    for (tokens, _), p in zip(spec, params):
+        assert len(tokens) == p.max_tokens, "ignore_eos: exactly max_tokens, never more"
+    assert stats["spec_drafted_tokens"] > 0
+    if model_dir == DEMO_MODEL:
+        # A trained model continues repeated text: drafts are accepted (random tiny ones rarely do).
+        assert stats["spec_accepted_tokens"] > 0, stats
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_a_prefix_cache_hit_with_drafts_equals_a_miss(model_dir):
+    prompt = PROMPTS[0] * 3
+    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=3) as llm:
+        ids = llm.encode(prompt)
+        [first] = llm.generate(ids, greedy(30))
+        [second] = llm.generate(ids, greedy(30))
+        hits = llm.engine.stats()["prefix_hit_tokens"]
+    miss, _ = _run(model_dir, [prompt], greedy(30), prefix_reuse=False)
+    assert first.token_ids == second.token_ids == miss[0][0]
+    assert hits > 0
+
+
+def test_stop_strings_and_eos_inside_drafts_end_the_request_as_without(model_dir):
+    with LLM(model_dir, max_context=512) as llm:
+        ids = llm.encode(PROMPTS[2])
+        [free] = llm.generate(ids, greedy(40))
+        text = free.outputs[0].text if hasattr(free, "outputs") else free.text
+        eos = free.token_ids[len(free.token_ids) // 2]
+    stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos])]
+    if stop and stop.strip():
+        cases.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))
+    for params in cases:
+        with LLM(model_dir, max_context=512) as llm:
+            [a] = llm.generate(ids, params)
+        with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=5) as llm:
+            [b] = llm.generate(ids, params)
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert a.finish_reason == "stop"
+
+
+def test_a_json_schema_grammar_with_drafts_equals_plain(tiny_checkpoints):
+    model_dir = DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else tiny_checkpoints.get("qwen3_5")
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+              "required": ["xs"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "xs", "schema": schema}}
+    params = [SamplingParams(temperature=0.0, max_tokens=120, response_format=fmt),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=120, response_format=fmt)]
+    prompts = ['{"xs": [1, 2, 3]} {"xs": [1, 2, 3]} {"xs": [1, 2, ', PROMPTS[1]]
+    with LLM(model_dir, max_context=512) as llm:
+        plain = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
+    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=4) as llm:
+        spec = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
+    assert spec == plain
+    for text, finish in spec:
+        if finish == "stop":
+            json.loads(text)
+
+
+def test_the_last_delta_carries_the_requests_draft_counts(tiny_checkpoints):
+    core = _core.Engine(str(tiny_checkpoints.get("llama")), max_context=256, spec="ngram", draft_tokens=3)
+    assert core.info()["spec"] == "ngram" and core.info()["draft_tokens"] == 3
+    tok = core.tokenizer
+    core.submit("r", list(tok.encode(PROMPTS[5], True)), _core.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    last = None
+    while core.has_unfinished():
+        for d in core.step():
+            assert d.spec is None or d.finished
+            last = d
+    assert last.finished and last.spec is not None
+    s = last.spec
+    assert s["drafted"] >= s["accepted"] and s["verify_steps"] > 0
+    assert s["mean_accepted_length"] >= 1.0
+    assert core.stats()["spec_drafted_tokens"] == s["drafted"]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"spec": "ngram", "draft_tokens": 0}, "--draft-tokens"),
+    ({"spec": "ngram", "draft_tokens": 9}, "--draft-tokens"),
+    ({"draft_tokens": 3}, "--draft-tokens"),
+    ({"spec": "mtp"}, "--spec mtp is not supported yet"),
+    ({"spec": "dflash", "draft_tokens": 7}, "--spec dflash is not supported yet"),
+    ({"spec": "medusa"}, "--spec"),
+])
+def test_bad_speculation_options_are_refused_naming_the_flag(tiny_checkpoints, kwargs, needle):
+    with pytest.raises(Exception) as e:
+        LLM(tiny_checkpoints.get("llama"), max_context=256, **kwargs)
+    assert needle in str(e.value)
