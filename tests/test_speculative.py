@@ -166,3 +166,31 @@ def test_bad_speculation_options_are_refused_naming_the_flag(tiny_checkpoints, k
     with pytest.raises(Exception) as e:
         LLM(tiny_checkpoints.get("llama"), max_context=256, **kwargs)
     assert needle in str(e.value)
+
+
+def test_metrics_the_stats_line_and_the_request_log_carry_the_draft_counts(tiny_checkpoints, tmp_path):
+    from types import SimpleNamespace
+
+    from ninfer.server.metrics import ServerMetrics, parse_metrics
+    from ninfer.server.request_log import RequestLog, stats_line
+
+    core = _core.Engine(str(tiny_checkpoints.get("qwen3_5")), max_context=256, spec="ngram", draft_tokens=2)
+    ids = list(core.tokenizer.encode(PROMPTS[5], True))
+    core.submit("r", ids, _core.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    last = None
+    while core.has_unfinished():
+        for d in core.step():
+            last = d
+    stats = core.stats()
+    m = parse_metrics(ServerMetrics().render(stats))
+    assert m["ninfer_spec_drafted_tokens_total"] == stats["spec_drafted_tokens"] > 0
+    assert m["ninfer_spec_accepted_tokens_total"] == stats["spec_accepted_tokens"]
+    assert m["ninfer_spec_mean_accepted_length"] >= 1.0
+    assert 'ninfer_spec_acceptance_rate{position="0"}' in m
+    assert "spec_accept=" in stats_line(stats, None, 1.0) and "spec_mean_len=" in stats_line(stats, None, 1.0)
+    log = RequestLog(str(tmp_path / "log.jsonl"))
+    log.request_finished("r", last, SimpleNamespace(first_token=1.0, finished=2.0, submitted=0.5))
+    log.close()
+    record = json.loads((tmp_path / "log.jsonl").read_text())
+    assert record["spec"]["drafted"] == stats["spec_drafted_tokens"]
+    assert set(record["spec"]) == {"verify_steps", "drafted", "accepted", "mean_accepted_length", "acceptance_by_position"}
