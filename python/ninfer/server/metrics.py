@@ -114,6 +114,8 @@ class ServerMetrics:
             "spec_verify_steps": ("spec_verify_steps_total", "counter", "Speculative verify rounds (a decode with a draft)."),
             "spec_drafted_tokens": ("spec_drafted_tokens_total", "counter", "Draft tokens verified."),
             "spec_accepted_tokens": ("spec_accepted_tokens_total", "counter", "Draft tokens accepted."),
+            "spec_rollback_tokens": ("spec_rollback_tokens_total", "counter",
+                                     "Tokens run again to roll a recurrent state back past rejected drafts."),
             "spec_mean_accepted_length": ("spec_mean_accepted_length", "gauge",
                                           "Tokens output per verify round (accepted drafts plus the target's token)."),
         }

@@ -127,6 +127,7 @@ impl EngineCore {
             });
         }
         if !redo.seqs.is_empty() {
+            self.stats.spec.rollback_tokens += redo.num_tokens() as u64;
             self.runner.forward(&redo)?;
         }
         Ok(())

@@ -166,6 +166,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("spec_accepted_tokens", s.spec.accepted)?;
     d.set_item("spec_mean_accepted_length", s.spec.mean_accepted_length())?;
     d.set_item("spec_acceptance_by_position", s.spec.acceptance_by_position())?;
+    d.set_item("spec_rollback_tokens", s.spec.rollback_tokens)?;
     Ok(d)
 }
 

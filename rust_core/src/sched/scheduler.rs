@@ -218,7 +218,8 @@ impl Scheduler {
             if !self.ensure_blocks_or_preempt(id) {
                 break;
             }
-            let k = self.fit_draft(id, budget - 1);
+            // Blocks for drafts come after one block for each decode still to schedule.
+            let k = self.fit_draft(id, budget - 1, self.running.len() - i - 1);
             self.push_chunk(&mut step, id, 1);
             if k > 0 {
                 let chunk = step.batch.seqs.last_mut().expect("pushed above");
@@ -507,23 +508,26 @@ impl Scheduler {
     }
 
     /// Give every running decoding sequence the draft `propose` returns for it (speculative
-    /// decoding), to be verified in the next `schedule`.
+    /// decoding), to be verified in the next `schedule`. A sequence whose state snapshot is due
+    /// right after its next token gets none: the snapshot is copied as the step is launched,
+    /// before a rejected draft could be rolled back.
     pub fn set_drafts(&mut self, mut propose: impl FnMut(&Sequence) -> Vec<u32>) {
         for id in &self.running {
             let seq = self.seqs.get_mut(id).expect("running");
-            seq.draft = if seq.remaining() == 1 { propose(seq) } else { Vec::new() };
+            let snapshot_due = seq.snapshot_at == Some(seq.num_computed + 1);
+            seq.draft = if seq.remaining() == 1 && !snapshot_due { propose(seq) } else { Vec::new() };
         }
     }
 
     /// Draft tokens of decoding sequence `id` that fit `budget` and the KV blocks: blocks for
-    /// them are taken only while free (a draft never preempts anyone), and the draft is cut
-    /// where they run out.
-    fn fit_draft(&mut self, id: SeqId, budget: usize) -> usize {
+    /// them are taken only while more than `reserve` are free (a draft never makes a decode
+    /// preempt anyone), and the draft is cut where they run out.
+    fn fit_draft(&mut self, id: SeqId, budget: usize, reserve: usize) -> usize {
         let bs = self.pool.block_size();
         let seq = self.seqs.get_mut(&id).expect("running");
         let mut k = seq.draft.len().min(budget);
         while k > 0 && seq.block_table.len() * bs < seq.num_computed + 1 + k {
-            match self.pool.allocate() {
+            match (self.pool.num_free() > reserve).then(|| self.pool.allocate()).flatten() {
                 Some(b) => seq.block_table.push(b),
                 None => k = seq.block_table.len() * bs - seq.num_computed - 1,
             }

@@ -17,6 +17,9 @@ pub struct SpecStats {
     pub drafted_at: [u64; MAX_DRAFT_TOKENS],
     /// Per draft position j: rounds that accepted the draft token at position j.
     pub accepted_at: [u64; MAX_DRAFT_TOKENS],
+    /// Tokens run a second time to roll a recurrent state back past rejected drafts (hybrid
+    /// models; the cost of rollback by recompute).
+    pub rollback_tokens: u64,
 }
 
 impl SpecStats {
@@ -52,6 +55,7 @@ impl SpecStats {
         self.drafted += o.drafted;
         self.accepted += o.accepted;
         self.emitted += o.emitted;
+        self.rollback_tokens += o.rollback_tokens;
         for j in 0..MAX_DRAFT_TOKENS {
             self.drafted_at[j] += o.drafted_at[j];
             self.accepted_at[j] += o.accepted_at[j];

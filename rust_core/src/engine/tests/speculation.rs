@@ -53,6 +53,7 @@ fn greedy_and_seeded_outputs_with_ngram_drafts_equal_plain_decoding() {
             assert!(s.spec.accepted > 0 && s.spec.accepted < s.spec.drafted, "hybrid {hybrid}, K {k}: both accepted and rejected drafts: {:?}", s.spec);
             assert_eq!(s.kv_blocks_used, 0, "every block is back in the pool");
             assert!(s.spec.mean_accepted_length() > 1.0);
+            assert_eq!(s.spec.rollback_tokens > 0, hybrid, "only a recurrent state is recomputed");
         }
     }
 }
@@ -164,4 +165,22 @@ fn a_backend_without_draft_verification_is_refused_at_load() {
     let runner = FailingRunner { inner: ToyRunner::new(VOCAB, 4096, false), calls: 0, fail_at: usize::MAX, in_sampling: false };
     let e = EngineCore::new(Box::new(runner), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
     assert!(e.contains("--spec") && e.contains("not supported on CUDA yet"), "{e}");
+}
+
+#[test]
+fn drafts_never_cause_a_preemption_and_a_tight_pool_gives_the_plain_output() {
+    for hybrid in [false, true] {
+        // 8 requests of up to 75 + 40 tokens in a pool of 100 blocks of 4 tokens: decodes preempt.
+        let tight = EngineConfig { kv_capacity_tokens: Some(400), max_context: Some(160), ..small_vocab(hybrid, 3).cfg };
+        let base = Setup { cfg: tight, ..small_vocab(hybrid, 3) };
+        let reqs: Vec<_> = (0..8u32).map(|i| (tiny_prompt(20 + 8 * i as usize, i, 3), greedy(40))).collect();
+        let (plain, plain_core, _) = run_requests(&base, &reqs);
+        let (spec, core, _) = run_requests(&with_spec(&base, 5), &reqs);
+        for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+            assert_eq!(a.tokens, b.tokens, "hybrid {hybrid}, request {i}");
+        }
+        assert!(plain_core.stats().preemptions > 0, "the pool is tight enough to preempt");
+        assert!(core.stats().preemptions <= plain_core.stats().preemptions, "{} > {}", core.stats().preemptions, plain_core.stats().preemptions);
+        assert_eq!(core.stats().kv_blocks_used, 0);
+    }
 }
