@@ -194,3 +194,23 @@ def test_metrics_the_stats_line_and_the_request_log_carry_the_draft_counts(tiny_
     record = json.loads((tmp_path / "log.jsonl").read_text())
     assert record["spec"]["drafted"] == stats["spec_drafted_tokens"]
     assert set(record["spec"]) == {"verify_steps", "drafted", "accepted", "mean_accepted_length", "acceptance_by_position"}
+
+
+def test_per_request_draft_tokens_mix_in_a_batch_and_need_spec(model_dir):
+    params = [dataclass_replace(p, draft_tokens=i % 5) for i, p in enumerate(_mixed_params())]
+    plain, _ = _run(model_dir, PROMPTS, _mixed_params())
+    spec, stats = _run(model_dir, PROMPTS, params, spec="ngram", draft_tokens=8)
+    assert spec == plain
+    assert stats["spec_drafted_tokens"] > 0
+    assert len(stats["spec_acceptance_by_position"]) <= 4, "no request drafts more than its own 4"
+    with LLM(model_dir, max_context=256) as llm:
+        with pytest.raises(Exception, match="draft_tokens"):
+            llm.generate([llm.encode("hi")], greedy(3, draft_tokens=2))
+    with pytest.raises(Exception, match="draft_tokens"):
+        SamplingParams(draft_tokens=9)
+
+
+def dataclass_replace(params, **changes):
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)

@@ -56,6 +56,9 @@ class SamplingParams:
     #: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": {...}}}`,
     #: `{"type": "regex", "regex": ...}`, `{"type": "lark", "lark": ...}`, or None / text.
     response_format: Optional[Dict[str, Any]] = None
+    #: Draft tokens per verify step for this request under speculative decoding (0: none; None:
+    #: the engine's `draft_tokens`); needs an engine started with `spec`.
+    draft_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -108,6 +111,8 @@ class SamplingParams:
                 raise bad(field, "must be true or false")
         if self.top_logprobs > 0:
             self.logprobs = True
+        if self.draft_tokens is not None and (not _is_int(self.draft_tokens) or not 0 <= self.draft_tokens <= 8):
+            raise bad("draft_tokens", "must be an integer in 0..8 or None")
         if self.response_format is not None and not isinstance(self.response_format, Mapping):
             raise bad("response_format", "must be an object such as {\"type\": \"json_object\"} or None")
 
@@ -134,6 +139,7 @@ class SamplingParams:
             "top_logprobs": int(self.top_logprobs),
             "skip_special_tokens": self.skip_special_tokens,
             "response_format": None if self.response_format is None else dict(self.response_format),
+            "draft_tokens": self.draft_tokens,
         }
 
     def to_core(self, max_tokens: int, seed: Optional[int]) -> "_core.SamplingParams":

@@ -108,7 +108,7 @@ impl EngineCore {
         );
         let vocab_size = runner.config().vocab_size;
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size);
-        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar };
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar, speculation: config.spec.is_some() };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         // Speculation runs the synchronous step: a round's accepted length, and so the next
         // step's input, is known only once its logits are on the host.

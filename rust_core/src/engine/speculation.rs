@@ -93,15 +93,17 @@ impl EngineCore {
         Ok(outputs)
     }
 
-    /// Set every decoding request's draft: up to K tokens from the drafter, never more than
-    /// its `max_tokens` or the context leave room for after the token it gets anyway.
+    /// Set every decoding request's draft: up to K tokens (its own `draft_tokens`, else the
+    /// engine's) from the drafter, never more than its `max_tokens` or the context leave room
+    /// for after the token it gets anyway.
     fn propose_drafts(&mut self) {
         let Some((spec, drafter)) = self.speculation.as_ref() else { return };
         let (requests, max_context) = (&self.requests, self.cfg.max_context);
         self.sched.set_drafts(|seq| {
             let Some(req) = requests.get(&seq.id) else { return Vec::new() };
             let room = req.params.max_tokens.saturating_sub(req.completion_tokens + 1).min(max_context.saturating_sub(seq.tokens.len()));
-            drafter.propose(&seq.tokens, spec.draft_tokens.min(room))
+            let k = req.params.draft_tokens.unwrap_or(spec.draft_tokens);
+            drafter.propose(&seq.tokens, k.min(room))
         });
     }
 

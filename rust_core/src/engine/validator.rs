@@ -14,6 +14,8 @@ pub struct RequestValidator {
     pub vocab_size: usize,
     /// Compiles `response_format` into a grammar constraint (built on first use).
     pub grammar: SharedGrammarCompiler,
+    /// The engine runs speculative decoding (`--spec`): a request may set its `draft_tokens`.
+    pub speculation: bool,
 }
 
 impl RequestValidator {
@@ -33,6 +35,9 @@ impl RequestValidator {
             }
         }
         params.validate()?;
+        if params.draft_tokens.is_some_and(|k| k > 0) && !self.speculation {
+            return Err(NinferError::invalid("draft_tokens", "needs an engine started with --spec"));
+        }
         // Saturating: a max_tokens near usize::MAX (JSON allows 2^64 - 1) must not wrap past the check.
         if prompt.len().saturating_add(params.max_tokens) > self.max_context {
             return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });

@@ -47,6 +47,9 @@ pub struct SamplingParams {
     /// regex, lark) enforced by grammar-constrained decoding; None or `{"type": "text"}` for
     /// free text. Its shape is checked here, the schema itself when the engine compiles it.
     pub response_format: Option<serde_json::Value>,
+    /// This request's draft length under speculative decoding (0: no drafts for it); None: the
+    /// engine's `--draft-tokens`. Refused when the engine runs without `--spec`.
+    pub draft_tokens: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -69,6 +72,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             skip_special_tokens: true,
             response_format: None,
+            draft_tokens: None,
         }
     }
 }
@@ -118,6 +122,9 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "0".into(), "must be at least 1");
+        }
+        if let Some(k) = self.draft_tokens.filter(|&k| k > crate::spec::MAX_DRAFT_TOKENS) {
+            return bad("draft_tokens", k.to_string(), "must be in 0..=8");
         }
         if let Some(format) = &self.response_format {
             ResponseFormat::parse(format)?;

@@ -184,3 +184,26 @@ fn drafts_never_cause_a_preemption_and_a_tight_pool_gives_the_plain_output() {
         assert_eq!(core.stats().kv_blocks_used, 0);
     }
 }
+
+#[test]
+fn per_request_draft_lengths_mix_in_one_batch_and_zero_turns_drafts_off() {
+    let base = small_vocab(true, 3);
+    let mut reqs = mixed_batch(3);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.1.draft_tokens = Some(i % 4);
+    }
+    let (plain, _, _) = run_requests(&base, &mixed_batch(3));
+    let (spec, _, log) = run_requests(&with_spec(&base, 8), &reqs);
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.tokens, b.tokens, "request {i}");
+    }
+    let longest = log.lock().unwrap().steps.iter().flat_map(|s| s.seqs.iter().filter(|q| q.logits == crate::model::LogitsWanted::All).map(|q| q.tokens.len())).max();
+    assert_eq!(longest, Some(4), "at most 3 drafts after the input token");
+    // Without --spec a request's draft_tokens is refused; 0 (off) is accepted.
+    let (mut core, _) = base.build();
+    let e = core.add_request("r", vec![1, 2], SamplingParams { draft_tokens: Some(2), ..greedy(3) }).unwrap_err().to_string();
+    assert!(e.contains("draft_tokens") && e.contains("--spec"), "{e}");
+    core.add_request("off", vec![1, 2], SamplingParams { draft_tokens: Some(0), ..greedy(3) }).unwrap();
+    let e = SamplingParams { draft_tokens: Some(9), ..greedy(3) }.validate().unwrap_err().to_string();
+    assert!(e.contains("draft_tokens") && e.contains('9'), "{e}");
+}
