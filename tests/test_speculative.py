@@ -214,3 +214,24 @@ def dataclass_replace(params, **changes):
     import dataclasses
 
     return dataclasses.replace(params, **changes)
+
+
+def test_a_server_with_ngram_drafts_answers_as_without_and_reports_them(tiny_checkpoints, tmp_path):
+    import httpx
+
+    from ninfer.server.metrics import parse_metrics
+    from server_process import ServerProcess
+
+    model = str(tiny_checkpoints.get("qwen3_5"))
+    body = {"model": "m", "prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    answers = []
+    log = tmp_path / "requests.jsonl"
+    for extra in ([], ["--spec", "ngram", "--draft-tokens", "3", "--request-log-jsonl", str(log)]):
+        with ServerProcess([model, "--model-id", "m", "--device", "cpu", "--max-context", "256", *extra]) as s:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            m = parse_metrics(httpx.get(s.url + "/metrics", timeout=10).text)
+    assert answers[0] == answers[1]
+    assert m["ninfer_spec_drafted_tokens_total"] > 0
+    assert json.loads(log.read_text().splitlines()[-1])["spec"]["drafted"] > 0
