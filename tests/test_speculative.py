@@ -235,3 +235,28 @@ def test_a_server_with_ngram_drafts_answers_as_without_and_reports_them(tiny_che
     assert answers[0] == answers[1]
     assert m["ninfer_spec_drafted_tokens_total"] > 0
     assert json.loads(log.read_text().splitlines()[-1])["spec"]["drafted"] > 0
+
+
+def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints):
+    import anyio
+
+    from ninfer import AsyncEngine
+
+    model = tiny_checkpoints.get("llama")
+    params = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
+
+    async def answer(**engine):
+        eng = await AsyncEngine.start(model, device="cpu", max_context=256, **engine)
+        try:
+            tokens, last = [], None
+            async for d in eng.generate(PROMPTS[1], params):
+                tokens += d.token_ids
+                last = d
+            return tokens, last
+        finally:
+            await eng.shutdown()
+
+    plain, _ = anyio.run(answer)
+    spec, last = anyio.run(lambda: answer(spec="ngram", draft_tokens=3))
+    assert spec == plain
+    assert last.spec is not None and last.spec["drafted"] > 0
