@@ -388,6 +388,7 @@ def test_run_with_ngram_drafts_prints_the_plain_greedy_answer(qwen3_dir, ninfer_
     spec = run_cli([*base, "--spec", "ngram", "--draft-tokens", "3"], ninfer_env)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr.decode()
     assert spec.stdout == plain.stdout
+    assert "mean accepted length" in spec.stderr.decode() and "mean accepted length" not in plain.stderr.decode()
 
 
 def test_engine_option_flags_run_and_a_device_profile_on_the_cpu_is_refused_naming_it(qwen3_dir, ninfer_env):

@@ -448,7 +448,9 @@ def _stream_answer(llm, ids: List[int], params) -> int:
     generated = 0
     finish = None
     text_tail = ""
+    spec = None
     for delta in llm.stream(ids, params):
+        spec = delta.get("spec") or spec
         if delta["token_ids"] and t_first is None:
             t_first = time.perf_counter()
         generated += len(delta["token_ids"])
@@ -470,6 +472,11 @@ def _stream_answer(llm, ids: List[int], params) -> int:
           f"generated {generated} tokens, decode {decode_rate:.1f} tok/s "
           f"({decode_s * 1e3 / max(generated - 1, 1):.1f} ms/token); finish {finish}",
           file=sys.stderr, flush=True)
+    if spec:
+        rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
+        print(f"ninfer: speculation drafted {spec['drafted']}, accepted {spec['accepted']} ({rate:.0%}); "
+              f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per verify step",
+              file=sys.stderr, flush=True)
     return 0
 
 
