@@ -9,9 +9,10 @@
 //! DeltaNet conv and recurrent states are restored by recompute: the state before the verify
 //! chunk is copied into a rollback slot, and when a draft token is rejected the slot is copied
 //! back and the input token plus the accepted drafts run again (no logits). This keeps the
-//! model's forward unchanged and costs a second, shorter forward only on rejection on hybrid
-//! models; the per-position states a verify pass could keep instead would cost K copies of
-//! every recurrent state per round whether rejected or not.
+//! model's forward unchanged and costs a second, shorter forward only on rejection. On the demo
+//! model (benches/cpu_spec.py) that reruns a fifth to a third as many tokens as the verify
+//! chunks run; per-position states kept by the verify pass would save it for K state copies per
+//! round, at the price of a forward that knows verify chunks (the next step for speed).
 
 use super::core::EngineCore;
 use super::request::RowInput;
