@@ -260,3 +260,17 @@ def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints):
     spec, last = anyio.run(lambda: answer(spec="ngram", draft_tokens=3))
     assert spec == plain
     assert last.spec is not None and last.spec["drafted"] > 0
+
+
+def test_logprobs_come_for_every_accepted_token(model_dir):
+    params = greedy(30, logprobs=True, top_logprobs=2)
+    with LLM(model_dir, max_context=512) as llm:
+        ids = llm.encode(PROMPTS[1])
+        [plain] = llm.generate(ids, params)
+    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=3) as llm:
+        [spec] = llm.generate(ids, params)
+    assert spec.token_ids == plain.token_ids
+    assert [lp.token_id for lp in spec.logprobs] == spec.token_ids
+    for a, b in zip(plain.logprobs, spec.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-3
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
