@@ -111,23 +111,42 @@ fn prefix_cache_hits_with_drafts_equal_a_miss() {
     }
 }
 
-#[test]
-fn stop_strings_and_eos_inside_accepted_drafts_end_the_request_there() {
-    let tok = byte_tokenizer();
-    let base = Setup { tokenizer: Some(tok), eos: vec![3], ..small_vocab(false, 4) };
-    let reqs: Vec<_> = (0..12u32)
-        .map(|i| {
-            let stop = if i % 2 == 0 { vec!["\u{1}\u{1}\u{2}".to_string()] } else { Vec::new() };
-            (tiny_prompt(8 + i as usize, i, 3), SamplingParams { stop, ..greedy(50) })
-        })
-        .collect();
-    let (plain, _, _) = run_requests(&base, &reqs);
-    let (spec, core, _) = run_requests(&with_spec(&base, 5), &reqs);
+/// Requests of `reqs` (run on `base` with K = 5, outputs checked against plain decoding) whose
+/// last token was an accepted draft token: they ended inside a verified draft.
+fn ended_inside_a_draft(base: &Setup, reqs: &[(Vec<u32>, SamplingParams)]) -> usize {
+    let (plain, _, _) = run_requests(base, reqs);
+    let (spec, core, log) = run_requests(&with_spec(base, 5), reqs);
     for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
         assert_eq!((&a.tokens, &a.text, a.finish), (&b.tokens, &b.text, b.finish), "request {i}");
     }
-    assert!(plain.iter().any(|c| c.finish == Some("stop")));
     assert!(core.stats().spec.accepted > 0);
+    let steps = log.lock().unwrap().steps.clone();
+    let mut inside = 0;
+    for ((prompt, _), out) in reqs.iter().zip(&spec) {
+        let mut history = prompt.clone();
+        history.extend(&out.tokens);
+        let last = history.len() - 1;
+        let in_draft = steps.iter().flat_map(|s| &s.seqs).any(|q| {
+            q.logits == crate::model::LogitsWanted::All
+                && q.start_pos < last
+                && last < q.start_pos + q.tokens.len()
+                && q.tokens[..=last - q.start_pos] == history[q.start_pos..=last]
+        });
+        inside += usize::from(in_draft && out.finish == Some("stop"));
+    }
+    inside
+}
+
+#[test]
+fn stop_strings_and_eos_inside_accepted_drafts_end_the_request_there() {
+    let base = Setup { tokenizer: Some(byte_tokenizer()), eos: vec![3], ..small_vocab(false, 4) };
+    // EOS (3) occurs in the prompts, so prompt lookup can draft it.
+    let eos: Vec<_> = (0..24u32).map(|i| (tiny_prompt(8 + i as usize, i, 4), greedy(50))).collect();
+    let by_eos = ended_inside_a_draft(&base, &eos);
+    let stop = SamplingParams { stop: vec!["\u{1}\u{1}\u{2}".to_string()], ignore_eos: true, ..greedy(60) };
+    let stops: Vec<_> = (0..24u32).map(|i| (tiny_prompt(8 + i as usize, i, 4), stop.clone())).collect();
+    let by_stop = ended_inside_a_draft(&base, &stops);
+    assert!(by_eos > 0 && by_stop > 0, "EOS inside a draft {by_eos} times, a stop string {by_stop} times");
 }
 
 #[test]
