@@ -131,7 +131,8 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
     assert flag in err and value in err
 
 
-@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "mtp"], ["--draft-tokens", "3"],
+@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "mtp"], ["--spec", "dflash"],
+                                  ["--spec-adaptive"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
                                   ["--gdn-state-fp16"], ["--lm-head-draft"],
                                   ["--vision-residency", "overlay"], ["--vision-max-merged", "4"]])
@@ -358,13 +359,36 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
         assert engine_option_kwargs(parser.parse_args(base)) == dict(
             async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None,
-            json_schema_open_objects=False)
+            json_schema_open_objects=False, spec=None, draft_tokens=None)
         args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
                                   "--no-device-sampling", "--device-profile-path", "h200.json",
-                                  "--json-schema-open-objects"])
+                                  "--json-schema-open-objects", "--spec", "ngram", "--draft-tokens", "4"])
         assert engine_option_kwargs(args) == dict(
             async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
-            device_profile="h200.json", json_schema_open_objects=True)
+            device_profile="h200.json", json_schema_open_objects=True, spec="ngram", draft_tokens=4)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--spec", "ngram", "--draft-tokens", "0"], "--draft-tokens 0 is outside 1..8"),
+    (["--spec", "ngram", "--draft-tokens", "9"], "--draft-tokens 9 is outside 1..8"),
+    (["--draft-tokens", "3"], "--draft-tokens 3 needs --spec"),
+    (["--spec", "medusa"], "--spec medusa is not a drafting method"),
+    (["--spec", "mtp", "--draft-tokens", "3"], "--spec mtp is not supported yet"),
+    (["--spec", "ngram", "--lm-head-draft"], "--lm-head-draft is not supported yet"),
+])
+def test_bad_speculation_flags_exit_2_naming_the_flag(qwen3_dir, ninfer_env, args, needle):
+    proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", *args], ninfer_env)
+    assert proc.returncode == 2 and needle in proc.stderr.decode(), proc.stderr.decode()
+
+
+def test_run_with_ngram_drafts_prints_the_plain_greedy_answer(qwen3_dir, ninfer_env):
+    base = ["run", str(qwen3_dir), "--device", "cpu", "--prompt", "a b a b a b", "--max-new", "24", "--greedy",
+            "--ignore-eos"]
+    plain = run_cli(base, ninfer_env)
+    spec = run_cli([*base, "--spec", "ngram", "--draft-tokens", "3"], ninfer_env)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr.decode()
+    assert spec.stdout == plain.stdout
+    assert "mean accepted length" in spec.stderr.decode() and "mean accepted length" not in plain.stderr.decode()
 
 
 def test_engine_option_flags_run_and_a_device_profile_on_the_cpu_is_refused_naming_it(qwen3_dir, ninfer_env):

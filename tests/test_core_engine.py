@@ -10,7 +10,7 @@ STATS_KEYS = {
     "split_lookahead_steps", "reasoning_tokens_total",
 }
 DELTA_KEYS = {"request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-              "error", "reasoning_tokens", "stop_reason"}
+              "error", "reasoning_tokens", "stop_reason", "spec"}
 
 
 def greedy(n, **extra):

@@ -17,7 +17,7 @@ def test_delta_is_the_cores_type_and_reads_by_attribute_or_key():
     assert d["logprobs"][0]["token_id"] == 5
     assert set(d) == set(d.keys()) == {"request_id", "token_ids", "text", "logprobs", "finish_reason",
                                        "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens",
-                                       "error", "stop_reason"}
+                                       "error", "stop_reason", "spec"}
     assert d.reasoning_tokens == 0 and ninfer.Delta("r3", reasoning_tokens=4)["reasoning_tokens"] == 4
     assert d.stop_reason is None and ninfer.Delta("r3", stop_reason="END").stop_reason == "END"
     assert dict(d)["completion_tokens"] == 2

@@ -18,13 +18,12 @@ import sys
 import time
 from typing import List, Optional
 
-#: Flags of later work (tensor parallel, speculation, KV formats, vision, tuning profiles) that
+#: Flags of later work (tensor parallel, adaptive and reduced-vocabulary drafts, KV formats, vision) that
 #: the original's users type: accepted by the parser only so they are refused by name.
 LATER_WORK_FLAGS = {
     "--tp": {"metavar": "N"},
     "--devices": {"metavar": "LIST"},
-    "--spec": {"metavar": "KIND"},
-    "--draft-tokens": {"metavar": "N"},
+    "--spec-adaptive": {"action": "store_true"},
     "--host-kv-mib": {"metavar": "MIB"},
     "--vision": {"action": "store_true"},
     "--gdn-state-fp16": {"action": "store_true"},
@@ -264,13 +263,42 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                        help="let a response_format json_schema's objects that do not say additionalProperties "
                             "admit keys they do not list, as JSON Schema does (default: only the listed keys, as "
                             "OpenAI reads them; a strict schema never admits others)")
+    group.add_argument("--spec", metavar="METHOD", default=None,
+                       help="speculative decoding: ngram (prompt lookup over the request's own tokens; the CPU "
+                            "backend); mtp and dflash are not supported yet (default: off)")
+    group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
+                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3)")
 
 
 def engine_option_kwargs(args: argparse.Namespace) -> dict:
     """`add_engine_option_flags`' values as the engine's keyword arguments."""
     return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
                 batch_invariant=args.batch_invariant, device_sampling=not args.no_device_sampling,
-                device_profile=args.device_profile_path, json_schema_open_objects=args.json_schema_open_objects)
+                device_profile=args.device_profile_path, json_schema_open_objects=args.json_schema_open_objects,
+                spec=args.spec, draft_tokens=args.draft_tokens)
+
+
+#: --spec methods; only SPEC_METHODS_RUNNING are built, the others are refused as not supported yet.
+SPEC_METHODS = ("ngram", "mtp", "dflash")
+SPEC_METHODS_RUNNING = ("ngram",)
+#: --draft-tokens range (rust_core/src/spec/config.rs: MAX_DRAFT_TOKENS).
+MAX_DRAFT_TOKENS = 8
+
+
+def spec_flag_error(args: argparse.Namespace) -> Optional[str]:
+    """Why --spec / --draft-tokens are refused before anything loads, or None (run and serve)."""
+    if args.spec is not None:
+        method = args.spec.strip().lower()
+        if method not in SPEC_METHODS:
+            return f"--spec {args.spec} is not a drafting method: give {', '.join(SPEC_METHODS_RUNNING)}"
+        if method not in SPEC_METHODS_RUNNING:
+            return f"--spec {args.spec} is not supported yet (only {', '.join(SPEC_METHODS_RUNNING)})"
+    if args.draft_tokens is not None:
+        if args.spec is None:
+            return f"--draft-tokens {args.draft_tokens} needs --spec (the method that drafts them)"
+        if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
+            return f"--draft-tokens {args.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}"
+    return None
 
 
 def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
@@ -367,6 +395,9 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     parser = build_run_parser(prog)
     args = parser.parse_args(argv)
     reject_later_work_flags(parser, args)
+    spec_error = spec_flag_error(args)
+    if spec_error:
+        parser.error(spec_error)
     _use_utf8_stdio()
     model = args.model or default_model_dir()
     if model is None:
@@ -426,7 +457,9 @@ def _stream_answer(llm, ids: List[int], params) -> int:
     generated = 0
     finish = None
     text_tail = ""
+    spec = None
     for delta in llm.stream(ids, params):
+        spec = delta.get("spec") or spec
         if delta["token_ids"] and t_first is None:
             t_first = time.perf_counter()
         generated += len(delta["token_ids"])
@@ -448,6 +481,11 @@ def _stream_answer(llm, ids: List[int], params) -> int:
           f"generated {generated} tokens, decode {decode_rate:.1f} tok/s "
           f"({decode_s * 1e3 / max(generated - 1, 1):.1f} ms/token); finish {finish}",
           file=sys.stderr, flush=True)
+    if spec:
+        rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
+        print(f"ninfer: speculation drafted {spec['drafted']}, accepted {spec['accepted']} ({rate:.0%}); "
+              f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per verify step",
+              file=sys.stderr, flush=True)
     return 0
 
 

@@ -46,6 +46,10 @@ class LLM:
     `thinking_budget` is the
     reasoning budget (tokens) of calls that pass no sampling params, as `ninfer serve
     --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
+    `spec` turns on speculative
+    decoding ("ngram": drafts from the request's own tokens, verified `draft_tokens` (1..8, default
+    3) at a time; the CPU backend; "mtp" and "dflash" are not supported yet); outputs are those of
+    plain decoding.
     """
 
     def __init__(
@@ -67,6 +71,8 @@ class LLM:
         device_profile: Optional[Union[str, os.PathLike]] = None,
         json_schema_open_objects: bool = False,
         thinking_budget: Optional[int] = None,
+        spec: Optional[str] = None,
+        draft_tokens: Optional[int] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -89,6 +95,8 @@ class LLM:
             device_sampling=device_sampling,
             device_profile=None if device_profile is None else os.fspath(device_profile),
             json_schema_open_objects=json_schema_open_objects,
+            spec=spec,
+            draft_tokens=draft_tokens,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

@@ -62,6 +62,9 @@ class SamplingParams:
     thinking_budget: Optional[int] = None
     #: A sentence forced before the end-of-thinking tag when the budget runs out (None: none).
     thinking_budget_message: Optional[str] = None
+    #: Draft tokens per verify step for this request under speculative decoding (0: none; None:
+    #: the engine's `draft_tokens`); needs an engine started with `spec`.
+    draft_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -118,6 +121,8 @@ class SamplingParams:
             raise bad("thinking_budget", "must be an integer >= 0 or None")
         if self.thinking_budget_message is not None and not isinstance(self.thinking_budget_message, str):
             raise bad("thinking_budget_message", "must be a string or None")
+        if self.draft_tokens is not None and (not _is_int(self.draft_tokens) or not 0 <= self.draft_tokens <= 8):
+            raise bad("draft_tokens", "must be an integer in 0..8 or None")
         if self.response_format is not None and not isinstance(self.response_format, Mapping):
             raise bad("response_format", "must be an object such as {\"type\": \"json_object\"} or None")
 
@@ -146,6 +151,7 @@ class SamplingParams:
             "response_format": None if self.response_format is None else dict(self.response_format),
             "thinking_budget": self.thinking_budget,
             "thinking_budget_message": self.thinking_budget_message,
+            "draft_tokens": self.draft_tokens,
         }
 
     def to_core(self, max_tokens: int, seed: Optional[int]) -> "_core.SamplingParams":

@@ -14,6 +14,7 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod sched;
+pub mod spec;
 pub mod state;
 pub mod tokenizer;
 

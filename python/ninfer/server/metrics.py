@@ -131,10 +131,22 @@ class ServerMetrics:
                                 "Decode steps queued before the step ahead returned (asynchronous scheduling)."),
             "split_lookahead_steps": ("engine_split_lookahead_steps_total", "counter",
                                       "Lookahead steps whose sampling waited for the step ahead (grammar masks)."),
+            "spec_verify_steps": ("spec_verify_steps_total", "counter", "Speculative verify rounds (a decode with a draft)."),
+            "spec_drafted_tokens": ("spec_drafted_tokens_total", "counter", "Draft tokens verified."),
+            "spec_accepted_tokens": ("spec_accepted_tokens_total", "counter", "Draft tokens accepted."),
+            "spec_rollback_tokens": ("spec_rollback_tokens_total", "counter",
+                                     "Tokens run again to roll a recurrent state back past rejected drafts."),
+            "spec_mean_accepted_length": ("spec_mean_accepted_length", "gauge",
+                                          "Tokens output per verify round (accepted drafts plus the target's token)."),
         }
         for key, (name, kind, help_) in gauges.items():
             if key in core_stats:
                 lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} {kind}", f"{p}_{name} {core_stats[key]}"]
+        by_position = core_stats.get("spec_acceptance_by_position")
+        if by_position:
+            lines += [f"# HELP {p}_spec_acceptance_rate Accepted share of the draft tokens at each draft position.",
+                      f"# TYPE {p}_spec_acceptance_rate gauge"]
+            lines += [f'{p}_spec_acceptance_rate{{position="{j}"}} {r}' for j, r in enumerate(by_position)]
         return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,8 @@
 
 The request log writes one line per finished engine request: id, token counts, the time it
 waited before its first token (queue + prefill, which the server sees as one span), the decode
-time after it, and the finish reason (and the error of a request that failed midway).
+time after it, and the finish reason (and the error of a request that failed midway, and
+speculative decoding's counts when it is on).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class RequestLog:
             "total_s": round(end - timing.submitted, 6),
             "finish_reason": delta.finish_reason,
         }
+        spec = getattr(delta, "spec", None)
+        if spec is not None:
+            # Speculative decoding: drafted, accepted, verify_steps, mean_accepted_length,
+            # acceptance_by_position.
+            record["spec"] = dict(spec)
         if delta.error:
             # A request that failed midway: the log is where an operator sees why.
             record["error"] = delta.error
@@ -66,7 +72,18 @@ def stats_line(stats: dict, prev: Optional[dict], interval_s: float) -> str:
             f"kv_blocks={stats.get('kv_blocks_used', 0)}/{stats.get('kv_blocks_total', 0)} "
             f"prompt_tok/s={dprompt / interval_s:.1f} gen_tok/s={dgen / interval_s:.1f} "
             f"(reasoning_tok/s={dreason / interval_s:.1f} answer_tok/s={(dgen - dreason) / interval_s:.1f}) "
-            f"prefix_hit_tokens={stats.get('prefix_hit_tokens', 0)} steps={stats.get('steps', 0)}")
+            f"prefix_hit_tokens={stats.get('prefix_hit_tokens', 0)} steps={stats.get('steps', 0)}"
+            + _spec_part(stats))
+
+
+def _spec_part(stats: dict) -> str:
+    """The speculative-decoding figures of the stats line, empty while no draft was verified."""
+    if not stats.get("spec_verify_steps"):
+        return ""
+    drafted = stats.get("spec_drafted_tokens", 0)
+    rate = stats.get("spec_accepted_tokens", 0) / drafted if drafted else 0.0
+    return (f" spec_accept={rate:.2f} spec_mean_len={stats.get('spec_mean_accepted_length', 0.0):.2f}"
+            f" spec_by_pos={'/'.join(f'{r:.2f}' for r in stats.get('spec_acceptance_by_position', []))}")
 
 
 async def log_stats_forever(engine, interval_s: float, out: TextIO = sys.stderr) -> None:

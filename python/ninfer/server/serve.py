@@ -17,7 +17,7 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from ninfer.cli import (LATER_WORK_FLAGS, HelpFormatter, add_engine_option_flags, add_kv_dtype_flag,
+from ninfer.cli import (LATER_WORK_FLAGS, spec_flag_error, HelpFormatter, add_engine_option_flags, add_kv_dtype_flag,
                         add_logits_dtype_flag, add_sampling_flags, device_arg, engine_option_kwargs,
                         kv_capacity_arg, kv_dtype_error, model_dir_error, non_negative_int, positive_int,
                         sampling_flag_values)
@@ -121,6 +121,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     kv_error = kv_dtype_error(args.kv_dtype)
     if kv_error:
         parser.exit(2, f"ninfer serve: error: {kv_error}\n")
+    spec_error = spec_flag_error(args)
+    if spec_error:
+        parser.error(spec_error)
     if args.kv_capacity is not None and args.max_context is not None and args.kv_capacity < args.max_context:
         parser.error(f"--kv-capacity {args.kv_capacity} must be >= --max-context {args.max_context}")
     if args.core_factory is None:

@@ -2,6 +2,7 @@
 //! memory ledger computed from them before anything is allocated.
 
 use crate::model::CacheSpec;
+use crate::spec::SpecConfig;
 use crate::{NinferError, Result};
 
 /// KV budget used when `kv_capacity_tokens` is not given and the backend cannot tell how much
@@ -36,6 +37,10 @@ pub struct EngineConfig {
     /// says (`--json-schema-open-objects`); default: only the listed ones, as OpenAI reads them
     /// (sampling/grammar/closed_objects.rs). A strict schema is closed either way.
     pub json_schema_open_objects: bool,
+    /// Speculative decoding (`--spec`, `--draft-tokens`); None: plain decoding. Speculation
+    /// runs the synchronous step (no overlap): a round's accepted length is known only once its
+    /// logits are on the host.
+    pub spec: Option<SpecConfig>,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +55,7 @@ impl Default for EngineConfig {
             snapshot_slots: None,
             async_scheduling: true,
             json_schema_open_objects: false,
+            spec: None,
         }
     }
 }
@@ -67,6 +73,10 @@ pub struct ResolvedConfig {
     /// Running state slots (max_concurrency + 1 for `score`), 0 for pure-attention models.
     pub running_state_slots: usize,
     pub snapshot_state_slots: usize,
+    /// Speculation's rollback slots on hybrid models (one per running sequence, after the
+    /// running and snapshot slots): the state before a verify chunk, restored when a draft
+    /// token is rejected. 0 without speculation or recurrent state.
+    pub rollback_state_slots: usize,
 }
 
 /// What the engine's memory goes to, computed before allocation.
@@ -103,6 +113,9 @@ impl EngineConfig {
         positive(self.block_size, "block_size", "--block-size")?;
         positive(self.max_concurrency, "max_concurrency", "--max-concurrency")?;
         positive(self.prefill_chunk, "prefill_chunk", "--prefill-chunk")?;
+        if let Some(spec) = &self.spec {
+            spec.check()?;
+        }
         let max_context = match self.max_context {
             Some(m) => {
                 positive(m, "max_context", "--max-context")?;
@@ -139,13 +152,14 @@ impl EngineConfig {
         let hybrid = spec.state_bytes_per_slot > 0;
         let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
+        let rollback_state_slots = if hybrid && self.spec.is_some() { max_concurrency } else { 0 };
         let kv_capacity_tokens = match self.kv_capacity_tokens {
             Some(k) => k,
             None => {
                 // The state slots are fixed by --max-concurrency; the KV pool takes what is left
                 // of a device budget. A pool below one full context is still planned (and its
                 // allocation then fails with the bytes needed vs available).
-                let state_bytes = ((running_state_slots + snapshots) * spec.state_bytes_per_slot) as u64;
+                let state_bytes = ((running_state_slots + snapshots + rollback_state_slots) * spec.state_bytes_per_slot) as u64;
                 let budget = cache_budget.map_or(DEFAULT_KV_BUDGET_BYTES, |b| b.saturating_sub(state_bytes));
                 let tokens = (budget / spec.kv_bytes_per_token.max(1) as u64).min(usize::MAX as u64) as usize;
                 tokens.min(max_context.saturating_mul(max_concurrency)).max(max_context)
@@ -161,6 +175,7 @@ impl EngineConfig {
             prefix_reuse: self.prefix_reuse,
             running_state_slots,
             snapshot_state_slots: snapshots,
+            rollback_state_slots,
         })
     }
 }
@@ -189,7 +204,7 @@ impl ResolvedConfig {
     pub fn ledger(&self, spec: &CacheSpec) -> MemoryLedger {
         let kv_tokens = (self.num_blocks * self.block_size) as u64;
         let kv_bytes = kv_tokens * spec.kv_bytes_per_token as u64;
-        let state_slots = (self.running_state_slots + self.snapshot_state_slots) as u64;
+        let state_slots = (self.running_state_slots + self.snapshot_state_slots + self.rollback_state_slots) as u64;
         let state_bytes = state_slots * spec.state_bytes_per_slot as u64;
         MemoryLedger {
             weight_bytes: spec.weight_bytes as u64,

@@ -27,6 +27,7 @@ use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
+use crate::spec::{NgramDrafter, SpecConfig, SpecStats};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -54,23 +55,29 @@ pub struct EngineStats {
     /// after the step before was completed (a row needed its token on the host: a grammar).
     pub split_lookahead_steps: u64,
     pub preemptions: u64,
+    /// Speculative decoding's draft and acceptance counters (all zero without `--spec`).
+    pub spec: SpecStats,
 }
 
 /// The engine: requests in, deltas out, one `step()` at a time.
 pub struct EngineCore {
-    cfg: ResolvedConfig,
+    pub(super) cfg: ResolvedConfig,
     spec: CacheSpec,
-    runner: Box<dyn ModelRunner>,
-    sched: Scheduler,
-    tokenizer: Option<Arc<Tokenizer>>,
-    eos_token_ids: Vec<u32>,
+    pub(super) runner: Box<dyn ModelRunner>,
+    pub(super) sched: Scheduler,
+    pub(super) tokenizer: Option<Arc<Tokenizer>>,
+    pub(super) eos_token_ids: Vec<u32>,
     validator: RequestValidator,
-    requests: HashMap<SeqId, RequestState>,
-    ids: HashMap<String, SeqId>,
-    pending_aborts: Vec<SeqId>,
+    pub(super) requests: HashMap<SeqId, RequestState>,
+    pub(super) ids: HashMap<String, SeqId>,
+    pub(super) pending_aborts: Vec<SeqId>,
     next_seq: SeqId,
     seed_rng: ChaCha8Rng,
-    stats: EngineStats,
+    pub(super) stats: EngineStats,
+    /// Speculative decoding (`--spec`) with its drafter; None: plain decoding.
+    pub(super) speculation: Option<(SpecConfig, NgramDrafter)>,
+    /// First of the `rollback_state_slots` (after the scheduler's slots).
+    pub(super) rollback_slot_base: usize,
     /// Measured by the warm-up step at startup.
     workspace_bytes: u64,
     device_free_bytes: Option<u64>,
@@ -91,8 +98,12 @@ impl EngineCore {
         // before the caches are planned; its budget counts only without a --kv-capacity.
         let budget = runner.cache_budget_bytes(step_rows, decode_rows)?.filter(|_| config.kv_capacity_tokens.is_none());
         let cfg = config.resolve(model_max, &spec, budget)?;
+        if config.spec.is_some() && !runner.verifies_drafts() {
+            return Err(NinferError::config("spec (--spec)", "speculative decoding is not supported on this backend yet (the CPU backend runs it; not supported on CUDA yet)"));
+        }
         let slots = if cfg.running_state_slots > 0 { StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots) } else { StateSlots::none() };
-        runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total())?;
+        let rollback_slot_base = slots.total();
+        runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total() + cfg.rollback_state_slots)?;
         let sched = Scheduler::new(
             SchedulerConfig { max_concurrency: cfg.max_concurrency, prefill_chunk: cfg.prefill_chunk, prefix_reuse: cfg.prefix_reuse },
             BlockPool::new(cfg.num_blocks, cfg.block_size),
@@ -101,9 +112,12 @@ impl EngineCore {
         let vocab_size = runner.config().vocab_size;
         let grammar = SharedGrammarCompiler::new(tokenizer.clone(), eos_token_ids.clone(), vocab_size, config.json_schema_open_objects);
         let thinking = tokenizer.as_ref().and_then(ThinkingTags::of).filter(|t| (t.open.max(t.close) as usize) < vocab_size);
-        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar, thinking };
+        let validator = RequestValidator { max_context: cfg.max_context, vocab_size, grammar, thinking, speculation: config.spec.is_some() };
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-        let overlap = (config.async_scheduling && runner.overlaps_steps()).then(OverlappedStep::default);
+        // Speculation runs the synchronous step: a round's accepted length, and so the next
+        // step's input, is known only once its logits are on the host.
+        let overlap = (config.async_scheduling && config.spec.is_none() && runner.overlaps_steps()).then(OverlappedStep::default);
+        let speculation = config.spec.clone().map(|s| (s, NgramDrafter::default()));
         let mut core = EngineCore {
             cfg,
             spec,
@@ -121,6 +135,8 @@ impl EngineCore {
             workspace_bytes: 0,
             device_free_bytes: None,
             overlap,
+            speculation,
+            rollback_slot_base,
         };
         core.warm_up()?;
         Ok(core)
@@ -211,7 +227,9 @@ impl EngineCore {
         let fallback_seed = self.seed_rng.random();
         self.stats.prompt_tokens_total += prompt.len() as u64;
         let thinking = self.validator.thinking_tracker(&prompt, &params);
-        self.requests.insert(id, RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar, thinking));
+        let mut req = RequestState::new(request_id.to_string(), &prompt, params, fallback_seed, grammar, thinking);
+        req.spec = self.speculation.as_ref().map(|_| SpecStats::default());
+        self.requests.insert(id, req);
         self.ids.insert(request_id.to_string(), id);
         self.sched.add(Sequence::new(id, prompt));
     }
@@ -234,6 +252,11 @@ impl EngineCore {
         self.ids.keys().cloned().collect()
     }
 
+    /// Speculative decoding's settings, None when off.
+    pub fn spec_config(&self) -> Option<&SpecConfig> {
+        self.speculation.as_ref().map(|(s, _)| s)
+    }
+
     /// Whether steps overlap the host's work on the last one (asynchronous scheduling).
     pub fn overlaps_steps(&self) -> bool {
         self.overlap.is_some()
@@ -251,6 +274,9 @@ impl EngineCore {
     pub fn step(&mut self) -> Result<Vec<RequestOutput>> {
         if let Some(overlapped) = self.overlap.take() {
             return self.step_overlapped(overlapped);
+        }
+        if self.speculation.is_some() {
+            return self.dropping_all_on_failure(Self::step_speculative);
         }
         self.dropping_all_on_failure(|core| {
             let (step, mut outputs) = core.schedule()?;
@@ -274,7 +300,7 @@ impl EngineCore {
     }
 
     /// `f`'s result; when it failed, every request is forgotten first (`drop_all`).
-    fn dropping_all_on_failure<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+    pub(super) fn dropping_all_on_failure<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         let result = f(self);
         if result.is_err() {
             self.drop_all();
@@ -292,7 +318,7 @@ impl EngineCore {
     /// Run `step` now (a runner that does not overlap steps, or asynchronous scheduling off):
     /// its snapshot restores, the forward and a sampled token for every sequence that produces
     /// logits, in step order; then its bookkeeping (`account`).
-    fn execute(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
+    pub(super) fn execute(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
         self.restore_states(step)?;
         let rows = self.sampling_rows(step, RowInput::Accepted);
         let sampled = self.runner.forward_sampled(&step.batch, &rows)?;
@@ -307,7 +333,14 @@ impl EngineCore {
     /// snapshot then), and its row of that step is simply never collected into an output.
     pub(super) fn update(&mut self, step: &ScheduledStep, sampled: Vec<SampledToken>, queued_after: Option<&ScheduledStep>) -> Result<Vec<RequestOutput>> {
         let (outputs, outcomes) = self.postprocess(step, sampled)?;
-        for (src, dst) in self.sched.update_from_output(&outcomes, queued_after) {
+        self.settle(&outcomes, queued_after)?;
+        Ok(outputs)
+    }
+
+    /// The scheduler's bookkeeping of postprocessed `outcomes` (tokens appended, ended
+    /// sequences removed, their final snapshots copied) and the ended requests forgotten.
+    pub(super) fn settle(&mut self, outcomes: &[SeqOutcome], queued_after: Option<&ScheduledStep>) -> Result<()> {
+        for (src, dst) in self.sched.update_from_output(outcomes, queued_after) {
             self.runner.copy_state(src, dst)?;
         }
         for ended in outcomes.iter().filter(|o| o.finished) {
@@ -316,7 +349,7 @@ impl EngineCore {
             }
             self.pending_aborts.retain(|&a| a != ended.id);
         }
-        Ok(outputs)
+        Ok(())
     }
 
     /// Accept the tokens of `step` (one per sequence that produced logits, in step order): for
@@ -334,7 +367,7 @@ impl EngineCore {
             let event = req.accept(s.token, s.logprob, self.tokenizer.as_deref(), &self.eos_token_ids, cached)?;
             self.stats.generation_tokens_total += 1;
             self.stats.reasoning_tokens_total += (req.reasoning_tokens() - reasoning_before) as u64;
-            outcomes.push(SeqOutcome { id, token: s.token, finished: event.finished });
+            outcomes.push(SeqOutcome { id, token: s.token, finished: event.finished, computed: false });
             outputs.push(event.output);
         }
         Ok((outputs, outcomes))
@@ -400,7 +433,7 @@ impl EngineCore {
         }
         self.stats.steps += 1;
         self.stats.max_batch_size_seen = self.stats.max_batch_size_seen.max(step.seq_ids.len());
-        self.stats.prefill_tokens_computed += (step.batch.num_tokens() - step.num_decodes) as u64;
+        self.stats.prefill_tokens_computed += (step.batch.num_tokens() - step.num_decodes - step.num_draft_tokens()) as u64;
         Ok(())
     }
 
@@ -500,7 +533,7 @@ impl EngineCore {
     }
 
     /// The snapshot restores `step` needs before it runs.
-    fn restore_states(&mut self, step: &ScheduledStep) -> Result<()> {
+    pub(super) fn restore_states(&mut self, step: &ScheduledStep) -> Result<()> {
         for &(src, dst) in &step.copies_before {
             self.runner.copy_state(src, dst)?;
         }

@@ -227,5 +227,6 @@ fn aborted(id: &str) -> RequestOutput {
         cached_tokens: 0,
         error: None,
         stop_reason: None,
+        spec: None,
     }
 }

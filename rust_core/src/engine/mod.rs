@@ -9,6 +9,7 @@ pub mod handle;
 pub mod output;
 mod overlap;
 pub mod request;
+mod speculation;
 #[cfg(any(test, feature = "testing"))]
 pub mod toy_runner;
 pub mod validator;

@@ -1,6 +1,7 @@
 //! What the engine hands back per request per step: a delta of tokens and text.
 
 use crate::sampling::TokenLogprob;
+use crate::spec::SpecStats;
 
 /// Why a request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,11 +67,28 @@ pub struct RequestOutput {
     pub error: Option<String>,
     /// The stop string or stop token id that ended the request, on its last delta.
     pub stop_reason: Option<StopReason>,
+    /// The request's draft and acceptance counts, on its last delta when speculative decoding
+    /// is on.
+    pub spec: Option<SpecStats>,
 }
 
 impl RequestOutput {
     /// Whether this is the request's last delta.
     pub fn finished(&self) -> bool {
         self.finish_reason.is_some()
+    }
+
+    /// Append the delta that followed this one in the same step (the tokens of a verified
+    /// draft after the first): its tokens, text and logprobs, and its counts and ending.
+    pub fn merge(&mut self, next: RequestOutput) {
+        self.token_ids.extend(next.token_ids);
+        self.text.push_str(&next.text);
+        if let (Some(a), Some(b)) = (self.logprobs.as_mut(), next.logprobs) {
+            a.extend(b);
+        }
+        self.finish_reason = next.finish_reason;
+        self.completion_tokens = next.completion_tokens;
+        self.error = next.error;
+        self.spec = next.spec;
     }
 }

@@ -4,6 +4,7 @@
 use super::{FinishReason, RequestOutput, StopReason};
 use crate::sampling::thinking::{ReasoningTracker, ThinkingTags};
 use crate::sampling::{GrammarConstraint, RequestSampler, RowSampling, SamplingParams, TokenLogprob};
+use crate::spec::SpecStats;
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::stop::StopChecker;
 use crate::tokenizer::Tokenizer;
@@ -26,6 +27,8 @@ pub struct RequestState {
     /// The reasoning block's count and the `thinking_budget` that closes it; None for a
     /// tokenizer without thinking tags.
     thinking: Option<(ReasoningTracker, ThinkingTags)>,
+    /// This request's draft and acceptance counts; None without speculative decoding.
+    pub spec: Option<SpecStats>,
 }
 
 /// Where the input token of a step stands when the step's sampling rows are built.
@@ -71,6 +74,7 @@ impl RequestState {
             params,
             grammar,
             grammar_error: None,
+            spec: None,
         }
     }
 
@@ -209,6 +213,7 @@ impl RequestState {
             cached_tokens,
             error: None,
             stop_reason,
+            spec: finish.and(self.spec.clone()),
         };
         Ok(TokenEvent { finished: finish.is_some(), output })
     }
@@ -255,6 +260,7 @@ impl RequestState {
             cached_tokens,
             error: None,
             stop_reason: None,
+            spec: self.spec.clone(),
         }
     }
 }

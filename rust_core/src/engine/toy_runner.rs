@@ -212,6 +212,10 @@ impl ModelRunner for ToyRunner {
         Ok(())
     }
 
+    fn verifies_drafts(&self) -> bool {
+        true
+    }
+
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
         self.log.lock().expect("toy log").copies.push((src, dst));
         self.states[dst] = self.states[src];

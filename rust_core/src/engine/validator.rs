@@ -18,6 +18,8 @@ pub struct RequestValidator {
     /// The tokenizer's `<think>` / `</think>` ids: reasoning is counted and budgets enforced;
     /// None (no tags) leaves every request's output unconstrained by `thinking_budget`.
     pub thinking: Option<ThinkingTags>,
+    /// The engine runs speculative decoding (`--spec`): a request may set its `draft_tokens`.
+    pub speculation: bool,
 }
 
 impl RequestValidator {
@@ -37,6 +39,9 @@ impl RequestValidator {
             }
         }
         params.validate()?;
+        if params.draft_tokens.is_some_and(|k| k > 0) && !self.speculation {
+            return Err(NinferError::invalid("draft_tokens", "needs an engine started with --spec"));
+        }
         // Saturating: a max_tokens near usize::MAX (JSON allows 2^64 - 1) must not wrap past the check.
         if prompt.len().saturating_add(params.max_tokens) > self.max_context {
             return Err(NinferError::ContextOverflow { prompt_tokens: prompt.len(), max_tokens: params.max_tokens, max_context: self.max_context });

@@ -169,6 +169,13 @@ pub trait ModelRunner: Send {
         Err(NinferError::invalid("collect_sampled", "this backend runs steps synchronously (overlaps_steps is false)"))
     }
 
+    /// Whether this runner verifies speculative drafts (`--spec`): its forward returns logits at
+    /// every position of a multi-token decode chunk and `copy_state` restores a recurrent state
+    /// exactly, which rollback needs.
+    fn verifies_drafts(&self) -> bool {
+        false
+    }
+
     /// Run once, after the engine's warm-up step, what would otherwise first run inside a
     /// request at another step size and cost it time then (CUDA: cuBLAS's kernels for each
     /// row bucket). Nothing it writes is read afterwards.

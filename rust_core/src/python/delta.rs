@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::engine::{RequestOutput, StopReason};
 
 /// The field names item access accepts.
-const FIELDS: [&str; 11] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "error", "stop_reason"];
+const FIELDS: [&str; 12] = ["request_id", "token_ids", "text", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "error", "stop_reason", "spec"];
 
 /// New output of one request after one engine step (text never splits a UTF-8 sequence).
 #[pyclass(name = "Delta", module = "ninfer._core", frozen)]
@@ -49,6 +49,10 @@ pub struct PyDelta {
     /// or stop token id (int); None otherwise.
     #[pyo3(get)]
     stop_reason: Option<Py<PyAny>>,
+    /// Speculative decoding's counts of the request (drafted, accepted, verify_steps,
+    /// mean_accepted_length, acceptance_by_position), on its last delta when `--spec` is on.
+    #[pyo3(get)]
+    spec: Option<Py<PyDict>>,
 }
 
 impl PyDelta {
@@ -77,7 +81,20 @@ impl PyDelta {
             Some(StopReason::Text(s)) => Some(s.into_pyobject(py)?.into_any().unbind()),
             Some(StopReason::Token(t)) => Some(t.into_pyobject(py)?.into_any().unbind()),
         };
+        let spec = match &o.spec {
+            None => None,
+            Some(s) => {
+                let d = PyDict::new(py);
+                d.set_item("verify_steps", s.verify_steps)?;
+                d.set_item("drafted", s.drafted)?;
+                d.set_item("accepted", s.accepted)?;
+                d.set_item("mean_accepted_length", s.mean_accepted_length())?;
+                d.set_item("acceptance_by_position", s.acceptance_by_position())?;
+                Some(d.unbind())
+            }
+        };
         Ok(PyDelta {
+            spec,
             request_id: o.request_id.clone(),
             token_ids: o.token_ids.clone(),
             text: o.text.clone(),
@@ -97,7 +114,7 @@ impl PyDelta {
 impl PyDelta {
     /// A delta from its fields (test doubles of the engine build theirs this way).
     #[new]
-    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None, reasoning_tokens=0, stop_reason=None))]
+    #[pyo3(signature = (request_id, token_ids=Vec::new(), text=String::new(), finish_reason=None, prompt_tokens=0, completion_tokens=0, cached_tokens=0, logprobs=None, error=None, reasoning_tokens=0, stop_reason=None, spec=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
@@ -111,8 +128,9 @@ impl PyDelta {
         error: Option<String>,
         reasoning_tokens: usize,
         stop_reason: Option<Py<PyAny>>,
+        spec: Option<Py<PyDict>>,
     ) -> Self {
-        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens, error, stop_reason }
+        PyDelta { request_id, token_ids, text, logprobs, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, cached_tokens, error, stop_reason, spec }
     }
 
     /// True on the last delta of a request.

@@ -27,6 +27,7 @@ use crate::config::CudaOptions;
 use crate::model::{load_model, resolve_device_name, KvDtype, LoadOptions, LogitsDtype, ModelRunner};
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::SamplingParams;
+use crate::spec::SpecConfig;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
 
@@ -50,6 +51,8 @@ pub struct PyEngine {
     generation_defaults: SamplingDefaults,
     /// Whether steps overlap the host's work on the step before (asynchronous scheduling).
     async_scheduling: bool,
+    /// Speculative decoding (`--spec`), None when off.
+    spec: Option<SpecConfig>,
 }
 
 impl PyEngine {
@@ -63,6 +66,7 @@ impl PyEngine {
             device,
             tokenizer: core.tokenizer().cloned(),
             async_scheduling: core.overlaps_steps(),
+            spec: core.spec_config().cloned(),
             mode: Mutex::new(Mode::Inline(Box::new(core))),
         }
     }
@@ -108,6 +112,15 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
     EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling, ..Default::default() }
 }
 
+/// `--spec` / `--draft-tokens` as the engine takes them; K without a method is refused.
+fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Result<Option<SpecConfig>> {
+    match (spec, draft_tokens) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)")),
+        (Some(method), k) => SpecConfig::new(method, k).map(Some),
+    }
+}
+
 /// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N")
 /// and generation_config.json's sampling defaults.
 #[allow(clippy::too_many_arguments)]
@@ -150,6 +163,12 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("lookahead_steps", s.lookahead_steps)?;
     d.set_item("split_lookahead_steps", s.split_lookahead_steps)?;
     d.set_item("preemptions", s.preemptions)?;
+    d.set_item("spec_verify_steps", s.spec.verify_steps)?;
+    d.set_item("spec_drafted_tokens", s.spec.drafted)?;
+    d.set_item("spec_accepted_tokens", s.spec.accepted)?;
+    d.set_item("spec_mean_accepted_length", s.spec.mean_accepted_length())?;
+    d.set_item("spec_acceptance_by_position", s.spec.acceptance_by_position())?;
+    d.set_item("spec_rollback_tokens", s.spec.rollback_tokens)?;
     Ok(d)
 }
 
@@ -167,7 +186,7 @@ impl PyEngine {
     /// profile's path, backend/cuda/plan/profile.rs): the CUDA backend's options (`CudaOptions`).
     /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`.
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -187,8 +206,11 @@ impl PyEngine {
         device_sampling: bool,
         device_profile: Option<PathBuf>,
         json_schema_open_objects: bool,
+        spec: Option<&str>,
+        draft_tokens: Option<usize>,
     ) -> PyResult<Self> {
-        let cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
+        let mut cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
+        cfg.spec = spec_config(spec, draft_tokens).py()?;
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
@@ -201,7 +223,7 @@ impl PyEngine {
     /// steps as the CUDA runner does (`ToyRunner::overlapping`), so `async_scheduling` takes
     /// effect.
     #[staticmethod]
-    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false, async_scheduling=true))]
+    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false, async_scheduling=true, spec=None, draft_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn toy(
         vocab_size: usize,
@@ -215,8 +237,11 @@ impl PyEngine {
         prefix_reuse: bool,
         overlapping: bool,
         async_scheduling: bool,
+        spec: Option<&str>,
+        draft_tokens: Option<usize>,
     ) -> PyResult<Self> {
-        let cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
+        let mut cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
+        cfg.spec = spec_config(spec, draft_tokens).py()?;
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
         let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
@@ -376,6 +401,9 @@ impl PyEngine {
         d.set_item("prefill_chunk", c.prefill_chunk)?;
         d.set_item("prefix_reuse", c.prefix_reuse)?;
         d.set_item("async_scheduling", self.async_scheduling)?;
+        d.set_item("spec", self.spec.as_ref().map(|s| s.method.name()))?;
+        d.set_item("draft_tokens", self.spec.as_ref().map(|s| s.draft_tokens))?;
+        d.set_item("state_slots_rollback", c.rollback_state_slots)?;
         d.set_item("state_slots_running", c.running_state_slots)?;
         d.set_item("state_slots_snapshot", c.snapshot_state_slots)?;
         d.set_item("weight_bytes", l.weight_bytes)?;

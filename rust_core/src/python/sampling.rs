@@ -21,7 +21,7 @@ impl PySamplingParams {
     /// Keyword arguments named as the request fields (max_tokens, temperature, top_p, top_k,
     /// min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, seed, stop,
     /// stop_token_ids, ignore_eos, logprobs, top_logprobs, skip_special_tokens,
-    /// response_format, thinking_budget, thinking_budget_message); the others keep their defaults. An unknown field, a value of the
+    /// response_format, thinking_budget, thinking_budget_message, draft_tokens); the others keep their defaults. An unknown field, a value of the
     /// wrong type or out of range raise InvalidRequestError naming it.
     #[new]
     #[pyo3(signature = (**fields))]

@@ -54,6 +54,9 @@ pub struct SamplingParams {
     /// A sentence forced before the end-of-thinking tag when the budget runs out (None: the
     /// tag alone).
     pub thinking_budget_message: Option<String>,
+    /// This request's draft length under speculative decoding (0: no drafts for it); None: the
+    /// engine's `--draft-tokens`. Refused when the engine runs without `--spec`.
+    pub draft_tokens: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -78,6 +81,7 @@ impl Default for SamplingParams {
             response_format: None,
             thinking_budget: None,
             thinking_budget_message: None,
+            draft_tokens: None,
         }
     }
 }
@@ -127,6 +131,9 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "0".into(), "must be at least 1");
+        }
+        if let Some(k) = self.draft_tokens.filter(|&k| k > crate::spec::MAX_DRAFT_TOKENS) {
+            return bad("draft_tokens", k.to_string(), "must be in 0..=8");
         }
         if let Some(format) = &self.response_format {
             ResponseFormat::parse(format)?;

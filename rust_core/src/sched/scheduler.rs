@@ -35,12 +35,25 @@ pub struct ScheduledStep {
     pub copies_before: Vec<(usize, usize)>,
     /// Entries that are decodes (one token of a sequence past its prompt).
     pub num_decodes: usize,
+    /// Draft tokens after the input token of each entry (a verify chunk; speculative
+    /// decoding), parallel to `seq_ids`; empty when no entry carries one.
+    pub drafts: Vec<usize>,
 }
 
 impl ScheduledStep {
     /// Whether nothing runs.
     pub fn is_empty(&self) -> bool {
         self.seq_ids.is_empty()
+    }
+
+    /// Draft tokens carried by entry `i` (0 for a prompt chunk or a plain decode).
+    pub fn draft_len(&self, i: usize) -> usize {
+        self.drafts.get(i).copied().unwrap_or(0)
+    }
+
+    /// All draft tokens of the step.
+    pub fn num_draft_tokens(&self) -> usize {
+        self.drafts.iter().sum()
     }
 }
 
@@ -52,6 +65,8 @@ pub struct SeqOutcome {
     pub token: u32,
     /// Its request ended with this token: the sequence is removed.
     pub finished: bool,
+    /// The token is an accepted draft token: the step already computed its KV and state.
+    pub computed: bool,
 }
 
 /// Whether a finishing sequence's state slot holds the state of exactly its computed tokens,
@@ -203,10 +218,21 @@ impl Scheduler {
             if !self.ensure_blocks_or_preempt(id) {
                 break;
             }
+            // Blocks for drafts come after one block for each decode still to schedule.
+            let k = self.fit_draft(id, budget - 1, self.running.len() - i - 1);
             self.push_chunk(&mut step, id, 1);
+            if k > 0 {
+                let chunk = step.batch.seqs.last_mut().expect("pushed above");
+                let seq = &self.seqs[&id];
+                chunk.tokens.extend_from_slice(&seq.draft[..k]);
+                chunk.block_table = seq.block_table[..(chunk.start_pos + 1 + k).div_ceil(self.pool.block_size())].to_vec();
+                chunk.logits = LogitsWanted::All;
+                step.drafts.resize(step.seq_ids.len() - 1, 0);
+                step.drafts.push(k);
+            }
             step.num_decodes += 1;
             scheduled.push(id);
-            budget -= 1;
+            budget -= 1 + k;
             i += 1;
         }
 
@@ -244,14 +270,10 @@ impl Scheduler {
         let mut copies = Vec::new();
         for (chunk, id) in step.batch.seqs.iter().zip(&step.seq_ids) {
             let Some(seq) = self.seqs.get_mut(id) else { continue };
-            seq.num_computed += chunk.tokens.len();
+            // A verify chunk's draft tokens count once accepted (`update_from_output`).
+            seq.num_computed += chunk.tokens.len().min(seq.remaining());
             if self.cfg.prefix_reuse {
-                let full = seq.num_computed / bs;
-                seq.ensure_hashes(full, bs);
-                for b in seq.num_registered_blocks..full {
-                    self.pool.register_full(seq.block_table[b], seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]);
-                }
-                seq.num_registered_blocks = seq.num_registered_blocks.max(full);
+                register_full_blocks(&mut self.pool, seq, bs);
             }
             let decode_boundary = self.cfg.prefix_reuse && chunk.tokens.len() == 1 && seq.num_computed % bs == 0;
             if seq.snapshot_at == Some(seq.num_computed) {
@@ -279,11 +301,32 @@ impl Scheduler {
     /// state copies that take final snapshots, in order.
     pub fn update_from_output(&mut self, outcomes: &[SeqOutcome], queued_after: Option<&ScheduledStep>) -> Vec<(usize, usize)> {
         let mut copies = Vec::new();
+        let bs = self.pool.block_size();
         for o in outcomes {
             self.append_token(o.id, o.token);
+            if let Some(seq) = self.seqs.get_mut(&o.id) {
+                seq.draft.clear();
+                if o.computed {
+                    seq.num_computed += 1;
+                    if self.cfg.prefix_reuse {
+                        register_full_blocks(&mut self.pool, seq, bs);
+                    }
+                }
+            }
             if o.finished {
                 let slot = if queued_after.is_some_and(|n| n.seq_ids.contains(&o.id)) { SlotState::Unsettled } else { SlotState::Current };
                 copies.extend(self.finish(o.id, slot));
+            }
+        }
+        // Blocks that held only rejected draft tokens go back to the pool: a sequence keeps the
+        // blocks up to the position of its next input token.
+        for o in outcomes {
+            if let Some(seq) = self.seqs.get_mut(&o.id) {
+                let keep = seq.tokens.len().div_ceil(bs);
+                if seq.block_table.len() > keep {
+                    let freed = seq.block_table.split_off(keep);
+                    self.pool.free_all(&freed);
+                }
             }
         }
         copies
@@ -392,6 +435,7 @@ impl Scheduler {
         seq.num_computed = 0;
         seq.num_registered_blocks = 0;
         seq.snapshot_at = None;
+        seq.draft.clear();
         seq.status = SeqStatus::Waiting;
         self.waiting.push_front(id);
         self.num_preemptions += 1;
@@ -463,6 +507,35 @@ impl Scheduler {
         })
     }
 
+    /// Give every running decoding sequence the draft `propose` returns for it (speculative
+    /// decoding), to be verified in the next `schedule`. A sequence whose state snapshot is due
+    /// right after its next token gets none: the snapshot is copied as the step is launched,
+    /// before a rejected draft could be rolled back.
+    pub fn set_drafts(&mut self, mut propose: impl FnMut(&Sequence) -> Vec<u32>) {
+        for id in &self.running {
+            let seq = self.seqs.get_mut(id).expect("running");
+            let snapshot_due = seq.snapshot_at == Some(seq.num_computed + 1);
+            seq.draft = if seq.remaining() == 1 && !snapshot_due { propose(seq) } else { Vec::new() };
+        }
+    }
+
+    /// Draft tokens of decoding sequence `id` that fit `budget` and the KV blocks: blocks for
+    /// them are taken only while more than `reserve` are free (a draft never makes a decode
+    /// preempt anyone), and the draft is cut where they run out.
+    fn fit_draft(&mut self, id: SeqId, budget: usize, reserve: usize) -> usize {
+        let bs = self.pool.block_size();
+        let seq = self.seqs.get_mut(&id).expect("running");
+        let mut k = seq.draft.len().min(budget);
+        while k > 0 && seq.block_table.len() * bs < seq.num_computed + 1 + k {
+            match (self.pool.num_free() > reserve).then(|| self.pool.allocate()).flatten() {
+                Some(b) => seq.block_table.push(b),
+                None => k = seq.block_table.len() * bs - seq.num_computed - 1,
+            }
+        }
+        seq.draft.truncate(k);
+        k
+    }
+
     /// Tokens of `id` to run now within `budget`, stopping at its snapshot point.
     fn chunk_len(&self, id: SeqId, budget: usize) -> usize {
         let seq = &self.seqs[&id];
@@ -491,99 +564,16 @@ impl Scheduler {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn scheduler(blocks: usize, max_concurrency: usize) -> Scheduler {
-        let cfg = SchedulerConfig { max_concurrency, prefill_chunk: 64, prefix_reuse: false };
-        Scheduler::new(cfg, BlockPool::new(blocks, 4), StateSlots::none())
+/// Publish the full blocks of `seq`'s computed tokens to the prefix cache.
+fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize) {
+    let full = seq.num_computed / bs;
+    seq.ensure_hashes(full, bs);
+    for b in seq.num_registered_blocks..full {
+        pool.register_full(seq.block_table[b], seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]);
     }
-
-    /// `schedule` and its bookkeeping, as the engine runs a step whose tokens are still in flight
-    /// (not appended yet).
-    fn launch(s: &mut Scheduler) -> ScheduledStep {
-        let step = s.schedule();
-        s.on_step_launched(&step);
-        step
-    }
-
-    fn settle(s: &mut Scheduler, step: &ScheduledStep) {
-        for &id in &step.seq_ids {
-            s.append_token(id, 7);
-        }
-    }
-
-    #[test]
-    fn update_from_output_appends_each_token_and_frees_the_ended_sequences() {
-        let mut s = scheduler(16, 4);
-        s.add(Sequence::new(0, vec![1; 3]));
-        s.add(Sequence::new(1, vec![2; 4]));
-        launch(&mut s);
-        assert_eq!(s.used_blocks(), 2);
-        let outcomes = [SeqOutcome { id: 0, token: 9, finished: false }, SeqOutcome { id: 1, token: 8, finished: true }];
-        assert!(s.update_from_output(&outcomes, None).is_empty(), "no state slots, no snapshots");
-        assert_eq!(s.get(0).unwrap().output(), &[9]);
-        assert!(s.get(1).is_none());
-        assert_eq!((s.num_running(), s.used_blocks()), (1, 1));
-    }
-
-    #[test]
-    fn a_loan_holds_its_blocks_and_slot_until_given_back() {
-        let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: false };
-        let mut s = Scheduler::new(cfg, BlockPool::new(4, 4), StateSlots::new(1, 0));
-        let loan = s.lend(3).expect("3 of 4 blocks free");
-        assert_eq!((loan.block_table.len(), loan.state_slot.is_some(), s.free_blocks()), (3, true, 1));
-        assert!(s.lend(2).is_none(), "too few blocks left");
-        let slotless = s.lend(1).expect("a block is free");
-        assert_eq!(slotless.state_slot, None, "the only running slot is lent");
-        s.give_back(slotless);
-        s.give_back(loan);
-        assert_eq!(s.free_blocks(), 4);
-        assert!(s.lend(0).expect("nothing asked").state_slot.is_some(), "the slot came back");
-    }
-
-    #[test]
-    fn the_lookahead_is_the_decode_step_after_the_step_in_flight() {
-        let mut s = scheduler(16, 4);
-        s.add(Sequence::new(0, vec![1; 3]));
-        s.add(Sequence::new(1, vec![2; 4]));
-        let prompts = launch(&mut s);
-        assert!(s.schedule_lookahead(&prompts).is_none(), "a prompt step is not followed ahead");
-        settle(&mut s, &prompts);
-        let decode = launch(&mut s);
-        let ahead = s.schedule_lookahead(&decode).expect("all decodes of every running sequence");
-        assert_eq!((ahead.seq_ids.clone(), ahead.num_decodes), (vec![0, 1], 2));
-        let starts: Vec<usize> = ahead.batch.seqs.iter().map(|q| q.start_pos).collect();
-        let tables: Vec<usize> = ahead.batch.seqs.iter().map(|q| q.block_table.len()).collect();
-        // Sequence 0 reaches position 4, the first of a new block; sequence 1 position 5.
-        assert_eq!((starts, tables), (vec![4, 5], vec![2, 2]));
-        assert!(ahead.batch.seqs.iter().all(|q| q.tokens == vec![0] && q.logits == LogitsWanted::Last));
-    }
-
-    /// A scheduler whose sequence 0 (a 3-token prompt) has its first decode step in flight.
-    fn first_decode_in_flight(blocks: usize, max_concurrency: usize) -> (Scheduler, ScheduledStep) {
-        let mut s = scheduler(blocks, max_concurrency);
-        s.add(Sequence::new(0, vec![1; 3]));
-        let prompt = launch(&mut s);
-        settle(&mut s, &prompt);
-        let decode = launch(&mut s);
-        (s, decode)
-    }
-
-    #[test]
-    fn no_lookahead_while_someone_could_be_admitted_or_blocks_would_run_out() {
-        let (mut s, decode) = first_decode_in_flight(16, 2);
-        s.add(Sequence::new(1, vec![2; 5]));
-        assert!(s.schedule_lookahead(&decode).is_none(), "sequence 1 waits while the concurrency has room");
-        // Full concurrency: the waiting one could not be admitted anyway.
-        let (mut s, decode) = first_decode_in_flight(16, 1);
-        s.add(Sequence::new(1, vec![2; 5]));
-        assert!(s.schedule_lookahead(&decode).is_some());
-        // Position 4 needs a new block and none is free: nothing changes.
-        let (mut s, decode) = first_decode_in_flight(1, 1);
-        assert_eq!(s.pool.num_free(), 0);
-        assert!(s.schedule_lookahead(&decode).is_none());
-        assert_eq!(s.get(0).unwrap().block_table.len(), 1);
-    }
+    seq.num_registered_blocks = seq.num_registered_blocks.max(full);
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

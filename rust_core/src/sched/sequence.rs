@@ -39,6 +39,9 @@ pub struct Sequence {
     pub trailing_snapshot: Option<BlockHash>,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: Option<usize>,
+    /// Draft tokens to verify after the last token in the next decode step (speculative
+    /// decoding); set by the engine before `Scheduler::schedule`, cleared by its update.
+    pub draft: Vec<u32>,
     pub status: SeqStatus,
 }
 
@@ -57,6 +60,7 @@ impl Sequence {
             snapshot_at: None,
             trailing_snapshot: None,
             cached_tokens: None,
+            draft: Vec::new(),
             status: SeqStatus::Waiting,
         }
     }

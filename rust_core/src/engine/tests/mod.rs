@@ -5,6 +5,7 @@ mod caching;
 mod grammar;
 mod overlap;
 mod sampling;
+mod speculation;
 mod stopping;
 mod thinking;
 mod thread;

@@ -288,6 +288,10 @@ impl ModelRunner for CpuModel {
         self.ws.bytes()
     }
 
+    fn verifies_drafts(&self) -> bool {
+        true
+    }
+
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {
         let slots = self.caches.num_slots;
         if src >= slots || dst >= slots {

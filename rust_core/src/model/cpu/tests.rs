@@ -202,3 +202,41 @@ fn cpu_kv_dtype_is_float32_and_another_is_refused_before_reading() {
     let nothing = CpuModel::load(&dir.join("absent"), &opts(KvDtype::F16)).err().expect("refused").to_string();
     assert!(nothing.contains("f16 is not supported on cpu"), "{nothing}");
 }
+
+/// The recurrent state (conv and delta, every GDN layer) of `slot`, bit patterns.
+fn state_bits(m: &CpuModel, slot: usize) -> Vec<u32> {
+    let c = &m.caches;
+    c.conv.iter().chain(&c.delta).flat_map(|buf| {
+        let per = buf.len() / c.num_slots;
+        buf[slot * per..(slot + 1) * per].iter().map(|x| x.to_bits())
+    }).collect()
+}
+
+/// Speculative rollback by recompute (engine/speculation.rs): a verify chunk of the input token
+/// and 3 drafts, then the state kept before it restored and the input plus the one accepted
+/// draft run again, leaves exactly the state of running those two tokens without the detour,
+/// bit for bit; and the KV of the rejected positions does not leak into what follows.
+#[test]
+fn rollback_after_a_rejected_draft_restores_the_exact_state_of_a_plain_run() {
+    let dir = hybrid_checkpoint("rollback");
+    let mut m = load(&dir);
+    let table: Vec<u32> = vec![4, 5, 6, 7];
+    let prefix = &PROMPT[..8];
+    // Plain: the prefix, then input 71 and accepted draft 100 as one chunk, then the next token.
+    m.forward(&StepBatch { seqs: vec![seq(prefix, 0, &table, 0, LogitsWanted::None)] }).unwrap();
+    m.forward(&StepBatch { seqs: vec![seq(&[71, 100], 8, &table, 0, LogitsWanted::None)] }).unwrap();
+    let plain_state = state_bits(&m, 0);
+    let plain_next = m.forward(&StepBatch { seqs: vec![seq(&[9], 10, &table, 0, LogitsWanted::All)] }).unwrap().data;
+    // Speculative: verify [71, 100, 33, 44] in slot 1, keep slot 1 in slot 3 first.
+    let table2: Vec<u32> = vec![10, 11, 12, 13];
+    m.forward(&StepBatch { seqs: vec![seq(prefix, 0, &table2, 1, LogitsWanted::None)] }).unwrap();
+    m.copy_state(1, 3).unwrap();
+    let verify = m.forward(&StepBatch { seqs: vec![seq(&[71, 100, 33, 44], 8, &table2, 1, LogitsWanted::All)] }).unwrap();
+    assert_eq!(verify.rows, vec![4]);
+    assert_ne!(state_bits(&m, 1), plain_state, "the verify pass ran past the accepted tokens");
+    m.copy_state(3, 1).unwrap();
+    m.forward(&StepBatch { seqs: vec![seq(&[71, 100], 8, &table2, 1, LogitsWanted::None)] }).unwrap();
+    assert_eq!(state_bits(&m, 1), plain_state, "the rolled-back state is the plain run's, bit for bit");
+    let spec_next = m.forward(&StepBatch { seqs: vec![seq(&[9], 10, &table2, 1, LogitsWanted::All)] }).unwrap().data;
+    assert!(spec_next.iter().zip(&plain_next).all(|(a, b)| a.to_bits() == b.to_bits()), "the next token's logits are the plain run's");
+}

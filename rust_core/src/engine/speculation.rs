@@ -1,0 +1,143 @@
+//! The speculative engine step (`--spec`): drafts proposed for every decoding request, one
+//! forward that runs each draft as a verify chunk beside the step's other decodes and prompt
+//! chunks, acceptance position by position (`spec::accept_draft`), and the exact rollback of
+//! what the rejected draft tokens wrote.
+//!
+//! Rollback: the attention KV of rejected positions is simply not counted (the sequence's
+//! computed length stops at the accepted tokens, blocks that held only rejected tokens go back
+//! to the pool, and only blocks of accepted tokens are hashed into the prefix cache). The Gated
+//! DeltaNet conv and recurrent states are restored by recompute: the state before the verify
+//! chunk is copied into a rollback slot, and when a draft token is rejected the slot is copied
+//! back and the input token plus the accepted drafts run again (no logits). This keeps the
+//! model's forward unchanged and costs a second, shorter forward only on rejection. On the demo
+//! model (benches/cpu_spec.py) that reruns a fifth to a third as many tokens as the verify
+//! chunks run; per-position states kept by the verify pass would save it for K state copies per
+//! round, at the price of a forward that knows verify chunks (the next step for speed).
+
+use super::core::EngineCore;
+use super::request::RowInput;
+use super::RequestOutput;
+use crate::model::{LogitsWanted, SeqChunk, StepBatch};
+use crate::sched::SeqOutcome;
+use crate::spec::{accept_draft, Drafter};
+use crate::Result;
+
+impl EngineCore {
+    /// One step with speculation on: propose, schedule, verify, accept, roll back, settle.
+    pub(super) fn step_speculative(&mut self) -> Result<Vec<RequestOutput>> {
+        self.propose_drafts();
+        let (step, mut outputs) = self.schedule()?;
+        if step.is_empty() {
+            return Ok(outputs);
+        }
+        if step.num_draft_tokens() == 0 {
+            let sampled = self.execute(&step)?;
+            outputs.extend(self.update(&step, sampled, None)?);
+            return Ok(outputs);
+        }
+        self.restore_states(&step)?;
+        // The state before each verify chunk, kept for its rollback (hybrid models).
+        let mut rollback = Vec::new();
+        if self.cfg.rollback_state_slots > 0 {
+            for (i, chunk) in step.batch.seqs.iter().enumerate().filter(|(i, _)| step.draft_len(*i) > 0) {
+                let keep = self.rollback_slot_base + rollback.len();
+                self.runner.copy_state(chunk.state_slot, keep)?;
+                rollback.push((i, keep));
+            }
+        }
+        let logits = self.runner.forward(&step.batch)?;
+        self.account(&step)?;
+        let vocab = logits.vocab;
+        let mut outcomes = Vec::new();
+        let mut accepted_drafts = vec![0; step.seq_ids.len()];
+        for (i, (&id, chunk)) in step.seq_ids.iter().zip(&step.batch.seqs).enumerate() {
+            if chunk.logits == LogitsWanted::None {
+                continue;
+            }
+            let rows = logits.of_seq(i);
+            let cached = self.sched.cached_tokens(id);
+            let Some(req) = self.requests.get_mut(&id) else { continue };
+            let k = step.draft_len(i);
+            let draft = &chunk.tokens[chunk.tokens.len() - k..];
+            let first_row = rows.len() / vocab - (k + 1);
+            let (tokenizer, eos) = (self.tokenizer.as_deref(), &self.eos_token_ids);
+            let mut delta: Option<RequestOutput> = None;
+            let accepted = accept_draft(draft, |j| {
+                let row = req.prepare_sampling(vocab, RowInput::Accepted);
+                let s = row.sample(&rows[(first_row + j) * vocab..(first_row + j + 1) * vocab]);
+                let event = req.accept(s.token, s.logprob, tokenizer, eos, cached)?;
+                match delta.as_mut() {
+                    Some(d) => d.merge(event.output),
+                    None => delta = Some(event.output),
+                }
+                Ok((s.token, event.finished))
+            })?;
+            if k > 0 {
+                if let Some(s) = req.spec.as_mut() {
+                    s.record(k, accepted.drafts, accepted.tokens.len());
+                }
+                self.stats.spec.record(k, accepted.drafts, accepted.tokens.len());
+                if let Some(d) = delta.as_mut().filter(|d| d.finished()) {
+                    d.spec = req.spec.clone();
+                }
+            }
+            accepted_drafts[i] = accepted.drafts;
+            let n = accepted.tokens.len();
+            self.stats.generation_tokens_total += n as u64;
+            for (t, &token) in accepted.tokens.iter().enumerate() {
+                outcomes.push(SeqOutcome { id, token, finished: accepted.finished && t + 1 == n, computed: t < accepted.drafts });
+            }
+            outputs.extend(delta);
+        }
+        self.roll_back_states(&step.batch, &step_drafts(&step), &accepted_drafts, &rollback)?;
+        self.settle(&outcomes, None)?;
+        Ok(outputs)
+    }
+
+    /// Set every decoding request's draft: up to K tokens (its own `draft_tokens`, else the
+    /// engine's) from the drafter, never more than its `max_tokens` or the context leave room
+    /// for after the token it gets anyway.
+    fn propose_drafts(&mut self) {
+        let Some((spec, drafter)) = self.speculation.as_ref() else { return };
+        let (requests, max_context) = (&self.requests, self.cfg.max_context);
+        self.sched.set_drafts(|seq| {
+            let Some(req) = requests.get(&seq.id) else { return Vec::new() };
+            let room = req.params.max_tokens.saturating_sub(req.completion_tokens + 1).min(max_context.saturating_sub(seq.tokens.len()));
+            let k = req.params.draft_tokens.unwrap_or(spec.draft_tokens);
+            drafter.propose(&seq.tokens, k.min(room))
+        });
+    }
+
+    /// Bring each verify chunk's recurrent state back to just after its accepted tokens: where
+    /// a draft token was rejected, restore the state kept before the chunk and run the input
+    /// token and the accepted drafts again, all such chunks in one forward without logits.
+    fn roll_back_states(&mut self, batch: &StepBatch, drafts: &[usize], accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
+        let bs = self.cfg.block_size;
+        let mut redo = StepBatch::default();
+        for &(i, keep) in rollback {
+            if accepted[i] == drafts[i] {
+                continue;
+            }
+            let chunk = &batch.seqs[i];
+            self.runner.copy_state(keep, chunk.state_slot)?;
+            let n = 1 + accepted[i];
+            redo.seqs.push(SeqChunk {
+                tokens: chunk.tokens[..n].to_vec(),
+                start_pos: chunk.start_pos,
+                block_table: chunk.block_table[..(chunk.start_pos + n).div_ceil(bs)].to_vec(),
+                state_slot: chunk.state_slot,
+                logits: LogitsWanted::None,
+            });
+        }
+        if !redo.seqs.is_empty() {
+            self.stats.spec.rollback_tokens += redo.num_tokens() as u64;
+            self.runner.forward(&redo)?;
+        }
+        Ok(())
+    }
+}
+
+/// Draft tokens of each entry of `step`.
+fn step_drafts(step: &crate::sched::ScheduledStep) -> Vec<usize> {
+    (0..step.seq_ids.len()).map(|i| step.draft_len(i)).collect()
+}

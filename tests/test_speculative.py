@@ -1,0 +1,276 @@
+"""Speculative decoding with the n-gram drafter (`spec="ngram"`) through the offline API, on the
+bundled demo model and tiny random Llama and Qwen3.5 checkpoints: greedy output equals plain
+greedy output token for token (alone, in a batch of 8 with mixed parameters, with chunked prefill,
+prefix-cache hits, a json_schema grammar, stop strings, EOS and max_tokens), seeded sampling
+equals plain seeded sampling, and bad options are refused naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ninfer import LLM, SamplingParams, _core
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DIR = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo"))
+DEMO_MODEL = DEMO_DIR / "model"
+
+#: Repetitive prompts, where prompt lookup finds drafts that are accepted.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four one two three four one two",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "SELECT name FROM users; SELECT name FROM",
+    "a b c a b c a b c a b",
+    "12 + 34 = 46. 12 + 34 =",
+    "The weather in Paris is nice. The weather in",
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "demo"])
+def model_dir(request, tiny_checkpoints):
+    if request.param == "demo":
+        if not (DEMO_MODEL / "config.json").exists():
+            pytest.skip("demo model not shipped")
+        return DEMO_MODEL
+    return tiny_checkpoints.get(request.param)
+
+
+def greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kwargs)
+
+
+def _run(model_dir, prompts, params, **engine):
+    with LLM(model_dir, max_context=512, max_concurrency=8, **engine) as llm:
+        ids = [llm.encode(p) for p in prompts]
+        outs = llm.generate(ids, params)
+        return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats()
+
+
+def _mixed_params():
+    return [
+        greedy(40),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+        greedy(1),
+        greedy(25, frequency_penalty=0.5, logit_bias={5: 1.0}),
+        SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=33, ignore_eos=True, presence_penalty=0.3),
+        greedy(7),
+        greedy(48, repetition_penalty=1.2),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_with_ngram_drafts_equals_plain_greedy_alone(model_dir, k):
+    plain, _ = _run(model_dir, PROMPTS[:2], greedy(48))
+    spec, stats = _run(model_dir, PROMPTS[:2], greedy(48), spec="ngram", draft_tokens=k)
+    assert spec == plain
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_verify_steps"] > 0
+    assert len(stats["spec_acceptance_by_position"]) <= k
+
+
+def test_a_batch_of_8_with_mixed_parameters_and_chunked_prefill_equals_plain(model_dir):
+    params = _mixed_params()
+    plain, _ = _run(model_dir, PROMPTS, params)
+    spec, stats = _run(model_dir, PROMPTS, params, spec="ngram", draft_tokens=4, prefill_chunk=16)
+    assert spec == plain
+    for (tokens, _), p in zip(spec, params):
+        assert len(tokens) == p.max_tokens, "ignore_eos: exactly max_tokens, never more"
+    assert stats["spec_drafted_tokens"] > 0
+    if model_dir == DEMO_MODEL:
+        # A trained model continues repeated text: drafts are accepted (random tiny ones rarely do).
+        assert stats["spec_accepted_tokens"] > 0, stats
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_a_prefix_cache_hit_with_drafts_equals_a_miss(model_dir):
+    prompt = PROMPTS[0] * 3
+    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=3) as llm:
+        ids = llm.encode(prompt)
+        [first] = llm.generate(ids, greedy(30))
+        [second] = llm.generate(ids, greedy(30))
+        hits = llm.engine.stats()["prefix_hit_tokens"]
+    miss, _ = _run(model_dir, [prompt], greedy(30), prefix_reuse=False)
+    assert first.token_ids == second.token_ids == miss[0][0]
+    assert hits > 0
+
+
+def test_stop_strings_and_eos_inside_drafts_end_the_request_as_without(model_dir):
+    with LLM(model_dir, max_context=512) as llm:
+        ids = llm.encode(PROMPTS[2])
+        [free] = llm.generate(ids, greedy(40))
+        text = free.outputs[0].text if hasattr(free, "outputs") else free.text
+        eos = free.token_ids[len(free.token_ids) // 2]
+    stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos])]
+    if stop and stop.strip():
+        cases.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))
+    for params in cases:
+        with LLM(model_dir, max_context=512) as llm:
+            [a] = llm.generate(ids, params)
+        with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=5) as llm:
+            [b] = llm.generate(ids, params)
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert a.finish_reason == "stop"
+
+
+def test_a_json_schema_grammar_with_drafts_equals_plain(tiny_checkpoints):
+    model_dir = DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else tiny_checkpoints.get("qwen3_5")
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+              "required": ["xs"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "xs", "schema": schema}}
+    params = [SamplingParams(temperature=0.0, max_tokens=120, response_format=fmt),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=120, response_format=fmt)]
+    prompts = ['{"xs": [1, 2, 3]} {"xs": [1, 2, 3]} {"xs": [1, 2, ', PROMPTS[1]]
+    with LLM(model_dir, max_context=512) as llm:
+        plain = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
+    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=4) as llm:
+        spec = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
+    assert spec == plain
+    for text, finish in spec:
+        if finish == "stop":
+            json.loads(text)
+
+
+def test_the_last_delta_carries_the_requests_draft_counts(tiny_checkpoints):
+    core = _core.Engine(str(tiny_checkpoints.get("llama")), max_context=256, spec="ngram", draft_tokens=3)
+    assert core.info()["spec"] == "ngram" and core.info()["draft_tokens"] == 3
+    tok = core.tokenizer
+    core.submit("r", list(tok.encode(PROMPTS[5], True)), _core.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    last = None
+    while core.has_unfinished():
+        for d in core.step():
+            assert d.spec is None or d.finished
+            last = d
+    assert last.finished and last.spec is not None
+    s = last.spec
+    assert s["drafted"] >= s["accepted"] and s["verify_steps"] > 0
+    assert s["mean_accepted_length"] >= 1.0
+    assert core.stats()["spec_drafted_tokens"] == s["drafted"]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"spec": "ngram", "draft_tokens": 0}, "--draft-tokens"),
+    ({"spec": "ngram", "draft_tokens": 9}, "--draft-tokens"),
+    ({"draft_tokens": 3}, "--draft-tokens"),
+    ({"spec": "mtp"}, "--spec mtp is not supported yet"),
+    ({"spec": "dflash", "draft_tokens": 7}, "--spec dflash is not supported yet"),
+    ({"spec": "medusa"}, "--spec"),
+])
+def test_bad_speculation_options_are_refused_naming_the_flag(tiny_checkpoints, kwargs, needle):
+    with pytest.raises(Exception) as e:
+        LLM(tiny_checkpoints.get("llama"), max_context=256, **kwargs)
+    assert needle in str(e.value)
+
+
+def test_metrics_the_stats_line_and_the_request_log_carry_the_draft_counts(tiny_checkpoints, tmp_path):
+    from types import SimpleNamespace
+
+    from ninfer.server.metrics import ServerMetrics, parse_metrics
+    from ninfer.server.request_log import RequestLog, stats_line
+
+    core = _core.Engine(str(tiny_checkpoints.get("qwen3_5")), max_context=256, spec="ngram", draft_tokens=2)
+    ids = list(core.tokenizer.encode(PROMPTS[5], True))
+    core.submit("r", ids, _core.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    last = None
+    while core.has_unfinished():
+        for d in core.step():
+            last = d
+    stats = core.stats()
+    m = parse_metrics(ServerMetrics().render(stats))
+    assert m["ninfer_spec_drafted_tokens_total"] == stats["spec_drafted_tokens"] > 0
+    assert m["ninfer_spec_accepted_tokens_total"] == stats["spec_accepted_tokens"]
+    assert m["ninfer_spec_mean_accepted_length"] >= 1.0
+    assert 'ninfer_spec_acceptance_rate{position="0"}' in m
+    assert "spec_accept=" in stats_line(stats, None, 1.0) and "spec_mean_len=" in stats_line(stats, None, 1.0)
+    log = RequestLog(str(tmp_path / "log.jsonl"))
+    log.request_finished("r", last, SimpleNamespace(first_token=1.0, finished=2.0, submitted=0.5))
+    log.close()
+    record = json.loads((tmp_path / "log.jsonl").read_text())
+    assert record["spec"]["drafted"] == stats["spec_drafted_tokens"]
+    assert set(record["spec"]) == {"verify_steps", "drafted", "accepted", "mean_accepted_length", "acceptance_by_position"}
+
+
+def test_per_request_draft_tokens_mix_in_a_batch_and_need_spec(model_dir):
+    params = [dataclass_replace(p, draft_tokens=i % 5) for i, p in enumerate(_mixed_params())]
+    plain, _ = _run(model_dir, PROMPTS, _mixed_params())
+    spec, stats = _run(model_dir, PROMPTS, params, spec="ngram", draft_tokens=8)
+    assert spec == plain
+    assert stats["spec_drafted_tokens"] > 0
+    assert len(stats["spec_acceptance_by_position"]) <= 4, "no request drafts more than its own 4"
+    with LLM(model_dir, max_context=256) as llm:
+        with pytest.raises(Exception, match="draft_tokens"):
+            llm.generate([llm.encode("hi")], greedy(3, draft_tokens=2))
+    with pytest.raises(Exception, match="draft_tokens"):
+        SamplingParams(draft_tokens=9)
+
+
+def dataclass_replace(params, **changes):
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)
+
+
+def test_a_server_with_ngram_drafts_answers_as_without_and_reports_them(tiny_checkpoints, tmp_path):
+    import httpx
+
+    from ninfer.server.metrics import parse_metrics
+    from server_process import ServerProcess
+
+    model = str(tiny_checkpoints.get("qwen3_5"))
+    body = {"model": "m", "prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    answers = []
+    log = tmp_path / "requests.jsonl"
+    for extra in ([], ["--spec", "ngram", "--draft-tokens", "3", "--request-log-jsonl", str(log)]):
+        with ServerProcess([model, "--model-id", "m", "--device", "cpu", "--max-context", "256", *extra]) as s:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            m = parse_metrics(httpx.get(s.url + "/metrics", timeout=10).text)
+    assert answers[0] == answers[1]
+    assert m["ninfer_spec_drafted_tokens_total"] > 0
+    assert json.loads(log.read_text().splitlines()[-1])["spec"]["drafted"] > 0
+
+
+def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints):
+    import anyio
+
+    from ninfer import AsyncEngine
+
+    model = tiny_checkpoints.get("llama")
+    params = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
+
+    async def answer(**engine):
+        eng = await AsyncEngine.start(model, device="cpu", max_context=256, **engine)
+        try:
+            tokens, last = [], None
+            async for d in eng.generate(PROMPTS[1], params):
+                tokens += d.token_ids
+                last = d
+            return tokens, last
+        finally:
+            await eng.shutdown()
+
+    plain, _ = anyio.run(answer)
+    spec, last = anyio.run(lambda: answer(spec="ngram", draft_tokens=3))
+    assert spec == plain
+    assert last.spec is not None and last.spec["drafted"] > 0
+
+
+def test_logprobs_come_for_every_accepted_token(model_dir):
+    params = greedy(30, logprobs=True, top_logprobs=2)
+    with LLM(model_dir, max_context=512) as llm:
+        ids = llm.encode(PROMPTS[1])
+        [plain] = llm.generate(ids, params)
+    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=3) as llm:
+        [spec] = llm.generate(ids, params)
+    assert spec.token_ids == plain.token_ids
+    assert [lp.token_id for lp in spec.logprobs] == spec.token_ids
+    for a, b in zip(plain.logprobs, spec.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-3
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
