@@ -75,3 +75,18 @@ def test_ninfer_run_thinking_budget_flag(llm, ninfer_env):
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout.decode() == ref.text
     assert ref.usage.reasoning_tokens == 6 and "</think>" in ref.text
+
+
+@pytest.mark.parametrize("budget", [0, 8])
+def test_a_budget_under_ngram_drafts_closes_where_plain_decoding_does(budget):
+    """Speculative decoding verifies drafts at every position with the request's own row: the
+    budget's forced closing applies inside accepted drafts too, so the output is plain decoding's."""
+    with LLM(MODEL_DIR, max_context=512) as plain_llm:
+        prompt = plain_llm.chat_prompt_ids(MESSAGES)
+        params = [SamplingParams(max_tokens=48, temperature=0.0, thinking_budget=budget),
+                  SamplingParams(max_tokens=48, seed=5, thinking_budget=budget)]
+        plain = [(o.token_ids, o.usage.reasoning_tokens) for o in plain_llm.generate([prompt] * 2, params)]
+    with LLM(MODEL_DIR, max_context=512, spec="ngram", draft_tokens=3) as spec_llm:
+        spec = [(o.token_ids, o.usage.reasoning_tokens) for o in spec_llm.generate([prompt] * 2, params)]
+    assert spec == plain
+    assert all(r == budget for _, r in plain)
