@@ -2,7 +2,7 @@
 //! memory ledger computed from them before anything is allocated.
 
 use crate::model::CacheSpec;
-use crate::spec::SpecConfig;
+use crate::spec::{SpecConfig, SpecMethod};
 use crate::{NinferError, Result};
 
 /// KV budget used when `kv_capacity_tokens` is not given and the backend cannot tell how much
@@ -150,7 +150,11 @@ impl EngineConfig {
         let max_context = self.check(model_max)?;
         let (block_size, max_concurrency, prefill_chunk) = (self.block_size, self.max_concurrency, self.prefill_chunk);
         let hybrid = spec.state_bytes_per_slot > 0;
-        let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
+        // The MTP row at a prefix hit's last position pairs the hidden state there with the token
+        // after the hit, which differs between requests, and a hit keeps no hidden state to
+        // rewrite it from: with --spec mtp prefix reuse is off.
+        let prefix_reuse = self.prefix_reuse && !self.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp);
+        let snapshots = if hybrid && prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let rollback_state_slots = if hybrid && self.spec.is_some() { max_concurrency } else { 0 };
         let kv_capacity_tokens = match self.kv_capacity_tokens {
@@ -172,7 +176,7 @@ impl EngineConfig {
             num_blocks: kv_capacity_tokens.div_ceil(block_size),
             max_concurrency,
             prefill_chunk,
-            prefix_reuse: self.prefix_reuse,
+            prefix_reuse,
             running_state_slots,
             snapshot_state_slots: snapshots,
             rollback_state_slots,
