@@ -302,6 +302,17 @@ mod tests {
     }
 
     #[test]
+    fn mtp_drafting_turns_prefix_reuse_and_its_snapshots_off() {
+        let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
+        let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3 }), ..Default::default() };
+        let ngram = with(SpecMethod::Ngram).resolve(model(1000), &hybrid, None).unwrap();
+        assert!(ngram.prefix_reuse && ngram.snapshot_state_slots == 4);
+        let mtp = with(SpecMethod::Mtp).resolve(model(1000), &hybrid, None).unwrap();
+        assert!(!mtp.prefix_reuse && mtp.snapshot_state_slots == 0);
+        assert_eq!(mtp.rollback_state_slots, 4);
+    }
+
+    #[test]
     fn max_context_beyond_the_model_is_rejected() {
         let cfg = EngineConfig { max_context: Some(2000), ..Default::default() };
         assert!(cfg.resolve(model(1000), &SPEC, None).is_err());

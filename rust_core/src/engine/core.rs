@@ -89,6 +89,9 @@ impl EngineCore {
     /// Validate the config against the model, allocate the runner's caches, build the
     /// scheduler. `eos_token_ids` usually come from `GenerationConfig`.
     pub fn new(mut runner: Box<dyn ModelRunner>, config: &EngineConfig, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Result<Self> {
+        if let Some(s) = &config.spec {
+            s.check()?;
+        }
         if config.spec.is_some() && !runner.verifies_drafts() {
             return Err(NinferError::config("spec (--spec)", "speculative decoding is not supported on this backend yet (the CPU backend runs it; not supported on CUDA yet)"));
         }

@@ -20,6 +20,7 @@ use crate::backend::cpu::rope::rope_tables;
 use std::collections::HashMap;
 
 use crate::model::runner::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::sampling::argmax;
 use crate::{NinferError, Result};
 
 use super::layers::{attention_step, fit, mlp_step, LayerKv, Workspace};
@@ -319,15 +320,4 @@ impl MtpState {
     pub(super) fn release(&mut self, key: u64) {
         self.last.remove(&key);
     }
-}
-
-/// The first id of the largest logit (the greedy draft).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
