@@ -67,7 +67,8 @@ def greedy(n: int, **kwargs) -> SamplingParams:
 
 
 def _run(model_dir, prompts, params, **engine):
-    with LLM(model_dir, max_context=512, max_concurrency=8, **engine) as llm:
+    engine.setdefault("max_context", 512)
+    with LLM(model_dir, max_concurrency=8, **engine) as llm:
         ids = [llm.encode(p) for p in prompts]
         outs = llm.generate(ids, params)
         return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats()
@@ -112,6 +113,19 @@ def test_a_batch_of_8_with_mixed_parameters_and_chunked_prefill_equals_plain(cas
         # A trained model continues repeated text: drafts are accepted (random tiny ones rarely do).
         assert stats["spec_accepted_tokens"] > 0, stats
     assert stats["kv_blocks_used"] == 0
+
+
+def test_a_tight_kv_pool_preempts_and_recomputes_with_drafts_as_without(case):
+    method, model_dir = case
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=60, ignore_eos=True) for i in range(8)]
+    # 32 blocks of 16 for 8 requests of ~80 tokens: some are preempted and recomputed.
+    plain, plain_stats = _run(model_dir, PROMPTS, params, kv_capacity=512, max_context=256)
+    spec, stats = _run(model_dir, PROMPTS, params, kv_capacity=512, max_context=256, spec=method, draft_tokens=4)
+    assert spec == plain
+    assert plain_stats["preemptions"] > 0 and stats["spec_drafted_tokens"] > 0
+    # On the random checkpoints drafts are mostly rejected and the speculative run preempts too;
+    # the demo's accepted drafts finish requests before the pool runs out.
+    assert stats["preemptions"] > 0 or model_dir == DEMO_MODEL
 
 
 def test_a_prefix_cache_hit_with_drafts_equals_a_miss(case):
