@@ -262,17 +262,18 @@ def dataclass_replace(params, **changes):
     return dataclasses.replace(params, **changes)
 
 
-def test_a_server_with_ngram_drafts_answers_as_without_and_reports_them(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_a_server_with_drafts_answers_as_without_and_reports_them(tiny_checkpoints, tmp_path, method, request):
     import httpx
 
     from ninfer.server.metrics import parse_metrics
     from server_process import ServerProcess
 
-    model = str(tiny_checkpoints.get("qwen3_5"))
+    model = str(tiny_checkpoints.get("qwen3_5") if method == "ngram" else request.getfixturevalue("qwen3_5_mtp"))
     body = {"model": "m", "prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     answers = []
     log = tmp_path / "requests.jsonl"
-    for extra in ([], ["--spec", "ngram", "--draft-tokens", "3", "--request-log-jsonl", str(log)]):
+    for extra in ([], ["--spec", method, "--draft-tokens", "3", "--request-log-jsonl", str(log)]):
         with ServerProcess([model, "--model-id", "m", "--device", "cpu", "--max-context", "256", *extra]) as s:
             r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
