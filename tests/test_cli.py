@@ -131,7 +131,7 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
     assert flag in err and value in err
 
 
-@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "mtp"], ["--spec", "dflash"],
+@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "dflash"],
                                   ["--spec-adaptive"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
                                   ["--gdn-state-fp16"], ["--lm-head-draft"],
@@ -373,7 +373,7 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     (["--spec", "ngram", "--draft-tokens", "9"], "--draft-tokens 9 is outside 1..8"),
     (["--draft-tokens", "3"], "--draft-tokens 3 needs --spec"),
     (["--spec", "medusa"], "--spec medusa is not a drafting method"),
-    (["--spec", "mtp", "--draft-tokens", "3"], "--spec mtp is not supported yet"),
+    (["--spec", "mtp", "--draft-tokens", "9"], "--draft-tokens 9 is outside 1..8"),
     (["--spec", "ngram", "--lm-head-draft"], "--lm-head-draft is not supported yet"),
 ])
 def test_bad_speculation_flags_exit_2_naming_the_flag(qwen3_dir, ninfer_env, args, needle):
@@ -389,6 +389,18 @@ def test_run_with_ngram_drafts_prints_the_plain_greedy_answer(qwen3_dir, ninfer_
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr.decode()
     assert spec.stdout == plain.stdout
     assert "mean accepted length" in spec.stderr.decode() and "mean accepted length" not in plain.stderr.decode()
+
+
+def test_run_with_mtp_drafts_prints_the_plain_greedy_answer_and_needs_mtp_weights(qwen3_dir, ninfer_env):
+    base = ["run", "--device", "cpu", "--prompt", "def add(a, b):\n", "--max-new", "24", "--greedy", "--ignore-eos"]
+    plain = run_cli(base, ninfer_env)
+    spec = run_cli([*base, "--spec", "mtp", "--draft-tokens", "3"], ninfer_env)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr.decode()
+    assert spec.stdout == plain.stdout
+    assert "mean accepted length" in spec.stderr.decode()
+    bare = run_cli(["run", str(qwen3_dir), "--device", "cpu", "--prompt", "hi", "--spec", "mtp"], ninfer_env)
+    assert bare.returncode != 0
+    assert "--spec mtp needs the model's mtp.* weights; this checkpoint has none" in bare.stderr.decode()
 
 
 def test_engine_option_flags_run_and_a_device_profile_on_the_cpu_is_refused_naming_it(qwen3_dir, ninfer_env):

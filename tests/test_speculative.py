@@ -1,5 +1,6 @@
-"""Speculative decoding with the n-gram drafter (`spec="ngram"`) through the offline API, on the
-bundled demo model and tiny random Llama and Qwen3.5 checkpoints: greedy output equals plain
+"""Speculative decoding with the n-gram drafter (`spec="ngram"`, on the bundled demo model and
+tiny random Llama and Qwen3.5 checkpoints) and the MTP head (`spec="mtp"`, on the demo model and a
+tiny random Qwen3.5 given a random MTP head) through the offline API: greedy output equals plain
 greedy output token for token (alone, in a batch of 8 with mixed parameters, with chunked prefill,
 prefix-cache hits, a json_schema grammar, stop strings, EOS and max_tokens), seeded sampling
 equals plain seeded sampling, and bad options are refused naming the flag.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,13 +34,32 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5", "demo"])
-def model_dir(request, tiny_checkpoints):
-    if request.param == "demo":
+#: (method, model) pairs the tests run: the n-gram drafter needs no weights; the MTP head runs on
+#: checkpoints with `mtp.*` (the demo model's is trained, the tiny one's random).
+CASES = [("ngram", "llama"), ("ngram", "qwen3_5"), ("ngram", "demo"), ("mtp", "qwen3_5_mtp"), ("mtp", "demo")]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_mtp(tiny_checkpoints, tmp_path_factory):
+    """The tiny Qwen3.5 checkpoint (with its tokenizer) given a random MTP head."""
+    from tiny_models import add_mtp_head
+
+    path = tmp_path_factory.mktemp("spec_mtp") / "qwen3_5_mtp"
+    shutil.copytree(tiny_checkpoints.get("qwen3_5"), path)
+    return add_mtp_head(path, seed=5)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def case(request, tiny_checkpoints):
+    """(method, model directory)."""
+    method, name = request.param
+    if name == "demo":
         if not (DEMO_MODEL / "config.json").exists():
             pytest.skip("demo model not shipped")
-        return DEMO_MODEL
-    return tiny_checkpoints.get(request.param)
+        return method, DEMO_MODEL
+    if name == "qwen3_5_mtp":
+        return method, request.getfixturevalue("qwen3_5_mtp")
+    return method, tiny_checkpoints.get(name)
 
 
 def greedy(n: int, **kwargs) -> SamplingParams:
@@ -46,7 +67,8 @@ def greedy(n: int, **kwargs) -> SamplingParams:
 
 
 def _run(model_dir, prompts, params, **engine):
-    with LLM(model_dir, max_context=512, max_concurrency=8, **engine) as llm:
+    engine.setdefault("max_context", 512)
+    with LLM(model_dir, max_concurrency=8, **engine) as llm:
         ids = [llm.encode(p) for p in prompts]
         outs = llm.generate(ids, params)
         return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats()
@@ -66,18 +88,23 @@ def _mixed_params():
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_with_ngram_drafts_equals_plain_greedy_alone(model_dir, k):
+def test_greedy_with_drafts_equals_plain_greedy_alone(case, k):
+    method, model_dir = case
     plain, _ = _run(model_dir, PROMPTS[:2], greedy(48))
-    spec, stats = _run(model_dir, PROMPTS[:2], greedy(48), spec="ngram", draft_tokens=k)
+    spec, stats = _run(model_dir, PROMPTS[:2], greedy(48), spec=method, draft_tokens=k)
     assert spec == plain
     assert stats["spec_drafted_tokens"] > 0 and stats["spec_verify_steps"] > 0
     assert len(stats["spec_acceptance_by_position"]) <= k
+    if method == "mtp" and model_dir == DEMO_MODEL:
+        # The demo's trained head is accepted more often than not.
+        assert stats["spec_mean_accepted_length"] > 1.0, stats
 
 
-def test_a_batch_of_8_with_mixed_parameters_and_chunked_prefill_equals_plain(model_dir):
+def test_a_batch_of_8_with_mixed_parameters_and_chunked_prefill_equals_plain(case):
+    method, model_dir = case
     params = _mixed_params()
     plain, _ = _run(model_dir, PROMPTS, params)
-    spec, stats = _run(model_dir, PROMPTS, params, spec="ngram", draft_tokens=4, prefill_chunk=16)
+    spec, stats = _run(model_dir, PROMPTS, params, spec=method, draft_tokens=4, prefill_chunk=16)
     assert spec == plain
     for (tokens, _), p in zip(spec, params):
         assert len(tokens) == p.max_tokens, "ignore_eos: exactly max_tokens, never more"
@@ -88,19 +115,36 @@ def test_a_batch_of_8_with_mixed_parameters_and_chunked_prefill_equals_plain(mod
     assert stats["kv_blocks_used"] == 0
 
 
-def test_a_prefix_cache_hit_with_drafts_equals_a_miss(model_dir):
+def test_a_tight_kv_pool_preempts_and_recomputes_with_drafts_as_without(case):
+    method, model_dir = case
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=60, ignore_eos=True) for i in range(8)]
+    # 32 blocks of 16 for 8 requests of ~80 tokens: some are preempted and recomputed.
+    plain, plain_stats = _run(model_dir, PROMPTS, params, kv_capacity=512, max_context=256)
+    spec, stats = _run(model_dir, PROMPTS, params, kv_capacity=512, max_context=256, spec=method, draft_tokens=4)
+    assert spec == plain
+    assert plain_stats["preemptions"] > 0 and stats["spec_drafted_tokens"] > 0
+    # On the random checkpoints drafts are mostly rejected and the speculative run preempts too;
+    # the demo's accepted drafts finish requests before the pool runs out.
+    assert stats["preemptions"] > 0 or model_dir == DEMO_MODEL
+
+
+def test_a_prefix_cache_hit_with_drafts_equals_a_miss(case):
+    method, model_dir = case
     prompt = PROMPTS[0] * 3
-    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=3) as llm:
+    with LLM(model_dir, max_context=512, spec=method, draft_tokens=3) as llm:
         ids = llm.encode(prompt)
         [first] = llm.generate(ids, greedy(30))
         [second] = llm.generate(ids, greedy(30))
         hits = llm.engine.stats()["prefix_hit_tokens"]
     miss, _ = _run(model_dir, [prompt], greedy(30), prefix_reuse=False)
     assert first.token_ids == second.token_ids == miss[0][0]
-    assert hits > 0
+    # --spec mtp turns prefix reuse off: a hit keeps no hidden state for the MTP row at its
+    # last position, which pairs with the token after the hit.
+    assert hits > 0 if method == "ngram" else hits == 0
 
 
-def test_stop_strings_and_eos_inside_drafts_end_the_request_as_without(model_dir):
+def test_stop_strings_and_eos_inside_drafts_end_the_request_as_without(case):
+    method, model_dir = case
     with LLM(model_dir, max_context=512) as llm:
         ids = llm.encode(PROMPTS[2])
         [free] = llm.generate(ids, greedy(40))
@@ -113,14 +157,15 @@ def test_stop_strings_and_eos_inside_drafts_end_the_request_as_without(model_dir
     for params in cases:
         with LLM(model_dir, max_context=512) as llm:
             [a] = llm.generate(ids, params)
-        with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=5) as llm:
+        with LLM(model_dir, max_context=512, spec=method, draft_tokens=5) as llm:
             [b] = llm.generate(ids, params)
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
         assert a.finish_reason == "stop"
 
 
-def test_a_json_schema_grammar_with_drafts_equals_plain(tiny_checkpoints):
-    model_dir = DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else tiny_checkpoints.get("qwen3_5")
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_a_json_schema_grammar_with_drafts_equals_plain(tiny_checkpoints, method, request):
+    model_dir = DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else request.getfixturevalue("qwen3_5_mtp")
     schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
               "required": ["xs"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "xs", "schema": schema}}
@@ -129,7 +174,7 @@ def test_a_json_schema_grammar_with_drafts_equals_plain(tiny_checkpoints):
     prompts = ['{"xs": [1, 2, 3]} {"xs": [1, 2, 3]} {"xs": [1, 2, ', PROMPTS[1]]
     with LLM(model_dir, max_context=512) as llm:
         plain = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
-    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=4) as llm:
+    with LLM(model_dir, max_context=512, spec=method, draft_tokens=4) as llm:
         spec = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
     assert spec == plain
     for text, finish in spec:
@@ -158,7 +203,7 @@ def test_the_last_delta_carries_the_requests_draft_counts(tiny_checkpoints):
     ({"spec": "ngram", "draft_tokens": 0}, "--draft-tokens"),
     ({"spec": "ngram", "draft_tokens": 9}, "--draft-tokens"),
     ({"draft_tokens": 3}, "--draft-tokens"),
-    ({"spec": "mtp"}, "--spec mtp is not supported yet"),
+    ({"spec": "mtp"}, "--spec mtp needs the model's mtp.* weights; this checkpoint has none"),
     ({"spec": "dflash", "draft_tokens": 7}, "--spec dflash is not supported yet"),
     ({"spec": "medusa"}, "--spec"),
 ])
@@ -196,10 +241,11 @@ def test_metrics_the_stats_line_and_the_request_log_carry_the_draft_counts(tiny_
     assert set(record["spec"]) == {"verify_steps", "drafted", "accepted", "mean_accepted_length", "acceptance_by_position"}
 
 
-def test_per_request_draft_tokens_mix_in_a_batch_and_need_spec(model_dir):
+def test_per_request_draft_tokens_mix_in_a_batch_and_need_spec(case):
+    method, model_dir = case
     params = [dataclass_replace(p, draft_tokens=i % 5) for i, p in enumerate(_mixed_params())]
     plain, _ = _run(model_dir, PROMPTS, _mixed_params())
-    spec, stats = _run(model_dir, PROMPTS, params, spec="ngram", draft_tokens=8)
+    spec, stats = _run(model_dir, PROMPTS, params, spec=method, draft_tokens=8)
     assert spec == plain
     assert stats["spec_drafted_tokens"] > 0
     assert len(stats["spec_acceptance_by_position"]) <= 4, "no request drafts more than its own 4"
@@ -216,17 +262,18 @@ def dataclass_replace(params, **changes):
     return dataclasses.replace(params, **changes)
 
 
-def test_a_server_with_ngram_drafts_answers_as_without_and_reports_them(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_a_server_with_drafts_answers_as_without_and_reports_them(tiny_checkpoints, tmp_path, method, request):
     import httpx
 
     from ninfer.server.metrics import parse_metrics
     from server_process import ServerProcess
 
-    model = str(tiny_checkpoints.get("qwen3_5"))
+    model = str(tiny_checkpoints.get("qwen3_5") if method == "ngram" else request.getfixturevalue("qwen3_5_mtp"))
     body = {"model": "m", "prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     answers = []
     log = tmp_path / "requests.jsonl"
-    for extra in ([], ["--spec", "ngram", "--draft-tokens", "3", "--request-log-jsonl", str(log)]):
+    for extra in ([], ["--spec", method, "--draft-tokens", "3", "--request-log-jsonl", str(log)]):
         with ServerProcess([model, "--model-id", "m", "--device", "cpu", "--max-context", "256", *extra]) as s:
             r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
@@ -237,12 +284,13 @@ def test_a_server_with_ngram_drafts_answers_as_without_and_reports_them(tiny_che
     assert json.loads(log.read_text().splitlines()[-1])["spec"]["drafted"] > 0
 
 
-def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints):
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints, method, request):
     import anyio
 
     from ninfer import AsyncEngine
 
-    model = tiny_checkpoints.get("llama")
+    model = tiny_checkpoints.get("llama") if method == "ngram" else request.getfixturevalue("qwen3_5_mtp")
     params = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
 
     async def answer(**engine):
@@ -257,17 +305,18 @@ def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints):
             await eng.shutdown()
 
     plain, _ = anyio.run(answer)
-    spec, last = anyio.run(lambda: answer(spec="ngram", draft_tokens=3))
+    spec, last = anyio.run(lambda: answer(spec=method, draft_tokens=3))
     assert spec == plain
     assert last.spec is not None and last.spec["drafted"] > 0
 
 
-def test_logprobs_come_for_every_accepted_token(model_dir):
+def test_logprobs_come_for_every_accepted_token(case):
+    method, model_dir = case
     params = greedy(30, logprobs=True, top_logprobs=2)
     with LLM(model_dir, max_context=512) as llm:
         ids = llm.encode(PROMPTS[1])
         [plain] = llm.generate(ids, params)
-    with LLM(model_dir, max_context=512, spec="ngram", draft_tokens=3) as llm:
+    with LLM(model_dir, max_context=512, spec=method, draft_tokens=3) as llm:
         [spec] = llm.generate(ids, params)
     assert spec.token_ids == plain.token_ids
     assert [lp.token_id for lp in spec.logprobs] == spec.token_ids

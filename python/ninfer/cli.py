@@ -264,8 +264,9 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             "admit keys they do not list, as JSON Schema does (default: only the listed keys, as "
                             "OpenAI reads them; a strict schema never admits others)")
     group.add_argument("--spec", metavar="METHOD", default=None,
-                       help="speculative decoding: ngram (prompt lookup over the request's own tokens; the CPU "
-                            "backend); mtp and dflash are not supported yet (default: off)")
+                       help="speculative decoding on the CPU backend: ngram (prompt lookup over the request's own "
+                            "tokens) or mtp (the model's mtp.* head; turns prefix reuse off); dflash is not "
+                            "supported yet (default: off)")
     group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
                        help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3)")
 
@@ -280,7 +281,7 @@ def engine_option_kwargs(args: argparse.Namespace) -> dict:
 
 #: --spec methods; only SPEC_METHODS_RUNNING are built, the others are refused as not supported yet.
 SPEC_METHODS = ("ngram", "mtp", "dflash")
-SPEC_METHODS_RUNNING = ("ngram",)
+SPEC_METHODS_RUNNING = ("ngram", "mtp")
 #: --draft-tokens range (rust_core/src/spec/config.rs: MAX_DRAFT_TOKENS).
 MAX_DRAFT_TOKENS = 8
 

@@ -47,9 +47,9 @@ class LLM:
     reasoning budget (tokens) of calls that pass no sampling params, as `ninfer serve
     --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
     `spec` turns on speculative
-    decoding ("ngram": drafts from the request's own tokens, verified `draft_tokens` (1..8, default
-    3) at a time; the CPU backend; "mtp" and "dflash" are not supported yet); outputs are those of
-    plain decoding.
+    decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
+    head, with prefix reuse off; each verified `draft_tokens` (1..8, default 3) at a time; the CPU
+    backend; "dflash" is not supported yet); outputs are those of plain decoding.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 //! memory ledger computed from them before anything is allocated.
 
 use crate::model::CacheSpec;
-use crate::spec::SpecConfig;
+use crate::spec::{SpecConfig, SpecMethod};
 use crate::{NinferError, Result};
 
 /// KV budget used when `kv_capacity_tokens` is not given and the backend cannot tell how much
@@ -150,7 +150,11 @@ impl EngineConfig {
         let max_context = self.check(model_max)?;
         let (block_size, max_concurrency, prefill_chunk) = (self.block_size, self.max_concurrency, self.prefill_chunk);
         let hybrid = spec.state_bytes_per_slot > 0;
-        let snapshots = if hybrid && self.prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
+        // The MTP row at a prefix hit's last position pairs the hidden state there with the token
+        // after the hit, which differs between requests, and a hit keeps no hidden state to
+        // rewrite it from: with --spec mtp prefix reuse is off.
+        let prefix_reuse = self.prefix_reuse && !self.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp);
+        let snapshots = if hybrid && prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let rollback_state_slots = if hybrid && self.spec.is_some() { max_concurrency } else { 0 };
         let kv_capacity_tokens = match self.kv_capacity_tokens {
@@ -172,7 +176,7 @@ impl EngineConfig {
             num_blocks: kv_capacity_tokens.div_ceil(block_size),
             max_concurrency,
             prefill_chunk,
-            prefix_reuse: self.prefix_reuse,
+            prefix_reuse,
             running_state_slots,
             snapshot_state_slots: snapshots,
             rollback_state_slots,
@@ -295,6 +299,17 @@ mod tests {
         let hint = cache_fit_hint(40_000, &hybrid, 5, 16);
         assert!(hint.contains("alone need 50000 B") && hint.contains("--max-concurrency"), "{hint}");
         assert!(cache_fit_hint(50_100, &hybrid, 5, 16).contains("not one KV block"));
+    }
+
+    #[test]
+    fn mtp_drafting_turns_prefix_reuse_and_its_snapshots_off() {
+        let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
+        let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3 }), ..Default::default() };
+        let ngram = with(SpecMethod::Ngram).resolve(model(1000), &hybrid, None).unwrap();
+        assert!(ngram.prefix_reuse && ngram.snapshot_state_slots == 4);
+        let mtp = with(SpecMethod::Mtp).resolve(model(1000), &hybrid, None).unwrap();
+        assert!(!mtp.prefix_reuse && mtp.snapshot_state_slots == 0);
+        assert_eq!(mtp.rollback_state_slots, 4);
     }
 
     #[test]

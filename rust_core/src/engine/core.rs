@@ -27,7 +27,7 @@ use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
-use crate::spec::{NgramDrafter, SpecConfig, SpecStats};
+use crate::spec::{NgramDrafter, SpecConfig, SpecMethod, SpecStats};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -89,6 +89,16 @@ impl EngineCore {
     /// Validate the config against the model, allocate the runner's caches, build the
     /// scheduler. `eos_token_ids` usually come from `GenerationConfig`.
     pub fn new(mut runner: Box<dyn ModelRunner>, config: &EngineConfig, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Result<Self> {
+        if let Some(s) = &config.spec {
+            s.check()?;
+        }
+        if config.spec.is_some() && !runner.verifies_drafts() {
+            return Err(NinferError::config("spec (--spec)", "speculative decoding is not supported on this backend yet (the CPU backend runs it; not supported on CUDA yet)"));
+        }
+        if config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp) {
+            // Before cache_spec: the MTP layer's KV is part of every token's KV bytes.
+            runner.enable_mtp()?;
+        }
         let spec = runner.cache_spec();
         let model_max = runner.config().max_position_embeddings;
         let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
@@ -98,9 +108,6 @@ impl EngineCore {
         // before the caches are planned; its budget counts only without a --kv-capacity.
         let budget = runner.cache_budget_bytes(step_rows, decode_rows)?.filter(|_| config.kv_capacity_tokens.is_none());
         let cfg = config.resolve(model_max, &spec, budget)?;
-        if config.spec.is_some() && !runner.verifies_drafts() {
-            return Err(NinferError::config("spec (--spec)", "speculative decoding is not supported on this backend yet (the CPU backend runs it; not supported on CUDA yet)"));
-        }
         let slots = if cfg.running_state_slots > 0 { StateSlots::new(cfg.running_state_slots, cfg.snapshot_state_slots) } else { StateSlots::none() };
         let rollback_slot_base = slots.total();
         runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total() + cfg.rollback_state_slots)?;
@@ -344,6 +351,7 @@ impl EngineCore {
             self.runner.copy_state(src, dst)?;
         }
         for ended in outcomes.iter().filter(|o| o.finished) {
+            self.runner.mtp_release(ended.id);
             if let Some(req) = self.requests.remove(&ended.id) {
                 self.ids.remove(&req.request_id);
             }
@@ -356,7 +364,7 @@ impl EngineCore {
     /// each sequence whose request is still running, detokenize, check stop conditions and
     /// build its delta. The sequences of requests that ended with the step before (rows of a
     /// lookahead) are skipped.
-    fn postprocess(&mut self, step: &ScheduledStep, sampled: Vec<SampledToken>) -> Result<(Vec<RequestOutput>, Vec<SeqOutcome>)> {
+    pub(super) fn postprocess(&mut self, step: &ScheduledStep, sampled: Vec<SampledToken>) -> Result<(Vec<RequestOutput>, Vec<SeqOutcome>)> {
         let mut outputs = Vec::new();
         let mut outcomes = Vec::new();
         let with_logits = step.seq_ids.iter().zip(&step.batch.seqs).filter(|(_, seq)| seq.logits != LogitsWanted::None);
@@ -443,6 +451,7 @@ impl EngineCore {
         // reserved here would never be copied into).
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
             self.sched.finish(id, SlotState::Unsettled);
+            self.runner.mtp_release(id);
         }
         self.requests.clear();
         self.ids.clear();
@@ -524,6 +533,7 @@ impl EngineCore {
             if let Some(copy) = self.sched.finish(id, SlotState::Current) {
                 self.runner.copy_state(copy.0, copy.1)?;
             }
+            self.runner.mtp_release(id);
             if let Some(req) = self.requests.remove(&id) {
                 self.ids.remove(&req.request_id);
                 outputs.push(req.aborted(cached));

@@ -17,22 +17,26 @@
 use super::core::EngineCore;
 use super::request::RowInput;
 use super::RequestOutput;
-use crate::model::{LogitsWanted, SeqChunk, StepBatch};
-use crate::sched::SeqOutcome;
-use crate::spec::{accept_draft, Drafter};
-use crate::Result;
+use crate::model::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::sched::{ScheduledStep, SeqOutcome};
+use crate::spec::{accept_draft, Drafter, SpecMethod};
+use crate::{NinferError, Result};
 
 impl EngineCore {
     /// One step with speculation on: propose, schedule, verify, accept, roll back, settle.
     pub(super) fn step_speculative(&mut self) -> Result<Vec<RequestOutput>> {
         self.propose_drafts();
-        let (step, mut outputs) = self.schedule()?;
+        let (mut step, mut outputs) = self.schedule()?;
         if step.is_empty() {
             return Ok(outputs);
         }
+        self.fill_mtp_drafts(&mut step)?;
         if step.num_draft_tokens() == 0 {
             let sampled = self.execute(&step)?;
-            outputs.extend(self.update(&step, sampled, None)?);
+            let (outs, outcomes) = self.postprocess(&step, sampled)?;
+            self.absorb_mtp(&step, &outcomes)?;
+            self.settle(&outcomes, None)?;
+            outputs.extend(outs);
             return Ok(outputs);
         }
         self.restore_states(&step)?;
@@ -89,6 +93,8 @@ impl EngineCore {
             }
             outputs.extend(delta);
         }
+        // Before the rollback's forward replaces the verify forward's hidden states.
+        self.absorb_mtp(&step, &outcomes)?;
         self.roll_back_states(&step.batch, &step_drafts(&step), &accepted_drafts, &rollback)?;
         self.settle(&outcomes, None)?;
         Ok(outputs)
@@ -103,9 +109,77 @@ impl EngineCore {
         self.sched.set_drafts(|seq| {
             let Some(req) = requests.get(&seq.id) else { return Vec::new() };
             let room = req.params.max_tokens.saturating_sub(req.completion_tokens + 1).min(max_context.saturating_sub(seq.tokens.len()));
-            let k = req.params.draft_tokens.unwrap_or(spec.draft_tokens);
-            drafter.propose(&seq.tokens, k.min(room))
+            let k = req.params.draft_tokens.unwrap_or(spec.draft_tokens).min(room);
+            match spec.method {
+                // Placeholders: the MTP drafts once the blocks for them are scheduled
+                // (`fill_mtp_drafts`), as its recursive rows write KV at the draft positions.
+                SpecMethod::Mtp => vec![0; k],
+                _ => drafter.propose(&seq.tokens, k),
+            }
         });
+    }
+
+    /// With `--spec mtp`, replace the placeholder drafts of `step`'s verify chunks by the MTP
+    /// head's greedy drafts (one batched call), each drafted from its sequence's last absorbed
+    /// row into the blocks its verify chunk holds.
+    fn fill_mtp_drafts(&mut self, step: &mut ScheduledStep) -> Result<()> {
+        if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Mtp) || step.num_draft_tokens() == 0 {
+            return Ok(());
+        }
+        let idx: Vec<usize> = (0..step.seq_ids.len()).filter(|&i| step.draft_len(i) > 0).collect();
+        let seqs: Vec<MtpDraftSeq> = idx
+            .iter()
+            .map(|&i| {
+                let c = &step.batch.seqs[i];
+                MtpDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k: step.draft_len(i) }
+            })
+            .collect();
+        let drafts = self.runner.mtp_draft(&seqs)?;
+        for (&i, d) in idx.iter().zip(drafts) {
+            let chunk = &mut step.batch.seqs[i];
+            let k = step.drafts[i];
+            if d.len() != k {
+                return Err(NinferError::invalid("mtp_draft", format!("{} drafts for {k} asked", d.len())));
+            }
+            chunk.tokens.truncate(1);
+            chunk.tokens.extend(d);
+        }
+        Ok(())
+    }
+
+    /// With `--spec mtp`, write the MTP KV rows of every position `step` computed and kept (a
+    /// prompt chunk's tokens, a decode's token, a verify chunk's input token and accepted drafts),
+    /// each paired with the token after it: the MTP KV then covers exactly the computed positions,
+    /// and whatever a rejected draft's recursion wrote past them is rewritten by the next call.
+    fn absorb_mtp(&mut self, step: &ScheduledStep, outcomes: &[SeqOutcome]) -> Result<()> {
+        if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Mtp) {
+            return Ok(());
+        }
+        let mut rows = Vec::new();
+        for (i, (&id, chunk)) in step.seq_ids.iter().zip(&step.batch.seqs).enumerate() {
+            // The input tokens that are not drafts, then the tokens the step output: accepted
+            // drafts and the target's token. A prompt chunk short of the prompt's end is
+            // followed by the next prompt token.
+            let inputs = chunk.tokens.len() - step.draft_len(i);
+            let mut next: Vec<u32> = chunk.tokens[1..inputs].to_vec();
+            if chunk.logits == LogitsWanted::None {
+                match self.sched.get(id).and_then(|s| s.tokens.get(chunk.start_pos + inputs)) {
+                    Some(&t) => next.push(t),
+                    None => continue,
+                }
+            } else {
+                next.extend(outcomes.iter().filter(|o| o.id == id).map(|o| o.token));
+            }
+            // Rows computed and kept: the inputs and the accepted drafts; a request that ended
+            // on its last token has no token after it.
+            let computed = inputs + outcomes.iter().filter(|o| o.id == id && o.computed).count();
+            next.truncate(computed);
+            if next.is_empty() {
+                continue;
+            }
+            rows.push(MtpRows { key: id, chunk: i, start_pos: chunk.start_pos, next_tokens: next, block_table: chunk.block_table.clone() });
+        }
+        self.runner.mtp_absorb(&rows)
     }
 
     /// Bring each verify chunk's recurrent state back to just after its accepted tokens: where

@@ -93,6 +93,34 @@ pub fn check_sampling_rows(seqs_with_logits: usize, rows: usize) -> Result<()> {
     Ok(())
 }
 
+/// One sequence's MTP rows to write from the last `forward` (`ModelRunner::mtp_absorb`): the
+/// first `rows` rows of chunk `chunk` of that step, at positions `start_pos..start_pos + rows`,
+/// each paired with the token after its position.
+#[derive(Clone, Debug)]
+pub struct MtpRows {
+    /// The engine's id of the sequence (the runner keeps its last row's hidden state under it).
+    pub key: u64,
+    /// Index of the chunk in the last forward's batch.
+    pub chunk: usize,
+    pub start_pos: usize,
+    /// The token after each row's position (`rows` of them).
+    pub next_tokens: Vec<u32>,
+    /// The sequence's block table, covering the rows.
+    pub block_table: Vec<u32>,
+}
+
+/// One sequence to draft for (`ModelRunner::mtp_draft`): its verify chunk's input token at
+/// `pos` (the MTP rows before it were absorbed) and `k` drafts after it.
+#[derive(Clone, Debug)]
+pub struct MtpDraftSeq {
+    pub key: u64,
+    pub pos: usize,
+    pub token: u32,
+    /// Covering at least `pos + k` positions (the verify chunk's table).
+    pub block_table: Vec<u32>,
+    pub k: usize,
+}
+
 /// What the caches of one model cost, so that the engine can plan memory before allocating.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
@@ -175,6 +203,28 @@ pub trait ModelRunner: Send {
     fn verifies_drafts(&self) -> bool {
         false
     }
+
+    /// Set up drafting with the model's MTP head (`--spec mtp`), before `cache_spec` and
+    /// `allocate_caches` (which then count and allocate the MTP layer's KV too). From then on
+    /// `forward` keeps the final hidden state of every row it runs, for `mtp_absorb`.
+    fn enable_mtp(&mut self) -> Result<()> {
+        Err(NinferError::config("spec (--spec)", "--spec mtp is not supported on this backend yet"))
+    }
+
+    /// Write the MTP KV of the given rows of the last `forward` (what the step computed and
+    /// accepted), replacing whatever the MTP KV held at those positions.
+    fn mtp_absorb(&mut self, _rows: &[MtpRows]) -> Result<()> {
+        Err(NinferError::invalid("mtp_absorb", "MTP drafting is not enabled"))
+    }
+
+    /// Greedy MTP drafts: `k` tokens after each sequence's input token, from the hidden state
+    /// of its last absorbed row (at `pos - 1`).
+    fn mtp_draft(&mut self, _seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        Err(NinferError::invalid("mtp_draft", "MTP drafting is not enabled"))
+    }
+
+    /// Forget what `mtp_absorb` kept for a sequence that ended.
+    fn mtp_release(&mut self, _key: u64) {}
 
     /// Run once, after the engine's warm-up step, what would otherwise first run inside a
     /// request at another step size and cost it time then (CUDA: cuBLAS's kernels for each

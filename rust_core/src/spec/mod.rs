@@ -5,13 +5,17 @@
 //!
 //! What each drafter needs from the verify forward:
 //! - n-gram (`NgramDrafter`): nothing; it reads the request's prompt and output tokens.
-//! - MTP: the target's last hidden state (after the final norm's input) at every accepted
-//!   position, and an attention KV of its own in the paged pool, truncated with the target's.
+//! - MTP: the target's final hidden state (after the final norm) at every computed and kept
+//!   position, and an attention KV of its own in the paged pool, keyed by the target's blocks.
+//!   The runner keeps the hidden states of its last forward; the engine has the rows it kept
+//!   absorbed after every step (`ModelRunner::mtp_absorb`) and drafts greedily once the verify
+//!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`). Sampled requests verify these
+//!   deterministic drafts by the same rule as the n-gram's, which is exact for them.
 //! - DFlash: the hidden states of the target layers its config names, at every accepted
 //!   position of the verify chunk.
 //!
-//! Only the n-gram drafter runs today; `SpecMethod::Mtp` and `SpecMethod::Dflash` are refused
-//! at engine start with "not supported yet".
+//! The n-gram and MTP drafters run (the CPU backend); `SpecMethod::Dflash` is refused at engine
+//! start with "not supported yet".
 
 mod accept;
 mod config;

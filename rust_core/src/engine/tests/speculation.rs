@@ -172,9 +172,16 @@ fn bad_speculation_flags_are_refused_naming_the_flag() {
     setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Ngram, draft_tokens: 0 });
     let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
     assert!(e.contains("--draft-tokens"), "{e}");
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Mtp, draft_tokens: 9 });
+    let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
+    assert!(e.contains("--draft-tokens"), "{e}");
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Dflash, draft_tokens: 3 });
+    let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
+    assert!(e.contains("--spec dflash is not supported yet"), "{e}");
+    // The toy runner has no MTP head to draft with.
     setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Mtp, draft_tokens: 3 });
     let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
-    assert!(e.contains("--spec mtp is not supported yet"), "{e}");
+    assert!(e.contains("--spec mtp is not supported on this backend yet"), "{e}");
 }
 
 #[test]

@@ -21,7 +21,7 @@ use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use crate::config::ModelConfig;
-use crate::model::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
+use crate::model::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraftSeq, MtpRows, StepBatch};
 use crate::model::{KvDtype, LoadOptions, LogitsRound};
 use crate::{NinferError, Result};
 
@@ -58,6 +58,8 @@ pub struct CpuModel {
     /// every consumer of this model's logits (host sampling, logprobs, `Model.logits`) reads
     /// them after this one place.
     logits_round: Option<LogitsRound>,
+    /// `--spec mtp`'s drafting state (`enable_mtp`); None otherwise.
+    mtp_state: Option<mtp::MtpState>,
 }
 
 fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
@@ -88,7 +90,7 @@ impl CpuModel {
             .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
-        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round })
+        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round, mtp_state: None })
     }
 
     /// The MTP head, when the checkpoint has one.
@@ -253,7 +255,8 @@ impl ModelRunner for CpuModel {
         let c = &self.cfg;
         let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 4;
         let state = c.linear_attention.map_or(0, |la| la.state_floats() * 4 * c.num_linear_layers());
-        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes() }
+        let mtp_kv = if self.mtp_state.is_some() { mtp::MtpDrafter::kv_bytes_per_token(self) } else { 0 };
+        CacheSpec { kv_bytes_per_token: kv + mtp_kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes() }
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
@@ -276,12 +279,55 @@ impl ModelRunner for CpuModel {
             }
         }
         self.caches = caches;
+        if let Some(mut st) = self.mtp_state.take() {
+            let r = st.drafter.allocate(self, num_blocks, block_size);
+            self.mtp_state = Some(st);
+            r?;
+        }
         Ok(())
     }
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.step(batch, None))
+        let Some(st) = self.mtp_state.as_mut() else { return pool.install(|| self.step(batch, None)) };
+        // Keep every row's hidden state for `mtp_absorb`.
+        let mut hidden = std::mem::take(&mut st.hidden);
+        let logits = pool.install(|| self.step(batch, Some(&mut hidden)));
+        let st = self.mtp_state.as_mut().expect("checked above");
+        st.hidden = hidden;
+        st.chunk_rows.clear();
+        st.chunk_rows.push(0);
+        for s in &batch.seqs {
+            st.chunk_rows.push(st.chunk_rows.last().copied().unwrap_or(0) + s.tokens.len());
+        }
+        logits
+    }
+
+    fn enable_mtp(&mut self) -> Result<()> {
+        if self.mtp_state.is_none() {
+            self.mtp_state = Some(mtp::MtpState::new(mtp::MtpDrafter::new(self)?));
+        }
+        Ok(())
+    }
+
+    fn mtp_absorb(&mut self, rows: &[MtpRows]) -> Result<()> {
+        let mut st = self.mtp_state.take().ok_or_else(|| NinferError::invalid("mtp_absorb", "MTP drafting is not enabled"))?;
+        let r = st.absorb(self, rows);
+        self.mtp_state = Some(st);
+        r
+    }
+
+    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        let mut st = self.mtp_state.take().ok_or_else(|| NinferError::invalid("mtp_draft", "MTP drafting is not enabled"))?;
+        let r = st.draft(self, seqs);
+        self.mtp_state = Some(st);
+        r
+    }
+
+    fn mtp_release(&mut self, key: u64) {
+        if let Some(st) = self.mtp_state.as_mut() {
+            st.release(key);
+        }
     }
 
     fn workspace_bytes(&self) -> usize {

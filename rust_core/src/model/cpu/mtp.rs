@@ -17,7 +17,10 @@ use crate::backend::cpu::attention::KvLayout;
 use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
-use crate::model::runner::{LogitsWanted, SeqChunk, StepBatch};
+use std::collections::HashMap;
+
+use crate::model::runner::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::sampling::argmax;
 use crate::{NinferError, Result};
 
 use super::layers::{attention_step, fit, mlp_step, LayerKv, Workspace};
@@ -241,4 +244,80 @@ impl MtpDrafter {
 /// A chunk of MTP rows in the shape `attention_step` reads (its `tokens` count the rows).
 fn chunk(block_table: &[u32], start_pos: usize, tokens: Vec<u32>) -> SeqChunk {
     SeqChunk { tokens, start_pos, block_table: block_table.to_vec(), state_slot: 0, logits: LogitsWanted::Last }
+}
+
+/// What the CPU runner keeps for `--spec mtp`: the drafter, the final hidden states of every row
+/// of the last forward, and each sequence's last absorbed row (position and hidden state), from
+/// which its next drafts start.
+pub(super) struct MtpState {
+    pub(super) drafter: MtpDrafter,
+    /// `[rows, hidden_size]` of the last forward.
+    pub(super) hidden: Vec<f32>,
+    /// First row of each chunk of the last forward, then the row count.
+    pub(super) chunk_rows: Vec<usize>,
+    last: HashMap<u64, (usize, Vec<f32>)>,
+}
+
+impl MtpState {
+    pub(super) fn new(drafter: MtpDrafter) -> Self {
+        MtpState { drafter, hidden: Vec::new(), chunk_rows: Vec::new(), last: HashMap::new() }
+    }
+
+    /// `ModelRunner::mtp_absorb`.
+    pub(super) fn absorb(&mut self, model: &CpuModel, rows: &[MtpRows]) -> Result<()> {
+        let h = model.cfg.hidden_size;
+        let (mut seqs, mut keys) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        for r in rows.iter().filter(|r| !r.next_tokens.is_empty()) {
+            let n = r.next_tokens.len();
+            let (first, end) = match (self.chunk_rows.get(r.chunk), self.chunk_rows.get(r.chunk + 1)) {
+                (Some(&a), Some(&b)) if a + n <= b => (a, a + n),
+                _ => return Err(NinferError::invalid("mtp_absorb", format!("{n} rows of chunk {} are not in the last forward", r.chunk))),
+            };
+            seqs.push(MtpSeq { block_table: &r.block_table, start_pos: r.start_pos, hidden: &self.hidden[first * h..end * h], next_tokens: &r.next_tokens });
+            keys.push(r.key);
+        }
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        self.drafter.draft(model, &seqs, 0, &mut |_, _, _| 0)?;
+        for (s, key) in seqs.iter().zip(keys) {
+            let n = s.next_tokens.len();
+            self.last.insert(key, (s.start_pos + n - 1, s.hidden[(n - 1) * h..].to_vec()));
+        }
+        Ok(())
+    }
+
+    /// `ModelRunner::mtp_draft`: greedy drafts, the sequences of each K in one batched call.
+    pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        let mut out = vec![Vec::new(); seqs.len()];
+        let mut ks: Vec<usize> = seqs.iter().map(|s| s.k).filter(|&k| k > 0).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        for k in ks {
+            let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].k == k).collect();
+            let mut batch = Vec::with_capacity(idx.len());
+            for &i in &idx {
+                let s = &seqs[i];
+                match self.last.get(&s.key) {
+                    Some((pos, hidden)) if pos + 1 == s.pos => batch.push(MtpSeq {
+                        block_table: &s.block_table,
+                        start_pos: *pos,
+                        hidden,
+                        next_tokens: std::slice::from_ref(&s.token),
+                    }),
+                    _ => return Err(NinferError::invalid("mtp_draft", format!("no MTP row absorbed at position {} of sequence {}", s.pos.wrapping_sub(1), s.key))),
+                }
+            }
+            let drafts = self.drafter.draft(model, &batch, k, &mut |_, _, logits| argmax(logits))?;
+            for (d, &i) in drafts.into_iter().zip(&idx) {
+                out[i] = d.into_iter().map(|d| d.token).collect();
+            }
+        }
+        Ok(out)
+    }
+
+    /// `ModelRunner::mtp_release`.
+    pub(super) fn release(&mut self, key: u64) {
+        self.last.remove(&key);
+    }
 }

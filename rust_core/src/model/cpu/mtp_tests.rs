@@ -1,7 +1,8 @@
 //! The MTP drafter's invariants on a synthetic hybrid checkpoint with a random MTP head:
 //! absorbing in chunks equals one call, rolling back and redrafting equals drafting fresh, a
-//! batch equals each sequence alone, and the forward's hidden states leave its logits as they
-//! were. Parity with a torch definition of the head is in tests/test_mtp_head.py.
+//! batch equals each sequence alone, the forward's hidden states leave its logits as they
+//! were, and the runner's hook (`ModelRunner::mtp_absorb` / `mtp_draft`) drafts as the drafter
+//! does from the same rows. Parity with a torch definition of the head is in tests/test_mtp_head.py.
 
 use safetensors::tensor::Dtype;
 
@@ -140,4 +141,51 @@ fn bad_rows_and_short_block_tables_are_rejected() {
     assert!(d.draft(&m, &[tok], 1, &mut pick).is_err());
     let mut unallocated = MtpDrafter::new(&m).unwrap();
     assert!(unallocated.draft(&m, &[rows(&table, &hidden, h, 0, 2)], 1, &mut pick).is_err());
+}
+
+/// The runner's hook: rows absorbed from a prompt chunk's forward, then from the kept rows of a
+/// verify chunk, draft what a drafter given all those rows at once drafts.
+#[test]
+fn the_runners_hook_drafts_as_the_drafter_given_the_same_rows() {
+    let table: Vec<u32> = vec![7, 2, 9, 30, 11];
+    let (fresh_model, mut fresh, hidden) = setup("mtp_hook", &table);
+    let h = fresh_model.config().hidden_size;
+    let mut m = load(&write_hybrid("mtp_hook_runner", Dtype::F32, true));
+    let plain_kv = m.cache_spec().kv_bytes_per_token;
+    m.enable_mtp().unwrap();
+    assert_eq!(m.cache_spec().kv_bytes_per_token, plain_kv + MtpDrafter::kv_bytes_per_token(&m), "the ledger counts the MTP KV");
+    m.allocate_caches(32, 4, 2).unwrap();
+    let at = |pos: usize, k: usize| MtpDraftSeq { key: 9, pos, token: TOKENS[pos], block_table: table.clone(), k };
+    // Nothing absorbed yet: no row to draft from.
+    assert!(m.mtp_draft(&[at(10, 3)]).is_err());
+    // The prompt TOKENS[..10] in one chunk; every row absorbed with the token after it.
+    m.forward(&StepBatch { seqs: vec![seq(&TOKENS[..10], 0, &table, 0, LogitsWanted::Last)] }).unwrap();
+    m.mtp_absorb(&[MtpRows { key: 9, chunk: 0, start_pos: 0, next_tokens: TOKENS[1..11].to_vec(), block_table: table.clone() }]).unwrap();
+    let drafts = m.mtp_draft(&[at(10, 3)]).unwrap();
+    let expected = greedy(&fresh_model, &mut fresh, &[rows(&table, &hidden, h, 0, 10)], 3);
+    assert_eq!(drafts[0], expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
+    // A verify chunk at 10 of which two rows are kept (the input and one accepted draft): the
+    // next drafts start at 12, past the recursion's rows of the round before.
+    m.forward(&StepBatch { seqs: vec![seq(&TOKENS[10..14], 10, &table, 0, LogitsWanted::All)] }).unwrap();
+    m.mtp_absorb(&[MtpRows { key: 9, chunk: 0, start_pos: 10, next_tokens: TOKENS[11..13].to_vec(), block_table: table.clone() }]).unwrap();
+    assert!(m.mtp_draft(&[at(11, 2)]).is_err(), "drafts start after the last absorbed row only");
+    let both = m.mtp_draft(&[at(12, 2), MtpDraftSeq { k: 0, ..at(12, 0) }]).unwrap();
+    let mut fresh = MtpDrafter::new(&fresh_model).unwrap();
+    fresh.allocate(&fresh_model, 32, 4).unwrap();
+    let expected = greedy(&fresh_model, &mut fresh, &[rows(&table, &hidden, h, 0, 12)], 2);
+    assert_eq!(both[0], expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
+    assert!(both[1].is_empty());
+    // Rows past the last forward's chunk are refused; a released sequence has no row left.
+    let too_many = MtpRows { key: 9, chunk: 0, start_pos: 10, next_tokens: TOKENS[11..16].to_vec(), block_table: table.clone() };
+    assert!(m.mtp_absorb(&[too_many]).is_err());
+    m.mtp_release(9);
+    assert!(m.mtp_draft(&[at(12, 2)]).is_err());
+}
+
+#[test]
+fn the_runner_refuses_mtp_without_mtp_weights() {
+    let mut m = load(&write_hybrid("mtp_hook_none", Dtype::F32, false));
+    let e = m.enable_mtp().unwrap_err().to_string();
+    assert!(e.contains(NO_MTP_WEIGHTS), "{e}");
+    assert!(m.mtp_absorb(&[]).is_err() && m.mtp_draft(&[]).is_err());
 }
