@@ -279,6 +279,18 @@ def test_a_server_with_drafts_answers_as_without_and_reports_them(tiny_checkpoin
             assert r.status_code == 200, r.text
             answers.append(r.json()["choices"][0]["text"])
             m = parse_metrics(httpx.get(s.url + "/metrics", timeout=10).text)
+            # The request field `draft_tokens`: K for this request (0: none, the answer is the
+            # same); a K above 0 is refused naming it by a server without --spec.
+            for k in (0, 1):
+                r = httpx.post(s.url + "/v1/completions", json={**body, "draft_tokens": k}, timeout=60)
+                if extra or k == 0:
+                    assert r.status_code == 200 and r.json()["choices"][0]["text"] == answers[-1], r.text
+                else:
+                    assert r.status_code == 400 and "draft_tokens" in r.json()["error"]["message"], r.text
+            r = httpx.post(s.url + "/v1/chat/completions", json={"model": "m", "draft_tokens": 9, "max_tokens": 4,
+                                                                   "messages": [{"role": "user", "content": "hi"}]},
+                           timeout=60)
+            assert r.status_code == 400 and "draft_tokens" in r.json()["error"]["message"], r.text
     assert answers[0] == answers[1]
     assert m["ninfer_spec_drafted_tokens_total"] > 0
     assert json.loads(log.read_text().splitlines()[-1])["spec"]["drafted"] > 0

@@ -212,6 +212,11 @@ def sampling_fields(body: dict, defaults: ServerDefaults, *, stop_field: str = "
     bias = _logit_bias(body)
     if bias:
         p["logit_bias"] = bias
+    # Speculative decoding's draft length for this request (0: none); the core refuses it when
+    # the server runs without --spec.
+    draft = number(body, "draft_tokens", lo=0, integer=True)
+    if draft is not None:
+        p["draft_tokens"] = int(draft)
     for name, value in defaults.sampling.items():
         p.setdefault(name, value)
     p["ignore_eos"] = boolean(body, "ignore_eos")
