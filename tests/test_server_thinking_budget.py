@@ -126,7 +126,7 @@ def test_streaming_usage_reports_reasoning_tokens(server):
 @pytest.mark.parametrize("fields, param, words", [
     ({"thinking_budget": 30}, "thinking_budget", ["30", "32"]),
     ({"thinking_budget": 29, "max_tokens": 32}, "thinking_budget", ["29", "32"]),
-    ({"reasoning_effort": "low", "max_tokens": 10}, "reasoning_effort", ["low", "8", "10"]),
+    ({"reasoning_effort": "low", "max_tokens": 3}, "reasoning_effort", ["low", "max_tokens 3"]),
     ({"thinking_budget": -1}, "thinking_budget", ["-1"]),
     ({"thinking_budget": "8"}, "thinking_budget", ["'8'"]),
     ({"thinking_budget": 2.5}, "thinking_budget", ["2.5"]),
@@ -177,6 +177,17 @@ def test_the_server_default_budget_applies_only_where_it_leaves_room():
     assert _fields(state, max_tokens=105) == {"thinking_budget": None}
     assert _fields(state, reasoning_effort="high", max_tokens=105) == {}
     assert _fields(_state(), max_tokens=105) == {}
+
+
+def test_an_effort_budget_without_room_takes_half_of_what_max_tokens_leaves():
+    """`reasoning_effort` low (1024 in the default table) with the default or a small max_tokens
+    still answers: the budget shrinks to half of max_tokens less the 3 closing tokens."""
+    assert _fields(_state(), reasoning_effort="low", max_tokens=4000) == {"thinking_budget": 1024}
+    assert _fields(_state(), reasoning_effort="low", max_tokens=105) == {"thinking_budget": 51}
+    assert _fields(_state(), reasoning_effort="medium", max_tokens=512) == {"thinking_budget": 254}
+    assert _fields(_state(), reasoning_effort="minimal", max_tokens=8) == {"thinking_budget": 0}
+    with pytest.raises(Exception, match="max_tokens 3"):
+        _fields(_state(), reasoning_effort="low", max_tokens=3)
 
 
 def test_effort_budgets_flag_overrides_the_table_entries_it_names():

@@ -162,14 +162,18 @@ class ServerState:
     def thinking_fields(self, req: ChatRequest) -> dict:
         """The thinking-budget sampling fields of a chat request: its own budget (from
         `thinking_budget` or `reasoning_effort`), else the server's `--reasoning-budget` where that
-        leaves room for an answer. An explicit budget without that room is a 400 naming the field,
-        the budget and max_tokens."""
+        leaves room for an answer. A `thinking_budget` without that room is a 400 naming the field,
+        the budget and max_tokens; an effort's budget shrinks to half the room instead."""
         field = req.budget_field
         budget = req.sampling.get("thinking_budget") if field else self.defaults.reasoning_budget
         closing = self.closing_tokens() if budget is not None else None
         if closing is None:
             return {}
         max_tokens = req.max_tokens if req.max_tokens is not None else self.defaults.default_max_tokens
+        if field == "reasoning_effort" and max_tokens is not None and budget + closing >= max_tokens:
+            # An effort is a level, not a count: where the table's budget would leave no answer,
+            # it takes half of what max_tokens leaves after the closing, the answer the other half.
+            budget = max(0, (max_tokens - closing) // 2)
         if max_tokens is not None and budget + closing >= max_tokens:
             if field is None:
                 return {"thinking_budget": None}
