@@ -411,3 +411,18 @@ def test_engine_option_flags_run_and_a_device_profile_on_the_cpu_is_refused_nami
                   ninfer_env)
     err = bad.stderr.decode()
     assert bad.returncode != 0 and "h200.json" in err and "--device-profile-path" in err, err
+
+
+@pytest.mark.parametrize("cmd,flag,value", [
+    ("run", "--thinking-budget", "-1"),
+    ("serve", "--reasoning-budget", "-1"),
+    ("serve", "--reasoning-budget", "many"),
+    ("serve", "--reasoning-effort-budgets", "huge=3"),
+    ("serve", "--reasoning-effort-budgets", "low=-1"),
+])
+def test_bad_thinking_budget_flags_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, cmd, flag, value):
+    args = [cmd, str(qwen3_dir), *(["--prompt", "hi"] if cmd == "run" else []), flag, value]
+    proc = run_cli(args, ninfer_env)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and flag in err and value in err, err
+    assert "serving" not in err

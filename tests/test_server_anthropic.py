@@ -335,3 +335,17 @@ def test_a_whole_tool_call_in_one_item_is_one_block_with_one_input_json_delta():
                                             "function": {"name": "f", "arguments": '{"a": 1}'}}]})
     assert [e["type"] for e in events] == ["content_block_start", "content_block_delta", "content_block_stop"]
     assert events[1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL}, "messages"),
+    ({"model": MODEL, "messages": "hi"}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "sometimes"}}, "thinking"),
+])
+def test_count_tokens_refuses_a_malformed_body_naming_the_field(server, body, param):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/messages/count_tokens", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert param in r.text, r.text
