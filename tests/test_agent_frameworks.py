@@ -11,6 +11,7 @@ The server runs with `--no-thinking`, so that a call is the whole answer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Annotated
 
@@ -77,14 +78,19 @@ def test_an_openai_agents_sdk_run_calls_the_tool_and_answers(server):
         ran.append(a + b)
         return a + b
 
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    async def run(seed: int):
+        # The client lives and closes in the run's own event loop: one left to the garbage
+        # collector closes its connections in a loop that has ended, failing a later test.
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+            settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                            extra_args={"seed": seed})
+            agent = agents.Agent(name="calculator", instructions="Use the add tool.", tools=[add], model=model,
+                                 model_settings=settings)
+            return await agents.Runner.run(agent, "What is 2 + 3?", max_turns=4)
+
     for seed in range(3):
-        settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
-                                        extra_args={"seed": seed})
-        agent = agents.Agent(name="calculator", instructions="Use the add tool.", tools=[add], model=model,
-                             model_settings=settings)
-        result = agents.Runner.run_sync(agent, "What is 2 + 3?", max_turns=4)
+        result = asyncio.run(run(seed))
         kinds = [type(item).__name__ for item in result.new_items]
         assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
         call, output = result.new_items[0].raw_item, result.new_items[1]
