@@ -264,7 +264,7 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             "admit keys they do not list, as JSON Schema does (default: only the listed keys, as "
                             "OpenAI reads them; a strict schema never admits others)")
     group.add_argument("--spec", metavar="METHOD", default=None,
-                       help="speculative decoding on the CPU backend: ngram (prompt lookup over the request's own "
+                       help="speculative decoding (CPU and CUDA backends): ngram (prompt lookup over the request's own "
                             "tokens) or mtp (the model's mtp.* head; turns prefix reuse off); dflash is not "
                             "supported yet (default: off)")
     group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,

@@ -49,7 +49,7 @@ class LLM:
     `spec` turns on speculative
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
     head, with prefix reuse off; each verified `draft_tokens` (1..8, default 3) at a time; the CPU
-    backend; "dflash" is not supported yet); outputs are those of plain decoding.
+    and CUDA backends; "dflash" is not supported yet); outputs are those of plain decoding.
     """
 
     def __init__(

@@ -93,7 +93,7 @@ impl EngineCore {
             s.check()?;
         }
         if config.spec.is_some() && !runner.verifies_drafts() {
-            return Err(NinferError::config("spec (--spec)", "speculative decoding is not supported on this backend yet (the CPU backend runs it; not supported on CUDA yet)"));
+            return Err(NinferError::config("spec (--spec)", "speculative decoding is not supported on this backend yet (the CPU and CUDA backends run it)"));
         }
         if config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp) {
             // Before cache_spec: the MTP layer's KV is part of every token's KV bytes.

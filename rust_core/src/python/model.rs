@@ -160,6 +160,77 @@ impl PyModel {
         Ok((tokens, logits, graphs))
     }
 
+    /// Logits of one step in which sequence `i`, its prompt prefilled before in a step of its
+    /// own, runs `chunks[i]` with logits at every position: a speculative verify step (a chunk
+    /// of several tokens is a decode token and its drafts; one of a single token, a plain
+    /// decode beside them). Returns float32 `[sum of the chunks' lengths, vocab]`, the
+    /// sequences' rows in order. A test hook, compiled with the `testing` feature.
+    #[cfg(feature = "testing")]
+    fn verify_logits<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>, chunks: Vec<Vec<u32>>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        if prompts.len() != chunks.len() {
+            return Err(NinferError::invalid("chunks", format!("{} chunks for {} prompts", chunks.len(), prompts.len()))).py();
+        }
+        if prompts.iter().chain(&chunks).any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        let rows: usize = chunks.iter().map(Vec::len).sum();
+        let (vocab, data) = py
+            .detach(|| -> crate::Result<_> {
+                let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+                let lens: Vec<usize> = prompts.iter().zip(&chunks).map(|(p, c)| p.len() + c.len()).collect();
+                let tables = m.own_tables(&lens)?;
+                for (i, p) in prompts.iter().enumerate() {
+                    let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
+                    m.runner.forward(&StepBatch { seqs })?;
+                }
+                let seqs = chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| SeqChunk { tokens: c.clone(), start_pos: prompts[i].len(), block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::All })
+                    .collect();
+                let l = m.runner.forward(&StepBatch { seqs })?;
+                Ok((l.vocab, l.data))
+            })
+            .py()?;
+        numpy::PyArray1::from_vec(py, data).reshape([rows, vocab])
+    }
+
+    /// Greedy MTP drafts as the engine makes them (`--spec mtp`): each prompt is prefilled in a
+    /// step of its own, its greedy next token `g` taken, and the MTP rows of its positions
+    /// absorbed (each paired with the token after it, `g` after the last); then one batched
+    /// `mtp_draft` drafts `k` tokens after every `g`. Returns (the `g`s, the drafts `[n][k]`).
+    /// A test hook, compiled with the `testing` feature.
+    #[cfg(feature = "testing")]
+    fn mtp_greedy_drafts(&self, py: Python<'_>, prompts: Vec<Vec<u32>>, k: usize) -> PyResult<(Vec<u32>, Vec<Vec<u32>>)> {
+        use crate::model::{MtpDraftSeq, MtpRows};
+        if prompts.iter().any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        py.detach(|| -> crate::Result<_> {
+            let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+            m.runner.enable_mtp()?;
+            let lens: Vec<usize> = prompts.iter().map(|p| p.len() + 1 + k).collect();
+            let tables = m.own_tables(&lens)?;
+            let mut next = Vec::with_capacity(prompts.len());
+            for (i, p) in prompts.iter().enumerate() {
+                let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
+                let l = m.runner.forward(&StepBatch { seqs })?;
+                let g = crate::sampling::argmax(l.of_seq(0));
+                let next_tokens: Vec<u32> = p[1..].iter().copied().chain([g]).collect();
+                m.runner.mtp_absorb(&[MtpRows { key: i as u64, chunk: 0, start_pos: 0, next_tokens, block_table: tables[i].clone() }])?;
+                next.push(g);
+            }
+            let seqs: Vec<MtpDraftSeq> =
+                prompts.iter().enumerate().map(|(i, p)| MtpDraftSeq { key: i as u64, pos: p.len(), token: next[i], block_table: tables[i].clone(), k }).collect();
+            let drafts = m.runner.mtp_draft(&seqs)?;
+            for i in 0..prompts.len() {
+                m.runner.mtp_release(i as u64);
+            }
+            Ok((next, drafts))
+        })
+        .py()
+    }
+
     /// The parsed config as a dict.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -185,6 +256,27 @@ impl PyModel {
         d.set_item("state_bytes_per_slot", spec.state_bytes_per_slot)?;
         d.set_item("weight_bytes", spec.weight_bytes)?;
         Ok(d)
+    }
+}
+
+#[cfg(feature = "testing")]
+impl Loaded {
+    /// Fresh caches with one state slot and a block table of its own for each of sequences of
+    /// `lens` positions; the tables.
+    fn own_tables(&mut self, lens: &[usize]) -> crate::Result<Vec<Vec<u32>>> {
+        let per_seq: Vec<usize> = lens.iter().map(|&n| n.div_ceil(BLOCK_SIZE)).collect();
+        let blocks: usize = per_seq.iter().sum();
+        self.runner.allocate_caches(blocks, BLOCK_SIZE, lens.len())?;
+        self.capacity = (blocks, BLOCK_SIZE, lens.len());
+        let mut first = 0u32;
+        Ok(per_seq
+            .iter()
+            .map(|&b| {
+                let t: Vec<u32> = (first..first + b as u32).collect();
+                first += b as u32;
+                t
+            })
+            .collect())
     }
 }
 

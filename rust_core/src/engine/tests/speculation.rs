@@ -190,7 +190,7 @@ fn a_backend_without_draft_verification_is_refused_at_load() {
     setup.cfg.spec = Some(SpecConfig::new("ngram", Some(2)).unwrap());
     let runner = FailingRunner { inner: ToyRunner::new(VOCAB, 4096, false), calls: 0, fail_at: usize::MAX, in_sampling: false };
     let e = EngineCore::new(Box::new(runner), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
-    assert!(e.contains("--spec") && e.contains("not supported on CUDA yet"), "{e}");
+    assert!(e.contains("--spec") && e.contains("not supported on this backend yet"), "{e}");
 }
 
 #[test]

@@ -65,16 +65,23 @@ impl CudaModel {
         // from the decode kernels when a sequence brings more than one token.
         let max_rows = batch.seqs.iter().map(|q| q.tokens.len()).max().unwrap_or(0);
         self.run_layers(Pass::Prefill { max_rows }, rows)?;
-        let CudaModel { cfg, dev, weights, act, meta, logits_round, .. } = self;
+        let CudaModel { cfg, dev, weights, act, meta, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         let picked = meta.picked_runs(batch);
         let m: usize = counts.iter().sum();
         let vocab = cfg.vocab_size;
         self.logits_rows = m;
-        if m == 0 {
+        // The MTP head reads every row's final hidden state, logits wanted or not.
+        let keep = self.mtp.is_some();
+        if m == 0 && !keep {
             return Ok(counts);
         }
         dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
+        self.keep_hidden(batch, rows)?;
+        if m == 0 {
+            return Ok(counts);
+        }
+        let CudaModel { dev, weights, act, logits_round, .. } = self;
         let mut out_row = 0;
         for (r0, n) in picked {
             let src = buf(&act.h).slice(r0 * h..(r0 + n) * h);
@@ -125,6 +132,8 @@ impl CudaModel {
         } else {
             self.decode_forward(rows)?;
         }
+        // The decode forward leaves the final normed hidden states in act.h.
+        self.keep_hidden(batch, n)?;
         self.logits_rows = n;
         Ok(vec![1; n])
     }

@@ -27,7 +27,7 @@ use crate::{NinferError, Result};
 pub use pack::Packed;
 
 use super::linear::{Linear, LinearRoute, WeightFormat};
-use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevWeights};
+use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevMtp, DevWeights};
 
 /// Where packed tensors go: device buffers, or host vectors in the packing test.
 pub trait Sink {
@@ -52,28 +52,39 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> R
     let mut layers = Vec::with_capacity(cfg.layer_types.len());
     let mut bytes = 0;
     for (i, kind) in cfg.layer_types.iter().enumerate() {
-        let p = names::layer(prefix, i);
-        let mixer = match kind {
-            LayerType::FullAttention => DevMixer::Attention(Box::new(b.attention(sink, &names::mixer(&p, *kind), &mut bytes)?)),
-            LayerType::LinearAttention => DevMixer::Gdn(Box::new(b.gdn(sink, &names::mixer(&p, *kind), &mut bytes)?)),
-        };
-        let gate_up_parts = names::gate_up(cfg, &p);
-        let gate_up = gate_up_parts.iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
-        let gate_up_bias = b.biases(gate_up_parts.iter().map(|part| (part.name.as_str(), part.rows)), cfg.mlp_bias)?;
-        let down_name = format!("{p}.mlp.down_proj");
-        let down_bias = b.biases([(down_name.as_str(), h)], cfg.mlp_bias)?;
-        layers.push(DevLayer {
-            input_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), &mut bytes)?,
-            post_norm: b.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), &mut bytes)?,
-            mixer,
-            gate_up: b.linear_biased(sink, Packed::concat(gate_up), h, gate_up_bias, &mut bytes)?,
-            down: b.linear_biased(sink, Packed::single(store.raw(&format!("{down_name}.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, down_bias, &mut bytes)?,
-        });
+        layers.push(b.layer(sink, &names::layer(prefix, i), *kind, &mut bytes)?);
     }
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(b.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
     let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
     Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
+}
+
+/// The MTP head of `cfg` from `store` (`mtp.*`, Qwen3.5 naming), handed to `sink` as the
+/// CPU loader reads it (`model::cpu::weights`); None when the checkpoint has no `mtp.fc`.
+/// Drafting runs one MTP layer, so a checkpoint with more is refused.
+pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<Option<DevMtp<S::W, S::F>>> {
+    if !store.contains("mtp.fc.weight") {
+        return Ok(None);
+    }
+    let mut n_layers = 0;
+    while store.contains(&format!("mtp.layers.{n_layers}.input_layernorm.weight")) {
+        n_layers += 1;
+    }
+    let n_layers = n_layers.max(cfg.mtp_num_layers).max(1);
+    if n_layers != 1 {
+        return Err(NinferError::Unsupported(format!("drafting with {n_layers} MTP layers (mtp_num_hidden_layers); one")));
+    }
+    let b = Builder { store, cfg };
+    let h = cfg.hidden_size;
+    let mut bytes = 0;
+    let norm = |sink: &mut S, name: &str, bytes: &mut usize| b.put(sink, Packed::single(store.raw(name, &[h])?), bytes);
+    let fc = b.linear(sink, Packed::single(b.weight("mtp.fc", h, 2 * h)?), 2 * h, &mut bytes)?;
+    let pre_fc_norm_embedding = norm(sink, "mtp.pre_fc_norm_embedding.weight", &mut bytes)?;
+    let pre_fc_norm_hidden = norm(sink, "mtp.pre_fc_norm_hidden.weight", &mut bytes)?;
+    let layer = b.layer(sink, "mtp.layers.0", LayerType::FullAttention, &mut bytes)?;
+    let norm = norm(sink, "mtp.norm.weight", &mut bytes)?;
+    Ok(Some(DevMtp { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layer, norm, bytes }))
 }
 
 struct Builder<'a> {
@@ -113,6 +124,27 @@ impl<'a> Builder<'a> {
         }
         let raws = parts.into_iter().map(|(name, rows)| self.store.raw(&format!("{name}.bias"), &[rows])).collect::<Result<Vec<_>>>()?;
         Ok(Some(Packed::concat(raws)))
+    }
+
+    /// Decoder layer `p` (a `{prefix}.layers.{i}` or `mtp.layers.{i}`) with the mixer `kind`.
+    fn layer<S: Sink>(&self, sink: &mut S, p: &str, kind: LayerType, bytes: &mut usize) -> Result<DevLayer<S::W, S::F>> {
+        let (store, cfg, h) = (self.store, self.cfg, self.cfg.hidden_size);
+        let mixer = match kind {
+            LayerType::FullAttention => DevMixer::Attention(Box::new(self.attention(sink, &names::mixer(p, kind), bytes)?)),
+            LayerType::LinearAttention => DevMixer::Gdn(Box::new(self.gdn(sink, &names::mixer(p, kind), bytes)?)),
+        };
+        let gate_up_parts = names::gate_up(cfg, p);
+        let gate_up = gate_up_parts.iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
+        let gate_up_bias = self.biases(gate_up_parts.iter().map(|part| (part.name.as_str(), part.rows)), cfg.mlp_bias)?;
+        let down_name = format!("{p}.mlp.down_proj");
+        let down_bias = self.biases([(down_name.as_str(), h)], cfg.mlp_bias)?;
+        Ok(DevLayer {
+            input_norm: self.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), bytes)?,
+            post_norm: self.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), bytes)?,
+            mixer,
+            gate_up: self.linear_biased(sink, Packed::concat(gate_up), h, gate_up_bias, bytes)?,
+            down: self.linear_biased(sink, Packed::single(store.raw(&format!("{down_name}.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, down_bias, bytes)?,
+        })
     }
 
     fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<RawTensor<'a>> {
@@ -339,6 +371,28 @@ impl DevWeights {
             rayon::current_num_threads()
         );
         Ok(w)
+    }
+}
+
+impl DevMtp {
+    /// Loads the MTP head of `cfg` from `store` onto `dev` (None: the checkpoint has none),
+    /// refusing a head that does not fit the free device memory with its size.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Option<Self>> {
+        dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let Some(planned) = build_mtp(&mut PlanSink { format: dev.storage().into() }, store, cfg)? else { return Ok(None) };
+        let (free, _) = dev.memory_info()?;
+        if planned.bytes > free {
+            return Err(NinferError::OutOfMemory {
+                what: format!("the MTP head's weights on cuda:{} (--spec mtp)", dev.ordinal()),
+                needed: planned.bytes as u64,
+                available: free as u64,
+                hint: "run without --spec mtp, or with --spec ngram".into(),
+            });
+        }
+        let mut sink = DeviceSink::new(dev)?;
+        let mtp = build_mtp(&mut sink, store, cfg)?;
+        dev.synchronize()?;
+        Ok(mtp)
     }
 }
 

@@ -11,7 +11,8 @@
 //! prefill kernels (flash attention, chunked GDN). `weights` and `load` hold the weights on the
 //! device and stream them there, each projection a `linear::Linear` carrying its format and
 //! kernel route; `route` the kernels each layer runs, decided at load; `buffers` the caches and
-//! activations a step runs in; `runner` the engine-facing `ModelRunner`.
+//! activations a step runs in; `runner` the engine-facing `ModelRunner`; `mtp` the MTP head
+//! drafting for `--spec mtp`.
 
 mod attention;
 mod buffers;
@@ -21,6 +22,7 @@ pub(crate) mod graphs;
 pub mod linear;
 pub mod load;
 mod mlp;
+mod mtp;
 mod residual;
 pub mod route;
 mod runner;
@@ -28,7 +30,7 @@ mod sampler;
 mod step_meta;
 pub mod weights;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
@@ -88,6 +90,10 @@ pub struct CudaModel {
     /// (`linear_f32_out`), the one place every consumer (device and host sampling, logprobs,
     /// `Model.logits`) reads logits from.
     logits_round: bool,
+    /// The checkpoint directory, for the MTP head `enable_mtp` loads on demand.
+    dir: PathBuf,
+    /// `--spec mtp`'s head and drafting state (`enable_mtp`); None otherwise.
+    mtp: Option<Box<mtp::CudaMtp>>,
 }
 
 impl CudaModel {
@@ -161,6 +167,8 @@ impl CudaModel {
             sampler,
             forwarded: None,
             logits_round,
+            dir: dir.to_path_buf(),
+            mtp: None,
         })
     }
 

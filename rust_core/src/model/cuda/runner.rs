@@ -9,14 +9,18 @@ use cudarc::driver::{CudaSlice, DeviceRepr};
 use crate::backend::cuda::blas::padded_row_buckets;
 use crate::backend::cuda::device::driver_err;
 use crate::config::ModelConfig;
-use crate::model::runner::{CacheSpec, Logits, ModelRunner, StepBatch};
+use crate::artifact::WeightStore;
+use crate::model::cpu::mtp::NO_MTP_WEIGHTS;
+use crate::model::runner::{CacheSpec, Logits, ModelRunner, MtpDraftSeq, MtpRows, StepBatch};
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
 use super::buffers::{alloc, buf, Activations, DevCaches};
 use super::graphs::decode_bucket;
 use super::linear::Linear;
-use super::weights::DevMixer;
+use super::mtp::CudaMtp;
+use super::route::{Fusions, LayerRoute};
+use super::weights::{DevMixer, DevMtp};
 use super::CudaModel;
 
 impl CudaModel {
@@ -89,7 +93,8 @@ impl ModelRunner for CudaModel {
         let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
         // Conv state in the storage type (2 bytes), delta state in f32.
         let state = c.linear_attention.map_or(0, |la| (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers());
-        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes }
+        let (mtp_kv, mtp_weights) = self.mtp.as_ref().map_or((0, 0), |m| (CudaMtp::kv_bytes_per_token(c), m.weight_bytes()));
+        CacheSpec { kv_bytes_per_token: kv + mtp_kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes + mtp_weights }
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
@@ -125,6 +130,9 @@ impl ModelRunner for CudaModel {
             }
         }
         self.caches = caches;
+        if let Some(mtp) = self.mtp.as_mut() {
+            mtp.allocate(&self.dev, kv_elems)?;
+        }
         Ok(())
     }
 
@@ -138,7 +146,8 @@ impl ModelRunner for CudaModel {
 
     fn workspace_bytes(&self) -> usize {
         let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
-        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes()
+        let mtp = self.mtp.as_ref().map_or(0, |m| m.workspace_bytes());
+        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes() + mtp
     }
 
     fn device_free_bytes(&self) -> Option<u64> {
@@ -193,6 +202,42 @@ impl ModelRunner for CudaModel {
 
     fn decode_graphs(&self) -> usize {
         self.graphs.len()
+    }
+
+    /// Verify chunks (a decode token and its drafts, logits at every position) run as prefill
+    /// chunks of K + 1 rows (`run_fed`), and `copy_state` copies a recurrent state slot bit for
+    /// bit, which the engine's rollback by recompute needs.
+    fn verifies_drafts(&self) -> bool {
+        true
+    }
+
+    /// Loads the checkpoint's MTP head (only now: it costs device memory only with `--spec
+    /// mtp`); from here on every forward keeps its rows' final hidden states.
+    fn enable_mtp(&mut self) -> Result<()> {
+        if self.mtp.is_some() {
+            return Ok(());
+        }
+        let store = WeightStore::open(&self.dir)?;
+        let w = DevMtp::load(&self.dev, &self.cfg, &store)?.ok_or_else(|| NinferError::config("spec", NO_MTP_WEIGHTS))?;
+        // The MTP layer runs eagerly (never a one-row decode step): no decode fusion applies.
+        let route = LayerRoute::choose(&self.cfg, &w.layer, 2 * self.inv_freq.len(), false, Fusions { rope_in_gemv: false });
+        eprintln!("ninfer: loaded the MTP head on cuda:{} ({:.1} MiB)", self.dev.ordinal(), w.bytes as f64 / (1u64 << 20) as f64);
+        self.mtp = Some(Box::new(CudaMtp::new(w, route)));
+        Ok(())
+    }
+
+    fn mtp_absorb(&mut self, rows: &[MtpRows]) -> Result<()> {
+        self.absorb_mtp(rows)
+    }
+
+    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        self.draft_mtp(seqs)
+    }
+
+    fn mtp_release(&mut self, key: u64) {
+        if let Some(mtp) = self.mtp.as_mut() {
+            mtp.release(key);
+        }
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

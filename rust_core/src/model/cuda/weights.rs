@@ -73,3 +73,20 @@ impl<W, F> DevWeights<W, F> {
         self.lm_head.as_ref().map_or(&self.embed, |l| &l.w)
     }
 }
+
+/// The multi-token-prediction head of a Qwen3.5 / Qwen3-Next checkpoint (`mtp.*`) on the
+/// device, loaded only for `--spec mtp` (`CudaModel::enable_mtp`): its full-attention layer,
+/// the `fc` over the two normed halves and the norms; the embedding and the lm_head are the
+/// model's.
+pub struct DevMtp<W = CudaSlice<u16>, F = CudaSlice<f32>> {
+    /// `[hidden, 2 * hidden]` over `[normed embedding | normed hidden state]`.
+    pub fc: Linear<W>,
+    pub pre_fc_norm_embedding: W,
+    pub pre_fc_norm_hidden: W,
+    /// `mtp.layers.0`, a full-attention decoder layer.
+    pub layer: DevLayer<W, F>,
+    /// The norm before the shared lm_head.
+    pub norm: W,
+    /// Device bytes of all of the above.
+    pub bytes: usize,
+}

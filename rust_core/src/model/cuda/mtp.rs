@@ -1,0 +1,349 @@
+//! The multi-token-prediction head (`mtp.*`) drafting for `--spec mtp` on the CUDA backend,
+//! row for row what the CPU drafter does (model/cpu/mtp.rs, whose doc comment gives the
+//! arithmetic): an MTP row at position `p` reads the model's final normed hidden state at `p`
+//! and the token at `p + 1`, runs `fc` over their two normed halves and one full-attention
+//! layer over its own paged KV (the model's block tables address it), and the shared lm_head
+//! gives the logits of the token at `p + 2`; drafting recurses on its own normed output.
+//!
+//! Everything stays on the device: every forward keeps its rows' final hidden states
+//! (`keep_hidden`), `mtp_absorb` gathers the rows the engine kept into the MTP step's input and
+//! stores each sequence's last one, and `mtp_draft` runs K single-row steps per sequence whose
+//! tokens are the argmax of the step before (`argmax_logsumexp` into the drafts buffer, copied
+//! into the next step's ids), then copies the K x n drafted ids to the host once.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+
+use crate::backend::cuda::device::driver_err;
+use crate::backend::cuda::CudaDevice;
+use crate::model::runner::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::{NinferError, Result};
+
+use super::attention::AttnCtx;
+use super::buffers::{alloc, buf, buf_mut};
+use super::mlp::mlp;
+use super::residual::NormNext;
+use super::route::{LayerRoute, MixerRoute};
+use super::step_meta::StepMeta;
+use super::weights::{DevMixer, DevMtp};
+use super::CudaModel;
+
+/// The MTP head's weights, KV and step buffers on the device, and what it keeps between calls.
+pub(super) struct CudaMtp {
+    w: DevMtp,
+    route: LayerRoute,
+    /// The MTP layer's KV, `[num_blocks, block_size, n_kv_heads, head_dim]` like each of the
+    /// model's attention layers (`allocate`).
+    k: Option<CudaSlice<u16>>,
+    v: Option<CudaSlice<u16>>,
+    /// Final normed hidden states of every row of the last forward `[rows, hidden]`.
+    hidden: Option<CudaSlice<u16>>,
+    /// First row of each chunk of the last forward, then its row count.
+    chunk_rows: Vec<usize>,
+    /// Hidden-state input of an MTP step `[rows, hidden]`.
+    hin: Option<CudaSlice<u16>>,
+    /// `[normed embedding | normed hidden]` of an MTP step `[rows, 2 * hidden]`.
+    cat: Option<CudaSlice<u16>>,
+    /// Each sequence's last absorbed row: its position and its row of `last_rows`.
+    last: HashMap<u64, (usize, usize)>,
+    /// The target's hidden state of each sequence's last absorbed row `[capacity, hidden]`.
+    last_rows: Option<CudaSlice<u16>>,
+    last_capacity: usize,
+    free_rows: Vec<usize>,
+    /// Greedy drafts `[k, n]` (depth-major) and the argmax kernel's logsumexp output.
+    drafts: Option<CudaSlice<i32>>,
+    lse: Option<CudaSlice<f32>>,
+    meta: StepMeta,
+}
+
+impl CudaMtp {
+    /// The drafting state of the loaded head `w`, with no KV yet.
+    pub(super) fn new(w: DevMtp, route: LayerRoute) -> Self {
+        CudaMtp {
+            w,
+            route,
+            k: None,
+            v: None,
+            hidden: None,
+            chunk_rows: Vec::new(),
+            hin: None,
+            cat: None,
+            last: HashMap::new(),
+            last_rows: None,
+            last_capacity: 0,
+            free_rows: Vec::new(),
+            drafts: None,
+            lse: None,
+            meta: StepMeta::default(),
+        }
+    }
+
+    /// Device bytes of the head's weights.
+    pub(super) fn weight_bytes(&self) -> usize {
+        self.w.bytes
+    }
+
+    /// KV bytes the MTP layer takes per token (storage type), for the memory ledger.
+    pub(super) fn kv_bytes_per_token(cfg: &crate::config::ModelConfig) -> usize {
+        2 * cfg.num_kv_heads * cfg.head_dim * 2
+    }
+
+    /// Allocates the MTP layer's KV: `kv_elems` elements each for k and v, the size of one of
+    /// the model's layers, so that its block tables address both. Kept rows are forgotten.
+    pub(super) fn allocate(&mut self, dev: &CudaDevice, kv_elems: usize) -> Result<()> {
+        (self.k, self.v) = (None, None);
+        self.k = Some(alloc(dev, kv_elems, "MTP KV cache")?);
+        self.v = Some(alloc(dev, kv_elems, "MTP KV cache")?);
+        self.last.clear();
+        self.free_rows = (0..self.last_capacity).rev().collect();
+        Ok(())
+    }
+
+    /// Device bytes of the step buffers (not the KV).
+    pub(super) fn workspace_bytes(&self) -> usize {
+        fn b<T>(x: &Option<CudaSlice<T>>) -> usize {
+            x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
+        }
+        b(&self.hidden) + b(&self.hin) + b(&self.cat) + b(&self.last_rows) + b(&self.drafts) + b(&self.lse) + self.meta.bytes()
+    }
+
+    /// `ModelRunner::mtp_release`: the sequence's kept row goes back to the free rows.
+    pub(super) fn release(&mut self, key: u64) {
+        if let Some((_, row)) = self.last.remove(&key) {
+            self.free_rows.push(row);
+        }
+    }
+
+    /// A row of `last_rows` for `key` (its old one, a free one, or a new one after growing
+    /// the buffer, whose kept rows are copied over).
+    fn last_row(&mut self, dev: &CudaDevice, key: u64, h: usize) -> Result<usize> {
+        if let Some(&(_, row)) = self.last.get(&key) {
+            return Ok(row);
+        }
+        if self.free_rows.is_empty() {
+            let grown = (2 * self.last_capacity).max(16);
+            let mut rows = alloc::<u16>(dev, grown * h, "MTP kept rows")?;
+            if let Some(old) = self.last_rows.as_ref() {
+                let n = self.last_capacity * h;
+                dev.stream().memcpy_dtod(&old.slice(0..n), &mut rows.slice_mut(0..n)).map_err(driver_err("growing the MTP kept rows"))?;
+            }
+            self.free_rows.extend((self.last_capacity..grown).rev());
+            self.last_rows = Some(rows);
+            self.last_capacity = grown;
+        }
+        Ok(self.free_rows.pop().expect("grown above"))
+    }
+}
+
+/// Grows `b` to hold at least `n` elements (to the next power of two; never shrinks).
+fn grow<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, b: &mut Option<CudaSlice<T>>, n: usize, what: &str) -> Result<()> {
+    if b.as_ref().is_none_or(|s| s.len() < n) {
+        *b = None;
+        *b = Some(alloc(dev, n.next_power_of_two(), what)?);
+    }
+    Ok(())
+}
+
+/// A chunk of MTP rows in the shape the step metadata reads (its `tokens` are the rows' next
+/// tokens; the state slot is unused: the MTP layer is attention only).
+fn chunk(block_table: &[u32], start_pos: usize, tokens: Vec<u32>) -> SeqChunk {
+    SeqChunk { tokens, start_pos, block_table: block_table.to_vec(), state_slot: 0, logits: LogitsWanted::Last }
+}
+
+impl CudaModel {
+    /// After a forward of `batch` over `rows` rows whose final normed hidden states are in
+    /// `act.h`: keeps them for `mtp_absorb` when the MTP head drafts (nothing otherwise).
+    pub(super) fn keep_hidden(&mut self, batch: &StepBatch, rows: usize) -> Result<()> {
+        let Some(mtp) = self.mtp.as_mut() else { return Ok(()) };
+        let n = rows * self.cfg.hidden_size;
+        grow(&self.dev, &mut mtp.hidden, n, "MTP hidden states")?;
+        let src = buf(&self.act.h).slice(0..n);
+        let mut dst = buf_mut(&mut mtp.hidden).slice_mut(0..n);
+        self.dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("keeping the hidden states"))?;
+        mtp.chunk_rows.clear();
+        mtp.chunk_rows.push(0);
+        for s in &batch.seqs {
+            mtp.chunk_rows.push(mtp.chunk_rows.last().copied().unwrap_or(0) + s.tokens.len());
+        }
+        Ok(())
+    }
+
+    /// `ModelRunner::mtp_absorb`: the MTP KV of the given rows of the last forward, all
+    /// sequences in one MTP step; each sequence's last row is kept for its next drafts.
+    pub(super) fn absorb_mtp(&mut self, rows: &[MtpRows]) -> Result<()> {
+        let mut mtp = self.mtp.take().ok_or_else(|| NinferError::invalid("mtp_absorb", "MTP drafting is not enabled"))?;
+        let r = self.absorb_with(&mut mtp, rows);
+        self.mtp = Some(mtp);
+        r
+    }
+
+    fn absorb_with(&mut self, mtp: &mut CudaMtp, rows: &[MtpRows]) -> Result<()> {
+        let h = self.cfg.hidden_size;
+        let mut chunks = Vec::with_capacity(rows.len());
+        let mut firsts = Vec::with_capacity(rows.len());
+        for r in rows.iter().filter(|r| !r.next_tokens.is_empty()) {
+            let n = r.next_tokens.len();
+            let first = match (mtp.chunk_rows.get(r.chunk), mtp.chunk_rows.get(r.chunk + 1)) {
+                (Some(&a), Some(&b)) if a + n <= b => a,
+                _ => return Err(NinferError::invalid("mtp_absorb", format!("{n} rows of chunk {} are not in the last forward", r.chunk))),
+            };
+            chunks.push(chunk(&r.block_table, r.start_pos, r.next_tokens.clone()));
+            firsts.push((r.key, first));
+        }
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let batch = StepBatch { seqs: chunks };
+        self.validate_mtp(&batch, 0)?;
+        let total = batch.num_tokens();
+        self.ensure_mtp_rows(mtp, total)?;
+        // The rows' hidden states, gathered in batch order.
+        let mut off = 0;
+        for (s, &(_, first)) in batch.seqs.iter().zip(&firsts) {
+            let n = s.tokens.len();
+            let src = buf(&mtp.hidden).slice(first * h..(first + n) * h);
+            let mut dst = buf_mut(&mut mtp.hin).slice_mut(off * h..(off + n) * h);
+            self.dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering MTP rows"))?;
+            off += n;
+        }
+        mtp.meta.upload(&self.dev, &batch, self.caches.block_size)?;
+        self.mtp_forward(mtp, &batch, None)?;
+        for (s, &(key, first)) in batch.seqs.iter().zip(&firsts) {
+            let n = s.tokens.len();
+            let row = mtp.last_row(&self.dev, key, h)?;
+            let src = buf(&mtp.hidden).slice((first + n - 1) * h..(first + n) * h);
+            let mut dst = buf_mut(&mut mtp.last_rows).slice_mut(row * h..(row + 1) * h);
+            self.dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("keeping an MTP row"))?;
+            mtp.last.insert(key, (s.start_pos + n - 1, row));
+        }
+        Ok(())
+    }
+
+    /// `ModelRunner::mtp_draft`: greedy drafts, the sequences of each K in one batched run.
+    pub(super) fn draft_mtp(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        let mut mtp = self.mtp.take().ok_or_else(|| NinferError::invalid("mtp_draft", "MTP drafting is not enabled"))?;
+        let r = self.draft_with(&mut mtp, seqs);
+        self.mtp = Some(mtp);
+        r
+    }
+
+    fn draft_with(&mut self, mtp: &mut CudaMtp, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let mut out = vec![Vec::new(); seqs.len()];
+        let mut ks: Vec<usize> = seqs.iter().map(|s| s.k).filter(|&k| k > 0).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        for k in ks {
+            let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].k == k).collect();
+            let mut starts = Vec::with_capacity(idx.len());
+            for &i in &idx {
+                let s = &seqs[i];
+                match mtp.last.get(&s.key) {
+                    Some(&(pos, row)) if pos + 1 == s.pos => starts.push((pos, row)),
+                    _ => return Err(NinferError::invalid("mtp_draft", format!("no MTP row absorbed at position {} of sequence {}", s.pos.wrapping_sub(1), s.key))),
+                }
+            }
+            let n = idx.len();
+            // Depth 0 rewrites each sequence's last absorbed row with its verify input token
+            // (what the CPU drafter does) and drafts from it.
+            let first = StepBatch { seqs: idx.iter().zip(&starts).map(|(&i, &(pos, _))| chunk(&seqs[i].block_table, pos, vec![seqs[i].token])).collect() };
+            self.validate_mtp(&first, k)?;
+            self.ensure_mtp_rows(mtp, n)?;
+            self.ensure_logit_rows(n)?;
+            grow(&self.dev, &mut mtp.drafts, k * n, "MTP drafts")?;
+            grow(&self.dev, &mut mtp.lse, n, "MTP drafts")?;
+            for (j, &(_, row)) in starts.iter().enumerate() {
+                let src = buf(&mtp.last_rows).slice(row * h..(row + 1) * h);
+                let mut dst = buf_mut(&mut mtp.hin).slice_mut(j * h..(j + 1) * h);
+                self.dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering MTP rows"))?;
+            }
+            mtp.meta.upload(&self.dev, &first, self.caches.block_size)?;
+            self.mtp_forward(mtp, &first, Some(0))?;
+            for depth in 1..k {
+                // The MTP's own normed output of each row feeds the next row.
+                let src = buf(&self.act.h).slice(0..n * h);
+                let mut dst = buf_mut(&mut mtp.hin).slice_mut(0..n * h);
+                self.dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("feeding MTP rows"))?;
+                // Token placeholders, replaced on the device by the drafts of the depth before.
+                let batch = StepBatch { seqs: idx.iter().zip(&starts).map(|(&i, &(pos, _))| chunk(&seqs[i].block_table, pos + depth, vec![0])).collect() };
+                mtp.meta.upload(&self.dev, &batch, self.caches.block_size)?;
+                let src = buf(&mtp.drafts).slice((depth - 1) * n..depth * n);
+                self.dev.stream().memcpy_dtod(&src, &mut mtp.meta.ids_mut(n)).map_err(driver_err("feeding MTP drafts"))?;
+                self.mtp_forward(mtp, &batch, Some(depth))?;
+            }
+            let ids = self.dev.stream().clone_dtoh(&buf(&mtp.drafts).slice(0..k * n)).map_err(driver_err("copying MTP drafts to the host"))?;
+            self.dev.synchronize()?;
+            for (j, &i) in idx.iter().enumerate() {
+                out[i] = (0..k).map(|d| ids[d * n + j] as u32).collect();
+            }
+            if let Some(t) = out.iter().flatten().find(|&&t| t as usize >= vocab) {
+                return Err(NinferError::Device(format!("MTP drafted token id {t} >= vocab_size {vocab}")));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The checks of the CPU drafter: chunks of known tokens whose block tables cover their
+    /// rows and the `k - 1` recursive rows after them.
+    fn validate_mtp(&self, batch: &StepBatch, k: usize) -> Result<()> {
+        let (bs, nb, vocab) = (self.caches.block_size, self.caches.num_blocks, self.cfg.vocab_size);
+        if bs == 0 {
+            return Err(NinferError::invalid("mtp", "allocate_caches was not called before drafting"));
+        }
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(NinferError::invalid(format!("mtp seqs[{i}].next_tokens"), format!("token id {t} >= vocab_size {vocab}")));
+            }
+            let end = s.start_pos + s.tokens.len() + k.saturating_sub(1);
+            let need = end.div_ceil(bs);
+            if s.block_table.len() < need || s.block_table[..need].iter().any(|&b| b as usize >= nb) {
+                return Err(NinferError::invalid(format!("mtp seqs[{i}].block_table"), format!("must hold {need} blocks below {nb} to cover {end} positions (block size {bs})")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Grows the activations and the MTP step buffers for `rows` rows.
+    fn ensure_mtp_rows(&mut self, mtp: &mut CudaMtp, rows: usize) -> Result<()> {
+        self.ensure_rows(rows)?;
+        let h = self.cfg.hidden_size;
+        grow(&self.dev, &mut mtp.hin, rows * h, "MTP activations")?;
+        grow(&self.dev, &mut mtp.cat, rows * 2 * h, "MTP activations")
+    }
+
+    /// One MTP step over `batch` (uploaded to `mtp.meta`, hidden inputs in `mtp.hin`): writes
+    /// the MTP KV of every row and leaves every row's normed MTP output in `act.h`. With
+    /// `draft_depth`, every chunk is one row and its greedy token goes to row `draft_depth` of
+    /// the drafts buffer.
+    fn mtp_forward(&mut self, mtp: &mut CudaMtp, batch: &StepBatch, draft_depth: Option<usize>) -> Result<()> {
+        let CudaModel { cfg, dev, weights, inv_freq, rope_scale, caches, act, dummy, logits_round, .. } = self;
+        let (h, eps, plus_one, vocab) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one, cfg.vocab_size);
+        let rows = batch.num_tokens();
+        let CudaMtp { w, route, k, v, hin, cat, drafts, lse, meta, .. } = mtp;
+        let (DevMixer::Attention(a), MixerRoute::Attention(r)) = (&w.layer.mixer, &route.mixer) else {
+            unreachable!("the MTP layer is loaded as full attention")
+        };
+        let (Some(kc), Some(vc)) = (k.as_mut(), v.as_mut()) else {
+            return Err(NinferError::invalid("mtp", "allocate_caches was not called before drafting"));
+        };
+        dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), vocab, h)?;
+        let cat = buf_mut(cat);
+        dev.rmsnorm(buf(&act.x), &w.pre_fc_norm_embedding, cat, rows, h, h, 2 * h, eps, plus_one)?;
+        dev.rmsnorm(buf(&*hin), &w.pre_fc_norm_hidden, &mut cat.slice_mut(h..), rows, h, h, 2 * h, eps, plus_one)?;
+        w.fc.forward(dev, cat, buf_mut(&mut act.x), buf_mut(&mut act.lin32), rows)?;
+        dev.rmsnorm(buf(&act.x), &w.layer.input_norm, buf_mut(&mut act.h), rows, h, h, h, eps, plus_one)?;
+        let max_rows = batch.seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+        let attn = AttnCtx { cfg, dev, meta: &*meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: None, max_rows };
+        attn.run(a, r, kc, vc, act, dummy, rows, &NormNext { w: Some(&w.layer.post_norm), eps, plus_one })?;
+        mlp(dev, &w.layer, &route.mlp, act, rows, &NormNext { w: Some(&w.norm), eps, plus_one })?;
+        let Some(depth) = draft_depth else { return Ok(()) };
+        let n = batch.seqs.len();
+        if rows != n {
+            return Err(NinferError::invalid("mtp_draft", format!("a drafting step of {n} sequences has {rows} rows")));
+        }
+        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), n, vocab, h, *logits_round)?;
+        let mut ids = buf_mut(drafts).slice_mut(depth * n..(depth + 1) * n);
+        dev.argmax_logsumexp(buf(&act.logits), &mut ids, &mut buf_mut(lse).slice_mut(0..n), n, vocab)
+    }
+}

@@ -1,0 +1,280 @@
+"""Speculative decoding on the CUDA backend (`--spec ngram|mtp`): the verify step's logits against
+the CPU backend's, greedy output with drafts against plain greedy output on the same GPU, and the
+MTP head's drafts against the CPU drafter's.
+
+A verify chunk (a decode token and its K drafts, logits at every position) runs the prefill
+kernels (cuBLAS, flash attention, the recurrent or chunked Gated DeltaNet over K + 1 rows), while
+a plain decode step runs the decode kernels (GEMV, split-K decode attention): different summation
+orders, so, as for a batch against each prompt alone (tests/test_gpu_model.py), greedy output
+with drafts may leave plain greedy output only at a near-tie (top-2 gap < NEAR_TIE, measured on
+f32 logits). The same bound holds the CUDA drafts to the CPU drafts. The demo model is trained
+(peaked distributions); the tiny random checkpoints use the head sizes the kernels take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import ninfer  # noqa: E402
+from ninfer import LLM, SamplingParams, _core  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+#: As tests/test_gpu_model.py: logits rel err (max abs diff / max abs reference) of the trained
+#: demo model against the CPU f32 path, and the top-2 logprob gap under which two summation
+#: orders may pick different greedy tokens.
+REL_TOL = 2e-2
+NEAR_TIE = 0.5
+
+#: Sizes the kernels are instantiated for (tests/test_gpu_model.py).
+GPU_SHAPES = {
+    "llama": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3_5": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+                    linear_num_value_heads=4),
+}
+
+DEMO = Path(os.environ.get("NINFER_DEMO_DIR", Path(ninfer.__file__).parent / "demo"))
+
+#: Repetitive prompts (tests/test_speculative.py), where prompt lookup finds drafts.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four one two three four one two",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "SELECT name FROM users; SELECT name FROM",
+    "a b c a b c a b c a b",
+    "12 + 34 = 46. 12 + 34 =",
+    "The weather in Paris is nice. The weather in",
+]
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+
+
+def _rel_err(got, exp) -> float:
+    return float(np.abs(got - exp).max() / np.abs(exp).max())
+
+
+def _ids(n: int, vocab: int, seed: int) -> list:
+    return [int(t) for t in np.random.RandomState(seed).randint(3, vocab, size=n)]
+
+
+def greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, top_logprobs=2, **kwargs)
+
+
+def _gap(logits_row) -> float:
+    """Top-2 logprob gap of a row of logits (the same as the top-2 logit gap)."""
+    top = np.sort(np.asarray(logits_row, dtype=np.float64))[-2:]
+    return float(top[1] - top[0])
+
+
+def _divergence_gap(out, other_ids: list):
+    """(index of the first token where `out` and `other_ids` differ, `out`'s top-2 logprob gap
+    there), or None when they agree throughout."""
+    n = 0
+    while n < min(len(out.token_ids), len(other_ids)) and out.token_ids[n] == other_ids[n]:
+        n += 1
+    if n == len(out.token_ids):
+        return None
+    top = out.logprobs[n].top
+    return n, top[0][1] - top[1][1]
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    _needs_cuda()
+    if not (DEMO / "model" / "config.json").exists():
+        pytest.skip("no bundled demo model")
+    return DEMO / "model"
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_mtp(tiny_checkpoints, tmp_path_factory):
+    """The tiny Qwen3.5 checkpoint at the kernels' sizes, given a random MTP head."""
+    _needs_cuda()
+    from tiny_models import add_mtp_head
+
+    path = tmp_path_factory.mktemp("gpu_spec_mtp") / "qwen3_5_mtp"
+    shutil.copytree(tiny_checkpoints.get("qwen3_5", **GPU_SHAPES["qwen3_5"]), path)
+    return add_mtp_head(path, seed=5)
+
+
+def _model_dir(name: str, request) -> Path:
+    if name == "demo":
+        return request.getfixturevalue("demo_dir")
+    if name == "qwen3_5_mtp":
+        return request.getfixturevalue("qwen3_5_mtp")
+    _needs_cuda()
+    return request.getfixturevalue("tiny_checkpoints").get(name, **GPU_SHAPES[name])
+
+
+def _hf_bf16_error(model_dir: Path, ids: list) -> float:
+    """transformers' own bf16 logits error against its f32 logits on `ids` (the GPU suite's
+    yardstick for the random checkpoints, whose logits are nearly flat)."""
+    x = torch.tensor([ids], device="cuda")
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to("cuda").eval()
+        with torch.no_grad():
+            out[dtype] = model(x).logits[0].float().cpu().numpy()
+        del model
+    return _rel_err(out[torch.bfloat16], out[torch.float32])
+
+
+# The verify step: one forward where each sequence runs a chunk at its decode position with logits
+# at every position (K + 1 rows for a verify chunk, one for a plain decode beside it).
+
+@pytest.mark.parametrize("long_chunk", [False, True], ids=["verify-and-decode", "beside-a-70-token-chunk"])
+@pytest.mark.parametrize("name", ["demo", "llama", "qwen3_5"])
+def test_verify_step_logits_match_the_cpu(name, long_chunk, request):
+    """Verify chunks of 4 and 6 tokens and a plain decode in one step, on prompts of 20-70 tokens
+    prefilled before: every row's logits track the CPU f32 path. With a 70-token chunk in the
+    same step the hybrid's Gated DeltaNet runs its chunked kernel over every sequence (the longest
+    chunk decides), which must be exact for the short verify chunks too."""
+    model_dir = _model_dir(name, request)
+    cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
+    vocab = cpu_model.config["vocab_size"]
+    prompts = [_ids(n, vocab, seed=70 + n) for n in (20, 45, 70)]
+    chunks = [_ids(4, vocab, seed=1), _ids(1, vocab, seed=2), _ids(6, vocab, seed=3)]
+    if long_chunk:
+        prompts.append(_ids(30, vocab, seed=4))
+        chunks.append(_ids(70, vocab, seed=5))
+    gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").verify_logits(prompts, chunks)
+    cpu = cpu_model.verify_logits(prompts, chunks)
+    assert gpu.shape == cpu.shape == (sum(len(c) for c in chunks), vocab)
+    assert np.isfinite(gpu).all()
+    tol = REL_TOL if name == "demo" else 2 * _hf_bf16_error(model_dir, prompts[0] + chunks[0]) + 5e-3
+    row = 0
+    for p, c in zip(prompts, chunks):
+        err = _rel_err(gpu[row:row + len(c)], cpu[row:row + len(c)])
+        print(f"{name}: {len(c)}-token chunk after {len(p)} tokens: rel err vs CPU f32 {err:.2e} (tol {tol:.2e})")
+        assert err <= tol
+        row += len(c)
+
+
+# Greedy output with drafts against plain greedy output, both on the GPU.
+
+CASES = [("ngram", "llama"), ("ngram", "qwen3_5"), ("ngram", "demo"), ("mtp", "qwen3_5_mtp"), ("mtp", "demo")]
+
+
+def _generate(model_dir, prompts, params, **engine):
+    engine.setdefault("max_context", 512)
+    with LLM(model_dir, device="cuda", max_concurrency=8, logits_dtype="float32", **engine) as llm:
+        ids = [llm.encode(p) for p in prompts]
+        return llm.generate(ids, params), llm.engine.stats()
+
+
+def _assert_equal_but_at_near_ties(plain, spec, what):
+    gaps = [_divergence_gap(p, s.token_ids) for p, s in zip(plain, spec)]
+    print(f"{what}: {gaps.count(None)}/{len(gaps)} outputs equal plain greedy; divergences (token, plain's top-2 gap): "
+          f"{[g for g in gaps if g]}")
+    assert all(len(s.token_ids) == len(p.token_ids) for p, s in zip(plain, spec)), "ignore_eos: exactly max_tokens"
+    assert all(g is None or g[1] < NEAR_TIE for g in gaps)
+
+
+_PLAIN = {}
+
+
+def _plain_greedy(model_dir, n):
+    """Plain greedy output of PROMPTS[:3] on the GPU (one run per model for every K)."""
+    if (model_dir, n) not in _PLAIN:
+        _PLAIN[model_dir, n] = _generate(model_dir, PROMPTS[:3], greedy(n))[0]
+    return _PLAIN[model_dir, n]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method,name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_greedy_with_drafts_on_cuda_equals_plain_greedy(method, name, k, request):
+    model_dir = _model_dir(name, request)
+    plain = _plain_greedy(model_dir, 48)
+    spec, stats = _generate(model_dir, PROMPTS[:3], greedy(48), spec=method, draft_tokens=k)
+    _assert_equal_but_at_near_ties(plain, spec, f"{method} K={k} on {name}")
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_verify_steps"] > 0
+    if name == "demo":
+        # A trained model continues repeated text, and its trained head is accepted more often
+        # than not (as on the CPU, tests/test_speculative.py).
+        assert stats["spec_accepted_tokens"] > 0, stats
+        if method == "mtp":
+            assert stats["spec_mean_accepted_length"] > 1.0, stats
+
+
+@pytest.mark.parametrize("method,name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_a_batch_of_8_with_mixed_k_and_chunked_prefill_on_cuda_equals_plain(method, name, request):
+    """Eight requests with their own K (0 to 4) and lengths, prompts prefilled in 16-token
+    chunks: steps mix prompt chunks, plain decodes and verify chunks, and rejected drafts roll the
+    hybrid's recurrent state back through the rollback slots (`copy_state`)."""
+    model_dir = _model_dir(name, request)
+    params = [greedy(12 + 5 * i, draft_tokens=i % 5) for i in range(8)]
+    plain, _ = _generate(model_dir, PROMPTS, [greedy(p.max_tokens) for p in params], prefill_chunk=16)
+    spec, stats = _generate(model_dir, PROMPTS, params, spec=method, draft_tokens=4, prefill_chunk=16)
+    _assert_equal_but_at_near_ties(plain, spec, f"{method} mixed K on {name}")
+    assert stats["spec_drafted_tokens"] > 0
+    assert len(stats["spec_acceptance_by_position"]) <= 4
+    assert stats["kv_blocks_used"] == 0
+
+
+# The MTP head's drafts on the GPU against the CPU drafter.
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_5_mtp"])
+def test_mtp_drafts_on_cuda_equal_the_cpu_drafts(name, request):
+    """Greedy MTP drafts (K = 5) after prompts of 9-51 tokens, made as the engine makes them
+    (prefill, absorb, draft: `Model.mtp_greedy_drafts`) on the GPU and on the CPU, each equal to
+    the CPU drafter's (`_core.MtpDrafter`, which gives its logits) up to a near-tie of its target
+    or MTP logits; on the trained demo head most GPU drafts equal it throughout."""
+    model_dir = _model_dir(name, request)
+    k = 5
+    cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
+    if name == "demo":
+        seqs = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"]
+        prompts = [seqs[i % len(seqs)][40 * i:40 * i + 9 + 6 * i] for i in range(8)]
+    else:
+        prompts = [_ids(9 + 6 * i, cpu_model.config["vocab_size"], seed=90 + i) for i in range(8)]
+    gpu_next, gpu_drafts = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").mtp_greedy_drafts(prompts, k)
+    cpu_next, cpu_drafts = cpu_model.mtp_greedy_drafts(prompts, k)
+    ref = _core.MtpDrafter(str(model_dir), logits_dtype="float32")
+    equal = {"cpu": 0, "gpu": 0}
+    for i, p in enumerate(prompts):
+        logits, hidden = ref.target(p)
+        g = int(np.argmax(logits[-1]))
+        tokens, mtp_logits = ref.draft(np.ascontiguousarray(hidden), p[1:] + [g], 0, k)
+        for where, nxt, drafts in (("cpu", cpu_next[i], cpu_drafts[i]), ("gpu", gpu_next[i], gpu_drafts[i])):
+            if nxt != g:
+                gap = _gap(logits[-1])
+                print(f"{name} prompt {i}: {where} target token {nxt}, drafter's {g} (top-2 gap {gap:.3f})")
+                assert gap < NEAR_TIE
+                continue
+            assert len(drafts) == k
+            d = next((j for j in range(k) if drafts[j] != tokens[j]), None)
+            if d is None:
+                equal[where] += 1
+                continue
+            gap = _gap(mtp_logits[d])
+            print(f"{name} prompt {i}: {where} draft {d} is {drafts[d]}, the CPU drafter's {tokens[d]} (top-2 gap {gap:.3f})")
+            assert gap < NEAR_TIE
+    print(f"{name}: drafts equal to the CPU drafter's: {equal} of {len(prompts)}")
+    if name == "demo":
+        assert equal["gpu"] >= len(prompts) // 2
+
+
+# Refusals that stay.
+
+def test_mtp_on_cuda_without_mtp_weights_and_dflash_are_refused_naming_the_flag(tiny_checkpoints):
+    _needs_cuda()
+    plain = tiny_checkpoints.get("qwen3_5", **GPU_SHAPES["qwen3_5"])
+    with pytest.raises(Exception, match=r"mtp\.\* weights"):
+        LLM(plain, device="cuda", max_context=256, spec="mtp")
+    with pytest.raises(Exception, match="--spec dflash is not supported yet"):
+        LLM(plain, device="cuda", max_context=256, spec="dflash")
