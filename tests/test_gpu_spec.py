@@ -147,11 +147,16 @@ def test_verify_step_logits_match_the_cpu(name, long_chunk, request):
     model_dir = _model_dir(name, request)
     cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
     vocab = cpu_model.config["vocab_size"]
-    prompts = [_ids(n, vocab, seed=70 + n) for n in (20, 45, 70)]
-    chunks = [_ids(4, vocab, seed=1), _ids(1, vocab, seed=2), _ids(6, vocab, seed=3)]
-    if long_chunk:
-        prompts.append(_ids(30, vocab, seed=4))
-        chunks.append(_ids(70, vocab, seed=5))
+    if name == "demo":
+        # Held-out text, where the trained model's logits are those REL_TOL was set on.
+        seqs = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"]
+        text = [seqs[i % len(seqs)][100 * i:100 * i + 100] for i in range(4)]
+        prompts, chunks = [t[:n] for t, n in zip(text, (20, 45, 70, 30))], [t[n:n + c] for t, n, c in zip(text, (20, 45, 70, 30), (4, 1, 6, 70))]
+    else:
+        prompts = [_ids(n, vocab, seed=70 + n) for n in (20, 45, 70, 30)]
+        chunks = [_ids(c, vocab, seed=c) for c in (4, 1, 6, 70)]
+    if not long_chunk:
+        prompts, chunks = prompts[:3], chunks[:3]
     gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").verify_logits(prompts, chunks)
     cpu = cpu_model.verify_logits(prompts, chunks)
     assert gpu.shape == cpu.shape == (sum(len(c) for c in chunks), vocab)

@@ -10,7 +10,7 @@ use super::*;
 use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
-use crate::model::test_checkpoint::{centered_noise, tensor_shapes, TinyDims};
+use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
 /// boundaries fall inside segments.
@@ -66,6 +66,11 @@ fn checkpoint(tag: &str, arch: &str, dtype: Dtype) -> PathBuf {
 /// As `checkpoint`, with `biased` the projection biases of the architecture: Qwen2's q/k/v,
 /// and for Llama `attention_bias` (q/k/v/o) and `mlp_bias` (gate/up/down).
 fn checkpoint_with(tag: &str, arch: &str, dtype: Dtype, biased: bool) -> PathBuf {
+    checkpoint_full(tag, arch, dtype, biased, false)
+}
+
+/// As `checkpoint_with`, with `mtp` a one-layer MTP head (`mtp.*`) declared in the config.
+fn checkpoint_full(tag: &str, arch: &str, dtype: Dtype, biased: bool, mtp: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ninfer_cuda_load_{tag}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -78,7 +83,7 @@ fn checkpoint_with(tag: &str, arch: &str, dtype: Dtype, biased: bool) -> PathBuf
         "layer_types": types, "linear_num_key_heads": nk, "linear_num_value_heads": nvh, "linear_key_head_dim": kd,
         "linear_value_head_dim": vd, "linear_conv_kernel_dim": kern, "tie_word_embeddings": false,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "attention_bias": biased, "mlp_bias": biased});
+        "attention_bias": biased, "mlp_bias": biased, "mtp_num_hidden_layers": if mtp { 1 } else { 0 }});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let prefix = if qwen { "model.language_model" } else { "model" };
     let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv: nvh, kd, vd, kern };
@@ -92,6 +97,9 @@ fn checkpoint_with(tag: &str, arch: &str, dtype: Dtype, biased: bool) -> PathBuf
                 t.extend([(format!("{a}.o_proj.bias"), vec![h]), (format!("{m}.gate_proj.bias"), vec![inter]), (format!("{m}.up_proj.bias"), vec![inter]), (format!("{m}.down_proj.bias"), vec![h])]);
             }
         }
+    }
+    if mtp {
+        t.extend(mtp_tensor_shapes(&dims));
     }
     let bufs: Vec<Vec<u8>> = t
         .iter()
@@ -263,4 +271,36 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     gdn.layer_types[0] = LayerType::LinearAttention;
     let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");
     assert!(matches!(new, NinferError::MissingTensor { .. } | NinferError::Config { .. }), "{new}");
+}
+
+#[test]
+fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_one() {
+    let dir = checkpoint_full("q35_mtp", "Qwen3_5ForCausalLM", Dtype::BF16, false, true);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let host = ModelWeights::load(&store, &cfg).unwrap();
+    let hm = host.mtp.as_ref().expect("the checkpoint has mtp.*");
+    let (h, p1) = (cfg.hidden_size, cfg.zero_centered_norm);
+    for st in [StorageDType::Bf16, StorageDType::F16] {
+        let dev = build_mtp(&mut HostSink { storage: st, read: true }, &store, &cfg).unwrap().expect("the head is built");
+        same(&dev.fc.w, &old_bits(&hm.fc.w, st), "mtp fc");
+        assert_eq!((dev.fc.n, dev.fc.k, dev.fc.bias.is_none()), (h, 2 * h, true));
+        same(&dev.pre_fc_norm_embedding, &old_norm(&hm.pre_fc_norm_embedding, p1, st), "mtp pre_fc_norm_embedding");
+        same(&dev.pre_fc_norm_hidden, &old_norm(&hm.pre_fc_norm_hidden, p1, st), "mtp pre_fc_norm_hidden");
+        same(&dev.norm, &old_norm(&hm.norm, p1, st), "mtp norm");
+        check_layer(&cfg, &hm.layers[0], &dev.layer, st, 0);
+        assert!(matches!(&dev.layer.mixer, DevMixer::Attention(a) if a.q_norm.is_some()), "a gated full-attention layer with q/k norms");
+        let planned = build_mtp(&mut PlanSink { format: st.into() }, &store, &cfg).unwrap().expect("planned").bytes;
+        assert_eq!(planned, dev.bytes, "planned MTP bytes");
+    }
+    // The model's own weights load as without a head; a head of two layers is refused.
+    let main = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &store, &cfg).unwrap();
+    assert_eq!(main.layers.len(), host.layers.len());
+    let mut two = cfg.clone();
+    two.mtp_num_layers = 2;
+    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &two).err().expect("two MTP layers").to_string();
+    assert!(e.contains("2 MTP layers"), "{e}");
+    let plain = checkpoint("q35_no_mtp", "Qwen3_5ForCausalLM", Dtype::BF16);
+    let (cfg, store) = (ModelConfig::from_dir(&plain).unwrap(), WeightStore::open(&plain).unwrap());
+    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg).unwrap().is_none());
 }
