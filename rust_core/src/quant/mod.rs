@@ -342,3 +342,6 @@ pub fn quantize(format: QuantFormat, name: &str, values: &[f32], shape: [usize; 
         other => Err(NinferError::Unsupported(format!("quantizing to {}", other.name()))),
     }
 }
+
+#[cfg(test)]
+mod tests;
