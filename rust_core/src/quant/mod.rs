@@ -19,13 +19,15 @@ pub mod fp8_row;
 pub mod gguf;
 pub mod grouped;
 pub mod hf;
+mod hf_config;
 pub mod iq3s_grid;
 mod linear;
 pub mod nvfp4;
 pub mod scalars;
 mod validate;
 
-pub use linear::{QuantLinear, QuantWeight};
+pub use hf_config::{HfQuantConfig, HfTensorNames};
+pub use linear::{OwnedRaw, QuantLinear, QuantWeight};
 pub use validate::{payload_bytes, validate};
 
 use crate::{NinferError, Result};
@@ -208,6 +210,20 @@ pub enum RawDtype {
 }
 
 impl RawDtype {
+    /// The dtype of a safetensors tensor by its dtype name (`TensorInfo::dtype`); `None` for one
+    /// no quantized format stores.
+    pub fn from_safetensors(name: &str) -> Option<RawDtype> {
+        Some(match name {
+            "U8" => RawDtype::U8,
+            "F8_E4M3" => RawDtype::F8E4M3,
+            "F16" => RawDtype::F16,
+            "BF16" => RawDtype::BF16,
+            "F32" => RawDtype::F32,
+            "I32" => RawDtype::I32,
+            _ => return None,
+        })
+    }
+
     /// Bytes per element.
     pub fn size(&self) -> usize {
         match self {

@@ -245,8 +245,8 @@ struct HfCase {
     expected: Vec<f32>,
 }
 
-fn owned(name: &str, dtype: RawDtype, shape: Vec<usize>, bytes: Vec<u8>) -> Option<linear::OwnedRaw> {
-    Some(linear::OwnedRaw { name: name.into(), dtype, shape, bytes })
+fn owned(name: &str, dtype: RawDtype, shape: Vec<usize>, bytes: Vec<u8>) -> Option<OwnedRaw> {
+    Some(OwnedRaw { name: name.into(), dtype, shape, bytes })
 }
 
 fn words(w: &[u32]) -> Vec<u8> {
