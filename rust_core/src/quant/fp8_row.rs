@@ -36,25 +36,31 @@ pub fn decode_rows(payload: &[u8], n: usize, k: usize, rows: std::ops::Range<usi
     }
 }
 
-/// Encode a row-major `[n, k]` matrix of finite values.
+/// Encode a row-major `[n, k]` matrix of finite values, rows in parallel.
 pub fn encode(values: &[f32], n: usize, k: usize) -> Vec<u8> {
+    use rayon::prelude::*;
     let (scale_offset, total) = planes(n, k);
     let mut out = vec![0u8; total];
-    for row in 0..n {
-        let xs = &values[row * k..(row + 1) * k];
-        let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let mut s = f32_to_bf16(amax / E4M3_MAX);
-        if s == 0 && amax != 0.0 {
-            s = 0x0001;
-        }
+    let scales: Vec<u16> = out[..n * k]
+        .par_chunks_mut(k)
+        .zip(values.par_chunks(k))
+        .map(|(dst, xs)| {
+            let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let mut s = f32_to_bf16(amax / E4M3_MAX);
+            if s == 0 && amax != 0.0 {
+                s = 0x0001;
+            }
+            if s != 0 {
+                let s32 = bf16_to_f32(s);
+                for (d, x) in dst.iter_mut().zip(xs) {
+                    *d = f32_to_e4m3(x / s32);
+                }
+            }
+            s
+        })
+        .collect();
+    for (row, s) in scales.iter().enumerate() {
         out[scale_offset + 2 * row..scale_offset + 2 * row + 2].copy_from_slice(&s.to_le_bytes());
-        if s == 0 {
-            continue;
-        }
-        let s32 = bf16_to_f32(s);
-        for (dst, x) in out[row * k..(row + 1) * k].iter_mut().zip(xs) {
-            *dst = f32_to_e4m3(x / s32);
-        }
     }
     out
 }

@@ -78,7 +78,7 @@ impl Grouped {
 
     /// Signed code of lane `i` of the group whose base bytes start at `base` and high bytes at
     /// `high`.
-    fn code(&self, payload: &[u8], base: usize, high: usize, i: usize) -> i32 {
+    pub(crate) fn code(&self, payload: &[u8], base: usize, high: usize, i: usize) -> i32 {
         if self.bits == 8 {
             return payload[base + i] as i8 as i32;
         }
@@ -115,6 +115,14 @@ pub fn scale_word(g: &Grouped, payload: &[u8], n: usize, k: usize, row: usize, g
     u16::from_le_bytes([payload[p.scale_offset + 2 * idx], payload[p.scale_offset + 2 * idx + 1]])
 }
 
+/// Signed codes of (row, group), lanes `0..G`.
+pub fn group_codes<'a>(g: &Grouped, payload: &'a [u8], n: usize, k: usize, row: usize, group: usize) -> impl Iterator<Item = i32> + 'a {
+    let idx = row * g.groups_per_row(k) + group;
+    let (base, high) = (idx * g.base_bytes, g.planes(n, k).high_offset + idx * g.high_bytes);
+    let g = *g;
+    (0..g.group).map(move |i| g.code(payload, base, high, i))
+}
+
 /// Decode rows `rows` of a validated payload into `out` (`rows.len() * k` values).
 pub fn decode_rows(g: &Grouped, payload: &[u8], n: usize, k: usize, rows: std::ops::Range<usize>, out: &mut [f32]) {
     let p = g.planes(n, k);
@@ -134,16 +142,42 @@ pub fn decode_rows(g: &Grouped, payload: &[u8], n: usize, k: usize, rows: std::o
     }
 }
 
+/// Rows encoded per parallel task.
+const ENCODE_ROWS: usize = 16;
+
 /// The canonical encoder over a row-major `[n, k]` matrix of finite values (the caller refuses
-/// non-finite ones). Fails with the (row, group) whose scale overflows binary16.
+/// non-finite ones), rows in parallel. Fails with the (row, group) whose scale overflows
+/// binary16.
 pub fn encode(g: &Grouped, values: &[f32], n: usize, k: usize) -> Result<Vec<u8>, String> {
+    use rayon::prelude::*;
     let p = g.planes(n, k);
     let gpr = g.groups_per_row(k);
+    let chunks: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> = (0..n.div_ceil(ENCODE_ROWS))
+        .into_par_iter()
+        .map(|c| encode_rows(g, values, k, c * ENCODE_ROWS..((c + 1) * ENCODE_ROWS).min(n)))
+        .collect::<Result<_, String>>()?;
     let mut out = vec![0u8; p.payload];
+    let (mut base, mut high, mut scale) = (0, p.high_offset, p.scale_offset);
+    for (b, h, s) in chunks {
+        out[base..base + b.len()].copy_from_slice(&b);
+        out[high..high + h.len()].copy_from_slice(&h);
+        out[scale..scale + s.len()].copy_from_slice(&s);
+        (base, high, scale) = (base + b.len(), high + h.len(), scale + s.len());
+    }
+    debug_assert_eq!(scale, p.payload);
+    debug_assert_eq!(base, n * gpr * g.base_bytes);
+    Ok(out)
+}
+
+/// The base, high and scale plane spans of rows `rows`.
+fn encode_rows(g: &Grouped, values: &[f32], k: usize, rows: std::ops::Range<usize>) -> Result<(Vec<u8>, Vec<u8>, Vec<u8>), String> {
+    let gpr = g.groups_per_row(k);
+    let groups = rows.len() * gpr;
+    let (mut base, mut high, mut scales) = (vec![0u8; groups * g.base_bytes], vec![0u8; groups * g.high_bytes], vec![0u8; groups * 2]);
     let qmax = g.qmax();
     let qmin = g.qmin();
     let mut codes = vec![0i32; g.group];
-    for row in 0..n {
+    for (r, row) in rows.enumerate() {
         for gi in 0..k.div_ceil(g.group) {
             let start = gi * g.group;
             let xs = &values[row * k + start..row * k + (start + g.group).min(k)];
@@ -164,26 +198,26 @@ pub fn encode(g: &Grouped, values: &[f32], n: usize, k: usize) -> Result<Vec<u8>
                     *c = ((x * inv).round_ties_even() as i32).clamp(qmin, qmax);
                 }
             }
-            let idx = row * gpr + gi;
-            out[p.scale_offset + 2 * idx..p.scale_offset + 2 * idx + 2].copy_from_slice(&scale_bits.to_le_bytes());
-            let base = idx * g.base_bytes;
-            let high = p.high_offset + idx * g.high_bytes;
+            let idx = r * gpr + gi;
+            scales[2 * idx..2 * idx + 2].copy_from_slice(&scale_bits.to_le_bytes());
+            let b0 = idx * g.base_bytes;
+            let h0 = idx * g.high_bytes;
             for (i, &q) in codes.iter().enumerate() {
                 if g.bits == 8 {
-                    out[base + i] = q as i8 as u8;
+                    base[b0 + i] = q as i8 as u8;
                     continue;
                 }
                 let u = (q as u32) & ((1 << g.bits) - 1);
-                out[base + i / 2] |= ((u & 0x0f) as u8) << ((i % 2) * 4);
+                base[b0 + i / 2] |= ((u & 0x0f) as u8) << ((i % 2) * 4);
                 let hb = (g.bits - 4) as usize;
                 if hb > 0 {
                     let bit = i * hb;
-                    out[high + bit / 8] |= (((u >> 4) & ((1 << hb) - 1)) as u8) << (bit % 8);
+                    high[h0 + bit / 8] |= (((u >> 4) & ((1 << hb) - 1)) as u8) << (bit % 8);
                 }
             }
         }
     }
-    Ok(out)
+    Ok((base, high, scales))
 }
 
 #[cfg(test)]

@@ -53,33 +53,40 @@ pub fn decode_rows(payload: &[u8], n: usize, k: usize, rows: std::ops::Range<usi
     }
 }
 
-/// Encode a row-major `[n, k]` matrix of finite values (shape already checked).
+/// Encode a row-major `[n, k]` matrix of finite values (shape already checked), 128-row tiles
+/// in parallel (a tile's codes and swizzled scales are each one contiguous span).
 pub fn encode(values: &[f32], n: usize, k: usize) -> Vec<u8> {
+    use rayon::prelude::*;
     let (scale_offset, divisor_offset, total) = planes(n, k);
     let mut out = vec![0u8; total];
     let amax = values.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     let d_w = if amax == 0.0 { 1.0 } else { 2688.0f32 / amax };
     let d_w = if d_w.is_finite() { d_w } else { f32::MAX };
-    for row in 0..n {
-        for g in 0..k / 16 {
-            let xs = &values[row * k + g * 16..row * k + g * 16 + 16];
-            let amax_g = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let mut s = f32_to_e4m3((amax_g / 6.0) * d_w);
-            if s == 0 && amax_g != 0.0 {
-                s = 0x01;
-            }
-            out[scale_offset + scale_index(row, g, k)] = s;
-            if s == 0 {
-                continue;
-            }
-            let inv = d_w / e4m3_to_f32(s).unwrap();
-            for (i, x) in xs.iter().enumerate() {
-                let col = g * 16 + i;
-                let c = f32_to_e2m1(x * inv);
-                out[(row * k + col) / 2] |= if col % 2 == 0 { c } else { c << 4 };
+    let (codes, rest) = out.split_at_mut(scale_offset);
+    let scales = &mut rest[..divisor_offset - scale_offset];
+    codes[..n * k / 2].par_chunks_mut(128 * k / 2).zip(scales.par_chunks_mut(k / 64 * 512)).enumerate().for_each(|(tile, (code_tile, scale_tile))| {
+        for inner in 0..128 {
+            let row = tile * 128 + inner;
+            for g in 0..k / 16 {
+                let xs = &values[row * k + g * 16..row * k + g * 16 + 16];
+                let amax_g = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let mut s = f32_to_e4m3((amax_g / 6.0) * d_w);
+                if s == 0 && amax_g != 0.0 {
+                    s = 0x01;
+                }
+                scale_tile[scale_index(row, g, k) - tile * (k / 64) * 512] = s;
+                if s == 0 {
+                    continue;
+                }
+                let inv = d_w / e4m3_to_f32(s).unwrap();
+                for (i, x) in xs.iter().enumerate() {
+                    let col = g * 16 + i;
+                    let c = f32_to_e2m1(x * inv);
+                    code_tile[(inner * k + col) / 2] |= if col % 2 == 0 { c } else { c << 4 };
+                }
             }
         }
-    }
+    });
     out[divisor_offset..divisor_offset + 4].copy_from_slice(&d_w.to_le_bytes());
     out
 }

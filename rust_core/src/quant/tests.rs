@@ -106,6 +106,21 @@ fn grouped_encoder_is_the_canonical_maxabs_reciprocal_one() {
 }
 
 #[test]
+fn rows_encode_independently_of_the_parallel_split() {
+    let mut r = rng(21);
+    let (n, k) = (37, 192);
+    let x = normal_ish(&mut r, n * k, 0.3);
+    for fmt in GROUPED.into_iter().chain([QuantFormat::Fp8E4m3fnRowBf16s]) {
+        let all = dequantize(&QuantTensor::packed("w", fmt, [n, k], &quantize(fmt, "w", &x, [n, k]).unwrap())).unwrap();
+        for row in [0, 15, 16, 17, 36] {
+            let one = quantize(fmt, "w", &x[row * k..(row + 1) * k], [1, k]).unwrap();
+            let w = dequantize(&QuantTensor::packed("w", fmt, [1, k], &one)).unwrap();
+            assert_eq!(&all[row * k..(row + 1) * k], &w[..], "{fmt:?} row {row}");
+        }
+    }
+}
+
+#[test]
 fn quantize_edge_values_zeros_max_and_subnormal_scales() {
     for fmt in GROUPED {
         let g = grouped::Grouped::of(fmt).unwrap();
@@ -181,7 +196,7 @@ fn fp8_row_decodes_code_times_row_scale_and_encodes_to_nearest() {
 #[test]
 fn nvfp4_decodes_code_times_scale_over_divisor() {
     let mut r = rng(4);
-    let (n, k) = (128, 128);
+    let (n, k) = (256, 128);
     let mut x = normal_ish(&mut r, n * k, 1.0);
     x[0..16].iter_mut().for_each(|v| *v = 0.0);
     let bytes = quantize(QuantFormat::Nvfp4, "w", &x, [n, k]).unwrap();
@@ -532,6 +547,15 @@ fn invalid_scale_words_are_refused() {
     bytes[off + 1] |= 0x80;
     let e = refusal(&QuantTensor::packed("lm.w", fmt, [2, 128], &bytes));
     assert!(e.contains("lm.w") && e.contains("row 1 group 1"), "{e}");
+    let mut w8 = quantize(QuantFormat::W8G32F16S, "w", &vec![0.5; 128], [1, 128]).unwrap();
+    w8[5] = 0x80;
+    assert!(refusal(&QuantTensor::packed("w", QuantFormat::W8G32F16S, [1, 128], &w8)).contains("-128"));
+    let mut q4 = quantize(fmt, "w", &vec![0.0; 128], [1, 128]).unwrap();
+    q4[0] = 0x10;
+    assert!(refusal(&QuantTensor::packed("w", fmt, [1, 128], &q4)).contains("scale +0 with nonzero codes"));
+    let mut f8 = quantize(QuantFormat::Fp8E4m3fnRowBf16s, "w", &vec![0.5; 2 * 64], [2, 64]).unwrap();
+    f8[64 + 9] = 0xff;
+    assert!(refusal(&QuantTensor::packed("w", QuantFormat::Fp8E4m3fnRowBf16s, [2, 64], &f8)).contains("element [1, 9] is an E4M3FN NaN"));
     let mut bytes = quantize(QuantFormat::Nvfp4, "w", &vec![0.5; 128 * 64], [128, 64]).unwrap();
     let n = bytes.len();
     bytes[n - 4..].copy_from_slice(&(-1.0f32).to_le_bytes());

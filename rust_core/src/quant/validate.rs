@@ -55,7 +55,8 @@ pub fn validate(t: &QuantTensor<'_>) -> Result<()> {
     }
 }
 
-/// The scale words the NInfer formats restrict (the scale planes are small next to the codes).
+/// The words the NInfer formats restrict: every scale word (the scale planes are small next to
+/// the codes), the codes of +0-scale groups, W8's excluded -128 and FP8's NaN codes.
 fn check_scale_words(t: &QuantTensor<'_>) -> std::result::Result<(), String> {
     let [n, k] = t.shape;
     if let Some(g) = grouped::Grouped::of(t.format) {
@@ -70,6 +71,15 @@ fn check_scale_words(t: &QuantTensor<'_>) -> std::result::Result<(), String> {
                         if gi < logical { "+0 or a finite positive binary16" } else { "+0 (a padding group)" }
                     ));
                 }
+                if w == 0 && grouped::group_codes(&g, t.data, n, k, row, gi).any(|q| q != 0) {
+                    return Err(format!("row {row} group {gi}: scale +0 with nonzero codes"));
+                }
+            }
+        }
+        let base_len = n * g.groups_per_row(k) * g.base_bytes;
+        if g.bits == 8 {
+            if let Some(i) = t.data[..base_len].iter().position(|&b| b == 0x80) {
+                return Err(format!("code byte {i} is 0x80 (-128), outside W8's [-127, 127]"));
             }
         }
     } else if t.format == QuantFormat::Fp8E4m3fnRowBf16s {
@@ -77,6 +87,13 @@ fn check_scale_words(t: &QuantTensor<'_>) -> std::result::Result<(), String> {
             let w = fp8_row::scale_word(t.data, n, k, row);
             if w != 0 && (w & 0x8000 != 0 || !bf16_to_f32(w).is_finite()) {
                 return Err(format!("row {row}: scale word {w:#06x} is not +0 or a finite positive bfloat16"));
+            }
+            let codes = &t.data[row * k..(row + 1) * k];
+            if let Some(c) = codes.iter().position(|&c| c & 0x7f == 0x7f) {
+                return Err(format!("element [{row}, {c}] is an E4M3FN NaN word"));
+            }
+            if w == 0 && codes.iter().any(|&c| c & 0x7f != 0) {
+                return Err(format!("row {row}: scale +0 with nonzero codes"));
             }
         }
     } else if t.format == QuantFormat::Nvfp4 {
