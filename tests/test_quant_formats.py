@@ -119,3 +119,29 @@ def test_quantize_refuses_nan_and_inf_naming_the_tensor(mode, bad):
 def test_format_table_lists_every_format():
     assert _core.QUANT_FORMATS[:6] == ["W8G32_F16S", "Q4G64_F16S", "Q5G64_F16S", "Q6G64_F16S", "FP8_E4M3FN_ROW_BF16S", "NVFP4"]
     assert [f for f in _core.QUANT_FORMATS if f.startswith("GGUF_")] == [f"GGUF_{n}" for n in GGUF_TYPES]
+
+
+def test_gguf_file_written_by_the_package_decodes_tensor_by_tensor(tmp_path):
+    """The loader's path: GGUF type id -> format, ne = [K, N] -> shape [N, K], block bytes."""
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    blocks = {}
+    for i, name in enumerate(GGUF_TYPES):
+        data = random_blocks(name, 4, 512, seed=40 + i)
+        blocks[f"blk.0.{name.lower()}.weight"] = (name, data)
+        writer.add_tensor(f"blk.0.{name.lower()}.weight", data, raw_dtype=GGMLQuantizationType[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    reader = gguf.GGUFReader(str(path))
+    assert len(reader.tensors) == len(GGUF_TYPES)
+    for t in reader.tensors:
+        fmt = _core.gguf_format(int(t.tensor_type), t.name)
+        k, n = (int(d) for d in t.shape)
+        got = _core.dequantize(fmt, t.data.tobytes(), (n, k), name=t.name)
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        np.testing.assert_array_equal(got.view(np.uint32), want.reshape(n, k).view(np.uint32))
+        name, data = blocks[t.name]
+        assert fmt == f"GGUF_{name}" and t.data.tobytes() == data.tobytes()

@@ -14,6 +14,22 @@
 //! [`quantize`] encodes f32 for the `--quantize` modes; [`validate`] refuses bytes or companions
 //! that do not fit the declared shape, naming the tensor; [`QuantLinear`] multiplies on the CPU
 //! through row tiles of dequantized weights.
+//!
+//! How a loader uses it (one [`QuantWeight`] per quantized linear weight, shape `[N, K]` taken
+//! from the model config so that validation checks the file against the model):
+//! - `.ninfer` object: `QuantFormat::from_ninfer(format, layout)`, then
+//!   `QuantTensor::packed(name, f, [n, k], payload)` and [`validate`].
+//! - GGUF tensor: `QuantFormat::from_gguf_type(type_id, name)?` (`None`: a dense F32/F16/BF16
+//!   tensor; an unknown id is an error naming the tensor), shape `[ne[1], ne[0]]`, the tensor's
+//!   bytes as the payload.
+//! - HF directory: `HfQuantConfig::from_model_config(&config)?`; for each linear module,
+//!   `tensor_names(module)` gives the data / scale / zero / g_idx tensor names; a module whose
+//!   data tensor is absent (or, for FP8, is not F8_E4M3) is dense. Companions become
+//!   [`RawTensor`]s with `RawDtype::from_safetensors(info.dtype)` and the stored shape.
+//! - `--quantize MODE`: `QuantizeMode::parse(mode)?.format()`, then [`quantize`] on each linear
+//!   weight's f32 values (embeddings and lm_head stay dense unless asked); [`payload_bytes`] gives
+//!   the exact size for the memory plan before any weight is read, and its `Err` names the shapes
+//!   a format's layout cannot hold (NVFP4 needs `N % 128 == 0`, `K % 64 == 0`).
 
 pub mod fp8_row;
 pub mod gguf;
