@@ -572,3 +572,65 @@ fn format_table_names_round_trip() {
     assert_eq!(QuantFormat::from_ninfer("Q4G64_F16S", "row-scale-v1"), None);
     assert_eq!(QuantFormat::Awq4 { group: 128 }.name(), "HF_AWQ4");
 }
+
+#[test]
+fn nvfp4_random_words_with_edge_scales_decode_by_definition() {
+    let mut r = rng(30);
+    let (n, k) = (256, 128);
+    for d_w in [1.0f32, 3.0, 1e-3, 2688.0] {
+        let (scale_off, div_off, total) = nvfp4::planes(n, k);
+        let mut bytes = vec![0u8; total];
+        bytes[..n * k / 2].iter_mut().for_each(|b| *b = r.random());
+        // Sign-zero, non-NaN scale words: edges (+0, smallest subnormal, largest subnormal,
+        // smallest normal, 448) first, then random.
+        let edge = [0x00u8, 0x01, 0x07, 0x08, 0x7e];
+        let mut scales = vec![0u8; n * k / 16];
+        for (i, s) in scales.iter_mut().enumerate() {
+            *s = if i < edge.len() { edge[i] } else { r.random_range(0..0x7f) };
+        }
+        for row in 0..n {
+            for g in 0..k / 16 {
+                bytes[scale_off + nvfp4::scale_index(row, g, k)] = scales[row * (k / 16) + g];
+            }
+        }
+        bytes[div_off..].copy_from_slice(&d_w.to_le_bytes());
+        let w = dequantize(&QuantTensor::packed("w", QuantFormat::Nvfp4, [n, k], &bytes)).unwrap();
+        for row in 0..n {
+            for c in 0..k {
+                let b = bytes[(row * k + c) / 2];
+                let code = if c % 2 == 0 { b & 15 } else { b >> 4 };
+                let s = e4m3_to_f32(scales[row * (k / 16) + c / 16]).unwrap();
+                assert_eq!(w[row * k + c].to_bits(), (scalars::e2m1_to_f32(code) * s / d_w).to_bits(), "[{row}, {c}] d_w {d_w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn fp8_row_random_words_with_edge_scales_decode_by_definition() {
+    let mut r = rng(31);
+    let (n, k) = (6, 100);
+    let (scale_off, total) = fp8_row::planes(n, k);
+    let mut bytes = vec![0u8; total];
+    for c in bytes[..n * k].iter_mut() {
+        *c = loop {
+            let v: u8 = r.random();
+            if v & 0x7f != 0x7f {
+                break v;
+            }
+        };
+    }
+    // +0 (its row all zero codes), smallest subnormal, largest finite, 1.0, random.
+    let scales = [0x0000u16, 0x0001, 0x7f7f, 0x3f80, half::bf16::from_f32(0.0123).to_bits(), 0x007f];
+    bytes[..k].iter_mut().enumerate().for_each(|(i, b)| *b = if i % 2 == 0 { 0x00 } else { 0x80 });
+    for (row, s) in scales.iter().enumerate() {
+        bytes[scale_off + 2 * row..scale_off + 2 * row + 2].copy_from_slice(&s.to_le_bytes());
+    }
+    let w = dequantize(&QuantTensor::packed("w", QuantFormat::Fp8E4m3fnRowBf16s, [n, k], &bytes)).unwrap();
+    for row in 0..n {
+        for c in 0..k {
+            let want = e4m3_to_f32(bytes[row * k + c]).unwrap() * bf16_to_f32(scales[row]);
+            assert_eq!(w[row * k + c].to_bits(), want.to_bits(), "[{row}, {c}]");
+        }
+    }
+}
