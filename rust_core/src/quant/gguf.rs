@@ -202,8 +202,8 @@ mod tests {
         }
         let mut out = [0.0f32; 32];
         decode_block(QuantFormat::GgufQ8_0, &b, &mut out);
-        for i in 0..32 {
-            assert_eq!(out[i], (i as f32 - 16.0) * 0.5);
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(*v, (i as f32 - 16.0) * 0.5);
         }
     }
 }

@@ -145,6 +145,9 @@ pub fn decode_rows(g: &Grouped, payload: &[u8], n: usize, k: usize, rows: std::o
 /// Rows encoded per parallel task.
 const ENCODE_ROWS: usize = 16;
 
+/// The base, high and scale plane spans of a run of rows.
+type PlaneSpans = (Vec<u8>, Vec<u8>, Vec<u8>);
+
 /// The canonical encoder over a row-major `[n, k]` matrix of finite values (the caller refuses
 /// non-finite ones), rows in parallel. Fails with the (row, group) whose scale overflows
 /// binary16.
@@ -152,7 +155,7 @@ pub fn encode(g: &Grouped, values: &[f32], n: usize, k: usize) -> Result<Vec<u8>
     use rayon::prelude::*;
     let p = g.planes(n, k);
     let gpr = g.groups_per_row(k);
-    let chunks: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> = (0..n.div_ceil(ENCODE_ROWS))
+    let chunks: Vec<PlaneSpans> = (0..n.div_ceil(ENCODE_ROWS))
         .into_par_iter()
         .map(|c| encode_rows(g, values, k, c * ENCODE_ROWS..((c + 1) * ENCODE_ROWS).min(n)))
         .collect::<Result<_, String>>()?;
@@ -170,7 +173,7 @@ pub fn encode(g: &Grouped, values: &[f32], n: usize, k: usize) -> Result<Vec<u8>
 }
 
 /// The base, high and scale plane spans of rows `rows`.
-fn encode_rows(g: &Grouped, values: &[f32], k: usize, rows: std::ops::Range<usize>) -> Result<(Vec<u8>, Vec<u8>, Vec<u8>), String> {
+fn encode_rows(g: &Grouped, values: &[f32], k: usize, rows: std::ops::Range<usize>) -> Result<PlaneSpans, String> {
     let gpr = g.groups_per_row(k);
     let groups = rows.len() * gpr;
     let (mut base, mut high, mut scales) = (vec![0u8; groups * g.base_bytes], vec![0u8; groups * g.high_bytes], vec![0u8; groups * 2]);

@@ -46,7 +46,7 @@ pub fn validate(t: &QuantTensor<'_>) -> Result<()> {
                 let what = if t.data.len() < size { "truncated" } else { "longer than its shape" };
                 return Err(err(format!("{what}: {} bytes, shape [{n}, {k}] needs {size}", t.data.len())));
             }
-            for part in [&t.scale, &t.zero, &t.g_idx].into_iter().flatten() {
+            if let Some(part) = [&t.scale, &t.zero, &t.g_idx].into_iter().flatten().next() {
                 return Err(err(format!("companion tensor {} is not part of this format (its scales are inside the payload)", part.name)));
             }
             check_scale_words(t).map_err(err)
