@@ -145,3 +145,19 @@ def test_gguf_file_written_by_the_package_decodes_tensor_by_tensor(tmp_path):
         np.testing.assert_array_equal(got.view(np.uint32), want.reshape(n, k).view(np.uint32))
         name, data = blocks[t.name]
         assert fmt == f"GGUF_{name}" and t.data.tobytes() == data.tobytes()
+
+
+def test_every_ggml_type_of_the_package_is_known():
+    """Each ggml type id is dense, decoded, or refused as not supported yet (never 'unknown')."""
+    supported = {f"GGUF_{n}" for n in GGUF_TYPES}
+    for qtype in GGMLQuantizationType:
+        try:
+            fmt = _core.gguf_format(int(qtype.value), "t")
+        except _core.ModelLoadError as e:
+            assert "not supported yet" in str(e), (qtype.name, str(e))
+            assert qtype.name not in GGUF_TYPES
+            continue
+        if fmt is None:
+            assert qtype.name in ("F32", "F16", "BF16")
+        else:
+            assert fmt in supported and fmt == f"GGUF_{qtype.name}"

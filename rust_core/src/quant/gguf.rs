@@ -48,7 +48,7 @@ pub const GGUF_TYPE_IDS: [(u32, QuantFormat); 6] = [
 
 /// Names of the ggml type ids that exist but NInfer does not read (refused as not supported yet,
 /// which a user can act on by picking another file, unlike an unknown id).
-pub const KNOWN_UNSUPPORTED_GGUF_TYPES: [(u32, &str); 20] = [
+pub const KNOWN_UNSUPPORTED_GGUF_TYPES: [(u32, &str); 25] = [
     (2, "Q4_0"),
     (3, "Q4_1"),
     (6, "Q5_0"),
@@ -69,6 +69,11 @@ pub const KNOWN_UNSUPPORTED_GGUF_TYPES: [(u32, &str); 20] = [
     (27, "I64"),
     (28, "F64"),
     (29, "IQ1_M"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+    (39, "MXFP4"),
+    (40, "NVFP4 (GGUF blocks)"),
+    (41, "Q1_0"),
 ];
 
 /// Values per block and bytes per block.
