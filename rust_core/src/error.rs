@@ -40,6 +40,11 @@ pub enum NinferError {
     #[error("tensor {name} has dtype {dtype}, supported: F32, F16, BF16")]
     TensorDtype { name: String, dtype: String },
 
+    /// A quantized tensor (or one of its scale / zero companions) is inconsistent with its
+    /// declared format and shape, or a value cannot be quantized.
+    #[error("quantized tensor {name} ({format}): {reason}")]
+    QuantTensor { name: String, format: String, reason: String },
+
     /// The checkpoint's architecture is not implemented.
     #[error("unsupported architecture {name}; supported: {}", supported.join(", "))]
     UnsupportedArchitecture { name: String, supported: Vec<String> },

@@ -27,6 +27,7 @@ pub fn to_py(e: NinferError) -> PyErr {
         | NinferError::MissingTensor { .. }
         | NinferError::TensorShape { .. }
         | NinferError::TensorDtype { .. }
+        | NinferError::QuantTensor { .. }
         | NinferError::Config { .. }
         | NinferError::Tokenizer(_) => ModelLoadError::new_err(msg),
         NinferError::UnsupportedArchitecture { .. } | NinferError::Unsupported(_) => UnsupportedError::new_err(msg),

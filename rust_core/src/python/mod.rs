@@ -12,6 +12,7 @@ mod generation;
 mod json_value;
 mod model;
 mod mtp;
+mod quant;
 mod sampling;
 mod tokenizer;
 
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tokenizer::register(m)?;
     model::register(m)?;
     mtp::register(m)?;
+    quant::register(m)?;
     delta::register(m)?;
     engine::register(m)?;
     generation::register(m)?;
