@@ -85,11 +85,9 @@ impl ModelRunner for CudaModel {
     }
 
     fn cache_spec(&self) -> CacheSpec {
-        let c = &self.cfg;
-        let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
-        // Conv state in the storage type (2 bytes), delta state in f32.
-        let state = c.linear_attention.map_or(0, |la| (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers());
-        CacheSpec { kv_bytes_per_token: kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes }
+        // The plan's arithmetic (plan/mod.rs): KV and conv state in the storage type, the
+        // delta state in f32; `ninfer plan` counts the same bytes.
+        crate::plan::cache_spec(&self.cfg, crate::plan::Target::Gpu, false, self.weights.bytes)
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
@@ -221,7 +219,7 @@ impl ModelRunner for CudaModel {
 /// allocated later (decode graphs and their scratch, the warm-up step's leftovers, the CUDA
 /// context's own growth, other processes' drift).
 fn cache_budget(free: u64, total: u64) -> u64 {
-    free.saturating_sub((total / 20).max(1 << 30))
+    free.saturating_sub(crate::plan::reserve_bytes(crate::plan::Target::Gpu, total))
 }
 
 /// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.
