@@ -22,7 +22,7 @@ fn target(device: Option<&str>, gpu_memory: Option<u64>) -> Result<(Target, Opti
         if device.is_some() {
             return Err(NinferError::config("gpu_memory (--gpu-memory)", "give either --gpu-memory or --device, not both"));
         }
-        return Ok((Target::Gpu, Some(DeviceMemory { free: bytes, total: bytes }), format!("a GPU of {bytes} B")));
+        return Ok((Target::Gpu, Some(DeviceMemory { free: bytes, total: bytes }), format!("a GPU of {:.1} GiB", bytes as f64 / (1u64 << 30) as f64)));
     }
     let device = device.unwrap_or("auto").trim().to_ascii_lowercase();
     let ordinal = match device.as_str() {
@@ -53,7 +53,7 @@ fn has_weights(dir: &Path) -> bool {
 /// Plan the memory of the model in `model_dir` on `device` ("cpu", "cuda:N"; None: the GPU
 /// when one is present) or on a GPU of `gpu_memory` bytes, without reading any weight.
 #[pyfunction]
-#[pyo3(signature = (model_dir, device=None, gpu_memory=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, kv_dtype="auto", quantize=None, quantize_lm_head=false, spec=None, draft_tokens=None))]
+#[pyo3(signature = (model_dir, device=None, gpu_memory=None, max_context=None, kv_capacity=None, max_concurrency=1, prefill_chunk=512, prefix_reuse=true, kv_dtype="auto", quantize=None, quantize_lm_head=false, spec=None, draft_tokens=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan<'py>(
     py: Python<'py>,
