@@ -68,6 +68,9 @@ pub struct Fit {
     /// Largest `--max-concurrency` that fits at the given `--max-context` (0: none), at most
     /// `MAX_PLANNED_CONCURRENCY`.
     pub largest_concurrency: usize,
+    /// With a `--kv-capacity` given: the largest that fits at the given context and
+    /// concurrency (0: none, not even one context).
+    pub largest_kv_capacity: Option<usize>,
 }
 
 /// The highest concurrency the plan searches.
@@ -209,6 +212,14 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Plan> {
                 short: needed.saturating_sub(m.free),
                 largest_context: largest(ctx_hi, |ctx| fits_at(c, ctx))?,
                 largest_concurrency: largest(MAX_PLANNED_CONCURRENCY, |n| fits_at(n, max_context))?,
+                largest_kv_capacity: match input.engine.kv_capacity_tokens {
+                    None => None,
+                    // The pool cannot go below one context: search above it.
+                    Some(kv) => Some(match largest(kv.saturating_sub(max_context) + 1, |extra| Ok(sized(input, &spec, c, max_context, max_context + extra - 1, reserve)?.2 <= m.free))? {
+                        0 => 0,
+                        n => max_context + n - 1,
+                    }),
+                },
             })
         }
     };
@@ -228,6 +239,11 @@ impl Plan {
             );
         }
         let mut parts = Vec::new();
+        match f.largest_kv_capacity {
+            Some(0) => parts.push(format!("no --kv-capacity fits at --max-context {ctx}")),
+            Some(kv) => parts.push(format!("at most --kv-capacity {kv} fits")),
+            None => {}
+        }
         if f.largest_context > 0 {
             parts.push(format!("at --max-concurrency {c} at most --max-context {} fits", f.largest_context));
         } else {

@@ -16,7 +16,13 @@ pub struct DeviceMemory {
 /// the primary one a later load reuses). Without a GPU or a CUDA build, a `Device` error saying
 /// why.
 pub fn device_memory(ordinal: usize) -> Result<DeviceMemory> {
-    let count = crate::backend::cuda::select::cuda_device_count().map_err(|e| NinferError::Device(format!("device cuda:{ordinal}: {e}")))?;
+    let count = crate::backend::cuda::select::cuda_device_count().map_err(|e| {
+        let why = match e {
+            NinferError::Device(m) => m,
+            e => e.to_string(),
+        };
+        NinferError::Device(format!("cuda:{ordinal} requested but {why}"))
+    })?;
     if ordinal >= count {
         return Err(NinferError::Device(format!("device cuda:{ordinal} requested but {count} CUDA device(s) are present")));
     }

@@ -162,4 +162,16 @@ fn the_startup_check_refuses_before_loading_what_cannot_fit() {
     let e = check_startup(&dir, &cfg, "cpu", &EngineConfig { kv_capacity_tokens: Some(1 << 40), ..Default::default() }).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, crate::NinferError::OutOfMemory { .. }) && msg.contains("before loading") && msg.contains("--max-context"), "{msg}");
+    // The largest --kv-capacity that fits is named, and fits.
+    let kv: usize = msg.split("at most --kv-capacity ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).expect(&msg);
+    let host = host_available_bytes().unwrap();
+    let at = |kv| {
+        let e = EngineConfig { kv_capacity_tokens: Some(kv), ..Default::default() };
+        let tensors = model_tensors(&cfg, None).unwrap();
+        let with_bias = model_tensors(&cfg, Some(&crate::artifact::WeightStore::open(&dir).unwrap())).unwrap();
+        assert!(with_bias.len() > tensors.len());
+        plan(&PlanInput { pool: PoolRule::OneContext, ..input(&cfg, &with_bias, Target::Cpu, e) }).unwrap().needed_bytes
+    };
+    // The host's free memory moves between the two reads: allow it a little slack.
+    assert!(at(kv) <= host.free + (64 << 20) && at(kv + 1 + (1 << 20)) > host.free.saturating_sub(64 << 20), "{kv}");
 }

@@ -41,7 +41,10 @@ fn target(device: Option<&str>, gpu_memory: Option<u64>) -> Result<(Target, Opti
             _ => return Err(NinferError::config("device (--device)", format!("`{device}` is not a device; use cpu, cuda or cuda:N"))),
         },
     };
-    let memory = device_memory(ordinal)?;
+    let memory = device_memory(ordinal).map_err(|e| match e {
+        NinferError::Device(m) => NinferError::Device(format!("{m}; give --gpu-memory SIZE to plan for a GPU without one")),
+        e => e,
+    })?;
     Ok((Target::Gpu, Some(memory), format!("cuda:{ordinal}")))
 }
 
