@@ -234,3 +234,10 @@ def test_a_start_that_cannot_fit_fails_before_loading_with_the_bytes_and_what_fi
     assert "before loading" in msg and "needs" in msg and "available" in msg and "--max-context" in msg, msg
     proc = run_cli(["run", "--device", "cpu", "--prompt", "hi", "--kv-capacity", str(10**13)])
     assert proc.returncode == 1 and "before loading" in proc.stderr, proc.stderr
+
+
+def test_the_server_refuses_the_same_start_before_loading():
+    _demo()
+    proc = run_cli(["serve", "--device", "cpu", "--port", "0", "--kv-capacity", str(10**13)], timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "before loading" in proc.stderr and "at most --kv-capacity" in proc.stderr, proc.stderr
