@@ -161,6 +161,9 @@ def test_settings_that_do_not_fit_exit_1_with_the_bytes_short_and_what_fits(tmp_
     (["--spec", "dflash"], "dflash"),
     (["--quantize-lm-head"], "--quantize-lm-head needs --quantize"),
     (["--gpu-memory", "32GiB", "--device", "cpu"], "not allowed with"),
+    (["--gpu-memory", "32GiB", "--kv-dtype", "float32"], "float32 is not supported here"),
+    (["--device", "cpu", "--kv-dtype", "bf16"], "bf16 is not supported here"),
+    (["--device", "cpu", "--quantize", "q4"], "planned for a GPU"),
 ])
 def test_bad_flags_exit_2_naming_the_value(tmp_path, args, needle):
     model = write_qwen35_27b_config(tmp_path)
