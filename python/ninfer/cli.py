@@ -53,13 +53,15 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 USAGE = """\
 usage: ninfer run [MODEL] (--prompt TEXT | --messages FILE.json) [options]
        ninfer serve [MODEL] [options]
+       ninfer plan MODEL [--gpu-memory SIZE | --device DEVICE] [options]
        ninfer MODEL --prompt TEXT          (same as `ninfer run`)
 
 commands:
   run     answer one prompt; the answer streams to stdout, speed figures go to stderr
   serve   start the OpenAI-compatible server (same as `ninfer-serve`)
+  plan    print the memory ledger and what fits on a device, without loading the weights
 
-`ninfer run --help` and `ninfer serve --help` list the options."""
+`ninfer run --help`, `ninfer serve --help` and `ninfer plan --help` list the options."""
 
 
 def add_later_work_flags(parser: argparse.ArgumentParser) -> None:
@@ -515,6 +517,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return serve_main(argv[1:])
     if argv[0] == "run":
         return run_main(argv[1:])
+    if argv[0] == "plan":
+        from ninfer.plan import main as plan_main
+
+        return plan_main(argv[1:])
     return run_main(argv, prog="ninfer")
 
 

@@ -21,8 +21,10 @@ def available_host_bytes() -> int | None:
         return None
 
 
-def format_ledger(info: dict) -> str:
-    """One block of text from `Engine.info()`."""
+def format_ledger(info: dict, plan: bool = False) -> str:
+    """One block of text from `Engine.info()`, or with `plan` from `_core.plan()` (`ninfer
+    plan`), whose weights, KV and state lines are the same arithmetic and print the same
+    numbers; a plan's workspace is an estimate, the engine's the measured high-water mark."""
     kv_tokens = info.get("kv_capacity_tokens", 0)
     lines = [
         f"memory ledger (device {info.get('device', '?')}):",
@@ -36,13 +38,20 @@ def format_ledger(info: dict) -> str:
         lines.append(f"  GDN state      {_mib(info['state_bytes'])} = {slots} slots x "
                      f"{info.get('state_bytes_per_slot', 0):,} B/slot")
     if "workspace_bytes" in info:
-        lines.append(f"  workspace      {_mib(info['workspace_bytes'])}")
+        lines.append(f"  workspace      {_mib(info['workspace_bytes'])}" + (" (estimate)" if plan else ""))
     lines.append(f"  total planned  {_mib(info.get('total_bytes', 0))}")
+    if plan:
+        lines.append(_limits(info))
+        return "\n".join(lines)
     free = info.get("device_free_bytes")
     if free is None and str(info.get("device", "cpu")).startswith("cpu"):
         free = available_host_bytes()
     if free is not None:
         lines.append(f"  left after plan {_mib(max(free, 0))} of free memory found at start")
-    lines.append(f"  max context {info.get('max_context', '?'):,} tokens; max concurrency "
-                 f"{info.get('max_concurrency', '?')}; prefill chunk {info.get('prefill_chunk', '?')}")
+    lines.append(_limits(info))
     return "\n".join(lines)
+
+
+def _limits(info: dict) -> str:
+    return (f"  max context {info.get('max_context', '?'):,} tokens; max concurrency "
+            f"{info.get('max_concurrency', '?')}; prefill chunk {info.get('prefill_chunk', '?')}")

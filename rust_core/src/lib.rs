@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
+pub mod plan;
 pub mod quant;
 pub mod sampling;
 pub mod sched;

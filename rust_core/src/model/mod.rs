@@ -14,7 +14,7 @@ pub mod names;
 pub mod runner;
 
 #[cfg(test)]
-mod test_checkpoint;
+pub(crate) mod test_checkpoint;
 
 use std::path::Path;
 

@@ -113,7 +113,7 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
 }
 
 /// `--spec` / `--draft-tokens` as the engine takes them; K without a method is refused.
-fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Result<Option<SpecConfig>> {
+pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Result<Option<SpecConfig>> {
     match (spec, draft_tokens) {
         (None, None) => Ok(None),
         (None, Some(_)) => Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)")),
@@ -127,8 +127,12 @@ fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Result<Option
 fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, cfg: &EngineConfig) -> Result<(EngineCore, String, SamplingDefaults)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
-    // The flags that need only config.json are checked before any weight is read.
-    cfg.check(ModelConfig::from_dir(&dir)?.max_position_embeddings)?;
+    // The flags that need only config.json are checked before any weight is read, then the
+    // memory plan (`ninfer plan`'s arithmetic): a start that cannot fit fails here, naming the
+    // bytes needed, the bytes available and the settings that would fit.
+    let model_cfg = ModelConfig::from_dir(&dir)?;
+    cfg.check(model_cfg.max_position_embeddings)?;
+    crate::plan::check_startup(&dir, &model_cfg, &device, cfg)?;
     let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype, cuda })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),

@@ -12,6 +12,7 @@ mod generation;
 mod json_value;
 mod model;
 mod mtp;
+mod plan;
 mod quant;
 mod sampling;
 mod tokenizer;
@@ -25,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     quant::register(m)?;
     delta::register(m)?;
     engine::register(m)?;
+    plan::register(m)?;
     generation::register(m)?;
     sampling::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -252,11 +252,8 @@ impl ModelRunner for CpuModel {
     }
 
     fn cache_spec(&self) -> CacheSpec {
-        let c = &self.cfg;
-        let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 4;
-        let state = c.linear_attention.map_or(0, |la| la.state_floats() * 4 * c.num_linear_layers());
-        let mtp_kv = if self.mtp_state.is_some() { mtp::MtpDrafter::kv_bytes_per_token(self) } else { 0 };
-        CacheSpec { kv_bytes_per_token: kv + mtp_kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes() }
+        // The plan's arithmetic (plan/mod.rs), so that `ninfer plan` and this ledger agree.
+        crate::plan::cache_spec(&self.cfg, crate::plan::Target::Cpu, self.mtp_state.is_some(), self.weights.bytes())
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {

@@ -84,11 +84,6 @@ impl CudaMtp {
         self.w.bytes
     }
 
-    /// KV bytes the MTP layer takes per token (storage type), for the memory ledger.
-    pub(super) fn kv_bytes_per_token(cfg: &crate::config::ModelConfig) -> usize {
-        2 * cfg.num_kv_heads * cfg.head_dim * 2
-    }
-
     /// Allocates the MTP layer's KV: `kv_elems` elements each for k and v, the size of one of
     /// the model's layers, so that its block tables address both. Kept rows are forgotten.
     pub(super) fn allocate(&mut self, dev: &CudaDevice, kv_elems: usize) -> Result<()> {

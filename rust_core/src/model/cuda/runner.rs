@@ -89,12 +89,10 @@ impl ModelRunner for CudaModel {
     }
 
     fn cache_spec(&self) -> CacheSpec {
-        let c = &self.cfg;
-        let kv = c.num_attention_layers() * 2 * c.num_kv_heads * c.head_dim * 2;
-        // Conv state in the storage type (2 bytes), delta state in f32.
-        let state = c.linear_attention.map_or(0, |la| (la.conv_floats() * 2 + la.delta_floats() * 4) * c.num_linear_layers());
-        let (mtp_kv, mtp_weights) = self.mtp.as_ref().map_or((0, 0), |m| (CudaMtp::kv_bytes_per_token(c), m.weight_bytes()));
-        CacheSpec { kv_bytes_per_token: kv + mtp_kv, state_bytes_per_slot: state, weight_bytes: self.weights.bytes + mtp_weights }
+        // The plan's arithmetic (plan/mod.rs): KV and conv state in the storage type, the
+        // delta state in f32, the MTP layer's KV under --spec mtp; `ninfer plan` counts the same bytes.
+        let mtp_weights = self.mtp.as_ref().map_or(0, |m| m.weight_bytes());
+        crate::plan::cache_spec(&self.cfg, crate::plan::Target::Gpu, self.mtp.is_some(), self.weights.bytes + mtp_weights)
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
@@ -266,7 +264,7 @@ impl ModelRunner for CudaModel {
 /// allocated later (decode graphs and their scratch, the warm-up step's leftovers, the CUDA
 /// context's own growth, other processes' drift).
 fn cache_budget(free: u64, total: u64) -> u64 {
-    free.saturating_sub((total / 20).max(1 << 30))
+    free.saturating_sub(crate::plan::reserve_bytes(crate::plan::Target::Gpu, total))
 }
 
 /// Device-to-device copy of slot `src` of `buf` (equal-sized slots) onto slot `dst`.

@@ -206,6 +206,19 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     assert_eq!(dev.bytes, 2 * storage_elems + 4 * f32_elems, "byte count");
     // The plan the device load checks against free memory first: the same bytes, no upload.
     assert_eq!(planned_weight_bytes(&cfg, &store, st.into()).unwrap(), dev.bytes, "planned bytes");
+    // `ninfer plan` (plan/inventory.rs) counts the same bytes from the headers.
+    let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
+    let input = crate::plan::PlanInput {
+        cfg: &cfg,
+        tensors: &tensors,
+        target: crate::plan::Target::Gpu,
+        engine: Default::default(),
+        quantize: None,
+        quantize_lm_head: false,
+        memory: None,
+        pool: crate::plan::PoolRule::OneContext,
+    };
+    assert_eq!(crate::plan::ledger::weight_lines(&input).unwrap().1, dev.bytes as u64, "ninfer plan's bytes");
 }
 
 #[test]

@@ -1,0 +1,298 @@
+//! The plan itself: weights by format, the KV pool and recurrent-state slots sized by the
+//! engine's own arithmetic (`EngineConfig::resolve`, `ResolvedConfig::ledger`), a step
+//! workspace estimate and the device reserve, against the memory available; and when that
+//! does not fit, the largest context and concurrency that do.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::formats::QuantFormat;
+use super::inventory::{model_tensors, PlannedTensor, Role};
+use super::memory::{device_memory, host_available_bytes, DeviceMemory};
+use super::{cache_spec, reserve_bytes, Target};
+use crate::artifact::WeightStore;
+use crate::config::ModelConfig;
+use crate::engine::{EngineConfig, MemoryLedger, ResolvedConfig};
+use crate::model::CacheSpec;
+use crate::spec::SpecMethod;
+use crate::{NinferError, Result};
+
+/// How large a KV pool the settings call for when `--kv-capacity` is not given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolRule {
+    /// Every one of `--max-concurrency` sequences can reach `--max-context` at once (what
+    /// `ninfer plan` answers).
+    PerSequence,
+    /// One full context, shared by the running sequences: the least the engine starts with
+    /// (its default pool then grows toward `--max-concurrency` contexts as memory allows).
+    OneContext,
+}
+
+/// What to plan.
+#[derive(Clone, Debug)]
+pub struct PlanInput<'a> {
+    pub cfg: &'a ModelConfig,
+    /// `model_tensors` of the model.
+    pub tensors: &'a [PlannedTensor],
+    pub target: Target,
+    /// The engine's flags (`max_context`, `kv_capacity_tokens`, `max_concurrency`,
+    /// `prefill_chunk`, `prefix_reuse`, `spec`, `block_size`).
+    pub engine: EngineConfig,
+    /// `--quantize`: the format of the projections (None: the backend's dense type).
+    pub quantize: Option<QuantFormat>,
+    /// `--quantize-lm-head`: the embedding and LM head in the `quantize` format too.
+    pub quantize_lm_head: bool,
+    /// The memory to fit in (None: the ledger without a verdict).
+    pub memory: Option<DeviceMemory>,
+    pub pool: PoolRule,
+}
+
+/// Weights of one format.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightLine {
+    /// `BF16`, `F32`, `Q4G64_F16S`, ...
+    pub format: String,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+/// The verdict against the memory available.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fit {
+    pub available: u64,
+    pub fits: bool,
+    /// Bytes missing (0 when it fits).
+    pub short: u64,
+    /// Largest `--max-context` that fits at the given `--max-concurrency` (0: none).
+    pub largest_context: usize,
+    /// Largest `--max-concurrency` that fits at the given `--max-context` (0: none), at most
+    /// `MAX_PLANNED_CONCURRENCY`.
+    pub largest_concurrency: usize,
+    /// With a `--kv-capacity` given: the largest that fits at the given context and
+    /// concurrency (0: none, not even one context).
+    pub largest_kv_capacity: Option<usize>,
+}
+
+/// The highest concurrency the plan searches.
+pub const MAX_PLANNED_CONCURRENCY: usize = 1 << 16;
+
+/// A planned memory ledger.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub weights: Vec<WeightLine>,
+    pub spec: CacheSpec,
+    /// The sizes the engine would run with.
+    pub config: ResolvedConfig,
+    /// Weights, KV pool, state slots and the workspace estimate, as the engine's ledger.
+    pub ledger: MemoryLedger,
+    /// Kept free on the device (`reserve_bytes`).
+    pub reserve_bytes: u64,
+    /// `ledger.total_bytes + reserve_bytes`.
+    pub needed_bytes: u64,
+    /// The model's own context length (0: not given).
+    pub model_max_context: usize,
+    pub fit: Option<Fit>,
+}
+
+/// Weights by format and their total, as `target` holds them. The MTP head counts where it is
+/// loaded: always on the CPU (which loads any head the checkpoint has), on a GPU only when it
+/// drafts (`--spec mtp`).
+pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
+    let target = input.target;
+    if input.quantize.is_some() && target == Target::Cpu {
+        return Err(NinferError::config("quantize (--quantize)", "quantized weights are planned for a GPU; the CPU backend holds f32 weights (give --gpu-memory or --device cuda:N)"));
+    }
+    if input.quantize_lm_head && input.quantize.is_none() {
+        return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format to store the LM head and embedding in)"));
+    }
+    let mtp_loaded = target == Target::Cpu || is_mtp(&input.engine);
+    let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for t in input.tensors.iter().filter(|t| !t.mtp || mtp_loaded) {
+        let quant = match t.role {
+            Role::Matrix => input.quantize,
+            Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
+            _ => None,
+        };
+        let (name, bytes) = match (quant, t.role) {
+            (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], t.shape[1..].iter().product())?),
+            (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
+            (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
+        };
+        let e = by.entry(name).or_default();
+        e.0 += 1;
+        e.1 += bytes;
+    }
+    let total = by.values().map(|v| v.1).sum();
+    Ok((by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect(), total))
+}
+
+fn is_mtp(engine: &EngineConfig) -> bool {
+    engine.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp)
+}
+
+/// An upper estimate of the step buffers: activations of a `step_rows`-token step (rounded up
+/// to a power of two, as the CUDA runner grows them) in the dense type, the GDN chunk workspace,
+/// and two f32 logits rows (logits and the sampler's copy) per decode row. The engine measures
+/// the real high-water mark after its warm-up step; the device reserve absorbs the difference.
+pub fn workspace_estimate(cfg: &ModelConfig, target: Target, step_rows: usize, decode_rows: usize) -> u64 {
+    let rows = step_rows.next_power_of_two().max(8) as u64;
+    let e = target.dense_bytes() as u64;
+    let (h, qd, kvd) = (cfg.hidden_size as u64, (cfg.num_attention_heads * cfg.head_dim) as u64, (cfg.num_kv_heads * cfg.head_dim) as u64);
+    let attn_width = qd * if cfg.attn_output_gate { 2 } else { 1 } + 2 * kvd;
+    let (cd, vd, nv, dk, dv) = cfg.linear_attention.map_or((0, 0, 0, 0, 0), |la| {
+        (la.conv_dim() as u64, la.value_dim() as u64, la.num_value_heads as u64, la.key_head_dim as u64, la.value_head_dim as u64)
+    });
+    let inter = cfg.intermediate_size as u64;
+    let norms = if cfg.qk_norm { qd + kvd } else { 0 };
+    let per_row = 4 * h + attn_width.max(cd + vd + 2 * nv) + norms + qd.max(vd) + 3 * inter + cd + vd;
+    let gdn = 2 * nv + nv * (dk + dv + 68);
+    let logits = 2 * decode_rows.next_power_of_two().max(8) as u64 * cfg.vocab_size as u64 * 4;
+    rows * (per_row * e + gdn * 4) + logits
+}
+
+/// The sizes, ledger and needed bytes of `input` at concurrency `c`, context `ctx` and KV pool
+/// `kv` tokens.
+fn sized(input: &PlanInput<'_>, spec: &CacheSpec, c: usize, ctx: usize, kv: usize, reserve: u64) -> Result<(ResolvedConfig, MemoryLedger, u64)> {
+    let model_max = input.cfg.max_position_embeddings;
+    let engine = EngineConfig { max_concurrency: c, max_context: Some(ctx), kv_capacity_tokens: Some(kv), ..input.engine.clone() };
+    let r = engine.resolve(model_max, spec, None)?;
+    let mut l = r.ledger(spec);
+    let step_rows = if model_max > 0 { r.prefill_chunk.min(model_max) } else { r.prefill_chunk };
+    let ws = workspace_estimate(input.cfg, input.target, step_rows, c.min(step_rows));
+    l.workspace_bytes = ws;
+    l.total_bytes += ws;
+    let needed = l.total_bytes + reserve;
+    Ok((r, l, needed))
+}
+
+fn pool_tokens(rule: PoolRule, c: usize, ctx: usize) -> usize {
+    match rule {
+        PoolRule::PerSequence => ctx.saturating_mul(c),
+        PoolRule::OneContext => ctx,
+    }
+}
+
+/// The largest `v` in `1..=hi` with `ok(v)`, for `ok` true up to some value and false after
+/// (0 when `ok(1)` is false).
+fn largest(hi: usize, ok: impl Fn(usize) -> Result<bool>) -> Result<usize> {
+    if hi == 0 || !ok(1)? {
+        return Ok(0);
+    }
+    let (mut lo, mut hi) = (1, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if ok(mid)? {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok(lo)
+}
+
+/// Plan `input`.
+pub fn plan(input: &PlanInput<'_>) -> Result<Plan> {
+    let cfg = input.cfg;
+    let model_max = cfg.max_position_embeddings;
+    let max_context = input.engine.check(model_max)?;
+    let (weights, weight_bytes) = weight_lines(input)?;
+    let spec = cache_spec(cfg, input.target, is_mtp(&input.engine), weight_bytes as usize);
+    let reserve = input.memory.map_or(0, |m| reserve_bytes(input.target, m.total));
+    let c = input.engine.max_concurrency;
+    let kv = input.engine.kv_capacity_tokens.unwrap_or_else(|| pool_tokens(input.pool, c, max_context));
+    let (config, ledger, needed) = sized(input, &spec, c, max_context, kv, reserve)?;
+    let fit = match input.memory {
+        None => None,
+        Some(m) => {
+            let fits_at = |c: usize, ctx: usize| -> Result<bool> { Ok(sized(input, &spec, c, ctx, pool_tokens(input.pool, c, ctx), reserve)?.2 <= m.free) };
+            let ctx_hi = if model_max > 0 { model_max } else { max_context.max(1 << 22) };
+            Some(Fit {
+                available: m.free,
+                fits: needed <= m.free,
+                short: needed.saturating_sub(m.free),
+                largest_context: largest(ctx_hi, |ctx| fits_at(c, ctx))?,
+                largest_concurrency: largest(MAX_PLANNED_CONCURRENCY, |n| fits_at(n, max_context))?,
+                largest_kv_capacity: match input.engine.kv_capacity_tokens {
+                    None => None,
+                    // The pool cannot go below one context: search above it.
+                    Some(kv) => Some(match largest(kv.saturating_sub(max_context) + 1, |extra| Ok(sized(input, &spec, c, max_context, max_context + extra - 1, reserve)?.2 <= m.free))? {
+                        0 => 0,
+                        n => max_context + n - 1,
+                    }),
+                },
+            })
+        }
+    };
+    Ok(Plan { weights, spec, config, ledger, reserve_bytes: reserve, needed_bytes: needed, model_max_context: model_max, fit })
+}
+
+impl Plan {
+    /// What would fit, in the flags that set it (for an error or `ninfer plan`'s verdict).
+    pub fn fit_hint(&self) -> String {
+        let Some(f) = &self.fit else { return String::new() };
+        let (c, ctx) = (self.config.max_concurrency, self.config.max_context);
+        if f.largest_context == 0 && f.largest_concurrency == 0 {
+            let fixed = self.ledger.weight_bytes + self.ledger.workspace_bytes + self.reserve_bytes;
+            return format!(
+                "nothing fits: the weights ({} B), step workspace and reserve alone need {fixed} B of {} B; use a larger device or smaller weights (--quantize)",
+                self.ledger.weight_bytes, f.available
+            );
+        }
+        let mut parts = Vec::new();
+        match f.largest_kv_capacity {
+            Some(0) => parts.push(format!("no --kv-capacity fits at --max-context {ctx}")),
+            Some(kv) => parts.push(format!("at most --kv-capacity {kv} fits")),
+            None => {}
+        }
+        if f.largest_context > 0 {
+            parts.push(format!("at --max-concurrency {c} at most --max-context {} fits", f.largest_context));
+        } else {
+            parts.push(format!("no --max-context fits at --max-concurrency {c}"));
+        }
+        if f.largest_concurrency > 0 {
+            parts.push(format!("at --max-context {ctx} at most --max-concurrency {} fits", f.largest_concurrency));
+        } else {
+            parts.push(format!("no --max-concurrency fits at --max-context {ctx}"));
+        }
+        parts.join("; ")
+    }
+}
+
+/// The engine's startup check, before any weight is read: plan the model in `dir` on `device`
+/// ("cpu" or "cuda:N") with one full context of KV (`PoolRule::OneContext`, or the
+/// `--kv-capacity` given) and refuse with an `OutOfMemory` error, bytes needed against
+/// available and the settings that would fit, when even that does not fit. Where the host does
+/// not say how much memory it has, nothing is checked.
+pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &EngineConfig) -> Result<Plan> {
+    let (target, memory) = match device.strip_prefix("cuda:") {
+        Some(n) => {
+            let ordinal = n.parse().map_err(|_| NinferError::Device(format!("`{device}` is not a device")))?;
+            (Target::Gpu, Some(device_memory(ordinal)?))
+        }
+        None => (Target::Cpu, host_available_bytes()),
+    };
+    let store = WeightStore::open(dir)?;
+    let tensors = model_tensors(cfg, Some(&store))?;
+    let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: None, quantize_lm_head: false, memory, pool: PoolRule::OneContext };
+    let p = plan(&input)?;
+    if let Some(f) = p.fit.as_ref().filter(|f| !f.fits) {
+        let l = &p.ledger;
+        return Err(NinferError::OutOfMemory {
+            what: format!(
+                "{} on {device} before loading it (weights {} B, KV {} tokens {} B, {} state slots {} B, workspace {} B, reserve {} B)",
+                dir.display(),
+                l.weight_bytes,
+                l.kv_capacity_tokens,
+                l.kv_bytes,
+                l.state_slots,
+                l.state_bytes,
+                l.workspace_bytes,
+                p.reserve_bytes
+            ),
+            needed: p.needed_bytes,
+            available: f.available,
+            hint: p.fit_hint(),
+        });
+    }
+    Ok(p)
+}

@@ -1,0 +1,184 @@
+//! The plan against what the loaders hold and the engine allocates.
+
+use std::path::PathBuf;
+
+use ::safetensors::tensor::{Dtype, TensorView};
+
+use super::*;
+use crate::config::ModelConfig;
+use crate::engine::EngineConfig;
+use crate::model::cpu::CpuModel;
+use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
+use crate::model::{LoadOptions, ModelRunner};
+use crate::spec::{SpecConfig, SpecMethod};
+
+/// A tiny bf16 Qwen3.5 checkpoint (2 GDN layers, 1 attention layer, conv bias), with an MTP head
+/// when `mtp`.
+fn checkpoint(tag: &str, mtp: bool) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ninfer_plan_{tag}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = TinyDims { h: 32, v: 70, inter: 64, nh: 4, nkv: 2, hd: 8, nk: 2, nv: 4, kd: 8, vd: 8, kern: 4 };
+    let types = ["linear_attention", "full_attention", "linear_attention"];
+    let cfg = serde_json::json!({"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": d.h, "intermediate_size": d.inter,
+        "num_hidden_layers": 3, "num_attention_heads": d.nh, "num_key_value_heads": d.nkv, "head_dim": d.hd, "vocab_size": d.v,
+        "layer_types": types, "linear_num_key_heads": d.nk, "linear_num_value_heads": d.nv, "linear_key_head_dim": d.kd,
+        "linear_value_head_dim": d.vd, "linear_conv_kernel_dim": d.kern, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "mtp_num_hidden_layers": usize::from(mtp)});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut t = tensor_shapes(&d, "model", &types, true, true);
+    if mtp {
+        t.extend(mtp_tensor_shapes(&d));
+    }
+    let bufs: Vec<Vec<u8>> = t
+        .iter()
+        .enumerate()
+        .map(|(i, (_, s))| centered_noise(s.iter().product(), i as u64 + 5).iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, TensorView)> = t.iter().zip(&bufs).map(|((n, s), b)| (n.clone(), TensorView::new(Dtype::BF16, s.clone(), b).unwrap())).collect();
+    ::safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn input<'a>(cfg: &'a ModelConfig, tensors: &'a [PlannedTensor], target: Target, engine: EngineConfig) -> PlanInput<'a> {
+    PlanInput { cfg, tensors, target, engine, quantize: None, quantize_lm_head: false, memory: None, pool: PoolRule::PerSequence }
+}
+
+#[test]
+fn cpu_plan_counts_the_bytes_and_caches_the_cpu_backend_holds() {
+    for mtp in [false, true] {
+        let dir = checkpoint(if mtp { "cpu_mtp" } else { "cpu" }, mtp);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let store = crate::artifact::WeightStore::open(&dir).unwrap();
+        let tensors = model_tensors(&cfg, Some(&store)).unwrap();
+        assert_eq!(tensors.iter().any(|t| t.mtp), mtp);
+        let mut model = CpuModel::load(&dir, &LoadOptions { device: "cpu".into(), num_threads: Some(1), ..Default::default() }).unwrap();
+        let engine = if mtp { EngineConfig { spec: Some(SpecConfig { method: SpecMethod::Mtp, draft_tokens: 2 }), ..Default::default() } } else { EngineConfig::default() };
+        if mtp {
+            model.enable_mtp().unwrap();
+        }
+        let p = plan(&input(&cfg, &tensors, Target::Cpu, engine)).unwrap();
+        assert_eq!(p.spec, model.cache_spec(), "mtp {mtp}");
+        assert_eq!(p.weights, vec![WeightLine { format: "F32".into(), tensors: tensors.len(), bytes: model.cache_spec().weight_bytes as u64 }]);
+    }
+}
+
+#[test]
+fn a_config_only_directory_plans_the_same_tensors_as_its_checkpoint() {
+    let dir = checkpoint("config_only", true);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = crate::artifact::WeightStore::open(&dir).unwrap();
+    let with = model_tensors(&cfg, Some(&store)).unwrap();
+    let without = model_tensors(&cfg, None).unwrap();
+    // The config cannot tell the optional conv bias; everything else is the same list.
+    let no_bias: Vec<_> = with.iter().filter(|t| !t.name.ends_with("conv1d.bias")).cloned().collect();
+    assert_eq!(no_bias, without);
+    // A header that disagrees with the config is refused as the loader refuses it.
+    let mut wrong = cfg.clone();
+    wrong.intermediate_size += 1;
+    let e = model_tensors(&wrong, Some(&store)).unwrap_err().to_string();
+    assert!(e.contains("gate_proj") && e.contains("65"), "{e}");
+}
+
+#[test]
+fn quantized_projections_keep_the_head_and_embedding_dense_unless_asked() {
+    let dir = checkpoint("quant", false);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let nvfp4 = QuantFormat::parse("nvfp4").unwrap();
+    // NVFP4 tiles rows by 128 and columns by 64: h = 32 cannot be held, refused naming a tensor
+    // and the format.
+    let mut i = input(&cfg, &tensors, Target::Gpu, EngineConfig::default());
+    i.quantize = Some(nvfp4);
+    let e = plan(&i).unwrap_err().to_string();
+    assert!(e.contains("NVFP4") && e.contains("32") && e.contains(".weight"), "{e}");
+    let w8 = QuantFormat::parse("w8").unwrap();
+    i.quantize = Some(w8);
+    let p = plan(&i).unwrap();
+    let by = |name: &str| p.weights.iter().find(|w| w.format == name).map_or(0, |w| w.bytes);
+    let mut matrices = 0;
+    let mut dense = 0;
+    let mut f32s = 0;
+    for t in &tensors {
+        match t.role {
+            // W8G32_F16S pads each row to whole 128-value tiles (4 groups of 32): the code
+            // plane (one byte a value) aligned to 256 bytes, then an f16 scale per group.
+            Role::Matrix => {
+                let groups = t.shape[0] as u64 * (t.shape[1] as u64).div_ceil(128) * 4;
+                matrices += (groups * 32).div_ceil(256) * 256 + groups * 2
+            }
+            Role::DenseF32 => f32s += 4 * t.numel(),
+            _ => dense += 2 * t.numel(),
+        }
+    }
+    assert_eq!((by("W8G32_F16S"), by("BF16"), by("F32")), (matrices, dense, f32s));
+    i.quantize_lm_head = true;
+    let head = plan(&i).unwrap();
+    // The embedding and the untied head, [70, 32] each.
+    let embed = |rows: u64| (rows * 4 * 32).div_ceil(256) * 256 + rows * 4 * 2;
+    assert_eq!(head.weights.iter().find(|w| w.format == "W8G32_F16S").unwrap().bytes, matrices + 2 * embed(70));
+    // The CPU holds f32 weights: --quantize is a GPU plan.
+    let mut cpu = input(&cfg, &tensors, Target::Cpu, EngineConfig::default());
+    cpu.quantize = Some(w8);
+    assert!(plan(&cpu).unwrap_err().to_string().contains("GPU"));
+}
+
+#[test]
+fn the_verdict_says_how_many_bytes_are_short_and_what_fits() {
+    let dir = checkpoint("fit", false);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let engine = EngineConfig { max_context: Some(256), max_concurrency: 4, ..Default::default() };
+    let base = plan(&input(&cfg, &tensors, Target::Cpu, engine.clone())).unwrap();
+    // Every sequence gets a full context; state slots: 4 running + 1 score + 4 snapshots.
+    assert_eq!(base.config.kv_capacity_tokens, 1024);
+    assert_eq!(base.ledger.kv_bytes, 1024 * base.spec.kv_bytes_per_token as u64);
+    assert_eq!(base.ledger.state_slots, 9);
+    assert_eq!(base.needed_bytes, base.ledger.weight_bytes + base.ledger.kv_bytes + base.ledger.state_bytes + base.ledger.workspace_bytes);
+    let short = 1000;
+    let mut i = input(&cfg, &tensors, Target::Cpu, engine);
+    i.memory = Some(DeviceMemory { free: base.needed_bytes - short, total: 1 << 40 });
+    let p = plan(&i).unwrap();
+    let f = p.fit.clone().unwrap();
+    assert!(!f.fits && f.short == short);
+    assert!(f.largest_context < 256 && f.largest_context > 0 && f.largest_concurrency == 3, "{f:?}");
+    // Each suggestion fits, one more does not.
+    let at = |c: usize, ctx: usize| {
+        let e = EngineConfig { max_context: Some(ctx), max_concurrency: c, ..Default::default() };
+        plan(&PlanInput { memory: None, ..input(&cfg, &tensors, Target::Cpu, e) }).unwrap().needed_bytes
+    };
+    assert!(at(4, f.largest_context) <= base.needed_bytes - short && at(4, f.largest_context + 1) > base.needed_bytes - short);
+    assert!(at(3, 256) <= base.needed_bytes - short);
+    let hint = p.fit_hint();
+    assert!(hint.contains(&format!("--max-context {}", f.largest_context)) && hint.contains("--max-concurrency 3"), "{hint}");
+    i.memory = Some(DeviceMemory { free: base.needed_bytes, total: 1 << 40 });
+    assert!(plan(&i).unwrap().fit.unwrap().fits);
+    i.memory = Some(DeviceMemory { free: 10, total: 1 << 40 });
+    assert!(plan(&i).unwrap().fit_hint().contains("nothing fits"));
+}
+
+#[test]
+fn the_startup_check_refuses_before_loading_what_cannot_fit() {
+    let dir = checkpoint("startup", false);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    // The host has room for a tiny model: the plan is returned, one full context of KV.
+    let p = check_startup(&dir, &cfg, "cpu", &EngineConfig { max_concurrency: 8, ..Default::default() }).unwrap();
+    assert_eq!(p.config.kv_capacity_tokens, 256);
+    // A pool larger than any host is refused with the bytes and the settings that fit.
+    let e = check_startup(&dir, &cfg, "cpu", &EngineConfig { kv_capacity_tokens: Some(1 << 40), ..Default::default() }).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, crate::NinferError::OutOfMemory { .. }) && msg.contains("before loading") && msg.contains("--max-context"), "{msg}");
+    // The largest --kv-capacity that fits is named, and fits.
+    let kv: usize = msg.split("at most --kv-capacity ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).expect(&msg);
+    let host = host_available_bytes().unwrap();
+    let at = |kv| {
+        let e = EngineConfig { kv_capacity_tokens: Some(kv), ..Default::default() };
+        let tensors = model_tensors(&cfg, None).unwrap();
+        let with_bias = model_tensors(&cfg, Some(&crate::artifact::WeightStore::open(&dir).unwrap())).unwrap();
+        assert!(with_bias.len() > tensors.len());
+        plan(&PlanInput { pool: PoolRule::OneContext, ..input(&cfg, &with_bias, Target::Cpu, e) }).unwrap().needed_bytes
+    };
+    // The host's free memory moves between the two reads: allow it a little slack.
+    assert!(at(kv) <= host.free + (64 << 20) && at(kv + 1 + (1 << 20)) > host.free.saturating_sub(64 << 20), "{kv}");
+}

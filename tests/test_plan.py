@@ -1,0 +1,246 @@
+"""`ninfer plan`: the memory ledger without loading the weights, checked against a hand count of
+the Qwen3.5-27B tensors, its verdict and suggestions, its refusals, and the equality of its
+ledger with the one the engine's startup prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ninfer import _core
+from ninfer.cli import default_model_dir
+
+# The published Qwen3.5-27B text model: 64 layers = 16 x [3 Gated DeltaNet + 1 full attention].
+H, FFN, VOCAB = 5120, 17408, 248320
+NH, NKV, HD = 24, 4, 256
+NK, NV, KD, VD, KERN = 16, 48, 128, 128, 4
+LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def write_qwen35_27b_config(d) -> str:
+    text = {
+        "model_type": "qwen3_5_text", "hidden_size": H, "intermediate_size": FFN, "num_hidden_layers": 64,
+        "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": HD, "vocab_size": VOCAB,
+        "layer_types": LAYERS * 16, "linear_num_key_heads": NK, "linear_num_value_heads": NV,
+        "linear_key_head_dim": KD, "linear_value_head_dim": VD, "linear_conv_kernel_dim": KERN,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "attn_output_gate": True, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                            "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+        "eos_token_id": 248044,
+    }
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "tie_word_embeddings": False, "text_config": text}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def hand_count():
+    """(name, shape, kind) of every tensor of the text model (no MTP head), kind one of matrix
+    (quantized by --quantize), head (embedding, LM head), dense (16-bit), f32."""
+    t = [("embed_tokens", (VOCAB, H), "head"), ("norm", (H,), "dense"), ("lm_head", (VOCAB, H), "head")]
+    conv = 2 * NK * KD + NV * VD
+    for i in range(64):
+        t += [("input_layernorm", (H,), "dense"), ("post_attention_layernorm", (H,), "dense"),
+              ("gate_proj", (FFN, H), "matrix"), ("up_proj", (FFN, H), "matrix"), ("down_proj", (H, FFN), "matrix")]
+        if LAYERS[i % 4] == "full_attention":
+            t += [("q_proj", (2 * NH * HD, H), "matrix"), ("k_proj", (NKV * HD, H), "matrix"),
+                  ("v_proj", (NKV * HD, H), "matrix"), ("o_proj", (H, NH * HD), "matrix"),
+                  ("q_norm", (HD,), "dense"), ("k_norm", (HD,), "dense")]
+        else:
+            t += [("in_proj_qkv", (conv, H), "matrix"), ("in_proj_z", (NV * VD, H), "matrix"),
+                  ("in_proj_b", (NV, H), "matrix"), ("in_proj_a", (NV, H), "matrix"),
+                  ("conv1d", (conv, 1, KERN), "dense"), ("A_log", (NV,), "f32"), ("dt_bias", (NV,), "f32"),
+                  ("linear_attn.norm", (VD,), "dense"), ("out_proj", (H, NV * VD), "matrix")]
+    return t
+
+
+def numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def q4_bytes(n, k):
+    """Q4G64_F16S: 4-bit values and an f16 scale per group of 64 along the row."""
+    return n * k // 2 + n * (k // 64) * 2
+
+
+def run_cli(args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ninfer.cli", *args], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=timeout)
+
+
+def test_qwen35_27b_in_q4_fits_a_32gb_gpu_with_32k_context_by_the_hand_count(tmp_path):
+    model = write_qwen35_27b_config(tmp_path)
+    tensors = hand_count()
+    assert sum(1 for _, _, k in tensors if k == "matrix") == 64 * 3 + 48 * 5 + 16 * 4
+    want = {"Q4G64_F16S": 0, "BF16": 0, "F32": 0}
+    for _, shape, kind in tensors:
+        if kind == "matrix":
+            want["Q4G64_F16S"] += q4_bytes(*shape)
+        elif kind == "f32":
+            want["F32"] += 4 * numel(shape)
+        else:
+            want["BF16"] += 2 * numel(shape)
+    p = _core.plan(model, gpu_memory=32 * 10**9, max_context=32768, max_concurrency=1, quantize="q4")
+    assert p["config_only"] is True
+    assert {w["format"]: w["bytes"] for w in p["weights"]} == want
+    assert {w["format"]: w["tensors"] for w in p["weights"]} == {
+        "Q4G64_F16S": 64 * 3 + 48 * 5 + 16 * 4, "F32": 48 * 2, "BF16": 3 + 64 * 2 + 16 * 2 + 48 * 2}
+    assert p["weight_bytes"] == sum(want.values())
+    # KV: 16 attention layers x K and V x 4 heads x 256 in bf16; state: 48 GDN layers of a bf16
+    # conv state (3 inputs of each channel) and an f32 128 x 128 state per value head.
+    assert p["kv_bytes_per_token"] == 16 * 2 * NKV * HD * 2
+    assert p["kv_capacity_tokens"] == 32768 and p["kv_bytes"] == 32768 * p["kv_bytes_per_token"]
+    assert p["state_bytes_per_slot"] == 48 * ((2 * NK * KD + NV * VD) * (KERN - 1) * 2 + NV * KD * VD * 4)
+    # One running sequence, the score slot and a prefix snapshot.
+    assert p["state_bytes"] == 3 * p["state_bytes_per_slot"]
+    reserve = max(32 * 10**9 // 20, 1 << 30)
+    assert p["reserve_bytes"] == reserve
+    assert p["needed_bytes"] == p["weight_bytes"] + p["kv_bytes"] + p["state_bytes"] + p["workspace_bytes"] + reserve
+    assert p["fits"] and p["largest_context"] >= 32768 and p["short_bytes"] == 0
+
+    proc = run_cli(["plan", model, "--gpu-memory", "32GB", "--quantize", "q4", "--max-context", "32768"])
+    assert proc.returncode == 0, proc.stderr
+    assert "fits: --max-context 32768 at --max-concurrency 1" in proc.stdout
+    assert "Q4G64_F16S" in proc.stdout and "config.json only" in proc.stdout
+
+
+def test_the_mtp_head_counts_with_spec_mtp(tmp_path):
+    model = write_qwen35_27b_config(tmp_path)
+    plain = _core.plan(model, gpu_memory=32 * 10**9, max_context=4096, quantize="q4")
+    mtp = _core.plan(model, gpu_memory=32 * 10**9, max_context=4096, quantize="q4", spec="mtp")
+    # fc [H, 2H] and one gated attention + MLP layer in q4; three norms, two layer norms, q/k norms in bf16.
+    layer = (q4_bytes(2 * NH * HD, H) + 2 * q4_bytes(NKV * HD, H) + q4_bytes(H, NH * HD)
+             + 2 * q4_bytes(FFN, H) + q4_bytes(H, FFN))
+    assert mtp["weight_bytes"] - plain["weight_bytes"] == q4_bytes(H, 2 * H) + layer + 2 * (5 * H + 2 * HD)
+    assert mtp["kv_bytes_per_token"] - plain["kv_bytes_per_token"] == 2 * NKV * HD * 2
+    assert mtp["prefix_reuse"] is False and mtp["state_slots_rollback"] == 1
+
+
+def test_settings_that_do_not_fit_exit_1_with_the_bytes_short_and_what_fits(tmp_path):
+    model = write_qwen35_27b_config(tmp_path)
+    args = dict(gpu_memory=32 * 10**9, max_context=131072, max_concurrency=4, quantize="q4")
+    p = _core.plan(model, **args)
+    assert not p["fits"] and p["short_bytes"] == p["needed_bytes"] - 32 * 10**9
+    best_ctx, best_conc = p["largest_context"], p["largest_concurrency"]
+    assert 0 < best_ctx < 131072 and 0 < best_conc < 4
+
+    def fits(ctx, conc):
+        return _core.plan(model, **{**args, "max_context": ctx, "max_concurrency": conc})["fits"]
+
+    assert fits(best_ctx, 4) and not fits(best_ctx + 1, 4)
+    assert fits(131072, best_conc) and not fits(131072, best_conc + 1)
+
+    proc = run_cli(["plan", model, "--gpu-memory", "32GB", "--quantize", "q4", "--max-context", "131072",
+                    "--max-concurrency", "4"])
+    assert proc.returncode == 1, proc.stderr
+    assert f"short by {p['short_bytes']:,} B" in proc.stdout
+    assert f"at most --max-context {best_ctx} fits" in proc.stdout
+    assert f"at most --max-concurrency {best_conc} fits" in proc.stdout
+    # In bf16 the weights alone exceed the device.
+    proc = run_cli(["plan", model, "--gpu-memory", "32GiB", "--max-context", "4096"])
+    assert proc.returncode == 1 and "nothing fits" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--gpu-memory", "32XB"], "'32XB'"),
+    (["--gpu-memory", "lots"], "'lots'"),
+    (["--gpu-memory", "32"], "'32'"),
+    (["--gpu-memory", "0GiB"], "'0GiB'"),
+    (["--quantize", "q3"], "'q3'"),
+    (["--device", "tpu:0"], "'tpu:0'"),
+    (["--max-context", "0"], "'0'"),
+    (["--kv-dtype", "int4"], "int4"),
+    (["--spec", "dflash"], "dflash"),
+    (["--quantize-lm-head"], "--quantize-lm-head needs --quantize"),
+    (["--gpu-memory", "32GiB", "--device", "cpu"], "not allowed with"),
+    (["--gpu-memory", "32GiB", "--kv-dtype", "float32"], "float32 is not supported here"),
+    (["--device", "cpu", "--kv-dtype", "bf16"], "bf16 is not supported here"),
+    (["--device", "cpu", "--quantize", "q4"], "planned for a GPU"),
+])
+def test_bad_flags_exit_2_naming_the_value(tmp_path, args, needle):
+    model = write_qwen35_27b_config(tmp_path)
+    proc = run_cli(["plan", model, *args])
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_sizes_in_both_unit_families_and_format_choices_match_the_core():
+    from ninfer.plan import QUANTIZE_FORMATS, parse_size
+
+    assert parse_size("32GiB") == 32 << 30 and parse_size("32GB") == 32 * 10**9
+    assert parse_size("24000MiB") == 24000 << 20 and parse_size("1.5TB") == 15 * 10**11
+    assert tuple(_core.QUANTIZE_FORMATS) == QUANTIZE_FORMATS
+
+
+def test_a_group_that_does_not_divide_a_row_is_refused_naming_the_tensor(tmp_path):
+    model = write_qwen35_27b_config(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] = 17400
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli(["plan", model, "--gpu-memory", "32GiB", "--quantize", "q4"])
+    assert proc.returncode == 2 and "down_proj.weight" in proc.stderr and "17400" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this machine has a GPU: --device cuda:0 plans for it")
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    model = write_qwen35_27b_config(tmp_path)
+    proc = run_cli(["plan", model, "--device", "cuda:0", "--quantize", "q4"])
+    assert proc.returncode == 2 and "cuda:0" in proc.stderr and "CUDA" in proc.stderr, proc.stderr
+
+
+def _demo():
+    demo = default_model_dir()
+    if demo is None:
+        pytest.skip("no bundled demo model in this checkout")
+    return demo
+
+
+LEDGER_KEYS = ("weight_bytes", "kv_bytes_per_token", "kv_capacity_tokens", "num_blocks", "kv_bytes",
+               "state_bytes_per_slot", "state_bytes", "state_slots_running", "state_slots_snapshot", "max_context",
+               "max_concurrency", "prefill_chunk")
+
+
+def test_the_demo_plan_equals_the_startup_ledger_of_ninfer_run():
+    demo = _demo()
+    from ninfer import LLM
+
+    info = LLM(demo, device="cpu", max_concurrency=1).engine.info()
+    p = _core.plan(demo, device="cpu", max_concurrency=1)
+    assert p["config_only"] is False
+    assert {k: p[k] for k in LEDGER_KEYS} == {k: info[k] for k in LEDGER_KEYS}
+
+    run = run_cli(["run", "--device", "cpu", "--prompt", "hi", "--raw", "--max-new", "1", "--greedy"])
+    plan = run_cli(["plan", demo, "--device", "cpu"])
+    assert run.returncode == 0, run.stderr
+    assert plan.returncode == 0, plan.stderr + plan.stdout
+    heads = ("weights ", "KV cache", "GDN state", "max context")
+
+    def ledger_lines(text):
+        return [line.strip() for line in text.splitlines() if line.strip().startswith(heads)]
+
+    assert len(ledger_lines(plan.stdout)) == 4
+    assert ledger_lines(plan.stdout) == ledger_lines(run.stderr)
+
+
+def test_a_start_that_cannot_fit_fails_before_loading_with_the_bytes_and_what_fits():
+    demo = _demo()
+    with pytest.raises(_core.OutOfMemoryError) as e:
+        _core.Engine(demo, device="cpu", kv_capacity=10**13)
+    msg = str(e.value)
+    assert "before loading" in msg and "needs" in msg and "available" in msg and "--max-context" in msg, msg
+    proc = run_cli(["run", "--device", "cpu", "--prompt", "hi", "--kv-capacity", str(10**13)])
+    assert proc.returncode == 1 and "before loading" in proc.stderr, proc.stderr
+
+
+def test_the_server_refuses_the_same_start_before_loading():
+    _demo()
+    proc = run_cli(["serve", "--device", "cpu", "--port", "0", "--kv-capacity", str(10**13)], timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "before loading" in proc.stderr and "at most --kv-capacity" in proc.stderr, proc.stderr
