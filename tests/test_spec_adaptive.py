@@ -91,7 +91,9 @@ def test_a_mixed_batch_with_adaptive_drafts_and_chunked_prefill_equals_plain(cas
         greedy(48, draft_tokens=2),
         SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
     ]
-    plain, _ = _run(model_dir, PROMPTS, params)
+    import dataclasses
+
+    plain, _ = _run(model_dir, PROMPTS, [dataclasses.replace(p, draft_tokens=None) for p in params])
     spec, stats = _run(model_dir, PROMPTS, params, spec=method, draft_tokens=4, spec_adaptive=True, prefill_chunk=16)
     assert spec == plain
     assert stats["spec_mean_k_chosen"] is not None and stats["kv_blocks_used"] == 0
