@@ -358,14 +358,16 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
         assert engine_option_kwargs(parser.parse_args(base)) == dict(
             async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None,
-            json_schema_open_objects=False, spec=None, draft_tokens=None)
+            json_schema_open_objects=False, spec=None, draft_tokens=None, spec_adaptive=False, lm_head_draft=False,
+            lm_head_draft_size=None)
         args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
                                   "--no-device-sampling", "--device-profile-path", "h200.json",
-                                  "--json-schema-open-objects", "--spec", "ngram", "--draft-tokens", "4"])
+                                  "--json-schema-open-objects", "--spec", "mtp", "--draft-tokens", "4",
+                                  "--spec-adaptive", "--lm-head-draft", "--lm-head-draft-size", "512"])
         assert engine_option_kwargs(args) == dict(
             async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
-            device_profile="h200.json", json_schema_open_objects=True, spec="ngram", draft_tokens=4,
-            spec_adaptive=False, lm_head_draft=False, lm_head_draft_size=None)
+            device_profile="h200.json", json_schema_open_objects=True, spec="mtp", draft_tokens=4,
+            spec_adaptive=True, lm_head_draft=True, lm_head_draft_size=512)
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -171,3 +171,22 @@ def test_the_async_engine_takes_spec_adaptive(qwen3_5_mtp):
     spec, last = anyio.run(lambda: answer(spec="mtp", draft_tokens=3, spec_adaptive=True))
     assert spec == plain
     assert last.spec is not None and "mean_k_chosen" in last.spec
+
+
+def test_a_server_with_spec_adaptive_answers_as_without_and_reports_the_mean_k(tiny_checkpoints):
+    import httpx
+
+    from ninfer.server.metrics import parse_metrics
+    from server_process import ServerProcess
+
+    model = str(tiny_checkpoints.get("qwen3_5"))
+    body = {"model": "m", "prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    answers = []
+    for extra in ([], ["--spec", "ngram", "--draft-tokens", "4", "--spec-adaptive"]):
+        with ServerProcess([model, "--model-id", "m", "--device", "cpu", "--max-context", "256", *extra]) as s:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            m = parse_metrics(httpx.get(s.url + "/metrics", timeout=10).text)
+    assert answers[0] == answers[1]
+    assert 0.0 <= m["ninfer_spec_mean_k_chosen"] <= 4.0
