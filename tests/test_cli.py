@@ -132,9 +132,8 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
 
 
 @pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "dflash"],
-                                  ["--spec-adaptive"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
-                                  ["--gdn-state-fp16"], ["--lm-head-draft"],
+                                  ["--gdn-state-fp16"],
                                   ["--vision-residency", "overlay"], ["--vision-max-merged", "4"]])
 def test_later_work_flags_are_refused_as_not_supported_yet(qwen3_dir, ninfer_env, args):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", *args], ninfer_env)
@@ -359,13 +358,16 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
         assert engine_option_kwargs(parser.parse_args(base)) == dict(
             async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None,
-            json_schema_open_objects=False, spec=None, draft_tokens=None)
+            json_schema_open_objects=False, spec=None, draft_tokens=None, spec_adaptive=False, lm_head_draft=False,
+            lm_head_draft_size=None)
         args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
                                   "--no-device-sampling", "--device-profile-path", "h200.json",
-                                  "--json-schema-open-objects", "--spec", "ngram", "--draft-tokens", "4"])
+                                  "--json-schema-open-objects", "--spec", "mtp", "--draft-tokens", "4",
+                                  "--spec-adaptive", "--lm-head-draft", "--lm-head-draft-size", "512"])
         assert engine_option_kwargs(args) == dict(
             async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
-            device_profile="h200.json", json_schema_open_objects=True, spec="ngram", draft_tokens=4)
+            device_profile="h200.json", json_schema_open_objects=True, spec="mtp", draft_tokens=4,
+            spec_adaptive=True, lm_head_draft=True, lm_head_draft_size=512)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -374,7 +376,11 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     (["--draft-tokens", "3"], "--draft-tokens 3 needs --spec"),
     (["--spec", "medusa"], "--spec medusa is not a drafting method"),
     (["--spec", "mtp", "--draft-tokens", "9"], "--draft-tokens 9 is outside 1..8"),
-    (["--spec", "ngram", "--lm-head-draft"], "--lm-head-draft is not supported yet"),
+    (["--spec", "ngram", "--lm-head-draft"], "--lm-head-draft needs --spec mtp"),
+    (["--lm-head-draft"], "--lm-head-draft needs --spec mtp"),
+    (["--spec-adaptive"], "--spec-adaptive needs --spec"),
+    (["--spec", "mtp", "--lm-head-draft-size", "64"], "--lm-head-draft-size needs --lm-head-draft"),
+    (["--spec", "mtp", "--lm-head-draft", "--lm-head-draft-size", "0"], "--lm-head-draft-size 0 must be at least 1"),
 ])
 def test_bad_speculation_flags_exit_2_naming_the_flag(qwen3_dir, ninfer_env, args, needle):
     proc = run_cli(["run", str(qwen3_dir), "--prompt", "hi", *args], ninfer_env)

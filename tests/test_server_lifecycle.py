@@ -110,8 +110,7 @@ def _serve(*args):
                           cwd=ROOT, env=env_with_tests_dir(os.environ), timeout=60)
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--devices", "--host-kv-mib", "--vision", "--gdn-state-fp16",
-                                  "--lm-head-draft", "--spec-adaptive"])
+@pytest.mark.parametrize("flag", ["--tp", "--devices", "--host-kv-mib", "--vision", "--gdn-state-fp16"])
 def test_later_flags_are_refused_as_not_supported_yet(flag):
     r = _serve("--core-factory", "fake_core:FakeCore", flag, "2")
     assert r.returncode == 2 and f"{flag} is not supported yet" in r.stderr

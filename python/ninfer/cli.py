@@ -18,16 +18,16 @@ import sys
 import time
 from typing import List, Optional
 
-#: Flags of later work (tensor parallel, adaptive and reduced-vocabulary drafts, KV formats, vision) that
+from ninfer.draft_vocab import DRAFT_VOCAB_FILE
+
+#: Flags of later work (tensor parallel, KV formats, vision) that
 #: the original's users type: accepted by the parser only so they are refused by name.
 LATER_WORK_FLAGS = {
     "--tp": {"metavar": "N"},
     "--devices": {"metavar": "LIST"},
-    "--spec-adaptive": {"action": "store_true"},
     "--host-kv-mib": {"metavar": "MIB"},
     "--vision": {"action": "store_true"},
     "--gdn-state-fp16": {"action": "store_true"},
-    "--lm-head-draft": {"action": "store_true"},
     "--vision-residency": {"metavar": "MODE"},
     "--vision-max-merged": {"metavar": "N"},
 }
@@ -54,12 +54,14 @@ USAGE = """\
 usage: ninfer run [MODEL] (--prompt TEXT | --messages FILE.json) [options]
        ninfer serve [MODEL] [options]
        ninfer plan MODEL [--gpu-memory SIZE | --device DEVICE] [options]
+       ninfer draft-vocab MODEL --corpus FILE... [--size N] [--out PATH]
        ninfer MODEL --prompt TEXT          (same as `ninfer run`)
 
 commands:
-  run     answer one prompt; the answer streams to stdout, speed figures go to stderr
-  serve   start the OpenAI-compatible server (same as `ninfer-serve`)
-  plan    print the memory ledger and what fits on a device, without loading the weights
+  run          answer one prompt; the answer streams to stdout, speed figures go to stderr
+  serve        start the OpenAI-compatible server (same as `ninfer-serve`)
+  plan         print the memory ledger and what fits on a device, without loading the weights
+  draft-vocab  count a corpus's token ids into the model's draft_vocab.json (--lm-head-draft)
 
 `ninfer run --help`, `ninfer serve --help` and `ninfer plan --help` list the options."""
 
@@ -270,7 +272,19 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             "tokens) or mtp (the model's mtp.* head; turns prefix reuse off); dflash is not "
                             "supported yet (default: off)")
     group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
-                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3)")
+                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3); with "
+                            "--spec-adaptive the most a step drafts")
+    group.add_argument("--spec-adaptive", action="store_true",
+                       help="choose each request's draft length per step, 0..--draft-tokens, from the measured step "
+                            "cost and its running acceptance per draft position (0: drafting off for the request, "
+                            "with a one-token probe every 16 steps)")
+    group.add_argument("--lm-head-draft", action="store_true",
+                       help=f"with --spec mtp: draft over the N most frequent token ids only (the model directory's "
+                            f"{DRAFT_VOCAB_FILE}, made by `ninfer draft-vocab MODEL --corpus FILE...`); verification "
+                            f"still uses the full vocabulary, so outputs are unchanged")
+    group.add_argument("--lm-head-draft-size", type=_typed("--lm-head-draft-size", int), metavar="N", default=None,
+                       help=f"N for --lm-head-draft: the first N ids of {DRAFT_VOCAB_FILE} (default "
+                            f"{DEFAULT_DRAFT_VOCAB_SIZE}; a file with fewer gives all it has)")
 
 
 def engine_option_kwargs(args: argparse.Namespace) -> dict:
@@ -278,7 +292,8 @@ def engine_option_kwargs(args: argparse.Namespace) -> dict:
     return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
                 batch_invariant=args.batch_invariant, device_sampling=not args.no_device_sampling,
                 device_profile=args.device_profile_path, json_schema_open_objects=args.json_schema_open_objects,
-                spec=args.spec, draft_tokens=args.draft_tokens)
+                spec=args.spec, draft_tokens=args.draft_tokens, spec_adaptive=args.spec_adaptive,
+                lm_head_draft=args.lm_head_draft, lm_head_draft_size=args.lm_head_draft_size)
 
 
 #: --spec methods; only SPEC_METHODS_RUNNING are built, the others are refused as not supported yet.
@@ -286,6 +301,9 @@ SPEC_METHODS = ("ngram", "mtp", "dflash")
 SPEC_METHODS_RUNNING = ("ngram", "mtp")
 #: --draft-tokens range (rust_core/src/spec/config.rs: MAX_DRAFT_TOKENS).
 MAX_DRAFT_TOKENS = 8
+#: --lm-head-draft's default N (rust_core/src/spec/draft_vocab.rs: DEFAULT_DRAFT_VOCAB_SIZE); its
+#: file is ninfer.draft_vocab.DRAFT_VOCAB_FILE.
+DEFAULT_DRAFT_VOCAB_SIZE = 32768
 
 
 def spec_flag_error(args: argparse.Namespace) -> Optional[str]:
@@ -301,6 +319,15 @@ def spec_flag_error(args: argparse.Namespace) -> Optional[str]:
             return f"--draft-tokens {args.draft_tokens} needs --spec (the method that drafts them)"
         if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
             return f"--draft-tokens {args.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}"
+    if args.spec_adaptive and args.spec is None:
+        return "--spec-adaptive needs --spec (the method whose draft length it adapts)"
+    if args.lm_head_draft and (args.spec is None or args.spec.strip().lower() != "mtp"):
+        return "--lm-head-draft needs --spec mtp (the MTP head drafts over the reduced vocabulary)"
+    if args.lm_head_draft_size is not None:
+        if not args.lm_head_draft:
+            return "--lm-head-draft-size needs --lm-head-draft"
+        if args.lm_head_draft_size < 1:
+            return f"--lm-head-draft-size {args.lm_head_draft_size} must be at least 1"
     return None
 
 
@@ -487,7 +514,8 @@ def _stream_answer(llm, ids: List[int], params) -> int:
     if spec:
         rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
         print(f"ninfer: speculation drafted {spec['drafted']}, accepted {spec['accepted']} ({rate:.0%}); "
-              f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per verify step",
+              f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per verify step"
+              + (f"; mean K chosen {spec['mean_k_chosen']:.2f}" if spec.get("mean_k_chosen") is not None else ""),
               file=sys.stderr, flush=True)
     return 0
 
@@ -521,6 +549,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ninfer.plan import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[0] == "draft-vocab":
+        from ninfer.draft_vocab import main as draft_vocab_main
+
+        return draft_vocab_main(argv[1:])
     return run_main(argv, prog="ninfer")
 
 

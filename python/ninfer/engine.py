@@ -220,7 +220,8 @@ class AsyncEngine:
         `engine_kwargs` are `_core.Engine`'s (and `LLM`'s): max_context, kv_capacity,
         max_concurrency, prefill_chunk, prefix_reuse, num_threads, logits_dtype, kv_dtype, and the
         engine options async_scheduling, cuda_graphs, batch_invariant, device_sampling, device_profile,
-        json_schema_open_objects, and speculative decoding's spec and draft_tokens (`LLM`).
+        json_schema_open_objects, and speculative decoding's spec, draft_tokens, spec_adaptive,
+        lm_head_draft and lm_head_draft_size (`LLM`).
         `core` injects an already-built engine object with the `_core.Engine` interface (tests).
         """
         if core is None:

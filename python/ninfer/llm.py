@@ -50,6 +50,10 @@ class LLM:
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
     head, with prefix reuse off; each verified `draft_tokens` (1..8, default 3) at a time; the CPU
     and CUDA backends; "dflash" is not supported yet); outputs are those of plain decoding.
+    `spec_adaptive` chooses each request's draft length per step (0..`draft_tokens`) from the
+    measured step cost and its running acceptance. `lm_head_draft` (with spec="mtp") drafts over
+    the `lm_head_draft_size` most frequent ids of the model directory's draft_vocab.json (default
+    32768; `ninfer draft-vocab` makes the file).
     """
 
     def __init__(
@@ -73,6 +77,9 @@ class LLM:
         thinking_budget: Optional[int] = None,
         spec: Optional[str] = None,
         draft_tokens: Optional[int] = None,
+        spec_adaptive: bool = False,
+        lm_head_draft: bool = False,
+        lm_head_draft_size: Optional[int] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -97,6 +104,9 @@ class LLM:
             json_schema_open_objects=json_schema_open_objects,
             spec=spec,
             draft_tokens=draft_tokens,
+            spec_adaptive=spec_adaptive,
+            lm_head_draft=lm_head_draft,
+            lm_head_draft_size=lm_head_draft_size,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

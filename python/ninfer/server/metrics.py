@@ -138,9 +138,11 @@ class ServerMetrics:
                                      "Tokens run again to roll a recurrent state back past rejected drafts."),
             "spec_mean_accepted_length": ("spec_mean_accepted_length", "gauge",
                                           "Tokens output per verify round (accepted drafts plus the target's token)."),
+            "spec_mean_k_chosen": ("spec_mean_k_chosen", "gauge",
+                                   "Mean draft length chosen per request and step by --spec-adaptive (0 included)."),
         }
         for key, (name, kind, help_) in gauges.items():
-            if key in core_stats:
+            if core_stats.get(key) is not None:
                 lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} {kind}", f"{p}_{name} {core_stats[key]}"]
         by_position = core_stats.get("spec_acceptance_by_position")
         if by_position:

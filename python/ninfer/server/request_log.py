@@ -83,7 +83,8 @@ def _spec_part(stats: dict) -> str:
     drafted = stats.get("spec_drafted_tokens", 0)
     rate = stats.get("spec_accepted_tokens", 0) / drafted if drafted else 0.0
     return (f" spec_accept={rate:.2f} spec_mean_len={stats.get('spec_mean_accepted_length', 0.0):.2f}"
-            f" spec_by_pos={'/'.join(f'{r:.2f}' for r in stats.get('spec_acceptance_by_position', []))}")
+            f" spec_by_pos={'/'.join(f'{r:.2f}' for r in stats.get('spec_acceptance_by_position', []))}"
+            + (f" spec_mean_k={stats['spec_mean_k_chosen']:.2f}" if stats.get("spec_mean_k_chosen") is not None else ""))
 
 
 async def log_stats_forever(engine, interval_s: float, out: TextIO = sys.stderr) -> None:

@@ -304,7 +304,7 @@ mod tests {
     #[test]
     fn mtp_drafting_turns_prefix_reuse_and_its_snapshots_off() {
         let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
-        let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3 }), ..Default::default() };
+        let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3, adaptive: false, lm_head_draft: None }), ..Default::default() };
         let ngram = with(SpecMethod::Ngram).resolve(model(1000), &hybrid, None).unwrap();
         assert!(ngram.prefix_reuse && ngram.snapshot_state_slots == 4);
         let mtp = with(SpecMethod::Mtp).resolve(model(1000), &hybrid, None).unwrap();

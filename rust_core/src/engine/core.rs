@@ -27,7 +27,7 @@ use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
-use crate::spec::{NgramDrafter, SpecConfig, SpecMethod, SpecStats};
+use crate::spec::{AdaptiveSpec, Drafter, NgramDrafter, SpecConfig, SpecMethod, SpecStats};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -74,8 +74,11 @@ pub struct EngineCore {
     next_seq: SeqId,
     seed_rng: ChaCha8Rng,
     pub(super) stats: EngineStats,
-    /// Speculative decoding (`--spec`) with its drafter; None: plain decoding.
-    pub(super) speculation: Option<(SpecConfig, NgramDrafter)>,
+    /// Speculative decoding (`--spec`) with its drafter (n-gram; MTP drafts through the
+    /// runner); None: plain decoding.
+    pub(super) speculation: Option<(SpecConfig, Box<dyn Drafter>)>,
+    /// `--spec-adaptive`'s step cost fit and per-request acceptance estimates.
+    pub(super) adaptive: Option<AdaptiveSpec>,
     /// First of the `rollback_state_slots` (after the scheduler's slots).
     pub(super) rollback_slot_base: usize,
     /// Measured by the warm-up step at startup.
@@ -98,6 +101,12 @@ impl EngineCore {
         if config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp) {
             // Before cache_spec: the MTP layer's KV is part of every token's KV bytes.
             runner.enable_mtp()?;
+        }
+        if let Some(d) = config.spec.as_ref().and_then(|s| s.lm_head_draft.as_ref()) {
+            if d.token_ids.is_empty() {
+                return Err(NinferError::config("lm_head_draft (--lm-head-draft)", "the draft vocabulary was not read (spec::draft_vocab::read)"));
+            }
+            runner.set_mtp_draft_vocab(&d.token_ids)?;
         }
         let spec = runner.cache_spec();
         let model_max = runner.config().max_position_embeddings;
@@ -124,7 +133,8 @@ impl EngineCore {
         // Speculation runs the synchronous step: a round's accepted length, and so the next
         // step's input, is known only once its logits are on the host.
         let overlap = (config.async_scheduling && config.spec.is_none() && runner.overlaps_steps()).then(OverlappedStep::default);
-        let speculation = config.spec.clone().map(|s| (s, NgramDrafter::default()));
+        let speculation = config.spec.clone().map(|s| (s, Box::new(NgramDrafter::default()) as Box<dyn Drafter>));
+        let adaptive = config.spec.as_ref().filter(|s| s.adaptive).map(|_| AdaptiveSpec::default());
         let mut core = EngineCore {
             cfg,
             spec,
@@ -143,6 +153,7 @@ impl EngineCore {
             device_free_bytes: None,
             overlap,
             speculation,
+            adaptive,
             rollback_slot_base,
         };
         core.warm_up()?;

@@ -19,7 +19,7 @@ use super::request::RowInput;
 use super::RequestOutput;
 use crate::model::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
 use crate::sched::{ScheduledStep, SeqOutcome};
-use crate::spec::{accept_draft, Drafter, SpecMethod};
+use crate::spec::{accept_draft, SpecMethod};
 use crate::{NinferError, Result};
 
 impl EngineCore {
@@ -30,12 +30,14 @@ impl EngineCore {
         if step.is_empty() {
             return Ok(outputs);
         }
+        let started = std::time::Instant::now();
         self.fill_mtp_drafts(&mut step)?;
         if step.num_draft_tokens() == 0 {
             let sampled = self.execute(&step)?;
             let (outs, outcomes) = self.postprocess(&step, sampled)?;
             self.absorb_mtp(&step, &outcomes)?;
             self.settle(&outcomes, None)?;
+            self.time_step(&step, started);
             outputs.extend(outs);
             return Ok(outputs);
         }
@@ -81,6 +83,9 @@ impl EngineCore {
                     s.record(k, accepted.drafts, accepted.tokens.len());
                 }
                 self.stats.spec.record(k, accepted.drafts, accepted.tokens.len());
+                if let Some(a) = self.adaptive.as_mut() {
+                    a.record(id, k, accepted.drafts);
+                }
                 if let Some(d) = delta.as_mut().filter(|d| d.finished()) {
                     d.spec = req.spec.clone();
                 }
@@ -97,19 +102,51 @@ impl EngineCore {
         self.absorb_mtp(&step, &outcomes)?;
         self.roll_back_states(&step.batch, &step_drafts(&step), &accepted_drafts, &rollback)?;
         self.settle(&outcomes, None)?;
+        self.time_step(&step, started);
         Ok(outputs)
+    }
+
+    /// With `--spec-adaptive`, count a step of decodes and verify chunks only (a prompt chunk's
+    /// cost is another matter) in the step cost fit: its tokens and the seconds from drafting
+    /// to the rollback.
+    fn time_step(&mut self, step: &ScheduledStep, started: std::time::Instant) {
+        let Some(a) = self.adaptive.as_mut() else { return };
+        let decodes_only = step.batch.seqs.iter().enumerate().all(|(i, c)| c.tokens.len() == 1 + step.draft_len(i) && c.logits != LogitsWanted::None);
+        if decodes_only {
+            a.cost.record(step.batch.num_tokens(), started.elapsed().as_secs_f64());
+        }
     }
 
     /// Set every decoding request's draft: up to K tokens (its own `draft_tokens`, else the
     /// engine's) from the drafter, never more than its `max_tokens` or the context leave room
     /// for after the token it gets anyway.
+    /// With `--spec-adaptive` that K is the most, and the adaptive choice
+    /// (`spec::adaptive`) is made within it.
     fn propose_drafts(&mut self) {
         let Some((spec, drafter)) = self.speculation.as_ref() else { return };
-        let (requests, max_context) = (&self.requests, self.cfg.max_context);
+        let (requests, max_context) = (&mut self.requests, self.cfg.max_context);
+        let mut adaptive = self.adaptive.as_mut();
+        if let Some(a) = adaptive.as_mut() {
+            a.retain(|id| requests.contains_key(&id));
+        }
+        let batch = self.sched.num_running();
+        let stats = &mut self.stats.spec;
         self.sched.set_drafts(|seq| {
-            let Some(req) = requests.get(&seq.id) else { return Vec::new() };
+            let Some(req) = requests.get_mut(&seq.id) else { return Vec::new() };
+            let max = req.params.draft_tokens.unwrap_or(spec.draft_tokens);
+            let max = match adaptive.as_mut() {
+                Some(a) => {
+                    let k = a.choose(seq.id, max, batch);
+                    stats.record_choice(k);
+                    if let Some(s) = req.spec.as_mut() {
+                        s.record_choice(k);
+                    }
+                    k
+                }
+                None => max,
+            };
             let room = req.params.max_tokens.saturating_sub(req.completion_tokens + 1).min(max_context.saturating_sub(seq.tokens.len()));
-            let k = req.params.draft_tokens.unwrap_or(spec.draft_tokens).min(room);
+            let k = max.min(room);
             match spec.method {
                 // Placeholders: the MTP drafts once the blocks for them are scheduled
                 // (`fill_mtp_drafts`), as its recursive rows write KV at the draft positions.

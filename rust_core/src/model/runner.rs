@@ -211,6 +211,13 @@ pub trait ModelRunner: Send {
         Err(NinferError::config("spec (--spec)", "--spec mtp is not supported on this backend yet"))
     }
 
+    /// Draft with the MTP head over `token_ids` only (`--lm-head-draft`): its logits are
+    /// computed for those rows of the LM head, the draft is the argmax among them. After
+    /// `enable_mtp`.
+    fn set_mtp_draft_vocab(&mut self, _token_ids: &[u32]) -> Result<()> {
+        Err(NinferError::config("lm_head_draft (--lm-head-draft)", "--lm-head-draft is not supported on this backend yet"))
+    }
+
     /// Write the MTP KV of the given rows of the last `forward` (what the step computed and
     /// accepted), replacing whatever the MTP KV held at those positions.
     fn mtp_absorb(&mut self, _rows: &[MtpRows]) -> Result<()> {

@@ -90,6 +90,9 @@ impl PyDelta {
                 d.set_item("accepted", s.accepted)?;
                 d.set_item("mean_accepted_length", s.mean_accepted_length())?;
                 d.set_item("acceptance_by_position", s.acceptance_by_position())?;
+                if let Some(k) = s.mean_k_chosen() {
+                    d.set_item("mean_k_chosen", k)?;
+                }
                 Some(d.unbind())
             }
         };

@@ -112,12 +112,26 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
     EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling, ..Default::default() }
 }
 
-/// `--spec` / `--draft-tokens` as the engine takes them; K without a method is refused.
-pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Result<Option<SpecConfig>> {
-    match (spec, draft_tokens) {
-        (None, None) => Ok(None),
-        (None, Some(_)) => Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)")),
-        (Some(method), k) => SpecConfig::new(method, k).map(Some),
+/// `--spec` / `--draft-tokens` / `--spec-adaptive` / `--lm-head-draft [--lm-head-draft-size]`
+/// as the engine takes them; the others without a method are refused naming their flag.
+pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>, adaptive: bool, lm_head_draft: bool, lm_head_draft_size: Option<usize>) -> Result<Option<SpecConfig>> {
+    let Some(method) = spec else {
+        if draft_tokens.is_some() {
+            return Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)"));
+        }
+        if adaptive {
+            return Err(NinferError::config("spec_adaptive (--spec-adaptive)", "needs --spec (the method whose draft length it adapts)"));
+        }
+        if lm_head_draft || lm_head_draft_size.is_some() {
+            return Err(NinferError::config("lm_head_draft (--lm-head-draft)", "--lm-head-draft needs --spec mtp (the MTP head drafts over the reduced vocabulary)"));
+        }
+        return Ok(None);
+    };
+    let cfg = SpecConfig::new(method, draft_tokens)?.with_adaptive(adaptive);
+    match (lm_head_draft, lm_head_draft_size) {
+        (true, size) => cfg.with_lm_head_draft(size).map(Some),
+        (false, Some(_)) => Err(NinferError::config("lm_head_draft_size (--lm-head-draft-size)", "needs --lm-head-draft")),
+        (false, None) => Ok(Some(cfg)),
     }
 }
 
@@ -127,11 +141,16 @@ pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Re
 fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, cfg: &EngineConfig) -> Result<(EngineCore, String, SamplingDefaults)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
-    // The flags that need only config.json are checked before any weight is read, then the
-    // memory plan (`ninfer plan`'s arithmetic): a start that cannot fit fails here, naming the
-    // bytes needed, the bytes available and the settings that would fit.
+    // The flags that need only config.json (and the draft vocabulary) are checked before any
+    // weight is read, then the memory plan (`ninfer plan`'s arithmetic): a start that cannot fit
+    // fails here, naming the bytes needed, the bytes available and the settings that would fit.
     let model_cfg = ModelConfig::from_dir(&dir)?;
     cfg.check(model_cfg.max_position_embeddings)?;
+    let mut cfg = cfg.clone();
+    if let Some(d) = cfg.spec.as_mut().and_then(|s| s.lm_head_draft.as_mut()) {
+        d.token_ids = crate::spec::draft_vocab::read(&dir, d.size, model_cfg.vocab_size)?;
+    }
+    let cfg = &cfg;
     crate::plan::check_startup(&dir, &model_cfg, &device, cfg)?;
     let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype, cuda })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
@@ -173,6 +192,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("spec_mean_accepted_length", s.spec.mean_accepted_length())?;
     d.set_item("spec_acceptance_by_position", s.spec.acceptance_by_position())?;
     d.set_item("spec_rollback_tokens", s.spec.rollback_tokens)?;
+    d.set_item("spec_mean_k_chosen", s.spec.mean_k_chosen())?;
     Ok(d)
 }
 
@@ -190,7 +210,7 @@ impl PyEngine {
     /// profile's path, backend/cuda/plan/profile.rs): the CUDA backend's options (`CudaOptions`).
     /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`.
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None, spec_adaptive=false, lm_head_draft=false, lm_head_draft_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -212,9 +232,12 @@ impl PyEngine {
         json_schema_open_objects: bool,
         spec: Option<&str>,
         draft_tokens: Option<usize>,
+        spec_adaptive: bool,
+        lm_head_draft: bool,
+        lm_head_draft_size: Option<usize>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
-        cfg.spec = spec_config(spec, draft_tokens).py()?;
+        cfg.spec = spec_config(spec, draft_tokens, spec_adaptive, lm_head_draft, lm_head_draft_size).py()?;
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
@@ -227,7 +250,7 @@ impl PyEngine {
     /// steps as the CUDA runner does (`ToyRunner::overlapping`), so `async_scheduling` takes
     /// effect.
     #[staticmethod]
-    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false, async_scheduling=true, spec=None, draft_tokens=None))]
+    #[pyo3(signature = (vocab_size=64, max_position_embeddings=4096, hybrid=false, eos_token_ids=None, max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, overlapping=false, async_scheduling=true, spec=None, draft_tokens=None, spec_adaptive=false))]
     #[allow(clippy::too_many_arguments)]
     fn toy(
         vocab_size: usize,
@@ -243,9 +266,10 @@ impl PyEngine {
         async_scheduling: bool,
         spec: Option<&str>,
         draft_tokens: Option<usize>,
+        spec_adaptive: bool,
     ) -> PyResult<Self> {
         let mut cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
-        cfg.spec = spec_config(spec, draft_tokens).py()?;
+        cfg.spec = spec_config(spec, draft_tokens, spec_adaptive, false, None).py()?;
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
         let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
@@ -407,6 +431,8 @@ impl PyEngine {
         d.set_item("async_scheduling", self.async_scheduling)?;
         d.set_item("spec", self.spec.as_ref().map(|s| s.method.name()))?;
         d.set_item("draft_tokens", self.spec.as_ref().map(|s| s.draft_tokens))?;
+        d.set_item("spec_adaptive", self.spec.as_ref().is_some_and(|s| s.adaptive))?;
+        d.set_item("lm_head_draft_size", self.spec.as_ref().and_then(|s| s.lm_head_draft.as_ref()).map(|d| d.token_ids.len()))?;
         d.set_item("state_slots_rollback", c.rollback_state_slots)?;
         d.set_item("state_slots_running", c.running_state_slots)?;
         d.set_item("state_slots_snapshot", c.snapshot_state_slots)?;

@@ -77,6 +77,17 @@ impl PyMtpDrafter {
         Ok((numpy::PyArray1::from_vec(py, logits).reshape([t, vocab])?, numpy::PyArray1::from_vec(py, hidden).reshape([t, h])?))
     }
 
+    /// Draft over `token_ids` only from now on (`--lm-head-draft`): the logits of every other
+    /// id are -inf.
+    fn set_draft_vocab(&self, py: Python<'_>, token_ids: Vec<u32>) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let (model, drafter) = &mut *g;
+            drafter.set_draft_vocab(model, &token_ids)
+        })
+        .py()
+    }
+
     /// Greedy MTP drafts: rows `i` of `hidden` `[rows, hidden]` (the target's hidden states at
     /// positions `start_pos + i`) with `next_tokens[i]` (the tokens after them) are written to
     /// the MTP KV (dropping what it held from `start_pos` on), then `k` tokens are drafted, each

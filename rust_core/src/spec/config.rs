@@ -1,4 +1,5 @@
-//! `SpecConfig`: the speculative-decoding flags (`--spec`, `--draft-tokens`), checked once.
+//! `SpecConfig`: the speculative-decoding flags (`--spec`, `--draft-tokens`, `--spec-adaptive`,
+//! `--lm-head-draft`), checked once.
 
 use crate::{NinferError, Result};
 
@@ -50,8 +51,25 @@ impl SpecMethod {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpecConfig {
     pub method: SpecMethod,
-    /// Draft tokens per verify chunk (K), 1..=MAX_DRAFT_TOKENS.
+    /// Draft tokens per verify chunk (K), 1..=MAX_DRAFT_TOKENS; with `adaptive` the most a
+    /// step may draft.
     pub draft_tokens: usize,
+    /// `--spec-adaptive`: K chosen per step and request from the measured step cost and the
+    /// running acceptance (`spec::adaptive`).
+    pub adaptive: bool,
+    /// `--lm-head-draft`: MTP drafts over a reduced vocabulary (`spec::draft_vocab`).
+    pub lm_head_draft: Option<LmHeadDraft>,
+}
+
+/// The reduced vocabulary MTP drafts over: the first `size` ids of the model's draft vocabulary
+/// file, most frequent first (`token_ids`, filled when the model directory is known).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LmHeadDraft {
+    /// N (`--lm-head-draft-size`).
+    pub size: usize,
+    /// The ids the MTP head's logits are computed for; empty until read from the model
+    /// directory (`draft_vocab::read`).
+    pub token_ids: Vec<u32>,
 }
 
 impl SpecConfig {
@@ -59,7 +77,21 @@ impl SpecConfig {
     /// naming the flag for a K out of range or a method not supported yet.
     pub fn new(method: &str, draft_tokens: Option<usize>) -> Result<Self> {
         let method = SpecMethod::parse(method)?;
-        let cfg = SpecConfig { method, draft_tokens: draft_tokens.unwrap_or(method.default_draft_tokens()) };
+        let cfg = SpecConfig { method, draft_tokens: draft_tokens.unwrap_or(method.default_draft_tokens()), adaptive: false, lm_head_draft: None };
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// With `--spec-adaptive`.
+    pub fn with_adaptive(self, adaptive: bool) -> Self {
+        SpecConfig { adaptive, ..self }
+    }
+
+    /// With `--lm-head-draft` over `size` ids (None: the default size); only MTP drafts from a
+    /// head, so another method is refused naming both flags.
+    pub fn with_lm_head_draft(self, size: Option<usize>) -> Result<Self> {
+        let size = size.unwrap_or(super::draft_vocab::DEFAULT_DRAFT_VOCAB_SIZE);
+        let cfg = SpecConfig { lm_head_draft: Some(LmHeadDraft { size, token_ids: Vec::new() }), ..self };
         cfg.check()?;
         Ok(cfg)
     }
@@ -71,6 +103,14 @@ impl SpecConfig {
         }
         if self.method == SpecMethod::Dflash {
             return Err(NinferError::config("spec (--spec)", format!("--spec {} is not supported yet (only ngram and mtp)", self.method.name())));
+        }
+        if let Some(d) = &self.lm_head_draft {
+            if self.method != SpecMethod::Mtp {
+                return Err(NinferError::config("lm_head_draft (--lm-head-draft)", format!("--lm-head-draft needs --spec mtp (the MTP head drafts over the reduced vocabulary), not --spec {}", self.method.name())));
+            }
+            if d.size == 0 {
+                return Err(NinferError::config("lm_head_draft_size (--lm-head-draft-size)", "must be at least 1"));
+            }
         }
         Ok(())
     }
@@ -86,14 +126,24 @@ mod tests {
             let e = SpecConfig::new("ngram", Some(k)).unwrap_err().to_string();
             assert!(e.contains("--draft-tokens") && e.contains(&k.to_string()), "{e}");
         }
-        assert_eq!(SpecConfig::new("NGRAM", None).unwrap(), SpecConfig { method: SpecMethod::Ngram, draft_tokens: 3 });
+        assert_eq!(SpecConfig::new("NGRAM", None).unwrap(), SpecConfig { method: SpecMethod::Ngram, draft_tokens: 3, adaptive: false, lm_head_draft: None });
     }
 
     #[test]
     fn methods_not_built_yet_are_refused_by_name() {
         let e = SpecConfig::new("dflash", Some(3)).unwrap_err().to_string();
         assert!(e.contains("--spec") && e.contains("dflash") && e.contains("not supported yet"), "{e}");
-        assert_eq!(SpecConfig::new("mtp", None).unwrap(), SpecConfig { method: SpecMethod::Mtp, draft_tokens: 3 });
+        assert_eq!(SpecConfig::new("mtp", None).unwrap(), SpecConfig { method: SpecMethod::Mtp, draft_tokens: 3, adaptive: false, lm_head_draft: None });
         assert!(SpecConfig::new("medusa", None).unwrap_err().to_string().contains("unknown method"));
+    }
+
+    #[test]
+    fn a_reduced_draft_head_needs_mtp_and_names_both_flags() {
+        let e = SpecConfig::new("ngram", None).unwrap().with_lm_head_draft(Some(64)).unwrap_err().to_string();
+        assert!(e.contains("--lm-head-draft") && e.contains("--spec mtp"), "{e}");
+        let e = SpecConfig::new("mtp", None).unwrap().with_lm_head_draft(Some(0)).unwrap_err().to_string();
+        assert!(e.contains("--lm-head-draft-size"), "{e}");
+        let c = SpecConfig::new("mtp", Some(2)).unwrap().with_adaptive(true).with_lm_head_draft(None).unwrap();
+        assert!(c.adaptive && c.lm_head_draft.unwrap().size == crate::spec::draft_vocab::DEFAULT_DRAFT_VOCAB_SIZE);
     }
 }

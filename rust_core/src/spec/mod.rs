@@ -14,16 +14,22 @@
 //! - DFlash: the hidden states of the target layers its config names, at every accepted
 //!   position of the verify chunk.
 //!
+//! With `--spec-adaptive` each request's K is chosen per step (`adaptive`); with
+//! `--lm-head-draft` the MTP head drafts over the most frequent ids only (`draft_vocab`).
+//!
 //! The n-gram and MTP drafters run (the CPU backend); `SpecMethod::Dflash` is refused at engine
 //! start with "not supported yet".
 
 mod accept;
+pub mod adaptive;
 mod config;
+pub mod draft_vocab;
 mod ngram;
 mod stats;
 
 pub use accept::{accept_draft, Accepted};
-pub use config::{SpecConfig, SpecMethod, MAX_DRAFT_TOKENS};
+pub use adaptive::{AdaptiveK, AdaptiveSpec, StepCost};
+pub use config::{LmHeadDraft, SpecConfig, SpecMethod, MAX_DRAFT_TOKENS};
 pub use ngram::NgramDrafter;
 pub use stats::SpecStats;
 

@@ -20,6 +20,10 @@ pub struct SpecStats {
     /// Tokens run a second time to roll a recurrent state back past rejected drafts (hybrid
     /// models; the cost of rollback by recompute).
     pub rollback_tokens: u64,
+    /// `--spec-adaptive`: K choices made (one per decoding request per step, 0 included).
+    pub k_choices: u64,
+    /// `--spec-adaptive`: the sum of the K chosen.
+    pub k_chosen: u64,
 }
 
 impl SpecStats {
@@ -44,6 +48,17 @@ impl SpecStats {
         }
     }
 
+    /// Count one `--spec-adaptive` choice of `k` drafts.
+    pub fn record_choice(&mut self, k: usize) {
+        self.k_choices += 1;
+        self.k_chosen += k as u64;
+    }
+
+    /// Mean K chosen per request and step by `--spec-adaptive`; None without its choices.
+    pub fn mean_k_chosen(&self) -> Option<f64> {
+        (self.k_choices > 0).then(|| self.k_chosen as f64 / self.k_choices as f64)
+    }
+
     /// Acceptance rate at each draft position that was ever drafted.
     pub fn acceptance_by_position(&self) -> Vec<f64> {
         self.drafted_at.iter().zip(&self.accepted_at).take_while(|(d, _)| **d > 0).map(|(&d, &a)| a as f64 / d as f64).collect()
@@ -56,6 +71,8 @@ impl SpecStats {
         self.accepted += o.accepted;
         self.emitted += o.emitted;
         self.rollback_tokens += o.rollback_tokens;
+        self.k_choices += o.k_choices;
+        self.k_chosen += o.k_chosen;
         for j in 0..MAX_DRAFT_TOKENS {
             self.drafted_at[j] += o.drafted_at[j];
             self.accepted_at[j] += o.accepted_at[j];
@@ -75,5 +92,11 @@ mod tests {
         assert_eq!((s.drafted, s.accepted, s.verify_steps), (5, 2, 2));
         assert_eq!(s.acceptance_by_position(), vec![0.5, 0.5, 0.0]);
         assert_eq!(s.mean_accepted_length(), 2.0);
+        assert_eq!(s.mean_k_chosen(), None);
+        s.record_choice(3);
+        s.record_choice(0);
+        let mut t = SpecStats::default();
+        t.add(&s);
+        assert_eq!(t.mean_k_chosen(), Some(1.5));
     }
 }

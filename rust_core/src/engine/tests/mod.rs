@@ -1,5 +1,6 @@
 //! Engine behaviour tests over `ToyRunner`: each test states one invariant of the engine.
 
+mod adaptive;
 mod batching;
 mod caching;
 mod grammar;

@@ -307,6 +307,13 @@ impl ModelRunner for CpuModel {
         Ok(())
     }
 
+    fn set_mtp_draft_vocab(&mut self, token_ids: &[u32]) -> Result<()> {
+        let mut st = self.mtp_state.take().ok_or_else(|| NinferError::invalid("set_mtp_draft_vocab", "MTP drafting is not enabled"))?;
+        let r = st.drafter.set_draft_vocab(self, token_ids);
+        self.mtp_state = Some(st);
+        r
+    }
+
     fn mtp_absorb(&mut self, rows: &[MtpRows]) -> Result<()> {
         let mut st = self.mtp_state.take().ok_or_else(|| NinferError::invalid("mtp_absorb", "MTP drafting is not enabled"))?;
         let r = st.absorb(self, rows);

@@ -70,6 +70,16 @@ pub struct MtpDrafter {
     emb: Vec<f32>,
     hid: Vec<f32>,
     cat: Vec<f32>,
+    /// `--lm-head-draft`: the draft vocabulary and its gathered LM-head rows.
+    head: Option<ReducedHead>,
+}
+
+/// The LM-head rows of a draft vocabulary (`--lm-head-draft`): drafting computes logits for
+/// these ids only, a fraction of the full head's cost, and the draft is the argmax among them.
+struct ReducedHead {
+    ids: Vec<u32>,
+    /// `[ids.len(), hidden_size]`, row i the LM-head row of `ids[i]`.
+    w: Vec<f32>,
 }
 
 impl MtpDrafter {
@@ -82,7 +92,29 @@ impl MtpDrafter {
         if mtp.layers.len() != 1 {
             return Err(NinferError::Unsupported(format!("drafting with {} MTP layers (mtp_num_hidden_layers); one", mtp.layers.len())));
         }
-        Ok(MtpDrafter { k: Vec::new(), v: Vec::new(), num_blocks: 0, block_size: 0, ws: Workspace::default(), out: Vec::new(), emb: Vec::new(), hid: Vec::new(), cat: Vec::new() })
+        Ok(MtpDrafter { k: Vec::new(), v: Vec::new(), num_blocks: 0, block_size: 0, ws: Workspace::default(), out: Vec::new(), emb: Vec::new(), hid: Vec::new(), cat: Vec::new(), head: None })
+    }
+
+    /// Draft over `ids` only (`--lm-head-draft`): the MTP logits of every other id are -inf,
+    /// so the argmax (and any distribution read from the logits) stays within them. The ids
+    /// must be distinct and below the vocabulary size.
+    pub fn set_draft_vocab(&mut self, model: &CpuModel, ids: &[u32]) -> Result<()> {
+        let (h, vocab) = (model.cfg.hidden_size, model.cfg.vocab_size);
+        let mut seen = vec![false; vocab];
+        let full = model.weights.lm_head_weights();
+        let mut w = Vec::with_capacity(ids.len() * h);
+        for &t in ids {
+            match seen.get_mut(t as usize) {
+                Some(s) if !*s => *s = true,
+                _ => return Err(NinferError::config("lm_head_draft (--lm-head-draft)", format!("draft vocabulary id {t} is repeated or outside the vocabulary of {vocab}"))),
+            }
+            w.extend_from_slice(&full[t as usize * h..(t as usize + 1) * h]);
+        }
+        if ids.is_empty() {
+            return Err(NinferError::config("lm_head_draft (--lm-head-draft)", "the draft vocabulary is empty"));
+        }
+        self.head = Some(ReducedHead { ids: ids.to_vec(), w });
+        Ok(())
     }
 
     /// KV bytes the MTP layer takes per token (f32), for the memory ledger.
@@ -232,10 +264,25 @@ impl MtpDrafter {
             sel[i * h..(i + 1) * h].copy_from_slice(&self.out[(end - 1) * h..end * h]);
         }
         let vocab = cfg.vocab_size;
-        let mut logits = vec![0f32; m * vocab];
-        linear(sel, m, h, weights.lm_head_weights(), vocab, None, &mut logits);
+        let Some(head) = &self.head else {
+            let mut logits = vec![0f32; m * vocab];
+            linear(sel, m, h, weights.lm_head_weights(), vocab, None, &mut logits);
+            if let Some(round) = *logits_round {
+                round.apply(&mut logits);
+            }
+            return logits;
+        };
+        let n = head.ids.len();
+        let mut part = vec![0f32; m * n];
+        linear(sel, m, h, &head.w, n, None, &mut part);
         if let Some(round) = *logits_round {
-            round.apply(&mut logits);
+            round.apply(&mut part);
+        }
+        let mut logits = vec![f32::NEG_INFINITY; m * vocab];
+        for (row, p) in logits.chunks_exact_mut(vocab).zip(part.chunks_exact(n)) {
+            for (&t, &l) in head.ids.iter().zip(p) {
+                row[t as usize] = l;
+            }
         }
         logits
     }

@@ -189,3 +189,36 @@ fn the_runner_refuses_mtp_without_mtp_weights() {
     assert!(e.contains(NO_MTP_WEIGHTS), "{e}");
     assert!(m.mtp_absorb(&[]).is_err() && m.mtp_draft(&[]).is_err());
 }
+
+/// `--lm-head-draft`: the MTP logits over a draft vocabulary are the full head's at those ids
+/// (-inf elsewhere), so the draft is the argmax among them; a vocabulary of every id drafts as
+/// the full head does.
+#[test]
+fn a_reduced_draft_vocabulary_drafts_the_argmax_among_its_ids() {
+    let table: Vec<u32> = (0..8).collect();
+    let (m, mut d, hidden) = setup("mtp_reduced", &table);
+    let (h, v) = (m.config().hidden_size, m.config().vocab_size);
+    let full = greedy(&m, &mut d, &[rows(&table, &hidden, h, 0, 10)], 3);
+    let every: Vec<u32> = (0..v as u32).rev().collect();
+    d.set_draft_vocab(&m, &every).unwrap();
+    assert_same(&greedy(&m, &mut d, &[rows(&table, &hidden, h, 0, 10)], 3)[0], &full[0]);
+    // Every third id: the first draft is the full head's argmax among them.
+    let some: Vec<u32> = (0..v as u32).step_by(3).collect();
+    d.set_draft_vocab(&m, &some).unwrap();
+    let reduced = greedy(&m, &mut d, &[rows(&table, &hidden, h, 0, 10)], 3);
+    let first = &full[0][0].logits;
+    let best = *some.iter().max_by(|&&a, &&b| first[a as usize].total_cmp(&first[b as usize]).then(b.cmp(&a))).unwrap();
+    assert_eq!(reduced[0][0].token, best);
+    for (t, l) in full[0][0].logits.iter().enumerate() {
+        let r = reduced[0][0].logits[t];
+        if t % 3 == 0 {
+            assert!((r - l).abs() <= 1e-5 * l.abs().max(1.0), "id {t}: {r} vs {l}");
+        } else {
+            assert_eq!(r, f32::NEG_INFINITY, "id {t}");
+        }
+    }
+    assert!(reduced[0].iter().all(|x| x.token % 3 == 0));
+    for bad in [vec![], vec![1, 1], vec![v as u32]] {
+        assert!(d.set_draft_vocab(&m, &bad).unwrap_err().to_string().contains("--lm-head-draft"), "{bad:?}");
+    }
+}
