@@ -179,13 +179,15 @@ def test_sizes_in_both_unit_families_and_format_choices_match_the_core():
     assert tuple(_core.QUANTIZE_FORMATS) == QUANTIZE_FORMATS
 
 
-def test_a_group_that_does_not_divide_a_row_is_refused_naming_the_tensor(tmp_path):
+def test_a_shape_the_format_cannot_hold_is_refused_naming_the_tensor(tmp_path):
+    """NVFP4 tiles rows by 128 and columns by 64: an FFN of 17400 fits neither way."""
     model = write_qwen35_27b_config(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["text_config"]["intermediate_size"] = 17400
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    proc = run_cli(["plan", model, "--gpu-memory", "32GiB", "--quantize", "q4"])
-    assert proc.returncode == 2 and "down_proj.weight" in proc.stderr and "17400" in proc.stderr, proc.stderr
+    proc = run_cli(["plan", model, "--gpu-memory", "32GiB", "--quantize", "nvfp4"])
+    assert proc.returncode == 2 and "_proj.weight" in proc.stderr and "17400" in proc.stderr, proc.stderr
+    assert "NVFP4" in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this machine has a GPU: --device cuda:0 plans for it")

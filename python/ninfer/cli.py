@@ -319,15 +319,17 @@ def spec_flag_error(args: argparse.Namespace) -> Optional[str]:
             return f"--draft-tokens {args.draft_tokens} needs --spec (the method that drafts them)"
         if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
             return f"--draft-tokens {args.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}"
-    if args.spec_adaptive and args.spec is None:
+    # `ninfer plan` has no drafting options beyond --spec / --draft-tokens.
+    adaptive, head, head_size = (getattr(args, a, None) for a in ("spec_adaptive", "lm_head_draft", "lm_head_draft_size"))
+    if adaptive and args.spec is None:
         return "--spec-adaptive needs --spec (the method whose draft length it adapts)"
-    if args.lm_head_draft and (args.spec is None or args.spec.strip().lower() != "mtp"):
+    if head and (args.spec is None or args.spec.strip().lower() != "mtp"):
         return "--lm-head-draft needs --spec mtp (the MTP head drafts over the reduced vocabulary)"
-    if args.lm_head_draft_size is not None:
-        if not args.lm_head_draft:
+    if head_size is not None:
+        if not head:
             return "--lm-head-draft-size needs --lm-head-draft"
-        if args.lm_head_draft_size < 1:
-            return f"--lm-head-draft-size {args.lm_head_draft_size} must be at least 1"
+        if head_size < 1:
+            return f"--lm-head-draft-size {head_size} must be at least 1"
     return None
 
 
