@@ -29,6 +29,13 @@ impl QuantFormat {
         self.mode.format().name()
     }
 
+    /// Whether this format's layout can hold an `[n, k]` matrix. `--quantize` keeps a matrix it
+    /// cannot (NVFP4 tiles rows by 128 and columns by 64; Qwen3.5's `[48, 5120]` GDN gate
+    /// projections are neither) in the dense type, as llama.cpp's quantizer does.
+    pub fn holds(&self, n: usize, k: usize) -> bool {
+        matches!(payload_bytes(self.mode.format(), [n, k]), Some(Ok(_)))
+    }
+
     /// Bytes of the `[n, k]` matrix `name` in this format; an error naming the tensor when the
     /// format's layout cannot hold that shape.
     pub fn matrix_bytes(&self, name: &str, n: usize, k: usize) -> Result<u64> {
@@ -60,6 +67,7 @@ mod tests {
     fn a_shape_the_layout_cannot_hold_and_an_unknown_name_are_refused_by_name() {
         let e = QuantFormat::parse("nvfp4").unwrap().matrix_bytes("layers.0.mlp.down_proj.weight", 8, 100).unwrap_err().to_string();
         assert!(e.contains("layers.0.mlp.down_proj.weight") && e.contains("100") && e.contains("NVFP4"), "{e}");
+        assert!(!QuantFormat::parse("nvfp4").unwrap().holds(48, 5120) && QuantFormat::parse("q4").unwrap().holds(48, 5120));
         let e = QuantFormat::parse("q3").unwrap_err().to_string();
         assert!(e.contains("`q3`") && e.contains("nvfp4") && e.contains("--quantize"), "{e}");
     }

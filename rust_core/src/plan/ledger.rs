@@ -108,13 +108,15 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
     let mtp_loaded = target == Target::Cpu || is_mtp(&input.engine);
     let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for t in input.tensors.iter().filter(|t| !t.mtp || mtp_loaded) {
+        let cols: usize = t.shape[1..].iter().product();
         let quant = match t.role {
             Role::Matrix => input.quantize,
             Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
             _ => None,
-        };
+        }
+        .filter(|f| f.holds(t.shape[0], cols));
         let (name, bytes) = match (quant, t.role) {
-            (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], t.shape[1..].iter().product())?),
+            (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
             (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
             (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
         };

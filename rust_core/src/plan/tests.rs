@@ -87,12 +87,11 @@ fn quantized_projections_keep_the_head_and_embedding_dense_unless_asked() {
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let tensors = model_tensors(&cfg, None).unwrap();
     let nvfp4 = QuantFormat::parse("nvfp4").unwrap();
-    // NVFP4 tiles rows by 128 and columns by 64: h = 32 cannot be held, refused naming a tensor
-    // and the format.
+    // NVFP4 tiles rows by 128 and columns by 64: no matrix of h = 32 can be held, so all stay
+    // dense.
     let mut i = input(&cfg, &tensors, Target::Gpu, EngineConfig::default());
     i.quantize = Some(nvfp4);
-    let e = plan(&i).unwrap_err().to_string();
-    assert!(e.contains("NVFP4") && e.contains("32") && e.contains(".weight"), "{e}");
+    assert!(plan(&i).unwrap().weights.iter().all(|w| w.format != "NVFP4"));
     let w8 = QuantFormat::parse("w8").unwrap();
     i.quantize = Some(w8);
     let p = plan(&i).unwrap();
