@@ -27,7 +27,7 @@ use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
-use crate::spec::{NgramDrafter, SpecConfig, SpecMethod, SpecStats};
+use crate::spec::{speculative_rule, DraftRule, NgramDrafter, SpecConfig, SpecMethod, SpecStats};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -78,6 +78,9 @@ pub struct EngineCore {
     pub(super) speculation: Option<(SpecConfig, NgramDrafter)>,
     /// First of the `rollback_state_slots` (after the scheduler's slots).
     pub(super) rollback_slot_base: usize,
+    /// How a sampled request verifies a draft drawn from a distribution (`spec::speculative_rule`;
+    /// the distribution test puts broken rules here to show that it catches them).
+    pub(super) draft_rule: DraftRule,
     /// Measured by the warm-up step at startup.
     workspace_bytes: u64,
     device_free_bytes: Option<u64>,
@@ -144,6 +147,7 @@ impl EngineCore {
             overlap,
             speculation,
             rollback_slot_base,
+            draft_rule: speculative_rule,
         };
         core.warm_up()?;
         Ok(core)

@@ -17,9 +17,9 @@
 use super::core::EngineCore;
 use super::request::RowInput;
 use super::RequestOutput;
-use crate::model::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::model::{DraftSampling, LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
 use crate::sched::{ScheduledStep, SeqOutcome};
-use crate::spec::{accept_draft, Drafter, SpecMethod};
+use crate::spec::{accept_draft, draft_warpers, Drafter, SpecMethod};
 use crate::{NinferError, Result};
 
 impl EngineCore {
@@ -30,7 +30,7 @@ impl EngineCore {
         if step.is_empty() {
             return Ok(outputs);
         }
-        self.fill_mtp_drafts(&mut step)?;
+        let draft_q = self.fill_mtp_drafts(&mut step)?;
         if step.num_draft_tokens() == 0 {
             let sampled = self.execute(&step)?;
             let (outs, outcomes) = self.postprocess(&step, sampled)?;
@@ -64,11 +64,22 @@ impl EngineCore {
             let k = step.draft_len(i);
             let draft = &chunk.tokens[chunk.tokens.len() - k..];
             let first_row = rows.len() / vocab - (k + 1);
-            let (tokenizer, eos) = (self.tokenizer.as_deref(), &self.eos_token_ids);
+            let (tokenizer, eos, rule) = (self.tokenizer.as_deref(), &self.eos_token_ids, self.draft_rule);
+            let q = draft_q.get(i).map_or(&[][..], Vec::as_slice);
             let mut delta: Option<RequestOutput> = None;
             let accepted = accept_draft(draft, |j| {
                 let row = req.prepare_sampling(vocab, RowInput::Accepted);
-                let s = row.sample(&rows[(first_row + j) * vocab..(first_row + j + 1) * vocab]);
+                let raw = &rows[(first_row + j) * vocab..(first_row + j + 1) * vocab];
+                // A draft drawn from q: the speculative sampling rule against the target's p,
+                // with the row's own draw to accept; else (greedy, a point-mass draft, the
+                // bonus position) the target's token as plain decoding picks it.
+                let s = match q.get(j) {
+                    Some(qj) if !row.is_greedy() => {
+                        let token = rule(&row.distribution(raw), qj, draft[j], row.u, &mut || req.uniform());
+                        row.picked(raw, token)
+                    }
+                    _ => row.sample(raw),
+                };
                 let event = req.accept(s.token, s.logprob, tokenizer, eos, cached)?;
                 match delta.as_mut() {
                     Some(d) => d.merge(event.output),
@@ -120,31 +131,39 @@ impl EngineCore {
     }
 
     /// With `--spec mtp`, replace the placeholder drafts of `step`'s verify chunks by the MTP
-    /// head's greedy drafts (one batched call), each drafted from its sequence's last absorbed
-    /// row into the blocks its verify chunk holds.
-    fn fill_mtp_drafts(&mut self, step: &mut ScheduledStep) -> Result<()> {
+    /// head's drafts (one batched call), each drafted from its sequence's last absorbed row into
+    /// the blocks its verify chunk holds: greedy for a greedy request; for a sampled one drawn
+    /// from the head's distribution under its warpers (`spec::draft_warpers`) with draws from
+    /// its RNG, so a seeded request drafts the same tokens on every run. Returns, for each
+    /// entry of `step`, the distribution each draft was drawn from (none for greedy drafts).
+    fn fill_mtp_drafts(&mut self, step: &mut ScheduledStep) -> Result<Vec<Vec<Vec<f32>>>> {
+        let mut draft_q = Vec::new();
         if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Mtp) || step.num_draft_tokens() == 0 {
-            return Ok(());
+            return Ok(draft_q);
         }
         let idx: Vec<usize> = (0..step.seq_ids.len()).filter(|&i| step.draft_len(i) > 0).collect();
-        let seqs: Vec<MtpDraftSeq> = idx
-            .iter()
-            .map(|&i| {
-                let c = &step.batch.seqs[i];
-                MtpDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k: step.draft_len(i) }
-            })
-            .collect();
+        let mut seqs = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
+            let sampling = self.requests.get_mut(&step.seq_ids[i]).filter(|r| !r.params.is_greedy()).map(|r| DraftSampling {
+                warpers: draft_warpers(&r.params),
+                u: (0..k).map(|_| r.uniform()).collect(),
+            });
+            seqs.push(MtpDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
+        }
         let drafts = self.runner.mtp_draft(&seqs)?;
-        for (&i, d) in idx.iter().zip(drafts) {
+        draft_q.resize(step.seq_ids.len(), Vec::new());
+        for ((&i, seq), d) in idx.iter().zip(&seqs).zip(drafts) {
             let chunk = &mut step.batch.seqs[i];
             let k = step.drafts[i];
-            if d.len() != k {
-                return Err(NinferError::invalid("mtp_draft", format!("{} drafts for {k} asked", d.len())));
+            if d.tokens.len() != k || d.q.len() != if seq.sampling.is_some() { k } else { 0 } {
+                return Err(NinferError::invalid("mtp_draft", format!("{} drafts and {} distributions for {k} asked", d.tokens.len(), d.q.len())));
             }
             chunk.tokens.truncate(1);
-            chunk.tokens.extend(d);
+            chunk.tokens.extend(d.tokens);
+            draft_q[i] = d.q;
         }
-        Ok(())
+        Ok(draft_q)
     }
 
     /// With `--spec mtp`, write the MTP KV rows of every position `step` computed and kept (a

@@ -9,8 +9,9 @@
 //!   position, and an attention KV of its own in the paged pool, keyed by the target's blocks.
 //!   The runner keeps the hidden states of its last forward; the engine has the rows it kept
 //!   absorbed after every step (`ModelRunner::mtp_absorb`) and drafts greedily once the verify
-//!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`). Sampled requests verify these
-//!   deterministic drafts by the same rule as the n-gram's, which is exact for them.
+//!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`): greedy drafts for greedy requests;
+//!   for sampled requests drafts drawn from the head's distribution q, verified by the
+//!   speculative sampling rule (`sampled`).
 //! - DFlash: the hidden states of the target layers its config names, at every accepted
 //!   position of the verify chunk.
 //!
@@ -20,11 +21,13 @@
 mod accept;
 mod config;
 mod ngram;
+mod sampled;
 mod stats;
 
 pub use accept::{accept_draft, Accepted};
 pub use config::{SpecConfig, SpecMethod, MAX_DRAFT_TOKENS};
 pub use ngram::NgramDrafter;
+pub use sampled::{draft_warpers, draw_draft, speculative_rule, DraftRule};
 pub use stats::SpecStats;
 
 /// Proposes draft tokens for one request from what the engine knows of it.
