@@ -115,7 +115,12 @@ impl EngineCore {
         let rollback_slot_base = slots.total();
         runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total() + cfg.rollback_state_slots)?;
         let sched = Scheduler::new(
-            SchedulerConfig { max_concurrency: cfg.max_concurrency, prefill_chunk: cfg.prefill_chunk, prefix_reuse: cfg.prefix_reuse },
+            SchedulerConfig {
+                max_concurrency: cfg.max_concurrency,
+                prefill_chunk: cfg.prefill_chunk,
+                prefix_reuse: cfg.prefix_reuse,
+                key_next_token: config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp),
+            },
             BlockPool::new(cfg.num_blocks, cfg.block_size),
             slots,
         );

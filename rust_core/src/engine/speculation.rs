@@ -106,7 +106,7 @@ impl EngineCore {
         }
         // Before the rollback's forward replaces the verify forward's hidden states.
         self.absorb_mtp(&step, &outcomes)?;
-        self.roll_back_states(&step.batch, &step_drafts(&step), &accepted_drafts, &rollback)?;
+        self.roll_back_states(&step, &accepted_drafts, &rollback)?;
         self.settle(&outcomes, None)?;
         Ok(outputs)
     }
@@ -204,33 +204,50 @@ impl EngineCore {
     /// Bring each verify chunk's recurrent state back to just after its accepted tokens: where
     /// a draft token was rejected, restore the state kept before the chunk and run the input
     /// token and the accepted drafts again, all such chunks in one forward without logits.
-    fn roll_back_states(&mut self, batch: &StepBatch, drafts: &[usize], accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
+    /// Where the accepted tokens reach a block boundary, the state there is the sequence's
+    /// decode snapshot (`Scheduler::draft_snapshot`): taken from the slot when the boundary is
+    /// the last accepted token, else the recompute stops at the boundary for the copy and runs
+    /// the rest in a second forward. A snapshot thus never holds a rejected token's state.
+    fn roll_back_states(&mut self, step: &ScheduledStep, accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
         let bs = self.cfg.block_size;
-        let mut redo = StepBatch::default();
+        let (mut redo, mut rest, mut snapshots, mut snapshot_now) = (StepBatch::default(), StepBatch::default(), Vec::new(), Vec::new());
+        let part = |chunk: &SeqChunk, from: usize, to: usize| SeqChunk {
+            tokens: chunk.tokens[from..to].to_vec(),
+            start_pos: chunk.start_pos + from,
+            block_table: chunk.block_table[..(chunk.start_pos + to).div_ceil(bs)].to_vec(),
+            state_slot: chunk.state_slot,
+            logits: LogitsWanted::None,
+        };
         for &(i, keep) in rollback {
-            if accepted[i] == drafts[i] {
+            let chunk = &step.batch.seqs[i];
+            let (n, all) = (1 + accepted[i], accepted[i] == step.draft_len(i));
+            let snapshot = self.sched.draft_snapshot(step.seq_ids[i], &chunk.tokens[1..n]);
+            // Tokens of the chunk the state must be at for the snapshot copy.
+            let at = snapshot.map(|(tokens, _, _)| tokens - chunk.start_pos);
+            if all && at.is_none_or(|at| at == n) {
+                snapshot_now.extend(snapshot.map(|(_, src, dst)| (src, dst)));
                 continue;
             }
-            let chunk = &batch.seqs[i];
             self.runner.copy_state(keep, chunk.state_slot)?;
-            let n = 1 + accepted[i];
-            redo.seqs.push(SeqChunk {
-                tokens: chunk.tokens[..n].to_vec(),
-                start_pos: chunk.start_pos,
-                block_table: chunk.block_table[..(chunk.start_pos + n).div_ceil(bs)].to_vec(),
-                state_slot: chunk.state_slot,
-                logits: LogitsWanted::None,
-            });
+            let stop = at.unwrap_or(n);
+            redo.seqs.push(part(chunk, 0, stop));
+            snapshots.extend(snapshot.map(|(_, src, dst)| (src, dst)));
+            if stop < n {
+                rest.seqs.push(part(chunk, stop, n));
+            }
         }
-        if !redo.seqs.is_empty() {
-            self.stats.spec.rollback_tokens += redo.num_tokens() as u64;
-            self.runner.forward(&redo)?;
+        for (src, dst) in snapshot_now {
+            self.runner.copy_state(src, dst)?;
+        }
+        for batch in [redo, rest] {
+            if !batch.seqs.is_empty() {
+                self.stats.spec.rollback_tokens += batch.num_tokens() as u64;
+                self.runner.forward(&batch)?;
+            }
+            for (src, dst) in snapshots.drain(..) {
+                self.runner.copy_state(src, dst)?;
+            }
         }
         Ok(())
     }
-}
-
-/// Draft tokens of each entry of `step`.
-fn step_drafts(step: &crate::sched::ScheduledStep) -> Vec<usize> {
-    (0..step.seq_ids.len()).map(|i| step.draft_len(i)).collect()
 }
