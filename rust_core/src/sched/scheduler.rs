@@ -278,6 +278,8 @@ impl Scheduler {
             seq.num_computed += chunk.tokens.len().min(seq.remaining());
             if self.cfg.prefix_reuse {
                 register_full_blocks(&mut self.pool, seq, bs, self.cfg.key_next_token);
+                // Snapshot keys: blocks not cached yet (their next token unknown) have them too.
+                seq.ensure_hashes(seq.num_computed / bs, bs);
             }
             // A verify chunk's boundaries are reached once its drafts are accepted
             // (`draft_snapshot`).
@@ -343,13 +345,16 @@ impl Scheduler {
     /// copy that snapshots its final state when it ends on a block boundary (hybrid models) and
     /// its slot is `SlotState::Current`.
     pub fn finish(&mut self, id: SeqId, slot_state: SlotState) -> Option<(usize, usize)> {
-        let seq = self.seqs.remove(&id)?;
+        let mut seq = self.seqs.remove(&id)?;
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
         let bs = self.pool.block_size();
         let mut copy = None;
         if let Some(slot) = seq.state_slot {
             let n = seq.num_computed;
+            if self.cfg.prefix_reuse {
+                seq.ensure_hashes(n / bs, bs);
+            }
             if slot_state == SlotState::Current && self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
                 copy = self.slots.reserve_snapshot(seq.block_hashes[n / bs - 1]).map(|dst| (slot, dst));
             }

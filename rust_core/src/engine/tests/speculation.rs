@@ -247,25 +247,28 @@ fn per_request_draft_lengths_mix_in_one_batch_and_zero_turns_drafts_off() {
 fn snapshots_on_steps_with_drafts_hold_accepted_tokens_and_serve_the_next_turn() {
     let base = small_vocab(true, 3);
     let p1 = tiny_prompt(30, 4, 3);
-    let turns = |setup: &Setup| {
+    let turns = |setup: &Setup, k: Option<usize>| {
         let (mut core, log) = setup.build();
-        core.add_request("turn1", p1.clone(), greedy(41)).unwrap();
+        core.add_request("turn1", p1.clone(), SamplingParams { draft_tokens: k.filter(|_| setup.cfg.spec.is_some()), ..greedy(41) }).unwrap();
         let t1 = run_all(&mut core).remove("turn1").unwrap();
         let mut p2 = p1.clone();
         p2.extend(&t1.tokens);
         p2.extend(tiny_prompt(5, 9, 3));
-        core.add_request("turn2", p2.clone(), greedy(20)).unwrap();
+        core.add_request("turn2", p2.clone(), SamplingParams { draft_tokens: k.filter(|_| setup.cfg.spec.is_some()), ..greedy(20) }).unwrap();
         let t2 = run_all(&mut core).remove("turn2").unwrap();
         let drafted = core.stats().spec.drafted;
         let steps = log.lock().unwrap().steps.clone();
         (t1, t2, drafted, steps)
     };
-    let (plain1, plain2, _, _) = turns(&base);
+    let (plain1, plain2, _, _) = turns(&base, Some(3));
     let last_boundary = (p1.len() + plain1.tokens.len() - 1) / 4 * 4;
     assert_eq!(plain2.cached_tokens, last_boundary, "without drafts the second turn resumes from the first one's last boundary");
     for method in ["ngram", "mtp"] {
+        // A request that drafts nothing (its draft_tokens 0) decodes plainly beside them.
+        let (t1, t2, drafted, _) = turns(&with_method(&base, method, 3), Some(0));
+        assert_eq!((drafted, &t1.tokens, &t2.tokens, t2.cached_tokens), (0, &plain1.tokens, &plain2.tokens, last_boundary), "{method}, no drafts");
         for k in [1, 3, 6] {
-            let (t1, t2, drafted, steps) = turns(&with_method(&base, method, k));
+            let (t1, t2, drafted, steps) = turns(&with_method(&base, method, k), None);
             assert!(drafted > 0, "{method} K {k}");
             // Every block boundary of turn 1's decoding fell on a step with drafts.
             let verify_boundary = |b: usize| steps.iter().flat_map(|s| &s.seqs).any(|q| q.logits == crate::model::LogitsWanted::All && q.start_pos < b && b <= q.start_pos + q.tokens.len());
