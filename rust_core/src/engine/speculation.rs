@@ -12,7 +12,9 @@
 //! model's forward unchanged and costs a second, shorter forward only on rejection. On the demo
 //! model (benches/cpu_spec.py) that reruns a fifth to a third as many tokens as the verify
 //! chunks run; per-position states kept by the verify pass would save it for K state copies per
-//! round, at the price of a forward that knows verify chunks (the next step for speed).
+//! round, at the price of a forward that knows verify chunks (the next step for speed). The
+//! same recompute stops at a block boundary the accepted tokens reach to take the decode
+//! snapshot there, so snapshots hold accepted tokens only.
 
 use super::core::EngineCore;
 use super::request::RowInput;

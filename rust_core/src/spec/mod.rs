@@ -1,7 +1,8 @@
 //! Speculative decoding: a drafter proposes up to K tokens after a decoding request's last token,
 //! one verify chunk (the last token plus the drafts, logits at every position) runs in the same
 //! engine step as the other requests' decodes and prompt chunks, and the engine accepts the
-//! longest prefix the target agrees with plus the target's own next token (`accept`).
+//! longest prefix the target agrees with plus the target's own next token (`accept`), or for a
+//! sampled draft drawn from a distribution, what the speculative sampling rule keeps (`sampled`).
 //!
 //! What each drafter needs from the verify forward:
 //! - n-gram (`NgramDrafter`): nothing; it reads the request's prompt and output tokens.
