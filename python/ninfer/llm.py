@@ -48,8 +48,9 @@ class LLM:
     --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
     `spec` turns on speculative
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
-    head, with prefix reuse off; each verified `draft_tokens` (1..8, default 3) at a time; the CPU
-    and CUDA backends; "dflash" is not supported yet); outputs are those of plain decoding.
+    head; each verified `draft_tokens` (1..8, default 3) at a time; the CPU and CUDA backends;
+    "dflash" is not supported yet); greedy outputs are those of plain decoding, and so are seeded
+    sampled ones under "ngram" (under "mtp" they follow plain sampling's distribution).
     `spec_adaptive` chooses each request's draft length per step (0..`draft_tokens`) from the
     measured step cost and its running acceptance. `lm_head_draft` (with spec="mtp") drafts over
     the `lm_head_draft_size` most frequent ids of the model directory's draft_vocab.json (default

@@ -2,7 +2,7 @@
 //! memory ledger computed from them before anything is allocated.
 
 use crate::model::CacheSpec;
-use crate::spec::{SpecConfig, SpecMethod};
+use crate::spec::SpecConfig;
 use crate::{NinferError, Result};
 
 /// KV budget used when `kv_capacity_tokens` is not given and the backend cannot tell how much
@@ -150,10 +150,7 @@ impl EngineConfig {
         let max_context = self.check(model_max)?;
         let (block_size, max_concurrency, prefill_chunk) = (self.block_size, self.max_concurrency, self.prefill_chunk);
         let hybrid = spec.state_bytes_per_slot > 0;
-        // The MTP row at a prefix hit's last position pairs the hidden state there with the token
-        // after the hit, which differs between requests, and a hit keeps no hidden state to
-        // rewrite it from: with --spec mtp prefix reuse is off.
-        let prefix_reuse = self.prefix_reuse && !self.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp);
+        let prefix_reuse = self.prefix_reuse;
         let snapshots = if hybrid && prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let rollback_state_slots = if hybrid && self.spec.is_some() { max_concurrency } else { 0 };
@@ -228,6 +225,7 @@ impl ResolvedConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::SpecMethod;
 
     fn model(max_pos: usize) -> usize {
         max_pos
@@ -302,14 +300,13 @@ mod tests {
     }
 
     #[test]
-    fn mtp_drafting_turns_prefix_reuse_and_its_snapshots_off() {
+    fn speculation_keeps_prefix_reuse_and_adds_rollback_slots() {
         let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
         let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3, adaptive: false, lm_head_draft: None }), ..Default::default() };
-        let ngram = with(SpecMethod::Ngram).resolve(model(1000), &hybrid, None).unwrap();
-        assert!(ngram.prefix_reuse && ngram.snapshot_state_slots == 4);
-        let mtp = with(SpecMethod::Mtp).resolve(model(1000), &hybrid, None).unwrap();
-        assert!(!mtp.prefix_reuse && mtp.snapshot_state_slots == 0);
-        assert_eq!(mtp.rollback_state_slots, 4);
+        for method in [SpecMethod::Ngram, SpecMethod::Mtp] {
+            let cfg = with(method).resolve(model(1000), &hybrid, None).unwrap();
+            assert!(cfg.prefix_reuse && cfg.snapshot_state_slots == 4 && cfg.rollback_state_slots == 4, "{method:?}: {cfg:?}");
+        }
     }
 
     #[test]

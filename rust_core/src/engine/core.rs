@@ -27,7 +27,7 @@ use crate::model::{CacheSpec, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::{GrammarConstraint, RowSampling, SampledToken, SamplingParams, SharedGrammarCompiler};
 use crate::sched::{Loan, ScheduledStep, Scheduler, SchedulerConfig, SeqId, SeqOutcome, Sequence, SlotState};
-use crate::spec::{AdaptiveSpec, Drafter, NgramDrafter, SpecConfig, SpecMethod, SpecStats};
+use crate::spec::{speculative_rule, AdaptiveSpec, DraftRule, Drafter, NgramDrafter, SpecConfig, SpecMethod, SpecStats};
 use crate::state::StateSlots;
 use crate::tokenizer::Tokenizer;
 use crate::{NinferError, Result};
@@ -81,6 +81,9 @@ pub struct EngineCore {
     pub(super) adaptive: Option<AdaptiveSpec>,
     /// First of the `rollback_state_slots` (after the scheduler's slots).
     pub(super) rollback_slot_base: usize,
+    /// How a sampled request verifies a draft drawn from a distribution (`spec::speculative_rule`;
+    /// the distribution test puts broken rules here to show that it catches them).
+    pub(super) draft_rule: DraftRule,
     /// Measured by the warm-up step at startup.
     workspace_bytes: u64,
     device_free_bytes: Option<u64>,
@@ -121,7 +124,12 @@ impl EngineCore {
         let rollback_slot_base = slots.total();
         runner.allocate_caches(cfg.num_blocks, cfg.block_size, slots.total() + cfg.rollback_state_slots)?;
         let sched = Scheduler::new(
-            SchedulerConfig { max_concurrency: cfg.max_concurrency, prefill_chunk: cfg.prefill_chunk, prefix_reuse: cfg.prefix_reuse },
+            SchedulerConfig {
+                max_concurrency: cfg.max_concurrency,
+                prefill_chunk: cfg.prefill_chunk,
+                prefix_reuse: cfg.prefix_reuse,
+                key_next_token: config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp),
+            },
             BlockPool::new(cfg.num_blocks, cfg.block_size),
             slots,
         );
@@ -155,6 +163,7 @@ impl EngineCore {
             speculation,
             adaptive,
             rollback_slot_base,
+            draft_rule: speculative_rule,
         };
         core.warm_up()?;
         Ok(core)

@@ -113,6 +113,11 @@ impl RequestState {
         row
     }
 
+    /// One more uniform draw from the request's RNG (a sampled draft's, a residual token's).
+    pub fn uniform(&mut self) -> f64 {
+        self.sampler.uniform()
+    }
+
     /// Tokens generated inside the reasoning so far (what the thinking budget counts).
     pub fn reasoning_tokens(&self) -> usize {
         self.thinking.as_ref().map_or(0, |(t, _)| t.reasoning_tokens())

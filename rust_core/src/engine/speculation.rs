@@ -12,14 +12,16 @@
 //! model's forward unchanged and costs a second, shorter forward only on rejection. On the demo
 //! model (benches/cpu_spec.py) that reruns a fifth to a third as many tokens as the verify
 //! chunks run; per-position states kept by the verify pass would save it for K state copies per
-//! round, at the price of a forward that knows verify chunks (the next step for speed).
+//! round, at the price of a forward that knows verify chunks (the next step for speed). The
+//! same recompute stops at a block boundary the accepted tokens reach to take the decode
+//! snapshot there, so snapshots hold accepted tokens only.
 
 use super::core::EngineCore;
 use super::request::RowInput;
 use super::RequestOutput;
-use crate::model::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::model::{DraftSampling, LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
 use crate::sched::{ScheduledStep, SeqOutcome};
-use crate::spec::{accept_draft, SpecMethod};
+use crate::spec::{accept_draft, draft_warpers, SpecMethod};
 use crate::{NinferError, Result};
 
 impl EngineCore {
@@ -31,7 +33,7 @@ impl EngineCore {
             return Ok(outputs);
         }
         let started = std::time::Instant::now();
-        self.fill_mtp_drafts(&mut step)?;
+        let draft_q = self.fill_mtp_drafts(&mut step)?;
         if step.num_draft_tokens() == 0 {
             let sampled = self.execute(&step)?;
             let (outs, outcomes) = self.postprocess(&step, sampled)?;
@@ -66,11 +68,22 @@ impl EngineCore {
             let k = step.draft_len(i);
             let draft = &chunk.tokens[chunk.tokens.len() - k..];
             let first_row = rows.len() / vocab - (k + 1);
-            let (tokenizer, eos) = (self.tokenizer.as_deref(), &self.eos_token_ids);
+            let (tokenizer, eos, rule) = (self.tokenizer.as_deref(), &self.eos_token_ids, self.draft_rule);
+            let q = draft_q.get(i).map_or(&[][..], Vec::as_slice);
             let mut delta: Option<RequestOutput> = None;
             let accepted = accept_draft(draft, |j| {
                 let row = req.prepare_sampling(vocab, RowInput::Accepted);
-                let s = row.sample(&rows[(first_row + j) * vocab..(first_row + j + 1) * vocab]);
+                let raw = &rows[(first_row + j) * vocab..(first_row + j + 1) * vocab];
+                // A draft drawn from q: the speculative sampling rule against the target's p,
+                // with the row's own draw to accept; else (greedy, a point-mass draft, the
+                // bonus position) the target's token as plain decoding picks it.
+                let s = match q.get(j) {
+                    Some(qj) if !row.is_greedy() => {
+                        let token = rule(&row.distribution(raw), qj, draft[j], row.u, &mut || req.uniform());
+                        row.picked(raw, token)
+                    }
+                    _ => row.sample(raw),
+                };
                 let event = req.accept(s.token, s.logprob, tokenizer, eos, cached)?;
                 match delta.as_mut() {
                     Some(d) => d.merge(event.output),
@@ -100,7 +113,7 @@ impl EngineCore {
         }
         // Before the rollback's forward replaces the verify forward's hidden states.
         self.absorb_mtp(&step, &outcomes)?;
-        self.roll_back_states(&step.batch, &step_drafts(&step), &accepted_drafts, &rollback)?;
+        self.roll_back_states(&step, &accepted_drafts, &rollback)?;
         self.settle(&outcomes, None)?;
         self.time_step(&step, started);
         Ok(outputs)
@@ -157,31 +170,41 @@ impl EngineCore {
     }
 
     /// With `--spec mtp`, replace the placeholder drafts of `step`'s verify chunks by the MTP
-    /// head's greedy drafts (one batched call), each drafted from its sequence's last absorbed
-    /// row into the blocks its verify chunk holds.
-    fn fill_mtp_drafts(&mut self, step: &mut ScheduledStep) -> Result<()> {
+    /// head's drafts (one batched call), each drafted from its sequence's last absorbed row into
+    /// the blocks its verify chunk holds: greedy for a greedy request; for a sampled one drawn
+    /// from the head's distribution under its warpers (`spec::draft_warpers`) with draws from
+    /// its RNG, so a seeded request drafts the same tokens on every run. Returns, for each
+    /// entry of `step`, the distribution each draft was drawn from (none for greedy drafts).
+    fn fill_mtp_drafts(&mut self, step: &mut ScheduledStep) -> Result<Vec<Vec<Vec<f32>>>> {
+        let mut draft_q = Vec::new();
         if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Mtp) || step.num_draft_tokens() == 0 {
-            return Ok(());
+            return Ok(draft_q);
         }
         let idx: Vec<usize> = (0..step.seq_ids.len()).filter(|&i| step.draft_len(i) > 0).collect();
-        let seqs: Vec<MtpDraftSeq> = idx
-            .iter()
-            .map(|&i| {
-                let c = &step.batch.seqs[i];
-                MtpDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k: step.draft_len(i) }
-            })
-            .collect();
+        let mut seqs = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
+            let sampling = self.requests.get_mut(&step.seq_ids[i]).filter(|r| !r.params.is_greedy()).map(|r| DraftSampling {
+                warpers: draft_warpers(&r.params),
+                u: (0..k).map(|_| r.uniform()).collect(),
+            });
+            seqs.push(MtpDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
+        }
         let drafts = self.runner.mtp_draft(&seqs)?;
-        for (&i, d) in idx.iter().zip(drafts) {
+        draft_q.resize(step.seq_ids.len(), Vec::new());
+        for ((&i, seq), d) in idx.iter().zip(&seqs).zip(drafts) {
             let chunk = &mut step.batch.seqs[i];
             let k = step.drafts[i];
-            if d.len() != k {
-                return Err(NinferError::invalid("mtp_draft", format!("{} drafts for {k} asked", d.len())));
+            // No q: deterministic drafts (a runner that drafts greedily for every request), which
+            // the point-mass rule verifies exactly.
+            if d.tokens.len() != k || !(d.q.is_empty() || (seq.sampling.is_some() && d.q.len() == k)) {
+                return Err(NinferError::invalid("mtp_draft", format!("{} drafts and {} distributions for {k} asked", d.tokens.len(), d.q.len())));
             }
             chunk.tokens.truncate(1);
-            chunk.tokens.extend(d);
+            chunk.tokens.extend(d.tokens);
+            draft_q[i] = d.q;
         }
-        Ok(())
+        Ok(draft_q)
     }
 
     /// With `--spec mtp`, write the MTP KV rows of every position `step` computed and kept (a
@@ -222,33 +245,50 @@ impl EngineCore {
     /// Bring each verify chunk's recurrent state back to just after its accepted tokens: where
     /// a draft token was rejected, restore the state kept before the chunk and run the input
     /// token and the accepted drafts again, all such chunks in one forward without logits.
-    fn roll_back_states(&mut self, batch: &StepBatch, drafts: &[usize], accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
+    /// Where the accepted tokens reach a block boundary, the state there is the sequence's
+    /// decode snapshot (`Scheduler::draft_snapshot`): taken from the slot when the boundary is
+    /// the last accepted token, else the recompute stops at the boundary for the copy and runs
+    /// the rest in a second forward. A snapshot thus never holds a rejected token's state.
+    fn roll_back_states(&mut self, step: &ScheduledStep, accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
         let bs = self.cfg.block_size;
-        let mut redo = StepBatch::default();
+        let (mut redo, mut rest, mut snapshots, mut snapshot_now) = (StepBatch::default(), StepBatch::default(), Vec::new(), Vec::new());
+        let part = |chunk: &SeqChunk, from: usize, to: usize| SeqChunk {
+            tokens: chunk.tokens[from..to].to_vec(),
+            start_pos: chunk.start_pos + from,
+            block_table: chunk.block_table[..(chunk.start_pos + to).div_ceil(bs)].to_vec(),
+            state_slot: chunk.state_slot,
+            logits: LogitsWanted::None,
+        };
         for &(i, keep) in rollback {
-            if accepted[i] == drafts[i] {
+            let chunk = &step.batch.seqs[i];
+            let (n, all) = (1 + accepted[i], accepted[i] == step.draft_len(i));
+            let snapshot = self.sched.draft_snapshot(step.seq_ids[i], &chunk.tokens[1..n]);
+            // Tokens of the chunk the state must be at for the snapshot copy.
+            let at = snapshot.map(|(tokens, _, _)| tokens - chunk.start_pos);
+            if all && at.is_none_or(|at| at == n) {
+                snapshot_now.extend(snapshot.map(|(_, src, dst)| (src, dst)));
                 continue;
             }
-            let chunk = &batch.seqs[i];
             self.runner.copy_state(keep, chunk.state_slot)?;
-            let n = 1 + accepted[i];
-            redo.seqs.push(SeqChunk {
-                tokens: chunk.tokens[..n].to_vec(),
-                start_pos: chunk.start_pos,
-                block_table: chunk.block_table[..(chunk.start_pos + n).div_ceil(bs)].to_vec(),
-                state_slot: chunk.state_slot,
-                logits: LogitsWanted::None,
-            });
+            let stop = at.unwrap_or(n);
+            redo.seqs.push(part(chunk, 0, stop));
+            snapshots.extend(snapshot.map(|(_, src, dst)| (src, dst)));
+            if stop < n {
+                rest.seqs.push(part(chunk, stop, n));
+            }
         }
-        if !redo.seqs.is_empty() {
-            self.stats.spec.rollback_tokens += redo.num_tokens() as u64;
-            self.runner.forward(&redo)?;
+        for (src, dst) in snapshot_now {
+            self.runner.copy_state(src, dst)?;
+        }
+        for batch in [redo, rest] {
+            if !batch.seqs.is_empty() {
+                self.stats.spec.rollback_tokens += batch.num_tokens() as u64;
+                self.runner.forward(&batch)?;
+            }
+            for (src, dst) in snapshots.drain(..) {
+                self.runner.copy_state(src, dst)?;
+            }
         }
         Ok(())
     }
-}
-
-/// Draft tokens of each entry of `step`.
-fn step_drafts(step: &crate::sched::ScheduledStep) -> Vec<usize> {
-    (0..step.seq_ids.len()).map(|i| step.draft_len(i)).collect()
 }

@@ -9,6 +9,12 @@
 //! the step when it disagrees with the KV history: a wrong slot, a missing snapshot restore or a
 //! bad prefix hit is caught at once.
 //!
+//! `with_mtp_head()` gives it a toy MTP head for `--spec mtp`: its MTP KV row at position p is
+//! a hash of the history through p and the token at p + 1, and every draft call first checks
+//! the rows before it against the KV history (a stale row, left by a rejected draft or a
+//! prefix hit, fails the call); its draft distribution q is a known function of the history,
+//! different from the target's (`draft_logits`).
+//!
 //! `overlapping()` makes it a runner that `overlaps_steps` the way a device backend does, for
 //! testing asynchronous scheduling on the host: `launch_forward` runs the forward at once and
 //! `launch_sampling` samples it (as a device stream runs queued work in order), keeping the
@@ -21,8 +27,9 @@ use std::sync::{Arc, Mutex};
 use crate::config::ModelConfig;
 use std::collections::VecDeque;
 
-use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, StepBatch};
-use crate::sampling::{RowSampling, SampledToken};
+use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
+use crate::sampling::{argmax, RowSampling, SampledToken};
+use crate::spec::draw_draft;
 use crate::{NinferError, Result};
 
 /// What a test can inspect after the run.
@@ -52,6 +59,8 @@ pub struct ToyRunner {
     /// The logits of the step `launch_forward` ran and `launch_sampling` has not sampled yet,
     /// with the input token of each row when it was fed.
     forwarded: Option<(Logits, Option<Vec<u32>>)>,
+    /// The toy MTP head (`with_mtp_head`): whether `--spec mtp` enabled it, and its KV rows.
+    mtp: Option<(bool, Vec<Option<u64>>)>,
 }
 
 fn mix(h: u64, t: u64) -> u64 {
@@ -75,7 +84,37 @@ impl ToyRunner {
             launched: None,
             last_launched: Vec::new(),
             forwarded: None,
+            mtp: None,
         }
+    }
+
+    /// The same toy with an MTP head to draft with (`--spec mtp`).
+    pub fn with_mtp_head(mut self) -> Self {
+        self.mtp = Some((false, Vec::new()));
+        self
+    }
+
+    /// The toy head's draft logits after the history whose hash chain ends in `h`: half the
+    /// target's logits plus a fixed tilt over the ids, so q differs from the target's p.
+    pub fn draft_logits(&self, h: u64) -> Vec<f32> {
+        let mut target = Vec::with_capacity(self.config.vocab_size);
+        self.row(h, &mut target);
+        let n = self.config.vocab_size as f32;
+        target.iter().enumerate().map(|(v, &l)| 0.5 * l + ((v * 7) % self.config.vocab_size) as f32 * 3.0 / n - 1.5).collect()
+    }
+
+    /// The MTP rows at positions `0..end` of a sequence, checked against the rows its KV
+    /// history gives.
+    fn check_mtp_rows(&self, table: &[u32], end: usize) -> Result<()> {
+        let Some((_, rows)) = &self.mtp else { return Ok(()) };
+        let hist = self.history(table, end + 1)?;
+        for p in 0..end {
+            let next = self.kv[self.kv_index(table, p + 1)?].expect("read by history");
+            if rows[self.kv_index(table, p)?] != Some(mix(hist[p], next as u64)) {
+                return Err(NinferError::Device(format!("toy: stale MTP KV row at position {p}")));
+            }
+        }
+        Ok(())
     }
 
     /// The same toy as a runner that overlaps steps (`launch_forward`, `launch_sampling`, `collect_sampled`).
@@ -121,6 +160,9 @@ impl ModelRunner for ToyRunner {
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
         self.block_size = block_size;
         self.kv = vec![None; num_blocks * block_size];
+        if let Some((_, rows)) = self.mtp.as_mut() {
+            *rows = vec![None; num_blocks * block_size];
+        }
         self.states = vec![0; num_state_slots];
         Ok(())
     }
@@ -214,6 +256,72 @@ impl ModelRunner for ToyRunner {
 
     fn verifies_drafts(&self) -> bool {
         true
+    }
+
+    fn enable_mtp(&mut self) -> Result<()> {
+        match self.mtp.as_mut() {
+            Some((enabled, _)) => {
+                *enabled = true;
+                Ok(())
+            }
+            None => Err(NinferError::config("spec (--spec)", "--spec mtp is not supported on this backend yet")),
+        }
+    }
+
+    fn mtp_absorb(&mut self, rows: &[MtpRows]) -> Result<()> {
+        if !matches!(self.mtp, Some((true, _))) {
+            return Err(NinferError::invalid("mtp_absorb", "MTP drafting is not enabled"));
+        }
+        for r in rows {
+            let hist = self.history(&r.block_table, r.start_pos + r.next_tokens.len())?;
+            for (i, &t) in r.next_tokens.iter().enumerate() {
+                let p = r.start_pos + i;
+                let idx = self.kv_index(&r.block_table, p)?;
+                self.mtp.as_mut().expect("checked above").1[idx] = Some(mix(hist[p], t as u64));
+            }
+        }
+        Ok(())
+    }
+
+    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
+        if !matches!(self.mtp, Some((true, _))) {
+            return Err(NinferError::invalid("mtp_draft", "MTP drafting is not enabled"));
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            // Rows before the last absorbed one are read by the head's attention: they must be
+            // what the KV history gives. The last one is rewritten with the input token.
+            self.check_mtp_rows(&s.block_table, s.pos.saturating_sub(1))?;
+            let mut h = self.history(&s.block_table, s.pos)?.last().copied().unwrap_or(0);
+            let mut writes = vec![(s.pos.wrapping_sub(1), mix(h, s.token as u64))];
+            h = mix(h, s.token as u64);
+            let mut d = MtpDraft::default();
+            for depth in 0..s.k {
+                let logits = self.draft_logits(h);
+                let token = match &s.sampling {
+                    Some(ds) => {
+                        let u = *ds.u.get(depth).ok_or_else(|| NinferError::invalid("mtp_draft", "too few draft draws"))?;
+                        let (t, q) = draw_draft(&logits, &ds.warpers, u);
+                        d.q.push(q);
+                        t
+                    }
+                    None => argmax(&logits),
+                };
+                d.tokens.push(token);
+                if depth + 1 < s.k {
+                    // A recursive row reads the head's own output, not the target's hidden
+                    // state: never what absorbing that position writes.
+                    writes.push((s.pos + depth, !mix(h, token as u64)));
+                }
+                h = mix(h, token as u64);
+            }
+            for (p, v) in writes.into_iter().filter(|&(p, _)| p != usize::MAX) {
+                let idx = self.kv_index(&s.block_table, p)?;
+                self.mtp.as_mut().expect("checked above").1[idx] = Some(v);
+            }
+            out.push(d);
+        }
+        Ok(out)
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

@@ -119,6 +119,26 @@ pub struct MtpDraftSeq {
     /// Covering at least `pos + k` positions (the verify chunk's table).
     pub block_table: Vec<u32>,
     pub k: usize,
+    /// How a sampled request's drafts are drawn; None: greedy drafts (argmax).
+    pub sampling: Option<DraftSampling>,
+}
+
+/// The draws of a sampled request's MTP drafts: each draft token is drawn with `u[depth]` from
+/// the head's logits under `warpers` (`spec::draft_warpers`), as `spec::draw_draft` does.
+#[derive(Clone, Debug)]
+pub struct DraftSampling {
+    pub warpers: RowSampling,
+    /// One uniform in [0, 1) per draft, from the request's RNG.
+    pub u: Vec<f64>,
+}
+
+/// The MTP drafts of one sequence: the tokens and, for sampled drafts, the distribution q each
+/// was drawn from (`[k][vocab]`; empty for greedy drafts, and for a runner that drafts greedily
+/// for every request: the point-mass rule then verifies them, exactly but accepting fewer).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MtpDraft {
+    pub tokens: Vec<u32>,
+    pub q: Vec<Vec<f32>>,
 }
 
 /// What the caches of one model cost, so that the engine can plan memory before allocating.
@@ -224,9 +244,9 @@ pub trait ModelRunner: Send {
         Err(NinferError::invalid("mtp_absorb", "MTP drafting is not enabled"))
     }
 
-    /// Greedy MTP drafts: `k` tokens after each sequence's input token, from the hidden state
-    /// of its last absorbed row (at `pos - 1`).
-    fn mtp_draft(&mut self, _seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    /// MTP drafts: `k` tokens after each sequence's input token, from the hidden state of its
+    /// last absorbed row (at `pos - 1`), greedy or drawn as its `sampling` says.
+    fn mtp_draft(&mut self, _seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
         Err(NinferError::invalid("mtp_draft", "MTP drafting is not enabled"))
     }
 

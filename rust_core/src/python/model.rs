@@ -221,8 +221,8 @@ impl PyModel {
                 next.push(g);
             }
             let seqs: Vec<MtpDraftSeq> =
-                prompts.iter().enumerate().map(|(i, p)| MtpDraftSeq { key: i as u64, pos: p.len(), token: next[i], block_table: tables[i].clone(), k }).collect();
-            let drafts = m.runner.mtp_draft(&seqs)?;
+                prompts.iter().enumerate().map(|(i, p)| MtpDraftSeq { key: i as u64, pos: p.len(), token: next[i], block_table: tables[i].clone(), k, sampling: None }).collect();
+            let drafts: Vec<Vec<u32>> = m.runner.mtp_draft(&seqs)?.into_iter().map(|d| d.tokens).collect();
             for i in 0..prompts.len() {
                 m.runner.mtp_release(i as u64);
             }

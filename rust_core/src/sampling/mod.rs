@@ -17,4 +17,4 @@ pub use grammar::{GrammarCompiler, GrammarConstraint, ResponseFormat, SharedGram
 pub use params::SamplingParams;
 pub use penalties::{PenaltyHistory, PenaltyParams};
 pub use row::RowSampling;
-pub use sampler::{argmax, raw_logprobs, RequestSampler, SampledToken, TokenLogprob};
+pub use sampler::{argmax, draw, raw_logprobs, RequestSampler, SampledToken, TokenLogprob};

@@ -8,7 +8,7 @@
 //! row is sampled.
 
 use super::penalties::{apply_penalties, PenaltyHistory, PenaltyParams};
-use super::sampler::{argmax, raw_logprobs, sample_filtered, SampledToken};
+use super::sampler::{argmax, filtered_distribution, raw_logprobs, sample_filtered, SampledToken};
 
 /// One row's sampling decision, fully specified.
 #[derive(Clone, Debug, PartialEq)]
@@ -115,6 +115,19 @@ impl RowSampling {
     pub fn sample(&self, raw: &[f32]) -> SampledToken {
         let logits = self.processed(raw);
         let token = if self.is_greedy() { argmax(&logits) } else { sample_filtered(&logits, self, self.u) };
+        self.picked(raw, token)
+    }
+
+    /// The probability `sample` gives each token of one raw logits row: the grammar mask,
+    /// bias and penalties, then temperature and the filters (greedy: all mass on the argmax).
+    /// The target distribution p of the speculative sampling rule.
+    pub fn distribution(&self, raw: &[f32]) -> Vec<f64> {
+        filtered_distribution(&self.processed(raw), self)
+    }
+
+    /// `token`, picked from the raw row `raw` by other means than `sample` (a verified draft),
+    /// with the logprobs this row asks for.
+    pub fn picked(&self, raw: &[f32], token: u32) -> SampledToken {
         let logprob = self.wants_logprobs().then(|| raw_logprobs(raw, token, self.top_logprobs));
         SampledToken { token, logprob }
     }
@@ -153,6 +166,33 @@ mod tests {
         assert_eq!(RowSampling { penalized: vec![(1, 1), (2, 0), (0, 1)], ..row.clone() }, counting.with_input(0));
         assert_eq!(row.sample(&raw).token, 1, "6 - 3 beats 2.5");
         assert_eq!(counting.with_input(1).sample(&raw).token, 2, "6 - 5 loses to 2.5");
+    }
+
+    /// `distribution` is what `sample` draws from: for every filter, each token's mass is the
+    /// share of uniform draws that pick it (draws on a fine grid).
+    #[test]
+    fn the_distribution_is_what_the_sampler_draws_from() {
+        let raw = [0.3f32, 2.0, -1.0, 2.0, 0.9, 1.5, -0.2];
+        let rows = [
+            RowSampling::default(),
+            RowSampling { temperature: 0.7, top_k: 4, ..Default::default() },
+            RowSampling { temperature: 1.3, top_p: 0.8, ..Default::default() },
+            RowSampling { min_p: 0.3, ..Default::default() },
+            RowSampling { top_k: 5, top_p: 0.9, min_p: 0.1, logit_bias: vec![(2, 3.0)], allow: Some(vec![0b101_1110]), ..Default::default() },
+            RowSampling { temperature: 0.0, ..Default::default() },
+        ];
+        let n = 20_000;
+        for (r, row) in rows.iter().enumerate() {
+            let p = row.distribution(&raw);
+            assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "row {r}");
+            let mut counts = [0usize; 7];
+            for j in 0..n {
+                counts[RowSampling { u: (j as f64 + 0.5) / n as f64, ..row.clone() }.sample(&raw).token as usize] += 1;
+            }
+            for t in 0..7 {
+                assert!((counts[t] as f64 / n as f64 - p[t]).abs() < 2.0 / n as f64, "row {r}, token {t}: {} vs {}", counts[t], p[t]);
+            }
+        }
     }
 
     #[test]

@@ -82,6 +82,12 @@ impl RequestSampler {
         }
     }
 
+    /// One more uniform draw in [0, 1) from the request's RNG, beyond the one each row takes:
+    /// what the speculative sampling rule draws a draft token or a residual token with.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random()
+    }
+
     /// Record the token that was sampled from the row `prepare` returned.
     pub fn record(&mut self, token: u32) {
         self.history.push_output(token);
@@ -128,16 +134,13 @@ fn top_indices(values: &[f32], k: usize) -> Vec<u32> {
 /// the uniform draw `u` over the kept candidates in descending probability order (ties: lower
 /// id first).
 ///
-/// Only the candidates a filter can keep are sorted: the top-k set, a growing top slice until
-/// it holds `top_p` of the mass, or the tokens above the min-p floor. With no filter at all the
-/// draw walks the whole vocabulary in id order (same distribution, no sort).
+/// With no filter at all the draw walks the whole vocabulary in id order (same distribution,
+/// no sort); otherwise over `filtered_candidates`.
 pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u32 {
-    let inv_t = 1.0 / params.temperature as f64;
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let weight = |i: u32| ((logits[i as usize] as f64 - max) * inv_t).exp();
     let n = logits.len();
     if !params.is_filtered(n) {
-        let total: f64 = (0..n as u32).map(weight).sum();
+        let weight = tempered_weights(logits, params.temperature);
+        let total: f64 = (0..n as u32).map(&weight).sum();
         let mut cum = 0.0;
         for i in 0..n as u32 {
             cum += weight(i) / total;
@@ -147,6 +150,54 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
         }
         return argmax(logits);
     }
+    let (cand, probs) = filtered_candidates(logits, params);
+    let mut cum = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        cum += p;
+        if u < cum {
+            return cand[i];
+        }
+    }
+    *cand.last().expect("at least one candidate")
+}
+
+/// The probability of every token under temperature and the filters `params` holds, exactly
+/// the distribution `sample_filtered` draws from (greedy: all mass on the argmax).
+pub(crate) fn filtered_distribution(logits: &[f32], params: &RowSampling) -> Vec<f64> {
+    let n = logits.len();
+    let mut p = vec![0.0; n];
+    if params.is_greedy() {
+        p[argmax(logits) as usize] = 1.0;
+    } else if !params.is_filtered(n) {
+        let weight = tempered_weights(logits, params.temperature);
+        let total: f64 = (0..n as u32).map(&weight).sum();
+        for (i, x) in p.iter_mut().enumerate() {
+            *x = weight(i as u32) / total;
+        }
+    } else {
+        let (cand, probs) = filtered_candidates(logits, params);
+        for (&t, &q) in cand.iter().zip(&probs) {
+            p[t as usize] = q;
+        }
+    }
+    p
+}
+
+/// Unnormalized weight of each token at temperature `t`: `exp((logit - max) / t)`.
+fn tempered_weights(logits: &[f32], t: f32) -> impl Fn(u32) -> f64 + '_ {
+    let inv_t = 1.0 / t as f64;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    move |i: u32| ((logits[i as usize] as f64 - max) * inv_t).exp()
+}
+
+/// The candidates top-k, top-p and min-p keep (at least one), in descending probability order
+/// (ties: lower id first), with their renormalized probabilities.
+///
+/// Only the candidates a filter can keep are sorted: the top-k set, a growing top slice until
+/// it holds `top_p` of the mass, or the tokens above the min-p floor.
+fn filtered_candidates(logits: &[f32], params: &RowSampling) -> (Vec<u32>, Vec<f64>) {
+    let weight = tempered_weights(logits, params.temperature);
+    let n = logits.len();
     // `z`: the mass top-p takes its share of. Top-k renormalizes over the kept set (HF order);
     // without top-k it is the whole vocabulary's, NOT the sorted slice's: that slice is only
     // what must be sorted to hold the nucleus, and renormalizing over it shrank the nucleus.
@@ -155,7 +206,7 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
         let z: f64 = c.iter().map(|&i| weight(i)).sum();
         (c, z)
     } else if params.top_p < 1.0 {
-        let total: f64 = (0..n as u32).map(weight).sum();
+        let total: f64 = (0..n as u32).map(&weight).sum();
         let mut k = 64.min(n);
         loop {
             let c = top_indices(logits, k);
@@ -194,14 +245,24 @@ pub(crate) fn sample_filtered(logits: &[f32], params: &RowSampling, u: f64) -> u
         probs.truncate(keep);
         normalize(&mut probs);
     }
+    (cand, probs)
+}
+
+/// Inverse-CDF draw with `u` in [0, 1) over `probs` walked in id order; the last token with
+/// mass when rounding leaves `u` past the total.
+pub fn draw(probs: &[f64], u: f64) -> u32 {
     let mut cum = 0.0;
-    for (i, p) in probs.iter().enumerate() {
-        cum += p;
-        if u < cum {
-            return cand[i];
+    let mut last = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cum += p;
+            last = i;
+            if u < cum {
+                return i as u32;
+            }
         }
     }
-    *cand.last().expect("at least one candidate")
+    last as u32
 }
 
 fn normalize(p: &mut [f64]) {

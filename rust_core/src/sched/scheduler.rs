@@ -22,6 +22,10 @@ pub struct SchedulerConfig {
     /// Token budget of one step.
     pub prefill_chunk: usize,
     pub prefix_reuse: bool,
+    /// A cached block also holds state that reads the token after it (`--spec mtp`: the MTP
+    /// row at its last position pairs the hidden state there with the next token): that token
+    /// is part of what a prefix hit must match, and a block is cached once it is known.
+    pub key_next_token: bool,
 }
 
 /// What one step runs.
@@ -273,8 +277,12 @@ impl Scheduler {
             // A verify chunk's draft tokens count once accepted (`update_from_output`).
             seq.num_computed += chunk.tokens.len().min(seq.remaining());
             if self.cfg.prefix_reuse {
-                register_full_blocks(&mut self.pool, seq, bs);
+                register_full_blocks(&mut self.pool, seq, bs, self.cfg.key_next_token);
+                // Snapshot keys: blocks not cached yet (their next token unknown) have them too.
+                seq.ensure_hashes(seq.num_computed / bs, bs);
             }
+            // A verify chunk's boundaries are reached once its drafts are accepted
+            // (`draft_snapshot`).
             let decode_boundary = self.cfg.prefix_reuse && chunk.tokens.len() == 1 && seq.num_computed % bs == 0;
             if seq.snapshot_at == Some(seq.num_computed) {
                 seq.snapshot_at = None;
@@ -308,9 +316,10 @@ impl Scheduler {
                 seq.draft.clear();
                 if o.computed {
                     seq.num_computed += 1;
-                    if self.cfg.prefix_reuse {
-                        register_full_blocks(&mut self.pool, seq, bs);
-                    }
+                }
+                // A block's next token may be the one just appended.
+                if self.cfg.prefix_reuse && (o.computed || self.cfg.key_next_token) {
+                    register_full_blocks(&mut self.pool, seq, bs, self.cfg.key_next_token);
                 }
             }
             if o.finished {
@@ -336,13 +345,16 @@ impl Scheduler {
     /// copy that snapshots its final state when it ends on a block boundary (hybrid models) and
     /// its slot is `SlotState::Current`.
     pub fn finish(&mut self, id: SeqId, slot_state: SlotState) -> Option<(usize, usize)> {
-        let seq = self.seqs.remove(&id)?;
+        let mut seq = self.seqs.remove(&id)?;
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
         let bs = self.pool.block_size();
         let mut copy = None;
         if let Some(slot) = seq.state_slot {
             let n = seq.num_computed;
+            if self.cfg.prefix_reuse {
+                seq.ensure_hashes(n / bs, bs);
+            }
             if slot_state == SlotState::Current && self.cfg.prefix_reuse && n > 0 && n % bs == 0 && seq.block_hashes.len() >= n / bs {
                 copy = self.slots.reserve_snapshot(seq.block_hashes[n / bs - 1]).map(|dst| (slot, dst));
             }
@@ -454,9 +466,10 @@ impl Scheduler {
         let (hit_ids, snapshot) = if self.cfg.prefix_reuse {
             seq.ensure_hashes(len / bs, bs);
             let max_hit = (len - 1) / bs;
+            let next = usize::from(self.cfg.key_next_token);
             let mut ids = Vec::new();
             for b in 0..max_hit {
-                match self.pool.lookup(seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]) {
+                match self.pool.lookup(seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs + next]) {
                     Some(blk) => ids.push(blk),
                     None => break,
                 }
@@ -505,6 +518,37 @@ impl Scheduler {
             (Some(src), Some(dst)) if hit > 0 => Some((src, dst)),
             _ => None,
         })
+    }
+
+    /// The decode-boundary snapshot a verify chunk of `id` reaches once its draft tokens
+    /// `accepted` (computed by the verify forward, not appended yet) follow its input token
+    /// (counted by `on_step_launched`): the state after the last block boundary within them
+    /// becomes the sequence's trailing snapshot, as a plain decode's does at each boundary.
+    /// Returns (the token count the snapshot holds, the sequence's slot, the snapshot slot):
+    /// the engine copies the state when its rollback has brought the slot to that point.
+    pub fn draft_snapshot(&mut self, id: SeqId, accepted: &[u32]) -> Option<(usize, usize, usize)> {
+        let bs = self.pool.block_size();
+        let seq = self.seqs.get_mut(&id)?;
+        let (slot, end) = (seq.state_slot?, seq.num_computed + accepted.len());
+        let boundary = end / bs * bs;
+        if !self.cfg.prefix_reuse || seq.snapshot_at.is_some() || boundary == 0 || boundary < seq.num_computed || seq.tokens.len() != seq.num_computed {
+            return None;
+        }
+        let mut key = seq.block_hashes.get(boundary / bs - 1).copied();
+        if key.is_none() {
+            let mut tokens = seq.tokens.clone();
+            tokens.extend_from_slice(accepted);
+            let mut parent = seq.block_hashes.last().copied();
+            for b in seq.block_hashes.len()..boundary / bs {
+                parent = Some(crate::kv::block_hash(parent, &tokens[b * bs..(b + 1) * bs]));
+            }
+            key = parent;
+        }
+        let key = key?;
+        if let Some(old) = seq.trailing_snapshot.replace(key) {
+            self.slots.drop_snapshot(old);
+        }
+        self.slots.reserve_snapshot(key).map(|dst| (boundary, slot, dst))
     }
 
     /// Give every running decoding sequence the draft `propose` returns for it (speculative
@@ -564,12 +608,14 @@ impl Scheduler {
     }
 }
 
-/// Publish the full blocks of `seq`'s computed tokens to the prefix cache.
-fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize) {
-    let full = seq.num_computed / bs;
+/// Publish the full blocks of `seq`'s computed tokens to the prefix cache; with
+/// `key_next_token`, only those whose next token is known, cached with it.
+fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize, key_next_token: bool) {
+    let next = usize::from(key_next_token);
+    let full = seq.num_computed.min(seq.tokens.len() - next) / bs;
     seq.ensure_hashes(full, bs);
     for b in seq.num_registered_blocks..full {
-        pool.register_full(seq.block_table[b], seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs]);
+        pool.register_full(seq.block_table[b], seq.block_hashes[b], &seq.tokens[b * bs..(b + 1) * bs + next]);
     }
     seq.num_registered_blocks = seq.num_registered_blocks.max(full);
 }

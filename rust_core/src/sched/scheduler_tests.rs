@@ -3,7 +3,7 @@
 use super::*;
 
 fn scheduler(blocks: usize, max_concurrency: usize) -> Scheduler {
-    let cfg = SchedulerConfig { max_concurrency, prefill_chunk: 64, prefix_reuse: false };
+    let cfg = SchedulerConfig { max_concurrency, prefill_chunk: 64, prefix_reuse: false, key_next_token: false };
     Scheduler::new(cfg, BlockPool::new(blocks, 4), StateSlots::none())
 }
 
@@ -37,7 +37,7 @@ fn update_from_output_appends_each_token_and_frees_the_ended_sequences() {
 
 #[test]
 fn a_loan_holds_its_blocks_and_slot_until_given_back() {
-    let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: false };
+    let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: false, key_next_token: false };
     let mut s = Scheduler::new(cfg, BlockPool::new(4, 4), StateSlots::new(1, 0));
     let loan = s.lend(3).expect("3 of 4 blocks free");
     assert_eq!((loan.block_table.len(), loan.state_slot.is_some(), s.free_blocks()), (3, true, 1));
@@ -99,7 +99,7 @@ fn no_lookahead_while_someone_could_be_admitted_or_blocks_would_run_out() {
 /// draft tokens go back to the pool.
 #[test]
 fn a_verify_chunk_counts_only_its_accepted_drafts_and_frees_the_rest() {
-    let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: true };
+    let cfg = SchedulerConfig { max_concurrency: 2, prefill_chunk: 64, prefix_reuse: true, key_next_token: false };
     let mut s = Scheduler::new(cfg, BlockPool::new(16, 4), StateSlots::none());
     s.add(Sequence::new(0, vec![1, 2, 3]));
     let prompt = launch(&mut s);

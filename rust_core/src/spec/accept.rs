@@ -8,7 +8,9 @@
 //! target's next token. For sampled rows with a deterministic draft (n-gram) it is the
 //! speculative sampling rule: the draft d is accepted with probability p(d), and on rejection
 //! the token follows p with d removed and renormalized. Every accepted token used one draw, in
-//! order, so a seeded request outputs what it would without speculation.
+//! order, so a seeded request outputs what it would without speculation. A draft drawn from a
+//! distribution q (MTP drafts of sampled requests) is picked by `sampled::speculative_rule`
+//! instead, which accepts it exactly when it returns the draft token.
 
 use crate::Result;
 

@@ -1,7 +1,8 @@
 //! Speculative decoding: a drafter proposes up to K tokens after a decoding request's last token,
 //! one verify chunk (the last token plus the drafts, logits at every position) runs in the same
 //! engine step as the other requests' decodes and prompt chunks, and the engine accepts the
-//! longest prefix the target agrees with plus the target's own next token (`accept`).
+//! longest prefix the target agrees with plus the target's own next token (`accept`), or for a
+//! sampled draft drawn from a distribution, what the speculative sampling rule keeps (`sampled`).
 //!
 //! What each drafter needs from the verify forward:
 //! - n-gram (`NgramDrafter`): nothing; it reads the request's prompt and output tokens.
@@ -9,8 +10,9 @@
 //!   position, and an attention KV of its own in the paged pool, keyed by the target's blocks.
 //!   The runner keeps the hidden states of its last forward; the engine has the rows it kept
 //!   absorbed after every step (`ModelRunner::mtp_absorb`) and drafts greedily once the verify
-//!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`). Sampled requests verify these
-//!   deterministic drafts by the same rule as the n-gram's, which is exact for them.
+//!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`): greedy drafts for greedy requests;
+//!   for sampled requests drafts drawn from the head's distribution q, verified by the
+//!   speculative sampling rule (`sampled`).
 //! - DFlash: the hidden states of the target layers its config names, at every accepted
 //!   position of the verify chunk.
 //!
@@ -25,12 +27,14 @@ pub mod adaptive;
 mod config;
 pub mod draft_vocab;
 mod ngram;
+mod sampled;
 mod stats;
 
 pub use accept::{accept_draft, Accepted};
 pub use adaptive::{AdaptiveK, AdaptiveSpec, StepCost};
 pub use config::{LmHeadDraft, SpecConfig, SpecMethod, MAX_DRAFT_TOKENS};
 pub use ngram::NgramDrafter;
+pub use sampled::{draft_warpers, draw_draft, speculative_rule, DraftRule};
 pub use stats::SpecStats;
 
 /// Proposes draft tokens for one request from what the engine knows of it.

@@ -6,6 +6,7 @@ mod caching;
 mod grammar;
 mod overlap;
 mod sampling;
+mod spec_sampling;
 mod speculation;
 mod stopping;
 mod thinking;
@@ -49,6 +50,8 @@ struct Setup {
     eos: Vec<u32>,
     /// The toy overlaps steps (asynchronous scheduling, `ToyRunner::overlapping`).
     overlap: bool,
+    /// The toy has an MTP head (`ToyRunner::with_mtp_head`).
+    mtp: bool,
 }
 
 impl Default for Setup {
@@ -61,6 +64,7 @@ impl Default for Setup {
             tokenizer: None,
             eos: Vec::new(),
             overlap: false,
+            mtp: false,
         }
     }
 }
@@ -69,6 +73,7 @@ impl Setup {
     fn build(&self) -> (EngineCore, Arc<Mutex<ToyLog>>) {
         let runner = ToyRunner::new(self.vocab, self.max_pos, self.hybrid);
         let runner = if self.overlap { runner.overlapping() } else { runner };
+        let runner = if self.mtp { runner.with_mtp_head() } else { runner };
         let log = runner.log.clone();
         let core = EngineCore::new(Box::new(runner), &self.cfg, self.tokenizer.clone(), self.eos.clone()).expect("engine");
         // Tests look at the steps requests cause; the warm-up step has its own test.

@@ -8,7 +8,12 @@ use super::*;
 use crate::spec::SpecConfig;
 
 fn with_spec(setup: &Setup, k: usize) -> Setup {
-    Setup { cfg: EngineConfig { spec: Some(SpecConfig::new("ngram", Some(k)).unwrap()), ..setup.cfg.clone() }, ..setup.clone() }
+    with_method(setup, "ngram", k)
+}
+
+/// `setup` with `--spec method --draft-tokens k` (the toy's MTP head for mtp).
+fn with_method(setup: &Setup, method: &str, k: usize) -> Setup {
+    Setup { cfg: EngineConfig { spec: Some(SpecConfig::new(method, Some(k)).unwrap()), ..setup.cfg.clone() }, mtp: method == "mtp", ..setup.clone() }
 }
 
 fn small_vocab(hybrid: bool, vocab: usize) -> Setup {
@@ -91,9 +96,9 @@ fn verify_chunks_share_a_step_with_prompt_chunks() {
 
 #[test]
 fn prefix_cache_hits_with_drafts_equal_a_miss() {
-    for hybrid in [false, true] {
+    for (hybrid, method) in [(false, "ngram"), (true, "ngram"), (false, "mtp"), (true, "mtp")] {
         let base = small_vocab(hybrid, 3);
-        let spec = with_spec(&base, 3);
+        let spec = with_method(&base, method, 3);
         let p1 = tiny_prompt(30, 4, 3);
         let (mut core, _) = spec.build();
         core.add_request("turn1", p1.clone(), greedy(40)).unwrap();
@@ -103,10 +108,10 @@ fn prefix_cache_hits_with_drafts_equal_a_miss() {
         p2.extend(tiny_prompt(5, 9, 3));
         core.add_request("turn2", p2.clone(), greedy(20)).unwrap();
         let t2 = run_all(&mut core).remove("turn2").unwrap();
-        assert!(t2.cached_tokens > 0, "hybrid {hybrid}: the second turn hit the cache");
+        assert!(t2.cached_tokens > 0, "hybrid {hybrid}, {method}: the second turn hit the cache");
         let no_reuse = Setup { cfg: EngineConfig { prefix_reuse: false, ..base.cfg.clone() }, ..base.clone() };
         let (fresh, _, _) = run_requests(&no_reuse, &[(p2, greedy(20))]);
-        assert_eq!(t2.tokens, fresh[0].tokens, "hybrid {hybrid}");
+        assert_eq!(t2.tokens, fresh[0].tokens, "hybrid {hybrid}, {method}");
         assert_eq!(core.stats().kv_blocks_used, 0);
     }
 }
@@ -232,4 +237,71 @@ fn per_request_draft_lengths_mix_in_one_batch_and_zero_turns_drafts_off() {
     core.add_request("off", vec![1, 2], SamplingParams { draft_tokens: Some(0), ..greedy(3) }).unwrap();
     let e = SamplingParams { draft_tokens: Some(9), ..greedy(3) }.validate().unwrap_err().to_string();
     assert!(e.contains("draft_tokens") && e.contains('9'), "{e}");
+}
+
+/// Decode snapshots of a hybrid model are taken on steps with drafts, at the block boundaries
+/// the accepted tokens reach, holding the state after accepted tokens only (the toy fails a
+/// step whose restored state disagrees with the KV history): a second turn resumes from the
+/// last boundary of the first, as it does without drafts.
+#[test]
+fn snapshots_on_steps_with_drafts_hold_accepted_tokens_and_serve_the_next_turn() {
+    let base = small_vocab(true, 3);
+    let p1 = tiny_prompt(30, 4, 3);
+    let turns = |setup: &Setup, k: Option<usize>| {
+        let (mut core, log) = setup.build();
+        core.add_request("turn1", p1.clone(), SamplingParams { draft_tokens: k.filter(|_| setup.cfg.spec.is_some()), ..greedy(41) }).unwrap();
+        let t1 = run_all(&mut core).remove("turn1").unwrap();
+        let mut p2 = p1.clone();
+        p2.extend(&t1.tokens);
+        p2.extend(tiny_prompt(5, 9, 3));
+        core.add_request("turn2", p2.clone(), SamplingParams { draft_tokens: k.filter(|_| setup.cfg.spec.is_some()), ..greedy(20) }).unwrap();
+        let t2 = run_all(&mut core).remove("turn2").unwrap();
+        let drafted = core.stats().spec.drafted;
+        let steps = log.lock().unwrap().steps.clone();
+        (t1, t2, drafted, steps)
+    };
+    let (plain1, plain2, _, _) = turns(&base, Some(3));
+    let last_boundary = (p1.len() + plain1.tokens.len() - 1) / 4 * 4;
+    assert_eq!(plain2.cached_tokens, last_boundary, "without drafts the second turn resumes from the first one's last boundary");
+    for method in ["ngram", "mtp"] {
+        // A request that drafts nothing (its draft_tokens 0) decodes plainly beside them.
+        let (t1, t2, drafted, _) = turns(&with_method(&base, method, 3), Some(0));
+        assert_eq!((drafted, &t1.tokens, &t2.tokens, t2.cached_tokens), (0, &plain1.tokens, &plain2.tokens, last_boundary), "{method}, no drafts");
+        for k in [1, 3, 6] {
+            let (t1, t2, drafted, steps) = turns(&with_method(&base, method, k), None);
+            assert!(drafted > 0, "{method} K {k}");
+            // Every block boundary of turn 1's decoding fell on a step with drafts.
+            let verify_boundary = |b: usize| steps.iter().flat_map(|s| &s.seqs).any(|q| q.logits == crate::model::LogitsWanted::All && q.start_pos < b && b <= q.start_pos + q.tokens.len());
+            assert!(verify_boundary(last_boundary), "{method} K {k}: the last boundary was reached inside a verify chunk");
+            assert_eq!((&t1.tokens, &t2.tokens), (&plain1.tokens, &plain2.tokens), "{method} K {k}");
+            assert_eq!(t2.cached_tokens, last_boundary, "{method} K {k}: the snapshot at the last boundary serves the next turn");
+        }
+    }
+}
+
+/// With --spec mtp a cached block's MTP row at its last position reads the token after the
+/// block: a request whose token after a shared block differs does not take that block from the
+/// cache (the toy fails a draft that reads a stale MTP row), one whose token agrees does.
+#[test]
+fn mtp_prefix_hits_match_the_token_after_the_hit() {
+    let base = small_vocab(false, 5);
+    let spec = with_method(&base, "mtp", 3);
+    let shared: Vec<u32> = vec![1, 2, 3, 4, 0, 1, 2, 3];
+    let prompt = |next: u32| {
+        let mut p = shared.clone();
+        p.extend([next, 2, 4, 1, 0, 3]);
+        p
+    };
+    let (mut core, _) = spec.build();
+    let mut outputs = Vec::new();
+    for (name, next) in [("a", 4), ("b", 0), ("c", 4)] {
+        core.add_request(name, prompt(next), greedy(30)).unwrap();
+        outputs.push(run_all(&mut core).remove(name).unwrap());
+    }
+    assert_eq!(outputs.iter().map(|o| o.cached_tokens).collect::<Vec<_>>(), [0, 4, 12], "b shares 8 tokens with a but not the token after them");
+    let (plain, _, _) = run_requests(&base, &[(prompt(4), greedy(30)), (prompt(0), greedy(30)), (prompt(4), greedy(30))]);
+    for (i, (a, b)) in plain.iter().zip(&outputs).enumerate() {
+        assert_eq!(a.tokens, b.tokens, "request {i}");
+    }
+    assert!(core.stats().spec.accepted > 0);
 }

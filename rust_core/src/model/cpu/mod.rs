@@ -21,7 +21,7 @@ use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use crate::config::ModelConfig;
-use crate::model::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraftSeq, MtpRows, StepBatch};
+use crate::model::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
 use crate::model::{KvDtype, LoadOptions, LogitsRound};
 use crate::{NinferError, Result};
 
@@ -321,7 +321,7 @@ impl ModelRunner for CpuModel {
         r
     }
 
-    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
         let mut st = self.mtp_state.take().ok_or_else(|| NinferError::invalid("mtp_draft", "MTP drafting is not enabled"))?;
         let r = st.draft(self, seqs);
         self.mtp_state = Some(st);

@@ -19,8 +19,9 @@ use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use std::collections::HashMap;
 
-use crate::model::runner::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::model::runner::{LogitsWanted, MtpDraft, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
 use crate::sampling::argmax;
+use crate::spec::draw_draft;
 use crate::{NinferError, Result};
 
 use super::layers::{attention_step, fit, mlp_step, LayerKv, Workspace};
@@ -334,9 +335,11 @@ impl MtpState {
         Ok(())
     }
 
-    /// `ModelRunner::mtp_draft`: greedy drafts, the sequences of each K in one batched call.
-    pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
-        let mut out = vec![Vec::new(); seqs.len()];
+    /// `ModelRunner::mtp_draft`: greedy drafts, or drafts drawn from the head's distribution
+    /// (`spec::draw_draft`) for a sequence with `sampling`; the sequences of each K in one
+    /// batched call.
+    pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
+        let mut out = vec![MtpDraft::default(); seqs.len()];
         let mut ks: Vec<usize> = seqs.iter().map(|s| s.k).filter(|&k| k > 0).collect();
         ks.sort_unstable();
         ks.dedup();
@@ -355,9 +358,22 @@ impl MtpState {
                     _ => return Err(NinferError::invalid("mtp_draft", format!("no MTP row absorbed at position {} of sequence {}", s.pos.wrapping_sub(1), s.key))),
                 }
             }
-            let drafts = self.drafter.draft(model, &batch, k, &mut |_, _, logits| argmax(logits))?;
+            for &i in &idx {
+                if let Some(s) = seqs[i].sampling.as_ref().filter(|s| s.u.len() < k) {
+                    return Err(NinferError::invalid("mtp_draft", format!("{} draft draws for {k} drafts", s.u.len())));
+                }
+            }
+            let mut pick = |b: usize, depth: usize, logits: &[f32]| match &seqs[idx[b]].sampling {
+                Some(s) => {
+                    let (token, q) = draw_draft(logits, &s.warpers, s.u[depth]);
+                    out[idx[b]].q.push(q);
+                    token
+                }
+                None => argmax(logits),
+            };
+            let drafts = self.drafter.draft(model, &batch, k, &mut pick)?;
             for (d, &i) in drafts.into_iter().zip(&idx) {
-                out[i] = d.into_iter().map(|d| d.token).collect();
+                out[i].tokens = d.into_iter().map(|d| d.token).collect();
             }
         }
         Ok(out)

@@ -155,7 +155,7 @@ fn the_runners_hook_drafts_as_the_drafter_given_the_same_rows() {
     m.enable_mtp().unwrap();
     assert_eq!(m.cache_spec().kv_bytes_per_token, plain_kv + MtpDrafter::kv_bytes_per_token(&m), "the ledger counts the MTP KV");
     m.allocate_caches(32, 4, 2).unwrap();
-    let at = |pos: usize, k: usize| MtpDraftSeq { key: 9, pos, token: TOKENS[pos], block_table: table.clone(), k };
+    let at = |pos: usize, k: usize| MtpDraftSeq { key: 9, pos, token: TOKENS[pos], block_table: table.clone(), k, sampling: None };
     // Nothing absorbed yet: no row to draft from.
     assert!(m.mtp_draft(&[at(10, 3)]).is_err());
     // The prompt TOKENS[..10] in one chunk; every row absorbed with the token after it.
@@ -163,7 +163,8 @@ fn the_runners_hook_drafts_as_the_drafter_given_the_same_rows() {
     m.mtp_absorb(&[MtpRows { key: 9, chunk: 0, start_pos: 0, next_tokens: TOKENS[1..11].to_vec(), block_table: table.clone() }]).unwrap();
     let drafts = m.mtp_draft(&[at(10, 3)]).unwrap();
     let expected = greedy(&fresh_model, &mut fresh, &[rows(&table, &hidden, h, 0, 10)], 3);
-    assert_eq!(drafts[0], expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
+    assert_eq!(drafts[0].tokens, expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
+    assert!(drafts[0].q.is_empty(), "greedy drafts carry no distribution");
     // A verify chunk at 10 of which two rows are kept (the input and one accepted draft): the
     // next drafts start at 12, past the recursion's rows of the round before.
     m.forward(&StepBatch { seqs: vec![seq(&TOKENS[10..14], 10, &table, 0, LogitsWanted::All)] }).unwrap();
@@ -173,8 +174,31 @@ fn the_runners_hook_drafts_as_the_drafter_given_the_same_rows() {
     let mut fresh = MtpDrafter::new(&fresh_model).unwrap();
     fresh.allocate(&fresh_model, 32, 4).unwrap();
     let expected = greedy(&fresh_model, &mut fresh, &[rows(&table, &hidden, h, 0, 12)], 2);
-    assert_eq!(both[0], expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
-    assert!(both[1].is_empty());
+    assert_eq!(both[0].tokens, expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
+    assert!(both[1].tokens.is_empty());
+    // Sampled drafts: each drawn with its uniform from the head's logits under the warpers,
+    // as `spec::draw_draft` draws from the logits the drafter gives.
+    let warpers = crate::spec::draft_warpers(&crate::sampling::SamplingParams { temperature: 1.5, top_k: 40, ..Default::default() });
+    let u = vec![0.9, 0.1];
+    let sampled = m.mtp_draft(&[MtpDraftSeq { sampling: Some(DraftSampling { warpers: warpers.clone(), u: u.clone() }), ..at(12, 2) }]).unwrap();
+    let mut depth = 0;
+    let mut fresh = MtpDrafter::new(&fresh_model).unwrap();
+    fresh.allocate(&fresh_model, 32, 4).unwrap();
+    let mut pick = |_: usize, _: usize, l: &[f32]| {
+        let t = crate::spec::draw_draft(l, &warpers, u[depth]).0;
+        depth += 1;
+        t
+    };
+    let expected = fresh.draft(&fresh_model, &[rows(&table, &hidden, h, 0, 12)], 2, &mut pick).unwrap();
+    assert_eq!(sampled[0].tokens, expected[0].iter().map(|d| d.token).collect::<Vec<_>>());
+    assert_eq!(sampled[0].q.len(), 2);
+    for (q, d) in sampled[0].q.iter().zip(&expected[0]) {
+        let want = crate::spec::draw_draft(&d.logits, &warpers, 0.0).1;
+        assert!(q.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "q is the warped distribution of the head's logits");
+        assert!((q.iter().map(|&x| x as f64).sum::<f64>() - 1.0).abs() < 1e-4 && q.iter().filter(|&&x| x > 0.0).count() <= 40);
+    }
+    let e = m.mtp_draft(&[MtpDraftSeq { sampling: Some(DraftSampling { warpers, u: vec![0.5] }), ..at(12, 2) }]).unwrap_err().to_string();
+    assert!(e.contains("draws"), "{e}");
     // Rows past the last forward's chunk are refused; a released sequence has no row left.
     let too_many = MtpRows { key: 9, chunk: 0, start_pos: 10, next_tokens: TOKENS[11..16].to_vec(), block_table: table.clone() };
     assert!(m.mtp_absorb(&[too_many]).is_err());

@@ -11,7 +11,7 @@ use crate::backend::cuda::device::driver_err;
 use crate::config::ModelConfig;
 use crate::artifact::WeightStore;
 use crate::model::cpu::mtp::NO_MTP_WEIGHTS;
-use crate::model::runner::{CacheSpec, Logits, ModelRunner, MtpDraftSeq, MtpRows, StepBatch};
+use crate::model::runner::{CacheSpec, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
@@ -228,8 +228,10 @@ impl ModelRunner for CudaModel {
         self.absorb_mtp(rows)
     }
 
-    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
-        self.draft_mtp(seqs)
+    /// Greedy drafts for every request (the device argmax): a sampled request's are verified by
+    /// the point-mass rule, exact for them; drawing from q on the device is later work.
+    fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
+        Ok(self.draft_mtp(seqs)?.into_iter().map(|tokens| MtpDraft { tokens, q: Vec::new() }).collect())
     }
 
     fn mtp_release(&mut self, key: u64) {
