@@ -14,7 +14,6 @@
 //! from it.
 
 use crate::backend::cpu::attention::KvLayout;
-use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use std::collections::HashMap;
@@ -211,7 +210,7 @@ impl MtpDrafter {
             cat[r * 2 * h..r * 2 * h + h].copy_from_slice(&ws.h[r * h..(r + 1) * h]);
             cat[r * 2 * h + h..(r + 1) * 2 * h].copy_from_slice(&normed_hid[r * h..(r + 1) * h]);
         }
-        linear(cat, rows, 2 * h, &mtp.fc.w, h, None, fit(&mut ws.x, rows * h));
+        mtp.fc.forward(cat, rows, fit(&mut ws.x, rows * h));
         rope_tables(&ws.positions, inv_freq, *rope_scale, &mut ws.cos, &mut ws.sin);
         let layout = KvLayout { block_size: self.block_size, n_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
         rms_norm(&ws.x, rows, h, &layer.input_norm, eps, fit(&mut ws.h, rows * h));
@@ -233,7 +232,7 @@ impl MtpDrafter {
         }
         let vocab = cfg.vocab_size;
         let mut logits = vec![0f32; m * vocab];
-        linear(sel, m, h, weights.lm_head_weights(), vocab, None, &mut logits);
+        weights.lm_head_forward(sel, m, h, vocab, &mut logits);
         if let Some(round) = *logits_round {
             round.apply(&mut logits);
         }
