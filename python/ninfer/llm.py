@@ -50,6 +50,10 @@ class LLM:
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
     head, with prefix reuse off; each verified `draft_tokens` (1..8, default 3) at a time; the CPU
     backend; "dflash" is not supported yet); outputs are those of plain decoding.
+    `quantize` ("w8", "q4", "q5", "q6", "fp8" or "nvfp4"; the CPU backend) quantizes a bf16/f16
+    checkpoint's projection weights on load, round to nearest with the format's scales; the lm_head
+    too with `quantize_lm_head` (embeddings stay as stored). A quantized checkpoint (its config.json
+    `quantization_config`: FP8 block, AWQ, GPTQ, compressed-tensors) loads as quantized without it.
     """
 
     def __init__(
@@ -73,6 +77,8 @@ class LLM:
         thinking_budget: Optional[int] = None,
         spec: Optional[str] = None,
         draft_tokens: Optional[int] = None,
+        quantize: Optional[str] = None,
+        quantize_lm_head: bool = False,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -97,6 +103,8 @@ class LLM:
             json_schema_open_objects=json_schema_open_objects,
             spec=spec,
             draft_tokens=draft_tokens,
+            quantize=quantize,
+            quantize_lm_head=quantize_lm_head,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()
