@@ -57,7 +57,7 @@ def projection_names(model_dir: Path) -> list:
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         names = list(f.keys())
-    return sorted(n for n in names if n.endswith("_proj.weight") or n == "mtp.fc.weight")
+    return sorted(n for n in names if n.endswith("_proj.weight") or ".in_proj_" in n or n == "mtp.fc.weight")
 
 
 def gguf_q8_0_tensors(model_dir: Path) -> dict:
