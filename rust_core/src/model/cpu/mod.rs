@@ -11,6 +11,8 @@ pub mod weights;
 #[cfg(test)]
 mod mtp_tests;
 #[cfg(test)]
+mod quant_tests;
+#[cfg(test)]
 mod tests;
 
 use std::path::Path;

@@ -83,6 +83,12 @@ impl<'a> QuantSource<'a> {
         })
     }
 
+    /// A load with every projection dense as stored (tests of the dense layouts).
+    #[cfg(test)]
+    pub fn dense(store: &'a WeightStore) -> Self {
+        QuantSource { store, hf: None, quantize: None, quantize_lm_head: false, given: None, used: RefCell::new(BTreeSet::new()), progress: Progress::new(None) }
+    }
+
     /// The weight `{module}.weight` (`[n, k]`) in the format it is held in.
     pub fn weight(&self, module: &str, n: usize, k: usize, role: LinearRole) -> Result<Part> {
         let name = format!("{module}.weight");
