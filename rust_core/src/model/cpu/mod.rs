@@ -1,7 +1,8 @@
 //! `CpuModel`: a loaded model on the CPU backend, running engine steps.
 //!
-//! `weights` loads a checkpoint into f32 host layouts, `layers` runs each layer kind over a
-//! step, and `CpuModel` ties them into a `ModelRunner`.
+//! `weights` loads a checkpoint into host layouts (f32, or packed quantized projections where
+//! `quant_load` says), `layers` runs each layer kind over a step, and `CpuModel` ties them into a
+//! `ModelRunner`.
 
 pub mod layers;
 pub mod mtp;

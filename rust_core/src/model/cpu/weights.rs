@@ -4,6 +4,10 @@
 //! attention gate) fused into one projection, gate|up fused, the four GDN input projections
 //! fused; Qwen3.5's per-head interleaved query/gate rows reordered to all queries then all
 //! gates; zero-centred norm weights stored as `1 + w`.
+//!
+//! A projection's weight is held in the format the load gives it (`quant_load`): dense f32, or
+//! packed row blocks, one per checkpoint tensor, decoded on the fly by their forward. Packed rows
+//! are never moved, so the gated q_proj's reordering becomes an output order there.
 
 use crate::artifact::WeightStore;
 use crate::backend::cpu::matmul::{linear, SMALL_M};
