@@ -129,6 +129,44 @@ def test_quantize_lm_head_quantizes_the_logits_projection(tmp_path, tied):
         _core.Model(str(src), quantize_lm_head=True)
 
 
+PROGRESS_SCRIPT = """
+import sys
+from ninfer import _core
+_core.Model(sys.argv[1], quantize="nvfp4")
+"""
+
+
+def test_quantize_progress_goes_to_stderr_only_on_a_terminal(tiny_qwen):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    cmd = [sys.executable, "-c", PROGRESS_SCRIPT, str(tiny_qwen)]
+    piped = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    assert piped.stderr == ""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert proc.wait() == 0
+    os.close(master)
+    text = out.decode()
+    assert "ninfer: quantizing to NVFP4: layer 4/4" in text, text
+    # 3 GDN layers x 6 + q, o and the MLP of the attention layer; the GDN layers' in_proj_b / a
+    # and the attention's k / v (4 and 64 rows) do not fit NVFP4's 128-row tiles.
+    assert "ninfer: quantized 23 weights to NVFP4 (8 kept dense: shapes NVFP4 cannot hold)" in text, text
+
+
 def test_bad_quantize_value_is_refused_naming_it(tiny_qwen):
     with pytest.raises(_core.NinferError, match='quantize.*"q3".*w8, q4, q5, q6, fp8, nvfp4'):
         _core.Model(str(tiny_qwen), quantize="q3")
@@ -318,6 +356,9 @@ QUANT_CONFIGS = {
                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}}}},
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [16, 16]},
+    "compressed_fp8": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                           "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [16, 16]}}}},
 }
 
 
@@ -339,6 +380,8 @@ def build_hf_quantized(src: Path, dst: Path, method: str):
             parts, d = pack_compressed(w, 8)
         else:
             parts, d = pack_fp8_block(w, 16, 16)
+            if method == "compressed_fp8":  # compressed-tensors names the multiplier weight_scale
+                parts["weight_scale"] = parts.pop("weight_scale_inv")
         for suffix, v in parts.items():
             quant[f"{module}.{suffix}"] = v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
         deq[name] = torch.from_numpy(d)
@@ -356,7 +399,7 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method,arch", [("awq", "llama"), ("gptq", "llama"), ("compressed", "llama"),
-                                         ("fp8", "llama"), ("fp8", "qwen3_5")])
+                                         ("fp8", "llama"), ("fp8", "qwen3_5"), ("compressed_fp8", "llama")])
 def test_quantized_hf_checkpoint_equals_the_dense_model_of_its_definition(tiny_llama, tiny_qwen, tmp_path, method, arch):
     src = tiny_llama if arch == "llama" else tiny_qwen
     qdir, ddir = build_hf_quantized(src, tmp_path, method)

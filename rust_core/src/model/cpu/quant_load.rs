@@ -267,16 +267,25 @@ struct Progress {
     tty: bool,
     quantized: Cell<usize>,
     kept_dense: Cell<usize>,
+    /// Length of the line on the terminal, blanked before the next one is written over it.
+    shown: Cell<usize>,
 }
 
 impl Progress {
     fn new(format: Option<QuantFormat>) -> Self {
-        Progress { format, tty: std::io::stderr().is_terminal(), quantized: Cell::new(0), kept_dense: Cell::new(0) }
+        Progress { format, tty: std::io::stderr().is_terminal(), quantized: Cell::new(0), kept_dense: Cell::new(0), shown: Cell::new(0) }
+    }
+
+    /// Replace the line on the terminal with `line`.
+    fn show(&self, line: &str, end: &str) {
+        let blank = self.shown.get().saturating_sub(line.len());
+        eprint!("\r{line}{:blank$}{end}", "");
+        self.shown.set(line.len());
     }
 
     fn layer(&self, done: usize, total: usize) {
         if let (Some(f), true) = (self.format, self.tty) {
-            eprint!("\rninfer: quantizing to {}: layer {done}/{total}, {} weights", f.name(), self.quantized.get());
+            self.show(&format!("ninfer: quantizing to {}: layer {done}/{total}, {} weights", f.name(), self.quantized.get()), "");
         }
     }
 
@@ -284,7 +293,7 @@ impl Progress {
         if let (Some(f), true) = (self.format, self.tty) {
             let dense = self.kept_dense.get();
             let kept = if dense > 0 { format!(" ({dense} kept dense: shapes {} cannot hold)", f.name()) } else { String::new() };
-            eprintln!("\rninfer: quantized {} weights to {}{kept}", self.quantized.get(), f.name());
+            self.show(&format!("ninfer: quantized {} weights to {}{kept}", self.quantized.get(), f.name()), "\n");
         }
     }
 }
