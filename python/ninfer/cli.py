@@ -48,6 +48,11 @@ _KV_KEPT = "bf16 on a GPU, f16 on sm_70/sm_75, float32 on the CPU"
 #: keeps its own so that `--help` needs no compiled core).
 LOGITS_DTYPES = ("auto", "float32")
 
+#: --quantize modes: the format a bf16/f16 checkpoint's projections are quantized to on load
+#: (rust_core/src/quant/mod.rs QUANTIZE_MODES, exported as `_core.QUANTIZE_MODES`, which
+#: tests/test_quantized_model.py compares with this copy).
+QUANTIZE_MODES = ("w8", "q4", "q5", "q6", "fp8", "nvfp4")
+
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 USAGE = """\
@@ -287,6 +292,39 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             f"{DEFAULT_DRAFT_VOCAB_SIZE}; a file with fewer gives all it has)")
 
 
+def quantize_arg(text: str) -> str:
+    """argparse type of --quantize: one of QUANTIZE_MODES; the error names the flag and the value."""
+    if text not in QUANTIZE_MODES:
+        raise argparse.ArgumentTypeError(f"--quantize {text!r} is not a quantization mode: give one of "
+                                         f"{', '.join(QUANTIZE_MODES)}")
+    return text
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
+    """`--quantize` and `--quantize-lm-head` (shared with `ninfer serve`); `quantize_kwargs`."""
+    group = parser.add_argument_group("quantization on load")
+    group.add_argument("--quantize", type=quantize_arg, metavar="MODE", default=None,
+                       help="quantize a bf16/f16 checkpoint's projection weights on load, round to nearest with "
+                            "the format's scales: w8 (int8, f16 scale per 32), q4 / q5 / q6 (f16 scale per 64), "
+                            "fp8 (e4m3, bf16 scale per row), nvfp4 (e2m1, e4m3 scale per 16); the CPU backend "
+                            "(default: weights as stored)")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantize, quantize the lm_head too (default: kept as stored; embeddings "
+                            "always are)")
+
+
+def quantize_flag_error(args: argparse.Namespace) -> Optional[str]:
+    """Why --quantize-lm-head is refused before anything loads, or None."""
+    if args.quantize_lm_head and args.quantize is None:
+        return "--quantize-lm-head needs --quantize (the format the lm_head is quantized to)"
+    return None
+
+
+def quantize_kwargs(args: argparse.Namespace) -> dict:
+    """`add_quantize_flags`' values as the engine's keyword arguments."""
+    return dict(quantize=args.quantize, quantize_lm_head=args.quantize_lm_head)
+
+
 def engine_option_kwargs(args: argparse.Namespace) -> dict:
     """`add_engine_option_flags`' values as the engine's keyword arguments."""
     return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
@@ -357,6 +395,7 @@ def build_run_parser(prog: str = "ninfer run") -> argparse.ArgumentParser:
     add_logits_dtype_flag(p)
     add_kv_dtype_flag(p)
     add_engine_option_flags(p)
+    add_quantize_flags(p)
     sampling = add_sampling_flags(p, "sampling", "--max-new", "argmax decoding (temperature 0)")
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop string (repeatable; default: none)")
@@ -427,7 +466,7 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
     parser = build_run_parser(prog)
     args = parser.parse_args(argv)
     reject_later_work_flags(parser, args)
-    spec_error = spec_flag_error(args)
+    spec_error = spec_flag_error(args) or quantize_flag_error(args)
     if spec_error:
         parser.error(spec_error)
     _use_utf8_stdio()
@@ -456,7 +495,8 @@ def run_main(argv: List[str], prog: str = "ninfer run") -> int:
         t0 = time.perf_counter()
         llm = LLM(model, device=args.device, max_context=args.max_context, kv_capacity=args.kv_capacity,
                   prefill_chunk=args.prefill_chunk, num_threads=args.num_threads, max_concurrency=1,
-                  logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype, **engine_option_kwargs(args))
+                  logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype, **engine_option_kwargs(args),
+                  **quantize_kwargs(args))
         load_s = time.perf_counter() - t0
         print(f"ninfer: loaded {model} in {load_s:.2f} s (max context {llm.max_context} tokens)",
               file=sys.stderr, flush=True)

@@ -220,8 +220,9 @@ class AsyncEngine:
         `engine_kwargs` are `_core.Engine`'s (and `LLM`'s): max_context, kv_capacity,
         max_concurrency, prefill_chunk, prefix_reuse, num_threads, logits_dtype, kv_dtype, and the
         engine options async_scheduling, cuda_graphs, batch_invariant, device_sampling, device_profile,
-        json_schema_open_objects, and speculative decoding's spec, draft_tokens, spec_adaptive,
-        lm_head_draft and lm_head_draft_size (`LLM`).
+        json_schema_open_objects, speculative decoding's spec, draft_tokens, spec_adaptive,
+        lm_head_draft and lm_head_draft_size, and quantization on load's quantize and
+        quantize_lm_head (`LLM`).
         `core` injects an already-built engine object with the `_core.Engine` interface (tests).
         """
         if core is None:

@@ -55,6 +55,10 @@ class LLM:
     measured step cost and its running acceptance. `lm_head_draft` (with spec="mtp") drafts over
     the `lm_head_draft_size` most frequent ids of the model directory's draft_vocab.json (default
     32768; `ninfer draft-vocab` makes the file).
+    `quantize` ("w8", "q4", "q5", "q6", "fp8" or "nvfp4"; the CPU backend) quantizes a bf16/f16
+    checkpoint's projection weights on load, round to nearest with the format's scales; the lm_head
+    too with `quantize_lm_head` (embeddings stay as stored). A quantized checkpoint (its config.json
+    `quantization_config`: FP8 block, AWQ, GPTQ, compressed-tensors) loads as quantized without it.
     """
 
     def __init__(
@@ -81,6 +85,8 @@ class LLM:
         spec_adaptive: bool = False,
         lm_head_draft: bool = False,
         lm_head_draft_size: Optional[int] = None,
+        quantize: Optional[str] = None,
+        quantize_lm_head: bool = False,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -108,6 +114,8 @@ class LLM:
             spec_adaptive=spec_adaptive,
             lm_head_draft=lm_head_draft,
             lm_head_draft_size=lm_head_draft_size,
+            quantize=quantize,
+            quantize_lm_head=quantize_lm_head,
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

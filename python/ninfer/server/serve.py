@@ -18,9 +18,9 @@ import sys
 from typing import Optional, Sequence
 
 from ninfer.cli import (LATER_WORK_FLAGS, spec_flag_error, HelpFormatter, add_engine_option_flags, add_kv_dtype_flag,
-                        add_logits_dtype_flag, add_sampling_flags, device_arg, engine_option_kwargs,
+                        add_logits_dtype_flag, add_quantize_flags, add_sampling_flags, device_arg, engine_option_kwargs,
                         kv_capacity_arg, kv_dtype_error, model_dir_error, non_negative_int, positive_int,
-                        sampling_flag_values)
+                        quantize_flag_error, quantize_kwargs, sampling_flag_values)
 
 #: Refused by name, as by `ninfer run` (one list: cli.LATER_WORK_FLAGS).
 UNSUPPORTED_FLAGS = tuple(LATER_WORK_FLAGS)
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_dtype_flag(p)
     add_logits_dtype_flag(p)
     add_engine_option_flags(p)
+    add_quantize_flags(p)
     p.add_argument("--max-concurrency", type=positive_int("--max-concurrency"), default=64, metavar="N",
                    help="requests decoded together")
     p.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=512, metavar="N", help="tokens per engine step")
@@ -121,7 +122,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     kv_error = kv_dtype_error(args.kv_dtype)
     if kv_error:
         parser.exit(2, f"ninfer serve: error: {kv_error}\n")
-    spec_error = spec_flag_error(args)
+    spec_error = spec_flag_error(args) or quantize_flag_error(args)
     if spec_error:
         parser.error(spec_error)
     if args.kv_capacity is not None and args.max_context is not None and args.kv_capacity < args.max_context:
@@ -210,7 +211,8 @@ def make_app(args: argparse.Namespace, on_load_failure=None):
     engine_kwargs = dict(max_context=args.max_context, kv_capacity=args.kv_capacity,
                          max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
                          prefix_reuse=not args.no_prefix_reuse, num_threads=args.num_threads,
-                         logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype, **engine_option_kwargs(args))
+                         logits_dtype=args.logits_dtype, kv_dtype=args.kv_dtype, **engine_option_kwargs(args),
+                         **quantize_kwargs(args))
     factory = _load_factory(args.core_factory, build_parser()) if args.core_factory else None
 
     async def start_engine():

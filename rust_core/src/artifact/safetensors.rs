@@ -155,6 +155,24 @@ impl WeightStore {
         Ok(RawTensor { name: name.to_string(), dtype: info.dtype, numel, bytes, file: &f.file, path: &f.path, offset: start as u64 })
     }
 
+    /// The stored bytes of a tensor of any dtype (a quantized weight or one of its scale / zero
+    /// companions) with its shape and dtype, after checking its byte range against the file; the
+    /// quantized formats' own validation checks the rest.
+    pub fn stored(&self, name: &str) -> Result<(TensorInfo, &[u8])> {
+        let (f, info) = self.locate(name)?;
+        let start = 8 + f.header_len + info.data_offsets.0;
+        let end = 8 + f.header_len + info.data_offsets.1;
+        let bytes = f
+            .mmap
+            .get(start..end)
+            .ok_or_else(|| NinferError::malformed(&f.path, format!("tensor {name} lies past the end of the file")))?;
+        let numel: usize = info.shape.iter().product();
+        if bytes.len() * 8 != numel * info.dtype.bitsize() {
+            return Err(NinferError::malformed(&f.path, format!("tensor {name} holds {} bytes, its shape {:?} needs {}", bytes.len(), info.shape, numel * info.dtype.bitsize() / 8)));
+        }
+        Ok((TensorInfo { shape: info.shape.clone(), dtype: dtype_name(info.dtype) }, bytes))
+    }
+
     /// Load a tensor as f32 after checking that its shape is `expected`.
     pub fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
         let raw = self.raw(name, expected)?;

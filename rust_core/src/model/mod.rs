@@ -16,7 +16,9 @@ pub mod runner;
 #[cfg(test)]
 pub(crate) mod test_checkpoint;
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 pub use cpu::weights::{ModelWeights, MtpWeights};
 pub use cpu::CpuModel;
@@ -27,6 +29,7 @@ pub use cuda::CudaModel;
 pub use runner::{CacheSpec, DraftSampling, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
 
 use crate::backend::cuda::{resolve_device, DeviceSpec, ResolvedDevice};
+use crate::quant::{QuantWeight, QuantizeMode};
 use crate::Result;
 
 /// Where to load a model.
@@ -44,6 +47,14 @@ pub struct LoadOptions {
     /// The CUDA backend's options (graphs, batch invariance, device sampling, device profile):
     /// inputs of the device's route plan.
     pub cuda: crate::config::CudaOptions,
+    /// `--quantize`: the format a dense checkpoint's projections are quantized to on load
+    /// (`cpu::quant_load`); None keeps them as stored.
+    pub quantize: Option<QuantizeMode>,
+    /// `--quantize-lm-head`: quantize the logits projection too (needs `quantize`).
+    pub quantize_lm_head: bool,
+    /// Packed weights handed in by checkpoint tensor name (`model.layers.0.mlp.down_proj.weight`),
+    /// used instead of the checkpoint's: GGUF tensors read by the caller.
+    pub quant_tensors: Option<Arc<HashMap<String, QuantWeight>>>,
 }
 
 /// The device a `device=` string names ("" is the CPU); a string that names none is an
@@ -92,6 +103,7 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
 
 #[cfg(feature = "cuda")]
 fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
+    cpu::quant_load::refuse_unsupported(dir, opts, &format!("cuda:{ordinal}"), CudaModel::supports)?;
     Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda)?))
 }
 

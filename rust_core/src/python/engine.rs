@@ -25,6 +25,7 @@ use crate::config::{GenerationConfig, ModelConfig};
 use crate::engine::{EngineConfig, EngineCore, EngineHandle, EngineStats, MemoryLedger, RequestOutput, ResolvedConfig, ToyRunner};
 use crate::config::CudaOptions;
 use crate::model::{load_model, resolve_device_name, KvDtype, LoadOptions, LogitsDtype, ModelRunner};
+use crate::quant::QuantizeMode;
 use crate::sampling::thinking::ThinkingTags;
 use crate::sampling::SamplingParams;
 use crate::spec::SpecConfig;
@@ -138,7 +139,7 @@ pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>, adapt
 /// Load the engine; also returns the device it resolved to ("auto" becomes "cpu" or "cuda:N")
 /// and generation_config.json's sampling defaults.
 #[allow(clippy::too_many_arguments)]
-fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, cfg: &EngineConfig) -> Result<(EngineCore, String, SamplingDefaults)> {
+fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: LogitsDtype, kv_dtype: KvDtype, cuda: CudaOptions, quant: (Option<QuantizeMode>, bool), cfg: &EngineConfig) -> Result<(EngineCore, String, SamplingDefaults)> {
     let dir = PathBuf::from(dir);
     let device = resolve_device_name(device)?;
     // The flags that need only config.json (and the draft vocabulary) are checked before any
@@ -152,7 +153,7 @@ fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: Logit
     }
     let cfg = &cfg;
     crate::plan::check_startup(&dir, &model_cfg, &device, cfg)?;
-    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype, cuda })?;
+    let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype, cuda, quantize: quant.0, quantize_lm_head: quant.1, quant_tensors: None })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),
         Err(NinferError::MissingFile { .. }) => None,
@@ -208,9 +209,10 @@ impl PyEngine {
     /// keep a step in flight where the runner overlaps steps (`EngineConfig::async_scheduling`).
     /// `cuda_graphs`, `batch_invariant`, `device_sampling` and `device_profile` (a measured
     /// profile's path, backend/cuda/plan/profile.rs): the CUDA backend's options (`CudaOptions`).
-    /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`.
+    /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`. `quantize` (a
+    /// `--quantize` mode) and `quantize_lm_head`: `LoadOptions::quantize` / `quantize_lm_head`.
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None, spec_adaptive=false, lm_head_draft=false, lm_head_draft_size=None))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None, spec_adaptive=false, lm_head_draft=false, lm_head_draft_size=None, quantize=None, quantize_lm_head=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -235,13 +237,16 @@ impl PyEngine {
         spec_adaptive: bool,
         lm_head_draft: bool,
         lm_head_draft_size: Option<usize>,
+        quantize: Option<&str>,
+        quantize_lm_head: bool,
     ) -> PyResult<Self> {
+        let quant = (quantize.map(QuantizeMode::parse).transpose().py()?, quantize_lm_head);
         let mut cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
         cfg.spec = spec_config(spec, draft_tokens, spec_adaptive, lm_head_draft, lm_head_draft_size).py()?;
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
-        let (core, device, defaults) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, cuda, &cfg)).py()?;
+        let (core, device, defaults) = py.detach(|| load(model_dir, device, num_threads, logits_dtype, kv_dtype, cuda, quant, &cfg)).py()?;
         Ok(PyEngine::from_core(core, device, defaults))
     }
 

@@ -1,7 +1,8 @@
 //! `_core.Model`: a loaded model for whole-prompt logits (parity tests, scoring).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray2, PyArray3, PyArrayMethods};
 use pyo3::prelude::*;
@@ -10,6 +11,7 @@ use pyo3::types::PyDict;
 use super::errors::IntoPy;
 use crate::backend::cuda::{resolve_device, ResolvedDevice};
 use crate::model::{load_model, parse_device, CpuModel, LoadOptions, LogitsDtype, LogitsWanted, ModelRunner, SeqChunk, StepBatch};
+use crate::quant::{QuantFormat, QuantWeight, QuantizeMode};
 use crate::NinferError;
 
 /// Block size of the private KV pool `logits` uses.
@@ -40,12 +42,42 @@ impl PyModel {
     /// `cuda_graphs`, `batch_invariant`, `device_sampling`: the CUDA backend's options
     /// (`CudaOptions`); `device_profile`: a device profile's path (backend/cuda/plan/profile.rs),
     /// whose routes override the plan's defaults (the GPU tests compare routes through it).
-    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto", cuda_graphs = true, batch_invariant = false, device_sampling = true, device_profile = None))]
+    /// `quantize` (a `--quantize` mode such as "q4") and `quantize_lm_head`: quantization on
+    /// load (`LoadOptions::quantize`). `quant_tensors`: packed weights by checkpoint tensor name,
+    /// each `(format name, bytes, (N, K))`, used instead of the checkpoint's (GGUF tensors the
+    /// caller read; `LoadOptions::quant_tensors`).
+    #[pyo3(signature = (model_dir, device = "cpu", num_threads = None, logits_dtype = "auto", cuda_graphs = true, batch_invariant = false, device_sampling = true, device_profile = None, quantize = None, quantize_lm_head = false, quant_tensors = None))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, model_dir: PathBuf, device: &str, num_threads: Option<usize>, logits_dtype: &str, cuda_graphs: bool, batch_invariant: bool, device_sampling: bool, device_profile: Option<PathBuf>) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        model_dir: PathBuf,
+        device: &str,
+        num_threads: Option<usize>,
+        logits_dtype: &str,
+        cuda_graphs: bool,
+        batch_invariant: bool,
+        device_sampling: bool,
+        device_profile: Option<PathBuf>,
+        quantize: Option<&str>,
+        quantize_lm_head: bool,
+        quant_tensors: Option<HashMap<String, (String, Vec<u8>, (usize, usize))>>,
+    ) -> PyResult<Self> {
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let cuda = crate::config::CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
-        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, cuda, ..Default::default() };
+        let quantize = quantize.map(QuantizeMode::parse).transpose().py()?;
+        let quant_tensors = quant_tensors
+            .map(|m| {
+                m.into_iter()
+                    .map(|(name, (format, bytes, (n, k)))| {
+                        let f = QuantFormat::from_name(&format).ok_or_else(|| NinferError::Unsupported(format!("quantized format {format:?} of tensor {name} (self-contained formats only)")))?;
+                        Ok((name.clone(), QuantWeight::packed(name, f, [n, k], bytes)))
+                    })
+                    .collect::<crate::Result<HashMap<_, _>>>()
+            })
+            .transpose()
+            .py()?
+            .map(Arc::new);
+        let opts = LoadOptions { device: device.to_string(), num_threads, logits_dtype, cuda, quantize, quantize_lm_head, quant_tensors, ..Default::default() };
         let model = py
             .detach(|| -> crate::Result<Loaded> {
                 if resolve_device(parse_device(device)?)? == ResolvedDevice::Cpu {

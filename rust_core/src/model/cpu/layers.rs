@@ -6,7 +6,6 @@ use rayon::prelude::*;
 use crate::backend::cpu::activation::{sigmoid, softplus, swiglu};
 use crate::backend::cpu::attention::{paged_attention, write_kv, KvLayout};
 use crate::backend::cpu::gdn::{self, GdnDims};
-use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm_heads_inplace;
 use crate::backend::cpu::rope::apply_rope;
 use crate::config::ModelConfig;
@@ -57,7 +56,7 @@ pub fn fit(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 /// Apply a projection to `rows` rows of `x`.
 pub fn project(l: &Linear, x: &[f32], rows: usize, out: &mut Vec<f32>) {
     let out = fit(out, rows * l.n);
-    linear(x, rows, l.k, &l.w, l.n, l.b.as_deref(), out);
+    l.forward(x, rows, out);
 }
 
 /// Paged KV buffers of one attention layer.

@@ -1,14 +1,18 @@
 //! `CpuModel`: a loaded model on the CPU backend, running engine steps.
 //!
-//! `weights` loads a checkpoint into f32 host layouts, `layers` runs each layer kind over a
-//! step, and `CpuModel` ties them into a `ModelRunner`.
+//! `weights` loads a checkpoint into host layouts (f32, or packed quantized projections where
+//! `quant_load` says), `layers` runs each layer kind over a step, and `CpuModel` ties them into a
+//! `ModelRunner`.
 
 pub mod layers;
 pub mod mtp;
+pub mod quant_load;
 pub mod weights;
 
 #[cfg(test)]
 mod mtp_tests;
+#[cfg(test)]
+mod quant_tests;
 #[cfg(test)]
 mod tests;
 
@@ -17,7 +21,6 @@ use std::sync::Arc;
 
 use crate::artifact::WeightStore;
 use crate::backend::cpu::attention::KvLayout;
-use crate::backend::cpu::matmul::linear;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use crate::config::ModelConfig;
@@ -81,7 +84,8 @@ impl CpuModel {
         opts.kv_dtype.check("cpu", KvDtype::Float32)?;
         let cfg = ModelConfig::from_dir(dir)?;
         let store = WeightStore::open(dir)?;
-        let weights = ModelWeights::load(&store, &cfg)?;
+        let quant = quant_load::QuantSource::new(dir, &store, opts)?;
+        let weights = ModelWeights::load(&store, &cfg, &quant)?;
         let logits_round = opts.logits_dtype.resolve(&store, &cfg)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(opts.num_threads.unwrap_or(0))
@@ -232,7 +236,7 @@ impl CpuModel {
         rms_norm(&ws.sel, m, h, &weights.final_norm, cfg.rms_norm_eps, fit(&mut ws.sel_normed, m * h));
         let vocab = cfg.vocab_size;
         let mut data = vec![0f32; m * vocab];
-        linear(&ws.sel_normed, m, h, weights.lm_head_weights(), vocab, None, &mut data);
+        weights.lm_head_forward(&ws.sel_normed, m, h, vocab, &mut data);
         if let Some(r) = self.logits_round {
             r.apply(&mut data);
         }

@@ -13,8 +13,8 @@
 //! by that call and never read before, so rolling back to an accepted length is drafting again
 //! from it.
 
-use crate::backend::cpu::attention::KvLayout;
 use crate::backend::cpu::matmul::linear;
+use crate::backend::cpu::attention::KvLayout;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use std::collections::HashMap;
@@ -102,7 +102,9 @@ impl MtpDrafter {
     pub fn set_draft_vocab(&mut self, model: &CpuModel, ids: &[u32]) -> Result<()> {
         let (h, vocab) = (model.cfg.hidden_size, model.cfg.vocab_size);
         let mut seen = vec![false; vocab];
-        let full = model.weights.lm_head_weights();
+        let full = model.weights.lm_head_dense().ok_or_else(|| {
+            NinferError::config("lm_head_draft (--lm-head-draft)", "--lm-head-draft over a quantized LM head (--quantize-lm-head, or a checkpoint's quantized lm_head) is not supported yet")
+        })?;
         let mut w = Vec::with_capacity(ids.len() * h);
         for &t in ids {
             match seen.get_mut(t as usize) {
@@ -244,7 +246,7 @@ impl MtpDrafter {
             cat[r * 2 * h..r * 2 * h + h].copy_from_slice(&ws.h[r * h..(r + 1) * h]);
             cat[r * 2 * h + h..(r + 1) * 2 * h].copy_from_slice(&normed_hid[r * h..(r + 1) * h]);
         }
-        linear(cat, rows, 2 * h, &mtp.fc.w, h, None, fit(&mut ws.x, rows * h));
+        mtp.fc.forward(cat, rows, fit(&mut ws.x, rows * h));
         rope_tables(&ws.positions, inv_freq, *rope_scale, &mut ws.cos, &mut ws.sin);
         let layout = KvLayout { block_size: self.block_size, n_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
         rms_norm(&ws.x, rows, h, &layer.input_norm, eps, fit(&mut ws.h, rows * h));
@@ -267,7 +269,7 @@ impl MtpDrafter {
         let vocab = cfg.vocab_size;
         let Some(head) = &self.head else {
             let mut logits = vec![0f32; m * vocab];
-            linear(sel, m, h, weights.lm_head_weights(), vocab, None, &mut logits);
+            weights.lm_head_forward(sel, m, h, vocab, &mut logits);
             if let Some(round) = *logits_round {
                 round.apply(&mut logits);
             }

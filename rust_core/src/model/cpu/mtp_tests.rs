@@ -65,7 +65,7 @@ fn hidden_states_leave_the_logits_unchanged_and_feed_the_lm_head() {
     // Every row's hidden state times the lm_head is that row's logits.
     let v = m.config().vocab_size;
     let mut logits = vec![0f32; TOKENS.len() * v];
-    crate::backend::cpu::matmul::linear(&hidden, TOKENS.len(), h, m.weights.lm_head_weights(), v, None, &mut logits);
+    m.weights.lm_head_forward(&hidden, TOKENS.len(), h, v, &mut logits);
     assert!(max_rel(&logits, &plain.data) < 1e-5, "rel err {}", max_rel(&logits, &plain.data));
 }
 

@@ -97,6 +97,14 @@ pub struct CudaModel {
 }
 
 impl CudaModel {
+    /// Whether this backend runs weights quantized as `format`: the one place a quantized load
+    /// on a GPU is refused (`model::load_model`, naming the tensor, the format and the device).
+    /// No quantized format has its CUDA kernels and `Linear` arm yet.
+    pub fn supports(format: crate::quant::QuantFormat) -> bool {
+        let _ = format;
+        false
+    }
+
     /// Load config and weights from a HF model directory onto device `ordinal`.
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
         Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto, &CudaOptions::default())

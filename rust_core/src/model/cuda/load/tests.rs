@@ -10,6 +10,7 @@ use super::*;
 use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use crate::model::cpu::quant_load::QuantSource;
 use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
@@ -146,24 +147,24 @@ fn same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str) {
 }
 
 fn rows(l: &Linear, r0: usize, r1: usize, st: StorageDType) -> Vec<u16> {
-    old_bits(&l.w[r0 * l.k..r1 * l.k], st)
+    old_bits(&l.dense_weight().unwrap()[r0 * l.k..r1 * l.k], st)
 }
 
 fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, Vec<f32>>, st: StorageDType, li: usize) {
     let p1 = cfg.zero_centered_norm;
     same(&dev.input_norm, &old_norm(&host.input_norm, p1, st), &format!("layer {li} input_norm"));
     same(&dev.post_norm, &old_norm(&host.post_norm, p1, st), &format!("layer {li} post_norm"));
-    same(&dev.gate_up.w, &old_bits(&host.gate_up.w, st), &format!("layer {li} gate_up"));
+    same(&dev.gate_up.w, &old_bits(&host.gate_up.dense_weight().unwrap(), st), &format!("layer {li} gate_up"));
     assert_eq!((dev.gate_up.n, dev.gate_up.k), (host.gate_up.n, host.gate_up.k));
     assert_eq!((dev.gate_up.format, dev.down.format), (st.into(), st.into()), "layer {li} weight format");
-    same(&dev.down.w, &old_bits(&host.down.w, st), &format!("layer {li} down"));
+    same(&dev.down.w, &old_bits(&host.down.dense_weight().unwrap(), st), &format!("layer {li} down"));
     assert_eq!(dev.gate_up.bias, host.gate_up.b.as_deref().map(|b| old_bits(b, st)), "layer {li} gate_up bias");
     assert_eq!(dev.down.bias, host.down.b.as_deref().map(|b| old_bits(b, st)), "layer {li} down bias");
     match (&host.mixer, &dev.mixer) {
         (Mixer::Attention(a), DevMixer::Attention(d)) => {
-            same(&d.qkv.w, &old_bits(&a.qkv.w, st), &format!("layer {li} qkv"));
+            same(&d.qkv.w, &old_bits(&a.qkv.dense_weight().unwrap(), st), &format!("layer {li} qkv"));
             assert_eq!((d.qkv.n, d.qkv.k, d.o.n, d.o.k), (a.qkv.n, a.qkv.k, a.o.n, a.o.k));
-            same(&d.o.w, &old_bits(&a.o.w, st), &format!("layer {li} o"));
+            same(&d.o.w, &old_bits(&a.o.dense_weight().unwrap(), st), &format!("layer {li} o"));
             assert_eq!(d.qkv.bias, a.qkv.b.as_deref().map(|b| old_bits(b, st)), "layer {li} qkv bias");
             assert_eq!(d.o.bias, a.o.b.as_deref().map(|b| old_bits(b, st)), "layer {li} o bias");
             assert_eq!(d.q_norm, a.q_norm.as_deref().map(|w| old_norm(w, p1, st)), "layer {li} q_norm");
@@ -178,7 +179,7 @@ fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, 
             assert_eq!(d.conv_b, g.conv_b.as_deref().map(|b| old_bits(b, st)), "layer {li} conv_b");
             same(&d.dt_bias, &g.dt_bias, &format!("layer {li} dt_bias"));
             same(&d.norm, &old_bits(&g.norm, st), &format!("layer {li} gdn norm"));
-            same(&d.out.w, &old_bits(&g.out_proj.w, st), &format!("layer {li} out_proj"));
+            same(&d.out.w, &old_bits(&g.out_proj.dense_weight().unwrap(), st), &format!("layer {li} out_proj"));
             // The old path went A_log -> -exp(A_log) -> ln, the new one uploads A_log as stored.
             for (new, neg_a) in d.a_log.iter().zip(&g.neg_a) {
                 assert!((new - (-neg_a).ln()).abs() <= 1e-6 * new.abs().max(1.0), "layer {li} A_log {new} vs {neg_a}");
@@ -191,7 +192,7 @@ fn check_layer(cfg: &ModelConfig, host: &LayerWeights, dev: &DevLayer<Vec<u16>, 
 fn check(dir: &Path, st: StorageDType, read: bool) {
     let cfg = ModelConfig::from_dir(dir).unwrap();
     let store = WeightStore::open(dir).unwrap();
-    let host = ModelWeights::load(&store, &cfg).unwrap();
+    let host = ModelWeights::load(&store, &cfg, &QuantSource::dense(&store)).unwrap();
     let dev = build(&mut HostSink { storage: st, read }, &store, &cfg).unwrap();
     assert_eq!(dev.layers.len(), host.layers.len());
     for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
@@ -199,7 +200,7 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     }
     same(&dev.embed, &old_bits(&host.embed, st), "embed");
     same(&dev.final_norm, &old_norm(&host.final_norm, cfg.zero_centered_norm, st), "final_norm");
-    same(&dev.lm_head.as_ref().unwrap().w, &old_bits(&host.lm_head.as_ref().unwrap().w, st), "lm_head");
+    same(&dev.lm_head.as_ref().unwrap().w, &old_bits(&host.lm_head.as_ref().unwrap().dense_weight().unwrap(), st), "lm_head");
     assert_eq!(dev.norm_plus_one, cfg.zero_centered_norm);
     let f32_elems: usize = dev.layers.iter().map(|l| if let DevMixer::Gdn(g) = &l.mixer { g.a_log.len() + g.dt_bias.len() } else { 0 }).sum();
     let storage_elems = host.bytes() / 4 - f32_elems;
@@ -262,7 +263,7 @@ fn a_missing_bias_fails_naming_it_as_the_cpu_loader_does() {
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let new = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &store, &cfg).err().expect("a missing bias must fail");
-    let old = ModelWeights::load(&store, &cfg).err().expect("a missing bias must fail");
+    let old = ModelWeights::load(&store, &cfg, &QuantSource::dense(&store)).err().expect("a missing bias must fail");
     assert!(matches!(new, NinferError::MissingTensor { .. }) && new.to_string().contains("q_proj.bias"), "{new}");
     assert_eq!(new.to_string(), old.to_string());
 }
@@ -276,7 +277,7 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     wrong.intermediate_size += 1;
     let sink = &mut HostSink { storage: StorageDType::Bf16, read: true };
     let new = build(sink, &store, &wrong).err().expect("a shape mismatch must fail");
-    let old = ModelWeights::load(&store, &wrong).err().expect("a shape mismatch must fail");
+    let old = ModelWeights::load(&store, &wrong, &QuantSource::dense(&store)).err().expect("a shape mismatch must fail");
     assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
     assert_eq!(new.to_string(), old.to_string());
     assert_eq!(planned_weight_bytes(&wrong, &store, WeightFormat::Bf16).expect_err("the plan checks shapes too").to_string(), old.to_string());
@@ -291,12 +292,12 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
     let dir = checkpoint_full("q35_mtp", "Qwen3_5ForCausalLM", Dtype::BF16, false, true);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
-    let host = ModelWeights::load(&store, &cfg).unwrap();
+    let host = ModelWeights::load(&store, &cfg, &QuantSource::dense(&store)).unwrap();
     let hm = host.mtp.as_ref().expect("the checkpoint has mtp.*");
     let (h, p1) = (cfg.hidden_size, cfg.zero_centered_norm);
     for st in [StorageDType::Bf16, StorageDType::F16] {
         let dev = build_mtp(&mut HostSink { storage: st, read: true }, &store, &cfg).unwrap().expect("the head is built");
-        same(&dev.fc.w, &old_bits(&hm.fc.w, st), "mtp fc");
+        same(&dev.fc.w, &old_bits(hm.fc.dense_weight().unwrap(), st), "mtp fc");
         assert_eq!((dev.fc.n, dev.fc.k, dev.fc.bias.is_none()), (h, 2 * h, true));
         same(&dev.pre_fc_norm_embedding, &old_norm(&hm.pre_fc_norm_embedding, p1, st), "mtp pre_fc_norm_embedding");
         same(&dev.pre_fc_norm_hidden, &old_norm(&hm.pre_fc_norm_hidden, p1, st), "mtp pre_fc_norm_hidden");
