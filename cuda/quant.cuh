@@ -40,14 +40,10 @@ __device__ __forceinline__ float q_f16(unsigned short h) {
 
 __device__ __forceinline__ float q_bf16(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
 
-// Little-endian words at any byte address (GGUF blocks are only 2-byte aligned).
+// A 2-byte aligned little-endian half word (one load): every 16-bit field of the formats sits
+// at an even offset (GGUF blocks are 34 to 210 bytes, all even, and only 2-byte aligned).
 __device__ __forceinline__ unsigned short q_u16(const unsigned char* p) {
-    return (unsigned short)(__ldg(p) | (__ldg(p + 1) << 8));
-}
-
-__device__ __forceinline__ unsigned q_u32(const unsigned char* p) {
-    return (unsigned)__ldg(p) | ((unsigned)__ldg(p + 1) << 8) | ((unsigned)__ldg(p + 2) << 16) |
-           ((unsigned)__ldg(p + 3) << 24);
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
 }
 
 // A 4-byte aligned little-endian word (one load).
@@ -97,6 +93,9 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
     float acc[MT];
 #pragma unroll
     for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
+    // Unrolled so that several slices' loads are in flight per lane (the weight stream needs
+    // bytes in flight; the loop carries only the sums).
+#pragma unroll 4
     for (int k0 = lane * 8; k0 < w.k; k0 += 256) {
         float v[8];
         D::decode8(w, row, k0, v);

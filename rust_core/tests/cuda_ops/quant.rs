@@ -38,37 +38,22 @@ fn scales(rng: &mut Rng, dtype: RawDtype, count: usize) -> Vec<u8> {
         .collect()
 }
 
-/// One weight of every format the GPU runs, named after its case.
-fn cases(rng: &mut Rng) -> Vec<QuantWeight> {
-    let mut out = Vec::new();
-    // NInfer formats from the --quantize encoders: K = 200 pads the row to 256 (a wholly
-    // padded group), N = 37 leaves a ragged last block of warps; NVFP4 needs [128x, 64x].
-    for (f, [n, k]) in [
-        (QuantFormat::W8G32F16S, [37, 200]),
-        (QuantFormat::Q4G64F16S, [37, 200]),
-        (QuantFormat::Q5G64F16S, [37, 200]),
-        (QuantFormat::Q6G64F16S, [37, 200]),
-        (QuantFormat::Fp8E4m3fnRowBf16s, [37, 200]),
-        (QuantFormat::Nvfp4, [256, 192]),
-    ] {
-        let mut v = rng.vec(n * k, -1.0, 1.0);
-        // Edge values: an all-zero row (scale +0) and one row of tiny values (subnormal scales).
-        v[..k].iter_mut().for_each(|x| *x = 0.0);
-        v[k..2 * k].iter_mut().for_each(|x| *x *= 1e-6);
-        let data = quantize(f, f.name(), &v, [n, k]).expect("quantize");
-        out.push(QuantWeight::packed(f.name(), f, [n, k], data));
-    }
-    // GGUF: random block bytes, each block's f16 scale fields set to finite values.
-    for (f, bb, d_offsets) in [
-        (QuantFormat::GgufQ8_0, 34usize, &[0usize][..]),
-        (QuantFormat::GgufQ4K, 144, &[0, 2][..]),
-        (QuantFormat::GgufQ5K, 176, &[0, 2][..]),
-        (QuantFormat::GgufQ6K, 210, &[208][..]),
-        (QuantFormat::GgufIq4Xs, 136, &[0][..]),
-        (QuantFormat::GgufIq3S, 110, &[0][..]),
-    ] {
-        let (n, k) = (37, 512);
-        let qk = if f == QuantFormat::GgufQ8_0 { 32 } else { 256 };
+/// A random `[n, k]` weight of `format` named `name`: NInfer formats by quant's encoders from
+/// `values` (uniform in [-1, 1) when None), GGUF blocks as random bytes with finite f16 scale
+/// fields, HF tensors as random words with the checkpoint's companion shapes and dtypes
+/// (`scale_dtype` for the forms that allow several; `g_idx` random groups where asked).
+fn make(rng: &mut Rng, name: &str, format: QuantFormat, [n, k]: [usize; 2], values: Option<Vec<f32>>, scale_dtype: RawDtype, g_idx: bool) -> QuantWeight {
+    let mut w = QuantWeight::packed(name, format, [n, k], Vec::new());
+    let gguf_d: Option<(usize, usize, &[usize])> = match format {
+        QuantFormat::GgufQ8_0 => Some((32, 34, &[0])),
+        QuantFormat::GgufQ4K => Some((256, 144, &[0, 2])),
+        QuantFormat::GgufQ5K => Some((256, 176, &[0, 2])),
+        QuantFormat::GgufQ6K => Some((256, 210, &[208])),
+        QuantFormat::GgufIq4Xs => Some((256, 136, &[0])),
+        QuantFormat::GgufIq3S => Some((256, 110, &[0])),
+        _ => None,
+    };
+    if let Some((qk, bb, d_offsets)) = gguf_d {
         let blocks = n * k / qk;
         let mut data: Vec<u8> = (0..blocks * bb).map(|_| rng.below(256) as u8).collect();
         for b in 0..blocks {
@@ -76,44 +61,87 @@ fn cases(rng: &mut Rng) -> Vec<QuantWeight> {
                 data[b * bb + o..b * bb + o + 2].copy_from_slice(&f16_bytes(rng.range(-0.02, 0.02)));
             }
         }
-        out.push(QuantWeight::packed(f.name(), f, [n, k], data));
+        w.data = data;
+        return w;
     }
-    // HF block FP8, ragged blocks, F32 and BF16 scales; codes avoid the NaN words.
-    for dtype in [RawDtype::F32, RawDtype::BF16] {
-        let (n, k, bn, bk) = (300, 200, 128, 128);
-        let data: Vec<u8> = (0..n * k).map(|_| rng.below(256) as u8).map(|c| if c & 0x7f == 0x7f { c - 1 } else { c }).collect();
-        let sh = vec![n.div_ceil(bn), k.div_ceil(bk)];
-        let sc = scales(rng, dtype, sh[0] * sh[1]);
-        let mut w = QuantWeight::packed(format!("fp8_block_{dtype:?}"), QuantFormat::HfFp8Block { block_n: bn, block_k: bk }, [n, k], data);
-        w.scale = Some(raw("weight_scale_inv", dtype, sh, sc));
-        out.push(w);
-    }
-    // AWQ and GPTQ (with and without g_idx), group 64.
-    let (n, k, g) = (64, 256, 64);
-    let groups = k / g;
-    let mut awq = QuantWeight::packed("awq", QuantFormat::Awq4 { group: g }, [n, k], words(rng, k * n / 8));
-    awq.scale = Some(raw("scales", RawDtype::F16, vec![groups, n], scales(rng, RawDtype::F16, groups * n)));
-    awq.zero = Some(raw("qzeros", RawDtype::I32, vec![groups, n / 8], words(rng, groups * n / 8)));
-    out.push(awq);
-    for (zero_plus_one, with_g_idx) in [(true, false), (false, true)] {
-        let mut w = QuantWeight::packed(format!("gptq_{with_g_idx}"), QuantFormat::Gptq4 { group: g, zero_plus_one }, [n, k], words(rng, k / 8 * n));
-        w.scale = Some(raw("scales", RawDtype::F16, vec![groups, n], scales(rng, RawDtype::F16, groups * n)));
-        w.zero = Some(raw("qzeros", RawDtype::I32, vec![groups, n / 8], words(rng, groups * n / 8)));
-        if with_g_idx {
-            let gi: Vec<u8> = (0..k).flat_map(|_| (rng.below(groups) as i32).to_le_bytes()).collect();
-            w.g_idx = Some(raw("g_idx", RawDtype::I32, vec![k], gi));
+    let group = |g: usize| if g == 0 { 1 } else { k.div_ceil(g) };
+    match format {
+        QuantFormat::HfFp8Block { block_n, block_k } => {
+            // Codes avoid the NaN words.
+            w.data = (0..n * k).map(|_| rng.below(256) as u8).map(|c| if c & 0x7f == 0x7f { c - 1 } else { c }).collect();
+            let sh = vec![n.div_ceil(block_n), k.div_ceil(block_k)];
+            w.scale = Some(raw("weight_scale_inv", scale_dtype, sh.clone(), scales(rng, scale_dtype, sh[0] * sh[1])));
         }
-        out.push(w);
-    }
-    // compressed-tensors pack-quantized: asymmetric with BF16 scales, symmetric with F32 ones.
-    for (symmetric, dtype) in [(false, RawDtype::BF16), (true, RawDtype::F32)] {
-        let mut w = QuantWeight::packed(format!("pack4_{symmetric}"), QuantFormat::PackQuantized4 { group: g, symmetric }, [n, k], words(rng, n * k / 8));
-        w.scale = Some(raw("weight_scale", dtype, vec![n, groups], scales(rng, dtype, n * groups)));
-        if !symmetric {
-            w.zero = Some(raw("weight_zero_point", RawDtype::I32, vec![n.div_ceil(8), groups], words(rng, n.div_ceil(8) * groups)));
+        QuantFormat::Awq4 { group: g } => {
+            let gs = group(g);
+            w.data = words(rng, k * n / 8);
+            w.scale = Some(raw("scales", RawDtype::F16, vec![gs, n], scales(rng, RawDtype::F16, gs * n)));
+            w.zero = Some(raw("qzeros", RawDtype::I32, vec![gs, n / 8], words(rng, gs * n / 8)));
         }
-        out.push(w);
+        QuantFormat::Gptq4 { group: g, .. } => {
+            let gs = group(g);
+            w.data = words(rng, k / 8 * n);
+            w.scale = Some(raw("scales", RawDtype::F16, vec![gs, n], scales(rng, RawDtype::F16, gs * n)));
+            w.zero = Some(raw("qzeros", RawDtype::I32, vec![gs, n / 8], words(rng, gs * n / 8)));
+        }
+        QuantFormat::PackQuantized4 { group: g, symmetric } => {
+            let gs = group(g);
+            w.data = words(rng, n * k / 8);
+            w.scale = Some(raw("weight_scale", scale_dtype, vec![n, gs], scales(rng, scale_dtype, n * gs)));
+            if !symmetric {
+                w.zero = Some(raw("weight_zero_point", RawDtype::I32, vec![n.div_ceil(8), gs], words(rng, n.div_ceil(8) * gs)));
+            }
+        }
+        f => {
+            let v = values.unwrap_or_else(|| rng.vec(n * k, -1.0, 1.0));
+            w.data = quantize(f, name, &v, [n, k]).expect("quantize");
+        }
     }
+    if g_idx {
+        let gs = match format {
+            QuantFormat::Gptq4 { group: g, .. } | QuantFormat::PackQuantized4 { group: g, .. } => group(g),
+            _ => unreachable!("g_idx only for GPTQ and pack-quantized"),
+        };
+        let gi: Vec<u8> = (0..k).flat_map(|_| (rng.below(gs) as i32).to_le_bytes()).collect();
+        w.g_idx = Some(raw("g_idx", RawDtype::I32, vec![k], gi));
+    }
+    w
+}
+
+/// One weight of every format the GPU runs, named after its case.
+fn cases(rng: &mut Rng) -> Vec<QuantWeight> {
+    let mut out = Vec::new();
+    // NInfer formats from the --quantize encoders: K = 200 pads the row to 256 (a wholly
+    // padded group), N = 37 leaves a ragged last block of warps; NVFP4 needs [128x, 64x].
+    for (f, shape) in [
+        (QuantFormat::W8G32F16S, [37, 200]),
+        (QuantFormat::Q4G64F16S, [37, 200]),
+        (QuantFormat::Q5G64F16S, [37, 200]),
+        (QuantFormat::Q6G64F16S, [37, 200]),
+        (QuantFormat::Fp8E4m3fnRowBf16s, [37, 200]),
+        (QuantFormat::Nvfp4, [256, 192]),
+    ] {
+        let [n, k] = shape;
+        let mut v = rng.vec(n * k, -1.0, 1.0);
+        // Edge values: an all-zero row (scale +0) and one row of tiny values (subnormal scales).
+        v[..k].iter_mut().for_each(|x| *x = 0.0);
+        v[k..2 * k].iter_mut().for_each(|x| *x *= 1e-6);
+        out.push(make(rng, f.name(), f, shape, Some(v), RawDtype::F16, false));
+    }
+    for f in [QuantFormat::GgufQ8_0, QuantFormat::GgufQ4K, QuantFormat::GgufQ5K, QuantFormat::GgufQ6K, QuantFormat::GgufIq4Xs, QuantFormat::GgufIq3S] {
+        out.push(make(rng, f.name(), f, [37, 512], None, RawDtype::F16, false));
+    }
+    // HF block FP8 with ragged blocks and F32 / BF16 scales; AWQ; GPTQ with and without g_idx;
+    // pack-quantized asymmetric with BF16 scales and symmetric with F32 ones.
+    let fp8 = QuantFormat::HfFp8Block { block_n: 128, block_k: 128 };
+    out.push(make(rng, "fp8_block_f32", fp8, [300, 200], None, RawDtype::F32, false));
+    out.push(make(rng, "fp8_block_bf16", fp8, [300, 200], None, RawDtype::BF16, false));
+    let g = 64;
+    out.push(make(rng, "awq", QuantFormat::Awq4 { group: g }, [64, 256], None, RawDtype::F16, false));
+    out.push(make(rng, "gptq", QuantFormat::Gptq4 { group: g, zero_plus_one: true }, [64, 256], None, RawDtype::F16, false));
+    out.push(make(rng, "gptq_v2_g_idx", QuantFormat::Gptq4 { group: g, zero_plus_one: false }, [64, 256], None, RawDtype::F16, true));
+    out.push(make(rng, "pack4_asym", QuantFormat::PackQuantized4 { group: g, symmetric: false }, [64, 256], None, RawDtype::BF16, false));
+    out.push(make(rng, "pack4_sym_g_idx", QuantFormat::PackQuantized4 { group: g, symmetric: true }, [64, 256], None, RawDtype::F32, true));
     out
 }
 
@@ -206,6 +234,67 @@ fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device(
             assert!(e.contains("lm.fp8") && e.contains("FP8_E4M3FN_ROW_BF16S") && e.contains("65504"), "{e}");
         } else {
             assert!(r.is_ok(), "bf16 storage holds the values: {:?}", r.err());
+        }
+    }
+}
+
+/// Batch-1 decode GEMV per format at the Llama-3-8B and Qwen3.5-27B projection shapes: per-call
+/// time and the bytes it reads (packed weight with its companions, x, y) against a
+/// device-to-device copy of 1 GiB on the same GPU, as the fraction of the copy rate (read plus
+/// written bytes a second) the GEMV's read bytes reach. A layer's four projections run in turn
+/// (at 4 bits 110 MB and more: beyond the L2 of an H100 / H200), so the weights stream from
+/// memory. Prints one
+/// `TIMING quant_gemv weights=<format> ...` line per (format, model); benches/gpu_quant.py
+/// records them. The target: >= 0.80 for the 4-bit formats.
+#[test]
+fn quant_gemv_decode_timing() {
+    let Some(dev) = gpu("quant_gemv_timing", ninfer_core::backend::cuda::StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let copy_bytes = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(copy_bytes / 2).unwrap();
+    let mut dst = s.alloc_zeros::<u8>(copy_bytes / 2).unwrap();
+    let copy_ms = super::time_ms(&dev, 10, || s.memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_rate = copy_bytes as f64 / (copy_ms * 1e-3);
+    let mut rng = Rng::new(7);
+    // (model, hidden, [n, k] of qkv, o, gate_up, down)
+    let models = [
+        ("llama3-8b", [[6144, 4096], [4096, 4096], [28672, 4096], [4096, 14336]]),
+        ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]]),
+    ];
+    let formats = [
+        QuantFormat::Q4G64F16S,
+        QuantFormat::GgufQ4K,
+        QuantFormat::GgufIq4Xs,
+        QuantFormat::Nvfp4,
+        QuantFormat::Awq4 { group: 128 },
+        QuantFormat::Gptq4 { group: 128, zero_plus_one: true },
+        QuantFormat::PackQuantized4 { group: 128, symmetric: true },
+        QuantFormat::W8G32F16S,
+        QuantFormat::Fp8E4m3fnRowBf16s,
+    ];
+    for (model, shapes) in models {
+        for f in formats {
+            let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, f, sh, None, RawDtype::BF16, false)).unwrap()).collect();
+            let kmax = shapes.iter().map(|s| s[1]).max().unwrap();
+            let nmax = shapes.iter().map(|s| s[0]).max().unwrap();
+            let x = upload(&dev, &rounded(&rng.vec(kmax, -1.0, 1.0), dev.storage()));
+            let mut y: CudaSlice<u16> = s.alloc_zeros(nmax).unwrap();
+            let read: usize = layer.iter().map(|w| w.device_bytes() + 2 * w.k + 2 * w.n).sum();
+            let ms = super::time_ms(&dev, 20, || {
+                for w in &layer {
+                    dev.quant_gemv(&x, w, None, &mut y, 1).unwrap();
+                }
+            });
+            let rate = read as f64 / (ms * 1e-3);
+            println!(
+                "TIMING quant_gemv weights={} model={model} m=1 bytes={read} us={:.1} read_gbps={:.0} copy_gbps={:.0} fraction={:.3}",
+                f.name(),
+                ms * 1e3,
+                rate / 1e9,
+                copy_rate / 1e9,
+                rate / copy_rate
+            );
+            assert!(rate > 0.0 && rate.is_finite(), "{}: no time measured", f.name());
         }
     }
 }
