@@ -298,3 +298,35 @@ fn quant_gemv_decode_timing() {
         }
     }
 }
+
+/// The model's `Linear` over a quantized weight: its format names the weight's, its route takes
+/// none of the dense GEMV's fusions, and `forward` runs the GEMV for a decode step and the
+/// workspace route for a prefill step, with the bias, within tolerance of `QuantLinear`.
+#[test]
+fn a_quantized_linear_forwards_through_both_routes() {
+    use ninfer_core::model::cuda::linear::{Linear, QuantWorkspace, WeightFormat};
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_linear_forward", st) else { return };
+        let mut rng = Rng::new(480);
+        let (n, k) = (96, 256);
+        let w = make(&mut rng, "model.layers.0.mlp.down_proj.weight", QuantFormat::Q4G64F16S, [n, k], None, RawDtype::F16, false);
+        let bias_host = rounded(&rng.vec(n, -0.5, 0.5), st);
+        let lin = Linear::quantized(&dev, &w, Some(upload(&dev, &bias_host)), QuantWorkspace::new(&dev, n * k).unwrap()).unwrap();
+        assert_eq!(lin.format, WeightFormat::Quant(QuantFormat::Q4G64F16S));
+        assert!(!lin.route.gemv, "a quantized weight takes none of the dense GEMV's fusions");
+        let reference = QuantLinear::new(w.clone()).unwrap();
+        let dense = rounded(&dequantize(&w.view()).unwrap(), st);
+        for rows in [3, 40] {
+            let x = rounded(&rng.vec(rows * k, -1.0, 1.0), st);
+            let xd = upload(&dev, &x);
+            let mut y: CudaSlice<u16> = dev.stream().alloc_zeros(rows * n).unwrap();
+            let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(rows * n).unwrap();
+            lin.forward(&dev, &xd, &mut y, &mut lin32, rows).unwrap();
+            dev.synchronize().unwrap();
+            let got = super::harness::from_bits(&dev.stream().clone_dtoh(&y).unwrap(), st);
+            let sums = if rows <= 16 { reference.forward(&x, rows).unwrap() } else { matmul(&x, &dense, rows, n, k) };
+            let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n]).collect();
+            check("quant Linear::forward", st, &format!("rows{rows} n{n} k{k}"), &got, &rounded(&want, st), tol16(st));
+        }
+    }
+}

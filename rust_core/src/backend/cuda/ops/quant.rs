@@ -142,15 +142,13 @@ impl CudaDevice {
     pub fn check_quant_weight(&self, w: &QuantWeight) -> Result<()> {
         let [_, k] = w.shape;
         let device = format!("cuda:{} ({}, {})", self.ordinal(), self.name(), self.arch());
-        let refuse = |why: String| NinferError::Unsupported(format!("{}: {} weights {why} on {device}", w.name, w.format.name()));
+        let refuse = |why: String| NinferError::QuantTensor { name: w.name.clone(), format: w.format.name().to_string(), reason: format!("{why}: {device} cannot run it") };
         if !k.is_multiple_of(8) {
-            return Err(refuse(format!("with K = {k} (not a multiple of 8) do not run")));
+            return Err(refuse(format!("K = {k} is not a multiple of 8, the values the GPU kernels decode at a time")));
         }
         if self.storage() == StorageDType::F16 {
             if let Some(bound) = float_format_bound(w).filter(|b| *b > 65504.0) {
-                return Err(refuse(format!(
-                    "reach magnitudes up to {bound:e}, beyond the f16 storage type (max 65504) the prefill route dequantizes into,"
-                )));
+                return Err(refuse(format!("its scales let values reach {bound:e}, beyond the f16 storage type (max 65504) the prefill route dequantizes into")));
             }
         }
         Ok(())
