@@ -119,6 +119,8 @@ mod gemv_qkv_rope;
 mod gemv_chain;
 #[path = "cuda_ops/prefill_vec.rs"]
 mod prefill_vec;
+#[path = "cuda_ops/quant.rs"]
+mod quant;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};

@@ -263,14 +263,21 @@ impl CudaDevice {
         self.stream.synchronize().map_err(driver_err("synchronizing the stream"))
     }
 
-    /// Compiles (or reads from the disk cache) and loads every kernel family now, so that the
-    /// first request does not pay for it.
+    /// Compiles (or reads from the disk cache) and loads every kernel family a dense model runs
+    /// now, so that the first request does not pay for it; the quantized-weight families load
+    /// with the first quantized weight (`upload_quant`).
     pub fn load_all_kernels(&self) -> Result<()> {
+        let dense: Vec<KernelFamily> = KernelFamily::ALL.into_iter().filter(|f| !f.is_quant()).collect();
+        self.load_kernel_families(&dense)
+    }
+
+    /// Compiles (or reads from the disk cache) and loads `families` now.
+    pub fn load_kernel_families(&self, families: &[KernelFamily]) -> Result<()> {
         // NVRTC compiles are independent and single-threaded: fill the disk cache for all
         // families in parallel first, so that a cold start costs the slowest one, not the sum.
         let arch = self.arch();
-        KernelFamily::ALL.par_iter().try_for_each(|&f| nvrtc::cached_image(f, &arch, self.storage).map(|_| ()))?;
-        for family in KernelFamily::ALL {
+        families.par_iter().try_for_each(|&f| nvrtc::cached_image(f, &arch, self.storage).map(|_| ()))?;
+        for &family in families {
             self.module(family)?;
         }
         Ok(())

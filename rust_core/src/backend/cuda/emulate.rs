@@ -87,7 +87,7 @@ mod tests {
         for v in ["ampere", "81", "sm_100", "6.1"] {
             let e = parse_emulated_arch((9, 0), Some(v)).unwrap_err().to_string();
             assert!(e.contains(EMULATE_ARCH_VAR) && e.contains(v.trim()), "{e}");
-            assert!(e.contains("[70, 75, 80, 86, 89, 90]"), "{e}");
+            assert!(e.contains("[70, 75, 80, 86, 89, 90, 120]"), "{e}");
         }
     }
 

@@ -11,14 +11,16 @@ pub const COMMON_HEADER: &str = include_str!("../../../../cuda/common.cuh");
 
 /// Every header a kernel source may include, by the name it includes it as: handed to NVRTC
 /// with each program and hashed into the kernel cache's keys.
-pub const HEADERS: [(&str, &str); 3] = [
+pub const HEADERS: [(&str, &str); 4] = [
     ("common.cuh", COMMON_HEADER),
     ("attention_keys.cuh", include_str!("../../../../cuda/attention_keys.cuh")),
     ("attention_mma.cuh", include_str!("../../../../cuda/attention_mma.cuh")),
+    ("quant.cuh", include_str!("../../../../cuda/quant.cuh")),
 ];
 
-/// Architectures CI compiles every kernel for (V100 through H100/H200).
-pub const CI_ARCHES: [u32; 6] = [70, 75, 80, 86, 89, 90];
+/// Architectures CI compiles every kernel for (V100 through H100/H200, and the RTX 50 series'
+/// sm_120).
+pub const CI_ARCHES: [u32; 7] = [70, 75, 80, 86, 89, 90, 120];
 
 /// Whether kernels for compute capability `major.minor` are compiled as sm_90a code (so that
 /// its wgmma kernels run there): 9.0 only.
@@ -103,11 +105,18 @@ pub enum KernelFamily {
     GdnChunked,
     /// Greedy argmax + logsumexp, and the full sampler (penalties, top-k/p, min-p, logprobs).
     Sampling,
+    /// Quantized weights of the NInfer formats (W8/Q4/Q5/Q6 groups, FP8 rows, NVFP4): decode
+    /// GEMV with fused dequantization, and dequantization into f32 or the storage type.
+    QuantNinfer,
+    /// The same kernels for the GGUF block formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S).
+    QuantGguf,
+    /// The same kernels for the Hugging Face forms (block FP8, AWQ, GPTQ, pack-quantized).
+    QuantHf,
 }
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 13] = [
+    pub const ALL: [KernelFamily; 16] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
@@ -121,7 +130,15 @@ impl KernelFamily {
         KernelFamily::Gdn,
         KernelFamily::GdnChunked,
         KernelFamily::Sampling,
+        KernelFamily::QuantNinfer,
+        KernelFamily::QuantGguf,
+        KernelFamily::QuantHf,
     ];
+
+    /// Whether the family holds quantized-weight kernels (loaded only with quantized weights).
+    pub fn is_quant(self) -> bool {
+        matches!(self, KernelFamily::QuantNinfer | KernelFamily::QuantGguf | KernelFamily::QuantHf)
+    }
 
     /// File name under `cuda/` (also the NVRTC program name, so errors point at the file).
     pub fn file_name(self) -> &'static str {
@@ -139,6 +156,9 @@ impl KernelFamily {
             KernelFamily::Gdn => "gdn.cu",
             KernelFamily::GdnChunked => "gdn_chunked.cu",
             KernelFamily::Sampling => "sampling.cu",
+            KernelFamily::QuantNinfer => "quant_ninfer.cu",
+            KernelFamily::QuantGguf => "quant_gguf.cu",
+            KernelFamily::QuantHf => "quant_hf.cu",
         }
     }
 
@@ -158,6 +178,9 @@ impl KernelFamily {
             KernelFamily::Gdn => include_str!("../../../../cuda/gdn.cu"),
             KernelFamily::GdnChunked => include_str!("../../../../cuda/gdn_chunked.cu"),
             KernelFamily::Sampling => include_str!("../../../../cuda/sampling.cu"),
+            KernelFamily::QuantNinfer => include_str!("../../../../cuda/quant_ninfer.cu"),
+            KernelFamily::QuantGguf => include_str!("../../../../cuda/quant_gguf.cu"),
+            KernelFamily::QuantHf => include_str!("../../../../cuda/quant_hf.cu"),
         }
     }
 }

@@ -2,22 +2,48 @@
 //! fixed when the model is loaded: its storage format, its bias, and its decode GEMV route.
 //! The step code calls `Linear::forward` and reads the route; it never asks the device again.
 
+use std::sync::{Arc, Mutex};
+
 use cudarc::driver::CudaSlice;
 
 use crate::backend::cuda::kernels::StorageDType;
-use crate::backend::cuda::ops::GemvKernel;
+use crate::backend::cuda::ops::{DeviceQuantWeight, GemvKernel};
 use crate::backend::cuda::CudaDevice;
-use crate::Result;
+use crate::quant::{QuantFormat, QuantWeight};
+use crate::{NinferError, Result};
 
-/// How a weight's elements are stored. Today every weight is a dense matrix in the device's
-/// 16-bit storage type; a quantized format is a new variant here, with its own arm in
-/// `Linear::forward` (the match is exhaustive, so no projection can miss it).
+/// How a weight's elements are stored: a dense matrix in the device's 16-bit storage type, or
+/// one of the quantized formats (rust_core/src/quant), each with its arm in `Linear::forward`
+/// (the match is exhaustive, so no projection can miss one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
     /// bfloat16 (sm_80 and newer).
     Bf16,
     /// IEEE half (sm_7x, which has no bf16 arithmetic).
     F16,
+    /// Packed in a quantized format (`Linear::quant` holds the bytes): the fused-dequantization
+    /// GEMV up to QUANT_GEMV_MAX_M rows, dequantization into the shared workspace then cuBLAS
+    /// beyond.
+    Quant(QuantFormat),
+}
+
+/// The storage-type buffer the prefill route dequantizes a weight into, one for all the
+/// quantized projections of a model (steps run them one after another on one stream), sized
+/// at load to the largest of them so that no step allocates (a captured CUDA graph cannot).
+pub struct QuantWorkspace(Mutex<CudaSlice<u16>>);
+
+impl QuantWorkspace {
+    /// A workspace of `elems` storage elements (the largest quantized weight's N x K).
+    pub fn new(dev: &CudaDevice, elems: usize) -> Result<Arc<Self>> {
+        let buf = dev.stream().alloc_zeros::<u16>(elems.max(1)).map_err(|e| NinferError::Device(format!("allocating the dequantization workspace of {elems} elements: {e}")))?;
+        Ok(Arc::new(QuantWorkspace(Mutex::new(buf))))
+    }
+}
+
+/// A quantized projection's device part: the packed weight and the workspace it shares.
+pub struct QuantPart {
+    pub weight: DeviceQuantWeight,
+    pub workspace: Arc<QuantWorkspace>,
 }
 
 impl From<StorageDType> for WeightFormat {
@@ -66,6 +92,8 @@ impl LinearRoute {
 /// (row-parallel) of the full matrix this device holds and the collective that joins the
 /// partial outputs; `n` and `k` then describe this device's part.
 pub struct Linear<W = CudaSlice<u16>> {
+    /// The dense weight; for a quantized one a one-element placeholder (the bytes are in
+    /// `quant`, and its route takes none of the dense GEMV's fusions that read `w`).
     pub w: W,
     /// Output features.
     pub n: usize,
@@ -76,17 +104,44 @@ pub struct Linear<W = CudaSlice<u16>> {
     /// `attention_bias` / `mlp_bias`), packed in the order of `w`'s rows.
     pub bias: Option<W>,
     pub route: LinearRoute,
+    /// The packed weight where `format` is `Quant`.
+    pub quant: Option<QuantPart>,
 }
 
 impl Linear {
-    /// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, GEMM above); a bias is added
-    /// to the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`).
+    /// A projection of the quantized weight `w` (`[n, k]`) with its bias (storage type, `[n]`):
+    /// validated, checked against the device (refused naming the tensor, the format and the
+    /// device where it cannot run there) and uploaded packed. Its route runs none of the dense
+    /// GEMV's fusions (the fused SwiGLU and RoPE epilogues read a dense `w`).
+    pub fn quantized(dev: &CudaDevice, w: &QuantWeight, bias: Option<CudaSlice<u16>>, workspace: Arc<QuantWorkspace>) -> Result<Self> {
+        let weight = dev.upload_quant(w)?;
+        let placeholder = dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {}: {e}", w.name)))?;
+        let [n, k] = w.shape;
+        Ok(Linear {
+            w: placeholder,
+            n,
+            k,
+            format: WeightFormat::Quant(w.format),
+            bias,
+            route: LinearRoute { gemv: false, gemv_m1: GemvKernel::CudaCores },
+            quant: Some(QuantPart { weight, workspace }),
+        })
+    }
+
+    /// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, GEMM above; a quantized weight
+    /// its own GEMV up to QUANT_GEMV_MAX_M rows); a bias is added to the f32 sums in `lin32`
+    /// and rounded once (`CudaDevice::linear_bias`).
     pub fn forward(&self, dev: &CudaDevice, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize) -> Result<()> {
         match self.format {
             WeightFormat::Bf16 | WeightFormat::F16 => match &self.bias {
                 None => dev.linear(x, &self.w, y, rows, self.n, self.k),
                 Some(b) => dev.linear_bias(x, &self.w, b, lin32, y, rows, self.n, self.k),
             },
+            WeightFormat::Quant(_) => {
+                let q = self.quant.as_ref().ok_or_else(|| NinferError::Device(format!("a quantized projection [{}, {}] without its packed weight", self.n, self.k)))?;
+                let mut ws = q.workspace.0.lock().expect("quant workspace poisoned");
+                dev.quant_linear(x, &q.weight, self.bias.as_ref(), &mut ws, lin32, y, rows)
+            }
         }
     }
 }

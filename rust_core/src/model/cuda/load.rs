@@ -114,7 +114,7 @@ impl<'a> Builder<'a> {
         let n = t.numel() / k;
         let w = self.put(sink, t, bytes)?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
-        Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k) })
+        Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k), quant: None })
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.

@@ -137,7 +137,7 @@ fn attention<W>(cfg: &ModelConfig, a: &DevAttention<W>, rotary_dim: usize, fusio
     let query = if cfg.attn_output_gate { QueryLayout::Gated } else { QueryLayout::Plain };
     let qk = if a.q_norm.is_some() && a.k_norm.is_some() { QkRoute::HeadNorm } else { QkRoute::InPlace };
     let plain_qkv = query == QueryLayout::Plain && a.q_norm.is_none() && a.k_norm.is_none() && a.qkv.bias.is_none();
-    let rope_in_gemv = fusions.rope_in_gemv && plain_qkv && qkv_rope_fits(a.qkv.route.gemv_m1, 1, cfg.head_dim, rotary_dim, a.qkv.k);
+    let rope_in_gemv = fusions.rope_in_gemv && plain_qkv && a.qkv.route.gemv && qkv_rope_fits(a.qkv.route.gemv_m1, 1, cfg.head_dim, rotary_dim, a.qkv.k);
     let q_stride = match qk {
         QkRoute::HeadNorm => cfg.num_attention_heads * cfg.head_dim,
         QkRoute::InPlace => a.qkv.n,

@@ -56,6 +56,8 @@ impl CudaModel {
             }
             shapes.extend([&l.gate_up, &l.down]);
         }
+        // Quantized projections run cuBLAS on their dequantized workspace, not on `w`.
+        shapes.retain(|l| l.quant.is_none());
         // A projection with a bias runs cuBLAS with f32 output (`linear_bias`): another kernel.
         shapes.sort_by_key(|l| (l.n, l.k, l.bias.is_some()));
         shapes.dedup_by_key(|l| (l.n, l.k, l.bias.is_some()));

@@ -23,6 +23,7 @@ mod gemv;
 mod gemv_qkv_rope;
 mod gemv_route;
 mod norm;
+mod quant;
 mod rope_kv;
 mod sampling;
 mod sampling_pack;
@@ -41,6 +42,7 @@ pub use gemv_qkv_rope::{qkv_rope_fits, qkv_rope_launch};
 pub use gemv_route::{gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, gemv_tc_config_in, GemvForm, GemvKernel, GemvLaunch, GemvTcConfig, GemvTcRule, GEMV_MAX_M, GEMV_ROUTE_MAX_M, GEMV_WARPS};
 #[cfg(test)]
 pub(crate) use gemv_route::{gemv_launch_spec, GemvOut};
+pub use quant::{quant_families, DeviceQuantWeight, QUANT_GEMV_MAX_M};
 pub use rope_kv::RopeKvShape;
 pub use sampling::SampleScratch;
 pub use sampling_pack::{sample_scan_blocks, PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT, SAMPLE_SCAN_REC, SAMPLE_SCAN_SPAN};

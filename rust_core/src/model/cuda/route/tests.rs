@@ -18,7 +18,7 @@ fn config(arch: &str, extra: serde_json::Value) -> ModelConfig {
 
 /// A `[n, k]` weight whose one-row GEMV runs `m1` (no buffers: routes read shapes only).
 fn linear(n: usize, k: usize, bias: bool, m1: GemvKernel) -> Linear<()> {
-    Linear { w: (), n, k, format: WeightFormat::Bf16, bias: bias.then_some(()), route: LinearRoute::new(m1, k) }
+    Linear { w: (), n, k, format: WeightFormat::Bf16, bias: bias.then_some(()), route: LinearRoute::new(m1, k), quant: None }
 }
 
 /// An attention layer of `cfg` as the loader packs it, every weight's one-row GEMV on `m1`.

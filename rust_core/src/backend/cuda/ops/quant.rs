@@ -1,0 +1,370 @@
+//! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
+//! uploaded as the checkpoint stores them, the decode GEMV with fused dequantization for up to
+//! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
+//! workspace, then cuBLAS.
+//!
+//! The prefill route is the first one measured; the alternative to try on the GPU is the fused
+//! tensor-core GEMM (dequantized tiles in shared memory before the MMA), which saves the
+//! workspace's write and read (2 bytes a weight) per step. FP8 (FP8_E4M3FN_ROW_BF16S and the HF
+//! block form) also takes this route on sm_89/sm_90: the crate's cudarc is built without its
+//! cuBLASLt bindings, through which an FP8 GEMM with row / block scales would run.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+use super::{as_i32, cfg, check_len};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
+use crate::quant::{fp8_row, grouped::Grouped, hf, nvfp4, validate, QuantFormat, QuantWeight, RawDtype};
+use crate::{NinferError, Result};
+
+/// Rows of x one GEMV launch takes; larger decode batches run the prefill route.
+pub const QUANT_GEMV_MAX_M: usize = 16;
+
+/// Threads per block of the quantized kernels (QUANT_WARPS warps).
+const QUANT_THREADS: u32 = 256;
+
+/// The kernels of one format: its family, the dequantize kernel and the GEMV for
+/// MT = 1, 2, 4, 8, 16 rows.
+struct QuantKernels {
+    family: KernelFamily,
+    dequant: &'static str,
+    gemv: [&'static str; 5],
+}
+
+macro_rules! quant_kernels {
+    ($fam:ident, $s:literal) => {
+        QuantKernels {
+            family: KernelFamily::$fam,
+            dequant: concat!("quant_dequant_", $s),
+            gemv: [
+                concat!("quant_gemv_", $s, "_m1"),
+                concat!("quant_gemv_", $s, "_m2"),
+                concat!("quant_gemv_", $s, "_m4"),
+                concat!("quant_gemv_", $s, "_m8"),
+                concat!("quant_gemv_", $s, "_m16"),
+            ],
+        }
+    };
+}
+
+fn kernels_of(format: QuantFormat) -> QuantKernels {
+    match format {
+        QuantFormat::W8G32F16S => quant_kernels!(QuantNinfer, "w8g32"),
+        QuantFormat::Q4G64F16S => quant_kernels!(QuantNinfer, "q4g64"),
+        QuantFormat::Q5G64F16S => quant_kernels!(QuantNinfer, "q5g64"),
+        QuantFormat::Q6G64F16S => quant_kernels!(QuantNinfer, "q6g64"),
+        QuantFormat::Fp8E4m3fnRowBf16s => quant_kernels!(QuantNinfer, "fp8_row"),
+        QuantFormat::Nvfp4 => quant_kernels!(QuantNinfer, "nvfp4"),
+        QuantFormat::GgufQ8_0 => quant_kernels!(QuantGguf, "q8_0"),
+        QuantFormat::GgufQ4K => quant_kernels!(QuantGguf, "q4_k"),
+        QuantFormat::GgufQ5K => quant_kernels!(QuantGguf, "q5_k"),
+        QuantFormat::GgufQ6K => quant_kernels!(QuantGguf, "q6_k"),
+        QuantFormat::GgufIq4Xs => quant_kernels!(QuantGguf, "iq4_xs"),
+        QuantFormat::GgufIq3S => quant_kernels!(QuantGguf, "iq3_s"),
+        QuantFormat::HfFp8Block { .. } => quant_kernels!(QuantHf, "fp8_block"),
+        QuantFormat::Awq4 { .. } => quant_kernels!(QuantHf, "awq4"),
+        QuantFormat::Gptq4 { .. } => quant_kernels!(QuantHf, "gptq4"),
+        QuantFormat::PackQuantized4 { .. } => quant_kernels!(QuantHf, "pack4"),
+    }
+}
+
+/// The kernel families a set of formats runs (loaded with the model, so that no step compiles).
+pub fn quant_families(formats: impl IntoIterator<Item = QuantFormat>) -> Vec<KernelFamily> {
+    let mut out: Vec<KernelFamily> = Vec::new();
+    for f in formats {
+        let fam = kernels_of(f).family;
+        if !out.contains(&fam) {
+            out.push(fam);
+        }
+    }
+    out
+}
+
+/// A companion dtype as quant.cuh's `q_float_at` kind: 0 F32, 1 F16, 2 BF16.
+fn float_kind(d: RawDtype) -> i64 {
+    match d {
+        RawDtype::F16 => 1,
+        RawDtype::BF16 => 2,
+        _ => 0,
+    }
+}
+
+/// A quantized weight on the device: its bytes as stored and the kernels' format parameters.
+pub struct DeviceQuantWeight {
+    /// The checkpoint's tensor name (errors name it).
+    pub name: String,
+    pub format: QuantFormat,
+    /// Output features.
+    pub n: usize,
+    /// Input features (a multiple of 8).
+    pub k: usize,
+    data: CudaSlice<u8>,
+    scale: Option<CudaSlice<u8>>,
+    zero: Option<CudaSlice<u8>>,
+    g_idx: Option<CudaSlice<u8>>,
+    params: [i64; 3],
+}
+
+impl DeviceQuantWeight {
+    /// Bytes the weight takes on the device (data and companions).
+    pub fn device_bytes(&self) -> usize {
+        self.data.len() + [&self.scale, &self.zero, &self.g_idx].iter().map(|p| p.as_ref().map_or(0, |s| s.len())).sum::<usize>()
+    }
+}
+
+/// The largest magnitude a weight of an FP8 or NVFP4 format can decode to, from its scales
+/// (`None` for the integer formats, whose binary16 scales keep the values in binary16's range
+/// at the codes their encoders emit).
+fn float_format_bound(w: &QuantWeight) -> Option<f32> {
+    let [n, k] = w.shape;
+    match w.format {
+        QuantFormat::Fp8E4m3fnRowBf16s => {
+            let max = (0..n).map(|r| crate::quant::scalars::bf16_to_f32(fp8_row::scale_word(&w.data, n, k, r))).fold(0.0f32, f32::max);
+            Some(448.0 * max)
+        }
+        QuantFormat::HfFp8Block { .. } => {
+            let s = w.scale.as_ref()?;
+            let view = w.view();
+            let t = view.scale.as_ref()?;
+            let count = s.shape.iter().product::<usize>();
+            Some(448.0 * (0..count).map(|i| hf::float_at(t, i).abs()).fold(0.0f32, f32::max))
+        }
+        QuantFormat::Nvfp4 => Some(6.0 * 448.0 / nvfp4::divisor(&w.data, n, k)),
+        _ => None,
+    }
+}
+
+impl CudaDevice {
+    /// Where `w` cannot run on this device, the reason, naming the tensor, the format and the
+    /// device: K not a multiple of 8 (the kernels decode and load 8 values at a time), and on
+    /// f16-storage devices (sm_7x) an FP8 / NVFP4 weight whose scales let values exceed
+    /// binary16's range (the prefill route's f16 workspace would hold infinities).
+    pub fn check_quant_weight(&self, w: &QuantWeight) -> Result<()> {
+        let [_, k] = w.shape;
+        let device = format!("cuda:{} ({}, {})", self.ordinal(), self.name(), self.arch());
+        let refuse = |why: String| NinferError::QuantTensor { name: w.name.clone(), format: w.format.name().to_string(), reason: format!("{why}: {device} cannot run it") };
+        if !k.is_multiple_of(8) {
+            return Err(refuse(format!("K = {k} is not a multiple of 8, the values the GPU kernels decode at a time")));
+        }
+        if self.storage() == StorageDType::F16 {
+            if let Some(bound) = float_format_bound(w).filter(|b| *b > 65504.0) {
+                return Err(refuse(format!("its scales let values reach {bound:e}, beyond the f16 storage type (max 65504) the prefill route dequantizes into")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates `w` (refusing it naming the tensor), checks that this device runs it
+    /// (`check_quant_weight`) and uploads its bytes; loads its kernel family.
+    pub fn upload_quant(&self, w: &QuantWeight) -> Result<DeviceQuantWeight> {
+        validate(&w.view())?;
+        self.check_quant_weight(w)?;
+        let [n, k] = w.shape;
+        let params: [i64; 3] = match w.format {
+            f if Grouped::of(f).is_some() => {
+                let p = Grouped::of(f).unwrap().planes(n, k);
+                [p.high_offset as i64, p.scale_offset as i64, 0]
+            }
+            QuantFormat::Fp8E4m3fnRowBf16s => [fp8_row::planes(n, k).0 as i64, 0, 0],
+            QuantFormat::Nvfp4 => {
+                let (s, d, _) = nvfp4::planes(n, k);
+                [s as i64, d as i64, 0]
+            }
+            QuantFormat::HfFp8Block { block_n, block_k } => {
+                [block_n as i64, block_k as i64, w.scale.as_ref().map_or(0, |s| float_kind(s.dtype))]
+            }
+            QuantFormat::Awq4 { group } => [group as i64, 0, 0],
+            QuantFormat::Gptq4 { group, zero_plus_one } => [group as i64, zero_plus_one as i64, 0],
+            QuantFormat::PackQuantized4 { group, .. } => [group as i64, w.scale.as_ref().map_or(0, |s| float_kind(s.dtype)), 0],
+            _ => [0, 0, 0],
+        };
+        let s = self.stream();
+        let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {} ({what}): {e}", w.name)));
+        let data = up(&w.data, "data")?;
+        let scale = w.scale.as_ref().map(|t| up(&t.bytes, "scale")).transpose()?;
+        let zero = w.zero.as_ref().map(|t| up(&t.bytes, "zero")).transpose()?;
+        let g_idx = w.g_idx.as_ref().map(|t| up(&t.bytes, "g_idx")).transpose()?;
+        self.load_kernel_families(&[kernels_of(w.format).family])?;
+        Ok(DeviceQuantWeight { name: w.name.clone(), format: w.format, n, k, data, scale, zero, g_idx, params })
+    }
+
+    /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order), with the guards that
+    /// keep the device pointers borrowed for the launch.
+    fn quant_w_args(&self, w: &DeviceQuantWeight) -> Result<[super::KArg; 9]> {
+        let s = self.stream();
+        let ptr = |b: &Option<CudaSlice<u8>>| b.as_ref().map_or(0u64, |b| b.device_ptr(s).0);
+        Ok(kargs![
+            self.data_ptr(&w.data),
+            ptr(&w.scale),
+            ptr(&w.zero),
+            ptr(&w.g_idx),
+            as_i32("quant n", w.n)?,
+            as_i32("quant k", w.k)?,
+            w.params[0],
+            w.params[1],
+            w.params[2]
+        ])
+    }
+
+    fn data_ptr(&self, b: &CudaSlice<u8>) -> u64 {
+        b.device_ptr(self.stream()).0
+    }
+
+    /// The f32 values of `w`, row-major `[n, k]`, into `out`: exactly the CPU decoder's
+    /// (`quant::dequantize`), bit for bit.
+    pub fn quant_dequantize_f32(&self, w: &DeviceQuantWeight, out: &mut impl DevicePtrMut<f32>) -> Result<()> {
+        check_len("quant_dequantize_f32 out", out.len(), w.n * w.k)?;
+        let (op, _g) = out.device_ptr_mut(self.stream());
+        self.quant_dequant_launch(w, op, 1)
+    }
+
+    /// The values of `w` rounded to the storage type (round to nearest even), row-major
+    /// `[n, k]`, into `out`: the prefill route's workspace.
+    pub fn quant_dequantize(&self, w: &DeviceQuantWeight, out: &mut impl DevicePtrMut<u16>) -> Result<()> {
+        check_len("quant_dequantize out", out.len(), w.n * w.k)?;
+        let (op, _g) = out.device_ptr_mut(self.stream());
+        self.quant_dequant_launch(w, op, 0)
+    }
+
+    fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32) -> Result<()> {
+        let kern = kernels_of(w.format);
+        let f = self.function(kern.family, kern.dequant)?;
+        let slices = w.n * (w.k / 8);
+        // A few waves of blocks; the kernel strides past them.
+        let grid = slices.div_ceil(QUANT_THREADS as usize).min(1 << 16) as u32;
+        let mut args = self.quant_w_args(w)?.to_vec();
+        args.extend(kargs![out, f32_out]);
+        self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), kern.dequant, &args)
+    }
+
+    /// y[m, n] (storage type) = x[m, k] W^T (+ bias[n], added to each f32 sum before its one
+    /// rounding) with W decoded as it streams, in launches of up to QUANT_GEMV_MAX_M rows of x.
+    /// x must be 16-byte aligned.
+    pub fn quant_gemv(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &DeviceQuantWeight,
+        bias: Option<&CudaSlice<u16>>,
+        y: &mut impl DevicePtrMut<u16>,
+        m: usize,
+    ) -> Result<()> {
+        let (n, k) = (w.n, w.k);
+        check_len("quant_gemv x", x.len(), m * k)?;
+        check_len("quant_gemv y", y.len(), m * n)?;
+        if let Some(b) = bias {
+            check_len("quant_gemv bias", b.len(), n)?;
+        }
+        let kern = kernels_of(w.format);
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (yp, _b) = y.device_ptr_mut(s);
+        let bp = bias.map_or(0u64, |b| b.device_ptr(s).0);
+        let wargs = self.quant_w_args(w)?;
+        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let mut row = 0;
+        while row < m {
+            let mm = (m - row).min(QUANT_GEMV_MAX_M);
+            let slot = [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16");
+            let name = kern.gemv[slot];
+            let f = self.function(kern.family, name)?;
+            let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
+            args.extend(wargs);
+            args.extend(kargs![yp + (row * n * 2) as u64, bp, mm as i32]);
+            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            row += mm;
+        }
+        Ok(())
+    }
+
+    /// y = x W^T (+ bias) by the route for `m`: the fused GEMV up to QUANT_GEMV_MAX_M rows;
+    /// beyond, W dequantized into `workspace` (at least n * k) and the dense `linear` /
+    /// `linear_bias` (cuBLAS at these sizes; a bias through `lin32`, at least m * n).
+    #[allow(clippy::too_many_arguments)]
+    pub fn quant_linear(
+        &self,
+        x: &impl DevicePtr<u16>,
+        w: &DeviceQuantWeight,
+        bias: Option<&CudaSlice<u16>>,
+        workspace: &mut CudaSlice<u16>,
+        lin32: &mut impl DevicePtrMut<f32>,
+        y: &mut impl DevicePtrMut<u16>,
+        m: usize,
+    ) -> Result<()> {
+        if m <= QUANT_GEMV_MAX_M {
+            return self.quant_gemv(x, w, bias, y, m);
+        }
+        let (n, k) = (w.n, w.k);
+        check_len("quant_linear workspace", workspace.len(), n * k)?;
+        let mut ws = workspace.slice_mut(0..n * k);
+        self.quant_dequantize(w, &mut ws)?;
+        match bias {
+            None => self.linear(x, &ws, y, m, n, k),
+            Some(b) => self.linear_bias(x, &ws, b, lin32, y, m, n, k),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::gguf::KVALUES_IQ4NL;
+    use crate::quant::iq3s_grid::IQ3S_GRID;
+
+    /// Every format of the table.
+    fn all_formats() -> Vec<QuantFormat> {
+        let mut f: Vec<QuantFormat> = crate::quant::FORMATS.iter().filter_map(|s| QuantFormat::from_name(s.name)).collect();
+        f.extend([
+            QuantFormat::HfFp8Block { block_n: 128, block_k: 128 },
+            QuantFormat::Awq4 { group: 128 },
+            QuantFormat::Gptq4 { group: 128, zero_plus_one: true },
+            QuantFormat::PackQuantized4 { group: 128, symmetric: true },
+        ]);
+        f
+    }
+
+    #[test]
+    fn every_format_names_kernels_its_family_source_defines() {
+        let formats = all_formats();
+        assert_eq!(formats.len(), crate::quant::FORMATS.len());
+        for f in formats {
+            let kern = kernels_of(f);
+            let src = kern.family.source();
+            let stem = kern.dequant.trim_start_matches("quant_dequant_");
+            assert!(src.contains(&format!("\nQUANT_KERNELS({stem}, ")), "{f:?}: no QUANT_KERNELS({stem}, ..) in cuda/{}", kern.family.file_name());
+            for (g, mt) in kern.gemv.iter().zip([1, 2, 4, 8, 16]) {
+                assert_eq!(*g, format!("quant_gemv_{stem}_m{mt}"));
+            }
+        }
+    }
+
+    /// The numbers of a C array initializer `name[...] = { ... };` in `src`.
+    fn c_array(src: &str, name: &str) -> Vec<i64> {
+        let start = src.find(&format!("{name}[")).unwrap_or_else(|| panic!("no array {name}"));
+        let body = &src[start..];
+        let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
+        body.split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(|t| match t.strip_prefix("0x") {
+                Some(h) => i64::from_str_radix(h, 16).unwrap(),
+                None => t.parse().unwrap(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_gguf_kernels_tables_equal_the_cpu_decoders() {
+        let src = KernelFamily::QuantGguf.source();
+        let grid = c_array(src, "iq3s_grid");
+        assert_eq!(grid, IQ3S_GRID.iter().map(|&w| w as i64).collect::<Vec<_>>());
+        let kv = c_array(src, "iq4nl_kvalues");
+        assert_eq!(kv, KVALUES_IQ4NL.iter().map(|&v| v as i64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn families_are_listed_once_each() {
+        let fams = quant_families(all_formats());
+        assert_eq!(fams, vec![KernelFamily::QuantNinfer, KernelFamily::QuantGguf, KernelFamily::QuantHf]);
+        assert!(fams.iter().all(|f| f.is_quant()));
+    }
+}

@@ -1,0 +1,332 @@
+//! Quantized weights (cuda/quant*.cu, ops/quant.rs) against the CPU reference of
+//! rust_core/src/quant, for every format: the dequantize kernel gives the CPU decoder's f32
+//! values bit for bit (and their storage-type rounding bit for bit), the fused-dequantization
+//! GEMV at M = 1, 2, 7, 16 is within f32-accumulation tolerance of `QuantLinear`, and the
+//! prefill route (dequantize into the workspace, then cuBLAS) at M = 64 and 300 is within the
+//! dense GEMM's tolerance of the matmul over the workspace's values. NInfer formats are made by
+//! quant's encoders from random values; GGUF blocks are random bytes with finite scales; HF
+//! tensors random words with the checkpoint's companion shapes and dtypes.
+
+use super::harness::{check, gpu, rounded, tol16, upload, Out16, Out32, Rng, STORAGES};
+use cudarc::driver::CudaSlice;
+use ninfer_core::quant::{dequantize, quantize, OwnedRaw, QuantFormat, QuantLinear, QuantWeight, RawDtype};
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+fn raw(name: &str, dtype: RawDtype, shape: Vec<usize>, bytes: Vec<u8>) -> OwnedRaw {
+    OwnedRaw { name: name.to_string(), dtype, shape, bytes }
+}
+
+/// `count` random 32-bit words as little-endian bytes.
+fn words(rng: &mut Rng, count: usize) -> Vec<u8> {
+    (0..count).flat_map(|_| ((rng.below(1 << 16) as u32) | ((rng.below(1 << 16) as u32) << 16)).to_le_bytes()).collect()
+}
+
+/// Scales as `dtype` (F32, F16 or BF16) bytes, `count` of them, positive and small.
+fn scales(rng: &mut Rng, dtype: RawDtype, count: usize) -> Vec<u8> {
+    (0..count)
+        .flat_map(|_| {
+            let v = rng.range(0.001, 0.05);
+            match dtype {
+                RawDtype::F32 => v.to_le_bytes().to_vec(),
+                RawDtype::F16 => f16_bytes(v).to_vec(),
+                _ => half::bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// A random `[n, k]` weight of `format` named `name`: NInfer formats by quant's encoders from
+/// `values` (uniform in [-1, 1) when None), GGUF blocks as random bytes with finite f16 scale
+/// fields, HF tensors as random words with the checkpoint's companion shapes and dtypes
+/// (`scale_dtype` for the forms that allow several; `g_idx` random groups where asked).
+fn make(rng: &mut Rng, name: &str, format: QuantFormat, [n, k]: [usize; 2], values: Option<Vec<f32>>, scale_dtype: RawDtype, g_idx: bool) -> QuantWeight {
+    let mut w = QuantWeight::packed(name, format, [n, k], Vec::new());
+    let gguf_d: Option<(usize, usize, &[usize])> = match format {
+        QuantFormat::GgufQ8_0 => Some((32, 34, &[0])),
+        QuantFormat::GgufQ4K => Some((256, 144, &[0, 2])),
+        QuantFormat::GgufQ5K => Some((256, 176, &[0, 2])),
+        QuantFormat::GgufQ6K => Some((256, 210, &[208])),
+        QuantFormat::GgufIq4Xs => Some((256, 136, &[0])),
+        QuantFormat::GgufIq3S => Some((256, 110, &[0])),
+        _ => None,
+    };
+    if let Some((qk, bb, d_offsets)) = gguf_d {
+        let blocks = n * k / qk;
+        let mut data: Vec<u8> = (0..blocks * bb).map(|_| rng.below(256) as u8).collect();
+        for b in 0..blocks {
+            for &o in d_offsets {
+                data[b * bb + o..b * bb + o + 2].copy_from_slice(&f16_bytes(rng.range(-0.02, 0.02)));
+            }
+        }
+        w.data = data;
+        return w;
+    }
+    let group = |g: usize| if g == 0 { 1 } else { k.div_ceil(g) };
+    match format {
+        QuantFormat::HfFp8Block { block_n, block_k } => {
+            // Codes avoid the NaN words.
+            w.data = (0..n * k).map(|_| rng.below(256) as u8).map(|c| if c & 0x7f == 0x7f { c - 1 } else { c }).collect();
+            let sh = vec![n.div_ceil(block_n), k.div_ceil(block_k)];
+            w.scale = Some(raw("weight_scale_inv", scale_dtype, sh.clone(), scales(rng, scale_dtype, sh[0] * sh[1])));
+        }
+        QuantFormat::Awq4 { group: g } => {
+            let gs = group(g);
+            w.data = words(rng, k * n / 8);
+            w.scale = Some(raw("scales", RawDtype::F16, vec![gs, n], scales(rng, RawDtype::F16, gs * n)));
+            w.zero = Some(raw("qzeros", RawDtype::I32, vec![gs, n / 8], words(rng, gs * n / 8)));
+        }
+        QuantFormat::Gptq4 { group: g, .. } => {
+            let gs = group(g);
+            w.data = words(rng, k / 8 * n);
+            w.scale = Some(raw("scales", RawDtype::F16, vec![gs, n], scales(rng, RawDtype::F16, gs * n)));
+            w.zero = Some(raw("qzeros", RawDtype::I32, vec![gs, n / 8], words(rng, gs * n / 8)));
+        }
+        QuantFormat::PackQuantized4 { group: g, symmetric } => {
+            let gs = group(g);
+            w.data = words(rng, n * k / 8);
+            w.scale = Some(raw("weight_scale", scale_dtype, vec![n, gs], scales(rng, scale_dtype, n * gs)));
+            if !symmetric {
+                w.zero = Some(raw("weight_zero_point", RawDtype::I32, vec![n.div_ceil(8), gs], words(rng, n.div_ceil(8) * gs)));
+            }
+        }
+        f => {
+            let v = values.unwrap_or_else(|| rng.vec(n * k, -1.0, 1.0));
+            w.data = quantize(f, name, &v, [n, k]).expect("quantize");
+        }
+    }
+    if g_idx {
+        let gs = match format {
+            QuantFormat::Gptq4 { group: g, .. } | QuantFormat::PackQuantized4 { group: g, .. } => group(g),
+            _ => unreachable!("g_idx only for GPTQ and pack-quantized"),
+        };
+        let gi: Vec<u8> = (0..k).flat_map(|_| (rng.below(gs) as i32).to_le_bytes()).collect();
+        w.g_idx = Some(raw("g_idx", RawDtype::I32, vec![k], gi));
+    }
+    w
+}
+
+/// One weight of every format the GPU runs, named after its case.
+fn cases(rng: &mut Rng) -> Vec<QuantWeight> {
+    let mut out = Vec::new();
+    // NInfer formats from the --quantize encoders: K = 200 pads the row to 256 (a wholly
+    // padded group), N = 37 leaves a ragged last block of warps; NVFP4 needs [128x, 64x].
+    for (f, shape) in [
+        (QuantFormat::W8G32F16S, [37, 200]),
+        (QuantFormat::Q4G64F16S, [37, 200]),
+        (QuantFormat::Q5G64F16S, [37, 200]),
+        (QuantFormat::Q6G64F16S, [37, 200]),
+        (QuantFormat::Fp8E4m3fnRowBf16s, [37, 200]),
+        (QuantFormat::Nvfp4, [256, 192]),
+    ] {
+        let [n, k] = shape;
+        let mut v = rng.vec(n * k, -1.0, 1.0);
+        // Edge values: an all-zero row (scale +0) and one row of tiny values (subnormal scales).
+        v[..k].iter_mut().for_each(|x| *x = 0.0);
+        v[k..2 * k].iter_mut().for_each(|x| *x *= 1e-6);
+        out.push(make(rng, f.name(), f, shape, Some(v), RawDtype::F16, false));
+    }
+    for f in [QuantFormat::GgufQ8_0, QuantFormat::GgufQ4K, QuantFormat::GgufQ5K, QuantFormat::GgufQ6K, QuantFormat::GgufIq4Xs, QuantFormat::GgufIq3S] {
+        out.push(make(rng, f.name(), f, [37, 512], None, RawDtype::F16, false));
+    }
+    // HF block FP8 with ragged blocks and F32 / BF16 scales; AWQ; GPTQ with and without g_idx;
+    // pack-quantized asymmetric with BF16 scales and symmetric with F32 ones.
+    let fp8 = QuantFormat::HfFp8Block { block_n: 128, block_k: 128 };
+    out.push(make(rng, "fp8_block_f32", fp8, [300, 200], None, RawDtype::F32, false));
+    out.push(make(rng, "fp8_block_bf16", fp8, [300, 200], None, RawDtype::BF16, false));
+    let g = 64;
+    out.push(make(rng, "awq", QuantFormat::Awq4 { group: g }, [64, 256], None, RawDtype::F16, false));
+    out.push(make(rng, "gptq", QuantFormat::Gptq4 { group: g, zero_plus_one: true }, [64, 256], None, RawDtype::F16, false));
+    out.push(make(rng, "gptq_v2_g_idx", QuantFormat::Gptq4 { group: g, zero_plus_one: false }, [64, 256], None, RawDtype::F16, true));
+    out.push(make(rng, "pack4_asym", QuantFormat::PackQuantized4 { group: g, symmetric: false }, [64, 256], None, RawDtype::BF16, false));
+    out.push(make(rng, "pack4_sym_g_idx", QuantFormat::PackQuantized4 { group: g, symmetric: true }, [64, 256], None, RawDtype::F32, true));
+    out
+}
+
+/// y = x W^T over f32 values, sequential sums.
+fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            y[i * n + j] = x[i * k..(i + 1) * k].iter().zip(&w[j * k..(j + 1) * k]).fold(0.0f32, |s, (a, b)| s + a * b);
+        }
+    }
+    y
+}
+
+#[test]
+fn quant_dequantize_kernels_equal_the_cpu_decoders_bit_for_bit() {
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_dequantize", st) else { return };
+        let mut rng = Rng::new(48);
+        for w in cases(&mut rng) {
+            let [n, k] = w.shape;
+            let want = dequantize(&w.view()).expect("valid case");
+            let dw = dev.upload_quant(&w).unwrap_or_else(|e| panic!("{}: {e}", w.name));
+            let mut got = Out32::new(&dev, n * k);
+            dev.quant_dequantize_f32(&dw, &mut got.view()).unwrap();
+            let got = got.read(&dev, &w.name);
+            for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), c.to_bits(), "{} element [{}, {}]: GPU {g:e}, CPU {c:e}", w.name, i / k, i % k);
+            }
+            // The workspace: each value rounded once to the storage type.
+            let mut ws = Out16::new(&dev, n * k);
+            dev.quant_dequantize(&dw, &mut ws.view()).unwrap();
+            let ws = ws.read(&dev, &w.name);
+            for (i, (g, c)) in ws.iter().zip(rounded(&want, st)).enumerate() {
+                assert_eq!(g.to_bits(), c.to_bits(), "{} {st:?} workspace element {i}: {g:e}, want {c:e}", w.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn quant_gemv_and_prefill_route_match_quant_linear() {
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_gemv", st) else { return };
+        let mut rng = Rng::new(4848);
+        for w in cases(&mut rng) {
+            let [n, k] = w.shape;
+            let dw = dev.upload_quant(&w).unwrap();
+            let lin = QuantLinear::new(w.clone()).unwrap();
+            let dense = dequantize(&w.view()).unwrap();
+            let bias_host = rounded(&rng.vec(n, -0.5, 0.5), st);
+            let bias = upload(&dev, &bias_host);
+            let mut workspace: CudaSlice<u16> = dev.stream().alloc_zeros(n * k).unwrap();
+            for m in [1, 2, 7, 16, 64, 300] {
+                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+                let xd = upload(&dev, &x);
+                for with_bias in [false, true] {
+                    let b = with_bias.then_some(&bias);
+                    // GEMV rows: QuantLinear's sums (plus the bias); the prefill route: the matmul
+                    // over the workspace's storage-type values (what cuBLAS multiplies).
+                    let sums = if m <= 16 { lin.forward(&x, m).unwrap() } else { matmul(&x, &rounded(&dense, st), m, n, k) };
+                    let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| if with_bias { s + bias_host[i % n] } else { *s }).collect();
+                    let mut y = Out16::new(&dev, m * n);
+                    let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(m * n).unwrap();
+                    dev.quant_linear(&xd, &dw, b, &mut workspace, &mut lin32, &mut y.view(), m).unwrap();
+                    let got = y.read(&dev, &w.name);
+                    check(&format!("quant_linear {} bias={with_bias}", w.name), st, &format!("m{m} n{n} k{k}"), &got, &rounded(&want, st), tol16(st));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device() {
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_refusal", st) else { return };
+        // K = 100 fits W8G32's layout (padded to 128) but not the kernels' 8-value slices.
+        let (n, k) = (4, 100);
+        let v = vec![0.5f32; n * k];
+        let w = QuantWeight::packed("model.layers.0.mlp.down_proj.weight", QuantFormat::W8G32F16S, [n, k], quantize(QuantFormat::W8G32F16S, "x", &v, [n, k]).unwrap());
+        let e = dev.upload_quant(&w).err().expect("K = 100 is refused").to_string();
+        assert!(e.contains("model.layers.0.mlp.down_proj.weight") && e.contains("W8G32_F16S") && e.contains(dev.name()) && e.contains("cuda:0"), "{e}");
+        // On f16 storage, an FP8 row whose scale lets values pass 65504 is refused too.
+        let big: Vec<f32> = (0..8 * 64).map(|i| if i % 64 == 0 { 1e6 } else { 1.0 }).collect();
+        let w = QuantWeight::packed("lm.fp8", QuantFormat::Fp8E4m3fnRowBf16s, [8, 64], quantize(QuantFormat::Fp8E4m3fnRowBf16s, "x", &big, [8, 64]).unwrap());
+        let r = dev.upload_quant(&w);
+        if st == ninfer_core::backend::cuda::StorageDType::F16 {
+            let e = r.err().expect("refused on f16 storage").to_string();
+            assert!(e.contains("lm.fp8") && e.contains("FP8_E4M3FN_ROW_BF16S") && e.contains("65504"), "{e}");
+        } else {
+            assert!(r.is_ok(), "bf16 storage holds the values: {:?}", r.err());
+        }
+    }
+}
+
+/// Batch-1 decode GEMV per format at the Llama-3-8B and Qwen3.5-27B projection shapes: per-call
+/// time and the bytes it reads (packed weight with its companions, x, y) against a
+/// device-to-device copy of 1 GiB on the same GPU, as the fraction of the copy rate (read plus
+/// written bytes a second) the GEMV's read bytes reach. A layer's four projections run in turn
+/// (at 4 bits 110 MB and more: beyond the L2 of an H100 / H200), so the weights stream from
+/// memory. Prints one
+/// `TIMING quant_gemv weights=<format> ...` line per (format, model); benches/gpu_quant.py
+/// records them. The target: >= 0.80 for the 4-bit formats.
+#[test]
+fn quant_gemv_decode_timing() {
+    let Some(dev) = gpu("quant_gemv_timing", ninfer_core::backend::cuda::StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let copy_bytes = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(copy_bytes / 2).unwrap();
+    let mut dst = s.alloc_zeros::<u8>(copy_bytes / 2).unwrap();
+    let copy_ms = super::time_ms(&dev, 10, || s.memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_rate = copy_bytes as f64 / (copy_ms * 1e-3);
+    let mut rng = Rng::new(7);
+    // (model, hidden, [n, k] of qkv, o, gate_up, down)
+    let models = [
+        ("llama3-8b", [[6144, 4096], [4096, 4096], [28672, 4096], [4096, 14336]]),
+        ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]]),
+    ];
+    let formats = [
+        QuantFormat::Q4G64F16S,
+        QuantFormat::GgufQ4K,
+        QuantFormat::GgufIq4Xs,
+        QuantFormat::Nvfp4,
+        QuantFormat::Awq4 { group: 128 },
+        QuantFormat::Gptq4 { group: 128, zero_plus_one: true },
+        QuantFormat::PackQuantized4 { group: 128, symmetric: true },
+        QuantFormat::W8G32F16S,
+        QuantFormat::Fp8E4m3fnRowBf16s,
+    ];
+    for (model, shapes) in models {
+        for f in formats {
+            let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, f, sh, None, RawDtype::BF16, false)).unwrap()).collect();
+            let kmax = shapes.iter().map(|s| s[1]).max().unwrap();
+            let nmax = shapes.iter().map(|s| s[0]).max().unwrap();
+            let x = upload(&dev, &rounded(&rng.vec(kmax, -1.0, 1.0), dev.storage()));
+            let mut y: CudaSlice<u16> = s.alloc_zeros(nmax).unwrap();
+            let read: usize = layer.iter().map(|w| w.device_bytes() + 2 * w.k + 2 * w.n).sum();
+            let ms = super::time_ms(&dev, 20, || {
+                for w in &layer {
+                    dev.quant_gemv(&x, w, None, &mut y, 1).unwrap();
+                }
+            });
+            let rate = read as f64 / (ms * 1e-3);
+            println!(
+                "TIMING quant_gemv weights={} model={model} m=1 bytes={read} us={:.1} read_gbps={:.0} copy_gbps={:.0} fraction={:.3}",
+                f.name(),
+                ms * 1e3,
+                rate / 1e9,
+                copy_rate / 1e9,
+                rate / copy_rate
+            );
+            assert!(rate > 0.0 && rate.is_finite(), "{}: no time measured", f.name());
+        }
+    }
+}
+
+/// The model's `Linear` over a quantized weight: its format names the weight's, its route takes
+/// none of the dense GEMV's fusions, and `forward` runs the GEMV for a decode step and the
+/// workspace route for a prefill step, with the bias, within tolerance of `QuantLinear`.
+#[test]
+fn a_quantized_linear_forwards_through_both_routes() {
+    use ninfer_core::model::cuda::linear::{Linear, QuantWorkspace, WeightFormat};
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_linear_forward", st) else { return };
+        let mut rng = Rng::new(480);
+        let (n, k) = (96, 256);
+        let w = make(&mut rng, "model.layers.0.mlp.down_proj.weight", QuantFormat::Q4G64F16S, [n, k], None, RawDtype::F16, false);
+        let bias_host = rounded(&rng.vec(n, -0.5, 0.5), st);
+        let lin = Linear::quantized(&dev, &w, Some(upload(&dev, &bias_host)), QuantWorkspace::new(&dev, n * k).unwrap()).unwrap();
+        assert_eq!(lin.format, WeightFormat::Quant(QuantFormat::Q4G64F16S));
+        assert!(!lin.route.gemv, "a quantized weight takes none of the dense GEMV's fusions");
+        let reference = QuantLinear::new(w.clone()).unwrap();
+        let dense = rounded(&dequantize(&w.view()).unwrap(), st);
+        for rows in [3, 40] {
+            let x = rounded(&rng.vec(rows * k, -1.0, 1.0), st);
+            let xd = upload(&dev, &x);
+            let mut y: CudaSlice<u16> = dev.stream().alloc_zeros(rows * n).unwrap();
+            let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(rows * n).unwrap();
+            lin.forward(&dev, &xd, &mut y, &mut lin32, rows).unwrap();
+            dev.synchronize().unwrap();
+            let got = super::harness::from_bits(&dev.stream().clone_dtoh(&y).unwrap(), st);
+            let sums = if rows <= 16 { reference.forward(&x, rows).unwrap() } else { matmul(&x, &dense, rows, n, k) };
+            let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n]).collect();
+            check("quant Linear::forward", st, &format!("rows{rows} n{n} k{k}"), &got, &rounded(&want, st), tol16(st));
+        }
+    }
+}
