@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benches"))
@@ -39,16 +37,10 @@ MODES = {"w8": ("W8G32_F16S", 0.01), "fp8": ("FP8_E4M3FN_ROW_BF16S", 0.01), "q6"
 
 
 def perplexity(model, windows) -> float:
-    """exp(mean NLL of tokens 1..L-1 given their prefix), pooled over `windows`."""
-    nll, count = 0.0, 0
-    for ids in windows:
-        logits = np.asarray(model.logits(ids), dtype=np.float64)[:-1]
-        top = logits.max(axis=-1, keepdims=True)
-        logz = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[:, 0]
-        targets = np.asarray(ids[1:])
-        nll += float((logz - logits[np.arange(len(targets)), targets]).sum())
-        count += len(targets)
-    return math.exp(nll / count)
+    """The demo's held-out perplexity (`ninfer.demo.perplexity`) of `model` over `windows`."""
+    from ninfer.demo import perplexity as pooled
+
+    return pooled([model.logits(ids) for ids in windows], windows)
 
 
 def projection_names(model_dir: Path) -> list:

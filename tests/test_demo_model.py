@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ninfer.demo import perplexity as perplexity_from_logits
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo"))
@@ -34,19 +35,6 @@ FIBONACCI_PROMPT = "def fibonacci(n):\n"
 
 def heldout() -> dict:
     return json.loads(HELDOUT.read_text())
-
-
-def perplexity_from_logits(logits_per_sequence, sequences) -> float:
-    """exp(mean NLL of tokens 1..L-1 given their prefix), pooled over all sequences."""
-    nll, count = 0.0, 0
-    for logits, ids in zip(logits_per_sequence, sequences):
-        logits = np.asarray(logits, dtype=np.float64)[:-1]
-        top = logits.max(axis=-1, keepdims=True)
-        logz = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[:, 0]
-        targets = np.asarray(ids[1:])
-        nll += float((logz - logits[np.arange(len(targets)), targets]).sum())
-        count += len(targets)
-    return math.exp(nll / count)
 
 
 def close_last_block(completion: str, finished: bool) -> str:

@@ -121,7 +121,7 @@ def test_the_mtp_head_counts_with_spec_mtp(tmp_path):
              + 2 * q4_bytes(FFN, H) + q4_bytes(H, FFN))
     assert mtp["weight_bytes"] - plain["weight_bytes"] == q4_bytes(H, 2 * H) + layer + 2 * (5 * H + 2 * HD)
     assert mtp["kv_bytes_per_token"] - plain["kv_bytes_per_token"] == 2 * NKV * HD * 2
-    assert mtp["prefix_reuse"] is False and mtp["state_slots_rollback"] == 1
+    assert mtp["prefix_reuse"] is True and mtp["state_slots_rollback"] == 1
 
 
 def test_settings_that_do_not_fit_exit_1_with_the_bytes_short_and_what_fits(tmp_path):

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -213,15 +212,9 @@ def test_cuda_refuses_a_quantized_load_naming_tensor_format_and_device(tiny_qwen
 # --- the demo model: perplexity bounds and the engine's flag -------------------------------------
 
 def perplexity(model, windows) -> float:
-    nll, count = 0.0, 0
-    for ids in windows:
-        logits = np.asarray(model.logits(ids), dtype=np.float64)[:-1]
-        top = logits.max(axis=-1, keepdims=True)
-        logz = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[:, 0]
-        targets = np.asarray(ids[1:])
-        nll += float((logz - logits[np.arange(len(targets)), targets]).sum())
-        count += len(targets)
-    return math.exp(nll / count)
+    from ninfer.demo import perplexity as pooled
+
+    return pooled([model.logits(ids) for ids in windows], windows)
 
 
 @pytest.fixture(scope="module")

@@ -9,3 +9,24 @@ from pathlib import Path
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
 """The demo model's Hugging Face-layout directory (config, bf16 safetensors with mtp.*, tokenizer)."""
+
+HELDOUT_TOKENS = Path(__file__).resolve().parent / "heldout_tokens.json"
+"""Held-out token windows (never trained on) that the model card's perplexity is measured on."""
+
+
+def perplexity(logits_per_sequence, sequences) -> float:
+    """exp(mean NLL of tokens 1..L-1 given their prefix), pooled over all sequences: how the
+    model card's held-out perplexity is computed (`logits_per_sequence[i]` is `[L, vocab]`)."""
+    import math
+
+    import numpy as np
+
+    nll, count = 0.0, 0
+    for logits, ids in zip(logits_per_sequence, sequences):
+        logits = np.asarray(logits, dtype=np.float64)[:-1]
+        top = logits.max(axis=-1, keepdims=True)
+        logz = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[:, 0]
+        targets = np.asarray(ids[1:])
+        nll += float((logz - logits[np.arange(len(targets)), targets]).sum())
+        count += len(targets)
+    return math.exp(nll / count)
