@@ -131,7 +131,7 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
     assert flag in err and value in err
 
 
-@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "dflash"],
+@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"],
                                   ["--spec-adaptive"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
                                   ["--gdn-state-fp16"], ["--lm-head-draft"],

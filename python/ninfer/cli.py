@@ -265,10 +265,14 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             "OpenAI reads them; a strict schema never admits others)")
     group.add_argument("--spec", metavar="METHOD", default=None,
                        help="speculative decoding on the CPU backend: ngram (prompt lookup over the request's own "
-                            "tokens) or mtp (the model's mtp.* head; turns prefix reuse off); dflash is not "
-                            "supported yet (default: off)")
+                            "tokens), mtp (the model's mtp.* head) or dflash (a DFlash block drafter, --drafter); "
+                            "mtp and dflash turn prefix reuse off (default: off)")
     group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
-                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3)")
+                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3; dflash 7, "
+                            "at most the drafter's block size - 1)")
+    group.add_argument("--drafter", metavar="DIR", default=None,
+                       help="the DFlash drafter checkpoint --spec dflash drafts with (config.json and safetensors in "
+                            "the public DFlashDraftModel layout; default for the bundled demo model: its own)")
 
 
 def engine_option_kwargs(args: argparse.Namespace) -> dict:
@@ -276,12 +280,12 @@ def engine_option_kwargs(args: argparse.Namespace) -> dict:
     return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
                 batch_invariant=args.batch_invariant, device_sampling=not args.no_device_sampling,
                 device_profile=args.device_profile_path, json_schema_open_objects=args.json_schema_open_objects,
-                spec=args.spec, draft_tokens=args.draft_tokens)
+                spec=args.spec, draft_tokens=args.draft_tokens, drafter=args.drafter)
 
 
 #: --spec methods; only SPEC_METHODS_RUNNING are built, the others are refused as not supported yet.
 SPEC_METHODS = ("ngram", "mtp", "dflash")
-SPEC_METHODS_RUNNING = ("ngram", "mtp")
+SPEC_METHODS_RUNNING = ("ngram", "mtp", "dflash")
 #: --draft-tokens range (rust_core/src/spec/config.rs: MAX_DRAFT_TOKENS).
 MAX_DRAFT_TOKENS = 8
 
@@ -299,6 +303,12 @@ def spec_flag_error(args: argparse.Namespace) -> Optional[str]:
             return f"--draft-tokens {args.draft_tokens} needs --spec (the method that drafts them)"
         if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
             return f"--draft-tokens {args.draft_tokens} is outside 1..{MAX_DRAFT_TOKENS}"
+    drafter = getattr(args, "drafter", None)
+    if drafter is not None:
+        if args.spec is None or args.spec.strip().lower() != "dflash":
+            return f"--drafter {drafter} needs --spec dflash (the method that drafts with it)"
+        if not os.path.isdir(drafter):
+            return f"--drafter {drafter}: no such drafter directory"
     return None
 
 

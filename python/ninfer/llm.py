@@ -16,6 +16,7 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from ninfer import _core
+from ninfer.demo import default_drafter
 from ninfer.outputs import CompletionOutput, Delta, GenerationError, RequestOutput
 from ninfer.sampling_params import SamplingParams
 
@@ -48,8 +49,10 @@ class LLM:
     --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
     `spec` turns on speculative
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
-    head, with prefix reuse off; each verified `draft_tokens` (1..8, default 3) at a time; the CPU
-    backend; "dflash" is not supported yet); outputs are those of plain decoding.
+    head, with prefix reuse off; "dflash": block drafts from the DFlash drafter checkpoint in
+    `drafter` (the bundled demo model's own by default), with prefix reuse off; each verified
+    `draft_tokens` (1..8; default 3, dflash 7 and at most its block size - 1) at a time; the CPU
+    backend); outputs are those of plain decoding.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class LLM:
         thinking_budget: Optional[int] = None,
         spec: Optional[str] = None,
         draft_tokens: Optional[int] = None,
+        drafter: Optional[Union[str, os.PathLike]] = None,
     ) -> None:
         self.model_dir = os.fspath(model_dir)
         device = _option_name("device", device, "cpu")
@@ -97,6 +101,7 @@ class LLM:
             json_schema_open_objects=json_schema_open_objects,
             spec=spec,
             draft_tokens=draft_tokens,
+            drafter=default_drafter(self.model_dir, spec, drafter),
         )
         self._tokenizer = self._load_tokenizer()
         self._default_params = self._load_default_params()

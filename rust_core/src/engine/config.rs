@@ -152,8 +152,9 @@ impl EngineConfig {
         let hybrid = spec.state_bytes_per_slot > 0;
         // The MTP row at a prefix hit's last position pairs the hidden state there with the token
         // after the hit, which differs between requests, and a hit keeps no hidden state to
-        // rewrite it from: with --spec mtp prefix reuse is off.
-        let prefix_reuse = self.prefix_reuse && !self.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp);
+        // rewrite it from: with --spec mtp prefix reuse is off. A DFlash drafter's context needs
+        // the target's features of every position, which a hit does not compute: off too.
+        let prefix_reuse = self.prefix_reuse && !self.spec.as_ref().is_some_and(|s| matches!(s.method, SpecMethod::Mtp | SpecMethod::Dflash));
         let snapshots = if hybrid && prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let rollback_state_slots = if hybrid && self.spec.is_some() { max_concurrency } else { 0 };
@@ -304,12 +305,15 @@ mod tests {
     #[test]
     fn mtp_drafting_turns_prefix_reuse_and_its_snapshots_off() {
         let hybrid = CacheSpec { kv_bytes_per_token: 1024, state_bytes_per_slot: 10_000, weight_bytes: 0 };
-        let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3 }), ..Default::default() };
+        let with = |method| EngineConfig { max_concurrency: 4, spec: Some(SpecConfig { method, draft_tokens: 3, drafter: None }), ..Default::default() };
         let ngram = with(SpecMethod::Ngram).resolve(model(1000), &hybrid, None).unwrap();
         assert!(ngram.prefix_reuse && ngram.snapshot_state_slots == 4);
         let mtp = with(SpecMethod::Mtp).resolve(model(1000), &hybrid, None).unwrap();
         assert!(!mtp.prefix_reuse && mtp.snapshot_state_slots == 0);
         assert_eq!(mtp.rollback_state_slots, 4);
+        let dflash = EngineConfig { max_concurrency: 4, spec: Some(SpecConfig::with_drafter("dflash", None, Some("d".into())).unwrap()), ..Default::default() };
+        let dflash = dflash.resolve(model(1000), &hybrid, None).unwrap();
+        assert!(!dflash.prefix_reuse && dflash.snapshot_state_slots == 0);
     }
 
     #[test]

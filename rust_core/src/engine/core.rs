@@ -78,6 +78,9 @@ pub struct EngineCore {
     pub(super) speculation: Option<(SpecConfig, NgramDrafter)>,
     /// First of the `rollback_state_slots` (after the scheduler's slots).
     pub(super) rollback_slot_base: usize,
+    /// The most drafts one round may carry: `MAX_DRAFT_TOKENS`, or a DFlash drafter's block
+    /// less its anchor (a request's own `draft_tokens` is cut to it).
+    pub(super) max_drafts: usize,
     /// Measured by the warm-up step at startup.
     workspace_bytes: u64,
     device_free_bytes: Option<u64>,
@@ -98,6 +101,15 @@ impl EngineCore {
         if config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp) {
             // Before cache_spec: the MTP layer's KV is part of every token's KV bytes.
             runner.enable_mtp()?;
+        }
+        let mut max_drafts = crate::spec::MAX_DRAFT_TOKENS;
+        if let Some(s) = config.spec.as_ref().filter(|s| s.method == SpecMethod::Dflash) {
+            // Before cache_spec: the drafter's context is part of every token's KV bytes.
+            let block = runner.enable_dflash(s.drafter.as_deref().expect("checked: dflash has a drafter"))?;
+            max_drafts = block - 1;
+            if s.draft_tokens > max_drafts {
+                return Err(NinferError::config("draft_tokens (--draft-tokens)", format!("{} drafts do not fit the drafter's block of {block} tokens (at most {max_drafts})", s.draft_tokens)));
+            }
         }
         let spec = runner.cache_spec();
         let model_max = runner.config().max_position_embeddings;
@@ -144,6 +156,7 @@ impl EngineCore {
             overlap,
             speculation,
             rollback_slot_base,
+            max_drafts,
         };
         core.warm_up()?;
         Ok(core)
@@ -352,6 +365,7 @@ impl EngineCore {
         }
         for ended in outcomes.iter().filter(|o| o.finished) {
             self.runner.mtp_release(ended.id);
+            self.runner.dflash_release(ended.id);
             if let Some(req) = self.requests.remove(&ended.id) {
                 self.ids.remove(&req.request_id);
             }
@@ -452,6 +466,7 @@ impl EngineCore {
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
             self.sched.finish(id, SlotState::Unsettled);
             self.runner.mtp_release(id);
+            self.runner.dflash_release(id);
         }
         self.requests.clear();
         self.ids.clear();
@@ -534,6 +549,7 @@ impl EngineCore {
                 self.runner.copy_state(copy.0, copy.1)?;
             }
             self.runner.mtp_release(id);
+            self.runner.dflash_release(id);
             if let Some(req) = self.requests.remove(&id) {
                 self.ids.remove(&req.request_id);
                 outputs.push(req.aborted(cached));

@@ -112,12 +112,14 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
     EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling, ..Default::default() }
 }
 
-/// `--spec` / `--draft-tokens` as the engine takes them; K without a method is refused.
-fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>) -> Result<Option<SpecConfig>> {
-    match (spec, draft_tokens) {
-        (None, None) => Ok(None),
-        (None, Some(_)) => Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)")),
-        (Some(method), k) => SpecConfig::new(method, k).map(Some),
+/// `--spec` / `--draft-tokens` / `--drafter` as the engine takes them; K or a drafter without
+/// a method is refused.
+fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>, drafter: Option<PathBuf>) -> Result<Option<SpecConfig>> {
+    match (spec, draft_tokens, drafter) {
+        (None, None, None) => Ok(None),
+        (None, Some(_), _) => Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)")),
+        (None, None, Some(_)) => Err(NinferError::config("drafter (--drafter)", "needs --spec dflash (the method that drafts with it)")),
+        (Some(method), k, drafter) => SpecConfig::with_drafter(method, k, drafter).map(Some),
     }
 }
 
@@ -186,7 +188,7 @@ impl PyEngine {
     /// profile's path, backend/cuda/plan/profile.rs): the CUDA backend's options (`CudaOptions`).
     /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`.
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None, drafter=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -208,9 +210,10 @@ impl PyEngine {
         json_schema_open_objects: bool,
         spec: Option<&str>,
         draft_tokens: Option<usize>,
+        drafter: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
-        cfg.spec = spec_config(spec, draft_tokens).py()?;
+        cfg.spec = spec_config(spec, draft_tokens, drafter).py()?;
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
@@ -241,7 +244,7 @@ impl PyEngine {
         draft_tokens: Option<usize>,
     ) -> PyResult<Self> {
         let mut cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
-        cfg.spec = spec_config(spec, draft_tokens).py()?;
+        cfg.spec = spec_config(spec, draft_tokens, None).py()?;
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
         let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
@@ -403,6 +406,7 @@ impl PyEngine {
         d.set_item("async_scheduling", self.async_scheduling)?;
         d.set_item("spec", self.spec.as_ref().map(|s| s.method.name()))?;
         d.set_item("draft_tokens", self.spec.as_ref().map(|s| s.draft_tokens))?;
+        d.set_item("drafter", self.spec.as_ref().and_then(|s| s.drafter.as_ref()).map(|p| p.display().to_string()))?;
         d.set_item("state_slots_rollback", c.rollback_state_slots)?;
         d.set_item("state_slots_running", c.running_state_slots)?;
         d.set_item("state_slots_snapshot", c.snapshot_state_slots)?;

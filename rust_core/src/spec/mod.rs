@@ -11,11 +11,13 @@
 //!   absorbed after every step (`ModelRunner::mtp_absorb`) and drafts greedily once the verify
 //!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`). Sampled requests verify these
 //!   deterministic drafts by the same rule as the n-gram's, which is exact for them.
-//! - DFlash: the hidden states of the target layers its config names, at every accepted
-//!   position of the verify chunk.
+//! - DFlash: the outputs of the target layers its config names, at every computed and kept
+//!   position; the runner keeps them from its last forward, the engine has the kept rows
+//!   absorbed into the drafter's context after every step (`ModelRunner::dflash_absorb`) and
+//!   drafts every verify chunk's block in one forward once they are scheduled
+//!   (`ModelRunner::dflash_draft`).
 //!
-//! The n-gram and MTP drafters run (the CPU backend); `SpecMethod::Dflash` is refused at engine
-//! start with "not supported yet".
+//! All three run on the CPU backend.
 
 mod accept;
 mod config;

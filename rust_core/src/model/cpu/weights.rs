@@ -24,14 +24,14 @@ pub struct Linear {
 }
 
 impl Linear {
-    fn load(store: &WeightStore, name: &str, n: usize, k: usize, bias: bool) -> Result<Self> {
+    pub(super) fn load(store: &WeightStore, name: &str, n: usize, k: usize, bias: bool) -> Result<Self> {
         let w = store.load_f32(&format!("{name}.weight"), &[n, k])?;
         let b = if bias { Some(store.load_f32(&format!("{name}.bias"), &[n])?) } else { None };
         Ok(Linear { w, b, n, k })
     }
 
     /// Stack projections that read the same input into one (outputs concatenated in order).
-    fn fuse(parts: Vec<Linear>) -> Linear {
+    pub(super) fn fuse(parts: Vec<Linear>) -> Linear {
         let k = parts[0].k;
         let n = parts.iter().map(|p| p.n).sum();
         let any_bias = parts.iter().any(|p| p.b.is_some());
