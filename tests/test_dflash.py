@@ -267,3 +267,74 @@ def test_the_cli_refuses_a_drafter_without_spec_dflash(tiny, ninfer_env):
                         "--draft-tokens", "3"], capture_output=True, text=True, env=ninfer_env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "speculation drafted" in r.stderr
+
+
+def test_a_tight_kv_pool_preempts_and_recomputes_with_drafts_as_without(tiny):
+    target, drafter = tiny
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=60, ignore_eos=True) for i in range(8)]
+    # 32 blocks of 16 for 8 requests of ~80 tokens: some are preempted and recomputed from 0,
+    # which cuts their drafter context back to 0.
+    plain, plain_stats = _run(target, PROMPTS, params, kv_capacity=512, max_context=256)
+    spec, stats = _run(target, PROMPTS, params, kv_capacity=512, max_context=256, spec="dflash", drafter=str(drafter), draft_tokens=4)
+    assert spec == plain
+    assert plain_stats["preemptions"] > 0 and stats["preemptions"] > 0 and stats["spec_drafted_tokens"] > 0
+
+
+def _demo_or_tiny(tiny):
+    if (DEMO_DRAFTER / "config.json").exists():
+        return DEMO_MODEL, {}
+    return tiny[0], {"drafter": str(tiny[1])}
+
+
+def test_stop_strings_and_eos_inside_drafts_end_the_request_as_without(tiny):
+    model_dir, engine = _demo_or_tiny(tiny)
+    with LLM(model_dir, max_context=512) as llm:
+        ids = llm.encode(PROMPTS[2])
+        [free] = llm.generate(ids, greedy(40))
+        text = free.text
+        eos = free.token_ids[len(free.token_ids) // 2]
+    stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos])]
+    if stop and stop.strip():
+        cases.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))
+    for params in cases:
+        with LLM(model_dir, max_context=512) as llm:
+            [a] = llm.generate(ids, params)
+        with LLM(model_dir, max_context=512, spec="dflash", draft_tokens=4, **engine) as llm:
+            [b] = llm.generate(ids, params)
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert a.finish_reason == "stop"
+
+
+def test_a_json_schema_grammar_with_drafts_equals_plain(tiny):
+    model_dir, engine = _demo_or_tiny(tiny)
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+              "required": ["xs"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "xs", "schema": schema}}
+    params = [SamplingParams(temperature=0.0, max_tokens=120, response_format=fmt),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=120, response_format=fmt)]
+    prompts = ['{"xs": [1, 2, 3]} {"xs": [1, 2, 3]} {"xs": [1, 2, ', PROMPTS[1]]
+    with LLM(model_dir, max_context=512) as llm:
+        plain = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
+    with LLM(model_dir, max_context=512, spec="dflash", draft_tokens=4, **engine) as llm:
+        spec = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
+    assert spec == plain
+
+
+def test_a_server_with_dflash_answers_as_without_and_reports_the_drafts(tiny):
+    import httpx
+
+    from ninfer.server.metrics import parse_metrics
+    from server_process import ServerProcess
+
+    target, drafter = tiny
+    body = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    answers = []
+    for extra in ([], ["--spec", "dflash", "--drafter", str(drafter), "--draft-tokens", "3"]):
+        with ServerProcess([str(target), "--model-id", "m", "--device", "cpu", "--max-context", "256", *extra]) as s:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            m = parse_metrics(httpx.get(s.url + "/metrics", timeout=10).text)
+    assert answers[0] == answers[1]
+    assert m["ninfer_spec_drafted_tokens_total"] > 0
