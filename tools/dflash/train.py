@@ -5,8 +5,10 @@
 Data: windows of PROMPT tokens cut from the demo's training corpus (CPython stdlib files that
 are not held out, tools/demo/corpus.py) tokenized with the demo's tokenizer, each continued
 greedily by the demo model for CONTINUE tokens (ninfer's CPU engine). The drafter learns what
-greedy speculation verifies: the target's greedy tokens after an anchor. transformers runs the
-target once per sequence for the context features (the outputs of `target_layer_ids`).
+greedy speculation verifies: the target's greedy tokens after an anchor. ninfer's CPU model runs
+the target once per sequence for the context features (the outputs of `target_layer_ids`,
+exactly what the engine hands the drafter; tests/test_dflash.py checks them against
+transformers' hidden states).
 
 Training: each step samples anchors in the greedy part of each sequence; a block is the anchor
 then `block_size - 1` mask tokens at the next positions, attending to the context positions
@@ -36,7 +38,7 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "tools" / "demo"))
 sys.path.insert(0, str(REPO / "python"))
 
-from dflash_model import DFlashConfig, DFlashDrafter, target_features  # noqa: E402
+from dflash_model import DFlashConfig, DFlashDrafter  # noqa: E402
 
 PROMPT = 128
 CONTINUE = 128
@@ -48,8 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--target", type=Path, default=REPO / "python" / "ninfer" / "demo" / "model")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--sequences", type=int, default=1024)
-    p.add_argument("--val-sequences", type=int, default=64)
+    p.add_argument("--sequences", type=int, default=512)
+    p.add_argument("--val-sequences", type=int, default=48)
     p.add_argument("--train-seconds", type=float, default=1200.0)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
@@ -82,12 +84,14 @@ def corpus_windows(tok_path: Path, n: int, seed: int) -> tuple[list[list[int]], 
     return [stream[s : s + PROMPT] for s in starts], corpus.fingerprint(files), len(train)
 
 
-def build_data(args, c: DFlashConfig) -> dict:
+def build_data(args, c: DFlashConfig, drafter: DFlashDrafter) -> dict:
     """Prompts, greedy continuations and the target's context features (cached in args.cache)."""
     if args.cache.exists():
         return torch.load(args.cache)
+    import tempfile
+
     from ninfer import _core
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
 
     t0 = time.time()
     n = args.sequences + args.val_sequences
@@ -96,22 +100,24 @@ def build_data(args, c: DFlashConfig) -> dict:
     seqs = []
     for i in range(0, n, 64):
         toks, _, _ = model.decode_greedy(prompts[i : i + 64], CONTINUE)
-        seqs.extend(p + t for p, t in zip(prompts[i : i + 64], toks))
+        seqs.extend(p + list(t) for p, t in zip(prompts[i : i + 64], toks))
         print(f"greedy {len(seqs)}/{n} {time.time() - t0:.0f}s", flush=True)
     del model
-    target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
-    ids = torch.tensor(seqs)
-    feats = []
-    with torch.no_grad():
-        for i in range(0, n, 16):
-            out = target(ids[i : i + 16], output_hidden_states=True)
-            feats.append(target_features(out.hidden_states, c.target_layer_ids).to(torch.bfloat16))
-            if i % 256 == 0:
+    with tempfile.TemporaryDirectory() as tmp:
+        # Any drafter with this config makes ninfer's model keep the features it reads.
+        drafter.save(Path(tmp), dtype=torch.float32)
+        target = _core.DflashDrafter(str(args.target), tmp, max_tokens=PROMPT + CONTINUE)
+        feats = []
+        for i, seq in enumerate(seqs):
+            feats.append(torch.from_numpy(target.target(seq)[1]).to(torch.bfloat16))
+            if i % 128 == 0:
                 print(f"features {i}/{n} {time.time() - t0:.0f}s", flush=True)
+    tensors = load_file(str(args.target / "model.safetensors"))
+    embed = next(v for k, v in tensors.items() if k.endswith("embed_tokens.weight")).float()
     data = {
-        "ids": ids,
-        "features": torch.cat(feats),
-        "embed": target.model.embed_tokens.weight.detach().clone(),
+        "ids": torch.tensor(seqs),
+        "features": torch.stack(feats),
+        "embed": embed,
         "fingerprint": fp,
         "train_files": n_files,
         "seconds": time.time() - t0,
@@ -187,14 +193,14 @@ def main(argv=None):
         rms_norm_eps=tcfg["rms_norm_eps"],
         rope_theta=10000.0,
     )
-    data = build_data(args, c)
-    embed = data["embed"]
-    n_train = args.sequences
-    val_idx = list(range(n_train, n_train + args.val_sequences))
     drafter = DFlashDrafter(c)
     for m in drafter.modules():
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=0.02)
+    data = build_data(args, c, drafter)
+    embed = data["embed"]
+    n_train = args.sequences
+    val_idx = list(range(n_train, n_train + args.val_sequences))
     decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in drafter.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
