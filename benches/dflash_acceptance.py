@@ -94,7 +94,9 @@ def main() -> None:
             rounds[k][1] += emitted
     per_k = {str(k): round(emitted / steps, 4) for k, (steps, emitted) in rounds.items()}
     depth_acc = [round(float(h / positions), 4) for h in hits]
-    accept_rate = [round(float(prefix_hits[d] / (prefix_hits[d - 1] if d else positions)), 4) for d in range(max_k)]
+    # None where no draft reached the position before (nothing to rate).
+    before = [positions] + list(prefix_hits[:-1])
+    accept_rate = [round(float(prefix_hits[d] / before[d]), 4) if before[d] else None for d in range(max_k)]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     cfg = json.loads((args.drafter / "config.json").read_text())
     size = sum(p.stat().st_size for p in args.drafter.iterdir() if p.is_file())
