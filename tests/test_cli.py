@@ -359,13 +359,14 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
         assert engine_option_kwargs(parser.parse_args(base)) == dict(
             async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None,
-            json_schema_open_objects=False, spec=None, draft_tokens=None)
+            json_schema_open_objects=False, spec=None, draft_tokens=None, drafter=None)
         args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
                                   "--no-device-sampling", "--device-profile-path", "h200.json",
-                                  "--json-schema-open-objects", "--spec", "ngram", "--draft-tokens", "4"])
+                                  "--json-schema-open-objects", "--spec", "dflash", "--draft-tokens", "4",
+                                  "--drafter", "d"])
         assert engine_option_kwargs(args) == dict(
             async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
-            device_profile="h200.json", json_schema_open_objects=True, spec="ngram", draft_tokens=4)
+            device_profile="h200.json", json_schema_open_objects=True, spec="dflash", draft_tokens=4, drafter="d")
 
 
 @pytest.mark.parametrize("args,needle", [
