@@ -131,7 +131,7 @@ def test_bad_flag_values_exit_2_naming_flag_and_value(qwen3_dir, ninfer_env, fla
     assert flag in err and value in err
 
 
-@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"], ["--spec", "dflash"],
+@pytest.mark.parametrize("args", [["--tp", "2"], ["--devices", "0,1"],
                                   ["--kv-dtype", "int8"], ["--vision"], ["--host-kv-mib", "1024"],
                                   ["--gdn-state-fp16"],
                                   ["--vision-residency", "overlay"], ["--vision-max-merged", "4"]])
@@ -358,16 +358,18 @@ def test_engine_option_flags_become_the_engines_keyword_arguments():
     for parser, base in ((build_run_parser(), ["m", "--prompt", "x"]), (build_parser(), ["m"])):
         assert engine_option_kwargs(parser.parse_args(base)) == dict(
             async_scheduling=True, cuda_graphs=True, batch_invariant=False, device_sampling=True, device_profile=None,
-            json_schema_open_objects=False, spec=None, draft_tokens=None, spec_adaptive=False, lm_head_draft=False,
-            lm_head_draft_size=None)
+            json_schema_open_objects=False, spec=None, draft_tokens=None, drafter=None, spec_adaptive=False,
+            lm_head_draft=False, lm_head_draft_size=None)
         args = parser.parse_args([*base, "--no-async-scheduling", "--no-cuda-graphs", "--batch-invariant",
                                   "--no-device-sampling", "--device-profile-path", "h200.json",
                                   "--json-schema-open-objects", "--spec", "mtp", "--draft-tokens", "4",
                                   "--spec-adaptive", "--lm-head-draft", "--lm-head-draft-size", "512"])
         assert engine_option_kwargs(args) == dict(
             async_scheduling=False, cuda_graphs=False, batch_invariant=True, device_sampling=False,
-            device_profile="h200.json", json_schema_open_objects=True, spec="mtp", draft_tokens=4,
+            device_profile="h200.json", json_schema_open_objects=True, spec="mtp", draft_tokens=4, drafter=None,
             spec_adaptive=True, lm_head_draft=True, lm_head_draft_size=512)
+        args = parser.parse_args([*base, "--spec", "dflash", "--draft-tokens", "4", "--drafter", "d"])
+        assert engine_option_kwargs(args)["drafter"] == "d"
 
 
 @pytest.mark.parametrize("args,needle", [

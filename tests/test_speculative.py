@@ -234,7 +234,7 @@ def test_the_last_delta_carries_the_requests_draft_counts(tiny_checkpoints):
     ({"spec": "ngram", "draft_tokens": 9}, "--draft-tokens"),
     ({"draft_tokens": 3}, "--draft-tokens"),
     ({"spec": "mtp"}, "--spec mtp needs the model's mtp.* weights; this checkpoint has none"),
-    ({"spec": "dflash", "draft_tokens": 7}, "--spec dflash is not supported yet"),
+    ({"spec": "dflash", "draft_tokens": 7}, "--spec dflash needs --drafter"),
     ({"spec": "medusa"}, "--spec"),
 ])
 def test_bad_speculation_options_are_refused_naming_the_flag(tiny_checkpoints, kwargs, needle):

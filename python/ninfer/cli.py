@@ -273,12 +273,15 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             "admit keys they do not list, as JSON Schema does (default: only the listed keys, as "
                             "OpenAI reads them; a strict schema never admits others)")
     group.add_argument("--spec", metavar="METHOD", default=None,
-                       help="speculative decoding (CPU and CUDA backends): ngram (prompt lookup over the request's own "
-                            "tokens) or mtp (the model's mtp.* head); dflash is not "
-                            "supported yet (default: off)")
+                       help="speculative decoding: ngram (prompt lookup over the request's own tokens), mtp (the "
+                            "model's mtp.* head) or dflash (a DFlash block drafter, --drafter; the CPU backend; turns "
+                            "prefix reuse off) (default: off)")
     group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
-                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3); with "
-                            "--spec-adaptive the most a step drafts")
+                       help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3; dflash 7, "
+                            "at most the drafter's block size - 1); with --spec-adaptive the most a step drafts")
+    group.add_argument("--drafter", metavar="DIR", default=None,
+                       help="the DFlash drafter checkpoint --spec dflash drafts with (config.json and safetensors in "
+                            "the public DFlashDraftModel layout; default for the bundled demo model: its own)")
     group.add_argument("--spec-adaptive", action="store_true",
                        help="choose each request's draft length per step, 0..--draft-tokens, from the measured step "
                             "cost and its running acceptance per draft position (0: drafting off for the request, "
@@ -330,13 +333,13 @@ def engine_option_kwargs(args: argparse.Namespace) -> dict:
     return dict(async_scheduling=not args.no_async_scheduling, cuda_graphs=not args.no_cuda_graphs,
                 batch_invariant=args.batch_invariant, device_sampling=not args.no_device_sampling,
                 device_profile=args.device_profile_path, json_schema_open_objects=args.json_schema_open_objects,
-                spec=args.spec, draft_tokens=args.draft_tokens, spec_adaptive=args.spec_adaptive,
+                spec=args.spec, draft_tokens=args.draft_tokens, drafter=args.drafter, spec_adaptive=args.spec_adaptive,
                 lm_head_draft=args.lm_head_draft, lm_head_draft_size=args.lm_head_draft_size)
 
 
 #: --spec methods; only SPEC_METHODS_RUNNING are built, the others are refused as not supported yet.
 SPEC_METHODS = ("ngram", "mtp", "dflash")
-SPEC_METHODS_RUNNING = ("ngram", "mtp")
+SPEC_METHODS_RUNNING = ("ngram", "mtp", "dflash")
 #: --draft-tokens range (rust_core/src/spec/config.rs: MAX_DRAFT_TOKENS).
 MAX_DRAFT_TOKENS = 8
 #: --lm-head-draft's default N (rust_core/src/spec/draft_vocab.rs: DEFAULT_DRAFT_VOCAB_SIZE); its
@@ -368,6 +371,12 @@ def spec_flag_error(args: argparse.Namespace) -> Optional[str]:
             return "--lm-head-draft-size needs --lm-head-draft"
         if head_size < 1:
             return f"--lm-head-draft-size {head_size} must be at least 1"
+    drafter = getattr(args, "drafter", None)
+    if drafter is not None:
+        if args.spec is None or args.spec.strip().lower() != "dflash":
+            return f"--drafter {drafter} needs --spec dflash (the method that drafts with it)"
+        if not os.path.isdir(drafter):
+            return f"--drafter {drafter}: no such drafter directory"
     return None
 
 

@@ -220,15 +220,20 @@ class AsyncEngine:
         `engine_kwargs` are `_core.Engine`'s (and `LLM`'s): max_context, kv_capacity,
         max_concurrency, prefill_chunk, prefix_reuse, num_threads, logits_dtype, kv_dtype, and the
         engine options async_scheduling, cuda_graphs, batch_invariant, device_sampling, device_profile,
-        json_schema_open_objects, speculative decoding's spec, draft_tokens, spec_adaptive,
-        lm_head_draft and lm_head_draft_size, and quantization on load's quantize and
-        quantize_lm_head (`LLM`).
+        json_schema_open_objects, speculative decoding's spec, draft_tokens, drafter, spec_adaptive,
+        lm_head_draft and lm_head_draft_size (`--spec dflash` on the bundled demo model defaults to
+        its shipped drafter), and quantization on load's quantize and quantize_lm_head (`LLM`).
         `core` injects an already-built engine object with the `_core.Engine` interface (tests).
         """
         if core is None:
             from ninfer import _core
 
             path = os.fspath(model_dir)
+            from ninfer.demo import default_drafter
+
+            drafter = default_drafter(path, engine_kwargs.get("spec"), engine_kwargs.pop("drafter", None))
+            if drafter is not None:
+                engine_kwargs["drafter"] = drafter
             core = await anyio.to_thread.run_sync(lambda: _core.Engine(path, device=device, **engine_kwargs))
         core.start_background()
         engine = cls(core, max_queue=max_queue)

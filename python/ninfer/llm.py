@@ -16,6 +16,7 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from ninfer import _core
+from ninfer.demo import default_drafter
 from ninfer.outputs import CompletionOutput, Delta, GenerationError, RequestOutput
 from ninfer.sampling_params import SamplingParams
 
@@ -48,9 +49,11 @@ class LLM:
     --reasoning-budget` sets it for requests (`SamplingParams.thinking_budget`).
     `spec` turns on speculative
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
-    head; each verified `draft_tokens` (1..8, default 3) at a time; the CPU and CUDA backends;
-    "dflash" is not supported yet); greedy outputs are those of plain decoding, and so are seeded
-    sampled ones under "ngram" (under "mtp" they follow plain sampling's distribution).
+    head; "dflash": block drafts from the DFlash drafter checkpoint in `drafter` (the bundled demo
+    model's own by default; the CPU backend), with prefix reuse off; each verified `draft_tokens`
+    (1..8; default 3, dflash 7 and at most its block size - 1) at a time; ngram and mtp on the CPU
+    and CUDA backends); greedy outputs are those of plain decoding, and so are seeded sampled ones
+    under "ngram" and "dflash" (under "mtp" they follow plain sampling's distribution).
     `spec_adaptive` chooses each request's draft length per step (0..`draft_tokens`) from the
     measured step cost and its running acceptance. `lm_head_draft` (with spec="mtp") drafts over
     the `lm_head_draft_size` most frequent ids of the model directory's draft_vocab.json (default
@@ -82,6 +85,7 @@ class LLM:
         thinking_budget: Optional[int] = None,
         spec: Optional[str] = None,
         draft_tokens: Optional[int] = None,
+        drafter: Optional[Union[str, os.PathLike]] = None,
         spec_adaptive: bool = False,
         lm_head_draft: bool = False,
         lm_head_draft_size: Optional[int] = None,
@@ -111,6 +115,7 @@ class LLM:
             json_schema_open_objects=json_schema_open_objects,
             spec=spec,
             draft_tokens=draft_tokens,
+            drafter=default_drafter(self.model_dir, spec, drafter),
             spec_adaptive=spec_adaptive,
             lm_head_draft=lm_head_draft,
             lm_head_draft_size=lm_head_draft_size,

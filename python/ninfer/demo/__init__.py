@@ -10,6 +10,25 @@ from pathlib import Path
 MODEL_DIR = Path(__file__).resolve().parent / "model"
 """The demo model's Hugging Face-layout directory (config, bf16 safetensors with mtp.*, tokenizer)."""
 
+DFLASH_DIR = Path(__file__).resolve().parent / "dflash"
+"""The demo model's DFlash drafter (config.json and bf16 model.safetensors in the public
+DFlashDraftModel layout; trained by the repository's tools/dflash/train.py)."""
+
+
+def default_drafter(model_dir, spec, drafter):
+    """The drafter `--spec dflash` uses: `drafter` when given, else the shipped demo drafter
+    when `model_dir` is the bundled demo model, else None (the engine then names --drafter)."""
+    import os
+
+    if drafter is not None or spec is None or str(spec).strip().lower() != "dflash" or model_dir is None:
+        return None if drafter is None else os.fspath(drafter)
+    try:
+        same = Path(os.fspath(model_dir)).resolve() == MODEL_DIR
+    except OSError:
+        return None
+    return str(DFLASH_DIR) if same and (DFLASH_DIR / "config.json").is_file() else None
+
+
 HELDOUT_TOKENS = Path(__file__).resolve().parent / "heldout_tokens.json"
 """Held-out token windows (never trained on) that the model card's perplexity is measured on."""
 

@@ -84,6 +84,9 @@ pub struct EngineCore {
     /// How a sampled request verifies a draft drawn from a distribution (`spec::speculative_rule`;
     /// the distribution test puts broken rules here to show that it catches them).
     pub(super) draft_rule: DraftRule,
+    /// The most drafts one round may carry: `MAX_DRAFT_TOKENS`, or a DFlash drafter's block
+    /// less its anchor (a request's own `draft_tokens` is cut to it).
+    pub(super) max_drafts: usize,
     /// Measured by the warm-up step at startup.
     workspace_bytes: u64,
     device_free_bytes: Option<u64>,
@@ -104,6 +107,15 @@ impl EngineCore {
         if config.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp) {
             // Before cache_spec: the MTP layer's KV is part of every token's KV bytes.
             runner.enable_mtp()?;
+        }
+        let mut max_drafts = crate::spec::MAX_DRAFT_TOKENS;
+        if let Some(s) = config.spec.as_ref().filter(|s| s.method == SpecMethod::Dflash) {
+            // Before cache_spec: the drafter's context is part of every token's KV bytes.
+            let block = runner.enable_dflash(s.drafter.as_deref().expect("checked: dflash has a drafter"))?;
+            max_drafts = block - 1;
+            if s.draft_tokens > max_drafts {
+                return Err(NinferError::config("draft_tokens (--draft-tokens)", format!("{} drafts do not fit the drafter's block of {block} tokens (at most {max_drafts})", s.draft_tokens)));
+            }
         }
         if let Some(d) = config.spec.as_ref().and_then(|s| s.lm_head_draft.as_ref()) {
             if d.token_ids.is_empty() {
@@ -164,6 +176,7 @@ impl EngineCore {
             adaptive,
             rollback_slot_base,
             draft_rule: speculative_rule,
+            max_drafts,
         };
         core.warm_up()?;
         Ok(core)
@@ -372,6 +385,7 @@ impl EngineCore {
         }
         for ended in outcomes.iter().filter(|o| o.finished) {
             self.runner.mtp_release(ended.id);
+            self.runner.dflash_release(ended.id);
             if let Some(req) = self.requests.remove(&ended.id) {
                 self.ids.remove(&req.request_id);
             }
@@ -472,6 +486,7 @@ impl EngineCore {
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
             self.sched.finish(id, SlotState::Unsettled);
             self.runner.mtp_release(id);
+            self.runner.dflash_release(id);
         }
         self.requests.clear();
         self.ids.clear();
@@ -554,6 +569,7 @@ impl EngineCore {
                 self.runner.copy_state(copy.0, copy.1)?;
             }
             self.runner.mtp_release(id);
+            self.runner.dflash_release(id);
             if let Some(req) = self.requests.remove(&id) {
                 self.ids.remove(&req.request_id);
                 outputs.push(req.aborted(cached));

@@ -19,7 +19,7 @@
 use super::core::EngineCore;
 use super::request::RowInput;
 use super::RequestOutput;
-use crate::model::{DraftSampling, LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::model::{DflashDraftSeq, DflashRows, DraftSampling, LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
 use crate::sched::{ScheduledStep, SeqOutcome};
 use crate::spec::{accept_draft, draft_warpers, SpecMethod};
 use crate::{NinferError, Result};
@@ -34,10 +34,12 @@ impl EngineCore {
         }
         let started = std::time::Instant::now();
         let draft_q = self.fill_mtp_drafts(&mut step)?;
+        self.fill_dflash_drafts(&mut step)?;
         if step.num_draft_tokens() == 0 {
             let sampled = self.execute(&step)?;
             let (outs, outcomes) = self.postprocess(&step, sampled)?;
             self.absorb_mtp(&step, &outcomes)?;
+            self.absorb_dflash(&step, &outcomes)?;
             self.settle(&outcomes, None)?;
             self.time_step(&step, started);
             outputs.extend(outs);
@@ -113,6 +115,7 @@ impl EngineCore {
         }
         // Before the rollback's forward replaces the verify forward's hidden states.
         self.absorb_mtp(&step, &outcomes)?;
+        self.absorb_dflash(&step, &outcomes)?;
         self.roll_back_states(&step, &accepted_drafts, &rollback)?;
         self.settle(&outcomes, None)?;
         self.time_step(&step, started);
@@ -137,7 +140,7 @@ impl EngineCore {
     /// (`spec::adaptive`) is made within it.
     fn propose_drafts(&mut self) {
         let Some((spec, drafter)) = self.speculation.as_ref() else { return };
-        let (requests, max_context) = (&mut self.requests, self.cfg.max_context);
+        let (requests, max_context, max_drafts) = (&mut self.requests, self.cfg.max_context, self.max_drafts);
         let mut adaptive = self.adaptive.as_mut();
         if let Some(a) = adaptive.as_mut() {
             a.retain(|id| requests.contains_key(&id));
@@ -159,11 +162,13 @@ impl EngineCore {
                 None => max,
             };
             let room = req.params.max_tokens.saturating_sub(req.completion_tokens + 1).min(max_context.saturating_sub(seq.tokens.len()));
-            let k = max.min(room);
+            let k = max.min(room).min(max_drafts);
             match spec.method {
                 // Placeholders: the MTP drafts once the blocks for them are scheduled
-                // (`fill_mtp_drafts`), as its recursive rows write KV at the draft positions.
-                SpecMethod::Mtp => vec![0; k],
+                // (`fill_mtp_drafts`), as its recursive rows write KV at the draft positions;
+                // DFlash drafts every scheduled round in one batched forward
+                // (`fill_dflash_drafts`).
+                SpecMethod::Mtp | SpecMethod::Dflash => vec![0; k],
                 _ => drafter.propose(&seq.tokens, k),
             }
         });
@@ -205,6 +210,56 @@ impl EngineCore {
             draft_q[i] = d.q;
         }
         Ok(draft_q)
+    }
+
+    /// With `--spec dflash`, replace the placeholder drafts of `step`'s verify chunks by the
+    /// drafter's greedy block drafts (one batched forward), each anchored at its chunk's input
+    /// token with the context absorbed before it.
+    fn fill_dflash_drafts(&mut self, step: &mut ScheduledStep) -> Result<()> {
+        if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Dflash) || step.num_draft_tokens() == 0 {
+            return Ok(());
+        }
+        let idx: Vec<usize> = (0..step.seq_ids.len()).filter(|&i| step.draft_len(i) > 0).collect();
+        let seqs: Vec<DflashDraftSeq> = idx
+            .iter()
+            .map(|&i| {
+                let c = &step.batch.seqs[i];
+                DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], k: step.draft_len(i) }
+            })
+            .collect();
+        let drafts = self.runner.dflash_draft(&seqs)?;
+        for (&i, d) in idx.iter().zip(drafts) {
+            let chunk = &mut step.batch.seqs[i];
+            let k = step.drafts[i];
+            if d.len() != k {
+                return Err(NinferError::invalid("dflash_draft", format!("{} drafts for {k} asked", d.len())));
+            }
+            chunk.tokens.truncate(1);
+            chunk.tokens.extend(d);
+        }
+        Ok(())
+    }
+
+    /// With `--spec dflash`, hand the drafter the target features of every position `step`
+    /// computed and kept (a prompt chunk's tokens, a decode's token, a verify chunk's input
+    /// token and accepted drafts): its context then covers exactly the computed positions, and
+    /// the rows of rejected drafts are never absorbed.
+    fn absorb_dflash(&mut self, step: &ScheduledStep, outcomes: &[SeqOutcome]) -> Result<()> {
+        if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Dflash) {
+            return Ok(());
+        }
+        let rows = step
+            .seq_ids
+            .iter()
+            .zip(&step.batch.seqs)
+            .enumerate()
+            .map(|(i, (&id, chunk))| {
+                let inputs = chunk.tokens.len() - step.draft_len(i);
+                let accepted = outcomes.iter().filter(|o| o.id == id && o.computed).count();
+                DflashRows { key: id, chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted }
+            })
+            .collect::<Vec<_>>();
+        self.runner.dflash_absorb(&rows)
     }
 
     /// With `--spec mtp`, write the MTP KV rows of every position `step` computed and kept (a

@@ -141,6 +141,29 @@ pub struct MtpDraft {
     pub q: Vec<Vec<f32>>,
 }
 
+/// One sequence's DFlash context rows to take from the last `forward`
+/// (`ModelRunner::dflash_absorb`): the first `rows` rows of chunk `chunk` of that step, at
+/// positions `start_pos..start_pos + rows` (what the step computed and kept).
+#[derive(Clone, Debug)]
+pub struct DflashRows {
+    /// The engine's id of the sequence (the runner keeps its drafter context under it).
+    pub key: u64,
+    /// Index of the chunk in the last forward's batch.
+    pub chunk: usize,
+    pub start_pos: usize,
+    pub rows: usize,
+}
+
+/// One sequence to draft for (`ModelRunner::dflash_draft`): the anchor `token` at `pos` (the
+/// context rows before it were absorbed) and `k` drafts after it.
+#[derive(Clone, Debug)]
+pub struct DflashDraftSeq {
+    pub key: u64,
+    pub pos: usize,
+    pub token: u32,
+    pub k: usize,
+}
+
 /// What the caches of one model cost, so that the engine can plan memory before allocating.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
@@ -252,6 +275,28 @@ pub trait ModelRunner: Send {
 
     /// Forget what `mtp_absorb` kept for a sequence that ended.
     fn mtp_release(&mut self, _key: u64) {}
+
+    /// Set up drafting with the DFlash drafter in `dir` (`--spec dflash --drafter DIR`), before
+    /// `cache_spec` (which then counts the drafter's context per token). From then on `forward`
+    /// keeps the outputs of the target layers the drafter reads, for `dflash_absorb`. Returns the
+    /// drafter's block size (at most `block_size - 1` drafts per round).
+    fn enable_dflash(&mut self, _dir: &std::path::Path) -> Result<usize> {
+        Err(NinferError::config("spec (--spec)", "--spec dflash is not supported on this backend yet"))
+    }
+
+    /// Set the drafter context of the given rows of the last `forward`, cutting each
+    /// sequence's context back to its rows' first position (the rollback of rejected drafts).
+    fn dflash_absorb(&mut self, _rows: &[DflashRows]) -> Result<()> {
+        Err(NinferError::invalid("dflash_absorb", "DFlash drafting is not enabled"))
+    }
+
+    /// Greedy DFlash drafts: `k` tokens after each sequence's anchor, one drafting forward.
+    fn dflash_draft(&mut self, _seqs: &[DflashDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        Err(NinferError::invalid("dflash_draft", "DFlash drafting is not enabled"))
+    }
+
+    /// Forget the drafter context of a sequence that ended.
+    fn dflash_release(&mut self, _key: u64) {}
 
     /// Run once, after the engine's warm-up step, what would otherwise first run inside a
     /// request at another step size and cost it time then (CUDA: cuBLAS's kernels for each

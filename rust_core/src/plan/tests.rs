@@ -54,7 +54,7 @@ fn cpu_plan_counts_the_bytes_and_caches_the_cpu_backend_holds() {
         let tensors = model_tensors(&cfg, Some(&store)).unwrap();
         assert_eq!(tensors.iter().any(|t| t.mtp), mtp);
         let mut model = CpuModel::load(&dir, &LoadOptions { device: "cpu".into(), num_threads: Some(1), ..Default::default() }).unwrap();
-        let engine = if mtp { EngineConfig { spec: Some(SpecConfig { method: SpecMethod::Mtp, draft_tokens: 2, adaptive: false, lm_head_draft: None }), ..Default::default() } } else { EngineConfig::default() };
+        let engine = if mtp { EngineConfig { spec: Some(SpecConfig { method: SpecMethod::Mtp, draft_tokens: 2, adaptive: false, lm_head_draft: None, drafter: None }), ..Default::default() } } else { EngineConfig::default() };
         if mtp {
             model.enable_mtp().unwrap();
         }

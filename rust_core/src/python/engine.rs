@@ -113,12 +113,16 @@ fn engine_config(max_context: Option<usize>, kv_capacity: Option<usize>, max_con
     EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling, ..Default::default() }
 }
 
-/// `--spec` / `--draft-tokens` / `--spec-adaptive` / `--lm-head-draft [--lm-head-draft-size]`
-/// as the engine takes them; the others without a method are refused naming their flag.
-pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>, adaptive: bool, lm_head_draft: bool, lm_head_draft_size: Option<usize>) -> Result<Option<SpecConfig>> {
+/// `--spec` / `--draft-tokens` / `--drafter` / `--spec-adaptive` / `--lm-head-draft
+/// [--lm-head-draft-size]` as the engine takes them; the others without a method are refused
+/// naming their flag.
+pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>, drafter: Option<PathBuf>, adaptive: bool, lm_head_draft: bool, lm_head_draft_size: Option<usize>) -> Result<Option<SpecConfig>> {
     let Some(method) = spec else {
         if draft_tokens.is_some() {
             return Err(NinferError::config("draft_tokens (--draft-tokens)", "needs --spec (the method that drafts them)"));
+        }
+        if drafter.is_some() {
+            return Err(NinferError::config("drafter (--drafter)", "needs --spec dflash (the method that drafts with it)"));
         }
         if adaptive {
             return Err(NinferError::config("spec_adaptive (--spec-adaptive)", "needs --spec (the method whose draft length it adapts)"));
@@ -128,7 +132,7 @@ pub(super) fn spec_config(spec: Option<&str>, draft_tokens: Option<usize>, adapt
         }
         return Ok(None);
     };
-    let cfg = SpecConfig::new(method, draft_tokens)?.with_adaptive(adaptive);
+    let cfg = SpecConfig::with_drafter(method, draft_tokens, drafter)?.with_adaptive(adaptive);
     match (lm_head_draft, lm_head_draft_size) {
         (true, size) => cfg.with_lm_head_draft(size).map(Some),
         (false, Some(_)) => Err(NinferError::config("lm_head_draft_size (--lm-head-draft-size)", "needs --lm-head-draft")),
@@ -212,7 +216,7 @@ impl PyEngine {
     /// `json_schema_open_objects`: `EngineConfig::json_schema_open_objects`. `quantize` (a
     /// `--quantize` mode) and `quantize_lm_head`: `LoadOptions::quantize` / `quantize_lm_head`.
     #[new]
-    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None, spec_adaptive=false, lm_head_draft=false, lm_head_draft_size=None, quantize=None, quantize_lm_head=false))]
+    #[pyo3(signature = (model_dir, device="cpu", max_context=None, kv_capacity=None, max_concurrency=64, prefill_chunk=512, prefix_reuse=true, num_threads=None, logits_dtype="auto", kv_dtype="auto", async_scheduling=true, cuda_graphs=true, batch_invariant=false, device_sampling=true, device_profile=None, json_schema_open_objects=false, spec=None, draft_tokens=None, spec_adaptive=false, lm_head_draft=false, lm_head_draft_size=None, quantize=None, quantize_lm_head=false, drafter=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -239,10 +243,11 @@ impl PyEngine {
         lm_head_draft_size: Option<usize>,
         quantize: Option<&str>,
         quantize_lm_head: bool,
+        drafter: Option<PathBuf>,
     ) -> PyResult<Self> {
         let quant = (quantize.map(QuantizeMode::parse).transpose().py()?, quantize_lm_head);
         let mut cfg = EngineConfig { json_schema_open_objects, ..engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling) };
-        cfg.spec = spec_config(spec, draft_tokens, spec_adaptive, lm_head_draft, lm_head_draft_size).py()?;
+        cfg.spec = spec_config(spec, draft_tokens, drafter, spec_adaptive, lm_head_draft, lm_head_draft_size).py()?;
         let logits_dtype = LogitsDtype::parse(logits_dtype).py()?;
         let kv_dtype = KvDtype::parse(kv_dtype).py()?;
         let cuda = CudaOptions { cuda_graphs, batch_invariant, device_sampling, profile: device_profile };
@@ -274,7 +279,7 @@ impl PyEngine {
         spec_adaptive: bool,
     ) -> PyResult<Self> {
         let mut cfg = engine_config(max_context, kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, async_scheduling);
-        cfg.spec = spec_config(spec, draft_tokens, spec_adaptive, false, None).py()?;
+        cfg.spec = spec_config(spec, draft_tokens, None, spec_adaptive, false, None).py()?;
         let runner = ToyRunner::new(vocab_size, max_position_embeddings, hybrid);
         let runner = if overlapping { runner.overlapping() } else { runner };
         let core = EngineCore::new(Box::new(runner), &cfg, None, eos_token_ids.unwrap_or_default()).py()?;
@@ -438,6 +443,7 @@ impl PyEngine {
         d.set_item("draft_tokens", self.spec.as_ref().map(|s| s.draft_tokens))?;
         d.set_item("spec_adaptive", self.spec.as_ref().is_some_and(|s| s.adaptive))?;
         d.set_item("lm_head_draft_size", self.spec.as_ref().and_then(|s| s.lm_head_draft.as_ref()).map(|d| d.token_ids.len()))?;
+        d.set_item("drafter", self.spec.as_ref().and_then(|s| s.drafter.as_ref()).map(|p| p.display().to_string()))?;
         d.set_item("state_slots_rollback", c.rollback_state_slots)?;
         d.set_item("state_slots_running", c.running_state_slots)?;
         d.set_item("state_slots_snapshot", c.snapshot_state_slots)?;

@@ -11,6 +11,7 @@ mod errors;
 mod generation;
 mod json_value;
 mod model;
+mod dflash;
 mod mtp;
 mod plan;
 mod quant;
@@ -22,6 +23,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     tokenizer::register(m)?;
     model::register(m)?;
+    dflash::register(m)?;
     mtp::register(m)?;
     quant::register(m)?;
     delta::register(m)?;

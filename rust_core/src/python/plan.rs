@@ -74,7 +74,7 @@ pub fn plan<'py>(
     spec: Option<&str>,
     draft_tokens: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let engine = EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, spec: spec_config(spec, draft_tokens, false, false, None).py()?, ..Default::default() };
+    let engine = EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, spec: spec_config(spec, draft_tokens, None, false, false, None).py()?, ..Default::default() };
     let quantize = quantize.map(QuantFormat::parse).transpose().py()?;
     let kv_dtype = KvDtype::parse(kv_dtype).py()?;
     let run = || -> Result<_> {

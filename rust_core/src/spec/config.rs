@@ -1,5 +1,7 @@
-//! `SpecConfig`: the speculative-decoding flags (`--spec`, `--draft-tokens`, `--spec-adaptive`,
-//! `--lm-head-draft`), checked once.
+//! `SpecConfig`: the speculative-decoding flags (`--spec`, `--draft-tokens`, `--drafter`,
+//! `--spec-adaptive`, `--lm-head-draft`), checked once.
+
+use std::path::PathBuf;
 
 use crate::{NinferError, Result};
 
@@ -13,7 +15,7 @@ pub enum SpecMethod {
     Ngram,
     /// The model's multi-token-prediction head (`mtp.*` weights; the CPU backend).
     Mtp,
-    /// A DFlash block-diffusion drafter (not supported yet).
+    /// A DFlash block-diffusion drafter (`--drafter DIR`; the CPU backend).
     Dflash,
 }
 
@@ -37,7 +39,8 @@ impl SpecMethod {
         }
     }
 
-    /// Draft tokens when `--draft-tokens` is not given.
+    /// Draft tokens when `--draft-tokens` is not given. DFlash: 7, as the original ran its
+    /// drafters (a block of 8); a drafter's block of `b` tokens allows at most `b - 1`.
     pub fn default_draft_tokens(self) -> usize {
         match self {
             SpecMethod::Ngram => 3,
@@ -54,6 +57,8 @@ pub struct SpecConfig {
     /// Draft tokens per verify chunk (K), 1..=MAX_DRAFT_TOKENS; with `adaptive` the most a
     /// step may draft.
     pub draft_tokens: usize,
+    /// The DFlash drafter's directory (`--drafter`); only with `SpecMethod::Dflash`.
+    pub drafter: Option<PathBuf>,
     /// `--spec-adaptive`: K chosen per step and request from the measured step cost and the
     /// running acceptance (`spec::adaptive`).
     pub adaptive: bool,
@@ -76,8 +81,13 @@ impl SpecConfig {
     /// The config of `--spec method --draft-tokens k` (k None: the method's default); an error
     /// naming the flag for a K out of range or a method not supported yet.
     pub fn new(method: &str, draft_tokens: Option<usize>) -> Result<Self> {
+        Self::with_drafter(method, draft_tokens, None)
+    }
+
+    /// `new` with `--drafter DIR` (which `--spec dflash` needs and the other methods refuse).
+    pub fn with_drafter(method: &str, draft_tokens: Option<usize>, drafter: Option<PathBuf>) -> Result<Self> {
         let method = SpecMethod::parse(method)?;
-        let cfg = SpecConfig { method, draft_tokens: draft_tokens.unwrap_or(method.default_draft_tokens()), adaptive: false, lm_head_draft: None };
+        let cfg = SpecConfig { method, draft_tokens: draft_tokens.unwrap_or(method.default_draft_tokens()), adaptive: false, lm_head_draft: None, drafter };
         cfg.check()?;
         Ok(cfg)
     }
@@ -96,13 +106,17 @@ impl SpecConfig {
         Ok(cfg)
     }
 
-    /// K within range and a method that runs.
+    /// K within range, and a drafter path exactly when the method reads one.
     pub fn check(&self) -> Result<()> {
         if !(1..=MAX_DRAFT_TOKENS).contains(&self.draft_tokens) {
             return Err(NinferError::config("draft_tokens (--draft-tokens)", format!("{} is outside 1..={MAX_DRAFT_TOKENS}", self.draft_tokens)));
         }
-        if self.method == SpecMethod::Dflash {
-            return Err(NinferError::config("spec (--spec)", format!("--spec {} is not supported yet (only ngram and mtp)", self.method.name())));
+        match (self.method, &self.drafter) {
+            (SpecMethod::Dflash, None) => return Err(NinferError::config("drafter (--drafter)", "--spec dflash needs --drafter DIR (a DFlash drafter checkpoint)")),
+            (SpecMethod::Ngram | SpecMethod::Mtp, Some(_)) => {
+                return Err(NinferError::config("drafter (--drafter)", format!("--drafter is read by --spec dflash only, not by --spec {}", self.method.name())));
+            }
+            _ => {}
         }
         if let Some(d) = &self.lm_head_draft {
             if self.method != SpecMethod::Mtp {
@@ -126,14 +140,18 @@ mod tests {
             let e = SpecConfig::new("ngram", Some(k)).unwrap_err().to_string();
             assert!(e.contains("--draft-tokens") && e.contains(&k.to_string()), "{e}");
         }
-        assert_eq!(SpecConfig::new("NGRAM", None).unwrap(), SpecConfig { method: SpecMethod::Ngram, draft_tokens: 3, adaptive: false, lm_head_draft: None });
+        assert_eq!(SpecConfig::new("NGRAM", None).unwrap(), SpecConfig { method: SpecMethod::Ngram, draft_tokens: 3, adaptive: false, lm_head_draft: None, drafter: None });
     }
 
     #[test]
-    fn methods_not_built_yet_are_refused_by_name() {
+    fn dflash_needs_a_drafter_and_only_dflash_takes_one() {
         let e = SpecConfig::new("dflash", Some(3)).unwrap_err().to_string();
-        assert!(e.contains("--spec") && e.contains("dflash") && e.contains("not supported yet"), "{e}");
-        assert_eq!(SpecConfig::new("mtp", None).unwrap(), SpecConfig { method: SpecMethod::Mtp, draft_tokens: 3, adaptive: false, lm_head_draft: None });
+        assert!(e.contains("--drafter") && e.contains("--spec dflash"), "{e}");
+        let d = SpecConfig::with_drafter("dflash", None, Some("d".into())).unwrap();
+        assert_eq!((d.method, d.draft_tokens), (SpecMethod::Dflash, 7));
+        let e = SpecConfig::with_drafter("mtp", None, Some("d".into())).unwrap_err().to_string();
+        assert!(e.contains("--drafter") && e.contains("mtp"), "{e}");
+        assert_eq!(SpecConfig::new("mtp", None).unwrap(), SpecConfig { method: SpecMethod::Mtp, draft_tokens: 3, adaptive: false, lm_head_draft: None, drafter: None });
         assert!(SpecConfig::new("medusa", None).unwrap_err().to_string().contains("unknown method"));
     }
 

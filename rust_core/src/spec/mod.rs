@@ -13,14 +13,16 @@
 //!   chunk's blocks are scheduled (`ModelRunner::mtp_draft`): greedy drafts for greedy requests;
 //!   for sampled requests drafts drawn from the head's distribution q, verified by the
 //!   speculative sampling rule (`sampled`).
-//! - DFlash: the hidden states of the target layers its config names, at every accepted
-//!   position of the verify chunk.
+//! - DFlash: the outputs of the target layers its config names, at every computed and kept
+//!   position; the runner keeps them from its last forward, the engine has the kept rows
+//!   absorbed into the drafter's context after every step (`ModelRunner::dflash_absorb`) and
+//!   drafts every verify chunk's block in one forward once they are scheduled
+//!   (`ModelRunner::dflash_draft`).
 //!
 //! With `--spec-adaptive` each request's K is chosen per step (`adaptive`); with
 //! `--lm-head-draft` the MTP head drafts over the most frequent ids only (`draft_vocab`).
 //!
-//! The n-gram and MTP drafters run (the CPU backend); `SpecMethod::Dflash` is refused at engine
-//! start with "not supported yet".
+//! All three run on the CPU backend; n-gram and MTP on CUDA too.
 
 mod accept;
 pub mod adaptive;

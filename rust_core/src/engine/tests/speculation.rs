@@ -174,17 +174,21 @@ fn a_json_schema_grammar_cuts_drafts_it_rejects_and_outputs_match() {
 #[test]
 fn bad_speculation_flags_are_refused_naming_the_flag() {
     let mut setup = Setup::default();
-    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Ngram, draft_tokens: 0, adaptive: false, lm_head_draft: None });
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Ngram, draft_tokens: 0, adaptive: false, lm_head_draft: None, drafter: None });
     let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
     assert!(e.contains("--draft-tokens"), "{e}");
-    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Mtp, draft_tokens: 9, adaptive: false, lm_head_draft: None });
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Mtp, draft_tokens: 9, adaptive: false, lm_head_draft: None, drafter: None });
     let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
     assert!(e.contains("--draft-tokens"), "{e}");
-    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Dflash, draft_tokens: 3, adaptive: false, lm_head_draft: None });
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Dflash, draft_tokens: 3, adaptive: false, lm_head_draft: None, drafter: None });
     let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
-    assert!(e.contains("--spec dflash is not supported yet"), "{e}");
+    assert!(e.contains("--spec dflash needs --drafter"), "{e}");
+    // The toy runner has no DFlash drafting.
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Dflash, draft_tokens: 3, adaptive: false, lm_head_draft: None, drafter: Some("drafter".into()) });
+    let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
+    assert!(e.contains("--spec dflash is not supported on this backend yet"), "{e}");
     // The toy runner has no MTP head to draft with.
-    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Mtp, draft_tokens: 3, adaptive: false, lm_head_draft: None });
+    setup.cfg.spec = Some(SpecConfig { method: crate::spec::SpecMethod::Mtp, draft_tokens: 3, adaptive: false, lm_head_draft: None, drafter: None });
     let e = EngineCore::new(Box::new(ToyRunner::new(VOCAB, 4096, false)), &setup.cfg, None, Vec::new()).err().unwrap().to_string();
     assert!(e.contains("--spec mtp is not supported on this backend yet"), "{e}");
 }

@@ -4,11 +4,14 @@
 //! `quant_load` says), `layers` runs each layer kind over a step, and `CpuModel` ties them into a
 //! `ModelRunner`.
 
+pub mod dflash;
 pub mod layers;
 pub mod mtp;
 pub mod quant_load;
 pub mod weights;
 
+#[cfg(test)]
+mod dflash_tests;
 #[cfg(test)]
 mod mtp_tests;
 #[cfg(test)]
@@ -24,7 +27,7 @@ use crate::backend::cpu::attention::KvLayout;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use crate::config::ModelConfig;
-use crate::model::runner::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
+use crate::model::runner::{CacheSpec, DflashDraftSeq, DflashRows, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
 use crate::model::{KvDtype, LoadOptions, LogitsRound};
 use crate::{NinferError, Result};
 
@@ -63,6 +66,8 @@ pub struct CpuModel {
     logits_round: Option<LogitsRound>,
     /// `--spec mtp`'s drafting state (`enable_mtp`); None otherwise.
     mtp_state: Option<mtp::MtpState>,
+    /// `--spec dflash`'s drafter and the features of the last forward (`enable_dflash`).
+    dflash_state: Option<dflash::DflashState>,
 }
 
 fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
@@ -94,7 +99,7 @@ impl CpuModel {
             .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
-        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round, mtp_state: None })
+        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round, mtp_state: None, dflash_state: None })
     }
 
     /// The MTP head, when the checkpoint has one.
@@ -158,10 +163,19 @@ impl CpuModel {
     /// `[num_tokens, hidden_size]` in batch order. The logits are those `forward` returns.
     pub fn forward_with_hidden(&mut self, batch: &StepBatch, hidden: &mut Vec<f32>) -> Result<Logits> {
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.step(batch, Some(hidden)))
+        pool.install(|| self.step(batch, Some(hidden), None))
     }
 
-    fn step(&mut self, batch: &StepBatch, hidden_out: Option<&mut Vec<f32>>) -> Result<Logits> {
+    /// `forward`, also writing the outputs of target layers `layer_ids` (0-based; the last
+    /// layer's after the model's norm, as transformers reports it) of every token of the step
+    /// into `features`, `[num_tokens, layer_ids.len() * hidden_size]`, layers concatenated in
+    /// the given order: a DFlash drafter's context rows.
+    pub fn forward_with_features(&mut self, batch: &StepBatch, layer_ids: &[usize], features: &mut Vec<f32>) -> Result<Logits> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.step(batch, None, Some((layer_ids, features))))
+    }
+
+    fn step(&mut self, batch: &StepBatch, hidden_out: Option<&mut Vec<f32>>, mut features: Option<(&[usize], &mut Vec<f32>)>) -> Result<Logits> {
         self.validate(batch)?;
         let CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches, ws, .. } = self;
         let h = cfg.hidden_size;
@@ -188,6 +202,9 @@ impl CpuModel {
         }
         rope_tables(&ws.positions, inv_freq, *rope_scale, &mut ws.cos, &mut ws.sin);
         let layout = KvLayout { block_size: caches.block_size, n_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
+        if let Some((ids, out)) = features.as_mut() {
+            fit(out, rows * ids.len() * h);
+        }
         for (li, layer) in weights.layers.iter().enumerate() {
             rms_norm(&ws.x, rows, h, &layer.input_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
             let ci = cache_index[li];
@@ -205,6 +222,16 @@ impl CpuModel {
             rms_norm(&ws.x, rows, h, &layer.post_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
             mlp_step(layer, ws, rows);
             add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
+            if let Some((ids, out)) = features.as_mut() {
+                for (slot, _) in ids.iter().enumerate().filter(|(_, &id)| id == li) {
+                    if li + 1 == weights.layers.len() {
+                        rms_norm(&ws.x, rows, h, &weights.final_norm, cfg.rms_norm_eps, fit(&mut ws.h, rows * h));
+                        dflash::capture_layer(&ws.h, rows, h, slot, ids.len(), out);
+                    } else {
+                        dflash::capture_layer(&ws.x, rows, h, slot, ids.len(), out);
+                    }
+                }
+            }
         }
         if let Some(out) = hidden_out {
             rms_norm(&ws.x, rows, h, &weights.final_norm, cfg.rms_norm_eps, fit(out, rows * h));
@@ -256,8 +283,11 @@ impl ModelRunner for CpuModel {
     }
 
     fn cache_spec(&self) -> CacheSpec {
-        // The plan's arithmetic (plan/mod.rs), so that `ninfer plan` and this ledger agree.
-        crate::plan::cache_spec(&self.cfg, crate::plan::Target::Cpu, self.mtp_state.is_some(), self.weights.bytes())
+        // The plan's arithmetic (plan/mod.rs), so that `ninfer plan` and this ledger agree, plus
+        // a DFlash drafter's context and weights under --spec dflash.
+        let spec = crate::plan::cache_spec(&self.cfg, crate::plan::Target::Cpu, self.mtp_state.is_some(), self.weights.bytes());
+        let (dflash_kv, dflash_weights) = self.dflash_state.as_ref().map_or((0, 0), |d| (d.drafter.context_bytes_per_token(), d.drafter.weight_bytes()));
+        CacheSpec { kv_bytes_per_token: spec.kv_bytes_per_token + dflash_kv, weight_bytes: spec.weight_bytes + dflash_weights, ..spec }
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
@@ -290,10 +320,20 @@ impl ModelRunner for CpuModel {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         let pool = Arc::clone(&self.pool);
-        let Some(st) = self.mtp_state.as_mut() else { return pool.install(|| self.step(batch, None)) };
+        if let Some(st) = self.dflash_state.as_mut() {
+            // Keep every row's context features for `dflash_absorb`.
+            let mut features = std::mem::take(&mut st.features);
+            let ids = st.drafter.cfg.target_layer_ids.clone();
+            let logits = pool.install(|| self.step(batch, None, Some((&ids, &mut features))));
+            let st = self.dflash_state.as_mut().expect("checked above");
+            st.features = features;
+            st.chunk_rows = chunk_starts(batch);
+            return logits;
+        }
+        let Some(st) = self.mtp_state.as_mut() else { return pool.install(|| self.step(batch, None, None)) };
         // Keep every row's hidden state for `mtp_absorb`.
         let mut hidden = std::mem::take(&mut st.hidden);
-        let logits = pool.install(|| self.step(batch, Some(&mut hidden)));
+        let logits = pool.install(|| self.step(batch, Some(&mut hidden), None));
         let st = self.mtp_state.as_mut().expect("checked above");
         st.hidden = hidden;
         st.chunk_rows.clear();
@@ -338,6 +378,33 @@ impl ModelRunner for CpuModel {
         }
     }
 
+    fn enable_dflash(&mut self, dir: &Path) -> Result<usize> {
+        let drafter = dflash::DflashDrafter::load(dir, &self.cfg)?;
+        let block_size = drafter.cfg.block_size;
+        self.dflash_state = Some(dflash::DflashState::new(drafter));
+        Ok(block_size)
+    }
+
+    fn dflash_absorb(&mut self, rows: &[DflashRows]) -> Result<()> {
+        let pool = Arc::clone(&self.pool);
+        let st = self.dflash_state.as_mut().ok_or_else(|| NinferError::invalid("dflash_absorb", "DFlash drafting is not enabled"))?;
+        pool.install(|| st.absorb(rows))
+    }
+
+    fn dflash_draft(&mut self, seqs: &[DflashDraftSeq]) -> Result<Vec<Vec<u32>>> {
+        let mut st = self.dflash_state.take().ok_or_else(|| NinferError::invalid("dflash_draft", "DFlash drafting is not enabled"))?;
+        let pool = Arc::clone(&self.pool);
+        let r = pool.install(|| st.draft(self, seqs));
+        self.dflash_state = Some(st);
+        r
+    }
+
+    fn dflash_release(&mut self, key: u64) {
+        if let Some(st) = self.dflash_state.as_mut() {
+            st.drafter.release(key);
+        }
+    }
+
     fn workspace_bytes(&self) -> usize {
         self.ws.bytes()
     }
@@ -360,4 +427,14 @@ impl ModelRunner for CpuModel {
         }
         Ok(())
     }
+}
+
+/// First row of each chunk of `batch`, then the row count.
+fn chunk_starts(batch: &StepBatch) -> Vec<usize> {
+    let mut rows = Vec::with_capacity(batch.seqs.len() + 1);
+    rows.push(0);
+    for s in &batch.seqs {
+        rows.push(rows.last().copied().unwrap_or(0) + s.tokens.len());
+    }
+    rows
 }

@@ -71,8 +71,15 @@ impl Linear {
         Linear { parts: vec![part], order: None, b, n, k }
     }
 
+    /// A dense projection read as f32 (`{name}.weight`, and `{name}.bias` with `bias`).
+    pub(super) fn load(store: &WeightStore, name: &str, n: usize, k: usize, bias: bool) -> Result<Self> {
+        let w = store.load_f32(&format!("{name}.weight"), &[n, k])?;
+        let b = if bias { Some(store.load_f32(&format!("{name}.bias"), &[n])?) } else { None };
+        Ok(Linear::single(Part::Dense(w), b, n, k))
+    }
+
     /// Stack projections that read the same input into one (outputs concatenated in order).
-    fn fuse(linears: Vec<Linear>) -> Linear {
+    pub(super) fn fuse(linears: Vec<Linear>) -> Linear {
         let k = linears[0].k;
         let n = linears.iter().map(|p| p.n).sum();
         let any_bias = linears.iter().any(|p| p.b.is_some());

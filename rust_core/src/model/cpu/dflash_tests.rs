@@ -1,0 +1,190 @@
+//! The DFlash drafter's invariants on the synthetic hybrid checkpoint with a random drafter:
+//! malformed drafters are refused naming what is wrong, absorbing in chunks equals one call,
+//! rolling the context back and absorbing again equals absorbing fresh, a batch drafts as each
+//! sequence alone, the forward's features leave its logits as they were, and the runner's
+//! hooks draft as the drafter does. Parity with the PyTorch reference (tools/dflash) is in
+//! tests/test_dflash.py.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, TensorView};
+
+use super::dflash::DflashDrafter;
+use super::tests::{load, max_rel, seq, write_hybrid};
+use crate::model::test_checkpoint::centered_noise;
+use crate::model::*;
+use crate::sampling::argmax;
+
+const TOKENS: [u32; 16] = [3, 17, 99, 4, 56, 23, 8, 71, 100, 0, 42, 5, 64, 9, 31, 77];
+/// The hybrid checkpoint's hidden size, vocabulary and layer count (tests.rs `write_hybrid`).
+const H: usize = 40;
+const VOCAB: usize = 101;
+const BLOCK: usize = 5;
+
+/// Write a random drafter for the hybrid checkpoint: `config` is merged over a valid config,
+/// tensors named in `skip` are left out.
+fn write_drafter(tag: &str, config: serde_json::Value, skip: &[&str]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ninfer_dflash_{tag}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg = serde_json::json!({"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 24,
+        "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_target_layers": 3,
+        "dflash_config": {"block_size": BLOCK, "mask_token_id": 100, "target_layer_ids": [0, 2]}});
+    for (k, v) in config.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let (h, hd) = (cfg["hidden_size"].as_u64().unwrap() as usize, 8);
+    let n_ids = cfg["dflash_config"]["target_layer_ids"].as_array().unwrap().len();
+    let mut t: Vec<(String, Vec<usize>)> = vec![("fc.weight".into(), vec![h, n_ids * h]), ("hidden_norm.weight".into(), vec![h]), ("norm.weight".into(), vec![h])];
+    for i in 0..2 {
+        let p = format!("layers.{i}");
+        t.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![4 * hd, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![2 * hd, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![2 * hd, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, 4 * hd]),
+            (format!("{p}.self_attn.q_norm.weight"), vec![hd]),
+            (format!("{p}.self_attn.k_norm.weight"), vec![hd]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![24, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![24, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, 24]),
+        ]);
+    }
+    t.retain(|(n, _)| !skip.contains(&n.as_str()));
+    let bufs: Vec<Vec<u8>> = t
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n: usize = shape.iter().product();
+            // Norm weights near 1 (Qwen3 norms scale by the weight itself).
+            let base = if name.contains("norm") { 1.0 } else { 0.0 };
+            centered_noise(n, i as u64 + 101).iter().map(|x| base + x * 0.6).flat_map(|x: f32| x.to_le_bytes()).collect()
+        })
+        .collect();
+    let views: Vec<(String, TensorView)> = t.iter().zip(&bufs).map(|((n, s), b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap())).collect();
+    safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn refusal(dir: &Path, m: &CpuModel) -> String {
+    DflashDrafter::load(dir, m.config()).err().expect("refused").to_string()
+}
+
+/// The model, a random drafter and the target's features `[16, 2 * H]` of `TOKENS`.
+fn setup(tag: &str) -> (CpuModel, DflashDrafter, Vec<f32>) {
+    let mut m = load(&write_hybrid(&format!("dflash_{tag}"), Dtype::F32, false));
+    m.allocate_caches(32, 4, 2).unwrap();
+    let d = DflashDrafter::load(&write_drafter(tag, serde_json::json!({}), &[]), m.config()).unwrap();
+    let mut features = Vec::new();
+    let table: Vec<u32> = (0..4).collect();
+    m.forward_with_features(&StepBatch { seqs: vec![seq(&TOKENS, 0, &table, 0, LogitsWanted::All)] }, &[0, 2], &mut features).unwrap();
+    (m, d, features)
+}
+
+#[test]
+fn malformed_drafters_are_refused_naming_what_is_wrong() {
+    let m = load(&write_hybrid("dflash_bad", Dtype::F32, false));
+    let cases: [(&str, serde_json::Value, &[&str], &str); 7] = [
+        ("hidden", serde_json::json!({"hidden_size": 32}), &[], "hidden_size 32 does not match the target's 40"),
+        ("layer", serde_json::json!({"dflash_config": {"block_size": 5, "mask_token_id": 1, "target_layer_ids": [0, 3]}}), &[], "names layer 3"),
+        ("vocab", serde_json::json!({"vocab_size": 50}), &[], "vocab_size 50 does not match"),
+        ("mask", serde_json::json!({"dflash_config": {"block_size": 5, "target_layer_ids": [0, 2]}}), &[], "mask_token_id"),
+        ("arch", serde_json::json!({"architectures": ["DFlash2DraftModel"]}), &[], "\"DFlash2DraftModel\" is not supported"),
+        ("tensor", serde_json::json!({}), &["layers.1.self_attn.k_proj.weight"], "layers.1.self_attn.k_proj.weight"),
+        ("block", serde_json::json!({"dflash_config": {"block_size": 1, "mask_token_id": 1, "target_layer_ids": [0]}}), &[], "block_size 1"),
+    ];
+    for (tag, cfg, skip, want) in cases {
+        let e = refusal(&write_drafter(&format!("bad_{tag}"), cfg, skip), &m);
+        assert!(e.contains("--drafter") && e.contains(want), "{tag}: {e}");
+    }
+    let e = refusal(Path::new("/nonexistent/drafter"), &m);
+    assert!(e.contains("--drafter") && e.contains("no such drafter directory"), "{e}");
+}
+
+#[test]
+fn features_leave_the_logits_unchanged_and_the_last_layer_is_normed() {
+    let mut m = load(&write_hybrid("dflash_features", Dtype::F32, false));
+    m.allocate_caches(32, 4, 2).unwrap();
+    let table: Vec<u32> = (0..4).collect();
+    let batch = StepBatch { seqs: vec![seq(&TOKENS, 0, &table, 0, LogitsWanted::All)] };
+    let plain = m.forward(&batch).unwrap();
+    let (mut features, mut hidden) = (Vec::new(), Vec::new());
+    let with = m.forward_with_features(&batch, &[2, 0], &mut features).unwrap();
+    assert_eq!(plain.data, with.data);
+    m.forward_with_hidden(&batch, &mut hidden).unwrap();
+    assert_eq!(features.len(), TOKENS.len() * 2 * H);
+    for r in 0..TOKENS.len() {
+        assert_eq!(&features[r * 2 * H..r * 2 * H + H], &hidden[r * H..(r + 1) * H], "row {r}: layer 2 is the last, normed");
+    }
+}
+
+#[test]
+fn absorbing_in_chunks_and_rolling_back_equal_one_fresh_call() {
+    let (m, mut d, f) = setup("chunks");
+    let w = 2 * H;
+    d.absorb(1, 0, &f[..10 * w]).unwrap();
+    d.absorb(2, 0, &f[..4 * w]).unwrap();
+    d.absorb(2, 4, &f[4 * w..10 * w]).unwrap();
+    // Sequence 3 absorbs rows past 10 (rejected drafts), then is cut back to 10.
+    d.absorb(3, 0, &f[..13 * w]).unwrap();
+    d.absorb(3, 8, &f[8 * w..10 * w]).unwrap();
+    assert_eq!(d.context_len(3), 10);
+    let one = d.draft_logits_with(&m, &[(1, TOKENS[10])]).unwrap();
+    for key in [2, 3] {
+        let other = d.draft_logits_with(&m, &[(key, TOKENS[10])]).unwrap();
+        assert!(max_rel(&other[0], &one[0]) < 1e-5, "sequence {key}: rel err {}", max_rel(&other[0], &one[0]));
+    }
+    assert_eq!(one[0].len(), (BLOCK - 1) * VOCAB);
+    let e = d.absorb(1, 12, &f[12 * w..13 * w]).unwrap_err().to_string();
+    assert!(e.contains("gap"), "{e}");
+}
+
+#[test]
+fn a_batch_drafts_as_each_sequence_alone() {
+    let (m, mut d, f) = setup("batch");
+    let w = 2 * H;
+    d.absorb(1, 0, &f[..7 * w]).unwrap();
+    d.absorb(2, 0, &f[..12 * w]).unwrap();
+    let both = d.draft_logits_with(&m, &[(1, TOKENS[7]), (2, TOKENS[12])]).unwrap();
+    let a = d.draft_logits_with(&m, &[(1, TOKENS[7])]).unwrap();
+    let b = d.draft_logits_with(&m, &[(2, TOKENS[12])]).unwrap();
+    assert!(max_rel(&both[0], &a[0]) < 1e-5 && max_rel(&both[1], &b[0]) < 1e-5);
+    // The anchor matters: another anchor drafts from other logits.
+    let other = d.draft_logits_with(&m, &[(1, TOKENS[3])]).unwrap();
+    assert!(max_rel(&other[0], &a[0]) > 1e-3);
+}
+
+#[test]
+fn the_runner_hooks_draft_as_the_drafter_does() {
+    let (_, mut d, f) = setup("hooks");
+    let dir = write_drafter("hooks_runner", serde_json::json!({}), &[]);
+    let mut m = load(&write_hybrid("dflash_hooks_target", Dtype::F32, false));
+    assert_eq!(m.enable_dflash(&dir).unwrap(), BLOCK);
+    let per_token = m.cache_spec().kv_bytes_per_token;
+    m.allocate_caches(32, 4, 2).unwrap();
+    let table: Vec<u32> = (0..4).collect();
+    // A prompt in two chunks, as the engine absorbs them.
+    for (start, end) in [(0, 6), (6, 11)] {
+        m.forward(&StepBatch { seqs: vec![seq(&TOKENS[start..end], start, &table, 0, LogitsWanted::Last)] }).unwrap();
+        m.dflash_absorb(&[DflashRows { key: 9, chunk: 0, start_pos: start, rows: end - start }]).unwrap();
+    }
+    let drafts = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: TOKENS[11], k: 3 }]).unwrap();
+    d.absorb(9, 0, &f[..11 * 2 * H]).unwrap();
+    let logits = d.draft_logits_with(&m, &[(9, TOKENS[11])]).unwrap().remove(0);
+    let want: Vec<u32> = (0..3).map(|j| argmax(&logits[j * VOCAB..(j + 1) * VOCAB])).collect();
+    assert_eq!(drafts[0], want);
+    // The drafter's context counts in every token's KV bytes: 2 layers, K and V, 2 heads of 8.
+    let mut plain = load(&write_hybrid("dflash_hooks_plain", Dtype::F32, false));
+    plain.allocate_caches(32, 4, 2).unwrap();
+    assert_eq!(per_token - plain.cache_spec().kv_bytes_per_token, 2 * 2 * 2 * 8 * 4);
+    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 12, token: 1, k: 3 }]).unwrap_err().to_string();
+    assert!(e.contains("holds 11 context positions"), "{e}");
+    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: BLOCK }]).unwrap_err().to_string();
+    assert!(e.contains("block gives 4"), "{e}");
+    m.dflash_release(9);
+    assert!(m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: 1 }]).is_err());
+}
