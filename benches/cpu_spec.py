@@ -1,8 +1,10 @@
-"""CPU speculative decoding with the n-gram drafter and the MTP head on the demo model's held-out code windows.
+"""CPU speculative decoding (n-gram, the MTP head, the DFlash drafter) on the demo model's held-out code windows.
 
 Each run feeds the first `--prompt-tokens` tokens of held-out CPython windows (never trained on,
 python/ninfer/demo/heldout_tokens.json) and decodes `--new-tokens` greedy tokens, at batch 1
-(window 0) and batch 8 (windows 0..7), plain and with `spec="ngram"` and `spec="mtp"` for K = 1..5. Figures:
+(window 0) and batch 8 (windows 0..7), plain, with `spec="ngram"` and `spec="mtp"` for K = 1..5, with
+`spec="dflash"` (the demo's shipped drafter) for K = 1, 3, 5, 7, and MTP under `spec_adaptive` with
+K at most 5. Figures:
 generated tokens per second of wall time (prefill included, the same prompts for every config),
 the mean accepted length (tokens per verify round), the acceptance rate per draft position, and
 the tokens the rollback ran again (the demo model is hybrid: its recurrent state is recomputed past
@@ -30,11 +32,11 @@ from cpu_decode import cpu_name, git_commit  # noqa: E402
 DEMO = REPO / "python" / "ninfer" / "demo"
 
 
-def run(windows, batch, prompt_tokens, new_tokens, threads, spec=None, k=None):
-    """(tok/s, stats, outputs) of one config."""
+def run(windows, batch, prompt_tokens, new_tokens, threads, spec=None, k=None, adaptive=False):
+    """(tok/s, stats, outputs) of one config (dflash drafts with the demo's shipped drafter)."""
     from ninfer import LLM, SamplingParams
 
-    kwargs = dict(spec=spec, draft_tokens=k) if spec else {}
+    kwargs = dict(spec=spec, draft_tokens=k, spec_adaptive=adaptive) if spec else {}
     with LLM(DEMO / "model", max_context=prompt_tokens + new_tokens + 8, max_concurrency=batch,
              num_threads=threads, **kwargs) as llm:
         prompts = [w[:prompt_tokens] for w in windows[:batch]]
@@ -63,15 +65,17 @@ def main(argv=None) -> int:
         rows.append(dict(batch=batch, method="plain", k=0, tok_s=round(base_tps, 2), mean_accepted_length=1.0,
                          acceptance_by_position=[], equal_to_plain=True))
         print(f"batch {batch} plain: {base_tps:.1f} tok/s", flush=True)
-        for method, k in [(m, k) for m in ("ngram", "mtp") for k in range(1, args.max_k + 1)]:
-            tps, stats, out = run(windows, batch, args.prompt_tokens, args.new_tokens, args.threads, method, k)
-            rows.append(dict(batch=batch, method=method, k=k, tok_s=round(tps, 2),
+        configs = [(m, k, False) for m in ("ngram", "mtp") for k in range(1, args.max_k + 1)]
+        configs += [("dflash", k, False) for k in (1, 3, 5, 7)] + [("mtp", args.max_k, True)]
+        for method, k, adaptive in configs:
+            tps, stats, out = run(windows, batch, args.prompt_tokens, args.new_tokens, args.threads, method, k, adaptive)
+            rows.append(dict(batch=batch, method=method + (" adaptive" if adaptive else ""), k=k, tok_s=round(tps, 2),
                              mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
                              acceptance_by_position=[round(r, 3) for r in stats["spec_acceptance_by_position"]],
                              speedup=round(tps / base_tps, 3), equal_to_plain=out == base_out,
                              verify_tokens=stats["spec_drafted_tokens"] + stats["spec_verify_steps"],
                              rollback_tokens=stats["spec_rollback_tokens"]))
-            print(f"batch {batch} {method} K={k}: {tps:.1f} tok/s ({tps / base_tps:.2f}x), mean accepted length "
+            print(f"batch {batch} {rows[-1]['method']} K={k}: {tps:.1f} tok/s ({tps / base_tps:.2f}x), mean accepted length "
                   f"{stats['spec_mean_accepted_length']:.2f}, by position {rows[-1]['acceptance_by_position']}, "
                   f"equal to plain: {out == base_out}", flush=True)
     best = max((r for r in rows if r["method"] != "plain" and r["batch"] == 1), key=lambda r: r["tok_s"])
