@@ -80,6 +80,12 @@ impl LinearRoute {
         Self::new(GemvKernel::CudaCores, k)
     }
 
+    /// The route of a quantized weight: its own GEMV (`Linear::forward`), none of the dense
+    /// GEMV's fusions (the fused SwiGLU and RoPE epilogues read a dense `w`).
+    pub fn quantized() -> Self {
+        LinearRoute { gemv: false, gemv_m1: GemvKernel::CudaCores }
+    }
+
     /// The route `dev` gives a `[n, k]` weight.
     pub fn on_device(dev: &CudaDevice, n: usize, k: usize) -> Self {
         Self::new(dev.gemv_kernel(dev.gemv_form(), n, k, 1), k)
@@ -123,7 +129,7 @@ impl Linear {
             k,
             format: WeightFormat::Quant(w.format),
             bias,
-            route: LinearRoute { gemv: false, gemv_m1: GemvKernel::CudaCores },
+            route: LinearRoute::quantized(),
             quant: Some(QuantPart { weight, workspace }),
         })
     }

@@ -12,8 +12,17 @@
 //! What lands on the device is what `weights` documents: norm weights as stored (the
 //! kernels add 1 for zero-centred models), `A_log` and `dt_bias` in f32, the GDN input
 //! projection as four buffers.
+//!
+//! With `--quantize` a projection is encoded from its checkpoint values as the CPU loader does
+//! (`model::cpu::quant_load`) and held packed (`Linear::quantized`). A fused projection
+//! (q|k|v, gate|up, the GDN input projection) is encoded whole: the formats `CudaModel::supports`
+//! takes for `--quantize` encode every row from that row's values alone, so the fused payload
+//! decodes to exactly the parts' values (test: `quantize_packs_...`); NVFP4's tensor scale is
+//! not per row, so it is not taken on CUDA yet.
 
 mod pack;
+
+use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 
@@ -22,11 +31,12 @@ use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
 use crate::model::names;
+use crate::quant::{self, QuantFormat, QuantWeight};
 use crate::{NinferError, Result};
 
 pub use pack::Packed;
 
-use super::linear::{Linear, LinearRoute, WeightFormat};
+use super::linear::{Linear, LinearRoute, QuantPart, QuantWorkspace, WeightFormat};
 use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevMtp, DevWeights};
 
 /// Where packed tensors go: device buffers, or host vectors in the packing test.
@@ -41,12 +51,21 @@ pub trait Sink {
     fn format(&self) -> WeightFormat;
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
+    /// A quantized projection weight: the `Linear`'s placeholder `w` and its device part
+    /// (None where the sink runs nothing).
+    fn quant(&mut self, w: QuantWeight) -> Result<(Self::W, Option<QuantPart>)>;
+}
+
+/// Bytes a quantized weight holds: its payload and companions.
+fn quant_bytes(w: &QuantWeight) -> usize {
+    w.data.len() + [&w.scale, &w.zero, &w.g_idx].into_iter().flatten().map(|r| r.bytes.len()).sum::<usize>()
 }
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
 /// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
-pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<DevWeights<S::W, S::F>> {
-    let b = Builder { store, cfg };
+/// `quantize`: the `--quantize` format of the projections (the logits projection stays dense).
+pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quantize: Option<QuantFormat>) -> Result<DevWeights<S::W, S::F>> {
+    let b = Builder { store, cfg, quantize };
     let prefix = names::decoder_prefix(store);
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut layers = Vec::with_capacity(cfg.layer_types.len());
@@ -54,7 +73,8 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> R
     for (i, kind) in cfg.layer_types.iter().enumerate() {
         layers.push(b.layer(sink, &names::layer(prefix, i), *kind, &mut bytes)?);
     }
-    let lm_head = if cfg.tie_word_embeddings { None } else { Some(b.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
+    let dense = Builder { quantize: None, ..b };
+    let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
     let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
     Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
@@ -63,7 +83,7 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> R
 /// The MTP head of `cfg` from `store` (`mtp.*`, Qwen3.5 naming), handed to `sink` as the
 /// CPU loader reads it (`model::cpu::weights`); None when the checkpoint has no `mtp.fc`.
 /// Drafting runs one MTP layer, so a checkpoint with more is refused.
-pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<Option<DevMtp<S::W, S::F>>> {
+pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quantize: Option<QuantFormat>) -> Result<Option<DevMtp<S::W, S::F>>> {
     if !store.contains("mtp.fc.weight") {
         return Ok(None);
     }
@@ -75,7 +95,7 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) 
     if n_layers != 1 {
         return Err(NinferError::Unsupported(format!("drafting with {n_layers} MTP layers (mtp_num_hidden_layers); one")));
     }
-    let b = Builder { store, cfg };
+    let b = Builder { store, cfg, quantize };
     let h = cfg.hidden_size;
     let mut bytes = 0;
     let norm = |sink: &mut S, name: &str, bytes: &mut usize| b.put(sink, Packed::single(store.raw(name, &[h])?), bytes);
@@ -87,9 +107,11 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) 
     Ok(Some(DevMtp { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layer, norm, bytes }))
 }
 
+#[derive(Clone, Copy)]
 struct Builder<'a> {
     store: &'a WeightStore,
     cfg: &'a ModelConfig,
+    quantize: Option<QuantFormat>,
 }
 
 impl<'a> Builder<'a> {
@@ -112,6 +134,14 @@ impl<'a> Builder<'a> {
     /// the sink's format and with the route it gives the shape.
     fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let n = t.numel() / k;
+        if let Some(f) = self.quantize.filter(|f| quant::payload_bytes(*f, [n, k]).is_some_and(|p| p.is_ok())) {
+            let data = quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?;
+            let qw = QuantWeight::packed(&t.name(), f, [n, k], data);
+            *bytes += quant_bytes(&qw);
+            let (w, quant) = sink.quant(qw)?;
+            let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
+            return Ok(Linear { w, n, k, format: WeightFormat::Quant(f), bias, route: LinearRoute::quantized(), quant });
+        }
         let w = self.put(sink, t, bytes)?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
         Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k), quant: None })
@@ -220,12 +250,15 @@ pub struct DeviceSink<'a> {
     /// side limits the load (printed with the load time).
     fill_s: f64,
     wait_s: f64,
+    /// The dequantization workspace every quantized projection shares (None: all dense).
+    workspace: Option<Arc<QuantWorkspace>>,
 }
 
 impl<'a> DeviceSink<'a> {
     /// Same-type tensors are copied with positioned reads (`convert` falls back to the memory
-    /// mapping where a read fails).
-    pub fn new(dev: &'a CudaDevice) -> Result<Self> {
+    /// mapping where a read fails). `quant_elems`: the largest quantized projection's N x K
+    /// (the plan's `Planned::quant_elems`), the size of the shared workspace; 0 allocates none.
+    pub fn new(dev: &'a CudaDevice, quant_elems: usize) -> Result<Self> {
         let ctx = dev.context();
         let mut stages = Vec::with_capacity(STAGES);
         for _ in 0..STAGES {
@@ -242,7 +275,8 @@ impl<'a> DeviceSink<'a> {
             };
             stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
-        Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0 })
+        let workspace = if quant_elems > 0 { Some(QuantWorkspace::new(dev, quant_elems)?) } else { None };
+        Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0, workspace })
     }
 }
 
@@ -299,6 +333,12 @@ impl Sink for DeviceSink<'_> {
     fn route(&self, n: usize, k: usize) -> LinearRoute {
         LinearRoute::on_device(self.dev, n, k)
     }
+
+    fn quant(&mut self, w: QuantWeight) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+        let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
+        let l = Linear::quantized(self.dev, &w, None, workspace)?;
+        Ok((l.w, l.quant))
+    }
 }
 
 fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError) -> NinferError {
@@ -316,6 +356,8 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// Its projections get `format` and the CUDA-core route: a plan runs nothing.
 struct PlanSink {
     format: WeightFormat,
+    /// The largest quantized projection's N x K (the workspace the load allocates).
+    quant_elems: usize,
 }
 
 impl Sink for PlanSink {
@@ -337,19 +379,44 @@ impl Sink for PlanSink {
     fn route(&self, _n: usize, k: usize) -> LinearRoute {
         LinearRoute::cuda_cores(k)
     }
+
+    fn quant(&mut self, w: QuantWeight) -> Result<((), Option<QuantPart>)> {
+        quant::validate(&w.view())?;
+        self.quant_elems = self.quant_elems.max(w.shape[0] * w.shape[1]);
+        Ok(((), None))
+    }
+}
+
+/// What a load of the weights will hold, from a `PlanSink` pass.
+pub struct Planned {
+    /// Device bytes of the weights.
+    pub bytes: usize,
+    /// The largest quantized projection's N x K: the shared dequantization workspace.
+    pub quant_elems: usize,
 }
 
 /// Device bytes the weights of `cfg` in `store` take in `format` (every tensor checked as the
 /// load will).
-pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat) -> Result<usize> {
-    Ok(build(&mut PlanSink { format }, store, cfg)?.bytes)
+pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quantize: Option<QuantFormat>) -> Result<usize> {
+    Ok(plan(cfg, store, format, quantize)?.bytes)
+}
+
+/// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
+/// tensor checked, and quantized, as the load will).
+pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quantize: Option<QuantFormat>) -> Result<Planned> {
+    let mut sink = PlanSink { format, quant_elems: 0 };
+    let bytes = build(&mut sink, store, cfg, quantize)?.bytes;
+    Ok(Planned { bytes, quant_elems: sink.quant_elems })
 }
 
 impl DevWeights {
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
+    /// `quantize`: the `--quantize` format of the projections.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quantize: Option<QuantFormat>) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let needed = planned_weight_bytes(cfg, store, dev.storage().into())?;
+        let planned = plan(cfg, store, dev.storage().into(), quantize)?;
+        // The workspace is allocated beside the weights.
+        let needed = planned.bytes + 2 * planned.quant_elems;
         let (free, _) = dev.memory_info()?;
         if needed > free {
             return Err(NinferError::OutOfMemory {
@@ -359,8 +426,8 @@ impl DevWeights {
                 hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\"".into(),
             });
         }
-        let mut sink = DeviceSink::new(dev)?;
-        let w = build(&mut sink, store, cfg)?;
+        let mut sink = DeviceSink::new(dev, planned.quant_elems)?;
+        let w = build(&mut sink, store, cfg, quantize)?;
         dev.synchronize()?;
         let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
         eprintln!(
@@ -377,11 +444,12 @@ impl DevWeights {
 impl DevMtp {
     /// Loads the MTP head of `cfg` from `store` onto `dev` (None: the checkpoint has none),
     /// refusing a head that does not fit the free device memory with its size.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Option<Self>> {
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quantize: Option<QuantFormat>) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let Some(planned) = build_mtp(&mut PlanSink { format: dev.storage().into() }, store, cfg)? else { return Ok(None) };
+        let mut plan_sink = PlanSink { format: dev.storage().into(), quant_elems: 0 };
+        let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quantize)? else { return Ok(None) };
         let (free, _) = dev.memory_info()?;
-        if planned.bytes > free {
+        if planned.bytes + 2 * plan_sink.quant_elems > free {
             return Err(NinferError::OutOfMemory {
                 what: format!("the MTP head's weights on cuda:{} (--spec mtp)", dev.ordinal()),
                 needed: planned.bytes as u64,
@@ -389,8 +457,8 @@ impl DevMtp {
                 hint: "run without --spec mtp, or with --spec ngram".into(),
             });
         }
-        let mut sink = DeviceSink::new(dev)?;
-        let mtp = build_mtp(&mut sink, store, cfg)?;
+        let mut sink = DeviceSink::new(dev, plan_sink.quant_elems)?;
+        let mtp = build_mtp(&mut sink, store, cfg, quantize)?;
         dev.synchronize()?;
         Ok(mtp)
     }

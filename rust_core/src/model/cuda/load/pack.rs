@@ -52,6 +52,21 @@ impl<'a> Packed<'a> {
         self.numel
     }
 
+    /// The packed tensor's values in f32, exactly as the CPU loader reads each part
+    /// (`--quantize` encodes these, as the CPU model does).
+    pub fn values_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.numel];
+        for seg in &self.segments {
+            self.parts[seg.part].f32_into(seg.src, &mut out[seg.dst..seg.dst + seg.len]);
+        }
+        out
+    }
+
+    /// The checkpoint tensors' names joined by `|` (the name a fused quantized weight's errors give).
+    pub fn name(&self) -> String {
+        self.parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join("|")
+    }
+
     /// Replaces the first part (which must start at 0) by its `blocks` equal blocks taken in
     /// the order `source_block(d)` gives for destination block `d`.
     pub(super) fn permute_first_part(mut self, blocks: usize, source_block: impl Fn(usize) -> usize) -> Self {
