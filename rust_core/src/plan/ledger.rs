@@ -107,7 +107,18 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
     }
     let mtp_loaded = target == Target::Cpu || is_mtp(&input.engine);
     let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
-    for t in input.tensors.iter().filter(|t| !t.mtp || mtp_loaded) {
+    let tensors: Vec<&PlannedTensor> = input.tensors.iter().filter(|t| !t.mtp || mtp_loaded).collect();
+    // Rows of the fused projection each matrix begins (0 for the later parts): a format that
+    // encodes rows alone holds it as one matrix on the GPU, so its bytes are the fused payload.
+    let mut fused_rows = vec![0usize; tensors.len()];
+    let mut lead = 0;
+    for (i, t) in tensors.iter().enumerate().filter(|(_, t)| t.role == Role::Matrix) {
+        if !t.fused {
+            lead = i;
+        }
+        fused_rows[lead] += t.shape[0];
+    }
+    for (i, t) in tensors.into_iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
         let quant = match t.role {
             Role::Matrix => input.quantize,
@@ -116,6 +127,9 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
         }
         .filter(|f| f.holds(t.shape[0], cols));
         let (name, bytes) = match (quant, t.role) {
+            (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
+                (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
+            }
             (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
             (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
             (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),

@@ -388,7 +388,6 @@ fn check_quant_layer(sink: &HostSink, host: &LayerWeights, dev: &DevLayer<Vec<u1
 
 #[test]
 fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
-    use crate::quant::QuantizeMode;
     // The hybrid (gated q_proj reordered, GDN in_proj of four parts, MTP head), a plain model
     // with projection biases.
     let hybrid = checkpoint_full("q35_quant", "Qwen3_5ForCausalLM", Dtype::BF16, false, true);
@@ -397,7 +396,9 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
         let cfg = ModelConfig::from_dir(dir).unwrap();
         let store = WeightStore::open(dir).unwrap();
         let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, None).unwrap();
-        for mode in [QuantizeMode::W8, QuantizeMode::Q4, QuantizeMode::Q5, QuantizeMode::Q6, QuantizeMode::Fp8] {
+        for flag in ["w8", "q4", "q5", "q6", "fp8"] {
+            let plan_format = crate::plan::QuantFormat::parse(flag).unwrap();
+            let mode = plan_format.mode;
             let f = mode.format();
             assert!(super::super::CudaModel::supports(f), "{f:?}");
             let opts = quantize_opts(mode);
@@ -428,6 +429,21 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
             assert_eq!(planned.bytes, dev.bytes, "{f:?}: the plan's bytes are the load's");
             let largest = sink.quant.iter().map(|w| w.shape[0] * w.shape[1]).max().unwrap();
             assert_eq!(planned.quant_elems, largest, "{f:?}: the workspace fits the largest projection");
+            // `ninfer plan --quantize` counts the same bytes from the headers.
+            let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
+            let input = crate::plan::PlanInput {
+                cfg: &cfg,
+                tensors: &tensors,
+                target: crate::plan::Target::Gpu,
+                engine: Default::default(),
+                quantize: Some(plan_format),
+                quantize_lm_head: false,
+                memory: None,
+                pool: crate::plan::PoolRule::OneContext,
+            };
+            let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+            assert_eq!(total, dev.bytes as u64, "{f:?}: ninfer plan's bytes are the load's");
+            assert_eq!(lines.iter().find(|l| l.format == f.name()).map(|l| l.bytes as usize), Some(packed), "{f:?}: the plan's {} line", f.name());
             // The MTP head quantizes as the CPU's does.
             if let (Some(hm), Some(dm)) = (&host.mtp, build_mtp(&mut sink, &store, &cfg, Some(f)).unwrap()) {
                 same_quantized(&sink, &dm.fc, &hm.fc, f, "mtp fc");
