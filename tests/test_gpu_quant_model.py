@@ -79,8 +79,8 @@ def _prompt(name: str, vocab: int, n: int = 48) -> list:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["demo", "qwen3_5", "llama"])
 def test_quantized_logits_match_the_cpu_with_the_same_quantize(name, mode, request):
-    """Prefill logits (past QUANT_GEMV_MAX_M rows: the workspace + cuBLAS route) and one-token
-    decode logits (the fused GEMV) track the CPU backend holding the same quantized weights."""
+    """Prefill logits (48 rows, past QUANT_GEMV_MAX_M: the workspace + cuBLAS route) track the
+    CPU backend holding the same quantized weights; decode (the fused GEMV) is the greedy test's."""
     model_dir = _model_dir(name, request)
     cpu = _core.Model(str(model_dir), device="cpu", logits_dtype="float32", quantize=mode)
     gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", quantize=mode)
