@@ -104,17 +104,14 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
 #[cfg(feature = "cuda")]
 fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     let device = format!("cuda:{ordinal}");
-    // The CUDA loader quantizes the body's projections on load; packed tensors handed in and a
-    // quantized logits projection are the CPU backend's only, for now.
-    if let Some(name) = opts.quant_tensors.as_deref().and_then(|g| g.keys().min()) {
-        return Err(crate::NinferError::Unsupported(format!("{device}: quantized tensors handed in by name ({name}) are not loaded on the CUDA backend yet; load on the CPU (--device cpu)")));
-    }
+    // The CUDA loader quantizes the body's projections; a quantized logits projection is the CPU
+    // backend's only, for now.
     if opts.quantize_lm_head {
         return Err(crate::NinferError::Unsupported(format!("{device}: --quantize-lm-head is not supported on the CUDA backend yet; leave it out (the LM head stays bf16) or load on the CPU")));
     }
     cpu::quant_load::refuse_unsupported(dir, opts, &device, CudaModel::supports)?;
-    let quantize = opts.quantize.map(|m| m.format());
-    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda, quantize)?))
+    let quant = crate::model::cuda::load::QuantLoad { quantize: opts.quantize.map(|m| m.format()), given: opts.quant_tensors.clone() };
+    Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda, quant)?))
 }
 
 #[cfg(not(feature = "cuda"))]

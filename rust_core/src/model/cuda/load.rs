@@ -18,10 +18,13 @@
 //! (q|k|v, gate|up, the GDN input projection) is encoded whole: the formats `CudaModel::supports`
 //! takes for `--quantize` encode every row from that row's values alone, so the fused payload
 //! decodes to exactly the parts' values (test: `quantize_packs_...`); NVFP4's tensor scale is
-//! not per row, so it is not taken on CUDA yet.
+//! not per row, so it is not taken on CUDA yet. Packed GGUF tensors handed in by name are fused
+//! by concatenating their rows' blocks (`Packed::concat_rows`).
 
 mod pack;
 
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
@@ -56,6 +59,37 @@ pub trait Sink {
     fn quant(&mut self, w: QuantWeight) -> Result<(Self::W, Option<QuantPart>)>;
 }
 
+/// What the projections are held in beyond the checkpoint's dense tensors: `--quantize`'s
+/// format, and packed tensors handed in by name (`LoadOptions::quant_tensors`).
+#[derive(Clone, Default)]
+pub struct QuantLoad {
+    pub quantize: Option<QuantFormat>,
+    pub given: Option<Arc<HashMap<String, QuantWeight>>>,
+}
+
+impl QuantLoad {
+    /// Only `--quantize` (or nothing).
+    pub fn quantize(quantize: Option<QuantFormat>) -> Self {
+        QuantLoad { quantize, given: None }
+    }
+
+    /// Refuses a handed-in tensor the load took no place for (names in `used`); `skip_mtp`: the
+    /// MTP head's (`mtp.*`) are the MTP load's.
+    fn refuse_unused(&self, used: &BTreeSet<String>, skip_mtp: bool) -> Result<()> {
+        let Some(g) = self.given.as_deref() else { return Ok(()) };
+        let mut unused: Vec<&String> = g.keys().filter(|n| !used.contains(*n) && !(skip_mtp && n.starts_with("mtp."))).collect();
+        unused.sort();
+        match unused.first() {
+            None => Ok(()),
+            Some(name) => Err(NinferError::QuantTensor {
+                name: name.to_string(),
+                format: g[*name].format.name().to_string(),
+                reason: "handed in, but the CUDA backend holds no projection of that name packed (embeddings and the LM head stay dense there)".into(),
+            }),
+        }
+    }
+}
+
 /// Bytes a quantized weight holds: its payload and companions.
 fn quant_bytes(w: &QuantWeight) -> usize {
     w.data.len() + [&w.scale, &w.zero, &w.g_idx].into_iter().flatten().map(|r| r.bytes.len()).sum::<usize>()
@@ -63,9 +97,11 @@ fn quant_bytes(w: &QuantWeight) -> usize {
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
 /// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
-/// `quantize`: the `--quantize` format of the projections (the logits projection stays dense).
-pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quantize: Option<QuantFormat>) -> Result<DevWeights<S::W, S::F>> {
-    let b = Builder { store, cfg, quantize };
+/// `quant`: `--quantize` and the handed-in packed tensors of the projections (the logits
+/// projection and the embedding stay dense).
+pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<DevWeights<S::W, S::F>> {
+    let used = RefCell::new(BTreeSet::new());
+    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), used: &used };
     let prefix = names::decoder_prefix(store);
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut layers = Vec::with_capacity(cfg.layer_types.len());
@@ -73,17 +109,18 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quan
     for (i, kind) in cfg.layer_types.iter().enumerate() {
         layers.push(b.layer(sink, &names::layer(prefix, i), *kind, &mut bytes)?);
     }
-    let dense = Builder { quantize: None, ..b };
+    let dense = Builder { quantize: None, given: None, ..b };
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
     let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
+    quant.refuse_unused(&used.borrow(), store.contains("mtp.fc.weight"))?;
     Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
 }
 
 /// The MTP head of `cfg` from `store` (`mtp.*`, Qwen3.5 naming), handed to `sink` as the
 /// CPU loader reads it (`model::cpu::weights`); None when the checkpoint has no `mtp.fc`.
 /// Drafting runs one MTP layer, so a checkpoint with more is refused.
-pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quantize: Option<QuantFormat>) -> Result<Option<DevMtp<S::W, S::F>>> {
+pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<Option<DevMtp<S::W, S::F>>> {
     if !store.contains("mtp.fc.weight") {
         return Ok(None);
     }
@@ -95,7 +132,8 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, 
     if n_layers != 1 {
         return Err(NinferError::Unsupported(format!("drafting with {n_layers} MTP layers (mtp_num_hidden_layers); one")));
     }
-    let b = Builder { store, cfg, quantize };
+    let used = RefCell::new(BTreeSet::new());
+    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), used: &used };
     let h = cfg.hidden_size;
     let mut bytes = 0;
     let norm = |sink: &mut S, name: &str, bytes: &mut usize| b.put(sink, Packed::single(store.raw(name, &[h])?), bytes);
@@ -104,6 +142,10 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, 
     let pre_fc_norm_hidden = norm(sink, "mtp.pre_fc_norm_hidden.weight", &mut bytes)?;
     let layer = b.layer(sink, "mtp.layers.0", LayerType::FullAttention, &mut bytes)?;
     let norm = norm(sink, "mtp.norm.weight", &mut bytes)?;
+    let mut used = used.borrow().clone();
+    // The main load's names: only the MTP head's (`mtp.*`) are checked here.
+    used.extend(quant.given.iter().flat_map(|g| g.keys()).filter(|n| !n.starts_with("mtp.")).cloned());
+    quant.refuse_unused(&used, false)?;
     Ok(Some(DevMtp { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layer, norm, bytes }))
 }
 
@@ -112,6 +154,9 @@ struct Builder<'a> {
     store: &'a WeightStore,
     cfg: &'a ModelConfig,
     quantize: Option<QuantFormat>,
+    given: Option<&'a HashMap<String, QuantWeight>>,
+    /// Handed-in tensors taken.
+    used: &'a RefCell<BTreeSet<String>>,
 }
 
 impl<'a> Builder<'a> {
@@ -134,9 +179,20 @@ impl<'a> Builder<'a> {
     /// the sink's format and with the route it gives the shape.
     fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let n = t.numel() / k;
-        if let Some(f) = self.quantize.filter(|f| quant::payload_bytes(*f, [n, k]).is_some_and(|p| p.is_ok())) {
-            let data = quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?;
-            let qw = QuantWeight::packed(&t.name(), f, [n, k], data);
+        let given: Vec<Option<&QuantWeight>> = t.part_names().map(|name| self.given.and_then(|g| g.get(name))).collect();
+        let packed = if given.iter().any(Option::is_some) {
+            let given: Vec<&QuantWeight> = given.into_iter().collect::<Option<_>>().ok_or_else(|| {
+                NinferError::Unsupported(format!("{}: only some parts of this fused projection are handed in packed; the CUDA backend holds it as one matrix", t.name()))
+            })?;
+            self.used.borrow_mut().extend(t.part_names().map(str::to_string));
+            Some(t.concat_rows(&given, k)?)
+        } else if let Some(f) = self.quantize.filter(|f| quant::payload_bytes(*f, [n, k]).is_some_and(|p| p.is_ok())) {
+            Some(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?))
+        } else {
+            None
+        };
+        if let Some(qw) = packed {
+            let f = qw.format;
             *bytes += quant_bytes(&qw);
             let (w, quant) = sink.quant(qw)?;
             let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
@@ -397,24 +453,24 @@ pub struct Planned {
 
 /// Device bytes the weights of `cfg` in `store` take in `format` (every tensor checked as the
 /// load will).
-pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quantize: Option<QuantFormat>) -> Result<usize> {
-    Ok(plan(cfg, store, format, quantize)?.bytes)
+pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<usize> {
+    Ok(plan(cfg, store, format, quant)?.bytes)
 }
 
 /// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
 /// tensor checked, and quantized, as the load will).
-pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quantize: Option<QuantFormat>) -> Result<Planned> {
+pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
     let mut sink = PlanSink { format, quant_elems: 0 };
-    let bytes = build(&mut sink, store, cfg, quantize)?.bytes;
+    let bytes = build(&mut sink, store, cfg, quant)?.bytes;
     Ok(Planned { bytes, quant_elems: sink.quant_elems })
 }
 
 impl DevWeights {
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
-    /// `quantize`: the `--quantize` format of the projections.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quantize: Option<QuantFormat>) -> Result<Self> {
+    /// `quant`: `--quantize` and the handed-in packed tensors of the projections.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let planned = plan(cfg, store, dev.storage().into(), quantize)?;
+        let planned = plan(cfg, store, dev.storage().into(), quant)?;
         // The workspace is allocated beside the weights.
         let needed = planned.bytes + 2 * planned.quant_elems;
         let (free, _) = dev.memory_info()?;
@@ -427,7 +483,7 @@ impl DevWeights {
             });
         }
         let mut sink = DeviceSink::new(dev, planned.quant_elems)?;
-        let w = build(&mut sink, store, cfg, quantize)?;
+        let w = build(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
         eprintln!(
@@ -444,10 +500,10 @@ impl DevWeights {
 impl DevMtp {
     /// Loads the MTP head of `cfg` from `store` onto `dev` (None: the checkpoint has none),
     /// refusing a head that does not fit the free device memory with its size.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quantize: Option<QuantFormat>) -> Result<Option<Self>> {
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let mut plan_sink = PlanSink { format: dev.storage().into(), quant_elems: 0 };
-        let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quantize)? else { return Ok(None) };
+        let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quant)? else { return Ok(None) };
         let (free, _) = dev.memory_info()?;
         if planned.bytes + 2 * plan_sink.quant_elems > free {
             return Err(NinferError::OutOfMemory {
@@ -458,7 +514,7 @@ impl DevMtp {
             });
         }
         let mut sink = DeviceSink::new(dev, plan_sink.quant_elems)?;
-        let mtp = build_mtp(&mut sink, store, cfg, quantize)?;
+        let mtp = build_mtp(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         Ok(mtp)
     }
