@@ -1,7 +1,8 @@
 """`--quantize` on the CUDA backend: the projections quantized on load (fused q|k|v, gate|up and
 the GDN input projection encoded whole, which decodes to exactly the CPU model's values: the
-loader's host tests), run through the fused-dequantization GEMV (decode) and the dequantized
-workspace + cuBLAS (prefill). Checked against the CPU backend with the same `--quantize`: logits
+loader's host tests) or handed in as GGUF tensors (a fused projection's rows of blocks
+concatenated), run through the fused-dequantization GEMV (decode) and the dequantized workspace +
+cuBLAS (prefill). Checked against the CPU backend with the same `--quantize`: logits
 within the dense suite's bounds, greedy output equal but at near-ties, the demo model's held-out
 perplexity within 1e-3 relative, and the bytes the runner reports equal to `ninfer plan`'s.
 
@@ -130,13 +131,18 @@ def test_demo_perplexity_per_format_on_cuda_is_the_cpus():
     from quant_perplexity import perplexity
 
     windows = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"][:8]
-    for mode in MODES:
+    runs = [(f"--quantize {mode}", dict(quantize=mode)) for mode in MODES]
+    pytest.importorskip("gguf")
+    from quant_perplexity import gguf_q8_0_tensors
+
+    runs.append(("GGUF Q8_0 handed in", dict(quant_tensors=gguf_q8_0_tensors(DEMO / "model"))))
+    for what, kwargs in runs:
         ppl = {}
         for device in ("cpu", "cuda"):
-            model = _core.Model(str(DEMO / "model"), device=device, logits_dtype="float32", quantize=mode)
+            model = _core.Model(str(DEMO / "model"), device=device, logits_dtype="float32", **kwargs)
             ppl[device] = perplexity(model, windows)
         rel = abs(ppl["cuda"] / ppl["cpu"] - 1.0)
-        print(f"demo --quantize {mode}: perplexity CPU {ppl['cpu']:.4f}, CUDA {ppl['cuda']:.4f} (rel {rel:.1e})")
+        print(f"demo {what}: perplexity CPU {ppl['cpu']:.4f}, CUDA {ppl['cuda']:.4f} (rel {rel:.1e})")
         assert rel <= PPL_REL_TOL
 
 
