@@ -54,9 +54,10 @@ pub trait Sink {
     fn format(&self) -> WeightFormat;
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
-    /// A quantized projection weight: the `Linear`'s placeholder `w` and its device part
-    /// (None where the sink runs nothing).
-    fn quant(&mut self, w: QuantWeight) -> Result<(Self::W, Option<QuantPart>)>;
+    /// A quantized `shape` projection weight in `format`, from `encode` (which a sink that
+    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load): the
+    /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
+    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(Self::W, Option<QuantPart>)>;
 }
 
 /// What the projections are held in beyond the checkpoint's dense tensors: `--quantize`'s
@@ -180,27 +181,28 @@ impl<'a> Builder<'a> {
     fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let n = t.numel() / k;
         let given: Vec<Option<&QuantWeight>> = t.part_names().map(|name| self.given.and_then(|g| g.get(name))).collect();
-        let packed = if given.iter().any(Option::is_some) {
+        let (w, format, quant) = if given.iter().any(Option::is_some) {
             let given: Vec<&QuantWeight> = given.into_iter().collect::<Option<_>>().ok_or_else(|| {
                 NinferError::Unsupported(format!("{}: only some parts of this fused projection are handed in packed; the CUDA backend holds it as one matrix", t.name()))
             })?;
             self.used.borrow_mut().extend(t.part_names().map(str::to_string));
-            Some(t.concat_rows(&given, k)?)
-        } else if let Some(f) = self.quantize.filter(|f| quant::payload_bytes(*f, [n, k]).is_some_and(|p| p.is_ok())) {
-            Some(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?))
-        } else {
-            None
-        };
-        if let Some(qw) = packed {
-            let f = qw.format;
+            let qw = t.concat_rows(&given, k)?;
             *bytes += quant_bytes(&qw);
-            let (w, quant) = sink.quant(qw)?;
-            let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
-            return Ok(Linear { w, n, k, format: WeightFormat::Quant(f), bias, route: LinearRoute::quantized(), quant });
-        }
-        let w = self.put(sink, t, bytes)?;
+            let f = qw.format;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(qw))?;
+            (w, WeightFormat::Quant(f), quant)
+        } else if let Some(Some(Ok(size))) = self.quantize.map(|f| quant::payload_bytes(f, [n, k])) {
+            // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
+            let f = self.quantize.expect("matched");
+            *bytes += size;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)))?;
+            (w, WeightFormat::Quant(f), quant)
+        } else {
+            (self.put(sink, t, bytes)?, sink.format(), None)
+        };
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
-        Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k), quant: None })
+        let route = if matches!(format, WeightFormat::Quant(_)) { LinearRoute::quantized() } else { sink.route(n, k) };
+        Ok(Linear { w, n, k, format, bias, route, quant })
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
@@ -390,7 +392,8 @@ impl Sink for DeviceSink<'_> {
         LinearRoute::on_device(self.dev, n, k)
     }
 
-    fn quant(&mut self, w: QuantWeight) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+        let w = encode()?;
         let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
         let l = Linear::quantized(self.dev, &w, None, workspace)?;
         Ok((l.w, l.quant))
@@ -436,9 +439,8 @@ impl Sink for PlanSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, w: QuantWeight) -> Result<((), Option<QuantPart>)> {
-        quant::validate(&w.view())?;
-        self.quant_elems = self.quant_elems.max(w.shape[0] * w.shape[1]);
+    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>) -> Result<((), Option<QuantPart>)> {
+        self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
         Ok(((), None))
     }
 }

@@ -61,7 +61,9 @@ impl Sink for HostSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, w: crate::quant::QuantWeight) -> Result<(Vec<u16>, Option<QuantPart>)> {
+    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>) -> Result<(Vec<u16>, Option<QuantPart>)> {
+        let w = encode()?;
+        assert_eq!((w.format, w.shape), (format, shape), "the encoded weight is the one announced");
         crate::quant::validate(&w.view())?;
         self.quant.push(w);
         Ok((vec![(self.quant.len() - 1) as u16], None))
