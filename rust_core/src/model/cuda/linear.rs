@@ -38,6 +38,11 @@ impl QuantWorkspace {
         let buf = dev.stream().alloc_zeros::<u16>(elems.max(1)).map_err(|e| NinferError::Device(format!("allocating the dequantization workspace of {elems} elements: {e}")))?;
         Ok(Arc::new(QuantWorkspace(Mutex::new(buf))))
     }
+
+    /// Storage elements it holds.
+    pub fn elems(&self) -> usize {
+        self.0.lock().expect("quant workspace poisoned").len()
+    }
 }
 
 /// A quantized projection's device part: the packed weight and the workspace it shares.

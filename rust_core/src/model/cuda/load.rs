@@ -314,9 +314,9 @@ pub struct DeviceSink<'a> {
 
 impl<'a> DeviceSink<'a> {
     /// Same-type tensors are copied with positioned reads (`convert` falls back to the memory
-    /// mapping where a read fails). `quant_elems`: the largest quantized projection's N x K
-    /// (the plan's `Planned::quant_elems`), the size of the shared workspace; 0 allocates none.
-    pub fn new(dev: &'a CudaDevice, quant_elems: usize) -> Result<Self> {
+    /// mapping where a read fails). `workspace`: the dequantization workspace the quantized
+    /// projections share (`workspace_for`).
+    pub fn new(dev: &'a CudaDevice, workspace: Option<Arc<QuantWorkspace>>) -> Result<Self> {
         let ctx = dev.context();
         let mut stages = Vec::with_capacity(STAGES);
         for _ in 0..STAGES {
@@ -333,7 +333,6 @@ impl<'a> DeviceSink<'a> {
             };
             stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
-        let workspace = if quant_elems > 0 { Some(QuantWorkspace::new(dev, quant_elems)?) } else { None };
         Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0, workspace })
     }
 }
@@ -445,6 +444,16 @@ impl Sink for PlanSink {
     }
 }
 
+/// The workspace for quantized projections of up to `quant_elems` elements (the plan's
+/// `Planned::quant_elems`): `shared` where it is large enough, else a new one; None for none.
+fn workspace_for(dev: &CudaDevice, quant_elems: usize, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Arc<QuantWorkspace>>> {
+    match shared {
+        _ if quant_elems == 0 => Ok(None),
+        Some(w) if w.elems() >= quant_elems => Ok(Some(w)),
+        _ => Ok(Some(QuantWorkspace::new(dev, quant_elems)?)),
+    }
+}
+
 /// What a load of the weights will hold, from a `PlanSink` pass.
 pub struct Planned {
     /// Device bytes of the weights.
@@ -468,12 +477,24 @@ pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant:
 }
 
 impl DevWeights {
+    /// The dequantization workspace the quantized projections share (None: all dense).
+    pub fn quant_workspace(&self) -> Option<Arc<QuantWorkspace>> {
+        let linears = self.layers.iter().flat_map(|l| {
+            let mixer: [&Linear; 2] = match &l.mixer {
+                DevMixer::Attention(a) => [&a.qkv, &a.o],
+                DevMixer::Gdn(g) => [&g.in_proj, &g.out],
+            };
+            mixer.into_iter().chain([&l.gate_up, &l.down])
+        });
+        linears.filter_map(|l| l.quant.as_ref()).map(|q| q.workspace.clone()).next()
+    }
+
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
     /// `quant`: `--quantize` and the handed-in packed tensors of the projections.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let planned = plan(cfg, store, dev.storage().into(), quant)?;
-        // The workspace is allocated beside the weights.
+        // The dequantization workspace is allocated beside the weights.
         let needed = planned.bytes + 2 * planned.quant_elems;
         let (free, _) = dev.memory_info()?;
         if needed > free {
@@ -484,7 +505,8 @@ impl DevWeights {
                 hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\"".into(),
             });
         }
-        let mut sink = DeviceSink::new(dev, planned.quant_elems)?;
+        let workspace = workspace_for(dev, planned.quant_elems, None)?;
+        let mut sink = DeviceSink::new(dev, workspace)?;
         let w = build(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
@@ -502,12 +524,14 @@ impl DevWeights {
 impl DevMtp {
     /// Loads the MTP head of `cfg` from `store` onto `dev` (None: the checkpoint has none),
     /// refusing a head that does not fit the free device memory with its size.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Option<Self>> {
+    /// `shared`: the model's dequantization workspace, used where it is large enough.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let mut plan_sink = PlanSink { format: dev.storage().into(), quant_elems: 0 };
         let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quant)? else { return Ok(None) };
         let (free, _) = dev.memory_info()?;
-        if planned.bytes + 2 * plan_sink.quant_elems > free {
+        let reuse = shared.as_ref().is_some_and(|w| w.elems() >= plan_sink.quant_elems);
+        if planned.bytes + if reuse { 0 } else { 2 * plan_sink.quant_elems } > free {
             return Err(NinferError::OutOfMemory {
                 what: format!("the MTP head's weights on cuda:{} (--spec mtp)", dev.ordinal()),
                 needed: planned.bytes as u64,
@@ -515,7 +539,8 @@ impl DevMtp {
                 hint: "run without --spec mtp, or with --spec ngram".into(),
             });
         }
-        let mut sink = DeviceSink::new(dev, plan_sink.quant_elems)?;
+        let workspace = workspace_for(dev, plan_sink.quant_elems, shared)?;
+        let mut sink = DeviceSink::new(dev, workspace)?;
         let mtp = build_mtp(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         Ok(mtp)

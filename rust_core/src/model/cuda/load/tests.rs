@@ -446,6 +446,7 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
             let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
             assert_eq!(total, dev.bytes as u64, "{f:?}: ninfer plan's bytes are the load's");
             assert_eq!(lines.iter().find(|l| l.format == f.name()).map(|l| l.bytes as usize), Some(packed), "{f:?}: the plan's {} line", f.name());
+            assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64, "{f:?}: the plan's dequantization workspace");
             // The MTP head quantizes as the CPU's does.
             if let (Some(hm), Some(dm)) = (&host.mtp, build_mtp(&mut sink, &store, &cfg, &QuantLoad::quantize(Some(f))).unwrap()) {
                 same_quantized(&sink, &dm.fc, &hm.fc, f, "mtp fc");
