@@ -58,6 +58,10 @@ pub trait Sink {
     /// only plans need not run: `--quantize`'s encoding is the slow part of such a load): the
     /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
     fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(Self::W, Option<QuantPart>)>;
+    /// Whether `--quantize` progress is shown while building (the device load, on a terminal).
+    fn shows_progress(&self) -> bool {
+        false
+    }
 }
 
 /// What the projections are held in beyond the checkpoint's dense tensors: `--quantize`'s
@@ -107,8 +111,15 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quan
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut layers = Vec::with_capacity(cfg.layer_types.len());
     let mut bytes = 0;
+    let progress = quant.quantize.filter(|_| sink.shows_progress() && std::io::IsTerminal::is_terminal(&std::io::stderr()));
     for (i, kind) in cfg.layer_types.iter().enumerate() {
+        if let Some(f) = progress {
+            eprint!("\rninfer: quantizing to {}: layer {}/{}", f.name(), i + 1, cfg.layer_types.len());
+        }
         layers.push(b.layer(sink, &names::layer(prefix, i), *kind, &mut bytes)?);
+    }
+    if progress.is_some() {
+        eprintln!();
     }
     let dense = Builder { quantize: None, given: None, ..b };
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
@@ -389,6 +400,10 @@ impl Sink for DeviceSink<'_> {
 
     fn route(&self, n: usize, k: usize) -> LinearRoute {
         LinearRoute::on_device(self.dev, n, k)
+    }
+
+    fn shows_progress(&self) -> bool {
+        true
     }
 
     fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
