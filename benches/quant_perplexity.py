@@ -10,6 +10,10 @@ as packed tensors (`_core.Model(quant_tensors=...)`). Targets: W8, FP8 and Q6 wi
 the 4-bit formats within 10%. The record goes to benches/results/quant_perplexity.json.
 
     .ci/dev-build && PYTHONPATH=python python benches/quant_perplexity.py
+
+`--device cuda` scores what the CUDA backend loads (w8, q4, q5, q6, fp8 and the handed-in GGUF Q8_0;
+NVFP4 is refused there) with the same windows; the record goes to
+benches/results/quant_perplexity_cuda.json.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ MODEL = DEMO / "model"
 #: --quantize modes with their format names and the relative perplexity bound the issue sets.
 MODES = {"w8": ("W8G32_F16S", 0.01), "fp8": ("FP8_E4M3FN_ROW_BF16S", 0.01), "q6": ("Q6G64_F16S", 0.01),
          "q5": ("Q5G64_F16S", 0.10), "q4": ("Q4G64_F16S", 0.10), "nvfp4": ("NVFP4", 0.10)}
+
+
+#: Modes the CUDA backend does not load yet (refused there naming the tensor and the format).
+CPU_ONLY = {"nvfp4"}
+
+
+def device_name(device: str) -> str:
+    """The GPU's name as torch reports it (the record's device line)."""
+    import torch
+
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return torch.cuda.get_device_name(index)
 
 
 def perplexity(model, windows) -> float:
@@ -71,8 +87,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--windows", type=int, default=None, help="score only the first N windows (default: all)")
-    p.add_argument("--out", type=Path, default=REPO / "benches" / "results" / "quant_perplexity.json")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
+    p.add_argument("--out", type=Path, default=None, help="default: benches/results/quant_perplexity.json (quant_perplexity_cuda.json on a GPU)")
     args = p.parse_args(argv)
+    gpu = args.device != "cpu"
+    if args.out is None:
+        args.out = REPO / "benches" / "results" / ("quant_perplexity_cuda.json" if gpu else "quant_perplexity.json")
+    if gpu and args.threads is not None:
+        p.error("--threads sets the CPU backend's threads; leave it out with --device cuda")
     from ninfer import _core
 
     data = json.loads((DEMO / "heldout_tokens.json").read_text())
@@ -81,7 +103,7 @@ def main(argv=None) -> int:
 
     def measure(weights: str, fmt: str, bound, **kwargs):
         t0 = time.perf_counter()
-        model = _core.Model(str(MODEL), num_threads=args.threads, logits_dtype="float32", **kwargs)
+        model = _core.Model(str(MODEL), device=args.device, num_threads=args.threads, logits_dtype="float32", **kwargs)
         ppl = perplexity(model, windows)
         row = dict(weights=weights, format=fmt, perplexity=round(ppl, 4), seconds=round(time.perf_counter() - t0, 1))
         if runs:
@@ -94,15 +116,16 @@ def main(argv=None) -> int:
 
     measure("bf16", "bf16 (as shipped)", None)
     for mode, (fmt, bound) in MODES.items():
-        measure(f"--quantize {mode}", fmt, bound, quantize=mode)
+        if not (gpu and mode in CPU_ONLY):
+            measure(f"--quantize {mode}", fmt, bound, quantize=mode)
     measure("GGUF Q8_0 (gguf package quantizer)", "GGUF_Q8_0", 0.01, quant_tensors=gguf_q8_0_tensors(MODEL))
     record = {
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
-        "device": f"{cpu_name()} ({args.threads or os.cpu_count()} threads)",
+        "device": device_name(args.device) if gpu else f"{cpu_name()} ({args.threads or os.cpu_count()} threads)",
         "command": "python benches/quant_perplexity.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
         "model": "bundled demo model (python/ninfer/demo/model, Qwen3.5 hybrid, 10.1M params, bf16)",
-        "metric": "held-out perplexity, float32 logits, CPU backend",
+        "metric": f"held-out perplexity, float32 logits, {'CUDA' if gpu else 'CPU'} backend",
         "value": runs[0]["perplexity"],
         "weights": "bf16",
         "windows": f"{len(windows)} x {len(windows[0])} tokens",

@@ -58,7 +58,7 @@ class LLM:
     measured step cost and its running acceptance. `lm_head_draft` (with spec="mtp") drafts over
     the `lm_head_draft_size` most frequent ids of the model directory's draft_vocab.json (default
     32768; `ninfer draft-vocab` makes the file).
-    `quantize` ("w8", "q4", "q5", "q6", "fp8" or "nvfp4"; the CPU backend) quantizes a bf16/f16
+    `quantize` ("w8", "q4", "q5", "q6", "fp8" or "nvfp4"; CUDA takes all but "nvfp4") quantizes a bf16/f16
     checkpoint's projection weights on load, round to nearest with the format's scales; the lm_head
     too with `quantize_lm_head` (embeddings stay as stored). A quantized checkpoint (its config.json
     `quantization_config`: FP8 block, AWQ, GPTQ, compressed-tensors) loads as quantized without it.

@@ -36,6 +36,13 @@ impl QuantFormat {
         matches!(payload_bytes(self.mode.format(), [n, k]), Some(Ok(_)))
     }
 
+    /// Whether each row is encoded from its own values alone (every format but NVFP4, whose
+    /// tensor scale spans the matrix): the CUDA loader then encodes a fused projection whole,
+    /// and the plan counts the fused matrix.
+    pub fn encodes_rows_alone(&self) -> bool {
+        self.mode != QuantizeMode::Nvfp4
+    }
+
     /// Bytes of the `[n, k]` matrix `name` in this format; an error naming the tensor when the
     /// format's layout cannot hold that shape.
     pub fn matrix_bytes(&self, name: &str, n: usize, k: usize) -> Result<u64> {

@@ -31,6 +31,10 @@ pub struct PlannedTensor {
     pub role: Role,
     /// Part of the MTP head (`mtp.*`).
     pub mtp: bool,
+    /// A projection weight that continues the previous one's matrix on the GPU (k and v after
+    /// q, up after gate, the GDN input projection's later parts): the CUDA loader holds the
+    /// fused projection as one matrix.
+    pub fused: bool,
 }
 
 impl PlannedTensor {
@@ -53,7 +57,7 @@ impl Source<'_> {
         if let Some(store) = self.store {
             store.raw(&name, &shape)?;
         }
-        self.out.push(PlannedTensor { name, shape, role, mtp: self.mtp });
+        self.out.push(PlannedTensor { name, shape, role, mtp: self.mtp, fused: false });
         Ok(())
     }
 
@@ -62,8 +66,10 @@ impl Source<'_> {
         self.store.map_or(default, |s| s.contains(name))
     }
 
-    fn linear(&mut self, name: &str, n: usize, k: usize, bias: bool) -> Result<()> {
+    /// A projection's weight and bias; `fused`: it continues the previous projection's matrix.
+    fn linear(&mut self, name: &str, n: usize, k: usize, bias: bool, fused: bool) -> Result<()> {
         self.push(format!("{name}.weight"), vec![n, k], Role::Matrix)?;
+        self.out.last_mut().expect("just pushed").fused = fused;
         if bias {
             self.push(format!("{name}.bias"), vec![n], Role::Dense)?;
         }
@@ -77,10 +83,10 @@ impl Source<'_> {
         let m = names::mixer(p, kind);
         match kind {
             LayerType::FullAttention => {
-                for part in names::attention_qkv(c, &m) {
-                    self.linear(&part.name, part.rows, h, c.qkv_bias)?;
+                for (i, part) in names::attention_qkv(c, &m).iter().enumerate() {
+                    self.linear(&part.name, part.rows, h, c.qkv_bias, i > 0)?;
                 }
-                self.linear(&format!("{m}.o_proj"), h, c.num_attention_heads * c.head_dim, c.o_bias)?;
+                self.linear(&format!("{m}.o_proj"), h, c.num_attention_heads * c.head_dim, c.o_bias, false)?;
                 if c.qk_norm {
                     self.push(format!("{m}.q_norm.weight"), vec![c.head_dim], Role::Dense)?;
                     self.push(format!("{m}.k_norm.weight"), vec![c.head_dim], Role::Dense)?;
@@ -88,8 +94,8 @@ impl Source<'_> {
             }
             LayerType::LinearAttention => {
                 let la = c.linear_attention.ok_or_else(|| crate::NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
-                for part in names::gdn_in_proj(c, &m)? {
-                    self.linear(&part.name, part.rows, h, false)?;
+                for (i, part) in names::gdn_in_proj(c, &m)?.iter().enumerate() {
+                    self.linear(&part.name, part.rows, h, false, i > 0)?;
                 }
                 self.push(format!("{m}.conv1d.weight"), vec![la.conv_dim(), 1, la.conv_kernel], Role::Dense)?;
                 if self.has(&format!("{m}.conv1d.bias"), false) {
@@ -98,13 +104,13 @@ impl Source<'_> {
                 self.push(format!("{m}.A_log"), vec![la.num_value_heads], Role::DenseF32)?;
                 self.push(format!("{m}.dt_bias"), vec![la.num_value_heads], Role::DenseF32)?;
                 self.push(format!("{m}.norm.weight"), vec![la.value_head_dim], Role::Dense)?;
-                self.linear(&format!("{m}.out_proj"), h, la.value_dim(), false)?;
+                self.linear(&format!("{m}.out_proj"), h, la.value_dim(), false, false)?;
             }
         }
-        for part in names::gate_up(c, p) {
-            self.linear(&part.name, part.rows, h, c.mlp_bias)?;
+        for (i, part) in names::gate_up(c, p).iter().enumerate() {
+            self.linear(&part.name, part.rows, h, c.mlp_bias, i > 0)?;
         }
-        self.linear(&format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias)
+        self.linear(&format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias, false)
     }
 }
 

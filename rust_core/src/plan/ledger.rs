@@ -105,9 +105,10 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
     if input.quantize_lm_head && input.quantize.is_none() {
         return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format to store the LM head and embedding in)"));
     }
-    let mtp_loaded = target == Target::Cpu || is_mtp(&input.engine);
     let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
-    for t in input.tensors.iter().filter(|t| !t.mtp || mtp_loaded) {
+    let tensors = loaded(input);
+    let fused_rows = fused_rows(&tensors);
+    for (i, t) in tensors.into_iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
         let quant = match t.role {
             Role::Matrix => input.quantize,
@@ -116,6 +117,9 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
         }
         .filter(|f| f.holds(t.shape[0], cols));
         let (name, bytes) = match (quant, t.role) {
+            (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
+                (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
+            }
             (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
             (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
             (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
@@ -126,6 +130,44 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
     }
     let total = by.values().map(|v| v.1).sum();
     Ok((by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect(), total))
+}
+
+/// The tensors the target loads (the MTP head's on the GPU only under `--spec mtp`).
+fn loaded<'t>(input: &PlanInput<'t>) -> Vec<&'t PlannedTensor> {
+    let mtp_loaded = input.target == Target::Cpu || is_mtp(&input.engine);
+    input.tensors.iter().filter(|t| !t.mtp || mtp_loaded).collect()
+}
+
+/// Rows of the fused projection each matrix of `tensors` begins (0 for the later parts): a
+/// format that encodes rows alone holds it as one matrix on the GPU, so its bytes are the fused
+/// payload's.
+fn fused_rows(tensors: &[&PlannedTensor]) -> Vec<usize> {
+    let mut rows = vec![0usize; tensors.len()];
+    let mut lead = 0;
+    for (i, t) in tensors.iter().enumerate().filter(|(_, t)| t.role == Role::Matrix) {
+        if !t.fused {
+            lead = i;
+        }
+        rows[lead] += t.shape[0];
+    }
+    rows
+}
+
+/// The GPU's dequantization workspace under `--quantize`: the largest quantized (fused)
+/// projection in the dense type, which the prefill route decodes each weight into; the MTP
+/// head shares it.
+pub fn quant_workspace_bytes(input: &PlanInput<'_>) -> u64 {
+    let Some(f) = input.quantize.filter(|_| input.target == Target::Gpu) else { return 0 };
+    let tensors = loaded(input);
+    let rows = fused_rows(&tensors);
+    let largest = tensors
+        .iter()
+        .zip(rows)
+        .filter(|(t, r)| t.role == Role::Matrix && *r > 0 && f.holds(t.shape[0], t.shape[1]))
+        .map(|(t, r)| r * t.shape[1])
+        .max()
+        .unwrap_or(0);
+    input.target.dense_bytes() as u64 * largest as u64
 }
 
 fn is_mtp(engine: &EngineConfig) -> bool {
@@ -160,7 +202,7 @@ fn sized(input: &PlanInput<'_>, spec: &CacheSpec, c: usize, ctx: usize, kv: usiz
     let r = engine.resolve(model_max, spec, None)?;
     let mut l = r.ledger(spec);
     let step_rows = if model_max > 0 { r.prefill_chunk.min(model_max) } else { r.prefill_chunk };
-    let ws = workspace_estimate(input.cfg, input.target, step_rows, c.min(step_rows));
+    let ws = workspace_estimate(input.cfg, input.target, step_rows, c.min(step_rows)) + quant_workspace_bytes(input);
     l.workspace_bytes = ws;
     l.total_bytes += ws;
     let needed = l.total_bytes + reserve;

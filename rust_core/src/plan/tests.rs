@@ -99,18 +99,33 @@ fn quantized_projections_keep_the_head_and_embedding_dense_unless_asked() {
     let mut matrices = 0;
     let mut dense = 0;
     let mut f32s = 0;
+    // W8G32_F16S pads each row to whole 128-value tiles (4 groups of 32): the code plane (one
+    // byte a value) aligned to 256 bytes, then an f16 scale per group. A fused projection
+    // (q|k|v, gate|up) is one matrix on the GPU: its rows are counted together.
+    let w8_bytes = |rows: u64, cols: u64| {
+        let groups = rows * cols.div_ceil(128) * 4;
+        (groups * 32).div_ceil(256) * 256 + groups * 2
+    };
+    let mut fused: Option<(u64, u64)> = None;
     for t in &tensors {
         match t.role {
-            // W8G32_F16S pads each row to whole 128-value tiles (4 groups of 32): the code
-            // plane (one byte a value) aligned to 256 bytes, then an f16 scale per group.
             Role::Matrix => {
-                let groups = t.shape[0] as u64 * (t.shape[1] as u64).div_ceil(128) * 4;
-                matrices += (groups * 32).div_ceil(256) * 256 + groups * 2
+                let (rows, cols) = (t.shape[0] as u64, t.shape[1] as u64);
+                match fused.as_mut() {
+                    Some((r, _)) if t.fused => *r += rows,
+                    _ => {
+                        if let Some((r, c)) = fused.replace((rows, cols)) {
+                            matrices += w8_bytes(r, c);
+                        }
+                    }
+                }
             }
             Role::DenseF32 => f32s += 4 * t.numel(),
             _ => dense += 2 * t.numel(),
         }
     }
+    matrices += fused.map_or(0, |(r, c)| w8_bytes(r, c));
+    assert!(tensors.iter().any(|t| t.fused), "the model has fused projections");
     assert_eq!((by("W8G32_F16S"), by("BF16"), by("F32")), (matrices, dense, f32s));
     i.quantize_lm_head = true;
     let head = plan(&i).unwrap();

@@ -38,6 +38,11 @@ impl QuantWorkspace {
         let buf = dev.stream().alloc_zeros::<u16>(elems.max(1)).map_err(|e| NinferError::Device(format!("allocating the dequantization workspace of {elems} elements: {e}")))?;
         Ok(Arc::new(QuantWorkspace(Mutex::new(buf))))
     }
+
+    /// Storage elements it holds.
+    pub fn elems(&self) -> usize {
+        self.0.lock().expect("quant workspace poisoned").len()
+    }
 }
 
 /// A quantized projection's device part: the packed weight and the workspace it shares.
@@ -78,6 +83,12 @@ impl LinearRoute {
     /// the loader's sinks that run nothing (the memory plan, the packing test) give.
     pub fn cuda_cores(k: usize) -> Self {
         Self::new(GemvKernel::CudaCores, k)
+    }
+
+    /// The route of a quantized weight: its own GEMV (`Linear::forward`), none of the dense
+    /// GEMV's fusions (the fused SwiGLU and RoPE epilogues read a dense `w`).
+    pub fn quantized() -> Self {
+        LinearRoute { gemv: false, gemv_m1: GemvKernel::CudaCores }
     }
 
     /// The route `dev` gives a `[n, k]` weight.
@@ -123,7 +134,7 @@ impl Linear {
             k,
             format: WeightFormat::Quant(w.format),
             bias,
-            route: LinearRoute { gemv: false, gemv_m1: GemvKernel::CudaCores },
+            route: LinearRoute::quantized(),
             quant: Some(QuantPart { weight, workspace }),
         })
     }

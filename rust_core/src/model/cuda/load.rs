@@ -12,8 +12,20 @@
 //! What lands on the device is what `weights` documents: norm weights as stored (the
 //! kernels add 1 for zero-centred models), `A_log` and `dt_bias` in f32, the GDN input
 //! projection as four buffers.
+//!
+//! With `--quantize` a projection is encoded from its checkpoint values as the CPU loader does
+//! (`model::cpu::quant_load`) and held packed (`Linear::quantized`). A fused projection
+//! (q|k|v, gate|up, the GDN input projection) is encoded whole: the formats `CudaModel::supports`
+//! takes for `--quantize` encode every row from that row's values alone, so the fused payload
+//! decodes to exactly the parts' values (test: `quantize_packs_...`); NVFP4's tensor scale is
+//! not per row, so it is not taken on CUDA yet. Packed GGUF tensors handed in by name are fused
+//! by concatenating their rows' blocks (`Packed::concat_rows`).
 
 mod pack;
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 
@@ -22,11 +34,12 @@ use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
 use crate::model::names;
+use crate::quant::{self, QuantFormat, QuantWeight};
 use crate::{NinferError, Result};
 
 pub use pack::Packed;
 
-use super::linear::{Linear, LinearRoute, WeightFormat};
+use super::linear::{Linear, LinearRoute, QuantPart, QuantWorkspace, WeightFormat};
 use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevMtp, DevWeights};
 
 /// Where packed tensors go: device buffers, or host vectors in the packing test.
@@ -41,29 +54,85 @@ pub trait Sink {
     fn format(&self) -> WeightFormat;
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
+    /// A quantized `shape` projection weight in `format`, from `encode` (which a sink that
+    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load): the
+    /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
+    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(Self::W, Option<QuantPart>)>;
+    /// Whether `--quantize` progress is shown while building (the device load, on a terminal).
+    fn shows_progress(&self) -> bool {
+        false
+    }
+}
+
+/// What the projections are held in beyond the checkpoint's dense tensors: `--quantize`'s
+/// format, and packed tensors handed in by name (`LoadOptions::quant_tensors`).
+#[derive(Clone, Default)]
+pub struct QuantLoad {
+    pub quantize: Option<QuantFormat>,
+    pub given: Option<Arc<HashMap<String, QuantWeight>>>,
+}
+
+impl QuantLoad {
+    /// Only `--quantize` (or nothing).
+    pub fn quantize(quantize: Option<QuantFormat>) -> Self {
+        QuantLoad { quantize, given: None }
+    }
+
+    /// Refuses a handed-in tensor the load took no place for (names in `used`); `skip_mtp`: the
+    /// MTP head's (`mtp.*`) are the MTP load's.
+    fn refuse_unused(&self, used: &BTreeSet<String>, skip_mtp: bool) -> Result<()> {
+        let Some(g) = self.given.as_deref() else { return Ok(()) };
+        let mut unused: Vec<&String> = g.keys().filter(|n| !used.contains(*n) && !(skip_mtp && n.starts_with("mtp."))).collect();
+        unused.sort();
+        match unused.first() {
+            None => Ok(()),
+            Some(name) => Err(NinferError::QuantTensor {
+                name: name.to_string(),
+                format: g[*name].format.name().to_string(),
+                reason: "handed in, but the CUDA backend holds no projection of that name packed (embeddings and the LM head stay dense there)".into(),
+            }),
+        }
+    }
+}
+
+/// Bytes a quantized weight holds: its payload and companions.
+fn quant_bytes(w: &QuantWeight) -> usize {
+    w.data.len() + [&w.scale, &w.zero, &w.g_idx].into_iter().flatten().map(|r| r.bytes.len()).sum::<usize>()
 }
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
 /// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
-pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<DevWeights<S::W, S::F>> {
-    let b = Builder { store, cfg };
+/// `quant`: `--quantize` and the handed-in packed tensors of the projections (the logits
+/// projection and the embedding stay dense).
+pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<DevWeights<S::W, S::F>> {
+    let used = RefCell::new(BTreeSet::new());
+    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), used: &used };
     let prefix = names::decoder_prefix(store);
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut layers = Vec::with_capacity(cfg.layer_types.len());
     let mut bytes = 0;
+    let progress = quant.quantize.filter(|_| sink.shows_progress() && std::io::IsTerminal::is_terminal(&std::io::stderr()));
     for (i, kind) in cfg.layer_types.iter().enumerate() {
+        if let Some(f) = progress {
+            eprint!("\rninfer: quantizing to {}: layer {}/{}", f.name(), i + 1, cfg.layer_types.len());
+        }
         layers.push(b.layer(sink, &names::layer(prefix, i), *kind, &mut bytes)?);
     }
-    let lm_head = if cfg.tie_word_embeddings { None } else { Some(b.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
+    if progress.is_some() {
+        eprintln!();
+    }
+    let dense = Builder { quantize: None, given: None, ..b };
+    let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
     let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
+    quant.refuse_unused(&used.borrow(), store.contains("mtp.fc.weight"))?;
     Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
 }
 
 /// The MTP head of `cfg` from `store` (`mtp.*`, Qwen3.5 naming), handed to `sink` as the
 /// CPU loader reads it (`model::cpu::weights`); None when the checkpoint has no `mtp.fc`.
 /// Drafting runs one MTP layer, so a checkpoint with more is refused.
-pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) -> Result<Option<DevMtp<S::W, S::F>>> {
+pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<Option<DevMtp<S::W, S::F>>> {
     if !store.contains("mtp.fc.weight") {
         return Ok(None);
     }
@@ -75,7 +144,8 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) 
     if n_layers != 1 {
         return Err(NinferError::Unsupported(format!("drafting with {n_layers} MTP layers (mtp_num_hidden_layers); one")));
     }
-    let b = Builder { store, cfg };
+    let used = RefCell::new(BTreeSet::new());
+    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), used: &used };
     let h = cfg.hidden_size;
     let mut bytes = 0;
     let norm = |sink: &mut S, name: &str, bytes: &mut usize| b.put(sink, Packed::single(store.raw(name, &[h])?), bytes);
@@ -84,12 +154,21 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig) 
     let pre_fc_norm_hidden = norm(sink, "mtp.pre_fc_norm_hidden.weight", &mut bytes)?;
     let layer = b.layer(sink, "mtp.layers.0", LayerType::FullAttention, &mut bytes)?;
     let norm = norm(sink, "mtp.norm.weight", &mut bytes)?;
+    let mut used = used.borrow().clone();
+    // The main load's names: only the MTP head's (`mtp.*`) are checked here.
+    used.extend(quant.given.iter().flat_map(|g| g.keys()).filter(|n| !n.starts_with("mtp.")).cloned());
+    quant.refuse_unused(&used, false)?;
     Ok(Some(DevMtp { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layer, norm, bytes }))
 }
 
+#[derive(Clone, Copy)]
 struct Builder<'a> {
     store: &'a WeightStore,
     cfg: &'a ModelConfig,
+    quantize: Option<QuantFormat>,
+    given: Option<&'a HashMap<String, QuantWeight>>,
+    /// Handed-in tensors taken.
+    used: &'a RefCell<BTreeSet<String>>,
 }
 
 impl<'a> Builder<'a> {
@@ -112,9 +191,29 @@ impl<'a> Builder<'a> {
     /// the sink's format and with the route it gives the shape.
     fn linear_biased<S: Sink>(&self, sink: &mut S, t: Packed<'_>, k: usize, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let n = t.numel() / k;
-        let w = self.put(sink, t, bytes)?;
+        let given: Vec<Option<&QuantWeight>> = t.part_names().map(|name| self.given.and_then(|g| g.get(name))).collect();
+        let (w, format, quant) = if given.iter().any(Option::is_some) {
+            let given: Vec<&QuantWeight> = given.into_iter().collect::<Option<_>>().ok_or_else(|| {
+                NinferError::Unsupported(format!("{}: only some parts of this fused projection are handed in packed; the CUDA backend holds it as one matrix", t.name()))
+            })?;
+            self.used.borrow_mut().extend(t.part_names().map(str::to_string));
+            let qw = t.concat_rows(&given, k)?;
+            *bytes += quant_bytes(&qw);
+            let f = qw.format;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(qw))?;
+            (w, WeightFormat::Quant(f), quant)
+        } else if let Some(Some(Ok(size))) = self.quantize.map(|f| quant::payload_bytes(f, [n, k])) {
+            // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
+            let f = self.quantize.expect("matched");
+            *bytes += size;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)))?;
+            (w, WeightFormat::Quant(f), quant)
+        } else {
+            (self.put(sink, t, bytes)?, sink.format(), None)
+        };
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
-        Ok(Linear { w, n, k, format: sink.format(), bias, route: sink.route(n, k), quant: None })
+        let route = if matches!(format, WeightFormat::Quant(_)) { LinearRoute::quantized() } else { sink.route(n, k) };
+        Ok(Linear { w, n, k, format, bias, route, quant })
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
@@ -220,12 +319,15 @@ pub struct DeviceSink<'a> {
     /// side limits the load (printed with the load time).
     fill_s: f64,
     wait_s: f64,
+    /// The dequantization workspace every quantized projection shares (None: all dense).
+    workspace: Option<Arc<QuantWorkspace>>,
 }
 
 impl<'a> DeviceSink<'a> {
     /// Same-type tensors are copied with positioned reads (`convert` falls back to the memory
-    /// mapping where a read fails).
-    pub fn new(dev: &'a CudaDevice) -> Result<Self> {
+    /// mapping where a read fails). `workspace`: the dequantization workspace the quantized
+    /// projections share (`workspace_for`).
+    pub fn new(dev: &'a CudaDevice, workspace: Option<Arc<QuantWorkspace>>) -> Result<Self> {
         let ctx = dev.context();
         let mut stages = Vec::with_capacity(STAGES);
         for _ in 0..STAGES {
@@ -242,7 +344,7 @@ impl<'a> DeviceSink<'a> {
             };
             stages.push((stage, ctx.new_event(None).map_err(driver_err("creating a staging event"))?));
         }
-        Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0 })
+        Ok(DeviceSink { dev, stages, next: 0, fill_s: 0.0, wait_s: 0.0, workspace })
     }
 }
 
@@ -299,6 +401,17 @@ impl Sink for DeviceSink<'_> {
     fn route(&self, n: usize, k: usize) -> LinearRoute {
         LinearRoute::on_device(self.dev, n, k)
     }
+
+    fn shows_progress(&self) -> bool {
+        true
+    }
+
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+        let w = encode()?;
+        let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
+        let l = Linear::quantized(self.dev, &w, None, workspace)?;
+        Ok((l.w, l.quant))
+    }
 }
 
 fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError) -> NinferError {
@@ -316,6 +429,8 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// Its projections get `format` and the CUDA-core route: a plan runs nothing.
 struct PlanSink {
     format: WeightFormat,
+    /// The largest quantized projection's N x K (the workspace the load allocates).
+    quant_elems: usize,
 }
 
 impl Sink for PlanSink {
@@ -337,19 +452,65 @@ impl Sink for PlanSink {
     fn route(&self, _n: usize, k: usize) -> LinearRoute {
         LinearRoute::cuda_cores(k)
     }
+
+    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>) -> Result<((), Option<QuantPart>)> {
+        self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
+        Ok(((), None))
+    }
+}
+
+/// The workspace for quantized projections of up to `quant_elems` elements (the plan's
+/// `Planned::quant_elems`): `shared` where it is large enough, else a new one; None for none.
+fn workspace_for(dev: &CudaDevice, quant_elems: usize, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Arc<QuantWorkspace>>> {
+    match shared {
+        _ if quant_elems == 0 => Ok(None),
+        Some(w) if w.elems() >= quant_elems => Ok(Some(w)),
+        _ => Ok(Some(QuantWorkspace::new(dev, quant_elems)?)),
+    }
+}
+
+/// What a load of the weights will hold, from a `PlanSink` pass.
+pub struct Planned {
+    /// Device bytes of the weights.
+    pub bytes: usize,
+    /// The largest quantized projection's N x K: the shared dequantization workspace.
+    pub quant_elems: usize,
 }
 
 /// Device bytes the weights of `cfg` in `store` take in `format` (every tensor checked as the
 /// load will).
-pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat) -> Result<usize> {
-    Ok(build(&mut PlanSink { format }, store, cfg)?.bytes)
+pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<usize> {
+    Ok(plan(cfg, store, format, quant)?.bytes)
+}
+
+/// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
+/// tensor checked, and quantized, as the load will).
+pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
+    let mut sink = PlanSink { format, quant_elems: 0 };
+    let bytes = build(&mut sink, store, cfg, quant)?.bytes;
+    Ok(Planned { bytes, quant_elems: sink.quant_elems })
 }
 
 impl DevWeights {
+    /// The dequantization workspace the quantized projections share (None: all dense).
+    pub fn quant_workspace(&self) -> Option<Arc<QuantWorkspace>> {
+        let linears = self.layers.iter().flat_map(|l| {
+            let mixer: [&Linear; 2] = match &l.mixer {
+                DevMixer::Attention(a) => [&a.qkv, &a.o],
+                DevMixer::Gdn(g) => [&g.in_proj, &g.out],
+            };
+            mixer.into_iter().chain([&l.gate_up, &l.down])
+        });
+        linears.filter_map(|l| l.quant.as_ref()).map(|q| q.workspace.clone()).next()
+    }
+
     /// Loads the weights of `cfg` from `store` onto `dev`; returns when they are on the device.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Self> {
+    /// `quant`: `--quantize` and the handed-in packed tensors of the projections.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let needed = planned_weight_bytes(cfg, store, dev.storage().into())?;
+        let planned = plan(cfg, store, dev.storage().into(), quant)?;
+        // The dequantization workspace is allocated beside the weights.
+        let needed = planned.bytes + 2 * planned.quant_elems;
         let (free, _) = dev.memory_info()?;
         if needed > free {
             return Err(NinferError::OutOfMemory {
@@ -359,8 +520,9 @@ impl DevWeights {
                 hint: "the weights alone do not fit this device; use a smaller model or device=\"cpu\"".into(),
             });
         }
-        let mut sink = DeviceSink::new(dev)?;
-        let w = build(&mut sink, store, cfg)?;
+        let workspace = workspace_for(dev, planned.quant_elems, None)?;
+        let mut sink = DeviceSink::new(dev, workspace)?;
+        let w = build(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         let pinned = sink.stages.iter().all(|(s, _)| matches!(s, Stage::Pinned(_)));
         eprintln!(
@@ -377,11 +539,14 @@ impl DevWeights {
 impl DevMtp {
     /// Loads the MTP head of `cfg` from `store` onto `dev` (None: the checkpoint has none),
     /// refusing a head that does not fit the free device memory with its size.
-    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore) -> Result<Option<Self>> {
+    /// `shared`: the model's dequantization workspace, used where it is large enough.
+    pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let Some(planned) = build_mtp(&mut PlanSink { format: dev.storage().into() }, store, cfg)? else { return Ok(None) };
+        let mut plan_sink = PlanSink { format: dev.storage().into(), quant_elems: 0 };
+        let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quant)? else { return Ok(None) };
         let (free, _) = dev.memory_info()?;
-        if planned.bytes > free {
+        let reuse = shared.as_ref().is_some_and(|w| w.elems() >= plan_sink.quant_elems);
+        if planned.bytes + if reuse { 0 } else { 2 * plan_sink.quant_elems } > free {
             return Err(NinferError::OutOfMemory {
                 what: format!("the MTP head's weights on cuda:{} (--spec mtp)", dev.ordinal()),
                 needed: planned.bytes as u64,
@@ -389,8 +554,9 @@ impl DevMtp {
                 hint: "run without --spec mtp, or with --spec ngram".into(),
             });
         }
-        let mut sink = DeviceSink::new(dev)?;
-        let mtp = build_mtp(&mut sink, store, cfg)?;
+        let workspace = workspace_for(dev, plan_sink.quant_elems, shared)?;
+        let mut sink = DeviceSink::new(dev, workspace)?;
+        let mtp = build_mtp(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         Ok(mtp)
     }

@@ -43,6 +43,7 @@ use crate::backend::cuda::CudaDevice;
 use crate::config::{CudaOptions, ModelConfig};
 use crate::model::kv_dtype::KvDtype;
 use crate::model::logits_dtype::LogitsDtype;
+use crate::quant::QuantFormat;
 use crate::{NinferError, Result};
 
 use buffers::{alloc, Activations, DevCaches};
@@ -92,6 +93,8 @@ pub struct CudaModel {
     logits_round: bool,
     /// The checkpoint directory, for the MTP head `enable_mtp` loads on demand.
     dir: PathBuf,
+    /// `--quantize` and handed-in packed tensors: how the projections (the MTP head's too) are held.
+    quant: load::QuantLoad,
     /// `--spec mtp`'s head and drafting state (`enable_mtp`); None otherwise.
     mtp: Option<Box<mtp::CudaMtp>>,
 }
@@ -99,21 +102,26 @@ pub struct CudaModel {
 impl CudaModel {
     /// Whether this backend runs weights quantized as `format`: the one place a quantized load
     /// on a GPU is refused (`model::load_model`, naming the tensor, the format and the device).
-    /// No quantized format has its CUDA kernels and `Linear` arm yet.
-    pub fn supports(format: crate::quant::QuantFormat) -> bool {
-        let _ = format;
-        false
+    /// The loader takes `--quantize` of the formats that encode each row from its own values
+    /// (fused projections are encoded whole, `load`) and handed-in GGUF tensors (fused by
+    /// concatenating rows of blocks); NVFP4 (a tensor scale and 128-row tiles) and quantized HF
+    /// checkpoints are not loaded on CUDA yet. The device's own limits (K a multiple of 8, f16
+    /// range on sm_7x) refuse a tensor at upload.
+    pub fn supports(format: QuantFormat) -> bool {
+        matches!(format, QuantFormat::W8G32F16S | QuantFormat::Q4G64F16S | QuantFormat::Q5G64F16S | QuantFormat::Q6G64F16S | QuantFormat::Fp8E4m3fnRowBf16s)
+            || format.spec().family == crate::quant::Family::Gguf
     }
 
     /// Load config and weights from a HF model directory onto device `ordinal`.
     pub fn load(dir: &Path, ordinal: usize) -> Result<Self> {
-        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto, &CudaOptions::default())
+        Self::load_with(dir, ordinal, LogitsDtype::Auto, KvDtype::Auto, &CudaOptions::default(), load::QuantLoad::default())
     }
 
     /// As `load`, with the logits rounded as `logits_dtype` says, `kv_dtype` checked against
     /// the device's storage type (the KV cache's) as soon as the device is open, and the
-    /// device's route plan made for this model under `options`.
-    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype, options: &CudaOptions) -> Result<Self> {
+    /// device's route plan made for this model under `options`, and the projections held as
+    /// `quant` says (`--quantize`, handed-in packed tensors; formats `supports` takes).
+    pub fn load_with(dir: &Path, ordinal: usize, logits_dtype: LogitsDtype, kv_dtype: KvDtype, options: &CudaOptions, quant: load::QuantLoad) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let dev = Arc::new(CudaDevice::for_model(ordinal, ModelShape { hidden_size: Some(cfg.hidden_size) }, options)?);
         kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
@@ -131,7 +139,7 @@ impl CudaModel {
         let (kernels, weights, load_s) = std::thread::scope(|s| {
             let kernels = s.spawn(|| dev.load_all_kernels());
             let t0 = std::time::Instant::now();
-            let weights = DevWeights::load(&dev, &cfg, &store);
+            let weights = DevWeights::load(&dev, &cfg, &store, &quant);
             let load_s = t0.elapsed().as_secs_f64();
             (kernels.join(), weights, load_s)
         });
@@ -176,6 +184,7 @@ impl CudaModel {
             forwarded: None,
             logits_round,
             dir: dir.to_path_buf(),
+            quant,
             mtp: None,
         })
     }

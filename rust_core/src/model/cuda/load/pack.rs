@@ -8,7 +8,8 @@ use ::safetensors::Dtype;
 use crate::artifact::RawTensor;
 use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
-use crate::Result;
+use crate::quant::{self, QuantWeight};
+use crate::{NinferError, Result};
 
 /// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
 struct Segment {
@@ -50,6 +51,59 @@ impl<'a> Packed<'a> {
     /// Elements in the packed tensor.
     pub fn numel(&self) -> usize {
         self.numel
+    }
+
+    /// The packed tensor's values in f32, exactly as the CPU loader reads each part
+    /// (`--quantize` encodes these, as the CPU model does).
+    pub fn values_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.numel];
+        for seg in &self.segments {
+            self.parts[seg.part].f32_into(seg.src, &mut out[seg.dst..seg.dst + seg.len]);
+        }
+        out
+    }
+
+    /// The checkpoint tensors' names joined by `|` (the name a fused quantized weight's errors give).
+    pub fn name(&self) -> String {
+        self.parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join("|")
+    }
+
+    /// The packed tensor from quantized payloads handed in for its parts (`given[i]` for part
+    /// `i`, `[rows, k]` each), rows moved byte-wise as the segments say. Only formats whose rows
+    /// are independent runs of bytes can be packed so (GGUF's blocks); each payload is validated
+    /// first, so a bad one is refused naming its tensor.
+    pub fn concat_rows(&self, given: &[&QuantWeight], k: usize) -> Result<QuantWeight> {
+        let f = given[0].format;
+        for (p, w) in self.parts.iter().zip(given) {
+            quant::validate(&w.view())?;
+            let err = |reason: String| NinferError::QuantTensor { name: p.name.clone(), format: w.format.name().to_string(), reason };
+            if w.shape != [p.numel / k, k] {
+                return Err(err(format!("handed in as [{}, {}], the model config gives [{}, {k}]", w.shape[0], w.shape[1], p.numel / k)));
+            }
+            if w.format != f {
+                return Err(err(format!("the CUDA backend packs this fused projection as one matrix, and {} is {}", given[0].name, f.name())));
+            }
+            if f.spec().family != quant::Family::Gguf {
+                return Err(NinferError::Unsupported(format!(
+                    "{}: a handed-in {} tensor on the CUDA backend (only GGUF rows, runs of whole blocks, are packed into fused projections there); load on the CPU",
+                    p.name,
+                    f.name()
+                )));
+            }
+        }
+        let (be, bb) = quant::gguf::block_geometry(f).expect("a GGUF format");
+        let row = k / be * bb;
+        let mut data = Vec::with_capacity(self.numel / k * row);
+        for seg in &self.segments {
+            debug_assert!(seg.src % k == 0 && seg.len % k == 0, "segments are whole rows");
+            data.extend_from_slice(&given[seg.part].data[seg.src / k * row..(seg.src + seg.len) / k * row]);
+        }
+        Ok(QuantWeight::packed(self.name(), f, [self.numel / k, k], data))
+    }
+
+    /// The checkpoint tensors' names, in part order.
+    pub fn part_names(&self) -> impl Iterator<Item = &str> {
+        self.parts.iter().map(|p| p.name.as_str())
     }
 
     /// Replaces the first part (which must start at 0) by its `blocks` equal blocks taken in

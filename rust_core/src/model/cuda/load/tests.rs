@@ -14,10 +14,18 @@ use crate::model::cpu::quant_load::QuantSource;
 use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 
 /// Collects packed tensors into host vectors, filling in uneven pieces so that chunk
-/// boundaries fall inside segments.
+/// boundaries fall inside segments. Quantized weights are kept in `quant`; a quantized
+/// `Linear`'s placeholder `w` holds its index there.
 struct HostSink {
     storage: StorageDType,
     read: bool,
+    quant: Vec<crate::quant::QuantWeight>,
+}
+
+impl HostSink {
+    fn new(storage: StorageDType, read: bool) -> Self {
+        HostSink { storage, read, quant: Vec::new() }
+    }
 }
 
 impl Sink for HostSink {
@@ -51,6 +59,14 @@ impl Sink for HostSink {
 
     fn route(&self, _n: usize, k: usize) -> LinearRoute {
         LinearRoute::cuda_cores(k)
+    }
+
+    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>) -> Result<(Vec<u16>, Option<QuantPart>)> {
+        let w = encode()?;
+        assert_eq!((w.format, w.shape), (format, shape), "the encoded weight is the one announced");
+        crate::quant::validate(&w.view())?;
+        self.quant.push(w);
+        Ok((vec![(self.quant.len() - 1) as u16], None))
     }
 }
 
@@ -193,7 +209,7 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     let cfg = ModelConfig::from_dir(dir).unwrap();
     let store = WeightStore::open(dir).unwrap();
     let host = ModelWeights::load(&store, &cfg, &QuantSource::dense(&store)).unwrap();
-    let dev = build(&mut HostSink { storage: st, read }, &store, &cfg).unwrap();
+    let dev = build(&mut HostSink::new(st, read), &store, &cfg, &QuantLoad::default()).unwrap();
     assert_eq!(dev.layers.len(), host.layers.len());
     for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
         check_layer(&cfg, h, d, st, li);
@@ -206,7 +222,7 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     let storage_elems = host.bytes() / 4 - f32_elems;
     assert_eq!(dev.bytes, 2 * storage_elems + 4 * f32_elems, "byte count");
     // The plan the device load checks against free memory first: the same bytes, no upload.
-    assert_eq!(planned_weight_bytes(&cfg, &store, st.into()).unwrap(), dev.bytes, "planned bytes");
+    assert_eq!(planned_weight_bytes(&cfg, &store, st.into(), &QuantLoad::default()).unwrap(), dev.bytes, "planned bytes");
     // `ninfer plan` (plan/inventory.rs) counts the same bytes from the headers.
     let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
     let input = crate::plan::PlanInput {
@@ -251,7 +267,7 @@ fn projection_biases_pack_like_the_host_layouts() {
         for st in [StorageDType::Bf16, StorageDType::F16] {
             check(&dir, st, true);
         }
-        let dev = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &WeightStore::open(&dir).unwrap(), &cfg).unwrap();
+        let dev = build(&mut HostSink::new(StorageDType::Bf16, true), &WeightStore::open(&dir).unwrap(), &cfg, &QuantLoad::default()).unwrap();
         assert!(dev.layers.iter().all(|l| matches!(&l.mixer, DevMixer::Attention(a) if a.qkv.bias.is_some())), "{arch}: every qkv has its bias");
     }
 }
@@ -262,7 +278,7 @@ fn a_missing_bias_fails_naming_it_as_the_cpu_loader_does() {
     let dir = checkpoint_with("qwen2_no_bias", "Qwen2ForCausalLM", Dtype::BF16, false);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
-    let new = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &store, &cfg).err().expect("a missing bias must fail");
+    let new = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).err().expect("a missing bias must fail");
     let old = ModelWeights::load(&store, &cfg, &QuantSource::dense(&store)).err().expect("a missing bias must fail");
     assert!(matches!(new, NinferError::MissingTensor { .. }) && new.to_string().contains("q_proj.bias"), "{new}");
     assert_eq!(new.to_string(), old.to_string());
@@ -275,15 +291,15 @@ fn malformed_tensors_fail_with_the_cpu_loaders_errors() {
     let store = WeightStore::open(&dir).unwrap();
     let mut wrong = cfg.clone();
     wrong.intermediate_size += 1;
-    let sink = &mut HostSink { storage: StorageDType::Bf16, read: true };
-    let new = build(sink, &store, &wrong).err().expect("a shape mismatch must fail");
+    let sink = &mut HostSink::new(StorageDType::Bf16, true);
+    let new = build(sink, &store, &wrong, &QuantLoad::default()).err().expect("a shape mismatch must fail");
     let old = ModelWeights::load(&store, &wrong, &QuantSource::dense(&store)).err().expect("a shape mismatch must fail");
     assert!(matches!(new, NinferError::TensorShape { .. }), "{new}");
     assert_eq!(new.to_string(), old.to_string());
-    assert_eq!(planned_weight_bytes(&wrong, &store, WeightFormat::Bf16).expect_err("the plan checks shapes too").to_string(), old.to_string());
+    assert_eq!(planned_weight_bytes(&wrong, &store, WeightFormat::Bf16, &QuantLoad::default()).expect_err("the plan checks shapes too").to_string(), old.to_string());
     let mut gdn = cfg.clone();
     gdn.layer_types[0] = LayerType::LinearAttention;
-    let new = build(sink, &store, &gdn).err().expect("a missing tensor must fail");
+    let new = build(sink, &store, &gdn, &QuantLoad::default()).err().expect("a missing tensor must fail");
     assert!(matches!(new, NinferError::MissingTensor { .. } | NinferError::Config { .. }), "{new}");
 }
 
@@ -296,7 +312,7 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
     let hm = host.mtp.as_ref().expect("the checkpoint has mtp.*");
     let (h, p1) = (cfg.hidden_size, cfg.zero_centered_norm);
     for st in [StorageDType::Bf16, StorageDType::F16] {
-        let dev = build_mtp(&mut HostSink { storage: st, read: true }, &store, &cfg).unwrap().expect("the head is built");
+        let dev = build_mtp(&mut HostSink::new(st, true), &store, &cfg, &QuantLoad::default()).unwrap().expect("the head is built");
         same(&dev.fc.w, &old_bits(hm.fc.dense_weight().unwrap(), st), "mtp fc");
         assert_eq!((dev.fc.n, dev.fc.k, dev.fc.bias.is_none()), (h, 2 * h, true));
         same(&dev.pre_fc_norm_embedding, &old_norm(&hm.pre_fc_norm_embedding, p1, st), "mtp pre_fc_norm_embedding");
@@ -304,17 +320,238 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
         same(&dev.norm, &old_norm(&hm.norm, p1, st), "mtp norm");
         check_layer(&cfg, &hm.layers[0], &dev.layer, st, 0);
         assert!(matches!(&dev.layer.mixer, DevMixer::Attention(a) if a.q_norm.is_some()), "a gated full-attention layer with q/k norms");
-        let planned = build_mtp(&mut PlanSink { format: st.into() }, &store, &cfg).unwrap().expect("planned").bytes;
+        let planned = build_mtp(&mut PlanSink { format: st.into(), quant_elems: 0 }, &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
         assert_eq!(planned, dev.bytes, "planned MTP bytes");
     }
     // The model's own weights load as without a head; a head of two layers is refused.
-    let main = build(&mut HostSink { storage: StorageDType::Bf16, read: true }, &store, &cfg).unwrap();
+    let main = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
     assert_eq!(main.layers.len(), host.layers.len());
     let mut two = cfg.clone();
     two.mtp_num_layers = 2;
-    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &two).err().expect("two MTP layers").to_string();
+    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
     assert!(e.contains("2 MTP layers"), "{e}");
     let plain = checkpoint("q35_no_mtp", "Qwen3_5ForCausalLM", Dtype::BF16);
     let (cfg, store) = (ModelConfig::from_dir(&plain).unwrap(), WeightStore::open(&plain).unwrap());
-    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg).unwrap().is_none());
+    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad::default()).unwrap().is_none());
+}
+
+/// A CPU projection's `[n, k]` values in output order, each block decoded as the format
+/// defines it.
+fn cpu_values(l: &Linear) -> Vec<f32> {
+    let mut computed = Vec::with_capacity(l.n * l.k);
+    for p in &l.parts {
+        match p {
+            crate::model::cpu::weights::Part::Dense(w) => computed.extend_from_slice(w),
+            crate::model::cpu::weights::Part::Quant(q) => computed.extend(crate::quant::dequantize(&q.weight().view()).unwrap()),
+        }
+    }
+    match &l.order {
+        None => computed,
+        Some(order) => order.iter().flat_map(|&src| computed[src as usize * l.k..(src as usize + 1) * l.k].to_vec()).collect(),
+    }
+}
+
+/// A device projection built with `--quantize f`: quantized, of the CPU projection's shape, and
+/// its packed bytes decode to exactly the values the CPU model holds. Returns its bytes.
+fn same_quantized(sink: &HostSink, d: &super::Linear<Vec<u16>>, cpu: &Linear, f: crate::quant::QuantFormat, what: &str) -> usize {
+    assert_eq!(d.format, WeightFormat::Quant(f), "{what}: format");
+    assert_eq!((d.n, d.k), (cpu.n, cpu.k), "{what}: shape");
+    assert_eq!(d.route, LinearRoute::quantized(), "{what}: the quantized route takes no dense fusions");
+    let w = &sink.quant[d.w[0] as usize];
+    assert_eq!(w.shape, [cpu.n, cpu.k], "{what}: packed shape");
+    assert_eq!(w.data.len(), crate::quant::payload_bytes(f, w.shape).unwrap().unwrap(), "{what}: payload bytes");
+    let got = crate::quant::dequantize(&w.view()).unwrap();
+    same(&got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &cpu_values(cpu).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), what);
+    w.data.len()
+}
+
+fn quantize_opts(mode: crate::quant::QuantizeMode) -> crate::model::LoadOptions {
+    crate::model::LoadOptions { quantize: Some(mode), ..Default::default() }
+}
+
+/// Every projection of a layer built with `--quantize`, against the CPU model's; returns the
+/// packed bytes.
+fn check_quant_layer(sink: &HostSink, host: &LayerWeights, dev: &DevLayer<Vec<u16>, Vec<f32>>, f: crate::quant::QuantFormat, li: usize) -> usize {
+    let mut bytes = same_quantized(sink, &dev.gate_up, &host.gate_up, f, &format!("layer {li} gate_up"));
+    bytes += same_quantized(sink, &dev.down, &host.down, f, &format!("layer {li} down"));
+    match (&host.mixer, &dev.mixer) {
+        (Mixer::Attention(a), DevMixer::Attention(d)) => {
+            bytes += same_quantized(sink, &d.qkv, &a.qkv, f, &format!("layer {li} qkv"));
+            bytes += same_quantized(sink, &d.o, &a.o, f, &format!("layer {li} o"));
+        }
+        (Mixer::Gdn(g), DevMixer::Gdn(d)) => {
+            bytes += same_quantized(sink, &d.in_proj, &g.in_proj, f, &format!("layer {li} gdn in_proj"));
+            bytes += same_quantized(sink, &d.out, &g.out_proj, f, &format!("layer {li} out_proj"));
+        }
+        _ => panic!("layer {li}: mixer kinds differ"),
+    }
+    bytes
+}
+
+#[test]
+fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
+    // The hybrid (gated q_proj reordered, GDN in_proj of four parts, MTP head), a plain model
+    // with projection biases.
+    let hybrid = checkpoint_full("q35_quant", "Qwen3_5ForCausalLM", Dtype::BF16, false, true);
+    let llama = checkpoint_with("llama_quant", "LlamaForCausalLM", Dtype::BF16, true);
+    for dir in [&hybrid, &llama] {
+        let cfg = ModelConfig::from_dir(dir).unwrap();
+        let store = WeightStore::open(dir).unwrap();
+        let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
+        for flag in ["w8", "q4", "q5", "q6", "fp8"] {
+            let plan_format = crate::plan::QuantFormat::parse(flag).unwrap();
+            let mode = plan_format.mode;
+            let f = mode.format();
+            assert!(super::super::CudaModel::supports(f), "{f:?}");
+            let opts = quantize_opts(mode);
+            let host = ModelWeights::load(&store, &cfg, &QuantSource::new(dir, &store, &opts).unwrap()).unwrap();
+            let mut sink = HostSink::new(StorageDType::Bf16, true);
+            let dev = build(&mut sink, &store, &cfg, &QuantLoad::quantize(Some(f))).unwrap();
+            let mut packed = 0;
+            for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+                packed += check_quant_layer(&sink, h, d, f, li);
+                // Biases stay in storage type beside the packed weight.
+                assert_eq!(d.gate_up.bias, h.gate_up.b.as_deref().map(|b| old_bits(b, StorageDType::Bf16)), "layer {li} gate_up bias");
+            }
+            // The LM head and everything that is not a projection stay as the dense load has them.
+            let lm = dev.lm_head.as_ref().unwrap();
+            assert_eq!(lm.format, WeightFormat::Bf16, "{f:?}: the LM head stays dense");
+            same(&lm.w, &dense.lm_head.as_ref().unwrap().w, "lm_head");
+            same(&dev.embed, &dense.embed, "embed");
+            // The bytes held: the dense load's, less the projections' dense weights, plus the payloads.
+            let dense_proj: usize = dense.layers.iter().map(|l| {
+                let m = match &l.mixer {
+                    DevMixer::Attention(a) => a.qkv.w.len() + a.o.w.len(),
+                    DevMixer::Gdn(g) => g.in_proj.w.len() + g.out.w.len(),
+                };
+                2 * (m + l.gate_up.w.len() + l.down.w.len())
+            }).sum();
+            assert_eq!(dev.bytes, dense.bytes - dense_proj + packed, "{f:?}: bytes held");
+            let planned = plan(&cfg, &store, WeightFormat::Bf16, &QuantLoad::quantize(Some(f))).unwrap();
+            assert_eq!(planned.bytes, dev.bytes, "{f:?}: the plan's bytes are the load's");
+            let largest = sink.quant.iter().map(|w| w.shape[0] * w.shape[1]).max().unwrap();
+            assert_eq!(planned.quant_elems, largest, "{f:?}: the workspace fits the largest projection");
+            // `ninfer plan --quantize` counts the same bytes from the headers.
+            let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
+            let input = crate::plan::PlanInput {
+                cfg: &cfg,
+                tensors: &tensors,
+                target: crate::plan::Target::Gpu,
+                engine: Default::default(),
+                quantize: Some(plan_format),
+                quantize_lm_head: false,
+                memory: None,
+                pool: crate::plan::PoolRule::OneContext,
+            };
+            let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+            assert_eq!(total, dev.bytes as u64, "{f:?}: ninfer plan's bytes are the load's");
+            assert_eq!(lines.iter().find(|l| l.format == f.name()).map(|l| l.bytes as usize), Some(packed), "{f:?}: the plan's {} line", f.name());
+            assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64, "{f:?}: the plan's dequantization workspace");
+            // The MTP head quantizes as the CPU's does.
+            if let (Some(hm), Some(dm)) = (&host.mtp, build_mtp(&mut sink, &store, &cfg, &QuantLoad::quantize(Some(f))).unwrap()) {
+                same_quantized(&sink, &dm.fc, &hm.fc, f, "mtp fc");
+                check_quant_layer(&sink, &hm.layers[0], &dm.layer, f, 0);
+            } else {
+                assert!(dir == &llama, "the hybrid checkpoint has an MTP head");
+            }
+        }
+    }
+}
+
+#[test]
+fn formats_the_cuda_loader_does_not_take_yet_are_refused_naming_the_tensor() {
+    use crate::quant::{QuantFormat, QuantizeMode};
+    assert!(!super::super::CudaModel::supports(QuantFormat::Nvfp4));
+    for f in [QuantFormat::HfFp8Block { block_n: 128, block_k: 128 }, QuantFormat::Awq4 { group: 128 }, QuantFormat::Gptq4 { group: 128, zero_plus_one: true }] {
+        assert!(!super::super::CudaModel::supports(f), "{f:?}");
+    }
+    let dir = checkpoint("llama_nvfp4", "LlamaForCausalLM", Dtype::BF16);
+    let opts = quantize_opts(QuantizeMode::Nvfp4);
+    let e = crate::model::cpu::quant_load::refuse_unsupported(&dir, &opts, "cuda:0", super::super::CudaModel::supports).unwrap_err().to_string();
+    assert!(e.contains("cuda:0") && e.contains("model.layers.0.mlp.down_proj.weight") && e.contains("NVFP4"), "{e}");
+    let opts = quantize_opts(QuantizeMode::Q4);
+    crate::model::cpu::quant_load::refuse_unsupported(&dir, &opts, "cuda:0", super::super::CudaModel::supports).unwrap();
+}
+
+/// Random GGUF Q8_0 payloads (a finite f16 scale and 32 codes a block) for the projections
+/// named, of the shapes the checkpoint gives them.
+fn gguf_q8_0(store: &WeightStore, names: &[String]) -> std::collections::HashMap<String, crate::quant::QuantWeight> {
+    use crate::quant::{QuantFormat, QuantWeight};
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    names
+        .iter()
+        .map(|name| {
+            let shape = store.info(name).unwrap().shape.clone();
+            let (n, k) = (shape[0], shape[1]);
+            let mut data = Vec::with_capacity(n * k / 32 * 34);
+            for _ in 0..n * k / 32 {
+                data.extend(half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes());
+                data.extend((0..32).map(|_| next() as u8));
+            }
+            (name.clone(), QuantWeight::packed(name.as_str(), QuantFormat::GgufQ8_0, [n, k], data))
+        })
+        .collect()
+}
+
+#[test]
+fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
+    use std::sync::Arc;
+    let f = crate::quant::QuantFormat::GgufQ8_0;
+    assert!(super::super::CudaModel::supports(f));
+    for (tag, arch) in [("q35_gguf", "Qwen3_5ForCausalLM"), ("llama_gguf", "LlamaForCausalLM")] {
+        let dir = checkpoint(tag, arch, Dtype::BF16);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let store = WeightStore::open(&dir).unwrap();
+        // Every projection Q8_0's 32-value blocks fit (down_proj's 48 columns do not: it stays dense).
+        let names: Vec<String> = store.names().into_iter().filter(|n| (n.ends_with("_proj.weight") || n.contains(".in_proj_")) && !n.contains("down_proj")).map(str::to_string).collect();
+        let given = Arc::new(gguf_q8_0(&store, &names));
+        let opts = crate::model::LoadOptions { quant_tensors: Some(given.clone()), ..Default::default() };
+        let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
+        let quant = QuantLoad { quantize: None, given: Some(given.clone()) };
+        let mut sink = HostSink::new(StorageDType::Bf16, true);
+        let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+        let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
+        for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+            same_quantized(&sink, &d.gate_up, &h.gate_up, f, &format!("{tag} layer {li} gate_up"));
+            same(&d.down.w, &dense.layers[li].down.w, &format!("{tag} layer {li} down stays dense"));
+            match (&h.mixer, &d.mixer) {
+                (Mixer::Attention(a), DevMixer::Attention(dm)) => {
+                    same_quantized(&sink, &dm.qkv, &a.qkv, f, &format!("{tag} layer {li} qkv"));
+                    same_quantized(&sink, &dm.o, &a.o, f, &format!("{tag} layer {li} o"));
+                }
+                (Mixer::Gdn(g), DevMixer::Gdn(dm)) => {
+                    same_quantized(&sink, &dm.in_proj, &g.in_proj, f, &format!("{tag} layer {li} in_proj"));
+                    same_quantized(&sink, &dm.out, &g.out_proj, f, &format!("{tag} layer {li} out_proj"));
+                }
+                _ => panic!("mixer kinds differ"),
+            }
+        }
+        assert_eq!(plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap().bytes, dev.bytes, "{tag}: planned bytes");
+        // A fused projection handed in only in part, a name the load has no projection for, and a
+        // format whose rows are not runs of bytes: each refused naming the tensor.
+        let qkv_part = names.iter().find(|n| n.ends_with("k_proj.weight")).unwrap();
+        let mut part = (*given).clone();
+        part.remove(qkv_part);
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(part)) }).err().expect("a part missing").to_string();
+        assert!(e.contains("only some parts") && e.contains(&qkv_part.replace("k_proj", "q_proj")), "{e}");
+        let mut extra = (*given).clone();
+        let embed = names::decoder_prefix(&store).to_string() + ".embed_tokens.weight";
+        extra.insert(embed.clone(), gguf_q8_0(&store, std::slice::from_ref(&embed)).remove(&embed).unwrap());
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(extra)) }).err().expect("a packed embedding").to_string();
+        assert!(e.contains(&embed) && e.contains("stay dense"), "{e}");
+        let mut w8 = (*given).clone();
+        let o = names.iter().find(|n| n.ends_with("o_proj.weight") || n.ends_with("out_proj.weight")).unwrap();
+        let [n, k] = w8[o].shape;
+        let values = rand_vec(n * k, 1);
+        let q = crate::quant::QuantFormat::W8G32F16S;
+        w8.insert(o.clone(), crate::quant::QuantWeight::packed(o.as_str(), q, [n, k], crate::quant::quantize(q, o, &values, [n, k]).unwrap()));
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(w8)) }).err().expect("a W8 tensor handed in").to_string();
+        assert!(e.contains(o.as_str()) && e.contains("W8G32_F16S") && e.contains("only GGUF rows"), "{e}");
+    }
 }
