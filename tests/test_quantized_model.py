@@ -141,7 +141,7 @@ def test_quantize_progress_goes_to_stderr_only_on_a_terminal(tiny_qwen):
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ)
     cmd = [sys.executable, "-c", PROGRESS_SCRIPT, str(tiny_qwen)]
     piped = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     assert piped.stderr == ""

@@ -22,11 +22,22 @@ def default_drafter(model_dir, spec, drafter):
 
     if drafter is not None or spec is None or str(spec).strip().lower() != "dflash" or model_dir is None:
         return None if drafter is None else os.fspath(drafter)
+    return str(DFLASH_DIR) if is_demo_model(model_dir) and (DFLASH_DIR / "config.json").is_file() else None
+
+
+def is_demo_model(model_dir) -> bool:
+    """Whether `model_dir` is the bundled demo model: this package's directory, or a copy of it
+    (a checkout's, a test's) with the same config.json and weights file size."""
+    import os
+
+    path = Path(os.fspath(model_dir))
     try:
-        same = Path(os.fspath(model_dir)).resolve() == MODEL_DIR
+        if path.resolve() == MODEL_DIR:
+            return True
+        return ((path / "config.json").read_bytes() == (MODEL_DIR / "config.json").read_bytes()
+                and (path / "model.safetensors").stat().st_size == (MODEL_DIR / "model.safetensors").stat().st_size)
     except OSError:
-        return None
-    return str(DFLASH_DIR) if same and (DFLASH_DIR / "config.json").is_file() else None
+        return False
 
 
 HELDOUT_TOKENS = Path(__file__).resolve().parent / "heldout_tokens.json"
