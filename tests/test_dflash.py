@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from ninfer import LLM, SamplingParams, _core
+from test_speculative import async_answer
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo"))
@@ -194,26 +195,10 @@ def test_the_demo_drafter_fits_in_10_mb_and_is_in_the_public_layout():
 
 
 def test_the_async_engine_takes_the_drafter(tiny):
-    import anyio
-
-    from ninfer import AsyncEngine
-
     target, drafter = tiny
     params = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
-
-    async def answer(**engine):
-        eng = await AsyncEngine.start(target, device="cpu", max_context=256, **engine)
-        try:
-            tokens, last = [], None
-            async for d in eng.generate(PROMPTS[1], params):
-                tokens += d.token_ids
-                last = d
-            return tokens, last
-        finally:
-            await eng.shutdown()
-
-    plain, _ = anyio.run(answer)
-    spec, last = anyio.run(lambda: answer(spec="dflash", drafter=str(drafter), draft_tokens=3))
+    plain, _ = async_answer(target, PROMPTS[1], params)
+    spec, last = async_answer(target, PROMPTS[1], params, spec="dflash", drafter=str(drafter), draft_tokens=3)
     assert spec == plain
     assert last.spec is not None and last.spec["drafted"] > 0
 

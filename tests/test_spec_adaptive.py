@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ninfer import LLM, SamplingParams
-from test_speculative import _assert_as_plain
+from test_speculative import _assert_as_plain, async_answer
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo")) / "model"
@@ -152,25 +152,9 @@ def test_ninfer_run_with_spec_adaptive_prints_the_plain_answer_and_the_mean_k(ni
 
 
 def test_the_async_engine_takes_spec_adaptive(qwen3_5_mtp):
-    import anyio
-
-    from ninfer import AsyncEngine
-
     params = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
-
-    async def answer(**engine):
-        eng = await AsyncEngine.start(qwen3_5_mtp, device="cpu", max_context=256, **engine)
-        try:
-            tokens, last = [], None
-            async for d in eng.generate(PROMPTS[1], params):
-                tokens += d.token_ids
-                last = d
-            return tokens, last
-        finally:
-            await eng.shutdown()
-
-    plain, _ = anyio.run(answer)
-    spec, last = anyio.run(lambda: answer(spec="mtp", draft_tokens=3, spec_adaptive=True))
+    plain, _ = async_answer(qwen3_5_mtp, PROMPTS[1], params)
+    spec, last = async_answer(qwen3_5_mtp, PROMPTS[1], params, spec="mtp", draft_tokens=3, spec_adaptive=True)
     assert spec == plain
     assert last.spec is not None and "mean_k_chosen" in last.spec
 

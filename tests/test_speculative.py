@@ -326,28 +326,32 @@ def test_a_server_with_drafts_answers_as_without_and_reports_them(tiny_checkpoin
     assert json.loads(log.read_text().splitlines()[-1])["spec"]["drafted"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints, method, request):
+def async_answer(model, prompt, params, **engine):
+    """(tokens, last delta) of one request through `AsyncEngine` on the CPU, in its own event loop."""
     import anyio
 
     from ninfer import AsyncEngine
 
-    model = tiny_checkpoints.get("llama") if method == "ngram" else request.getfixturevalue("qwen3_5_mtp")
-    params = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
-
-    async def answer(**engine):
+    async def answer():
         eng = await AsyncEngine.start(model, device="cpu", max_context=256, **engine)
         try:
             tokens, last = [], None
-            async for d in eng.generate(PROMPTS[1], params):
+            async for d in eng.generate(prompt, params):
                 tokens += d.token_ids
                 last = d
             return tokens, last
         finally:
             await eng.shutdown()
 
-    plain, _ = anyio.run(answer)
-    spec, last = anyio.run(lambda: answer(spec=method, draft_tokens=3))
+    return anyio.run(answer)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_the_async_engine_takes_the_speculation_options(tiny_checkpoints, method, request):
+    model = tiny_checkpoints.get("llama") if method == "ngram" else request.getfixturevalue("qwen3_5_mtp")
+    params = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
+    plain, _ = async_answer(model, PROMPTS[1], params)
+    spec, last = async_answer(model, PROMPTS[1], params, spec=method, draft_tokens=3)
     assert spec == plain
     assert last.spec is not None and last.spec["drafted"] > 0
 
