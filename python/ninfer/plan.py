@@ -18,7 +18,7 @@ from ninfer.cli import (HelpFormatter, MAX_DRAFT_TOKENS, kv_capacity_arg, kv_dty
                         positive_int, spec_flag_error, _typed)
 from ninfer.ledger import format_ledger
 
-#: --quantize formats (rust_core/src/plan/formats.rs QUANT_FORMATS, exported as
+#: --quantize formats (rust_core/src/quant QUANTIZE_MODES, exported as
 #: `_core.QUANTIZE_FORMATS`; tests/test_plan.py compares this copy, kept so `--help` needs no core).
 QUANTIZE_FORMATS = ("w8", "q4", "q5", "q6", "fp8", "nvfp4")
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on the CPU)")
     p.add_argument("--quantize", type=_quantize_arg, metavar="FORMAT",
                    help=f"plan the projections in a quantized format ({'|'.join(QUANTIZE_FORMATS)}); the LM head "
-                        "and embedding stay bf16 (GPU plans only; loading with --quantize is not supported yet)")
+                        "and embedding stay bf16 (GPU plans; the CPU backend is planned with f32 weights)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize, the LM head and embedding in that format too")
     p.add_argument("--spec", metavar="METHOD", default=None,
