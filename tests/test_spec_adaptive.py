@@ -77,8 +77,10 @@ def test_greedy_with_adaptive_drafts_equals_plain_greedy(case):
     assert stats["spec_mean_k_chosen"] is not None and 0.0 <= stats["spec_mean_k_chosen"] <= 5.0, stats
     assert len(stats["spec_acceptance_by_position"]) <= 5
     if model_dir == DEMO_MODEL and method == "mtp":
-        # The demo's trained head is mostly right: drafting stays on.
-        assert stats["spec_mean_k_chosen"] > 1.0 and stats["spec_mean_accepted_length"] > 1.5, stats
+        # The demo's trained head is mostly right: its drafts are accepted. How long K gets
+        # depends on the measured step times (a loaded machine chooses shorter), so only that
+        # drafting happened is asserted here; the choice itself is tested in rust_core.
+        assert stats["spec_drafted_tokens"] > 0 and stats["spec_mean_accepted_length"] > 1.0, stats
 
 
 def test_a_mixed_batch_with_adaptive_drafts_and_chunked_prefill_equals_plain(case):
