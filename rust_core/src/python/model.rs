@@ -263,6 +263,77 @@ impl PyModel {
         .py()
     }
 
+    /// Seconds of each of `steps` steps (after one warm-up) at the ends of the prompts, each
+    /// prefilled first in a step of its own; every step runs at the same positions. `rows == 1`:
+    /// a plain decode step as the engine runs it (one token a sequence, greedy on the device);
+    /// `rows > 1`: a speculative verify step as the engine runs it (each sequence's recurrent
+    /// state copied aside for its rollback, `rows` tokens with logits at every position brought
+    /// to the host, the greedy token of every row taken there). A bench hook
+    /// (benches/gpu_spec.py), compiled with the `testing` feature.
+    #[cfg(feature = "testing")]
+    fn step_seconds(&self, py: Python<'_>, prompts: Vec<Vec<u32>>, rows: usize, steps: usize) -> PyResult<Vec<f64>> {
+        use crate::sampling::RowSampling;
+        if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        if rows == 0 || steps == 0 {
+            return Err(NinferError::invalid("rows", format!("rows {rows} and steps {steps}: both at least 1"))).py();
+        }
+        py.detach(|| -> crate::Result<Vec<f64>> {
+            let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+            let n = prompts.len();
+            let per_seq: Vec<usize> = prompts.iter().map(|p| (p.len() + rows).div_ceil(BLOCK_SIZE)).collect();
+            let blocks: usize = per_seq.iter().sum();
+            // Slots n..2n keep the states a verify step copies aside for its rollback.
+            m.runner.allocate_caches(blocks, BLOCK_SIZE, 2 * n)?;
+            m.capacity = (blocks, BLOCK_SIZE, 2 * n);
+            let mut first = 0u32;
+            let tables: Vec<Vec<u32>> = per_seq
+                .iter()
+                .map(|&b| {
+                    let t: Vec<u32> = (first..first + b as u32).collect();
+                    first += b as u32;
+                    t
+                })
+                .collect();
+            for (i, p) in prompts.iter().enumerate() {
+                let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
+                m.runner.forward(&StepBatch { seqs })?;
+            }
+            let wanted = if rows == 1 { LogitsWanted::Last } else { LogitsWanted::All };
+            let batch = StepBatch {
+                seqs: prompts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| SeqChunk { tokens: vec![p[p.len() - 1]; rows], start_pos: p.len(), block_table: tables[i].clone(), state_slot: i, logits: wanted })
+                    .collect(),
+            };
+            let greedy = vec![RowSampling { temperature: 0.0, ..RowSampling::default() }; n];
+            let hybrid = m.runner.config().linear_attention.is_some();
+            let mut out = Vec::with_capacity(steps);
+            for s in 0..=steps {
+                let t = std::time::Instant::now();
+                if rows == 1 {
+                    m.runner.forward_sampled(&batch, &greedy)?;
+                } else {
+                    if hybrid {
+                        for i in 0..n {
+                            m.runner.copy_state(i, n + i)?;
+                        }
+                    }
+                    let l = m.runner.forward(&batch)?;
+                    let picked: u64 = l.data.chunks(l.vocab).map(|r| crate::sampling::argmax(r) as u64).sum();
+                    std::hint::black_box(picked);
+                }
+                if s > 0 {
+                    out.push(t.elapsed().as_secs_f64());
+                }
+            }
+            Ok(out)
+        })
+        .py()
+    }
+
     /// The parsed config as a dict.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
