@@ -23,5 +23,5 @@ def test_step_seconds_refuses_no_rows_and_empty_prompts(tiny_checkpoints):
     model = _core.Model(str(tiny_checkpoints.get("llama")), device="cpu", num_threads=1)
     with pytest.raises(_core.InvalidRequestError, match="rows 0"):
         model.step_seconds([[1, 2]], 0, 3)
-    with pytest.raises(_core.NinferErrorPy):
+    with pytest.raises(_core.InvalidRequestError):
         model.step_seconds([[]], 1, 3)
