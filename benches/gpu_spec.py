@@ -9,7 +9,7 @@ Parts (both by default):
           the steps as the engine runs them, the verify step with its rollback copies and host
           logits). Metric `spec_verify_step_ratio` (median verify step / median plain step); the
           ceiling is 1.0 (decode is bandwidth-bound: the verify step reads the same weights), so
-          fraction_of_ceiling = 1 / ratio. Peer: the same ratio of transformers' forward with its
+          fraction_of_ceiling = 1 / ratio. Peer (K = 3): the same ratio of transformers' forward with its
           KV cache (K + 1 new tokens against 1), same GPU, same call. On the 27B shape the engine's
           whole MTP round (drafting included; random MTP head) is timed too
           (`spec_round_step_ratio`: mean step time under `--spec mtp` / plain's).
@@ -108,7 +108,7 @@ def sync(torch) -> None:
         torch.cuda.synchronize()
 
 
-def engine_round_ratio(b: gb.Bench, path: Path, prompts: list, k: int, steps: int = 48) -> tuple:
+def engine_round_ratio(b: gb.Bench, path: Path, prompts: list, k: int, steps: int = 24) -> tuple:
     """(mean step seconds under --spec mtp K / plain's, mean accepted length): the engine's steps
     after every request's first token, greedy, the same prompts."""
     from ninfer import _core
@@ -153,7 +153,7 @@ def part_verify(b: gb.Bench, model: str) -> list:
             verify = statistics.median(m.step_seconds(prompts, k + 1, a.steps))
             ratio = verify / plain
             peer = None
-            if not a.skip_peer:
+            if not a.skip_peer and k == 3:
                 try:
                     peer = peer_ratio(b, path, prompts, k)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run leaves the row without one
