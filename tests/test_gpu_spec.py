@@ -1,6 +1,6 @@
 """Speculative decoding on the CUDA backend (`--spec ngram|mtp`): the verify step's logits against
 the CPU backend's, greedy output with drafts against plain greedy output on the same GPU, and the
-MTP head's drafts against the CPU drafter's.
+MTP head's drafts (greedy, and sampled from q) against the CPU drafter's.
 
 A verify chunk (a decode token and its K drafts, logits at every position) runs the prefill
 kernels (cuBLAS, flash attention, the recurrent or chunked Gated DeltaNet over K + 1 rows), while
@@ -272,6 +272,41 @@ def test_mtp_drafts_on_cuda_equal_the_cpu_drafts(name, request):
     print(f"{name}: drafts equal to the CPU drafter's: {equal} of {len(prompts)}")
     if name == "demo":
         assert equal["gpu"] >= len(prompts) // 2
+
+
+def test_sampled_mtp_drafts_on_cuda_are_drawn_from_the_cpu_drafters_q():
+    """Sampled MTP drafts (K = 4, temperature 0.8, top-p 0.95) on the trained demo head: each
+    depth's q on the GPU is the CPU drafter's to within the logits' agreement, sums to 1, and the
+    draft drawn with the same uniform is the CPU's unless the draw sits at a boundary of q's
+    cumulative sum that the two q place differently (the rest of that sequence then differs)."""
+    _needs_cuda()
+    model_dir = DEMO / "model"
+    k = 4
+    seqs = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"]
+    prompts = [seqs[i % len(seqs)][40 * i:40 * i + 12 + 5 * i] for i in range(8)]
+    rng = np.random.default_rng(11)
+    u = [[float(x) for x in rng.random(k)] for _ in prompts]
+    kw = dict(temperature=0.8, top_p=0.95)
+    g_next, g_drafts, g_q = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").mtp_sampled_drafts(prompts, k, u, **kw)
+    c_next, c_drafts, c_q = _core.Model(str(model_dir), device="cpu", logits_dtype="float32").mtp_sampled_drafts(prompts, k, u, **kw)
+    equal = 0
+    for i in range(len(prompts)):
+        if g_next[i] != c_next[i]:
+            continue  # a target near-tie (test_mtp_drafts_on_cuda_equal_the_cpu_drafts bounds those)
+        assert len(g_drafts[i]) == k and len(g_q[i]) == k
+        for d in range(k):
+            qg, qc = np.asarray(g_q[i][d]), np.asarray(c_q[i][d])
+            assert abs(qg.sum() - 1.0) < 1e-3
+            assert np.abs(qg - qc).max() < 0.03, f"prompt {i} depth {d}"
+            if g_drafts[i][d] != c_drafts[i][d]:
+                gap = np.abs(np.cumsum(qc) - u[i][d]).min()
+                print(f"prompt {i}: draft {d} is {g_drafts[i][d]} on the GPU, {c_drafts[i][d]} on the CPU (CDF gap {gap:.4f})")
+                assert gap < 0.03
+                break
+        else:
+            equal += 1
+    print(f"sampled drafts equal to the CPU's: {equal} of {len(prompts)}")
+    assert equal >= len(prompts) // 2
 
 
 # Refusals that stay.

@@ -234,33 +234,28 @@ impl PyModel {
     /// A test hook, compiled with the `testing` feature.
     #[cfg(feature = "testing")]
     fn mtp_greedy_drafts(&self, py: Python<'_>, prompts: Vec<Vec<u32>>, k: usize) -> PyResult<(Vec<u32>, Vec<Vec<u32>>)> {
-        use crate::model::{MtpDraftSeq, MtpRows};
-        if prompts.iter().any(|p| p.is_empty()) {
-            return Err(NinferError::EmptyPrompt).py();
+        let (next, drafts) = self.mtp_drafts(py, prompts, k, None)?;
+        Ok((next, drafts.into_iter().map(|d| d.tokens).collect()))
+    }
+
+    /// `mtp_greedy_drafts` for a sampled request: sequence `i`'s drafts drawn with `u[i]` (one
+    /// uniform per draft) from the MTP logits under `temperature` / `top_k` / `top_p` / `min_p`
+    /// (`spec::draft_warpers`). Returns (the greedy `g`s, the drafts `[n][k]`, their q
+    /// `[n][k][vocab]`). A test hook, compiled with the `testing` feature.
+    #[cfg(feature = "testing")]
+    #[pyo3(signature = (prompts, k, u, temperature = 1.0, top_k = 0, top_p = 1.0, min_p = 0.0))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn mtp_sampled_drafts(
+        &self, py: Python<'_>, prompts: Vec<Vec<u32>>, k: usize, u: Vec<Vec<f64>>, temperature: f32, top_k: usize, top_p: f32, min_p: f32,
+    ) -> PyResult<(Vec<u32>, Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>)> {
+        if u.len() != prompts.len() || u.iter().any(|d| d.len() != k) {
+            return Err(NinferError::invalid("u", format!("one list of {k} draws per prompt ({} prompts)", prompts.len()))).py();
         }
-        py.detach(|| -> crate::Result<_> {
-            let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
-            m.runner.enable_mtp()?;
-            let lens: Vec<usize> = prompts.iter().map(|p| p.len() + 1 + k).collect();
-            let tables = m.own_tables(&lens)?;
-            let mut next = Vec::with_capacity(prompts.len());
-            for (i, p) in prompts.iter().enumerate() {
-                let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
-                let l = m.runner.forward(&StepBatch { seqs })?;
-                let g = crate::sampling::argmax(l.of_seq(0));
-                let next_tokens: Vec<u32> = p[1..].iter().copied().chain([g]).collect();
-                m.runner.mtp_absorb(&[MtpRows { key: i as u64, chunk: 0, start_pos: 0, next_tokens, block_table: tables[i].clone() }])?;
-                next.push(g);
-            }
-            let seqs: Vec<MtpDraftSeq> =
-                prompts.iter().enumerate().map(|(i, p)| MtpDraftSeq { key: i as u64, pos: p.len(), token: next[i], block_table: tables[i].clone(), k, sampling: None }).collect();
-            let drafts: Vec<Vec<u32>> = m.runner.mtp_draft(&seqs)?.into_iter().map(|d| d.tokens).collect();
-            for i in 0..prompts.len() {
-                m.runner.mtp_release(i as u64);
-            }
-            Ok((next, drafts))
-        })
-        .py()
+        let warpers = crate::sampling::RowSampling { temperature, top_k, top_p, min_p, ..Default::default() };
+        let sampling = u.into_iter().map(|u| crate::model::DraftSampling { warpers: warpers.clone(), u }).collect();
+        let (next, drafts) = self.mtp_drafts(py, prompts, k, Some(sampling))?;
+        let (tokens, q) = drafts.into_iter().map(|d| (d.tokens, d.q)).unzip();
+        Ok((next, tokens, q))
     }
 
     /// Seconds of each of `steps` steps (after one warm-up) at the ends of the prompts, each
@@ -380,6 +375,43 @@ impl Loaded {
                 t
             })
             .collect())
+    }
+}
+
+#[cfg(feature = "testing")]
+impl PyModel {
+    /// The body of the MTP draft hooks: prefill, absorb, draft (greedy where `sampling` is None).
+    fn mtp_drafts(&self, py: Python<'_>, prompts: Vec<Vec<u32>>, k: usize, sampling: Option<Vec<crate::model::DraftSampling>>) -> PyResult<(Vec<u32>, Vec<crate::model::MtpDraft>)> {
+        use crate::model::{MtpDraftSeq, MtpRows};
+        if prompts.iter().any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        py.detach(|| -> crate::Result<_> {
+            let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+            m.runner.enable_mtp()?;
+            let lens: Vec<usize> = prompts.iter().map(|p| p.len() + 1 + k).collect();
+            let tables = m.own_tables(&lens)?;
+            let mut next = Vec::with_capacity(prompts.len());
+            for (i, p) in prompts.iter().enumerate() {
+                let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
+                let l = m.runner.forward(&StepBatch { seqs })?;
+                let g = crate::sampling::argmax(l.of_seq(0));
+                let next_tokens: Vec<u32> = p[1..].iter().copied().chain([g]).collect();
+                m.runner.mtp_absorb(&[MtpRows { key: i as u64, chunk: 0, start_pos: 0, next_tokens, block_table: tables[i].clone() }])?;
+                next.push(g);
+            }
+            let seqs: Vec<MtpDraftSeq> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| MtpDraftSeq { key: i as u64, pos: p.len(), token: next[i], block_table: tables[i].clone(), k, sampling: sampling.as_ref().map(|s| s[i].clone()) })
+                .collect();
+            let drafts = m.runner.mtp_draft(&seqs)?;
+            for i in 0..prompts.len() {
+                m.runner.mtp_release(i as u64);
+            }
+            Ok((next, drafts))
+        })
+        .py()
     }
 }
 

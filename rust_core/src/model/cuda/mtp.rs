@@ -9,7 +9,9 @@
 //! (`keep_hidden`), `mtp_absorb` gathers the rows the engine kept into the MTP step's input and
 //! stores each sequence's last one, and `mtp_draft` runs K single-row steps per sequence whose
 //! tokens are the argmax of the step before (`argmax_logsumexp` into the drafts buffer, copied
-//! into the next step's ids), then copies the K x n drafted ids to the host once.
+//! into the next step's ids), then copies the K x n drafted ids to the host once. A sampled
+//! request's drafts are drawn on the host from each depth's logits row (its q, which the
+//! speculative sampling rule needs there anyway) and written back over the argmax.
 
 use std::collections::HashMap;
 
@@ -17,7 +19,8 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::CudaDevice;
-use crate::model::runner::{LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::model::runner::{LogitsWanted, MtpDraft, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::spec::draw_draft;
 use crate::{NinferError, Result};
 
 use super::attention::AttnCtx;
@@ -215,17 +218,21 @@ impl CudaModel {
         Ok(())
     }
 
-    /// `ModelRunner::mtp_draft`: greedy drafts, the sequences of each K in one batched run.
-    pub(super) fn draft_mtp(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    /// `ModelRunner::mtp_draft`: the sequences of each K in one batched run; greedy drafts stay
+    /// on the device, a sampled sequence's are drawn on the host from q (`draw_draft`).
+    pub(super) fn draft_mtp(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
         let mut mtp = self.mtp.take().ok_or_else(|| NinferError::invalid("mtp_draft", "MTP drafting is not enabled"))?;
         let r = self.draft_with(&mut mtp, seqs);
         self.mtp = Some(mtp);
         r
     }
 
-    fn draft_with(&mut self, mtp: &mut CudaMtp, seqs: &[MtpDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    fn draft_with(&mut self, mtp: &mut CudaMtp, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
         let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        let mut out = vec![Vec::new(); seqs.len()];
+        let mut out = vec![MtpDraft::default(); seqs.len()];
+        if let Some(s) = seqs.iter().find(|s| s.sampling.as_ref().is_some_and(|d| d.u.len() < s.k)) {
+            return Err(NinferError::invalid("mtp_draft", format!("sequence {} has fewer draws than its {} drafts", s.key, s.k)));
+        }
         let mut ks: Vec<usize> = seqs.iter().map(|s| s.k).filter(|&k| k > 0).collect();
         ks.sort_unstable();
         ks.dedup();
@@ -255,6 +262,7 @@ impl CudaModel {
             }
             mtp.meta.upload(&self.dev, &first, self.caches.block_size)?;
             self.mtp_forward(mtp, &first, Some(0))?;
+            self.draw_sampled(mtp, seqs, &idx, 0, &mut out)?;
             for depth in 1..k {
                 // The MTP's own normed output of each row feeds the next row.
                 let src = buf(&self.act.h).slice(0..n * h);
@@ -266,17 +274,42 @@ impl CudaModel {
                 let src = buf(&mtp.drafts).slice((depth - 1) * n..depth * n);
                 self.dev.stream().memcpy_dtod(&src, &mut mtp.meta.ids_mut(n)).map_err(driver_err("feeding MTP drafts"))?;
                 self.mtp_forward(mtp, &batch, Some(depth))?;
+                self.draw_sampled(mtp, seqs, &idx, depth, &mut out)?;
             }
             let ids = self.dev.stream().clone_dtoh(&buf(&mtp.drafts).slice(0..k * n)).map_err(driver_err("copying MTP drafts to the host"))?;
             self.dev.synchronize()?;
             for (j, &i) in idx.iter().enumerate() {
-                out[i] = (0..k).map(|d| ids[d * n + j] as u32).collect();
+                out[i].tokens = (0..k).map(|d| ids[d * n + j] as u32).collect();
             }
-            if let Some(t) = out.iter().flatten().find(|&&t| t as usize >= vocab) {
+            if let Some(t) = out.iter().flat_map(|d| &d.tokens).find(|&&t| t as usize >= vocab) {
                 return Err(NinferError::Device(format!("MTP drafted token id {t} >= vocab_size {vocab}")));
             }
         }
         Ok(out)
+    }
+
+    /// The sampled sequences' drafts at `depth` (rows of the drafting step just run, `idx` its
+    /// sequences): each is drawn on the host from its logits row under the request's warpers
+    /// with its draw for this depth, as the CPU drafter does, kept with q in `out`, and written
+    /// over the device argmax in the drafts buffer, which the next depth reads as its tokens.
+    fn draw_sampled(&mut self, mtp: &mut CudaMtp, seqs: &[MtpDraftSeq], idx: &[usize], depth: usize, out: &mut [MtpDraft]) -> Result<()> {
+        if idx.iter().all(|&i| seqs[i].sampling.is_none()) {
+            return Ok(());
+        }
+        let (n, vocab) = (idx.len(), self.cfg.vocab_size);
+        let logits = self.logits_to_host(n)?;
+        let row = buf(&mtp.drafts).slice(depth * n..(depth + 1) * n);
+        let mut ids = self.dev.stream().clone_dtoh(&row).map_err(driver_err("copying MTP drafts to the host"))?;
+        self.dev.synchronize()?;
+        for (j, &i) in idx.iter().enumerate() {
+            if let Some(s) = &seqs[i].sampling {
+                let (token, q) = draw_draft(&logits[j * vocab..(j + 1) * vocab], &s.warpers, s.u[depth]);
+                ids[j] = token as i32;
+                out[i].q.push(q);
+            }
+        }
+        let mut dst = buf_mut(&mut mtp.drafts).slice_mut(depth * n..(depth + 1) * n);
+        self.dev.stream().memcpy_htod(&ids, &mut dst).map_err(driver_err("writing sampled MTP drafts"))
     }
 
     /// The checks of the CPU drafter: chunks of known tokens whose block tables cover their

@@ -230,10 +230,10 @@ impl ModelRunner for CudaModel {
         self.absorb_mtp(rows)
     }
 
-    /// Greedy drafts for every request (the device argmax): a sampled request's are verified by
-    /// the point-mass rule, exact for them; drawing from q on the device is later work.
+    /// Greedy drafts by the device argmax; a sampled request's drawn from its q (the speculative
+    /// sampling rule verifies them).
     fn mtp_draft(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
-        Ok(self.draft_mtp(seqs)?.into_iter().map(|tokens| MtpDraft { tokens, q: Vec::new() }).collect())
+        self.draft_mtp(seqs)
     }
 
     fn mtp_release(&mut self, key: u64) {
