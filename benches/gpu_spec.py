@@ -34,7 +34,6 @@ sys.path.insert(0, str(REPO / "benches"))
 import gpu_bench as gb  # noqa: E402
 
 DEMO = REPO / "python" / "ninfer" / "demo"
-KS = (1, 3, 5)
 BATCHES = (1, 8)
 
 
@@ -149,7 +148,7 @@ def part_verify(b: gb.Bench, model: str) -> list:
     for batch in BATCHES:
         prompts = [gb.random_prompt(a.prompt, s["vocab"], 10 + i) for i in range(batch)]
         plain = statistics.median(m.step_seconds(prompts, 1, a.steps))
-        for k in KS:
+        for k in a.ks:
             verify = statistics.median(m.step_seconds(prompts, k + 1, a.steps))
             ratio = verify / plain
             peer = None
@@ -169,10 +168,10 @@ def part_verify(b: gb.Bench, model: str) -> list:
                                  peer_value=round(peer, 4) if peer else None, steps_timed=a.steps))
     del m
     b.__dict__.pop("_peer_model", None)
-    if mtp:
+    if mtp and not a.skip_round:
         for batch in BATCHES:
             prompts = [gb.random_prompt(a.prompt, s["vocab"], 10 + i) for i in range(batch)]
-            for k in KS:
+            for k in a.ks:
                 ratio, acc = engine_round_ratio(b, path, prompts, k)
                 gb.log(f"MTP round {model} batch {batch} K={k}: {ratio:.3f}x a plain step (mean accepted {acc})")
                 recs.append(b.record("spec_round_step_ratio", model, round(ratio, 4), s, weights="bf16", spec="mtp",
@@ -235,15 +234,19 @@ def main(argv=None) -> int:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--workdir", default="/tmp/ninfer_spec_bench")
     p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--models", default="llama-3-8b,qwen3_5-27b", help="verify: the shapes")
+    p.add_argument("--ks", default="1,3,5", help="verify: the draft lengths K")
+    p.add_argument("--skip-round", action="store_true", help="verify: leave out the engine's MTP round")
     p.add_argument("--tiny", action="store_true")
     a = p.parse_args(argv)
     ga = gb.parse_args(["--out", a.out, "--layers", str(a.layers), "--commit", a.commit, "--workdir", a.workdir,
                         "--prompt", "512", "--skip-peer"] + (["--tiny"] if a.tiny else []))
     ga.steps, ga.demo_prompt, ga.demo_tokens, ga.skip_peer = a.steps, a.demo_prompt, a.demo_tokens, a.skip_peer
+    ga.ks, ga.skip_round = [int(k) for k in a.ks.split(",")], a.skip_round
     b = gb.Bench(ga)
     parts = set(a.parts.split(","))
     if "verify" in parts:
-        for model in ("llama-3-8b", "qwen3_5-27b"):
+        for model in a.models.split(","):
             gb.guarded(b, "spec_verify_step_ratio", model, lambda m=model: part_verify(b, m))
     if "demo" in parts:
         try:
