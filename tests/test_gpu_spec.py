@@ -1,6 +1,7 @@
 """Speculative decoding on the CUDA backend (`--spec ngram|mtp`): the verify step's logits against
 the CPU backend's, greedy output with drafts against plain greedy output on the same GPU, and the
-MTP head's drafts (greedy, and sampled from q) against the CPU drafter's.
+MTP head's drafts (greedy, sampled from q, and over a reduced draft vocabulary) against the CPU
+drafter's.
 
 A verify chunk (a decode token and its K drafts, logits at every position) runs the prefill
 kernels (cuBLAS, flash attention, the recurrent or chunked Gated DeltaNet over K + 1 rows), while
@@ -229,6 +230,26 @@ def test_a_batch_of_8_with_mixed_k_and_chunked_prefill_on_cuda_equals_plain(meth
     assert stats["spec_drafted_tokens"] > 0
     assert len(stats["spec_acceptance_by_position"]) <= 4
     assert stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("size", [2048, 32768])
+def test_lm_head_draft_on_cuda_equals_plain_greedy_and_drafts_within_its_vocabulary(size):
+    """`--lm-head-draft` on the demo model (K = 3, the first `size` ids of its draft_vocab.json):
+    greedy output equals plain greedy output on the GPU (up to near-ties), drafts are accepted,
+    and the mean accepted length is within 0.25 of the CPU's with the same reduced head."""
+    _needs_cuda()
+    model_dir = DEMO / "model"
+    plain = _plain_greedy(model_dir, 48)
+    opts = dict(spec="mtp", draft_tokens=3, lm_head_draft=True, lm_head_draft_size=size)
+    spec, stats = _generate(model_dir, PROMPTS[:3], greedy(48), **opts)
+    _assert_equal_but_at_near_ties(plain, spec, f"--lm-head-draft {size} on the demo")
+    assert stats["spec_accepted_tokens"] > 0, stats
+    with LLM(model_dir, device="cpu", max_concurrency=8, max_context=512, logits_dtype="float32", **opts) as llm:
+        llm.generate([llm.encode(p) for p in PROMPTS[:3]], greedy(48))
+        cpu = llm.engine.stats()
+    print(f"--lm-head-draft {size}: mean accepted length GPU {stats['spec_mean_accepted_length']:.3f}, "
+          f"CPU {cpu['spec_mean_accepted_length']:.3f}")
+    assert abs(stats["spec_mean_accepted_length"] - cpu["spec_mean_accepted_length"]) < 0.25
 
 
 # The MTP head's drafts on the GPU against the CPU drafter.

@@ -190,7 +190,12 @@ impl CudaModel {
     /// Copies the first `m` logits rows to the host through the pinned buffer (the step's one
     /// synchronization).
     pub(super) fn logits_to_host(&mut self, m: usize) -> Result<Vec<f32>> {
-        let n = m * self.cfg.vocab_size;
+        self.logit_floats_to_host(m * self.cfg.vocab_size)
+    }
+
+    /// The first `n` floats of the logits buffer on the host (rows narrower than the
+    /// vocabulary: the MTP head's reduced draft vocabulary).
+    pub(super) fn logit_floats_to_host(&mut self, n: usize) -> Result<Vec<f32>> {
         if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
             self.pinned = None;
             // SAFETY: the buffer is written by the copy below before it is read.

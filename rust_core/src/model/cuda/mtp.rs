@@ -58,6 +58,9 @@ pub(super) struct CudaMtp {
     drafts: Option<CudaSlice<i32>>,
     lse: Option<CudaSlice<f32>>,
     meta: StepMeta,
+    /// `--lm-head-draft`: the LM head's rows of the draft vocabulary `[ids.len(), hidden]` and
+    /// those ids; drafting picks among them (`set_draft_vocab`).
+    reduced: Option<(CudaSlice<u16>, Vec<u32>)>,
 }
 
 impl CudaMtp {
@@ -79,6 +82,7 @@ impl CudaMtp {
             drafts: None,
             lse: None,
             meta: StepMeta::default(),
+            reduced: None,
         }
     }
 
@@ -218,6 +222,36 @@ impl CudaModel {
         Ok(())
     }
 
+    /// `ModelRunner::set_mtp_draft_vocab` (`--lm-head-draft`): gathers the LM head's rows of
+    /// `ids` (distinct, below the vocabulary size) into the head drafting reads.
+    pub(super) fn set_draft_vocab_mtp(&mut self, ids: &[u32]) -> Result<()> {
+        const WHAT: &str = "lm_head_draft (--lm-head-draft)";
+        let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        if self.mtp.is_none() {
+            return Err(NinferError::invalid("set_mtp_draft_vocab", "MTP drafting is not enabled"));
+        }
+        if ids.is_empty() {
+            return Err(NinferError::config(WHAT, "the draft vocabulary is empty"));
+        }
+        if self.weights.lm_head.as_ref().is_some_and(|l| l.quant.is_some()) {
+            return Err(NinferError::config(WHAT, "--lm-head-draft over a quantized LM head (--quantize-lm-head, or a checkpoint's quantized lm_head) is not supported yet"));
+        }
+        let mut seen = vec![false; vocab];
+        for &t in ids {
+            match seen.get_mut(t as usize) {
+                Some(s) if !*s => *s = true,
+                _ => return Err(NinferError::config(WHAT, format!("draft vocabulary id {t} is repeated or outside the vocabulary of {vocab}"))),
+            }
+        }
+        let rows: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let rows = self.dev.stream().clone_htod(&rows).map_err(driver_err("uploading the draft vocabulary"))?;
+        let mut w = alloc(&self.dev, ids.len() * h, "the draft vocabulary's LM head rows")?;
+        self.dev.embedding(self.weights.lm_head(), &rows, &mut w, vocab, h)?;
+        self.dev.synchronize()?;
+        self.mtp.as_mut().expect("checked above").reduced = Some((w, ids.to_vec()));
+        Ok(())
+    }
+
     /// `ModelRunner::mtp_draft`: the sequences of each K in one batched run; greedy drafts stay
     /// on the device, a sampled sequence's are drawn on the host from q (`draw_draft`).
     pub(super) fn draft_mtp(&mut self, seqs: &[MtpDraftSeq]) -> Result<Vec<MtpDraft>> {
@@ -292,20 +326,40 @@ impl CudaModel {
     /// sequences): each is drawn on the host from its logits row under the request's warpers
     /// with its draw for this depth, as the CPU drafter does, kept with q in `out`, and written
     /// over the device argmax in the drafts buffer, which the next depth reads as its tokens.
+    /// Under a reduced draft vocabulary the argmax is an index into it, mapped to its id here.
     fn draw_sampled(&mut self, mtp: &mut CudaMtp, seqs: &[MtpDraftSeq], idx: &[usize], depth: usize, out: &mut [MtpDraft]) -> Result<()> {
-        if idx.iter().all(|&i| seqs[i].sampling.is_none()) {
+        let sampled = idx.iter().any(|&i| seqs[i].sampling.is_some());
+        if !sampled && mtp.reduced.is_none() {
             return Ok(());
         }
         let (n, vocab) = (idx.len(), self.cfg.vocab_size);
-        let logits = self.logits_to_host(n)?;
+        let cols = mtp.reduced.as_ref().map_or(vocab, |(_, r)| r.len());
+        let logits = if sampled { self.logit_floats_to_host(n * cols)? } else { Vec::new() };
         let row = buf(&mtp.drafts).slice(depth * n..(depth + 1) * n);
         let mut ids = self.dev.stream().clone_dtoh(&row).map_err(driver_err("copying MTP drafts to the host"))?;
         self.dev.synchronize()?;
+        let mut full = Vec::new();
         for (j, &i) in idx.iter().enumerate() {
-            if let Some(s) = &seqs[i].sampling {
-                let (token, q) = draw_draft(&logits[j * vocab..(j + 1) * vocab], &s.warpers, s.u[depth]);
-                ids[j] = token as i32;
-                out[i].q.push(q);
+            let row = &logits[..];
+            match (&seqs[i].sampling, &mtp.reduced) {
+                (Some(s), None) => {
+                    let (token, q) = draw_draft(&row[j * vocab..(j + 1) * vocab], &s.warpers, s.u[depth]);
+                    ids[j] = token as i32;
+                    out[i].q.push(q);
+                }
+                (Some(s), Some((_, r))) => {
+                    // Every id outside the draft vocabulary at -inf, as the CPU drafter has it.
+                    full.clear();
+                    full.resize(vocab, f32::NEG_INFINITY);
+                    for (c, &t) in r.iter().enumerate() {
+                        full[t as usize] = row[j * cols + c];
+                    }
+                    let (token, q) = draw_draft(&full, &s.warpers, s.u[depth]);
+                    ids[j] = token as i32;
+                    out[i].q.push(q);
+                }
+                (None, Some((_, r))) => ids[j] = r[ids[j] as usize] as i32,
+                (None, None) => {}
             }
         }
         let mut dst = buf_mut(&mut mtp.drafts).slice_mut(depth * n..(depth + 1) * n);
@@ -348,7 +402,7 @@ impl CudaModel {
         let CudaModel { cfg, dev, weights, inv_freq, rope_scale, caches, act, dummy, logits_round, .. } = self;
         let (h, eps, plus_one, vocab) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one, cfg.vocab_size);
         let rows = batch.num_tokens();
-        let CudaMtp { w, route, k, v, hin, cat, drafts, lse, meta, .. } = mtp;
+        let CudaMtp { w, route, k, v, hin, cat, drafts, lse, meta, reduced, .. } = mtp;
         let (DevMixer::Attention(a), MixerRoute::Attention(r)) = (&w.layer.mixer, &route.mixer) else {
             unreachable!("the MTP layer is loaded as full attention")
         };
@@ -370,8 +424,12 @@ impl CudaModel {
         if rows != n {
             return Err(NinferError::invalid("mtp_draft", format!("a drafting step of {n} sequences has {rows} rows")));
         }
-        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), n, vocab, h, *logits_round)?;
+        let (head, cols) = match &*reduced {
+            Some((w, ids)) => (w, ids.len()),
+            None => (weights.lm_head(), vocab),
+        };
+        dev.linear_f32_out(buf(&act.h), head, buf_mut(&mut act.logits), n, cols, h, *logits_round)?;
         let mut ids = buf_mut(drafts).slice_mut(depth * n..(depth + 1) * n);
-        dev.argmax_logsumexp(buf(&act.logits), &mut ids, &mut buf_mut(lse).slice_mut(0..n), n, vocab)
+        dev.argmax_logsumexp(buf(&act.logits), &mut ids, &mut buf_mut(lse).slice_mut(0..n), n, cols)
     }
 }

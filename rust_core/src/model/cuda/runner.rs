@@ -226,6 +226,10 @@ impl ModelRunner for CudaModel {
         Ok(())
     }
 
+    fn set_mtp_draft_vocab(&mut self, token_ids: &[u32]) -> Result<()> {
+        self.set_draft_vocab_mtp(token_ids)
+    }
+
     fn mtp_absorb(&mut self, rows: &[MtpRows]) -> Result<()> {
         self.absorb_mtp(rows)
     }
