@@ -47,6 +47,9 @@ from pathlib import Path
 
 T0 = time.perf_counter()
 
+#: The --quantize modes the CUDA loader takes (rust_core/src/quant, `QuantizeMode`).
+QUANTIZE_MODES = ["w8", "q4", "q5", "q6", "fp8"]
+
 SHAPES = {
     "llama-3-8b": dict(arch="llama", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336,
                        vocab=128256),
@@ -158,6 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode and throughput: sampling fields added to every ninfer request (a JSON object, e.g. "
                         "'{\"presence_penalty\": 0.5}' to time requests with penalties); recorded in each record; "
                         "needs --skip-peer (the transformers peer samples greedily without them)")
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
+                   help="load the bf16 checkpoint quantized (the engine's --quantize); the ceilings count the "
+                        "packed bytes the loader holds (`_core.plan`)")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
     p.add_argument("--option", metavar="OPTION=true|false", action="append", default=[],
@@ -187,6 +193,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name in options:
             p.error(f"--option {spec!r}: {name} is given twice")
         options[name] = value
+    if a.quantize:
+        if a.ab_builds is not None or a.startup:
+            p.error(f"--quantize {a.quantize}: with --ab-builds or --startup (older builds and `ninfer serve` "
+                    "take no quantize option here); name the decode and throughput parts")
+        options["quantize"] = a.quantize
     a.options = options
     if a.ab is not None:
         try:
@@ -244,7 +255,7 @@ class Bench:
     # -- shapes --
 
     def shape(self, model: str) -> dict:
-        s = dict(self.shapes[model])
+        s = dict(self.shapes[model], model=model)
         s["full_layers"] = s["layers"]
         if self.a.layers:
             s["layers"] = self.a.layers if s["arch"] != "qwen3_5" else max(4, self.a.layers - self.a.layers % 4)
@@ -294,7 +305,7 @@ class Bench:
         if (path / "config.json").exists():
             self.tokenizer_for_grammars(path, s)
             return path
-        problem = room_for_checkpoint(path, self.weight_bytes(s)[1])
+        problem = room_for_checkpoint(path, self.weight_bytes(s, bf16=True)[1])
         if problem:
             raise RuntimeError(problem)
         log(f"writing the random {model} checkpoint ({s['layers']} layers) to {path}")
@@ -326,7 +337,7 @@ class Bench:
             shutil.rmtree(path)
             log(f"deleted {path}")
 
-    def weight_bytes(self, s: dict) -> tuple:
+    def weight_bytes(self, s: dict, bf16: bool = False) -> tuple:
         """(bytes of every weight a decode step reads: all but the embedding table, plus one
         embedding row; total checkpoint bytes), bf16. Kept per shape: building the model on the
         meta device takes a noticeable fraction of a second."""
@@ -335,8 +346,32 @@ class Bench:
             shapes = self.param_shapes(s)
             total = sum(prod(v) for v in shapes.values()) * 2
             embed = sum(prod(v) for k, v in shapes.items() if "embed_tokens" in k) * 2
+            if bf16:
+                return total - embed + s["hidden"] * 2, total
+            if self.a.quantize:
+                # What the loader holds (packed weights with their scales; the embedding and
+                # lm_head, and any matrix the format cannot hold, bf16), from the plan's ledger.
+                from ninfer import _core
+
+                path = self.workdir / f"{s['model']}-{s['layers']}l"
+                plan = _core.plan(str(path), gpu_memory=1 << 40, max_context=1024, quantize=self.a.quantize)
+                total = sum(w["bytes"] for w in plan["weights"])
             self._weight_bytes[key] = (total - embed + s["hidden"] * 2, total)
         return self._weight_bytes[key]
+
+    def weights_format(self, model: str) -> str:
+        """The records' `weights`: bf16, or the packed format --quantize loads (the plan's name)."""
+        if not self.a.quantize:
+            return "bf16"
+        from ninfer import _core
+
+        s = self.shape(model)
+        path = self.workdir / f"{model}-{s['layers']}l"
+        if not (path / "config.json").exists():
+            return self.a.quantize  # a part that failed before its checkpoint was written
+        plan = _core.plan(str(path), gpu_memory=1 << 40, max_context=1024, quantize=self.a.quantize)
+        packed = [w["format"] for w in plan["weights"] if w["format"] not in ("BF16", "F16", "F32")]
+        return packed[0].lower() if packed else "bf16"
 
     def bytes_per_token(self, s: dict, context: int, batch: int = 1) -> int:
         """Bytes one decode step of `batch` sequences at `context` tokens moves: the weights once,
@@ -388,6 +423,7 @@ class Bench:
             "peer_value": None,
             "layers": s["layers"],
             "dtype": "bf16",
+            "weights": self.weights_format(model) if model in self.shapes else "bf16",
             "random_weights": True,
         }
         if s["layers"] != s["full_layers"]:
