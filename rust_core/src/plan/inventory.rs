@@ -35,6 +35,10 @@ pub struct PlannedTensor {
     /// q, up after gate, the GDN input projection's later parts): the CUDA loader holds the
     /// fused projection as one matrix.
     pub fused: bool,
+    /// A gated-attention q_proj (per head `[query | gate]` rows): the CPU loader keeps a
+    /// quantized one in checkpoint row order and holds the fused projection's output order
+    /// beside it (a u32 per fused row).
+    pub gated_query: bool,
 }
 
 impl PlannedTensor {
@@ -57,7 +61,7 @@ impl Source<'_> {
         if let Some(store) = self.store {
             store.raw(&name, &shape)?;
         }
-        self.out.push(PlannedTensor { name, shape, role, mtp: self.mtp, fused: false });
+        self.out.push(PlannedTensor { name, shape, role, mtp: self.mtp, fused: false, gated_query: false });
         Ok(())
     }
 
@@ -67,13 +71,15 @@ impl Source<'_> {
     }
 
     /// A projection's weight and bias; `fused`: it continues the previous projection's matrix.
-    fn linear(&mut self, name: &str, n: usize, k: usize, bias: bool, fused: bool) -> Result<()> {
+    /// Returns the weight's index.
+    fn linear(&mut self, name: &str, n: usize, k: usize, bias: bool, fused: bool) -> Result<usize> {
         self.push(format!("{name}.weight"), vec![n, k], Role::Matrix)?;
-        self.out.last_mut().expect("just pushed").fused = fused;
+        let at = self.out.len() - 1;
+        self.out[at].fused = fused;
         if bias {
             self.push(format!("{name}.bias"), vec![n], Role::Dense)?;
         }
-        Ok(())
+        Ok(at)
     }
 
     fn layer(&mut self, c: &ModelConfig, p: &str, kind: LayerType) -> Result<()> {
@@ -84,7 +90,8 @@ impl Source<'_> {
         match kind {
             LayerType::FullAttention => {
                 for (i, part) in names::attention_qkv(c, &m).iter().enumerate() {
-                    self.linear(&part.name, part.rows, h, c.qkv_bias, i > 0)?;
+                    let at = self.linear(&part.name, part.rows, h, c.qkv_bias, i > 0)?;
+                    self.out[at].gated_query = i == 0 && c.attn_output_gate;
                 }
                 self.linear(&format!("{m}.o_proj"), h, c.num_attention_heads * c.head_dim, c.o_bias, false)?;
                 if c.qk_norm {
@@ -110,7 +117,8 @@ impl Source<'_> {
         for (i, part) in names::gate_up(c, p).iter().enumerate() {
             self.linear(&part.name, part.rows, h, c.mlp_bias, i > 0)?;
         }
-        self.linear(&format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias, false)
+        self.linear(&format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias, false)?;
+        Ok(())
     }
 }
 

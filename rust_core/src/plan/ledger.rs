@@ -98,17 +98,71 @@ pub struct Plan {
 /// loaded: always on the CPU (which loads any head the checkpoint has), on a GPU only when it
 /// drafts (`--spec mtp`).
 pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
-    let target = input.target;
-    if input.quantize.is_some() && target == Target::Cpu {
-        return Err(NinferError::config("quantize (--quantize)", "quantized weights are planned for a GPU; the CPU backend holds f32 weights (give --gpu-memory or --device cuda:N)"));
-    }
     if input.quantize_lm_head && input.quantize.is_none() {
         return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format to store the LM head and embedding in)"));
     }
-    let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     let tensors = loaded(input);
-    let fused_rows = fused_rows(&tensors);
-    for (i, t) in tensors.into_iter().enumerate() {
+    let held = match input.target {
+        Target::Cpu => cpu_held(input, &tensors)?,
+        Target::Gpu => gpu_held(input, &tensors)?,
+    };
+    let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for (name, bytes) in held {
+        let e = by.entry(name).or_default();
+        e.0 += 1;
+        e.1 += bytes;
+    }
+    let total = by.values().map(|v| v.1).sum();
+    Ok((by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect(), total))
+}
+
+/// (format, bytes) of each tensor the CPU loader holds (`cpu::weights`, `cpu::quant_load`):
+/// f32, but for `--quantize`d projections, each checkpoint tensor packed on its own (a shape the
+/// format cannot hold stays f32). The embedding stays f32 (the step reads its rows); a tied
+/// head under `--quantize-lm-head` is a quantized copy of it beside it. A quantized gated
+/// q_proj keeps its checkpoint row order, so its fused q|k|v projection holds an output order
+/// beside it (`U32`, one per fused row).
+fn cpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(String, u64)>> {
+    let fused = fused_rows(tensors);
+    let head = input.quantize.filter(|_| input.quantize_lm_head);
+    let matrix = |name: &str, n: usize, k: usize, f: Option<QuantFormat>| -> Result<(String, u64)> {
+        match f.filter(|f| f.holds(n, k)) {
+            Some(f) => Ok((f.name().to_string(), f.matrix_bytes(name, n, k)?)),
+            None => Ok(("F32".to_string(), 4 * (n * k) as u64)),
+        }
+    };
+    let mut out = Vec::with_capacity(tensors.len() + 1);
+    for (i, t) in tensors.iter().enumerate() {
+        let cols: usize = t.shape[1..].iter().product();
+        match t.role {
+            Role::Matrix => {
+                out.push(matrix(&t.name, t.shape[0], cols, input.quantize)?);
+                if t.gated_query && input.quantize.is_some_and(|f| f.holds(t.shape[0], cols)) {
+                    out.push(("U32".to_string(), 4 * fused[i] as u64));
+                }
+            }
+            Role::LmHead => out.push(matrix(&t.name, t.shape[0], cols, head)?),
+            Role::Embedding => {
+                out.push(("F32".to_string(), 4 * t.numel()));
+                if input.cfg.tie_word_embeddings && head.is_some() {
+                    out.push(matrix("lm_head (tied to the embedding)", t.shape[0], cols, head)?);
+                }
+            }
+            Role::Dense | Role::DenseF32 => out.push(("F32".to_string(), 4 * t.numel())),
+        }
+    }
+    Ok(out)
+}
+
+/// (format, bytes) of each tensor the CUDA loader holds (`cuda::load`): the dense type, f32
+/// for `A_log` / `dt_bias`; `--quantize`d projections encoded as the fused matrix where the
+/// format encodes rows alone (counted on the fused projection's first tensor); the embedding
+/// and head in the format too with `--quantize-lm-head`.
+fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(String, u64)>> {
+    let target = input.target;
+    let fused_rows = fused_rows(tensors);
+    let mut out = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
         let quant = match t.role {
             Role::Matrix => input.quantize,
@@ -116,20 +170,16 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
             _ => None,
         }
         .filter(|f| f.holds(t.shape[0], cols));
-        let (name, bytes) = match (quant, t.role) {
+        out.push(match (quant, t.role) {
             (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
                 (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
             }
             (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
             (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
             (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
-        };
-        let e = by.entry(name).or_default();
-        e.0 += 1;
-        e.1 += bytes;
+        });
     }
-    let total = by.values().map(|v| v.1).sum();
-    Ok((by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect(), total))
+    Ok(out)
 }
 
 /// The tensors the target loads (the MTP head's on the GPU only under `--spec mtp`).
