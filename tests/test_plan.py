@@ -266,6 +266,49 @@ def test_an_unknown_quantize_mode_is_refused_naming_the_value(tiny_quant_models)
     assert proc.returncode == 2 and "'q3'" in proc.stderr and "--quantize" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed", "fp8"])
+def test_a_quantized_hf_checkpoint_plans_its_stored_bytes_and_starts(tmp_path, method):
+    """A quantized HF checkpoint is planned from its headers (the weights as stored, on both
+    backends), so `ninfer plan` and the engine's startup check take it; the CPU figure is the
+    loaded model's own."""
+    from test_quantized_model import build_hf_quantized
+    from tiny_models import make_model
+    from safetensors import safe_open
+
+    src = make_model(tmp_path / "src", "llama", seed=5)
+    qdir, _ = build_hf_quantized(src, tmp_path, method)
+    cpu = _core.plan(str(qdir), device="cpu")
+    model = _core.Model(str(qdir), device="cpu")
+    assert cpu["weight_bytes"] == model.config["weight_bytes"]
+    fmt = {"awq": "HF_AWQ4", "gptq": "HF_GPTQ4", "compressed": "HF_PACK_QUANTIZED4", "fp8": "HF_FP8_BLOCK"}[method]
+    by = {w["format"]: w for w in cpu["weights"]}
+    projections = 3 * 7  # q, k, v, o, gate, up, down in each of the 3 layers
+    assert by[fmt]["tensors"] == projections
+    # Hand count: the bytes of every tensor the quantized modules store.
+    stored = 0
+    with safe_open(str(qdir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if re.search(r"_proj\.(qweight|qzeros|scales|g_idx|weight_packed|weight_scale|weight_scale_inv)$", name) or (
+                    method == "fp8" and name.endswith("_proj.weight")):
+                t = f.get_tensor(name)
+                stored += t.numel() * t.element_size()
+    assert by[fmt]["bytes"] == stored
+    gpu = _core.plan(str(qdir), gpu_memory=32 << 30)
+    gpu_by = {w["format"]: w for w in gpu["weights"]}
+    # On the GPU a fused projection keeps one g_idx (GPTQ act-order parts, whose g_idx differ, are
+    # refused at load there).
+    assert gpu_by[fmt]["tensors"] == projections and gpu_by[fmt]["bytes"] <= stored
+    if method != "gptq":
+        assert gpu_by[fmt]["bytes"] == stored and gpu["workspace_bytes"] > _core.plan(str(src), gpu_memory=32 << 30)["workspace_bytes"]
+    # The engine's startup check plans it too.
+    from ninfer import LLM
+
+    with LLM(str(qdir), device="cpu", max_concurrency=1) as llm:
+        assert llm.engine.info()["weight_bytes"] == cpu["weight_bytes"]
+    with pytest.raises(_core.NinferError, match=f"already quantized.*{fmt}"):
+        _core.plan(str(qdir), device="cpu", quantize="q4")
+
+
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this machine has a GPU: --device cuda:0 plans for it")
 def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     model = write_qwen35_27b_config(tmp_path)

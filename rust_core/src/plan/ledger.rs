@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::formats::QuantFormat;
-use super::inventory::{model_tensors, PlannedTensor, Role};
+use super::inventory::{checkpoint_tensors, PlannedTensor, Role};
 use super::memory::{device_memory, host_available_bytes, DeviceMemory};
 use super::{cache_spec, reserve_bytes, Target};
 use crate::artifact::WeightStore;
@@ -101,6 +101,13 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
     if input.quantize_lm_head && input.quantize.is_none() {
         return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format to store the LM head and embedding in)"));
     }
+    if let (Some(f), Some(t)) = (input.quantize, input.tensors.iter().find(|t| t.stored.is_some())) {
+        let stored = t.stored.expect("found").format;
+        return Err(NinferError::config(
+            "quantize (--quantize)",
+            format!("{} asked for a checkpoint that is already quantized ({}, e.g. {}); leave --quantize out", f.name(), stored.name(), t.name),
+        ));
+    }
     let tensors = loaded(input);
     let held = match input.target {
         Target::Cpu => cpu_held(input, &tensors)?,
@@ -118,7 +125,7 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
 
 /// (format, bytes) of each tensor the CPU loader holds (`cpu::weights`, `cpu::quant_load`):
 /// f32, but for `--quantize`d projections, each checkpoint tensor packed on its own (a shape the
-/// format cannot hold stays f32). The embedding stays f32 (the step reads its rows); a tied
+/// format cannot hold stays f32), and a quantized checkpoint's projections as stored. The embedding stays f32 (the step reads its rows); a tied
 /// head under `--quantize-lm-head` is a quantized copy of it beside it. A quantized gated
 /// q_proj keeps its checkpoint row order, so its fused q|k|v projection holds an output order
 /// beside it (`U32`, one per fused row).
@@ -134,6 +141,13 @@ fn cpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
     let mut out = Vec::with_capacity(tensors.len() + 1);
     for (i, t) in tensors.iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
+        if let Some(q) = t.stored {
+            out.push((q.format.name().to_string(), q.bytes));
+            if t.gated_query {
+                out.push(("U32".to_string(), 4 * fused[i] as u64));
+            }
+            continue;
+        }
         match t.role {
             Role::Matrix => {
                 out.push(matrix(&t.name, t.shape[0], cols, input.quantize)?);
@@ -157,13 +171,21 @@ fn cpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
 /// (format, bytes) of each tensor the CUDA loader holds (`cuda::load`): the dense type, f32
 /// for `A_log` / `dt_bias`; `--quantize`d projections encoded as the fused matrix where the
 /// format encodes rows alone (counted on the fused projection's first tensor); the embedding
-/// and head in the format too with `--quantize-lm-head`.
+/// and head in the format too with `--quantize-lm-head`; a quantized checkpoint's projections
+/// as stored (a fused projection keeps one g_idx for its parts).
 fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(String, u64)>> {
     let target = input.target;
     let fused_rows = fused_rows(tensors);
     let mut out = Vec::with_capacity(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
+        if let Some(q) = t.stored {
+            if t.role != Role::Matrix {
+                return Err(NinferError::Unsupported(format!("{} stored quantized ({}) on the CUDA backend (its LM head is dense)", t.name, q.format.name())));
+            }
+            out.push((q.format.name().to_string(), q.bytes - if t.fused { q.g_idx_bytes } else { 0 }));
+            continue;
+        }
         let quant = match t.role {
             Role::Matrix => input.quantize,
             Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
@@ -207,16 +229,13 @@ fn fused_rows(tensors: &[&PlannedTensor]) -> Vec<usize> {
 /// projection in the dense type, which the prefill route decodes each weight into; the MTP
 /// head shares it.
 pub fn quant_workspace_bytes(input: &PlanInput<'_>) -> u64 {
-    let Some(f) = input.quantize.filter(|_| input.target == Target::Gpu) else { return 0 };
+    if input.target != Target::Gpu {
+        return 0;
+    }
     let tensors = loaded(input);
     let rows = fused_rows(&tensors);
-    let largest = tensors
-        .iter()
-        .zip(rows)
-        .filter(|(t, r)| t.role == Role::Matrix && *r > 0 && f.holds(t.shape[0], t.shape[1]))
-        .map(|(t, r)| r * t.shape[1])
-        .max()
-        .unwrap_or(0);
+    let quantized = |t: &PlannedTensor| t.stored.is_some() || input.quantize.is_some_and(|f| f.holds(t.shape[0], t.shape[1]));
+    let largest = tensors.iter().zip(rows).filter(|(t, r)| t.role == Role::Matrix && *r > 0 && quantized(t)).map(|(t, r)| r * t.shape[1]).max().unwrap_or(0);
     input.target.dense_bytes() as u64 * largest as u64
 }
 
@@ -366,7 +385,7 @@ pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &Engin
         None => (Target::Cpu, host_available_bytes()),
     };
     let store = WeightStore::open(dir)?;
-    let tensors = model_tensors(cfg, Some(&store))?;
+    let tensors = checkpoint_tensors(dir, cfg, Some(&store))?;
     let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: None, quantize_lm_head: false, memory, pool: PoolRule::OneContext };
     let p = plan(&input)?;
     if let Some(f) = p.fit.as_ref().filter(|f| !f.fits) {
