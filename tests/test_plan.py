@@ -257,6 +257,17 @@ def test_cpu_quantize_plan_counts_the_bytes_the_cpu_loader_packs(tiny_quant_mode
     assert FORMAT_NAMES[mode] in proc.stdout and f"({p['needed_bytes']:,} B)" in proc.stdout, proc.stdout
 
 
+def test_the_startup_check_counts_the_weights_as_quantize_packs_them(tiny_quant_models):
+    """A start with --quantize is checked against the packed weights, not the dense ones (a 27B
+    in Q4 on a 32 GB GPU must not be refused for its bf16 size)."""
+    model_dir = str(tiny_quant_models["qwen3_5"])
+    for quantize in (None, "q4"):
+        with pytest.raises(_core.OutOfMemoryError) as e:
+            _core.Engine(model_dir, device="cpu", kv_capacity=10**13, quantize=quantize)
+        weights = int(re.search(r"weights (\d+) B", str(e.value)).group(1))
+        assert weights == _core.plan(model_dir, device="cpu", quantize=quantize)["weight_bytes"], str(e.value)
+
+
 def test_an_unknown_quantize_mode_is_refused_naming_the_value(tiny_quant_models):
     model_dir = str(tiny_quant_models["qwen3_5"])
     for device in ("cpu", None):

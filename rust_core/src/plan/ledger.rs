@@ -14,6 +14,7 @@ use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
 use crate::engine::{EngineConfig, MemoryLedger, ResolvedConfig};
 use crate::model::CacheSpec;
+use crate::quant::QuantizeMode;
 use crate::spec::SpecMethod;
 use crate::{NinferError, Result};
 
@@ -373,10 +374,11 @@ impl Plan {
 
 /// The engine's startup check, before any weight is read: plan the model in `dir` on `device`
 /// ("cpu" or "cuda:N") with one full context of KV (`PoolRule::OneContext`, or the
-/// `--kv-capacity` given) and refuse with an `OutOfMemory` error, bytes needed against
+/// `--kv-capacity` given) and the weights as the load's `--quantize` / `--quantize-lm-head`
+/// (`quantize`) will hold them, and refuse with an `OutOfMemory` error, bytes needed against
 /// available and the settings that would fit, when even that does not fit. Where the host does
 /// not say how much memory it has, nothing is checked.
-pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &EngineConfig) -> Result<Plan> {
+pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &EngineConfig, quantize: (Option<QuantizeMode>, bool)) -> Result<Plan> {
     let (target, memory) = match device.strip_prefix("cuda:") {
         Some(n) => {
             let ordinal = n.parse().map_err(|_| NinferError::Device(format!("`{device}` is not a device")))?;
@@ -386,7 +388,7 @@ pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &Engin
     };
     let store = WeightStore::open(dir)?;
     let tensors = checkpoint_tensors(dir, cfg, Some(&store))?;
-    let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: None, quantize_lm_head: false, memory, pool: PoolRule::OneContext };
+    let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: quantize.0.map(QuantFormat::of), quantize_lm_head: quantize.1, memory, pool: PoolRule::OneContext };
     let p = plan(&input)?;
     if let Some(f) = p.fit.as_ref().filter(|f| !f.fits) {
         let l = &p.ledger;

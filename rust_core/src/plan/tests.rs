@@ -209,10 +209,15 @@ fn the_startup_check_refuses_before_loading_what_cannot_fit() {
     let dir = checkpoint("startup", false);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     // The host has room for a tiny model: the plan is returned, one full context of KV.
-    let p = check_startup(&dir, &cfg, "cpu", &EngineConfig { max_concurrency: 8, ..Default::default() }).unwrap();
+    let p = check_startup(&dir, &cfg, "cpu", &EngineConfig { max_concurrency: 8, ..Default::default() }, (None, false)).unwrap();
     assert_eq!(p.config.kv_capacity_tokens, 256);
+    // With --quantize the weights are counted as the load will pack them.
+    let q4 = check_startup(&dir, &cfg, "cpu", &EngineConfig::default(), (Some(QuantizeMode::Q4), true)).unwrap();
+    let opts = LoadOptions { device: "cpu".into(), num_threads: Some(1), quantize: Some(QuantizeMode::Q4), quantize_lm_head: true, ..Default::default() };
+    assert_eq!(q4.ledger.weight_bytes as usize, CpuModel::load(&dir, &opts).unwrap().cache_spec().weight_bytes);
+    assert!(q4.weights.iter().any(|w| w.format == "Q4G64_F16S") && q4.ledger.weight_bytes < p.ledger.weight_bytes);
     // A pool larger than any host is refused with the bytes and the settings that fit.
-    let e = check_startup(&dir, &cfg, "cpu", &EngineConfig { kv_capacity_tokens: Some(1 << 40), ..Default::default() }).unwrap_err();
+    let e = check_startup(&dir, &cfg, "cpu", &EngineConfig { kv_capacity_tokens: Some(1 << 40), ..Default::default() }, (None, false)).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, crate::NinferError::OutOfMemory { .. }) && msg.contains("before loading") && msg.contains("--max-context"), "{msg}");
     // The largest --kv-capacity that fits is named, and fits.
