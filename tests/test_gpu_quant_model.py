@@ -6,8 +6,9 @@ cuBLAS (prefill). Checked against the CPU backend with the same `--quantize`: lo
 within the dense suite's bounds, greedy output equal but at near-ties, the demo model's held-out
 perplexity within 1e-3 relative, and the bytes the runner reports equal to `ninfer plan`'s.
 Quantized HF checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) written by the test run as
-stored on CUDA against the CPU loader reading the same files; a fused projection with dense
-parts beside quantized ones, and --quantize-lm-head, stay refused there.
+stored on CUDA against the CPU loader reading the same files (dense last parts of a fused
+projection, as in the official Qwen3.5 FP8 releases, as its dense tail); a dense part before a
+quantized one, and --quantize-lm-head, stay refused there.
 
 The CPU reference runs f32 activations on the decoded weights; the GPU runs bf16 activations on
 the same decoded weights, so the bounds are those of tests/test_gpu_model.py for dense weights.
@@ -221,18 +222,27 @@ def test_quantized_hf_checkpoint_logits_match_the_cpu_loader(name, method, reque
     assert gpu.config["weight_bytes"] < _core.Model(str(src), device="cuda").config["weight_bytes"]
 
 
-def test_hf_fused_projection_with_dense_parts_is_refused_on_cuda_naming_them(request, tmp_path):
-    """As the official Qwen3.5 FP8 releases store it: the GDN in_proj_b / in_proj_a in bf16 beside
-    FP8 in_proj_qkv / in_proj_z. The CPU loads it; CUDA, which holds in_proj as one matrix, says
-    it is not supported yet."""
+def test_hf_dense_last_parts_run_as_the_weights_dense_tail(request, tmp_path):
+    """As the official Qwen3.5 FP8 releases store it: the GDN in_proj_b / in_proj_a in bf16 after
+    FP8 in_proj_qkv / in_proj_z. CUDA holds them as the fused weight's dense tail, read by the
+    same kernels; its logits track the CPU loader's. A dense part before a quantized one
+    (k_proj between q_proj and v_proj) is refused as not supported yet."""
     _needs_cuda()
     src = request.getfixturevalue("tiny_checkpoints").get("qwen3_5", **HF_SHAPES["qwen3_5"])
-    qdir = _hf_checkpoint(src, tmp_path / "fp8_mixed", "fp8", keep_dense=("in_proj_b", "in_proj_a"))
-    _core.Model(str(qdir), device="cpu")
+    qdir = _hf_checkpoint(src, tmp_path / "fp8_tail", "fp8", keep_dense=("in_proj_b", "in_proj_a"))
+    cpu = _core.Model(str(qdir), device="cpu", logits_dtype="float32")
+    gpu = _core.Model(str(qdir), device="cuda", logits_dtype="float32")
+    for n in (48, 8):
+        ids = _prompt("qwen3_5", cpu.config["vocab_size"], n)
+        err = _rel_err(np.asarray(gpu.logits(ids)), np.asarray(cpu.logits(ids)))
+        print(f"qwen3_5 fp8 with a dense in_proj tail ({n} rows): logits rel err vs CPU {err:.2e}")
+        assert err <= TINY_REL_TOL
+    assert gpu.config["weight_bytes"] == _core.plan(str(qdir), device="cuda:0")["weight_bytes"]
+    middle = _hf_checkpoint(src, tmp_path / "fp8_middle", "fp8", keep_dense=("k_proj",))
     with pytest.raises(_core.NinferError) as e:
-        _core.Model(str(qdir), device="cuda:0")
+        _core.Model(str(middle), device="cuda:0")
     msg = str(e.value)
-    assert "not supported yet" in msg and "HF_FP8_BLOCK" in msg and "in_proj_b.weight" in msg, msg
+    assert "not supported yet" in msg and "HF_FP8_BLOCK" in msg and "k_proj.weight" in msg, msg
 
 
 def test_quantize_lm_head_stays_refused_on_cuda():

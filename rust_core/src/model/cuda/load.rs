@@ -23,10 +23,10 @@
 //!
 //! A quantized Hugging Face checkpoint (FP8 block, AWQ, GPTQ, compressed-tensors) is held as
 //! stored and run by its format's kernels (cuda/quant_hf.cu): a fused projection's parts are
-//! gathered row unit by row unit into one weight (`hf_rows`). A fused projection whose parts
-//! are partly quantized and partly dense (the official Qwen3.5 FP8 releases keep the GDN
-//! `in_proj_a` / `in_proj_b` in bf16), and a quantized lm_head, are refused as not supported
-//! yet.
+//! gathered row unit by row unit into one weight (`hf_rows`). Dense parts after the quantized
+//! ones (the official Qwen3.5 FP8 releases keep the GDN `in_proj_b` / `in_proj_a` in bf16) are
+//! the weight's dense tail, which the same kernels read in the storage type. A dense part
+//! before a quantized one, and a quantized lm_head, are refused as not supported yet.
 
 mod hf_rows;
 mod pack;
@@ -65,9 +65,10 @@ pub trait Sink {
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
     /// A quantized `shape` projection weight in `format`, from `encode` (which a sink that
-    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load): the
-    /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
-    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(Self::W, Option<QuantPart>)>;
+    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load), its
+    /// last rows the dense `tail` where one is given: the `Linear`'s placeholder `w` and its
+    /// device part (None where the sink runs nothing).
+    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Self::W, Option<QuantPart>)>;
     /// Whether `--quantize` progress is shown while building (the device load, on a terminal).
     fn shows_progress(&self) -> bool {
         false
@@ -231,13 +232,13 @@ impl<'a> Builder<'a> {
             let qw = t.concat_rows(&given, k)?;
             *bytes += quant_bytes(&qw);
             let f = qw.format;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(qw))?;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(qw), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else if let Some(Some(Ok(size))) = self.quantize.map(|f| quant::payload_bytes(f, [n, k])) {
             // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
             let f = self.quantize.expect("matched");
             *bytes += size;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)))?;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else {
             (self.put(sink, t, bytes)?, sink.format(), None)
@@ -292,24 +293,33 @@ impl<'a> Builder<'a> {
             return self.linear_biased(sink, t, k, bias, bytes);
         }
         let c = self.hf.expect("quantized modules");
+        // Quantized parts first, then dense ones: those are the weight's dense tail.
+        let nq_parts = quantized.iter().take_while(|q| **q).count();
         let name = modules.iter().map(|(m, _)| format!("{m}.weight")).collect::<Vec<_>>().join("|");
-        if let Some(i) = quantized.iter().position(|q| !q) {
+        if let Some(i) = quantized.iter().position(|q| !q).filter(|_| quantized[nq_parts..].iter().any(|q| *q)) {
             return Err(NinferError::Unsupported(format!(
-                "{name}: a fused projection with {} parts beside a dense one ({}.weight) on the CUDA backend (which holds it as one matrix; the CPU backend loads it)",
-                c.format.name(),
-                modules[i].0
+                "{name}: a fused projection with a dense part ({}.weight) before {} ones on the CUDA backend (which holds it as one matrix, dense rows only after the quantized; the CPU backend loads it)",
+                modules[i].0,
+                c.format.name()
             )));
         }
-        let rows: Vec<usize> = modules.iter().map(|(_, r)| *r).collect();
-        let n = rows.iter().sum();
+        let (quant_modules, dense_modules) = modules.split_at(nq_parts);
+        let tail = if dense_modules.is_empty() {
+            None
+        } else {
+            Some(Packed::concat(dense_modules.iter().map(|(m, rows)| self.weight(m, *rows, k)).collect::<Result<Vec<_>>>()?))
+        };
+        let rows: Vec<usize> = quant_modules.iter().map(|(_, r)| *r).collect();
+        let n = modules.iter().map(|(_, r)| *r).sum();
         let mut segs = hf_rows::concat(&rows);
         if let Some(nh) = gated_heads {
             segs = hf_rows::permute_first(segs, 2 * nh, |d| names::gated_query_source_block(d, nh));
         }
-        *bytes += self.hf_bytes(&c, modules)?;
+        *bytes += self.hf_bytes(&c, quant_modules)? + 2 * tail.as_ref().map_or(0, Packed::numel);
         let store = self.store;
-        let (w, quant) = sink.quant(c.format, [n, k], || {
-            let parts = modules
+        let quant_name = quant_modules.iter().map(|(m, _)| format!("{m}.weight")).collect::<Vec<_>>().join("|");
+        let encode = || {
+            let parts = quant_modules
                 .iter()
                 .map(|(m, r)| {
                     let w = hf_weight(store, &c, m, *r, k)?.ok_or_else(|| NinferError::Device(format!("{m}: stored quantized, then not found")))?;
@@ -317,8 +327,9 @@ impl<'a> Builder<'a> {
                     Ok(w)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            hf_rows::gather(&name, &parts, &segs, k)
-        })?;
+            hf_rows::gather(&quant_name, &parts, &segs, k)
+        };
+        let (w, quant) = sink.quant(c.format, [n, k], encode, tail.as_ref())?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
         Ok(Linear { w, n, k, format: WeightFormat::Quant(c.format), bias, route: LinearRoute::quantized(), quant })
     }
@@ -509,9 +520,16 @@ impl Sink for DeviceSink<'_> {
         true
     }
 
-    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
         let w = encode()?;
         let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
+        if let Some(t) = tail {
+            let mut bits = vec![0u16; t.numel()];
+            t.fill(0, &mut bits, self.dev.storage(), false)?;
+            let weight = self.dev.upload_quant_with_tail(&w, &bits)?;
+            let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {}: {e}", w.name)))?;
+            return Ok((placeholder, Some(QuantPart { weight, workspace })));
+        }
         let l = Linear::quantized(self.dev, &w, None, workspace)?;
         Ok((l.w, l.quant))
     }
@@ -556,7 +574,7 @@ impl Sink for PlanSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>) -> Result<((), Option<QuantPart>)> {
+    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
         self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
         Ok(((), None))
     }

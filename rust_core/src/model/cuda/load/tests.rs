@@ -20,11 +20,13 @@ struct HostSink {
     storage: StorageDType,
     read: bool,
     quant: Vec<crate::quant::QuantWeight>,
+    /// The dense tail's storage bits of each of `quant` (empty: none).
+    tails: Vec<Vec<u16>>,
 }
 
 impl HostSink {
     fn new(storage: StorageDType, read: bool) -> Self {
-        HostSink { storage, read, quant: Vec::new() }
+        HostSink { storage, read, quant: Vec::new(), tails: Vec::new() }
     }
 }
 
@@ -61,10 +63,15 @@ impl Sink for HostSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>) -> Result<(Vec<u16>, Option<QuantPart>)> {
+    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Vec<u16>, Option<QuantPart>)> {
         let w = encode()?;
-        assert_eq!((w.format, w.shape), (format, shape), "the encoded weight is the one announced");
+        let tail = match tail {
+            Some(t) => self.storage(t)?,
+            None => Vec::new(),
+        };
+        assert_eq!((w.format, [w.shape[0] + tail.len() / shape[1], w.shape[1]]), (format, shape), "the encoded weight is the one announced");
         crate::quant::validate(&w.view())?;
+        self.tails.push(tail);
         self.quant.push(w);
         Ok((vec![(self.quant.len() - 1) as u16], None))
     }
@@ -357,14 +364,16 @@ fn same_quantized(sink: &HostSink, d: &super::Linear<Vec<u16>>, cpu: &Linear, f:
     assert_eq!(d.format, WeightFormat::Quant(f), "{what}: format");
     assert_eq!((d.n, d.k), (cpu.n, cpu.k), "{what}: shape");
     assert_eq!(d.route, LinearRoute::quantized(), "{what}: the quantized route takes no dense fusions");
-    let w = &sink.quant[d.w[0] as usize];
-    assert_eq!(w.shape, [cpu.n, cpu.k], "{what}: packed shape");
+    let (w, tail) = (&sink.quant[d.w[0] as usize], &sink.tails[d.w[0] as usize]);
+    assert_eq!([w.shape[0] + tail.len() / cpu.k, w.shape[1]], [cpu.n, cpu.k], "{what}: packed shape");
     if let Some(Ok(payload)) = crate::quant::payload_bytes(f, w.shape) {
         assert_eq!(w.data.len(), payload, "{what}: payload bytes");
     }
-    let got = crate::quant::dequantize(&w.view()).unwrap();
+    let mut got = crate::quant::dequantize(&w.view()).unwrap();
+    // The dense tail as the kernels read it: bf16 bits, exact in f32.
+    got.extend(tail.iter().map(|b| f32::from_bits((*b as u32) << 16)));
     same(&got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &cpu_values(cpu).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), what);
-    quant_bytes(w)
+    quant_bytes(w) + 2 * tail.len()
 }
 
 fn quantize_opts(mode: crate::quant::QuantizeMode) -> crate::model::LoadOptions {
@@ -659,27 +668,62 @@ fn quantized_hf_checkpoints_fuse_into_weights_that_decode_to_the_cpu_models_valu
 }
 
 #[test]
+fn an_hf_fused_projection_with_dense_last_parts_holds_them_as_its_dense_tail() {
+    use crate::quant::QuantFormat;
+    let hybrid = checkpoint_full("q35_hf_tail_src", "Qwen3_5ForCausalLM", Dtype::BF16, false, true);
+    let f = QuantFormat::HfFp8Block { block_n: 8, block_k: 16 };
+    let qcfg = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 16]});
+    // As the official Qwen3.5 FP8 releases: the GDN in_proj_b / in_proj_a stay bf16.
+    let dir = hf_checkpoint(&hybrid, "q35_hf_tail", f, qcfg, &["in_proj_b", "in_proj_a"], None);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
+    let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &Default::default()).unwrap()).unwrap();
+    let mut sink = HostSink::new(StorageDType::Bf16, true);
+    let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+    let mut packed = 0;
+    for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+        // The gated q_proj reordered by 8-row blocks; in_proj's b and a its dense tail.
+        packed += check_quant_layer(&sink, h, d, f, li);
+    }
+    assert!(sink.tails.iter().any(|t| !t.is_empty()), "in_proj has a dense tail");
+    let planned = plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap();
+    assert_eq!(planned.bytes, dev.bytes);
+    // `ninfer plan` counts the same bytes for a GPU, and the workspace of the largest projection.
+    let tensors = crate::plan::checkpoint_tensors(&dir, &cfg, Some(&store)).unwrap();
+    let input = crate::plan::PlanInput {
+        cfg: &cfg,
+        tensors: &tensors,
+        target: crate::plan::Target::Gpu,
+        engine: Default::default(),
+        quantize: None,
+        quantize_lm_head: false,
+        memory: None,
+        pool: crate::plan::PoolRule::OneContext,
+    };
+    let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+    assert_eq!(total, dev.bytes as u64, "{lines:?}");
+    assert_eq!(lines.iter().find(|l| l.format == f.name()).map(|l| l.bytes as usize), Some(packed - 2 * sink.tails.iter().map(Vec::len).sum::<usize>()));
+    assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64);
+    // The MTP head's layer (in FP8; its fc stays dense) loads as the CPU's.
+    let (Some(hm), Some(dm)) = (&host.mtp, build_mtp(&mut sink, &store, &cfg, &quant).unwrap()) else { panic!("an MTP head") };
+    assert_eq!(dm.fc.format, WeightFormat::Bf16);
+    check_quant_layer(&sink, &hm.layers[0], &dm.layer, f, 0);
+}
+
+#[test]
 fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_yet() {
     use crate::quant::QuantFormat;
     let hybrid = checkpoint("q35_hf_src", "Qwen3_5ForCausalLM", Dtype::BF16);
     let (f, qcfg) = (QuantFormat::HfFp8Block { block_n: 8, block_k: 16 }, serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 16]}));
-    // As the official Qwen3.5 FP8 releases: the GDN in_proj_b / in_proj_a stay bf16.
-    let dir = hf_checkpoint(&hybrid, "q35_hf_mixed", f, qcfg.clone(), &["in_proj_b", "in_proj_a"], None);
+    // A dense part before a quantized one (v_proj dense after k_proj, then... o is single): the
+    // attention's q|k|v with k_proj dense.
+    let dir = hf_checkpoint(&hybrid, "q35_hf_middle", f, qcfg.clone(), &["k_proj"], None);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("mixed in_proj").to_string();
-    assert!(e.contains("HF_FP8_BLOCK") && e.contains("in_proj_b.weight") && e.contains("not supported yet"), "{e}");
-    // The gated attention layer's q|k|v, its q_proj reordered by 8-row blocks, is held.
-    // The CPU backend loads it.
-    let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &Default::default()).unwrap()).unwrap();
-    let used = RefCell::new(BTreeSet::new());
-    let b = Builder { store: &store, cfg: &cfg, quantize: None, given: None, hf: quant.hf, used: &used };
-    let mut sink = HostSink::new(StorageDType::Bf16, true);
-    let p = names::mixer(&names::layer(names::decoder_prefix(&store), 1), crate::config::LayerType::FullAttention);
-    let att = b.attention(&mut sink, &p, &mut 0).unwrap();
-    let Mixer::Attention(a) = &host.layers[1].mixer else { panic!("layer 1 attends") };
-    same_quantized(&sink, &att.qkv, &a.qkv, f, "gated qkv");
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
+    assert!(e.contains("HF_FP8_BLOCK") && e.contains("k_proj.weight") && e.contains("not supported yet"), "{e}");
     // Every in_proj part in FP8: b (4 rows) would share an 8-row scale block with a.
     let dir = hf_checkpoint(&hybrid, "q35_hf_blocks", f, qcfg, &[], None);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
