@@ -280,8 +280,9 @@ impl<'a> Builder<'a> {
     /// The projection whose weight is the checkpoint modules `modules` (`(name, rows)` each,
     /// `[rows, k]`) stacked in order, the first one's rows reordered from Qwen3.5's per-head
     /// `[query | gate]` to all queries then all gates where `gated_heads` gives the head count;
-    /// `bias` packed as the rows are. HF-quantized modules are held as stored (every part must
-    /// be), dense ones as `linear_biased` holds them.
+    /// `bias` packed as the rows are. HF-quantized modules are held as stored, gathered into one
+    /// weight, with dense modules after them as its dense tail; an all-dense projection as
+    /// `linear_biased` holds it.
     fn projection<S: Sink>(&self, sink: &mut S, modules: &[(String, usize)], k: usize, gated_heads: Option<usize>, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
         let quantized = modules.iter().map(|(m, _)| self.hf_quantized(m)).collect::<Result<Vec<bool>>>()?;
         if !quantized.iter().any(|q| *q) {
