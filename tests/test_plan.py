@@ -320,6 +320,24 @@ def test_a_quantized_hf_checkpoint_plans_its_stored_bytes_and_starts(tmp_path, m
         _core.plan(str(qdir), device="cpu", quantize="q4")
 
 
+def test_a_quantized_hybrid_with_an_mtp_head_plans_what_the_cpu_loader_holds(tiny_quant_models, tmp_path):
+    """FP8 blocks over Qwen3.5's projections and its MTP head's: the CPU keeps each gated
+    q_proj's output order beside it (U32, the model's attention layer and the head's)."""
+    from test_quantized_model import build_hf_quantized
+
+    qdir, _ = build_hf_quantized(tiny_quant_models["qwen3_5"], tmp_path, "fp8")
+    p = _core.plan(str(qdir), device="cpu")
+    assert p["weight_bytes"] == _core.Model(str(qdir), device="cpu").config["weight_bytes"]
+    by = {w["format"]: w["tensors"] for w in p["weights"]}
+    assert by["U32"] == 2 and by["HF_FP8_BLOCK"] == len(_matrix_shapes(tiny_quant_models["qwen3_5"])) - 1  # all but lm_head
+    # Without its safetensors, which modules are quantized cannot be known: refused, naming why.
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((qdir / "config.json").read_text())
+    with pytest.raises(_core.NinferError, match="quantization_config.*HF_FP8_BLOCK.*no safetensors"):
+        _core.plan(str(config_only), device="cpu")
+
+
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this machine has a GPU: --device cuda:0 plans for it")
 def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     model = write_qwen35_27b_config(tmp_path)
