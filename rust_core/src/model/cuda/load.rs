@@ -259,6 +259,22 @@ impl<'a> Builder<'a> {
         Ok(!matches!(c.format, QuantFormat::HfFp8Block { .. }) || self.store.info(&data)?.dtype == "F8_E4M3")
     }
 
+    /// Refuses the HF-quantized `modules` of one fused projection (`name`) where they store
+    /// different g_idx (act-order input groups): the fused weight has one.
+    fn same_g_idx(&self, c: &HfQuantConfig, name: &str, modules: &[(String, usize)]) -> Result<()> {
+        let stored = modules
+            .iter()
+            .map(|(m, _)| c.tensor_names(m).g_idx.filter(|g| self.store.contains(g)).map(|g| self.store.stored(&g).map(|(_, b)| b)).transpose())
+            .collect::<Result<Vec<Option<&[u8]>>>>()?;
+        if stored.iter().any(|g| *g != stored[0]) {
+            return Err(NinferError::Unsupported(format!(
+                "{name}: {} parts with different g_idx (act-order input groups) on the CUDA backend (which holds this fused projection as one matrix; the CPU backend loads it)",
+                c.format.name()
+            )));
+        }
+        Ok(())
+    }
+
     /// Bytes the stored tensors of the HF-quantized `modules` take once fused (one g_idx for all).
     fn hf_bytes(&self, c: &HfQuantConfig, modules: &[(String, usize)]) -> Result<usize> {
         let (mut total, mut g_idx, mut g_count) = (0usize, 0usize, 0usize);
@@ -316,9 +332,14 @@ impl<'a> Builder<'a> {
         if let Some(nh) = gated_heads {
             segs = hf_rows::permute_first(segs, 2 * nh, |d| names::gated_query_source_block(d, nh));
         }
+        // Refused here, before any weight is read (the plan pass), rather than mid-upload.
+        let quant_name = quant_modules.iter().map(|(m, _)| format!("{m}.weight")).collect::<Vec<_>>().join("|");
+        if let Some(e) = hf_rows::cut_error(&quant_name, c.format, quant_modules, &segs) {
+            return Err(e);
+        }
+        self.same_g_idx(&c, &quant_name, quant_modules)?;
         *bytes += self.hf_bytes(&c, quant_modules)? + 2 * tail.as_ref().map_or(0, Packed::numel);
         let store = self.store;
-        let quant_name = quant_modules.iter().map(|(m, _)| format!("{m}.weight")).collect::<Vec<_>>().join("|");
         let encode = || {
             let parts = quant_modules
                 .iter()

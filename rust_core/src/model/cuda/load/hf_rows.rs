@@ -65,14 +65,40 @@ fn axes(format: QuantFormat) -> [Axis; 3] {
     }
 }
 
+/// Why `segs` over the parts `parts` (`(name, rows)`) cannot be moved in whole units of
+/// `format`'s tensors' row axes, if they cannot: checked from the shapes alone, before any
+/// weight is read.
+pub fn cut_error(name: &str, format: QuantFormat, parts: &[(String, usize)], segs: &[RowSeg]) -> Option<NinferError> {
+    let n: usize = segs.iter().map(|s| s.len).sum();
+    axes(format).into_iter().find_map(|axis| {
+        let unit = match axis {
+            Axis::Major(u) | Axis::Minor(u) => u,
+        };
+        uneven_cut(unit, segs, parts, n).map(|why| unsupported(name, format, why))
+    })
+}
+
+fn unsupported(name: &str, format: QuantFormat, why: String) -> NinferError {
+    NinferError::Unsupported(format!("{name}: {} parts {why} on the CUDA backend (which holds this fused projection as one matrix; the CPU backend loads it)", format.name()))
+}
+
+/// The first segment that does not start, end and land on a whole `unit` of rows (a partial
+/// unit is whole only where it ends both its part and the fused weight of `n` rows).
+fn uneven_cut(unit: usize, segs: &[RowSeg], parts: &[(String, usize)], n: usize) -> Option<String> {
+    segs.iter().find_map(|s| {
+        let (name, rows) = &parts[s.part];
+        let ends = s.src + s.len == *rows && s.dst + s.len == n;
+        let whole = s.src.is_multiple_of(unit) && s.dst.is_multiple_of(unit) && (s.len.is_multiple_of(unit) || ends);
+        (!whole).then(|| format!("cut at rows that are not multiples of {unit} ({name} rows {}..{} to {})", s.src, s.src + s.len, s.dst))
+    })
+}
+
 /// The fused weight named `name` (`[n, k]`) from `parts` (each validated, `[rows_i, k]`, one
 /// format) placed as `segs` say.
 pub fn gather(name: &str, parts: &[QuantWeight], segs: &[RowSeg], k: usize) -> Result<QuantWeight> {
     let format = parts[0].format;
     let n: usize = segs.iter().map(|s| s.len).sum();
-    let unsupported = |why: String| {
-        NinferError::Unsupported(format!("{name}: {} parts {why} on the CUDA backend (which holds this fused projection as one matrix; the CPU backend loads it)", format.name()))
-    };
+    let unsupported = |why: String| unsupported(name, format, why);
     for p in parts {
         if p.format != format || p.shape[1] != k {
             return Err(unsupported(format!("of different formats or widths ({} is {} [{}, {}])", p.name, p.format.name(), p.shape[0], p.shape[1])));
@@ -149,13 +175,11 @@ fn gather_tensor(raws: &[&OwnedRaw], parts: &[QuantWeight], segs: &[RowSeg], n: 
     let esize = first.bytes.len() / first.shape.iter().product::<usize>().max(1);
     let out_shape = fused_shape(&first.shape, n, axis);
     let mut out = vec![0u8; out_shape[0] * out_shape[1] * esize];
+    let named: Vec<(String, usize)> = parts.iter().map(|p| (p.name.clone(), p.shape[0])).collect();
+    if let Some(why) = uneven_cut(unit, segs, &named, n) {
+        return Err(why);
+    }
     for s in segs {
-        let part_rows = parts[s.part].shape[0];
-        // A partial unit is whole only where it ends both its part and the fused weight.
-        let ends = s.src + s.len == part_rows && s.dst + s.len == n;
-        if !s.src.is_multiple_of(unit) || !s.dst.is_multiple_of(unit) || !(s.len.is_multiple_of(unit) || ends) {
-            return Err(format!("cut at rows that are not multiples of {unit} ({} rows {}..{} to {})", parts[s.part].name, s.src, s.src + s.len, s.dst));
-        }
         let raw = raws[s.part];
         let (from, count, to) = (s.src / unit, s.len.div_ceil(unit), s.dst / unit);
         if major {
@@ -274,6 +298,11 @@ mod tests {
         let parts: Vec<QuantWeight> = [8, 16].iter().enumerate().map(|(i, &r)| random(f, &format!("p{i}"), r, k, i as u64, None)).collect();
         let e = gather("p0|p1", &parts, &concat(&[8, 16]), k).unwrap_err().to_string();
         assert!(e.contains("HF_FP8_BLOCK") && e.contains("not supported yet") && e.contains("multiples of 16") && e.contains("p0|p1"), "{e}");
+        // The same refusal from the shapes alone; the aligned cuts pass.
+        let named = |rows: &[usize]| rows.iter().enumerate().map(|(i, r)| (format!("p{i}"), *r)).collect::<Vec<_>>();
+        let shapes = cut_error("p0|p1", f, &named(&[8, 16]), &concat(&[8, 16])).unwrap().to_string();
+        assert!(shapes.contains("p0 rows 0..8") && shapes.contains("multiples of 16") && shapes.contains("not supported yet"), "{shapes}");
+        assert!(cut_error("p", f, &named(&[16, 8]), &concat(&[16, 8])).is_none());
         // GPTQ act-order parts with their own input groups.
         let f = QuantFormat::Gptq4 { group: 16, zero_plus_one: false };
         let g1: Vec<i32> = (0..k as i32).map(|i| i / 16).collect();

@@ -716,9 +716,9 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     use crate::quant::QuantFormat;
     let hybrid = checkpoint("q35_hf_src", "Qwen3_5ForCausalLM", Dtype::BF16);
     let (f, qcfg) = (QuantFormat::HfFp8Block { block_n: 8, block_k: 16 }, serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 16]}));
-    // A dense part before a quantized one (v_proj dense after k_proj, then... o is single): the
-    // attention's q|k|v with k_proj dense.
-    let dir = hf_checkpoint(&hybrid, "q35_hf_middle", f, qcfg.clone(), &["k_proj"], None);
+    // A dense part before a quantized one: the attention's q|k|v with k_proj dense (the GDN
+    // in_proj's b and a dense too, its valid dense tail).
+    let dir = hf_checkpoint(&hybrid, "q35_hf_middle", f, qcfg.clone(), &["k_proj", "in_proj_b", "in_proj_a"], None);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
@@ -729,9 +729,29 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &quant).err().expect("unaligned parts").to_string();
-    assert!(e.contains("in_proj_b") && e.contains("multiples of 8") && e.contains("not supported yet"), "{e}");
+    // Refused by the plan pass, before any weight is read.
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
+    assert!(e.contains("in_proj_b rows 0..4") && e.contains("multiples of 8") && e.contains("not supported yet"), "{e}");
+    // GPTQ act-order parts with different g_idx, likewise.
+    let (g, gcfg) = (QuantFormat::Gptq4 { group: 16, zero_plus_one: true }, serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": true, "sym": false}));
+    let llama = checkpoint("llama_hf_gidx_src", "LlamaForCausalLM", Dtype::BF16);
+    let groups: Vec<i32> = (0..32).map(|k| k / 16).collect();
+    let dir = hf_checkpoint(&llama, "llama_hf_gidx", g, gcfg, &["down_proj"], Some(&groups));
+    let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let mut t = ::safetensors::SafeTensors::deserialize(&file).unwrap().tensors();
+    // k_proj's inputs in other groups than q_proj's.
+    let other: Vec<u8> = groups.iter().rev().flat_map(|v| v.to_le_bytes()).collect();
+    let k_gidx = "model.layers.0.self_attn.k_proj.g_idx";
+    let mut views: Vec<(String, TensorView)> = t.drain(..).filter(|(n, _)| n != k_gidx).collect();
+    views.push((k_gidx.to_string(), TensorView::new(Dtype::I32, vec![32], &other).unwrap()));
+    let bytes = ::safetensors::tensor::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
+    assert!(e.contains("HF_GPTQ4") && e.contains("k_proj.weight") && e.contains("g_idx") && e.contains("not supported yet"), "{e}");
     // --quantize on a quantized checkpoint is refused as on the CPU.
     let e = QuantLoad::new(&dir, &quantize_opts(crate::quant::QuantizeMode::Q4)).err().expect("already quantized").to_string();
-    assert!(e.contains("already quantized") && e.contains("HF_FP8_BLOCK"), "{e}");
+    assert!(e.contains("already quantized") && e.contains("HF_GPTQ4"), "{e}");
 }
