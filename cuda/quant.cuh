@@ -19,7 +19,9 @@
 // One quantized weight as its kernels see it: the data bytes (the whole payload for NInfer and
 // GGUF formats, the packed data tensor for HF ones), the HF companions (null where absent) and
 // three format parameters the launcher fills (ops/quant.rs `QuantArgs`: plane offsets, group
-// sizes, companion dtypes).
+// sizes, companion dtypes). `n` is the rows the decoders read; rows `n .. n_all` are a dense
+// tail in the storage type (`tail`, row `n` first): a fused projection whose last parts a
+// quantized checkpoint keeps dense (null and n_all = n for a weight without one).
 struct qweight {
     const unsigned char* data;
     const unsigned char* scale;
@@ -30,7 +32,22 @@ struct qweight {
     long long p0;
     long long p1;
     long long p2;
+    const store_t* tail;
+    int n_all;
 };
+
+// Values k0 .. k0 + 7 of row `row`: decoder D's for the quantized rows, the dense tail's (exact
+// in f32) for the rest. One warp owns a row, so the branch never diverges inside it.
+template <class D>
+__device__ __forceinline__ void quant_decode8(const qweight& w, int row, int k0, float (&v)[8]) {
+    if (row < w.n) {
+        D::decode8(w, row, k0, v);
+        return;
+    }
+    const vec8 t = *reinterpret_cast<const vec8*>(w.tail + (long long)(row - w.n) * w.k + k0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_f32(t.v[j]);
+}
 
 __device__ __forceinline__ float q_f16(unsigned short h) {
     float f;
@@ -89,7 +106,7 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
                                                 int m) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
-    if (row >= w.n) return;
+    if (row >= w.n_all) return;
     float acc[MT];
 #pragma unroll
     for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
@@ -98,7 +115,7 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
 #pragma unroll 4
     for (int k0 = lane * 8; k0 < w.k; k0 += 256) {
         float v[8];
-        D::decode8(w, row, k0, v);
+        quant_decode8<D>(w, row, k0, v);
 #pragma unroll
         for (int r = 0; r < MT; ++r) {
             if (r < m) {
@@ -112,7 +129,7 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
     for (int r = 0; r < MT; ++r) {
         if (r < m) {
             const float s = warp_sum(acc[r]);
-            if (lane == 0) y[(long long)r * w.n + row] = from_f32(bias ? s + to_f32(bias[row]) : s);
+            if (lane == 0) y[(long long)r * w.n_all + row] = from_f32(bias ? s + to_f32(bias[row]) : s);
         }
     }
 }
@@ -123,13 +140,13 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
 template <class D>
 __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __restrict__ out, int f32_out) {
     const long long per_row = w.k / 8;
-    const long long slices = (long long)w.n * per_row;
+    const long long slices = (long long)w.n_all * per_row;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < slices; u += stride) {
         const int row = (int)(u / per_row);
         const int k0 = (int)(u % per_row) * 8;
         float v[8];
-        D::decode8(w, row, k0, v);
+        quant_decode8<D>(w, row, k0, v);
         const long long off = (long long)row * w.k + k0;
         if (f32_out) {
             float4* o = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + off);
@@ -146,8 +163,9 @@ __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __res
 
 #define QUANT_W_PARAMS                                                                              \
     const unsigned char *data, const unsigned char *scale, const unsigned char *zero,            \
-        const int *g_idx, int n, int k, long long p0, long long p1, long long p2
-#define QUANT_W qweight{data, scale, zero, g_idx, n, k, p0, p1, p2}
+        const int *g_idx, int n, int k, long long p0, long long p1, long long p2,                \
+        const store_t *tail, int n_all
+#define QUANT_W qweight{data, scale, zero, g_idx, n, k, p0, p1, p2, tail, n_all}
 
 // The kernels of one format: quant_dequant_<NAME> and quant_gemv_<NAME>_m<MT> for MT = 1, 2, 4,
 // 8, 16 (the launcher picks the smallest MT >= m). Parameters: x, the weight (QUANT_W_PARAMS),

@@ -5,6 +5,10 @@ concatenated), run through the fused-dequantization GEMV (decode) and the dequan
 cuBLAS (prefill). Checked against the CPU backend with the same `--quantize`: logits
 within the dense suite's bounds, greedy output equal but at near-ties, the demo model's held-out
 perplexity within 1e-3 relative, and the bytes the runner reports equal to `ninfer plan`'s.
+Quantized HF checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) written by the test run as
+stored on CUDA against the CPU loader reading the same files (dense last parts of a fused
+projection, as in the official Qwen3.5 FP8 releases, as its dense tail); a dense part before a
+quantized one, and --quantize-lm-head, stay refused there.
 
 The CPU reference runs f32 activations on the decoded weights; the GPU runs bf16 activations on
 the same decoded weights, so the bounds are those of tests/test_gpu_model.py for dense weights.
@@ -154,3 +158,96 @@ def test_nvfp4_is_refused_on_cuda_naming_tensor_format_and_device():
         _core.Model(str(DEMO / "model"), device="cuda:0", quantize="nvfp4")
     msg = str(e.value)
     assert "cuda:0" in msg and "NVFP4" in msg and "down_proj.weight" in msg, msg
+
+
+# --- quantized Hugging Face checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) ---------------
+
+#: The tiny shapes of the HF checkpoints: GPU_SHAPES', the Qwen3.5 with 16 value heads so that
+#: its GDN in_proj_b / in_proj_a (16 rows each) fill whole FP8 blocks and AWQ words.
+HF_SHAPES = {"llama": GPU_SHAPES["llama"], "qwen3_5": {**GPU_SHAPES["qwen3_5"], "linear_num_value_heads": 16}}
+HF_METHODS = ["awq", "gptq", "compressed", "fp8"]
+
+
+def _hf_checkpoint(src: Path, dst: Path, method: str, keep_dense=()) -> Path:
+    """`src` rewritten as a quantized HF checkpoint of `method` (tests/test_quantized_model.py's
+    packers), projections named in `keep_dense` left bf16. GPTQ runs act-order with one input
+    permutation for every weight of a width, so that a fused projection's parts share g_idx."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from safetensors.torch import load_file, save_file
+    from test_quantized_model import QUANT_CONFIGS, is_projection, pack_awq, pack_compressed, pack_fp8_block, pack_gptq
+
+    tensors = {k: v.to(torch.float32) for k, v in load_file(src / "model.safetensors").items()}
+    out = {}
+    for name, t in sorted(tensors.items()):
+        if not is_projection(name) or any(k in name for k in keep_dense):
+            out[name] = t.to(torch.bfloat16)
+            continue
+        module, w = name[: -len(".weight")], t.numpy()
+        parts = {"awq": lambda: pack_awq(w, 8), "gptq": lambda: pack_gptq(w, 8, seed=w.shape[1]),
+                 "compressed": lambda: pack_compressed(w, 8), "fp8": lambda: pack_fp8_block(w, 16, 16)}[method]()[0]
+        for suffix, v in parts.items():
+            out[f"{module}.{suffix}"] = v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            (dst / f.name).write_text(f.read_text())
+    save_file({k: v.contiguous() for k, v in out.items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = QUANT_CONFIGS[method]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("method", HF_METHODS)
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_quantized_hf_checkpoint_logits_match_the_cpu_loader(name, method, request, tmp_path):
+    """The checkpoint's own quantized tensors on CUDA (fused projections gathered by whole row
+    units, run by cuda/quant_hf.cu's decoders) against the CPU loader reading the same files:
+    prefill (48 rows: workspace + cuBLAS) and decode-sized steps (8 rows: the fused GEMV)."""
+    _needs_cuda()
+    src = request.getfixturevalue("tiny_checkpoints").get(name, **HF_SHAPES[name])
+    qdir = _hf_checkpoint(src, tmp_path / method, method)
+    cpu = _core.Model(str(qdir), device="cpu", logits_dtype="float32")
+    gpu = _core.Model(str(qdir), device="cuda", logits_dtype="float32")
+    for n in (48, 8):
+        ids = _prompt(name, cpu.config["vocab_size"], n)
+        want, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
+        assert got.shape == want.shape and np.isfinite(got).all()
+        err = _rel_err(got, want)
+        print(f"{name} {method} ({n} rows): logits rel err vs CPU {err:.2e} (tol {TINY_REL_TOL:.0e})")
+        assert err <= TINY_REL_TOL
+    # The bytes held are the stored tensors, as `ninfer plan` counts them for a GPU.
+    plan = _core.plan(str(qdir), device="cuda:0")
+    assert gpu.config["weight_bytes"] == plan["weight_bytes"]
+    assert gpu.config["weight_bytes"] < _core.Model(str(src), device="cuda").config["weight_bytes"]
+
+
+def test_hf_dense_last_parts_run_as_the_weights_dense_tail(request, tmp_path):
+    """As the official Qwen3.5 FP8 releases store it: the GDN in_proj_b / in_proj_a in bf16 after
+    FP8 in_proj_qkv / in_proj_z. CUDA holds them as the fused weight's dense tail, read by the
+    same kernels; its logits track the CPU loader's. A dense part before a quantized one
+    (k_proj between q_proj and v_proj) is refused as not supported yet."""
+    _needs_cuda()
+    src = request.getfixturevalue("tiny_checkpoints").get("qwen3_5", **HF_SHAPES["qwen3_5"])
+    qdir = _hf_checkpoint(src, tmp_path / "fp8_tail", "fp8", keep_dense=("in_proj_b", "in_proj_a"))
+    cpu = _core.Model(str(qdir), device="cpu", logits_dtype="float32")
+    gpu = _core.Model(str(qdir), device="cuda", logits_dtype="float32")
+    for n in (48, 8):
+        ids = _prompt("qwen3_5", cpu.config["vocab_size"], n)
+        err = _rel_err(np.asarray(gpu.logits(ids)), np.asarray(cpu.logits(ids)))
+        print(f"qwen3_5 fp8 with a dense in_proj tail ({n} rows): logits rel err vs CPU {err:.2e}")
+        assert err <= TINY_REL_TOL
+    assert gpu.config["weight_bytes"] == _core.plan(str(qdir), device="cuda:0")["weight_bytes"]
+    middle = _hf_checkpoint(src, tmp_path / "fp8_middle", "fp8", keep_dense=("k_proj",))
+    with pytest.raises(_core.NinferError) as e:
+        _core.Model(str(middle), device="cuda:0")
+    msg = str(e.value)
+    assert "not supported yet" in msg and "HF_FP8_BLOCK" in msg and "k_proj.weight" in msg, msg
+
+
+def test_quantize_lm_head_stays_refused_on_cuda():
+    _needs_cuda()
+    if not (DEMO / "model" / "config.json").exists():
+        pytest.skip("no bundled demo model")
+    with pytest.raises(_core.NinferError, match="--quantize-lm-head is not supported on the CUDA backend yet"):
+        _core.Model(str(DEMO / "model"), device="cuda:0", quantize="q4", quantize_lm_head=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -163,7 +164,7 @@ def test_settings_that_do_not_fit_exit_1_with_the_bytes_short_and_what_fits(tmp_
     (["--gpu-memory", "32GiB", "--device", "cpu"], "not allowed with"),
     (["--gpu-memory", "32GiB", "--kv-dtype", "float32"], "float32 is not supported here"),
     (["--device", "cpu", "--kv-dtype", "bf16"], "bf16 is not supported here"),
-    (["--device", "cpu", "--quantize", "q4"], "planned for a GPU"),
+    (["--device", "cpu", "--quantize", "int3"], "'int3'"),
 ])
 def test_bad_flags_exit_2_naming_the_value(tmp_path, args, needle):
     model = write_qwen35_27b_config(tmp_path)
@@ -189,6 +190,152 @@ def test_matrices_the_format_cannot_hold_stay_dense(tmp_path):
     dense_matrices = 48 * 2 * 2 * 48 * 5120
     assert by["BF16"]["tensors"] == 3 + 64 * 2 + 16 * 2 + 48 * 2 + 48 * 2
     assert by["BF16"]["bytes"] >= dense_matrices and p["fits"]
+
+
+@pytest.fixture(scope="module")
+def tiny_quant_models(tmp_path_factory):
+    """Tiny checkpoints whose shapes NVFP4 holds in part (rows a multiple of 128, columns of 64):
+    a Qwen3.5 with an MTP head (gated attention, GDN; in_proj_b/in_proj_a and the vocab-397 head
+    stay dense under NVFP4) and a Llama with a tied head."""
+    from tiny_models import add_mtp_head, make_model
+
+    root = tmp_path_factory.mktemp("plan_quant")
+    qwen = add_mtp_head(make_model(root / "qwen3_5", "qwen3_5", hidden_size=128, intermediate_size=256, head_dim=32,
+                                   linear_key_head_dim=32, linear_value_head_dim=32, seed=3))
+    llama = make_model(root / "llama_tied", "llama_tied", hidden_size=128, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=384, seed=7)
+    return {"qwen3_5": qwen, "llama_tied": llama}
+
+
+FORMAT_NAMES = {"w8": "W8G32_F16S", "q4": "Q4G64_F16S", "q5": "Q5G64_F16S", "q6": "Q6G64_F16S",
+                "fp8": "FP8_E4M3FN_ROW_BF16S", "nvfp4": "NVFP4"}
+
+
+def _matrix_shapes(model_dir):
+    """Shapes of the projections `--quantize` quantizes, from the safetensors header."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "np") as f:
+        return {n: f.get_slice(n).get_shape() for n in f.keys() if re.search(r"(_proj(_\w+)?|^mtp\.fc|^lm_head)\.weight$", n)}
+
+
+@pytest.mark.parametrize("mode", tuple(FORMAT_NAMES))
+@pytest.mark.parametrize("name, lm_head", [("qwen3_5", False), ("qwen3_5", True), ("llama_tied", True)])
+def test_cpu_quantize_plan_counts_the_bytes_the_cpu_loader_packs(tiny_quant_models, name, lm_head, mode):
+    """`ninfer plan --device cpu --quantize` counts what the CPU loader holds: its weight bytes
+    are the loaded model's own report, and the quantized tensors are the projections the format
+    can hold (NVFP4: rows a multiple of 128, columns of 64), the head with --quantize-lm-head
+    (a tied head as a copy beside the f32 embedding)."""
+    model_dir = str(tiny_quant_models[name])
+    loaded = _core.Model(model_dir, device="cpu", quantize=mode, quantize_lm_head=lm_head)
+    p = _core.plan(model_dir, device="cpu", quantize=mode, quantize_lm_head=lm_head)
+    assert p["target"] == "cpu"
+    assert p["weight_bytes"] == loaded.config["weight_bytes"] == sum(w["bytes"] for w in p["weights"])
+    dense = _core.plan(model_dir, device="cpu")
+    assert [w["format"] for w in dense["weights"]] == ["F32"]
+    assert dense["weight_bytes"] == _core.Model(model_dir, device="cpu").config["weight_bytes"]
+    assert p["weight_bytes"] < dense["weight_bytes"]
+
+    shapes = _matrix_shapes(tiny_quant_models[name])
+    if loaded.config["tie_word_embeddings"]:
+        assert "lm_head.weight" not in shapes
+        shapes["lm_head.weight"] = [loaded.config["vocab_size"], loaded.config["hidden_size"]]
+    if not lm_head:
+        shapes.pop("lm_head.weight")
+    held = [n for n, (r, c) in shapes.items() if mode != "nvfp4" or (r % 128 == 0 and c % 64 == 0)]
+    by = {w["format"]: w["tensors"] for w in p["weights"]}
+    assert by[FORMAT_NAMES[mode]] == len(held), (by, held)
+    if mode == "nvfp4":
+        assert 0 < len(held) < len(shapes)
+    # A quantized gated q_proj (Qwen3.5: the attention layer's and the MTP head's) keeps an output order.
+    gated = [n for n in held if n.endswith("q_proj.weight")] if name == "qwen3_5" else []
+    assert by.get("U32", 0) == len(gated)
+
+    flags = ["--quantize", mode] + (["--quantize-lm-head"] if lm_head else [])
+    proc = run_cli(["plan", model_dir, "--device", "cpu", *flags])
+    assert proc.returncode in (0, 1), proc.stderr
+    assert FORMAT_NAMES[mode] in proc.stdout and f"({p['needed_bytes']:,} B)" in proc.stdout, proc.stdout
+
+
+def test_the_startup_check_counts_the_weights_as_quantize_packs_them(tiny_quant_models):
+    """A start with --quantize is checked against the packed weights, not the dense ones (a 27B
+    in Q4 on a 32 GB GPU must not be refused for its bf16 size)."""
+    model_dir = str(tiny_quant_models["qwen3_5"])
+    for quantize in (None, "q4"):
+        with pytest.raises(_core.OutOfMemoryError) as e:
+            _core.Engine(model_dir, device="cpu", kv_capacity=10**13, quantize=quantize)
+        weights = int(re.search(r"weights (\d+) B", str(e.value)).group(1))
+        assert weights == _core.plan(model_dir, device="cpu", quantize=quantize)["weight_bytes"], str(e.value)
+
+
+def test_an_unknown_quantize_mode_is_refused_naming_the_value(tiny_quant_models):
+    model_dir = str(tiny_quant_models["qwen3_5"])
+    for device in ("cpu", None):
+        with pytest.raises(_core.NinferError, match="`q3`"):
+            _core.plan(model_dir, device=device, gpu_memory=None if device else 32 << 30, quantize="q3")
+    proc = run_cli(["plan", model_dir, "--device", "cpu", "--quantize", "q3"])
+    assert proc.returncode == 2 and "'q3'" in proc.stderr and "--quantize" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed", "fp8"])
+def test_a_quantized_hf_checkpoint_plans_its_stored_bytes_and_starts(tmp_path, method):
+    """A quantized HF checkpoint is planned from its headers (the weights as stored, on both
+    backends), so `ninfer plan` and the engine's startup check take it; the CPU figure is the
+    loaded model's own."""
+    from test_quantized_model import build_hf_quantized
+    from tiny_models import make_model
+    from safetensors import safe_open
+
+    src = make_model(tmp_path / "src", "llama", seed=5)
+    qdir, _ = build_hf_quantized(src, tmp_path, method)
+    cpu = _core.plan(str(qdir), device="cpu")
+    model = _core.Model(str(qdir), device="cpu")
+    assert cpu["weight_bytes"] == model.config["weight_bytes"]
+    fmt = {"awq": "HF_AWQ4", "gptq": "HF_GPTQ4", "compressed": "HF_PACK_QUANTIZED4", "fp8": "HF_FP8_BLOCK"}[method]
+    by = {w["format"]: w for w in cpu["weights"]}
+    projections = 3 * 7  # q, k, v, o, gate, up, down in each of the 3 layers
+    assert by[fmt]["tensors"] == projections
+    # Hand count: the bytes of every tensor the quantized modules store.
+    stored = 0
+    with safe_open(str(qdir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if re.search(r"_proj\.(qweight|qzeros|scales|g_idx|weight_packed|weight_scale|weight_scale_inv)$", name) or (
+                    method == "fp8" and name.endswith("_proj.weight")):
+                t = f.get_tensor(name)
+                stored += t.numel() * t.element_size()
+    assert by[fmt]["bytes"] == stored
+    gpu = _core.plan(str(qdir), gpu_memory=32 << 30)
+    gpu_by = {w["format"]: w for w in gpu["weights"]}
+    # On the GPU a fused projection keeps one g_idx (GPTQ act-order parts, whose g_idx differ, are
+    # refused at load there).
+    assert gpu_by[fmt]["tensors"] == projections and gpu_by[fmt]["bytes"] <= stored
+    if method != "gptq":
+        assert gpu_by[fmt]["bytes"] == stored and gpu["workspace_bytes"] > _core.plan(str(src), gpu_memory=32 << 30)["workspace_bytes"]
+    # The engine's startup check plans it too.
+    from ninfer import LLM
+
+    with LLM(str(qdir), device="cpu", max_concurrency=1) as llm:
+        assert llm.engine.info()["weight_bytes"] == cpu["weight_bytes"]
+    with pytest.raises(_core.NinferError, match=f"already quantized.*{fmt}"):
+        _core.plan(str(qdir), device="cpu", quantize="q4")
+
+
+def test_a_quantized_hybrid_with_an_mtp_head_plans_what_the_cpu_loader_holds(tiny_quant_models, tmp_path):
+    """FP8 blocks over Qwen3.5's projections and its MTP head's: the CPU keeps each gated
+    q_proj's output order beside it (U32, the model's attention layer and the head's)."""
+    from test_quantized_model import build_hf_quantized
+
+    qdir, _ = build_hf_quantized(tiny_quant_models["qwen3_5"], tmp_path, "fp8")
+    p = _core.plan(str(qdir), device="cpu")
+    assert p["weight_bytes"] == _core.Model(str(qdir), device="cpu").config["weight_bytes"]
+    by = {w["format"]: w["tensors"] for w in p["weights"]}
+    assert by["U32"] == 2 and by["HF_FP8_BLOCK"] == len(_matrix_shapes(tiny_quant_models["qwen3_5"])) - 1  # all but lm_head
+    # Without its safetensors, which modules are quantized cannot be known: refused, naming why.
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((qdir / "config.json").read_text())
+    with pytest.raises(_core.NinferError, match="quantization_config.*HF_FP8_BLOCK.*no safetensors"):
+        _core.plan(str(config_only), device="cpu")
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this machine has a GPU: --device cuda:0 plans for it")

@@ -89,10 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache type: auto, or the backend's own by name (bf16 on a GPU, f16 on sm_7x, "
                         "float32 on the CPU)")
     p.add_argument("--quantize", type=_quantize_arg, metavar="FORMAT",
-                   help=f"plan the projections in a quantized format ({'|'.join(QUANTIZE_FORMATS)}); the LM head "
-                        "and embedding stay bf16 (GPU plans; the CPU backend is planned with f32 weights)")
+                   help=f"plan the projections in a quantized format ({'|'.join(QUANTIZE_FORMATS)}), as the "
+                        "loader's --quantize packs them (a matrix the format cannot hold stays dense); the LM head "
+                        "and embedding stay dense (bf16 on a GPU, f32 on the CPU)")
     p.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantize, the LM head and embedding in that format too")
+                   help="with --quantize, the LM head in that format too (on a GPU the embedding too; the CPU "
+                        "keeps the embedding f32 and holds a tied head as a quantized copy)")
     p.add_argument("--spec", metavar="METHOD", default=None,
                    help="speculative decoding to plan for: ngram, or mtp (the MTP head's weights and KV; "
                         "prefix reuse off)")

@@ -110,7 +110,7 @@ fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn M
         return Err(crate::NinferError::Unsupported(format!("{device}: --quantize-lm-head is not supported on the CUDA backend yet; leave it out (the LM head stays bf16) or load on the CPU")));
     }
     cpu::quant_load::refuse_unsupported(dir, opts, &device, CudaModel::supports)?;
-    let quant = crate::model::cuda::load::QuantLoad { quantize: opts.quantize.map(|m| m.format()), given: opts.quant_tensors.clone() };
+    let quant = crate::model::cuda::load::QuantLoad::new(dir, opts)?;
     Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda, quant)?))
 }
 

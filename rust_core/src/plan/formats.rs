@@ -24,6 +24,12 @@ impl QuantFormat {
         Ok(QuantFormat { flag, mode: QuantizeMode::parse(flag)? })
     }
 
+    /// The format a load's `--quantize` mode writes.
+    pub fn of(mode: QuantizeMode) -> Self {
+        let flag = QUANTIZE_MODES.iter().copied().find(|f| QuantizeMode::parse(f).ok() == Some(mode)).expect("every mode has a flag");
+        QuantFormat { flag, mode }
+    }
+
     /// The container's format name (`Q4G64_F16S`).
     pub fn name(&self) -> &'static str {
         self.mode.format().name()
@@ -75,6 +81,9 @@ mod tests {
         let e = QuantFormat::parse("nvfp4").unwrap().matrix_bytes("layers.0.mlp.down_proj.weight", 8, 100).unwrap_err().to_string();
         assert!(e.contains("layers.0.mlp.down_proj.weight") && e.contains("100") && e.contains("NVFP4"), "{e}");
         assert!(!QuantFormat::parse("nvfp4").unwrap().holds(48, 5120) && QuantFormat::parse("q4").unwrap().holds(48, 5120));
+        for flag in QUANTIZE_MODES {
+            assert_eq!(QuantFormat::of(QuantizeMode::parse(flag).unwrap()), QuantFormat::parse(flag).unwrap());
+        }
         let e = QuantFormat::parse("q3").unwrap_err().to_string();
         assert!(e.contains("`q3`") && e.contains("nvfp4") && e.contains("--quantize"), "{e}");
     }

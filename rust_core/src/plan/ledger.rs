@@ -7,13 +7,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::formats::QuantFormat;
-use super::inventory::{model_tensors, PlannedTensor, Role};
+use super::inventory::{checkpoint_tensors, PlannedTensor, Role};
 use super::memory::{device_memory, host_available_bytes, DeviceMemory};
 use super::{cache_spec, reserve_bytes, Target};
 use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
 use crate::engine::{EngineConfig, MemoryLedger, ResolvedConfig};
 use crate::model::CacheSpec;
+use crate::quant::QuantizeMode;
 use crate::spec::SpecMethod;
 use crate::{NinferError, Result};
 
@@ -98,38 +99,110 @@ pub struct Plan {
 /// loaded: always on the CPU (which loads any head the checkpoint has), on a GPU only when it
 /// drafts (`--spec mtp`).
 pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
-    let target = input.target;
-    if input.quantize.is_some() && target == Target::Cpu {
-        return Err(NinferError::config("quantize (--quantize)", "quantized weights are planned for a GPU; the CPU backend holds f32 weights (give --gpu-memory or --device cuda:N)"));
-    }
     if input.quantize_lm_head && input.quantize.is_none() {
         return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format to store the LM head and embedding in)"));
     }
-    let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    if let (Some(f), Some(t)) = (input.quantize, input.tensors.iter().find(|t| t.stored.is_some())) {
+        let stored = t.stored.expect("found").format;
+        return Err(NinferError::config(
+            "quantize (--quantize)",
+            format!("{} asked for a checkpoint that is already quantized ({}, e.g. {}); leave --quantize out", f.name(), stored.name(), t.name),
+        ));
+    }
     let tensors = loaded(input);
-    let fused_rows = fused_rows(&tensors);
-    for (i, t) in tensors.into_iter().enumerate() {
-        let cols: usize = t.shape[1..].iter().product();
-        let quant = match t.role {
-            Role::Matrix => input.quantize,
-            Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
-            _ => None,
-        }
-        .filter(|f| f.holds(t.shape[0], cols));
-        let (name, bytes) = match (quant, t.role) {
-            (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
-                (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
-            }
-            (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
-            (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
-            (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
-        };
+    let held = match input.target {
+        Target::Cpu => cpu_held(input, &tensors)?,
+        Target::Gpu => gpu_held(input, &tensors)?,
+    };
+    let mut by: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for (name, bytes) in held {
         let e = by.entry(name).or_default();
         e.0 += 1;
         e.1 += bytes;
     }
     let total = by.values().map(|v| v.1).sum();
     Ok((by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect(), total))
+}
+
+/// (format, bytes) of each tensor the CPU loader holds (`cpu::weights`, `cpu::quant_load`):
+/// f32, but for `--quantize`d projections, each checkpoint tensor packed on its own (a shape the
+/// format cannot hold stays f32), and a quantized checkpoint's projections as stored. The embedding stays f32 (the step reads its rows); a tied
+/// head under `--quantize-lm-head` is a quantized copy of it beside it. A quantized gated
+/// q_proj keeps its checkpoint row order, so its fused q|k|v projection holds an output order
+/// beside it (`U32`, one per fused row).
+fn cpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(String, u64)>> {
+    let fused = fused_rows(tensors);
+    let head = input.quantize.filter(|_| input.quantize_lm_head);
+    let matrix = |name: &str, n: usize, k: usize, f: Option<QuantFormat>| -> Result<(String, u64)> {
+        match f.filter(|f| f.holds(n, k)) {
+            Some(f) => Ok((f.name().to_string(), f.matrix_bytes(name, n, k)?)),
+            None => Ok(("F32".to_string(), 4 * (n * k) as u64)),
+        }
+    };
+    let mut out = Vec::with_capacity(tensors.len() + 1);
+    for (i, t) in tensors.iter().enumerate() {
+        let cols: usize = t.shape[1..].iter().product();
+        if let Some(q) = t.stored {
+            out.push((q.format.name().to_string(), q.bytes));
+            if t.gated_query {
+                out.push(("U32".to_string(), 4 * fused[i] as u64));
+            }
+            continue;
+        }
+        match t.role {
+            Role::Matrix => {
+                out.push(matrix(&t.name, t.shape[0], cols, input.quantize)?);
+                if t.gated_query && input.quantize.is_some_and(|f| f.holds(t.shape[0], cols)) {
+                    out.push(("U32".to_string(), 4 * fused[i] as u64));
+                }
+            }
+            Role::LmHead => out.push(matrix(&t.name, t.shape[0], cols, head)?),
+            Role::Embedding => {
+                out.push(("F32".to_string(), 4 * t.numel()));
+                if input.cfg.tie_word_embeddings && head.is_some() {
+                    out.push(matrix("lm_head (tied to the embedding)", t.shape[0], cols, head)?);
+                }
+            }
+            Role::Dense | Role::DenseF32 => out.push(("F32".to_string(), 4 * t.numel())),
+        }
+    }
+    Ok(out)
+}
+
+/// (format, bytes) of each tensor the CUDA loader holds (`cuda::load`): the dense type, f32
+/// for `A_log` / `dt_bias`; `--quantize`d projections encoded as the fused matrix where the
+/// format encodes rows alone (counted on the fused projection's first tensor); the embedding
+/// and head in the format too with `--quantize-lm-head`; a quantized checkpoint's projections
+/// as stored (a fused projection keeps one g_idx for its parts).
+fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(String, u64)>> {
+    let target = input.target;
+    let fused_rows = fused_rows(tensors);
+    let mut out = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        let cols: usize = t.shape[1..].iter().product();
+        if let Some(q) = t.stored {
+            if t.role != Role::Matrix {
+                return Err(NinferError::Unsupported(format!("{} stored quantized ({}) on the CUDA backend (its LM head is dense)", t.name, q.format.name())));
+            }
+            out.push((q.format.name().to_string(), q.bytes - if t.fused { q.g_idx_bytes } else { 0 }));
+            continue;
+        }
+        let quant = match t.role {
+            Role::Matrix => input.quantize,
+            Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
+            _ => None,
+        }
+        .filter(|f| f.holds(t.shape[0], cols));
+        out.push(match (quant, t.role) {
+            (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
+                (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
+            }
+            (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
+            (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
+            (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
+        });
+    }
+    Ok(out)
 }
 
 /// The tensors the target loads (the MTP head's on the GPU only under `--spec mtp`).
@@ -157,16 +230,13 @@ fn fused_rows(tensors: &[&PlannedTensor]) -> Vec<usize> {
 /// projection in the dense type, which the prefill route decodes each weight into; the MTP
 /// head shares it.
 pub fn quant_workspace_bytes(input: &PlanInput<'_>) -> u64 {
-    let Some(f) = input.quantize.filter(|_| input.target == Target::Gpu) else { return 0 };
+    if input.target != Target::Gpu {
+        return 0;
+    }
     let tensors = loaded(input);
     let rows = fused_rows(&tensors);
-    let largest = tensors
-        .iter()
-        .zip(rows)
-        .filter(|(t, r)| t.role == Role::Matrix && *r > 0 && f.holds(t.shape[0], t.shape[1]))
-        .map(|(t, r)| r * t.shape[1])
-        .max()
-        .unwrap_or(0);
+    let quantized = |t: &PlannedTensor| t.stored.is_some() || input.quantize.is_some_and(|f| f.holds(t.shape[0], t.shape[1]));
+    let largest = tensors.iter().zip(rows).filter(|(t, r)| t.role == Role::Matrix && *r > 0 && quantized(t)).map(|(t, r)| r * t.shape[1]).max().unwrap_or(0);
     input.target.dense_bytes() as u64 * largest as u64
 }
 
@@ -304,10 +374,11 @@ impl Plan {
 
 /// The engine's startup check, before any weight is read: plan the model in `dir` on `device`
 /// ("cpu" or "cuda:N") with one full context of KV (`PoolRule::OneContext`, or the
-/// `--kv-capacity` given) and refuse with an `OutOfMemory` error, bytes needed against
+/// `--kv-capacity` given) and the weights as the load's `--quantize` / `--quantize-lm-head`
+/// (`quantize`) will hold them, and refuse with an `OutOfMemory` error, bytes needed against
 /// available and the settings that would fit, when even that does not fit. Where the host does
 /// not say how much memory it has, nothing is checked.
-pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &EngineConfig) -> Result<Plan> {
+pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &EngineConfig, quantize: (Option<QuantizeMode>, bool)) -> Result<Plan> {
     let (target, memory) = match device.strip_prefix("cuda:") {
         Some(n) => {
             let ordinal = n.parse().map_err(|_| NinferError::Device(format!("`{device}` is not a device")))?;
@@ -316,8 +387,8 @@ pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &Engin
         None => (Target::Cpu, host_available_bytes()),
     };
     let store = WeightStore::open(dir)?;
-    let tensors = model_tensors(cfg, Some(&store))?;
-    let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: None, quantize_lm_head: false, memory, pool: PoolRule::OneContext };
+    let tensors = checkpoint_tensors(dir, cfg, Some(&store))?;
+    let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: quantize.0.map(QuantFormat::of), quantize_lm_head: quantize.1, memory, pool: PoolRule::OneContext };
     let p = plan(&input)?;
     if let Some(f) = p.fit.as_ref().filter(|f| !f.fits) {
         let l = &p.ledger;

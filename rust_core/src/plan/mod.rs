@@ -12,7 +12,7 @@ pub mod memory;
 mod tests;
 
 pub use formats::QuantFormat;
-pub use inventory::{model_tensors, PlannedTensor, Role};
+pub use inventory::{checkpoint_tensors, model_tensors, PlannedTensor, Role, StoredQuant};
 pub use ledger::{check_startup, plan, Fit, Plan, PlanInput, PoolRule, WeightLine};
 pub use memory::{device_memory, host_available_bytes, DeviceMemory};
 

@@ -10,15 +10,20 @@ use crate::engine::EngineConfig;
 use crate::model::cpu::CpuModel;
 use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 use crate::model::{LoadOptions, ModelRunner};
+use crate::quant::QuantizeMode;
 use crate::spec::{SpecConfig, SpecMethod};
 
 /// A tiny bf16 Qwen3.5 checkpoint (2 GDN layers, 1 attention layer, conv bias), with an MTP head
 /// when `mtp`.
 fn checkpoint(tag: &str, mtp: bool) -> PathBuf {
+    checkpoint_of(tag, mtp, TinyDims { h: 32, v: 70, inter: 64, nh: 4, nkv: 2, hd: 8, nk: 2, nv: 4, kd: 8, vd: 8, kern: 4 })
+}
+
+/// `checkpoint` with the sizes `d`.
+fn checkpoint_of(tag: &str, mtp: bool, d: TinyDims) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ninfer_plan_{tag}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let d = TinyDims { h: 32, v: 70, inter: 64, nh: 4, nkv: 2, hd: 8, nk: 2, nv: 4, kd: 8, vd: 8, kern: 4 };
     let types = ["linear_attention", "full_attention", "linear_attention"];
     let cfg = serde_json::json!({"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": d.h, "intermediate_size": d.inter,
         "num_hidden_layers": 3, "num_attention_heads": d.nh, "num_key_value_heads": d.nkv, "head_dim": d.hd, "vocab_size": d.v,
@@ -132,10 +137,37 @@ fn quantized_projections_keep_the_head_and_embedding_dense_unless_asked() {
     // The embedding and the untied head, [70, 32] each.
     let embed = |rows: u64| (rows * 4 * 32).div_ceil(256) * 256 + rows * 4 * 2;
     assert_eq!(head.weights.iter().find(|w| w.format == "W8G32_F16S").unwrap().bytes, matrices + 2 * embed(70));
-    // The CPU holds f32 weights: --quantize is a GPU plan.
-    let mut cpu = input(&cfg, &tensors, Target::Cpu, EngineConfig::default());
-    cpu.quantize = Some(w8);
-    assert!(plan(&cpu).unwrap_err().to_string().contains("GPU"));
+}
+
+#[test]
+fn cpu_quantize_plan_counts_the_bytes_the_cpu_loader_packs() {
+    // 128-row gate/up, q_proj and GDN qkv over h = 64: NVFP4 holds those, the rest stay f32.
+    let d = TinyDims { h: 64, v: 70, inter: 128, nh: 4, nkv: 2, hd: 16, nk: 2, nv: 4, kd: 16, vd: 16, kern: 4 };
+    let dir = checkpoint_of("cpu_quant", true, d);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = crate::artifact::WeightStore::open(&dir).unwrap();
+    let tensors = model_tensors(&cfg, Some(&store)).unwrap();
+    for mode in crate::quant::QUANTIZE_MODES {
+        for head in [false, true] {
+            let opts = LoadOptions { device: "cpu".into(), num_threads: Some(1), quantize: Some(QuantizeMode::parse(mode).unwrap()), quantize_lm_head: head, ..Default::default() };
+            let model = CpuModel::load(&dir, &opts).unwrap();
+            let mut i = input(&cfg, &tensors, Target::Cpu, EngineConfig::default());
+            i.quantize = Some(QuantFormat::parse(mode).unwrap());
+            i.quantize_lm_head = head;
+            let p = plan(&i).unwrap();
+            let what = format!("--quantize {mode} (lm head {head})");
+            assert_eq!(p.ledger.weight_bytes as usize, model.cache_spec().weight_bytes, "{what}: {:?}", p.weights);
+            let format = i.quantize.unwrap().name();
+            let line = p.weights.iter().find(|w| w.format == format).unwrap_or_else(|| panic!("{what}: {:?}", p.weights));
+            // The MTP head is loaded on the CPU: its matrices are quantized too.
+            let matrices = tensors.iter().filter(|t| t.role == Role::Matrix).count();
+            let held = if mode == "nvfp4" { tensors.iter().filter(|t| t.role == Role::Matrix && t.shape[0] % 128 == 0 && t.shape[1] % 64 == 0).count() } else { matrices + usize::from(head) };
+            assert!(held > 0 && (mode != "nvfp4" || held < matrices), "{what}");
+            assert_eq!(line.tensors, held, "{what}");
+            // The quantized gated q_proj of the model's and the head's attention layers keeps an output order.
+            assert_eq!(p.weights.iter().find(|w| w.format == "U32").map(|w| w.tensors), Some(2), "{what}");
+        }
+    }
 }
 
 #[test]
@@ -177,10 +209,15 @@ fn the_startup_check_refuses_before_loading_what_cannot_fit() {
     let dir = checkpoint("startup", false);
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     // The host has room for a tiny model: the plan is returned, one full context of KV.
-    let p = check_startup(&dir, &cfg, "cpu", &EngineConfig { max_concurrency: 8, ..Default::default() }).unwrap();
+    let p = check_startup(&dir, &cfg, "cpu", &EngineConfig { max_concurrency: 8, ..Default::default() }, (None, false)).unwrap();
     assert_eq!(p.config.kv_capacity_tokens, 256);
+    // With --quantize the weights are counted as the load will pack them.
+    let q4 = check_startup(&dir, &cfg, "cpu", &EngineConfig::default(), (Some(QuantizeMode::Q4), true)).unwrap();
+    let opts = LoadOptions { device: "cpu".into(), num_threads: Some(1), quantize: Some(QuantizeMode::Q4), quantize_lm_head: true, ..Default::default() };
+    assert_eq!(q4.ledger.weight_bytes as usize, CpuModel::load(&dir, &opts).unwrap().cache_spec().weight_bytes);
+    assert!(q4.weights.iter().any(|w| w.format == "Q4G64_F16S") && q4.ledger.weight_bytes < p.ledger.weight_bytes);
     // A pool larger than any host is refused with the bytes and the settings that fit.
-    let e = check_startup(&dir, &cfg, "cpu", &EngineConfig { kv_capacity_tokens: Some(1 << 40), ..Default::default() }).unwrap_err();
+    let e = check_startup(&dir, &cfg, "cpu", &EngineConfig { kv_capacity_tokens: Some(1 << 40), ..Default::default() }, (None, false)).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, crate::NinferError::OutOfMemory { .. }) && msg.contains("before loading") && msg.contains("--max-context"), "{msg}");
     // The largest --kv-capacity that fits is named, and fits.

@@ -156,7 +156,7 @@ fn load(dir: &str, device: &str, num_threads: Option<usize>, logits_dtype: Logit
         d.token_ids = crate::spec::draft_vocab::read(&dir, d.size, model_cfg.vocab_size)?;
     }
     let cfg = &cfg;
-    crate::plan::check_startup(&dir, &model_cfg, &device, cfg)?;
+    crate::plan::check_startup(&dir, &model_cfg, &device, cfg, quant)?;
     let runner: Box<dyn ModelRunner> = load_model(&dir, &LoadOptions { device: device.clone(), num_threads, logits_dtype, kv_dtype, cuda, quantize: quant.0, quantize_lm_head: quant.1, quant_tensors: None })?;
     let tokenizer = match Tokenizer::from_dir(&dir) {
         Ok(t) => Some(Arc::new(t)),

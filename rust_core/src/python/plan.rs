@@ -13,7 +13,7 @@ use crate::backend::cuda::select::cuda_device_count;
 use crate::config::ModelConfig;
 use crate::engine::EngineConfig;
 use crate::model::KvDtype;
-use crate::plan::{device_memory, host_available_bytes, model_tensors, DeviceMemory, PlanInput, PoolRule, QuantFormat, Target};
+use crate::plan::{checkpoint_tensors, device_memory, host_available_bytes, DeviceMemory, PlanInput, PoolRule, QuantFormat, Target};
 use crate::{NinferError, Result};
 
 /// Which backend the plan is for, its memory, and the words the ledger names it with.
@@ -83,7 +83,7 @@ pub fn plan<'py>(
         let cfg = ModelConfig::from_dir(&model_dir)?;
         let config_only = !has_weights(&model_dir);
         let store = if config_only { None } else { Some(WeightStore::open(&model_dir)?) };
-        let tensors = model_tensors(&cfg, store.as_ref())?;
+        let tensors = checkpoint_tensors(&model_dir, &cfg, store.as_ref())?;
         let input = PlanInput { cfg: &cfg, tensors: &tensors, target, engine, quantize, quantize_lm_head, memory, pool: PoolRule::PerSequence };
         Ok((crate::plan::plan(&input)?, device, config_only, target))
     };

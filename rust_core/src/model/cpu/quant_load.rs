@@ -32,7 +32,7 @@ pub enum LinearRole {
 
 /// The model config's `quantization_config` (top level, or a multimodal checkpoint's text
 /// config), read from `dir/config.json`.
-fn hf_quant_config(dir: &Path) -> Result<Option<HfQuantConfig>> {
+pub(crate) fn hf_quant_config(dir: &Path) -> Result<Option<HfQuantConfig>> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| NinferError::io(&path, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| NinferError::malformed(&path, e.to_string()))?;
@@ -176,7 +176,7 @@ impl<'a> QuantSource<'a> {
 /// `module`'s quantized weight in an HF checkpoint, or None where the checkpoint stores it dense
 /// (no data tensor; for FP8, a `weight` that is not F8_E4M3). The data tensor's stored shape and
 /// dtype are checked here, the companions by `quant::validate`.
-fn hf_weight(store: &WeightStore, c: &HfQuantConfig, module: &str, n: usize, k: usize) -> Result<Option<QuantWeight>> {
+pub(crate) fn hf_weight(store: &WeightStore, c: &HfQuantConfig, module: &str, n: usize, k: usize) -> Result<Option<QuantWeight>> {
     let names = c.tensor_names(module);
     if !store.contains(&names.data) {
         return Ok(None);

@@ -20,7 +20,15 @@
 //! decodes to exactly the parts' values (test: `quantize_packs_...`); NVFP4's tensor scale is
 //! not per row, so it is not taken on CUDA yet. Packed GGUF tensors handed in by name are fused
 //! by concatenating their rows' blocks (`Packed::concat_rows`).
+//!
+//! A quantized Hugging Face checkpoint (FP8 block, AWQ, GPTQ, compressed-tensors) is held as
+//! stored and run by its format's kernels (cuda/quant_hf.cu): a fused projection's parts are
+//! gathered row unit by row unit into one weight (`hf_rows`). Dense parts after the quantized
+//! ones (the official Qwen3.5 FP8 releases keep the GDN `in_proj_b` / `in_proj_a` in bf16) are
+//! the weight's dense tail, which the same kernels read in the storage type. A dense part
+//! before a quantized one, and a quantized lm_head, are refused as not supported yet.
 
+mod hf_rows;
 mod pack;
 
 use std::cell::RefCell;
@@ -34,7 +42,9 @@ use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
 use crate::model::names;
-use crate::quant::{self, QuantFormat, QuantWeight};
+use crate::model::cpu::quant_load::{hf_quant_config, hf_weight};
+use crate::model::LoadOptions;
+use crate::quant::{self, HfQuantConfig, QuantFormat, QuantWeight, RawDtype};
 use crate::{NinferError, Result};
 
 pub use pack::Packed;
@@ -55,9 +65,10 @@ pub trait Sink {
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
     /// A quantized `shape` projection weight in `format`, from `encode` (which a sink that
-    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load): the
-    /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
-    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(Self::W, Option<QuantPart>)>;
+    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load), its
+    /// last rows the dense `tail` where one is given: the `Linear`'s placeholder `w` and its
+    /// device part (None where the sink runs nothing).
+    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Self::W, Option<QuantPart>)>;
     /// Whether `--quantize` progress is shown while building (the device load, on a terminal).
     fn shows_progress(&self) -> bool {
         false
@@ -65,17 +76,32 @@ pub trait Sink {
 }
 
 /// What the projections are held in beyond the checkpoint's dense tensors: `--quantize`'s
-/// format, and packed tensors handed in by name (`LoadOptions::quant_tensors`).
+/// format, packed tensors handed in by name (`LoadOptions::quant_tensors`), and a quantized HF
+/// checkpoint's own format (its config.json `quantization_config`).
 #[derive(Clone, Default)]
 pub struct QuantLoad {
     pub quantize: Option<QuantFormat>,
     pub given: Option<Arc<HashMap<String, QuantWeight>>>,
+    pub hf: Option<HfQuantConfig>,
 }
 
 impl QuantLoad {
     /// Only `--quantize` (or nothing).
     pub fn quantize(quantize: Option<QuantFormat>) -> Self {
-        QuantLoad { quantize, given: None }
+        QuantLoad { quantize, given: None, hf: None }
+    }
+
+    /// The quantization of a load of the checkpoint in `dir` with `opts`: `--quantize` on an
+    /// already quantized checkpoint is refused, as on the CPU.
+    pub fn new(dir: &std::path::Path, opts: &LoadOptions) -> Result<Self> {
+        let hf = hf_quant_config(dir)?;
+        if let (Some(mode), Some(c)) = (opts.quantize, hf) {
+            return Err(NinferError::config(
+                "quantize (--quantize)",
+                format!("{} asked for a checkpoint that is already quantized ({}); leave --quantize out", mode.format().name(), c.format.name()),
+            ));
+        }
+        Ok(QuantLoad { quantize: opts.quantize.map(|m| m.format()), given: opts.quant_tensors.clone(), hf })
     }
 
     /// Refuses a handed-in tensor the load took no place for (names in `used`); `skip_mtp`: the
@@ -106,7 +132,7 @@ fn quant_bytes(w: &QuantWeight) -> usize {
 /// projection and the embedding stay dense).
 pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<DevWeights<S::W, S::F>> {
     let used = RefCell::new(BTreeSet::new());
-    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), used: &used };
+    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), hf: quant.hf, used: &used };
     let prefix = names::decoder_prefix(store);
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut layers = Vec::with_capacity(cfg.layer_types.len());
@@ -121,7 +147,11 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quan
     if progress.is_some() {
         eprintln!();
     }
-    let dense = Builder { quantize: None, given: None, ..b };
+    if b.hf_quantized("lm_head")? {
+        let c = b.hf.expect("quantized");
+        return Err(NinferError::Unsupported(format!("a quantized lm_head ({}, {}) on the CUDA backend", c.tensor_names("lm_head").data, c.format.name())));
+    }
+    let dense = Builder { quantize: None, given: None, hf: None, ..b };
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
     let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
@@ -145,11 +175,11 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, 
         return Err(NinferError::Unsupported(format!("drafting with {n_layers} MTP layers (mtp_num_hidden_layers); one")));
     }
     let used = RefCell::new(BTreeSet::new());
-    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), used: &used };
+    let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), hf: quant.hf, used: &used };
     let h = cfg.hidden_size;
     let mut bytes = 0;
     let norm = |sink: &mut S, name: &str, bytes: &mut usize| b.put(sink, Packed::single(store.raw(name, &[h])?), bytes);
-    let fc = b.linear(sink, Packed::single(b.weight("mtp.fc", h, 2 * h)?), 2 * h, &mut bytes)?;
+    let fc = b.projection(sink, &[("mtp.fc".into(), h)], 2 * h, None, None, &mut bytes)?;
     let pre_fc_norm_embedding = norm(sink, "mtp.pre_fc_norm_embedding.weight", &mut bytes)?;
     let pre_fc_norm_hidden = norm(sink, "mtp.pre_fc_norm_hidden.weight", &mut bytes)?;
     let layer = b.layer(sink, "mtp.layers.0", LayerType::FullAttention, &mut bytes)?;
@@ -167,6 +197,8 @@ struct Builder<'a> {
     cfg: &'a ModelConfig,
     quantize: Option<QuantFormat>,
     given: Option<&'a HashMap<String, QuantWeight>>,
+    /// The checkpoint's own quantization (None: dense).
+    hf: Option<HfQuantConfig>,
     /// Handed-in tensors taken.
     used: &'a RefCell<BTreeSet<String>>,
 }
@@ -200,13 +232,13 @@ impl<'a> Builder<'a> {
             let qw = t.concat_rows(&given, k)?;
             *bytes += quant_bytes(&qw);
             let f = qw.format;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(qw))?;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(qw), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else if let Some(Some(Ok(size))) = self.quantize.map(|f| quant::payload_bytes(f, [n, k])) {
             // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
             let f = self.quantize.expect("matched");
             *bytes += size;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)))?;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else {
             (self.put(sink, t, bytes)?, sink.format(), None)
@@ -214,6 +246,114 @@ impl<'a> Builder<'a> {
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
         let route = if matches!(format, WeightFormat::Quant(_)) { LinearRoute::quantized() } else { sink.route(n, k) };
         Ok(Linear { w, n, k, format, bias, route, quant })
+    }
+
+    /// Whether the HF checkpoint stores `module` quantized (its data tensor present; for FP8,
+    /// an F8_E4M3 `weight`), as the CPU loader decides (`quant_load::hf_weight`).
+    fn hf_quantized(&self, module: &str) -> Result<bool> {
+        let Some(c) = &self.hf else { return Ok(false) };
+        let data = c.tensor_names(module).data;
+        if !self.store.contains(&data) {
+            return Ok(false);
+        }
+        Ok(!matches!(c.format, QuantFormat::HfFp8Block { .. }) || self.store.info(&data)?.dtype == "F8_E4M3")
+    }
+
+    /// Refuses the HF-quantized `modules` of one fused projection (`name`) where they store
+    /// different g_idx (act-order input groups): the fused weight has one.
+    fn same_g_idx(&self, c: &HfQuantConfig, name: &str, modules: &[(String, usize)]) -> Result<()> {
+        let stored = modules
+            .iter()
+            .map(|(m, _)| c.tensor_names(m).g_idx.filter(|g| self.store.contains(g)).map(|g| self.store.stored(&g).map(|(_, b)| b)).transpose())
+            .collect::<Result<Vec<Option<&[u8]>>>>()?;
+        if stored.iter().any(|g| *g != stored[0]) {
+            return Err(NinferError::Unsupported(format!(
+                "{name}: {} parts with different g_idx (act-order input groups) on the CUDA backend (which holds this fused projection as one matrix; the CPU backend loads it)",
+                c.format.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Bytes the stored tensors of the HF-quantized `modules` take once fused (one g_idx for all).
+    fn hf_bytes(&self, c: &HfQuantConfig, modules: &[(String, usize)]) -> Result<usize> {
+        let (mut total, mut g_idx, mut g_count) = (0usize, 0usize, 0usize);
+        for (m, _) in modules {
+            let names = c.tensor_names(m);
+            for (i, name) in [Some(names.data), Some(names.scale), names.zero, names.g_idx].into_iter().enumerate() {
+                let Some(name) = name.filter(|n| self.store.contains(n)) else { continue };
+                let info = self.store.info(&name)?;
+                let size = RawDtype::from_safetensors(&info.dtype).map_or(1, |d| d.size()) * info.shape.iter().product::<usize>();
+                total += size;
+                if i == 3 {
+                    (g_idx, g_count) = (size, g_count + 1);
+                }
+            }
+        }
+        Ok(total - g_idx * g_count.saturating_sub(1))
+    }
+
+    /// The projection whose weight is the checkpoint modules `modules` (`(name, rows)` each,
+    /// `[rows, k]`) stacked in order, the first one's rows reordered from Qwen3.5's per-head
+    /// `[query | gate]` to all queries then all gates where `gated_heads` gives the head count;
+    /// `bias` packed as the rows are. HF-quantized modules are held as stored, gathered into one
+    /// weight, with dense modules after them as its dense tail; an all-dense projection as
+    /// `linear_biased` holds it.
+    fn projection<S: Sink>(&self, sink: &mut S, modules: &[(String, usize)], k: usize, gated_heads: Option<usize>, bias: Option<Packed<'_>>, bytes: &mut usize) -> Result<Linear<S::W>> {
+        let quantized = modules.iter().map(|(m, _)| self.hf_quantized(m)).collect::<Result<Vec<bool>>>()?;
+        if !quantized.iter().any(|q| *q) {
+            let parts = modules.iter().map(|(m, rows)| self.weight(m, *rows, k)).collect::<Result<Vec<_>>>()?;
+            let mut t = Packed::concat(parts);
+            if let Some(nh) = gated_heads {
+                t = t.permute_first_part(2 * nh, |d| names::gated_query_source_block(d, nh));
+            }
+            return self.linear_biased(sink, t, k, bias, bytes);
+        }
+        let c = self.hf.expect("quantized modules");
+        // Quantized parts first, then dense ones: those are the weight's dense tail.
+        let nq_parts = quantized.iter().take_while(|q| **q).count();
+        let name = modules.iter().map(|(m, _)| format!("{m}.weight")).collect::<Vec<_>>().join("|");
+        if let Some(i) = quantized.iter().position(|q| !q).filter(|_| quantized[nq_parts..].iter().any(|q| *q)) {
+            return Err(NinferError::Unsupported(format!(
+                "{name}: a fused projection with a dense part ({}.weight) before {} ones on the CUDA backend (which holds it as one matrix, dense rows only after the quantized; the CPU backend loads it)",
+                modules[i].0,
+                c.format.name()
+            )));
+        }
+        let (quant_modules, dense_modules) = modules.split_at(nq_parts);
+        let tail = if dense_modules.is_empty() {
+            None
+        } else {
+            Some(Packed::concat(dense_modules.iter().map(|(m, rows)| self.weight(m, *rows, k)).collect::<Result<Vec<_>>>()?))
+        };
+        let rows: Vec<usize> = quant_modules.iter().map(|(_, r)| *r).collect();
+        let n = modules.iter().map(|(_, r)| *r).sum();
+        let mut segs = hf_rows::concat(&rows);
+        if let Some(nh) = gated_heads {
+            segs = hf_rows::permute_first(segs, 2 * nh, |d| names::gated_query_source_block(d, nh));
+        }
+        // Refused here, before any weight is read (the plan pass), rather than mid-upload.
+        let quant_name = quant_modules.iter().map(|(m, _)| format!("{m}.weight")).collect::<Vec<_>>().join("|");
+        if let Some(e) = hf_rows::cut_error(&quant_name, c.format, quant_modules, &segs) {
+            return Err(e);
+        }
+        self.same_g_idx(&c, &quant_name, quant_modules)?;
+        *bytes += self.hf_bytes(&c, quant_modules)? + 2 * tail.as_ref().map_or(0, Packed::numel);
+        let store = self.store;
+        let encode = || {
+            let parts = quant_modules
+                .iter()
+                .map(|(m, r)| {
+                    let w = hf_weight(store, &c, m, *r, k)?.ok_or_else(|| NinferError::Device(format!("{m}: stored quantized, then not found")))?;
+                    quant::validate(&w.view())?;
+                    Ok(w)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            hf_rows::gather(&quant_name, &parts, &segs, k)
+        };
+        let (w, quant) = sink.quant(c.format, [n, k], encode, tail.as_ref())?;
+        let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
+        Ok(Linear { w, n, k, format: WeightFormat::Quant(c.format), bias, route: LinearRoute::quantized(), quant })
     }
 
     /// `{name}.bias` of each part (`[rows]`), packed in order, where `on`.
@@ -233,7 +373,7 @@ impl<'a> Builder<'a> {
             LayerType::LinearAttention => DevMixer::Gdn(Box::new(self.gdn(sink, &names::mixer(p, kind), bytes)?)),
         };
         let gate_up_parts = names::gate_up(cfg, p);
-        let gate_up = gate_up_parts.iter().map(|part| store.raw(&format!("{}.weight", part.name), &[part.rows, h])).collect::<Result<Vec<_>>>()?;
+        let gate_up: Vec<(String, usize)> = gate_up_parts.iter().map(|part| (part.name.clone(), part.rows)).collect();
         let gate_up_bias = self.biases(gate_up_parts.iter().map(|part| (part.name.as_str(), part.rows)), cfg.mlp_bias)?;
         let down_name = format!("{p}.mlp.down_proj");
         let down_bias = self.biases([(down_name.as_str(), h)], cfg.mlp_bias)?;
@@ -241,8 +381,8 @@ impl<'a> Builder<'a> {
             input_norm: self.put(sink, Packed::single(store.raw(&format!("{p}.input_layernorm.weight"), &[h])?), bytes)?,
             post_norm: self.put(sink, Packed::single(store.raw(&format!("{p}.post_attention_layernorm.weight"), &[h])?), bytes)?,
             mixer,
-            gate_up: self.linear_biased(sink, Packed::concat(gate_up), h, gate_up_bias, bytes)?,
-            down: self.linear_biased(sink, Packed::single(store.raw(&format!("{down_name}.weight"), &[h, cfg.intermediate_size])?), cfg.intermediate_size, down_bias, bytes)?,
+            gate_up: self.projection(sink, &gate_up, h, None, gate_up_bias, bytes)?,
+            down: self.projection(sink, &[(down_name.clone(), h)], cfg.intermediate_size, None, down_bias, bytes)?,
         })
     }
 
@@ -254,15 +394,11 @@ impl<'a> Builder<'a> {
         let c = self.cfg;
         let (h, nh, hd) = (c.hidden_size, c.num_attention_heads, c.head_dim);
         let qkv_parts = names::attention_qkv(c, p);
-        let parts = qkv_parts.iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
+        let parts: Vec<(String, usize)> = qkv_parts.iter().map(|part| (part.name.clone(), part.rows)).collect();
         // CudaModel::check_supported refuses q/k/v biases beside the gated query layout.
         let qkv_bias = self.biases(qkv_parts.iter().map(|part| (part.name.as_str(), part.rows)), c.qkv_bias)?;
         let o_name = format!("{p}.o_proj");
         let o_bias = self.biases([(o_name.as_str(), h)], c.o_bias)?;
-        let mut qkv = Packed::concat(parts);
-        if c.attn_output_gate {
-            qkv = qkv.permute_first_part(2 * nh, |d| names::gated_query_source_block(d, nh));
-        }
         let (q_norm, k_norm) = if c.qk_norm {
             let q = Packed::single(self.store.raw(&format!("{p}.q_norm.weight"), &[hd])?);
             let k = Packed::single(self.store.raw(&format!("{p}.k_norm.weight"), &[hd])?);
@@ -271,8 +407,8 @@ impl<'a> Builder<'a> {
             (None, None)
         };
         Ok(DevAttention {
-            qkv: self.linear_biased(sink, qkv, h, qkv_bias, bytes)?,
-            o: self.linear_biased(sink, Packed::single(self.weight(&o_name, h, nh * hd)?), nh * hd, o_bias, bytes)?,
+            qkv: self.projection(sink, &parts, h, c.attn_output_gate.then_some(nh), qkv_bias, bytes)?,
+            o: self.projection(sink, &[(o_name.clone(), h)], nh * hd, None, o_bias, bytes)?,
             q_norm,
             k_norm,
         })
@@ -282,17 +418,17 @@ impl<'a> Builder<'a> {
         let c = self.cfg;
         let la = c.linear_attention.ok_or_else(|| NinferError::config("linear_num_key_heads", "missing for a linear_attention layer"))?;
         let (h, cd, vd, nv) = (c.hidden_size, la.conv_dim(), la.value_dim(), la.num_value_heads);
-        let in_proj = names::gdn_in_proj(c, p)?.iter().map(|part| self.weight(&part.name, part.rows, h)).collect::<Result<Vec<_>>>()?;
+        let in_proj: Vec<(String, usize)> = names::gdn_in_proj(c, p)?.iter().map(|part| (part.name.clone(), part.rows)).collect();
         let conv_b_name = format!("{p}.conv1d.bias");
         let conv_b = if self.store.contains(&conv_b_name) { Some(self.put(sink, Packed::single(self.store.raw(&conv_b_name, &[cd])?), bytes)?) } else { None };
         Ok(DevGdn {
-            in_proj: self.linear(sink, Packed::concat(in_proj), h, bytes)?,
+            in_proj: self.projection(sink, &in_proj, h, None, None, bytes)?,
             conv_w: self.put(sink, Packed::single(self.store.raw(&format!("{p}.conv1d.weight"), &[cd, 1, la.conv_kernel])?), bytes)?,
             conv_b,
             a_log: self.put_f32(sink, &format!("{p}.A_log"), nv, bytes)?,
             dt_bias: self.put_f32(sink, &format!("{p}.dt_bias"), nv, bytes)?,
             norm: self.put(sink, Packed::single(self.store.raw(&format!("{p}.norm.weight"), &[la.value_head_dim])?), bytes)?,
-            out: self.linear(sink, Packed::single(self.weight(&format!("{p}.out_proj"), h, vd)?), vd, bytes)?,
+            out: self.projection(sink, &[(format!("{p}.out_proj"), h)], vd, None, None, bytes)?,
         })
     }
 }
@@ -406,9 +542,16 @@ impl Sink for DeviceSink<'_> {
         true
     }
 
-    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
         let w = encode()?;
         let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
+        if let Some(t) = tail {
+            let mut bits = vec![0u16; t.numel()];
+            t.fill(0, &mut bits, self.dev.storage(), false)?;
+            let weight = self.dev.upload_quant_with_tail(&w, &bits)?;
+            let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {}: {e}", w.name)))?;
+            return Ok((placeholder, Some(QuantPart { weight, workspace })));
+        }
         let l = Linear::quantized(self.dev, &w, None, workspace)?;
         Ok((l.w, l.quant))
     }
@@ -453,7 +596,7 @@ impl Sink for PlanSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>) -> Result<((), Option<QuantPart>)> {
+    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
         self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
         Ok(((), None))
     }

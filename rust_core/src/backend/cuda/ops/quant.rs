@@ -89,26 +89,32 @@ fn float_kind(d: RawDtype) -> i64 {
     }
 }
 
-/// A quantized weight on the device: its bytes as stored and the kernels' format parameters.
+/// A quantized weight on the device: its bytes as stored and the kernels' format parameters,
+/// and optionally dense rows after the quantized ones (a fused projection whose last parts a
+/// quantized checkpoint keeps dense), decoded by the same kernels from the storage type.
 pub struct DeviceQuantWeight {
     /// The checkpoint's tensor name (errors name it).
     pub name: String,
     pub format: QuantFormat,
-    /// Output features.
+    /// Output features: the quantized rows and the dense tail's.
     pub n: usize,
     /// Input features (a multiple of 8).
     pub k: usize,
+    /// The quantized rows (`n` less the dense tail's).
+    nq: usize,
     data: CudaSlice<u8>,
     scale: Option<CudaSlice<u8>>,
     zero: Option<CudaSlice<u8>>,
     g_idx: Option<CudaSlice<u8>>,
+    /// `[n - nq, k]` in the storage type.
+    tail: Option<CudaSlice<u16>>,
     params: [i64; 3],
 }
 
 impl DeviceQuantWeight {
-    /// Bytes the weight takes on the device (data and companions).
+    /// Bytes the weight takes on the device (data, companions and the dense tail).
     pub fn device_bytes(&self) -> usize {
-        self.data.len() + [&self.scale, &self.zero, &self.g_idx].iter().map(|p| p.as_ref().map_or(0, |s| s.len())).sum::<usize>()
+        self.data.len() + [&self.scale, &self.zero, &self.g_idx].iter().map(|p| p.as_ref().map_or(0, |s| s.len())).sum::<usize>() + 2 * self.tail.as_ref().map_or(0, |t| t.len())
     }
 }
 
@@ -157,6 +163,12 @@ impl CudaDevice {
     /// Validates `w` (refusing it naming the tensor), checks that this device runs it
     /// (`check_quant_weight`) and uploads its bytes; loads its kernel family.
     pub fn upload_quant(&self, w: &QuantWeight) -> Result<DeviceQuantWeight> {
+        self.upload_quant_with_tail(w, &[])
+    }
+
+    /// `upload_quant`, with `tail` (storage-type bits, whole rows of `w`'s K) the dense rows
+    /// that follow `w`'s in the projection.
+    pub fn upload_quant_with_tail(&self, w: &QuantWeight, tail: &[u16]) -> Result<DeviceQuantWeight> {
         validate(&w.view())?;
         self.check_quant_weight(w)?;
         let [n, k] = w.shape;
@@ -184,13 +196,17 @@ impl CudaDevice {
         let scale = w.scale.as_ref().map(|t| up(&t.bytes, "scale")).transpose()?;
         let zero = w.zero.as_ref().map(|t| up(&t.bytes, "zero")).transpose()?;
         let g_idx = w.g_idx.as_ref().map(|t| up(&t.bytes, "g_idx")).transpose()?;
+        if !tail.len().is_multiple_of(k) {
+            return Err(NinferError::Device(format!("{}: a dense tail of {} values is not whole rows of {k}", w.name, tail.len())));
+        }
+        let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {} (dense rows): {e}", w.name)))?) };
         self.load_kernel_families(&[kernels_of(w.format).family])?;
-        Ok(DeviceQuantWeight { name: w.name.clone(), format: w.format, n, k, data, scale, zero, g_idx, params })
+        Ok(DeviceQuantWeight { name: w.name.clone(), format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params })
     }
 
-    /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order), with the guards that
-    /// keep the device pointers borrowed for the launch.
-    fn quant_w_args(&self, w: &DeviceQuantWeight) -> Result<[super::KArg; 9]> {
+    /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order: the decoders' rows,
+    /// then the dense tail and all the rows).
+    fn quant_w_args(&self, w: &DeviceQuantWeight) -> Result<[super::KArg; 11]> {
         let s = self.stream();
         let ptr = |b: &Option<CudaSlice<u8>>| b.as_ref().map_or(0u64, |b| b.device_ptr(s).0);
         Ok(kargs![
@@ -198,11 +214,13 @@ impl CudaDevice {
             ptr(&w.scale),
             ptr(&w.zero),
             ptr(&w.g_idx),
-            as_i32("quant n", w.n)?,
+            as_i32("quant n", w.nq)?,
             as_i32("quant k", w.k)?,
             w.params[0],
             w.params[1],
-            w.params[2]
+            w.params[2],
+            w.tail.as_ref().map_or(0u64, |t| t.device_ptr(s).0),
+            as_i32("quant rows", w.n)?
         ])
     }
 

@@ -20,11 +20,13 @@ struct HostSink {
     storage: StorageDType,
     read: bool,
     quant: Vec<crate::quant::QuantWeight>,
+    /// The dense tail's storage bits of each of `quant` (empty: none).
+    tails: Vec<Vec<u16>>,
 }
 
 impl HostSink {
     fn new(storage: StorageDType, read: bool) -> Self {
-        HostSink { storage, read, quant: Vec::new() }
+        HostSink { storage, read, quant: Vec::new(), tails: Vec::new() }
     }
 }
 
@@ -61,10 +63,15 @@ impl Sink for HostSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>) -> Result<(Vec<u16>, Option<QuantPart>)> {
+    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Vec<u16>, Option<QuantPart>)> {
         let w = encode()?;
-        assert_eq!((w.format, w.shape), (format, shape), "the encoded weight is the one announced");
+        let tail = match tail {
+            Some(t) => self.storage(t)?,
+            None => Vec::new(),
+        };
+        assert_eq!((w.format, [w.shape[0] + tail.len() / shape[1], w.shape[1]]), (format, shape), "the encoded weight is the one announced");
         crate::quant::validate(&w.view())?;
+        self.tails.push(tail);
         self.quant.push(w);
         Ok((vec![(self.quant.len() - 1) as u16], None))
     }
@@ -357,12 +364,16 @@ fn same_quantized(sink: &HostSink, d: &super::Linear<Vec<u16>>, cpu: &Linear, f:
     assert_eq!(d.format, WeightFormat::Quant(f), "{what}: format");
     assert_eq!((d.n, d.k), (cpu.n, cpu.k), "{what}: shape");
     assert_eq!(d.route, LinearRoute::quantized(), "{what}: the quantized route takes no dense fusions");
-    let w = &sink.quant[d.w[0] as usize];
-    assert_eq!(w.shape, [cpu.n, cpu.k], "{what}: packed shape");
-    assert_eq!(w.data.len(), crate::quant::payload_bytes(f, w.shape).unwrap().unwrap(), "{what}: payload bytes");
-    let got = crate::quant::dequantize(&w.view()).unwrap();
+    let (w, tail) = (&sink.quant[d.w[0] as usize], &sink.tails[d.w[0] as usize]);
+    assert_eq!([w.shape[0] + tail.len() / cpu.k, w.shape[1]], [cpu.n, cpu.k], "{what}: packed shape");
+    if let Some(Ok(payload)) = crate::quant::payload_bytes(f, w.shape) {
+        assert_eq!(w.data.len(), payload, "{what}: payload bytes");
+    }
+    let mut got = crate::quant::dequantize(&w.view()).unwrap();
+    // The dense tail as the kernels read it: bf16 bits, exact in f32.
+    got.extend(tail.iter().map(|b| f32::from_bits((*b as u32) << 16)));
     same(&got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &cpu_values(cpu).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), what);
-    w.data.len()
+    quant_bytes(w) + 2 * tail.len()
 }
 
 fn quantize_opts(mode: crate::quant::QuantizeMode) -> crate::model::LoadOptions {
@@ -463,7 +474,7 @@ fn formats_the_cuda_loader_does_not_take_yet_are_refused_naming_the_tensor() {
     use crate::quant::{QuantFormat, QuantizeMode};
     assert!(!super::super::CudaModel::supports(QuantFormat::Nvfp4));
     for f in [QuantFormat::HfFp8Block { block_n: 128, block_k: 128 }, QuantFormat::Awq4 { group: 128 }, QuantFormat::Gptq4 { group: 128, zero_plus_one: true }] {
-        assert!(!super::super::CudaModel::supports(f), "{f:?}");
+        assert!(super::super::CudaModel::supports(f), "{f:?}: HF checkpoints load on CUDA (tests below)");
     }
     let dir = checkpoint("llama_nvfp4", "LlamaForCausalLM", Dtype::BF16);
     let opts = quantize_opts(QuantizeMode::Nvfp4);
@@ -513,7 +524,7 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let given = Arc::new(gguf_q8_0(&store, &names));
         let opts = crate::model::LoadOptions { quant_tensors: Some(given.clone()), ..Default::default() };
         let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
-        let quant = QuantLoad { quantize: None, given: Some(given.clone()) };
+        let quant = QuantLoad { quantize: None, given: Some(given.clone()), hf: None };
         let mut sink = HostSink::new(StorageDType::Bf16, true);
         let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
         let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
@@ -538,12 +549,12 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let qkv_part = names.iter().find(|n| n.ends_with("k_proj.weight")).unwrap();
         let mut part = (*given).clone();
         part.remove(qkv_part);
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(part)) }).err().expect("a part missing").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(part)), hf: None }).err().expect("a part missing").to_string();
         assert!(e.contains("only some parts") && e.contains(&qkv_part.replace("k_proj", "q_proj")), "{e}");
         let mut extra = (*given).clone();
         let embed = names::decoder_prefix(&store).to_string() + ".embed_tokens.weight";
         extra.insert(embed.clone(), gguf_q8_0(&store, std::slice::from_ref(&embed)).remove(&embed).unwrap());
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(extra)) }).err().expect("a packed embedding").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(extra)), hf: None }).err().expect("a packed embedding").to_string();
         assert!(e.contains(&embed) && e.contains("stay dense"), "{e}");
         let mut w8 = (*given).clone();
         let o = names.iter().find(|n| n.ends_with("o_proj.weight") || n.ends_with("out_proj.weight")).unwrap();
@@ -551,7 +562,196 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let values = rand_vec(n * k, 1);
         let q = crate::quant::QuantFormat::W8G32F16S;
         w8.insert(o.clone(), crate::quant::QuantWeight::packed(o.as_str(), q, [n, k], crate::quant::quantize(q, o, &values, [n, k]).unwrap()));
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(w8)) }).err().expect("a W8 tensor handed in").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(w8)), hf: None }).err().expect("a W8 tensor handed in").to_string();
         assert!(e.contains(o.as_str()) && e.contains("W8G32_F16S") && e.contains("only GGUF rows"), "{e}");
     }
+}
+
+/// A copy of the dense checkpoint `src` at `tag` whose projections (`*_proj*.weight`, but those
+/// `keep_dense` names) are random HF `format` weights stored as such a checkpoint stores them,
+/// under `qcfg` (a `quantization_config`); `g_idx`: the input groups every weight stores.
+fn hf_checkpoint(src: &Path, tag: &str, format: crate::quant::QuantFormat, qcfg: serde_json::Value, keep_dense: &[&str], g_idx: Option<&[i32]>) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ninfer_cuda_load_{tag}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["quantization_config"] = qcfg;
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let store = WeightStore::open(src).unwrap();
+    let c = crate::quant::HfQuantConfig::from_model_config(&config).unwrap().unwrap();
+    assert_eq!(c.format, format);
+    let dtype = |d: crate::quant::RawDtype| match d {
+        crate::quant::RawDtype::U8 | crate::quant::RawDtype::F8E4M3 => Dtype::F8_E4M3,
+        crate::quant::RawDtype::F16 => Dtype::F16,
+        crate::quant::RawDtype::BF16 => Dtype::BF16,
+        crate::quant::RawDtype::F32 => Dtype::F32,
+        crate::quant::RawDtype::I32 => Dtype::I32,
+    };
+    let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (i, name) in store.names().into_iter().enumerate() {
+        let (info, bytes) = store.stored(name).unwrap();
+        let quantize = name.contains("_proj") && name.ends_with(".weight") && !keep_dense.iter().any(|k| name.contains(k));
+        if !quantize {
+            let d = match info.dtype.as_str() { "BF16" => Dtype::BF16, "F16" => Dtype::F16, _ => Dtype::F32 };
+            out.push((name.to_string(), d, info.shape.clone(), bytes.to_vec()));
+            continue;
+        }
+        let module = name.trim_end_matches(".weight");
+        let (n, k) = (info.shape[0], info.shape[1]);
+        let w = super::hf_rows::random(format, module, n, k, i as u64 + 11, g_idx);
+        let names = c.tensor_names(module);
+        let specs = crate::quant::hf::part_specs(format, n, k, g_idx.is_some());
+        let data_dtype = if matches!(format, crate::quant::QuantFormat::HfFp8Block { .. }) { Dtype::F8_E4M3 } else { Dtype::I32 };
+        out.push((names.data, data_dtype, specs[0].as_ref().unwrap().1.clone(), w.data.clone()));
+        for (part, name) in [(&w.scale, Some(names.scale)), (&w.zero, names.zero), (&w.g_idx, names.g_idx)] {
+            if let (Some(r), Some(name)) = (part, name) {
+                out.push((name, dtype(r.dtype), r.shape.clone(), r.bytes.clone()));
+            }
+        }
+    }
+    let views: Vec<(String, TensorView)> = out.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    ::safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// The HF formats with their `quantization_config`s (group 16, FP8 blocks of 8 x 16).
+fn hf_formats() -> Vec<(crate::quant::QuantFormat, serde_json::Value)> {
+    use crate::quant::QuantFormat;
+    let ct = |symmetric: bool| serde_json::json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": 16}}}});
+    vec![
+        (QuantFormat::HfFp8Block { block_n: 8, block_k: 16 }, serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 16]})),
+        (QuantFormat::Awq4 { group: 16 }, serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": true, "version": "gemm"})),
+        (QuantFormat::Gptq4 { group: 16, zero_plus_one: true }, serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": false, "sym": false})),
+        (QuantFormat::PackQuantized4 { group: 16, symmetric: true }, ct(true)),
+        (QuantFormat::PackQuantized4 { group: 16, symmetric: false }, ct(false)),
+    ]
+}
+
+#[test]
+fn quantized_hf_checkpoints_fuse_into_weights_that_decode_to_the_cpu_models_values() {
+    let llama = checkpoint_with("llama_hf_src", "LlamaForCausalLM", Dtype::BF16, true);
+    for (i, (f, qcfg)) in hf_formats().into_iter().enumerate() {
+        assert!(super::super::CudaModel::supports(f), "{f:?}");
+        // GPTQ with a g_idx each weight shares (desc_act off stores the trivial one).
+        let groups: Vec<i32> = (0..48).map(|k| k / 16).collect();
+        let g_idx = matches!(f, crate::quant::QuantFormat::Gptq4 { .. }).then_some(&groups[..32]);
+        let dir = hf_checkpoint(&llama, &format!("llama_hf_{i}"), f, qcfg, &["down_proj"], g_idx);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let store = WeightStore::open(&dir).unwrap();
+        let opts = crate::model::LoadOptions::default();
+        let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
+        let quant = QuantLoad::new(&dir, &opts).unwrap();
+        assert_eq!(quant.hf.map(|c| c.format), Some(f));
+        let mut sink = HostSink::new(StorageDType::Bf16, true);
+        let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+        let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &WeightStore::open(&llama).unwrap(), &cfg, &QuantLoad::default()).unwrap();
+        let mut packed = 0;
+        for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+            packed += same_quantized(&sink, &d.gate_up, &h.gate_up, f, &format!("{f:?} layer {li} gate_up"));
+            let (Mixer::Attention(a), DevMixer::Attention(dm)) = (&h.mixer, &d.mixer) else { panic!("llama layers attend") };
+            packed += same_quantized(&sink, &dm.qkv, &a.qkv, f, &format!("{f:?} layer {li} qkv"));
+            packed += same_quantized(&sink, &dm.o, &a.o, f, &format!("{f:?} layer {li} o"));
+            // The dense down_proj and the biases are the dense load's.
+            same(&d.down.w, &dense.layers[li].down.w, "down stays dense");
+            assert_eq!(d.gate_up.bias, dense.layers[li].gate_up.bias, "gate_up bias");
+            assert_eq!(dm.qkv.bias, match &dense.layers[li].mixer { DevMixer::Attention(a) => a.qkv.bias.clone(), _ => None }, "qkv bias");
+        }
+        // The bytes held: the stored tensors (one g_idx a fused projection), as the plan pass counts them.
+        let dense_proj: usize = dense.layers.iter().map(|l| match &l.mixer {
+            DevMixer::Attention(a) => 2 * (a.qkv.w.len() + a.o.w.len() + l.gate_up.w.len()),
+            _ => unreachable!(),
+        }).sum();
+        assert_eq!(dev.bytes, dense.bytes - dense_proj + packed, "{f:?}: bytes held");
+        assert_eq!(plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap().bytes, dev.bytes, "{f:?}: planned bytes");
+    }
+}
+
+#[test]
+fn an_hf_fused_projection_with_dense_last_parts_holds_them_as_its_dense_tail() {
+    use crate::quant::QuantFormat;
+    let hybrid = checkpoint_full("q35_hf_tail_src", "Qwen3_5ForCausalLM", Dtype::BF16, false, true);
+    let f = QuantFormat::HfFp8Block { block_n: 8, block_k: 16 };
+    let qcfg = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 16]});
+    // As the official Qwen3.5 FP8 releases: the GDN in_proj_b / in_proj_a stay bf16.
+    let dir = hf_checkpoint(&hybrid, "q35_hf_tail", f, qcfg, &["in_proj_b", "in_proj_a"], None);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
+    let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &Default::default()).unwrap()).unwrap();
+    let mut sink = HostSink::new(StorageDType::Bf16, true);
+    let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+    let mut packed = 0;
+    for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+        // The gated q_proj reordered by 8-row blocks; in_proj's b and a its dense tail.
+        packed += check_quant_layer(&sink, h, d, f, li);
+    }
+    assert!(sink.tails.iter().any(|t| !t.is_empty()), "in_proj has a dense tail");
+    let planned = plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap();
+    assert_eq!(planned.bytes, dev.bytes);
+    // `ninfer plan` counts the same bytes for a GPU, and the workspace of the largest projection.
+    let tensors = crate::plan::checkpoint_tensors(&dir, &cfg, Some(&store)).unwrap();
+    let input = crate::plan::PlanInput {
+        cfg: &cfg,
+        tensors: &tensors,
+        target: crate::plan::Target::Gpu,
+        engine: Default::default(),
+        quantize: None,
+        quantize_lm_head: false,
+        memory: None,
+        pool: crate::plan::PoolRule::OneContext,
+    };
+    let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+    assert_eq!(total, dev.bytes as u64, "{lines:?}");
+    assert_eq!(lines.iter().find(|l| l.format == f.name()).map(|l| l.bytes as usize), Some(packed - 2 * sink.tails.iter().map(Vec::len).sum::<usize>()));
+    assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64);
+    // The MTP head's layer (in FP8; its fc stays dense) loads as the CPU's.
+    let (Some(hm), Some(dm)) = (&host.mtp, build_mtp(&mut sink, &store, &cfg, &quant).unwrap()) else { panic!("an MTP head") };
+    assert_eq!(dm.fc.format, WeightFormat::Bf16);
+    check_quant_layer(&sink, &hm.layers[0], &dm.layer, f, 0);
+}
+
+#[test]
+fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_yet() {
+    use crate::quant::QuantFormat;
+    let hybrid = checkpoint("q35_hf_src", "Qwen3_5ForCausalLM", Dtype::BF16);
+    let (f, qcfg) = (QuantFormat::HfFp8Block { block_n: 8, block_k: 16 }, serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 16]}));
+    // A dense part before a quantized one: the attention's q|k|v with k_proj dense (the GDN
+    // in_proj's b and a dense too, its valid dense tail).
+    let dir = hf_checkpoint(&hybrid, "q35_hf_middle", f, qcfg.clone(), &["k_proj", "in_proj_b", "in_proj_a"], None);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
+    assert!(e.contains("HF_FP8_BLOCK") && e.contains("k_proj.weight") && e.contains("not supported yet"), "{e}");
+    // Every in_proj part in FP8: b (4 rows) would share an 8-row scale block with a.
+    let dir = hf_checkpoint(&hybrid, "q35_hf_blocks", f, qcfg, &[], None);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
+    // Refused by the plan pass, before any weight is read.
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
+    assert!(e.contains("in_proj_b rows 0..4") && e.contains("multiples of 8") && e.contains("not supported yet"), "{e}");
+    // GPTQ act-order parts with different g_idx, likewise.
+    let (g, gcfg) = (QuantFormat::Gptq4 { group: 16, zero_plus_one: true }, serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": true, "sym": false}));
+    let llama = checkpoint("llama_hf_gidx_src", "LlamaForCausalLM", Dtype::BF16);
+    let groups: Vec<i32> = (0..32).map(|k| k / 16).collect();
+    let dir = hf_checkpoint(&llama, "llama_hf_gidx", g, gcfg, &["down_proj"], Some(&groups));
+    let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let mut t = ::safetensors::SafeTensors::deserialize(&file).unwrap().tensors();
+    // k_proj's inputs in other groups than q_proj's.
+    let other: Vec<u8> = groups.iter().rev().flat_map(|v| v.to_le_bytes()).collect();
+    let k_gidx = "model.layers.0.self_attn.k_proj.g_idx";
+    let mut views: Vec<(String, TensorView)> = t.drain(..).filter(|(n, _)| n != k_gidx).collect();
+    views.push((k_gidx.to_string(), TensorView::new(Dtype::I32, vec![32], &other).unwrap()));
+    let bytes = ::safetensors::tensor::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
+    assert!(e.contains("HF_GPTQ4") && e.contains("k_proj.weight") && e.contains("g_idx") && e.contains("not supported yet"), "{e}");
+    // --quantize on a quantized checkpoint is refused as on the CPU.
+    let e = QuantLoad::new(&dir, &quantize_opts(crate::quant::QuantizeMode::Q4)).err().expect("already quantized").to_string();
+    assert!(e.contains("already quantized") && e.contains("HF_GPTQ4"), "{e}");
 }
