@@ -4,8 +4,9 @@ The Rust drafter's logits equal the PyTorch reference (tools/dflash/dflash_model
 transformers' hidden states of the target) on a tiny random Qwen3.5 with a random drafter;
 greedy output with DFlash drafts equals plain greedy output token for token on the bundled demo
 model (with its shipped drafter, the default there) and on the tiny checkpoint, alone and in a
-batch with mixed parameters, per-request K (0: off) and chunked prefill; bad drafter options are
-refused naming the flag.
+batch with mixed parameters, per-request K (0: off) and chunked prefill; sampled requests draw
+their drafts from the drafter's distribution and follow plain sampling's distribution (a
+chi-square test on the demo); bad drafter options are refused naming the flag.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from ninfer import LLM, SamplingParams, _core
-from test_speculative import async_answer
+from test_speculative import _assert_as_plain, async_answer
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo"))
@@ -83,7 +84,8 @@ def greedy(n: int, **kwargs) -> SamplingParams:
 
 def _run(model_dir, prompts, params, **engine):
     engine.setdefault("max_context", 512)
-    with LLM(model_dir, max_concurrency=8, **engine) as llm:
+    engine.setdefault("max_concurrency", 8)
+    with LLM(model_dir, **engine) as llm:
         outs = llm.generate([llm.encode(p) for p in prompts], params)
         return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.stats()
 
@@ -162,7 +164,9 @@ def test_a_batch_with_mixed_parameters_per_request_k_and_chunked_prefill_equals_
         model_dir, engine = tiny[0], {"drafter": str(tiny[1])}
     plain, _ = _run(model_dir, PROMPTS, _mixed_params(False))
     spec, stats = _run(model_dir, PROMPTS, _mixed_params(True), spec="dflash", draft_tokens=4, prefill_chunk=16, **engine)
-    assert spec == plain
+    _assert_as_plain("dflash", _mixed_params(True), spec, plain)
+    again, _ = _run(model_dir, PROMPTS, _mixed_params(True), spec="dflash", draft_tokens=4, prefill_chunk=16, **engine)
+    assert again == spec, "seeded requests draw the same drafts and tokens on every run"
     assert stats["spec_drafted_tokens"] > 0
     assert len(stats["spec_acceptance_by_position"]) <= 4, "no request drafts more than its own 4"
     assert stats["kv_blocks_used"] == 0
@@ -262,7 +266,7 @@ def test_a_tight_kv_pool_preempts_and_recomputes_with_drafts_as_without(tiny):
     # which cuts their drafter context back to 0.
     plain, plain_stats = _run(target, PROMPTS, params, kv_capacity=512, max_context=256)
     spec, stats = _run(target, PROMPTS, params, kv_capacity=512, max_context=256, spec="dflash", drafter=str(drafter), draft_tokens=4)
-    assert spec == plain
+    _assert_as_plain("dflash", params, spec, plain)
     assert plain_stats["preemptions"] > 0 and stats["preemptions"] > 0 and stats["spec_drafted_tokens"] > 0
 
 
@@ -304,7 +308,14 @@ def test_a_json_schema_grammar_with_drafts_equals_plain(tiny):
         plain = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
     with LLM(model_dir, max_context=512, spec="dflash", draft_tokens=4, **engine) as llm:
         spec = [(o.text, o.finish_reason) for o in llm.generate([llm.encode(p) for p in prompts], params)]
-    assert spec == plain
+    # Greedy: plain's text. Sampled (drafts drawn from the drafter's distribution): a document
+    # of the schema, as plain's is.
+    assert spec[0] == plain[0]
+    for text, finish in (plain[1], spec[1]):
+        assert finish in ("stop", "length"), finish
+        if finish == "stop":
+            doc = json.loads(text)
+            assert set(doc) == {"xs"} and all(isinstance(x, int) for x in doc["xs"]) and len(doc["xs"]) <= 6, text
 
 
 def test_a_server_with_dflash_answers_as_without_and_reports_the_drafts(tiny):
@@ -324,3 +335,43 @@ def test_a_server_with_dflash_answers_as_without_and_reports_the_drafts(tiny):
             m = parse_metrics(httpx.get(s.url + "/metrics", timeout=10).text)
     assert answers[0] == answers[1]
     assert m["ninfer_spec_drafted_tokens_total"] > 0
+
+
+def _chi_square(a: list[tuple], b: list[tuple]) -> tuple[float, int]:
+    """Pearson's chi-square statistic of homogeneity of two equally large samples, with the
+    cells of fewer than 10 draws in both together pooled into one; and its degrees of freedom."""
+    cells: dict[tuple, list[int]] = {}
+    for side, sample in enumerate((a, b)):
+        for x in sample:
+            cells.setdefault(x, [0, 0])[side] += 1
+    table, rare = [], [0, 0]
+    for c in cells.values():
+        if sum(c) < 10:
+            rare = [rare[0] + c[0], rare[1] + c[1]]
+        else:
+            table.append(c)
+    if sum(rare):
+        table.append(rare)
+    stat = sum((c[0] - c[1]) ** 2 / (c[0] + c[1]) for c in table)
+    return stat, len(table) - 1
+
+
+@pytest.mark.skipif(not (DEMO_DRAFTER / "config.json").exists(), reason="demo drafter not shipped")
+def test_sampled_dflash_drafts_follow_plain_sampling_by_a_chi_square_test():
+    """Seeded sampled requests on the demo with its trained drafter: the first four tokens'
+    joint distribution over 400 seeds is that of plain sampling (chi-square of homogeneity at
+    1e-3, Wilson-Hilferty quantile). Their drafts are drawn from the drafter's distribution and
+    verified by the speculative sampling rule, not drawn as plain decoding draws: drafts are
+    accepted, and the tokens of some seeds differ from plain decoding's."""
+    n = 400
+    params = [SamplingParams(temperature=1.0, top_k=2, seed=7000 + i, max_tokens=4, ignore_eos=True) for i in range(n)]
+    prompts = [PROMPTS[0]] * n  # code: the drafter is accepted often
+    plain, _ = _run(DEMO_MODEL, prompts, params, max_concurrency=64)
+    spec, stats = _run(DEMO_MODEL, prompts, params, max_concurrency=64, spec="dflash", draft_tokens=3)
+    a, b = [tuple(t) for t, _ in plain], [tuple(t) for t, _ in spec]
+    stat, df = _chi_square(a, b)
+    z = 3.090  # the standard normal quantile at 1 - 1e-3
+    limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert df >= 3 and stat < limit, (stat, df, limit)
+    assert stats["spec_accepted_tokens"] > 0, stats
+    assert 0 < sum(x != y for x, y in zip(a, b)) < n

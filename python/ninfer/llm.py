@@ -53,7 +53,7 @@ class LLM:
     model's own by default; the CPU backend), with prefix reuse off; each verified `draft_tokens`
     (1..8; default 3, dflash 7 and at most its block size - 1) at a time; ngram and mtp on the CPU
     and CUDA backends); greedy outputs are those of plain decoding, and so are seeded sampled ones
-    under "ngram" and "dflash" (under "mtp" they follow plain sampling's distribution).
+    under "ngram" (under "mtp" and "dflash" they follow plain sampling's distribution).
     `spec_adaptive` chooses each request's draft length per step (0..`draft_tokens`) from the
     measured step cost and its running acceptance. `lm_head_draft` (with spec="mtp") drafts over
     the `lm_head_draft_size` most frequent ids of the model directory's draft_vocab.json (default

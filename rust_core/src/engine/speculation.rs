@@ -33,8 +33,11 @@ impl EngineCore {
             return Ok(outputs);
         }
         let started = std::time::Instant::now();
-        let draft_q = self.fill_mtp_drafts(&mut step)?;
-        self.fill_dflash_drafts(&mut step)?;
+        // The distributions sampled requests' drafts were drawn from.
+        let draft_q = match self.speculation.as_ref().map(|(s, _)| s.method) {
+            Some(SpecMethod::Dflash) => self.fill_dflash_drafts(&mut step)?,
+            _ => self.fill_mtp_drafts(&mut step)?,
+        };
         if step.num_draft_tokens() == 0 {
             let sampled = self.execute(&step)?;
             let (outs, outcomes) = self.postprocess(&step, sampled)?;
@@ -213,31 +216,38 @@ impl EngineCore {
     }
 
     /// With `--spec dflash`, replace the placeholder drafts of `step`'s verify chunks by the
-    /// drafter's greedy block drafts (one batched forward), each anchored at its chunk's input
-    /// token with the context absorbed before it.
-    fn fill_dflash_drafts(&mut self, step: &mut ScheduledStep) -> Result<()> {
+    /// drafter's block drafts (one batched forward), each anchored at its chunk's input token
+    /// with the context absorbed before it: greedy for a greedy request; for a sampled one drawn
+    /// from the drafter's distribution under its warpers with draws from its RNG, as MTP drafts
+    /// are (`fill_mtp_drafts`). Returns the distributions, as `fill_mtp_drafts` does.
+    fn fill_dflash_drafts(&mut self, step: &mut ScheduledStep) -> Result<Vec<Vec<Vec<f32>>>> {
+        let mut draft_q = Vec::new();
         if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Dflash) || step.num_draft_tokens() == 0 {
-            return Ok(());
+            return Ok(draft_q);
         }
         let idx: Vec<usize> = (0..step.seq_ids.len()).filter(|&i| step.draft_len(i) > 0).collect();
-        let seqs: Vec<DflashDraftSeq> = idx
-            .iter()
-            .map(|&i| {
-                let c = &step.batch.seqs[i];
-                DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], k: step.draft_len(i) }
-            })
-            .collect();
+        let mut seqs = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
+            let sampling = self.requests.get_mut(&step.seq_ids[i]).filter(|r| !r.params.is_greedy()).map(|r| DraftSampling {
+                warpers: draft_warpers(&r.params),
+                u: (0..k).map(|_| r.uniform()).collect(),
+            });
+            seqs.push(DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], k, sampling });
+        }
         let drafts = self.runner.dflash_draft(&seqs)?;
-        for (&i, d) in idx.iter().zip(drafts) {
+        draft_q.resize(step.seq_ids.len(), Vec::new());
+        for ((&i, seq), d) in idx.iter().zip(&seqs).zip(drafts) {
             let chunk = &mut step.batch.seqs[i];
             let k = step.drafts[i];
-            if d.len() != k {
-                return Err(NinferError::invalid("dflash_draft", format!("{} drafts for {k} asked", d.len())));
+            if d.tokens.len() != k || !(d.q.is_empty() || (seq.sampling.is_some() && d.q.len() == k)) {
+                return Err(NinferError::invalid("dflash_draft", format!("{} drafts and {} distributions for {k} asked", d.tokens.len(), d.q.len())));
             }
             chunk.tokens.truncate(1);
-            chunk.tokens.extend(d);
+            chunk.tokens.extend(d.tokens);
+            draft_q[i] = d.q;
         }
-        Ok(())
+        Ok(draft_q)
     }
 
     /// With `--spec dflash`, hand the drafter the target features of every position `step`

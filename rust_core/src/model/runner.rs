@@ -123,8 +123,9 @@ pub struct MtpDraftSeq {
     pub sampling: Option<DraftSampling>,
 }
 
-/// The draws of a sampled request's MTP drafts: each draft token is drawn with `u[depth]` from
-/// the head's logits under `warpers` (`spec::draft_warpers`), as `spec::draw_draft` does.
+/// The draws of a sampled request's MTP or DFlash drafts: each draft token is drawn with
+/// `u[depth]` from the drafter's logits under `warpers` (`spec::draft_warpers`), as
+/// `spec::draw_draft` does.
 #[derive(Clone, Debug)]
 pub struct DraftSampling {
     pub warpers: RowSampling,
@@ -132,8 +133,8 @@ pub struct DraftSampling {
     pub u: Vec<f64>,
 }
 
-/// The MTP drafts of one sequence: the tokens and, for sampled drafts, the distribution q each
-/// was drawn from (`[k][vocab]`; empty for greedy drafts, and for a runner that drafts greedily
+/// The MTP or DFlash drafts of one sequence: the tokens and, for sampled drafts, the
+/// distribution q each was drawn from (`[k][vocab]`; empty for greedy drafts, and for a runner that drafts greedily
 /// for every request: the point-mass rule then verifies them, exactly but accepting fewer).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MtpDraft {
@@ -162,6 +163,8 @@ pub struct DflashDraftSeq {
     pub pos: usize,
     pub token: u32,
     pub k: usize,
+    /// How a sampled request's drafts are drawn; None: greedy drafts (argmax).
+    pub sampling: Option<DraftSampling>,
 }
 
 /// What the caches of one model cost, so that the engine can plan memory before allocating.
@@ -290,8 +293,9 @@ pub trait ModelRunner: Send {
         Err(NinferError::invalid("dflash_absorb", "DFlash drafting is not enabled"))
     }
 
-    /// Greedy DFlash drafts: `k` tokens after each sequence's anchor, one drafting forward.
-    fn dflash_draft(&mut self, _seqs: &[DflashDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    /// DFlash drafts: `k` tokens after each sequence's anchor, one drafting forward; greedy, or
+    /// drawn from the drafter's distribution at each depth for a sequence with `sampling`.
+    fn dflash_draft(&mut self, _seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         Err(NinferError::invalid("dflash_draft", "DFlash drafting is not enabled"))
     }
 

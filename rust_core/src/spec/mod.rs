@@ -17,7 +17,8 @@
 //!   position; the runner keeps them from its last forward, the engine has the kept rows
 //!   absorbed into the drafter's context after every step (`ModelRunner::dflash_absorb`) and
 //!   drafts every verify chunk's block in one forward once they are scheduled
-//!   (`ModelRunner::dflash_draft`).
+//!   (`ModelRunner::dflash_draft`): greedy or, for sampled requests, drawn from the drafter's
+//!   distribution q at each depth and verified by the speculative sampling rule, as MTP's.
 //!
 //! With `--spec-adaptive` each request's K is chosen per step (`adaptive`); with
 //! `--lm-head-draft` the MTP head drafts over the most frequent ids only (`draft_vocab`).

@@ -1,5 +1,5 @@
-//! The speculative sampling rule for drafts drawn from a distribution (MTP drafts of sampled
-//! requests): the draft token x ~ q is accepted with probability min(1, p(x) / q(x)); on
+//! The speculative sampling rule for drafts drawn from a distribution (MTP and DFlash drafts
+//! of sampled requests): the draft token x ~ q is accepted with probability min(1, p(x) / q(x)); on
 //! rejection the token is drawn from the residual normalize(max(0, p - q)). Whatever q is, the
 //! token out follows p exactly, and a draft close to the target is accepted often.
 //!
@@ -16,7 +16,7 @@
 
 use crate::sampling::{draw, RowSampling, SamplingParams};
 
-/// The row that shapes an MTP draft distribution q from the drafter's logits: the request's
+/// The row that shapes an MTP or DFlash draft distribution q from the drafter's logits: the request's
 /// temperature, top-k, top-p and min-p only.
 pub fn draft_warpers(params: &SamplingParams) -> RowSampling {
     RowSampling { temperature: params.temperature, top_k: params.top_k, top_p: params.top_p, min_p: params.min_p, ..Default::default() }

@@ -30,8 +30,9 @@ use crate::backend::cpu::activation::swiglu;
 use crate::backend::cpu::norm::{rms_norm, rms_norm_heads_inplace};
 use crate::backend::cpu::rope::{apply_rope, rope_tables};
 use crate::config::ModelConfig;
-use crate::model::runner::{DflashDraftSeq, DflashRows};
+use crate::model::runner::{DflashDraftSeq, DflashRows, MtpDraft};
 use crate::sampling::argmax;
+use crate::spec::draw_draft;
 use crate::{NinferError, Result};
 
 use super::layers::fit;
@@ -479,8 +480,11 @@ impl DflashState {
         Ok(())
     }
 
-    /// `ModelRunner::dflash_draft`: greedy drafts, every sequence in one drafting forward.
-    pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[DflashDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    /// `ModelRunner::dflash_draft`: every sequence in one drafting forward; greedy drafts, or
+    /// for a sequence with `sampling` each depth's draft drawn from the drafter's distribution
+    /// there (`spec::draw_draft`). The depths of a block are drafted together, so each q
+    /// depends on the context and the anchor only, which the speculative sampling rule allows.
+    pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         let bs = self.drafter.cfg.block_size;
         for s in seqs {
             let held = self.drafter.context_len(s.key);
@@ -490,9 +494,12 @@ impl DflashState {
             if s.k >= bs {
                 return Err(NinferError::invalid("dflash_draft", format!("{} drafts asked; the drafter's block gives {}", s.k, bs - 1)));
             }
+            if let Some(d) = s.sampling.as_ref().filter(|d| d.u.len() < s.k) {
+                return Err(NinferError::invalid("dflash_draft", format!("{} draft draws for {} drafts", d.u.len(), s.k)));
+            }
         }
         let idx: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].k > 0).collect();
-        let mut out = vec![Vec::new(); seqs.len()];
+        let mut out = vec![MtpDraft::default(); seqs.len()];
         if idx.is_empty() {
             return Ok(out);
         }
@@ -500,7 +507,14 @@ impl DflashState {
         let logits = self.drafter.draft_logits(&model.weights, &asked)?;
         let vocab = model.cfg.vocab_size;
         for (&i, l) in idx.iter().zip(logits) {
-            out[i] = (0..seqs[i].k).map(|j| argmax(&l[j * vocab..(j + 1) * vocab])).collect();
+            let rows = l.chunks_exact(vocab).take(seqs[i].k);
+            out[i] = match &seqs[i].sampling {
+                Some(s) => {
+                    let (tokens, q) = rows.zip(&s.u).map(|(row, &u)| draw_draft(row, &s.warpers, u)).unzip();
+                    MtpDraft { tokens, q }
+                }
+                None => MtpDraft { tokens: rows.map(argmax).collect(), q: Vec::new() },
+            };
         }
         Ok(out)
     }

@@ -13,7 +13,8 @@ use super::dflash::DflashDrafter;
 use super::tests::{load, max_rel, seq, write_hybrid};
 use crate::model::test_checkpoint::centered_noise;
 use crate::model::*;
-use crate::sampling::argmax;
+use crate::sampling::{argmax, RowSampling};
+use crate::spec::draw_draft;
 
 const TOKENS: [u32; 16] = [3, 17, 99, 4, 56, 23, 8, 71, 100, 0, 42, 5, 64, 9, 31, 77];
 /// The hybrid checkpoint's hidden size, vocabulary and layer count (tests.rs `write_hybrid`).
@@ -172,19 +173,35 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
         m.forward(&StepBatch { seqs: vec![seq(&TOKENS[start..end], start, &table, 0, LogitsWanted::Last)] }).unwrap();
         m.dflash_absorb(&[DflashRows { key: 9, chunk: 0, start_pos: start, rows: end - start }]).unwrap();
     }
-    let drafts = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: TOKENS[11], k: 3 }]).unwrap();
+    let drafts = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: TOKENS[11], k: 3, sampling: None }]).unwrap();
     d.absorb(9, 0, &f[..11 * 2 * H]).unwrap();
     let logits = d.draft_logits_with(&m, &[(9, TOKENS[11])]).unwrap().remove(0);
     let want: Vec<u32> = (0..3).map(|j| argmax(&logits[j * VOCAB..(j + 1) * VOCAB])).collect();
-    assert_eq!(drafts[0], want);
+    assert_eq!(drafts[0], MtpDraft { tokens: want, q: Vec::new() });
+    // A sampled request's drafts: each depth drawn with its own uniform from the same logits
+    // (to float rounding: the runner's context came from its forward in two chunks), with the
+    // distribution it was drawn from.
+    let warpers = RowSampling { temperature: 0.9, top_k: 7, ..Default::default() };
+    let u = vec![0.1, 0.5, 0.93];
+    let sampling = Some(DraftSampling { warpers: warpers.clone(), u: u.clone() });
+    let sampled = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: TOKENS[11], k: 3, sampling }]).unwrap().remove(0);
+    let (tokens, q): (Vec<u32>, Vec<Vec<f32>>) = (0..3).map(|j| draw_draft(&logits[j * VOCAB..(j + 1) * VOCAB], &warpers, u[j])).unzip();
+    assert_eq!((sampled.tokens.as_slice(), sampled.q.len()), (tokens.as_slice(), 3));
+    for (got, want) in sampled.q.iter().zip(&q) {
+        assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "{got:?} {want:?}");
+    }
+    assert!(sampled.q.iter().all(|q| q.iter().filter(|&&x| x > 0.0).count() <= 7), "top-k shapes q");
+    let short = Some(DraftSampling { warpers, u: vec![0.5] });
+    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: 3, sampling: short }]).unwrap_err().to_string();
+    assert!(e.contains("1 draft draws for 3 drafts"), "{e}");
     // The drafter's context counts in every token's KV bytes: 2 layers, K and V, 2 heads of 8.
     let mut plain = load(&write_hybrid("dflash_hooks_plain", Dtype::F32, false));
     plain.allocate_caches(32, 4, 2).unwrap();
     assert_eq!(per_token - plain.cache_spec().kv_bytes_per_token, 2 * 2 * 2 * 8 * 4);
-    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 12, token: 1, k: 3 }]).unwrap_err().to_string();
+    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 12, token: 1, k: 3, sampling: None }]).unwrap_err().to_string();
     assert!(e.contains("holds 11 context positions"), "{e}");
-    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: BLOCK }]).unwrap_err().to_string();
+    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: BLOCK, sampling: None }]).unwrap_err().to_string();
     assert!(e.contains("block gives 4"), "{e}");
     m.dflash_release(9);
-    assert!(m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: 1 }]).is_err());
+    assert!(m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: 1, sampling: None }]).is_err());
 }

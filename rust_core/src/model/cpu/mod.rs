@@ -391,7 +391,7 @@ impl ModelRunner for CpuModel {
         pool.install(|| st.absorb(rows))
     }
 
-    fn dflash_draft(&mut self, seqs: &[DflashDraftSeq]) -> Result<Vec<Vec<u32>>> {
+    fn dflash_draft(&mut self, seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         let mut st = self.dflash_state.take().ok_or_else(|| NinferError::invalid("dflash_draft", "DFlash drafting is not enabled"))?;
         let pool = Arc::clone(&self.pool);
         let r = pool.install(|| st.draft(self, seqs));
