@@ -178,6 +178,14 @@ impl EngineCore {
     }
 
     /// With `--spec mtp`, replace the placeholder drafts of `step`'s verify chunks by the MTP
+    /// How a request's `k` drafts are drawn: None for a greedy request; for a sampled one its
+    /// warpers (`spec::draft_warpers`) and one draw per draft from its RNG, so a seeded request
+    /// drafts the same tokens on every run.
+    fn draft_sampling(&mut self, id: u64, k: usize) -> Option<DraftSampling> {
+        let r = self.requests.get_mut(&id).filter(|r| !r.params.is_greedy())?;
+        Some(DraftSampling { warpers: draft_warpers(&r.params), u: (0..k).map(|_| r.uniform()).collect() })
+    }
+
     /// head's drafts (one batched call), each drafted from its sequence's last absorbed row into
     /// the blocks its verify chunk holds: greedy for a greedy request; for a sampled one drawn
     /// from the head's distribution under its warpers (`spec::draft_warpers`) with draws from
@@ -192,10 +200,7 @@ impl EngineCore {
         let mut seqs = Vec::with_capacity(idx.len());
         for &i in &idx {
             let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
-            let sampling = self.requests.get_mut(&step.seq_ids[i]).filter(|r| !r.params.is_greedy()).map(|r| DraftSampling {
-                warpers: draft_warpers(&r.params),
-                u: (0..k).map(|_| r.uniform()).collect(),
-            });
+            let sampling = self.draft_sampling(step.seq_ids[i], k);
             seqs.push(MtpDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
         }
         let drafts = self.runner.mtp_draft(&seqs)?;
@@ -229,10 +234,7 @@ impl EngineCore {
         let mut seqs = Vec::with_capacity(idx.len());
         for &i in &idx {
             let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
-            let sampling = self.requests.get_mut(&step.seq_ids[i]).filter(|r| !r.params.is_greedy()).map(|r| DraftSampling {
-                warpers: draft_warpers(&r.params),
-                u: (0..k).map(|_| r.uniform()).collect(),
-            });
+            let sampling = self.draft_sampling(step.seq_ids[i], k);
             seqs.push(DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], k, sampling });
         }
         let drafts = self.runner.dflash_draft(&seqs)?;

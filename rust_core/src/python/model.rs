@@ -151,19 +151,8 @@ impl PyModel {
         let (tokens, data, vocab, graphs) = py
             .detach(|| -> crate::Result<_> {
                 let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
-                let per_seq: Vec<usize> = prompts.iter().map(|p| (p.len() + steps).div_ceil(BLOCK_SIZE)).collect();
-                let blocks: usize = per_seq.iter().sum();
-                m.runner.allocate_caches(blocks, BLOCK_SIZE, n)?;
-                m.capacity = (blocks, BLOCK_SIZE, n);
-                let mut first = 0u32;
-                let tables: Vec<Vec<u32>> = per_seq
-                    .iter()
-                    .map(|&b| {
-                        let t: Vec<u32> = (first..first + b as u32).collect();
-                        first += b as u32;
-                        t
-                    })
-                    .collect();
+                let lens: Vec<usize> = prompts.iter().map(|p| p.len() + steps).collect();
+                let tables = m.own_tables(&lens)?;
                 let argmax = crate::sampling::argmax;
                 let mut last = Vec::with_capacity(n);
                 for (i, p) in prompts.iter().enumerate() {
@@ -277,20 +266,9 @@ impl PyModel {
         py.detach(|| -> crate::Result<Vec<f64>> {
             let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
             let n = prompts.len();
-            let per_seq: Vec<usize> = prompts.iter().map(|p| (p.len() + rows).div_ceil(BLOCK_SIZE)).collect();
-            let blocks: usize = per_seq.iter().sum();
+            let lens: Vec<usize> = prompts.iter().map(|p| p.len() + rows).collect();
             // Slots n..2n keep the states a verify step copies aside for its rollback.
-            m.runner.allocate_caches(blocks, BLOCK_SIZE, 2 * n)?;
-            m.capacity = (blocks, BLOCK_SIZE, 2 * n);
-            let mut first = 0u32;
-            let tables: Vec<Vec<u32>> = per_seq
-                .iter()
-                .map(|&b| {
-                    let t: Vec<u32> = (first..first + b as u32).collect();
-                    first += b as u32;
-                    t
-                })
-                .collect();
+            let tables = m.own_tables_with_slots(&lens, 2 * n)?;
             for (i, p) in prompts.iter().enumerate() {
                 let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
                 m.runner.forward(&StepBatch { seqs })?;
@@ -362,10 +340,16 @@ impl Loaded {
     /// Fresh caches with one state slot and a block table of its own for each of sequences of
     /// `lens` positions; the tables.
     fn own_tables(&mut self, lens: &[usize]) -> crate::Result<Vec<Vec<u32>>> {
+        self.own_tables_with_slots(lens, lens.len())
+    }
+
+    /// `own_tables` with `slots` recurrent-state slots (more than the sequences: room for the
+    /// states a verify step copies aside).
+    fn own_tables_with_slots(&mut self, lens: &[usize], slots: usize) -> crate::Result<Vec<Vec<u32>>> {
         let per_seq: Vec<usize> = lens.iter().map(|&n| n.div_ceil(BLOCK_SIZE)).collect();
         let blocks: usize = per_seq.iter().sum();
-        self.runner.allocate_caches(blocks, BLOCK_SIZE, lens.len())?;
-        self.capacity = (blocks, BLOCK_SIZE, lens.len());
+        self.runner.allocate_caches(blocks, BLOCK_SIZE, slots)?;
+        self.capacity = (blocks, BLOCK_SIZE, slots);
         let mut first = 0u32;
         Ok(per_seq
             .iter()
