@@ -340,10 +340,9 @@ impl CudaModel {
         self.dev.synchronize()?;
         let mut full = Vec::new();
         for (j, &i) in idx.iter().enumerate() {
-            let row = &logits[..];
             match (&seqs[i].sampling, &mtp.reduced) {
                 (Some(s), None) => {
-                    let (token, q) = draw_draft(&row[j * vocab..(j + 1) * vocab], &s.warpers, s.u[depth]);
+                    let (token, q) = draw_draft(&logits[j * vocab..(j + 1) * vocab], &s.warpers, s.u[depth]);
                     ids[j] = token as i32;
                     out[i].q.push(q);
                 }
@@ -352,7 +351,7 @@ impl CudaModel {
                     full.clear();
                     full.resize(vocab, f32::NEG_INFINITY);
                     for (c, &t) in r.iter().enumerate() {
-                        full[t as usize] = row[j * cols + c];
+                        full[t as usize] = logits[j * cols + c];
                     }
                     let (token, q) = draw_draft(&full, &s.warpers, s.u[depth]);
                     ids[j] = token as i32;

@@ -232,16 +232,7 @@ fn check(dir: &Path, st: StorageDType, read: bool) {
     assert_eq!(planned_weight_bytes(&cfg, &store, st.into(), &QuantLoad::default()).unwrap(), dev.bytes, "planned bytes");
     // `ninfer plan` (plan/inventory.rs) counts the same bytes from the headers.
     let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
-    let input = crate::plan::PlanInput {
-        cfg: &cfg,
-        tensors: &tensors,
-        target: crate::plan::Target::Gpu,
-        engine: Default::default(),
-        quantize: None,
-        quantize_lm_head: false,
-        memory: None,
-        pool: crate::plan::PoolRule::OneContext,
-    };
+    let input = gpu_plan(&cfg, &tensors);
     assert_eq!(crate::plan::ledger::weight_lines(&input).unwrap().1, dev.bytes as u64, "ninfer plan's bytes");
 }
 
@@ -691,16 +682,7 @@ fn an_hf_fused_projection_with_dense_last_parts_holds_them_as_its_dense_tail() {
     assert_eq!(planned.bytes, dev.bytes);
     // `ninfer plan` counts the same bytes for a GPU, and the workspace of the largest projection.
     let tensors = crate::plan::checkpoint_tensors(&dir, &cfg, Some(&store)).unwrap();
-    let input = crate::plan::PlanInput {
-        cfg: &cfg,
-        tensors: &tensors,
-        target: crate::plan::Target::Gpu,
-        engine: Default::default(),
-        quantize: None,
-        quantize_lm_head: false,
-        memory: None,
-        pool: crate::plan::PoolRule::OneContext,
-    };
+    let input = gpu_plan(&cfg, &tensors);
     let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
     assert_eq!(total, dev.bytes as u64, "{lines:?}");
     assert_eq!(lines.iter().find(|l| l.format == f.name()).map(|l| l.bytes as usize), Some(packed - 2 * sink.tails.iter().map(Vec::len).sum::<usize>()));
@@ -754,4 +736,18 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     // --quantize on a quantized checkpoint is refused as on the CPU.
     let e = QuantLoad::new(&dir, &quantize_opts(crate::quant::QuantizeMode::Q4)).err().expect("already quantized").to_string();
     assert!(e.contains("already quantized") && e.contains("HF_GPTQ4"), "{e}");
+}
+
+/// `ninfer plan`'s input for a GPU with the default engine and no quantization.
+fn gpu_plan<'a>(cfg: &'a crate::config::ModelConfig, tensors: &'a [crate::plan::PlannedTensor]) -> crate::plan::PlanInput<'a> {
+    crate::plan::PlanInput {
+        cfg,
+        tensors,
+        target: crate::plan::Target::Gpu,
+        engine: Default::default(),
+        quantize: None,
+        quantize_lm_head: false,
+        memory: None,
+        pool: crate::plan::PoolRule::OneContext,
+    }
 }
