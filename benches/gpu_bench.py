@@ -16,11 +16,13 @@ Ceilings: the device copy rate (bytes read + written per second by a device-to-d
 best of 20) measured in the same run. Batch-1 decode: fraction = bytes moved per token x tok/s /
 copy rate. Peers: transformers `generate` (bf16, eager) on the same GPU with the same shape,
 randomly initialised from the config (no checkpoint load), in a subprocess so that its memory is
-freed before ninfer loads.
+freed before ninfer loads; with --quantize q4 --peer-gptfast PATH, the Llama-3-8B batch-1 decode's
+peer is gpt-fast's int4 decode (benches/peer_gptfast.py, gpt-fast imported from PATH), in the
+same kind of subprocess.
 
 Usage (GPU machine; see docs/performance.md):
     python benches/gpu_bench.py --out OUT/gpu_bench.json --commit SHA [--decode-8b] [--decode-27b] [--decode-qwen2-7b]
-        [--throughput] [--startup] [--layers N] [--skip-peer]
+        [--throughput] [--startup] [--layers N] [--skip-peer] [--quantize q4 --peer-gptfast PATH]
 No part flag: all parts. --tiny runs every part on tiny shapes with ninfer on the CPU and torch
 on the CPU (a dry run of the script's logic on a machine without a GPU).
 --option OPTION=true|false (repeatable): an engine option (async_scheduling, cuda_graphs,
@@ -164,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantize", choices=QUANTIZE_MODES, default=None,
                    help="load the bf16 checkpoint quantized (the engine's --quantize); the ceilings count the "
                         "packed bytes the loader holds (`_core.plan`)")
+    p.add_argument("--peer-gptfast", metavar="PATH",
+                   help="with --quantize q4: the Llama-3-8B batch-1 decode's peer is gpt-fast's int4 g64 decode "
+                        "(torch.compile), gpt-fast imported from its checkout at PATH (benches/peer_gptfast.py)")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, ninfer and torch on the CPU (dry run)")
     p.add_argument("--option", metavar="OPTION=true|false", action="append", default=[],
@@ -214,6 +219,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         for commit, site in builds:
             if not Path(site).is_dir():
                 p.error(f"--ab-builds: {commit}'s site {site!r} is not a directory")
+    if a.peer_gptfast is not None:
+        if a.quantize != "q4":
+            p.error(f"--peer-gptfast: gpt-fast's int4 decode is the peer of 4-bit weights; add --quantize q4 "
+                    f"(got {'--quantize ' + a.quantize if a.quantize else 'no --quantize'})")
+        if a.skip_peer:
+            p.error("--peer-gptfast and --skip-peer: choose one")
+        missing = [f for f in ("model.py", "quantize.py", "generate.py") if not (Path(a.peer_gptfast) / f).is_file()]
+        if missing:
+            p.error(f"--peer-gptfast {a.peer_gptfast!r}: no {', '.join(missing)} there (gpt-fast's checkout)")
     if a.sampling and not a.skip_peer and not a.peer_worker:
         p.error("--sampling: the transformers peer cannot apply the same sampling; add --skip-peer")
     if a.ab_rounds < 1:
@@ -361,17 +375,8 @@ class Bench:
 
     def weights_format(self, model: str) -> str:
         """The records' `weights`: bf16, or the packed format --quantize loads (the plan's name)."""
-        if not self.a.quantize:
-            return "bf16"
-        from ninfer import _core
-
         s = self.shape(model)
-        path = self.workdir / f"{model}-{s['layers']}l"
-        if not (path / "config.json").exists():
-            return self.a.quantize  # a part that failed before its checkpoint was written
-        plan = _core.plan(str(path), gpu_memory=1 << 40, max_context=1024, quantize=self.a.quantize)
-        packed = [w["format"] for w in plan["weights"] if w["format"] not in ("BF16", "F16", "F32")]
-        return packed[0].lower() if packed else "bf16"
+        return weights_format(self.workdir / f"{model}-{s['layers']}l", self.a.quantize)
 
     def bytes_per_token(self, s: dict, context: int, batch: int = 1) -> int:
         """Bytes one decode step of `batch` sequences at `context` tokens moves: the weights once,
@@ -450,6 +455,21 @@ class Bench:
         for r in recs:
             log(f"record {r['metric']} {r['model']}: value {r.get('value')}, fraction {r.get('fraction_of_ceiling')}, "
                 f"peer {r.get('peer_value')}" + (f", error {r['error']}" if "error" in r else ""))
+
+
+def weights_format(path: Path, quantize: str | None) -> str:
+    """A record's `weights`: bf16 without --quantize, else the packed format the loader makes of
+    the checkpoint at `path` with that mode (the plan's name, lower case: q4g64_f16s, ...); the
+    mode itself when there is no checkpoint (a part that failed before writing it)."""
+    if not quantize:
+        return "bf16"
+    if not (Path(path) / "config.json").exists():
+        return quantize
+    from ninfer import _core
+
+    plan = _core.plan(str(path), gpu_memory=1 << 40, max_context=1024, quantize=quantize)
+    packed = [w["format"] for w in plan["weights"] if w["format"] not in ("BF16", "F16", "F32")]
+    return packed[0].lower() if packed else "bf16"
 
 
 def ninfer_settings(environ) -> dict:
@@ -599,14 +619,27 @@ def run_peer(b: Bench, job: dict, timeout_s: float = 1200) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def gptfast_argv(job: dict, s: dict, tiny: bool) -> list:
+    """benches/peer_gptfast.py's arguments for a decode job on shape `s`: the same prompt and
+    decode tokens as ninfer's, the layers kept, torch.compile on the GPU (eager in the dry run)."""
+    argv = ["--gpt-fast", job["gpt_fast"], "--prompt", str(job["prompt"]), "--tokens", str(job["tokens"])]
+    if s["layers"] != s["full_layers"]:
+        argv += ["--layers", str(s["layers"])]
+    return argv + (["--tiny"] if tiny else ["--compile"])
+
+
 def peer_worker(a: argparse.Namespace) -> None:
-    """transformers `generate`, bf16, eager, random init from the config on the device."""
+    """transformers `generate`, bf16, eager, random init from the config on the device; or
+    gpt-fast's int4 decode (job kind "gptfast")."""
     import torch
     import transformers as tf
 
     job = json.loads(a.peer_worker)
     b = Bench(a)
     s = b.shape(job["model"])
+    if job["kind"] == "gptfast":
+        sibling("peer_gptfast").main(gptfast_argv(job, s, a.tiny))
+        return
     dev = b.dev
     torch.manual_seed(0)
     with torch.device(dev):
@@ -691,7 +724,21 @@ def part_decode(b: Bench, model: str) -> list:
     prompt = random_prompt(a.prompt, s["vocab"], 1)
     peer_tokens = min(a.tokens, 64 if s["arch"] == "qwen3_5" else 128)
     peer = None
-    if not a.skip_peer:
+    peer_fields = {"peer": "transformers generate (bf16, eager, random init from the config, same GPU)"}
+    if a.peer_gptfast and model == "llama-3-8b":
+        peer_tokens = a.tokens
+        peer_fields = {"peer": "gpt-fast int4 g64 (torch.compile)", "peer_note": None}
+        try:
+            got = run_peer(b, {"kind": "gptfast", "model": model, "gpt_fast": a.peer_gptfast, "prompt": a.prompt,
+                               "tokens": peer_tokens}, timeout_s=max(600, 4 * a.peer_budget_s))
+            peer = got["tok_s"]
+            peer_fields.update(gptfast_fields(got, rate))
+            log(f"gpt-fast int4 bs1 {model}: {peer:.2f} tok/s ({got['peer']}), "
+                f"{peer_fields['peer_fraction_of_ceiling']:.3f} of the copy rate on its bytes")
+        except Exception as e:  # noqa: BLE001 - a failing peer (compilation, memory) must not lose ninfer's record
+            peer_fields["peer_note"] = f"failed: {str(e)[-1500:]}"
+            log(f"gpt-fast int4 bs1 {model}: failed: {str(e)[-300:]}")
+    elif not a.skip_peer:
         peer = run_peer(b, {"kind": "decode", "model": model, "prompt": a.prompt, "tokens": peer_tokens})["tok_s"]
         log(f"transformers generate bs1 {model}: {peer:.2f} tok/s")
     log(f"ninfer decode bs1 {model}: loading")
@@ -706,10 +753,21 @@ def part_decode(b: Bench, model: str) -> list:
                      ceiling="device copy rate: bytes moved per token (weights read, KV read, recurrent state read "
                              "and written, at the mean context) x tok/s / copy rate",
                      copy_rate_bytes_s=round(rate), bytes_moved_per_token=moved,
-                     peer="transformers generate (bf16, eager, random init from the config, same GPU)",
-                     peer_value=round(peer, 2) if peer else None, peer_decode_tokens=peer_tokens,
+                     peer_value=round(peer, 2) if peer else None, peer_decode_tokens=peer_tokens, **peer_fields,
                      prompt_tokens=a.prompt, output_tokens=a.tokens, batch=1, ninfer_load_s=round(load_s, 1),
                      lookahead_steps=lookahead, split_lookahead_steps=split)]
+
+
+def gptfast_fields(got: dict, rate: float) -> dict:
+    """The decode record's fields of gpt-fast's answer (benches/peer_gptfast.py's JSON): its name
+    (int4 g64, compiled or eager), the bytes its step reads (int4 weights with their scales and
+    zeros, the output head included; the whole KV cache its masked attention reads) and that
+    traffic at its tok/s as a fraction of the same copy rate, and its torch."""
+    return {"peer": got["peer"], "peer_bytes_per_token": got["bytes_per_token"],
+            "peer_int4_weight_bytes": got["int4_weight_bytes"],
+            "peer_fraction_of_ceiling": round(got["bytes_per_token"] * got["tok_s"] / rate, 4),
+            "peer_torch": got["torch"], "peer_output_head_int4": got["output_head_int4"],
+            "peer_int4_check_relative_error": got["int4_check_relative_error"]}
 
 
 def part_throughput(b: Bench) -> list:

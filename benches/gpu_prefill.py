@@ -9,8 +9,11 @@ For each shape, in one run on the GPU machine:
   best of 2,
 - ninfer: `_core.Engine(device="cuda")`, one request of `prompt` tokens and max_tokens 1; prefill
   tok/s = prompt / (time to the first token), best of 2 after a warm-up request,
-- the ceiling: torch.matmul [8192, hidden] x [hidden, 4 * hidden] in bf16, best of 10.
-fraction_of_ceiling = FLOPs per token x tok/s / GEMM rate, FLOPs per token = 2 x (decoder and
+- the ceiling: torch.matmul [8192, hidden] x [hidden, 4 * hidden] in bf16, best of 10; with
+  `--quantize fp8` the FP8 tensor rate instead: torch._scaled_mm of float8_e4m3fn [8192, 8192] x
+  [8192, 8192] (per-tensor scales, bf16 out), best of 10, with and without fast accumulation, the
+  faster one (the other --quantize modes dequantize into bf16 tensor-core GEMMs: the bf16 rate).
+fraction_of_ceiling = FLOPs per token x tok/s / ceiling rate, FLOPs per token = 2 x (decoder and
 final-norm parameters: the embedding is a gather and the lm_head runs for one row) + attention
 (4 x heads x head_dim x mean context per full-attention layer) + Gated DeltaNet (6 x dk x dv per
 value head per linear-attention layer: state read, update and output).
@@ -18,8 +21,12 @@ value head per linear-attention layer: state read, update and output).
 The checkpoint is deleted when the run ends (`--keep-checkpoint` keeps it): the 27B one left on
 the 64 GiB disk made the next benchmark of the same call fail for want of space.
 
+`--quantize MODE` loads the bf16 checkpoint quantized (the engine's `quantize` option, as
+gpu_bench's --quantize passes it); the records name the packed format in `weights` (bf16
+without it).
+
 Usage: python benches/gpu_prefill.py --out results.json --shape llama-3-8b --prompts 2048,8192
-       [--layers 8] [--chunk 8192] [--commit SHA] [--skip-peer] [--keep-checkpoint]
+       [--layers 8] [--chunk 8192] [--commit SHA] [--skip-peer] [--keep-checkpoint] [--quantize fp8]
 """
 
 from __future__ import annotations
@@ -34,6 +41,20 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def _gpu_bench():
+    """benches/gpu_bench.py (its --quantize modes and the records' `weights` name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).with_name("gpu_bench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+#: The FP8 tensor-rate GEMM: [M, K] x [K, N], float8_e4m3fn in, bf16 out.
+FP8_RATE_SHAPE = (8192, 8192, 8192)
 
 SHAPES = {
     "llama-3-8b": dict(
@@ -68,6 +89,9 @@ def parse_args(argv: list | None = None) -> argparse.Namespace:
                    help="after the timed runs, one prefill of TOKENS tokens under torch.profiler: kernel "
                         "table (GPU time per kernel name) into --profile-out")
     p.add_argument("--profile-out", default="prefill_profile.txt")
+    p.add_argument("--quantize", choices=_gpu_bench().QUANTIZE_MODES, default=None,
+                   help="load the bf16 checkpoint quantized (the engine's quantize option); fp8's ceiling is the "
+                        "FP8 tensor rate measured in the same run")
     a = p.parse_args(argv)
     try:
         a.lengths = [int(x) for x in a.prompts.split(",")]
@@ -135,6 +159,36 @@ def gemm_rate(hidden: int) -> float:
     return 2 * 8192 * hidden * 4 * hidden / best
 
 
+def fp8_tensor_rate(reps: int = 10) -> dict:
+    """The FP8 tensor rate: torch._scaled_mm of float8_e4m3fn matrices of FP8_RATE_SHAPE
+    (per-tensor scales of 1, bf16 out), best of `reps` launches, FLOP/s, with and without fast
+    accumulation; `rate` is the faster (the ceiling a prefill is held to)."""
+    m, k, n = FP8_RATE_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt takes it
+    one = torch.tensor(1.0, device="cuda")
+    rates = {}
+    for fast in (False, True):
+        def gemm():
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+        for _ in range(3):
+            gemm()
+        best = float("inf")
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            gemm()
+            e.record()
+            e.synchronize()
+            best = min(best, s.elapsed_time(e) / 1e3)
+        rates["fast_accum" if fast else "exact_accum"] = 2 * m * k * n / best
+    del a, b
+    torch.cuda.empty_cache()
+    return {"rate": max(rates.values()), **rates}
+
+
 def peer_prefill(model, prompt: list) -> float:
     ids = torch.tensor([prompt], device="cuda")
     best = float("inf")
@@ -149,13 +203,15 @@ def peer_prefill(model, prompt: list) -> float:
 
 
 def ninfer_prefill(path: Path, prompts: list, chunk: int, profile: list | None = None,
-                   profile_out: Path | None = None) -> tuple:
+                   profile_out: Path | None = None, quantize: str | None = None, device: str = "cuda") -> tuple:
     from ninfer import _core
 
     longest = max(len(p) for p in prompts)
+    # Only a quantized run names the option: the older builds PREFILL_ORDER runs take no such keyword.
+    options = {"quantize": quantize} if quantize else {}
     t0 = time.perf_counter()
-    eng = _core.Engine(str(path), device="cuda", max_context=longest + 16, kv_capacity=longest + 64,
-                       max_concurrency=2, prefill_chunk=chunk, prefix_reuse=False)
+    eng = _core.Engine(str(path), device=device, max_context=longest + 16, kv_capacity=longest + 64,
+                       max_concurrency=2, prefill_chunk=chunk, prefix_reuse=False, **options)
     load_s = time.perf_counter() - t0
     fields = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
     # A build from before the typed params (PREFILL_ORDER runs older commits) took them as JSON text.
@@ -225,17 +281,32 @@ def run(a: argparse.Namespace) -> None:
     fl = [flops_per_token(model, cfg, a.shape, n) for n in lengths]
     del model
     torch.cuda.empty_cache()
-    rate = gemm_rate(cfg.hidden_size)
-    print(f"bf16 GEMM rate {rate / 1e12:.1f} TFLOP/s", flush=True)
+    bf16_rate = gemm_rate(cfg.hidden_size)
+    print(f"bf16 GEMM rate {bf16_rate / 1e12:.1f} TFLOP/s", flush=True)
+    rate, ceiling = bf16_rate, {"ceiling": "bf16 GEMM rate: torch.matmul [8192, hidden] x [hidden, 4 hidden], best of 10"}
+    if a.quantize == "fp8":
+        fp8 = fp8_tensor_rate()
+        rate = fp8["rate"]
+        m, k, n = FP8_RATE_SHAPE
+        ceiling = {"ceiling": f"FP8 tensor rate: torch._scaled_mm float8_e4m3fn [{m}, {k}] x [{k}, {n}], per-tensor "
+                              "scales, bf16 out, best of 10, the faster of exact and fast accumulation",
+                   "fp8_tensor_rate_flop_s": round(rate),
+                   "fp8_tensor_rate_exact_accum_flop_s": round(fp8["exact_accum"]),
+                   "fp8_tensor_rate_fast_accum_flop_s": round(fp8["fast_accum"])}
+        print(f"FP8 tensor rate {rate / 1e12:.1f} TFLOP/s (exact accumulation {fp8['exact_accum'] / 1e12:.1f}, "
+              f"fast {fp8['fast_accum'] / 1e12:.1f})", flush=True)
     prof_prompt = None
     if a.profile:
         prof_prompt = [int(x) for x in torch.randint(1000, cfg.vocab_size - 1000, (a.profile,), generator=g)]
-    ours, load_s = ninfer_prefill(path, prompts, a.chunk, prof_prompt, Path(a.out).parent / a.profile_out)
+    ours, load_s = ninfer_prefill(path, prompts, a.chunk, prof_prompt, Path(a.out).parent / a.profile_out,
+                                  quantize=a.quantize)
+    weights = _gpu_bench().weights_format(path, a.quantize)
+    ceiling_name = "FP8 tensor rate" if a.quantize == "fp8" else "GEMM rate"
     name = a.shape if layers == shape["layers"] else f"{a.shape} ({layers} of {shape['layers']} layers)"
     recs = []
     for n, v, peer, f in zip(lengths, ours, peers, fl):
         frac = f * v / rate
-        print(f"{name} prefill {n}: ninfer {v:.0f} tok/s ({frac:.3f} of GEMM rate), "
+        print(f"{name} prefill {n}: ninfer {v:.0f} tok/s, {weights} weights ({frac:.3f} of the {ceiling_name}), "
               f"transformers {peer or 0:.0f} tok/s", flush=True)
         recs.append({
             "commit": a.commit,
@@ -244,13 +315,16 @@ def run(a: argparse.Namespace) -> None:
             "command": "python " + " ".join(sys.argv),
             "model": a.shape,
             "config": {"layers": layers, "layers_full_model": shape["layers"], "prefill_chunk": a.chunk,
-                       "dtype": "bf16", "random_weights": True, "ninfer_load_s": round(load_s, 1),
+                       "dtype": "bf16", "quantize": a.quantize, "random_weights": True,
+                       "ninfer_load_s": round(load_s, 1),
                        "note": "FLOPs and fraction are for the layers kept" if layers != shape["layers"] else ""},
             "metric": "prefill_tok_s",
             "value": round(v, 1),
+            "weights": weights,
             "prompt_tokens": n,
             "flops_per_token": round(f),
-            "gemm_rate_flop_s": round(rate),
+            "gemm_rate_flop_s": round(bf16_rate),
+            **ceiling,
             "fraction_of_ceiling": round(frac, 4),
             "peer": f"transformers {__import__('transformers').__version__} bf16 sdpa, same GPU",
             "peer_value": round(peer, 1) if peer else None,
