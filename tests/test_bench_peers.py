@@ -178,3 +178,28 @@ def test_records_weights_name_the_packed_format_or_the_mode_without_a_checkpoint
     path = b.checkpoint("llama-3-8b")
     assert bench.weights_format(path, "q4") == "q4g64_f16s"
     assert bench.weights_format(path, "fp8") == "fp8_e4m3fn_row_bf16s"
+
+
+def test_a_failing_gptfast_peer_keeps_ninfers_decode_record(tmp_path, monkeypatch):
+    """gpt-fast's compilation or memory failing in its subprocess leaves ninfer's record with no
+    peer value and the failure in `peer_note`; the 27B shape keeps the transformers peer."""
+    pytest.importorskip("ninfer._core")
+    bench = _load("gpu_bench")
+    a = bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--decode-8b", "--workdir", str(tmp_path / "w"),
+                          "--quantize", "q4", "--peer-gptfast", str(fake_gpt_fast(tmp_path / "g")), "--tokens", "8"])
+    b = bench.Bench(a)
+    jobs = []
+
+    def failing_peer(b, job, timeout_s=1200):
+        jobs.append(job)
+        raise RuntimeError("peer worker failed (1): torch.compile ran out of memory")
+
+    monkeypatch.setattr(bench, "run_peer", failing_peer)
+    [rec] = bench.part_decode(b, "llama-3-8b")
+    assert jobs[0]["kind"] == "gptfast" and jobs[0]["gpt_fast"] == a.peer_gptfast and jobs[0]["tokens"] == 8
+    assert rec["value"] > 0 and rec["weights"] == "q4g64_f16s"
+    assert rec["peer"] == "gpt-fast int4 g64 (torch.compile)" and rec["peer_value"] is None
+    assert "torch.compile ran out of memory" in rec["peer_note"]
+    monkeypatch.setattr(bench, "run_peer", lambda b, job, timeout_s=1200: jobs.append(job) or {"tok_s": 5.0})
+    [rec] = bench.part_decode(b, "qwen3_5-27b")
+    assert jobs[-1]["kind"] == "decode" and rec["peer"].startswith("transformers generate") and rec["peer_value"] == 5.0
