@@ -467,7 +467,9 @@ def weights_format(path: Path, quantize: str | None) -> str:
         return quantize
     from ninfer import _core
 
-    plan = _core.plan(str(path), gpu_memory=1 << 40, max_context=1024, quantize=quantize)
+    # A short context: the format does not depend on it, and gpu_prefill's checkpoints hold only
+    # their longest prompt.
+    plan = _core.plan(str(path), gpu_memory=1 << 40, max_context=64, quantize=quantize)
     packed = [w["format"] for w in plan["weights"] if w["format"] not in ("BF16", "F16", "F32")]
     return packed[0].lower() if packed else "bf16"
 

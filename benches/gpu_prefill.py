@@ -287,8 +287,8 @@ def run(a: argparse.Namespace) -> None:
     if a.quantize == "fp8":
         fp8 = fp8_tensor_rate()
         rate = fp8["rate"]
-        m, k, n = FP8_RATE_SHAPE
-        ceiling = {"ceiling": f"FP8 tensor rate: torch._scaled_mm float8_e4m3fn [{m}, {k}] x [{k}, {n}], per-tensor "
+        fm, fk, fn = FP8_RATE_SHAPE
+        ceiling = {"ceiling": f"FP8 tensor rate: torch._scaled_mm float8_e4m3fn [{fm}, {fk}] x [{fk}, {fn}], per-tensor "
                               "scales, bf16 out, best of 10, the faster of exact and fast accumulation",
                    "fp8_tensor_rate_flop_s": round(rate),
                    "fp8_tensor_rate_exact_accum_flop_s": round(fp8["exact_accum"]),

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -203,3 +204,39 @@ def test_a_failing_gptfast_peer_keeps_ninfers_decode_record(tmp_path, monkeypatc
     monkeypatch.setattr(bench, "run_peer", lambda b, job, timeout_s=1200: jobs.append(job) or {"tok_s": 5.0})
     [rec] = bench.part_decode(b, "qwen3_5-27b")
     assert jobs[-1]["kind"] == "decode" and rec["peer"].startswith("transformers generate") and rec["peer_value"] == 5.0
+
+
+@pytest.mark.parametrize("quantize, rate, weights", [(None, 1e12, "bf16"), ("fp8", 3e12, "fp8_e4m3fn_row_bf16s"),
+                                                     ("q4", 1e12, "q4g64_f16s")])
+def test_gpu_prefill_records_hold_fp8_to_the_fp8_tensor_rate(tmp_path, monkeypatch, quantize, rate, weights):
+    """gpu_prefill's run on the CPU (a tiny Llama for the checkpoint, the rates given): an fp8 run's
+    fraction is its FLOPs over the FP8 tensor rate, any other run's over the bf16 GEMM rate, which
+    every record keeps in gemm_rate_flop_s; `weights` names the packed format."""
+    pytest.importorskip("ninfer._core")
+    import transformers as tf
+
+    prefill = _load("gpu_prefill")
+
+    def tiny_model(shape, layers, max_pos):
+        cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             vocab_size=4096, num_hidden_layers=layers, max_position_embeddings=max_pos,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        cfg.architectures = ["LlamaForCausalLM"]
+        return tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), cfg
+
+    real_prefill = prefill.ninfer_prefill
+    monkeypatch.setattr(prefill, "build_model", tiny_model)
+    monkeypatch.setattr(prefill, "gemm_rate", lambda hidden: 1e12)
+    monkeypatch.setattr(prefill, "fp8_tensor_rate", lambda: {"rate": 3e12, "exact_accum": 2e12, "fast_accum": 3e12})
+    monkeypatch.setattr(prefill, "ninfer_prefill", lambda *a, **kw: real_prefill(*a, **kw, device="cpu"))
+    monkeypatch.setattr(prefill.subprocess, "run", lambda *a, **kw: SimpleNamespace(stdout="Test GPU\n"))
+    out = tmp_path / "p.json"
+    argv = ["--out", str(out), "--prompts", "32,64", "--layers", "2", "--skip-peer", "--dir", str(tmp_path / "c")]
+    prefill.run(prefill.parse_args(argv + (["--quantize", quantize] if quantize else [])))
+    recs = json.loads(out.read_text())
+    assert [r["prompt_tokens"] for r in recs] == [32, 64]
+    for r in recs:
+        assert r["weights"] == weights and r["config"]["quantize"] == quantize and r["gemm_rate_flop_s"] == 1e12
+        assert r["fraction_of_ceiling"] == round(r["flops_per_token"] * r["value"] / rate, 4)
+        assert ("fp8_tensor_rate_flop_s" in r) == (quantize == "fp8")
+        assert r["ceiling"].startswith("FP8 tensor rate" if quantize == "fp8" else "bf16 GEMM rate")
