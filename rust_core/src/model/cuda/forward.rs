@@ -164,11 +164,12 @@ impl CudaModel {
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
-    /// attention for `Pass::Decode`, `vmeta` for `Pass::Verify`, else `meta`). Each sub-block's output projection also adds into
-    /// the residual and applies the norm that follows it (`Activations::project_out`: one
-    /// kernel at decode). A decode step, whose every row wants logits, ends with the final norm
-    /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
-    /// norms only when some row wants logits.
+    /// attention for `Pass::Decode`, `vmeta` for `Pass::Verify`, else `meta`). Each sub-block's
+    /// output projection also adds into the residual and applies the norm that follows it
+    /// (`Activations::project_out`: one kernel at decode). A decode step, whose every row wants
+    /// logits, ends with the final norm in `act.h`; a prefill or verify step leaves the last
+    /// projection in `act.tmp` for `run` (which norms only when some row wants logits) or
+    /// `verify_forward`.
     pub(super) fn run_layers(&mut self, pass: Pass, rows: usize) -> Result<()> {
         let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, vmeta, scratch, .. } = self;
         let (meta, decode, max_rows) = match pass {

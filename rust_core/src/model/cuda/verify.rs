@@ -25,10 +25,11 @@ use super::step_meta::PaddedShape;
 use super::CudaModel;
 
 /// The tokens each sequence brings when `batch` is a uniform verify step (every sequence the
-/// same 2..=VERIFY_MAX_ROWS tokens, each wanting its logits), else None.
+/// same 2..=VERIFY_MAX_ROWS tokens after a prefilled prefix, each wanting its logits), else
+/// None. A chunk at position 0 is a prompt's, never a verify chunk.
 pub(super) fn uniform_verify_rows(batch: &StepBatch) -> Option<usize> {
     let r = batch.seqs.first()?.tokens.len();
-    let uniform = batch.seqs.iter().all(|q| q.tokens.len() == r && q.logits == LogitsWanted::All);
+    let uniform = batch.seqs.iter().all(|q| q.tokens.len() == r && q.logits == LogitsWanted::All && q.start_pos > 0);
     (uniform && (2..=VERIFY_MAX_ROWS).contains(&r)).then_some(r)
 }
 
@@ -132,6 +133,9 @@ mod tests {
         assert_eq!(uniform_verify_rows(&batch(vec![seq(1, All)])), None);
         assert_eq!(uniform_verify_rows(&batch(vec![seq(VERIFY_MAX_ROWS + 1, All)])), None);
         assert_eq!(uniform_verify_rows(&batch(vec![])), None);
+        // A whole prompt scored at every position.
+        let prompt = SeqChunk { start_pos: 0, ..seq(4, All) };
+        assert_eq!(uniform_verify_rows(&batch(vec![seq(4, All), prompt])), None);
     }
 
     #[test]
