@@ -10,6 +10,10 @@ orders, so, as for a batch against each prompt alone (tests/test_gpu_model.py), 
 with drafts may leave plain greedy output only at a near-tie (top-2 gap < NEAR_TIE, measured on
 f32 logits). The same bound holds the CUDA drafts to the CPU drafts. The demo model is trained
 (peaked distributions); the tiny random checkpoints use the head sizes the kernels take.
+
+A step of nothing but verify chunks of one K runs as a CUDA graph keyed (sequences padded to a
+bucket, block-table stride, K + 1); with `cuda_graphs=False` the same padded launches run
+eagerly, so the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -169,6 +173,71 @@ def test_verify_step_logits_match_the_cpu(name, long_chunk, request):
         print(f"{name}: {len(c)}-token chunk after {len(p)} tokens: rel err vs CPU f32 {err:.2e} (tol {tol:.2e})")
         assert err <= tol
         row += len(c)
+
+
+# Verify steps as CUDA graphs: a step whose every sequence verifies K drafts is captured once per
+# (bucket, table stride, K + 1) and replayed; graphs off runs the same launches eagerly.
+
+_VERIFY_TOL = {}
+
+
+def _verify_tol(name, model_dir, prompt):
+    """The random checkpoint's logits tolerance against the CPU f32 path, as
+    test_verify_step_logits_match_the_cpu sets it (measured once per model)."""
+    if name not in _VERIFY_TOL:
+        _VERIFY_TOL[name] = 2 * _hf_bf16_error(model_dir, prompt) + 5e-3
+    return _VERIFY_TOL[name]
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["batch-1", "batch-3-padded-to-4"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("name", ["qwen3_5", "llama"])
+def test_verify_step_as_a_cuda_graph_equals_graphs_off_bitwise_and_the_cpu(name, k, n, request):
+    """`n` sequences, prompts of 19-37 tokens prefilled first, each verifying K drafts in one
+    step: with graphs on the step is captured as a graph (3 sequences: padded to a bucket of 4)
+    and its logits equal the eager run's with graphs off bit for bit, and every row tracks the
+    CPU f32 path within the verify tolerance. The hybrid's Gated DeltaNet runs its K + 1 rows
+    through the recurrent kernel inside the graph."""
+    model_dir = _model_dir(name, request)
+    cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
+    vocab = cpu_model.config["vocab_size"]
+    prompts = [_ids(19 + 9 * i, vocab, seed=300 + 10 * k + i) for i in range(n)]
+    chunks = [_ids(k + 1, vocab, seed=400 + 10 * k + i) for i in range(n)]
+    graphed = _core.Model(str(model_dir), device="cuda", logits_dtype="float32")
+    eager = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", cuda_graphs=False)
+    g = graphed.verify_logits(prompts, chunks)
+    e = eager.verify_logits(prompts, chunks)
+    assert graphed.step_graphs() >= 1, "the verify step did not run as a CUDA graph"
+    assert eager.step_graphs() == 0, "cuda_graphs=False did not disable graphs"
+    assert g.shape == e.shape == (n * (k + 1), vocab)
+    assert np.isfinite(g).all()
+    assert g.view(np.uint32).tobytes() == e.view(np.uint32).tobytes(), (
+        f"{name} K={k} n={n}: graph vs eager differ, max abs diff {np.abs(g - e).max():.3e}")
+    cpu = cpu_model.verify_logits(prompts, chunks)
+    tol = _verify_tol(name, model_dir, prompts[0] + chunks[0])
+    for i in range(n):
+        rows = slice(i * (k + 1), (i + 1) * (k + 1))
+        err = _rel_err(g[rows], cpu[rows])
+        print(f"{name} K={k} sequence {i} of {n}: rel err vs CPU f32 {err:.2e} (tol {tol:.2e})")
+        assert err <= tol
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("name", ["qwen3_5_mtp", "demo"])
+def test_greedy_mtp_with_verify_graphs_equals_graphs_off_and_plain_greedy(name, k, request):
+    """Greedy `--spec mtp` on three requests, whose steps verify K drafts each (graphed steps,
+    replayed at each later position of their stride) between prefill and rollback steps: with
+    graphs on the tokens and their logprobs equal the run with graphs off exactly, and the tokens
+    equal plain greedy output up to near-ties."""
+    model_dir = _model_dir(name, request)
+    plain = _plain_greedy(model_dir, 48)
+    on, stats = _generate(model_dir, PROMPTS[:3], greedy(48), spec="mtp", draft_tokens=k)
+    off, _ = _generate(model_dir, PROMPTS[:3], greedy(48), spec="mtp", draft_tokens=k, cuda_graphs=False)
+    assert stats["spec_verify_steps"] > 0
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert [lp.top for lp in a.logprobs] == [lp.top for lp in b.logprobs]
+    _assert_equal_but_at_near_ties(plain, on, f"mtp K={k} with verify graphs on {name}")
 
 
 # Greedy output with drafts against plain greedy output, both on the GPU.

@@ -216,6 +216,14 @@ impl PyModel {
         numpy::PyArray1::from_vec(py, data).reshape([rows, vocab])
     }
 
+    /// CUDA graphs the model holds (decode and verify steps; 0 on the CPU or with
+    /// `cuda_graphs=False`): lets tests tell a replayed step from an eager one. A test hook,
+    /// compiled with the `testing` feature.
+    #[cfg(feature = "testing")]
+    fn step_graphs(&self) -> usize {
+        self.model.lock().unwrap_or_else(|e| e.into_inner()).runner.decode_graphs()
+    }
+
     /// Greedy MTP drafts as the engine makes them (`--spec mtp`): each prompt is prefilled in a
     /// step of its own, its greedy next token `g` taken, and the MTP rows of its positions
     /// absorbed (each paired with the token after it, `g` after the last); then one batched

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaView};
 use crate::backend::cuda::ops::{AttnScratch, PagedAttentionShape, RopeKvShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
-use crate::Result;
+use crate::{NinferError, Result};
 
 use super::buffers::{buf, buf_mut, Activations};
 use super::residual::{NormNext, ProjIn};
@@ -31,11 +31,40 @@ pub(super) struct AttnCtx<'a> {
     pub(super) max_rows: usize,
 }
 
+/// The kernels an attention sub-block runs.
+#[derive(Clone, Copy)]
+enum Attend<'a> {
+    /// A decode step: rotation fused with the cache write, decode attention over the scratch.
+    Decode(&'a AttnScratch),
+    /// A prefill or mixed step: rotation, then the cache write, then flash attention above one
+    /// row a sequence (where the route and the device take it), else paged attention.
+    Prefill,
+    /// A uniform verify step: rotation and cache write as prefill, flash attention where the
+    /// route and the device take it, else decode attention over the scratch (each row
+    /// attending to its own prefix after every row's K/V is written); never paged attention,
+    /// whose split partials are allocated per launch, which a captured graph must not do.
+    Verify(Option<&'a AttnScratch>),
+}
+
 impl AttnCtx<'_> {
     /// Softmax attention sub-block, as the layer's `route` says: reads `act.h`, ends with
     /// `Activations::project_out`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(&self, a: &DevAttention, route: &AttentionRoute, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
+        let attend = self.decode.map_or(Attend::Prefill, Attend::Decode);
+        self.run_as(attend, a, route, kc, vc, act, dummy, rows, then)
+    }
+
+    /// `run` for a uniform verify step (`Pass::Verify`; `self.decode` is None and
+    /// `self.max_rows` its tokens a sequence): where flash attention does not serve the layer,
+    /// decode attention over `scratch` (`VerifyAttention`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_verify(&self, scratch: Option<&AttnScratch>, a: &DevAttention, route: &AttentionRoute, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
+        self.run_as(Attend::Verify(scratch), a, route, kc, vc, act, dummy, rows, then)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_as(&self, attend: Attend<'_>, a: &DevAttention, route: &AttentionRoute, kc: &mut CudaSlice<u16>, vc: &mut CudaSlice<u16>, act: &mut Activations, dummy: &mut CudaSlice<u16>, rows: usize, then: &NormNext) -> Result<()> {
         let (c, dev) = (self.cfg, self.dev);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let (qd, kvd) = (nh * hd, nkv * hd);
@@ -47,7 +76,7 @@ impl AttnCtx<'_> {
         let v_off = k_off + kvd;
         let positions = self.meta.positions();
         let rope = |q_stride, k_stride| RopeKvShape { n_q_heads: nh, n_kv_heads: nkv, head_dim: hd, q_stride, k_stride, v_stride: width, attn_scale: self.rope_scale };
-        let decode = self.decode.is_some();
+        let decode = matches!(attend, Attend::Decode(_));
         // Batch-1 decode projects, rotates and caches in one kernel where the route allows.
         let rope_in_gemv = route.rope_in_gemv && decode && rows == 1;
         if rope_in_gemv {
@@ -110,12 +139,15 @@ impl AttnCtx<'_> {
         };
         let mut mix = buf_mut(&mut act.mix).slice_mut(0..rows * qd);
         let (tables, token_seq) = (self.meta.block_tables(), self.meta.token_seq());
-        match self.decode {
-            Some(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
-            None if self.max_rows > 1 && route.flash_prefill => {
-                dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?
-            }
-            None => dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?,
+        // Flash attention falls back to paged attention on a device without it, which a verify
+        // step must not run.
+        let flash = self.max_rows > 1 && route.flash_prefill && (matches!(attend, Attend::Prefill) || dev.has_flash_attention());
+        match attend {
+            Attend::Decode(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
+            _ if flash => dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?,
+            Attend::Verify(Some(scratch)) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
+            Attend::Verify(None) => return Err(NinferError::Device("a verify step's attention without flash attention needs the decode attention scratch".into())),
+            Attend::Prefill => dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?,
         }
         if route.query == QueryLayout::Gated {
             let gate = buf(&act.proj).slice(qd..);

@@ -1,6 +1,7 @@
 //! A `CudaModel` step from its metadata to the logits of the rows that want them: prefill and
 //! mixed steps eagerly over exactly their rows, decode steps padded to their bucket and
-//! replayed as CUDA graphs, every layer's sub-blocks in between.
+//! replayed as CUDA graphs (uniform verify steps likewise, `verify`), every layer's sub-blocks
+//! in between.
 
 use cudarc::driver::CudaView;
 
@@ -11,10 +12,11 @@ use crate::{NinferError, Result};
 use super::attention::AttnCtx;
 use super::buffers::{buf, buf_mut};
 use super::gdn::{gdn_layer, GdnState};
-use super::graphs::{decode_bucket, table_stride};
+use super::graphs::{decode_bucket, GraphKey};
 use super::mlp::mlp;
 use super::residual::NormNext;
 use super::route::MixerRoute;
+use super::step_meta::PaddedShape;
 use super::weights::DevMixer;
 use super::CudaModel;
 
@@ -27,6 +29,11 @@ pub(super) enum Pass {
     /// A prefill or mixed step (`meta`) whose longest sequence chunk is `max_rows` tokens:
     /// prefill kernels (flash attention, chunked GDN) above one.
     Prefill { max_rows: usize },
+    /// A uniform verify step (`vmeta`, padded sequences of `rows_per_seq` tokens each): the
+    /// prefill pass's kernels for chunks of that length, with graph-safe attention
+    /// (`AttnCtx::run_verify`: decode attention over the split-K scratch where flash attention
+    /// does not serve); like `Prefill`, the final norm is left to the caller.
+    Verify { rows_per_seq: usize },
 }
 
 impl CudaModel {
@@ -53,6 +60,11 @@ impl CudaModel {
         }
         if feed {
             return Err(NinferError::invalid("launch_forward", "only a decode step (one token a sequence) takes its tokens from the step before"));
+        }
+        if let Some(r) = super::verify::uniform_verify_rows(batch) {
+            if let Some(attention) = self.verify_attention() {
+                return self.verify_step(batch, r, attention);
+            }
         }
         let rows = batch.num_tokens();
         self.ensure_rows(rows)?;
@@ -101,41 +113,46 @@ impl CudaModel {
         let rows = if self.graphs.enabled() { decode_bucket(n) } else { n };
         let bs = self.caches.block_size.max(1);
         let blocks = batch.seqs.iter().map(|q| (q.start_pos + 1).div_ceil(bs)).max().unwrap_or(1);
-        let stride = table_stride(blocks);
+        let key = GraphKey::of(n, 1, blocks);
+        let stride = key.stride;
         self.ensure_rows(rows)?;
         self.ensure_logit_rows(rows)?;
         self.ensure_scratch(rows)?;
         self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
         let spare = self.caches.num_slots;
-        if self.dmeta.upload_decode(&self.dev, batch, rows, stride, bs, spare)? {
+        if self.dmeta.upload_padded(&self.dev, batch, PaddedShape { seqs: rows, rows_per_seq: 1, stride }, bs, spare)? {
             self.graphs.clear();
         }
         if feed {
             self.dev.feed_sampled_tokens(self.sampler.last_output()?, &mut self.dmeta.ids_mut(n), n)?;
         }
         self.zero_new_states(batch)?;
-        let key = (rows, stride);
-        if self.graphs.enabled() && !self.graphs.has(key) {
-            let mut graphs = std::mem::take(&mut self.graphs);
-            let dev = self.dev.clone();
-            let captured = graphs.capture(&dev, key, || self.decode_forward(rows));
-            self.graphs = graphs;
-            if let Err(e) = captured {
-                // Same kernels eagerly (same results); a driver that cannot capture should
-                // cost speed, not the service.
-                eprintln!("ninfer: capturing a CUDA graph of a decode step failed ({e}); decode steps run eagerly from now on");
-                self.graphs.disable();
-            }
-        }
-        if self.graphs.enabled() {
-            self.graphs.launch(key)?;
-        } else {
-            self.decode_forward(rows)?;
-        }
+        self.replay_or_run(key, "decode", |m| m.decode_forward(rows))?;
         // The decode forward leaves the final normed hidden states in act.h.
         self.keep_hidden(batch, n)?;
         self.logits_rows = n;
         Ok(vec![1; n])
+    }
+
+    /// Replays the graph of `key` (capturing it on first use) or, with graphs off for `key`'s
+    /// kind, runs `forward` eagerly: the same kernels either way (same results). A driver that
+    /// cannot capture costs speed, not the service: that kind of step runs eagerly from then on.
+    pub(super) fn replay_or_run(&mut self, key: GraphKey, what: &str, forward: impl Fn(&mut Self) -> Result<()>) -> Result<()> {
+        if self.graphs.enabled_for(key) && !self.graphs.has(key) {
+            let mut graphs = std::mem::take(&mut self.graphs);
+            let dev = self.dev.clone();
+            let captured = graphs.capture(&dev, key, || forward(self));
+            self.graphs = graphs;
+            if let Err(e) = captured {
+                eprintln!("ninfer: capturing a CUDA graph of a {what} step failed ({e}); {what} steps run eagerly from now on");
+                self.graphs.disable_for(key);
+            }
+        }
+        if self.graphs.enabled_for(key) {
+            self.graphs.launch(key)
+        } else {
+            forward(self)
+        }
     }
 
     /// Queues a decode step's forward over `rows` (padded) rows of `dmeta`, logits of every row
@@ -147,16 +164,18 @@ impl CudaModel {
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode
-    /// attention for `Pass::Decode`, else `meta`). Each sub-block's output projection also adds into
-    /// the residual and applies the norm that follows it (`Activations::project_out`: one
-    /// kernel at decode). A decode step, whose every row wants logits, ends with the final norm
-    /// in `act.h`; a prefill step leaves the last projection in `act.tmp` for `run`, which
-    /// norms only when some row wants logits.
+    /// attention for `Pass::Decode`, `vmeta` for `Pass::Verify`, else `meta`). Each sub-block's
+    /// output projection also adds into the residual and applies the norm that follows it
+    /// (`Activations::project_out`: one kernel at decode). A decode step, whose every row wants
+    /// logits, ends with the final norm in `act.h`; a prefill or verify step leaves the last
+    /// projection in `act.tmp` for `run` (which norms only when some row wants logits) or
+    /// `verify_forward`.
     pub(super) fn run_layers(&mut self, pass: Pass, rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, scratch, .. } = self;
-        let (meta, scratch, max_rows) = match pass {
+        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, vmeta, scratch, .. } = self;
+        let (meta, decode, max_rows) = match pass {
             Pass::Decode => (&*dmeta, scratch.as_ref(), 1),
             Pass::Prefill { max_rows } => (&*meta, None, max_rows),
+            Pass::Verify { rows_per_seq } => (&*vmeta, None, rows_per_seq),
         };
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.embedding(&weights.embed, &meta.ids(), buf_mut(&mut act.x), cfg.vocab_size, h)?;
@@ -168,8 +187,12 @@ impl CudaModel {
             let post = NormNext { w: Some(&layer.post_norm), eps, plus_one };
             match (&layer.mixer, &route.mixer) {
                 (DevMixer::Attention(a), MixerRoute::Attention(r)) => {
-                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode: scratch, max_rows };
-                    attn.run(a, r, &mut caches.k[ci], &mut caches.v[ci], act, dummy, rows, &post)?;
+                    let attn = AttnCtx { cfg, dev, meta, inv_freq, rope_scale: *rope_scale, block_size: caches.block_size, num_blocks: caches.num_blocks, decode, max_rows };
+                    let (kc, vc) = (&mut caches.k[ci], &mut caches.v[ci]);
+                    match pass {
+                        Pass::Verify { .. } => attn.run_verify(scratch.as_ref(), a, r, kc, vc, act, dummy, rows, &post)?,
+                        _ => attn.run(a, r, kc, vc, act, dummy, rows, &post)?,
+                    }
                 }
                 (DevMixer::Gdn(g), MixerRoute::Gdn(r)) => {
                     let state = GdnState { conv: &mut caches.conv[ci], delta: &mut caches.delta[ci], n_slots: caches.num_slots + 1 };

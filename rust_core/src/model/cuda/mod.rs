@@ -6,9 +6,10 @@
 //! sub-blocks in `attention`, `gdn`, `mlp`, each ending in `residual`), and copies only the
 //! wanted logits rows back as f32 through a pinned buffer, or samples them on the device and
 //! copies back only ids and logprobs (`sampler`); that copy is the only host synchronization.
-//! Decode steps (one token per sequence, each wanting its logits) are padded to a batch bucket
-//! and replayed as CUDA graphs (`graphs`); prefill and mixed steps run eagerly, with the
-//! prefill kernels (flash attention, chunked GDN). `weights` and `load` hold the weights on the
+//! Decode steps (one token per sequence, each wanting its logits) and uniform speculative verify
+//! steps (`verify`: K + 1 tokens per sequence, logits at each) are padded to a batch bucket and
+//! replayed as CUDA graphs (`graphs`); prefill and mixed steps run eagerly, with the prefill
+//! kernels (flash attention, chunked GDN). `weights` and `load` hold the weights on the
 //! device and stream them there, each projection a `linear::Linear` carrying its format and
 //! kernel route; `route` the kernels each layer runs, decided at load; `buffers` the caches and
 //! activations a step runs in; `runner` the engine-facing `ModelRunner`; `mtp` the MTP head
@@ -28,6 +29,7 @@ pub mod route;
 mod runner;
 mod sampler;
 mod step_meta;
+mod verify;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -47,7 +49,7 @@ use crate::quant::QuantFormat;
 use crate::{NinferError, Result};
 
 use buffers::{alloc, Activations, DevCaches};
-use graphs::DecodeGraphs;
+use graphs::StepGraphs;
 use route::{Fusions, LayerRoute};
 use sampler::DeviceSampler;
 use step_meta::StepMeta;
@@ -73,10 +75,13 @@ pub struct CudaModel {
     /// Decode steps' metadata, padded to the bucket (its own buffers, so that prefill steps
     /// never move what a captured graph reads).
     dmeta: StepMeta,
+    /// Uniform verify steps' metadata, padded to the bucket (`verify`), in buffers of its own
+    /// for the same reason.
+    vmeta: StepMeta,
     /// Split-K partials of decode attention for `scratch_rows` tokens.
     scratch: Option<AttnScratch>,
     scratch_rows: usize,
-    graphs: DecodeGraphs,
+    graphs: StepGraphs,
     /// Page-locked staging for the logits copy to the host.
     pinned: Option<PinnedHostSlice<f32>>,
     /// Rows of `act.logits` the last step produced (in the order of `Logits::data`).
@@ -127,7 +132,7 @@ impl CudaModel {
         let dev = Arc::new(CudaDevice::for_model(ordinal, ModelShape { hidden_size: Some(cfg.hidden_size) }, options)?);
         kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
         Self::check_supported(&cfg)?;
-        let (graphs, sampler) = (DecodeGraphs::new(dev.plan().cuda_graphs), DeviceSampler::new(dev.plan().device_sampling));
+        let (graphs, sampler) = (StepGraphs::new(dev.plan().cuda_graphs), DeviceSampler::new(dev.plan().device_sampling));
         let fusions = Fusions { rope_in_gemv: dev.plan().fused_rope };
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
@@ -176,6 +181,7 @@ impl CudaModel {
             meta: StepMeta::default(),
             dummy,
             dmeta: StepMeta::default(),
+            vmeta: StepMeta::default(),
             scratch: None,
             scratch_rows: 0,
             graphs,

@@ -200,13 +200,15 @@ impl ModelRunner for CudaModel {
         self.sampler.collect().inspect_err(|_| self.sampler.reset())
     }
 
+    /// The decode and verify step graphs captured (`graphs::StepGraphs`).
     fn decode_graphs(&self) -> usize {
         self.graphs.len()
     }
 
-    /// Verify chunks (a decode token and its drafts, logits at every position) run as prefill
-    /// chunks of K + 1 rows (`run_fed`), and `copy_state` copies a recurrent state slot bit for
-    /// bit, which the engine's rollback by recompute needs.
+    /// Verify chunks (a decode token and its drafts, logits at every position) run as chunks of
+    /// K + 1 rows with the prefill kernels: a step of nothing else but such chunks of one K as
+    /// a CUDA graph (`verify`), others eagerly (`run_fed`); `copy_state` copies a recurrent
+    /// state slot bit for bit, which the engine's rollback by recompute needs.
     fn verifies_drafts(&self) -> bool {
         true
     }

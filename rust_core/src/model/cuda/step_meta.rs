@@ -14,7 +14,7 @@ use crate::{NinferError, Result};
 use crate::model::runner::{LogitsWanted, StepBatch};
 
 /// Where each section lives in the packed i32 buffer.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
 struct Sections {
     tokens: usize,
     seqs: usize,
@@ -90,81 +90,18 @@ impl StepMeta {
         Ok(())
     }
 
-    /// Build the metadata of `batch` and queue its upload. Layout of the i32 buffer: ids[T],
-    /// positions[T], token_seq[T], cu_seqlens[S + 1], slots[S], block_tables[S, max_blocks].
+    /// Build the metadata of `batch` and queue its upload (layout: `step_layout`).
     pub fn upload(&mut self, dev: &CudaDevice, batch: &StepBatch, block_size: usize) -> Result<()> {
-        let t = batch.num_tokens();
-        let s = batch.seqs.len();
-        let bs = block_size.max(1);
-        let max_context = batch.seqs.iter().map(|q| q.start_pos + q.tokens.len()).max().unwrap_or(0);
-        let max_blocks = batch.seqs.iter().map(|q| (q.start_pos + q.tokens.len()).div_ceil(bs)).max().unwrap_or(0).max(1);
-        let h = &mut self.host_i32;
-        h.clear();
-        h.extend(batch.seqs.iter().flat_map(|q| q.tokens.iter().map(|&x| x as i32)));
-        h.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + q.tokens.len()).map(|p| p as i32)));
-        h.extend(batch.seqs.iter().enumerate().flat_map(|(i, q)| std::iter::repeat_n(i as i32, q.tokens.len())));
-        let mut acc = 0i32;
-        h.push(0);
-        for q in &batch.seqs {
-            acc += q.tokens.len() as i32;
-            h.push(acc);
-        }
-        h.extend(batch.seqs.iter().map(|q| q.state_slot as i32));
-        for q in &batch.seqs {
-            let n = q.block_table.len().min(max_blocks);
-            h.extend(q.block_table[..n].iter().map(|&b| b as i32));
-            h.extend(std::iter::repeat_n(0, max_blocks - n));
-        }
-        let l = &mut self.host_i64;
-        l.clear();
-        for q in &batch.seqs {
-            for p in q.start_pos..q.start_pos + q.tokens.len() {
-                let slot = match q.block_table.get(p / bs) {
-                    Some(&b) => b as i64 * bs as i64 + (p % bs) as i64,
-                    None => -1,
-                };
-                l.push(slot);
-            }
-        }
-        self.sec = Sections { tokens: t, seqs: s, max_blocks, max_context };
+        self.sec = step_layout(&mut self.host_i32, &mut self.host_i64, batch, block_size);
         self.copy_up(dev).map(|_| ())
     }
 
-    /// Build and queue the upload of a decode step (one token per sequence, all wanting logits)
-    /// padded to `rows` sequences with block tables of a fixed `stride` columns, so that the
-    /// layout, and with it every address a captured CUDA graph reads, depends only on
-    /// (`rows`, `stride`). Padding rows take token 0 at position 0 of an all-zero block table,
-    /// write no KV (slot -1) and run on `spare_slot`, a recurrent-state slot no sequence owns.
-    /// Returns true when the device buffers had to grow (addresses changed).
-    pub fn upload_decode(&mut self, dev: &CudaDevice, batch: &StepBatch, rows: usize, stride: usize, block_size: usize, spare_slot: usize) -> Result<bool> {
-        let n = batch.seqs.len();
-        debug_assert!(n <= rows && batch.seqs.iter().all(|q| q.tokens.len() == 1));
-        let bs = block_size.max(1);
-        let h = &mut self.host_i32;
-        h.clear();
-        h.extend(batch.seqs.iter().map(|q| q.tokens[0] as i32));
-        h.extend(std::iter::repeat_n(0, rows - n));
-        h.extend(batch.seqs.iter().map(|q| q.start_pos as i32));
-        h.extend(std::iter::repeat_n(0, rows - n));
-        h.extend(0..rows as i32);
-        h.extend(0..=rows as i32);
-        h.extend(batch.seqs.iter().map(|q| q.state_slot as i32));
-        h.extend(std::iter::repeat_n(spare_slot as i32, rows - n));
-        for q in &batch.seqs {
-            let m = q.block_table.len().min(stride);
-            h.extend(q.block_table[..m].iter().map(|&b| b as i32));
-            h.extend(std::iter::repeat_n(0, stride - m));
-        }
-        h.extend(std::iter::repeat_n(0, (rows - n) * stride));
-        let l = &mut self.host_i64;
-        l.clear();
-        l.extend(batch.seqs.iter().map(|q| {
-            let p = q.start_pos;
-            q.block_table.get(p / bs).map_or(-1, |&b| b as i64 * bs as i64 + (p % bs) as i64)
-        }));
-        l.extend(std::iter::repeat_n(-1, rows - n));
-        let max_context = batch.seqs.iter().map(|q| q.start_pos + 1).max().unwrap_or(0);
-        self.sec = Sections { tokens: rows, seqs: rows, max_blocks: stride, max_context };
+    /// Build and queue the upload of a step whose every sequence brings `shape.rows_per_seq`
+    /// tokens (a decode step, or a uniform verify step), padded to `shape.seqs` sequences
+    /// (`padded_layout`), so that the layout, and with it every address a captured CUDA graph
+    /// reads, depends only on the shape. Returns true when the device buffers had to grow.
+    pub fn upload_padded(&mut self, dev: &CudaDevice, batch: &StepBatch, shape: PaddedShape, block_size: usize, spare_slot: usize) -> Result<bool> {
+        self.sec = padded_layout(&mut self.host_i32, &mut self.host_i64, batch, shape, block_size, spare_slot);
         self.copy_up(dev)
     }
 
@@ -285,3 +222,88 @@ impl StepMeta {
             .collect()
     }
 }
+
+/// The shape of a padded step (`StepMeta::upload_padded`): what a captured graph is keyed by
+/// besides the model's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PaddedShape {
+    /// Sequences, real ones first, then padding.
+    pub seqs: usize,
+    /// Tokens each sequence brings (1 at decode, K + 1 at a verify step).
+    pub rows_per_seq: usize,
+    /// Block-table columns.
+    pub stride: usize,
+}
+
+/// Flat KV slot of position `p` through `table` (block * block_size + offset), -1 past it.
+fn kv_slot(table: &[u32], p: usize, bs: usize) -> i64 {
+    table.get(p / bs).map_or(-1, |&b| b as i64 * bs as i64 + (p % bs) as i64)
+}
+
+/// The host metadata of `batch` exactly as it runs. Layout of the i32 buffer: ids[T],
+/// positions[T], token_seq[T], cu_seqlens[S + 1], slots[S], block_tables[S, max_blocks]
+/// (max_blocks: the most any sequence needs); the i64 buffer: the KV slot of each token.
+fn step_layout(h: &mut Vec<i32>, l: &mut Vec<i64>, batch: &StepBatch, block_size: usize) -> Sections {
+    let t = batch.num_tokens();
+    let s = batch.seqs.len();
+    let bs = block_size.max(1);
+    let max_context = batch.seqs.iter().map(|q| q.start_pos + q.tokens.len()).max().unwrap_or(0);
+    let max_blocks = batch.seqs.iter().map(|q| (q.start_pos + q.tokens.len()).div_ceil(bs)).max().unwrap_or(0).max(1);
+    h.clear();
+    h.extend(batch.seqs.iter().flat_map(|q| q.tokens.iter().map(|&x| x as i32)));
+    h.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + q.tokens.len()).map(|p| p as i32)));
+    h.extend(batch.seqs.iter().enumerate().flat_map(|(i, q)| std::iter::repeat_n(i as i32, q.tokens.len())));
+    let mut acc = 0i32;
+    h.push(0);
+    for q in &batch.seqs {
+        acc += q.tokens.len() as i32;
+        h.push(acc);
+    }
+    h.extend(batch.seqs.iter().map(|q| q.state_slot as i32));
+    for q in &batch.seqs {
+        let n = q.block_table.len().min(max_blocks);
+        h.extend(q.block_table[..n].iter().map(|&b| b as i32));
+        h.extend(std::iter::repeat_n(0, max_blocks - n));
+    }
+    l.clear();
+    l.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + q.tokens.len()).map(|p| kv_slot(&q.block_table, p, bs))));
+    Sections { tokens: t, seqs: s, max_blocks, max_context }
+}
+
+/// The host metadata of `batch` (every sequence `shape.rows_per_seq` tokens) padded to
+/// `shape.seqs` sequences of `shape.stride` block-table columns, in `step_layout`'s layout:
+/// sequence i's rows are i * rows_per_seq.., so each real sequence's rows, and their logits,
+/// come in order before any padding. Padding sequences take token 0 at positions
+/// 0..rows_per_seq of an all-zero block table, write no KV (slot -1) and run on `spare_slot`, a
+/// recurrent-state slot no sequence owns. `max_context` is the real sequences' longest (no
+/// kernel a padded step runs reads it: flash and decode attention derive each token's context
+/// from its uploaded position).
+fn padded_layout(h: &mut Vec<i32>, l: &mut Vec<i64>, batch: &StepBatch, shape: PaddedShape, block_size: usize, spare_slot: usize) -> Sections {
+    let PaddedShape { seqs, rows_per_seq: r, stride } = shape;
+    let n = batch.seqs.len();
+    debug_assert!(n <= seqs && batch.seqs.iter().all(|q| q.tokens.len() == r));
+    let (pad, bs) = (seqs - n, block_size.max(1));
+    h.clear();
+    h.extend(batch.seqs.iter().flat_map(|q| q.tokens.iter().map(|&x| x as i32)));
+    h.extend(std::iter::repeat_n(0, pad * r));
+    h.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + r).map(|p| p as i32)));
+    h.extend((0..pad).flat_map(|_| 0..r as i32));
+    h.extend((0..seqs as i32).flat_map(|i| std::iter::repeat_n(i, r)));
+    h.extend((0..=seqs as i32).map(|i| i * r as i32));
+    h.extend(batch.seqs.iter().map(|q| q.state_slot as i32));
+    h.extend(std::iter::repeat_n(spare_slot as i32, pad));
+    for q in &batch.seqs {
+        let m = q.block_table.len().min(stride);
+        h.extend(q.block_table[..m].iter().map(|&b| b as i32));
+        h.extend(std::iter::repeat_n(0, stride - m));
+    }
+    h.extend(std::iter::repeat_n(0, pad * stride));
+    l.clear();
+    l.extend(batch.seqs.iter().flat_map(|q| (q.start_pos..q.start_pos + r).map(|p| kv_slot(&q.block_table, p, bs))));
+    l.extend(std::iter::repeat_n(-1, pad * r));
+    let max_context = batch.seqs.iter().map(|q| q.start_pos + r).max().unwrap_or(0);
+    Sections { tokens: seqs * r, seqs, max_blocks: stride, max_context }
+}
+
+#[cfg(test)]
+mod tests;
