@@ -235,7 +235,7 @@ impl EngineCore {
         for &i in &idx {
             let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
             let sampling = self.draft_sampling(step.seq_ids[i], k);
-            seqs.push(DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], k, sampling });
+            seqs.push(DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
         }
         let drafts = self.runner.dflash_draft(&seqs)?;
         draft_q.resize(step.seq_ids.len(), Vec::new());
@@ -254,8 +254,10 @@ impl EngineCore {
 
     /// With `--spec dflash`, hand the drafter the target features of every position `step`
     /// computed and kept (a prompt chunk's tokens, a decode's token, a verify chunk's input
-    /// token and accepted drafts): its context then covers exactly the computed positions, and
-    /// the rows of rejected drafts are never absorbed.
+    /// token and accepted drafts), written into the sequence's blocks: its context then covers
+    /// exactly the computed positions, and the rows of rejected drafts are never absorbed. It
+    /// runs in the step that computed the rows, before the next schedule can hit their blocks
+    /// in the prefix cache, so a hit's blocks always carry their rows.
     fn absorb_dflash(&mut self, step: &ScheduledStep, outcomes: &[SeqOutcome]) -> Result<()> {
         if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Dflash) {
             return Ok(());
@@ -268,7 +270,7 @@ impl EngineCore {
             .map(|(i, (&id, chunk))| {
                 let inputs = chunk.tokens.len() - step.draft_len(i);
                 let accepted = outcomes.iter().filter(|o| o.id == id && o.computed).count();
-                DflashRows { key: id, chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted }
+                DflashRows { key: id, chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted, block_table: chunk.block_table.clone() }
             })
             .collect::<Vec<_>>();
         self.runner.dflash_absorb(&rows)
