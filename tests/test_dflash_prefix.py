@@ -100,6 +100,22 @@ def test_greedy_dflash_with_prefix_hits_equals_plain_and_drafts_as_without_the_h
     assert reuse_stats[-1]["prefill_tokens_computed"] < fresh_stats[-1]["prefill_tokens_computed"]
 
 
+def test_a_hit_that_leaves_one_prompt_token_drafts_from_the_cached_context_at_once():
+    """A prompt whose blocks but its last token are cached (and a one-token prompt): its last
+    prompt token is its first verify chunk's input, drafted from the context rows its cached
+    blocks carry (or from no context), before the request computed any row itself."""
+    with LLM(DEMO_MODEL, max_context=512) as llm:
+        ids = llm.encode(PREFIX)
+        n = len(ids) // 16 * 16
+        prompts = [ids[: n + 5], ids[: n + 1], ids[:1]]
+        plain = [o.token_ids for o in llm.generate(prompts, greedy(30))]
+    runs, stats = _sequential(prompts, greedy(30), spec="dflash", draft_tokens=7)
+    assert [t for t, _ in runs] == plain
+    assert [c for _, c in runs] == [0, n, 0]
+    assert stats[1]["spec_verify_steps"] > stats[0]["spec_verify_steps"]
+    assert stats[1]["spec_accepted_tokens"] > stats[0]["spec_accepted_tokens"]
+
+
 def _mixed(n: int):
     """Greedy and seeded sampled requests with their own K (0: no drafts) and penalties."""
     kinds = [

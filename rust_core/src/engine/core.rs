@@ -385,7 +385,6 @@ impl EngineCore {
         }
         for ended in outcomes.iter().filter(|o| o.finished) {
             self.runner.mtp_release(ended.id);
-            self.runner.dflash_release(ended.id);
             if let Some(req) = self.requests.remove(&ended.id) {
                 self.ids.remove(&req.request_id);
             }
@@ -486,7 +485,6 @@ impl EngineCore {
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
             self.sched.finish(id, SlotState::Unsettled);
             self.runner.mtp_release(id);
-            self.runner.dflash_release(id);
         }
         self.requests.clear();
         self.ids.clear();
@@ -569,7 +567,6 @@ impl EngineCore {
                 self.runner.copy_state(copy.0, copy.1)?;
             }
             self.runner.mtp_release(id);
-            self.runner.dflash_release(id);
             if let Some(req) = self.requests.remove(&id) {
                 self.ids.remove(&req.request_id);
                 outputs.push(req.aborted(cached));

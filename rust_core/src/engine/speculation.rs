@@ -235,7 +235,7 @@ impl EngineCore {
         for &i in &idx {
             let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
             let sampling = self.draft_sampling(step.seq_ids[i], k);
-            seqs.push(DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
+            seqs.push(DflashDraftSeq { pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
         }
         let drafts = self.runner.dflash_draft(&seqs)?;
         draft_q.resize(step.seq_ids.len(), Vec::new());
@@ -270,7 +270,7 @@ impl EngineCore {
             .map(|(i, (&id, chunk))| {
                 let inputs = chunk.tokens.len() - step.draft_len(i);
                 let accepted = outcomes.iter().filter(|o| o.id == id && o.computed).count();
-                DflashRows { key: id, chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted, block_table: chunk.block_table.clone() }
+                DflashRows { chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted, block_table: chunk.block_table.clone() }
             })
             .collect::<Vec<_>>();
         self.runner.dflash_absorb(&rows)

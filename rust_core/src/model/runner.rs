@@ -147,8 +147,6 @@ pub struct MtpDraft {
 /// positions `start_pos..start_pos + rows` (what the step computed and kept).
 #[derive(Clone, Debug)]
 pub struct DflashRows {
-    /// The engine's id of the sequence (the runner checks its next anchor against these rows).
-    pub key: u64,
     /// Index of the chunk in the last forward's batch.
     pub chunk: usize,
     pub start_pos: usize,
@@ -163,7 +161,6 @@ pub struct DflashRows {
 /// one that computed them) and `k` drafts after it.
 #[derive(Clone, Debug)]
 pub struct DflashDraftSeq {
-    pub key: u64,
     pub pos: usize,
     pub token: u32,
     /// Covering at least the `pos` context positions.
@@ -306,10 +303,6 @@ pub trait ModelRunner: Send {
     fn dflash_draft(&mut self, _seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         Err(NinferError::invalid("dflash_draft", "DFlash drafting is not enabled"))
     }
-
-    /// Forget what `dflash_absorb` kept for a sequence that ended (its context rows stay in its
-    /// blocks, which the prefix cache may keep).
-    fn dflash_release(&mut self, _key: u64) {}
 
     /// Run once, after the engine's warm-up step, what would otherwise first run inside a
     /// request at another step size and cost it time then (CUDA: cuBLAS's kernels for each

@@ -24,7 +24,6 @@
 //! (`fc`, `hidden_norm`, `norm`, `layers.{i}.{input_layernorm, post_attention_layernorm,
 //! self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}`).
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -497,21 +496,21 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// What the CPU runner keeps for `--spec dflash`: the drafter (with its paged context), the
-/// target features of every row of the last forward, and where each sequence's last absorbed
-/// rows end (its next anchor's position, checked when it drafts).
+/// What the CPU runner keeps for `--spec dflash`: the drafter (with its paged context) and the
+/// target features of every row of the last forward. Nothing per sequence: a sequence's
+/// context is the rows its blocks hold before its anchor, absorbed by the steps that computed
+/// them (its own, or the request's that cached the blocks it hit).
 pub(super) struct DflashState {
     pub(super) drafter: DflashDrafter,
     /// `[rows, feature_width]` of the last forward.
     pub(super) features: Vec<f32>,
     /// First row of each chunk of the last forward, then the row count.
     pub(super) chunk_rows: Vec<usize>,
-    ends: HashMap<u64, usize>,
 }
 
 impl DflashState {
     pub(super) fn new(drafter: DflashDrafter) -> Self {
-        DflashState { drafter, features: Vec::new(), chunk_rows: Vec::new(), ends: HashMap::new() }
+        DflashState { drafter, features: Vec::new(), chunk_rows: Vec::new() }
     }
 
     /// `ModelRunner::dflash_absorb`.
@@ -523,19 +522,8 @@ impl DflashState {
                 _ => return Err(NinferError::invalid("dflash_absorb", format!("{} rows of chunk {} are not in the last forward", r.rows, r.chunk))),
             };
             self.drafter.absorb(&r.block_table, r.start_pos, &self.features[first * width..end * width])?;
-            self.ends.insert(r.key, r.start_pos + r.rows);
         }
         Ok(())
-    }
-
-    /// `ModelRunner::dflash_release`.
-    pub(super) fn release(&mut self, key: u64) {
-        self.ends.remove(&key);
-    }
-
-    /// Sequences whose absorbed rows are tracked (tests: none once every request ended).
-    pub(super) fn tracked(&self) -> usize {
-        self.ends.len()
     }
 
     /// `ModelRunner::dflash_draft`: every sequence in one drafting forward; greedy drafts, or
@@ -545,10 +533,6 @@ impl DflashState {
     pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         let bs = self.drafter.cfg.block_size;
         for s in seqs {
-            let held = self.ends.get(&s.key).copied().unwrap_or(0);
-            if held != s.pos {
-                return Err(NinferError::invalid("dflash_draft", format!("sequence {} holds {held} context positions, its anchor is at {}", s.key, s.pos)));
-            }
             if s.k >= bs {
                 return Err(NinferError::invalid("dflash_draft", format!("{} drafts asked; the drafter's block gives {}", s.k, bs - 1)));
             }

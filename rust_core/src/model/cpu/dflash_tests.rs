@@ -210,9 +210,9 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
     // A prompt in two chunks, as the engine absorbs them.
     for (start, end) in [(0, 6), (6, 11)] {
         m.forward(&StepBatch { seqs: vec![seq(&TOKENS[start..end], start, &table, 0, LogitsWanted::Last)] }).unwrap();
-        m.dflash_absorb(&[DflashRows { key: 9, chunk: 0, start_pos: start, rows: end - start, block_table: table.clone() }]).unwrap();
+        m.dflash_absorb(&[DflashRows { chunk: 0, start_pos: start, rows: end - start, block_table: table.clone() }]).unwrap();
     }
-    let draft_seq = |pos: usize, token: u32, k: usize, sampling: Option<DraftSampling>| DflashDraftSeq { key: 9, pos, token, block_table: table.clone(), k, sampling };
+    let draft_seq = |pos: usize, token: u32, k: usize, sampling: Option<DraftSampling>| DflashDraftSeq { pos, token, block_table: table.clone(), k, sampling };
     let drafts = m.dflash_draft(&[draft_seq(11, TOKENS[11], 3, None)]).unwrap();
     d.absorb(&table, 0, &f[..11 * 2 * H]).unwrap();
     let logits = d.draft_logits_with(&m, &[ctx(&table, 11, TOKENS[11])]).unwrap().remove(0);
@@ -238,13 +238,13 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
     let mut plain = load(&write_hybrid("dflash_hooks_plain", Dtype::F32, false));
     plain.allocate_caches(32, 4, 2).unwrap();
     assert_eq!(per_token - plain.cache_spec().kv_bytes_per_token, 2 * 2 * 2 * 8 * 4);
-    // ... and it is allocated with the pool, in its shape: 32 blocks of 4 positions.
-    assert_eq!(m.dflash_context(), Some((32 * 4 * 2 * 2 * 2 * 8 * 4, 1)));
-    let e = m.dflash_draft(&[draft_seq(12, 1, 3, None)]).unwrap_err().to_string();
-    assert!(e.contains("holds 11 context positions"), "{e}");
+    // ... and it is allocated with the pool, in its shape: 32 blocks of 4 positions, and
+    // nothing per sequence beside it.
+    assert_eq!(m.dflash_context_bytes(), Some(32 * 4 * 2 * 2 * 2 * 8 * 4));
+    let e = m.dflash_draft(&[draft_seq(17, 1, 3, None)]).unwrap_err().to_string();
+    assert!(e.contains("cover fewer than 17 positions"), "{e}");
     let e = m.dflash_draft(&[draft_seq(11, 1, BLOCK, None)]).unwrap_err().to_string();
     assert!(e.contains("block gives 4"), "{e}");
-    m.dflash_release(9);
-    assert!(m.dflash_draft(&[draft_seq(11, 1, 1, None)]).is_err());
-    assert_eq!(m.dflash_context().map(|c| c.1), Some(0), "a released sequence leaves nothing behind");
+    // A one-token prompt drafts from an empty context.
+    assert_eq!(m.dflash_draft(&[draft_seq(0, TOKENS[0], 2, None)]).unwrap()[0].tokens.len(), 2);
 }

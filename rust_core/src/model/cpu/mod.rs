@@ -112,10 +112,9 @@ impl CpuModel {
         self.pool.current_num_threads()
     }
 
-    /// Bytes of the DFlash drafter's context pool and the sequences whose absorbed rows it
-    /// tracks (None without `--spec dflash`).
-    pub fn dflash_context(&self) -> Option<(usize, usize)> {
-        self.dflash_state.as_ref().map(|st| (st.drafter.context_bytes(), st.tracked()))
+    /// Bytes of the DFlash drafter's context pool (None without `--spec dflash`).
+    pub fn dflash_context_bytes(&self) -> Option<usize> {
+        self.dflash_state.as_ref().map(|st| st.drafter.context_bytes())
     }
 
     /// KV blocks and state slots currently allocated.
@@ -409,12 +408,6 @@ impl ModelRunner for CpuModel {
         let r = pool.install(|| st.draft(self, seqs));
         self.dflash_state = Some(st);
         r
-    }
-
-    fn dflash_release(&mut self, key: u64) {
-        if let Some(st) = self.dflash_state.as_mut() {
-            st.release(key);
-        }
     }
 
     fn workspace_bytes(&self) -> usize {
