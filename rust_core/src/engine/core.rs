@@ -359,11 +359,17 @@ impl EngineCore {
     /// its snapshot restores, the forward and a sampled token for every sequence that produces
     /// logits, in step order; then its bookkeeping (`account`).
     pub(super) fn execute(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
-        self.restore_states(step)?;
-        let rows = self.sampling_rows(step, RowInput::Accepted);
-        let sampled = self.runner.forward_sampled(&step.batch, &rows)?;
+        let sampled = self.run_unaccounted(step)?;
         self.account(step)?;
         Ok(sampled)
+    }
+
+    /// `execute` without its bookkeeping, which the caller runs (`account`) once what the
+    /// step's blocks must carry before they are published to the prefix cache is written.
+    pub(super) fn run_unaccounted(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
+        self.restore_states(step)?;
+        let rows = self.sampling_rows(step, RowInput::Accepted);
+        self.runner.forward_sampled(&step.batch, &rows)
     }
 
     /// Postprocess the tokens `step` sampled, then the scheduler's bookkeeping of the outcome
