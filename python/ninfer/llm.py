@@ -50,7 +50,7 @@ class LLM:
     `spec` turns on speculative
     decoding ("ngram": drafts from the request's own tokens; "mtp": drafts from the model's mtp.*
     head; "dflash": block drafts from the DFlash drafter checkpoint in `drafter` (the bundled demo
-    model's own by default; the CPU backend), with prefix reuse off; each verified `draft_tokens`
+    model's own by default; the CPU backend); each verified `draft_tokens`
     (1..8; default 3, dflash 7 and at most its block size - 1) at a time; ngram and mtp on the CPU
     and CUDA backends); greedy outputs are those of plain decoding, and so are seeded sampled ones
     under "ngram" (under "mtp" and "dflash" they follow plain sampling's distribution).

@@ -2,7 +2,7 @@
 //! memory ledger computed from them before anything is allocated.
 
 use crate::model::CacheSpec;
-use crate::spec::{SpecConfig, SpecMethod};
+use crate::spec::SpecConfig;
 use crate::{NinferError, Result};
 
 /// KV budget used when `kv_capacity_tokens` is not given and the backend cannot tell how much
@@ -150,9 +150,9 @@ impl EngineConfig {
         let max_context = self.check(model_max)?;
         let (block_size, max_concurrency, prefill_chunk) = (self.block_size, self.max_concurrency, self.prefill_chunk);
         let hybrid = spec.state_bytes_per_slot > 0;
-        // A DFlash drafter's context needs the target's features of every position, which a
-        // prefix hit does not compute: with --spec dflash prefix reuse is off.
-        let prefix_reuse = self.prefix_reuse && !self.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Dflash);
+        // Speculation keeps prefix reuse: the MTP layer's KV and a DFlash drafter's context are
+        // paged with the target's KV, so a hit's blocks carry them.
+        let prefix_reuse = self.prefix_reuse;
         let snapshots = if hybrid && prefix_reuse { self.snapshot_slots.unwrap_or(max_concurrency) } else { 0 };
         let running_state_slots = if hybrid { max_concurrency + 1 } else { 0 };
         let rollback_state_slots = if hybrid && self.spec.is_some() { max_concurrency } else { 0 };
@@ -309,9 +309,13 @@ mod tests {
             let cfg = with(method).resolve(model(1000), &hybrid, None).unwrap();
             assert!(cfg.prefix_reuse && cfg.snapshot_state_slots == 4 && cfg.rollback_state_slots == 4, "{method:?}: {cfg:?}");
         }
+        // DFlash too: its drafter's context is paged with the KV, so a prefix hit carries it.
         let dflash = EngineConfig { max_concurrency: 4, spec: Some(SpecConfig::with_drafter("dflash", None, Some("d".into())).unwrap()), ..Default::default() };
-        let dflash = dflash.resolve(model(1000), &hybrid, None).unwrap();
-        assert!(!dflash.prefix_reuse && dflash.snapshot_state_slots == 0);
+        let cfg = dflash.resolve(model(1000), &hybrid, None).unwrap();
+        assert!(cfg.prefix_reuse && cfg.snapshot_state_slots == 4 && cfg.rollback_state_slots == 4, "{cfg:?}");
+        // --no-prefix-reuse still turns it off.
+        let off = EngineConfig { prefix_reuse: false, ..dflash }.resolve(model(1000), &hybrid, None).unwrap();
+        assert!(!off.prefix_reuse && off.snapshot_state_slots == 0);
     }
 
     #[test]

@@ -359,11 +359,17 @@ impl EngineCore {
     /// its snapshot restores, the forward and a sampled token for every sequence that produces
     /// logits, in step order; then its bookkeeping (`account`).
     pub(super) fn execute(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
-        self.restore_states(step)?;
-        let rows = self.sampling_rows(step, RowInput::Accepted);
-        let sampled = self.runner.forward_sampled(&step.batch, &rows)?;
+        let sampled = self.run_unaccounted(step)?;
         self.account(step)?;
         Ok(sampled)
+    }
+
+    /// `execute` without its bookkeeping, which the caller runs (`account`) once what the
+    /// step's blocks must carry before they are published to the prefix cache is written.
+    pub(super) fn run_unaccounted(&mut self, step: &ScheduledStep) -> Result<Vec<SampledToken>> {
+        self.restore_states(step)?;
+        let rows = self.sampling_rows(step, RowInput::Accepted);
+        self.runner.forward_sampled(&step.batch, &rows)
     }
 
     /// Postprocess the tokens `step` sampled, then the scheduler's bookkeeping of the outcome
@@ -385,7 +391,6 @@ impl EngineCore {
         }
         for ended in outcomes.iter().filter(|o| o.finished) {
             self.runner.mtp_release(ended.id);
-            self.runner.dflash_release(ended.id);
             if let Some(req) = self.requests.remove(&ended.id) {
                 self.ids.remove(&req.request_id);
             }
@@ -486,7 +491,6 @@ impl EngineCore {
         for id in self.requests.keys().copied().collect::<Vec<_>>() {
             self.sched.finish(id, SlotState::Unsettled);
             self.runner.mtp_release(id);
-            self.runner.dflash_release(id);
         }
         self.requests.clear();
         self.ids.clear();
@@ -569,7 +573,6 @@ impl EngineCore {
                 self.runner.copy_state(copy.0, copy.1)?;
             }
             self.runner.mtp_release(id);
-            self.runner.dflash_release(id);
             if let Some(req) = self.requests.remove(&id) {
                 self.ids.remove(&req.request_id);
                 outputs.push(req.aborted(cached));

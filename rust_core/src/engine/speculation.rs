@@ -38,11 +38,15 @@ impl EngineCore {
             Some(SpecMethod::Dflash) => self.fill_dflash_drafts(&mut step)?,
             _ => self.fill_mtp_drafts(&mut step)?,
         };
+        // The drafters' rows of a step are written before the step is accounted (`account`
+        // publishes the blocks it filled to the prefix cache): a failure in between leaves no
+        // cached block without them.
         if step.num_draft_tokens() == 0 {
-            let sampled = self.execute(&step)?;
+            let sampled = self.run_unaccounted(&step)?;
             let (outs, outcomes) = self.postprocess(&step, sampled)?;
             self.absorb_mtp(&step, &outcomes)?;
             self.absorb_dflash(&step, &outcomes)?;
+            self.account(&step)?;
             self.settle(&outcomes, None)?;
             self.time_step(&step, started);
             outputs.extend(outs);
@@ -59,7 +63,6 @@ impl EngineCore {
             }
         }
         let logits = self.runner.forward(&step.batch)?;
-        self.account(&step)?;
         let vocab = logits.vocab;
         let mut outcomes = Vec::new();
         let mut accepted_drafts = vec![0; step.seq_ids.len()];
@@ -119,6 +122,7 @@ impl EngineCore {
         // Before the rollback's forward replaces the verify forward's hidden states.
         self.absorb_mtp(&step, &outcomes)?;
         self.absorb_dflash(&step, &outcomes)?;
+        self.account(&step)?;
         self.roll_back_states(&step, &accepted_drafts, &rollback)?;
         self.settle(&outcomes, None)?;
         self.time_step(&step, started);
@@ -235,7 +239,7 @@ impl EngineCore {
         for &i in &idx {
             let (c, k) = (&step.batch.seqs[i], step.draft_len(i));
             let sampling = self.draft_sampling(step.seq_ids[i], k);
-            seqs.push(DflashDraftSeq { key: step.seq_ids[i], pos: c.start_pos, token: c.tokens[0], k, sampling });
+            seqs.push(DflashDraftSeq { pos: c.start_pos, token: c.tokens[0], block_table: c.block_table.clone(), k, sampling });
         }
         let drafts = self.runner.dflash_draft(&seqs)?;
         draft_q.resize(step.seq_ids.len(), Vec::new());
@@ -254,8 +258,10 @@ impl EngineCore {
 
     /// With `--spec dflash`, hand the drafter the target features of every position `step`
     /// computed and kept (a prompt chunk's tokens, a decode's token, a verify chunk's input
-    /// token and accepted drafts): its context then covers exactly the computed positions, and
-    /// the rows of rejected drafts are never absorbed.
+    /// token and accepted drafts), written into the sequence's blocks: its context then covers
+    /// exactly the computed positions, and the rows of rejected drafts are never absorbed. It
+    /// runs before the step is accounted, which publishes the blocks it filled to the prefix
+    /// cache, so a hit's blocks always carry their rows.
     fn absorb_dflash(&mut self, step: &ScheduledStep, outcomes: &[SeqOutcome]) -> Result<()> {
         if !self.speculation.as_ref().is_some_and(|(s, _)| s.method == SpecMethod::Dflash) {
             return Ok(());
@@ -268,7 +274,7 @@ impl EngineCore {
             .map(|(i, (&id, chunk))| {
                 let inputs = chunk.tokens.len() - step.draft_len(i);
                 let accepted = outcomes.iter().filter(|o| o.id == id && o.computed).count();
-                DflashRows { key: id, chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted }
+                DflashRows { chunk: i, start_pos: chunk.start_pos, rows: inputs + accepted, block_table: chunk.block_table.clone() }
             })
             .collect::<Vec<_>>();
         self.runner.dflash_absorb(&rows)

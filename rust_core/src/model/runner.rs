@@ -147,21 +147,24 @@ pub struct MtpDraft {
 /// positions `start_pos..start_pos + rows` (what the step computed and kept).
 #[derive(Clone, Debug)]
 pub struct DflashRows {
-    /// The engine's id of the sequence (the runner keeps its drafter context under it).
-    pub key: u64,
     /// Index of the chunk in the last forward's batch.
     pub chunk: usize,
     pub start_pos: usize,
     pub rows: usize,
+    /// The sequence's block table, covering the rows: the drafter's context is paged like the
+    /// KV, so a prefix hit's blocks carry their context rows.
+    pub block_table: Vec<u32>,
 }
 
 /// One sequence to draft for (`ModelRunner::dflash_draft`): the anchor `token` at `pos` (the
-/// context rows before it were absorbed) and `k` drafts after it.
+/// context rows before it were absorbed, by this sequence or, in prefix-cache blocks, by the
+/// one that computed them) and `k` drafts after it.
 #[derive(Clone, Debug)]
 pub struct DflashDraftSeq {
-    pub key: u64,
     pub pos: usize,
     pub token: u32,
+    /// Covering at least the `pos` context positions.
+    pub block_table: Vec<u32>,
     pub k: usize,
     /// How a sampled request's drafts are drawn; None: greedy drafts (argmax).
     pub sampling: Option<DraftSampling>,
@@ -280,15 +283,17 @@ pub trait ModelRunner: Send {
     fn mtp_release(&mut self, _key: u64) {}
 
     /// Set up drafting with the DFlash drafter in `dir` (`--spec dflash --drafter DIR`), before
-    /// `cache_spec` (which then counts the drafter's context per token). From then on `forward`
+    /// `cache_spec` and `allocate_caches` (which then count and allocate the drafter's paged
+    /// context per token, beside the KV). From then on `forward`
     /// keeps the outputs of the target layers the drafter reads, for `dflash_absorb`. Returns the
     /// drafter's block size (at most `block_size - 1` drafts per round).
     fn enable_dflash(&mut self, _dir: &std::path::Path) -> Result<usize> {
         Err(NinferError::config("spec (--spec)", "--spec dflash is not supported on this backend yet"))
     }
 
-    /// Set the drafter context of the given rows of the last `forward`, cutting each
-    /// sequence's context back to its rows' first position (the rollback of rejected drafts).
+    /// Write the drafter context of the given rows of the last `forward` into the sequences'
+    /// blocks; a sequence's context is then its positions up to the rows' end (what rejected
+    /// drafts left past it is never read: the rollback).
     fn dflash_absorb(&mut self, _rows: &[DflashRows]) -> Result<()> {
         Err(NinferError::invalid("dflash_absorb", "DFlash drafting is not enabled"))
     }
@@ -298,9 +303,6 @@ pub trait ModelRunner: Send {
     fn dflash_draft(&mut self, _seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         Err(NinferError::invalid("dflash_draft", "DFlash drafting is not enabled"))
     }
-
-    /// Forget the drafter context of a sequence that ended.
-    fn dflash_release(&mut self, _key: u64) {}
 
     /// Run once, after the engine's warm-up step, what would otherwise first run inside a
     /// request at another step size and cost it time then (CUDA: cuBLAS's kernels for each

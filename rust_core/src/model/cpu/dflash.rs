@@ -10,16 +10,20 @@
 //! Every block row attends to every context row and every row of its block (not causal); rows
 //! 1.. of the block, normed and through the target's LM head, are the drafts.
 //!
-//! The drafter keeps, per sequence, the context K/V of each of its layers. Absorbing the rows
-//! of a step first cuts the context back to the first absorbed position, which is also the
-//! rollback of rejected drafts: their rows are never absorbed.
+//! The context K/V of each drafter layer is paged like the target's KV and keyed by the same
+//! positions, so a sequence's block table serves both. A context row at position `p` reads only
+//! the target's features at `p`, which depend on the tokens up to `p` and nothing after, so a
+//! full block's rows are a function of the tokens its prefix-cache hash covers: a prefix hit
+//! reuses them as it reuses the target's KV (no per-block copy, and their memory is the pool's,
+//! counted per token in `cache_spec` and freed with the block). Absorbing writes the rows a step
+//! computed and kept; the rows of rejected drafts are never absorbed, and a sequence's context
+//! length is its anchor position, so what they left past it is never read (the rollback).
 //!
 //! Checkpoints are read in the public `DFlashDraftModel` layout: `config.json` (Qwen3 fields
 //! and `dflash_config` {block_size, mask_token_id, target_layer_ids}) and `model.safetensors`
 //! (`fc`, `hidden_norm`, `norm`, `layers.{i}.{input_layernorm, post_attention_layernorm,
 //! self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}`).
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -199,15 +203,49 @@ struct DflashLayer {
     down: Linear,
 }
 
-/// The context K/V of one sequence, per drafter layer `[len, n_kv_heads * head_dim]`.
+/// The context K/V pool, per drafter layer `[num_blocks, block_size, n_kv_heads * head_dim]`:
+/// block `b` holds the rows of the positions the target's KV block `b` holds.
 #[derive(Default)]
-struct Context {
-    len: usize,
+struct Pages {
+    block_size: usize,
+    num_blocks: usize,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
 }
 
-/// A loaded drafter and the context K/V of every sequence it drafts for.
+impl Pages {
+    /// Offset of position `pos`'s row in a layer's K or V buffer (`kvd` floats a row).
+    #[inline]
+    fn row(&self, block_table: &[u32], pos: usize, kvd: usize) -> usize {
+        (block_table[pos / self.block_size] as usize * self.block_size + pos % self.block_size) * kvd
+    }
+
+    /// Whether `block_table` covers positions `..end` inside the pool.
+    fn check(&self, block_table: &[u32], end: usize, what: &str) -> Result<()> {
+        if self.block_size == 0 {
+            return Err(NinferError::invalid(what, "the drafter's context pool is not allocated (allocate)"));
+        }
+        let need = end.div_ceil(self.block_size);
+        if block_table.len() < need {
+            return Err(NinferError::invalid(what, format!("{} blocks cover fewer than {end} positions (block size {})", block_table.len(), self.block_size)));
+        }
+        if let Some(b) = block_table[..need].iter().find(|&&b| b as usize >= self.num_blocks) {
+            return Err(NinferError::invalid(what, format!("block {b} >= num_blocks {}", self.num_blocks)));
+        }
+        Ok(())
+    }
+}
+
+/// One sequence to draft for: its block table, its context length (the anchor's position:
+/// rows `0..len` are read) and its anchor token.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftContext<'a> {
+    pub block_table: &'a [u32],
+    pub len: usize,
+    pub anchor: u32,
+}
+
+/// A loaded drafter and its paged context K/V.
 pub struct DflashDrafter {
     pub cfg: DflashConfig,
     /// Where it was loaded from (error messages).
@@ -217,7 +255,7 @@ pub struct DflashDrafter {
     norm: Vec<f32>,
     layers: Vec<DflashLayer>,
     inv_freq: Vec<f32>,
-    contexts: HashMap<u64, Context>,
+    pages: Pages,
 }
 
 impl DflashDrafter {
@@ -256,7 +294,7 @@ impl DflashDrafter {
             norm: vec("norm.weight", h)?,
             layers,
             inv_freq,
-            contexts: HashMap::new(),
+            pages: Pages::default(),
             dir: dir.to_path_buf(),
             cfg,
         })
@@ -280,34 +318,41 @@ impl DflashDrafter {
         self.fc.bytes() + 4 * (self.hidden_norm.len() + self.norm.len()) + self.layers.iter().map(layer).sum::<usize>()
     }
 
-    /// Context positions held for sequence `key`.
-    pub fn context_len(&self, key: u64) -> usize {
-        self.contexts.get(&key).map_or(0, |c| c.len)
+    /// Allocate the context pool: `num_blocks` blocks of `block_size` positions, the target's
+    /// KV pool shape (the old pool is freed first).
+    pub fn allocate(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        if block_size == 0 {
+            return Err(NinferError::config("block_size", "must be positive"));
+        }
+        self.pages = Pages::default();
+        let floats = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
+        let mut pages = Pages { block_size, num_blocks, ..Default::default() };
+        for _ in 0..self.cfg.num_layers {
+            pages.k.push(super::alloc(floats, "DFlash drafter context")?);
+            pages.v.push(super::alloc(floats, "DFlash drafter context")?);
+        }
+        self.pages = pages;
+        Ok(())
     }
 
-    /// Set sequence `key`'s context rows at positions `start_pos..start_pos + rows` from the
-    /// target features `[rows, feature_width]`, dropping whatever it held from `start_pos` on.
-    pub fn absorb(&mut self, key: u64, start_pos: usize, features: &[f32]) -> Result<()> {
+    /// Bytes the context pool holds (`context_bytes_per_token` for every position of the pool).
+    pub fn context_bytes(&self) -> usize {
+        4 * self.pages.k.iter().chain(&self.pages.v).map(Vec::len).sum::<usize>()
+    }
+
+    /// Write the context rows at positions `start_pos..start_pos + rows` of the sequence with
+    /// `block_table`, from the target features `[rows, feature_width]`.
+    pub fn absorb(&mut self, block_table: &[u32], start_pos: usize, features: &[f32]) -> Result<()> {
         let (h, hd, eps) = (self.cfg.hidden_size, self.cfg.head_dim, self.cfg.rms_norm_eps);
         let width = self.feature_width();
         if features.len() % width != 0 {
             return Err(NinferError::invalid("dflash absorb", format!("{} feature values are not rows of {width}", features.len())));
         }
         let rows = features.len() / width;
-        let n_layers = self.layers.len();
-        let ctx = self.contexts.entry(key).or_insert_with(|| Context { len: 0, k: vec![Vec::new(); n_layers], v: vec![Vec::new(); n_layers] });
-        if start_pos > ctx.len {
-            return Err(NinferError::invalid("dflash absorb", format!("sequence {key} holds {} context positions; rows from {start_pos} would leave a gap", ctx.len)));
-        }
-        let kvd = self.cfg.num_kv_heads * hd;
-        for l in 0..n_layers {
-            ctx.k[l].truncate(start_pos * kvd);
-            ctx.v[l].truncate(start_pos * kvd);
-        }
-        ctx.len = start_pos;
         if rows == 0 {
             return Ok(());
         }
+        self.pages.check(block_table, start_pos + rows, "dflash absorb")?;
         let mut projected = vec![0f32; rows * h];
         self.fc.forward(features, rows, &mut projected);
         let mut normed = vec![0f32; rows * h];
@@ -315,50 +360,46 @@ impl DflashDrafter {
         let positions: Vec<usize> = (start_pos..start_pos + rows).collect();
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         rope_tables(&positions, &self.inv_freq, 1.0, &mut cos, &mut sin);
+        let kvd = self.cfg.num_kv_heads * hd;
         let mut kv = vec![0f32; rows * 2 * kvd];
+        let pages = &mut self.pages;
         for (l, layer) in self.layers.iter().enumerate() {
             layer.kv.forward(&normed, rows, &mut kv);
             rms_norm_heads_inplace(&mut kv, rows, 2 * kvd, 0, self.cfg.num_kv_heads, hd, &layer.k_norm, eps);
             apply_rope(&mut kv, rows, 2 * kvd, 0, self.cfg.num_kv_heads, hd, &cos, &sin, hd / 2);
             for r in 0..rows {
-                ctx.k[l].extend_from_slice(&kv[r * 2 * kvd..r * 2 * kvd + kvd]);
-                ctx.v[l].extend_from_slice(&kv[r * 2 * kvd + kvd..(r + 1) * 2 * kvd]);
+                let at = pages.row(block_table, start_pos + r, kvd);
+                pages.k[l][at..at + kvd].copy_from_slice(&kv[r * 2 * kvd..r * 2 * kvd + kvd]);
+                pages.v[l][at..at + kvd].copy_from_slice(&kv[r * 2 * kvd + kvd..(r + 1) * 2 * kvd]);
             }
         }
-        ctx.len = start_pos + rows;
         Ok(())
     }
 
-    /// Forget sequence `key`'s context.
-    pub fn release(&mut self, key: u64) {
-        self.contexts.remove(&key);
-    }
-
-    /// One drafting forward for each `(key, anchor)`: the anchor sits right after the
-    /// sequence's context. Returns, per sequence, the logits `[block_size - 1, vocab]` of the
-    /// tokens after the anchor, with the target's embedding and LM head.
-    pub fn draft_logits(&self, weights: &ModelWeights, seqs: &[(u64, u32)]) -> Result<Vec<Vec<f32>>> {
+    /// One drafting forward for each sequence: its anchor sits right after its context rows.
+    /// Returns, per sequence, the logits `[block_size - 1, vocab]` of the tokens after the
+    /// anchor, with the target's embedding and LM head.
+    pub fn draft_logits(&self, weights: &ModelWeights, seqs: &[DraftContext]) -> Result<Vec<Vec<f32>>> {
         let embed = &weights.embed;
         let c = &self.cfg;
         let (h, hd, bs, eps) = (c.hidden_size, c.head_dim, c.block_size, c.rms_norm_eps);
         let (nh, nkv) = (c.num_heads, c.num_kv_heads);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let vocab = embed.len() / h;
-        let mut ctxs = Vec::with_capacity(seqs.len());
-        for &(key, anchor) in seqs {
-            if anchor as usize >= vocab {
-                return Err(NinferError::invalid("dflash draft", format!("anchor token {anchor} >= vocab_size {vocab}")));
+        for s in seqs {
+            if s.anchor as usize >= vocab {
+                return Err(NinferError::invalid("dflash draft", format!("anchor token {} >= vocab_size {vocab}", s.anchor)));
             }
-            ctxs.push(self.contexts.get(&key).ok_or_else(|| NinferError::invalid("dflash draft", format!("sequence {key} has no context absorbed")))?);
+            self.pages.check(s.block_table, s.len, "dflash draft")?;
         }
         let rows = seqs.len() * bs;
         let mut x = vec![0f32; rows * h];
         let mut positions = Vec::with_capacity(rows);
-        for (s, &(_, anchor)) in seqs.iter().enumerate() {
+        for (s, seq) in seqs.iter().enumerate() {
             for j in 0..bs {
-                let t = if j == 0 { anchor } else { c.mask_token_id } as usize;
+                let t = if j == 0 { seq.anchor } else { c.mask_token_id } as usize;
                 x[(s * bs + j) * h..(s * bs + j + 1) * h].copy_from_slice(&embed[t * h..(t + 1) * h]);
-                positions.push(ctxs[s].len + j);
+                positions.push(seq.len + j);
             }
         }
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
@@ -374,10 +415,11 @@ impl DflashDrafter {
             apply_rope(&mut q, rows, qd, 0, nh, hd, &cos, &sin, hd / 2);
             apply_rope(&mut kv, rows, 2 * kvd, 0, nkv, hd, &cos, &sin, hd / 2);
             let (q, kv) = (&q, &kv);
-            fit(&mut att, rows * qd).par_chunks_mut(bs * qd).zip(ctxs.par_iter()).enumerate().for_each(|(s, (out, ctx))| {
+            let pages = &self.pages;
+            fit(&mut att, rows * qd).par_chunks_mut(bs * qd).zip(seqs.par_iter()).enumerate().for_each(|(s, (out, seq))| {
                 let block_q = &q[s * bs * qd..(s + 1) * bs * qd];
                 let block_kv = &kv[s * bs * 2 * kvd..(s + 1) * bs * 2 * kvd];
-                block_attention(ctx, l, block_q, block_kv, nh, nkv, hd, scale, out);
+                block_attention(pages, seq, l, block_q, block_kv, nh, nkv, hd, scale, out);
             });
             layer.o.forward(&att, rows, fit(&mut tmp, rows * h));
             add_into(&mut x, &tmp);
@@ -399,7 +441,7 @@ impl DflashDrafter {
     }
 
     /// `draft_logits` with `model`'s embedding and LM head, on its thread pool.
-    pub fn draft_logits_with(&self, model: &CpuModel, seqs: &[(u64, u32)]) -> Result<Vec<Vec<f32>>> {
+    pub fn draft_logits_with(&self, model: &CpuModel, seqs: &[DraftContext]) -> Result<Vec<Vec<f32>>> {
         model.pool.install(|| self.draft_logits(&model.weights, seqs))
     }
 
@@ -410,20 +452,22 @@ impl DflashDrafter {
 }
 
 /// One sequence's block attention in drafter layer `layer`: each of its `block_size` query rows
-/// over the context K/V and the block's own K/V, every head; writes `[block_size, heads * hd]`.
+/// over its context K/V (rows `0..seq.len` through its block table) and the block's own K/V,
+/// every head; writes `[block_size, heads * hd]`.
 #[allow(clippy::too_many_arguments)]
-fn block_attention(ctx: &Context, layer: usize, q: &[f32], kv: &[f32], nh: usize, nkv: usize, hd: usize, scale: f32, out: &mut [f32]) {
+fn block_attention(pages: &Pages, seq: &DraftContext, layer: usize, q: &[f32], kv: &[f32], nh: usize, nkv: usize, hd: usize, scale: f32, out: &mut [f32]) {
     let (qd, kvd) = (nh * hd, nkv * hd);
     let bs = q.len() / qd;
-    let (ck, cv) = (&ctx.k[layer], &ctx.v[layer]);
-    let n = ctx.len + bs;
+    let (ck, cv, len) = (&pages.k[layer], &pages.v[layer], seq.len);
+    let rows: Vec<usize> = (0..len).map(|i| pages.row(seq.block_table, i, kvd)).collect();
+    let n = len + bs;
     let mut scores = vec![0f32; n];
     for j in 0..bs {
         for head in 0..nh {
             let g = head / (nh / nkv);
             let qh = &q[j * qd + head * hd..j * qd + (head + 1) * hd];
-            let key = |i: usize| if i < ctx.len { &ck[i * kvd + g * hd..i * kvd + (g + 1) * hd] } else { &kv[(i - ctx.len) * 2 * kvd + g * hd..(i - ctx.len) * 2 * kvd + (g + 1) * hd] };
-            let value = |i: usize| if i < ctx.len { &cv[i * kvd + g * hd..i * kvd + (g + 1) * hd] } else { &kv[(i - ctx.len) * 2 * kvd + kvd + g * hd..(i - ctx.len) * 2 * kvd + kvd + (g + 1) * hd] };
+            let key = |i: usize| if i < len { &ck[rows[i] + g * hd..rows[i] + (g + 1) * hd] } else { &kv[(i - len) * 2 * kvd + g * hd..(i - len) * 2 * kvd + (g + 1) * hd] };
+            let value = |i: usize| if i < len { &cv[rows[i] + g * hd..rows[i] + (g + 1) * hd] } else { &kv[(i - len) * 2 * kvd + kvd + g * hd..(i - len) * 2 * kvd + kvd + (g + 1) * hd] };
             let mut max = f32::NEG_INFINITY;
             for (i, s) in scores.iter_mut().enumerate() {
                 *s = qh.iter().zip(key(i)).map(|(a, b)| a * b).sum::<f32>() * scale;
@@ -452,8 +496,10 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// What the CPU runner keeps for `--spec dflash`: the drafter and the target features of every
-/// row of the last forward.
+/// What the CPU runner keeps for `--spec dflash`: the drafter (with its paged context) and the
+/// target features of every row of the last forward. Nothing per sequence: a sequence's
+/// context is the rows its blocks hold before its anchor, absorbed by the steps that computed
+/// them (its own, or the request's that cached the blocks it hit).
 pub(super) struct DflashState {
     pub(super) drafter: DflashDrafter,
     /// `[rows, feature_width]` of the last forward.
@@ -475,7 +521,7 @@ impl DflashState {
                 (Some(&a), Some(&b)) if a + r.rows <= b => (a, a + r.rows),
                 _ => return Err(NinferError::invalid("dflash_absorb", format!("{} rows of chunk {} are not in the last forward", r.rows, r.chunk))),
             };
-            self.drafter.absorb(r.key, r.start_pos, &self.features[first * width..end * width])?;
+            self.drafter.absorb(&r.block_table, r.start_pos, &self.features[first * width..end * width])?;
         }
         Ok(())
     }
@@ -487,10 +533,6 @@ impl DflashState {
     pub(super) fn draft(&mut self, model: &CpuModel, seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
         let bs = self.drafter.cfg.block_size;
         for s in seqs {
-            let held = self.drafter.context_len(s.key);
-            if held != s.pos {
-                return Err(NinferError::invalid("dflash_draft", format!("sequence {} holds {held} context positions, its anchor is at {}", s.key, s.pos)));
-            }
             if s.k >= bs {
                 return Err(NinferError::invalid("dflash_draft", format!("{} drafts asked; the drafter's block gives {}", s.k, bs - 1)));
             }
@@ -503,7 +545,7 @@ impl DflashState {
         if idx.is_empty() {
             return Ok(out);
         }
-        let asked: Vec<(u64, u32)> = idx.iter().map(|&i| (seqs[i].key, seqs[i].token)).collect();
+        let asked: Vec<DraftContext> = idx.iter().map(|&i| DraftContext { block_table: &seqs[i].block_table, len: seqs[i].pos, anchor: seqs[i].token }).collect();
         let logits = self.drafter.draft_logits(&model.weights, &asked)?;
         let vocab = model.cfg.vocab_size;
         for (&i, l) in idx.iter().zip(logits) {

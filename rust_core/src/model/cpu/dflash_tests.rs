@@ -1,15 +1,16 @@
 //! The DFlash drafter's invariants on the synthetic hybrid checkpoint with a random drafter:
 //! malformed drafters are refused naming what is wrong, absorbing in chunks equals one call,
-//! rolling the context back and absorbing again equals absorbing fresh, a batch drafts as each
-//! sequence alone, the forward's features leave its logits as they were, and the runner's
-//! hooks draft as the drafter does. Parity with the PyTorch reference (tools/dflash) is in
+//! rolling the context back and absorbing again equals absorbing fresh, a sequence sharing
+//! another's blocks (a prefix hit) drafts as if it had absorbed them itself, a batch drafts as
+//! each sequence alone, the forward's features leave its logits as they were, and the runner's
+//! hooks draft as the drafter does, with the context paged in the KV pool's shape. Parity with the PyTorch reference (tools/dflash) is in
 //! tests/test_dflash.py.
 
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::dflash::DflashDrafter;
+use super::dflash::{DflashDrafter, DraftContext};
 use super::tests::{load, max_rel, seq, write_hybrid};
 use crate::model::test_checkpoint::centered_noise;
 use crate::model::*;
@@ -75,11 +76,13 @@ fn refusal(dir: &Path, m: &CpuModel) -> String {
     DflashDrafter::load(dir, m.config()).err().expect("refused").to_string()
 }
 
-/// The model, a random drafter and the target's features `[16, 2 * H]` of `TOKENS`.
+/// The model, a random drafter (its context pool: 32 blocks of 4) and the target's features
+/// `[16, 2 * H]` of `TOKENS`.
 fn setup(tag: &str) -> (CpuModel, DflashDrafter, Vec<f32>) {
     let mut m = load(&write_hybrid(&format!("dflash_{tag}"), Dtype::F32, false));
     m.allocate_caches(32, 4, 2).unwrap();
-    let d = DflashDrafter::load(&write_drafter(tag, serde_json::json!({}), &[]), m.config()).unwrap();
+    let mut d = DflashDrafter::load(&write_drafter(tag, serde_json::json!({}), &[]), m.config()).unwrap();
+    d.allocate(32, 4).unwrap();
     let mut features = Vec::new();
     let table: Vec<u32> = (0..4).collect();
     m.forward_with_features(&StepBatch { seqs: vec![seq(&TOKENS, 0, &table, 0, LogitsWanted::All)] }, &[0, 2], &mut features).unwrap();
@@ -123,39 +126,75 @@ fn features_leave_the_logits_unchanged_and_the_last_layer_is_normed() {
     }
 }
 
+/// Blocks `first..first + n` of the pool of 4-position blocks.
+fn blocks(first: u32, n: u32) -> Vec<u32> {
+    (first..first + n).collect()
+}
+
+fn ctx(block_table: &[u32], len: usize, anchor: u32) -> DraftContext<'_> {
+    DraftContext { block_table, len, anchor }
+}
+
 #[test]
 fn absorbing_in_chunks_and_rolling_back_equal_one_fresh_call() {
     let (m, mut d, f) = setup("chunks");
     let w = 2 * H;
-    d.absorb(1, 0, &f[..10 * w]).unwrap();
-    d.absorb(2, 0, &f[..4 * w]).unwrap();
-    d.absorb(2, 4, &f[4 * w..10 * w]).unwrap();
-    // Sequence 3 absorbs rows past 10 (rejected drafts), then is cut back to 10.
-    d.absorb(3, 0, &f[..13 * w]).unwrap();
-    d.absorb(3, 8, &f[8 * w..10 * w]).unwrap();
-    assert_eq!(d.context_len(3), 10);
-    let one = d.draft_logits_with(&m, &[(1, TOKENS[10])]).unwrap();
-    for key in [2, 3] {
-        let other = d.draft_logits_with(&m, &[(key, TOKENS[10])]).unwrap();
-        assert!(max_rel(&other[0], &one[0]) < 1e-5, "sequence {key}: rel err {}", max_rel(&other[0], &one[0]));
+    let (t1, t2, t3) = (blocks(0, 4), blocks(4, 4), blocks(8, 4));
+    d.absorb(&t1, 0, &f[..10 * w]).unwrap();
+    d.absorb(&t2, 0, &f[..4 * w]).unwrap();
+    d.absorb(&t2, 4, &f[4 * w..10 * w]).unwrap();
+    // Sequence 3 absorbs rows past 10 (rejected drafts), then rows 8.. again; it drafts from 10.
+    d.absorb(&t3, 0, &f[..13 * w]).unwrap();
+    d.absorb(&t3, 8, &f[8 * w..10 * w]).unwrap();
+    let one = d.draft_logits_with(&m, &[ctx(&t1, 10, TOKENS[10])]).unwrap();
+    for t in [&t2, &t3] {
+        let other = d.draft_logits_with(&m, &[ctx(t, 10, TOKENS[10])]).unwrap();
+        assert!(max_rel(&other[0], &one[0]) < 1e-5, "{t:?}: rel err {}", max_rel(&other[0], &one[0]));
     }
     assert_eq!(one[0].len(), (BLOCK - 1) * VOCAB);
-    let e = d.absorb(1, 12, &f[12 * w..13 * w]).unwrap_err().to_string();
-    assert!(e.contains("gap"), "{e}");
+    // A table that does not cover the rows, or names a block outside the pool, is refused.
+    let e = d.absorb(&t1[..2], 8, &f[8 * w..10 * w]).unwrap_err().to_string();
+    assert!(e.contains("cover fewer than 10 positions"), "{e}");
+    let e = d.draft_logits_with(&m, &[ctx(&[0, 40], 6, 1)]).unwrap_err().to_string();
+    assert!(e.contains("block 40 >= num_blocks 32"), "{e}");
+}
+
+/// A prefix hit: a second sequence whose table starts with the first one's two full blocks
+/// absorbs only its own rows after them and drafts as with every row absorbed fresh (the
+/// context rows of a position depend on that position's features alone).
+#[test]
+fn a_sequence_sharing_anothers_blocks_drafts_as_if_it_absorbed_them() {
+    let (m, mut d, f) = setup("shared");
+    let w = 2 * H;
+    let first = blocks(0, 4);
+    d.absorb(&first, 0, &f[..13 * w]).unwrap();
+    let hit = [0, 1, 20, 21];
+    d.absorb(&hit, 8, &f[8 * w..11 * w]).unwrap();
+    let fresh = blocks(10, 4);
+    d.absorb(&fresh, 0, &f[..11 * w]).unwrap();
+    let got = d.draft_logits_with(&m, &[ctx(&hit, 11, TOKENS[11])]).unwrap();
+    let want = d.draft_logits_with(&m, &[ctx(&fresh, 11, TOKENS[11])]).unwrap();
+    // To float rounding: the rows came from projections of other row counts.
+    assert!(max_rel(&got[0], &want[0]) < 1e-5, "rel err {}", max_rel(&got[0], &want[0]));
+    // Without the shared blocks' rows (other blocks at 0..8, never written) the drafts differ:
+    // the hit's context is really read from the shared blocks.
+    let stale = d.draft_logits_with(&m, &[ctx(&[30, 31, 20, 21], 11, TOKENS[11])]).unwrap();
+    assert!(max_rel(&stale[0], &want[0]) > 1e-3);
 }
 
 #[test]
 fn a_batch_drafts_as_each_sequence_alone() {
     let (m, mut d, f) = setup("batch");
     let w = 2 * H;
-    d.absorb(1, 0, &f[..7 * w]).unwrap();
-    d.absorb(2, 0, &f[..12 * w]).unwrap();
-    let both = d.draft_logits_with(&m, &[(1, TOKENS[7]), (2, TOKENS[12])]).unwrap();
-    let a = d.draft_logits_with(&m, &[(1, TOKENS[7])]).unwrap();
-    let b = d.draft_logits_with(&m, &[(2, TOKENS[12])]).unwrap();
+    let (t1, t2) = (blocks(0, 4), blocks(4, 4));
+    d.absorb(&t1, 0, &f[..7 * w]).unwrap();
+    d.absorb(&t2, 0, &f[..12 * w]).unwrap();
+    let both = d.draft_logits_with(&m, &[ctx(&t1, 7, TOKENS[7]), ctx(&t2, 12, TOKENS[12])]).unwrap();
+    let a = d.draft_logits_with(&m, &[ctx(&t1, 7, TOKENS[7])]).unwrap();
+    let b = d.draft_logits_with(&m, &[ctx(&t2, 12, TOKENS[12])]).unwrap();
     assert!(max_rel(&both[0], &a[0]) < 1e-5 && max_rel(&both[1], &b[0]) < 1e-5);
     // The anchor matters: another anchor drafts from other logits.
-    let other = d.draft_logits_with(&m, &[(1, TOKENS[3])]).unwrap();
+    let other = d.draft_logits_with(&m, &[ctx(&t1, 7, TOKENS[3])]).unwrap();
     assert!(max_rel(&other[0], &a[0]) > 1e-3);
 }
 
@@ -171,11 +210,12 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
     // A prompt in two chunks, as the engine absorbs them.
     for (start, end) in [(0, 6), (6, 11)] {
         m.forward(&StepBatch { seqs: vec![seq(&TOKENS[start..end], start, &table, 0, LogitsWanted::Last)] }).unwrap();
-        m.dflash_absorb(&[DflashRows { key: 9, chunk: 0, start_pos: start, rows: end - start }]).unwrap();
+        m.dflash_absorb(&[DflashRows { chunk: 0, start_pos: start, rows: end - start, block_table: table.clone() }]).unwrap();
     }
-    let drafts = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: TOKENS[11], k: 3, sampling: None }]).unwrap();
-    d.absorb(9, 0, &f[..11 * 2 * H]).unwrap();
-    let logits = d.draft_logits_with(&m, &[(9, TOKENS[11])]).unwrap().remove(0);
+    let draft_seq = |pos: usize, token: u32, k: usize, sampling: Option<DraftSampling>| DflashDraftSeq { pos, token, block_table: table.clone(), k, sampling };
+    let drafts = m.dflash_draft(&[draft_seq(11, TOKENS[11], 3, None)]).unwrap();
+    d.absorb(&table, 0, &f[..11 * 2 * H]).unwrap();
+    let logits = d.draft_logits_with(&m, &[ctx(&table, 11, TOKENS[11])]).unwrap().remove(0);
     let want: Vec<u32> = (0..3).map(|j| argmax(&logits[j * VOCAB..(j + 1) * VOCAB])).collect();
     assert_eq!(drafts[0], MtpDraft { tokens: want, q: Vec::new() });
     // A sampled request's drafts: each depth drawn with its own uniform from the same logits
@@ -184,7 +224,7 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
     let warpers = RowSampling { temperature: 0.9, top_k: 7, ..Default::default() };
     let u = vec![0.1, 0.5, 0.93];
     let sampling = Some(DraftSampling { warpers: warpers.clone(), u: u.clone() });
-    let sampled = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: TOKENS[11], k: 3, sampling }]).unwrap().remove(0);
+    let sampled = m.dflash_draft(&[draft_seq(11, TOKENS[11], 3, sampling)]).unwrap().remove(0);
     let (tokens, q): (Vec<u32>, Vec<Vec<f32>>) = (0..3).map(|j| draw_draft(&logits[j * VOCAB..(j + 1) * VOCAB], &warpers, u[j])).unzip();
     assert_eq!((sampled.tokens.as_slice(), sampled.q.len()), (tokens.as_slice(), 3));
     for (got, want) in sampled.q.iter().zip(&q) {
@@ -192,16 +232,19 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
     }
     assert!(sampled.q.iter().all(|q| q.iter().filter(|&&x| x > 0.0).count() <= 7), "top-k shapes q");
     let short = Some(DraftSampling { warpers, u: vec![0.5] });
-    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: 3, sampling: short }]).unwrap_err().to_string();
+    let e = m.dflash_draft(&[draft_seq(11, 1, 3, short)]).unwrap_err().to_string();
     assert!(e.contains("1 draft draws for 3 drafts"), "{e}");
     // The drafter's context counts in every token's KV bytes: 2 layers, K and V, 2 heads of 8.
     let mut plain = load(&write_hybrid("dflash_hooks_plain", Dtype::F32, false));
     plain.allocate_caches(32, 4, 2).unwrap();
     assert_eq!(per_token - plain.cache_spec().kv_bytes_per_token, 2 * 2 * 2 * 8 * 4);
-    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 12, token: 1, k: 3, sampling: None }]).unwrap_err().to_string();
-    assert!(e.contains("holds 11 context positions"), "{e}");
-    let e = m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: BLOCK, sampling: None }]).unwrap_err().to_string();
+    // ... and it is allocated with the pool, in its shape: 32 blocks of 4 positions, and
+    // nothing per sequence beside it.
+    assert_eq!(m.dflash_context_bytes(), Some(32 * 4 * 2 * 2 * 2 * 8 * 4));
+    let e = m.dflash_draft(&[draft_seq(17, 1, 3, None)]).unwrap_err().to_string();
+    assert!(e.contains("cover fewer than 17 positions"), "{e}");
+    let e = m.dflash_draft(&[draft_seq(11, 1, BLOCK, None)]).unwrap_err().to_string();
     assert!(e.contains("block gives 4"), "{e}");
-    m.dflash_release(9);
-    assert!(m.dflash_draft(&[DflashDraftSeq { key: 9, pos: 11, token: 1, k: 1, sampling: None }]).is_err());
+    // A one-token prompt drafts from an empty context.
+    assert_eq!(m.dflash_draft(&[draft_seq(0, TOKENS[0], 2, None)]).unwrap()[0].tokens.len(), 2);
 }

@@ -112,6 +112,11 @@ impl CpuModel {
         self.pool.current_num_threads()
     }
 
+    /// Bytes of the DFlash drafter's context pool (None without `--spec dflash`).
+    pub fn dflash_context_bytes(&self) -> Option<usize> {
+        self.dflash_state.as_ref().map(|st| st.drafter.context_bytes())
+    }
+
     /// KV blocks and state slots currently allocated.
     pub fn cache_capacity(&self) -> (usize, usize, usize) {
         (self.caches.num_blocks, self.caches.block_size, self.caches.num_slots)
@@ -315,6 +320,9 @@ impl ModelRunner for CpuModel {
             self.mtp_state = Some(st);
             r?;
         }
+        if let Some(st) = self.dflash_state.as_mut() {
+            st.drafter.allocate(num_blocks, block_size)?;
+        }
         Ok(())
     }
 
@@ -379,7 +387,10 @@ impl ModelRunner for CpuModel {
     }
 
     fn enable_dflash(&mut self, dir: &Path) -> Result<usize> {
-        let drafter = dflash::DflashDrafter::load(dir, &self.cfg)?;
+        let mut drafter = dflash::DflashDrafter::load(dir, &self.cfg)?;
+        if self.caches.block_size > 0 {
+            drafter.allocate(self.caches.num_blocks, self.caches.block_size)?;
+        }
         let block_size = drafter.cfg.block_size;
         self.dflash_state = Some(dflash::DflashState::new(drafter));
         Ok(block_size)
@@ -397,12 +408,6 @@ impl ModelRunner for CpuModel {
         let r = pool.install(|| st.draft(self, seqs));
         self.dflash_state = Some(st);
         r
-    }
-
-    fn dflash_release(&mut self, key: u64) {
-        if let Some(st) = self.dflash_state.as_mut() {
-            st.drafter.release(key);
-        }
     }
 
     fn workspace_bytes(&self) -> usize {
