@@ -127,18 +127,19 @@ fn matmul_bias(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k
     y
 }
 
-/// `lin.forward` of `rows` rows into an output poisoned with NaN and followed by a guard
-/// region: the values, once every one was written and nothing past them.
-fn forward_guarded(dev: &CudaDevice, lin: &Linear, x: &CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize) -> Vec<f32> {
+/// `lin.forward` of `rows` rows into an output poisoned with NaN, then `scratch` rows the
+/// route may write (a step buffer's rows past the step's), then a guard region: the rows'
+/// values, once every one was written and nothing past the scratch rows.
+fn forward_guarded(dev: &CudaDevice, lin: &Linear, x: &CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize, scratch: usize) -> Vec<f32> {
     const GUARD: u16 = 0x7fa5;
-    let len = rows * lin.n;
-    let mut host = vec![0x7fc0u16; len];
+    let (len, end) = (rows * lin.n, (rows + scratch) * lin.n);
+    let mut host = vec![0x7fc0u16; end];
     host.extend([GUARD; 97]);
     let mut y = dev.stream().clone_htod(&host).unwrap();
     lin.forward(dev, x, &mut y, lin32, rows).unwrap();
     dev.synchronize().unwrap();
     let back = dev.stream().clone_dtoh(&y).unwrap();
-    assert!(back[len..].iter().all(|&g| g == GUARD), "[{}, {}] at {rows} rows: write past the end of the output", lin.n, lin.k);
+    assert!(back[end..].iter().all(|&g| g == GUARD), "[{}, {}] at {rows} rows: write past the end of the output", lin.n, lin.k);
     let v = from_bits(&back[..len], dev.storage());
     assert!(v.iter().all(|x| !x.is_nan()), "[{}, {}] at {rows} rows: an output left unwritten", lin.n, lin.k);
     v
@@ -146,7 +147,8 @@ fn forward_guarded(dev: &CudaDevice, lin: &Linear, x: &CudaSlice<u16>, lin32: &m
 
 /// `Linear::forward` over an FP8 row weight at prefill sizes: the FP8 route where the device
 /// has FP8 tensor cores and N, K are multiples of 16 (rows 17, 128 and 1000, the last in two
-/// workspace chunks at [256, 512]), with and without a bias, within E4M3FN's error of the CPU
+/// workspace chunks at [256, 512]; 17 also in buffers of 32 rows, which the route runs padded),
+/// with and without a bias, within E4M3FN's error of the CPU
 /// matmul over the dequantized weight; [40, 200] takes the dequantize route (within the dense
 /// GEMM's tolerance of the same matmul over the storage-type weight), as every shape does on
 /// devices without FP8 tensor cores and on f16 storage.
@@ -175,11 +177,22 @@ fn fp8_prefill_linear_is_within_e4m3_error_of_the_dequantized_matmul() {
                     let x = rounded(&activations(&mut rng, rows, k), st);
                     let xd = upload(&dev, &x);
                     let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(rows * n).unwrap();
-                    let got = forward_guarded(&dev, &lin, &xd, &mut lin32, rows);
+                    let got = forward_guarded(&dev, &lin, &xd, &mut lin32, rows, 0);
                     let b = with_bias.then_some(&bias_host[..]);
                     let shape = format!("rows{rows} n{n} k{k} bias={with_bias}");
                     if fp8 {
-                        check_fp8_error(&format!("fp8_linear {shape}"), &got, &matmul_bias(&x, &dense, b, rows, n, k), &x, &dense, b, rows, n, k);
+                        let want = matmul_bias(&x, &dense, b, rows, n, k);
+                        check_fp8_error(&format!("fp8_linear {shape}"), &got, &want, &x, &dense, b, rows, n, k);
+                        if rows == 17 {
+                            // Buffers of 32 rows (a step's buffers are larger than its rows): the
+                            // route runs the 32 rows of padded_rows(17), rows 17.. scratch; the
+                            // first 17 within the same bounds.
+                            let mut xp = x.clone();
+                            xp.extend(rounded(&rng.vec(15 * k, -1.0, 1.0), st));
+                            let mut lin32p: CudaSlice<f32> = dev.stream().alloc_zeros(32 * n).unwrap();
+                            let padded = forward_guarded(&dev, &lin, &upload(&dev, &xp), &mut lin32p, rows, 15);
+                            check_fp8_error(&format!("fp8_linear padded {shape}"), &padded, &want, &x, &dense, b, rows, n, k);
+                        }
                     } else {
                         let want = matmul_bias(&x, &rounded(&dense, st), b, rows, n, k);
                         check("fp8 weight, dequantize route", st, &shape, &got, &rounded(&want, st), tol16(st));
