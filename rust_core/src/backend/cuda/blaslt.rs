@@ -51,6 +51,15 @@ impl Drop for BlasLt {
     }
 }
 
+/// The descriptors of one FP8 GEMM shape and its algorithm (`CudaDevice::fp8_plan`).
+struct Fp8Plan {
+    desc: Owned<sys::cublasLtMatmulDesc_t>,
+    a: Owned<sys::cublasLtMatrixLayout_t>,
+    b: Owned<sys::cublasLtMatrixLayout_t>,
+    d: Owned<sys::cublasLtMatrixLayout_t>,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
 /// Owns a cuBLASLt descriptor and destroys it when dropped (also on an error path).
 struct Owned<T: Copy>(T, unsafe fn(T) -> std::result::Result<(), result::CublasError>);
 
@@ -101,20 +110,10 @@ impl CudaDevice {
         Ok(b)
     }
 
-    /// y[m, n] (bf16 at `y`, row stride n) = x[m, k] * W[n, k]^T over E4M3FN codes (`x` and `w`
-    /// device addresses of row-major code matrices), f32 accumulation, unit scales. The
-    /// caller checked the buffers' lengths; here the shape and alignment rules are checked.
-    pub(crate) fn fp8_gemm_raw(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
-        if !fp8_gemm_fits(n, k) || [x, w, y].iter().any(|p| !p.is_multiple_of(16)) {
-            return Err(NinferError::Device(format!("fp8 gemm m={m} n={n} k={k}: cuBLASLt's FP8 GEMM needs K and N multiples of 16 and 16-byte aligned operands")));
-        }
-        if m == 0 {
-            return Ok(());
-        }
-        if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
-            return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
-        }
-        let lt = self.blas_lt()?;
+    /// The descriptors of the FP8 GEMM of `m` x `n` x `k` and the algorithm cuBLASLt's
+    /// heuristic gives it (asked once per shape); an error naming the shape and the device
+    /// where this cuBLASLt has none.
+    fn fp8_plan(&self, lt: &BlasLt, m: usize, n: usize, k: usize) -> Result<Fp8Plan> {
         use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F, CUDA_R_8F_E4M3};
         let desc = Owned(result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F).map_err(lt_err("creating the matmul descriptor"))?, result::destroy_matmul_desc);
         // cublasOperation_t: 1 = T, 0 = N.
@@ -131,30 +130,54 @@ impl CudaDevice {
         let a = layout(CUDA_R_8F_E4M3, k, n, k)?;
         let b = layout(CUDA_R_8F_E4M3, k, m, k)?;
         let d = layout(CUDA_R_16BF, n, m, n)?;
-        let algo = {
-            let mut algos = lt.algos.lock().expect("cublasLt algorithms poisoned");
-            match algos.get(&(n, m, k)) {
-                Some(a) => *a,
-                None => {
-                    let pref = Owned(result::create_matmul_pref().map_err(lt_err("creating the preference"))?, result::destroy_matmul_pref);
-                    let ws = LT_WORKSPACE_BYTES as u64;
-                    // SAFETY: all descriptors are live for the call.
-                    let heur = unsafe {
-                        result::set_matmul_pref_attribute(
-                            pref.0,
-                            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                            &ws as *const u64 as *const c_void,
-                            std::mem::size_of::<u64>(),
-                        )
-                        .map_err(lt_err("setting the workspace preference"))?;
-                        result::get_matmul_algo_heuristic(lt.handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
-                    }
-                    .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
-                    algos.insert((n, m, k), heur.algo);
-                    heur.algo
+        let mut algos = lt.algos.lock().expect("cublasLt algorithms poisoned");
+        let algo = match algos.get(&(n, m, k)) {
+            Some(a) => *a,
+            None => {
+                let pref = Owned(result::create_matmul_pref().map_err(lt_err("creating the preference"))?, result::destroy_matmul_pref);
+                let ws = LT_WORKSPACE_BYTES as u64;
+                // SAFETY: all descriptors are live for the call.
+                let heur = unsafe {
+                    result::set_matmul_pref_attribute(
+                        pref.0,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        &ws as *const u64 as *const c_void,
+                        std::mem::size_of::<u64>(),
+                    )
+                    .map_err(lt_err("setting the workspace preference"))?;
+                    result::get_matmul_algo_heuristic(lt.handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
                 }
+                .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
+                algos.insert((n, m, k), heur.algo);
+                heur.algo
             }
         };
+        Ok(Fp8Plan { desc, a, b, d, algo })
+    }
+
+    /// Whether this device's cuBLASLt has an FP8 GEMM for an `[n, k]` weight (asked of its
+    /// heuristic at 64 rows; no GPU work): the FP8 route's check at load, so that a library
+    /// without one leaves the weight on the dequantize route rather than failing its steps.
+    pub fn fp8_gemm_available(&self, n: usize, k: usize) -> Result<()> {
+        let lt = self.blas_lt()?;
+        self.fp8_plan(&lt, 64, n, k).map(|_| ())
+    }
+
+    /// y[m, n] (bf16 at `y`, row stride n) = x[m, k] * W[n, k]^T over E4M3FN codes (`x` and `w`
+    /// device addresses of row-major code matrices), f32 accumulation, unit scales. The
+    /// caller checked the buffers' lengths; here the shape and alignment rules are checked.
+    pub(crate) fn fp8_gemm_raw(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
+        if !fp8_gemm_fits(n, k) || [x, w, y].iter().any(|p| !p.is_multiple_of(16)) {
+            return Err(NinferError::Device(format!("fp8 gemm m={m} n={n} k={k}: cuBLASLt's FP8 GEMM needs K and N multiples of 16 and 16-byte aligned operands")));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
+            return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
+        }
+        let lt = self.blas_lt()?;
+        let Fp8Plan { desc, a, b, d, algo } = self.fp8_plan(&lt, m, n, k)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let s = self.stream();
         let (wsp, _g) = lt.workspace.device_ptr(s);

@@ -56,12 +56,17 @@ pub struct QuantPart {
 impl QuantPart {
     /// The part of `weight` on `dev`, with the prefill route `QuantPrefill::choose` gives it;
     /// the FP8 route's kernels and cuBLASLt handle (its workspace) are made here, so that no
-    /// step compiles or allocates.
+    /// step compiles or allocates. Where the device's cuBLASLt has no FP8 GEMM for the shape
+    /// (a CUDA 12 before FP8 support), the weight dequantizes, and the load says so once.
     pub fn new(dev: &CudaDevice, weight: DeviceQuantWeight, workspace: Arc<QuantWorkspace>) -> Result<Self> {
-        let prefill = QuantPrefill::choose(dev, &weight);
+        let mut prefill = QuantPrefill::choose(dev, &weight);
         if prefill == QuantPrefill::Fp8Gemm {
             dev.load_kernel_families(&[KernelFamily::Fp8Gemm])?;
-            dev.blas_lt()?;
+            if let Err(e) = dev.fp8_gemm_available(weight.n, weight.k) {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| eprintln!("ninfer: {} and the FP8 weights like it dequantize for prefill: {e}", weight.name));
+                prefill = QuantPrefill::Dequantize;
+            }
         }
         Ok(QuantPart { weight, workspace, prefill })
     }
