@@ -121,6 +121,8 @@ mod gemv_chain;
 mod prefill_vec;
 #[path = "cuda_ops/quant.rs"]
 mod quant;
+#[path = "cuda_ops/fp8_gemm.rs"]
+mod fp8_gemm;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};

@@ -46,6 +46,8 @@ pub struct CudaDevice {
     blas: Mutex<Option<Arc<CudaBlas>>>,
     /// cuBLAS workspace, bound to the handle for its whole life (capture forbids allocation).
     blas_workspace: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
+    /// The cuBLASLt handle of the FP8 GEMM (blaslt.rs), created on first use.
+    pub(super) blas_lt: Mutex<Option<Arc<super::blaslt::BlasLt>>>,
     /// The persistent prefill attention's work counters (ops/flash_attention.rs): zero between
     /// launches (the last block of a launch zeroes them), allocated here so that no launch
     /// allocates. One stream orders every launch, so one pair serves them all.
@@ -138,6 +140,7 @@ impl CudaDevice {
             resident: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
+            blas_lt: Mutex::new(None),
             fa_work,
             plan,
         })

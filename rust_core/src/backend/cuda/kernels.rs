@@ -112,11 +112,14 @@ pub enum KernelFamily {
     QuantGguf,
     /// The same kernels for the Hugging Face forms (block FP8, AWQ, GPTQ, pack-quantized).
     QuantHf,
+    /// The FP8 prefill route's activation quantization and scaling epilogue around cuBLASLt's
+    /// FP8 GEMM (sm_89+; compiled for every arch like the rest).
+    Fp8Gemm,
 }
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 16] = [
+    pub const ALL: [KernelFamily; 17] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
@@ -133,11 +136,12 @@ impl KernelFamily {
         KernelFamily::QuantNinfer,
         KernelFamily::QuantGguf,
         KernelFamily::QuantHf,
+        KernelFamily::Fp8Gemm,
     ];
 
     /// Whether the family holds quantized-weight kernels (loaded only with quantized weights).
     pub fn is_quant(self) -> bool {
-        matches!(self, KernelFamily::QuantNinfer | KernelFamily::QuantGguf | KernelFamily::QuantHf)
+        matches!(self, KernelFamily::QuantNinfer | KernelFamily::QuantGguf | KernelFamily::QuantHf | KernelFamily::Fp8Gemm)
     }
 
     /// File name under `cuda/` (also the NVRTC program name, so errors point at the file).
@@ -159,6 +163,7 @@ impl KernelFamily {
             KernelFamily::QuantNinfer => "quant_ninfer.cu",
             KernelFamily::QuantGguf => "quant_gguf.cu",
             KernelFamily::QuantHf => "quant_hf.cu",
+            KernelFamily::Fp8Gemm => "fp8_gemm.cu",
         }
     }
 
@@ -181,6 +186,7 @@ impl KernelFamily {
             KernelFamily::QuantNinfer => include_str!("../../../../cuda/quant_ninfer.cu"),
             KernelFamily::QuantGguf => include_str!("../../../../cuda/quant_gguf.cu"),
             KernelFamily::QuantHf => include_str!("../../../../cuda/quant_hf.cu"),
+            KernelFamily::Fp8Gemm => include_str!("../../../../cuda/fp8_gemm.cu"),
         }
     }
 }

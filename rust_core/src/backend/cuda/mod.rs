@@ -13,6 +13,8 @@ pub mod arena;
 #[cfg(feature = "cuda")]
 pub mod blas;
 #[cfg(feature = "cuda")]
+pub mod blaslt;
+#[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod emulate;

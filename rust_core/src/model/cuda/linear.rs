@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 
-use crate::backend::cuda::kernels::StorageDType;
-use crate::backend::cuda::ops::{DeviceQuantWeight, GemvKernel};
+use crate::backend::cuda::blaslt::fp8_gemm_fits;
+use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
+use crate::backend::cuda::ops::{DeviceQuantWeight, GemvKernel, QUANT_GEMV_MAX_M};
 use crate::backend::cuda::CudaDevice;
 use crate::quant::{QuantFormat, QuantWeight};
 use crate::{NinferError, Result};
@@ -22,8 +23,7 @@ pub enum WeightFormat {
     /// IEEE half (sm_7x, which has no bf16 arithmetic).
     F16,
     /// Packed in a quantized format (`Linear::quant` holds the bytes): the fused-dequantization
-    /// GEMV up to QUANT_GEMV_MAX_M rows, dequantization into the shared workspace then cuBLAS
-    /// beyond.
+    /// GEMV up to QUANT_GEMV_MAX_M rows, beyond its `QuantPrefill` route.
     Quant(QuantFormat),
 }
 
@@ -45,10 +45,63 @@ impl QuantWorkspace {
     }
 }
 
-/// A quantized projection's device part: the packed weight and the workspace it shares.
+/// A quantized projection's device part: the packed weight, the workspace it shares and its
+/// prefill route.
 pub struct QuantPart {
     pub weight: DeviceQuantWeight,
     pub workspace: Arc<QuantWorkspace>,
+    pub prefill: QuantPrefill,
+}
+
+impl QuantPart {
+    /// The part of `weight` on `dev`, with the prefill route `QuantPrefill::choose` gives it;
+    /// the FP8 route's kernels and cuBLASLt handle (its workspace) are made here, so that no
+    /// step compiles or allocates. Where the device's cuBLASLt has no FP8 GEMM for the shape
+    /// (a CUDA 12 before FP8 support), the weight dequantizes, and the load says so once.
+    pub fn new(dev: &CudaDevice, weight: DeviceQuantWeight, workspace: Arc<QuantWorkspace>) -> Result<Self> {
+        let mut prefill = QuantPrefill::choose(dev, &weight);
+        if prefill == QuantPrefill::Fp8Gemm {
+            dev.load_kernel_families(&[KernelFamily::Fp8Gemm])?;
+            if let Err(e) = dev.fp8_gemm_available(weight.n, weight.k) {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| eprintln!("ninfer: {} and the FP8 weights like it dequantize for prefill: {e}", weight.name));
+                prefill = QuantPrefill::Dequantize;
+            }
+        }
+        Ok(QuantPart { weight, workspace, prefill })
+    }
+}
+
+/// How a quantized projection runs steps of more than QUANT_GEMV_MAX_M rows (fewer run its
+/// fused-dequantization GEMV), chosen at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantPrefill {
+    /// The weight dequantized into the shared workspace, then cuBLAS in the storage type.
+    Dequantize,
+    /// x quantized to E4M3FN a row at a time, cuBLASLt's FP8 GEMM against the weight's codes,
+    /// the row multipliers applied after (`CudaDevice::fp8_linear`).
+    Fp8Gemm,
+}
+
+impl QuantPrefill {
+    /// FP8 tensor cores (compute capability 8.9 and newer, bf16 storage, which holds the GEMM's
+    /// raw sums) for an FP8_E4M3FN_ROW_BF16S weight without dense rows whose N and K are
+    /// multiples of 16 (cuBLASLt's FP8 rule); every other weight, device and shape dequantizes.
+    /// The HF block FP8 form dequantizes too: its 128 x 128 multipliers do not factor out of a
+    /// row's sum.
+    pub fn choose(dev: &CudaDevice, w: &DeviceQuantWeight) -> Self {
+        Self::of(dev.compute_capability(), dev.storage(), w.is_fp8_rows(), w.n, w.k)
+    }
+
+    /// `choose` for a device of compute capability `cc` and storage type `storage`, and an
+    /// `[n, k]` weight that is (`fp8_rows`) FP8_E4M3FN_ROW_BF16S without dense rows or not.
+    fn of(cc: (u32, u32), storage: StorageDType, fp8_rows: bool, n: usize, k: usize) -> Self {
+        if cc >= (8, 9) && storage == StorageDType::Bf16 && fp8_rows && fp8_gemm_fits(n, k) {
+            QuantPrefill::Fp8Gemm
+        } else {
+            QuantPrefill::Dequantize
+        }
+    }
 }
 
 impl From<StorageDType> for WeightFormat {
@@ -135,13 +188,14 @@ impl Linear {
             format: WeightFormat::Quant(w.format),
             bias,
             route: LinearRoute::quantized(),
-            quant: Some(QuantPart { weight, workspace }),
+            quant: Some(QuantPart::new(dev, weight, workspace)?),
         })
     }
 
     /// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, GEMM above; a quantized weight
-    /// its own GEMV up to QUANT_GEMV_MAX_M rows); a bias is added to the f32 sums in `lin32`
-    /// and rounded once (`CudaDevice::linear_bias`).
+    /// its own GEMV up to QUANT_GEMV_MAX_M rows, its `QuantPrefill` above); a bias is added to
+    /// the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`), on the FP8 route to
+    /// the scaled sums.
     pub fn forward(&self, dev: &CudaDevice, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize) -> Result<()> {
         match self.format {
             WeightFormat::Bf16 | WeightFormat::F16 => match &self.bias {
@@ -151,8 +205,32 @@ impl Linear {
             WeightFormat::Quant(_) => {
                 let q = self.quant.as_ref().ok_or_else(|| NinferError::Device(format!("a quantized projection [{}, {}] without its packed weight", self.n, self.k)))?;
                 let mut ws = q.workspace.0.lock().expect("quant workspace poisoned");
-                dev.quant_linear(x, &q.weight, self.bias.as_ref(), &mut ws, lin32, y, rows)
+                match q.prefill {
+                    QuantPrefill::Fp8Gemm if rows > QUANT_GEMV_MAX_M => dev.fp8_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
+                    _ => dev.quant_linear(x, &q.weight, self.bias.as_ref(), &mut ws, lin32, y, rows),
+                }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_row_weights_take_fp8_tensor_cores_from_sm_89_where_the_shape_allows() {
+        use QuantPrefill::{Dequantize, Fp8Gemm};
+        let bf16 = StorageDType::Bf16;
+        for cc in [(8, 9), (9, 0), (10, 0), (12, 0)] {
+            assert_eq!(QuantPrefill::of(cc, bf16, true, 4096, 14336), Fp8Gemm, "{cc:?}");
+        }
+        for cc in [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7)] {
+            assert_eq!(QuantPrefill::of(cc, bf16, true, 4096, 14336), Dequantize, "{cc:?}: no FP8 tensor cores");
+        }
+        assert_eq!(QuantPrefill::of((9, 0), StorageDType::F16, true, 4096, 4096), Dequantize, "f16 storage cannot hold the raw sums");
+        assert_eq!(QuantPrefill::of((9, 0), bf16, false, 4096, 4096), Dequantize, "another format, or dense rows after the FP8 ones");
+        assert_eq!(QuantPrefill::of((9, 0), bf16, true, 776, 256), Dequantize, "N = 776 (a GDN in_proj with its b / a rows)");
+        assert_eq!(QuantPrefill::of((9, 0), bf16, true, 256, 200), Dequantize, "K = 200");
     }
 }

@@ -550,7 +550,7 @@ impl Sink for DeviceSink<'_> {
             t.fill(0, &mut bits, self.dev.storage(), false)?;
             let weight = self.dev.upload_quant_with_tail(&w, &bits)?;
             let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {}: {e}", w.name)))?;
-            return Ok((placeholder, Some(QuantPart { weight, workspace })));
+            return Ok((placeholder, Some(QuantPart::new(self.dev, weight, workspace)?)));
         }
         let l = Linear::quantized(self.dev, &w, None, workspace)?;
         Ok((l.w, l.quant))

@@ -17,6 +17,7 @@ mod attention;
 mod decode_attention;
 mod elementwise;
 mod flash_attention;
+mod fp8_linear;
 mod gdn;
 mod gdn_chunked;
 mod gemv;
@@ -36,6 +37,7 @@ pub use decode_attention::{
     TC_DIRECT_BLOCKS_PER_SM, TC_DIRECT_WARPS,
 };
 pub use flash_attention::{flash_tile_for, FlashTile};
+pub use fp8_linear::fp8_chunk_rows;
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use gdn_chunked::{GdnScanForms, PrepForm, ScanForm};
 pub use gemv_qkv_rope::{qkv_rope_fits, qkv_rope_launch};

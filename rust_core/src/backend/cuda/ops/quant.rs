@@ -5,9 +5,9 @@
 //!
 //! The prefill route is the first one measured; the alternative to try on the GPU is the fused
 //! tensor-core GEMM (dequantized tiles in shared memory before the MMA), which saves the
-//! workspace's write and read (2 bytes a weight) per step. FP8 (FP8_E4M3FN_ROW_BF16S and the HF
-//! block form) also takes this route on sm_89/sm_90: the crate's cudarc is built without its
-//! cuBLASLt bindings, through which an FP8 GEMM with row / block scales would run.
+//! workspace's write and read (2 bytes a weight) per step. FP8_E4M3FN_ROW_BF16S weights take
+//! the FP8 tensor-core GEMM instead on sm_89 and newer where their shape allows
+//! (fp8_linear.rs; `Linear`'s route); the HF block FP8 form keeps this route.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
@@ -115,6 +115,22 @@ impl DeviceQuantWeight {
     /// Bytes the weight takes on the device (data, companions and the dense tail).
     pub fn device_bytes(&self) -> usize {
         self.data.len() + [&self.scale, &self.zero, &self.g_idx].iter().map(|p| p.as_ref().map_or(0, |s| s.len())).sum::<usize>() + 2 * self.tail.as_ref().map_or(0, |t| t.len())
+    }
+
+    /// The device addresses of an FP8_E4M3FN_ROW_BF16S weight's code plane and bfloat16 row
+    /// multipliers, the FP8 GEMM's operands (fp8_linear.rs); None for another format or with a
+    /// dense tail.
+    pub(crate) fn fp8_row_planes(&self, s: &std::sync::Arc<cudarc::driver::CudaStream>) -> Option<(u64, u64)> {
+        if self.format != QuantFormat::Fp8E4m3fnRowBf16s || self.tail.is_some() {
+            return None;
+        }
+        let base = self.data.device_ptr(s).0;
+        Some((base, base + self.params[0] as u64))
+    }
+
+    /// Whether the weight is FP8_E4M3FN_ROW_BF16S without a dense tail (`fp8_row_planes`).
+    pub fn is_fp8_rows(&self) -> bool {
+        self.format == QuantFormat::Fp8E4m3fnRowBf16s && self.tail.is_none()
     }
 }
 

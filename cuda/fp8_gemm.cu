@@ -1,0 +1,85 @@
+// The two kernels around the FP8 tensor-core GEMM of the prefill route of FP8 row-scaled weights
+// (rust_core/src/backend/cuda/ops/fp8_linear.rs): activations quantized to E4M3FN a row at a
+// time, then the GEMM's raw sums (cuBLASLt, unit scales) scaled by the row's and the weight
+// row's multipliers, the bias added, in place. Plain loads and integer arithmetic: they compile
+// for every architecture, though only sm_89 and newer run the GEMM between them.
+#include "common.cuh"
+
+// Finite binary32 -> E4M3FN word, round to nearest even, saturating at +-448 (never a NaN
+// word): rust_core/src/quant/scalars.rs `f32_to_e4m3`, step for step, so the codes equal the
+// CPU encoder's. A NaN input saturates (fminf keeps the other operand).
+__device__ __forceinline__ unsigned fp8_e4m3_code(float x) {
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fminf(fabsf(x), 448.0f);
+    unsigned bits;
+    if (a < 0.015625f) {
+        // Subnormal step 2^-9 (exact scaling); a code of 8 is the smallest normal word 0x08.
+        bits = __float2uint_rn(a * 512.0f);
+    } else {
+        const int e = (int)((__float_as_uint(a) >> 23) & 0xffu) - 127;
+        // a * 2^(3-e) lies in [8, 16) exactly; a 16 carries into exponent e + 1.
+        const float scaled = a * __uint_as_float((unsigned)(127 + 3 - e) << 23);
+        bits = (unsigned)(e + 7) * 8u + __float2uint_rn(scaled) - 8u;
+    }
+    return sign | min(bits, 0x7eu);
+}
+
+// Row t of x [rows, k] (storage type, 16-byte aligned rows: k a multiple of 8) into E4M3FN
+// codes [rows, k] and its multiplier scale[t] = amax / 448 (f32, 0 for a row of zeros):
+// code = e4m3(x / scale), so x ~= e4m3(code) * scale. A block a row.
+extern "C" __global__ void fp8_quantize_rows(const store_t* __restrict__ x, unsigned char* __restrict__ codes,
+                                             float* __restrict__ scale, int rows, int k) {
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t = blockIdx.x; t < rows; t += gridDim.x) {
+        const vec8* xr = reinterpret_cast<const vec8*>(x + (long long)t * k);
+        uint2* cr = reinterpret_cast<uint2*>(codes + (long long)t * k);
+        float amax = 0.0f;
+        for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
+            const vec8 v = xr[c];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(v.v[j])));
+        }
+        amax = warp_max(amax);
+        __syncthreads();  // red[] of the previous row is read
+        if (lane == 0) red[warp] = amax;
+        __syncthreads();
+        amax = warp_max(lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f);
+        const float s = __fdiv_rn(amax, 448.0f);
+        if (threadIdx.x == 0) scale[t] = s;
+        for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
+            const vec8 v = xr[c];
+            unsigned w[2] = {0u, 0u};
+            if (s != 0.0f) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) w[j / 4] |= fp8_e4m3_code(__fdiv_rn(to_f32(v.v[j]), s)) << (8 * (j % 4));
+            }
+            cr[c] = make_uint2(w[0], w[1]);
+        }
+    }
+}
+
+// y [rows, n] (storage type, in place) = y * xs[t] * ws[n] (+ bias[n]), rounded once: the
+// GEMM's sums of codes (held in the storage type) times the row's activation multiplier and
+// the weight row's bfloat16 multiplier. n a multiple of 8 and y 16-byte aligned; bias may be
+// null. Grid: x over a row's 8-value chunks, y over the rows (strided past 65535).
+extern "C" __global__ void fp8_scale_rows(store_t* __restrict__ y, const float* __restrict__ xs,
+                                          const unsigned short* __restrict__ ws, const store_t* __restrict__ bias,
+                                          int rows, int n) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n / 8) return;
+    float wsc[8], b[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        wsc[j] = __uint_as_float(((unsigned)ws[c * 8 + j]) << 16);
+        b[j] = bias ? to_f32(bias[c * 8 + j]) : 0.0f;
+    }
+    for (int t = blockIdx.y; t < rows; t += gridDim.y) {
+        vec8* yr = reinterpret_cast<vec8*>(y + (long long)t * n) + c;
+        const float s = xs[t];
+        vec8 v = *yr;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v.v[j] = from_f32(__fadd_rn(__fmul_rn(__fmul_rn(to_f32(v.v[j]), s), wsc[j]), b[j]));
+        *yr = v;
+    }
+}
