@@ -1,5 +1,6 @@
 """`--quantize` on the CUDA backend: the projections quantized on load (fused q|k|v, gate|up and
-the GDN input projection encoded whole, which decodes to exactly the CPU model's values: the
+the GDN input projection encoded whole, or for NVFP4 as each part's own payload with the parts
+its layout cannot hold as the dense tail, which decodes to exactly the CPU model's values: the
 loader's host tests) or handed in as GGUF tensors (a fused projection's rows of blocks
 concatenated), run through the fused-dequantization GEMV (decode) and the dequantized workspace +
 cuBLAS (prefill). Checked against the CPU backend with the same `--quantize`: logits
@@ -42,8 +43,8 @@ TINY_REL_TOL = 5e-2
 #: Demo perplexity on CUDA against the CPU's, same --quantize.
 PPL_REL_TOL = 1e-3
 
-#: The --quantize modes the CUDA loader takes (nvfp4 is refused there).
-MODES = ["w8", "q4", "q5", "q6", "fp8"]
+#: The --quantize modes the CUDA loader takes (NVFP4 dequantized: no FP4 tensor-core route).
+MODES = ["w8", "q4", "q5", "q6", "fp8", "nvfp4"]
 
 #: Sizes the kernels are instantiated for (tests/test_gpu_model.py).
 GPU_SHAPES = {
@@ -108,7 +109,7 @@ def _greedy(model_dir, device, mode, prompts, n):
         return llm.generate([llm.encode(p) for p in prompts], params)
 
 
-@pytest.mark.parametrize("mode", ["q4", "fp8"])
+@pytest.mark.parametrize("mode", ["q4", "fp8", "nvfp4"])
 @pytest.mark.parametrize("name", ["demo", "qwen3_5"])
 def test_quantized_greedy_output_matches_the_cpu_but_at_near_ties(name, mode, request):
     model_dir = _model_dir(name, request)
@@ -150,14 +151,17 @@ def test_demo_perplexity_per_format_on_cuda_is_the_cpus():
         assert rel <= PPL_REL_TOL
 
 
-def test_nvfp4_is_refused_on_cuda_naming_tensor_format_and_device():
-    _needs_cuda()
-    if not (DEMO / "model" / "config.json").exists():
-        pytest.skip("no bundled demo model")
-    with pytest.raises(_core.NinferError) as e:
-        _core.Model(str(DEMO / "model"), device="cuda:0", quantize="nvfp4")
-    msg = str(e.value)
-    assert "cuda:0" in msg and "NVFP4" in msg and "down_proj.weight" in msg, msg
+def test_nvfp4_decode_rows_match_the_cpu(request):
+    """NVFP4's decode GEMV (8 rows: fused dequantization, each part's tensor divisor) against the
+    CPU model holding the same NVFP4 weights, on the hybrid whose GDN in_proj keeps b / a as the
+    dense tail."""
+    model_dir = _model_dir("qwen3_5", request)
+    cpu = _core.Model(str(model_dir), device="cpu", logits_dtype="float32", quantize="nvfp4")
+    gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", quantize="nvfp4")
+    ids = _prompt("qwen3_5", cpu.config["vocab_size"], 8)
+    err = _rel_err(np.asarray(gpu.logits(ids)), np.asarray(cpu.logits(ids)))
+    print(f"qwen3_5 --quantize nvfp4 (8 rows): logits rel err vs CPU {err:.2e}")
+    assert err <= TINY_REL_TOL
 
 
 # --- quantized Hugging Face checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) ---------------

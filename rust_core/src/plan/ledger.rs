@@ -188,7 +188,7 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
             continue;
         }
         let quant = match t.role {
-            Role::Matrix => input.quantize,
+            Role::Matrix => input.quantize.filter(|f| f.encodes_rows_alone() || stacks_parts(tensors, i, *f)),
             Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
             _ => None,
         }
@@ -203,6 +203,20 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
         });
     }
     Ok(out)
+}
+
+/// For a format that does not encode rows alone (NVFP4), whether the CUDA loader packs the
+/// fused projection matrix `i` belongs to (`cuda::load::nvfp4_held_parts`): its leading parts
+/// the format holds, when every part it cannot hold comes after them (the dense tail).
+fn stacks_parts(tensors: &[&PlannedTensor], i: usize, f: QuantFormat) -> bool {
+    // The projection's matrices in order, as `fused_rows` groups them.
+    let matrices: Vec<usize> = (0..tensors.len()).filter(|&j| tensors[j].role == Role::Matrix).collect();
+    let at = matrices.iter().position(|&j| j == i).expect("a matrix");
+    let lead = (0..=at).rev().find(|&m| !tensors[matrices[m]].fused).unwrap_or(0);
+    let end = (lead + 1..matrices.len()).find(|&m| !tensors[matrices[m]].fused).unwrap_or(matrices.len());
+    let held: Vec<bool> = matrices[lead..end].iter().map(|&j| f.holds(tensors[j].shape[0], tensors[j].shape[1..].iter().product())).collect();
+    let first = held.iter().take_while(|h| **h).count();
+    first > 0 && !held[first..].iter().any(|h| *h)
 }
 
 /// The tensors the target loads (the MTP head's on the GPU only under `--spec mtp`).
@@ -235,8 +249,10 @@ pub fn quant_workspace_bytes(input: &PlanInput<'_>) -> u64 {
     }
     let tensors = loaded(input);
     let rows = fused_rows(&tensors);
-    let quantized = |t: &PlannedTensor| t.stored.is_some() || input.quantize.is_some_and(|f| f.holds(t.shape[0], t.shape[1]));
-    let largest = tensors.iter().zip(rows).filter(|(t, r)| t.role == Role::Matrix && *r > 0 && quantized(t)).map(|(t, r)| r * t.shape[1]).max().unwrap_or(0);
+    let quantized = |i: usize, t: &PlannedTensor| {
+        t.stored.is_some() || input.quantize.is_some_and(|f| f.holds(t.shape[0], t.shape[1]) && (f.encodes_rows_alone() || stacks_parts(&tensors, i, f)))
+    };
+    let largest = tensors.iter().zip(rows).enumerate().filter(|(i, (t, r))| t.role == Role::Matrix && *r > 0 && quantized(*i, t)).map(|(_, (t, r))| r * t.shape[1]).max().unwrap_or(0);
     input.target.dense_bytes() as u64 * largest as u64
 }
 

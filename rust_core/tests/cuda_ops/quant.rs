@@ -215,6 +215,56 @@ fn quant_gemv_and_prefill_route_match_quant_linear() {
     }
 }
 
+/// NVFP4 row-stacked parts (a fused projection whose parts keep their own tensor divisors, as
+/// `--quantize nvfp4` and handed-in NVFP4 tensors load on CUDA) with a dense tail: the
+/// dequantize kernel gives each part's CPU values bit for bit, then the tail's; the GEMV and the
+/// prefill route multiply by those values.
+#[test]
+fn nvfp4_stacked_parts_keep_each_parts_divisor() {
+    for st in STORAGES {
+        let Some(dev) = gpu("nvfp4_stacked_parts", st) else { return };
+        let mut rng = Rng::new(4804);
+        let k = 192;
+        let f = QuantFormat::Nvfp4;
+        // Three parts of different magnitudes (so different divisors), then 3 dense rows.
+        let parts: Vec<QuantWeight> = [(128, 1.0f32), (256, 0.01), (128, 30.0)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, amp))| {
+                let v = rng.vec(n * k, -amp, amp);
+                make(&mut rng, &format!("part{i}"), f, [n, k], Some(v), RawDtype::F16, false)
+            })
+            .collect();
+        let tail = rounded(&rng.vec(3 * k, -0.5, 0.5), st);
+        let dw = dev.upload_quant_parts(&parts, &super::harness::to_bits(&tail, st)).unwrap();
+        let n = 128 + 256 + 128 + 3;
+        assert_eq!((dw.n, dw.k), (n, k));
+        let mut want: Vec<f32> = parts.iter().flat_map(|w| dequantize(&w.view()).unwrap()).collect();
+        want.extend(&tail);
+        let mut got = Out32::new(&dev, n * k);
+        dev.quant_dequantize_f32(&dw, &mut got.view()).unwrap();
+        let got = got.read(&dev, "nvfp4 parts");
+        for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), c.to_bits(), "{st:?} element [{}, {}]: GPU {g:e}, CPU {c:e}", i / k, i % k);
+        }
+        let mut workspace: CudaSlice<u16> = dev.stream().alloc_zeros(n * k).unwrap();
+        for m in [1, 5, 16, 40] {
+            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+            let xd = upload(&dev, &x);
+            let w = if m <= 16 { want.clone() } else { rounded(&want, st) };
+            let sums = matmul(&x, &w, m, n, k);
+            let mut y = Out16::new(&dev, m * n);
+            let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(m * n).unwrap();
+            dev.quant_linear(&xd, &dw, None, &mut workspace, &mut lin32, &mut y.view(), m).unwrap();
+            check("quant_linear nvfp4 parts", st, &format!("m{m} n{n} k{k}"), &y.read(&dev, "nvfp4 parts y"), &rounded(&sums, st), tol16(st));
+        }
+        // Parts of another format are one payload each: refused.
+        let q4 = make(&mut rng, "q4", QuantFormat::Q4G64F16S, [128, k], None, RawDtype::F16, false);
+        let e = dev.upload_quant_parts(&[q4.clone(), q4], &[]).err().expect("Q4 parts").to_string();
+        assert!(e.contains("NVFP4 parts"), "{e}");
+    }
+}
+
 #[test]
 fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device() {
     for st in STORAGES {

@@ -15,11 +15,13 @@
 //!
 //! With `--quantize` a projection is encoded from its checkpoint values as the CPU loader does
 //! (`model::cpu::quant_load`) and held packed (`Linear::quantized`). A fused projection
-//! (q|k|v, gate|up, the GDN input projection) is encoded whole: the formats `CudaModel::supports`
-//! takes for `--quantize` encode every row from that row's values alone, so the fused payload
-//! decodes to exactly the parts' values (test: `quantize_packs_...`); NVFP4's tensor scale is
-//! not per row, so it is not taken on CUDA yet. Packed GGUF tensors handed in by name are fused
-//! by concatenating their rows' blocks (`Packed::concat_rows`).
+//! (q|k|v, gate|up, the GDN input projection) is encoded whole where the format encodes every
+//! row from that row's values alone, so the fused payload decodes to exactly the parts' values
+//! (test: `quantize_packs_...`). NVFP4's tensor divisor spans a matrix, so its fused projection
+//! is row-stacked parts, each encoded on its own as the CPU loader does, with the parts its
+//! layout cannot hold after them as the dense tail (`nvfp4_held_parts`). Packed tensors handed
+//! in by name are fused by concatenating their rows' blocks (GGUF) or stacking the parts
+//! (NVFP4) (`Packed::concat_rows`).
 //!
 //! A quantized Hugging Face checkpoint (FP8 block, AWQ, GPTQ, compressed-tensors) is held as
 //! stored and run by its format's kernels (cuda/quant_hf.cu): a fused projection's parts are
@@ -65,10 +67,11 @@ pub trait Sink {
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
     /// A quantized `shape` projection weight in `format`, from `encode` (which a sink that
-    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load), its
-    /// last rows the dense `tail` where one is given: the `Linear`'s placeholder `w` and its
-    /// device part (None where the sink runs nothing).
-    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Self::W, Option<QuantPart>)>;
+    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load) as
+    /// row-stacked parts (`CudaDevice::upload_quant_parts`: one payload, or NVFP4's parts each
+    /// with its tensor divisor), its last rows the dense `tail` where one is given: the
+    /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
+    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<Vec<QuantWeight>>, tail: Option<&Packed<'_>>) -> Result<(Self::W, Option<QuantPart>)>;
     /// Whether `--quantize` progress is shown while building (the device load, on a terminal).
     fn shows_progress(&self) -> bool {
         false
@@ -119,6 +122,18 @@ impl QuantLoad {
             }),
         }
     }
+}
+
+/// How many leading parts (`rows` each, of `k` columns) of a projection `--quantize nvfp4`
+/// holds packed on CUDA: those NVFP4's layout holds (rows a multiple of 128, K of 64), when
+/// they come first and the rest are all parts it cannot hold (the dense tail); None (the whole
+/// projection dense) when none is held or a part it cannot hold comes before one it can (the
+/// CPU loader packs that one; the CUDA weight holds dense rows only after the packed ones).
+/// `ninfer plan` counts the same (`plan::ledger`).
+pub fn nvfp4_held_parts(rows: &[usize], k: usize) -> Option<usize> {
+    let held: Vec<bool> = rows.iter().map(|r| matches!(quant::payload_bytes(QuantFormat::Nvfp4, [*r, k]), Some(Ok(_)))).collect();
+    let lead = held.iter().take_while(|h| **h).count();
+    (lead > 0 && !held[lead..].iter().any(|h| *h)).then_some(lead)
 }
 
 /// Bytes a quantized weight holds: its payload and companions.
@@ -229,16 +244,37 @@ impl<'a> Builder<'a> {
                 NinferError::Unsupported(format!("{}: only some parts of this fused projection are handed in packed; the CUDA backend holds it as one matrix", t.name()))
             })?;
             self.used.borrow_mut().extend(t.part_names().map(str::to_string));
-            let qw = t.concat_rows(&given, k)?;
-            *bytes += quant_bytes(&qw);
-            let f = qw.format;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(qw), None)?;
+            let parts = t.concat_rows(&given, k)?;
+            *bytes += parts.iter().map(quant_bytes).sum::<usize>();
+            let f = parts[0].format;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(parts), None)?;
             (w, WeightFormat::Quant(f), quant)
-        } else if let Some(Some(Ok(size))) = self.quantize.map(|f| quant::payload_bytes(f, [n, k])) {
+        } else if let Some(held) = self.quantize.filter(|f| *f == QuantFormat::Nvfp4).and_then(|_| nvfp4_held_parts(&t.part_rows(k), k)) {
+            // Each part encoded on its own (its own tensor divisor), as the CPU loader encodes
+            // it; the parts the layout cannot hold after them are the dense tail.
+            let f = QuantFormat::Nvfp4;
+            let rows = t.part_rows(k);
+            let names: Vec<String> = t.part_names().map(str::to_string).collect();
+            let (qt, tail) = t.split_at_part(held);
+            *bytes += rows[..held].iter().map(|r| quant::payload_bytes(f, [*r, k]).and_then(|b| b.ok()).unwrap_or(0)).sum::<usize>() + 2 * tail.as_ref().map_or(0, Packed::numel);
+            let encode = || {
+                let values = qt.values_f32();
+                let mut r0 = 0;
+                let mut parts = Vec::with_capacity(held);
+                for (name, r) in names.iter().zip(&rows[..held]) {
+                    let part = &values[r0 * k..(r0 + r) * k];
+                    parts.push(QuantWeight::packed(name.as_str(), f, [*r, k], quant::quantize(f, name, part, [*r, k])?));
+                    r0 += r;
+                }
+                Ok(parts)
+            };
+            let (w, quant) = sink.quant(f, [n, k], encode, tail.as_ref())?;
+            (w, WeightFormat::Quant(f), quant)
+        } else if let Some(Some(Ok(size))) = self.quantize.filter(|f| *f != QuantFormat::Nvfp4).map(|f| quant::payload_bytes(f, [n, k])) {
             // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
             let f = self.quantize.expect("matched");
             *bytes += size;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)), None)?;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(vec![QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)]), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else {
             (self.put(sink, t, bytes)?, sink.format(), None)
@@ -349,7 +385,7 @@ impl<'a> Builder<'a> {
                     Ok(w)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            hf_rows::gather(&quant_name, &parts, &segs, k)
+            Ok(vec![hf_rows::gather(&quant_name, &parts, &segs, k)?])
         };
         let (w, quant) = sink.quant(c.format, [n, k], encode, tail.as_ref())?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
@@ -542,18 +578,17 @@ impl Sink for DeviceSink<'_> {
         true
     }
 
-    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
-        let w = encode()?;
-        let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<Vec<QuantWeight>>, tail: Option<&Packed<'_>>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+        let parts = encode()?;
+        let name = parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join("|");
+        let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{name}: quantized, but the load planned no dequantization workspace")))?;
+        let mut bits = vec![0u16; tail.map_or(0, Packed::numel)];
         if let Some(t) = tail {
-            let mut bits = vec![0u16; t.numel()];
             t.fill(0, &mut bits, self.dev.storage(), false)?;
-            let weight = self.dev.upload_quant_with_tail(&w, &bits)?;
-            let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {}: {e}", w.name)))?;
-            return Ok((placeholder, Some(QuantPart { weight, workspace })));
         }
-        let l = Linear::quantized(self.dev, &w, None, workspace)?;
-        Ok((l.w, l.quant))
+        let weight = self.dev.upload_quant_parts(&parts, &bits)?;
+        let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {name}: {e}")))?;
+        Ok((placeholder, Some(QuantPart { weight, workspace })))
     }
 }
 
@@ -596,7 +631,7 @@ impl Sink for PlanSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
+    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<Vec<QuantWeight>>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
         self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
         Ok(((), None))
     }

@@ -118,6 +118,25 @@ impl DeviceQuantWeight {
     }
 }
 
+/// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
+pub const NVFP4_MAX_PARTS: usize = 5;
+
+/// dec_nvfp4's parameters: the first row of each part after the first, two to a word (low half
+/// first), the rows of the whole weight where there is no such part.
+fn nvfp4_part_starts(rows: impl Iterator<Item = usize>) -> [i64; 3] {
+    let rows: Vec<usize> = rows.collect();
+    let total: usize = rows.iter().sum();
+    let mut starts = [total as i64; 4];
+    let mut r0 = 0;
+    for (i, r) in rows.iter().take(NVFP4_MAX_PARTS - 1).enumerate() {
+        r0 += r;
+        if i + 1 < rows.len() {
+            starts[i] = r0 as i64;
+        }
+    }
+    [starts[0] | (starts[1] << 32), starts[2] | (starts[3] << 32), 0]
+}
+
 /// The largest magnitude a weight of an FP8 or NVFP4 format can decode to, from its scales
 /// (`None` for the integer formats, whose binary16 scales keep the values in binary16's range
 /// at the codes their encoders emit).
@@ -163,25 +182,41 @@ impl CudaDevice {
     /// Validates `w` (refusing it naming the tensor), checks that this device runs it
     /// (`check_quant_weight`) and uploads its bytes; loads its kernel family.
     pub fn upload_quant(&self, w: &QuantWeight) -> Result<DeviceQuantWeight> {
-        self.upload_quant_with_tail(w, &[])
+        self.upload_quant_parts(std::slice::from_ref(w), &[])
     }
 
     /// `upload_quant`, with `tail` (storage-type bits, whole rows of `w`'s K) the dense rows
     /// that follow `w`'s in the projection.
     pub fn upload_quant_with_tail(&self, w: &QuantWeight, tail: &[u16]) -> Result<DeviceQuantWeight> {
-        validate(&w.view())?;
-        self.check_quant_weight(w)?;
-        let [n, k] = w.shape;
+        self.upload_quant_parts(std::slice::from_ref(w), tail)
+    }
+
+    /// One weight from row-stacked `parts` of one format and K (each validated and checked as
+    /// `upload_quant` does), then the dense `tail`. Several parts only for NVFP4, whose fused
+    /// projections keep each part's tensor divisor (up to NVFP4_MAX_PARTS, stored one after the
+    /// other as their payloads are); every other format's fused projection is one payload.
+    pub fn upload_quant_parts(&self, parts: &[QuantWeight], tail: &[u16]) -> Result<DeviceQuantWeight> {
+        let w = parts.first().ok_or_else(|| NinferError::Device("a quantized weight of no parts".into()))?;
+        for p in parts {
+            validate(&p.view())?;
+            self.check_quant_weight(p)?;
+        }
+        let k = w.shape[1];
+        let name = parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join("|");
+        if parts.len() > 1 {
+            let odd = parts.iter().find(|p| p.format != QuantFormat::Nvfp4 || p.shape[1] != k);
+            if odd.is_some() || parts.len() > NVFP4_MAX_PARTS {
+                return Err(NinferError::Device(format!("{name}: row-stacked parts are NVFP4 parts of one K, at most {NVFP4_MAX_PARTS} of them")));
+            }
+        }
+        let n: usize = parts.iter().map(|p| p.shape[0]).sum();
         let params: [i64; 3] = match w.format {
             f if Grouped::of(f).is_some() => {
                 let p = Grouped::of(f).unwrap().planes(n, k);
                 [p.high_offset as i64, p.scale_offset as i64, 0]
             }
             QuantFormat::Fp8E4m3fnRowBf16s => [fp8_row::planes(n, k).0 as i64, 0, 0],
-            QuantFormat::Nvfp4 => {
-                let (s, d, _) = nvfp4::planes(n, k);
-                [s as i64, d as i64, 0]
-            }
+            QuantFormat::Nvfp4 => nvfp4_part_starts(parts.iter().map(|p| p.shape[0])),
             QuantFormat::HfFp8Block { block_n, block_k } => {
                 [block_n as i64, block_k as i64, w.scale.as_ref().map_or(0, |s| float_kind(s.dtype))]
             }
@@ -191,17 +226,17 @@ impl CudaDevice {
             _ => [0, 0, 0],
         };
         let s = self.stream();
-        let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {} ({what}): {e}", w.name)));
-        let data = up(&w.data, "data")?;
+        let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {name} ({what}): {e}")));
+        let data = if parts.len() == 1 { up(&w.data, "data")? } else { up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")? };
         let scale = w.scale.as_ref().map(|t| up(&t.bytes, "scale")).transpose()?;
         let zero = w.zero.as_ref().map(|t| up(&t.bytes, "zero")).transpose()?;
         let g_idx = w.g_idx.as_ref().map(|t| up(&t.bytes, "g_idx")).transpose()?;
         if !tail.len().is_multiple_of(k) {
-            return Err(NinferError::Device(format!("{}: a dense tail of {} values is not whole rows of {k}", w.name, tail.len())));
+            return Err(NinferError::Device(format!("{name}: a dense tail of {} values is not whole rows of {k}", tail.len())));
         }
-        let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {} (dense rows): {e}", w.name)))?) };
+        let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {name} (dense rows): {e}")))?) };
         self.load_kernel_families(&[kernels_of(w.format).family])?;
-        Ok(DeviceQuantWeight { name: w.name.clone(), format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params })
+        Ok(DeviceQuantWeight { name, format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params })
     }
 
     /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order: the decoders' rows,
@@ -377,6 +412,14 @@ mod tests {
         assert_eq!(grid, IQ3S_GRID.iter().map(|&w| w as i64).collect::<Vec<_>>());
         let kv = c_array(src, "iq4nl_kvalues");
         assert_eq!(kv, KVALUES_IQ4NL.iter().map(|&v| v as i64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn nvfp4_parts_pass_their_first_rows_two_to_a_word() {
+        let word = |lo: i64, hi: i64| lo | (hi << 32);
+        assert_eq!(nvfp4_part_starts([256].into_iter()), [word(256, 256), word(256, 256), 0]);
+        assert_eq!(nvfp4_part_starts([128, 256, 128].into_iter()), [word(128, 384), word(512, 512), 0]);
+        assert_eq!(nvfp4_part_starts([128; 5].into_iter()), [word(128, 256), word(384, 512), 0]);
     }
 
     #[test]
