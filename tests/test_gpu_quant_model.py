@@ -9,7 +9,8 @@ perplexity within 1e-3 relative, and the bytes the runner reports equal to `ninf
 Quantized HF checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) written by the test run as
 stored on CUDA against the CPU loader reading the same files (dense last parts of a fused
 projection, as in the official Qwen3.5 FP8 releases, as its dense tail); a dense part before a
-quantized one, and --quantize-lm-head, stay refused there.
+quantized one stays refused there. --quantize-lm-head runs the head through the f32-output
+GEMV (decode) and the chunked dequantize + cuBLAS route (prefill).
 
 The CPU reference runs f32 activations on the decoded weights; the GPU runs bf16 activations on
 the same decoded weights, so the bounds are those of tests/test_gpu_model.py for dense weights.
@@ -249,9 +250,27 @@ def test_hf_dense_last_parts_run_as_the_weights_dense_tail(request, tmp_path):
     assert "not supported yet" in msg and "HF_FP8_BLOCK" in msg and "k_proj.weight" in msg, msg
 
 
-def test_quantize_lm_head_stays_refused_on_cuda():
-    _needs_cuda()
-    if not (DEMO / "model" / "config.json").exists():
-        pytest.skip("no bundled demo model")
-    with pytest.raises(_core.NinferError, match="--quantize-lm-head is not supported on the CUDA backend yet"):
-        _core.Model(str(DEMO / "model"), device="cuda:0", quantize="q4", quantize_lm_head=True)
+@pytest.mark.parametrize("mode", ["q4", "nvfp4"])
+@pytest.mark.parametrize("name", ["demo", "llama"])
+def test_quantized_lm_head_logits_match_the_cpu(name, mode, request):
+    """--quantize-lm-head on CUDA (the tied demo head a quantized copy of the embedding, the
+    untied Llama head quantized) against the CPU model holding the same weights: prefill (48
+    rows: the head dequantized a chunk of vocabulary rows at a time, then cuBLAS) and decode-sized
+    steps (8 rows: the f32-output GEMV); the bytes held are `ninfer plan`'s."""
+    model_dir = _model_dir(name, request)
+    cpu = _core.Model(str(model_dir), device="cpu", logits_dtype="float32", quantize=mode, quantize_lm_head=True)
+    gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", quantize=mode, quantize_lm_head=True)
+    tol = REL_TOL if name == "demo" else TINY_REL_TOL
+    for n in (48, 8):
+        ids = _prompt(name, cpu.config["vocab_size"], n)
+        want, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
+        assert got.shape == want.shape and np.isfinite(got).all()
+        err = _rel_err(got, want)
+        print(f"{name} --quantize {mode} --quantize-lm-head ({n} rows): logits rel err vs CPU {err:.2e} (tol {tol:.0e})")
+        assert err <= tol
+    plan = _core.plan(str(model_dir), device="cuda:0", quantize=mode, quantize_lm_head=True)
+    assert gpu.config["weight_bytes"] == sum(w["bytes"] for w in plan["weights"])
+    # logits_dtype auto: the quantized head's logits rounded to bf16 like the dense head's.
+    auto = _core.Model(str(model_dir), device="cuda", quantize=mode, quantize_lm_head=True)
+    got = np.asarray(auto.logits(_prompt(name, cpu.config["vocab_size"], 8)), dtype=np.float32)
+    assert np.array_equal(got, torch.from_numpy(got).to(torch.bfloat16).to(torch.float32).numpy())

@@ -265,6 +265,51 @@ fn nvfp4_stacked_parts_keep_each_parts_divisor() {
     }
 }
 
+/// The f32-output routes a quantized LM head runs, for every format: the f32 GEMV (decode, up
+/// to 16 rows) within f32-accumulation tolerance of `QuantLinear`, and above it the chunked
+/// route (a few rows dequantized into a workspace too small for the whole weight, cuBLAS into
+/// those columns of y, a ragged last chunk) within the dense GEMM's tolerance of the matmul
+/// over the workspace's values; with `round`, every output a storage-type value.
+#[test]
+fn quant_f32_out_routes_match_quant_linear() {
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_f32_out", st) else { return };
+        let mut rng = Rng::new(4849);
+        for w in cases(&mut rng) {
+            let [n, k] = w.shape;
+            let dw = dev.upload_quant(&w).unwrap();
+            let lin = QuantLinear::new(w.clone()).unwrap();
+            let dense = rounded(&dequantize(&w.view()).unwrap(), st);
+            // Three full chunks of n / 3 rows and a ragged one.
+            let chunk = (n / 3).max(1);
+            let mut workspace: CudaSlice<u16> = dev.stream().alloc_zeros(chunk * k + k / 2).unwrap();
+            for m in [1, 7, 16, 40] {
+                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+                let xd = upload(&dev, &x);
+                let sums = if m <= 16 { lin.forward(&x, m).unwrap() } else { matmul(&x, &dense, m, n, k) };
+                for round in [false, true] {
+                    let mut y = Out32::new(&dev, m * n);
+                    dev.quant_linear_f32_out(&xd, &dw, &mut workspace, &mut y.view(), m, round).unwrap();
+                    let got = y.read(&dev, &w.name);
+                    let want = if round { rounded(&sums, st) } else { sums.clone() };
+                    check(&format!("quant_linear_f32_out {} round={round}", w.name), st, &format!("m{m} n{n} k{k}"), &got, &want, tol16(st));
+                    if round {
+                        assert_eq!(rounded(&got, st), got, "{} m{m}: rounded logits are storage-type values", w.name);
+                    }
+                }
+            }
+        }
+        // A workspace that holds no row is an error, not a silent skip.
+        let w = make(&mut rng, "tiny", QuantFormat::Q4G64F16S, [16, 256], None, RawDtype::F16, false);
+        let dw = dev.upload_quant(&w).unwrap();
+        let mut small: CudaSlice<u16> = dev.stream().alloc_zeros(100).unwrap();
+        let xd = upload(&dev, &vec![0.0; 20 * 256]);
+        let mut y = Out32::new(&dev, 20 * 16);
+        let e = dev.quant_linear_f32_out(&xd, &dw, &mut small, &mut y.view(), 20, false).err().expect("no row fits").to_string();
+        assert!(e.contains("holds no row"), "{e}");
+    }
+}
+
 #[test]
 fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device() {
     for st in STORAGES {

@@ -28,7 +28,14 @@
 //! gathered row unit by row unit into one weight (`hf_rows`). Dense parts after the quantized
 //! ones (the official Qwen3.5 FP8 releases keep the GDN `in_proj_b` / `in_proj_a` in bf16) are
 //! the weight's dense tail, which the same kernels read in the storage type. A dense part
-//! before a quantized one, and a quantized lm_head, are refused as not supported yet.
+//! before a quantized one is refused as not supported yet.
+//!
+//! The LM head: dense as stored, or quantized (`--quantize-lm-head`, a checkpoint's quantized
+//! `lm_head`, a handed-in packed `lm_head.weight`); a tied head under `--quantize-lm-head` is a
+//! quantized copy of the embedding beside the dense embedding the step reads rows of, as on
+//! the CPU. Its prefill route dequantizes QUANT_HEAD_CHUNK_ROWS vocabulary rows at a time into
+//! the shared workspace (`CudaDevice::quant_linear_f32_out`), which is sized for that chunk,
+//! not for the whole head.
 
 mod hf_rows;
 mod pack;
@@ -84,6 +91,8 @@ pub trait Sink {
 #[derive(Clone, Default)]
 pub struct QuantLoad {
     pub quantize: Option<QuantFormat>,
+    /// `--quantize-lm-head`: the LM head in `quantize`'s format too.
+    pub quantize_lm_head: bool,
     pub given: Option<Arc<HashMap<String, QuantWeight>>>,
     pub hf: Option<HfQuantConfig>,
 }
@@ -91,7 +100,7 @@ pub struct QuantLoad {
 impl QuantLoad {
     /// Only `--quantize` (or nothing).
     pub fn quantize(quantize: Option<QuantFormat>) -> Self {
-        QuantLoad { quantize, given: None, hf: None }
+        QuantLoad { quantize, ..Default::default() }
     }
 
     /// The quantization of a load of the checkpoint in `dir` with `opts`: `--quantize` on an
@@ -104,7 +113,10 @@ impl QuantLoad {
                 format!("{} asked for a checkpoint that is already quantized ({}); leave --quantize out", mode.format().name(), c.format.name()),
             ));
         }
-        Ok(QuantLoad { quantize: opts.quantize.map(|m| m.format()), given: opts.quant_tensors.clone(), hf })
+        if opts.quantize_lm_head && opts.quantize.is_none() {
+            return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format the lm_head is quantized to)"));
+        }
+        Ok(QuantLoad { quantize: opts.quantize.map(|m| m.format()), quantize_lm_head: opts.quantize_lm_head, given: opts.quant_tensors.clone(), hf })
     }
 
     /// Refuses a handed-in tensor the load took no place for (names in `used`); `skip_mtp`: the
@@ -118,7 +130,7 @@ impl QuantLoad {
             Some(name) => Err(NinferError::QuantTensor {
                 name: name.to_string(),
                 format: g[*name].format.name().to_string(),
-                reason: "handed in, but the CUDA backend holds no projection of that name packed (embeddings and the LM head stay dense there)".into(),
+                reason: "handed in, but the CUDA backend holds no projection of that name packed (embeddings stay dense there)".into(),
             }),
         }
     }
@@ -143,8 +155,8 @@ fn quant_bytes(w: &QuantWeight) -> usize {
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
 /// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
-/// `quant`: `--quantize` and the handed-in packed tensors of the projections (the logits
-/// projection and the embedding stay dense).
+/// `quant`: `--quantize` and the handed-in packed tensors of the projections (the embedding
+/// stays dense; the LM head is quantized as the module docs say).
 pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<DevWeights<S::W, S::F>> {
     let used = RefCell::new(BTreeSet::new());
     let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), hf: quant.hf, used: &used };
@@ -162,13 +174,23 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quan
     if progress.is_some() {
         eprintln!();
     }
-    if b.hf_quantized("lm_head")? {
-        let c = b.hf.expect("quantized");
-        return Err(NinferError::Unsupported(format!("a quantized lm_head ({}, {}) on the CUDA backend", c.tensor_names("lm_head").data, c.format.name())));
-    }
-    let dense = Builder { quantize: None, given: None, hf: None, ..b };
-    let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
-    let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
+    let head_format = quant.quantize.filter(|_| quant.quantize_lm_head);
+    let embed_name = format!("{prefix}.embed_tokens.weight");
+    let lm_head = if cfg.tie_word_embeddings {
+        // A quantized copy of the embedding where the format holds its shape; else the step
+        // multiplies by the dense embedding itself.
+        match head_format.filter(|f| matches!(quant::payload_bytes(*f, [v, h]), Some(Ok(_)))) {
+            Some(f) => {
+                let copy = Builder { quantize: Some(f), given: None, hf: None, ..b };
+                Some(copy.linear(sink, Packed::single(store.raw(&embed_name, &[v, h])?), h, &mut bytes)?)
+            }
+            None => None,
+        }
+    } else {
+        let head = Builder { quantize: head_format, ..b };
+        Some(head.projection(sink, &[("lm_head".to_string(), v)], h, None, None, &mut bytes)?)
+    };
+    let embed = b.put(sink, Packed::single(store.raw(&embed_name, &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
     quant.refuse_unused(&used.borrow(), store.contains("mtp.fc.weight"))?;
     Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
@@ -607,8 +629,6 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// Its projections get `format` and the CUDA-core route: a plan runs nothing.
 struct PlanSink {
     format: WeightFormat,
-    /// The largest quantized projection's N x K (the workspace the load allocates).
-    quant_elems: usize,
 }
 
 impl Sink for PlanSink {
@@ -631,10 +651,28 @@ impl Sink for PlanSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<Vec<QuantWeight>>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
-        self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], _encode: impl FnOnce() -> Result<Vec<QuantWeight>>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
         Ok(((), None))
     }
+}
+
+/// The shared dequantization workspace `linears` need (storage elements): the largest quantized
+/// projection's N x K, and for a quantized LM head (`head`) a chunk of QUANT_HEAD_CHUNK_ROWS
+/// vocabulary rows (its prefill route's), not the whole head.
+fn workspace_elems<'l, W: 'l>(linears: impl IntoIterator<Item = &'l Linear<W>>, head: Option<&Linear<W>>) -> usize {
+    let quantized = |l: &&Linear<W>| matches!(l.format, WeightFormat::Quant(_));
+    let body = linears.into_iter().filter(quantized).map(|l| l.n * l.k).max().unwrap_or(0);
+    let head = head.filter(quantized).map_or(0, |l| l.n.min(crate::plan::ledger::QUANT_HEAD_CHUNK_ROWS) * l.k);
+    body.max(head)
+}
+
+/// The projections of a layer (fused as the step runs them).
+fn layer_linears<W, F>(l: &DevLayer<W, F>) -> [&Linear<W>; 4] {
+    let [a, b] = match &l.mixer {
+        DevMixer::Attention(a) => [&a.qkv, &a.o],
+        DevMixer::Gdn(g) => [&g.in_proj, &g.out],
+    };
+    [a, b, &l.gate_up, &l.down]
 }
 
 /// The workspace for quantized projections of up to `quant_elems` elements (the plan's
@@ -664,21 +702,16 @@ pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: Weig
 /// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
 /// tensor checked, and quantized, as the load will).
 pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
-    let mut sink = PlanSink { format, quant_elems: 0 };
-    let bytes = build(&mut sink, store, cfg, quant)?.bytes;
-    Ok(Planned { bytes, quant_elems: sink.quant_elems })
+    let w = build(&mut PlanSink { format }, store, cfg, quant)?;
+    let quant_elems = workspace_elems(w.layers.iter().flat_map(layer_linears), w.lm_head.as_ref());
+    Ok(Planned { bytes: w.bytes, quant_elems })
 }
 
 impl DevWeights {
-    /// The dequantization workspace the quantized projections share (None: all dense).
+    /// The dequantization workspace the quantized projections (and a quantized LM head) share
+    /// (None: all dense).
     pub fn quant_workspace(&self) -> Option<Arc<QuantWorkspace>> {
-        let linears = self.layers.iter().flat_map(|l| {
-            let mixer: [&Linear; 2] = match &l.mixer {
-                DevMixer::Attention(a) => [&a.qkv, &a.o],
-                DevMixer::Gdn(g) => [&g.in_proj, &g.out],
-            };
-            mixer.into_iter().chain([&l.gate_up, &l.down])
-        });
+        let linears = self.layers.iter().flat_map(layer_linears).chain(self.lm_head.as_ref());
         linears.filter_map(|l| l.quant.as_ref()).map(|q| q.workspace.clone()).next()
     }
 
@@ -720,11 +753,11 @@ impl DevMtp {
     /// `shared`: the model's dequantization workspace, used where it is large enough.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let mut plan_sink = PlanSink { format: dev.storage().into(), quant_elems: 0 };
-        let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quant)? else { return Ok(None) };
+        let Some(planned) = build_mtp(&mut PlanSink { format: dev.storage().into() }, store, cfg, quant)? else { return Ok(None) };
+        let quant_elems = workspace_elems(layer_linears(&planned.layer).into_iter().chain([&planned.fc]), None);
         let (free, _) = dev.memory_info()?;
-        let reuse = shared.as_ref().is_some_and(|w| w.elems() >= plan_sink.quant_elems);
-        if planned.bytes + if reuse { 0 } else { 2 * plan_sink.quant_elems } > free {
+        let reuse = shared.as_ref().is_some_and(|w| w.elems() >= quant_elems);
+        if planned.bytes + if reuse { 0 } else { 2 * quant_elems } > free {
             return Err(NinferError::OutOfMemory {
                 what: format!("the MTP head's weights on cuda:{} (--spec mtp)", dev.ordinal()),
                 needed: planned.bytes as u64,
@@ -732,7 +765,7 @@ impl DevMtp {
                 hint: "run without --spec mtp, or with --spec ngram".into(),
             });
         }
-        let workspace = workspace_for(dev, plan_sink.quant_elems, shared)?;
+        let workspace = workspace_for(dev, quant_elems, shared)?;
         let mut sink = DeviceSink::new(dev, workspace)?;
         let mtp = build_mtp(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;

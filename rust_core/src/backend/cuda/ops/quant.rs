@@ -1,7 +1,8 @@
 //! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
 //! uploaded as the checkpoint stores them, the decode GEMV with fused dequantization for up to
 //! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
-//! workspace, then cuBLAS.
+//! workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
+//! chunk of vocabulary rows at a time through the same workspace.
 //!
 //! The prefill route is the first one measured; the alternative to try on the GPU is the fused
 //! tensor-core GEMM (dequantized tiles in shared memory before the MMA), which saves the
@@ -24,11 +25,12 @@ pub const QUANT_GEMV_MAX_M: usize = 16;
 const QUANT_THREADS: u32 = 256;
 
 /// The kernels of one format: its family, the dequantize kernel and the GEMV for
-/// MT = 1, 2, 4, 8, 16 rows.
+/// MT = 1, 2, 4, 8, 16 rows, into the storage type and into f32.
 struct QuantKernels {
     family: KernelFamily,
     dequant: &'static str,
     gemv: [&'static str; 5],
+    gemv_f32: [&'static str; 5],
 }
 
 macro_rules! quant_kernels {
@@ -42,6 +44,13 @@ macro_rules! quant_kernels {
                 concat!("quant_gemv_", $s, "_m4"),
                 concat!("quant_gemv_", $s, "_m8"),
                 concat!("quant_gemv_", $s, "_m16"),
+            ],
+            gemv_f32: [
+                concat!("quant_gemv_f32_", $s, "_m1"),
+                concat!("quant_gemv_f32_", $s, "_m2"),
+                concat!("quant_gemv_f32_", $s, "_m4"),
+                concat!("quant_gemv_f32_", $s, "_m8"),
+                concat!("quant_gemv_f32_", $s, "_m16"),
             ],
         }
     };
@@ -268,7 +277,7 @@ impl CudaDevice {
     pub fn quant_dequantize_f32(&self, w: &DeviceQuantWeight, out: &mut impl DevicePtrMut<f32>) -> Result<()> {
         check_len("quant_dequantize_f32 out", out.len(), w.n * w.k)?;
         let (op, _g) = out.device_ptr_mut(self.stream());
-        self.quant_dequant_launch(w, op, 1)
+        self.quant_dequant_launch(w, op, 1, 0, w.n)
     }
 
     /// The values of `w` rounded to the storage type (round to nearest even), row-major
@@ -276,17 +285,28 @@ impl CudaDevice {
     pub fn quant_dequantize(&self, w: &DeviceQuantWeight, out: &mut impl DevicePtrMut<u16>) -> Result<()> {
         check_len("quant_dequantize out", out.len(), w.n * w.k)?;
         let (op, _g) = out.device_ptr_mut(self.stream());
-        self.quant_dequant_launch(w, op, 0)
+        self.quant_dequant_launch(w, op, 0, 0, w.n)
     }
 
-    fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32) -> Result<()> {
+    /// Rows `row0 .. row0 + rows` of `w` rounded to the storage type, row-major `[rows, k]`, into
+    /// the start of `out`: a chunk of a quantized LM head's vocabulary rows.
+    pub fn quant_dequantize_rows(&self, w: &DeviceQuantWeight, row0: usize, rows: usize, out: &mut impl DevicePtrMut<u16>) -> Result<()> {
+        if row0 + rows > w.n {
+            return Err(NinferError::Device(format!("{}: rows {row0}..{} of {}", w.name, row0 + rows, w.n)));
+        }
+        check_len("quant_dequantize_rows out", out.len(), rows * w.k)?;
+        let (op, _g) = out.device_ptr_mut(self.stream());
+        self.quant_dequant_launch(w, op, 0, row0, rows)
+    }
+
+    fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32, row0: usize, rows: usize) -> Result<()> {
         let kern = kernels_of(w.format);
         let f = self.function(kern.family, kern.dequant)?;
-        let slices = w.n * (w.k / 8);
+        let slices = rows * (w.k / 8);
         // A few waves of blocks; the kernel strides past them.
-        let grid = slices.div_ceil(QUANT_THREADS as usize).min(1 << 16) as u32;
+        let grid = slices.div_ceil(QUANT_THREADS as usize).clamp(1, 1 << 16) as u32;
         let mut args = self.quant_w_args(w)?.to_vec();
-        args.extend(kargs![out, f32_out]);
+        args.extend(kargs![out, f32_out, as_i32("quant row0", row0)?, as_i32("quant rows", rows)?]);
         self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), kern.dequant, &args)
     }
 
@@ -327,6 +347,114 @@ impl CudaDevice {
             row += mm;
         }
         Ok(())
+    }
+
+    /// y[m, n] (f32) = x[m, k] W^T with W decoded as it streams, in launches of up to
+    /// QUANT_GEMV_MAX_M rows of x; with `round`, each output rounded to the storage type and
+    /// kept as f32 (the logits' rounding, as `gemv_f32_out_round_with`). x 16-byte aligned.
+    pub fn quant_gemv_f32_out(&self, x: &impl DevicePtr<u16>, w: &DeviceQuantWeight, y: &mut impl DevicePtrMut<f32>, m: usize, round: bool) -> Result<()> {
+        let (n, k) = (w.n, w.k);
+        check_len("quant_gemv_f32_out x", x.len(), m * k)?;
+        check_len("quant_gemv_f32_out y", y.len(), m * n)?;
+        let kern = kernels_of(w.format);
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (yp, _b) = y.device_ptr_mut(s);
+        let wargs = self.quant_w_args(w)?;
+        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let mut row = 0;
+        while row < m {
+            let mm = (m - row).min(QUANT_GEMV_MAX_M);
+            let slot = [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16");
+            let name = kern.gemv_f32[slot];
+            let f = self.function(kern.family, name)?;
+            let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
+            args.extend(wargs);
+            args.extend(kargs![yp + (row * n * 4) as u64, mm as i32, round as i32]);
+            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            row += mm;
+        }
+        Ok(())
+    }
+
+    /// y[m, n] (f32) = x W^T by the route for `m`: the f32 GEMV up to QUANT_GEMV_MAX_M rows;
+    /// beyond, W a chunk of rows at a time (as many as `workspace` holds) dequantized into
+    /// `workspace` and multiplied by cuBLAS into those columns of y: a quantized LM head, whose
+    /// whole dequantized matrix (vocab x hidden) would be the largest buffer of the model. With
+    /// `round`, the outputs rounded to the storage type and kept as f32.
+    pub fn quant_linear_f32_out(&self, x: &impl DevicePtr<u16>, w: &DeviceQuantWeight, workspace: &mut CudaSlice<u16>, y: &mut impl DevicePtrMut<f32>, m: usize, round: bool) -> Result<()> {
+        if m <= QUANT_GEMV_MAX_M {
+            return self.quant_gemv_f32_out(x, w, y, m, round);
+        }
+        let (n, k) = (w.n, w.k);
+        check_len("quant_linear_f32_out x", x.len(), m * k)?;
+        check_len("quant_linear_f32_out y", y.len(), m * n)?;
+        let chunk = (workspace.len() / k).min(n);
+        if chunk == 0 {
+            return Err(NinferError::Device(format!("{}: a dequantization workspace of {} elements holds no row of {k}", w.name, workspace.len())));
+        }
+        {
+            let s = self.stream();
+            let (xp, _a) = x.device_ptr(s);
+            let (yp, _b) = y.device_ptr_mut(s);
+            let mut r0 = 0;
+            while r0 < n {
+                let rows = chunk.min(n - r0);
+                let mut ws = workspace.slice_mut(0..rows * k);
+                self.quant_dequantize_rows(w, r0, rows, &mut ws)?;
+                let (wp, _c) = ws.device_ptr(s);
+                self.gemm_f32_out_columns(xp, wp, yp + (r0 * 4) as u64, m, rows, k, n)?;
+                r0 += rows;
+            }
+        }
+        if round {
+            self.round_f32_to_storage(y, m * n)?;
+        }
+        Ok(())
+    }
+
+    /// Columns of y (f32, row-major with `ldy` columns) = x[m, k] W[n, k]^T through cuBLAS with
+    /// f32 accumulation (`gemm_f32_out`'s call, with y's row stride: one vocabulary chunk of
+    /// the logits).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_f32_out_columns(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, ldy: usize) -> Result<()> {
+        use cudarc::cublas::{result, sys};
+        let blas = self.blas()?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let dims = [m, n, k, ldy];
+        if dims.iter().any(|&d| d > i32::MAX as usize) {
+            return Err(NinferError::Device(format!("gemm dims {dims:?} exceed i32")));
+        }
+        let t = match self.storage() {
+            StorageDType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            StorageDType::F16 => sys::cudaDataType::CUDA_R_16F,
+        };
+        // SAFETY: the pointers are live device buffers the caller checked against m, n, k and
+        // ldy (x [m, k], w [n, k], y m rows of ldy >= n); the handle is bound to this stream.
+        unsafe {
+            result::gemm_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const std::ffi::c_void,
+                w as *const std::ffi::c_void,
+                t,
+                k as i32,
+                x as *const std::ffi::c_void,
+                t,
+                k as i32,
+                &beta as *const f32 as *const std::ffi::c_void,
+                y as *mut std::ffi::c_void,
+                sys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| NinferError::Device(format!("cublasGemmEx m={m} n={n} k={k} ldc={ldy}: {e:?}")))
     }
 
     /// y = x W^T (+ bias) by the route for `m`: the fused GEMV up to QUANT_GEMV_MAX_M rows;
@@ -384,8 +512,9 @@ mod tests {
             let src = kern.family.source();
             let stem = kern.dequant.trim_start_matches("quant_dequant_");
             assert!(src.contains(&format!("\nQUANT_KERNELS({stem}, ")), "{f:?}: no QUANT_KERNELS({stem}, ..) in cuda/{}", kern.family.file_name());
-            for (g, mt) in kern.gemv.iter().zip([1, 2, 4, 8, 16]) {
+            for ((g, g32), mt) in kern.gemv.iter().zip(&kern.gemv_f32).zip([1, 2, 4, 8, 16]) {
                 assert_eq!(*g, format!("quant_gemv_{stem}_m{mt}"));
+                assert_eq!(*g32, format!("quant_gemv_f32_{stem}_m{mt}"));
             }
         }
     }

@@ -10,6 +10,7 @@ use super::*;
 use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use super::super::linear::Linear as DevLinear;
 use crate::model::cpu::quant_load::QuantSource;
 use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 
@@ -328,7 +329,7 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
         same(&dev.norm, &old_norm(&hm.norm, p1, st), "mtp norm");
         check_layer(&cfg, &hm.layers[0], &dev.layer, st, 0);
         assert!(matches!(&dev.layer.mixer, DevMixer::Attention(a) if a.q_norm.is_some()), "a gated full-attention layer with q/k norms");
-        let planned = build_mtp(&mut PlanSink { format: st.into(), quant_elems: 0 }, &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
+        let planned = build_mtp(&mut PlanSink { format: st.into() }, &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
         assert_eq!(planned, dev.bytes, "planned MTP bytes");
     }
     // The model's own weights load as without a head; a head of two layers is refused.
@@ -336,11 +337,11 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
     assert_eq!(main.layers.len(), host.layers.len());
     let mut two = cfg.clone();
     two.mtp_num_layers = 2;
-    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
+    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
     assert!(e.contains("2 MTP layers"), "{e}");
     let plain = checkpoint("q35_no_mtp", "Qwen3_5ForCausalLM", Dtype::BF16);
     let (cfg, store) = (ModelConfig::from_dir(&plain).unwrap(), WeightStore::open(&plain).unwrap());
-    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad::default()).unwrap().is_none());
+    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad::default()).unwrap().is_none());
 }
 
 /// A CPU projection's `[n, k]` values in output order, each block decoded as the format
@@ -572,7 +573,7 @@ fn handed_in_nvfp4_parts_stack_with_the_gated_query_reordered() {
     let given = Arc::new(given);
     let opts = crate::model::LoadOptions { quant_tensors: Some(given.clone()), ..Default::default() };
     let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
-    let quant = QuantLoad { quantize: None, given: Some(given.clone()), hf: None };
+    let quant = QuantLoad { given: Some(given.clone()), ..Default::default() };
     let mut sink = HostSink::new(StorageDType::Bf16, true);
     let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
     for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
@@ -639,7 +640,7 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let given = Arc::new(gguf_q8_0(&store, &names));
         let opts = crate::model::LoadOptions { quant_tensors: Some(given.clone()), ..Default::default() };
         let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
-        let quant = QuantLoad { quantize: None, given: Some(given.clone()), hf: None };
+        let quant = QuantLoad { given: Some(given.clone()), ..Default::default() };
         let mut sink = HostSink::new(StorageDType::Bf16, true);
         let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
         let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
@@ -664,12 +665,12 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let qkv_part = names.iter().find(|n| n.ends_with("k_proj.weight")).unwrap();
         let mut part = (*given).clone();
         part.remove(qkv_part);
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(part)), hf: None }).err().expect("a part missing").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad { given: Some(Arc::new(part)), ..Default::default() }).err().expect("a part missing").to_string();
         assert!(e.contains("only some parts") && e.contains(&qkv_part.replace("k_proj", "q_proj")), "{e}");
         let mut extra = (*given).clone();
         let embed = names::decoder_prefix(&store).to_string() + ".embed_tokens.weight";
         extra.insert(embed.clone(), gguf_q8_0(&store, std::slice::from_ref(&embed)).remove(&embed).unwrap());
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(extra)), hf: None }).err().expect("a packed embedding").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad { given: Some(Arc::new(extra)), ..Default::default() }).err().expect("a packed embedding").to_string();
         assert!(e.contains(&embed) && e.contains("stay dense"), "{e}");
         let mut w8 = (*given).clone();
         let o = names.iter().find(|n| n.ends_with("o_proj.weight") || n.ends_with("out_proj.weight")).unwrap();
@@ -677,7 +678,7 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let values = rand_vec(n * k, 1);
         let q = crate::quant::QuantFormat::W8G32F16S;
         w8.insert(o.clone(), crate::quant::QuantWeight::packed(o.as_str(), q, [n, k], crate::quant::quantize(q, o, &values, [n, k]).unwrap()));
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(w8)), hf: None }).err().expect("a W8 tensor handed in").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad { given: Some(Arc::new(w8)), ..Default::default() }).err().expect("a W8 tensor handed in").to_string();
         assert!(e.contains(o.as_str()) && e.contains("W8G32_F16S") && e.contains("only GGUF rows"), "{e}");
     }
 }
@@ -828,7 +829,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
     assert!(e.contains("HF_FP8_BLOCK") && e.contains("k_proj.weight") && e.contains("not supported yet"), "{e}");
     // Every in_proj part in FP8: b (4 rows) would share an 8-row scale block with a.
     let dir = hf_checkpoint(&hybrid, "q35_hf_blocks", f, qcfg, &[], None);
@@ -836,7 +837,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
     // Refused by the plan pass, before any weight is read.
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
     assert!(e.contains("in_proj_b rows 0..4") && e.contains("multiples of 8") && e.contains("not supported yet"), "{e}");
     // GPTQ act-order parts with different g_idx, likewise.
     let (g, gcfg) = (QuantFormat::Gptq4 { group: 16, zero_plus_one: true }, serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": true, "sym": false}));
@@ -855,7 +856,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let store = WeightStore::open(&dir).unwrap();
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
     assert!(e.contains("HF_GPTQ4") && e.contains("k_proj.weight") && e.contains("g_idx") && e.contains("not supported yet"), "{e}");
     // --quantize on a quantized checkpoint is refused as on the CPU.
     let e = QuantLoad::new(&dir, &quantize_opts(crate::quant::QuantizeMode::Q4)).err().expect("already quantized").to_string();
@@ -874,4 +875,76 @@ fn gpu_plan<'a>(cfg: &'a crate::config::ModelConfig, tensors: &'a [crate::plan::
         memory: None,
         pool: crate::plan::PoolRule::OneContext,
     }
+}
+
+#[test]
+fn quantize_lm_head_packs_the_head_as_the_cpu_model_and_a_tied_one_as_a_copy() {
+    use crate::quant::QuantizeMode;
+    let untied = checkpoint_sized("llama_qhead", "LlamaForCausalLM", Dtype::BF16, false, false, nvfp4_dims());
+    // The same tensors with the head tied to the embedding (lm_head.weight is then not read).
+    let tied = std::env::temp_dir().join(format!("ninfer_cuda_load_llama_qhead_tied_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tied);
+    std::fs::create_dir_all(&tied).unwrap();
+    for f in std::fs::read_dir(&untied).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, tied.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tied.join("config.json")).unwrap()).unwrap();
+    c["tie_word_embeddings"] = serde_json::Value::Bool(true);
+    std::fs::write(tied.join("config.json"), c.to_string()).unwrap();
+    for (dir, flag) in [(&untied, "q4"), (&tied, "q4"), (&untied, "nvfp4")] {
+        let mode = QuantizeMode::parse(flag).unwrap();
+        let f = mode.format();
+        let what = format!("{} {f:?}", dir.display());
+        let cfg = ModelConfig::from_dir(dir).unwrap();
+        let store = WeightStore::open(dir).unwrap();
+        let opts = crate::model::LoadOptions { quantize: Some(mode), quantize_lm_head: true, ..Default::default() };
+        let host = ModelWeights::load(&store, &cfg, &QuantSource::new(dir, &store, &opts).unwrap()).unwrap();
+        let quant = QuantLoad::new(dir, &opts).unwrap();
+        assert!(quant.quantize_lm_head);
+        let mut sink = HostSink::new(StorageDType::Bf16, true);
+        let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+        let head = same_quantized(&sink, dev.lm_head.as_ref().expect("a quantized head"), host.lm_head.as_ref().unwrap(), f, &format!("{what} lm_head"));
+        assert!(dev.lm_head().is_none(), "{what}: no dense head matrix");
+        // The embedding stays dense.
+        let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
+        same(&dev.embed, &dense.embed, "embed");
+        let body = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::quantize(Some(f))).unwrap();
+        let dense_head = if cfg.tie_word_embeddings { 0 } else { 2 * 128 * 128 };
+        assert_eq!(dev.bytes, body.bytes - dense_head + head, "{what}: bytes held");
+        let planned = plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap();
+        assert_eq!(planned.bytes, dev.bytes, "{what}: planned bytes");
+        // `ninfer plan --quantize-lm-head` counts the same bytes and workspace.
+        let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
+        let mut input = gpu_plan(&cfg, &tensors);
+        input.quantize = Some(crate::plan::QuantFormat::parse(flag).unwrap());
+        input.quantize_lm_head = true;
+        let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+        assert_eq!(total, dev.bytes as u64, "{what}: {lines:?}");
+        assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64, "{what}");
+    }
+    // Without --quantize it is refused, as on the CPU.
+    let opts = crate::model::LoadOptions { quantize_lm_head: true, ..Default::default() };
+    let e = QuantLoad::new(&untied, &opts).err().expect("needs --quantize").to_string();
+    assert!(e.contains("needs --quantize"), "{e}");
+}
+
+#[test]
+fn a_quantized_heads_workspace_is_a_chunk_of_vocabulary_rows() {
+    let lin = |n: usize, k: usize, q: bool| DevLinear::<()> {
+        w: (),
+        n,
+        k,
+        format: if q { WeightFormat::Quant(crate::quant::QuantFormat::Q4G64F16S) } else { WeightFormat::Bf16 },
+        bias: None,
+        route: LinearRoute::quantized(),
+        quant: None,
+    };
+    let chunk = crate::plan::ledger::QUANT_HEAD_CHUNK_ROWS;
+    let body = [lin(3000, 512, true), lin(9000, 512, false)];
+    // The body's largest quantized projection; a head larger than a chunk counts one chunk.
+    assert_eq!(workspace_elems(&body, None), 3000 * 512);
+    assert_eq!(workspace_elems(&body, Some(&lin(248320, 512, true))), chunk * 512);
+    assert_eq!(workspace_elems(&body, Some(&lin(2000, 512, true))), 3000 * 512);
+    assert_eq!(workspace_elems(&body, Some(&lin(248320, 512, false))), 3000 * 512);
 }
