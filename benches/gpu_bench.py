@@ -50,7 +50,7 @@ from pathlib import Path
 T0 = time.perf_counter()
 
 #: The --quantize modes the CUDA loader takes (rust_core/src/quant, `QuantizeMode`).
-QUANTIZE_MODES = ["w8", "q4", "q5", "q6", "fp8"]
+QUANTIZE_MODES = ["w8", "q4", "q5", "q6", "fp8", "nvfp4"]
 
 SHAPES = {
     "llama-3-8b": dict(arch="llama", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336,

@@ -11,8 +11,8 @@ the 4-bit formats within 10%. The record goes to benches/results/quant_perplexit
 
     .ci/dev-build && PYTHONPATH=python python benches/quant_perplexity.py
 
-`--device cuda` scores what the CUDA backend loads (w8, q4, q5, q6, fp8 and the handed-in GGUF Q8_0;
-NVFP4 is refused there) with the same windows; the record goes to
+`--device cuda` scores what the CUDA backend loads (every mode and the handed-in GGUF Q8_0) with the
+same windows; the record goes to
 benches/results/quant_perplexity_cuda.json.
 """
 
@@ -39,9 +39,6 @@ MODEL = DEMO / "model"
 MODES = {"w8": ("W8G32_F16S", 0.01), "fp8": ("FP8_E4M3FN_ROW_BF16S", 0.01), "q6": ("Q6G64_F16S", 0.01),
          "q5": ("Q5G64_F16S", 0.10), "q4": ("Q4G64_F16S", 0.10), "nvfp4": ("NVFP4", 0.10)}
 
-
-#: Modes the CUDA backend does not load yet (refused there naming the tensor and the format).
-CPU_ONLY = {"nvfp4"}
 
 
 def device_name(device: str) -> str:
@@ -116,8 +113,7 @@ def main(argv=None) -> int:
 
     measure("bf16", "bf16 (as shipped)", None)
     for mode, (fmt, bound) in MODES.items():
-        if not (gpu and mode in CPU_ONLY):
-            measure(f"--quantize {mode}", fmt, bound, quantize=mode)
+        measure(f"--quantize {mode}", fmt, bound, quantize=mode)
     measure("GGUF Q8_0 (gguf package quantizer)", "GGUF_Q8_0", 0.01, quant_tensors=gguf_q8_0_tensors(MODEL))
     record = {
         "commit": git_commit(),

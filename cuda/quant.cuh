@@ -2,10 +2,11 @@
 // small float words the formats store, and the two kernel bodies each format instantiates with
 // its own decoder (quant_ninfer.cu, quant_gguf.cu, quant_hf.cu):
 // - quant_gemv: decode GEMV y[m, N] = x[m, K] W[N, K]^T for m <= 16 rows with the weight
-//   decoded in registers as it streams (each weight byte read once, every row of x reusing it);
-// - quant_dequant: the whole weight decoded into f32 (the tests' bit-exact check against the
+//   decoded in registers as it streams (each weight byte read once, every row of x reusing it),
+//   into the storage type (projections) or f32 (quant_gemv_f32: a quantized LM head's logits);
+// - quant_dequant: rows of the weight decoded into f32 (the tests' bit-exact check against the
 //   CPU decoders of rust_core/src/quant) or into the storage type (the prefill route's
-//   workspace, multiplied by cuBLAS).
+//   workspace, multiplied by cuBLAS; a quantized LM head a chunk of vocabulary rows at a time).
 // The layouts are defined once, in rust_core/src/quant's module docs; each decoder here follows
 // its format's CPU decoder expression for expression. Every product is written with __fmul_rn /
 // __fsub_rn / __fdiv_rn so that NVRTC cannot contract it into an FMA: a decoded value is the
@@ -99,11 +100,13 @@ __device__ __forceinline__ float q_float_at(const unsigned char* t, long long i,
 // so a warp's loads of one step are consecutive bytes of the row. Each (row of x, output) sum is
 // one f32 chain over the lane's slices in ascending order, eight fmaf each, then the warp
 // reduction; `bias` (or null) is added to the sum before its one rounding to the storage type
-// (add_bias_to_storage's order). K must be a multiple of 8 and x 16-byte aligned.
-template <class D, int MT>
+// (add_bias_to_storage's order). F32: y is f32, each sum stored as is or, with `round`, rounded
+// to the storage type and kept as f32 (the logits' `round_out`). K must be a multiple of 8 and x
+// 16-byte aligned.
+template <class D, int MT, bool F32>
 __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, const qweight& w,
-                                                store_t* __restrict__ y, const store_t* __restrict__ bias,
-                                                int m) {
+                                                void* __restrict__ y, const store_t* __restrict__ bias,
+                                                int m, int round) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
     if (row >= w.n_all) return;
@@ -129,25 +132,33 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
     for (int r = 0; r < MT; ++r) {
         if (r < m) {
             const float s = warp_sum(acc[r]);
-            if (lane == 0) y[(long long)r * w.n_all + row] = from_f32(bias ? s + to_f32(bias[row]) : s);
+            if (lane == 0) {
+                const long long at = (long long)r * w.n_all + row;
+                const float v = bias ? s + to_f32(bias[row]) : s;
+                if constexpr (F32) {
+                    reinterpret_cast<float*>(y)[at] = round ? round_st(v) : v;
+                } else {
+                    reinterpret_cast<store_t*>(y)[at] = from_f32(v);
+                }
+            }
         }
     }
 }
 
-// The dequantize body of decoder D: every slice of 8 values of W, grid-stride, into f32
-// (`f32_out`: the values exactly) or into the storage type (rounded once, to nearest even: the
-// prefill workspace). K must be a multiple of 8.
+// The dequantize body of decoder D: every slice of 8 values of rows row0 .. row0 + rows of W,
+// grid-stride, into `out` from its start, in f32 (`f32_out`: the values exactly) or in the
+// storage type (rounded once, to nearest even: the prefill workspace). K must be a multiple of 8.
 template <class D>
-__device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __restrict__ out, int f32_out) {
+__device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __restrict__ out, int f32_out, int row0, int rows) {
     const long long per_row = w.k / 8;
-    const long long slices = (long long)w.n_all * per_row;
+    const long long slices = (long long)rows * per_row;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < slices; u += stride) {
-        const int row = (int)(u / per_row);
+        const int r = (int)(u / per_row);
         const int k0 = (int)(u % per_row) * 8;
         float v[8];
-        quant_decode8<D>(w, row, k0, v);
-        const long long off = (long long)row * w.k + k0;
+        quant_decode8<D>(w, row0 + r, k0, v);
+        const long long off = (long long)r * w.k + k0;
         if (f32_out) {
             float4* o = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + off);
             o[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -167,18 +178,24 @@ __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __res
         const store_t *tail, int n_all
 #define QUANT_W qweight{data, scale, zero, g_idx, n, k, p0, p1, p2, tail, n_all}
 
-// The kernels of one format: quant_dequant_<NAME> and quant_gemv_<NAME>_m<MT> for MT = 1, 2, 4,
-// 8, 16 (the launcher picks the smallest MT >= m). Parameters: x, the weight (QUANT_W_PARAMS),
-// y, bias, m for the GEMV; the weight, out, f32_out for the dequantize kernel.
+// The kernels of one format: quant_dequant_<NAME>, quant_gemv_<NAME>_m<MT> and
+// quant_gemv_f32_<NAME>_m<MT> for MT = 1, 2, 4, 8, 16 (the launcher picks the smallest
+// MT >= m). Parameters: x, the weight (QUANT_W_PARAMS), y, bias, m for the GEMV; x, the weight,
+// y (f32), m, round for the f32 GEMV; the weight, out, f32_out, row0, rows for the dequantize
+// kernel.
 #define QUANT_GEMV_INSTANCE(NAME, D, MT)                                                           \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
         quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
-        quant_gemv_body<D, MT>(x, QUANT_W, y, bias, m);                                            \
+        quant_gemv_body<D, MT, false>(x, QUANT_W, y, bias, m, 0);                                  \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
+        quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
+        quant_gemv_body<D, MT, true>(x, QUANT_W, y, nullptr, m, round);                            \
     }
 #define QUANT_KERNELS(NAME, D)                                                                     \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
-        quant_dequant_##NAME(QUANT_W_PARAMS, void* out, int f32_out) {                             \
-        quant_dequant_body<D>(QUANT_W, out, f32_out);                                              \
+        quant_dequant_##NAME(QUANT_W_PARAMS, void* out, int f32_out, int row0, int rows) {         \
+        quant_dequant_body<D>(QUANT_W, out, f32_out, row0, rows);                                  \
     }                                                                                              \
     QUANT_GEMV_INSTANCE(NAME, D, 1)                                                                \
     QUANT_GEMV_INSTANCE(NAME, D, 2)                                                                \

@@ -52,19 +52,39 @@ struct dec_fp8_row {
     }
 };
 
-// NVFP4: E2M1 codes row-major (lower K in the low nibble), E4M3FN scales per 16 values in
-// 128-row x 4-group swizzled tiles at p0, the binary32 divisor at p1:
-// w = e2m1(c) * e4m3(s) / d_w, left to right.
+// NVFP4: row-stacked parts (one for a single weight; a fused projection keeps each part's
+// tensor divisor), each a whole payload of rows that are a multiple of 128: E2M1 codes
+// row-major (lower K in the low nibble), E4M3FN scales per 16 values in 128-row x 4-group
+// swizzled tiles, the binary32 divisor last: w = e2m1(c) * e4m3(s) / d_w, left to right. The
+// first rows of parts 1 .. 4 are p0's and p1's 32-bit halves (n where absent); part j begins
+// at byte r0 * k / 2 + r0 * k / 16 + 4 * j (no plane is padded at these shapes).
 struct dec_nvfp4 {
     __device__ __forceinline__ static void decode8(const qweight& w, int row, int k0, float (&v)[8]) {
-        const int g = k0 / 16;
-        const int inner = row % 128;
-        const long long si = ((long long)(row / 128) * (w.k / 64) + g / 4) * 512 + (inner % 32) * 16 + (inner / 32) * 4 + g % 4;
-        const float s = q_e4m3(__ldg(w.data + w.p0 + si));
-        const float d = __uint_as_float(q_u32a(w.data + w.p1));
-        const unsigned c = q_u32a(w.data + ((long long)row * w.k + k0) / 2);
+        const long long starts[4] = {w.p0 & 0xffffffffll, w.p0 >> 32, w.p1 & 0xffffffffll, w.p1 >> 32};
+        int j = 0;
+        long long r0 = 0, r1 = w.n;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fdiv_rn(__fmul_rn(q_e2m1(c >> (4 * j)), s), d);
+        for (int i = 0; i < 4; ++i) {
+            if (row >= starts[i]) {
+                j = i + 1;
+                r0 = starts[i];
+            }
+        }
+#pragma unroll
+        for (int i = 3; i >= 0; --i) {
+            if (starts[i] > row) r1 = starts[i];
+        }
+        const long long k = w.k;
+        const unsigned char* part = w.data + r0 * k / 2 + r0 * k / 16 + 4 * j;
+        const long long rows = r1 - r0, r = row - r0;
+        const int g = k0 / 16;
+        const int inner = (int)(r % 128);
+        const long long si = ((r / 128) * (k / 64) + g / 4) * 512 + (inner % 32) * 16 + (inner / 32) * 4 + g % 4;
+        const float s = q_e4m3(__ldg(part + rows * k / 2 + si));
+        const float d = __uint_as_float(q_u32a(part + rows * k / 2 + rows * k / 16));
+        const unsigned c = q_u32a(part + (r * k + k0) / 2);
+#pragma unroll
+        for (int j8 = 0; j8 < 8; ++j8) v[j8] = __fdiv_rn(__fmul_rn(q_e2m1(c >> (4 * j8)), s), d);
     }
 };
 

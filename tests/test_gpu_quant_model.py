@@ -1,5 +1,6 @@
 """`--quantize` on the CUDA backend: the projections quantized on load (fused q|k|v, gate|up and
-the GDN input projection encoded whole, which decodes to exactly the CPU model's values: the
+the GDN input projection encoded whole, or for NVFP4 as each part's own payload with the parts
+its layout cannot hold as the dense tail, which decodes to exactly the CPU model's values: the
 loader's host tests) or handed in as GGUF tensors (a fused projection's rows of blocks
 concatenated), run through the fused-dequantization GEMV (decode) and the dequantized workspace +
 cuBLAS (prefill). Checked against the CPU backend with the same `--quantize`: logits
@@ -8,7 +9,8 @@ perplexity within 1e-3 relative, and the bytes the runner reports equal to `ninf
 Quantized HF checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) written by the test run as
 stored on CUDA against the CPU loader reading the same files (dense last parts of a fused
 projection, as in the official Qwen3.5 FP8 releases, as its dense tail); a dense part before a
-quantized one, and --quantize-lm-head, stay refused there.
+quantized one stays refused there. --quantize-lm-head runs the head through the f32-output
+GEMV (decode) and the chunked dequantize + cuBLAS route (prefill).
 
 The CPU reference runs f32 activations on the decoded weights; the GPU runs bf16 activations on
 the same decoded weights, so the bounds are those of tests/test_gpu_model.py for dense weights.
@@ -47,8 +49,8 @@ TINY_REL_TOL = 5e-2
 #: Demo perplexity on CUDA against the CPU's, same --quantize.
 PPL_REL_TOL = 1e-3
 
-#: The --quantize modes the CUDA loader takes (nvfp4 is refused there).
-MODES = ["w8", "q4", "q5", "q6", "fp8"]
+#: The --quantize modes the CUDA loader takes (NVFP4 dequantized: no FP4 tensor-core route).
+MODES = ["w8", "q4", "q5", "q6", "fp8", "nvfp4"]
 
 #: Sizes the kernels are instantiated for (tests/test_gpu_model.py).
 GPU_SHAPES = {
@@ -200,7 +202,7 @@ def _greedy(model_dir, device, mode, prompts, n):
         return llm.generate([llm.encode(p) for p in prompts], params)
 
 
-@pytest.mark.parametrize("mode", ["q4", "fp8"])
+@pytest.mark.parametrize("mode", ["q4", "fp8", "nvfp4"])
 @pytest.mark.parametrize("name", ["demo", "qwen3_5"])
 def test_quantized_greedy_output_matches_the_cpu_but_at_near_ties(name, mode, request):
     """Prefill steps of more than 16 rows (the three prompts scheduled together) run the
@@ -262,14 +264,17 @@ def test_demo_perplexity_per_format_on_cuda_is_the_cpus():
         assert rel <= tol
 
 
-def test_nvfp4_is_refused_on_cuda_naming_tensor_format_and_device():
-    _needs_cuda()
-    if not (DEMO / "model" / "config.json").exists():
-        pytest.skip("no bundled demo model")
-    with pytest.raises(_core.NinferError) as e:
-        _core.Model(str(DEMO / "model"), device="cuda:0", quantize="nvfp4")
-    msg = str(e.value)
-    assert "cuda:0" in msg and "NVFP4" in msg and "down_proj.weight" in msg, msg
+def test_nvfp4_decode_rows_match_the_cpu(request):
+    """NVFP4's decode GEMV (8 rows: fused dequantization, each part's tensor divisor) against the
+    CPU model holding the same NVFP4 weights, on the hybrid whose GDN in_proj keeps b / a as the
+    dense tail."""
+    model_dir = _model_dir("qwen3_5", request)
+    cpu = _core.Model(str(model_dir), device="cpu", logits_dtype="float32", quantize="nvfp4")
+    gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", quantize="nvfp4")
+    ids = _prompt("qwen3_5", cpu.config["vocab_size"], 8)
+    err = _rel_err(np.asarray(gpu.logits(ids)), np.asarray(cpu.logits(ids)))
+    print(f"qwen3_5 --quantize nvfp4 (8 rows): logits rel err vs CPU {err:.2e}")
+    assert err <= TINY_REL_TOL
 
 
 # --- quantized Hugging Face checkpoints (FP8 block, AWQ, GPTQ, compressed-tensors) ---------------
@@ -357,9 +362,27 @@ def test_hf_dense_last_parts_run_as_the_weights_dense_tail(request, tmp_path):
     assert "not supported yet" in msg and "HF_FP8_BLOCK" in msg and "k_proj.weight" in msg, msg
 
 
-def test_quantize_lm_head_stays_refused_on_cuda():
-    _needs_cuda()
-    if not (DEMO / "model" / "config.json").exists():
-        pytest.skip("no bundled demo model")
-    with pytest.raises(_core.NinferError, match="--quantize-lm-head is not supported on the CUDA backend yet"):
-        _core.Model(str(DEMO / "model"), device="cuda:0", quantize="q4", quantize_lm_head=True)
+@pytest.mark.parametrize("mode", ["q4", "nvfp4"])
+@pytest.mark.parametrize("name", ["demo", "llama"])
+def test_quantized_lm_head_logits_match_the_cpu(name, mode, request):
+    """--quantize-lm-head on CUDA (the tied demo head a quantized copy of the embedding, the
+    untied Llama head quantized) against the CPU model holding the same weights: prefill (48
+    rows: the head dequantized a chunk of vocabulary rows at a time, then cuBLAS) and decode-sized
+    steps (8 rows: the f32-output GEMV); the bytes held are `ninfer plan`'s."""
+    model_dir = _model_dir(name, request)
+    cpu = _core.Model(str(model_dir), device="cpu", logits_dtype="float32", quantize=mode, quantize_lm_head=True)
+    gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", quantize=mode, quantize_lm_head=True)
+    tol = REL_TOL if name == "demo" else TINY_REL_TOL
+    for n in (48, 8):
+        ids = _prompt(name, cpu.config["vocab_size"], n)
+        want, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
+        assert got.shape == want.shape and np.isfinite(got).all()
+        err = _rel_err(got, want)
+        print(f"{name} --quantize {mode} --quantize-lm-head ({n} rows): logits rel err vs CPU {err:.2e} (tol {tol:.0e})")
+        assert err <= tol
+    plan = _core.plan(str(model_dir), device="cuda:0", quantize=mode, quantize_lm_head=True)
+    assert gpu.config["weight_bytes"] == sum(w["bytes"] for w in plan["weights"])
+    # logits_dtype auto: the quantized head's logits rounded to bf16 like the dense head's.
+    auto = _core.Model(str(model_dir), device="cuda", quantize=mode, quantize_lm_head=True)
+    got = np.asarray(auto.logits(_prompt(name, cpu.config["vocab_size"], 8)), dtype=np.float32)
+    assert np.array_equal(got, torch.from_numpy(got).to(torch.bfloat16).to(torch.float32).numpy())

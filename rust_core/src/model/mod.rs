@@ -104,11 +104,6 @@ pub fn load_model(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>
 #[cfg(feature = "cuda")]
 fn load_cuda(dir: &Path, ordinal: usize, opts: &LoadOptions) -> Result<Box<dyn ModelRunner>> {
     let device = format!("cuda:{ordinal}");
-    // The CUDA loader quantizes the body's projections; a quantized logits projection is the CPU
-    // backend's only, for now.
-    if opts.quantize_lm_head {
-        return Err(crate::NinferError::Unsupported(format!("{device}: --quantize-lm-head is not supported on the CUDA backend yet; leave it out (the LM head stays bf16) or load on the CPU")));
-    }
     cpu::quant_load::refuse_unsupported(dir, opts, &device, CudaModel::supports)?;
     let quant = crate::model::cuda::load::QuantLoad::new(dir, opts)?;
     Ok(Box::new(CudaModel::load_with(dir, ordinal, opts.logits_dtype, opts.kv_dtype, &opts.cuda, quant)?))

@@ -171,25 +171,32 @@ fn cpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
 
 /// (format, bytes) of each tensor the CUDA loader holds (`cuda::load`): the dense type, f32
 /// for `A_log` / `dt_bias`; `--quantize`d projections encoded as the fused matrix where the
-/// format encodes rows alone (counted on the fused projection's first tensor); the embedding
-/// and head in the format too with `--quantize-lm-head`; a quantized checkpoint's projections
-/// as stored (a fused projection keeps one g_idx for its parts).
+/// format encodes rows alone (counted on the fused projection's first tensor); the untied head
+/// in the format too with `--quantize-lm-head`, a tied one as a quantized copy beside the dense
+/// embedding; a quantized checkpoint's projections and head as stored (a fused projection keeps
+/// one g_idx for its parts).
 fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(String, u64)>> {
     let target = input.target;
     let fused_rows = fused_rows(tensors);
-    let mut out = Vec::with_capacity(tensors.len());
+    let head = input.quantize.filter(|_| input.quantize_lm_head);
+    let mut out = Vec::with_capacity(tensors.len() + 1);
     for (i, t) in tensors.iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
         if let Some(q) = t.stored {
-            if t.role != Role::Matrix {
-                return Err(NinferError::Unsupported(format!("{} stored quantized ({}) on the CUDA backend (its LM head is dense)", t.name, q.format.name())));
+            if !matches!(t.role, Role::Matrix | Role::LmHead) {
+                return Err(NinferError::Unsupported(format!("{} stored quantized ({}) on the CUDA backend (its embedding is dense)", t.name, q.format.name())));
             }
             out.push((q.format.name().to_string(), q.bytes - if t.fused { q.g_idx_bytes } else { 0 }));
             continue;
         }
+        if t.role == Role::Embedding && input.cfg.tie_word_embeddings {
+            if let Some(f) = head.filter(|f| f.holds(t.shape[0], cols)) {
+                out.push((f.name().to_string(), f.matrix_bytes("lm_head (tied to the embedding)", t.shape[0], cols)?));
+            }
+        }
         let quant = match t.role {
-            Role::Matrix => input.quantize,
-            Role::Embedding | Role::LmHead if input.quantize_lm_head => input.quantize,
+            Role::Matrix => input.quantize.filter(|f| f.encodes_rows_alone() || stacks_parts(tensors, i, *f)),
+            Role::LmHead => head,
             _ => None,
         }
         .filter(|f| f.holds(t.shape[0], cols));
@@ -203,6 +210,20 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
         });
     }
     Ok(out)
+}
+
+/// For a format that does not encode rows alone (NVFP4), whether the CUDA loader packs the
+/// fused projection matrix `i` belongs to (`cuda::load::nvfp4_held_parts`): its leading parts
+/// the format holds, when every part it cannot hold comes after them (the dense tail).
+fn stacks_parts(tensors: &[&PlannedTensor], i: usize, f: QuantFormat) -> bool {
+    // The projection's matrices in order, as `fused_rows` groups them.
+    let matrices: Vec<usize> = (0..tensors.len()).filter(|&j| tensors[j].role == Role::Matrix).collect();
+    let at = matrices.iter().position(|&j| j == i).expect("a matrix");
+    let lead = (0..=at).rev().find(|&m| !tensors[matrices[m]].fused).unwrap_or(0);
+    let end = (lead + 1..matrices.len()).find(|&m| !tensors[matrices[m]].fused).unwrap_or(matrices.len());
+    let held: Vec<bool> = matrices[lead..end].iter().map(|&j| f.holds(tensors[j].shape[0], tensors[j].shape[1..].iter().product())).collect();
+    let first = held.iter().take_while(|h| **h).count();
+    first > 0 && !held[first..].iter().any(|h| *h)
 }
 
 /// The tensors the target loads (the MTP head's on the GPU only under `--spec mtp`).
@@ -226,18 +247,38 @@ fn fused_rows(tensors: &[&PlannedTensor]) -> Vec<usize> {
     rows
 }
 
+/// Vocabulary rows of a quantized LM head its prefill route dequantizes at a time into the
+/// shared workspace (`CudaDevice::quant_linear_f32_out`): the workspace holds this chunk, not
+/// the whole head (about 2.5 GB in bf16 at the Qwen3.5-27B shape; the chunk is 160 MiB there).
+pub const QUANT_HEAD_CHUNK_ROWS: usize = 16384;
+
 /// The GPU's dequantization workspace under `--quantize`: the largest quantized (fused)
-/// projection in the dense type, which the prefill route decodes each weight into; the MTP
-/// head shares it.
+/// projection in the dense type, which the prefill route decodes each weight into, or a
+/// quantized LM head's chunk of QUANT_HEAD_CHUNK_ROWS rows where that is larger; the MTP head
+/// shares it.
 pub fn quant_workspace_bytes(input: &PlanInput<'_>) -> u64 {
     if input.target != Target::Gpu {
         return 0;
     }
     let tensors = loaded(input);
     let rows = fused_rows(&tensors);
-    let quantized = |t: &PlannedTensor| t.stored.is_some() || input.quantize.is_some_and(|f| f.holds(t.shape[0], t.shape[1]));
-    let largest = tensors.iter().zip(rows).filter(|(t, r)| t.role == Role::Matrix && *r > 0 && quantized(t)).map(|(t, r)| r * t.shape[1]).max().unwrap_or(0);
-    input.target.dense_bytes() as u64 * largest as u64
+    let quantized = |i: usize, t: &PlannedTensor| {
+        t.stored.is_some() || input.quantize.is_some_and(|f| f.holds(t.shape[0], t.shape[1]) && (f.encodes_rows_alone() || stacks_parts(&tensors, i, f)))
+    };
+    let largest = tensors.iter().zip(rows).enumerate().filter(|(i, (t, r))| t.role == Role::Matrix && *r > 0 && quantized(*i, t)).map(|(_, (t, r))| r * t.shape[1]).max().unwrap_or(0);
+    // The head: stored quantized, or `--quantize-lm-head` on an untied head or a tied one's copy.
+    let head_format = input.quantize.filter(|_| input.quantize_lm_head);
+    let head = tensors
+        .iter()
+        .filter(|t| match t.role {
+            Role::LmHead => t.stored.is_some() || head_format.is_some_and(|f| f.holds(t.shape[0], t.shape[1])),
+            Role::Embedding => input.cfg.tie_word_embeddings && head_format.is_some_and(|f| f.holds(t.shape[0], t.shape[1])),
+            _ => false,
+        })
+        .map(|t| t.shape[0].min(QUANT_HEAD_CHUNK_ROWS) * t.shape[1])
+        .max()
+        .unwrap_or(0);
+    input.target.dense_bytes() as u64 * largest.max(head) as u64
 }
 
 fn is_mtp(engine: &EngineConfig) -> bool {

@@ -215,6 +215,101 @@ fn quant_gemv_and_prefill_route_match_quant_linear() {
     }
 }
 
+/// NVFP4 row-stacked parts (a fused projection whose parts keep their own tensor divisors, as
+/// `--quantize nvfp4` and handed-in NVFP4 tensors load on CUDA) with a dense tail: the
+/// dequantize kernel gives each part's CPU values bit for bit, then the tail's; the GEMV and the
+/// prefill route multiply by those values.
+#[test]
+fn nvfp4_stacked_parts_keep_each_parts_divisor() {
+    for st in STORAGES {
+        let Some(dev) = gpu("nvfp4_stacked_parts", st) else { return };
+        let mut rng = Rng::new(4804);
+        let k = 192;
+        let f = QuantFormat::Nvfp4;
+        // Three parts of different magnitudes (so different divisors), then 3 dense rows.
+        let parts: Vec<QuantWeight> = [(128, 1.0f32), (256, 0.01), (128, 30.0)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, amp))| {
+                let v = rng.vec(n * k, -amp, amp);
+                make(&mut rng, &format!("part{i}"), f, [n, k], Some(v), RawDtype::F16, false)
+            })
+            .collect();
+        let tail = rounded(&rng.vec(3 * k, -0.5, 0.5), st);
+        let dw = dev.upload_quant_parts(&parts, &super::harness::to_bits(&tail, st)).unwrap();
+        let n = 128 + 256 + 128 + 3;
+        assert_eq!((dw.n, dw.k), (n, k));
+        let mut want: Vec<f32> = parts.iter().flat_map(|w| dequantize(&w.view()).unwrap()).collect();
+        want.extend(&tail);
+        let mut got = Out32::new(&dev, n * k);
+        dev.quant_dequantize_f32(&dw, &mut got.view()).unwrap();
+        let got = got.read(&dev, "nvfp4 parts");
+        for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), c.to_bits(), "{st:?} element [{}, {}]: GPU {g:e}, CPU {c:e}", i / k, i % k);
+        }
+        let mut workspace: CudaSlice<u16> = dev.stream().alloc_zeros(n * k).unwrap();
+        for m in [1, 5, 16, 40] {
+            let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+            let xd = upload(&dev, &x);
+            let w = if m <= 16 { want.clone() } else { rounded(&want, st) };
+            let sums = matmul(&x, &w, m, n, k);
+            let mut y = Out16::new(&dev, m * n);
+            let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(m * n).unwrap();
+            dev.quant_linear(&xd, &dw, None, &mut workspace, &mut lin32, &mut y.view(), m).unwrap();
+            check("quant_linear nvfp4 parts", st, &format!("m{m} n{n} k{k}"), &y.read(&dev, "nvfp4 parts y"), &rounded(&sums, st), tol16(st));
+        }
+        // Parts of another format are one payload each: refused.
+        let q4 = make(&mut rng, "q4", QuantFormat::Q4G64F16S, [128, k], None, RawDtype::F16, false);
+        let e = dev.upload_quant_parts(&[q4.clone(), q4], &[]).err().expect("Q4 parts").to_string();
+        assert!(e.contains("NVFP4 parts"), "{e}");
+    }
+}
+
+/// The f32-output routes a quantized LM head runs, for every format: the f32 GEMV (decode, up
+/// to 16 rows) within f32-accumulation tolerance of `QuantLinear`, and above it the chunked
+/// route (a few rows dequantized into a workspace too small for the whole weight, cuBLAS into
+/// those columns of y, a ragged last chunk) within the dense GEMM's tolerance of the matmul
+/// over the workspace's values; with `round`, every output a storage-type value.
+#[test]
+fn quant_f32_out_routes_match_quant_linear() {
+    for st in STORAGES {
+        let Some(dev) = gpu("quant_f32_out", st) else { return };
+        let mut rng = Rng::new(4849);
+        for w in cases(&mut rng) {
+            let [n, k] = w.shape;
+            let dw = dev.upload_quant(&w).unwrap();
+            let lin = QuantLinear::new(w.clone()).unwrap();
+            let dense = rounded(&dequantize(&w.view()).unwrap(), st);
+            // Three full chunks of n / 3 rows and a ragged one.
+            let chunk = (n / 3).max(1);
+            let mut workspace: CudaSlice<u16> = dev.stream().alloc_zeros(chunk * k + k / 2).unwrap();
+            for m in [1, 7, 16, 40] {
+                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+                let xd = upload(&dev, &x);
+                let sums = if m <= 16 { lin.forward(&x, m).unwrap() } else { matmul(&x, &dense, m, n, k) };
+                for round in [false, true] {
+                    let mut y = Out32::new(&dev, m * n);
+                    dev.quant_linear_f32_out(&xd, &dw, &mut workspace, &mut y.view(), m, round).unwrap();
+                    let got = y.read(&dev, &w.name);
+                    let want = if round { rounded(&sums, st) } else { sums.clone() };
+                    check(&format!("quant_linear_f32_out {} round={round}", w.name), st, &format!("m{m} n{n} k{k}"), &got, &want, tol16(st));
+                    if round {
+                        assert_eq!(rounded(&got, st), got, "{} m{m}: rounded logits are storage-type values", w.name);
+                    }
+                }
+            }
+        }
+        // A workspace that holds no row is an error, not a silent skip.
+        let w = make(&mut rng, "tiny", QuantFormat::Q4G64F16S, [16, 256], None, RawDtype::F16, false);
+        let dw = dev.upload_quant(&w).unwrap();
+        let mut small: CudaSlice<u16> = dev.stream().alloc_zeros(100).unwrap();
+        let xd = upload(&dev, &vec![0.0; 20 * 256]);
+        let mut y = Out32::new(&dev, 20 * 16);
+        let e = dev.quant_linear_f32_out(&xd, &dw, &mut small, &mut y.view(), 20, false).err().expect("no row fits").to_string();
+        assert!(e.contains("holds no row"), "{e}");
+    }
+}
+
 #[test]
 fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device() {
     for st in STORAGES {

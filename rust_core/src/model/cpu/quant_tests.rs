@@ -92,5 +92,5 @@ fn a_backend_that_cannot_run_a_format_refuses_naming_tensor_format_and_device() 
     let e = refuse_unsupported(&awq, &LoadOptions::default(), "cuda:1", |_| false).unwrap_err().to_string();
     assert!(e.contains("cuda:1") && e.contains("model.layers.3.mlp.up_proj.qweight") && e.contains("HF_AWQ4"), "{e}");
     #[cfg(feature = "cuda")]
-    assert!(crate::model::CudaModel::supports(QuantFormat::Q4G64F16S) && !crate::model::CudaModel::supports(QuantFormat::Nvfp4));
+    assert!(crate::model::CudaModel::supports(QuantFormat::Q4G64F16S) && crate::model::CudaModel::supports(QuantFormat::Nvfp4));
 }

@@ -101,7 +101,7 @@ impl CudaModel {
             dev.stream().memcpy_dtod(&src, &mut dst).map_err(driver_err("gathering logits rows"))?;
             out_row += n;
         }
-        dev.linear_f32_out(buf(&act.sel), weights.lm_head(), buf_mut(&mut act.logits), m, vocab, h, *logits_round)?;
+        weights.logits(dev, buf(&act.sel), buf_mut(&mut act.logits), m, vocab, h, *logits_round)?;
         Ok(counts)
     }
 
@@ -160,7 +160,7 @@ impl CudaModel {
     pub(super) fn decode_forward(&mut self, rows: usize) -> Result<()> {
         self.run_layers(Pass::Decode, rows)?;
         let CudaModel { cfg, dev, weights, act, logits_round, .. } = self;
-        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size, *logits_round)
+        weights.logits(dev, buf(&act.h), buf_mut(&mut act.logits), rows, cfg.vocab_size, cfg.hidden_size, *logits_round)
     }
 
     /// Embedding and every layer over `rows` rows of the step's metadata (`dmeta` with decode

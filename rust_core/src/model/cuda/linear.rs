@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use crate::backend::cuda::blaslt::fp8_gemm_fits;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
@@ -209,6 +209,22 @@ impl Linear {
                     QuantPrefill::Fp8Gemm if rows > QUANT_GEMV_MAX_M => dev.fp8_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
                     _ => dev.quant_linear(x, &q.weight, self.bias.as_ref(), &mut ws, lin32, y, rows),
                 }
+            }
+        }
+    }
+
+    /// `y = x · Wᵀ` in f32 for `rows` rows, each output rounded to the storage type (kept as
+    /// f32) with `round`: the LM head's logits. Dense: `CudaDevice::linear_f32_out`; quantized:
+    /// the f32 GEMV up to QUANT_GEMV_MAX_M rows, above it the weight dequantized a chunk of
+    /// rows at a time into the shared workspace and multiplied by cuBLAS
+    /// (`CudaDevice::quant_linear_f32_out`). A head has no bias.
+    pub fn forward_f32_out(&self, dev: &CudaDevice, x: &impl DevicePtr<u16>, y: &mut impl DevicePtrMut<f32>, rows: usize, round: bool) -> Result<()> {
+        match self.format {
+            WeightFormat::Bf16 | WeightFormat::F16 => dev.linear_f32_out(x, &self.w, y, rows, self.n, self.k, round),
+            WeightFormat::Quant(_) => {
+                let q = self.quant.as_ref().ok_or_else(|| NinferError::Device(format!("a quantized projection [{}, {}] without its packed weight", self.n, self.k)))?;
+                let mut ws = q.workspace.0.lock().expect("quant workspace poisoned");
+                dev.quant_linear_f32_out(x, &q.weight, &mut ws, y, rows, round)
             }
         }
     }

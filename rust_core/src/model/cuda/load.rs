@@ -15,18 +15,27 @@
 //!
 //! With `--quantize` a projection is encoded from its checkpoint values as the CPU loader does
 //! (`model::cpu::quant_load`) and held packed (`Linear::quantized`). A fused projection
-//! (q|k|v, gate|up, the GDN input projection) is encoded whole: the formats `CudaModel::supports`
-//! takes for `--quantize` encode every row from that row's values alone, so the fused payload
-//! decodes to exactly the parts' values (test: `quantize_packs_...`); NVFP4's tensor scale is
-//! not per row, so it is not taken on CUDA yet. Packed GGUF tensors handed in by name are fused
-//! by concatenating their rows' blocks (`Packed::concat_rows`).
+//! (q|k|v, gate|up, the GDN input projection) is encoded whole where the format encodes every
+//! row from that row's values alone, so the fused payload decodes to exactly the parts' values
+//! (test: `quantize_packs_...`). NVFP4's tensor divisor spans a matrix, so its fused projection
+//! is row-stacked parts, each encoded on its own as the CPU loader does, with the parts its
+//! layout cannot hold after them as the dense tail (`nvfp4_held_parts`). Packed tensors handed
+//! in by name are fused by concatenating their rows' blocks (GGUF) or stacking the parts
+//! (NVFP4) (`Packed::concat_rows`).
 //!
 //! A quantized Hugging Face checkpoint (FP8 block, AWQ, GPTQ, compressed-tensors) is held as
 //! stored and run by its format's kernels (cuda/quant_hf.cu): a fused projection's parts are
 //! gathered row unit by row unit into one weight (`hf_rows`). Dense parts after the quantized
 //! ones (the official Qwen3.5 FP8 releases keep the GDN `in_proj_b` / `in_proj_a` in bf16) are
 //! the weight's dense tail, which the same kernels read in the storage type. A dense part
-//! before a quantized one, and a quantized lm_head, are refused as not supported yet.
+//! before a quantized one is refused as not supported yet.
+//!
+//! The LM head: dense as stored, or quantized (`--quantize-lm-head`, a checkpoint's quantized
+//! `lm_head`, a handed-in packed `lm_head.weight`); a tied head under `--quantize-lm-head` is a
+//! quantized copy of the embedding beside the dense embedding the step reads rows of, as on
+//! the CPU. Its prefill route dequantizes QUANT_HEAD_CHUNK_ROWS vocabulary rows at a time into
+//! the shared workspace (`CudaDevice::quant_linear_f32_out`), which is sized for that chunk,
+//! not for the whole head.
 
 mod hf_rows;
 mod pack;
@@ -65,10 +74,11 @@ pub trait Sink {
     /// The decode GEMV route of a `[n, k]` projection weight.
     fn route(&self, n: usize, k: usize) -> LinearRoute;
     /// A quantized `shape` projection weight in `format`, from `encode` (which a sink that
-    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load), its
-    /// last rows the dense `tail` where one is given: the `Linear`'s placeholder `w` and its
-    /// device part (None where the sink runs nothing).
-    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Self::W, Option<QuantPart>)>;
+    /// only plans need not run: `--quantize`'s encoding is the slow part of such a load) as
+    /// row-stacked parts (`CudaDevice::upload_quant_parts`: one payload, or NVFP4's parts each
+    /// with its tensor divisor), its last rows the dense `tail` where one is given: the
+    /// `Linear`'s placeholder `w` and its device part (None where the sink runs nothing).
+    fn quant(&mut self, format: QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<Vec<QuantWeight>>, tail: Option<&Packed<'_>>) -> Result<(Self::W, Option<QuantPart>)>;
     /// Whether `--quantize` progress is shown while building (the device load, on a terminal).
     fn shows_progress(&self) -> bool {
         false
@@ -81,6 +91,8 @@ pub trait Sink {
 #[derive(Clone, Default)]
 pub struct QuantLoad {
     pub quantize: Option<QuantFormat>,
+    /// `--quantize-lm-head`: the LM head in `quantize`'s format too.
+    pub quantize_lm_head: bool,
     pub given: Option<Arc<HashMap<String, QuantWeight>>>,
     pub hf: Option<HfQuantConfig>,
 }
@@ -88,7 +100,7 @@ pub struct QuantLoad {
 impl QuantLoad {
     /// Only `--quantize` (or nothing).
     pub fn quantize(quantize: Option<QuantFormat>) -> Self {
-        QuantLoad { quantize, given: None, hf: None }
+        QuantLoad { quantize, ..Default::default() }
     }
 
     /// The quantization of a load of the checkpoint in `dir` with `opts`: `--quantize` on an
@@ -101,7 +113,10 @@ impl QuantLoad {
                 format!("{} asked for a checkpoint that is already quantized ({}); leave --quantize out", mode.format().name(), c.format.name()),
             ));
         }
-        Ok(QuantLoad { quantize: opts.quantize.map(|m| m.format()), given: opts.quant_tensors.clone(), hf })
+        if opts.quantize_lm_head && opts.quantize.is_none() {
+            return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format the lm_head is quantized to)"));
+        }
+        Ok(QuantLoad { quantize: opts.quantize.map(|m| m.format()), quantize_lm_head: opts.quantize_lm_head, given: opts.quant_tensors.clone(), hf })
     }
 
     /// Refuses a handed-in tensor the load took no place for (names in `used`); `skip_mtp`: the
@@ -115,10 +130,22 @@ impl QuantLoad {
             Some(name) => Err(NinferError::QuantTensor {
                 name: name.to_string(),
                 format: g[*name].format.name().to_string(),
-                reason: "handed in, but the CUDA backend holds no projection of that name packed (embeddings and the LM head stay dense there)".into(),
+                reason: "handed in, but the CUDA backend holds no projection of that name packed (embeddings stay dense there)".into(),
             }),
         }
     }
+}
+
+/// How many leading parts (`rows` each, of `k` columns) of a projection `--quantize nvfp4`
+/// holds packed on CUDA: those NVFP4's layout holds (rows a multiple of 128, K of 64), when
+/// they come first and the rest are all parts it cannot hold (the dense tail); None (the whole
+/// projection dense) when none is held or a part it cannot hold comes before one it can (the
+/// CPU loader packs that one; the CUDA weight holds dense rows only after the packed ones).
+/// `ninfer plan` counts the same (`plan::ledger`).
+pub fn nvfp4_held_parts(rows: &[usize], k: usize) -> Option<usize> {
+    let held: Vec<bool> = rows.iter().map(|r| matches!(quant::payload_bytes(QuantFormat::Nvfp4, [*r, k]), Some(Ok(_)))).collect();
+    let lead = held.iter().take_while(|h| **h).count();
+    (lead > 0 && !held[lead..].iter().any(|h| *h)).then_some(lead)
 }
 
 /// Bytes a quantized weight holds: its payload and companions.
@@ -128,8 +155,8 @@ fn quant_bytes(w: &QuantWeight) -> usize {
 
 /// Describes every device tensor of `cfg` from `store` and hands it to `sink`, in checkpoint
 /// order (layers first), checking names, shapes and dtypes as `ModelWeights::load` does.
-/// `quant`: `--quantize` and the handed-in packed tensors of the projections (the logits
-/// projection and the embedding stay dense).
+/// `quant`: `--quantize` and the handed-in packed tensors of the projections (the embedding
+/// stays dense; the LM head is quantized as the module docs say).
 pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quant: &QuantLoad) -> Result<DevWeights<S::W, S::F>> {
     let used = RefCell::new(BTreeSet::new());
     let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), hf: quant.hf, used: &used };
@@ -147,13 +174,23 @@ pub fn build<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, quan
     if progress.is_some() {
         eprintln!();
     }
-    if b.hf_quantized("lm_head")? {
-        let c = b.hf.expect("quantized");
-        return Err(NinferError::Unsupported(format!("a quantized lm_head ({}, {}) on the CUDA backend", c.tensor_names("lm_head").data, c.format.name())));
-    }
-    let dense = Builder { quantize: None, given: None, hf: None, ..b };
-    let lm_head = if cfg.tie_word_embeddings { None } else { Some(dense.linear(sink, Packed::single(store.raw("lm_head.weight", &[v, h])?), h, &mut bytes)?) };
-    let embed = b.put(sink, Packed::single(store.raw(&format!("{prefix}.embed_tokens.weight"), &[v, h])?), &mut bytes)?;
+    let head_format = quant.quantize.filter(|_| quant.quantize_lm_head);
+    let embed_name = format!("{prefix}.embed_tokens.weight");
+    let lm_head = if cfg.tie_word_embeddings {
+        // A quantized copy of the embedding where the format holds its shape; else the step
+        // multiplies by the dense embedding itself.
+        match head_format.filter(|f| matches!(quant::payload_bytes(*f, [v, h]), Some(Ok(_)))) {
+            Some(f) => {
+                let copy = Builder { quantize: Some(f), given: None, hf: None, ..b };
+                Some(copy.linear(sink, Packed::single(store.raw(&embed_name, &[v, h])?), h, &mut bytes)?)
+            }
+            None => None,
+        }
+    } else {
+        let head = Builder { quantize: head_format, ..b };
+        Some(head.projection(sink, &[("lm_head".to_string(), v)], h, None, None, &mut bytes)?)
+    };
+    let embed = b.put(sink, Packed::single(store.raw(&embed_name, &[v, h])?), &mut bytes)?;
     let final_norm = b.put(sink, Packed::single(store.raw(&format!("{prefix}.norm.weight"), &[h])?), &mut bytes)?;
     quant.refuse_unused(&used.borrow(), store.contains("mtp.fc.weight"))?;
     Ok(DevWeights { embed, layers, final_norm, lm_head, bytes, norm_plus_one: cfg.zero_centered_norm })
@@ -229,16 +266,37 @@ impl<'a> Builder<'a> {
                 NinferError::Unsupported(format!("{}: only some parts of this fused projection are handed in packed; the CUDA backend holds it as one matrix", t.name()))
             })?;
             self.used.borrow_mut().extend(t.part_names().map(str::to_string));
-            let qw = t.concat_rows(&given, k)?;
-            *bytes += quant_bytes(&qw);
-            let f = qw.format;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(qw), None)?;
+            let parts = t.concat_rows(&given, k)?;
+            *bytes += parts.iter().map(quant_bytes).sum::<usize>();
+            let f = parts[0].format;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(parts), None)?;
             (w, WeightFormat::Quant(f), quant)
-        } else if let Some(Some(Ok(size))) = self.quantize.map(|f| quant::payload_bytes(f, [n, k])) {
+        } else if let Some(held) = self.quantize.filter(|f| *f == QuantFormat::Nvfp4).and_then(|_| nvfp4_held_parts(&t.part_rows(k), k)) {
+            // Each part encoded on its own (its own tensor divisor), as the CPU loader encodes
+            // it; the parts the layout cannot hold after them are the dense tail.
+            let f = QuantFormat::Nvfp4;
+            let rows = t.part_rows(k);
+            let names: Vec<String> = t.part_names().map(str::to_string).collect();
+            let (qt, tail) = t.split_at_part(held);
+            *bytes += rows[..held].iter().map(|r| quant::payload_bytes(f, [*r, k]).and_then(|b| b.ok()).unwrap_or(0)).sum::<usize>() + 2 * tail.as_ref().map_or(0, Packed::numel);
+            let encode = || {
+                let values = qt.values_f32();
+                let mut r0 = 0;
+                let mut parts = Vec::with_capacity(held);
+                for (name, r) in names.iter().zip(&rows[..held]) {
+                    let part = &values[r0 * k..(r0 + r) * k];
+                    parts.push(QuantWeight::packed(name.as_str(), f, [*r, k], quant::quantize(f, name, part, [*r, k])?));
+                    r0 += r;
+                }
+                Ok(parts)
+            };
+            let (w, quant) = sink.quant(f, [n, k], encode, tail.as_ref())?;
+            (w, WeightFormat::Quant(f), quant)
+        } else if let Some(Some(Ok(size))) = self.quantize.filter(|f| *f != QuantFormat::Nvfp4).map(|f| quant::payload_bytes(f, [n, k])) {
             // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
             let f = self.quantize.expect("matched");
             *bytes += size;
-            let (w, quant) = sink.quant(f, [n, k], || Ok(QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)), None)?;
+            let (w, quant) = sink.quant(f, [n, k], || Ok(vec![QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)]), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else {
             (self.put(sink, t, bytes)?, sink.format(), None)
@@ -349,7 +407,7 @@ impl<'a> Builder<'a> {
                     Ok(w)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            hf_rows::gather(&quant_name, &parts, &segs, k)
+            Ok(vec![hf_rows::gather(&quant_name, &parts, &segs, k)?])
         };
         let (w, quant) = sink.quant(c.format, [n, k], encode, tail.as_ref())?;
         let bias = bias.map(|b| self.put(sink, b, bytes)).transpose()?;
@@ -542,18 +600,17 @@ impl Sink for DeviceSink<'_> {
         true
     }
 
-    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
-        let w = encode()?;
-        let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{}: quantized, but the load planned no dequantization workspace", w.name)))?;
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], encode: impl FnOnce() -> Result<Vec<QuantWeight>>, tail: Option<&Packed<'_>>) -> Result<(CudaSlice<u16>, Option<QuantPart>)> {
+        let parts = encode()?;
+        let name = parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join("|");
+        let workspace = self.workspace.clone().ok_or_else(|| NinferError::Device(format!("{name}: quantized, but the load planned no dequantization workspace")))?;
+        let mut bits = vec![0u16; tail.map_or(0, Packed::numel)];
         if let Some(t) = tail {
-            let mut bits = vec![0u16; t.numel()];
             t.fill(0, &mut bits, self.dev.storage(), false)?;
-            let weight = self.dev.upload_quant_with_tail(&w, &bits)?;
-            let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {}: {e}", w.name)))?;
-            return Ok((placeholder, Some(QuantPart::new(self.dev, weight, workspace)?)));
         }
-        let l = Linear::quantized(self.dev, &w, None, workspace)?;
-        Ok((l.w, l.quant))
+        let weight = self.dev.upload_quant_parts(&parts, &bits)?;
+        let placeholder = self.dev.stream().alloc_zeros::<u16>(1).map_err(|e| NinferError::Device(format!("allocating {name}: {e}")))?;
+        Ok((placeholder, Some(QuantPart::new(self.dev, weight, workspace)?)))
     }
 }
 
@@ -572,8 +629,6 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// Its projections get `format` and the CUDA-core route: a plan runs nothing.
 struct PlanSink {
     format: WeightFormat,
-    /// The largest quantized projection's N x K (the workspace the load allocates).
-    quant_elems: usize,
 }
 
 impl Sink for PlanSink {
@@ -596,10 +651,28 @@ impl Sink for PlanSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, _format: QuantFormat, shape: [usize; 2], _encode: impl FnOnce() -> Result<QuantWeight>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
-        self.quant_elems = self.quant_elems.max(shape[0] * shape[1]);
+    fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], _encode: impl FnOnce() -> Result<Vec<QuantWeight>>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
         Ok(((), None))
     }
+}
+
+/// The shared dequantization workspace `linears` need (storage elements): the largest quantized
+/// projection's N x K, and for a quantized LM head (`head`) a chunk of QUANT_HEAD_CHUNK_ROWS
+/// vocabulary rows (its prefill route's), not the whole head.
+fn workspace_elems<'l, W: 'l>(linears: impl IntoIterator<Item = &'l Linear<W>>, head: Option<&Linear<W>>) -> usize {
+    let quantized = |l: &&Linear<W>| matches!(l.format, WeightFormat::Quant(_));
+    let body = linears.into_iter().filter(quantized).map(|l| l.n * l.k).max().unwrap_or(0);
+    let head = head.filter(quantized).map_or(0, |l| l.n.min(crate::plan::ledger::QUANT_HEAD_CHUNK_ROWS) * l.k);
+    body.max(head)
+}
+
+/// The projections of a layer (fused as the step runs them).
+fn layer_linears<W, F>(l: &DevLayer<W, F>) -> [&Linear<W>; 4] {
+    let [a, b] = match &l.mixer {
+        DevMixer::Attention(a) => [&a.qkv, &a.o],
+        DevMixer::Gdn(g) => [&g.in_proj, &g.out],
+    };
+    [a, b, &l.gate_up, &l.down]
 }
 
 /// The workspace for quantized projections of up to `quant_elems` elements (the plan's
@@ -629,21 +702,16 @@ pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: Weig
 /// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
 /// tensor checked, and quantized, as the load will).
 pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
-    let mut sink = PlanSink { format, quant_elems: 0 };
-    let bytes = build(&mut sink, store, cfg, quant)?.bytes;
-    Ok(Planned { bytes, quant_elems: sink.quant_elems })
+    let w = build(&mut PlanSink { format }, store, cfg, quant)?;
+    let quant_elems = workspace_elems(w.layers.iter().flat_map(layer_linears), w.lm_head.as_ref());
+    Ok(Planned { bytes: w.bytes, quant_elems })
 }
 
 impl DevWeights {
-    /// The dequantization workspace the quantized projections share (None: all dense).
+    /// The dequantization workspace the quantized projections (and a quantized LM head) share
+    /// (None: all dense).
     pub fn quant_workspace(&self) -> Option<Arc<QuantWorkspace>> {
-        let linears = self.layers.iter().flat_map(|l| {
-            let mixer: [&Linear; 2] = match &l.mixer {
-                DevMixer::Attention(a) => [&a.qkv, &a.o],
-                DevMixer::Gdn(g) => [&g.in_proj, &g.out],
-            };
-            mixer.into_iter().chain([&l.gate_up, &l.down])
-        });
+        let linears = self.layers.iter().flat_map(layer_linears).chain(self.lm_head.as_ref());
         linears.filter_map(|l| l.quant.as_ref()).map(|q| q.workspace.clone()).next()
     }
 
@@ -685,11 +753,11 @@ impl DevMtp {
     /// `shared`: the model's dequantization workspace, used where it is large enough.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let mut plan_sink = PlanSink { format: dev.storage().into(), quant_elems: 0 };
-        let Some(planned) = build_mtp(&mut plan_sink, store, cfg, quant)? else { return Ok(None) };
+        let Some(planned) = build_mtp(&mut PlanSink { format: dev.storage().into() }, store, cfg, quant)? else { return Ok(None) };
+        let quant_elems = workspace_elems(layer_linears(&planned.layer).into_iter().chain([&planned.fc]), None);
         let (free, _) = dev.memory_info()?;
-        let reuse = shared.as_ref().is_some_and(|w| w.elems() >= plan_sink.quant_elems);
-        if planned.bytes + if reuse { 0 } else { 2 * plan_sink.quant_elems } > free {
+        let reuse = shared.as_ref().is_some_and(|w| w.elems() >= quant_elems);
+        if planned.bytes + if reuse { 0 } else { 2 * quant_elems } > free {
             return Err(NinferError::OutOfMemory {
                 what: format!("the MTP head's weights on cuda:{} (--spec mtp)", dev.ordinal()),
                 needed: planned.bytes as u64,
@@ -697,7 +765,7 @@ impl DevMtp {
                 hint: "run without --spec mtp, or with --spec ngram".into(),
             });
         }
-        let workspace = workspace_for(dev, plan_sink.quant_elems, shared)?;
+        let workspace = workspace_for(dev, quant_elems, shared)?;
         let mut sink = DeviceSink::new(dev, workspace)?;
         let mtp = build_mtp(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;

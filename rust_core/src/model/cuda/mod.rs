@@ -107,15 +107,14 @@ pub struct CudaModel {
 impl CudaModel {
     /// Whether this backend runs weights quantized as `format`: the one place a quantized load
     /// on a GPU is refused (`model::load_model`, naming the tensor, the format and the device).
-    /// The loader takes `--quantize` of the formats that encode each row from its own values
-    /// (fused projections are encoded whole, `load`), handed-in GGUF tensors (fused by
-    /// concatenating rows of blocks) and quantized HF checkpoints (fused by moving whole row
-    /// units of their tensors, `load::hf_rows`); NVFP4 (a tensor scale and 128-row tiles) is not
-    /// loaded on CUDA yet. The device's own limits (K a multiple of 8, f16 range on sm_7x)
+    /// The loader takes `--quantize` in every NInfer format (fused projections encoded whole,
+    /// or for NVFP4, whose tensor divisor spans a matrix, as row-stacked parts: `load`),
+    /// handed-in GGUF and NVFP4 tensors and quantized HF checkpoints (fused by moving whole row
+    /// units of their tensors, `load::hf_rows`). NVFP4 runs dequantized on every arch (no FP4
+    /// tensor-core route). The device's own limits (K a multiple of 8, f16 range on sm_7x)
     /// refuse a tensor at upload, and the loader a fused projection it cannot hold as one.
     pub fn supports(format: QuantFormat) -> bool {
-        matches!(format, QuantFormat::W8G32F16S | QuantFormat::Q4G64F16S | QuantFormat::Q5G64F16S | QuantFormat::Q6G64F16S | QuantFormat::Fp8E4m3fnRowBf16s)
-            || matches!(format.spec().family, crate::quant::Family::Gguf | crate::quant::Family::HuggingFace)
+        matches!(format.spec().family, crate::quant::Family::Ninfer | crate::quant::Family::Gguf | crate::quant::Family::HuggingFace)
     }
 
     /// Load config and weights from a HF model directory onto device `ordinal`.

@@ -233,9 +233,9 @@ impl CudaModel {
         if ids.is_empty() {
             return Err(NinferError::config(WHAT, "the draft vocabulary is empty"));
         }
-        if self.weights.lm_head.as_ref().is_some_and(|l| l.quant.is_some()) {
+        let Some(head) = self.weights.lm_head() else {
             return Err(NinferError::config(WHAT, "--lm-head-draft over a quantized LM head (--quantize-lm-head, or a checkpoint's quantized lm_head) is not supported yet"));
-        }
+        };
         let mut seen = vec![false; vocab];
         for &t in ids {
             match seen.get_mut(t as usize) {
@@ -246,7 +246,7 @@ impl CudaModel {
         let rows: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
         let rows = self.dev.stream().clone_htod(&rows).map_err(driver_err("uploading the draft vocabulary"))?;
         let mut w = alloc(&self.dev, ids.len() * h, "the draft vocabulary's LM head rows")?;
-        self.dev.embedding(self.weights.lm_head(), &rows, &mut w, vocab, h)?;
+        self.dev.embedding(head, &rows, &mut w, vocab, h)?;
         self.dev.synchronize()?;
         self.mtp.as_mut().expect("checked above").reduced = Some((w, ids.to_vec()));
         Ok(())
@@ -423,11 +423,16 @@ impl CudaModel {
         if rows != n {
             return Err(NinferError::invalid("mtp_draft", format!("a drafting step of {n} sequences has {rows} rows")));
         }
-        let (head, cols) = match &*reduced {
-            Some((w, ids)) => (w, ids.len()),
-            None => (weights.lm_head(), vocab),
+        let cols = match &*reduced {
+            Some((w, ids)) => {
+                dev.linear_f32_out(buf(&act.h), w, buf_mut(&mut act.logits), n, ids.len(), h, *logits_round)?;
+                ids.len()
+            }
+            None => {
+                weights.logits(dev, buf(&act.h), buf_mut(&mut act.logits), n, vocab, h, *logits_round)?;
+                vocab
+            }
         };
-        dev.linear_f32_out(buf(&act.h), head, buf_mut(&mut act.logits), n, cols, h, *logits_round)?;
         let mut ids = buf_mut(drafts).slice_mut(depth * n..(depth + 1) * n);
         dev.argmax_logsumexp(buf(&act.logits), &mut ids, &mut buf_mut(lse).slice_mut(0..n), n, cols)
     }

@@ -77,8 +77,9 @@ impl CudaModel {
                     dev.gemm(x, &l.w, y, m, l.n, l.k)?;
                 }
             }
-            if let Some(out) = logits.as_mut().filter(|o| o.len() >= m * vocab && x.len() >= m * h) {
-                dev.gemm_f32_out(x, weights.lm_head(), out, m, vocab, h)?;
+            // A quantized head runs cuBLAS on its workspace chunks, not on a dense matrix.
+            if let (Some(out), Some(head)) = (logits.as_mut().filter(|o| o.len() >= m * vocab && x.len() >= m * h), weights.lm_head()) {
+                dev.gemm_f32_out(x, head, out, m, vocab, h)?;
             }
         }
         Ok(())

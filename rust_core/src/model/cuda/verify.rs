@@ -104,7 +104,7 @@ impl CudaModel {
         let CudaModel { cfg, dev, weights, act, logits_round, .. } = self;
         let (h, eps, plus_one) = (cfg.hidden_size, cfg.rms_norm_eps, weights.norm_plus_one);
         dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
-        dev.linear_f32_out(buf(&act.h), weights.lm_head(), buf_mut(&mut act.logits), rows, cfg.vocab_size, h, *logits_round)
+        weights.logits(dev, buf(&act.h), buf_mut(&mut act.logits), rows, cfg.vocab_size, h, *logits_round)
     }
 }
 

@@ -7,9 +7,11 @@
 //! go up as the raw `w` and the kernels add 1 in f32 (as transformers does; storing `1 + w` in
 //! bf16 would round it); `A_log` goes up in f32 because `gdn_gates` computes `-exp(A_log)` itself.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::linear::Linear;
+use super::linear::{Linear, WeightFormat};
+use crate::backend::cuda::CudaDevice;
+use crate::Result;
 
 /// Softmax attention of one layer (q | gate | k | v fused as on the host).
 pub struct DevAttention<W = CudaSlice<u16>> {
@@ -68,9 +70,26 @@ pub struct DevWeights<W = CudaSlice<u16>, F = CudaSlice<f32>> {
 }
 
 impl<W, F> DevWeights<W, F> {
-    /// The `[vocab, hidden]` matrix the logits are computed with.
-    pub fn lm_head(&self) -> &W {
-        self.lm_head.as_ref().map_or(&self.embed, |l| &l.w)
+    /// The dense `[vocab, hidden]` matrix the logits are computed with (the embedding where the
+    /// head is tied); None where the head is quantized (`logits` runs it).
+    pub fn lm_head(&self) -> Option<&W> {
+        match &self.lm_head {
+            None => Some(&self.embed),
+            Some(l) if !matches!(l.format, WeightFormat::Quant(_)) => Some(&l.w),
+            Some(_) => None,
+        }
+    }
+}
+
+impl<F> DevWeights<CudaSlice<u16>, F> {
+    /// Logits `y[rows, vocab]` (f32) of the normed hidden rows `x[rows, hidden]`, rounded to the
+    /// storage type with `round`: the dense head (or the tied embedding) through
+    /// `linear_f32_out`, a quantized head through its own routes (`Linear::forward_f32_out`).
+    pub fn logits(&self, dev: &CudaDevice, x: &impl DevicePtr<u16>, y: &mut impl DevicePtrMut<f32>, rows: usize, vocab: usize, hidden: usize, round: bool) -> Result<()> {
+        match &self.lm_head {
+            Some(l) => l.forward_f32_out(dev, x, y, rows, round),
+            None => dev.linear_f32_out(x, &self.embed, y, rows, vocab, hidden, round),
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
 //! uploaded as the checkpoint stores them, the decode GEMV with fused dequantization for up to
 //! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
-//! workspace, then cuBLAS.
+//! workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
+//! chunk of vocabulary rows at a time through the same workspace.
 //!
 //! The prefill route is the first one measured; the alternative to try on the GPU is the fused
 //! tensor-core GEMM (dequantized tiles in shared memory before the MMA), which saves the
@@ -24,11 +25,12 @@ pub const QUANT_GEMV_MAX_M: usize = 16;
 const QUANT_THREADS: u32 = 256;
 
 /// The kernels of one format: its family, the dequantize kernel and the GEMV for
-/// MT = 1, 2, 4, 8, 16 rows.
+/// MT = 1, 2, 4, 8, 16 rows, into the storage type and into f32.
 struct QuantKernels {
     family: KernelFamily,
     dequant: &'static str,
     gemv: [&'static str; 5],
+    gemv_f32: [&'static str; 5],
 }
 
 macro_rules! quant_kernels {
@@ -42,6 +44,13 @@ macro_rules! quant_kernels {
                 concat!("quant_gemv_", $s, "_m4"),
                 concat!("quant_gemv_", $s, "_m8"),
                 concat!("quant_gemv_", $s, "_m16"),
+            ],
+            gemv_f32: [
+                concat!("quant_gemv_f32_", $s, "_m1"),
+                concat!("quant_gemv_f32_", $s, "_m2"),
+                concat!("quant_gemv_f32_", $s, "_m4"),
+                concat!("quant_gemv_f32_", $s, "_m8"),
+                concat!("quant_gemv_f32_", $s, "_m16"),
             ],
         }
     };
@@ -134,6 +143,25 @@ impl DeviceQuantWeight {
     }
 }
 
+/// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
+pub const NVFP4_MAX_PARTS: usize = 5;
+
+/// dec_nvfp4's parameters: the first row of each part after the first, two to a word (low half
+/// first), the rows of the whole weight where there is no such part.
+fn nvfp4_part_starts(rows: impl Iterator<Item = usize>) -> [i64; 3] {
+    let rows: Vec<usize> = rows.collect();
+    let total: usize = rows.iter().sum();
+    let mut starts = [total as i64; 4];
+    let mut r0 = 0;
+    for (i, r) in rows.iter().take(NVFP4_MAX_PARTS - 1).enumerate() {
+        r0 += r;
+        if i + 1 < rows.len() {
+            starts[i] = r0 as i64;
+        }
+    }
+    [starts[0] | (starts[1] << 32), starts[2] | (starts[3] << 32), 0]
+}
+
 /// The largest magnitude a weight of an FP8 or NVFP4 format can decode to, from its scales
 /// (`None` for the integer formats, whose binary16 scales keep the values in binary16's range
 /// at the codes their encoders emit).
@@ -179,25 +207,41 @@ impl CudaDevice {
     /// Validates `w` (refusing it naming the tensor), checks that this device runs it
     /// (`check_quant_weight`) and uploads its bytes; loads its kernel family.
     pub fn upload_quant(&self, w: &QuantWeight) -> Result<DeviceQuantWeight> {
-        self.upload_quant_with_tail(w, &[])
+        self.upload_quant_parts(std::slice::from_ref(w), &[])
     }
 
     /// `upload_quant`, with `tail` (storage-type bits, whole rows of `w`'s K) the dense rows
     /// that follow `w`'s in the projection.
     pub fn upload_quant_with_tail(&self, w: &QuantWeight, tail: &[u16]) -> Result<DeviceQuantWeight> {
-        validate(&w.view())?;
-        self.check_quant_weight(w)?;
-        let [n, k] = w.shape;
+        self.upload_quant_parts(std::slice::from_ref(w), tail)
+    }
+
+    /// One weight from row-stacked `parts` of one format and K (each validated and checked as
+    /// `upload_quant` does), then the dense `tail`. Several parts only for NVFP4, whose fused
+    /// projections keep each part's tensor divisor (up to NVFP4_MAX_PARTS, stored one after the
+    /// other as their payloads are); every other format's fused projection is one payload.
+    pub fn upload_quant_parts(&self, parts: &[QuantWeight], tail: &[u16]) -> Result<DeviceQuantWeight> {
+        let w = parts.first().ok_or_else(|| NinferError::Device("a quantized weight of no parts".into()))?;
+        for p in parts {
+            validate(&p.view())?;
+            self.check_quant_weight(p)?;
+        }
+        let k = w.shape[1];
+        let name = parts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join("|");
+        if parts.len() > 1 {
+            let odd = parts.iter().find(|p| p.format != QuantFormat::Nvfp4 || p.shape[1] != k);
+            if odd.is_some() || parts.len() > NVFP4_MAX_PARTS {
+                return Err(NinferError::Device(format!("{name}: row-stacked parts are NVFP4 parts of one K, at most {NVFP4_MAX_PARTS} of them")));
+            }
+        }
+        let n: usize = parts.iter().map(|p| p.shape[0]).sum();
         let params: [i64; 3] = match w.format {
             f if Grouped::of(f).is_some() => {
                 let p = Grouped::of(f).unwrap().planes(n, k);
                 [p.high_offset as i64, p.scale_offset as i64, 0]
             }
             QuantFormat::Fp8E4m3fnRowBf16s => [fp8_row::planes(n, k).0 as i64, 0, 0],
-            QuantFormat::Nvfp4 => {
-                let (s, d, _) = nvfp4::planes(n, k);
-                [s as i64, d as i64, 0]
-            }
+            QuantFormat::Nvfp4 => nvfp4_part_starts(parts.iter().map(|p| p.shape[0])),
             QuantFormat::HfFp8Block { block_n, block_k } => {
                 [block_n as i64, block_k as i64, w.scale.as_ref().map_or(0, |s| float_kind(s.dtype))]
             }
@@ -207,17 +251,17 @@ impl CudaDevice {
             _ => [0, 0, 0],
         };
         let s = self.stream();
-        let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {} ({what}): {e}", w.name)));
-        let data = up(&w.data, "data")?;
+        let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {name} ({what}): {e}")));
+        let data = if parts.len() == 1 { up(&w.data, "data")? } else { up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")? };
         let scale = w.scale.as_ref().map(|t| up(&t.bytes, "scale")).transpose()?;
         let zero = w.zero.as_ref().map(|t| up(&t.bytes, "zero")).transpose()?;
         let g_idx = w.g_idx.as_ref().map(|t| up(&t.bytes, "g_idx")).transpose()?;
         if !tail.len().is_multiple_of(k) {
-            return Err(NinferError::Device(format!("{}: a dense tail of {} values is not whole rows of {k}", w.name, tail.len())));
+            return Err(NinferError::Device(format!("{name}: a dense tail of {} values is not whole rows of {k}", tail.len())));
         }
-        let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {} (dense rows): {e}", w.name)))?) };
+        let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {name} (dense rows): {e}")))?) };
         self.load_kernel_families(&[kernels_of(w.format).family])?;
-        Ok(DeviceQuantWeight { name: w.name.clone(), format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params })
+        Ok(DeviceQuantWeight { name, format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params })
     }
 
     /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order: the decoders' rows,
@@ -249,7 +293,7 @@ impl CudaDevice {
     pub fn quant_dequantize_f32(&self, w: &DeviceQuantWeight, out: &mut impl DevicePtrMut<f32>) -> Result<()> {
         check_len("quant_dequantize_f32 out", out.len(), w.n * w.k)?;
         let (op, _g) = out.device_ptr_mut(self.stream());
-        self.quant_dequant_launch(w, op, 1)
+        self.quant_dequant_launch(w, op, 1, 0, w.n)
     }
 
     /// The values of `w` rounded to the storage type (round to nearest even), row-major
@@ -257,17 +301,28 @@ impl CudaDevice {
     pub fn quant_dequantize(&self, w: &DeviceQuantWeight, out: &mut impl DevicePtrMut<u16>) -> Result<()> {
         check_len("quant_dequantize out", out.len(), w.n * w.k)?;
         let (op, _g) = out.device_ptr_mut(self.stream());
-        self.quant_dequant_launch(w, op, 0)
+        self.quant_dequant_launch(w, op, 0, 0, w.n)
     }
 
-    fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32) -> Result<()> {
+    /// Rows `row0 .. row0 + rows` of `w` rounded to the storage type, row-major `[rows, k]`, into
+    /// the start of `out`: a chunk of a quantized LM head's vocabulary rows.
+    pub fn quant_dequantize_rows(&self, w: &DeviceQuantWeight, row0: usize, rows: usize, out: &mut impl DevicePtrMut<u16>) -> Result<()> {
+        if row0 + rows > w.n {
+            return Err(NinferError::Device(format!("{}: rows {row0}..{} of {}", w.name, row0 + rows, w.n)));
+        }
+        check_len("quant_dequantize_rows out", out.len(), rows * w.k)?;
+        let (op, _g) = out.device_ptr_mut(self.stream());
+        self.quant_dequant_launch(w, op, 0, row0, rows)
+    }
+
+    fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32, row0: usize, rows: usize) -> Result<()> {
         let kern = kernels_of(w.format);
         let f = self.function(kern.family, kern.dequant)?;
-        let slices = w.n * (w.k / 8);
+        let slices = rows * (w.k / 8);
         // A few waves of blocks; the kernel strides past them.
-        let grid = slices.div_ceil(QUANT_THREADS as usize).min(1 << 16) as u32;
+        let grid = slices.div_ceil(QUANT_THREADS as usize).clamp(1, 1 << 16) as u32;
         let mut args = self.quant_w_args(w)?.to_vec();
-        args.extend(kargs![out, f32_out]);
+        args.extend(kargs![out, f32_out, as_i32("quant row0", row0)?, as_i32("quant rows", rows)?]);
         self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), kern.dequant, &args)
     }
 
@@ -308,6 +363,114 @@ impl CudaDevice {
             row += mm;
         }
         Ok(())
+    }
+
+    /// y[m, n] (f32) = x[m, k] W^T with W decoded as it streams, in launches of up to
+    /// QUANT_GEMV_MAX_M rows of x; with `round`, each output rounded to the storage type and
+    /// kept as f32 (the logits' rounding, as `gemv_f32_out_round_with`). x 16-byte aligned.
+    pub fn quant_gemv_f32_out(&self, x: &impl DevicePtr<u16>, w: &DeviceQuantWeight, y: &mut impl DevicePtrMut<f32>, m: usize, round: bool) -> Result<()> {
+        let (n, k) = (w.n, w.k);
+        check_len("quant_gemv_f32_out x", x.len(), m * k)?;
+        check_len("quant_gemv_f32_out y", y.len(), m * n)?;
+        let kern = kernels_of(w.format);
+        let s = self.stream();
+        let (xp, _a) = x.device_ptr(s);
+        let (yp, _b) = y.device_ptr_mut(s);
+        let wargs = self.quant_w_args(w)?;
+        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let mut row = 0;
+        while row < m {
+            let mm = (m - row).min(QUANT_GEMV_MAX_M);
+            let slot = [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16");
+            let name = kern.gemv_f32[slot];
+            let f = self.function(kern.family, name)?;
+            let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
+            args.extend(wargs);
+            args.extend(kargs![yp + (row * n * 4) as u64, mm as i32, round as i32]);
+            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            row += mm;
+        }
+        Ok(())
+    }
+
+    /// y[m, n] (f32) = x W^T by the route for `m`: the f32 GEMV up to QUANT_GEMV_MAX_M rows;
+    /// beyond, W a chunk of rows at a time (as many as `workspace` holds) dequantized into
+    /// `workspace` and multiplied by cuBLAS into those columns of y: a quantized LM head, whose
+    /// whole dequantized matrix (vocab x hidden) would be the largest buffer of the model. With
+    /// `round`, the outputs rounded to the storage type and kept as f32.
+    pub fn quant_linear_f32_out(&self, x: &impl DevicePtr<u16>, w: &DeviceQuantWeight, workspace: &mut CudaSlice<u16>, y: &mut impl DevicePtrMut<f32>, m: usize, round: bool) -> Result<()> {
+        if m <= QUANT_GEMV_MAX_M {
+            return self.quant_gemv_f32_out(x, w, y, m, round);
+        }
+        let (n, k) = (w.n, w.k);
+        check_len("quant_linear_f32_out x", x.len(), m * k)?;
+        check_len("quant_linear_f32_out y", y.len(), m * n)?;
+        let chunk = (workspace.len() / k).min(n);
+        if chunk == 0 {
+            return Err(NinferError::Device(format!("{}: a dequantization workspace of {} elements holds no row of {k}", w.name, workspace.len())));
+        }
+        {
+            let s = self.stream();
+            let (xp, _a) = x.device_ptr(s);
+            let (yp, _b) = y.device_ptr_mut(s);
+            let mut r0 = 0;
+            while r0 < n {
+                let rows = chunk.min(n - r0);
+                let mut ws = workspace.slice_mut(0..rows * k);
+                self.quant_dequantize_rows(w, r0, rows, &mut ws)?;
+                let (wp, _c) = ws.device_ptr(s);
+                self.gemm_f32_out_columns(xp, wp, yp + (r0 * 4) as u64, m, rows, k, n)?;
+                r0 += rows;
+            }
+        }
+        if round {
+            self.round_f32_to_storage(y, m * n)?;
+        }
+        Ok(())
+    }
+
+    /// Columns of y (f32, row-major with `ldy` columns) = x[m, k] W[n, k]^T through cuBLAS with
+    /// f32 accumulation (`gemm_f32_out`'s call, with y's row stride: one vocabulary chunk of
+    /// the logits).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_f32_out_columns(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, ldy: usize) -> Result<()> {
+        use cudarc::cublas::{result, sys};
+        let blas = self.blas()?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let dims = [m, n, k, ldy];
+        if dims.iter().any(|&d| d > i32::MAX as usize) {
+            return Err(NinferError::Device(format!("gemm dims {dims:?} exceed i32")));
+        }
+        let t = match self.storage() {
+            StorageDType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            StorageDType::F16 => sys::cudaDataType::CUDA_R_16F,
+        };
+        // SAFETY: the pointers are live device buffers the caller checked against m, n, k and
+        // ldy (x [m, k], w [n, k], y m rows of ldy >= n); the handle is bound to this stream.
+        unsafe {
+            result::gemm_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const std::ffi::c_void,
+                w as *const std::ffi::c_void,
+                t,
+                k as i32,
+                x as *const std::ffi::c_void,
+                t,
+                k as i32,
+                &beta as *const f32 as *const std::ffi::c_void,
+                y as *mut std::ffi::c_void,
+                sys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| NinferError::Device(format!("cublasGemmEx m={m} n={n} k={k} ldc={ldy}: {e:?}")))
     }
 
     /// y = x W^T (+ bias) by the route for `m`: the fused GEMV up to QUANT_GEMV_MAX_M rows;
@@ -365,8 +528,9 @@ mod tests {
             let src = kern.family.source();
             let stem = kern.dequant.trim_start_matches("quant_dequant_");
             assert!(src.contains(&format!("\nQUANT_KERNELS({stem}, ")), "{f:?}: no QUANT_KERNELS({stem}, ..) in cuda/{}", kern.family.file_name());
-            for (g, mt) in kern.gemv.iter().zip([1, 2, 4, 8, 16]) {
+            for ((g, g32), mt) in kern.gemv.iter().zip(&kern.gemv_f32).zip([1, 2, 4, 8, 16]) {
                 assert_eq!(*g, format!("quant_gemv_{stem}_m{mt}"));
+                assert_eq!(*g32, format!("quant_gemv_f32_{stem}_m{mt}"));
             }
         }
     }
@@ -393,6 +557,14 @@ mod tests {
         assert_eq!(grid, IQ3S_GRID.iter().map(|&w| w as i64).collect::<Vec<_>>());
         let kv = c_array(src, "iq4nl_kvalues");
         assert_eq!(kv, KVALUES_IQ4NL.iter().map(|&v| v as i64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn nvfp4_parts_pass_their_first_rows_two_to_a_word() {
+        let word = |lo: i64, hi: i64| lo | (hi << 32);
+        assert_eq!(nvfp4_part_starts([256].into_iter()), [word(256, 256), word(256, 256), 0]);
+        assert_eq!(nvfp4_part_starts([128, 256, 128].into_iter()), [word(128, 384), word(512, 512), 0]);
+        assert_eq!(nvfp4_part_starts([128; 5].into_iter()), [word(128, 256), word(384, 512), 0]);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use ::safetensors::Dtype;
 use crate::artifact::RawTensor;
 use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::{storage_bit_from_bf16, storage_bit_from_f32};
-use crate::quant::{self, QuantWeight};
+use crate::quant::{self, QuantFormat, QuantWeight};
 use crate::{NinferError, Result};
 
 /// Elements `src..src + len` of part `part` land at `dst..dst + len` of the packed tensor.
@@ -69,10 +69,12 @@ impl<'a> Packed<'a> {
     }
 
     /// The packed tensor from quantized payloads handed in for its parts (`given[i]` for part
-    /// `i`, `[rows, k]` each), rows moved byte-wise as the segments say. Only formats whose rows
-    /// are independent runs of bytes can be packed so (GGUF's blocks); each payload is validated
-    /// first, so a bad one is refused naming its tensor.
-    pub fn concat_rows(&self, given: &[&QuantWeight], k: usize) -> Result<QuantWeight> {
+    /// `i`, `[rows, k]` each), rows moved as the segments say, as row-stacked parts
+    /// (`CudaDevice::upload_quant_parts`): GGUF rows (independent runs of whole blocks) as one
+    /// payload; NVFP4 parts each as its own payload (its tensor divisor is the part's), their
+    /// rows moved within the part with their codes and swizzled scale words. Each payload is
+    /// validated first, so a bad one is refused naming its tensor.
+    pub fn concat_rows(&self, given: &[&QuantWeight], k: usize) -> Result<Vec<QuantWeight>> {
         let f = given[0].format;
         for (p, w) in self.parts.iter().zip(given) {
             quant::validate(&w.view())?;
@@ -83,13 +85,16 @@ impl<'a> Packed<'a> {
             if w.format != f {
                 return Err(err(format!("the CUDA backend packs this fused projection as one matrix, and {} is {}", given[0].name, f.name())));
             }
-            if f.spec().family != quant::Family::Gguf {
+            if f.spec().family != quant::Family::Gguf && f != QuantFormat::Nvfp4 {
                 return Err(NinferError::Unsupported(format!(
-                    "{}: a handed-in {} tensor on the CUDA backend (only GGUF rows, runs of whole blocks, are packed into fused projections there); load on the CPU",
+                    "{}: a handed-in {} tensor on the CUDA backend (only GGUF rows, runs of whole blocks, and NVFP4 parts are packed into fused projections there); load on the CPU",
                     p.name,
                     f.name()
                 )));
             }
+        }
+        if f == QuantFormat::Nvfp4 {
+            return Ok(self.parts.iter().enumerate().map(|(i, p)| self.nvfp4_part(i, given[i], p.numel, k)).collect());
         }
         let (be, bb) = quant::gguf::block_geometry(f).expect("a GGUF format");
         let row = k / be * bb;
@@ -98,7 +103,49 @@ impl<'a> Packed<'a> {
             debug_assert!(seg.src % k == 0 && seg.len % k == 0, "segments are whole rows");
             data.extend_from_slice(&given[seg.part].data[seg.src / k * row..(seg.src + seg.len) / k * row]);
         }
-        Ok(QuantWeight::packed(self.name(), f, [self.numel / k, k], data))
+        Ok(vec![QuantWeight::packed(self.name(), f, [self.numel / k, k], data)])
+    }
+
+    /// Part `part`'s NVFP4 payload `w` (`numel` values) with its rows in the packed order: each
+    /// destination row's codes and scale words from its source row; the divisor as is.
+    fn nvfp4_part(&self, part: usize, w: &QuantWeight, numel: usize, k: usize) -> QuantWeight {
+        let n = numel / k;
+        let (scales, _, _) = quant::nvfp4::planes(n, k);
+        let base = self.segments.iter().filter(|s| s.part == part).map(|s| s.dst).min().unwrap_or(0);
+        if self.segments.iter().filter(|s| s.part == part).all(|s| s.src == s.dst - base) {
+            return w.clone();
+        }
+        let mut data = w.data.clone();
+        for seg in self.segments.iter().filter(|s| s.part == part) {
+            for r in 0..seg.len / k {
+                let (src, dst) = (seg.src / k + r, (seg.dst - base) / k + r);
+                data[dst * k / 2..(dst + 1) * k / 2].copy_from_slice(&w.data[src * k / 2..(src + 1) * k / 2]);
+                for g in 0..k / 16 {
+                    data[scales + quant::nvfp4::scale_index(dst, g, k)] = w.data[scales + quant::nvfp4::scale_index(src, g, k)];
+                }
+            }
+        }
+        QuantWeight::packed(w.name.clone(), QuantFormat::Nvfp4, [n, k], data)
+    }
+
+    /// Rows of each part (`k` values a row), in order.
+    pub fn part_rows(&self, k: usize) -> Vec<usize> {
+        self.parts.iter().map(|p| p.numel / k).collect()
+    }
+
+    /// The first `at` parts and the rest (None when none are left), each with its segments: a
+    /// fused projection's quantized parts and its dense tail. The segments of a part stay within
+    /// the part's rows (a permutation moves rows of the first part only).
+    pub fn split_at_part(mut self, at: usize) -> (Packed<'a>, Option<Packed<'a>>) {
+        if at >= self.parts.len() {
+            return (self, None);
+        }
+        let rest_parts = self.parts.split_off(at);
+        let head_numel: usize = self.parts.iter().map(|p| p.numel).sum();
+        let (head_segs, rest_segs): (Vec<Segment>, Vec<Segment>) = self.segments.into_iter().partition(|s| s.part < at);
+        let rest_segs = rest_segs.into_iter().map(|s| Segment { part: s.part - at, src: s.src, len: s.len, dst: s.dst - head_numel }).collect();
+        let rest_numel = self.numel - head_numel;
+        (Packed { parts: self.parts, segments: head_segs, numel: head_numel }, Some(Packed { parts: rest_parts, segments: rest_segs, numel: rest_numel }))
     }
 
     /// The checkpoint tensors' names, in part order.

@@ -10,6 +10,7 @@ use super::*;
 use crate::backend::cuda::kernels::StorageDType;
 use crate::backend::cuda::transfer::storage_bits_from_f32;
 use crate::model::cpu::weights::{LayerWeights, Linear, Mixer, ModelWeights};
+use super::super::linear::Linear as DevLinear;
 use crate::model::cpu::quant_load::QuantSource;
 use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_shapes, TinyDims};
 
@@ -19,7 +20,8 @@ use crate::model::test_checkpoint::{centered_noise, mtp_tensor_shapes, tensor_sh
 struct HostSink {
     storage: StorageDType,
     read: bool,
-    quant: Vec<crate::quant::QuantWeight>,
+    /// Each weight's row-stacked parts (one payload but for NVFP4).
+    quant: Vec<Vec<crate::quant::QuantWeight>>,
     /// The dense tail's storage bits of each of `quant` (empty: none).
     tails: Vec<Vec<u16>>,
 }
@@ -63,16 +65,21 @@ impl Sink for HostSink {
         LinearRoute::cuda_cores(k)
     }
 
-    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<crate::quant::QuantWeight>, tail: Option<&Packed<'_>>) -> Result<(Vec<u16>, Option<QuantPart>)> {
-        let w = encode()?;
+    fn quant(&mut self, format: crate::quant::QuantFormat, shape: [usize; 2], encode: impl FnOnce() -> Result<Vec<crate::quant::QuantWeight>>, tail: Option<&Packed<'_>>) -> Result<(Vec<u16>, Option<QuantPart>)> {
+        let parts = encode()?;
         let tail = match tail {
             Some(t) => self.storage(t)?,
             None => Vec::new(),
         };
-        assert_eq!((w.format, [w.shape[0] + tail.len() / shape[1], w.shape[1]]), (format, shape), "the encoded weight is the one announced");
-        crate::quant::validate(&w.view())?;
+        let rows: usize = parts.iter().map(|w| w.shape[0]).sum();
+        for w in &parts {
+            assert_eq!((w.format, w.shape[1]), (format, shape[1]), "the encoded weight is the one announced");
+            crate::quant::validate(&w.view())?;
+        }
+        assert_eq!(rows + tail.len() / shape[1], shape[0], "the parts and the tail are the announced rows");
+        assert!(parts.len() == 1 || format == crate::quant::QuantFormat::Nvfp4, "{format:?}: one payload");
         self.tails.push(tail);
-        self.quant.push(w);
+        self.quant.push(parts);
         Ok((vec![(self.quant.len() - 1) as u16], None))
     }
 }
@@ -95,11 +102,16 @@ fn checkpoint_with(tag: &str, arch: &str, dtype: Dtype, biased: bool) -> PathBuf
 
 /// As `checkpoint_with`, with `mtp` a one-layer MTP head (`mtp.*`) declared in the config.
 fn checkpoint_full(tag: &str, arch: &str, dtype: Dtype, biased: bool, mtp: bool) -> PathBuf {
+    let dims = TinyDims { h: 32, v: 50, inter: 48, nh: 4, nkv: 2, hd: 8, nk: 2, nv: 4, kd: 8, vd: 8, kern: 4 };
+    checkpoint_sized(tag, arch, dtype, biased, mtp, dims)
+}
+
+/// As `checkpoint_full`, of the sizes `dims`.
+fn checkpoint_sized(tag: &str, arch: &str, dtype: Dtype, biased: bool, mtp: bool, dims: TinyDims) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ninfer_cuda_load_{tag}_{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (h, v, inter, nh, nkv, hd) = (32usize, 50usize, 48usize, 4usize, 2usize, 8usize);
-    let (nk, nvh, kd, vd, kern) = (2usize, 4usize, 8usize, 8usize, 4usize);
+    let TinyDims { h, v, inter, nh, nkv, hd, nk, nv: nvh, kd, vd, kern } = dims;
     let qwen = arch == "Qwen3_5ForCausalLM";
     let types = if qwen { vec!["linear_attention", "full_attention", "linear_attention"] } else { vec!["full_attention"; 3] };
     let cfg = serde_json::json!({"architectures": [arch], "hidden_size": h, "intermediate_size": inter,
@@ -110,7 +122,6 @@ fn checkpoint_full(tag: &str, arch: &str, dtype: Dtype, biased: bool, mtp: bool)
         "attention_bias": biased, "mlp_bias": biased, "mtp_num_hidden_layers": if mtp { 1 } else { 0 }});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let prefix = if qwen { "model.language_model" } else { "model" };
-    let dims = TinyDims { h, v, inter, nh, nkv, hd, nk, nv: nvh, kd, vd, kern };
     let mut t = tensor_shapes(&dims, prefix, &types, qwen, true);
     if biased {
         let mlp = arch == "LlamaForCausalLM";
@@ -318,7 +329,7 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
         same(&dev.norm, &old_norm(&hm.norm, p1, st), "mtp norm");
         check_layer(&cfg, &hm.layers[0], &dev.layer, st, 0);
         assert!(matches!(&dev.layer.mixer, DevMixer::Attention(a) if a.q_norm.is_some()), "a gated full-attention layer with q/k norms");
-        let planned = build_mtp(&mut PlanSink { format: st.into(), quant_elems: 0 }, &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
+        let planned = build_mtp(&mut PlanSink { format: st.into() }, &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
         assert_eq!(planned, dev.bytes, "planned MTP bytes");
     }
     // The model's own weights load as without a head; a head of two layers is refused.
@@ -326,11 +337,11 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
     assert_eq!(main.layers.len(), host.layers.len());
     let mut two = cfg.clone();
     two.mtp_num_layers = 2;
-    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
+    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
     assert!(e.contains("2 MTP layers"), "{e}");
     let plain = checkpoint("q35_no_mtp", "Qwen3_5ForCausalLM", Dtype::BF16);
     let (cfg, store) = (ModelConfig::from_dir(&plain).unwrap(), WeightStore::open(&plain).unwrap());
-    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad::default()).unwrap().is_none());
+    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad::default()).unwrap().is_none());
 }
 
 /// A CPU projection's `[n, k]` values in output order, each block decoded as the format
@@ -355,16 +366,20 @@ fn same_quantized(sink: &HostSink, d: &super::Linear<Vec<u16>>, cpu: &Linear, f:
     assert_eq!(d.format, WeightFormat::Quant(f), "{what}: format");
     assert_eq!((d.n, d.k), (cpu.n, cpu.k), "{what}: shape");
     assert_eq!(d.route, LinearRoute::quantized(), "{what}: the quantized route takes no dense fusions");
-    let (w, tail) = (&sink.quant[d.w[0] as usize], &sink.tails[d.w[0] as usize]);
-    assert_eq!([w.shape[0] + tail.len() / cpu.k, w.shape[1]], [cpu.n, cpu.k], "{what}: packed shape");
-    if let Some(Ok(payload)) = crate::quant::payload_bytes(f, w.shape) {
-        assert_eq!(w.data.len(), payload, "{what}: payload bytes");
+    let (parts, tail) = (&sink.quant[d.w[0] as usize], &sink.tails[d.w[0] as usize]);
+    let rows: usize = parts.iter().map(|w| w.shape[0]).sum();
+    assert_eq!([rows + tail.len() / cpu.k, parts[0].shape[1]], [cpu.n, cpu.k], "{what}: packed shape");
+    let mut got = Vec::with_capacity(cpu.n * cpu.k);
+    for w in parts {
+        if let Some(Ok(payload)) = crate::quant::payload_bytes(f, w.shape) {
+            assert_eq!(w.data.len(), payload, "{what}: payload bytes");
+        }
+        got.extend(crate::quant::dequantize(&w.view()).unwrap());
     }
-    let mut got = crate::quant::dequantize(&w.view()).unwrap();
     // The dense tail as the kernels read it: bf16 bits, exact in f32.
     got.extend(tail.iter().map(|b| f32::from_bits((*b as u32) << 16)));
     same(&got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &cpu_values(cpu).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), what);
-    quant_bytes(w) + 2 * tail.len()
+    parts.iter().map(quant_bytes).sum::<usize>() + 2 * tail.len()
 }
 
 fn quantize_opts(mode: crate::quant::QuantizeMode) -> crate::model::LoadOptions {
@@ -431,7 +446,7 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
             assert_eq!(dev.bytes, dense.bytes - dense_proj + packed, "{f:?}: bytes held");
             let planned = plan(&cfg, &store, WeightFormat::Bf16, &QuantLoad::quantize(Some(f))).unwrap();
             assert_eq!(planned.bytes, dev.bytes, "{f:?}: the plan's bytes are the load's");
-            let largest = sink.quant.iter().map(|w| w.shape[0] * w.shape[1]).max().unwrap();
+            let largest = sink.quant.iter().zip(&sink.tails).map(|(p, t)| p.iter().map(|w| w.shape[0]).sum::<usize>() * p[0].shape[1] + t.len()).max().unwrap();
             assert_eq!(planned.quant_elems, largest, "{f:?}: the workspace fits the largest projection");
             // `ninfer plan --quantize` counts the same bytes from the headers.
             let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
@@ -460,19 +475,129 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
     }
 }
 
+/// Sizes where NVFP4's layout (rows a multiple of 128, K of 64) holds some parts of each fused
+/// projection and not others: q (gated or not) but not k / v, the GDN qkv and z but not b / a.
+fn nvfp4_dims() -> TinyDims {
+    TinyDims { h: 128, v: 128, inter: 128, nh: 4, nkv: 2, hd: 32, nk: 2, nv: 4, kd: 32, vd: 32, kern: 4 }
+}
+
 #[test]
-fn formats_the_cuda_loader_does_not_take_yet_are_refused_naming_the_tensor() {
+fn quantize_nvfp4_stacks_each_parts_own_payload_and_decodes_to_the_cpu_models_values() {
     use crate::quant::{QuantFormat, QuantizeMode};
-    assert!(!super::super::CudaModel::supports(QuantFormat::Nvfp4));
-    for f in [QuantFormat::HfFp8Block { block_n: 128, block_k: 128 }, QuantFormat::Awq4 { group: 128 }, QuantFormat::Gptq4 { group: 128, zero_plus_one: true }] {
-        assert!(super::super::CudaModel::supports(f), "{f:?}: HF checkpoints load on CUDA (tests below)");
-    }
-    let dir = checkpoint("llama_nvfp4", "LlamaForCausalLM", Dtype::BF16);
+    let f = QuantFormat::Nvfp4;
+    assert!(super::super::CudaModel::supports(f));
+    let hybrid = checkpoint_sized("q35_nvfp4", "Qwen3_5ForCausalLM", Dtype::BF16, false, true, nvfp4_dims());
+    let llama = checkpoint_sized("llama_nvfp4", "LlamaForCausalLM", Dtype::BF16, true, false, nvfp4_dims());
     let opts = quantize_opts(QuantizeMode::Nvfp4);
-    let e = crate::model::cpu::quant_load::refuse_unsupported(&dir, &opts, "cuda:0", super::super::CudaModel::supports).unwrap_err().to_string();
-    assert!(e.contains("cuda:0") && e.contains("model.layers.0.mlp.down_proj.weight") && e.contains("NVFP4"), "{e}");
-    let opts = quantize_opts(QuantizeMode::Q4);
-    crate::model::cpu::quant_load::refuse_unsupported(&dir, &opts, "cuda:0", super::super::CudaModel::supports).unwrap();
+    crate::model::cpu::quant_load::refuse_unsupported(&llama, &opts, "cuda:0", super::super::CudaModel::supports).unwrap();
+    for dir in [&hybrid, &llama] {
+        let cfg = ModelConfig::from_dir(dir).unwrap();
+        let store = WeightStore::open(dir).unwrap();
+        let host = ModelWeights::load(&store, &cfg, &QuantSource::new(dir, &store, &opts).unwrap()).unwrap();
+        let quant = QuantLoad::quantize(Some(f));
+        let mut sink = HostSink::new(StorageDType::Bf16, true);
+        let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+        let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
+        let mut packed = 0;
+        for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+            packed += check_quant_layer(&sink, h, d, f, li);
+        }
+        // q|k|v: q's payload, then k and v as the dense tail; the GDN in_proj: qkv's and z's
+        // payloads (each its own divisor), then b and a.
+        let stacked: Vec<(usize, usize)> = sink.quant.iter().zip(&sink.tails).map(|(p, t)| (p.len(), t.len() / 128)).collect();
+        assert!(stacked.contains(&(1, 128)), "q with k|v as the dense tail: {stacked:?}");
+        if dir == &hybrid {
+            assert!(stacked.contains(&(2, 8)), "the GDN in_proj's two payloads and b|a: {stacked:?}");
+            let (Some(hm), Some(dm)) = (&host.mtp, build_mtp(&mut sink, &store, &cfg, &quant).unwrap()) else { panic!("an MTP head") };
+            same_quantized(&sink, &dm.fc, &hm.fc, f, "mtp fc");
+            check_quant_layer(&sink, &hm.layers[0], &dm.layer, f, 0);
+        }
+        let dense_proj: usize = dense.layers.iter().map(|l| {
+            let m = match &l.mixer {
+                DevMixer::Attention(a) => a.qkv.w.len() + a.o.w.len(),
+                DevMixer::Gdn(g) => g.in_proj.w.len() + g.out.w.len(),
+            };
+            2 * (m + l.gate_up.w.len() + l.down.w.len())
+        }).sum();
+        assert_eq!(dev.bytes, dense.bytes - dense_proj + packed, "bytes held");
+        let planned = plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap();
+        assert_eq!(planned.bytes, dev.bytes, "the plan's bytes are the load's");
+        // `ninfer plan --quantize nvfp4` counts the same bytes and workspace from the headers.
+        let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
+        let mut input = gpu_plan(&cfg, &tensors);
+        input.quantize = Some(crate::plan::QuantFormat::parse("nvfp4").unwrap());
+        let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+        assert_eq!(total, dev.bytes as u64, "{lines:?}");
+        assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64);
+    }
+}
+
+#[test]
+fn nvfp4_holds_leading_parts_its_layout_takes_and_the_rest_as_the_dense_tail() {
+    assert_eq!(nvfp4_held_parts(&[256, 64, 64], 128), Some(1));
+    assert_eq!(nvfp4_held_parts(&[256, 128, 4, 4], 128), Some(2));
+    assert_eq!(nvfp4_held_parts(&[128, 128, 128], 128), Some(3));
+    // None held, K not a multiple of 64, or a part it cannot hold before one it can: dense.
+    assert_eq!(nvfp4_held_parts(&[64, 64], 128), None);
+    assert_eq!(nvfp4_held_parts(&[128, 128], 96), None);
+    assert_eq!(nvfp4_held_parts(&[64, 128], 128), None);
+    assert_eq!(nvfp4_held_parts(&[128, 64, 128], 128), None);
+}
+
+#[test]
+fn handed_in_nvfp4_parts_stack_with_the_gated_query_reordered() {
+    use std::sync::Arc;
+    let f = crate::quant::QuantFormat::Nvfp4;
+    let dir = checkpoint_sized("q35_nvfp4_given", "Qwen3_5ForCausalLM", Dtype::BF16, false, false, nvfp4_dims());
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    // Every projection NVFP4 holds, as the CPU's encoder writes it from the checkpoint values.
+    let names: Vec<String> = store
+        .names()
+        .into_iter()
+        .filter(|n| n.contains("_proj") && n.ends_with(".weight"))
+        .filter(|n| matches!(crate::quant::payload_bytes(f, [store.info(n).unwrap().shape[0], store.info(n).unwrap().shape[1]]), Some(Ok(_))))
+        .map(str::to_string)
+        .collect();
+    // Only fused projections whose every part is handed in: not q|k|v (k, v are 64 rows), not
+    // the GDN in_proj (b, a are 4).
+    let names: Vec<String> = names.into_iter().filter(|n| !n.contains("q_proj") && !n.contains("in_proj")).collect();
+    let given: std::collections::HashMap<String, crate::quant::QuantWeight> = names
+        .iter()
+        .map(|n| {
+            let shape = store.info(n).unwrap().shape.clone();
+            let v = store.load_f32(n, &shape).unwrap();
+            (n.clone(), crate::quant::QuantWeight::packed(n.as_str(), f, [shape[0], shape[1]], crate::quant::quantize(f, n, &v, [shape[0], shape[1]]).unwrap()))
+        })
+        .collect();
+    let given = Arc::new(given);
+    let opts = crate::model::LoadOptions { quant_tensors: Some(given.clone()), ..Default::default() };
+    let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
+    let quant = QuantLoad { given: Some(given.clone()), ..Default::default() };
+    let mut sink = HostSink::new(StorageDType::Bf16, true);
+    let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+    for (li, (h, d)) in host.layers.iter().zip(&dev.layers).enumerate() {
+        same_quantized(&sink, &d.gate_up, &h.gate_up, f, &format!("layer {li} gate_up"));
+        same_quantized(&sink, &d.down, &h.down, f, &format!("layer {li} down"));
+    }
+    assert!(sink.quant.iter().any(|p| p.len() == 2), "gate|up stacks two payloads");
+    // A gated q_proj (4 heads of 32 query rows and 32 gate rows) as the loader reorders it:
+    // each destination block of 32 rows is its source block, codes and scale words moved
+    // inside the payload (so across the 128-row scale tiles), the divisor kept.
+    let k = 128;
+    let q_name = format!("{}.layers.1.self_attn.q_proj.weight", names::decoder_prefix(&store));
+    let v: Vec<f32> = (0..256 * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let q = crate::quant::QuantWeight::packed(q_name.as_str(), f, [256, k], crate::quant::quantize(f, &q_name, &v, [256, k]).unwrap());
+    let t = Packed::single(store.raw(&q_name, &[256, k]).unwrap()).permute_first_part(8, |d| names::gated_query_source_block(d, 4));
+    let stacked = t.concat_rows(&[&q], k).unwrap();
+    assert_eq!(stacked.len(), 1);
+    let want = crate::quant::dequantize(&q.view()).unwrap();
+    let got = crate::quant::dequantize(&stacked[0].view()).unwrap();
+    assert_ne!(got, want, "the blocks moved");
+    for d in 0..8 {
+        let s = names::gated_query_source_block(d, 4);
+        assert_eq!(got[d * 32 * k..(d + 1) * 32 * k], want[s * 32 * k..(s + 1) * 32 * k], "block {d} from {s}");
+    }
 }
 
 /// Random GGUF Q8_0 payloads (a finite f16 scale and 32 codes a block) for the projections
@@ -515,7 +640,7 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let given = Arc::new(gguf_q8_0(&store, &names));
         let opts = crate::model::LoadOptions { quant_tensors: Some(given.clone()), ..Default::default() };
         let host = ModelWeights::load(&store, &cfg, &QuantSource::new(&dir, &store, &opts).unwrap()).unwrap();
-        let quant = QuantLoad { quantize: None, given: Some(given.clone()), hf: None };
+        let quant = QuantLoad { given: Some(given.clone()), ..Default::default() };
         let mut sink = HostSink::new(StorageDType::Bf16, true);
         let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
         let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
@@ -540,12 +665,12 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let qkv_part = names.iter().find(|n| n.ends_with("k_proj.weight")).unwrap();
         let mut part = (*given).clone();
         part.remove(qkv_part);
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(part)), hf: None }).err().expect("a part missing").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad { given: Some(Arc::new(part)), ..Default::default() }).err().expect("a part missing").to_string();
         assert!(e.contains("only some parts") && e.contains(&qkv_part.replace("k_proj", "q_proj")), "{e}");
         let mut extra = (*given).clone();
         let embed = names::decoder_prefix(&store).to_string() + ".embed_tokens.weight";
         extra.insert(embed.clone(), gguf_q8_0(&store, std::slice::from_ref(&embed)).remove(&embed).unwrap());
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(extra)), hf: None }).err().expect("a packed embedding").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad { given: Some(Arc::new(extra)), ..Default::default() }).err().expect("a packed embedding").to_string();
         assert!(e.contains(&embed) && e.contains("stay dense"), "{e}");
         let mut w8 = (*given).clone();
         let o = names.iter().find(|n| n.ends_with("o_proj.weight") || n.ends_with("out_proj.weight")).unwrap();
@@ -553,7 +678,7 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let values = rand_vec(n * k, 1);
         let q = crate::quant::QuantFormat::W8G32F16S;
         w8.insert(o.clone(), crate::quant::QuantWeight::packed(o.as_str(), q, [n, k], crate::quant::quantize(q, o, &values, [n, k]).unwrap()));
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &QuantLoad { quantize: None, given: Some(Arc::new(w8)), hf: None }).err().expect("a W8 tensor handed in").to_string();
+        let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &QuantLoad { given: Some(Arc::new(w8)), ..Default::default() }).err().expect("a W8 tensor handed in").to_string();
         assert!(e.contains(o.as_str()) && e.contains("W8G32_F16S") && e.contains("only GGUF rows"), "{e}");
     }
 }
@@ -704,7 +829,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
     assert!(e.contains("HF_FP8_BLOCK") && e.contains("k_proj.weight") && e.contains("not supported yet"), "{e}");
     // Every in_proj part in FP8: b (4 rows) would share an 8-row scale block with a.
     let dir = hf_checkpoint(&hybrid, "q35_hf_blocks", f, qcfg, &[], None);
@@ -712,7 +837,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
     // Refused by the plan pass, before any weight is read.
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
     assert!(e.contains("in_proj_b rows 0..4") && e.contains("multiples of 8") && e.contains("not supported yet"), "{e}");
     // GPTQ act-order parts with different g_idx, likewise.
     let (g, gcfg) = (QuantFormat::Gptq4 { group: 16, zero_plus_one: true }, serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": true, "sym": false}));
@@ -731,7 +856,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let store = WeightStore::open(&dir).unwrap();
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, quant_elems: 0 }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
+    let e = build(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
     assert!(e.contains("HF_GPTQ4") && e.contains("k_proj.weight") && e.contains("g_idx") && e.contains("not supported yet"), "{e}");
     // --quantize on a quantized checkpoint is refused as on the CPU.
     let e = QuantLoad::new(&dir, &quantize_opts(crate::quant::QuantizeMode::Q4)).err().expect("already quantized").to_string();
@@ -750,4 +875,76 @@ fn gpu_plan<'a>(cfg: &'a crate::config::ModelConfig, tensors: &'a [crate::plan::
         memory: None,
         pool: crate::plan::PoolRule::OneContext,
     }
+}
+
+#[test]
+fn quantize_lm_head_packs_the_head_as_the_cpu_model_and_a_tied_one_as_a_copy() {
+    use crate::quant::QuantizeMode;
+    let untied = checkpoint_sized("llama_qhead", "LlamaForCausalLM", Dtype::BF16, false, false, nvfp4_dims());
+    // The same tensors with the head tied to the embedding (lm_head.weight is then not read).
+    let tied = std::env::temp_dir().join(format!("ninfer_cuda_load_llama_qhead_tied_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tied);
+    std::fs::create_dir_all(&tied).unwrap();
+    for f in std::fs::read_dir(&untied).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, tied.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tied.join("config.json")).unwrap()).unwrap();
+    c["tie_word_embeddings"] = serde_json::Value::Bool(true);
+    std::fs::write(tied.join("config.json"), c.to_string()).unwrap();
+    for (dir, flag) in [(&untied, "q4"), (&tied, "q4"), (&untied, "nvfp4")] {
+        let mode = QuantizeMode::parse(flag).unwrap();
+        let f = mode.format();
+        let what = format!("{} {f:?}", dir.display());
+        let cfg = ModelConfig::from_dir(dir).unwrap();
+        let store = WeightStore::open(dir).unwrap();
+        let opts = crate::model::LoadOptions { quantize: Some(mode), quantize_lm_head: true, ..Default::default() };
+        let host = ModelWeights::load(&store, &cfg, &QuantSource::new(dir, &store, &opts).unwrap()).unwrap();
+        let quant = QuantLoad::new(dir, &opts).unwrap();
+        assert!(quant.quantize_lm_head);
+        let mut sink = HostSink::new(StorageDType::Bf16, true);
+        let dev = build(&mut sink, &store, &cfg, &quant).unwrap();
+        let head = same_quantized(&sink, dev.lm_head.as_ref().expect("a quantized head"), host.lm_head.as_ref().unwrap(), f, &format!("{what} lm_head"));
+        assert!(dev.lm_head().is_none(), "{what}: no dense head matrix");
+        // The embedding stays dense.
+        let dense = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::default()).unwrap();
+        same(&dev.embed, &dense.embed, "embed");
+        let body = build(&mut HostSink::new(StorageDType::Bf16, true), &store, &cfg, &QuantLoad::quantize(Some(f))).unwrap();
+        let dense_head = if cfg.tie_word_embeddings { 0 } else { 2 * 128 * 128 };
+        assert_eq!(dev.bytes, body.bytes - dense_head + head, "{what}: bytes held");
+        let planned = plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap();
+        assert_eq!(planned.bytes, dev.bytes, "{what}: planned bytes");
+        // `ninfer plan --quantize-lm-head` counts the same bytes and workspace.
+        let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
+        let mut input = gpu_plan(&cfg, &tensors);
+        input.quantize = Some(crate::plan::QuantFormat::parse(flag).unwrap());
+        input.quantize_lm_head = true;
+        let (lines, total) = crate::plan::ledger::weight_lines(&input).unwrap();
+        assert_eq!(total, dev.bytes as u64, "{what}: {lines:?}");
+        assert_eq!(crate::plan::ledger::quant_workspace_bytes(&input), 2 * planned.quant_elems as u64, "{what}");
+    }
+    // Without --quantize it is refused, as on the CPU.
+    let opts = crate::model::LoadOptions { quantize_lm_head: true, ..Default::default() };
+    let e = QuantLoad::new(&untied, &opts).err().expect("needs --quantize").to_string();
+    assert!(e.contains("needs --quantize"), "{e}");
+}
+
+#[test]
+fn a_quantized_heads_workspace_is_a_chunk_of_vocabulary_rows() {
+    let lin = |n: usize, k: usize, q: bool| DevLinear::<()> {
+        w: (),
+        n,
+        k,
+        format: if q { WeightFormat::Quant(crate::quant::QuantFormat::Q4G64F16S) } else { WeightFormat::Bf16 },
+        bias: None,
+        route: LinearRoute::quantized(),
+        quant: None,
+    };
+    let chunk = crate::plan::ledger::QUANT_HEAD_CHUNK_ROWS;
+    let body = [lin(3000, 512, true), lin(9000, 512, false)];
+    // The body's largest quantized projection; a head larger than a chunk counts one chunk.
+    assert_eq!(workspace_elems(&body, None), 3000 * 512);
+    assert_eq!(workspace_elems(&body, Some(&lin(248320, 512, true))), chunk * 512);
+    assert_eq!(workspace_elems(&body, Some(&lin(2000, 512, true))), 3000 * 512);
+    assert_eq!(workspace_elems(&body, Some(&lin(248320, 512, false))), 3000 * 512);
 }
