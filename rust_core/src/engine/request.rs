@@ -113,6 +113,18 @@ impl RequestState {
         row
     }
 
+    /// The row every position of a verify chunk is picked with, when one row serves them all
+    /// and only the token is wanted: a greedy request without logprobs, grammar, penalties or
+    /// thinking budget (those rows change with each accepted token). None otherwise.
+    pub fn argmax_row(&mut self, vocab: usize) -> Option<RowSampling> {
+        let p = &self.params;
+        let alike = p.is_greedy() && !p.logprobs && p.top_logprobs == 0 && !p.penalizes_history() && p.thinking_budget.is_none();
+        if !alike || self.grammar.is_some() || self.grammar_error.is_some() {
+            return None;
+        }
+        Some(self.prepare_sampling(vocab, RowInput::Accepted))
+    }
+
     /// One more uniform draw from the request's RNG (a sampled draft's, a residual token's).
     pub fn uniform(&mut self) -> f64 {
         self.sampler.uniform()
