@@ -65,7 +65,7 @@ impl EngineCore {
         let argmax = self.verify_argmax_rows(&step);
         let verified = self.runner.forward_verify(&step.batch, &argmax)?;
         let (logits, ids) = (&verified.logits, &verified.ids);
-        let vocab = self.runner.config().vocab_size;
+        let vocab = logits.vocab;
         let mut outcomes = Vec::new();
         let mut accepted_drafts = vec![0; step.seq_ids.len()];
         for (i, (&id, chunk)) in step.seq_ids.iter().zip(&step.batch.seqs).enumerate() {
