@@ -281,3 +281,31 @@ impl RequestState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a greedy request whose row is the same at every draft position and that wants no
+    /// logprobs is verified by argmax on the runner; its row carries the logit bias.
+    #[test]
+    fn only_alike_greedy_rows_without_logprobs_are_verified_by_argmax() {
+        let greedy = SamplingParams { temperature: 0.0, max_tokens: 8, ..Default::default() };
+        let state = |params: &SamplingParams| RequestState::new("r".into(), &[1, 2, 3], params.clone(), 0, None, None);
+        let biased = SamplingParams { logit_bias: [(2, 1.5)].into_iter().collect(), ..greedy.clone() };
+        let row = state(&biased).argmax_row(16).expect("a greedy request is picked by argmax");
+        assert!(row.is_greedy() && !row.wants_logprobs() && row.allow.is_none() && row.penalized.is_empty());
+        assert_eq!(row.logit_bias, vec![(2, 1.5)]);
+        let host = [
+            ("sampled", SamplingParams { temperature: 0.7, ..greedy.clone() }),
+            ("logprobs", SamplingParams { logprobs: true, ..greedy.clone() }),
+            ("top_logprobs", SamplingParams { top_logprobs: 3, ..greedy.clone() }),
+            ("presence penalty", SamplingParams { presence_penalty: 0.5, ..greedy.clone() }),
+            ("repetition penalty", SamplingParams { repetition_penalty: 1.2, ..greedy.clone() }),
+            ("thinking budget", SamplingParams { thinking_budget: Some(4), ..greedy.clone() }),
+        ];
+        for (name, params) in host {
+            assert!(state(&params).argmax_row(16).is_none(), "{name}: picked on the host");
+        }
+    }
+}
