@@ -6,8 +6,8 @@ Parts (both by default):
   verify  Llama-3-8B and Qwen3.5-27B shapes (random bf16 weights, --layers of them): one verify
           step of K + 1 tokens a sequence (K = 1, 3, 5) against one plain decode step, at batch 1
           and 8, each sequence at the end of a --prompt-token prompt (`_core.Model.step_seconds`:
-          the steps as the engine runs them, the verify step with its rollback copies and host
-          logits). Metric `spec_verify_step_ratio` (median verify step / median plain step); the
+          the steps as the engine runs them, the verify step with its rollback copies and the
+          greedy rows' argmax on the device, ids only to the host). Metric `spec_verify_step_ratio` (median verify step / median plain step); the
           ceiling is 1.0 (decode is bandwidth-bound: the verify step reads the same weights), so
           fraction_of_ceiling = 1 / ratio. Peer (K = 3): the same ratio of transformers' forward with its
           KV cache (K + 1 new tokens against 1), same GPU, same call. On the 27B shape the engine's

@@ -14,6 +14,10 @@ f32 logits). The same bound holds the CUDA drafts to the CPU drafts. The demo mo
 A step of nothing but verify chunks of one K runs as a CUDA graph keyed (sequences padded to a
 bucket, block-table stride, K + 1); with `cuda_graphs=False` the same padded launches run
 eagerly, so the two agree bit for bit.
+
+A greedy request without logprobs is verified by the device sampler's argmax of every verify row
+(outside the captured graph, as decode sampling is), with only ids copied back; the host route
+(device_sampling off, or logprobs wanted) picks the same tokens from the same f32 logits.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -299,6 +304,70 @@ def test_a_batch_of_8_with_mixed_k_and_chunked_prefill_on_cuda_equals_plain(meth
     assert stats["spec_drafted_tokens"] > 0
     assert len(stats["spec_acceptance_by_position"]) <= 4
     assert stats["kv_blocks_used"] == 0
+
+
+# Greedy verification on the device: a greedy request without logprobs has every verify row
+# picked by the device sampler's greedy kernel (only ids come back); with device_sampling=False,
+# or with logprobs asked for, the same rows are picked on the host from the same f32 logits.
+
+def _core_run(model_dir, params, **engine):
+    """Each request's token ids and its last delta's draft counts, PROMPTS on `_core.Engine`;
+    `params`: one for all, or a list (one a prompt)."""
+    eng = _core.Engine(str(model_dir), device="cuda", max_context=512, max_concurrency=8, logits_dtype="float32",
+                       **engine)
+    tok = eng.tokenizer
+    for i, p in enumerate(PROMPTS):
+        eng.submit(f"r{i}", list(tok.encode(p, True)), params[i] if isinstance(params, list) else params)
+    ids, spec = {}, {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            ids.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finished:
+                spec[d.request_id] = d.spec
+    stats = eng.stats()
+    eng.shutdown()
+    return [ids[f"r{i}"] for i in range(len(PROMPTS))], [spec[f"r{i}"] for i in range(len(PROMPTS))], stats
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method,name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_greedy_verify_by_device_argmax_equals_the_host_route(method, name, k, request):
+    """Eight greedy requests with drafts: picked on the device, on the host (device_sampling off)
+    and on the host for their logprobs, the tokens and each request's accepted counts are equal;
+    the tokens equal plain greedy output up to near-ties."""
+    model_dir = _model_dir(name, request)
+    params = dict(temperature=0.0, max_tokens=48, ignore_eos=True)
+    dev, dev_spec, stats = _core_run(model_dir, _core.SamplingParams(**params), spec=method, draft_tokens=k)
+    host, host_spec, _ = _core_run(model_dir, _core.SamplingParams(**params), spec=method, draft_tokens=k,
+                                   device_sampling=False)
+    lp, lp_spec, _ = _core_run(model_dir, _core.SamplingParams(**params, logprobs=True, top_logprobs=2), spec=method,
+                               draft_tokens=k)
+    assert stats["spec_verify_steps"] > 0 and stats["spec_drafted_tokens"] > 0
+    assert dev == host == lp
+    for a, b, c in zip(dev_spec, host_spec, lp_spec):
+        assert (a["drafted"], a["accepted"], a["acceptance_by_position"]) == (b["drafted"], b["accepted"], b["acceptance_by_position"])
+        assert (a["drafted"], a["accepted"]) == (c["drafted"], c["accepted"])
+    plain = _plain_greedy(model_dir, 48)
+    _assert_equal_but_at_near_ties(plain, [SimpleNamespace(token_ids=t) for t in dev[:3]], f"{method} K={k} device argmax on {name}")
+
+
+@pytest.mark.parametrize("method,name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_a_verify_step_mixing_device_argmax_and_host_rows_equals_the_host_route(method, name, request):
+    """Greedy requests beside seeded sampled ones (K = 3): each verify step picks the greedy
+    chunks on the device and copies the sampled chunks' logits. The same batch with the greedy
+    requests wanting logprobs (all on the host) gives the same tokens and counts, request by
+    request (the sampled requests are the same in both runs, so the steps are too)."""
+    model_dir = _model_dir(name, request)
+    sampled = dict(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True)
+    greedy_ = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    def params(logprobs):
+        return [_core.SamplingParams(**sampled, seed=i) if i % 2 else
+                _core.SamplingParams(**greedy_, **(dict(logprobs=True) if logprobs else {})) for i in range(len(PROMPTS))]
+    dev, dev_spec, stats = _core_run(model_dir, params(False), spec=method, draft_tokens=3)
+    host, host_spec, _ = _core_run(model_dir, params(True), spec=method, draft_tokens=3)
+    assert stats["spec_verify_steps"] > 0 and stats["spec_drafted_tokens"] > 0
+    assert dev == host
+    assert [(a["drafted"], a["accepted"]) for a in dev_spec] == [(b["drafted"], b["accepted"]) for b in host_spec]
 
 
 @pytest.mark.parametrize("size", [2048, 32768])

@@ -113,6 +113,18 @@ impl RequestState {
         row
     }
 
+    /// The row every position of a verify chunk is picked with, when one row serves them all
+    /// and only the token is wanted: a greedy request without logprobs, grammar, penalties or
+    /// thinking budget (those rows change with each accepted token). None otherwise.
+    pub fn argmax_row(&mut self, vocab: usize) -> Option<RowSampling> {
+        let p = &self.params;
+        let alike = p.is_greedy() && !p.logprobs && p.top_logprobs == 0 && !p.penalizes_history() && p.thinking_budget.is_none();
+        if !alike || self.grammar.is_some() || self.grammar_error.is_some() {
+            return None;
+        }
+        Some(self.prepare_sampling(vocab, RowInput::Accepted))
+    }
+
     /// One more uniform draw from the request's RNG (a sampled draft's, a residual token's).
     pub fn uniform(&mut self) -> f64 {
         self.sampler.uniform()
@@ -266,6 +278,34 @@ impl RequestState {
             error: None,
             stop_reason: None,
             spec: self.spec.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a greedy request whose row is the same at every draft position and that wants no
+    /// logprobs is verified by argmax on the runner; its row carries the logit bias.
+    #[test]
+    fn only_alike_greedy_rows_without_logprobs_are_verified_by_argmax() {
+        let greedy = SamplingParams { temperature: 0.0, max_tokens: 8, ..Default::default() };
+        let state = |params: &SamplingParams| RequestState::new("r".into(), &[1, 2, 3], params.clone(), 0, None, None);
+        let biased = SamplingParams { logit_bias: [(2, 1.5)].into_iter().collect(), ..greedy.clone() };
+        let row = state(&biased).argmax_row(16).expect("a greedy request is picked by argmax");
+        assert!(row.is_greedy() && !row.wants_logprobs() && row.allow.is_none() && row.penalized.is_empty());
+        assert_eq!(row.logit_bias, vec![(2, 1.5)]);
+        let host = [
+            ("sampled", SamplingParams { temperature: 0.7, ..greedy.clone() }),
+            ("logprobs", SamplingParams { logprobs: true, ..greedy.clone() }),
+            ("top_logprobs", SamplingParams { top_logprobs: 3, ..greedy.clone() }),
+            ("presence penalty", SamplingParams { presence_penalty: 0.5, ..greedy.clone() }),
+            ("repetition penalty", SamplingParams { repetition_penalty: 1.2, ..greedy.clone() }),
+            ("thinking budget", SamplingParams { thinking_budget: Some(4), ..greedy.clone() }),
+        ];
+        for (name, params) in host {
+            assert!(state(&params).argmax_row(16).is_none(), "{name}: picked on the host");
         }
     }
 }

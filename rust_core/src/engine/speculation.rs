@@ -62,7 +62,9 @@ impl EngineCore {
                 rollback.push((i, keep));
             }
         }
-        let logits = self.runner.forward(&step.batch)?;
+        let argmax = self.verify_argmax_rows(&step);
+        let verified = self.runner.forward_verify(&step.batch, &argmax)?;
+        let (logits, ids) = (&verified.logits, &verified.ids);
         let vocab = logits.vocab;
         let mut outcomes = Vec::new();
         let mut accepted_drafts = vec![0; step.seq_ids.len()];
@@ -71,15 +73,26 @@ impl EngineCore {
                 continue;
             }
             let rows = logits.of_seq(i);
+            let picked = &ids[i];
             let cached = self.sched.cached_tokens(id);
             let Some(req) = self.requests.get_mut(&id) else { continue };
             let k = step.draft_len(i);
             let draft = &chunk.tokens[chunk.tokens.len() - k..];
-            let first_row = rows.len() / vocab - (k + 1);
+            let first_row = if argmax[i].is_some() { picked.len() } else { rows.len() / vocab } - (k + 1);
             let (tokenizer, eos, rule) = (self.tokenizer.as_deref(), &self.eos_token_ids, self.draft_rule);
             let q = draft_q.get(i).map_or(&[][..], Vec::as_slice);
             let mut delta: Option<RequestOutput> = None;
             let accepted = accept_draft(draft, |j| {
+                // Picked on the runner: the same greedy row at every position, nothing else
+                // wanted of the logits.
+                if argmax[i].is_some() {
+                    let event = req.accept(picked[first_row + j], None, tokenizer, eos, cached)?;
+                    match delta.as_mut() {
+                        Some(d) => d.merge(event.output),
+                        None => delta = Some(event.output),
+                    }
+                    return Ok((picked[first_row + j], event.finished));
+                }
                 let row = req.prepare_sampling(vocab, RowInput::Accepted);
                 let raw = &rows[(first_row + j) * vocab..(first_row + j + 1) * vocab];
                 // A draft drawn from q: the speculative sampling rule against the target's p,
@@ -127,6 +140,23 @@ impl EngineCore {
         self.settle(&outcomes, None)?;
         self.time_step(&step, started);
         Ok(outputs)
+    }
+
+    /// The verify step's argmax rows, one per sequence (`ModelRunner::forward_verify`): a
+    /// greedy request whose rows are alike at every draft position (no grammar mask, no
+    /// penalties, no thinking budget that could force a token) and that wants no logprobs is
+    /// picked on the runner; every other sequence (sampled, logprobs, per-position rows, no
+    /// logits) gets its logits rows and is picked here.
+    fn verify_argmax_rows(&mut self, step: &ScheduledStep) -> Vec<Option<crate::sampling::RowSampling>> {
+        let vocab = self.runner.config().vocab_size;
+        step.seq_ids
+            .iter()
+            .zip(&step.batch.seqs)
+            .map(|(id, chunk)| {
+                let req = self.requests.get_mut(id).filter(|_| chunk.logits != LogitsWanted::None)?;
+                req.argmax_row(vocab)
+            })
+            .collect()
     }
 
     /// With `--spec-adaptive`, count a step of decodes and verify chunks only (a prompt chunk's

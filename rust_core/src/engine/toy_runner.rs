@@ -27,7 +27,8 @@ use std::sync::{Arc, Mutex};
 use crate::config::ModelConfig;
 use std::collections::VecDeque;
 
-use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
+use crate::model::runner::check_verify_rows;
+use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch, VerifyLogits};
 use crate::sampling::{argmax, RowSampling, SampledToken};
 use crate::spec::draw_draft;
 use crate::{NinferError, Result};
@@ -41,6 +42,9 @@ pub struct ToyLog {
     pub copies: Vec<(usize, usize)>,
     /// For each `warm_up_kernels` call, the steps the runner had received by then.
     pub kernel_warm_ups: Vec<usize>,
+    /// For each `forward_verify` call, each sequence's wanted logits and whether it was picked
+    /// by argmax (true) or got its logits rows (false).
+    pub verify_routes: Vec<Vec<(LogitsWanted, bool)>>,
 }
 
 /// Deterministic toy model.
@@ -256,6 +260,13 @@ impl ModelRunner for ToyRunner {
 
     fn verifies_drafts(&self) -> bool {
         true
+    }
+
+    /// The host argmax of the default, with the route of each sequence logged.
+    fn forward_verify(&mut self, batch: &StepBatch, argmax: &[Option<RowSampling>]) -> Result<VerifyLogits> {
+        check_verify_rows(batch.seqs.len(), argmax)?;
+        self.log.lock().expect("toy log").verify_routes.push(batch.seqs.iter().zip(argmax).map(|(q, a)| (q.logits, a.is_some())).collect());
+        VerifyLogits::on_host(self.forward(batch)?, argmax)
     }
 
     fn enable_mtp(&mut self) -> Result<()> {

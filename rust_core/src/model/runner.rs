@@ -85,6 +85,52 @@ impl Logits {
     }
 }
 
+/// What a speculative verify step returns (`ModelRunner::forward_verify`): for each sequence
+/// picked by argmax, its rows' tokens; for every other sequence, its logits rows as `forward`
+/// gives them.
+#[derive(Clone, Debug, Default)]
+pub struct VerifyLogits {
+    /// The logits rows of the sequences not picked by argmax (`rows[i]` is 0 for one that is).
+    pub logits: Logits,
+    /// `ids[i]`: the token picked at each row of sequence `i` when it was picked by argmax;
+    /// empty otherwise.
+    pub ids: Vec<Vec<u32>>,
+}
+
+impl VerifyLogits {
+    /// Picks the rows of the sequences with an `argmax` row on the host from a step's `logits`
+    /// (`RowSampling::sample`, the reference) and drops those rows from the logits.
+    pub fn on_host(logits: Logits, argmax: &[Option<RowSampling>]) -> Result<VerifyLogits> {
+        check_verify_rows(logits.rows.len(), argmax)?;
+        let vocab = logits.vocab;
+        let mut ids = vec![Vec::new(); logits.rows.len()];
+        let mut kept = Logits { vocab, data: Vec::with_capacity(logits.data.len()), rows: logits.rows.clone() };
+        for (i, pick) in argmax.iter().enumerate() {
+            let rows = logits.of_seq(i);
+            match pick {
+                Some(row) => {
+                    ids[i] = rows.chunks_exact(vocab.max(1)).map(|r| row.sample(r).token).collect();
+                    kept.rows[i] = 0;
+                }
+                None => kept.data.extend_from_slice(rows),
+            }
+        }
+        Ok(VerifyLogits { logits: kept, ids })
+    }
+}
+
+/// `forward_verify` takes one entry per sequence of the batch; an argmax row must be greedy,
+/// want no logprobs and know its input token.
+pub fn check_verify_rows(seqs: usize, argmax: &[Option<RowSampling>]) -> Result<()> {
+    if argmax.len() != seqs {
+        return Err(NinferError::invalid("verify rows", format!("{} entries for {seqs} sequences", argmax.len())));
+    }
+    if argmax.iter().flatten().any(|r| !r.is_greedy() || r.wants_logprobs() || r.count_input) {
+        return Err(NinferError::invalid("verify rows", "an argmax row must be greedy, without logprobs and without a pending input token"));
+    }
+    Ok(())
+}
+
 /// `forward_sampled` needs one `RowSampling` per sequence that produces logits.
 pub fn check_sampling_rows(seqs_with_logits: usize, rows: usize) -> Result<()> {
     if seqs_with_logits != rows {
@@ -202,6 +248,17 @@ pub trait ModelRunner: Send {
     /// default runs `forward` and the host sampler (`RowSampling::sample`, the reference).
     fn forward_sampled(&mut self, batch: &StepBatch, rows: &[RowSampling]) -> Result<Vec<SampledToken>> {
         self.forward(batch)?.sample_on_host(rows)
+    }
+
+    /// Run a speculative verify step: `argmax[i]` (one per sequence of the batch) picks every
+    /// logits row of sequence `i` with that greedy row (one row for every position: no
+    /// grammar mask, no penalty history that the accepted drafts change), and only the picked ids come back for it; a sequence
+    /// with None gets its logits rows, as `forward` gives them (sampled requests, per-position
+    /// rows). A device backend overrides this to take the argmax where the logits are; the
+    /// default runs `forward` and picks on the host (`VerifyLogits::on_host`).
+    fn forward_verify(&mut self, batch: &StepBatch, argmax: &[Option<RowSampling>]) -> Result<VerifyLogits> {
+        check_verify_rows(batch.seqs.len(), argmax)?;
+        VerifyLogits::on_host(self.forward(batch)?, argmax)
     }
 
     /// Whether `launch_sampled` returns before its step has run on the device, so that the
@@ -348,6 +405,35 @@ pub trait ModelRunner: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host route of a verify step: an argmax sequence gets the lowest id among tied maxima
+    /// at each of its rows (`sampling::argmax`, the device greedy kernel's rule too) and its
+    /// rows leave the logits; another sequence keeps its rows.
+    #[test]
+    fn verify_rows_on_the_host_pick_argmax_sequences_and_keep_the_others() {
+        let data = vec![
+            1.0, 3.0, 3.0, 0.0, // seq 0 row 0: tie of ids 1 and 2
+            5.0, 1.0, 2.0, 5.0, // seq 0 row 1: tie of ids 0 and 3
+            0.0, 1.0, 2.0, 3.0, // seq 2, host
+            9.0, 0.0, 0.0, 0.0, // seq 2, host
+            0.0, 0.0, 0.0, 1.0, // seq 3 (bias makes id 0 win)
+        ];
+        let logits = Logits { vocab: 4, data: data.clone(), rows: vec![2, 0, 2, 1] };
+        let greedy = RowSampling { temperature: 0.0, ..Default::default() };
+        let biased = RowSampling { logit_bias: vec![(0, 2.0)], ..greedy.clone() };
+        let v = VerifyLogits::on_host(logits, &[Some(greedy.clone()), None, None, Some(biased)]).unwrap();
+        assert_eq!(v.ids, vec![vec![1, 0], vec![], vec![], vec![0]]);
+        assert_eq!(v.logits.rows, vec![0, 0, 2, 0]);
+        assert_eq!(v.logits.of_seq(2), &data[8..16]);
+        let sampled = RowSampling { temperature: 1.0, ..Default::default() };
+        let logprobs = RowSampling { logprobs: true, ..greedy.clone() };
+        for bad in [sampled, logprobs] {
+            let l = Logits { vocab: 4, data: vec![0.0; 4], rows: vec![1] };
+            assert!(VerifyLogits::on_host(l, &[Some(bad)]).is_err(), "only a greedy row without logprobs is picked by argmax");
+        }
+        let l = Logits { vocab: 4, data: vec![0.0; 4], rows: vec![1] };
+        assert!(VerifyLogits::on_host(l, &[None, None]).is_err(), "one entry per sequence");
+    }
 
     /// A row that counts its step's input token (a lookahead row with penalties) needs that
     /// token, which only the runner knows: the host sampler refuses it instead of sampling

@@ -259,8 +259,9 @@ impl PyModel {
     /// prefilled first in a step of its own; every step runs at the same positions. `rows == 1`:
     /// a plain decode step as the engine runs it (one token a sequence, greedy on the device);
     /// `rows > 1`: a speculative verify step as the engine runs it (each sequence's recurrent
-    /// state copied aside for its rollback, `rows` tokens with logits at every position brought
-    /// to the host, the greedy token of every row taken there). A bench hook
+    /// state copied aside for its rollback, `rows` tokens with logits at every position, the
+    /// greedy token of every row picked as for a greedy request, `forward_verify`: on the device
+    /// with only the ids copied back, or on the host with `device_sampling` off). A bench hook
     /// (benches/gpu_spec.py), compiled with the `testing` feature.
     #[cfg(feature = "testing")]
     fn step_seconds(&self, py: Python<'_>, prompts: Vec<Vec<u32>>, rows: usize, steps: usize) -> PyResult<Vec<f64>> {
@@ -302,9 +303,9 @@ impl PyModel {
                             m.runner.copy_state(i, n + i)?;
                         }
                     }
-                    let l = m.runner.forward(&batch)?;
-                    let picked: u64 = l.data.chunks(l.vocab).map(|r| crate::sampling::argmax(r) as u64).sum();
-                    std::hint::black_box(picked);
+                    let picks = vec![Some(greedy[0].clone()); n];
+                    let v = m.runner.forward_verify(&batch, &picks)?;
+                    std::hint::black_box(v.ids.iter().flatten().map(|&t| t as u64).sum::<u64>());
                 }
                 if s > 0 {
                     out.push(t.elapsed().as_secs_f64());

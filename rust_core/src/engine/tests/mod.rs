@@ -11,6 +11,7 @@ mod speculation;
 mod stopping;
 mod thinking;
 mod thread;
+mod verify_route;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

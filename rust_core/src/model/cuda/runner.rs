@@ -11,7 +11,7 @@ use crate::backend::cuda::device::driver_err;
 use crate::config::ModelConfig;
 use crate::artifact::WeightStore;
 use crate::model::cpu::mtp::NO_MTP_WEIGHTS;
-use crate::model::runner::{CacheSpec, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
+use crate::model::runner::{check_verify_rows, CacheSpec, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch, VerifyLogits};
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
@@ -169,6 +169,34 @@ impl ModelRunner for CudaModel {
         }
         let counts = self.run(batch)?;
         self.sampler.sample(&self.dev, buf(&self.act.logits), &counts, rows, self.cfg.vocab_size)
+    }
+
+    /// The argmax of every row of the sequences that `argmax` picks, by the device sampler's
+    /// greedy kernel after the forward (outside any captured verify graph), with only their ids
+    /// copied back; the logits of the other sequences are copied as `forward` copies them
+    /// (with `device_sampling` off, every sequence's, and the host picks).
+    fn forward_verify(&mut self, batch: &StepBatch, argmax: &[Option<RowSampling>]) -> Result<VerifyLogits> {
+        check_verify_rows(batch.seqs.len(), argmax)?;
+        if !self.sampler.enabled() || argmax.iter().all(Option::is_none) {
+            return VerifyLogits::on_host(self.step(batch)?, argmax);
+        }
+        let counts = self.run(batch)?;
+        let vocab = self.cfg.vocab_size;
+        let ids = self.sampler.argmax_rows(&self.dev, buf(&self.act.logits), &counts, argmax, vocab)?;
+        // The host sequences' rows: the logits up to the last of them, kept for those only.
+        let host_end = counts.iter().zip(argmax).enumerate().filter(|(_, (&c, pick))| c > 0 && pick.is_none()).map(|(i, _)| counts[..=i].iter().sum::<usize>()).last().unwrap_or(0);
+        let all = if host_end == 0 { Vec::new() } else { self.logits_to_host(host_end)? };
+        let mut logits = Logits { vocab, data: Vec::new(), rows: counts.clone() };
+        let mut start = 0;
+        for (i, &c) in counts.iter().enumerate() {
+            if argmax[i].is_some() {
+                logits.rows[i] = 0;
+            } else if c > 0 {
+                logits.data.extend_from_slice(&all[start * vocab..(start + c) * vocab]);
+            }
+            start += c;
+        }
+        Ok(VerifyLogits { logits, ids })
     }
 
     /// Steps overlap when they sample on the device (the host sampler needs the logits first).

@@ -79,18 +79,48 @@ impl DeviceSampler {
     /// them. At most two launches are uncollected at a time. `fed`: the step's input ids on the
     /// device when it is a fed decode step (its rows with penalties `count_input`).
     pub fn launch(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], rows: &[RowSampling], vocab: usize, fed: Option<&CudaView<'_, i32>>) -> Result<()> {
-        if self.pending.len() >= self.packed.len() {
-            return Err(NinferError::Device(format!("device sampler: {} launches are already uncollected", self.pending.len())));
-        }
-        self.src_rows.clear();
+        let mut src_rows = std::mem::take(&mut self.src_rows);
+        src_rows.clear();
         let mut end = 0;
         for &c in counts {
             end += c;
             if c > 0 {
-                self.src_rows.push(end - 1);
+                src_rows.push(end - 1);
             }
         }
-        check_sampling_rows(self.src_rows.len(), rows.len())?;
+        let r = check_sampling_rows(src_rows.len(), rows.len()).and_then(|_| self.launch_rows(dev, logits, &src_rows, rows, vocab, fed));
+        self.src_rows = src_rows;
+        r
+    }
+
+    /// Pick the token of every row of a verify step whose sequence is picked by argmax and
+    /// wait for them: `picks[i]` is sequence `i`'s greedy row, applied to each of its `counts[i]`
+    /// logits rows (packed in sequence order in `logits`); ids come back for those sequences
+    /// only (empty for the others). The same kernel as a decode step's greedy rows, so a
+    /// verify row's token is the one a plain decode step would pick from the same logits.
+    pub fn argmax_rows(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, counts: &[usize], picks: &[Option<RowSampling>], vocab: usize) -> Result<Vec<Vec<u32>>> {
+        if !self.pending.is_empty() {
+            return Err(NinferError::Device(format!("device sampler: a verify step while {} launched steps are uncollected", self.pending.len())));
+        }
+        let (mut src_rows, mut rows) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        for (&c, pick) in counts.iter().zip(picks) {
+            if let Some(row) = pick {
+                src_rows.extend(start..start + c);
+                rows.extend(std::iter::repeat_n(row.clone(), c));
+            }
+            start += c;
+        }
+        self.launch_rows(dev, logits, &src_rows, &rows, vocab, None)?;
+        let mut tokens = self.collect()?.into_iter().map(|s| s.token);
+        Ok(counts.iter().zip(picks).map(|(&c, pick)| if pick.is_some() { tokens.by_ref().take(c).collect() } else { Vec::new() }).collect())
+    }
+
+    /// `launch` of `rows[j]` on logits row `src_rows[j]`.
+    fn launch_rows(&mut self, dev: &CudaDevice, logits: &CudaSlice<f32>, src_rows: &[usize], rows: &[RowSampling], vocab: usize, fed: Option<&CudaView<'_, i32>>) -> Result<()> {
+        if self.pending.len() >= self.packed.len() {
+            return Err(NinferError::Device(format!("device sampler: {} launches are already uncollected", self.pending.len())));
+        }
         let k = self.next_pack;
         self.next_pack = (k + 1) % self.packed.len();
         let n = rows.len();
@@ -100,7 +130,7 @@ impl DeviceSampler {
         }
         self.reserve(dev, n, vocab)?;
         let packed = &mut self.packed[k];
-        packed.pack(rows, &self.src_rows, vocab)?;
+        packed.pack(rows, src_rows, vocab)?;
         let words = packed.words();
         if self.params.as_ref().is_none_or(|b| b.len() < words.len()) {
             self.params = Some(dev.stream().alloc_zeros::<u32>(words.len().next_power_of_two()).map_err(driver_err("allocating sampler params"))?);
