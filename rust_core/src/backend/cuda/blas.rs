@@ -63,8 +63,11 @@ impl CudaDevice {
         }
     }
 
+    /// y (rows of `ldy` elements of `y_type`, the first n of each written) = x[m, k] W[n, k]^T
+    /// through cuBLAS with f32 accumulation; `ldy` > n writes a band of y's columns (a
+    /// vocabulary chunk of the logits).
     #[allow(clippy::too_many_arguments)]
-    fn gemm_raw(
+    pub(crate) fn gemm_raw(
         &self,
         x: u64,
         w: u64,
@@ -73,10 +76,11 @@ impl CudaDevice {
         m: usize,
         n: usize,
         k: usize,
+        ldy: usize,
     ) -> Result<()> {
         let blas = self.blas()?;
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let dims = [m, n, k];
+        let dims = [m, n, k, ldy];
         if dims.iter().any(|&d| d > i32::MAX as usize) {
             return Err(NinferError::Device(format!("gemm dims {dims:?} exceed i32")));
         }
@@ -100,12 +104,12 @@ impl CudaDevice {
                 &beta as *const f32 as *const c_void,
                 y as *mut c_void,
                 y_type,
-                n as i32,
+                ldy as i32,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| NinferError::Device(format!("cublasGemmEx m={m} n={n} k={k}: {e:?}")))
+        .map_err(|e| NinferError::Device(format!("cublasGemmEx m={m} n={n} k={k} ldc={ldy}: {e:?}")))
     }
 
     /// y[M, N] (storage type) = x[M, K] * W[N, K]^T through cuBLAS with f32 accumulation.
@@ -129,7 +133,7 @@ impl CudaDevice {
         let (wp, _b) = w.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
         let t = self.storage_cuda_type();
-        self.gemm_raw(xp, wp, yp, t, rows, n, k)
+        self.gemm_raw(xp, wp, yp, t, rows, n, k, n)
     }
 
     /// y[M, N] (f32) = x[M, K] * W[N, K]^T: the lm_head for logits. Padded as `gemm`.
@@ -150,7 +154,7 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (wp, _b) = w.device_ptr(s);
         let (yp, _c) = y.device_ptr_mut(s);
-        self.gemm_raw(xp, wp, yp, sys::cudaDataType::CUDA_R_32F, rows, n, k)
+        self.gemm_raw(xp, wp, yp, sys::cudaDataType::CUDA_R_32F, rows, n, k, n)
     }
 }
 

@@ -143,6 +143,15 @@ impl DeviceQuantWeight {
     }
 }
 
+/// The GEMV launches of an m-row step: (first row, rows, kernel slot of [1, 2, 4, 8, 16] rows),
+/// QUANT_GEMV_MAX_M rows at most a launch.
+fn gemv_launches(m: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..m).step_by(QUANT_GEMV_MAX_M).map(move |row| {
+        let mm = (m - row).min(QUANT_GEMV_MAX_M);
+        (row, mm, [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16"))
+    })
+}
+
 /// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
 pub const NVFP4_MAX_PARTS: usize = 5;
 
@@ -350,17 +359,13 @@ impl CudaDevice {
         let bp = bias.map_or(0u64, |b| b.device_ptr(s).0);
         let wargs = self.quant_w_args(w)?;
         let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
-        let mut row = 0;
-        while row < m {
-            let mm = (m - row).min(QUANT_GEMV_MAX_M);
-            let slot = [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16");
+        for (row, mm, slot) in gemv_launches(m) {
             let name = kern.gemv[slot];
             let f = self.function(kern.family, name)?;
             let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
             args.extend(wargs);
             args.extend(kargs![yp + (row * n * 2) as u64, bp, mm as i32]);
             self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
-            row += mm;
         }
         Ok(())
     }
@@ -378,17 +383,13 @@ impl CudaDevice {
         let (yp, _b) = y.device_ptr_mut(s);
         let wargs = self.quant_w_args(w)?;
         let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
-        let mut row = 0;
-        while row < m {
-            let mm = (m - row).min(QUANT_GEMV_MAX_M);
-            let slot = [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16");
+        for (row, mm, slot) in gemv_launches(m) {
             let name = kern.gemv_f32[slot];
             let f = self.function(kern.family, name)?;
             let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
             args.extend(wargs);
             args.extend(kargs![yp + (row * n * 4) as u64, mm as i32, round as i32]);
             self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
-            row += mm;
         }
         Ok(())
     }
@@ -419,7 +420,7 @@ impl CudaDevice {
                 let mut ws = workspace.slice_mut(0..rows * k);
                 self.quant_dequantize_rows(w, r0, rows, &mut ws)?;
                 let (wp, _c) = ws.device_ptr(s);
-                self.gemm_f32_out_columns(xp, wp, yp + (r0 * 4) as u64, m, rows, k, n)?;
+                self.gemm_raw(xp, wp, yp + (r0 * 4) as u64, cudarc::cublas::sys::cudaDataType::CUDA_R_32F, m, rows, k, n)?;
                 r0 += rows;
             }
         }
@@ -427,50 +428,6 @@ impl CudaDevice {
             self.round_f32_to_storage(y, m * n)?;
         }
         Ok(())
-    }
-
-    /// Columns of y (f32, row-major with `ldy` columns) = x[m, k] W[n, k]^T through cuBLAS with
-    /// f32 accumulation (`gemm_f32_out`'s call, with y's row stride: one vocabulary chunk of
-    /// the logits).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_f32_out_columns(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, ldy: usize) -> Result<()> {
-        use cudarc::cublas::{result, sys};
-        let blas = self.blas()?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let dims = [m, n, k, ldy];
-        if dims.iter().any(|&d| d > i32::MAX as usize) {
-            return Err(NinferError::Device(format!("gemm dims {dims:?} exceed i32")));
-        }
-        let t = match self.storage() {
-            StorageDType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
-            StorageDType::F16 => sys::cudaDataType::CUDA_R_16F,
-        };
-        // SAFETY: the pointers are live device buffers the caller checked against m, n, k and
-        // ldy (x [m, k], w [n, k], y m rows of ldy >= n); the handle is bound to this stream.
-        unsafe {
-            result::gemm_ex(
-                *blas.handle(),
-                sys::cublasOperation_t::CUBLAS_OP_T,
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const std::ffi::c_void,
-                w as *const std::ffi::c_void,
-                t,
-                k as i32,
-                x as *const std::ffi::c_void,
-                t,
-                k as i32,
-                &beta as *const f32 as *const std::ffi::c_void,
-                y as *mut std::ffi::c_void,
-                sys::cudaDataType::CUDA_R_32F,
-                ldy as i32,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| NinferError::Device(format!("cublasGemmEx m={m} n={n} k={k} ldc={ldy}: {e:?}")))
     }
 
     /// y = x W^T (+ bias) by the route for `m`: the fused GEMV up to QUANT_GEMV_MAX_M rows;
@@ -506,6 +463,15 @@ mod tests {
     use super::*;
     use crate::quant::gguf::KVALUES_IQ4NL;
     use crate::quant::iq3s_grid::IQ3S_GRID;
+
+    #[test]
+    fn gemv_launches_cover_every_row_once_with_the_smallest_kernel_that_fits() {
+        assert_eq!(gemv_launches(1).collect::<Vec<_>>(), [(0, 1, 0)]);
+        assert_eq!(gemv_launches(5).collect::<Vec<_>>(), [(0, 5, 3)]);
+        assert_eq!(gemv_launches(16).collect::<Vec<_>>(), [(0, 16, 4)]);
+        assert_eq!(gemv_launches(35).collect::<Vec<_>>(), [(0, 16, 4), (16, 16, 4), (32, 3, 2)]);
+        assert_eq!(gemv_launches(0).count(), 0);
+    }
 
     /// Every format of the table.
     fn all_formats() -> Vec<QuantFormat> {

@@ -436,14 +436,7 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
             same(&lm.w, &dense.lm_head.as_ref().unwrap().w, "lm_head");
             same(&dev.embed, &dense.embed, "embed");
             // The bytes held: the dense load's, less the projections' dense weights, plus the payloads.
-            let dense_proj: usize = dense.layers.iter().map(|l| {
-                let m = match &l.mixer {
-                    DevMixer::Attention(a) => a.qkv.w.len() + a.o.w.len(),
-                    DevMixer::Gdn(g) => g.in_proj.w.len() + g.out.w.len(),
-                };
-                2 * (m + l.gate_up.w.len() + l.down.w.len())
-            }).sum();
-            assert_eq!(dev.bytes, dense.bytes - dense_proj + packed, "{f:?}: bytes held");
+            assert_eq!(dev.bytes, dense.bytes - dense_projection_bytes(&dense) + packed, "{f:?}: bytes held");
             let planned = plan(&cfg, &store, WeightFormat::Bf16, &QuantLoad::quantize(Some(f))).unwrap();
             assert_eq!(planned.bytes, dev.bytes, "{f:?}: the plan's bytes are the load's");
             let largest = sink.quant.iter().zip(&sink.tails).map(|(p, t)| p.iter().map(|w| w.shape[0]).sum::<usize>() * p[0].shape[1] + t.len()).max().unwrap();
@@ -512,14 +505,7 @@ fn quantize_nvfp4_stacks_each_parts_own_payload_and_decodes_to_the_cpu_models_va
             same_quantized(&sink, &dm.fc, &hm.fc, f, "mtp fc");
             check_quant_layer(&sink, &hm.layers[0], &dm.layer, f, 0);
         }
-        let dense_proj: usize = dense.layers.iter().map(|l| {
-            let m = match &l.mixer {
-                DevMixer::Attention(a) => a.qkv.w.len() + a.o.w.len(),
-                DevMixer::Gdn(g) => g.in_proj.w.len() + g.out.w.len(),
-            };
-            2 * (m + l.gate_up.w.len() + l.down.w.len())
-        }).sum();
-        assert_eq!(dev.bytes, dense.bytes - dense_proj + packed, "bytes held");
+        assert_eq!(dev.bytes, dense.bytes - dense_projection_bytes(&dense) + packed, "bytes held");
         let planned = plan(&cfg, &store, WeightFormat::Bf16, &quant).unwrap();
         assert_eq!(planned.bytes, dev.bytes, "the plan's bytes are the load's");
         // `ninfer plan --quantize nvfp4` counts the same bytes and workspace from the headers.
@@ -947,4 +933,16 @@ fn a_quantized_heads_workspace_is_a_chunk_of_vocabulary_rows() {
     assert_eq!(workspace_elems(&body, Some(&lin(248320, 512, true))), chunk * 512);
     assert_eq!(workspace_elems(&body, Some(&lin(2000, 512, true))), 3000 * 512);
     assert_eq!(workspace_elems(&body, Some(&lin(248320, 512, false))), 3000 * 512);
+}
+
+/// The bytes of a dense load's projection weights (attention or GDN in/out, gate_up, down): what
+/// a quantized load holds as payloads instead.
+fn dense_projection_bytes(dense: &DevWeights<Vec<u16>, Vec<f32>>) -> usize {
+    dense.layers.iter().map(|l| {
+        let m = match &l.mixer {
+            DevMixer::Attention(a) => a.qkv.w.len() + a.o.w.len(),
+            DevMixer::Gdn(g) => g.in_proj.w.len() + g.out.w.len(),
+        };
+        2 * (m + l.gate_up.w.len() + l.down.w.len())
+    }).sum()
 }
