@@ -93,11 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "loader's --quantize packs them (a matrix the format cannot hold stays dense); the LM head "
                         "and embedding stay dense (bf16 on a GPU, f32 on the CPU)")
     p.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantize, the LM head in that format too (on a GPU the embedding too; the CPU "
-                        "keeps the embedding f32 and holds a tied head as a quantized copy)")
+                   help="with --quantize, the LM head in that format too; the embedding stays dense and a tied "
+                        "head is held as a quantized copy (CPU and GPU)")
     p.add_argument("--spec", metavar="METHOD", default=None,
-                   help="speculative decoding to plan for: ngram, or mtp (the MTP head's weights and KV; "
-                        "prefix reuse off)")
+                   help="speculative decoding to plan for: ngram, or mtp (the MTP head's weights and KV)")
     p.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
                    help=f"draft tokens per step with --spec, 1..{MAX_DRAFT_TOKENS} (sizes the rollback slots only)")
     return p
