@@ -211,7 +211,6 @@ impl EngineCore {
         });
     }
 
-    /// With `--spec mtp`, replace the placeholder drafts of `step`'s verify chunks by the MTP
     /// How a request's `k` drafts are drawn: None for a greedy request; for a sampled one its
     /// warpers (`spec::draft_warpers`) and one draw per draft from its RNG, so a seeded request
     /// drafts the same tokens on every run.
@@ -220,6 +219,7 @@ impl EngineCore {
         Some(DraftSampling { warpers: draft_warpers(&r.params), u: (0..k).map(|_| r.uniform()).collect() })
     }
 
+    /// With `--spec mtp`, replace the placeholder drafts of `step`'s verify chunks by the MTP
     /// head's drafts (one batched call), each drafted from its sequence's last absorbed row into
     /// the blocks its verify chunk holds: greedy for a greedy request; for a sampled one drawn
     /// from the head's distribution under its warpers (`spec::draft_warpers`) with draws from

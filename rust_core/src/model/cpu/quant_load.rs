@@ -45,6 +45,23 @@ pub(crate) fn hf_quant_config(dir: &Path) -> Result<Option<HfQuantConfig>> {
     }
 }
 
+/// The checkpoint's own quantization, with the load's options checked against it (both
+/// backends): `--quantize` on an already quantized checkpoint and `--quantize-lm-head` without
+/// `--quantize` are refused.
+pub(crate) fn checked_hf_quant(dir: &Path, opts: &LoadOptions) -> Result<Option<HfQuantConfig>> {
+    let hf = hf_quant_config(dir)?;
+    if let (Some(mode), Some(c)) = (opts.quantize, hf) {
+        return Err(NinferError::config(
+            "quantize (--quantize)",
+            format!("{} asked for a checkpoint that is already quantized ({}); leave --quantize out", mode.format().name(), c.format.name()),
+        ));
+    }
+    if opts.quantize_lm_head && opts.quantize.is_none() {
+        return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format the lm_head is quantized to)"));
+    }
+    Ok(hf)
+}
+
 /// The quantization a load asks for, checked against the checkpoint before any weight is read.
 pub struct QuantSource<'a> {
     store: &'a WeightStore,
@@ -61,16 +78,7 @@ impl<'a> QuantSource<'a> {
     /// The load's quantization: refuses `--quantize` on an already quantized checkpoint and
     /// `--quantize-lm-head` without `--quantize`.
     pub fn new(dir: &Path, store: &'a WeightStore, opts: &'a LoadOptions) -> Result<Self> {
-        let hf = hf_quant_config(dir)?;
-        if let (Some(mode), Some(c)) = (opts.quantize, hf) {
-            return Err(NinferError::config(
-                "quantize (--quantize)",
-                format!("{} asked for a checkpoint that is already quantized ({}); leave --quantize out", mode.format().name(), c.format.name()),
-            ));
-        }
-        if opts.quantize_lm_head && opts.quantize.is_none() {
-            return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format the lm_head is quantized to)"));
-        }
+        let hf = checked_hf_quant(dir, opts)?;
         let quantize = opts.quantize.map(|m| m.format());
         Ok(QuantSource {
             store,

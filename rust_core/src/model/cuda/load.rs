@@ -51,7 +51,7 @@ use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
 use crate::model::names;
-use crate::model::cpu::quant_load::{hf_quant_config, hf_weight};
+use crate::model::cpu::quant_load::{checked_hf_quant, hf_weight};
 use crate::model::LoadOptions;
 use crate::quant::{self, HfQuantConfig, QuantFormat, QuantWeight, RawDtype};
 use crate::{NinferError, Result};
@@ -106,16 +106,7 @@ impl QuantLoad {
     /// The quantization of a load of the checkpoint in `dir` with `opts`: `--quantize` on an
     /// already quantized checkpoint is refused, as on the CPU.
     pub fn new(dir: &std::path::Path, opts: &LoadOptions) -> Result<Self> {
-        let hf = hf_quant_config(dir)?;
-        if let (Some(mode), Some(c)) = (opts.quantize, hf) {
-            return Err(NinferError::config(
-                "quantize (--quantize)",
-                format!("{} asked for a checkpoint that is already quantized ({}); leave --quantize out", mode.format().name(), c.format.name()),
-            ));
-        }
-        if opts.quantize_lm_head && opts.quantize.is_none() {
-            return Err(NinferError::config("quantize_lm_head (--quantize-lm-head)", "needs --quantize (the format the lm_head is quantized to)"));
-        }
+        let hf = checked_hf_quant(dir, opts)?;
         Ok(QuantLoad { quantize: opts.quantize.map(|m| m.format()), quantize_lm_head: opts.quantize_lm_head, given: opts.quant_tensors.clone(), hf })
     }
 

@@ -184,7 +184,7 @@ impl ModelRunner for CudaModel {
         let vocab = self.cfg.vocab_size;
         let ids = self.sampler.argmax_rows(&self.dev, buf(&self.act.logits), &counts, argmax, vocab)?;
         // The host sequences' rows: the logits up to the last of them, kept for those only.
-        let host_end = counts.iter().zip(argmax).enumerate().filter(|(_, (&c, pick))| c > 0 && pick.is_none()).map(|(i, _)| counts[..=i].iter().sum::<usize>()).last().unwrap_or(0);
+        let host_end = counts.iter().zip(argmax).rposition(|(&c, pick)| c > 0 && pick.is_none()).map_or(0, |i| counts[..=i].iter().sum::<usize>());
         let all = if host_end == 0 { Vec::new() } else { self.logits_to_host(host_end)? };
         let mut logits = Logits { vocab, data: Vec::new(), rows: counts.clone() };
         let mut start = 0;
