@@ -146,10 +146,17 @@ def _model_dir(name: str, request) -> Path:
     return request.getfixturevalue("tiny_checkpoints").get(name, **GPU_SHAPES[name])
 
 
-def _prompt(name: str, vocab: int, n: int = 48) -> list:
+def _prompt(name: str, vocab: int, n: int = 48, seed: int = 7) -> list:
     if name == "demo":
         return json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"][0][:n]
-    return [int(t) for t in np.random.RandomState(7).randint(3, vocab, size=n)]
+    return [int(t) for t in np.random.RandomState(seed).randint(3, vocab, size=n)]
+
+
+#: Prompts (seeds) a random tiny checkpoint's prefill logits are checked on. Its flat logits
+#: make single prompts erratic: on an H100 the same weights gave 0.03 to 0.17 across prompts
+#: (every mode, the unquantized bf16 path 0.04 to 0.05), so the median is what is bounded: a
+#: decoding fault moves every prompt.
+TINY_SEEDS = (7, 8, 9)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -160,21 +167,24 @@ def test_quantized_logits_match_the_cpu_with_the_same_quantize(name, mode, reque
     model_dir = _model_dir(name, request)
     cpu = _core.Model(str(model_dir), device="cpu", logits_dtype="float32", quantize=mode)
     gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32", quantize=mode)
-    ids = _prompt(name, cpu.config["vocab_size"])
-    want, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
-    assert got.shape == want.shape and np.isfinite(got).all()
-    tol = REL_TOL if name == "demo" else _tiny_tol(model_dir, ids)
-    if mode == "fp8" and _fp8_gemm_on_gpu():
-        # The FP8 route's E4M3 activations: twice the error they cause in the f32 simulation
-        # (measured there: 3.4e-2 on the demo, 1.5e-1 on the random tiny models, whose flat
-        # logits and outlier channels suit a multiplier per row least).
-        f32, a8 = _fp8_simulation(model_dir, [ids])[0]
-        sim = _rel_err(a8, f32)
-        tol += 2 * sim
-        print(f"{name} --quantize fp8: E4M3 activations move the simulated logits by {sim:.2e}")
-    err = _rel_err(got, want)
-    print(f"{name} --quantize {mode}: prefill logits rel err vs CPU {err:.2e} (tol {tol:.2e})")
-    assert err <= tol
+    errs, tols = [], []
+    for seed in (TINY_SEEDS[:1] if name == "demo" else TINY_SEEDS):
+        ids = _prompt(name, cpu.config["vocab_size"], seed=seed)
+        want, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
+        assert got.shape == want.shape and np.isfinite(got).all()
+        tol = REL_TOL if name == "demo" else _tiny_tol(model_dir, ids)
+        if mode == "fp8" and _fp8_gemm_on_gpu():
+            # The FP8 route's E4M3 activations: twice the error they cause in the f32 simulation
+            # (measured there: 3.4e-2 on the demo, 1.5e-1 on the random tiny models, whose flat
+            # logits and outlier channels suit a multiplier per row least).
+            f32, a8 = _fp8_simulation(model_dir, [ids])[0]
+            sim = _rel_err(a8, f32)
+            tol += 2 * sim
+            print(f"{name} --quantize fp8: E4M3 activations move the simulated logits by {sim:.2e}")
+        errs.append(_rel_err(got, want))
+        tols.append(tol)
+        print(f"{name} --quantize {mode} (prompt {seed}): prefill logits rel err vs CPU {errs[-1]:.2e} (tol {tol:.2e})")
+    assert float(np.median(errs)) <= float(np.median(tols))
     # The quantized bytes the runner holds are the ones `ninfer plan` counts.
     plan = _core.plan(str(model_dir), device="cuda:0", quantize=mode)
     assert gpu.config["weight_bytes"] == sum(w["bytes"] for w in plan["weights"])
