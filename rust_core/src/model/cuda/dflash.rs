@@ -154,9 +154,15 @@ impl CudaDflash {
         self.cfg.block_size.div_ceil(self.page.max(1))
     }
 
+    /// Device bytes of the spare pages a pool of `page`-position blocks holds past the KV's
+    /// blocks (`allocate`).
+    pub(super) fn spare_bytes(&self, page: usize) -> usize {
+        DRAFT_GROUP * self.cfg.block_size.div_ceil(page.max(1)) * page * self.context_bytes_per_token()
+    }
+
     /// Device bytes of the step buffers, the kept features and the spare pages.
     pub(super) fn workspace_bytes(&self) -> usize {
-        let spare = self.spare * self.page * self.kvd() * 2 * 2 * self.cfg.num_layers;
+        let spare = if self.page > 0 { self.spare_bytes(self.page) } else { 0 };
         bytes_of(&self.features) + self.bufs.bytes() + spare
     }
 
@@ -425,18 +431,15 @@ impl CudaModel {
         let mut max_context = 0;
         for (j, &i) in group.iter().enumerate() {
             let s = &seqs[i];
-            let ctx_pages = s.pos.div_ceil(page);
-            let table = &mut tables[j * max_blocks..(j + 1) * max_blocks];
-            for (b, t) in table.iter_mut().enumerate().take((s.pos + bs - 1) / page + 1) {
-                *t = if b < ctx_pages { s.block_table[b] as i32 } else { (d.num_blocks + j * d.spare_per_seq() + b - ctx_pages) as i32 };
-            }
+            let spare = d.num_blocks + j * d.spare_per_seq();
+            let (table, row_slots) = block_pages(&s.block_table, s.pos, bs, page, spare);
+            tables[j * max_blocks..j * max_blocks + table.len()].copy_from_slice(&table);
+            slots.extend(row_slots);
             for r in 0..bs {
-                let p = s.pos + r;
                 ids.push(if r == 0 { s.token } else { c.mask_token_id } as i32);
-                pos.push(p as i32);
+                pos.push((s.pos + r) as i32);
                 limit.push((s.pos + bs - 1) as i32);
                 seq_of.push(j as i32);
-                slots.push(table[p / page] as i64 * page as i64 + (p % page) as i64);
             }
             max_context = max_context.max(s.pos + bs);
         }
@@ -535,6 +538,18 @@ impl CudaModel {
     }
 }
 
+/// The pages a drafting forward reads for a sequence whose context is positions `..len` of
+/// `table` (blocks of `page` positions) and whose block is the `bs` positions after it: the
+/// table's pages that hold context, then spare pages from `spare` on; and the flat slot of each
+/// block row. A block row shares the anchor's page where that page holds context (the
+/// sequence's own page), else takes a spare one (at most `ceil(bs / page)`).
+fn block_pages(table: &[u32], len: usize, bs: usize, page: usize, spare: usize) -> (Vec<i32>, Vec<i64>) {
+    let ctx_pages = len.div_ceil(page);
+    let pages: Vec<i32> = (0..(len + bs - 1) / page + 1).map(|b| if b < ctx_pages { table[b] as i32 } else { (spare + b - ctx_pages) as i32 }).collect();
+    let slots = (len..len + bs).map(|p| pages[p / page] as i64 * page as i64 + (p % page) as i64).collect();
+    (pages, slots)
+}
+
 /// Whether `table` covers positions `..end` with blocks of `page` inside the pool's `num_blocks`.
 fn check_table(table: &[u32], end: usize, page: usize, num_blocks: usize, what: &str) -> Result<()> {
     let need = end.div_ceil(page);
@@ -545,4 +560,40 @@ fn check_table(table: &[u32], end: usize, page: usize, num_blocks: usize, what: 
         return Err(NinferError::invalid(what, format!("block {b} >= num_blocks {num_blocks}")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Block rows after a context that ends inside a page share that page (the sequence's own,
+    /// past its context), the rest take spare pages; a page-aligned context leaves every row to
+    /// the spare pages, never to a page of the table it was not given; context pages are the
+    /// table's. At most `ceil(bs / page)` spare pages a sequence.
+    #[test]
+    fn block_rows_land_past_the_context_in_the_anchors_page_or_in_spare_pages() {
+        let table = [7, 3, 9, 4];
+        // Context of 21 positions in pages of 16: page 1 (block 3) holds 16..21, rows 21..29.
+        let (pages, slots) = block_pages(&table, 21, 8, 16, 100);
+        assert_eq!(pages, vec![7, 3]);
+        assert_eq!(slots, (21..29).map(|p| 3 * 16 + p as i64 - 16).collect::<Vec<_>>());
+        // Rows 27..35 cross into a spare page.
+        let (pages, slots) = block_pages(&table, 27, 8, 16, 100);
+        assert_eq!(pages, vec![7, 3, 100]);
+        assert_eq!(slots[..5], (27..32).map(|p| 3 * 16 + p as i64 - 16).collect::<Vec<_>>()[..]);
+        assert_eq!(slots[5..], [1600, 1601, 1602]);
+        // A page-aligned context of 32: the table's third page is not the drafter's to write.
+        let (pages, slots) = block_pages(&table[..2], 32, 8, 16, 100);
+        assert_eq!(pages, vec![7, 3, 100]);
+        assert_eq!(slots, (1600..1608).collect::<Vec<_>>());
+        // No context; pages of 4 positions: a block of 8 takes two spare pages.
+        let (pages, slots) = block_pages(&[], 0, 8, 4, 50);
+        assert_eq!(pages, vec![50, 51]);
+        assert_eq!(slots, (200..208).collect::<Vec<_>>());
+        for (len, bs, page) in [(0usize, 16usize, 16usize), (15, 16, 16), (17, 5, 4), (33, 16, 1), (5, 8, 16)] {
+            let table: Vec<u32> = (0..len.div_ceil(page) as u32).collect();
+            let (pages, _) = block_pages(&table, len, bs, page, 1000);
+            assert!(pages.iter().filter(|&&b| b >= 1000).count() <= bs.div_ceil(page), "{len} {bs} {page}");
+        }
+    }
 }

@@ -109,8 +109,10 @@ impl ModelRunner for CudaModel {
         self.graphs.clear();
         let c = &self.cfg;
         let spec = self.cache_spec();
-        // The state buffers hold one spare slot past the running ones (decode padding rows).
-        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot) as u64;
+        // The state buffers hold one spare slot past the running ones (decode padding rows); a
+        // DFlash drafter's pool holds the spare pages of its block rows past the KV's blocks.
+        let spare = self.dflash.as_ref().map_or(0, |d| d.spare_bytes(block_size));
+        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot + spare) as u64;
         let (free, _) = self.dev.memory_info()?;
         if needed > free as u64 {
             return Err(NinferError::OutOfMemory {
