@@ -634,6 +634,34 @@ def test_greedy_dflash_with_prefix_hits_on_cuda_equals_plain_and_drafts_as_witho
         assert after_first(reuse_stats, "spec_accepted_tokens") >= 0.75 * after_first(fresh_stats, "spec_accepted_tokens") > 0
 
 
+def _safetensors_numel(path: Path) -> int:
+    """Elements of every tensor in a safetensors file (from its header)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(int(np.prod(t["shape"])) for k, t in header.items() if k != "__metadata__")
+
+
+def test_the_ledger_counts_the_dflash_drafter_on_cuda():
+    """`--spec dflash` on CUDA: the drafter's weights (every tensor in the 16-bit storage type)
+    are in the ledger's weights, its context (K and V of each of its layers, in the storage type)
+    in every token's KV bytes, so the pool's bytes cover it, and the features every forward keeps
+    in the workspace."""
+    _needs_cuda()
+    if not (DEMO_DRAFTER / "config.json").exists():
+        pytest.skip("demo drafter not shipped")
+    opts = dict(device="cuda", max_context=1024, kv_capacity=4096, prefill_chunk=256)
+    plain = _core.Engine(str(DEMO / "model"), **opts).info()
+    spec = _core.Engine(str(DEMO / "model"), spec="dflash", drafter=str(DEMO_DRAFTER), **opts).info()
+    d = json.loads((DEMO_DRAFTER / "config.json").read_text())
+    context = d["num_hidden_layers"] * 2 * d["num_key_value_heads"] * d["head_dim"] * 2
+    assert spec["kv_bytes_per_token"] - plain["kv_bytes_per_token"] == context
+    assert spec["weight_bytes"] - plain["weight_bytes"] == 2 * _safetensors_numel(DEMO_DRAFTER / "model.safetensors")
+    assert spec["kv_bytes"] == spec["num_blocks"] * spec["block_size"] * spec["kv_bytes_per_token"]
+    features = 256 * len(d["dflash_config"]["target_layer_ids"]) * d["hidden_size"] * 2
+    assert spec["workspace_bytes"] - plain["workspace_bytes"] >= features
+    assert spec["total_bytes"] == spec["weight_bytes"] + spec["kv_bytes"] + spec["state_bytes"] + spec["workspace_bytes"]
+
+
 # Refusals that stay.
 
 def test_mtp_without_mtp_weights_and_a_drafter_the_kernels_lack_are_refused_on_cuda_naming_the_flag(tiny_checkpoints, tmp_path):
