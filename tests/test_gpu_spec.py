@@ -501,27 +501,30 @@ def test_sampled_mtp_drafts_on_cuda_are_drawn_from_the_cpu_drafters_q():
 
 # The DFlash drafter's drafts on the GPU against the CPU drafter.
 
-def _dflash_prompts(name: str, vocab: int) -> list:
+def _dflash_prompts(name: str, vocab: int, n: int = 8) -> list:
     if name == "demo":
         seqs = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"]
-        return [seqs[i % len(seqs)][40 * i:40 * i + 9 + 6 * i] for i in range(8)]
-    return [_ids(9 + 6 * i, vocab, seed=190 + i) for i in range(8)]
+        return [seqs[i % len(seqs)][40 * i:40 * i + 9 + 6 * (i % 8)] for i in range(n)]
+    return [_ids(9 + 6 * (i % 8), vocab, seed=190 + i) for i in range(n)]
 
 
-@pytest.mark.parametrize("chunk", [0, 16], ids=["whole-prompts", "16-token-chunks"])
-@pytest.mark.parametrize("name", ["demo", "qwen3_5_dflash"])
-def test_dflash_drafts_on_cuda_equal_the_cpu_drafts(name, chunk, request):
-    """Greedy DFlash drafts (a whole block) after eight prompts of 9-51 tokens prefilled together,
+DFLASH_DRAFT_CASES = [("demo", 0, 8), ("demo", 16, 8), ("qwen3_5_dflash", 0, 8), ("qwen3_5_dflash", 16, 8), ("qwen3_5_dflash", 16, 40)]
+
+
+@pytest.mark.parametrize("name,chunk,n", DFLASH_DRAFT_CASES, ids=[f"{m}-chunk{c}-{n}seqs" for m, c, n in DFLASH_DRAFT_CASES])
+def test_dflash_drafts_on_cuda_equal_the_cpu_drafts(name, chunk, n, request):
+    """Greedy DFlash drafts (a whole block) after prompts of 9-51 tokens prefilled together,
     whole or in 16-token chunks (context rows absorbed from several steps and several chunks a
     step), made as the engine makes them (`Model.dflash_drafts`: prefill, absorb, one batched
-    drafting forward) on the GPU and on the CPU. The anchors are the CPU reference's up to a
+    drafting call) on the GPU and on the CPU; 40 sequences take two drafting forwards on the GPU
+    (its groups of 32 share the spare pages). The anchors are the CPU reference's up to a
     target near-tie, and every draft, each depth drafted from the context and the anchor alone,
     is the argmax of the CPU drafter's logits at its depth (`_core.DflashDrafter`) unless that
     row is a near-tie; on the trained demo drafter most blocks equal it throughout. On the tiny
     model the drafter reads the last layer, whose features are the final norm's."""
     model_dir, drafter = _model_dir(name, request), _drafter(name, request)
     cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
-    prompts = _dflash_prompts(name, cpu_model.config["vocab_size"])
+    prompts = _dflash_prompts(name, cpu_model.config["vocab_size"], n)
     ref = _core.DflashDrafter(str(model_dir), str(drafter), max_tokens=128)
     k = ref.block_size - 1
     gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").dflash_drafts(prompts, str(drafter), k, chunk=chunk)
