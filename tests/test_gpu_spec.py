@@ -274,6 +274,26 @@ def test_greedy_mtp_with_verify_graphs_equals_graphs_off_and_plain_greedy(name, 
     _assert_equal_but_at_near_ties(plain, on, f"mtp K={k} with verify graphs on {name}")
 
 
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("name", ["qwen3_5_dflash", "demo"])
+def test_greedy_dflash_with_verify_graphs_equals_graphs_off_and_plain_greedy(name, k, request):
+    """Greedy `--spec dflash` on three requests: the target features the drafter reads are
+    copied inside the captured decode and verify graphs (replayed at later positions), so with
+    graphs on the drafts, the tokens and their logprobs equal the run with graphs off exactly,
+    and the tokens equal plain greedy output up to near-ties."""
+    model_dir = _model_dir(name, request)
+    plain = _plain_greedy(model_dir, 48)
+    opts = dict(draft_tokens=k, **_spec("dflash", name, request))
+    on, stats = _generate(model_dir, PROMPTS[:3], greedy(48), **opts)
+    off, off_stats = _generate(model_dir, PROMPTS[:3], greedy(48), cuda_graphs=False, **opts)
+    assert stats["spec_verify_steps"] > 0
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert [lp.top for lp in a.logprobs] == [lp.top for lp in b.logprobs]
+    assert (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]) == (off_stats["spec_drafted_tokens"], off_stats["spec_accepted_tokens"])
+    _assert_equal_but_at_near_ties(plain, on, f"dflash K={k} with verify graphs on {name}")
+
+
 # Greedy output with drafts against plain greedy output, both on the GPU.
 
 CASES = [("ngram", "llama"), ("ngram", "qwen3_5"), ("ngram", "demo"), ("mtp", "qwen3_5_mtp"), ("mtp", "demo"),
