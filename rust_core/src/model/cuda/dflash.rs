@@ -169,7 +169,7 @@ impl CudaDflash {
     /// Allocates the context pool for `num_blocks` blocks of `page` positions (the target's KV
     /// pool shape) and the spare pages of a drafting group; the old pool is freed first.
     pub(super) fn allocate(&mut self, dev: &CudaDevice, num_blocks: usize, page: usize) -> Result<()> {
-        (self.k, self.v) = (Vec::new(), Vec::new());
+        self.free_pool();
         self.page = page;
         self.num_blocks = num_blocks;
         self.spare = DRAFT_GROUP * self.spare_per_seq();
@@ -179,6 +179,12 @@ impl CudaDflash {
             self.v.push(alloc(dev, elems, "DFlash drafter context")?);
         }
         Ok(())
+    }
+
+    /// Frees the context pool (before the caches are planned again: its memory is theirs).
+    pub(super) fn free_pool(&mut self) {
+        (self.k, self.v) = (Vec::new(), Vec::new());
+        (self.num_blocks, self.page, self.spare) = (0, 0, 0);
     }
 
     /// Grows the kept features to `rows` rows (`CudaModel::ensure_rows`, which voids the step

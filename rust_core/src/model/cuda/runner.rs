@@ -106,6 +106,9 @@ impl ModelRunner for CudaModel {
             return Err(NinferError::config("block_size", "must be positive"));
         }
         self.caches = DevCaches::default();
+        if let Some(d) = self.dflash.as_mut() {
+            d.free_pool();
+        }
         self.graphs.clear();
         let c = &self.cfg;
         let spec = self.cache_spec();
