@@ -375,3 +375,32 @@ def test_sampled_dflash_drafts_follow_plain_sampling_by_a_chi_square_test():
     assert df >= 3 and stat < limit, (stat, df, limit)
     assert stats["spec_accepted_tokens"] > 0, stats
     assert 0 < sum(x != y for x, y in zip(a, b)) < n
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_the_draft_hook_drafts_what_the_drafter_gives_after_batched_chunked_prefill(tiny, chunk):
+    """`Model.dflash_drafts` (the GPU suite's route to the runner's drafter: prompts prefilled
+    together, whole or in chunks, each step's context rows absorbed, one batched drafting
+    forward) on the CPU gives the greedy drafts of the reference drafter fed each prompt alone,
+    and sampled drafts drawn from its q."""
+    target, drafter_dir = tiny
+    prompts = [[5 + 3 * i + j for j in range(4 + 5 * i)] for i in range(4)]
+    ref = _core.DflashDrafter(str(target), str(drafter_dir), max_tokens=64)
+    k = ref.block_size - 1
+    model = _core.Model(str(target), device="cpu", logits_dtype="float32")
+    nxt, drafts, q = model.dflash_drafts(prompts, str(drafter_dir), k, chunk=chunk)
+    assert q == [[] for _ in prompts]
+    u = [[0.5] * k for _ in prompts]
+    s_nxt, s_drafts, s_q = model.dflash_drafts(prompts, str(drafter_dir), k, chunk=chunk, u=u, temperature=0.8)
+    assert s_nxt == nxt
+    for i, p in enumerate(prompts):
+        logits, feats = ref.target(p)
+        assert nxt[i] == int(np.argmax(logits[-1]))
+        ref.absorb(np.ascontiguousarray(feats), 0)
+        want = ref.draft_logits(nxt[i])
+        assert drafts[i] == [int(np.argmax(row)) for row in want]
+        for d in range(k):
+            z = want[d].astype(np.float64) / 0.8
+            want_q = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            assert np.abs(np.asarray(s_q[i][d]) - want_q).max() < 1e-4
+            assert s_drafts[i][d] == int(np.searchsorted(np.cumsum(s_q[i][d]), 0.5, side="right"))

@@ -1,7 +1,7 @@
-"""Speculative decoding on the CUDA backend (`--spec ngram|mtp`): the verify step's logits against
-the CPU backend's, greedy output with drafts against plain greedy output on the same GPU, and the
-MTP head's drafts (greedy, sampled from q, and over a reduced draft vocabulary) against the CPU
-drafter's.
+"""Speculative decoding on the CUDA backend (`--spec ngram|mtp|dflash`): the verify step's logits
+against the CPU backend's, greedy output with drafts against plain greedy output on the same GPU,
+and the MTP head's drafts (greedy, sampled from q, and over a reduced draft vocabulary) and the
+DFlash drafter's (greedy and sampled, with prefix-cache hits) against the CPU drafters'.
 
 A verify chunk (a decode token and its K drafts, logits at every position) runs the prefill
 kernels (cuBLAS, flash attention, the recurrent or chunked Gated DeltaNet over K + 1 rows), while
@@ -54,6 +54,7 @@ GPU_SHAPES = {
 }
 
 DEMO = Path(os.environ.get("NINFER_DEMO_DIR", Path(ninfer.__file__).parent / "demo"))
+DEMO_DRAFTER = DEMO / "dflash"
 
 #: Repetitive prompts (tests/test_speculative.py), where prompt lookup finds drafts.
 PROMPTS = [
@@ -122,13 +123,41 @@ def qwen3_5_mtp(tiny_checkpoints, tmp_path_factory):
     return add_mtp_head(path, seed=5)
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_dflash(tiny_checkpoints, tmp_path_factory):
+    """(the tiny Qwen3.5 at the kernels' sizes, a random DFlash drafter for it reading its layers
+    0, 2 and the last (whose features are the final norm's), head size 64, blocks of 8)."""
+    _needs_cuda()
+    from test_dflash import write_random_drafter
+
+    target = tiny_checkpoints.get("qwen3_5", **GPU_SHAPES["qwen3_5"])
+    out = tmp_path_factory.mktemp("gpu_spec_dflash") / "drafter"
+    return target, write_random_drafter(out, target, seed=3, block_size=8, head_dim=64, intermediate_size=128)
+
+
 def _model_dir(name: str, request) -> Path:
     if name == "demo":
         return request.getfixturevalue("demo_dir")
     if name == "qwen3_5_mtp":
         return request.getfixturevalue("qwen3_5_mtp")
+    if name == "qwen3_5_dflash":
+        return request.getfixturevalue("qwen3_5_dflash")[0]
     _needs_cuda()
     return request.getfixturevalue("tiny_checkpoints").get(name, **GPU_SHAPES[name])
+
+
+def _drafter(name: str, request) -> Path:
+    """The DFlash drafter of model `name`: the demo's shipped one, or the tiny random one."""
+    if name == "demo":
+        if not (DEMO_DRAFTER / "config.json").exists():
+            pytest.skip("demo drafter not shipped")
+        return DEMO_DRAFTER
+    return request.getfixturevalue("qwen3_5_dflash")[1]
+
+
+def _spec(method: str, name: str, request) -> dict:
+    """Engine options of `method` on model `name` (a DFlash drafter with its directory)."""
+    return dict(spec=method, drafter=str(_drafter(name, request))) if method == "dflash" else dict(spec=method)
 
 
 def _hf_bf16_error(model_dir: Path, ids: list) -> float:
@@ -245,9 +274,30 @@ def test_greedy_mtp_with_verify_graphs_equals_graphs_off_and_plain_greedy(name, 
     _assert_equal_but_at_near_ties(plain, on, f"mtp K={k} with verify graphs on {name}")
 
 
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("name", ["qwen3_5_dflash", "demo"])
+def test_greedy_dflash_with_verify_graphs_equals_graphs_off_and_plain_greedy(name, k, request):
+    """Greedy `--spec dflash` on three requests: the target features the drafter reads are
+    copied inside the captured decode and verify graphs (replayed at later positions), so with
+    graphs on the drafts, the tokens and their logprobs equal the run with graphs off exactly,
+    and the tokens equal plain greedy output up to near-ties."""
+    model_dir = _model_dir(name, request)
+    plain = _plain_greedy(model_dir, 48)
+    opts = dict(draft_tokens=k, **_spec("dflash", name, request))
+    on, stats = _generate(model_dir, PROMPTS[:3], greedy(48), **opts)
+    off, off_stats = _generate(model_dir, PROMPTS[:3], greedy(48), cuda_graphs=False, **opts)
+    assert stats["spec_verify_steps"] > 0
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert [lp.top for lp in a.logprobs] == [lp.top for lp in b.logprobs]
+    assert (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]) == (off_stats["spec_drafted_tokens"], off_stats["spec_accepted_tokens"])
+    _assert_equal_but_at_near_ties(plain, on, f"dflash K={k} with verify graphs on {name}")
+
+
 # Greedy output with drafts against plain greedy output, both on the GPU.
 
-CASES = [("ngram", "llama"), ("ngram", "qwen3_5"), ("ngram", "demo"), ("mtp", "qwen3_5_mtp"), ("mtp", "demo")]
+CASES = [("ngram", "llama"), ("ngram", "qwen3_5"), ("ngram", "demo"), ("mtp", "qwen3_5_mtp"), ("mtp", "demo"),
+         ("dflash", "qwen3_5_dflash"), ("dflash", "demo")]
 
 
 def _generate(model_dir, prompts, params, **engine):
@@ -280,7 +330,7 @@ def _plain_greedy(model_dir, n):
 def test_greedy_with_drafts_on_cuda_equals_plain_greedy(method, name, k, request):
     model_dir = _model_dir(name, request)
     plain = _plain_greedy(model_dir, 48)
-    spec, stats = _generate(model_dir, PROMPTS[:3], greedy(48), spec=method, draft_tokens=k)
+    spec, stats = _generate(model_dir, PROMPTS[:3], greedy(48), draft_tokens=k, **_spec(method, name, request))
     _assert_equal_but_at_near_ties(plain, spec, f"{method} K={k} on {name}")
     assert stats["spec_drafted_tokens"] > 0 and stats["spec_verify_steps"] > 0
     if name == "demo":
@@ -299,7 +349,7 @@ def test_a_batch_of_8_with_mixed_k_and_chunked_prefill_on_cuda_equals_plain(meth
     model_dir = _model_dir(name, request)
     params = [greedy(12 + 5 * i, draft_tokens=i % 5) for i in range(8)]
     plain, _ = _generate(model_dir, PROMPTS, [greedy(p.max_tokens) for p in params], prefill_chunk=16)
-    spec, stats = _generate(model_dir, PROMPTS, params, spec=method, draft_tokens=4, prefill_chunk=16)
+    spec, stats = _generate(model_dir, PROMPTS, params, draft_tokens=4, prefill_chunk=16, **_spec(method, name, request))
     _assert_equal_but_at_near_ties(plain, spec, f"{method} mixed K on {name}")
     assert stats["spec_drafted_tokens"] > 0
     assert len(stats["spec_acceptance_by_position"]) <= 4
@@ -337,11 +387,12 @@ def test_greedy_verify_by_device_argmax_equals_the_host_route(method, name, k, r
     the tokens equal plain greedy output up to near-ties."""
     model_dir = _model_dir(name, request)
     params = dict(temperature=0.0, max_tokens=48, ignore_eos=True)
-    dev, dev_spec, stats = _core_run(model_dir, _core.SamplingParams(**params), spec=method, draft_tokens=k)
-    host, host_spec, _ = _core_run(model_dir, _core.SamplingParams(**params), spec=method, draft_tokens=k,
-                                   device_sampling=False)
-    lp, lp_spec, _ = _core_run(model_dir, _core.SamplingParams(**params, logprobs=True, top_logprobs=2), spec=method,
-                               draft_tokens=k)
+    opts = _spec(method, name, request)
+    dev, dev_spec, stats = _core_run(model_dir, _core.SamplingParams(**params), draft_tokens=k, **opts)
+    host, host_spec, _ = _core_run(model_dir, _core.SamplingParams(**params), draft_tokens=k, device_sampling=False,
+                                   **opts)
+    lp, lp_spec, _ = _core_run(model_dir, _core.SamplingParams(**params, logprobs=True, top_logprobs=2), draft_tokens=k,
+                               **opts)
     assert stats["spec_verify_steps"] > 0 and stats["spec_drafted_tokens"] > 0
     assert dev == host == lp
     for a, b, c in zip(dev_spec, host_spec, lp_spec):
@@ -363,8 +414,8 @@ def test_a_verify_step_mixing_device_argmax_and_host_rows_equals_the_host_route(
     def params(logprobs):
         return [_core.SamplingParams(**sampled, seed=i) if i % 2 else
                 _core.SamplingParams(**greedy_, **(dict(logprobs=True) if logprobs else {})) for i in range(len(PROMPTS))]
-    dev, dev_spec, stats = _core_run(model_dir, params(False), spec=method, draft_tokens=3)
-    host, host_spec, _ = _core_run(model_dir, params(True), spec=method, draft_tokens=3)
+    dev, dev_spec, stats = _core_run(model_dir, params(False), draft_tokens=3, **_spec(method, name, request))
+    host, host_spec, _ = _core_run(model_dir, params(True), draft_tokens=3, **_spec(method, name, request))
     assert stats["spec_verify_steps"] > 0 and stats["spec_drafted_tokens"] > 0
     assert dev == host
     assert [(a["drafted"], a["accepted"]) for a in dev_spec] == [(b["drafted"], b["accepted"]) for b in host_spec]
@@ -468,13 +519,182 @@ def test_sampled_mtp_drafts_on_cuda_are_drawn_from_the_cpu_drafters_q():
     assert equal >= len(prompts) // 2
 
 
+# The DFlash drafter's drafts on the GPU against the CPU drafter.
+
+def _dflash_prompts(name: str, vocab: int, n: int = 8) -> list:
+    if name == "demo":
+        seqs = json.loads((DEMO / "heldout_tokens.json").read_text())["sequences"]
+        return [seqs[i % len(seqs)][40 * i:40 * i + 9 + 6 * (i % 8)] for i in range(n)]
+    return [_ids(9 + 6 * (i % 8), vocab, seed=190 + i) for i in range(n)]
+
+
+DFLASH_DRAFT_CASES = [("demo", 0, 8), ("demo", 16, 8), ("qwen3_5_dflash", 0, 8), ("qwen3_5_dflash", 16, 8), ("qwen3_5_dflash", 16, 40)]
+
+
+@pytest.mark.parametrize("name,chunk,n", DFLASH_DRAFT_CASES, ids=[f"{m}-chunk{c}-{n}seqs" for m, c, n in DFLASH_DRAFT_CASES])
+def test_dflash_drafts_on_cuda_equal_the_cpu_drafts(name, chunk, n, request):
+    """Greedy DFlash drafts (a whole block) after prompts of 9-51 tokens prefilled together,
+    whole or in 16-token chunks (context rows absorbed from several steps and several chunks a
+    step), made as the engine makes them (`Model.dflash_drafts`: prefill, absorb, one batched
+    drafting call) on the GPU and on the CPU; 40 sequences take two drafting forwards on the GPU
+    (its groups of 32 share the spare pages). The anchors are the CPU reference's up to a
+    target near-tie, and every draft, each depth drafted from the context and the anchor alone,
+    is the argmax of the CPU drafter's logits at its depth (`_core.DflashDrafter`) unless that
+    row is a near-tie; on the trained demo drafter most blocks equal it throughout. On the tiny
+    model the drafter reads the last layer, whose features are the final norm's."""
+    model_dir, drafter = _model_dir(name, request), _drafter(name, request)
+    cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
+    prompts = _dflash_prompts(name, cpu_model.config["vocab_size"], n)
+    ref = _core.DflashDrafter(str(model_dir), str(drafter), max_tokens=128)
+    k = ref.block_size - 1
+    gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").dflash_drafts(prompts, str(drafter), k, chunk=chunk)
+    cpu = cpu_model.dflash_drafts(prompts, str(drafter), k, chunk=chunk)
+    equal = {"cpu": 0, "gpu": 0}
+    for i, p in enumerate(prompts):
+        logits, feats = ref.target(p)
+        g = int(np.argmax(logits[-1]))
+        ref.absorb(np.ascontiguousarray(feats), 0)
+        want = ref.draft_logits(g)
+        for where, (nxt, drafts, _) in (("cpu", cpu), ("gpu", gpu)):
+            if nxt[i] != g:
+                gap = _gap(logits[-1])
+                print(f"{name} prompt {i}: {where} target token {nxt[i]}, the reference's {g} (top-2 gap {gap:.3f})")
+                assert gap < NEAR_TIE
+                continue
+            assert len(drafts[i]) == k
+            off = [d for d in range(k) if drafts[i][d] != int(np.argmax(want[d]))]
+            for d in off:
+                gap = _gap(want[d])
+                print(f"{name} prompt {i}: {where} draft {d} is {drafts[i][d]}, the reference's {int(np.argmax(want[d]))} (top-2 gap {gap:.3f})")
+                assert gap < NEAR_TIE
+            equal[where] += not off
+    print(f"{name}: blocks equal to the CPU drafter's: {equal} of {len(prompts)}")
+    if name == "demo":
+        assert equal["gpu"] >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_5_dflash"])
+def test_sampled_dflash_drafts_on_cuda_are_drawn_from_the_cpu_drafters_q(name, request):
+    """Sampled DFlash drafts (a whole block, temperature 0.8, top-p 0.95): each depth's q on the
+    GPU is the CPU drafter's to within the logits' agreement and sums to 1, and the draft drawn
+    with the same uniform is the CPU's unless the draw sits at a boundary of q's cumulative sum
+    that the two q place differently (depths are drawn independently, so each is checked)."""
+    model_dir, drafter = _model_dir(name, request), _drafter(name, request)
+    cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
+    prompts = _dflash_prompts(name, cpu_model.config["vocab_size"])
+    k = json.loads((Path(drafter) / "config.json").read_text())["dflash_config"]["block_size"] - 1
+    rng = np.random.default_rng(13)
+    u = [[float(x) for x in rng.random(k)] for _ in prompts]
+    kw = dict(u=u, temperature=0.8, top_p=0.95)
+    g_next, g_drafts, g_q = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").dflash_drafts(prompts, str(drafter), k, **kw)
+    c_next, c_drafts, c_q = cpu_model.dflash_drafts(prompts, str(drafter), k, **kw)
+    compared = 0
+    for i in range(len(prompts)):
+        if g_next[i] != c_next[i]:
+            continue  # a target near-tie (test_dflash_drafts_on_cuda_equal_the_cpu_drafts bounds those)
+        assert len(g_drafts[i]) == k and len(g_q[i]) == k
+        for d in range(k):
+            qg, qc = np.asarray(g_q[i][d]), np.asarray(c_q[i][d])
+            assert abs(qg.sum() - 1.0) < 1e-3
+            assert np.abs(qg - qc).max() < 0.03, f"prompt {i} depth {d}"
+            if g_drafts[i][d] != c_drafts[i][d]:
+                gap = np.abs(np.cumsum(qc) - u[i][d]).min()
+                print(f"prompt {i}: draft {d} is {g_drafts[i][d]} on the GPU, {c_drafts[i][d]} on the CPU (CDF gap {gap:.4f})")
+                assert gap < 0.03
+        compared += 1
+    assert compared >= len(prompts) // 2
+
+
+#: A long shared prefix and suffixes (tests/test_dflash_prefix.py).
+_PREFIX = (
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n\n    def __len__(self):\n"
+    "        return len(self.items)\n\nclass Queue:\n    def __init__(self):\n"
+)
+_SUFFIXES = ["        self.items = []\n", "        self.head = None\n", "        self.data = {}\n"]
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_5_dflash"])
+def test_greedy_dflash_with_prefix_hits_on_cuda_equals_plain_and_drafts_as_without_the_hits(name, request):
+    """The prefix, then prompts extending it, each alone on one engine: requests after the first
+    hit the cached blocks, whose drafter context rows the first request's steps wrote on the
+    device. Greedy output equals plain greedy output up to near-ties with prefix reuse and
+    without, the hits are taken, and on the trained demo drafter the requests after a hit accept
+    about as many drafts as without it (context rows left unwritten would accept next to none;
+    the two runs' prefills differ in their steps' shapes, so a near-tie may move a draft)."""
+    model_dir = _model_dir(name, request)
+    opts = dict(max_context=512, max_concurrency=8, logits_dtype="float32", draft_tokens=4, **_spec("dflash", name, request))
+
+    def sequential(**extra):
+        outs, stats = [], []
+        with LLM(model_dir, device="cuda", **opts, **extra) as llm:
+            for text in [_PREFIX] + [_PREFIX + s for s in _SUFFIXES]:
+                [o] = llm.generate(llm.encode(text), greedy(32))
+                outs.append(o)
+                stats.append(llm.engine.stats())
+        return outs, stats
+
+    reuse, reuse_stats = sequential()
+    fresh, fresh_stats = sequential(prefix_reuse=False)
+    with LLM(model_dir, device="cuda", max_context=512, logits_dtype="float32") as llm:
+        plain = llm.generate([llm.encode(_PREFIX)] + [llm.encode(_PREFIX + s) for s in _SUFFIXES], greedy(32))
+    _assert_equal_but_at_near_ties(plain, reuse, f"dflash with prefix hits on {name}")
+    _assert_equal_but_at_near_ties(plain, fresh, f"dflash without prefix reuse on {name}")
+    cached = [o.usage.cached_tokens for o in reuse]
+    assert cached[0] == 0 and all(c >= 16 for c in cached[1:]), cached
+    assert all(o.usage.cached_tokens == 0 for o in fresh)
+    assert reuse_stats[-1]["prefix_hit_tokens"] == sum(cached)
+
+    def after_first(stats, key):
+        return stats[-1][key] - stats[0][key]
+
+    print(f"{name}: drafted / accepted after the first request, with hits "
+          f"{after_first(reuse_stats, 'spec_drafted_tokens')} / {after_first(reuse_stats, 'spec_accepted_tokens')}, without "
+          f"{after_first(fresh_stats, 'spec_drafted_tokens')} / {after_first(fresh_stats, 'spec_accepted_tokens')}")
+    assert after_first(reuse_stats, "spec_drafted_tokens") > 0
+    if name == "demo":
+        assert after_first(reuse_stats, "spec_accepted_tokens") >= 0.75 * after_first(fresh_stats, "spec_accepted_tokens") > 0
+
+
+def _safetensors_numel(path: Path) -> int:
+    """Elements of every tensor in a safetensors file (from its header)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(int(np.prod(t["shape"])) for k, t in header.items() if k != "__metadata__")
+
+
+def test_the_ledger_counts_the_dflash_drafter_on_cuda():
+    """`--spec dflash` on CUDA: the drafter's weights (every tensor in the 16-bit storage type)
+    are in the ledger's weights, its context (K and V of each of its layers, in the storage type)
+    in every token's KV bytes, so the pool's bytes cover it, and the features every forward keeps
+    in the workspace."""
+    _needs_cuda()
+    if not (DEMO_DRAFTER / "config.json").exists():
+        pytest.skip("demo drafter not shipped")
+    opts = dict(device="cuda", max_context=1024, kv_capacity=4096, prefill_chunk=256)
+    plain = _core.Engine(str(DEMO / "model"), **opts).info()
+    spec = _core.Engine(str(DEMO / "model"), spec="dflash", drafter=str(DEMO_DRAFTER), **opts).info()
+    d = json.loads((DEMO_DRAFTER / "config.json").read_text())
+    context = d["num_hidden_layers"] * 2 * d["num_key_value_heads"] * d["head_dim"] * 2
+    assert spec["kv_bytes_per_token"] - plain["kv_bytes_per_token"] == context
+    assert spec["weight_bytes"] - plain["weight_bytes"] == 2 * _safetensors_numel(DEMO_DRAFTER / "model.safetensors")
+    assert spec["kv_bytes"] == spec["num_blocks"] * spec["block_size"] * spec["kv_bytes_per_token"]
+    features = 256 * len(d["dflash_config"]["target_layer_ids"]) * d["hidden_size"] * 2
+    assert spec["workspace_bytes"] - plain["workspace_bytes"] >= features
+    assert spec["total_bytes"] == spec["weight_bytes"] + spec["kv_bytes"] + spec["state_bytes"] + spec["workspace_bytes"]
+
+
 # Refusals that stay.
 
-def test_mtp_on_cuda_without_mtp_weights_and_dflash_are_refused_naming_the_flag(tiny_checkpoints):
+def test_mtp_without_mtp_weights_and_a_drafter_the_kernels_lack_are_refused_on_cuda_naming_the_flag(tiny_checkpoints, tmp_path):
     _needs_cuda()
+    from test_dflash import write_random_drafter
+
     plain = tiny_checkpoints.get("qwen3_5", **GPU_SHAPES["qwen3_5"])
     with pytest.raises(Exception, match=r"mtp\.\* weights"):
         LLM(plain, device="cuda", max_context=256, spec="mtp")
-    # With a valid drafter, so that the refusal is the backend's, not the missing --drafter's.
-    with pytest.raises(Exception, match="--spec dflash is not supported on this backend yet"):
-        LLM(str(DEMO / "model"), device="cuda", max_context=256, spec="dflash", drafter=str(DEMO / "dflash"))
+    # A drafter whose head size the attention kernels are not instantiated for (16).
+    drafter = write_random_drafter(tmp_path / "drafter", plain, seed=3)
+    with pytest.raises(Exception, match=r"--drafter.*head_dim 16 on the CUDA backend is not supported yet"):
+        LLM(plain, device="cuda", max_context=256, spec="dflash", drafter=str(drafter))

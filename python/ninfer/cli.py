@@ -274,7 +274,7 @@ def add_engine_option_flags(parser: argparse.ArgumentParser) -> None:
                             "OpenAI reads them; a strict schema never admits others)")
     group.add_argument("--spec", metavar="METHOD", default=None,
                        help="speculative decoding: ngram (prompt lookup over the request's own tokens), mtp (the "
-                            "model's mtp.* head) or dflash (a DFlash block drafter, --drafter; the CPU backend) "
+                            "model's mtp.* head) or dflash (a DFlash block drafter, --drafter) "
                             "(default: off)")
     group.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
                        help=f"draft tokens verified per step with --spec, 1..{MAX_DRAFT_TOKENS} (default 3; dflash 7, "

@@ -255,6 +255,73 @@ impl PyModel {
         Ok((next, tokens, q))
     }
 
+    /// DFlash drafts as the engine makes them (`--spec dflash --drafter DIR`): the prompts are
+    /// prefilled together in steps of up to `chunk` tokens each (0: whole), the context rows of
+    /// every step absorbed after it, each prompt's greedy next token `g` taken; then one
+    /// `dflash_draft` drafts `k` tokens after every `g`: greedy, or with `u` (one list of `k`
+    /// uniforms a prompt) drawn from the drafter's logits under `temperature` / `top_k` /
+    /// `top_p` / `min_p`. Returns (the `g`s, the drafts `[n][k]`, their q `[n][k][vocab]`, empty
+    /// for greedy drafts). A test hook, compiled with the `testing` feature.
+    #[cfg(feature = "testing")]
+    #[pyo3(signature = (prompts, drafter, k, chunk = 0, u = None, temperature = 1.0, top_k = 0, top_p = 1.0, min_p = 0.0))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn dflash_drafts(
+        &self, py: Python<'_>, prompts: Vec<Vec<u32>>, drafter: PathBuf, k: usize, chunk: usize, u: Option<Vec<Vec<f64>>>, temperature: f32, top_k: usize, top_p: f32, min_p: f32,
+    ) -> PyResult<(Vec<u32>, Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>)> {
+        use crate::model::{DflashDraftSeq, DflashRows, DraftSampling};
+        if prompts.iter().any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        if u.as_ref().is_some_and(|u| u.len() != prompts.len() || u.iter().any(|d| d.len() != k)) {
+            return Err(NinferError::invalid("u", format!("one list of {k} draws per prompt ({} prompts)", prompts.len()))).py();
+        }
+        let warpers = crate::sampling::RowSampling { temperature, top_k, top_p, min_p, ..Default::default() };
+        py.detach(|| -> crate::Result<_> {
+            let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+            let block = m.runner.enable_dflash(&drafter)?;
+            let lens: Vec<usize> = prompts.iter().map(|p| p.len() + block).collect();
+            let tables = m.own_tables(&lens)?;
+            let mut next = vec![0u32; prompts.len()];
+            let mut done = vec![0usize; prompts.len()];
+            while done.iter().zip(&prompts).any(|(d, p)| d < &p.len()) {
+                let live: Vec<usize> = (0..prompts.len()).filter(|&i| done[i] < prompts[i].len()).collect();
+                let seqs = live
+                    .iter()
+                    .map(|&i| {
+                        let end = if chunk == 0 { prompts[i].len() } else { (done[i] + chunk).min(prompts[i].len()) };
+                        let logits = if end == prompts[i].len() { LogitsWanted::Last } else { LogitsWanted::None };
+                        SeqChunk { tokens: prompts[i][done[i]..end].to_vec(), start_pos: done[i], block_table: tables[i].clone(), state_slot: i, logits }
+                    })
+                    .collect::<Vec<_>>();
+                let batch = StepBatch { seqs };
+                let l = m.runner.forward(&batch)?;
+                let rows = batch.seqs.iter().enumerate().map(|(c, s)| DflashRows { chunk: c, start_pos: s.start_pos, rows: s.tokens.len(), block_table: s.block_table.clone() }).collect::<Vec<_>>();
+                m.runner.dflash_absorb(&rows)?;
+                for (c, &i) in live.iter().enumerate() {
+                    done[i] += batch.seqs[c].tokens.len();
+                    if done[i] == prompts[i].len() {
+                        next[i] = crate::sampling::argmax(l.of_seq(c));
+                    }
+                }
+            }
+            let seqs: Vec<DflashDraftSeq> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| DflashDraftSeq {
+                    pos: p.len(),
+                    token: next[i],
+                    block_table: tables[i].clone(),
+                    k,
+                    sampling: u.as_ref().map(|u| DraftSampling { warpers: warpers.clone(), u: u[i].clone() }),
+                })
+                .collect();
+            let drafts = m.runner.dflash_draft(&seqs)?;
+            let (tokens, q) = drafts.into_iter().map(|d| (d.tokens, d.q)).unzip();
+            Ok((next, tokens, q))
+        })
+        .py()
+    }
+
     /// Seconds of each of `steps` steps (after one warm-up) at the ends of the prompts, each
     /// prefilled first in a step of its own; every step runs at the same positions. `rows == 1`:
     /// a plain decode step as the engine runs it (one token a sequence, greedy on the device);

@@ -145,6 +145,9 @@ impl CudaModel {
             logits,
         };
         self.act = a;
+        if let Some(d) = self.dflash.as_mut() {
+            d.ensure_features(&self.dev, rows)?;
+        }
         Ok(())
     }
 

@@ -83,13 +83,15 @@ impl CudaModel {
         let m: usize = counts.iter().sum();
         let vocab = cfg.vocab_size;
         self.logits_rows = m;
-        // The MTP head reads every row's final hidden state, logits wanted or not.
-        let keep = self.mtp.is_some();
+        // The MTP head reads every row's final hidden state, logits wanted or not, and a DFlash
+        // drafter every row's features.
+        let keep = self.mtp.is_some() || self.dflash.is_some();
         if m == 0 && !keep {
             return Ok(counts);
         }
         dev.add_rmsnorm(buf_mut(&mut act.x), buf(&act.tmp), &weights.final_norm, buf_mut(&mut act.h), rows, h, eps, plus_one)?;
         self.keep_hidden(batch, rows)?;
+        self.keep_dflash(batch, rows)?;
         if m == 0 {
             return Ok(counts);
         }
@@ -130,6 +132,7 @@ impl CudaModel {
         self.replay_or_run(key, "decode", |m| m.decode_forward(rows))?;
         // The decode forward leaves the final normed hidden states in act.h.
         self.keep_hidden(batch, n)?;
+        self.keep_dflash(batch, n)?;
         self.logits_rows = n;
         Ok(vec![1; n])
     }
@@ -171,7 +174,7 @@ impl CudaModel {
     /// projection in `act.tmp` for `run` (which norms only when some row wants logits) or
     /// `verify_forward`.
     pub(super) fn run_layers(&mut self, pass: Pass, rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, vmeta, scratch, .. } = self;
+        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, vmeta, scratch, dflash, .. } = self;
         let (meta, decode, max_rows) = match pass {
             Pass::Decode => (&*dmeta, scratch.as_ref(), 1),
             Pass::Prefill { max_rows } => (&*meta, None, max_rows),
@@ -206,6 +209,9 @@ impl CudaModel {
                 None => None,
             };
             mlp(dev, layer, &route.mlp, act, rows, &NormNext { w: next, eps, plus_one })?;
+            if let Some(d) = dflash.as_mut() {
+                d.capture_layer(dev, li, weights.layers.len(), buf(&act.x), rows)?;
+            }
         }
         Ok(())
     }

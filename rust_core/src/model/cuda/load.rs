@@ -50,6 +50,7 @@ use crate::artifact::{RawTensor, WeightStore};
 use crate::backend::cuda::device::driver_err;
 use crate::backend::cuda::CudaDevice;
 use crate::config::{LayerType, ModelConfig};
+use crate::model::cpu::dflash::DflashConfig;
 use crate::model::names;
 use crate::model::cpu::quant_load::{checked_hf_quant, hf_weight};
 use crate::model::LoadOptions;
@@ -59,6 +60,7 @@ use crate::{NinferError, Result};
 pub use pack::Packed;
 
 use super::linear::{Linear, LinearRoute, QuantPart, QuantWorkspace, WeightFormat};
+use super::dflash::{DflashLayerWeights, DflashWeights};
 use super::weights::{DevAttention, DevGdn, DevLayer, DevMixer, DevMtp, DevWeights};
 
 /// Where packed tensors go: device buffers, or host vectors in the packing test.
@@ -217,6 +219,45 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, 
     used.extend(quant.given.iter().flat_map(|g| g.keys()).filter(|n| !n.starts_with("mtp.")).cloned());
     quant.refuse_unused(&used, false)?;
     Ok(Some(DevMtp { fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layer, norm, bytes }))
+}
+
+/// The DFlash drafter in `store` (its public layout: `fc`, `hidden_norm`, `norm`,
+/// `layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
+/// self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}`) of shape `d`, handed to `sink` dense in the
+/// storage type (`--quantize` leaves it dense: it is small beside the target). `cfg` is the
+/// target's (the builder reads nothing of it for these tensors).
+pub(super) fn build_dflash<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, d: &DflashConfig) -> Result<DflashWeights<S::W>> {
+    let used = RefCell::new(BTreeSet::new());
+    let b = Builder { store, cfg, quantize: None, given: None, hf: None, used: &used };
+    let (h, hd, inter) = (d.hidden_size, d.head_dim, d.intermediate_size);
+    let (qd, kvd) = (d.num_heads * hd, d.num_kv_heads * hd);
+    let mut bytes = 0;
+    let norm = |sink: &mut S, name: &str, n: usize, bytes: &mut usize| b.put(sink, Packed::single(store.raw(name, &[n])?), bytes);
+    let proj = |sink: &mut S, parts: &[(String, usize)], k: usize, bias: bool, bytes: &mut usize| {
+        let bias = b.biases(parts.iter().map(|(name, rows)| (name.as_str(), *rows)), bias)?;
+        b.projection(sink, parts, k, None, bias, bytes)
+    };
+    let fc = proj(sink, &[("fc".into(), h)], d.target_layer_ids.len() * h, false, &mut bytes)?;
+    let mut layers = Vec::with_capacity(d.num_layers);
+    for i in 0..d.num_layers {
+        let p = format!("layers.{i}");
+        let a = format!("{p}.self_attn");
+        let ab = d.attention_bias;
+        layers.push(DflashLayerWeights {
+            input_norm: norm(sink, &format!("{p}.input_layernorm.weight"), h, &mut bytes)?,
+            post_norm: norm(sink, &format!("{p}.post_attention_layernorm.weight"), h, &mut bytes)?,
+            q: proj(sink, &[(format!("{a}.q_proj"), qd)], h, ab, &mut bytes)?,
+            kv: proj(sink, &[(format!("{a}.k_proj"), kvd), (format!("{a}.v_proj"), kvd)], h, ab, &mut bytes)?,
+            o: proj(sink, &[(format!("{a}.o_proj"), h)], qd, ab, &mut bytes)?,
+            q_norm: norm(sink, &format!("{a}.q_norm.weight"), hd, &mut bytes)?,
+            k_norm: norm(sink, &format!("{a}.k_norm.weight"), hd, &mut bytes)?,
+            gate_up: proj(sink, &[(format!("{p}.mlp.gate_proj"), inter), (format!("{p}.mlp.up_proj"), inter)], h, false, &mut bytes)?,
+            down: proj(sink, &[(format!("{p}.mlp.down_proj"), h)], inter, false, &mut bytes)?,
+        });
+    }
+    let hidden_norm = norm(sink, "hidden_norm.weight", h, &mut bytes)?;
+    let norm = norm(sink, "norm.weight", h, &mut bytes)?;
+    Ok(DflashWeights { fc, hidden_norm, norm, layers, bytes })
 }
 
 #[derive(Clone, Copy)]
@@ -761,6 +802,33 @@ impl DevMtp {
         let mtp = build_mtp(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;
         Ok(mtp)
+    }
+}
+
+impl DflashWeights {
+    /// Loads the DFlash drafter of shape `d` from `store` onto `dev` (`build_dflash`), refusing
+    /// one that does not fit the free device memory with its size; every problem names
+    /// `--drafter`.
+    pub(super) fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, d: &DflashConfig) -> Result<Self> {
+        let flag = |e: NinferError| match e {
+            e @ NinferError::OutOfMemory { .. } => e,
+            e => NinferError::config("drafter (--drafter)", e.to_string()),
+        };
+        dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        let planned = build_dflash(&mut PlanSink { format: dev.storage().into() }, store, cfg, d).map_err(flag)?;
+        let (free, _) = dev.memory_info()?;
+        if planned.bytes > free {
+            return Err(NinferError::OutOfMemory {
+                what: format!("the DFlash drafter's weights on cuda:{} (--spec dflash)", dev.ordinal()),
+                needed: planned.bytes as u64,
+                available: free as u64,
+                hint: "run without --spec dflash, or with --spec ngram".into(),
+            });
+        }
+        let mut sink = DeviceSink::new(dev, None)?;
+        let w = build_dflash(&mut sink, store, cfg, d).map_err(flag)?;
+        dev.synchronize()?;
+        Ok(w)
     }
 }
 

@@ -13,10 +13,11 @@
 //! device and stream them there, each projection a `linear::Linear` carrying its format and
 //! kernel route; `route` the kernels each layer runs, decided at load; `buffers` the caches and
 //! activations a step runs in; `runner` the engine-facing `ModelRunner`; `mtp` the MTP head
-//! drafting for `--spec mtp`.
+//! drafting for `--spec mtp`; `dflash` the DFlash drafter for `--spec dflash`.
 
 mod attention;
 mod buffers;
+mod dflash;
 mod forward;
 mod gdn;
 pub(crate) mod graphs;
@@ -102,6 +103,9 @@ pub struct CudaModel {
     quant: load::QuantLoad,
     /// `--spec mtp`'s head and drafting state (`enable_mtp`); None otherwise.
     mtp: Option<Box<mtp::CudaMtp>>,
+    /// `--spec dflash`'s drafter, its paged context and the kept target features
+    /// (`enable_dflash`); None otherwise.
+    dflash: Option<Box<dflash::CudaDflash>>,
 }
 
 impl CudaModel {
@@ -192,6 +196,7 @@ impl CudaModel {
             dir: dir.to_path_buf(),
             quant,
             mtp: None,
+            dflash: None,
         })
     }
 

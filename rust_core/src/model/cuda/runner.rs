@@ -11,7 +11,7 @@ use crate::backend::cuda::device::driver_err;
 use crate::config::ModelConfig;
 use crate::artifact::WeightStore;
 use crate::model::cpu::mtp::NO_MTP_WEIGHTS;
-use crate::model::runner::{check_verify_rows, CacheSpec, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch, VerifyLogits};
+use crate::model::runner::{check_verify_rows, CacheSpec, DflashDraftSeq, DflashRows, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch, VerifyLogits};
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
@@ -94,8 +94,11 @@ impl ModelRunner for CudaModel {
     fn cache_spec(&self) -> CacheSpec {
         // The plan's arithmetic (plan/mod.rs): KV and conv state in the storage type, the
         // delta state in f32, the MTP layer's KV under --spec mtp; `ninfer plan` counts the same bytes.
+        // A DFlash drafter's context is paged beside the KV: its bytes a token, and its weights.
         let mtp_weights = self.mtp.as_ref().map_or(0, |m| m.weight_bytes());
-        crate::plan::cache_spec(&self.cfg, crate::plan::Target::Gpu, self.mtp.is_some(), self.weights.bytes + mtp_weights)
+        let spec = crate::plan::cache_spec(&self.cfg, crate::plan::Target::Gpu, self.mtp.is_some(), self.weights.bytes + mtp_weights);
+        let (dflash_kv, dflash_weights) = self.dflash.as_ref().map_or((0, 0), |d| (d.context_bytes_per_token(), d.weight_bytes()));
+        CacheSpec { kv_bytes_per_token: spec.kv_bytes_per_token + dflash_kv, weight_bytes: spec.weight_bytes + dflash_weights, ..spec }
     }
 
     fn allocate_caches(&mut self, num_blocks: usize, block_size: usize, num_state_slots: usize) -> Result<()> {
@@ -103,11 +106,16 @@ impl ModelRunner for CudaModel {
             return Err(NinferError::config("block_size", "must be positive"));
         }
         self.caches = DevCaches::default();
+        if let Some(d) = self.dflash.as_mut() {
+            d.free_pool();
+        }
         self.graphs.clear();
         let c = &self.cfg;
         let spec = self.cache_spec();
-        // The state buffers hold one spare slot past the running ones (decode padding rows).
-        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot) as u64;
+        // The state buffers hold one spare slot past the running ones (decode padding rows); a
+        // DFlash drafter's pool holds the spare pages of its block rows past the KV's blocks.
+        let spare = self.dflash.as_ref().map_or(0, |d| d.spare_bytes(block_size));
+        let needed = (num_blocks * block_size * spec.kv_bytes_per_token + (num_state_slots + 1) * spec.state_bytes_per_slot + spare) as u64;
         let (free, _) = self.dev.memory_info()?;
         if needed > free as u64 {
             return Err(NinferError::OutOfMemory {
@@ -134,6 +142,9 @@ impl ModelRunner for CudaModel {
         if let Some(mtp) = self.mtp.as_mut() {
             mtp.allocate(&self.dev, kv_elems)?;
         }
+        if let Some(d) = self.dflash.as_mut() {
+            d.allocate(&self.dev, num_blocks, block_size)?;
+        }
         Ok(())
     }
 
@@ -148,7 +159,8 @@ impl ModelRunner for CudaModel {
     fn workspace_bytes(&self) -> usize {
         let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
         let mtp = self.mtp.as_ref().map_or(0, |m| m.workspace_bytes());
-        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes() + mtp
+        let dflash = self.dflash.as_ref().map_or(0, |d| d.workspace_bytes());
+        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes() + mtp + dflash
     }
 
     fn device_free_bytes(&self) -> Option<u64> {
@@ -275,6 +287,22 @@ impl ModelRunner for CudaModel {
         if let Some(mtp) = self.mtp.as_mut() {
             mtp.release(key);
         }
+    }
+
+    /// Loads the drafter (only now: it costs device memory only with `--spec dflash`); from
+    /// here on every forward keeps the target features it reads.
+    fn enable_dflash(&mut self, dir: &std::path::Path) -> Result<usize> {
+        self.enable_dflash_cuda(dir)
+    }
+
+    fn dflash_absorb(&mut self, rows: &[DflashRows]) -> Result<()> {
+        self.absorb_dflash(rows)
+    }
+
+    /// One drafting forward a group of sequences; greedy drafts by the device argmax, a sampled
+    /// request's drawn from its q on the host.
+    fn dflash_draft(&mut self, seqs: &[DflashDraftSeq]) -> Result<Vec<MtpDraft>> {
+        self.draft_dflash(seqs)
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

@@ -92,6 +92,7 @@ impl CudaModel {
         self.replay_or_run(key, "verify", |m| m.verify_forward(rows, r))?;
         // The verify forward leaves the final normed hidden states in act.h.
         self.keep_hidden(batch, n * r)?;
+        self.keep_dflash(batch, n * r)?;
         self.logits_rows = n * r;
         Ok(vec![r; n])
     }

@@ -946,3 +946,57 @@ fn dense_projection_bytes(dense: &DevWeights<Vec<u16>, Vec<f32>>) -> usize {
         2 * (m + l.gate_up.w.len() + l.down.w.len())
     }).sum()
 }
+
+/// The demo's DFlash drafter packs as the CPU drafter reads it: every tensor dense in the
+/// storage type, norms as stored (a Qwen3 drafter: no `1 + w`), k|v and gate|up stacked in that
+/// order, no biases; the plan counts the bytes the load sends. A drafter missing a tensor is
+/// refused naming it.
+#[test]
+fn the_dflash_drafter_packs_dense_with_its_fused_projections_in_the_cpu_drafters_order() {
+    use crate::model::cpu::dflash::DflashConfig;
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/ninfer/demo");
+    let (target, dir) = (demo.join("model"), demo.join("dflash"));
+    if !dir.join("model.safetensors").exists() {
+        eprintln!("skipped: no demo drafter at {}", dir.display());
+        return;
+    }
+    let cfg = ModelConfig::from_dir(&target).unwrap();
+    let d = DflashConfig::from_dir(&dir).unwrap();
+    let store = WeightStore::open(&dir).unwrap();
+    let (h, hd, inter) = (d.hidden_size, d.head_dim, d.intermediate_size);
+    let (qd, kvd) = (d.num_heads * hd, d.num_kv_heads * hd);
+    let vals = |name: &str, shape: &[usize]| store.load_f32(name, shape).unwrap();
+    let cat = |a: Vec<f32>, b: Vec<f32>| a.into_iter().chain(b).collect::<Vec<f32>>();
+    for st in [StorageDType::Bf16, StorageDType::F16] {
+        let w = build_dflash(&mut HostSink::new(st, true), &store, &cfg, &d).unwrap();
+        let dense = |l: &super::Linear<Vec<u16>>, want: &[f32], n: usize, k: usize, what: &str| {
+            assert_eq!((l.n, l.k, l.bias.is_none(), l.format), (n, k, true, WeightFormat::from(st)), "{what}");
+            same(&l.w, &old_bits(want, st), what);
+        };
+        dense(&w.fc, &vals("fc.weight", &[h, d.target_layer_ids.len() * h]), h, d.target_layer_ids.len() * h, "fc");
+        same(&w.hidden_norm, &old_bits(&vals("hidden_norm.weight", &[h]), st), "hidden_norm");
+        same(&w.norm, &old_bits(&vals("norm.weight", &[h]), st), "norm");
+        assert_eq!(w.layers.len(), d.num_layers);
+        for (i, l) in w.layers.iter().enumerate() {
+            let p = format!("layers.{i}");
+            let a = format!("{p}.self_attn");
+            same(&l.input_norm, &old_bits(&vals(&format!("{p}.input_layernorm.weight"), &[h]), st), "input_layernorm");
+            same(&l.post_norm, &old_bits(&vals(&format!("{p}.post_attention_layernorm.weight"), &[h]), st), "post_attention_layernorm");
+            same(&l.q_norm, &old_bits(&vals(&format!("{a}.q_norm.weight"), &[hd]), st), "q_norm");
+            same(&l.k_norm, &old_bits(&vals(&format!("{a}.k_norm.weight"), &[hd]), st), "k_norm");
+            dense(&l.q, &vals(&format!("{a}.q_proj.weight"), &[qd, h]), qd, h, "q_proj");
+            dense(&l.kv, &cat(vals(&format!("{a}.k_proj.weight"), &[kvd, h]), vals(&format!("{a}.v_proj.weight"), &[kvd, h])), 2 * kvd, h, "k|v");
+            dense(&l.o, &vals(&format!("{a}.o_proj.weight"), &[h, qd]), h, qd, "o_proj");
+            let gate_up = cat(vals(&format!("{p}.mlp.gate_proj.weight"), &[inter, h]), vals(&format!("{p}.mlp.up_proj.weight"), &[inter, h]));
+            dense(&l.gate_up, &gate_up, 2 * inter, h, "gate|up");
+            dense(&l.down, &vals(&format!("{p}.mlp.down_proj.weight"), &[h, inter]), h, inter, "down_proj");
+        }
+        let planned = build_dflash(&mut PlanSink { format: st.into() }, &store, &cfg, &d).unwrap().bytes;
+        assert_eq!(planned, w.bytes, "planned drafter bytes");
+        assert_eq!(w.bytes, 2 * store.names().iter().map(|n| store.info(n).unwrap().shape.iter().product::<usize>()).sum::<usize>(), "every tensor, 2 bytes an element");
+    }
+    let mut more = d.clone();
+    more.num_layers += 1;
+    let e = build_dflash(&mut PlanSink { format: WeightFormat::Bf16 }, &store, &cfg, &more).err().expect("a layer the checkpoint lacks").to_string();
+    assert!(e.contains(&format!("layers.{}", d.num_layers)), "{e}");
+}
