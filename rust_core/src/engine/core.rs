@@ -128,6 +128,10 @@ impl EngineCore {
         let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
         // A step's tokens fit the one budget (prefill_chunk), so decode rows do too.
         let decode_rows = config.max_concurrency.min(step_rows);
+        if config.spec.is_some() {
+            // The verify steps' buffers, before the budget is asked (`plan::verify_rows`).
+            runner.reserve_verify(step_rows, decode_rows, max_drafts)?;
+        }
         // Asked either way, so that the runner's step buffers for the largest steps exist
         // before the caches are planned; its budget counts only without a --kv-capacity.
         let budget = runner.cache_budget_bytes(step_rows, decode_rows)?.filter(|_| config.kv_capacity_tokens.is_none());

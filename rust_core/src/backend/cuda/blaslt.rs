@@ -18,14 +18,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use super::device::{driver_err, CudaDevice};
 use crate::{NinferError, Result};
 
-/// cuBLASLt workspace bytes: NVIDIA's recommendation for Hopper (32 MiB), allocated once so
-/// that a GEMM inside a captured graph never allocates.
-const LT_WORKSPACE_BYTES: usize = 32 << 20;
-
-/// Whether cuBLASLt's FP8 GEMM takes a `[n, k]` weight: K and N multiples of 16.
-pub fn fp8_gemm_fits(n: usize, k: usize) -> bool {
-    n > 0 && k > 0 && n.is_multiple_of(16) && k.is_multiple_of(16)
-}
+// The workspace size and the FP8 shape rule are the memory plan's too (plan/gpu.rs).
+pub use crate::plan::gpu::{fp8_gemm_fits, LT_WORKSPACE_BYTES};
 
 /// A cuBLASLt handle with its workspace and the algorithm its heuristic chose per shape.
 pub struct BlasLt {

@@ -110,6 +110,15 @@ impl CudaMtp {
         b(&self.hidden) + b(&self.hin) + b(&self.cat) + b(&self.last_rows) + b(&self.drafts) + b(&self.lse) + self.meta.bytes()
     }
 
+    /// Grows the buffers of forwards of up to `forward_rows` rows (their kept hidden states)
+    /// and of MTP steps of up to `step_rows` rows (inputs, concatenated halves) now, at
+    /// startup (`ModelRunner::reserve_verify`): the plan counts them (`plan::ledger`).
+    pub(super) fn reserve(&mut self, dev: &CudaDevice, forward_rows: usize, step_rows: usize, h: usize) -> Result<()> {
+        grow(dev, &mut self.hidden, forward_rows * h, "MTP hidden states")?;
+        grow(dev, &mut self.hin, step_rows * h, "MTP activations")?;
+        grow(dev, &mut self.cat, step_rows * 2 * h, "MTP activations")
+    }
+
     /// `ModelRunner::mtp_release`: the sequence's kept row goes back to the free rows.
     pub(super) fn release(&mut self, key: u64) {
         if let Some((_, row)) = self.last.remove(&key) {
