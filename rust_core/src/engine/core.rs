@@ -112,10 +112,7 @@ impl EngineCore {
         if let Some(s) = config.spec.as_ref().filter(|s| s.method == SpecMethod::Dflash) {
             // Before cache_spec: the drafter's context is part of every token's KV bytes.
             let block = runner.enable_dflash(s.drafter.as_deref().expect("checked: dflash has a drafter"))?;
-            max_drafts = block - 1;
-            if s.draft_tokens > max_drafts {
-                return Err(NinferError::config("draft_tokens (--draft-tokens)", format!("{} drafts do not fit the drafter's block of {block} tokens (at most {max_drafts})", s.draft_tokens)));
-            }
+            max_drafts = crate::plan::drafter::max_drafts(block, s.draft_tokens)?;
         }
         if let Some(d) = config.spec.as_ref().and_then(|s| s.lm_head_draft.as_ref()) {
             if d.token_ids.is_empty() {

@@ -78,3 +78,14 @@ pub fn drafter_bytes(dir: &Path, model: &ModelConfig, target: Target) -> Result<
     }
     Ok(DrafterBytes { weight_bytes: weight_bytes(&cfg, target), tensors: tensors.len(), context_bytes_per_token: context_bytes_per_token(&cfg, target), block_size: cfg.block_size })
 }
+
+/// The most drafts a round carries with a drafter of `block_size` rows (its block less the
+/// anchor); `draft_tokens` (`--draft-tokens`) above it is refused naming the flag. The engine's
+/// startup and the plan both ask it.
+pub fn max_drafts(block_size: usize, draft_tokens: usize) -> Result<usize> {
+    let max = block_size.saturating_sub(1);
+    if draft_tokens > max {
+        return Err(NinferError::config("draft_tokens (--draft-tokens)", format!("{draft_tokens} drafts do not fit the drafter's block of {block_size} tokens (at most {max})")));
+    }
+    Ok(max)
+}

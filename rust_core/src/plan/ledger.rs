@@ -375,7 +375,7 @@ pub fn workspace_estimate(cfg: &ModelConfig, target: Target, step_rows: usize, d
 fn spec_rows(input: &PlanInput<'_>) -> Result<Option<SpecRows>> {
     let Some(s) = input.engine.spec.as_ref() else { return Ok(None) };
     let max_drafts = match drafter(input)? {
-        Some(d) => d.block_size - 1,
+        Some(d) => super::drafter::max_drafts(d.block_size, s.draft_tokens)?,
         None => crate::spec::MAX_DRAFT_TOKENS,
     };
     Ok(Some(SpecRows { max_drafts, mtp: s.method == SpecMethod::Mtp }))

@@ -266,7 +266,7 @@ fn the_memory_plan_counts_the_drafter_as_the_engine_does() {
     let cfg = m.config().clone();
     let store = crate::artifact::WeightStore::open(&target).unwrap();
     let tensors = model_tensors(&cfg, Some(&store)).unwrap();
-    let engine = |drafter: &Path| EngineConfig { spec: Some(SpecConfig::with_drafter("dflash", None, Some(drafter.to_path_buf())).unwrap()), ..Default::default() };
+    let engine = |drafter: &Path| EngineConfig { spec: Some(SpecConfig::with_drafter("dflash", Some(4), Some(drafter.to_path_buf())).unwrap()), ..Default::default() };
     let at = |t: Target, drafter: &Path| plan(&PlanInput { cfg: &cfg, tensors: &tensors, target: t, engine: engine(drafter), quantize: None, quantize_lm_head: false, memory: None, pool: PoolRule::PerSequence });
     let p = at(Target::Cpu, &dir).unwrap();
     assert_eq!(p.spec, m.cache_spec(), "the plan's ledger is the engine's");
@@ -282,6 +282,10 @@ fn the_memory_plan_counts_the_drafter_as_the_engine_does() {
     // A GPU holds them in bf16.
     let g = at(Target::Gpu, &dir).unwrap();
     assert_eq!(g.weights.iter().find(|w| w.format == "BF16 DFlash drafter").unwrap().bytes, weights as u64 / 2);
+    // Drafts beyond the block (5 rows: at most 4) are refused as the engine refuses them.
+    let over = EngineConfig { spec: Some(SpecConfig::with_drafter("dflash", Some(5), Some(dir.clone())).unwrap()), ..Default::default() };
+    let e = plan(&PlanInput { cfg: &cfg, tensors: &tensors, target: Target::Cpu, engine: over, quantize: None, quantize_lm_head: false, memory: None, pool: PoolRule::PerSequence }).unwrap_err().to_string();
+    assert!(e.contains("--draft-tokens") && e.contains("block of 5"), "{e}");
     for (bad, needle) in [(dir.join("missing"), "no such drafter directory"), (write_drafter("plan_short", serde_json::json!({}), &["norm.weight"]), "norm.weight")] {
         let e = at(Target::Cpu, &bad).unwrap_err().to_string();
         assert!(e.contains("--drafter") && e.contains(needle), "{e}");
