@@ -457,6 +457,12 @@ def test_the_workspace_counts_cublaslt_and_the_verify_steps(tmp_path):
     ws = {q: _core.plan(model, quantize=q, **args)["workspace_bytes"] for q in ("w8", "fp8", "q4")}
     # Every format dequantizes into the same workspace (the largest fused projection).
     assert ws["w8"] == ws["q4"] and ws["fp8"] - ws["w8"] == 32 << 20
+    fp8 = _core.plan(model, quantize="fp8", **args)
+    assert fp8["workspace_cublaslt_bytes"] == 32 << 20 and _core.plan(model, quantize="q4", **args)["workspace_cublaslt_bytes"] == 0
+    # The dequantization workspace: the largest fused projection, gate|up [2 x 17408, 5120], bf16.
+    assert fp8["workspace_dequant_bytes"] == 2 * FFN * H * 2
+    proc = run_cli(["plan", model, "--gpu-memory", "32GB", "--quantize", "fp8", "--max-context", "4096"])
+    assert "dequantization 340.0 MiB, cuBLASLt 32.0 MiB" in proc.stdout, proc.stdout
     plain = _core.plan(model, quantize="q4", **args)
     ngram = _core.plan(model, quantize="q4", spec="ngram", **args)
     mtp = _core.plan(model, quantize="q4", spec="mtp", **args)

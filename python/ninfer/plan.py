@@ -120,6 +120,11 @@ def format_plan(p: dict, model: str) -> str:
     # The weights by format go under the ledger's weights line.
     at = next(i for i, line in enumerate(ledger) if line.strip().startswith("weights")) + 1
     ledger[at:at] = [f"    {w['format']:<21} {_mib(w['bytes'])} ({w['tensors']} tensors)" for w in p["weights"]]
+    dequant, lt = p.get("workspace_dequant_bytes", 0), p.get("workspace_cublaslt_bytes", 0)
+    if dequant or lt:
+        at = next(i for i, line in enumerate(ledger) if line.strip().startswith("workspace")) + 1
+        ledger[at:at] = [f"    step buffers {_mib(p['workspace_bytes'] - dequant - lt)}, dequantization {_mib(dequant)}, "
+                         f"cuBLASLt {_mib(lt)}"]
     lines = [f"ninfer plan: {model} ({where})", *ledger]
     if p["target"] == "gpu":
         lines.append(f"  reserve        {_mib(p['reserve_bytes'])} (kept free: 5% of the GPU, at least 1 GiB)")

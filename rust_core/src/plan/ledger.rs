@@ -92,6 +92,10 @@ pub struct Plan {
     pub reserve_bytes: u64,
     /// `ledger.total_bytes + reserve_bytes`.
     pub needed_bytes: u64,
+    /// Of the workspace: the dequantization workspace (`quant_workspace_bytes`) and cuBLASLt's
+    /// (`lt_workspace_bytes`); the rest is the step buffers' estimate.
+    pub dequant_workspace_bytes: u64,
+    pub lt_workspace_bytes: u64,
     /// The model's own context length (0: not given).
     pub model_max_context: usize,
     pub fit: Option<Fit>,
@@ -457,7 +461,8 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Plan> {
             })
         }
     };
-    Ok(Plan { weights, spec, config, ledger, reserve_bytes: reserve, needed_bytes: needed, model_max_context: model_max, fit })
+    let (dequant_workspace_bytes, lt_workspace_bytes) = (quant_workspace_bytes(input), lt_workspace_bytes(input));
+    Ok(Plan { weights, spec, config, ledger, reserve_bytes: reserve, needed_bytes: needed, dequant_workspace_bytes, lt_workspace_bytes, model_max_context: model_max, fit })
 }
 
 impl Plan {

@@ -115,6 +115,8 @@ pub fn plan<'py>(
     d.set_item("state_bytes_per_slot", l.state_bytes_per_slot)?;
     d.set_item("state_bytes", l.state_bytes)?;
     d.set_item("workspace_bytes", l.workspace_bytes)?;
+    d.set_item("workspace_dequant_bytes", p.dequant_workspace_bytes)?;
+    d.set_item("workspace_cublaslt_bytes", p.lt_workspace_bytes)?;
     d.set_item("total_bytes", l.total_bytes)?;
     d.set_item("reserve_bytes", p.reserve_bytes)?;
     d.set_item("needed_bytes", p.needed_bytes)?;
