@@ -277,6 +277,10 @@ def test_an_unknown_quantize_mode_is_refused_naming_the_value(tiny_quant_models)
     assert proc.returncode == 2 and "'q3'" in proc.stderr and "--quantize" in proc.stderr, proc.stderr
 
 
+#: A tiny Llama the CUDA backend loads: head_dim 64, every projection's rows a multiple of 16.
+CUDA_LLAMA = dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq", "compressed", "fp8"])
 def test_a_quantized_hf_checkpoint_plans_its_stored_bytes_and_starts(tmp_path, method):
     """A quantized HF checkpoint is planned from its headers (the weights as stored, on both
@@ -286,7 +290,8 @@ def test_a_quantized_hf_checkpoint_plans_its_stored_bytes_and_starts(tmp_path, m
     from tiny_models import make_model
     from safetensors import safe_open
 
-    src = make_model(tmp_path / "src", "llama", seed=5)
+    # Shapes the CUDA kernels take (head_dim 64) and whose fused parts cut at whole row units.
+    src = make_model(tmp_path / "src", "llama", seed=5, **CUDA_LLAMA)
     qdir, _ = build_hf_quantized(src, tmp_path, method)
     cpu = _core.plan(str(qdir), device="cpu")
     model = _core.Model(str(qdir), device="cpu")
@@ -304,13 +309,16 @@ def test_a_quantized_hf_checkpoint_plans_its_stored_bytes_and_starts(tmp_path, m
                 t = f.get_tensor(name)
                 stored += t.numel() * t.element_size()
     assert by[fmt]["bytes"] == stored
-    gpu = _core.plan(str(qdir), gpu_memory=32 << 30)
-    gpu_by = {w["format"]: w for w in gpu["weights"]}
-    # On the GPU a fused projection keeps one g_idx (GPTQ act-order parts, whose g_idx differ, are
-    # refused at load there).
-    assert gpu_by[fmt]["tensors"] == projections and gpu_by[fmt]["bytes"] <= stored
-    if method != "gptq":
-        assert gpu_by[fmt]["bytes"] == stored and gpu["workspace_bytes"] > _core.plan(str(src), gpu_memory=32 << 30)["workspace_bytes"]
+    if method == "gptq":
+        # On the GPU a fused projection keeps one g_idx: act-order parts whose g_idx differ are
+        # refused by the CUDA loader, and so by the plan, naming the projection and the reason.
+        with pytest.raises(_core.NinferError, match=r"q_proj\.weight.*HF_GPTQ4.*different g_idx"):
+            _core.plan(str(qdir), gpu_memory=32 << 30)
+    else:
+        gpu = _core.plan(str(qdir), gpu_memory=32 << 30)
+        gpu_by = {w["format"]: w for w in gpu["weights"]}
+        assert gpu_by[fmt]["tensors"] == projections and gpu_by[fmt]["bytes"] == stored
+        assert gpu["workspace_bytes"] > _core.plan(str(src), gpu_memory=32 << 30)["workspace_bytes"]
     # The engine's startup check plans it too.
     from ninfer import LLM
 
@@ -394,3 +402,105 @@ def test_the_server_refuses_the_same_start_before_loading():
     proc = run_cli(["serve", "--device", "cpu", "--port", "0", "--kv-capacity", str(10**13)], timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "before loading" in proc.stderr and "at most --kv-capacity" in proc.stderr, proc.stderr
+
+
+def test_the_gpu_plan_refuses_what_the_cuda_loader_refuses(tmp_path):
+    """Settings the CUDA loader would refuse are refused by `ninfer plan` for a GPU (exit 2,
+    naming the tensor, the format and the reason), where the CPU plan of the same still fits:
+    an FP8-block fused gate|up whose parts cut inside a 16-row scale block, a quantized K the
+    kernels cannot decode 8 values at a time, an MTP head of two layers, a head_dim the
+    attention kernels do not take."""
+    from test_quantized_model import build_hf_quantized
+    from tiny_models import make_model
+
+    src = make_model(tmp_path / "src", "llama", seed=5, **{**CUDA_LLAMA, "intermediate_size": 136})
+    qdir, _ = build_hf_quantized(src, tmp_path, "fp8")
+    assert _core.plan(str(qdir), device="cpu")["weight_bytes"] > 0
+    proc = run_cli(["plan", str(qdir), "--gpu-memory", "32GiB"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(r"gate_proj\.weight\|.*up_proj\.weight: HF_FP8_BLOCK parts cut at rows that are not multiples of 16",
+                     proc.stderr), proc.stderr
+    assert "fits" not in proc.stdout
+
+    # down_proj's K = 17412 is not a multiple of 8 (config.json only: the shapes decide).
+    odd = tmp_path / "odd_ffn"
+    odd.mkdir()
+    write_qwen35_27b_config(odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] = 17412
+    (odd / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli(["plan", str(odd), "--gpu-memory", "32GB", "--quantize", "w8", "--max-context", "4096"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "model.layers.0.mlp.down_proj.weight" in proc.stderr and "W8G32_F16S" in proc.stderr and "K = 17412" in proc.stderr, proc.stderr
+    assert run_cli(["plan", str(odd), "--gpu-memory", "80GB", "--max-context", "4096"]).returncode == 0
+
+    two = tmp_path / "two_mtp"
+    two.mkdir()
+    write_qwen35_27b_config(two)
+    cfg = json.loads((two / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 2
+    (two / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli(["plan", str(two), "--gpu-memory", "32GB", "--quantize", "q4", "--max-context", "4096", "--spec", "mtp"])
+    assert proc.returncode == 2 and "2 MTP layers" in proc.stderr, proc.stderr
+
+    small = make_model(tmp_path / "small", "llama", seed=5)  # head_dim 12
+    proc = run_cli(["plan", str(small), "--gpu-memory", "32GB"])
+    assert proc.returncode == 2 and "head_dim 12" in proc.stderr and "CUDA" in proc.stderr, proc.stderr
+
+
+def test_the_workspace_counts_cublaslt_and_the_verify_steps(tmp_path):
+    """The workspace line holds cuBLASLt's 32 MiB where --quantize fp8 weights take the FP8
+    tensor-core route, and under --spec the largest verify step's logits (and the device
+    sampler's copy of them) and the MTP head's step buffers, by a hand count."""
+    model = write_qwen35_27b_config(tmp_path)
+    args = dict(gpu_memory=32 * 10**9, max_context=4096)
+    ws = {q: _core.plan(model, quantize=q, **args)["workspace_bytes"] for q in ("w8", "fp8", "q4")}
+    # Every format dequantizes into the same workspace (the largest fused projection).
+    assert ws["w8"] == ws["q4"] and ws["fp8"] - ws["w8"] == 32 << 20
+    fp8 = _core.plan(model, quantize="fp8", **args)
+    assert fp8["workspace_cublaslt_bytes"] == 32 << 20 and _core.plan(model, quantize="q4", **args)["workspace_cublaslt_bytes"] == 0
+    # The dequantization workspace: the largest fused projection, gate|up [2 x 17408, 5120], bf16.
+    assert fp8["workspace_dequant_bytes"] == 2 * FFN * H * 2
+    proc = run_cli(["plan", model, "--gpu-memory", "32GB", "--quantize", "fp8", "--max-context", "4096"])
+    assert "dequantization 340.0 MiB, cuBLASLt 32.0 MiB" in proc.stdout, proc.stdout
+    plain = _core.plan(model, quantize="q4", **args)
+    ngram = _core.plan(model, quantize="q4", spec="ngram", **args)
+    mtp = _core.plan(model, quantize="q4", spec="mtp", **args)
+    # One sequence verifying up to 8 drafts: 9 rows, the sequence padded to 8 (72 rows, padded
+    # to 128 rows of logits) instead of one decode row (padded to 8); f32 logits and the
+    # sampler's copy over the vocabulary. The activations stay those of a 512-token step.
+    verify = 2 * (128 - 8) * VOCAB * 4
+    assert ngram["workspace_bytes"] - plain["workspace_bytes"] == verify
+    # The MTP head keeps the hidden rows of a 512-row forward and gathers a 512-row step's
+    # inputs (H) and halves (2H), bf16.
+    assert mtp["workspace_bytes"] - plain["workspace_bytes"] == verify + (512 + 3 * 512) * H * 2
+
+
+DEMO_DRAFTER_LEDGER = ("weight_bytes", "kv_bytes_per_token", "kv_capacity_tokens", "kv_bytes", "max_context")
+
+
+def test_spec_dflash_counts_the_drafter_as_the_startup_ledger_does():
+    """`ninfer plan --spec dflash --drafter DIR` counts the drafter's weights and its context
+    bytes per token, as the engine's startup ledger does; a missing drafter is a bad flag."""
+    demo = _demo()
+    drafter = os.path.join(os.path.dirname(demo), "dflash")
+    if not os.path.isdir(drafter):
+        pytest.skip("no bundled demo drafter in this checkout")
+    from ninfer import LLM
+
+    plain = _core.plan(demo, device="cpu", max_concurrency=1)
+    p = _core.plan(demo, device="cpu", max_concurrency=1, spec="dflash", drafter=drafter)
+    with LLM(demo, device="cpu", max_concurrency=1, spec="dflash", drafter=drafter) as llm:
+        info = llm.engine.info()
+    assert {k: p[k] for k in DEMO_DRAFTER_LEDGER} == {k: info[k] for k in DEMO_DRAFTER_LEDGER}
+    line = next(w for w in p["weights"] if w["format"] == "F32 DFlash drafter")
+    assert p["weight_bytes"] - plain["weight_bytes"] == line["bytes"] > 0
+    cfg = json.loads(open(os.path.join(drafter, "config.json")).read())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    assert p["kv_bytes_per_token"] - plain["kv_bytes_per_token"] == cfg["num_hidden_layers"] * 2 * heads * head_dim * 4
+
+    proc = run_cli(["plan", demo, "--device", "cpu", "--spec", "dflash", "--drafter", drafter])
+    assert proc.returncode == 0 and "F32 DFlash drafter" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli(["plan", demo, "--device", "cpu", "--spec", "dflash", "--drafter", os.path.join(drafter, "nope")])
+    assert proc.returncode == 2 and "--drafter" in proc.stderr, proc.stderr

@@ -4,7 +4,9 @@ The arithmetic is the engine's own (rust_core/src/plan, `_core.plan`): the weigh
 from config.json and the safetensors headers (a directory with config.json alone is counted from
 the config's shapes), the KV pool, the recurrent-state slots, a step-workspace estimate and the
 device reserve, against `--gpu-memory` or the memory of `--device`. Exit status: 0 when the
-settings fit, 1 when they do not (with the bytes short and what would fit), 2 on a bad flag.
+settings fit, 1 when they do not (with the bytes short and what would fit), 2 on a bad flag or
+settings the loader would refuse (for a GPU, the CUDA loader's own checks run on the shapes
+and headers: a fused projection it cannot hold, a quantized shape its kernels cannot run).
 """
 
 from __future__ import annotations
@@ -96,9 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quantize, the LM head in that format too; the embedding stays dense and a tied "
                         "head is held as a quantized copy (CPU and GPU)")
     p.add_argument("--spec", metavar="METHOD", default=None,
-                   help="speculative decoding to plan for: ngram, or mtp (the MTP head's weights and KV)")
+                   help="speculative decoding to plan for: ngram, mtp (the MTP head's weights and KV) or dflash "
+                        "(the drafter's weights and context, with --drafter); each sizes the verify steps' buffers")
     p.add_argument("--draft-tokens", type=_typed("--draft-tokens", int), metavar="K", default=None,
                    help=f"draft tokens per step with --spec, 1..{MAX_DRAFT_TOKENS} (sizes the rollback slots only)")
+    p.add_argument("--drafter", metavar="DIR", default=None,
+                   help="the DFlash drafter checkpoint --spec dflash loads beside the model (its config.json and "
+                        "safetensors headers are read, no weights; default: the demo's own for the demo model)")
     return p
 
 
@@ -114,6 +120,11 @@ def format_plan(p: dict, model: str) -> str:
     # The weights by format go under the ledger's weights line.
     at = next(i for i, line in enumerate(ledger) if line.strip().startswith("weights")) + 1
     ledger[at:at] = [f"    {w['format']:<21} {_mib(w['bytes'])} ({w['tensors']} tensors)" for w in p["weights"]]
+    dequant, lt = p.get("workspace_dequant_bytes", 0), p.get("workspace_cublaslt_bytes", 0)
+    if dequant or lt:
+        at = next(i for i, line in enumerate(ledger) if line.strip().startswith("workspace")) + 1
+        ledger[at:at] = [f"    step buffers {_mib(p['workspace_bytes'] - dequant - lt)}, dequantization {_mib(dequant)}, "
+                         f"cuBLASLt {_mib(lt)}"]
     lines = [f"ninfer plan: {model} ({where})", *ledger]
     if p["target"] == "gpu":
         lines.append(f"  reserve        {_mib(p['reserve_bytes'])} (kept free: 5% of the GPU, at least 1 GiB)")
@@ -149,13 +160,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--kv-capacity {args.kv_capacity} must be >= --max-context {args.max_context}")
 
     from ninfer import _core
+    from ninfer.demo import default_drafter
 
     try:
         p = _core.plan(args.model, device=args.device, gpu_memory=args.gpu_memory, max_context=args.max_context,
                        kv_capacity=args.kv_capacity, max_concurrency=args.max_concurrency,
                        prefill_chunk=args.prefill_chunk, prefix_reuse=not args.no_prefix_reuse,
                        kv_dtype=args.kv_dtype, quantize=args.quantize, quantize_lm_head=args.quantize_lm_head,
-                       spec=args.spec, draft_tokens=args.draft_tokens)
+                       spec=args.spec, draft_tokens=args.draft_tokens, drafter=default_drafter(args.model, args.spec, args.drafter))
     except _core.NinferError as e:
         print(f"ninfer plan: error: {e}", file=sys.stderr)
         return 2

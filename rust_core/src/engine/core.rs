@@ -112,10 +112,7 @@ impl EngineCore {
         if let Some(s) = config.spec.as_ref().filter(|s| s.method == SpecMethod::Dflash) {
             // Before cache_spec: the drafter's context is part of every token's KV bytes.
             let block = runner.enable_dflash(s.drafter.as_deref().expect("checked: dflash has a drafter"))?;
-            max_drafts = block - 1;
-            if s.draft_tokens > max_drafts {
-                return Err(NinferError::config("draft_tokens (--draft-tokens)", format!("{} drafts do not fit the drafter's block of {block} tokens (at most {max_drafts})", s.draft_tokens)));
-            }
+            max_drafts = crate::plan::drafter::max_drafts(block, s.draft_tokens)?;
         }
         if let Some(d) = config.spec.as_ref().and_then(|s| s.lm_head_draft.as_ref()) {
             if d.token_ids.is_empty() {
@@ -128,6 +125,10 @@ impl EngineCore {
         let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
         // A step's tokens fit the one budget (prefill_chunk), so decode rows do too.
         let decode_rows = config.max_concurrency.min(step_rows);
+        if config.spec.is_some() {
+            // The verify steps' buffers, before the budget is asked (`plan::verify_rows`).
+            runner.reserve_verify(step_rows, decode_rows, max_drafts)?;
+        }
         // Asked either way, so that the runner's step buffers for the largest steps exist
         // before the caches are planned; its budget counts only without a --kv-capacity.
         let budget = runner.cache_budget_bytes(step_rows, decode_rows)?.filter(|_| config.kv_capacity_tokens.is_none());

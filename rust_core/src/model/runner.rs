@@ -389,6 +389,16 @@ pub trait ModelRunner: Send {
         Ok(None)
     }
 
+    /// Under speculative decoding, grows the step buffers (activations, logits, attention
+    /// scratch, sampler, the MTP head's) to the largest verify step of up to `decode_rows`
+    /// sequences with up to `max_drafts` drafts each in a step of `step_rows` tokens
+    /// (`plan::verify_rows`), before the caches are planned (`cache_budget_bytes`): so that a
+    /// start that fits does not run out of memory at its first speculative step, and the
+    /// memory plan counts what it takes. Runners without device buffers do nothing.
+    fn reserve_verify(&mut self, _step_rows: usize, _decode_rows: usize, _max_drafts: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// Free memory of the device the runner allocates from, when the backend can tell (a
     /// CUDA device); None for host memory, which the caller measures itself.
     fn device_free_bytes(&self) -> Option<u64> {

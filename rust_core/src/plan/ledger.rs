@@ -9,7 +9,9 @@ use std::path::Path;
 use super::formats::QuantFormat;
 use super::inventory::{checkpoint_tensors, PlannedTensor, Role};
 use super::memory::{device_memory, host_available_bytes, DeviceMemory};
-use super::{cache_spec, reserve_bytes, Target};
+use super::drafter::{drafter_bytes, DrafterBytes};
+use super::gpu::{fp8_gemm_fits, mtp_layers_error, nvfp4_held_parts, quant_shape_error, LT_WORKSPACE_BYTES};
+use super::{cache_spec, reserve_bytes, verify_rows, Target};
 use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
 use crate::engine::{EngineConfig, MemoryLedger, ResolvedConfig};
@@ -90,6 +92,10 @@ pub struct Plan {
     pub reserve_bytes: u64,
     /// `ledger.total_bytes + reserve_bytes`.
     pub needed_bytes: u64,
+    /// Of the workspace: the dequantization workspace (`quant_workspace_bytes`) and cuBLASLt's
+    /// (`lt_workspace_bytes`); the rest is the step buffers' estimate.
+    pub dequant_workspace_bytes: u64,
+    pub lt_workspace_bytes: u64,
     /// The model's own context length (0: not given).
     pub model_max_context: usize,
     pub fit: Option<Fit>,
@@ -120,8 +126,21 @@ pub fn weight_lines(input: &PlanInput<'_>) -> Result<(Vec<WeightLine>, u64)> {
         e.0 += 1;
         e.1 += bytes;
     }
-    let total = by.values().map(|v| v.1).sum();
-    Ok((by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect(), total))
+    let mut lines: Vec<WeightLine> = by.into_iter().map(|(format, (tensors, bytes))| WeightLine { format, tensors, bytes }).collect();
+    if let Some(d) = drafter(input)? {
+        lines.push(WeightLine { format: format!("{} DFlash drafter", input.target.dense_name()), tensors: d.tensors, bytes: d.weight_bytes });
+    }
+    let total = lines.iter().map(|l| l.bytes).sum();
+    Ok((lines, total))
+}
+
+/// The DFlash drafter `--spec dflash --drafter DIR` loads beside the model (None without one):
+/// its weights and context bytes per token as the backend holds them (`plan::drafter`).
+pub fn drafter(input: &PlanInput<'_>) -> Result<Option<DrafterBytes>> {
+    match input.engine.spec.as_ref().filter(|s| s.method == SpecMethod::Dflash).and_then(|s| s.drafter.as_deref()) {
+        Some(dir) => Ok(Some(drafter_bytes(dir, input.cfg, input.target)?)),
+        None => Ok(None),
+    }
 }
 
 /// (format, bytes) of each tensor the CPU loader holds (`cpu::weights`, `cpu::quant_load`):
@@ -179,6 +198,13 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
     let target = input.target;
     let fused_rows = fused_rows(tensors);
     let head = input.quantize.filter(|_| input.quantize_lm_head);
+    if is_mtp(&input.engine) {
+        // The MTP layers as the inventory counts them (`mtp.layers.{i}.input_layernorm`).
+        let layers = tensors.iter().filter(|t| t.mtp && t.name.starts_with("mtp.layers.") && t.name.ends_with(".input_layernorm.weight")).count();
+        if let Some(e) = mtp_layers_error(layers) {
+            return Err(e);
+        }
+    }
     let mut out = Vec::with_capacity(tensors.len() + 1);
     for (i, t) in tensors.iter().enumerate() {
         let cols: usize = t.shape[1..].iter().product();
@@ -186,11 +212,17 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
             if !matches!(t.role, Role::Matrix | Role::LmHead) {
                 return Err(NinferError::Unsupported(format!("{} stored quantized ({}) on the CUDA backend (its embedding is dense)", t.name, q.format.name())));
             }
+            if let Some(e) = quant_shape_error(&t.name, q.format, cols) {
+                return Err(e);
+            }
             out.push((q.format.name().to_string(), q.bytes - if t.fused { q.g_idx_bytes } else { 0 }));
             continue;
         }
         if t.role == Role::Embedding && input.cfg.tie_word_embeddings {
             if let Some(f) = head.filter(|f| f.holds(t.shape[0], cols)) {
+                if let Some(e) = quant_shape_error(&t.name, f.mode.format(), cols) {
+                    return Err(e);
+                }
                 out.push((f.name().to_string(), f.matrix_bytes("lm_head (tied to the embedding)", t.shape[0], cols)?));
             }
         }
@@ -200,6 +232,9 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
             _ => None,
         }
         .filter(|f| f.holds(t.shape[0], cols));
+        if let Some(e) = quant.and_then(|f| quant_shape_error(&t.name, f.mode.format(), cols)) {
+            return Err(e);
+        }
         out.push(match (quant, t.role) {
             (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
                 (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
@@ -212,18 +247,17 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
     Ok(out)
 }
 
-/// For a format that does not encode rows alone (NVFP4), whether the CUDA loader packs the
-/// fused projection matrix `i` belongs to (`cuda::load::nvfp4_held_parts`): its leading parts
-/// the format holds, when every part it cannot hold comes after them (the dense tail).
-fn stacks_parts(tensors: &[&PlannedTensor], i: usize, f: QuantFormat) -> bool {
+/// For a format that does not encode rows alone (NVFP4), whether the CUDA loader packs matrix
+/// `i` of its fused projection (`plan::gpu::nvfp4_held_parts`, the loader's rule): one of the
+/// leading parts the format holds, when every part it cannot hold comes after them.
+fn stacks_parts(tensors: &[&PlannedTensor], i: usize, _f: QuantFormat) -> bool {
     // The projection's matrices in order, as `fused_rows` groups them.
     let matrices: Vec<usize> = (0..tensors.len()).filter(|&j| tensors[j].role == Role::Matrix).collect();
     let at = matrices.iter().position(|&j| j == i).expect("a matrix");
     let lead = (0..=at).rev().find(|&m| !tensors[matrices[m]].fused).unwrap_or(0);
     let end = (lead + 1..matrices.len()).find(|&m| !tensors[matrices[m]].fused).unwrap_or(matrices.len());
-    let held: Vec<bool> = matrices[lead..end].iter().map(|&j| f.holds(tensors[j].shape[0], tensors[j].shape[1..].iter().product())).collect();
-    let first = held.iter().take_while(|h| **h).count();
-    first > 0 && !held[first..].iter().any(|h| *h)
+    let rows: Vec<usize> = matrices[lead..end].iter().map(|&j| tensors[j].shape[0]).collect();
+    nvfp4_held_parts(&rows, tensors[i].shape[1..].iter().product()).is_some_and(|held| at - lead < held)
 }
 
 /// The tensors the target loads (the MTP head's on the GPU only under `--spec mtp`).
@@ -285,12 +319,45 @@ fn is_mtp(engine: &EngineConfig) -> bool {
     engine.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Mtp)
 }
 
-/// An upper estimate of the step buffers: activations of a `step_rows`-token step (rounded up
-/// to a power of two, as the CUDA runner grows them) in the dense type, the GDN chunk workspace,
-/// and two f32 logits rows (logits and the sampler's copy) per decode row. The engine measures
-/// the real high-water mark after its warm-up step; the device reserve absorbs the difference.
-pub fn workspace_estimate(cfg: &ModelConfig, target: Target, step_rows: usize, decode_rows: usize) -> u64 {
-    let rows = step_rows.next_power_of_two().max(8) as u64;
+/// Bytes of the cuBLASLt workspace (`plan::gpu::LT_WORKSPACE_BYTES`) a GPU load allocates
+/// when a weight takes the FP8 tensor-core route: `--quantize fp8` rows (FP8_E4M3FN_ROW_BF16S)
+/// whose fused N and K are multiples of 16 (`fp8_gemm_fits`), the LM head's with
+/// `--quantize-lm-head`. The route also needs sm_89 or newer with bf16 storage, which a plan
+/// for `--gpu-memory` cannot know: it counts the workspace wherever a shape would take it.
+pub fn lt_workspace_bytes(input: &PlanInput<'_>) -> u64 {
+    let Some(f) = input.quantize.filter(|f| input.target == Target::Gpu && f.mode == QuantizeMode::Fp8) else { return 0 };
+    let tensors = loaded(input);
+    let rows = fused_rows(&tensors);
+    let body = tensors.iter().zip(rows).any(|(t, r)| t.role == Role::Matrix && t.stored.is_none() && r > 0 && f.holds(r, t.shape[1]) && fp8_gemm_fits(r, t.shape[1]));
+    let head = input.quantize_lm_head
+        && tensors.iter().any(|t| (t.role == Role::LmHead || (t.role == Role::Embedding && input.cfg.tie_word_embeddings)) && t.stored.is_none() && fp8_gemm_fits(t.shape[0], t.shape[1]));
+    if body || head {
+        LT_WORKSPACE_BYTES as u64
+    } else {
+        0
+    }
+}
+
+/// What speculative decoding adds to the step buffers: the most drafts a round carries and
+/// whether the MTP head drafts (its step buffers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecRows {
+    pub max_drafts: usize,
+    pub mtp: bool,
+}
+
+/// An upper estimate of the step buffers: activations of a `step_rows`-token step, or of the
+/// largest padded verify step under speculation (`spec`; `plan::verify_rows`), rounded up to a
+/// power of two as the CUDA runner grows them, in the dense type, with the GDN chunk
+/// workspace; two f32 logits rows (logits and the sampler's copy) per row wanting logits
+/// (decode rows, or every row of a verify step); the MTP head's hidden-state and input
+/// buffers. The CUDA runner allocates the verify and sampler buffers at startup
+/// (`ModelRunner::reserve_verify`), the engine measures the real high-water mark after its
+/// warm-up step, and the device reserve absorbs the difference.
+pub fn workspace_estimate(cfg: &ModelConfig, target: Target, step_rows: usize, decode_rows: usize, spec: Option<SpecRows>) -> u64 {
+    let pad = |n: usize| n.next_power_of_two().max(8);
+    let (verify, verify_logits) = spec.map_or((0, 0), |s| verify_rows(step_rows, decode_rows, s.max_drafts, pad));
+    let rows = pad(step_rows.max(verify)) as u64;
     let e = target.dense_bytes() as u64;
     let (h, qd, kvd) = (cfg.hidden_size as u64, (cfg.num_attention_heads * cfg.head_dim) as u64, (cfg.num_kv_heads * cfg.head_dim) as u64);
     let attn_width = qd * if cfg.attn_output_gate { 2 } else { 1 } + 2 * kvd;
@@ -301,19 +368,32 @@ pub fn workspace_estimate(cfg: &ModelConfig, target: Target, step_rows: usize, d
     let norms = if cfg.qk_norm { qd + kvd } else { 0 };
     let per_row = 4 * h + attn_width.max(cd + vd + 2 * nv) + norms + qd.max(vd) + 3 * inter + cd + vd;
     let gdn = 2 * nv + nv * (dk + dv + 68);
-    let logits = 2 * decode_rows.next_power_of_two().max(8) as u64 * cfg.vocab_size as u64 * 4;
-    rows * (per_row * e + gdn * 4) + logits
+    let logits = 2 * pad(decode_rows.max(verify_logits)) as u64 * cfg.vocab_size as u64 * 4;
+    // The MTP head keeps the last forward's hidden rows and gathers its inputs (h) and the
+    // concatenated halves (2h) of a step's rows.
+    let mtp = if spec.is_some_and(|s| s.mtp) { (rows + 3 * pad(step_rows) as u64) * h * e } else { 0 };
+    rows * (per_row * e + gdn * 4) + logits + mtp
+}
+
+/// The speculation of `input`'s settings, as the step buffers count it: None without `--spec`.
+fn spec_rows(input: &PlanInput<'_>) -> Result<Option<SpecRows>> {
+    let Some(s) = input.engine.spec.as_ref() else { return Ok(None) };
+    let max_drafts = match drafter(input)? {
+        Some(d) => super::drafter::max_drafts(d.block_size, s.draft_tokens)?,
+        None => crate::spec::MAX_DRAFT_TOKENS,
+    };
+    Ok(Some(SpecRows { max_drafts, mtp: s.method == SpecMethod::Mtp }))
 }
 
 /// The sizes, ledger and needed bytes of `input` at concurrency `c`, context `ctx` and KV pool
 /// `kv` tokens.
-fn sized(input: &PlanInput<'_>, spec: &CacheSpec, c: usize, ctx: usize, kv: usize, reserve: u64) -> Result<(ResolvedConfig, MemoryLedger, u64)> {
+fn sized(input: &PlanInput<'_>, spec: &CacheSpec, rows: Option<SpecRows>, c: usize, ctx: usize, kv: usize, reserve: u64) -> Result<(ResolvedConfig, MemoryLedger, u64)> {
     let model_max = input.cfg.max_position_embeddings;
     let engine = EngineConfig { max_concurrency: c, max_context: Some(ctx), kv_capacity_tokens: Some(kv), ..input.engine.clone() };
     let r = engine.resolve(model_max, spec, None)?;
     let mut l = r.ledger(spec);
     let step_rows = if model_max > 0 { r.prefill_chunk.min(model_max) } else { r.prefill_chunk };
-    let ws = workspace_estimate(input.cfg, input.target, step_rows, c.min(step_rows)) + quant_workspace_bytes(input);
+    let ws = workspace_estimate(input.cfg, input.target, step_rows, c.min(step_rows), rows) + quant_workspace_bytes(input) + lt_workspace_bytes(input);
     l.workspace_bytes = ws;
     l.total_bytes += ws;
     let needed = l.total_bytes + reserve;
@@ -351,15 +431,18 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Plan> {
     let model_max = cfg.max_position_embeddings;
     let max_context = input.engine.check(model_max)?;
     let (weights, weight_bytes) = weight_lines(input)?;
-    let spec = cache_spec(cfg, input.target, is_mtp(&input.engine), weight_bytes as usize);
+    let mut spec = cache_spec(cfg, input.target, is_mtp(&input.engine), weight_bytes as usize);
+    // A DFlash drafter's context K/V is paged with the KV: part of every token's bytes.
+    spec.kv_bytes_per_token += drafter(input)?.map_or(0, |d| d.context_bytes_per_token);
+    let rows = spec_rows(input)?;
     let reserve = input.memory.map_or(0, |m| reserve_bytes(input.target, m.total));
     let c = input.engine.max_concurrency;
     let kv = input.engine.kv_capacity_tokens.unwrap_or_else(|| pool_tokens(input.pool, c, max_context));
-    let (config, ledger, needed) = sized(input, &spec, c, max_context, kv, reserve)?;
+    let (config, ledger, needed) = sized(input, &spec, rows, c, max_context, kv, reserve)?;
     let fit = match input.memory {
         None => None,
         Some(m) => {
-            let fits_at = |c: usize, ctx: usize| -> Result<bool> { Ok(sized(input, &spec, c, ctx, pool_tokens(input.pool, c, ctx), reserve)?.2 <= m.free) };
+            let fits_at = |c: usize, ctx: usize| -> Result<bool> { Ok(sized(input, &spec, rows, c, ctx, pool_tokens(input.pool, c, ctx), reserve)?.2 <= m.free) };
             let ctx_hi = if model_max > 0 { model_max } else { max_context.max(1 << 22) };
             Some(Fit {
                 available: m.free,
@@ -370,7 +453,7 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Plan> {
                 largest_kv_capacity: match input.engine.kv_capacity_tokens {
                     None => None,
                     // The pool cannot go below one context: search above it.
-                    Some(kv) => Some(match largest(kv.saturating_sub(max_context) + 1, |extra| Ok(sized(input, &spec, c, max_context, max_context + extra - 1, reserve)?.2 <= m.free))? {
+                    Some(kv) => Some(match largest(kv.saturating_sub(max_context) + 1, |extra| Ok(sized(input, &spec, rows, c, max_context, max_context + extra - 1, reserve)?.2 <= m.free))? {
                         0 => 0,
                         n => max_context + n - 1,
                     }),
@@ -378,7 +461,8 @@ pub fn plan(input: &PlanInput<'_>) -> Result<Plan> {
             })
         }
     };
-    Ok(Plan { weights, spec, config, ledger, reserve_bytes: reserve, needed_bytes: needed, model_max_context: model_max, fit })
+    let (dequant_workspace_bytes, lt_workspace_bytes) = (quant_workspace_bytes(input), lt_workspace_bytes(input));
+    Ok(Plan { weights, spec, config, ledger, reserve_bytes: reserve, needed_bytes: needed, dequant_workspace_bytes, lt_workspace_bytes, model_max_context: model_max, fit })
 }
 
 impl Plan {
@@ -430,6 +514,9 @@ pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &Engin
     let store = WeightStore::open(dir)?;
     let tensors = checkpoint_tensors(dir, cfg, Some(&store))?;
     let input = PlanInput { cfg, tensors: &tensors, target, engine: engine.clone(), quantize: quantize.0.map(QuantFormat::of), quantize_lm_head: quantize.1, memory, pool: PoolRule::OneContext };
+    if target == Target::Gpu {
+        check_gpu_load(dir, Some(&store), &input)?;
+    }
     let p = plan(&input)?;
     if let Some(f) = p.fit.as_ref().filter(|f| !f.fits) {
         let l = &p.ledger;
@@ -451,4 +538,24 @@ pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &Engin
         });
     }
     Ok(p)
+}
+
+/// The CUDA loader's own refusals of `input`'s load of the model in `dir` (`store`: its
+/// safetensors headers, None for config.json alone), run before any weight is read
+/// (`model::cuda::load::check_load`: the configuration the kernels take, and with the headers
+/// the loader's whole plan pass, whose fused projections refuse parts of mixed formats, widths,
+/// row units or g_idx, and dense parts before quantized ones), so that `ninfer plan` for a GPU
+/// refuses, naming the tensor, the format and the reason, what the load would refuse. The
+/// shape rules that need no headers (`plan::gpu`) run in `plan` itself. A build without the
+/// CUDA backend has no loader to ask: only those.
+pub fn check_gpu_load(dir: &Path, store: Option<&WeightStore>, input: &PlanInput<'_>) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let hf = crate::model::cpu::quant_load::hf_quant_config(dir)?;
+        let quant = crate::model::cuda::load::QuantLoad { quantize: input.quantize.map(|f| f.mode.format()), quantize_lm_head: input.quantize_lm_head, given: None, hf };
+        crate::model::cuda::load::check_load(input.cfg, store, &quant, is_mtp(&input.engine))?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (dir, store, input);
+    Ok(())
 }

@@ -4,7 +4,9 @@
 //! a start that cannot fit before loading (`check_startup`), then sizes its caches with the same
 //! arithmetic (`cache_spec`, `reserve_bytes`, `EngineConfig::resolve`).
 
+pub mod drafter;
 pub mod formats;
+pub mod gpu;
 pub mod inventory;
 pub mod ledger;
 pub mod memory;
@@ -13,7 +15,7 @@ mod tests;
 
 pub use formats::QuantFormat;
 pub use inventory::{checkpoint_tensors, model_tensors, PlannedTensor, Role, StoredQuant};
-pub use ledger::{check_startup, plan, Fit, Plan, PlanInput, PoolRule, WeightLine};
+pub use ledger::{check_gpu_load, check_startup, plan, Fit, Plan, PlanInput, PoolRule, SpecRows, WeightLine};
 pub use memory::{device_memory, host_available_bytes, DeviceMemory};
 
 use crate::config::ModelConfig;
@@ -81,6 +83,19 @@ pub fn state_bytes_per_slot(cfg: &ModelConfig, target: Target) -> usize {
 /// The cache costs the engine plans with (`ModelRunner::cache_spec` of both backends).
 pub fn cache_spec(cfg: &ModelConfig, target: Target, mtp: bool, weight_bytes: usize) -> CacheSpec {
     CacheSpec { kv_bytes_per_token: kv_bytes_per_token(cfg, target, mtp), state_bytes_per_slot: state_bytes_per_slot(cfg, target), weight_bytes }
+}
+
+/// The rows of the largest speculative verify step of up to `decode_rows` sequences, each
+/// bringing its decode token and up to `max_drafts` drafts within a step of `step_rows`
+/// tokens (the scheduler fits drafts into that budget): (the rows a uniform verify step runs,
+/// its sequences padded by `pad` as the backend pads them; the rows that want logits, padded
+/// or not). Verify chunks of more than MAX_DRAFT_TOKENS + 1 tokens never run as a uniform
+/// step. The CUDA runner allocates these at startup and the plan counts them.
+pub fn verify_rows(step_rows: usize, decode_rows: usize, max_drafts: usize, pad: impl Fn(usize) -> usize) -> (usize, usize) {
+    let longest = (max_drafts + 1).min(crate::spec::MAX_DRAFT_TOKENS + 1).min(step_rows);
+    let padded = (2..=longest).map(|r| pad(decode_rows.min(step_rows / r).max(1)) * r).max().unwrap_or(0);
+    let logits = (decode_rows * (max_drafts + 1)).min(step_rows).max(padded);
+    (padded, logits)
 }
 
 /// What a GPU keeps free of a device of `total` bytes for what is allocated after the plan

@@ -234,3 +234,141 @@ fn the_startup_check_refuses_before_loading_what_cannot_fit() {
     // The host's free memory moves between the two reads: allow it a little slack.
     assert!(at(kv) <= host.free + (64 << 20) && at(kv + 1 + (1 << 20)) > host.free.saturating_sub(64 << 20), "{kv}");
 }
+
+/// Sizes the CUDA kernels take (head_dim 64, GDN key head dim 64, value head dim a multiple of
+/// 32) and NVFP4 holds in part (rows a multiple of 128, K of 64).
+fn cuda_dims() -> TinyDims {
+    TinyDims { h: 128, v: 70, inter: 256, nh: 2, nkv: 1, hd: 64, nk: 1, nv: 2, kd: 64, vd: 32, kern: 4 }
+}
+
+fn gpu_input<'a>(cfg: &'a ModelConfig, tensors: &'a [PlannedTensor], quantize: Option<&str>, engine: EngineConfig) -> PlanInput<'a> {
+    PlanInput { quantize: quantize.map(|q| QuantFormat::parse(q).unwrap()), ..input(cfg, tensors, Target::Gpu, engine) }
+}
+
+fn mtp_engine() -> EngineConfig {
+    EngineConfig { spec: Some(SpecConfig::new("mtp", None).unwrap()), ..Default::default() }
+}
+
+#[test]
+fn a_gpu_plan_refuses_a_quantized_shape_the_cuda_kernels_cannot_run() {
+    // down_proj's K = 68 is not a multiple of 8: the GPU kernels cannot decode it packed.
+    let d = TinyDims { inter: 68, ..cuda_dims() };
+    let dir = checkpoint_of("k_mod_8", false, d);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let e = plan(&gpu_input(&cfg, &tensors, Some("w8"), EngineConfig::default())).unwrap_err().to_string();
+    assert!(e.contains("layers.0.mlp.down_proj.weight") && e.contains("W8G32_F16S") && e.contains("K = 68") && e.contains("CUDA"), "{e}");
+    // Dense on the GPU, or quantized on the CPU, it plans.
+    assert!(plan(&gpu_input(&cfg, &tensors, None, EngineConfig::default())).is_ok());
+    assert!(plan(&PlanInput { quantize: Some(QuantFormat::parse("w8").unwrap()), ..input(&cfg, &tensors, Target::Cpu, EngineConfig::default()) }).is_ok());
+    // The loader refuses it with the same words, before reading any weight (its plan pass).
+    #[cfg(feature = "cuda")]
+    {
+        use crate::model::cuda::load::{check_load, QuantLoad};
+        let store = crate::artifact::WeightStore::open(&dir).unwrap();
+        let quant = QuantLoad::quantize(Some(crate::quant::QuantFormat::W8G32F16S));
+        let loader = check_load(&cfg, Some(&store), &quant, false).err().expect("refused").to_string();
+        assert!(loader.contains("down_proj") && loader.contains("W8G32_F16S") && loader.contains("K = 68"), "{loader}");
+    }
+}
+
+#[test]
+fn a_gpu_plan_with_spec_mtp_refuses_a_head_of_two_layers() {
+    let dir = checkpoint_of("two_mtp", true, cuda_dims());
+    let mut cfg = ModelConfig::from_dir(&dir).unwrap();
+    cfg.mtp_num_layers = 2;
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let e = plan(&gpu_input(&cfg, &tensors, None, mtp_engine())).unwrap_err().to_string();
+    assert!(e.contains("2 MTP layers"), "{e}");
+    // Without --spec mtp the head is not loaded on a GPU.
+    assert!(plan(&gpu_input(&cfg, &tensors, None, EngineConfig::default())).is_ok());
+}
+
+/// The plan's GPU figures are the CUDA loader's own plan pass (`check_load`, no device): the
+/// weights for every `--quantize` mode, with and without the LM head and the MTP head, and the
+/// dequantization workspace; the loader's refusals of the configuration come through it.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_gpu_plan_counts_what_the_cuda_loader_plans_and_refuses_what_it_refuses() {
+    use crate::model::cuda::load::{check_load, QuantLoad};
+    let dir = checkpoint_of("cuda_loader", true, cuda_dims());
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let store = crate::artifact::WeightStore::open(&dir).unwrap();
+    let tensors = model_tensors(&cfg, Some(&store)).unwrap();
+    for mode in std::iter::once(None).chain(crate::quant::QUANTIZE_MODES.map(Some)) {
+        for head in [false, mode.is_some()] {
+            for mtp in [false, true] {
+                let engine = if mtp { mtp_engine() } else { EngineConfig::default() };
+                let i = PlanInput { quantize_lm_head: head, ..gpu_input(&cfg, &tensors, mode, engine) };
+                let quant = QuantLoad { quantize_lm_head: head, ..QuantLoad::quantize(mode.map(|m| QuantizeMode::parse(m).unwrap().format())) };
+                let loader = check_load(&cfg, Some(&store), &quant, mtp).unwrap();
+                let what = format!("--quantize {mode:?} (lm head {head}, mtp {mtp})");
+                assert_eq!(crate::plan::ledger::weight_lines(&i).unwrap().1, loader.bytes as u64, "{what}");
+                assert_eq!(crate::plan::ledger::quant_workspace_bytes(&i), 2 * loader.quant_elems as u64, "{what}");
+                check_gpu_load(&dir, Some(&store), &i).unwrap();
+            }
+        }
+    }
+    // The kernels' head_dim: refused by the plan as by the load, config.json alone or not.
+    let small = checkpoint("cuda_head_dim", false);
+    let cfg = ModelConfig::from_dir(&small).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let e = check_gpu_load(&small, None, &gpu_input(&cfg, &tensors, None, EngineConfig::default())).unwrap_err().to_string();
+    assert!(e.contains("head_dim 8") && e.contains("CUDA"), "{e}");
+}
+
+#[test]
+fn fp8_weights_on_fp8_tensor_core_shapes_count_the_cublaslt_workspace() {
+    use crate::plan::gpu::LT_WORKSPACE_BYTES;
+    use crate::plan::ledger::{lt_workspace_bytes, quant_workspace_bytes, workspace_estimate};
+    let dir = checkpoint_of("lt", false, cuda_dims());
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let fp8 = gpu_input(&cfg, &tensors, Some("fp8"), EngineConfig::default());
+    assert_eq!(lt_workspace_bytes(&fp8), LT_WORKSPACE_BYTES as u64);
+    let p = plan(&fp8).unwrap();
+    // The workspace line: step buffers (256 rows: the model's 256-token context caps the
+    // 512-token chunk), the dequantization workspace and cuBLASLt's.
+    assert_eq!(p.ledger.workspace_bytes, workspace_estimate(&cfg, Target::Gpu, 256, 64, None) + quant_workspace_bytes(&fp8) + (32 << 20));
+    // Other formats, the CPU, and shapes cuBLASLt's FP8 GEMM cannot take (K = 72) have none.
+    assert_eq!(lt_workspace_bytes(&gpu_input(&cfg, &tensors, Some("q4"), EngineConfig::default())), 0);
+    assert_eq!(lt_workspace_bytes(&PlanInput { target: Target::Cpu, ..fp8.clone() }), 0);
+    let odd = checkpoint_of("lt_odd", false, TinyDims { h: 72, inter: 136, ..cuda_dims() });
+    let cfg = ModelConfig::from_dir(&odd).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let i = gpu_input(&cfg, &tensors, Some("fp8"), EngineConfig::default());
+    assert_eq!(lt_workspace_bytes(&i), 0);
+    // Its LM head [70, 72] does not fit either; a quantized LM head of [vocab 80, 128] would.
+    assert_eq!(lt_workspace_bytes(&PlanInput { quantize_lm_head: true, ..i }), 0);
+}
+
+#[test]
+fn speculation_counts_the_largest_verify_step_and_its_logits() {
+    use crate::plan::ledger::workspace_estimate;
+    // 4 sequences of up to 8 drafts in a 256-token step: a uniform verify step of 9 tokens a
+    // sequence runs 4 sequences padded to 8, 72 rows; 36 rows want logits, padded 72 wins.
+    let pad = |n: usize| n.next_power_of_two().max(8);
+    assert_eq!(verify_rows(256, 4, 8, pad), (72, 72));
+    // 64 sequences: the budget caps a step of 7-token chunks at 36 sequences, padded to 64:
+    // 448 rows, more than the budget's 256.
+    assert_eq!(verify_rows(256, 64, 8, pad), (448, 448));
+    assert_eq!(verify_rows(256, 64, 2, pad), (64 * 3, 192));
+    // A DFlash block of 16 (15 drafts): uniform steps are at most 9 tokens a sequence (56
+    // sequences of 9 in 512, padded to 64: 576 rows); an eager step's logits rows stay
+    // within the budget.
+    assert_eq!(verify_rows(512, 64, 15, pad), (576, 576));
+    assert_eq!(verify_rows(512, 4, 15, |n| n), (36, 64));
+    let dir = checkpoint("verify", false);
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let base = EngineConfig { max_concurrency: 4, ..Default::default() };
+    let plain = plan(&input(&cfg, &tensors, Target::Gpu, base.clone())).unwrap();
+    let ngram = plan(&input(&cfg, &tensors, Target::Gpu, EngineConfig { spec: Some(SpecConfig::new("ngram", Some(2)).unwrap()), ..base })).unwrap();
+    // Activations of 256 rows either way; the logits and the sampler's copy of 72 rows (padded
+    // to 128) instead of 4 (padded to 8): f32 over the vocabulary of 70.
+    assert_eq!(ngram.ledger.workspace_bytes - plain.ledger.workspace_bytes, 2 * (128 - 8) * 70 * 4);
+    assert_eq!(ngram.ledger.workspace_bytes, workspace_estimate(&cfg, Target::Gpu, 256, 4, Some(SpecRows { max_drafts: 8, mtp: false })));
+    // The MTP head's buffers: its kept hidden rows and its inputs (h) and halves (2h), bf16.
+    let with = |mtp| workspace_estimate(&cfg, Target::Gpu, 256, 4, Some(SpecRows { max_drafts: 8, mtp }));
+    assert_eq!(with(true) - with(false), (256 + 3 * 256) * 32 * 2);
+}

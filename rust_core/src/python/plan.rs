@@ -56,7 +56,7 @@ fn has_weights(dir: &Path) -> bool {
 /// Plan the memory of the model in `model_dir` on `device` ("cpu", "cuda:N"; None: the GPU
 /// when one is present) or on a GPU of `gpu_memory` bytes, without reading any weight.
 #[pyfunction]
-#[pyo3(signature = (model_dir, device=None, gpu_memory=None, max_context=None, kv_capacity=None, max_concurrency=1, prefill_chunk=512, prefix_reuse=true, kv_dtype="auto", quantize=None, quantize_lm_head=false, spec=None, draft_tokens=None))]
+#[pyo3(signature = (model_dir, device=None, gpu_memory=None, max_context=None, kv_capacity=None, max_concurrency=1, prefill_chunk=512, prefix_reuse=true, kv_dtype="auto", quantize=None, quantize_lm_head=false, spec=None, draft_tokens=None, drafter=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan<'py>(
     py: Python<'py>,
@@ -73,8 +73,9 @@ pub fn plan<'py>(
     quantize_lm_head: bool,
     spec: Option<&str>,
     draft_tokens: Option<usize>,
+    drafter: Option<PathBuf>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let engine = EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, spec: spec_config(spec, draft_tokens, None, false, false, None).py()?, ..Default::default() };
+    let engine = EngineConfig { max_context, kv_capacity_tokens: kv_capacity, max_concurrency, prefill_chunk, prefix_reuse, spec: spec_config(spec, draft_tokens, drafter, false, false, None).py()?, ..Default::default() };
     let quantize = quantize.map(QuantFormat::parse).transpose().py()?;
     let kv_dtype = KvDtype::parse(kv_dtype).py()?;
     let run = || -> Result<_> {
@@ -85,6 +86,10 @@ pub fn plan<'py>(
         let store = if config_only { None } else { Some(WeightStore::open(&model_dir)?) };
         let tensors = checkpoint_tensors(&model_dir, &cfg, store.as_ref())?;
         let input = PlanInput { cfg: &cfg, tensors: &tensors, target, engine, quantize, quantize_lm_head, memory, pool: PoolRule::PerSequence };
+        if target == Target::Gpu {
+            // What the CUDA loader would refuse is refused here, before any ledger.
+            crate::plan::check_gpu_load(&model_dir, store.as_ref(), &input)?;
+        }
         Ok((crate::plan::plan(&input)?, device, config_only, target))
     };
     let (p, device, config_only, target) = py.detach(run).py()?;
@@ -110,6 +115,8 @@ pub fn plan<'py>(
     d.set_item("state_bytes_per_slot", l.state_bytes_per_slot)?;
     d.set_item("state_bytes", l.state_bytes)?;
     d.set_item("workspace_bytes", l.workspace_bytes)?;
+    d.set_item("workspace_dequant_bytes", p.dequant_workspace_bytes)?;
+    d.set_item("workspace_cublaslt_bytes", p.lt_workspace_bytes)?;
     d.set_item("total_bytes", l.total_bytes)?;
     d.set_item("reserve_bytes", p.reserve_bytes)?;
     d.set_item("needed_bytes", p.needed_bytes)?;

@@ -23,9 +23,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use super::device::{driver_err, CudaDevice};
 use crate::{NinferError, Result};
 
-/// cuBLASLt workspace bytes: NVIDIA's recommendation for Hopper (32 MiB), allocated once so
-/// that a GEMM inside a captured graph never allocates.
-const LT_WORKSPACE_BYTES: usize = 32 << 20;
+// The workspace size and the FP8 shape rule are the memory plan's too (plan/gpu.rs).
+pub use crate::plan::gpu::{fp8_gemm_fits, LT_WORKSPACE_BYTES};
 
 /// `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` (cublasLtMatmulMatrixScale_t): one f32
 /// multiplier per row of op(A) (our N) and per column of B (our M).
@@ -38,11 +37,6 @@ pub enum Fp8Scaling {
     Vectors,
     /// Unit scales; the caller scales the bf16 sums afterwards.
     Unit,
-}
-
-/// Whether cuBLASLt's FP8 GEMM takes a `[n, k]` weight: K and N multiples of 16.
-pub fn fp8_gemm_fits(n: usize, k: usize) -> bool {
-    n > 0 && k > 0 && n.is_multiple_of(16) && k.is_multiple_of(16)
 }
 
 /// A cuBLASLt handle with its workspace and the algorithm its heuristic chose per shape.

@@ -305,17 +305,15 @@ impl DflashDrafter {
         self.cfg.target_layer_ids.len() * self.cfg.hidden_size
     }
 
-    /// Context bytes one token takes (f32 K and V of every drafter layer), for the ledger.
+    /// Context bytes one token takes (f32 K and V of every drafter layer), for the ledger: the
+    /// memory plan's arithmetic (`plan::drafter`).
     pub fn context_bytes_per_token(&self) -> usize {
-        self.cfg.num_layers * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * 4
+        crate::plan::drafter::context_bytes_per_token(&self.cfg, crate::plan::Target::Cpu)
     }
 
-    /// Bytes of the weights as loaded (f32).
+    /// Bytes of the weights as loaded (f32): the memory plan's arithmetic (`plan::drafter`).
     pub fn weight_bytes(&self) -> usize {
-        let layer = |l: &DflashLayer| {
-            l.q.bytes() + l.kv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes() + 4 * (l.input_norm.len() + l.post_norm.len() + l.q_norm.len() + l.k_norm.len())
-        };
-        self.fc.bytes() + 4 * (self.hidden_norm.len() + self.norm.len()) + self.layers.iter().map(layer).sum::<usize>()
+        crate::plan::drafter::weight_bytes(&self.cfg, crate::plan::Target::Cpu) as usize
     }
 
     /// Allocate the context pool: `num_blocks` blocks of `block_size` positions, the target's

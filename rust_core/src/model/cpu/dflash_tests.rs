@@ -248,3 +248,46 @@ fn the_runner_hooks_draft_as_the_drafter_does() {
     // A one-token prompt drafts from an empty context.
     assert_eq!(m.dflash_draft(&[draft_seq(0, TOKENS[0], 2, None)]).unwrap()[0].tokens.len(), 2);
 }
+
+/// `ninfer plan --spec dflash --drafter DIR` counts the drafter as the engine's ledger does
+/// (`plan::drafter`, which `DflashDrafter`'s own figures are): its weights by a hand count of
+/// the tensors written, its context K/V in every token's bytes; a bad drafter is refused
+/// naming `--drafter` before any ledger.
+#[test]
+fn the_memory_plan_counts_the_drafter_as_the_engine_does() {
+    use crate::engine::EngineConfig;
+    use crate::plan::{model_tensors, plan, PlanInput, PoolRule, Target};
+    use crate::spec::SpecConfig;
+    let target = write_hybrid("dflash_plan_target", Dtype::F32, false);
+    let dir = write_drafter("plan", serde_json::json!({}), &[]);
+    let mut m = load(&target);
+    let plain = m.cache_spec();
+    m.enable_dflash(&dir).unwrap();
+    let cfg = m.config().clone();
+    let store = crate::artifact::WeightStore::open(&target).unwrap();
+    let tensors = model_tensors(&cfg, Some(&store)).unwrap();
+    let engine = |drafter: &Path| EngineConfig { spec: Some(SpecConfig::with_drafter("dflash", Some(4), Some(drafter.to_path_buf())).unwrap()), ..Default::default() };
+    let at = |t: Target, drafter: &Path| plan(&PlanInput { cfg: &cfg, tensors: &tensors, target: t, engine: engine(drafter), quantize: None, quantize_lm_head: false, memory: None, pool: PoolRule::PerSequence });
+    let p = at(Target::Cpu, &dir).unwrap();
+    assert_eq!(p.spec, m.cache_spec(), "the plan's ledger is the engine's");
+    // fc [40, 80], two norms of 40; per layer two norms of 40, q [32, 40], k and v [16, 40],
+    // o [40, 32], q/k norms of 8, gate and up [24, 40], down [40, 24]: f32 on the CPU.
+    let layer = 2 * H + 32 * H + 2 * 16 * H + H * 32 + 2 * 8 + 2 * 24 * H + H * 24;
+    let weights = 4 * (H * 2 * H + 2 * H + 2 * layer);
+    let line = p.weights.iter().find(|w| w.format == "F32 DFlash drafter").expect("a drafter line");
+    assert_eq!((line.bytes, line.tensors), (weights as u64, 3 + 2 * 11));
+    assert_eq!(p.ledger.weight_bytes - plain.weight_bytes as u64, weights as u64);
+    // Context: K and V of 2 layers of 2 KV heads of 8, f32.
+    assert_eq!(p.spec.kv_bytes_per_token - plain.kv_bytes_per_token, 2 * 2 * 2 * 8 * 4);
+    // A GPU holds them in bf16.
+    let g = at(Target::Gpu, &dir).unwrap();
+    assert_eq!(g.weights.iter().find(|w| w.format == "BF16 DFlash drafter").unwrap().bytes, weights as u64 / 2);
+    // Drafts beyond the block (5 rows: at most 4) are refused as the engine refuses them.
+    let over = EngineConfig { spec: Some(SpecConfig::with_drafter("dflash", Some(5), Some(dir.clone())).unwrap()), ..Default::default() };
+    let e = plan(&PlanInput { cfg: &cfg, tensors: &tensors, target: Target::Cpu, engine: over, quantize: None, quantize_lm_head: false, memory: None, pool: PoolRule::PerSequence }).unwrap_err().to_string();
+    assert!(e.contains("--draft-tokens") && e.contains("block of 5"), "{e}");
+    for (bad, needle) in [(dir.join("missing"), "no such drafter directory"), (write_drafter("plan_short", serde_json::json!({}), &["norm.weight"]), "norm.weight")] {
+        let e = at(Target::Cpu, &bad).unwrap_err().to_string();
+        assert!(e.contains("--drafter") && e.contains(needle), "{e}");
+    }
+}

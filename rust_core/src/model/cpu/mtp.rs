@@ -75,6 +75,27 @@ pub struct MtpDrafter {
     head: Option<ReducedHead>,
 }
 
+/// Output row `row` of `head` as f32 into `out`: a quantized block's row decoded as its format
+/// defines it (`quant::dequantize_rows`, the values its matmul multiplies by), so that the
+/// reduced head's logits are the full head's at its ids.
+fn head_row(head: &super::weights::Linear, row: usize, out: &mut [f32]) {
+    let k = head.k;
+    let mut r = head.order.as_ref().map_or(row, |o| o[row] as usize);
+    for part in &head.parts {
+        let rows = part.rows(k);
+        if r >= rows {
+            r -= rows;
+            continue;
+        }
+        match part {
+            super::weights::Part::Dense(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
+            super::weights::Part::Quant(q) => crate::quant::dequantize_rows(&q.weight().view(), r..r + 1, out),
+        }
+        return;
+    }
+    unreachable!("row {row} is inside the head's {} rows", head.n);
+}
+
 /// The LM-head rows of a draft vocabulary (`--lm-head-draft`): drafting computes logits for
 /// these ids only, a fraction of the full head's cost, and the draft is the argmax among them.
 struct ReducedHead {
@@ -98,23 +119,33 @@ impl MtpDrafter {
 
     /// Draft over `ids` only (`--lm-head-draft`): the MTP logits of every other id are -inf,
     /// so the argmax (and any distribution read from the logits) stays within them. The ids
-    /// must be distinct and below the vocabulary size.
+    /// must be distinct and below the vocabulary size. A quantized LM head's rows of those ids
+    /// are decoded to f32 here, once.
     pub fn set_draft_vocab(&mut self, model: &CpuModel, ids: &[u32]) -> Result<()> {
         let (h, vocab) = (model.cfg.hidden_size, model.cfg.vocab_size);
         let mut seen = vec![false; vocab];
-        let full = model.weights.lm_head_dense().ok_or_else(|| {
-            NinferError::config("lm_head_draft (--lm-head-draft)", "--lm-head-draft over a quantized LM head (--quantize-lm-head, or a checkpoint's quantized lm_head) is not supported yet")
-        })?;
-        let mut w = Vec::with_capacity(ids.len() * h);
         for &t in ids {
             match seen.get_mut(t as usize) {
                 Some(s) if !*s => *s = true,
                 _ => return Err(NinferError::config("lm_head_draft (--lm-head-draft)", format!("draft vocabulary id {t} is repeated or outside the vocabulary of {vocab}"))),
             }
-            w.extend_from_slice(&full[t as usize * h..(t as usize + 1) * h]);
         }
         if ids.is_empty() {
             return Err(NinferError::config("lm_head_draft (--lm-head-draft)", "the draft vocabulary is empty"));
+        }
+        let mut w = vec![0f32; ids.len() * h];
+        match (model.weights.lm_head_dense(), model.weights.lm_head.as_ref()) {
+            (Some(full), _) => {
+                for (row, &t) in w.chunks_exact_mut(h).zip(ids) {
+                    row.copy_from_slice(&full[t as usize * h..(t as usize + 1) * h]);
+                }
+            }
+            (None, Some(head)) => {
+                for (row, &t) in w.chunks_exact_mut(h).zip(ids) {
+                    head_row(head, t as usize, row);
+                }
+            }
+            (None, None) => unreachable!("a tied head is the dense embedding"),
         }
         self.head = Some(ReducedHead { ids: ids.to_vec(), w });
         Ok(())

@@ -246,3 +246,46 @@ fn a_reduced_draft_vocabulary_drafts_the_argmax_among_its_ids() {
         assert!(d.set_draft_vocab(&m, &bad).unwrap_err().to_string().contains("--lm-head-draft"), "{bad:?}");
     }
 }
+
+/// `--lm-head-draft` over a quantized LM head (`--quantize-lm-head`): the head's rows of the
+/// draft vocabulary are decoded once, so the drafts are the full quantized head's argmax among
+/// those ids with its logits there, and a vocabulary of every id drafts as the full head does.
+#[test]
+fn a_reduced_draft_vocabulary_over_a_quantized_head_drafts_as_the_full_head_among_its_ids() {
+    use crate::quant::QuantizeMode;
+    let dir = write_hybrid("mtp_reduced_quant", Dtype::F32, true);
+    let table: Vec<u32> = (0..8).collect();
+    for mode in [QuantizeMode::W8, QuantizeMode::Q4, QuantizeMode::Fp8] {
+        let opts = LoadOptions { device: "cpu".into(), num_threads: Some(2), quantize: Some(mode), quantize_lm_head: true, ..Default::default() };
+        let mut m = CpuModel::load(&dir, &opts).unwrap();
+        m.allocate_caches(32, 4, 4).unwrap();
+        assert!(m.weights.lm_head_dense().is_none(), "{mode:?}: the head is quantized");
+        let mut d = MtpDrafter::new(&m).unwrap();
+        d.allocate(&m, 32, 4).unwrap();
+        let mut hidden = Vec::new();
+        m.forward_with_hidden(&StepBatch { seqs: vec![seq(&TOKENS, 0, &table, 0, LogitsWanted::All)] }, &mut hidden).unwrap();
+        let (h, v) = (m.config().hidden_size, m.config().vocab_size);
+        let full = greedy(&m, &mut d, &[rows(&table, &hidden, h, 0, 10)], 3);
+        let some: Vec<u32> = (1..v as u32).step_by(3).collect();
+        d.set_draft_vocab(&m, &some).unwrap();
+        let reduced = greedy(&m, &mut d, &[rows(&table, &hidden, h, 0, 10)], 3);
+        let first = &full[0][0].logits;
+        let best = *some.iter().max_by(|&&a, &&b| first[a as usize].total_cmp(&first[b as usize]).then(b.cmp(&a))).unwrap();
+        assert_eq!(reduced[0][0].token, best, "{mode:?}");
+        for (t, l) in first.iter().enumerate() {
+            let r = reduced[0][0].logits[t];
+            if t % 3 == 1 {
+                assert!((r - l).abs() <= 1e-5 * l.abs().max(1.0), "{mode:?} id {t}: {r} vs {l}");
+            } else {
+                assert_eq!(r, f32::NEG_INFINITY, "{mode:?} id {t}");
+            }
+        }
+        assert!(reduced[0].iter().all(|x| x.token % 3 == 1), "{mode:?}");
+        let every: Vec<u32> = (0..v as u32).rev().collect();
+        d.set_draft_vocab(&m, &every).unwrap();
+        assert_same(&greedy(&m, &mut d, &[rows(&table, &hidden, h, 0, 10)], 3)[0], &full[0]);
+        // A step wanting no logits (a round's recomputed rows) runs no head.
+        let none = m.forward(&StepBatch { seqs: vec![seq(&TOKENS[..4], 0, &table, 1, LogitsWanted::None)] }).unwrap();
+        assert!(none.data.is_empty(), "{mode:?}");
+    }
+}

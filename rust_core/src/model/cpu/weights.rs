@@ -443,6 +443,11 @@ impl ModelWeights {
     /// Logits `out[m, vocab]` of `m` normed hidden rows `x[m, hidden]`: the lm_head, or the
     /// (dense) embedding when tied.
     pub fn lm_head_forward(&self, x: &[f32], m: usize, hidden: usize, vocab: usize, out: &mut [f32]) {
+        // A step that wants no logits (a speculative round's recomputed rows): nothing to do,
+        // and a quantized head's matmul takes at least one row.
+        if m == 0 {
+            return;
+        }
         match &self.lm_head {
             Some(l) => l.forward(x, m, out),
             None => linear(x, m, hidden, &self.embed, vocab, None, out),

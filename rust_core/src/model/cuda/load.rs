@@ -55,6 +55,7 @@ use crate::model::names;
 use crate::model::cpu::quant_load::{checked_hf_quant, hf_weight};
 use crate::model::LoadOptions;
 use crate::quant::{self, HfQuantConfig, QuantFormat, QuantWeight, RawDtype};
+use crate::plan::gpu::{mtp_layers_error, quant_shape_error};
 use crate::{NinferError, Result};
 
 pub use pack::Packed;
@@ -129,17 +130,8 @@ impl QuantLoad {
     }
 }
 
-/// How many leading parts (`rows` each, of `k` columns) of a projection `--quantize nvfp4`
-/// holds packed on CUDA: those NVFP4's layout holds (rows a multiple of 128, K of 64), when
-/// they come first and the rest are all parts it cannot hold (the dense tail); None (the whole
-/// projection dense) when none is held or a part it cannot hold comes before one it can (the
-/// CPU loader packs that one; the CUDA weight holds dense rows only after the packed ones).
-/// `ninfer plan` counts the same (`plan::ledger`).
-pub fn nvfp4_held_parts(rows: &[usize], k: usize) -> Option<usize> {
-    let held: Vec<bool> = rows.iter().map(|r| matches!(quant::payload_bytes(QuantFormat::Nvfp4, [*r, k]), Some(Ok(_)))).collect();
-    let lead = held.iter().take_while(|h| **h).count();
-    (lead > 0 && !held[lead..].iter().any(|h| *h)).then_some(lead)
-}
+/// `--quantize nvfp4`'s packed parts of a fused projection: the plan's rule too.
+pub use crate::plan::gpu::nvfp4_held_parts;
 
 /// Bytes a quantized weight holds: its payload and companions.
 fn quant_bytes(w: &QuantWeight) -> usize {
@@ -200,9 +192,8 @@ pub fn build_mtp<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &ModelConfig, 
     while store.contains(&format!("mtp.layers.{n_layers}.input_layernorm.weight")) {
         n_layers += 1;
     }
-    let n_layers = n_layers.max(cfg.mtp_num_layers).max(1);
-    if n_layers != 1 {
-        return Err(NinferError::Unsupported(format!("drafting with {n_layers} MTP layers (mtp_num_hidden_layers); one")));
+    if let Some(e) = mtp_layers_error(n_layers.max(cfg.mtp_num_layers).max(1)) {
+        return Err(e);
     }
     let used = RefCell::new(BTreeSet::new());
     let b = Builder { store, cfg, quantize: quant.quantize, given: quant.given.as_deref(), hf: quant.hf, used: &used };
@@ -260,6 +251,12 @@ pub(super) fn build_dflash<S: Sink>(sink: &mut S, store: &WeightStore, cfg: &Mod
     Ok(DflashWeights { fc, hidden_norm, norm, layers, bytes })
 }
 
+/// Refuses a quantized projection whose shape the GPU kernels cannot run, before any weight is
+/// read (`plan::gpu::quant_shape_error`; the device checks each weight again at upload).
+fn refuse_shape(name: &str, format: QuantFormat, k: usize) -> Result<()> {
+    quant_shape_error(name, format, k).map_or(Ok(()), Err)
+}
+
 #[derive(Clone, Copy)]
 struct Builder<'a> {
     store: &'a WeightStore,
@@ -301,12 +298,14 @@ impl<'a> Builder<'a> {
             let parts = t.concat_rows(&given, k)?;
             *bytes += parts.iter().map(quant_bytes).sum::<usize>();
             let f = parts[0].format;
+            refuse_shape(&t.name(), f, k)?;
             let (w, quant) = sink.quant(f, [n, k], || Ok(parts), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else if let Some(held) = self.quantize.filter(|f| *f == QuantFormat::Nvfp4).and_then(|_| nvfp4_held_parts(&t.part_rows(k), k)) {
             // Each part encoded on its own (its own tensor divisor), as the CPU loader encodes
             // it; the parts the layout cannot hold after them are the dense tail.
             let f = QuantFormat::Nvfp4;
+            refuse_shape(&t.name(), f, k)?;
             let rows = t.part_rows(k);
             let names: Vec<String> = t.part_names().map(str::to_string).collect();
             let (qt, tail) = t.split_at_part(held);
@@ -327,6 +326,7 @@ impl<'a> Builder<'a> {
         } else if let Some(Some(Ok(size))) = self.quantize.filter(|f| *f != QuantFormat::Nvfp4).map(|f| quant::payload_bytes(f, [n, k])) {
             // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
             let f = self.quantize.expect("matched");
+            refuse_shape(&t.name(), f, k)?;
             *bytes += size;
             let (w, quant) = sink.quant(f, [n, k], || Ok(vec![QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)]), None)?;
             (w, WeightFormat::Quant(f), quant)
@@ -428,6 +428,7 @@ impl<'a> Builder<'a> {
             return Err(e);
         }
         self.same_g_idx(&c, &quant_name, quant_modules)?;
+        refuse_shape(&quant_name, c.format, k)?;
         *bytes += self.hf_bytes(&c, quant_modules)? + 2 * tail.as_ref().map_or(0, Packed::numel);
         let store = self.store;
         let encode = || {
@@ -737,6 +738,25 @@ pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant:
     let w = build(&mut PlanSink { format }, store, cfg, quant)?;
     let quant_elems = workspace_elems(w.layers.iter().flat_map(layer_linears), w.lm_head.as_ref());
     Ok(Planned { bytes: w.bytes, quant_elems })
+}
+
+/// The CUDA loader's refusals of a load of `cfg` with `quant` (and of its MTP head where
+/// `mtp`), before any weight is read: the configuration's (`CudaModel::check_supported`) and,
+/// with the checkpoint's headers (`store`), every refusal of the load's plan pass (a fused
+/// projection whose parts cannot be held as one matrix: formats, widths, row units, g_idx, a
+/// dense part before quantized ones; a quantized shape the kernels cannot run; more than one
+/// MTP layer). `ninfer plan` for a GPU and the engine's startup check run it, so that a plan
+/// refuses what the load would. Returns what the load will hold (nothing without `store`).
+pub fn check_load(cfg: &ModelConfig, store: Option<&WeightStore>, quant: &QuantLoad, mtp: bool) -> Result<Planned> {
+    super::CudaModel::check_supported(cfg)?;
+    let Some(store) = store else { return Ok(Planned { bytes: 0, quant_elems: 0 }) };
+    let mut planned = plan(cfg, store, WeightFormat::Bf16, quant)?;
+    let head = if mtp { build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, store, cfg, quant)? } else { None };
+    if let Some(head) = head {
+        planned.bytes += head.bytes;
+        planned.quant_elems = planned.quant_elems.max(workspace_elems(layer_linears(&head.layer).into_iter().chain([&head.fc]), None));
+    }
+    Ok(planned)
 }
 
 impl DevWeights {

@@ -110,6 +110,15 @@ impl CudaMtp {
         b(&self.hidden) + b(&self.hin) + b(&self.cat) + b(&self.last_rows) + b(&self.drafts) + b(&self.lse) + self.meta.bytes()
     }
 
+    /// Grows the buffers of forwards of up to `forward_rows` rows (their kept hidden states)
+    /// and of MTP steps of up to `step_rows` rows (inputs, concatenated halves) now, at
+    /// startup (`ModelRunner::reserve_verify`): the plan counts them (`plan::ledger`).
+    pub(super) fn reserve(&mut self, dev: &CudaDevice, forward_rows: usize, step_rows: usize, h: usize) -> Result<()> {
+        grow(dev, &mut self.hidden, forward_rows * h, "MTP hidden states")?;
+        grow(dev, &mut self.hin, step_rows * h, "MTP activations")?;
+        grow(dev, &mut self.cat, step_rows * 2 * h, "MTP activations")
+    }
+
     /// `ModelRunner::mtp_release`: the sequence's kept row goes back to the free rows.
     pub(super) fn release(&mut self, key: u64) {
         if let Some((_, row)) = self.last.remove(&key) {
@@ -233,9 +242,6 @@ impl CudaModel {
         if ids.is_empty() {
             return Err(NinferError::config(WHAT, "the draft vocabulary is empty"));
         }
-        let Some(head) = self.weights.lm_head() else {
-            return Err(NinferError::config(WHAT, "--lm-head-draft over a quantized LM head (--quantize-lm-head, or a checkpoint's quantized lm_head) is not supported yet"));
-        };
         let mut seen = vec![false; vocab];
         for &t in ids {
             match seen.get_mut(t as usize) {
@@ -243,13 +249,56 @@ impl CudaModel {
                 _ => return Err(NinferError::config(WHAT, format!("draft vocabulary id {t} is repeated or outside the vocabulary of {vocab}"))),
             }
         }
-        let rows: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-        let rows = self.dev.stream().clone_htod(&rows).map_err(driver_err("uploading the draft vocabulary"))?;
         let mut w = alloc(&self.dev, ids.len() * h, "the draft vocabulary's LM head rows")?;
-        self.dev.embedding(head, &rows, &mut w, vocab, h)?;
+        match self.weights.lm_head() {
+            Some(head) => {
+                let rows: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+                let rows = self.dev.stream().clone_htod(&rows).map_err(driver_err("uploading the draft vocabulary"))?;
+                self.dev.embedding(head, &rows, &mut w, vocab, h)?;
+            }
+            // A quantized head (`--quantize-lm-head`, a checkpoint's quantized lm_head).
+            None => self.gather_quantized_head_rows(ids, &mut w)?,
+        }
         self.dev.synchronize()?;
         self.mtp.as_mut().expect("checked above").reduced = Some((w, ids.to_vec()));
         Ok(())
+    }
+
+    /// The rows `ids` (distinct, in range) of the quantized LM head into `w` (`[ids.len(),
+    /// hidden]`, storage type), as its prefill route decodes them (`quant_dequantize_rows`): a
+    /// chunk of QUANT_HEAD_CHUNK_ROWS vocabulary rows at a time into a scratch buffer, the ids
+    /// inside it gathered in id order, then put in the order of `ids`. Run once, at set-up.
+    fn gather_quantized_head_rows(&self, ids: &[u32], w: &mut CudaSlice<u16>) -> Result<()> {
+        let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let head = self.weights.lm_head.as_ref().and_then(|l| l.quant.as_ref()).ok_or_else(|| NinferError::Device("the LM head is neither dense nor quantized".into()))?;
+        let chunk = crate::plan::ledger::QUANT_HEAD_CHUNK_ROWS.min(vocab);
+        let mut sorted: Vec<(u32, usize)> = ids.iter().copied().zip(0..).collect();
+        sorted.sort_unstable();
+        let mut scratch = alloc::<u16>(&self.dev, chunk * h, "the LM head's dequantized chunk")?;
+        let mut by_id = alloc::<u16>(&self.dev, ids.len() * h, "the draft vocabulary's LM head rows")?;
+        let stream = self.dev.stream().clone();
+        let mut start = 0;
+        for r0 in (0..vocab).step_by(chunk) {
+            let rows = chunk.min(vocab - r0);
+            let end = start + sorted[start..].partition_point(|&(t, _)| (t as usize) < r0 + rows);
+            if end == start {
+                continue;
+            }
+            self.dev.quant_dequantize_rows(&head.weight, r0, rows, &mut scratch)?;
+            let rel: Vec<i32> = sorted[start..end].iter().map(|&(t, _)| (t as usize - r0) as i32).collect();
+            let rel = stream.clone_htod(&rel).map_err(driver_err("uploading the draft vocabulary"))?;
+            self.dev.embedding(&scratch.slice(0..rows * h), &rel, &mut by_id.slice_mut(start * h..end * h), rows, h)?;
+            // The scratch is rewritten, and this chunk's ids freed, only after these reads.
+            self.dev.synchronize()?;
+            start = end;
+        }
+        // Row i of `w` is row `rank[i]` of the id-ordered rows.
+        let mut rank = vec![0i32; ids.len()];
+        for (j, &(_, i)) in sorted.iter().enumerate() {
+            rank[i] = j as i32;
+        }
+        let rank = stream.clone_htod(&rank).map_err(driver_err("uploading the draft vocabulary"))?;
+        self.dev.embedding(&by_id, &rank, w, ids.len(), h)
     }
 
     /// `ModelRunner::mtp_draft`: the sequences of each K in one batched run; greedy drafts stay

@@ -167,6 +167,10 @@ impl ModelRunner for CudaModel {
         self.dev.memory_info().ok().map(|(free, _)| free as u64)
     }
 
+    fn reserve_verify(&mut self, step_rows: usize, decode_rows: usize, max_drafts: usize) -> Result<()> {
+        self.reserve_verify_rows(step_rows, decode_rows, max_drafts)
+    }
+
     fn cache_budget_bytes(&mut self, step_rows: usize, decode_rows: usize) -> Result<Option<u64>> {
         self.ensure_rows(step_rows.max(decode_bucket(decode_rows)))?;
         self.ensure_logit_rows(decode_bucket(decode_rows))?;

@@ -19,7 +19,7 @@ use crate::Result;
 
 use super::buffers::{buf, buf_mut};
 use super::forward::Pass;
-use super::graphs::{GraphKey, VERIFY_MAX_ROWS};
+use super::graphs::{decode_bucket, GraphKey, VERIFY_MAX_ROWS};
 use super::route::MixerRoute;
 use super::step_meta::PaddedShape;
 use super::CudaModel;
@@ -66,6 +66,28 @@ impl CudaModel {
     pub(super) fn verify_attention(&self) -> Option<VerifyAttention> {
         let flash = self.dev.has_flash_attention() && self.routes.iter().all(|r| !matches!(r.mixer, MixerRoute::Attention(a) if !a.flash_prefill));
         VerifyAttention::choose(flash, self.dev.plan().pdl)
+    }
+
+    /// `ModelRunner::reserve_verify`: the buffers of the largest verify step
+    /// (`plan::verify_rows`, its sequences padded to the decode buckets as `verify_step` pads
+    /// them) grown now: the activations and the decode attention's scratch of its padded rows,
+    /// the logits and the device sampler's buffers of every row that wants logits, and the MTP
+    /// head's step buffers.
+    pub(super) fn reserve_verify_rows(&mut self, step_rows: usize, decode_rows: usize, max_drafts: usize) -> Result<()> {
+        let (padded, logits) = crate::plan::verify_rows(step_rows, decode_rows, max_drafts, decode_bucket);
+        self.ensure_rows(padded)?;
+        self.ensure_logit_rows(logits)?;
+        if self.verify_attention() == Some(VerifyAttention::Decode) {
+            self.ensure_scratch(padded)?;
+        }
+        if self.sampler.enabled() {
+            self.sampler.reserve(&self.dev, logits, self.cfg.vocab_size)?;
+        }
+        let h = self.cfg.hidden_size;
+        if let Some(mtp) = self.mtp.as_mut() {
+            mtp.reserve(&self.dev, padded.max(step_rows), step_rows, h)?;
+        }
+        Ok(())
     }
 
     /// A uniform verify step of `r` tokens a sequence: padded to its `GraphKey` and replayed
