@@ -1,5 +1,6 @@
 //! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
-//! uploaded as the checkpoint stores them, the decode GEMV with fused dequantization for up to
+//! uploaded as the checkpoint stores them (Q4G64_F16S repacked into the tiled layout of
+//! quant_tiles.rs, which its mma.sync GEMV streams), the decode GEMV with fused dequantization for up to
 //! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
 //! workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
 //! chunk of vocabulary rows at a time through the same workspace.
@@ -12,6 +13,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
+use super::quant_tiles::{self, Q4Tiles};
 use super::{as_i32, cfg, check_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
@@ -152,6 +154,18 @@ fn gemv_launches(m: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     })
 }
 
+/// Blocks of a GEMV launch over `n_all` rows, `nq` of them quantized: one warp a row
+/// (QUANT_THREADS / 32 rows a block), except a tiled weight on sm_80+ (cuda/quant.cuh
+/// `quant_tiled_gemv`): one block a tile of 16 quantized rows, then one warp a dense tail row.
+fn quant_gemv_grid(format: QuantFormat, nq: usize, n_all: usize, mma: bool) -> usize {
+    let warps = QUANT_THREADS as usize / 32;
+    if quant_tiles::is_tiled(format) && mma {
+        nq.div_ceil(quant_tiles::TILE_ROWS) + (n_all - nq).div_ceil(warps)
+    } else {
+        n_all.div_ceil(warps)
+    }
+}
+
 /// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
 pub const NVFP4_MAX_PARTS: usize = 5;
 
@@ -244,7 +258,9 @@ impl CudaDevice {
             }
         }
         let n: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let tiled = quant_tiles::is_tiled(w.format);
         let params: [i64; 3] = match w.format {
+            _ if tiled => [Q4Tiles::new(n, k).scale_offset() as i64, 0, 0],
             f if Grouped::of(f).is_some() => {
                 let p = Grouped::of(f).unwrap().planes(n, k);
                 [p.high_offset as i64, p.scale_offset as i64, 0]
@@ -261,7 +277,11 @@ impl CudaDevice {
         };
         let s = self.stream();
         let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {name} ({what}): {e}")));
-        let data = if parts.len() == 1 { up(&w.data, "data")? } else { up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")? };
+        let data = if tiled {
+            up(&quant_tiles::q4g64_to_tiles(&w.data, n, k), "data")?
+        } else if parts.len() == 1 {
+            up(&w.data, "data")?
+        } else { up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")? };
         let scale = w.scale.as_ref().map(|t| up(&t.bytes, "scale")).transpose()?;
         let zero = w.zero.as_ref().map(|t| up(&t.bytes, "zero")).transpose()?;
         let g_idx = w.g_idx.as_ref().map(|t| up(&t.bytes, "g_idx")).transpose()?;
@@ -291,6 +311,11 @@ impl CudaDevice {
             w.tail.as_ref().map_or(0u64, |t| t.device_ptr(s).0),
             as_i32("quant rows", w.n)?
         ])
+    }
+
+    /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
+    fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {
+        quant_gemv_grid(w.format, w.nq, w.n, self.compute_capability().0 >= 8) as u32
     }
 
     fn data_ptr(&self, b: &CudaSlice<u8>) -> u64 {
@@ -358,14 +383,14 @@ impl CudaDevice {
         let (yp, _b) = y.device_ptr_mut(s);
         let bp = bias.map_or(0u64, |b| b.device_ptr(s).0);
         let wargs = self.quant_w_args(w)?;
-        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let grid = self.quant_gemv_grid(w);
         for (row, mm, slot) in gemv_launches(m) {
             let name = kern.gemv[slot];
             let f = self.function(kern.family, name)?;
             let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
             args.extend(wargs);
             args.extend(kargs![yp + (row * n * 2) as u64, bp, mm as i32]);
-            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            self.launch_pdl(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
         }
         Ok(())
     }
@@ -382,14 +407,14 @@ impl CudaDevice {
         let (xp, _a) = x.device_ptr(s);
         let (yp, _b) = y.device_ptr_mut(s);
         let wargs = self.quant_w_args(w)?;
-        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let grid = self.quant_gemv_grid(w);
         for (row, mm, slot) in gemv_launches(m) {
             let name = kern.gemv_f32[slot];
             let f = self.function(kern.family, name)?;
             let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
             args.extend(wargs);
             args.extend(kargs![yp + (row * n * 4) as u64, mm as i32, round as i32]);
-            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            self.launch_pdl(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
         }
         Ok(())
     }
@@ -493,7 +518,8 @@ mod tests {
             let kern = kernels_of(f);
             let src = kern.family.source();
             let stem = kern.dequant.trim_start_matches("quant_dequant_");
-            assert!(src.contains(&format!("\nQUANT_KERNELS({stem}, ")), "{f:?}: no QUANT_KERNELS({stem}, ..) in cuda/{}", kern.family.file_name());
+            let macro_ = if quant_tiles::is_tiled(f) { "QUANT_TILED_KERNELS" } else { "QUANT_KERNELS" };
+            assert!(src.contains(&format!("\n{macro_}({stem}, ")), "{f:?}: no {macro_}({stem}, ..) in cuda/{}", kern.family.file_name());
             for ((g, g32), mt) in kern.gemv.iter().zip(&kern.gemv_f32).zip([1, 2, 4, 8, 16]) {
                 assert_eq!(*g, format!("quant_gemv_{stem}_m{mt}"));
                 assert_eq!(*g32, format!("quant_gemv_f32_{stem}_m{mt}"));
@@ -523,6 +549,16 @@ mod tests {
         assert_eq!(grid, IQ3S_GRID.iter().map(|&w| w as i64).collect::<Vec<_>>());
         let kv = c_array(src, "iq4nl_kvalues");
         assert_eq!(kv, KVALUES_IQ4NL.iter().map(|&v| v as i64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn tiled_gemv_grids_take_a_block_a_tile_on_sm80_and_a_warp_a_row_before() {
+        let q4 = QuantFormat::Q4G64F16S;
+        // 37 quantized rows: 3 tiles; 5 dense tail rows: one block of 8 warps.
+        assert_eq!(quant_gemv_grid(q4, 37, 42, true), 3 + 1);
+        assert_eq!(quant_gemv_grid(q4, 4096, 4096, true), 256);
+        assert_eq!(quant_gemv_grid(q4, 37, 42, false), 6);
+        assert_eq!(quant_gemv_grid(QuantFormat::Q5G64F16S, 37, 42, true), 6);
     }
 
     #[test]
