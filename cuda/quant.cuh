@@ -178,15 +178,19 @@ __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __res
 
 // ---------------------------------------------------------------------------------------------
 // The 4-bit tiled device layout (ops/quant_tiles.rs builds it at upload and documents it): a
-// Q4G64_F16S weight repacked so that the decode GEMV streams it in 16-byte loads straight into
-// mma.sync A fragments. Rows come in tiles of 16 (zero rows pad the last), K in blocks of 128
-// values (two groups of 64; K_pad = align_up(K, 128)); the codes of (tile t, block b) are 1024
-// bytes at (t * KB + b) * 1024 (KB = K_pad / 128): half h (rows 8h .. 8h + 7 of the tile) 512
-// bytes, then lane L = 4 * gid + t4 16 bytes (row 8h + gid), then word i (mma steps 2i, 2i + 1).
-// Step j (0..7) covers group j / 4 of the block, values (j % 4) * 16 + 4 * t4 + e (e = 0..3)
-// of it: nibbles 0, 4, 1, 5 of its word (j even) or 2, 6, 3, 7 (j odd), each the code plus 8.
-// The binary16 scales follow at p0: 64 bytes a (tile, block), (row gid of half h, group g) at
-// gid * 8 + h * 4 + g * 2. Values are f32(s) * (nibble - 8), the format's exactly.
+// 4-bit weight (Q4G64_F16S; HF AWQ / GPTQ / pack-quantized whose groups are whole runs of 64)
+// repacked so that the decode GEMV streams it in 16-byte loads straight into mma.sync A
+// fragments. Rows come in tiles of 16, K in blocks of 128 values (two groups of 64); the codes
+// of (tile t, block b) are 1024 bytes at (t * KB + b) * 1024 (KB = ceil(K / 128)): half h (rows
+// 8h .. 8h + 7 of the tile) 512 bytes, then lane L = 4 * gid + t4 16 bytes (row 8h + gid), then
+// word i (mma steps 2i, 2i + 1). Step j (0..7) covers group j / 4 of the block, values
+// (j % 4) * 16 + 4 * t4 + e (e = 0..3) of it: nibbles 0, 4, 1, 5 of its word (j even) or 2, 6,
+// 3, 7 (j odd), each a 4-bit q. Scales at p0, 16-bit words (p2: 1 binary16, 2 bfloat16), 64
+// bytes a (tile, block), (row gid of half h, group g) at gid * 8 + h * 4 + g * 2; zeros at p1
+// (0: none, every z is 8), bytes, 32 a (tile, block), at gid * 4 + h * 2 + g. Values are
+// f32(s) * (q - z), the format's exactly.
+__device__ __forceinline__ float q4t_scale(unsigned short word, long long kind) { return kind == 2 ? q_bf16(word) : q_f16(word); }
+
 struct dec_q4_tiles {
     __device__ __forceinline__ static void decode8(const qweight& w, int row, int k0, float (&v)[8]) {
         const long long blk = (long long)(row >> 4) * ((w.k + 127) >> 7) + (k0 >> 7);
@@ -195,34 +199,44 @@ struct dec_q4_tiles {
         // Values k0 .. k0 + 3 are lane t4's, k0 + 4 .. k0 + 7 lane t4 + 1's (the next 16 bytes).
         const unsigned char* c = w.data + blk * 1024 + h * 512 + (gid * 4 + t4) * 16 + (j >> 1) * 4;
         const unsigned lo = q_u32a(c), hi = q_u32a(c + 16);
-        const float s = q_f16(q_u16(w.data + w.p0 + blk * 64 + gid * 8 + h * 4 + gi * 2));
+        const float s = q4t_scale(q_u16(w.data + w.p0 + blk * 64 + gid * 8 + h * 4 + gi * 2), w.p2);
+        const int z = w.p1 ? (int)__ldg(w.data + w.p1 + blk * 32 + gid * 4 + h * 2 + gi) : 8;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int b = (e & 1) * 16 + (e >> 1) * 4 + (j & 1) * 8;
-            v[e] = __fmul_rn(s, (float)((int)((lo >> b) & 15u) - 8));
-            v[4 + e] = __fmul_rn(s, (float)((int)((hi >> b) & 15u) - 8));
+            v[e] = __fmul_rn(s, (float)((int)((lo >> b) & 15u) - z));
+            v[4 + e] = __fmul_rn(s, (float)((int)((hi >> b) & 15u) - z));
         }
     }
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // A nibble pair (n, n + 16 bits) becomes two storage-type halves exactly: OR-ed into the
-// mantissa of MAGIC (128 in bf16, 1024 in f16; nibbles at bit 4 land as 16 n), then one
-// fma: v * 1 - (MAGIC + 8) for the low nibbles, v / 16 - (MAGIC / 16 + 8) for the high ones.
-// Every step is exact (small integers), so the A operand holds the codes themselves.
+// mantissa of MAGIC (128 in bf16, 1024 in f16; nibbles at bit 4 land as 16 q), then one fma:
+// v * 1 - (MAGIC + z) for the low nibbles, v / 16 - (MAGIC / 16 + z) for the high ones. Every
+// step is exact (small integers), so the A operand holds q - z itself.
+// The biases for z = 8 (no zero plane): -(MAGIC + 8) and -(MAGIC / 16 + 8).
 #if defined(NINFER_STORAGE_F16)
 #define Q4T_MAGIC 0x64006400u
+#define Q4T_MAGIC_F 1024.0f
 #define Q4T_ONE 0x3c003c00u
 #define Q4T_SIXTEENTH 0x2c002c00u
-#define Q4T_LO_BIAS 0xe408e408u
-#define Q4T_HI_BIAS 0xd480d480u
+#define Q4T_LO_BIAS8 0xe408e408u
+#define Q4T_HI_BIAS8 0xd480d480u
 #else
 #define Q4T_MAGIC 0x43004300u
+#define Q4T_MAGIC_F 128.0f
 #define Q4T_ONE 0x3f803f80u
 #define Q4T_SIXTEENTH 0x3d803d80u
-#define Q4T_LO_BIAS 0xc308c308u
-#define Q4T_HI_BIAS 0xc180c180u
+#define Q4T_LO_BIAS8 0xc308c308u
+#define Q4T_HI_BIAS8 0xc180c180u
 #endif
+
+// x (a small integer, exact in the storage type) in both halves of a word.
+__device__ __forceinline__ unsigned q4t_pair(float x) {
+    const unsigned h = from_f32(x);
+    return h | (h << 16);
+}
 
 __device__ __forceinline__ unsigned q4t_fma2(unsigned a, unsigned b, unsigned c) {
     unsigned d;
@@ -263,7 +277,8 @@ __device__ __forceinline__ unsigned q4t_word(const uint4& q, int i) {
 
 // One tile of 16 output rows for up to MT rows of x: the block's warps take K blocks
 // warp, warp + 8, ...; each block's codes are two 16-byte loads a lane (rows gid and gid + 8 of
-// the tile: the A fragments of 8 mma steps, whose K order the layout chose), x the B fragments
+// the tile: the A fragments of 8 mma steps, whose K order the layout chose; q - z formed in
+// the storage type, exactly), x the B fragments
 // (4 consecutive values of batch row gid [+ 8] a step: one 8-byte load), each group's 4 steps
 // summed in a fresh accumulator and added to the lane's sums times the group's scales; the
 // warps' sums meet in shared memory and one thread a (row, column) stores it (+ bias, rounded
@@ -278,6 +293,7 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
     const int kbn = (w.k + 127) >> 7;
     const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
     const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
+    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
     const store_t* xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
@@ -289,6 +305,7 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
     for (int kb0 = warp; kb0 < kbn; kb0 += QUANT_WARPS * Q4T_UNROLL) {
         uint4 q[Q4T_UNROLL][2];
         uint2 sc[Q4T_UNROLL];
+        unsigned zq[Q4T_UNROLL];
 #pragma unroll
         for (int u = 0; u < Q4T_UNROLL; ++u) {
             const int kb = kb0 + u * QUANT_WARPS;
@@ -296,17 +313,27 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                 q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
                 q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
                 sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
+                zq[u] = zeros ? __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32)) : 0x08080808u;
             }
         }
 #pragma unroll
         for (int u = 0; u < Q4T_UNROLL; ++u) {
             const int kb = kb0 + u * QUANT_WARPS;
             if (kb >= kbn) break;
-            // s[2h + g]: (row gid + 8h, group g of the block).
-            const float s[4] = {q_f16((unsigned short)(sc[u].x & 0xffffu)), q_f16((unsigned short)(sc[u].x >> 16)),
-                                q_f16((unsigned short)(sc[u].y & 0xffffu)), q_f16((unsigned short)(sc[u].y >> 16))};
+            // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
+            const float s[4] = {q4t_scale((unsigned short)(sc[u].x & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].x >> 16), w.p2),
+                                q4t_scale((unsigned short)(sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].y >> 16), w.p2)};
 #pragma unroll
             for (int g = 0; g < 2; ++g) {
+                unsigned lo_bias[2] = {Q4T_LO_BIAS8, Q4T_LO_BIAS8}, hi_bias[2] = {Q4T_HI_BIAS8, Q4T_HI_BIAS8};
+                if (zeros) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float z = (float)((zq[u] >> (8 * (2 * h + g))) & 0xffu);
+                        lo_bias[h] = q4t_pair(-(Q4T_MAGIC_F + z));
+                        hi_bias[h] = q4t_pair(-(Q4T_MAGIC_F / 16.0f + z));
+                    }
+                }
                 float d[NT][4];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -319,10 +346,10 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                     const unsigned w0 = q4t_word(q[u][0], j >> 1) >> sh;
                     const unsigned w1 = q4t_word(q[u][1], j >> 1) >> sh;
                     const unsigned af[4] = {
-                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, Q4T_LO_BIAS),
-                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, Q4T_LO_BIAS),
-                        q4t_fma2((w0 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, Q4T_HI_BIAS),
-                        q4t_fma2((w1 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, Q4T_HI_BIAS),
+                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, lo_bias[0]),
+                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, lo_bias[1]),
+                        q4t_fma2((w0 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, hi_bias[0]),
+                        q4t_fma2((w1 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, hi_bias[1]),
                     };
                     const int kx = kb * 128 + j * 16;
 #pragma unroll

@@ -94,7 +94,7 @@ typedef dec_grouped<5, 64> dec_q5g64;
 typedef dec_grouped<6, 64> dec_q6g64;
 
 QUANT_KERNELS(w8g32, dec_w8g32)
-QUANT_TILED_KERNELS(q4g64, dec_q4_tiles)
+QUANT_TILED_KERNELS(q4_tiles, dec_q4_tiles)
 QUANT_KERNELS(q5g64, dec_q5g64)
 QUANT_KERNELS(q6g64, dec_q6g64)
 QUANT_KERNELS(fp8_row, dec_fp8_row)

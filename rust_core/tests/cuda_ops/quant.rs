@@ -132,7 +132,10 @@ fn cases(rng: &mut Rng) -> Vec<QuantWeight> {
         out.push(make(rng, f.name(), f, [37, 512], None, RawDtype::F16, false));
     }
     // HF block FP8 with ragged blocks and F32 / BF16 scales; AWQ; GPTQ with and without g_idx;
-    // pack-quantized asymmetric with BF16 scales and symmetric with F32 ones.
+    // pack-quantized asymmetric with BF16 scales and symmetric with F32 ones. The 4-bit forms
+    // with groups of 64-value runs upload in the tiled layout (ops/quant_tiles.rs: AWQ, GPTQ
+    // without g_idx, pack4_asym, awq_g128 over a K padded past its last block); random act-order
+    // g_idx and random F32 scales keep the stored layout and its decoders.
     let fp8 = QuantFormat::HfFp8Block { block_n: 128, block_k: 128 };
     out.push(make(rng, "fp8_block_f32", fp8, [300, 200], None, RawDtype::F32, false));
     out.push(make(rng, "fp8_block_bf16", fp8, [300, 200], None, RawDtype::BF16, false));
@@ -142,6 +145,8 @@ fn cases(rng: &mut Rng) -> Vec<QuantWeight> {
     out.push(make(rng, "gptq_v2_g_idx", QuantFormat::Gptq4 { group: g, zero_plus_one: false }, [64, 256], None, RawDtype::F16, true));
     out.push(make(rng, "pack4_asym", QuantFormat::PackQuantized4 { group: g, symmetric: false }, [64, 256], None, RawDtype::BF16, false));
     out.push(make(rng, "pack4_sym_g_idx", QuantFormat::PackQuantized4 { group: g, symmetric: true }, [64, 256], None, RawDtype::F32, true));
+    out.push(make(rng, "awq_g128", QuantFormat::Awq4 { group: 128 }, [40, 384], None, RawDtype::F16, false));
+    out.push(make(rng, "gptq_g64_k320", QuantFormat::Gptq4 { group: 64, zero_plus_one: false }, [24, 320], None, RawDtype::F16, false));
     out
 }
 
