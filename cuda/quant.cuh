@@ -7,6 +7,9 @@
 // - quant_dequant: rows of the weight decoded into f32 (the tests' bit-exact check against the
 //   CPU decoders of rust_core/src/quant) or into the storage type (the prefill route's
 //   workspace, multiplied by cuBLAS; a quantized LM head a chunk of vocabulary rows at a time).
+// 4-bit weights whose groups are runs of 64 (Q4G64_F16S; HF AWQ / GPTQ / pack-quantized
+// without act-order) are repacked at upload into the tiled layout below, whose GEMV on sm_80+
+// feeds the weight stream to mma.sync (q4t_gemv_tile) instead.
 // The layouts are defined once, in rust_core/src/quant's module docs; each decoder here follows
 // its format's CPU decoder expression for expression. Every product is written with __fmul_rn /
 // __fsub_rn / __fdiv_rn so that NVRTC cannot contract it into an FMA: a decoded value is the
