@@ -24,6 +24,7 @@ pub mod linear;
 pub mod load;
 mod mlp;
 mod mtp;
+mod replay;
 mod residual;
 pub mod route;
 mod runner;
@@ -102,6 +103,8 @@ pub struct CudaModel {
     quant: load::QuantLoad,
     /// `--spec mtp`'s head and drafting state (`enable_mtp`); None otherwise.
     mtp: Option<Box<mtp::CudaMtp>>,
+    /// The kept GDN inputs of verify chunks (`enable_state_replay`); None otherwise.
+    replay: Option<replay::DevReplay>,
 }
 
 impl CudaModel {
@@ -192,6 +195,7 @@ impl CudaModel {
             dir: dir.to_path_buf(),
             quant,
             mtp: None,
+            replay: None,
         })
     }
 
