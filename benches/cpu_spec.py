@@ -74,7 +74,8 @@ def main(argv=None) -> int:
                              acceptance_by_position=[round(r, 3) for r in stats["spec_acceptance_by_position"]],
                              speedup=round(tps / base_tps, 3), equal_to_plain=out == base_out,
                              verify_tokens=stats["spec_drafted_tokens"] + stats["spec_verify_steps"],
-                             rollback_tokens=stats["spec_rollback_tokens"]))
+                             rollback_tokens=stats["spec_rollback_tokens"],
+                             replayed_tokens=stats["spec_replayed_tokens"]))
             print(f"batch {batch} {rows[-1]['method']} K={k}: {tps:.1f} tok/s ({tps / base_tps:.2f}x), mean accepted length "
                   f"{stats['spec_mean_accepted_length']:.2f}, by position {rows[-1]['acceptance_by_position']}, "
                   f"equal to plain: {out == base_out}", flush=True)

@@ -440,3 +440,136 @@ RECURRENT_INSTANCE(128)
 RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk64, 64, 0, 256, 1)
 RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk128, 128, 0, 256, 1)
 RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk128_dv128, 128, 128, 128, 3)
+
+// Rollback of speculative drafts by replay (engine/speculation.rs): a verify step keeps each
+// verify chunk's rows of the fused input projection that the recurrence reads (the conv
+// channels, then b and a), and a rollback rebuilds a state from the state kept before the
+// chunk by running only the conv and the delta rule over the accepted tokens.
+
+// Kept row r takes step row rows[r] (none where rows[r] < 0): its conv channels x[0..channels)
+// and the 2 * n_v_heads values at x[ab_offset..) (b, then a), into kept[r] of
+// channels + 2 * n_v_heads. Grid (column tiles of blockDim.x, kept rows).
+extern "C" __global__ void gdn_keep_rows(const store_t* __restrict__ x, long long x_stride,
+                                         const int* __restrict__ rows, int channels,
+                                         int ab_offset, int n_v_heads,
+                                         store_t* __restrict__ kept) {
+    pdl_enter();
+    const int r = blockIdx.y;
+    const int src = rows[r];
+    const int width = channels + 2 * n_v_heads;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (src < 0 || c >= width) return;
+    const long long from = (long long)src * x_stride + (c < channels ? c : ab_offset + c - channels);
+    kept[(long long)r * width + c] = x[from];
+}
+
+// The conv output of channel c at token t (0-based in the replayed range) from the kept rows
+// row0.. and, for the window before the range, the source slot's conv state: the forward's
+// conv_tap, rounded to storage and through SiLU as the conv kernels store it.
+template <int K>
+__device__ __forceinline__ float replay_conv(const store_t* __restrict__ kept, int width, int row0,
+                                             const store_t* __restrict__ st, const float* wt,
+                                             float b, int c, int t) {
+    float win[K - 1];
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) {
+        const int p = t - (K - 1) + i;
+        win[i] = to_f32(p >= 0 ? kept[(long long)(row0 + p) * width + c] : st[K - 1 + p]);
+    }
+    const float xv = to_f32(kept[(long long)(row0 + t) * width + c]);
+    return to_f32(from_f32(silu_f(round_st(conv_tap<K>(win, wt, b, xv)))));
+}
+
+// Channel c's conv state after n replayed tokens: the last K - 1 inputs, older ones from the
+// source state cs where n is shorter, into cd.
+template <int K>
+__device__ __forceinline__ void replay_conv_state(const store_t* __restrict__ kept, int width,
+                                                  int row0, int n, const store_t* __restrict__ cs,
+                                                  store_t* __restrict__ cd, int c) {
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) {
+        const int q = n - (K - 1) + i;
+        cd[(long long)c * (K - 1) + i] = q >= 0 ? kept[(long long)(row0 + q) * width + c] : cs[(long long)c * (K - 1) + K - 1 + q];
+    }
+}
+
+// Grid (n_v_heads, replays), dv threads; replay s is params[4 s ..]: first kept row, tokens,
+// source slot, destination slot (never the source of any replay of the launch). Thread j owns
+// column j of head h's delta state, read once from the source slot, carried through the
+// tokens in registers with the forward's per-token chain (gdn_gate, load_qk_normed,
+// delta_column_step) and written once to the destination; the block also writes its v
+// channels' conv state, and the first value head of each key head the q and k channels'.
+template <int DK, int K>
+__device__ __forceinline__ void replay_body(
+    const store_t* __restrict__ kept, int width, int kd, const int* __restrict__ params,
+    store_t* __restrict__ conv_state, const store_t* __restrict__ conv_w,
+    const store_t* __restrict__ conv_b, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ state, int n_k_heads, int n_v_heads,
+    int dv) {
+    __shared__ __align__(16) float sq[DK], sk[DK];
+    __shared__ store_t sx[2 * DK];
+    pdl_enter();
+    const int j = threadIdx.x;
+    const int h = blockIdx.x;
+    const int* p = params + 4 * blockIdx.y;
+    const int row0 = p[0], n = p[1], src = p[2], dst = p[3];
+    const int group = n_v_heads / n_k_heads;
+    const int kh = h / group;
+    const int channels = 2 * kd + n_v_heads * dv;
+    const int cv = 2 * kd + h * dv + j;
+    const store_t* cs = conv_state + (long long)src * channels * (K - 1);
+    store_t* cd = conv_state + (long long)dst * channels * (K - 1);
+    const float* st = state + ((long long)src * n_v_heads + h) * DK * dv + j;
+    float col[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
+    float wv[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) wv[i] = to_f32(conv_w[(long long)cv * K + i]);
+    const float bv = conv_b ? to_f32(conv_b[cv]) : 0.0f;
+    const float al = a_log[h], dtb = dt_bias[h];
+    for (int t = 0; t < n; ++t) {
+        const long long row = (long long)(row0 + t) * width;
+        const float vv = replay_conv<K>(kept, width, row0, cs + (long long)cv * (K - 1), wv, bv, cv, t);
+        const float bb = to_f32(kept[row + channels + h]);
+        const float aa = to_f32(kept[row + channels + n_v_heads + h]);
+        __syncthreads();
+        for (int e = j; e < 2 * DK; e += blockDim.x) {
+            const int c = e < DK ? kh * DK + e : kd + kh * DK + e - DK;
+            float wt[K];
+#pragma unroll
+            for (int i = 0; i < K; ++i) wt[i] = to_f32(conv_w[(long long)c * K + i]);
+            const float b = conv_b ? to_f32(conv_b[c]) : 0.0f;
+            sx[e] = from_f32(replay_conv<K>(kept, width, row0, cs + (long long)c * (K - 1), wt, b, c, t));
+        }
+        __syncthreads();
+        if (j < 32) load_qk_normed<DK>(sx, sx + DK, 0, 0, 0, j, sq, sk);
+        __syncthreads();
+        float g, bt;
+        gdn_gate(aa, bb, al, dtb, &g, &bt);
+        delta_column_step<DK>(col, sq, sk, expf(g), bt, vv);
+    }
+    store_state_column<DK>(state + ((long long)dst * n_v_heads + h) * DK * dv + j, dv, col);
+    replay_conv_state<K>(kept, width, row0, n, cs, cd, cv);
+    if (h % group == 0) {
+        for (int e = j; e < 2 * DK; e += blockDim.x) {
+            replay_conv_state<K>(kept, width, row0, n, cs, cd, e < DK ? kh * DK + e : kd + kh * DK + e - DK);
+        }
+    }
+}
+
+#define REPLAY_INSTANCE(DK, K)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gdn_replay_dk##DK##_k##K(                 \
+        const store_t* kept, int width, int kd, const int* params, store_t* conv_state,         \
+        const store_t* conv_w, const store_t* conv_b, const float* a_log,                       \
+        const float* dt_bias, float* state, int n_k_heads, int n_v_heads, int dv) {             \
+        replay_body<DK, K>(kept, width, kd, params, conv_state, conv_w, conv_b, a_log, dt_bias, \
+                           state, n_k_heads, n_v_heads, dv);                                    \
+    }
+
+REPLAY_INSTANCE(64, 2)
+REPLAY_INSTANCE(64, 3)
+REPLAY_INSTANCE(64, 4)
+REPLAY_INSTANCE(128, 2)
+REPLAY_INSTANCE(128, 3)
+REPLAY_INSTANCE(128, 4)

@@ -294,6 +294,38 @@ def test_greedy_dflash_with_verify_graphs_equals_graphs_off_and_plain_greedy(nam
     _assert_equal_but_at_near_ties(plain, on, f"dflash K={k} with verify graphs on {name}")
 
 
+# Rollback by replay: a verify step keeps each chunk's Gated DeltaNet inputs, and a rejected
+# draft's state is rebuilt by the replay kernel over the accepted tokens (no second forward).
+
+@pytest.mark.parametrize("name", ["qwen3_5", "demo"])
+def test_replayed_states_on_cuda_match_the_cpu_and_recompute(name, request):
+    """Four sequences verify chunks of 2-7 tokens in one step (a uniform K on the graphed verify
+    path, mixed K on the eager one) and are rolled back to 1..len-1 accepted tokens by the
+    replay kernel: the logits of the next token after the rollback track the CPU backend's
+    replay (whose state is its recompute's, tests in rust_core) and the GPU's own recompute
+    within the verify step's tolerance, and `spec_replayed_tokens` counts the engine's
+    replays while no token runs a second forward."""
+    model_dir = _model_dir(name, request)
+    cpu_model = _core.Model(str(model_dir), device="cpu", logits_dtype="float32")
+    vocab = cpu_model.config["vocab_size"]
+    prompts = [_ids(n, vocab, seed=90 + n) for n in (20, 33, 41, 57)]
+    tol = REL_TOL if name == "demo" else _verify_tol(name, model_dir, prompts[0])
+    for lens, accepted in [((4, 4, 4, 4), (1, 2, 3, 1)), ((2, 5, 7, 3), (1, 4, 2, 2))]:
+        chunks = [_ids(c, vocab, seed=c + 7 * i) for i, c in enumerate(lens)]
+        args = (prompts, chunks, list(accepted))
+        cpu = cpu_model.rolled_back_logits(*args, True)
+        gpu = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").rolled_back_logits(*args, True)
+        redo = _core.Model(str(model_dir), device="cuda", logits_dtype="float32").rolled_back_logits(*args, False)
+        assert gpu.shape == cpu.shape == (4, vocab) and np.isfinite(gpu).all()
+        for i in range(4):
+            e_cpu, e_redo = _rel_err(gpu[i], cpu[i]), _rel_err(gpu[i], redo[i])
+            print(f"{name} chunks {lens}, sequence {i} at {accepted[i]} accepted: rel err vs CPU {e_cpu:.2e}, "
+                  f"vs recompute {e_redo:.2e} (tol {tol:.2e})")
+            assert e_cpu <= tol and e_redo <= tol
+    _, stats = _generate(model_dir, PROMPTS[:3], greedy(32), spec="ngram", draft_tokens=3)
+    assert stats["spec_replayed_tokens"] > 0 and stats["spec_rollback_tokens"] == 0, stats
+
+
 # Greedy output with drafts against plain greedy output, both on the GPU.
 
 CASES = [("ngram", "llama"), ("ngram", "qwen3_5"), ("ngram", "demo"), ("mtp", "qwen3_5_mtp"), ("mtp", "demo"),

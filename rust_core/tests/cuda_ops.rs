@@ -123,6 +123,8 @@ mod prefill_vec;
 mod quant;
 #[path = "cuda_ops/fp8_gemm.rs"]
 mod fp8_gemm;
+#[path = "cuda_ops/gdn_replay.rs"]
+mod gdn_replay;
 
 use harness::*;
 use ninfer_core::backend::cuda::ops::{decode_scratch_len, two_kernel_decode_scratch_len, AttnScratch, ConvShape, DecodeAttentionForm, FlashTile, PagedAttentionShape, RecurrentShape, PrepForm, RopeKvShape, ScanForm, GemvForm};

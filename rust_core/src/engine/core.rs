@@ -81,6 +81,9 @@ pub struct EngineCore {
     pub(super) adaptive: Option<AdaptiveSpec>,
     /// First of the `rollback_state_slots` (after the scheduler's slots).
     pub(super) rollback_slot_base: usize,
+    /// Rollback rebuilds recurrent states by replay of kept inputs
+    /// (`ModelRunner::enable_state_replay`), else by recompute.
+    pub(super) replays_states: bool,
     /// How a sampled request verifies a draft drawn from a distribution (`spec::speculative_rule`;
     /// the distribution test puts broken rules here to show that it catches them).
     pub(super) draft_rule: DraftRule,
@@ -120,6 +123,9 @@ impl EngineCore {
             }
             runner.set_mtp_draft_vocab(&d.token_ids)?;
         }
+        // Before the caches are planned: the kept inputs are step buffers, one verify chunk a
+        // sequence of up to max_drafts + 1 tokens (a model without recurrent state says false).
+        let replays_states = config.spec.is_some() && runner.enable_state_replay(config.max_concurrency, max_drafts + 1)?;
         let spec = runner.cache_spec();
         let model_max = runner.config().max_position_embeddings;
         let step_rows = if model_max > 0 { config.prefill_chunk.min(model_max) } else { config.prefill_chunk };
@@ -176,6 +182,7 @@ impl EngineCore {
             speculation,
             adaptive,
             rollback_slot_base,
+            replays_states,
             draft_rule: speculative_rule,
             max_drafts,
         };

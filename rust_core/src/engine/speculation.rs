@@ -6,20 +6,21 @@
 //! Rollback: the attention KV of rejected positions is simply not counted (the sequence's
 //! computed length stops at the accepted tokens, blocks that held only rejected tokens go back
 //! to the pool, and only blocks of accepted tokens are hashed into the prefix cache). The Gated
-//! DeltaNet conv and recurrent states are restored by recompute: the state before the verify
-//! chunk is copied into a rollback slot, and when a draft token is rejected the slot is copied
-//! back and the input token plus the accepted drafts run again (no logits). This keeps the
-//! model's forward unchanged and costs a second, shorter forward only on rejection. On the demo
-//! model (benches/cpu_spec.py) that reruns a fifth to a third as many tokens as the verify
-//! chunks run; per-position states kept by the verify pass would save it for K state copies per
-//! round, at the price of a forward that knows verify chunks (the next step for speed). The
-//! same recompute stops at a block boundary the accepted tokens reach to take the decode
-//! snapshot there, so snapshots hold accepted tokens only.
+//! DeltaNet conv and recurrent states are rebuilt by replay: the state before the verify chunk
+//! is copied into a rollback slot, the verify forward keeps each layer's recurrence inputs of
+//! the chunk (`ModelRunner::keep_replay_inputs`), and where a draft token is rejected the
+//! runner runs only the conv and delta rule over the accepted tokens from the kept state
+//! (`ModelRunner::replay_states`). Rebuilding by recompute (a second forward over the input
+//! token and the accepted drafts) cost about one whole extra forward per round with a rejection
+//! at the 27B shape (a round 2.4x a decode step against 1.1x for the verify step alone), and
+//! keeping every position's full state instead is ~150 MB a position there; a runner without
+//! replay still rolls back by recompute. The rebuild stops at a block boundary the accepted
+//! tokens reach to take the decode snapshot there, so snapshots hold accepted tokens only.
 
 use super::core::EngineCore;
 use super::request::RowInput;
 use super::RequestOutput;
-use crate::model::{DflashDraftSeq, DflashRows, DraftSampling, LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StepBatch};
+use crate::model::{DflashDraftSeq, DflashRows, DraftSampling, LogitsWanted, MtpDraftSeq, MtpRows, SeqChunk, StateReplay, StepBatch};
 use crate::sched::{ScheduledStep, SeqOutcome};
 use crate::spec::{accept_draft, draft_warpers, SpecMethod};
 use crate::{NinferError, Result};
@@ -60,6 +61,9 @@ impl EngineCore {
                 let keep = self.rollback_slot_base + rollback.len();
                 self.runner.copy_state(chunk.state_slot, keep)?;
                 rollback.push((i, keep));
+            }
+            if self.replays_states {
+                self.runner.keep_replay_inputs(&rollback.iter().map(|&(i, _)| i).collect::<Vec<_>>())?;
             }
         }
         let argmax = self.verify_argmax_rows(&step);
@@ -346,13 +350,61 @@ impl EngineCore {
     }
 
     /// Bring each verify chunk's recurrent state back to just after its accepted tokens: where
-    /// a draft token was rejected, restore the state kept before the chunk and run the input
-    /// token and the accepted drafts again, all such chunks in one forward without logits.
-    /// Where the accepted tokens reach a block boundary, the state there is the sequence's
-    /// decode snapshot (`Scheduler::draft_snapshot`): taken from the slot when the boundary is
-    /// the last accepted token, else the recompute stops at the boundary for the copy and runs
-    /// the rest in a second forward. A snapshot thus never holds a rejected token's state.
+    /// a draft token was rejected, rebuild it from the state kept before the chunk, by replay
+    /// of the kept recurrence inputs (`ModelRunner::replay_states`) or, for a runner without
+    /// it, by recompute (`recompute_states`). Where the accepted tokens reach a block
+    /// boundary, the state there is the sequence's decode snapshot
+    /// (`Scheduler::draft_snapshot`): taken from the slot when the boundary is the last accepted
+    /// token, else the rebuild stops at the boundary, which the rest continues from. A snapshot
+    /// thus never holds a rejected token's state.
     fn roll_back_states(&mut self, step: &ScheduledStep, accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
+        if !self.replays_states {
+            return self.recompute_states(step, accepted, rollback);
+        }
+        // Replays from the kept states, then those that continue from a snapshot the first
+        // wrote; copies to snapshots after the first.
+        let (mut first, mut rest, mut snapshots, mut snapshot_now) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (j, &(i, keep)) in rollback.iter().enumerate() {
+            let chunk = &step.batch.seqs[i];
+            let (n, all) = (1 + accepted[i], accepted[i] == step.draft_len(i));
+            let snapshot = self.sched.draft_snapshot(step.seq_ids[i], &chunk.tokens[1..n]);
+            let at = snapshot.map(|(tokens, _, _)| tokens - chunk.start_pos);
+            if all && at.is_none_or(|at| at == n) {
+                snapshot_now.extend(snapshot.map(|(_, src, dst)| (src, dst)));
+                continue;
+            }
+            let replay = |src, dst, start, tokens| StateReplay { kept: j, src, dst, start, tokens };
+            match snapshot {
+                Some((_, _, dst)) if at.is_some_and(|at| at < n) => {
+                    let at = at.expect("matched");
+                    first.push(replay(keep, dst, 0, at));
+                    rest.push(replay(dst, chunk.state_slot, at, n - at));
+                }
+                _ => {
+                    first.push(replay(keep, chunk.state_slot, 0, n));
+                    snapshots.extend(snapshot.map(|(_, src, dst)| (src, dst)));
+                }
+            }
+        }
+        for (src, dst) in snapshot_now {
+            self.runner.copy_state(src, dst)?;
+        }
+        for replays in [first, rest] {
+            if !replays.is_empty() {
+                self.stats.spec.replayed_tokens += replays.iter().map(|r| r.tokens as u64).sum::<u64>();
+                self.runner.replay_states(&replays)?;
+            }
+            for (src, dst) in snapshots.drain(..) {
+                self.runner.copy_state(src, dst)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `roll_back_states` by recompute: restore the state kept before the chunk and run the
+    /// input token and the accepted drafts again, all such chunks in one forward without
+    /// logits (a second forward for what continues past a snapshot's boundary).
+    fn recompute_states(&mut self, step: &ScheduledStep, accepted: &[usize], rollback: &[(usize, usize)]) -> Result<()> {
         let bs = self.cfg.block_size;
         let (mut redo, mut rest, mut snapshots, mut snapshot_now) = (StepBatch::default(), StepBatch::default(), Vec::new(), Vec::new());
         let part = |chunk: &SeqChunk, from: usize, to: usize| SeqChunk {

@@ -15,6 +15,10 @@
 //! prefix hit, fails the call); its draft distribution q is a known function of the history,
 //! different from the target's (`draft_logits`).
 //!
+//! In hybrid mode it rolls its state back by replay (`enable_state_replay`): a keeping forward
+//! keeps the verify chunks' tokens, and a replay folds the kept tokens into the source slot's
+//! hash chain. `recomputing()` turns that off, so the engine rolls back by recompute.
+//!
 //! `overlapping()` makes it a runner that `overlaps_steps` the way a device backend does, for
 //! testing asynchronous scheduling on the host: `launch_forward` runs the forward at once and
 //! `launch_sampling` samples it (as a device stream runs queued work in order), keeping the
@@ -28,7 +32,8 @@ use crate::config::ModelConfig;
 use std::collections::VecDeque;
 
 use crate::model::runner::check_verify_rows;
-use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch, VerifyLogits};
+use crate::model::runner::check_replays;
+use crate::model::{CacheSpec, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StateReplay, StepBatch, VerifyLogits};
 use crate::sampling::{argmax, RowSampling, SampledToken};
 use crate::spec::draw_draft;
 use crate::{NinferError, Result};
@@ -40,6 +45,8 @@ pub struct ToyLog {
     pub steps: Vec<StepBatch>,
     /// Every `copy_state(src, dst)` call.
     pub copies: Vec<(usize, usize)>,
+    /// Every `replay_states` call.
+    pub replays: Vec<Vec<StateReplay>>,
     /// For each `warm_up_kernels` call, the steps the runner had received by then.
     pub kernel_warm_ups: Vec<usize>,
     /// For each `forward_verify` call, each sequence's wanted logits and whether it was picked
@@ -65,6 +72,9 @@ pub struct ToyRunner {
     forwarded: Option<(Logits, Option<Vec<u32>>)>,
     /// The toy MTP head (`with_mtp_head`): whether `--spec mtp` enabled it, and its KV rows.
     mtp: Option<(bool, Vec<Option<u64>>)>,
+    /// State replay (hybrid only): None after `recomputing()`; else the chunks the next forward
+    /// keeps and the tokens of each kept chunk, once `enable_state_replay` ran.
+    replay: Option<Option<(Vec<usize>, Vec<Vec<u32>>)>>,
 }
 
 fn mix(h: u64, t: u64) -> u64 {
@@ -89,7 +99,14 @@ impl ToyRunner {
             last_launched: Vec::new(),
             forwarded: None,
             mtp: None,
+            replay: hybrid.then_some(None),
         }
+    }
+
+    /// The same toy without state replay: the engine rolls its state back by recompute.
+    pub fn recomputing(mut self) -> Self {
+        self.replay = None;
+        self
     }
 
     /// The same toy with an MTP head to draft with (`--spec mtp`).
@@ -173,6 +190,12 @@ impl ModelRunner for ToyRunner {
 
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits> {
         self.log.lock().expect("toy log").steps.push(batch.clone());
+        if let Some(Some((pending, kept))) = self.replay.as_mut() {
+            if !pending.is_empty() {
+                let chunk = |i: usize| batch.seqs.get(i).map(|c| c.tokens.clone()).ok_or_else(|| NinferError::Device(format!("toy: kept chunk {i} of a step of {}", batch.seqs.len())));
+                *kept = pending.drain(..).map(chunk).collect::<Result<_>>()?;
+            }
+        }
         let mut logits = Logits { vocab: self.config.vocab_size, data: Vec::new(), rows: Vec::new() };
         for seq in &batch.seqs {
             for (j, &t) in seq.tokens.iter().enumerate() {
@@ -333,6 +356,30 @@ impl ModelRunner for ToyRunner {
             out.push(d);
         }
         Ok(out)
+    }
+
+    fn enable_state_replay(&mut self, _seqs: usize, _tokens: usize) -> Result<bool> {
+        let Some(r) = self.replay.as_mut() else { return Ok(false) };
+        *r = Some((Vec::new(), Vec::new()));
+        Ok(true)
+    }
+
+    fn keep_replay_inputs(&mut self, chunks: &[usize]) -> Result<()> {
+        let Some(Some((pending, _))) = self.replay.as_mut() else { return Err(NinferError::invalid("keep_replay_inputs", "state replay is not enabled")) };
+        *pending = chunks.to_vec();
+        Ok(())
+    }
+
+    fn replay_states(&mut self, replays: &[StateReplay]) -> Result<()> {
+        let Some(Some((_, kept))) = self.replay.as_ref() else { return Err(NinferError::invalid("replay_states", "state replay is not enabled")) };
+        check_replays(replays, self.states.len(), &kept.iter().map(Vec::len).collect::<Vec<_>>())?;
+        self.log.lock().expect("toy log").replays.push(replays.to_vec());
+        let mut next = self.states.clone();
+        for r in replays {
+            next[r.dst] = kept[r.kept][r.start..r.start + r.tokens].iter().fold(self.states[r.src], |h, &t| mix(h, t as u64));
+        }
+        self.states = next;
+        Ok(())
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()> {

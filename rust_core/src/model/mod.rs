@@ -26,7 +26,7 @@ pub use kv_dtype::{KvDtype, KV_DTYPE_CHOICES, QUANTIZED_KV_DTYPES};
 pub use logits_dtype::{LogitsDtype, LogitsRound, LOGITS_DTYPE_CHOICES};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaModel;
-pub use runner::{CacheSpec, DflashDraftSeq, DflashRows, DraftSampling, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, SeqChunk, StepBatch, VerifyLogits};
+pub use runner::{CacheSpec, DflashDraftSeq, DflashRows, DraftSampling, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, SeqChunk, StateReplay, StepBatch, VerifyLogits};
 
 use crate::backend::cuda::{resolve_device, DeviceSpec, ResolvedDevice};
 use crate::quant::{QuantWeight, QuantizeMode};

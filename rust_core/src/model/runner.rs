@@ -216,6 +216,39 @@ pub struct DflashDraftSeq {
     pub sampling: Option<DraftSampling>,
 }
 
+/// One recurrent-state rebuild (`ModelRunner::replay_states`): slot `dst` gets the state of
+/// slot `src` advanced over tokens `start..start + tokens` of kept chunk `kept` (the index of
+/// its chunk in the `keep_replay_inputs` call before the forward that kept it). `src` holds
+/// the state after the chunk's token `start - 1` (before the chunk when `start` is 0) and is
+/// only read; it is never `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateReplay {
+    pub kept: usize,
+    pub src: usize,
+    pub dst: usize,
+    pub start: usize,
+    pub tokens: usize,
+}
+
+/// Check `replays` against `slots` state slots and `kept[j]`, the tokens of kept chunk j:
+/// slots in range, each token range inside its chunk, every `dst` distinct and no `src` a
+/// `dst` (the entries of one call run at once).
+pub fn check_replays(replays: &[StateReplay], slots: usize, kept: &[usize]) -> Result<()> {
+    for (i, r) in replays.iter().enumerate() {
+        if r.src >= slots || r.dst >= slots {
+            return Err(NinferError::invalid(format!("replays[{i}]"), format!("slots {} -> {} outside {slots} slots", r.src, r.dst)));
+        }
+        let have = kept.get(r.kept).copied().ok_or_else(|| NinferError::invalid(format!("replays[{i}].kept"), format!("chunk {} was not kept ({} were)", r.kept, kept.len())))?;
+        if r.start + r.tokens > have {
+            return Err(NinferError::invalid(format!("replays[{i}]"), format!("tokens {}..{} of a kept chunk of {have}", r.start, r.start + r.tokens)));
+        }
+        if replays.iter().enumerate().any(|(j, o)| o.src == r.dst || (j != i && o.dst == r.dst)) {
+            return Err(NinferError::invalid(format!("replays[{i}].dst"), format!("slot {} is another replay's source or destination", r.dst)));
+        }
+    }
+    Ok(())
+}
+
 /// What the caches of one model cost, so that the engine can plan memory before allocating.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
@@ -370,6 +403,30 @@ pub trait ModelRunner: Send {
 
     /// Copy recurrent state slot `src` into `dst` (snapshots for prefix reuse).
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<()>;
+
+    /// Set up the rollback of recurrent states by replay (hybrid models under `--spec`): keep,
+    /// for up to `seqs` verify chunks of up to `tokens` tokens a step, the per-token inputs of
+    /// every linear-attention layer's recurrence (what its short conv and delta rule read), so
+    /// that `replay_states` rebuilds a state without a forward. Returns false where the runner
+    /// cannot (the engine then rolls back by recompute). Its buffers count in `workspace_bytes`.
+    fn enable_state_replay(&mut self, _seqs: usize, _tokens: usize) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// The next `forward` (or `forward_verify`) keeps the recurrence inputs of its chunks
+    /// `chunks[j]` as kept chunk j (`StateReplay::kept`), replacing what was kept before.
+    /// After `enable_state_replay` returned true.
+    fn keep_replay_inputs(&mut self, _chunks: &[usize]) -> Result<()> {
+        Err(NinferError::invalid("keep_replay_inputs", "state replay is not enabled"))
+    }
+
+    /// Rebuild states from kept inputs (`StateReplay`), every entry's `dst` distinct and none
+    /// another's `src`: each linear-attention layer's conv and recurrent state advanced over
+    /// the kept tokens exactly as the forward that kept them advanced it, with no projection,
+    /// attention or MLP run.
+    fn replay_states(&mut self, _replays: &[StateReplay]) -> Result<()> {
+        Err(NinferError::invalid("replay_states", "state replay is not enabled"))
+    }
 
     /// Bytes the runner's step buffers (activations, scratch, step metadata) hold now. The
     /// engine reads it after its warm-up step of the largest size it will schedule, so that

@@ -197,6 +197,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("spec_mean_accepted_length", s.spec.mean_accepted_length())?;
     d.set_item("spec_acceptance_by_position", s.spec.acceptance_by_position())?;
     d.set_item("spec_rollback_tokens", s.spec.rollback_tokens)?;
+    d.set_item("spec_replayed_tokens", s.spec.replayed_tokens)?;
     d.set_item("spec_mean_k_chosen", s.spec.mean_k_chosen())?;
     Ok(d)
 }

@@ -216,6 +216,57 @@ impl PyModel {
         numpy::PyArray1::from_vec(py, data).reshape([rows, vocab])
     }
 
+    /// Logits after a speculative rollback: sequence `i`, its prompt prefilled in a step of its
+    /// own, verifies `chunks[i]` in one step with the others (its state kept aside before), then
+    /// is rolled back to its first `accepted[i]` chunk tokens, by replay of the kept recurrence
+    /// inputs (`replay`, `ModelRunner::replay_states`) or by recompute (the kept state copied
+    /// back and those tokens run again), and runs its chunk's next token there. Returns float32
+    /// `[n, vocab]`, that token's logits per sequence. A test hook, compiled with the `testing`
+    /// feature.
+    #[cfg(feature = "testing")]
+    fn rolled_back_logits<'py>(&self, py: Python<'py>, prompts: Vec<Vec<u32>>, chunks: Vec<Vec<u32>>, accepted: Vec<usize>, replay: bool) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        use crate::model::StateReplay;
+        let n = prompts.len();
+        if chunks.len() != n || accepted.len() != n || accepted.iter().zip(&chunks).any(|(&a, c)| a == 0 || a >= c.len()) {
+            return Err(NinferError::invalid("accepted", "one chunk and 1..len(chunk) accepted tokens per prompt")).py();
+        }
+        if prompts.iter().any(|p| p.is_empty()) {
+            return Err(NinferError::EmptyPrompt).py();
+        }
+        let (vocab, data) = py
+            .detach(|| -> crate::Result<_> {
+                let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
+                let lens: Vec<usize> = prompts.iter().zip(&chunks).map(|(p, c)| p.len() + c.len()).collect();
+                let tables = m.own_tables_with_slots(&lens, 2 * n)?;
+                if replay && !m.runner.enable_state_replay(n, chunks.iter().map(Vec::len).max().unwrap_or(1))? {
+                    return Err(NinferError::invalid("replay", "this model does not replay states"));
+                }
+                for (i, p) in prompts.iter().enumerate() {
+                    let seqs = vec![SeqChunk { tokens: p.clone(), start_pos: 0, block_table: tables[i].clone(), state_slot: i, logits: LogitsWanted::Last }];
+                    m.runner.forward(&StepBatch { seqs })?;
+                    m.runner.copy_state(i, n + i)?;
+                }
+                if replay {
+                    m.runner.keep_replay_inputs(&(0..n).collect::<Vec<_>>())?;
+                }
+                let chunk = |i: usize, from: usize, to: usize, logits| SeqChunk { tokens: chunks[i][from..to].to_vec(), start_pos: prompts[i].len() + from, block_table: tables[i].clone(), state_slot: i, logits };
+                m.runner.forward(&StepBatch { seqs: (0..n).map(|i| chunk(i, 0, chunks[i].len(), LogitsWanted::All)).collect() })?;
+                if replay {
+                    let replays: Vec<StateReplay> = (0..n).map(|i| StateReplay { kept: i, src: n + i, dst: i, start: 0, tokens: accepted[i] }).collect();
+                    m.runner.replay_states(&replays)?;
+                } else {
+                    for i in 0..n {
+                        m.runner.copy_state(n + i, i)?;
+                    }
+                    m.runner.forward(&StepBatch { seqs: (0..n).map(|i| chunk(i, 0, accepted[i], LogitsWanted::None)).collect() })?;
+                }
+                let l = m.runner.forward(&StepBatch { seqs: (0..n).map(|i| chunk(i, accepted[i], accepted[i] + 1, LogitsWanted::Last)).collect() })?;
+                Ok((l.vocab, l.data))
+            })
+            .py()?;
+        numpy::PyArray1::from_vec(py, data).reshape([n, vocab])
+    }
+
     /// CUDA graphs the model holds (decode and verify steps; 0 on the CPU or with
     /// `cuda_graphs=False`): lets tests tell a replayed step from an eager one. A test hook,
     /// compiled with the `testing` feature.

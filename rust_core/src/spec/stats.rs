@@ -17,9 +17,12 @@ pub struct SpecStats {
     pub drafted_at: [u64; MAX_DRAFT_TOKENS],
     /// Per draft position j: rounds that accepted the draft token at position j.
     pub accepted_at: [u64; MAX_DRAFT_TOKENS],
-    /// Tokens run a second time to roll a recurrent state back past rejected drafts (hybrid
-    /// models; the cost of rollback by recompute).
+    /// Tokens run through a second forward to roll a recurrent state back past rejected drafts
+    /// (hybrid models on a runner without state replay; the cost of rollback by recompute).
     pub rollback_tokens: u64,
+    /// Tokens whose recurrence alone was replayed to roll a recurrent state back (hybrid
+    /// models on a runner with state replay; no forward runs).
+    pub replayed_tokens: u64,
     /// `--spec-adaptive`: K choices made (one per decoding request per step, 0 included).
     pub k_choices: u64,
     /// `--spec-adaptive`: the sum of the K chosen.
@@ -71,6 +74,7 @@ impl SpecStats {
         self.accepted += o.accepted;
         self.emitted += o.emitted;
         self.rollback_tokens += o.rollback_tokens;
+        self.replayed_tokens += o.replayed_tokens;
         self.k_choices += o.k_choices;
         self.k_chosen += o.k_chosen;
         for j in 0..MAX_DRAFT_TOKENS {

@@ -53,6 +53,8 @@ struct Setup {
     overlap: bool,
     /// The toy has an MTP head (`ToyRunner::with_mtp_head`).
     mtp: bool,
+    /// The toy rolls states back by recompute, not replay (`ToyRunner::recomputing`).
+    recompute: bool,
 }
 
 impl Default for Setup {
@@ -66,6 +68,7 @@ impl Default for Setup {
             eos: Vec::new(),
             overlap: false,
             mtp: false,
+            recompute: false,
         }
     }
 }
@@ -75,6 +78,7 @@ impl Setup {
         let runner = ToyRunner::new(self.vocab, self.max_pos, self.hybrid);
         let runner = if self.overlap { runner.overlapping() } else { runner };
         let runner = if self.mtp { runner.with_mtp_head() } else { runner };
+        let runner = if self.recompute { runner.recomputing() } else { runner };
         let log = runner.log.clone();
         let core = EngineCore::new(Box::new(runner), &self.cfg, self.tokenizer.clone(), self.eos.clone()).expect("engine");
         // Tests look at the steps requests cause; the warm-up step has its own test.

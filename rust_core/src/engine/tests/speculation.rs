@@ -58,7 +58,19 @@ fn greedy_and_seeded_outputs_with_ngram_drafts_equal_plain_decoding() {
             assert!(s.spec.accepted > 0 && s.spec.accepted < s.spec.drafted, "hybrid {hybrid}, K {k}: both accepted and rejected drafts: {:?}", s.spec);
             assert_eq!(s.kv_blocks_used, 0, "every block is back in the pool");
             assert!(s.spec.mean_accepted_length() > 1.0);
-            assert_eq!(s.spec.rollback_tokens > 0, hybrid, "only a recurrent state is recomputed");
+            assert_eq!(s.spec.replayed_tokens > 0, hybrid, "only a recurrent state is replayed");
+            assert_eq!(s.spec.rollback_tokens, 0, "the toy replays: no forward reruns tokens");
+            if hybrid {
+                // The recompute route (a runner without replay) outputs the same and reruns
+                // the tokens replay replayed, less those replayed twice around a snapshot's
+                // boundary (none: replay continues from the snapshot).
+                let (recomputed, core, _) = run_requests(&Setup { recompute: true, ..with_spec(&base, k) }, &reqs);
+                for (i, (a, b)) in spec.iter().zip(&recomputed).enumerate() {
+                    assert_eq!((&a.tokens, a.finish), (&b.tokens, b.finish), "K {k}, request {i}: replay and recompute");
+                }
+                let r = core.stats();
+                assert_eq!((r.spec.rollback_tokens, r.spec.replayed_tokens), (s.spec.replayed_tokens, 0), "K {k}");
+            }
         }
     }
 }

@@ -134,21 +134,52 @@ pub struct LayerState<'a> {
 #[derive(Default)]
 pub struct GdnScratch {
     conv_in: Vec<f32>,
-    conv_out: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
     g: Vec<f32>,
     beta: Vec<f32>,
-    core: Vec<f32>,
     z: Vec<f32>,
+    pub(super) rec: RecurrenceScratch,
 }
 
 impl GdnScratch {
     fn bytes(&self) -> usize {
-        let f = [&self.conv_in, &self.conv_out, &self.q, &self.k, &self.v, &self.g, &self.beta, &self.core, &self.z];
+        let f = [&self.conv_in, &self.g, &self.beta, &self.z];
+        f.iter().map(|v| v.capacity() * 4).sum::<usize>() + self.rec.bytes()
+    }
+}
+
+/// Buffers of the conv and delta rule of one sequence (`gdn_recurrence`); `core` holds its
+/// output.
+#[derive(Default)]
+pub struct RecurrenceScratch {
+    conv_out: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    core: Vec<f32>,
+}
+
+impl RecurrenceScratch {
+    fn bytes(&self) -> usize {
+        let f = [&self.conv_out, &self.q, &self.k, &self.v, &self.core];
         f.iter().map(|v| v.capacity() * 4).sum()
     }
+}
+
+/// Where a GDN layer keeps the recurrence inputs of a step's verify chunks
+/// (`replay::KeptLayer`): `chunks[i]` is the kept index of the step's chunk i, rows of
+/// `tokens` tokens a kept chunk.
+pub struct KeepLayer<'a> {
+    pub chunks: &'a [Option<usize>],
+    pub tokens: usize,
+    pub layer: &'a mut super::replay::KeptLayer,
+}
+
+/// Where one sequence's recurrence inputs go: conv inputs `[t, conv_dim]`, g and beta
+/// `[t, num_value_heads]`.
+struct KeepSeq<'a> {
+    conv_in: &'a mut [f32],
+    g: &'a mut [f32],
+    beta: &'a mut [f32],
 }
 
 /// One sequence's share of a GDN sub-block.
@@ -158,28 +189,43 @@ struct GdnJob<'a> {
     conv: &'a mut [f32],
     delta: &'a mut [f32],
     out: &'a mut [f32],
+    keep: Option<KeepSeq<'a>>,
 }
 
 /// Gated DeltaNet sub-block: reads `ws.h`, writes `ws.tmp`. Sequences run in parallel (each
-/// owns its state slot; the engine never puts one slot twice in a step).
-pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize) {
+/// owns its state slot; the engine never puts one slot twice in a step). With `keep`, the
+/// recurrence inputs of the kept chunks are copied out for a later replay.
+pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch: &StepBatch, ws: &mut Workspace, rows: usize, keep: Option<KeepLayer<'_>>) {
     let la = cfg.linear_attention.expect("linear layer without linear_attention config");
-    let vd = la.value_dim();
+    let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
     let (conv_floats, delta_floats) = (la.conv_floats(), la.delta_floats());
     let width = g.in_proj.n;
     project(&g.in_proj, &ws.h, rows, &mut ws.proj);
     let mut conv_slots: Vec<Option<&mut [f32]>> = state.conv.chunks_mut(conv_floats).map(Some).collect();
     let mut delta_slots: Vec<Option<&mut [f32]>> = state.delta.chunks_mut(delta_floats).map(Some).collect();
+    let (keep_chunks, mut keep_rows) = match keep {
+        Some(k) => {
+            let n = k.tokens;
+            let l = k.layer;
+            let rows: Vec<_> = l.conv_in.chunks_mut(n * cd).zip(l.g.chunks_mut(n * nv)).zip(l.beta.chunks_mut(n * nv)).map(|((c, g), b)| Some((c, g, b))).collect();
+            (k.chunks, rows)
+        }
+        None => (&[][..], Vec::new()),
+    };
     let mut jobs = Vec::with_capacity(batch.seqs.len());
     let mut rest = fit(&mut ws.mix, rows * vd);
     let mut row = 0;
-    for seq in &batch.seqs {
+    for (i, seq) in batch.seqs.iter().enumerate() {
         let t = seq.tokens.len();
         let (out, tail) = rest.split_at_mut(t * vd);
         rest = tail;
         let conv = conv_slots[seq.state_slot].take().expect("state slot used twice in one step");
         let delta = delta_slots[seq.state_slot].take().expect("state slot used twice in one step");
-        jobs.push(GdnJob { row, t, conv, delta, out });
+        let keep = keep_chunks.get(i).copied().flatten().map(|j| {
+            let (c, g, b) = keep_rows[j].take().expect("chunk kept twice in one step");
+            KeepSeq { conv_in: &mut c[..t * cd], g: &mut g[..t * nv], beta: &mut b[..t * nv] }
+        });
+        jobs.push(GdnJob { row, t, conv, delta, out, keep });
         row += t;
     }
     let proj = &ws.proj[..rows * width];
@@ -195,22 +241,13 @@ pub fn gdn_step(cfg: &ModelConfig, g: &GdnWeights, state: LayerState<'_>, batch:
 /// Conv, delta rule and gated norm of one sequence's rows of the fused input projection.
 fn gdn_seq(cfg: &ModelConfig, g: &GdnWeights, proj: &[f32], job: GdnJob<'_>, s: &mut GdnScratch) {
     let la = cfg.linear_attention.expect("linear layer without linear_attention config");
-    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
+    let (cd, vd, nv) = (la.conv_dim(), la.value_dim(), la.num_value_heads);
     let width = g.in_proj.n;
-    let GdnJob { row, t, conv, delta, out } = job;
+    let GdnJob { row, t, conv, delta, out, keep } = job;
     let proj = &proj[row * width..(row + t) * width];
     let conv_in = fit(&mut s.conv_in, t * cd);
     for r in 0..t {
         conv_in[r * cd..(r + 1) * cd].copy_from_slice(&proj[r * width..r * width + cd]);
-    }
-    let conv_out = fit(&mut s.conv_out, t * cd);
-    gdn::causal_conv1d_silu(conv_in, t, cd, &g.conv_w, la.conv_kernel, g.conv_b.as_deref(), conv, conv_out);
-    let (q, k, v) = (fit(&mut s.q, t * kd), fit(&mut s.k, t * kd), fit(&mut s.v, t * vd));
-    for r in 0..t {
-        let src = &conv_out[r * cd..(r + 1) * cd];
-        q[r * kd..(r + 1) * kd].copy_from_slice(&src[..kd]);
-        k[r * kd..(r + 1) * kd].copy_from_slice(&src[kd..2 * kd]);
-        v[r * vd..(r + 1) * vd].copy_from_slice(&src[2 * kd..]);
     }
     let (gb, beta, z) = (fit(&mut s.g, t * nv), fit(&mut s.beta, t * nv), fit(&mut s.z, t * vd));
     for r in 0..t {
@@ -223,6 +260,33 @@ fn gdn_seq(cfg: &ModelConfig, g: &GdnWeights, proj: &[f32], job: GdnJob<'_>, s: 
             gb[r * nv + hh] = g.neg_a[hh] * softplus(a + g.dt_bias[hh]);
         }
     }
+    if let Some(k) = keep {
+        k.conv_in.copy_from_slice(conv_in);
+        k.g.copy_from_slice(gb);
+        k.beta.copy_from_slice(beta);
+    }
+    gdn_recurrence(cfg, g, conv_in, gb, beta, t, conv, delta, &mut s.rec);
+    gdn::rms_norm_gated(&s.rec.core[..t * vd], z, t * nv, la.value_head_dim, &g.norm, cfg.rms_norm_eps, out);
+}
+
+/// The recurrence of one sequence's `t` tokens from their inputs (conv inputs `[t, conv_dim]`,
+/// decay logs `gb` and `beta` `[t, num_value_heads]`): the short conv over `conv` (the carried
+/// inputs, updated), then the delta rule over `delta` (updated; chunked for several tokens),
+/// its output left in `s.core`. A forward and a replay of kept inputs (`replay`) both run
+/// this, so they leave the same state from the same inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_recurrence(cfg: &ModelConfig, g: &GdnWeights, conv_in: &[f32], gb: &[f32], beta: &[f32], t: usize, conv: &mut [f32], delta: &mut [f32], s: &mut RecurrenceScratch) {
+    let la = cfg.linear_attention.expect("linear layer without linear_attention config");
+    let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
+    let conv_out = fit(&mut s.conv_out, t * cd);
+    gdn::causal_conv1d_silu(conv_in, t, cd, &g.conv_w, la.conv_kernel, g.conv_b.as_deref(), conv, conv_out);
+    let (q, k, v) = (fit(&mut s.q, t * kd), fit(&mut s.k, t * kd), fit(&mut s.v, t * vd));
+    for r in 0..t {
+        let src = &conv_out[r * cd..(r + 1) * cd];
+        q[r * kd..(r + 1) * kd].copy_from_slice(&src[..kd]);
+        k[r * kd..(r + 1) * kd].copy_from_slice(&src[kd..2 * kd]);
+        v[r * vd..(r + 1) * vd].copy_from_slice(&src[2 * kd..]);
+    }
     let core = fit(&mut s.core, t * vd);
     let dims = GdnDims { t, num_k_heads: la.num_key_heads, num_v_heads: nv, k_dim: la.key_head_dim, v_dim: la.value_head_dim };
     if t > 1 {
@@ -230,7 +294,6 @@ fn gdn_seq(cfg: &ModelConfig, g: &GdnWeights, proj: &[f32], job: GdnJob<'_>, s: 
     } else {
         gdn::gated_delta_rule_recurrent(&dims, q, k, v, gb, beta, delta, core);
     }
-    gdn::rms_norm_gated(core, z, t * nv, la.value_head_dim, &g.norm, cfg.rms_norm_eps, out);
 }
 
 /// SwiGLU MLP sub-block: reads `ws.h`, writes `ws.tmp`.

@@ -8,6 +8,7 @@ pub mod dflash;
 pub mod layers;
 pub mod mtp;
 pub mod quant_load;
+pub mod replay;
 pub mod weights;
 
 #[cfg(test)]
@@ -27,11 +28,11 @@ use crate::backend::cpu::attention::KvLayout;
 use crate::backend::cpu::norm::rms_norm;
 use crate::backend::cpu::rope::rope_tables;
 use crate::config::ModelConfig;
-use crate::model::runner::{CacheSpec, DflashDraftSeq, DflashRows, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch};
+use crate::model::runner::{CacheSpec, DflashDraftSeq, DflashRows, Logits, LogitsWanted, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StateReplay, StepBatch};
 use crate::model::{KvDtype, LoadOptions, LogitsRound};
 use crate::{NinferError, Result};
 
-use layers::{attention_step, fit, gdn_step, mlp_step, LayerKv, LayerState, Workspace};
+use layers::{attention_step, fit, gdn_step, mlp_step, KeepLayer, LayerKv, LayerState, Workspace};
 use weights::{Mixer, ModelWeights, MtpWeights};
 
 /// KV pool and recurrent-state slots, per layer.
@@ -68,6 +69,8 @@ pub struct CpuModel {
     mtp_state: Option<mtp::MtpState>,
     /// `--spec dflash`'s drafter and the features of the last forward (`enable_dflash`).
     dflash_state: Option<dflash::DflashState>,
+    /// The kept recurrence inputs of verify chunks (`enable_state_replay`).
+    replay: Option<replay::ReplayBuffers>,
 }
 
 fn alloc(floats: usize, what: &str) -> Result<Vec<f32>> {
@@ -99,7 +102,7 @@ impl CpuModel {
             .map_err(|e| NinferError::config("num_threads", e.to_string()))?;
         let cache_index = cfg.cache_index();
         let (inv_freq, rope_scale) = cfg.rope.inv_freq(cfg.head_dim);
-        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round, mtp_state: None, dflash_state: None })
+        Ok(CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches: Caches::default(), ws: Workspace::default(), pool: Arc::new(pool), logits_round, mtp_state: None, dflash_state: None, replay: None })
     }
 
     /// The MTP head, when the checkpoint has one.
@@ -182,7 +185,11 @@ impl CpuModel {
 
     fn step(&mut self, batch: &StepBatch, hidden_out: Option<&mut Vec<f32>>, mut features: Option<(&[usize], &mut Vec<f32>)>) -> Result<Logits> {
         self.validate(batch)?;
-        let CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches, ws, .. } = self;
+        let CpuModel { cfg, weights, cache_index, inv_freq, rope_scale, caches, ws, replay, .. } = self;
+        let keep_chunks = match replay.as_mut() {
+            Some(r) => r.take_pending(batch)?,
+            None => Vec::new(),
+        };
         let h = cfg.hidden_size;
         let rows = batch.num_tokens();
         if let Some(la) = cfg.linear_attention {
@@ -220,7 +227,11 @@ impl CpuModel {
                 }
                 Mixer::Gdn(g) => {
                     let st = LayerState { conv: &mut caches.conv[ci], delta: &mut caches.delta[ci] };
-                    gdn_step(cfg, g, st, batch, ws, rows);
+                    let keep = match replay.as_mut() {
+                        Some(r) if !keep_chunks.is_empty() => Some(KeepLayer { chunks: &keep_chunks, tokens: r.tokens, layer: &mut r.layers[ci] }),
+                        _ => None,
+                    };
+                    gdn_step(cfg, g, st, batch, ws, rows, keep);
                 }
             }
             add_into(&mut ws.x[..rows * h], &ws.tmp[..rows * h]);
@@ -411,7 +422,37 @@ impl ModelRunner for CpuModel {
     }
 
     fn workspace_bytes(&self) -> usize {
-        self.ws.bytes()
+        self.ws.bytes() + self.replay.as_ref().map_or(0, replay::ReplayBuffers::bytes)
+    }
+
+    fn enable_state_replay(&mut self, seqs: usize, tokens: usize) -> Result<bool> {
+        if self.cfg.num_linear_layers() == 0 {
+            return Ok(false);
+        }
+        self.replay = None;
+        self.replay = Some(replay::ReplayBuffers::new(&self.cfg, seqs, tokens)?);
+        Ok(true)
+    }
+
+    fn keep_replay_inputs(&mut self, chunks: &[usize]) -> Result<()> {
+        let r = self.replay.as_mut().ok_or_else(|| NinferError::invalid("keep_replay_inputs", "state replay is not enabled"))?;
+        r.pending = chunks.to_vec();
+        Ok(())
+    }
+
+    fn replay_states(&mut self, replays: &[StateReplay]) -> Result<()> {
+        let r = self.replay.as_ref().ok_or_else(|| NinferError::invalid("replay_states", "state replay is not enabled"))?;
+        let gdn: Vec<&weights::GdnWeights> = self
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Gdn(g) => Some(g),
+                Mixer::Attention(_) => None,
+            })
+            .collect();
+        let (cfg, caches) = (&self.cfg, &mut self.caches);
+        self.pool.install(|| replay::replay_states(cfg, &gdn, &mut caches.conv, &mut caches.delta, r, caches.num_slots, replays))
     }
 
     fn verifies_drafts(&self) -> bool {

@@ -240,3 +240,52 @@ fn rollback_after_a_rejected_draft_restores_the_exact_state_of_a_plain_run() {
     let spec_next = m.forward(&StepBatch { seqs: vec![seq(&[9], 10, &table2, 1, LogitsWanted::All)] }).unwrap().data;
     assert!(spec_next.iter().zip(&plain_next).all(|(a, b)| a.to_bits() == b.to_bits()), "the next token's logits are the plain run's");
 }
+
+/// Rollback by replay (model/cpu/replay.rs): the state rebuilt from the inputs a verify forward
+/// kept, for every accepted length of the chunk (the input token alone up to all drafts), is
+/// recompute's within f32 rounding (a projection's sums over the verify step's rows and over
+/// the recompute's fewer rows differ in the last bits, so exact equality is not to be had),
+/// and bit for bit the verify forward's own state after the whole chunk; split at a boundary as
+/// a snapshot splits it, it is the unsplit replay bit for bit. The verify chunk shares its step
+/// with another sequence's decode.
+#[test]
+fn replayed_states_equal_recompute_for_every_accepted_length() {
+    let dir = hybrid_checkpoint("replay");
+    let mut m = CpuModel::load(&dir, &LoadOptions { device: "cpu".into(), num_threads: Some(2), ..Default::default() }).unwrap();
+    m.allocate_caches(32, 4, 8).unwrap();
+    let before = m.workspace_bytes();
+    assert!(m.enable_state_replay(2, 5).unwrap());
+    assert!(m.workspace_bytes() > before, "the kept inputs count in the workspace");
+    let (table, other): (Vec<u32>, Vec<u32>) = (vec![4, 5, 6, 7], vec![10, 11, 12, 13]);
+    let prefix = &PROMPT[..8];
+    m.forward(&StepBatch { seqs: vec![seq(prefix, 0, &table, 0, LogitsWanted::None), seq(&PROMPT[..5], 0, &other, 1, LogitsWanted::None)] }).unwrap();
+    m.copy_state(0, 6).unwrap();
+    let chunk = [71, 100, 33, 44, 2];
+    m.keep_replay_inputs(&[1]).unwrap();
+    m.forward(&StepBatch { seqs: vec![seq(&[9], 5, &other, 1, LogitsWanted::Last), seq(&chunk, 8, &table, 0, LogitsWanted::All)] }).unwrap();
+    let verified = state_bits(&m, 0);
+    let floats = |bits: &[u32]| bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
+    let replay = |src, dst, start, tokens| StateReplay { kept: 0, src, dst, start, tokens };
+    for n in 1..=chunk.len() {
+        m.copy_state(6, 2).unwrap();
+        m.forward(&StepBatch { seqs: vec![seq(&chunk[..n], 8, &table, 2, LogitsWanted::None)] }).unwrap();
+        let recomputed = state_bits(&m, 2);
+        m.replay_states(&[replay(6, 3, 0, n)]).unwrap();
+        let replayed = state_bits(&m, 3);
+        assert_ne!(replayed, state_bits(&m, 6), "{n} tokens moved the state");
+        let d = max_rel(&floats(&replayed), &floats(&recomputed));
+        assert!(d < 1e-5, "{n} tokens replayed: {d} from recompute");
+        if n == chunk.len() {
+            assert_eq!(replayed, verified, "the whole chunk replayed is the verify forward's state");
+        }
+        for at in 1..n {
+            m.replay_states(&[replay(6, 4, 0, at)]).unwrap();
+            m.replay_states(&[replay(4, 5, at, n - at)]).unwrap();
+            assert_eq!(state_bits(&m, 5), replayed, "{n} tokens replayed in two parts at {at}");
+        }
+    }
+    // Replays of one call run at once: a destination is never a source, nor kept twice.
+    assert!(m.replay_states(&[replay(6, 3, 0, 2), replay(3, 4, 2, 1)]).is_err());
+    assert!(m.replay_states(&[replay(6, 3, 0, 6)]).is_err(), "past the kept chunk");
+    assert!(m.replay_states(&[StateReplay { kept: 1, ..replay(6, 3, 0, 1) }]).is_err(), "one chunk was kept");
+}

@@ -11,7 +11,7 @@ use crate::{NinferError, Result};
 
 use super::attention::AttnCtx;
 use super::buffers::{buf, buf_mut};
-use super::gdn::{gdn_layer, GdnState};
+use super::gdn::{gdn_layer, GdnState, KeepRows};
 use super::graphs::{decode_bucket, GraphKey};
 use super::mlp::mlp;
 use super::residual::NormNext;
@@ -55,6 +55,9 @@ impl CudaModel {
     /// wrote for the step sampled before (`ModelRunner::launch_forward`).
     pub(super) fn run_fed(&mut self, batch: &StepBatch, feed: bool) -> Result<Vec<usize>> {
         self.meta.validate(&self.cfg, batch, self.caches.block_size, self.caches.num_blocks, self.caches.num_slots)?;
+        if let Some(r) = self.replay.as_mut() {
+            r.prepare(&self.dev, batch)?;
+        }
         if is_decode(batch) {
             return self.decode_step(batch, feed);
         }
@@ -174,7 +177,7 @@ impl CudaModel {
     /// projection in `act.tmp` for `run` (which norms only when some row wants logits) or
     /// `verify_forward`.
     pub(super) fn run_layers(&mut self, pass: Pass, rows: usize) -> Result<()> {
-        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, vmeta, scratch, dflash, .. } = self;
+        let CudaModel { cfg, dev, weights, routes, cache_index, inv_freq, rope_scale, caches, act, meta, dummy, dmeta, vmeta, scratch, dflash, replay, .. } = self;
         let (meta, decode, max_rows) = match pass {
             Pass::Decode => (&*dmeta, scratch.as_ref(), 1),
             Pass::Prefill { max_rows } => (&*meta, None, max_rows),
@@ -199,7 +202,10 @@ impl CudaModel {
                 }
                 (DevMixer::Gdn(g), MixerRoute::Gdn(r)) => {
                     let state = GdnState { conv: &mut caches.conv[ci], delta: &mut caches.delta[ci], n_slots: caches.num_slots + 1 };
-                    gdn_layer(cfg, dev, meta, g, r, state, act, rows, max_rows, &post)?;
+                    // A verify pass always copies (a captured graph keeps the launch; an
+                    // unkept step's row map names no row), another pass only when keeping.
+                    let keep = replay.as_mut().filter(|k| k.keeping || matches!(pass, Pass::Verify { .. })).map(|k| KeepRows { rows: &k.rows, shape: k.shape, kept: &mut k.kept[ci] });
+                    gdn_layer(cfg, dev, meta, g, r, state, act, rows, max_rows, &post, keep)?;
                 }
                 _ => unreachable!("LayerRoute::choose gives each layer its mixer's route"),
             }

@@ -2,7 +2,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use crate::backend::cuda::ops::{ConvShape, RecurrentShape};
+use crate::backend::cuda::ops::{ConvShape, KeptShape, RecurrentShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::Result;
@@ -21,12 +21,20 @@ pub(super) struct GdnState<'a> {
     pub(super) n_slots: usize,
 }
 
+/// Where a keeping step copies its verify chunks' recurrence inputs (model/cuda/replay.rs):
+/// kept row r takes step row `rows[r]` (none where negative) into this layer's `kept`.
+pub(super) struct KeepRows<'a> {
+    pub(super) rows: &'a CudaSlice<i32>,
+    pub(super) shape: KeptShape,
+    pub(super) kept: &'a mut CudaSlice<u16>,
+}
+
 /// Gated DeltaNet sub-block over all sequences of the step at once: reads `act.h`, projects it
 /// (q, k, v, z, b, a in one GEMM / GEMV into `act.proj`), runs the kernels
 /// `GdnRoute::kernels` gives the step's longest chunk `max_rows`, and ends with
-/// `Activations::project_out`.
+/// `Activations::project_out`. With `keep`, the projection's kept rows are copied out first.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &DevGdn, route: &GdnRoute, state: GdnState<'_>, act: &mut Activations, rows: usize, max_rows: usize, then: &NormNext) -> Result<()> {
+pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g: &DevGdn, route: &GdnRoute, state: GdnState<'_>, act: &mut Activations, rows: usize, max_rows: usize, then: &NormNext, keep: Option<KeepRows<'_>>) -> Result<()> {
     let GdnState { conv, delta, n_slots } = state;
     let la = cfg.linear_attention.expect("GDN layer without linear_attention config");
     let (cd, kd, vd, nv) = (la.conv_dim(), la.key_dim(), la.value_dim(), la.num_value_heads);
@@ -34,6 +42,9 @@ pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g:
     let width = g.in_proj.n;
     g.in_proj.forward(dev, buf(&act.h), buf_mut(&mut act.proj), buf_mut(&mut act.lin32), rows)?;
     let proj = buf(&act.proj);
+    if let Some(k) = keep {
+        dev.gdn_keep_rows(proj, width, rows, k.rows, cd + vd, &k.shape, k.kept)?;
+    }
     let cu = meta.cu_seqlens();
     let slots = meta.slots();
     let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: width, kernel_size: la.conv_kernel, n_slots };

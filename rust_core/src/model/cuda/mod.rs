@@ -25,6 +25,7 @@ pub mod linear;
 pub mod load;
 mod mlp;
 mod mtp;
+mod replay;
 mod residual;
 pub mod route;
 mod runner;
@@ -106,6 +107,8 @@ pub struct CudaModel {
     /// `--spec dflash`'s drafter, its paged context and the kept target features
     /// (`enable_dflash`); None otherwise.
     dflash: Option<Box<dflash::CudaDflash>>,
+    /// The kept GDN inputs of verify chunks (`enable_state_replay`); None otherwise.
+    replay: Option<replay::DevReplay>,
 }
 
 impl CudaModel {
@@ -197,6 +200,7 @@ impl CudaModel {
             quant,
             mtp: None,
             dflash: None,
+            replay: None,
         })
     }
 

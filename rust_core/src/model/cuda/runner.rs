@@ -11,7 +11,7 @@ use crate::backend::cuda::device::driver_err;
 use crate::config::ModelConfig;
 use crate::artifact::WeightStore;
 use crate::model::cpu::mtp::NO_MTP_WEIGHTS;
-use crate::model::runner::{check_verify_rows, CacheSpec, DflashDraftSeq, DflashRows, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StepBatch, VerifyLogits};
+use crate::model::runner::{check_verify_rows, CacheSpec, DflashDraftSeq, DflashRows, Logits, ModelRunner, MtpDraft, MtpDraftSeq, MtpRows, StateReplay, StepBatch, VerifyLogits};
 use crate::sampling::{RowSampling, SampledToken};
 use crate::{NinferError, Result};
 
@@ -160,7 +160,28 @@ impl ModelRunner for CudaModel {
         let scratch = self.scratch.as_ref().map_or(0, |s| s.acc.len() * 4 + s.ml.len() * 4);
         let mtp = self.mtp.as_ref().map_or(0, |m| m.workspace_bytes());
         let dflash = self.dflash.as_ref().map_or(0, |d| d.workspace_bytes());
-        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes() + mtp + dflash
+        self.act.bytes() + self.meta.bytes() + self.dmeta.bytes() + scratch + self.sampler.bytes() + mtp + dflash + self.replay.as_ref().map_or(0, |r| r.bytes())
+    }
+
+    /// Rollback by replay on the device (model/cuda/replay.rs).
+    fn enable_state_replay(&mut self, seqs: usize, tokens: usize) -> Result<bool> {
+        if self.cfg.num_linear_layers() == 0 {
+            return Ok(false);
+        }
+        self.dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
+        // Verify graphs captured before copy into the buffers this replaces, or not at all.
+        self.graphs.clear();
+        self.replay = None;
+        self.replay = Some(super::replay::DevReplay::new(&self.dev, &self.cfg, seqs, tokens)?);
+        Ok(true)
+    }
+
+    fn keep_replay_inputs(&mut self, chunks: &[usize]) -> Result<()> {
+        self.replay.as_mut().ok_or_else(|| NinferError::invalid("keep_replay_inputs", "state replay is not enabled"))?.keep(chunks)
+    }
+
+    fn replay_states(&mut self, replays: &[StateReplay]) -> Result<()> {
+        self.replay_on_device(replays)
     }
 
     fn device_free_bytes(&self) -> Option<u64> {

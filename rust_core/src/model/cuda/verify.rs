@@ -9,9 +9,10 @@
 //! sequences verify different K, run the eager prefill path (`run`).
 //!
 //! Rollback is the engine's (engine/speculation.rs): it copies each sequence's recurrent state
-//! aside before the step (`copy_state`) and, where a draft is rejected, copies it back and
-//! recomputes the accepted tokens; the step itself, as the eager one, leaves the state after
-//! its last token.
+//! aside before the step (`copy_state`) and, where a draft is rejected, rebuilds it by replay
+//! (model/cuda/replay.rs: every verify graph copies the GDN layers' kept input rows, which a
+//! step that keeps nothing leaves unnamed); the step itself, as the eager one, leaves the state
+//! after its last token.
 
 use crate::backend::cuda::device::driver_err;
 use crate::model::runner::{LogitsWanted, StepBatch};

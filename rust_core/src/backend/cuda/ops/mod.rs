@@ -20,6 +20,7 @@ mod flash_attention;
 mod fp8_linear;
 mod gdn;
 mod gdn_chunked;
+mod gdn_replay;
 mod gemv;
 mod gemv_qkv_rope;
 mod gemv_route;
@@ -41,6 +42,7 @@ pub use flash_attention::{flash_tile_for, FlashTile};
 pub use fp8_linear::fp8_chunk_rows;
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use gdn_chunked::{GdnScanForms, PrepForm, ScanForm};
+pub use gdn_replay::KeptShape;
 pub use gemv_qkv_rope::{qkv_rope_fits, qkv_rope_launch};
 pub use gemv_route::{gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, gemv_tc_config_in, GemvForm, GemvKernel, GemvLaunch, GemvTcConfig, GemvTcRule, GEMV_MAX_M, GEMV_ROUTE_MAX_M, GEMV_WARPS};
 #[cfg(test)]
