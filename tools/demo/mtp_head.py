@@ -38,6 +38,7 @@ class MtpHead(nn.Module):
         layer_config = copy.deepcopy(config)
         layer_config.layer_types = ["full_attention"]
         layer_config.num_hidden_layers = 1
+        layer_config._attn_implementation = "sdpa"
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps)
         self.pre_fc_norm_hidden = Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -56,16 +57,19 @@ class MtpHead(nn.Module):
         """Normed MTP hidden states [B, T, hidden]; feed them to the shared lm_head.
 
         `final_hidden[:, t]` is the main model's normed last hidden state at position t and
-        `next_token_embeds[:, t]` the embedding of token t+1. Attention is causal (SDPA with no
-        mask); positions come from `position_embeddings` (those of the hidden states).
+        `next_token_embeds[:, t]` the embedding of token t+1. Attention is causal through an
+        explicit additive mask (an unset mask is not causal under every attention backend that
+        transformers may pick for a standalone layer); positions come from `position_embeddings`.
         """
         x = torch.cat(
             [self.pre_fc_norm_embedding(next_token_embeds), self.pre_fc_norm_hidden(final_hidden)],
             dim=-1,
         )
         x = self.fc(x)
+        t = x.shape[1]
+        mask = torch.full((t, t), float("-inf"), device=x.device, dtype=x.dtype).triu(1)[None, None]
         for layer in self.layers:
-            out = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+            out = layer(x, position_embeddings=position_embeddings, attention_mask=mask)
             x = out[0] if isinstance(out, tuple) else out
         return self.norm(x)
 

@@ -12,6 +12,11 @@ head with AdamW + cosine schedule under bf16 autocast, and writes into OUT_DIR:
     heldout_tokens.json    a few held-out windows and the perplexity training measured on them
     training_record.json   corpus fingerprint, config, loss curve, held-out metrics, samples
 
+The MTP head trained here (depth 1, on the corpus tokens, jointly with the trunk) is a starting
+point only: the shipped head is then retrained by train_mtp.py with this trunk frozen, on the
+trunk's own greedy continuations and recursively at the depths it drafts, because greedy
+speculation accepts agreement with the trunk's argmax at every draft depth, not the corpus token.
+
 Without --steps the step count is chosen from the measured step time so training fills
 --train-seconds; the chosen count is recorded, and passing it as --steps repeats the run
 (same data order, same initialization; GPU kernels may still differ in the last bits).
