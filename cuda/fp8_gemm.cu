@@ -1,8 +1,7 @@
-// The kernels around the FP8 tensor-core GEMM of the prefill route of FP8 row-scaled weights
+// The two kernels around the FP8 tensor-core GEMM of the prefill route of FP8 row-scaled weights
 // (rust_core/src/backend/cuda/ops/fp8_linear.rs): activations quantized to E4M3FN a row at a
-// time; the weight's multipliers widened to f32 for a GEMM that scales by vectors; or, after a
-// GEMM of unit scales, its raw sums scaled by the row's and the weight row's multipliers, the
-// bias added, in place. Plain loads and integer arithmetic: they compile
+// time, then the GEMM's raw sums (cuBLASLt, unit scales) scaled by the row's and the weight
+// row's multipliers, the bias added, in place. Plain loads and integer arithmetic: they compile
 // for every architecture, though only sm_89 and newer run the GEMM between them.
 #include "common.cuh"
 
@@ -83,11 +82,4 @@ extern "C" __global__ void fp8_scale_rows(store_t* __restrict__ y, const float* 
         for (int j = 0; j < 8; ++j) v.v[j] = from_f32(__fadd_rn(__fmul_rn(__fmul_rn(to_f32(v.v[j]), s), wsc[j]), b[j]));
         *yr = v;
     }
-}
-
-// out[j] = f32(bf16 ws[j]) for j < n: the weight row multipliers as the f32 vector cuBLASLt's
-// outer-vector scaling reads.
-extern "C" __global__ void fp8_widen_scales(const unsigned short* __restrict__ ws, float* __restrict__ out, int n) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = __uint_as_float(((unsigned)ws[j]) << 16);
 }

@@ -30,7 +30,11 @@ pub fn quant_shape_error(name: &str, format: QuantFormat, k: usize) -> Option<Ni
 /// Why a GPU cannot draft with an MTP head of `layers` layers (`--spec mtp`), if it cannot: the
 /// CUDA backend runs one MTP layer.
 pub fn mtp_layers_error(layers: usize) -> Option<NinferError> {
-    (layers != 1).then(|| NinferError::Unsupported(format!("drafting with {layers} MTP layers (mtp_num_hidden_layers) on the CUDA backend; it runs one")))
+    match layers {
+        1 => None,
+        0 => Some(NinferError::config("spec", crate::model::cpu::mtp::NO_MTP_WEIGHTS)),
+        _ => Some(NinferError::Unsupported(format!("drafting with {layers} MTP layers (mtp_num_hidden_layers) on the CUDA backend; it runs one"))),
+    }
 }
 
 /// How many leading parts (`rows` each, of `k` columns) of a projection `--quantize nvfp4`
@@ -55,6 +59,7 @@ mod tests {
         let e = quant_shape_error("layers.0.mlp.down_proj.weight", QuantFormat::W8G32F16S, 100).unwrap().to_string();
         assert!(e.contains("layers.0.mlp.down_proj.weight") && e.contains("W8G32_F16S") && e.contains("K = 100") && e.contains("CUDA"), "{e}");
         assert!(mtp_layers_error(1).is_none());
+        assert!(mtp_layers_error(0).unwrap().to_string().contains("mtp.* weights"), "no head: the flag's message, not a layer count");
         assert!(mtp_layers_error(2).unwrap().to_string().contains("2 MTP layers"));
         // q|k|v of 256, 128, 128 rows at K = 128: all held; a 48-row part after them is the
         // dense tail; before them, the whole projection stays dense.

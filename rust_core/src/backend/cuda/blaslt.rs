@@ -1,13 +1,8 @@
 //! cuBLASLt's FP8 GEMM, the tensor-core product of the FP8 prefill route (ops/fp8_linear.rs):
-//! y[M, N] (bf16) = codes_x[M, K] * codes_w[N, K]^T over E4M3FN codes with f32 accumulation.
-//! Row-major on our side; as for cuBLAS (blas.rs) we ask for y^T = W * x^T, which is the TN
-//! form cuBLASLt's FP8 kernels require on sm_89 / sm_90 / sm_120: A = W transposed, B = x^T
-//! not, both K-contiguous.
-//!
-//! The row multipliers: where this cuBLASLt scales by vectors (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`,
-//! cuBLAS 12.9+ on Hopper and newer), the GEMM applies the weight's per output channel and the
-//! activations' per token to the f32 sums and rounds once ([`Fp8Scaling::Vectors`]); elsewhere
-//! it runs unit scales and the caller scales the bf16 sums in a second pass ([`Fp8Scaling::Unit`]).
+//! y[M, N] (bf16) = codes_x[M, K] * codes_w[N, K]^T over E4M3FN codes with f32 accumulation and
+//! unit scales, the caller applying the row multipliers afterwards. Row-major on our side; as
+//! for cuBLAS (blas.rs) we ask for y^T = W * x^T, which is the TN form cuBLASLt's FP8 kernels
+//! require on sm_89 / sm_90 / sm_120: A = W transposed, B = x^T not, both K-contiguous.
 //!
 //! Requirements (cuBLASLt's FP8 rules, checked by `fp8_gemm_fits` and at each call): K and N
 //! multiples of 16 (16-byte leading dimensions of the codes and of the bf16 output, whose
@@ -26,27 +21,12 @@ use crate::{NinferError, Result};
 // The workspace size and the FP8 shape rule are the memory plan's too (plan/gpu.rs).
 pub use crate::plan::gpu::{fp8_gemm_fits, LT_WORKSPACE_BYTES};
 
-/// `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` (cublasLtMatmulMatrixScale_t): one f32
-/// multiplier per row of op(A) (our N) and per column of B (our M).
-const SCALE_OUTER_VEC_32F: i32 = 3;
-
-/// How the row multipliers of the FP8 route are applied (module doc), per weight shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fp8Scaling {
-    /// Inside the GEMM: f32 vectors of the weight's and the activations' multipliers.
-    Vectors,
-    /// Unit scales; the caller scales the bf16 sums afterwards.
-    Unit,
-}
-
 /// A cuBLASLt handle with its workspace and the algorithm its heuristic chose per shape.
 pub struct BlasLt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    /// (N, M, K, scaling) -> the heuristic's first algorithm: asked once per shape, not per call.
-    algos: Mutex<HashMap<(usize, usize, usize, Fp8Scaling), sys::cublasLtMatmulAlgo_t>>,
-    /// (N, K) -> the scaling `fp8_gemm_available` found for the weight shape.
-    scaling: Mutex<HashMap<(usize, usize), Fp8Scaling>>,
+    /// (N, M, K) -> the heuristic's first algorithm: asked once per shape, not per call.
+    algos: Mutex<HashMap<(usize, usize, usize), sys::cublasLtMatmulAlgo_t>>,
     /// Keeps the context alive while the handle is.
     _stream: Arc<CudaStream>,
 }
@@ -119,16 +99,15 @@ impl CudaDevice {
                 return Err(driver_err("allocating the cuBLASLt workspace")(e));
             }
         };
-        let b = Arc::new(BlasLt { handle, workspace, algos: Mutex::new(HashMap::new()), scaling: Mutex::new(HashMap::new()), _stream: self.stream().clone() });
+        let b = Arc::new(BlasLt { handle, workspace, algos: Mutex::new(HashMap::new()), _stream: self.stream().clone() });
         *slot = Some(b.clone());
         Ok(b)
     }
 
-    /// The descriptors of the FP8 GEMM of `m` x `n` x `k` with `scaling` and the algorithm
-    /// cuBLASLt's heuristic gives it (asked once per shape); an error naming the shape and the
-    /// device where this cuBLASLt has none. `scales`: the (weight, activation) f32 vectors'
-    /// addresses under `Fp8Scaling::Vectors`.
-    fn fp8_plan(&self, lt: &BlasLt, m: usize, n: usize, k: usize, scaling: Fp8Scaling, scales: (u64, u64)) -> Result<Fp8Plan> {
+    /// The descriptors of the FP8 GEMM of `m` x `n` x `k` and the algorithm cuBLASLt's
+    /// heuristic gives it (asked once per shape); an error naming the shape and the device
+    /// where this cuBLASLt has none.
+    fn fp8_plan(&self, lt: &BlasLt, m: usize, n: usize, k: usize) -> Result<Fp8Plan> {
         use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F, CUDA_R_8F_E4M3};
         let desc = Owned(result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F).map_err(lt_err("creating the matmul descriptor"))?, result::destroy_matmul_desc);
         // cublasOperation_t: 1 = T, 0 = N.
@@ -137,13 +116,6 @@ impl CudaDevice {
         unsafe {
             set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_t)?;
             set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
-            if scaling == Fp8Scaling::Vectors {
-                use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
-                set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &SCALE_OUTER_VEC_32F)?;
-                set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &SCALE_OUTER_VEC_32F)?;
-                set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &(scales.0 as *const c_void))?;
-                set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &(scales.1 as *const c_void))?;
-            }
         }
         let layout = |t, rows: usize, cols: usize, ld: usize| {
             result::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map(|l| Owned(l, result::destroy_matrix_layout)).map_err(lt_err("creating a matrix layout"))
@@ -153,7 +125,7 @@ impl CudaDevice {
         let b = layout(CUDA_R_8F_E4M3, k, m, k)?;
         let d = layout(CUDA_R_16BF, n, m, n)?;
         let mut algos = lt.algos.lock().expect("cublasLt algorithms poisoned");
-        let algo = match algos.get(&(n, m, k, scaling)) {
+        let algo = match algos.get(&(n, m, k)) {
             Some(a) => *a,
             None => {
                 let pref = Owned(result::create_matmul_pref().map_err(lt_err("creating the preference"))?, result::destroy_matmul_pref);
@@ -169,41 +141,26 @@ impl CudaDevice {
                     .map_err(lt_err("setting the workspace preference"))?;
                     result::get_matmul_algo_heuristic(lt.handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
                 }
-                .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM ({scaling:?} scaling) for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
-                algos.insert((n, m, k, scaling), heur.algo);
+                .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
+                algos.insert((n, m, k), heur.algo);
                 heur.algo
             }
         };
         Ok(Fp8Plan { desc, a, b, d, algo })
     }
 
-    /// How this device's cuBLASLt runs the FP8 GEMM of an `[n, k]` weight (asked of its
-    /// heuristic at 64 rows, vector scaling first; no GPU work), or an error where it has none:
-    /// the FP8 route's check at load, so that a library without one leaves the weight on the
-    /// dequantize route rather than failing its steps. Remembered for `fp8_scaling`.
-    pub fn fp8_gemm_available(&self, n: usize, k: usize) -> Result<Fp8Scaling> {
+    /// Whether this device's cuBLASLt has an FP8 GEMM for an `[n, k]` weight (asked of its
+    /// heuristic at 64 rows; no GPU work): the FP8 route's check at load, so that a library
+    /// without one leaves the weight on the dequantize route rather than failing its steps.
+    pub fn fp8_gemm_available(&self, n: usize, k: usize) -> Result<()> {
         let lt = self.blas_lt()?;
-        let scaling = match self.fp8_plan(&lt, 64, n, k, Fp8Scaling::Vectors, (0, 0)) {
-            Ok(_) => Fp8Scaling::Vectors,
-            Err(_) => self.fp8_plan(&lt, 64, n, k, Fp8Scaling::Unit, (0, 0)).map(|_| Fp8Scaling::Unit)?,
-        };
-        lt.scaling.lock().expect("cublasLt scalings poisoned").insert((n, k), scaling);
-        Ok(scaling)
-    }
-
-    /// The scaling `fp8_gemm_available` found for an `[n, k]` weight (`Unit` where it was not asked).
-    pub fn fp8_scaling(&self, n: usize, k: usize) -> Result<Fp8Scaling> {
-        let lt = self.blas_lt()?;
-        let found = lt.scaling.lock().expect("cublasLt scalings poisoned").get(&(n, k)).copied();
-        Ok(found.unwrap_or(Fp8Scaling::Unit))
+        self.fp8_plan(&lt, 64, n, k).map(|_| ())
     }
 
     /// y[m, n] (bf16 at `y`, row stride n) = x[m, k] * W[n, k]^T over E4M3FN codes (`x` and `w`
-    /// device addresses of row-major code matrices), f32 accumulation; with `scales` =
-    /// (ws, xs), addresses of f32 vectors of n and m multipliers, y[t, j] = ws[j] * xs[t] *
-    /// sum, rounded once (`Fp8Scaling::Vectors`), else unit scales. The caller checked the
-    /// buffers' lengths; here the shape and alignment rules are checked.
-    pub(crate) fn fp8_gemm_raw(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize, scales: Option<(u64, u64)>) -> Result<()> {
+    /// device addresses of row-major code matrices), f32 accumulation, unit scales. The
+    /// caller checked the buffers' lengths; here the shape and alignment rules are checked.
+    pub(crate) fn fp8_gemm_raw(&self, x: u64, w: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
         if !fp8_gemm_fits(n, k) || [x, w, y].iter().any(|p| !p.is_multiple_of(16)) {
             return Err(NinferError::Device(format!("fp8 gemm m={m} n={n} k={k}: cuBLASLt's FP8 GEMM needs K and N multiples of 16 and 16-byte aligned operands")));
         }
@@ -214,8 +171,7 @@ impl CudaDevice {
             return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
         }
         let lt = self.blas_lt()?;
-        let scaling = if scales.is_some() { Fp8Scaling::Vectors } else { Fp8Scaling::Unit };
-        let Fp8Plan { desc, a, b, d, algo } = self.fp8_plan(&lt, m, n, k, scaling, scales.unwrap_or((0, 0)))?;
+        let Fp8Plan { desc, a, b, d, algo } = self.fp8_plan(&lt, m, n, k)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let s = self.stream();
         let (wsp, _g) = lt.workspace.device_ptr(s);

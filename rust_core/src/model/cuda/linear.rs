@@ -79,7 +79,7 @@ pub enum QuantPrefill {
     /// The weight dequantized into the shared workspace, then cuBLAS in the storage type.
     Dequantize,
     /// x quantized to E4M3FN a row at a time, cuBLASLt's FP8 GEMM against the weight's codes,
-    /// the row multipliers applied by the GEMM or after it (`CudaDevice::fp8_linear`).
+    /// the row multipliers applied after (`CudaDevice::fp8_linear`).
     Fp8Gemm,
 }
 

@@ -1,26 +1,22 @@
 //! The FP8 prefill route of FP8_E4M3FN_ROW_BF16S weights on sm_89 and newer (cuda/fp8_gemm.cu
 //! around cuBLASLt's FP8 GEMM, blaslt.rs): each row of x quantized to E4M3FN with its own f32
 //! multiplier (amax / 448), the codes multiplied on FP8 tensor cores against the weight's codes
-//! as stored (its bfloat16 row multipliers factor out of each sum), and
-//! y[t, n] = sum[t, n] * xs[t] * ws[n] (+ bias[n]): inside the GEMM where cuBLASLt scales by
-//! vectors and there is no bias (blaslt.rs `Fp8Scaling`), else in place after it. The weight is read as stored
+//! as stored (its bfloat16 row multipliers factor out of each sum), then
+//! y[t, n] = sum[t, n] * xs[t] * ws[n] (+ bias[n]) in place. The weight is read as stored
 //! (1 byte a value) where the dequantize route writes and reads a 2-byte workspace copy, and
 //! the product runs at the FP8 tensor rate.
 //!
 //! Rows run in chunks that fit the model's dequantization workspace (which this route does not
-//! otherwise need): each chunk's codes, then its multipliers, then the weight's multipliers
-//! widened to f32 (the GEMM's vector scaling reads f32), at the workspace's start.
+//! otherwise need): each chunk's codes, then its multipliers, at the workspace's start.
 //! Numerics: x's quantization adds a relative error of at most 2^-4 per value (E4M3FN's 3
 //! mantissa bits, round to nearest; saturation never, the multiplier maps amax to 448), the
 //! GEMM's sums of products of codes are exact in f32 up to 2^24 / 448^2 = 83 terms and
-//! accumulated in f32 beyond; on the in-place scaling the sums pass through the storage type
-//! once before scaling.
+//! accumulated in f32 beyond, and the sums pass through the storage type once before scaling.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::{as_i32, cfg, check_len};
 use crate::backend::cuda::blas::padded_rows;
-use crate::backend::cuda::blaslt::Fp8Scaling;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::backend::cuda::ops::DeviceQuantWeight;
@@ -29,12 +25,10 @@ use crate::{NinferError, Result};
 /// Threads of a `fp8_quantize_rows` block (a row) and of a `fp8_scale_rows` block.
 const FP8_THREADS: u32 = 256;
 
-/// Rows of x one chunk of the route takes in a workspace of `ws_bytes` bytes for an `[n, k]`
-/// weight: the codes (`rows * k` bytes, K a multiple of 16), the f32 multipliers (`4 * rows`,
-/// padded to 16 bytes: cuBLASLt's operands are 16-byte aligned), then the weight's f32
-/// multipliers (`4 * n`).
-pub fn fp8_chunk_rows(ws_bytes: usize, n: usize, k: usize) -> usize {
-    ws_bytes.saturating_sub(16 + 4 * n) / (k + 4)
+/// Rows of x one chunk of the route takes in a workspace of `ws_bytes` bytes at K = `k`: the
+/// codes (`rows * k` bytes, padded to 256) then the f32 multipliers (`4 * rows`).
+pub fn fp8_chunk_rows(ws_bytes: usize, k: usize) -> usize {
+    ws_bytes.saturating_sub(256) / (k + 4)
 }
 
 impl CudaDevice {
@@ -84,7 +78,7 @@ impl CudaDevice {
         }
         let s = self.stream();
         let (w_codes, w_scales) = w.fp8_row_planes(s).ok_or_else(|| NinferError::Device(format!("{}: the FP8 GEMM route takes FP8_E4M3FN_ROW_BF16S weights without dense rows, not {}", w.name, w.format.name())))?;
-        let chunk = fp8_chunk_rows(2 * workspace.len(), n, k);
+        let chunk = fp8_chunk_rows(2 * workspace.len(), k);
         if chunk == 0 {
             return Err(NinferError::Device(format!("{}: a workspace of {} elements holds no row of K = {k} codes", w.name, workspace.len())));
         }
@@ -97,28 +91,17 @@ impl CudaDevice {
         let bp = bias.map_or(0u64, |b| b.device_ptr(s).0);
         let (wsp, _c) = workspace.device_ptr_mut(s);
         let codes = wsp;
-        let scales = wsp + (chunk * k) as u64;
-        let w_scales32 = scales + (4 * chunk).next_multiple_of(16) as u64;
-        let in_gemm = bias.is_none() && self.fp8_scaling(n, k)? == Fp8Scaling::Vectors;
-        if in_gemm {
-            let f = self.function(KernelFamily::Fp8Gemm, "fp8_widen_scales")?;
-            let args = kargs![w_scales, w_scales32, as_i32("fp8 n", n)?];
-            self.launch(&f, cfg(((n as u32).div_ceil(FP8_THREADS), 1, 1), FP8_THREADS), "fp8_widen_scales", &args)?;
-        }
+        let scales = wsp + (chunk * k).next_multiple_of(256) as u64;
         let f = self.function(KernelFamily::Fp8Gemm, "fp8_scale_rows")?;
         let mut r0 = 0;
         while r0 < m {
             let r = chunk.min(m - r0);
             let (xr, yr) = (xp + (r0 * k * 2) as u64, yp + (r0 * n * 2) as u64);
             self.fp8_quantize_launch(xr, codes, scales, r, k)?;
-            if in_gemm {
-                self.fp8_gemm_raw(codes, w_codes, yr, r, n, k, Some((w_scales32, scales)))?;
-            } else {
-                self.fp8_gemm_raw(codes, w_codes, yr, r, n, k, None)?;
-                let grid = ((n / 8).div_ceil(FP8_THREADS as usize) as u32, r.min(65_535) as u32, 1);
-                let args = kargs![yr, scales, w_scales, bp, as_i32("fp8 rows", r)?, as_i32("fp8 n", n)?];
-                self.launch(&f, cfg(grid, FP8_THREADS), "fp8_scale_rows", &args)?;
-            }
+            self.fp8_gemm_raw(codes, w_codes, yr, r, n, k)?;
+            let grid = ((n / 8).div_ceil(FP8_THREADS as usize) as u32, r.min(65_535) as u32, 1);
+            let args = kargs![yr, scales, w_scales, bp, as_i32("fp8 rows", r)?, as_i32("fp8 n", n)?];
+            self.launch(&f, cfg(grid, FP8_THREADS), "fp8_scale_rows", &args)?;
             r0 += r;
         }
         Ok(())
@@ -131,19 +114,17 @@ mod tests {
 
     #[test]
     fn chunks_hold_their_codes_and_multipliers_in_the_workspace() {
-        for (ws, n, k) in [(2 * 256 * 64, 256, 64), (2 * 4096 * 14336, 4096, 4096), (2 * 16 * 16, 16, 16), (1 << 20, 256, 5120)] {
-            let r = fp8_chunk_rows(ws, n, k);
+        for (ws, k) in [(2 * 256 * 64, 64), (2 * 4096 * 14336, 4096), (2 * 16 * 16, 16), (1 << 20, 5120)] {
+            let r = fp8_chunk_rows(ws, k);
             assert!(r >= 1, "ws {ws} k {k}");
-            let used = |r: usize| r * k + (4 * r).next_multiple_of(16) + 4 * n;
-            assert!(used(r) <= ws, "ws {ws} k {k}: {r} rows overflow");
-            assert!(used(r + 1) > ws - 16, "ws {ws} k {k}: {r} rows leave a row's room");
+            assert!((r * k).next_multiple_of(256) + 4 * r <= ws, "ws {ws} k {k}: {r} rows overflow");
+            let r1 = r + 1;
+            assert!((r1 * k).next_multiple_of(256) + 4 * r1 > ws - 256, "ws {ws} k {k}: {r} rows leave a row's room");
         }
         // A Llama-3-8B workspace (its gate_up, [28672, 4096]) takes an 8k-token prefill in one
-        // chunk at every projection of the model.
-        assert_eq!(8192usize.div_ceil(fp8_chunk_rows(2 * 28672 * 4096, 28672, 4096)), 1);
-        assert_eq!(8192usize.div_ceil(fp8_chunk_rows(2 * 28672 * 4096, 4096, 14336)), 1);
-        assert_eq!(fp8_chunk_rows(100, 16, 16), 1);
-        assert_eq!(fp8_chunk_rows(99, 16, 16), 0);
-        assert_eq!(fp8_chunk_rows(2 * 16 * 16, 16, 16), 21, "a [16, 16] weight's own workspace");
+        // chunk at every K of the model.
+        assert_eq!(8192usize.div_ceil(fp8_chunk_rows(2 * 28672 * 4096, 4096)), 1);
+        assert_eq!(8192usize.div_ceil(fp8_chunk_rows(2 * 28672 * 4096, 14336)), 1);
+        assert_eq!(fp8_chunk_rows(100, 16), 0);
     }
 }
