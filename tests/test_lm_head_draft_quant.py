@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 
 from ninfer import LLM, SamplingParams
+from test_lm_head_draft import PROMPTS as _PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = Path(os.environ.get("NINFER_DEMO_DIR", REPO / "python" / "ninfer" / "demo")) / "model"
 
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
-]
+#: The reduced-head suite's first three prompts.
+PROMPTS = _PROMPTS[:3]
 
 QUANT = dict(quantize="w8", quantize_lm_head=True)
 

@@ -366,13 +366,7 @@ impl EngineCore {
         let (mut first, mut rest, mut snapshots, mut snapshot_now) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (j, &(i, keep)) in rollback.iter().enumerate() {
             let chunk = &step.batch.seqs[i];
-            let (n, all) = (1 + accepted[i], accepted[i] == step.draft_len(i));
-            let snapshot = self.sched.draft_snapshot(step.seq_ids[i], &chunk.tokens[1..n]);
-            let at = snapshot.map(|(tokens, _, _)| tokens - chunk.start_pos);
-            if all && at.is_none_or(|at| at == n) {
-                snapshot_now.extend(snapshot.map(|(_, src, dst)| (src, dst)));
-                continue;
-            }
+            let Some((n, snapshot, at)) = self.chunk_rollback(step, accepted, i, &mut snapshot_now) else { continue };
             let replay = |src, dst, start, tokens| StateReplay { kept: j, src, dst, start, tokens };
             match snapshot {
                 Some((_, _, dst)) if at.is_some_and(|at| at < n) => {
@@ -401,6 +395,24 @@ impl EngineCore {
         Ok(())
     }
 
+    /// What verify chunk `i` of `step` needs rolled back: None when all its drafts were
+    /// accepted and any decode snapshot they reach is at their end (its copy is pushed to
+    /// `snapshot_now`); else the tokens the state must end after (`n`: the input token and the
+    /// accepted drafts), the snapshot (tokens, source, destination) and the tokens of the chunk
+    /// the state must be at for its copy.
+    #[allow(clippy::type_complexity)]
+    fn chunk_rollback(&mut self, step: &ScheduledStep, accepted: &[usize], i: usize, snapshot_now: &mut Vec<(usize, usize)>) -> Option<(usize, Option<(usize, usize, usize)>, Option<usize>)> {
+        let chunk = &step.batch.seqs[i];
+        let (n, all) = (1 + accepted[i], accepted[i] == step.draft_len(i));
+        let snapshot = self.sched.draft_snapshot(step.seq_ids[i], &chunk.tokens[1..n]);
+        let at = snapshot.map(|(tokens, _, _)| tokens - chunk.start_pos);
+        if all && at.is_none_or(|at| at == n) {
+            snapshot_now.extend(snapshot.map(|(_, src, dst)| (src, dst)));
+            return None;
+        }
+        Some((n, snapshot, at))
+    }
+
     /// `roll_back_states` by recompute: restore the state kept before the chunk and run the
     /// input token and the accepted drafts again, all such chunks in one forward without
     /// logits (a second forward for what continues past a snapshot's boundary).
@@ -416,14 +428,7 @@ impl EngineCore {
         };
         for &(i, keep) in rollback {
             let chunk = &step.batch.seqs[i];
-            let (n, all) = (1 + accepted[i], accepted[i] == step.draft_len(i));
-            let snapshot = self.sched.draft_snapshot(step.seq_ids[i], &chunk.tokens[1..n]);
-            // Tokens of the chunk the state must be at for the snapshot copy.
-            let at = snapshot.map(|(tokens, _, _)| tokens - chunk.start_pos);
-            if all && at.is_none_or(|at| at == n) {
-                snapshot_now.extend(snapshot.map(|(_, src, dst)| (src, dst)));
-                continue;
-            }
+            let Some((n, snapshot, at)) = self.chunk_rollback(step, accepted, i, &mut snapshot_now) else { continue };
             self.runner.copy_state(keep, chunk.state_slot)?;
             let stop = at.unwrap_or(n);
             redo.seqs.push(part(chunk, 0, stop));
