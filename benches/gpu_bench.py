@@ -63,12 +63,13 @@ SHAPES = {
                      vocab=152064),
 }
 
-#: --tiny: the same two architectures at sizes the CPU runs in seconds.
+#: --tiny: the same two architectures at sizes the CPU runs in seconds, with head sizes the CUDA
+#: kernels take (the GPU plan that names a record's weights refuses others).
 TINY_SHAPES = {
-    "llama-3-8b": dict(arch="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512),
+    "llama-3-8b": dict(arch="llama", hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=512),
     "qwen3_5-27b": dict(arch="qwen3_5", hidden=128, layers=4, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=512,
-                        lin_k_heads=2, lin_v_heads=4, lin_k_dim=32, lin_v_dim=32, conv=4),
-    "qwen2-7b": dict(arch="qwen2", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512),
+                        lin_k_heads=2, lin_v_heads=4, lin_k_dim=64, lin_v_dim=32, conv=4),
+    "qwen2-7b": dict(arch="qwen2", hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=512),
 }
 
 

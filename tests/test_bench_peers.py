@@ -218,7 +218,8 @@ def test_gpu_prefill_records_hold_fp8_to_the_fp8_tensor_rate(tmp_path, monkeypat
     prefill = _load("gpu_prefill")
 
     def tiny_model(shape, layers, max_pos):
-        cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        # Head size 64: the record's weights come from the GPU plan, which takes the CUDA kernels' sizes.
+        cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
                              vocab_size=4096, num_hidden_layers=layers, max_position_embeddings=max_pos,
                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
         cfg.architectures = ["LlamaForCausalLM"]
