@@ -153,9 +153,9 @@ def _prompt(name: str, vocab: int, n: int = 48, seed: int = 7) -> list:
 
 
 #: Prompts (seeds) a random tiny checkpoint's prefill logits are checked on. Its flat logits
-#: make single prompts erratic: on an H100 the same weights gave 0.03 to 0.17 across prompts
-#: (every mode, the unquantized bf16 path 0.04 to 0.05), so the median is what is bounded: a
-#: decoding fault moves every prompt.
+#: make single prompts erratic: the same weights range over several times across prompts in
+#: every mode, while the unquantized bf16 path stays near its bound, so the median is what is
+#: bounded: a decoding fault moves every prompt.
 TINY_SEEDS = (7, 8, 9)
 
 

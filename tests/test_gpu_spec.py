@@ -628,8 +628,8 @@ def test_sampled_dflash_drafts_on_cuda_are_drawn_from_the_cpu_drafters_q(name, r
         for d in range(k):
             qg, qc = np.asarray(g_q[i][d]), np.asarray(c_q[i][d])
             assert abs(qg.sum() - 1.0) < 1e-3
-            # The bf16 drafter against the f32 CPU one: deep depths of a block drift most (an
-            # H100 showed 0.041 at depth 6 of the demo drafter).
+            # The bf16 drafter against the f32 CPU one: the deepest depths of a block drift most,
+            # past 0.03 on the demo drafter.
             assert np.abs(qg - qc).max() < 0.06, f"prompt {i} depth {d}"
             if g_drafts[i][d] != c_drafts[i][d]:
                 gap = np.abs(np.cumsum(qc) - u[i][d]).min()

@@ -157,8 +157,8 @@ fn replayed_states_are_the_forward_kernels_states_bitwise() {
                 let (cpu_conv, cpu_delta) = cpu_reference(&l, first, n, st);
                 assert_bitwise(&slot(&got_conv, per_conv, 4), &cpu_conv, &format!("{label}: conv state against the CPU after {n}"));
                 // The forward kernels' own distance from the f32 recurrence (the state above
-                // equals theirs bit for bit): within twice the storage type's op tolerance
-                // (an H100 showed 9.4e-3 in bf16 on the small head).
+                // equals theirs bit for bit), which in bf16 reaches the storage type's op
+                // tolerance: bounded at twice it.
                 let d = super::harness::rel_err(&slot(&got_delta, per_delta, 4), &cpu_delta);
                 assert!(d < 2.0 * tol16(st), "{label}: delta state {d} from the CPU recurrence after {n}");
             }
