@@ -2,13 +2,13 @@
 """Record a GPU run's quantized decode GEMV timings into benches/results/gpu_quant.json.
 
 rust_core/tests/cuda_ops/quant.rs `quant_gemv_decode_timing` (run by `.ci/gpu-parts ops` with
-the other `_timing` tests, its lines in cuda_ops.log) prints one line per (format, model):
-    TIMING quant_gemv weights=<format> model=<name> m=1 bytes=<read> us=<per layer> \
+the other `_timing` tests, its lines in cuda_ops.log) prints one line per (format, model, m):
+    TIMING quant_gemv weights=<format> model=<name> m=<rows of x> bytes=<read> us=<per layer> \
         read_gbps=<...> copy_gbps=<...> fraction=<...>
 `bytes` counts what the GEMVs of one layer actually read (packed weights with their scale / zero
 companions, x) and write (y); `fraction` is that rate over the device's copy rate (bytes read plus
 written a second by a 1 GiB device-to-device copy in the same process). The issue's target is
-fraction >= 0.80 for the 4-bit formats. This script keeps each line as a record with its
+fraction >= 0.80 for the 4-bit formats at m=1. This script keeps each line as a record with its
 weights=<format>, the run's provenance (commit, date, device as nvidia-smi names it, command),
 and exits non-zero when the log has no such line.
 
@@ -66,7 +66,7 @@ def main():
         json.dump(out, fh, indent=1)
         fh.write("\n")
     for r in records:
-        print(f"{r.get('weights')} {r.get('model')}: {r.get('us')} us, {r.get('fraction')} of the copy rate")
+        print(f"{r.get('weights')} {r.get('model')} m={r.get('m')}: {r.get('us')} us, {r.get('fraction')} of the copy rate")
     return 0
 
 

@@ -7,6 +7,9 @@
 // - quant_dequant: rows of the weight decoded into f32 (the tests' bit-exact check against the
 //   CPU decoders of rust_core/src/quant) or into the storage type (the prefill route's
 //   workspace, multiplied by cuBLAS; a quantized LM head a chunk of vocabulary rows at a time).
+// 4-bit weights whose groups are runs of 64 (Q4G64_F16S; HF AWQ / GPTQ / pack-quantized
+// without act-order) are repacked at upload into the tiled layout below, whose GEMV on sm_80+
+// feeds the weight stream to mma.sync (q4t_gemv_tile) instead.
 // The layouts are defined once, in rust_core/src/quant's module docs; each decoder here follows
 // its format's CPU decoder expression for expression. Every product is written with __fmul_rn /
 // __fsub_rn / __fdiv_rn so that NVRTC cannot contract it into an FMA: a decoded value is the
@@ -16,6 +19,8 @@
 
 // Threads per block of both bodies: one warp per output row in the GEMV.
 #define QUANT_WARPS 8
+// The output row of this warp in the row-per-warp GEMV launches.
+#define QUANT_ROW (int)(blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5))
 
 // One quantized weight as its kernels see it: the data bytes (the whole payload for NInfer and
 // GGUF formats, the packed data tensor for HF ones), the HF companions (null where absent) and
@@ -103,12 +108,14 @@ __device__ __forceinline__ float q_float_at(const unsigned char* t, long long i,
 // (add_bias_to_storage's order). F32: y is f32, each sum stored as is or, with `round`, rounded
 // to the storage type and kept as f32 (the logits' `round_out`). K must be a multiple of 8 and x
 // 16-byte aligned.
+// `row` is the warp's output row (the grid's warp index for the row-per-warp launches). Begins
+// with pdl_enter (the launcher queues it with launch_pdl).
 template <class D, int MT, bool F32>
 __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, const qweight& w,
                                                 void* __restrict__ y, const store_t* __restrict__ bias,
-                                                int m, int round) {
+                                                int m, int round, int row) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
+    pdl_enter();
     if (row >= w.n_all) return;
     float acc[MT];
 #pragma unroll
@@ -172,6 +179,245 @@ __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __res
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The 4-bit tiled device layout (ops/quant_tiles.rs builds it at upload and documents it): a
+// 4-bit weight (Q4G64_F16S; HF AWQ / GPTQ / pack-quantized whose groups are whole runs of 64)
+// repacked so that the decode GEMV streams it in 16-byte loads straight into mma.sync A
+// fragments. Rows come in tiles of 16, K in blocks of 128 values (two groups of 64); the codes
+// of (tile t, block b) are 1024 bytes at (t * KB + b) * 1024 (KB = ceil(K / 128)): half h (rows
+// 8h .. 8h + 7 of the tile) 512 bytes, then lane L = 4 * gid + t4 16 bytes (row 8h + gid), then
+// word i (mma steps 2i, 2i + 1). Step j (0..7) covers group j / 4 of the block, values
+// (j % 4) * 16 + 4 * t4 + e (e = 0..3) of it: nibbles 0, 4, 1, 5 of its word (j even) or 2, 6,
+// 3, 7 (j odd), each a 4-bit q. Scales at p0, 16-bit words (p2: 1 binary16, 2 bfloat16), 64
+// bytes a (tile, block), (row gid of half h, group g) at gid * 8 + h * 4 + g * 2; zeros at p1
+// (0: none, every z is 8), bytes, 32 a (tile, block), at gid * 4 + h * 2 + g. Values are
+// f32(s) * (q - z), the format's exactly.
+__device__ __forceinline__ float q4t_scale(unsigned short word, long long kind) { return kind == 2 ? q_bf16(word) : q_f16(word); }
+
+struct dec_q4_tiles {
+    __device__ __forceinline__ static void decode8(const qweight& w, int row, int k0, float (&v)[8]) {
+        const long long blk = (long long)(row >> 4) * ((w.k + 127) >> 7) + (k0 >> 7);
+        const int h = (row >> 3) & 1, gid = row & 7;
+        const int p = k0 & 127, gi = p >> 6, j = gi * 4 + ((p >> 4) & 3), t4 = (p & 15) >> 2;
+        // Values k0 .. k0 + 3 are lane t4's, k0 + 4 .. k0 + 7 lane t4 + 1's (the next 16 bytes).
+        const unsigned char* c = w.data + blk * 1024 + h * 512 + (gid * 4 + t4) * 16 + (j >> 1) * 4;
+        const unsigned lo = q_u32a(c), hi = q_u32a(c + 16);
+        const float s = q4t_scale(q_u16(w.data + w.p0 + blk * 64 + gid * 8 + h * 4 + gi * 2), w.p2);
+        const int z = w.p1 ? (int)__ldg(w.data + w.p1 + blk * 32 + gid * 4 + h * 2 + gi) : 8;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int b = (e & 1) * 16 + (e >> 1) * 4 + (j & 1) * 8;
+            v[e] = __fmul_rn(s, (float)((int)((lo >> b) & 15u) - z));
+            v[4 + e] = __fmul_rn(s, (float)((int)((hi >> b) & 15u) - z));
+        }
+    }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// A nibble pair (n, n + 16 bits) becomes two storage-type halves exactly: OR-ed into the
+// mantissa of MAGIC (128 in bf16, 1024 in f16; nibbles at bit 4 land as 16 q), then one fma:
+// v * 1 - (MAGIC + z) for the low nibbles, v / 16 - (MAGIC / 16 + z) for the high ones. Every
+// step is exact (small integers), so the A operand holds q - z itself.
+// The biases for z = 8 (no zero plane): -(MAGIC + 8) and -(MAGIC / 16 + 8).
+#if defined(NINFER_STORAGE_F16)
+#define Q4T_MAGIC 0x64006400u
+#define Q4T_MAGIC_F 1024.0f
+#define Q4T_ONE 0x3c003c00u
+#define Q4T_SIXTEENTH 0x2c002c00u
+#define Q4T_LO_BIAS8 0xe408e408u
+#define Q4T_HI_BIAS8 0xd480d480u
+#else
+#define Q4T_MAGIC 0x43004300u
+#define Q4T_MAGIC_F 128.0f
+#define Q4T_ONE 0x3f803f80u
+#define Q4T_SIXTEENTH 0x3d803d80u
+#define Q4T_LO_BIAS8 0xc308c308u
+#define Q4T_HI_BIAS8 0xc180c180u
+#endif
+
+// x (a small integer, exact in the storage type) in both halves of a word.
+__device__ __forceinline__ unsigned q4t_pair(float x) {
+    const unsigned h = from_f32(x);
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ unsigned q4t_fma2(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+#if defined(NINFER_STORAGE_F16)
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+    return d;
+}
+
+// c += a * b, mma.sync m16n8k16 with storage-type operands and f32 accumulators.
+__device__ __forceinline__ void q4t_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if defined(NINFER_STORAGE_F16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 weight bytes read once: not kept in L1 (x is, for the whole block).
+__device__ __forceinline__ uint4 q4t_ld_stream(const unsigned char* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned q4t_word(const uint4& q, int i) {
+    return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+// Blocks of 128 values a warp has in flight (U blocks: 2U 16-byte loads a lane).
+#define Q4T_UNROLL 4
+
+// One tile of 16 output rows for up to MT rows of x: the block's warps take K blocks
+// warp, warp + 8, ...; each block's codes are two 16-byte loads a lane (rows gid and gid + 8 of
+// the tile: the A fragments of 8 mma steps, whose K order the layout chose; q - z formed in
+// the storage type, exactly), x the B fragments
+// (4 consecutive values of batch row gid [+ 8] a step: one 8-byte load), each group's 4 steps
+// summed in a fresh accumulator and added to the lane's sums times the group's scales; the
+// warps' sums meet in shared memory and one thread a (row, column) stores it (+ bias, rounded
+// once, as quant_gemv_body does). Rows past w.n (tile padding) are not stored.
+template <int MT, bool F32>
+__device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                              const store_t* __restrict__ bias, int m, int round, int tile) {
+    constexpr int NT = MT > 8 ? 2 : 1;
+    __shared__ float red[QUANT_WARPS][NT * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, t4 = lane & 3;
+    const int kbn = (w.k + 127) >> 7;
+    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
+    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
+    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
+    const store_t* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
+    for (int kb0 = warp; kb0 < kbn; kb0 += QUANT_WARPS * Q4T_UNROLL) {
+        uint4 q[Q4T_UNROLL][2];
+        uint2 sc[Q4T_UNROLL];
+        unsigned zq[Q4T_UNROLL];
+#pragma unroll
+        for (int u = 0; u < Q4T_UNROLL; ++u) {
+            const int kb = kb0 + u * QUANT_WARPS;
+            if (kb < kbn) {
+                q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
+                q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
+                sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
+                zq[u] = zeros ? __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32)) : 0x08080808u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < Q4T_UNROLL; ++u) {
+            const int kb = kb0 + u * QUANT_WARPS;
+            if (kb >= kbn) break;
+            // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
+            const float s[4] = {q4t_scale((unsigned short)(sc[u].x & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].x >> 16), w.p2),
+                                q4t_scale((unsigned short)(sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].y >> 16), w.p2)};
+#pragma unroll
+            for (int g = 0; g < 2; ++g) {
+                unsigned lo_bias[2] = {Q4T_LO_BIAS8, Q4T_LO_BIAS8}, hi_bias[2] = {Q4T_HI_BIAS8, Q4T_HI_BIAS8};
+                if (zeros) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float z = (float)((zq[u] >> (8 * (2 * h + g))) & 0xffu);
+                        lo_bias[h] = q4t_pair(-(Q4T_MAGIC_F + z));
+                        hi_bias[h] = q4t_pair(-(Q4T_MAGIC_F / 16.0f + z));
+                    }
+                }
+                float d[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) d[nt][c] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    const int j = g * 4 + a;
+                    const int sh = (j & 1) * 8;
+                    const unsigned w0 = q4t_word(q[u][0], j >> 1) >> sh;
+                    const unsigned w1 = q4t_word(q[u][1], j >> 1) >> sh;
+                    const unsigned af[4] = {
+                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, lo_bias[0]),
+                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, lo_bias[1]),
+                        q4t_fma2((w0 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, hi_bias[0]),
+                        q4t_fma2((w1 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, hi_bias[1]),
+                    };
+                    const int kx = kb * 128 + j * 16;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        uint2 b = make_uint2(0u, 0u);
+                        if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                        q4t_mma(d[nt], af, b.x, b.y);
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    acc[nt][0] = fmaf(s[g], d[nt][0], acc[nt][0]);
+                    acc[nt][1] = fmaf(s[g], d[nt][1], acc[nt][1]);
+                    acc[nt][2] = fmaf(s[2 + g], d[nt][2], acc[nt][2]);
+                    acc[nt][3] = fmaf(s[2 + g], d[nt][3], acc[nt][3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
+    __syncthreads();
+    if (threadIdx.x < NT * 4 * 32) {
+        const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
+        float v = 0.0f;
+#pragma unroll
+        for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
+        // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
+        const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
+        const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
+        if (col < m && row < w.n) {
+            const long long at = (long long)col * w.n_all + row;
+            if (bias) v += to_f32(bias[row]);
+            if constexpr (F32) {
+                reinterpret_cast<float*>(y)[at] = round ? round_st(v) : v;
+            } else {
+                reinterpret_cast<store_t*>(y)[at] = from_f32(v);
+            }
+        }
+    }
+}
+#endif
+
+// The GEMV of a tiled weight (decoder D reads the layout): on sm_80+ the first ceil(n / 16)
+// blocks one tile each (q4t_gemv_tile), the rest QUANT_WARPS rows of the dense tail each; on
+// older GPUs the row-per-warp body over D (grid ceil(n_all / QUANT_WARPS)). ops/quant.rs sizes
+// the grid to match.
+template <class D, int MT, bool F32>
+__device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                                 const store_t* __restrict__ bias, int m, int round) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const int tiles = (w.n + 15) >> 4;
+    if ((int)blockIdx.x < tiles) {
+        pdl_enter();
+        q4t_gemv_tile<MT, F32>(x, w, y, bias, m, round, blockIdx.x);
+    } else {
+        quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, w.n + ((int)blockIdx.x - tiles) * QUANT_WARPS + (int)(threadIdx.x >> 5));
+    }
+#else
+    quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, QUANT_ROW);
+#endif
+}
+
 #define QUANT_W_PARAMS                                                                              \
     const unsigned char *data, const unsigned char *scale, const unsigned char *zero,            \
         const int *g_idx, int n, int k, long long p0, long long p1, long long p2,                \
@@ -186,11 +432,11 @@ __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __res
 #define QUANT_GEMV_INSTANCE(NAME, D, MT)                                                           \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
         quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
-        quant_gemv_body<D, MT, false>(x, QUANT_W, y, bias, m, 0);                                  \
+        quant_gemv_body<D, MT, false>(x, QUANT_W, y, bias, m, 0, QUANT_ROW);                       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
         quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
-        quant_gemv_body<D, MT, true>(x, QUANT_W, y, nullptr, m, round);                            \
+        quant_gemv_body<D, MT, true>(x, QUANT_W, y, nullptr, m, round, QUANT_ROW);                 \
     }
 #define QUANT_KERNELS(NAME, D)                                                                     \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
@@ -202,3 +448,25 @@ __device__ __forceinline__ void quant_dequant_body(const qweight& w, void* __res
     QUANT_GEMV_INSTANCE(NAME, D, 4)                                                                \
     QUANT_GEMV_INSTANCE(NAME, D, 8)                                                                \
     QUANT_GEMV_INSTANCE(NAME, D, 16)
+
+// The kernels of a format held in the tiled layout: QUANT_KERNELS' names and parameters, the
+// GEMVs through quant_tiled_gemv.
+#define QUANT_TILED_GEMV_INSTANCE(NAME, D, MT)                                                     \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
+        quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
+        quant_tiled_gemv<D, MT, false>(x, QUANT_W, y, bias, m, 0);                                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
+        quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
+        quant_tiled_gemv<D, MT, true>(x, QUANT_W, y, nullptr, m, round);                           \
+    }
+#define QUANT_TILED_KERNELS(NAME, D)                                                               \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
+        quant_dequant_##NAME(QUANT_W_PARAMS, void* out, int f32_out, int row0, int rows) {         \
+        quant_dequant_body<D>(QUANT_W, out, f32_out, row0, rows);                                  \
+    }                                                                                              \
+    QUANT_TILED_GEMV_INSTANCE(NAME, D, 1)                                                          \
+    QUANT_TILED_GEMV_INSTANCE(NAME, D, 2)                                                          \
+    QUANT_TILED_GEMV_INSTANCE(NAME, D, 4)                                                          \
+    QUANT_TILED_GEMV_INSTANCE(NAME, D, 8)                                                          \
+    QUANT_TILED_GEMV_INSTANCE(NAME, D, 16)

@@ -3,10 +3,10 @@
 // pack-quantized 4-bit, each reading the checkpoint's own tensors (data, scale, zero, g_idx) as
 // stored; each decoder gives values k0 .. k0 + 7 of output row `row` (k0 a multiple of 8)
 // exactly as the CPU decoder does.
-// AWQ and GPTQ store K-major words (8 output rows, or 8 inputs of one row, per 32-bit word), so
-// a warp streaming one output row reads one word in 8 of each 32-byte sector it touches; its
-// neighbours in the block read the rest while the sector is in L1/L2. Repacking them to
-// pack-quantized's row-major words at load is the alternative to measure on the GPU.
+// A 4-bit weight whose groups are whole runs of 64 values (no act-order g_idx) is repacked at
+// upload into quant.cuh's tiled layout with its zeros and runs the tiled kernels
+// (quant_gemv_q4_tiles_*); the decoders below serve the rest (groups of 32, act-order), AWQ and
+// GPTQ reading K-major words (8 output rows, or 8 inputs of one row, per 32-bit word).
 #include "quant.cuh"
 
 // The group of input `col`: g_idx[col] where given, else col / group (0: one group a row).
@@ -91,3 +91,4 @@ QUANT_KERNELS(fp8_block, dec_fp8_block)
 QUANT_KERNELS(awq4, dec_awq)
 QUANT_KERNELS(gptq4, dec_gptq)
 QUANT_KERNELS(pack4, dec_pack4)
+QUANT_TILED_KERNELS(q4_tiles, dec_q4_tiles)

@@ -2,7 +2,8 @@
 // the layouts): decode GEMV and dequantize kernels of W8G32_F16S, Q4G64_F16S, Q5G64_F16S,
 // Q6G64_F16S (`row-split-k128-v1`), FP8_E4M3FN_ROW_BF16S (`row-scale-v1`) and NVFP4
 // (`blockscale-k16-m128x4-v1`). quant.cuh holds the bodies; each decoder below gives values
-// k0 .. k0 + 7 of a row (k0 a multiple of 8) exactly as the CPU decoder does.
+// k0 .. k0 + 7 of a row (k0 a multiple of 8) exactly as the CPU decoder does. Q4G64_F16S is
+// repacked at upload into quant.cuh's tiled layout (dec_q4_tiles, the mma.sync GEMV).
 #include "quant.cuh"
 
 // Grouped signed codes of BITS bits, G values a group (8 of them always in one group: G is 32
@@ -89,12 +90,11 @@ struct dec_nvfp4 {
 };
 
 typedef dec_grouped<8, 32> dec_w8g32;
-typedef dec_grouped<4, 64> dec_q4g64;
 typedef dec_grouped<5, 64> dec_q5g64;
 typedef dec_grouped<6, 64> dec_q6g64;
 
 QUANT_KERNELS(w8g32, dec_w8g32)
-QUANT_KERNELS(q4g64, dec_q4g64)
+QUANT_TILED_KERNELS(q4_tiles, dec_q4_tiles)
 QUANT_KERNELS(q5g64, dec_q5g64)
 QUANT_KERNELS(q6g64, dec_q6g64)
 QUANT_KERNELS(fp8_row, dec_fp8_row)

@@ -1,5 +1,6 @@
 //! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
-//! uploaded as the checkpoint stores them, the decode GEMV with fused dequantization for up to
+//! uploaded as the checkpoint stores them (Q4G64_F16S repacked into the tiled layout of
+//! quant_tiles.rs, which its mma.sync GEMV streams), the decode GEMV with fused dequantization for up to
 //! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
 //! workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
 //! chunk of vocabulary rows at a time through the same workspace.
@@ -12,6 +13,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
+use super::quant_tiles;
 use super::{as_i32, cfg, check_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
@@ -56,10 +58,11 @@ macro_rules! quant_kernels {
     };
 }
 
+/// The kernels of `format` as uploaded (Q4G64_F16S always in the tiled layout).
 fn kernels_of(format: QuantFormat) -> QuantKernels {
     match format {
         QuantFormat::W8G32F16S => quant_kernels!(QuantNinfer, "w8g32"),
-        QuantFormat::Q4G64F16S => quant_kernels!(QuantNinfer, "q4g64"),
+        QuantFormat::Q4G64F16S => quant_kernels!(QuantNinfer, "q4_tiles"),
         QuantFormat::Q5G64F16S => quant_kernels!(QuantNinfer, "q5g64"),
         QuantFormat::Q6G64F16S => quant_kernels!(QuantNinfer, "q6g64"),
         QuantFormat::Fp8E4m3fnRowBf16s => quant_kernels!(QuantNinfer, "fp8_row"),
@@ -74,6 +77,15 @@ fn kernels_of(format: QuantFormat) -> QuantKernels {
         QuantFormat::Awq4 { .. } => quant_kernels!(QuantHf, "awq4"),
         QuantFormat::Gptq4 { .. } => quant_kernels!(QuantHf, "gptq4"),
         QuantFormat::PackQuantized4 { .. } => quant_kernels!(QuantHf, "pack4"),
+    }
+}
+
+/// The kernels of a weight: the tiled layout's in its format's family where it was uploaded
+/// tiled (quant_tiles.rs), else its format's.
+fn weight_kernels(format: QuantFormat, tiled: bool) -> QuantKernels {
+    match (tiled, kernels_of(format).family) {
+        (true, KernelFamily::QuantHf) => quant_kernels!(QuantHf, "q4_tiles"),
+        _ => kernels_of(format),
     }
 }
 
@@ -118,6 +130,8 @@ pub struct DeviceQuantWeight {
     /// `[n - nq, k]` in the storage type.
     tail: Option<CudaSlice<u16>>,
     params: [i64; 3],
+    /// Whether `data` holds the tiled layout (quant_tiles.rs; no companions then).
+    tiled: bool,
 }
 
 impl DeviceQuantWeight {
@@ -150,6 +164,18 @@ fn gemv_launches(m: usize) -> impl Iterator<Item = (usize, usize, usize)> {
         let mm = (m - row).min(QUANT_GEMV_MAX_M);
         (row, mm, [1, 2, 4, 8, 16].iter().position(|&t| t >= mm).expect("mm <= 16"))
     })
+}
+
+/// Blocks of a GEMV launch over `n_all` rows, `nq` of them quantized: one warp a row
+/// (QUANT_THREADS / 32 rows a block), except a tiled weight on sm_80+ (cuda/quant.cuh
+/// `quant_tiled_gemv`): one block a tile of 16 quantized rows, then one warp a dense tail row.
+fn quant_gemv_grid(tiled: bool, nq: usize, n_all: usize, mma: bool) -> usize {
+    let warps = QUANT_THREADS as usize / 32;
+    if tiled && mma {
+        nq.div_ceil(quant_tiles::TILE_ROWS) + (n_all - nq).div_ceil(warps)
+    } else {
+        n_all.div_ceil(warps)
+    }
 }
 
 /// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
@@ -244,7 +270,9 @@ impl CudaDevice {
             }
         }
         let n: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let tiles = if parts.len() == 1 { quant_tiles::to_tiles(w) } else { None };
         let params: [i64; 3] = match w.format {
+            _ if tiles.is_some() => tiles.as_ref().unwrap().params,
             f if Grouped::of(f).is_some() => {
                 let p = Grouped::of(f).unwrap().planes(n, k);
                 [p.high_offset as i64, p.scale_offset as i64, 0]
@@ -261,16 +289,25 @@ impl CudaDevice {
         };
         let s = self.stream();
         let up = |b: &[u8], what: &str| s.clone_htod(b).map_err(|e| NinferError::Device(format!("uploading {name} ({what}): {e}")));
-        let data = if parts.len() == 1 { up(&w.data, "data")? } else { up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")? };
-        let scale = w.scale.as_ref().map(|t| up(&t.bytes, "scale")).transpose()?;
-        let zero = w.zero.as_ref().map(|t| up(&t.bytes, "zero")).transpose()?;
-        let g_idx = w.g_idx.as_ref().map(|t| up(&t.bytes, "g_idx")).transpose()?;
+        let tiled = tiles.is_some();
+        let data = if let Some(t) = &tiles {
+            up(&t.bytes, "data")?
+        } else if parts.len() == 1 {
+            up(&w.data, "data")?
+        } else {
+            up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")?
+        };
+        // The tiled layout carries its scales and zeros; the stored form reads the companions.
+        let companion = |t: &Option<crate::quant::OwnedRaw>, what: &str| if tiled { Ok(None) } else { t.as_ref().map(|t| up(&t.bytes, what)).transpose() };
+        let scale = companion(&w.scale, "scale")?;
+        let zero = companion(&w.zero, "zero")?;
+        let g_idx = companion(&w.g_idx, "g_idx")?;
         if !tail.len().is_multiple_of(k) {
             return Err(NinferError::Device(format!("{name}: a dense tail of {} values is not whole rows of {k}", tail.len())));
         }
         let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {name} (dense rows): {e}")))?) };
         self.load_kernel_families(&[kernels_of(w.format).family])?;
-        Ok(DeviceQuantWeight { name, format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params })
+        Ok(DeviceQuantWeight { name, format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params, tiled })
     }
 
     /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order: the decoders' rows,
@@ -291,6 +328,11 @@ impl CudaDevice {
             w.tail.as_ref().map_or(0u64, |t| t.device_ptr(s).0),
             as_i32("quant rows", w.n)?
         ])
+    }
+
+    /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
+    fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {
+        quant_gemv_grid(w.tiled, w.nq, w.n, self.compute_capability().0 >= 8) as u32
     }
 
     fn data_ptr(&self, b: &CudaSlice<u8>) -> u64 {
@@ -325,7 +367,7 @@ impl CudaDevice {
     }
 
     fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32, row0: usize, rows: usize) -> Result<()> {
-        let kern = kernels_of(w.format);
+        let kern = weight_kernels(w.format, w.tiled);
         let f = self.function(kern.family, kern.dequant)?;
         let slices = rows * (w.k / 8);
         // A few waves of blocks; the kernel strides past them.
@@ -352,20 +394,20 @@ impl CudaDevice {
         if let Some(b) = bias {
             check_len("quant_gemv bias", b.len(), n)?;
         }
-        let kern = kernels_of(w.format);
+        let kern = weight_kernels(w.format, w.tiled);
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (yp, _b) = y.device_ptr_mut(s);
         let bp = bias.map_or(0u64, |b| b.device_ptr(s).0);
         let wargs = self.quant_w_args(w)?;
-        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let grid = self.quant_gemv_grid(w);
         for (row, mm, slot) in gemv_launches(m) {
             let name = kern.gemv[slot];
             let f = self.function(kern.family, name)?;
             let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
             args.extend(wargs);
             args.extend(kargs![yp + (row * n * 2) as u64, bp, mm as i32]);
-            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            self.launch_pdl(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
         }
         Ok(())
     }
@@ -377,19 +419,19 @@ impl CudaDevice {
         let (n, k) = (w.n, w.k);
         check_len("quant_gemv_f32_out x", x.len(), m * k)?;
         check_len("quant_gemv_f32_out y", y.len(), m * n)?;
-        let kern = kernels_of(w.format);
+        let kern = weight_kernels(w.format, w.tiled);
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (yp, _b) = y.device_ptr_mut(s);
         let wargs = self.quant_w_args(w)?;
-        let grid = n.div_ceil(QUANT_THREADS as usize / 32) as u32;
+        let grid = self.quant_gemv_grid(w);
         for (row, mm, slot) in gemv_launches(m) {
             let name = kern.gemv_f32[slot];
             let f = self.function(kern.family, name)?;
             let mut args = kargs![xp + (row * k * 2) as u64].to_vec();
             args.extend(wargs);
             args.extend(kargs![yp + (row * n * 4) as u64, mm as i32, round as i32]);
-            self.launch(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
+            self.launch_pdl(&f, cfg((grid, 1, 1), QUANT_THREADS), name, &args)?;
         }
         Ok(())
     }
@@ -493,7 +535,14 @@ mod tests {
             let kern = kernels_of(f);
             let src = kern.family.source();
             let stem = kern.dequant.trim_start_matches("quant_dequant_");
-            assert!(src.contains(&format!("\nQUANT_KERNELS({stem}, ")), "{f:?}: no QUANT_KERNELS({stem}, ..) in cuda/{}", kern.family.file_name());
+            let macro_ = if f == QuantFormat::Q4G64F16S { "QUANT_TILED_KERNELS" } else { "QUANT_KERNELS" };
+            assert!(src.contains(&format!("\n{macro_}({stem}, ")), "{f:?}: no {macro_}({stem}, ..) in cuda/{}", kern.family.file_name());
+            // A 4-bit weight uploaded tiled runs its family's tiled kernels.
+            let tiled = weight_kernels(f, true);
+            assert_eq!(tiled.family, kern.family);
+            if tiled.dequant != kern.dequant {
+                assert!(src.contains("\nQUANT_TILED_KERNELS(q4_tiles, dec_q4_tiles)"), "{f:?}: no tiled kernels in cuda/{}", kern.family.file_name());
+            }
             for ((g, g32), mt) in kern.gemv.iter().zip(&kern.gemv_f32).zip([1, 2, 4, 8, 16]) {
                 assert_eq!(*g, format!("quant_gemv_{stem}_m{mt}"));
                 assert_eq!(*g32, format!("quant_gemv_f32_{stem}_m{mt}"));
@@ -523,6 +572,15 @@ mod tests {
         assert_eq!(grid, IQ3S_GRID.iter().map(|&w| w as i64).collect::<Vec<_>>());
         let kv = c_array(src, "iq4nl_kvalues");
         assert_eq!(kv, KVALUES_IQ4NL.iter().map(|&v| v as i64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn tiled_gemv_grids_take_a_block_a_tile_on_sm80_and_a_warp_a_row_before() {
+        // 37 quantized rows: 3 tiles; 5 dense tail rows: one block of 8 warps.
+        assert_eq!(quant_gemv_grid(true, 37, 42, true), 3 + 1);
+        assert_eq!(quant_gemv_grid(true, 4096, 4096, true), 256);
+        assert_eq!(quant_gemv_grid(true, 37, 42, false), 6);
+        assert_eq!(quant_gemv_grid(false, 37, 42, true), 6);
     }
 
     #[test]
