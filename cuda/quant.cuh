@@ -214,25 +214,22 @@ struct dec_q4_tiles {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-// A nibble pair (n, n + 16 bits) becomes two storage-type halves exactly: OR-ed into the
-// mantissa of MAGIC (128 in bf16, 1024 in f16; nibbles at bit 4 land as 16 q), then one fma:
-// v * 1 - (MAGIC + z) for the low nibbles, v / 16 - (MAGIC / 16 + z) for the high ones. Every
-// step is exact (small integers), so the A operand holds q - z itself.
-// The biases for z = 8 (no zero plane): -(MAGIC + 8) and -(MAGIC / 16 + 8).
+// A nibble pair (n, n + 16 bits) becomes two storage-type halves exactly: OR-ed into the low
+// mantissa bits of MAGIC (128 in bf16, 1024 in f16, whose ulp is 1), then one fma:
+// v * 1 - (MAGIC + z). The high nibbles of a byte are shifted down first: bf16's 7-bit mantissa
+// cannot hold a nibble at bit 4 (its top bit would land in the exponent). Every step is exact
+// (small integers), so the A operand holds q - z itself. The bias for z = 8 (no zero plane):
+// -(MAGIC + 8).
 #if defined(NINFER_STORAGE_F16)
 #define Q4T_MAGIC 0x64006400u
 #define Q4T_MAGIC_F 1024.0f
 #define Q4T_ONE 0x3c003c00u
-#define Q4T_SIXTEENTH 0x2c002c00u
-#define Q4T_LO_BIAS8 0xe408e408u
-#define Q4T_HI_BIAS8 0xd480d480u
+#define Q4T_BIAS8 0xe408e408u
 #else
 #define Q4T_MAGIC 0x43004300u
 #define Q4T_MAGIC_F 128.0f
 #define Q4T_ONE 0x3f803f80u
-#define Q4T_SIXTEENTH 0x3d803d80u
-#define Q4T_LO_BIAS8 0xc308c308u
-#define Q4T_HI_BIAS8 0xc180c180u
+#define Q4T_BIAS8 0xc308c308u
 #endif
 
 // x (a small integer, exact in the storage type) in both halves of a word.
@@ -328,14 +325,10 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                                 q4t_scale((unsigned short)(sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].y >> 16), w.p2)};
 #pragma unroll
             for (int g = 0; g < 2; ++g) {
-                unsigned lo_bias[2] = {Q4T_LO_BIAS8, Q4T_LO_BIAS8}, hi_bias[2] = {Q4T_HI_BIAS8, Q4T_HI_BIAS8};
+                unsigned bias2[2] = {Q4T_BIAS8, Q4T_BIAS8};
                 if (zeros) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float z = (float)((zq[u] >> (8 * (2 * h + g))) & 0xffu);
-                        lo_bias[h] = q4t_pair(-(Q4T_MAGIC_F + z));
-                        hi_bias[h] = q4t_pair(-(Q4T_MAGIC_F / 16.0f + z));
-                    }
+                    for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq[u] >> (8 * (2 * h + g))) & 0xffu)));
                 }
                 float d[NT][4];
 #pragma unroll
@@ -349,10 +342,10 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                     const unsigned w0 = q4t_word(q[u][0], j >> 1) >> sh;
                     const unsigned w1 = q4t_word(q[u][1], j >> 1) >> sh;
                     const unsigned af[4] = {
-                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, lo_bias[0]),
-                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, lo_bias[1]),
-                        q4t_fma2((w0 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, hi_bias[0]),
-                        q4t_fma2((w1 & 0x00f000f0u) | Q4T_MAGIC, Q4T_SIXTEENTH, hi_bias[1]),
+                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
+                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
+                        q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
+                        q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
                     };
                     const int kx = kb * 128 + j * 16;
 #pragma unroll
