@@ -274,38 +274,21 @@ __device__ __forceinline__ unsigned q4t_word(const uint4& q, int i) {
 
 // Blocks of 128 values a warp has in flight (U blocks: 2U 16-byte loads a lane).
 #define Q4T_UNROLL 4
+// K blocks one pass of a block's warps covers (warp w takes base + w + 8u), and its x values.
+#define Q4T_PASS_BLOCKS (QUANT_WARPS * Q4T_UNROLL)
+#define Q4T_PASS (Q4T_PASS_BLOCKS * 128)
+// Padding of a staged x row, in values: rows 8 banks apart, so the B-fragment loads of lanes
+// with different gid (different rows) never share a bank.
+#define Q4T_XPAD 16
 
-// One tile of 16 output rows for up to MT rows of x: the block's warps take K blocks
-// warp, warp + 8, ...; each block's codes are two 16-byte loads a lane (rows gid and gid + 8 of
-// the tile: the A fragments of 8 mma steps, whose K order the layout chose; q - z formed in
-// the storage type, exactly), x the B fragments
-// (4 consecutive values of batch row gid [+ 8] a step: one 8-byte load), each group's 4 steps
-// summed in a fresh accumulator and added to the lane's sums times the group's scales; the
-// warps' sums meet in shared memory and one thread a (row, column) stores it (+ bias, rounded
-// once, as quant_gemv_body does). Rows past w.n (tile padding) are not stored.
-template <int MT, bool F32>
-__device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
-                                              const store_t* __restrict__ bias, int m, int round, int tile) {
-    constexpr int NT = MT > 8 ? 2 : 1;
-    __shared__ float red[QUANT_WARPS][NT * 4][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gid = lane >> 2, t4 = lane & 3;
-    const int kbn = (w.k + 127) >> 7;
-    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
-    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
-    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
-    const store_t* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
-    for (int kb0 = warp; kb0 < kbn; kb0 += QUANT_WARPS * Q4T_UNROLL) {
-        uint4 q[Q4T_UNROLL][2];
-        uint2 sc[Q4T_UNROLL];
-        unsigned zq[Q4T_UNROLL];
+// The weight loads of one pass for one lane: codes of rows gid and gid + 8 (two 16-byte
+// streaming loads a block), the four scales (one 8-byte load) and the zeros (one 4-byte load).
+struct q4t_pass {
+    uint4 q[Q4T_UNROLL][2];
+    uint2 sc[Q4T_UNROLL];
+    unsigned zq[Q4T_UNROLL];
+
+    __device__ __forceinline__ void load(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, int kb0, int kbn) {
 #pragma unroll
         for (int u = 0; u < Q4T_UNROLL; ++u) {
             const int kb = kb0 + u * QUANT_WARPS;
@@ -316,19 +299,73 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                 zq[u] = zeros ? __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32)) : 0x08080808u;
             }
         }
+    }
+};
+
+// One tile of 16 output rows for up to MT rows of x. The block's warps go through K in passes
+// of Q4T_PASS_BLOCKS blocks of 128 values, warp w taking blocks base + w + 8u; each block's
+// codes are two 16-byte loads a lane (rows gid and gid + 8 of the tile: the A fragments of 8
+// mma steps, whose K order the layout chose; q - z formed in the storage type, exactly), x the
+// B fragments (4 consecutive values of batch row gid [+ 8] a step), each group's 4 steps summed
+// in a fresh accumulator and added to the lane's sums times the group's scales; the warps' sums
+// meet in shared memory and one thread a (row, column) stores it (+ bias, rounded once, as
+// quant_gemv_body does). Rows past w.n (tile padding) are not stored.
+// Latency: the first pass's weight loads are issued before pdl_wait (weights are written by no
+// kernel, so they may stream while the previous kernel finishes), and for MT <= 4 the pass's x
+// is staged in shared memory by the whole block while those loads are in flight, so that the
+// mma steps wait on shared-memory reads instead of one L2 round trip per step (MT 8 and 16 read
+// x from global: a pass of 8 or 16 rows would not fit the static shared memory).
+template <int MT, bool F32>
+__device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                              const store_t* __restrict__ bias, int m, int round, int tile) {
+    constexpr int NT = MT > 8 ? 2 : 1;
+    constexpr bool XS = MT <= 4;
+    __shared__ float red[QUANT_WARPS][NT * 4][32];
+    __shared__ __align__(16) store_t xs[XS ? MT : 1][XS ? Q4T_PASS + Q4T_XPAD : 8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, t4 = lane & 3;
+    const int kbn = (w.k + 127) >> 7;
+    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
+    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
+    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
+    q4t_pass ld;
+    ld.load(codes, scales, zeros, warp, kbn);
+    pdl_enter();
+    const store_t* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
+    for (int base = 0; base < kbn; base += Q4T_PASS_BLOCKS) {
+        if (base > 0) ld.load(codes, scales, zeros, base + warp, kbn);
+        if constexpr (XS) {
+            // The pass's x rows (zeros past m and past K), 16 bytes a thread at a time.
+            if (base > 0) __syncthreads();  // every warp is done with the last pass's x
+            for (int i = threadIdx.x; i < MT * (Q4T_PASS / 8); i += QUANT_WARPS * 32) {
+                const int r = i / (Q4T_PASS / 8), c = (i % (Q4T_PASS / 8)) * 8;
+                const int kk = base * 128 + c;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (r < m && kk < w.k) v = __ldg(reinterpret_cast<const uint4*>(x + (long long)r * w.k + kk));
+                *reinterpret_cast<uint4*>(&xs[r][c]) = v;
+            }
+            __syncthreads();
+        }
 #pragma unroll
         for (int u = 0; u < Q4T_UNROLL; ++u) {
-            const int kb = kb0 + u * QUANT_WARPS;
+            const int kb = base + warp + u * QUANT_WARPS;
             if (kb >= kbn) break;
             // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
-            const float s[4] = {q4t_scale((unsigned short)(sc[u].x & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].x >> 16), w.p2),
-                                q4t_scale((unsigned short)(sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc[u].y >> 16), w.p2)};
+            const float s[4] = {q4t_scale((unsigned short)(ld.sc[u].x & 0xffffu), w.p2), q4t_scale((unsigned short)(ld.sc[u].x >> 16), w.p2),
+                                q4t_scale((unsigned short)(ld.sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(ld.sc[u].y >> 16), w.p2)};
 #pragma unroll
             for (int g = 0; g < 2; ++g) {
                 unsigned bias2[2] = {Q4T_BIAS8, Q4T_BIAS8};
                 if (zeros) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq[u] >> (8 * (2 * h + g))) & 0xffu)));
+                    for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((ld.zq[u] >> (8 * (2 * h + g))) & 0xffu)));
                 }
                 float d[NT][4];
 #pragma unroll
@@ -339,8 +376,8 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                 for (int a = 0; a < 4; ++a) {
                     const int j = g * 4 + a;
                     const int sh = (j & 1) * 8;
-                    const unsigned w0 = q4t_word(q[u][0], j >> 1) >> sh;
-                    const unsigned w1 = q4t_word(q[u][1], j >> 1) >> sh;
+                    const unsigned w0 = q4t_word(ld.q[u][0], j >> 1) >> sh;
+                    const unsigned w1 = q4t_word(ld.q[u][1], j >> 1) >> sh;
                     const unsigned af[4] = {
                         q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
                         q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
@@ -351,7 +388,11 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         uint2 b = make_uint2(0u, 0u);
-                        if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                        if constexpr (XS) {
+                            if (gid < MT) b = *reinterpret_cast<const uint2*>(&xs[XS ? gid : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
+                        } else {
+                            if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                        }
                         q4t_mma(d[nt], af, b.x, b.y);
                     }
                 }
@@ -401,7 +442,6 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const int tiles = (w.n + 15) >> 4;
     if ((int)blockIdx.x < tiles) {
-        pdl_enter();
         q4t_gemv_tile<MT, F32>(x, w, y, bias, m, round, blockIdx.x);
     } else {
         quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, w.n + ((int)blockIdx.x - tiles) * QUANT_WARPS + (int)(threadIdx.x >> 5));
@@ -443,13 +483,20 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
     QUANT_GEMV_INSTANCE(NAME, D, 16)
 
 // The kernels of a format held in the tiled layout: QUANT_KERNELS' names and parameters, the
-// GEMVs through quant_tiled_gemv.
+// GEMVs through quant_tiled_gemv. On sm_80+ two blocks an SM (registers capped at 128): one
+// block's pass is in flight while the other computes. Older GPUs run the row-per-warp body,
+// whose m = 8 and 16 kernels would spill under that cap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define Q4T_MIN_BLOCKS 2
+#else
+#define Q4T_MIN_BLOCKS 1
+#endif
 #define QUANT_TILED_GEMV_INSTANCE(NAME, D, MT)                                                     \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_MIN_BLOCKS)                 \
         quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
         quant_tiled_gemv<D, MT, false>(x, QUANT_W, y, bias, m, 0);                                 \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_MIN_BLOCKS)                 \
         quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
         quant_tiled_gemv<D, MT, true>(x, QUANT_W, y, nullptr, m, round);                           \
     }
