@@ -15,6 +15,46 @@ pub fn fp8_gemm_fits(n: usize, k: usize) -> bool {
     n > 0 && k > 0 && n.is_multiple_of(16) && k.is_multiple_of(16)
 }
 
+/// Bytes a `(tile, block)` of the CUDA backend's 4-bit tiled layout holds (16 rows by 128
+/// values: codes, 16-bit scales, and zeros where the weight has them): the geometry of
+/// `backend::cuda::ops::quant_tiles`, kept here so that the plan counts what the upload holds.
+const Q4_TILE_ROWS: usize = 16;
+const Q4_TILE_K: usize = 128;
+const Q4_TILE_BYTES: usize = 1024 + 64;
+const Q4_TILE_ZERO_BYTES: usize = 32;
+
+/// Bytes of a `[n, k]` weight in the 4-bit tiled layout, with or without its zero plane.
+pub fn q4_tiled_bytes(n: usize, k: usize, zeros: bool) -> usize {
+    n.div_ceil(Q4_TILE_ROWS) * k.div_ceil(Q4_TILE_K) * (Q4_TILE_BYTES + if zeros { Q4_TILE_ZERO_BYTES } else { 0 })
+}
+
+/// Whether a 4-bit weight in `format` may be uploaded in the tiled layout, and then whether
+/// with a zero plane: Q4G64_F16S always (no zeros); AWQ, GPTQ and asymmetric pack-quantized
+/// (zeros) and symmetric pack-quantized (none) whose groups are whole runs of 64 values (group
+/// 0, one group a row, or a multiple of 64). None: uploaded as stored.
+pub fn q4_tiled_layout(format: QuantFormat) -> Option<bool> {
+    let runs_of_64 = |group: usize| group.is_multiple_of(64);
+    match format {
+        QuantFormat::Q4G64F16S => Some(false),
+        QuantFormat::Awq4 { group } | QuantFormat::Gptq4 { group, .. } if runs_of_64(group) => Some(true),
+        QuantFormat::PackQuantized4 { group, symmetric } if runs_of_64(group) => Some(!symmetric),
+        _ => None,
+    }
+}
+
+/// Bytes the CUDA backend holds for a quantized `[n, k]` weight (one matrix, a fused
+/// projection's parts stacked) whose stored tensors take `stored` bytes: the tiled layout's
+/// for Q4G64_F16S; for the HF 4-bit forms the layout may take, the larger of the two, since
+/// only the values decide (an act-order g_idx, or F32 scales that are neither f16 nor bf16
+/// values, keep the stored form); else `stored`.
+pub fn quant_device_bytes(format: QuantFormat, [n, k]: [usize; 2], stored: usize) -> usize {
+    match (format, q4_tiled_layout(format)) {
+        (QuantFormat::Q4G64F16S, Some(zeros)) => q4_tiled_bytes(n, k, zeros),
+        (_, Some(zeros)) => q4_tiled_bytes(n, k, zeros).max(stored),
+        (_, None) => stored,
+    }
+}
+
 /// Why the CUDA backend cannot run the quantized `[_, k]` weight `name` (a fused projection's
 /// parts joined by `|`) in `format`, if it cannot: its kernels decode 8 values at a time, so K
 /// must be a multiple of 8. The loader checks it before reading any weight, the plan on the
@@ -51,6 +91,27 @@ pub fn nvfp4_held_parts(rows: &[usize], k: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn four_bit_weights_count_the_tiled_layout_the_upload_holds() {
+        // Q4G64: 16 x 128 values a tile block, 1024 code bytes and 32 f16 scales; padding rows
+        // and K count.
+        assert_eq!(quant_device_bytes(QuantFormat::Q4G64F16S, [4096, 4096], 1), 256 * 32 * 1088);
+        assert_eq!(quant_device_bytes(QuantFormat::Q4G64F16S, [17, 200], 1), 2 * 2 * 1088);
+        // AWQ group 128 stored: codes k n / 2, f16 scales and packed zeros per (group, row). The
+        // tiled layout doubles the scales (groups of 64) and adds a byte of zero per group of
+        // 64: it is the larger, and counted.
+        let (n, k) = (4096usize, 4096usize);
+        let awq_stored = n * k / 2 + (k / 128) * n * 2 + (k / 128) * n / 2;
+        let awq = QuantFormat::Awq4 { group: 128 };
+        assert_eq!(quant_device_bytes(awq, [n, k], awq_stored), 256 * 32 * 1120);
+        assert!(256 * 32 * 1120 > awq_stored);
+        // Groups that are not runs of 64 keep the stored form.
+        assert_eq!(quant_device_bytes(QuantFormat::Gptq4 { group: 32, zero_plus_one: true }, [n, k], 123), 123);
+        assert_eq!(q4_tiled_layout(QuantFormat::PackQuantized4 { group: 0, symmetric: true }), Some(false));
+        assert_eq!(q4_tiled_layout(QuantFormat::Nvfp4), None);
+        assert_eq!(quant_device_bytes(QuantFormat::W8G32F16S, [n, k], 7), 7);
+    }
 
     #[test]
     fn the_shape_rules_name_the_tensor_the_format_and_the_reason() {

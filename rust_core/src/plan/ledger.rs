@@ -10,7 +10,7 @@ use super::formats::QuantFormat;
 use super::inventory::{checkpoint_tensors, PlannedTensor, Role};
 use super::memory::{device_memory, host_available_bytes, DeviceMemory};
 use super::drafter::{drafter_bytes, DrafterBytes};
-use super::gpu::{fp8_gemm_fits, mtp_layers_error, nvfp4_held_parts, quant_shape_error, LT_WORKSPACE_BYTES};
+use super::gpu::{fp8_gemm_fits, mtp_layers_error, nvfp4_held_parts, quant_device_bytes, quant_shape_error, LT_WORKSPACE_BYTES};
 use super::{cache_spec, reserve_bytes, verify_rows, Target};
 use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
@@ -215,7 +215,8 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
             if let Some(e) = quant_shape_error(&t.name, q.format, cols) {
                 return Err(e);
             }
-            out.push((q.format.name().to_string(), q.bytes - if t.fused { q.g_idx_bytes } else { 0 }));
+            let stored = q.bytes - if t.fused { q.g_idx_bytes } else { 0 };
+            out.push((q.format.name().to_string(), quant_device_bytes(q.format, [t.shape[0], cols], stored as usize) as u64));
             continue;
         }
         if t.role == Role::Embedding && input.cfg.tie_word_embeddings {
@@ -223,7 +224,8 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
                 if let Some(e) = quant_shape_error(&t.name, f.mode.format(), cols) {
                     return Err(e);
                 }
-                out.push((f.name().to_string(), f.matrix_bytes("lm_head (tied to the embedding)", t.shape[0], cols)?));
+                let stored = f.matrix_bytes("lm_head (tied to the embedding)", t.shape[0], cols)?;
+                out.push((f.name().to_string(), quant_device_bytes(f.mode.format(), [t.shape[0], cols], stored as usize) as u64));
             }
         }
         let quant = match t.role {
@@ -237,9 +239,10 @@ fn gpu_held(input: &PlanInput<'_>, tensors: &[&PlannedTensor]) -> Result<Vec<(St
         }
         out.push(match (quant, t.role) {
             (Some(f), Role::Matrix) if f.encodes_rows_alone() => {
-                (f.name().to_string(), if fused_rows[i] > 0 { f.matrix_bytes(&t.name, fused_rows[i], cols)? } else { 0 })
+                let rows = fused_rows[i];
+                (f.name().to_string(), if rows > 0 { quant_device_bytes(f.mode.format(), [rows, cols], f.matrix_bytes(&t.name, rows, cols)? as usize) as u64 } else { 0 })
             }
-            (Some(f), _) => (f.name().to_string(), f.matrix_bytes(&t.name, t.shape[0], cols)?),
+            (Some(f), _) => (f.name().to_string(), quant_device_bytes(f.mode.format(), [t.shape[0], cols], f.matrix_bytes(&t.name, t.shape[0], cols)? as usize) as u64),
             (None, Role::DenseF32) => ("F32".to_string(), 4 * t.numel()),
             (None, _) => (target.dense_name().to_string(), target.dense_bytes() as u64 * t.numel()),
         });

@@ -317,8 +317,10 @@ fn quant_f32_out_routes_match_quant_linear() {
 
 /// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+):
 /// shapes with a ragged last tile, K below one 128-value block, K padded past a group, more K
-/// blocks than the block has warps (a warp takes several) and a dense tail after the quantized
-/// rows; every M up to 16 that changes the kernel's B fragments (one or two column blocks of 8,
+/// blocks than the block has warps (a warp takes several), more than one pass of the block's
+/// warps (K past 4096 values: x staged again, a last pass of one block) and a dense tail after
+/// the quantized rows; every M up to 16 that changes the kernel's B fragments (x staged in
+/// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance
 /// of `QuantLinear` (the tail: the f32 matmul over its rows), and the dequantize kernel the CPU
 /// decoder's values bit for bit.
@@ -328,7 +330,7 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
         let Some(dev) = gpu("q4_tiled_gemv", st) else { return };
         let mut rng = Rng::new(4864);
         let f = QuantFormat::Q4G64F16S;
-        for (n, k, tail_rows) in [(1, 8, 0), (37, 200, 0), (300, 1152, 5), (16, 2176, 3), (64, 4096, 0)] {
+        for (n, k, tail_rows) in [(1, 8, 0), (37, 200, 0), (300, 1152, 5), (16, 2176, 3), (64, 4096, 0), (16, 4224, 2), (20, 9216, 0)] {
             let w = make(&mut rng, "q4_tiled", f, [n, k], None, RawDtype::F16, false);
             let tail = rounded(&rng.vec(tail_rows * k, -0.5, 0.5), st);
             let dw = dev.upload_quant_with_tail(&w, &super::harness::to_bits(&tail, st)).unwrap();
@@ -343,7 +345,7 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
             }
             let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
             let bias = upload(&dev, &bias_host);
-            for m in [1, 2, 5, 8, 9, 16] {
+            for m in [1, 2, 3, 4, 5, 8, 9, 16] {
                 let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
                 let xd = upload(&dev, &x);
                 let q = lin.forward(&x, m).unwrap();

@@ -296,7 +296,10 @@ impl<'a> Builder<'a> {
             })?;
             self.used.borrow_mut().extend(t.part_names().map(str::to_string));
             let parts = t.concat_rows(&given, k)?;
-            *bytes += parts.iter().map(quant_bytes).sum::<usize>();
+            *bytes += match parts.as_slice() {
+                [w] => crate::plan::gpu::quant_device_bytes(w.format, w.shape, quant_bytes(w)),
+                _ => parts.iter().map(quant_bytes).sum::<usize>(),
+            };
             let f = parts[0].format;
             refuse_shape(&t.name(), f, k)?;
             let (w, quant) = sink.quant(f, [n, k], || Ok(parts), None)?;
@@ -327,7 +330,7 @@ impl<'a> Builder<'a> {
             // A shape the format cannot hold stays dense, as on the CPU (`quant_load`).
             let f = self.quantize.expect("matched");
             refuse_shape(&t.name(), f, k)?;
-            *bytes += size;
+            *bytes += crate::plan::gpu::quant_device_bytes(f, [n, k], size);
             let (w, quant) = sink.quant(f, [n, k], || Ok(vec![QuantWeight::packed(t.name(), f, [n, k], quant::quantize(f, &t.name(), &t.values_f32(), [n, k])?)]), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else {
@@ -429,7 +432,8 @@ impl<'a> Builder<'a> {
         }
         self.same_g_idx(&c, &quant_name, quant_modules)?;
         refuse_shape(&quant_name, c.format, k)?;
-        *bytes += self.hf_bytes(&c, quant_modules)? + 2 * tail.as_ref().map_or(0, Packed::numel);
+        let nq: usize = rows.iter().sum();
+        *bytes += crate::plan::gpu::quant_device_bytes(c.format, [nq, k], self.hf_bytes(&c, quant_modules)?) + 2 * tail.as_ref().map_or(0, Packed::numel);
         let store = self.store;
         let encode = || {
             let parts = quant_modules

@@ -334,6 +334,35 @@ mod tests {
         w
     }
 
+    /// The plan counts what the upload holds: the layout's size is the plan's arithmetic for
+    /// every shape and zero plane, each HF form that tiles takes the zero plane the plan
+    /// expects, and the plan's bound is never below the tiled or the stored bytes.
+    #[test]
+    fn the_plan_counts_the_tiled_bytes_the_upload_holds() {
+        use crate::plan::gpu::{q4_tiled_bytes, q4_tiled_layout, quant_device_bytes};
+        for (n, k) in [(1, 8), (37, 200), (300, 1152), (16, 2176), (4096, 4096)] {
+            for zeros in [false, true] {
+                assert_eq!(Q4Tiles::new(n, k, zeros).bytes(), q4_tiled_bytes(n, k, zeros), "[{n}, {k}] zeros {zeros}");
+            }
+        }
+        let (payload, _) = random_q4(24, 256, 5);
+        assert_eq!(q4g64_to_tiles(&payload, 24, 256).bytes.len(), quant_device_bytes(QuantFormat::Q4G64F16S, [24, 256], payload.len()));
+        let (n, k) = (40, 384);
+        for format in [
+            QuantFormat::Awq4 { group: 128 },
+            QuantFormat::Gptq4 { group: 64, zero_plus_one: true },
+            QuantFormat::PackQuantized4 { group: 128, symmetric: false },
+            QuantFormat::PackQuantized4 { group: 0, symmetric: true },
+        ] {
+            let w = random_hf(format, [n, k], RawDtype::F16, None, 11);
+            let tiled = hf4_to_tiles(&w).expect("groups of 64-value runs tile");
+            assert_eq!(Some(tiled.params[1] != 0), q4_tiled_layout(format), "{format:?}: zero plane");
+            let stored = w.data.len() + [&w.scale, &w.zero, &w.g_idx].into_iter().flatten().map(|r| r.bytes.len()).sum::<usize>();
+            let bound = quant_device_bytes(format, [n, k], stored);
+            assert!(bound >= tiled.bytes.len() && bound >= stored, "{format:?}: bound {bound}, tiled {}, stored {stored}", tiled.bytes.len());
+        }
+    }
+
     #[test]
     fn hf_weights_with_groups_of_64_runs_tile_to_their_reference_values() {
         let (n, k) = (40, 384);

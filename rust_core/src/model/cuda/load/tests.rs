@@ -379,7 +379,12 @@ fn same_quantized(sink: &HostSink, d: &super::Linear<Vec<u16>>, cpu: &Linear, f:
     // The dense tail as the kernels read it: bf16 bits, exact in f32.
     got.extend(tail.iter().map(|b| f32::from_bits((*b as u32) << 16)));
     same(&got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &cpu_values(cpu).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), what);
-    parts.iter().map(quant_bytes).sum::<usize>() + 2 * tail.len()
+    // What the upload holds: a single 4-bit part in the tiled layout (quant_tiles.rs).
+    let held = match parts.as_slice() {
+        [w] => crate::plan::gpu::quant_device_bytes(w.format, w.shape, quant_bytes(w)),
+        _ => parts.iter().map(quant_bytes).sum::<usize>(),
+    };
+    held + 2 * tail.len()
 }
 
 fn quantize_opts(mode: crate::quant::QuantizeMode) -> crate::model::LoadOptions {
@@ -387,7 +392,7 @@ fn quantize_opts(mode: crate::quant::QuantizeMode) -> crate::model::LoadOptions 
 }
 
 /// Every projection of a layer built with `--quantize`, against the CPU model's; returns the
-/// packed bytes.
+/// bytes the upload holds for them.
 fn check_quant_layer(sink: &HostSink, host: &LayerWeights, dev: &DevLayer<Vec<u16>, Vec<f32>>, f: crate::quant::QuantFormat, li: usize) -> usize {
     let mut bytes = same_quantized(sink, &dev.gate_up, &host.gate_up, f, &format!("layer {li} gate_up"));
     bytes += same_quantized(sink, &dev.down, &host.down, f, &format!("layer {li} down"));
