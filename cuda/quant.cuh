@@ -471,16 +471,19 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
         quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
         quant_gemv_body<D, MT, true>(x, QUANT_W, y, nullptr, m, round, QUANT_ROW);                 \
     }
-#define QUANT_KERNELS(NAME, D)                                                                     \
+// A format's dequantize kernel and its GEMVs at m = 1, 2, 4, 8, 16 (INSTANCE: the GEMV kernels'
+// definition, QUANT_GEMV_INSTANCE or QUANT_TILED_GEMV_INSTANCE).
+#define QUANT_KERNELS_OF(NAME, D, INSTANCE)                                                        \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
         quant_dequant_##NAME(QUANT_W_PARAMS, void* out, int f32_out, int row0, int rows) {         \
         quant_dequant_body<D>(QUANT_W, out, f32_out, row0, rows);                                  \
     }                                                                                              \
-    QUANT_GEMV_INSTANCE(NAME, D, 1)                                                                \
-    QUANT_GEMV_INSTANCE(NAME, D, 2)                                                                \
-    QUANT_GEMV_INSTANCE(NAME, D, 4)                                                                \
-    QUANT_GEMV_INSTANCE(NAME, D, 8)                                                                \
-    QUANT_GEMV_INSTANCE(NAME, D, 16)
+    INSTANCE(NAME, D, 1)                                                                           \
+    INSTANCE(NAME, D, 2)                                                                           \
+    INSTANCE(NAME, D, 4)                                                                           \
+    INSTANCE(NAME, D, 8)                                                                           \
+    INSTANCE(NAME, D, 16)
+#define QUANT_KERNELS(NAME, D) QUANT_KERNELS_OF(NAME, D, QUANT_GEMV_INSTANCE)
 
 // The kernels of a format held in the tiled layout: QUANT_KERNELS' names and parameters, the
 // GEMVs through quant_tiled_gemv. On sm_80+ two blocks an SM (registers capped at 128): one
@@ -500,13 +503,4 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
         quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
         quant_tiled_gemv<D, MT, true>(x, QUANT_W, y, nullptr, m, round);                           \
     }
-#define QUANT_TILED_KERNELS(NAME, D)                                                               \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
-        quant_dequant_##NAME(QUANT_W_PARAMS, void* out, int f32_out, int row0, int rows) {         \
-        quant_dequant_body<D>(QUANT_W, out, f32_out, row0, rows);                                  \
-    }                                                                                              \
-    QUANT_TILED_GEMV_INSTANCE(NAME, D, 1)                                                          \
-    QUANT_TILED_GEMV_INSTANCE(NAME, D, 2)                                                          \
-    QUANT_TILED_GEMV_INSTANCE(NAME, D, 4)                                                          \
-    QUANT_TILED_GEMV_INSTANCE(NAME, D, 8)                                                          \
-    QUANT_TILED_GEMV_INSTANCE(NAME, D, 16)
+#define QUANT_TILED_KERNELS(NAME, D) QUANT_KERNELS_OF(NAME, D, QUANT_TILED_GEMV_INSTANCE)
