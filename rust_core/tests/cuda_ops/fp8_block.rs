@@ -152,7 +152,7 @@ fn matmul_bias(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k
 /// else the dequantize route with the reason printed. Returns whether the block route runs.
 fn expect_route(dev: &CudaDevice, st: StorageDType, lin: &Linear, n: usize, k: usize) -> bool {
     let route = lin.quant.as_ref().unwrap().prefill;
-    let fits = n % 16 == 0 && k % 16 == 0 && fp8_device(dev);
+    let fits = n.is_multiple_of(16) && k.is_multiple_of(16) && fp8_device(dev);
     if !fits {
         assert_eq!(route, QuantPrefill::Dequantize, "[{n}, {k}] on {st:?}");
         return false;

@@ -147,6 +147,11 @@ impl CudaDevice {
             if let Fp8Scaling::Block { .. } = scaling {
                 set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &(CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32))?;
                 set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &(CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32))?;
+                // Aligned device addresses until the call sets the real ones, so that the
+                // heuristic never sees a block-scaled GEMM without its factors.
+                let placeholder = lt.workspace.device_ptr(self.stream()).0;
+                set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder)?;
+                set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder)?;
             }
         }
         let out_type = match scaling {

@@ -224,8 +224,8 @@ impl Linear {
 
     /// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, GEMM above; a quantized weight
     /// its own GEMV up to QUANT_GEMV_MAX_M rows, its `QuantPrefill` above); a bias is added to
-    /// the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`), on the FP8 route to
-    /// the scaled sums.
+    /// the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`), on the FP8 row route
+    /// to the scaled sums, on the FP8 block route to the GEMM's rounded output.
     pub fn forward(&self, dev: &CudaDevice, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize) -> Result<()> {
         match self.format {
             WeightFormat::Bf16 | WeightFormat::F16 => match &self.bias {
