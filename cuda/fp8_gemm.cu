@@ -87,9 +87,6 @@ extern "C" __global__ void fp8_scale_rows(store_t* __restrict__ y, const float* 
     }
 }
 
-// Values of an activation group of the block route: cuBLASLt's VEC128_32F block.
-#define FP8_GROUP 128
-
 // Row t < rows of x [rows, k] (storage type, k a multiple of 8, 16-byte aligned rows) into
 // E4M3FN codes [rows_ld, k] and one multiplier per 128-value group g (the last group may be
 // partial): scale[g * rows_ld + t] = amax / 448 (0 for a group of zeros), code =
