@@ -123,6 +123,8 @@ mod prefill_vec;
 mod quant;
 #[path = "cuda_ops/fp8_gemm.rs"]
 mod fp8_gemm;
+#[path = "cuda_ops/fp8_block.rs"]
+mod fp8_block;
 #[path = "cuda_ops/gdn_replay.rs"]
 mod gdn_replay;
 

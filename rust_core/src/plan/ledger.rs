@@ -323,18 +323,30 @@ fn is_mtp(engine: &EngineConfig) -> bool {
 }
 
 /// Bytes of the cuBLASLt workspace (`plan::gpu::LT_WORKSPACE_BYTES`) a GPU load allocates
-/// when a weight takes the FP8 tensor-core route: `--quantize fp8` rows (FP8_E4M3FN_ROW_BF16S)
+/// when a weight takes an FP8 tensor-core route: `--quantize fp8` rows (FP8_E4M3FN_ROW_BF16S)
 /// whose fused N and K are multiples of 16 (`fp8_gemm_fits`), the LM head's with
-/// `--quantize-lm-head`. The route also needs sm_89 or newer with bf16 storage, which a plan
-/// for `--gpu-memory` cannot know: it counts the workspace wherever a shape would take it.
+/// `--quantize-lm-head`, and a checkpoint's HF block FP8 projections of 128 x 128 blocks at
+/// such fused shapes (the block-scaled route). The routes also need sm_89 or newer (bf16
+/// storage for the rows; the block route a cuBLASLt with block scaling, sm_90), which a plan
+/// for `--gpu-memory` cannot know: it counts the workspace wherever a shape would take it. The
+/// routes' activation codes and multipliers live in the dequantization workspace
+/// (`quant_workspace_bytes`): a weight's N x K in the dense type holds 4 rows of its codes
+/// beside its widened multipliers, the block route's least (ops/fp8_block.rs).
 pub fn lt_workspace_bytes(input: &PlanInput<'_>) -> u64 {
-    let Some(f) = input.quantize.filter(|f| input.target == Target::Gpu && f.mode == QuantizeMode::Fp8) else { return 0 };
+    if input.target != Target::Gpu {
+        return 0;
+    }
     let tensors = loaded(input);
     let rows = fused_rows(&tensors);
-    let body = tensors.iter().zip(rows).any(|(t, r)| t.role == Role::Matrix && t.stored.is_none() && r > 0 && f.holds(r, t.shape[1]) && fp8_gemm_fits(r, t.shape[1]));
-    let head = input.quantize_lm_head
-        && tensors.iter().any(|t| (t.role == Role::LmHead || (t.role == Role::Embedding && input.cfg.tie_word_embeddings)) && t.stored.is_none() && fp8_gemm_fits(t.shape[0], t.shape[1]));
-    if body || head {
+    let blocks128 = crate::quant::QuantFormat::HfFp8Block { block_n: 128, block_k: 128 };
+    let stored = tensors.iter().zip(&rows).any(|(t, &r)| t.role == Role::Matrix && t.stored.is_some_and(|q| q.format == blocks128) && r > 0 && fp8_gemm_fits(r, t.shape[1]));
+    let quantized = input.quantize.filter(|f| f.mode == QuantizeMode::Fp8).is_some_and(|f| {
+        let body = tensors.iter().zip(&rows).any(|(t, &r)| t.role == Role::Matrix && t.stored.is_none() && r > 0 && f.holds(r, t.shape[1]) && fp8_gemm_fits(r, t.shape[1]));
+        let head = input.quantize_lm_head
+            && tensors.iter().any(|t| (t.role == Role::LmHead || (t.role == Role::Embedding && input.cfg.tie_word_embeddings)) && t.stored.is_none() && fp8_gemm_fits(t.shape[0], t.shape[1]));
+        body || head
+    });
+    if stored || quantized {
         LT_WORKSPACE_BYTES as u64
     } else {
         0

@@ -342,6 +342,38 @@ fn fp8_weights_on_fp8_tensor_core_shapes_count_the_cublaslt_workspace() {
     assert_eq!(lt_workspace_bytes(&PlanInput { quantize_lm_head: true, ..i }), 0);
 }
 
+/// A checkpoint's HF block FP8 projections of 128 x 128 blocks count the cuBLASLt workspace of
+/// their block-scaled route where a fused shape's N and K are multiples of 16; other block
+/// sizes (the dequantize route) and shapes cuBLASLt cannot take (K = 72) count none.
+#[test]
+fn stored_hf_block_fp8_weights_count_the_cublaslt_workspace() {
+    use crate::plan::gpu::LT_WORKSPACE_BYTES;
+    use crate::plan::inventory::StoredQuant;
+    use crate::plan::ledger::lt_workspace_bytes;
+    let stored = |tensors: &[PlannedTensor], block: usize| -> Vec<PlannedTensor> {
+        let format = crate::quant::QuantFormat::HfFp8Block { block_n: block, block_k: block };
+        tensors.iter().cloned().map(|mut t| {
+            if t.role == Role::Matrix {
+                t.stored = Some(StoredQuant { format, bytes: t.numel(), g_idx_bytes: 0 });
+            }
+            t
+        }).collect()
+    };
+    let dir = checkpoint_of("lt_hf_fp8", false, cuda_dims());
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    assert_eq!(lt_workspace_bytes(&gpu_input(&cfg, &tensors, None, EngineConfig::default())), 0, "a dense checkpoint");
+    let b128 = stored(&tensors, 128);
+    assert_eq!(lt_workspace_bytes(&gpu_input(&cfg, &b128, None, EngineConfig::default())), LT_WORKSPACE_BYTES as u64);
+    assert_eq!(lt_workspace_bytes(&PlanInput { target: Target::Cpu, ..gpu_input(&cfg, &b128, None, EngineConfig::default()) }), 0);
+    let b64 = stored(&tensors, 64);
+    assert_eq!(lt_workspace_bytes(&gpu_input(&cfg, &b64, None, EngineConfig::default())), 0, "64 x 64 blocks dequantize");
+    let odd = checkpoint_of("lt_hf_fp8_odd", false, TinyDims { h: 72, inter: 136, ..cuda_dims() });
+    let cfg = ModelConfig::from_dir(&odd).unwrap();
+    let tensors = stored(&model_tensors(&cfg, None).unwrap(), 128);
+    assert_eq!(lt_workspace_bytes(&gpu_input(&cfg, &tensors, None, EngineConfig::default())), 0);
+}
+
 #[test]
 fn speculation_counts_the_largest_verify_step_and_its_logits() {
     use crate::plan::ledger::workspace_estimate;

@@ -31,6 +31,7 @@
 //!   the exact size for the memory plan before any weight is read, and its `Err` names the shapes
 //!   a format's layout cannot hold (NVFP4 needs `N % 128 == 0`, `K % 64 == 0`).
 
+pub mod fp8_groups;
 pub mod fp8_row;
 pub mod gguf;
 pub mod grouped;

@@ -16,7 +16,7 @@ const FP8: QuantFormat = QuantFormat::Fp8E4m3fnRowBf16s;
 /// Rows of activations with the edge cases of a row multiplier: uniform rows, a zero row (no
 /// multiplier), a row with one outlier 300x the rest (most codes of the row subnormal) and a
 /// row of tiny values.
-fn activations(rng: &mut Rng, m: usize, k: usize) -> Vec<f32> {
+pub(super) fn activations(rng: &mut Rng, m: usize, k: usize) -> Vec<f32> {
     let mut x = rng.vec(m * k, -1.0, 1.0);
     if m >= 4 {
         x[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
@@ -130,7 +130,7 @@ fn matmul_bias(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k
 /// `lin.forward` of `rows` rows into an output poisoned with NaN, then `scratch` rows the
 /// route may write (a step buffer's rows past the step's), then a guard region: the rows'
 /// values, once every one was written and nothing past the scratch rows.
-fn forward_guarded(dev: &CudaDevice, lin: &Linear, x: &CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize, scratch: usize) -> Vec<f32> {
+pub(super) fn forward_guarded(dev: &CudaDevice, lin: &Linear, x: &CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize, scratch: usize) -> Vec<f32> {
     const GUARD: u16 = 0x7fa5;
     let (len, end) = (rows * lin.n, (rows + scratch) * lin.n);
     let mut host = vec![0x7fc0u16; end];

@@ -1,12 +1,27 @@
-//! cuBLASLt's FP8 GEMM, the tensor-core product of the FP8 prefill route (ops/fp8_linear.rs):
-//! y[M, N] (bf16) = codes_x[M, K] * codes_w[N, K]^T over E4M3FN codes with f32 accumulation and
-//! unit scales, the caller applying the row multipliers afterwards. Row-major on our side; as
-//! for cuBLAS (blas.rs) we ask for y^T = W * x^T, which is the TN form cuBLASLt's FP8 kernels
-//! require on sm_89 / sm_90 / sm_120: A = W transposed, B = x^T not, both K-contiguous.
+//! cuBLASLt's FP8 GEMMs, the tensor-core products of the FP8 prefill routes. Row-major on our
+//! side; as for cuBLAS (blas.rs) we ask for y^T = W * x^T, which is the TN form cuBLASLt's FP8
+//! kernels require on sm_89 / sm_90 / sm_120: A = W transposed ([k, n] column-major, op T), B =
+//! x^T not ([k, m]), D = y^T ([n, m]), both operands K-contiguous; cuBLASLt's M is our N, its N
+//! our row count m.
+//!
+//! - Unit scales (ops/fp8_linear.rs, FP8_E4M3FN_ROW_BF16S): y[M, N] (bf16) = codes_x *
+//!   codes_w^T, f32 accumulation, the caller applying the row multipliers afterwards.
+//! - Block scales (ops/fp8_block.rs, HF block FP8): CUBLASLT_MATMUL_DESC_A_SCALE_MODE =
+//!   CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F for the weight, B_SCALE_MODE =
+//!   CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F for the activations (cuBLAS 12.9+, documented for
+//!   compute capability 9.0 only; the pair is one of the three the cuBLAS guide's "128-element
+//!   1D and 128x128 2D block scaling" section supports), output in the storage type. The
+//!   guide's "Scaling factors layouts" for these modes, with L = ceil(K / 128): VEC128_32F
+//!   factors are outer-dimension-major, so B's (our activations) are [L][m] with the m rows
+//!   contiguous; BLK128x128_32F factors are K-major with a column stride of L4 = L rounded up
+//!   to 4, so A's (our weight) are [ceil(n / 128)][L4] with the K blocks contiguous (the HF
+//!   `weight_scale_inv` [ceil(N/128), L] row-major is that where L is a multiple of 4).
+//!   cuBLASLt's M and N (our n and m) must be multiples of 4 and the factors 16-byte aligned.
 //!
 //! Requirements (cuBLASLt's FP8 rules, checked by `fp8_gemm_fits` and at each call): K and N
-//! multiples of 16 (16-byte leading dimensions of the codes and of the bf16 output, whose
-//! columns are N), every pointer 16-byte aligned, compute 32F with scale type 32F. M is free.
+//! multiples of 16 (16-byte leading dimensions of the codes and of the 16-bit output, whose
+//! columns are N), every pointer 16-byte aligned, compute 32F with scale type 32F. M is free
+//! with unit scales, a multiple of 4 with block scales.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -25,8 +40,8 @@ pub use crate::plan::gpu::{fp8_gemm_fits, LT_WORKSPACE_BYTES};
 pub struct BlasLt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    /// (N, M, K) -> the heuristic's first algorithm: asked once per shape, not per call.
-    algos: Mutex<HashMap<(usize, usize, usize), sys::cublasLtMatmulAlgo_t>>,
+    /// (scaling, N, M, K) -> the heuristic's first algorithm: asked once per shape, not per call.
+    algos: Mutex<HashMap<(Fp8Scaling, usize, usize, usize), sys::cublasLtMatmulAlgo_t>>,
     /// Keeps the context alive while the handle is.
     _stream: Arc<CudaStream>,
 }
@@ -43,6 +58,16 @@ impl Drop for BlasLt {
             let _ = result::destroy_handle(self.handle);
         }
     }
+}
+
+/// How an FP8 GEMM scales its operands (module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Fp8Scaling {
+    /// Unit scales, bf16 raw sums.
+    Unit,
+    /// The weight's 128 x 128 blocks and the activations' 128-value groups, each with an f32
+    /// multiplier; output in binary16 (`f16_out`) or bfloat16.
+    Block { f16_out: bool },
 }
 
 /// The descriptors of one FP8 GEMM shape and its algorithm (`CudaDevice::fp8_plan`).
@@ -104,28 +129,44 @@ impl CudaDevice {
         Ok(b)
     }
 
-    /// The descriptors of the FP8 GEMM of `m` x `n` x `k` and the algorithm cuBLASLt's
-    /// heuristic gives it (asked once per shape); an error naming the shape and the device
-    /// where this cuBLASLt has none.
-    fn fp8_plan(&self, lt: &BlasLt, m: usize, n: usize, k: usize) -> Result<Fp8Plan> {
-        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F, CUDA_R_8F_E4M3};
+    /// The descriptors of the FP8 GEMM of `m` x `n` x `k` with `scaling` and the algorithm
+    /// cuBLASLt's heuristic gives it (asked once per shape); an error naming the shape and the
+    /// device where this cuBLASLt has none.
+    fn fp8_plan(&self, lt: &BlasLt, scaling: Fp8Scaling, m: usize, n: usize, k: usize) -> Result<Fp8Plan> {
+        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F, CUDA_R_8F_E4M3};
+        use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE};
+        use sys::cublasLtMatmulMatrixScale_t::{CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F};
         let desc = Owned(result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F).map_err(lt_err("creating the matmul descriptor"))?, result::destroy_matmul_desc);
         // cublasOperation_t: 1 = T, 0 = N.
         let (op_t, op_n) = (1i32, 0i32);
-        // SAFETY: the descriptor is live; the values are the attributes' documented types.
+        // SAFETY: the descriptor is live; the values are the attributes' documented types
+        // (the scale modes are int32_t).
         unsafe {
             set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_t)?;
             set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
+            if let Fp8Scaling::Block { .. } = scaling {
+                set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &(CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32))?;
+                set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &(CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32))?;
+                // Aligned device addresses until the call sets the real ones, so that the
+                // heuristic never sees a block-scaled GEMM without its factors.
+                let placeholder = lt.workspace.device_ptr(self.stream()).0;
+                set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder)?;
+                set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder)?;
+            }
         }
+        let out_type = match scaling {
+            Fp8Scaling::Block { f16_out: true } => CUDA_R_16F,
+            _ => CUDA_R_16BF,
+        };
         let layout = |t, rows: usize, cols: usize, ld: usize| {
             result::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map(|l| Owned(l, result::destroy_matrix_layout)).map_err(lt_err("creating a matrix layout"))
         };
         // Column-major views: A = W as [k, n] (op T), B = x^T as [k, m], D = y^T as [n, m].
         let a = layout(CUDA_R_8F_E4M3, k, n, k)?;
         let b = layout(CUDA_R_8F_E4M3, k, m, k)?;
-        let d = layout(CUDA_R_16BF, n, m, n)?;
+        let d = layout(out_type, n, m, n)?;
         let mut algos = lt.algos.lock().expect("cublasLt algorithms poisoned");
-        let algo = match algos.get(&(n, m, k)) {
+        let algo = match algos.get(&(scaling, n, m, k)) {
             Some(a) => *a,
             None => {
                 let pref = Owned(result::create_matmul_pref().map_err(lt_err("creating the preference"))?, result::destroy_matmul_pref);
@@ -141,8 +182,8 @@ impl CudaDevice {
                     .map_err(lt_err("setting the workspace preference"))?;
                     result::get_matmul_algo_heuristic(lt.handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
                 }
-                .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
-                algos.insert((n, m, k), heur.algo);
+                .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM ({scaling:?} scales) for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
+                algos.insert((scaling, n, m, k), heur.algo);
                 heur.algo
             }
         };
@@ -154,7 +195,23 @@ impl CudaDevice {
     /// without one leaves the weight on the dequantize route rather than failing its steps.
     pub fn fp8_gemm_available(&self, n: usize, k: usize) -> Result<()> {
         let lt = self.blas_lt()?;
-        self.fp8_plan(&lt, 64, n, k).map(|_| ())
+        self.fp8_plan(&lt, Fp8Scaling::Unit, 64, n, k).map(|_| ())
+    }
+
+    /// Whether this device's cuBLASLt has a block-scaled FP8 GEMM (module doc) for an `[n, k]`
+    /// weight with output in binary16 (`f16_out`) or bfloat16, asked of its heuristic at 64
+    /// rows and at 4 (the route's smallest launch; no GPU work): the HF block route's check at
+    /// load, so that a library or device without one (block scaling is documented for sm_90
+    /// only) leaves the weight on the dequantize route.
+    pub fn fp8_block_gemm_available(&self, n: usize, k: usize, f16_out: bool) -> Result<()> {
+        if !fp8_gemm_fits(n, k) {
+            return Err(NinferError::Device(format!("a block-scaled FP8 GEMM needs N and K multiples of 16, not [{n}, {k}]")));
+        }
+        let lt = self.blas_lt()?;
+        for m in [64, 4] {
+            self.fp8_plan(&lt, Fp8Scaling::Block { f16_out }, m, n, k)?;
+        }
+        Ok(())
     }
 
     /// y[m, n] (bf16 at `y`, row stride n) = x[m, k] * W[n, k]^T over E4M3FN codes (`x` and `w`
@@ -171,7 +228,44 @@ impl CudaDevice {
             return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
         }
         let lt = self.blas_lt()?;
-        let Fp8Plan { desc, a, b, d, algo } = self.fp8_plan(&lt, m, n, k)?;
+        let plan = self.fp8_plan(&lt, Fp8Scaling::Unit, m, n, k)?;
+        self.fp8_matmul(&lt, &plan, x, w, y).map_err(|e| NinferError::Device(format!("cublasLtMatmul (FP8) m={m} n={n} k={k}: {e:?}")))
+    }
+
+    /// y[m, n] (16-bit at `y`, row stride n: binary16 with `f16_out`, else bfloat16) =
+    /// sum over the 128-value groups g of xs[g, t] * ws[n / 128, g] * (codes_x[t, g] .
+    /// codes_w[n, g]): cuBLASLt's block-scaled FP8 GEMM (module doc) over row-major E4M3FN code
+    /// matrices `x` [m, k] and `w` [n, k], `xs` the activations' multipliers [L][m] and `ws` the
+    /// weight's [ceil(n / 128)][L4] (f32, device addresses). m a multiple of 4; the caller
+    /// checked the buffers' lengths; here the shape and alignment rules are checked.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fp8_block_gemm_raw(&self, x: u64, xs: u64, w: u64, ws: u64, y: u64, m: usize, n: usize, k: usize, f16_out: bool) -> Result<()> {
+        if !fp8_gemm_fits(n, k) || !m.is_multiple_of(4) || [x, xs, w, ws, y].iter().any(|p| !p.is_multiple_of(16)) {
+            return Err(NinferError::Device(format!(
+                "block-scaled fp8 gemm m={m} n={n} k={k}: cuBLASLt's block-scaled FP8 GEMM needs K and N multiples of 16, m of 4 and 16-byte aligned operands and factors"
+            )));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
+            return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
+        }
+        let lt = self.blas_lt()?;
+        let plan = self.fp8_plan(&lt, Fp8Scaling::Block { f16_out }, m, n, k)?;
+        use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
+        // SAFETY: the descriptor is live; the scale pointers are device addresses (void*).
+        unsafe {
+            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
+            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)?;
+        }
+        self.fp8_matmul(&lt, &plan, x, w, y).map_err(|e| NinferError::Device(format!("cublasLtMatmul (block-scaled FP8) m={m} n={n} k={k}: {e:?}")))
+    }
+
+    /// One cublasLtMatmul of `plan` (alpha 1, beta 0) over the code matrices at `x` and `w`
+    /// into `y`, on this device's stream.
+    fn fp8_matmul(&self, lt: &BlasLt, plan: &Fp8Plan, x: u64, w: u64, y: u64) -> std::result::Result<(), result::CublasError> {
+        let Fp8Plan { desc, a, b, d, algo } = plan;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let s = self.stream();
         let (wsp, _g) = lt.workspace.device_ptr(s);
@@ -192,19 +286,28 @@ impl CudaDevice {
                 d.0,
                 y as *mut c_void,
                 d.0,
-                &algo,
+                algo,
                 wsp as *mut c_void,
                 LT_WORKSPACE_BYTES,
                 s.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(|e| NinferError::Device(format!("cublasLtMatmul (FP8) m={m} n={n} k={k}: {e:?}")))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_block_scale_modes_are_the_cublaslt_header_values() {
+        // cublasLt.h (12.9+): CUBLASLT_MATMUL_DESC_A_SCALE_MODE = 31, B_SCALE_MODE = 32,
+        // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F = 4, BLK128x128_32F = 5.
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        use sys::cublasLtMatmulMatrixScale_t as S;
+        assert_eq!((D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE as u32, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE as u32), (31, 32));
+        assert_eq!((S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32, S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32), (4, 5));
+    }
 
     #[test]
     fn the_fp8_gemm_takes_k_and_n_in_multiples_of_16() {

@@ -55,18 +55,26 @@ pub struct QuantPart {
 
 impl QuantPart {
     /// The part of `weight` on `dev`, with the prefill route `QuantPrefill::choose` gives it;
-    /// the FP8 route's kernels and cuBLASLt handle (its workspace) are made here, so that no
+    /// the FP8 routes' kernels and cuBLASLt handle (its workspace) are made here, so that no
     /// step compiles or allocates. Where the device's cuBLASLt has no FP8 GEMM for the shape
-    /// (a CUDA 12 before FP8 support), the weight dequantizes, and the load says so once.
+    /// (a CUDA 12 before FP8 support; block scaling before cuBLAS 12.9 or off sm_90), the
+    /// weight dequantizes, and the load says so once per route.
     pub fn new(dev: &CudaDevice, weight: DeviceQuantWeight, workspace: Arc<QuantWorkspace>) -> Result<Self> {
+        static SAID_ROWS: std::sync::Once = std::sync::Once::new();
+        static SAID_BLOCKS: std::sync::Once = std::sync::Once::new();
         let mut prefill = QuantPrefill::choose(dev, &weight);
-        if prefill == QuantPrefill::Fp8Gemm {
+        let available = match prefill {
+            QuantPrefill::Dequantize => Ok(()),
+            QuantPrefill::Fp8Gemm => dev.fp8_gemm_available(weight.n, weight.k),
+            QuantPrefill::Fp8Block => dev.fp8_block_gemm_available(weight.n, weight.k, dev.storage() == StorageDType::F16),
+        };
+        if let Err(e) = available {
+            let said = if prefill == QuantPrefill::Fp8Gemm { &SAID_ROWS } else { &SAID_BLOCKS };
+            said.call_once(|| eprintln!("ninfer: {} and the FP8 weights like it dequantize for prefill: {e}", weight.name));
+            prefill = QuantPrefill::Dequantize;
+        }
+        if prefill != QuantPrefill::Dequantize {
             dev.load_kernel_families(&[KernelFamily::Fp8Gemm])?;
-            if let Err(e) = dev.fp8_gemm_available(weight.n, weight.k) {
-                static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| eprintln!("ninfer: {} and the FP8 weights like it dequantize for prefill: {e}", weight.name));
-                prefill = QuantPrefill::Dequantize;
-            }
         }
         Ok(QuantPart { weight, workspace, prefill })
     }
@@ -81,27 +89,49 @@ pub enum QuantPrefill {
     /// x quantized to E4M3FN a row at a time, cuBLASLt's FP8 GEMM against the weight's codes,
     /// the row multipliers applied after (`CudaDevice::fp8_linear`).
     Fp8Gemm,
+    /// x quantized to E4M3FN per 128-value group, cuBLASLt's block-scaled FP8 GEMM against an
+    /// HF block FP8 weight's codes, both sets of multipliers applied inside it
+    /// (`CudaDevice::fp8_block_linear`).
+    Fp8Block,
 }
 
 impl QuantPrefill {
-    /// FP8 tensor cores (compute capability 8.9 and newer, bf16 storage, which holds the GEMM's
-    /// raw sums) for an FP8_E4M3FN_ROW_BF16S weight without dense rows whose N and K are
-    /// multiples of 16 (cuBLASLt's FP8 rule); every other weight, device and shape dequantizes.
-    /// The HF block FP8 form dequantizes too: its 128 x 128 multipliers do not factor out of a
-    /// row's sum.
+    /// FP8 tensor cores (compute capability 8.9 and newer) for weights whose N and K are
+    /// multiples of 16 (cuBLASLt's FP8 rule) and without dense rows: FP8_E4M3FN_ROW_BF16S on
+    /// bf16 storage (which holds the GEMM's raw sums), HF block FP8 of 128 x 128 blocks (the
+    /// GEMM scales inside, into either storage type; whether this cuBLASLt has it on this
+    /// device is asked at load, `QuantPart::new`); every other weight, device and shape
+    /// dequantizes.
     pub fn choose(dev: &CudaDevice, w: &DeviceQuantWeight) -> Self {
-        Self::of(dev.compute_capability(), dev.storage(), w.is_fp8_rows(), w.n, w.k)
+        let fp8 = if w.is_fp8_rows() {
+            Some(Fp8Weight::Rows)
+        } else if w.is_fp8_block128() {
+            Some(Fp8Weight::Blocks128)
+        } else {
+            None
+        };
+        Self::of(dev.compute_capability(), dev.storage(), fp8, w.n, w.k)
     }
 
     /// `choose` for a device of compute capability `cc` and storage type `storage`, and an
-    /// `[n, k]` weight that is (`fp8_rows`) FP8_E4M3FN_ROW_BF16S without dense rows or not.
-    fn of(cc: (u32, u32), storage: StorageDType, fp8_rows: bool, n: usize, k: usize) -> Self {
-        if cc >= (8, 9) && storage == StorageDType::Bf16 && fp8_rows && fp8_gemm_fits(n, k) {
-            QuantPrefill::Fp8Gemm
-        } else {
-            QuantPrefill::Dequantize
+    /// `[n, k]` weight of one of the FP8 forms without dense rows (`fp8`) or not.
+    fn of(cc: (u32, u32), storage: StorageDType, fp8: Option<Fp8Weight>, n: usize, k: usize) -> Self {
+        match fp8 {
+            _ if cc < (8, 9) || !fp8_gemm_fits(n, k) => QuantPrefill::Dequantize,
+            Some(Fp8Weight::Rows) if storage == StorageDType::Bf16 => QuantPrefill::Fp8Gemm,
+            Some(Fp8Weight::Blocks128) => QuantPrefill::Fp8Block,
+            _ => QuantPrefill::Dequantize,
         }
     }
+}
+
+/// The FP8 weight forms with a tensor-core prefill route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fp8Weight {
+    /// FP8_E4M3FN_ROW_BF16S.
+    Rows,
+    /// HF block FP8 of 128 x 128 blocks.
+    Blocks128,
 }
 
 impl From<StorageDType> for WeightFormat {
@@ -194,8 +224,8 @@ impl Linear {
 
     /// `y = x · Wᵀ (+ bias)` for `rows` rows (GEMV up to 8 rows, GEMM above; a quantized weight
     /// its own GEMV up to QUANT_GEMV_MAX_M rows, its `QuantPrefill` above); a bias is added to
-    /// the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`), on the FP8 route to
-    /// the scaled sums.
+    /// the f32 sums in `lin32` and rounded once (`CudaDevice::linear_bias`), on the FP8 row route
+    /// to the scaled sums, on the FP8 block route to the GEMM's rounded output.
     pub fn forward(&self, dev: &CudaDevice, x: &CudaSlice<u16>, y: &mut CudaSlice<u16>, lin32: &mut CudaSlice<f32>, rows: usize) -> Result<()> {
         match self.format {
             WeightFormat::Bf16 | WeightFormat::F16 => match &self.bias {
@@ -207,6 +237,7 @@ impl Linear {
                 let mut ws = q.workspace.0.lock().expect("quant workspace poisoned");
                 match q.prefill {
                     QuantPrefill::Fp8Gemm if rows > QUANT_GEMV_MAX_M => dev.fp8_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
+                    QuantPrefill::Fp8Block if rows > QUANT_GEMV_MAX_M => dev.fp8_block_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
                     _ => dev.quant_linear(x, &q.weight, self.bias.as_ref(), &mut ws, lin32, y, rows),
                 }
             }
@@ -237,16 +268,34 @@ mod tests {
     #[test]
     fn fp8_row_weights_take_fp8_tensor_cores_from_sm_89_where_the_shape_allows() {
         use QuantPrefill::{Dequantize, Fp8Gemm};
-        let bf16 = StorageDType::Bf16;
+        let (bf16, rows) = (StorageDType::Bf16, Some(Fp8Weight::Rows));
         for cc in [(8, 9), (9, 0), (10, 0), (12, 0)] {
-            assert_eq!(QuantPrefill::of(cc, bf16, true, 4096, 14336), Fp8Gemm, "{cc:?}");
+            assert_eq!(QuantPrefill::of(cc, bf16, rows, 4096, 14336), Fp8Gemm, "{cc:?}");
         }
         for cc in [(7, 0), (7, 5), (8, 0), (8, 6), (8, 7)] {
-            assert_eq!(QuantPrefill::of(cc, bf16, true, 4096, 14336), Dequantize, "{cc:?}: no FP8 tensor cores");
+            assert_eq!(QuantPrefill::of(cc, bf16, rows, 4096, 14336), Dequantize, "{cc:?}: no FP8 tensor cores");
         }
-        assert_eq!(QuantPrefill::of((9, 0), StorageDType::F16, true, 4096, 4096), Dequantize, "f16 storage cannot hold the raw sums");
-        assert_eq!(QuantPrefill::of((9, 0), bf16, false, 4096, 4096), Dequantize, "another format, or dense rows after the FP8 ones");
-        assert_eq!(QuantPrefill::of((9, 0), bf16, true, 776, 256), Dequantize, "N = 776 (a GDN in_proj with its b / a rows)");
-        assert_eq!(QuantPrefill::of((9, 0), bf16, true, 256, 200), Dequantize, "K = 200");
+        assert_eq!(QuantPrefill::of((9, 0), StorageDType::F16, rows, 4096, 4096), Dequantize, "f16 storage cannot hold the raw sums");
+        assert_eq!(QuantPrefill::of((9, 0), bf16, None, 4096, 4096), Dequantize, "another format, or dense rows after the FP8 ones");
+        assert_eq!(QuantPrefill::of((9, 0), bf16, rows, 776, 256), Dequantize, "N = 776 (a GDN in_proj with its b / a rows)");
+        assert_eq!(QuantPrefill::of((9, 0), bf16, rows, 256, 200), Dequantize, "K = 200");
+    }
+
+    #[test]
+    fn hf_block_fp8_weights_take_the_block_scaled_route_from_sm_89_where_the_shape_allows() {
+        use QuantPrefill::{Dequantize, Fp8Block};
+        let blocks = Some(Fp8Weight::Blocks128);
+        for cc in [(8, 9), (9, 0), (10, 0), (12, 0)] {
+            for st in [StorageDType::Bf16, StorageDType::F16] {
+                // The candidate; whether cuBLASLt has it on the device is asked at load.
+                assert_eq!(QuantPrefill::of(cc, st, blocks, 4096, 4096), Fp8Block, "{cc:?} {st:?}");
+                assert_eq!(QuantPrefill::of(cc, st, blocks, 2048, 320), Fp8Block, "{cc:?} {st:?}: K = 320, a partial last block");
+            }
+        }
+        for cc in [(7, 0), (8, 0), (8, 6)] {
+            assert_eq!(QuantPrefill::of(cc, StorageDType::Bf16, blocks, 4096, 4096), Dequantize, "{cc:?}: no FP8 tensor cores");
+        }
+        assert_eq!(QuantPrefill::of((9, 0), StorageDType::Bf16, blocks, 300, 4096), Dequantize, "N = 300");
+        assert_eq!(QuantPrefill::of((9, 0), StorageDType::Bf16, blocks, 256, 200), Dequantize, "K = 200");
     }
 }

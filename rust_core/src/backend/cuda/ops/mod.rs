@@ -17,6 +17,7 @@ mod attention;
 mod decode_attention;
 mod elementwise;
 mod flash_attention;
+mod fp8_block;
 mod fp8_linear;
 mod gdn;
 mod gdn_chunked;
@@ -39,6 +40,7 @@ pub use decode_attention::{
     TC_DIRECT_BLOCKS_PER_SM, TC_DIRECT_WARPS,
 };
 pub use flash_attention::{flash_tile_for, FlashTile};
+pub use fp8_block::{fp8_block_chunk_rows, fp8_block_scale_bytes, fp8_block_segments};
 pub use fp8_linear::fp8_chunk_rows;
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
 pub use gdn_chunked::{GdnScanForms, PrepForm, ScanForm};

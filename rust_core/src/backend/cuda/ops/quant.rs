@@ -9,7 +9,8 @@
 //! tensor-core GEMM (dequantized tiles in shared memory before the MMA), which saves the
 //! workspace's write and read (2 bytes a weight) per step. FP8_E4M3FN_ROW_BF16S weights take
 //! the FP8 tensor-core GEMM instead on sm_89 and newer where their shape allows
-//! (fp8_linear.rs; `Linear`'s route); the HF block FP8 form keeps this route.
+//! (fp8_linear.rs; `Linear`'s route), HF block FP8 weights of 128 x 128 blocks cuBLASLt's
+//! block-scaled FP8 GEMM where the device's cuBLASLt has one (fp8_block.rs).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
@@ -154,6 +155,23 @@ impl DeviceQuantWeight {
     /// Whether the weight is FP8_E4M3FN_ROW_BF16S without a dense tail (`fp8_row_planes`).
     pub fn is_fp8_rows(&self) -> bool {
         self.format == QuantFormat::Fp8E4m3fnRowBf16s && self.tail.is_none()
+    }
+
+    /// Whether the weight is HF block FP8 of 128 x 128 blocks without a dense tail, the blocks
+    /// cuBLASLt's block scaling takes (`fp8_block_planes`).
+    pub fn is_fp8_block128(&self) -> bool {
+        self.format == (QuantFormat::HfFp8Block { block_n: 128, block_k: 128 }) && self.tail.is_none() && self.scale.is_some()
+    }
+
+    /// The device addresses of an HF block FP8 weight's codes [n, k] and its multipliers
+    /// [ceil(n / 128), ceil(k / 128)] with their dtype as quant.cuh's float kind (0 F32, 1 F16,
+    /// 2 BF16): the block-scaled GEMM's operands (fp8_block.rs); None unless
+    /// `is_fp8_block128`.
+    pub(crate) fn fp8_block_planes(&self, s: &std::sync::Arc<cudarc::driver::CudaStream>) -> Option<(u64, u64, i64)> {
+        if !self.is_fp8_block128() {
+            return None;
+        }
+        Some((self.data.device_ptr(s).0, self.scale.as_ref()?.device_ptr(s).0, self.params[2]))
     }
 }
 
