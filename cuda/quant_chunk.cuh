@@ -3,14 +3,16 @@
 // 16 or 32 values and factored out of their sum, where the row-per-warp body (quant.cuh
 // quant_gemv_body) decodes 8 values at a time from byte loads. Values are produced exactly (an
 // integer code or table entry as a binary32 through a magic-exponent word, one subtraction);
-// the format's scale multiplies each group's f32 sum instead of each value (within f32
-// accumulation of the CPU's per-value products).
+// the format's scale multiplies each group's f32 sum instead of each value (Q4_K's scale and
+// min, with several batch rows, one fma a value): within f32 accumulation of the CPU's
+// per-value products.
 //
 // Each warp owns QC_ROWS consecutive rows; a row is K / 32 chunks of 32 values, lane l taking
 // chunks l, l + 32, ... (the warp's loads of one step are adjacent chunks of the row), several
 // chunks of each row in flight before any is multiplied. A chunk's values are two runs of 16
 // consecutive values of K (the format's C::x_runs); the 32 x values of each batch row are read
-// as four 16-byte loads and converted once for the warp's rows. Per (row, batch row) one f32
+// as four 16-byte loads (with one batch row, converted once for the warp's rows; with several,
+// each row's chunk is decoded once for all of them). Per (row, batch row) one f32
 // sum a lane, then the warp reduction; `bias` and the output rounding as quant_gemv_body.
 // A pair of rows reaching past the quantized rows (a dense tail, the grid's last rows) runs
 // quant_gemv_body with the format's 8-value decoder D instead, row by row.
@@ -115,8 +117,9 @@ __device__ __forceinline__ void qc_x32_sums(const store_t* xr, int x0, int x1, f
 // The chunk GEMV of format C (C::row: a row's addresses; C::load: chunk ch's bytes;
 // C::x_runs: the two runs of K its values are; C::scales: its scales; C::decode: its 32 values
 // without their scales, run 0 then run 1; C::apply: the runs' sums of value times x (and of x
-// alone, xs, where C::XSUM: a format with mins) times the scales, added into acc; C::finish: a
-// row's sum of chunk sums into its output value) for up to MT rows of x.
+// alone, xs, where C::XSUM: a format with mins) times the scales, added into acc; C::fold (a
+// format with mins): the values with their scales and mins, one fma each; C::finish: a row's
+// sum of chunk sums into its output value) for up to MT rows of x.
 template <class D, class C, int MT, bool F32>
 __device__ __forceinline__ void quant_chunk_gemv(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
                                                  const store_t* __restrict__ bias, int m, int round) {
@@ -156,7 +159,9 @@ __device__ __forceinline__ void quant_chunk_gemv(const store_t* __restrict__ x, 
             int x0, x1;
             C::x_runs(ch, x0, x1);
             // One batch row: its x converted once for both rows. Several: each row's chunk
-            // decoded once for all of them (x read again a row, as the row-per-warp body does).
+            // decoded once for all of them (x read again a row, as the row-per-warp body does),
+            // a format's mins folded into its values (C::fold) rather than summing x a row.
+            constexpr bool FOLD = C::XSUM && MT > 1;
             float xv[32], xs[2];
             if constexpr (MT == 1) qc_x32_sums<C::XSUM>(x, x0, x1, xv, xs);
 #pragma unroll
@@ -164,17 +169,22 @@ __device__ __forceinline__ void quant_chunk_gemv(const store_t* __restrict__ x, 
                 const typename C::Scales sc = C::scales(ck[u][r], ch);
                 float wv[32];
                 C::decode(ck[u][r], wv);
+                if constexpr (FOLD) C::fold(sc, wv);
 #pragma unroll
                 for (int t = 0; t < MT; ++t) {
                     if (t < m) {
-                        if constexpr (MT > 1) qc_x32_sums<C::XSUM>(x + (long long)t * w.k, x0, x1, xv, xs);
+                        if constexpr (MT > 1) qc_x32_sums<false>(x + (long long)t * w.k, x0, x1, xv, xs);
                         float h0 = 0.0f, h1 = 0.0f;
 #pragma unroll
                         for (int i = 0; i < 16; ++i) {
                             h0 = fmaf(wv[i], xv[i], h0);
                             h1 = fmaf(wv[16 + i], xv[16 + i], h1);
                         }
-                        C::apply(sc, h0, h1, xs, acc[r][t]);
+                        if constexpr (FOLD) {
+                            acc[r][t] += h0 + h1;
+                        } else {
+                            C::apply(sc, h0, h1, xs, acc[r][t]);
+                        }
                     }
                 }
             }

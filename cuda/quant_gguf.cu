@@ -198,7 +198,8 @@ typedef dec_qk45<true> dec_q5_k;
 // 16 (ch % 2) + i of sub-blocks 2 jp (low nibble) and 2 jp + 1 (high), jp = ch % 8 / 2. With
 // the block's 16-byte header (d, dmin, 12 scale bytes: one load the chunk's 8 lanes share),
 // the chunk's sum is d1a * sum(q x) - m1a * sum(x) over sub-block 2 jp (run 0) plus the same
-// over 2 jp + 1 (run 1; d1 = f32(d * sc), m1 = f32(dmin * m): the CPU decoder's factors).
+// over 2 jp + 1 (run 1; d1 = f32(d * sc), m1 = f32(dmin * m): the CPU decoder's factors) for
+// one batch row, sum((d1 q - m1) x) for several (fold).
 struct chunk_q4_k {
     static constexpr bool XSUM = true;
     struct Row {
@@ -248,6 +249,15 @@ struct chunk_q4_k {
             v[16 + 4 * t + 2] = qc_field<0x000000f0u, 0x49000000u>(wh);
             v[4 * t + 3] = qc_field<0x00000f00u, 0x47000000u>(wh);
             v[16 + 4 * t + 3] = qc_field<0x0000f000u, 0x45000000u>(wh);
+        }
+    }
+    // Several batch rows: d1 * q - m1 as one fma (one rounding where the CPU decoder rounds
+    // the product and the difference).
+    __device__ __forceinline__ static void fold(const Scales& s, float (&v)[32]) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            v[i] = fmaf(s.da, v[i], -s.ma);
+            v[16 + i] = fmaf(s.db, v[16 + i], -s.mb);
         }
     }
     __device__ __forceinline__ static void apply(const Scales& s, float h0, float h1, const float (&xs)[2], float& acc) {
