@@ -1,8 +1,9 @@
 //! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
 //! uploaded as the checkpoint stores them (Q4G64_F16S repacked into the tiled layout of
 //! quant_tiles.rs, which its mma.sync GEMV streams), the decode GEMV with fused dequantization for up to
-//! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
-//! workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
+//! QUANT_GEMV_MAX_M rows (GGUF Q4_K and IQ4_XS and NVFP4 through the chunk GEMV of
+//! quant_chunks.rs, two rows a warp in 16-byte loads), and the prefill route: the weight
+//! dequantized into a storage-type workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
 //! chunk of vocabulary rows at a time through the same workspace.
 //!
 //! The prefill route is the first one measured; the alternative to try on the GPU is the fused
