@@ -1,8 +1,9 @@
 // The GGUF block formats NInfer reads (rust_core/src/quant/gguf.rs defines them): decode GEMV
 // and dequantize kernels of Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS and IQ3_S. A row is K / QK blocks of
 // BB bytes, rows one after another; each decoder gives values k0 .. k0 + 7 of a row (k0 a
-// multiple of 8, so inside one block and one sub-block) exactly as the CPU decoder does.
-#include "quant.cuh"
+// multiple of 8, so inside one block and one sub-block) exactly as the CPU decoder does. Q4_K
+// and IQ4_XS run the chunk GEMV of quant_chunk.cuh (chunk_q4_k, chunk_iq4_xs).
+#include "quant_chunk.cuh"
 
 // The block of row `row` holding value k0, and k0's place in it.
 template <int QK, int BB>
@@ -192,9 +193,139 @@ struct dec_iq3_s {
 typedef dec_qk45<false> dec_q4_k;
 typedef dec_qk45<true> dec_q5_k;
 
+// Q4_K for the chunk GEMV: chunk ch is the 16 qs bytes 16 (ch % 8) .. of super-block ch / 8
+// (a 144-byte block: every chunk and header 16-byte aligned), byte i of it holding value
+// 16 (ch % 2) + i of sub-blocks 2 jp (low nibble) and 2 jp + 1 (high), jp = ch % 8 / 2. With
+// the block's 16-byte header (d, dmin, 12 scale bytes: one load the chunk's 8 lanes share),
+// the chunk's sum is d1a * sum(q x) - m1a * sum(x) over sub-block 2 jp (run 0) plus the same
+// over 2 jp + 1 (run 1; d1 = f32(d * sc), m1 = f32(dmin * m): the CPU decoder's factors) for
+// one batch row, sum((d1 q - m1) x) for several (fold).
+struct chunk_q4_k {
+    static constexpr bool XSUM = true;
+    struct Row {
+        const unsigned char* p;
+    };
+    struct Chunk {
+        uint4 q, h;
+    };
+    struct Scales {
+        float da, ma, db, mb;
+    };
+    __device__ __forceinline__ static Row row(const qweight& w, int row) { return {w.data + (long long)row * (w.k >> 8) * 144}; }
+    __device__ __forceinline__ static Chunk load(const Row& r, int ch) {
+        const unsigned char* b = r.p + (long long)(ch >> 3) * 144;
+        return {qc_ld16(b + 16 + (ch & 7) * 16), qc_ld16(b)};
+    }
+    __device__ __forceinline__ static void x_runs(int ch, int& x0, int& x1) {
+        x0 = (ch >> 3) * 256 + ((ch & 7) >> 1) * 64 + (ch & 1) * 16;
+        x1 = x0 + 32;
+    }
+    // The 6-bit (scale, min) of sub-blocks 0..3 (bytes of words y, z) or 4..7 (w's nibbles and
+    // the top two bits of y's and z's bytes), one a byte: gguf_scale_min_k4 four at a time.
+    __device__ __forceinline__ static Scales scales(const Chunk& c, int ch) {
+        const int jp = (ch & 7) >> 1;
+        const float d = q_f16((unsigned short)(c.h.x & 0xffffu)), dmin = q_f16((unsigned short)(c.h.x >> 16));
+        const unsigned sc = jp < 2 ? (c.h.y & 0x3f3f3f3fu) : ((c.h.w & 0x0f0f0f0fu) | ((c.h.y >> 2) & 0x30303030u));
+        const unsigned mn = jp < 2 ? (c.h.z & 0x3f3f3f3fu) : (((c.h.w >> 4) & 0x0f0f0f0fu) | ((c.h.z >> 2) & 0x30303030u));
+        const int sh = (jp & 1) * 16;
+        Scales s;
+        s.da = __fmul_rn(d, qc_field<0xffu, 0x4b000000u>(sc >> sh));
+        s.ma = __fmul_rn(dmin, qc_field<0xffu, 0x4b000000u>(mn >> sh));
+        s.db = __fmul_rn(d, qc_field<0xffu, 0x4b000000u>(sc >> (sh + 8)));
+        s.mb = __fmul_rn(dmin, qc_field<0xffu, 0x4b000000u>(mn >> (sh + 8)));
+        return s;
+    }
+    // Word t: values 4t .. 4t + 3 of run 0 (the low nibbles of its bytes) and of run 1 (the
+    // high ones), bytes 2 and 3's from the word's upper half (bit 23 is the exponent's).
+    __device__ __forceinline__ static void decode(const Chunk& c, float (&v)[32]) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const unsigned w = qc_word(c.q, t), wh = w >> 16;
+            v[4 * t] = qc_field<0x0000000fu, 0x4b000000u>(w);
+            v[16 + 4 * t] = qc_field<0x000000f0u, 0x49000000u>(w);
+            v[4 * t + 1] = qc_field<0x00000f00u, 0x47000000u>(w);
+            v[16 + 4 * t + 1] = qc_field<0x0000f000u, 0x45000000u>(w);
+            v[4 * t + 2] = qc_field<0x000f0000u, 0x43000000u>(w);
+            v[16 + 4 * t + 2] = qc_field<0x000000f0u, 0x49000000u>(wh);
+            v[4 * t + 3] = qc_field<0x00000f00u, 0x47000000u>(wh);
+            v[16 + 4 * t + 3] = qc_field<0x0000f000u, 0x45000000u>(wh);
+        }
+    }
+    // Several batch rows: d1 * q - m1 as one fma (one rounding where the CPU decoder rounds
+    // the product and the difference).
+    __device__ __forceinline__ static void fold(const Scales& s, float (&v)[32]) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            v[i] = fmaf(s.da, v[i], -s.ma);
+            v[16 + i] = fmaf(s.db, v[16 + i], -s.mb);
+        }
+    }
+    __device__ __forceinline__ static void apply(const Scales& s, float h0, float h1, const float (&xs)[2], float& acc) {
+        acc = fmaf(s.da, h0, acc);
+        acc = fmaf(-s.ma, xs[0], acc);
+        acc = fmaf(s.db, h1, acc);
+        acc = fmaf(-s.mb, xs[1], acc);
+    }
+    __device__ __forceinline__ static float finish(const Row&, float s) { return s; }
+};
+
+// The IQ4_NL table as bytes kvalue + 128, qc_lut16's four words (a CPU test checks them against
+// gguf.rs KVALUES_IQ4NL).
+#define IQ4NL_BIASED_WORDS 0x3f2d1801u, 0x766a5d4fu, 0xa6998d81u, 0xf1d9c5b5u
+
+// IQ4_XS for the chunk GEMV: chunk ch is sub-block ch % 8 of super-block ch / 8 (136-byte
+// blocks: 8-byte aligned, so two 8-byte loads of its 16 qs bytes and one of the block's
+// header), byte i holding values i (low nibble, run 0) and 16 + i (high, run 1); the chunk's
+// sum is f32(d * (ls - 32)) * sum(kvalue x).
+struct chunk_iq4_xs {
+    static constexpr bool XSUM = false;
+    struct Row {
+        const unsigned char* p;
+    };
+    struct Chunk {
+        uint2 a, b, h;
+    };
+    struct Scales {
+        float dl;
+    };
+    __device__ __forceinline__ static Row row(const qweight& w, int row) { return {w.data + (long long)row * (w.k >> 8) * 136}; }
+    __device__ __forceinline__ static Chunk load(const Row& r, int ch) {
+        const unsigned char* b = r.p + (long long)(ch >> 3) * 136;
+        const unsigned char* q = b + 8 + (ch & 7) * 16;
+        return {qc_ld8(q), qc_ld8(q + 8), qc_ld8(b)};
+    }
+    __device__ __forceinline__ static void x_runs(int ch, int& x0, int& x1) {
+        x0 = ch * 32;
+        x1 = x0 + 16;
+    }
+    // Header words: d | scales_h << 16, then scales_l (sub-block j's low scale bits: nibble j).
+    __device__ __forceinline__ static Scales scales(const Chunk& c, int ch) {
+        const int j = ch & 7;
+        const float d = q_f16((unsigned short)(c.h.x & 0xffffu));
+        const unsigned ls = ((c.h.y >> (4 * j)) & 15u) | (((c.h.x >> (16 + 2 * j)) & 3u) << 4);
+        return {__fmul_rn(d, (float)((int)ls - 32))};
+    }
+    // Word t (bytes 4t .. 4t + 3): nibbles 2e and 2e + 1 are values 4t + e of run 0 and run 1.
+    __device__ __forceinline__ static void decode(const Chunk& c, float (&v)[32]) {
+        const unsigned words[4] = {c.a.x, c.a.y, c.b.x, c.b.y};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            unsigned r0, r1;
+            qc_lut16(words[t], IQ4NL_BIASED_WORDS, r0, r1);
+            qc_bytes_less128(r0, v[4 * t], v[16 + 4 * t], v[4 * t + 1], v[16 + 4 * t + 1]);
+            qc_bytes_less128(r1, v[4 * t + 2], v[16 + 4 * t + 2], v[4 * t + 3], v[16 + 4 * t + 3]);
+        }
+    }
+    __device__ __forceinline__ static void apply(const Scales& s, float h0, float h1, const float (&)[2], float& acc) {
+        acc = fmaf(s.dl, h0, acc);
+        acc = fmaf(s.dl, h1, acc);
+    }
+    __device__ __forceinline__ static float finish(const Row&, float s) { return s; }
+};
+
 QUANT_KERNELS(q8_0, dec_q8_0)
-QUANT_KERNELS(q4_k, dec_q4_k)
+QUANT_CHUNK_KERNELS(q4_k, dec_q4_k, chunk_q4_k)
 QUANT_KERNELS(q5_k, dec_q5_k)
 QUANT_KERNELS(q6_k, dec_q6_k)
-QUANT_KERNELS(iq4_xs, dec_iq4_xs)
+QUANT_CHUNK_KERNELS(iq4_xs, dec_iq4_xs, chunk_iq4_xs)
 QUANT_KERNELS(iq3_s, dec_iq3_s)

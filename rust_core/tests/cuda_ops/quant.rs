@@ -364,6 +364,59 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
     }
 }
 
+/// The chunk GEMV (cuda/quant_chunk.cuh: GGUF Q4_K and IQ4_XS, NVFP4; two rows a warp, K in
+/// chunks of 32 values, lane l taking chunks l, l + 32, ..., two or one of them in flight a
+/// row): K of one GGUF super-block (8 chunks: most lanes idle) or one NVFP4 scale tile (2),
+/// K whose chunks end inside a lane's unrolled step (96, 160 and 34 chunks), K past 32 chunks a
+/// lane; an odd N (its last row through the row-per-warp body) and a dense tail after the
+/// quantized rows (pairs reaching into it take that body too); every kernel size of M, storage
+/// and f32 outputs with bias: within f32-accumulation tolerance of `QuantLinear` (the tail:
+/// the f32 matmul over its rows).
+#[test]
+fn chunk_gemv_covers_k_tails_odd_rows_and_a_dense_tail() {
+    for st in STORAGES {
+        let Some(dev) = gpu("chunk_gemv", st) else { return };
+        let mut rng = Rng::new(4865);
+        let shapes: [(QuantFormat, usize, usize, usize); 11] = [
+            (QuantFormat::GgufQ4K, 2, 256, 0),
+            (QuantFormat::GgufQ4K, 37, 3072, 0),
+            (QuantFormat::GgufQ4K, 16, 5120, 3),
+            (QuantFormat::GgufQ4K, 6, 8192, 1),
+            (QuantFormat::GgufIq4Xs, 2, 256, 0),
+            (QuantFormat::GgufIq4Xs, 37, 3072, 0),
+            (QuantFormat::GgufIq4Xs, 16, 5120, 3),
+            (QuantFormat::GgufIq4Xs, 5, 2560, 0),
+            (QuantFormat::Nvfp4, 128, 64, 0),
+            (QuantFormat::Nvfp4, 256, 1088, 5),
+            (QuantFormat::Nvfp4, 128, 4096, 0),
+        ];
+        for (f, n, k, tail_rows) in shapes {
+            let w = make(&mut rng, f.name(), f, [n, k], None, RawDtype::F16, false);
+            let tail = rounded(&rng.vec(tail_rows * k, -0.5, 0.5), st);
+            let dw = dev.upload_quant_with_tail(&w, &super::harness::to_bits(&tail, st)).unwrap();
+            let n_all = n + tail_rows;
+            let lin = QuantLinear::new(w.clone()).unwrap();
+            let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
+            let bias = upload(&dev, &bias_host);
+            for m in [1, 2, 3, 4, 5, 8, 9, 16] {
+                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+                let xd = upload(&dev, &x);
+                let q = lin.forward(&x, m).unwrap();
+                let t = matmul(&x, &tail, m, tail_rows, k);
+                let sums: Vec<f32> = (0..m * n_all).map(|i| if i % n_all < n { q[i / n_all * n + i % n_all] } else { t[i / n_all * tail_rows + i % n_all - n] }).collect();
+                let shape = format!("{} m{m} n{n}+{tail_rows} k{k}", f.name());
+                let mut y = Out16::new(&dev, m * n_all);
+                dev.quant_gemv(&xd, &dw, Some(&bias), &mut y.view(), m).unwrap();
+                let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n_all]).collect();
+                check("chunk quant_gemv", st, &shape, &y.read(&dev, "chunk y"), &rounded(&want, st), tol16(st));
+                let mut y32 = Out32::new(&dev, m * n_all);
+                dev.quant_gemv_f32_out(&xd, &dw, &mut y32.view(), m, false).unwrap();
+                check("chunk quant_gemv_f32_out", st, &shape, &y32.read(&dev, "chunk y32"), &sums, super::harness::TOL32);
+            }
+        }
+    }
+}
+
 #[test]
 fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device() {
     for st in STORAGES {

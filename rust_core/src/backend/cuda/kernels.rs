@@ -11,11 +11,12 @@ pub const COMMON_HEADER: &str = include_str!("../../../../cuda/common.cuh");
 
 /// Every header a kernel source may include, by the name it includes it as: handed to NVRTC
 /// with each program and hashed into the kernel cache's keys.
-pub const HEADERS: [(&str, &str); 4] = [
+pub const HEADERS: [(&str, &str); 5] = [
     ("common.cuh", COMMON_HEADER),
     ("attention_keys.cuh", include_str!("../../../../cuda/attention_keys.cuh")),
     ("attention_mma.cuh", include_str!("../../../../cuda/attention_mma.cuh")),
     ("quant.cuh", include_str!("../../../../cuda/quant.cuh")),
+    ("quant_chunk.cuh", include_str!("../../../../cuda/quant_chunk.cuh")),
 ];
 
 /// Architectures CI compiles every kernel for (V100 through H100/H200, and the RTX 50 series'

@@ -27,6 +27,7 @@ mod gemv_qkv_rope;
 mod gemv_route;
 mod norm;
 mod quant;
+mod quant_chunks;
 pub mod quant_tiles;
 mod rope_kv;
 mod sampling;

@@ -1,8 +1,9 @@
 //! Quantized weights on the device (cuda/quant.cuh and its three families): the packed bytes
 //! uploaded as the checkpoint stores them (Q4G64_F16S repacked into the tiled layout of
 //! quant_tiles.rs, which its mma.sync GEMV streams), the decode GEMV with fused dequantization for up to
-//! QUANT_GEMV_MAX_M rows, and the prefill route: the weight dequantized into a storage-type
-//! workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
+//! QUANT_GEMV_MAX_M rows (GGUF Q4_K and IQ4_XS and NVFP4 through the chunk GEMV of
+//! quant_chunks.rs, two rows a warp in 16-byte loads), and the prefill route: the weight
+//! dequantized into a storage-type workspace, then cuBLAS. A quantized LM head has both in f32 output, its prefill route a
 //! chunk of vocabulary rows at a time through the same workspace.
 //!
 //! The prefill route is the first one measured; the alternative to try on the GPU is the fused
@@ -14,7 +15,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::quant_tiles;
+use super::{quant_chunks, quant_tiles};
 use super::{as_i32, cfg, check_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
@@ -186,11 +187,15 @@ fn gemv_launches(m: usize) -> impl Iterator<Item = (usize, usize, usize)> {
 
 /// Blocks of a GEMV launch over `n_all` rows, `nq` of them quantized: one warp a row
 /// (QUANT_THREADS / 32 rows a block), except a tiled weight on sm_80+ (cuda/quant.cuh
-/// `quant_tiled_gemv`): one block a tile of 16 quantized rows, then one warp a dense tail row.
-fn quant_gemv_grid(tiled: bool, nq: usize, n_all: usize, mma: bool) -> usize {
+/// `quant_tiled_gemv`): one block a tile of 16 quantized rows, then one warp a dense tail row;
+/// and a weight whose GEMV is the chunk GEMV (`chunk`, cuda/quant_chunk.cuh): QC_ROWS rows a
+/// warp.
+fn quant_gemv_grid(tiled: bool, chunk: bool, nq: usize, n_all: usize, mma: bool) -> usize {
     let warps = QUANT_THREADS as usize / 32;
     if tiled && mma {
         nq.div_ceil(quant_tiles::TILE_ROWS) + (n_all - nq).div_ceil(warps)
+    } else if chunk {
+        n_all.div_ceil(warps * quant_chunks::QC_ROWS)
     } else {
         n_all.div_ceil(warps)
     }
@@ -350,7 +355,8 @@ impl CudaDevice {
 
     /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
     fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {
-        quant_gemv_grid(w.tiled, w.nq, w.n, self.compute_capability().0 >= 8) as u32
+        let chunk = !w.tiled && quant_chunks::chunk_gemv(w.format);
+        quant_gemv_grid(w.tiled, chunk, w.nq, w.n, self.compute_capability().0 >= 8) as u32
     }
 
     fn data_ptr(&self, b: &CudaSlice<u8>) -> u64 {
@@ -553,7 +559,13 @@ mod tests {
             let kern = kernels_of(f);
             let src = kern.family.source();
             let stem = kern.dequant.trim_start_matches("quant_dequant_");
-            let macro_ = if f == QuantFormat::Q4G64F16S { "QUANT_TILED_KERNELS" } else { "QUANT_KERNELS" };
+            let macro_ = if f == QuantFormat::Q4G64F16S {
+                "QUANT_TILED_KERNELS"
+            } else if quant_chunks::chunk_gemv(f) {
+                "QUANT_CHUNK_KERNELS"
+            } else {
+                "QUANT_KERNELS"
+            };
             assert!(src.contains(&format!("\n{macro_}({stem}, ")), "{f:?}: no {macro_}({stem}, ..) in cuda/{}", kern.family.file_name());
             // A 4-bit weight uploaded tiled runs its family's tiled kernels.
             let tiled = weight_kernels(f, true);
@@ -595,10 +607,22 @@ mod tests {
     #[test]
     fn tiled_gemv_grids_take_a_block_a_tile_on_sm80_and_a_warp_a_row_before() {
         // 37 quantized rows: 3 tiles; 5 dense tail rows: one block of 8 warps.
-        assert_eq!(quant_gemv_grid(true, 37, 42, true), 3 + 1);
-        assert_eq!(quant_gemv_grid(true, 4096, 4096, true), 256);
-        assert_eq!(quant_gemv_grid(true, 37, 42, false), 6);
-        assert_eq!(quant_gemv_grid(false, 37, 42, true), 6);
+        assert_eq!(quant_gemv_grid(true, false, 37, 42, true), 3 + 1);
+        assert_eq!(quant_gemv_grid(true, false, 4096, 4096, true), 256);
+        assert_eq!(quant_gemv_grid(true, false, 37, 42, false), 6);
+        assert_eq!(quant_gemv_grid(false, false, 37, 42, true), 6);
+    }
+
+    #[test]
+    fn chunk_gemv_grids_take_two_rows_a_warp() {
+        // 42 rows: 21 pairs, 3 blocks of 8 warps (the last pairs past n_all run no row).
+        assert_eq!(quant_gemv_grid(false, true, 37, 42, true), 3);
+        assert_eq!(quant_gemv_grid(false, true, 4096, 4096, false), 256);
+        assert_eq!(quant_gemv_grid(false, true, 16, 17, true), 2);
+        for f in [QuantFormat::GgufQ4K, QuantFormat::GgufIq4Xs, QuantFormat::Nvfp4] {
+            assert!(quant_chunks::chunk_gemv(f));
+        }
+        assert!(!quant_chunks::chunk_gemv(QuantFormat::GgufQ5K));
     }
 
     #[test]
