@@ -108,6 +108,19 @@ __device__ __forceinline__ float q_float_at(const unsigned char* t, long long i,
 // (add_bias_to_storage's order). F32: y is f32, each sum stored as is or, with `round`, rounded
 // to the storage type and kept as f32 (the logits' `round_out`). K must be a multiple of 8 and x
 // 16-byte aligned.
+// One GEMV output: the f32 sum `s` of output row `row` plus its bias, stored at `at` once
+// rounded to the storage type, or (F32) as f32: as is, or rounded to the storage type and kept
+// as f32 under `round` (the logits' rounding).
+template <bool F32>
+__device__ __forceinline__ void quant_store(void* __restrict__ y, const store_t* __restrict__ bias, long long at, int row, float s, int round) {
+    const float v = bias ? s + to_f32(bias[row]) : s;
+    if constexpr (F32) {
+        reinterpret_cast<float*>(y)[at] = round ? round_st(v) : v;
+    } else {
+        reinterpret_cast<store_t*>(y)[at] = from_f32(v);
+    }
+}
+
 // `row` is the warp's output row (the grid's warp index for the row-per-warp launches). Begins
 // with pdl_enter (the launcher queues it with launch_pdl).
 template <class D, int MT, bool F32>
@@ -139,15 +152,7 @@ __device__ __forceinline__ void quant_gemv_body(const store_t* __restrict__ x, c
     for (int r = 0; r < MT; ++r) {
         if (r < m) {
             const float s = warp_sum(acc[r]);
-            if (lane == 0) {
-                const long long at = (long long)r * w.n_all + row;
-                const float v = bias ? s + to_f32(bias[row]) : s;
-                if constexpr (F32) {
-                    reinterpret_cast<float*>(y)[at] = round ? round_st(v) : v;
-                } else {
-                    reinterpret_cast<store_t*>(y)[at] = from_f32(v);
-                }
-            }
+            if (lane == 0) quant_store<F32>(y, bias, (long long)r * w.n_all + row, row, s, round);
         }
     }
 }
@@ -419,15 +424,7 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
         // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
         const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
         const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
-        if (col < m && row < w.n) {
-            const long long at = (long long)col * w.n_all + row;
-            if (bias) v += to_f32(bias[row]);
-            if constexpr (F32) {
-                reinterpret_cast<float*>(y)[at] = round ? round_st(v) : v;
-            } else {
-                reinterpret_cast<store_t*>(y)[at] = from_f32(v);
-            }
-        }
+        if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
     }
 }
 #endif

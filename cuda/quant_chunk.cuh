@@ -197,39 +197,22 @@ __device__ __forceinline__ void quant_chunk_gemv(const store_t* __restrict__ x, 
         for (int t = 0; t < MT; ++t) {
             if (t < m) {
                 const float s = C::finish(rw[r], warp_sum(acc[r][t]));
-                if (lane == 0) {
-                    const long long at = (long long)t * w.n_all + row;
-                    const float v = bias ? s + to_f32(bias[row]) : s;
-                    if constexpr (F32) {
-                        reinterpret_cast<float*>(y)[at] = round ? round_st(v) : v;
-                    } else {
-                        reinterpret_cast<store_t*>(y)[at] = from_f32(v);
-                    }
-                }
+                if (lane == 0) quant_store<F32>(y, bias, (long long)t * w.n_all + row, row, s, round);
             }
         }
     }
 }
 
-// The kernels of a format whose GEMV is the chunk GEMV of C: QUANT_KERNELS' names and
-// parameters; the dequantize kernel decodes through D (grid: ops/quant.rs sizes it for
-// QC_ROWS rows a warp).
-#define QUANT_CHUNK_GEMV_INSTANCE(NAME, D, C, MT)                                                  \
+// The kernels of a format whose GEMV is the chunk GEMV of its chunk decoder `chunk_<NAME>`:
+// QUANT_KERNELS' names and parameters; the dequantize kernel decodes through D (grid:
+// ops/quant.rs sizes it for QC_ROWS rows a warp).
+#define QUANT_CHUNK_GEMV_INSTANCE(NAME, D, MT)                                                     \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
         quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
-        quant_chunk_gemv<D, C, MT, false>(x, QUANT_W, y, bias, m, 0);                              \
+        quant_chunk_gemv<D, chunk_##NAME, MT, false>(x, QUANT_W, y, bias, m, 0);                   \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
         quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
-        quant_chunk_gemv<D, C, MT, true>(x, QUANT_W, y, nullptr, m, round);                        \
+        quant_chunk_gemv<D, chunk_##NAME, MT, true>(x, QUANT_W, y, nullptr, m, round);             \
     }
-#define QUANT_CHUNK_KERNELS(NAME, D, C)                                                            \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32)                                 \
-        quant_dequant_##NAME(QUANT_W_PARAMS, void* out, int f32_out, int row0, int rows) {         \
-        quant_dequant_body<D>(QUANT_W, out, f32_out, row0, rows);                                  \
-    }                                                                                              \
-    QUANT_CHUNK_GEMV_INSTANCE(NAME, D, C, 1)                                                       \
-    QUANT_CHUNK_GEMV_INSTANCE(NAME, D, C, 2)                                                       \
-    QUANT_CHUNK_GEMV_INSTANCE(NAME, D, C, 4)                                                       \
-    QUANT_CHUNK_GEMV_INSTANCE(NAME, D, C, 8)                                                       \
-    QUANT_CHUNK_GEMV_INSTANCE(NAME, D, C, 16)
+#define QUANT_CHUNK_KERNELS(NAME, D) QUANT_KERNELS_OF(NAME, D, QUANT_CHUNK_GEMV_INSTANCE)

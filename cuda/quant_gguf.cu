@@ -324,8 +324,8 @@ struct chunk_iq4_xs {
 };
 
 QUANT_KERNELS(q8_0, dec_q8_0)
-QUANT_CHUNK_KERNELS(q4_k, dec_q4_k, chunk_q4_k)
+QUANT_CHUNK_KERNELS(q4_k, dec_q4_k)
 QUANT_KERNELS(q5_k, dec_q5_k)
 QUANT_KERNELS(q6_k, dec_q6_k)
-QUANT_CHUNK_KERNELS(iq4_xs, dec_iq4_xs, chunk_iq4_xs)
+QUANT_CHUNK_KERNELS(iq4_xs, dec_iq4_xs)
 QUANT_KERNELS(iq3_s, dec_iq3_s)

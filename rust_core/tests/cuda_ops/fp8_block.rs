@@ -6,7 +6,7 @@
 //! both the exact product over the quantized activations and the matmul over the dequantized
 //! weight, for K with a partial last block and row counts that are not multiples of 4.
 
-use super::fp8_gemm::{activations, forward_guarded};
+use super::fp8_gemm::{activations, forward_guarded, forward_padded17, matmul_bias, time_against_dequantize};
 use super::harness::{check, gpu, rounded, tol16, upload, Out32, Rng, STORAGES};
 use cudarc::driver::CudaSlice;
 use ninfer_core::backend::cuda::{CudaDevice, StorageDType};
@@ -134,18 +134,6 @@ fn check_block_route(what: &str, st: StorageDType, got: &[f32], x: &[f32], w: &Q
     assert!(ratio <= 0.5, "{what}: the route's own errors are {ratio:.3} of E4M3 quantization's in RMS (at most 0.5)");
 }
 
-/// y = x W^T (+ bias) over f32 values in f64, each result as f32.
-fn matmul_bias(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f32> {
-    let mut y = vec![0.0f32; m * n];
-    for t in 0..m {
-        for j in 0..n {
-            let s: f64 = x[t * k..(t + 1) * k].iter().zip(&w[j * k..(j + 1) * k]).map(|(&a, &b)| a as f64 * b as f64).sum();
-            y[t * n + j] = (s + bias.map_or(0.0, |b| b[j] as f64)) as f32;
-        }
-    }
-    y
-}
-
 /// Whether `Linear` gave `[n, k]` the route it should have on `dev`: the block route where the
 /// device has FP8 tensor cores and N, K are multiples of 16 and cuBLASLt has the GEMM; where
 /// cuBLASLt has none, a failure on sm_90 with bf16 storage (the route's target: a finding),
@@ -208,10 +196,7 @@ fn fp8_block_prefill_linear_is_within_its_bounds_of_the_dequantized_matmul() {
                         if rows == 17 {
                             // Buffers of 32 rows: the route runs padded_rows(17) = 32 rows, 17..
                             // scratch; the first 17 within the same bounds.
-                            let mut xp = x.clone();
-                            xp.extend(rounded(&rng.vec(15 * k, -1.0, 1.0), st));
-                            let mut lin32p: CudaSlice<f32> = dev.stream().alloc_zeros(32 * n).unwrap();
-                            let padded = forward_guarded(&dev, &lin, &upload(&dev, &xp), &mut lin32p, rows, 15);
+                            let padded = forward_padded17(&dev, &lin, &x, &mut rng);
                             check_block_route(&format!("fp8_block_linear padded {shape}"), st, &padded, &x, &w, &dense, b, rows);
                         }
                     } else {
@@ -244,17 +229,6 @@ fn fp8_block_prefill_timing() {
             eprintln!("SKIP fp8_block_prefill_timing: no block-scaled FP8 GEMM on this device");
             return;
         }
-        let xd = upload(&dev, &rng.vec(m * k, -1.0, 1.0));
-        let mut y: CudaSlice<u16> = dev.stream().alloc_zeros(m * n).unwrap();
-        let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(1).unwrap();
-        let mut ws = dev.stream().alloc_zeros::<u16>(n * k).unwrap();
-        let q = lin.quant.as_ref().unwrap();
-        let block_ms = super::time_ms(&dev, 10, || lin.forward(&dev, &xd, &mut y, &mut lin32, m).unwrap());
-        let deq_ms = super::time_ms(&dev, 10, || dev.quant_linear(&xd, &q.weight, None, &mut ws, &mut lin32, &mut y, m).unwrap());
-        let flop = 2.0 * (m * n * k) as f64;
-        for (route, ms) in [("fp8_block", block_ms), ("dequantize", deq_ms)] {
-            println!("TIMING fp8_block_prefill route={route} proj={what} m={m} n={n} k={k} ms={ms:.3} tflops={:.1}", flop / (ms * 1e-3) / 1e12);
-        }
-        assert!(block_ms > 0.0 && deq_ms > 0.0);
+        time_against_dequantize(&dev, &lin, &mut rng, "fp8_block_prefill", "fp8_block", what, m);
     }
 }

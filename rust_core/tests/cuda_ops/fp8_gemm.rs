@@ -116,7 +116,7 @@ fn check_fp8_error(what: &str, got: &[f32], want: &[f32], x: &[f32], w: &[f32], 
 }
 
 /// y = x W^T (+ bias) over f32 values in f64, each result as f32.
-fn matmul_bias(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f32> {
+pub(super) fn matmul_bias(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut y = vec![0.0f32; m * n];
     for t in 0..m {
         for j in 0..n {
@@ -143,6 +143,33 @@ pub(super) fn forward_guarded(dev: &CudaDevice, lin: &Linear, x: &CudaSlice<u16>
     let v = from_bits(&back[..len], dev.storage());
     assert!(v.iter().all(|x| !x.is_nan()), "[{}, {}] at {rows} rows: an output left unwritten", lin.n, lin.k);
     v
+}
+
+/// `lin.forward` of the 17 rows `x` through buffers of 32 rows (`padded_rows(17)`, which the
+/// routes run, rows 17.. scratch holding random values): the 17 rows' outputs.
+pub(super) fn forward_padded17(dev: &CudaDevice, lin: &Linear, x: &[f32], rng: &mut Rng) -> Vec<f32> {
+    let mut xp = x.to_vec();
+    xp.extend(rounded(&rng.vec(15 * lin.k, -1.0, 1.0), dev.storage()));
+    let mut lin32p: CudaSlice<f32> = dev.stream().alloc_zeros(32 * lin.n).unwrap();
+    forward_guarded(dev, lin, &upload(dev, &xp), &mut lin32p, 17, 15)
+}
+
+/// `lin.forward` at `m` random rows (its route, named `route`) and the dequantize route of the
+/// same weight, timed, printed as `TIMING {tag} route=.. proj={what} m= n= k= ms= tflops=`.
+pub(super) fn time_against_dequantize(dev: &CudaDevice, lin: &Linear, rng: &mut Rng, tag: &str, route: &str, what: &str, m: usize) {
+    let (n, k) = (lin.n, lin.k);
+    let xd = upload(dev, &rng.vec(m * k, -1.0, 1.0));
+    let mut y: CudaSlice<u16> = dev.stream().alloc_zeros(m * n).unwrap();
+    let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(1).unwrap();
+    let mut ws = dev.stream().alloc_zeros::<u16>(n * k).unwrap();
+    let q = lin.quant.as_ref().unwrap();
+    let route_ms = super::time_ms(dev, 10, || lin.forward(dev, &xd, &mut y, &mut lin32, m).unwrap());
+    let deq_ms = super::time_ms(dev, 10, || dev.quant_linear(&xd, &q.weight, None, &mut ws, &mut lin32, &mut y, m).unwrap());
+    let flop = 2.0 * (m * n * k) as f64;
+    for (r, ms) in [(route, route_ms), ("dequantize", deq_ms)] {
+        println!("TIMING {tag} route={r} proj={what} m={m} n={n} k={k} ms={ms:.3} tflops={:.1}", flop / (ms * 1e-3) / 1e12);
+    }
+    assert!(route_ms > 0.0 && deq_ms > 0.0);
 }
 
 /// `Linear::forward` over an FP8 row weight at prefill sizes: the FP8 route where the device
@@ -187,10 +214,7 @@ fn fp8_prefill_linear_is_within_e4m3_error_of_the_dequantized_matmul() {
                             // Buffers of 32 rows (a step's buffers are larger than its rows): the
                             // route runs the 32 rows of padded_rows(17), rows 17.. scratch; the
                             // first 17 within the same bounds.
-                            let mut xp = x.clone();
-                            xp.extend(rounded(&rng.vec(15 * k, -1.0, 1.0), st));
-                            let mut lin32p: CudaSlice<f32> = dev.stream().alloc_zeros(32 * n).unwrap();
-                            let padded = forward_guarded(&dev, &lin, &upload(&dev, &xp), &mut lin32p, rows, 15);
+                            let padded = forward_padded17(&dev, &lin, &x, &mut rng);
                             check_fp8_error(&format!("fp8_linear padded {shape}"), &padded, &want, &x, &dense, b, rows, n, k);
                         }
                     } else {
@@ -219,17 +243,6 @@ fn fp8_prefill_timing() {
     for (what, n, k) in [("gate_up", 28672, 4096), ("down", 4096, 14336)] {
         let w = QuantWeight::packed(what, FP8, [n, k], quantize(FP8, what, &rng.vec(n * k, -1.0, 1.0), [n, k]).unwrap());
         let lin = Linear::quantized(&dev, &w, None, QuantWorkspace::new(&dev, n * k).unwrap()).unwrap();
-        let xd = upload(&dev, &rng.vec(m * k, -1.0, 1.0));
-        let mut y: CudaSlice<u16> = dev.stream().alloc_zeros(m * n).unwrap();
-        let mut lin32: CudaSlice<f32> = dev.stream().alloc_zeros(1).unwrap();
-        let mut ws = dev.stream().alloc_zeros::<u16>(n * k).unwrap();
-        let q = lin.quant.as_ref().unwrap();
-        let fp8_ms = super::time_ms(&dev, 10, || lin.forward(&dev, &xd, &mut y, &mut lin32, m).unwrap());
-        let deq_ms = super::time_ms(&dev, 10, || dev.quant_linear(&xd, &q.weight, None, &mut ws, &mut lin32, &mut y, m).unwrap());
-        let flop = 2.0 * (m * n * k) as f64;
-        for (route, ms) in [("fp8_gemm", fp8_ms), ("dequantize", deq_ms)] {
-            println!("TIMING fp8_prefill route={route} proj={what} m={m} n={n} k={k} ms={ms:.3} tflops={:.1}", flop / (ms * 1e-3) / 1e12);
-        }
-        assert!(fp8_ms > 0.0 && deq_ms > 0.0);
+        time_against_dequantize(&dev, &lin, &mut rng, "fp8_prefill", "fp8_gemm", what, m);
     }
 }

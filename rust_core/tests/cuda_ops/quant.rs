@@ -315,6 +315,33 @@ fn quant_f32_out_routes_match_quant_linear() {
     }
 }
 
+/// `quant_gemv` (with a bias) and `quant_gemv_f32_out` of `dw` (`w`'s rows, then the dense
+/// rows `tail`) at every kernel size of M and rows past it, against `QuantLinear` over `w` and
+/// the f32 matmul over the tail: within f32-accumulation tolerance.
+fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng, what: &str, w: &QuantWeight, dw: &ninfer_core::backend::cuda::ops::DeviceQuantWeight, tail: &[f32]) {
+    let (st, [n, k]) = (dev.storage(), w.shape);
+    let tail_rows = tail.len() / k;
+    let n_all = n + tail_rows;
+    let lin = QuantLinear::new(w.clone()).unwrap();
+    let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
+    let bias = upload(dev, &bias_host);
+    for m in [1, 2, 3, 4, 5, 8, 9, 16] {
+        let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
+        let xd = upload(dev, &x);
+        let q = lin.forward(&x, m).unwrap();
+        let t = matmul(&x, tail, m, tail_rows, k);
+        let sums: Vec<f32> = (0..m * n_all).map(|i| if i % n_all < n { q[i / n_all * n + i % n_all] } else { t[i / n_all * tail_rows + i % n_all - n] }).collect();
+        let shape = format!("m{m} n{n}+{tail_rows} k{k}");
+        let mut y = Out16::new(dev, m * n_all);
+        dev.quant_gemv(&xd, dw, Some(&bias), &mut y.view(), m).unwrap();
+        let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n_all]).collect();
+        check(&format!("{what} quant_gemv"), st, &shape, &y.read(dev, "y"), &rounded(&want, st), tol16(st));
+        let mut y32 = Out32::new(dev, m * n_all);
+        dev.quant_gemv_f32_out(&xd, dw, &mut y32.view(), m, false).unwrap();
+        check(&format!("{what} quant_gemv_f32_out"), st, &shape, &y32.read(dev, "y32"), &sums, super::harness::TOL32);
+    }
+}
+
 /// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+):
 /// shapes with a ragged last tile, K below one 128-value block, K padded past a group, more K
 /// blocks than the block has warps (a warp takes several), more than one pass of the block's
@@ -335,7 +362,6 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
             let tail = rounded(&rng.vec(tail_rows * k, -0.5, 0.5), st);
             let dw = dev.upload_quant_with_tail(&w, &super::harness::to_bits(&tail, st)).unwrap();
             let n_all = n + tail_rows;
-            let lin = QuantLinear::new(w.clone()).unwrap();
             let mut values = dequantize(&w.view()).unwrap();
             values.extend(&tail);
             let mut got = Out32::new(&dev, n_all * k);
@@ -343,23 +369,7 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
             for (i, (g, c)) in got.read(&dev, "q4 tiles").iter().zip(&values).enumerate() {
                 assert_eq!(g.to_bits(), c.to_bits(), "[{n}, {k}] element [{}, {}]: GPU {g:e}, CPU {c:e}", i / k, i % k);
             }
-            let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
-            let bias = upload(&dev, &bias_host);
-            for m in [1, 2, 3, 4, 5, 8, 9, 16] {
-                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
-                let xd = upload(&dev, &x);
-                let q = lin.forward(&x, m).unwrap();
-                let t = matmul(&x, &tail, m, tail_rows, k);
-                let sums: Vec<f32> = (0..m * n_all).map(|i| if i % n_all < n { q[i / n_all * n + i % n_all] } else { t[i / n_all * tail_rows + i % n_all - n] }).collect();
-                let shape = format!("m{m} n{n}+{tail_rows} k{k}");
-                let mut y = Out16::new(&dev, m * n_all);
-                dev.quant_gemv(&xd, &dw, Some(&bias), &mut y.view(), m).unwrap();
-                let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n_all]).collect();
-                check("q4 tiled quant_gemv", st, &shape, &y.read(&dev, "q4 tiled y"), &rounded(&want, st), tol16(st));
-                let mut y32 = Out32::new(&dev, m * n_all);
-                dev.quant_gemv_f32_out(&xd, &dw, &mut y32.view(), m, false).unwrap();
-                check("q4 tiled quant_gemv_f32_out", st, &shape, &y32.read(&dev, "q4 tiled y32"), &sums, super::harness::TOL32);
-            }
+            check_gemv_with_tail(&dev, &mut rng, "q4 tiled", &w, &dw, &tail);
         }
     }
 }
@@ -394,25 +404,7 @@ fn chunk_gemv_covers_k_tails_odd_rows_and_a_dense_tail() {
             let w = make(&mut rng, f.name(), f, [n, k], None, RawDtype::F16, false);
             let tail = rounded(&rng.vec(tail_rows * k, -0.5, 0.5), st);
             let dw = dev.upload_quant_with_tail(&w, &super::harness::to_bits(&tail, st)).unwrap();
-            let n_all = n + tail_rows;
-            let lin = QuantLinear::new(w.clone()).unwrap();
-            let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
-            let bias = upload(&dev, &bias_host);
-            for m in [1, 2, 3, 4, 5, 8, 9, 16] {
-                let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
-                let xd = upload(&dev, &x);
-                let q = lin.forward(&x, m).unwrap();
-                let t = matmul(&x, &tail, m, tail_rows, k);
-                let sums: Vec<f32> = (0..m * n_all).map(|i| if i % n_all < n { q[i / n_all * n + i % n_all] } else { t[i / n_all * tail_rows + i % n_all - n] }).collect();
-                let shape = format!("{} m{m} n{n}+{tail_rows} k{k}", f.name());
-                let mut y = Out16::new(&dev, m * n_all);
-                dev.quant_gemv(&xd, &dw, Some(&bias), &mut y.view(), m).unwrap();
-                let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n_all]).collect();
-                check("chunk quant_gemv", st, &shape, &y.read(&dev, "chunk y"), &rounded(&want, st), tol16(st));
-                let mut y32 = Out32::new(&dev, m * n_all);
-                dev.quant_gemv_f32_out(&xd, &dw, &mut y32.view(), m, false).unwrap();
-                check("chunk quant_gemv_f32_out", st, &shape, &y32.read(&dev, "chunk y32"), &sums, super::harness::TOL32);
-            }
+            check_gemv_with_tail(&dev, &mut rng, &format!("chunk {}", f.name()), &w, &dw, &tail);
         }
     }
 }

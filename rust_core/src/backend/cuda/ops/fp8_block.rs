@@ -20,7 +20,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len};
+use super::{as_i32, cfg, check_len, check_linear};
 use crate::backend::cuda::blas::padded_rows;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
@@ -131,11 +131,7 @@ impl CudaDevice {
         m: usize,
     ) -> Result<()> {
         let (n, k) = (w.n, w.k);
-        check_len("fp8_block_linear x", x.len(), m * k)?;
-        check_len("fp8_block_linear y", y.len(), m * n)?;
-        if let Some(b) = bias {
-            check_len("fp8_block_linear bias", b.len(), n)?;
-        }
+        check_linear("fp8_block_linear", x.len(), y.len(), bias.map(|b| b.len()), [m, n, k])?;
         if m == 0 {
             return Ok(());
         }

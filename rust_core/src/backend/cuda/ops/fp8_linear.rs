@@ -15,7 +15,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::{as_i32, cfg, check_len};
+use super::{as_i32, cfg, check_len, check_linear};
 use crate::backend::cuda::blas::padded_rows;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
@@ -71,11 +71,7 @@ impl CudaDevice {
         m: usize,
     ) -> Result<()> {
         let (n, k) = (w.n, w.k);
-        check_len("fp8_linear x", x.len(), m * k)?;
-        check_len("fp8_linear y", y.len(), m * n)?;
-        if let Some(b) = bias {
-            check_len("fp8_linear bias", b.len(), n)?;
-        }
+        check_linear("fp8_linear", x.len(), y.len(), bias.map(|b| b.len()), [m, n, k])?;
         let s = self.stream();
         let (w_codes, w_scales) = w.fp8_row_planes(s).ok_or_else(|| NinferError::Device(format!("{}: the FP8 GEMM route takes FP8_E4M3FN_ROW_BF16S weights without dense rows, not {}", w.name, w.format.name())))?;
         let chunk = fp8_chunk_rows(2 * workspace.len(), k);

@@ -63,6 +63,13 @@ use super::device::CudaDevice;
 use crate::{NinferError, Result};
 
 /// Fails with the buffer name and both lengths when `got < needed`.
+/// The lengths of a linear op's x `[m, k]`, y `[m, n]` and bias `[n]` (`what` names the op).
+pub(crate) fn check_linear(what: &str, x: usize, y: usize, bias: Option<usize>, [m, n, k]: [usize; 3]) -> Result<()> {
+    check_len(&format!("{what} x"), x, m * k)?;
+    check_len(&format!("{what} y"), y, m * n)?;
+    bias.map_or(Ok(()), |b| check_len(&format!("{what} bias"), b, n))
+}
+
 pub(crate) fn check_len(what: &str, got: usize, needed: usize) -> Result<()> {
     if got < needed {
         return Err(NinferError::Device(format!(

@@ -16,7 +16,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::{quant_chunks, quant_tiles};
-use super::{as_i32, cfg, check_len};
+use super::{as_i32, cfg, check_len, check_linear};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
 use crate::quant::{fp8_row, grouped::Grouped, hf, nvfp4, validate, QuantFormat, QuantWeight, RawDtype};
@@ -413,11 +413,7 @@ impl CudaDevice {
         m: usize,
     ) -> Result<()> {
         let (n, k) = (w.n, w.k);
-        check_len("quant_gemv x", x.len(), m * k)?;
-        check_len("quant_gemv y", y.len(), m * n)?;
-        if let Some(b) = bias {
-            check_len("quant_gemv bias", b.len(), n)?;
-        }
+        check_linear("quant_gemv", x.len(), y.len(), bias.map(|b| b.len()), [m, n, k])?;
         let kern = weight_kernels(w.format, w.tiled);
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
