@@ -131,8 +131,11 @@ impl CudaDevice {
 
     /// The descriptors of the FP8 GEMM of `m` x `n` x `k` with `scaling` and the algorithm
     /// cuBLASLt's heuristic gives it (asked once per shape); an error naming the shape and the
-    /// device where this cuBLASLt has none.
+    /// device where this cuBLASLt has none, or where a dimension exceeds i32.
     fn fp8_plan(&self, lt: &BlasLt, scaling: Fp8Scaling, m: usize, n: usize, k: usize) -> Result<Fp8Plan> {
+        if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
+            return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
+        }
         use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F, CUDA_R_8F_E4M3};
         use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE};
         use sys::cublasLtMatmulMatrixScale_t::{CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F};
@@ -224,9 +227,6 @@ impl CudaDevice {
         if m == 0 {
             return Ok(());
         }
-        if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
-            return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
-        }
         let lt = self.blas_lt()?;
         let plan = self.fp8_plan(&lt, Fp8Scaling::Unit, m, n, k)?;
         self.fp8_matmul(&lt, &plan, x, w, y).map_err(|e| NinferError::Device(format!("cublasLtMatmul (FP8) m={m} n={n} k={k}: {e:?}")))
@@ -247,9 +247,6 @@ impl CudaDevice {
         }
         if m == 0 {
             return Ok(());
-        }
-        if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
-            return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
         }
         let lt = self.blas_lt()?;
         let plan = self.fp8_plan(&lt, Fp8Scaling::Block { f16_out }, m, n, k)?;

@@ -151,6 +151,20 @@ mod tests {
         (0..32).map(|i| (x0 + i, dl * v[i])).collect()
     }
 
+    /// The 8 chunks of a 256-value super-block (`chunk(c)`: (position, value) pairs) cover
+    /// every position once, each value the CPU decoder's `want` bit for bit.
+    fn each_value_once(want: &[f32; 256], chunk: impl Fn(usize) -> Vec<(usize, f32)>) {
+        let mut seen = [false; 256];
+        for c in 0..8 {
+            for (pos, v) in chunk(c) {
+                assert!(!seen[pos], "position {pos} twice");
+                seen[pos] = true;
+                assert_eq!(v.to_bits(), want[pos].to_bits(), "chunk {c} position {pos}: {v:e}, CPU {:e}", want[pos]);
+            }
+        }
+        assert!(seen.iter().all(|s| *s));
+    }
+
     #[test]
     fn q4_k_chunks_decode_every_value_as_the_cpu_decoder() {
         let blocks = 64;
@@ -158,15 +172,7 @@ mod tests {
         for blk in data.chunks(144) {
             let mut want = [0.0f32; 256];
             decode_block(QuantFormat::GgufQ4K, blk, &mut want);
-            let mut seen = [false; 256];
-            for c in 0..8 {
-                for (pos, v) in q4k_chunk(blk, c) {
-                    assert!(!seen[pos], "position {pos} twice");
-                    seen[pos] = true;
-                    assert_eq!(v.to_bits(), want[pos].to_bits(), "chunk {c} position {pos}: {v:e}, CPU {:e}", want[pos]);
-                }
-            }
-            assert!(seen.iter().all(|s| *s));
+            each_value_once(&want, |c| q4k_chunk(blk, c));
         }
     }
 
@@ -180,22 +186,14 @@ mod tests {
         for blk in data.chunks(136) {
             let mut want = [0.0f32; 256];
             decode_block(QuantFormat::GgufIq4Xs, blk, &mut want);
-            let mut seen = [false; 256];
-            for c in 0..8 {
-                for (pos, v) in iq4xs_chunk(blk, c, table) {
-                    assert!(!seen[pos], "position {pos} twice");
-                    seen[pos] = true;
-                    assert_eq!(v.to_bits(), want[pos].to_bits(), "chunk {c} position {pos}: {v:e}, CPU {:e}", want[pos]);
-                }
-            }
-            assert!(seen.iter().all(|s| *s));
+            each_value_once(&want, |c| iq4xs_chunk(blk, c, table));
         }
     }
 
     /// chunk_nvfp4 over a one-part weight: each chunk's codes (16 bytes at 16 ch of the row),
     /// its two scale bytes (Row's scale address plus the chunk's offset) and the table lookup,
     /// the value formed as f32(f32(0.5 * v) * s) / d: the CPU's e2m1(c) * s / d (a zero of
-/// either sign as a zero).
+    /// either sign as a zero).
     #[test]
     fn nvfp4_chunks_decode_every_value_as_the_cpu_decoder() {
         let table = define_words(KernelFamily::QuantNinfer.source(), "E2M1_BIASED_WORDS");
