@@ -12,8 +12,11 @@ fraction >= 0.80 for the 4-bit formats at m=1. This script keeps each line as a 
 weights=<format>, the run's provenance (commit, date, device as nvidia-smi names it, command),
 and exits non-zero when the log has no such line.
 
+With --peer-log (the same test's lines from another build, run in the same call: the `opab`
+part alternates them), each record also holds that build's figures as peer_us / peer_fraction.
+
 Usage: benches/gpu_quant.py --env env.txt --log cuda_ops.log --commit SHA --command "..." \
-           [--out benches/results/gpu_quant.json]
+           [--peer-log LOG --peer NAME] [--out benches/results/gpu_quant.json]
 """
 import argparse
 import json
@@ -33,23 +36,40 @@ def number(v):
             return v
 
 
+def timings(path):
+    """The log's TIMING quant_gemv lines as records; a later line of the same key replaces an earlier one."""
+    out = {}
+    for line in open(path):
+        m = LINE.match(line.strip())
+        if m:
+            r = {k: number(v) for k, v in (kv.split("=", 1) for kv in m.group(1).split() if "=" in kv)}
+            out[(r.get("weights"), r.get("model"), r.get("m"))] = r
+    return list(out.values())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--env", required=True, help="nvidia-smi / date capture of the run (as gpu_ops.py reads it)")
     ap.add_argument("--log", required=True, help="the cuda_ops log holding the TIMING quant_gemv lines")
     ap.add_argument("--commit", required=True)
     ap.add_argument("--command", required=True)
+    ap.add_argument("--peer-log", help="the same test's lines from another build, same call")
+    ap.add_argument("--peer", help="what --peer-log ran (e.g. the build before the change)")
     ap.add_argument("--out", default="benches/results/gpu_quant.json")
     a = ap.parse_args()
+    if bool(a.peer_log) != bool(a.peer):
+        ap.error("--peer-log and --peer go together")
 
     env = open(a.env).read()
     device = re.search(r"name, driver_version, compute_cap\n(.+)", env)
     date = env.splitlines()[0].strip()
-    records = []
-    for line in open(a.log):
-        m = LINE.match(line.strip())
-        if m:
-            records.append({k: number(v) for k, v in (kv.split("=", 1) for kv in m.group(1).split() if "=" in kv)})
+    records = timings(a.log)
+    if a.peer_log:
+        peer = {(r["weights"], r["model"], r["m"]): r for r in timings(a.peer_log)}
+        for r in records:
+            p = peer.get((r["weights"], r["model"], r["m"]))
+            if p:
+                r.update(peer=a.peer, peer_us=p["us"], peer_fraction=p["fraction"])
     if not records:
         print(f"{a.log}: no TIMING quant_gemv lines", file=sys.stderr)
         return 1
