@@ -345,8 +345,11 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
 /// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+):
 /// shapes with a ragged last tile, K below one 128-value block, K padded past a group, more K
 /// blocks than the block has warps (a warp takes several), more than one pass of the block's
-/// warps (K past 4096 values: x staged again, a last pass of one block) and a dense tail after
-/// the quantized rows; every M up to 16 that changes the kernel's B fragments (x staged in
+/// warps (K past 4096 values: a last pass of one block; at M = 3, 4 x staged again), more than
+/// one window of x at M = 1 (K past 16384), more tiles than a grid of two blocks a
+/// multiprocessor (a block takes several in turn, its slots loading the next tile's blocks;
+/// at M = 3, 4 with K of two windows, restaged a tile) and a dense tail after the quantized
+/// rows; every M up to 16 that changes the kernel's B fragments (x staged in
 /// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance
 /// of `QuantLinear` (the tail: the f32 matmul over its rows), and the dequantize kernel the CPU
@@ -357,7 +360,7 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
         let Some(dev) = gpu("q4_tiled_gemv", st) else { return };
         let mut rng = Rng::new(4864);
         let f = QuantFormat::Q4G64F16S;
-        for (n, k, tail_rows) in [(1, 8, 0), (37, 200, 0), (300, 1152, 5), (16, 2176, 3), (64, 4096, 0), (16, 4224, 2), (20, 9216, 0)] {
+        for (n, k, tail_rows) in [(1, 8, 0), (37, 200, 0), (300, 1152, 5), (16, 2176, 3), (64, 4096, 0), (16, 4224, 2), (20, 9216, 0), (24, 16512, 0), (9000, 256, 3), (4300, 4224, 0)] {
             let w = make(&mut rng, "q4_tiled", f, [n, k], None, RawDtype::F16, false);
             let tail = rounded(&rng.vec(tail_rows * k, -0.5, 0.5), st);
             let dw = dev.upload_quant_with_tail(&w, &super::harness::to_bits(&tail, st)).unwrap();
@@ -491,6 +494,23 @@ fn quant_gemv_decode_timing() {
                     rate / copy_rate
                 );
                 assert!(rate > 0.0 && rate.is_finite(), "{}: no time measured", f.name());
+            }
+            // Each projection alone at m = 1 (its launch's own ramp and tail, which the layer's
+            // sum hides), for the stored 4-bit formats whose target the layer's fraction is.
+            if !matches!(f, QuantFormat::Q4G64F16S | QuantFormat::GgufQ4K | QuantFormat::GgufIq4Xs | QuantFormat::Nvfp4) {
+                continue;
+            }
+            for (proj, w) in ["qkv", "o", "gate_up", "down"].iter().zip(&layer) {
+                let read = w.device_bytes() + 2 * (w.k + w.n);
+                let ms = super::time_ms(&dev, 20, || dev.quant_gemv(&x, w, None, &mut y, 1).unwrap());
+                println!(
+                    "TIMING quant_gemv_proj weights={} model={model} proj={proj} n={} k={} us={:.1} fraction={:.3}",
+                    f.name(),
+                    w.n,
+                    w.k,
+                    ms * 1e3,
+                    read as f64 / (ms * 1e-3) / copy_rate
+                );
             }
         }
     }
