@@ -9,7 +9,7 @@
 //   workspace, multiplied by cuBLAS; a quantized LM head a chunk of vocabulary rows at a time).
 // 4-bit weights whose groups are runs of 64 (Q4G64_F16S; HF AWQ / GPTQ / pack-quantized
 // without act-order) are repacked at upload into the tiled layout below, whose GEMV on sm_80+
-// feeds the weight stream to mma.sync (q4t_gemv_tiles) instead.
+// feeds the weight stream to mma.sync (q4t_gemv_tile) instead.
 // The layouts are defined once, in rust_core/src/quant's module docs; each decoder here follows
 // its format's CPU decoder expression for expression. Every product is written with __fmul_rn /
 // __fsub_rn / __fdiv_rn so that NVRTC cannot contract it into an FMA: a decoded value is the
@@ -293,187 +293,155 @@ struct q4t_pass {
     uint2 sc[Q4T_UNROLL];
     unsigned zq[Q4T_UNROLL];
 
-    // Slot u's loads: K block kb (none past kbn).
-    __device__ __forceinline__ void load_one(int u, const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, int kb, int kbn) {
-        if (kb < kbn) {
-            q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
-            q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
-            sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
-            zq[u] = zeros ? __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32)) : 0x08080808u;
-        }
-    }
-
     __device__ __forceinline__ void load(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, int kb0, int kbn) {
 #pragma unroll
-        for (int u = 0; u < Q4T_UNROLL; ++u) load_one(u, codes, scales, zeros, kb0 + u * QUANT_WARPS, kbn);
+        for (int u = 0; u < Q4T_UNROLL; ++u) {
+            const int kb = kb0 + u * QUANT_WARPS;
+            if (kb < kbn) {
+                q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
+                q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
+                sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
+                zq[u] = zeros ? __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32)) : 0x08080808u;
+            }
+        }
     }
 };
 
-// Tiles tile0, tile0 + stride, ... of 16 output rows each, for up to MT rows of x. The block's
-// warps go through a tile's K in passes of Q4T_PASS_BLOCKS blocks of 128 values, warp w taking
-// blocks base + w + 8u; each block's codes are two 16-byte loads a lane (rows gid and gid + 8 of
-// the tile: the A fragments of 8 mma steps, whose K order the layout chose; q - z formed in the
-// storage type, exactly), x the B fragments (4 consecutive values of batch row gid [+ 8] a step),
-// each group's 4 steps summed in a fresh accumulator and added to the lane's sums times the
-// group's scales; the warps' sums meet in shared memory and one thread a (row, column) stores it
-// (+ bias, rounded once, as quant_gemv_body does). Rows past w.n (tile padding) are not stored.
-// Latency: the first tile's first weight loads are issued before pdl_wait (weights are written
-// by no kernel, so they may stream while the previous kernel finishes); each slot's next block
-// (the next pass's, or the block's next tile's first) is loaded as soon as the slot's current one
-// is taken out, so a warp keeps Q4T_UNROLL blocks in flight from its first tile to its last. For
-// MT <= 4, x is staged in shared memory a window of 16384 values at a time (cp.async), so that
-// the mma steps wait on shared-memory reads instead of one L2 round trip per step; a window is
-// staged again only when it changes (with K <= 16384 at MT = 1, once a block). MT 8 and 16 read
-// x from global (their window would not fit the static shared memory).
+// One tile of 16 output rows for up to MT rows of x. The block's warps go through K in passes
+// of Q4T_PASS_BLOCKS blocks of 128 values, warp w taking blocks base + w + 8u; each block's
+// codes are two 16-byte loads a lane (rows gid and gid + 8 of the tile: the A fragments of 8
+// mma steps, whose K order the layout chose; q - z formed in the storage type, exactly), x the
+// B fragments (4 consecutive values of batch row gid [+ 8] a step), each group's 4 steps summed
+// in a fresh accumulator and added to the lane's sums times the group's scales; the warps' sums
+// meet in shared memory and one thread a (row, column) stores it (+ bias, rounded once, as
+// quant_gemv_body does). Rows past w.n (tile padding) are not stored.
+// Latency: the first pass's weight loads are issued before pdl_wait (weights are written by no
+// kernel, so they may stream while the previous kernel finishes), and for MT <= 4 the pass's x
+// is staged in shared memory by the whole block while those loads are in flight, so that the
+// mma steps wait on shared-memory reads instead of one L2 round trip per step (MT 8 and 16 read
+// x from global: a pass of 8 or 16 rows would not fit the static shared memory).
 template <int MT, bool F32>
-__device__ __forceinline__ void q4t_gemv_tiles(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
-                                               const store_t* __restrict__ bias, int m, int round, int tile0, int stride) {
+__device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                              const store_t* __restrict__ bias, int m, int round, int tile) {
     constexpr int NT = MT > 8 ? 2 : 1;
     constexpr bool XS = MT <= 4;
-    // Staged x: a window of XWB K blocks a row, 16384 values in all (4, 2, 1 passes at MT 1, 2, 4).
-    constexpr int XWB = XS ? Q4T_PASS_BLOCKS * 4 / MT : Q4T_PASS_BLOCKS;
     __shared__ float red[QUANT_WARPS][NT * 4][32];
-    __shared__ __align__(16) store_t xs[XS ? MT : 1][XS ? XWB * 128 + Q4T_XPAD : 8];
+    __shared__ __align__(16) store_t xs[XS ? MT : 1][XS ? Q4T_PASS + Q4T_XPAD : 8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, t4 = lane & 3;
     const int kbn = (w.k + 127) >> 7;
-    const int tiles = (w.n + 15) >> 4;
-    // Tile t's codes, scales and zeros as this lane reads them.
-    const unsigned char* codes0 = w.data + lane * 16;
-    const unsigned char* scales0 = w.data + w.p0 + gid * 8;
-    const unsigned char* zeros0 = w.p1 ? w.data + w.p1 + gid * 4 : nullptr;
-    const auto codes = [&](int t) { return codes0 + (long long)t * kbn * 1024; };
-    const auto scales = [&](int t) { return scales0 + (long long)t * kbn * 64; };
-    const auto zeros = [&](int t) { return zeros0 ? zeros0 + (long long)t * kbn * 32 : nullptr; };
+    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
+    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
+    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
     q4t_pass ld;
-    ld.load(codes(tile0), scales(tile0), zeros(tile0), warp, kbn);
+    ld.load(codes, scales, zeros, warp, kbn);
     pdl_enter();
     const store_t* xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
-    int staged = -1;  // the K block the staged window starts at
-    for (int tile = tile0; tile < tiles; tile += stride) {
-        const int next = tile + stride;
-        float acc[NT][4];
+    float acc[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
-        for (int base = 0; base < kbn; base += Q4T_PASS_BLOCKS) {
-            const int xbase = base - base % XWB;
-            if constexpr (XS) {
-                if (xbase != staged) {
-                    // The window's x rows (zeros past m and past K) by cp.async: every 16-byte
-                    // copy in flight at once, no registers held.
-                    if (staged >= 0) __syncthreads();  // every warp is done with the last window
-                    for (int i = threadIdx.x; i < MT * XWB * 16; i += QUANT_WARPS * 32) {
-                        const int r = i / (XWB * 16), c = (i % (XWB * 16)) * 8;
-                        const int kk = xbase * 128 + c;
-                        const bool valid = r < m && kk < w.k;
-                        cp_async16_zfill(smem_u32(&xs[r][c]), valid ? x + (long long)r * w.k + kk : x, valid);
-                    }
-                    cp_async_wait_all();
-                    __syncthreads();
-                    staged = xbase;
-                }
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
+    for (int base = 0; base < kbn; base += Q4T_PASS_BLOCKS) {
+        if (base > 0) ld.load(codes, scales, zeros, base + warp, kbn);
+        if constexpr (XS) {
+            // The pass's x rows (zeros past m and past K), 16 bytes a thread at a time.
+            if (base > 0) __syncthreads();  // every warp is done with the last pass's x
+            for (int i = threadIdx.x; i < MT * (Q4T_PASS / 8); i += QUANT_WARPS * 32) {
+                const int r = i / (Q4T_PASS / 8), c = (i % (Q4T_PASS / 8)) * 8;
+                const int kk = base * 128 + c;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (r < m && kk < w.k) v = __ldg(reinterpret_cast<const uint4*>(x + (long long)r * w.k + kk));
+                *reinterpret_cast<uint4*>(&xs[r][c]) = v;
             }
+            __syncthreads();
+        }
 #pragma unroll
-            for (int u = 0; u < Q4T_UNROLL; ++u) {
-                const int kb = base + warp + u * QUANT_WARPS;
-                if (kb >= kbn) break;
-                // This slot's block, taken out of the slot so that the slot's next block streams
-                // into it while this one is computed.
-                const uint4 q0 = ld.q[u][0], q1 = ld.q[u][1];
-                const uint2 sc = ld.sc[u];
-                const unsigned zq = ld.zq[u];
-                if (kb + Q4T_PASS_BLOCKS < kbn) {
-                    ld.load_one(u, codes(tile), scales(tile), zeros(tile), kb + Q4T_PASS_BLOCKS, kbn);
-                } else if (next < tiles) {
-                    ld.load_one(u, codes(next), scales(next), zeros(next), warp + u * QUANT_WARPS, kbn);
+        for (int u = 0; u < Q4T_UNROLL; ++u) {
+            const int kb = base + warp + u * QUANT_WARPS;
+            if (kb >= kbn) break;
+            // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
+            const float s[4] = {q4t_scale((unsigned short)(ld.sc[u].x & 0xffffu), w.p2), q4t_scale((unsigned short)(ld.sc[u].x >> 16), w.p2),
+                                q4t_scale((unsigned short)(ld.sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(ld.sc[u].y >> 16), w.p2)};
+#pragma unroll
+            for (int g = 0; g < 2; ++g) {
+                unsigned bias2[2] = {Q4T_BIAS8, Q4T_BIAS8};
+                if (zeros) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((ld.zq[u] >> (8 * (2 * h + g))) & 0xffu)));
                 }
-                // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
-                const float s[4] = {q4t_scale((unsigned short)(sc.x & 0xffffu), w.p2), q4t_scale((unsigned short)(sc.x >> 16), w.p2),
-                                    q4t_scale((unsigned short)(sc.y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc.y >> 16), w.p2)};
+                float d[NT][4];
 #pragma unroll
-                for (int g = 0; g < 2; ++g) {
-                    unsigned bias2[2] = {Q4T_BIAS8, Q4T_BIAS8};
-                    if (zeros0) {
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq >> (8 * (2 * h + g))) & 0xffu)));
-                    }
-                    float d[NT][4];
+                    for (int c = 0; c < 4; ++c) d[nt][c] = 0.0f;
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) d[nt][c] = 0.0f;
-#pragma unroll
-                    for (int a = 0; a < 4; ++a) {
-                        const int j = g * 4 + a;
-                        const int sh = (j & 1) * 8;
-                        const unsigned w0 = q4t_word(q0, j >> 1) >> sh;
-                        const unsigned w1 = q4t_word(q1, j >> 1) >> sh;
-                        const unsigned af[4] = {
-                            q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
-                            q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
-                            q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
-                            q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
-                        };
-                        const int kx = kb * 128 + j * 16;
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            uint2 b = make_uint2(0u, 0u);
-                            if constexpr (XS) {
-                                if (gid < MT) b = *reinterpret_cast<const uint2*>(&xs[XS ? gid : 0][(kb - xbase) * 128 + j * 16 + 4 * t4]);
-                            } else {
-                                if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
-                            }
-                            q4t_mma(d[nt], af, b.x, b.y);
-                        }
-                    }
+                for (int a = 0; a < 4; ++a) {
+                    const int j = g * 4 + a;
+                    const int sh = (j & 1) * 8;
+                    const unsigned w0 = q4t_word(ld.q[u][0], j >> 1) >> sh;
+                    const unsigned w1 = q4t_word(ld.q[u][1], j >> 1) >> sh;
+                    const unsigned af[4] = {
+                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
+                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
+                        q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
+                        q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
+                    };
+                    const int kx = kb * 128 + j * 16;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        acc[nt][0] = fmaf(s[g], d[nt][0], acc[nt][0]);
-                        acc[nt][1] = fmaf(s[g], d[nt][1], acc[nt][1]);
-                        acc[nt][2] = fmaf(s[2 + g], d[nt][2], acc[nt][2]);
-                        acc[nt][3] = fmaf(s[2 + g], d[nt][3], acc[nt][3]);
+                        uint2 b = make_uint2(0u, 0u);
+                        if constexpr (XS) {
+                            if (gid < MT) b = *reinterpret_cast<const uint2*>(&xs[XS ? gid : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
+                        } else {
+                            if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                        }
+                        q4t_mma(d[nt], af, b.x, b.y);
                     }
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    acc[nt][0] = fmaf(s[g], d[nt][0], acc[nt][0]);
+                    acc[nt][1] = fmaf(s[g], d[nt][1], acc[nt][1]);
+                    acc[nt][2] = fmaf(s[2 + g], d[nt][2], acc[nt][2]);
+                    acc[nt][3] = fmaf(s[2 + g], d[nt][3], acc[nt][3]);
                 }
             }
         }
+    }
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
-        __syncthreads();
-        if (threadIdx.x < NT * 4 * 32) {
-            const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
-            float v = 0.0f;
+        for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
+    __syncthreads();
+    if (threadIdx.x < NT * 4 * 32) {
+        const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
+        float v = 0.0f;
 #pragma unroll
-            for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
-            // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
-            const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
-            const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
-            if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
-        }
-        __syncthreads();  // red is read before the next tile writes it
+        for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
+        // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
+        const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
+        const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
+        if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
     }
 }
 #endif
 
-// The GEMV of a tiled weight (decoder D reads the layout): on sm_80+ the grid's last
-// ceil((n_all - n) / QUANT_WARPS) blocks take QUANT_WARPS rows of the dense tail each and the
-// blocks before them the tiles of 16 quantized rows, block b tiles b, b + B, ... (B of them:
-// q4t_gemv_tiles); on older GPUs the row-per-warp body over D (grid ceil(n_all / QUANT_WARPS)).
-// ops/quant.rs sizes the grid to match.
+// The GEMV of a tiled weight (decoder D reads the layout): on sm_80+ the first ceil(n / 16)
+// blocks one tile each (q4t_gemv_tile), the rest QUANT_WARPS rows of the dense tail each; on
+// older GPUs the row-per-warp body over D (grid ceil(n_all / QUANT_WARPS)). ops/quant.rs sizes
+// the grid to match.
 template <class D, int MT, bool F32>
 __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
                                                  const store_t* __restrict__ bias, int m, int round) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const int tile_blocks = (int)gridDim.x - (w.n_all - w.n + QUANT_WARPS - 1) / QUANT_WARPS;
-    if ((int)blockIdx.x < tile_blocks) {
-        q4t_gemv_tiles<MT, F32>(x, w, y, bias, m, round, blockIdx.x, tile_blocks);
+    const int tiles = (w.n + 15) >> 4;
+    if ((int)blockIdx.x < tiles) {
+        q4t_gemv_tile<MT, F32>(x, w, y, bias, m, round, blockIdx.x);
     } else {
-        quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, w.n + ((int)blockIdx.x - tile_blocks) * QUANT_WARPS + (int)(threadIdx.x >> 5));
+        quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, w.n + ((int)blockIdx.x - tiles) * QUANT_WARPS + (int)(threadIdx.x >> 5));
     }
 #else
     quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, QUANT_ROW);

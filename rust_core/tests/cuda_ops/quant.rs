@@ -345,11 +345,10 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
 /// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+):
 /// shapes with a ragged last tile, K below one 128-value block, K padded past a group, more K
 /// blocks than the block has warps (a warp takes several), more than one pass of the block's
-/// warps (K past 4096 values: a last pass of one block; at M = 3, 4 x staged again), more than
-/// one window of x at M = 1 (K past 16384), more tiles than a grid of two blocks a
-/// multiprocessor (a block takes several in turn, its slots loading the next tile's blocks;
-/// at M = 3, 4 with K of two windows, restaged a tile) and a dense tail after the quantized
-/// rows; every M up to 16 that changes the kernel's B fragments (x staged in
+/// warps (K past 4096 values: x staged again, a last pass of one block; K past 16384 and a
+/// pass of one block at 4224), more tiles than two blocks a multiprocessor on an H100 (9000 and
+/// 4300 rows: a second wave of blocks) and a dense tail after the quantized rows; every M up to
+/// 16 that changes the kernel's B fragments (x staged in
 /// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance
 /// of `QuantLinear` (the tail: the f32 matmul over its rows), and the dequantize kernel the CPU

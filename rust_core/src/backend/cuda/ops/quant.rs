@@ -186,29 +186,19 @@ fn gemv_launches(m: usize) -> impl Iterator<Item = (usize, usize, usize)> {
 }
 
 /// Blocks of a GEMV launch over `n_all` rows, `nq` of them quantized: one warp a row
-/// (QUANT_THREADS / 32 rows a block), except a tiled weight on sm_80+ (`mma`; cuda/quant.cuh
-/// `quant_tiled_gemv`): blocks taking the tiles of 16 quantized rows in turn (`tile_blocks`),
-/// then one warp a dense tail row; and a weight whose GEMV is the chunk GEMV (`chunk`,
-/// cuda/quant_chunk.cuh): QC_ROWS rows a warp.
-fn quant_gemv_grid(tiled: bool, chunk: bool, nq: usize, n_all: usize, mma: Option<usize>) -> usize {
+/// (QUANT_THREADS / 32 rows a block), except a tiled weight on sm_80+ (cuda/quant.cuh
+/// `quant_tiled_gemv`): one block a tile of 16 quantized rows, then one warp a dense tail row;
+/// and a weight whose GEMV is the chunk GEMV (`chunk`, cuda/quant_chunk.cuh): QC_ROWS rows a
+/// warp.
+fn quant_gemv_grid(tiled: bool, chunk: bool, nq: usize, n_all: usize, mma: bool) -> usize {
     let warps = QUANT_THREADS as usize / 32;
-    if let (true, Some(sms)) = (tiled, mma) {
-        tile_blocks(nq.div_ceil(quant_tiles::TILE_ROWS), sms) + (n_all - nq).div_ceil(warps)
+    if tiled && mma {
+        nq.div_ceil(quant_tiles::TILE_ROWS) + (n_all - nq).div_ceil(warps)
     } else if chunk {
         n_all.div_ceil(warps * quant_chunks::QC_ROWS)
     } else {
         n_all.div_ceil(warps)
     }
-}
-
-/// Blocks of the tiled GEMV for `tiles` tiles on `sms` multiprocessors: at most the two a
-/// multiprocessor holds (Q4T_MIN_BLOCKS), each taking the same number of tiles where that
-/// divides, so that a block streams its tiles' weights back to back (its next tile's first
-/// blocks load while the last ones are multiplied) instead of a wave of blocks ending and the
-/// next starting with nothing in flight.
-fn tile_blocks(tiles: usize, sms: usize) -> usize {
-    let per_block = tiles.div_ceil(2 * sms.max(1));
-    tiles.div_ceil(per_block.max(1))
 }
 
 /// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
@@ -366,8 +356,7 @@ impl CudaDevice {
     /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
     fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {
         let chunk = !w.tiled && quant_chunks::chunk_gemv(w.format);
-        let mma = (self.compute_capability().0 >= 8).then(|| self.sm_count());
-        quant_gemv_grid(w.tiled, chunk, w.nq, w.n, mma) as u32
+        quant_gemv_grid(w.tiled, chunk, w.nq, w.n, self.compute_capability().0 >= 8) as u32
     }
 
     fn data_ptr(&self, b: &CudaSlice<u8>) -> u64 {
@@ -612,27 +601,20 @@ mod tests {
     }
 
     #[test]
-    fn tiled_gemv_grids_take_tiles_in_turn_on_sm80_and_a_warp_a_row_before() {
-        // 37 quantized rows: 3 tiles, a block each; 5 dense tail rows: one block of 8 warps.
-        assert_eq!(quant_gemv_grid(true, false, 37, 42, Some(132)), 3 + 1);
-        // 256 tiles fit 132 multiprocessors' 264 blocks; 1792 tiles (Llama-3-8B gate_up) are
-        // 7 a block, 384 (its qkv) 2 a block; 320 (Qwen3.5-27B o) 2 a block.
-        assert_eq!(quant_gemv_grid(true, false, 4096, 4096, Some(132)), 256);
-        assert_eq!(quant_gemv_grid(true, false, 28672, 28672, Some(132)), 256);
-        assert_eq!(quant_gemv_grid(true, false, 6144, 6144, Some(132)), 192);
-        assert_eq!(quant_gemv_grid(true, false, 5120, 5120, Some(132)), 160);
-        // Blocks never exceed the tiles, whatever the count of multiprocessors.
-        assert_eq!(quant_gemv_grid(true, false, 37, 42, Some(1)), 2 + 1);
-        assert_eq!(quant_gemv_grid(true, false, 37, 42, None), 6);
-        assert_eq!(quant_gemv_grid(false, false, 37, 42, Some(132)), 6);
+    fn tiled_gemv_grids_take_a_block_a_tile_on_sm80_and_a_warp_a_row_before() {
+        // 37 quantized rows: 3 tiles; 5 dense tail rows: one block of 8 warps.
+        assert_eq!(quant_gemv_grid(true, false, 37, 42, true), 3 + 1);
+        assert_eq!(quant_gemv_grid(true, false, 4096, 4096, true), 256);
+        assert_eq!(quant_gemv_grid(true, false, 37, 42, false), 6);
+        assert_eq!(quant_gemv_grid(false, false, 37, 42, true), 6);
     }
 
     #[test]
     fn chunk_gemv_grids_take_two_rows_a_warp() {
         // 42 rows: 21 pairs, 3 blocks of 8 warps (the last pairs past n_all run no row).
-        assert_eq!(quant_gemv_grid(false, true, 37, 42, Some(132)), 3);
-        assert_eq!(quant_gemv_grid(false, true, 4096, 4096, None), 256);
-        assert_eq!(quant_gemv_grid(false, true, 16, 17, Some(132)), 2);
+        assert_eq!(quant_gemv_grid(false, true, 37, 42, true), 3);
+        assert_eq!(quant_gemv_grid(false, true, 4096, 4096, false), 256);
+        assert_eq!(quant_gemv_grid(false, true, 16, 17, true), 2);
         for f in [QuantFormat::GgufQ4K, QuantFormat::GgufIq4Xs, QuantFormat::Nvfp4] {
             assert!(quant_chunks::chunk_gemv(f));
         }

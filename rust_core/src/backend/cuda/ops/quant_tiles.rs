@@ -1,6 +1,6 @@
 //! The 4-bit tiled device layout: a 4-bit weight (Q4G64_F16S, and HF AWQ / GPTQ /
 //! pack-quantized weights whose groups are whole 64-value runs) repacked at upload so that the
-//! decode GEMV (cuda/quant.cuh `q4t_gemv_tiles`) streams it in 16-byte loads that are mma.sync A
+//! decode GEMV (cuda/quant.cuh `q4t_gemv_tile`) streams it in 16-byte loads that are mma.sync A
 //! fragments as loaded, and the dequantize kernel (`dec_q4_tiles`) reads the same bytes. Every
 //! value is `f32(q - z) * s` for a 4-bit `q`, a zero `z` and a scale `s` per (row, 64 values),
 //! the format's value exactly (Q4G64: `q` = code + 8, `z` = 8); only where the bytes sit changes.
@@ -477,7 +477,7 @@ mod tests {
         }
     }
 
-    /// The mma.sync operands as `q4t_gemv_tiles` forms them, multiplied the way m16n8k16 defines
+    /// The mma.sync operands as `q4t_gemv_tile` forms them, multiplied the way m16n8k16 defines
     /// (A row-major 16 x 16 from lanes (gid, t4): a0 a1 = (gid, 2t4 .. 2t4+1), a2 a3 = (gid+8, same),
     /// a4 a5 = (gid, 2t4+8 ..), a6 a7 = (gid+8, 2t4+8 ..); B 16 x 8: b0 b1 = (2t4 .., col gid),
     /// b2 b3 = (2t4+8 .., col gid)), group sums times scales: the tile's y equals x W^T.
