@@ -4,6 +4,8 @@
 
 use ninfer_core::backend::cuda::kernels::{nvrtc_arch, KernelFamily, StorageDType, CI_ARCHES};
 use ninfer_core::backend::cuda::nvrtc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Set by .ci/compile-kernels so that a missing NVRTC fails instead of skipping.
 fn nvrtc_required() -> bool {
@@ -37,6 +39,22 @@ fn nvrtc_or_skip(test: &str) -> bool {
     false
 }
 
+/// The families whose compiles take most of NVRTC 12.9's time, costliest first (measured: the
+/// three quant families are 60% of it, 22-65 s of one core per compile); the rest follow in
+/// KernelFamily::ALL's order.
+const COSTLIEST_FAMILIES: [KernelFamily; 7] = [
+    KernelFamily::QuantHf,
+    KernelFamily::QuantGguf,
+    KernelFamily::QuantNinfer,
+    KernelFamily::DecodeAttention,
+    KernelFamily::Gemv,
+    KernelFamily::GemvTc,
+    KernelFamily::GdnChunked,
+];
+
+/// Each (family, arch, storage) compile is one item of a queue that one thread per core pulls
+/// from (NVRTC is thread-safe), costliest first: the wall time is the total over the cores, not
+/// the slowest family's, and no long compile starts last while the other cores idle.
 #[test]
 fn every_kernel_compiles_for_every_ci_arch() {
     if !nvrtc_or_skip("every_kernel_compiles_for_every_ci_arch") {
@@ -44,38 +62,78 @@ fn every_kernel_compiles_for_every_ci_arch() {
     }
     let (major, minor) = nvrtc::nvrtc_version().unwrap();
     eprintln!("NVRTC {major}.{minor}");
-    // NVRTC is thread-safe: one thread per family keeps CI's wall time down.
-    let results: Vec<(usize, Vec<String>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = KernelFamily::ALL
-            .into_iter()
-            .map(|family| {
-                scope.spawn(move || {
-                    let (mut compiled, mut failures) = (0, Vec::new());
-                    for arch in ci_arches() {
-                        if major >= 13 && arch < 75 {
-                            continue;
+    let mut items = Vec::new();
+    for family in KernelFamily::ALL {
+        for arch in ci_arches() {
+            if major >= 13 && arch < 75 {
+                continue;
+            }
+            for storage in [StorageDType::Bf16, StorageDType::F16] {
+                items.push((family, arch, storage));
+            }
+        }
+    }
+    items.sort_by_key(|&(family, _, _)| {
+        COSTLIEST_FAMILIES
+            .iter()
+            .position(|&f| f == family)
+            .unwrap_or(COSTLIEST_FAMILIES.len())
+    });
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let (mut compiled, mut failures, mut times) = (0, Vec::new(), Vec::new());
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(family, arch, storage)) = items.get(i) else {
+                            break;
+                        };
+                        let arch_name = nvrtc_arch(arch / 10, arch % 10);
+                        let start = Instant::now();
+                        match nvrtc::compile_image(family, &arch_name, storage) {
+                            Ok(cubin) if cubin.len() > 64 => compiled += 1,
+                            Ok(_) => failures.push((
+                                i,
+                                format!("{} {arch_name}: empty cubin", family.file_name()),
+                            )),
+                            Err(e) => failures.push((i, e.to_string())),
                         }
-                        for storage in [StorageDType::Bf16, StorageDType::F16] {
-                            let arch_name = nvrtc_arch(arch / 10, arch % 10);
-                            match nvrtc::compile_image(family, &arch_name, storage) {
-                                Ok(cubin) if cubin.len() > 64 => compiled += 1,
-                                Ok(_) => failures.push(format!("{} {arch_name}: empty cubin", family.file_name())),
-                                Err(e) => failures.push(e.to_string()),
-                            }
-                        }
+                        let what = format!("{} {arch_name} {}", family.file_name(), storage.name());
+                        times.push((start.elapsed(), what));
                     }
-                    (compiled, failures)
+                    (compiled, failures, times)
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("compile thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("compile thread panicked"))
+            .collect()
     });
     if major >= 13 {
         eprintln!("NVRTC {major}.{minor} cannot target sm_70; CI uses NVRTC 12.x for it");
     }
     let compiled: usize = results.iter().map(|r| r.0).sum();
-    let failures: Vec<String> = results.into_iter().flat_map(|r| r.1).collect();
-    assert!(failures.is_empty(), "{} compile failures:\n{}", failures.len(), failures.join("\n\n"));
+    let mut times: Vec<&(Duration, String)> = results.iter().flat_map(|r| &r.2).collect();
+    times.sort_by(|a, b| b.0.cmp(&a.0));
+    let slowest: Vec<String> = times
+        .iter()
+        .take(5)
+        .map(|(t, what)| format!("{what} {:.1} s", t.as_secs_f64()))
+        .collect();
+    eprintln!("slowest compiles: {}", slowest.join(", "));
+    let mut failures: Vec<(usize, String)> = results.into_iter().flat_map(|r| r.1).collect();
+    failures.sort();
+    let failures: Vec<String> = failures.into_iter().map(|f| f.1).collect();
+    assert!(
+        failures.is_empty(),
+        "{} compile failures:\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
     eprintln!("compiled {compiled} (family, arch, storage) combinations");
 }
 
