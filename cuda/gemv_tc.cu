@@ -46,6 +46,11 @@
 // are bit-exact across M for one WARPS, and a shape must keep one WARPS for every M.
 #include "common.cuh"
 
+// sm_80+ only (KernelFamily::min_arch): sm_7x has no m16n8k16 and runs cuda/gemv.cu.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "gemv_tc.cu needs sm_80 (mma.sync m16n8k16); sm_7x runs gemv.cu"
+#endif
+
 // The epilogues (as cuda/gemv.cu's GEMV_OUT_*): storage type, f32 (the lm_head's logits) or
 // SwiGLU of gate/up pairs.
 #define GEMV_TC_OUT_STORE 0
@@ -97,20 +102,9 @@ __device__ __forceinline__ tc_frag tc_zero() {
     return f;
 }
 
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
-// Below sm_80 (no m16n8k16) the same D fragment computed on CUDA cores: lane (g, t) gathers row
-// g / g + 8 of A and columns 2t / 2t + 1 of B from the lanes holding them. The launcher never
-// sends sm_7x here (it runs cuda/gemv.cu); this keeps the module's meaning on every arch.
-__device__ __forceinline__ float tc_dot2(unsigned a, unsigned b) {
-    return to_f32((store_t)(a & 0xffffu)) * to_f32((store_t)(b & 0xffffu)) +
-           to_f32((store_t)(a >> 16)) * to_f32((store_t)(b >> 16));
-}
-#endif
-
 // d += A * B for one m16n8k16 tile: a0..a3 and b0, b1 in the mma.sync fragment layout.
 __device__ __forceinline__ void tc_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                        unsigned a3, unsigned b0, unsigned b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #if defined(NINFER_STORAGE_F16)
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -123,22 +117,6 @@ __device__ __forceinline__ void tc_mma(float (&d)[4], unsigned a0, unsigned a1, 
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-#else
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int tt = 0; tt < 4; ++tt) {
-        const int la = g * 4 + tt, lb0 = (2 * t) * 4 + tt, lb1 = (2 * t + 1) * 4 + tt;
-        const unsigned ra0 = __shfl_sync(0xffffffffu, a0, la), ra1 = __shfl_sync(0xffffffffu, a1, la);
-        const unsigned ra2 = __shfl_sync(0xffffffffu, a2, la), ra3 = __shfl_sync(0xffffffffu, a3, la);
-        const unsigned c0b0 = __shfl_sync(0xffffffffu, b0, lb0), c0b1 = __shfl_sync(0xffffffffu, b1, lb0);
-        const unsigned c1b0 = __shfl_sync(0xffffffffu, b0, lb1), c1b1 = __shfl_sync(0xffffffffu, b1, lb1);
-        d[0] += tc_dot2(ra0, c0b0) + tc_dot2(ra2, c0b1);
-        d[1] += tc_dot2(ra0, c1b0) + tc_dot2(ra2, c1b1);
-        d[2] += tc_dot2(ra1, c0b0) + tc_dot2(ra3, c0b1);
-        d[3] += tc_dot2(ra1, c1b0) + tc_dot2(ra3, c1b1);
-    }
 #endif
 }
 

@@ -65,7 +65,7 @@ fn every_kernel_compiles_for_every_ci_arch() {
     let mut items = Vec::new();
     for family in KernelFamily::ALL {
         for arch in ci_arches() {
-            if major >= 13 && arch < 75 {
+            if (major >= 13 && arch < 75) || !family.serves(arch / 10, arch % 10) {
                 continue;
             }
             for storage in [StorageDType::Bf16, StorageDType::F16] {

@@ -267,10 +267,11 @@ impl CudaDevice {
     }
 
     /// Compiles (or reads from the disk cache) and loads every kernel family a dense model runs
-    /// now, so that the first request does not pay for it; the quantized-weight families load
+    /// on this arch now, so that the first request does not pay for it; the quantized-weight families load
     /// with the first quantized weight (`upload_quant`).
     pub fn load_all_kernels(&self) -> Result<()> {
-        let dense: Vec<KernelFamily> = KernelFamily::ALL.into_iter().filter(|f| !f.is_quant()).collect();
+        let (major, minor) = self.compute_capability();
+        let dense: Vec<KernelFamily> = KernelFamily::ALL.into_iter().filter(|f| !f.is_quant() && f.serves(major, minor)).collect();
         self.load_kernel_families(&dense)
     }
 
@@ -292,6 +293,10 @@ impl CudaDevice {
             return Ok(m.clone());
         }
         let arch = self.arch();
+        let (major, minor) = self.compute_capability();
+        if !family.serves(major, minor) {
+            return Err(NinferError::Device(format!("cuda/{} is built for sm_{}+ only; {arch} has no route to it", family.file_name(), family.min_arch())));
+        }
         let image = nvrtc::cached_image(family, &arch, self.storage)?;
         let image = if nvrtc::is_ptx_arch(&arch) {
             // PTX text: the driver JIT-compiles it for the GPU present.

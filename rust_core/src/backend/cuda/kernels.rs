@@ -89,7 +89,7 @@ pub enum KernelFamily {
     Activation,
     /// Small-M GEMV for decode on CUDA cores (sm_7x).
     Gemv,
-    /// Small-M GEMV for decode on tensor cores (sm_80+).
+    /// Small-M GEMV for decode on tensor cores (sm_80+ only: `min_arch`).
     GemvTc,
     /// Paged attention (decode and prefill), split combine, KV cache write.
     Attention,
@@ -139,6 +139,21 @@ impl KernelFamily {
         KernelFamily::QuantHf,
         KernelFamily::Fp8Gemm,
     ];
+
+    /// The oldest compute capability (major * 10 + minor) the family is built for: the
+    /// tensor-core GEMV's mma.sync m16n8k16 needs sm_80, and sm_7x runs the CUDA-core GEMV, so
+    /// it is neither compiled nor loaded there. Every other family serves every arch.
+    pub fn min_arch(self) -> u32 {
+        match self {
+            KernelFamily::GemvTc => 80,
+            _ => 70,
+        }
+    }
+
+    /// Whether the family serves a device of compute capability (major, minor).
+    pub fn serves(self, major: u32, minor: u32) -> bool {
+        major * 10 + minor >= self.min_arch()
+    }
 
     /// Whether the family holds quantized-weight kernels (loaded only with quantized weights).
     pub fn is_quant(self) -> bool {
