@@ -9,7 +9,7 @@
 //   workspace, multiplied by cuBLAS; a quantized LM head a chunk of vocabulary rows at a time).
 // 4-bit weights whose groups are runs of 64 (Q4G64_F16S; HF AWQ / GPTQ / pack-quantized
 // without act-order) are repacked at upload into the tiled layout below, whose GEMV on sm_80+
-// feeds the weight stream to mma.sync (q4t_gemv_tile) instead.
+// feeds the weight stream to mma.sync (q4t_gemv_tile, or q4t_ring_tile for long K) instead.
 // The layouts are defined once, in rust_core/src/quant's module docs; each decoder here follows
 // its format's CPU decoder expression for expression. Every product is written with __fmul_rn /
 // __fsub_rn / __fdiv_rn so that NVRTC cannot contract it into an FMA: a decoded value is the
@@ -427,19 +427,175 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
         if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
     }
 }
+
+// K blocks of 128 values a warp has in flight: the stages of its cp.async ring.
+#define Q4T_STAGES 4
+// One stage holds lane L's bytes of one K block: its codes (rows gid and gid + 8 of the tile,
+// 16 bytes each, half h at h * 512 + 16 L), its scales word (8 bytes at 1024 + 8 L) and its
+// zeros word (4 bytes at 1280 + 4 L). Every lane copies and reads back only its own bytes, so
+// a stage needs no barrier between lanes; 16-byte rows of 8 lanes never share a bank.
+#define Q4T_STAGE_BYTES 1408
+
+// `bytes` (16, 8 or 4) global bytes into shared memory by cp.async: the codes bypass L1 (read
+// once), the small scale and zero words go through it (4 lanes share each).
+__device__ __forceinline__ void q4t_cp_async(unsigned dst, const void* src, int bytes) {
+    if (bytes == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    } else if (bytes == 8) {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+    }
+}
+
+// One tile of 16 output rows for up to MT rows of x. The block's warps split K: warp w takes
+// the tile's K blocks w, w + 8, ..., streamed through a Q4T_STAGES-deep cp.async ring in shared
+// memory, refilled as each stage is used, so loads in flight hold no registers (four blocks fit
+// an H100 multiprocessor where register-held loads fitted two) and each warp's stream never
+// waits for the others. Each block's codes are the A fragments of 8 mma steps (K order as the
+// layout chose; q - z formed in the storage type, exactly), x the B fragments (4 consecutive
+// values of batch row gid [+ 8] a step, read through L1: every block of a multiprocessor reads
+// the same x), each group's 4 steps summed in a fresh accumulator (the block's two groups as
+// two independent mma chains) and added to the lane's sums times the group's scales; the
+// warps' sums meet in shared memory (the ring's bytes, once every warp is done) and one thread
+// a (row, column) stores it (+ bias, rounded once, as quant_gemv_body does). Rows past w.n
+// (tile padding) are not stored. The ring's first stages are requested before pdl_wait
+// (weights are written by no kernel, so they stream while the previous kernel finishes).
+// The sums are q4t_gemv_tile's, in the same order: the two forms give the same bits.
+template <int MT, bool F32>
+__device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                              const store_t* __restrict__ bias, int m, int round, int tile) {
+    constexpr int NT = MT > 8 ? 2 : 1;
+    constexpr int S = Q4T_STAGES;
+    __shared__ __align__(16) unsigned char ring[QUANT_WARPS][S][Q4T_STAGE_BYTES];
+    static_assert(sizeof(float) * QUANT_WARPS * NT * 4 * 32 <= sizeof(ring), "the partial sums reuse the ring");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, t4 = lane & 3;
+    const int kbn = (w.k + 127) >> 7;
+    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
+    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
+    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
+    const int mine = warp < kbn ? (kbn - warp + QUANT_WARPS - 1) / QUANT_WARPS : 0;
+    const unsigned ring0 = smem_u32(&ring[warp][0][0]);
+    // The warp's i-th K block into stage i % S; one commit group a call, empty past the warp's
+    // blocks, so that the wait below always counts S groups.
+    auto request = [&](int i) {
+        if (i < mine) {
+            const long long kb = warp + (long long)i * QUANT_WARPS;
+            const unsigned st = ring0 + (i % S) * Q4T_STAGE_BYTES;
+            q4t_cp_async(st + lane * 16, codes + kb * 1024, 16);
+            q4t_cp_async(st + 512 + lane * 16, codes + kb * 1024 + 512, 16);
+            q4t_cp_async(st + 1024 + lane * 8, scales + kb * 64, 8);
+            if (zeros) q4t_cp_async(st + 1280 + lane * 4, zeros + kb * 32, 4);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < S; ++i) request(i);
+    pdl_enter();
+    const store_t* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
+    for (int i = 0; i < mine; ++i) {
+        cp_async_wait_group<S - 1>();  // S + i groups requested: the first i + 1 have landed
+        const unsigned char* st = &ring[warp][i % S][0];
+        const uint4 q0 = *reinterpret_cast<const uint4*>(st + lane * 16);
+        const uint4 q1 = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
+        const uint2 sc = *reinterpret_cast<const uint2*>(st + 1024 + lane * 8);
+        const unsigned zq = zeros ? *reinterpret_cast<const unsigned*>(st + 1280 + lane * 4) : 0u;
+        const int kb = warp + i * QUANT_WARPS;
+        // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
+        const float s[4] = {q4t_scale((unsigned short)(sc.x & 0xffffu), w.p2), q4t_scale((unsigned short)(sc.x >> 16), w.p2),
+                            q4t_scale((unsigned short)(sc.y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc.y >> 16), w.p2)};
+        unsigned bias2[2][2] = {{Q4T_BIAS8, Q4T_BIAS8}, {Q4T_BIAS8, Q4T_BIAS8}};
+        if (zeros) {
+#pragma unroll
+            for (int g = 0; g < 2; ++g)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) bias2[g][h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq >> (8 * (2 * h + g))) & 0xffu)));
+        }
+        float d[2][NT][4];
+#pragma unroll
+        for (int g = 0; g < 2; ++g)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) d[g][nt][c] = 0.0f;
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+#pragma unroll
+            for (int g = 0; g < 2; ++g) {
+                const int j = g * 4 + a;
+                const int sh = (j & 1) * 8;
+                const unsigned w0 = q4t_word(q0, j >> 1) >> sh;
+                const unsigned w1 = q4t_word(q1, j >> 1) >> sh;
+                const unsigned af[4] = {
+                    q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][0]),
+                    q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][1]),
+                    q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][0]),
+                    q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][1]),
+                };
+                const int kx = kb * 128 + j * 16;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    uint2 b = make_uint2(0u, 0u);
+                    if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                    q4t_mma(d[g][nt], af, b.x, b.y);
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < 2; ++g)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[nt][0] = fmaf(s[g], d[g][nt][0], acc[nt][0]);
+                acc[nt][1] = fmaf(s[g], d[g][nt][1], acc[nt][1]);
+                acc[nt][2] = fmaf(s[2 + g], d[g][nt][2], acc[nt][2]);
+                acc[nt][3] = fmaf(s[2 + g], d[g][nt][3], acc[nt][3]);
+            }
+        request(i + S);  // the stage is used: refill it with the block S ahead
+    }
+    cp_async_wait_all();
+    __syncthreads();  // every warp is done with its ring: its bytes take the partial sums
+    float(*red)[NT * 4][32] = reinterpret_cast<float(*)[NT * 4][32]>(&ring[0][0][0]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
+    __syncthreads();
+    if (threadIdx.x < NT * 4 * 32) {
+        const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
+        float v = 0.0f;
+#pragma unroll
+        for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
+        // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
+        const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
+        const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
+        if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
+    }
+}
 #endif
 
 // The GEMV of a tiled weight (decoder D reads the layout): on sm_80+ the first ceil(n / 16)
-// blocks one tile each (q4t_gemv_tile), the rest QUANT_WARPS rows of the dense tail each; on
-// older GPUs the row-per-warp body over D (grid ceil(n_all / QUANT_WARPS)). ops/quant.rs sizes
-// the grid to match.
-template <class D, int MT, bool F32>
+// blocks one tile each (RING: q4t_ring_tile, else q4t_gemv_tile), the rest QUANT_WARPS rows of
+// the dense tail each; on older GPUs the row-per-warp body over D (grid ceil(n_all /
+// QUANT_WARPS)). ops/quant.rs sizes the grid to match.
+template <class D, int MT, bool F32, bool RING>
 __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
                                                  const store_t* __restrict__ bias, int m, int round) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const int tiles = (w.n + 15) >> 4;
     if ((int)blockIdx.x < tiles) {
-        q4t_gemv_tile<MT, F32>(x, w, y, bias, m, round, blockIdx.x);
+        if constexpr (RING) {
+            q4t_ring_tile<MT, F32>(x, w, y, bias, m, round, blockIdx.x);
+        } else {
+            q4t_gemv_tile<MT, F32>(x, w, y, bias, m, round, blockIdx.x);
+        }
     } else {
         quant_gemv_body<D, MT, F32>(x, w, y, bias, m, round, w.n + ((int)blockIdx.x - tiles) * QUANT_WARPS + (int)(threadIdx.x >> 5));
     }
@@ -483,21 +639,49 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
 #define QUANT_KERNELS(NAME, D) QUANT_KERNELS_OF(NAME, D, QUANT_GEMV_INSTANCE)
 
 // The kernels of a format held in the tiled layout: QUANT_KERNELS' names and parameters, the
-// GEMVs through quant_tiled_gemv. On sm_80+ two blocks an SM (registers capped at 128): one
-// block's pass is in flight while the other computes. Older GPUs run the row-per-warp body,
-// whose m = 8 and 16 kernels would spill under that cap.
+// GEMVs through quant_tiled_gemv, in two forms on sm_80+ that give the same sums in the same
+// order (ops/quant.rs `q4t_ring` picks one per weight shape):
+// - quant_gemv[_f32]_<NAME>_m<MT>: each warp's K blocks loaded into registers a pass at a time,
+//   two blocks an SM (registers capped at 128): one block's pass is in flight while the other
+//   computes. Older GPUs run the row-per-warp body here, whose m = 8 and 16 kernels would spill
+//   under that cap.
+// - quant_gemv[_f32]_<NAME>_ring_m<MT> (sm_80+ only): each warp's K blocks streamed through a
+//   cp.async ring in shared memory, as many blocks an SM as its shared memory holds rings (45 KB
+//   a block: 4 on sm_90, 3 on sm_80, 2 on sm_86 / sm_89 / sm_120), registers capped to match
+//   (64 a thread at 4 blocks: no spills).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define Q4T_MIN_BLOCKS 2
 #else
 #define Q4T_MIN_BLOCKS 1
 #endif
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900)
+#define Q4T_RING_MIN_BLOCKS 4
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800)
+#define Q4T_RING_MIN_BLOCKS 3
+#else
+#define Q4T_RING_MIN_BLOCKS 2
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define QUANT_TILED_RING_INSTANCE(NAME, D, MT)                                                     \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_RING_MIN_BLOCKS)            \
+        quant_gemv_##NAME##_ring_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
+        quant_tiled_gemv<D, MT, false, true>(x, QUANT_W, y, bias, m, 0);                           \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_RING_MIN_BLOCKS)            \
+        quant_gemv_f32_##NAME##_ring_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
+        quant_tiled_gemv<D, MT, true, true>(x, QUANT_W, y, nullptr, m, round);                     \
+    }
+#else
+#define QUANT_TILED_RING_INSTANCE(NAME, D, MT)
+#endif
 #define QUANT_TILED_GEMV_INSTANCE(NAME, D, MT)                                                     \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_MIN_BLOCKS)                 \
         quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
-        quant_tiled_gemv<D, MT, false>(x, QUANT_W, y, bias, m, 0);                                 \
+        quant_tiled_gemv<D, MT, false, false>(x, QUANT_W, y, bias, m, 0);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_MIN_BLOCKS)                 \
         quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
-        quant_tiled_gemv<D, MT, true>(x, QUANT_W, y, nullptr, m, round);                           \
-    }
+        quant_tiled_gemv<D, MT, true, false>(x, QUANT_W, y, nullptr, m, round);                    \
+    }                                                                                              \
+    QUANT_TILED_RING_INSTANCE(NAME, D, MT)
 #define QUANT_TILED_KERNELS(NAME, D) QUANT_KERNELS_OF(NAME, D, QUANT_TILED_GEMV_INSTANCE)

@@ -342,12 +342,13 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
     }
 }
 
-/// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+):
-/// shapes with a ragged last tile, K below one 128-value block, K padded past a group, more K
-/// blocks than the block has warps (a warp takes several), more than one pass of the block's
-/// warps (K past 4096 values: x staged again, a last pass of one block; K past 16384 and a
-/// pass of one block at 4224), more tiles than two blocks a multiprocessor on an H100 (9000 and
-/// 4300 rows: a second wave of blocks) and a dense tail after the quantized rows; every M up to
+/// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+, its
+/// pass form up to K = 4096 and its ring form beyond, `quant_tiles::q4t_ring`): shapes with a
+/// ragged last tile, K below one 128-value block, K padded past a group, more K blocks than the
+/// block has warps (a warp takes several), one pass of the block's warps (K = 4096) and more
+/// (the ring refilled: K 4224 with one block past the ring's stages, 9216 and 16512), more
+/// tiles than blocks fit the multiprocessors of an H100 (9000 rows by the pass form, 4300 by
+/// the ring: a second wave of blocks) and a dense tail after the quantized rows; every M up to
 /// 16 that changes the kernel's B fragments (x staged in
 /// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance

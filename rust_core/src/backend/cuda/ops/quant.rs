@@ -39,9 +39,13 @@ struct QuantKernels {
 
 macro_rules! quant_kernels {
     ($fam:ident, $s:literal) => {
+        quant_kernels!($fam, $s, $s)
+    };
+    // The dequantize kernel of stem $d, the GEMVs of stem $s.
+    ($fam:ident, $d:literal, $s:literal) => {
         QuantKernels {
             family: KernelFamily::$fam,
-            dequant: concat!("quant_dequant_", $s),
+            dequant: concat!("quant_dequant_", $d),
             gemv: [
                 concat!("quant_gemv_", $s, "_m1"),
                 concat!("quant_gemv_", $s, "_m2"),
@@ -83,10 +87,13 @@ fn kernels_of(format: QuantFormat) -> QuantKernels {
 }
 
 /// The kernels of a weight: the tiled layout's in its format's family where it was uploaded
-/// tiled (quant_tiles.rs), else its format's.
-fn weight_kernels(format: QuantFormat, tiled: bool) -> QuantKernels {
-    match (tiled, kernels_of(format).family) {
-        (true, KernelFamily::QuantHf) => quant_kernels!(QuantHf, "q4_tiles"),
+/// tiled (quant_tiles.rs), with the ring GEMVs where `ring` (`quant_tiles::q4t_ring`; sm_80+),
+/// else its format's.
+fn weight_kernels(format: QuantFormat, tiled: bool, ring: bool) -> QuantKernels {
+    match (tiled, ring, kernels_of(format).family) {
+        (true, false, KernelFamily::QuantHf) => quant_kernels!(QuantHf, "q4_tiles"),
+        (true, true, KernelFamily::QuantHf) => quant_kernels!(QuantHf, "q4_tiles", "q4_tiles_ring"),
+        (true, true, KernelFamily::QuantNinfer) => quant_kernels!(QuantNinfer, "q4_tiles", "q4_tiles_ring"),
         _ => kernels_of(format),
     }
 }
@@ -354,6 +361,12 @@ impl CudaDevice {
     }
 
     /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
+    /// Whether `w`'s GEMV runs the tiled layout's ring form (`quant_tiles::q4t_ring`): sm_80+
+    /// only, where the tiled GEMVs run mma.sync.
+    fn q4t_ring(&self, w: &DeviceQuantWeight) -> bool {
+        w.tiled && self.compute_capability().0 >= 8 && quant_tiles::q4t_ring(w.k)
+    }
+
     fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {
         let chunk = !w.tiled && quant_chunks::chunk_gemv(w.format);
         quant_gemv_grid(w.tiled, chunk, w.nq, w.n, self.compute_capability().0 >= 8) as u32
@@ -391,7 +404,7 @@ impl CudaDevice {
     }
 
     fn quant_dequant_launch(&self, w: &DeviceQuantWeight, out: u64, f32_out: i32, row0: usize, rows: usize) -> Result<()> {
-        let kern = weight_kernels(w.format, w.tiled);
+        let kern = weight_kernels(w.format, w.tiled, false);
         let f = self.function(kern.family, kern.dequant)?;
         let slices = rows * (w.k / 8);
         // A few waves of blocks; the kernel strides past them.
@@ -414,7 +427,7 @@ impl CudaDevice {
     ) -> Result<()> {
         let (n, k) = (w.n, w.k);
         check_linear("quant_gemv", x.len(), y.len(), bias.map(|b| b.len()), [m, n, k])?;
-        let kern = weight_kernels(w.format, w.tiled);
+        let kern = weight_kernels(w.format, w.tiled, self.q4t_ring(w));
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (yp, _b) = y.device_ptr_mut(s);
@@ -439,7 +452,7 @@ impl CudaDevice {
         let (n, k) = (w.n, w.k);
         check_len("quant_gemv_f32_out x", x.len(), m * k)?;
         check_len("quant_gemv_f32_out y", y.len(), m * n)?;
-        let kern = weight_kernels(w.format, w.tiled);
+        let kern = weight_kernels(w.format, w.tiled, self.q4t_ring(w));
         let s = self.stream();
         let (xp, _a) = x.device_ptr(s);
         let (yp, _b) = y.device_ptr_mut(s);
@@ -563,11 +576,20 @@ mod tests {
                 "QUANT_KERNELS"
             };
             assert!(src.contains(&format!("\n{macro_}({stem}, ")), "{f:?}: no {macro_}({stem}, ..) in cuda/{}", kern.family.file_name());
-            // A 4-bit weight uploaded tiled runs its family's tiled kernels.
-            let tiled = weight_kernels(f, true);
-            assert_eq!(tiled.family, kern.family);
-            if tiled.dequant != kern.dequant {
-                assert!(src.contains("\nQUANT_TILED_KERNELS(q4_tiles, dec_q4_tiles)"), "{f:?}: no tiled kernels in cuda/{}", kern.family.file_name());
+            // A 4-bit weight uploaded tiled runs its family's tiled kernels, in both forms
+            // (QUANT_TILED_KERNELS defines the ring GEMVs beside the pass GEMVs).
+            for ring in [false, true] {
+                let tiled = weight_kernels(f, true, ring);
+                assert_eq!(tiled.family, kern.family);
+                if tiled.dequant != kern.dequant {
+                    assert!(src.contains("\nQUANT_TILED_KERNELS(q4_tiles, dec_q4_tiles)"), "{f:?}: no tiled kernels in cuda/{}", kern.family.file_name());
+                    let gemv = if ring { "q4_tiles_ring" } else { "q4_tiles" };
+                    assert_eq!(tiled.dequant, "quant_dequant_q4_tiles");
+                    for ((g, g32), mt) in tiled.gemv.iter().zip(&tiled.gemv_f32).zip([1, 2, 4, 8, 16]) {
+                        assert_eq!(*g, format!("quant_gemv_{gemv}_m{mt}"));
+                        assert_eq!(*g32, format!("quant_gemv_f32_{gemv}_m{mt}"));
+                    }
+                }
             }
             for ((g, g32), mt) in kern.gemv.iter().zip(&kern.gemv_f32).zip([1, 2, 4, 8, 16]) {
                 assert_eq!(*g, format!("quant_gemv_{stem}_m{mt}"));
