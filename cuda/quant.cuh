@@ -640,7 +640,7 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
 
 // The kernels of a format held in the tiled layout: QUANT_KERNELS' names and parameters, the
 // GEMVs through quant_tiled_gemv, in two forms on sm_80+ that give the same sums in the same
-// order (ops/quant.rs `q4t_ring` picks one per weight shape):
+// order (one form a model: ops/quant_tiles.rs `q4t_ring`):
 // - quant_gemv[_f32]_<NAME>_m<MT>: each warp's K blocks loaded into registers a pass at a time,
 //   two blocks an SM (registers capped at 128): one block's pass is in flight while the other
 //   computes. Older GPUs run the row-per-warp body here, whose m = 8 and 16 kernels would spill

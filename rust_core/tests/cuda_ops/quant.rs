@@ -342,13 +342,13 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
     }
 }
 
-/// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+, its
-/// pass form up to K = 4096 and its ring form beyond, `quant_tiles::q4t_ring`): shapes with a
-/// ragged last tile, K below one 128-value block, K padded past a group, more K blocks than the
-/// block has warps (a warp takes several), one pass of the block's warps (K = 4096) and more
-/// (the ring refilled: K 4224 with one block past the ring's stages, 9216 and 16512), more
-/// tiles than blocks fit the multiprocessors of an H100 (9000 rows by the pass form, 4300 by
-/// the ring: a second wave of blocks) and a dense tail after the quantized rows; every M up to
+/// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+, in
+/// its pass form and its ring form, `CudaDevice::set_q4_ring`): shapes with a ragged last tile,
+/// K below one 128-value block (warps with no K block), K padded past a group, more K blocks
+/// than the block has warps (a warp takes several), one pass of the block's warps (K = 4096)
+/// and more (the ring refilled: K 4224 with one block past the ring's stages, 9216 and 16512),
+/// more tiles than blocks fit the multiprocessors of an H100 (9000 and 4300 rows: a second wave
+/// of blocks) and a dense tail after the quantized rows; every M up to
 /// 16 that changes the kernel's B fragments (x staged in
 /// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance
@@ -372,8 +372,12 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
             for (i, (g, c)) in got.read(&dev, "q4 tiles").iter().zip(&values).enumerate() {
                 assert_eq!(g.to_bits(), c.to_bits(), "[{n}, {k}] element [{}, {}]: GPU {g:e}, CPU {c:e}", i / k, i % k);
             }
-            check_gemv_with_tail(&dev, &mut rng, "q4 tiled", &w, &dw, &tail);
+            for ring in [false, true] {
+                dev.set_q4_ring(ring);
+                check_gemv_with_tail(&dev, &mut rng, if ring { "q4 tiled ring" } else { "q4 tiled pass" }, &w, &dw, &tail);
+            }
         }
+        dev.set_q4_ring(false);
     }
 }
 
@@ -471,6 +475,8 @@ fn quant_gemv_decode_timing() {
         QuantFormat::Fp8E4m3fnRowBf16s,
     ];
     for (model, shapes) in models {
+        // The tiled 4-bit GEMVs' form the model load picks from its smallest K.
+        dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
         for f in formats {
             let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, f, sh, None, RawDtype::BF16, false)).unwrap()).collect();
             let kmax = shapes.iter().map(|s| s[1]).max().unwrap();

@@ -40,6 +40,8 @@ pub struct CudaDevice {
     /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
     /// once per kernel, not per launch (a driver call the launch does not need).
     smem_limits: Mutex<HashMap<&'static str, usize>>,
+    /// Whether tiled 4-bit GEMVs run the ring form (`set_q4_ring`; the pass form by default).
+    q4_ring: std::sync::atomic::AtomicBool,
     /// Blocks of a kernel resident on one SM at a block size (`resident_blocks`): asked of the
     /// driver once per kernel and size, not per launch.
     resident: Mutex<HashMap<(&'static str, u32), usize>>,
@@ -138,6 +140,7 @@ impl CudaDevice {
             functions: Mutex::new(HashMap::new()),
             smem_limits: Mutex::new(HashMap::new()),
             resident: Mutex::new(HashMap::new()),
+            q4_ring: std::sync::atomic::AtomicBool::new(false),
             blas: Mutex::new(None),
             blas_workspace: Mutex::new(None),
             blas_lt: Mutex::new(None),
@@ -180,6 +183,18 @@ impl CudaDevice {
     /// (`compute_capability`), else None.
     pub fn emulating(&self) -> Option<(u32, u32)> {
         self.emulating
+    }
+
+    /// Runs the tiled 4-bit GEMVs in the ring form (true) or the pass form (false): one form for
+    /// every weight of the device, set by the model load (`quant_tiles::q4t_ring` of its
+    /// smallest quantized K); the two give the same bits.
+    pub fn set_q4_ring(&self, ring: bool) {
+        self.q4_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the tiled 4-bit GEMVs run the ring form (`set_q4_ring`).
+    pub fn q4_ring(&self) -> bool {
+        self.q4_ring.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The route plan every launch on this device follows.

@@ -728,6 +728,9 @@ pub struct Planned {
     pub bytes: usize,
     /// The largest quantized projection's N x K: the shared dequantization workspace.
     pub quant_elems: usize,
+    /// The smallest K of the quantized projections (the layers' and the LM head's), None for
+    /// none: which form the tiled 4-bit GEMVs run (`quant_tiles::q4t_ring`).
+    pub min_quant_k: Option<usize>,
 }
 
 /// Device bytes the weights of `cfg` in `store` take in `format` (every tensor checked as the
@@ -741,7 +744,8 @@ pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: Weig
 pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
     let w = build(&mut PlanSink { format }, store, cfg, quant)?;
     let quant_elems = workspace_elems(w.layers.iter().flat_map(layer_linears), w.lm_head.as_ref());
-    Ok(Planned { bytes: w.bytes, quant_elems })
+    let min_quant_k = w.layers.iter().flat_map(layer_linears).chain(w.lm_head.as_ref()).filter(|l| matches!(l.format, WeightFormat::Quant(_))).map(|l| l.k).min();
+    Ok(Planned { bytes: w.bytes, quant_elems, min_quant_k })
 }
 
 /// The CUDA loader's refusals of a load of `cfg` with `quant` (and of its MTP head where
@@ -753,7 +757,7 @@ pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant:
 /// refuses what the load would. Returns what the load will hold (nothing without `store`).
 pub fn check_load(cfg: &ModelConfig, store: Option<&WeightStore>, quant: &QuantLoad, mtp: bool) -> Result<Planned> {
     super::CudaModel::check_supported(cfg)?;
-    let Some(store) = store else { return Ok(Planned { bytes: 0, quant_elems: 0 }) };
+    let Some(store) = store else { return Ok(Planned { bytes: 0, quant_elems: 0, min_quant_k: None }) };
     let mut planned = plan(cfg, store, WeightFormat::Bf16, quant)?;
     let head = if mtp { build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, store, cfg, quant)? } else { None };
     if let Some(head) = head {
@@ -788,6 +792,7 @@ impl DevWeights {
             });
         }
         let workspace = workspace_for(dev, planned.quant_elems, None)?;
+        dev.set_q4_ring(planned.min_quant_k.is_some_and(crate::backend::cuda::ops::quant_tiles::q4t_ring));
         let mut sink = DeviceSink::new(dev, workspace)?;
         let w = build(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;

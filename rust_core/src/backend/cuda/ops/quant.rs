@@ -87,7 +87,7 @@ fn kernels_of(format: QuantFormat) -> QuantKernels {
 }
 
 /// The kernels of a weight: the tiled layout's in its format's family where it was uploaded
-/// tiled (quant_tiles.rs), with the ring GEMVs where `ring` (`quant_tiles::q4t_ring`; sm_80+),
+/// tiled (quant_tiles.rs), with the ring GEMVs where `ring` (the device's `q4_ring`; sm_80+),
 /// else its format's.
 fn weight_kernels(format: QuantFormat, tiled: bool, ring: bool) -> QuantKernels {
     match (tiled, ring, kernels_of(format).family) {
@@ -361,10 +361,10 @@ impl CudaDevice {
     }
 
     /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
-    /// Whether `w`'s GEMV runs the tiled layout's ring form (`quant_tiles::q4t_ring`): sm_80+
+    /// Whether `w`'s GEMV runs the tiled layout's ring form (the device's `q4_ring`): sm_80+
     /// only, where the tiled GEMVs run mma.sync.
     fn q4t_ring(&self, w: &DeviceQuantWeight) -> bool {
-        w.tiled && self.compute_capability().0 >= 8 && quant_tiles::q4t_ring(w.k)
+        w.tiled && self.compute_capability().0 >= 8 && self.q4_ring()
     }
 
     fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {

@@ -446,6 +446,8 @@ fn quantize_packs_fused_projections_that_decode_to_the_cpu_models_values() {
             assert_eq!(planned.bytes, dev.bytes, "{f:?}: the plan's bytes are the load's");
             let largest = sink.quant.iter().zip(&sink.tails).map(|(p, t)| p.iter().map(|w| w.shape[0]).sum::<usize>() * p[0].shape[1] + t.len()).max().unwrap();
             assert_eq!(planned.quant_elems, largest, "{f:?}: the workspace fits the largest projection");
+            let smallest_k = sink.quant.iter().map(|p| p[0].shape[1]).min();
+            assert_eq!(planned.min_quant_k, smallest_k, "{f:?}: the smallest K of the quantized projections");
             // `ninfer plan --quantize` counts the same bytes from the headers.
             let tensors = crate::plan::model_tensors(&cfg, Some(&store)).unwrap();
             let input = crate::plan::PlanInput {
