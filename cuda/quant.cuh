@@ -277,6 +277,71 @@ __device__ __forceinline__ unsigned q4t_word(const uint4& q, int i) {
     return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
 }
 
+// Where lane `lane`'s bytes of tile `tile` start (kbn K blocks a tile): its codes, its scales
+// word and its zeros word (nullptr without a zero plane) of the tile's first K block.
+__device__ __forceinline__ void q4t_lane_bytes(const qweight& w, int tile, int kbn, int lane, const unsigned char*& codes,
+                                               const unsigned char*& scales, const unsigned char*& zeros) {
+    const int gid = lane >> 2;
+    codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
+    scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
+    zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
+}
+
+// A lane's four scales of one K block from its 8-byte scales word: s[2h + g] of (row gid + 8h,
+// group g of the block).
+__device__ __forceinline__ void q4t_scales(uint2 sc, long long p2, float (&s)[4]) {
+    s[0] = q4t_scale((unsigned short)(sc.x & 0xffffu), p2);
+    s[1] = q4t_scale((unsigned short)(sc.x >> 16), p2);
+    s[2] = q4t_scale((unsigned short)(sc.y & 0xffffu), p2);
+    s[3] = q4t_scale((unsigned short)(sc.y >> 16), p2);
+}
+
+// The bias pair -(MAGIC + z) of group g for rows gid (h = 0) and gid + 8 (h = 1): z the byte
+// 2h + g of the zeros word, 8 without a zero plane.
+__device__ __forceinline__ void q4t_bias(bool zeros, unsigned zq, int g, unsigned (&bias2)[2]) {
+    bias2[0] = Q4T_BIAS8;
+    bias2[1] = Q4T_BIAS8;
+    if (zeros) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq >> (8 * (2 * h + g))) & 0xffu)));
+    }
+}
+
+// The A fragment of mma step j of a K block: q - z of rows gid / gid + 8 (codes q0 / q1).
+__device__ __forceinline__ void q4t_afrag(const uint4& q0, const uint4& q1, int j, const unsigned (&bias2)[2], unsigned (&af)[4]) {
+    const int sh = (j & 1) * 8;
+    const unsigned w0 = q4t_word(q0, j >> 1) >> sh;
+    const unsigned w1 = q4t_word(q1, j >> 1) >> sh;
+    af[0] = q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]);
+    af[1] = q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]);
+    af[2] = q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]);
+    af[3] = q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]);
+}
+
+// The block's warps' sums of a tile through `red` (shared, [QUANT_WARPS][NT * 4][32]) in warp
+// order, each stored by one thread (+ bias, rounded once, as quant_gemv_body does); rows past
+// w.n (tile padding) and columns past m are not stored.
+template <int NT, bool F32>
+__device__ __forceinline__ void q4t_reduce_store(float (*red)[NT * 4][32], const float (&acc)[NT][4], const qweight& w, void* __restrict__ y,
+                                                 const store_t* __restrict__ bias, int m, int round, int tile) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
+    __syncthreads();
+    if (threadIdx.x < NT * 4 * 32) {
+        const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
+        float v = 0.0f;
+#pragma unroll
+        for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
+        // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
+        const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
+        const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
+        if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
+    }
+}
+
 // Blocks of 128 values a warp has in flight (U blocks: 2U 16-byte loads a lane).
 #define Q4T_UNROLL 4
 // K blocks one pass of a block's warps covers (warp w takes base + w + 8u), and its x values.
@@ -330,9 +395,8 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, t4 = lane & 3;
     const int kbn = (w.k + 127) >> 7;
-    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
-    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
-    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
+    const unsigned char *codes, *scales, *zeros;
+    q4t_lane_bytes(w, tile, kbn, lane, codes, scales, zeros);
     q4t_pass ld;
     ld.load(codes, scales, zeros, warp, kbn);
     pdl_enter();
@@ -362,16 +426,12 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
         for (int u = 0; u < Q4T_UNROLL; ++u) {
             const int kb = base + warp + u * QUANT_WARPS;
             if (kb >= kbn) break;
-            // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
-            const float s[4] = {q4t_scale((unsigned short)(ld.sc[u].x & 0xffffu), w.p2), q4t_scale((unsigned short)(ld.sc[u].x >> 16), w.p2),
-                                q4t_scale((unsigned short)(ld.sc[u].y & 0xffffu), w.p2), q4t_scale((unsigned short)(ld.sc[u].y >> 16), w.p2)};
+            float s[4];
+            q4t_scales(ld.sc[u], w.p2, s);
 #pragma unroll
             for (int g = 0; g < 2; ++g) {
-                unsigned bias2[2] = {Q4T_BIAS8, Q4T_BIAS8};
-                if (zeros) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((ld.zq[u] >> (8 * (2 * h + g))) & 0xffu)));
-                }
+                unsigned bias2[2];
+                q4t_bias(zeros != nullptr, ld.zq[u], g, bias2);
                 float d[NT][4];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -380,15 +440,8 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
 #pragma unroll
                 for (int a = 0; a < 4; ++a) {
                     const int j = g * 4 + a;
-                    const int sh = (j & 1) * 8;
-                    const unsigned w0 = q4t_word(ld.q[u][0], j >> 1) >> sh;
-                    const unsigned w1 = q4t_word(ld.q[u][1], j >> 1) >> sh;
-                    const unsigned af[4] = {
-                        q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
-                        q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
-                        q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]),
-                        q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]),
-                    };
+                    unsigned af[4];
+                    q4t_afrag(ld.q[u][0], ld.q[u][1], j, bias2, af);
                     const int kx = kb * 128 + j * 16;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
@@ -411,21 +464,7 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
             }
         }
     }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
-    __syncthreads();
-    if (threadIdx.x < NT * 4 * 32) {
-        const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
-        float v = 0.0f;
-#pragma unroll
-        for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
-        // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
-        const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
-        const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
-        if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
-    }
+    q4t_reduce_store<NT, F32>(red, acc, w, y, bias, m, round, tile);
 }
 
 // K blocks of 128 values a warp has in flight: the stages of its cp.async ring.
@@ -472,9 +511,8 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, t4 = lane & 3;
     const int kbn = (w.k + 127) >> 7;
-    const unsigned char* codes = w.data + (long long)tile * kbn * 1024 + lane * 16;
-    const unsigned char* scales = w.data + w.p0 + (long long)tile * kbn * 64 + gid * 8;
-    const unsigned char* zeros = w.p1 ? w.data + w.p1 + (long long)tile * kbn * 32 + gid * 4 : nullptr;
+    const unsigned char *codes, *scales, *zeros;
+    q4t_lane_bytes(w, tile, kbn, lane, codes, scales, zeros);
     const int mine = warp < kbn ? (kbn - warp + QUANT_WARPS - 1) / QUANT_WARPS : 0;
     const unsigned ring0 = smem_u32(&ring[warp][0][0]);
     // The warp's i-th K block into stage i % S; one commit group a call, empty past the warp's
@@ -509,9 +547,8 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
         const uint2 sc = *reinterpret_cast<const uint2*>(st + 1024 + lane * 8);
         const unsigned zq = zeros ? *reinterpret_cast<const unsigned*>(st + 1280 + lane * 4) : 0u;
         const int kb = warp + i * QUANT_WARPS;
-        // s[2h + g], z of byte 2h + g: (row gid + 8h, group g of the block).
-        const float s[4] = {q4t_scale((unsigned short)(sc.x & 0xffffu), w.p2), q4t_scale((unsigned short)(sc.x >> 16), w.p2),
-                            q4t_scale((unsigned short)(sc.y & 0xffffu), w.p2), q4t_scale((unsigned short)(sc.y >> 16), w.p2)};
+        float s[4];
+        q4t_scales(sc, w.p2, s);
         unsigned bias2[2][2] = {{Q4T_BIAS8, Q4T_BIAS8}, {Q4T_BIAS8, Q4T_BIAS8}};
         if (zeros) {
 #pragma unroll
@@ -531,15 +568,8 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
 #pragma unroll
             for (int g = 0; g < 2; ++g) {
                 const int j = g * 4 + a;
-                const int sh = (j & 1) * 8;
-                const unsigned w0 = q4t_word(q0, j >> 1) >> sh;
-                const unsigned w1 = q4t_word(q1, j >> 1) >> sh;
-                const unsigned af[4] = {
-                    q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][0]),
-                    q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][1]),
-                    q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][0]),
-                    q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[g][1]),
-                };
+                unsigned af[4];
+                q4t_afrag(q0, q1, j, bias2[g], af);
                 const int kx = kb * 128 + j * 16;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
@@ -563,21 +593,7 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
     cp_async_wait_all();
     __syncthreads();  // every warp is done with its ring: its bytes take the partial sums
     float(*red)[NT * 4][32] = reinterpret_cast<float(*)[NT * 4][32]>(&ring[0][0][0]);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[nt][c];
-    __syncthreads();
-    if (threadIdx.x < NT * 4 * 32) {
-        const int c = threadIdx.x >> 5, ln = threadIdx.x & 31;
-        float v = 0.0f;
-#pragma unroll
-        for (int wp = 0; wp < QUANT_WARPS; ++wp) v += red[wp][c][ln];
-        // Accumulator c % 4 of lane ln: row (ln / 4) + 8 (c % 4 / 2), column 2 (ln % 4) + c % 2.
-        const int row = tile * 16 + (ln >> 2) + ((c & 3) >> 1) * 8;
-        const int col = (c >> 2) * 8 + (ln & 3) * 2 + (c & 1);
-        if (col < m && row < w.n) quant_store<F32>(y, bias, (long long)col * w.n_all + row, row, v, round);
-    }
+    q4t_reduce_store<NT, F32>(red, acc, w, y, bias, m, round, tile);
 }
 #endif
 
@@ -661,27 +677,23 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
 #else
 #define Q4T_RING_MIN_BLOCKS 2
 #endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define QUANT_TILED_RING_INSTANCE(NAME, D, MT)                                                     \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_RING_MIN_BLOCKS)            \
-        quant_gemv_##NAME##_ring_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
-        quant_tiled_gemv<D, MT, false, true>(x, QUANT_W, y, bias, m, 0);                           \
+// The GEMVs of one form: quant_gemv[_f32]_<NAME><SUFFIX>_m<MT>, RING picking the tile body,
+// BLOCKS the blocks an SM the registers are capped for.
+#define QUANT_TILED_FORM(NAME, D, MT, SUFFIX, RING, BLOCKS)                                        \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, BLOCKS)                         \
+        quant_gemv_##NAME##SUFFIX##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
+        quant_tiled_gemv<D, MT, false, RING>(x, QUANT_W, y, bias, m, 0);                           \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_RING_MIN_BLOCKS)            \
-        quant_gemv_f32_##NAME##_ring_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
-        quant_tiled_gemv<D, MT, true, true>(x, QUANT_W, y, nullptr, m, round);                     \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, BLOCKS)                         \
+        quant_gemv_f32_##NAME##SUFFIX##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
+        quant_tiled_gemv<D, MT, true, RING>(x, QUANT_W, y, nullptr, m, round);                     \
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define QUANT_TILED_RING_INSTANCE(NAME, D, MT) QUANT_TILED_FORM(NAME, D, MT, _ring, true, Q4T_RING_MIN_BLOCKS)
 #else
 #define QUANT_TILED_RING_INSTANCE(NAME, D, MT)
 #endif
 #define QUANT_TILED_GEMV_INSTANCE(NAME, D, MT)                                                     \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_MIN_BLOCKS)                 \
-        quant_gemv_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, store_t* y, const store_t* bias, int m) { \
-        quant_tiled_gemv<D, MT, false, false>(x, QUANT_W, y, bias, m, 0);                          \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, Q4T_MIN_BLOCKS)                 \
-        quant_gemv_f32_##NAME##_m##MT(const store_t* x, QUANT_W_PARAMS, float* y, int m, int round) { \
-        quant_tiled_gemv<D, MT, true, false>(x, QUANT_W, y, nullptr, m, round);                    \
-    }                                                                                              \
+    QUANT_TILED_FORM(NAME, D, MT, , false, Q4T_MIN_BLOCKS)                                         \
     QUANT_TILED_RING_INSTANCE(NAME, D, MT)
 #define QUANT_TILED_KERNELS(NAME, D) QUANT_KERNELS_OF(NAME, D, QUANT_TILED_GEMV_INSTANCE)
