@@ -319,12 +319,20 @@ fn quant_f32_out_routes_match_quant_linear() {
 /// rows `tail`) at every kernel size of M and rows past it, against `QuantLinear` over `w` and
 /// the f32 matmul over the tail: within f32-accumulation tolerance.
 fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng, what: &str, w: &QuantWeight, dw: &ninfer_core::backend::cuda::ops::DeviceQuantWeight, tail: &[f32]) {
+    check_gemv_forms(dev, rng, what, w, dw, tail, &[dev.q4_ring()]);
+}
+
+/// `check_gemv_with_tail` with the tiled 4-bit GEMVs in each form of `ring_forms` in turn
+/// (`CudaDevice::set_q4_ring`), every form's outputs equal to the first's bit for bit; the
+/// device is left in the form it had.
+fn check_gemv_forms(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng, what: &str, w: &QuantWeight, dw: &ninfer_core::backend::cuda::ops::DeviceQuantWeight, tail: &[f32], ring_forms: &[bool]) {
     let (st, [n, k]) = (dev.storage(), w.shape);
     let tail_rows = tail.len() / k;
     let n_all = n + tail_rows;
     let lin = QuantLinear::new(w.clone()).unwrap();
     let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
     let bias = upload(dev, &bias_host);
+    let before = dev.q4_ring();
     for m in [1, 2, 3, 4, 5, 8, 9, 16] {
         let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
         let xd = upload(dev, &x);
@@ -332,14 +340,29 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
         let t = matmul(&x, tail, m, tail_rows, k);
         let sums: Vec<f32> = (0..m * n_all).map(|i| if i % n_all < n { q[i / n_all * n + i % n_all] } else { t[i / n_all * tail_rows + i % n_all - n] }).collect();
         let shape = format!("m{m} n{n}+{tail_rows} k{k}");
-        let mut y = Out16::new(dev, m * n_all);
-        dev.quant_gemv(&xd, dw, Some(&bias), &mut y.view(), m).unwrap();
         let want: Vec<f32> = sums.iter().enumerate().map(|(i, s)| s + bias_host[i % n_all]).collect();
-        check(&format!("{what} quant_gemv"), st, &shape, &y.read(dev, "y"), &rounded(&want, st), tol16(st));
-        let mut y32 = Out32::new(dev, m * n_all);
-        dev.quant_gemv_f32_out(&xd, dw, &mut y32.view(), m, false).unwrap();
-        check(&format!("{what} quant_gemv_f32_out"), st, &shape, &y32.read(dev, "y32"), &sums, super::harness::TOL32);
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+        for &ring in ring_forms {
+            dev.set_q4_ring(ring);
+            let form = if ring_forms.len() > 1 { if ring { " (ring form)" } else { " (pass form)" } } else { "" };
+            let mut y = Out16::new(dev, m * n_all);
+            dev.quant_gemv(&xd, dw, Some(&bias), &mut y.view(), m).unwrap();
+            let y = y.read(dev, "y");
+            check(&format!("{what} quant_gemv{form}"), st, &shape, &y, &rounded(&want, st), tol16(st));
+            let mut y32 = Out32::new(dev, m * n_all);
+            dev.quant_gemv_f32_out(&xd, dw, &mut y32.view(), m, false).unwrap();
+            let y32 = y32.read(dev, "y32");
+            check(&format!("{what} quant_gemv_f32_out{form}"), st, &shape, &y32, &sums, super::harness::TOL32);
+            match &first {
+                None => first = Some((y, y32)),
+                Some((y0, y32_0)) => {
+                    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(same(y0, &y) && same(y32_0, &y32), "{what} {shape}: the tiled GEMV's forms differ in their bits");
+                }
+            }
+        }
     }
+    dev.set_q4_ring(before);
 }
 
 /// Q4G64_F16S in the tiled device layout (ops/quant_tiles.rs; the mma.sync GEMV on sm_80+, in
@@ -352,8 +375,8 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
 /// 16 that changes the kernel's B fragments (x staged in
 /// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance
-/// of `QuantLinear` (the tail: the f32 matmul over its rows), and the dequantize kernel the CPU
-/// decoder's values bit for bit.
+/// of `QuantLinear` (the tail: the f32 matmul over its rows), the two forms equal bit for bit,
+/// and the dequantize kernel the CPU decoder's values bit for bit.
 #[test]
 fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
     for st in STORAGES {
@@ -372,12 +395,8 @@ fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
             for (i, (g, c)) in got.read(&dev, "q4 tiles").iter().zip(&values).enumerate() {
                 assert_eq!(g.to_bits(), c.to_bits(), "[{n}, {k}] element [{}, {}]: GPU {g:e}, CPU {c:e}", i / k, i % k);
             }
-            for ring in [false, true] {
-                dev.set_q4_ring(ring);
-                check_gemv_with_tail(&dev, &mut rng, if ring { "q4 tiled ring" } else { "q4 tiled pass" }, &w, &dw, &tail);
-            }
+            check_gemv_forms(&dev, &mut rng, "q4 tiled", &w, &dw, &tail, &[false, true]);
         }
-        dev.set_q4_ring(false);
     }
 }
 
