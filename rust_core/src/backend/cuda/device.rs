@@ -282,8 +282,8 @@ impl CudaDevice {
     }
 
     /// Compiles (or reads from the disk cache) and loads every kernel family a dense model runs
-    /// on this arch now, so that the first request does not pay for it; the quantized-weight families load
-    /// with the first quantized weight (`upload_quant`).
+    /// on this arch now, so that the first request does not pay for it; the quantized-weight
+    /// families load with the first quantized weight (`upload_quant`).
     pub fn load_all_kernels(&self) -> Result<()> {
         let (major, minor) = self.compute_capability();
         let dense: Vec<KernelFamily> = KernelFamily::ALL.into_iter().filter(|f| !f.is_quant() && f.serves(major, minor)).collect();

@@ -26,7 +26,7 @@ use crate::{NinferError, Result};
 pub const QUANT_GEMV_MAX_M: usize = 16;
 
 /// Threads per block of the quantized kernels (QUANT_WARPS warps).
-const QUANT_THREADS: u32 = 256;
+pub(super) const QUANT_THREADS: u32 = 256;
 
 /// The kernels of one format: its family, the dequantize kernel and the GEMV for
 /// MT = 1, 2, 4, 8, 16 rows, into the storage type and into f32.

@@ -40,24 +40,17 @@ const TILE_BLOCK_BYTES: usize = 1024;
 const TILE_SCALE_BYTES: usize = 64;
 const TILE_ZERO_BYTES: usize = 32;
 
-/// K blocks a warp of the ring GEMV (cuda/quant.cuh `q4t_ring_tile`) holds in flight, and the
-/// warps of a block: a tile's K blocks are split over the warps, each streaming its own through
-/// its ring.
+/// K blocks a warp of the ring GEMV (cuda/quant.cuh `q4t_ring_tile`) holds in flight.
 const RING_STAGES: usize = 4;
-const GEMV_WARPS: usize = 8;
 
 /// Whether a model whose quantized projections have inputs of at least `min_k` values runs its
 /// tiled GEMVs in the ring form (cuda/quant.cuh `q4t_ring_tile`): where every weight's K blocks
-/// outnumber a warp's ring stages (K > 4096), so that each ring streams, refilled as it is used.
-/// Where some fit one pass, the pass form (`q4t_gemv_tile`: two blocks an SM against the ring's
-/// four on the H100, fewer and fuller waves of tiles) runs them all: one form a model, because
-/// the two forms back to back run slower than either alone (measured on the H100, the
-/// Llama-3-8B layer's four GEMVs at batch 1, fraction of the copy rate: pass 0.68, ring 0.61,
-/// the ring for the down projection alone 0.59, though alone it is 0.75 there against the pass
-/// form's 0.60). Both forms give the same bits. The Qwen3.5-27B layer (K 5120 .. 17408): pass
-/// 0.60, ring 0.69.
+/// outnumber its warps' ring stages (K > 4096), so that each ring streams. Otherwise the pass
+/// form (`q4t_gemv_tile`) runs them all, since it makes fewer and fuller waves of tiles where K
+/// fits one pass. One form a model: on the H100 the two back to back ran slower than either
+/// alone. Both forms give the same bits.
 pub fn q4t_ring(min_k: usize) -> bool {
-    min_k.div_ceil(BLOCK_K) > RING_STAGES * GEMV_WARPS
+    min_k.div_ceil(BLOCK_K) > RING_STAGES * (super::quant::QUANT_THREADS as usize / 32)
 }
 
 /// Geometry of the tiled layout of an `[n, k]` weight.
