@@ -253,6 +253,14 @@ __device__ __forceinline__ unsigned q4t_fma2(unsigned a, unsigned b, unsigned c)
     return d;
 }
 
+// (w & 0x000f000f) | MAGIC: one LOP3 (written as C, the mask and the OR compile to two, and
+// these are most of the GEMVs' integer-pipe work).
+__device__ __forceinline__ unsigned q4t_nibbles(unsigned w) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(w), "n"(0x000f000fu), "n"(Q4T_MAGIC));
+    return d;
+}
+
 // c += a * b, mma.sync m16n8k16 with storage-type operands and f32 accumulators.
 __device__ __forceinline__ void q4t_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
 #if defined(NINFER_STORAGE_F16)
@@ -312,10 +320,10 @@ __device__ __forceinline__ void q4t_afrag(const uint4& q0, const uint4& q1, int 
     const int sh = (j & 1) * 8;
     const unsigned w0 = q4t_word(q0, j >> 1) >> sh;
     const unsigned w1 = q4t_word(q1, j >> 1) >> sh;
-    af[0] = q4t_fma2((w0 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]);
-    af[1] = q4t_fma2((w1 & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]);
-    af[2] = q4t_fma2(((w0 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[0]);
-    af[3] = q4t_fma2(((w1 >> 4) & 0x000f000fu) | Q4T_MAGIC, Q4T_ONE, bias2[1]);
+    af[0] = q4t_fma2(q4t_nibbles(w0), Q4T_ONE, bias2[0]);
+    af[1] = q4t_fma2(q4t_nibbles(w1), Q4T_ONE, bias2[1]);
+    af[2] = q4t_fma2(q4t_nibbles(w0 >> 4), Q4T_ONE, bias2[0]);
+    af[3] = q4t_fma2(q4t_nibbles(w1 >> 4), Q4T_ONE, bias2[1]);
 }
 
 // The block's warps' sums of a tile through `red` (shared, [QUANT_WARPS][NT * 4][32]) in warp
@@ -400,9 +408,12 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
     q4t_pass ld;
     ld.load(codes, scales, zeros, warp, kbn);
     pdl_enter();
+    // B fragments of batch rows past m (columns of the mma that are never stored) repeat a row
+    // of x that exists, so that no load needs a predicate.
     const store_t* xr[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
+    for (int nt = 0; nt < NT; ++nt) xr[nt] = x + (long long)min(gid + 8 * nt, m - 1) * w.k + 4 * t4;
+    const int xrow = gid < MT ? gid : 0;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -442,14 +453,13 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                     const int j = g * 4 + a;
                     unsigned af[4];
                     q4t_afrag(ld.q[u][0], ld.q[u][1], j, bias2, af);
-                    const int kx = kb * 128 + j * 16;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         uint2 b = make_uint2(0u, 0u);
                         if constexpr (XS) {
-                            if (gid < MT) b = *reinterpret_cast<const uint2*>(&xs[XS ? gid : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
+                            b = *reinterpret_cast<const uint2*>(&xs[XS ? xrow : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
                         } else {
-                            if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                            if (j * 16 < w.k - kb * 128 - 4 * t4) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kb * 128 + j * 16));
                         }
                         q4t_mma(d[nt], af, b.x, b.y);
                     }
@@ -531,9 +541,13 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
 #pragma unroll
     for (int i = 0; i < S; ++i) request(i);
     pdl_enter();
+    // Rows past m repeat a row of x that exists (q4t_gemv_tile). The lane's x pointers and the
+    // values left in its row follow the warp's K block, so that a step's load is one
+    // instruction at a constant offset.
     const store_t* xr[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xr[nt] = gid + 8 * nt < m ? x + (long long)(gid + 8 * nt) * w.k + 4 * t4 : nullptr;
+    for (int nt = 0; nt < NT; ++nt) xr[nt] = x + (long long)min(gid + 8 * nt, m - 1) * w.k + warp * 128 + 4 * t4;
+    int lim = w.k - warp * 128 - 4 * t4;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -546,7 +560,6 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
         const uint4 q1 = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
         const uint2 sc = *reinterpret_cast<const uint2*>(st + 1024 + lane * 8);
         const unsigned zq = zeros ? *reinterpret_cast<const unsigned*>(st + 1280 + lane * 4) : 0u;
-        const int kb = warp + i * QUANT_WARPS;
         float s[4];
         q4t_scales(sc, w.p2, s);
         unsigned bias2[2][2] = {{Q4T_BIAS8, Q4T_BIAS8}, {Q4T_BIAS8, Q4T_BIAS8}};
@@ -570,11 +583,10 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
                 const int j = g * 4 + a;
                 unsigned af[4];
                 q4t_afrag(q0, q1, j, bias2[g], af);
-                const int kx = kb * 128 + j * 16;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     uint2 b = make_uint2(0u, 0u);
-                    if (xr[nt] != nullptr && kx + 4 * t4 < w.k) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kx));
+                    if (j * 16 < lim) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + j * 16));
                     q4t_mma(d[g][nt], af, b.x, b.y);
                 }
             }
@@ -589,6 +601,9 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
                 acc[nt][3] = fmaf(s[2 + g], d[g][nt][3], acc[nt][3]);
             }
         request(i + S);  // the stage is used: refill it with the block S ahead
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) xr[nt] += QUANT_WARPS * 128;
+        lim -= QUANT_WARPS * 128;
     }
     cp_async_wait_all();
     __syncthreads();  // every warp is done with its ring: its bytes take the partial sums

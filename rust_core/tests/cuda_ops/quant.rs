@@ -323,8 +323,9 @@ fn check_gemv_with_tail(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut 
 }
 
 /// `check_gemv_with_tail` with the tiled 4-bit GEMVs in each form of `ring_forms` in turn
-/// (`CudaDevice::set_q4_ring`), every form's outputs equal to the first's bit for bit; the
-/// device is left in the form it had.
+/// (`CudaDevice::set_q4_ring`), every form's outputs equal to the first's bit for bit and the
+/// rows of an m-row step equal to the same rows run one at a time (the bits never depend on
+/// m); the device is left in the form it had.
 fn check_gemv_forms(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng, what: &str, w: &QuantWeight, dw: &ninfer_core::backend::cuda::ops::DeviceQuantWeight, tail: &[f32], ring_forms: &[bool]) {
     let (st, [n, k]) = (dev.storage(), w.shape);
     let tail_rows = tail.len() / k;
@@ -333,6 +334,7 @@ fn check_gemv_forms(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng,
     let bias_host = rounded(&rng.vec(n_all, -0.5, 0.5), st);
     let bias = upload(dev, &bias_host);
     let before = dev.q4_ring();
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
     for m in [1, 2, 3, 4, 5, 8, 9, 16] {
         let x = rounded(&rng.vec(m * k, -1.0, 1.0), st);
         let xd = upload(dev, &x);
@@ -353,12 +355,23 @@ fn check_gemv_forms(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng,
             dev.quant_gemv_f32_out(&xd, dw, &mut y32.view(), m, false).unwrap();
             let y32 = y32.read(dev, "y32");
             check(&format!("{what} quant_gemv_f32_out{form}"), st, &shape, &y32, &sums, super::harness::TOL32);
+            if m > 1 {
+                for r in 0..m {
+                    let xr = upload(dev, &x[r * k..(r + 1) * k]);
+                    let mut y1 = Out16::new(dev, n_all);
+                    dev.quant_gemv(&xr, dw, Some(&bias), &mut y1.view(), 1).unwrap();
+                    let mut y1_32 = Out32::new(dev, n_all);
+                    dev.quant_gemv_f32_out(&xr, dw, &mut y1_32.view(), 1, false).unwrap();
+                    let rows = r * n_all..(r + 1) * n_all;
+                    assert!(
+                        same(&y[rows.clone()], &y1.read(dev, "y1")) && same(&y32[rows], &y1_32.read(dev, "y1_32")),
+                        "{what}{form} {shape}: row {r} of the step differs in its bits from the row alone"
+                    );
+                }
+            }
             match &first {
                 None => first = Some((y, y32)),
-                Some((y0, y32_0)) => {
-                    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
-                    assert!(same(y0, &y) && same(y32_0, &y32), "{what} {shape}: the tiled GEMV's forms differ in their bits");
-                }
+                Some((y0, y32_0)) => assert!(same(y0, &y) && same(y32_0, &y32), "{what} {shape}: the tiled GEMV's forms differ in their bits"),
             }
         }
     }
@@ -376,7 +389,7 @@ fn check_gemv_forms(dev: &ninfer_core::backend::cuda::CudaDevice, rng: &mut Rng,
 /// shared memory up to 4 rows, with rows past M; one or two column blocks of 8 from global,
 /// columns past M); storage-type and f32 outputs, with bias: within f32-accumulation tolerance
 /// of `QuantLinear` (the tail: the f32 matmul over its rows), the two forms equal bit for bit,
-/// and the dequantize kernel the CPU decoder's values bit for bit.
+/// their bits independent of m, and the dequantize kernel the CPU decoder's values bit for bit.
 #[test]
 fn q4_tiled_gemv_covers_tiles_k_blocks_and_a_dense_tail() {
     for st in STORAGES {
