@@ -679,7 +679,7 @@ __device__ __forceinline__ void quant_tiled_gemv(const store_t* __restrict__ x, 
 // - quant_gemv[_f32]_<NAME>_ring_m<MT> (sm_80+ only): each warp's K blocks streamed through a
 //   cp.async ring in shared memory, as many blocks an SM as its shared memory holds rings (45 KB
 //   a block: 4 on sm_90, 3 on sm_80, 2 on sm_86 / sm_89 / sm_120), registers capped to match
-//   (64 a thread at 4 blocks: no spills).
+//   (64 a thread at 4 blocks).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define Q4T_MIN_BLOCKS 2
 #else

@@ -360,13 +360,13 @@ impl CudaDevice {
         ])
     }
 
-    /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
     /// Whether `w`'s GEMV runs the tiled layout's ring form (the device's `q4_ring`): sm_80+
     /// only, where the tiled GEMVs run mma.sync.
     fn q4t_ring(&self, w: &DeviceQuantWeight) -> bool {
         w.tiled && self.compute_capability().0 >= 8 && self.q4_ring()
     }
 
+    /// Blocks of a GEMV launch (`quant_gemv_grid`'s rule at this device's capability).
     fn quant_gemv_grid(&self, w: &DeviceQuantWeight) -> u32 {
         let chunk = !w.tiled && quant_chunks::chunk_gemv(w.format);
         quant_gemv_grid(w.tiled, chunk, w.nq, w.n, self.compute_capability().0 >= 8) as u32
