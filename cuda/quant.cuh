@@ -562,13 +562,9 @@ __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, con
         const unsigned zq = zeros ? *reinterpret_cast<const unsigned*>(st + 1280 + lane * 4) : 0u;
         float s[4];
         q4t_scales(sc, w.p2, s);
-        unsigned bias2[2][2] = {{Q4T_BIAS8, Q4T_BIAS8}, {Q4T_BIAS8, Q4T_BIAS8}};
-        if (zeros) {
+        unsigned bias2[2][2];
 #pragma unroll
-            for (int g = 0; g < 2; ++g)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) bias2[g][h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq >> (8 * (2 * h + g))) & 0xffu)));
-        }
+        for (int g = 0; g < 2; ++g) q4t_bias(zeros != nullptr, zq, g, bias2[g]);
         float d[2][NT][4];
 #pragma unroll
         for (int g = 0; g < 2; ++g)
