@@ -557,6 +557,62 @@ fn quant_gemv_decode_timing() {
     }
 }
 
+/// What the small kernels between a layer's 4-bit GEMVs cost at batch 1 (Q4G64, the
+/// Llama-3-8B and Qwen3.5-27B layer shapes): the four GEMVs back to back, then with three of the
+/// model's small kernels between them as the decode layer runs them (add_rmsnorm before qkv and
+/// before gate_up, swiglu between gate_up and down), each launch after a GEMV waiting on it as
+/// in the model. Prints `TIMING q4_layer_boundaries ...` with both times and the cost a
+/// boundary; the model's layer also runs RoPE and attention.
+#[test]
+fn q4_layer_timing_with_the_models_small_kernels() {
+    let Some(dev) = gpu("q4_layer_boundaries", ninfer_core::backend::cuda::StorageDType::Bf16) else { return };
+    let s = dev.stream().clone();
+    let mut rng = Rng::new(8);
+    let models = [("llama3-8b", [[6144, 4096], [4096, 4096], [28672, 4096], [4096, 14336]]), ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]])];
+    for (model, shapes) in models {
+        dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
+        let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, QuantFormat::Q4G64F16S, sh, None, RawDtype::BF16, false)).unwrap()).collect();
+        let (hidden, inter) = (shapes[1][0], shapes[2][0] / 2);
+        let mut vec = |n: usize| upload(&dev, &rounded(&rng.vec(n, -1.0, 1.0), dev.storage()));
+        let (norm_w, attn) = (vec(hidden), vec(shapes[1][1]));
+        let mut residual = vec(hidden);
+        let mut h: CudaSlice<u16> = vec(hidden);
+        let mut qkv: CudaSlice<u16> = s.alloc_zeros(shapes[0][0]).unwrap();
+        let mut o: CudaSlice<u16> = s.alloc_zeros(hidden).unwrap();
+        let mut gu: CudaSlice<u16> = s.alloc_zeros(2 * inter).unwrap();
+        let mut act: CudaSlice<u16> = vec(inter);
+        let mut down: CudaSlice<u16> = s.alloc_zeros(hidden).unwrap();
+        let mut times = [0.0f64; 2];
+        for round in 0..2 {
+            for (with, t) in times.iter_mut().enumerate() {
+                let ms = super::time_ms(&dev, 20, || {
+                    if with == 1 {
+                        dev.add_rmsnorm(&mut residual, &down, &norm_w, &mut h, 1, hidden, 1e-5, false).unwrap();
+                    }
+                    dev.quant_gemv(&h, &layer[0], None, &mut qkv, 1).unwrap();
+                    dev.quant_gemv(&attn, &layer[1], None, &mut o, 1).unwrap();
+                    if with == 1 {
+                        dev.add_rmsnorm(&mut residual, &o, &norm_w, &mut h, 1, hidden, 1e-5, false).unwrap();
+                    }
+                    dev.quant_gemv(&h, &layer[2], None, &mut gu, 1).unwrap();
+                    if with == 1 {
+                        dev.swiglu(&gu.slice(0..), &gu.slice(inter..), &mut act, 1, inter, 2 * inter, 2 * inter).unwrap();
+                    }
+                    dev.quant_gemv(&act, &layer[3], None, &mut down, 1).unwrap();
+                });
+                assert!(ms > 0.0 && ms.is_finite(), "{model}: no time measured");
+                *t = ms * 1e3;
+            }
+            println!(
+                "TIMING q4_layer_boundaries model={model} round={round} gemvs_us={:.1} with_small_kernels_us={:.1} us_a_boundary={:.2}",
+                times[0],
+                times[1],
+                (times[1] - times[0]) / 3.0
+            );
+        }
+    }
+}
+
 /// The model's `Linear` over a quantized weight: its format names the weight's, its route takes
 /// none of the dense GEMV's fusions, and `forward` runs the GEMV for a decode step and the
 /// workspace route for a prefill step, with the bias, within tolerance of `QuantLinear`.
