@@ -474,6 +474,12 @@ fn quant_weights_the_gpu_cannot_run_are_refused_naming_tensor_format_and_device(
     }
 }
 
+/// The decode timing tests' layers: (model, [n, k] of qkv, o, gate_up, down).
+const LAYER_SHAPES: [(&str, [[usize; 2]; 4]); 2] = [
+    ("llama3-8b", [[6144, 4096], [4096, 4096], [28672, 4096], [4096, 14336]]),
+    ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]]),
+];
+
 /// Batch-1 decode GEMV per format at the Llama-3-8B and Qwen3.5-27B projection shapes: per-call
 /// time and the bytes it reads (packed weight with its companions, x, y) against a
 /// device-to-device copy of 1 GiB on the same GPU, as the fraction of the copy rate (read plus
@@ -493,11 +499,6 @@ fn quant_gemv_decode_timing() {
     let copy_ms = super::time_ms(&dev, 10, || s.memcpy_dtod(&src, &mut dst).unwrap());
     let copy_rate = copy_bytes as f64 / (copy_ms * 1e-3);
     let mut rng = Rng::new(7);
-    // (model, hidden, [n, k] of qkv, o, gate_up, down)
-    let models = [
-        ("llama3-8b", [[6144, 4096], [4096, 4096], [28672, 4096], [4096, 14336]]),
-        ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]]),
-    ];
     let formats = [
         QuantFormat::Q4G64F16S,
         QuantFormat::GgufQ4K,
@@ -509,7 +510,7 @@ fn quant_gemv_decode_timing() {
         QuantFormat::W8G32F16S,
         QuantFormat::Fp8E4m3fnRowBf16s,
     ];
-    for (model, shapes) in models {
+    for (model, shapes) in LAYER_SHAPES {
         // The tiled 4-bit GEMVs' form the model load picks from its smallest K.
         dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
         for f in formats {
@@ -568,8 +569,7 @@ fn q4_layer_timing_with_the_models_small_kernels() {
     let Some(dev) = gpu("q4_layer_boundaries", ninfer_core::backend::cuda::StorageDType::Bf16) else { return };
     let s = dev.stream().clone();
     let mut rng = Rng::new(8);
-    let models = [("llama3-8b", [[6144, 4096], [4096, 4096], [28672, 4096], [4096, 14336]]), ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]])];
-    for (model, shapes) in models {
+    for (model, shapes) in LAYER_SHAPES {
         dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
         let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, QuantFormat::Q4G64F16S, sh, None, RawDtype::BF16, false)).unwrap()).collect();
         let (hidden, inter) = (shapes[1][0], shapes[2][0] / 2);
