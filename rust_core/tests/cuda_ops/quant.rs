@@ -480,6 +480,12 @@ const LAYER_SHAPES: [(&str, [[usize; 2]; 4]); 2] = [
     ("qwen3.5-27b", [[14336, 5120], [5120, 6144], [34816, 5120], [5120, 17408]]),
 ];
 
+/// Sets the tiled 4-bit GEMVs' form the model load picks for a layer of `shapes` (from its
+/// smallest K).
+fn set_layer_form(dev: &ninfer_core::backend::cuda::CudaDevice, shapes: &[[usize; 2]; 4]) {
+    dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
+}
+
 /// Batch-1 decode GEMV per format at the Llama-3-8B and Qwen3.5-27B projection shapes: per-call
 /// time and the bytes it reads (packed weight with its companions, x, y) against a
 /// device-to-device copy of 1 GiB on the same GPU, as the fraction of the copy rate (read plus
@@ -511,8 +517,7 @@ fn quant_gemv_decode_timing() {
         QuantFormat::Fp8E4m3fnRowBf16s,
     ];
     for (model, shapes) in LAYER_SHAPES {
-        // The tiled 4-bit GEMVs' form the model load picks from its smallest K.
-        dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
+        set_layer_form(&dev, &shapes);
         for f in formats {
             let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, f, sh, None, RawDtype::BF16, false)).unwrap()).collect();
             let kmax = shapes.iter().map(|s| s[1]).max().unwrap();
@@ -570,7 +575,7 @@ fn q4_layer_timing_with_the_models_small_kernels() {
     let s = dev.stream().clone();
     let mut rng = Rng::new(8);
     for (model, shapes) in LAYER_SHAPES {
-        dev.set_q4_ring(ninfer_core::backend::cuda::ops::quant_tiles::q4t_ring(shapes.iter().map(|s| s[1]).min().unwrap()));
+        set_layer_form(&dev, &shapes);
         let layer: Vec<_> = shapes.iter().map(|&sh| dev.upload_quant(&make(&mut rng, model, QuantFormat::Q4G64F16S, sh, None, RawDtype::BF16, false)).unwrap()).collect();
         let (hidden, inter) = (shapes[1][0], shapes[2][0] / 2);
         let mut vec = |n: usize| upload(&dev, &rounded(&rng.vec(n, -1.0, 1.0), dev.storage()));
