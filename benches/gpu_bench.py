@@ -29,6 +29,9 @@ on the CPU (a dry run of the script's logic on a machine without a GPU).
 batch_invariant, device_sampling) given to every engine the parts build, and named in every record.
 --ab OPTION=true,false [--ab-rounds N]: the chosen parts once per value of an engine option, each
 in its own process, alternated round after round, with a summary by value (benches/gpu_ab.py).
+--device-profile FILE: a device profile (routes for this GPU, e.g. {"plan": {"pdl": false}}) given to
+every engine the parts build, its path and plan named in every record: a route measured end to end
+without a rebuild.
 """
 
 from __future__ import annotations
@@ -176,6 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an engine option (" + ", ".join(gpu_ab().ENGINE_OPTIONS) + ") given to every engine the "
                         "parts build and recorded in their records (repeatable; not with --startup: the server it "
                         "times takes no engine options)")
+    p.add_argument("--device-profile", metavar="FILE",
+                   help="a device profile (JSON: version, device, compute_capability, plan) given to every engine "
+                        "the parts build, as `ninfer serve --device-profile-path`; its plan is named in every record")
     p.add_argument("--ab", metavar="OPTION=true,false",
                    help="A-B runs (benches/gpu_ab.py): the parts once per value of the engine option, each in its "
                         "own process, alternated for --ab-rounds rounds; records tagged with the value, and a summary")
@@ -204,6 +210,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--quantize {a.quantize}: with --ab-builds or --startup (older builds and `ninfer serve` "
                     "take no quantize option here); name the decode and throughput parts")
         options["quantize"] = a.quantize
+    a.device_profile_plan = None
+    if a.device_profile is not None:
+        a.device_profile_plan = read_device_profile_plan(p, a.device_profile)
+        options["device_profile"] = str(Path(a.device_profile).resolve())
     a.options = options
     if a.ab is not None:
         try:
@@ -236,9 +246,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not (a.decode_8b or a.decode_27b or a.decode_qwen2_7b or a.throughput or a.startup or a.profile):
         a.decode_8b = a.decode_27b = a.throughput = a.startup = True
     if a.startup and (options or a.ab is not None):
-        p.error("--option / --ab: the startup part times `ninfer serve`, which takes no engine options; "
+        given = "--device-profile" if list(options) == ["device_profile"] else "--option / --ab"
+        p.error(f"{given}: the startup part times `ninfer serve`, which takes no engine options; "
                 "name the other parts (e.g. --decode-8b --throughput)")
     return a
+
+
+def read_device_profile_plan(p: argparse.ArgumentParser, path: str) -> dict:
+    """The `plan` object of the device profile at `path`, or a usage error naming the file and
+    what is wrong with it (the engine checks the rest: its device, version and fields)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        p.error(f"--device-profile {path!r}: {e.strerror or e}")
+    except ValueError as e:
+        p.error(f"--device-profile {path!r}: not JSON ({e})")
+    if not isinstance(doc, dict) or not isinstance(doc.get("plan", {}), dict):
+        p.error(f"--device-profile {path!r}: expected a JSON object whose 'plan' is an object")
+    return doc.get("plan", {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +468,8 @@ class Bench:
             rec["env"] = env
         if self.a.options:
             rec["options"] = dict(self.a.options)
+        if getattr(self.a, "device_profile_plan", None) is not None:
+            rec["device_profile_plan"] = self.a.device_profile_plan
         if self.a.sampling and metric in ("decode_bs1_tok_s", "decode_throughput_tok_s"):
             rec["sampling"] = self.a.sampling
         rec.update(fields)

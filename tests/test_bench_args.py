@@ -60,6 +60,36 @@ def test_gpu_bench_rejects_bad_arguments_naming_them(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
+def test_gpu_bench_device_profile_reaches_every_engine_and_record(tmp_path, capsys):
+    """--device-profile: a readable JSON object whose plan is an object, given to every engine as
+    `device_profile` and named (path and plan) in every record; anything else is refused naming
+    the file before a checkpoint is built."""
+    bench = _load("gpu_bench")
+    prof = tmp_path / "h100.json"
+    plan = {"pdl": False, "smem_carveout": 100}
+    prof.write_text(json.dumps({"version": 1, "device": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
+                                "plan": plan}))
+    a = bench.parse_args(["--out", str(tmp_path / "r.json"), "--tiny", "--workdir", str(tmp_path / "w"), "--decode-8b",
+                          "--quantize", "q4", "--device-profile", str(prof)])
+    assert a.options == {"quantize": "q4", "device_profile": str(prof.resolve())}
+    b = bench.Bench(a)
+    rec = b.record("decode_bs1_tok_s", "llama-3-8b", 1.0, b.shape("llama-3-8b"))
+    assert rec["options"]["device_profile"] == str(prof.resolve()) and rec["device_profile_plan"] == plan
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{plan")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]")
+    for argv, named in [([str(tmp_path / "none.json"), "--decode-8b"], "none.json"),
+                        ([str(bad_json), "--decode-8b"], "not JSON"),
+                        ([str(listed), "--decode-8b"], "'plan' is an object"),
+                        ([str(prof), "--startup"], "--device-profile: the startup part")]:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--out", "x.json", "--device-profile", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert named in err and "--device-profile" in err, err
+
+
 def test_gpu_bench_sampling_fields_reach_the_timed_requests_and_the_records():
     bench = _load("gpu_bench")
     a = bench.parse_args(["--out", "x.json", "--skip-peer", "--sampling", '{"presence_penalty": 0.5, "seed": 3}'])
