@@ -468,7 +468,7 @@ class Bench:
             rec["env"] = env
         if self.a.options:
             rec["options"] = dict(self.a.options)
-        if getattr(self.a, "device_profile_plan", None) is not None:
+        if self.a.device_profile_plan is not None:
             rec["device_profile_plan"] = self.a.device_profile_plan
         if self.a.sampling and metric in ("decode_bs1_tok_s", "decode_throughput_tok_s"):
             rec["sampling"] = self.a.sampling
