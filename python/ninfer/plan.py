@@ -6,7 +6,10 @@ the config's shapes), the KV pool, the recurrent-state slots, a step-workspace e
 device reserve, against `--gpu-memory` or the memory of `--device`. Exit status: 0 when the
 settings fit, 1 when they do not (with the bytes short and what would fit), 2 on a bad flag or
 settings the loader would refuse (for a GPU, the CUDA loader's own checks run on the shapes
-and headers: a fused projection it cannot hold, a quantized shape its kernels cannot run).
+and headers: a fused projection it cannot hold, a quantized shape its kernels cannot run; with
+`--device`, on an f16-storage GPU (sm_7x) also a stored FP8 / NVFP4 weight whose scales exceed
+binary16's range, read from the scales alone. `--gpu-memory` names no architecture, so that
+refusal is left to the load).
 """
 
 from __future__ import annotations

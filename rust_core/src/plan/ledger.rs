@@ -559,16 +559,20 @@ pub fn check_startup(dir: &Path, cfg: &ModelConfig, device: &str, engine: &Engin
 /// safetensors headers, None for config.json alone), run before any weight is read
 /// (`model::cuda::load::check_load`: the configuration the kernels take, and with the headers
 /// the loader's whole plan pass, whose fused projections refuse parts of mixed formats, widths,
-/// row units or g_idx, and dense parts before quantized ones), so that `ninfer plan` for a GPU
+/// row units or g_idx, dense parts before quantized ones, and on an f16-storage device (sm_7x,
+/// known only where `input.memory` came from the device, not `--gpu-memory`) stored FP8 /
+/// NVFP4 weights whose scales exceed binary16's range), so that `ninfer plan` for a GPU
 /// refuses, naming the tensor, the format and the reason, what the load would refuse. The
 /// shape rules that need no headers (`plan::gpu`) run in `plan` itself. A build without the
 /// CUDA backend has no loader to ask: only those.
 pub fn check_gpu_load(dir: &Path, store: Option<&WeightStore>, input: &PlanInput<'_>) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
+        use crate::backend::cuda::kernels::StorageDType;
         let hf = crate::model::cpu::quant_load::hf_quant_config(dir)?;
         let quant = crate::model::cuda::load::QuantLoad { quantize: input.quantize.map(|f| f.mode.format()), quantize_lm_head: input.quantize_lm_head, given: None, hf };
-        crate::model::cuda::load::check_load(input.cfg, store, &quant, is_mtp(&input.engine))?;
+        let f16 = input.memory.and_then(|m| m.cuda).filter(|a| StorageDType::for_arch(a.compute_capability.0, a.compute_capability.1) == StorageDType::F16);
+        crate::model::cuda::load::check_load(input.cfg, store, &quant, is_mtp(&input.engine), f16.map(|a| a.describe()).as_deref())?;
     }
     #[cfg(not(feature = "cuda"))]
     let _ = (dir, store, input);

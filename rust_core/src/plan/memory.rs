@@ -10,9 +10,28 @@ pub struct DeviceMemory {
     pub free: u64,
     /// Bytes of the whole device (sizes the reserve).
     pub total: u64,
+    /// The CUDA device asked (None for the host and `--gpu-memory`, whose architecture the plan
+    /// does not know, so it cannot refuse what only an f16-storage device would).
+    pub cuda: Option<CudaArch>,
 }
 
-/// Free and total memory of CUDA device `ordinal`, from its driver (the context it creates is
+/// A CUDA device's ordinal and the compute capability its routes see (`NINFER_EMULATE_ARCH`'s
+/// where set), which picks its storage type (`StorageDType::for_arch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaArch {
+    pub ordinal: usize,
+    pub compute_capability: (u32, u32),
+}
+
+impl CudaArch {
+    /// The device as a plan's refusals name it.
+    pub fn describe(&self) -> String {
+        let (major, minor) = self.compute_capability;
+        format!("cuda:{} (compute capability {major}.{minor})", self.ordinal)
+    }
+}
+
+/// Free and total memory and the compute capability of CUDA device `ordinal`, from its driver (the context it creates is
 /// the primary one a later load reuses). Without a GPU or a CUDA build, a `Device` error saying
 /// why.
 pub fn device_memory(ordinal: usize) -> Result<DeviceMemory> {
@@ -33,7 +52,11 @@ pub fn device_memory(ordinal: usize) -> Result<DeviceMemory> {
 fn query(ordinal: usize) -> Result<DeviceMemory> {
     let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| NinferError::Device(format!("cuda:{ordinal}: creating the CUDA context: {e}")))?;
     let (free, total) = ctx.mem_get_info().map_err(|e| NinferError::Device(format!("cuda:{ordinal}: reading free device memory: {e}")))?;
-    Ok(DeviceMemory { free: free as u64, total: total as u64 })
+    let (major, minor) = ctx.compute_capability().map_err(|e| NinferError::Device(format!("cuda:{ordinal}: reading the compute capability: {e}")))?;
+    let real = (major as u32, minor as u32);
+    let var = std::env::var(crate::backend::cuda::emulate::EMULATE_ARCH_VAR).ok();
+    let compute_capability = crate::backend::cuda::emulate::parse_emulated_arch(real, var.as_deref())?.unwrap_or(real);
+    Ok(DeviceMemory { free: free as u64, total: total as u64, cuda: Some(CudaArch { ordinal, compute_capability }) })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -50,5 +73,5 @@ pub fn host_available_bytes() -> Option<DeviceMemory> {
         let kib: u64 = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
         Some(kib * 1024)
     };
-    Some(DeviceMemory { free: field("MemAvailable:")?, total: field("MemTotal:")? })
+    Some(DeviceMemory { free: field("MemAvailable:")?, total: field("MemTotal:")?, cuda: None })
 }

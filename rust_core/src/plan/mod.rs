@@ -16,7 +16,7 @@ mod tests;
 pub use formats::QuantFormat;
 pub use inventory::{checkpoint_tensors, model_tensors, PlannedTensor, Role, StoredQuant};
 pub use ledger::{check_gpu_load, check_startup, plan, Fit, Plan, PlanInput, PoolRule, SpecRows, WeightLine};
-pub use memory::{device_memory, host_available_bytes, DeviceMemory};
+pub use memory::{device_memory, host_available_bytes, CudaArch, DeviceMemory};
 
 use crate::config::ModelConfig;
 use crate::model::{CacheSpec, KvDtype};

@@ -185,7 +185,7 @@ fn the_verdict_says_how_many_bytes_are_short_and_what_fits() {
     assert_eq!(base.needed_bytes, base.ledger.weight_bytes + base.ledger.kv_bytes + base.ledger.state_bytes + base.ledger.workspace_bytes);
     let short = 1000;
     let mut i = input(&cfg, &tensors, Target::Cpu, engine);
-    i.memory = Some(DeviceMemory { free: base.needed_bytes - short, total: 1 << 40 });
+    i.memory = Some(DeviceMemory { free: base.needed_bytes - short, total: 1 << 40, cuda: None });
     let p = plan(&i).unwrap();
     let f = p.fit.clone().unwrap();
     assert!(!f.fits && f.short == short);
@@ -199,9 +199,9 @@ fn the_verdict_says_how_many_bytes_are_short_and_what_fits() {
     assert!(at(3, 256) <= base.needed_bytes - short);
     let hint = p.fit_hint();
     assert!(hint.contains(&format!("--max-context {}", f.largest_context)) && hint.contains("--max-concurrency 3"), "{hint}");
-    i.memory = Some(DeviceMemory { free: base.needed_bytes, total: 1 << 40 });
+    i.memory = Some(DeviceMemory { free: base.needed_bytes, total: 1 << 40, cuda: None });
     assert!(plan(&i).unwrap().fit.unwrap().fits);
-    i.memory = Some(DeviceMemory { free: 10, total: 1 << 40 });
+    i.memory = Some(DeviceMemory { free: 10, total: 1 << 40, cuda: None });
     assert!(plan(&i).unwrap().fit_hint().contains("nothing fits"));
 }
 
@@ -267,7 +267,7 @@ fn a_gpu_plan_refuses_a_quantized_shape_the_cuda_kernels_cannot_run() {
         use crate::model::cuda::load::{check_load, QuantLoad};
         let store = crate::artifact::WeightStore::open(&dir).unwrap();
         let quant = QuantLoad::quantize(Some(crate::quant::QuantFormat::W8G32F16S));
-        let loader = check_load(&cfg, Some(&store), &quant, false).err().expect("refused").to_string();
+        let loader = check_load(&cfg, Some(&store), &quant, false, None).err().expect("refused").to_string();
         assert!(loader.contains("down_proj") && loader.contains("W8G32_F16S") && loader.contains("K = 68"), "{loader}");
     }
 }
@@ -301,7 +301,7 @@ fn the_gpu_plan_counts_what_the_cuda_loader_plans_and_refuses_what_it_refuses() 
                 let engine = if mtp { mtp_engine() } else { EngineConfig::default() };
                 let i = PlanInput { quantize_lm_head: head, ..gpu_input(&cfg, &tensors, mode, engine) };
                 let quant = QuantLoad { quantize_lm_head: head, ..QuantLoad::quantize(mode.map(|m| QuantizeMode::parse(m).unwrap().format())) };
-                let loader = check_load(&cfg, Some(&store), &quant, mtp).unwrap();
+                let loader = check_load(&cfg, Some(&store), &quant, mtp, None).unwrap();
                 let what = format!("--quantize {mode:?} (lm head {head}, mtp {mtp})");
                 assert_eq!(crate::plan::ledger::weight_lines(&i).unwrap().1, loader.bytes as u64, "{what}");
                 assert_eq!(crate::plan::ledger::quant_workspace_bytes(&i), 2 * loader.quant_elems as u64, "{what}");
@@ -315,6 +315,60 @@ fn the_gpu_plan_counts_what_the_cuda_loader_plans_and_refuses_what_it_refuses() 
     let tensors = model_tensors(&cfg, None).unwrap();
     let e = check_gpu_load(&small, None, &gpu_input(&cfg, &tensors, None, EngineConfig::default())).unwrap_err().to_string();
     assert!(e.contains("head_dim 8") && e.contains("CUDA"), "{e}");
+}
+
+/// `checkpoint_of(cuda_dims())` with its MLP projections stored as HF block FP8 (128 x 128
+/// blocks, every code 1.0) of block scales `scale`.
+#[cfg(feature = "cuda")]
+fn hf_fp8_checkpoint(tag: &str, scale: f32) -> PathBuf {
+    let dir = checkpoint_of(tag, false, cuda_dims());
+    let store = crate::artifact::WeightStore::open(&dir).unwrap();
+    let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for name in store.names() {
+        let (info, bytes) = store.stored(name).unwrap();
+        if name.contains(".mlp.") && name.ends_with("_proj.weight") {
+            let (n, k) = (info.shape[0], info.shape[1]);
+            out.push((name.to_string(), Dtype::F8_E4M3, info.shape.clone(), vec![0x38; n * k]));
+            let blocks = [n.div_ceil(128), k.div_ceil(128)];
+            out.push((format!("{name}_scale_inv"), Dtype::F32, blocks.to_vec(), scale.to_le_bytes().repeat(blocks[0] * blocks[1])));
+        } else {
+            out.push((name.to_string(), Dtype::BF16, info.shape.clone(), bytes.to_vec()));
+        }
+    }
+    drop(store);
+    let views: Vec<(String, TensorView)> = out.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    ::safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["quantization_config"] = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+/// A plan for an sm_7x device (f16 storage) refuses, as its load would, a stored FP8 weight
+/// whose scales let values exceed binary16's range; sm_80 (bf16) and `--gpu-memory` (no
+/// architecture) plan it, and scales within range plan everywhere.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_plan_for_an_f16_storage_gpu_refuses_fp8_weights_whose_scales_exceed_binary16() {
+    let memory = |cc: Option<(u32, u32)>| Some(DeviceMemory { free: 1 << 40, total: 1 << 40, cuda: cc.map(|compute_capability| CudaArch { ordinal: 0, compute_capability }) });
+    // 448 x 200 = 89600 > 65504.
+    for (scale, wide) in [(1.0f32, false), (200.0, true)] {
+        let dir = hf_fp8_checkpoint(if wide { "fp8_wide" } else { "fp8_narrow" }, scale);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let store = crate::artifact::WeightStore::open(&dir).unwrap();
+        let tensors = checkpoint_tensors(&dir, &cfg, Some(&store)).unwrap();
+        let base = gpu_input(&cfg, &tensors, None, EngineConfig::default());
+        let v100 = check_gpu_load(&dir, Some(&store), &PlanInput { memory: memory(Some((7, 0))), ..base.clone() });
+        if wide {
+            let e = v100.unwrap_err().to_string();
+            assert!(e.contains("layers.0.mlp.gate_proj.weight") && e.contains("FP8") && e.contains("8.96e4") && e.contains("f16 storage") && e.contains("cuda:0 (compute capability 7.0)"), "{e}");
+        } else {
+            v100.unwrap();
+        }
+        for cc in [Some((8, 0)), None] {
+            check_gpu_load(&dir, Some(&store), &PlanInput { memory: memory(cc), ..base.clone() }).unwrap_or_else(|e| panic!("{cc:?}: {e}"));
+        }
+    }
 }
 
 #[test]

@@ -22,7 +22,7 @@ fn target(device: Option<&str>, gpu_memory: Option<u64>) -> Result<(Target, Opti
         if device.is_some() {
             return Err(NinferError::config("gpu_memory (--gpu-memory)", "give either --gpu-memory or --device, not both"));
         }
-        return Ok((Target::Gpu, Some(DeviceMemory { free: bytes, total: bytes }), format!("a GPU of {:.1} GiB", bytes as f64 / (1u64 << 30) as f64)));
+        return Ok((Target::Gpu, Some(DeviceMemory { free: bytes, total: bytes, cuda: None }), format!("a GPU of {:.1} GiB", bytes as f64 / (1u64 << 30) as f64)));
     }
     let device = device.unwrap_or("auto").trim().to_ascii_lowercase();
     let ordinal = match device.as_str() {

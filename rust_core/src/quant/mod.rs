@@ -281,6 +281,44 @@ impl<'a> QuantTensor<'a> {
     }
 }
 
+/// Binary16's largest finite value: the most an f16-storage device (sm_7x) holds of a value.
+pub const F16_MAX: f32 = 65504.0;
+
+/// The largest magnitude a weight of an FP8 or NVFP4 format can decode to, read from its scales
+/// alone (FP8 row: its bf16 row scales; HF block FP8: its scale tensor; NVFP4: its tensor
+/// divisor), so that a mapped checkpoint pages in only those. None for the integer formats
+/// (their binary16 scales keep the values in binary16's range at the codes their encoders
+/// emit) and for a payload or scale tensor too short to hold the scales (validation refuses it).
+pub fn float_format_bound(t: &QuantTensor<'_>) -> Option<f32> {
+    let [n, k] = t.shape;
+    let whole = || matches!(payload_bytes(t.format, t.shape), Some(Ok(b)) if b == t.data.len());
+    match t.format {
+        QuantFormat::Fp8E4m3fnRowBf16s if whole() => {
+            let max = (0..n).map(|r| scalars::bf16_to_f32(fp8_row::scale_word(t.data, n, k, r))).fold(0.0f32, f32::max);
+            Some(448.0 * max)
+        }
+        QuantFormat::HfFp8Block { .. } => {
+            let s = t.scale.as_ref().filter(|s| matches!(s.dtype, RawDtype::F32 | RawDtype::F16 | RawDtype::BF16))?;
+            let count = s.shape.iter().product::<usize>();
+            (s.bytes.len() >= count * s.dtype.size()).then(|| 448.0 * (0..count).map(|i| hf::float_at(s, i).abs()).fold(0.0f32, f32::max))
+        }
+        QuantFormat::Nvfp4 if whole() => Some(6.0 * 448.0 / nvfp4::divisor(t.data, n, k)),
+        _ => None,
+    }
+}
+
+/// Where `t`'s scales let it decode beyond binary16's range, its refusal on `device`, an
+/// f16-storage device: the prefill route dequantizes into f16, which would hold infinities.
+/// The device's upload and the CUDA loader's plan pass both refuse with it.
+pub fn f16_range_error(t: &QuantTensor<'_>, device: &str) -> Option<NinferError> {
+    let bound = float_format_bound(t).filter(|b| *b > F16_MAX)?;
+    Some(NinferError::QuantTensor {
+        name: t.name.to_string(),
+        format: t.format.name().to_string(),
+        reason: format!("its scales let values reach {bound:e}, beyond the f16 storage type (max 65504) the prefill route dequantizes into: {device} cannot run it"),
+    })
+}
+
 /// Decode rows `rows` of a validated tensor into `out` (`rows.len() * K` values).
 pub(crate) fn dequantize_rows(t: &QuantTensor<'_>, rows: std::ops::Range<usize>, out: &mut [f32]) {
     let [n, k] = t.shape;

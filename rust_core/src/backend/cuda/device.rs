@@ -179,6 +179,11 @@ impl CudaDevice {
         }
     }
 
+    /// "cuda:N (name, arch)": the device as its refusals name it.
+    pub fn describe(&self) -> String {
+        format!("cuda:{} ({}, {})", self.ordinal(), self.name(), self.arch())
+    }
+
     /// The GPU's own compute capability where `NINFER_EMULATE_ARCH` makes it run as another
     /// (`compute_capability`), else None.
     pub fn emulating(&self) -> Option<(u32, u32)> {

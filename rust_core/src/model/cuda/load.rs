@@ -86,6 +86,12 @@ pub trait Sink {
     fn shows_progress(&self) -> bool {
         false
     }
+    /// Refuses a stored FP8 / NVFP4 weight whose scales (all of `t` that is read) let values
+    /// exceed what this sink stores: a plan for an f16-storage device does; the device
+    /// refuses again at upload.
+    fn check_range(&self, _t: &quant::QuantTensor<'_>) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What the projections are held in beyond the checkpoint's dense tensors: `--quantize`'s
@@ -302,6 +308,9 @@ impl<'a> Builder<'a> {
             };
             let f = parts[0].format;
             refuse_shape(&t.name(), f, k)?;
+            for p in &parts {
+                sink.check_range(&p.view())?;
+            }
             let (w, quant) = sink.quant(f, [n, k], || Ok(parts), None)?;
             (w, WeightFormat::Quant(f), quant)
         } else if let Some(held) = self.quantize.filter(|f| *f == QuantFormat::Nvfp4).and_then(|_| nvfp4_held_parts(&t.part_rows(k), k)) {
@@ -368,6 +377,19 @@ impl<'a> Builder<'a> {
         Ok(())
     }
 
+    /// `Sink::check_range` of the HF-quantized `module` (`[rows, k]`) from its stored scale
+    /// tensor alone (mapped: only its pages are read), before any weight is read.
+    fn check_stored_range<S: Sink>(&self, sink: &S, c: &HfQuantConfig, module: &str, rows: usize, k: usize) -> Result<()> {
+        let names = c.tensor_names(module);
+        if !matches!(c.format, QuantFormat::HfFp8Block { .. }) || !self.store.contains(&names.scale) {
+            return Ok(());
+        }
+        let (info, bytes) = self.store.stored(&names.scale)?;
+        let Some(dtype) = RawDtype::from_safetensors(&info.dtype) else { return Ok(()) };
+        let scale = quant::RawTensor { name: &names.scale, dtype, shape: info.shape, bytes };
+        sink.check_range(&quant::QuantTensor { name: &names.data, format: c.format, shape: [rows, k], data: &[], scale: Some(scale), zero: None, g_idx: None })
+    }
+
     /// Bytes the stored tensors of the HF-quantized `modules` take once fused (one g_idx for all).
     fn hf_bytes(&self, c: &HfQuantConfig, modules: &[(String, usize)]) -> Result<usize> {
         let (mut total, mut g_idx, mut g_count) = (0usize, 0usize, 0usize);
@@ -432,6 +454,9 @@ impl<'a> Builder<'a> {
         }
         self.same_g_idx(&c, &quant_name, quant_modules)?;
         refuse_shape(&quant_name, c.format, k)?;
+        for (m, r) in quant_modules {
+            self.check_stored_range(sink, &c, m, *r, k)?;
+        }
         let nq: usize = rows.iter().sum();
         *bytes += crate::plan::gpu::quant_device_bytes(c.format, [nq, k], self.hf_bytes(&c, quant_modules)?) + 2 * tail.as_ref().map_or(0, Packed::numel);
         let store = self.store;
@@ -666,6 +691,17 @@ fn out_of_memory(dev: &CudaDevice, needed: usize, e: cudarc::driver::DriverError
 /// Its projections get `format` and the CUDA-core route: a plan runs nothing.
 struct PlanSink {
     format: WeightFormat,
+    /// The f16-storage device the plan is for, named where a weight's scales exceed binary16's
+    /// range (`quant::f16_range_error`); None: no such check.
+    f16_device: Option<String>,
+}
+
+impl PlanSink {
+    /// The plan of a load onto `dev`, in its storage type.
+    fn of(dev: &CudaDevice) -> Self {
+        let format = dev.storage().into();
+        PlanSink { format, f16_device: (format == WeightFormat::F16).then(|| dev.describe()) }
+    }
 }
 
 impl Sink for PlanSink {
@@ -690,6 +726,13 @@ impl Sink for PlanSink {
 
     fn quant(&mut self, _format: QuantFormat, _shape: [usize; 2], _encode: impl FnOnce() -> Result<Vec<QuantWeight>>, _tail: Option<&Packed<'_>>) -> Result<((), Option<QuantPart>)> {
         Ok(((), None))
+    }
+
+    fn check_range(&self, t: &quant::QuantTensor<'_>) -> Result<()> {
+        match self.f16_device.as_deref().and_then(|device| quant::f16_range_error(t, device)) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
@@ -742,7 +785,11 @@ pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: Weig
 /// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
 /// tensor checked, and quantized, as the load will).
 pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
-    let w = build(&mut PlanSink { format }, store, cfg, quant)?;
+    plan_with(PlanSink { format, f16_device: None }, cfg, store, quant)
+}
+
+fn plan_with(mut sink: PlanSink, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Planned> {
+    let w = build(&mut sink, store, cfg, quant)?;
     let quant_elems = workspace_elems(w.layers.iter().flat_map(layer_linears), w.lm_head.as_ref());
     let min_quant_k = w.layers.iter().flat_map(layer_linears).chain(w.lm_head.as_ref()).filter(|l| matches!(l.format, WeightFormat::Quant(_))).map(|l| l.k).min();
     Ok(Planned { bytes: w.bytes, quant_elems, min_quant_k })
@@ -753,13 +800,16 @@ pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant:
 /// with the checkpoint's headers (`store`), every refusal of the load's plan pass (a fused
 /// projection whose parts cannot be held as one matrix: formats, widths, row units, g_idx, a
 /// dense part before quantized ones; a quantized shape the kernels cannot run; more than one
-/// MTP layer). `ninfer plan` for a GPU and the engine's startup check run it, so that a plan
-/// refuses what the load would. Returns what the load will hold (nothing without `store`).
-pub fn check_load(cfg: &ModelConfig, store: Option<&WeightStore>, quant: &QuantLoad, mtp: bool) -> Result<Planned> {
+/// MTP layer; with `f16_device`, the f16-storage device (sm_7x) the load is for, a stored FP8
+/// / NVFP4 weight whose scales exceed binary16's range). `ninfer plan` for a GPU and the
+/// engine's startup check run it, so that a plan refuses what the load would. Returns what the
+/// load will hold (nothing without `store`).
+pub fn check_load(cfg: &ModelConfig, store: Option<&WeightStore>, quant: &QuantLoad, mtp: bool, f16_device: Option<&str>) -> Result<Planned> {
     super::CudaModel::check_supported(cfg)?;
     let Some(store) = store else { return Ok(Planned { bytes: 0, quant_elems: 0, min_quant_k: None }) };
-    let mut planned = plan(cfg, store, WeightFormat::Bf16, quant)?;
-    let head = if mtp { build_mtp(&mut PlanSink { format: WeightFormat::Bf16 }, store, cfg, quant)? } else { None };
+    let sink = || PlanSink { format: if f16_device.is_some() { WeightFormat::F16 } else { WeightFormat::Bf16 }, f16_device: f16_device.map(str::to_string) };
+    let mut planned = plan_with(sink(), cfg, store, quant)?;
+    let head = if mtp { build_mtp(&mut sink(), store, cfg, quant)? } else { None };
     if let Some(head) = head {
         planned.bytes += head.bytes;
         planned.quant_elems = planned.quant_elems.max(workspace_elems(layer_linears(&head.layer).into_iter().chain([&head.fc]), None));
@@ -779,7 +829,7 @@ impl DevWeights {
     /// `quant`: `--quantize` and the handed-in packed tensors of the projections.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Self> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let planned = plan(cfg, store, dev.storage().into(), quant)?;
+        let planned = plan_with(PlanSink::of(dev), cfg, store, quant)?;
         // The dequantization workspace is allocated beside the weights.
         let needed = planned.bytes + 2 * planned.quant_elems;
         let (free, _) = dev.memory_info()?;
@@ -814,7 +864,7 @@ impl DevMtp {
     /// `shared`: the model's dequantization workspace, used where it is large enough.
     pub fn load(dev: &CudaDevice, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad, shared: Option<Arc<QuantWorkspace>>) -> Result<Option<Self>> {
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let Some(planned) = build_mtp(&mut PlanSink { format: dev.storage().into() }, store, cfg, quant)? else { return Ok(None) };
+        let Some(planned) = build_mtp(&mut PlanSink::of(dev), store, cfg, quant)? else { return Ok(None) };
         let quant_elems = workspace_elems(layer_linears(&planned.layer).into_iter().chain([&planned.fc]), None);
         let (free, _) = dev.memory_info()?;
         let reuse = shared.as_ref().is_some_and(|w| w.elems() >= quant_elems);
@@ -844,7 +894,7 @@ impl DflashWeights {
             e => NinferError::config("drafter (--drafter)", e.to_string()),
         };
         dev.context().bind_to_thread().map_err(driver_err("binding the CUDA context"))?;
-        let planned = build_dflash(&mut PlanSink { format: dev.storage().into() }, store, cfg, d).map_err(flag)?;
+        let planned = build_dflash(&mut PlanSink::of(dev), store, cfg, d).map_err(flag)?;
         let (free, _) = dev.memory_info()?;
         if planned.bytes > free {
             return Err(NinferError::OutOfMemory {

@@ -19,7 +19,7 @@ use super::{quant_chunks, quant_tiles};
 use super::{as_i32, cfg, check_len, check_linear};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::{KernelFamily, StorageDType};
-use crate::quant::{fp8_row, grouped::Grouped, hf, nvfp4, validate, QuantFormat, QuantWeight, RawDtype};
+use crate::quant::{fp8_row, grouped::Grouped, validate, QuantFormat, QuantWeight, RawDtype};
 use crate::{NinferError, Result};
 
 /// Rows of x one GEMV launch takes; larger decode batches run the prefill route.
@@ -227,28 +227,6 @@ fn nvfp4_part_starts(rows: impl Iterator<Item = usize>) -> [i64; 3] {
     [starts[0] | (starts[1] << 32), starts[2] | (starts[3] << 32), 0]
 }
 
-/// The largest magnitude a weight of an FP8 or NVFP4 format can decode to, from its scales
-/// (`None` for the integer formats, whose binary16 scales keep the values in binary16's range
-/// at the codes their encoders emit).
-fn float_format_bound(w: &QuantWeight) -> Option<f32> {
-    let [n, k] = w.shape;
-    match w.format {
-        QuantFormat::Fp8E4m3fnRowBf16s => {
-            let max = (0..n).map(|r| crate::quant::scalars::bf16_to_f32(fp8_row::scale_word(&w.data, n, k, r))).fold(0.0f32, f32::max);
-            Some(448.0 * max)
-        }
-        QuantFormat::HfFp8Block { .. } => {
-            let s = w.scale.as_ref()?;
-            let view = w.view();
-            let t = view.scale.as_ref()?;
-            let count = s.shape.iter().product::<usize>();
-            Some(448.0 * (0..count).map(|i| hf::float_at(t, i).abs()).fold(0.0f32, f32::max))
-        }
-        QuantFormat::Nvfp4 => Some(6.0 * 448.0 / nvfp4::divisor(&w.data, n, k)),
-        _ => None,
-    }
-}
-
 impl CudaDevice {
     /// Where `w` cannot run on this device, the reason, naming the tensor, the format and the
     /// device: K not a multiple of 8 (the kernels decode and load 8 values at a time), and on
@@ -256,17 +234,15 @@ impl CudaDevice {
     /// binary16's range (the prefill route's f16 workspace would hold infinities).
     pub fn check_quant_weight(&self, w: &QuantWeight) -> Result<()> {
         let [_, k] = w.shape;
-        let device = format!("cuda:{} ({}, {})", self.ordinal(), self.name(), self.arch());
-        let refuse = |why: String| NinferError::QuantTensor { name: w.name.clone(), format: w.format.name().to_string(), reason: format!("{why}: {device} cannot run it") };
+        let device = self.describe();
         if !k.is_multiple_of(8) {
-            return Err(refuse(format!("K = {k} is not a multiple of 8, the values the GPU kernels decode at a time")));
+            let reason = format!("K = {k} is not a multiple of 8, the values the GPU kernels decode at a time: {device} cannot run it");
+            return Err(NinferError::QuantTensor { name: w.name.clone(), format: w.format.name().to_string(), reason });
         }
-        if self.storage() == StorageDType::F16 {
-            if let Some(bound) = float_format_bound(w).filter(|b| *b > 65504.0) {
-                return Err(refuse(format!("its scales let values reach {bound:e}, beyond the f16 storage type (max 65504) the prefill route dequantizes into")));
-            }
+        match crate::quant::f16_range_error(&w.view(), &device) {
+            Some(e) if self.storage() == StorageDType::F16 => Err(e),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Validates `w` (refusing it naming the tensor), checks that this device runs it
