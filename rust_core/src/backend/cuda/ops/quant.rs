@@ -239,10 +239,12 @@ impl CudaDevice {
             let reason = format!("K = {k} is not a multiple of 8, the values the GPU kernels decode at a time: {device} cannot run it");
             return Err(NinferError::QuantTensor { name: w.name.clone(), format: w.format.name().to_string(), reason });
         }
-        match crate::quant::f16_range_error(&w.view(), &device) {
-            Some(e) if self.storage() == StorageDType::F16 => Err(e),
-            _ => Ok(()),
+        if self.storage() == StorageDType::F16 {
+            if let Some(e) = crate::quant::f16_range_error(&w.view(), &device) {
+                return Err(e);
+            }
         }
+        Ok(())
     }
 
     /// Validates `w` (refusing it naming the tensor), checks that this device runs it
