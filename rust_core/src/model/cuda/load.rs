@@ -697,6 +697,11 @@ struct PlanSink {
 }
 
 impl PlanSink {
+    /// A plan in `format` that checks no value range.
+    fn new(format: WeightFormat) -> Self {
+        PlanSink { format, f16_device: None }
+    }
+
     /// The plan of a load onto `dev`, in its storage type.
     fn of(dev: &CudaDevice) -> Self {
         let format = dev.storage().into();
@@ -785,7 +790,7 @@ pub fn planned_weight_bytes(cfg: &ModelConfig, store: &WeightStore, format: Weig
 /// The weights of `cfg` in `store` as a load in `format` with `quantize` will hold them (every
 /// tensor checked, and quantized, as the load will).
 pub fn plan(cfg: &ModelConfig, store: &WeightStore, format: WeightFormat, quant: &QuantLoad) -> Result<Planned> {
-    plan_with(PlanSink { format, f16_device: None }, cfg, store, quant)
+    plan_with(PlanSink::new(format), cfg, store, quant)
 }
 
 fn plan_with(mut sink: PlanSink, cfg: &ModelConfig, store: &WeightStore, quant: &QuantLoad) -> Result<Planned> {

@@ -329,7 +329,7 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
         same(&dev.norm, &old_norm(&hm.norm, p1, st), "mtp norm");
         check_layer(&cfg, &hm.layers[0], &dev.layer, st, 0);
         assert!(matches!(&dev.layer.mixer, DevMixer::Attention(a) if a.q_norm.is_some()), "a gated full-attention layer with q/k norms");
-        let planned = build_mtp(&mut PlanSink { format: st.into(), f16_device: None }, &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
+        let planned = build_mtp(&mut PlanSink::new(st.into()), &store, &cfg, &QuantLoad::default()).unwrap().expect("planned").bytes;
         assert_eq!(planned, dev.bytes, "planned MTP bytes");
     }
     // The model's own weights load as without a head; a head of two layers is refused.
@@ -337,11 +337,11 @@ fn the_mtp_head_packs_like_the_host_layouts_and_only_where_the_checkpoint_has_on
     assert_eq!(main.layers.len(), host.layers.len());
     let mut two = cfg.clone();
     two.mtp_num_layers = 2;
-    let e = build_mtp(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
+    let e = build_mtp(&mut PlanSink::new(WeightFormat::Bf16), &store, &two, &QuantLoad::default()).err().expect("two MTP layers").to_string();
     assert!(e.contains("2 MTP layers"), "{e}");
     let plain = checkpoint("q35_no_mtp", "Qwen3_5ForCausalLM", Dtype::BF16);
     let (cfg, store) = (ModelConfig::from_dir(&plain).unwrap(), WeightStore::open(&plain).unwrap());
-    assert!(build_mtp(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &QuantLoad::default()).unwrap().is_none());
+    assert!(build_mtp(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &QuantLoad::default()).unwrap().is_none());
 }
 
 /// A CPU projection's `[n, k]` values in output order, each block decoded as the format
@@ -690,12 +690,12 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let qkv_part = names.iter().find(|n| n.ends_with("k_proj.weight")).unwrap();
         let mut part = (*given).clone();
         part.remove(qkv_part);
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &QuantLoad { given: Some(Arc::new(part)), ..Default::default() }).err().expect("a part missing").to_string();
+        let e = build(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &QuantLoad { given: Some(Arc::new(part)), ..Default::default() }).err().expect("a part missing").to_string();
         assert!(e.contains("only some parts") && e.contains(&qkv_part.replace("k_proj", "q_proj")), "{e}");
         let mut extra = (*given).clone();
         let embed = names::decoder_prefix(&store).to_string() + ".embed_tokens.weight";
         extra.insert(embed.clone(), gguf_q8_0(&store, std::slice::from_ref(&embed)).remove(&embed).unwrap());
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &QuantLoad { given: Some(Arc::new(extra)), ..Default::default() }).err().expect("a packed embedding").to_string();
+        let e = build(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &QuantLoad { given: Some(Arc::new(extra)), ..Default::default() }).err().expect("a packed embedding").to_string();
         assert!(e.contains(&embed) && e.contains("stay dense"), "{e}");
         let mut w8 = (*given).clone();
         let o = names.iter().find(|n| n.ends_with("o_proj.weight") || n.ends_with("out_proj.weight")).unwrap();
@@ -703,7 +703,7 @@ fn handed_in_gguf_rows_fuse_and_decode_to_the_cpu_models_values() {
         let values = rand_vec(n * k, 1);
         let q = crate::quant::QuantFormat::W8G32F16S;
         w8.insert(o.clone(), crate::quant::QuantWeight::packed(o.as_str(), q, [n, k], crate::quant::quantize(q, o, &values, [n, k]).unwrap()));
-        let e = build(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &QuantLoad { given: Some(Arc::new(w8)), ..Default::default() }).err().expect("a W8 tensor handed in").to_string();
+        let e = build(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &QuantLoad { given: Some(Arc::new(w8)), ..Default::default() }).err().expect("a W8 tensor handed in").to_string();
         assert!(e.contains(o.as_str()) && e.contains("W8G32_F16S") && e.contains("only GGUF rows"), "{e}");
     }
 }
@@ -854,7 +854,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &quant).err().expect("dense k_proj").to_string();
+    let e = build(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &quant).err().expect("dense k_proj").to_string();
     assert!(e.contains("HF_FP8_BLOCK") && e.contains("k_proj.weight") && e.contains("not supported yet"), "{e}");
     // Every in_proj part in FP8: b (4 rows) would share an 8-row scale block with a.
     let dir = hf_checkpoint(&hybrid, "q35_hf_blocks", f, qcfg, &[], None);
@@ -862,7 +862,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let store = WeightStore::open(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
     // Refused by the plan pass, before any weight is read.
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &quant).err().expect("unaligned parts").to_string();
+    let e = build(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &quant).err().expect("unaligned parts").to_string();
     assert!(e.contains("in_proj_b rows 0..4") && e.contains("multiples of 8") && e.contains("not supported yet"), "{e}");
     // GPTQ act-order parts with different g_idx, likewise.
     let (g, gcfg) = (QuantFormat::Gptq4 { group: 16, zero_plus_one: true }, serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": true, "sym": false}));
@@ -881,7 +881,7 @@ fn hf_fused_projections_the_gpu_cannot_hold_as_one_are_refused_as_not_supported_
     let store = WeightStore::open(&dir).unwrap();
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let quant = QuantLoad::new(&dir, &Default::default()).unwrap();
-    let e = build(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &quant).err().expect("different g_idx").to_string();
+    let e = build(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &quant).err().expect("different g_idx").to_string();
     assert!(e.contains("HF_GPTQ4") && e.contains("k_proj.weight") && e.contains("g_idx") && e.contains("not supported yet"), "{e}");
     // --quantize on a quantized checkpoint is refused as on the CPU.
     let e = QuantLoad::new(&dir, &quantize_opts(crate::quant::QuantizeMode::Q4)).err().expect("already quantized").to_string();
@@ -1030,12 +1030,12 @@ fn the_dflash_drafter_packs_dense_with_its_fused_projections_in_the_cpu_drafters
             dense(&l.gate_up, &gate_up, 2 * inter, h, "gate|up");
             dense(&l.down, &vals(&format!("{p}.mlp.down_proj.weight"), &[h, inter]), h, inter, "down_proj");
         }
-        let planned = build_dflash(&mut PlanSink { format: st.into(), f16_device: None }, &store, &cfg, &d).unwrap().bytes;
+        let planned = build_dflash(&mut PlanSink::new(st.into()), &store, &cfg, &d).unwrap().bytes;
         assert_eq!(planned, w.bytes, "planned drafter bytes");
         assert_eq!(w.bytes, 2 * store.names().iter().map(|n| store.info(n).unwrap().shape.iter().product::<usize>()).sum::<usize>(), "every tensor, 2 bytes an element");
     }
     let mut more = d.clone();
     more.num_layers += 1;
-    let e = build_dflash(&mut PlanSink { format: WeightFormat::Bf16, f16_device: None }, &store, &cfg, &more).err().expect("a layer the checkpoint lacks").to_string();
+    let e = build_dflash(&mut PlanSink::new(WeightFormat::Bf16), &store, &cfg, &more).err().expect("a layer the checkpoint lacks").to_string();
     assert!(e.contains(&format!("layers.{}", d.num_layers)), "{e}");
 }
