@@ -7,25 +7,7 @@
 // integer arithmetic: they compile for every architecture, though only sm_89 and newer run the
 // GEMMs between them.
 #include "common.cuh"
-
-// Finite binary32 -> E4M3FN word, round to nearest even, saturating at +-448 (never a NaN
-// word): rust_core/src/quant/scalars.rs `f32_to_e4m3`, step for step, so the codes equal the
-// CPU encoder's. A NaN input saturates (fminf keeps the other operand).
-__device__ __forceinline__ unsigned fp8_e4m3_code(float x) {
-    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
-    const float a = fminf(fabsf(x), 448.0f);
-    unsigned bits;
-    if (a < 0.015625f) {
-        // Subnormal step 2^-9 (exact scaling); a code of 8 is the smallest normal word 0x08.
-        bits = __float2uint_rn(a * 512.0f);
-    } else {
-        const int e = (int)((__float_as_uint(a) >> 23) & 0xffu) - 127;
-        // a * 2^(3-e) lies in [8, 16) exactly; a 16 carries into exponent e + 1.
-        const float scaled = a * __uint_as_float((unsigned)(127 + 3 - e) << 23);
-        bits = (unsigned)(e + 7) * 8u + __float2uint_rn(scaled) - 8u;
-    }
-    return sign | min(bits, 0x7eu);
-}
+#include "narrow_float.cuh"
 
 // Row t of x [rows, k] (storage type, 16-byte aligned rows: k a multiple of 8) into E4M3FN
 // codes [rows, k] and its multiplier scale[t] = amax / 448 (f32, 0 for a row of zeros):

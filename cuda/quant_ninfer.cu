@@ -58,8 +58,9 @@ struct dec_fp8_row {
 // tensor divisor), each a whole payload of rows that are a multiple of 128: E2M1 codes
 // row-major (lower K in the low nibble), E4M3FN scales per 16 values in 128-row x 4-group
 // swizzled tiles, the binary32 divisor last: w = e2m1(c) * e4m3(s) / d_w, left to right. The
-// first rows of parts 1 .. 4 are p0's and p1's 32-bit halves (n where absent); part j begins
-// at byte r0 * k / 2 + r0 * k / 16 + 4 * j (no plane is padded at these shapes). Its GEMV is
+// first rows of parts 1 .. 4 are p0's and p1's 32-bit halves (n where absent); each payload is
+// padded to 256 bytes (NVFP4_PART_ALIGN), so part j begins at byte r0 * k / 2 + r0 * k / 16 +
+// 256 * j (no plane is padded within a payload at these shapes). Its GEMV is
 // the chunk GEMV (chunk_nvfp4). nvfp4_part: the part of row `row` (its payload, first row r0
 // and rows).
 __device__ __forceinline__ const unsigned char* nvfp4_part(const qweight& w, int row, long long& r0, long long& rows) {
@@ -80,7 +81,7 @@ __device__ __forceinline__ const unsigned char* nvfp4_part(const qweight& w, int
     }
     rows = r1 - r0;
     const long long k = w.k;
-    return w.data + r0 * k / 2 + r0 * k / 16 + 4 * j;
+    return w.data + r0 * k / 2 + r0 * k / 16 + 256 * j;
 }
 
 struct dec_nvfp4 {
@@ -105,8 +106,7 @@ struct dec_nvfp4 {
 #define E2M1_BIASED_WORDS 0x83828180u, 0x8c888684u, 0x7d7e7f80u, 0x74787a7cu
 
 // NVFP4 for the chunk GEMV: chunk ch is the row's 16 code bytes 16 ch .. (values 32 ch ..
-// 32 ch + 31 in order, two a byte, low nibble first: 16-byte aligned in a weight's first part,
-// 4-byte aligned in the later parts of a stacked one, which take four 4-byte loads), groups 2 ch
+// 32 ch + 31 in order, two a byte, low nibble first: 16-byte aligned in every part), groups 2 ch
 // and 2 ch + 1, whose two E4M3 scales are adjacent bytes of the swizzled plane. The chunk's sum
 // is s0 * sum(2 e2m1 x) over its first 16 values plus s1 * the same over the rest; the row's
 // sum is halved and divided by the part's divisor once.
@@ -116,7 +116,6 @@ struct chunk_nvfp4 {
         const unsigned char* codes;
         const unsigned char* scales;
         float d;
-        bool a16;
     };
     struct Chunk {
         uint4 q;
@@ -134,13 +133,12 @@ struct chunk_nvfp4 {
         out.codes = part + r * k / 2;
         out.scales = part + rows * k / 2 + (r / 128) * (k / 64) * 512 + (inner % 32) * 16 + (inner / 32) * 4;
         out.d = __uint_as_float(q_u32a(part + rows * k / 2 + rows * k / 16));
-        out.a16 = (reinterpret_cast<unsigned long long>(out.codes) & 15u) == 0;
         return out;
     }
     __device__ __forceinline__ static Chunk load(const Row& r, int ch) {
         const unsigned char* p = r.codes + (long long)ch * 16;
         Chunk c;
-        c.q = r.a16 ? qc_ld16(p) : make_uint4(q_u32a(p), q_u32a(p + 4), q_u32a(p + 8), q_u32a(p + 12));
+        c.q = qc_ld16(p);
         c.s = q_u16(r.scales + (long long)(ch >> 1) * 512 + (ch & 1) * 2);
         return c;
     }

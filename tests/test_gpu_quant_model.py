@@ -15,9 +15,10 @@ GEMV (decode) and the chunked dequantize + cuBLAS route (prefill).
 The CPU reference runs f32 activations on the decoded weights; the GPU runs bf16 activations on
 the same decoded weights, so the bounds are those of tests/test_gpu_model.py for dense weights.
 `--quantize fp8` prefill on compute capability 8.9 and newer runs FP8 tensor cores instead
-(cuda/fp8_gemm.cu: each projection's input quantized to E4M3 with a multiplier per row), which
-the CPU does not: its bounds add twice the error those activations alone cause in an f32
-simulation of the same model (`_fp8_simulation`).
+(cuda/fp8_gemm.cu: each projection's input quantized to E4M3 with a multiplier per row), and
+`--quantize nvfp4` prefill on 10.0 and newer FP4 tensor cores (cuda/fp4_gemm.cu: each input row
+quantized to NVFP4), which the CPU does not: their bounds add twice the error those activations
+alone cause in an f32 simulation of the same model (`_simulation`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ TINY_REL_TOL = 5e-2
 #: Demo perplexity on CUDA against the CPU's, same --quantize.
 PPL_REL_TOL = 1e-3
 
-#: The --quantize modes the CUDA loader takes (NVFP4 dequantized: no FP4 tensor-core route).
+#: The --quantize modes the CUDA loader takes.
 MODES = ["w8", "q4", "q5", "q6", "fp8", "nvfp4"]
 
 #: Sizes the kernels are instantiated for (tests/test_gpu_model.py).
@@ -69,8 +70,15 @@ REPO = Path(__file__).resolve().parent.parent
 FP8_GEMM_CC = (8, 9)
 
 
-def _fp8_gemm_on_gpu() -> bool:
-    return torch.cuda.get_device_capability() >= FP8_GEMM_CC
+#: Compute capability from which `--quantize nvfp4` prefill runs FP4 tensor cores on NVFP4
+#: activations (the same `QuantPrefill`).
+FP4_GEMM_CC = (10, 0)
+
+
+def _activations_quantized(mode: str) -> bool:
+    """Whether `mode`'s prefill on this GPU quantizes the projections' inputs (FP8 / FP4 routes)."""
+    cc = torch.cuda.get_device_capability()
+    return (mode == "fp8" and cc >= FP8_GEMM_CC) or (mode == "nvfp4" and cc >= FP4_GEMM_CC)
 
 
 def _e4m3(v):
@@ -95,22 +103,77 @@ def _fp8_activations(x):
     return torch.where(s > 0, _e4m3(x / safe) * s, torch.zeros_like(x))
 
 
-def _fp8_simulation(model_dir: Path, sequences: list) -> list:
-    """transformers in f32 on the CPU with every projection's weight as `--quantize fp8` decodes
-    it: per sequence, the logits with f32 activations (what the CPU backend runs) and with the
-    inputs of the projections the FP8 route takes (N and K multiples of 16; the GDN input
-    projection, fused with its 4-row b / a parts, is not) quantized to E4M3 a row at a time."""
+#: E2M1's magnitudes and the midpoints between them, the tie going to the even word
+#: (`quant::scalars::f32_to_e2m1`: ties at 0.25, 1.25, 2.5 and 5 round down, at 0.75, 1.75 and
+#: 3.5 up).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _e2m1(v):
+    a = v.abs()
+    idx = torch.zeros_like(a, dtype=torch.long)
+    for mid, tie_up in _E2M1_UP:
+        idx += (a >= mid).long() if tie_up else (a > mid).long()
+    return torch.tensor(_E2M1, dtype=v.dtype)[idx] * torch.sign(v)
+
+
+def _nvfp4(v, d):
+    """`v` [..., K] as NVFP4 decodes it under divisor `d` (broadcast over the rows): an E4M3
+    scale e4m3(amax / 6 * d) per 16 values (the smallest subnormal where a nonzero group rounds
+    to zero), E2M1 codes of v * d / s (rust_core/src/quant/nvfp4.rs's encoder)."""
+    g = v.reshape(*v.shape[:-1], v.shape[-1] // 16, 16)
+    d = d[..., None, None]
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    s = _e4m3(amax / 6.0 * d)
+    s = torch.where((s == 0) & (amax > 0), torch.full_like(s, 2.0**-9), s)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    out = torch.where(s > 0, _e2m1(g * (d / safe)) * s / d, torch.zeros_like(g))
+    return out.reshape(v.shape)
+
+
+def _divisor(amax):
+    return torch.where(amax > 0, 2688.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+
+
+def _nvfp4_weight(w):
+    """`w` [N, K] as `--quantize nvfp4` decodes it: one divisor 2688 / amax for the matrix."""
+    return _nvfp4(w, _divisor(w.abs().amax()).expand(w.shape[0]))
+
+
+def _nvfp4_activations(x):
+    """x's rows as cuda/fp4_gemm.cu's `nvfp4_quantize_rows` leaves them: each row an NVFP4
+    matrix of its own (divisor 2688 / amax over the row), decoded."""
+    return _nvfp4(x, _divisor(x.abs().amax(dim=-1)))
+
+
+#: Per mode with an activation-quantizing route: the weight as the mode decodes it, the
+#: activations as the route quantizes them, and which [N, K] projections take the route (the GDN
+#: input projection never: fused with its b / a parts, FP8's N rule and NVFP4's 128-row tiles
+#: leave it on the dequantize route).
+_ROUTES = {
+    "fp8": (_fp8_rows, _fp8_activations, lambda n, k: n % 16 == 0 and k % 16 == 0),
+    "nvfp4": (_nvfp4_weight, _nvfp4_activations, lambda n, k: n % 128 == 0 and k % 64 == 0),
+}
+
+
+def _simulation(model_dir: Path, sequences: list, mode: str = "fp8") -> list:
+    """transformers in f32 on the CPU with every projection's weight as `--quantize mode`
+    decodes it: per sequence, the logits with f32 activations (what the CPU backend runs) and
+    with the inputs of the projections the mode's tensor-core route takes quantized as it
+    quantizes them (`_ROUTES`)."""
     from transformers import AutoModelForCausalLM
 
+    weight, activations, takes = _ROUTES[mode]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     quantize_inputs = [False]
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and (name.endswith("_proj") or ".in_proj_" in name):
             with torch.no_grad():
-                mod.weight.copy_(_fp8_rows(mod.weight.float()))
+                mod.weight.copy_(weight(mod.weight.float()))
             n, k = mod.weight.shape
-            if n % 16 == 0 and k % 16 == 0 and ".in_proj_" not in name:
-                mod.register_forward_pre_hook(lambda m, a: (_fp8_activations(a[0]),) if quantize_inputs[0] else None)
+            if takes(n, k) and ".in_proj_" not in name:
+                mod.register_forward_pre_hook(lambda m, a: (activations(a[0]),) if quantize_inputs[0] else None)
     out = []
     with torch.no_grad():
         for ids in sequences:
@@ -173,14 +236,14 @@ def test_quantized_logits_match_the_cpu_with_the_same_quantize(name, mode, reque
         want, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
         assert got.shape == want.shape and np.isfinite(got).all()
         tol = REL_TOL if name == "demo" else _tiny_tol(model_dir, ids)
-        if mode == "fp8" and _fp8_gemm_on_gpu():
-            # The FP8 route's E4M3 activations: twice the error they cause in the f32 simulation
-            # (measured there: 3.4e-2 on the demo, 1.5e-1 on the random tiny models, whose flat
-            # logits and outlier channels suit a multiplier per row least).
-            f32, a8 = _fp8_simulation(model_dir, [ids])[0]
-            sim = _rel_err(a8, f32)
+        if _activations_quantized(mode):
+            # The route's quantized activations: twice the error they cause in the f32
+            # simulation (FP8 measured there: 3.4e-2 on the demo, 1.5e-1 on the random tiny
+            # models, whose flat logits and outlier channels suit a multiplier per row least).
+            f32, aq = _simulation(model_dir, [ids], mode)[0]
+            sim = _rel_err(aq, f32)
             tol += 2 * sim
-            print(f"{name} --quantize fp8: E4M3 activations move the simulated logits by {sim:.2e}")
+            print(f"{name} --quantize {mode}: quantized activations move the simulated logits by {sim:.2e}")
         errs.append(_rel_err(got, want))
         tols.append(tol)
         print(f"{name} --quantize {mode} (prompt {seed}): prefill logits rel err vs CPU {errs[-1]:.2e} (tol {tol:.2e})")
@@ -216,16 +279,16 @@ def _greedy(model_dir, device, mode, prompts, n):
 @pytest.mark.parametrize("name", ["demo", "qwen3_5"])
 def test_quantized_greedy_output_matches_the_cpu_but_at_near_ties(name, mode, request):
     """Prefill steps of more than 16 rows (the three prompts scheduled together) run the
-    prefill route (`--quantize fp8` on FP8 tensor cores from sm_89: its near-tie gap grows by
-    twice the largest log-probability change E4M3 activations cause in the f32 simulation),
-    decode the fused GEMV."""
+    prefill route (`--quantize fp8` on FP8 tensor cores from sm_89, `--quantize nvfp4` on FP4
+    tensor cores from sm_100: the near-tie gap grows by twice the largest log-probability change
+    their quantized activations cause in the f32 simulation), decode the fused GEMV."""
     model_dir = _model_dir(name, request)
     prompts = ["def add(a, b):\n    return", "The quick brown fox", "for i in range(10):\n"]
     near_tie = NEAR_TIE
-    if mode == "fp8" and _fp8_gemm_on_gpu():
+    if _activations_quantized(mode):
         vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 0
-        f32, a8 = _fp8_simulation(model_dir, [_prompt(name, vocab)])[0]
-        near_tie += 2 * float(np.abs(_logprobs(a8) - _logprobs(f32)).max())
+        f32, aq = _simulation(model_dir, [_prompt(name, vocab)], mode)[0]
+        near_tie += 2 * float(np.abs(_logprobs(aq) - _logprobs(f32)).max())
     cpu = _greedy(model_dir, "cpu", mode, prompts, 24)
     gpu = _greedy(model_dir, "cuda", mode, prompts, 24)
     for c, g in zip(cpu, gpu):
@@ -253,23 +316,23 @@ def test_demo_perplexity_per_format_on_cuda_is_the_cpus():
     from quant_perplexity import gguf_q8_0_tensors
 
     runs.append(("GGUF Q8_0 handed in", dict(quant_tensors=gguf_q8_0_tensors(DEMO / "model"))))
-    fp8_tol = PPL_REL_TOL
-    if _fp8_gemm_on_gpu():
-        # `--quantize fp8` prefill on FP8 tensor cores: twice the perplexity change E4M3
+    route_tol = {}
+    for mode in (m for m in MODES if _activations_quantized(m)):
+        # Prefill on FP8 / FP4 tensor cores: twice the perplexity change the route's quantized
         # activations cause in the f32 simulation.
         from ninfer.demo import perplexity as pooled
 
-        sim = _fp8_simulation(DEMO / "model", windows)
-        f32, a8 = (pooled([p[i] for p in sim], windows) for i in (0, 1))
-        fp8_tol += 2 * abs(a8 / f32 - 1.0)
-        print(f"demo --quantize fp8: E4M3 activations move the simulated perplexity {f32:.4f} -> {a8:.4f}")
+        sim = _simulation(DEMO / "model", windows, mode)
+        f32, aq = (pooled([p[i] for p in sim], windows) for i in (0, 1))
+        route_tol[mode] = PPL_REL_TOL + 2 * abs(aq / f32 - 1.0)
+        print(f"demo --quantize {mode}: quantized activations move the simulated perplexity {f32:.4f} -> {aq:.4f}")
     for what, kwargs in runs:
         ppl = {}
         for device in ("cpu", "cuda"):
             model = _core.Model(str(DEMO / "model"), device=device, logits_dtype="float32", **kwargs)
             ppl[device] = perplexity(model, windows)
         rel = abs(ppl["cuda"] / ppl["cpu"] - 1.0)
-        tol = fp8_tol if kwargs.get("quantize") == "fp8" else PPL_REL_TOL
+        tol = route_tol.get(kwargs.get("quantize"), PPL_REL_TOL)
         print(f"demo {what}: perplexity CPU {ppl['cpu']:.4f}, CUDA {ppl['cuda']:.4f} (rel {rel:.1e}, tol {tol:.1e})")
         assert rel <= tol
 

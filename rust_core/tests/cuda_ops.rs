@@ -183,6 +183,8 @@ mod quant;
 mod fp8_gemm;
 #[path = "cuda_ops/fp8_block.rs"]
 mod fp8_block;
+#[path = "cuda_ops/fp4_gemm.rs"]
+mod fp4_gemm;
 #[path = "cuda_ops/gdn_replay.rs"]
 mod gdn_replay;
 

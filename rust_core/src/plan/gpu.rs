@@ -15,6 +15,18 @@ pub fn fp8_gemm_fits(n: usize, k: usize) -> bool {
     n > 0 && k > 0 && n.is_multiple_of(16) && k.is_multiple_of(16)
 }
 
+/// Where each NVFP4 part's payload starts on the device (a multiple of this many bytes): the
+/// payload ends in its 4-byte divisor, so a stacked weight's later parts would otherwise start
+/// 4 bytes past an alignment the FP4 GEMM (16 bytes; 256 is cuBLASLt's preferred) and the chunk
+/// GEMV's 16-byte loads need.
+pub const NVFP4_PART_ALIGN: usize = 256;
+
+/// Whether cuBLASLt's block-scaled FP4 GEMM takes an `[n, k]` NVFP4 part: the NVFP4 layout's
+/// own rule (rows in 128-row tiles, K in 64-value tiles), which also meets the GEMM's.
+pub fn nvfp4_gemm_fits(n: usize, k: usize) -> bool {
+    n > 0 && k > 0 && n.is_multiple_of(128) && k.is_multiple_of(64)
+}
+
 /// Bytes a `(tile, block)` of the CUDA backend's 4-bit tiled layout holds (16 rows by 128
 /// values: codes, 16-bit scales, and zeros where the weight has them): the geometry of
 /// `backend::cuda::ops::quant_tiles`, kept here so that the plan counts what the upload holds.
@@ -43,12 +55,13 @@ pub fn q4_tiled_layout(format: QuantFormat) -> Option<bool> {
 }
 
 /// Bytes the CUDA backend holds for a quantized `[n, k]` weight (one matrix, a fused
-/// projection's parts stacked) whose stored tensors take `stored` bytes: the tiled layout's
-/// for Q4G64_F16S; for the HF 4-bit forms the layout may take, the larger of the two, since
+/// projection's parts stacked; an NVFP4 part alone) whose stored tensors take `stored` bytes:
+/// an NVFP4 payload padded to NVFP4_PART_ALIGN; the tiled layout's for Q4G64_F16S; for the HF 4-bit forms the layout may take, the larger of the two, since
 /// only the values decide (an act-order g_idx, or F32 scales that are neither f16 nor bf16
 /// values, keep the stored form); else `stored`.
 pub fn quant_device_bytes(format: QuantFormat, [n, k]: [usize; 2], stored: usize) -> usize {
     match (format, q4_tiled_layout(format)) {
+        (QuantFormat::Nvfp4, _) => stored.next_multiple_of(NVFP4_PART_ALIGN),
         (QuantFormat::Q4G64F16S, Some(zeros)) => q4_tiled_bytes(n, k, zeros),
         (_, Some(zeros)) => q4_tiled_bytes(n, k, zeros).max(stored),
         (_, None) => stored,

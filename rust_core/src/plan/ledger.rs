@@ -10,7 +10,7 @@ use super::formats::QuantFormat;
 use super::inventory::{checkpoint_tensors, PlannedTensor, Role};
 use super::memory::{device_memory, host_available_bytes, DeviceMemory};
 use super::drafter::{drafter_bytes, DrafterBytes};
-use super::gpu::{fp8_gemm_fits, mtp_layers_error, nvfp4_held_parts, quant_device_bytes, quant_shape_error, LT_WORKSPACE_BYTES};
+use super::gpu::{fp8_gemm_fits, mtp_layers_error, nvfp4_gemm_fits, nvfp4_held_parts, quant_device_bytes, quant_shape_error, LT_WORKSPACE_BYTES};
 use super::{cache_spec, reserve_bytes, verify_rows, Target};
 use crate::artifact::WeightStore;
 use crate::config::ModelConfig;
@@ -326,7 +326,8 @@ fn is_mtp(engine: &EngineConfig) -> bool {
 /// when a weight takes an FP8 tensor-core route: `--quantize fp8` rows (FP8_E4M3FN_ROW_BF16S)
 /// whose fused N and K are multiples of 16 (`fp8_gemm_fits`), the LM head's with
 /// `--quantize-lm-head`, and a checkpoint's HF block FP8 projections of 128 x 128 blocks at
-/// such fused shapes (the block-scaled route). The routes also need sm_89 or newer (bf16
+/// such fused shapes (the block-scaled route); NVFP4 parts (stored or `--quantize nvfp4`) where
+/// the device is sm_100 or newer or unnamed (the FP4 route). The FP8 routes also need sm_89 or newer (bf16
 /// storage for the rows; the block route a cuBLASLt with block scaling, sm_90), which a plan
 /// for `--gpu-memory` cannot know: it counts the workspace wherever a shape would take it. The
 /// routes' activation codes and multipliers live in the dequantization workspace
@@ -346,7 +347,15 @@ pub fn lt_workspace_bytes(input: &PlanInput<'_>) -> u64 {
             && tensors.iter().any(|t| (t.role == Role::LmHead || (t.role == Role::Embedding && input.cfg.tie_word_embeddings)) && t.stored.is_none() && fp8_gemm_fits(t.shape[0], t.shape[1]));
         body || head
     });
-    if stored || quantized {
+    // The NVFP4 route (FP4 tensor cores, sm_100 and newer: counted unless the plan names an
+    // older device) for NVFP4 parts the layout holds, stored or `--quantize nvfp4`.
+    let fp4_device = input.memory.as_ref().and_then(|m| m.cuda).is_none_or(|a| a.compute_capability.0 >= 10);
+    let nvfp4_quantized = input.quantize.is_some_and(|f| f.mode == QuantizeMode::Nvfp4);
+    let nvfp4 = fp4_device
+        && tensors.iter().any(|t| {
+            t.role == Role::Matrix && t.shape.len() == 2 && nvfp4_gemm_fits(t.shape[0], t.shape[1]) && (t.stored.is_some_and(|q| q.format == crate::quant::QuantFormat::Nvfp4) || (nvfp4_quantized && t.stored.is_none()))
+        });
+    if stored || quantized || nvfp4 {
         LT_WORKSPACE_BYTES as u64
     } else {
         0

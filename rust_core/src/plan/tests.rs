@@ -396,6 +396,30 @@ fn fp8_weights_on_fp8_tensor_core_shapes_count_the_cublaslt_workspace() {
     assert_eq!(lt_workspace_bytes(&PlanInput { quantize_lm_head: true, ..i }), 0);
 }
 
+/// `--quantize nvfp4` counts the cuBLASLt workspace of the FP4 route wherever a part's shape
+/// takes it, unless the plan names a device older than sm_100; shapes NVFP4 cannot hold (K =
+/// 72: no part is packed) count none.
+#[test]
+fn nvfp4_parts_count_the_cublaslt_workspace_unless_the_device_has_no_fp4_tensor_cores() {
+    use crate::plan::gpu::LT_WORKSPACE_BYTES;
+    use crate::plan::ledger::lt_workspace_bytes;
+    use crate::plan::memory::{CudaArch, DeviceMemory};
+    let dir = checkpoint_of("lt_nvfp4", false, cuda_dims());
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    let nvfp4 = gpu_input(&cfg, &tensors, Some("nvfp4"), EngineConfig::default());
+    assert_eq!(lt_workspace_bytes(&nvfp4), LT_WORKSPACE_BYTES as u64, "no device named");
+    let on = |cc: (u32, u32)| PlanInput { memory: Some(DeviceMemory { free: 80 << 30, total: 80 << 30, cuda: Some(CudaArch { ordinal: 0, compute_capability: cc }) }), ..nvfp4.clone() };
+    assert_eq!(lt_workspace_bytes(&on((10, 0))), LT_WORKSPACE_BYTES as u64);
+    assert_eq!(lt_workspace_bytes(&on((12, 0))), LT_WORKSPACE_BYTES as u64);
+    assert_eq!(lt_workspace_bytes(&on((9, 0))), 0, "an H100 dequantizes NVFP4 for prefill");
+    assert_eq!(lt_workspace_bytes(&PlanInput { target: Target::Cpu, ..nvfp4.clone() }), 0);
+    let odd = checkpoint_of("lt_nvfp4_odd", false, TinyDims { h: 72, inter: 136, ..cuda_dims() });
+    let cfg = ModelConfig::from_dir(&odd).unwrap();
+    let tensors = model_tensors(&cfg, None).unwrap();
+    assert_eq!(lt_workspace_bytes(&gpu_input(&cfg, &tensors, Some("nvfp4"), EngineConfig::default())), 0);
+}
+
 /// A checkpoint's HF block FP8 projections of 128 x 128 blocks count the cuBLASLt workspace of
 /// their block-scaled route where a fused shape's N and K are multiples of 16; other block
 /// sizes (the dequantize route) and shapes cuBLASLt cannot take (K = 72) count none.

@@ -1,8 +1,8 @@
-//! cuBLASLt's FP8 GEMMs, the tensor-core products of the FP8 prefill routes. Row-major on our
-//! side; as for cuBLAS (blas.rs) we ask for y^T = W * x^T, which is the TN form cuBLASLt's FP8
-//! kernels require on sm_89 / sm_90 / sm_120: A = W transposed ([k, n] column-major, op T), B =
-//! x^T not ([k, m]), D = y^T ([n, m]), both operands K-contiguous; cuBLASLt's M is our N, its N
-//! our row count m.
+//! cuBLASLt's FP8 and FP4 GEMMs, the tensor-core products of the low-precision prefill routes.
+//! Row-major on our side; as for cuBLAS (blas.rs) we ask for y^T = W * x^T, which is the TN form
+//! cuBLASLt's FP8 and FP4 kernels require on sm_89 / sm_90 / sm_100 / sm_120: A = W transposed
+//! ([k, n] column-major, op T), B = x^T not ([k, m]), D = y^T ([n, m]), both operands
+//! K-contiguous; cuBLASLt's M is our N, its N our row count m.
 //!
 //! - Unit scales (ops/fp8_linear.rs, FP8_E4M3FN_ROW_BF16S): y[M, N] (bf16) = codes_x *
 //!   codes_w^T, f32 accumulation, the caller applying the row multipliers afterwards.
@@ -17,6 +17,14 @@
 //!   to 4, so A's (our weight) are [ceil(n / 128)][L4] with the K blocks contiguous (the HF
 //!   `weight_scale_inv` [ceil(N/128), L] row-major is that where L is a multiple of 4).
 //!   cuBLASLt's M and N (our n and m) must be multiples of 4 and the factors 16-byte aligned.
+//! - NVFP4 (ops/fp4_linear.rs): E2M1 operands, A_SCALE_MODE = B_SCALE_MODE =
+//!   CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 (an E4M3 factor per 16 values along K; sm_100
+//!   and newer), the factors in the guide's 128 x 4 tiles: for an operand of R rows (its outer
+//!   dimension) the tile of rows r / 128 and 16-value blocks g / 4 is tile (r / 128) * ceil(K /
+//!   64) + g / 4, 512 bytes, the factor at (r % 32) * 16 + (r % 128 / 32) * 4 + g % 4: the NVFP4
+//!   layout's scale plane (quant/nvfp4.rs), which the weight passes as stored. alpha (a host
+//!   scalar) is the weight's 1 / d_w; the output bfloat16, its leading dimension the caller's
+//!   (a stacked weight's parts write their columns of one y).
 //!
 //! Requirements (cuBLASLt's FP8 rules, checked by `fp8_gemm_fits` and at each call): K and N
 //! multiples of 16 (16-byte leading dimensions of the codes and of the 16-bit output, whose
@@ -34,14 +42,14 @@ use super::device::{driver_err, CudaDevice};
 use crate::{NinferError, Result};
 
 // The workspace size and the FP8 shape rule are the memory plan's too (plan/gpu.rs).
-pub use crate::plan::gpu::{fp8_gemm_fits, LT_WORKSPACE_BYTES};
+pub use crate::plan::gpu::{fp8_gemm_fits, nvfp4_gemm_fits, LT_WORKSPACE_BYTES};
 
 /// A cuBLASLt handle with its workspace and the algorithm its heuristic chose per shape.
 pub struct BlasLt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     /// (scaling, N, M, K) -> the heuristic's first algorithm: asked once per shape, not per call.
-    algos: Mutex<HashMap<(Fp8Scaling, usize, usize, usize), sys::cublasLtMatmulAlgo_t>>,
+    algos: Mutex<HashMap<(LtScaling, usize, usize, usize), sys::cublasLtMatmulAlgo_t>>,
     /// Keeps the context alive while the handle is.
     _stream: Arc<CudaStream>,
 }
@@ -60,18 +68,21 @@ impl Drop for BlasLt {
     }
 }
 
-/// How an FP8 GEMM scales its operands (module doc).
+/// The operands of a cuBLASLt GEMM and how they are scaled (module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Fp8Scaling {
-    /// Unit scales, bf16 raw sums.
+enum LtScaling {
+    /// E4M3 operands, unit scales, bf16 raw sums.
     Unit,
-    /// The weight's 128 x 128 blocks and the activations' 128-value groups, each with an f32
-    /// multiplier; output in binary16 (`f16_out`) or bfloat16.
+    /// E4M3 operands, the weight's 128 x 128 blocks and the activations' 128-value groups, each
+    /// with an f32 multiplier; output in binary16 (`f16_out`) or bfloat16.
     Block { f16_out: bool },
+    /// E2M1 operands with an E4M3 factor per 16 values of each, bf16 output of leading
+    /// dimension `ldd`.
+    Nvfp4 { ldd: usize },
 }
 
 /// The descriptors of one FP8 GEMM shape and its algorithm (`CudaDevice::fp8_plan`).
-struct Fp8Plan {
+struct LtPlan {
     desc: Owned<sys::cublasLtMatmulDesc_t>,
     a: Owned<sys::cublasLtMatrixLayout_t>,
     b: Owned<sys::cublasLtMatrixLayout_t>,
@@ -129,16 +140,16 @@ impl CudaDevice {
         Ok(b)
     }
 
-    /// The descriptors of the FP8 GEMM of `m` x `n` x `k` with `scaling` and the algorithm
+    /// The descriptors of the FP8 or FP4 GEMM of `m` x `n` x `k` with `scaling` and the algorithm
     /// cuBLASLt's heuristic gives it (asked once per shape); an error naming the shape and the
     /// device where this cuBLASLt has none, or where a dimension exceeds i32.
-    fn fp8_plan(&self, lt: &BlasLt, scaling: Fp8Scaling, m: usize, n: usize, k: usize) -> Result<Fp8Plan> {
+    fn lt_plan(&self, lt: &BlasLt, scaling: LtScaling, m: usize, n: usize, k: usize) -> Result<LtPlan> {
         if [m, n, k].iter().any(|&d| d > i32::MAX as usize) {
             return Err(NinferError::Device(format!("fp8 gemm dims {:?} exceed i32", [m, n, k])));
         }
-        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F, CUDA_R_8F_E4M3};
+        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F, CUDA_R_4F_E2M1, CUDA_R_8F_E4M3};
         use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE};
-        use sys::cublasLtMatmulMatrixScale_t::{CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F};
+        use sys::cublasLtMatmulMatrixScale_t::{CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3};
         let desc = Owned(result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F).map_err(lt_err("creating the matmul descriptor"))?, result::destroy_matmul_desc);
         // cublasOperation_t: 1 = T, 0 = N.
         let (op_t, op_n) = (1i32, 0i32);
@@ -147,9 +158,14 @@ impl CudaDevice {
         unsafe {
             set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_t)?;
             set_desc(desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
-            if let Fp8Scaling::Block { .. } = scaling {
-                set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &(CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32))?;
-                set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &(CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32))?;
+            let modes = match scaling {
+                LtScaling::Unit => None,
+                LtScaling::Block { .. } => Some((CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F)),
+                LtScaling::Nvfp4 { .. } => Some((CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3, CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3)),
+            };
+            if let Some((a_mode, b_mode)) = modes {
+                set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &(a_mode as i32))?;
+                set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &(b_mode as i32))?;
                 // Aligned device addresses until the call sets the real ones, so that the
                 // heuristic never sees a block-scaled GEMM without its factors.
                 let placeholder = lt.workspace.device_ptr(self.stream()).0;
@@ -158,16 +174,21 @@ impl CudaDevice {
             }
         }
         let out_type = match scaling {
-            Fp8Scaling::Block { f16_out: true } => CUDA_R_16F,
+            LtScaling::Block { f16_out: true } => CUDA_R_16F,
             _ => CUDA_R_16BF,
         };
         let layout = |t, rows: usize, cols: usize, ld: usize| {
             result::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map(|l| Owned(l, result::destroy_matrix_layout)).map_err(lt_err("creating a matrix layout"))
         };
-        // Column-major views: A = W as [k, n] (op T), B = x^T as [k, m], D = y^T as [n, m].
-        let a = layout(CUDA_R_8F_E4M3, k, n, k)?;
-        let b = layout(CUDA_R_8F_E4M3, k, m, k)?;
-        let d = layout(out_type, n, m, n)?;
+        let (operand, ldd) = match scaling {
+            LtScaling::Nvfp4 { ldd } => (CUDA_R_4F_E2M1, ldd),
+            _ => (CUDA_R_8F_E4M3, n),
+        };
+        // Column-major views: A = W as [k, n] (op T), B = x^T as [k, m], D = y^T as [n, m]
+        // (leading dimensions in elements, also for the packed E2M1 operands).
+        let a = layout(operand, k, n, k)?;
+        let b = layout(operand, k, m, k)?;
+        let d = layout(out_type, n, m, ldd)?;
         let mut algos = lt.algos.lock().expect("cublasLt algorithms poisoned");
         let algo = match algos.get(&(scaling, n, m, k)) {
             Some(a) => *a,
@@ -185,12 +206,12 @@ impl CudaDevice {
                     .map_err(lt_err("setting the workspace preference"))?;
                     result::get_matmul_algo_heuristic(lt.handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
                 }
-                .map_err(|e| NinferError::Device(format!("cuBLASLt has no FP8 GEMM ({scaling:?} scales) for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
+                .map_err(|e| NinferError::Device(format!("cuBLASLt has no {scaling:?} GEMM for m={m} n={n} k={k} on cuda:{} ({}): {e:?}", self.ordinal(), self.name())))?;
                 algos.insert((scaling, n, m, k), heur.algo);
                 heur.algo
             }
         };
-        Ok(Fp8Plan { desc, a, b, d, algo })
+        Ok(LtPlan { desc, a, b, d, algo })
     }
 
     /// Whether this device's cuBLASLt has an FP8 GEMM for an `[n, k]` weight (asked of its
@@ -198,7 +219,7 @@ impl CudaDevice {
     /// without one leaves the weight on the dequantize route rather than failing its steps.
     pub fn fp8_gemm_available(&self, n: usize, k: usize) -> Result<()> {
         let lt = self.blas_lt()?;
-        self.fp8_plan(&lt, Fp8Scaling::Unit, 64, n, k).map(|_| ())
+        self.lt_plan(&lt, LtScaling::Unit, 64, n, k).map(|_| ())
     }
 
     /// Whether this device's cuBLASLt has a block-scaled FP8 GEMM (module doc) for an `[n, k]`
@@ -212,7 +233,7 @@ impl CudaDevice {
         }
         let lt = self.blas_lt()?;
         for m in [64, 4] {
-            self.fp8_plan(&lt, Fp8Scaling::Block { f16_out }, m, n, k)?;
+            self.lt_plan(&lt, LtScaling::Block { f16_out }, m, n, k)?;
         }
         Ok(())
     }
@@ -228,8 +249,8 @@ impl CudaDevice {
             return Ok(());
         }
         let lt = self.blas_lt()?;
-        let plan = self.fp8_plan(&lt, Fp8Scaling::Unit, m, n, k)?;
-        self.fp8_matmul(&lt, &plan, x, w, y).map_err(|e| NinferError::Device(format!("cublasLtMatmul (FP8) m={m} n={n} k={k}: {e:?}")))
+        let plan = self.lt_plan(&lt, LtScaling::Unit, m, n, k)?;
+        self.lt_matmul(&lt, &plan, x, w, y, 1.0).map_err(|e| NinferError::Device(format!("cublasLtMatmul (FP8) m={m} n={n} k={k}: {e:?}")))
     }
 
     /// y[m, n] (16-bit at `y`, row stride n: binary16 with `f16_out`, else bfloat16) =
@@ -249,21 +270,62 @@ impl CudaDevice {
             return Ok(());
         }
         let lt = self.blas_lt()?;
-        let plan = self.fp8_plan(&lt, Fp8Scaling::Block { f16_out }, m, n, k)?;
+        let plan = self.lt_plan(&lt, LtScaling::Block { f16_out }, m, n, k)?;
         use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
         // SAFETY: the descriptor is live; the scale pointers are device addresses (void*).
         unsafe {
             set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
             set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)?;
         }
-        self.fp8_matmul(&lt, &plan, x, w, y).map_err(|e| NinferError::Device(format!("cublasLtMatmul (block-scaled FP8) m={m} n={n} k={k}: {e:?}")))
+        self.lt_matmul(&lt, &plan, x, w, y, 1.0).map_err(|e| NinferError::Device(format!("cublasLtMatmul (block-scaled FP8) m={m} n={n} k={k}: {e:?}")))
     }
 
-    /// One cublasLtMatmul of `plan` (alpha 1, beta 0) over the code matrices at `x` and `w`
+    /// Whether this device's cuBLASLt has a block-scaled FP4 GEMM (module doc) for an `[n, k]`
+    /// NVFP4 weight part writing a y of `ldd` columns, asked of its heuristic at 128 rows and
+    /// at 17 (the route's smallest launch; no GPU work): the NVFP4 route's check at load, so
+    /// that a library or device without one leaves the weight on the dequantize route.
+    pub fn nvfp4_gemm_available(&self, n: usize, k: usize, ldd: usize) -> Result<()> {
+        if !nvfp4_gemm_fits(n, k) {
+            return Err(NinferError::Device(format!("the FP4 GEMM takes NVFP4 parts of rows in multiples of 128 and K of 64, not [{n}, {k}]")));
+        }
+        let lt = self.blas_lt()?;
+        for m in [128, 17] {
+            self.lt_plan(&lt, LtScaling::Nvfp4 { ldd }, m, n, k)?;
+        }
+        Ok(())
+    }
+
+    /// y[m, n] (bfloat16 at `y`, row stride `ldd`) = alpha * sum over the 16-value groups g of
+    /// xs[t, g] * ws[n, g] * (codes_x[t, g] . codes_w[n, g]): cuBLASLt's block-scaled FP4 GEMM
+    /// (module doc) over row-major E2M1 code matrices `x` [m, k / 2 bytes] and `w` [n, k / 2
+    /// bytes] with their swizzled E4M3 factor planes `xs` and `ws` (device addresses). The
+    /// caller checked the buffers' lengths; here the shape and alignment rules are checked.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn nvfp4_gemm_raw(&self, x: u64, xs: u64, w: u64, ws: u64, y: u64, [m, n, k]: [usize; 3], ldd: usize, alpha: f32) -> Result<()> {
+        if !nvfp4_gemm_fits(n, k) || ldd < n || !ldd.is_multiple_of(8) || [x, xs, w, ws, y].iter().any(|p| !p.is_multiple_of(16)) {
+            return Err(NinferError::Device(format!(
+                "fp4 gemm m={m} n={n} k={k} ldd={ldd}: cuBLASLt's FP4 GEMM takes N in multiples of 128, K of 64, 16-byte aligned operands and factors"
+            )));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        let lt = self.blas_lt()?;
+        let plan = self.lt_plan(&lt, LtScaling::Nvfp4 { ldd }, m, n, k)?;
+        use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
+        // SAFETY: the descriptor is live; the scale pointers are device addresses (void*).
+        unsafe {
+            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
+            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)?;
+        }
+        self.lt_matmul(&lt, &plan, x, w, y, alpha).map_err(|e| NinferError::Device(format!("cublasLtMatmul (NVFP4) m={m} n={n} k={k}: {e:?}")))
+    }
+
+    /// One cublasLtMatmul of `plan` (beta 0) over the code matrices at `x` and `w`
     /// into `y`, on this device's stream.
-    fn fp8_matmul(&self, lt: &BlasLt, plan: &Fp8Plan, x: u64, w: u64, y: u64) -> std::result::Result<(), result::CublasError> {
-        let Fp8Plan { desc, a, b, d, algo } = plan;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+    fn lt_matmul(&self, lt: &BlasLt, plan: &LtPlan, x: u64, w: u64, y: u64, alpha: f32) -> std::result::Result<(), result::CublasError> {
+        let LtPlan { desc, a, b, d, algo } = plan;
+        let beta = 0.0f32;
         let s = self.stream();
         let (wsp, _g) = lt.workspace.device_ptr(s);
         // SAFETY: the operands are live device buffers of the shapes the layouts give (the
@@ -304,6 +366,9 @@ mod tests {
         use sys::cublasLtMatmulMatrixScale_t as S;
         assert_eq!((D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE as u32, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE as u32), (31, 32));
         assert_eq!((S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32, S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32), (4, 5));
+        // CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 = 1, CUDA_R_4F_E2M1 = 33 (library_types.h).
+        assert_eq!(S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 as u32, 1);
+        assert_eq!(sys::cudaDataType::CUDA_R_4F_E2M1 as u32, 33);
     }
 
     #[test]

@@ -3,20 +3,22 @@
 //! Kernels are compiled from these sources with NVRTC on the machine that runs them, for its
 //! exact architecture (see `nvrtc.rs` and docs/kernels.md), so the crate itself never needs a
 //! CUDA toolkit to build. Each `.cu` in `cuda/` is one family; the headers (`HEADERS`:
-//! `common.cuh`, which they all include, and the attention families' `attention_keys.cuh` and
-//! `attention_mma.cuh`) are handed to NVRTC with each.
+//! `common.cuh`, which they all include, the attention families' `attention_keys.cuh` and
+//! `attention_mma.cuh`, the quantized families' `quant.cuh` and `quant_chunk.cuh`, and the
+//! low-precision GEMM routes' `narrow_float.cuh`) are handed to NVRTC with each.
 
 /// The header every kernel source includes (`#include "common.cuh"`).
 pub const COMMON_HEADER: &str = include_str!("../../../../cuda/common.cuh");
 
 /// Every header a kernel source may include, by the name it includes it as: handed to NVRTC
 /// with each program and hashed into the kernel cache's keys.
-pub const HEADERS: [(&str, &str); 5] = [
+pub const HEADERS: [(&str, &str); 6] = [
     ("common.cuh", COMMON_HEADER),
     ("attention_keys.cuh", include_str!("../../../../cuda/attention_keys.cuh")),
     ("attention_mma.cuh", include_str!("../../../../cuda/attention_mma.cuh")),
     ("quant.cuh", include_str!("../../../../cuda/quant.cuh")),
     ("quant_chunk.cuh", include_str!("../../../../cuda/quant_chunk.cuh")),
+    ("narrow_float.cuh", include_str!("../../../../cuda/narrow_float.cuh")),
 ];
 
 /// Architectures CI compiles every kernel for (V100 through H100/H200, and the RTX 50 series'
@@ -116,11 +118,14 @@ pub enum KernelFamily {
     /// The FP8 prefill route's activation quantization and scaling epilogue around cuBLASLt's
     /// FP8 GEMM (sm_89+; compiled for every arch like the rest).
     Fp8Gemm,
+    /// The NVFP4 prefill route's activation quantization and row scaling around cuBLASLt's
+    /// block-scaled FP4 GEMM (sm_100+; compiled for every arch like the rest).
+    Fp4Gemm,
 }
 
 impl KernelFamily {
     /// Every family, in the order CI compiles them.
-    pub const ALL: [KernelFamily; 17] = [
+    pub const ALL: [KernelFamily; 18] = [
         KernelFamily::Embedding,
         KernelFamily::Norm,
         KernelFamily::Rope,
@@ -138,6 +143,7 @@ impl KernelFamily {
         KernelFamily::QuantGguf,
         KernelFamily::QuantHf,
         KernelFamily::Fp8Gemm,
+        KernelFamily::Fp4Gemm,
     ];
 
     /// The oldest compute capability (major * 10 + minor) the family is built for: the
@@ -157,7 +163,7 @@ impl KernelFamily {
 
     /// Whether the family holds quantized-weight kernels (loaded only with quantized weights).
     pub fn is_quant(self) -> bool {
-        matches!(self, KernelFamily::QuantNinfer | KernelFamily::QuantGguf | KernelFamily::QuantHf | KernelFamily::Fp8Gemm)
+        matches!(self, KernelFamily::QuantNinfer | KernelFamily::QuantGguf | KernelFamily::QuantHf | KernelFamily::Fp8Gemm | KernelFamily::Fp4Gemm)
     }
 
     /// File name under `cuda/` (also the NVRTC program name, so errors point at the file).
@@ -180,6 +186,7 @@ impl KernelFamily {
             KernelFamily::QuantGguf => "quant_gguf.cu",
             KernelFamily::QuantHf => "quant_hf.cu",
             KernelFamily::Fp8Gemm => "fp8_gemm.cu",
+            KernelFamily::Fp4Gemm => "fp4_gemm.cu",
         }
     }
 
@@ -203,6 +210,7 @@ impl KernelFamily {
             KernelFamily::QuantGguf => include_str!("../../../../cuda/quant_gguf.cu"),
             KernelFamily::QuantHf => include_str!("../../../../cuda/quant_hf.cu"),
             KernelFamily::Fp8Gemm => include_str!("../../../../cuda/fp8_gemm.cu"),
+            KernelFamily::Fp4Gemm => include_str!("../../../../cuda/fp4_gemm.cu"),
         }
     }
 }

@@ -62,19 +62,27 @@ impl QuantPart {
     pub fn new(dev: &CudaDevice, weight: DeviceQuantWeight, workspace: Arc<QuantWorkspace>) -> Result<Self> {
         static SAID_ROWS: std::sync::Once = std::sync::Once::new();
         static SAID_BLOCKS: std::sync::Once = std::sync::Once::new();
+        static SAID_NVFP4: std::sync::Once = std::sync::Once::new();
         let mut prefill = QuantPrefill::choose(dev, &weight);
         let available = match prefill {
             QuantPrefill::Dequantize => Ok(()),
             QuantPrefill::Fp8Gemm => dev.fp8_gemm_available(weight.n, weight.k),
             QuantPrefill::Fp8Block => dev.fp8_block_gemm_available(weight.n, weight.k, dev.storage() == StorageDType::F16),
+            QuantPrefill::Nvfp4Gemm => weight.nvfp4_part_rows().iter().try_for_each(|&rows| dev.nvfp4_gemm_available(rows, weight.k, weight.n)),
         };
         if let Err(e) = available {
-            let said = if prefill == QuantPrefill::Fp8Gemm { &SAID_ROWS } else { &SAID_BLOCKS };
-            said.call_once(|| eprintln!("ninfer: {} and the FP8 weights like it dequantize for prefill: {e}", weight.name));
+            let (said, what) = match prefill {
+                QuantPrefill::Fp8Gemm => (&SAID_ROWS, "FP8"),
+                QuantPrefill::Nvfp4Gemm => (&SAID_NVFP4, "NVFP4"),
+                _ => (&SAID_BLOCKS, "FP8"),
+            };
+            said.call_once(|| eprintln!("ninfer: {} and the {what} weights like it dequantize for prefill: {e}", weight.name));
             prefill = QuantPrefill::Dequantize;
         }
-        if prefill != QuantPrefill::Dequantize {
-            dev.load_kernel_families(&[KernelFamily::Fp8Gemm])?;
+        match prefill {
+            QuantPrefill::Dequantize => {}
+            QuantPrefill::Nvfp4Gemm => dev.load_kernel_families(&[KernelFamily::Fp4Gemm])?,
+            _ => dev.load_kernel_families(&[KernelFamily::Fp8Gemm])?,
         }
         Ok(QuantPart { weight, workspace, prefill })
     }
@@ -93,45 +101,57 @@ pub enum QuantPrefill {
     /// HF block FP8 weight's codes, both sets of multipliers applied inside it
     /// (`CudaDevice::fp8_block_linear`).
     Fp8Block,
+    /// x quantized to NVFP4 a row at a time, cuBLASLt's block-scaled FP4 GEMM per part of an
+    /// NVFP4 weight, the row divisors applied after (`CudaDevice::nvfp4_linear`).
+    Nvfp4Gemm,
 }
 
 impl QuantPrefill {
     /// FP8 tensor cores (compute capability 8.9 and newer) for weights whose N and K are
     /// multiples of 16 (cuBLASLt's FP8 rule) and without dense rows: FP8_E4M3FN_ROW_BF16S on
     /// bf16 storage (which holds the GEMM's raw sums), HF block FP8 of 128 x 128 blocks (the
-    /// GEMM scales inside, into either storage type; whether this cuBLASLt has it on this
-    /// device is asked at load, `QuantPart::new`); every other weight, device and shape
+    /// GEMM scales inside, into either storage type). FP4 tensor cores (10.0 and newer) for
+    /// NVFP4 weights without dense rows on bf16 storage. Whether this cuBLASLt has the GEMM on
+    /// this device is asked at load (`QuantPart::new`); every other weight, device and shape
     /// dequantizes.
     pub fn choose(dev: &CudaDevice, w: &DeviceQuantWeight) -> Self {
-        let fp8 = if w.is_fp8_rows() {
-            Some(Fp8Weight::Rows)
+        let tc = if w.is_fp8_rows() {
+            Some(TensorCoreWeight::Fp8Rows)
         } else if w.is_fp8_block128() {
-            Some(Fp8Weight::Blocks128)
+            Some(TensorCoreWeight::Fp8Blocks128)
+        } else if w.is_nvfp4() {
+            Some(TensorCoreWeight::Nvfp4)
         } else {
             None
         };
-        Self::of(dev.compute_capability(), dev.storage(), fp8, w.n, w.k)
+        Self::of(dev.compute_capability(), dev.storage(), tc, w.n, w.k)
     }
 
     /// `choose` for a device of compute capability `cc` and storage type `storage`, and an
-    /// `[n, k]` weight of one of the FP8 forms without dense rows (`fp8`) or not.
-    fn of(cc: (u32, u32), storage: StorageDType, fp8: Option<Fp8Weight>, n: usize, k: usize) -> Self {
-        match fp8 {
+    /// `[n, k]` weight of one of the forms with a tensor-core route, without dense rows (`tc`),
+    /// or not.
+    fn of(cc: (u32, u32), storage: StorageDType, tc: Option<TensorCoreWeight>, n: usize, k: usize) -> Self {
+        let bf16 = storage == StorageDType::Bf16;
+        match tc {
+            Some(TensorCoreWeight::Nvfp4) if cc >= (10, 0) && bf16 => QuantPrefill::Nvfp4Gemm,
+            Some(TensorCoreWeight::Nvfp4) => QuantPrefill::Dequantize,
             _ if cc < (8, 9) || !fp8_gemm_fits(n, k) => QuantPrefill::Dequantize,
-            Some(Fp8Weight::Rows) if storage == StorageDType::Bf16 => QuantPrefill::Fp8Gemm,
-            Some(Fp8Weight::Blocks128) => QuantPrefill::Fp8Block,
+            Some(TensorCoreWeight::Fp8Rows) if bf16 => QuantPrefill::Fp8Gemm,
+            Some(TensorCoreWeight::Fp8Blocks128) => QuantPrefill::Fp8Block,
             _ => QuantPrefill::Dequantize,
         }
     }
 }
 
-/// The FP8 weight forms with a tensor-core prefill route.
+/// The weight forms with a tensor-core prefill route.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Fp8Weight {
+enum TensorCoreWeight {
     /// FP8_E4M3FN_ROW_BF16S.
-    Rows,
+    Fp8Rows,
     /// HF block FP8 of 128 x 128 blocks.
-    Blocks128,
+    Fp8Blocks128,
+    /// NVFP4 (its parts each in the layout's 128-row tiles).
+    Nvfp4,
 }
 
 impl From<StorageDType> for WeightFormat {
@@ -238,6 +258,7 @@ impl Linear {
                 match q.prefill {
                     QuantPrefill::Fp8Gemm if rows > QUANT_GEMV_MAX_M => dev.fp8_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
                     QuantPrefill::Fp8Block if rows > QUANT_GEMV_MAX_M => dev.fp8_block_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
+                    QuantPrefill::Nvfp4Gemm if rows > QUANT_GEMV_MAX_M => dev.nvfp4_linear(x, &q.weight, self.bias.as_ref(), &mut ws, y, rows),
                     _ => dev.quant_linear(x, &q.weight, self.bias.as_ref(), &mut ws, lin32, y, rows),
                 }
             }
@@ -268,7 +289,7 @@ mod tests {
     #[test]
     fn fp8_row_weights_take_fp8_tensor_cores_from_sm_89_where_the_shape_allows() {
         use QuantPrefill::{Dequantize, Fp8Gemm};
-        let (bf16, rows) = (StorageDType::Bf16, Some(Fp8Weight::Rows));
+        let (bf16, rows) = (StorageDType::Bf16, Some(TensorCoreWeight::Fp8Rows));
         for cc in [(8, 9), (9, 0), (10, 0), (12, 0)] {
             assert_eq!(QuantPrefill::of(cc, bf16, rows, 4096, 14336), Fp8Gemm, "{cc:?}");
         }
@@ -284,7 +305,7 @@ mod tests {
     #[test]
     fn hf_block_fp8_weights_take_the_block_scaled_route_from_sm_89_where_the_shape_allows() {
         use QuantPrefill::{Dequantize, Fp8Block};
-        let blocks = Some(Fp8Weight::Blocks128);
+        let blocks = Some(TensorCoreWeight::Fp8Blocks128);
         for cc in [(8, 9), (9, 0), (10, 0), (12, 0)] {
             for st in [StorageDType::Bf16, StorageDType::F16] {
                 // The candidate; whether cuBLASLt has it on the device is asked at load.
@@ -297,5 +318,19 @@ mod tests {
         }
         assert_eq!(QuantPrefill::of((9, 0), StorageDType::Bf16, blocks, 300, 4096), Dequantize, "N = 300");
         assert_eq!(QuantPrefill::of((9, 0), StorageDType::Bf16, blocks, 256, 200), Dequantize, "K = 200");
+    }
+
+    #[test]
+    fn nvfp4_weights_take_fp4_tensor_cores_from_sm_100_on_bf16_storage() {
+        use QuantPrefill::{Dequantize, Nvfp4Gemm};
+        let nvfp4 = Some(TensorCoreWeight::Nvfp4);
+        for cc in [(10, 0), (10, 3), (12, 0), (12, 1)] {
+            // The candidate; whether cuBLASLt has it on the device is asked at load.
+            assert_eq!(QuantPrefill::of(cc, StorageDType::Bf16, nvfp4, 34816, 5120), Nvfp4Gemm, "{cc:?}");
+        }
+        for cc in [(7, 0), (8, 0), (8, 9), (9, 0)] {
+            assert_eq!(QuantPrefill::of(cc, StorageDType::Bf16, nvfp4, 34816, 5120), Dequantize, "{cc:?}: no FP4 tensor cores");
+        }
+        assert_eq!(QuantPrefill::of((12, 0), StorageDType::F16, nvfp4, 4096, 4096), Dequantize, "f16 storage cannot hold the scaled sums");
     }
 }

@@ -302,10 +302,7 @@ impl<'a> Builder<'a> {
             })?;
             self.used.borrow_mut().extend(t.part_names().map(str::to_string));
             let parts = t.concat_rows(&given, k)?;
-            *bytes += match parts.as_slice() {
-                [w] => crate::plan::gpu::quant_device_bytes(w.format, w.shape, quant_bytes(w)),
-                _ => parts.iter().map(quant_bytes).sum::<usize>(),
-            };
+            *bytes += parts.iter().map(|w| crate::plan::gpu::quant_device_bytes(w.format, w.shape, quant_bytes(w))).sum::<usize>();
             let f = parts[0].format;
             refuse_shape(&t.name(), f, k)?;
             for p in &parts {
@@ -321,7 +318,7 @@ impl<'a> Builder<'a> {
             let rows = t.part_rows(k);
             let names: Vec<String> = t.part_names().map(str::to_string).collect();
             let (qt, tail) = t.split_at_part(held);
-            *bytes += rows[..held].iter().map(|r| quant::payload_bytes(f, [*r, k]).and_then(|b| b.ok()).unwrap_or(0)).sum::<usize>() + 2 * tail.as_ref().map_or(0, Packed::numel);
+            *bytes += rows[..held].iter().map(|r| crate::plan::gpu::quant_device_bytes(f, [*r, k], quant::payload_bytes(f, [*r, k]).and_then(|b| b.ok()).unwrap_or(0))).sum::<usize>() + 2 * tail.as_ref().map_or(0, Packed::numel);
             let encode = || {
                 let values = qt.values_f32();
                 let mut r0 = 0;

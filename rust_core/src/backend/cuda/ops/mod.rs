@@ -17,6 +17,7 @@ mod attention;
 mod decode_attention;
 mod elementwise;
 mod flash_attention;
+mod fp4_linear;
 mod fp8_block;
 mod fp8_linear;
 mod gdn;
@@ -41,6 +42,7 @@ pub use decode_attention::{
     TC_DIRECT_BLOCKS_PER_SM, TC_DIRECT_WARPS,
 };
 pub use flash_attention::{flash_tile_for, FlashTile};
+pub use fp4_linear::nvfp4_chunk_rows;
 pub use fp8_block::{fp8_block_chunk_rows, fp8_block_scale_bytes, fp8_block_segments};
 pub use fp8_linear::fp8_chunk_rows;
 pub use gdn::{ConvPath, ConvShape, DevicePtrDyn, RecurrentShape, GATED_MAX_DV};
@@ -50,7 +52,7 @@ pub use gemv_qkv_rope::{qkv_rope_fits, qkv_rope_launch};
 pub use gemv_route::{gemv_kernel, gemv_shape_on_cuda_cores, gemv_tc_config, gemv_tc_config_in, GemvForm, GemvKernel, GemvLaunch, GemvTcConfig, GemvTcRule, GEMV_MAX_M, GEMV_ROUTE_MAX_M, GEMV_WARPS};
 #[cfg(test)]
 pub(crate) use gemv_route::{gemv_launch_spec, GemvOut};
-pub use quant::{quant_families, DeviceQuantWeight, QUANT_GEMV_MAX_M};
+pub use quant::{quant_families, DeviceQuantWeight, Nvfp4Plane, QUANT_GEMV_MAX_M};
 pub use rope_kv::RopeKvShape;
 pub use sampling::SampleScratch;
 pub use sampling_pack::{sample_scan_blocks, PackedSampling, SAMPLE_HDR, SAMPLE_MAX_TOP, SAMPLE_OUT, SAMPLE_SCAN_REC, SAMPLE_SCAN_SPAN};

@@ -141,6 +141,9 @@ pub struct DeviceQuantWeight {
     params: [i64; 3],
     /// Whether `data` holds the tiled layout (quant_tiles.rs; no companions then).
     tiled: bool,
+    /// An NVFP4 weight's parts: their rows and tensor divisors (read back from the payloads at
+    /// upload: the FP4 GEMM takes 1 / d_w as a host scalar); empty for other formats.
+    nvfp4_parts: Vec<(usize, f32)>,
 }
 
 impl DeviceQuantWeight {
@@ -158,6 +161,36 @@ impl DeviceQuantWeight {
         }
         let base = self.data.device_ptr(s).0;
         Some((base, base + self.params[0] as u64))
+    }
+
+    /// Whether the weight is NVFP4 without a dense tail, the parts the FP4 GEMM takes
+    /// (`nvfp4_planes`).
+    pub fn is_nvfp4(&self) -> bool {
+        self.format == QuantFormat::Nvfp4 && self.tail.is_none()
+    }
+
+    /// An NVFP4 weight's parts as the FP4 GEMM reads them: (first row, rows, the code plane's
+    /// and the scale plane's device addresses, d_w), each part's payload starting at a
+    /// multiple of NVFP4_PART_ALIGN; None unless `is_nvfp4`.
+    pub(crate) fn nvfp4_planes(&self, s: &std::sync::Arc<cudarc::driver::CudaStream>) -> Option<Vec<Nvfp4Plane>> {
+        if !self.is_nvfp4() {
+            return None;
+        }
+        let base = self.data.device_ptr(s).0;
+        let (mut r0, mut at) = (0usize, 0usize);
+        let mut out = Vec::with_capacity(self.nvfp4_parts.len());
+        for &(rows, d_w) in &self.nvfp4_parts {
+            let (scale_offset, _, total) = crate::quant::nvfp4::planes(rows, self.k);
+            out.push(Nvfp4Plane { r0, rows, codes: base + at as u64, scales: base + (at + scale_offset) as u64, d_w });
+            r0 += rows;
+            at += total.next_multiple_of(NVFP4_PART_ALIGN);
+        }
+        Some(out)
+    }
+
+    /// The rows of each NVFP4 part (empty for other formats).
+    pub fn nvfp4_part_rows(&self) -> Vec<usize> {
+        self.nvfp4_parts.iter().map(|p| p.0).collect()
     }
 
     /// Whether the weight is FP8_E4M3FN_ROW_BF16S without a dense tail (`fp8_row_planes`).
@@ -210,6 +243,21 @@ fn quant_gemv_grid(tiled: bool, chunk: bool, nq: usize, n_all: usize, mma: bool)
 
 /// Parts an NVFP4 weight may be stacked from (dec_nvfp4 reads the first rows of parts 1 .. 4).
 pub const NVFP4_MAX_PARTS: usize = 5;
+
+pub use crate::plan::gpu::NVFP4_PART_ALIGN;
+
+/// One NVFP4 part of a weight on the device (`DeviceQuantWeight::nvfp4_planes`).
+#[derive(Clone, Copy, Debug)]
+pub struct Nvfp4Plane {
+    /// Its first row in the weight, and its rows.
+    pub r0: usize,
+    pub rows: usize,
+    /// Device addresses of its code plane and swizzled scale plane.
+    pub codes: u64,
+    pub scales: u64,
+    /// Its tensor divisor.
+    pub d_w: f32,
+}
 
 /// dec_nvfp4's parameters: the first row of each part after the first, two to a word (low half
 /// first), the rows of the whole weight where there is no such part.
@@ -300,10 +348,19 @@ impl CudaDevice {
         let tiled = tiles.is_some();
         let data = if let Some(t) = &tiles {
             up(&t.bytes, "data")?
+        } else if w.format == QuantFormat::Nvfp4 {
+            // Each part's payload padded to NVFP4_PART_ALIGN, so that every part's planes are
+            // aligned as the FP4 GEMM and the chunk GEMV's 16-byte loads need.
+            let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.data.len().next_multiple_of(NVFP4_PART_ALIGN)).sum());
+            for p in parts {
+                bytes.extend_from_slice(&p.data);
+                bytes.resize(bytes.len().next_multiple_of(NVFP4_PART_ALIGN), 0);
+            }
+            up(&bytes, "data")?
         } else if parts.len() == 1 {
             up(&w.data, "data")?
         } else {
-            up(&parts.iter().flat_map(|p| p.data.iter().copied()).collect::<Vec<u8>>(), "data")?
+            return Err(NinferError::Device(format!("{name}: row-stacked parts are NVFP4 parts")));
         };
         // The tiled layout carries its scales and zeros; the stored form reads the companions.
         let companion = |t: &Option<crate::quant::OwnedRaw>, what: &str| if tiled { Ok(None) } else { t.as_ref().map(|t| up(&t.bytes, what)).transpose() };
@@ -315,7 +372,8 @@ impl CudaDevice {
         }
         let tail_dev = if tail.is_empty() { None } else { Some(s.clone_htod(tail).map_err(|e| NinferError::Device(format!("uploading {name} (dense rows): {e}")))?) };
         self.load_kernel_families(&[kernels_of(w.format).family])?;
-        Ok(DeviceQuantWeight { name, format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params, tiled })
+        let nvfp4_parts = if w.format == QuantFormat::Nvfp4 { parts.iter().map(|p| (p.shape[0], crate::quant::nvfp4::divisor(&p.data, p.shape[0], k))).collect() } else { Vec::new() };
+        Ok(DeviceQuantWeight { name, format: w.format, n: n + tail.len() / k, k, nq: n, data, scale, zero, g_idx, tail: tail_dev, params, tiled, nvfp4_parts })
     }
 
     /// The weight operands of a quantized kernel (QUANT_W_PARAMS' order: the decoders' rows,

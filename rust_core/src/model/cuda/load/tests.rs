@@ -379,11 +379,9 @@ fn same_quantized(sink: &HostSink, d: &super::Linear<Vec<u16>>, cpu: &Linear, f:
     // The dense tail as the kernels read it: bf16 bits, exact in f32.
     got.extend(tail.iter().map(|b| f32::from_bits((*b as u32) << 16)));
     same(&got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &cpu_values(cpu).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), what);
-    // What the upload holds: a single 4-bit part in the tiled layout (quant_tiles.rs).
-    let held = match parts.as_slice() {
-        [w] => crate::plan::gpu::quant_device_bytes(w.format, w.shape, quant_bytes(w)),
-        _ => parts.iter().map(quant_bytes).sum::<usize>(),
-    };
+    // What the upload holds: a single 4-bit part in the tiled layout (quant_tiles.rs), each
+    // NVFP4 part padded.
+    let held = parts.iter().map(|w| crate::plan::gpu::quant_device_bytes(w.format, w.shape, quant_bytes(w))).sum::<usize>();
     held + 2 * tail.len()
 }
 
