@@ -24,7 +24,6 @@ extern "C" __global__ void nvfp4_quantize_rows(const store_t* __restrict__ x, un
                                                unsigned char* __restrict__ scales, float* __restrict__ divisors,
                                                int rows, int rows_ld, int k) {
     __shared__ float red[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int groups = k / 16;
     for (int t = blockIdx.x; t < rows_ld; t += gridDim.x) {
         uint2* cr = reinterpret_cast<uint2*>(codes + (long long)t * (k / 2));
@@ -37,17 +36,7 @@ extern "C" __global__ void nvfp4_quantize_rows(const store_t* __restrict__ x, un
             continue;
         }
         const vec8* xr = reinterpret_cast<const vec8*>(x + (long long)t * k);
-        float amax = 0.0f;
-        for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
-            const vec8 v = xr[c];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(v.v[j])));
-        }
-        amax = warp_max(amax);
-        __syncthreads();  // red[] of the previous row is read
-        if (lane == 0) red[warp] = amax;
-        __syncthreads();
-        amax = warp_max(lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f);
+        const float amax = block_row_amax(xr, k / 8, red);
         float d = amax == 0.0f ? 1.0f : __fdiv_rn(2688.0f, amax);
         if (d > 3.40282347e38f) d = 3.40282347e38f;  // the quotient overflowed: the largest finite value
         if (threadIdx.x == 0) divisors[t] = d;

@@ -15,21 +15,10 @@
 extern "C" __global__ void fp8_quantize_rows(const store_t* __restrict__ x, unsigned char* __restrict__ codes,
                                              float* __restrict__ scale, int rows, int k) {
     __shared__ float red[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = blockIdx.x; t < rows; t += gridDim.x) {
         const vec8* xr = reinterpret_cast<const vec8*>(x + (long long)t * k);
         uint2* cr = reinterpret_cast<uint2*>(codes + (long long)t * k);
-        float amax = 0.0f;
-        for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
-            const vec8 v = xr[c];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(v.v[j])));
-        }
-        amax = warp_max(amax);
-        __syncthreads();  // red[] of the previous row is read
-        if (lane == 0) red[warp] = amax;
-        __syncthreads();
-        amax = warp_max(lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f);
+        const float amax = block_row_amax(xr, k / 8, red);
         const float s = __fdiv_rn(amax, 448.0f);
         if (threadIdx.x == 0) scale[t] = s;
         for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {

@@ -1,8 +1,27 @@
 // Encoders of the narrow float formats the low-precision GEMM routes quantize activations to
 // (fp8_gemm.cu: E4M3FN; fp4_gemm.cu: E2M1 values under E4M3FN scales), each the step-for-step
 // twin of its rust_core/src/quant/scalars.rs function, so that the codes equal the CPU
-// encoder's bit for bit.
+// encoder's bit for bit, and the row amax both routes' per-row quantizers start from. Included
+// after common.cuh.
 #pragma once
+
+// The largest magnitude of the row at `xr` (`chunks` 8-value chunks), reduced over the block
+// (every thread gets it); `red` a 32-float shared array, reused row after row (the previous
+// row's reads finish before it is written).
+__device__ __forceinline__ float block_row_amax(const vec8* xr, int chunks, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float amax = 0.0f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const vec8 v = xr[c];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(v.v[j])));
+    }
+    amax = warp_max(amax);
+    __syncthreads();
+    if (lane == 0) red[warp] = amax;
+    __syncthreads();
+    return warp_max(lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f);
+}
 
 // Finite binary32 -> E4M3FN word, round to nearest even, saturating at +-448 (never a NaN
 // word): `quant::scalars::f32_to_e4m3`. A NaN input saturates (fminf keeps the other operand).

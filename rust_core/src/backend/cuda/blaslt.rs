@@ -83,6 +83,7 @@ enum LtScaling {
 
 /// The descriptors of one FP8 GEMM shape and its algorithm (`CudaDevice::fp8_plan`).
 struct LtPlan {
+    scaling: LtScaling,
     desc: Owned<sys::cublasLtMatmulDesc_t>,
     a: Owned<sys::cublasLtMatrixLayout_t>,
     b: Owned<sys::cublasLtMatrixLayout_t>,
@@ -211,7 +212,7 @@ impl CudaDevice {
                 heur.algo
             }
         };
-        Ok(LtPlan { desc, a, b, d, algo })
+        Ok(LtPlan { scaling, desc, a, b, d, algo })
     }
 
     /// Whether this device's cuBLASLt has an FP8 GEMM for an `[n, k]` weight (asked of its
@@ -250,7 +251,7 @@ impl CudaDevice {
         }
         let lt = self.blas_lt()?;
         let plan = self.lt_plan(&lt, LtScaling::Unit, m, n, k)?;
-        self.lt_matmul(&lt, &plan, x, w, y, 1.0).map_err(|e| NinferError::Device(format!("cublasLtMatmul (FP8) m={m} n={n} k={k}: {e:?}")))
+        self.lt_matmul(&lt, &plan, [x, w, y], None, 1.0, [m, n, k])
     }
 
     /// y[m, n] (16-bit at `y`, row stride n: binary16 with `f16_out`, else bfloat16) =
@@ -271,13 +272,7 @@ impl CudaDevice {
         }
         let lt = self.blas_lt()?;
         let plan = self.lt_plan(&lt, LtScaling::Block { f16_out }, m, n, k)?;
-        use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
-        // SAFETY: the descriptor is live; the scale pointers are device addresses (void*).
-        unsafe {
-            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
-            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)?;
-        }
-        self.lt_matmul(&lt, &plan, x, w, y, 1.0).map_err(|e| NinferError::Device(format!("cublasLtMatmul (block-scaled FP8) m={m} n={n} k={k}: {e:?}")))
+        self.lt_matmul(&lt, &plan, [x, w, y], Some([ws, xs]), 1.0, [m, n, k])
     }
 
     /// Whether this device's cuBLASLt has a block-scaled FP4 GEMM (module doc) for an `[n, k]`
@@ -312,19 +307,22 @@ impl CudaDevice {
         }
         let lt = self.blas_lt()?;
         let plan = self.lt_plan(&lt, LtScaling::Nvfp4 { ldd }, m, n, k)?;
-        use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
-        // SAFETY: the descriptor is live; the scale pointers are device addresses (void*).
-        unsafe {
-            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
-            set_desc(plan.desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)?;
-        }
-        self.lt_matmul(&lt, &plan, x, w, y, alpha).map_err(|e| NinferError::Device(format!("cublasLtMatmul (NVFP4) m={m} n={n} k={k}: {e:?}")))
+        self.lt_matmul(&lt, &plan, [x, w, y], Some([ws, xs]), alpha, [m, n, k])
     }
 
-    /// One cublasLtMatmul of `plan` (beta 0) over the code matrices at `x` and `w`
-    /// into `y`, on this device's stream.
-    fn lt_matmul(&self, lt: &BlasLt, plan: &LtPlan, x: u64, w: u64, y: u64, alpha: f32) -> std::result::Result<(), result::CublasError> {
-        let LtPlan { desc, a, b, d, algo } = plan;
+    /// One cublasLtMatmul of `plan` (beta 0) over the code matrices at `x` and `w` into `y`,
+    /// with the scale factors at `scales` (the weight's, then the activations') where the plan
+    /// scales its operands, on this device's stream; an error names the route and `dims`.
+    fn lt_matmul(&self, lt: &BlasLt, plan: &LtPlan, [x, w, y]: [u64; 3], scales: Option<[u64; 2]>, alpha: f32, [m, n, k]: [usize; 3]) -> Result<()> {
+        let LtPlan { desc, a, b, d, algo, .. } = plan;
+        if let Some([ws, xs]) = scales {
+            use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
+            // SAFETY: the descriptor is live; the scale pointers are device addresses (void*).
+            unsafe {
+                set_desc(desc.0, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
+                set_desc(desc.0, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs)?;
+            }
+        }
         let beta = 0.0f32;
         let s = self.stream();
         let (wsp, _g) = lt.workspace.device_ptr(s);
@@ -351,6 +349,7 @@ impl CudaDevice {
                 s.cu_stream() as sys::cudaStream_t,
             )
         }
+        .map_err(|e| NinferError::Device(format!("cublasLtMatmul ({:?}) m={m} n={n} k={k}: {e:?}", plan.scaling)))
     }
 }
 
