@@ -84,10 +84,10 @@ mod tests {
 
     #[test]
     fn an_unknown_or_unbuilt_architecture_is_an_error_naming_the_variable_and_value() {
-        for v in ["ampere", "81", "sm_100", "6.1"] {
+        for v in ["ampere", "81", "sm_101", "6.1"] {
             let e = parse_emulated_arch((9, 0), Some(v)).unwrap_err().to_string();
             assert!(e.contains(EMULATE_ARCH_VAR) && e.contains(v.trim()), "{e}");
-            assert!(e.contains("[70, 75, 80, 86, 89, 90, 120]"), "{e}");
+            assert!(e.contains("[70, 75, 80, 86, 89, 90, 100, 120]"), "{e}");
         }
     }
 

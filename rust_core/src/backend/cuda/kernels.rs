@@ -21,9 +21,9 @@ pub const HEADERS: [(&str, &str); 6] = [
     ("narrow_float.cuh", include_str!("../../../../cuda/narrow_float.cuh")),
 ];
 
-/// Architectures CI compiles every kernel for (V100 through H100/H200, and the RTX 50 series'
-/// sm_120).
-pub const CI_ARCHES: [u32; 7] = [70, 75, 80, 86, 89, 90, 120];
+/// Architectures CI compiles every kernel for (V100 through H100/H200, the B200's sm_100 and the
+/// RTX 50 series' sm_120).
+pub const CI_ARCHES: [u32; 8] = [70, 75, 80, 86, 89, 90, 100, 120];
 
 /// Whether kernels for compute capability `major.minor` are compiled as sm_90a code (so that
 /// its wgmma kernels run there): 9.0 only.

@@ -1,5 +1,5 @@
 //! The default route table: what the plan decides for each compute capability (sm_70, 75, 80,
-//! 86, 89, 90, 120) and model shape when no device profile overrides it. Every number here was
+//! 86, 89, 90, 100, 120) and model shape when no device profile overrides it. Every number here was
 //! measured (the H200 for the tensor-core table and the decode splits); docs/kernels.md keeps
 //! what each route computes and why it won.
 
