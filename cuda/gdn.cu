@@ -353,34 +353,86 @@ __device__ __forceinline__ void recurrent_body(
     store_state_column<DK>(st, dv, col);
 }
 
-// Decode form with the gates and the output norm fused in: per token, the gates come from the
-// projection's a / b columns (gdn_gate) and the output is the gated RMSNorm
-// rmsnorm(o) * w * silu(z) (gated_norm_rstd / gated_norm_out, as rmsnorm_gated), so a decode
-// step runs one kernel where gdn_gates + gdn_recurrent + rmsnorm_gated ran three.
-// Grid (n_v_heads, n_seqs), dv / 32 warps per block: the block owns a whole head, which the norm
-// needs. Thread j owns column j with the same chain as recurrent_body; o is rounded to the
-// storage type before the norm, as the unfused path stores it, so for dv <= 256 the result is
-// the unfused path's bits (the block sum adds the same warp sums in the same order as
-// rmsnorm_gated's 256-thread block, whose extra warps add zeros). DVF is dv as a compile-time
-// constant (0: the dv argument): the state's row addresses are then immediate offsets of one
-// base instead of a 64-bit register pair each.
-template <int DK, int DVF>
-__device__ __forceinline__ void recurrent_gated_body(
-    const store_t* __restrict__ q, const store_t* __restrict__ k, long long qk_stride,
-    const store_t* __restrict__ v, long long v_stride, const store_t* __restrict__ a,
-    const store_t* __restrict__ b, long long ab_stride, const float* __restrict__ a_log,
-    const float* __restrict__ dt_bias, float* __restrict__ state,
-    const int* __restrict__ cu_seqlens, const int* __restrict__ slots,
-    const store_t* __restrict__ z, long long z_stride, const store_t* __restrict__ norm_w,
-    float eps, int n_k_heads, int n_v_heads, int dv_arg, store_t* __restrict__ out) {
+// One token's conv output of local channel c (window in sw, K - 1 floats, oldest first, for a
+// runtime K of 2..4), as causal_conv1d_k* stores it (conv_tap<K>'s fmaf chain, rounded, SiLU,
+// rounded) and widened again; the window then shifts in the token's input.
+__device__ __forceinline__ float fused_conv_step(float* sw, const store_t* __restrict__ x,
+                                                 const store_t* __restrict__ conv_w,
+                                                 const store_t* __restrict__ conv_b, int c,
+                                                 int K) {
+    const store_t* wc = conv_w + (long long)c * K;
+    const float xv = to_f32(x[c]);
+    float y = conv_b ? to_f32(conv_b[c]) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 3; ++i)
+        if (i < K - 1) y = fmaf(to_f32(wc[i]), sw[i], y);
+    y = fmaf(to_f32(wc[K - 1]), xv, y);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        if (i < K - 2) sw[i] = sw[i + 1];
+    sw[K - 2] = xv;
+    return to_f32(from_f32(silu_f(round_st(y))));
+}
+
+// Conv channel of a fused block's local channel e: e < DK the key head's q channels, e < 2 DK
+// its k channels, then value head h's v channels.
+template <int DK>
+__device__ __forceinline__ int fused_conv_channel(int e, int kh, int kd, int h, int dv) {
+    return e < DK ? kh * DK + e : e < 2 * DK ? kd + kh * DK + e - DK : 2 * kd + h * dv + e - 2 * DK;
+}
+
+// A GDN layer's whole core in one kernel, for decode and short chunks: per token, the causal
+// conv of the q, k and v channels (as causal_conv1d_k*: same chain, same roundings), the gates
+// from the projection's a / b columns (gdn_gate), the delta rule, and the gated RMSNorm
+// rmsnorm(o) * w * silu(z) (gated_norm_rstd / gated_norm_out, as rmsnorm_gated): one launch
+// where conv + gdn_gates + gdn_recurrent + rmsnorm_gated ran four, with the same bits.
+// Grid (n_v_heads, n_seqs), dv / 32 warps a block: the block owns a whole head, which the norm
+// needs. Thread j owns column j with recurrent_body's chain; o is rounded to storage before the
+// norm, as the unfused path stores it, so for dv <= 256 the result is the unfused path's bits
+// (the block sum adds the same warp sums in the same order as rmsnorm_gated's 256-thread block,
+// whose extra warps add zeros). DVF is dv as a compile-time constant (0: the dv argument): the
+// state's row addresses are then immediate offsets of one base instead of a register pair each.
+// x rows (x_stride apart) hold the conv channels q | k | v from column 0. Conv windows live in
+// shared memory: the key head's 2 DK q / k channels, which every block of the head's group
+// computes alike, and the block's own dv v channels. The v channels' new conv state is the
+// block's to write; the q / k channels' is written by the group's last block to have read the
+// old one (the ticket taken after the reads, as arrives_last elects, in `tickets`, one counter
+// a (sequence, key head), zero between launches).
+template <int DK, int DVF, int THREADS>
+__device__ __forceinline__ void conv_recurrent_gated_body(
+    const store_t* __restrict__ x, long long x_stride, store_t* __restrict__ conv_state,
+    const store_t* __restrict__ conv_w, const store_t* __restrict__ conv_b, int K,
+    unsigned* __restrict__ tickets, const store_t* __restrict__ a, const store_t* __restrict__ b,
+    long long ab_stride, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    float* __restrict__ state, const int* __restrict__ cu_seqlens,
+    const int* __restrict__ slots, const store_t* __restrict__ z, long long z_stride,
+    const store_t* __restrict__ norm_w, float eps, int n_k_heads, int n_v_heads, int dv_arg,
+    store_t* __restrict__ out) {
     __shared__ __align__(16) float sq[DK], sk[DK];
     __shared__ float scratch[32];
+    __shared__ float swin[(2 * DK + THREADS) * 3];
+    __shared__ store_t sx[2 * DK];
+    __shared__ int elected;
     pdl_enter();
     const int dv = DVF ? DVF : dv_arg;
     const int j = threadIdx.x;
     const int h = blockIdx.x;
     const int s = blockIdx.y;
-    const int kh = h / (n_v_heads / n_k_heads);
+    const int group = n_v_heads / n_k_heads;
+    const int kh = h / group;
+    const int kd = n_k_heads * DK;
+    const int channels = 2 * kd + n_v_heads * dv;
+    const int km1 = K - 1;
+    store_t* cst = conv_state + (long long)slots[s] * channels * km1;
+    for (int e = j; e < 2 * DK + dv; e += blockDim.x) {
+        const long long c = fused_conv_channel<DK>(e, kh, kd, h, dv);
+        for (int i = 0; i < km1; ++i) swin[e * 3 + i] = to_f32(cst[c * km1 + i]);
+    }
+    // Every thread's reads of the old q / k windows come before the block's ticket.
+    __threadfence();
+    __syncthreads();
+    unsigned ticket = 0;
+    if (j == 0) ticket = atomicInc(tickets + (long long)s * n_k_heads + kh, group - 1);
     float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
     float col[DK];
 #pragma unroll
@@ -389,23 +441,33 @@ __device__ __forceinline__ void recurrent_gated_body(
     const float al = a_log[h], dtb = dt_bias[h];
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
         // This token's own inputs, loaded before the barriers (which the compiler does not move
-        // loads across) so that their latency overlaps warp 0's q / k loads.
+        // loads across) so that their latency overlaps the conv.
         const float av = to_f32(a[t * ab_stride + h]), bv = to_f32(b[t * ab_stride + h]);
-        const float vv = to_f32(v[t * v_stride + (long long)h * dv + j]);
         const float zv = to_f32(z[t * z_stride + (long long)h * dv + j]);
-        // Warp 0 rewrites sq / sk only after this barrier (or the previous token's block_sum
-        // barriers), which every thread passes after its last read of the previous values.
+        const store_t* xt = x + t * x_stride;
+        // Warp 0 rewrites sq / sk, and every thread sx, only after this barrier (or the
+        // previous token's block_sum barriers), past every read of the previous values.
         __syncthreads();
-        if (j < 32) load_qk_normed<DK>(q, k, qk_stride, t, kh, j, sq, sk);
+        const float vv = fused_conv_step(swin + (2 * DK + j) * 3, xt, conv_w, conv_b, 2 * kd + h * dv + j, K);
+        for (int e = j; e < 2 * DK; e += blockDim.x)
+            sx[e] = from_f32(fused_conv_step(swin + e * 3, xt, conv_w, conv_b, fused_conv_channel<DK>(e, kh, kd, h, dv), K));
+        __syncthreads();
+        if (j < 32) load_qk_normed<DK>(sx, sx + DK, 0, 0, 0, j, sq, sk);
         __syncthreads();
         float g, bt;
         gdn_gate(av, bv, al, dtb, &g, &bt);
         const float o = delta_column_step<DK>(col, sq, sk, expf(g), bt, vv);
-        const float x = to_f32(from_f32(o));
-        const float rstd = gated_norm_rstd(block_sum(x * x, scratch), dv, eps);
-        out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(x, rstd, w, zv);
+        const float xo = to_f32(from_f32(o));
+        const float rstd = gated_norm_rstd(block_sum(xo * xo, scratch), dv, eps);
+        out[((long long)t * n_v_heads + h) * dv + j] = gated_norm_out(xo, rstd, w, zv);
     }
     store_state_column<DK>(st, dv, col);
+    if (j == 0) elected = ticket == (unsigned)(group - 1);
+    __syncthreads();
+    for (int e = elected ? j : 2 * DK + j; e < 2 * DK + dv; e += blockDim.x) {
+        const long long c = fused_conv_channel<DK>(e, kh, kd, h, dv);
+        for (int i = 0; i < km1; ++i) cst[c * km1 + i] = from_f32(swin[e * 3 + i]);
+    }
 }
 
 #define RECURRENT_INSTANCE(DK)                                                                  \
@@ -425,21 +487,22 @@ RECURRENT_INSTANCE(128)
 // Qwen3.5 / Qwen3-Next head) with three blocks an SM, which caps ptxas at 168 registers. On
 // the H200 at batch 64 that streams the state at 3.73 TB/s against 3.21 for the dv-argument
 // form (an instance sweep).
-#define RECURRENT_GATED_INSTANCE(NAME, DK, DVF, THREADS, MIN_BLOCKS)                            \
+#define CONV_RECURRENT_GATED_INSTANCE(NAME, DK, DVF, THREADS, MIN_BLOCKS)                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                     \
-        const store_t* q, const store_t* k, long long qk_stride, const store_t* v,              \
-        long long v_stride, const store_t* a, const store_t* b, long long ab_stride,            \
-        const float* a_log, const float* dt_bias, float* state, const int* cu_seqlens,          \
-        const int* slots, const store_t* z, long long z_stride, const store_t* norm_w,          \
-        float eps, int n_k_heads, int n_v_heads, int dv, store_t* out) {                        \
-        recurrent_gated_body<DK, DVF>(q, k, qk_stride, v, v_stride, a, b, ab_stride, a_log,     \
-                                      dt_bias, state, cu_seqlens, slots, z, z_stride, norm_w,   \
-                                      eps, n_k_heads, n_v_heads, dv, out);                      \
+        const store_t* x, long long x_stride, store_t* conv_state, const store_t* conv_w,       \
+        const store_t* conv_b, int K, unsigned* tickets, const store_t* a, const store_t* b,    \
+        long long ab_stride, const float* a_log, const float* dt_bias, float* state,            \
+        const int* cu_seqlens, const int* slots, const store_t* z, long long z_stride,          \
+        const store_t* norm_w, float eps, int n_k_heads, int n_v_heads, int dv, store_t* out) { \
+        conv_recurrent_gated_body<DK, DVF, THREADS>(                                            \
+            x, x_stride, conv_state, conv_w, conv_b, K, tickets, a, b, ab_stride, a_log,        \
+            dt_bias, state, cu_seqlens, slots, z, z_stride, norm_w, eps, n_k_heads, n_v_heads,  \
+            dv, out);                                                                           \
     }
 
-RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk64, 64, 0, 256, 1)
-RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk128, 128, 0, 256, 1)
-RECURRENT_GATED_INSTANCE(gdn_recurrent_gated_dk128_dv128, 128, 128, 128, 3)
+CONV_RECURRENT_GATED_INSTANCE(gdn_conv_recurrent_gated_dk64, 64, 0, 256, 1)
+CONV_RECURRENT_GATED_INSTANCE(gdn_conv_recurrent_gated_dk128, 128, 0, 256, 1)
+CONV_RECURRENT_GATED_INSTANCE(gdn_conv_recurrent_gated_dk128_dv128, 128, 128, 128, 3)
 
 // Rollback of speculative drafts by replay (engine/speculation.rs): a verify step keeps each
 // verify chunk's rows of the fused input projection that the recurrence reads (the conv

@@ -56,6 +56,9 @@ pub(super) struct Activations {
     /// f32 workspace of the chunked GDN kernels (`RecurrentShape::chunked_workspace_len`); one
     /// element where the model has no GDN layers or the device runs them recurrently.
     pub(super) gdn_work: Option<CudaSlice<f32>>,
+    /// Election counters of the one-kernel GDN core (`gdn_conv_recurrent_gated`): one a
+    /// (sequence, key head), zero between launches.
+    pub(super) gdn_tickets: Option<CudaSlice<u32>>,
     /// Rows that produce logits, gathered.
     pub(super) sel: Option<CudaSlice<u16>>,
     /// f32 logits of the gathered rows: sized by the rows that want logits
@@ -75,7 +78,7 @@ impl Activations {
             x.as_ref().map_or(0, |s| s.len() * std::mem::size_of::<T>())
         }
         let u16s = [&self.x, &self.h, &self.tmp, &self.proj, &self.qn, &self.kn, &self.mix, &self.gate_up, &self.act, &self.conv_out, &self.core, &self.sel];
-        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.logits) + b(&self.lin32)
+        u16s.iter().map(|x| b(x)).sum::<usize>() + b(&self.g) + b(&self.beta) + b(&self.gdn_work) + b(&self.gdn_tickets) + b(&self.logits) + b(&self.lin32)
     }
 }
 
@@ -111,7 +114,7 @@ impl CudaModel {
         let dev = &self.dev;
         let (h, qd, kvd) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let attn_width = qd * if c.attn_output_gate { 2 } else { 1 } + 2 * kvd;
-        let (cd, vd, nv) = c.linear_attention.map_or((0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads));
+        let (cd, vd, nv, nk) = c.linear_attention.map_or((0, 0, 0, 0), |la| (la.conv_dim(), la.value_dim(), la.num_value_heads, la.num_key_heads));
         // The GDN input projection's output row: conv channels, z, b and a (DevGdn::in_proj).
         let gdn_in = cd + vd + 2 * nv;
         let inter = c.intermediate_size;
@@ -140,6 +143,8 @@ impl CudaModel {
             beta: Some(alloc(dev, rows * nv, "activations")?),
             core: Some(alloc(dev, rows * vd, "activations")?),
             gdn_work: Some(alloc(dev, gdn_work, "GDN chunk workspace")?),
+            // alloc zeroes: the counters must start at 0.
+            gdn_tickets: Some(alloc(dev, rows * nk, "activations")?),
             sel: Some(alloc(dev, rows * h, "activations")?),
             lin32: Some(alloc(dev, rows * biased_width(c, attn_width), "activations")?),
             logits,

@@ -49,9 +49,7 @@ pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g:
     let slots = meta.slots();
     let conv_shape = ConvShape { n_tokens: rows, channels: cd, x_stride: width, kernel_size: la.conv_kernel, n_slots };
     let bias = g.conv_b.as_ref().map(|b| b as &dyn crate::backend::cuda::ops::DevicePtrDyn);
-    dev.causal_conv1d(proj, conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
     let (z, b, a) = (proj.slice(cd..), proj.slice(cd + vd..), proj.slice(cd + vd + nv..));
-    let co = buf(&act.conv_out);
     let shape = RecurrentShape {
         n_tokens: rows,
         n_k_heads: la.num_key_heads,
@@ -62,12 +60,15 @@ pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g:
         v_stride: cd,
         n_slots,
     };
-    let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
     match route.kernels(max_rows) {
-        GdnKernels::RecurrentGated => {
-            dev.gdn_recurrent_gated(&q, &k, &v, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
+        GdnKernels::ConvRecurrentGated => {
+            let tickets = buf_mut(&mut act.gdn_tickets);
+            dev.gdn_conv_recurrent_gated(proj, conv, &g.conv_w, bias, &conv_shape, tickets, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;
         }
         kernels => {
+            dev.causal_conv1d(proj, conv, &g.conv_w, bias, &cu, &slots, buf_mut(&mut act.conv_out), &conv_shape)?;
+            let co = buf(&act.conv_out);
+            let (q, k, v) = (co.slice(0..), co.slice(kd..), co.slice(2 * kd..));
             dev.gdn_gates(&a, &b, width, &g.a_log, &g.dt_bias, buf_mut(&mut act.g), buf_mut(&mut act.beta), rows, nv)?;
             if kernels == GdnKernels::Chunked {
                 dev.gdn_chunked(&q, &k, &v, buf(&act.g), buf(&act.beta), delta, &cu, &slots, buf_mut(&mut act.core), buf_mut(&mut act.gdn_work), &shape)?;

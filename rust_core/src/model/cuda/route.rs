@@ -57,11 +57,11 @@ pub struct AttentionRoute {
 /// Which kernels a Gated DeltaNet step runs (`GdnRoute::kernels`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GdnKernels {
-    /// `gdn_recurrent_gated`: gates, recurrent rule and gated norm in one kernel.
-    RecurrentGated,
-    /// `gdn_gates`, `gdn_recurrent`, `rmsnorm_gated`: the same bits.
+    /// `gdn_conv_recurrent_gated`: conv, gates, recurrent rule and gated norm in one kernel.
+    ConvRecurrentGated,
+    /// `causal_conv1d`, `gdn_gates`, `gdn_recurrent`, `rmsnorm_gated`: the same bits.
     Recurrent,
-    /// `gdn_gates`, `gdn_chunked` (which runs the recurrent rule where the device lacks the
+    /// `causal_conv1d`, `gdn_gates`, `gdn_chunked` (which runs the recurrent rule where the device lacks the
     /// chunked kernel's shared memory), `rmsnorm_gated`.
     Chunked,
 }
@@ -74,7 +74,7 @@ pub const GDN_CHUNK: usize = 64;
 pub struct GdnRoute {
     /// The device runs the chunked kernel for this key head dim (`has_gdn_chunked`).
     pub chunked: bool,
-    /// The value head dim fits the one-kernel recurrent form (at most GATED_MAX_DV).
+    /// The value head dim fits the one-kernel form (at most GATED_MAX_DV).
     pub gated_recurrent: bool,
 }
 
@@ -87,7 +87,7 @@ impl GdnRoute {
         let long = max_rows >= GDN_CHUNK;
         let recurrent = !long || !self.chunked;
         if recurrent && self.gated_recurrent {
-            GdnKernels::RecurrentGated
+            GdnKernels::ConvRecurrentGated
         } else if long {
             GdnKernels::Chunked
         } else {

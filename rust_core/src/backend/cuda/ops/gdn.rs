@@ -46,7 +46,7 @@ pub struct RecurrentShape {
     pub n_slots: usize,
 }
 
-/// Largest value head dim of `gdn_recurrent_gated` (one thread per value column; the kernel's
+/// Largest value head dim of `gdn_conv_recurrent_gated` (one thread per value column; the kernel's
 /// __launch_bounds__(256, 1) in cuda/gdn.cu).
 pub const GATED_MAX_DV: usize = 256;
 
@@ -307,20 +307,26 @@ impl CudaDevice {
         self.delta_rule_launch(&f, name, 32, 0, q, k, v, g, beta, state, cu_seqlens, slots, out, shape)
     }
 
-    /// The decode form of a GDN layer's core in one kernel: the gates from the projection's
-    /// `a` / `b` columns (as `gdn_gates`), the recurrent delta rule (as `gdn_recurrent`, same
-    /// per-column arithmetic, state updated in place) and the gated output norm
-    /// out = rmsnorm(o) * norm_w * silu(z) (as `rmsnorm_gated`, eps `eps`). a / b hold
-    /// n_v_heads values per token at t * ab_stride, z n_v_heads * dv at t * z_stride (column
-    /// ranges of the fused input projection); out is [T, n_v_heads, dv]. For dv <= 256 the
-    /// output and state are the three-kernel path's bits. One block of dv threads per (value
-    /// head, sequence), so dv is at most 256 (the kernel's launch bound).
+    /// A GDN layer's core in one kernel, for decode and chunks shorter than the chunked
+    /// kernel's: per token, the causal conv of the q / k / v channels (as `causal_conv1d`, the
+    /// conv state updated in place), the gates from the projection's `a` / `b` columns (as
+    /// `gdn_gates`), the recurrent delta rule (as `gdn_recurrent`, state updated in place) and
+    /// the gated output norm out = rmsnorm(o) * norm_w * silu(z) (as `rmsnorm_gated`, eps
+    /// `eps`). x rows (`conv.x_stride` apart) hold the conv channels q | k | v from column 0;
+    /// a / b hold n_v_heads values per token at t * ab_stride, z n_v_heads * dv at
+    /// t * z_stride; out is [T, n_v_heads, dv]. For dv <= 256 the output and both states are
+    /// the four-kernel path's bits. `tickets` holds one zeroed counter per (sequence, key
+    /// head), left zeroed (the kernel's election of the block that writes a key head's conv
+    /// state). One block of dv threads per (value head, sequence), so dv is at most 256.
     #[allow(clippy::too_many_arguments)]
-    pub fn gdn_recurrent_gated(
+    pub fn gdn_conv_recurrent_gated(
         &self,
-        q: &impl DevicePtr<u16>,
-        k: &impl DevicePtr<u16>,
-        v: &impl DevicePtr<u16>,
+        x: &impl DevicePtr<u16>,
+        conv_state: &mut impl DevicePtrMut<u16>,
+        conv_w: &impl DevicePtr<u16>,
+        conv_b: Option<&dyn DevicePtrDyn>,
+        conv: &ConvShape,
+        tickets: &mut impl DevicePtrMut<u32>,
         a: &impl DevicePtr<u16>,
         b: &impl DevicePtr<u16>,
         ab_stride: usize,
@@ -340,37 +346,58 @@ impl CudaDevice {
         // whose state addresses are immediate offsets and whose launch bounds fit three blocks
         // an SM; same arithmetic.
         let name = match (sh.dk, sh.dv) {
-            (128, 128) => "gdn_recurrent_gated_dk128_dv128",
-            (64, _) => "gdn_recurrent_gated_dk64",
-            (128, _) => "gdn_recurrent_gated_dk128",
+            (128, 128) => "gdn_conv_recurrent_gated_dk128_dv128",
+            (64, _) => "gdn_conv_recurrent_gated_dk64",
+            (128, _) => "gdn_conv_recurrent_gated_dk128",
             (d, _) => return Err(NinferError::Unsupported(format!("CUDA GDN with key head dim {d}"))),
         };
         if sh.dv > GATED_MAX_DV {
             return Err(NinferError::Unsupported(format!("fused GDN decode with value head dim {} (at most {GATED_MAX_DV})", sh.dv)));
         }
+        if !(2..=4).contains(&conv.kernel_size) {
+            return Err(NinferError::Unsupported(format!("CUDA conv1d with kernel size {}", conv.kernel_size)));
+        }
         let (t, nv) = (sh.n_tokens, sh.n_v_heads);
+        let channels = 2 * sh.n_k_heads * sh.dk + nv * sh.dv;
+        if conv.channels != channels || conv.n_tokens != t || conv.n_slots != sh.n_slots {
+            return Err(NinferError::Device(format!(
+                "gdn_conv_recurrent_gated: conv shape {conv:?} does not match {channels} q / k / v channels of {t} tokens and {} slots",
+                sh.n_slots
+            )));
+        }
         if ab_stride < nv || z_stride < nv * sh.dv {
             return Err(NinferError::Device(format!(
-                "gdn_recurrent_gated: row strides a/b {ab_stride}, z {z_stride} below {nv} heads x {}",
+                "gdn_conv_recurrent_gated: row strides a/b {ab_stride}, z {z_stride} below {nv} heads x {}",
                 sh.dv
             )));
         }
-        // The gates are computed inside from a / b, so g / beta have no buffers to check.
-        let n_seqs = check_delta_rule(sh, [q.len(), k.len(), v.len(), t * nv, t * nv, state.len(), cu_seqlens.len(), slots.len(), out.len()])?;
-        check_len("gdn_recurrent_gated a", a.len(), strided_len(t, nv, ab_stride))?;
-        check_len("gdn_recurrent_gated b", b.len(), strided_len(t, nv, ab_stride))?;
-        check_len("gdn_recurrent_gated A_log", a_log.len(), nv)?;
-        check_len("gdn_recurrent_gated dt_bias", dt_bias.len(), nv)?;
-        check_len("gdn_recurrent_gated z", z.len(), strided_len(t, nv * sh.dv, z_stride))?;
-        check_len("gdn_recurrent_gated norm", norm_w.len(), sh.dv)?;
+        // q / k / v are read from x (checked here) and the gates computed inside, so those
+        // five have no buffers of their own to check.
+        let qkv = strided_len(t, channels, conv.x_stride);
+        let n_seqs = check_delta_rule(sh, [qkv, qkv, qkv, t * nv, t * nv, state.len(), cu_seqlens.len(), slots.len(), out.len()])?;
+        check_len("gdn_conv_recurrent_gated x", x.len(), qkv)?;
+        check_len("gdn_conv_recurrent_gated conv_state", conv_state.len(), sh.n_slots * channels * (conv.kernel_size - 1))?;
+        check_len("gdn_conv_recurrent_gated conv weight", conv_w.len(), channels * conv.kernel_size)?;
+        if let Some(cb) = conv_b {
+            check_len("gdn_conv_recurrent_gated conv bias", cb.elems(), channels)?;
+        }
+        check_len("gdn_conv_recurrent_gated tickets", tickets.len(), n_seqs * sh.n_k_heads)?;
+        check_len("gdn_conv_recurrent_gated a", a.len(), strided_len(t, nv, ab_stride))?;
+        check_len("gdn_conv_recurrent_gated b", b.len(), strided_len(t, nv, ab_stride))?;
+        check_len("gdn_conv_recurrent_gated A_log", a_log.len(), nv)?;
+        check_len("gdn_conv_recurrent_gated dt_bias", dt_bias.len(), nv)?;
+        check_len("gdn_conv_recurrent_gated z", z.len(), strided_len(t, nv * sh.dv, z_stride))?;
+        check_len("gdn_conv_recurrent_gated norm", norm_w.len(), sh.dv)?;
         if n_seqs == 0 {
             return Ok(());
         }
         let f = self.function(KernelFamily::Gdn, name)?;
         let s = self.stream();
-        let (qp, _a) = q.device_ptr(s);
-        let (kp, _b) = k.device_ptr(s);
-        let (vp, _c) = v.device_ptr(s);
+        let (xp, _x) = x.device_ptr(s);
+        let (csp, _cs) = conv_state.device_ptr_mut(s);
+        let (cwp, _cw) = conv_w.device_ptr(s);
+        let cbp = conv_b.map(|cb| cb.raw_ptr(s)).unwrap_or(0);
+        let (tp, _t) = tickets.device_ptr_mut(s);
         let (ap, _d) = a.device_ptr(s);
         let (bp, _e) = b.device_ptr(s);
         let (alp, _f) = a_log.device_ptr(s);
@@ -382,11 +409,13 @@ impl CudaDevice {
         let (wp, _l) = norm_w.device_ptr(s);
         let (op, _m) = out.device_ptr_mut(s);
         let args = kargs![
-            qp,
-            kp,
-            sh.qk_stride as i64,
-            vp,
-            sh.v_stride as i64,
+            xp,
+            conv.x_stride as i64,
+            csp,
+            cwp,
+            cbp,
+            conv.kernel_size as i32,
+            tp,
             ap,
             bp,
             ab_stride as i64,

@@ -149,12 +149,12 @@ fn gdn_steps_run_the_chunked_kernel_from_a_chunk_of_64_tokens_where_the_device_h
     let cfg = qwen3_5(128);
     let r = gdn_route(&cfg, true);
     assert_eq!((r.chunked, r.gated_recurrent), (true, true));
-    assert_eq!(r.kernels(1), GdnKernels::RecurrentGated);
-    assert_eq!(r.kernels(GDN_CHUNK - 1), GdnKernels::RecurrentGated);
+    assert_eq!(r.kernels(1), GdnKernels::ConvRecurrentGated);
+    assert_eq!(r.kernels(GDN_CHUNK - 1), GdnKernels::ConvRecurrentGated);
     assert_eq!(r.kernels(GDN_CHUNK), GdnKernels::Chunked);
     // A device without the chunked kernel's shared memory stays recurrent at every length.
     let r = gdn_route(&cfg, false);
-    assert_eq!(r.kernels(4 * GDN_CHUNK), GdnKernels::RecurrentGated);
+    assert_eq!(r.kernels(4 * GDN_CHUNK), GdnKernels::ConvRecurrentGated);
 }
 
 #[test]
