@@ -320,7 +320,7 @@ __device__ __forceinline__ void merge_warp_partials(int g, int i, const float (&
 }
 
 // RMSNorm arithmetic of a row in chunks of 8 storage elements (a uint4), shared by norm.cu's
-// rmsnorm / add_rmsnorm kernels, which round the same expressions in the same order whatever
+// rmsnorm / add_rmsnorm kernels and rope.cu's rope_kv_write_normed, which round the same expressions in the same order whatever
 // their block shape. The row's f32 sum of squares is defined over `lanes` lanes (the
 // block size add_rmsnorm runs with, ops/norm.rs chunked_norm_threads, a multiple of 32 that
 // depends on the row length only): lane l sums the chunks l, l + lanes, ... in order with
@@ -371,4 +371,41 @@ __device__ __forceinline__ float norm_rstd(float sum_sq, int dim, float eps) {
 // x * rstd to bf16 before the weight multiply, a bf16 product.
 __device__ __forceinline__ float norm_scale(float x, float rstd, float w, int plus_one) {
     return plus_one ? x * rstd * (1.0f + w) : round_st(x * rstd) * w;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Chunk starting at element `base` (< dim) of row p, as 8 raw storage elements in a uint4: one
+// 16-byte load when `vec` (dim % 8 == 0 and p 16-byte aligned), else 8 scalar loads with zeros
+// past the row end (the same values either way).
+__device__ __forceinline__ uint4 load_chunk(const store_t* p, int base, int dim, bool vec) {
+    if (vec) return *reinterpret_cast<const uint4*>(p + base);
+    unsigned u[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned lo = base + 2 * i < dim ? p[base + 2 * i] : 0u;
+        const unsigned hi = base + 2 * i + 1 < dim ? p[base + 2 * i + 1] : 0u;
+        u[i] = lo | (hi << 16);
+    }
+    uint4 r;
+    r.x = u[0];
+    r.y = u[1];
+    r.z = u[2];
+    r.w = u[3];
+    return r;
+}
+
+// The normalised chunk at element `base` of a row (x chunk xr, reciprocal RMS rstd), rounded to
+// storage: x * rstd * weight (w or 1 + w, `plus_one`), w's chunk loaded as load_chunk loads it.
+// norm.cu's rmsnorm / add_rmsnorm store it; rope.cu's rope_kv_write_normed rotates it.
+__device__ __forceinline__ uint4 norm_chunk(uint4 xr, const store_t* __restrict__ w, int base,
+                                            int dim, bool vec, float rstd, int plus_one) {
+    float f[8], wf[8];
+    unpack_chunk(xr, f);
+    unpack_chunk(load_chunk(w, base, dim, vec), wf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
+    return pack_chunk(f);
 }

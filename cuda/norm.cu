@@ -20,28 +20,6 @@ __device__ __forceinline__ float norm_weight(const store_t* w, int i, int plus_o
 #define NORM_CACHE 4
 #define NORM_MAX_THREADS 1024
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
-// Chunk starting at element `base` (< dim) of row p, as 8 raw storage elements in a uint4.
-__device__ __forceinline__ uint4 load_chunk(const store_t* p, int base, int dim, bool vec) {
-    if (vec) return *reinterpret_cast<const uint4*>(p + base);
-    unsigned u[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned lo = base + 2 * i < dim ? p[base + 2 * i] : 0u;
-        const unsigned hi = base + 2 * i + 1 < dim ? p[base + 2 * i + 1] : 0u;
-        u[i] = lo | (hi << 16);
-    }
-    uint4 r;
-    r.x = u[0];
-    r.y = u[1];
-    r.z = u[2];
-    r.w = u[3];
-    return r;
-}
-
 __device__ __forceinline__ void store_chunk(store_t* p, int base, int dim, bool vec, uint4 r) {
     if (vec) {
         *reinterpret_cast<uint4*>(p + base) = r;
@@ -55,16 +33,11 @@ __device__ __forceinline__ void store_chunk(store_t* p, int base, int dim, bool 
     }
 }
 
-// out chunk = x chunk * rstd * weight (w or 1 + w).
+// out chunk = x chunk * rstd * weight (w or 1 + w): common.cuh's norm_chunk, stored.
 __device__ __forceinline__ void scale_chunk(uint4 xr, const store_t* __restrict__ w,
                                             store_t* __restrict__ orow, int base, int dim,
                                             bool vec, float rstd, int plus_one) {
-    float f[8], wf[8];
-    unpack_chunk(xr, f);
-    unpack_chunk(load_chunk(w, base, dim, vec), wf);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
-    store_chunk(orow, base, dim, vec, pack_chunk(f));
+    store_chunk(orow, base, dim, vec, norm_chunk(xr, w, base, dim, vec, rstd, plus_one));
 }
 
 // residual chunk += x chunk, rounded to storage and written back; returns the rounded sums.

@@ -103,3 +103,76 @@ extern "C" __global__ void rope_kv_write(store_t* __restrict__ q, store_t* __res
     const store_t* vh = v + t * v_stride + (long long)kh * head_dim;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v_cache[cache_off + i] = vh[i];
 }
+
+// rmsnorm (norm.cu, per head: rmsnorm_heads) of a decode step's q and k heads, then
+// rope_kv_write on the normed heads, in one kernel: one where three ran per attention layer of a
+// model with per-head q/k norm (Qwen3, Qwen3.5) at batch-1 decode, ~2-3 us a kernel boundary.
+// A block per (token, head), q heads then k heads (grid y), of the rmsnorm launch's block size
+// (ops/norm.rs chunked_norm_threads of head_dim): each thread sums the squares of the same
+// chunks in the same order and block_sum adds the same lanes, so the normed head is rmsnorm's
+// bits. It is kept, rounded to storage, in shared memory (dynamic: (head_dim + 7) / 8 chunks of
+// 16 bytes) and rotated from there with rope_pair as rope_kv_write rotates the normed head it
+// reads back: the rotated q head goes to q_out ([T, n_q_heads * head_dim]), the rotated k head
+// to k_out ([T, n_kv_heads * head_dim]) and to the paged cache at slot_mapping[t] with the
+// token's v head (unnormed), skipped where the slot is negative; the tail past rotary_dim is
+// the normed values. Token t's q heads are read at t * q_stride of q, its k heads at
+// t * k_stride of k, its v heads at t * v_stride of v (column ranges of the qkv projection).
+extern "C" __global__ void rope_kv_write_normed(
+    const store_t* __restrict__ q, const store_t* __restrict__ k, const store_t* __restrict__ v,
+    const store_t* __restrict__ q_w, const store_t* __restrict__ k_w, store_t* __restrict__ q_out,
+    store_t* __restrict__ k_out, store_t* __restrict__ k_cache, store_t* __restrict__ v_cache,
+    const int* __restrict__ positions, const long long* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, int n_q_heads, int n_kv_heads, int head_dim,
+    int rotary_dim, long long q_stride, long long k_stride, long long v_stride, float eps,
+    int plus_one, float attn_scale) {
+    extern __shared__ uint4 normed[];
+    __shared__ float scratch[32];
+    pdl_enter();
+    const int t = blockIdx.x;
+    const int head = blockIdx.y;
+    if (head >= n_q_heads + n_kv_heads) return;
+    const bool is_q = head < n_q_heads;
+    const int kh = head - n_q_heads;
+    const store_t* x = is_q ? q + t * q_stride + (long long)head * head_dim
+                            : k + t * k_stride + (long long)kh * head_dim;
+    const store_t* w = is_q ? q_w : k_w;
+    store_t* out = is_q ? q_out + ((long long)t * n_q_heads + head) * head_dim
+                        : k_out + ((long long)t * n_kv_heads + kh) * head_dim;
+    // rmsnorm's chunks, sum of squares and scaling (its NORM_CACHE register copies are an
+    // order-preserving detail: the raw chunks wait in shared memory here).
+    const bool vec = (head_dim & 7) == 0 && aligned16(x) && aligned16(w);
+    const int n_chunks = (head_dim + 7) >> 3;
+    float ss = 0.0f;
+    for (int ch = threadIdx.x; ch < n_chunks; ch += blockDim.x) {
+        const uint4 r = load_chunk(x, ch * 8, head_dim, vec);
+        ss = chunk_sum_squares(r, ss);
+        normed[ch] = r;
+    }
+    const float rstd = norm_rstd(block_sum(ss, scratch), head_dim, eps);
+    for (int ch = threadIdx.x; ch < n_chunks; ch += blockDim.x)
+        normed[ch] = norm_chunk(normed[ch], w, ch * 8, head_dim, vec, rstd, plus_one);
+    __syncthreads();
+    const store_t* h = reinterpret_cast<const store_t*>(normed);
+    const float pos = (float)positions[t];
+    const int half = rotary_dim / 2;
+    const long long slot = is_q ? -1 : slot_mapping[t];
+    const long long cache_off = slot * ((long long)n_kv_heads * head_dim) + (long long)kh * head_dim;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        store_t lo, hi;
+        rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
+        out[i] = lo;
+        out[i + half] = hi;
+        if (slot >= 0) {
+            k_cache[cache_off + i] = lo;
+            k_cache[cache_off + i + half] = hi;
+        }
+    }
+    // The tail past the rotary part (partial RoPE): the normed values as they are.
+    for (int i = rotary_dim + threadIdx.x; i < head_dim; i += blockDim.x) {
+        out[i] = h[i];
+        if (slot >= 0) k_cache[cache_off + i] = h[i];
+    }
+    if (slot < 0) return;
+    const store_t* vh = v + t * v_stride + (long long)kh * head_dim;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v_cache[cache_off + i] = vh[i];
+}

@@ -173,6 +173,8 @@ mod linear_bias;
 mod decode_attention;
 #[path = "cuda_ops/gemv_qkv_rope.rs"]
 mod gemv_qkv_rope;
+#[path = "cuda_ops/rope_kv_normed.rs"]
+mod rope_kv_normed;
 #[path = "cuda_ops/gemv_chain.rs"]
 mod gemv_chain;
 #[path = "cuda_ops/prefill_vec.rs"]

@@ -85,23 +85,24 @@ impl AttnCtx<'_> {
             a.qkv.forward(dev, buf(&act.h), buf_mut(&mut act.proj), buf_mut(&mut act.lin32), rows)?;
         }
         // Decode steps the projection did not fuse rotate q and k and write the cache in one
-        // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write); other steps
-        // run the two kernels.
+        // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write; with q/k
+        // norm, rope_kv_write_normed normalises the heads in it too); other steps run the
+        // kernels apart.
         let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
         match route.qk {
             QkRoute::HeadNorm => {
                 let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) else {
                     unreachable!("LayerRoute::choose routes HeadNorm only where both norms are loaded")
                 };
-                let proj = buf(&act.proj);
-                head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
-                head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, c.rms_norm_eps, c.zero_centered_norm)?;
-                let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
+                let (proj, eps, plus_one) = (buf(&act.proj), c.rms_norm_eps, c.zero_centered_norm);
                 if decode {
-                    let v = buf(&act.proj).slice(v_off..);
-                    dev.rope_kv_write(qn, kn, &v, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(qd, kvd))?;
+                    // Bit for bit the two head norms and rope_kv_write below, one kernel.
+                    let (qn, kn) = (buf_mut(&mut act.qn), buf_mut(&mut act.kn));
+                    dev.rope_kv_write_normed(proj, k_off, v_off, qw, kw, eps, plus_one, qn, kn, kc, vc, &positions, &self.meta.slot_mapping(), self.inv_freq, &rope(width, width))?;
                 } else {
-                    dev.rope_neox(qn, kn, &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
+                    head_norm(dev, proj, 0, width, qw, buf_mut(&mut act.qn), nh, hd, rows, eps, plus_one)?;
+                    head_norm(dev, proj, k_off, width, kw, buf_mut(&mut act.kn), nkv, hd, rows, eps, plus_one)?;
+                    dev.rope_neox(buf_mut(&mut act.qn), buf_mut(&mut act.kn), &positions, self.inv_freq, nh, nkv, hd, qd, kvd, self.rope_scale)?;
                 }
                 (q_src, q_stride, k_rows, k_stride) = (buf(&act.qn).as_view(), qd, buf(&act.kn).as_view(), kvd);
             }

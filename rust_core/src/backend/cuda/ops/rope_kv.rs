@@ -1,9 +1,11 @@
 //! Launchers of `rope_kv_write` (cuda/rope.cu): a decode step's RoPE and KV cache write in one
 //! kernel, for q, k and v in separate buffers (models with q/k norm) or packed in the rows of
-//! the fused qkv projection.
+//! the fused qkv projection; and of `rope_kv_write_normed`, the per-head q/k RMSNorm before them
+//! in the same kernel.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+use super::norm::chunked_norm_threads;
 use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
@@ -103,6 +105,97 @@ impl CudaDevice {
         let s = self.stream();
         let (p, _a) = qkv.device_ptr_mut(s);
         self.rope_kv_caches(p, p + 2 * k_off as u64, p + 2 * v_off as u64, k_cache, v_cache, positions, slot_mapping, inv_freq, sh)
+    }
+
+    /// Per-head RMSNorm of the q and k heads packed in the qkv projection rows, then
+    /// `rope_kv_write` of the normed heads: bit for bit `rmsnorm_heads` of the q heads into
+    /// `q_out` [T, n_q_heads * head_dim] and of the k heads into `k_out` [T, n_kv_heads *
+    /// head_dim] (weights `q_norm` / `k_norm` of head_dim, `eps`, `plus_one`), then
+    /// `rope_kv_write(q_out, k_out, v, ...)`. One kernel where those three ran per attention
+    /// layer of a q/k-norm model's batch-1 decode, each boundary ~2-3 us. The qkv rows are laid
+    /// out as `rope_kv_write_packed` reads them: token t's q heads at `t * q_stride`, k heads at
+    /// `k_off + t * k_stride`, v heads at `v_off + t * v_stride`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv_write_normed(
+        &self,
+        qkv: &impl DevicePtr<u16>,
+        k_off: usize,
+        v_off: usize,
+        q_norm: &impl DevicePtr<u16>,
+        k_norm: &impl DevicePtr<u16>,
+        eps: f32,
+        plus_one: bool,
+        q_out: &mut impl DevicePtrMut<u16>,
+        k_out: &mut impl DevicePtrMut<u16>,
+        k_cache: &mut impl DevicePtrMut<u16>,
+        v_cache: &mut impl DevicePtrMut<u16>,
+        positions: &impl DevicePtr<i32>,
+        slot_mapping: &impl DevicePtr<i64>,
+        inv_freq: &impl DevicePtr<f32>,
+        shape: &RopeKvShape,
+    ) -> Result<()> {
+        const OP: &str = "rope_kv_write_normed";
+        let (t, sh) = (positions.len(), shape);
+        let (qd, kvd) = (sh.n_q_heads * sh.head_dim, sh.n_kv_heads * sh.head_dim);
+        check_len("rope_kv_write_normed q", qkv.len(), strided_len(t, qd, sh.q_stride))?;
+        check_len("rope_kv_write_normed k", qkv.len(), k_off + strided_len(t, kvd, sh.k_stride))?;
+        check_len("rope_kv_write_normed v", qkv.len(), v_off + strided_len(t, kvd, sh.v_stride))?;
+        check_len("rope_kv_write_normed q_norm", q_norm.len(), sh.head_dim)?;
+        check_len("rope_kv_write_normed k_norm", k_norm.len(), sh.head_dim)?;
+        check_len("rope_kv_write_normed q_out", q_out.len(), t * qd)?;
+        check_len("rope_kv_write_normed k_out", k_out.len(), t * kvd)?;
+        check_kv_caches(OP, k_cache.len(), v_cache.len(), sh)?;
+        check_len("rope_kv_write_normed slot_mapping", slot_mapping.len(), t)?;
+        let rotary_dim = inv_freq.len() * 2;
+        if rotary_dim > sh.head_dim {
+            return Err(NinferError::Device(format!("{OP}: rotary_dim {rotary_dim} exceeds head_dim {}", sh.head_dim)));
+        }
+        let heads = sh.n_q_heads + sh.n_kv_heads;
+        if heads > 65_535 {
+            return Err(NinferError::Device(format!("{OP}: {heads} heads exceed the grid height 65535")));
+        }
+        let f = self.function(KernelFamily::Rope, OP)?;
+        let s = self.stream();
+        let (p, _a) = qkv.device_ptr(s);
+        let (qw, _b) = q_norm.device_ptr(s);
+        let (kw, _c) = k_norm.device_ptr(s);
+        let (qo, _d) = q_out.device_ptr_mut(s);
+        let (ko, _e) = k_out.device_ptr_mut(s);
+        let (kc, _f) = k_cache.device_ptr_mut(s);
+        let (vc, _g) = v_cache.device_ptr_mut(s);
+        let (pp, _h) = positions.device_ptr(s);
+        let (sp, _i) = slot_mapping.device_ptr(s);
+        let (fp, _j) = inv_freq.device_ptr(s);
+        let args = kargs![
+            p,
+            p + 2 * k_off as u64,
+            p + 2 * v_off as u64,
+            qw,
+            kw,
+            qo,
+            ko,
+            kc,
+            vc,
+            pp,
+            sp,
+            fp,
+            as_i32("n_q_heads", sh.n_q_heads)?,
+            as_i32("n_kv_heads", sh.n_kv_heads)?,
+            as_i32("head_dim", sh.head_dim)?,
+            as_i32("rotary_dim", rotary_dim)?,
+            sh.q_stride as i64,
+            sh.k_stride as i64,
+            sh.v_stride as i64,
+            eps,
+            plus_one as i32,
+            sh.attn_scale,
+        ];
+        // A block per (token, head), q heads then k heads (grid y), of the block size
+        // rmsnorm_heads launches for head_dim (its sum of squares' order); the normed head waits
+        // in shared memory, a 16-byte chunk per 8 elements, for the rotation.
+        let mut config = cfg((as_i32("tokens", t)? as u32, heads as u32, 1), chunked_norm_threads(sh.head_dim));
+        config.shared_mem_bytes = (sh.head_dim.div_ceil(8) * 16) as u32;
+        self.launch_pdl(&f, config, OP, &args)
     }
 
     /// Checks the caches and the per-token inputs, then launches.
