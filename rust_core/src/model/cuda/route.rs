@@ -32,7 +32,8 @@ pub enum QueryLayout {
 /// How q and k go from the projection to attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QkRoute {
-    /// A per-head RMSNorm of q and k into their own buffers (`qn`, `kn`), rotated there.
+    /// A per-head RMSNorm of q and k into their own buffers (`qn`, `kn`), rotated there (a
+    /// decode step normalises, rotates and caches in one kernel, `rope_kv_write_normed`).
     HeadNorm,
     /// Rotated in place in the projection's rows.
     InPlace,
