@@ -13,6 +13,32 @@ __device__ __forceinline__ void rope_pair(const store_t* h, int i, int half, flo
     rope_rotate(to_f32(h[i]), to_f32(h[i + half]), i, pos, inv_freq, attn_scale, lo, hi);
 }
 
+// Rotates the head at h (pairs i, i + half of its first rotary_dim elements, rope_pair) into out,
+// which may be h itself, and into the cache head unless `cache` is null; the tail past
+// rotary_dim (partial RoPE) goes to the cache as it is, and to out where `tail_out`. The block's
+// threads share the pairs and the tail.
+__device__ __forceinline__ void rope_head(const store_t* h, store_t* out, store_t* cache,
+                                          int head_dim, int rotary_dim, float pos,
+                                          const float* __restrict__ inv_freq, float attn_scale,
+                                          bool tail_out) {
+    const int half = rotary_dim / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        store_t lo, hi;
+        rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
+        out[i] = lo;
+        out[i + half] = hi;
+        if (cache) {
+            cache[i] = lo;
+            cache[i + half] = hi;
+        }
+    }
+    if (!cache && !tail_out) return;
+    for (int i = rotary_dim + threadIdx.x; i < head_dim; i += blockDim.x) {
+        if (tail_out) out[i] = h[i];
+        if (cache) cache[i] = h[i];
+    }
+}
+
 // A thread per (token, pair): cos and sin once, then that pair of each head in a group of
 // heads (grid y; q heads first, then k heads). A block per (token, head) made a prefill of 2k
 // tokens launch 80k blocks of 64 threads, bound by block scheduling (~100 us a layer of the
@@ -72,34 +98,17 @@ extern "C" __global__ void rope_kv_write(store_t* __restrict__ q, store_t* __res
     const int head = blockIdx.y;
     if (head >= n_q_heads + n_kv_heads) return;
     const float pos = (float)positions[t];
-    const int half = rotary_dim / 2;
     if (head < n_q_heads) {
         store_t* h = q + t * q_stride + (long long)head * head_dim;
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            store_t lo, hi;
-            rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
-            h[i] = lo;
-            h[i + half] = hi;
-        }
+        rope_head(h, h, nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, false);
         return;
     }
     const int kh = head - n_q_heads;
     store_t* h = k + t * k_stride + (long long)kh * head_dim;
     const long long slot = slot_mapping[t];
     const long long cache_off = slot * ((long long)n_kv_heads * head_dim) + (long long)kh * head_dim;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        store_t lo, hi;
-        rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
-        h[i] = lo;
-        h[i + half] = hi;
-        if (slot >= 0) {
-            k_cache[cache_off + i] = lo;
-            k_cache[cache_off + i + half] = hi;
-        }
-    }
+    rope_head(h, h, slot >= 0 ? k_cache + cache_off : nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, false);
     if (slot < 0) return;
-    // The tail past the rotary part (partial RoPE) is cached as it is.
-    for (int i = rotary_dim + threadIdx.x; i < head_dim; i += blockDim.x) k_cache[cache_off + i] = h[i];
     const store_t* vh = v + t * v_stride + (long long)kh * head_dim;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v_cache[cache_off + i] = vh[i];
 }
@@ -153,25 +162,9 @@ extern "C" __global__ void rope_kv_write_normed(
         normed[ch] = norm_chunk(normed[ch], w, ch * 8, head_dim, vec, rstd, plus_one);
     __syncthreads();
     const store_t* h = reinterpret_cast<const store_t*>(normed);
-    const float pos = (float)positions[t];
-    const int half = rotary_dim / 2;
     const long long slot = is_q ? -1 : slot_mapping[t];
     const long long cache_off = slot * ((long long)n_kv_heads * head_dim) + (long long)kh * head_dim;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        store_t lo, hi;
-        rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
-        out[i] = lo;
-        out[i + half] = hi;
-        if (slot >= 0) {
-            k_cache[cache_off + i] = lo;
-            k_cache[cache_off + i + half] = hi;
-        }
-    }
-    // The tail past the rotary part (partial RoPE): the normed values as they are.
-    for (int i = rotary_dim + threadIdx.x; i < head_dim; i += blockDim.x) {
-        out[i] = h[i];
-        if (slot >= 0) k_cache[cache_off + i] = h[i];
-    }
+    rope_head(h, out, slot >= 0 ? k_cache + cache_off : nullptr, head_dim, rotary_dim, (float)positions[t], inv_freq, attn_scale, true);
     if (slot < 0) return;
     const store_t* vh = v + t * v_stride + (long long)kh * head_dim;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v_cache[cache_off + i] = vh[i];
