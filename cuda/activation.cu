@@ -34,9 +34,9 @@ extern "C" __global__ void swiglu(const store_t* __restrict__ gate, const store_
     }
 }
 
-// out[r, i] = x[r, i] * sigmoid(gate[r, i]) (Qwen3.5 gated attention output), sigmoid rounded
-// to storage before the product as transformers' attn_output * torch.sigmoid(gate) holds it in
-// a bf16 tensor. `out` may be `x`.
+// out[r, i] = x[r, i] * sigmoid(gate[r, i]) (Qwen3.5 gated attention output; common.cuh
+// gated_out, which decode attention's final write also applies: the decode steps of gated models
+// take the gate there and skip this kernel). `out` may be `x`.
 extern "C" __global__ void sigmoid_gate_mul(const store_t* x, const store_t* __restrict__ gate,
                                             store_t* out, int rows, int n, long long gate_stride) {
     pdl_enter();
@@ -45,7 +45,7 @@ extern "C" __global__ void sigmoid_gate_mul(const store_t* x, const store_t* __r
          e += (long long)gridDim.x * blockDim.x) {
         const long long r = e / n;
         const int i = (int)(e - r * n);
-        out[e] = from_f32(to_f32(x[e]) * round_st(sigmoid_f(to_f32(gate[r * gate_stride + i]))));
+        out[e] = gated_out(to_f32(x[e]), to_f32(gate[r * gate_stride + i]));
     }
 }
 
@@ -82,7 +82,7 @@ extern "C" __global__ void sigmoid_gate_mul_v8(const store_t* x, const store_t* 
             unpack_chunk(*reinterpret_cast<const uint4*>(gate + r * gate_stride + 8 * c), g);
             store_t o[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = from_f32(xv[i] * round_st(sigmoid_f(g[i])));
+            for (int i = 0; i < 8; ++i) o[i] = gated_out(xv[i], g[i]);
             *reinterpret_cast<uint4*>(out + e) = pack_store8(o);
         }
     }

@@ -151,6 +151,37 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 // rounding points as well (the table in docs/rounding.md lists every op and its rounding).
 __device__ __forceinline__ float round_st(float x) { return to_f32(from_f32(x)); }
 
+// The gated attention output (Qwen3.5's attn_output * torch.sigmoid(gate)): x a storage value
+// of the attention output (widened), g the widened gate; sigmoid(g) is rounded to storage before
+// the product, as transformers holds it in a bf16 tensor. The one definition of the gate:
+// sigmoid_gate_mul (activation.cu, both forms) and decode attention's final write
+// (attn_out_store: the gate applied to the value the kernel would store) both compute it here,
+// so the fused form keeps the separate kernel's bits.
+__device__ __forceinline__ store_t gated_out(float x, float g) {
+    return from_f32(x * round_st(sigmoid_f(g)));
+}
+
+// An attention output element from its f32 value v: v rounded to storage, or where `gated`,
+// that value times the sigmoid of the gate element g (gated_out of round_st(v): exactly the
+// stored value, widened, as sigmoid_gate_mul reads it). Decode attention's final writes
+// (decode_attention.cu, all forms) go through it; a null gate pointer gives today's bits.
+__device__ __forceinline__ store_t attn_out_value(float v, bool gated, store_t g) {
+    return gated ? gated_out(round_st(v), to_f32(g)) : from_f32(v);
+}
+// Element i of `gate`, 0 (unused) where there is no gate; loaded only at or just before the
+// final write, so always after the kernel's pdl_wait (the gate is the projection's output).
+__device__ __forceinline__ store_t load_gate(const store_t* gate, long long i) {
+    return gate ? gate[i] : (store_t)0;
+}
+// The gate of rows `off` elements past `gate`, null where there is none.
+__device__ __forceinline__ const store_t* gate_at(const store_t* gate, long long off) {
+    return gate ? gate + off : nullptr;
+}
+// Element i of an attention output row at `out` (its gate row at `gate`, or null) from v.
+__device__ __forceinline__ void attn_out_store(store_t* out, const store_t* gate, int i, float v) {
+    out[i] = attn_out_value(v, gate != nullptr, load_gate(gate, i));
+}
+
 // One SwiGLU element from the widened gate and up projections: silu(gate) is rounded before
 // the product, as transformers' act_fn(gate_proj(x)) * up_proj(x) holds act_fn(...) in a bf16
 // tensor. The swiglu kernel (activation.cu) and the gate_up GEMV epilogues (gemv.cu,
@@ -273,15 +304,17 @@ __device__ __forceinline__ void softmax_state_init(const store_t* q_lane, float 
 
 // A decode attention block's merged result at element i (< D) of output row `row` (accumulator
 // a, running max mx, sum): the normalised output when the token has one block split (nb == 1),
-// else split b's partial (accumulators, and max and sum at i == 0) at row * max_splits + b, for
-// the last block to arrive to merge. Shared by both CUDA-core forms (merge_warp_partials) and the
-// direct tensor-core one (decode_attention.cu fd_merge), whose partials share one layout.
+// gated where `gate_row` (the row's gate, null for none) is given (attn_out_store), else split b's
+// partial (accumulators, and max and sum at i == 0) at row * max_splits + b, for the last block
+// to arrive to merge. Shared by both CUDA-core forms (merge_warp_partials) and the direct
+// tensor-core one (decode_attention.cu fd_merge), whose partials share one layout.
 template <int D>
 __device__ __forceinline__ void store_block_result(float a, float mx, float sum, int i, long long row,
                                                    int b, int nb, int max_splits, store_t* out,
-                                                   float* part_acc, float* part_ml) {
+                                                   const store_t* gate_row, float* part_acc,
+                                                   float* part_ml) {
     if (nb == 1) {
-        out[row * D + i] = from_f32(a * (1.0f / sum));
+        attn_out_store(out + row * D, gate_row, i, a * (1.0f / sum));
     } else {
         const long long p_idx = row * max_splits + b;
         part_acc[p_idx * D + i] = a;
@@ -295,14 +328,16 @@ __device__ __forceinline__ void store_block_result(float a, float mx, float sum,
 // Element i (< D) of q head g's block result from the WARPS warps' partials in shared memory
 // (sm_m / sm_l: each warp's max and sum, sm_acc: its accumulators), merged in warp order: the
 // normalised output row `row` when the token has one block split (nb == 1), else split b's
-// partial (accumulators, and max and sum at i == 0) at row * max_splits + b. Warp 0 of a live
-// block always has keys, so the block's max is finite and its sum positive.
+// partial (accumulators, and max and sum at i == 0) at row * max_splits + b. `gate_row`: the
+// row's output gate (null for none; store_block_result). Warp 0 of a live block always has keys,
+// so the block's max is finite and its sum positive.
 template <int WARPS, int G, int D>
 __device__ __forceinline__ void merge_warp_partials(int g, int i, const float (&sm_acc)[WARPS][D],
                                                     const float (&sm_m)[WARPS][G],
                                                     const float (&sm_l)[WARPS][G], long long row,
                                                     int b, int nb, int max_splits, store_t* out,
-                                                    float* part_acc, float* part_ml) {
+                                                    const store_t* gate_row, float* part_acc,
+                                                    float* part_ml) {
     float mx = NEG_INF;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
@@ -316,7 +351,7 @@ __device__ __forceinline__ void merge_warp_partials(int g, int i, const float (&
             a = fmaf(sm_acc[w][i], f, a);
         }
     }
-    store_block_result<D>(a, mx, sum, i, row, b, nb, max_splits, out, part_acc, part_ml);
+    store_block_result<D>(a, mx, sum, i, row, b, nb, max_splits, out, gate_row, part_acc, part_ml);
 }
 
 // RMSNorm arithmetic of a row in chunks of 8 storage elements (a uint4), shared by norm.cu's

@@ -32,6 +32,10 @@
 // after are requested before the current keys are scored, so a warp has its next loads in flight
 // while it computes and the table lookup is off the K/V loads' critical path. Each slot (the LPK
 // lanes of one key position) keeps its own online softmax; the slots merge by shuffles at the end.
+//
+// Every form takes `gate` / `gate_stride` after the scratch: gated attention's output gate (q head
+// h of token t, element e at gate[t * gate_stride + h * D + e]; null for none), applied in the
+// final write (common.cuh attn_out_value), the bits of sigmoid_gate_mul after the ungated kernel.
 #include "common.cuh"
 #include "attention_keys.cuh"
 #include "attention_mma.cuh"
@@ -117,7 +121,8 @@ __device__ __forceinline__ void scaled_decode_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) {
+    float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate, long long gate_stride,
+    int min_warp_keys) {
     using L = DaLayout<D, G>;
     constexpr int EPL = L::EPL, LPK = L::LPK, KPW = L::KPW;
     // Loads per lane per iteration: 4, or 2 where the group's q and accumulators already take
@@ -306,6 +311,8 @@ __device__ __forceinline__ void scaled_decode_body(
     // Merge the warps' partials one q head at a time (thread i: element i of the head), in warp
     // order. Warp 0 of a live block always has keys, so the block's max is finite, its sum > 0.
     const long long row0 = (long long)t * n_q_heads + h0;
+    // The output gate of the block's heads (head h0's row; null: no gate).
+    const store_t* gate0 = gate_at(gate, t * gate_stride + (long long)h0 * D);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         if (lane < LPK) {
@@ -315,7 +322,8 @@ __device__ __forceinline__ void scaled_decode_body(
         __syncthreads();
         if (threadIdx.x < D)
             merge_warp_partials<DA_WARPS, G, D>(g, threadIdx.x, sm_acc, sm_m, sm_l, row0 + g, b, nb,
-                                                DA_MAX_SPLITS, out, part_acc, part_ml);
+                                                DA_MAX_SPLITS, out, gate_at(gate0, g * D), part_acc,
+                                                part_ml);
         __syncthreads();
     }
     // Publish this block's partial, then count it in (common.cuh's arrives_last).
@@ -325,21 +333,24 @@ __device__ __forceinline__ void scaled_decode_body(
     // elements a thread; the 32 lanes of a warp share the head (D is a multiple of 32), so lane s
     // loads split s's (max, sum) and the warp's shuffles give the max over the splits, the weights
     // e^(m_s - max) and their l-weighted total. Every element's (max, sum) and first CH splits'
-    // accumulators are requested before any is used (one L2 round trip up to CH splits); each
-    // element is then summed in split order.
+    // accumulators (and the output gate's element) are requested before any is used (one L2
+    // round trip up to CH splits); each element is then summed in split order.
     constexpr int EPT = (G * D + DA_WARPS * 32 - 1) / (DA_WARPS * 32);
     constexpr int CH = EPT >= 8 ? 4 : (EPT >= 4 ? 8 : 16);
     const volatile float* vacc = part_acc;
     const volatile float* vml = part_ml;
     float ms[EPT], ls[EPT], av[EPT][CH];
+    store_t gv[EPT];
 #pragma unroll
     for (int k = 0; k < EPT; ++k) {
         const int i = threadIdx.x + k * DA_WARPS * 32;
         ms[k] = NEG_INF;
         ls[k] = 0.0f;
+        gv[k] = 0;
         if (i < G * D) {  // uniform over a warp
             const int g = i / D;
             const long long p0 = (row0 + g) * DA_MAX_SPLITS;
+            gv[k] = load_gate(gate0, i);  // heads are D apart in the gate row as in the output
             if (lane < nb) {
                 ms[k] = vml[(p0 + lane) * 2];
                 ls[k] = vml[(p0 + lane) * 2 + 1];
@@ -370,7 +381,7 @@ __device__ __forceinline__ void scaled_decode_body(
                 if (s0 + u < nb) a = fmaf(av[k][u], fu, a);
             }
         }
-        out[(row0 + g) * D + e] = from_f32(a * (1.0f / total));
+        out[(row0 + g) * D + e] = attn_out_value(a * (1.0f / total), gate0 != nullptr, gv[k]);
     }
 }
 
@@ -385,10 +396,12 @@ __device__ __forceinline__ void scaled_decode_body(
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int min_warp_keys) { \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate,  \
+        long long gate_stride, int min_warp_keys) {                                             \
         scaled_decode_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,      \
                                  token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale, \
-                                 out, part_acc, part_ml, arrivals, min_warp_keys);              \
+                                 out, part_acc, part_ml, arrivals, gate, gate_stride,           \
+                                 min_warp_keys);                                                \
     }
 
 #define DA_HEAD_INSTANCES(D)                                                                    \
@@ -429,7 +442,7 @@ __device__ __forceinline__ void decode_attention_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals) {
+    float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate, long long gate_stride) {
     constexpr int EPL = D / 32;
     __shared__ float sm_acc[DA_WARPS][D];
     __shared__ float sm_m[DA_WARPS][G], sm_l[DA_WARPS][G];
@@ -465,6 +478,8 @@ __device__ __forceinline__ void decode_attention_body(
     }
     // Merge the warps' partials one q head at a time (thread i: element i of the head). Warp 0
     // of a live block always has keys, so the block's max is finite and its sum positive.
+    // gate0: the output gate of the block's heads (head h0's row; null: no gate).
+    const store_t* gate0 = gate_at(gate, t * gate_stride + (long long)h0 * D);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -473,7 +488,7 @@ __device__ __forceinline__ void decode_attention_body(
         if (threadIdx.x < D)
             merge_warp_partials<DA_WARPS, G, D>(g, threadIdx.x, sm_acc, sm_m, sm_l,
                                                 (long long)t * n_q_heads + h0 + g, b, nb, DA_SPLITS,
-                                                out, part_acc, part_ml);
+                                                out, gate_at(gate0, g * D), part_acc, part_ml);
         __syncthreads();
     }
     // Publish this block's partial, then count it in (common.cuh's arrives_last).
@@ -489,6 +504,7 @@ __device__ __forceinline__ void decode_attention_body(
         const long long row = (long long)t * n_q_heads + h0 + g;
         const long long p0 = row * DA_SPLITS;
         float ms[DA_SPLITS], ls[DA_SPLITS], av[DA_SPLITS];
+        const store_t gv = load_gate(gate0, i);  // heads are D apart in the gate row as in the output
 #pragma unroll
         for (int s = 0; s < DA_SPLITS; ++s) {
             if (s < nb) {
@@ -510,7 +526,7 @@ __device__ __forceinline__ void decode_attention_body(
                 a = fmaf(av[s], f, a);
             }
         }
-        out[row * D + e] = from_f32(a * (1.0f / sum));
+        out[row * D + e] = attn_out_value(a * (1.0f / sum), gate0 != nullptr, gv);
     }
 }
 
@@ -521,10 +537,11 @@ __device__ __forceinline__ void decode_attention_body(
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals) {                    \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate,  \
+        long long gate_stride) {                                                                \
         decode_attention_body<D, G>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,   \
                                     token_pos, n_q_heads, n_kv_heads, q_stride, block_size,     \
-                                    scale, out, part_acc, part_ml, arrivals);                   \
+                                    scale, out, part_acc, part_ml, arrivals, gate, gate_stride);\
     }
 
 #define DA_FIXED_HEAD_INSTANCES(D)                                                              \
@@ -577,7 +594,7 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
 template <int D, int SLOTS, int WARPS>
 __device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const float* l, int slot, bool writes_ml, int t,
                                          int kvh, int G, int n_q_heads, int b, int nb, store_t* __restrict__ out,
-                                         float* part_acc, float* part_ml, unsigned* arrivals) {
+                                         const store_t* gate0, float* part_acc, float* part_ml, unsigned* arrivals) {
     const int lane = threadIdx.x & 31;
     const int gr = lane >> 2, tq = lane & 3;
     const int tk = t * (n_q_heads / G) + kvh;
@@ -605,7 +622,8 @@ __device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const floa
             lb += sm_l[w * 8 + g] * f;
             ob += sm_o[(w * 8 + g) * D + d] * f;
         }
-        store_block_result<D>(ob, mb, lb, d, tok_row + g, b, nb, FD_MAX_SPLITS, out, part_acc, part_ml);
+        store_block_result<D>(ob, mb, lb, d, tok_row + g, b, nb, FD_MAX_SPLITS, out, gate_at(gate0, g * D), part_acc,
+                              part_ml);
     }
     if (nb == 1 || !arrives_last(arrivals + tk, (unsigned)nb)) return;
     // Last block: the nb split partials in split order, read through L2 (ld.global.cg: L1 is
@@ -641,8 +659,13 @@ __device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const floa
     __syncthreads();
     for (int i0 = threadIdx.x; i0 < G * D; i0 += FD_MERGE_ROWS * WARPS * 32) {
         float acc[FD_MERGE_ROWS];
+        store_t gv[FD_MERGE_ROWS];  // the output gate's elements, requested with the first splits
 #pragma unroll
-        for (int r = 0; r < FD_MERGE_ROWS; ++r) acc[r] = 0.0f;
+        for (int r = 0; r < FD_MERGE_ROWS; ++r) {
+            acc[r] = 0.0f;
+            const int i = i0 + r * WARPS * 32;
+            gv[r] = i < G * D ? load_gate(gate0, i) : (store_t)0;
+        }
         for (int s0 = 0; s0 < nb; s0 += FD_MERGE_CHUNK) {
             float v[FD_MERGE_ROWS][FD_MERGE_CHUNK];
 #pragma unroll
@@ -667,7 +690,7 @@ __device__ __forceinline__ void fd_merge(float* sm_o, const float* m, const floa
             const int i = i0 + r * WARPS * 32;
             if (i < G * D) {
                 const int g = i / D;
-                out[(tok_row + g) * D + (i - g * D)] = from_f32(acc[r] / sm_tot[g]);
+                out[(tok_row + g) * D + (i - g * D)] = attn_out_value(acc[r] / sm_tot[g], gate0 != nullptr, gv[r]);
             }
         }
     }
@@ -801,7 +824,7 @@ __device__ __forceinline__ void flash_decode_direct_body(
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals, int splits) {
+    float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate, long long gate_stride, int splits) {
     static_assert(D == 64 || D == 128 || D == 256, "a lane's two tiles of K/V must fit its registers");
     // At d 256 a pair of warps shares each tile, one half of the head dims a warp (DH each).
     constexpr int DH = D > 128 ? 128 : D, HALVES = D / DH;
@@ -920,14 +943,16 @@ __device__ __forceinline__ void flash_decode_direct_body(
         *reinterpret_cast<float2*>(o) = make_float2(acc[n][0], acc[n][2]);
         *reinterpret_cast<float2*>(o + D) = make_float2(acc[n][1], acc[n][3]);
     }
+    // The output gate of the group's heads (head kvh * G's row; null: no gate).
+    const store_t* gate0 = gate_at(gate, (long long)t * gate_stride + (long long)kvh * G * D);
     fd_merge<D, SLOTS, WARPS>(reinterpret_cast<float*>(fa_smem), m, l, slot, half == 0, t, kvh, G, n_q_heads, b, nb,
-                              out, part_acc, part_ml, arrivals);
+                              out, gate0, part_acc, part_ml, arrivals);
 }
 
 #define FDD_BODY(D)                                                                             \
     flash_decode_direct_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,       \
                                 token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale,  \
-                                out, part_acc, part_ml, arrivals, splits);
+                                out, part_acc, part_ml, arrivals, gate, gate_stride, splits);
 #else
 #define FDD_BODY(D)
 #endif
@@ -941,7 +966,8 @@ __device__ __forceinline__ void flash_decode_direct_body(
         const store_t* q, const store_t* k_cache, const store_t* v_cache,                       \
         const int* block_tables, int max_blocks, const int* token_seq, const int* token_pos,    \
         int n_q_heads, int n_kv_heads, long long q_stride, int block_size, float scale,         \
-        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, int splits) {        \
+        store_t* out, float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate,  \
+        long long gate_stride, int splits) {                                                    \
         FDD_BODY(D)                                                                             \
     }
 

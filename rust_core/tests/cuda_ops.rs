@@ -171,6 +171,8 @@ mod logits_round;
 mod linear_bias;
 #[path = "cuda_ops/decode_attention.rs"]
 mod decode_attention;
+#[path = "cuda_ops/decode_attention_gate.rs"]
+mod decode_attention_gate;
 #[path = "cuda_ops/gemv_qkv_rope.rs"]
 mod gemv_qkv_rope;
 #[path = "cuda_ops/rope_kv_normed.rs"]
@@ -816,6 +818,7 @@ fn attention_case(dev: &CudaDevice, rng: &mut Rng, op: &str, contexts: &[usize],
         &upload_raw(dev, &token_seq),
         &upload_raw(dev, &token_pos),
         &mut out.view(),
+        None,
         &shape,
         &scratch,
     )
@@ -905,7 +908,7 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
             let label = format!("hq{hq}hk{hk}/d{d}");
             let scratch = decode_scratch(&dev, t, &shape);
             let run = |out: &mut Out16| {
-                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), None, &shape, &scratch).unwrap();
                 out.read(&dev, "decode attention")
             };
             let batch = run(&mut Out16::new(&dev, t * hq * d));
@@ -927,7 +930,7 @@ fn one_kernel_decode_attention_matches_reference_alone_and_on_relaunch() {
                 let (seq1, pos1) = (upload_raw(&dev, &[s as i32]), upload_raw(&dev, &[c as i32 - 1]));
                 let q1 = upload(&dev, &q[s * hq * d..(s + 1) * hq * d]);
                 let mut out = Out16::new(&dev, hq * d);
-                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), &shape, &alone_scratch).unwrap();
+                dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &q1, &kd, &vd, &tables, &seq1, &pos1, &mut out.view(), None, &shape, &alone_scratch).unwrap();
                 let alone = out.read(&dev, "decode attention alone");
                 assert_bitwise(&alone, &batch[s * hq * d..(s + 1) * hq * d], &format!("decode attention {label}: ctx {c} alone vs batch"));
             }

@@ -98,10 +98,10 @@ fn scaled_decode_attention_matches_reference_alone_and_in_batches() {
                 let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
                 let mut out = Out16::new(&dev, seqs.len() * hq * d);
                 match form {
-                    Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
-                    Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
-                    Form::TensorCoreDirect(splits) => dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
-                    Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), shape, scratch),
+                    Form::Fixed => dev.paged_attention_decode_as(DecodeAttentionForm::Fixed, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), None, shape, scratch),
+                    Form::Scaled => dev.paged_attention_decode_as(DecodeAttentionForm::Scaled, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), None, shape, scratch),
+                    Form::TensorCoreDirect(splits) => dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), None, shape, scratch),
+                    Form::Chosen => dev.paged_attention_decode(&qd, &kd, &vd, tables, &seq_d, &pos_d, &mut out.view(), None, shape, scratch),
                 }
                 .unwrap();
                 out.read(&dev, "decode attention")
@@ -225,7 +225,7 @@ fn scaled_decode_attention_timing() {
                 let mut case = AttnTimingCase::new(&dev, (hq, hk, d), batch, ctx, 0);
                 let scratch = decode_scratch(&dev, batch, &case.shape);
                 let mut time = |form: DecodeAttentionForm| {
-                    case.time(&dev, 100, |c, kc, vc, out| dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap())
+                    case.time(&dev, 100, |c, kc, vc, out| dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, None, &c.shape, &scratch).unwrap())
                 };
                 let (t_fixed, t_scaled) = (time(DecodeAttentionForm::Fixed), time(DecodeAttentionForm::Scaled));
                 assert_arrivals_reset(&dev, &scratch, &format!("timing {name} batch {batch} ctx {ctx}"));
@@ -297,7 +297,7 @@ fn scaled_decode_attention_sees_the_newest_key_written_just_before_it() {
                     let (mut kd, mut vd) = (upload(&dev, &k_bad), upload(&dev, &v_bad));
                     let mut out = Out16::new(&dev, seqs.len() * hq * d);
                     dev.kv_cache_write(&kn, &vn, &mut kd, &mut vd, &sl, row_elems, row_elems, row_elems).unwrap();
-                    dev.paged_attention_decode_as(form, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, &scratch).unwrap();
+                    dev.paged_attention_decode_as(form, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), None, &shape, &scratch).unwrap();
                     let got = out.read(&dev, "decode attention after kv_cache_write");
                     check("decode_attention_newest_key", st, &format!("{label}/{form:?}/{what}{seqs:?}/launch{launch}"), &got, &pick(&want, hq * d), tol16(st));
                 }
@@ -338,7 +338,7 @@ fn direct_tensor_core_decode_attention_at_split_sizes_and_block_sizes() {
                     let pos: Vec<i32> = seqs.iter().map(|&s| CONTEXTS[s] as i32 - 1).collect();
                     let (qd, seq_d, pos_d) = (upload(&dev, &qs), upload_raw(&dev, &seq), upload_raw(&dev, &pos));
                     let mut out = Out16::new(&dev, seqs.len() * hq * d);
-                    dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), &shape, scratch).unwrap();
+                    dev.paged_attention_decode_layout(DecodeAttentionForm::TensorCoreDirect, splits, &qd, &kd, &vd, &tables, &seq_d, &pos_d, &mut out.view(), None, &shape, scratch).unwrap();
                     out.read(&dev, "direct tensor-core decode attention")
                 };
                 let (alone_scratch, scratch) = (decode_scratch(&dev, 1, &shape), decode_scratch(&dev, 5, &shape));
@@ -387,8 +387,8 @@ fn direct_tensor_core_decode_attention_timing() {
         let iters = 40 * copies.min(4);
         let mut time = |form: DecodeAttentionForm, arg: Option<usize>| {
             case.time(&dev, iters, |c, kc, vc, out| match arg {
-                Some(a) => dev.paged_attention_decode_layout(form, a, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
-                None => dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, &c.shape, &scratch).unwrap(),
+                Some(a) => dev.paged_attention_decode_layout(form, a, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, None, &c.shape, &scratch).unwrap(),
+                None => dev.paged_attention_decode_as(form, &c.q, kc, vc, &c.tables, &c.seq, &c.pos, out, None, &c.shape, &scratch).unwrap(),
             })
         };
         let base = time(if batch <= DECODE_SCALED_MAX_TOKENS { DecodeAttentionForm::Scaled } else { DecodeAttentionForm::Fixed }, None);

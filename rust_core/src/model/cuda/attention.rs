@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView};
 
-use crate::backend::cuda::ops::{AttnScratch, PagedAttentionShape, RopeKvShape};
+use crate::backend::cuda::ops::{AttnScratch, DecodeGate, PagedAttentionShape, RopeKvShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::{NinferError, Result};
@@ -143,16 +143,32 @@ impl AttnCtx<'_> {
         // Flash attention falls back to paged attention on a device without it, which a verify
         // step must not run.
         let flash = self.max_rows > 1 && route.flash_prefill && (matches!(attend, Attend::Prefill) || dev.has_flash_attention());
-        match attend {
-            Attend::Decode(scratch) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
-            _ if flash => dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?,
-            Attend::Verify(Some(scratch)) => dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape, scratch)?,
+        // Gated queries: the gate columns follow the queries in each projection row. Decode
+        // attention applies the gate in its final write (one kernel less a layer at decode, bit
+        // for bit the same); flash and paged attention leave it to sigmoid_gate_mul.
+        let gate_rows = buf(&act.proj).slice(qd..);
+        let gate = (route.query == QueryLayout::Gated).then_some(DecodeGate { rows: &gate_rows, stride: width });
+        let gated_in_attention = match attend {
+            Attend::Decode(scratch) => {
+                dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, gate, &shape, scratch)?;
+                true
+            }
+            _ if flash => {
+                dev.flash_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &self.meta.cu_seqlens(), &mut mix, &shape, self.max_rows)?;
+                false
+            }
+            Attend::Verify(Some(scratch)) => {
+                dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, gate, &shape, scratch)?;
+                true
+            }
             Attend::Verify(None) => return Err(NinferError::Device("a verify step's attention without flash attention needs the decode attention scratch".into())),
-            Attend::Prefill => dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?,
-        }
-        if route.query == QueryLayout::Gated {
-            let gate = buf(&act.proj).slice(qd..);
-            dev.sigmoid_gate_mul(&mut mix, &gate, rows, qd, width)?;
+            Attend::Prefill => {
+                dev.paged_attention(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, &shape)?;
+                false
+            }
+        };
+        if route.query == QueryLayout::Gated && !gated_in_attention {
+            dev.sigmoid_gate_mul(&mut mix, &gate_rows, rows, qd, width)?;
         }
         act.project_out(dev, &a.o, ProjIn::Mix, rows, then)
     }

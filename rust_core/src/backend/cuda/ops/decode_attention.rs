@@ -4,10 +4,10 @@
 //! small-batch route elsewhere), the fixed-split form (`decode_attention_fixed_*`, batches of 3+
 //! where neither tensor-core form applies), and their scratch.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
 use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
-use super::{as_i32, cfg, check_len};
+use super::{as_i32, cfg, check_len, strided_len};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -304,6 +304,18 @@ pub fn decode_attention_launch(cc: (u32, u32), form: DecodeAttentionForm, layout
     })
 }
 
+/// The output gate of gated attention (Qwen3.5: attention output x sigmoid(gate)) that decode
+/// attention applies in its final write, bit for bit the attention followed by
+/// `sigmoid_gate_mul` (common.cuh gated_out): token t's gate of q head h, element e at
+/// `rows[t * stride + h * head_dim + e]`, so a row of the q projection is read in place
+/// (`stride` its width, `rows` starting at the gate's column). Why fused: at batch-1 decode
+/// every kernel boundary costs 2-3 us, and this one came once per attention layer.
+#[derive(Clone, Copy)]
+pub struct DecodeGate<'a, 'b> {
+    pub rows: &'a CudaView<'b, u16>,
+    pub stride: usize,
+}
+
 impl CudaDevice {
     /// Decode attention (one query token per sequence, or any tokens) in one kernel, in the form
     /// the plan's route picks for this launch's token count (`paged_attention_decode_as`). A
@@ -318,11 +330,12 @@ impl CudaDevice {
         token_seq: &impl DevicePtr<i32>,
         token_pos: &impl DevicePtr<i32>,
         out: &mut impl DevicePtrMut<u16>,
+        gate: Option<DecodeGate<'_, '_>>,
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
         let form = self.plan().decode_attention.form(token_seq.len(), shape);
-        self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+        self.paged_attention_decode_as(form, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, gate, shape, scratch)
     }
 
     /// Decode attention in one kernel of the given form (all take the same arguments and
@@ -345,7 +358,10 @@ impl CudaDevice {
     ///
     /// In every form a row's result is the same in any batch (batch == alone, bit for bit) and
     /// in any launch. `shape.max_context` and `shape.partition` are ignored; `scratch` must hold
-    /// `decode_scratch_len(tokens, shape)`, its counters zeroed.
+    /// `decode_scratch_len(tokens, shape)`, its counters zeroed. With `gate` (`DecodeGate`: tokens
+    /// rows of `stride`, n_q_heads x head_dim gate columns each) every form multiplies its output
+    /// by the gate's sigmoid in the final write, the bits of `sigmoid_gate_mul` after it; `None`
+    /// stores the attention output alone.
     ///
     /// Under PDL the scaled form reads the metadata and each token's keys before its newest
     /// (position `token_pos`) before waiting for the kernel launched just before it, so only a
@@ -362,11 +378,12 @@ impl CudaDevice {
         token_seq: &impl DevicePtr<i32>,
         token_pos: &impl DevicePtr<i32>,
         out: &mut impl DevicePtrMut<u16>,
+        gate: Option<DecodeGate<'_, '_>>,
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
         let layout_arg = default_layout_arg(form, token_seq.len(), shape, self.sm_count());
-        self.paged_attention_decode_layout(form, layout_arg, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape, scratch)
+        self.paged_attention_decode_layout(form, layout_arg, q, k_cache, v_cache, block_tables, token_seq, token_pos, out, gate, shape, scratch)
     }
 
     /// `paged_attention_decode_as` with the layout argument given: the scaled form's fewest keys
@@ -385,6 +402,7 @@ impl CudaDevice {
         token_seq: &impl DevicePtr<i32>,
         token_pos: &impl DevicePtr<i32>,
         out: &mut impl DevicePtrMut<u16>,
+        gate: Option<DecodeGate<'_, '_>>,
         shape: &PagedAttentionShape,
         scratch: &AttnScratch,
     ) -> Result<()> {
@@ -396,6 +414,13 @@ impl CudaDevice {
         check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
         check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
         check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
+        let qd = sh.n_q_heads * sh.head_dim;
+        if let Some(g) = &gate {
+            if g.stride < qd {
+                return Err(crate::NinferError::Device(format!("decode attention gate: row stride {} is shorter than a row's {} gate columns ({} q heads x {} dims)", g.stride, qd, sh.n_q_heads, sh.head_dim)));
+            }
+            check_len("decode attention gate", g.rows.len(), strided_len(t, qd, g.stride))?;
+        }
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k_cache.device_ptr(s);
@@ -407,6 +432,15 @@ impl CudaDevice {
         let (pa, _h) = scratch.acc.device_ptr(s);
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
+        // No gate: a null pointer (the kernels store the attention output as before).
+        let (gp, _k) = match &gate {
+            Some(g) => {
+                let (p, sync) = g.rows.device_ptr(s);
+                (p, Some(sync))
+            }
+            None => (0, None),
+        };
+        let gate_stride = gate.as_ref().map_or(0, |g| g.stride) as i64;
         let f = self.function_with_smem(l.family, l.name, l.smem)?;
         let args = kargs![
             qp,
@@ -425,6 +459,8 @@ impl CudaDevice {
             pa,
             pm,
             ar,
+            gp,
+            gate_stride,
             l.layout_arg.unwrap_or(0) as i32,
         ];
         let n_args = if l.layout_arg.is_some() { args.len() } else { args.len() - 1 };

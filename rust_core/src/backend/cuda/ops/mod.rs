@@ -37,7 +37,7 @@ mod sampling_pack;
 pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS};
 pub use decode_attention::{
     decode_block_splits, decode_block_splits_with, decode_grid_splits, decode_grid_splits_with, decode_scratch_len, decode_warp_keys, decode_warp_keys_with,
-    tc_direct_fits, tc_direct_grid_splits, tc_direct_smem_bytes, tc_direct_split_keys, tc_direct_splits, AttnScratch, DecodeAttentionForm, DecodeAttentionRoute, decode_attention_launch, default_layout_arg, DecodeAttentionLaunch,
+    tc_direct_fits, tc_direct_grid_splits, tc_direct_smem_bytes, tc_direct_split_keys, tc_direct_splits, AttnScratch, DecodeAttentionForm, DecodeGate, DecodeAttentionRoute, decode_attention_launch, default_layout_arg, DecodeAttentionLaunch,
     DecodeScratchLen, DECODE_DEFAULT_LAYOUT, DECODE_MAX_SPLITS, DECODE_MIN_WARP_KEYS, DECODE_SCALED_MAX_TOKENS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS,
     TC_DIRECT_BLOCKS_PER_SM, TC_DIRECT_WARPS,
 };
