@@ -60,7 +60,7 @@ pub(super) fn gdn_layer(cfg: &ModelConfig, dev: &CudaDevice, meta: &StepMeta, g:
         v_stride: cd,
         n_slots,
     };
-    match route.kernels(max_rows) {
+    match route.kernels(max_rows, slots.len()) {
         GdnKernels::ConvRecurrentGated => {
             let tickets = buf_mut(&mut act.gdn_tickets);
             dev.gdn_conv_recurrent_gated(proj, conv, &g.conv_w, bias, &conv_shape, tickets, &a, &b, width, &g.a_log, &g.dt_bias, delta, &cu, &slots, &z, width, &g.norm, cfg.rms_norm_eps, buf_mut(&mut act.mix), &shape)?;

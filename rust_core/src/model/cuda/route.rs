@@ -70,6 +70,12 @@ pub enum GdnKernels {
 /// Tokens per chunk of the chunked GDN kernel; shorter steps stay on the recurrent kernel.
 pub const GDN_CHUNK: usize = 64;
 
+/// Sequences up to which a short GDN step runs its conv inside the one-kernel core. Above it
+/// the conv runs once in a kernel of its own: the core's blocks of one key head each repeat
+/// that head's q / k conv, which at the Qwen3.5-27B shape on the H100 cost more than the three
+/// launches saved at 64 sequences (0.965x the four kernels) and less at 16 (1.10x) and 1 (2.4x).
+pub const GDN_FUSED_CONV_MAX_SEQS: usize = 16;
+
 /// The route of a Gated DeltaNet layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GdnRoute {
@@ -80,14 +86,15 @@ pub struct GdnRoute {
 }
 
 impl GdnRoute {
-    /// The kernels of a step whose longest sequence chunk is `max_rows` tokens: the chunked
-    /// kernel from GDN_CHUNK tokens on where the device has it (it is exact for the short
-    /// sequences of that step too), else the recurrent rule, in one kernel where the value
-    /// head dim allows.
-    pub fn kernels(&self, max_rows: usize) -> GdnKernels {
+    /// The kernels of a step of `n_seqs` sequences whose longest chunk is `max_rows` tokens:
+    /// the chunked kernel from GDN_CHUNK tokens on where the device has it (it is exact for the
+    /// short sequences of that step too), else the recurrent rule, in one kernel with the conv
+    /// where the value head dim allows and the step has at most GDN_FUSED_CONV_MAX_SEQS
+    /// sequences.
+    pub fn kernels(&self, max_rows: usize, n_seqs: usize) -> GdnKernels {
         let long = max_rows >= GDN_CHUNK;
         let recurrent = !long || !self.chunked;
-        if recurrent && self.gated_recurrent {
+        if recurrent && self.gated_recurrent && n_seqs <= GDN_FUSED_CONV_MAX_SEQS {
             GdnKernels::ConvRecurrentGated
         } else if long {
             GdnKernels::Chunked

@@ -149,21 +149,32 @@ fn gdn_steps_run_the_chunked_kernel_from_a_chunk_of_64_tokens_where_the_device_h
     let cfg = qwen3_5(128);
     let r = gdn_route(&cfg, true);
     assert_eq!((r.chunked, r.gated_recurrent), (true, true));
-    assert_eq!(r.kernels(1), GdnKernels::ConvRecurrentGated);
-    assert_eq!(r.kernels(GDN_CHUNK - 1), GdnKernels::ConvRecurrentGated);
-    assert_eq!(r.kernels(GDN_CHUNK), GdnKernels::Chunked);
+    assert_eq!(r.kernels(1, 1), GdnKernels::ConvRecurrentGated);
+    assert_eq!(r.kernels(GDN_CHUNK - 1, 1), GdnKernels::ConvRecurrentGated);
+    assert_eq!(r.kernels(GDN_CHUNK, 1), GdnKernels::Chunked);
     // A device without the chunked kernel's shared memory stays recurrent at every length.
     let r = gdn_route(&cfg, false);
-    assert_eq!(r.kernels(4 * GDN_CHUNK), GdnKernels::ConvRecurrentGated);
+    assert_eq!(r.kernels(4 * GDN_CHUNK, 1), GdnKernels::ConvRecurrentGated);
+}
+
+#[test]
+fn gdn_steps_of_many_sequences_run_the_conv_apart() {
+    let r = gdn_route(&qwen3_5(128), true);
+    assert_eq!(r.kernels(1, GDN_FUSED_CONV_MAX_SEQS), GdnKernels::ConvRecurrentGated);
+    assert_eq!(r.kernels(1, GDN_FUSED_CONV_MAX_SEQS + 1), GdnKernels::Recurrent);
+    assert_eq!(r.kernels(GDN_CHUNK, GDN_FUSED_CONV_MAX_SEQS + 1), GdnKernels::Chunked);
+    // Without the chunked kernel a long step of many sequences calls `gdn_chunked`, which runs
+    // the recurrent rule itself.
+    assert_eq!(gdn_route(&qwen3_5(128), false).kernels(4 * GDN_CHUNK, 64), GdnKernels::Chunked);
 }
 
 #[test]
 fn gdn_value_heads_past_the_gated_kernel_run_gates_recurrent_and_norm_apart() {
     let r = gdn_route(&qwen3_5(GATED_MAX_DV + 32), true);
     assert!(!r.gated_recurrent);
-    assert_eq!(r.kernels(1), GdnKernels::Recurrent);
-    assert_eq!(r.kernels(GDN_CHUNK), GdnKernels::Chunked);
+    assert_eq!(r.kernels(1, 1), GdnKernels::Recurrent);
+    assert_eq!(r.kernels(GDN_CHUNK, 1), GdnKernels::Chunked);
     // Without the chunked kernel a long step still calls `gdn_chunked`, which falls back to
     // the recurrent rule itself, as the step did before routes.
-    assert_eq!(gdn_route(&qwen3_5(GATED_MAX_DV + 32), false).kernels(GDN_CHUNK), GdnKernels::Chunked);
+    assert_eq!(gdn_route(&qwen3_5(GATED_MAX_DV + 32), false).kernels(GDN_CHUNK, 1), GdnKernels::Chunked);
 }
