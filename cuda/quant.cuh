@@ -296,20 +296,22 @@ __device__ __forceinline__ void q4t_lane_bytes(const qweight& w, int tile, int k
 }
 
 // A lane's four scales of one K block from its 8-byte scales word: s[2h + g] of (row gid + 8h,
-// group g of the block).
-__device__ __forceinline__ void q4t_scales(uint2 sc, long long p2, float (&s)[4]) {
-    s[0] = q4t_scale((unsigned short)(sc.x & 0xffffu), p2);
-    s[1] = q4t_scale((unsigned short)(sc.x >> 16), p2);
-    s[2] = q4t_scale((unsigned short)(sc.y & 0xffffu), p2);
-    s[3] = q4t_scale((unsigned short)(sc.y >> 16), p2);
+// group g of the block); BS: bf16 scales (p2 == 2), else f16.
+template <bool BS>
+__device__ __forceinline__ void q4t_scales(uint2 sc, float (&s)[4]) {
+    const unsigned short h[4] = {(unsigned short)(sc.x & 0xffffu), (unsigned short)(sc.x >> 16),
+                                 (unsigned short)(sc.y & 0xffffu), (unsigned short)(sc.y >> 16)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = BS ? q_bf16(h[i]) : q_f16(h[i]);
 }
 
 // The bias pair -(MAGIC + z) of group g for rows gid (h = 0) and gid + 8 (h = 1): z the byte
-// 2h + g of the zeros word, 8 without a zero plane.
-__device__ __forceinline__ void q4t_bias(bool zeros, unsigned zq, int g, unsigned (&bias2)[2]) {
+// 2h + g of the zeros word when the weight has a zero plane (Z), else 8.
+template <bool Z>
+__device__ __forceinline__ void q4t_bias(unsigned zq, int g, unsigned (&bias2)[2]) {
     bias2[0] = Q4T_BIAS8;
     bias2[1] = Q4T_BIAS8;
-    if (zeros) {
+    if constexpr (Z) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) bias2[h] = q4t_pair(-(Q4T_MAGIC_F + (float)((zq >> (8 * (2 * h + g))) & 0xffu)));
     }
@@ -324,6 +326,70 @@ __device__ __forceinline__ void q4t_afrag(const uint4& q0, const uint4& q1, int 
     af[1] = q4t_fma2(q4t_nibbles(w1), Q4T_ONE, bias2[1]);
     af[2] = q4t_fma2(q4t_nibbles(w0 >> 4), Q4T_ONE, bias2[0]);
     af[3] = q4t_fma2(q4t_nibbles(w1 >> 4), Q4T_ONE, bias2[1]);
+}
+
+// Runs RUN<MT, F32, Z, BS>(...) for the weight's zero plane (Z: p1 != 0) and scale type (BS:
+// bf16 scales, p2 == 2), in a function whose MT, F32 and `w` are in scope. A family whose only
+// tiled weight is Q4G64_F16S (f16 scales, no zero plane) defines Q4T_PLAIN_ONLY and compiles
+// that form alone.
+#if defined(Q4T_PLAIN_ONLY)
+#define Q4T_DISPATCH(RUN, ...) RUN<MT, F32, false, false>(__VA_ARGS__)
+#else
+#define Q4T_DISPATCH(RUN, ...)                                                                     \
+    do {                                                                                           \
+        if (w.p1) {                                                                                \
+            if (w.p2 == 2) RUN<MT, F32, true, true>(__VA_ARGS__);                                  \
+            else RUN<MT, F32, true, false>(__VA_ARGS__);                                           \
+        } else {                                                                                   \
+            if (w.p2 == 2) RUN<MT, F32, false, true>(__VA_ARGS__);                                 \
+            else RUN<MT, F32, false, false>(__VA_ARGS__);                                          \
+        }                                                                                          \
+    } while (0)
+#endif
+
+// One K block of a lane: the 8 mma steps over its codes q0 / q1 (rows gid and gid + 8), each
+// group's 4 steps summed in a fresh accumulator (the two groups as two independent mma chains)
+// and added to the lane's sums times the group's scales. xb(j, nt) gives the B fragment of step
+// j for batch rows nt. Z / BS are the weight's zero plane and scale type, fixed per launch and
+// hoisted out of the K loop: per-block selects of them were a fifth of the loop's instructions,
+// and the loop is bound by instruction issue.
+template <int NT, bool Z, bool BS, class XB>
+__device__ __forceinline__ void q4t_block(const uint4& q0, const uint4& q1, uint2 sc, unsigned zq, XB xb, float (&acc)[NT][4]) {
+    float s[4];
+    q4t_scales<BS>(sc, s);
+    unsigned bias2[2][2];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) q4t_bias<Z>(zq, g, bias2[g]);
+    float d[2][NT][4];
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) d[g][nt][c] = 0.0f;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+            const int j = g * 4 + a;
+            unsigned af[4];
+            q4t_afrag(q0, q1, j, bias2[g], af);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint2 b = xb(j, nt);
+                q4t_mma(d[g][nt], af, b.x, b.y);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            acc[nt][0] = fmaf(s[g], d[g][nt][0], acc[nt][0]);
+            acc[nt][1] = fmaf(s[g], d[g][nt][1], acc[nt][1]);
+            acc[nt][2] = fmaf(s[2 + g], d[g][nt][2], acc[nt][2]);
+            acc[nt][3] = fmaf(s[2 + g], d[g][nt][3], acc[nt][3]);
+        }
 }
 
 // The block's warps' sums of a tile through `red` (shared, [QUANT_WARPS][NT * 4][32]) in warp
@@ -360,7 +426,9 @@ __device__ __forceinline__ void q4t_reduce_store(float (*red)[NT * 4][32], const
 #define Q4T_XPAD 16
 
 // The weight loads of one pass for one lane: codes of rows gid and gid + 8 (two 16-byte
-// streaming loads a block), the four scales (one 8-byte load) and the zeros (one 4-byte load).
+// streaming loads a block), the four scales (one 8-byte load) and, with a zero plane (Z), the
+// zeros (one 4-byte load).
+template <bool Z>
 struct q4t_pass {
     uint4 q[Q4T_UNROLL][2];
     uint2 sc[Q4T_UNROLL];
@@ -370,42 +438,49 @@ struct q4t_pass {
 #pragma unroll
         for (int u = 0; u < Q4T_UNROLL; ++u) {
             const int kb = kb0 + u * QUANT_WARPS;
+            zq[u] = 0u;
             if (kb < kbn) {
                 q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
                 q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
                 sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
-                zq[u] = zeros ? __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32)) : 0x08080808u;
+                if constexpr (Z) zq[u] = __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32));
             }
         }
     }
+};
+
+// The pass form's shared memory: the warps' partial sums and, for MT <= 4, the pass's x rows.
+template <int MT>
+struct q4t_pass_smem {
+    static constexpr int NT = MT > 8 ? 2 : 1;
+    static constexpr bool XS = MT <= 4;
+    float red[QUANT_WARPS][NT * 4][32];
+    __align__(16) store_t xs[XS ? MT : 1][XS ? Q4T_PASS + Q4T_XPAD : 8];
 };
 
 // One tile of 16 output rows for up to MT rows of x. The block's warps go through K in passes
 // of Q4T_PASS_BLOCKS blocks of 128 values, warp w taking blocks base + w + 8u; each block's
 // codes are two 16-byte loads a lane (rows gid and gid + 8 of the tile: the A fragments of 8
 // mma steps, whose K order the layout chose; q - z formed in the storage type, exactly), x the
-// B fragments (4 consecutive values of batch row gid [+ 8] a step), each group's 4 steps summed
-// in a fresh accumulator and added to the lane's sums times the group's scales; the warps' sums
-// meet in shared memory and one thread a (row, column) stores it (+ bias, rounded once, as
-// quant_gemv_body does). Rows past w.n (tile padding) are not stored.
+// B fragments (4 consecutive values of batch row gid [+ 8] a step), summed by q4t_block; the
+// warps' sums meet in shared memory and one thread a (row, column) stores it (+ bias, rounded
+// once, as quant_gemv_body does). Rows past w.n (tile padding) are not stored.
 // Latency: the first pass's weight loads are issued before pdl_wait (weights are written by no
 // kernel, so they may stream while the previous kernel finishes), and for MT <= 4 the pass's x
 // is staged in shared memory by the whole block while those loads are in flight, so that the
 // mma steps wait on shared-memory reads instead of one L2 round trip per step (MT 8 and 16 read
 // x from global: a pass of 8 or 16 rows would not fit the static shared memory).
-template <int MT, bool F32>
-__device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
-                                              const store_t* __restrict__ bias, int m, int round, int tile) {
-    constexpr int NT = MT > 8 ? 2 : 1;
-    constexpr bool XS = MT <= 4;
-    __shared__ float red[QUANT_WARPS][NT * 4][32];
-    __shared__ __align__(16) store_t xs[XS ? MT : 1][XS ? Q4T_PASS + Q4T_XPAD : 8];
+template <int MT, bool F32, bool Z, bool BS>
+__device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                             const store_t* __restrict__ bias, int m, int round, int tile, q4t_pass_smem<MT>& sm) {
+    constexpr int NT = q4t_pass_smem<MT>::NT;
+    constexpr bool XS = q4t_pass_smem<MT>::XS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, t4 = lane & 3;
     const int kbn = (w.k + 127) >> 7;
     const unsigned char *codes, *scales, *zeros;
     q4t_lane_bytes(w, tile, kbn, lane, codes, scales, zeros);
-    q4t_pass ld;
+    q4t_pass<Z> ld;
     ld.load(codes, scales, zeros, warp, kbn);
     pdl_enter();
     // B fragments of batch rows past m (columns of the mma that are never stored) repeat a row
@@ -429,7 +504,7 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
                 const int kk = base * 128 + c;
                 uint4 v = make_uint4(0u, 0u, 0u, 0u);
                 if (r < m && kk < w.k) v = __ldg(reinterpret_cast<const uint4*>(x + (long long)r * w.k + kk));
-                *reinterpret_cast<uint4*>(&xs[r][c]) = v;
+                *reinterpret_cast<uint4*>(&sm.xs[r][c]) = v;
             }
             __syncthreads();
         }
@@ -437,44 +512,25 @@ __device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, con
         for (int u = 0; u < Q4T_UNROLL; ++u) {
             const int kb = base + warp + u * QUANT_WARPS;
             if (kb >= kbn) break;
-            float s[4];
-            q4t_scales(ld.sc[u], w.p2, s);
-#pragma unroll
-            for (int g = 0; g < 2; ++g) {
-                unsigned bias2[2];
-                q4t_bias(zeros != nullptr, ld.zq[u], g, bias2);
-                float d[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) d[nt][c] = 0.0f;
-#pragma unroll
-                for (int a = 0; a < 4; ++a) {
-                    const int j = g * 4 + a;
-                    unsigned af[4];
-                    q4t_afrag(ld.q[u][0], ld.q[u][1], j, bias2, af);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        uint2 b = make_uint2(0u, 0u);
-                        if constexpr (XS) {
-                            b = *reinterpret_cast<const uint2*>(&xs[XS ? xrow : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
-                        } else {
-                            if (j * 16 < w.k - kb * 128 - 4 * t4) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kb * 128 + j * 16));
-                        }
-                        q4t_mma(d[nt], af, b.x, b.y);
-                    }
+            q4t_block<NT, Z, BS>(ld.q[u][0], ld.q[u][1], ld.sc[u], ld.zq[u], [&](int j, int nt) {
+                uint2 b = make_uint2(0u, 0u);
+                if constexpr (XS) {
+                    b = *reinterpret_cast<const uint2*>(&sm.xs[XS ? xrow : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
+                } else {
+                    if (j * 16 < w.k - kb * 128 - 4 * t4) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kb * 128 + j * 16));
                 }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    acc[nt][0] = fmaf(s[g], d[nt][0], acc[nt][0]);
-                    acc[nt][1] = fmaf(s[g], d[nt][1], acc[nt][1]);
-                    acc[nt][2] = fmaf(s[2 + g], d[nt][2], acc[nt][2]);
-                    acc[nt][3] = fmaf(s[2 + g], d[nt][3], acc[nt][3]);
-                }
-            }
+                return b;
+            }, acc);
         }
     }
-    q4t_reduce_store<NT, F32>(red, acc, w, y, bias, m, round, tile);
+    q4t_reduce_store<NT, F32>(sm.red, acc, w, y, bias, m, round, tile);
+}
+
+template <int MT, bool F32>
+__device__ __forceinline__ void q4t_gemv_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                              const store_t* __restrict__ bias, int m, int round, int tile) {
+    __shared__ q4t_pass_smem<MT> sm;
+    Q4T_DISPATCH(q4t_gemv_run, x, w, y, bias, m, round, tile, sm);
 }
 
 // K blocks of 128 values a warp has in flight: the stages of its cp.async ring.
@@ -504,107 +560,100 @@ __device__ __forceinline__ void q4t_cp_async(unsigned dst, const void* src, int 
 // waits for the others. Each block's codes are the A fragments of 8 mma steps (K order as the
 // layout chose; q - z formed in the storage type, exactly), x the B fragments (4 consecutive
 // values of batch row gid [+ 8] a step, read through L1: every block of a multiprocessor reads
-// the same x), each group's 4 steps summed in a fresh accumulator (the block's two groups as
-// two independent mma chains) and added to the lane's sums times the group's scales; the
-// warps' sums meet in shared memory (the ring's bytes, once every warp is done) and one thread
-// a (row, column) stores it (+ bias, rounded once, as quant_gemv_body does). Rows past w.n
-// (tile padding) are not stored. The ring's first stages are requested before pdl_wait
-// (weights are written by no kernel, so they stream while the previous kernel finishes).
+// the same x), summed by q4t_block; the warps' sums meet in shared memory (the ring's bytes,
+// once every warp is done) and one thread a (row, column) stores it (+ bias, rounded once, as
+// quant_gemv_body does). Rows past w.n (tile padding) are not stored. The ring's first stages
+// are requested before pdl_wait (weights are written by no kernel, so they stream while the
+// previous kernel finishes). The loop is bound by instruction issue, so a request advances
+// pointers instead of recomputing addresses, and only a block that ends past K (its warp's
+// last, when K is not a multiple of 128) loads x under predicates.
 // The sums are q4t_gemv_tile's, in the same order: the two forms give the same bits.
-template <int MT, bool F32>
-__device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
-                                              const store_t* __restrict__ bias, int m, int round, int tile) {
+template <int MT, bool F32, bool Z, bool BS>
+__device__ __forceinline__ void q4t_ring_run(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                             const store_t* __restrict__ bias, int m, int round, int tile,
+                                             unsigned char (*rings)[Q4T_STAGES][Q4T_STAGE_BYTES]) {
     constexpr int NT = MT > 8 ? 2 : 1;
     constexpr int S = Q4T_STAGES;
-    __shared__ __align__(16) unsigned char ring[QUANT_WARPS][S][Q4T_STAGE_BYTES];
-    static_assert(sizeof(float) * QUANT_WARPS * NT * 4 * 32 <= sizeof(ring), "the partial sums reuse the ring");
+    static_assert((S & (S - 1)) == 0, "a block's stage is i & (S - 1)");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, t4 = lane & 3;
     const int kbn = (w.k + 127) >> 7;
     const unsigned char *codes, *scales, *zeros;
     q4t_lane_bytes(w, tile, kbn, lane, codes, scales, zeros);
     const int mine = warp < kbn ? (kbn - warp + QUANT_WARPS - 1) / QUANT_WARPS : 0;
-    const unsigned ring0 = smem_u32(&ring[warp][0][0]);
-    // The warp's i-th K block into stage i % S; one commit group a call, empty past the warp's
+    unsigned char(*ring)[Q4T_STAGE_BYTES] = rings[warp];
+    // The bytes of the warp's next K block to request, QUANT_WARPS blocks further each request.
+    codes += (long long)warp * 1024;
+    scales += (long long)warp * 64;
+    if constexpr (Z) zeros += (long long)warp * 32;
+    const unsigned ring0 = smem_u32(&ring[0][0]);
+    int asked = 0;
+    // The warp's next block into `stage`; one commit group a call, empty past the warp's
     // blocks, so that the wait below always counts S groups.
-    auto request = [&](int i) {
-        if (i < mine) {
-            const long long kb = warp + (long long)i * QUANT_WARPS;
-            const unsigned st = ring0 + (i % S) * Q4T_STAGE_BYTES;
-            q4t_cp_async(st + lane * 16, codes + kb * 1024, 16);
-            q4t_cp_async(st + 512 + lane * 16, codes + kb * 1024 + 512, 16);
-            q4t_cp_async(st + 1024 + lane * 8, scales + kb * 64, 8);
-            if (zeros) q4t_cp_async(st + 1280 + lane * 4, zeros + kb * 32, 4);
+    auto request = [&](int stage) {
+        if (asked < mine) {
+            const unsigned st = ring0 + stage * Q4T_STAGE_BYTES;
+            q4t_cp_async(st + lane * 16, codes, 16);
+            q4t_cp_async(st + 512 + lane * 16, codes + 512, 16);
+            q4t_cp_async(st + 1024 + lane * 8, scales, 8);
+            if constexpr (Z) q4t_cp_async(st + 1280 + lane * 4, zeros, 4);
         }
         cp_async_commit();
+        ++asked;
+        codes += QUANT_WARPS * 1024;
+        scales += QUANT_WARPS * 64;
+        if constexpr (Z) zeros += QUANT_WARPS * 32;
     };
 #pragma unroll
     for (int i = 0; i < S; ++i) request(i);
     pdl_enter();
-    // Rows past m repeat a row of x that exists (q4t_gemv_tile). The lane's x pointers and the
-    // values left in its row follow the warp's K block, so that a step's load is one
-    // instruction at a constant offset.
+    // Rows past m repeat a row of x that exists (q4t_gemv_tile). The lane's x pointers follow
+    // the warp's K block, so that a step's load is one instruction at a constant offset.
     const store_t* xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xr[nt] = x + (long long)min(gid + 8 * nt, m - 1) * w.k + warp * 128 + 4 * t4;
-    int lim = w.k - warp * 128 - 4 * t4;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
-    for (int i = 0; i < mine; ++i) {
+    // Block i of the warp from stage i & (S - 1), x under predicates (lim: the lane's values
+    // left in its row) or not; then the stage refilled with the block S ahead.
+    auto consume = [&](int i, bool whole, int lim) {
         cp_async_wait_group<S - 1>();  // S + i groups requested: the first i + 1 have landed
-        const unsigned char* st = &ring[warp][i % S][0];
+        const int stage = i & (S - 1);
+        const unsigned char* st = &ring[stage][0];
         const uint4 q0 = *reinterpret_cast<const uint4*>(st + lane * 16);
         const uint4 q1 = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
         const uint2 sc = *reinterpret_cast<const uint2*>(st + 1024 + lane * 8);
-        const unsigned zq = zeros ? *reinterpret_cast<const unsigned*>(st + 1280 + lane * 4) : 0u;
-        float s[4];
-        q4t_scales(sc, w.p2, s);
-        unsigned bias2[2][2];
-#pragma unroll
-        for (int g = 0; g < 2; ++g) q4t_bias(zeros != nullptr, zq, g, bias2[g]);
-        float d[2][NT][4];
-#pragma unroll
-        for (int g = 0; g < 2; ++g)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) d[g][nt][c] = 0.0f;
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-#pragma unroll
-            for (int g = 0; g < 2; ++g) {
-                const int j = g * 4 + a;
-                unsigned af[4];
-                q4t_afrag(q0, q1, j, bias2[g], af);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    uint2 b = make_uint2(0u, 0u);
-                    if (j * 16 < lim) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + j * 16));
-                    q4t_mma(d[g][nt], af, b.x, b.y);
-                }
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < 2; ++g)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                acc[nt][0] = fmaf(s[g], d[g][nt][0], acc[nt][0]);
-                acc[nt][1] = fmaf(s[g], d[g][nt][1], acc[nt][1]);
-                acc[nt][2] = fmaf(s[2 + g], d[g][nt][2], acc[nt][2]);
-                acc[nt][3] = fmaf(s[2 + g], d[g][nt][3], acc[nt][3]);
-            }
-        request(i + S);  // the stage is used: refill it with the block S ahead
+        const unsigned zq = Z ? *reinterpret_cast<const unsigned*>(st + 1280 + lane * 4) : 0u;
+        q4t_block<NT, Z, BS>(q0, q1, sc, zq, [&](int j, int nt) {
+            uint2 b = make_uint2(0u, 0u);
+            if (whole || j * 16 < lim) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + j * 16));
+            return b;
+        }, acc);
+        request(stage);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) xr[nt] += QUANT_WARPS * 128;
-        lim -= QUANT_WARPS * 128;
-    }
+    };
+    // Only the tile's last K block can end past K; it is the last of warp (kbn - 1) % QUANT_WARPS.
+    const int whole = (w.k & 127) && warp == (kbn - 1) % QUANT_WARPS ? mine - 1 : mine;
+    int i = 0;
+    for (; i < whole; ++i) consume(i, true, 0);
+    if (i < mine) consume(i, false, w.k - (warp + i * QUANT_WARPS) * 128 - 4 * t4);
     cp_async_wait_all();
     __syncthreads();  // every warp is done with its ring: its bytes take the partial sums
-    float(*red)[NT * 4][32] = reinterpret_cast<float(*)[NT * 4][32]>(&ring[0][0][0]);
+    float(*red)[NT * 4][32] = reinterpret_cast<float(*)[NT * 4][32]>(&rings[0][0][0]);
     q4t_reduce_store<NT, F32>(red, acc, w, y, bias, m, round, tile);
+}
+
+template <int MT, bool F32>
+__device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
+                                              const store_t* __restrict__ bias, int m, int round, int tile) {
+    constexpr int NT = MT > 8 ? 2 : 1;
+    __shared__ __align__(16) unsigned char ring[QUANT_WARPS][Q4T_STAGES][Q4T_STAGE_BYTES];
+    static_assert(sizeof(float) * QUANT_WARPS * NT * 4 * 32 <= sizeof(ring), "the partial sums reuse the ring");
+    Q4T_DISPATCH(q4t_ring_run, x, w, y, bias, m, round, tile, ring);
 }
 #endif
 

@@ -4,7 +4,10 @@
 // (`blockscale-k16-m128x4-v1`). quant.cuh holds the bodies (quant_chunk.cuh NVFP4's GEMV);
 // each decoder below gives values k0 .. k0 + 7 of a row (k0 a multiple of 8) exactly as the CPU
 // decoder does. Q4G64_F16S is
-// repacked at upload into quant.cuh's tiled layout (dec_q4_tiles, the mma.sync GEMV).
+// repacked at upload into quant.cuh's tiled layout (dec_q4_tiles, the mma.sync GEMV); it is
+// this family's only tiled weight, so only the tiled GEMVs' f16-scale, no-zero-plane form is
+// compiled here (Q4T_PLAIN_ONLY).
+#define Q4T_PLAIN_ONLY
 #include "quant_chunk.cuh"
 
 // Grouped signed codes of BITS bits, G values a group (8 of them always in one group: G is 32
