@@ -36,10 +36,12 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     modules: Mutex<HashMap<KernelFamily, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Loaded kernels by family and name: families may share a kernel name and not its code
+    /// (quant_ninfer.cu compiles only Q4G64_F16S's form of the tiled GEMVs quant_hf.cu also has).
+    functions: Mutex<HashMap<(KernelFamily, &'static str), CudaFunction>>,
     /// Dynamic shared memory each kernel was allowed (`function_with_smem`): the limit is raised
     /// once per kernel, not per launch (a driver call the launch does not need).
-    smem_limits: Mutex<HashMap<&'static str, usize>>,
+    smem_limits: Mutex<HashMap<(KernelFamily, &'static str), usize>>,
     /// Whether tiled 4-bit GEMVs run the ring form (`set_q4_ring`; the pass form by default).
     q4_ring: std::sync::atomic::AtomicBool,
     /// Blocks of a kernel resident on one SM at a block size (`resident_blocks`): asked of the
@@ -333,7 +335,7 @@ impl CudaDevice {
 
     /// The kernel `name` of `family`, loading its module on first use.
     pub(crate) fn function(&self, family: KernelFamily, name: &'static str) -> Result<CudaFunction> {
-        if let Some(f) = self.functions.lock().expect("function cache poisoned").get(name) {
+        if let Some(f) = self.functions.lock().expect("function cache poisoned").get(&(family, name)) {
             return Ok(f.clone());
         }
         let module = self.module(family)?;
@@ -344,7 +346,7 @@ impl CudaDevice {
             f.set_attribute(cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)
                 .map_err(|e| NinferError::Device(format!("setting the shared-memory carveout of {name} to {pct}%: {e}")))?;
         }
-        self.functions.lock().expect("function cache poisoned").insert(name, f.clone());
+        self.functions.lock().expect("function cache poisoned").insert((family, name), f.clone());
         Ok(f)
     }
 
@@ -379,7 +381,7 @@ impl CudaDevice {
             )));
         }
         let mut limits = self.smem_limits.lock().expect("smem limits poisoned");
-        if limits.get(name).is_none_or(|&have| have < smem) {
+        if limits.get(&(family, name)).is_none_or(|&have| have < smem) {
             if self.plan.smem_carveout.is_some() {
                 // The plan's carveout is for the kernels within the default limit; one that
                 // needs this much shared memory keeps the driver's carveout (its occupancy).
@@ -394,7 +396,7 @@ impl CudaDevice {
                 smem as i32,
             )
             .map_err(|e| NinferError::Device(format!("raising the shared-memory limit of {name} to {smem} bytes: {e}")))?;
-            limits.insert(name, smem);
+            limits.insert((family, name), smem);
         }
         Ok(f)
     }
