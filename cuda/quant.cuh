@@ -607,7 +607,7 @@ __device__ __forceinline__ void q4t_ring_run(const store_t* __restrict__ x, cons
 #pragma unroll
     for (int i = 0; i < S; ++i) request(i);
     pdl_enter();
-    // Rows past m repeat a row of x that exists (q4t_gemv_tile). The lane's x pointers follow
+    // Rows past m repeat a row of x that exists (as in q4t_gemv_run). The lane's x pointers follow
     // the warp's K block, so that a step's load is one instruction at a constant offset.
     const store_t* xr[NT];
 #pragma unroll
