@@ -434,18 +434,20 @@ struct q4t_pass {
     uint2 sc[Q4T_UNROLL];
     unsigned zq[Q4T_UNROLL];
 
+    // Slot u's loads of K block kb (none past kbn).
+    __device__ __forceinline__ void load_one(int u, const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, int kb, int kbn) {
+        zq[u] = 0u;
+        if (kb < kbn) {
+            q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
+            q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
+            sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
+            if constexpr (Z) zq[u] = __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32));
+        }
+    }
+
     __device__ __forceinline__ void load(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, int kb0, int kbn) {
 #pragma unroll
-        for (int u = 0; u < Q4T_UNROLL; ++u) {
-            const int kb = kb0 + u * QUANT_WARPS;
-            zq[u] = 0u;
-            if (kb < kbn) {
-                q[u][0] = q4t_ld_stream(codes + (long long)kb * 1024);
-                q[u][1] = q4t_ld_stream(codes + (long long)kb * 1024 + 512);
-                sc[u] = __ldg(reinterpret_cast<const uint2*>(scales + (long long)kb * 64));
-                if constexpr (Z) zq[u] = __ldg(reinterpret_cast<const unsigned*>(zeros + (long long)kb * 32));
-            }
-        }
+        for (int u = 0; u < Q4T_UNROLL; ++u) load_one(u, codes, scales, zeros, kb0 + u * QUANT_WARPS, kbn);
     }
 };
 
@@ -466,7 +468,8 @@ struct q4t_pass_smem {
 // warps' sums meet in shared memory and one thread a (row, column) stores it (+ bias, rounded
 // once, as quant_gemv_body does). Rows past w.n (tile padding) are not stored.
 // Latency: the first pass's weight loads are issued before pdl_wait (weights are written by no
-// kernel, so they may stream while the previous kernel finishes), and for MT <= 4 the pass's x
+// kernel, so they may stream while the previous kernel finishes), each slot's block of the next
+// pass is requested as soon as the slot is summed, and for MT <= 4 the pass's x
 // is staged in shared memory by the whole block while those loads are in flight, so that the
 // mma steps wait on shared-memory reads instead of one L2 round trip per step (MT 8 and 16 read
 // x from global: a pass of 8 or 16 rows would not fit the static shared memory).
@@ -495,7 +498,6 @@ __device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, cons
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
     for (int base = 0; base < kbn; base += Q4T_PASS_BLOCKS) {
-        if (base > 0) ld.load(codes, scales, zeros, base + warp, kbn);
         if constexpr (XS) {
             // The pass's x rows (zeros past m and past K), 16 bytes a thread at a time.
             if (base > 0) __syncthreads();  // every warp is done with the last pass's x
@@ -521,6 +523,9 @@ __device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, cons
                 }
                 return b;
             }, acc);
+            // The slot's block of the next pass, in flight while this pass's other blocks are
+            // summed (a K longer than one pass never waits with no loads in flight).
+            ld.load_one(u, codes, scales, zeros, kb + Q4T_PASS_BLOCKS, kbn);
         }
     }
     q4t_reduce_store<NT, F32>(sm.red, acc, w, y, bias, m, round, tile);
