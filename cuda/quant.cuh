@@ -468,8 +468,8 @@ struct q4t_pass_smem {
 // warps' sums meet in shared memory and one thread a (row, column) stores it (+ bias, rounded
 // once, as quant_gemv_body does). Rows past w.n (tile padding) are not stored.
 // Latency: the first pass's weight loads are issued before pdl_wait (weights are written by no
-// kernel, so they may stream while the previous kernel finishes), each slot's block of the next
-// pass is requested as soon as the slot is summed, and for MT <= 4 the pass's x
+// kernel, so they may stream while the previous kernel finishes). For MT <= 4 each slot's block
+// of the next pass is requested as soon as the slot is summed, and the pass's x
 // is staged in shared memory by the whole block while those loads are in flight, so that the
 // mma steps wait on shared-memory reads instead of one L2 round trip per step (MT 8 and 16 read
 // x from global: a pass of 8 or 16 rows would not fit the static shared memory).
@@ -478,6 +478,9 @@ __device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, cons
                                              const store_t* __restrict__ bias, int m, int round, int tile, q4t_pass_smem<MT>& sm) {
     constexpr int NT = q4t_pass_smem<MT>::NT;
     constexpr bool XS = q4t_pass_smem<MT>::XS;
+    // Up to 4 rows of x, each slot requests its next-pass block early; 8 and 16 rows load a pass
+    // at its start (the early requests' registers would spill there).
+    constexpr bool REFILL = MT <= 4;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, t4 = lane & 3;
     const int kbn = (w.k + 127) >> 7;
@@ -498,6 +501,7 @@ __device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, cons
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
     for (int base = 0; base < kbn; base += Q4T_PASS_BLOCKS) {
+        if (!REFILL && base > 0) ld.load(codes, scales, zeros, base + warp, kbn);
         if constexpr (XS) {
             // The pass's x rows (zeros past m and past K), 16 bytes a thread at a time.
             if (base > 0) __syncthreads();  // every warp is done with the last pass's x
@@ -525,7 +529,7 @@ __device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, cons
             }, acc);
             // The slot's block of the next pass, in flight while this pass's other blocks are
             // summed (a K longer than one pass never waits with no loads in flight).
-            ld.load_one(u, codes, scales, zeros, kb + Q4T_PASS_BLOCKS, kbn);
+            if constexpr (REFILL) ld.load_one(u, codes, scales, zeros, kb + Q4T_PASS_BLOCKS, kbn);
         }
     }
     q4t_reduce_store<NT, F32>(sm.red, acc, w, y, bias, m, round, tile);
