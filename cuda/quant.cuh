@@ -451,10 +451,14 @@ struct q4t_pass {
     }
 };
 
+// mma column tiles of 8 batch rows a tile GEMV of up to MT rows of x runs (both forms).
+template <int MT>
+constexpr int q4t_nt = MT > 8 ? 2 : 1;
+
 // The pass form's shared memory: the warps' partial sums and, for MT <= 4, the pass's x rows.
 template <int MT>
 struct q4t_pass_smem {
-    static constexpr int NT = MT > 8 ? 2 : 1;
+    static constexpr int NT = q4t_nt<MT>;
     static constexpr bool XS = MT <= 4;
     float red[QUANT_WARPS][NT * 4][32];
     __align__(16) store_t xs[XS ? MT : 1][XS ? Q4T_PASS + Q4T_XPAD : 8];
@@ -521,7 +525,7 @@ __device__ __forceinline__ void q4t_gemv_run(const store_t* __restrict__ x, cons
             q4t_block<NT, Z, BS>(ld.q[u][0], ld.q[u][1], ld.sc[u], ld.zq[u], [&](int j, int nt) {
                 uint2 b = make_uint2(0u, 0u);
                 if constexpr (XS) {
-                    b = *reinterpret_cast<const uint2*>(&sm.xs[XS ? xrow : 0][(kb - base) * 128 + j * 16 + 4 * t4]);
+                    b = *reinterpret_cast<const uint2*>(&sm.xs[xrow][(kb - base) * 128 + j * 16 + 4 * t4]);
                 } else {
                     if (j * 16 < w.k - kb * 128 - 4 * t4) b = __ldg(reinterpret_cast<const uint2*>(xr[nt] + kb * 128 + j * 16));
                 }
@@ -581,7 +585,7 @@ template <int MT, bool F32, bool Z, bool BS>
 __device__ __forceinline__ void q4t_ring_run(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
                                              const store_t* __restrict__ bias, int m, int round, int tile,
                                              unsigned char (*rings)[Q4T_STAGES][Q4T_STAGE_BYTES]) {
-    constexpr int NT = MT > 8 ? 2 : 1;
+    constexpr int NT = q4t_nt<MT>;
     constexpr int S = Q4T_STAGES;
     static_assert((S & (S - 1)) == 0, "a block's stage is i & (S - 1)");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -659,7 +663,7 @@ __device__ __forceinline__ void q4t_ring_run(const store_t* __restrict__ x, cons
 template <int MT, bool F32>
 __device__ __forceinline__ void q4t_ring_tile(const store_t* __restrict__ x, const qweight& w, void* __restrict__ y,
                                               const store_t* __restrict__ bias, int m, int round, int tile) {
-    constexpr int NT = MT > 8 ? 2 : 1;
+    constexpr int NT = q4t_nt<MT>;
     __shared__ __align__(16) unsigned char ring[QUANT_WARPS][Q4T_STAGES][Q4T_STAGE_BYTES];
     static_assert(sizeof(float) * QUANT_WARPS * NT * 4 * 32 <= sizeof(ring), "the partial sums reuse the ring");
     Q4T_DISPATCH(q4t_ring_run, x, w, y, bias, m, round, tile, ring);
