@@ -1037,6 +1037,28 @@ def device_idle(events: list, steps: int, first_kernel: str = "embedding_gather"
     return {"busy_us_per_step": busy / n, "between_steps_us_per_step": between / n, "within_steps_us_per_step": within / n}
 
 
+def kernel_path(events: list, steps: int) -> list:
+    """Per kernel name: calls and mean profiled duration a step, and the time its calls add to
+    the step's timeline (each call's end past the latest end before it, idle gaps left out).
+    Under PDL a kernel starts while the one before runs, so its duration includes that wait;
+    what it adds is what removing its work could save. Sorted by time added, per step (us)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if getattr(e, "time_range", None) is not None and e.time_range.end > e.time_range.start)
+    rows: dict = {}
+    last = None
+    for start, end, name in spans:
+        added = end - max(start, last) if last is not None else end - start
+        last = end if last is None else max(last, end)
+        r = rows.setdefault(name, [0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += end - start
+        r[2] += max(added, 0.0)
+    n = max(steps, 1)
+    out = [{"name": k, "calls_per_step": round(c / n, 2), "us_per_call": round(d / c, 2), "adds_us_per_step": round(a / n, 1)}
+           for k, (c, d, a) in rows.items()]
+    return sorted(out, key=lambda r: -r["adds_us_per_step"])
+
+
 def part_profile(b: Bench, model: str) -> list:
     """Where a decode step's time goes (batch 1, or --profile-batch sequences): kernel time on the GPU (CUPTI records every
     kernel of the process, ours included) against the step's wall time. The difference is time
@@ -1073,6 +1095,9 @@ def part_profile(b: Bench, model: str) -> list:
         busy_us = sum(getattr(e, "cuda_time", 0.0) for e in kernels)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
     idle = device_idle(kernels, steps)
+    path = kernel_path(kernels, steps)
+    path_text = "\n".join(f"{r['adds_us_per_step']:10.1f} us/step added  {r['calls_per_step']:6.2f} calls  "
+                          f"{r['us_per_call']:9.2f} us/call  {r['name']}" for r in path)
     # The profiled steps' bytes at the copy rate (each sequence at prompt + warm + k tokens in
     # step k): the fraction of the bandwidth ceiling the steady state reaches.
     ideal = sum(b.step_bytes(s, [a.prompt + warm + k] * n) for k in range(steps)) / b.copy_rate()
@@ -1082,7 +1107,8 @@ def part_profile(b: Bench, model: str) -> list:
             f"device timeline: busy (union of kernels and copies) {idle['busy_us_per_step']:.1f} us/step, idle "
             f"before a step's first kernel (host turnaround: result copy, scheduling, metadata upload, graph "
             f"launch) {idle['between_steps_us_per_step']:.1f} us/step, idle inside steps "
-            f"{idle['within_steps_us_per_step']:.1f} us/step\n\n{table}\n")
+            f"{idle['within_steps_us_per_step']:.1f} us/step\n\ntime each kernel adds to the step's timeline "
+            f"(its end past the latest end before it):\n{path_text}\n\n{table}\n")
     base = Path(a.out).parent / a.profile_out
     out = base.with_name(f"{base.stem}_{model}{'' if n == 1 else f'_b{n}'}{base.suffix}")
     out.write_text(text)
@@ -1091,7 +1117,7 @@ def part_profile(b: Bench, model: str) -> list:
                      gpu_kernel_ms_per_step=round(busy_us / steps / 1e3, 4), kernels_per_step=len(kernels) / steps,
                      bandwidth_ms_per_step=round(ideal / steps * 1e3, 4), fraction_of_step_bandwidth=round(ideal / wall, 4),
                      copy_rate_bytes_s=round(b.copy_rate()),
-                     device_idle_us_per_step=idle,
+                     device_idle_us_per_step=idle, kernels=path[:40],
                      fraction_of_ceiling=None, peer=None, peer_value=None, batch=n, prompt_tokens=a.prompt,
                      table_file=out.name)]
 

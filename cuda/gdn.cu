@@ -353,20 +353,17 @@ __device__ __forceinline__ void recurrent_body(
     store_state_column<DK>(st, dv, col);
 }
 
-// One token's conv output of local channel c (window in sw, K - 1 floats, oldest first, for a
-// runtime K of 2..4), as causal_conv1d_k* stores it (conv_tap<K>'s fmaf chain, rounded, SiLU,
-// rounded) and widened again; the window then shifts in the token's input.
-__device__ __forceinline__ float fused_conv_step(float* sw, const store_t* __restrict__ x,
-                                                 const store_t* __restrict__ conv_w,
-                                                 const store_t* __restrict__ conv_b, int c,
-                                                 int K) {
-    const store_t* wc = conv_w + (long long)c * K;
+// One token's conv output of channel c (window in sw, K - 1 floats, oldest first, for a
+// runtime K of 2..4; its K taps and bias in wb, widened), as causal_conv1d_k* stores it
+// (conv_tap<K>'s fmaf chain, rounded, SiLU, rounded) and widened again; the window then
+// shifts in the token's input.
+__device__ __forceinline__ float fused_conv_step(float* sw, const float* wb, const store_t* __restrict__ x, int c, int K) {
     const float xv = to_f32(x[c]);
-    float y = conv_b ? to_f32(conv_b[c]) : 0.0f;
+    float y = wb[4];
 #pragma unroll
     for (int i = 0; i < 3; ++i)
-        if (i < K - 1) y = fmaf(to_f32(wc[i]), sw[i], y);
-    y = fmaf(to_f32(wc[K - 1]), xv, y);
+        if (i < K - 1) y = fmaf(wb[i], sw[i], y);
+    y = fmaf(wb[K - 1], xv, y);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
         if (i < K - 2) sw[i] = sw[i + 1];
@@ -393,8 +390,12 @@ __device__ __forceinline__ int fused_conv_channel(int e, int kh, int kd, int h, 
 // whose extra warps add zeros). DVF is dv as a compile-time constant (0: the dv argument): the
 // state's row addresses are then immediate offsets of one base instead of a register pair each.
 // x rows (x_stride apart) hold the conv channels q | k | v from column 0. Conv windows live in
-// shared memory: the key head's 2 DK q / k channels, which every block of the head's group
-// computes alike, and the block's own dv v channels. The v channels' new conv state is the
+// shared memory, with their channels' taps and biases: the key head's 2 DK q / k channels,
+// which every block of the head's group computes alike, and the block's own dv v channels.
+// Everything but x, a, b and z is read before pdl_wait (the state and conv windows are written
+// only by this layer's launches of earlier steps, the rest are weights and uploaded slots), so
+// that the DRAM reads of the state overlap the input projection before it and only L2 reads
+// of its output remain after the wait. The v channels' new conv state is the
 // block's to write; the q / k channels' is written by the group's last block to have read the
 // old one (the ticket taken after the reads, as arrives_last elects, in `tickets`, one counter
 // a (sequence, key head), zero between launches).
@@ -411,9 +412,9 @@ __device__ __forceinline__ void conv_recurrent_gated_body(
     __shared__ __align__(16) float sq[DK], sk[DK];
     __shared__ float scratch[32];
     __shared__ float swin[(2 * DK + THREADS) * 3];
+    __shared__ float swb[(2 * DK + THREADS) * 5];
     __shared__ store_t sx[2 * DK];
     __shared__ int elected;
-    pdl_enter();
     const int dv = DVF ? DVF : dv_arg;
     const int j = threadIdx.x;
     const int h = blockIdx.x;
@@ -427,18 +428,21 @@ __device__ __forceinline__ void conv_recurrent_gated_body(
     for (int e = j; e < 2 * DK + dv; e += blockDim.x) {
         const long long c = fused_conv_channel<DK>(e, kh, kd, h, dv);
         for (int i = 0; i < km1; ++i) swin[e * 3 + i] = to_f32(cst[c * km1 + i]);
+        for (int i = 0; i < K; ++i) swb[e * 5 + i] = to_f32(conv_w[c * K + i]);
+        swb[e * 5 + 4] = conv_b ? to_f32(conv_b[c]) : 0.0f;
     }
+    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
+    float col[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
+    pdl_enter();
+    const float w = to_f32(norm_w[j]);
+    const float al = a_log[h], dtb = dt_bias[h];
     // Every thread's reads of the old q / k windows come before the block's ticket.
     __threadfence();
     __syncthreads();
     unsigned ticket = 0;
     if (j == 0) ticket = atomicInc(tickets + (long long)s * n_k_heads + kh, group - 1);
-    float* st = state + ((long long)slots[s] * n_v_heads + h) * DK * dv + j;
-    float col[DK];
-#pragma unroll
-    for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
-    const float w = to_f32(norm_w[j]);
-    const float al = a_log[h], dtb = dt_bias[h];
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
         // This token's own inputs, loaded before the barriers (which the compiler does not move
         // loads across) so that their latency overlaps the conv.
@@ -448,9 +452,9 @@ __device__ __forceinline__ void conv_recurrent_gated_body(
         // Warp 0 rewrites sq / sk, and every thread sx, only after this barrier (or the
         // previous token's block_sum barriers), past every read of the previous values.
         __syncthreads();
-        const float vv = fused_conv_step(swin + (2 * DK + j) * 3, xt, conv_w, conv_b, 2 * kd + h * dv + j, K);
+        const float vv = fused_conv_step(swin + (2 * DK + j) * 3, swb + (2 * DK + j) * 5, xt, 2 * kd + h * dv + j, K);
         for (int e = j; e < 2 * DK; e += blockDim.x)
-            sx[e] = from_f32(fused_conv_step(swin + e * 3, xt, conv_w, conv_b, fused_conv_channel<DK>(e, kh, kd, h, dv), K));
+            sx[e] = from_f32(fused_conv_step(swin + e * 3, swb + e * 5, xt, fused_conv_channel<DK>(e, kh, kd, h, dv), K));
         __syncthreads();
         if (j < 32) load_qk_normed<DK>(sx, sx + DK, 0, 0, 0, j, sq, sk);
         __syncthreads();
