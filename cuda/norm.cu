@@ -17,6 +17,9 @@ __device__ __forceinline__ float norm_weight(const store_t* w, int i, int plus_o
 // row and the pointers allow it (dim % 8 == 0, 16-byte aligned), else 8 scalar loads with
 // zeros past the row end; both give the same values in the same order, so the f32 sum, and so
 // the result, depends on `dim` only: never on the alignment, the row count or the other rows.
+// The weight's chunks of those first NORM_CACHE passes are loaded before pdl_wait (weights are
+// written by no kernel): at batch-1 decode the row's loads and the block sum are short, and a
+// weight read after them is a DRAM round trip at the end of every norm.
 #define NORM_CACHE 4
 #define NORM_MAX_THREADS 1024
 
@@ -38,6 +41,17 @@ __device__ __forceinline__ void scale_chunk(uint4 xr, const store_t* __restrict_
                                             store_t* __restrict__ orow, int base, int dim,
                                             bool vec, float rstd, int plus_one) {
     store_chunk(orow, base, dim, vec, norm_chunk(xr, w, base, dim, vec, rstd, plus_one));
+}
+
+// The weight's chunks of a thread's first NORM_CACHE passes (chunk c * step + threadIdx.x).
+__device__ __forceinline__ void load_weight_chunks(const store_t* __restrict__ w, int dim, bool vec, int step,
+                                                   uint4 (&wc)[NORM_CACHE]) {
+    const int n_chunks = (dim + 7) >> 3;
+#pragma unroll
+    for (int c = 0; c < NORM_CACHE; ++c) {
+        const int ch = c * step + threadIdx.x;
+        wc[c] = ch < n_chunks ? load_chunk(w, ch * 8, dim, vec) : make_uint4(0u, 0u, 0u, 0u);
+    }
 }
 
 // residual chunk += x chunk, rounded to storage and written back; returns the rounded sums.
@@ -63,13 +77,15 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
             store_t* __restrict__ out, int dim, long long x_stride, long long out_stride,
             float eps, int plus_one) {
     __shared__ float scratch[32];
-    pdl_enter();
     const long long head = (long long)blockIdx.y * dim;
     const store_t* xr = x + blockIdx.x * x_stride + head;
     store_t* orow = out + blockIdx.x * out_stride + head;
     const bool vec = (dim & 7) == 0 && aligned16(xr) && aligned16(orow) && aligned16(w);
     const int n_chunks = (dim + 7) >> 3;
     const int step = blockDim.x;
+    uint4 wc[NORM_CACHE];
+    load_weight_chunks(w, dim, vec, step, wc);
+    pdl_enter();
     uint4 cache[NORM_CACHE];
     float ss = 0.0f;
 #pragma unroll
@@ -86,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 #pragma unroll
     for (int c = 0; c < NORM_CACHE; ++c) {
         const int ch = c * step + threadIdx.x;
-        if (ch < n_chunks) scale_chunk(cache[c], w, orow, ch * 8, dim, vec, rstd, plus_one);
+        if (ch < n_chunks) store_chunk(orow, ch * 8, dim, vec, norm_chunk_w(cache[c], wc[c], rstd, plus_one));
     }
     for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
         scale_chunk(load_chunk(xr, ch * 8, dim, vec), w, orow, ch * 8, dim, vec, rstd, plus_one);
@@ -101,7 +117,6 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
                 const store_t* __restrict__ w, store_t* __restrict__ out, int dim, float eps,
                 int plus_one) {
     __shared__ float scratch[32];
-    pdl_enter();
     const long long base = (long long)blockIdx.x * dim;
     store_t* rrow = residual + base;
     const store_t* xr = x + base;
@@ -110,6 +125,9 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
                      aligned16(w);
     const int n_chunks = (dim + 7) >> 3;
     const int step = blockDim.x;
+    uint4 wc[NORM_CACHE];
+    load_weight_chunks(w, dim, vec, step, wc);
+    pdl_enter();
     uint4 cache[NORM_CACHE];
     float ss = 0.0f;
 #pragma unroll
@@ -126,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 #pragma unroll
     for (int c = 0; c < NORM_CACHE; ++c) {
         const int ch = c * step + threadIdx.x;
-        if (ch < n_chunks) scale_chunk(cache[c], w, orow, ch * 8, dim, vec, rstd, plus_one);
+        if (ch < n_chunks) store_chunk(orow, ch * 8, dim, vec, norm_chunk_w(cache[c], wc[c], rstd, plus_one));
     }
     for (int ch = NORM_CACHE * step + threadIdx.x; ch < n_chunks; ch += step)
         scale_chunk(load_chunk(rrow, ch * 8, dim, vec), w, orow, ch * 8, dim, vec, rstd, plus_one);
