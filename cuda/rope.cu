@@ -4,27 +4,35 @@
 // (so every scaling scheme is a host concern) and `attn_scale` multiplies cos and sin.
 #include "common.cuh"
 
-// Rotates pair i of the head at `h` (elements i and i + half) for position `pos`, returning the
-// two rotated values: common.cuh's rope_rotate on the stored pair, as rope_neox (its two halves,
-// rope_cos_sin and rope_apply) and the qkv GEMV's epilogue (gemv.cu) round each element.
-__device__ __forceinline__ void rope_pair(const store_t* h, int i, int half, float pos,
-                                          const float* __restrict__ inv_freq, float attn_scale,
-                                          store_t* lo, store_t* hi) {
-    rope_rotate(to_f32(h[i]), to_f32(h[i + half]), i, pos, inv_freq, attn_scale, lo, hi);
+// cos and sin of the calling thread's first pair of a head (i = threadIdx.x, where i < half) at
+// `pos`: rope_cos_sin's values. The decode kernels form them before pdl_wait (positions are
+// uploaded with the step, inv_freq at load), sincosf's argument reduction included, so that
+// after the wait only the head's loads and the products remain.
+struct rope_first {
+    float c, s;
+};
+__device__ __forceinline__ rope_first rope_first_pair(int half, float pos, const float* __restrict__ inv_freq,
+                                                      float attn_scale) {
+    rope_first f{1.0f, 0.0f};
+    if ((int)threadIdx.x < half) rope_cos_sin(threadIdx.x, pos, inv_freq, attn_scale, &f.c, &f.s);
+    return f;
 }
 
-// Rotates the head at h (pairs i, i + half of its first rotary_dim elements, rope_pair) into out,
-// which may be h itself, and into the cache head unless `cache` is null; the tail past
+// Rotates the head at h (pairs i, i + half of its first rotary_dim elements: common.cuh's
+// rope_rotate on the stored pair, the thread's first pair with the cos and sin of `first`) into
+// out, which may be h itself, and into the cache head unless `cache` is null; the tail past
 // rotary_dim (partial RoPE) goes to the cache as it is, and to out where `tail_out`. The block's
 // threads share the pairs and the tail.
 __device__ __forceinline__ void rope_head(const store_t* h, store_t* out, store_t* cache,
                                           int head_dim, int rotary_dim, float pos,
                                           const float* __restrict__ inv_freq, float attn_scale,
-                                          bool tail_out) {
+                                          bool tail_out, rope_first first) {
     const int half = rotary_dim / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float c = first.c, s = first.s;
+        if (i != (int)threadIdx.x) rope_cos_sin(i, pos, inv_freq, attn_scale, &c, &s);
         store_t lo, hi;
-        rope_pair(h, i, half, pos, inv_freq, attn_scale, &lo, &hi);
+        rope_apply(to_f32(h[i]), to_f32(h[i + half]), c, s, &lo, &hi);
         out[i] = lo;
         out[i + half] = hi;
         if (cache) {
@@ -93,21 +101,22 @@ extern "C" __global__ void rope_kv_write(store_t* __restrict__ q, store_t* __res
                                          int n_kv_heads, int head_dim, int rotary_dim,
                                          long long q_stride, long long k_stride,
                                          long long v_stride, float attn_scale) {
-    pdl_enter();
     const int t = blockIdx.x;
     const int head = blockIdx.y;
-    if (head >= n_q_heads + n_kv_heads) return;
     const float pos = (float)positions[t];
+    const long long slot = slot_mapping[t];
+    const rope_first first = rope_first_pair(rotary_dim / 2, pos, inv_freq, attn_scale);
+    pdl_enter();
+    if (head >= n_q_heads + n_kv_heads) return;
     if (head < n_q_heads) {
         store_t* h = q + t * q_stride + (long long)head * head_dim;
-        rope_head(h, h, nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, false);
+        rope_head(h, h, nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, false, first);
         return;
     }
     const int kh = head - n_q_heads;
     store_t* h = k + t * k_stride + (long long)kh * head_dim;
-    const long long slot = slot_mapping[t];
     const long long cache_off = slot * ((long long)n_kv_heads * head_dim) + (long long)kh * head_dim;
-    rope_head(h, h, slot >= 0 ? k_cache + cache_off : nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, false);
+    rope_head(h, h, slot >= 0 ? k_cache + cache_off : nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, false, first);
     if (slot < 0) return;
     const store_t* vh = v + t * v_stride + (long long)kh * head_dim;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v_cache[cache_off + i] = vh[i];
@@ -120,7 +129,7 @@ extern "C" __global__ void rope_kv_write(store_t* __restrict__ q, store_t* __res
 // (ops/norm.rs chunked_norm_threads of head_dim): each thread sums the squares of the same
 // chunks in the same order and block_sum adds the same lanes, so the normed head is rmsnorm's
 // bits. It is kept, rounded to storage, in shared memory (dynamic: (head_dim + 7) / 8 chunks of
-// 16 bytes) and rotated from there with rope_pair as rope_kv_write rotates the normed head it
+// 16 bytes) and rotated from there with rope_head as rope_kv_write rotates the normed head it
 // reads back: the rotated q head goes to q_out ([T, n_q_heads * head_dim]), the rotated k head
 // to k_out ([T, n_kv_heads * head_dim]) and to the paged cache at slot_mapping[t] with the
 // token's v head (unnormed), skipped where the slot is negative; the tail past rotary_dim is
@@ -136,10 +145,11 @@ extern "C" __global__ void rope_kv_write_normed(
     int plus_one, float attn_scale) {
     extern __shared__ uint4 normed[];
     __shared__ float scratch[32];
-    pdl_enter();
     const int t = blockIdx.x;
     const int head = blockIdx.y;
-    if (head >= n_q_heads + n_kv_heads) return;
+    const float pos = (float)positions[t];
+    const long long t_slot = slot_mapping[t];
+    const rope_first first = rope_first_pair(rotary_dim / 2, pos, inv_freq, attn_scale);
     const bool is_q = head < n_q_heads;
     const int kh = head - n_q_heads;
     const store_t* x = is_q ? q + t * q_stride + (long long)head * head_dim
@@ -151,6 +161,11 @@ extern "C" __global__ void rope_kv_write_normed(
     // order-preserving detail: the raw chunks wait in shared memory here).
     const bool vec = (head_dim & 7) == 0 && aligned16(x) && aligned16(w);
     const int n_chunks = (head_dim + 7) >> 3;
+    // The weight's chunk of the thread's first pass, read before the wait (as rmsnorm does).
+    const bool w0_live = (int)threadIdx.x < n_chunks && head < n_q_heads + n_kv_heads;
+    const uint4 w0 = w0_live ? load_chunk(w, threadIdx.x * 8, head_dim, vec) : make_uint4(0u, 0u, 0u, 0u);
+    pdl_enter();
+    if (head >= n_q_heads + n_kv_heads) return;
     float ss = 0.0f;
     for (int ch = threadIdx.x; ch < n_chunks; ch += blockDim.x) {
         const uint4 r = load_chunk(x, ch * 8, head_dim, vec);
@@ -159,12 +174,13 @@ extern "C" __global__ void rope_kv_write_normed(
     }
     const float rstd = norm_rstd(block_sum(ss, scratch), head_dim, eps);
     for (int ch = threadIdx.x; ch < n_chunks; ch += blockDim.x)
-        normed[ch] = norm_chunk(normed[ch], w, ch * 8, head_dim, vec, rstd, plus_one);
+        normed[ch] = ch == (int)threadIdx.x ? norm_chunk_w(normed[ch], w0, rstd, plus_one)
+                                            : norm_chunk(normed[ch], w, ch * 8, head_dim, vec, rstd, plus_one);
     __syncthreads();
     const store_t* h = reinterpret_cast<const store_t*>(normed);
-    const long long slot = is_q ? -1 : slot_mapping[t];
+    const long long slot = is_q ? -1 : t_slot;
     const long long cache_off = slot * ((long long)n_kv_heads * head_dim) + (long long)kh * head_dim;
-    rope_head(h, out, slot >= 0 ? k_cache + cache_off : nullptr, head_dim, rotary_dim, (float)positions[t], inv_freq, attn_scale, true);
+    rope_head(h, out, slot >= 0 ? k_cache + cache_off : nullptr, head_dim, rotary_dim, pos, inv_freq, attn_scale, true, first);
     if (slot < 0) return;
     const store_t* vh = v + t * v_stride + (long long)kh * head_dim;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v_cache[cache_off + i] = vh[i];
