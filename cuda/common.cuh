@@ -255,6 +255,11 @@ __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ void pdl_launch_dependents() {}
 #endif
 
+// Brings the line holding p into L2, returning nothing: unlike a load it may precede pdl_wait
+// for data an earlier kernel still writes, since every write lands in L2 (the device's one
+// coherent cache) and the load after the wait reads the writer's value from there.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // The common prologue of a kernel launched with PDL that has nothing to do before its inputs
 // are ready: wait for the previous kernel, then let the next one be scheduled (after the wait,
 // so that at most one kernel's blocks sit waiting for this one).
