@@ -435,11 +435,12 @@ __device__ __forceinline__ void conv_recurrent_gated_body(
     float col[DK];
 #pragma unroll
     for (int i = 0; i < DK; ++i) col[i] = st[(long long)i * dv];
+    // Every thread's reads of the old q / k windows come before the block's ticket (the fence
+    // waits for this thread's loads above, while the kernel before still runs).
+    __threadfence();
     pdl_enter();
     const float w = to_f32(norm_w[j]);
     const float al = a_log[h], dtb = dt_bias[h];
-    // Every thread's reads of the old q / k windows come before the block's ticket.
-    __threadfence();
     __syncthreads();
     unsigned ticket = 0;
     if (j == 0) ticket = atomicInc(tickets + (long long)s * n_k_heads + kh, group - 1);

@@ -333,3 +333,26 @@ def test_output_hashes_dry_run_is_the_same_in_two_processes(tmp_path):
     first = run()
     assert len(first) == 6 and all("hash=" in line for line in first)
     assert run() == first
+
+
+def test_profile_kernel_path_prices_what_each_kernel_adds_to_the_timeline():
+    """gpu_bench --profile: under PDL a kernel starts while the one before runs, so each kernel is
+    priced by its end past the latest end before it; idle gaps and time hidden under an earlier
+    kernel are not counted, and the sums add up to the busy union."""
+    gb = _load("gpu_bench")
+
+    def ev(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    # gemv 0-10; norm launched early (5) ends at 12: adds 2; a kernel hidden under gemv adds 0;
+    # gemv again 11-20 adds 8; idle 20-30; emb 30-31 adds 1, not the 10 us gap.
+    events = [ev("gemv", 0, 10), ev("norm", 5, 12), ev("hidden", 6, 9), ev("gemv", 11, 20), ev("emb", 30, 31)]
+    path = {r["name"]: r for r in gb.kernel_path(events, steps=1)}
+    assert path["gemv"]["adds_us_per_step"] == 18.0 and path["gemv"]["calls_per_step"] == 2.0
+    assert path["gemv"]["us_per_call"] == 9.5
+    assert path["norm"]["adds_us_per_step"] == 2.0 and path["norm"]["us_per_call"] == 7.0
+    assert path["hidden"]["adds_us_per_step"] == 0.0
+    assert path["emb"]["adds_us_per_step"] == 1.0
+    busy = gb.device_idle(events, steps=1)["busy_us_per_step"]
+    assert sum(r["adds_us_per_step"] for r in path.values()) == busy
+    assert [r["name"] for r in gb.kernel_path(events, steps=2)][:2] == ["gemv", "norm"]
