@@ -34,8 +34,18 @@ struct Outbox {
 struct Shared {
     outbox: Mutex<Outbox>,
     ready: Condvar,
-    /// Request ids submitted and not yet finished (duplicate check on the caller's thread).
-    live: Mutex<HashSet<String>>,
+    /// Request ids in use (duplicate check on the caller's thread).
+    ids: Mutex<LiveIds>,
+}
+
+/// An id stays in use until the caller has drained its final delta, so that two requests of one
+/// id never have deltas in the queue at once (whatever the engine thread's pace).
+#[derive(Default)]
+struct LiveIds {
+    /// Submitted, final delta not yet queued.
+    running: HashSet<String>,
+    /// Final delta queued, not yet drained by `poll` / `wait`.
+    queued: HashSet<String>,
 }
 
 /// Handle to the engine thread. Every method takes `&self` and is safe to call from several
@@ -51,9 +61,9 @@ impl EngineHandle {
     /// Move `core` onto a new thread and start its loop.
     pub fn start(core: EngineCore) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
-        let shared = Arc::new(Shared { outbox: Mutex::new(Outbox::default()), ready: Condvar::new(), live: Mutex::new(HashSet::new()) });
+        let shared = Arc::new(Shared { outbox: Mutex::new(Outbox::default()), ready: Condvar::new(), ids: Mutex::new(LiveIds::default()) });
         let validator = core.validator();
-        shared.live.lock().expect("live ids").extend(core.request_ids());
+        shared.ids.lock().expect("live ids").running.extend(core.request_ids());
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ninfer-engine".into())
@@ -66,8 +76,8 @@ impl EngineHandle {
     pub fn submit(&self, request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         let grammar = self.validator.validate(&prompt, &params)?;
         {
-            let mut live = self.shared.live.lock().expect("live ids");
-            if !live.insert(request_id.to_string()) {
+            let mut ids = self.shared.ids.lock().expect("live ids");
+            if ids.queued.contains(request_id) || !ids.running.insert(request_id.to_string()) {
                 return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
             }
         }
@@ -110,7 +120,12 @@ impl EngineHandle {
             };
         }
         if !ob.outputs.is_empty() {
-            return Ok(std::mem::take(&mut ob.outputs));
+            let outs = std::mem::take(&mut ob.outputs);
+            let mut ids = self.shared.ids.lock().expect("live ids");
+            for o in outs.iter().filter(|o| o.finished()) {
+                ids.queued.remove(&o.request_id);
+            }
+            return Ok(outs);
         }
         match ob.error.take() {
             Some(e) => Err(NinferError::Device(e)),
@@ -120,7 +135,7 @@ impl EngineHandle {
 
     /// Whether any submitted request has not delivered its final delta to the queue.
     pub fn has_unfinished(&self) -> bool {
-        !self.shared.live.lock().expect("live ids").is_empty()
+        !self.shared.ids.lock().expect("live ids").running.is_empty()
     }
 
     /// Counters as of the last step.
@@ -185,16 +200,20 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
         let mut ob = shared.outbox.lock().expect("outbox");
         match result {
             Ok(outs) => {
-                let mut live = shared.live.lock().expect("live ids");
-                for o in &outs {
-                    if o.finished() {
-                        live.remove(&o.request_id);
-                    }
+                let mut ids = shared.ids.lock().expect("live ids");
+                for o in outs.iter().filter(|o| o.finished()) {
+                    ids.running.remove(&o.request_id);
+                    ids.queued.insert(o.request_id.clone());
                 }
                 ob.outputs.extend(outs);
             }
             Err(e) => {
-                let ids: Vec<String> = shared.live.lock().expect("live ids").drain().collect();
+                let ids: Vec<String> = {
+                    let mut live = shared.ids.lock().expect("live ids");
+                    let running: Vec<String> = live.running.drain().collect();
+                    live.queued.extend(running.iter().cloned());
+                    running
+                };
                 ob.outputs.extend(ids.iter().map(|id| aborted(id)));
                 ob.error = Some(e.to_string());
                 ob.stats = core.stats();

@@ -59,6 +59,28 @@ fn the_thread_handle_rejects_bad_input_at_once_and_aborts() {
 }
 
 #[test]
+fn an_id_stays_taken_until_its_final_delta_is_drained() {
+    let (core, _) = Setup::default().build();
+    let handle = EngineHandle::start(core).unwrap();
+    handle.submit("a", prompt(4, 1), greedy(3)).unwrap();
+    // Finished on the engine thread (its final delta queued), not yet polled: still taken.
+    let t = std::time::Instant::now();
+    while handle.has_unfinished() {
+        assert!(t.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(handle.submit("a", prompt(4, 2), greedy(3)).is_err(), "reused before its final delta was drained");
+    let outs = handle.poll(Duration::from_secs(5)).unwrap();
+    assert!(outs.iter().any(|o| o.request_id == "a" && o.finished()));
+    handle.submit("a", prompt(4, 2), greedy(3)).unwrap();
+    let mut finals = 0;
+    while finals == 0 {
+        finals += handle.poll(Duration::from_secs(5)).unwrap().iter().filter(|o| o.finished()).count();
+    }
+    assert_eq!(finals, 1);
+}
+
+#[test]
 fn an_idle_engine_thread_does_not_step() {
     let (core, _) = Setup::default().build();
     let handle = EngineHandle::start(core).unwrap();
