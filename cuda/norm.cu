@@ -127,9 +127,9 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
     const int step = blockDim.x;
     uint4 wc[NORM_CACHE];
     load_weight_chunks(w, dim, vec, step, wc);
-    // The residual row was last written several kernels back and has left L2 since (the GEMVs
-    // between stream far more than L2 holds): its lines are fetched into L2 while the kernel
-    // before finishes, a line (8 chunks) a thread.
+    // The residual row was last written several kernels back, with far more than L2 holds
+    // streamed through it since (the GEMVs' weights): its lines are requested into L2 while the
+    // kernel before finishes, a line (8 chunks) a thread.
     for (int ch = 8 * threadIdx.x; ch < n_chunks; ch += 8 * step) prefetch_l2(rrow + ch * 8);
     pdl_enter();
     uint4 cache[NORM_CACHE];
