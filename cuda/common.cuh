@@ -438,9 +438,9 @@ __device__ __forceinline__ uint4 load_chunk(const store_t* p, int base, int dim,
 }
 
 // The normalised chunk at element `base` of a row (x chunk xr, reciprocal RMS rstd), rounded to
-// storage: x * rstd * weight (w or 1 + w, `plus_one`), w's chunk loaded as load_chunk loads it.
-// norm.cu's rmsnorm / add_rmsnorm store it; rope.cu's rope_kv_write_normed rotates it.
-// norm_chunk with w's chunk already loaded (wr).
+// storage: x * rstd * weight (w or 1 + w, `plus_one`), w's chunk wr loaded as load_chunk loads
+// it (the decode kernels load it before their PDL wait). norm.cu's rmsnorm / add_rmsnorm store
+// it; rope.cu's rope_kv_write_normed rotates it.
 __device__ __forceinline__ uint4 norm_chunk_w(uint4 xr, uint4 wr, float rstd, int plus_one) {
     float f[8], wf[8];
     unpack_chunk(xr, f);
@@ -449,6 +449,7 @@ __device__ __forceinline__ uint4 norm_chunk_w(uint4 xr, uint4 wr, float rstd, in
     for (int e = 0; e < 8; ++e) f[e] = norm_scale(f[e], rstd, wf[e], plus_one);
     return pack_chunk(f);
 }
+// norm_chunk_w with w's chunk at `base` loaded here.
 __device__ __forceinline__ uint4 norm_chunk(uint4 xr, const store_t* __restrict__ w, int base,
                                             int dim, bool vec, float rstd, int plus_one) {
     return norm_chunk_w(xr, load_chunk(w, base, dim, vec), rstd, plus_one);
