@@ -437,7 +437,7 @@ __device__ __forceinline__ uint4 load_chunk(const store_t* p, int base, int dim,
     return r;
 }
 
-// The normalised chunk at element `base` of a row (x chunk xr, reciprocal RMS rstd), rounded to
+// A normalised chunk of a row (x chunk xr, reciprocal RMS rstd), rounded to
 // storage: x * rstd * weight (w or 1 + w, `plus_one`), w's chunk wr loaded as load_chunk loads
 // it (the decode kernels load it before their PDL wait). norm.cu's rmsnorm / add_rmsnorm store
 // it; rope.cu's rope_kv_write_normed rotates it.
