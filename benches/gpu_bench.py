@@ -1008,13 +1008,18 @@ def part_startup(b: Bench) -> list:
                      peer=None, peer_note="no peer measured for startup")]
 
 
+def timeline_spans(events: list) -> list:
+    """(start, end, name) of every profiled kernel and copy that has a time range, by start."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if getattr(e, "time_range", None) is not None and e.time_range.end > e.time_range.start)
+
+
 def device_idle(events: list, steps: int, first_kernel: str = "embedding_gather") -> dict:
     """The device timeline of profiled decode steps: the union of every kernel's and copy's
     interval (kernels overlap under PDL, so their durations do not add up), and the idle gaps
     in it, split into those that end at a step's first kernel (`first_kernel`: the GPU waiting
     for the host between steps) and the rest (inside a step). Per step, in microseconds."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if getattr(e, "time_range", None) is not None and e.time_range.end > e.time_range.start)
+    spans = timeline_spans(events)
     busy = between = within = 0.0
     cur_start = cur_end = None
     for start, end, name in spans:
@@ -1042,13 +1047,11 @@ def kernel_path(events: list, steps: int) -> list:
     the step's timeline (each call's end past the latest end before it, idle gaps left out).
     Under PDL a kernel starts while the one before runs, so its duration includes that wait;
     what it adds is what removing its work could save. Sorted by time added, per step (us)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if getattr(e, "time_range", None) is not None and e.time_range.end > e.time_range.start)
     rows: dict = {}
-    last = None
-    for start, end, name in spans:
-        added = end - max(start, last) if last is not None else end - start
-        last = end if last is None else max(last, end)
+    last = float("-inf")
+    for start, end, name in timeline_spans(events):
+        added = end - max(start, last)
+        last = max(last, end)
         r = rows.setdefault(name, [0, 0.0, 0.0])
         r[0] += 1
         r[1] += end - start

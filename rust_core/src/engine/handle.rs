@@ -48,6 +48,14 @@ struct LiveIds {
     queued: HashSet<String>,
 }
 
+impl LiveIds {
+    /// `id`'s final delta is queued.
+    fn finish(&mut self, id: &str) {
+        self.running.remove(id);
+        self.queued.insert(id.to_string());
+    }
+}
+
 /// Handle to the engine thread. Every method takes `&self` and is safe to call from several
 /// threads at once: `poll` waits without blocking `submit` / `abort`.
 pub struct EngineHandle {
@@ -202,19 +210,18 @@ fn run_loop(mut core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>) {
             Ok(outs) => {
                 let mut ids = shared.ids.lock().expect("live ids");
                 for o in outs.iter().filter(|o| o.finished()) {
-                    ids.running.remove(&o.request_id);
-                    ids.queued.insert(o.request_id.clone());
+                    ids.finish(&o.request_id);
                 }
                 ob.outputs.extend(outs);
             }
             Err(e) => {
-                let ids: Vec<String> = {
-                    let mut live = shared.ids.lock().expect("live ids");
-                    let running: Vec<String> = live.running.drain().collect();
-                    live.queued.extend(running.iter().cloned());
-                    running
-                };
-                ob.outputs.extend(ids.iter().map(|id| aborted(id)));
+                let mut ids = shared.ids.lock().expect("live ids");
+                let running: Vec<String> = ids.running.iter().cloned().collect();
+                for id in &running {
+                    ids.finish(id);
+                }
+                drop(ids);
+                ob.outputs.extend(running.iter().map(|id| aborted(id)));
                 ob.error = Some(e.to_string());
                 ob.stats = core.stats();
                 drop(ob);
