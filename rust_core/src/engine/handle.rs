@@ -85,7 +85,10 @@ impl EngineHandle {
         let grammar = self.validator.validate(&prompt, &params)?;
         {
             let mut ids = self.shared.ids.lock().expect("live ids");
-            if ids.queued.contains(request_id) || !ids.running.insert(request_id.to_string()) {
+            if ids.queued.contains(request_id) {
+                return Err(NinferError::Request(request_id.to_string(), "a request with this id has finished but its final output has not been polled yet; poll it before reusing the id".into()));
+            }
+            if !ids.running.insert(request_id.to_string()) {
                 return Err(NinferError::Request(request_id.to_string(), "a request with this id is already running".into()));
             }
         }

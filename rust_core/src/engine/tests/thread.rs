@@ -69,7 +69,8 @@ fn an_id_stays_taken_until_its_final_delta_is_drained() {
         assert!(t.elapsed() < Duration::from_secs(30));
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(handle.submit("a", prompt(4, 2), greedy(3)).is_err(), "reused before its final delta was drained");
+    let e = handle.submit("a", prompt(4, 2), greedy(3)).expect_err("reused before its final delta was drained").to_string();
+    assert!(e.contains("has not been polled yet"), "{e}");
     let outs = handle.poll(Duration::from_secs(5)).unwrap();
     assert!(outs.iter().any(|o| o.request_id == "a" && o.finished()));
     handle.submit("a", prompt(4, 2), greedy(3)).unwrap();
