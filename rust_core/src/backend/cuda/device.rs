@@ -193,8 +193,8 @@ impl CudaDevice {
     }
 
     /// Runs the tiled 4-bit GEMVs in the ring form (true) or the pass form (false): one form for
-    /// every weight of the device, set by the model load (`quant_tiles::q4t_ring` of its
-    /// smallest quantized K); the two give the same bits.
+    /// every weight of the device, set by the model load (the plan's `q4_ring`, else
+    /// `quant_tiles::q4t_ring` of its smallest quantized K); the two give the same bits.
     pub fn set_q4_ring(&self, ring: bool) {
         self.q4_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
     }

@@ -844,7 +844,7 @@ impl DevWeights {
             });
         }
         let workspace = workspace_for(dev, planned.quant_elems, None)?;
-        dev.set_q4_ring(planned.min_quant_k.is_some_and(crate::backend::cuda::ops::quant_tiles::q4t_ring));
+        dev.set_q4_ring(dev.plan().q4_ring.unwrap_or_else(|| planned.min_quant_k.is_some_and(crate::backend::cuda::ops::quant_tiles::q4t_ring)));
         let mut sink = DeviceSink::new(dev, workspace)?;
         let w = build(&mut sink, store, cfg, quant)?;
         dev.synchronize()?;

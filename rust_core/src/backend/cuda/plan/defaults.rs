@@ -115,6 +115,7 @@ pub fn default_plan(facts: &DeviceFacts, model: ModelShape, options: &CudaOption
             && facts.nvrtc_major >= 13,
         gdn_prep: if major >= 8 { PrepForm::TensorCores } else { PrepForm::Simt },
         gdn_scan: GdnScanForms::for_device(major, facts.smem_optin),
+        q4_ring: None,
         fused_rope: true,
         // The griddepcontrol instructions are sm_90+ (older devices would ignore the attribute).
         pdl: major >= 9,

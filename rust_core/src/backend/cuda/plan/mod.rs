@@ -63,6 +63,10 @@ pub struct Plan {
     pub gdn_prep: PrepForm,
     /// The chunked GDN's scan form per key head size.
     pub gdn_scan: GdnScanForms,
+    /// The tiled 4-bit GEMVs' form for every model on the device: Some(true) the ring form,
+    /// Some(false) the pass form; None (the default) by each model's smallest quantized K
+    /// (`quant_tiles::q4t_ring`). A profile may fix it where a device measured otherwise.
+    pub q4_ring: Option<bool>,
     /// Batch-1 decode runs the qkv projection with RoPE and the KV cache write in its epilogue
     /// where the layer's layout allows it (`qkv_rope_fits`).
     pub fused_rope: bool,

@@ -50,6 +50,7 @@ pub struct PlanOverrides {
     pub pdl: Option<bool>,
     pub smem_carveout: Option<i32>,
     pub fused_rope: Option<bool>,
+    pub q4_ring: Option<bool>,
     pub decode_tensor_cores: Option<bool>,
     pub prefill_warp_specialized: Option<bool>,
 }
@@ -154,6 +155,12 @@ impl DeviceProfile {
         }
         if let Some(on) = o.fused_rope {
             plan.fused_rope = on;
+        }
+        if let Some(ring) = o.q4_ring {
+            if major < 8 {
+                return Err(bad(path, "plan.q4_ring", format!("the tiled 4-bit GEMV's forms run mma.sync, compute capability 8.0 or newer; this device is {cc}")));
+            }
+            plan.q4_ring = Some(ring);
         }
         if let Some(on) = o.decode_tensor_cores {
             if on && major < 8 {

@@ -174,6 +174,7 @@ fn the_default_table_per_compute_capability() {
         assert_eq!(p.prefill_warp_specialized, cc == (9, 0), "{cc:?}");
         assert_eq!((p.cc_ksplit, p.cc_warps, p.cc_prefetch_vectors, p.tc_prefetch_steps), (2, 4, 0, 16));
         assert!(p.fused_rope && p.cuda_graphs && p.device_sampling && !p.batch_invariant && p.smem_carveout.is_none());
+        assert_eq!(p.q4_ring, None, "the tiled 4-bit GEMV's form follows each model's K");
     }
     // The K split by hidden size: 2 up to the 8B's, unsplit from the 27B's and without a model.
     let f = facts((9, 0), 132, 232448, 13);
@@ -196,14 +197,17 @@ fn profile(path: &str, text: &str, cc: (u32, u32)) -> Result<Plan> {
 #[test]
 fn a_profile_overrides_the_fields_it_names_and_keeps_the_rest() {
     let text = r#"{"version": 1, "device": "sm_90", "compute_capability": "9.0",
-        "plan": {"cc_ksplit": 1, "cc_warps": 8, "tc_prefetch_steps": 32, "smem_carveout": 50, "pdl": false,
+        "plan": {"cc_ksplit": 1, "cc_warps": 8, "tc_prefetch_steps": 32, "smem_carveout": 50, "pdl": false, "q4_ring": true,
                  "gemv_rules": [{"max_rows": 8192, "kernel": "w16u4h"}, {"kernel": "W8U8H", "cuda_cores_at_batch_1": true}]}}"#;
     let p = profile("h200.json", text, (9, 0)).unwrap();
     assert_eq!((p.cc_ksplit, p.cc_warps, p.tc_prefetch_steps, p.smem_carveout, p.pdl), (1, 8, 32, Some(50), false));
+    assert_eq!(p.q4_ring, Some(true));
     assert_eq!(p.gemv_rules.len(), 2);
     assert_eq!((p.gemv_rules[0].max_rows, p.gemv_rules[0].config.label(), p.gemv_rules[0].cuda_cores), (8192, "w16u4h".to_string(), false));
     assert_eq!((p.gemv_rules[1].max_rows, p.gemv_rules[1].config.label(), p.gemv_rules[1].cuda_cores), (usize::MAX, "w8u8h".to_string(), true));
     assert!(p.fused_rope && p.decode_attention.tensor_cores, "fields the profile leaves keep the default");
+    let pass = r#"{"version": 1, "device": "sm_90", "compute_capability": "9.0", "plan": {"q4_ring": false}}"#;
+    assert_eq!(profile("h100.json", pass, (9, 0)).unwrap().q4_ring, Some(false));
     let empty = profile("h200.json", r#"{"version": 1, "device": "sm_90", "compute_capability": "9.0"}"#, (9, 0)).unwrap();
     assert_eq!(empty, default_plan(&facts((9, 0), 132, 232448, 13), ModelShape { hidden_size: Some(4096) }, &CudaOptions::default()));
 }
@@ -233,6 +237,9 @@ fn a_bad_profile_is_an_error_naming_the_file_and_the_field() {
     assert!(e.contains("plan.pdl") && e.contains("8.6"), "{e}");
     let sm75 = r#"{"version": 1, "device": "sm_75", "compute_capability": "7.5", "plan": {"gemv_rules": []}}"#;
     assert!(profile("p.json", sm75, (7, 5)).unwrap_err().to_string().contains("plan.gemv_rules"));
+    let sm75 = r#"{"version": 1, "device": "sm_75", "compute_capability": "7.5", "plan": {"q4_ring": false}}"#;
+    let e = profile("p.json", sm75, (7, 5)).unwrap_err().to_string();
+    assert!(e.contains("plan.q4_ring") && e.contains("7.5"), "{e}");
     let e = Plan::build(&facts((9, 0), 132, 232448, 13), ModelShape::default(), &CudaOptions { profile: Some("/nonexistent/p.json".into()), ..Default::default() }).unwrap_err().to_string();
     assert!(e.contains("/nonexistent/p.json") && e.contains("cannot be read"), "{e}");
 }
