@@ -53,6 +53,29 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def gpu_compute_capability() -> tuple:
+    """The compute capability our engine runs the GPU as: the one NINFER_EMULATE_ARCH names
+    (`80`, `8.0` or `sm_80`; rust_core/src/backend/cuda/emulate.rs), else the GPU's own. The
+    suites run under the variable to execute older GPUs' code paths on a newer GPU."""
+    v = os.environ.get("NINFER_EMULATE_ARCH", "").strip()
+    if v:
+        digits = v.removeprefix("sm_").replace(".", "")
+        return int(digits[:-1]), int(digits[-1])
+    import torch
+    return torch.cuda.get_device_capability()
+
+
+def device_profile(tmp_path: Path, name: str, plan: dict) -> str:
+    """A device profile of this GPU (its driver name and the capability the engine runs it as)
+    whose `plan` overrides the default routes (backend/cuda/plan/profile.rs); its path."""
+    import torch
+    major, minor = gpu_compute_capability()
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"version": 1, "device": torch.cuda.get_device_name(),
+                                "compute_capability": f"{major}.{minor}", "plan": plan}))
+    return str(path)
+
+
 def _set_eos(model_dir: Path, eos_id: int) -> None:
     """Point the model's config.json and generation_config.json at the tokenizer's EOS id."""
     for name in ("config.json", "generation_config.json"):

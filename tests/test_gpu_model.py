@@ -21,7 +21,6 @@ Two kinds of checkpoint:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -36,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 import ninfer  # noqa: E402
 from ninfer import LLM, SamplingParams, _core  # noqa: E402
 
-from conftest import TINY_VOCAB  # noqa: E402
+from conftest import TINY_VOCAB, device_profile, gpu_compute_capability  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -75,21 +74,10 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _device_cc() -> tuple:
-    """The compute capability our engine runs the GPU as: the one NINFER_EMULATE_ARCH names
-    (`80`, `8.0` or `sm_80`; rust_core/src/backend/cuda/emulate.rs), else the GPU's own. The
-    suites run under the variable to execute older GPUs' code paths on a newer GPU."""
-    v = os.environ.get("NINFER_EMULATE_ARCH", "").strip()
-    if v:
-        digits = v.removeprefix("sm_").replace(".", "")
-        return int(digits[:-1]), int(digits[-1])
-    return torch.cuda.get_device_capability()
-
-
 def _storage_dtype():
     """The type our engine stores weights, activations and "auto" logits in on this device:
     bf16 from 8.0 on, f16 below (sm_7x has no bf16 units; kernels.rs `StorageDType`)."""
-    return torch.bfloat16 if _device_cc()[0] >= 8 else torch.float16
+    return torch.bfloat16 if gpu_compute_capability()[0] >= 8 else torch.float16
 
 
 @pytest.fixture(scope="module", params=list(GPU_SHAPES))
@@ -157,7 +145,7 @@ def test_num_threads_on_the_gpu_is_refused_naming_it(gpu_dir):
 def test_kv_dtype_names_the_gpu_storage_type_and_refuses_another(gpu_dir):
     # The GPU keeps its KV cache in its storage type: bf16 on sm_80+ (f16 on sm_7x) by name is
     # accepted and runs as auto does; the other 16-bit type is refused naming the kept one.
-    kept, other = ("bf16", "f16") if _device_cc()[0] >= 8 else ("f16", "bf16")
+    kept, other = ("bf16", "f16") if gpu_compute_capability()[0] >= 8 else ("f16", "bf16")
     with LLM(gpu_dir, device="cuda", max_context=256, kv_dtype=kept) as named:
         [a] = named.generate(PROMPTS[0], greedy(8))
     with LLM(gpu_dir, device="cuda", max_context=256) as auto:
@@ -963,16 +951,6 @@ def test_decode_in_a_batch_equals_decode_alone_bitwise(decode_dir, n):
 # same prompts greedily. A profile this GPU cannot run stops the load naming the field, so a
 # comparison never runs the default route twice unnoticed.
 
-def _profile(tmp_path, name, plan):
-    """A device profile of this GPU (its driver name and the capability the engine runs it as)
-    whose `plan` overrides the default routes; its path."""
-    major, minor = _device_cc()
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({"version": 1, "device": torch.cuda.get_device_name(),
-                                "compute_capability": f"{major}.{minor}", "plan": plan}))
-    return str(path)
-
-
 def _decode_under_plans(decode_dir, tmp_path, on, off, n, steps, graphs=True):
     """`decode_greedy` of `n` prompts for `steps` tokens by a model loaded under plan overrides
     `on`, then by one loaded under `off` (CUDA graphs as `graphs` says)."""
@@ -980,7 +958,7 @@ def _decode_under_plans(decode_dir, tmp_path, on, off, n, steps, graphs=True):
     runs = []
     for name, plan in (("on", on), ("off", off)):
         model = _core.Model(str(decode_dir), device="cuda", cuda_graphs=graphs,
-                            device_profile=_profile(tmp_path, name, plan))
+                            device_profile=device_profile(tmp_path, name, plan))
         runs.append(model.decode_greedy(prompts, steps))
         del model
     return runs
@@ -1019,7 +997,7 @@ def _assert_plans_keep_logits_close(decode_dir, tmp_path, on, off, n, what, grap
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, tmp_path):
-    if _device_cc() < (9, 0):
+    if gpu_compute_capability() < (9, 0):
         pytest.skip("PDL needs sm_90+ (a profile asking for it is refused below)")
     _assert_plans_change_no_bit(decode_dir, tmp_path, {"pdl": True}, {"pdl": False}, graphs, 3, "PDL on vs off")
 
@@ -1080,7 +1058,7 @@ def test_k_split_gemv_keeps_the_fused_rope_and_block_size_bitwise(decode_dir, gr
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("n", [1, 5, 20])
 def test_direct_tensor_core_decode_attention_matches_the_cuda_core_forms(decode_dir, graphs, n, tmp_path):
-    if _device_cc() < (8, 0):
+    if gpu_compute_capability() < (8, 0):
         pytest.skip("decode attention on tensor cores needs sm_80+")
     _assert_plans_keep_logits_close(decode_dir, tmp_path, {"decode_tensor_cores": True}, {"decode_tensor_cores": False},
                                     n, f"graphs={graphs}, {n} sequences: direct tensor-core vs CUDA-core forms",
@@ -1092,7 +1070,7 @@ def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_
     # Qwen3.5-27B's attention head size (256: a pair of warps splits each tile's head dims).
     if not _cuda_available():
         pytest.skip("torch sees no CUDA device")
-    if _device_cc() < (8, 0):
+    if gpu_compute_capability() < (8, 0):
         pytest.skip("decode attention on tensor cores needs sm_80+")
     d256 = tiny_checkpoints.get("qwen3_5", **{**GPU_SHAPES["qwen3_5"], "head_dim": 256})
     _assert_plans_keep_logits_close(d256, tmp_path, {"decode_tensor_cores": True}, {"decode_tensor_cores": False}, n,
@@ -1116,7 +1094,7 @@ def test_direct_tensor_core_decode_attention_at_head_size_256_matches_the_other_
 ])
 def test_a_profile_this_gpu_cannot_run_stops_the_load_naming_what(decode_dir, change, named, tmp_path):
     profile = tmp_path / "bad.json"
-    good = json.loads(Path(_profile(tmp_path, "good", {})).read_text())
+    good = json.loads(Path(device_profile(tmp_path, "good", {})).read_text())
     profile.write_text(json.dumps({**good, **change}))
     with pytest.raises(Exception, match=re.escape(named)):
         _core.Model(str(decode_dir), device="cuda", device_profile=str(profile))

@@ -35,6 +35,7 @@ torch = pytest.importorskip("torch")
 
 import ninfer  # noqa: E402
 from ninfer import LLM, SamplingParams, _core  # noqa: E402
+from conftest import device_profile  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -309,17 +310,14 @@ def test_q4_gemv_forms_decode_the_same_bits(name, request, tmp_path):
     by default each model's smallest K picks one) sum in the same order: greedy decode, CUDA
     graphs on, gives the same logits bit for bit and the same tokens in either form."""
     model_dir = _model_dir(name, request)
-    major, minor = torch.cuda.get_device_capability()
-    if os.environ.get("NINFER_EMULATE_ARCH") or major < 8:
+    if os.environ.get("NINFER_EMULATE_ARCH") or torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("the tiled GEMV's two forms are sm_80+ code (a profile naming one is refused below)")
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size") or 0
     prompts = [_prompt(name, vocab, n=48, seed=40 + i)[5 * i:5 * i + 9 + 5 * i] for i in range(3)]
     runs = []
     for ring in (True, False):
-        profile = tmp_path / f"q4_ring_{ring}.json"
-        profile.write_text(json.dumps({"version": 1, "device": torch.cuda.get_device_name(),
-                                       "compute_capability": f"{major}.{minor}", "plan": {"q4_ring": ring}}))
-        model = _core.Model(str(model_dir), device="cuda", quantize="q4", device_profile=str(profile))
+        profile = device_profile(tmp_path, f"q4_ring_{ring}", {"q4_ring": ring})
+        model = _core.Model(str(model_dir), device="cuda", quantize="q4", device_profile=profile)
         runs.append(model.decode_greedy(prompts, 16))
         del model
     (ring_tokens, ring_logits, _), (pass_tokens, pass_logits, _) = runs
