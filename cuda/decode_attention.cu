@@ -816,15 +816,92 @@ struct FddTile {
             for (int c = 0; c < VC; ++c)
                 v[i][c] = *reinterpret_cast<const uint4*>(v_cache + vo[i] + 64 * c + 8 * gr);
     }
+    // The rows that are key `newest` (live or clamped to it) take that key's k and v slices
+    // from ks / vs (its rotated k and its v from this tile's head dims on, 8 elements a uint4):
+    // what the cache holds once the rotating form (FddRope) has written the key's slot.
+    __device__ __forceinline__ void patch(int kb, int s_end, int newest, const uint4* ks, const uint4* vs, int gr, int tq) {
+        const int last = s_end - 1 - kb, j = newest - kb;
+        const int kr[2] = {min(gr, last), min(gr + 8, last)};
+        const int vr[4] = {min(2 * tq, last), min(2 * tq + 1, last), min(2 * tq + 8, last), min(2 * tq + 9, last)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (kr[h] == j)
+#pragma unroll
+                for (int p = 0; p < KC; ++p) k[h][p] = ks[4 * p + tq];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (vr[i] == j)
+#pragma unroll
+                for (int c = 0; c < VC; ++c) v[i][c] = vs[8 * c + gr];
+    }
 };
 
+// What the rotating direct form (flash_decode_direct_rope_d*) does in place of the step's
+// rope_kv_write / rope_kv_write_normed: token t's q heads are read unrotated at
+// t * q_stride of q, its k and v heads at t * kv_stride of k_src / v_src (the qkv projection's
+// rows); with q_norm (and k_norm) non-null each head is first RMS-normed over its head_dim
+// (eps, plus_one); the first rotary_dim elements rotate at position token_pos[t]; the newest
+// key's k and v go to the caches at slot_mapping[t] (none where negative).
+struct FddRope {
+    const store_t* k_src;
+    const store_t* v_src;
+    long long kv_stride;
+    store_t* k_cache;
+    store_t* v_cache;
+    const long long* slot_mapping;
+    const float* inv_freq;
+    int rotary_dim;
+    float attn_scale;
+    const store_t* q_norm;
+    const store_t* k_norm;
+    float eps;
+    int plus_one;
+};
+
+// One head of D elements prepared by one warp as rope_kv_write[_normed] leaves it, into `dst`
+// (shared, D / 8 chunks): lane l takes chunk l. The norm is rmsnorm_heads' one-warp order
+// (chunked_norm_threads is 32 up to D 256: a lane's one chunk, warp_sum, and the second
+// warp_sum of block_sum adds zeros), the normed chunk rounded to storage; then each pair
+// (i, i + rotary_dim / 2) rotates by rope_apply with rope_cos_sin's values (`cs`: the lane's
+// first two pairs, formed before the PDL wait); the tail past rotary_dim stays as it is.
 template <int D>
+__device__ __forceinline__ void fdd_rope_head(const store_t* x, const store_t* w, uint4 w_chunk, uint4* dst,
+                                              const FddRope& r, float pos, const float (&cs)[2][2], int lane) {
+    constexpr int NC = D / 8;
+    uint4 c = make_uint4(0u, 0u, 0u, 0u);
+    if (lane < NC) c = load_chunk(x, lane * 8, D, aligned16(x));
+    if (w) {
+        const float ss = warp_sum(lane < NC ? chunk_sum_squares(c, 0.0f) : 0.0f);
+        if (lane < NC) c = norm_chunk_w(c, w_chunk, norm_rstd(ss, D, r.eps), r.plus_one);
+    }
+    if (lane < NC) dst[lane] = c;
+    __syncwarp();
+    store_t* h = reinterpret_cast<store_t*>(dst);
+    const int half = r.rotary_dim / 2;
+    for (int i = lane, n = 0; i < half; i += 32, ++n) {  // a lane reads and writes its own pairs
+        float co, si;
+        if (n < 2) {
+            co = cs[n][0];
+            si = cs[n][1];
+        } else {
+            rope_cos_sin(i, pos, r.inv_freq, r.attn_scale, &co, &si);
+        }
+        store_t lo, hi;
+        rope_apply(to_f32(h[i]), to_f32(h[i + half]), co, si, &lo, &hi);
+        h[i] = lo;
+        h[i + half] = hi;
+    }
+    __syncwarp();
+}
+
+template <int D, bool ROPE>
 __device__ __forceinline__ void flash_decode_direct_body(
     const store_t* __restrict__ q, const store_t* __restrict__ k_cache,
     const store_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ token_seq, const int* __restrict__ token_pos, int n_q_heads,
     int n_kv_heads, long long q_stride, int block_size, float scale, store_t* __restrict__ out,
-    float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate, long long gate_stride, int splits) {
+    float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate, long long gate_stride, int splits,
+    const FddRope& rope) {
     static_assert(D == 64 || D == 128 || D == 256, "a lane's two tiles of K/V must fit its registers");
     // At d 256 a pair of warps shares each tile, one half of the head dims a warp (DH each).
     constexpr int DH = D > 128 ? 128 : D, HALVES = D / DH;
@@ -853,11 +930,57 @@ __device__ __forceinline__ void flash_decode_direct_body(
     int kb = s0 + slot * FD_BN;
     FddTile<DH> cur;
     if (kb < s_end) cur.load(k_cache, v_cache, table, kb, s_end, block_size, row_elems, head_off, gr, tq);
+    // The rotating form: everything of the step's q / k preparation that no earlier kernel of
+    // the step writes (the slot, the norm weights' chunks, cos and sin of a lane's first pairs).
+    constexpr int NC = D / 8;
+    __shared__ uint4 fdd_qs[ROPE ? 8 * NC : 1], fdd_ks[ROPE ? NC : 1], fdd_vs[ROPE ? NC : 1];
+    long long cache_slot = -1;
+    float cs[2][2] = {{1.0f, 0.0f}, {1.0f, 0.0f}};
+    uint4 qw = make_uint4(0u, 0u, 0u, 0u), kw = qw;
+    if constexpr (ROPE) {
+        cache_slot = rope.slot_mapping[t];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+            if (lane + 32 * n < rope.rotary_dim / 2)
+                rope_cos_sin(lane + 32 * n, (float)(limit - 1), rope.inv_freq, rope.attn_scale, &cs[n][0], &cs[n][1]);
+        if (rope.q_norm && lane < NC) {
+            qw = load_chunk(rope.q_norm, lane * 8, D, aligned16(rope.q_norm));
+            kw = load_chunk(rope.k_norm, lane * 8, D, aligned16(rope.k_norm));
+        }
+    }
     pdl_enter();
-    // The newest key's row is written by the kernel just waited for: a first tile holding it
-    // is loaded again.
-    if (kb < s_end && s_end == limit && kb + FD_BN > limit - 1)
+    // The newest key (position limit - 1): its cache row is written by the kernel just waited
+    // for, or in the rotating form by this kernel (the last split's blocks) and taken from
+    // shared memory.
+    const int newest = (ROPE && cache_slot >= 0 && s_end == limit) ? limit - 1 : -1;
+    if constexpr (ROPE) {
+        // Tasks of the block's warps in turn: the group's q heads (rotated into fdd_qs), then in
+        // the last split the newest key's k head (rotated) and v head, each to shared memory and
+        // the cache slot.
+        const int tasks = G + (newest >= 0 ? 2 : 0);
+        for (int task = warp; task < tasks; task += WARPS) {
+            if (task < G) {
+                const store_t* x = q + (long long)t * q_stride + (long long)(kvh * G + task) * D;
+                fdd_rope_head<D>(x, rope.q_norm, qw, fdd_qs + task * NC, rope, (float)(limit - 1), cs, lane);
+            } else {
+                const long long row = (long long)t * rope.kv_stride + (long long)kvh * D;
+                const long long at = cache_slot * row_elems + (long long)kvh * D;
+                if (task == G) {
+                    fdd_rope_head<D>(rope.k_src + row, rope.k_norm, kw, fdd_ks, rope, (float)(limit - 1), cs, lane);
+                    if (lane < NC) reinterpret_cast<uint4*>(rope.k_cache + at)[lane] = fdd_ks[lane];
+                } else if (lane < NC) {
+                    const uint4 v = load_chunk(rope.v_src + row, lane * 8, D, aligned16(rope.v_src + row));
+                    fdd_vs[lane] = v;
+                    reinterpret_cast<uint4*>(rope.v_cache + at)[lane] = v;
+                }
+            }
+        }
+        __syncthreads();
+        if (kb < s_end && newest >= 0 && kb + FD_BN > newest)
+            cur.patch(kb, s_end, newest, fdd_ks + half * DH / 8, fdd_vs + half * DH / 8, gr, tq);
+    } else if (kb < s_end && s_end == limit && kb + FD_BN > limit - 1) {
         cur.load(k_cache, v_cache, table, kb, s_end, block_size, row_elems, head_off, gr, tq);
+    }
 
     // Q^T as B fragments in the K tile's dim order: k-step k's rows 2tq, 2tq + 1 (b0) and
     // 2tq + 8, 2tq + 9 (b1) are dims 32(k / 2) + 8tq + 4(k % 2) + 0, 1 and + 2, 3; column gr is
@@ -866,7 +989,8 @@ __device__ __forceinline__ void flash_decode_direct_body(
     unsigned qb[DH / 16][2];
     {
         const bool live = gr < G;
-        const store_t* qr = q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + half * DH + 8 * tq;
+        const store_t* qr = ROPE ? reinterpret_cast<const store_t*>(fdd_qs) + (live ? gr : 0) * D + half * DH + 8 * tq
+                                 : q + (long long)t * q_stride + (long long)(kvh * G + (live ? gr : 0)) * D + half * DH + 8 * tq;
 #pragma unroll
         for (int k = 0; k < DH / 16; ++k) {
             qb[k][0] = live ? ld32(qr + 32 * (k >> 1) + 4 * (k & 1)) : 0u;
@@ -884,6 +1008,8 @@ __device__ __forceinline__ void flash_decode_direct_body(
         const int kn = kb + SLOTS * FD_BN;
         FddTile<DH> nxt;
         if (kn < s_end) nxt.load(k_cache, v_cache, table, kn, s_end, block_size, row_elems, head_off, gr, tq);
+        if (ROPE && kn < s_end && newest >= 0 && kn + FD_BN > newest)
+            nxt.patch(kn, s_end, newest, fdd_ks + half * DH / 8, fdd_vs + half * DH / 8, gr, tq);
         // S^T = K Q^T: rows gr, gr + 8 = keys kb + gr (+8), columns 2tq, 2tq + 1 = heads.
         float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -950,11 +1076,20 @@ __device__ __forceinline__ void flash_decode_direct_body(
 }
 
 #define FDD_BODY(D)                                                                             \
-    flash_decode_direct_body<D>(q, k_cache, v_cache, block_tables, max_blocks, token_seq,       \
-                                token_pos, n_q_heads, n_kv_heads, q_stride, block_size, scale,  \
-                                out, part_acc, part_ml, arrivals, gate, gate_stride, splits);
+    flash_decode_direct_body<D, false>(q, k_cache, v_cache, block_tables, max_blocks, token_seq, \
+                                       token_pos, n_q_heads, n_kv_heads, q_stride, block_size,   \
+                                       scale, out, part_acc, part_ml, arrivals, gate, gate_stride, \
+                                       splits, FddRope{});
+#define FDD_ROPE_BODY(D)                                                                        \
+    flash_decode_direct_body<D, true>(                                                          \
+        q, k_cache, v_cache, block_tables, max_blocks, token_seq, token_pos, n_q_heads,         \
+        n_kv_heads, q_stride, block_size, scale, out, part_acc, part_ml, arrivals, gate,        \
+        gate_stride, splits,                                                                    \
+        FddRope{k_src, v_src, kv_stride, k_cache, v_cache, slot_mapping, inv_freq, rotary_dim,  \
+                attn_scale, q_norm, k_norm, eps, plus_one});
 #else
 #define FDD_BODY(D)
+#define FDD_ROPE_BODY(D)
 #endif
 
 // The tensor-core decode attention with K/V straight into fragments (flash_decode_direct_body):
@@ -971,6 +1106,27 @@ __device__ __forceinline__ void flash_decode_direct_body(
         FDD_BODY(D)                                                                             \
     }
 
+// The direct form with the step's q / k head norms, RoPE and KV cache write in it (FddRope):
+// one kernel where rope_kv_write[_normed] and attention ran at every decode step whose qkv
+// projection does not rotate, bit for bit those two kernels. q is the unrotated q part of the
+// projection rows (q_stride apart); the caches are written, so they are not const. The arguments
+// after `splits` are FddRope's (ops/decode_attention_rope.rs).
+#define FDD_ROPE_INSTANCE(D)                                                                    \
+    extern "C" __global__ void __launch_bounds__(FDD_WARPS * 32, 2) flash_decode_direct_rope_d##D( \
+        const store_t* q, store_t* k_cache, store_t* v_cache, const int* block_tables,          \
+        int max_blocks, const int* token_seq, const int* token_pos, int n_q_heads,              \
+        int n_kv_heads, long long q_stride, int block_size, float scale, store_t* out,          \
+        float* part_acc, float* part_ml, unsigned* arrivals, const store_t* gate,               \
+        long long gate_stride, int splits, const store_t* k_src, const store_t* v_src,          \
+        long long kv_stride, const long long* slot_mapping, const float* inv_freq,              \
+        int rotary_dim, float attn_scale, const store_t* q_norm, const store_t* k_norm,         \
+        float eps, int plus_one) {                                                              \
+        FDD_ROPE_BODY(D)                                                                        \
+    }
+
 FDD_INSTANCE(64)
 FDD_INSTANCE(128)
 FDD_INSTANCE(256)
+FDD_ROPE_INSTANCE(64)
+FDD_ROPE_INSTANCE(128)
+FDD_ROPE_INSTANCE(256)

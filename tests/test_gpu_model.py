@@ -1002,11 +1002,13 @@ def test_decode_with_pdl_equals_decode_without_pdl_bitwise(decode_dir, graphs, t
     _assert_plans_change_no_bit(decode_dir, tmp_path, {"pdl": True}, {"pdl": False}, graphs, 3, "PDL on vs off")
 
 
-# The batch-1 qkv projection with RoPE and the KV cache write in its epilogue (the plan's
-# `fused_rope`, on by default: `gemv_qkv_rope_m1` where the qkv weight's M = 1 GEMV is the
-# CUDA-core kernel, no q/k norm, no output gate) against the GEMV followed by rope_kv_write: the
-# same bits, in graphs and eagerly. One sequence (the fused kernel is batch 1's), then three
-# (unchanged path).
+# The plan's `fused_rope` (on by default) against RoPE in a kernel of its own: the same bits, in
+# graphs and eagerly. It fuses the decode step's RoPE and KV cache write into the batch-1 qkv
+# projection (`gemv_qkv_rope_m1`, where the qkv weight's M = 1 GEMV is the CUDA-core kernel, no
+# q/k norm, no output gate: the tiny Llama at one sequence), else, with the q/k head norms, into
+# decode attention's direct tensor-core form (`flash_decode_direct_rope_*`, sm_80+: the tiny
+# Llama at three sequences, the demo model's gated, normed, partially rotating heads at both);
+# off, the GEMV or decode attention follows rope_kv_write[_normed].
 
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("n", [1, 3])

@@ -171,6 +171,8 @@ mod logits_round;
 mod linear_bias;
 #[path = "cuda_ops/decode_attention.rs"]
 mod decode_attention;
+#[path = "cuda_ops/decode_attention_rope.rs"]
+mod decode_attention_rope;
 #[path = "cuda_ops/decode_attention_gate.rs"]
 mod decode_attention_gate;
 #[path = "cuda_ops/gemv_qkv_rope.rs"]

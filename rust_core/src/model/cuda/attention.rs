@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView};
 
-use crate::backend::cuda::ops::{AttnScratch, DecodeGate, PagedAttentionShape, RopeKvShape};
+use crate::backend::cuda::ops::{AttnScratch, DecodeGate, HeadNorms, PagedAttentionShape, RopeKvShape};
 use crate::backend::cuda::CudaDevice;
 use crate::config::ModelConfig;
 use crate::{NinferError, Result};
@@ -84,12 +84,17 @@ impl AttnCtx<'_> {
         } else {
             a.qkv.forward(dev, buf(&act.h), buf_mut(&mut act.proj), buf_mut(&mut act.lin32), rows)?;
         }
-        // Decode steps the projection did not fuse rotate q and k and write the cache in one
-        // kernel (rope_kv_write, bit for bit rope_neox followed by kv_cache_write; with q/k
-        // norm, rope_kv_write_normed normalises the heads in it too); other steps run the
-        // kernels apart.
+        // Decode steps the projection did not rotate norm, rotate and cache q and k inside decode
+        // attention where the route allows (below), else in one kernel before it
+        // (rope_kv_write, bit for bit rope_neox followed by kv_cache_write; with q/k norm,
+        // rope_kv_write_normed normalises the heads in it too); other steps run the kernels
+        // apart.
+        let rope_in_attention = route.rope_in_attention && decode && !rope_in_gemv;
         let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
         match route.qk {
+            _ if rope_in_attention => {
+                (q_src, q_stride, k_rows, k_stride) = (buf(&act.proj).as_view(), width, buf(&act.proj).slice(k_off..), width);
+            }
             QkRoute::HeadNorm => {
                 let (Some(qw), Some(kw)) = (&a.q_norm, &a.k_norm) else {
                     unreachable!("LayerRoute::choose routes HeadNorm only where both norms are loaded")
@@ -149,6 +154,15 @@ impl AttnCtx<'_> {
         let gate_rows = buf(&act.proj).slice(qd..);
         let gate = (route.query == QueryLayout::Gated).then_some(DecodeGate { rows: &gate_rows, stride: width });
         let gated_in_attention = match attend {
+            Attend::Decode(scratch) if rope_in_attention => {
+                let norms = match (route.qk, &a.q_norm, &a.k_norm) {
+                    (QkRoute::HeadNorm, Some(q), Some(k)) => Some(HeadNorms { q, k, eps: c.rms_norm_eps, plus_one: c.zero_centered_norm }),
+                    _ => None,
+                };
+                let proj = buf(&act.proj);
+                dev.paged_attention_decode_rope(proj, k_off, v_off, norms, kc, vc, &tables, &token_seq, &positions, &self.meta.slot_mapping(), self.inv_freq, self.rope_scale, &mut mix, gate, &shape, scratch)?;
+                true
+            }
             Attend::Decode(scratch) => {
                 dev.paged_attention_decode(&q_src, kc, vc, &tables, &token_seq, &positions, &mut mix, gate, &shape, scratch)?;
                 true

@@ -139,7 +139,7 @@ impl CudaModel {
         kv_dtype.check(&format!("cuda:{ordinal} ({}, {})", dev.name(), dev.arch()), dev.storage().into())?;
         Self::check_supported(&cfg)?;
         let (graphs, sampler) = (StepGraphs::new(dev.plan().cuda_graphs), DeviceSampler::new(dev.plan().device_sampling));
-        let fusions = Fusions { rope_in_gemv: dev.plan().fused_rope };
+        let fusions = Fusions::of(dev.plan(), dev.compute_capability());
         let store = WeightStore::open(dir)?;
         // The device runs every checkpoint in its 16-bit storage type (an f32 checkpoint is
         // converted while loading, as transformers' `dtype=torch.bfloat16` does), so "auto"

@@ -4,7 +4,7 @@
 //! its layer's route and adds only what depends on the step itself: decode or prefill, its
 //! rows, its longest chunk.
 
-use crate::backend::cuda::ops::{qkv_rope_fits, GATED_MAX_DV};
+use crate::backend::cuda::ops::{qkv_rope_fits, tc_direct_rope_fits, GATED_MAX_DV};
 use crate::config::ModelConfig;
 
 use super::weights::{DevAttention, DevLayer, DevMixer};
@@ -17,6 +17,22 @@ pub struct Fusions {
     /// epilogue (`gemv_qkv_rope_kv_write`) instead of the GEMV and `rope_kv_write`: the same
     /// bits (the plan's `fused_rope`).
     pub rope_in_gemv: bool,
+    /// Decode steps may run the q / k head norms, RoPE and the KV cache write inside decode
+    /// attention's direct tensor-core form (`paged_attention_decode_rope`) instead of
+    /// `rope_kv_write[_normed]` before it: the same bits (the plan's `fused_rope`, where its
+    /// decode attention route runs that form: tensor cores, sm_80+, not batch invariant).
+    pub rope_in_attention: bool,
+}
+
+impl Fusions {
+    /// The fusions `plan` enables on a device of compute capability `cc`.
+    pub fn of(plan: &crate::backend::cuda::plan::Plan, cc: (u32, u32)) -> Self {
+        let da = plan.decode_attention;
+        Fusions { rope_in_gemv: plan.fused_rope, rope_in_attention: plan.fused_rope && da.tensor_cores && !da.batch_invariant && cc.0 >= 8 }
+    }
+
+    /// None: what a layer that never runs a decode step of its own takes (the MTP head).
+    pub const NONE: Fusions = Fusions { rope_in_gemv: false, rope_in_attention: false };
 }
 
 /// Where q, k and v sit in a row of the packed qkv projection.
@@ -50,6 +66,11 @@ pub struct AttentionRoute {
     /// needs K a multiple of 8), rotary over the whole head, q | k | v rows with no norm and no
     /// bias between projection and RoPE, and the plan's fusion on. Same bits either way.
     pub rope_in_gemv: bool,
+    /// Decode steps that `rope_in_gemv` does not take run `paged_attention_decode_rope` (head
+    /// norms, RoPE, KV cache write and attention in one kernel) instead of
+    /// `rope_kv_write[_normed]` and `paged_attention_decode`: the heads fit the direct
+    /// tensor-core form (`tc_direct_rope_fits`) and the plan's fusion is on. Same bits either way.
+    pub rope_in_attention: bool,
     /// Steps where a sequence brings several tokens run flash attention (the queries' row
     /// stride a multiple of 8), else paged attention.
     pub flash_prefill: bool,
@@ -150,7 +171,8 @@ fn attention<W>(cfg: &ModelConfig, a: &DevAttention<W>, rotary_dim: usize, fusio
         QkRoute::HeadNorm => cfg.num_attention_heads * cfg.head_dim,
         QkRoute::InPlace => a.qkv.n,
     };
-    AttentionRoute { query, qk, rope_in_gemv, flash_prefill: q_stride.is_multiple_of(8) }
+    let rope_in_attention = fusions.rope_in_attention && tc_direct_rope_fits(cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim, rotary_dim);
+    AttentionRoute { query, qk, rope_in_gemv, rope_in_attention, flash_prefill: q_stride.is_multiple_of(8) }
 }
 
 fn gdn(cfg: &ModelConfig, gdn_chunked: bool) -> GdnRoute {

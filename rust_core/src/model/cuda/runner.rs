@@ -288,7 +288,7 @@ impl ModelRunner for CudaModel {
         let store = WeightStore::open(&self.dir)?;
         let w = DevMtp::load(&self.dev, &self.cfg, &store, &self.quant, self.weights.quant_workspace())?.ok_or_else(|| NinferError::config("spec", NO_MTP_WEIGHTS))?;
         // The MTP layer runs eagerly (never a one-row decode step): no decode fusion applies.
-        let route = LayerRoute::choose(&self.cfg, &w.layer, 2 * self.inv_freq.len(), false, Fusions { rope_in_gemv: false });
+        let route = LayerRoute::choose(&self.cfg, &w.layer, 2 * self.inv_freq.len(), false, Fusions::NONE);
         eprintln!("ninfer: loaded the MTP head on cuda:{} ({:.1} MiB)", self.dev.ordinal(), w.bytes as f64 / (1u64 << 20) as f64);
         self.mtp = Some(Box::new(CudaMtp::new(w, route)));
         Ok(())

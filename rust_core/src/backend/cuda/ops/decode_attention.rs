@@ -173,10 +173,12 @@ pub fn tc_direct_grid_splits(max_context: usize, splits: usize) -> usize {
 /// holds two tiles of K/V of up to 128 dims in registers; at 256 a pair of warps splits the
 /// dims) and GQA groups of at most 8 q heads.
 pub fn tc_direct_fits(sh: &PagedAttentionShape) -> bool {
-    matches!(sh.head_dim, 64 | 128 | 256)
-        && sh.n_kv_heads > 0
-        && sh.n_q_heads.is_multiple_of(sh.n_kv_heads)
-        && sh.n_q_heads / sh.n_kv_heads <= 8
+    tc_direct_heads_fit(sh.n_q_heads, sh.n_kv_heads, sh.head_dim)
+}
+
+/// `tc_direct_fits` of a model's attention heads.
+pub fn tc_direct_heads_fit(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> bool {
+    matches!(head_dim, 64 | 128 | 256) && n_kv_heads > 0 && n_q_heads.is_multiple_of(n_kv_heads) && n_q_heads / n_kv_heads <= 8
 }
 
 /// Dynamic shared memory of `flash_decode_direct_d{d}`: the merge of its slots (a warp, or at
@@ -316,6 +318,23 @@ pub struct DecodeGate<'a, 'b> {
     pub stride: usize,
 }
 
+/// Fails unless `scratch` holds `decode_scratch_len(tokens, sh)` and `gate` (where given) holds
+/// `tokens` rows of at least the q heads' width: the checks of every decode attention launcher.
+pub(super) fn check_scratch_and_gate(tokens: usize, sh: &PagedAttentionShape, scratch: &AttnScratch, gate: Option<&DecodeGate<'_, '_>>) -> Result<()> {
+    let need = decode_scratch_len(tokens, sh);
+    check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
+    check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
+    check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
+    let qd = sh.n_q_heads * sh.head_dim;
+    if let Some(g) = gate {
+        if g.stride < qd {
+            return Err(crate::NinferError::Device(format!("decode attention gate: row stride {} is shorter than a row's {} gate columns ({} q heads x {} dims)", g.stride, qd, sh.n_q_heads, sh.head_dim)));
+        }
+        check_len("decode attention gate", g.rows.len(), strided_len(tokens, qd, g.stride))?;
+    }
+    Ok(())
+}
+
 impl CudaDevice {
     /// Decode attention (one query token per sequence, or any tokens) in one kernel, in the form
     /// the plan's route picks for this launch's token count (`paged_attention_decode_as`). A
@@ -410,17 +429,7 @@ impl CudaDevice {
         let l = decode_attention_launch(self.compute_capability(), form, layout_arg, shape, t)?;
         self.check_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, out, shape)?;
         let sh = shape;
-        let need = decode_scratch_len(t, sh);
-        check_len("attention scratch acc", scratch.acc.len(), need.acc)?;
-        check_len("attention scratch ml", scratch.ml.len(), need.ml)?;
-        check_len("attention scratch arrivals", scratch.arrivals.len(), need.arrivals)?;
-        let qd = sh.n_q_heads * sh.head_dim;
-        if let Some(g) = &gate {
-            if g.stride < qd {
-                return Err(crate::NinferError::Device(format!("decode attention gate: row stride {} is shorter than a row's {} gate columns ({} q heads x {} dims)", g.stride, qd, sh.n_q_heads, sh.head_dim)));
-            }
-            check_len("decode attention gate", g.rows.len(), strided_len(t, qd, g.stride))?;
-        }
+        check_scratch_and_gate(t, sh, scratch, gate.as_ref())?;
         let s = self.stream();
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k_cache.device_ptr(s);

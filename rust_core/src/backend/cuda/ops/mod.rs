@@ -15,6 +15,7 @@ macro_rules! kargs {
 
 mod attention;
 mod decode_attention;
+mod decode_attention_rope;
 mod elementwise;
 mod flash_attention;
 mod fp4_linear;
@@ -37,10 +38,11 @@ mod sampling_pack;
 pub use attention::{two_kernel_decode_scratch_len, PagedAttentionShape, DECODE_SPLITS, FIXED_BLOCK_SPLITS};
 pub use decode_attention::{
     decode_block_splits, decode_block_splits_with, decode_grid_splits, decode_grid_splits_with, decode_scratch_len, decode_warp_keys, decode_warp_keys_with,
-    tc_direct_fits, tc_direct_grid_splits, tc_direct_smem_bytes, tc_direct_split_keys, tc_direct_splits, AttnScratch, DecodeAttentionForm, DecodeGate, DecodeAttentionRoute, decode_attention_launch, default_layout_arg, DecodeAttentionLaunch,
+    tc_direct_fits, tc_direct_heads_fit, tc_direct_grid_splits, tc_direct_smem_bytes, tc_direct_split_keys, tc_direct_splits, AttnScratch, DecodeAttentionForm, DecodeGate, DecodeAttentionRoute, decode_attention_launch, default_layout_arg, DecodeAttentionLaunch,
     DecodeScratchLen, DECODE_DEFAULT_LAYOUT, DECODE_MAX_SPLITS, DECODE_MIN_WARP_KEYS, DECODE_SCALED_MAX_TOKENS, DECODE_SHORT_CONTEXT, DECODE_SHORT_WARP_KEYS,
     TC_DIRECT_BLOCKS_PER_SM, TC_DIRECT_WARPS,
 };
+pub use decode_attention_rope::{tc_direct_rope_fits, HeadNorms};
 pub use flash_attention::{flash_tile_for, FlashTile};
 pub use fp4_linear::nvfp4_chunk_rows;
 pub use fp8_block::{fp8_block_chunk_rows, fp8_block_scale_bytes, fp8_block_segments};

@@ -7,7 +7,7 @@ use crate::backend::cuda::ops::{gemv_tc_config, GemvKernel, GemvTcConfig};
 use crate::model::cuda::linear::{Linear, LinearRoute, WeightFormat};
 use crate::model::cuda::weights::DevGdn;
 
-const DEFAULTS: Fusions = Fusions { rope_in_gemv: true };
+const DEFAULTS: Fusions = Fusions { rope_in_gemv: true, rope_in_attention: true };
 
 fn config(arch: &str, extra: serde_json::Value) -> ModelConfig {
     let mut v = serde_json::json!({"architectures": [arch], "hidden_size": 4096, "intermediate_size": 14336,
@@ -51,13 +51,13 @@ const TC: GemvKernel = GemvKernel::TensorCores(GemvTcConfig { warps: 4, unroll: 
 fn batch_1_decode_fuses_rope_into_a_plain_qkv_gemv_on_cuda_cores_only() {
     let llama = config("LlamaForCausalLM", serde_json::json!({}));
     let (a, mlp) = attention_route(&llama, GemvKernel::CudaCores, DEFAULTS);
-    assert_eq!(a, AttentionRoute { query: QueryLayout::Plain, qk: QkRoute::InPlace, rope_in_gemv: true, flash_prefill: true });
+    assert_eq!(a, AttentionRoute { query: QueryLayout::Plain, qk: QkRoute::InPlace, rope_in_gemv: true, rope_in_attention: true, flash_prefill: true });
     assert_eq!(mlp, MlpRoute { swiglu_in_gemv: true });
     // The shape's own tensor-core instance, as a device would route it: no fused RoPE.
     let tc = GemvKernel::TensorCores(gemv_tc_config(6144, 4096));
     assert!(!attention_route(&llama, tc, DEFAULTS).0.rope_in_gemv);
     assert!(!attention_route(&llama, TC, DEFAULTS).0.rope_in_gemv);
-    assert!(!attention_route(&llama, GemvKernel::CudaCores, Fusions { rope_in_gemv: false }).0.rope_in_gemv, "the plan's fusion off");
+    assert!(!attention_route(&llama, GemvKernel::CudaCores, Fusions { rope_in_gemv: false, ..DEFAULTS }).0.rope_in_gemv, "the plan's fusion off");
 }
 
 #[test]
@@ -83,6 +83,31 @@ fn a_gated_query_rotates_q_and_k_apart_and_gates_the_output() {
     gated.attn_output_gate = true;
     let (a, _) = attention_route(&gated, GemvKernel::CudaCores, DEFAULTS);
     assert_eq!((a.query, a.qk, a.rope_in_gemv), (QueryLayout::Gated, QkRoute::InPlace, false));
+}
+
+#[test]
+fn decode_attention_rotates_and_norms_wherever_its_direct_form_takes_the_heads() {
+    let rope_in_attention = |arch: &str, extra: serde_json::Value, fusions: Fusions| attention_route(&config(arch, extra), TC, fusions).0.rope_in_attention;
+    let none = serde_json::json!({});
+    // Llama-3-8B, its biased and gated forms, Qwen3 (q/k norms), a partial rotary, heads of 64
+    // and 256, the Qwen3.5-27B attention shape (gated, normed, 256 dims of which 64 rotate).
+    assert!(rope_in_attention("LlamaForCausalLM", none.clone(), DEFAULTS));
+    assert!(rope_in_attention("LlamaForCausalLM", serde_json::json!({"attention_bias": true}), DEFAULTS));
+    assert!(rope_in_attention("Qwen3ForCausalLM", serde_json::json!({"head_dim": 128}), DEFAULTS));
+    assert!(rope_in_attention("LlamaForCausalLM", serde_json::json!({"partial_rotary_factor": 0.5}), DEFAULTS));
+    assert!(rope_in_attention("LlamaForCausalLM", serde_json::json!({"num_attention_heads": 64, "num_key_value_heads": 16}), DEFAULTS));
+    assert!(rope_in_attention("LlamaForCausalLM", serde_json::json!({"num_attention_heads": 16, "num_key_value_heads": 2}), DEFAULTS));
+    let qwen3_5_27b = serde_json::json!({"hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "partial_rotary_factor": 0.25, "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4});
+    let cfg = config("Qwen3_5ForCausalLM", qwen3_5_27b);
+    assert_eq!((cfg.head_dim, cfg.rope.rotary_dim(cfg.head_dim), cfg.attn_output_gate, cfg.qk_norm), (256, 64, true, true));
+    let (a, _) = attention_route(&cfg, TC, DEFAULTS);
+    assert_eq!((a.query, a.qk, a.rope_in_gemv, a.rope_in_attention), (QueryLayout::Gated, QkRoute::HeadNorm, false, true));
+    // Not: heads of 96 (no direct form), groups of 16 q heads, the plan's fusion off.
+    assert!(!rope_in_attention("LlamaForCausalLM", serde_json::json!({"hidden_size": 3072, "head_dim": 96}), DEFAULTS));
+    assert!(!rope_in_attention("LlamaForCausalLM", serde_json::json!({"num_key_value_heads": 2}), DEFAULTS));
+    assert!(!rope_in_attention("LlamaForCausalLM", none, Fusions { rope_in_attention: false, ..DEFAULTS }));
 }
 
 /// The flash route of an attention layer of `arch` with `heads` query heads of `head_dim` over
@@ -177,4 +202,24 @@ fn gdn_value_heads_past_the_gated_kernel_run_gates_recurrent_and_norm_apart() {
     // Without the chunked kernel a long step still calls `gdn_chunked`, which falls back to
     // the recurrent rule itself, as the step did before routes.
     assert_eq!(gdn_route(&qwen3_5(GATED_MAX_DV + 32), false).kernels(GDN_CHUNK, 1), GdnKernels::Chunked);
+}
+
+#[test]
+fn the_plan_enables_rope_in_attention_where_decode_runs_the_direct_form() {
+    use crate::backend::cuda::plan::{DeviceFacts, ModelShape, Plan};
+    use crate::config::CudaOptions;
+    let plan = |cc: (u32, u32), batch_invariant: bool| {
+        let f = DeviceFacts { name: format!("sm_{}{}", cc.0, cc.1), compute_capability: cc, sm_count: 132, smem_optin: 232448, nvrtc_major: 13 };
+        Plan::build(&f, ModelShape { hidden_size: Some(4096) }, &CudaOptions { batch_invariant, ..Default::default() }).unwrap()
+    };
+    for cc in [(8, 0), (8, 9), (9, 0), (12, 0)] {
+        assert_eq!(Fusions::of(&plan(cc, false), cc), DEFAULTS, "sm_{}{}", cc.0, cc.1);
+        // Batch invariance runs every decode attention in the scaled form.
+        assert_eq!(Fusions::of(&plan(cc, true), cc), Fusions { rope_in_gemv: true, rope_in_attention: false });
+    }
+    // Below sm_80 there is no direct form.
+    assert_eq!(Fusions::of(&plan((7, 5), false), (7, 5)), Fusions { rope_in_gemv: true, rope_in_attention: false });
+    let mut off = plan((9, 0), false);
+    off.fused_rope = false;
+    assert_eq!(Fusions::of(&off, (9, 0)), Fusions::NONE);
 }
