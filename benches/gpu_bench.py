@@ -206,9 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--option {spec!r}: {name} is given twice")
         options[name] = value
     if a.quantize:
-        if a.ab_builds is not None or a.startup:
-            p.error(f"--quantize {a.quantize}: with --ab-builds or --startup (older builds and `ninfer serve` "
-                    "take no quantize option here); name the decode and throughput parts")
+        # An --ab-builds run passes it to every build (each must load quantized weights).
+        if a.startup:
+            p.error(f"--quantize {a.quantize}: with --startup (`ninfer serve` takes no quantize option "
+                    "here); name the decode and throughput parts")
         options["quantize"] = a.quantize
     a.device_profile_plan = None
     if a.device_profile is not None:

@@ -111,6 +111,14 @@ def test_a_build_run_gets_its_own_commit_not_the_callers():
     assert got == ["--decode-27b", "--keep-checkpoints"]
 
 
+def test_a_quantized_builds_run_gives_every_build_the_quantize_mode(tmp_path):
+    # 4-bit decode A-B of two builds: each run loads the checkpoint quantized.
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    argv = ["--decode-8b", "--quantize", "q4", "--layers", "16", "--ab-builds", f"a={tmp_path / 'a'},b={tmp_path / 'b'}"]
+    assert _ab().child_argv(argv) == ["--decode-8b", "--quantize", "q4", "--layers", "16", "--keep-checkpoints"]
+    assert load_bench("gpu_bench").parse_args(["--out", "x.json", *argv]).quantize == "q4"
+
+
 def test_builds_that_are_not_directories_are_refused_before_any_run(tmp_path):
     p = subprocess.run([sys.executable, str(BENCHES / "gpu_bench.py"), "--tiny", "--decode-8b", "--out", str(tmp_path / "o.json"),
                         "--ab-builds", f"aaa={tmp_path},bbb={tmp_path / 'missing'}"], capture_output=True, text=True, timeout=120)

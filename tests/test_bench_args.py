@@ -33,7 +33,7 @@ def test_gpu_prefill_rejects_bad_arguments_naming_them(argv, named, capsys):
 
 
 @pytest.mark.parametrize("argv, named", [(["--profile-batch", "0"], "--profile-batch 0"),
-                                         (["--quantize", "q4", "--startup"], "--quantize q4"),
+                                         (["--quantize", "q4", "--startup"], "--quantize q4: with --startup"),
                                          (["--quantize", "q3", "--decode-8b"], "'q3'"),
                                          (["--tp-model", "llama-70b"], "llama-70b"),
                                          (["--ab", "cuda_graphs=true", "--decode-8b"], "--ab 'cuda_graphs=true'"),

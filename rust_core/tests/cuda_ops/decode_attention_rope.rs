@@ -49,9 +49,7 @@ struct Case {
     h: Heads,
     bs: usize,
     paged: PagedCase,
-    /// The caches with every token's newest slot set to NaN.
-    k0: Vec<f32>,
-    v0: Vec<f32>,
+
     tables: CudaSlice<i32>,
     qkv_host: Vec<f32>,
     qw: CudaSlice<u16>,
@@ -82,6 +80,19 @@ impl Case {
         (self.paged.tables[s * self.paged.max_blocks + p / self.bs] as usize * self.bs + p % self.bs) as i64
     }
 
+    /// The k and v caches before a launch for the tokens of `seqs`: each token's newest slot set
+    /// to NaN (the kernels must write it, and read it from their own write).
+    fn caches(&self, seqs: &[usize]) -> (Vec<f32>, Vec<f32>) {
+        let kvd = self.h.hk * self.h.d;
+        let (mut k, mut v) = (self.paged.k_cache.clone(), self.paged.v_cache.clone());
+        for &s in seqs {
+            let at = self.newest_slot(s) as usize * kvd;
+            k[at..at + kvd].fill(f32::NAN);
+            v[at..at + kvd].fill(f32::NAN);
+        }
+        (k, v)
+    }
+
     /// Projection rows of the tokens of `seqs` (a row a sequence, drawn once per case).
     fn rows(&self, seqs: &[usize]) -> Vec<f32> {
         let width = self.h.layout().2;
@@ -97,17 +108,8 @@ fn build(dev: &CudaDevice, rng: &mut Rng, h: Heads, bs: usize) -> Case {
     let (lo, hi) = if h.plus_one { (-0.5, 0.5) } else { (0.5, 1.5) };
     let (qw, kw) = (rounded(&rng.vec(h.d, lo, hi), st), rounded(&rng.vec(h.d, lo, hi), st));
     let inv_freq: Vec<f32> = (0..h.rot / 2).map(|i| 1_000_000f32.powf(-(2.0 * i as f32) / h.rot as f32)).collect();
-    let (mut k0, mut v0) = (paged.k_cache.clone(), paged.v_cache.clone());
     let tables = upload_raw(dev, &paged.tables);
-    let mut case = Case { h, bs, paged, k0: Vec::new(), v0: Vec::new(), tables, qkv_host, qw: upload(dev, &qw), kw: upload(dev, &kw), freq: upload_raw(dev, &inv_freq) };
-    let kvd = h.hk * h.d;
-    for s in 0..CONTEXTS.len() {
-        let at = case.newest_slot(s) as usize * kvd;
-        k0[at..at + kvd].fill(f32::NAN);
-        v0[at..at + kvd].fill(f32::NAN);
-    }
-    (case.k0, case.v0) = (k0, v0);
-    case
+    Case { h, bs, paged, tables, qkv_host, qw: upload(dev, &qw), kw: upload(dev, &kw), freq: upload_raw(dev, &inv_freq) }
 }
 
 /// [output, k cache, v cache] of the tokens of `seqs` (one each, at its newest position).
@@ -120,7 +122,8 @@ fn two_kernels(dev: &CudaDevice, c: &Case, seqs: &[usize], scratch: &AttnScratch
     let (t, qd, kvd) = (seqs.len(), h.hq * h.d, h.hk * h.d);
     let (seq, pos, slots) = token_meta(dev, c, seqs);
     let mut qkv = upload(dev, &c.rows(seqs));
-    let (mut kc, mut vc) = (Out16::with(dev, &c.k0), Out16::with(dev, &c.v0));
+    let (k0, v0) = c.caches(seqs);
+    let (mut kc, mut vc) = (Out16::with(dev, &k0), Out16::with(dev, &v0));
     let mut out = Out16::new(dev, t * qd);
     let rope = RopeKvShape { n_q_heads: h.hq, n_kv_heads: h.hk, head_dim: h.d, q_stride: width, k_stride: width, v_stride: width, attn_scale: h.scale };
     let mut qn = Out16::new(dev, t * qd);
@@ -150,7 +153,8 @@ fn fused(dev: &CudaDevice, c: &Case, seqs: &[usize], scratch: &AttnScratch, laun
     let (t, qd) = (seqs.len(), h.hq * h.d);
     let (seq, pos, slots) = token_meta(dev, c, seqs);
     let qkv = upload(dev, &c.rows(seqs));
-    let (mut kc, mut vc) = (Out16::with(dev, &c.k0), Out16::with(dev, &c.v0));
+    let (k0, v0) = c.caches(seqs);
+    let (mut kc, mut vc) = (Out16::with(dev, &k0), Out16::with(dev, &v0));
     let gate_rows = qkv.slice(qd..);
     let norms = h.normed.then_some(HeadNorms { q: &c.qw, k: &c.kw, eps: EPS, plus_one: h.plus_one });
     (0..launches)
@@ -229,7 +233,8 @@ fn decode_attention_with_rope_refuses_heads_outside_the_direct_form() {
         let (k_off, v_off, width) = base.layout();
         let (seq, pos, slots) = token_meta(&dev, &c, &[2]);
         let qkv = upload(&dev, &c.rows(&[2]));
-        let (mut kc, mut vc) = (Out16::with(&dev, &c.k0), Out16::with(&dev, &c.v0));
+        let (k0, v0) = c.caches(&[2]);
+        let (mut kc, mut vc) = (Out16::with(&dev, &k0), Out16::with(&dev, &v0));
         let mut out = Out16::new(&dev, hq * d);
         let scratch = decode_scratch(&dev, 1, &c.shape(width));
         let err = dev
