@@ -7,7 +7,7 @@
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
 use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
-use super::{as_i32, cfg, check_len, strided_len};
+use super::{as_i32, cfg, check_len, strided_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::kernels::KernelFamily;
 use crate::Result;
@@ -450,33 +450,63 @@ impl CudaDevice {
             None => (0, None),
         };
         let gate_stride = gate.as_ref().map_or(0, |g| g.stride) as i64;
-        let f = self.function_with_smem(l.family, l.name, l.smem)?;
-        let args = kargs![
-            qp,
-            kp,
-            vp,
-            bp,
+        let ptrs = DecodePtrs { q: qp, k_cache: kp, v_cache: vp, tables: bp, token_seq: sp, token_pos: pp, out: op, acc: pa, ml: pm, arrivals: ar, gate: gp, gate_stride };
+        let mut args = ptrs.args(sh)?;
+        args.extend(l.layout_arg.map(|a| KArg::I32(a as i32)));
+        self.launch_decode(&l, l.name, &args)
+    }
+
+    /// Launches decode attention launch `l` as kernel `name` with `args`.
+    pub(super) fn launch_decode(&self, l: &DecodeAttentionLaunch, name: &'static str, args: &[KArg]) -> Result<()> {
+        let f = self.function_with_smem(l.family, name, l.smem)?;
+        let grid = (as_i32("decode attention blocks", l.grid.0)? as u32, l.grid.1 as u32, 1);
+        let mut config = cfg(grid, l.block as u32);
+        config.shared_mem_bytes = l.smem as u32;
+        self.launch_pdl(&f, config, name, args)
+    }
+}
+
+/// Raw addresses of one decode attention launch (0 for no gate), and the gate's row stride.
+pub(super) struct DecodePtrs {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub tables: u64,
+    pub token_seq: u64,
+    pub token_pos: u64,
+    pub out: u64,
+    pub acc: u64,
+    pub ml: u64,
+    pub arrivals: u64,
+    pub gate: u64,
+    pub gate_stride: i64,
+}
+
+impl DecodePtrs {
+    /// The parameters every decode attention kernel takes first, in order (decode_attention.cu);
+    /// the scaled and direct forms take their layout argument after them.
+    pub(super) fn args(&self, sh: &PagedAttentionShape) -> Result<Vec<KArg>> {
+        Ok(kargs![
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.tables,
             as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?,
-            sp,
-            pp,
+            self.token_seq,
+            self.token_pos,
             as_i32("n_q_heads", sh.n_q_heads)?,
             as_i32("n_kv_heads", sh.n_kv_heads)?,
             sh.q_stride as i64,
             as_i32("block_size", sh.block_size)?,
             sh.scale,
-            op,
-            pa,
-            pm,
-            ar,
-            gp,
-            gate_stride,
-            l.layout_arg.unwrap_or(0) as i32,
-        ];
-        let n_args = if l.layout_arg.is_some() { args.len() } else { args.len() - 1 };
-        let grid = (as_i32("decode attention blocks", l.grid.0)? as u32, l.grid.1 as u32, 1);
-        let mut config = cfg(grid, l.block as u32);
-        config.shared_mem_bytes = l.smem as u32;
-        self.launch_pdl(&f, config, l.name, &args[..n_args])
+            self.out,
+            self.acc,
+            self.ml,
+            self.arrivals,
+            self.gate,
+            self.gate_stride,
+        ]
+        .to_vec())
     }
 }
 

@@ -8,8 +8,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::attention::PagedAttentionShape;
-use super::decode_attention::{check_scratch_and_gate, decode_attention_launch, default_layout_arg, tc_direct_heads_fit, AttnScratch, DecodeAttentionForm, DecodeGate};
-use super::{as_i32, cfg, check_len, strided_len};
+use super::decode_attention::{check_scratch_and_gate, decode_attention_launch, default_layout_arg, tc_direct_heads_fit, AttnScratch, DecodeAttentionForm, DecodeGate, DecodePtrs};
+use super::{as_i32, check_len, strided_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::{NinferError, Result};
 
@@ -36,6 +36,42 @@ fn kernel_name(d: usize) -> &'static str {
         128 => "flash_decode_direct_rope_d128",
         _ => "flash_decode_direct_rope_d256",
     }
+}
+
+/// FddRope's parameters (decode_attention.cu): where the k and v heads and the norm weights are
+/// (raw addresses, 0 for no norms), the slots, the rotation.
+struct RopePtrs {
+    k_src: u64,
+    v_src: u64,
+    kv_stride: i64,
+    slots: u64,
+    inv_freq: u64,
+    rotary_dim: usize,
+    attn_scale: f32,
+    q_norm: u64,
+    k_norm: u64,
+    eps: f32,
+    plus_one: bool,
+}
+
+/// The parameters of `flash_decode_direct_rope_d*` in order: the direct form's, then FddRope's.
+fn rope_args(ptrs: &DecodePtrs, splits: usize, r: &RopePtrs, sh: &PagedAttentionShape) -> Result<Vec<KArg>> {
+    let mut args = ptrs.args(sh)?;
+    args.extend(kargs![
+        as_i32("splits", splits)?,
+        r.k_src,
+        r.v_src,
+        r.kv_stride,
+        r.slots,
+        r.inv_freq,
+        as_i32("rotary_dim", r.rotary_dim)?,
+        r.attn_scale,
+        r.q_norm,
+        r.k_norm,
+        r.eps,
+        r.plus_one as i32,
+    ]);
+    Ok(args)
 }
 
 impl CudaDevice {
@@ -130,44 +166,10 @@ impl CudaDevice {
             None => (0, None),
         };
         let (eps, plus_one) = norms.as_ref().map_or((0.0, false), |n| (n.eps, n.plus_one));
-        let name = kernel_name(sh.head_dim);
-        let f = self.function_with_smem(l.family, name, l.smem)?;
-        let args = kargs![
-            p,
-            kp,
-            vp,
-            bp,
-            as_i32("max_blocks_per_seq", sh.max_blocks_per_seq)?,
-            sp,
-            pp,
-            as_i32("n_q_heads", sh.n_q_heads)?,
-            as_i32("n_kv_heads", sh.n_kv_heads)?,
-            sh.q_stride as i64,
-            as_i32("block_size", sh.block_size)?,
-            sh.scale,
-            op,
-            pa,
-            pm,
-            ar,
-            gp,
-            gate_stride,
-            layout_arg as i32,
-            p + 2 * k_off as u64,
-            p + 2 * v_off as u64,
-            sh.q_stride as i64,
-            slots,
-            fp,
-            as_i32("rotary_dim", rotary_dim)?,
-            attn_scale,
-            qw,
-            kw,
-            eps,
-            plus_one as i32,
-        ];
-        let grid = (as_i32("decode attention blocks", l.grid.0)? as u32, l.grid.1 as u32, 1);
-        let mut config = cfg(grid, l.block as u32);
-        config.shared_mem_bytes = l.smem as u32;
-        self.launch_pdl(&f, config, name, &args)
+        let ptrs = DecodePtrs { q: p, k_cache: kp, v_cache: vp, tables: bp, token_seq: sp, token_pos: pp, out: op, acc: pa, ml: pm, arrivals: ar, gate: gp, gate_stride };
+        let rope = RopePtrs { k_src: p + 2 * k_off as u64, v_src: p + 2 * v_off as u64, kv_stride: sh.q_stride as i64, slots, inv_freq: fp, rotary_dim, attn_scale, q_norm: qw, k_norm: kw, eps, plus_one };
+        let args = rope_args(&ptrs, layout_arg, &rope, sh)?;
+        self.launch_decode(&l, kernel_name(sh.head_dim), &args)
     }
 }
 
@@ -184,6 +186,50 @@ mod tests {
         assert!(!tc_direct_rope_fits(32, 2, 128, 128), "groups of 16");
         assert!(!tc_direct_rope_fits(32, 8, 128, 130), "rotary past the head");
         assert!(!tc_direct_rope_fits(32, 8, 128, 63), "an odd rotary dim");
+    }
+
+    /// Each parameter of the kernel `name`'s signature in decode_attention.cu as the KArg kind a
+    /// launch must pass for it (a pointer, `int`, `long long` or `float`).
+    fn signature(name: &str) -> Vec<&'static str> {
+        let src = include_str!("../../../../../cuda/decode_attention.cu");
+        let at = src.find(&format!("{name}(")).unwrap_or_else(|| panic!("{name} in decode_attention.cu")) + name.len() + 1;
+        let params = &src[at..at + src[at..].find(')').unwrap()];
+        params
+            .replace('\\', " ")
+            .split(',')
+            .map(|p| {
+                let p = p.split_whitespace().collect::<Vec<_>>().join(" ");
+                match () {
+                    _ if p.contains('*') => "ptr",
+                    _ if p.starts_with("long long ") => "i64",
+                    _ if p.starts_with("int ") => "i32",
+                    _ if p.starts_with("float ") => "f32",
+                    _ => panic!("{name}: parameter {p:?}"),
+                }
+            })
+            .collect()
+    }
+
+    fn kinds(args: &[KArg]) -> Vec<&'static str> {
+        args.iter().map(|a| match a {
+            KArg::Ptr(_) => "ptr",
+            KArg::I32(_) => "i32",
+            KArg::I64(_) => "i64",
+            KArg::F32(_) => "f32",
+        })
+        .collect()
+    }
+
+    #[test]
+    fn the_launch_passes_each_kernel_parameter_in_order() {
+        let sh = PagedAttentionShape { n_q_heads: 32, n_kv_heads: 8, head_dim: 128, q_stride: 6144, block_size: 16, num_blocks: 4, max_blocks_per_seq: 2, scale: 0.1, max_context: 0, partition: 0 };
+        let ptrs = DecodePtrs { q: 1, k_cache: 2, v_cache: 3, tables: 4, token_seq: 5, token_pos: 6, out: 7, acc: 8, ml: 9, arrivals: 10, gate: 0, gate_stride: 0 };
+        let rope = RopePtrs { k_src: 11, v_src: 12, kv_stride: 6144, slots: 13, inv_freq: 14, rotary_dim: 128, attn_scale: 1.0, q_norm: 0, k_norm: 0, eps: 0.0, plus_one: false };
+        assert_eq!(kinds(&rope_args(&ptrs, 4, &rope, &sh).unwrap()), signature("flash_decode_direct_rope_d##D"));
+        // The direct form's own kernel: the shared parameters and its splits.
+        let mut plain = ptrs.args(&sh).unwrap();
+        plain.push(KArg::I32(4));
+        assert_eq!(kinds(&plain), signature("flash_decode_direct_d##D"));
     }
 
     #[test]
