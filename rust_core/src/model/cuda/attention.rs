@@ -84,11 +84,11 @@ impl AttnCtx<'_> {
         } else {
             a.qkv.forward(dev, buf(&act.h), buf_mut(&mut act.proj), buf_mut(&mut act.lin32), rows)?;
         }
-        // Decode steps the projection did not rotate norm, rotate and cache q and k inside decode
-        // attention where the route allows (below), else in one kernel before it
-        // (rope_kv_write, bit for bit rope_neox followed by kv_cache_write; with q/k norm,
-        // rope_kv_write_normed normalises the heads in it too); other steps run the kernels
-        // apart.
+        // A decode step whose projection did not rotate q and k norms, rotates and caches them
+        // inside decode attention where the route allows (below: paged_attention_decode_rope),
+        // else in one kernel before it (rope_kv_write, bit for bit rope_neox followed by
+        // kv_cache_write; with q/k norm, rope_kv_write_normed normalises the heads in it too);
+        // other steps run the kernels apart.
         let rope_in_attention = route.rope_in_attention && decode && !rope_in_gemv;
         let (q_src, q_stride, k_rows, k_stride): (CudaView<'_, u16>, usize, CudaView<'_, u16>, usize);
         match route.qk {
