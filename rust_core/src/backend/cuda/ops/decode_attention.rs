@@ -4,7 +4,7 @@
 //! small-batch route elsewhere), the fixed-split form (`decode_attention_fixed_*`, batches of 3+
 //! where neither tensor-core form applies), and their scratch.
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::attention::{by_head_dim_and_group, fixed_decode_kernel_name, group_and_warps, PagedAttentionShape, FIXED_BLOCK_SPLITS};
 use super::{as_i32, cfg, check_len, strided_len, KArg};
@@ -318,6 +318,18 @@ pub struct DecodeGate<'a, 'b> {
     pub stride: usize,
 }
 
+/// The raw address of an optional kernel input (0, the kernels' null, where absent) and the
+/// guard that orders its use on the stream.
+pub(super) fn optional_ptr<'a, P: DevicePtr<u16>>(p: Option<&'a P>, s: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>) {
+    match p {
+        Some(p) => {
+            let (ptr, sync) = p.device_ptr(s);
+            (ptr, Some(sync))
+        }
+        None => (0, None),
+    }
+}
+
 /// Fails unless `scratch` holds `decode_scratch_len(tokens, sh)` and `gate` (where given) holds
 /// `tokens` rows of at least the q heads' width: the checks of every decode attention launcher.
 pub(super) fn check_scratch_and_gate(tokens: usize, sh: &PagedAttentionShape, scratch: &AttnScratch, gate: Option<&DecodeGate<'_, '_>>) -> Result<()> {
@@ -442,13 +454,7 @@ impl CudaDevice {
         let (pm, _i) = scratch.ml.device_ptr(s);
         let (ar, _j) = scratch.arrivals.device_ptr(s);
         // No gate: a null pointer (the kernels store the attention output as before).
-        let (gp, _k) = match &gate {
-            Some(g) => {
-                let (p, sync) = g.rows.device_ptr(s);
-                (p, Some(sync))
-            }
-            None => (0, None),
-        };
+        let (gp, _k) = optional_ptr(gate.as_ref().map(|g| g.rows), s);
         let gate_stride = gate.as_ref().map_or(0, |g| g.stride) as i64;
         let ptrs = DecodePtrs { q: qp, k_cache: kp, v_cache: vp, tables: bp, token_seq: sp, token_pos: pp, out: op, acc: pa, ml: pm, arrivals: ar, gate: gp, gate_stride };
         let mut args = ptrs.args(sh)?;

@@ -8,7 +8,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::attention::PagedAttentionShape;
-use super::decode_attention::{check_scratch_and_gate, decode_attention_launch, default_layout_arg, tc_direct_heads_fit, AttnScratch, DecodeAttentionForm, DecodeGate, DecodePtrs};
+use super::decode_attention::{check_scratch_and_gate, decode_attention_launch, default_layout_arg, tc_direct_heads_fit, AttnScratch, DecodeAttentionForm, DecodeGate, DecodePtrs, optional_ptr};
 use super::{as_i32, check_len, strided_len, KArg};
 use crate::backend::cuda::device::CudaDevice;
 use crate::{NinferError, Result};
@@ -142,29 +142,11 @@ impl CudaDevice {
         let (ar, _j) = scratch.arrivals.device_ptr(s);
         let (slots, _k) = slot_mapping.device_ptr(s);
         let (fp, _l) = inv_freq.device_ptr(s);
-        let (gp, _m) = match &gate {
-            Some(g) => {
-                let (ptr, sync) = g.rows.device_ptr(s);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
+        let (gp, _m) = optional_ptr(gate.as_ref().map(|g| g.rows), s);
         let gate_stride = gate.as_ref().map_or(0, |g| g.stride) as i64;
         // No norms: null weights (the kernel rotates the heads as projected).
-        let (qw, _n) = match &norms {
-            Some(n) => {
-                let (ptr, sync) = n.q.device_ptr(s);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
-        let (kw, _o) = match &norms {
-            Some(n) => {
-                let (ptr, sync) = n.k.device_ptr(s);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
+        let (qw, _n) = optional_ptr(norms.as_ref().map(|n| n.q), s);
+        let (kw, _o) = optional_ptr(norms.as_ref().map(|n| n.k), s);
         let (eps, plus_one) = norms.as_ref().map_or((0.0, false), |n| (n.eps, n.plus_one));
         let ptrs = DecodePtrs { q: p, k_cache: kp, v_cache: vp, tables: bp, token_seq: sp, token_pos: pp, out: op, acc: pa, ml: pm, arrivals: ar, gate: gp, gate_stride };
         let rope = RopePtrs { k_src: p + 2 * k_off as u64, v_src: p + 2 * v_off as u64, kv_stride: sh.q_stride as i64, slots, inv_freq: fp, rotary_dim, attn_scale, q_norm: qw, k_norm: kw, eps, plus_one };
